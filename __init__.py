@@ -1,0 +1,23 @@
+"""ComfyUI entry point of the Vflash node pack.
+
+ComfyUI imports this file from `custom_nodes/<folder>/`. It makes `vflash_core` and `vflash_kernels` importable by
+their own names (from this folder when they are not pip-installed) without putting this folder on `sys.path`, and
+does nothing heavy: no CUDA initialisation, no model load.
+"""
+
+import importlib.util
+from pathlib import Path
+
+_ROOT = Path(__file__).resolve().parent
+
+
+def _load_imports_helper():
+    spec = importlib.util.spec_from_file_location("_vflash_imports", _ROOT / "vflash_core" / "_imports.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_helper = _load_imports_helper()
+_helper.load_package("vflash_core", _ROOT / "vflash_core")
+_helper.load_package("vflash_kernels", _ROOT / "kernels")

@@ -1,0 +1,105 @@
+"""Shared fixtures: tiny random-weight H3 transformers in the official layouts, compiled artifacts, and the diffusers
+0.42.1 reference driven offline (no text encoder, no VAEs) on the same weights."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from vflash_core import synthetic
+from vflash_core.compiler import compile_receipt, prepare
+from vflash_core.config import H3Config
+from vflash_core.profiles import Profile, get_profile
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+TINY = H3Config.preset("tiny")
+
+
+def pytest_collection_modifyitems(config, items):
+    cuda = torch.cuda.is_available()
+    gpus = torch.cuda.device_count() if cuda else 0
+    for item in items:
+        if "gpu" in item.keywords and not cuda:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        if "multigpu" in item.keywords and gpus < 2:
+            item.add_marker(pytest.mark.skip(reason="needs two CUDA GPUs"))
+
+
+@pytest.fixture(scope="session")
+def tiny_config() -> H3Config:
+    return TINY
+
+
+@pytest.fixture(scope="session")
+def tiny_weights() -> dict[str, torch.Tensor]:
+    """Released mixed-precision layout: bf16 blocks, fp32 patch projections / time embedder / heads."""
+    return synthetic.random_internal_weights(TINY, seed=1, dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope="session")
+def tiny_transformer(tmp_path_factory, tiny_weights) -> Path:
+    """A sharded diffusers `transformer/` folder of the tiny model."""
+    return synthetic.write_diffusers_transformer(tmp_path_factory.mktemp("tiny") / "transformer", TINY, tiny_weights, max_shard_bytes=40_000)
+
+
+def compile_tiny(tmp: Path, transformer: Path, profile: Profile | str, adapter: Path | None = None, qkv_layout: str | None = None) -> dict[str, Path]:
+    """prepare + compile into `tmp`; returns the three paths a session takes."""
+    receipt = tmp / "receipt.json"
+    prepare(profile, transformer, receipt, adapter, qkv_layout)
+    out = compile_receipt(receipt, tmp / "compiled")
+    return {"artifact": out / "artifact", "schedule_overlay": out / "schedule", "auxiliary": out / "auxiliary.safetensors"}
+
+
+@pytest.fixture(scope="session")
+def tiny_compiled(tmp_path_factory, tiny_transformer) -> dict[str, Path]:
+    """The tiny model compiled for the 4-NFE CPU profile (t2va and keyframe modes)."""
+    return compile_tiny(tmp_path_factory.mktemp("compiled4"), tiny_transformer, "t2va-base4-exact-cpu")
+
+
+def cpu_profile(**changes) -> Profile:
+    """A variant of the 4-NFE CPU profile (e.g. with an adapter) for tests that need one."""
+    return replace(get_profile("t2va-base4-exact-cpu"), **changes)
+
+
+# -- the diffusers reference ---------------------------------------------------------------------------------------
+
+
+def diffusers_transformer(folder: Path, dtype: torch.dtype = torch.bfloat16):
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    return MiniMaxH3Transformer3DModel.from_pretrained(folder, torch_dtype=dtype).eval()
+
+
+def diffusers_denoise(transformer, profile: Profile, prompt_embeds, text_token_tags, height, width, num_frames, seed, condition_latents=(), keyframe_anchors=()):
+    """The modular pipeline's core denoise step (t2va, or fl2va with keyframe latents) on a CPU generator."""
+    from diffusers import MiniMaxH3Scheduler
+    from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import MiniMaxH3CoreDenoiseStep, MiniMaxH3FL2VACoreDenoiseStep
+
+    fl2va = bool(condition_latents)
+    pipe = (MiniMaxH3FL2VACoreDenoiseStep() if fl2va else MiniMaxH3CoreDenoiseStep()).init_pipeline()
+    pipe.update_components(transformer=transformer, scheduler=MiniMaxH3Scheduler(profile.video_shift), audio_scheduler=MiniMaxH3Scheduler(profile.audio_shift))
+    kwargs = dict(
+        prompt_embeds=prompt_embeds, text_token_tags=text_token_tags, num_inference_steps=profile.nfe + 1,
+        generator=torch.Generator().manual_seed(seed), height=height, width=width, num_frames=num_frames,
+    )
+    if fl2va:
+        kwargs.update(condition_latents=list(condition_latents), keyframe_anchors=tuple(keyframe_anchors))
+    pipe.set_progress_bar_config(disable=True)
+    out = pipe(**kwargs, output=["latents", "audio_latents"])
+    return out["latents"], out["audio_latents"]
+
+
+def assert_bitwise(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
+    """Exact equality with a useful report: count of differing elements, max abs difference, first index."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype, f"{what}: {actual.shape}/{actual.dtype} vs {expected.shape}/{expected.dtype}"
+    same = actual == expected
+    if bool(same.all()):
+        return
+    diff = (actual.double() - expected.double()).abs()
+    first = tuple(int(i) for i in (~same).nonzero()[0])
+    raise AssertionError(f"{what}: {int((~same).sum())}/{same.numel()} elements differ, max abs diff {diff.max().item():.3e}, first at {first}")

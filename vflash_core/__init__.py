@@ -1,0 +1,30 @@
+"""Vflash core: a native, exact MiniMax-H3 inference engine. Imports without ComfyUI and without a GPU.
+
+Public entry points::
+
+    from vflash_core import NativeEngineSession, ConditioningBundle, BundleHandoff, get_profile
+    from vflash_core.compiler import prepare, compile_receipt
+"""
+
+from .bundle import BundleHandoff, ConditioningBundle, build_keyframe_bundle
+from .config import H3Config
+from .errors import VflashError
+from .layout import Geometry
+from .profiles import PROFILES, Profile, get_profile
+from .session import GenerationResult, NativeEngineSession
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BundleHandoff",
+    "ConditioningBundle",
+    "GenerationResult",
+    "Geometry",
+    "H3Config",
+    "NativeEngineSession",
+    "PROFILES",
+    "Profile",
+    "VflashError",
+    "build_keyframe_bundle",
+    "get_profile",
+]

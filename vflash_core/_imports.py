@@ -1,0 +1,36 @@
+"""Importing the sibling `kernels/` folder as `vflash_kernels` when the repository is used unpacked.
+
+pip installs `kernels/` as the `vflash_kernels` package. When ComfyUI loads the repository from `custom_nodes/`
+without a pip install, the folder is registered under that same name from its path; the repository root is never
+put on `sys.path`, which would expose the folder as a top-level `kernels` and shadow the PyPI package of that name.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+
+def load_package(name: str, folder: Path) -> ModuleType:
+    """Import `name`, or register `folder` (a package directory) under `name` if it is not importable."""
+    if name in sys.modules:
+        return sys.modules[name]
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name != name:
+            raise
+    spec = importlib.util.spec_from_file_location(name, folder / "__init__.py", submodule_search_locations=[str(folder)])
+    if spec is None or spec.loader is None:
+        raise ModuleNotFoundError(f"cannot load {name} from {folder}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def vflash_kernels() -> ModuleType:
+    return load_package("vflash_kernels", Path(__file__).resolve().parent.parent / "kernels")

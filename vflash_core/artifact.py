@@ -1,0 +1,167 @@
+"""Loading a compiled artifact: format, identity and size checks (never a rehash), then grouped tensor reads.
+
+The three outputs of one compile (`artifact/`, `schedule/`, `auxiliary.safetensors`) are passed separately on the
+command line, so each carries the compile id and they must agree; each file's size must be the one recorded when it
+was hashed at compile time.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .checkpoint import aux_shapes, block_shapes
+from .compiler import ARTIFACT_FORMAT, OVERLAY_FORMAT
+from .config import H3Config
+from .errors import IdentityMismatchError, VflashError, WeightFileError
+from .model import LayerWeights, LoraResidual
+from .profiles import Profile, check_identity
+from .tensor_store import TensorStore
+
+
+def _read_manifest(path: Path, fmt: str, what: str) -> dict:
+    try:
+        manifest = json.loads((path / "manifest.json").read_text())
+    except FileNotFoundError:
+        raise VflashError(f"{path}: not a compiled {what} (no manifest.json)") from None
+    except json.JSONDecodeError:
+        raise VflashError(f"{path}/manifest.json: corrupt (not JSON)") from None
+    if manifest.get("format") != fmt:
+        raise VflashError(f"{path}: {what} format {manifest.get('format')!r}, expected {fmt!r}")
+    return manifest
+
+
+def _check_size(path: Path, size: int) -> None:
+    if not path.is_file():
+        raise WeightFileError(f"{path}: missing")
+    actual = path.stat().st_size
+    if actual != size:
+        raise WeightFileError(f"{path}: {actual} bytes, but {size} were recorded when it was compiled")
+
+
+def _loras(records: list[dict], tensors: dict[str, torch.Tensor], prefix: str = "") -> dict[str, tuple[LoraResidual, ...]]:
+    out: dict[str, list[LoraResidual]] = {}
+    for r in records:
+        if not r["linear"].startswith(prefix):
+            continue
+        key = f"lora.{r['linear']}.{r['index']}"
+        out.setdefault(r["linear"][len(prefix) :], []).append(LoraResidual(tensors[f"{key}.down"], tensors[f"{key}.up"], float(r["scale"]), int(r["row_start"])))
+    return {k: tuple(v) for k, v in out.items()}
+
+
+@dataclass(frozen=True)
+class StepTables:
+    """What one evaluation reads from the overlay: timesteps (T,), per-block AdaLN tables (3T, 6H), norm_out (T, 2H)."""
+
+    timesteps: torch.Tensor
+    blocks: list[torch.Tensor]
+    norm_out: torch.Tensor
+
+
+class ScheduleOverlay:
+    """The fixed-schedule tables of one compile."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.manifest = _read_manifest(self.path, OVERLAY_FORMAT, "schedule overlay")
+        _check_size(self.path / self.manifest["file"]["name"], self.manifest["file"]["size"])
+        self.store = TensorStore(self.path / self.manifest["file"]["name"])
+        self.num_layers = int(self.manifest["num_layers"])
+        self.variants: dict[int, list[torch.Tensor]] = {}
+        for entry in self.manifest["entries"]:
+            self.variants.setdefault(entry["step"], []).append(torch.tensor(entry["timesteps"], dtype=torch.float32))
+        sigmas = self.store.read(["video_sigmas", "audio_sigmas"])
+        self.video_sigmas, self.audio_sigmas = sigmas["video_sigmas"], sigmas["audio_sigmas"]
+
+    @property
+    def nfe(self) -> int:
+        return len(self.video_sigmas) - 1
+
+    def find(self, step: int, timesteps: torch.Tensor) -> int:
+        """Index of the table variant compiled for exactly this fp32 timestep vector at `step`."""
+        for v, vector in enumerate(self.variants.get(step, [])):
+            if vector.shape == timesteps.shape and torch.equal(vector, timesteps.cpu()):
+                return v
+        raise VflashError(
+            f"the schedule overlay has no table for timesteps {timesteps.tolist()} at step {step}; this request kind "
+            f"was not compiled for profile {self.manifest['profile_id']}"
+        )
+
+    def read_step(self, step: int, variant: int) -> StepTables:
+        key = f"step{step:03d}.v{variant}"
+        names = [f"{key}.timesteps", f"{key}.norm_out"] + [f"{key}.block{i:03d}" for i in range(self.num_layers)]
+        data = self.store.read(names)
+        return StepTables(data[names[0]], [data[n] for n in names[2:]], data[names[1]])
+
+
+class CompiledArtifact:
+    """One compile: packed blocks, auxiliary tensors and schedule overlay, checked against each other."""
+
+    def __init__(self, artifact: str | Path, schedule_overlay: str | Path, auxiliary: str | Path):
+        self.artifact_dir = Path(artifact)
+        self.manifest = _read_manifest(self.artifact_dir, ARTIFACT_FORMAT, "artifact")
+        self.overlay = ScheduleOverlay(schedule_overlay)
+        self.aux_path = Path(auxiliary)
+        _check_size(self.aux_path, self.manifest["auxiliary"]["size"])
+        self.aux_store = TensorStore(self.aux_path)
+        aux_meta = self.aux_store.metadata
+        ids = {"artifact": self.manifest["compile_id"], "schedule overlay": self.overlay.manifest["compile_id"], "auxiliary tensors": aux_meta.get("compile_id")}
+        if len(set(ids.values())) != 1:
+            raise IdentityMismatchError("artifact, schedule overlay and auxiliary tensors come from different compiles: " + ", ".join(f"{k} {v}" for k, v in ids.items()))
+        self.config = H3Config.from_dict(self.manifest["config"])
+        for record in self.manifest["blocks"]:
+            _check_size(self.artifact_dir / record["file"], record["size"])
+        if len(self.manifest["blocks"]) != self.config.num_layers or self.overlay.num_layers != self.config.num_layers:
+            raise WeightFileError(f"{self.artifact_dir}: block count does not match the config ({self.config.num_layers})")
+
+    @property
+    def compile_id(self) -> str:
+        return self.manifest["compile_id"]
+
+    @property
+    def arch(self) -> str:
+        return self.manifest["arch"]
+
+    @property
+    def profile_id(self) -> str:
+        return self.manifest["profile_id"]
+
+    def check_profile(self, profile: Profile) -> None:
+        """Model, adapter, schedule and hardware identities must agree; names alone never convert assets."""
+        check_identity(profile, self.manifest["profile"], f"compiled artifact {self.artifact_dir} (profile {self.profile_id})")
+        check_identity(profile, self.overlay.manifest["profile"], f"schedule overlay {self.overlay.path} (profile {self.overlay.manifest['profile_id']})")
+        if profile.arch != self.arch:
+            raise IdentityMismatchError(f"profile {profile.id} is for {profile.arch}; the artifact was compiled on {self.arch}")
+
+    def block_nbytes(self, index: int) -> int:
+        return int(self.manifest["blocks"][index]["size"])
+
+    def read_block(self, index: int) -> LayerWeights:
+        record = self.manifest["blocks"][index]
+        store = TensorStore(self.artifact_dir / record["file"])
+        shapes = {k.split(".", 2)[2]: v for k, v in block_shapes(self.config, f"blocks.{index}", with_adaln=False).items()}
+        dtypes = (torch.bfloat16, torch.float32, torch.float16)
+        store.require({k: (v, dtypes) for k, v in shapes.items()})
+        data = store.read(store.names)
+        return LayerWeights({k: data[k] for k in shapes}, _loras(record["lora"], data))
+
+    def read_auxiliary(self) -> tuple[dict[str, torch.Tensor], list[LayerWeights], dict[str, tuple[LoraResidual, ...]]]:
+        """(aux tensors, refiner blocks, aux LoRA residuals) of the runtime; no timestep-only tensors."""
+        names = [n for n in aux_shapes(self.config) if not n.startswith(("time_embedder.", "norm_out.linear."))]
+        refiner_shapes = {}
+        for j in range(self.config.num_refiner_layers):
+            refiner_shapes.update(block_shapes(self.config, f"refiner.{j}", with_adaln=False))
+        all_shapes = {**{n: aux_shapes(self.config)[n] for n in names}, **refiner_shapes}
+        self.aux_store.require({k: (v, (torch.bfloat16, torch.float32, torch.float16)) for k, v in all_shapes.items()})
+        data = self.aux_store.read(self.aux_store.names)
+        records = json.loads(self.aux_store.metadata.get("lora", "[]"))
+        refiner = []
+        for j in range(self.config.num_refiner_layers):
+            prefix = f"refiner.{j}."
+            tensors = {k[len(prefix) :]: data[k] for k in refiner_shapes if k.startswith(prefix)}
+            refiner.append(LayerWeights(tensors, _loras(records, data, prefix)))
+        aux_loras = {k: v for k, v in _loras(records, data).items() if not k.startswith("refiner.")}
+        return {n: data[n] for n in names}, refiner, aux_loras

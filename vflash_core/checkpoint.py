@@ -1,0 +1,337 @@
+"""Official MiniMax-H3 transformer weights, read into one internal naming.
+
+Two on-disk layouts exist (h3_model.md section 7):
+
+* **diffusers** — the `transformer/` or `transformer_ref/` folder of MiniMaxAI/MiniMax-H3: `config.json` plus one or
+  more `diffusion_pytorch_model*.safetensors`, separate `to_q/to_k/to_v`, SwiGLU input stored `[value; gate]`.
+* **original** — the reference implementation's names (`blocks.{i}.attn.qkv_proj`, `mlp.fc1`, `final_layer.*`), as a
+  single file or shards. `mlp.fc1` is stored `[gate; value]`; the fused QKV is `stacked` (`[q; k; v]`, published
+  single files) or per-head `interleaved` (raw MiniMaxAI shards), which shapes cannot tell apart.
+
+Internal names (what the compiler and the runtime use)::
+
+    blocks.{i}.norm1.weight            [H]
+    blocks.{i}.attn.qkv.weight         [3*inner, H]   stacked q; k; v
+    blocks.{i}.attn.norm_q.weight      [head_dim]
+    blocks.{i}.attn.norm_k.weight      [head_dim]
+    blocks.{i}.attn.out.weight         [H, inner]
+    blocks.{i}.norm2.weight            [H]
+    blocks.{i}.ffn.in.weight           [2*ffn, H]     value; gate
+    blocks.{i}.ffn.out.weight          [H, ffn]
+    blocks.{i}.adaln.weight / .bias    [18*H, temb], [18*H]   (source only; compiled into tables)
+    refiner.{j}.*                      as a block, without adaln
+    refiner.final_norm.weight, proj_in.*, audio_proj_in.*, context_embedder.*, time_embedder.linear_{1,2}.*,
+    norm_out.norm.weight, norm_out.linear.*, proj_out.*, audio_proj_out.*
+
+Everything is read with `TensorStore` row-range reads straight into the final tensors, so fusing Q/K/V, swapping the
+SwiGLU halves and de-interleaving heads cost no intermediate copies.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import H3Config
+from .errors import WeightFileError
+from .tensor_store import ReadRequest, TensorStore
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
+
+# Prefixes some single-file exports put in front of the original names.
+_ORIGINAL_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
+
+_BLOCK_PARTS = ("norm1", "attn.qkv", "attn.norm_q", "attn.norm_k", "attn.out", "norm2", "ffn.in", "ffn.out")
+
+# Internal aux name -> (diffusers name, original name).
+_AUX_NAMES = {
+    "proj_in": ("proj_in", "video_patch_proj"),
+    "audio_proj_in": ("audio_proj_in", "audio_patch_proj"),
+    "context_embedder": ("context_embedder", "condition_proj"),
+    "time_embedder.linear_1": ("time_embedder.linear_1", "time_embedder.proj_in"),
+    "time_embedder.linear_2": ("time_embedder.linear_2", "time_embedder.proj_out"),
+    "norm_out.linear": ("norm_out.linear", "final_layer.adaln_proj.linear"),
+    "proj_out": ("proj_out", "final_layer.video_out"),
+    "audio_proj_out": ("audio_proj_out", "final_layer.audio_out"),
+}
+_AUX_NORMS = {
+    "norm_out.norm.weight": ("norm_out.norm.weight", "final_layer.norm.weight"),
+    "refiner.final_norm.weight": ("token_refiner.final_norm.weight", "token_refiner.final_norm.weight"),
+}
+
+
+def block_shapes(config: H3Config, prefix: str, with_adaln: bool) -> dict[str, tuple[int, ...]]:
+    """Internal names and shapes of one main block (`blocks.{i}`) or refiner block (`refiner.{j}`)."""
+    h, inner, d, f = config.hidden_size, config.inner_dim, config.attention_head_dim, config.ffn_dim
+    shapes = {
+        f"{prefix}.norm1.weight": (h,),
+        f"{prefix}.attn.qkv.weight": (3 * inner, h),
+        f"{prefix}.attn.norm_q.weight": (d,),
+        f"{prefix}.attn.norm_k.weight": (d,),
+        f"{prefix}.attn.out.weight": (h, inner),
+        f"{prefix}.norm2.weight": (h,),
+        f"{prefix}.ffn.in.weight": (2 * f, h),
+        f"{prefix}.ffn.out.weight": (h, f),
+    }
+    if with_adaln:
+        shapes[f"{prefix}.adaln.weight"] = (18 * h, config.time_embed_dim)
+        shapes[f"{prefix}.adaln.bias"] = (18 * h,)
+    return shapes
+
+
+def aux_shapes(config: H3Config) -> dict[str, tuple[int, ...]]:
+    """Internal names and shapes of every tensor outside the main blocks and refiner blocks."""
+    h, t = config.hidden_size, config.time_embed_dim
+    linear = {
+        "proj_in": (h, config.video_patch_dim),
+        "audio_proj_in": (h, config.audio_in_channels),
+        "context_embedder": (h, config.text_dim),
+        "time_embedder.linear_1": (config.time_embed_hidden_dim, config.freq_dim),
+        "time_embedder.linear_2": (t, config.time_embed_hidden_dim),
+        "norm_out.linear": (2 * h, t),
+        "proj_out": (config.video_patch_dim, h),
+        "audio_proj_out": (config.audio_in_channels, h),
+    }
+    shapes = {}
+    for name, (out_f, in_f) in linear.items():
+        shapes[f"{name}.weight"] = (out_f, in_f)
+        shapes[f"{name}.bias"] = (out_f,)
+    shapes["norm_out.norm.weight"] = (h,)
+    shapes["refiner.final_norm.weight"] = (h,)
+    return shapes
+
+
+@dataclass
+class _Source:
+    """How to fill one internal tensor: whole-tensor copy, or row ranges from several source tensors."""
+
+    pieces: list[tuple[str, int, int, int]]  # (source name, src_row_start, src_row_stop, dst_row_start)
+
+
+class SourceWeights:
+    """An official H3 transformer checkpoint, readable in internal naming. Holds no open file.
+
+    Args:
+        path: a diffusers `transformer/` folder, a single `.safetensors` file, an index json, or a folder of
+            original-layout shards.
+        qkv_layout: for the original layout only, `"stacked"` (default; published single files) or `"interleaved"`
+            (raw MiniMaxAI shards).
+        config: the transformer config; read from `config.json` (diffusers folder), the file's `__metadata__`
+            `config` entry, or inferred from tensor shapes, in that order, when not given.
+    """
+
+    def __init__(self, path: str | Path, qkv_layout: str | None = None, config: H3Config | None = None):
+        self.path = Path(path)
+        self.store = TensorStore(self.path)
+        names = set(self.store.names)
+        if any(name.endswith("adaln_t_table") for name in names):
+            raise WeightFileError(
+                f"{self.path}: pruned H3 checkpoint (has an `adaln_t_table`); Vflash needs the official weights with "
+                "`time_embedder` and every `adaln_proj`"
+            )
+        if "transformer_blocks.0.attn.to_q.weight" in names:
+            self.layout = "diffusers"
+            if qkv_layout not in (None, "stacked"):
+                raise WeightFileError(f"{self.path}: qkv_layout={qkv_layout!r} applies to the original layout only")
+            self.qkv_layout = "separate"
+            self._prefix = ""
+        else:
+            self._prefix = next((p for p in _ORIGINAL_PREFIXES if f"{p}blocks.0.attn.qkv_proj.weight" in names), "")
+            if f"{self._prefix}blocks.0.attn.qkv_proj.weight" not in names:
+                raise WeightFileError(
+                    f"{self.path}: not an H3 transformer checkpoint (no `transformer_blocks.0.attn.to_q.weight` or "
+                    "`blocks.0.attn.qkv_proj.weight`)"
+                )
+            self.layout = "original"
+            qkv_layout = qkv_layout or "stacked"
+            if qkv_layout not in ("stacked", "interleaved"):
+                raise WeightFileError(f"qkv_layout must be 'stacked' or 'interleaved', got {qkv_layout!r}")
+            self.qkv_layout = qkv_layout
+        self.config = config or self._find_config()
+        self._sources = self._build_sources()
+        self._validate()
+
+    # -- config -------------------------------------------------------------------------------------------------
+
+    def _find_config(self) -> H3Config:
+        folder = self.path if self.path.is_dir() else self.path.parent
+        if self.layout == "diffusers" and (folder / "config.json").is_file():
+            return H3Config.from_file(folder / "config.json")
+        if "config" in self.store.metadata:
+            return H3Config.from_dict(json.loads(self.store.metadata["config"]))
+        return self._infer_config()
+
+    def _infer_config(self) -> H3Config:
+        def shape(name: str) -> tuple[int, ...]:
+            return self.store.info(self._raw(name)).shape
+
+        head_dim = shape("blocks.0.attn.q_norm.weight")[0]
+        inner = shape("blocks.0.attn.qkv_proj.weight")[0] // 3
+        video_patch = shape("video_patch_proj.weight")
+        def count(pattern: str) -> int:
+            found = [int(m.group(1)) for n in self.store.names if (m := re.match(pattern, n))]
+            return 1 + max(found, default=-1)
+
+        prefix = re.escape(self._prefix)
+        num_layers = count(rf"{prefix}blocks\.(\d+)\.")
+        num_refiner = count(rf"{prefix}token_refiner\.blocks\.(\d+)\.")
+        return H3Config(
+            num_attention_heads=inner // head_dim,
+            attention_head_dim=head_dim,
+            hidden_size=video_patch[0],
+            num_layers=num_layers,
+            num_refiner_layers=num_refiner,
+            ffn_dim=shape("blocks.0.mlp.fc2.weight")[1],
+            in_channels=video_patch[1] // 4,
+            audio_in_channels=shape("audio_patch_proj.weight")[1],
+            text_dim=shape("condition_proj.weight")[1],
+            freq_dim=shape("time_embedder.proj_in.weight")[1],
+            time_embed_hidden_dim=shape("time_embedder.proj_in.weight")[0],
+            time_embed_dim=shape("time_embedder.proj_out.weight")[0],
+        )
+
+    def _raw(self, name: str) -> str:
+        return f"{self._prefix}{name}"
+
+    # -- name mapping -------------------------------------------------------------------------------------------
+
+    def _block_sources(self, internal_prefix: str, source_prefix: str, with_adaln: bool) -> dict[str, _Source]:
+        c = self.config
+        inner, d, f = c.inner_dim, c.attention_head_dim, c.ffn_dim
+        s = source_prefix
+        whole = lambda name: _Source([(name, 0, -1, 0)])  # noqa: E731
+        if self.layout == "diffusers":
+            table = {
+                "norm1.weight": whole(f"{s}.norm1.weight"),
+                "attn.qkv.weight": _Source(
+                    [(f"{s}.attn.to_{p}.weight", 0, inner, k * inner) for k, p in enumerate("qkv")]
+                ),
+                "attn.norm_q.weight": whole(f"{s}.attn.norm_q.weight"),
+                "attn.norm_k.weight": whole(f"{s}.attn.norm_k.weight"),
+                "attn.out.weight": whole(f"{s}.attn.to_out.0.weight"),
+                "norm2.weight": whole(f"{s}.norm2.weight"),
+                "ffn.in.weight": whole(f"{s}.ff.net.0.proj.weight"),
+                "ffn.out.weight": whole(f"{s}.ff.net.2.weight"),
+            }
+            adaln = f"{s}.adaln_proj.linear"
+        else:
+            qkv_name = self._raw(f"{s}.attn.qkv_proj.weight")
+            if self.qkv_layout == "stacked":
+                qkv = whole(qkv_name)
+            else:  # per head [q k v] -> [q_all; k_all; v_all]
+                heads = c.num_attention_heads
+                qkv = _Source(
+                    [(qkv_name, (h * 3 + k) * d, (h * 3 + k + 1) * d, k * inner + h * d) for h in range(heads) for k in range(3)]
+                )
+            fc1 = self._raw(f"{s}.mlp.fc1.weight")
+            table = {
+                "norm1.weight": whole(self._raw(f"{s}.norm1.weight")),
+                "attn.qkv.weight": qkv,
+                "attn.norm_q.weight": whole(self._raw(f"{s}.attn.q_norm.weight")),
+                "attn.norm_k.weight": whole(self._raw(f"{s}.attn.k_norm.weight")),
+                "attn.out.weight": whole(self._raw(f"{s}.attn.out_proj.weight")),
+                "norm2.weight": whole(self._raw(f"{s}.norm2.weight")),
+                # Stored [gate; value]; internal order is [value; gate].
+                "ffn.in.weight": _Source([(fc1, f, 2 * f, 0), (fc1, 0, f, f)]),
+                "ffn.out.weight": whole(self._raw(f"{s}.mlp.fc2.weight")),
+            }
+            adaln = self._raw(f"{s}.adaln_proj.linear")
+        out = {f"{internal_prefix}.{k}": v for k, v in table.items()}
+        if with_adaln:
+            out[f"{internal_prefix}.adaln.weight"] = whole(f"{adaln}.weight")
+            out[f"{internal_prefix}.adaln.bias"] = whole(f"{adaln}.bias")
+        return out
+
+    def _build_sources(self) -> dict[str, _Source]:
+        diffusers = self.layout == "diffusers"
+        sources: dict[str, _Source] = {}
+        for i in range(self.config.num_layers):
+            src = f"transformer_blocks.{i}" if diffusers else f"blocks.{i}"
+            sources.update(self._block_sources(f"blocks.{i}", src, with_adaln=True))
+        for j in range(self.config.num_refiner_layers):
+            src = f"token_refiner.refiner_blocks.{j}" if diffusers else f"token_refiner.blocks.{j}"
+            sources.update(self._block_sources(f"refiner.{j}", src, with_adaln=False))
+        for internal, (d_name, o_name) in _AUX_NAMES.items():
+            for suffix in ("weight", "bias"):
+                name = f"{d_name}.{suffix}" if diffusers else self._raw(f"{o_name}.{suffix}")
+                sources[f"{internal}.{suffix}"] = _Source([(name, 0, -1, 0)])
+        for internal, (d_name, o_name) in _AUX_NORMS.items():
+            sources[internal] = _Source([(d_name if diffusers else self._raw(o_name), 0, -1, 0)])
+        return sources
+
+    # -- validation and reads -----------------------------------------------------------------------------------
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every internal tensor of this checkpoint with its shape."""
+        shapes = {}
+        for i in range(self.config.num_layers):
+            shapes.update(block_shapes(self.config, f"blocks.{i}", with_adaln=True))
+        for j in range(self.config.num_refiner_layers):
+            shapes.update(block_shapes(self.config, f"refiner.{j}", with_adaln=False))
+        shapes.update(aux_shapes(self.config))
+        return shapes
+
+    def _validate(self) -> None:
+        """Every source tensor present with the shape the config implies and a float dtype; one error lists all."""
+        expect: dict[str, tuple[tuple[int, ...], tuple[torch.dtype, ...]]] = {}
+        for internal, shape in self.shapes().items():
+            source = self._sources[internal]
+            if len(source.pieces) == 1 and source.pieces[0][2] == -1:
+                expect[source.pieces[0][0]] = (shape, FLOAT_DTYPES)
+            else:
+                for name, *_ in source.pieces:
+                    if name not in expect:
+                        rows = self._source_rows(internal, name, shape)
+                        expect[name] = ((rows, *shape[1:]), FLOAT_DTYPES)
+        self.store.require(expect)
+        block_dtypes = {self.store.info(self._sources[n].pieces[0][0]).dtype for n in self.shapes() if n.startswith("blocks.")}
+        if len(block_dtypes) > 1:
+            raise WeightFileError(f"{self.path}: main-block tensors mix dtypes {sorted(map(str, block_dtypes))}")
+
+    def _source_rows(self, internal: str, name: str, shape: tuple[int, ...]) -> int:
+        if self.layout == "diffusers":  # to_q / to_k / to_v
+            return self.config.inner_dim
+        return shape[0]  # fused qkv_proj or fc1: the source tensor has the internal row count
+
+    def dtype_of(self, internal: str) -> torch.dtype:
+        return self.store.info(self._sources[internal].pieces[0][0]).dtype
+
+    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Read internal tensors (names from `shapes()`) into fresh CPU tensors."""
+        shapes = self.shapes()
+        out: dict[str, torch.Tensor] = {}
+        requests = []
+        for internal in names:
+            tensor = torch.empty(shapes[internal], dtype=self.dtype_of(internal))
+            out[internal] = tensor
+            for name, start, stop, dst in self._sources[internal].pieces:
+                if stop == -1:
+                    requests.append(ReadRequest(name, tensor))
+                else:
+                    requests.append(ReadRequest(name, tensor[dst : dst + stop - start], start, stop))
+        self.store.read_into(requests)
+        return out
+
+    def read_block(self, index: int, with_adaln: bool = False) -> dict[str, torch.Tensor]:
+        return self.read(list(block_shapes(self.config, f"blocks.{index}", with_adaln)))
+
+    def read_adaln(self, index: int) -> dict[str, torch.Tensor]:
+        return self.read([f"blocks.{index}.adaln.weight", f"blocks.{index}.adaln.bias"])
+
+    def read_refiner(self) -> dict[str, torch.Tensor]:
+        names = []
+        for j in range(self.config.num_refiner_layers):
+            names += list(block_shapes(self.config, f"refiner.{j}", with_adaln=False))
+        return self.read(names + ["refiner.final_norm.weight"])
+
+    def read_aux(self, include: Callable[[str], bool] = lambda name: True) -> dict[str, torch.Tensor]:
+        return self.read([n for n in aux_shapes(self.config) if include(n)])
+
+    @property
+    def files(self) -> list[Path]:
+        return [shard.path for shard in self.store.files]

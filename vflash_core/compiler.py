@@ -1,0 +1,356 @@
+"""The weights compiler: official weights (+ LoRA) -> packed blocks, auxiliary tensors and a schedule overlay.
+
+Two verbs (`python -m vflash_core.compiler prepare|compile`):
+
+* `prepare` binds a profile to the identities of the base weights and the adapter (file names, sizes, sha256 of
+  each payload, config) in a receipt. No request data is involved.
+* `compile` re-hashes the files against the receipt, then writes, atomically, a folder with
+
+  - `artifact/`: one `block_NNN.safetensors` per main block: the unchanged matrices in their stored dtype with the
+    fused QKV `[3*inner, H]` and fused SwiGLU input `[2*ffn, H]`, plus the block's LoRA factors; no `adaln_proj`
+    (39 % of the model) — the runtime never loads it;
+  - `auxiliary.safetensors`: input projections, context embedder, token refiner, final norm and output heads (plus
+    their LoRA factors);
+  - `schedule/overlay.safetensors`: for every step of the profile's fixed schedule and every distinct-timestep vector
+    a request of the profile can present, `temb`, each block's AdaLN table and the `norm_out` shift/scale, computed
+    on the target device from exactly that vector (the fp32 `time_embedder` GEMM is not row-invariant), with any
+    LoRA on `adaln_proj`, `time_embedder` or `norm_out` folded in;
+  - a `manifest.json` in `artifact/` and `schedule/` (and metadata in the auxiliary file) carrying one compile id,
+    the profile identity, the config, the device architecture and the size and sha256 of every file.
+
+Loading (see `artifact.py`) checks format, compile id, identities and sizes, and never rehashes the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import logging
+import sys
+import uuid
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from . import model as M
+from .checkpoint import SourceWeights
+from .config import H3Config
+from .errors import IdentityMismatchError, VflashError
+from .fileio import atomic_directory, atomic_file, check_writable_destination
+from .lora import Adapter, load_adapter
+from .profiles import Profile, get_profile
+from .schedule import distinct_timesteps
+from .tensor_store import describe_files, file_sha256
+
+logger = logging.getLogger(__name__)
+
+RECEIPT_FORMAT = "vflash-receipt/1"
+ARTIFACT_FORMAT = "vflash-artifact/1"
+OVERLAY_FORMAT = "vflash-schedule-overlay/1"
+
+
+def device_arch(device: torch.device | str) -> str:
+    """`"cpu"` or `"smXY"` from the CUDA compute capability."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return "cpu"
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"sm{major}{minor}"
+    raise VflashError(f"unsupported device {device}")
+
+
+def _resolve(profile: Profile | str) -> Profile:
+    return get_profile(profile) if isinstance(profile, str) else profile
+
+
+# -- prepare ------------------------------------------------------------------------------------------------------
+
+
+def prepare(
+    profile: Profile | str,
+    transformer: str | Path,
+    receipt: str | Path,
+    adapter: str | Path | None = None,
+    qkv_layout: str | None = None,
+) -> dict[str, object]:
+    """Write a receipt binding `profile` to the base weights and adapter; returns the receipt."""
+    profile = _resolve(profile)
+    receipt = check_writable_destination(receipt)
+    source = SourceWeights(transformer, qkv_layout=qkv_layout)
+    if profile.adapter is None and adapter is not None:
+        raise IdentityMismatchError(f"profile {profile.id} uses no adapter, but {adapter} was given")
+    if profile.adapter is not None and adapter is None:
+        raise IdentityMismatchError(f"profile {profile.id} needs adapter {profile.adapter.file_name} ({profile.adapter.name})")
+    adapter_record = None
+    if adapter is not None:
+        adapter = Path(adapter)
+        parsed = load_adapter(adapter, source.config, profile.adapter.strength)  # type: ignore[union-attr]
+        _check_adapter_against_profile(profile, adapter, parsed)
+        adapter_record = {
+            "path": str(adapter.resolve()),
+            **describe_files([adapter], with_hash=True)[0],
+            "format": parsed.format,
+            "alpha_source": parsed.alpha_source,
+            "network_alpha": parsed.network_alpha,
+            "ranks": sorted(set(parsed.ranks.values())),
+        }
+    folder = Path(transformer)
+    record = {
+        "format": RECEIPT_FORMAT,
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "profile": profile.to_dict(),
+        "transformer": {
+            "path": str(folder.resolve()),
+            "layout": source.layout,
+            "qkv_layout": source.qkv_layout,
+            "config": source.config.to_dict(),
+            "files": describe_files(source.files, with_hash=True),
+        },
+        "adapter": adapter_record,
+    }
+    with atomic_file(receipt) as tmp:
+        tmp.write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
+def _check_adapter_against_profile(profile: Profile, path: Path, adapter: Adapter) -> None:
+    spec = profile.adapter
+    assert spec is not None
+    problems = []
+    if path.name != spec.file_name:
+        problems.append(f"file name {path.name!r} (profile expects {spec.file_name!r})")
+    ranks = set(adapter.ranks.values())
+    if ranks != {spec.rank}:
+        problems.append(f"ranks {sorted(ranks)} (profile expects {spec.rank})")
+    alpha = adapter.network_alpha if adapter.alpha_source == "metadata" else None
+    if alpha is not None and alpha != spec.alpha:
+        problems.append(f"metadata alpha {alpha:g} (profile expects {spec.alpha:g})")
+    if problems:
+        raise IdentityMismatchError(f"adapter {path} does not match profile {profile.id} ({spec.name}): " + "; ".join(problems))
+
+
+# -- compile ------------------------------------------------------------------------------------------------------
+
+
+def _load_receipt(path: str | Path) -> dict:
+    try:
+        receipt = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise VflashError(f"{path}: no such receipt") from None
+    except json.JSONDecodeError:
+        raise VflashError(f"{path}: corrupt receipt (not JSON)") from None
+    if receipt.get("format") != RECEIPT_FORMAT:
+        raise VflashError(f"{path}: not a Vflash receipt (format {receipt.get('format')!r})")
+    return receipt
+
+
+def _profile_from_receipt(receipt: dict, path: str | Path) -> Profile:
+    from .profiles import AdapterSpec
+
+    data = dict(receipt["profile"])
+    data["modes"] = tuple(data["modes"])
+    data["adapter"] = AdapterSpec(**data["adapter"]) if data["adapter"] else None
+    profile = Profile(**data)
+    registered = None
+    try:
+        registered = get_profile(profile.id)
+    except VflashError:
+        pass
+    if registered is not None and registered != profile:
+        raise IdentityMismatchError(f"{path}: receipt profile {profile.id} differs from the registered profile of that name; prepare again")
+    return profile
+
+
+def _verify_receipt_files(receipt: dict, source: SourceWeights) -> None:
+    """The payloads must be exactly the ones the receipt hashed."""
+    recorded = {f["name"]: f for f in receipt["transformer"]["files"]}
+    actual_files = {p.name: p for p in source.files}
+    if set(recorded) != set(actual_files):
+        raise IdentityMismatchError(f"transformer files {sorted(actual_files)} differ from the receipt's {sorted(recorded)}")
+    for name, path in tqdm(actual_files.items(), desc="verify weights", unit="file", leave=False):
+        if path.stat().st_size != recorded[name]["size"] or file_sha256(path) != recorded[name]["sha256"]:
+            raise IdentityMismatchError(f"{path} does not match the receipt (size or sha256 changed since prepare)")
+    if source.config.to_dict() != receipt["transformer"]["config"]:
+        raise IdentityMismatchError("transformer config differs from the receipt")
+
+
+def compile_receipt(receipt_path: str | Path, output: str | Path, device: str = "cpu") -> Path:
+    """Compile the receipt's weights for its profile into `output` (must not exist). Returns `output`."""
+    receipt = _load_receipt(receipt_path)
+    profile = _profile_from_receipt(receipt, receipt_path)
+    device_t = torch.device(device)
+    arch = device_arch(device_t)
+    if arch != profile.arch:
+        raise IdentityMismatchError(f"profile {profile.id} is compiled on {profile.arch}; device {device} is {arch}")
+    output = Path(output)
+    if output.exists():
+        raise VflashError(f"{output} already exists; refusing to overwrite it")
+    tx = receipt["transformer"]
+    source = SourceWeights(tx["path"], qkv_layout=None if tx["layout"] == "diffusers" else tx["qkv_layout"])
+    _verify_receipt_files(receipt, source)
+    adapter = None
+    if receipt["adapter"] is not None:
+        adapter_path = Path(receipt["adapter"]["path"])
+        if not adapter_path.is_file() or adapter_path.stat().st_size != receipt["adapter"]["size"] or file_sha256(adapter_path) != receipt["adapter"]["sha256"]:
+            raise IdentityMismatchError(f"adapter {adapter_path} does not match the receipt (missing, or size or sha256 changed)")
+        adapter = load_adapter(adapter_path, source.config, profile.adapter.strength)  # type: ignore[union-attr]
+    with atomic_directory(output) as tmp:
+        _write_compiled(tmp, source, adapter, profile, receipt, device_t, arch)
+    logger.info("compiled %s for %s into %s", tx["path"], profile.id, output)
+    return output
+
+
+def _identity(profile: Profile, receipt: dict, config: H3Config, arch: str, compile_id: str) -> dict[str, object]:
+    return {
+        "compile_id": compile_id,
+        "profile_id": profile.id,
+        "profile": profile.identity(),
+        "config": config.to_dict(),
+        "arch": arch,
+        "base_weights": {"layout": receipt["transformer"]["layout"], "files": receipt["transformer"]["files"]},
+        "adapter": None if receipt["adapter"] is None else {k: receipt["adapter"][k] for k in ("name", "size", "sha256", "format", "alpha_source", "network_alpha")},
+        "torch": torch.__version__,
+    }
+
+
+def _lora_tensors(residuals: dict[str, tuple[M.LoraResidual, ...]]) -> tuple[dict[str, torch.Tensor], list[dict[str, object]]]:
+    """Flatten residuals to safetensors entries `lora.<linear>.<k>.{down,up}` plus their scale/row records."""
+    tensors, records = {}, []
+    for name, rs in residuals.items():
+        for k, r in enumerate(rs):
+            tensors[f"lora.{name}.{k}.down"] = r.down.contiguous()
+            tensors[f"lora.{name}.{k}.up"] = r.up.contiguous()
+            records.append({"linear": name, "index": k, "scale": r.scale, "row_start": r.row_start})
+    return tensors, records
+
+
+def _timestep_vectors(profile: Profile) -> list[list[torch.Tensor]]:
+    """Per step, the distinct fp32 timestep vectors requests of this profile present (deduplicated by value)."""
+    schedule = profile.schedule
+    vectors = []
+    for t_v, t_a in zip(schedule.video_timesteps.tolist(), schedule.audio_timesteps.tolist()):
+        step: list[torch.Tensor] = []
+        for conditioned, ref_audio in profile.timestep_kinds():
+            v = distinct_timesteps(t_v, t_a, conditioned, ref_audio)
+            if not any(torch.equal(v, seen) for seen in step):
+                step.append(v)
+        vectors.append(step)
+    return vectors
+
+
+@torch.no_grad()
+def _write_compiled(out: Path, source: SourceWeights, adapter: Adapter | None, profile: Profile, receipt: dict, device: torch.device, arch: str) -> None:
+    config = source.config
+    compile_id = uuid.uuid4().hex
+    identity = _identity(profile, receipt, config, arch, compile_id)
+    (out / "artifact").mkdir()
+    (out / "schedule").mkdir()
+
+    # Tables first need temb for every (step, vector); the time embedder is small and read once.
+    table_aux = {k: v.to(device) for k, v in source.read_aux(lambda n: n.startswith(("time_embedder.", "norm_out.linear."))).items()}
+    aux_loras = {k: tuple(r.to(device) for r in rs) for k, rs in (adapter.aux() if adapter else {}).items()}
+    vectors = _timestep_vectors(profile)
+    overlay: dict[str, torch.Tensor] = {}
+    entries = []
+    tembs = []
+    for s, step_vectors in enumerate(vectors):
+        for v, vector in enumerate(step_vectors):
+            temb = M.time_embedding(vector.to(device), table_aux, config, aux_loras)
+            tembs.append((s, v, temb))
+            key = f"step{s:03d}.v{v}"
+            overlay[f"{key}.timesteps"] = vector
+            overlay[f"{key}.temb"] = temb.cpu()
+            overlay[f"{key}.norm_out"] = M.norm_out_table(temb, table_aux["norm_out.linear.weight"], table_aux["norm_out.linear.bias"], aux_loras.get("norm_out.linear", ())).cpu()
+            entries.append({"step": s, "variant": v, "timesteps": vector.tolist()})
+
+    block_records = []
+    for i in tqdm(range(config.num_layers), desc="compile blocks", unit="block"):
+        adaln = source.read_adaln(i)
+        weight, bias = adaln[f"blocks.{i}.adaln.weight"].to(device), adaln[f"blocks.{i}.adaln.bias"].to(device)
+        block_loras = adapter.for_prefix(f"blocks.{i}") if adapter else {}
+        adaln_loras = tuple(r.to(device) for r in block_loras.pop("adaln", ()))
+        for s, v, temb in tembs:
+            overlay[f"step{s:03d}.v{v}.block{i:03d}"] = M.adaln_table(temb, weight, bias, adaln_loras).cpu()
+        del adaln, weight, bias
+        tensors = {k.split(".", 2)[2]: t for k, t in source.read_block(i).items()}
+        lora_tensors, lora_records = _lora_tensors(block_loras)
+        file_name = f"block_{i:03d}.safetensors"
+        save_file({**tensors, **lora_tensors}, str(out / "artifact" / file_name), metadata={"format": ARTIFACT_FORMAT, "compile_id": compile_id})
+        block_records.append({"file": file_name, "lora": lora_records})
+
+    aux = source.read_aux(lambda n: not n.startswith(("time_embedder.", "norm_out.linear.")))
+    aux.update(source.read_refiner())
+    runtime_loras = {}
+    if adapter:
+        runtime_loras = {k: v for k, v in adapter.aux().items() if k not in ("time_embedder.linear_1", "time_embedder.linear_2", "norm_out.linear")}
+        for j in range(config.num_refiner_layers):
+            runtime_loras.update({f"refiner.{j}.{k}": v for k, v in adapter.for_prefix(f"refiner.{j}").items()})
+    lora_tensors, lora_records = _lora_tensors(runtime_loras)
+    aux_meta = {"format": ARTIFACT_FORMAT, "compile_id": compile_id, "identity": json.dumps(identity), "lora": json.dumps(lora_records)}
+    save_file({**aux, **lora_tensors}, str(out / "auxiliary.safetensors"), metadata=aux_meta)
+
+    schedule = profile.schedule
+    overlay["video_sigmas"], overlay["audio_sigmas"] = schedule.video_sigmas, schedule.audio_sigmas
+    save_file(overlay, str(out / "schedule" / "overlay.safetensors"), metadata={"format": OVERLAY_FORMAT, "compile_id": compile_id})
+
+    files = describe_files([out / "artifact" / r["file"] for r in block_records], with_hash=True)
+    artifact_manifest = {
+        "format": ARTIFACT_FORMAT,
+        **identity,
+        "blocks": [{**r, **f} for r, f in zip(block_records, files)],
+        "auxiliary": describe_files([out / "auxiliary.safetensors"], with_hash=True)[0],
+    }
+    (out / "artifact" / "manifest.json").write_text(json.dumps(artifact_manifest, indent=2) + "\n")
+    overlay_manifest = {
+        "format": OVERLAY_FORMAT,
+        "compile_id": compile_id,
+        "profile_id": profile.id,
+        "profile": profile.identity(),
+        "arch": arch,
+        "schedule": schedule.to_dict(),
+        "num_layers": config.num_layers,
+        "entries": entries,
+        "file": describe_files([out / "schedule" / "overlay.safetensors"], with_hash=True)[0],
+    }
+    (out / "schedule" / "manifest.json").write_text(json.dumps(overlay_manifest, indent=2) + "\n")
+
+
+# -- command line ---------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m vflash_core.compiler", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("prepare", help="bind a profile to base weights (and adapter) in a receipt")
+    p.add_argument("--profile", required=True)
+    p.add_argument("--transformer", required=True, help="diffusers transformer/ folder, or an original-layout file/folder")
+    p.add_argument("--adapter", help="LoRA .safetensors the profile is built with")
+    p.add_argument("--qkv-layout", choices=("stacked", "interleaved"), help="original layout only (default stacked)")
+    p.add_argument("--receipt", required=True)
+    c = sub.add_parser("compile", help="compile a receipt into artifact/, schedule/ and auxiliary.safetensors")
+    c.add_argument("--receipt", required=True)
+    c.add_argument("--output", required=True)
+    c.add_argument("--device", default="cpu", help="cpu or cuda:N (the profile's architecture)")
+    c.add_argument("--gpu", type=int, help="shorthand for --device cuda:N")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        if args.command == "prepare":
+            prepare(args.profile, args.transformer, args.receipt, args.adapter, args.qkv_layout)
+            print(f"wrote receipt {args.receipt}")
+        else:
+            device = f"cuda:{args.gpu}" if args.gpu is not None else args.device
+            out = compile_receipt(args.receipt, args.output, device)
+            print(f"compiled into {out}: artifact/, schedule/, auxiliary.safetensors")
+    except VflashError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""Named profiles: the fixed model, adapter, schedule and hardware a compiled artifact is bound to (seed 004).
+
+A profile fixes which workflow modes a session accepts, which transformer partition it runs, which LoRA (if any) at
+which alpha and rank, the number of evaluations and the two schedule shifts, the allowed clip durations and the GPU
+architecture the tables were computed on. Compiled artifacts record the profile's identity; at load the identities
+(not the name) are compared, so renaming a profile never converts assets, and a mismatch names both sides.
+
+The seed IDs for SM86 (RTX 3080) and SM89 (RTX 4090) are kept; SM90 (H100/H200) variants and CPU profiles (tests,
+the embedded demo) are added.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .errors import IdentityMismatchError, VflashError
+from .schedule import FixedSchedule
+
+KEYFRAME_MODES = ("i2va", "l2va", "fl2va")
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """The LoRA a profile is built with: applied once as `strength * alpha / rank` per module (alpha, rank as released)."""
+
+    name: str
+    file_name: str
+    alpha: float
+    rank: int
+    strength: float = 1.0
+
+
+@dataclass(frozen=True)
+class Profile:
+    id: str
+    modes: tuple[str, ...]  # workflow modes a session of this profile accepts
+    variant: str  # "transformer" (t2va / keyframes) or "transformer_ref" (ref2va)
+    adapter: AdapterSpec | None
+    nfe: int  # model evaluations per request
+    video_shift: float
+    audio_shift: float
+    min_seconds: float
+    max_seconds: float
+    arch: str  # "sm86", "sm89", "sm90" or "cpu": where the schedule tables were computed
+    attention: str = "exact"
+
+    @property
+    def schedule(self) -> FixedSchedule:
+        return FixedSchedule(self.nfe, self.video_shift, self.audio_shift)
+
+    def timestep_kinds(self) -> list[tuple[bool, bool]]:
+        """(conditioned video, reference audio) combinations a request of this profile can present to the model."""
+        kinds = set()
+        for mode in self.modes:
+            if mode == "t2va":
+                kinds.add((False, False))
+            elif mode in KEYFRAME_MODES:
+                kinds.add((True, False))
+            elif mode == "ref2va":  # references always carry video; soundtracks are optional
+                kinds.update({(True, False), (True, True)})
+        return sorted(kinds)
+
+    def identity(self) -> dict[str, object]:
+        """What must agree between a profile and an artifact compiled for it (the id is not part of it)."""
+        out = asdict(self)
+        del out["id"], out["min_seconds"], out["max_seconds"], out["modes"]
+        out["timestep_kinds"] = [list(k) for k in self.timestep_kinds()]
+        return out
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+    def check_mode(self, mode: str) -> None:
+        if mode not in self.modes:
+            raise VflashError(f"profile {self.id} accepts {', '.join(self.modes)}; a {mode} request was given")
+
+    def check_duration(self, seconds: float) -> None:
+        if not self.min_seconds - 1e-9 <= seconds <= self.max_seconds + 1e-9:
+            raise VflashError(
+                f"profile {self.id} generates {self.min_seconds:g}-{self.max_seconds:g} s clips; {seconds:.3f} s requested"
+            )
+
+
+def check_identity(expected: Profile, recorded: dict[str, object], what: str) -> None:
+    """Compare a profile's identity with the one an artifact recorded; the error names both sides."""
+    mine = expected.identity()
+    diffs = [f"{k}: profile {expected.id} has {mine.get(k)!r}, {what} has {recorded.get(k)!r}" for k in sorted(set(mine) | set(recorded)) if mine.get(k) != recorded.get(k)]
+    if diffs:
+        raise IdentityMismatchError(f"{what} does not match profile {expected.id}: " + "; ".join(diffs))
+
+
+_REF_TURBO4 = AdapterSpec("Ref Turbo4 v0.1", "minimax_h3_ref2v_turbo_4step_v0.1_bf16.safetensors", 8.0, 128)
+_BASE_TURBO4 = AdapterSpec("Base Turbo4 v1.0", "minimax_h3_fl2v_turbo_4step_v1.0_768p_bf16.safetensors", 128.0, 128)
+_LIGHTX_V01 = AdapterSpec("LightX Turbo4 v0.1", "minimax_h3_fl2v_turbo_4step_v0.1.safetensors", 8.0, 128)
+_LIGHTX_TURBO8 = AdapterSpec("LightX Turbo8 v1.0 544p", "minimax_h3_fl2v_turbo_8step_v1.0_bf16.safetensors", 8.0, 128)
+_KEYFRAMES = KEYFRAME_MODES
+
+
+def _family(stem: str, archs: tuple[str, ...], **fields: object) -> dict[str, Profile]:
+    return {f"{stem}-{arch}": Profile(id=f"{stem}-{arch}", arch=arch, **fields) for arch in archs}  # type: ignore[arg-type]
+
+
+_GPU = ("sm86", "sm89", "sm90")
+PROFILES: dict[str, Profile] = {
+    **_family("ref2va-turbo4-exact", _GPU, modes=("ref2va",), variant="transformer_ref", adapter=_REF_TURBO4, nfe=4, video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=5.2),
+    **_family("t2va-turbo4-exact", _GPU, modes=("t2va",), variant="transformer", adapter=_BASE_TURBO4, nfe=4, video_shift=6.0, audio_shift=3.0, min_seconds=5.0, max_seconds=5.2),
+    **_family("i2va-base16-bf16", _GPU, modes=_KEYFRAMES, variant="transformer", adapter=None, nfe=16, video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=10.2),
+    **_family("fl2va-base16-bf16", _GPU, modes=_KEYFRAMES, variant="transformer", adapter=None, nfe=16, video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=10.2),
+    **_family("i2va-turbo4-v01-544-exact", ("sm89", "sm90"), modes=_KEYFRAMES, variant="transformer", adapter=_LIGHTX_V01, nfe=4, video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=10.2),
+    **_family("fl2va-turbo4-v01-544-exact", ("sm89", "sm90"), modes=_KEYFRAMES, variant="transformer", adapter=_LIGHTX_V01, nfe=4, video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=10.2),
+    **_family("i2va-turbo8-544-exact", ("sm89", "sm90"), modes=_KEYFRAMES, variant="transformer", adapter=_LIGHTX_TURBO8, nfe=8, video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=10.2),
+    **_family("fl2va-turbo8-544-exact", ("sm89", "sm90"), modes=_KEYFRAMES, variant="transformer", adapter=_LIGHTX_TURBO8, nfe=8, video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=10.2),
+    # The official Base model at its 16 evaluations, every mode of its partition, full 5-15 s range (SM90 only:
+    # the 141 GB H200 runs it resident).
+    **_family("t2va-base16-bf16", ("sm90",), modes=("t2va", *_KEYFRAMES), variant="transformer", adapter=None, nfe=16, video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=15.0),
+    **_family("ref2va-base16-bf16", ("sm90",), modes=("ref2va",), variant="transformer_ref", adapter=None, nfe=16, video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=15.0),
+    # CPU profiles: tests and the embedded demo.
+    "t2va-base4-exact-cpu": Profile("t2va-base4-exact-cpu", ("t2va", *_KEYFRAMES), "transformer", None, 4, 12.0, 3.0, 5.0, 15.0, "cpu"),
+    "t2va-base16-exact-cpu": Profile("t2va-base16-exact-cpu", ("t2va", *_KEYFRAMES), "transformer", None, 16, 12.0, 3.0, 5.0, 15.0, "cpu"),
+    "ref2va-base4-exact-cpu": Profile("ref2va-base4-exact-cpu", ("ref2va",), "transformer_ref", None, 4, 12.0, 3.0, 5.0, 15.0, "cpu"),
+}
+
+
+def get_profile(profile_id: str) -> Profile:
+    try:
+        return PROFILES[profile_id]
+    except KeyError:
+        raise VflashError(f"unknown profile {profile_id!r}; known profiles: {', '.join(sorted(PROFILES))}") from None
