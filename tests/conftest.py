@@ -78,7 +78,10 @@ def diffusers_transformer(folder: Path, dtype: torch.dtype = torch.bfloat16):
 def diffusers_denoise(transformer, profile: Profile, prompt_embeds, text_token_tags, height, width, num_frames, seed, condition_latents=(), keyframe_anchors=()):
     """The modular pipeline's core denoise step (t2va, or fl2va with keyframe latents) on a CPU generator."""
     from diffusers import MiniMaxH3Scheduler
-    from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import MiniMaxH3CoreDenoiseStep, MiniMaxH3FL2VACoreDenoiseStep
+    from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import (
+        MiniMaxH3CoreDenoiseStep,
+        MiniMaxH3FL2VACoreDenoiseStep,
+    )
 
     fl2va = bool(condition_latents)
     pipe = (MiniMaxH3FL2VACoreDenoiseStep() if fl2va else MiniMaxH3CoreDenoiseStep()).init_pipeline()

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import TINY, assert_bitwise, compile_tiny, diffusers_denoise, diffusers_transformer
+
 from vflash_core import Geometry, NativeEngineSession, build_keyframe_bundle, get_profile
 
 HEIGHT, WIDTH, FRAMES = 64, 96, 124

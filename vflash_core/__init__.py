@@ -16,13 +16,13 @@ from .session import GenerationResult, NativeEngineSession
 __version__ = "0.1.0"
 
 __all__ = [
+    "PROFILES",
     "BundleHandoff",
     "ConditioningBundle",
     "GenerationResult",
     "Geometry",
     "H3Config",
     "NativeEngineSession",
-    "PROFILES",
     "Profile",
     "VflashError",
     "build_keyframe_bundle",

@@ -46,7 +46,7 @@ class ModelLayout:
     patch_size: tuple[int, int, int]
 
     @classmethod
-    def of(cls, config: H3Config) -> "ModelLayout":
+    def of(cls, config: H3Config) -> ModelLayout:
         return cls(config.text_dim, config.video_patch_dim, config.audio_in_channels, tuple(config.patch_size))
 
     def to_dict(self) -> dict[str, object]:
@@ -147,7 +147,7 @@ class ConditioningBundle:
         return path
 
     @classmethod
-    def load(cls, path: str | Path) -> "ConditioningBundle":
+    def load(cls, path: str | Path) -> ConditioningBundle:
         """Read a bundle folder, verifying its content hash and consistency."""
         path = Path(path)
         try:

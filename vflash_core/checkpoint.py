@@ -193,6 +193,8 @@ class SourceWeights:
             freq_dim=shape("time_embedder.proj_in.weight")[1],
             time_embed_hidden_dim=shape("time_embedder.proj_in.weight")[0],
             time_embed_dim=shape("time_embedder.proj_out.weight")[0],
+            # Not stored (the inv_freq buffer is recomputed): the release rotates 3/4 of each head (96 of 128).
+            rope_freq_dim=head_dim // 8,
         )
 
     def _raw(self, name: str) -> str:
@@ -204,7 +206,7 @@ class SourceWeights:
         c = self.config
         inner, d, f = c.inner_dim, c.attention_head_dim, c.ffn_dim
         s = source_prefix
-        whole = lambda name: _Source([(name, 0, -1, 0)])  # noqa: E731
+        whole = lambda name: _Source([(name, 0, -1, 0)])
         if self.layout == "diffusers":
             table = {
                 "norm1.weight": whole(f"{s}.norm1.weight"),

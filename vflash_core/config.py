@@ -61,13 +61,13 @@ class H3Config:
             )
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "H3Config":
+    def from_dict(cls, values: dict[str, Any]) -> H3Config:
         """Build from a diffusers `config.json` dict; keys starting with `_` and unknown keys are ignored."""
         names = {f.name for f in dataclasses.fields(cls) if f.init}
         return cls(**{k: v for k, v in values.items() if k in names})
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "H3Config":
+    def from_file(cls, path: str | Path) -> H3Config:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
     def to_dict(self) -> dict[str, Any]:
@@ -77,7 +77,7 @@ class H3Config:
         return out
 
     @classmethod
-    def preset(cls, name: str) -> "H3Config":
+    def preset(cls, name: str) -> H3Config:
         """A named configuration; an unknown name raises and lists the known ones."""
         try:
             return cls(**PRESETS[name])

@@ -49,12 +49,12 @@ def video_latent_frames(num_frames: int, frames_per_chunk: int = VAE_FRAMES_PER_
 
 def audio_latent_count(num_frames: int) -> int:
     """Audio latents per stereo channel covering `num_frames` at 24 fps (40 latents per second)."""
-    return int(round(num_frames / FPS * AUDIO_LATENTS_PER_SECOND))
+    return round(num_frames / FPS * AUDIO_LATENTS_PER_SECOND)
 
 
 def frames_for_duration(seconds: float) -> int:
     """The aligned frame count of a requested duration, validated against the 5-15 s range of the model."""
-    aligned = align_num_frames(max(1, int(round(seconds * FPS))))
+    aligned = align_num_frames(max(1, round(seconds * FPS)))
     if not MIN_DURATION_SECONDS <= aligned / FPS <= MAX_DURATION_SECONDS:
         raise RequestError(
             f"duration {seconds:g} s aligns to {aligned} frames ({aligned / FPS:.3f} s); H3 generates "

@@ -50,7 +50,7 @@ class LoraResidual:
     scale: float
     row_start: int = 0
 
-    def to(self, device: torch.device) -> "LoraResidual":
+    def to(self, device: torch.device) -> LoraResidual:
         return LoraResidual(self.down.to(device), self.up.to(device), self.scale, self.row_start)
 
 
@@ -182,7 +182,7 @@ class Modulation:
     gate_mlp: torch.Tensor
 
     @classmethod
-    def gather(cls, table: torch.Tensor, adaln_indices: torch.Tensor) -> "Modulation":
+    def gather(cls, table: torch.Tensor, adaln_indices: torch.Tensor) -> Modulation:
         """`table` (3T, 6H) as the reference's `adaln_proj` output viewed per (timestep, modality) row."""
         return cls(*(part.index_select(0, adaln_indices) for part in table.chunk(6, dim=-1)))
 

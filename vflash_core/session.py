@@ -20,7 +20,7 @@ from .artifact import CompiledArtifact
 from .attention import resolve_attention
 from .bundle import MODE_VARIANT, BundleHandoff, ConditioningBundle
 from .compiler import device_arch
-from .denoise import Denoiser, DenoiseOutput, ProgressFn, ResidentBlocks
+from .denoise import DenoiseOutput, Denoiser, ProgressFn, ResidentBlocks
 from .errors import IdentityMismatchError, SessionClosedError, VflashError
 from .layout import FPS
 from .profiles import Profile, get_profile
@@ -100,7 +100,7 @@ class NativeEngineSession:
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
 
-    def __enter__(self) -> "NativeEngineSession":
+    def __enter__(self) -> NativeEngineSession:
         return self
 
     def __exit__(self, *exc: object) -> None:

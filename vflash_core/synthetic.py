@@ -82,7 +82,7 @@ def to_original_names(weights: dict[str, torch.Tensor], config: H3Config, qkv_la
         "proj_out": "final_layer.video_out",
         "audio_proj_out": "final_layer.audio_out",
     }
-    heads, d, f = config.num_attention_heads, config.attention_head_dim, config.ffn_dim
+    heads, d = config.num_attention_heads, config.attention_head_dim
     out = {}
     for name, tensor in weights.items():
         parts = name.split(".")

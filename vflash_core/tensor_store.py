@@ -130,12 +130,12 @@ class SafetensorsFile:
         jobs = []
         for request in requests:
             info = self.info(request.name)
-            stop = info.shape[0] if request.row_stop is None else request.row_stop
             if info.shape:
+                stop = info.shape[0] if request.row_stop is None else request.row_stop
                 start_byte = info.start + request.row_start * info.row_bytes
                 nbytes = (stop - request.row_start) * info.row_bytes
-            else:
-                start_byte, nbytes = info.start, info.end - info.start
+            else:  # 0-d tensor
+                stop, start_byte, nbytes = 0, info.start, info.end - info.start
             if not request.out.is_contiguous() or request.out.dtype != info.dtype or request.out.nbytes != nbytes:
                 raise ValueError(
                     f"read of {request.name!r} rows [{request.row_start}, {stop}) needs a contiguous {info.dtype} "

@@ -1,0 +1,119 @@
+"""Compiler and artifact identity: receipts, atomic output, and every mismatch refused with both sides named."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from unittest import mock
+
+import pytest
+from conftest import TINY, compile_tiny, cpu_profile
+
+from vflash_core import NativeEngineSession, synthetic
+from vflash_core.artifact import CompiledArtifact
+from vflash_core.compiler import compile_receipt, prepare
+from vflash_core.errors import IdentityMismatchError, VflashError, WeightFileError
+from vflash_core.profiles import AdapterSpec
+
+
+def test_receipt_records_identities_without_request_data(tmp_path, tiny_transformer):
+    receipt = prepare("t2va-base4-exact-cpu", tiny_transformer, tmp_path / "r.json")
+    on_disk = json.loads((tmp_path / "r.json").read_text())
+    assert on_disk == receipt
+    assert receipt["profile"]["id"] == "t2va-base4-exact-cpu" and receipt["adapter"] is None
+    files = receipt["transformer"]["files"]
+    assert len(files) > 1 and all(len(f["sha256"]) == 64 and f["size"] > 0 for f in files)
+    assert receipt["transformer"]["config"] == TINY.to_dict()
+    with pytest.raises(VflashError, match="already exists"):
+        prepare("t2va-base4-exact-cpu", tiny_transformer, tmp_path / "r.json")
+
+
+def test_compiled_outputs_exclude_adaln_and_record_identity(tiny_compiled):
+    artifact = CompiledArtifact(**tiny_compiled)
+    manifest = artifact.manifest
+    assert manifest["arch"] == "cpu" and manifest["profile_id"] == "t2va-base4-exact-cpu"
+    block = artifact.read_block(0)
+    assert not any("adaln" in name for name in block.tensors)
+    assert block["attn.qkv.weight"].shape == (3 * TINY.inner_dim, TINY.hidden_size)
+    # 4 steps; step 0 has t_v = t_a = 0 so t2va presents {0}; keyframes add 0.999.
+    entries = artifact.overlay.manifest["entries"]
+    assert [e["timesteps"] for e in entries if e["step"] == 0] == [[0.0], [0.0, pytest.approx(0.999)]]
+    assert len({e["step"] for e in entries}) == 4
+
+
+def test_receipt_hash_mismatch_is_refused(tmp_path, tiny_weights):
+    folder = synthetic.write_diffusers_transformer(tmp_path / "t", TINY, tiny_weights)
+    prepare("t2va-base4-exact-cpu", folder, tmp_path / "r.json")
+    weights = dict(tiny_weights)
+    weights["blocks.0.norm1.weight"] = weights["blocks.0.norm1.weight"] + 1
+    synthetic.write_diffusers_transformer(folder, TINY, weights)  # same size, different bytes
+    with pytest.raises(IdentityMismatchError, match="does not match the receipt"):
+        compile_receipt(tmp_path / "r.json", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_interrupted_compile_leaves_nothing_that_loads(tmp_path, tiny_transformer):
+    prepare("t2va-base4-exact-cpu", tiny_transformer, tmp_path / "r.json")
+    with mock.patch("vflash_core.compiler.save_file", side_effect=[None, None, KeyboardInterrupt]):
+        with pytest.raises(KeyboardInterrupt):
+            compile_receipt(tmp_path / "r.json", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert not any(p.name.endswith(".partial") for p in tmp_path.iterdir())
+    compile_receipt(tmp_path / "r.json", tmp_path / "out")  # a clean retry works
+    with pytest.raises(VflashError, match="already exists"):
+        compile_receipt(tmp_path / "r.json", tmp_path / "out")
+
+
+def test_architecture_mismatch(tmp_path, tiny_transformer):
+    with pytest.raises(IdentityMismatchError, match="compiled on sm90; device cpu is cpu"):
+        prepare("t2va-base16-bf16-sm90", tiny_transformer, tmp_path / "r.json")
+        compile_receipt(tmp_path / "r.json", tmp_path / "out", device="cpu")
+
+
+def test_profile_schedule_mismatch_names_both_sides(tiny_compiled):
+    with pytest.raises(IdentityMismatchError) as info:
+        NativeEngineSession("t2va-base16-exact-cpu", **tiny_compiled)
+    message = str(info.value)
+    assert "nfe: profile t2va-base16-exact-cpu has 16" in message and "has 4" in message
+
+
+def test_renamed_profile_does_not_convert_assets(tiny_compiled):
+    # Same name-independent identity loads; a different architecture under the same modes does not.
+    NativeEngineSession(cpu_profile(id="renamed-but-identical"), **tiny_compiled).close()
+    with pytest.raises(IdentityMismatchError, match="arch"):
+        NativeEngineSession(cpu_profile(id="t2va-base4-exact-cpu", arch="sm89"), **tiny_compiled)
+
+
+def test_adapter_identity_mismatch(tmp_path, tiny_transformer):
+    with pytest.raises(IdentityMismatchError, match="needs adapter"):
+        prepare(cpu_profile(adapter=AdapterSpec("test", "x.safetensors", 4.0, 4)), tiny_transformer, tmp_path / "r.json")
+    with pytest.raises(IdentityMismatchError, match="uses no adapter"):
+        prepare("t2va-base4-exact-cpu", tiny_transformer, tmp_path / "r2.json", adapter=tmp_path / "x.safetensors")
+
+
+def test_outputs_of_different_compiles_do_not_mix(tmp_path, tiny_transformer, tiny_compiled):
+    other = compile_tiny(tmp_path, tiny_transformer, "t2va-base4-exact-cpu")
+    with pytest.raises(IdentityMismatchError, match="different compiles"):
+        CompiledArtifact(tiny_compiled["artifact"], other["schedule_overlay"], tiny_compiled["auxiliary"])
+
+
+def test_changed_artifact_file_size_is_refused(tmp_path, tiny_compiled):
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_compiled["artifact"].parent, copy)
+    with open(copy / "artifact" / "block_001.safetensors", "ab") as handle:
+        handle.write(b"x")
+    with pytest.raises(WeightFileError, match="were recorded"):
+        CompiledArtifact(copy / "artifact", copy / "schedule", copy / "auxiliary.safetensors")
+
+
+def test_mode_not_in_profile_is_refused(tmp_path, tiny_transformer):
+    """A t2va-only profile is compiled without keyframe tables and refuses keyframe requests before running."""
+    profile = cpu_profile(id="t2va-only-cpu", modes=("t2va",))
+    assert profile.timestep_kinds() == [(False, False)]
+    paths = compile_tiny(tmp_path, tiny_transformer, profile)
+    from test_schedule_layout_bundle import _bundle
+
+    with NativeEngineSession(profile, **paths) as session:
+        with pytest.raises(VflashError, match="accepts t2va; a l2va request"):
+            session.generate(_bundle())
+        assert not session.closed  # bad input does not fail the session

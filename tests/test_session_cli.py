@@ -1,0 +1,136 @@
+"""Session lifecycle (closed, failed, aborted, timing fields) and the `vflash denoise` / compiler command lines."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from conftest import TINY, assert_bitwise
+from safetensors.torch import load_file
+from test_schedule_layout_bundle import _bundle
+
+from vflash_core import BundleHandoff, NativeEngineSession
+from vflash_core.compiler import main as compiler_main
+from vflash_core.errors import BundleError, SessionClosedError
+
+PROFILE = "t2va-base4-exact-cpu"
+
+
+class Abort(BaseException):
+    """Like ComfyUI's InterruptProcessingException: a BaseException raised from a progress callback."""
+
+
+def test_timing_fields_and_progress(tiny_compiled):
+    calls = []
+    with NativeEngineSession(PROFILE, **tiny_compiled) as session:
+        first = session.generate(_bundle(1), progress=lambda done, total: calls.append((done, total)))
+        second = session.generate(BundleHandoff(_bundle(1)))
+    assert calls == [(1, 4), (2, 4), (3, 4), (4, 4)]
+    assert first.session.request_index == 1 and second.session.request_index == 2
+    assert first.session.initialization_charged_seconds == first.session.initialization_seconds > 0
+    assert second.session.initialization_charged_seconds == 0.0 and second.session.request_wall_seconds > 0
+    assert_bitwise(first.video_latents, second.video_latents, "same bundle, same session")
+    assert first.metadata["attention_backend"] == "torch-sdpa" and first.metadata["weight_residency"] == "resident"
+
+
+def test_closed_session_refuses_calls(tiny_compiled):
+    session = NativeEngineSession(PROFILE, **tiny_compiled)
+    session.close()
+    session.close()  # idempotent
+    with pytest.raises(SessionClosedError, match="closed"):
+        session.generate(_bundle())
+
+
+def test_abort_from_callback_leaves_session_usable(tiny_compiled):
+    with NativeEngineSession(PROFILE, **tiny_compiled) as session:
+        def stop_at_two(done, total):
+            if done == 2:
+                raise Abort()
+
+        with pytest.raises(Abort):
+            session.generate(_bundle(3), progress=stop_at_two)
+        blocks_seen = []
+
+        def stop_between_blocks():
+            blocks_seen.append(1)
+            if len(blocks_seen) == 3:
+                raise Abort()
+
+        with pytest.raises(Abort):
+            session.generate(_bundle(3), between_blocks=stop_between_blocks)
+        assert len(blocks_seen) == 3
+        after = session.generate(_bundle(3))
+    with NativeEngineSession(PROFILE, **tiny_compiled) as fresh:
+        assert_bitwise(after.video_latents, fresh.generate(_bundle(3)).video_latents, "after an abort")
+
+
+def test_failed_trajectory_fails_the_session(tiny_compiled, monkeypatch):
+    session = NativeEngineSession(PROFILE, **tiny_compiled)
+    from vflash_core import model
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected device fault")
+
+    monkeypatch.setattr(model, "feed_forward", broken)
+    with pytest.raises(RuntimeError, match="injected"):
+        session.generate(_bundle())
+    monkeypatch.undo()
+    with pytest.raises(SessionClosedError, match="failed earlier .*injected device fault"):
+        session.generate(_bundle())
+    session.close()
+
+
+def test_bad_input_does_not_fail_the_session(tiny_compiled):
+    with NativeEngineSession(PROFILE, **tiny_compiled) as session:
+        handoff = BundleHandoff(_bundle())
+        session.generate(handoff)
+        with pytest.raises(BundleError, match="already consumed"):
+            session.generate(handoff)
+        session.generate(_bundle())
+
+
+def _vflash(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "vflash_core.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_cli_denoise_writes_latents_and_refuses_overwrite(tmp_path, tiny_compiled):
+    _bundle(5).save(tmp_path / "bundle")
+    out = tmp_path / "latents.safetensors"
+    args = [
+        "denoise", PROFILE, "--artifact", str(tiny_compiled["artifact"]), "--schedule-overlay", str(tiny_compiled["schedule_overlay"]),
+        "--auxiliary-tensor", str(tiny_compiled["auxiliary"]), "--bundle", str(tmp_path / "bundle"), "--output-latents", str(out),
+    ]
+    done = _vflash(*args)
+    assert done.returncode == 0, done.stderr
+    latents = load_file(str(out))
+    with NativeEngineSession(PROFILE, **tiny_compiled) as session:
+        expected = session.generate(_bundle(5))
+    assert_bitwise(latents["video_latents"], expected.video_latents, "cli video latents")
+    assert_bitwise(latents["audio_latents"], expected.audio_latents, "cli audio latents")
+    before = out.read_bytes()
+    again = _vflash(*args)
+    assert again.returncode == 2 and again.stderr.strip().count("\n") == 0 and "already exists" in again.stderr
+    assert "Traceback" not in again.stderr and out.read_bytes() == before
+
+
+def test_cli_bad_inputs_are_one_line_errors(tmp_path, tiny_compiled):
+    out = tmp_path / "latents.safetensors"
+    common = ["--artifact", str(tiny_compiled["artifact"]), "--schedule-overlay", str(tiny_compiled["schedule_overlay"]), "--auxiliary-tensor", str(tiny_compiled["auxiliary"]), "--output-latents", str(out)]
+    missing = _vflash("denoise", PROFILE, "--bundle", str(tmp_path / "nope"), *common)
+    assert missing.returncode == 2 and "not a conditioning bundle" in missing.stderr and "Traceback" not in missing.stderr
+    _bundle().save(tmp_path / "b")
+    wrong_profile = _vflash("denoise", "t2va-base16-exact-cpu", "--bundle", str(tmp_path / "b"), *common)
+    assert wrong_profile.returncode == 2 and "nfe" in wrong_profile.stderr and "Traceback" not in wrong_profile.stderr
+    unknown = _vflash("denoise", "no-such-profile", "--bundle", str(tmp_path / "b"), *common)
+    assert unknown.returncode == 2 and "unknown profile" in unknown.stderr
+    assert not out.exists()
+
+
+def test_compiler_cli(tmp_path, tiny_transformer, capsys):
+    assert compiler_main(["prepare", "--profile", PROFILE, "--transformer", str(tiny_transformer), "--receipt", str(tmp_path / "r.json")]) == 0
+    assert compiler_main(["compile", "--receipt", str(tmp_path / "r.json"), "--output", str(tmp_path / "c")]) == 0
+    assert (tmp_path / "c" / "artifact" / "block_000.safetensors").is_file()
+    assert compiler_main(["compile", "--receipt", str(tmp_path / "missing.json"), "--output", str(tmp_path / "d")]) == 2
+    assert "no such receipt" in capsys.readouterr().err
+    assert TINY.num_layers == len(list((tmp_path / "c" / "artifact").glob("block_*.safetensors")))
