@@ -1,0 +1,58 @@
+"""`@triton.jit` helpers shared by the kernels: the per-op rounding of the model and torch's 32-lane tree sum.
+
+Rounding contract (h3_model.md 1.4 and 9): every torch elementwise op on bf16 tensors computes in fp32 and rounds its
+own output to bf16 (round to nearest, ties to even). The kernels keep each intermediate in fp32 and call
+`_round_as` exactly where torch rounds, so an fp32 value that is exactly representable in the storage dtype flows
+between the "ops". For fp32 tensors the rounding is the identity (torch's fp32 ops round to fp32 themselves).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _round_as(x, DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr):
+    """fp32 `x` -> the nearest `DTYPE` value (ties to even), returned as fp32.
+
+    On the GPU the conversion is the hardware's `cvt.rn` (round to nearest even). The Triton interpreter truncates
+    fp32 -> bf16 instead, so with `EMULATE_RNE` the same rounding is done on the bit pattern: add 0x7FFF plus the
+    lowest kept bit, clear the 16 dropped bits (NaN is passed through). Both give torch's `float -> bfloat16`.
+    """
+    if DTYPE == tl.float32:
+        y = x
+    elif DTYPE == tl.bfloat16:
+        if EMULATE_RNE:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = bits + (((bits >> 16) & 1) + 0x7FFF)
+            bits = (bits >> 16) << 16
+            y = tl.where(x == x, bits.to(tl.float32, bitcast=True), x)
+        else:
+            y = x.to(tl.bfloat16).to(tl.float32)
+    else:
+        y = x.to(DTYPE).to(tl.float32)
+    return y
+
+
+@triton.jit
+def _halve_lanes(s, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, WIDTH: tl.constexpr):
+    """(A, B, WIDTH) -> (A, B, WIDTH // 2): lane i plus lane i + WIDTH/2 (one step of a warp's shuffle-down sum)."""
+    pairs = tl.permute(tl.reshape(s, (BLOCK_A, BLOCK_B, 2, WIDTH // 2)), (0, 1, 3, 2))
+    low, high = tl.split(pairs)
+    return low + high
+
+
+@triton.jit
+def _warp_tree_sum(s, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
+    """(A, B, 32) per-lane partial sums -> (A, B): the shuffle-down tree of one 32-lane warp.
+
+    Offsets 16, 8, 4, 2, 1: after each step lane i holds lane i + lane i+offset, and lane 0 ends with the sum. The
+    association is fixed ((l0 + l16) + (l8 + l24)) + ..., independent of Triton's register layout.
+    """
+    s = _halve_lanes(s, BLOCK_A, BLOCK_B, 32)
+    s = _halve_lanes(s, BLOCK_A, BLOCK_B, 16)
+    s = _halve_lanes(s, BLOCK_A, BLOCK_B, 8)
+    s = _halve_lanes(s, BLOCK_A, BLOCK_B, 4)
+    s = _halve_lanes(s, BLOCK_A, BLOCK_B, 2)
+    return tl.reshape(s, (BLOCK_A, BLOCK_B))

@@ -1,0 +1,177 @@
+"""Host-side helpers shared by every op launcher: interpreter detection, index width, tile settings, validation.
+
+Nothing here touches the device (no synchronisation, no allocation): launchers call these on shapes and strides only.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+
+__all__ = [
+    "INTERPRET",
+    "INT32_MAX",
+    "Tile",
+    "addressed_span",
+    "as_rows",
+    "check_device",
+    "elementwise_tile",
+    "needs_int64",
+    "round_dtype",
+    "check_index",
+    "COMPILE_OPTIONS",
+]
+
+
+def _interpreting() -> bool:
+    """Whether `@triton.jit` decorated this package's kernels for Triton's CPU interpreter.
+
+    `triton.jit` reads TRITON_INTERPRET when it decorates a function (triton 3.9: `knobs.runtime.interpret` in
+    `triton.jit`; triton 3.6 reads the same variable the same way), so the answer is fixed when this package is
+    imported. Older tritons without `triton.knobs` read the environment variable directly.
+    """
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+#: True when the kernels run in Triton's CPU interpreter. Launchers then pass `EMULATE_RNE=True` (the interpreter
+#: casts fp32 -> bf16 by truncation, so round-to-nearest-even is done with integer operations instead) and
+#: `USE_LIBDEVICE=False` (the interpreter cannot call libdevice; numpy's `exp` stands in for `__nv_expf`).
+INTERPRET: bool = _interpreting()
+
+INT32_MAX = 2**31 - 1
+
+
+# -- index width ----------------------------------------------------------------------------------------------------
+
+
+def addressed_span(shape: Sequence[int], strides: Sequence[int]) -> int:
+    """Largest element offset a kernel can form inside a tensor: sum((size - 1) * |stride|), 0 for an empty one.
+
+    This, not `numel()`, bounds the offset arithmetic: a strided view (a column block of the AdaLN table with row
+    stride 6H, q inside the packed QKV rows) addresses far more than its logical size.
+    """
+    if len(shape) != len(strides):
+        raise ValueError(f"shape {tuple(shape)} and strides {tuple(strides)} differ in length")
+    if any(int(n) == 0 for n in shape):
+        return 0
+    return sum((int(n) - 1) * abs(int(s)) for n, s in zip(shape, strides))
+
+
+def needs_int64(*views: torch.Tensor | tuple[Sequence[int], Sequence[int]]) -> bool:
+    """The index-width rule: True (use the kernel's `INDEX_64=True` variant) when any addressed span exceeds 2**31 - 1.
+
+    Each view is a tensor (its shape and strides are read, nothing is allocated or synchronised) or a
+    `(shape, strides)` pair, so the rule can be checked on fake shapes. Kernels compiled with `INDEX_64=True` widen
+    program ids and row/column indices to int64 *before* multiplying by strides; otherwise all offsets stay int32.
+    Masked-off lanes past the end of a tensor may form wrapped offsets in int32, which is harmless: they are never
+    dereferenced.
+    """
+    for view in views:
+        if isinstance(view, torch.Tensor):
+            span = addressed_span(view.shape, view.stride())
+        else:
+            span = addressed_span(*view)
+        if span > INT32_MAX:
+            return True
+    return False
+
+
+# -- launch settings -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tile:
+    """One program's tile: `block_rows` rows x `block_groups` column groups of `group_size` elements each."""
+
+    block_rows: int
+    block_groups: int
+    num_warps: int
+
+
+#: Elements per program that the heuristic aims for (8 KiB of bf16 per operand): enough 16-byte vectors per thread to
+#: keep loads in flight, small enough for thousands of programs at S ~ 20k. A heuristic, not a swept constant.
+TARGET_TILE_ELEMENTS = 4096
+
+
+def elementwise_tile(n_rows: int, n_groups: int, group_size: int = 1) -> Tile:
+    """THE launch-settings heuristic of every op in this package (documented here, nowhere else).
+
+    The problem is `n_rows` rows of `n_groups` column groups; a group of `group_size` elements (a power of two) is
+    never split across programs (1 for plain columns; the padded head width for the per-head rotary kernels).
+
+    * `block_groups`: a power of two with `block_groups * group_size` in [256, 2048] elements (or the whole row,
+      rounded up to a power of two, when that is smaller), choosing the one that leaves the fewest masked lanes in the
+      last column block, the larger on ties. H = 5376 = 21 * 256 gives 256 (no waste), F = 14336 = 7 * 2048 gives
+      2048, 56 heads of 128 give 8 heads (1024 elements, no waste).
+    * `block_rows`: `TARGET_TILE_ELEMENTS // (block_groups * group_size)`, at least 1, at most the row count rounded
+      up to a power of two.
+    * `num_warps`: one warp per 512 tile elements, clamped to [1, 8] (4096 elements -> 8 warps, 16 per thread).
+    """
+    if group_size < 1 or group_size & (group_size - 1):
+        raise ValueError(f"group_size must be a power of two, got {group_size}")
+    n_rows, n_groups = max(int(n_rows), 1), max(int(n_groups), 1)
+    whole = triton.next_power_of_2(n_groups)
+    candidates = [g for g in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048) if 256 <= g * group_size <= 2048 and g <= whole]
+    if not candidates:  # rows narrower than 256 elements (or a single group wider than 2048): one block per row
+        candidates = [min(whole, max(1, 2048 // group_size))]
+    waste = lambda g: -n_groups % g  # noqa: E731 - masked groups in the last column block
+    block_groups = min(candidates, key=lambda g: (waste(g), -g))
+    tile_cols = block_groups * group_size
+    block_rows = max(1, min(TARGET_TILE_ELEMENTS // tile_cols, triton.next_power_of_2(n_rows)))
+    num_warps = max(1, min(8, (block_rows * tile_cols) // 512))
+    return Tile(block_rows, block_groups, num_warps)
+
+
+# -- validation at the API boundary ---------------------------------------------------------------------------------
+
+
+def check_device(*tensors: torch.Tensor) -> None:
+    """All tensors on one device, and that device CUDA unless the kernels run in the interpreter (which takes CPU)."""
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    device = devices.pop()
+    if device.type != "cuda" and not INTERPRET:
+        raise ValueError(
+            f"vflash_kernels ops run on CUDA tensors (got {device}); on the CPU use the `*_reference` function beside "
+            "each op, or set TRITON_INTERPRET=1 before importing vflash_kernels to run the kernels in Triton's interpreter"
+        )
+
+
+def as_rows(x: torch.Tensor, name: str) -> torch.Tensor:
+    """(S, N) or (1, S, N) -> an (S, N) view with the same strides (never a copy)."""
+    if x.dim() == 3 and x.shape[0] == 1:
+        return x[0]
+    if x.dim() != 2:
+        raise ValueError(f"{name} must be (S, N) or (1, S, N), got shape {tuple(x.shape)}")
+    return x
+
+
+_TL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+def round_dtype(dtype: torch.dtype):
+    """The `tl` dtype whose rounding the kernel applies after each op: the dtype torch would compute the op in."""
+    import triton.language as tl
+
+    if dtype not in _TL_DTYPES:
+        raise TypeError(f"unsupported dtype {dtype}; the kernels take bfloat16, float16 or float32 tensors")
+    return getattr(tl, _TL_DTYPES[dtype])
+
+
+def check_index(index: torch.Tensor, n_rows: int, name: str) -> None:
+    """A 1-D int32/int64 row index with one entry per row (values are not checked: that would synchronise)."""
+    if index.dtype not in (torch.int32, torch.int64) or index.dim() != 1 or index.shape[0] != n_rows:
+        raise ValueError(f"{name} must be a 1-D int32/int64 tensor of {n_rows} entries, got {tuple(index.shape)} {index.dtype}")
+
+
+#: Launch keyword passed to every kernel: no fp contraction, so `a * b + c` in fp32 stays two roundings as in torch
+#: (with bf16 storage the intermediate conversions already prevent it; for fp32 tensors this keeps parity).
+COMPILE_OPTIONS = {"enable_fp_fusion": False}

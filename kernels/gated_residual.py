@@ -1,0 +1,155 @@
+"""Gated residual update: `x + gate[row] * y`, gathering the gate rows of the AdaLN table in-kernel.
+
+Reference: `vflash_core.model.main_block` (`x + mod.gate_msa * attention(...)`, `x + mod.gate_mlp * feed_forward(...)`).
+No tanh, no clamp (h3_model.md 1.4 step 6).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _launch
+from ._device import _round_as
+
+__all__ = ["GATE_BLOCKS", "gated_residual", "gated_residual_reference"]
+
+#: which -> (gate block, number of H-wide blocks in a (3T, 6H) main-block table row).
+GATE_BLOCKS = {"msa": (2, 6), "mlp": (5, 6)}
+
+
+@triton.jit
+def _gated_residual_kernel(
+    x_ptr,
+    y_ptr,
+    table_ptr,
+    index_ptr,
+    out_ptr,
+    n_rows,
+    n_cols,
+    x_row_stride,
+    x_col_stride,
+    y_row_stride,
+    y_col_stride,
+    table_row_stride,
+    table_col_stride,
+    index_stride,
+    out_row_stride,
+    out_col_stride,
+    gate_col,
+    ROUND_DTYPE: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    INDEX_64: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
+):
+    """out[s, c] = bf( x[s, c] + bf( table[t, gate_col + c] * y[s, c] ) ),  t = index[s].
+
+    Two torch bf16 ops (`gate * y`, then `x + ...`), each rounded to ROUND_DTYPE (nearest even) from fp32. Every
+    element is loaded before it is stored by the same program, so `out` may be `x` (in-place update).
+    Grid: (row blocks, column blocks).
+    """
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    if INDEX_64:
+        pid_r = pid_r.to(tl.int64)
+        pid_c = pid_c.to(tl.int64)
+    rows = pid_r * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = pid_c * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    row_mask = rows < n_rows
+    mask = row_mask[:, None] & (cols < n_cols)[None, :]
+
+    table_rows = tl.load(index_ptr + rows * index_stride, mask=row_mask, other=0)
+    if INDEX_64:
+        table_rows = table_rows.to(tl.int64)
+    else:
+        table_rows = table_rows.to(tl.int32)
+
+    x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride, mask=mask, other=0.0)
+    y = tl.load(y_ptr + rows[:, None] * y_row_stride + cols[None, :] * y_col_stride, mask=mask, other=0.0)
+    gate = tl.load(
+        table_ptr + (table_rows * table_row_stride)[:, None] + (gate_col + cols)[None, :] * table_col_stride,
+        mask=mask,
+        other=0.0,
+    )
+    gated = _round_as(gate.to(tl.float32) * y.to(tl.float32), ROUND_DTYPE, EMULATE_RNE)
+    result = _round_as(x.to(tl.float32) + gated, ROUND_DTYPE, EMULATE_RNE)
+    tl.store(out_ptr + rows[:, None] * out_row_stride + cols[None, :] * out_col_stride, result.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gated_residual_forward(x: torch.Tensor, y: torch.Tensor, table: torch.Tensor, row_index: torch.Tensor, gate_col: int, out: torch.Tensor) -> torch.Tensor:
+    """Launcher over 2-D views: x, y, out (S, H) (any strides; out may be x), table (R, 6H), row_index (S,)."""
+    n_rows, n_cols = x.shape
+    if n_rows == 0 or n_cols == 0:
+        return out
+    tile = _launch.elementwise_tile(n_rows, n_cols)
+    grid = (triton.cdiv(n_rows, tile.block_rows), triton.cdiv(n_cols, tile.block_groups))
+    _gated_residual_kernel[grid](
+        x, y, table, row_index, out,
+        n_rows, n_cols,
+        x.stride(0), x.stride(1),
+        y.stride(0), y.stride(1),
+        table.stride(0), table.stride(1),
+        row_index.stride(0),
+        out.stride(0), out.stride(1),
+        gate_col,
+        ROUND_DTYPE=_launch.round_dtype(x.dtype),
+        BLOCK_ROWS=tile.block_rows,
+        BLOCK_COLS=tile.block_groups,
+        INDEX_64=_launch.needs_int64(x, y, table, row_index, out),
+        EMULATE_RNE=_launch.INTERPRET,
+        num_warps=tile.num_warps,
+        **_launch.COMPILE_OPTIONS,
+    )
+    return out
+
+
+def gated_residual(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    table: torch.Tensor,
+    row_index: torch.Tensor,
+    which: str = "msa",
+    *,
+    out: torch.Tensor | None = None,
+    inplace: bool = False,
+) -> torch.Tensor:
+    """Fused `x + gate[row_index] * y` with torch's two roundings.
+
+    x: (S, H) or (1, S, H) residual stream, bf16 (or fp16/fp32), any strides.
+    y: sublayer output of x's shape and dtype (attention or FFN output projection), any strides.
+    table: (R, 6H) main-block AdaLN table, any strides; the gate is column block 2 ("msa") or 5 ("mlp").
+    row_index: (S,) int64/int32 table row per packed row (`adaln_indices`), values in [0, R) (not checked).
+    inplace: write the result into `x` and return `x` (safe: each element is read before it is written by the same
+        program). Otherwise the result goes to `out` (x's shape and dtype, any strides) or a new contiguous tensor.
+    """
+    if which not in GATE_BLOCKS:
+        raise ValueError(f"which must be one of {sorted(GATE_BLOCKS)}, got {which!r}")
+    gate_block, n_blocks = GATE_BLOCKS[which]
+    x2, y2 = _launch.as_rows(x, "x"), _launch.as_rows(y, "y")
+    if y.shape != x.shape or y.dtype != x.dtype or table.dtype != x.dtype:
+        raise ValueError(f"x {tuple(x.shape)} {x.dtype}, y {tuple(y.shape)} {y.dtype} and table {table.dtype} must agree")
+    n_rows, hidden = x2.shape
+    if table.dim() != 2 or table.shape[1] != n_blocks * hidden:
+        raise ValueError(f"table must be (R, {n_blocks}*{hidden}), got {tuple(table.shape)}")
+    _launch.check_index(row_index, n_rows, "row_index")
+    if inplace:
+        if out is not None:
+            raise ValueError("pass either out= or inplace=True, not both")
+        out = x
+    elif out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    elif out.shape != x.shape or out.dtype != x.dtype:
+        raise ValueError(f"out must be {tuple(x.shape)} {x.dtype}, got {tuple(out.shape)} {out.dtype}")
+    if out is not x and out.data_ptr() == x.data_ptr() and out.stride() != x.stride():
+        raise ValueError("out aliases x with different strides; use inplace=True or a separate tensor")
+    _launch.check_device(x, y, table, row_index, out)
+    gated_residual_forward(x2, y2, table, row_index, gate_block * hidden, _launch.as_rows(out, "out"))
+    return out
+
+
+def gated_residual_reference(x: torch.Tensor, y: torch.Tensor, table: torch.Tensor, row_index: torch.Tensor, which: str = "msa") -> torch.Tensor:
+    """The torch ops `gated_residual` reproduces bit for bit (`x + mod.gate_* * sublayer(h)` of `main_block`)."""
+    gate_block, n_blocks = GATE_BLOCKS[which]
+    return x + table.chunk(n_blocks, dim=-1)[gate_block].index_select(0, row_index) * y

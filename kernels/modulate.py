@@ -1,0 +1,157 @@
+"""AdaLN modulation after the RMSNorm: `normed * (1 + scale[row]) + shift[row]`, gathering the table rows in-kernel.
+
+Reference: `vflash_core.model.main_block` (`h * (1.0 + mod.scale_msa) + mod.shift_msa`, the `Modulation.gather`
+rows of `table.chunk(6, -1)`), and `output_heads` for the final `norm_out` modulation ((T, 2H) [shift | scale] rows
+indexed by timestep, then `.to(float32)`). The RMSNorm itself stays in torch (`F.rms_norm`): its CUDA reduction order
+for H = 5376 cannot be reproduced bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _launch
+from ._device import _round_as
+
+__all__ = ["MODULATION_BLOCKS", "modulate", "modulate_reference"]
+
+#: which -> (shift block, scale block, number of H-wide blocks in a table row).
+#: Main-block tables are (3T, 6H): shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp.
+#: The `norm_out` table is (T, 2H): shift, scale.
+MODULATION_BLOCKS = {"msa": (0, 1, 6), "mlp": (3, 4, 6), "out": (0, 1, 2)}
+
+
+@triton.jit
+def _modulate_kernel(
+    x_ptr,
+    table_ptr,
+    index_ptr,
+    out_ptr,
+    n_rows,
+    n_cols,
+    x_row_stride,
+    x_col_stride,
+    table_row_stride,
+    table_col_stride,
+    index_stride,
+    out_row_stride,
+    out_col_stride,
+    shift_col,
+    scale_col,
+    ROUND_DTYPE: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    INDEX_64: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
+):
+    """out[s, c] = bf( bf( x[s, c] * bf(1 + table[t, scale_col + c]) ) + table[t, shift_col + c] ),  t = index[s].
+
+    bf() rounds to ROUND_DTYPE (nearest even); every product and sum is computed in fp32 between roundings, as
+    torch's three bf16 ops `1.0 + scale`, `*`, `+` do. The result is stored in out's dtype (fp32 for `norm_out`: an
+    exact widening of the bf16 value, i.e. `.to(float32)`). Grid: (row blocks, column blocks).
+    """
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    if INDEX_64:
+        pid_r = pid_r.to(tl.int64)
+        pid_c = pid_c.to(tl.int64)
+    rows = pid_r * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = pid_c * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    row_mask = rows < n_rows
+    mask = row_mask[:, None] & (cols < n_cols)[None, :]
+
+    table_rows = tl.load(index_ptr + rows * index_stride, mask=row_mask, other=0)
+    if INDEX_64:
+        table_rows = table_rows.to(tl.int64)
+    else:
+        table_rows = table_rows.to(tl.int32)
+    table_row_offsets = (table_rows * table_row_stride)[:, None]
+
+    x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride, mask=mask, other=0.0)
+    scale = tl.load(table_ptr + table_row_offsets + (scale_col + cols)[None, :] * table_col_stride, mask=mask, other=0.0)
+    shift = tl.load(table_ptr + table_row_offsets + (shift_col + cols)[None, :] * table_col_stride, mask=mask, other=0.0)
+
+    one_plus_scale = _round_as(1.0 + scale.to(tl.float32), ROUND_DTYPE, EMULATE_RNE)
+    y = _round_as(x.to(tl.float32) * one_plus_scale, ROUND_DTYPE, EMULATE_RNE)
+    y = _round_as(y + shift.to(tl.float32), ROUND_DTYPE, EMULATE_RNE)
+    tl.store(out_ptr + rows[:, None] * out_row_stride + cols[None, :] * out_col_stride, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def modulate_forward(normed: torch.Tensor, table: torch.Tensor, row_index: torch.Tensor, shift_col: int, scale_col: int, out: torch.Tensor) -> torch.Tensor:
+    """Launcher over 2-D views: normed (S, H), table (R, n*H) (any strides), row_index (S,), out (S, H)."""
+    n_rows, n_cols = normed.shape
+    if n_rows == 0 or n_cols == 0:
+        return out
+    tile = _launch.elementwise_tile(n_rows, n_cols)
+    grid = (triton.cdiv(n_rows, tile.block_rows), triton.cdiv(n_cols, tile.block_groups))
+    _modulate_kernel[grid](
+        normed, table, row_index, out,
+        n_rows, n_cols,
+        normed.stride(0), normed.stride(1),
+        table.stride(0), table.stride(1),
+        row_index.stride(0),
+        out.stride(0), out.stride(1),
+        shift_col, scale_col,
+        ROUND_DTYPE=_launch.round_dtype(normed.dtype),
+        BLOCK_ROWS=tile.block_rows,
+        BLOCK_COLS=tile.block_groups,
+        INDEX_64=_launch.needs_int64(normed, table, row_index, out),
+        EMULATE_RNE=_launch.INTERPRET,
+        num_warps=tile.num_warps,
+        **_launch.COMPILE_OPTIONS,
+    )
+    return out
+
+
+def modulate(
+    normed: torch.Tensor,
+    table: torch.Tensor,
+    row_index: torch.Tensor,
+    which: str = "msa",
+    *,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Fused AdaLN modulation: `normed * (1 + scale[row_index]) + shift[row_index]` with torch's three roundings.
+
+    normed: (S, H) or (1, S, H), bf16 (or fp16/fp32), any strides: the `F.rms_norm` output.
+    table: (R, n*H) same dtype, any strides (a view is read in place). n = 6 for `which` "msa" (shift block 0,
+        scale block 1) and "mlp" (blocks 3, 4) of a main block's (3T, 6H) AdaLN table; n = 2 for "out", the
+        (T, 2H) [shift | scale] `norm_out` table.
+    row_index: (S,) int64/int32 table row of each packed row (`adaln_indices`, or `timestep_indices` for "out"),
+        values in [0, R) (not checked: that would synchronise).
+    out_dtype: dtype of the result (default normed's); float32 for `norm_out` gives the reference's `.to(float32)`.
+    out: optional preallocated result of normed's shape and `out_dtype`, any strides.
+    Returns a tensor of normed's shape, contiguous unless `out` was given.
+    """
+    if which not in MODULATION_BLOCKS:
+        raise ValueError(f"which must be one of {sorted(MODULATION_BLOCKS)}, got {which!r}")
+    shift_block, scale_block, n_blocks = MODULATION_BLOCKS[which]
+    x2 = _launch.as_rows(normed, "normed")
+    n_rows, hidden = x2.shape
+    if table.dim() != 2 or table.shape[1] != n_blocks * hidden:
+        raise ValueError(f"table for {which!r} must be (R, {n_blocks}*{hidden}), got {tuple(table.shape)}")
+    if table.dtype != normed.dtype:
+        raise TypeError(f"table dtype {table.dtype} differs from normed dtype {normed.dtype}")
+    _launch.check_index(row_index, n_rows, "row_index")
+    out_dtype = out_dtype or normed.dtype
+    if out is None:
+        out = torch.empty(normed.shape, dtype=out_dtype, device=normed.device)
+    elif out.shape != normed.shape or out.dtype != out_dtype:
+        raise ValueError(f"out must be {tuple(normed.shape)} {out_dtype}, got {tuple(out.shape)} {out.dtype}")
+    _launch.check_device(normed, table, row_index, out)
+    modulate_forward(x2, table, row_index, shift_block * hidden, scale_block * hidden, _launch.as_rows(out, "out"))
+    return out
+
+
+def modulate_reference(
+    normed: torch.Tensor, table: torch.Tensor, row_index: torch.Tensor, which: str = "msa", out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """The torch ops `modulate` reproduces bit for bit (same arguments; the model's `Modulation.gather` + main_block)."""
+    shift_block, scale_block, n_blocks = MODULATION_BLOCKS[which]
+    parts = table.chunk(n_blocks, dim=-1)
+    shift, scale = parts[shift_block].index_select(0, row_index), parts[scale_block].index_select(0, row_index)
+    y = normed * (1.0 + scale) + shift
+    return y if out_dtype is None else y.to(out_dtype)

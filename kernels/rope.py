@@ -1,0 +1,450 @@
+"""Partial rotary embedding on q and k, alone (`rope`) or fused with the per-head QK RMSNorm (`qk_norm_rope`).
+
+Reference: `vflash_core.model.attention` / `apply_rotary` (h3_model.md 1.4 step 7, gotcha 7). Rotate-half over the
+first R channels of each D-channel head (R = 96 of 128 in the released model), pairs (i, i + R/2); channels >= R pass
+through. cos/sin are the (S, R) fp32 tables rounded to bf16 *before* use. Both ops write q and k as contiguous
+(1, S, heads, D): the layout FA3 (`[B, N, H, D]`) and SDPA-on-permuted-views take.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from . import _launch
+from ._device import _round_as, _warp_tree_sum
+
+__all__ = ["qk_norm_rope", "qk_norm_rope_reference", "rms_norm_warp_order_reference", "rope", "rope_reference"]
+
+#: torch's vectorized CUDA row kernel (`vectorized_layer_norm_kernel`, used by `F.rms_norm` for contiguous rows whose
+#: length is a multiple of 4) gives lane t of a 32-lane warp the 4 consecutive channels 4t..4t+3; `qk_norm_rope`
+#: reproduces that order, so it is defined for head dims up to 4 * 32 = 128.
+_LANES = 32
+_VEC = 4
+
+
+@triton.jit
+def _rotate_half(x, partner, cos, sin, d, ROTARY: tl.constexpr, ROUND_DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr):
+    """out_d = bf( bf(x_d * c_d) + bf(r_d * s_d) ) for d < R (r_d = -x_{d+R/2} below R/2, x_{d-R/2} above), x_d for d >= R."""
+    rotated = tl.where(d < ROTARY // 2, -partner, partner)
+    out = _round_as(
+        _round_as(x * cos, ROUND_DTYPE, EMULATE_RNE) + _round_as(rotated * sin, ROUND_DTYPE, EMULATE_RNE),
+        ROUND_DTYPE,
+        EMULATE_RNE,
+    )
+    return tl.where(d < ROTARY, out, x)
+
+
+@triton.jit
+def _rope_kernel(
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    n_rows,
+    n_heads,
+    x_row_stride,
+    x_head_stride,
+    x_col_stride,
+    cos_row_stride,
+    cos_col_stride,
+    sin_row_stride,
+    sin_col_stride,
+    out_row_stride,
+    out_head_stride,
+    out_col_stride,
+    HEAD_DIM: tl.constexpr,
+    ROTARY: tl.constexpr,
+    ROUND_DTYPE: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    INDEX_64: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
+):
+    """Rotary on one (S, heads, D) tensor (any strides) into out (S, heads, D).
+
+    For d < R/2:      out[s,h,d] = bf( bf(x[s,h,d] * c[s,d]) + bf(-x[s,h,d+R/2] * s[s,d]) )
+    For R/2 <= d < R: out[s,h,d] = bf( bf(x[s,h,d] * c[s,d]) + bf( x[s,h,d-R/2] * s[s,d]) )
+    For d >= R:       out[s,h,d] = x[s,h,d]
+    c, s: (S, R) already rounded to x's dtype. Grid: (row blocks, head blocks); a tile holds whole heads.
+    """
+    pid_r = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    if INDEX_64:
+        pid_r = pid_r.to(tl.int64)
+        pid_h = pid_h.to(tl.int64)
+    rows = pid_r * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    heads = pid_h * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)
+    d = tl.arange(0, BLOCK_D)
+    partner = tl.where(d < ROTARY // 2, d + ROTARY // 2, d - ROTARY // 2)
+    row_mask = rows < n_rows
+    mask = row_mask[:, None, None] & (heads < n_heads)[None, :, None] & (d < HEAD_DIM)[None, None, :]
+    rot_mask = mask & (d < ROTARY)[None, None, :]
+
+    base = x_ptr + rows[:, None, None] * x_row_stride + heads[None, :, None] * x_head_stride
+    x = tl.load(base + d[None, None, :] * x_col_stride, mask=mask, other=0.0).to(tl.float32)
+    x_partner = tl.load(base + partner[None, None, :] * x_col_stride, mask=rot_mask, other=0.0).to(tl.float32)
+    angle_mask = row_mask[:, None] & (d < ROTARY)[None, :]
+    cos = tl.load(cos_ptr + rows[:, None] * cos_row_stride + d[None, :] * cos_col_stride, mask=angle_mask, other=0.0)
+    sin = tl.load(sin_ptr + rows[:, None] * sin_row_stride + d[None, :] * sin_col_stride, mask=angle_mask, other=0.0)
+
+    out = _rotate_half(
+        x, x_partner, cos.to(tl.float32)[:, None, :], sin.to(tl.float32)[:, None, :], d[None, None, :], ROTARY, ROUND_DTYPE, EMULATE_RNE
+    )
+    out_ptrs = out_ptr + rows[:, None, None] * out_row_stride + heads[None, :, None] * out_head_stride + d[None, None, :] * out_col_stride
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    qkv_ptr,
+    q_weight_ptr,
+    k_weight_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    n_rows,
+    n_heads,
+    eps,
+    qkv_row_stride,
+    qkv_col_stride,
+    q_weight_stride,
+    k_weight_stride,
+    cos_row_stride,
+    cos_col_stride,
+    sin_row_stride,
+    sin_col_stride,
+    out_part_stride,
+    out_row_stride,
+    out_head_stride,
+    HEAD_DIM: tl.constexpr,
+    ROTARY: tl.constexpr,
+    ROUND_DTYPE: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    LANES: tl.constexpr,
+    INDEX_64: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
+):
+    """Per-head RMSNorm then rotary, reading q / k (/ v) straight from the (S, 3*heads*D) QKV GEMM output.
+
+    part p = program_id(2): 0 = q (columns [0, I)), 1 = k ([I, 2I)), 2 = v ([2I, 3I), copied unchanged).
+    n[s,h,d]   = bf( w[d] * (rstd[s,h] * x[s,h,d]) )             fp32 products, one rounding (as `F.rms_norm`)
+    rstd[s,h]  = rsqrt( sum_sq[s,h] / D + eps )                  IEEE division, hardware rsqrt (as torch's rsqrtf)
+    sum_sq     = lane t (of 32) sums x[4t]^2, x[4t+1]^2, x[4t+2]^2, x[4t+3]^2 sequentially (fma), then the 32 lane sums
+                 are added by the shuffle-down tree (offsets 16, 8, 4, 2, 1): torch's vectorized CUDA row kernel's
+                 order for D <= 128 (lanes past D/4 hold 0, which adds exactly).
+    out        = rotary of n exactly as `_rope_kernel` (partner channels normalised the same way).
+    Grid: (row blocks, head blocks, parts).
+    """
+    pid_r = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    part = tl.program_id(2)
+    if INDEX_64:
+        pid_r = pid_r.to(tl.int64)
+        pid_h = pid_h.to(tl.int64)
+        part = part.to(tl.int64)
+    rows = pid_r * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    heads = pid_h * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)
+    d = tl.arange(0, BLOCK_D)
+    partner = tl.where(d < ROTARY // 2, d + ROTARY // 2, d - ROTARY // 2)
+    row_mask = rows < n_rows
+    row_head_mask = row_mask[:, None, None] & (heads < n_heads)[None, :, None]
+    mask = row_head_mask & (d < HEAD_DIM)[None, None, :]
+    rot_mask = mask & (d < ROTARY)[None, None, :]
+
+    # column of channel 0 of each head of this part inside the packed row
+    head_cols = part * (n_heads * HEAD_DIM) + heads * HEAD_DIM
+    base = qkv_ptr + rows[:, None, None] * qkv_row_stride + head_cols[None, :, None] * qkv_col_stride
+
+    # sum of squares in the lane order of torch's kernel: 4 strided (rows, heads, 32) views, channel 4 * lane + j
+    lane = tl.arange(0, LANES)
+    lane_mask = row_head_mask & (lane < HEAD_DIM // 4)[None, None, :]
+    lane_ptrs = base + (4 * lane)[None, None, :] * qkv_col_stride
+    x0 = tl.load(lane_ptrs, mask=lane_mask, other=0.0).to(tl.float32)
+    x1 = tl.load(lane_ptrs + qkv_col_stride, mask=lane_mask, other=0.0).to(tl.float32)
+    x2 = tl.load(lane_ptrs + 2 * qkv_col_stride, mask=lane_mask, other=0.0).to(tl.float32)
+    x3 = tl.load(lane_ptrs + 3 * qkv_col_stride, mask=lane_mask, other=0.0).to(tl.float32)
+    lane_sum = tl.fma(x3, x3, tl.fma(x2, x2, tl.fma(x1, x1, x0 * x0)))
+    sum_sq = _warp_tree_sum(lane_sum, BLOCK_ROWS, BLOCK_HEADS)
+    rstd = tl.math.rsqrt(tl.math.div_rn(sum_sq, HEAD_DIM * 1.0) + eps)[:, :, None]
+
+    x = tl.load(base + d[None, None, :] * qkv_col_stride, mask=mask, other=0.0).to(tl.float32)
+    x_partner = tl.load(base + partner[None, None, :] * qkv_col_stride, mask=rot_mask, other=0.0).to(tl.float32)
+    d_mask = d < HEAD_DIM
+    is_k = part == 1
+    weight = tl.where(
+        is_k,
+        tl.load(k_weight_ptr + d * k_weight_stride, mask=d_mask, other=0.0),
+        tl.load(q_weight_ptr + d * q_weight_stride, mask=d_mask, other=0.0),
+    ).to(tl.float32)[None, None, :]
+    partner_mask = d < ROTARY
+    weight_partner = tl.where(
+        is_k,
+        tl.load(k_weight_ptr + partner * k_weight_stride, mask=partner_mask, other=0.0),
+        tl.load(q_weight_ptr + partner * q_weight_stride, mask=partner_mask, other=0.0),
+    ).to(tl.float32)[None, None, :]
+    normed = _round_as(weight * (rstd * x), ROUND_DTYPE, EMULATE_RNE)
+    normed_partner = _round_as(weight_partner * (rstd * x_partner), ROUND_DTYPE, EMULATE_RNE)
+
+    angle_mask = row_mask[:, None] & (d < ROTARY)[None, :]
+    cos = tl.load(cos_ptr + rows[:, None] * cos_row_stride + d[None, :] * cos_col_stride, mask=angle_mask, other=0.0)
+    sin = tl.load(sin_ptr + rows[:, None] * sin_row_stride + d[None, :] * sin_col_stride, mask=angle_mask, other=0.0)
+    out = _rotate_half(
+        normed, normed_partner, cos.to(tl.float32)[:, None, :], sin.to(tl.float32)[:, None, :], d[None, None, :], ROTARY, ROUND_DTYPE, EMULATE_RNE
+    )
+    out = tl.where(part == 2, x, out)  # v: a plain copy
+    out_ptrs = out_ptr + part * out_part_stride + rows[:, None, None] * out_row_stride + heads[None, :, None] * out_head_stride + d[None, None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# -- host side ---------------------------------------------------------------------------------------------------------
+
+
+def _heads_view(x: torch.Tensor, name: str) -> torch.Tensor:
+    """(S, heads, D) or (1, S, heads, D) -> an (S, heads, D) view (never a copy)."""
+    if x.dim() == 4 and x.shape[0] == 1:
+        return x[0]
+    if x.dim() != 3:
+        raise ValueError(f"{name} must be (S, heads, D) or (1, S, heads, D), got {tuple(x.shape)}")
+    return x
+
+
+def _angles_view(t: torch.Tensor, n_rows: int, dtype: torch.dtype, name: str) -> torch.Tensor:
+    """cos / sin as (S, R) or the model's (1, S, 1, R) -> an (S, R) view (never a copy)."""
+    if t.dim() == 4 and t.shape[0] == 1 and t.shape[2] == 1:
+        t = t[0, :, 0, :]
+    if t.dim() != 2 or t.shape[0] != n_rows:
+        raise ValueError(f"{name} must be ({n_rows}, R) or (1, {n_rows}, 1, R), got {tuple(t.shape)}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must already be rounded to {dtype} (the reference rounds cos/sin first), got {t.dtype}")
+    return t
+
+
+def _check_rotary(rotary: int, head_dim: int) -> None:
+    if rotary % 2 or not 0 < rotary <= head_dim:
+        raise ValueError(f"rotary width R = {rotary} must be even and in (0, D = {head_dim}]")
+
+
+def _tile_and_grid(n_rows: int, n_heads: int, block_d: int, parts: int = 1):
+    tile = _launch.elementwise_tile(n_rows, n_heads, block_d)
+    grid = (triton.cdiv(n_rows, tile.block_rows), triton.cdiv(n_heads, tile.block_groups), parts)
+    return tile, grid
+
+
+def rope_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Launcher: x (S, heads, D) any strides, cos/sin (S, R) any strides, out (S, heads, D) any strides."""
+    n_rows, n_heads, head_dim = x.shape
+    if x.numel() == 0:
+        return out
+    block_d = triton.next_power_of_2(head_dim)
+    tile, grid = _tile_and_grid(n_rows, n_heads, block_d)
+    _rope_kernel[grid[:2]](
+        x, cos, sin, out,
+        n_rows, n_heads,
+        x.stride(0), x.stride(1), x.stride(2),
+        cos.stride(0), cos.stride(1),
+        sin.stride(0), sin.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+        HEAD_DIM=head_dim,
+        ROTARY=cos.shape[1],
+        ROUND_DTYPE=_launch.round_dtype(x.dtype),
+        BLOCK_ROWS=tile.block_rows,
+        BLOCK_HEADS=tile.block_groups,
+        BLOCK_D=block_d,
+        INDEX_64=_launch.needs_int64(x, cos, sin, out),
+        EMULATE_RNE=_launch.INTERPRET,
+        num_warps=tile.num_warps,
+        **_launch.COMPILE_OPTIONS,
+    )
+    return out
+
+
+def rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary on already-normalised q and k (the `F.rms_norm` outputs), torch's three roundings per channel.
+
+    q, k: (1, S, heads, D) or (S, heads, D), bf16 (or fp16/fp32), any strides (views into a larger buffer are read
+        in place). cos, sin: (S, R) or (1, S, 1, R) in q's dtype (already rounded), any strides; R even, R <= D.
+    out: optional (2, S, heads, D) buffer of q's dtype, any strides; q goes to out[0], k to out[1].
+    Returns (q_out, k_out), each (1, S, heads, D) and contiguous when `out` is not given (views `out[0:1]`,
+    `out[1:2]` of one (2, S, heads, D) allocation).
+    """
+    q3, k3 = _heads_view(q, "q"), _heads_view(k, "k")
+    if q3.shape != k3.shape or q.dtype != k.dtype:
+        raise ValueError(f"q {tuple(q.shape)} {q.dtype} and k {tuple(k.shape)} {k.dtype} must agree")
+    n_rows, n_heads, head_dim = q3.shape
+    cos2, sin2 = _angles_view(cos, n_rows, q.dtype, "cos"), _angles_view(sin, n_rows, q.dtype, "sin")
+    if cos2.shape != sin2.shape:
+        raise ValueError(f"cos {tuple(cos2.shape)} and sin {tuple(sin2.shape)} differ")
+    _check_rotary(cos2.shape[1], head_dim)
+    _launch.round_dtype(q.dtype)
+    shape = (2, n_rows, n_heads, head_dim)
+    if out is None:
+        out = torch.empty(shape, dtype=q.dtype, device=q.device)
+    elif tuple(out.shape) != shape or out.dtype != q.dtype:
+        raise ValueError(f"out must be {shape} {q.dtype}, got {tuple(out.shape)} {out.dtype}")
+    _launch.check_device(q, k, cos, sin, out)
+    rope_forward(q3, cos2, sin2, out[0])
+    rope_forward(k3, cos2, sin2, out[1])
+    return out[0:1], out[1:2]
+
+
+def qk_norm_rope_forward(
+    qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, head_dim: int, out: torch.Tensor
+) -> torch.Tensor:
+    """Launcher: qkv (S, 3I) any strides, weights (D,), cos/sin (S, R), out (P, S, heads, D) with unit channel stride."""
+    n_rows = qkv.shape[0]
+    n_heads = qkv.shape[1] // (3 * head_dim)
+    if qkv.numel() == 0:
+        return out
+    block_d = triton.next_power_of_2(head_dim)
+    tile, grid = _tile_and_grid(n_rows, n_heads, block_d, parts=out.shape[0])
+    _qk_norm_rope_kernel[grid](
+        qkv, q_weight, k_weight, cos, sin, out,
+        n_rows, n_heads, float(eps),
+        qkv.stride(0), qkv.stride(1),
+        q_weight.stride(0), k_weight.stride(0),
+        cos.stride(0), cos.stride(1),
+        sin.stride(0), sin.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+        HEAD_DIM=head_dim,
+        ROTARY=cos.shape[1],
+        ROUND_DTYPE=_launch.round_dtype(qkv.dtype),
+        BLOCK_ROWS=tile.block_rows,
+        BLOCK_HEADS=tile.block_groups,
+        BLOCK_D=block_d,
+        LANES=_LANES,
+        INDEX_64=_launch.needs_int64(qkv, cos, sin, out),
+        EMULATE_RNE=_launch.INTERPRET,
+        num_warps=tile.num_warps,
+        **_launch.COMPILE_OPTIONS,
+    )
+    return out
+
+
+def qk_norm_rope(
+    qkv: torch.Tensor,
+    norm_q_weight: torch.Tensor,
+    norm_k_weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    head_dim: int,
+    copy_v: bool = False,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fused per-head QK RMSNorm + rotary, reading the fused QKV GEMM output in place.
+
+    qkv: (S, 3I) or (1, S, 3I) bf16 (or fp16/fp32), [q | k | v] with I = heads * head_dim, any strides.
+    norm_q_weight, norm_k_weight: (D,) in qkv's dtype (`attn.norm_q.weight`, `attn.norm_k.weight`), any stride.
+    eps: the QK-norm epsilon (used in fp32, as torch does). head_dim: D, a multiple of 4 and at most 128.
+    cos, sin: (S, R) or (1, S, 1, R) in qkv's dtype (already rounded); R even, R <= D.
+    copy_v: also write v as a contiguous (1, S, heads, D) copy; by default v is returned as the strided view
+        `qkv[..., 2I:].unflatten(-1, (heads, D))` (what the reference passes to attention; SDPA and FA3 take it).
+    out: optional (2 + copy_v, S, heads, D) buffer of qkv's dtype whose channel stride is 1.
+    Returns (q, k, v): q and k (and a copied v) are contiguous (1, S, heads, D) views `out[0:1]`, `out[1:2]`
+    (`out[2:3]`) of one allocation.
+
+    Numerics: the RMSNorm is `F.rms_norm`'s formula (`bf(x * rsqrt(mean(x^2) + eps) * w)`, weight in fp32 before the
+    single rounding) with the sum of squares in the order of torch's vectorized CUDA kernel (see the kernel
+    docstring). Whether that reproduces `F.rms_norm` bit for bit on a given GPU is measured by the GPU test; use
+    `F.rms_norm` + `rope` where it does not.
+    """
+    qkv2 = _launch.as_rows(qkv, "qkv")
+    n_rows, width = qkv2.shape
+    if head_dim % _VEC or not 0 < head_dim <= _VEC * _LANES:
+        raise ValueError(f"head_dim must be a multiple of {_VEC} in [4, {_VEC * _LANES}], got {head_dim}")
+    if width % (3 * head_dim):
+        raise ValueError(f"qkv width {width} is not 3 * heads * {head_dim}")
+    n_heads = width // (3 * head_dim)
+    for name, w in (("norm_q_weight", norm_q_weight), ("norm_k_weight", norm_k_weight)):
+        if w.shape != (head_dim,) or w.dtype != qkv.dtype:
+            raise ValueError(f"{name} must be ({head_dim},) {qkv.dtype}, got {tuple(w.shape)} {w.dtype}")
+    cos2, sin2 = _angles_view(cos, n_rows, qkv.dtype, "cos"), _angles_view(sin, n_rows, qkv.dtype, "sin")
+    if cos2.shape != sin2.shape:
+        raise ValueError(f"cos {tuple(cos2.shape)} and sin {tuple(sin2.shape)} differ")
+    _check_rotary(cos2.shape[1], head_dim)
+    _launch.round_dtype(qkv.dtype)
+    shape = (3 if copy_v else 2, n_rows, n_heads, head_dim)
+    if out is None:
+        out = torch.empty(shape, dtype=qkv.dtype, device=qkv.device)
+    elif tuple(out.shape) != shape or out.dtype != qkv.dtype or (out.numel() and out.stride(3) != 1):
+        raise ValueError(f"out must be {shape} {qkv.dtype} with channel stride 1, got {tuple(out.shape)} {out.dtype}")
+    _launch.check_device(qkv, norm_q_weight, norm_k_weight, cos, sin, out)
+    qk_norm_rope_forward(qkv2, norm_q_weight, norm_k_weight, eps, cos2, sin2, head_dim, out)
+    inner = n_heads * head_dim
+    v = out[2:3] if copy_v else qkv2[None, :, 2 * inner :].unflatten(-1, (n_heads, head_dim))
+    return out[0:1], out[1:2], v
+
+
+# -- references -----------------------------------------------------------------------------------------------------
+
+
+def _rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`vflash_core.model.apply_rotary`'s ops: (1, S, heads, D) with cos/sin (1, S, 1, R) -> contiguous result."""
+    r = cos.shape[-1]
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    x1, x2 = x_rot.chunk(2, dim=-1)
+    x_rot = x_rot * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return torch.cat((x_rot, x_pass), dim=-1).contiguous()
+
+
+def _reference_angles(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dim() == 4 else t[None, :, None, :]
+
+
+def rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch ops `rope` reproduces bit for bit; q, k (1, S, heads, D), cos/sin (S, R) or (1, S, 1, R)."""
+    cos4, sin4 = _reference_angles(cos), _reference_angles(sin)
+    q4 = q if q.dim() == 4 else q[None]
+    k4 = k if k.dim() == 4 else k[None]
+    return _rotary_reference(q4, cos4, sin4), _rotary_reference(k4, cos4, sin4)
+
+
+def qk_norm_rope_reference(
+    qkv: torch.Tensor, norm_q_weight: torch.Tensor, norm_k_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, *, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The model's torch ops (`attention` up to the attention call): split, `F.rms_norm` per head, rotary.
+
+    Returns (q, k, v) as the reference passes them to attention: q, k contiguous (1, S, heads, D), v a strided view.
+    """
+    qkv3 = qkv if qkv.dim() == 3 else qkv[None]
+    inner = qkv3.shape[-1] // 3
+    q, k, v = (part.unflatten(-1, (inner // head_dim, head_dim)) for part in qkv3.split(inner, dim=-1))
+    q = F.rms_norm(q, (head_dim,), norm_q_weight, eps)
+    k = F.rms_norm(k, (head_dim,), norm_k_weight, eps)
+    q, k = rope_reference(q, k, cos, sin)
+    return q, k, v
+
+
+def rms_norm_warp_order_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """torch emulation of `qk_norm_rope`'s RMSNorm, reduction order included: (..., D) -> (..., D) in x's dtype.
+
+    Exact for bf16/fp16 inputs, whose squares are exact in fp32 (so the kernel's fma equals a multiply and an add).
+    `torch.rsqrt` on the CPU is `1 / sqrt` (what the Triton interpreter computes); on the GPU both sides use the
+    hardware approximation.
+    """
+    head_dim = x.shape[-1]
+    xf = x.float()
+    lanes = F.pad(xf * xf, (0, _VEC * _LANES - head_dim)).unflatten(-1, (_LANES, _VEC))
+    acc = lanes[..., 0]
+    for j in range(1, _VEC):
+        acc = acc + lanes[..., j]
+    width = _LANES
+    while width > 1:
+        width //= 2
+        acc = acc[..., :width] + acc[..., width : 2 * width]
+    rstd = torch.rsqrt(acc / head_dim + eps)
+    return (weight.float() * (rstd * xf)).to(x.dtype)

@@ -1,0 +1,124 @@
+"""SwiGLU of the feed-forward: `value * silu(gate)` on the fused [value | gate] input projection.
+
+Reference: `vflash_core.model.feed_forward` (`value, gate = linear(...).chunk(2, dim=-1)`; `value * F.silu(gate)`).
+diffusers' `ff.net.0.proj` is [value; gate]: the first half is the value (h3_model.md 1.4 step 8, gotcha 6).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _launch
+from ._device import _round_as
+
+# The exact `expf`: torch's CUDA silu computes `x / (1 + exp(-x))` in fp32 with the full-precision `expf` (no
+# --use_fast_math) and an IEEE division, and libdevice's `__nv_expf` is that same function. Its module moved between
+# Triton versions: `triton.language.extra.cuda.libdevice` (triton >= 3.0, including 3.6 and 3.9), the
+# backend-dispatching `triton.language.extra.libdevice` (>= 3.2), and `tl.math` in Triton 2.x.
+try:
+    from triton.language.extra.cuda import libdevice as _libdevice
+except ImportError:  # pragma: no cover - depends on the installed triton
+    try:
+        from triton.language.extra import libdevice as _libdevice
+    except ImportError:
+        _libdevice = tl.math
+
+__all__ = ["swiglu", "swiglu_reference"]
+
+
+@triton.jit
+def _swiglu_kernel(
+    p_ptr,
+    out_ptr,
+    n_rows,
+    n_cols,
+    p_row_stride,
+    p_col_stride,
+    out_row_stride,
+    out_col_stride,
+    ROUND_DTYPE: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    INDEX_64: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr,
+):
+    """out[s, c] = bf( v * bf( g / (1 + exp(-g)) ) ),  v = p[s, c], g = p[s, n_cols + c], all in fp32 between roundings.
+
+    silu as torch's CUDA kernel computes it: the full-precision `expf` (libdevice `__nv_expf`, not the approximate
+    `tl.exp` = `ex2.approx`) and an IEEE round-to-nearest division (`tl.math.div_rn`, not the approximate `/`).
+    In the interpreter (`USE_LIBDEVICE=False`) numpy's fp32 `exp` stands in for `__nv_expf`.
+    Grid: (row blocks, column blocks) over the (S, F) output.
+    """
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    if INDEX_64:
+        pid_r = pid_r.to(tl.int64)
+        pid_c = pid_c.to(tl.int64)
+    rows = pid_r * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = pid_c * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+
+    row_offsets = rows[:, None] * p_row_stride
+    value = tl.load(p_ptr + row_offsets + cols[None, :] * p_col_stride, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(p_ptr + row_offsets + (n_cols + cols)[None, :] * p_col_stride, mask=mask, other=0.0).to(tl.float32)
+
+    if USE_LIBDEVICE:
+        decay = _libdevice.exp(-gate)
+    else:
+        decay = tl.exp(-gate)
+    silu = _round_as(tl.math.div_rn(gate, 1.0 + decay), ROUND_DTYPE, EMULATE_RNE)
+    result = _round_as(value * silu, ROUND_DTYPE, EMULATE_RNE)
+    tl.store(out_ptr + rows[:, None] * out_row_stride + cols[None, :] * out_col_stride, result.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def swiglu_forward(p: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Launcher over 2-D views: p (S, 2F) any strides, out (S, F) any strides."""
+    n_rows, n_cols = out.shape
+    if n_rows == 0 or n_cols == 0:
+        return out
+    tile = _launch.elementwise_tile(n_rows, n_cols)
+    grid = (triton.cdiv(n_rows, tile.block_rows), triton.cdiv(n_cols, tile.block_groups))
+    _swiglu_kernel[grid](
+        p, out,
+        n_rows, n_cols,
+        p.stride(0), p.stride(1),
+        out.stride(0), out.stride(1),
+        ROUND_DTYPE=_launch.round_dtype(p.dtype),
+        BLOCK_ROWS=tile.block_rows,
+        BLOCK_COLS=tile.block_groups,
+        INDEX_64=_launch.needs_int64(p, out),
+        EMULATE_RNE=_launch.INTERPRET,
+        USE_LIBDEVICE=not _launch.INTERPRET,
+        num_warps=tile.num_warps,
+        **_launch.COMPILE_OPTIONS,
+    )
+    return out
+
+
+def swiglu(p: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Fused SwiGLU with torch's roundings: `value * silu(gate)` where `value, gate = p.chunk(2, -1)`.
+
+    p: (S, 2F) or (1, S, 2F), bf16 (or fp16/fp32), any strides (read in place, never copied).
+    out: optional (S, F) / (1, S, F) result of p's dtype, any strides. Returns (.., S, F), contiguous unless `out`.
+    """
+    p2 = _launch.as_rows(p, "p")
+    if p2.shape[1] % 2:
+        raise ValueError(f"p must have an even last dimension [value | gate], got {tuple(p.shape)}")
+    shape = (*p.shape[:-1], p.shape[-1] // 2)
+    if out is None:
+        out = torch.empty(shape, dtype=p.dtype, device=p.device)
+    elif tuple(out.shape) != shape or out.dtype != p.dtype:
+        raise ValueError(f"out must be {shape} {p.dtype}, got {tuple(out.shape)} {out.dtype}")
+    _launch.check_device(p, out)
+    _launch.round_dtype(p.dtype)
+    swiglu_forward(p2, _launch.as_rows(out, "out"))
+    return out
+
+
+def swiglu_reference(p: torch.Tensor) -> torch.Tensor:
+    """The torch ops `swiglu` reproduces bit for bit (two roundings: `F.silu`, then the product)."""
+    value, gate = p.chunk(2, dim=-1)
+    return value * torch.nn.functional.silu(gate)
