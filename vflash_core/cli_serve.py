@@ -1,0 +1,79 @@
+"""`vflash serve`: the HTTP generation service (see `vflash_core.service`)."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+from pathlib import Path
+
+from .errors import VflashError
+
+logger = logging.getLogger(__name__)
+
+MIB = 2**20
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="HTTP generation service: jobs, readiness, cancel, one spawned GPU worker")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prepared-assets", type=Path, help="prepared-assets receipt (JSON) of the model to serve")
+    source.add_argument("--demo", action="store_true", help="serve the embedded default model (tiny, CPU)")
+    p.add_argument("--gpu", type=int, help="CUDA device index of the worker (default: CPU)")
+    p.add_argument("--peer-gpu", type=int, help="second CUDA device of a paired session")
+    p.add_argument("--strategy", help="paired-session strategy, e.g. sequence-head (needs --peer-gpu)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback; anything else wants --token)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--output-dir", type=Path, required=True, help="where finished videos are published")
+    p.add_argument("--input-dir", type=Path, help="allow request inputs given as paths inside this folder")
+    p.add_argument("--max-queue", type=int, default=16, help="queued jobs before 429 (default 16)")
+    p.add_argument("--max-upload-mb", type=float, default=64.0, help="uploaded bytes per job, in MiB (default 64)")
+    p.add_argument("--token", default=os.environ.get("VFLASH_SERVICE_TOKEN"),
+                   help="require 'Authorization: Bearer TOKEN' (default: $VFLASH_SERVICE_TOKEN; prefer it to the flag, "
+                        "which other local users can read in the process list)")
+    p.add_argument("--attention-backend", default=os.environ.get("VFLASH_ATTENTION_BACKEND", "auto"),
+                   help="attention backend of the worker (default: $VFLASH_ATTENTION_BACKEND or auto)")
+    p.add_argument("--weight-residency", default="auto")
+    p.add_argument("--media-video-input", choices=("file", "pipe"), default="file")
+    p.add_argument("--media-video-threads", type=int)
+    p.add_argument("--cancel-grace", type=float, default=10.0, help="seconds a cancelled job's worker may take before it is killed")
+    p.set_defaults(handler=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from .service import ServiceConfig, create_app
+
+    if args.peer_gpu is not None and args.gpu is None:
+        raise VflashError("--peer-gpu needs --gpu")
+    if args.demo:
+        from .demo import ensure_demo_assets
+
+        prepared = ensure_demo_assets()
+    else:
+        prepared = args.prepared_assets
+    config = ServiceConfig(
+        prepared_assets=prepared, output_dir=args.output_dir,
+        device="cpu" if args.gpu is None else f"cuda:{args.gpu}",
+        peer_device=None if args.peer_gpu is None else f"cuda:{args.peer_gpu}", strategy=args.strategy,
+        attention_backend=args.attention_backend, weight_residency=args.weight_residency,
+        media_video_input=args.media_video_input, media_video_threads=args.media_video_threads,
+        input_dir=args.input_dir, max_queue=args.max_queue, max_upload_bytes=int(args.max_upload_mb * MIB),
+        token=args.token, cancel_grace_seconds=args.cancel_grace, log_level=logging.getLogger().level,
+    )
+    if not is_loopback(args.host) and config.token is None:
+        logger.warning("serving on %s without a token: anyone who can reach this address can submit jobs; "
+                       "set VFLASH_SERVICE_TOKEN (or --token), or bind 127.0.0.1", args.host)
+    web.run_app(create_app(config), host=args.host, port=args.port, access_log=logging.getLogger("vflash.access"))
+    return 0
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False

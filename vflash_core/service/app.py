@@ -1,0 +1,209 @@
+"""`create_app(config) -> web.Application`: the HTTP layer of `vflash serve`.
+
+The HTTP process owns validation, job records and output names (seed 001); all model work happens in the worker
+process that `WorkerSupervisor` spawns, started and stopped by the one `cleanup_ctx` below.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import secrets
+import shutil
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from ..errors import VflashError
+from . import metrics
+from .config import ServiceConfig
+from .jobs import JOB_ID_PATTERN, Job, JobState, JobStore, QueueFullError, new_job_id
+from .submission import InputPolicy, bad_request, http_error, read_submission
+from .supervisor import WorkerState, WorkerSupervisor
+from .validation import RequestValidator
+
+logger = logging.getLogger(__name__)
+
+CONFIG = web.AppKey("vflash_config", ServiceConfig)
+JOBS = web.AppKey("vflash_jobs", JobStore)
+SUPERVISOR = web.AppKey("vflash_supervisor", WorkerSupervisor)
+VALIDATOR = web.AppKey("vflash_validator", RequestValidator)
+WORK_DIR = web.AppKey("vflash_work_dir", Path)
+
+# Probes must work without credentials: orchestrators call them unauthenticated.
+_OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def create_app(config: ServiceConfig) -> web.Application:
+    """Build the service; nothing is spawned or written until the app starts."""
+    middlewares = [] if config.token is None else [_bearer_auth(config.token)]
+    app = web.Application(middlewares=middlewares)
+    jobs = JobStore(config.max_queue)
+    # The hidden work folder (uploads, staging, worker TMPDIRs) shares the output folder's filesystem, so publishing
+    # a staged video is an `os.link`.
+    work_dir = config.output_dir / f".vflash-work-{secrets.token_hex(4)}"
+    app[CONFIG] = config
+    app[JOBS] = jobs
+    app[VALIDATOR] = RequestValidator(config)
+    app[WORK_DIR] = work_dir
+    app[SUPERVISOR] = WorkerSupervisor(config, jobs, work_dir)
+    app.cleanup_ctx.append(_worker_lifecycle)
+    app.add_routes([
+        web.post("/v1/jobs", submit_job),
+        web.get("/v1/jobs/{job_id}", get_job),
+        web.get("/v1/jobs/{job_id}/video", get_video),
+        web.delete("/v1/jobs/{job_id}", cancel_job),
+        web.get("/readyz", readyz),
+        web.get("/healthz", healthz),
+        web.get("/metrics", get_metrics),
+    ])
+    return app
+
+
+async def _worker_lifecycle(app: web.Application) -> AsyncIterator[None]:
+    """The work folder and the single worker task: created at startup, stopped and removed at shutdown."""
+    work_dir = app[WORK_DIR]
+    work_dir.mkdir()
+    supervisor = app[SUPERVISOR]
+    task = asyncio.create_task(supervisor.run(), name="vflash-worker-supervisor")
+    task.add_done_callback(lambda done: _supervisor_ended(supervisor, done))
+    try:
+        yield
+    finally:
+        if not task.done():  # a task that already ended was reported by `_supervisor_ended`
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def _supervisor_ended(supervisor: WorkerSupervisor, task: asyncio.Task[None]) -> None:
+    """A supervisor that crashed is a bug; make it visible in the log and in /readyz instead of hanging the queue."""
+    if task.cancelled() or task.exception() is None:
+        return
+    exc = task.exception()
+    logger.error("the worker supervisor crashed", exc_info=exc)
+    supervisor.go_fatal(f"internal error in the worker supervisor: {type(exc).__name__}: {exc}")
+
+
+def _bearer_auth(token: str) -> Any:
+    expected = f"Bearer {token}".encode()
+
+    @web.middleware
+    async def bearer_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path not in _OPEN_PATHS:
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):  # constant time: no token prefix leaks through timing
+                raise http_error(web.HTTPUnauthorized, "a valid bearer token is required", headers={"WWW-Authenticate": "Bearer"})
+        return await handler(request)
+
+    return bearer_auth
+
+
+# -- jobs ---------------------------------------------------------------------------------------------------------
+
+
+async def submit_job(request: web.Request) -> web.Response:
+    app = request.app
+    _check_accepting(app)
+    job_id = new_job_id()
+    upload_dir = app[WORK_DIR] / "uploads" / job_id
+    try:
+        job = await _accept(request, job_id, upload_dir)
+    except BaseException:
+        shutil.rmtree(upload_dir, ignore_errors=True)  # a rejected submission leaves nothing behind
+        raise
+    logger.info("job %s queued at position %s", job.id, app[JOBS].queue_position(job))
+    url = f"/v1/jobs/{job.id}"
+    return web.json_response({"id": job.id, "status": job.state.value, "url": url}, status=202, headers={"Location": url})
+
+
+async def _accept(request: web.Request, job_id: str, upload_dir: Path) -> Job:
+    app = request.app
+    config = app[CONFIG]
+    fields = await read_submission(request, upload_dir, InputPolicy(config.input_dir, config.max_upload_bytes))
+    try:
+        video_request = await asyncio.to_thread(app[VALIDATOR], fields)
+    except VflashError as exc:
+        raise bad_request(str(exc)) from None
+    job = Job(job_id, video_request, upload_dir if upload_dir.exists() else None)
+    _check_accepting(app)  # the worker may have failed, or the queue filled, while this request was validated
+    app[JOBS].add(job)
+    return job
+
+
+def _check_accepting(app: web.Application) -> None:
+    supervisor = app[SUPERVISOR]
+    if supervisor.state in (WorkerState.FATAL, WorkerState.STOPPED):
+        reason = supervisor.fatal_error or "the service is stopping"
+        raise http_error(web.HTTPServiceUnavailable, f"the service cannot run jobs: {reason}")
+    try:
+        app[JOBS].check_capacity()
+    except QueueFullError as exc:
+        raise http_error(web.HTTPTooManyRequests, str(exc)) from None
+
+
+def _job(request: web.Request) -> Job:
+    job_id = request.match_info["job_id"]
+    job = request.app[JOBS].get(job_id) if JOB_ID_PATTERN.fullmatch(job_id) else None
+    if job is None:
+        raise http_error(web.HTTPNotFound, f"no job {job_id!r}")
+    return job
+
+
+async def get_job(request: web.Request) -> web.Response:
+    job = _job(request)
+    return web.json_response(job.view(request.app[JOBS].queue_position(job)))
+
+
+async def get_video(request: web.Request) -> web.StreamResponse:
+    job = _job(request)
+    if job.state is not JobState.SUCCEEDED:
+        detail = f": {job.error}" if job.error else ""
+        raise http_error(web.HTTPConflict, f"job {job.id} is {job.state.value}{detail}; it has no video")
+    assert job.output is not None
+    return web.FileResponse(job.output, headers={
+        "Content-Type": "video/mp4", "Content-Disposition": f'attachment; filename="{job.output.name}"',
+    })
+
+
+async def cancel_job(request: web.Request) -> web.Response:
+    """Queued jobs are cancelled at once (200); a running job stops within one evaluation (202, then poll)."""
+    job = _job(request)
+    if job.state.terminal:
+        raise http_error(web.HTTPConflict, f"job {job.id} is already {job.state.value}")
+    request.app[SUPERVISOR].cancel(job)
+    status = 200 if job.state.terminal else 202
+    return web.json_response(job.view(request.app[JOBS].queue_position(job)), status=status)
+
+
+# -- service ------------------------------------------------------------------------------------------------------
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """Ready once the worker passed its profile and device checks (seed 002: not "the model is loaded")."""
+    supervisor = request.app[SUPERVISOR]
+    ready = supervisor.state is WorkerState.READY
+    body = {"ready": ready, "worker": supervisor.state.value, "worker_pid": supervisor.worker_pid, "error": supervisor.fatal_error}
+    return web.json_response(body, status=200 if ready else 503)
+
+
+async def healthz(request: web.Request) -> web.Response:
+    """Liveness of the HTTP process only; a restarting worker does not make the service unhealthy."""
+    return web.json_response({"ok": True})
+
+
+async def get_metrics(request: web.Request) -> web.Response:
+    supervisor = request.app[SUPERVISOR]
+    jobs = request.app[JOBS]
+    text = metrics.render(
+        {state.value: count for state, count in jobs.counts().items()}, supervisor.request_seconds,
+        supervisor.restarts, supervisor.state is WorkerState.READY, jobs.max_queue,
+    )
+    return web.Response(body=text.encode(), headers={"Content-Type": metrics.CONTENT_TYPE})

@@ -1,0 +1,65 @@
+"""`ServiceConfig`: what `vflash serve` was started with, checked once when the service is built."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import VflashError
+from .worker import WorkerConfig
+
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    prepared_assets: Path  # the prepared-assets receipt the pipeline is opened from
+    output_dir: Path  # published MP4s (`<job id>.mp4`) and the service's hidden work folder
+    device: str = "cpu"  # "cpu" or "cuda:N"; only the worker ever uses it
+    peer_device: str | None = None  # second device of a paired session ("cuda:M")
+    strategy: str | None = None  # paired-session strategy, e.g. "sequence-head"
+    attention_backend: str = "auto"
+    weight_residency: str = "auto"
+    media_video_input: str = "file"
+    media_video_threads: int | None = None
+    input_dir: Path | None = None  # client paths must resolve inside it; None accepts uploads only
+    max_queue: int = 16  # queued (not running) jobs before 429
+    max_upload_bytes: int = 64 * MIB  # all uploaded files of one submission together
+    token: str | None = None  # bearer token required on every endpoint but /healthz and /readyz
+    cancel_grace_seconds: float = 10.0  # how long a cancelled or stopping worker may take before it is killed
+    log_level: int = field(default=logging.INFO)
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # frozen: normalise paths once, here
+        set_(self, "prepared_assets", Path(self.prepared_assets).resolve())
+        set_(self, "output_dir", Path(self.output_dir).resolve())
+        if not self.prepared_assets.is_file():
+            raise VflashError(f"prepared assets {self.prepared_assets} do not exist")
+        if not self.output_dir.is_dir():
+            raise VflashError(f"output folder {self.output_dir} does not exist")
+        if not os.access(self.output_dir, os.W_OK):
+            raise VflashError(f"output folder {self.output_dir} is not writable")
+        if self.input_dir is not None:
+            set_(self, "input_dir", Path(self.input_dir).resolve())
+            if not self.input_dir.is_dir():
+                raise VflashError(f"input folder {self.input_dir} does not exist")
+        if self.max_queue < 1:
+            raise VflashError(f"max_queue must be at least 1, got {self.max_queue}")
+        if self.max_upload_bytes < 1:
+            raise VflashError(f"max_upload_bytes must be positive, got {self.max_upload_bytes}")
+        if self.cancel_grace_seconds <= 0:
+            raise VflashError(f"cancel_grace_seconds must be positive, got {self.cancel_grace_seconds}")
+        if self.token is not None and not self.token.strip():
+            raise VflashError("the bearer token is empty")
+        if self.strategy is not None and self.peer_device is None:
+            raise VflashError(f"strategy {self.strategy!r} needs a peer device")
+
+    def worker_config(self, scratch_dir: Path) -> WorkerConfig:
+        return WorkerConfig(
+            prepared_assets=str(self.prepared_assets), device=self.device, peer_device=self.peer_device,
+            strategy=self.strategy, attention_backend=self.attention_backend, weight_residency=self.weight_residency,
+            media_video_input=self.media_video_input, media_video_threads=self.media_video_threads,
+            scratch_dir=str(scratch_dir), log_level=self.log_level,
+        )

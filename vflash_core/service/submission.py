@@ -1,0 +1,207 @@
+"""From an HTTP body to the keyword arguments of a `VideoRequest`.
+
+Two body types:
+
+* `application/json`: the request itself, e.g. `{"prompt": "...", "seed": 1, "duration_seconds": 5}`. Input files
+  (`first_frame`, `last_frame`, `references`) are paths relative to the service's `--input-dir`.
+* `multipart/form-data`: a `request` part holding that JSON, plus file parts named `first_frame`, `last_frame` or
+  `references` (repeatable, in order). A field is given either as a path or as an upload, never both.
+
+Client paths are resolved (symlinks included) and must stay inside the input folder. Uploads are streamed to
+service-named files under the job's upload folder, with a limit on their total size; the client's file name
+contributes at most its extension. Every rejection is an `HTTPException` carrying `{"error": message}`; the caller
+removes the upload folder when one is raised.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import Any
+
+from aiohttp import BodyPartReader, web
+
+FILE_FIELDS = ("first_frame", "last_frame", "references")
+SCALAR_FIELDS = ("prompt", "duration_seconds", "seed", "width", "height")
+REQUEST_PART = "request"
+MAX_REQUEST_JSON_BYTES = 2**20  # the JSON of one request, in either body type
+_CHUNK = 2**16
+_SUFFIX = re.compile(r"\.[a-z0-9]{1,8}")
+
+
+def http_error(cls: type[web.HTTPException], message: str, **kwargs: Any) -> web.HTTPException:
+    """A client error whose body is `{"error": message}`."""
+    return cls(text=json.dumps({"error": message}), content_type="application/json", **kwargs)
+
+
+def bad_request(message: str) -> web.HTTPException:
+    return http_error(web.HTTPBadRequest, message)
+
+
+@dataclass(frozen=True)
+class InputPolicy:
+    input_dir: Path | None  # resolved; None: uploads only
+    max_upload_bytes: int
+
+
+async def read_submission(request: web.Request, upload_dir: Path, policy: InputPolicy) -> dict[str, Any]:
+    """The request's fields as `VideoRequest` keyword arguments; file inputs become local paths (str)."""
+    if request.content_type == "application/json":
+        return _request_fields(_parse_json(await request.read(), "the request body"), policy, {})
+    if request.content_type == "multipart/form-data":
+        if request.content_length is not None and request.content_length > policy.max_upload_bytes + MAX_REQUEST_JSON_BYTES:
+            raise _too_large(policy, request.content_length)
+        body, uploads = await _read_multipart(request, upload_dir, policy)
+        return _request_fields(body, policy, uploads)
+    raise http_error(web.HTTPUnsupportedMediaType, f"send application/json or multipart/form-data, not {request.content_type!r}")
+
+
+def _parse_json(raw: bytes, what: str) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise bad_request(f"{what} is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request(f"{what} must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _request_fields(body: dict[str, Any], policy: InputPolicy, uploads: dict[str, list[Path]]) -> dict[str, Any]:
+    unknown = sorted(set(body) - set(SCALAR_FIELDS) - set(FILE_FIELDS))
+    if unknown:
+        raise bad_request(f"unknown field(s) {', '.join(unknown)}; accepted: {', '.join(SCALAR_FIELDS + FILE_FIELDS)}")
+    if not isinstance(body.get("prompt"), str):
+        raise bad_request("prompt is required and must be a string")
+    fields: dict[str, Any] = {"prompt": body["prompt"]}
+    if "seed" in body:
+        fields["seed"] = _integer("seed", body["seed"])
+    for name in ("width", "height"):  # null: the profile's default canvas
+        if body.get(name) is not None:
+            fields[name] = _integer(name, body[name])
+    if "duration_seconds" in body:
+        fields["duration_seconds"] = _seconds(body["duration_seconds"])
+    for name in FILE_FIELDS:
+        if name in body and name in uploads:
+            raise bad_request(f"{name} was given both as a path and as an upload")
+    for name in ("first_frame", "last_frame"):
+        if name in uploads:
+            fields[name] = str(uploads[name][0])
+        elif body.get(name) is not None:
+            fields[name] = str(resolve_input_path(_string(name, body[name]), policy))
+    if "references" in uploads:
+        fields["references"] = tuple(str(path) for path in uploads["references"])
+    elif body.get("references") is not None:
+        refs = body["references"]
+        if not isinstance(refs, list):
+            raise bad_request(f"references must be a list of paths, got {type(refs).__name__}")
+        fields["references"] = tuple(str(resolve_input_path(_string("references", ref), policy)) for ref in refs)
+    return fields
+
+
+def _integer(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad_request(f"{name} must be an integer, got {json.dumps(value)}")
+    return value
+
+
+def _seconds(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise bad_request(f"duration_seconds must be a number, got {json.dumps(value)}")
+    return float(value)
+
+
+def _string(name: str, value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise bad_request(f"{name} must be a non-empty path string, got {json.dumps(value)}")
+    return value
+
+
+def resolve_input_path(value: str, policy: InputPolicy) -> Path:
+    """A client path, resolved with symlinks; it must name a file inside the input folder."""
+    if policy.input_dir is None:
+        raise bad_request(f"this service takes input files as uploads only (it was started without --input-dir); got path {value!r}")
+    if "\x00" in value:
+        raise bad_request("input paths must not contain NUL characters")
+    path = (policy.input_dir / value).resolve()
+    if not path.is_relative_to(policy.input_dir):
+        raise bad_request(f"input path {value!r} is outside the input folder")
+    if not path.is_file():
+        raise bad_request(f"input path {value!r} is not a file in the input folder")
+    return path
+
+
+async def _read_multipart(request: web.Request, upload_dir: Path, policy: InputPolicy) -> tuple[dict[str, Any], dict[str, list[Path]]]:
+    body: dict[str, Any] | None = None
+    uploads: dict[str, list[Path]] = {}
+    remaining = policy.max_upload_bytes
+    reader = await request.multipart()
+    async for part in reader:
+        if not isinstance(part, BodyPartReader):
+            raise bad_request("nested multipart bodies are not accepted")
+        if part.name == REQUEST_PART:
+            if body is not None:
+                raise bad_request(f"more than one {REQUEST_PART!r} part")
+            raw = await _read_capped(part, MAX_REQUEST_JSON_BYTES)
+            if raw is None:
+                raise http_error(
+                    web.HTTPRequestEntityTooLarge, f"the {REQUEST_PART!r} part exceeds {MAX_REQUEST_JSON_BYTES} bytes",
+                    max_size=MAX_REQUEST_JSON_BYTES, actual_size=MAX_REQUEST_JSON_BYTES + 1,
+                )
+            body = _parse_json(raw, f"the {REQUEST_PART!r} part")
+        elif part.name in FILE_FIELDS:
+            files = uploads.setdefault(part.name, [])
+            if files and part.name != "references":
+                raise bad_request(f"more than one {part.name} upload")
+            index = len(files) + 1
+            target = upload_dir / (f"reference-{index}" if part.name == "references" else part.name)
+            target = target.with_name(target.name + upload_suffix(part.filename))
+            remaining -= await _save(part, target, remaining, policy)
+            files.append(target)
+        else:
+            raise bad_request(f"unknown multipart part {part.name!r}; accepted: {REQUEST_PART}, {', '.join(FILE_FIELDS)}")
+    if body is None:
+        raise bad_request(f"a multipart submission needs a {REQUEST_PART!r} part holding the JSON request")
+    return body, uploads
+
+
+def upload_suffix(filename: str | None) -> str:
+    """The only thing taken from a client's file name: a short alphanumeric extension, which media loaders use."""
+    if not filename:
+        return ""
+    suffix = PurePosixPath(PureWindowsPath(filename).name).suffix.lower()
+    return suffix if _SUFFIX.fullmatch(suffix) else ""
+
+
+async def _read_capped(part: BodyPartReader, limit: int) -> bytes | None:
+    data = bytearray()
+    while chunk := await part.read_chunk(_CHUNK):
+        data += chunk
+        if len(data) > limit:
+            return None
+    return bytes(data)
+
+
+async def _save(part: BodyPartReader, target: Path, budget: int, policy: InputPolicy) -> int:
+    """Stream one upload to `target`; returns its size. Raises 413 as soon as the budget is exceeded."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    written = 0
+    with open(target, "xb") as out:  # "x": service names are unique; never follow or replace an existing file
+        while chunk := await part.read_chunk(_CHUNK):
+            written += len(chunk)
+            if written > budget:
+                raise _too_large(policy, policy.max_upload_bytes - budget + written)
+            out.write(chunk)
+    if written == 0:
+        raise bad_request(f"the {part.name} upload is empty")
+    return written
+
+
+def _too_large(policy: InputPolicy, actual: int) -> web.HTTPException:
+    """`actual` is the size seen so far (reading stops at the first byte over the limit)."""
+    return http_error(
+        web.HTTPRequestEntityTooLarge, f"uploads exceed this service's limit of {policy.max_upload_bytes} bytes per job",
+        max_size=policy.max_upload_bytes, actual_size=actual,
+    )

@@ -1,0 +1,187 @@
+"""The spawned worker process: one `H3Pipeline`, reused across serial jobs (seed 001).
+
+The parent starts this module's `worker_main` with the `spawn` start method, so the worker never inherits a forked
+copy of the parent (the parent never touches CUDA, and CUDA cannot be used after a fork anyway). The two sides talk
+through two one-way pipes: `JobOrder`s (or `None` to stop) go down, events go up. A shared `cancel` flag reaches the
+worker while it is busy; the pipeline polls it between evaluations.
+
+Exit rules: the worker exits after a cancelled job and after any failure other than a `RequestError` (a failed
+trajectory leaves device state that must not be reused); the parent then starts a fresh worker.
+
+Nothing in this module imports torch at import time: the parent imports it for the message types only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import signal
+import tempfile
+from multiprocessing.connection import Connection
+from multiprocessing.synchronize import Event
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerConfig:
+    """Everything the worker needs to open its pipeline; picklable."""
+
+    prepared_assets: str
+    device: str
+    peer_device: str | None
+    strategy: str | None
+    attention_backend: str
+    weight_residency: str
+    media_video_input: str
+    media_video_threads: int | None
+    scratch_dir: str  # the worker's TMPDIR, owned and removed by the parent
+    log_level: int = logging.INFO
+
+
+# -- parent -> worker --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class JobOrder:
+    job_id: str
+    request: Any  # a validated VideoRequest
+    output: str  # where the pipeline publishes the MP4 (a service staging path, never a client path)
+
+
+# -- worker -> parent --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Ready:
+    """The profile and device checks passed (the model itself loads lazily, on the first job)."""
+
+    pid: int
+    info: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Fatal:
+    """The configuration cannot work on this machine; restarting the worker would fail the same way."""
+
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    job_id: str
+    stage: str
+    done: int
+    total: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    job_id: str
+    result: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Failed:
+    job_id: str
+    message: str
+    worker_exits: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Cancelled:
+    job_id: str
+
+
+class JobCancelled(Exception):
+    """Raised from the pipeline's cancel/progress hooks when the parent asked to cancel the running job."""
+
+
+def worker_main(config: WorkerConfig, orders: Connection, events: Connection, cancel: Event) -> None:
+    logging.basicConfig(level=config.log_level, format="[vflash worker %(process)d] %(levelname)s %(message)s")
+    # Ctrl-C reaches the whole process group; the parent decides when its worker stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Media and encoder temporaries land in a folder the parent removes even if this process is killed.
+    os.environ["TMPDIR"] = config.scratch_dir
+    tempfile.tempdir = config.scratch_dir
+    try:
+        pipeline, info = _open_pipeline(config)
+    except Exception as exc:
+        logger.exception("worker startup failed")
+        events.send(Fatal(str(exc) if _is_user_error(exc) else f"{type(exc).__name__}: {exc}"))
+        return
+    events.send(Ready(os.getpid(), info))
+    try:
+        while True:
+            try:
+                order = orders.recv()
+            except EOFError:  # the parent is gone
+                return
+            if order is None or not _run(pipeline, order, events, cancel):
+                return
+    finally:
+        pipeline.close()
+
+
+def _open_pipeline(config: WorkerConfig) -> tuple[Any, dict[str, Any]]:
+    """Open the lazy pipeline and run the profile and device checks; loads no model."""
+    from ..pipeline import H3Pipeline
+
+    pipeline = H3Pipeline.from_prepared(
+        config.prepared_assets, device=config.device, peer_device=config.peer_device, strategy=config.strategy,
+        attention_backend=config.attention_backend, weight_residency=config.weight_residency,
+        media_video_input=config.media_video_input, media_video_threads=config.media_video_threads,
+    )
+    info = {"device": config.device, "peer_device": config.peer_device, "strategy": config.strategy}
+    return pipeline, info
+
+
+def _run(pipeline: Any, order: JobOrder, events: Connection, cancel: Event) -> bool:
+    """Run one job and report it; returns whether this worker may take another job."""
+    from ..errors import RequestError
+
+    def check_cancel() -> None:
+        if cancel.is_set():
+            raise JobCancelled(order.job_id)
+
+    def progress(stage: str, done: int, total: int) -> None:
+        events.send(Progress(order.job_id, stage, done, total))
+        check_cancel()  # also stops between the stages that have no evaluations (load, encode, decode)
+
+    try:
+        result = pipeline.generate(order.request, order.output, progress=progress, cancel=check_cancel)
+    except JobCancelled:
+        logger.info("job %s cancelled; this worker exits", order.job_id)
+        events.send(Cancelled(order.job_id))
+        return False
+    except RequestError as exc:  # rejected before any device work: the pipeline stays usable
+        events.send(Failed(order.job_id, str(exc), worker_exits=False))
+        return True
+    except Exception as exc:
+        logger.exception("job %s failed; this worker exits", order.job_id)
+        message = str(exc) if _is_user_error(exc) else f"{type(exc).__name__}: {exc}"
+        events.send(Failed(order.job_id, message, worker_exits=True))
+        return False
+    events.send(Finished(order.job_id, _jsonable(dataclasses.asdict(result))))
+    return True
+
+
+def _is_user_error(exc: BaseException) -> bool:
+    from ..errors import VflashError
+
+    return isinstance(exc, VflashError)
+
+
+def _jsonable(value: dict[str, Any]) -> dict[str, Any]:
+    """VideoResult fields as JSON types (paths become strings)."""
+
+    def default(obj: object) -> object:
+        if isinstance(obj, Path):
+            return str(obj)
+        raise TypeError(f"VideoResult field of type {type(obj).__name__} is not JSON-serialisable")
+
+    return json.loads(json.dumps(value, default=default))
