@@ -8,8 +8,9 @@ an H3 latent as ``{"samples": NestedTensor((video, audio))}`` with
 
 Both are the normalised latents the transformer works on (core's `MiniMaxH3AV` latent format has scale 1 and no
 shift; the VAEs apply the per-channel mean/std), so a conversion is a pure relayout, bit-exact both ways. Vflash
-carries the video latent as ``(1, 24, T, h, w)`` (the same) and the audio latent as ``(2, 32, A)``: one batch item
-per stereo channel, which is the audio VAE's mono view.
+carries the video latent as ``(1, C, T, h, w)`` (the same) and the audio latent as ``(2, C_a, A)``: one batch item
+per stereo channel, which is the audio VAE's mono view. Channel counts are the model's (24 and 32 for the released
+VAEs, fewer for the small embedded demo family); the geometry (T, h, w, A) is what the layouts share.
 
 The `nested` argument of the builders is the NestedTensor class of the running host (ComfyUI's
 `comfy.nested_tensor.NestedTensor`, or the headless runner's); only its constructor ``cls((video, audio))`` and
@@ -40,7 +41,7 @@ AUDIO_LATENT_CHANNELS = 32
 
 @dataclass(frozen=True)
 class AVLatents:
-    """video: (1, 24, T, h, w) fp32; audio: (2, 32, A) fp32 (Vflash layout)."""
+    """video: (1, C, T, h, w) fp32; audio: (2, C_a, A) fp32 (Vflash layout)."""
 
     video: torch.Tensor
     audio: torch.Tensor
@@ -51,11 +52,11 @@ class AVLatents:
 
 
 def geometry_of_latents(video: torch.Tensor, audio: torch.Tensor) -> Geometry:
-    """The request geometry a (video (1, 24, T, h, w), audio (2, 32, A)) pair encodes; raises if inconsistent."""
-    if video.ndim != 5 or video.shape[0] != 1 or video.shape[1] != VIDEO_LATENT_CHANNELS:
-        raise RequestError(f"an H3 video latent is (1, {VIDEO_LATENT_CHANNELS}, T, H/16, W/16), got {list(video.shape)}")
-    if audio.ndim != 3 or audio.shape[0] != AUDIO_CHANNELS or audio.shape[1] != AUDIO_LATENT_CHANNELS:
-        raise RequestError(f"an H3 audio latent is ({AUDIO_CHANNELS}, {AUDIO_LATENT_CHANNELS}, A) in Vflash layout, got {list(audio.shape)}")
+    """The request geometry a (video (1, C, T, h, w), audio (2, C_a, A)) pair encodes; raises if inconsistent."""
+    if video.ndim != 5 or video.shape[0] != 1:
+        raise RequestError(f"an H3 video latent is (1, C, T, H/16, W/16), got {list(video.shape)}")
+    if audio.ndim != 3 or audio.shape[0] != AUDIO_CHANNELS:
+        raise RequestError(f"an H3 audio latent is ({AUDIO_CHANNELS}, C, A) in Vflash layout, got {list(audio.shape)}")
     latent_frames = int(video.shape[2])
     if latent_frames < 2 or (latent_frames - 2) % VAE_LATENTS_PER_CHUNK:
         raise RequestError(f"an H3 video latent has 5 n + 2 latent frames, got {latent_frames}")
@@ -73,19 +74,19 @@ def geometry_of_latents(video: torch.Tensor, audio: torch.Tensor) -> Geometry:
 
 
 def audio_to_comfy(audio: torch.Tensor) -> torch.Tensor:
-    """(2, 32, A) -> (1, 32, 2, A)."""
+    """(2, C_a, A) -> (1, C_a, 2, A)."""
     return audio.permute(1, 0, 2).unsqueeze(0).contiguous()
 
 
 def audio_from_comfy(audio: torch.Tensor) -> torch.Tensor:
-    """(1, 32, 2, A) -> (2, 32, A)."""
-    if audio.ndim != 4 or audio.shape[0] != 1 or audio.shape[1] != AUDIO_LATENT_CHANNELS or audio.shape[2] != AUDIO_CHANNELS:
-        raise RequestError(f"a core H3 audio latent is (1, {AUDIO_LATENT_CHANNELS}, {AUDIO_CHANNELS}, A), got {list(audio.shape)}")
+    """(1, C_a, 2, A) -> (2, C_a, A)."""
+    if audio.ndim != 4 or audio.shape[0] != 1 or audio.shape[2] != AUDIO_CHANNELS:
+        raise RequestError(f"a core H3 audio latent is (1, C, {AUDIO_CHANNELS}, A), got {list(audio.shape)}")
     return audio[0].permute(1, 0, 2).contiguous()
 
 
 def to_comfy_latent(video: torch.Tensor, audio: torch.Tensor, nested: type) -> dict[str, Any]:
-    """Vflash (video (1, 24, T, h, w), audio (2, 32, A)) -> core ``{"samples": NestedTensor((video, audio))}``."""
+    """Vflash (video (1, C, T, h, w), audio (2, C_a, A)) -> core ``{"samples": NestedTensor((video, audio))}``."""
     geometry_of_latents(video, audio)
     return {"samples": nested((video.float().contiguous(), audio_to_comfy(audio.float())))}
 
@@ -103,7 +104,7 @@ def from_comfy_latent(latent: dict[str, Any]) -> AVLatents:
     if "noise_mask" in latent:
         raise RequestError("H3 AV latents with a noise_mask are not supported by Vflash (no masked / partial denoise)")
     video, audio = samples.tensors
-    if video.ndim != 5 or video.shape[1] != VIDEO_LATENT_CHANNELS or audio.ndim != 4:
+    if video.ndim != 5 or audio.ndim != 4:
         raise RequestError(f"not a MiniMax-H3 AV latent: video {list(video.shape)}, audio {list(audio.shape)}")
     if video.shape[0] != 1 or audio.shape[0] != 1:
         raise RequestError(f"Vflash runs one clip per request; the latent has batch size {int(video.shape[0])}")
@@ -112,10 +113,10 @@ def from_comfy_latent(latent: dict[str, Any]) -> AVLatents:
     return out
 
 
-def empty_latents(geometry: Geometry) -> AVLatents:
+def empty_latents(geometry: Geometry, video_channels: int = VIDEO_LATENT_CHANNELS, audio_channels: int = AUDIO_LATENT_CHANNELS) -> AVLatents:
     """Zero latents of a geometry (what `EmptyMiniMaxH3LatentAV` makes, in Vflash layout)."""
-    video = torch.zeros(1, VIDEO_LATENT_CHANNELS, geometry.num_latent_frames, geometry.latent_height, geometry.latent_width)
-    audio = torch.zeros(AUDIO_CHANNELS, AUDIO_LATENT_CHANNELS, geometry.num_audio_latents)
+    video = torch.zeros(1, video_channels, geometry.num_latent_frames, geometry.latent_height, geometry.latent_width)
+    audio = torch.zeros(AUDIO_CHANNELS, audio_channels, geometry.num_audio_latents)
     return AVLatents(video, audio)
 
 
