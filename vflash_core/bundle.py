@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from .config import H3Config
 from .errors import BundleError, VflashError
 from .fileio import atomic_directory
-from .layout import AUDIO_CHANNELS, Geometry, PackedLayout, keyframe_layout, patchify
+from .layout import AUDIO_CHANNELS, Geometry, PackedLayout, ReferenceBlock, keyframe_layout, patchify, ref2va_layout
 from .schedule import KEYFRAME_NOISE_AUG, scale_noise
 from .tensor_store import TensorStore, file_sha256
 
@@ -252,3 +252,61 @@ def build_keyframe_bundle(
     bundle = ConditioningBundle(mode, geometry, ModelLayout.of(config), prompt_embeds, layout, video_rows, audio_rows, seed)
     bundle.validate()
     return bundle
+
+
+@dataclass(frozen=True)
+class EncodedReference:
+    """One ref2va reference after the VAEs, in request order.
+
+    video_latents: (1, C, f, h, w) fp32 normalised latents of an image (f = 1) or video reference, else None.
+    audio_rows: (2 A_r, C_audio) fp32 normalised channel-major rows of an audio reference or a video's soundtrack.
+    """
+
+    kind: str
+    video_latents: torch.Tensor | None = None
+    audio_rows: torch.Tensor | None = None
+
+    def block(self) -> ReferenceBlock:
+        frames, height, width = self.video_latents.shape[2:5] if self.video_latents is not None else (0, 0, 0)
+        audio = 0 if self.audio_rows is None else self.audio_rows.shape[0] // AUDIO_CHANNELS
+        return ReferenceBlock(self.kind, int(frames), int(height), int(width), int(audio))
+
+
+def build_ref2va_bundle(
+    prompt_embeds: torch.Tensor,
+    text_token_tags: torch.Tensor,
+    geometry: Geometry,
+    config: H3Config,
+    generator: torch.Generator,
+    references: tuple[EncodedReference, ...],
+    seed: int | None = None,
+) -> ConditioningBundle:
+    """Bundle for ref2va from encoded text and references (see `layout.ref2va_layout` for the packing).
+
+    Draws: one noise per visual reference in request order (held at t = 0.999), then the target video and audio
+    noise. Reference soundtracks ride along clean, ahead of the target audio rows.
+    """
+    if not references:
+        raise ValueError("a ref2va bundle needs at least one reference")
+    if prompt_embeds.ndim == 3:
+        prompt_embeds = prompt_embeds[0]
+    layout = ref2va_layout(text_token_tags, geometry, config.patch_size, tuple(r.block() for r in references))
+    condition_rows = []
+    for ref in references:
+        if ref.video_latents is not None:
+            noise = torch.randn(ref.video_latents.shape, generator=generator, dtype=torch.float32)
+            condition_rows.append(patchify(scale_noise(ref.video_latents.float(), KEYFRAME_NOISE_AUG, noise), config.patch_size))
+    video_noise = torch.randn(
+        (1, config.in_channels, geometry.num_latent_frames, geometry.latent_height, geometry.latent_width),
+        generator=generator,
+        dtype=torch.float32,
+    )
+    audio_noise = torch.randn(
+        (AUDIO_CHANNELS * geometry.num_audio_latents, config.audio_in_channels), generator=generator, dtype=torch.float32
+    )
+    video_rows = torch.cat([*condition_rows, patchify(video_noise, config.patch_size)])
+    audio_rows = torch.cat([*(r.audio_rows.float() for r in references if r.audio_rows is not None), audio_noise])
+    bundle = ConditioningBundle("ref2va", geometry, ModelLayout.of(config), prompt_embeds, layout, video_rows, audio_rows, seed)
+    bundle.validate()
+    return bundle
+

@@ -104,4 +104,21 @@ PRESETS: dict[str, dict[str, Any]] = {
         time_embed_dim=16,
         rope_freq_dim=2,
     ),
+    # The embedded demo's transformer (`family.DEMO_FAMILY`): channels match its 8-channel video and audio VAEs and
+    # its 32-wide Qwen3-VL; keeps inner (64) != hidden (48) and partial rotary (24 of 32 channels), as released.
+    "demo": dict(
+        num_attention_heads=2,
+        attention_head_dim=32,
+        hidden_size=48,
+        num_layers=2,
+        num_refiner_layers=1,
+        ffn_dim=96,
+        in_channels=8,
+        audio_in_channels=8,
+        text_dim=32,
+        freq_dim=16,
+        time_embed_hidden_dim=48,
+        time_embed_dim=32,
+        rope_freq_dim=4,
+    ),
 }

@@ -260,3 +260,110 @@ def keyframe_layout(
     tags[audio_indices] = AUDIO_TAG
     tags[video_indices] = VIDEO_TAG
     return PackedLayout(pos, tags, video_indices, audio_indices, text_indices, num_cond, 0)
+
+
+REFERENCE_KINDS = ("image", "video", "audio")
+
+
+@dataclass(frozen=True)
+class ReferenceBlock:
+    """Geometry of one ref2va reference block, in request order.
+
+    Visual references carry their latent video shape (an image is one latent frame); `audio_latents` counts the
+    latents per stereo channel of a standalone audio reference or of a video's soundtrack (0: no soundtrack).
+    """
+
+    kind: str
+    latent_frames: int = 0
+    latent_height: int = 0
+    latent_width: int = 0
+    audio_latents: int = 0
+
+    def video_rows(self, patch_size: tuple[int, int, int]) -> int:
+        return self.latent_frames * (self.latent_height // patch_size[1]) * (self.latent_width // patch_size[2])
+
+
+def _audio_positions(pos: torch.Tensor, start: int, num_latents: int, time: float, width_axis: torch.Tensor) -> None:
+    """Channel-major audio rows from `start`: time `time + k`, no height, pinned to the width axis's two extremes."""
+    stop = start + AUDIO_CHANNELS * num_latents
+    pos[start:stop, 0] = (time + torch.arange(num_latents, dtype=torch.float64)).repeat(AUDIO_CHANNELS)
+    pos[start:stop, 2] = torch.cat(
+        [torch.full((num_latents,), float(width_axis[0]), dtype=torch.float64), torch.full((num_latents,), float(width_axis[-1]), dtype=torch.float64)]
+    )
+
+
+def _video_positions(pos: torch.Tensor, start: int, num_frames: int, time: float, grid: torch.Tensor) -> None:
+    """`num_frames` latent frames of `grid` rows from `start`, on the temporal grid from `time`."""
+    stop = start + num_frames * grid.shape[0]
+    pos[start:stop, 0] = temporal_grid(num_frames, time).repeat_interleave(grid.shape[0])
+    pos[start:stop, 1:] = grid.repeat(num_frames, 1)
+
+
+def ref2va_layout(
+    text_token_tags: torch.Tensor,
+    geometry: Geometry,
+    patch_size: tuple[int, int, int],
+    references: tuple[ReferenceBlock, ...],
+) -> PackedLayout:
+    """`[text | reference blocks in request order | target audio | target video]` of a ref2va request.
+
+    A shared rotary clock starts at the text length and advances per reference: an image takes one unit at its own
+    grid; an audio clip takes its latent count, on the target's width extremes; a video puts its soundtrack (if any)
+    right before its frames, both from the same origin with the video's own grid, and advances by the longer of the
+    two spans (the frame span summed sequentially in fp64, unlike the pairwise sum of the last keyframe anchor).
+    The target audio and video then both start at the final clock.
+    """
+    _, ph, pw = patch_size
+    num_text = int(text_token_tags.shape[0])
+    num_ref_video = sum(r.video_rows(patch_size) for r in references)
+    num_ref_audio = sum(AUDIO_CHANNELS * r.audio_latents for r in references)
+    num_audio_rows = AUDIO_CHANNELS * geometry.num_audio_latents
+    target_grid, target_width = frame_grid(geometry.latent_height, geometry.latent_width, ph, pw)
+    seq = num_text + num_ref_video + num_ref_audio + num_audio_rows + geometry.num_latent_frames * target_grid.shape[0]
+
+    pos = torch.zeros(seq, 3, dtype=torch.float64)
+    pos[:num_text, 0] = torch.arange(num_text, dtype=torch.float64)
+    video_indices: list[torch.Tensor] = []
+    audio_indices: list[torch.Tensor] = []
+    cursor, clock = num_text, float(num_text)
+    for ref in references:
+        if ref.kind not in REFERENCE_KINDS:
+            raise ValueError(f"reference kind must be one of {REFERENCE_KINDS}, got {ref.kind!r}")
+        if ref.kind == "audio":
+            _audio_positions(pos, cursor, ref.audio_latents, clock, target_width)
+            audio_indices.append(torch.arange(cursor, cursor + AUDIO_CHANNELS * ref.audio_latents))
+            cursor += AUDIO_CHANNELS * ref.audio_latents
+            clock += float(ref.audio_latents)
+            continue
+        grid, width_axis = frame_grid(ref.latent_height, ref.latent_width, ph, pw)
+        if ref.kind == "image":
+            rows = ref.video_rows(patch_size)
+            pos[cursor : cursor + rows, 0] = clock
+            pos[cursor : cursor + rows, 1:] = grid.repeat(ref.latent_frames, 1)
+            video_indices.append(torch.arange(cursor, cursor + rows))
+            cursor += rows
+            clock += 1.0  # an image takes one integer slot, not a latent frame's 5/3 units
+            continue
+        if ref.audio_latents:
+            _audio_positions(pos, cursor, ref.audio_latents, clock, width_axis)
+            audio_indices.append(torch.arange(cursor, cursor + AUDIO_CHANNELS * ref.audio_latents))
+            cursor += AUDIO_CHANNELS * ref.audio_latents
+        _video_positions(pos, cursor, ref.latent_frames, clock, grid)
+        video_indices.append(torch.arange(cursor, cursor + ref.video_rows(patch_size)))
+        cursor += ref.video_rows(patch_size)
+        span = 0.0
+        for k in range(ref.latent_frames):
+            span += _FRAME_RESCALE * _FRAMES_PER_LATENT[k % len(_FRAMES_PER_LATENT)]
+        clock += max(float(ref.audio_latents), span)
+
+    audio_start, video_start = cursor, cursor + num_audio_rows
+    _audio_positions(pos, audio_start, geometry.num_audio_latents, clock, target_width)
+    _video_positions(pos, video_start, geometry.num_latent_frames, clock, target_grid)
+    video_idx = torch.cat([*video_indices, torch.arange(video_start, seq)])
+    audio_idx = torch.cat([*audio_indices, torch.arange(audio_start, video_start)])
+    text_idx = torch.arange(num_text)
+    tags = torch.empty(seq, dtype=torch.long)
+    tags[text_idx] = text_token_tags.to(torch.long)
+    tags[audio_idx] = AUDIO_TAG
+    tags[video_idx] = VIDEO_TAG
+    return PackedLayout(pos, tags, video_idx, audio_idx, text_idx, num_ref_video, num_ref_audio)
