@@ -13,17 +13,18 @@ import triton.language as tl
 
 
 @triton.jit
-def _round_as(x, DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr):
+def _round_as(x, DTYPE: tl.constexpr, EMULATE_CASTS: tl.constexpr):
     """fp32 `x` -> the nearest `DTYPE` value (ties to even), returned as fp32.
 
     On the GPU the conversion is the hardware's `cvt.rn` (round to nearest even). The Triton interpreter truncates
-    fp32 -> bf16 instead, so with `EMULATE_RNE` the same rounding is done on the bit pattern: add 0x7FFF plus the
-    lowest kept bit, clear the 16 dropped bits (NaN is passed through). Both give torch's `float -> bfloat16`.
+    fp32 -> bf16 instead, so with `EMULATE_CASTS` the same rounding is done on the bit pattern: add 0x7FFF plus the
+    lowest kept bit, clear the 16 dropped bits (NaN is passed through; a carry rounds up into the exponent, to inf at
+    the top). Both give torch's `float -> bfloat16`.
     """
     if DTYPE == tl.float32:
         y = x
     elif DTYPE == tl.bfloat16:
-        if EMULATE_RNE:
+        if EMULATE_CASTS:
             bits = x.to(tl.uint32, bitcast=True)
             bits = bits + (((bits >> 16) & 1) + 0x7FFF)
             bits = (bits >> 16) << 16
@@ -33,6 +34,37 @@ def _round_as(x, DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr):
     else:
         y = x.to(DTYPE).to(tl.float32)
     return y
+
+
+@triton.jit
+def _to_f32(x, EMULATE_CASTS: tl.constexpr):
+    """A loaded bf16 / fp16 / fp32 tile -> fp32 (exact). In the interpreter bf16 is widened on the bit pattern: its
+    own bf16 -> fp32 cast flushes subnormals to zero."""
+    if EMULATE_CASTS:
+        if x.dtype == tl.bfloat16:
+            y = (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        else:
+            y = x.to(tl.float32)
+    else:
+        y = x.to(tl.float32)
+    return y
+
+
+@triton.jit
+def _to_storage(y, DTYPE: tl.constexpr, EMULATE_CASTS: tl.constexpr):
+    """An fp32 value already rounded by `_round_as` -> `DTYPE` for the store (exact).
+
+    In the interpreter (`EMULATE_CASTS`) bf16 is taken from the high half of the fp32 bit pattern: its own fp32 -> bf16
+    cast flushes subnormals to zero.
+    """
+    if EMULATE_CASTS:
+        if DTYPE == tl.bfloat16:
+            out = (y.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        else:
+            out = y.to(DTYPE)
+    else:
+        out = y.to(DTYPE)
+    return out
 
 
 @triton.jit

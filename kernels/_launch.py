@@ -40,9 +40,10 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-#: True when the kernels run in Triton's CPU interpreter. Launchers then pass `EMULATE_RNE=True` (the interpreter
-#: casts fp32 -> bf16 by truncation, so round-to-nearest-even is done with integer operations instead) and
-#: `USE_LIBDEVICE=False` (the interpreter cannot call libdevice; numpy's `exp` stands in for `__nv_expf`).
+#: True when the kernels run in Triton's CPU interpreter. Launchers then pass `EMULATE_CASTS=True` (the interpreter
+#: casts fp32 -> bf16 by truncation instead of round-to-nearest-even, and flushes bf16 subnormals in both directions,
+#: so the kernels convert on bit patterns instead) and `USE_LIBDEVICE=False` (the interpreter cannot call libdevice;
+#: numpy's `exp` stands in for `__nv_expf`).
 INTERPRET: bool = _interpreting()
 
 INT32_MAX = 2**31 - 1

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from . import _launch
-from ._device import _round_as
+from ._device import _round_as, _to_f32, _to_storage
 
 __all__ = ["GATE_BLOCKS", "gated_residual", "gated_residual_reference"]
 
@@ -42,7 +42,7 @@ def _gated_residual_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     INDEX_64: tl.constexpr,
-    EMULATE_RNE: tl.constexpr,
+    EMULATE_CASTS: tl.constexpr,
 ):
     """out[s, c] = bf( x[s, c] + bf( table[t, gate_col + c] * y[s, c] ) ),  t = index[s].
 
@@ -73,9 +73,9 @@ def _gated_residual_kernel(
         mask=mask,
         other=0.0,
     )
-    gated = _round_as(gate.to(tl.float32) * y.to(tl.float32), ROUND_DTYPE, EMULATE_RNE)
-    result = _round_as(x.to(tl.float32) + gated, ROUND_DTYPE, EMULATE_RNE)
-    tl.store(out_ptr + rows[:, None] * out_row_stride + cols[None, :] * out_col_stride, result.to(out_ptr.dtype.element_ty), mask=mask)
+    gated = _round_as(_to_f32(gate, EMULATE_CASTS) * _to_f32(y, EMULATE_CASTS), ROUND_DTYPE, EMULATE_CASTS)
+    result = _round_as(_to_f32(x, EMULATE_CASTS) + gated, ROUND_DTYPE, EMULATE_CASTS)
+    tl.store(out_ptr + rows[:, None] * out_row_stride + cols[None, :] * out_col_stride, _to_storage(result, out_ptr.dtype.element_ty, EMULATE_CASTS), mask=mask)
 
 
 def gated_residual_forward(x: torch.Tensor, y: torch.Tensor, table: torch.Tensor, row_index: torch.Tensor, gate_col: int, out: torch.Tensor) -> torch.Tensor:
@@ -98,7 +98,7 @@ def gated_residual_forward(x: torch.Tensor, y: torch.Tensor, table: torch.Tensor
         BLOCK_ROWS=tile.block_rows,
         BLOCK_COLS=tile.block_groups,
         INDEX_64=_launch.needs_int64(x, y, table, row_index, out),
-        EMULATE_RNE=_launch.INTERPRET,
+        EMULATE_CASTS=_launch.INTERPRET,
         num_warps=tile.num_warps,
         **_launch.COMPILE_OPTIONS,
     )

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from . import _launch
-from ._device import _round_as
+from ._device import _round_as, _to_f32, _to_storage
 
 __all__ = ["MODULATION_BLOCKS", "modulate", "modulate_reference"]
 
@@ -44,7 +44,7 @@ def _modulate_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     INDEX_64: tl.constexpr,
-    EMULATE_RNE: tl.constexpr,
+    EMULATE_CASTS: tl.constexpr,
 ):
     """out[s, c] = bf( bf( x[s, c] * bf(1 + table[t, scale_col + c]) ) + table[t, shift_col + c] ),  t = index[s].
 
@@ -73,10 +73,10 @@ def _modulate_kernel(
     scale = tl.load(table_ptr + table_row_offsets + (scale_col + cols)[None, :] * table_col_stride, mask=mask, other=0.0)
     shift = tl.load(table_ptr + table_row_offsets + (shift_col + cols)[None, :] * table_col_stride, mask=mask, other=0.0)
 
-    one_plus_scale = _round_as(1.0 + scale.to(tl.float32), ROUND_DTYPE, EMULATE_RNE)
-    y = _round_as(x.to(tl.float32) * one_plus_scale, ROUND_DTYPE, EMULATE_RNE)
-    y = _round_as(y + shift.to(tl.float32), ROUND_DTYPE, EMULATE_RNE)
-    tl.store(out_ptr + rows[:, None] * out_row_stride + cols[None, :] * out_col_stride, y.to(out_ptr.dtype.element_ty), mask=mask)
+    one_plus_scale = _round_as(1.0 + _to_f32(scale, EMULATE_CASTS), ROUND_DTYPE, EMULATE_CASTS)
+    y = _round_as(_to_f32(x, EMULATE_CASTS) * one_plus_scale, ROUND_DTYPE, EMULATE_CASTS)
+    y = _round_as(y + _to_f32(shift, EMULATE_CASTS), ROUND_DTYPE, EMULATE_CASTS)
+    tl.store(out_ptr + rows[:, None] * out_row_stride + cols[None, :] * out_col_stride, _to_storage(y, out_ptr.dtype.element_ty, EMULATE_CASTS), mask=mask)
 
 
 def modulate_forward(normed: torch.Tensor, table: torch.Tensor, row_index: torch.Tensor, shift_col: int, scale_col: int, out: torch.Tensor) -> torch.Tensor:
@@ -98,7 +98,7 @@ def modulate_forward(normed: torch.Tensor, table: torch.Tensor, row_index: torch
         BLOCK_ROWS=tile.block_rows,
         BLOCK_COLS=tile.block_groups,
         INDEX_64=_launch.needs_int64(normed, table, row_index, out),
-        EMULATE_RNE=_launch.INTERPRET,
+        EMULATE_CASTS=_launch.INTERPRET,
         num_warps=tile.num_warps,
         **_launch.COMPILE_OPTIONS,
     )

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from . import _launch
-from ._device import _round_as, _warp_tree_sum
+from ._device import _round_as, _to_f32, _to_storage, _warp_tree_sum
 
 __all__ = ["qk_norm_rope", "qk_norm_rope_reference", "rms_norm_warp_order_reference", "rope", "rope_reference"]
 
@@ -26,13 +26,13 @@ _VEC = 4
 
 
 @triton.jit
-def _rotate_half(x, partner, cos, sin, d, ROTARY: tl.constexpr, ROUND_DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr):
+def _rotate_half(x, partner, cos, sin, d, ROTARY: tl.constexpr, ROUND_DTYPE: tl.constexpr, EMULATE_CASTS: tl.constexpr):
     """out_d = bf( bf(x_d * c_d) + bf(r_d * s_d) ) for d < R (r_d = -x_{d+R/2} below R/2, x_{d-R/2} above), x_d for d >= R."""
     rotated = tl.where(d < ROTARY // 2, -partner, partner)
     out = _round_as(
-        _round_as(x * cos, ROUND_DTYPE, EMULATE_RNE) + _round_as(rotated * sin, ROUND_DTYPE, EMULATE_RNE),
+        _round_as(x * cos, ROUND_DTYPE, EMULATE_CASTS) + _round_as(rotated * sin, ROUND_DTYPE, EMULATE_CASTS),
         ROUND_DTYPE,
-        EMULATE_RNE,
+        EMULATE_CASTS,
     )
     return tl.where(d < ROTARY, out, x)
 
@@ -62,7 +62,7 @@ def _rope_kernel(
     BLOCK_HEADS: tl.constexpr,
     BLOCK_D: tl.constexpr,
     INDEX_64: tl.constexpr,
-    EMULATE_RNE: tl.constexpr,
+    EMULATE_CASTS: tl.constexpr,
 ):
     """Rotary on one (S, heads, D) tensor (any strides) into out (S, heads, D).
 
@@ -85,17 +85,17 @@ def _rope_kernel(
     rot_mask = mask & (d < ROTARY)[None, None, :]
 
     base = x_ptr + rows[:, None, None] * x_row_stride + heads[None, :, None] * x_head_stride
-    x = tl.load(base + d[None, None, :] * x_col_stride, mask=mask, other=0.0).to(tl.float32)
-    x_partner = tl.load(base + partner[None, None, :] * x_col_stride, mask=rot_mask, other=0.0).to(tl.float32)
+    x = _to_f32(tl.load(base + d[None, None, :] * x_col_stride, mask=mask, other=0.0), EMULATE_CASTS)
+    x_partner = _to_f32(tl.load(base + partner[None, None, :] * x_col_stride, mask=rot_mask, other=0.0), EMULATE_CASTS)
     angle_mask = row_mask[:, None] & (d < ROTARY)[None, :]
     cos = tl.load(cos_ptr + rows[:, None] * cos_row_stride + d[None, :] * cos_col_stride, mask=angle_mask, other=0.0)
     sin = tl.load(sin_ptr + rows[:, None] * sin_row_stride + d[None, :] * sin_col_stride, mask=angle_mask, other=0.0)
 
     out = _rotate_half(
-        x, x_partner, cos.to(tl.float32)[:, None, :], sin.to(tl.float32)[:, None, :], d[None, None, :], ROTARY, ROUND_DTYPE, EMULATE_RNE
+        x, x_partner, _to_f32(cos, EMULATE_CASTS)[:, None, :], _to_f32(sin, EMULATE_CASTS)[:, None, :], d[None, None, :], ROTARY, ROUND_DTYPE, EMULATE_CASTS
     )
     out_ptrs = out_ptr + rows[:, None, None] * out_row_stride + heads[None, :, None] * out_head_stride + d[None, None, :] * out_col_stride
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptrs, _to_storage(out, out_ptr.dtype.element_ty, EMULATE_CASTS), mask=mask)
 
 
 @triton.jit
@@ -128,7 +128,7 @@ def _qk_norm_rope_kernel(
     BLOCK_D: tl.constexpr,
     LANES: tl.constexpr,
     INDEX_64: tl.constexpr,
-    EMULATE_RNE: tl.constexpr,
+    EMULATE_CASTS: tl.constexpr,
 ):
     """Per-head RMSNorm then rotary, reading q / k (/ v) straight from the (S, 3*heads*D) QKV GEMM output.
 
@@ -165,41 +165,43 @@ def _qk_norm_rope_kernel(
     lane = tl.arange(0, LANES)
     lane_mask = row_head_mask & (lane < HEAD_DIM // 4)[None, None, :]
     lane_ptrs = base + (4 * lane)[None, None, :] * qkv_col_stride
-    x0 = tl.load(lane_ptrs, mask=lane_mask, other=0.0).to(tl.float32)
-    x1 = tl.load(lane_ptrs + qkv_col_stride, mask=lane_mask, other=0.0).to(tl.float32)
-    x2 = tl.load(lane_ptrs + 2 * qkv_col_stride, mask=lane_mask, other=0.0).to(tl.float32)
-    x3 = tl.load(lane_ptrs + 3 * qkv_col_stride, mask=lane_mask, other=0.0).to(tl.float32)
+    x0 = _to_f32(tl.load(lane_ptrs, mask=lane_mask, other=0.0), EMULATE_CASTS)
+    x1 = _to_f32(tl.load(lane_ptrs + qkv_col_stride, mask=lane_mask, other=0.0), EMULATE_CASTS)
+    x2 = _to_f32(tl.load(lane_ptrs + 2 * qkv_col_stride, mask=lane_mask, other=0.0), EMULATE_CASTS)
+    x3 = _to_f32(tl.load(lane_ptrs + 3 * qkv_col_stride, mask=lane_mask, other=0.0), EMULATE_CASTS)
     lane_sum = tl.fma(x3, x3, tl.fma(x2, x2, tl.fma(x1, x1, x0 * x0)))
     sum_sq = _warp_tree_sum(lane_sum, BLOCK_ROWS, BLOCK_HEADS)
     rstd = tl.math.rsqrt(tl.math.div_rn(sum_sq, HEAD_DIM * 1.0) + eps)[:, :, None]
 
-    x = tl.load(base + d[None, None, :] * qkv_col_stride, mask=mask, other=0.0).to(tl.float32)
-    x_partner = tl.load(base + partner[None, None, :] * qkv_col_stride, mask=rot_mask, other=0.0).to(tl.float32)
+    x = _to_f32(tl.load(base + d[None, None, :] * qkv_col_stride, mask=mask, other=0.0), EMULATE_CASTS)
+    x_partner = _to_f32(tl.load(base + partner[None, None, :] * qkv_col_stride, mask=rot_mask, other=0.0), EMULATE_CASTS)
     d_mask = d < HEAD_DIM
     is_k = part == 1
     weight = tl.where(
         is_k,
         tl.load(k_weight_ptr + d * k_weight_stride, mask=d_mask, other=0.0),
         tl.load(q_weight_ptr + d * q_weight_stride, mask=d_mask, other=0.0),
-    ).to(tl.float32)[None, None, :]
+    )
+    weight = _to_f32(weight, EMULATE_CASTS)[None, None, :]
     partner_mask = d < ROTARY
     weight_partner = tl.where(
         is_k,
         tl.load(k_weight_ptr + partner * k_weight_stride, mask=partner_mask, other=0.0),
         tl.load(q_weight_ptr + partner * q_weight_stride, mask=partner_mask, other=0.0),
-    ).to(tl.float32)[None, None, :]
-    normed = _round_as(weight * (rstd * x), ROUND_DTYPE, EMULATE_RNE)
-    normed_partner = _round_as(weight_partner * (rstd * x_partner), ROUND_DTYPE, EMULATE_RNE)
+    )
+    weight_partner = _to_f32(weight_partner, EMULATE_CASTS)[None, None, :]
+    normed = _round_as(weight * (rstd * x), ROUND_DTYPE, EMULATE_CASTS)
+    normed_partner = _round_as(weight_partner * (rstd * x_partner), ROUND_DTYPE, EMULATE_CASTS)
 
     angle_mask = row_mask[:, None] & (d < ROTARY)[None, :]
     cos = tl.load(cos_ptr + rows[:, None] * cos_row_stride + d[None, :] * cos_col_stride, mask=angle_mask, other=0.0)
     sin = tl.load(sin_ptr + rows[:, None] * sin_row_stride + d[None, :] * sin_col_stride, mask=angle_mask, other=0.0)
     out = _rotate_half(
-        normed, normed_partner, cos.to(tl.float32)[:, None, :], sin.to(tl.float32)[:, None, :], d[None, None, :], ROTARY, ROUND_DTYPE, EMULATE_RNE
+        normed, normed_partner, _to_f32(cos, EMULATE_CASTS)[:, None, :], _to_f32(sin, EMULATE_CASTS)[:, None, :], d[None, None, :], ROTARY, ROUND_DTYPE, EMULATE_CASTS
     )
     out = tl.where(part == 2, x, out)  # v: a plain copy
     out_ptrs = out_ptr + part * out_part_stride + rows[:, None, None] * out_row_stride + heads[None, :, None] * out_head_stride + d[None, None, :]
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptrs, _to_storage(out, out_ptr.dtype.element_ty, EMULATE_CASTS), mask=mask)
 
 
 # -- host side ---------------------------------------------------------------------------------------------------------
@@ -257,7 +259,7 @@ def rope_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: tor
         BLOCK_HEADS=tile.block_groups,
         BLOCK_D=block_d,
         INDEX_64=_launch.needs_int64(x, cos, sin, out),
-        EMULATE_RNE=_launch.INTERPRET,
+        EMULATE_CASTS=_launch.INTERPRET,
         num_warps=tile.num_warps,
         **_launch.COMPILE_OPTIONS,
     )
@@ -326,7 +328,7 @@ def qk_norm_rope_forward(
         BLOCK_D=block_d,
         LANES=_LANES,
         INDEX_64=_launch.needs_int64(qkv, cos, sin, out),
-        EMULATE_RNE=_launch.INTERPRET,
+        EMULATE_CASTS=_launch.INTERPRET,
         num_warps=tile.num_warps,
         **_launch.COMPILE_OPTIONS,
     )

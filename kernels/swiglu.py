@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from . import _launch
-from ._device import _round_as
+from ._device import _round_as, _to_f32, _to_storage
 
 # The exact `expf`: torch's CUDA silu computes `x / (1 + exp(-x))` in fp32 with the full-precision `expf` (no
 # --use_fast_math) and an IEEE division, and libdevice's `__nv_expf` is that same function. Its module moved between
@@ -42,7 +42,7 @@ def _swiglu_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     INDEX_64: tl.constexpr,
-    EMULATE_RNE: tl.constexpr,
+    EMULATE_CASTS: tl.constexpr,
     USE_LIBDEVICE: tl.constexpr,
 ):
     """out[s, c] = bf( v * bf( g / (1 + exp(-g)) ) ),  v = p[s, c], g = p[s, n_cols + c], all in fp32 between roundings.
@@ -62,16 +62,16 @@ def _swiglu_kernel(
     mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
 
     row_offsets = rows[:, None] * p_row_stride
-    value = tl.load(p_ptr + row_offsets + cols[None, :] * p_col_stride, mask=mask, other=0.0).to(tl.float32)
-    gate = tl.load(p_ptr + row_offsets + (n_cols + cols)[None, :] * p_col_stride, mask=mask, other=0.0).to(tl.float32)
+    value = _to_f32(tl.load(p_ptr + row_offsets + cols[None, :] * p_col_stride, mask=mask, other=0.0), EMULATE_CASTS)
+    gate = _to_f32(tl.load(p_ptr + row_offsets + (n_cols + cols)[None, :] * p_col_stride, mask=mask, other=0.0), EMULATE_CASTS)
 
     if USE_LIBDEVICE:
         decay = _libdevice.exp(-gate)
     else:
         decay = tl.exp(-gate)
-    silu = _round_as(tl.math.div_rn(gate, 1.0 + decay), ROUND_DTYPE, EMULATE_RNE)
-    result = _round_as(value * silu, ROUND_DTYPE, EMULATE_RNE)
-    tl.store(out_ptr + rows[:, None] * out_row_stride + cols[None, :] * out_col_stride, result.to(out_ptr.dtype.element_ty), mask=mask)
+    silu = _round_as(tl.math.div_rn(gate, 1.0 + decay), ROUND_DTYPE, EMULATE_CASTS)
+    result = _round_as(value * silu, ROUND_DTYPE, EMULATE_CASTS)
+    tl.store(out_ptr + rows[:, None] * out_row_stride + cols[None, :] * out_col_stride, _to_storage(result, out_ptr.dtype.element_ty, EMULATE_CASTS), mask=mask)
 
 
 def swiglu_forward(p: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -90,7 +90,7 @@ def swiglu_forward(p: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         BLOCK_ROWS=tile.block_rows,
         BLOCK_COLS=tile.block_groups,
         INDEX_64=_launch.needs_int64(p, out),
-        EMULATE_RNE=_launch.INTERPRET,
+        EMULATE_CASTS=_launch.INTERPRET,
         USE_LIBDEVICE=not _launch.INTERPRET,
         num_warps=tile.num_warps,
         **_launch.COMPILE_OPTIONS,

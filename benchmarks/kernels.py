@@ -1,0 +1,227 @@
+"""Time each Triton kernel of `vflash_kernels` against its torch-op reference at the released model's full width.
+
+    python benchmarks/kernels.py                       # N = 19,796 and 38,222 packed rows, writes the JSON below
+    python benchmarks/kernels.py --sizes 19796 --ops swiglu rope
+    python benchmarks/kernels.py --sweep-tiles         # also time TARGET_TILE_ELEMENTS in {2048, 4096, 8192}
+
+Baseline provider: the `*_reference` torch ops beside each kernel (what `vflash_core.model` runs). Before timing, every
+op checks that the kernel equals its reference bit for bit on the benchmark inputs and stops with an error if not;
+the fused `qk_norm_rope` only reports its count of differing elements (it is exact only if the GPU reproduces torch's
+RMSNorm reduction), and its `parity` field says so. Times are medians of `triton.testing.do_bench` (L2 flushed between
+runs); GB/s counts the bytes each op must move at least (inputs read once, outputs written once).
+
+Writes `benchmarks/results/kernels_h200.json`:
+`{"gpu", "torch", "triton", "commit", "ops": [{"name", "N", "torch_ms", "triton_ms", "speedup", "gbps", ...}]}`; commit is
+`git rev-parse HEAD` when the checkout has its `.git`, else the environment variable VFLASH_COMMIT, else "unknown".
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+H, HEADS, HEAD_DIM, ROTARY, FFN, EPS = 5376, 56, 128, 96, 14336, 1e-5
+INNER = HEADS * HEAD_DIM
+DEFAULT_SIZES = (19_796, 38_222)
+BF16 = torch.bfloat16
+MODULES = ("_launch", "modulate", "gated_residual", "rope", "swiglu")
+
+
+def load_kernels() -> SimpleNamespace:
+    """`vflash_kernels` if installed, else the repository's `kernels/` folder registered under that name."""
+    try:
+        importlib.import_module("vflash_kernels")
+    except ModuleNotFoundError:
+        folder = ROOT / "kernels"
+        spec = importlib.util.spec_from_file_location("vflash_kernels", folder / "__init__.py", submodule_search_locations=[str(folder)])
+        package = importlib.util.module_from_spec(spec)
+        sys.modules["vflash_kernels"] = package
+        spec.loader.exec_module(package)
+    return SimpleNamespace(**{m: importlib.import_module(f"vflash_kernels.{m}") for m in MODULES})
+
+
+def commit_id() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return os.environ.get("VFLASH_COMMIT", "unknown")
+
+
+def mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
+    assert a.shape == b.shape and a.dtype == b.dtype, f"{a.shape}/{a.dtype} vs {b.shape}/{b.dtype}"
+    return int((a != b).sum())
+
+
+@dataclass
+class Case:
+    """One op at one N: the two providers, the bytes the op must move, and whether parity is required."""
+
+    name: str
+    reference: Callable[[], object]
+    triton: Callable[[], object]
+    bytes_moved: int
+    exact_required: bool = True
+
+
+def _outputs(result) -> tuple[torch.Tensor, ...]:
+    return tuple(result) if isinstance(result, (tuple, list)) else (result,)
+
+
+def build_cases(k: SimpleNamespace, n: int, g: torch.Generator, ops: set[str]) -> list[Case]:
+    dev = "cuda"
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(shape, generator=g, device=dev) * scale).to(BF16)
+
+    cases: list[Case] = []
+    T = 2
+    table = randn(T, 18 * H, scale=0.5).view(3 * T, 6 * H)  # the (T, 18H) AdaLN GEMM output viewed as (3T, 6H)
+    idx = torch.randint(0, 3 * T, (n,), generator=g, device=dev)
+    if "modulate" in ops:
+        normed = randn(1, n, H)
+        cases.append(Case(
+            "modulate", lambda: k.modulate.modulate_reference(normed, table, idx, "msa"),
+            lambda: k.modulate.modulate(normed, table, idx, "msa"), 2 * n * H * 2 + 2 * 3 * T * H * 2,
+        ))
+    if "norm_out" in ops:
+        normed_out = randn(1, n, H)
+        out_table = randn(T, 2 * H, scale=0.5)
+        t_idx = torch.randint(0, T, (n,), generator=g, device=dev)
+        cases.append(Case(
+            "norm_out", lambda: k.modulate.modulate_reference(normed_out, out_table, t_idx, "out", torch.float32),
+            lambda: k.modulate.modulate(normed_out, out_table, t_idx, "out", out_dtype=torch.float32), n * H * (2 + 4) + 2 * T * H * 2,
+        ))
+    if "gated_residual" in ops:
+        x, y = randn(1, n, H, scale=4.0), randn(1, n, H)
+        cases.append(Case(
+            "gated_residual", lambda: k.gated_residual.gated_residual_reference(x, y, table, idx, "msa"),
+            lambda: k.gated_residual.gated_residual(x, y, table, idx, "msa"), 3 * n * H * 2 + 3 * T * H * 2,
+        ))
+    if "swiglu" in ops:
+        p = randn(1, n, 2 * FFN, scale=3.0)
+        cases.append(Case("swiglu", lambda: k.swiglu.swiglu_reference(p), lambda: k.swiglu.swiglu(p), n * 3 * FFN * 2))
+    if ops & {"rope", "qk_norm_rope", "rms_norm+rope"}:
+        qkv = randn(1, n, 3 * INNER, scale=2.0)
+        wq, wk = randn(HEAD_DIM, scale=0.2) + 1, randn(HEAD_DIM, scale=0.2) + 1
+        angles = torch.rand((n, ROTARY // 2), generator=g, device=dev) * 200.0
+        freqs = torch.cat([angles, angles], -1)
+        cos, sin = freqs.cos().to(BF16), freqs.sin().to(BF16)
+        q_view, k_view, _ = (part.unflatten(-1, (HEADS, HEAD_DIM)) for part in qkv.split(INNER, dim=-1))
+        angle_bytes = 2 * n * ROTARY * 2
+        if "rope" in ops:
+            q_n, k_n = F.rms_norm(q_view, (HEAD_DIM,), wq, EPS), F.rms_norm(k_view, (HEAD_DIM,), wk, EPS)
+            cases.append(Case(
+                "rope", lambda: k.rope.rope_reference(q_n, k_n, cos, sin), lambda: k.rope.rope(q_n, k_n, cos, sin),
+                4 * n * INNER * 2 + angle_bytes,
+            ))
+        norm_rope_bytes = 4 * n * INNER * 2 + angle_bytes  # q, k read from the QKV rows, q, k written
+        reference = lambda: k.rope.qk_norm_rope_reference(qkv, wq, wk, EPS, cos, sin, head_dim=HEAD_DIM)[:2]  # noqa: E731
+        if "rms_norm+rope" in ops:  # variant (a) in the model: torch's F.rms_norm, then the Triton rope
+            cases.append(Case(
+                "rms_norm+rope", reference,
+                lambda: k.rope.rope(F.rms_norm(q_view, (HEAD_DIM,), wq, EPS), F.rms_norm(k_view, (HEAD_DIM,), wk, EPS), cos, sin),
+                norm_rope_bytes,
+            ))
+        if "qk_norm_rope" in ops:  # variant (b): fused, exact only where the reduction order matches
+            cases.append(Case(
+                "qk_norm_rope", reference, lambda: k.rope.qk_norm_rope(qkv, wq, wk, EPS, cos, sin, head_dim=HEAD_DIM)[:2],
+                norm_rope_bytes, exact_required=False,
+            ))
+    return cases
+
+
+def run_case(case: Case, n: int, warmup: int, rep: int, do_bench) -> dict:
+    expected, got = _outputs(case.reference()), _outputs(case.triton())
+    differing = sum(mismatches(a, b) for a, b in zip(got, expected))
+    total = sum(t.numel() for t in expected)
+    del expected, got
+    if differing and case.exact_required:
+        raise SystemExit(f"PARITY FAILURE: {case.name} N={n}: {differing}/{total} elements differ from the torch reference")
+    torch_ms = do_bench(case.reference, warmup=warmup, rep=rep, return_mode="median")
+    triton_ms = do_bench(case.triton, warmup=warmup, rep=rep, return_mode="median")
+    return {
+        "name": case.name,
+        "N": n,
+        "torch_ms": round(torch_ms, 5),
+        "triton_ms": round(triton_ms, 5),
+        "speedup": round(torch_ms / triton_ms, 3),
+        "gbps": round(case.bytes_moved / (triton_ms * 1e-3) / 1e9, 1),
+        "torch_gbps": round(case.bytes_moved / (torch_ms * 1e-3) / 1e9, 1),
+        "bytes": case.bytes_moved,
+        "parity": "bitwise" if not differing else f"{differing}/{total} differ",
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    all_ops = ["modulate", "norm_out", "gated_residual", "swiglu", "rope", "rms_norm+rope", "qk_norm_rope"]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=list(DEFAULT_SIZES), help="packed row counts N")
+    parser.add_argument("--ops", nargs="+", default=all_ops, choices=all_ops)
+    parser.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
+    parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
+    parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "kernels_h200.json")
+    parser.add_argument("--sweep-tiles", action="store_true", help="also time the kernels at TARGET_TILE_ELEMENTS 2048/4096/8192")
+    args = parser.parse_args(argv)
+
+    if not torch.cuda.is_available():
+        print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import triton
+    from triton.testing import do_bench
+
+    k = load_kernels()
+    if k._launch.INTERPRET:
+        print("TRITON_INTERPRET is set: unset it to time compiled kernels", file=sys.stderr)
+        return 2
+    gpu = torch.cuda.get_device_name()
+    print(f"{gpu} | torch {torch.__version__} | triton {triton.__version__}")
+    results, sweep = [], []
+    for n in args.sizes:
+        g = torch.Generator(device="cuda").manual_seed(n)
+        for case in build_cases(k, n, g, set(args.ops)):
+            row = run_case(case, n, args.warmup, args.rep, do_bench)
+            results.append(row)
+            print(f"{row['name']:>15} N={n:>6}  torch {row['torch_ms']:8.4f} ms  triton {row['triton_ms']:8.4f} ms  "
+                  f"x{row['speedup']:5.2f}  {row['gbps']:7.1f} GB/s (torch {row['torch_gbps']:7.1f})  {row['parity']}", flush=True)
+            if args.sweep_tiles:
+                default = k._launch.TARGET_TILE_ELEMENTS
+                try:
+                    for elements in (2048, 4096, 8192):
+                        k._launch.TARGET_TILE_ELEMENTS = elements
+                        ms = do_bench(case.triton, warmup=args.warmup, rep=args.rep, return_mode="median")
+                        sweep.append({"name": case.name, "N": n, "tile_elements": elements, "triton_ms": round(ms, 5)})
+                        print(f"{'':>15} tile {elements:5d}: {ms:8.4f} ms", flush=True)
+                finally:
+                    k._launch.TARGET_TILE_ELEMENTS = default
+            del case
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    report = {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "commit": commit_id(), "ops": results}
+    if sweep:
+        report["tile_sweep"] = sweep
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
