@@ -13,7 +13,8 @@ from conftest import TINY, assert_bitwise, compile_tiny, diffusers_transformer
 
 from vflash_core import Geometry, build_keyframe_bundle, synthetic
 from vflash_core.artifact import CompiledArtifact
-from vflash_core.denoise import Denoiser, ResidentBlocks
+from vflash_core.denoise import Denoiser
+from vflash_core.residency import ResidentBlocks
 from vflash_core.model import sdpa_attention
 
 

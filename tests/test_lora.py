@@ -14,7 +14,8 @@ from safetensors.torch import save_file
 
 from vflash_core import Geometry, build_keyframe_bundle
 from vflash_core.artifact import CompiledArtifact
-from vflash_core.denoise import Denoiser, ResidentBlocks
+from vflash_core.denoise import Denoiser
+from vflash_core.residency import ResidentBlocks
 from vflash_core.errors import IdentityMismatchError, WeightFileError
 from vflash_core.lora import load_adapter
 from vflash_core.model import sdpa_attention

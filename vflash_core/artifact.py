@@ -148,6 +148,14 @@ class CompiledArtifact:
         data = store.read(store.names)
         return LayerWeights({k: data[k] for k in shapes}, _loras(record["lora"], data))
 
+    def read_block_loras(self, index: int) -> dict[str, tuple[LoraResidual, ...]]:
+        """Only the (small) LoRA factors of one block."""
+        record = self.manifest["blocks"][index]
+        if not record["lora"]:
+            return {}
+        store = TensorStore(self.artifact_dir / record["file"])
+        return _loras(record["lora"], store.read([n for n in store.names if n.startswith("lora.")]))
+
     def read_auxiliary(self) -> tuple[dict[str, torch.Tensor], list[LayerWeights], dict[str, tuple[LoraResidual, ...]]]:
         """(aux tensors, refiner blocks, aux LoRA residuals) of the runtime; no timestep-only tensors."""
         names = [n for n in aux_shapes(self.config) if not n.startswith(("time_embedder.", "norm_out.linear."))]

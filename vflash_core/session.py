@@ -1,9 +1,14 @@
-"""`NativeEngineSession`: one profile, one device, one loaded compiled model, reused across serial requests.
+"""`NativeEngineSession`: one profile, one GPU group, one loaded compiled model, reused across serial requests.
 
-Ownership (seed 001): the session owns its profile, device and weights; each `generate` call owns its request's
-tensors. Closing waits for the device, then drops every weight reference. A trajectory that fails (anything other
-than bad input, or an abort raised by the caller's own progress callback) marks the session failed: it refuses
-further calls and must be closed and replaced.
+Ownership (seed 001): the session owns its profile, devices and weights; each `generate` call owns its request's
+tensors. Closing waits for the devices, then drops every weight reference and communicator. A trajectory that fails
+(anything other than bad input, or an abort raised by the caller's own progress / between-block callback) marks the
+session failed: it refuses further calls and must be closed and replaced.
+
+Memory placement (seed 001 "Choosing memory placement"): `weight_residency="resident"` keeps every block on the
+device; `"block-ring"` streams blocks from one pinned host arena through two device slots; `"auto"` picks resident
+when the model plus the largest request of the profile fits the free device memory with a margin, else block-ring,
+and logs the numbers. Several GPUs (`peer_device`, `strategy`) are used only when the caller names them.
 """
 
 from __future__ import annotations
@@ -20,14 +25,21 @@ from .artifact import CompiledArtifact
 from .attention import resolve_attention
 from .bundle import MODE_VARIANT, BundleHandoff, ConditioningBundle
 from .compiler import device_arch
-from .denoise import DenoiseOutput, Denoiser, ProgressFn, ResidentBlocks
-from .errors import IdentityMismatchError, SessionClosedError, VflashError
-from .layout import FPS
+from .denoise import Denoiser, DenoiseOutput, ProgressFn
+from .errors import IdentityMismatchError, RequestError, SessionClosedError, VflashError
+from .fileio import atomic_file, check_writable_destination
+from .layout import FPS, Geometry, audio_latent_count
+from .parallel import STRATEGIES, LocalGroup, SequenceHeadAttention, merge_heads_reference, pack_heads_reference, split_rows
+from .profiler import StageTimer
 from .profiles import Profile, get_profile
+from .residency import BlockRing, BlockSource, PinnedArena, ResidentBlocks, activation_bytes
 
 logger = logging.getLogger(__name__)
 
-RESIDENCIES = ("auto", "resident")
+RESIDENCIES = ("auto", "resident", "block-ring")
+_GIB = 1 << 30
+# Free device memory kept back beyond the estimates (allocator fragmentation, kernels' workspaces, other users).
+MEMORY_MARGIN_BYTES = 2 * _GIB
 
 
 @dataclass
@@ -48,18 +60,35 @@ class GenerationResult:
     audio_latents: torch.Tensor
     session: SessionTiming
     metadata: dict[str, object] = field(default_factory=dict)
+    denoise_profile: dict[str, object] | None = None
+
+
+def _as_device(value: int | str | torch.device) -> torch.device:
+    device = torch.device(f"cuda:{value}") if isinstance(value, int) else torch.device(value)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _largest_request_rows(profile: Profile, config) -> int:
+    """Packed rows of the profile's longest clip on the default 768 x 1344 canvas with 512 text rows (t2va)."""
+    geometry = Geometry(768, 1344, int(profile.max_seconds * FPS) // 17 * 17 + 5)
+    return 512 + 2 * audio_latent_count(geometry.num_frames) + geometry.num_latent_frames * geometry.rows_per_frame(config.patch_size)
 
 
 class NativeEngineSession:
-    """Run fixed-schedule H3 trajectories for one profile on one device.
+    """Run fixed-schedule H3 trajectories for one profile on one device or an explicit group of devices.
 
     Args:
         profile: a registered profile id or a `Profile`.
         artifact, schedule_overlay, auxiliary: the three outputs of one `compile`.
-        device: `"cpu"` or `"cuda:N"`; must match the architecture the artifact was compiled on.
-        weight_residency: `"resident"` (weights on the device) or `"auto"`.
+        device: `"cpu"`, an index or `"cuda:N"`; must match the architecture the artifact was compiled on.
+        peer_device: further GPU(s) for one request (index, name or list); needs `strategy`.
+        strategy: `"sequence-head"` (rows split, heads exchanged for attention) when `peer_device` is given.
+        weight_residency: `"auto"`, `"resident"` or `"block-ring"` (CUDA only).
         attention_backend: see `attention.BACKENDS`; the backend used is logged once and reported per result.
         on_load_progress: called with (blocks loaded, total) while weights load.
+        collective_timeout_seconds: how long a rank waits for its peers in one collective before the group fails.
     """
 
     def __init__(
@@ -68,35 +97,116 @@ class NativeEngineSession:
         artifact: str | Path,
         schedule_overlay: str | Path,
         auxiliary: str | Path,
-        device: str | torch.device = "cpu",
+        device: int | str | torch.device = "cpu",
+        peer_device: int | str | torch.device | list | None = None,
+        strategy: str | None = None,
         weight_residency: str = "auto",
         attention_backend: str = "auto",
         on_load_progress: Callable[[int, int], None] | None = None,
+        collective_timeout_seconds: float = 120.0,
     ):
         start = time.perf_counter()
         self.profile = get_profile(profile) if isinstance(profile, str) else profile
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        peers = [] if peer_device is None else (list(peer_device) if isinstance(peer_device, (list, tuple)) else [peer_device])
+        self.devices = [_as_device(device)] + [_as_device(p) for p in peers]
+        self.device = self.devices[0]
+        if peers and strategy not in STRATEGIES:
+            raise VflashError(f"two or more devices need strategy {' or '.join(STRATEGIES)}, got {strategy!r}")
+        if strategy == "tensor":
+            raise VflashError("strategy 'tensor' is not available in this build; use 'sequence-head'")
+        if not peers and strategy is not None:
+            raise VflashError(f"strategy {strategy!r} needs a peer_device")
+        self.strategy = strategy if peers else None
         if weight_residency not in RESIDENCIES:
             raise VflashError(f"weight_residency must be one of {', '.join(RESIDENCIES)}, got {weight_residency!r}")
         self.compiled = CompiledArtifact(artifact, schedule_overlay, auxiliary)
         self.compiled.check_profile(self.profile)
-        arch = device_arch(self.device)
-        if arch != self.compiled.arch:
-            raise IdentityMismatchError(f"the artifact was compiled on {self.compiled.arch}; device {self.device} is {arch}")
+        for dev in self.devices:
+            arch = device_arch(dev)
+            if arch != self.compiled.arch:
+                raise IdentityMismatchError(f"the artifact was compiled on {self.compiled.arch}; device {dev} is {arch}")
+        config = self.compiled.config
+        if self.strategy == "sequence-head" and config.num_attention_heads % len(self.devices):
+            from .parallel import head_groups
+
+            head_groups(config.num_attention_heads, len(self.devices))
         self.attention_backend, attention = resolve_attention(attention_backend, self.device)
-        self.weight_residency = "resident"
-        total = self.compiled.config.num_layers
-        blocks = ResidentBlocks(self.compiled, self.device, None if on_load_progress is None else lambda i: on_load_progress(i + 1, total))
-        self._denoiser: Denoiser | None = Denoiser(self.compiled, blocks, self.device, attention)
+        self.weight_residency = self._choose_residency(weight_residency)
+
+        self._group: LocalGroup | None = LocalGroup(self.devices, collective_timeout_seconds) if self.strategy else None
+        self._arena: PinnedArena | None = None
+        total = config.num_layers
+        load = None if on_load_progress is None else (lambda i: on_load_progress(i + 1, total))
+        if self.weight_residency == "block-ring":
+            self._arena = PinnedArena(self.compiled, pin=True, on_block=load)
+        self._denoisers: list[Denoiser] = []
+        for rank, dev in enumerate(self.devices):
+            blocks: BlockSource
+            if self._arena is not None:
+                blocks = BlockRing(self._arena, dev)
+            else:
+                blocks = ResidentBlocks(self.compiled, dev, load if rank == 0 else None)
+            rank_attention = resolve_attention(attention_backend, dev)[1]
+            if self._group is not None:
+                rank_attention = SequenceHeadAttention(
+                    self._group.group(rank), rank, [(0, 0)] * len(self.devices), config.num_attention_heads, rank_attention,
+                    pack_heads_reference, merge_heads_reference,
+                )
+            self._denoisers.append(Denoiser(self.compiled, blocks, dev, rank_attention))
         self._failure: str | None = None
+        self._closed = False
         self._requests = 0
         self.initialization_seconds = time.perf_counter() - start
+        logger.info("Vflash session %s: %s", self.profile.id, self.memory_plan())
+
+    # -- memory -------------------------------------------------------------------------------------------------
+
+    def _choose_residency(self, requested: str) -> str:
+        if self.device.type != "cuda":
+            if requested == "block-ring":
+                raise VflashError("weight_residency='block-ring' streams to a CUDA device; this session runs on the CPU")
+            return "resident"
+        if requested != "auto":
+            return requested
+        model_bytes = sum(int(b["size"]) for b in self.compiled.manifest["blocks"]) + int(self.compiled.manifest["auxiliary"]["size"])
+        need = model_bytes + activation_bytes(self.compiled.config, _largest_request_rows(self.profile, self.compiled.config)) + MEMORY_MARGIN_BYTES
+        free = min(torch.cuda.mem_get_info(dev)[0] for dev in self.devices)
+        choice = "resident" if need <= free else "block-ring"
         logger.info(
-            "Vflash session %s on %s: attention %s, weights %s, initialised in %.2f s",
-            self.profile.id, self.device, self.attention_backend, self.weight_residency, self.initialization_seconds,
+            "weight residency auto -> %s: model %.1f GiB + largest request %.1f GiB + margin %.1f GiB vs %.1f GiB free",
+            choice, model_bytes / _GIB, (need - model_bytes - MEMORY_MARGIN_BYTES) / _GIB, MEMORY_MARGIN_BYTES / _GIB, free / _GIB,
         )
+        return choice
+
+    def memory_plan(self) -> str:
+        """One line: devices, strategy, attention, residency, blocks on device, pinned host bytes."""
+        den = self._denoisers[0]
+        blocks_on_device = self.compiled.config.num_layers if self.weight_residency == "resident" else 2
+        pinned = self._arena.nbytes if self._arena is not None else 0
+        devices = ", ".join(str(d) for d in self.devices)
+        strategy = f" {self.strategy}" if self.strategy else ""
+        return (
+            f"{devices}{strategy}, attention {self.attention_backend}, weights {self.weight_residency} "
+            f"({blocks_on_device} blocks on device, {den.blocks.device_weight_bytes / _GIB:.2f} GiB block weights per device, "
+            f"{pinned / _GIB:.2f} GiB pinned host)"
+        )
+
+    def _check_request_fits(self, bundle: ConditioningBundle) -> None:
+        if self.device.type != "cuda":
+            return
+        rows = bundle.layout.sequence_length
+        if self.strategy == "sequence-head":
+            rows = max(stop - start for start, stop in split_rows(rows, len(self.devices))) + rows // len(self.devices)
+        need = activation_bytes(self.compiled.config, rows)
+        for dev in self.devices:
+            free = torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+            if need + MEMORY_MARGIN_BYTES > free:
+                raise RequestError(
+                    f"this request ({bundle.layout.sequence_length} packed rows) needs about {need / _GIB:.1f} GiB of "
+                    f"activations on {dev} plus a {MEMORY_MARGIN_BYTES / _GIB:.0f} GiB margin; {free / _GIB:.1f} GiB are free "
+                    f"with weights {self.weight_residency}. Use a smaller canvas or duration, weight_residency='block-ring', "
+                    "or a second GPU"
+                )
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
 
@@ -108,23 +218,29 @@ class NativeEngineSession:
 
     @property
     def closed(self) -> bool:
-        return self._denoiser is None
+        return self._closed
 
     def close(self) -> None:
-        """Wait for the device, then release every weight this session owns. Idempotent."""
-        if self._denoiser is None:
+        """Wait for the devices, then release every weight and communicator this session owns. Idempotent."""
+        if self._closed:
             return
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self._denoiser.close()
-        self._denoiser = None
+        self._closed = True
+        for dev in self.devices:
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+        for den in self._denoisers:
+            den.close()
+        self._denoisers = []
+        if self._group is not None:
+            self._group.close()
+            self._group = None
+        self._arena = None
 
-    def _check_usable(self) -> Denoiser:
+    def _check_usable(self) -> None:
         if self._failure is not None:
             raise SessionClosedError(f"this session failed earlier ({self._failure}); close it and create a new one")
-        if self._denoiser is None:
+        if self._closed:
             raise SessionClosedError("this session is closed; create a new NativeEngineSession")
-        return self._denoiser
 
     # -- requests -------------------------------------------------------------------------------------------------
 
@@ -136,6 +252,7 @@ class NativeEngineSession:
         if MODE_VARIANT[bundle.mode] != self.profile.variant:
             raise VflashError(f"a {bundle.mode} request needs the {MODE_VARIANT[bundle.mode]} partition; profile {self.profile.id} runs {self.profile.variant}")
         self.profile.check_duration(bundle.geometry.num_frames / FPS)
+        self._check_request_fits(bundle)
 
     def generate(
         self,
@@ -143,22 +260,22 @@ class NativeEngineSession:
         progress: ProgressFn | None = None,
         between_blocks: Callable[[], None] | None = None,
         output_latents: str | Path | None = None,
+        profile_denoise: bool = False,
     ) -> GenerationResult:
         """Denoise one request. `bundle` may be a bundle, a one-shot handoff, or a persisted bundle folder.
 
-        `progress(done, total)` runs after every evaluation and `between_blocks()` between blocks; an exception they
-        raise aborts the request and leaves the session usable. With `output_latents`, the latents are also written
-        there atomically, inside the timed region.
+        `progress(done, total)` runs after every evaluation and `between_blocks()` between blocks (with several GPUs,
+        at the next evaluation boundary); an exception they raise aborts the request and leaves the session usable.
+        With `output_latents`, the latents are also written there atomically, inside the timed region. With
+        `profile_denoise`, per-stage device timings are returned in `denoise_profile`.
         """
-        denoiser = self._check_usable()
+        self._check_usable()
         if isinstance(bundle, BundleHandoff):
             bundle = bundle.consume()
         elif not isinstance(bundle, ConditioningBundle):
             bundle = ConditioningBundle.load(bundle)
         self.validate(bundle)
         if output_latents is not None:
-            from .fileio import check_writable_destination
-
             check_writable_destination(output_latents)
         aborted = False
 
@@ -176,13 +293,20 @@ class NativeEngineSession:
 
             return call
 
+        for dev in self.devices:
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(dev)
+        timers = [StageTimer(dev, profile_denoise) for dev in self.devices]
         start = time.perf_counter()
         try:
-            output = denoiser.run(bundle, guarded(progress), guarded(between_blocks))
+            if self._group is None:
+                output = self._denoisers[0].run(bundle, timers[0], guarded(progress), guarded(between_blocks))
+            else:
+                output = self._run_group(bundle, timers, guarded(progress), guarded(between_blocks))
             if output_latents is not None:
                 write_latents(output_latents, output, {"profile": self.profile.id, "mode": bundle.mode})
         except BaseException as exc:
-            if not aborted and not isinstance(exc, VflashError):
+            if not aborted and not isinstance(exc, (VflashError, KeyboardInterrupt)) or (self._group is not None and self._group.failed):
                 self._failure = f"{type(exc).__name__}: {exc}"
             raise
         wall = time.perf_counter() - start
@@ -191,20 +315,79 @@ class NativeEngineSession:
         metadata = {
             "profile": self.profile.id,
             "mode": bundle.mode,
-            "device": str(self.device),
+            "devices": [str(d) for d in self.devices],
+            "strategy": self.strategy,
             "attention_backend": self.attention_backend,
             "weight_residency": self.weight_residency,
             "compile_id": self.compiled.compile_id,
-            "nfe": denoiser.nfe,
+            "nfe": self._denoisers[0].nfe,
+            "memory": self._memory_report(),
         }
-        return GenerationResult(output.video_latents, output.audio_latents, timing, metadata)
+        summaries = [t.summary() for t in timers]
+        profile = None
+        if profile_denoise:
+            profile = summaries[0] if len(summaries) == 1 else {"ranks": summaries}
+        return GenerationResult(output.video_latents, output.audio_latents, timing, metadata, profile)
+
+    def _memory_report(self) -> dict[str, object]:
+        report: dict[str, object] = {
+            "weight_residency": self.weight_residency,
+            "blocks_on_device": self.compiled.config.num_layers if self.weight_residency == "resident" else 2,
+            "device_weight_bytes": self._denoisers[0].blocks.device_weight_bytes,
+            "pinned_host_bytes": self._arena.nbytes if self._arena is not None else 0,
+        }
+        if self.device.type == "cuda":
+            report["peak_allocated_bytes"] = [torch.cuda.max_memory_allocated(d) for d in self.devices]
+            report["peak_reserved_bytes"] = [torch.cuda.max_memory_reserved(d) for d in self.devices]
+        return report
+
+    def _run_group(self, bundle: ConditioningBundle, timers: list[StageTimer], progress: ProgressFn | None, between_blocks: Callable[[], None] | None) -> DenoiseOutput:
+        """Every rank runs the trajectory on its rows; ranks stop together at an evaluation boundary when asked."""
+        group = self._group
+        assert group is not None
+        rows = split_rows(bundle.layout.sequence_length, len(self.devices))
+        for den in self._denoisers:
+            den.attention.rows = rows
+        stop: list[BaseException] = []
+
+        def poll() -> None:  # between blocks on rank 0: remember the request to stop, act on it at the boundary
+            if between_blocks is not None and not stop:
+                try:
+                    between_blocks()
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller at the evaluation boundary
+                    stop.append(exc)
+
+        def rank_main(rank: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+            den = self._denoisers[rank]
+            state = den.prepare(bundle, rows[rank])
+            nfe = den.nfe
+            for step in range(nfe):
+                den.step(state, step, bundle, timers[rank], poll if rank == 0 else None)
+                if progress is not None or between_blocks is not None:
+                    if den.device.type == "cuda":
+                        torch.cuda.current_stream(den.device).synchronize()
+                    group.barrier.wait()
+                    if rank == 0 and progress is not None and not stop:
+                        try:
+                            progress(step + 1, nfe)
+                        except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+                            stop.append(exc)
+                    group.barrier.wait()
+                    if stop:
+                        return None
+            return state.video_rows.cpu(), state.audio_rows.cpu()
+
+        results = group.run(rank_main)
+        if stop:
+            raise stop[0]
+        video = torch.cat([r[0] for r in results])  # type: ignore[index]
+        audio = torch.cat([r[1] for r in results])  # type: ignore[index]
+        return self._denoisers[0].finish(bundle, video, audio)
 
 
 def write_latents(path: str | Path, output: DenoiseOutput, metadata: dict[str, str]) -> Path:
     """Latents as safetensors (`video_latents`, `audio_latents`), published atomically, never overwriting."""
     from safetensors.torch import save_file
-
-    from .fileio import atomic_file
 
     with atomic_file(path) as tmp:
         save_file({"video_latents": output.video_latents.contiguous(), "audio_latents": output.audio_latents.contiguous()}, str(tmp), metadata=metadata)

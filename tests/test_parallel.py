@@ -1,0 +1,135 @@
+"""Sequence-head over several ranks: bookkeeping for 2, 4 and 8 ranks, relayouts, and whole trajectories on CPU ranks
+(Gloo in threads stands in for NCCL on GPUs) that must equal the single-device result bit for bit; plus stop and
+fault handling. The same code runs on GPUs under `pytest -m multigpu` (see test_gpu.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+
+from conftest import TINY, assert_bitwise, compile_tiny
+from test_schedule_layout_bundle import _bundle
+from vflash_core import Geometry, NativeEngineSession, build_keyframe_bundle, synthetic
+from vflash_core import parallel as P
+from vflash_core.errors import SessionClosedError, VflashError
+
+PROFILE = "t2va-base4-exact-cpu"
+# Eight heads so 2, 4 and 8 ranks divide them; keeps inner (128) != hidden (24) and partial rotary.
+WIDE = replace(TINY, num_attention_heads=8)
+
+
+@pytest.mark.parametrize("total,ranks", [(10, 2), (11, 2), (37_811, 2), (9, 4), (73_898, 8), (3, 4)])
+def test_split_rows_is_contiguous_and_balanced(total, ranks):
+    bounds = P.split_rows(total, ranks)
+    assert bounds[0][0] == 0 and bounds[-1][1] == total
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    sizes = [stop - start for start, stop in bounds]
+    assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+
+
+def test_head_groups():
+    assert P.head_groups(56, 2) == [(0, 28), (28, 56)]
+    assert P.head_groups(56, 8)[-1] == (49, 56) and len(P.head_groups(56, 4)) == 4
+    with pytest.raises(VflashError, match=r"56 attention heads cannot be split over 3 GPUs; use a GPU count in \[1, 2, 4, 7, 8, 14, 28, 56\]"):
+        P.head_groups(56, 3)
+
+
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+def test_relayout_round_trip(ranks):
+    heads, s_r, d = 56, 13, 8
+    x = torch.randn(s_r, 3 * heads, d)[:, heads : 2 * heads]  # a strided view, as q/k/v are inside the fused QKV
+    send = P.pack_heads_reference(x, torch.empty(ranks, s_r, heads // ranks, d))
+    for j in range(ranks):
+        assert_bitwise(send[j], x[:, j * heads // ranks : (j + 1) * heads // ranks], f"destination {j}")
+    assert_bitwise(P.merge_heads_reference(send, torch.empty(s_r, heads, d)), x, "merge(pack(x))")
+
+
+@pytest.fixture(scope="module")
+def wide_compiled(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("wide")
+    folder = synthetic.write_diffusers_transformer(tmp / "t", WIDE, synthetic.random_internal_weights(WIDE, seed=5))
+    return compile_tiny(tmp, folder, PROFILE)
+
+
+def _wide_bundle(seed: int, frames: int = 124):
+    g = torch.Generator().manual_seed(seed)
+    embeds = torch.randn(7, WIDE.text_dim, generator=g).to(torch.bfloat16)
+    keyframe = torch.randn(1, WIDE.in_channels, 1, 4, 6, generator=g)
+    return build_keyframe_bundle(embeds, torch.ones(7, dtype=torch.long), Geometry(64, 96, frames), WIDE, g, (keyframe,), ("first",))
+
+
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+def test_sequence_head_equals_single_device(wide_compiled, ranks):
+    bundle = _wide_bundle(1)
+    assert bundle.layout.sequence_length % ranks  # uneven split on purpose
+    with NativeEngineSession(PROFILE, **wide_compiled) as single:
+        expected = single.generate(bundle)
+    with NativeEngineSession(PROFILE, **wide_compiled, peer_device=["cpu"] * (ranks - 1), strategy="sequence-head") as group:
+        got = group.generate(bundle)
+        assert got.metadata["strategy"] == "sequence-head" and len(got.metadata["devices"]) == ranks
+    assert_bitwise(got.video_latents, expected.video_latents, "video latents")
+    assert_bitwise(got.audio_latents, expected.audio_latents, "audio latents")
+
+
+def test_rank_count_must_divide_heads(tiny_compiled):
+    with pytest.raises(VflashError, match="cannot be split over 3 GPUs"):
+        NativeEngineSession(PROFILE, **tiny_compiled, peer_device=["cpu", "cpu"], strategy="sequence-head")
+    with pytest.raises(VflashError, match="need strategy"):
+        NativeEngineSession(PROFILE, **tiny_compiled, peer_device="cpu")
+
+
+class Abort(BaseException):
+    pass
+
+
+def test_stop_at_evaluation_boundary_keeps_group_usable(tiny_compiled):
+    with NativeEngineSession(PROFILE, **tiny_compiled, peer_device="cpu", strategy="sequence-head") as session:
+        seen = []
+
+        def stop_at_two(done, total):
+            seen.append(done)
+            if done == 2:
+                raise Abort()
+
+        with pytest.raises(Abort):
+            session.generate(_bundle(4), progress=stop_at_two)
+        assert seen == [1, 2]
+        polls = []
+
+        def interrupt():
+            polls.append(1)
+            if len(polls) == 3:  # mid-evaluation on rank 0: honoured at the end of that evaluation
+                raise Abort()
+
+        with pytest.raises(Abort):
+            session.generate(_bundle(4), between_blocks=interrupt)
+        after = session.generate(_bundle(4))
+    with NativeEngineSession(PROFILE, **tiny_compiled) as single:
+        assert_bitwise(after.video_latents, single.generate(_bundle(4)).video_latents, "after a stop")
+
+
+def test_fault_on_rank_one_aborts_both_and_fails_the_session(tiny_compiled, monkeypatch):
+    session = NativeEngineSession(PROFILE, **tiny_compiled, peer_device="cpu", strategy="sequence-head", collective_timeout_seconds=5)
+    original = P.SequenceHeadAttention.__call__
+    calls = []
+
+    def faulty(self, q, k, v):
+        if self.rank == 1:
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("injected fault on rank 1")
+        return original(self, q, k, v)
+
+    monkeypatch.setattr(P.SequenceHeadAttention, "__call__", faulty)
+    start = time.perf_counter()
+    with pytest.raises(P.RankFailure, match="rank 1 on cpu failed: RuntimeError: injected fault on rank 1"):
+        session.generate(_bundle(2))
+    assert time.perf_counter() - start < 30
+    assert not [t for t in threading.enumerate() if t.name.startswith("vflash-rank")]
+    with pytest.raises(SessionClosedError, match="failed earlier"):
+        session.generate(_bundle(2))
+    session.close()

@@ -1,0 +1,199 @@
+"""Where the main blocks' weights live: resident on the device, or streamed from pinned host memory (block ring).
+
+Block ring (seed 001 "Loading weights once"): every compiled block file is memory-mapped for a scoped load, its
+tensors are copied back to back into ONE segmented pinned host arena that spans blocks (no per-block allocation
+padding), and the map is closed. Two device slots, each the size of one block, alternate: a copy stream fills slot
+k+1 while block k computes from slot k. A copy event marks a slot ready (the compute stream waits on it); a compute
+event marks the block that read a slot finished (the copy stream waits on it before overwriting). Nothing waits on
+the host per block. The arena and the slots are reused across requests and released by `close()`.
+
+Resident and block-ring sources yield the same `LayerWeights` (same tensors, same values), so the math, and the
+bits, are identical.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .artifact import CompiledArtifact
+from .checkpoint import block_shapes
+from .config import H3Config
+from .errors import VflashError
+from .model import LayerWeights, LoraResidual
+from .tensor_store import TensorStore
+
+logger = logging.getLogger(__name__)
+
+# Tensors start at multiples of this inside the arena and the slots (cuBLAS- and vector-load friendly). The full
+# model's tensors are all multiples of it, so no padding is added there.
+_ALIGN = 256
+# Pinned segments are allocated separately so no single host allocation has to hold the whole model.
+_SEGMENT_BYTES = 4 << 30
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class BlockSource:
+    """Yields the main blocks' weights on the compute device, in order, once per evaluation."""
+
+    device_weight_bytes: int = 0
+    pinned_host_bytes: int = 0
+
+    def __iter__(self) -> Iterator[LayerWeights]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release the device (and host) memory the source owns."""
+
+
+def _device_loras(loras: dict[str, tuple[LoraResidual, ...]], device: torch.device) -> dict[str, tuple[LoraResidual, ...]]:
+    return {k: tuple(r.to(device) for r in rs) for k, rs in loras.items()}
+
+
+class ResidentBlocks(BlockSource):
+    """Every block's weights live on the device for the whole session."""
+
+    def __init__(self, artifact: CompiledArtifact, device: torch.device, on_block=None):
+        self.blocks: list[LayerWeights] = []
+        for i in range(artifact.config.num_layers):
+            w = artifact.read_block(i)
+            self.blocks.append(LayerWeights({k: v.to(device) for k, v in w.tensors.items()}, _device_loras(w.loras, device)))
+            if on_block is not None:
+                on_block(i)
+        self.device_weight_bytes = sum(t.nbytes for w in self.blocks for t in w.tensors.values())
+
+    def __iter__(self) -> Iterator[LayerWeights]:
+        return iter(self.blocks)
+
+    def close(self) -> None:
+        self.blocks = []
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where one tensor of a block sits inside a block's byte span."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def block_layout(config: H3Config, artifact: CompiledArtifact) -> tuple[list[_Slot], int]:
+    """Byte layout shared by every main block (they all have the same names, shapes and dtypes)."""
+    store = TensorStore(artifact.artifact_dir / artifact.manifest["blocks"][0]["file"])
+    slots, offset = [], 0
+    for internal in block_shapes(config, "blocks.0", with_adaln=False):
+        name = internal.split(".", 2)[2]
+        info = store.info(name)
+        nbytes = info.end - info.start
+        slots.append(_Slot(name, info.dtype, info.shape, offset, nbytes))
+        offset = _aligned(offset + nbytes)
+    return slots, offset
+
+
+class PinnedArena:
+    """Every main block's weights in one segmented pinned host arena, filled once from memory-mapped block files."""
+
+    def __init__(self, artifact: CompiledArtifact, pin: bool = True, on_block=None):
+        config = artifact.config
+        self.layout, self.block_bytes = block_layout(config, artifact)
+        per_segment = max(1, _SEGMENT_BYTES // self.block_bytes)
+        self.segments: list[torch.Tensor] = []
+        self.spans: list[torch.Tensor] = []  # per block: uint8 view of its bytes in a segment
+        self.loras: list[dict[str, tuple[LoraResidual, ...]]] = []
+        for first in range(0, config.num_layers, per_segment):
+            count = min(per_segment, config.num_layers - first)
+            self.segments.append(torch.empty(count * self.block_bytes, dtype=torch.uint8, pin_memory=pin))
+        for i in range(config.num_layers):
+            segment = self.segments[i // per_segment]
+            start = (i % per_segment) * self.block_bytes
+            span = segment[start : start + self.block_bytes]
+            self.spans.append(span)
+            self.loras.append(self._fill(artifact, i, span))
+            if on_block is not None:
+                on_block(i)
+        self.nbytes = sum(s.nbytes for s in self.segments)
+
+    def _fill(self, artifact: CompiledArtifact, index: int, span: torch.Tensor) -> dict[str, tuple[LoraResidual, ...]]:
+        """Scoped memory map of one block file: copy its tensors into the arena, read its (small) LoRA factors."""
+        path = artifact.artifact_dir / artifact.manifest["blocks"][index]["file"]
+        store = TensorStore(path)
+        with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            for slot in self.layout:
+                info = store.info(slot.name)
+                if info.dtype != slot.dtype or info.shape != slot.shape:
+                    raise VflashError(f"{path}: {slot.name} is {list(info.shape)} {info.dtype}, block 0 has {list(slot.shape)} {slot.dtype}")
+                source = torch.frombuffer(mapped, dtype=torch.uint8, count=slot.nbytes, offset=info.start)
+                span[slot.offset : slot.offset + slot.nbytes].copy_(source)
+                del source  # the map cannot close while a tensor still points into it
+        return artifact.read_block_loras(index)
+
+
+class BlockRing(BlockSource):
+    """Two device slots fed from a `PinnedArena` by a copy stream, ordered by events (see the module docstring)."""
+
+    def __init__(self, arena: PinnedArena, device: torch.device):
+        self.arena = arena
+        self.device = device
+        self.slots = [torch.empty(arena.block_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
+        self.views = [self._views(slot) for slot in self.slots]
+        self.loras = [_device_loras(l, device) for l in arena.loras]
+        self.copy_stream = torch.cuda.Stream(device)
+        self.copy_done = [torch.cuda.Event() for _ in range(2)]
+        self.compute_done = [torch.cuda.Event() for _ in range(2)]
+        self.device_weight_bytes = 2 * arena.block_bytes
+        self.pinned_host_bytes = arena.nbytes
+        self.copy_timer: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
+
+    def _views(self, slot: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {s.name: slot[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in self.arena.layout}
+
+    def _issue_copy(self, block: int) -> None:
+        s = block % 2
+        with torch.cuda.stream(self.copy_stream):
+            self.copy_stream.wait_event(self.compute_done[s])  # the block that last read this slot has finished
+            if self.copy_timer is not None:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record(self.copy_stream)
+            self.slots[s].copy_(self.arena.spans[block], non_blocking=True)
+            if self.copy_timer is not None:
+                end.record(self.copy_stream)
+                self.copy_timer.append((start, end))
+            self.copy_done[s].record(self.copy_stream)
+
+    def __iter__(self) -> Iterator[LayerWeights]:
+        compute = torch.cuda.current_stream(self.device)
+        count = len(self.arena.spans)
+        self._issue_copy(0)
+        for i in range(count):
+            s = i % 2
+            if i + 1 < count:
+                self._issue_copy(i + 1)
+            compute.wait_event(self.copy_done[s])
+            yield LayerWeights(self.views[s], self.loras[i])
+            self.compute_done[s].record(compute)
+
+    def close(self) -> None:
+        torch.cuda.synchronize(self.device)
+        self.slots, self.views, self.loras = [], [], []
+
+
+def activation_bytes(config: H3Config, sequence_length: int) -> int:
+    """Upper estimate of one evaluation's transient device memory at S packed rows (bf16 block dtype).
+
+    Residual and normalised streams (3 x S x H), fused QKV (S x 3I), q/k copies and attention output (3 x S x I), the
+    SwiGLU input and product (S x 2F + S x F), fp32 head inputs (S x H x 4), with a 25 % allowance for the
+    allocator and the attention kernel's workspace.
+    """
+    h, i, f = config.hidden_size, config.inner_dim, config.ffn_dim
+    per_row = 2 * (3 * h + 3 * i + 3 * i + 2 * f + f) + 4 * h
+    return int(sequence_length * per_row * 1.25)
