@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
     parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "kernels_h200.json")
-    parser.add_argument("--sweep-tiles", action="store_true", help="also time the kernels at TARGET_TILE_ELEMENTS 2048/4096/8192")
+    parser.add_argument("--sweep-tiles", action="store_true", help="also time each kernel at tile sizes 1024..8192 elements")
     args = parser.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -200,16 +200,16 @@ def main(argv: list[str] | None = None) -> int:
             results.append(row)
             print(f"{row['name']:>15} N={n:>6}  torch {row['torch_ms']:8.4f} ms  triton {row['triton_ms']:8.4f} ms  "
                   f"x{row['speedup']:5.2f}  {row['gbps']:7.1f} GB/s (torch {row['torch_gbps']:7.1f})  {row['parity']}", flush=True)
-            if args.sweep_tiles:
-                default = k._launch.TARGET_TILE_ELEMENTS
+            if args.sweep_tiles:  # the tile-size constants: the package default and the fused QK-norm's own
+                defaults = k._launch.TARGET_TILE_ELEMENTS, k.rope.QK_NORM_TILE_ELEMENTS
                 try:
-                    for elements in (2048, 4096, 8192):
-                        k._launch.TARGET_TILE_ELEMENTS = elements
+                    for elements in (1024, 2048, 4096, 8192):
+                        k._launch.TARGET_TILE_ELEMENTS = k.rope.QK_NORM_TILE_ELEMENTS = elements
                         ms = do_bench(case.triton, warmup=args.warmup, rep=args.rep, return_mode="median")
                         sweep.append({"name": case.name, "N": n, "tile_elements": elements, "triton_ms": round(ms, 5)})
                         print(f"{'':>15} tile {elements:5d}: {ms:8.4f} ms", flush=True)
                 finally:
-                    k._launch.TARGET_TILE_ELEMENTS = default
+                    k._launch.TARGET_TILE_ELEMENTS, k.rope.QK_NORM_TILE_ELEMENTS = defaults
             del case
         gc.collect()
         torch.cuda.empty_cache()

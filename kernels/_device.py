@@ -68,23 +68,37 @@ def _to_storage(y, DTYPE: tl.constexpr, EMULATE_CASTS: tl.constexpr):
 
 
 @triton.jit
-def _halve_lanes(s, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, WIDTH: tl.constexpr):
-    """(A, B, WIDTH) -> (A, B, WIDTH // 2): lane i plus lane i + WIDTH/2 (one step of a warp's shuffle-down sum)."""
-    pairs = tl.permute(tl.reshape(s, (BLOCK_A, BLOCK_B, 2, WIDTH // 2)), (0, 1, 3, 2))
-    low, high = tl.split(pairs)
-    return low + high
+def _add(a, b):
+    return a + b
 
 
 @triton.jit
-def _warp_tree_sum(s, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
-    """(A, B, 32) per-lane partial sums -> (A, B): the shuffle-down tree of one 32-lane warp.
+def _pair_sum(s, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, WIDTH: tl.constexpr):
+    """(A, B, WIDTH) -> (A, B, WIDTH // 2): lane i + lane (i + WIDTH/2), one fp32 add per output (one shuffle-down step).
 
-    Offsets 16, 8, 4, 2, 1: after each step lane i holds lane i + lane i+offset, and lane 0 ends with the sum. The
-    association is fixed ((l0 + l16) + (l8 + l24)) + ..., independent of Triton's register layout.
+    `tl.reduce` with our own combine function rather than `tl.sum`: the latter is a `triton.jit` function of triton's
+    standard library, decorated when triton is imported, which the test suite's interpreted copy of this package
+    cannot call. A reduction over two elements is a single (commutative) add either way.
     """
-    s = _halve_lanes(s, BLOCK_A, BLOCK_B, 32)
-    s = _halve_lanes(s, BLOCK_A, BLOCK_B, 16)
-    s = _halve_lanes(s, BLOCK_A, BLOCK_B, 8)
-    s = _halve_lanes(s, BLOCK_A, BLOCK_B, 4)
-    s = _halve_lanes(s, BLOCK_A, BLOCK_B, 2)
+    return tl.reduce(tl.reshape(s, (BLOCK_A, BLOCK_B, 2, WIDTH // 2)), 2, _add)
+
+
+@triton.jit
+def _lane_tree_sum(s, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, LANES: tl.constexpr):
+    """(A, B, LANES) per-lane partial sums -> (A, B): the shuffle-down tree of a 32-lane warp.
+
+    Offsets 16, 8, 4, 2, 1: after each step lane i holds lane i + lane i+offset, lane 0 ends with the sum, i.e. the
+    fixed association ((l0 + l16) + (l8 + l24)) + ... for 32 lanes, independent of Triton's register layout. LANES is a
+    power of two <= 32; lanes a warp would hold beyond LANES are zero, so their steps add +0.0 exactly and are skipped.
+    """
+    if LANES >= 32:
+        s = _pair_sum(s, BLOCK_A, BLOCK_B, 32)
+    if LANES >= 16:
+        s = _pair_sum(s, BLOCK_A, BLOCK_B, 16)
+    if LANES >= 8:
+        s = _pair_sum(s, BLOCK_A, BLOCK_B, 8)
+    if LANES >= 4:
+        s = _pair_sum(s, BLOCK_A, BLOCK_B, 4)
+    if LANES >= 2:
+        s = _pair_sum(s, BLOCK_A, BLOCK_B, 2)
     return tl.reshape(s, (BLOCK_A, BLOCK_B))

@@ -101,22 +101,25 @@ class Tile:
 TARGET_TILE_ELEMENTS = 4096
 
 
-def elementwise_tile(n_rows: int, n_groups: int, group_size: int = 1) -> Tile:
+def elementwise_tile(n_rows: int, n_groups: int, group_size: int = 1, target_elements: int | None = None) -> Tile:
     """THE launch-settings heuristic of every op in this package (documented here, nowhere else).
 
     The problem is `n_rows` rows of `n_groups` column groups; a group of `group_size` elements (a power of two) is
     never split across programs (1 for plain columns; the padded head width for the per-head rotary kernels).
+    `target_elements` (a power of two; default `TARGET_TILE_ELEMENTS`) is the tile size aimed for; an op passes its
+    own only with the measurement that justifies it beside the constant.
 
     * `block_groups`: a power of two with `block_groups * group_size` in [256, 2048] elements (or the whole row,
       rounded up to a power of two, when that is smaller), choosing the one that leaves the fewest masked lanes in the
       last column block, the larger on ties. H = 5376 = 21 * 256 gives 256 (no waste), F = 14336 = 7 * 2048 gives
       2048, 56 heads of 128 give 8 heads (1024 elements, no waste).
-    * `block_rows`: `TARGET_TILE_ELEMENTS // (block_groups * group_size)`, at least 1, at most the row count rounded
-      up to a power of two.
+    * `block_rows`: `target_elements // (block_groups * group_size)`, at least 1, at most the row count rounded up
+      to a power of two.
     * `num_warps`: one warp per 512 tile elements, clamped to [1, 8] (4096 elements -> 8 warps, 16 per thread).
     """
     if group_size < 1 or group_size & (group_size - 1):
         raise ValueError(f"group_size must be a power of two, got {group_size}")
+    target = TARGET_TILE_ELEMENTS if target_elements is None else int(target_elements)
     n_rows, n_groups = max(int(n_rows), 1), max(int(n_groups), 1)
     whole = triton.next_power_of_2(n_groups)
     candidates = [g for g in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048) if 256 <= g * group_size <= 2048 and g <= whole]
@@ -125,7 +128,7 @@ def elementwise_tile(n_rows: int, n_groups: int, group_size: int = 1) -> Tile:
     waste = lambda g: -n_groups % g  # noqa: E731 - masked groups in the last column block
     block_groups = min(candidates, key=lambda g: (waste(g), -g))
     tile_cols = block_groups * group_size
-    block_rows = max(1, min(TARGET_TILE_ELEMENTS // tile_cols, triton.next_power_of_2(n_rows)))
+    block_rows = max(1, min(target // tile_cols, triton.next_power_of_2(n_rows)))
     num_warps = max(1, min(8, (block_rows * tile_cols) // 512))
     return Tile(block_rows, block_groups, num_warps)
 

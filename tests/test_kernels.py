@@ -138,7 +138,7 @@ def strided(shape, dtype, g, pad=8, scale=1.0, device="cpu") -> torch.Tensor:
 def small_tile(kernels):
     """A tile heuristic replacement that forces many programs and partial blocks along every axis."""
 
-    def tile(n_rows, n_groups, group_size=1):
+    def tile(n_rows, n_groups, group_size=1, target_elements=None):
         return kernels._launch.Tile(block_rows=4, block_groups=16 if group_size == 1 else 2, num_warps=1)
 
     return tile
