@@ -23,7 +23,7 @@ import torch
 from .artifact import CompiledArtifact
 from .checkpoint import block_shapes
 from .config import H3Config
-from .errors import VflashError
+from .errors import RequestError, VflashError
 from .model import LayerWeights, LoraResidual
 from .tensor_store import TensorStore
 
@@ -127,7 +127,7 @@ class PinnedArena:
         """Scoped memory map of one block file: copy its tensors into the arena, read its (small) LoRA factors."""
         path = artifact.artifact_dir / artifact.manifest["blocks"][index]["file"]
         store = TensorStore(path)
-        with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY) as mapped:  # private, so torch sees a writable buffer; never written
             for slot in self.layout:
                 info = store.info(slot.name)
                 if info.dtype != slot.dtype or info.shape != slot.shape:
@@ -139,52 +139,77 @@ class PinnedArena:
 
 
 class BlockRing(BlockSource):
-    """Two device slots fed from a `PinnedArena` by a copy stream, ordered by events (see the module docstring)."""
+    """Two device slots fed from a `PinnedArena` by a copy stream, ordered by events (see the module docstring).
+
+    On the CPU (tests) the same slots are filled by plain synchronous copies.
+    """
 
     def __init__(self, arena: PinnedArena, device: torch.device):
         self.arena = arena
         self.device = device
         self.slots = [torch.empty(arena.block_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
         self.views = [self._views(slot) for slot in self.slots]
-        self.loras = [_device_loras(l, device) for l in arena.loras]
-        self.copy_stream = torch.cuda.Stream(device)
-        self.copy_done = [torch.cuda.Event() for _ in range(2)]
-        self.compute_done = [torch.cuda.Event() for _ in range(2)]
+        self.loras = [_device_loras(lora, device) for lora in arena.loras]
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.copy_stream = torch.cuda.Stream(device)
+            self.copy_done = [torch.cuda.Event() for _ in range(2)]
+            self.compute_done = [torch.cuda.Event() for _ in range(2)]
         self.device_weight_bytes = 2 * arena.block_bytes
         self.pinned_host_bytes = arena.nbytes
-        self.copy_timer: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
+        # Set by the profiler: (start, end) timing events of every copy.
+        self.copy_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
 
     def _views(self, slot: torch.Tensor) -> dict[str, torch.Tensor]:
         return {s.name: slot[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in self.arena.layout}
 
     def _issue_copy(self, block: int) -> None:
         s = block % 2
+        if not self.cuda:
+            self.slots[s].copy_(self.arena.spans[block])
+            return
         with torch.cuda.stream(self.copy_stream):
             self.copy_stream.wait_event(self.compute_done[s])  # the block that last read this slot has finished
-            if self.copy_timer is not None:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record(self.copy_stream)
+            timing = None
+            if self.copy_events is not None:
+                timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                timing[0].record(self.copy_stream)
             self.slots[s].copy_(self.arena.spans[block], non_blocking=True)
-            if self.copy_timer is not None:
-                end.record(self.copy_stream)
-                self.copy_timer.append((start, end))
+            if timing is not None:
+                timing[1].record(self.copy_stream)
+                self.copy_events.append(timing)  # type: ignore[union-attr]
             self.copy_done[s].record(self.copy_stream)
 
     def __iter__(self) -> Iterator[LayerWeights]:
-        compute = torch.cuda.current_stream(self.device)
         count = len(self.arena.spans)
+        compute = torch.cuda.current_stream(self.device) if self.cuda else None
         self._issue_copy(0)
         for i in range(count):
             s = i % 2
-            if i + 1 < count:
-                self._issue_copy(i + 1)
-            compute.wait_event(self.copy_done[s])
+            if self.cuda and i + 1 < count:
+                self._issue_copy(i + 1)  # overlaps block i's compute
+            if compute is not None:
+                compute.wait_event(self.copy_done[s])
             yield LayerWeights(self.views[s], self.loras[i])
-            self.compute_done[s].record(compute)
+            if compute is not None:
+                self.compute_done[s].record(compute)
+            elif i + 1 < count:
+                self._issue_copy(i + 1)
 
     def close(self) -> None:
-        torch.cuda.synchronize(self.device)
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
         self.slots, self.views, self.loras = [], [], []
+
+
+def check_fits(need_bytes: int, free_bytes: int, margin_bytes: int, what: str, device: torch.device, advice: str) -> None:
+    """Refuse, before anything moves, a placement whose estimate plus margin exceeds the free device memory."""
+    if need_bytes + margin_bytes > free_bytes:
+        gib = 1 << 30
+        raise RequestError(
+            f"{what} needs about {need_bytes / gib:.1f} GiB on {device} plus a {margin_bytes / gib:.1f} GiB margin; "
+            f"{free_bytes / gib:.1f} GiB are free. {advice}"
+        )
 
 
 def activation_bytes(config: H3Config, sequence_length: int) -> int:

@@ -26,13 +26,13 @@ from .attention import resolve_attention
 from .bundle import MODE_VARIANT, BundleHandoff, ConditioningBundle
 from .compiler import device_arch
 from .denoise import Denoiser, DenoiseOutput, ProgressFn
-from .errors import IdentityMismatchError, RequestError, SessionClosedError, VflashError
+from .errors import IdentityMismatchError, SessionClosedError, VflashError
 from .fileio import atomic_file, check_writable_destination
 from .layout import FPS, Geometry, audio_latent_count
 from .parallel import STRATEGIES, LocalGroup, SequenceHeadAttention, merge_heads_reference, pack_heads_reference, split_rows
 from .profiler import StageTimer
 from .profiles import Profile, get_profile
-from .residency import BlockRing, BlockSource, PinnedArena, ResidentBlocks, activation_bytes
+from .residency import BlockRing, BlockSource, PinnedArena, ResidentBlocks, activation_bytes, check_fits
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ class NativeEngineSession:
         total = config.num_layers
         load = None if on_load_progress is None else (lambda i: on_load_progress(i + 1, total))
         if self.weight_residency == "block-ring":
-            self._arena = PinnedArena(self.compiled, pin=True, on_block=load)
+            self._arena = PinnedArena(self.compiled, pin=self.device.type == "cuda", on_block=load)
         self._denoisers: list[Denoiser] = []
         for rank, dev in enumerate(self.devices):
             blocks: BlockSource
@@ -162,21 +162,29 @@ class NativeEngineSession:
     # -- memory -------------------------------------------------------------------------------------------------
 
     def _choose_residency(self, requested: str) -> str:
+        """Resolve "auto"; refuse an explicit choice that cannot fit, before any weights move."""
         if self.device.type != "cuda":
-            if requested == "block-ring":
-                raise VflashError("weight_residency='block-ring' streams to a CUDA device; this session runs on the CPU")
-            return "resident"
-        if requested != "auto":
-            return requested
-        model_bytes = sum(int(b["size"]) for b in self.compiled.manifest["blocks"]) + int(self.compiled.manifest["auxiliary"]["size"])
-        need = model_bytes + activation_bytes(self.compiled.config, _largest_request_rows(self.profile, self.compiled.config)) + MEMORY_MARGIN_BYTES
+            return "resident" if requested == "auto" else requested
+        config = self.compiled.config
+        block_bytes = [int(b["size"]) for b in self.compiled.manifest["blocks"]]
+        aux_bytes = int(self.compiled.manifest["auxiliary"]["size"])
+        largest = activation_bytes(config, _largest_request_rows(self.profile, config))
         free = min(torch.cuda.mem_get_info(dev)[0] for dev in self.devices)
-        choice = "resident" if need <= free else "block-ring"
-        logger.info(
-            "weight residency auto -> %s: model %.1f GiB + largest request %.1f GiB + margin %.1f GiB vs %.1f GiB free",
-            choice, model_bytes / _GIB, (need - model_bytes - MEMORY_MARGIN_BYTES) / _GIB, MEMORY_MARGIN_BYTES / _GIB, free / _GIB,
+        resident_need = sum(block_bytes) + aux_bytes + largest
+        if requested == "auto":
+            choice = "resident" if resident_need + MEMORY_MARGIN_BYTES <= free else "block-ring"
+            logger.info(
+                "weight residency auto -> %s: resident needs %.1f GiB (blocks %.1f + auxiliary %.1f + largest request %.1f) "
+                "+ %.1f GiB margin, %.1f GiB free",
+                choice, resident_need / _GIB, sum(block_bytes) / _GIB, aux_bytes / _GIB, largest / _GIB, MEMORY_MARGIN_BYTES / _GIB, free / _GIB,
+            )
+            return choice
+        weights = sum(block_bytes) if requested == "resident" else 2 * max(block_bytes)
+        check_fits(
+            weights + aux_bytes, free, MEMORY_MARGIN_BYTES, f"weight_residency={requested!r} ({weights / _GIB:.1f} GiB of block weights)",
+            self.device, "Choose weight_residency='block-ring' or 'auto'." if requested == "resident" else "This GPU is too small for H3.",
         )
-        return choice
+        return requested
 
     def memory_plan(self) -> str:
         """One line: devices, strategy, attention, residency, blocks on device, pinned host bytes."""
@@ -195,18 +203,15 @@ class NativeEngineSession:
         if self.device.type != "cuda":
             return
         rows = bundle.layout.sequence_length
-        if self.strategy == "sequence-head":
+        if self.strategy == "sequence-head":  # local rows everywhere, plus whole-sequence q/k/v/out for 1/P of the heads
             rows = max(stop - start for start, stop in split_rows(rows, len(self.devices))) + rows // len(self.devices)
         need = activation_bytes(self.compiled.config, rows)
         for dev in self.devices:
             free = torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
-            if need + MEMORY_MARGIN_BYTES > free:
-                raise RequestError(
-                    f"this request ({bundle.layout.sequence_length} packed rows) needs about {need / _GIB:.1f} GiB of "
-                    f"activations on {dev} plus a {MEMORY_MARGIN_BYTES / _GIB:.0f} GiB margin; {free / _GIB:.1f} GiB are free "
-                    f"with weights {self.weight_residency}. Use a smaller canvas or duration, weight_residency='block-ring', "
-                    "or a second GPU"
-                )
+            check_fits(
+                need, free, MEMORY_MARGIN_BYTES, f"this request's activations ({bundle.layout.sequence_length} packed rows, weights {self.weight_residency})", dev,
+                "Use a smaller canvas or a shorter clip, weight_residency='block-ring', or a second GPU.",
+            )
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
 

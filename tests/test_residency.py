@@ -1,0 +1,94 @@
+"""Weight residency on the CPU: the segmented pinned arena (unpinned here), its scoped memory maps, the block ring's
+slot rotation (synchronous copies on the CPU, events on CUDA), and the fit check. GPU behaviour is in test_gpu.py."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+import torch
+
+from conftest import assert_bitwise
+from test_schedule_layout_bundle import _bundle
+from vflash_core import NativeEngineSession
+from vflash_core import residency as R
+from vflash_core.artifact import CompiledArtifact
+from vflash_core.errors import RequestError
+
+PROFILE = "t2va-base4-exact-cpu"
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("segment_blocks", [1, 2])
+def test_arena_holds_every_block_exactly_and_closes_its_maps(tiny_compiled, monkeypatch, segment_blocks):
+    artifact = CompiledArtifact(**tiny_compiled)
+    layout, block_bytes = R.block_layout(artifact.config, artifact)
+    monkeypatch.setattr(R, "_SEGMENT_BYTES", segment_blocks * block_bytes)
+    before = _fds()
+    arena = R.PinnedArena(artifact, pin=False)
+    assert _fds() == before, "memory maps and files must be closed after the scoped load"
+    assert len(arena.segments) == -(-artifact.config.num_layers // segment_blocks)
+    assert arena.nbytes == artifact.config.num_layers * block_bytes  # no per-block padding beyond alignment
+    ring = R.BlockRing(arena, torch.device("cpu"))
+    for i, weights in enumerate(ring):
+        expected = artifact.read_block(i)
+        for name, tensor in expected.tensors.items():
+            assert_bitwise(weights[name], tensor, f"block {i} {name}")
+    assert ring.device_weight_bytes == 2 * block_bytes and ring.pinned_host_bytes == arena.nbytes
+
+
+def test_block_ring_equals_resident_and_reuses_its_buffers(tiny_compiled):
+    with NativeEngineSession(PROFILE, **tiny_compiled) as resident:
+        expected = resident.generate(_bundle(6))
+    with NativeEngineSession(PROFILE, **tiny_compiled, weight_residency="block-ring") as ring_session:
+        ring = ring_session._denoisers[0].blocks
+        pointers = [slot.data_ptr() for slot in ring.slots] + [seg.data_ptr() for seg in ring.arena.segments]
+        gc.collect()
+        live_before = len(gc.get_objects())
+        for _ in range(20):
+            got = ring_session.generate(_bundle(6))
+        gc.collect()
+        assert len(gc.get_objects()) - live_before < 200, "objects accumulate across requests"
+        assert [slot.data_ptr() for slot in ring.slots] + [seg.data_ptr() for seg in ring.arena.segments] == pointers
+        assert got.metadata["weight_residency"] == "block-ring" and got.metadata["memory"]["blocks_on_device"] == 2
+    assert_bitwise(got.video_latents, expected.video_latents, "block-ring vs resident")
+    assert_bitwise(got.audio_latents, expected.audio_latents, "block-ring vs resident audio")
+    assert ring.slots == [] and ring_session.closed  # released by close()
+
+
+def test_failed_request_closes_nothing_it_should_not(tiny_compiled):
+    class Interrupt(BaseException):
+        pass
+
+    with NativeEngineSession(PROFILE, **tiny_compiled, weight_residency="block-ring") as session:
+        def interrupt(done, total):
+            raise Interrupt()
+
+        with pytest.raises(Interrupt):
+            session.generate(_bundle(6), progress=interrupt)
+        again = session.generate(_bundle(6))  # the ring is reusable after an interrupt
+    with NativeEngineSession(PROFILE, **tiny_compiled) as resident:
+        assert_bitwise(again.video_latents, resident.generate(_bundle(6)).video_latents, "after an interrupt")
+
+
+def test_fit_check_message():
+    with pytest.raises(RequestError) as info:
+        R.check_fits(30 << 30, 20 << 30, 2 << 30, "this request's activations (38222 packed rows, weights block-ring)", torch.device("cuda:0"), "Use a smaller canvas.")
+    assert str(info.value) == (
+        "this request's activations (38222 packed rows, weights block-ring) needs about 30.0 GiB on cuda:0 plus a 2.0 GiB margin; "
+        "20.0 GiB are free. Use a smaller canvas."
+    )
+    R.check_fits(10 << 30, 20 << 30, 2 << 30, "x", torch.device("cuda:0"), "")
+
+
+def test_activation_estimate_scales_with_rows(tiny_config):
+    from vflash_core.config import H3Config
+
+    full = H3Config.preset("h3")
+    small, large = R.activation_bytes(full, 19_796), R.activation_bytes(full, 38_222)
+    assert large / small == pytest.approx(38_222 / 19_796, rel=1e-6)
+    assert 3 < small / (1 << 30) < 8  # a few GiB of transients at 960x544, 5 s
