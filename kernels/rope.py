@@ -24,10 +24,10 @@ __all__ = ["qk_norm_rope", "qk_norm_rope_reference", "rms_norm_warp_order_refere
 _LANES = 32
 _VEC = 4
 
-#: Tile size of the fused QK-norm + rope kernel (elements per program), below the package default of 4096: on an H200
-#: (triton 3.6, torch 2.11, 2026-11) at S = 19,796 / 38,222, 56 heads x 128, the first version of this kernel ran
-#: 1.41 / 2.71 ms at 4096 and 0.74 / 1.43 ms at 2048 (its lane-sum and pair-tree reshapes cost registers per element).
-QK_NORM_TILE_ELEMENTS = 2048
+#: Tile size of the fused QK-norm + rope kernel (elements per program), below the package default of 4096. Sweep on an
+#: H200 (triton 3.6, torch 2.11, 2026-11; benchmarks/kernels.py --sweep-tiles), 56 heads x 128, S = 19,796 / 38,222:
+#: 1024 -> 0.418 / 0.798 ms, 2048 -> 0.437 / 0.835, 4096 -> 0.500 / 0.957, 8192 -> 0.517 / 0.988.
+QK_NORM_TILE_ELEMENTS = 1024
 
 
 @triton.jit
@@ -362,8 +362,10 @@ def qk_norm_rope(
 
     Numerics: the RMSNorm is `F.rms_norm`'s formula (`bf(x * rsqrt(mean(x^2) + eps) * w)`, weight in fp32 before the
     single rounding) with the sum of squares in the order of torch's vectorized CUDA kernel (see the kernel
-    docstring). Whether that reproduces `F.rms_norm` bit for bit on a given GPU is measured by the GPU test; use
-    `F.rms_norm` + `rope` where it does not.
+    docstring). Measured bit for bit equal to `F.rms_norm` + `rope` on an H200 (torch 2.11, triton 3.6; 0 differing
+    elements at S = 19,796, 38,222 and 100,000, full width). It relies on torch's kernel choice, so re-check with
+    `pytest -m gpu tests/test_kernels.py -k rope -s` after a torch upgrade or on another GPU, and use
+    `F.rms_norm` + `rope` where it differs.
     """
     qkv2 = _launch.as_rows(qkv, "qkv")
     n_rows, width = qkv2.shape

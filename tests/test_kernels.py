@@ -4,6 +4,9 @@ CPU tests run the kernels in Triton's interpreter. `triton.jit` reads TRITON_INT
 (triton 3.9: `knobs.runtime.interpret` in `triton.jit`), so the `interp` fixture imports the kernels folder a second
 time, as the private package `_vflash_kernels_interpreted`, with the variable set only during that import. The real
 `vflash_kernels` (and every other test module in this pytest process) is untouched, in whichever order things import.
+One consequence for kernel code: triton's own `@jit` library functions (`tl.sum`, `tl.max`, `tl.sigmoid`, ...) were
+decorated for the GPU when triton was imported, and the interpreted copy cannot call them; the kernels use builtins
+(`tl.reduce` with their own combine function, `tl.exp`, ...) instead.
 
 What the interpreter covers, and what it cannot:
 * bf16 is checked **bit for bit**. The interpreter casts fp32 -> bf16 by truncation, not round-to-nearest-even (and
