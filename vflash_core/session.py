@@ -28,6 +28,7 @@ from .compiler import device_arch
 from .denoise import Denoiser, DenoiseOutput, ProgressFn
 from .errors import IdentityMismatchError, SessionClosedError, VflashError
 from .fileio import atomic_file, check_writable_destination
+from .fused import FusedBlock
 from .layout import FPS, Geometry, audio_latent_count
 from .parallel import STRATEGIES, LocalGroup, SequenceHeadAttention, merge_heads_reference, pack_heads_reference, split_rows
 from .profiler import StageTimer
@@ -37,6 +38,7 @@ from .residency import BlockRing, BlockSource, PinnedArena, ResidentBlocks, acti
 logger = logging.getLogger(__name__)
 
 RESIDENCIES = ("auto", "resident", "block-ring")
+EXECUTIONS = ("auto", "fused", "reference")
 _GIB = 1 << 30
 # Free device memory kept back beyond the estimates (allocator fragmentation, kernels' workspaces, other users).
 MEMORY_MARGIN_BYTES = 2 * _GIB
@@ -87,6 +89,8 @@ class NativeEngineSession:
         strategy: `"sequence-head"` (rows split, heads exchanged for attention) when `peer_device` is given.
         weight_residency: `"auto"`, `"resident"` or `"block-ring"` (CUDA only).
         attention_backend: see `attention.BACKENDS`; the backend used is logged once and reported per result.
+        execution: `"fused"` (Triton elementwise kernels, the CUDA default), `"reference"` (plain PyTorch, the CPU
+            default) or `"auto"`; both give the same bits.
         on_load_progress: called with (blocks loaded, total) while weights load.
         collective_timeout_seconds: how long a rank waits for its peers in one collective before the group fails.
     """
@@ -102,6 +106,7 @@ class NativeEngineSession:
         strategy: str | None = None,
         weight_residency: str = "auto",
         attention_backend: str = "auto",
+        execution: str = "auto",
         on_load_progress: Callable[[int, int], None] | None = None,
         collective_timeout_seconds: float = 120.0,
     ):
@@ -132,6 +137,9 @@ class NativeEngineSession:
             head_groups(config.num_attention_heads, len(self.devices))
         self.attention_backend, attention = resolve_attention(attention_backend, self.device)
         self.weight_residency = self._choose_residency(weight_residency)
+        if execution not in EXECUTIONS:
+            raise VflashError(f"execution must be one of {', '.join(EXECUTIONS)}, got {execution!r}")
+        self.execution = ("fused" if self.device.type == "cuda" else "reference") if execution == "auto" else execution
 
         self._group: LocalGroup | None = LocalGroup(self.devices, collective_timeout_seconds) if self.strategy else None
         self._arena: PinnedArena | None = None
@@ -152,7 +160,8 @@ class NativeEngineSession:
                     self._group.group(rank), rank, [(0, 0)] * len(self.devices), config.num_attention_heads, rank_attention,
                     pack_heads_reference, merge_heads_reference,
                 )
-            self._denoisers.append(Denoiser(self.compiled, blocks, dev, rank_attention))
+            block_fn = FusedBlock(config, rank_attention) if self.execution == "fused" else None
+            self._denoisers.append(Denoiser(self.compiled, blocks, dev, rank_attention, block_fn))
         self._failure: str | None = None
         self._closed = False
         self._requests = 0
@@ -194,7 +203,7 @@ class NativeEngineSession:
         devices = ", ".join(str(d) for d in self.devices)
         strategy = f" {self.strategy}" if self.strategy else ""
         return (
-            f"{devices}{strategy}, attention {self.attention_backend}, weights {self.weight_residency} "
+            f"{devices}{strategy}, {self.execution} kernels, attention {self.attention_backend}, weights {self.weight_residency} "
             f"({blocks_on_device} blocks on device, {den.blocks.device_weight_bytes / _GIB:.2f} GiB block weights per device, "
             f"{pinned / _GIB:.2f} GiB pinned host)"
         )
@@ -323,6 +332,7 @@ class NativeEngineSession:
             "devices": [str(d) for d in self.devices],
             "strategy": self.strategy,
             "attention_backend": self.attention_backend,
+            "execution": self.execution,
             "weight_residency": self.weight_residency,
             "compile_id": self.compiled.compile_id,
             "nfe": self._denoisers[0].nfe,
