@@ -1,0 +1,276 @@
+"""Text conditioning with the official Qwen3-VL conditioner, reproducing diffusers 0.42.1 (h3_model.md section 4).
+
+The presentation is tokenised piece by piece and concatenated, with no chat template, no special tokens, no padding:
+
+* t2va: the prompt;
+* keyframes (i2va / l2va / fl2va): per keyframe `"<Picture i>: "` then a vision block
+  `<|vision_start|> <|image_pad|> * n <|vision_end|>`, then the prompt;
+* ref2va: per reference in request order `"<Audio j>: "` if it carries sound, then `"<Picture i>: "` plus a vision
+  block for an image, or `"<Video k>: "` plus one `"<t seconds>"` label and `<|video_pad|>` block per merged frame
+  pair for a video; then the prompt.
+
+Vision rows are tagged video (0) for the transformer, text rows 1. One call of `text_encoder.model` (the language
+model head never runs) returns `hidden_states[50]`: the residual stream after decoder layer 49, before the final norm.
+The conditioner is therefore loaded with its first 51 decoder layers only (layer 50 keeps index 50 clear of the final
+norm that transformers writes into the last recorded hidden state); the dropped layers cannot influence index 50.
+
+Image and video pixels go through the official Qwen processors saved in the model's `processor/` folder. The
+`Qwen3VLProcessor` wrapper itself needs torchvision just to be constructed, so the conditioner holds its parts (the
+tokenizer, the image processor, and the video processor where torchvision is installed) and derives Qwen's per-token
+modality ids from the model config's image and video token ids, as that processor does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .config import TEXT_TAG, VIDEO_TAG
+from .errors import RequestError, VflashError
+from .layout import FPS
+from .references import CanvasRules
+
+logger = logging.getLogger(__name__)
+
+TEXT_ENCODER_LAYER = 50  # H3 conditions on hidden_states[50]
+VIDEO_SAMPLE_FPS = 2.0  # the rate Qwen reads a reference video at
+# Qwen's own multimodal token types (not H3's row tags): they drive its 3-D rotary layout.
+_QWEN_TEXT, _QWEN_IMAGE, _QWEN_VIDEO = 0, 1, 2
+
+
+@dataclass
+class TextConditioning:
+    """prompt_embeds: (L, text_dim) in the conditioner's dtype, on the CPU; token_tags: (L,) int64 row tags."""
+
+    prompt_embeds: torch.Tensor
+    token_tags: torch.Tensor
+    token_ids: list[int]
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on CUDA (the released weights' precision), fp32 on the CPU (where bf16 matmuls are slow)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def _release(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def sample_video_frames(frames: np.ndarray, temporal_patch: int, fps: float = FPS, sample_fps: float = VIDEO_SAMPLE_FPS) -> tuple[list[np.ndarray], list[float]]:
+    """The frames Qwen sees of a 24 fps reference (every 12th, deduplicated) and one timestamp per merged group.
+
+    Groups of `temporal_patch` sampled frames are merged (the last one repeated to fill a group); a group is labelled
+    with the mean of its timestamps.
+    """
+    stride = fps / sample_fps
+    indices: list[int] = []
+    cursor = 0.0
+    while round(cursor) < frames.shape[0]:
+        if not indices or round(cursor) > indices[-1]:
+            indices.append(round(cursor))
+        cursor += stride
+    if len(indices) < temporal_patch:
+        minimum = round((temporal_patch - 1) * stride) + 1
+        raise RequestError(f"a reference video needs at least {minimum} frames at {fps:g} fps ({minimum / fps:.2g} s), got {frames.shape[0]}")
+    stamps = [i / sample_fps for i in range(len(indices))]
+    stamps += [stamps[-1]] * (-len(stamps) % temporal_patch)
+    groups = [(stamps[i] + stamps[i + temporal_patch - 1]) / 2 for i in range(0, len(stamps), temporal_patch)]
+    return [frames[i] for i in indices], groups
+
+
+class TextConditioner:
+    """Owns the Qwen3-VL text encoder, its tokenizer and its image/video processors.
+
+    Args:
+        text_encoder: `Qwen3VLForConditionalGeneration` with more than 50 text layers (extra ones are never run).
+        tokenizer: the model's `Qwen2TokenizerFast`.
+        image_processor, video_processor: the model's Qwen processors (`video_processor` None without torchvision,
+            which disables video references).
+        device: where `encode` runs; between calls the encoder may sit on the CPU (`offload`).
+        canvas: the model family's canvas rules (from its `modular_model_index.json`).
+    """
+
+    def __init__(self, text_encoder, tokenizer, image_processor, video_processor=None, device: str | torch.device = "cpu", canvas: CanvasRules | None = None):
+        layers = text_encoder.config.text_config.num_hidden_layers
+        if layers <= TEXT_ENCODER_LAYER:
+            raise VflashError(f"H3 conditions on hidden_states[{TEXT_ENCODER_LAYER}] of Qwen3-VL, which needs more than {TEXT_ENCODER_LAYER} text layers; this text encoder has {layers}")
+        self.text_encoder = text_encoder.eval()
+        self.tokenizer = tokenizer
+        self.image_processor = image_processor
+        self.video_processor = video_processor
+        self.device = torch.device(device)
+        self.canvas = canvas or CanvasRules()
+        config = text_encoder.config
+        self._ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in (("start", "<|vision_start|>"), ("end", "<|vision_end|>"), ("image", "<|image_pad|>"), ("video", "<|video_pad|>"))}
+        if (self._ids["image"], self._ids["video"]) != (config.image_token_id, config.video_token_id):
+            raise VflashError(f"tokenizer vision pads {self._ids['image']}/{self._ids['video']} differ from the text encoder's {config.image_token_id}/{config.video_token_id}")
+
+    @classmethod
+    def from_pretrained(cls, model_root: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> "TextConditioner":
+        """Load `text_encoder/` (first 51 layers), `tokenizer/` and `processor/` of an official model root, offline."""
+        from transformers import AutoConfig, AutoImageProcessor, Qwen2TokenizerFast, Qwen3VLForConditionalGeneration
+        from transformers.utils import is_torchvision_available
+
+        root = Path(model_root).resolve()
+        device = torch.device(device)
+        dtype = dtype or default_dtype(device)
+        config = AutoConfig.from_pretrained(root / "text_encoder", local_files_only=True)
+        total = config.text_config.num_hidden_layers
+        if total <= TEXT_ENCODER_LAYER:
+            raise VflashError(f"{root / 'text_encoder'}: {total} text layers; H3 needs more than {TEXT_ENCODER_LAYER}")
+        config.text_config.num_hidden_layers = TEXT_ENCODER_LAYER + 1
+        logger.info("text encoder: loading %d of %d Qwen3-VL text layers in %s", TEXT_ENCODER_LAYER + 1, total, dtype)
+        # Weights of the dropped layers stay on disk; transformers reports them as unused, which is expected here.
+        from transformers.utils import logging as hf_logging
+
+        previous = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+        try:
+            model = Qwen3VLForConditionalGeneration.from_pretrained(root / "text_encoder", config=config, dtype=dtype, local_files_only=True)
+        finally:
+            hf_logging.set_verbosity(previous)
+        tokenizer = Qwen2TokenizerFast.from_pretrained(root / "tokenizer", local_files_only=True)
+        image_processor = AutoImageProcessor.from_pretrained(root / "processor", local_files_only=True)
+        video_processor = None
+        if is_torchvision_available():
+            from transformers import AutoVideoProcessor
+
+            video_processor = AutoVideoProcessor.from_pretrained(root / "processor", local_files_only=True)
+        else:
+            logger.info("torchvision is not installed: video references are unavailable (images and audio work)")
+        return cls(model, tokenizer, image_processor, video_processor, device, CanvasRules.from_model_root(root))
+
+    # -- ownership ----------------------------------------------------------------------------------------------------
+
+    @property
+    def hidden_size(self) -> int:
+        return self.text_encoder.config.text_config.hidden_size
+
+    @contextlib.contextmanager
+    def on_device(self) -> Iterator["TextConditioner"]:
+        """Hold the encoder on `device` for the block, then hand the device back (serial GPU ownership)."""
+        self.text_encoder.to(self.device)
+        try:
+            yield self
+        finally:
+            self.offload()
+
+    def offload(self) -> None:
+        """Move the encoder to the CPU and release cached device memory (a no-op on a CPU conditioner)."""
+        if self.device.type != "cpu":
+            self.text_encoder.to("cpu")
+            _release(self.device)
+
+    def close(self) -> None:
+        """Drop the encoder; the object is unusable afterwards."""
+        self.text_encoder = None
+        _release(self.device)
+
+    # -- presentation -------------------------------------------------------------------------------------------------
+
+    def _text(self, text: str) -> tuple[list[int], list[int]]:
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return ids, [TEXT_TAG] * len(ids)
+
+    def _vision(self, pad: str, count: int) -> tuple[list[int], list[int]]:
+        ids = [self._ids["start"]] + [self._ids[pad]] * count + [self._ids["end"]]
+        return ids, [VIDEO_TAG] * len(ids)
+
+    def _image_features(self, images: list) -> tuple[dict[str, torch.Tensor], list[int]]:
+        if not images:
+            return {}, []
+        features = self.image_processor(images=images, return_tensors="pt")
+        merge = self.image_processor.merge_size**2
+        return {"pixel_values": features["pixel_values"], "image_grid_thw": features["image_grid_thw"]}, [int(g.prod()) // merge for g in features["image_grid_thw"]]
+
+    def keyframe_presentation(self, prompt: str, keyframes: list) -> tuple[list[int], list[int], dict[str, torch.Tensor]]:
+        """Token ids, row tags and vision inputs for t2va (no keyframes) or keyframe requests (canvas-sized images)."""
+        vision, counts = self._image_features(keyframes)
+        ids: list[int] = []
+        tags: list[int] = []
+        for index, count in enumerate(counts):
+            for part in (self._text(f"<Picture {index + 1}>: "), self._vision("image", count)):
+                ids += part[0]
+                tags += part[1]
+        prompt_ids, prompt_tags = self._text(prompt)
+        return ids + prompt_ids, tags + prompt_tags, vision
+
+    def reference_presentation(self, prompt: str, references: list) -> tuple[list[int], list[int], dict[str, torch.Tensor]]:
+        """The ref2va presentation of normalised references (diffusers `MiniMaxH3*Reference`s), in request order."""
+        vision, image_counts = self._image_features([r.image for r in references if r.kind == "image"])
+        videos = [r for r in references if r.kind == "video"]
+        video_counts: list[int] = []
+        video_stamps: list[list[float]] = []
+        if videos:
+            if self.video_processor is None:
+                raise RequestError("video references need torchvision (for Qwen's video processor), which is not installed")
+            sampled = [sample_video_frames(r.frames, self.video_processor.temporal_patch_size) for r in videos]
+            video_stamps = [stamps for _, stamps in sampled]
+            features = self.video_processor(videos=[np.stack(f) for f, _ in sampled], do_sample_frames=False, return_tensors="pt")
+            vision.update(pixel_values_videos=features["pixel_values_videos"], video_grid_thw=features["video_grid_thw"])
+            merge = self.video_processor.merge_size**2
+            for grid, stamps in zip(features["video_grid_thw"], video_stamps):
+                if int(grid[0]) != len(stamps):
+                    raise VflashError(f"Qwen merged a reference video into {int(grid[0])} blocks; H3 labels {len(stamps)}")
+                video_counts.append(int(grid[1]) * int(grid[2]) // merge)
+        ids: list[int] = []
+        tags: list[int] = []
+
+        def emit(part: tuple[list[int], list[int]]) -> None:
+            ids.extend(part[0])
+            tags.extend(part[1])
+
+        seen = {"image": 0, "video": 0, "audio": 0}
+        for ref in references:
+            if ref.has_audio:
+                seen["audio"] += 1
+                emit(self._text(f"<Audio {seen['audio']}>: "))
+            if ref.kind == "image":
+                seen["image"] += 1
+                emit(self._text(f"<Picture {seen['image']}>: "))
+                emit(self._vision("image", image_counts[seen["image"] - 1]))
+            elif ref.kind == "video":
+                seen["video"] += 1
+                emit(self._text(f"<Video {seen['video']}>: "))
+                for stamp in video_stamps[seen["video"] - 1]:
+                    emit(self._text(f"<{stamp:.1f} seconds>"))  # round-half-even: the first pair reads "<0.2 seconds>"
+                    emit(self._vision("video", video_counts[seen["video"] - 1]))
+        emit(self._text(prompt))
+        return ids, tags, vision
+
+    # -- encoding -----------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def encode_tokens(self, token_ids: list[int], vision: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One conditioner call -> (L, hidden) `hidden_states[50]` in the encoder's dtype, on the CPU."""
+        if self.text_encoder is None:
+            raise VflashError("this text conditioner was closed")
+        model = self.text_encoder
+        device = next(model.parameters()).device
+        input_ids = torch.tensor([token_ids], dtype=torch.long, device=device)
+        qwen_types = torch.full_like(input_ids, _QWEN_TEXT)
+        qwen_types[input_ids == self._ids["image"]] = _QWEN_IMAGE
+        qwen_types[input_ids == self._ids["video"]] = _QWEN_VIDEO
+        inputs = {k: v.to(device, model.dtype) if k.startswith("pixel_") else v.to(device) for k, v in vision.items()}
+        out = model.model(
+            input_ids=input_ids, attention_mask=torch.ones_like(input_ids), mm_token_type_ids=qwen_types,
+            use_cache=False, output_hidden_states=True, **inputs,
+        )
+        return out.hidden_states[TEXT_ENCODER_LAYER][0].to("cpu")
+
+    def encode(self, prompt: str, keyframes: list | None = None, references: list | None = None) -> TextConditioning:
+        """Encode a request's presentation; `keyframes` are canvas-sized PIL images, `references` normalised ones."""
+        if references:
+            ids, tags, vision = self.reference_presentation(prompt, references)
+        else:
+            ids, tags, vision = self.keyframe_presentation(prompt, list(keyframes or []))
+        with self.on_device():
+            embeds = self.encode_tokens(ids, vision)
+        return TextConditioning(embeds, torch.tensor(tags, dtype=torch.long), ids)

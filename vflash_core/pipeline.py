@@ -1,0 +1,657 @@
+"""`H3Pipeline`: prompt (+ keyframes or references) -> conditioning bundle -> native core -> VAEs -> MP4.
+
+Ownership (seed 001): the pipeline owns three serial owners of one device — the `TextConditioner` (Qwen3-VL), the
+`MediaVAEs` and the `NativeEngineSession` — and the temporary media of a request; it is reused across serial
+requests. On a GPU, the encoder and the VAEs sit on the CPU until their stage, take the device, and give it back
+(`torch.cuda.empty_cache()`), so the core's weights and activations have it in between; when the core's resident
+weights plus the larger of the other two parts do not fit, the core streams its blocks (`weight_residency="block-ring"`).
+
+A request is checked completely before any model loads (`validate`): canvas, duration, mode against the profile,
+image/reference counts per mode, prompt labels bound to provided inputs, input files readable, output writable. The
+encoders hand their tensors to the core through a validated one-shot `BundleHandoff` (no temporary file).
+
+Timing (seed 002): `initialization_seconds` is the time `prepare()` took (the first `generate` prepares when needed,
+after its input checks, and that time is not part of the request); `VideoResult.elapsed_seconds` covers the request:
+validation, encoding, denoising, decoding and writing. `VideoResult.stages` holds the top-level stages `validate`,
+`encode`, `denoise`, `decode`, `write` (their sum is at most `elapsed_seconds`) and nested details whose names carry
+their stage as a prefix (`encode.inputs`, `encode.text`, `encode.vae`, `encode.bundle`, `decode.video`,
+`decode.audio`); nested entries are already inside their stage and must not be added to it.
+
+A cancelled request (the `cancel` callable raised) closes the pipeline, as does any failure that is not a
+`VflashError`; create a new pipeline to continue.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import math
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import PIL.Image
+import torch
+
+from .bundle import BundleHandoff, EncodedReference, build_keyframe_bundle, build_ref2va_bundle
+from .conditioning import TEXT_ENCODER_LAYER, TextConditioner
+from .config import H3Config
+from .errors import IdentityMismatchError, RequestError, SessionClosedError, VflashError
+from .fileio import atomic_file, check_writable_destination
+from .layout import FPS, VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK, Geometry, check_canvas, frames_for_duration
+from .media import check_delivery_options, write_mp4
+from .profiles import Profile, check_identity, get_profile
+from .references import (
+    MAX_AUDIOS, MAX_IMAGES, MAX_REFERENCES, MAX_VIDEOS, CanvasRules, check_media_file, fit_keyframes, image_size,
+    load_image, load_reference, normalize_references, reference_kind, video_has_soundtrack,
+)
+from .session import GenerationResult, NativeEngineSession, SessionTiming
+from .vae import DecodedMedia, MediaVAEs
+
+logger = logging.getLogger(__name__)
+
+PIPELINE_FORMAT = "vflash-pipeline/1"
+# The six fields of an assets file (seed 004): official model root (text encoder, tokenizer, processor), decoder
+# directory (vae/, audio_vae/), adapter file or null, and the three outputs of one compile.
+ASSET_FIELDS = ("model_root", "decoder_root", "adapter_path", "artifact", "schedule_overlay", "auxiliary_tensor")
+STAGES = ("load", "encode", "denoise", "decode", "write")
+_LABEL = re.compile(r"<(Picture|Video|Audio) (\d+)>")
+_GIB = 1 << 30
+
+# progress(stage, done, total), stage in STAGES
+PipelineProgress = Callable[[str, int, int], None]
+
+
+class RequestCancelled(VflashError):
+    """Raised when a request is aborted through its `cancel` callable (the pipeline is closed)."""
+
+
+# -- requests and results ------------------------------------------------------------------------------------------
+
+
+MediaInput = str | Path | PIL.Image.Image
+
+
+@dataclass(frozen=True)
+class VideoRequest:
+    """One generation. `first_frame` / `last_frame` make i2va, l2va or fl2va; `references` (image, video or audio
+    files by extension, or PIL images, in the order the prompt's labels number them) make ref2va; neither is t2va.
+    `width` / `height` (multiples of 32, both or neither) default to the model's canvas for the mode."""
+
+    prompt: str
+    first_frame: MediaInput | None = None
+    last_frame: MediaInput | None = None
+    references: tuple = ()
+    duration_seconds: float = 5.0
+    seed: int = 0
+    width: int | None = None
+    height: int | None = None
+
+    @property
+    def mode(self) -> str:
+        if self.references:
+            return "ref2va"
+        return {(False, False): "t2va", (True, False): "i2va", (False, True): "l2va", (True, True): "fl2va"}[(self.first_frame is not None, self.last_frame is not None)]
+
+    @property
+    def keyframes(self) -> tuple[MediaInput, ...]:
+        """Keyframes in packed order (first, then last)."""
+        return tuple(k for k in (self.first_frame, self.last_frame) if k is not None)
+
+
+@dataclass
+class VideoResult:
+    """One finished request. `path` is None when no output file was asked for (then `media` holds the decode)."""
+
+    path: Path | None
+    elapsed_seconds: float
+    stages: dict[str, float]
+    session: SessionTiming
+    mode: str
+    width: int
+    height: int
+    num_frames: int
+    fps: int
+    sample_rate: int
+    metadata: dict[str, object] = field(default_factory=dict)
+    media: DecodedMedia | None = None
+
+
+@dataclass(frozen=True)
+class RequestPlan:
+    """What validation resolved: mode, geometry, and how many pictures / videos / audio clips labels may name."""
+
+    mode: str
+    geometry: Geometry
+    pictures: int
+    videos: int
+    audios: int
+
+
+def _count_label(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def plan_request(request: VideoRequest, profile: Profile, canvas: CanvasRules) -> RequestPlan:
+    """Check a request against a profile and a model's canvas rules without loading any model; raises
+    `RequestError` / `VflashError` naming the offending values."""
+    if not isinstance(request.prompt, str) or not request.prompt.strip():
+        raise RequestError("the prompt must be a non-empty string")
+    if isinstance(request.seed, bool) or not isinstance(request.seed, int) or not 0 <= request.seed < 2**63:
+        raise RequestError(f"seed must be an integer from 0 to 2**63 - 1, got {request.seed!r}")
+    if request.references and request.keyframes:
+        raise RequestError("a request takes either keyframes (first/last frame) or references, not both")
+    mode = request.mode
+    profile.check_mode(mode)
+    if not isinstance(request.duration_seconds, (int, float)) or not math.isfinite(request.duration_seconds):
+        raise RequestError(f"duration must be a number of seconds, got {request.duration_seconds!r}")
+    num_frames = frames_for_duration(float(request.duration_seconds))
+    profile.check_duration(num_frames / FPS)
+    if (request.width is None) != (request.height is None):
+        raise RequestError(f"width and height go together: got width={request.width}, height={request.height}")
+
+    for name, item in (("first frame", request.first_frame), ("last frame", request.last_frame)):
+        if item is not None:
+            check_media_file(item, name)
+            if reference_kind(item) != "image":
+                raise RequestError(f"{name} {item} is not an image")
+    kinds = []
+    for index, item in enumerate(request.references):
+        kind = reference_kind(item)
+        check_media_file(item, f"reference {index + 1}")
+        kinds.append(kind)
+    for kind, limit in (("image", MAX_IMAGES), ("video", MAX_VIDEOS), ("audio", MAX_AUDIOS)):
+        if kinds.count(kind) > limit:
+            raise RequestError(f"H3 takes at most {limit} {kind} references, got {kinds.count(kind)}")
+    if len(kinds) > MAX_REFERENCES:
+        raise RequestError(f"H3 takes at most {MAX_REFERENCES} references in total, got {len(kinds)}")
+    if kinds and set(kinds) == {"audio"}:
+        raise RequestError("audio references need at least one image or video reference beside them")
+
+    if request.width is not None:
+        check_canvas(int(request.height), int(request.width))
+        height, width = int(request.height), int(request.width)
+    elif request.keyframes:
+        height, width = canvas.default_canvas(*image_size(request.keyframes[0]))
+    else:
+        height, width = canvas.default_canvas(16, 9)
+
+    if mode == "ref2va":
+        pictures, videos = kinds.count("image"), kinds.count("video")
+        audios = kinds.count("audio") + sum(video_has_soundtrack(r) for r, k in zip(request.references, kinds) if k == "video")
+    else:
+        pictures, videos, audios = len(request.keyframes), 0, 0
+    bound = {"Picture": pictures, "Video": videos, "Audio": audios}
+    for word, number in _LABEL.findall(request.prompt):
+        if not 1 <= int(number) <= bound[word]:
+            raise RequestError(
+                f"prompt label <{word} {number}> is not bound to an input: this {mode} request provides "
+                f"{_count_label(pictures, 'picture')}, {_count_label(videos, 'video')} and {_count_label(audios, 'audio clip')}"
+            )
+    return RequestPlan(mode, Geometry(height, width, num_frames), pictures, videos, audios)
+
+
+# -- prepared assets -----------------------------------------------------------------------------------------------
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise VflashError(f"{what} {path} does not exist") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise VflashError(f"{what} {path} cannot be read as JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise VflashError(f"{what} {path} must hold a JSON object")
+    return data
+
+
+def _require(path: Path, what: str) -> Path:
+    if not path.exists():
+        raise VflashError(f"{what} {path} does not exist")
+    return path
+
+
+def _model_facts(model_root: Path, decoder_root: Path) -> dict[str, object]:
+    """Read and check the configs of the encoder and the VAEs (no weights are loaded)."""
+    text = _read_json(_require(model_root / "text_encoder" / "config.json", "text encoder config"), "text encoder config")
+    _require(model_root / "tokenizer", "tokenizer folder")
+    _require(model_root / "processor" / "preprocessor_config.json", "processor config")
+    text_config = text.get("text_config", {})
+    layers, hidden = int(text_config.get("num_hidden_layers", 0)), int(text_config.get("hidden_size", 0))
+    if layers <= TEXT_ENCODER_LAYER:
+        raise VflashError(f"{model_root / 'text_encoder'}: {layers} text layers; H3 conditions on hidden_states[{TEXT_ENCODER_LAYER}] and needs more")
+    video = _read_json(_require(decoder_root / "vae" / "config.json", "video VAE config"), "video VAE config")
+    audio = _read_json(_require(decoder_root / "audio_vae" / "config.json", "audio VAE config"), "audio VAE config")
+    spatial = math.prod(video.get("spatial_downsample_factors", (2, 2, 2, 2, 1, 1)))
+    temporal = math.prod(video.get("temporal_downsample_factors", (1, 2, 2, 1, 1, 1)))
+    clip, drop = int(video.get("clip_length", 17)), int(video.get("token_drop", 3))
+    if spatial != 16 or clip != VAE_FRAMES_PER_CHUNK or math.ceil(clip / temporal) != VAE_LATENTS_PER_CHUNK or drop != 3:
+        raise VflashError(f"{decoder_root / 'vae'}: H3 needs x16 spatial and 17-frame / 5-latent chunks with token_drop 3; this VAE has x{spatial}, {clip}/{math.ceil(clip / temporal)}, drop {drop}")
+    rate, hop = int(audio.get("sampling_rate", 32000)), math.prod(audio.get("encoder_rates", (2, 4, 4, 5, 5)))
+    if rate != 40 * hop:
+        raise VflashError(f"{decoder_root / 'audio_vae'}: H3 needs 40 audio latents per second; this VAE gives {rate / hop:g} ({rate} Hz, hop {hop})")
+    return {
+        "text_layers": layers, "text_hidden_size": hidden, "video_latent_channels": int(video.get("latent_channels", 24)),
+        "audio_latent_channels": int(audio.get("latent_channels", 32)), "audio_sample_rate": rate,
+    }
+
+
+@dataclass(frozen=True)
+class PreparedAssets:
+    """A validated pipeline receipt: one profile bound to its six assets."""
+
+    path: Path
+    profile: Profile
+    model_root: Path
+    decoder_root: Path
+    adapter_path: Path | None
+    artifact: Path
+    schedule_overlay: Path
+    auxiliary_tensor: Path
+    canvas: CanvasRules
+    record: dict
+
+    @classmethod
+    def load(cls, receipt: str | Path) -> "PreparedAssets":
+        """Read a receipt written by `prepare_pipeline`; the profile's identity must still match and the assets exist."""
+        path = Path(receipt)
+        record = _read_json(path, "prepared-assets receipt")
+        if record.get("format") != PIPELINE_FORMAT:
+            raise VflashError(f"{path} is not a Vflash prepared-assets receipt (format {record.get('format')!r}, expected {PIPELINE_FORMAT!r}); create one with `vflash prepare-pipeline`")
+        profile = get_profile(record["profile"])
+        check_identity(profile, record["profile_identity"], f"prepared assets {path}")
+        assets = {k: None if record["assets"][k] is None else Path(record["assets"][k]) for k in ASSET_FIELDS}
+        for name, value in assets.items():
+            if value is not None:
+                _require(value, f"{name} of {path}:")
+        return cls(path, profile, assets["model_root"], assets["decoder_root"], assets["adapter_path"], assets["artifact"],
+                   assets["schedule_overlay"], assets["auxiliary_tensor"], CanvasRules(**{k.replace("canvas_", "", 1): v for k, v in record["canvas"].items()}), record)
+
+    def session_paths(self) -> dict[str, Path]:
+        return {"artifact": self.artifact, "schedule_overlay": self.schedule_overlay, "auxiliary": self.auxiliary_tensor}
+
+
+def prepare_pipeline(profile: Profile | str, assets: str | Path, receipt: str | Path) -> PreparedAssets:
+    """Validate a six-field assets file against `profile` and write the pipeline receipt (atomically, never over an
+    existing file). Reads configs and manifests only; the adapter file is hashed once to bind it to the compile."""
+    from .artifact import CompiledArtifact
+    from .tensor_store import file_sha256
+
+    profile = get_profile(profile) if isinstance(profile, str) else profile
+    receipt = check_writable_destination(receipt)
+    assets = Path(assets)
+    data = _read_json(assets, "assets file")
+    missing, extra = [k for k in ASSET_FIELDS if k not in data], sorted(set(data) - set(ASSET_FIELDS))
+    if missing or extra:
+        raise VflashError(f"assets file {assets} must have exactly the fields {', '.join(ASSET_FIELDS)}" + (f"; missing {', '.join(missing)}" if missing else "") + (f"; unknown {', '.join(extra)}" if extra else ""))
+    base = assets.resolve().parent
+    paths = {k: None if data[k] is None else (base / Path(data[k]).expanduser()).resolve() for k in ASSET_FIELDS}
+    for name in ASSET_FIELDS:
+        if name != "adapter_path" and paths[name] is None:
+            raise VflashError(f"assets file {assets}: {name} must be a path")
+        if paths[name] is not None:
+            _require(paths[name], f"{name}")
+    facts = _model_facts(paths["model_root"], paths["decoder_root"])
+
+    compiled = CompiledArtifact(paths["artifact"], paths["schedule_overlay"], paths["auxiliary_tensor"])
+    compiled.check_profile(profile)
+    config = compiled.config
+    widths = [("video latent channels", config.in_channels, facts["video_latent_channels"]), ("audio latent channels", config.audio_in_channels, facts["audio_latent_channels"]), ("text width", config.text_dim, facts["text_hidden_size"])]
+    for what, transformer, other in widths:
+        if transformer != other:
+            raise IdentityMismatchError(f"the compiled transformer's {what} is {transformer}, the model root / decoders give {other}")
+    recorded = compiled.manifest.get("adapter")
+    adapter = paths["adapter_path"]
+    if profile.adapter is None and adapter is not None:
+        raise IdentityMismatchError(f"profile {profile.id} uses no adapter; adapter_path must be null, got {adapter}")
+    if profile.adapter is not None:
+        if adapter is None:
+            raise IdentityMismatchError(f"profile {profile.id} needs adapter {profile.adapter.file_name}; adapter_path is null")
+        if recorded is None or adapter.stat().st_size != recorded["size"] or file_sha256(adapter) != recorded["sha256"]:
+            raise IdentityMismatchError(f"adapter {adapter} is not the one artifact {paths['artifact']} was compiled with")
+    canvas = CanvasRules.from_model_root(paths["model_root"])
+    record = {
+        "format": PIPELINE_FORMAT,
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "profile": profile.id,
+        "profile_identity": profile.identity(),
+        "assets": {k: None if v is None else str(v) for k, v in paths.items()},
+        "compile_id": compiled.compile_id,
+        "arch": compiled.arch,
+        "transformer": config.to_dict(),
+        "model": facts,
+        "canvas": canvas.to_dict(),
+    }
+    with atomic_file(receipt) as tmp:
+        tmp.write_text(json.dumps(record, indent=2) + "\n")
+    logger.info("prepared %s for %s (compile %s)", receipt, profile.id, compiled.compile_id)
+    return PreparedAssets.load(receipt)
+
+
+# -- encoding ------------------------------------------------------------------------------------------------------
+
+
+def _timed(timings: dict[str, float] | None, name: str, start: float) -> float:
+    now = time.perf_counter()
+    if timings is not None:
+        timings[name] = now - start
+    return now
+
+
+def build_request_bundle(
+    conditioner: TextConditioner,
+    vaes: MediaVAEs,
+    request: VideoRequest,
+    config: H3Config,
+    profile: Profile,
+    canvas: CanvasRules | None = None,
+    timings: dict[str, float] | None = None,
+) -> BundleHandoff:
+    """Read and normalise the request's media, encode text and visual/audio conditions, draw the noise, and hand the
+    bundle over one-shot. `timings` (optional) receives `encode.inputs`, `encode.text`, `encode.vae`, `encode.bundle`."""
+    canvas = canvas or conditioner.canvas
+    plan = plan_request(request, profile, canvas)
+    geometry = plan.geometry
+    t = time.perf_counter()
+    keyframes: list[PIL.Image.Image] = []
+    references: list = []
+    if plan.mode == "ref2va":
+        references = normalize_references([load_reference(r) for r in request.references], geometry.num_frames, canvas, vaes.sample_rate)
+    elif request.keyframes:
+        keyframes = fit_keyframes([load_image(k) for k in request.keyframes], geometry.height, geometry.width)
+    t = _timed(timings, "encode.inputs", t)
+    text = conditioner.encode(request.prompt, keyframes, references)
+    t = _timed(timings, "encode.text", t)
+    encoded: list[EncodedReference] = []
+    conditions: list[torch.Tensor] = []
+    if keyframes or references:
+        with vaes.on_device():
+            conditions = [vaes.encode_pixels(np.asarray(k)[None]) for k in keyframes]
+            for ref in references:
+                latents = rows = None
+                if ref.kind == "image":
+                    latents = vaes.encode_pixels(np.asarray(ref.image)[None])
+                elif ref.kind == "video":
+                    # Snapped down to 17 n + 5 frames so the VAE encodes without padding (the reference's arithmetic).
+                    n = max(1, (ref.frames.shape[0] - VAE_LATENTS_PER_CHUNK) // VAE_FRAMES_PER_CHUNK)
+                    latents = vaes.encode_pixels(ref.frames[: n * VAE_FRAMES_PER_CHUNK + VAE_LATENTS_PER_CHUNK])
+                if ref.has_audio:
+                    rows = vaes.encode_soundtrack(ref.audio)
+                encoded.append(EncodedReference(ref.kind, latents, rows))
+    t = _timed(timings, "encode.vae", t)
+    generator = torch.Generator().manual_seed(request.seed)
+    if plan.mode == "ref2va":
+        bundle = build_ref2va_bundle(text.prompt_embeds, text.token_tags, geometry, config, generator, tuple(encoded), seed=request.seed)
+    else:
+        anchors = tuple(a for a, k in (("first", request.first_frame), ("last", request.last_frame)) if k is not None)
+        bundle = build_keyframe_bundle(text.prompt_embeds, text.token_tags, geometry, config, generator, tuple(conditions), anchors, seed=request.seed)
+    handoff = BundleHandoff(bundle)
+    _timed(timings, "encode.bundle", t)
+    return handoff
+
+
+# -- the pipeline --------------------------------------------------------------------------------------------------
+
+
+class H3Pipeline:
+    """The complete pipeline around one native session. Compose it from loaded parts, or `from_prepared` (lazy).
+
+    Args:
+        profile: the profile the session runs (id or `Profile`).
+        conditioner, vaes, session: the three loaded parts (ComfyUI loads them separately); all None only when a
+            `loader` is given (what `from_prepared` does).
+        canvas: the model's canvas rules (default: the conditioner's).
+        media_video_input, media_video_threads: MP4 delivery options (`media.write_mp4`).
+        profile_denoise: return per-evaluation device timings (`metadata["denoise_profile"]`); a diagnostic.
+    """
+
+    def __init__(
+        self,
+        profile: Profile | str,
+        conditioner: TextConditioner | None,
+        vaes: MediaVAEs | None,
+        session: NativeEngineSession | None,
+        *,
+        canvas: CanvasRules | None = None,
+        media_video_input: str = "file",
+        media_video_threads: int | None = None,
+        profile_denoise: bool = False,
+        loader: Callable[[PipelineProgress | None], tuple[TextConditioner, MediaVAEs, NativeEngineSession]] | None = None,
+    ):
+        self.profile = get_profile(profile) if isinstance(profile, str) else profile
+        check_delivery_options(media_video_input, media_video_threads)
+        parts = (conditioner, vaes, session)
+        if loader is None and any(p is None for p in parts):
+            raise VflashError("H3Pipeline needs a conditioner, VAEs and a session (or a loader, see from_prepared)")
+        if session is not None and session.profile.id != self.profile.id:
+            raise IdentityMismatchError(f"the session runs profile {session.profile.id}, the pipeline was given {self.profile.id}")
+        self.conditioner, self.vaes, self.session = parts
+        self.canvas = canvas or (conditioner.canvas if conditioner is not None else CanvasRules())
+        self.media_video_input = media_video_input
+        self.media_video_threads = media_video_threads
+        self.profile_denoise = profile_denoise
+        self._loader = loader
+        self._closed = False
+        self.initialization_seconds = 0.0 if loader is None else float("nan")
+
+    @classmethod
+    def from_prepared(
+        cls,
+        prepared_assets: str | Path | PreparedAssets,
+        device: int | str | torch.device = "cpu",
+        peer_device: int | str | torch.device | None = None,
+        strategy: str | None = None,
+        attention_backend: str = "auto",
+        weight_residency: str = "auto",
+        media_video_input: str = "file",
+        media_video_threads: int | None = None,
+        profile_denoise: bool = False,
+    ) -> "H3Pipeline":
+        """A pipeline over prepared assets that loads nothing until `prepare()` or the first request."""
+        assets = prepared_assets if isinstance(prepared_assets, PreparedAssets) else PreparedAssets.load(prepared_assets)
+        primary = torch.device(f"cuda:{device}") if isinstance(device, int) else torch.device(device)
+        if peer_device is not None and strategy is None:
+            raise VflashError("a peer GPU needs --strategy sequence-head")
+
+        def load(progress: PipelineProgress | None) -> tuple[TextConditioner, MediaVAEs, NativeEngineSession]:
+            layers = int(assets.record["transformer"]["num_layers"])
+            total = 2 + layers
+            conditioner = TextConditioner.from_pretrained(assets.model_root, primary)
+            if progress:
+                progress("load", 1, total)
+            vaes = MediaVAEs.from_pretrained(assets.decoder_root, primary)
+            if progress:
+                progress("load", 2, total)
+            residency = _pipeline_residency(weight_residency, primary, assets, conditioner, vaes)
+            session = NativeEngineSession(
+                assets.profile, **assets.session_paths(), device=primary, peer_device=peer_device, strategy=strategy,
+                weight_residency=residency, attention_backend=attention_backend,
+                on_load_progress=None if progress is None else (lambda done, n: progress("load", 2 + done, total)),
+            )
+            return conditioner, vaes, session
+
+        return cls(
+            assets.profile, None, None, None, canvas=assets.canvas, media_video_input=media_video_input,
+            media_video_threads=media_video_threads, profile_denoise=profile_denoise, loader=load,
+        )
+
+    # -- lifecycle ----------------------------------------------------------------------------------------------------
+
+    @property
+    def prepared(self) -> bool:
+        return self.session is not None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SessionClosedError("this pipeline is closed (closed, cancelled or failed); create a new H3Pipeline")
+
+    def prepare(self, progress: PipelineProgress | None = None) -> None:
+        """Load the text encoder, the VAEs and the native session now; sets `initialization_seconds`."""
+        self._check_open()
+        if self.prepared:
+            return
+        start = time.perf_counter()
+        assert self._loader is not None
+        self.conditioner, self.vaes, self.session = self._loader(progress)
+        self.initialization_seconds = time.perf_counter() - start
+        logger.info("pipeline %s ready in %.2f s", self.profile.id, self.initialization_seconds)
+
+    def close(self) -> None:
+        """Release the session (waits for its devices), the encoder and the VAEs. Idempotent."""
+        self._closed = True
+        for part in (self.session, self.conditioner, self.vaes):
+            if part is not None:
+                part.close()
+        self.session = self.conditioner = self.vaes = None
+
+    def __enter__(self) -> "H3Pipeline":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- stages -------------------------------------------------------------------------------------------------------
+
+    def validate(self, request: VideoRequest) -> None:
+        """Everything about `request` that can be checked before any model loads; raises `VflashError`."""
+        self._check_open()
+        plan_request(request, self.profile, self.canvas)
+
+    @property
+    def config(self) -> H3Config:
+        self.prepare()
+        return self.session.compiled.config
+
+    def encode(self, request: VideoRequest, timings: dict[str, float] | None = None) -> BundleHandoff:
+        """Prompt and media -> a one-shot conditioning handoff for `denoise`."""
+        self._check_open()
+        self.prepare()
+        return build_request_bundle(self.conditioner, self.vaes, request, self.config, self.profile, self.canvas, timings)
+
+    def denoise(self, bundle_or_handoff, progress: Callable[[int, int], None] | None = None) -> GenerationResult:
+        """Run the native core; `progress(done, total)` after every evaluation (it may raise to abort)."""
+        self._check_open()
+        self.prepare()
+        return self.session.generate(bundle_or_handoff, progress=progress, profile_denoise=self.profile_denoise)
+
+    def decode(self, video_latents: torch.Tensor, audio_latents: torch.Tensor) -> DecodedMedia:
+        """(1, C, F, h, w) and (2, C_a, A) normalised latents -> frames and stereo waveform."""
+        self._check_open()
+        self.prepare()
+        return self.vaes.decode(video_latents, audio_latents)
+
+    # -- one request --------------------------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        request: VideoRequest,
+        output: str | Path | None,
+        overwrite: bool = False,
+        progress: PipelineProgress | None = None,
+        cancel: Callable[[], None] | None = None,
+    ) -> VideoResult:
+        """Generate one clip and write it to `output` (MP4; None keeps the decoded media in the result)."""
+        self._check_open()
+        stages: dict[str, float] = {}
+        start = time.perf_counter()
+        plan = plan_request(request, self.profile, self.canvas)
+        if output is not None:
+            check_writable_destination(output, overwrite)
+        stages["validate"] = time.perf_counter() - start
+        initialization = 0.0
+        if not self.prepared:
+            load_start = time.perf_counter()
+            self.prepare(progress)
+            initialization = time.perf_counter() - load_start
+
+        def poll() -> None:
+            if cancel is not None:
+                try:
+                    cancel()
+                except BaseException as exc:
+                    raise RequestCancelled(f"request cancelled: {exc}") from exc
+
+        def report(stage: str, done: int, total: int) -> None:
+            if progress is not None:
+                progress(stage, done, total)
+
+        try:
+            poll()
+            t = time.perf_counter()
+            handoff = build_request_bundle(self.conditioner, self.vaes, request, self.config, self.profile, self.canvas, stages)
+            stages["encode"] = time.perf_counter() - t
+            report("encode", 1, 1)
+            poll()
+
+            def on_evaluation(done: int, total: int) -> None:
+                report("denoise", done, total)
+                poll()
+
+            t = time.perf_counter()
+            generation = self.session.generate(handoff, progress=on_evaluation, profile_denoise=self.profile_denoise)
+            stages["denoise"] = time.perf_counter() - t
+            poll()
+            t = time.perf_counter()
+            with self.vaes.on_device():
+                frames = self.vaes.decode_video(generation.video_latents)
+                t_video = _timed(stages, "decode.video", t)
+                report("decode", 1, 2)
+                waveform = self.vaes.decode_audio(generation.audio_latents)
+                _timed(stages, "decode.audio", t_video)
+                report("decode", 2, 2)
+            stages["decode"] = time.perf_counter() - t
+            media = DecodedMedia(frames, waveform, self.vaes.sample_rate)
+            # Deliver the soundtrack to the video's exact length (the audio latents cover round(F / 24 * 40) / 40 s).
+            samples = round(frames.shape[0] / FPS * media.sample_rate)
+            path = None
+            if output is not None:
+                poll()
+                t = time.perf_counter()
+                path = write_mp4(output, frames, waveform[:, :samples], media.sample_rate, FPS, self.media_video_input, self.media_video_threads, overwrite)
+                stages["write"] = time.perf_counter() - t
+                report("write", 1, 1)
+        except VflashError as exc:
+            if isinstance(exc, RequestCancelled):
+                self.close()
+            raise
+        except BaseException:
+            self.close()
+            raise
+        elapsed = time.perf_counter() - start - initialization
+        metadata = {
+            **generation.metadata,
+            "seed": request.seed,
+            "duration_seconds": frames.shape[0] / FPS,
+            "audio_samples": samples,
+            "media_video_input": self.media_video_input,
+            "media_video_threads": self.media_video_threads,
+        }
+        if generation.denoise_profile is not None:
+            metadata["denoise_profile"] = generation.denoise_profile
+        return VideoResult(
+            path=path, elapsed_seconds=elapsed, stages=stages, session=generation.session, mode=plan.mode,
+            width=plan.geometry.width, height=plan.geometry.height, num_frames=int(frames.shape[0]), fps=FPS,
+            sample_rate=media.sample_rate, metadata=metadata, media=None if output is not None else media,
+        )
+
+
+def _pipeline_residency(requested: str, device: torch.device, assets: PreparedAssets, conditioner: TextConditioner, vaes: MediaVAEs) -> str:
+    """On a GPU, "auto" keeps the core's blocks resident only if they fit beside the larger of the encoder and the
+    VAEs (which take the device in turn); otherwise the core streams its blocks."""
+    if requested != "auto" or device.type != "cuda":
+        return requested
+    from .artifact import CompiledArtifact
+
+    compiled = CompiledArtifact(**assets.session_paths())
+    core = sum(int(b["size"]) for b in compiled.manifest["blocks"]) + int(compiled.manifest["auxiliary"]["size"])
+    encoder = sum(p.numel() * p.element_size() for p in conditioner.text_encoder.parameters())
+    media = sum(p.numel() * p.element_size() for m in (vaes.video_vae, vaes.audio_vae) for p in m.parameters())
+    free = torch.cuda.mem_get_info(device)[0]
+    choice = "resident" if core + max(encoder, media) + 4 * _GIB <= free else "block-ring"
+    logger.info("pipeline weight residency auto -> %s: core %.1f GiB, encoder %.1f GiB, VAEs %.1f GiB, %.1f GiB free", choice, core / _GIB, encoder / _GIB, media / _GIB, free / _GIB)
+    return choice

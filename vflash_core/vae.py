@@ -1,0 +1,169 @@
+"""The official video and audio VAEs of H3: conditioning encodes and the final decode (h3_model.md section 5).
+
+Encoding keyframes and visual references follows the released recipe exactly: ImageNet-normalised pixels over a
+[0, 1] base, the posterior *sampled* under its own `Generator().manual_seed(42)` (never the request's), a round trip
+through float16, then `(z - mean) / std` on the CPU. Soundtracks take the audio posterior's mean.
+
+Decoding denormalises (`z * std + mean`), decodes with `AutoencoderKLMiniMaxH3` as loaded — spatial tiling on (its
+default; the released frames are the blended-tile ones, and the tile geometry is the model's own, 256 px tiles with
+at least 64 px overlap) and the model's temporal windowing, which decodes 7 latent frames at a time with cross-fades,
+so 10 s and 15 s clips fit — and maps ImageNet space back to [0, 1]. The mono audio VAE decodes the two stereo
+channels as two batch items.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .conditioning import default_dtype
+from .errors import VflashError
+from .layout import AUDIO_CHANNELS, FPS
+
+logger = logging.getLogger(__name__)
+
+# The video VAE's pixel convention: ImageNet statistics over a [0, 1] base.
+PIXEL_MEAN = (0.485, 0.456, 0.406)
+PIXEL_STD = (0.229, 0.224, 0.225)
+CONDITION_ENCODE_SEED = 42
+
+
+@dataclass
+class DecodedMedia:
+    """frames: (F, H, W, 3) float32 in [0, 1]; waveform: (2, T) float32 in [-1, 1]."""
+
+    frames: torch.Tensor
+    waveform: torch.Tensor
+    sample_rate: int
+    fps: int = FPS
+
+
+class MediaVAEs:
+    """Owns `AutoencoderKLMiniMaxH3` (video) and `AutoencoderKLMiniMaxH3Audio` (audio, always fp32)."""
+
+    def __init__(self, video_vae, audio_vae, device: str | torch.device = "cpu"):
+        self.video_vae = video_vae.eval()
+        self.audio_vae = audio_vae.eval()
+        self.device = torch.device(device)
+        if not self.video_vae.use_tiling:
+            logger.warning("video VAE tiling is off; the released decodes are tiled, so frames will differ")
+
+    @classmethod
+    def from_pretrained(cls, decoder_root: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> "MediaVAEs":
+        """Load `vae/` and `audio_vae/` from a decoder root (an official model root works), offline.
+
+        `dtype` applies to the video VAE's decoder stack (its cast-sensitive modules stay fp32, as diffusers pins
+        them); default bf16 on CUDA, fp32 on the CPU.
+        """
+        from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
+
+        root = Path(decoder_root).resolve()
+        device = torch.device(device)
+        video = AutoencoderKLMiniMaxH3.from_pretrained(root / "vae", torch_dtype=dtype or default_dtype(device), local_files_only=True)
+        audio = AutoencoderKLMiniMaxH3Audio.from_pretrained(root / "audio_vae", local_files_only=True)
+        return cls(video, audio, device)
+
+    # -- geometry -----------------------------------------------------------------------------------------------------
+
+    @property
+    def latent_channels(self) -> int:
+        return int(self.video_vae.config.latent_channels)
+
+    @property
+    def audio_latent_channels(self) -> int:
+        return int(self.audio_vae.config.latent_channels)
+
+    @property
+    def sample_rate(self) -> int:
+        return int(self.audio_vae.config.sampling_rate)
+
+    def _stats(self, vae, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        if vae is None:
+            raise VflashError("these VAEs were closed")
+        return torch.tensor(vae.config.latents_mean).view(shape), torch.tensor(vae.config.latents_std).view(shape)
+
+    # -- ownership ----------------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def on_device(self) -> Iterator["MediaVAEs"]:
+        """Hold both VAEs on `device` for the block, then hand the device back (serial GPU ownership)."""
+        self.video_vae.to(self.device)
+        self.audio_vae.to(self.device)
+        try:
+            yield self
+        finally:
+            self.offload()
+
+    def offload(self) -> None:
+        if self.device.type != "cpu":
+            self.video_vae.to("cpu")
+            self.audio_vae.to("cpu")
+            torch.cuda.empty_cache()
+
+    def close(self) -> None:
+        self.video_vae = self.audio_vae = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # -- encoding -----------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def encode_pixels(self, frames: np.ndarray) -> torch.Tensor:
+        """(F, H, W, 3) uint8 RGB (F = 1 for a keyframe or image) -> (1, C, f, H/16, W/16) fp32 normalised, CPU."""
+        mean, std = self._stats(self.video_vae, (1, -1, 1, 1, 1))
+        device = next(self.video_vae.parameters()).device
+        pixels = torch.from_numpy(np.ascontiguousarray(frames)).to(device).permute(3, 0, 1, 2)[None]
+        pixel_mean = torch.tensor(PIXEL_MEAN, device=device).view(1, -1, 1, 1, 1)
+        pixel_std = torch.tensor(PIXEL_STD, device=device).view(1, -1, 1, 1, 1)
+        pixels = (pixels.to(torch.float32).div(255.0) - pixel_mean) / pixel_std
+        posterior = self.video_vae.encode(pixels, return_dict=False)[0]
+        latents = posterior.sample(generator=torch.Generator().manual_seed(CONDITION_ENCODE_SEED))
+        latents = latents.to(torch.float16).float().cpu()
+        return (latents - mean) / std
+
+    @torch.no_grad()
+    def encode_soundtrack(self, waveform: torch.Tensor) -> torch.Tensor:
+        """(2, S) float32 at the VAE's rate -> (2 A, C) fp32 normalised channel-major rows, CPU."""
+        mean, std = self._stats(self.audio_vae, (1, 1, -1))
+        device = next(self.audio_vae.parameters()).device
+        posterior = self.audio_vae.encode(waveform.to(device)[:, None], return_dict=False)[0]
+        latents = posterior.mode().float().cpu().transpose(1, 2)
+        return ((latents - mean) / std).reshape(-1, self.audio_latent_channels)
+
+    # -- decoding -----------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def decode_video(self, video_latents: torch.Tensor) -> torch.Tensor:
+        """(1, C, F, h, w) normalised -> (F', 16h, 16w, 3) float32 in [0, 1], F' = 17 n + 5 for F = 5 n + 2."""
+        mean, std = self._stats(self.video_vae, (1, -1, 1, 1, 1))
+        device = next(self.video_vae.parameters()).device
+        latents = video_latents.to(device) * std.to(device) + mean.to(device)
+        video = self.video_vae.decode(latents, return_dict=False)[0]
+        pixel_mean = torch.tensor(PIXEL_MEAN, device=device).view(1, -1, 1, 1, 1)
+        pixel_std = torch.tensor(PIXEL_STD, device=device).view(1, -1, 1, 1, 1)
+        video = (video.float() * pixel_std + pixel_mean).clamp(0, 1)
+        return video[0].permute(1, 2, 3, 0).cpu()
+
+    @torch.no_grad()
+    def decode_audio(self, audio_latents: torch.Tensor) -> torch.Tensor:
+        """(2, C, A) normalised, one item per stereo channel -> (2, A * hop) float32 in [-1, 1]."""
+        mean, std = self._stats(self.audio_vae, (1, -1, 1))
+        device = next(self.audio_vae.parameters()).device
+        latents = audio_latents.to(device) * std.to(device) + mean.to(device)
+        return self.audio_vae.decode(latents, return_dict=False)[0].float()[:, 0].cpu()
+
+    def decode(self, video_latents: torch.Tensor, audio_latents: torch.Tensor) -> DecodedMedia:
+        """Both streams, holding the device for the duration."""
+        if audio_latents.shape[0] != AUDIO_CHANNELS:
+            raise VflashError(f"audio latents must be (2, C, A), got {list(audio_latents.shape)}")
+        with self.on_device():
+            frames = self.decode_video(video_latents)
+            waveform = self.decode_audio(audio_latents)
+        return DecodedMedia(frames, waveform, self.sample_rate)
+
