@@ -1,9 +1,13 @@
 """Attention backends: explicit kernel selection for every call.
 
-The default backend reproduces diffusers' `native` attention: `F.scaled_dot_product_attention` on (B, heads, S, D)
-permuted views. On CUDA, which SDPA kernel runs depends on a process-wide priority (inside ComfyUI it is flash-first,
-a silent 1.6x loss on Hopper), so CUDA backends pin the kernel with `sdpa_kernel` on every call, and an unavailable
-explicit choice is an error, never a silent fallback.
+`torch-sdpa` reproduces diffusers' `native` attention: `F.scaled_dot_product_attention` on (B, heads, S, D) permuted
+views. On CUDA, which SDPA kernel runs depends on a process-wide priority (inside ComfyUI it is flash-first, a silent
+1.6x loss on Hopper), so CUDA backends pin the kernel with `sdpa_kernel` on every call, and an unavailable explicit
+choice is an error, never a silent fallback.
+
+`fa3` is FlashAttention-3's forward kernel (PyPI `fa3-fwd`, SM90 only; `pip install vflash[sm90]`): exact attention
+(no sparsity, no quantisation), a different kernel from cuDNN, so its bits differ within bf16 rounding (max abs
+difference 2.4e-4 to 4.9e-4 at H3 shapes, measured). `auto` picks it on SM90 when it imports and runs, else cuDNN.
 """
 
 from __future__ import annotations
@@ -24,13 +28,25 @@ _SDPA_KERNELS = {
     "torch-efficient": SDPBackend.EFFICIENT_ATTENTION,
     "torch-math": SDPBackend.MATH,
 }
-BACKENDS = ("auto", "torch-sdpa", *_SDPA_KERNELS)
+BACKENDS = ("auto", "torch-sdpa", *_SDPA_KERNELS, "fa3")
 
 
 def _pinned_sdpa(kernel: SDPBackend) -> AttentionFn:
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         with sdpa_kernel([kernel]):
             return sdpa_attention(q, k, v)
+
+    return attend
+
+
+def _fa3() -> AttentionFn:
+    try:
+        from fa3_fwd_interface import flash_attn_func
+    except ImportError as exc:
+        raise VflashError(f"attention backend fa3 needs the fa3-fwd package (pip install 'vflash[sm90]'): {exc}") from None
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return flash_attn_func(q, k, v)  # (B, S, heads, D) in and out, scale 1/sqrt(D), non-causal
 
     return attend
 
@@ -44,19 +60,25 @@ def resolve_attention(name: str, device: torch.device) -> tuple[str, AttentionFn
             raise VflashError(f"attention backend {name} needs a CUDA device, not {device}")
         return "torch-sdpa", sdpa_attention
     if name == "auto":
+        if torch.cuda.get_device_capability(device) == (9, 0):
+            try:
+                fn = _fa3()
+                _probe("fa3", fn, device)
+                return "fa3", fn
+            except VflashError as exc:
+                logger.info("attention auto: FlashAttention-3 unavailable (%s); using cuDNN", exc)
         name = "torch-cudnn"
     if name == "torch-sdpa":
         return name, sdpa_attention
-    kernel = _SDPA_KERNELS[name]
-    _probe(name, kernel, device)
-    return name, _pinned_sdpa(kernel)
+    fn = _fa3() if name == "fa3" else _pinned_sdpa(_SDPA_KERNELS[name])
+    _probe(name, fn, device)
+    return name, fn
 
 
-def _probe(name: str, kernel: SDPBackend, device: torch.device) -> None:
-    """Fail now, with the backend's name, if the pinned kernel cannot run H3's shapes on this device."""
+def _probe(name: str, fn: AttentionFn, device: torch.device) -> None:
+    """Fail now, with the backend's name, if the kernel cannot run H3's shapes on this device."""
     q = torch.zeros(1, 64, 2, 128, dtype=torch.bfloat16, device=device)
     try:
-        with sdpa_kernel([kernel]):
-            sdpa_attention(q, q, q)
+        fn(q, q, q)
     except RuntimeError as exc:
         raise VflashError(f"attention backend {name} is not available on {torch.cuda.get_device_name(device)}: {exc}") from None

@@ -153,8 +153,7 @@ class Denoiser:
         return getattr(self.attention, "local", self.attention)
 
     def _reference_block(self, x: torch.Tensor, w: M.LayerWeights, table: torch.Tensor, plan: StepPlan, state: RequestState, timer: StageTimer) -> torch.Tensor:
-        with timer.stage("blocks"):
-            return M.main_block(x, w, M.Modulation.gather(table, plan.adaln_indices), self.config, self.attention, state.rotary)
+        return M.main_block(x, w, M.Modulation.gather(table, plan.adaln_indices), self.config, self.attention, state.rotary)
 
     @torch.no_grad()
     def evaluate(self, state: RequestState, step: int, timer: StageTimer = NO_TIMER, between_blocks: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,10 +161,11 @@ class Denoiser:
         plan = state.plans[step]
         with timer.stage("pack_inputs"):
             x = M.pack_inputs(state.video_rows, state.audio_rows, state.text, self.aux, state.layout, self.aux_loras)
-        for w, table in zip(self.blocks, plan.tables.blocks):
-            x = self.block_fn(x, w, table, plan, state, timer)
-            if between_blocks is not None:
-                between_blocks()
+        with timer.stage("blocks"):  # the whole block loop, including any wait for streamed weights
+            for w, table in zip(self.blocks, plan.tables.blocks):
+                x = self.block_fn(x, w, table, plan, state, timer)
+                if between_blocks is not None:
+                    between_blocks()
         with timer.stage("final_layer"):
             return M.output_heads(x, plan.tables.norm_out, plan.timestep_indices, self.aux, state.layout, self.config, self.aux_loras)
 

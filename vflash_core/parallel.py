@@ -134,9 +134,10 @@ class LocalGroup:
         if self.failed is None:
             self.failed = RankAborted("a rank failed")
             for group in self.groups:
-                if group is not None:
+                abort = getattr(group, "abort", None) or getattr(group, "_abort", None) or getattr(group, "shutdown", None)
+                if abort is not None:
                     try:
-                        group.abort()
+                        abort()
                     except RuntimeError as exc:
                         logger.warning("aborting a process group raised: %s", exc)
 

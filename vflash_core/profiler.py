@@ -6,9 +6,10 @@ trajectory, in `summary()`. On the CPU, stages are timed with the host clock (CP
 
 Stages of one evaluation: `pack_inputs`, per block `adaln_modulation` (norm1 + modulation), `qkv_projection`,
 `qk_norm_rope`, `attention`, `attention_output` (output projection + gated residual), `ffn_norm_modulation`,
-`ffn_input`, `swiglu`, `ffn_output` (output projection + gated residual), then `final_layer` and `latent_update`. The
-reference (CPU) path reports whole blocks as `blocks`. Block-ring sources add `h2d_copy` (copy-stream time, which
-overlaps compute and must not be added to it).
+`ffn_input`, `swiglu`, `ffn_output` (output projection + gated residual), then `final_layer` and `latent_update`;
+`blocks` spans the whole block loop (it contains the per-block stages and any wait for streamed weights, so it is not
+added to them). The reference (CPU) path reports only the coarse stages. Block-ring sources add `h2d_copy_ms`
+(copy-stream time, which overlaps compute and must not be added to it).
 """
 
 from __future__ import annotations

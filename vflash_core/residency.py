@@ -157,6 +157,7 @@ class BlockRing(BlockSource):
             self.compute_done = [torch.cuda.Event() for _ in range(2)]
         self.device_weight_bytes = 2 * arena.block_bytes
         self.pinned_host_bytes = arena.nbytes
+        self._first_block_ready = False
         # Set by the profiler: (start, end) timing events of every copy.
         self.copy_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
 
@@ -182,19 +183,26 @@ class BlockRing(BlockSource):
 
     def __iter__(self) -> Iterator[LayerWeights]:
         count = len(self.arena.spans)
-        compute = torch.cuda.current_stream(self.device) if self.cuda else None
-        self._issue_copy(0)
+        if not self.cuda:
+            for i in range(count):
+                self._issue_copy(i)
+                yield LayerWeights(self.views[i % 2], self.loras[i])
+            return
+        compute = torch.cuda.current_stream(self.device)
+        if not self._first_block_ready:
+            self._issue_copy(0)
+        self._first_block_ready = False
         for i in range(count):
             s = i % 2
-            if self.cuda and i + 1 < count:
+            if i + 1 < count:
                 self._issue_copy(i + 1)  # overlaps block i's compute
-            if compute is not None:
-                compute.wait_event(self.copy_done[s])
+            compute.wait_event(self.copy_done[s])
             yield LayerWeights(self.views[s], self.loras[i])
-            if compute is not None:
-                self.compute_done[s].record(compute)
-            elif i + 1 < count:
-                self._issue_copy(i + 1)
+            self.compute_done[s].record(compute)
+        # Every pass starts with block 0: fetch it now, so the copy overlaps the output heads, the latent update and
+        # the next evaluation's input packing instead of stalling the next pass.
+        self._issue_copy(0)
+        self._first_block_ready = True
 
     def close(self) -> None:
         if self.cuda:

@@ -241,7 +241,10 @@ class NativeEngineSession:
         self._closed = True
         for dev in self.devices:
             if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
+                try:
+                    torch.cuda.synchronize(dev)
+                except RuntimeError as exc:  # an aborted collective: completion cannot be confirmed
+                    logger.warning("closing %s after a failure: %s; do not reuse this process's CUDA context", dev, exc)
         for den in self._denoisers:
             den.close()
         self._denoisers = []
@@ -311,6 +314,9 @@ class NativeEngineSession:
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
         timers = [StageTimer(dev, profile_denoise) for dev in self.devices]
+        for den, timer in zip(self._denoisers, timers):
+            if isinstance(den.blocks, BlockRing):
+                den.blocks.copy_events = timer.copy_events if profile_denoise else None
         start = time.perf_counter()
         try:
             if self._group is None:

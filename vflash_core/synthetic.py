@@ -21,9 +21,11 @@ from .config import H3Config
 FP32_PREFIXES = ("proj_in.", "audio_proj_in.", "time_embedder.", "proj_out.", "audio_proj_out.")
 
 
-def random_internal_weights(config: H3Config, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint in internal names; `dtype=bfloat16` gives the released mixed-precision layout."""
-    generator = torch.Generator().manual_seed(seed)
+def random_internal_weights(config: H3Config, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint in internal names (CPU tensors); `dtype=bfloat16` gives the released
+    mixed-precision layout. `device` only says where the random numbers are drawn (a GPU is much faster at full width).
+    """
+    generator = torch.Generator(device).manual_seed(seed)
     shapes = {}
     for i in range(config.num_layers):
         shapes.update(block_shapes(config, f"blocks.{i}", with_adaln=True))
@@ -33,12 +35,12 @@ def random_internal_weights(config: H3Config, seed: int = 0, dtype: torch.dtype 
     weights = {}
     for name, shape in shapes.items():
         if "norm" in name and name.endswith(".weight") and len(shape) == 1:
-            value = 1.0 + 0.25 * torch.randn(shape, generator=generator)
+            value = 1.0 + 0.25 * torch.randn(shape, generator=generator, device=device)
         else:
             fan_in = shape[1] if len(shape) == 2 else shape[0]
-            value = torch.randn(shape, generator=generator) * (fan_in**-0.5)
+            value = torch.randn(shape, generator=generator, device=device) * (fan_in**-0.5)
         pinned = dtype == torch.bfloat16 and name.startswith(FP32_PREFIXES)
-        weights[name] = value.to(torch.float32 if pinned else dtype).contiguous()
+        weights[name] = value.to(torch.float32 if pinned else dtype).contiguous().cpu()
     return weights
 
 

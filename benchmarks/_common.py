@@ -1,0 +1,123 @@
+"""Shared by the GPU benchmarks: full-width random H3 artifacts, real packed requests, timing and result files.
+
+Benchmarks time blocks, not whole models: a full-width model with a few blocks is built once (random weights in the
+released mixed precision, written in the diffusers layout, then prepared and compiled like real weights) and per-block
+times come from CUDA events around the block loop, divided by the block count.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from vflash_core import Geometry, build_keyframe_bundle, synthetic
+from vflash_core.bundle import ConditioningBundle
+from vflash_core.compiler import compile_receipt, prepare
+from vflash_core.config import H3Config
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+TEXT_ROWS = 512
+# (name, height, width) at 5 s (124 frames): N = 512 text + audio + video rows.
+SHAPES = {"640x352": (352, 640), "960x544": (544, 960), "1344x768": (768, 1344)}
+PROFILE = "t2va-base16-bf16-sm90"
+
+
+def commit_id() -> str:
+    out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False)
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else os.environ.get("VFLASH_COMMIT", "unknown")
+
+
+def environment() -> dict[str, object]:
+    return {
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor(),
+        "torch": torch.__version__,
+        "commit": commit_id(),
+    }
+
+
+def write_result(name: str, data: dict[str, object]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    print(f"wrote {path}")
+    return path
+
+
+def full_width(num_layers: int) -> H3Config:
+    return replace(H3Config.preset("h3"), num_layers=num_layers)
+
+
+def compiled_model(cache: Path, num_layers: int, device: str = "cuda:0") -> tuple[Path, dict[str, Path]]:
+    """(diffusers transformer folder, compiled paths) of a full-width random model; built once per cache folder."""
+    root = cache / f"h3-{num_layers}-blocks"
+    folder = root / "transformer"
+    out = root / "compiled"
+    if not out.exists():
+        config = full_width(num_layers)
+        if not folder.exists():
+            synthetic.write_diffusers_transformer(folder, config, synthetic.random_internal_weights(config, seed=0, device=device), max_shard_bytes=4 << 30)
+        receipt = root / "receipt.json"
+        if not receipt.exists():
+            prepare(PROFILE, folder, receipt)
+        compile_receipt(receipt, out, device)
+    return folder, {"artifact": out / "artifact", "schedule_overlay": out / "schedule", "auxiliary": out / "auxiliary.safetensors"}
+
+
+def request(config: H3Config, shape: str, seconds: float = 5.0, seed: int = 0) -> ConditioningBundle:
+    """A t2va request with the real packing rules: 512 text rows, the canvas of `shape`, `seconds` of clip."""
+    height, width = SHAPES[shape]
+    frames = {5.0: 124, 10.0: 243, 15.0: 345}[seconds]
+    g = torch.Generator().manual_seed(seed)
+    embeds = torch.randn(TEXT_ROWS, config.text_dim, generator=g).to(torch.bfloat16)
+    return build_keyframe_bundle(embeds, torch.ones(TEXT_ROWS, dtype=torch.long), Geometry(height, width, frames), config, g)
+
+
+def median_ms(fn: Callable[[], object], warmup: int = 2, repeat: int = 5) -> float:
+    """Median wall time of `fn` on the current CUDA stream, measured with events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def gemm_tflops(n: int = 8192) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    return 2 * n**3 / median_ms(lambda: a @ b, 3, 10) / 1e9
+
+
+def attention_tflops(attention: Callable, rows: int, heads: int = 56, head_dim: int = 128) -> float:
+    q, k, v = (torch.randn(1, rows, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    return attention_flops(rows, heads, head_dim) / median_ms(lambda: attention(q, k, v), 2, 5) / 1e9
+
+
+def attention_flops(rows: int, heads: int = 56, head_dim: int = 128) -> float:
+    return 4.0 * rows * rows * heads * head_dim
+
+
+def linear_flops_per_block(config: H3Config, rows: int) -> float:
+    h, i, f = config.hidden_size, config.inner_dim, config.ffn_dim
+    params = 3 * i * h + h * i + 2 * f * h + h * f
+    return 2.0 * params * rows
+
+
+def block_loop_ms(profile: dict[str, object] | None) -> list[float]:
+    """Per-evaluation time of the block loop from a denoise profile."""
+    assert profile is not None
+    return [e["blocks"] for e in profile["evaluations"]]  # type: ignore[index]

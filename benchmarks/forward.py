@@ -1,0 +1,160 @@
+"""diffusers 0.42.1 vs the Vflash resident fast path, one process, the same full-width random weights, one H200.
+
+    python benchmarks/forward.py [--blocks 4] [--cache /tmp/vflash-bench]
+
+Both sides run one evaluation (step 1 of the t2va schedule, two distinct timesteps) of a full-width model with a
+few blocks on packed 960x544 and 1344x768, 5 s requests with 512 text rows (N = 19,796 and 38,222). Per-block time is
+the block loop's CUDA-event time divided by the block count (diffusers: hooks on its first and last block), median of
+5 after 2 warm-ups. The roofline is computed in the same run: linear FLOPs at the measured rate of an 8192^3 BF16 GEMM
+plus attention FLOPs at the measured rate of the attention kernel Vflash uses, alone, on the same shape.
+
+`bitwise_equal_to_diffusers` compares the final outputs with both sides on cuDNN attention (diffusers' default
+pick on this GPU); `max_abs_diff` compares Vflash's default (FlashAttention-3 where available) with diffusers.
+
+Writes benchmarks/results/forward_h200.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import PROFILE, attention_flops, attention_tflops, compiled_model, environment, full_width, gemm_tflops, linear_flops_per_block, median_ms, request, write_result  # noqa: E402
+
+from vflash_core import get_profile  # noqa: E402
+from vflash_core.artifact import CompiledArtifact  # noqa: E402
+from vflash_core.attention import resolve_attention  # noqa: E402
+from vflash_core.denoise import Denoiser  # noqa: E402
+from vflash_core.fused import FusedBlock  # noqa: E402
+from vflash_core.profiler import StageTimer  # noqa: E402
+from vflash_core.residency import ResidentBlocks  # noqa: E402
+
+STEP = 1
+
+
+class BlockLoopTimer:
+    """CUDA events at the entry of a diffusers model's first block and the exit of its last."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        blocks = model.transformer_blocks
+        blocks[0].register_forward_pre_hook(lambda *_: self.pairs.append((self._event(), None)))
+        blocks[-1].register_forward_hook(lambda *_: self.pairs.__setitem__(-1, (self.pairs[-1][0], self._event())))
+
+    @staticmethod
+    def _event() -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def last_ms(self) -> float:
+        start, end = self.pairs[-1]
+        end.synchronize()
+        return start.elapsed_time(end)
+
+
+def vflash_denoiser(artifact: CompiledArtifact, attention_backend: str) -> tuple[str, Denoiser]:
+    device = torch.device("cuda:0")
+    name, attention = resolve_attention(attention_backend, device)
+    return name, Denoiser(artifact, ResidentBlocks(artifact, device), device, attention, FusedBlock(artifact.config, attention))
+
+
+def run(blocks: int, cache: Path, shapes: list[str]) -> dict[str, object]:
+    import diffusers
+
+    folder, paths = compiled_model(cache, blocks)
+    config = full_width(blocks)
+    artifact = CompiledArtifact(**paths)
+    artifact.check_profile(get_profile(PROFILE))
+    gemm = gemm_tflops()
+    print(f"bf16 GEMM 8192^3: {gemm:.0f} TFLOP/s")
+    reference = diffusers.MiniMaxH3Transformer3DModel.from_pretrained(folder, torch_dtype=torch.bfloat16).to("cuda").eval()
+    loop_timer = BlockLoopTimer(reference)
+    backend, fast = vflash_denoiser(artifact, "auto")
+    _, cudnn = vflash_denoiser(artifact, "torch-cudnn")
+    results = []
+    for shape in shapes:
+        bundle = request(config, shape)
+        rows = bundle.layout.sequence_length
+        lay = bundle.layout
+        with torch.no_grad():
+            state = fast.prepare(bundle)
+            cudnn_state = cudnn.prepare(bundle)
+            plan = state.plans[STEP]
+            inputs = (
+                state.video_rows[None], state.audio_rows[None], bundle.prompt_embeds[None].cuda(), plan.tables.timesteps, plan.timestep_indices,
+                lay.token_tags.cuda(), lay.position_ids.cuda(), lay.video_indices.cuda(), lay.audio_indices.cuda(), lay.text_indices.cuda(),
+            )
+
+            def diffusers_eval():
+                return reference(*inputs, return_dict=False)
+
+            diffusers_times = []
+            for i in range(7):
+                expected = diffusers_eval()
+                if i >= 2:
+                    diffusers_times.append(loop_timer.last_ms())
+
+            def vflash_times(den: Denoiser, st) -> tuple[list[float], tuple[torch.Tensor, torch.Tensor]]:
+                times = []
+                for i in range(7):
+                    timer = StageTimer(torch.device("cuda:0"), True)
+                    out = den.evaluate(st, STEP, timer)
+                    if i >= 2:
+                        times.append(timer.summary()["total_ms"]["blocks"])
+                return times, out
+
+            fast_times, fast_out = vflash_times(fast, state)
+            cudnn_times, cudnn_out = vflash_times(cudnn, cudnn_state)
+            bitwise = all(torch.equal(a, b[0]) for a, b in zip(cudnn_out, expected))
+            max_abs = max((a - b[0]).abs().max().item() for a, b in zip(fast_out, expected))
+            cudnn_max_abs = max((a - b[0]).abs().max().item() for a, b in zip(cudnn_out, expected))
+
+            def per_block(times: list[float]) -> float:
+                return sorted(times)[len(times) // 2] / blocks
+
+            attention_rate = attention_tflops(fast.attention, rows)
+            roofline = (linear_flops_per_block(config, rows) / (gemm * 1e9) + attention_flops(rows) / (attention_rate * 1e9))
+        d_ms, v_ms = per_block(diffusers_times), per_block(fast_times)
+        row = {
+            "name": shape,
+            "N": rows,
+            "blocks": blocks,
+            "diffusers_ms_per_block": round(d_ms, 3),
+            "vflash_ms_per_block": round(v_ms, 3),
+            "vflash_cudnn_ms_per_block": round(per_block(cudnn_times), 3),
+            "speedup": round(d_ms / v_ms, 4),
+            "roofline_ms_per_block": round(roofline, 3),
+            "roofline_ratio": round(v_ms / roofline, 4),
+            "attention_backend": backend,
+            "attention_tflops": round(attention_rate, 1),
+            "gemm_tflops": round(gemm, 1),
+            "bitwise_equal_to_diffusers": bitwise,
+            "bitwise_compared_with": "torch-cudnn on both sides",
+            "cudnn_max_abs_diff": cudnn_max_abs,
+            "max_abs_diff": max_abs,
+        }
+        print(row)
+        results.append(row)
+        del state, cudnn_state, inputs, expected, fast_out, cudnn_out
+        gc.collect()
+        torch.cuda.empty_cache()
+    return {**environment(), "profile": PROFILE, "shapes": results}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--blocks", type=int, default=4)
+    parser.add_argument("--cache", type=Path, default=Path("/tmp/vflash-bench"))
+    parser.add_argument("--shapes", nargs="+", default=["960x544", "1344x768"])
+    args = parser.parse_args()
+    write_result("forward_h200", run(args.blocks, args.cache, args.shapes))
+
+
+if __name__ == "__main__":
+    main()

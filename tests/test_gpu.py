@@ -1,0 +1,113 @@
+"""GPU tests (`pytest -m gpu`, `pytest -m multigpu`; skipped without CUDA): the fused path, the block ring and the
+GPU group on a real device, against the PyTorch reference path on the same device, bit for bit.
+
+The tiny model is compiled for the SM90 profile on the GPU itself (schedule tables are computed where they run).
+Full-width parity of each kernel is in test_kernels.py; full-width parity with diffusers is measured by
+benchmarks/forward.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from conftest import assert_bitwise, compile_tiny
+from test_schedule_layout_bundle import _bundle
+from vflash_core import NativeEngineSession
+from vflash_core import parallel as P
+
+PROFILE = "t2va-base16-bf16-sm90"
+
+
+@pytest.fixture(scope="module")
+def gpu_compiled(tmp_path_factory, tiny_transformer):
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability(0) != (9, 0):
+        pytest.skip("needs an SM90 GPU for the sm90 profile")
+    return compile_tiny(tmp_path_factory.mktemp("gpu"), tiny_transformer, PROFILE, device="cuda:0")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["torch-cudnn", "auto"])
+def test_fused_trajectory_equals_reference_on_gpu(gpu_compiled, attention):
+    with NativeEngineSession(PROFILE, **gpu_compiled, device="cuda:0", execution="reference", attention_backend=attention) as ref:
+        expected = ref.generate(_bundle(1))
+    with NativeEngineSession(PROFILE, **gpu_compiled, device="cuda:0", execution="fused", attention_backend=attention) as fused:
+        got = fused.generate(_bundle(1), profile_denoise=True)
+    assert got.metadata["execution"] == "fused"
+    assert_bitwise(got.video_latents, expected.video_latents, f"video latents ({got.metadata['attention_backend']})")
+    assert_bitwise(got.audio_latents, expected.audio_latents, "audio latents")
+    assert len(got.denoise_profile["evaluations"]) == 16 and got.denoise_profile["total_ms"]["attention"] > 0
+
+
+@pytest.mark.gpu
+def test_block_ring_equals_resident_and_holds_memory_flat(gpu_compiled):
+    with NativeEngineSession(PROFILE, **gpu_compiled, device="cuda:0", weight_residency="resident") as resident:
+        expected = resident.generate(_bundle(2))
+    with NativeEngineSession(PROFILE, **gpu_compiled, device="cuda:0", weight_residency="block-ring") as ring:
+        first = ring.generate(_bundle(2), profile_denoise=True)
+        baseline = torch.cuda.memory_allocated(0)
+        for _ in range(20):
+            got = ring.generate(_bundle(2))
+        assert torch.cuda.memory_allocated(0) == baseline, "device memory grows across requests"
+        assert first.denoise_profile["h2d_copy_ms"] > 0
+        assert first.metadata["memory"]["pinned_host_bytes"] > 0 and first.metadata["memory"]["blocks_on_device"] == 2
+
+        class Interrupt(BaseException):
+            pass
+
+        def stop(done, total):
+            raise Interrupt()
+
+        with pytest.raises(Interrupt):
+            ring.generate(_bundle(2), progress=stop)
+        after = ring.generate(_bundle(2))
+    for result in (first, got, after):
+        assert_bitwise(result.video_latents, expected.video_latents, "block ring vs resident")
+        assert_bitwise(result.audio_latents, expected.audio_latents, "block ring vs resident audio")
+
+
+@pytest.mark.gpu
+def test_explicit_unavailable_backend_is_an_error(gpu_compiled):
+    from vflash_core.errors import VflashError
+
+    with pytest.raises(VflashError, match="unknown attention backend"):
+        NativeEngineSession(PROFILE, **gpu_compiled, device="cuda:0", attention_backend="sage")
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("residency", ["resident", "block-ring"])
+def test_sequence_head_on_two_gpus(gpu_compiled, residency):
+    with NativeEngineSession(PROFILE, **gpu_compiled, device="cuda:0") as single:
+        expected = single.generate(_bundle(3))
+    with NativeEngineSession(PROFILE, **gpu_compiled, device="cuda:0", peer_device=1, strategy="sequence-head", weight_residency=residency) as group:
+        got = group.generate(_bundle(3), progress=lambda done, total: None)
+        again = group.generate(_bundle(3))
+    assert_bitwise(got.video_latents, again.video_latents, "repeatable")
+    diff = (got.video_latents - expected.video_latents).abs().max().item()
+    print(f"sequence-head vs single GPU ({residency}): max abs diff {diff:.3e}")
+    assert diff < 1e-1
+
+
+@pytest.mark.multigpu
+def test_fault_on_rank_one_ends_within_seconds(gpu_compiled, monkeypatch):
+    session = NativeEngineSession(PROFILE, **gpu_compiled, device="cuda:0", peer_device=1, strategy="sequence-head", collective_timeout_seconds=30)
+    original = P.SequenceHeadAttention.__call__
+    calls = []
+
+    def faulty(self, q, k, v):
+        if self.rank == 1:
+            calls.append(1)
+            if len(calls) == 5:
+                raise RuntimeError("injected fault on rank 1")
+        return original(self, q, k, v)
+
+    monkeypatch.setattr(P.SequenceHeadAttention, "__call__", faulty)
+    start = time.perf_counter()
+    with pytest.raises(P.RankFailure, match="injected fault on rank 1"):
+        session.generate(_bundle(2))
+    elapsed = time.perf_counter() - start
+    assert elapsed < 20, f"took {elapsed:.1f} s"
+    assert not [t for t in threading.enumerate() if t.name.startswith("vflash-rank")]
+    session.close()
