@@ -47,11 +47,11 @@ def tiny_transformer(tmp_path_factory, tiny_weights) -> Path:
     return synthetic.write_diffusers_transformer(tmp_path_factory.mktemp("tiny") / "transformer", TINY, tiny_weights, max_shard_bytes=40_000)
 
 
-def compile_tiny(tmp: Path, transformer: Path, profile: Profile | str, adapter: Path | None = None, qkv_layout: str | None = None) -> dict[str, Path]:
+def compile_tiny(tmp: Path, transformer: Path, profile: Profile | str, adapter: Path | None = None, qkv_layout: str | None = None, device: str = "cpu") -> dict[str, Path]:
     """prepare + compile into `tmp`; returns the three paths a session takes."""
     receipt = tmp / "receipt.json"
     prepare(profile, transformer, receipt, adapter, qkv_layout)
-    out = compile_receipt(receipt, tmp / "compiled")
+    out = compile_receipt(receipt, tmp / "compiled", device)
     return {"artifact": out / "artifact", "schedule_overlay": out / "schedule", "auxiliary": out / "auxiliary.safetensors"}
 
 
