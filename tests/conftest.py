@@ -106,3 +106,42 @@ def assert_bitwise(actual: torch.Tensor, expected: torch.Tensor, what: str = "")
     diff = (actual.double() - expected.double()).abs()
     first = tuple(int(i) for i in (~same).nonzero()[0])
     raise AssertionError(f"{what}: {int((~same).sum())}/{same.numel()} elements differ, max abs diff {diff.max().item():.3e}, first at {first}")
+
+
+# -- the complete pipeline: one random-weight model family in the official layout, compiled and prepared -------------
+
+
+@pytest.fixture(scope="session")
+def h3_family(tmp_path_factory) -> Path:
+    """The embedded demo's family (Qwen3-VL with 52 layers, both VAEs, both transformer partitions), built once."""
+    from vflash_core.family import DEMO_FAMILY, build_model_family
+
+    return build_model_family(tmp_path_factory.mktemp("family") / "model", DEMO_FAMILY, seed=0, with_ref=True)
+
+
+def prepare_family(tmp: Path, family: Path, profile: str, partition: str) -> Path:
+    """Compile one transformer partition of `family` for `profile`, write the six-field assets file, prepare."""
+    import json
+
+    from vflash_core.pipeline import prepare_pipeline
+
+    compiled = compile_tiny(tmp, family / partition, profile)
+    assets = {
+        "model_root": str(family), "decoder_root": str(family), "adapter_path": None, "artifact": str(compiled["artifact"]),
+        "schedule_overlay": str(compiled["schedule_overlay"]), "auxiliary_tensor": str(compiled["auxiliary"]),
+    }
+    (tmp / "assets.json").write_text(json.dumps(assets))
+    prepare_pipeline(profile, tmp / "assets.json", tmp / "pipeline.json")
+    return tmp / "pipeline.json"
+
+
+@pytest.fixture(scope="session")
+def h3_prepared(tmp_path_factory, h3_family) -> Path:
+    """Prepared-assets receipt of the family's `transformer/` for t2va / i2va / l2va / fl2va (4 NFE, CPU)."""
+    return prepare_family(tmp_path_factory.mktemp("prepared4"), h3_family, "t2va-base4-exact-cpu", "transformer")
+
+
+@pytest.fixture(scope="session")
+def h3_prepared_ref(tmp_path_factory, h3_family) -> Path:
+    """Prepared-assets receipt of the family's `transformer_ref/` for ref2va (4 NFE, CPU)."""
+    return prepare_family(tmp_path_factory.mktemp("prepared_ref4"), h3_family, "ref2va-base4-exact-cpu", "transformer_ref")

@@ -371,11 +371,11 @@ def build_request_bundle(
     conditions: list[torch.Tensor] = []
     if keyframes or references:
         with vaes.on_device():
-            conditions = [vaes.encode_pixels(np.asarray(k)[None]) for k in keyframes]
+            conditions = [vaes.encode_pixels(np.array(k)[None]) for k in keyframes]
             for ref in references:
                 latents = rows = None
                 if ref.kind == "image":
-                    latents = vaes.encode_pixels(np.asarray(ref.image)[None])
+                    latents = vaes.encode_pixels(np.array(ref.image)[None])
                 elif ref.kind == "video":
                     # Snapped down to 17 n + 5 frames so the VAE encodes without padding (the reference's arithmetic).
                     n = max(1, (ref.frames.shape[0] - VAE_LATENTS_PER_CHUNK) // VAE_FRAMES_PER_CHUNK)

@@ -1,0 +1,173 @@
+"""The complete pipeline equals diffusers 0.42.1's `MiniMaxH3` modular pipeline on the same model family, bit for bit.
+
+Both sides load the same random-weight family from its official folder layout (diffusers through
+`ModularPipeline.from_pretrained`). For t2va, i2va, fl2va and a ref2va request with an image and an audio reference,
+the Vflash bundle (text embeddings and row tags, the packed layout, the noised conditioning and the drawn noise), the
+final latents, the decoded frames and the waveform all equal the reference's.
+
+The reference's `Qwen3VLProcessor` cannot be constructed without torchvision (its video processor needs it), which is
+not installable next to this CPU torch build; here it is the official class minus its video processor, so every call
+the reference makes (`image_processor`, `create_mm_token_type_ids`) runs the official code.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from conftest import assert_bitwise
+from vflash_core.pipeline import H3Pipeline, VideoRequest
+
+FRAMES = 124
+
+
+def _processor(root):
+    from transformers import AutoImageProcessor, Qwen2TokenizerFast, Qwen3VLProcessor
+    from transformers.utils import is_torchvision_available
+
+    if is_torchvision_available():
+        return Qwen3VLProcessor.from_pretrained(root / "processor")
+
+    class ImageOnlyQwen3VLProcessor(Qwen3VLProcessor):
+        @classmethod
+        def get_attributes(cls):
+            return ["image_processor", "tokenizer"]
+
+    return ImageOnlyQwen3VLProcessor(AutoImageProcessor.from_pretrained(root / "processor"), Qwen2TokenizerFast.from_pretrained(root / "tokenizer"))
+
+
+@pytest.fixture(scope="module")
+def reference(h3_family):
+    """diffusers' MiniMaxH3 modular pipeline over the family, in the dtypes the native side uses on the CPU."""
+    from diffusers import ModularPipeline
+
+    pipe = ModularPipeline.from_pretrained(str(h3_family))
+    pipe.load_components(names=["transformer", "transformer_ref"], torch_dtype=torch.bfloat16)
+    pipe.load_components(names=["text_encoder", "vae", "audio_vae", "tokenizer", "scheduler", "audio_scheduler"], torch_dtype=torch.float32)
+    pipe.update_components(processor=_processor(h3_family))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def native(h3_prepared):
+    with H3Pipeline.from_prepared(h3_prepared) as pipeline:
+        yield pipeline
+
+
+@pytest.fixture(scope="module")
+def native_ref(h3_prepared_ref):
+    with H3Pipeline.from_prepared(h3_prepared_ref) as pipeline:
+        yield pipeline
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory):
+    """A keyframe, a last frame of another aspect (cover-cropped), an image reference and a 32 kHz stereo WAV."""
+    import av
+
+    folder = tmp_path_factory.mktemp("media")
+    g = np.random.default_rng(0)
+
+    def image(name: str, width: int, height: int) -> str:
+        x = np.linspace(0, 255, width)[None, :, None]
+        y = np.linspace(0, 255, height)[:, None, None]
+        pixels = np.clip(np.concatenate([x + 0 * y, y + 0 * x, (x + y) / 2], axis=2) + g.normal(0, 20, (height, width, 3)), 0, 255)
+        Image.fromarray(pixels.astype(np.uint8)).save(folder / name)
+        return str(folder / name)
+
+    wav = folder / "voice.wav"
+    t = np.arange(2 * 32000) / 32000
+    pcm = (np.stack([np.sin(2 * np.pi * 330 * t), 0.5 * np.sin(2 * np.pi * 550 * t)]) * 12000).astype(np.int16)
+    with av.open(str(wav), "w") as container:
+        stream = container.add_stream("pcm_s16le", rate=32000)
+        stream.layout = "stereo"
+        frame = av.AudioFrame.from_ndarray(pcm.T.reshape(1, -1).copy(), format="s16", layout="stereo")
+        frame.sample_rate = 32000
+        container.mux(stream.encode(frame))
+        container.mux(stream.encode(None))
+    return {"first": image("first.png", 120, 80), "last": image("last.png", 80, 80), "picture": image("picture.png", 90, 60), "voice": str(wav)}
+
+
+def _reference_run(reference, request: VideoRequest, nfe: int, height: int, width: int) -> dict:
+    """The whole reference pipeline, plus its noise: the condition and target draws replayed by its own blocks."""
+    from diffusers.modular_pipelines import PipelineState
+    from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3AudioReference, MiniMaxH3ImageReference, MiniMaxH3VideoReference
+    from diffusers.modular_pipelines.minimax_h3.before_denoise import (
+        MiniMaxH3FL2VAPrepareLatentsStep, MiniMaxH3PrepareConditionLatentsStep, MiniMaxH3PrepareLatentsStep, MiniMaxH3Ref2VAPrepareLatentsStep,
+    )
+    from diffusers.utils import load_image
+
+    kwargs = dict(prompt=request.prompt, num_inference_steps=nfe + 1, generator=torch.Generator().manual_seed(request.seed), height=height, width=width, num_frames=FRAMES, output_type="pt")
+    if request.first_frame is not None:
+        kwargs["image"] = load_image(request.first_frame)
+    if request.last_frame is not None:
+        kwargs["last_image"] = load_image(request.last_frame)
+    if request.references:
+        readers = {".png": MiniMaxH3ImageReference, ".wav": MiniMaxH3AudioReference, ".mp4": MiniMaxH3VideoReference}
+        kwargs["references"] = [readers[r[-4:]].from_file(r) for r in request.references]
+    names = ["prompt_embeds", "text_token_tags", "position_ids", "token_tags", "video_indices", "audio_indices", "text_indices", "condition_latents", "audio_condition_latents", "num_condition_video_rows", "num_condition_audio_rows", "num_latent_frames", "latent_height", "latent_width", "num_audio_latents", "latents", "audio_latents", "videos", "audio"]
+    out = reference(**kwargs, output=names)
+    out = dict(zip(names, out)) if isinstance(out, (list, tuple)) else {n: out[n] for n in names}
+
+    # The reference's own noise blocks, run on its components with a fresh generator of the request's seed.
+    state = PipelineState()
+    for name in ("num_latent_frames", "latent_height", "latent_width", "num_audio_latents", "condition_latents", "audio_condition_latents", "num_condition_video_rows", "num_condition_audio_rows"):
+        state.set(name, out[name])
+    state.set("generator", torch.Generator().manual_seed(request.seed))
+    steps = [MiniMaxH3PrepareLatentsStep()]
+    if out["condition_latents"]:
+        prepend = MiniMaxH3Ref2VAPrepareLatentsStep() if request.references else MiniMaxH3FL2VAPrepareLatentsStep()
+        steps = [MiniMaxH3PrepareConditionLatentsStep(), *steps, prepend]
+    for step in steps:
+        step(reference, state)
+    out["initial_video_rows"], out["initial_audio_rows"] = state.get("latents"), state.get("audio_latents")
+    return out
+
+
+def _check(native, reference, request: VideoRequest, height: int, width: int) -> None:
+    expected = _reference_run(reference, request, native.profile.nfe, height, width)
+    bundle = native.encode(request).consume()
+    assert bundle.mode == request.mode
+    vision_rows = int((bundle.layout.token_tags[: bundle.layout.text_indices.numel()] == 0).sum())
+    assert (vision_rows > 0) == (request.mode != "t2va")  # keyframes and image references reach Qwen as vision blocks
+    assert (bundle.geometry.height, bundle.geometry.width, bundle.geometry.num_frames) == (height, width, FRAMES)
+    assert_bitwise(bundle.prompt_embeds, expected["prompt_embeds"][0], "prompt embeddings")
+    assert_bitwise(bundle.layout.token_tags[: bundle.layout.text_indices.numel()], expected["text_token_tags"], "text row tags")
+    for name in ("position_ids", "token_tags", "video_indices", "audio_indices", "text_indices"):
+        assert_bitwise(getattr(bundle.layout, name), expected[name], name)
+    assert_bitwise(bundle.video_rows, expected["initial_video_rows"], "initial video rows (noised conditions + noise)")
+    assert_bitwise(bundle.audio_rows, expected["initial_audio_rows"], "initial audio rows (references + noise)")
+
+    generation = native.denoise(bundle)
+    assert_bitwise(generation.video_latents, expected["latents"], "final video latents")
+    assert_bitwise(generation.audio_latents, expected["audio_latents"], "final audio latents")
+    decoded = native.decode(generation.video_latents, generation.audio_latents)
+    assert_bitwise(decoded.frames, expected["videos"][0].permute(0, 2, 3, 1), "decoded frames")
+    assert_bitwise(decoded.waveform, expected["audio"][0], "decoded waveform")
+
+
+def test_t2va_matches_diffusers(native, reference):
+    # 320 px wide: the video VAE decodes two blended tiles.
+    _check(native, reference, VideoRequest("A robot dances in the rain.", seed=3, width=320, height=96), 96, 320)
+
+
+def test_i2va_matches_diffusers_on_the_keyframes_canvas(native, reference, media):
+    # No size given: the canvas follows the keyframe's 3:2 aspect under the family's 256 short edge.
+    _check(native, reference, VideoRequest("<Picture 1>: a cat jumps onto the table.", first_frame=media["first"], seed=5), 256, 384)
+
+
+def test_fl2va_matches_diffusers(native, reference, media):
+    request = VideoRequest("From <Picture 1> to <Picture 2>, slow motion.", first_frame=media["first"], last_frame=media["last"], seed=7, width=96, height=64)
+    _check(native, reference, request, 64, 96)
+
+
+def test_ref2va_with_image_and_audio_references_matches_diffusers(native_ref, reference, media):
+    request = VideoRequest("<Picture 1> sings <Audio 1> on a stage.", references=(media["picture"], media["voice"]), seed=11, width=96, height=64)
+    _check(native_ref, reference, request, 64, 96)
+    bundle = native_ref.encode(request).consume()
+    # The 2 s soundtrack is 80 latents per channel; the 90x60 picture is encoded at the family's 128 px short edge.
+    assert bundle.layout.num_condition_audio_rows == 160
+    assert bundle.layout.num_condition_video_rows == (192 // 32) * (128 // 32)
