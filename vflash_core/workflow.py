@@ -240,3 +240,266 @@ def execute(
         report.outputs[nid] = result
         report.seconds[nid] = time.perf_counter() - start
     return report
+
+
+# -- headless: the host, the node table, the run -------------------------------------------------------------------
+
+
+class NestedPair:
+    """The headless stand-in of ComfyUI's `NestedTensor` for H3 AV latents: `.tensors` (video, audio), `.is_nested`."""
+
+    is_nested = True
+
+    def __init__(self, tensors):
+        self.tensors = list(tensors)
+
+    @property
+    def shape(self):
+        return self.tensors[0].shape
+
+
+@dataclass
+class HeadlessVideo:
+    """VIDEO headless: frames (F, H, W, 3) in [0, 1], AUDIO dict or None, frames per second."""
+
+    images: Any
+    audio: dict | None
+    fps: float
+
+    def get_dimensions(self) -> tuple[int, int]:
+        return int(self.images.shape[2]), int(self.images.shape[1])
+
+
+class _Bar:
+    def __init__(self, total: int):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, leave=False)
+
+    def update(self, done: int, total: int | None = None) -> None:
+        if total is not None and total != self.bar.total:
+            self.bar.total = total
+        self.bar.n = done
+        self.bar.refresh()
+        if done >= self.bar.total:
+            self.bar.close()
+
+
+class HeadlessHost:
+    """`node_ops.Host` without ComfyUI: tqdm bars, Ctrl-C as the interrupt, the first CUDA device if any."""
+
+    nested = NestedPair
+
+    def progress(self, total: int) -> _Bar:
+        return _Bar(total)
+
+    def check_interrupt(self) -> None:
+        """Nothing to poll: Ctrl-C raises KeyboardInterrupt, which the session treats as an abort."""
+
+    def free_memory(self) -> None:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def default_device(self) -> str:
+        import torch
+
+        return "cuda:0" if torch.cuda.is_available() else "cpu"
+
+    def make_video(self, images, audio, fps: float) -> HeadlessVideo:
+        return HeadlessVideo(images, audio, fps)
+
+    def log(self, line: str) -> None:
+        logger.info(line)
+
+
+class HeadlessFolders:
+    """`node_ops.Folders` over a ComfyUI-style models folder (or none)."""
+
+    _KEYS = {"vflash": ("vflash",), "diffusers": ("diffusers",), "diffusion_models": ("diffusion_models", "unet"), "loras": ("loras",)}
+
+    def __init__(self, models_dir: str | Path | None):
+        self.root = None if models_dir is None else Path(models_dir)
+
+    def folders(self, key: str) -> list[str]:
+        if self.root is None or key not in self._KEYS:
+            return []
+        return [str(self.root / sub) for sub in self._KEYS[key]]
+
+    def filenames(self, key: str) -> list[str]:
+        out = set()
+        for base in map(Path, self.folders(key)):
+            if base.is_dir():
+                out.update(p.relative_to(base).as_posix() for p in base.rglob("*") if p.is_file())
+        return sorted(out)
+
+    def full_path(self, key: str, name: str) -> str | None:
+        for base in map(Path, self.folders(key)):
+            candidate = base / name
+            if candidate.exists() and base.resolve() in candidate.resolve().parents:
+                return str(candidate)
+        return None
+
+
+def _save_path(output_dir: Path, prefix: str) -> Path:
+    """ComfyUI's naming: `<output>/<prefix>_00001_.mp4`, counting up, never leaving the output folder."""
+    target = (output_dir / prefix).resolve()
+    if output_dir.resolve() not in target.parents:
+        raise WorkflowError(f"filename_prefix {prefix!r} points outside the output folder {output_dir}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    counter = 1
+    for existing in target.parent.glob(f"{target.name}_*_.mp4"):
+        digits = existing.name[len(target.name) + 1 :].split("_")[0]
+        if digits.isdigit():
+            counter = max(counter, int(digits) + 1)
+    return target.parent / f"{target.name}_{counter:05}_.mp4"
+
+
+def _core_node_types(host: HeadlessHost, output_dir: Path, input_dir: Path) -> dict[str, NodeType]:
+    """Stand-ins for the core nodes the example workflows use, with core's input names and outputs."""
+    from . import comfy_latent as cl
+
+    def empty_latent(width: int, height: int, length: int) -> tuple:
+        latents = cl.empty_latents(cl.core_length_geometry(width, height, length))
+        return (cl.to_comfy_latent(latents.video, latents.audio, host.nested),)
+
+    def create_video(images, fps: float, audio=None, bit_depth: int = 8) -> tuple:
+        if bit_depth != 8:
+            raise WorkflowError(f"CreateVideo: the headless runner writes 8-bit video, got bit_depth {bit_depth}")
+        return (HeadlessVideo(images, audio, float(fps)),)
+
+    def save_video(video, filename_prefix: str, format: Any = "auto") -> tuple:
+        from .media import write_mp4
+
+        container = format.get("format", "auto") if isinstance(format, dict) else format
+        codec = format.get("codec", "auto") if isinstance(format, dict) else "auto"
+        codec = codec.get("codec", "auto") if isinstance(codec, dict) else codec
+        if container not in ("auto", "mp4") or codec not in ("auto", "h264"):
+            raise WorkflowError(f"SaveVideo: the headless runner writes mp4/h264 (got format {container!r}, codec {codec!r})")
+        if not isinstance(video, HeadlessVideo):
+            raise WorkflowError(f"SaveVideo: expected a VIDEO, got {type(video).__name__}")
+        if video.audio is None:
+            raise WorkflowError("SaveVideo: the headless runner writes video with its soundtrack; the VIDEO has no audio")
+        if float(video.fps) != int(video.fps):
+            raise WorkflowError(f"SaveVideo: the headless runner writes whole frame rates, got {video.fps}")
+        path = _save_path(output_dir, filename_prefix)
+        waveform = video.audio["waveform"][0]
+        write_mp4(path, video.images, waveform, int(video.audio["sample_rate"]), int(video.fps))
+        return (video,)
+
+    def load_image(image: str, upload: str | None = None) -> tuple:
+        import numpy as np
+        import torch
+        from PIL import Image, ImageOps
+
+        path = input_dir / image
+        if not path.is_file():
+            raise WorkflowError(f"LoadImage: {path} does not exist (set --input-dir)")
+        with Image.open(path) as img:
+            rgb = np.asarray(ImageOps.exif_transpose(img).convert("RGB"), dtype=np.float32) / 255.0
+        tensor = torch.from_numpy(rgb)[None]
+        return tensor, torch.zeros(tensor.shape[:3])
+
+    def load_audio(audio: str, upload: str | None = None) -> tuple:
+        import av
+        import numpy as np
+        import torch
+
+        path = input_dir / audio
+        if not path.is_file():
+            raise WorkflowError(f"LoadAudio: {path} does not exist (set --input-dir)")
+        with av.open(str(path)) as container:
+            stream = container.streams.audio[0]
+            resampler = av.AudioResampler(format="fltp", layout="stereo" if stream.channels > 1 else "mono", rate=stream.rate)
+            chunks = [f.to_ndarray() for frame in container.decode(stream) for f in resampler.resample(frame)]
+            rate = stream.rate
+        return ({"waveform": torch.from_numpy(np.concatenate(chunks, axis=1).astype(np.float32))[None], "sample_rate": int(rate)},)
+
+    return {
+        "EmptyMiniMaxH3LatentAV": NodeType("EmptyMiniMaxH3LatentAV", {"width": "INT", "height": "INT", "length": "INT"}, frozenset({"width", "height", "length"}), ("LATENT",), empty_latent),
+        "CreateVideo": NodeType("CreateVideo", {"images": "IMAGE", "fps": "FLOAT", "audio": "AUDIO", "bit_depth": "INT"}, frozenset({"images", "fps"}), ("VIDEO",), create_video),
+        "SaveVideo": NodeType("SaveVideo", {"video": "VIDEO", "filename_prefix": "STRING", "format": "COMBO", "format.codec": "COMBO"}, frozenset({"video", "filename_prefix", "format"}), ("VIDEO",), save_video, output_node=True),
+        "LoadImage": NodeType("LoadImage", {"image": "COMBO", "upload": "COMBO"}, frozenset({"image"}), ("IMAGE", "MASK"), load_image),
+        "LoadAudio": NodeType("LoadAudio", {"audio": "COMBO", "upload": "COMBO"}, frozenset({"audio"}), ("AUDIO",), load_audio),
+    }
+
+
+# Input and output types of the Vflash nodes; `tests/test_nodes.py` checks them against the nodes' V3 schemas.
+_GEOMETRY = {"width": "INT", "height": "INT", "length": "INT", "seconds": "FLOAT"}
+_REFS = {
+    **{f"ref_images.ref_image_{i}": "IMAGE" for i in range(9)},
+    **{f"ref_videos.ref_video_{i}": "IMAGE" for i in range(3)},
+    **{f"ref_audios.ref_audio_{i}": "AUDIO" for i in range(3)},
+}
+VFLASH_SIGNATURES: dict[str, tuple[dict[str, str], frozenset[str], tuple[str, ...], bool]] = {
+    # class_type: (inputs, optional inputs, outputs, output node)
+    "VflashModelLoader": (
+        {"model": "COMBO", "profile": "COMBO", "weight_residency": "COMBO", "device": "COMBO", "peer_device": "COMBO", "strategy": "COMBO", "attention_backend": "COMBO", "lora": "VFLASH_LORA"},
+        frozenset({"lora"}), ("VFLASH_MODEL",), False,
+    ),
+    "VflashLoraSelect": ({"lora": "COMBO", "strength": "FLOAT", "prev": "VFLASH_LORA"}, frozenset({"prev"}), ("VFLASH_LORA",), False),
+    "VflashTextEncoderLoader": ({"encoder": "COMBO", "device": "COMBO"}, frozenset(), ("VFLASH_TE",), False),
+    "VflashVAELoader": ({"vae": "COMBO", "device": "COMBO"}, frozenset(), ("VFLASH_VAE",), False),
+    "VflashEncode": (
+        {"te": "VFLASH_TE", "vae": "VFLASH_VAE", "prompt": "STRING", **_GEOMETRY, "first_frame": "IMAGE", "last_frame": "IMAGE", **_REFS, "force_offload": "BOOLEAN"},
+        frozenset({"first_frame", "last_frame", *_REFS}), ("VFLASH_COND", "LATENT", "INT"), False,
+    ),
+    "VflashSampler": (
+        {"model": "VFLASH_MODEL", "cond": "VFLASH_COND", "latent": "LATENT", "seed": "INT", "force_offload": "BOOLEAN", "profile_denoise": "BOOLEAN"},
+        frozenset(), ("LATENT",), False,
+    ),
+    "VflashDecode": ({"vae": "VFLASH_VAE", "latent": "LATENT"}, frozenset(), ("IMAGE", "AUDIO", "VIDEO"), False),
+    "VflashGenerate": (
+        {"model": "VFLASH_MODEL", "te": "VFLASH_TE", "vae": "VFLASH_VAE", "prompt": "STRING", **_GEOMETRY, "seed": "INT", "first_frame": "IMAGE", "last_frame": "IMAGE", "force_offload": "BOOLEAN"},
+        frozenset({"first_frame", "last_frame"}), ("VIDEO", "IMAGE", "AUDIO"), False,
+    ),
+    "VflashUnload": ({"anything": "*", "what": "COMBO"}, frozenset(), ("*",), True),
+}
+
+
+def _vflash_node_types(registry, host, folders) -> dict[str, NodeType]:
+    from . import node_ops as ops
+
+    runs: dict[str, Callable[..., tuple]] = {
+        "VflashModelLoader": lambda **kw: (ops.load_model(registry, host, folders, **kw),),
+        "VflashLoraSelect": lambda **kw: (ops.select_lora(folders, **kw),),
+        "VflashTextEncoderLoader": lambda **kw: (ops.load_text_encoder(registry, host, folders, **kw),),
+        "VflashVAELoader": lambda **kw: (ops.load_vae(registry, host, folders, **kw),),
+        "VflashEncode": lambda **kw: ops.encode(registry, host, **kw),
+        "VflashSampler": lambda **kw: (ops.sample(registry, host, **kw),),
+        "VflashDecode": lambda **kw: ops.decode(registry, host, **kw),
+        "VflashGenerate": lambda **kw: ops.generate(registry, host, **kw),
+        "VflashUnload": lambda **kw: (ops.unload(registry, host, **kw),),
+    }
+    return {
+        name: NodeType(name, inputs, frozenset(inputs) - optional, outputs, runs[name], output_node)
+        for name, (inputs, optional, outputs, output_node) in VFLASH_SIGNATURES.items()
+    }
+
+
+def headless_node_types(registry=None, host: HeadlessHost | None = None, folders: HeadlessFolders | None = None,
+                        output_dir: str | Path = "output", input_dir: str | Path = "input") -> dict[str, NodeType]:
+    """The node table of `vflash run-workflow`: every Vflash node plus the core stand-ins."""
+    from .node_ops import EngineRegistry
+
+    registry = registry if registry is not None else EngineRegistry()
+    host = host or HeadlessHost()
+    folders = folders or HeadlessFolders(None)
+    return {**_core_node_types(host, Path(output_dir), Path(input_dir)), **_vflash_node_types(registry, host, folders)}
+
+
+def run_headless(workflow: Mapping[str, Mapping[str, Any]], output_dir: str | Path = "output", input_dir: str | Path = "input",
+                 models_dir: str | Path | None = None) -> list[Path]:
+    """Run an API workflow without ComfyUI; returns the files its SaveVideo nodes wrote. Engines are closed after."""
+    from .node_ops import EngineRegistry
+
+    output_dir = Path(output_dir)
+    registry = EngineRegistry()
+    types = headless_node_types(registry, HeadlessHost(), HeadlessFolders(models_dir), output_dir, input_dir)
+    before = set(output_dir.rglob("*.mp4")) if output_dir.is_dir() else set()
+    try:
+        execute(workflow, types, on_node=lambda nid, class_type: logger.info("node %s %s", nid, class_type))
+    finally:
+        registry.close()
+    return sorted(set(output_dir.rglob("*.mp4")) - before)

@@ -1,0 +1,183 @@
+"""Encode, sample, decode and the all-in-one generate node: widget conversion, one `node_ops` call, wrapping."""
+
+from __future__ import annotations
+
+from comfy_api.latest import io
+
+from vflash_core import node_ops as ops
+
+from .host import HOST
+from .registry import ENGINES
+from .types import VflashCond, VflashModel, VflashTextEncoder, VflashVAE
+
+_WIDTH_TOOLTIP = "Canvas width in pixels: a multiple of 32, aspect ratio within 1:4..4:1 (768x1344 area cap for the released model)."
+_HEIGHT_TOOLTIP = "Canvas height in pixels: a multiple of 32, aspect ratio within 1:4..4:1."
+_LENGTH_TOOLTIP = (
+    "Frames at 24 fps, snapped UP to the video VAE's 17 n + 5 grid (124 = 5.17 s); the profile bounds the duration "
+    "(5-15 s for the base profiles, ~5 s for turbo ones). The actual count is returned as 'frames'."
+)
+_SECONDS_TOOLTIP = "When > 0, overrides length: seconds * 24 frames, snapped up to 17 n + 5 (must land in 5-15 s)."
+_SEED_TOOLTIP = "Seed of the one CPU generator that draws the keyframe noise, then the video noise, then the audio noise."
+
+
+def _geometry_inputs():
+    return [
+        io.Int.Input("width", default=1344, min=32, max=4096, step=32, tooltip=_WIDTH_TOOLTIP),
+        io.Int.Input("height", default=768, min=32, max=4096, step=32, tooltip=_HEIGHT_TOOLTIP),
+        io.Int.Input("length", default=124, min=5, max=3600, step=17, tooltip=_LENGTH_TOOLTIP),
+        io.Float.Input("seconds", default=0.0, min=0.0, max=60.0, step=0.1, tooltip=_SECONDS_TOOLTIP),
+    ]
+
+
+class VflashEncode(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="VflashEncode",
+            display_name="Vflash Prompt / Frames / References",
+            category="Vflash/conditioning",
+            description=(
+                "Encodes a request: t2va (prompt only), i2va / l2va / fl2va (first and/or last frame), or ref2va "
+                "(reference images, videos, audio; refer to them in the prompt as <Picture i>, <Video k>, <Audio j>). "
+                "Keyframes and references cannot be mixed. Also returns the empty AV latent of the canvas."
+            ),
+            inputs=[
+                VflashTextEncoder.Input("te"),
+                VflashVAE.Input("vae"),
+                io.String.Input("prompt", multiline=True, dynamic_prompts=True, tooltip="What happens and what it sounds like."),
+                *_geometry_inputs(),
+                io.Image.Input("first_frame", optional=True, tooltip="Keyframe at frame 0 (stretched to the canvas)."),
+                io.Image.Input("last_frame", optional=True, tooltip="Keyframe at the last frame (aspect-preserving cover crop)."),
+                io.Autogrow.Input(
+                    "ref_images", optional=True,
+                    template=io.Autogrow.TemplatePrefix(input=io.Image.Input("ref_image", tooltip="Reference image <Picture i> (ref2va profiles)."), prefix="ref_image_", min=0, max=9),
+                ),
+                io.Autogrow.Input(
+                    "ref_videos", optional=True,
+                    template=io.Autogrow.TemplatePrefix(input=io.Image.Input("ref_video", tooltip="Reference clip <Video k>: frames at 24 fps, cut to 17 n + 5 frames."), prefix="ref_video_", min=0, max=3),
+                ),
+                io.Autogrow.Input(
+                    "ref_audios", optional=True,
+                    template=io.Autogrow.TemplatePrefix(input=io.Audio.Input("ref_audio", tooltip="Reference audio <Audio j>, resampled to 32 kHz stereo."), prefix="ref_audio_", min=0, max=3),
+                ),
+                io.Boolean.Input("force_offload", default=True, tooltip="Release the text encoder after encoding (it is reloaded when the prompt changes)."),
+            ],
+            outputs=[
+                VflashCond.Output("cond"),
+                io.Latent.Output("latent", tooltip="Empty H3 AV latent of the canvas (the layout of core's EmptyMiniMaxH3LatentAV)."),
+                io.Int.Output("frames", tooltip="The actual frame count after snapping."),
+            ],
+        )
+
+    @classmethod
+    def execute(cls, te, vae, prompt, width, height, length, seconds, first_frame=None, last_frame=None,
+                ref_images=None, ref_videos=None, ref_audios=None, force_offload=True):
+        cond, latent, frames = ops.encode(
+            ENGINES, HOST, te, vae, prompt, width, height, length, seconds, first_frame, last_frame,
+            ref_images, ref_videos, ref_audios, force_offload,
+        )
+        return io.NodeOutput(cond, latent, frames)
+
+
+class VflashSampler(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="VflashSampler",
+            display_name="Vflash Sampler",
+            category="Vflash/sampling",
+            description=(
+                "Runs the profile's fixed schedule (its number of evaluations and its video/audio shifts are compiled "
+                "into the weights; change the profile to change them). One progress step per evaluation; Cancel stops "
+                "within one evaluation and leaves the engine reusable."
+            ),
+            inputs=[
+                VflashModel.Input("model"),
+                VflashCond.Input("cond"),
+                io.Latent.Input(
+                    "latent",
+                    tooltip="An EMPTY H3 AV latent (from Vflash Encode or core EmptyMiniMaxH3LatentAV); only its canvas and "
+                    "length are used. Keyframe / reference conditionings must match the canvas they were encoded for.",
+                ),
+                io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True, tooltip=_SEED_TOOLTIP),
+                io.Boolean.Input("force_offload", default=False, tooltip="Release the transformer's device memory after sampling (the next run reloads it)."),
+                io.Boolean.Input("profile_denoise", default=False, tooltip="Time every stage of every evaluation and print the summary (adds a little overhead)."),
+            ],
+            outputs=[io.Latent.Output("latent", tooltip="Denoised H3 AV latent in core's layout (core VAEDecode / VAEDecodeAudio accept it).")],
+        )
+
+    @classmethod
+    def execute(cls, model, cond, latent, seed, force_offload=False, profile_denoise=False):
+        return io.NodeOutput(ops.sample(ENGINES, HOST, model, cond, latent, seed, force_offload, profile_denoise))
+
+
+class VflashDecode(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="VflashDecode",
+            display_name="Vflash Decode (video + audio)",
+            category="Vflash/decode",
+            description="Decodes an H3 AV latent to frames (IMAGE batch), 32 kHz stereo AUDIO and a VIDEO at 24 fps (save it with core SaveVideo).",
+            inputs=[
+                VflashVAE.Input("vae"),
+                io.Latent.Input("latent", tooltip="H3 AV latent (Vflash Sampler output or any core H3 AV latent of this model family)."),
+            ],
+            outputs=[io.Image.Output("images"), io.Audio.Output("audio"), io.Video.Output("video")],
+        )
+
+    @classmethod
+    def execute(cls, vae, latent):
+        return io.NodeOutput(*ops.decode(ENGINES, HOST, vae, latent))
+
+
+class VflashGenerate(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="VflashGenerate",
+            display_name="Vflash Text/Image -> Video+Audio",
+            category="Vflash/sampling",
+            description="All in one: encode, sample with the profile's fixed schedule, decode. t2va, or i2va / l2va / fl2va with keyframes.",
+            inputs=[
+                VflashModel.Input("model"),
+                VflashTextEncoder.Input("te"),
+                VflashVAE.Input("vae"),
+                io.String.Input("prompt", multiline=True, dynamic_prompts=True, tooltip="What happens and what it sounds like."),
+                *_geometry_inputs(),
+                io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True, tooltip=_SEED_TOOLTIP),
+                io.Image.Input("first_frame", optional=True, tooltip="Keyframe at frame 0."),
+                io.Image.Input("last_frame", optional=True, tooltip="Keyframe at the last frame."),
+                io.Boolean.Input("force_offload", default=False, tooltip="Release the transformer's device memory after sampling."),
+            ],
+            outputs=[io.Video.Output("video"), io.Image.Output("images"), io.Audio.Output("audio")],
+        )
+
+    @classmethod
+    def execute(cls, model, te, vae, prompt, width, height, length, seconds, seed, first_frame=None, last_frame=None, force_offload=False):
+        return io.NodeOutput(*ops.generate(ENGINES, HOST, model, te, vae, prompt, width, height, length, seconds, seed, first_frame, last_frame, force_offload))
+
+
+class VflashUnload(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="VflashUnload",
+            display_name="Vflash Unload",
+            category="Vflash/utils",
+            description="Releases Vflash engines (device and pinned host memory) when its input arrives; passes the input through.",
+            inputs=[
+                io.AnyType.Input("anything", tooltip="Any value; connect it to order the unload after the node that produces it."),
+                io.Combo.Input("what", options=list(ops.UNLOAD_TARGETS), default="all", tooltip="all, or only the transformer (dit), text encoder (te) or VAEs (vae)."),
+            ],
+            outputs=[io.AnyType.Output("anything")],
+            is_output_node=True,
+            not_idempotent=True,
+        )
+
+    @classmethod
+    def execute(cls, anything, what):
+        return io.NodeOutput(ops.unload(ENGINES, HOST, anything, what))
+
+
+NODES = [VflashEncode, VflashSampler, VflashDecode, VflashGenerate, VflashUnload]

@@ -1,0 +1,67 @@
+"""How the Vflash core reaches ComfyUI: progress bars, interrupts, memory cooperation, model folders, core types.
+
+`ComfyHost` implements `vflash_core.node_ops.Host` with ComfyUI's own hooks only (no patching): progress goes to
+`comfy.utils.ProgressBar` (whose server hook also raises on interrupt), interrupts are polled with
+`throw_exception_if_processing_interrupted()`, memory is freed with `unload_all_models()` + `soft_empty_cache()`, the
+device is `get_torch_device()` read at call time (ComfyUI-MultiGPU patches it), videos are core
+`VideoFromComponents`. `ComfyFolders` lists and resolves model files through `folder_paths`.
+"""
+
+from __future__ import annotations
+
+import logging
+from fractions import Fraction
+
+import comfy.model_management as mm
+import comfy.nested_tensor
+import comfy.utils
+import folder_paths
+from comfy_api.latest import InputImpl, Types
+
+logger = logging.getLogger("vflash")
+
+
+class _Bar:
+    def __init__(self, total: int):
+        self._bar = comfy.utils.ProgressBar(total)
+
+    def update(self, done: int, total: int | None = None) -> None:
+        self._bar.update_absolute(done, total)
+
+
+class ComfyHost:
+    nested = comfy.nested_tensor.NestedTensor
+
+    def progress(self, total: int) -> _Bar:
+        return _Bar(total)
+
+    def check_interrupt(self) -> None:
+        mm.throw_exception_if_processing_interrupted()
+
+    def free_memory(self) -> None:
+        mm.unload_all_models()
+        mm.soft_empty_cache()
+
+    def default_device(self) -> str:
+        return str(mm.get_torch_device())
+
+    def make_video(self, images, audio, fps: float):
+        return InputImpl.VideoFromComponents(Types.VideoComponents(images=images, audio=audio, frame_rate=Fraction(fps)))
+
+    def log(self, line: str) -> None:
+        logger.info(line)
+
+
+class ComfyFolders:
+    def filenames(self, key: str) -> list[str]:
+        return folder_paths.get_filename_list(key) if key in folder_paths.folder_names_and_paths else []
+
+    def folders(self, key: str) -> list[str]:
+        return folder_paths.get_folder_paths(key) if key in folder_paths.folder_names_and_paths else []
+
+    def full_path(self, key: str, name: str) -> str | None:
+        return folder_paths.get_full_path(key, name)
+
+
+HOST = ComfyHost()
+FOLDERS = ComfyFolders()

@@ -1,0 +1,152 @@
+"""Loader nodes: thin wrappers that turn widget values into engine specs through `vflash_core.node_ops`."""
+
+from __future__ import annotations
+
+from comfy_api.latest import io
+
+from vflash_core import node_ops as ops
+from vflash_core.attention import BACKENDS
+from vflash_core.profiles import PROFILES
+
+from .host import FOLDERS, HOST
+from .registry import ENGINES
+from .types import DEVICE_TOOLTIP, DEVICES, VflashLora, VflashModel, VflashTextEncoder, VflashVAE
+
+_MODEL_TOOLTIP = (
+    "What to run. 'embedded-demo' is a tiny random-weight H3 family built on first use (CPU, for testing graphs). "
+    "'vflash/...' are compiled artifacts or prepared-assets receipts in models/vflash; 'diffusers/...' are official "
+    "diffusers-layout H3 folders and 'diffusion_models/...' single-file H3 transformers: both are prepared and "
+    "compiled for the profile on first use (progress bar), then cached next to them."
+)
+
+
+class VflashModelLoader(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="VflashModelLoader",
+            display_name="Vflash Model Loader",
+            category="Vflash/loaders",
+            description="Loads the H3 diffusion transformer into a Vflash engine (compiled, exact fixed-schedule runtime).",
+            inputs=[
+                io.Combo.Input("model", options=ops.model_options(FOLDERS), tooltip=_MODEL_TOOLTIP),
+                io.Combo.Input(
+                    "profile", options=["auto", *sorted(PROFILES)], default="auto",
+                    tooltip="The fixed schedule, LoRA binding and GPU architecture the weights are compiled for. 'auto' "
+                    "takes the profile recorded in a compiled artifact or receipt; official weights need an explicit one. "
+                    "The profile fixes evaluations, shifts, modes and clip durations (see the sampler's tooltip).",
+                ),
+                io.Combo.Input(
+                    "weight_residency", options=list(ops.RESIDENCIES), default="auto",
+                    tooltip="Where the transformer blocks live. resident: all on the device. block-ring: in pinned host "
+                    "memory, streamed through two device slots (for GPUs that cannot hold the model). auto: resident if "
+                    "it fits, else block-ring. Bits are identical either way.",
+                ),
+                io.Combo.Input("device", options=DEVICES, default="auto", tooltip=DEVICE_TOOLTIP),
+                io.Combo.Input(
+                    "peer_device", options=["none", *DEVICES[2:]], default="none",
+                    tooltip="Optional second GPU of the same host that shares each evaluation (see strategy). 'none': one device.",
+                ),
+                io.Combo.Input(
+                    "strategy", options=list(ops.STRATEGIES), default=ops.STRATEGIES[0],
+                    tooltip="How two GPUs split the work: sequence-head (attention heads / sequence split, one all-to-all "
+                    "per block) or tensor (weights split, one all-reduce per block). Ignored with peer_device 'none'.",
+                ),
+                io.Combo.Input(
+                    "attention_backend", options=list(BACKENDS), default="auto",
+                    tooltip="Attention kernel, pinned per call (ComfyUI's own SDPA priority is not inherited). An "
+                    "unavailable explicit choice is an error; auto picks the exact default for the device.",
+                ),
+                VflashLora.Input("lora", optional=True, tooltip="LoRA chain from Vflash LoRA Select; it is compiled into the weights and must match the profile's adapter."),
+            ],
+            outputs=[VflashModel.Output("model")],
+        )
+
+    @classmethod
+    def fingerprint_inputs(cls, model, **kwargs):
+        return (model, ops.model_identity(FOLDERS, model), tuple(sorted(kwargs.items())))
+
+    @classmethod
+    def execute(cls, model, profile, weight_residency, device, peer_device, strategy, attention_backend, lora=None):
+        spec = ops.load_model(ENGINES, HOST, FOLDERS, model, profile, weight_residency, device, peer_device, strategy, attention_backend, lora)
+        return io.NodeOutput(spec)
+
+
+class VflashLoraSelect(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="VflashLoraSelect",
+            display_name="Vflash LoRA Select",
+            category="Vflash/loaders",
+            description="Adds one LoRA file to a chain for the Vflash Model Loader.",
+            inputs=[
+                io.Combo.Input("lora", options=ops.lora_options(FOLDERS), tooltip="A LoRA in models/loras (diffusers/peft, original, kohya, musubi or DiffSynth naming)."),
+                io.Float.Input(
+                    "strength", default=1.0, min=-4.0, max=4.0, step=0.01,
+                    tooltip="Scale of the low-rank residual (strength * alpha / rank per module). Compiled artifacts "
+                    "bind one strength; changing it recompiles.",
+                ),
+                VflashLora.Input("prev", optional=True, tooltip="Earlier LoRAs of the chain."),
+            ],
+            outputs=[VflashLora.Output("lora")],
+        )
+
+    @classmethod
+    def fingerprint_inputs(cls, lora, strength, **kwargs):
+        return (lora, strength, ops.lora_identity(FOLDERS, lora))
+
+    @classmethod
+    def execute(cls, lora, strength, prev=None):
+        return io.NodeOutput(ops.select_lora(FOLDERS, lora, strength, prev))
+
+
+class VflashTextEncoderLoader(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="VflashTextEncoderLoader",
+            display_name="Vflash Text Encoder Loader",
+            category="Vflash/loaders",
+            description="Loads H3's Qwen3-VL conditioner (text encoder, tokenizer and processor of a model folder).",
+            inputs=[
+                io.Combo.Input("encoder", options=ops.text_encoder_options(FOLDERS), tooltip="A model folder with text_encoder/, tokenizer/ and processor/ (official layout), or 'embedded-demo'."),
+                io.Combo.Input("device", options=DEVICES, default="auto", tooltip=DEVICE_TOOLTIP),
+            ],
+            outputs=[VflashTextEncoder.Output("te")],
+        )
+
+    @classmethod
+    def fingerprint_inputs(cls, encoder, device):
+        return (encoder, device, ops.component_identity(FOLDERS, encoder, "text_encoder"))
+
+    @classmethod
+    def execute(cls, encoder, device):
+        return io.NodeOutput(ops.load_text_encoder(ENGINES, HOST, FOLDERS, encoder, device))
+
+
+class VflashVAELoader(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="VflashVAELoader",
+            display_name="Vflash VAE Loader (video + audio)",
+            category="Vflash/loaders",
+            description="Loads H3's video VAE and audio VAE (32 kHz stereo) of a model folder as one pair.",
+            inputs=[
+                io.Combo.Input("vae", options=ops.vae_options(FOLDERS), tooltip="A model folder with vae/ and audio_vae/ (official layout), or 'embedded-demo'."),
+                io.Combo.Input("device", options=DEVICES, default="auto", tooltip=DEVICE_TOOLTIP),
+            ],
+            outputs=[VflashVAE.Output("vae")],
+        )
+
+    @classmethod
+    def fingerprint_inputs(cls, vae, device):
+        return (vae, device, ops.component_identity(FOLDERS, vae, "vae"))
+
+    @classmethod
+    def execute(cls, vae, device):
+        return io.NodeOutput(ops.load_vae(ENGINES, HOST, FOLDERS, vae, device))
+
+
+NODES = [VflashModelLoader, VflashLoraSelect, VflashTextEncoderLoader, VflashVAELoader]

@@ -1,0 +1,44 @@
+"""`vflash run-workflow`: execute an API-format ComfyUI workflow of Vflash nodes without ComfyUI."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "run-workflow",
+        help="run an API-format ComfyUI workflow of Vflash nodes headless (no ComfyUI install needed)",
+        description=(
+            "Runs the output nodes of an API-format workflow (ComfyUI 'Export (API)', e.g. workflows/api/t2va.json) and "
+            "their ancestors: every Vflash node, plus stand-ins for core EmptyMiniMaxH3LatentAV, CreateVideo, SaveVideo, "
+            "LoadImage and LoadAudio. Other core nodes are refused before anything runs. 'embedded-demo' models are "
+            "built on first use in the cache folder."
+        ),
+    )
+    p.add_argument("workflow", help="API-format workflow JSON")
+    p.add_argument(
+        "--set", dest="sets", action="append", default=[], metavar="NODE.INPUT=VALUE",
+        help="override a widget value; NODE is a node id or its title; VALUE is JSON or a plain string (repeatable)",
+    )
+    p.add_argument("--output-dir", default="output", help="where SaveVideo writes (default: ./output)")
+    p.add_argument("--input-dir", default="input", help="where LoadImage / LoadAudio read file names from (default: ./input)")
+    p.add_argument("--models-dir", help="a ComfyUI-style models folder (vflash/, diffusers/, diffusion_models/, loras/)")
+    p.add_argument("--print-plan", action="store_true", help="check the workflow, print the execution order and exit")
+    p.set_defaults(handler=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from .workflow import apply_overrides, headless_node_types, load_api_workflow, plan, run_headless
+
+    workflow = apply_overrides(load_api_workflow(args.workflow), args.sets)
+    if args.print_plan:
+        order = plan(workflow, headless_node_types())
+        print(" -> ".join(f"{nid} {workflow[nid]['class_type']}" for nid in order))
+        return 0
+    saved = run_headless(workflow, output_dir=args.output_dir, input_dir=args.input_dir, models_dir=args.models_dir)
+    for path in saved:
+        print(f"wrote {path}")
+    print(json.dumps({"outputs": [str(p) for p in saved]}))
+    return 0

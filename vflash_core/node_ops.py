@@ -1,0 +1,776 @@
+"""What each Vflash graph node does, host-neutral: the ComfyUI nodes (`nodes/`) and `vflash run-workflow` both call
+these functions, so a workflow behaves the same in ComfyUI and headless.
+
+A node operation takes plain values (widget values, core tensors, the specs other nodes returned), makes the engine
+calls, and returns plain values. Everything host-specific comes in through two small interfaces:
+
+* `Host`: progress bars, the interrupt check, freeing the host's own models, the default device, the host's
+  `NestedTensor` class and VIDEO type;
+* `Folders`: listing and resolving model files (ComfyUI's `folder_paths`, or a models folder headless).
+
+Loaded engines (transformer sessions, text encoders, VAE pairs) live in an `EngineRegistry` that the caller owns (the
+node pack keeps one for the process, `run-workflow` one per run). Node outputs never hold an engine, only a frozen
+spec; operations `acquire` the engine from the registry, which loads it on first use or after it was released (by
+`VflashUnload`, `force_offload`, or a failure). That keeps ComfyUI's cached node outputs valid across unloads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from . import comfy_latent as cl
+from .errors import RequestError, VflashError, WeightFileError
+from .layout import FPS, Geometry, align_num_frames, check_canvas, frames_for_duration
+
+logger = logging.getLogger(__name__)
+
+DEMO = "embedded-demo"
+RESIDENCIES = ("auto", "resident", "block-ring")
+STRATEGIES = ("sequence-head", "tensor")
+UNLOAD_TARGETS = ("all", "dit", "te", "vae")
+_KIND_LABEL = {"dit": "transformer", "te": "text encoder", "vae": "VAEs"}
+
+
+# -- host interfaces ---------------------------------------------------------------------------------------------
+
+
+class ProgressSink(Protocol):
+    def update(self, done: int, total: int | None = None) -> None: ...
+
+
+class Host(Protocol):
+    nested: type  # the host's NestedTensor class (constructor takes a tuple of tensors)
+
+    def progress(self, total: int) -> ProgressSink: ...
+
+    def check_interrupt(self) -> None: ...
+
+    def free_memory(self) -> None: ...
+
+    def default_device(self) -> str: ...
+
+    def make_video(self, images: torch.Tensor, audio: dict[str, Any], fps: float) -> Any: ...
+
+    def log(self, line: str) -> None: ...
+
+
+class Folders(Protocol):
+    def filenames(self, key: str) -> list[str]: ...
+
+    def folders(self, key: str) -> list[str]: ...
+
+    def full_path(self, key: str, name: str) -> str | None: ...
+
+
+# -- model listing and identity ----------------------------------------------------------------------------------
+
+_H3_MARKERS = ("transformer_blocks.0.attn.to_q.weight", "blocks.0.attn.qkv_proj.weight", "model.diffusion_model.blocks.0.attn.qkv_proj.weight", "diffusion_model.blocks.0.attn.qkv_proj.weight")
+_h3_file_cache: dict[tuple[str, int, int], bool] = {}
+
+
+def is_h3_transformer_file(path: str | Path) -> bool:
+    """True when a .safetensors file's header names H3 transformer tensors (reads the header only, cached)."""
+    from .tensor_store import TensorStore
+
+    path = Path(path)
+    stat = path.stat()
+    key = (str(path), stat.st_size, stat.st_mtime_ns)
+    if key not in _h3_file_cache:
+        try:
+            names = set(TensorStore(path).names)
+        except WeightFileError as exc:
+            logger.debug("not listing %s as an H3 transformer: %s", path, exc)
+            names = set()
+        _h3_file_cache[key] = any(marker in names for marker in _H3_MARKERS)
+    return _h3_file_cache[key]
+
+
+def _model_roots(folders: Folders, component: str | None) -> list[str]:
+    """`diffusers/<name>` folders that hold an H3 model root (with `component/` when given)."""
+    out = []
+    for base in folders.folders("diffusers"):
+        if not os.path.isdir(base):
+            continue
+        for name in sorted(os.listdir(base)):
+            root = Path(base, name)
+            if (root / "transformer" / "config.json").is_file() and (component is None or (root / component).is_dir()):
+                out.append(f"diffusers/{name}")
+    return out
+
+
+def _compiled_entries(folders: Folders) -> list[str]:
+    """`vflash/<folder>` entries: compiled outputs (artifact/manifest.json inside) in the vflash folders."""
+    return sorted({"vflash/" + rel[: -len("/artifact/manifest.json")] for rel in folders.filenames("vflash") if rel.endswith("/artifact/manifest.json")})
+
+
+def model_options(folders: Folders) -> list[str]:
+    singles = [
+        f"diffusion_models/{rel}"
+        for rel in folders.filenames("diffusion_models")
+        if rel.endswith(".safetensors") and (path := folders.full_path("diffusion_models", rel)) and is_h3_transformer_file(path)
+    ]
+    return [DEMO, *_receipt_entries(folders), *_compiled_entries(folders), *_model_roots(folders, None), *singles]
+
+
+def text_encoder_options(folders: Folders) -> list[str]:
+    return [DEMO, *_receipt_entries(folders), *_model_roots(folders, "text_encoder")]
+
+
+def vae_options(folders: Folders) -> list[str]:
+    return [DEMO, *_receipt_entries(folders), *_model_roots(folders, "vae")]
+
+
+def lora_options(folders: Folders) -> list[str]:
+    return [rel for rel in folders.filenames("loras") if rel.endswith(".safetensors")]
+
+
+def resolve(folders: Folders, name: str) -> Path:
+    """The file or folder behind a listed option; raises `VflashError` naming the option and where it looked."""
+    key, _, rel = name.partition("/")
+    if name == DEMO or not rel or key not in ("vflash", "diffusers", "diffusion_models", "loras"):
+        raise VflashError(f"{name!r} is not a model file option (expected vflash/..., diffusers/..., diffusion_models/... or loras/...)")
+    full = folders.full_path(key, rel)
+    if full is None:
+        raise VflashError(f"{name}: not found in the {key} folders ({', '.join(folders.folders(key)) or 'none registered'})")
+    return Path(full)
+
+
+def path_identity(path: Path) -> tuple:
+    """(path, size, mtime) of a file, or of every file directly identifying a folder model (manifests, configs)."""
+    if path.is_file():
+        stat = path.stat()
+        return (str(path), stat.st_size, stat.st_mtime_ns)
+    marks = []
+    for rel in ("artifact/manifest.json", "schedule/manifest.json", "auxiliary.safetensors", "transformer/config.json",
+                "transformer/diffusion_pytorch_model.safetensors.index.json", "text_encoder/config.json", "vae/config.json", "audio_vae/config.json"):
+        p = path / rel
+        if p.is_file():
+            stat = p.stat()
+            marks.append((rel, stat.st_size, stat.st_mtime_ns))
+    return (str(path), tuple(marks))
+
+
+def model_identity(folders: Folders, name: str) -> tuple:
+    """What `fingerprint_inputs` compares: the option plus size and mtime of what it resolves to."""
+    return (DEMO,) if name == DEMO else path_identity(resolve(folders, name))
+
+
+def component_identity(folders: Folders, name: str, component: str) -> tuple:
+    if name == DEMO:
+        return (DEMO,)
+    root = resolve(folders, name)
+    return path_identity(root / component if (root / component).exists() else root)
+
+
+def lora_identity(folders: Folders, name: str) -> tuple:
+    return path_identity(resolve(folders, "loras/" + name))
+
+
+# -- specs: what node outputs carry ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoraRef:
+    path: str
+    strength: float
+    identity: tuple
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """VFLASH_MODEL: everything that identifies one transformer engine (the registry key)."""
+
+    source: str  # option name ("embedded-demo", "vflash/...", "diffusers/...", "diffusion_models/...")
+    path: str  # resolved file or folder ("" for the demo)
+    identity: tuple
+    profile: str  # requested profile id, or "auto"
+    device: str  # resolved when loading ("auto" -> the host's device)
+    peer_device: str | None
+    strategy: str | None
+    weight_residency: str
+    attention_backend: str
+    loras: tuple[LoraRef, ...] = ()
+    compile_dir: str = ""  # where official weights are compiled for the profile on first use
+
+    def key(self) -> tuple:
+        return ("dit", self.identity, self.profile, self.device, self.peer_device, self.strategy, self.weight_residency, self.attention_backend, self.loras)
+
+
+@dataclass(frozen=True)
+class ComponentSpec:
+    """VFLASH_TE / VFLASH_VAE: a text encoder or VAE pair of one model root on one device."""
+
+    kind: str  # "te" or "vae"
+    source: str
+    path: str
+    identity: tuple
+    device: str
+
+    def key(self) -> tuple:
+        return (self.kind, self.identity, self.device)
+
+
+@dataclass(frozen=True)
+class Conditioning:
+    """VFLASH_COND: an encoded request without its noise (the sampler draws that from its seed).
+
+    `payload` is what the pipeline's encoders produced (prompt embeddings, token tags, keyframe or reference latents);
+    `geometry` is the canvas the keyframes / references were encoded for (t2va adopts the latent's canvas).
+    """
+
+    mode: str
+    geometry: Geometry
+    payload: Any
+    te: ComponentSpec
+    vae: ComponentSpec
+
+    @property
+    def geometry_bound(self) -> bool:
+        return self.mode != "t2va"
+
+
+# -- the registry ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Entry:
+    key: tuple
+    engine: Any
+    label: str
+
+
+class EngineRegistry:
+    """Loaded engines by kind ("dit", "te", "vae"); at most one per kind, keyed by its spec.
+
+    Acquiring a spec whose key differs from the loaded engine of its kind closes that engine first (so two
+    transformers never hold device memory at once), then loads the new one. Closed or failed engines are replaced.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[str, _Entry] = {}
+
+    def loaded(self) -> dict[str, str]:
+        return {kind: e.label for kind, e in self._entries.items()}
+
+    def acquire(self, kind: str, key: tuple, label: str, factory: Callable[[], Any]) -> Any:
+        entry = self._entries.get(kind)
+        if entry is not None and entry.key == key and not getattr(entry.engine, "closed", False):
+            return entry.engine
+        self.release(kind)
+        engine = factory()
+        self._entries[kind] = _Entry(key, engine, label)
+        return engine
+
+    def release(self, kind: str = "all") -> list[str]:
+        """Close the engines of `kind` ("all", "dit", "te" or "vae"); returns what was released."""
+        if kind not in UNLOAD_TARGETS:
+            raise VflashError(f"unload target must be one of {', '.join(UNLOAD_TARGETS)}, got {kind!r}")
+        released = []
+        for k in list(self._entries) if kind == "all" else [kind]:
+            entry = self._entries.pop(k, None)
+            if entry is not None:
+                entry.engine.close()
+                released.append(f"{_KIND_LABEL[k]} {entry.label}")
+        if released and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return released
+
+    def close(self) -> None:
+        self.release("all")
+
+
+# -- small helpers -----------------------------------------------------------------------------------------------
+
+
+def resolve_device(host: Host, device: str) -> str:
+    """'auto' -> the host's compute device now; an explicit cuda:N must exist."""
+    resolved = host.default_device() if device == "auto" else device
+    dev = torch.device(resolved)
+    if dev.type == "cuda":
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise VflashError(f"device {resolved} does not exist: this machine has {count} CUDA device(s)")
+    elif dev.type != "cpu":
+        raise VflashError(f"Vflash runs on cpu or cuda devices, not {resolved}")
+    return str(dev)
+
+
+def request_geometry(width: int, height: int, length: int, seconds: float) -> Geometry:
+    """Canvas and snapped frame count of the widget values (seconds > 0 overrides length)."""
+    check_canvas(int(height), int(width))
+    if seconds and seconds > 0:
+        frames = frames_for_duration(float(seconds))
+    else:
+        if length < 1:
+            raise RequestError(f"length must be at least 1 frame, got {length}")
+        frames = align_num_frames(int(length))
+    return Geometry(int(height), int(width), frames)
+
+
+class _Progress:
+    """Progress of one long call: host progress bar + interrupt check on every update."""
+
+    def __init__(self, host: Host, total: int):
+        self.host = host
+        self.bar = host.progress(max(1, total))
+
+    def __call__(self, done: int, total: int) -> None:
+        self.host.check_interrupt()
+        self.bar.update(done, total)
+
+
+def _memory_line(metadata: Mapping[str, Any]) -> str:
+    mem = metadata.get("memory", {})
+    peak = mem.get("peak_allocated_bytes")
+    peak_text = ", ".join(f"{b / 2**30:.2f} GiB" for b in peak) if peak else "n/a (cpu)"
+    return (
+        f"Vflash memory plan: residency {mem.get('weight_residency')}, {mem.get('blocks_on_device')} blocks on device, "
+        f"{mem.get('pinned_host_bytes', 0) / 2**30:.2f} GiB pinned host, peak allocated {peak_text}"
+    )
+
+
+# -- what a model option resolves to -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """The compiled transformer a `ModelSpec` runs, and the model root its text encoder / VAEs come from (if known)."""
+
+    profile: Any  # Profile
+    artifact: Path
+    schedule_overlay: Path
+    auxiliary: Path
+    model_root: Path | None = None
+    decoder_root: Path | None = None
+
+
+def _receipt_entries(folders: Folders) -> list[str]:
+    from .pipeline import PIPELINE_FORMAT
+
+    out = []
+    for rel in folders.filenames("vflash"):
+        if not rel.endswith(".json") or "/artifact/" in rel or "/schedule/" in rel:
+            continue
+        path = folders.full_path("vflash", rel)
+        if path is None or os.path.getsize(path) > 1 << 20:
+            continue
+        try:
+            import json
+
+            if json.loads(Path(path).read_text()).get("format") == PIPELINE_FORMAT:
+                out.append("vflash/" + rel)
+        except (OSError, ValueError) as exc:
+            logger.debug("not listing %s as a receipt: %s", path, exc)
+    return out
+
+
+def _demo_receipt(host: Host | None) -> Path:
+    from .demo import ensure_demo_assets
+
+    bar = None if host is None else _StageProgress(host)
+    return ensure_demo_assets(progress=bar)
+
+
+class _StageProgress:
+    """A `(stage, done, total)` callback (demo build, pipeline load) on one host progress bar."""
+
+    def __init__(self, host: Host):
+        self.host = host
+        self.bar: ProgressSink | None = None
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        self.host.check_interrupt()
+        if self.bar is None:
+            self.bar = self.host.progress(max(1, total))
+        self.bar.update(done, total)
+
+
+def _compiled_dir(root: Path, profile: Any, folders: Folders) -> Path:
+    """Where official weights are compiled for a profile on first use: models/vflash/compiled/<name>-<profile>."""
+    from .demo import default_cache_dir
+
+    bases = [Path(p) for p in folders.folders("vflash")]
+    base = bases[0] if bases else default_cache_dir()
+    return base / "compiled" / f"{root.stem if root.is_file() else root.name}-{profile.id}"
+
+
+def resolve_model(host: Host | None, spec: ModelSpec) -> ResolvedModel:
+    """Resolve (and on first use, prepare and compile) the transformer of a spec; raises `VflashError`."""
+    from .artifact import CompiledArtifact
+    from .pipeline import PreparedAssets
+    from .profiles import get_profile
+
+    def pick(recorded: str, what: str):
+        if spec.profile not in ("auto", recorded):
+            raise VflashError(f"{what} is compiled for profile {recorded}; the loader asks for {spec.profile} (choose 'auto' or {recorded})")
+        return get_profile(recorded)
+
+    if spec.loras and (spec.source == DEMO or spec.source.startswith("vflash/")):
+        raise VflashError(f"{spec.source} is already compiled (LoRAs are compiled into the weights); connect a LoRA only when loading official weights (diffusers/... or diffusion_models/...)")
+    if spec.source == DEMO or spec.source.endswith(".json"):
+        receipt = _demo_receipt(host) if spec.source == DEMO else Path(spec.path)
+        assets = PreparedAssets.load(receipt)
+        return ResolvedModel(pick(assets.profile.id, spec.source), assets.artifact, assets.schedule_overlay, assets.auxiliary_tensor, assets.model_root, assets.decoder_root)
+    path = Path(spec.path)
+    if spec.source.startswith("vflash/"):
+        paths = (path / "artifact", path / "schedule", path / "auxiliary.safetensors")
+        profile = pick(CompiledArtifact(*paths).profile_id, spec.source)
+        return ResolvedModel(profile, *paths)
+    # Official weights: prepare + compile once for the profile, next to the other compiled models.
+    if spec.profile == "auto":
+        raise VflashError(f"{spec.source} holds official weights; choose the profile to compile them for (e.g. t2va-base16-bf16-sm90)")
+    profile = get_profile(spec.profile)
+    root = path if path.is_file() else path / "transformer"
+    if len(spec.loras) > 1:
+        raise VflashError(f"a profile binds at most one LoRA; the chain has {len(spec.loras)}")
+    if spec.loras and profile.adapter is not None and abs(spec.loras[0].strength - profile.adapter.strength) > 1e-9:
+        raise VflashError(f"profile {profile.id} binds its LoRA at strength {profile.adapter.strength:g}; the chain asks {spec.loras[0].strength:g}")
+    out = Path(spec.compile_dir)
+    if not (out / "artifact" / "manifest.json").is_file():
+        from .compiler import compile_receipt, prepare
+
+        bar = None if host is None else host.progress(2)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        receipt = out.with_name(out.name + ".weights-receipt.json")
+        if host is not None:
+            host.log(f"Vflash: preparing {spec.source} for {profile.id} (hashing the weights) ...")
+        if not receipt.is_file():
+            prepare(profile, root, receipt, spec.loras[0].path if spec.loras else None)
+        if bar is not None:
+            host.check_interrupt()
+            bar.update(1, 2)
+            host.log(f"Vflash: compiling {spec.source} for {profile.id} into {out} (once) ...")
+        compile_receipt(receipt, out, "cpu" if profile.arch == "cpu" else spec.device)
+        if bar is not None:
+            bar.update(2, 2)
+    model_root = path if path.is_dir() else None
+    return ResolvedModel(profile, out / "artifact", out / "schedule", out / "auxiliary.safetensors", model_root, model_root)
+
+
+def component_root(host: Host | None, spec: ComponentSpec) -> Path:
+    """The model root a text encoder ("te") or VAE pair ("vae") spec loads from."""
+    from .pipeline import PreparedAssets
+
+    if spec.source == DEMO:
+        assets = PreparedAssets.load(_demo_receipt(host))
+    elif spec.source.startswith("vflash/") and spec.source.endswith(".json"):
+        assets = PreparedAssets.load(spec.path)
+    elif spec.source.startswith("diffusers/"):
+        return Path(spec.path)
+    else:
+        raise VflashError(f"{spec.source} has no {'text encoder' if spec.kind == 'te' else 'VAEs'}: choose a model folder or prepared-assets receipt")
+    return assets.model_root if spec.kind == "te" else assets.decoder_root
+
+
+# -- node operations: loaders ------------------------------------------------------------------------------------
+
+
+def select_lora(folders: Folders, lora: str, strength: float, prev: tuple[LoraRef, ...] | None = None) -> tuple[LoraRef, ...]:
+    path = resolve(folders, "loras/" + lora)
+    return (*(prev or ()), LoraRef(str(path), float(strength), path_identity(path)))
+
+
+def model_spec(host: Host, folders: Folders, model: str, profile: str, weight_residency: str, device: str, peer_device: str,
+               strategy: str, attention_backend: str, lora: tuple[LoraRef, ...] | None = None) -> ModelSpec:
+    """Validate the loader's widgets into a spec (cheap; loads nothing)."""
+    if weight_residency not in RESIDENCIES:
+        raise VflashError(f"weight_residency must be one of {', '.join(RESIDENCIES)}, got {weight_residency!r}")
+    if strategy not in STRATEGIES:
+        raise VflashError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    path = "" if model == DEMO else str(resolve(folders, model))
+    if model == DEMO and device == "auto":
+        device = "cpu"  # the embedded family is compiled for a CPU profile
+    resolved = resolve_device(host, device)
+    peer = None if peer_device in (None, "", "none") else resolve_device(host, peer_device)
+    if peer is not None and peer == resolved:
+        raise VflashError(f"peer_device {peer} is the loader's device; choose another GPU or 'none'")
+    loras = tuple(lora or ())
+    compile_dir = ""
+    if model.startswith(("diffusers/", "diffusion_models/")) and profile != "auto":
+        from .profiles import get_profile
+
+        out = _compiled_dir(Path(path), get_profile(profile), folders)
+        compile_dir = str(out.with_name(f"{out.name}-{Path(loras[0].path).stem}") if loras else out)
+    return ModelSpec(model, path, model_identity(folders, model), profile, resolved, peer, strategy if peer else None,
+                     weight_residency, attention_backend, loras, compile_dir)
+
+
+def _load_session(registry: EngineRegistry, host: Host, spec: ModelSpec):
+    from .session import NativeEngineSession
+
+    def factory():
+        host.free_memory()
+        resolved = resolve_model(host, spec)
+        progress = _Progress(host, 1)
+        return NativeEngineSession(
+            resolved.profile, resolved.artifact, resolved.schedule_overlay, resolved.auxiliary, device=spec.device,
+            peer_device=spec.peer_device, strategy=spec.strategy, weight_residency=spec.weight_residency,
+            attention_backend=spec.attention_backend, on_load_progress=progress,
+        )
+
+    return registry.acquire("dit", spec.key(), spec.source, factory)
+
+
+def load_model(registry: EngineRegistry, host: Host, folders: Folders, model: str, profile: str, weight_residency: str,
+               device: str, peer_device: str, strategy: str, attention_backend: str, lora: tuple[LoraRef, ...] | None = None) -> ModelSpec:
+    """VflashModelLoader: validate, then load the engine now (progress bar) so errors surface at the loader."""
+    spec = model_spec(host, folders, model, profile, weight_residency, device, peer_device, strategy, attention_backend, lora)
+    session = _load_session(registry, host, spec)
+    host.log(f"Vflash model {spec.source}: profile {session.profile.id}, {session.memory_plan()}")
+    return spec
+
+
+def _component_spec(host: Host, folders: Folders, kind: str, source: str, device: str) -> ComponentSpec:
+    path = "" if source == DEMO else str(resolve(folders, source))
+    component = "text_encoder" if kind == "te" else "vae"
+    return ComponentSpec(kind, source, path, component_identity(folders, source, component), resolve_device(host, device))
+
+
+def _load_component(registry: EngineRegistry, host: Host, spec: ComponentSpec):
+    from .conditioning import TextConditioner
+    from .vae import MediaVAEs
+
+    def factory():
+        host.free_memory()
+        root = component_root(host, spec)
+        if spec.kind == "te":
+            return TextConditioner.from_pretrained(root, spec.device)
+        return MediaVAEs.from_pretrained(root, spec.device)
+
+    return registry.acquire(spec.kind, spec.key(), spec.source, factory)
+
+
+def load_text_encoder(registry: EngineRegistry, host: Host, folders: Folders, encoder: str, device: str) -> ComponentSpec:
+    spec = _component_spec(host, folders, "te", encoder, device)
+    _load_component(registry, host, spec)
+    return spec
+
+
+def load_vae(registry: EngineRegistry, host: Host, folders: Folders, vae: str, device: str) -> ComponentSpec:
+    spec = _component_spec(host, folders, "vae", vae, device)
+    _load_component(registry, host, spec)
+    return spec
+
+
+# -- node operations: encode, sample, decode ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EncodedConditions:
+    """The seed-independent half of a request bundle: encoded text and keyframe / reference latents (CPU)."""
+
+    prompt_embeds: torch.Tensor  # (L, text_dim)
+    token_tags: torch.Tensor  # (L,) int64
+    keyframe_latents: tuple[torch.Tensor, ...] = ()  # one (1, C, 1, h, w) per keyframe, packed order
+    anchors: tuple[str, ...] = ()  # "first" / "last" per keyframe
+    references: tuple = ()  # bundle.EncodedReference per reference, request order
+
+
+def _to_pil(image: torch.Tensor, what: str):
+    import numpy as np
+    from PIL import Image
+
+    frame = cl.image_to_frame(image, what)
+    return Image.fromarray((frame.clamp(0, 1).numpy() * 255.0).round().astype(np.uint8))
+
+
+def _ordered(group: Mapping[str, Any] | None) -> list[Any]:
+    """Autogrow values (`ref_image_0`, `ref_image_1`, ...) in index order, unconnected slots skipped."""
+    if not group:
+        return []
+    return [value for _, value in sorted(group.items(), key=lambda kv: int(kv[0].rsplit("_", 1)[-1])) if value is not None]
+
+
+def _check_labels(prompt: str, mode: str, pictures: int, videos: int, audios: int) -> None:
+    """Prompt labels <Picture i> / <Video k> / <Audio j> must name provided inputs (as the pipeline checks)."""
+    import re
+
+    bound = {"Picture": pictures, "Video": videos, "Audio": audios}
+    for word, number in re.findall(r"<(Picture|Video|Audio) (\d+)>", prompt):
+        if not 1 <= int(number) <= bound[word]:
+            raise RequestError(f"prompt label <{word} {number}> is not bound to an input: this {mode} request provides {pictures} picture(s), {videos} video(s) and {audios} audio clip(s)")
+
+
+def encode(registry: EngineRegistry, host: Host, te: ComponentSpec, vae: ComponentSpec, prompt: str, width: int, height: int,
+           length: int, seconds: float, first_frame: torch.Tensor | None = None, last_frame: torch.Tensor | None = None,
+           ref_images: Mapping[str, Any] | None = None, ref_videos: Mapping[str, Any] | None = None,
+           ref_audios: Mapping[str, Any] | None = None, force_offload: bool = True) -> tuple[Conditioning, dict[str, Any], int]:
+    """VflashEncode: the same media normalisation and encoders as `pipeline.build_request_bundle`, without the noise
+    (the sampler draws it from its seed, so one encoding serves every seed)."""
+    import numpy as np
+    from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3AudioReference, MiniMaxH3ImageReference, MiniMaxH3VideoReference
+
+    from .bundle import EncodedReference
+    from .layout import VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK
+    from .references import fit_keyframes, normalize_references
+
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise RequestError("the prompt must be a non-empty string")
+    geometry = request_geometry(width, height, length, seconds)
+    images, videos, audios = _ordered(ref_images), _ordered(ref_videos), _ordered(ref_audios)
+    keyframe_inputs = [(a, f) for a, f in (("first", first_frame), ("last", last_frame)) if f is not None]
+    if (images or videos or audios) and keyframe_inputs:
+        raise RequestError("a request takes either keyframes (first/last frame) or references, not both")
+    if audios and not (images or videos):
+        raise RequestError("audio references need at least one image or video reference beside them")
+    mode = "ref2va" if images or videos or audios else {(): "t2va", ("first",): "i2va", ("last",): "l2va", ("first", "last"): "fl2va"}[tuple(a for a, _ in keyframe_inputs)]
+    _check_labels(prompt, mode, len(images) if mode == "ref2va" else len(keyframe_inputs), len(videos), len(audios))
+
+    steps = 2 + bool(keyframe_inputs or mode == "ref2va")
+    bar = _Progress(host, steps)
+    conditioner = _load_component(registry, host, te)
+    vaes = _load_component(registry, host, vae)
+    keyframes, references = [], []
+    if mode == "ref2va":
+        raw = [MiniMaxH3ImageReference(image=_to_pil(img, f"reference image {i + 1}")) for i, img in enumerate(images)]
+        raw += [MiniMaxH3VideoReference(frames=cl.image_to_clip(clip, f"reference video {i + 1}").numpy(), fps=float(FPS)) for i, clip in enumerate(videos)]
+        for i, audio in enumerate(audios):
+            waveform, rate = cl.audio_to_waveform(audio, f"reference audio {i + 1}")
+            raw.append(MiniMaxH3AudioReference(audio=waveform, sample_rate=rate))
+        references = normalize_references(raw, geometry.num_frames, conditioner.canvas, vaes.sample_rate)
+    elif keyframe_inputs:
+        keyframes = fit_keyframes([_to_pil(f, f"{a} frame") for a, f in keyframe_inputs], geometry.height, geometry.width)
+    bar(1, steps)
+    text = conditioner.encode(prompt, keyframes, references)
+    if force_offload:
+        registry.release("te")
+    bar(2, steps)
+    conditions: list[torch.Tensor] = []
+    encoded: list = []
+    if keyframes or references:
+        with vaes.on_device():
+            conditions = [vaes.encode_pixels(np.asarray(k)[None]) for k in keyframes]
+            for ref in references:
+                latents = rows = None
+                if ref.kind == "image":
+                    latents = vaes.encode_pixels(np.asarray(ref.image)[None])
+                elif ref.kind == "video":
+                    n = max(1, (ref.frames.shape[0] - VAE_LATENTS_PER_CHUNK) // VAE_FRAMES_PER_CHUNK)
+                    latents = vaes.encode_pixels(ref.frames[: n * VAE_FRAMES_PER_CHUNK + VAE_LATENTS_PER_CHUNK])
+                if ref.has_audio:
+                    rows = vaes.encode_soundtrack(ref.audio)
+                encoded.append(EncodedReference(ref.kind, latents, rows))
+        bar(3, steps)
+    payload = EncodedConditions(text.prompt_embeds, text.token_tags, tuple(conditions), tuple(a for a, _ in keyframe_inputs), tuple(encoded))
+    latents = cl.empty_latents(geometry, vaes.latent_channels, vaes.audio_latent_channels)
+    cond = Conditioning(mode, geometry, payload, te, vae)
+    return cond, cl.to_comfy_latent(latents.video, latents.audio, host.nested), geometry.num_frames
+
+
+def request_bundle(cond: Conditioning, geometry: Geometry, seed: int, config: Any):
+    """The full conditioning bundle of an encoded request for one seed (noise drawn as `build_request_bundle` does)."""
+    from .bundle import BundleHandoff, build_keyframe_bundle, build_ref2va_bundle
+
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise RequestError(f"seed must be an integer from 0 to 2**63 - 1, got {seed!r}")
+    p = cond.payload
+    generator = torch.Generator().manual_seed(seed)
+    if cond.mode == "ref2va":
+        bundle = build_ref2va_bundle(p.prompt_embeds, p.token_tags, geometry, config, generator, p.references, seed=seed)
+    else:
+        bundle = build_keyframe_bundle(p.prompt_embeds, p.token_tags, geometry, config, generator, p.keyframe_latents, p.anchors, seed=seed)
+    return BundleHandoff(bundle)
+
+
+def sample(registry: EngineRegistry, host: Host, model: ModelSpec, cond: Conditioning, latent: dict[str, Any], seed: int,
+           force_offload: bool = False, profile_denoise: bool = False) -> dict[str, Any]:
+    """VflashSampler: the profile's fixed schedule from the seed's noise; returns core's H3 AV latent."""
+    target = cl.from_comfy_latent(latent)
+    if not cl.is_empty(target):
+        raise RequestError("VflashSampler starts from noise: its latent input must be empty (VflashEncode's or EmptyMiniMaxH3LatentAV's); it only sets the canvas and length")
+    geometry = target.geometry
+    if cond.geometry_bound and geometry != cond.geometry:
+        raise RequestError(
+            f"the {cond.mode} conditioning was encoded for {cond.geometry.width}x{cond.geometry.height}, {cond.geometry.num_frames} frames; "
+            f"the latent is {geometry.width}x{geometry.height}, {geometry.num_frames} frames (use VflashEncode's latent or match them)"
+        )
+    host.free_memory()
+    session = _load_session(registry, host, model)
+    handoff = request_bundle(cond, geometry, seed, session.compiled.config)
+    stopped = False
+
+    def on_evaluation(done: int, total: int) -> None:
+        nonlocal stopped
+        try:
+            progress(done, total)
+        except BaseException:
+            stopped = True
+            raise
+
+    def between_blocks() -> None:
+        nonlocal stopped
+        try:
+            host.check_interrupt()
+        except BaseException:
+            stopped = True
+            raise
+
+    progress = _Progress(host, session.profile.nfe)
+    start = time.perf_counter()
+    try:
+        result = session.generate(handoff, progress=on_evaluation, between_blocks=between_blocks, profile_denoise=profile_denoise)
+    except BaseException as exc:
+        if not stopped and not isinstance(exc, VflashError):
+            # A failed trajectory leaves the session refusing work: close it now, the next run loads a fresh one.
+            registry.release("dit")
+        raise
+    host.log(
+        f"Vflash sampled {cond.mode} {geometry.width}x{geometry.height} {geometry.num_frames} frames, seed {seed}, "
+        f"{session.profile.id} ({session.profile.nfe} evaluations) in {time.perf_counter() - start:.2f} s"
+    )
+    host.log(_memory_line(result.metadata))
+    if profile_denoise and result.denoise_profile is not None:
+        import json
+
+        host.log("Vflash denoise profile: " + json.dumps(result.denoise_profile, default=str))
+    if force_offload:
+        registry.release("dit")
+    return cl.to_comfy_latent(result.video_latents, result.audio_latents, host.nested)
+
+
+def decode(registry: EngineRegistry, host: Host, vae: ComponentSpec, latent: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any], Any]:
+    """VflashDecode: frames (IMAGE batch), stereo AUDIO trimmed to the video's length, and a VIDEO at 24 fps."""
+    av = cl.from_comfy_latent(latent)
+    vaes = _load_component(registry, host, vae)
+    if av.video.shape[1] != vaes.latent_channels or av.audio.shape[1] != vaes.audio_latent_channels:
+        raise RequestError(
+            f"the latent has {av.video.shape[1]} video / {av.audio.shape[1]} audio channels; these VAEs take "
+            f"{vaes.latent_channels} / {vaes.audio_latent_channels} (a latent of another model family?)"
+        )
+    bar = _Progress(host, 2)
+    with vaes.on_device():
+        frames = vaes.decode_video(av.video)
+        bar(1, 2)
+        waveform = vaes.decode_audio(av.audio)
+        bar(2, 2)
+    # The audio latents cover round(F / 24 * 40) / 40 s; deliver the soundtrack at the video's exact length.
+    samples = round(frames.shape[0] / FPS * vaes.sample_rate)
+    images = cl.frames_to_image(frames)
+    audio = cl.waveform_to_audio(waveform[:, :samples], vaes.sample_rate)
+    return images, audio, host.make_video(images, audio, float(FPS))
+
+
+def generate(registry: EngineRegistry, host: Host, model: ModelSpec, te: ComponentSpec, vae: ComponentSpec, prompt: str,
+             width: int, height: int, length: int, seconds: float, seed: int, first_frame: torch.Tensor | None = None,
+             last_frame: torch.Tensor | None = None, force_offload: bool = False) -> tuple[Any, torch.Tensor, dict[str, Any]]:
+    """VflashGenerate: encode, sample, decode in one node."""
+    cond, latent, _ = encode(registry, host, te, vae, prompt, width, height, length, seconds, first_frame, last_frame)
+    latent = sample(registry, host, model, cond, latent, seed, force_offload)
+    images, audio, video = decode(registry, host, vae, latent)
+    return video, images, audio
+
+
+def unload(registry: EngineRegistry, host: Host, anything: Any, what: str) -> Any:
+    """VflashUnload: release engines, empty the host's caches, pass the input through."""
+    released = registry.release(what)
+    host.free_memory()
+    host.log("Vflash unload: " + (", ".join(released) if released else f"nothing of '{what}' was loaded"))
+    return anything
