@@ -70,13 +70,18 @@ def _build(folder: Path, progress) -> None:
     (folder / "assets.json").write_text(json.dumps(assets, indent=2) + "\n")
 
 
+def demo_receipt_path(cache_dir: str | Path | None = None) -> Path:
+    """Where the prepared-assets receipt of the current demo family lives (built or not)."""
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return cache / f"demo-{_family_key()}" / _RECEIPT
+
+
 def ensure_demo_assets(cache_dir: str | Path | None = None, progress=None) -> Path:
     """Build the embedded family once (idempotent, atomic) and return its prepared-assets receipt."""
     from .pipeline import prepare_pipeline
 
-    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    final = cache / f"demo-{_family_key()}"
-    receipt = final / _RECEIPT
+    receipt = demo_receipt_path(cache_dir)
+    final, cache = receipt.parent, receipt.parent.parent
     if receipt.is_file():
         return receipt
     if not final.exists():
@@ -114,10 +119,12 @@ def _free_output(name: str = "demo.mp4") -> Path:
 
 
 def run_demo(output: str | Path | None = None, overwrite: bool = False, cache_dir: str | Path | None = None, progress=None, **pipeline_options):
-    """Generate the demo clip; returns (VideoResult, timings) with `build_seconds` (0 when cached) and
-    `initialization_seconds`. Without `output`, writes the first free name of demo.mp4, demo-2.mp4, ..."""
+    """Generate the demo clip; returns (VideoResult, info) with `built` (whether this call built the family),
+    `build_seconds`, `initialization_seconds` and the `receipt`. Without `output`, writes the first free name of
+    demo.mp4, demo-2.mp4, ..."""
     from .pipeline import H3Pipeline, VideoRequest
 
+    built = not demo_receipt_path(cache_dir).is_file()
     start = time.perf_counter()
     receipt = ensure_demo_assets(cache_dir, progress)
     build = time.perf_counter() - start
@@ -130,4 +137,4 @@ def run_demo(output: str | Path | None = None, overwrite: bool = False, cache_di
             result = pipeline.generate(request, target, overwrite=overwrite, progress=progress)
         except OutputExistsError as exc:
             raise VflashError(f"{exc} (pass --overwrite, or another --output)") from None
-        return result, {"build_seconds": build, "initialization_seconds": pipeline.initialization_seconds, "receipt": str(receipt)}
+        return result, {"built": built, "build_seconds": build, "initialization_seconds": pipeline.initialization_seconds, "receipt": str(receipt)}

@@ -149,7 +149,7 @@ def write_mp4(
     path = Path(path)
     with atomic_file(path, overwrite=overwrite, suffix=".mp4") as tmp, rgb_frames(frames, shape, video_input, path.parent) as rgb:
         _encode(tmp, rgb, shape, audio, sample_rate, fps, video_threads)
-    logger.info("wrote %s: %d frames %dx%d at %d fps, %.3f s of %d Hz audio", path, shape[0], shape[2], shape[1], fps, audio.shape[1] / sample_rate, sample_rate)
+    logger.debug("wrote %s: %d frames %dx%d at %d fps, %.3f s of %d Hz audio", path, shape[0], shape[2], shape[1], fps, audio.shape[1] / sample_rate, sample_rate)
     return path
 
 
