@@ -1,0 +1,132 @@
+"""`H3Pipeline.generate`: MP4 delivery, stage timings (seed 002), reuse across serial requests, composition from
+separately loaded parts, cancellation and failures that leave nothing behind."""
+
+from __future__ import annotations
+
+import time
+
+import av
+import pytest
+import torch
+
+from conftest import assert_bitwise
+from vflash_core.conditioning import TextConditioner
+from vflash_core.errors import SessionClosedError, VflashError
+from vflash_core.media import probe_mp4
+from vflash_core.pipeline import H3Pipeline, PreparedAssets, RequestCancelled, VideoRequest
+from vflash_core.session import NativeEngineSession
+from vflash_core.vae import MediaVAEs
+
+REQUEST = VideoRequest("A train crosses a snowy bridge, whistle echoing.", seed=4, width=96, height=64)
+
+
+@pytest.fixture(scope="module")
+def pipeline(h3_prepared):
+    with H3Pipeline.from_prepared(h3_prepared) as p:
+        yield p
+
+
+def test_generate_writes_the_mp4_and_times_its_stages(pipeline, tmp_path):
+    events = []
+    loaded_before = pipeline.prepared
+    start = time.perf_counter()
+    result = pipeline.generate(REQUEST, tmp_path / "clip.mp4", progress=lambda *e: events.append(e))
+    wall = time.perf_counter() - start
+    info = probe_mp4(result.path)
+    assert (info["frames"], info["fps"], info["width"], info["height"]) == (124, 24.0, 96, 64)
+    assert (info["audio_codec"], info["sample_rate"], info["channels"]) == ("aac", 32000, 2)
+    assert info["audio_seconds"] == pytest.approx(124 / 24, abs=2e-3)  # the soundtrack is cut to the video's length
+    assert (result.mode, result.width, result.height, result.num_frames, result.fps, result.sample_rate) == ("t2va", 96, 64, 124, 24, 32000)
+    assert result.metadata["audio_samples"] == round(124 / 24 * 32000) and result.metadata["seed"] == 4
+
+    stages = result.stages
+    top = {k: v for k, v in stages.items() if "." not in k}
+    assert set(top) == {"validate", "encode", "denoise", "decode", "write"}
+    assert set(stages) - set(top) == {"encode.inputs", "encode.text", "encode.vae", "encode.bundle", "decode.video", "decode.audio"}
+    assert sum(v for k, v in stages.items() if k.startswith("encode.")) <= stages["encode"]
+    assert stages["decode.video"] + stages["decode.audio"] <= stages["decode"]
+    assert sum(top.values()) <= result.elapsed_seconds
+    # On the pipeline's first use, generate loads the models after its input checks; that is initialization, which
+    # `elapsed_seconds` excludes.
+    assert pipeline.initialization_seconds > 0
+    assert result.elapsed_seconds <= wall - (0.0 if loaded_before else pipeline.initialization_seconds) + 1e-3
+    assert result.session.request_wall_seconds <= stages["denoise"]
+
+    done = [(stage, done, total) for stage, done, total in events]
+    assert [e for e in done if e[0] != "load"] == [("encode", 1, 1), *[("denoise", i, 4) for i in range(1, 5)], ("decode", 1, 2), ("decode", 2, 2), ("write", 1, 1)]
+
+
+def test_serial_requests_reuse_the_models_and_repeat_exactly(pipeline):
+    initialization = pipeline.initialization_seconds
+    first = pipeline.generate(REQUEST, None)
+    second = pipeline.generate(REQUEST, None)
+    other = pipeline.generate(VideoRequest(REQUEST.prompt, seed=5, width=96, height=64), None)
+    assert first.path is None and first.media is not None
+    assert pipeline.initialization_seconds == initialization
+    assert second.session.request_index == first.session.request_index + 1
+    assert second.session.initialization_charged_seconds == 0.0
+    assert_bitwise(second.media.frames, first.media.frames, "frames of a repeated request")
+    assert_bitwise(second.media.waveform, first.media.waveform, "waveform of a repeated request")
+    assert not torch.equal(other.media.frames, first.media.frames)
+
+
+def test_generate_is_the_stage_api_end_to_end(pipeline):
+    """encode -> denoise -> decode by hand gives exactly what `generate` decodes."""
+    direct = pipeline.generate(REQUEST, None).media
+    generation = pipeline.denoise(pipeline.encode(REQUEST))
+    staged = pipeline.decode(generation.video_latents, generation.audio_latents)
+    assert_bitwise(staged.frames, direct.frames, "frames")
+    assert_bitwise(staged.waveform, direct.waveform, "waveform")
+    assert staged.frames.shape == (124, 64, 96, 3) and staged.waveform.shape == (2, 207 * 800)
+
+
+def test_pipeline_composes_from_separately_loaded_parts(pipeline, h3_prepared):
+    assets = PreparedAssets.load(h3_prepared)
+    parts = (
+        TextConditioner.from_pretrained(assets.model_root),
+        MediaVAEs.from_pretrained(assets.decoder_root),
+        NativeEngineSession(assets.profile, **assets.session_paths()),
+    )
+    with H3Pipeline(assets.profile, *parts) as composed:
+        assert composed.prepared and composed.initialization_seconds == 0.0
+        media = composed.generate(REQUEST, None).media
+    assert_bitwise(media.frames, pipeline.generate(REQUEST, None).media.frames, "frames")
+    with pytest.raises(VflashError, match="needs a conditioner, VAEs and a session"):
+        H3Pipeline(assets.profile, None, None, None)
+
+
+def test_overwrite_flag_replaces_an_existing_output(pipeline, tmp_path):
+    target = tmp_path / "again.mp4"
+    target.write_bytes(b"old")
+    result = pipeline.generate(REQUEST, target, overwrite=True)
+    assert probe_mp4(result.path)["frames"] == 124
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["again.mp4"]
+
+
+def test_encode_failure_leaves_no_file_and_closes_the_pipeline(h3_prepared, tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("AAC encoder crashed")
+
+    fresh = H3Pipeline.from_prepared(h3_prepared)
+    monkeypatch.setattr(av.AudioFrame, "from_ndarray", broken)
+    with pytest.raises(RuntimeError, match="AAC encoder crashed"):
+        fresh.generate(REQUEST, tmp_path / "never.mp4")
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(SessionClosedError, match="this pipeline is closed"):
+        fresh.generate(REQUEST, tmp_path / "never.mp4")
+
+
+def test_cancel_between_evaluations_closes_the_pipeline(h3_prepared, tmp_path):
+    polls = []
+
+    def cancel() -> None:
+        polls.append(1)
+        if len(polls) == 4:  # after encoding, during the trajectory
+            raise KeyboardInterrupt("user pressed stop")
+
+    fresh = H3Pipeline.from_prepared(h3_prepared)
+    with pytest.raises(RequestCancelled, match="request cancelled: user pressed stop"):
+        fresh.generate(REQUEST, tmp_path / "stopped.mp4", cancel=cancel)
+    assert list(tmp_path.iterdir()) == [] and fresh.session is None
+    with pytest.raises(SessionClosedError):
+        fresh.validate(REQUEST)
