@@ -441,8 +441,9 @@ class ComfyNode:
     @classmethod
     def GET_SCHEMA(cls) -> Schema:
         schema = cls.define_schema()
-        schema.validate()
         schema.finalize()
+        schema.validate()
+        cls.SCHEMA = schema
         return schema
 
 

@@ -1,0 +1,394 @@
+"""The ComfyUI node pack over the test stand-ins: schemas, model folders, the t2va chain on the embedded demo model
+to an MP4, core latent interop, interrupts, memory cooperation and engine lifetime.
+
+ComfyUI is not installed here: `tests/comfy_standins/` provides `comfy_api.latest`, `comfy.utils`,
+`comfy.model_management`, `comfy.nested_tensor` and `folder_paths` (ComfyUI 0.33.0 interfaces), and the pack is loaded
+from the repository root the way ComfyUI loads a custom node. `tests/test_comfyui_server.py` runs the same workflows
+against a real ComfyUI server when `COMFYUI_ROOT` is set.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from comfy_standins import harness
+from vflash_core import comfy_latent as cl
+from vflash_core.errors import RequestError, VflashError
+from vflash_core.workflow import VFLASH_SIGNATURES, WorkflowError, apply_overrides, execute, load_api_workflow
+
+REPO = Path(__file__).resolve().parent.parent
+API = REPO / "workflows" / "api"
+# A small canvas keeps the chain fast on two CPU cores; the workflow files use the demo family's 448x256.
+SMALL = ["4.width=128", "4.height=128"]
+
+
+@pytest.fixture(scope="module")
+def pack(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("vflash-cache")
+    previous = os.environ.get("VFLASH_CACHE")
+    os.environ["VFLASH_CACHE"] = str(cache)
+    loaded = harness.install(tmp_path_factory.mktemp("comfyui"))
+    yield loaded
+    loaded.module.nodes.registry.ENGINES.close()
+    harness.uninstall()
+    if previous is None:
+        os.environ.pop("VFLASH_CACHE", None)
+    else:
+        os.environ["VFLASH_CACHE"] = previous
+
+
+@pytest.fixture
+def comfy(pack):
+    """The stand-in modules, with a progress hook that records every update like the server's hook would."""
+    utils = importlib.import_module("comfy.utils")
+    mm = importlib.import_module("comfy.model_management")
+    updates: list[tuple[int, int]] = []
+
+    def hook(value, total, preview, node_id=None):
+        mm.throw_exception_if_processing_interrupted()
+        updates.append((value, total))
+
+    utils.set_progress_bar_global_hook(hook)
+    throttle, utils.PROGRESS_THROTTLE_MIN_INTERVAL = utils.PROGRESS_THROTTLE_MIN_INTERVAL, 0.0  # observe every update
+    mm.interrupt_current_processing(False)
+    mm.calls.clear()
+    yield mm, updates
+    utils.PROGRESS_THROTTLE_MIN_INTERVAL = throttle
+    utils.set_progress_bar_global_hook(None)
+    mm.interrupt_current_processing(False)
+
+
+def run(pack, workflow, on_node=None):
+    return execute(workflow, pack.node_types(workflow), on_node=on_node)
+
+
+def output_dir() -> Path:
+    return Path(importlib.import_module("folder_paths").get_output_directory())
+
+
+# -- schemas -------------------------------------------------------------------------------------------------------
+
+
+def test_every_node_schema(pack):
+    io = importlib.import_module("comfy_api.latest").io
+    assert set(pack.nodes) == set(VFLASH_SIGNATURES)
+    for node_id, cls in pack.nodes.items():
+        schema = cls.GET_SCHEMA()
+        assert node_id.startswith("Vflash") and schema.category.startswith("Vflash/"), node_id
+        assert schema.display_name and schema.description, node_id
+        for inp in schema.inputs:
+            for child in inp.get_all():
+                if isinstance(child, io.WidgetInput) or (isinstance(inp, io.Autogrow.Input) and child is not inp):
+                    assert child.tooltip, f"{node_id}.{child.id} has no tooltip"
+        for inp in schema.inputs:
+            if isinstance(inp, io.Combo.Input) and (node_id, inp.id) != ("VflashLoraSelect", "lora"):  # no LoRA files here
+                assert inp.options and (inp.default is None or inp.default in inp.options), f"{node_id}.{inp.id}"
+        info = schema.v1_info()
+        assert info["output"] and info["name"] == node_id
+
+
+def test_headless_table_matches_the_schemas(pack):
+    """`vflash run-workflow` knows each node by the same inputs, optional inputs and outputs as ComfyUI does."""
+    types = pack.node_types()
+    for node_id, (inputs, optional, outputs, output_node) in VFLASH_SIGNATURES.items():
+        spec = types[node_id]
+        assert dict(spec.inputs) == inputs, node_id
+        assert set(spec.inputs) - spec.required == optional, node_id
+        assert spec.outputs == outputs and spec.output_node == output_node, node_id
+
+
+def test_schema_rules_in_tooltips(pack):
+    encode = pack.schema("VflashEncode")
+    by_id = {i.id: i for i in encode.inputs}
+    assert "17 n + 5" in by_id["length"].tooltip and "multiple of 32" in by_id["width"].tooltip
+    sampler = pack.schema("VflashSampler")
+    assert "fixed schedule" in sampler.description and "EMPTY" in {i.id: i for i in sampler.inputs}["latent"].tooltip
+    unload = pack.schema("VflashUnload")
+    assert unload.is_output_node and unload.not_idempotent
+
+
+def test_root_import_without_comfyui_registers_only_the_packages():
+    """Outside ComfyUI the root package imports (no comfy_api), registers vflash_core, exposes no entry point, and
+    initialises no CUDA."""
+    code = (
+        "import importlib.util, sys, torch\n"
+        f"spec = importlib.util.spec_from_file_location('vflash_root', {str(REPO / '__init__.py')!r}, submodule_search_locations=[{str(REPO)!r}])\n"
+        "m = importlib.util.module_from_spec(spec); sys.modules['vflash_root'] = m; spec.loader.exec_module(m)\n"
+        "import vflash_core\n"
+        "assert not hasattr(m, 'comfy_entrypoint'), 'entry point without ComfyUI'\n"
+        "assert 'comfy_api' not in sys.modules and 'nodes' not in sys.modules\n"
+        "assert not torch.cuda.is_initialized()\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+# -- model folders -------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_files(pack) -> Path:
+    """Official-layout tiny H3 weights in ComfyUI's model folders, plus files that are not H3 transformers."""
+    from safetensors.torch import save_file
+
+    from vflash_core import synthetic
+    from vflash_core.config import H3Config
+
+    models = Path(importlib.import_module("folder_paths").models_dir)
+    tiny = H3Config.preset("tiny")
+    weights = synthetic.random_internal_weights(tiny, seed=3)
+    (models / "diffusion_models").mkdir(parents=True, exist_ok=True)
+    synthetic.write_original_transformer(models / "diffusion_models" / "h3_tiny.safetensors", tiny, weights)
+    save_file({"x": torch.zeros(2)}, str(models / "diffusion_models" / "other_model.safetensors"))
+    synthetic.write_diffusers_transformer(models / "diffusers" / "H3-tiny" / "transformer", tiny, weights)
+    (models / "diffusers" / "not-h3").mkdir(parents=True)
+    compiled = models / "vflash" / "my-compiled"
+    (compiled / "artifact").mkdir(parents=True)
+    (compiled / "artifact" / "manifest.json").write_text("{}")
+    return models
+
+
+def test_model_folders_and_fingerprints(pack, model_files):
+    folder_paths = importlib.import_module("folder_paths")
+    assert os.path.join(folder_paths.models_dir, "vflash") in folder_paths.get_folder_paths("vflash")
+    models = model_files
+
+    options = pack.schema("VflashModelLoader").inputs[0].options
+    assert options[0] == "embedded-demo"
+    assert {"diffusion_models/h3_tiny.safetensors", "diffusers/H3-tiny", "vflash/my-compiled"} <= set(options)
+    assert "diffusion_models/other_model.safetensors" not in options and "diffusers/not-h3" not in options
+
+    loader = pack.nodes["VflashModelLoader"]
+    widgets = dict(profile="t2va-base4-exact-cpu", weight_residency="auto", device="cpu", peer_device="none", strategy="sequence-head", attention_backend="auto")
+    before = loader.fingerprint_inputs(model="diffusion_models/h3_tiny.safetensors", **widgets)
+    assert before == loader.fingerprint_inputs(model="diffusion_models/h3_tiny.safetensors", **widgets)
+    path = models / "diffusion_models" / "h3_tiny.safetensors"
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    assert loader.fingerprint_inputs(model="diffusion_models/h3_tiny.safetensors", **widgets) != before
+
+
+def test_official_single_file_compiles_on_first_use(pack, comfy, model_files):
+    """A single-file H3 transformer in diffusion_models is prepared and compiled for the profile once, with progress."""
+    mm, updates = comfy
+    loader = pack.nodes["VflashModelLoader"]
+    kwargs = dict(model="diffusion_models/h3_tiny.safetensors", profile="t2va-base4-exact-cpu", weight_residency="auto", device="cpu",
+                  peer_device="none", strategy="sequence-head", attention_backend="auto")
+    spec = loader.execute(**kwargs).args[0]
+    assert Path(spec.compile_dir, "artifact", "manifest.json").is_file()
+    assert (2, 2) in updates and mm.calls["unload_all_models"] >= 1
+    registry = pack.module.nodes.registry.ENGINES
+    assert registry.loaded()["dit"] == "diffusion_models/h3_tiny.safetensors"
+    with pytest.raises(VflashError, match="choose the profile"):
+        loader.execute(**{**kwargs, "profile": "auto"})
+    registry.release("dit")
+
+
+# -- the t2va chain -----------------------------------------------------------------------------------------------
+
+
+def test_t2va_chain_to_mp4(pack, comfy):
+    from vflash_core.media import probe_mp4
+
+    mm, updates = comfy
+    workflow = apply_overrides(load_api_workflow(API / "t2va.json"), [*SMALL, "7.filename_prefix=video/chain"])
+    report = run(pack, workflow)
+    files = sorted((output_dir() / "video").glob("chain_*.mp4"))
+    assert len(files) == 1
+    info = probe_mp4(files[0])
+    assert (info["frames"], info["width"], info["height"], info["fps"]) == (124, 128, 128, 24.0)
+    assert info["audio_codec"] == "aac" and info["channels"] == 2 and abs(info["audio_seconds"] - 124 / 24) < 0.05
+    # core types: IMAGE [F, H, W, 3] in 0..1, AUDIO {"waveform": [1, 2, T], "sample_rate"}, VIDEO from components
+    images, audio, video = report.outputs["6"]
+    assert images.shape == (124, 128, 128, 3) and images.dtype == torch.float32 and 0 <= images.min() and images.max() <= 1
+    assert audio["waveform"].shape == (1, 2, round(124 / 24 * audio["sample_rate"])) and audio["sample_rate"] == 32000
+    assert video.get_dimensions() == (128, 128) and video.get_frame_count() == 124
+    # the sampler's LATENT is core's nested H3 AV layout
+    latent = report.outputs["5"][0]["samples"]
+    assert latent.is_nested and latent.tensors[0].shape[:3] == (1, 8, 37) and latent.tensors[1].shape == (1, 8, 2, 207)
+    # progress every evaluation (4 for the demo profile) and memory cooperation before loading and sampling
+    assert [u for u in updates if u[1] == 4] == [(1, 4), (2, 4), (3, 4), (4, 4)]
+    assert mm.calls["unload_all_models"] >= 2 and mm.calls["soft_empty_cache"] >= 2 and mm.calls["get_torch_device"] >= 1
+
+
+def test_core_empty_latent_and_create_video(pack, comfy):
+    """Core EmptyMiniMaxH3LatentAV (24/32 channels) sets the sampler's canvas; core CreateVideo + SaveVideo save it."""
+    from vflash_core.media import probe_mp4
+
+    workflow = apply_overrides(load_api_workflow(API / "t2va_core_save.json"), [*SMALL, "10.width=128", "10.height=128", "7.filename_prefix=video/core"])
+    report = run(pack, workflow)
+    video, audio = report.outputs["5"][0]["samples"].tensors
+    assert video.shape == (1, 8, 37, 8, 8) and audio.shape == (1, 8, 2, 207)
+    info = probe_mp4(next((output_dir() / "video").glob("core_*.mp4")))
+    assert info["frames"] == 124 and info["audio_codec"] == "aac"
+
+
+def test_sampler_output_decodes_like_core_layout(pack, comfy):
+    """The sampler's latent round-trips through core's layout exactly, and VflashDecode accepts core-layout latents."""
+    report = run(pack, apply_overrides(load_api_workflow(API / "t2va.json"), [*SMALL, "7.filename_prefix=video/rt"]))
+    latent = report.outputs["5"][0]
+    av = cl.from_comfy_latent(latent)
+    again = cl.to_comfy_latent(av.video, av.audio, type(latent["samples"]))
+    assert all(torch.equal(a, b) for a, b in zip(again["samples"].tensors, latent["samples"].tensors))
+    assert torch.equal(av.audio[1], latent["samples"].tensors[1][0, :, 1])
+
+
+def test_sampler_refuses_bad_latents(pack, comfy):
+    nested = importlib.import_module("comfy.nested_tensor").NestedTensor
+    base = load_api_workflow(API / "t2va.json")
+    model = pack.nodes["VflashModelLoader"].execute(**base["1"]["inputs"]).args[0]
+    te = pack.nodes["VflashTextEncoderLoader"].execute(**base["2"]["inputs"]).args[0]
+    vae = pack.nodes["VflashVAELoader"].execute(**base["3"]["inputs"]).args[0]
+    encode_inputs = {**base["4"]["inputs"], "te": te, "vae": vae, "width": 128, "height": 128}
+    cond = pack.nodes["VflashEncode"].execute(**encode_inputs).args[0]
+    sampler = pack.nodes["VflashSampler"]
+    full = {"samples": nested((torch.ones(1, 8, 37, 8, 8), torch.zeros(1, 8, 2, 207)))}
+    with pytest.raises(RequestError, match="must be empty"):
+        sampler.execute(model=model, cond=cond, latent=full, seed=0)
+    with pytest.raises(RequestError, match="nested video"):
+        sampler.execute(model=model, cond=cond, latent={"samples": torch.zeros(1, 4, 16, 16)}, seed=0)
+    wrong = {"samples": nested((torch.zeros(1, 8, 37, 8, 8), torch.zeros(1, 8, 2, 100)))}
+    with pytest.raises(RequestError, match="audio latent has 100 frames"):
+        sampler.execute(model=model, cond=cond, latent=wrong, seed=0)
+
+
+def test_keyframe_conditioning_must_match_the_canvas(pack, comfy):
+    from PIL import Image
+
+    Image.new("RGB", (128, 128), (200, 30, 30)).save(Path(importlib.import_module("folder_paths").get_input_directory()) / "vflash_first_frame.png")
+    workflow = apply_overrides(load_api_workflow(API / "i2va.json"), [*SMALL, "7.filename_prefix=video/i2va"])
+    run(pack, workflow)
+    assert list((output_dir() / "video").glob("i2va_*.mp4"))
+    mismatched = json.loads(json.dumps(workflow))
+    mismatched["10"] = {"class_type": "EmptyMiniMaxH3LatentAV", "inputs": {"width": 160, "height": 128, "length": 124}}
+    mismatched["5"]["inputs"]["latent"] = ["10", 0]
+    with pytest.raises(RequestError, match="encoded for 128x128"):
+        run(pack, mismatched)
+
+
+# -- interrupts ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_interrupt_at_evaluation_k_stops_within_one_and_next_run_succeeds(pack, comfy, k):
+    mm, updates = comfy
+    workflow = apply_overrides(load_api_workflow(API / "t2va.json"), [*SMALL, f"7.filename_prefix=video/interrupt{k}", f"5.seed={k}"])
+    registry = pack.module.nodes.registry.ENGINES
+    run(pack, {nid: n for nid, n in workflow.items() if nid == "1"} | {"9": {"class_type": "VflashUnload", "inputs": {"anything": ["1", 0], "what": "te"}}})
+    session = registry._entries["dit"].engine
+    hook = importlib.import_module("comfy.utils").PROGRESS_BAR_HOOK
+    seen: list[int] = []
+
+    def interrupting(value, total, preview, node_id=None):
+        hook(value, total, preview, node_id)
+        if total == 4:
+            seen.append(value)
+            if value == k:
+                mm.interrupt_current_processing(True)  # the user presses Cancel right after evaluation k
+
+    importlib.import_module("comfy.utils").set_progress_bar_global_hook(interrupting)
+    with pytest.raises(mm.InterruptProcessingException):
+        run(pack, workflow)
+    # Stopped between the blocks of evaluation k + 1: no further evaluation completed.
+    assert seen == list(range(1, k + 1))
+    assert not list((output_dir() / "video").glob(f"interrupt{k}_*.mp4"))
+    # The engine stayed loaded and usable: the next run reuses it and succeeds.
+    importlib.import_module("comfy.utils").set_progress_bar_global_hook(hook)
+    run(pack, workflow)
+    assert registry._entries["dit"].engine is session and not session.closed
+    assert list((output_dir() / "video").glob(f"interrupt{k}_*.mp4"))
+
+
+def test_interrupt_during_load_leaves_nothing_half_loaded(pack, comfy):
+    mm, _ = comfy
+    registry = pack.module.nodes.registry.ENGINES
+    registry.release("all")
+    loader = pack.nodes["VflashModelLoader"]
+    kwargs = dict(model="embedded-demo", profile="auto", weight_residency="auto", device="auto", peer_device="none", strategy="sequence-head", attention_backend="auto")
+    mm.interrupt_current_processing(True)
+    with pytest.raises(mm.InterruptProcessingException):
+        loader.execute(**kwargs)
+    assert "dit" not in registry.loaded()
+    spec = loader.execute(**kwargs).args[0]
+    assert registry.loaded()["dit"] == "embedded-demo" and spec.device == "cpu"
+
+
+# -- memory cooperation ---------------------------------------------------------------------------------------------
+
+
+def test_force_offload_and_unload_release_and_next_run_reloads(pack, comfy):
+    registry = pack.module.nodes.registry.ENGINES
+    workflow = apply_overrides(load_api_workflow(API / "t2va.json"), [*SMALL, "5.force_offload=true", "4.force_offload=true", "7.filename_prefix=video/offload"])
+    run(pack, workflow)
+    assert "dit" not in registry.loaded() and "te" not in registry.loaded() and "vae" in registry.loaded()
+    unload = {**workflow, "9": {"class_type": "VflashUnload", "inputs": {"anything": ["7", 0], "what": "all"}}}
+    run(pack, apply_overrides(unload, ["7.filename_prefix=video/offload2"]))
+    assert registry.loaded() == {}
+    run(pack, apply_overrides(workflow, ["7.filename_prefix=video/offload3", "5.force_offload=false"]))
+    assert set(registry.loaded()) == {"dit", "vae"}
+    assert len(list((output_dir() / "video").glob("offload*.mp4"))) == 3
+
+
+def test_memory_plan_line_per_run(pack, comfy, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="vflash"):
+        run(pack, apply_overrides(load_api_workflow(API / "t2va.json"), [*SMALL, "7.filename_prefix=video/plan"]))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Vflash memory plan:")]
+    assert len(lines) == 1 and "residency resident" in lines[0] and "blocks on device" in lines[0] and "pinned host" in lines[0] and "peak allocated" in lines[0]
+
+
+# -- the encode split equals the pipeline's bundle ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("keyframes", [(), ("first", "last")])
+def test_encode_then_sample_bundle_equals_pipeline_bundle(pack, comfy, keyframes, tmp_path):
+    """VflashEncode + the sampler's noise draw build exactly the bundle `pipeline.build_request_bundle` builds."""
+    import numpy as np
+    from PIL import Image
+
+    from vflash_core import node_ops as ops
+    from vflash_core.pipeline import VideoRequest, build_request_bundle
+
+    registry = pack.module.nodes.registry.ENGINES
+    host = pack.module.nodes.host.HOST
+    folders = pack.module.nodes.host.FOLDERS
+    te = ops.load_text_encoder(registry, host, folders, "embedded-demo", "cpu")
+    vae = ops.load_vae(registry, host, folders, "embedded-demo", "cpu")
+    model = ops.load_model(registry, host, folders, "embedded-demo", "auto", "auto", "cpu", "none", "sequence-head", "auto")
+    images = {}
+    for name, color in zip(keyframes, ((250, 20, 20), (20, 20, 250))):
+        pixels = np.zeros((96, 160, 3), np.uint8)
+        pixels[..., :] = color
+        pixels[10:40, 30:90] = 255
+        Image.fromarray(pixels).save(tmp_path / f"{name}.png")
+        images[name] = torch.from_numpy(pixels.astype(np.float32) / 255.0)[None]
+    prompt = "A red square <Picture 1> turns blue." if keyframes else "Waves crash on a rocky shore."
+    cond, latent, frames = ops.encode(registry, host, te, vae, prompt, 128, 96, 124, 0.0, images.get("first"), images.get("last"), force_offload=False)
+    session = registry._entries["dit"].engine
+    mine = ops.request_bundle(cond, cl.from_comfy_latent(latent).geometry, 7, session.compiled.config).consume()
+    request = VideoRequest(prompt, first_frame=tmp_path / "first.png" if keyframes else None, last_frame=tmp_path / "last.png" if keyframes else None,
+                           duration_seconds=5.0, seed=7, width=128, height=96)
+    theirs = build_request_bundle(registry._entries["te"].engine, registry._entries["vae"].engine, request, session.compiled.config, session.profile).consume()
+    assert mine.mode == theirs.mode == ("fl2va" if keyframes else "t2va")
+    assert mine.fingerprint() == theirs.fingerprint()
+
+
+# -- workflows with unsupported nodes -----------------------------------------------------------------------------------
+
+
+def test_unsupported_core_node_is_named_before_anything_runs(pack):
+    workflow = load_api_workflow(API / "t2va.json")
+    workflow["20"] = {"class_type": "KSampler", "inputs": {}}
+    from vflash_core.workflow import headless_node_types, plan
+
+    with pytest.raises(WorkflowError, match=r"unsupported nodes: 20 \(KSampler\)"):
+        plan(workflow, headless_node_types())
