@@ -77,16 +77,17 @@ def test_explicit_unavailable_backend_is_an_error(gpu_compiled):
 
 
 @pytest.mark.multigpu
+@pytest.mark.parametrize("strategy", ["sequence-head", "tensor"])
 @pytest.mark.parametrize("residency", ["resident", "block-ring"])
-def test_sequence_head_on_two_gpus(gpu_compiled, residency):
+def test_two_gpus(gpu_compiled, strategy, residency):
     with NativeEngineSession(PROFILE, **gpu_compiled, device="cuda:0") as single:
         expected = single.generate(_bundle(3))
-    with NativeEngineSession(PROFILE, **gpu_compiled, device="cuda:0", peer_device=1, strategy="sequence-head", weight_residency=residency) as group:
+    with NativeEngineSession(PROFILE, **gpu_compiled, device="cuda:0", peer_device=1, strategy=strategy, weight_residency=residency) as group:
         got = group.generate(_bundle(3), progress=lambda done, total: None)
         again = group.generate(_bundle(3))
     assert_bitwise(got.video_latents, again.video_latents, "repeatable")
     diff = (got.video_latents - expected.video_latents).abs().max().item()
-    print(f"sequence-head vs single GPU ({residency}): max abs diff {diff:.3e}")
+    print(f"{strategy} vs single GPU ({residency}): max abs diff {diff:.3e}")
     assert diff < 1e-1
 
 

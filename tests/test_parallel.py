@@ -133,3 +133,70 @@ def test_fault_on_rank_one_aborts_both_and_fails_the_session(tiny_compiled, monk
     with pytest.raises(SessionClosedError, match="failed earlier"):
         session.generate(_bundle(2))
     session.close()
+
+
+# -- tensor ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def wide_fp32(tmp_path_factory):
+    """fp32 weights: tensor parallelism's partial sums then differ from one device only by fp32 reduction order."""
+    tmp = tmp_path_factory.mktemp("wide32")
+    folder = synthetic.write_diffusers_transformer(tmp / "t", WIDE, synthetic.random_internal_weights(WIDE, seed=6, dtype=torch.float32))
+    return folder, compile_tiny(tmp, folder, PROFILE)
+
+
+def test_tensor_shards_reassemble_the_block(wide_compiled):
+    from vflash_core.artifact import CompiledArtifact
+
+    artifact = CompiledArtifact(**wide_compiled)
+    block = artifact.read_block(1).tensors
+    for ranks in (2, 4, 8):
+        shards = [P.TensorShard(WIDE, r, ranks).tensors(block) for r in range(ranks)]
+        for name in ("attn.out.weight", "ffn.out.weight"):
+            assert_bitwise(torch.cat([s[name] for s in shards], dim=1), block[name], f"{name} over {ranks}")
+        qkv = torch.stack([s["attn.qkv.weight"].unflatten(0, (3, -1)) for s in shards], dim=1).flatten(1, 2).flatten(0, 1)
+        assert_bitwise(qkv, block["attn.qkv.weight"], f"qkv over {ranks}")
+        value = torch.cat([s["ffn.in.weight"].chunk(2)[0] for s in shards])
+        assert_bitwise(value, block["ffn.in.weight"].chunk(2)[0], f"ffn value over {ranks}")
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("residency", ["resident", "block-ring"])
+def test_tensor_strategy_matches_single_device(wide_fp32, ranks, residency):
+    _, paths = wide_fp32
+    bundle = _wide_bundle(2)
+    bundle.prompt_embeds = bundle.prompt_embeds.float()
+    with NativeEngineSession(PROFILE, **paths) as single:
+        expected = single.generate(bundle)
+    with NativeEngineSession(PROFILE, **paths, peer_device=["cpu"] * (ranks - 1), strategy="tensor", weight_residency=residency) as group:
+        got = group.generate(bundle)
+    torch.testing.assert_close(got.video_latents, expected.video_latents, rtol=0, atol=2e-5)  # fp32 reduction order
+    torch.testing.assert_close(got.audio_latents, expected.audio_latents, rtol=0, atol=2e-5)
+
+
+def test_tensor_strategy_shards_lora_branches(tmp_path, wide_fp32):
+    """A LoRA on every block linear (and AdaLN), fp32: the sharded branches sum to the single-device residual."""
+    from safetensors.torch import save_file
+
+    from conftest import cpu_profile
+    from vflash_core.profiles import AdapterSpec
+
+    folder, _ = wide_fp32
+    g = torch.Generator().manual_seed(3)
+    h, inner, f = WIDE.hidden_size, WIDE.inner_dim, WIDE.ffn_dim
+    state = {}
+    for i in range(WIDE.num_layers):
+        for module, (out_f, in_f) in {"attn.qkv_proj": (3 * inner, h), "attn.out_proj": (h, inner), "mlp.fc1": (2 * f, h), "mlp.fc2": (h, f)}.items():
+            state[f"blocks.{i}.{module}.lora_A.weight"] = torch.randn(4, in_f, generator=g) * 0.3
+            state[f"blocks.{i}.{module}.lora_B.weight"] = torch.randn(out_f, 4, generator=g) * 0.3
+    save_file(state, str(tmp_path / "lora.safetensors"), metadata={"alpha": "2"})
+    profile = cpu_profile(id="t2va-lora-cpu", adapter=AdapterSpec("test", "lora.safetensors", 2.0, 4))
+    paths = compile_tiny(tmp_path, folder, profile, adapter=tmp_path / "lora.safetensors")
+    bundle = _wide_bundle(3)
+    bundle.prompt_embeds = bundle.prompt_embeds.float()
+    with NativeEngineSession(profile, **paths) as single:
+        expected = single.generate(bundle)
+    with NativeEngineSession(profile, **paths, peer_device="cpu", strategy="tensor") as group:
+        got = group.generate(bundle)
+    torch.testing.assert_close(got.video_latents, expected.video_latents, rtol=0, atol=2e-5)

@@ -204,3 +204,110 @@ def merge_heads_reference(received: torch.Tensor, out: torch.Tensor) -> torch.Te
     """Source-major (P, S_r, Hp, D) -> (S_r, P * Hp, D) in global head order."""
     out.unflatten(1, (received.shape[0], -1)).copy_(received.permute(1, 0, 2, 3))
     return out
+
+
+class TensorShard:
+    """Rank `rank` of `size`: its heads of Q/K/V and of the output projection's input, its FFN channels.
+
+    Column-sharded (output rows): `attn.qkv` (its heads' rows of q, k and v), `ffn.in` (its value and gate channels,
+    kept [value; gate]). Row-sharded (input columns): `attn.out`, `ffn.out`; their partial products are summed across
+    ranks. Norm weights are whole. LoRA residuals follow their linear: B rows for column shards, A columns for row
+    shards (the partial B(A_r x_r) sums to B(A x)).
+    """
+
+    def __init__(self, config, rank: int, size: int):
+        head_groups(config.num_attention_heads, size)
+        if config.ffn_dim % size:
+            raise VflashError(f"FFN width {config.ffn_dim} cannot be split over {size} GPUs")
+        self.rank, self.size = rank, size
+        self.inner, self.ffn = config.inner_dim, config.ffn_dim
+        self.inner_r, self.ffn_r = config.inner_dim // size, config.ffn_dim // size
+
+    def shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        rows = {"attn.qkv.weight": 3 * self.inner_r, "ffn.in.weight": 2 * self.ffn_r}
+        cols = {"attn.out.weight": self.inner_r, "ffn.out.weight": self.ffn_r}
+        if name in rows:
+            return (rows[name], shape[1])
+        if name in cols:
+            return (shape[0], cols[name])
+        return shape
+
+    def _rows(self, t: torch.Tensor, part: int, width: int) -> torch.Tensor:
+        start = part * width * self.size + self.rank * width
+        return t[start : start + width]
+
+    def tensors(self, tensors) -> dict[str, torch.Tensor]:
+        out = dict(tensors)
+        qkv, ffn_in = tensors["attn.qkv.weight"], tensors["ffn.in.weight"]
+        out["attn.qkv.weight"] = torch.cat([self._rows(qkv, k, self.inner_r) for k in range(3)])
+        out["ffn.in.weight"] = torch.cat([self._rows(ffn_in, k, self.ffn_r) for k in range(2)])
+        out["attn.out.weight"] = tensors["attn.out.weight"][:, self.rank * self.inner_r : (self.rank + 1) * self.inner_r].contiguous()
+        out["ffn.out.weight"] = tensors["ffn.out.weight"][:, self.rank * self.ffn_r : (self.rank + 1) * self.ffn_r].contiguous()
+        return out
+
+    def loras(self, loras) -> dict[str, tuple[M.LoraResidual, ...]]:
+        out = {}
+        for name, residuals in loras.items():
+            sharded = []
+            for r in residuals:
+                if name == "attn.qkv":  # one residual per q / k / v part; keep this rank's heads of it
+                    part = r.row_start // self.inner
+                    sharded.append(M.LoraResidual(r.down, self._rows(r.up, 0, self.inner_r).contiguous(), r.scale, part * self.inner_r))
+                elif name == "ffn.in":
+                    up = torch.cat([self._rows(r.up, k, self.ffn_r) for k in range(2)])
+                    sharded.append(M.LoraResidual(r.down, up, r.scale, 0))
+                else:  # attn.out / ffn.out: this rank's input columns of A
+                    width = self.inner_r if name == "attn.out" else self.ffn_r
+                    down = r.down[:, self.rank * width : (self.rank + 1) * width].contiguous()
+                    sharded.append(M.LoraResidual(down, r.up, r.scale, r.row_start))
+            out[name] = tuple(sharded)
+        return out
+
+
+class TensorParallelBlock:
+    """`block_fn` for `tensor`: the whole residual stream on every rank, this rank's heads and FFN channels, and an
+    all-reduce of the two output projections' partial products (bf16, so rounding differs from one GPU)."""
+
+    def __init__(self, config, group: dist.ProcessGroup, size: int, attention: M.AttentionFn, fused):
+        from dataclasses import replace
+
+        self.config = config
+        self.shard_config = replace(config, num_attention_heads=config.num_attention_heads // size, ffn_dim=config.ffn_dim // size)
+        self.group = group
+        self.attention = attention
+        self.fused = fused  # a `FusedBlock` for its kernels, or None for the reference ops
+
+    def _sum(self, partial: torch.Tensor) -> torch.Tensor:
+        self.group.allreduce([partial]).wait()
+        return partial
+
+    def __call__(self, x: torch.Tensor, w: M.LayerWeights, table: torch.Tensor, plan, state, timer) -> torch.Tensor:
+        cfg, idx = self.shard_config, plan.adaln_indices
+        if self.fused is None:
+            mod = M.Modulation.gather(table, idx)
+            h = M.rms_norm(x, w["norm1.weight"], cfg.norm_eps) * (1.0 + mod.scale_msa) + mod.shift_msa
+            x = x + mod.gate_msa * self._sum(M.attention(h, w, cfg, self.attention, state.rotary))
+            h = M.rms_norm(x, w["norm2.weight"], cfg.norm_eps) * (1.0 + mod.scale_mlp) + mod.shift_mlp
+            return x + mod.gate_mlp * self._sum(M.feed_forward(h, w))
+        k = self.fused
+        with timer.stage("adaln_modulation"):
+            h = k.modulate(M.rms_norm(x, w["norm1.weight"], cfg.norm_eps), table, idx, "msa")
+        with timer.stage("qkv_projection"):
+            qkv = M.linear(h, w["attn.qkv.weight"], loras=w.lora("attn.qkv"))
+        with timer.stage("qk_norm_rope"):
+            q, kk, v = k.qk_norm_rope(qkv, w["attn.norm_q.weight"], w["attn.norm_k.weight"], cfg.qk_norm_eps, *state.rotary, head_dim=cfg.attention_head_dim)
+        with timer.stage("attention"):
+            out = self.attention(q, kk, v).flatten(2, 3).type_as(q)
+        with timer.stage("attention_output"):
+            y = self._sum(M.linear(out, w["attn.out.weight"], loras=w.lora("attn.out")))
+            k.gated_residual(x, y, table, idx, "msa", inplace=True)
+        with timer.stage("ffn_norm_modulation"):
+            h = k.modulate(M.rms_norm(x, w["norm2.weight"], cfg.norm_eps), table, idx, "mlp")
+        with timer.stage("ffn_input"):
+            p = M.linear(h, w["ffn.in.weight"], loras=w.lora("ffn.in"))
+        with timer.stage("swiglu"):
+            y = k.swiglu(p)
+        with timer.stage("ffn_output"):
+            y = self._sum(M.linear(y, w["ffn.out.weight"], loras=w.lora("ffn.out")))
+            k.gated_residual(x, y, table, idx, "mlp", inplace=True)
+        return x

@@ -14,9 +14,11 @@ bits, are identical.
 from __future__ import annotations
 
 import logging
+import math
 import mmap
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -57,14 +59,25 @@ def _device_loras(loras: dict[str, tuple[LoraResidual, ...]], device: torch.devi
     return {k: tuple(r.to(device) for r in rs) for k, rs in loras.items()}
 
 
-class ResidentBlocks(BlockSource):
-    """Every block's weights live on the device for the whole session."""
+class WeightShard(Protocol):
+    """One rank's share of a block's weights (tensor parallelism); identity when absent."""
 
-    def __init__(self, artifact: CompiledArtifact, device: torch.device, on_block=None):
+    def shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]: ...
+
+    def tensors(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+
+    def loras(self, loras: Mapping[str, tuple[LoraResidual, ...]]) -> dict[str, tuple[LoraResidual, ...]]: ...
+
+
+class ResidentBlocks(BlockSource):
+    """Every block's weights (or this rank's shard of them) live on the device for the whole session."""
+
+    def __init__(self, artifact: CompiledArtifact, device: torch.device, on_block=None, shard: WeightShard | None = None):
         self.blocks: list[LayerWeights] = []
         for i in range(artifact.config.num_layers):
             w = artifact.read_block(i)
-            self.blocks.append(LayerWeights({k: v.to(device) for k, v in w.tensors.items()}, _device_loras(w.loras, device)))
+            tensors, loras = (dict(w.tensors), dict(w.loras)) if shard is None else (shard.tensors(w.tensors), shard.loras(w.loras))
+            self.blocks.append(LayerWeights({k: v.to(device) for k, v in tensors.items()}, _device_loras(loras, device)))
             if on_block is not None:
                 on_block(i)
         self.device_weight_bytes = sum(t.nbytes for w in self.blocks for t in w.tensors.values())
@@ -87,15 +100,16 @@ class _Slot:
     nbytes: int
 
 
-def block_layout(config: H3Config, artifact: CompiledArtifact) -> tuple[list[_Slot], int]:
-    """Byte layout shared by every main block (they all have the same names, shapes and dtypes)."""
+def block_layout(config: H3Config, artifact: CompiledArtifact, shard: WeightShard | None = None) -> tuple[list[_Slot], int]:
+    """Byte layout shared by every main block (same names, shapes and dtypes), or by every block's shard."""
     store = TensorStore(artifact.artifact_dir / artifact.manifest["blocks"][0]["file"])
     slots, offset = [], 0
     for internal in block_shapes(config, "blocks.0", with_adaln=False):
         name = internal.split(".", 2)[2]
         info = store.info(name)
-        nbytes = info.end - info.start
-        slots.append(_Slot(name, info.dtype, info.shape, offset, nbytes))
+        shape = info.shape if shard is None else shard.shape(name, info.shape)
+        nbytes = math.prod(shape) * info.dtype.itemsize
+        slots.append(_Slot(name, info.dtype, shape, offset, nbytes))
         offset = _aligned(offset + nbytes)
     return slots, offset
 
@@ -103,9 +117,10 @@ def block_layout(config: H3Config, artifact: CompiledArtifact) -> tuple[list[_Sl
 class PinnedArena:
     """Every main block's weights in one segmented pinned host arena, filled once from memory-mapped block files."""
 
-    def __init__(self, artifact: CompiledArtifact, pin: bool = True, on_block=None):
+    def __init__(self, artifact: CompiledArtifact, pin: bool = True, on_block=None, shard: WeightShard | None = None):
         config = artifact.config
-        self.layout, self.block_bytes = block_layout(config, artifact)
+        self.shard = shard
+        self.layout, self.block_bytes = block_layout(config, artifact, shard)
         per_segment = max(1, _SEGMENT_BYTES // self.block_bytes)
         self.segments: list[torch.Tensor] = []
         self.spans: list[torch.Tensor] = []  # per block: uint8 view of its bytes in a segment
@@ -127,15 +142,22 @@ class PinnedArena:
         """Scoped memory map of one block file: copy its tensors into the arena, read its (small) LoRA factors."""
         path = artifact.artifact_dir / artifact.manifest["blocks"][index]["file"]
         store = TensorStore(path)
-        with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY) as mapped:  # private, so torch sees a writable buffer; never written
+        # A private mapping, so torch sees a writable buffer; nothing writes to it.
+        with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY) as mapped:
+            sources = {}
             for slot in self.layout:
                 info = store.info(slot.name)
-                if info.dtype != slot.dtype or info.shape != slot.shape:
-                    raise VflashError(f"{path}: {slot.name} is {list(info.shape)} {info.dtype}, block 0 has {list(slot.shape)} {slot.dtype}")
-                source = torch.frombuffer(mapped, dtype=torch.uint8, count=slot.nbytes, offset=info.start)
-                span[slot.offset : slot.offset + slot.nbytes].copy_(source)
-                del source  # the map cannot close while a tensor still points into it
-        return artifact.read_block_loras(index)
+                if info.dtype != slot.dtype:
+                    raise VflashError(f"{path}: {slot.name} is {info.dtype}, block 0 has {slot.dtype}")
+                sources[slot.name] = torch.frombuffer(mapped, dtype=info.dtype, count=math.prod(info.shape), offset=info.start).view(info.shape)
+            shards = sources if self.shard is None else self.shard.tensors(sources)
+            for slot in self.layout:
+                if tuple(shards[slot.name].shape) != slot.shape:
+                    raise VflashError(f"{path}: {slot.name} is {list(shards[slot.name].shape)}, block 0 has {list(slot.shape)}")
+                span[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape).copy_(shards[slot.name])
+            del sources, shards  # the map cannot close while a tensor still points into it
+        loras = artifact.read_block_loras(index)
+        return loras if self.shard is None else self.shard.loras(loras)
 
 
 class BlockRing(BlockSource):

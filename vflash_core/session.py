@@ -30,7 +30,7 @@ from .errors import IdentityMismatchError, SessionClosedError, VflashError
 from .fileio import atomic_file, check_writable_destination
 from .fused import FusedBlock
 from .layout import FPS, Geometry, audio_latent_count
-from .parallel import STRATEGIES, LocalGroup, SequenceHeadAttention, merge_heads_reference, pack_heads_reference, split_rows
+from .parallel import STRATEGIES, LocalGroup, SequenceHeadAttention, TensorParallelBlock, TensorShard, head_groups, merge_heads_reference, pack_heads_reference, split_rows
 from .profiler import StageTimer
 from .profiles import Profile, get_profile
 from .residency import BlockRing, BlockSource, PinnedArena, ResidentBlocks, activation_bytes, check_fits
@@ -86,7 +86,8 @@ class NativeEngineSession:
         artifact, schedule_overlay, auxiliary: the three outputs of one `compile`.
         device: `"cpu"`, an index or `"cuda:N"`; must match the architecture the artifact was compiled on.
         peer_device: further GPU(s) for one request (index, name or list); needs `strategy`.
-        strategy: `"sequence-head"` (rows split, heads exchanged for attention) when `peer_device` is given.
+        strategy: with `peer_device`, `"sequence-head"` (rows split, heads exchanged for attention; exact per row and
+            head) or `"tensor"` (heads and FFN channels split, partial projections summed; rounding differs).
         weight_residency: `"auto"`, `"resident"` or `"block-ring"` (CUDA only).
         attention_backend: see `attention.BACKENDS`; the backend used is logged once and reported per result.
         execution: `"fused"` (Triton elementwise kernels, the CUDA default), `"reference"` (plain PyTorch, the CPU
@@ -117,8 +118,6 @@ class NativeEngineSession:
         self.device = self.devices[0]
         if peers and strategy not in STRATEGIES:
             raise VflashError(f"two or more devices need strategy {' or '.join(STRATEGIES)}, got {strategy!r}")
-        if strategy == "tensor":
-            raise VflashError("strategy 'tensor' is not available in this build; use 'sequence-head'")
         if not peers and strategy is not None:
             raise VflashError(f"strategy {strategy!r} needs a peer_device")
         self.strategy = strategy if peers else None
@@ -131,9 +130,7 @@ class NativeEngineSession:
             if arch != self.compiled.arch:
                 raise IdentityMismatchError(f"the artifact was compiled on {self.compiled.arch}; device {dev} is {arch}")
         config = self.compiled.config
-        if self.strategy == "sequence-head" and config.num_attention_heads % len(self.devices):
-            from .parallel import head_groups
-
+        if self.strategy is not None:
             head_groups(config.num_attention_heads, len(self.devices))
         self.attention_backend, attention = resolve_attention(attention_backend, self.device)
         self.weight_residency = self._choose_residency(weight_residency)
@@ -142,26 +139,36 @@ class NativeEngineSession:
         self.execution = ("fused" if self.device.type == "cuda" else "reference") if execution == "auto" else execution
 
         self._group: LocalGroup | None = LocalGroup(self.devices, collective_timeout_seconds) if self.strategy else None
-        self._arena: PinnedArena | None = None
+        size = len(self.devices)
+        shards = [TensorShard(config, r, size) if self.strategy == "tensor" else None for r in range(size)]
         total = config.num_layers
         load = None if on_load_progress is None else (lambda i: on_load_progress(i + 1, total))
+        # One host arena shared by every ring (sequence-head replicates blocks); one arena of shards per rank (tensor).
+        self._arenas: list[PinnedArena] = []
         if self.weight_residency == "block-ring":
-            self._arena = PinnedArena(self.compiled, pin=self.device.type == "cuda", on_block=load)
+            pin = self.device.type == "cuda"
+            if self.strategy == "tensor":
+                self._arenas = [PinnedArena(self.compiled, pin, load if r == 0 else None, shard) for r, shard in enumerate(shards)]
+            else:
+                self._arenas = [PinnedArena(self.compiled, pin, load)]
         self._denoisers: list[Denoiser] = []
         for rank, dev in enumerate(self.devices):
             blocks: BlockSource
-            if self._arena is not None:
-                blocks = BlockRing(self._arena, dev)
+            if self._arenas:
+                blocks = BlockRing(self._arenas[rank % len(self._arenas)], dev)
             else:
-                blocks = ResidentBlocks(self.compiled, dev, load if rank == 0 else None)
-            rank_attention = resolve_attention(attention_backend, dev)[1]
-            if self._group is not None:
-                rank_attention = SequenceHeadAttention(
-                    self._group.group(rank), rank, [(0, 0)] * len(self.devices), config.num_attention_heads, rank_attention,
-                    pack_heads_reference, merge_heads_reference,
-                )
-            block_fn = FusedBlock(config, rank_attention) if self.execution == "fused" else None
-            self._denoisers.append(Denoiser(self.compiled, blocks, dev, rank_attention, block_fn))
+                blocks = ResidentBlocks(self.compiled, dev, load if rank == 0 else None, shards[rank])
+            local = resolve_attention(attention_backend, dev)[1]
+            fused = FusedBlock(config, local) if self.execution == "fused" else None
+            if self.strategy == "sequence-head":
+                attention = SequenceHeadAttention(self._group.group(rank), rank, [(0, 0)] * size, config.num_attention_heads, local, pack_heads_reference, merge_heads_reference)  # type: ignore[union-attr]
+                block_fn = FusedBlock(config, attention) if fused else None
+            elif self.strategy == "tensor":
+                attention = local
+                block_fn = TensorParallelBlock(config, self._group.group(rank), size, local, fused)  # type: ignore[union-attr]
+            else:
+                attention, block_fn = local, fused
+            self._denoisers.append(Denoiser(self.compiled, blocks, dev, attention, block_fn))
         self._failure: str | None = None
         self._closed = False
         self._requests = 0
@@ -199,7 +206,7 @@ class NativeEngineSession:
         """One line: devices, strategy, attention, residency, blocks on device, pinned host bytes."""
         den = self._denoisers[0]
         blocks_on_device = self.compiled.config.num_layers if self.weight_residency == "resident" else 2
-        pinned = self._arena.nbytes if self._arena is not None else 0
+        pinned = sum(a.nbytes for a in self._arenas)
         devices = ", ".join(str(d) for d in self.devices)
         strategy = f" {self.strategy}" if self.strategy else ""
         return (
@@ -251,7 +258,7 @@ class NativeEngineSession:
         if self._group is not None:
             self._group.close()
             self._group = None
-        self._arena = None
+        self._arenas = []
 
     def _check_usable(self) -> None:
         if self._failure is not None:
@@ -355,7 +362,7 @@ class NativeEngineSession:
             "weight_residency": self.weight_residency,
             "blocks_on_device": self.compiled.config.num_layers if self.weight_residency == "resident" else 2,
             "device_weight_bytes": self._denoisers[0].blocks.device_weight_bytes,
-            "pinned_host_bytes": self._arena.nbytes if self._arena is not None else 0,
+            "pinned_host_bytes": sum(a.nbytes for a in self._arenas),
         }
         if self.device.type == "cuda":
             report["peak_allocated_bytes"] = [torch.cuda.max_memory_allocated(d) for d in self.devices]
@@ -366,9 +373,13 @@ class NativeEngineSession:
         """Every rank runs the trajectory on its rows; ranks stop together at an evaluation boundary when asked."""
         group = self._group
         assert group is not None
-        rows = split_rows(bundle.layout.sequence_length, len(self.devices))
-        for den in self._denoisers:
-            den.attention.rows = rows
+        total = bundle.layout.sequence_length
+        if self.strategy == "sequence-head":
+            rows = split_rows(total, len(self.devices))
+            for den in self._denoisers:
+                den.attention.rows = rows
+        else:  # tensor: every rank holds every row
+            rows = [(0, total)] * len(self.devices)
         stop: list[BaseException] = []
 
         def poll() -> None:  # between blocks on rank 0: remember the request to stop, act on it at the boundary
@@ -401,6 +412,8 @@ class NativeEngineSession:
         results = group.run(rank_main)
         if stop:
             raise stop[0]
+        if self.strategy == "tensor":
+            results = results[:1]  # identical on every rank
         video = torch.cat([r[0] for r in results])  # type: ignore[index]
         audio = torch.cat([r[1] for r in results])  # type: ignore[index]
         return self._denoisers[0].finish(bundle, video, audio)
