@@ -154,9 +154,26 @@ def test_t2va_matches_diffusers(native, reference):
     _check(native, reference, VideoRequest("A robot dances in the rain.", seed=3, width=320, height=96), 96, 320)
 
 
-def test_i2va_matches_diffusers_on_the_keyframes_canvas(native, reference, media):
-    # No size given: the canvas follows the keyframe's 3:2 aspect under the family's 256 short edge.
-    _check(native, reference, VideoRequest("<Picture 1>: a cat jumps onto the table.", first_frame=media["first"], seed=5), 256, 384)
+def test_i2va_matches_diffusers(native, reference, media):
+    # The 120x80 keyframe is stretched onto the 96x64 canvas.
+    _check(native, reference, VideoRequest("<Picture 1>: a cat jumps onto the table.", first_frame=media["first"], seed=5, width=96, height=64), 64, 96)
+
+
+def test_canvas_follows_the_keyframe_or_the_default_aspect(media):
+    from vflash_core.pipeline import plan_request
+    from vflash_core.profiles import get_profile
+    from vflash_core.references import CanvasRules
+
+    family, released = CanvasRules(256, 256 * 448, 128), CanvasRules()
+
+    def canvas(rules, profile="t2va-base4-exact-cpu", **kwargs):
+        geometry = plan_request(VideoRequest("x", **kwargs), get_profile(profile), rules).geometry
+        return geometry.height, geometry.width
+
+    assert canvas(family, first_frame=media["first"]) == (256, 384)  # the 3:2 keyframe sets the aspect
+    assert canvas(released, last_frame=media["last"]) == (768, 768)  # l2va: the last frame does
+    assert canvas(released) == (768, 1344)  # t2va: H3's 16:9
+    assert canvas(family, "ref2va-base4-exact-cpu", references=(media["picture"],)) == (256, 448)  # references never bind it
 
 
 def test_fl2va_matches_diffusers(native, reference, media):

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from .errors import VflashError
 from .family import DEMO_FAMILY, build_model_family
-from .fileio import OutputExistsError
+from .fileio import OutputExistsError, check_writable_destination
 
 logger = logging.getLogger(__name__)
 
@@ -129,12 +129,13 @@ def run_demo(output: str | Path | None = None, overwrite: bool = False, cache_di
     receipt = ensure_demo_assets(cache_dir, progress)
     build = time.perf_counter() - start
     target = Path(output) if output is not None else _free_output()
+    try:
+        check_writable_destination(target, overwrite)
+    except OutputExistsError as exc:
+        raise VflashError(f"{exc} (pass --overwrite, or another --output)") from None
     request = VideoRequest(prompt=DEMO_PROMPT, duration_seconds=5.0, seed=DEMO_SEED)
     with H3Pipeline.from_prepared(receipt, **pipeline_options) as pipeline:
         pipeline.validate(request)
         pipeline.prepare(progress)
-        try:
-            result = pipeline.generate(request, target, overwrite=overwrite, progress=progress)
-        except OutputExistsError as exc:
-            raise VflashError(f"{exc} (pass --overwrite, or another --output)") from None
+        result = pipeline.generate(request, target, overwrite=overwrite, progress=progress)
         return result, {"built": built, "build_seconds": build, "initialization_seconds": pipeline.initialization_seconds, "receipt": str(receipt)}
