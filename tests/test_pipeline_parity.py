@@ -188,3 +188,96 @@ def test_ref2va_with_image_and_audio_references_matches_diffusers(native_ref, re
     # The 2 s soundtrack is 80 latents per channel; the 90x60 picture is encoded at the family's 128 px short edge.
     assert bundle.layout.num_condition_audio_rows == 160
     assert bundle.layout.num_condition_video_rows == (192 // 32) * (128 // 32)
+
+
+# -- video references: the parts that do not need torchvision, each against the reference's own code ---------------
+
+
+def test_reference_normalisation_matches_the_setup_step(reference, media):
+    """Image, 30 fps video with a 32 kHz soundtrack, and audio: the same media diffusers' Ref2VA setup step makes."""
+    from diffusers.modular_pipelines import PipelineState
+    from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3AudioReference, MiniMaxH3ImageReference, MiniMaxH3VideoReference
+    from diffusers.modular_pipelines.minimax_h3.before_encoder import MiniMaxH3Ref2VASetupStep
+
+    from vflash_core.references import CanvasRules, load_image, normalize_references
+
+    g = torch.Generator().manual_seed(0)
+    raw = [
+        MiniMaxH3ImageReference(image=load_image(media["picture"])),
+        MiniMaxH3VideoReference(frames=(torch.rand(40, 60, 100, 3, generator=g).numpy() * 255).astype(np.uint8), fps=30.0, audio=torch.rand(1, 40000, generator=g) - 0.5, sample_rate=32000),
+        MiniMaxH3AudioReference(audio=torch.rand(2, 50000, generator=g) - 0.5, sample_rate=32000),
+    ]
+    state = PipelineState()
+    for name, value in (("references", raw), ("height", None), ("width", None), ("num_frames", FRAMES)):
+        state.set(name, value)
+    MiniMaxH3Ref2VASetupStep()(reference, state)
+    expected = state.get("normalized_references")
+    mine = normalize_references(raw, FRAMES, CanvasRules(256, 256 * 448, 128), 32000)
+    assert np.array_equal(np.asarray(mine[0].image), np.asarray(expected[0].image)) and mine[0].image.size == (192, 128)
+    assert mine[1].frames.shape == expected[1].frames.shape == (32, 256, 416, 3)  # 40 frames at 30 fps -> 32 at 24
+    assert np.array_equal(mine[1].frames, expected[1].frames)
+    for ours, theirs in ((mine[1].audio, expected[1].audio), (mine[2].audio, expected[2].audio)):
+        assert_bitwise(ours, theirs, "soundtrack")
+
+
+def test_video_reference_sampling_presentation_and_encoding(native_ref, reference):
+    """Qwen's 2 fps frame sampling and block labels, the ref2va presentation (with a video processor stand-in giving
+    fixed grids), and the VAE encode of a frame stack, each equal to diffusers."""
+    from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3AudioReference, MiniMaxH3ImageReference, MiniMaxH3VideoReference
+    from diffusers.modular_pipelines.minimax_h3.encoders import MiniMaxH3Ref2VATextEncoderStep, encode_vae_condition
+
+    from vflash_core.conditioning import sample_video_frames
+
+    frames = (torch.rand(60, 64, 64, 3, generator=torch.Generator().manual_seed(1)).numpy() * 255).astype(np.uint8)
+    sampled, stamps = sample_video_frames(frames, temporal_patch=2)
+    want_frames, want_stamps = MiniMaxH3Ref2VATextEncoderStep._sample_video_condition_frames(frames, 24.0, 2.0, 2)
+    assert stamps == want_stamps == [0.25, 1.25, 2.0] and all(np.array_equal(a, b) for a, b in zip(sampled, want_frames))
+
+    class VideoProcessorStandIn:
+        temporal_patch_size, merge_size = 2, 2
+
+        def __call__(self, videos, **kwargs):
+            grids = torch.tensor([[(len(v) + 1) // 2, 4, 6] for v in videos])
+            return {"pixel_values_videos": torch.zeros(1), "video_grid_thw": grids}
+
+    native_ref.prepare()
+    conditioner = native_ref.conditioner
+    conditioner.video_processor, saved = VideoProcessorStandIn(), conditioner.video_processor
+    try:
+        refs = [
+            MiniMaxH3VideoReference(frames=frames, audio=torch.zeros(2, 10)),
+            MiniMaxH3ImageReference(image=Image.new("RGB", (64, 96))),
+            MiniMaxH3AudioReference(audio=torch.zeros(2, 10)),
+            MiniMaxH3VideoReference(frames=frames[:30]),
+        ]
+        ids, tags, _ = conditioner.reference_presentation("<Video 2> then <Picture 1>", refs)
+    finally:
+        conditioner.video_processor = saved
+    want_ids, want_tags = MiniMaxH3Ref2VATextEncoderStep._build_presentation(
+        reference.tokenizer, "<Video 2> then <Picture 1>", refs, [6], [6, 6], [[0.25, 1.25, 2.0], [0.25, 1.0]]
+    )
+    assert (ids, tags) == (want_ids, want_tags)
+
+    with native_ref.vaes.on_device():
+        latents = native_ref.vaes.encode_pixels(frames[:22])
+    pixels = torch.from_numpy(frames[:22].copy()).permute(3, 0, 1, 2)[None]
+    expected = encode_vae_condition(reference.vae, pixels, reference.pixel_mean, reference.pixel_std, 42)
+    assert latents.shape == (1, 8, 7, 4, 4)
+    assert_bitwise(latents, expected, "video reference latents")
+
+
+def test_soundtrack_resampling_is_band_limited_and_exact_in_length():
+    """Off-rate soundtracks are resampled with torchaudio's default windowed sinc (torchaudio itself cannot be
+    installed next to this torch build, so the check is against the signal, not against torchaudio's bits)."""
+    from vflash_core.references import normalize_soundtrack, resample_audio
+
+    t = torch.arange(48000, dtype=torch.float64) / 48000
+    tone = torch.sin(2 * torch.pi * 1000 * t).float()[None]
+    out = resample_audio(tone, 48000, 32000)
+    assert out.shape == (1, 32000)
+    want = torch.sin(2 * torch.pi * 1000 * torch.arange(32000, dtype=torch.float64) / 32000).float()
+    assert (out[0, 200:-200] - want[200:-200]).abs().max() < 2e-3
+    # Above the new Nyquist frequency nothing survives.
+    assert resample_audio(torch.sin(2 * torch.pi * 20000 * t).float()[None], 48000, 32000)[0, 200:-200].abs().max() < 0.02
+    stereo = normalize_soundtrack(tone, 48000, 32000, seconds=0.5)
+    assert stereo.shape == (2, 16000) and torch.equal(stereo[0], stereo[1])
