@@ -27,7 +27,7 @@ from vflash_core.workflow import VFLASH_SIGNATURES, WorkflowError, apply_overrid
 REPO = Path(__file__).resolve().parent.parent
 API = REPO / "workflows" / "api"
 # A small canvas keeps the chain fast on two CPU cores; the workflow files use the demo family's 448x256.
-SMALL = ["4.width=128", "4.height=128"]
+SMALL = ["4.width=128", "4.height=128", "4.force_offload=false"]  # keep the text encoder loaded between runs
 
 
 @pytest.fixture(scope="module")
