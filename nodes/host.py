@@ -10,6 +10,7 @@ device is `get_torch_device()` read at call time (ComfyUI-MultiGPU patches it), 
 from __future__ import annotations
 
 import logging
+import os
 from fractions import Fraction
 
 import comfy.model_management as mm
@@ -60,7 +61,17 @@ class ComfyFolders:
         return folder_paths.get_folder_paths(key) if key in folder_paths.folder_names_and_paths else []
 
     def full_path(self, key: str, name: str) -> str | None:
-        return folder_paths.get_full_path(key, name)
+        """A file through `get_full_path`; a model folder (diffusers root, compiled output) by the same search,
+        which core's `get_full_path` does not do (it finds files only)."""
+        found = folder_paths.get_full_path(key, name)
+        if found is not None:
+            return found
+        rel = os.path.relpath(os.path.join("/", name), "/")
+        for base in self.folders(key):
+            candidate = os.path.join(base, rel)
+            if os.path.isdir(candidate):
+                return candidate
+        return None
 
 
 HOST = ComfyHost()

@@ -10,6 +10,6 @@ VflashLora = io.Custom("VFLASH_LORA")  # chain of (LoRA file, strength)
 
 DEVICES = ["auto", "cpu", *(f"cuda:{i}" for i in range(8))]
 DEVICE_TOOLTIP = (
-    "'auto' = ComfyUI's compute device, read when the node runs (get_torch_device(); --cpu gives cpu). "
-    "A cuda:N that does not exist on this machine is an error, never a silent fallback."
+    "'auto' = ComfyUI's compute device, read when the node runs (get_torch_device(); --cpu gives cpu); a model compiled "
+    "for a CPU profile (embedded-demo) runs on the CPU. A cuda:N that does not exist here is an error, never a fallback."
 )

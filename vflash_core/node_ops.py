@@ -478,6 +478,28 @@ def select_lora(folders: Folders, lora: str, strength: float, prev: tuple[LoraRe
     return (*(prev or ()), LoraRef(str(path), float(strength), path_identity(path)))
 
 
+def _profile_arch(model: str, path: str, profile: str) -> str | None:
+    """The architecture the option's profile is compiled for ("cpu", "sm90", ...), read from manifests only."""
+    from .profiles import get_profile
+
+    if profile != "auto":
+        return get_profile(profile).arch
+    if model == DEMO:
+        from .demo import DEMO_PROFILE
+
+        return get_profile(DEMO_PROFILE).arch
+    if model.endswith(".json"):
+        from .pipeline import PreparedAssets
+
+        return PreparedAssets.load(path).profile.arch
+    if model.startswith("vflash/"):
+        from .artifact import CompiledArtifact
+
+        p = Path(path)
+        return get_profile(CompiledArtifact(p / "artifact", p / "schedule", p / "auxiliary.safetensors").profile_id).arch
+    return None
+
+
 def model_spec(host: Host, folders: Folders, model: str, profile: str, weight_residency: str, device: str, peer_device: str,
                strategy: str, attention_backend: str, lora: tuple[LoraRef, ...] | None = None) -> ModelSpec:
     """Validate the loader's widgets into a spec (cheap; loads nothing)."""
@@ -486,8 +508,8 @@ def model_spec(host: Host, folders: Folders, model: str, profile: str, weight_re
     if strategy not in STRATEGIES:
         raise VflashError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
     path = "" if model == DEMO else str(resolve(folders, model))
-    if model == DEMO and device == "auto":
-        device = "cpu"  # the embedded family is compiled for a CPU profile
+    if device == "auto" and _profile_arch(model, path, profile) == "cpu":
+        device = "cpu"  # a CPU-compiled profile (the embedded demo's) runs on the CPU whatever the host's device
     resolved = resolve_device(host, device)
     peer = None if peer_device in (None, "", "none") else resolve_device(host, peer_device)
     if peer is not None and peer == resolved:

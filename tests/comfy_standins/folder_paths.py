@@ -78,12 +78,13 @@ def get_filename_list(folder_name):
 
 
 def get_full_path(folder_name, filename):
+    """Like core: files only (a folder of that name is not found)."""
     if folder_name not in folder_names_and_paths:
         return None
     filename = os.path.relpath(os.path.join("/", filename), "/")
     for directory in folder_names_and_paths[folder_name][0]:
         full = os.path.join(directory, filename)
-        if os.path.isfile(full) or os.path.isdir(full):
+        if os.path.isfile(full):
             return full
     return None
 

@@ -1,0 +1,213 @@
+"""The example API workflows against a real ComfyUI server (skipped unless `COMFYUI_ROOT` is set).
+
+Setup (see the README's ComfyUI section): `COMFYUI_ROOT` is a ComfyUI checkout at the pinned commit,
+`COMFYUI_PYTHON` (default: this interpreter) a Python with ComfyUI's requirements and this repository's
+requirements.txt installed. The fixture starts `main.py --cpu` on loopback with this repository linked into a
+dedicated custom-nodes folder through an extra-model-paths yaml, submits workflows with `POST /prompt`, follows the
+websocket until the prompt finishes, and fetches the MP4 through `/history` and `/view`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+COMFYUI_ROOT = os.environ.get("COMFYUI_ROOT")
+pytestmark = pytest.mark.skipif(not COMFYUI_ROOT, reason="set COMFYUI_ROOT to a ComfyUI checkout to run the real-server tests")
+
+REPO = Path(__file__).resolve().parent.parent
+API = REPO / "workflows" / "api"
+SMALL = {"4": {"width": 128, "height": 128}}  # the chain on a small canvas; t2va runs unmodified
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, root: Path, work: Path):
+        self.work = work
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        (work / "nodes").mkdir(parents=True)
+        (work / "nodes" / "vflash").symlink_to(REPO)
+        for d in ("models/vflash", "input", "out"):
+            (work / d).mkdir(parents=True, exist_ok=True)
+        for image in (REPO / "workflows" / "inputs").glob("*.png"):
+            shutil.copy(image, work / "input" / image.name)
+        (work / "extra_paths.yaml").write_text(f"vflash_test:\n    custom_nodes: {work / 'nodes'}\n    vflash: {work / 'models' / 'vflash'}\n")
+        env = {**os.environ, "VFLASH_CACHE": str(work / "cache")}
+        self.log = open(work / "server.log", "w")
+        self.proc = subprocess.Popen(
+            [os.environ.get("COMFYUI_PYTHON", sys.executable), "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
+             "--disable-auto-launch", "--disable-api-nodes", "--extra-model-paths-config", str(work / "extra_paths.yaml"),
+             "--output-directory", str(work / "out"), "--input-directory", str(work / "input"),
+             "--database-url", "sqlite:///:memory:", "--cache-none"],
+            cwd=root, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+        )
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ComfyUI exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/system_stats", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.5)
+        raise RuntimeError(f"ComfyUI did not answer /system_stats in {timeout} s:\n{self.tail()}")
+
+    def tail(self, n: int = 60) -> str:
+        self.log.flush()
+        return "\n".join((self.work / "server.log").read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+    # -- the API ------------------------------------------------------------------------------------------------
+
+    async def run_prompt(self, prompt: dict, interrupt_at: int | None = None, timeout: float = 900.0) -> dict:
+        """Submit, follow the websocket to the end; returns {"status", "prompt_id", "events", "http_status", "body"}.
+
+        With `interrupt_at`, `POST /interrupt` is sent when a progress event reports that value.
+        """
+        import aiohttp
+
+        client_id = str(uuid.uuid4())
+        prompt_id = str(uuid.uuid4())
+        events = []
+        async with aiohttp.ClientSession() as http:
+            async with http.ws_connect(f"{self.url}/ws?clientId={client_id}") as ws:
+                async with http.post(f"{self.url}/prompt", json={"prompt": prompt, "client_id": client_id, "prompt_id": prompt_id}) as r:
+                    body = await r.json()
+                    if r.status != 200:
+                        return {"status": "rejected", "http_status": r.status, "body": body, "events": events, "prompt_id": prompt_id}
+                interrupted_sent = False
+                deadline = time.monotonic() + timeout
+                while time.monotonic() < deadline:
+                    msg = await ws.receive(timeout=deadline - time.monotonic())
+                    if msg.type != aiohttp.WSMsgType.TEXT:
+                        continue
+                    event = json.loads(msg.data)
+                    data = event.get("data", {})
+                    if data.get("prompt_id") not in (None, prompt_id):
+                        continue
+                    events.append(event)
+                    kind = event["type"]
+                    if kind == "progress" and interrupt_at is not None and not interrupted_sent and data.get("value") == interrupt_at and data.get("max") == 4:
+                        async with http.post(f"{self.url}/interrupt", json={}) as ir:
+                            assert ir.status == 200
+                        interrupted_sent = True
+                    if kind in ("execution_error", "execution_interrupted"):
+                        return {"status": kind, "events": events, "prompt_id": prompt_id, "body": data}
+                    if kind == "executing" and data.get("node") is None and data.get("prompt_id") == prompt_id:
+                        return {"status": "success", "events": events, "prompt_id": prompt_id}
+                raise TimeoutError(f"prompt {prompt_id} did not finish in {timeout} s:\n{self.tail()}")
+
+    def history_files(self, prompt_id: str, dest: Path) -> list[Path]:
+        import urllib.parse
+        import urllib.request
+
+        with urllib.request.urlopen(f"{self.url}/history/{prompt_id}") as r:
+            history = json.loads(r.read())[prompt_id]
+        files = []
+        for output in history["outputs"].values():
+            for item in output.get("images", []) + output.get("videos", []):
+                query = urllib.parse.urlencode({"filename": item["filename"], "subfolder": item["subfolder"], "type": item["type"]})
+                with urllib.request.urlopen(f"{self.url}/view?{query}") as r:
+                    target = dest / item["filename"]
+                    target.write_bytes(r.read())
+                    files.append(target)
+        return files
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = Server(Path(COMFYUI_ROOT), tmp_path_factory.mktemp("comfyui-server"))
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def _workflow(name: str, changes: dict | None = None, seed: int = 0) -> dict:
+    workflow = json.loads((API / f"{name}.json").read_text())
+    for node_id, inputs in (changes or {}).items():
+        workflow[node_id]["inputs"].update(inputs)
+    workflow["5"]["inputs"]["seed"] = seed
+    return workflow
+
+
+def test_pack_loaded_and_published(server):
+    import urllib.request
+
+    assert "IMPORT FAILED" not in server.tail(400)
+    with urllib.request.urlopen(server.url + "/object_info/VflashSampler") as r:
+        info = json.loads(r.read())["VflashSampler"]
+    assert info["category"] == "Vflash/sampling" and info["output"] == ["LATENT"]
+    assert set(info["input"]["required"]) == {"model", "cond", "latent", "seed", "force_offload", "profile_denoise"}
+    with urllib.request.urlopen(server.url + "/object_info/VflashModelLoader") as r:
+        assert "embedded-demo" in json.loads(r.read())["VflashModelLoader"]["input"]["required"]["model"][1]["options"]
+
+
+@pytest.mark.parametrize("name,changes", [
+    ("t2va", None),
+    ("i2va", SMALL),
+    ("fl2va", SMALL),
+    ("t2va_core_save", {**SMALL, "10": {"width": 128, "height": 128}}),
+])
+def test_workflow_on_the_server(server, tmp_path, name, changes):
+    from vflash_core.media import probe_mp4
+
+    result = asyncio.run(server.run_prompt(_workflow(name, changes)))
+    assert result["status"] == "success", f"{result}\n{server.tail()}"
+    files = server.history_files(result["prompt_id"], tmp_path)
+    assert len(files) == 1 and files[0].suffix == ".mp4"
+    info = probe_mp4(files[0])
+    size = (448, 256) if changes is None else (128, 128)
+    assert (info["frames"], info["width"], info["height"]) == (124, *size)
+    assert info["audio_codec"] == "aac" and info["channels"] == 2 and abs(info["audio_seconds"] - 124 / 24) < 0.05
+    progress = [e["data"]["value"] for e in result["events"] if e["type"] == "progress" and e["data"].get("max") == 4]
+    assert progress and progress[-1] == 4
+
+
+@pytest.mark.parametrize("name", ["ref2va", "t2va_two_gpu_sequence_head"])
+def test_official_weight_workflows_are_validated(server, name):
+    """Without the official weights in models/diffusers, ComfyUI rejects these graphs at validation, naming the model."""
+    result = asyncio.run(server.run_prompt(_workflow(name)))
+    assert result["status"] == "rejected" and result["http_status"] == 400
+    assert "1" in result["body"]["node_errors"]
+
+
+def test_interrupt_then_next_run_succeeds(server, tmp_path):
+    # Full canvas: one evaluation takes long enough for the interrupt to land inside sampling.
+    result = asyncio.run(server.run_prompt(_workflow("t2va", seed=11), interrupt_at=1))
+    assert result["status"] == "execution_interrupted", result
+    done = [e["data"]["value"] for e in result["events"] if e["type"] == "progress" and e["data"].get("max") == 4]
+    assert max(done) <= 2
+    again = asyncio.run(server.run_prompt(_workflow("t2va", SMALL, seed=12)))
+    assert again["status"] == "success"
+    assert len(server.history_files(again["prompt_id"], tmp_path)) == 1
