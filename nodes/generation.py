@@ -99,7 +99,7 @@ class VflashSampler(io.ComfyNode):
                     tooltip="An EMPTY H3 AV latent (from Vflash Encode or core EmptyMiniMaxH3LatentAV); only its canvas and "
                     "length are used. Keyframe / reference conditionings must match the canvas they were encoded for.",
                 ),
-                io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True, tooltip=_SEED_TOOLTIP),
+                io.Int.Input("seed", default=0, min=0, max=2**63 - 1, control_after_generate=True, tooltip=_SEED_TOOLTIP),
                 io.Boolean.Input("force_offload", default=False, tooltip="Release the transformer's device memory after sampling (the next run reloads it)."),
                 io.Boolean.Input("profile_denoise", default=False, tooltip="Time every stage of every evaluation and print the summary (adds a little overhead)."),
             ],
@@ -145,7 +145,7 @@ class VflashGenerate(io.ComfyNode):
                 VflashVAE.Input("vae"),
                 io.String.Input("prompt", multiline=True, dynamic_prompts=True, tooltip="What happens and what it sounds like."),
                 *_geometry_inputs(),
-                io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True, tooltip=_SEED_TOOLTIP),
+                io.Int.Input("seed", default=0, min=0, max=2**63 - 1, control_after_generate=True, tooltip=_SEED_TOOLTIP),
                 io.Image.Input("first_frame", optional=True, tooltip="Keyframe at frame 0."),
                 io.Image.Input("last_frame", optional=True, tooltip="Keyframe at the last frame."),
                 io.Boolean.Input("force_offload", default=False, tooltip="Release the transformer's device memory after sampling."),
