@@ -38,7 +38,9 @@ H, HEADS, HEAD_DIM, ROTARY, FFN, EPS = 5376, 56, 128, 96, 14336, 1e-5
 INNER = HEADS * HEAD_DIM
 DEFAULT_SIZES = (19_796, 38_222)
 BF16 = torch.bfloat16
-MODULES = ("_launch", "modulate", "gated_residual", "rope", "swiglu")
+MODULES = ("_launch", "modulate", "gated_residual", "rope", "swiglu", "relayout")
+#: Ranks of the sequence-head relayouts: each rank packs / merges the rows of its share of N (rank 0: N / P rounded up).
+RANKS = 2
 
 
 def load_kernels() -> SimpleNamespace:
@@ -144,6 +146,28 @@ def build_cases(k: SimpleNamespace, n: int, g: torch.Generator, ops: set[str]) -
                 "qk_norm_rope", reference, lambda: k.rope.qk_norm_rope(qkv, wq, wk, EPS, cos, sin, head_dim=HEAD_DIM)[:2],
                 norm_rope_bytes, exact_required=False,
             ))
+    if ops & {"pack_heads", "pack_heads_v", "merge_heads"}:
+        s_r = -(-n // RANKS)
+        # One output buffer per provider (the ops write into a given `out`), so the parity check compares two results.
+        send_ref, send = (torch.empty(RANKS, s_r, HEADS // RANKS, HEAD_DIM, dtype=BF16, device=dev) for _ in range(2))
+        merged_ref, merged = (torch.empty(s_r, HEADS, HEAD_DIM, dtype=BF16, device=dev) for _ in range(2))
+        relayout_bytes = 2 * s_r * INNER * 2  # every element read once and written once
+        if "pack_heads" in ops:  # q / k: the contiguous rope output
+            q_rows = randn(s_r, HEADS, HEAD_DIM)
+            cases.append(Case(
+                "pack_heads", lambda: k.relayout.pack_heads_reference(q_rows, send_ref), lambda: k.relayout.pack_heads(q_rows, send), relayout_bytes,
+            ))
+        if "pack_heads_v" in ops:  # v: a view into the fused QKV GEMM output (row stride 3I)
+            v_rows = randn(s_r, 3 * INNER)[:, 2 * INNER :].unflatten(-1, (HEADS, HEAD_DIM))
+            cases.append(Case(
+                "pack_heads_v", lambda: k.relayout.pack_heads_reference(v_rows, send_ref), lambda: k.relayout.pack_heads(v_rows, send), relayout_bytes,
+            ))
+        if "merge_heads" in ops:
+            received = randn(RANKS, s_r, HEADS // RANKS, HEAD_DIM)
+            cases.append(Case(
+                "merge_heads", lambda: k.relayout.merge_heads_reference(received, merged_ref), lambda: k.relayout.merge_heads(received, merged),
+                relayout_bytes,
+            ))
     return cases
 
 
@@ -170,7 +194,7 @@ def run_case(case: Case, n: int, warmup: int, rep: int, do_bench) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    all_ops = ["modulate", "norm_out", "gated_residual", "swiglu", "rope", "rms_norm+rope", "qk_norm_rope"]
+    all_ops = ["modulate", "norm_out", "gated_residual", "swiglu", "rope", "rms_norm+rope", "qk_norm_rope", "pack_heads", "pack_heads_v", "merge_heads"]
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=list(DEFAULT_SIZES), help="packed row counts N")
     parser.add_argument("--ops", nargs="+", default=all_ops, choices=all_ops)

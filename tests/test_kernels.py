@@ -43,7 +43,7 @@ import torch.nn.functional as F
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-_MODULES = ("_launch", "modulate", "gated_residual", "rope", "swiglu")
+_MODULES = ("_launch", "modulate", "gated_residual", "rope", "swiglu", "relayout")
 _INTERPRETED = "_vflash_kernels_interpreted"
 _FOLDER = Path(__file__).resolve().parent.parent / "kernels"
 

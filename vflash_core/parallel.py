@@ -206,6 +206,20 @@ def merge_heads_reference(received: torch.Tensor, out: torch.Tensor) -> torch.Te
     return out
 
 
+def relayout_ops(device: torch.device) -> tuple[Callable, Callable]:
+    """(pack, merge) for `SequenceHeadAttention` on `device`: the Triton kernels of `vflash_kernels.relayout` on CUDA
+    (the same bits: pure copies), the torch references elsewhere (Gloo ranks are CPU threads, and Triton's interpreter
+    is not thread-safe)."""
+    if device.type != "cuda":
+        return pack_heads_reference, merge_heads_reference
+    from ._imports import vflash_kernels
+
+    vflash_kernels()
+    from vflash_kernels.relayout import merge_heads, pack_heads
+
+    return pack_heads, merge_heads
+
+
 class TensorShard:
     """Rank `rank` of `size`: its heads of Q/K/V and of the output projection's input, its FFN channels.
 

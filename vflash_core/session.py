@@ -30,7 +30,7 @@ from .errors import IdentityMismatchError, SessionClosedError, VflashError
 from .fileio import atomic_file, check_writable_destination
 from .fused import FusedBlock
 from .layout import FPS, Geometry, audio_latent_count
-from .parallel import STRATEGIES, LocalGroup, SequenceHeadAttention, TensorParallelBlock, TensorShard, head_groups, merge_heads_reference, pack_heads_reference, split_rows
+from .parallel import STRATEGIES, LocalGroup, SequenceHeadAttention, TensorParallelBlock, TensorShard, head_groups, relayout_ops, split_rows
 from .profiler import StageTimer
 from .profiles import Profile, get_profile
 from .residency import BlockRing, BlockSource, PinnedArena, ResidentBlocks, activation_bytes, check_fits
@@ -161,7 +161,7 @@ class NativeEngineSession:
             local = resolve_attention(attention_backend, dev)[1]
             fused = FusedBlock(config, local) if self.execution == "fused" else None
             if self.strategy == "sequence-head":
-                attention = SequenceHeadAttention(self._group.group(rank), rank, [(0, 0)] * size, config.num_attention_heads, local, pack_heads_reference, merge_heads_reference)  # type: ignore[union-attr]
+                attention = SequenceHeadAttention(self._group.group(rank), rank, [(0, 0)] * size, config.num_attention_heads, local, *relayout_ops(dev))  # type: ignore[union-attr]
                 block_fn = FusedBlock(config, attention) if fused else None
             elif self.strategy == "tensor":
                 attention = local
