@@ -15,7 +15,9 @@ import sys
 from .errors import VflashError
 
 # Modules that register subcommands, in help order.
-COMMAND_MODULES = ("vflash_core.cli_denoise", "vflash_core.cli_workflow", "vflash_core.cli_generate")
+COMMAND_MODULES = (
+    "vflash_core.cli_denoise", "vflash_core.cli_workflow", "vflash_core.cli_generate", "vflash_core.cli_serve",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,6 +8,7 @@ import logging
 import os
 from pathlib import Path
 
+from .cli_generate import _device_arguments
 from .errors import VflashError
 
 logger = logging.getLogger(__name__)
@@ -20,9 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prepared-assets", type=Path, help="prepared-assets receipt (JSON) of the model to serve")
     source.add_argument("--demo", action="store_true", help="serve the embedded default model (tiny, CPU)")
-    p.add_argument("--gpu", type=int, help="CUDA device index of the worker (default: CPU)")
-    p.add_argument("--peer-gpu", type=int, help="second CUDA device of a paired session")
-    p.add_argument("--strategy", help="paired-session strategy, e.g. sequence-head (needs --peer-gpu)")
+    _device_arguments(p)  # the same device and delivery options as `vflash generate`
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback; anything else wants --token)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--output-dir", type=Path, required=True, help="where finished videos are published")
@@ -32,11 +31,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--token", default=os.environ.get("VFLASH_SERVICE_TOKEN"),
                    help="require 'Authorization: Bearer TOKEN' (default: $VFLASH_SERVICE_TOKEN; prefer it to the flag, "
                         "which other local users can read in the process list)")
-    p.add_argument("--attention-backend", default=os.environ.get("VFLASH_ATTENTION_BACKEND", "auto"),
-                   help="attention backend of the worker (default: $VFLASH_ATTENTION_BACKEND or auto)")
-    p.add_argument("--weight-residency", default="auto")
-    p.add_argument("--media-video-input", choices=("file", "pipe"), default="file")
-    p.add_argument("--media-video-threads", type=int)
     p.add_argument("--cancel-grace", type=float, default=10.0, help="seconds a cancelled job's worker may take before it is killed")
     p.set_defaults(handler=_serve)
 

@@ -15,6 +15,7 @@ removes the upload folder when one is raised.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import re
@@ -188,12 +189,16 @@ async def _save(part: BodyPartReader, target: Path, budget: int, policy: InputPo
     """Stream one upload to `target`; returns its size. Raises 413 as soon as the budget is exceeded."""
     target.parent.mkdir(parents=True, exist_ok=True)
     written = 0
-    with open(target, "xb") as out:  # "x": service names are unique; never follow or replace an existing file
+    # "x": service names are unique; never follow or replace an existing file. File I/O runs off the event loop.
+    out = await asyncio.to_thread(open, target, "xb")
+    try:
         while chunk := await part.read_chunk(_CHUNK):
             written += len(chunk)
             if written > budget:
                 raise _too_large(policy, policy.max_upload_bytes - budget + written)
-            out.write(chunk)
+            await asyncio.to_thread(out.write, chunk)
+    finally:
+        out.close()
     if written == 0:
         raise bad_request(f"the {part.name} upload is empty")
     return written

@@ -84,6 +84,7 @@ class WorkerHandle:
         orders_out.close()
         events_in.close()
         self.pid = self.process.pid
+        self.ready = False  # set by the supervisor when the worker reports `Ready`
         self.events: asyncio.Queue[object] = asyncio.Queue()
         self.exit_code: asyncio.Future[int | None] = loop.create_future()
         self._loop = loop
@@ -121,13 +122,19 @@ class WorkerHandle:
         self.exit_code.set_result(self.process.exitcode)
 
     async def stop(self, grace: float) -> None:
-        """Ask the worker to stop, kill it after `grace` seconds, and release its pipes and scratch folder."""
+        """Ask the worker to stop, kill it after `grace` seconds, and release its pipes and scratch folder.
+
+        A worker still starting holds no job and reads no orders yet: it is killed at once.
+        """
         if self.alive:
-            self.cancel_flag.set()
-            try:
-                self.send(None)
-            except (BrokenPipeError, OSError):
-                logger.debug("worker %d already closed its order pipe", self.pid)
+            if self.ready:
+                self.cancel_flag.set()
+                try:
+                    self.send(None)
+                except OSError:  # BrokenPipeError: it is exiting already
+                    logger.debug("worker %d already closed its order pipe", self.pid)
+            else:
+                self.kill()
             try:
                 await asyncio.wait_for(asyncio.shield(self.exit_code), grace)
             except TimeoutError:
@@ -195,6 +202,7 @@ class WorkerSupervisor:
                     continue
                 assert isinstance(event, Ready), event
                 startup_deaths = 0
+                handle.ready = True
                 self.state = WorkerState.READY
                 logger.info("worker %d ready: %s", handle.pid, event.info)
                 await self._serve(handle)
@@ -285,7 +293,7 @@ class WorkerSupervisor:
                     job.fail(f"the worker process (pid {handle.pid}) exited with {describe_exit(event.exitcode)} while running this job")
                 return False
             else:
-                raise AssertionError(f"unexpected worker event {event!r}")
+                raise TypeError(f"unexpected worker event {event!r}")
 
     def _publish(self, job: Job, staged: Path, result: dict[str, Any]) -> None:
         final = self.output_dir / f"{job.id}.mp4"
@@ -294,8 +302,7 @@ class WorkerSupervisor:
         except OSError as exc:
             job.fail(f"could not publish the video at {final.name}: {exc}")
             return
-        result["path"] = final.name
-        job.succeed(final, result)
+        job.succeed(final, {"path": final.name, **result})
         self.request_seconds.observe(float(result["elapsed_seconds"]))
 
     def _release_uploads(self, job: Job) -> None:

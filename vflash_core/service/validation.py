@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import RequestError
 from .config import ServiceConfig
 
 
@@ -27,9 +26,6 @@ class RequestValidator:
         """A validated `VideoRequest` from its keyword arguments; raises `VflashError` with the reason."""
         from ..pipeline import VideoRequest
 
-        try:
-            request = VideoRequest(**fields)
-        except (TypeError, ValueError) as exc:  # the dataclass's own checks, in the same words as the CLI's
-            raise RequestError(str(exc)) from None
+        request = VideoRequest(**fields)
         self._pipeline.validate(request)
         return request

@@ -136,13 +136,38 @@ def _open_pipeline(config: WorkerConfig) -> tuple[Any, dict[str, Any]]:
         attention_backend=config.attention_backend, weight_residency=config.weight_residency,
         media_video_input=config.media_video_input, media_video_threads=config.media_video_threads,
     )
-    info = {"device": config.device, "peer_device": config.peer_device, "strategy": config.strategy}
+    info: dict[str, Any] = {"profile": pipeline.profile.id, "strategy": config.strategy}
+    for role, device in (("device", config.device), ("peer_device", config.peer_device)):
+        if device is not None:
+            info[role] = check_device(device, pipeline.profile.arch, role)
     return pipeline, info
+
+
+def check_device(name: str, arch: str, role: str = "device") -> str:
+    """The device exists and has the architecture the profile's tables were computed on (what the session checks
+    again at load, here before any weight moves). Runs only in the worker: it initialises CUDA."""
+    import torch
+
+    from ..compiler import device_arch
+    from ..errors import VflashError
+
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise VflashError(f"{role} {name}: CUDA is not available on this machine")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise VflashError(f"{role} {name}: this machine has {count} CUDA device(s)")
+    found = device_arch(device)
+    if found != arch:
+        raise VflashError(f"the profile was compiled for {arch}; {role} {name} is {found}")
+    return name if device.type == "cpu" else f"{name} ({torch.cuda.get_device_name(device)}, {found})"
 
 
 def _run(pipeline: Any, order: JobOrder, events: Connection, cancel: Event) -> bool:
     """Run one job and report it; returns whether this worker may take another job."""
     from ..errors import RequestError
+    from ..pipeline import RequestCancelled
 
     def check_cancel() -> None:
         if cancel.is_set():
@@ -150,23 +175,24 @@ def _run(pipeline: Any, order: JobOrder, events: Connection, cancel: Event) -> b
 
     def progress(stage: str, done: int, total: int) -> None:
         events.send(Progress(order.job_id, stage, done, total))
-        check_cancel()  # also stops between the stages that have no evaluations (load, encode, decode)
+        check_cancel()  # the pipeline does not poll `cancel` while it loads the model
 
     try:
         result = pipeline.generate(order.request, order.output, progress=progress, cancel=check_cancel)
-    except JobCancelled:
+        report = _result_json(result)
+    except (JobCancelled, RequestCancelled):
         logger.info("job %s cancelled; this worker exits", order.job_id)
         events.send(Cancelled(order.job_id))
         return False
     except RequestError as exc:  # rejected before any device work: the pipeline stays usable
         events.send(Failed(order.job_id, str(exc), worker_exits=False))
         return True
-    except Exception as exc:
+    except Exception as exc:  # a failed trajectory: report it, then exit (seed 001)
         logger.exception("job %s failed; this worker exits", order.job_id)
         message = str(exc) if _is_user_error(exc) else f"{type(exc).__name__}: {exc}"
         events.send(Failed(order.job_id, message, worker_exits=True))
         return False
-    events.send(Finished(order.job_id, _jsonable(dataclasses.asdict(result))))
+    events.send(Finished(order.job_id, report))
     return True
 
 
@@ -176,12 +202,19 @@ def _is_user_error(exc: BaseException) -> bool:
     return isinstance(exc, VflashError)
 
 
-def _jsonable(value: dict[str, Any]) -> dict[str, Any]:
-    """VideoResult fields as JSON types (paths become strings)."""
+# What a client sees of a VideoResult: not `path` (a service staging path; the parent reports the published name)
+# and not `media` (decoded tensors, only present when no file was written).
+RESULT_FIELDS = ("elapsed_seconds", "stages", "session", "mode", "width", "height", "num_frames", "fps", "sample_rate", "metadata")
+
+
+def _result_json(result: Any) -> dict[str, Any]:
+    """The reported VideoResult fields as JSON types (a dataclass becomes a dict, a path a string)."""
 
     def default(obj: object) -> object:
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            return dataclasses.asdict(obj)
         if isinstance(obj, Path):
             return str(obj)
-        raise TypeError(f"VideoResult field of type {type(obj).__name__} is not JSON-serialisable")
+        raise TypeError(f"VideoResult holds a {type(obj).__name__}, which is not JSON-serialisable")
 
-    return json.loads(json.dumps(value, default=default))
+    return json.loads(json.dumps({name: getattr(result, name) for name in RESULT_FIELDS}, default=default))

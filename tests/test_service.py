@@ -1,0 +1,378 @@
+"""`vflash serve` on the embedded default model: CPU, loopback only, one real spawned worker per test.
+
+Each test builds its own service (its own worker process), so a worker killed or cancelled in one test cannot
+leak into another. Most requests use the demo profile's shortest clip on the smallest canvas H3 accepts (32x32,
+about 0.2 s each); the kill and cancel tests use the demo's default canvas (448x256, a few seconds) so that the
+job is still running when the test acts on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import FormData, web
+
+from vflash_core.service import ServiceConfig, create_app
+from vflash_core.service.app import JOBS, SUPERVISOR, WORK_DIR
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(300)]
+
+FAST: dict[str, Any] = {"duration_seconds": 5, "width": 32, "height": 32}  # the cheapest complete request
+SLOW: dict[str, Any] = {"duration_seconds": 5}  # the demo's default 448x256 canvas
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+
+@pytest.fixture(scope="session")
+def demo_assets(tmp_path_factory) -> Path:
+    from vflash_core.demo import ensure_demo_assets
+
+    return ensure_demo_assets(cache_dir=tmp_path_factory.mktemp("demo-cache"))
+
+
+@pytest.fixture
+def make_service(demo_assets, tmp_path):
+    """An app serving the demo model, publishing into `tmp_path / "out"`."""
+
+    def make(**changes: Any) -> tuple[web.Application, ServiceConfig]:
+        out = tmp_path / "out"
+        out.mkdir(exist_ok=True)
+        config = ServiceConfig(prepared_assets=demo_assets, output_dir=out, **changes)
+        return create_app(config), config
+
+    return make
+
+
+def png(path: Path, size: tuple[int, int] = (64, 64)) -> Path:
+    import PIL.Image
+
+    PIL.Image.new("RGB", size, (200, 40, 40)).save(path)
+    return path
+
+
+async def wait_for(predicate, timeout: float = 120.0, poll: float = 0.02):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(poll)
+
+
+async def wait_ready(client) -> dict[str, Any]:
+    async def ready():
+        response = await client.get("/readyz")
+        return (await response.json()) if response.status == 200 else None
+
+    return await wait_for(ready)
+
+
+async def job_status(client, job_id: str) -> dict[str, Any]:
+    response = await client.get(f"/v1/jobs/{job_id}")
+    assert response.status == 200
+    return await response.json()
+
+
+async def wait_job(client, job_id: str, until=lambda job: job["status"] in TERMINAL, timeout: float = 180.0) -> dict[str, Any]:
+    async def reached():
+        job = await job_status(client, job_id)
+        assert until(job) or job["status"] not in TERMINAL, f"job ended before the awaited point: {job}"
+        return job if until(job) else None
+
+    return await wait_for(reached, timeout)
+
+
+async def submit(client, **fields: Any) -> str:
+    response = await client.post("/v1/jobs", json={"prompt": "a lighthouse at dusk", **fields})
+    body = await response.json()
+    assert response.status == 202, body
+    return body["id"]
+
+
+def files_under(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file())
+
+
+def published(out: Path) -> list[Path]:
+    """What a client could see: everything outside the service's hidden work folder."""
+    return sorted(p for p in out.iterdir() if not p.name.startswith(".vflash-work-"))
+
+
+# -- the happy path ---------------------------------------------------------------------------------------------
+
+
+async def test_submit_poll_download_playable_mp4(aiohttp_client, make_service, tmp_path):
+    from vflash_core.media import probe_mp4
+
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    png(inputs / "last.png")
+    app, config = make_service(input_dir=inputs)
+    client = await aiohttp_client(app)
+    # The worker needs seconds to spawn and import torch: readiness is false meanwhile, liveness is not.
+    starting = await client.get("/readyz")
+    assert starting.status == 503 and (await starting.json())["worker"] == "starting"
+    assert (await client.get("/healthz")).status == 200
+    ready = await wait_ready(client)
+    assert ready["worker_pid"] == app[SUPERVISOR].worker_pid
+
+    job_id = await submit(client, seed=7, **FAST)
+    job = await wait_job(client, job_id)
+    assert job["status"] == "succeeded", job
+    assert job["error"] is None and job["video_url"] == f"/v1/jobs/{job_id}/video"
+    assert job["evaluations"] == {"done": 4, "total": 4}  # progress per evaluation of the 4-NFE demo profile
+    result = job["result"]
+    assert result["path"] == f"{job_id}.mp4" and result["mode"] == "t2va"
+    assert result["session"]["request_index"] == 1
+    assert {"validate", "encode", "denoise", "decode", "write"} <= set(result["stages"])
+    assert 0 < result["elapsed_seconds"] <= job["timings"]["run_seconds"]
+
+    response = await client.get(job["video_url"])
+    assert response.status == 200 and response.headers["Content-Type"] == "video/mp4"
+    downloaded = tmp_path / "downloaded.mp4"
+    downloaded.write_bytes(await response.read())
+    probe = probe_mp4(downloaded)
+    assert (probe["frames"], probe["fps"]) == (result["num_frames"], result["fps"])
+    assert (probe["width"], probe["height"]) == (32, 32)
+    assert probe["audio_codec"] == "aac" and probe["audio_seconds"] > 4.9
+
+    # Inputs as an upload (multipart) and as a path inside --input-dir.
+    form = FormData()
+    form.add_field("request", json.dumps({"prompt": "<Picture 1> starts to move", "seed": 8, **FAST}), content_type="application/json")
+    form.add_field("first_frame", png(tmp_path / "first.png").read_bytes(), filename="first.png", content_type="image/png")
+    response = await client.post("/v1/jobs", data=form)
+    assert response.status == 202, await response.text()
+    uploaded = (await response.json())["id"]
+    by_path = await submit(client, prompt="the scene settles into <Picture 1>", last_frame="last.png", seed=9, **FAST)
+    modes = [(await wait_job(client, i))["result"]["mode"] for i in (uploaded, by_path)]
+    assert modes == ["i2va", "l2va"]
+
+    assert published(config.output_dir) == sorted(config.output_dir / f"{i}.mp4" for i in (job_id, uploaded, by_path))
+    assert files_under(app[WORK_DIR]) == []  # staging and uploads are gone
+    text = await (await client.get("/metrics")).text()
+    assert 'vflash_jobs{state="succeeded"} 3' in text
+    assert "vflash_request_seconds_count 3" in text and "vflash_worker_restarts_total 0" in text
+
+
+async def test_twenty_queued_jobs_run_in_order_on_one_pipeline_then_429(aiohttp_client, make_service):
+    app, config = make_service(max_queue=20)
+    client = await aiohttp_client(app)
+    ids = [await submit(client, seed=seed, **FAST) for seed in range(20)]
+    # Fill the queue to the brim (jobs may already have left it for the worker), then one more.
+    extra = []
+    while True:
+        response = await client.post("/v1/jobs", json={"prompt": "overflow", **FAST})
+        if response.status == 429:
+            assert "queue is full" in (await response.json())["error"]
+            break
+        assert response.status == 202 and len(extra) < 20
+        extra.append((await response.json())["id"])
+    for job_id in extra:
+        await client.delete(f"/v1/jobs/{job_id}")  # queued ones are cancelled at once; any already running finish
+
+    jobs = [await wait_job(client, job_id, timeout=600) for job_id in ids]
+    assert [job["status"] for job in jobs] == ["succeeded"] * 20
+    started = [job["started_at"] for job in jobs]
+    assert started == sorted(started)
+    # One pipeline, reused: one worker served them all, and its session counted 20 serial requests.
+    assert {job["worker_pid"] for job in jobs} == {jobs[0]["worker_pid"]}
+    assert [job["result"]["session"]["request_index"] for job in jobs] == list(range(1, 21))
+    outputs = {config.output_dir / f"{job_id}.mp4" for job_id in ids}
+    assert outputs <= set(published(config.output_dir))
+    assert len({path.read_bytes() for path in outputs}) == 20  # twenty seeds, twenty different videos
+    assert app[SUPERVISOR].restarts == 0
+
+
+# -- rejected submissions ---------------------------------------------------------------------------------------
+
+
+async def test_rejected_submissions_are_4xx_with_a_message_and_write_nothing(aiohttp_client, make_service, tmp_path):
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    png(inputs / "frame.png")
+    png(tmp_path / "secret.png")
+    (inputs / "escape.png").symlink_to(tmp_path / "secret.png")
+    app, config = make_service(input_dir=inputs, max_upload_bytes=4096)
+    client = await aiohttp_client(app)
+
+    async def rejected(status: int, *, json_body: Any = None, data: Any = None, headers=None) -> str:
+        response = await client.post("/v1/jobs", json=json_body, data=data, headers=headers)
+        body = await response.json()
+        assert response.status == status, body
+        assert body["error"]
+        return body["error"]
+
+    assert "not valid JSON" in await rejected(400, data=b"{not json", headers={"Content-Type": "application/json"})
+    assert "JSON object" in await rejected(400, json_body=["a list"])
+    assert "prompt is required" in await rejected(400, json_body={"seed": 1})
+    assert "unknown field(s) output" in await rejected(400, json_body={"prompt": "x", "output": "/etc/x.mp4"})
+    assert "seed must be an integer" in await rejected(400, json_body={"prompt": "x", "seed": "1"})
+    assert "H3 generates 5-15 s" in await rejected(400, json_body={"prompt": "x", "duration_seconds": 60})
+    assert "multiples of 32" in await rejected(400, json_body={"prompt": "x", "width": 33, "height": 32})
+    assert "<Picture 1> is not bound" in await rejected(400, json_body={"prompt": "<Picture 1> walks along the shore", **FAST})
+    for path in ("../secret.png", str(tmp_path / "secret.png"), "escape.png", "sub/../../secret.png"):
+        assert "outside the input folder" in await rejected(400, json_body={"prompt": "x", "first_frame": path, **FAST})
+    assert "multipart/form-data" in await rejected(415, data=b"prompt=x", headers={"Content-Type": "text/plain"})
+
+    oversize = FormData()
+    oversize.add_field("request", json.dumps({"prompt": "<Picture 1> waves", **FAST}), content_type="application/json")
+    oversize.add_field("first_frame", b"\0" * 10_000, filename="../../big.png", content_type="image/png")
+    assert "limit of 4096 bytes" in await rejected(413, data=oversize)
+
+    traversal_name = FormData()  # the client's file name never becomes a path; the bad request is still refused
+    traversal_name.add_field("request", json.dumps({"prompt": "<Picture 2> waves", **FAST}), content_type="application/json")
+    traversal_name.add_field("first_frame", (inputs / "frame.png").read_bytes(), filename="../../../../escaped.png", content_type="image/png")
+    assert "<Picture 2> is not bound" in await rejected(400, data=traversal_name)
+
+    both = FormData()
+    both.add_field("request", json.dumps({"prompt": "x", "first_frame": "frame.png"}), content_type="application/json")
+    both.add_field("first_frame", (inputs / "frame.png").read_bytes(), filename="f.png", content_type="image/png")
+    assert "both as a path and as an upload" in await rejected(400, data=both)
+
+    unknown = await client.get("/v1/jobs/" + "0" * 32)
+    assert unknown.status == 404 and "no job" in (await unknown.json())["error"]
+    assert (await client.get("/v1/jobs/..%2F..%2Fetc")).status == 404
+    assert (await client.delete("/v1/jobs/not-a-job")).status == 404
+
+    assert len(app[JOBS]) == 0
+    assert published(config.output_dir) == []
+    assert files_under(app[WORK_DIR]) == []
+    assert not list(tmp_path.rglob("escaped.png")) and not list(tmp_path.rglob("big.png"))
+
+
+async def test_bearer_token(aiohttp_client, make_service):
+    app, _ = make_service(token="s3cret")
+    client = await aiohttp_client(app)
+    assert (await client.get("/healthz")).status == 200  # probes stay open
+    assert (await client.get("/readyz")).status in (200, 503)
+    response = await client.post("/v1/jobs", json={"prompt": "x", **FAST})
+    assert response.status == 401 and response.headers["WWW-Authenticate"] == "Bearer"
+    assert (await client.get("/metrics", headers={"Authorization": "Bearer wrong"})).status == 401
+    assert (await client.get("/metrics", headers={"Authorization": "Bearer s3cret"})).status == 200
+    assert len(app[JOBS]) == 0
+
+
+async def test_python_client_against_a_loopback_server(aiohttp_server, make_service, tmp_path):
+    from vflash_core.client import JobFailedError, ServiceError, VflashClient
+    from vflash_core.fileio import OutputExistsError
+
+    app, _ = make_service(token="t0k")
+    server = await aiohttp_server(app, host="127.0.0.1")
+    client = VflashClient(str(server.make_url("/")), token="t0k")
+    frame = png(tmp_path / "frame.png")
+
+    def session() -> None:
+        deadline = time.monotonic() + 120
+        while not client.ready():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        job_id = client.submit({"prompt": "<Picture 1> sways", "seed": 3, **FAST}, files={"first_frame": frame})
+        assert client.wait(job_id, poll_seconds=0.05)["result"]["mode"] == "i2va"
+        target = client.download(job_id, tmp_path / "client.mp4")
+        assert target.stat().st_size > 0
+        with pytest.raises(OutputExistsError):
+            client.download(job_id, target)
+        with pytest.raises(ServiceError) as info:
+            client.submit({"prompt": "<Picture 3> sways", **FAST})
+        assert info.value.status == 400 and "<Picture 3> is not bound" in str(info.value)
+        with pytest.raises(ServiceError) as info:
+            VflashClient(client.base_url).status(job_id)
+        assert info.value.status == 401
+        queued = client.submit({"prompt": "first", **SLOW})
+        doomed = client.submit({"prompt": "second", **FAST})
+        assert client.cancel(doomed)["status"] == "cancelled"
+        with pytest.raises(JobFailedError, match="cancelled"):
+            client.wait(doomed)
+        client.wait(queued, poll_seconds=0.05)
+
+    await asyncio.to_thread(session)
+
+
+# -- worker death, cancel, readiness ----------------------------------------------------------------------------
+
+
+async def test_killed_worker_fails_its_job_and_a_new_worker_runs_the_next(aiohttp_client, make_service):
+    app, config = make_service()
+    client = await aiohttp_client(app)
+    await wait_ready(client)
+    victim = await submit(client, seed=1, **SLOW)
+    survivor = await submit(client, seed=2, **FAST)
+    # Kill it while it writes the MP4: the worst moment, with a partial file on disk.
+    writing = await wait_job(client, victim, until=lambda job: job["progress"] == {"stage": "decode", "done": 2, "total": 2})
+    os.kill(writing["worker_pid"], signal.SIGKILL)
+
+    failed = await wait_job(client, victim)
+    assert failed["status"] == "failed"
+    assert failed["error"] == f"the worker process (pid {writing['worker_pid']}) exited with signal SIGKILL while running this job"
+    done = await wait_job(client, survivor)
+    assert done["status"] == "succeeded", done
+    assert done["worker_pid"] != writing["worker_pid"]
+    assert published(config.output_dir) == [config.output_dir / f"{survivor}.mp4"]
+    assert not [p for p in config.output_dir.rglob("*") if "partial" in p.name]
+    assert files_under(app[WORK_DIR]) == []
+    response = await client.get(f"/v1/jobs/{victim}/video")
+    assert response.status == 409 and "SIGKILL" in (await response.json())["error"]
+    assert "vflash_worker_restarts_total 1" in await (await client.get("/metrics")).text()
+
+
+async def test_cancel_running_job_stops_within_one_evaluation(aiohttp_client, make_service):
+    app, config = make_service()
+    client = await aiohttp_client(app)
+    await wait_ready(client)
+    victim = await submit(client, seed=3, **SLOW)
+    survivor = await submit(client, seed=4, **FAST)
+
+    running = await wait_job(client, victim, until=lambda job: job["evaluations"]["done"] >= 1)
+    # Freeze the worker so the test, not the scheduler, decides where the cancel lands; the events it already
+    # sent are read before the count of finished evaluations is taken.
+    os.kill(running["worker_pid"], signal.SIGSTOP)
+    try:
+        await asyncio.sleep(0.2)
+        at_cancel = await job_status(client, victim)
+        assert at_cancel["status"] == "running"
+        response = await client.delete(f"/v1/jobs/{victim}")
+        assert response.status == 202 and (await response.json())["cancel_requested"]
+    finally:
+        os.kill(running["worker_pid"], signal.SIGCONT)
+    cancelled = await wait_job(client, victim)
+    assert cancelled["status"] == "cancelled" and cancelled["error"] is None
+    assert cancelled["evaluations"]["done"] <= at_cancel["evaluations"]["done"] + 1
+    assert (await client.delete(f"/v1/jobs/{victim}")).status == 409
+
+    done = await wait_job(client, survivor)
+    assert done["status"] == "succeeded" and done["worker_pid"] != running["worker_pid"]
+    assert published(config.output_dir) == [config.output_dir / f"{survivor}.mp4"]
+    assert files_under(app[WORK_DIR]) == []
+    assert app[SUPERVISOR].restarts == 1
+
+
+async def test_readyz_false_after_a_fatal_config_error_and_parent_never_touches_cuda(aiohttp_client, make_service, monkeypatch):
+    import torch
+
+    def no_cuda(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the HTTP process initialised CUDA")
+
+    monkeypatch.setattr(torch.cuda, "_lazy_init", no_cuda)
+    monkeypatch.setattr(torch.cuda, "init", no_cuda)
+    app, _ = make_service(device="cuda:99")  # no machine has this device: the worker's checks must fail
+    client = await aiohttp_client(app)
+
+    async def fatal():
+        body = await (await client.get("/readyz")).json()
+        return body if body["worker"] == "fatal" else None
+
+    body = await wait_for(fatal)
+    assert body["ready"] is False and "cuda:99" in body["error"]
+    assert (await client.get("/readyz")).status == 503
+    response = await client.post("/v1/jobs", json={"prompt": "x", **FAST})
+    assert response.status == 503 and "cannot run jobs" in (await response.json())["error"]
+    assert (await client.get("/healthz")).status == 200
+    assert "vflash_ready 0" in await (await client.get("/metrics")).text()
+    assert app[SUPERVISOR].restarts == 0  # a configuration error is not retried

@@ -1,0 +1,150 @@
+"""The service's parts that need no worker: job queue, metrics text, input paths, upload names, client, CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from vflash_core.cli import build_parser
+from vflash_core.cli_serve import is_loopback
+from vflash_core.client import _multipart
+from vflash_core.service.jobs import Job, JobState, JobStore, QueueFullError, new_job_id
+from vflash_core.service.metrics import Histogram, render
+from vflash_core.service.submission import InputPolicy, resolve_input_path, upload_suffix
+from vflash_core.service.supervisor import describe_exit
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_job_store_is_a_bounded_fifo():
+    async def scenario() -> None:
+        store = JobStore(max_queue=2)
+        first, second, third = (Job(new_job_id(), None, None) for _ in range(3))
+        store.add(first)
+        store.add(second)
+        with pytest.raises(QueueFullError, match="2 jobs waiting"):
+            store.add(third)
+        assert [store.queue_position(first), store.queue_position(second)] == [1, 2]
+        taken = await store.take()
+        assert taken is first
+        store.put_back(taken)  # never reached a worker: keeps its place
+        assert await store.take() is first
+        store.remove_queued(second)
+        second.cancel()
+        assert store.queue_position(second) is None
+        waiter = asyncio.ensure_future(store.take())
+        await asyncio.sleep(0)
+        assert not waiter.done()
+        store.add(third)
+        assert await waiter is third
+        counts = store.counts()
+        assert counts[JobState.CANCELLED] == 1 and counts[JobState.QUEUED] == 2
+
+    asyncio.run(scenario())
+
+
+def test_job_states_end_once():
+    job = Job(new_job_id(), None, None)
+    job.start(worker_pid=42)
+    job.progress("denoise", 2, 4)
+    job.progress("decode", 0, 1)
+    view = job.view()
+    assert view["status"] == "running" and view["evaluations"] == {"done": 2, "total": 4}
+    assert view["progress"] == {"stage": "decode", "done": 0, "total": 1}
+    job.fail("boom")
+    with pytest.raises(AssertionError, match="already failed"):
+        job.cancel()
+
+
+def test_metrics_text_format():
+    hist = Histogram((1.0, 10.0))
+    for value in (0.5, 3.0, 30.0):
+        hist.observe(value)
+    text = render({"queued": 1, "running": 0}, hist, worker_restarts=2, ready=True, queue_capacity=16)
+    lines = text.splitlines()
+    assert 'vflash_jobs{state="queued"} 1' in lines
+    assert lines[lines.index("# TYPE vflash_request_seconds histogram") + 1 :][:5] == [
+        'vflash_request_seconds_bucket{le="1.0"} 1',
+        'vflash_request_seconds_bucket{le="10.0"} 2',
+        'vflash_request_seconds_bucket{le="+Inf"} 3',
+        "vflash_request_seconds_sum 33.5",
+        "vflash_request_seconds_count 3",
+    ]
+    assert "vflash_worker_restarts_total 2" in lines and "vflash_ready 1" in lines
+    assert text.endswith("\n")
+
+
+def test_client_paths_stay_inside_the_input_folder(tmp_path):
+    inputs = tmp_path / "in"
+    (inputs / "sub").mkdir(parents=True)
+    (inputs / "sub" / "a.png").write_bytes(b"x")
+    (tmp_path / "outside.png").write_bytes(b"x")
+    (inputs / "link.png").symlink_to(tmp_path / "outside.png")
+    (inputs / "inner-link.png").symlink_to(inputs / "sub" / "a.png")
+    policy = InputPolicy(inputs.resolve(), 1024)
+    assert resolve_input_path("sub/a.png", policy) == (inputs / "sub" / "a.png").resolve()
+    assert resolve_input_path("inner-link.png", policy) == (inputs / "sub" / "a.png").resolve()
+    assert resolve_input_path(str(inputs / "sub" / "a.png"), policy) == (inputs / "sub" / "a.png").resolve()
+    for bad in ("../outside.png", "sub/../../outside.png", str(tmp_path / "outside.png"), "link.png", "/etc/passwd"):
+        with pytest.raises(web.HTTPBadRequest) as info:
+            resolve_input_path(bad, policy)
+        assert "outside the input folder" in json.loads(info.value.text)["error"]
+    with pytest.raises(web.HTTPBadRequest) as info:
+        resolve_input_path("missing.png", policy)
+    assert "is not a file" in json.loads(info.value.text)["error"]
+    with pytest.raises(web.HTTPBadRequest) as info:
+        resolve_input_path("sub/a.png", InputPolicy(None, 1024))
+    assert "uploads only" in json.loads(info.value.text)["error"]
+
+
+@pytest.mark.parametrize(
+    ("filename", "suffix"),
+    [("frame.PNG", ".png"), ("../../etc/passwd", ""), ("..\\..\\x.jpg", ".jpg"), ("a.tar.gz", ".gz"),
+     ("noext", ""), (None, ""), ("x.pn g", ""), ("x.verylongext", ""), ("/abs/clip.wav", ".wav")],
+)
+def test_upload_names_take_only_a_short_extension(filename, suffix):
+    assert upload_suffix(filename) == suffix
+
+
+def test_client_multipart_body(tmp_path):
+    image = tmp_path / 'odd"name.png'
+    image.write_bytes(b"\x89PNG")
+    body, content_type = _multipart({"prompt": "<Picture 1>"}, {"references": [image, image]})
+    boundary = content_type.split("boundary=")[1]
+    assert body.count(f"--{boundary}\r\n".encode()) == 3 and body.endswith(f"--{boundary}--\r\n".encode())
+    assert b'name="request"' in body and body.count(b'name="references"; filename="oddname.png"') == 2
+
+
+def test_describe_exit():
+    assert describe_exit(-9) == "signal SIGKILL"
+    assert describe_exit(1) == "exit code 1"
+    assert describe_exit(None) == "an unknown status"
+
+
+def test_serve_command_and_loopback(tmp_path):
+    args = build_parser().parse_args(["serve", "--demo", "--output-dir", str(tmp_path)])
+    assert args.host == "127.0.0.1" and args.port == 8000 and args.max_queue == 16 and args.demo
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--demo", "--prepared-assets", "p.json", "--output-dir", str(tmp_path)])
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("example.org") and not is_loopback("192.168.1.4")
+
+
+def test_service_config_is_checked(tmp_path):
+    from vflash_core.errors import VflashError
+    from vflash_core.service import ServiceConfig
+
+    receipt = tmp_path / "receipt.json"
+    receipt.write_text("{}")
+    with pytest.raises(VflashError, match="does not exist"):
+        ServiceConfig(receipt, tmp_path / "missing")
+    with pytest.raises(VflashError, match="max_queue"):
+        ServiceConfig(receipt, tmp_path, max_queue=0)
+    with pytest.raises(VflashError, match="needs a peer device"):
+        ServiceConfig(receipt, tmp_path, strategy="sequence-head")
+    config = ServiceConfig(receipt, tmp_path, input_dir=Path("."))
+    assert config.input_dir == Path.cwd()
