@@ -1,0 +1,277 @@
+"""RMSNorm fused with the AdaLN modulation: `modulate(F.rms_norm(x, (H,), w, eps), table, row_index, which)` in one pass.
+
+Reference: `vflash_core.model.main_block` (`h = rms_norm(x, norm1.weight)`, `h * (1 + scale_msa) + shift_msa`, and the
+same with norm2 / the mlp blocks) and `output_heads` (`norm_out`). The (S, H) normalised tensor is never written: the
+kernel saves one write and one read of it per norm against `F.rms_norm` followed by `modulate`.
+
+Bit parity with `F.rms_norm` needs its CUDA reduction order. Recent torch (2.11 included) sends `F.rms_norm`
+with a weight of the input's dtype to `_fused_rms_norm` (aten/src/ATen/native/layer_norm.cpp, `rms_norm_symint`),
+whose CUDA kernel is the LayerNorm kernel instantiated with `rms_norm=true`
+(aten/src/ATen/native/cuda/layer_norm_kernel.cu, `RmsNormKernelImpl` -> `LayerNormKernelImplInternal<T, T_ACC, true>`).
+For bf16 / fp16 / fp32 rows whose length is a multiple of 4 and whose x, weight and output pointers are 8-byte
+(4-element) aligned it launches `vectorized_layer_norm_kernel` (otherwise a two-kernel Welford path with another
+order, which `rms_norm_modulate` refuses):
+
+* one block per row of `dim3(32, num_threads() / 32)` threads: `num_threads()` is `4 * C10_WARP_SIZE` on CUDA
+  (ATen/native/cuda/thread_constants.h), so 4 warps, 128 threads; thread t = lane + 32 * warp.
+* `compute_stats<T, rms_norm=true>`: thread t reads the 4-element vectors t, t + 128, t + 256, ... of the row (channels
+  512k + 4t + j) and accumulates `sigma2 = sigma2 + v * v` in fp32 for j = 0..3 of each vector in turn
+  (`cuWelfordOnlineSum`'s rms branch: a plain sum of squares, not a Welford mean; nvcc contracts it to an fma, which
+  for bf16 / fp16 squares, exact in fp32, is the same value).
+* warp: `WARP_SHFL_DOWN` with offsets 16, 8, 4, 2, 1, `cuWelfordCombine`'s rms branch adding the two sums;
+  block: through shared memory, warps [offset, 2 offset) hand their sum to warp w - offset for offset = 2, 1, i.e.
+  (w0 + w2) + (w1 + w3).
+* `sigma2 / float(N)` (IEEE division), `rstd = c10::cuda::compat::rsqrt(ms + eps)` = `rsqrtf` = PTX
+  `rsqrt.approx.f32`, and `y = bf(float(w) * (rstd * float(x)))`.
+
+`tl.math.rsqrt` lowers to libdevice `__nv_rsqrtf`, the same `rsqrt.approx.f32` (its ftz variant under Triton's
+default `nvvm-reflect-ftz`, which differs only for subnormal arguments; `ms + eps >= eps` is normal for any eps above
+1.2e-38). For rows of at most 128 channels this order is `rope.qk_norm_rope`'s (only warp 0 holds data).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from . import _launch
+from ._device import _lane_tree_sum, _round_as, _to_f32, _to_storage
+from .modulate import MODULATION_BLOCKS, modulate_reference
+
+__all__ = ["rms_norm_block_order_reference", "rms_norm_modulate", "rms_norm_modulate_order_reference", "rms_norm_modulate_reference"]
+
+#: torch's block for the vectorized row kernel: 32-lane warps, `num_threads() / 32` = 4 of them, 4-element vectors.
+_LANES = 32
+_TORCH_WARPS = 4
+_VEC = 4
+#: Channels one block of torch reads per step (128 threads x 4): the column tile of every loop iteration here, so that
+#: each tile column group is one torch thread's vector.
+_CHUNK = _LANES * _TORCH_WARPS * _VEC
+
+
+@triton.jit
+def _rms_norm_modulate_kernel(
+    x_ptr,
+    weight_ptr,
+    table_ptr,
+    index_ptr,
+    out_ptr,
+    n_rows,
+    eps,
+    x_row_stride,
+    x_col_stride,
+    weight_stride,
+    table_row_stride,
+    table_col_stride,
+    index_stride,
+    out_row_stride,
+    out_col_stride,
+    shift_col,
+    scale_col,
+    HIDDEN: tl.constexpr,
+    TORCH_WARPS: tl.constexpr,
+    ROUND_DTYPE: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    INDEX_64: tl.constexpr,
+    EMULATE_CASTS: tl.constexpr,
+):
+    """RMSNorm of whole rows in torch's CUDA order, then the AdaLN modulation of `modulate`.
+
+    n[s,c]    = bf( w[c] * (rstd[s] * x[s,c]) )                 fp32 products, one rounding (as `F.rms_norm`)
+    rstd[s]   = rsqrt( sum_sq[s] / H + eps )                    IEEE division, hardware rsqrt (as torch's rsqrtf)
+    sum_sq[s] = thread t (of T = 32 * TORCH_WARPS) sums x[s, 4T*k + 4t + j]^2 for k = 0, 1, ... and j = 0..3 in that
+                order (fma); the 32 lane sums of each warp are added by the shuffle-down tree (offsets 16, 8, 4, 2, 1),
+                then the warp sums by the same tree over warps (offsets TORCH_WARPS/2, ..., 1).
+    out[s,c]  = bf( bf( n[s,c] * bf(1 + table[r, scale_col + c]) ) + table[r, shift_col + c] ),  r = index[s]
+    Grid: (row blocks,). Each program reads its rows twice (sum of squares, then normalise + modulate), chunk by chunk
+    of 4T channels, as torch's kernel re-reads its row; channels past H load 0 and add +0.0 exactly.
+    """
+    CHUNK: tl.constexpr = 4 * 32 * TORCH_WARPS
+    pid = tl.program_id(0)
+    if INDEX_64:
+        pid = pid.to(tl.int64)
+    rows = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_mask = rows < n_rows
+    x_rows = x_ptr + rows[:, None] * x_row_stride
+
+    # per-thread sums: column 4t + j of a chunk is torch thread t's channel j (x[r, t, a, b] = channel 4t + 2a + b)
+    acc = tl.full((BLOCK_ROWS, CHUNK // 4), 0.0, tl.float32)  # not `tl.zeros`: a triton @jit function (see _device)
+    for start in range(0, HIDDEN, CHUNK):
+        cols = start + tl.arange(0, CHUNK)
+        if INDEX_64:
+            cols = cols.to(tl.int64)
+        mask = row_mask[:, None] & (cols < HIDDEN)[None, :]
+        x = _to_f32(tl.load(x_rows + cols[None, :] * x_col_stride, mask=mask, other=0.0), EMULATE_CASTS)
+        quads = tl.reshape(x, (BLOCK_ROWS, CHUNK // 4, 2, 2))
+        even, odd = tl.split(quads)  # channels 4t + 2a and 4t + 2a + 1
+        x0, x2 = tl.split(even)
+        x1, x3 = tl.split(odd)
+        acc = tl.fma(x3, x3, tl.fma(x2, x2, tl.fma(x1, x1, tl.fma(x0, x0, acc))))
+    warp_sums = _lane_tree_sum(tl.reshape(acc, (BLOCK_ROWS, TORCH_WARPS, 32)), BLOCK_ROWS, TORCH_WARPS, 32)
+    sum_sq = _lane_tree_sum(tl.reshape(warp_sums, (BLOCK_ROWS, 1, TORCH_WARPS)), BLOCK_ROWS, 1, TORCH_WARPS)
+    rstd = tl.math.rsqrt(tl.math.div_rn(sum_sq, HIDDEN * 1.0) + eps)  # (BLOCK_ROWS, 1)
+
+    table_rows = tl.load(index_ptr + rows * index_stride, mask=row_mask, other=0)
+    if INDEX_64:
+        table_rows = table_rows.to(tl.int64)
+    else:
+        table_rows = table_rows.to(tl.int32)
+    table_row_ptrs = table_ptr + (table_rows * table_row_stride)[:, None]
+    out_rows = out_ptr + rows[:, None] * out_row_stride
+
+    for start in range(0, HIDDEN, CHUNK):
+        cols = start + tl.arange(0, CHUNK)
+        if INDEX_64:
+            cols = cols.to(tl.int64)
+        col_mask = cols < HIDDEN
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = _to_f32(tl.load(x_rows + cols[None, :] * x_col_stride, mask=mask, other=0.0), EMULATE_CASTS)
+        weight = _to_f32(tl.load(weight_ptr + cols * weight_stride, mask=col_mask, other=0.0), EMULATE_CASTS)
+        normed = _round_as(weight[None, :] * (rstd * x), ROUND_DTYPE, EMULATE_CASTS)
+        scale = tl.load(table_row_ptrs + (scale_col + cols)[None, :] * table_col_stride, mask=mask, other=0.0)
+        shift = tl.load(table_row_ptrs + (shift_col + cols)[None, :] * table_col_stride, mask=mask, other=0.0)
+        # `modulate`'s three roundings: 1 + scale, the product, the sum
+        one_plus_scale = _round_as(1.0 + _to_f32(scale, EMULATE_CASTS), ROUND_DTYPE, EMULATE_CASTS)
+        y = _round_as(normed * one_plus_scale, ROUND_DTYPE, EMULATE_CASTS)
+        y = _round_as(y + _to_f32(shift, EMULATE_CASTS), ROUND_DTYPE, EMULATE_CASTS)
+        tl.store(out_rows + cols[None, :] * out_col_stride, _to_storage(y, out_ptr.dtype.element_ty, EMULATE_CASTS), mask=mask)
+
+
+def rms_norm_modulate_forward(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, table: torch.Tensor, row_index: torch.Tensor, shift_col: int, scale_col: int, out: torch.Tensor
+) -> torch.Tensor:
+    """Launcher over 2-D views: x (S, H), weight (H,), table (R, n*H), row_index (S,), out (S, H), all any strides."""
+    n_rows, hidden = x.shape
+    if n_rows == 0:
+        return out
+    # a row is n_groups = 1 group of one torch block's chunk: the loops walk the rest of the row
+    tile = _launch.elementwise_tile(n_rows, 1, _CHUNK)
+    _rms_norm_modulate_kernel[(triton.cdiv(n_rows, tile.block_rows),)](
+        x, weight, table, row_index, out,
+        n_rows, float(eps),
+        x.stride(0), x.stride(1),
+        weight.stride(0),
+        table.stride(0), table.stride(1),
+        row_index.stride(0),
+        out.stride(0), out.stride(1),
+        shift_col, scale_col,
+        HIDDEN=hidden,
+        TORCH_WARPS=_TORCH_WARPS,
+        ROUND_DTYPE=_launch.round_dtype(x.dtype),
+        BLOCK_ROWS=tile.block_rows,
+        INDEX_64=_launch.needs_int64(x, weight, table, row_index, out),
+        EMULATE_CASTS=_launch.INTERPRET,
+        num_warps=tile.num_warps,
+        **_launch.COMPILE_OPTIONS,
+    )
+    return out
+
+
+def _check_torch_vectorized(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """Refuse inputs for which `F.rms_norm` takes its non-vectorized CUDA path (another reduction order).
+
+    torch makes x and the weight contiguous first (a copy is freshly allocated, so aligned), then needs H % 4 == 0 and
+    4-element alignment of the data pointers. Reading `data_ptr()` does not synchronise.
+    """
+    hidden = x.shape[-1]
+    if hidden % _VEC:
+        raise ValueError(f"hidden size {hidden} is not a multiple of {_VEC}: F.rms_norm would not use its vectorized kernel")
+    for name, t in (("x", x), ("weight", weight)):
+        if t.is_contiguous() and t.data_ptr() % (_VEC * t.element_size()):
+            raise ValueError(f"{name} is contiguous but not {_VEC}-element aligned: F.rms_norm would not use its vectorized kernel")
+
+
+def rms_norm_modulate(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    table: torch.Tensor,
+    row_index: torch.Tensor,
+    which: str = "msa",
+    *,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """`modulate(F.rms_norm(x, (H,), weight, eps), table, row_index, which)` in one kernel, without the normed tensor.
+
+    x: (S, H) or (1, S, H), bf16 (or fp16/fp32), any strides; H a multiple of 4.
+    weight: (H,) in x's dtype (`norm1.weight`, `norm2.weight`), any stride. eps: used in fp32, as torch does.
+    table, row_index, which, out_dtype, out: as `modulate` ((3T, 6H) main-block table with "msa" / "mlp", or the
+        (T, 2H) `norm_out` table with "out" and out_dtype float32; row_index values in [0, R), not checked).
+    Returns a tensor of x's shape, contiguous unless `out` was given.
+
+    Numerics: the RMSNorm in the order of torch's vectorized CUDA kernel (module docstring), then `modulate`'s
+    roundings. Raises ValueError where `F.rms_norm` would take its other CUDA path (H % 4 != 0, or a contiguous x or
+    weight not aligned to 4 elements). Bit parity with `F.rms_norm` + `modulate` rests on torch's kernel choice:
+    check it with `pytest -m gpu tests/test_rms_norm_modulate.py -s` after a torch upgrade or on another GPU.
+    """
+    if which not in MODULATION_BLOCKS:
+        raise ValueError(f"which must be one of {sorted(MODULATION_BLOCKS)}, got {which!r}")
+    shift_block, scale_block, n_blocks = MODULATION_BLOCKS[which]
+    x2 = _launch.as_rows(x, "x")
+    n_rows, hidden = x2.shape
+    if weight.shape != (hidden,) or weight.dtype != x.dtype:
+        raise ValueError(f"weight must be ({hidden},) {x.dtype}, got {tuple(weight.shape)} {weight.dtype}")
+    if table.dim() != 2 or table.shape[1] != n_blocks * hidden:
+        raise ValueError(f"table for {which!r} must be (R, {n_blocks}*{hidden}), got {tuple(table.shape)}")
+    if table.dtype != x.dtype:
+        raise TypeError(f"table dtype {table.dtype} differs from x dtype {x.dtype}")
+    _check_torch_vectorized(x, weight)
+    _launch.check_index(row_index, n_rows, "row_index")
+    out_dtype = out_dtype or x.dtype
+    if out is None:
+        out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    elif out.shape != x.shape or out.dtype != out_dtype:
+        raise ValueError(f"out must be {tuple(x.shape)} {out_dtype}, got {tuple(out.shape)} {out.dtype}")
+    _launch.check_device(x, weight, table, row_index, out)
+    rms_norm_modulate_forward(x2, weight, eps, table, row_index, shift_block * hidden, scale_block * hidden, _launch.as_rows(out, "out"))
+    return out
+
+
+# -- references -----------------------------------------------------------------------------------------------------
+
+
+def _halving_tree(s: torch.Tensor) -> torch.Tensor:
+    """(..., W) -> (...), W a power of two: element i += element i + W/2, halving W (shuffle-down / shared-memory tree)."""
+    width = s.shape[-1]
+    while width > 1:
+        width //= 2
+        s = s[..., :width] + s[..., width : 2 * width]
+    return s[..., 0]
+
+
+def rms_norm_block_order_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, *, warps: int = _TORCH_WARPS) -> torch.Tensor:
+    """torch emulation of `rms_norm_modulate`'s RMSNorm, reduction order included: (..., H) -> (..., H) in x's dtype.
+
+    `warps` is the block height of torch's kernel (4; other powers of two model other launch configurations, for
+    diagnosis). Exact for bf16/fp16 inputs, whose squares are exact in fp32 (so the kernel's fma equals a multiply and
+    an add). `torch.rsqrt` on the CPU is `1 / sqrt` (what the Triton interpreter computes); on the GPU the kernel uses
+    the hardware approximation, as `F.rms_norm` does.
+    """
+    hidden = x.shape[-1]
+    threads = _LANES * warps
+    xf = x.float()
+    squares = F.pad(xf * xf, (0, -hidden % (threads * _VEC))).unflatten(-1, (-1, threads, _VEC))  # (..., K, T, 4)
+    acc = torch.zeros(squares.shape[:-3] + (threads,), dtype=torch.float32, device=x.device)
+    for k in range(squares.shape[-3]):
+        for j in range(_VEC):
+            acc = acc + squares[..., k, :, j]
+    sum_sq = _halving_tree(_halving_tree(acc.unflatten(-1, (warps, _LANES))))  # lanes, then warps
+    rstd = torch.rsqrt(sum_sq / hidden + eps)
+    return (weight.float() * (rstd[..., None] * xf)).to(x.dtype)
+
+
+def rms_norm_modulate_order_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, table: torch.Tensor, row_index: torch.Tensor, which: str = "msa", out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """`rms_norm_block_order_reference` + `modulate_reference`: what the kernel computes, in torch ops."""
+    return modulate_reference(rms_norm_block_order_reference(x, weight, eps), table, row_index, which, out_dtype)
+
+
+def rms_norm_modulate_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, table: torch.Tensor, row_index: torch.Tensor, which: str = "msa", out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """The torch ops `rms_norm_modulate` replaces (`F.rms_norm` then the model's modulation, `main_block` / `output_heads`)."""
+    return modulate_reference(F.rms_norm(x, (x.shape[-1],), weight, eps), table, row_index, which, out_dtype)
