@@ -173,6 +173,17 @@ def test_pack_loaded_and_published(server):
         assert "embedded-demo" in json.loads(r.read())["VflashModelLoader"]["input"]["required"]["model"][1]["options"]
 
 
+def test_ui_workflows_are_listed_as_templates(server):
+    """ComfyUI serves workflows/*.json as this pack's templates (and does not descend into workflows/api/)."""
+    import urllib.request
+
+    with urllib.request.urlopen(server.url + "/workflow_templates") as r:
+        templates = json.loads(r.read())
+    assert sorted(templates["vflash"]) == sorted(p.stem for p in (REPO / "workflows").glob("*.json"))
+    with urllib.request.urlopen(server.url + "/api/workflow_templates/vflash/t2va.json") as r:
+        assert json.loads(r.read()) == json.loads((REPO / "workflows" / "t2va.json").read_text())
+
+
 @pytest.mark.parametrize("name,changes", [
     ("t2va", None),
     ("i2va", SMALL),
