@@ -231,6 +231,12 @@ async def test_rejected_submissions_are_4xx_with_a_message_and_write_nothing(aio
     traversal_name.add_field("first_frame", (inputs / "frame.png").read_bytes(), filename="../../../../escaped.png", content_type="image/png")
     assert "<Picture 2> is not bound" in await rejected(400, data=traversal_name)
 
+    broken = FormData()  # the pipeline's own message, without the service's folders in it
+    broken.add_field("request", json.dumps({"prompt": "<Picture 1> waves", **FAST}), content_type="application/json")
+    broken.add_field("first_frame", b"not an image", filename="photo.png", content_type="image/png")
+    message = await rejected(400, data=broken)
+    assert message.startswith("first frame first_frame.png cannot be read as image") and str(tmp_path) not in message
+
     both = FormData()
     both.add_field("request", json.dumps({"prompt": "x", "first_frame": "frame.png"}), content_type="application/json")
     both.add_field("first_frame", (inputs / "frame.png").read_bytes(), filename="f.png", content_type="image/png")
@@ -298,12 +304,17 @@ async def test_python_client_against_a_loopback_server(aiohttp_server, make_serv
 # -- worker death, cancel, readiness ----------------------------------------------------------------------------
 
 
-async def test_killed_worker_fails_its_job_and_a_new_worker_runs_the_next(aiohttp_client, make_service):
-    app, config = make_service()
+async def test_killed_worker_fails_its_job_and_a_new_worker_runs_the_next(aiohttp_client, make_service, tmp_path):
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    app, config = make_service(input_dir=inputs)
     client = await aiohttp_client(app)
     await wait_ready(client)
     victim = await submit(client, seed=1, **SLOW)
     survivor = await submit(client, seed=2, **FAST)
+    # Valid when queued, unreadable when it runs: a request error in the worker costs the job, not the worker.
+    vanished = await submit(client, prompt="<Picture 1> fades", first_frame=png(inputs / "frame.png").name, **FAST)
+    (inputs / "frame.png").unlink()
     # Kill it while it writes the MP4: the worst moment, with a partial file on disk.
     writing = await wait_job(client, victim, until=lambda job: job["progress"] == {"stage": "decode", "done": 2, "total": 2})
     os.kill(writing["worker_pid"], signal.SIGKILL)
@@ -314,6 +325,9 @@ async def test_killed_worker_fails_its_job_and_a_new_worker_runs_the_next(aiohtt
     done = await wait_job(client, survivor)
     assert done["status"] == "succeeded", done
     assert done["worker_pid"] != writing["worker_pid"]
+    refused = await wait_job(client, vanished)
+    assert refused["status"] == "failed" and refused["error"] == "first frame frame.png does not exist"
+    assert refused["worker_pid"] == done["worker_pid"] == app[SUPERVISOR].worker_pid
     assert published(config.output_dir) == [config.output_dir / f"{survivor}.mp4"]
     assert not [p for p in config.output_dir.rglob("*") if "partial" in p.name]
     assert files_under(app[WORK_DIR]) == []

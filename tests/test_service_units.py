@@ -12,7 +12,7 @@ from aiohttp import web
 from vflash_core.cli import build_parser
 from vflash_core.cli_serve import is_loopback
 from vflash_core.client import _multipart
-from vflash_core.service.jobs import Job, JobState, JobStore, QueueFullError, new_job_id
+from vflash_core.service.jobs import Job, JobState, JobStore, QueueFullError, new_job_id, redact_paths
 from vflash_core.service.metrics import Histogram, render
 from vflash_core.service.submission import InputPolicy, resolve_input_path, upload_suffix
 from vflash_core.service.supervisor import describe_exit
@@ -117,6 +117,14 @@ def test_client_multipart_body(tmp_path):
     boundary = content_type.split("boundary=")[1]
     assert body.count(f"--{boundary}\r\n".encode()) == 3 and body.endswith(f"--{boundary}--\r\n".encode())
     assert b'name="request"' in body and body.count(b'name="references"; filename="oddname.png"') == 2
+
+
+def test_client_messages_do_not_show_service_folders(tmp_path):
+    work, upload = tmp_path / "out" / ".vflash-work-1", tmp_path / "out" / ".vflash-work-1" / "uploads" / "abc"
+    message = f"first frame {upload}/first_frame.png cannot be read; see {work}/worker-2/x and {tmp_path}/in/a.png"
+    assert redact_paths(message, (work, upload, None, tmp_path / "in")) == (
+        "first frame first_frame.png cannot be read; see worker-2/x and a.png"
+    )
 
 
 def test_describe_exit():

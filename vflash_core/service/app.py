@@ -21,7 +21,7 @@ from aiohttp import web
 from ..errors import VflashError
 from . import metrics
 from .config import ServiceConfig
-from .jobs import JOB_ID_PATTERN, Job, JobState, JobStore, QueueFullError, new_job_id
+from .jobs import JOB_ID_PATTERN, Job, JobState, JobStore, QueueFullError, new_job_id, redact_paths
 from .submission import InputPolicy, bad_request, http_error, read_submission
 from .supervisor import WorkerState, WorkerSupervisor
 from .validation import RequestValidator
@@ -131,7 +131,7 @@ async def _accept(request: web.Request, job_id: str, upload_dir: Path) -> Job:
     try:
         video_request = await asyncio.to_thread(app[VALIDATOR], fields)
     except VflashError as exc:
-        raise bad_request(str(exc)) from None
+        raise bad_request(redact_paths(str(exc), (upload_dir, config.input_dir))) from None
     job = Job(job_id, video_request, upload_dir if upload_dir.exists() else None)
     _check_accepting(app)  # the worker may have failed, or the queue filled, while this request was validated
     app[JOBS].add(job)

@@ -9,9 +9,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import enum
+import os
 import re
 import secrets
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -36,6 +38,14 @@ JOB_ID_PATTERN = re.compile(r"[0-9a-f]{32}")
 def new_job_id() -> str:
     """128 random bits as hex: unguessable by other clients, and safe as a file name."""
     return secrets.token_hex(16)
+
+
+def redact_paths(message: str, folders: Iterable[Path | None]) -> str:
+    """`message` for a client: the service's own folders are cut from the paths it quotes (an upload reads as its
+    service-given name, an input as its path inside the input folder)."""
+    for folder in sorted((f for f in folders if f is not None), key=lambda f: len(str(f)), reverse=True):
+        message = message.replace(f"{folder}{os.sep}", "")
+    return message
 
 
 class QueueFullError(Exception):

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import ServiceConfig
-from .jobs import Job, JobState, JobStore
+from .jobs import Job, JobState, JobStore, redact_paths
 from .metrics import Histogram
 from .worker import Cancelled, Failed, Fatal, Finished, JobOrder, Progress, Ready, WorkerConfig, worker_main
 
@@ -240,11 +240,17 @@ class WorkerSupervisor:
         """Run `job` on the worker; returns whether the worker may take another job."""
         staging = self.work_dir / "jobs" / job.id
         staging.mkdir(parents=True)
+        try:
+            handle.send(JobOrder(job.id, job.request, str(staging / "video.mp4")))
+        except OSError as exc:  # the worker died since it took its last job; its successor runs this one
+            logger.warning("worker %d could not take job %s (%s)", handle.pid, job.id, exc)
+            shutil.rmtree(staging)
+            self.jobs.put_back(job)
+            return False
         self._running = job
         job.start(handle.pid)
         logger.info("job %s started on worker %d", job.id, handle.pid)
         try:
-            handle.send(JobOrder(job.id, job.request, str(staging / "video.mp4")))
             return await self._follow(handle, job, staging / "video.mp4")
         except asyncio.CancelledError:
             job.fail("the service stopped while this job was running")
@@ -281,7 +287,7 @@ class WorkerSupervisor:
                 if job.cancel_requested:
                     job.cancel()
                     return False
-                job.fail(event.message)
+                job.fail(redact_paths(event.message, (job.upload_dir, self.work_dir, self.config.input_dir)))
                 return not event.worker_exits
             elif isinstance(event, Cancelled):
                 job.cancel()
