@@ -30,6 +30,7 @@ from vflash_core import get_profile  # noqa: E402
 from vflash_core.artifact import CompiledArtifact  # noqa: E402
 from vflash_core.attention import resolve_attention  # noqa: E402
 from vflash_core.denoise import Denoiser  # noqa: E402
+from vflash_core import fused  # noqa: E402
 from vflash_core.fused import FusedBlock  # noqa: E402
 from vflash_core.profiler import StageTimer  # noqa: E402
 from vflash_core.residency import ResidentBlocks  # noqa: E402
@@ -152,8 +153,13 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=4)
     parser.add_argument("--cache", type=Path, default=Path("/tmp/vflash-bench"))
     parser.add_argument("--shapes", nargs="+", default=["960x544", "1344x768"])
+    parser.add_argument("--fused-norm", choices=("on", "off"), help="override vflash_core.fused.FUSED_NORM_MODULATE for this run")
     args = parser.parse_args()
-    write_result("forward_h200", run(args.blocks, args.cache, args.shapes))
+    if args.fused_norm is not None:
+        fused.FUSED_NORM_MODULATE = args.fused_norm == "on"
+    data = run(args.blocks, args.cache, args.shapes)
+    data["fused_norm_modulate"] = fused.FUSED_NORM_MODULATE
+    write_result("forward_h200", data)
 
 
 if __name__ == "__main__":

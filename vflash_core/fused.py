@@ -6,7 +6,8 @@ same GPU. What changes is traffic: the AdaLN rows are read from the table by row
 six gathered (S, H) tensors per block, modulation and gated residuals are one pass each (the residual update in
 place), rotary writes the attention layout directly, and SwiGLU reads the fused FFN input once.
 
-RMSNorm stays `F.rms_norm`: its CUDA reduction order is torch's own, and the 5376-wide norms must keep those bits.
+The 5376-wide RMSNorm is `F.rms_norm` unless `FUSED_NORM_MODULATE` (a kernel summing squares in the order of torch's
+vectorized CUDA kernel, enabled only where the GPU test shows it reproduces those bits).
 The per-head QK norm (128 channels) is fused with rotary: its kernel sums squares in the order of torch's vectorized
 CUDA RMSNorm, and the GPU test shows it reproduces `F.rms_norm` (`FUSED_QK_NORM`).
 """
@@ -24,6 +25,10 @@ from .profiler import StageTimer
 # 3.6, 2026-11-30): 0 differing elements against F.rms_norm + rotary at S = 19,796, 38,222 and 100,000, full width
 # (tests/test_kernels.py, GPU); 0.42 / 0.81 ms instead of 5.9 / 11.3 ms per block. Re-check after a torch upgrade.
 FUSED_QK_NORM = True
+# Whether the 5376-wide RMSNorm and the AdaLN modulation run as one kernel (`rms_norm_modulate`, torch's reduction
+# order for its vectorized CUDA RMSNorm) instead of `F.rms_norm` + `modulate`. Off until the H200 parity test
+# (tests/test_rms_norm_modulate.py, GPU) shows zero differing elements at full width.
+FUSED_NORM_MODULATE = False
 
 
 class FusedBlock:
@@ -33,19 +38,27 @@ class FusedBlock:
         vflash_kernels()
         from vflash_kernels.gated_residual import gated_residual
         from vflash_kernels.modulate import modulate
+        from vflash_kernels.rms_norm_modulate import rms_norm_modulate
         from vflash_kernels.rope import qk_norm_rope, rope
         from vflash_kernels.swiglu import swiglu
 
         self.config = config
         self.attention = attention
         self.modulate, self.gated_residual, self.rope, self.qk_norm_rope, self.swiglu = modulate, gated_residual, rope, qk_norm_rope, swiglu
+        self.rms_norm_modulate = rms_norm_modulate
+
+    def norm_modulate(self, x: torch.Tensor, weight: torch.Tensor, table: torch.Tensor, idx: torch.Tensor, which: str) -> torch.Tensor:
+        """RMSNorm then AdaLN modulation of the (1, S, H) stream: one kernel or two (`FUSED_NORM_MODULATE`)."""
+        if FUSED_NORM_MODULATE:
+            return self.rms_norm_modulate(x, weight, self.config.norm_eps, table, idx, which)
+        return self.modulate(M.rms_norm(x, weight, self.config.norm_eps), table, idx, which)
 
     def __call__(self, x: torch.Tensor, w: M.LayerWeights, table: torch.Tensor, plan, state, timer: StageTimer) -> torch.Tensor:
         """x: (1, S, H) residual stream, updated in place and returned."""
         cfg, idx = self.config, plan.adaln_indices
         cos, sin = state.rotary
         with timer.stage("adaln_modulation"):
-            h = self.modulate(M.rms_norm(x, w["norm1.weight"], cfg.norm_eps), table, idx, "msa")
+            h = self.norm_modulate(x, w["norm1.weight"], table, idx, "msa")
         with timer.stage("qkv_projection"):
             qkv = M.linear(h, w["attn.qkv.weight"], loras=w.lora("attn.qkv"))
         with timer.stage("qk_norm_rope"):
@@ -64,7 +77,7 @@ class FusedBlock:
             self.gated_residual(x, y, table, idx, "msa", inplace=True)
         del y
         with timer.stage("ffn_norm_modulation"):
-            h = self.modulate(M.rms_norm(x, w["norm2.weight"], cfg.norm_eps), table, idx, "mlp")
+            h = self.norm_modulate(x, w["norm2.weight"], table, idx, "mlp")
         with timer.stage("ffn_input"):
             p = M.linear(h, w["ffn.in.weight"], loras=w.lora("ffn.in"))
         del h

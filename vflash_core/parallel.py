@@ -305,7 +305,7 @@ class TensorParallelBlock:
             return x + mod.gate_mlp * self._sum(M.feed_forward(h, w))
         k = self.fused
         with timer.stage("adaln_modulation"):
-            h = k.modulate(M.rms_norm(x, w["norm1.weight"], cfg.norm_eps), table, idx, "msa")
+            h = k.norm_modulate(x, w["norm1.weight"], table, idx, "msa")
         with timer.stage("qkv_projection"):
             qkv = M.linear(h, w["attn.qkv.weight"], loras=w.lora("attn.qkv"))
         with timer.stage("qk_norm_rope"):
@@ -316,7 +316,7 @@ class TensorParallelBlock:
             y = self._sum(M.linear(out, w["attn.out.weight"], loras=w.lora("attn.out")))
             k.gated_residual(x, y, table, idx, "msa", inplace=True)
         with timer.stage("ffn_norm_modulation"):
-            h = k.modulate(M.rms_norm(x, w["norm2.weight"], cfg.norm_eps), table, idx, "mlp")
+            h = k.norm_modulate(x, w["norm2.weight"], table, idx, "mlp")
         with timer.stage("ffn_input"):
             p = M.linear(h, w["ffn.in.weight"], loras=w.lora("ffn.in"))
         with timer.stage("swiglu"):
