@@ -283,7 +283,7 @@ def test_interrupt_at_evaluation_k_stops_within_one_and_next_run_succeeds(pack, 
     workflow = apply_overrides(load_api_workflow(API / "t2va.json"), [*SMALL, f"7.filename_prefix=video/interrupt{k}", f"5.seed={k}"])
     registry = pack.module.nodes.registry.ENGINES
     run(pack, {nid: n for nid, n in workflow.items() if nid == "1"} | {"9": {"class_type": "VflashUnload", "inputs": {"anything": ["1", 0], "what": "te"}}})
-    session = registry._entries["dit"].engine
+    session = registry.engine("dit")
     hook = importlib.import_module("comfy.utils").PROGRESS_BAR_HOOK
     seen: list[int] = []
 
@@ -303,7 +303,7 @@ def test_interrupt_at_evaluation_k_stops_within_one_and_next_run_succeeds(pack, 
     # The engine stayed loaded and usable: the next run reuses it and succeeds.
     importlib.import_module("comfy.utils").set_progress_bar_global_hook(hook)
     run(pack, workflow)
-    assert registry._entries["dit"].engine is session and not session.closed
+    assert registry.engine("dit") is session and not session.closed
     assert list((output_dir() / "video").glob(f"interrupt{k}_*.mp4"))
 
 
@@ -373,11 +373,11 @@ def test_encode_then_sample_bundle_equals_pipeline_bundle(pack, comfy, keyframes
         images[name] = torch.from_numpy(pixels.astype(np.float32) / 255.0)[None]
     prompt = "A red square <Picture 1> turns blue." if keyframes else "Waves crash on a rocky shore."
     cond, latent, frames = ops.encode(registry, host, te, vae, prompt, 128, 96, 124, 0.0, images.get("first"), images.get("last"), force_offload=False)
-    session = registry._entries["dit"].engine
+    session = registry.engine("dit")
     mine = ops.request_bundle(cond, cl.from_comfy_latent(latent).geometry, 7, session.compiled.config).consume()
     request = VideoRequest(prompt, first_frame=tmp_path / "first.png" if keyframes else None, last_frame=tmp_path / "last.png" if keyframes else None,
                            duration_seconds=5.0, seed=7, width=128, height=96)
-    theirs = build_request_bundle(registry._entries["te"].engine, registry._entries["vae"].engine, request, session.compiled.config, session.profile).consume()
+    theirs = build_request_bundle(registry.engine("te"), registry.engine("vae"), request, session.compiled.config, session.profile).consume()
     assert mine.mode == theirs.mode == ("fl2va" if keyframes else "t2va")
     assert mine.fingerprint() == theirs.fingerprint()
 
@@ -392,3 +392,48 @@ def test_unsupported_core_node_is_named_before_anything_runs(pack):
 
     with pytest.raises(WorkflowError, match=r"unsupported nodes: 20 \(KSampler\)"):
         plan(workflow, headless_node_types())
+
+
+def test_generate_node_all_in_one(pack, comfy):
+    from vflash_core.media import probe_mp4
+
+    base = load_api_workflow(API / "t2va.json")
+    workflow = {nid: base[nid] for nid in ("1", "2", "3")}
+    workflow["4"] = {"class_type": "VflashGenerate", "inputs": {
+        "model": ["1", 0], "te": ["2", 0], "vae": ["3", 0], "prompt": "Waves crash on a rocky shore.", "width": 128, "height": 128,
+        "length": 100, "seconds": 5.0, "seed": 3, "force_offload": False}}
+    workflow["7"] = {"class_type": "SaveVideo", "inputs": {"video": ["4", 0], "filename_prefix": "video/generate", "format": "auto"}}
+    report = run(pack, workflow)
+    video, images, audio = report.outputs["4"]
+    assert images.shape[0] == 124 and audio["waveform"].shape[1] == 2  # seconds=5.0 overrides length, snapped to 17 n + 5
+    assert probe_mp4(next((output_dir() / "video").glob("generate_*.mp4")))["frames"] == 124
+
+
+def test_lora_chain(pack, model_files):
+    from safetensors.torch import save_file
+
+    loras = model_files / "loras"
+    loras.mkdir(exist_ok=True)
+    save_file({"x": torch.zeros(1)}, str(loras / "style.safetensors"))
+    assert "style.safetensors" in pack.schema("VflashLoraSelect").inputs[0].options
+    select = pack.nodes["VflashLoraSelect"]
+    chain = select.execute(lora="style.safetensors", strength=0.5).args[0]
+    chain = select.execute(lora="style.safetensors", strength=1.0, prev=chain).args[0]
+    assert [round(ref.strength, 2) for ref in chain] == [0.5, 1.0] and chain[0].path.endswith("style.safetensors")
+    loader = pack.nodes["VflashModelLoader"]
+    with pytest.raises(VflashError, match="already compiled"):
+        loader.execute(model="embedded-demo", profile="auto", weight_residency="auto", device="auto", peer_device="none",
+                       strategy="sequence-head", attention_backend="auto", lora=chain)
+    with pytest.raises(VflashError, match="at most one LoRA"):
+        loader.execute(model="diffusers/H3-tiny", profile="t2va-base4-exact-cpu", weight_residency="auto", device="cpu", peer_device="none",
+                       strategy="sequence-head", attention_backend="auto", lora=chain)
+
+
+def test_device_rules(pack):
+    loader = pack.nodes["VflashModelLoader"]
+    with pytest.raises(VflashError, match="cuda:3 does not exist"):
+        loader.execute(model="embedded-demo", profile="auto", weight_residency="auto", device="cuda:3", peer_device="none",
+                       strategy="sequence-head", attention_backend="auto")
+    with pytest.raises(VflashError, match="residency"):
+        loader.execute(model="embedded-demo", profile="auto", weight_residency="everywhere", device="auto", peer_device="none",
+                       strategy="sequence-head", attention_backend="auto")

@@ -258,7 +258,13 @@ class EngineRegistry:
         self._entries: dict[str, _Entry] = {}
 
     def loaded(self) -> dict[str, str]:
+        """kind -> the option name of the engine loaded for it."""
         return {kind: e.label for kind, e in self._entries.items()}
+
+    def engine(self, kind: str) -> Any | None:
+        """The loaded engine of `kind` ("dit": `NativeEngineSession`, "te": `TextConditioner`, "vae": `MediaVAEs`)."""
+        entry = self._entries.get(kind)
+        return None if entry is None else entry.engine
 
     def acquire(self, kind: str, key: tuple, label: str, factory: Callable[[], Any]) -> Any:
         entry = self._entries.get(kind)
@@ -784,7 +790,7 @@ def generate(registry: EngineRegistry, host: Host, model: ModelSpec, te: Compone
              width: int, height: int, length: int, seconds: float, seed: int, first_frame: torch.Tensor | None = None,
              last_frame: torch.Tensor | None = None, force_offload: bool = False) -> tuple[Any, torch.Tensor, dict[str, Any]]:
     """VflashGenerate: encode, sample, decode in one node."""
-    cond, latent, _ = encode(registry, host, te, vae, prompt, width, height, length, seconds, first_frame, last_frame)
+    cond, latent, _ = encode(registry, host, te, vae, prompt, width, height, length, seconds, first_frame, last_frame, force_offload=True)
     latent = sample(registry, host, model, cond, latent, seed, force_offload)
     images, audio, video = decode(registry, host, vae, latent)
     return video, images, audio
