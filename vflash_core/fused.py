@@ -26,9 +26,10 @@ from .profiler import StageTimer
 # (tests/test_kernels.py, GPU); 0.42 / 0.81 ms instead of 5.9 / 11.3 ms per block. Re-check after a torch upgrade.
 FUSED_QK_NORM = True
 # Whether the 5376-wide RMSNorm and the AdaLN modulation run as one kernel (`rms_norm_modulate`, torch's reduction
-# order for its vectorized CUDA RMSNorm) instead of `F.rms_norm` + `modulate`. Off until the H200 parity test
-# (tests/test_rms_norm_modulate.py, GPU) shows zero differing elements at full width.
-FUSED_NORM_MODULATE = False
+# order for its vectorized CUDA RMSNorm) instead of `F.rms_norm` + `modulate`. Measured on an H200 (torch 2.11,
+# triton 3.6, 2026-11-30): 0 of 106,423,296 / 205,481,472 elements differ at S = 19,796 / 38,222 for both halves
+# (tests/test_rms_norm_modulate.py, GPU); 0.177 / 0.345 ms instead of 0.244 / 0.462 ms. Re-check after a torch upgrade.
+FUSED_NORM_MODULATE = True
 
 
 class FusedBlock:
