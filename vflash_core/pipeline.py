@@ -437,7 +437,7 @@ class H3Pipeline:
         self.profile_denoise = profile_denoise
         self._loader = loader
         self._closed = False
-        self.initialization_seconds = 0.0 if loader is None else float("nan")
+        self.initialization_seconds = 0.0  # set by prepare(); a pipeline composed from loaded parts has none
 
     @classmethod
     def from_prepared(

@@ -118,7 +118,8 @@ class MediaVAEs:
         """(F, H, W, 3) uint8 RGB (F = 1 for a keyframe or image) -> (1, C, f, H/16, W/16) fp32 normalised, CPU."""
         mean, std = self._stats(self.video_vae, (1, -1, 1, 1, 1))
         device = next(self.video_vae.parameters()).device
-        pixels = torch.from_numpy(np.ascontiguousarray(frames)).to(device).permute(3, 0, 1, 2)[None]
+        # Copies only when the array is not contiguous or read-only (as `np.asarray` of a PIL image is).
+        pixels = torch.from_numpy(np.require(frames, requirements=["C", "W"])).to(device).permute(3, 0, 1, 2)[None]
         pixel_mean = torch.tensor(PIXEL_MEAN, device=device).view(1, -1, 1, 1, 1)
         pixel_std = torch.tensor(PIXEL_STD, device=device).view(1, -1, 1, 1, 1)
         pixels = (pixels.to(torch.float32).div(255.0) - pixel_mean) / pixel_std
