@@ -130,3 +130,19 @@ def test_cancel_between_evaluations_closes_the_pipeline(h3_prepared, tmp_path):
     assert list(tmp_path.iterdir()) == [] and fresh.session is None
     with pytest.raises(SessionClosedError):
         fresh.validate(REQUEST)
+
+
+def test_generate_command_with_delivery_options_and_denoise_profile(h3_prepared, tmp_path, capsys):
+    from vflash_core.cli import main
+
+    out = tmp_path / "cli.mp4"
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("A cat jumps onto a wooden table.\n", encoding="utf-8")
+    args = ["generate", "--prepared-assets", str(h3_prepared), "--prompt-file", str(prompt), "--width", "96", "--height", "64", "--seed", "9",
+            "--output", str(out), "--media-video-input", "pipe", "--media-video-threads", "2", "--profile-denoise"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert f"wrote {out}: 124 frames 96x64 at 24 fps, t2va" in printed and "request total" in printed
+    assert '"denoise_profile": {' in printed
+    assert probe_mp4(out)["frames"] == 124
+    assert main(args) == 2 and "already exists" in capsys.readouterr().err
