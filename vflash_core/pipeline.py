@@ -24,6 +24,7 @@ A cancelled request (the `cancel` callable raised) closes the pipeline, as does 
 from __future__ import annotations
 
 import datetime as dt
+import importlib.util
 import json
 import logging
 import math
@@ -171,6 +172,8 @@ def plan_request(request: VideoRequest, profile: Profile, canvas: CanvasRules) -
         raise RequestError(f"H3 takes at most {MAX_REFERENCES} references in total, got {len(kinds)}")
     if kinds and set(kinds) == {"audio"}:
         raise RequestError("audio references need at least one image or video reference beside them")
+    if "video" in kinds and importlib.util.find_spec("torchvision") is None:
+        raise RequestError("video references need torchvision (Qwen3-VL's video processor), which is not installed; use image and audio references")
 
     if request.width is not None:
         check_canvas(int(request.height), int(request.width))
