@@ -1,4 +1,5 @@
-"""`vflash denoise` (bundle -> latents through the native core) and `vflash prepare` / `vflash compile`."""
+"""`vflash denoise`: a conditioning bundle through the native core to latents (the compiler has its own module CLI,
+`python -m vflash_core.compiler prepare|compile`)."""
 
 from __future__ import annotations
 
@@ -15,22 +16,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bundle", required=True, help="conditioning bundle folder")
     p.add_argument("--output-latents", required=True, help="output .safetensors (must not exist)")
     p.add_argument("--gpu", type=int, help="CUDA device index (default: CPU)")
-    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--peer-gpu", type=int, action="append", help="another GPU for this request (repeatable); needs --strategy")
+    p.add_argument("--strategy", choices=("sequence-head", "tensor"), help="how several GPUs split one request")
+    p.add_argument("--weight-residency", choices=("auto", "resident", "block-ring"), default="auto")
+    p.add_argument("--attention-backend", default="auto", help="auto, fa3, torch-cudnn, torch-flash, torch-sdpa, ...")
+    p.add_argument("--profile-denoise", action="store_true", help="per-evaluation, per-stage device timings in the report")
     p.set_defaults(handler=_denoise)
-
-    p = sub.add_parser("prepare", help="bind a profile to official weights (same as python -m vflash_core.compiler prepare)")
-    p.add_argument("--profile", required=True)
-    p.add_argument("--transformer", required=True)
-    p.add_argument("--adapter")
-    p.add_argument("--qkv-layout", choices=("stacked", "interleaved"))
-    p.add_argument("--receipt", required=True)
-    p.set_defaults(handler=_prepare)
-
-    p = sub.add_parser("compile", help="compile a receipt (same as python -m vflash_core.compiler compile)")
-    p.add_argument("--receipt", required=True)
-    p.add_argument("--output", required=True)
-    p.add_argument("--gpu", type=int, help="CUDA device index (default: CPU)")
-    p.set_defaults(handler=_compile)
 
 
 def _denoise(args: argparse.Namespace) -> int:
@@ -49,28 +40,15 @@ def _denoise(args: argparse.Namespace) -> int:
             load_bar.update(1)
 
         session = NativeEngineSession(
-            args.profile, args.artifact, args.schedule_overlay, args.auxiliary_tensor, device=device,
-            attention_backend=args.attention_backend, on_load_progress=on_load,
+            args.profile, args.artifact, args.schedule_overlay, args.auxiliary_tensor, device=device, peer_device=args.peer_gpu,
+            strategy=args.strategy, weight_residency=args.weight_residency, attention_backend=args.attention_backend, on_load_progress=on_load,
         )
     with session, tqdm(total=session.profile.nfe, desc="denoise", unit="eval") as bar:
         session.validate(bundle)
-        result = session.generate(bundle, progress=lambda done, total: bar.update(1), output_latents=args.output_latents)
+        result = session.generate(bundle, progress=lambda done, total: bar.update(1), output_latents=args.output_latents, profile_denoise=args.profile_denoise)
     print(f"wrote {args.output_latents}")
-    print(json.dumps({"session": result.session.__dict__, "metadata": result.metadata}, indent=2))
-    return 0
-
-
-def _prepare(args: argparse.Namespace) -> int:
-    from .compiler import prepare
-
-    prepare(args.profile, args.transformer, args.receipt, args.adapter, args.qkv_layout)
-    print(f"wrote receipt {args.receipt}")
-    return 0
-
-
-def _compile(args: argparse.Namespace) -> int:
-    from .compiler import compile_receipt
-
-    out = compile_receipt(args.receipt, args.output, "cpu" if args.gpu is None else f"cuda:{args.gpu}")
-    print(f"compiled into {out}: artifact/, schedule/, auxiliary.safetensors")
+    report = {"session": result.session.__dict__, "metadata": result.metadata}
+    if result.denoise_profile is not None:
+        report["denoise_profile"] = result.denoise_profile
+    print(json.dumps(report, indent=2))
     return 0
