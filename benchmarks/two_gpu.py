@@ -9,7 +9,7 @@ single GPU (max abs difference and a PSNR over the latents' range). `two_workers
 sequence-head serving two requests in turn over that of two independent single-GPU workers serving one each at the
 same time (above 1: latency mode costs fleet throughput, seed 002).
 
-Writes benchmarks/results/two_gpu_2xh200.json (2 GPUs) or multi_gpu_h200.json (more).
+Writes benchmarks/results/two_gpu_<P>xh200.json (two_gpu_2xh200.json by default; multi_gpu.py sweeps GPU counts).
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["960x544", "1344x768"])
     args = parser.parse_args()
     data = run(args.gpus, args.blocks, args.cache, args.shapes)
-    write_result("two_gpu_2xh200" if args.gpus == 2 else "multi_gpu_h200", data)
+    write_result(f"two_gpu_{args.gpus}xh200", data)
 
 
 if __name__ == "__main__":
