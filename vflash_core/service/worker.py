@@ -110,9 +110,9 @@ def worker_main(config: WorkerConfig, orders: Connection, events: Connection, ca
     tempfile.tempdir = config.scratch_dir
     try:
         pipeline, info = _open_pipeline(config)
-    except Exception as exc:
-        logger.exception("worker startup failed")
-        events.send(Fatal(str(exc) if _is_user_error(exc) else f"{type(exc).__name__}: {exc}"))
+    except Exception as exc:  # any startup failure is fatal: the next worker would meet the same configuration
+        logger.error("worker startup failed: %s", _describe(exc), exc_info=_is_bug(exc))
+        events.send(Fatal(_describe(exc)))
         return
     events.send(Ready(os.getpid(), info))
     try:
@@ -184,22 +184,27 @@ def _run(pipeline: Any, order: JobOrder, events: Connection, cancel: Event) -> b
         logger.info("job %s cancelled; this worker exits", order.job_id)
         events.send(Cancelled(order.job_id))
         return False
-    except RequestError as exc:  # rejected before any device work: the pipeline stays usable
+    except RequestError as exc:  # a bad input (its checks, or reading it): the pipeline stays usable
         events.send(Failed(order.job_id, str(exc), worker_exits=False))
         return True
     except Exception as exc:  # a failed trajectory: report it, then exit (seed 001)
-        logger.exception("job %s failed; this worker exits", order.job_id)
-        message = str(exc) if _is_user_error(exc) else f"{type(exc).__name__}: {exc}"
-        events.send(Failed(order.job_id, message, worker_exits=True))
+        logger.error("job %s failed, this worker exits: %s", order.job_id, _describe(exc), exc_info=_is_bug(exc))
+        events.send(Failed(order.job_id, _describe(exc), worker_exits=True))
         return False
     events.send(Finished(order.job_id, report))
     return True
 
 
-def _is_user_error(exc: BaseException) -> bool:
+def _is_bug(exc: BaseException) -> bool:
+    """Anything but a `VflashError` is a bug: it is logged with its traceback."""
     from ..errors import VflashError
 
-    return isinstance(exc, VflashError)
+    return not isinstance(exc, VflashError)
+
+
+def _describe(exc: BaseException) -> str:
+    """A `VflashError`'s own message (it names the offending values); a bug keeps its type name."""
+    return f"{type(exc).__name__}: {exc}" if _is_bug(exc) else str(exc)
 
 
 # What a client sees of a VideoResult: not `path` (a service staging path; the parent reports the published name)
