@@ -18,6 +18,12 @@ from pathlib import Path
 from .errors import VflashError
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 class OutputExistsError(VflashError):
     """The destination exists and overwriting was not requested."""
 
@@ -44,6 +50,8 @@ def atomic_file(path: str | Path, overwrite: bool = False, suffix: str = "") -> 
     tmp = Path(tmp_name)
     try:
         yield tmp
+        # mkstemp creates 0600; a published file gets the permissions a plain open() would give it.
+        os.chmod(tmp, 0o666 & ~_umask())
         if overwrite:
             os.replace(tmp, path)
         else:
