@@ -19,7 +19,15 @@ from .errors import VflashError
 
 
 def _umask() -> int:
-    mask = os.umask(0)
+    """The process umask, read without changing it (os.umask would briefly change it for every thread)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
     os.umask(mask)
     return mask
 
