@@ -109,7 +109,8 @@ def _reference_run(reference, request: VideoRequest, nfe: int, height: int, widt
         readers = {".png": MiniMaxH3ImageReference, ".wav": MiniMaxH3AudioReference, ".mp4": MiniMaxH3VideoReference}
         kwargs["references"] = [readers[r[-4:]].from_file(r) for r in request.references]
     names = ["prompt_embeds", "text_token_tags", "position_ids", "token_tags", "video_indices", "audio_indices", "text_indices", "condition_latents", "audio_condition_latents", "num_condition_video_rows", "num_condition_audio_rows", "num_latent_frames", "latent_height", "latent_width", "num_audio_latents", "latents", "audio_latents", "videos", "audio"]
-    out = reference(**kwargs, output=names)  # a dict of the named state values
+    out = reference(**kwargs, output=names)  # a dict of the named state values, on the reference's device
+    out = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
 
     # The reference's own noise blocks, run on its components with a fresh generator of the request's seed.
     state = PipelineState()
@@ -122,7 +123,7 @@ def _reference_run(reference, request: VideoRequest, nfe: int, height: int, widt
         steps = [MiniMaxH3PrepareConditionLatentsStep(), *steps, prepend]
     for step in steps:
         step(reference, state)
-    out["initial_video_rows"], out["initial_audio_rows"] = state.get("latents"), state.get("audio_latents")
+    out["initial_video_rows"], out["initial_audio_rows"] = state.get("latents").cpu(), state.get("audio_latents").cpu()
     return out
 
 
