@@ -17,7 +17,9 @@ real model (diffusers loads the same folder with `ModularPipeline.from_pretraine
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,12 +82,12 @@ DEMO_FAMILY = FamilySpec(
 )
 
 
-def _seeded(seed: int):
-    """Run module construction under a fixed seed without disturbing the caller's global RNG."""
-    state = torch.random.fork_rng(devices=[])
-    state.__enter__()
-    torch.manual_seed(seed)
-    return state
+@contextlib.contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    """Construct modules under a fixed seed without disturbing the caller's global RNG."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
 
 
 def _with_latent_stats(config: dict[str, Any], channels: int, seed: int) -> dict[str, Any]:
@@ -156,11 +158,8 @@ def _write_text_encoder(folder: Path, spec: FamilySpec, tokenizer, seed: int) ->
     config = Qwen3VLConfig(
         text_config={**spec.text, "vocab_size": len(tokenizer)}, vision_config=spec.vision, tie_word_embeddings=False, **ids
     )
-    rng = _seeded(seed)
-    try:
+    with _seeded(seed):
         model = Qwen3VLForConditionalGeneration(config).eval()
-    finally:
-        rng.__exit__(None, None, None)
     model.save_pretrained(folder)
 
 
@@ -169,11 +168,8 @@ def _write_vaes(root: Path, spec: FamilySpec, seed: int) -> None:
 
     video_config = _with_latent_stats(spec.video_vae, spec.video_vae["latent_channels"], seed)
     audio_config = _with_latent_stats(spec.audio_vae, spec.audio_vae["latent_channels"], seed + 1)
-    rng = _seeded(seed)
-    try:
+    with _seeded(seed):
         video, audio = AutoencoderKLMiniMaxH3(**video_config), AutoencoderKLMiniMaxH3Audio(**audio_config)
-    finally:
-        rng.__exit__(None, None, None)
     video.save_pretrained(root / "vae")
     audio.save_pretrained(root / "audio_vae")
 
