@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import PROFILE, attention_flops, attention_tflops, compiled_model, environment, full_width, gemm_tflops, linear_flops_per_block, median_ms, request, write_result  # noqa: E402
+from _common import PROFILE, attention_flops, attention_tflops, compiled_model, environment, full_width, gemm_tflops, linear_flops_per_block, request, write_result  # noqa: E402
 
 from vflash_core import get_profile  # noqa: E402
 from vflash_core.artifact import CompiledArtifact  # noqa: E402

@@ -20,7 +20,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -633,11 +633,9 @@ def encode(registry: EngineRegistry, host: Host, te: ComponentSpec, vae: Compone
            ref_audios: Mapping[str, Any] | None = None, force_offload: bool = True) -> tuple[Conditioning, dict[str, Any], int]:
     """VflashEncode: the same media normalisation and encoders as `pipeline.build_request_bundle`, without the noise
     (the sampler draws it from its seed, so one encoding serves every seed)."""
-    import numpy as np
     from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3AudioReference, MiniMaxH3ImageReference, MiniMaxH3VideoReference
 
-    from .bundle import EncodedReference
-    from .layout import VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK
+    from .pipeline import encode_conditions
     from .references import fit_keyframes, normalize_references
 
     if not isinstance(prompt, str) or not prompt.strip():
@@ -671,21 +669,8 @@ def encode(registry: EngineRegistry, host: Host, te: ComponentSpec, vae: Compone
     if force_offload:
         registry.release("te")
     bar(2, steps)
-    conditions: list[torch.Tensor] = []
-    encoded: list = []
+    conditions, encoded = encode_conditions(vaes, keyframes, references)
     if keyframes or references:
-        with vaes.on_device():
-            conditions = [vaes.encode_pixels(np.asarray(k)[None]) for k in keyframes]
-            for ref in references:
-                latents = rows = None
-                if ref.kind == "image":
-                    latents = vaes.encode_pixels(np.asarray(ref.image)[None])
-                elif ref.kind == "video":
-                    n = max(1, (ref.frames.shape[0] - VAE_LATENTS_PER_CHUNK) // VAE_FRAMES_PER_CHUNK)
-                    latents = vaes.encode_pixels(ref.frames[: n * VAE_FRAMES_PER_CHUNK + VAE_LATENTS_PER_CHUNK])
-                if ref.has_audio:
-                    rows = vaes.encode_soundtrack(ref.audio)
-                encoded.append(EncodedReference(ref.kind, latents, rows))
         bar(3, steps)
     payload = EncodedConditions(text.prompt_embeds, text.token_tags, tuple(conditions), tuple(a for a, _ in keyframe_inputs), tuple(encoded))
     latents = cl.empty_latents(geometry, vaes.latent_channels, vaes.audio_latent_channels)

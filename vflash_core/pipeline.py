@@ -346,6 +346,32 @@ def _timed(timings: dict[str, float] | None, name: str, start: float) -> float:
     return now
 
 
+def encode_conditions(vaes: MediaVAEs, keyframes: list, references: list) -> tuple[list[torch.Tensor], list[EncodedReference]]:
+    """VAE latents of the canvas-fitted keyframes, and of each normalised reference's frames and soundtrack, in order.
+
+    Returns (one (1, C, 1, h, w) latent per keyframe, one `EncodedReference` per reference); the VAEs are on their
+    device only for the duration.
+    """
+    conditions: list[torch.Tensor] = []
+    encoded: list[EncodedReference] = []
+    if not (keyframes or references):
+        return conditions, encoded
+    with vaes.on_device():
+        conditions = [vaes.encode_pixels(np.array(k)[None]) for k in keyframes]
+        for ref in references:
+            latents = rows = None
+            if ref.kind == "image":
+                latents = vaes.encode_pixels(np.array(ref.image)[None])
+            elif ref.kind == "video":
+                # Snapped down to 17 n + 5 frames so the VAE encodes without padding (the reference's arithmetic).
+                n = max(1, (ref.frames.shape[0] - VAE_LATENTS_PER_CHUNK) // VAE_FRAMES_PER_CHUNK)
+                latents = vaes.encode_pixels(ref.frames[: n * VAE_FRAMES_PER_CHUNK + VAE_LATENTS_PER_CHUNK])
+            if ref.has_audio:
+                rows = vaes.encode_soundtrack(ref.audio)
+            encoded.append(EncodedReference(ref.kind, latents, rows))
+    return conditions, encoded
+
+
 def build_request_bundle(
     conditioner: TextConditioner,
     vaes: MediaVAEs,
@@ -370,22 +396,7 @@ def build_request_bundle(
     t = _timed(timings, "encode.inputs", t)
     text = conditioner.encode(request.prompt, keyframes, references)
     t = _timed(timings, "encode.text", t)
-    encoded: list[EncodedReference] = []
-    conditions: list[torch.Tensor] = []
-    if keyframes or references:
-        with vaes.on_device():
-            conditions = [vaes.encode_pixels(np.array(k)[None]) for k in keyframes]
-            for ref in references:
-                latents = rows = None
-                if ref.kind == "image":
-                    latents = vaes.encode_pixels(np.array(ref.image)[None])
-                elif ref.kind == "video":
-                    # Snapped down to 17 n + 5 frames so the VAE encodes without padding (the reference's arithmetic).
-                    n = max(1, (ref.frames.shape[0] - VAE_LATENTS_PER_CHUNK) // VAE_FRAMES_PER_CHUNK)
-                    latents = vaes.encode_pixels(ref.frames[: n * VAE_FRAMES_PER_CHUNK + VAE_LATENTS_PER_CHUNK])
-                if ref.has_audio:
-                    rows = vaes.encode_soundtrack(ref.audio)
-                encoded.append(EncodedReference(ref.kind, latents, rows))
+    conditions, encoded = encode_conditions(vaes, keyframes, references)
     t = _timed(timings, "encode.vae", t)
     generator = torch.Generator().manual_seed(request.seed)
     if plan.mode == "ref2va":
