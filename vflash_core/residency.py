@@ -3,9 +3,11 @@
 Block ring (seed 001 "Loading weights once"): every compiled block file is memory-mapped for a scoped load, its
 tensors are copied back to back into ONE segmented pinned host arena that spans blocks (no per-block allocation
 padding), and the map is closed. Two device slots, each the size of one block, alternate: a copy stream fills slot
-k+1 while block k computes from slot k. A copy event marks a slot ready (the compute stream waits on it); a compute
-event marks the block that read a slot finished (the copy stream waits on it before overwriting). Nothing waits on
-the host per block. The arena and the slots are reused across requests and released by `close()`.
+k+1 while block k computes from slot k, and block 0 of the next evaluation while the last block finishes. A copy
+event marks a slot ready (the compute stream waits on it); a compute event marks the block that read a slot
+finished (the copy stream waits on it before overwriting). Nothing waits on the host per block. The arena and the
+slots are reused across requests and released by `close()`. With tensor parallelism each rank's arena holds its
+shard of every block.
 
 Resident and block-ring sources yield the same `LayerWeights` (same tensors, same values), so the math, and the
 bits, are identical.
