@@ -32,17 +32,8 @@ SMALL = ["4.width=128", "4.height=128", "4.force_offload=false"]  # keep the tex
 
 @pytest.fixture(scope="module")
 def pack(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("vflash-cache")
-    previous = os.environ.get("VFLASH_CACHE")
-    os.environ["VFLASH_CACHE"] = str(cache)
-    loaded = harness.install(tmp_path_factory.mktemp("comfyui"))
-    yield loaded
-    loaded.module.nodes.registry.ENGINES.close()
-    harness.uninstall()
-    if previous is None:
-        os.environ.pop("VFLASH_CACHE", None)
-    else:
-        os.environ["VFLASH_CACHE"] = previous
+    with harness.installed(tmp_path_factory.mktemp("vflash-cache"), tmp_path_factory.mktemp("comfyui")) as loaded:
+        yield loaded
 
 
 @pytest.fixture

@@ -28,17 +28,8 @@ UI_ONLY = {"MarkdownNote", "Note"}
 
 @pytest.fixture(scope="module")
 def pack(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("vflash-cache")
-    previous = os.environ.get("VFLASH_CACHE")
-    os.environ["VFLASH_CACHE"] = str(cache)
-    loaded = harness.install(tmp_path_factory.mktemp("comfyui"))
-    yield loaded
-    loaded.module.nodes.registry.ENGINES.close()
-    harness.uninstall()
-    if previous is None:
-        os.environ.pop("VFLASH_CACHE", None)
-    else:
-        os.environ["VFLASH_CACHE"] = previous
+    with harness.installed(tmp_path_factory.mktemp("vflash-cache"), tmp_path_factory.mktemp("comfyui")) as loaded:
+        yield loaded
 
 
 def test_the_set_of_workflows():

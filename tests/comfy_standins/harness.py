@@ -12,9 +12,12 @@ path-derived name (as `nodes.load_custom_node` does; the root is never put on `s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import importlib.util
+import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,3 +128,20 @@ def uninstall() -> None:
             del sys.modules[name]
     if str(HERE) in sys.path:
         sys.path.remove(str(HERE))
+
+
+@contextlib.contextmanager
+def installed(cache_dir: Path, comfy_dir: Path) -> Iterator[Pack]:
+    """The pack loaded over the stand-ins with `VFLASH_CACHE` at `cache_dir`; engines closed and all undone after."""
+    previous = os.environ.get("VFLASH_CACHE")
+    os.environ["VFLASH_CACHE"] = str(cache_dir)
+    loaded = install(comfy_dir)
+    try:
+        yield loaded
+    finally:
+        loaded.module.nodes.registry.ENGINES.close()
+        uninstall()
+        if previous is None:
+            os.environ.pop("VFLASH_CACHE", None)
+        else:
+            os.environ["VFLASH_CACHE"] = previous
