@@ -96,15 +96,51 @@ def median_ms(fn: Callable[[], object], warmup: int = 2, repeat: int = 5) -> flo
     return statistics.median(times)
 
 
-def gemm_tflops(n: int = 8192) -> float:
+def sustained_ms(fn: Callable[[], object], seconds: float = 1.0, warm_seconds: float = 1.0) -> float:
+    """Median time of `fn` called back to back for about `seconds`, after `warm_seconds` of the same load.
+
+    An H200 holds its 700 W cap by lowering the SM clock under sustained tensor-core load (measured 2026-11-30: 1980 MHz
+    cool, 1400-1600 MHz after a second of GEMMs or attention), so a rate from a few calls on a cool GPU overstates what
+    a block loop running for seconds can get by up to ~15 %. Rates for a roofline are measured in that steady state.
+    """
+    once = median_ms(fn, 1, 1)
+    for _ in range(max(1, round(warm_seconds * 1e3 / once))):
+        fn()
+    events = []
+    for _ in range(max(3, round(seconds * 1e3 / once))):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        events.append((start, end))
+    events[-1][1].synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def gemm_tflops(n: int = 8192, sustained: bool = False) -> float:
+    """Rate of an n^3 BF16 GEMM: a short burst (3 warm-ups, median of 10) or the sustained rate (`sustained_ms`)."""
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    return 2 * n**3 / median_ms(lambda: a @ b, 3, 10) / 1e9
+    ms = sustained_ms(lambda: a @ b) if sustained else median_ms(lambda: a @ b, 3, 10)
+    return 2 * n**3 / ms / 1e9
 
 
-def attention_tflops(attention: Callable, rows: int, heads: int = 56, head_dim: int = 128) -> float:
+def attention_tflops(attention: Callable, rows: int, heads: int = 56, head_dim: int = 128, sustained: bool = False) -> float:
+    """Rate of `attention` alone on (1, rows, heads, head_dim): a short burst (2 warm-ups, median of 5) or sustained."""
     q, k, v = (torch.randn(1, rows, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    return attention_flops(rows, heads, head_dim) / median_ms(lambda: attention(q, k, v), 2, 5) / 1e9
+    ms = sustained_ms(lambda: attention(q, k, v)) if sustained else median_ms(lambda: attention(q, k, v), 2, 5)
+    return attention_flops(rows, heads, head_dim) / ms / 1e9
+
+
+def gpu_clocks() -> dict[str, object] | None:
+    """SM clock, power draw and active clock-limit reasons from nvidia-smi, or None where it is missing."""
+    fields = "clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
+    try:
+        out = subprocess.run(["nvidia-smi", "-i", "0", f"--query-gpu={fields}", "--format=csv,noheader,nounits"], capture_output=True, text=True, check=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    sm, power, temp, reasons = (v.strip() for v in out.stdout.strip().split(","))
+    return {"sm_mhz": int(sm), "power_w": float(power), "temperature_c": int(temp), "limit_reasons": reasons}
 
 
 def attention_flops(rows: int, heads: int = 56, head_dim: int = 128) -> float:
