@@ -32,8 +32,11 @@ PROFILE = "t2va-base16-bf16-sm90"
 
 
 def commit_id() -> str:
+    """VFLASH_COMMIT when set (a device copy's own git metadata may lag the tree it was sent), else git's HEAD."""
+    if os.environ.get("VFLASH_COMMIT"):
+        return os.environ["VFLASH_COMMIT"]
     out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False)
-    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else os.environ.get("VFLASH_COMMIT", "unknown")
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
 
 
 def environment() -> dict[str, object]:

@@ -12,7 +12,7 @@ runs); GB/s counts the bytes each op must move at least (inputs read once, outpu
 
 Writes `benchmarks/results/kernels_h200.json`:
 `{"gpu", "torch", "triton", "commit", "ops": [{"name", "N", "torch_ms", "triton_ms", "speedup", "gbps", ...}]}`; commit is
-`git rev-parse HEAD` when the checkout has its `.git`, else the environment variable VFLASH_COMMIT, else "unknown".
+the environment variable VFLASH_COMMIT when set, else `git rev-parse HEAD` (`_common.commit_id`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ import gc
 import importlib
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +30,9 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import commit_id  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 H, HEADS, HEAD_DIM, ROTARY, FFN, EPS = 5376, 56, 128, 96, 14336, 1e-5
@@ -54,16 +55,6 @@ def load_kernels() -> SimpleNamespace:
         sys.modules["vflash_kernels"] = package
         spec.loader.exec_module(package)
     return SimpleNamespace(**{m: importlib.import_module(f"vflash_kernels.{m}") for m in MODULES})
-
-
-def commit_id() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-        if out.returncode == 0 and out.stdout.strip():
-            return out.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return os.environ.get("VFLASH_COMMIT", "unknown")
 
 
 def mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
