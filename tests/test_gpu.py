@@ -7,6 +7,7 @@ benchmarks/forward.py."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 
@@ -48,10 +49,14 @@ def test_block_ring_equals_resident_and_holds_memory_flat(gpu_compiled):
     with NativeEngineSession(PROFILE, **gpu_compiled, device="cuda:0", weight_residency="block-ring") as ring:
         first = ring.generate(_bundle(2), profile_denoise=True)
         got = ring.generate(_bundle(2))
-        baseline = torch.cuda.memory_allocated(0)  # after a plain request (the profiled one holds its events)
+        # after a plain request (the profiled one holds its events), with pending reference cycles collected on both
+        # sides: an H200 run once saw 2 KiB fewer after the loop than before it, a small cycle freed in between
+        gc.collect()
+        baseline = torch.cuda.memory_allocated(0)
         for _ in range(20):
             got = ring.generate(_bundle(2))
-        assert torch.cuda.memory_allocated(0) == baseline, "device memory grows across requests"
+        gc.collect()
+        assert torch.cuda.memory_allocated(0) <= baseline, f"device memory grows across requests: {torch.cuda.memory_allocated(0)} > {baseline} bytes"
         assert first.denoise_profile["h2d_copy_ms"] > 0
         assert first.metadata["memory"]["pinned_host_bytes"] > 0 and first.metadata["memory"]["blocks_on_device"] == 2
 
