@@ -12,6 +12,9 @@ import asyncio
 import json
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -20,7 +23,7 @@ import pytest
 from aiohttp import FormData, web
 
 from vflash_core.service import ServiceConfig, create_app
-from vflash_core.service.app import JOBS, SUPERVISOR, WORK_DIR
+from vflash_core.service.app import JOBS, SUPERVISOR, WORK_DIR, WORK_DIR_OWNER
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(300)]
 
@@ -97,7 +100,8 @@ async def submit(client, **fields: Any) -> str:
 
 
 def files_under(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.rglob("*") if p.is_file())
+    """Files in a work folder besides its owner stamp."""
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p != folder / WORK_DIR_OWNER)
 
 
 def published(out: Path) -> list[Path]:
@@ -115,7 +119,13 @@ async def test_submit_poll_download_playable_mp4(aiohttp_client, make_service, t
     inputs.mkdir()
     png(inputs / "last.png")
     app, config = make_service(input_dir=inputs)
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    stale = config.output_dir / ".vflash-work-0dead"  # left by a service on this host that was killed
+    (stale / "uploads").mkdir(parents=True)
+    (stale / WORK_DIR_OWNER).write_text(f"{socket.gethostname()} {ended.pid}\n")
     client = await aiohttp_client(app)
+    assert not stale.exists() and (app[WORK_DIR] / WORK_DIR_OWNER).read_text().split() == [socket.gethostname(), str(os.getpid())]
     # The worker needs seconds to spawn and import torch: readiness is false meanwhile, liveness is not.
     starting = await client.get("/readyz")
     assert starting.status == 503 and (await starting.json())["worker"] == "starting"

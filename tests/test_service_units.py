@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +15,7 @@ from aiohttp import web
 
 from vflash_core.cli import build_parser
 from vflash_core.cli_serve import is_loopback
+from vflash_core.service.app import WORK_DIR_OWNER, WORK_DIR_PREFIX, remove_stale_work_dirs
 from vflash_core.client import _multipart
 from vflash_core.service.jobs import Job, JobState, JobStore, QueueFullError, new_job_id, redact_paths
 from vflash_core.service.metrics import Histogram, render
@@ -45,6 +50,26 @@ def test_job_store_is_a_bounded_fifo():
         assert counts[JobState.CANCELLED] == 1 and counts[JobState.QUEUED] == 2
 
     asyncio.run(scenario())
+
+
+def test_job_store_forgets_the_oldest_ended_jobs_beyond_its_limit():
+    store = JobStore(max_queue=4, keep_finished=2)
+    jobs = [Job(new_job_id(), None, None) for _ in range(5)]
+    for job in jobs[:4]:
+        store.add(job)
+    store.remove_queued(jobs[0])
+    jobs[0].cancel()
+    for job in jobs[1:4]:  # jobs end in the order 3, 1, 2 (after 0)
+        store.remove_queued(job)
+        job.start(worker_pid=1)
+    for job, stamp in ((jobs[3], 10.0), (jobs[1], 11.0), (jobs[2], 12.0)):
+        job.fail("boom")
+        job.finished = stamp
+    jobs[0].finished = 9.0
+    store.add(jobs[4])  # four ended records: the two that ended first (0, then 3) are forgotten
+    assert [store.get(job.id) for job in jobs] == [None, jobs[1], jobs[2], None, jobs[4]]
+    assert len(store) == 3 and store.counts()[JobState.FAILED] == 2
+    assert JobStore(max_queue=1).keep_finished == 1000
 
 
 def test_job_states_end_once():
@@ -136,6 +161,7 @@ def test_describe_exit():
 def test_serve_command_and_loopback(tmp_path):
     args = build_parser().parse_args(["serve", "--demo", "--output-dir", str(tmp_path)])
     assert args.host == "127.0.0.1" and args.port == 8000 and args.max_queue == 16 and args.demo
+    assert args.keep_finished_jobs == 1000
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--demo", "--prepared-assets", "p.json", "--output-dir", str(tmp_path)])
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
@@ -152,7 +178,35 @@ def test_service_config_is_checked(tmp_path):
         ServiceConfig(receipt, tmp_path / "missing")
     with pytest.raises(VflashError, match="max_queue"):
         ServiceConfig(receipt, tmp_path, max_queue=0)
+    with pytest.raises(VflashError, match="keep_finished_jobs"):
+        ServiceConfig(receipt, tmp_path, keep_finished_jobs=-1)
     with pytest.raises(VflashError, match="needs a peer device"):
         ServiceConfig(receipt, tmp_path, strategy="sequence-head")
     config = ServiceConfig(receipt, tmp_path, input_dir=Path("."))
     assert config.input_dir == Path.cwd()
+
+
+@pytest.mark.skipif(os.name != "posix", reason="the stale-folder sweep is POSIX only")
+def test_stale_work_folders_of_ended_services_on_this_host_are_removed(tmp_path):
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()  # reaped: its process id names no process now
+    host = socket.gethostname()
+
+    def work_folder(name: str, owner: str | None) -> Path:
+        folder = tmp_path / f"{WORK_DIR_PREFIX}{name}"
+        (folder / "uploads").mkdir(parents=True)
+        (folder / "uploads" / "a.png").write_bytes(b"x")
+        if owner is not None:
+            (folder / WORK_DIR_OWNER).write_text(owner + "\n")
+        return folder
+
+    stale = work_folder("dead", f"{host} {ended.pid}")
+    live = work_folder("live", f"{host} {os.getpid()}")
+    elsewhere = work_folder("other-host", f"{host}-elsewhere {ended.pid}")
+    unstamped = work_folder("no-owner", None)
+    garbled = work_folder("garbled", "not a stamp at all")
+    user_file = tmp_path / "kite.mp4"
+    user_file.write_bytes(b"video")
+    assert remove_stale_work_dirs(tmp_path) == [stale]
+    assert not stale.exists() and user_file.exists()
+    assert all(folder.exists() for folder in (live, elsewhere, unstamped, garbled))

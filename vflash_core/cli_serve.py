@@ -27,6 +27,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output-dir", type=Path, required=True, help="where finished videos are published")
     p.add_argument("--input-dir", type=Path, help="allow request inputs given as paths inside this folder")
     p.add_argument("--max-queue", type=int, default=16, help="queued jobs before 429 (default 16)")
+    p.add_argument("--keep-finished-jobs", type=int, default=1000,
+                   help="records of ended jobs kept for status queries; the oldest are forgotten beyond this (default 1000)")
     p.add_argument("--max-upload-mb", type=float, default=64.0, help="uploaded bytes per job, in MiB (default 64)")
     p.add_argument("--token", default=os.environ.get("VFLASH_SERVICE_TOKEN"),
                    help="require 'Authorization: Bearer TOKEN' (default: $VFLASH_SERVICE_TOKEN; prefer it to the flag, "
@@ -54,7 +56,8 @@ def _serve(args: argparse.Namespace) -> int:
         peer_device=None if args.peer_gpu is None else f"cuda:{args.peer_gpu}", strategy=args.strategy,
         attention_backend=args.attention_backend, weight_residency=args.weight_residency,
         media_video_input=args.media_video_input, media_video_threads=args.media_video_threads,
-        input_dir=args.input_dir, max_queue=args.max_queue, max_upload_bytes=int(args.max_upload_mb * MIB),
+        input_dir=args.input_dir, max_queue=args.max_queue, keep_finished_jobs=args.keep_finished_jobs,
+        max_upload_bytes=int(args.max_upload_mb * MIB),
         token=args.token, cancel_grace_seconds=args.cancel_grace, log_level=logging.getLogger().level,
     )
     if not is_loopback(args.host) and config.token is None:

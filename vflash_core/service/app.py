@@ -10,8 +10,10 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import os
 import secrets
 import shutil
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,10 @@ SUPERVISOR = web.AppKey("vflash_supervisor", WorkerSupervisor)
 VALIDATOR = web.AppKey("vflash_validator", RequestValidator)
 WORK_DIR = web.AppKey("vflash_work_dir", Path)
 
+WORK_DIR_PREFIX = ".vflash-work-"
+#: Inside each work folder: "<host name> <pid>" of the service that owns it.
+WORK_DIR_OWNER = "owner"
+
 # Probes must work without credentials: orchestrators call them unauthenticated.
 _OPEN_PATHS = frozenset({"/healthz", "/readyz"})
 
@@ -44,10 +50,10 @@ def create_app(config: ServiceConfig) -> web.Application:
     """Build the service; nothing is spawned or written until the app starts."""
     middlewares = [] if config.token is None else [_bearer_auth(config.token)]
     app = web.Application(middlewares=middlewares)
-    jobs = JobStore(config.max_queue)
+    jobs = JobStore(config.max_queue, config.keep_finished_jobs)
     # The hidden work folder (uploads, staging, worker TMPDIRs) shares the output folder's filesystem, so publishing
     # a staged video is an `os.link`.
-    work_dir = config.output_dir / f".vflash-work-{secrets.token_hex(4)}"
+    work_dir = config.output_dir / f"{WORK_DIR_PREFIX}{secrets.token_hex(4)}"
     app[CONFIG] = config
     app[JOBS] = jobs
     app[VALIDATOR] = RequestValidator(config)
@@ -69,7 +75,9 @@ def create_app(config: ServiceConfig) -> web.Application:
 async def _worker_lifecycle(app: web.Application) -> AsyncIterator[None]:
     """The work folder and the single worker task: created at startup, stopped and removed at shutdown."""
     work_dir = app[WORK_DIR]
+    remove_stale_work_dirs(work_dir.parent)
     work_dir.mkdir()
+    (work_dir / WORK_DIR_OWNER).write_text(f"{socket.gethostname()} {os.getpid()}\n")
     supervisor = app[SUPERVISOR]
     task = asyncio.create_task(supervisor.run(), name="vflash-worker-supervisor")
     task.add_done_callback(lambda done: _supervisor_ended(supervisor, done))
@@ -81,6 +89,40 @@ async def _worker_lifecycle(app: web.Application) -> AsyncIterator[None]:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def remove_stale_work_dirs(output_dir: Path) -> list[Path]:
+    """Remove the work folders (uploads, staged videos) of services on this host that ended without cleaning up.
+
+    A folder is stale when its owner file names this host and a process id that no longer exists; folders of live
+    services, of other hosts sharing the output folder, or without an owner file are left alone. POSIX only: elsewhere
+    there is no side-effect-free liveness probe for a process id.
+    """
+    if os.name != "posix":
+        return []
+    host = socket.gethostname()
+    removed = []
+    for folder in output_dir.glob(f"{WORK_DIR_PREFIX}*"):
+        try:
+            owner_host, pid = (folder / WORK_DIR_OWNER).read_text().split()
+            if owner_host != host or _process_exists(int(pid)):
+                continue
+        except (OSError, ValueError):
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        logger.info("removed %s, left by service process %s that no longer runs", folder, pid)
+        removed.append(folder)
+    return removed
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: existence and permission check only
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _supervisor_ended(supervisor: WorkerSupervisor, task: asyncio.Task[None]) -> None:

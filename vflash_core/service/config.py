@@ -26,6 +26,7 @@ class ServiceConfig:
     media_video_threads: int | None = None
     input_dir: Path | None = None  # client paths must resolve inside it; None accepts uploads only
     max_queue: int = 16  # queued (not running) jobs before 429
+    keep_finished_jobs: int = 1000  # records of ended jobs kept for GET /v1/jobs/{id}; older ones are forgotten
     max_upload_bytes: int = 64 * MIB  # all uploaded files of one submission together
     token: str | None = None  # bearer token required on every endpoint but /healthz and /readyz
     cancel_grace_seconds: float = 10.0  # how long a cancelled or stopping worker may take before it is killed
@@ -47,6 +48,8 @@ class ServiceConfig:
                 raise VflashError(f"input folder {self.input_dir} does not exist")
         if self.max_queue < 1:
             raise VflashError(f"max_queue must be at least 1, got {self.max_queue}")
+        if self.keep_finished_jobs < 0:
+            raise VflashError(f"keep_finished_jobs must be 0 or more, got {self.keep_finished_jobs}")
         if self.max_upload_bytes < 1:
             raise VflashError(f"max_upload_bytes must be positive, got {self.max_upload_bytes}")
         if self.cancel_grace_seconds <= 0:

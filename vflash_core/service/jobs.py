@@ -124,10 +124,16 @@ def _iso(stamp: float | None) -> str | None:
 
 
 class JobStore:
-    """Every job of this process, and the FIFO of those still queued (at most `max_queue`)."""
+    """The jobs this process remembers, and the FIFO of those still queued (at most `max_queue`).
 
-    def __init__(self, max_queue: int):
+    Records of ended jobs are forgotten, those that ended first going first, once more than `keep_finished` have
+    ended (checked whenever a job is added), so a long-running service holds a bounded number of records; a
+    forgotten job's published video stays in the output folder.
+    """
+
+    def __init__(self, max_queue: int, keep_finished: int = 1000):
         self.max_queue = max_queue
+        self.keep_finished = keep_finished
         self._jobs: dict[str, Job] = {}
         self._queue: collections.deque[Job] = collections.deque()
         self._queued = asyncio.Event()
@@ -144,9 +150,15 @@ class JobStore:
 
     def add(self, job: Job) -> None:
         self.check_capacity()
+        self._forget_finished()
         self._jobs[job.id] = job
         self._queue.append(job)
         self._queued.set()
+
+    def _forget_finished(self) -> None:
+        ended = sorted((job for job in self._jobs.values() if job.state.terminal), key=lambda job: job.finished or 0.0)
+        for job in ended[: max(0, len(ended) - self.keep_finished)]:
+            del self._jobs[job.id]
 
     async def take(self) -> Job:
         """The oldest queued job, removed from the queue (still `queued` until the caller starts it)."""
