@@ -38,6 +38,7 @@ def test_generate_writes_the_mp4_and_times_its_stages(pipeline, tmp_path):
     assert info["audio_seconds"] == pytest.approx(124 / 24, abs=2e-3)  # the soundtrack is cut to the video's length
     assert (result.mode, result.width, result.height, result.num_frames, result.fps, result.sample_rate) == ("t2va", 96, 64, 124, 24, 32000)
     assert result.metadata["audio_samples"] == round(124 / 24 * 32000) and result.metadata["seed"] == 4
+    assert result.metadata["encoder_residency"] == "offload"
 
     stages = result.stages
     top = {k: v for k, v in stages.items() if "." not in k}
@@ -139,10 +140,44 @@ def test_generate_command_with_delivery_options_and_denoise_profile(h3_prepared,
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("A cat jumps onto a wooden table.\n", encoding="utf-8")
     args = ["generate", "--prepared-assets", str(h3_prepared), "--prompt-file", str(prompt), "--width", "96", "--height", "64", "--seed", "9",
-            "--output", str(out), "--media-video-input", "pipe", "--media-video-threads", "2", "--profile-denoise"]
+            "--output", str(out), "--media-video-input", "pipe", "--media-video-threads", "2", "--profile-denoise", "--encoder-residency", "resident"]
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert f"wrote {out}: 124 frames 96x64 at 24 fps, t2va" in printed and "request total" in printed
     assert '"denoise_profile": {' in printed
     assert probe_mp4(out)["frames"] == 124
     assert main(args) == 2 and "already exists" in capsys.readouterr().err
+
+
+def test_encoder_residency_keeps_the_encoder_and_vaes_on_their_device(pipeline, h3_prepared, monkeypatch):
+    pipeline.prepare()
+    offloads = []
+    for part in (pipeline.conditioner, pipeline.vaes):
+        monkeypatch.setattr(part, "offload", lambda part=part: offloads.append(part))
+    with pipeline.conditioner.on_device(), pipeline.vaes.on_device():
+        pass
+    assert offloads == [pipeline.vaes, pipeline.conditioner]  # default: each hands the device back after its stage
+    monkeypatch.setattr(pipeline.conditioner, "keep_on_device", True)
+    monkeypatch.setattr(pipeline.vaes, "keep_on_device", True)
+    with pipeline.conditioner.on_device(), pipeline.vaes.on_device():
+        pass
+    assert len(offloads) == 2
+    with pytest.raises(VflashError, match="encoder_residency must be one of offload, resident"):
+        H3Pipeline.from_prepared(h3_prepared, encoder_residency="always")
+
+
+def test_plan_residency_fits_the_encoders_beside_the_core():
+    from vflash_core.pipeline import plan_residency
+
+    gib = 1 << 30
+    # offload: the core shares the device with the larger of the encoder and the VAEs, one at a time
+    assert plan_residency("auto", "offload", 66 * gib, 20 * gib, 3 * gib, 100 * gib) == "resident"
+    assert plan_residency("auto", "offload", 66 * gib, 20 * gib, 3 * gib, 80 * gib) == "block-ring"
+    # resident encoders: all three must fit; auto streams the core's blocks when only the encoders fit
+    assert plan_residency("auto", "resident", 66 * gib, 20 * gib, 3 * gib, 100 * gib) == "resident"
+    assert plan_residency("auto", "resident", 66 * gib, 20 * gib, 3 * gib, 90 * gib) == "block-ring"
+    assert plan_residency("block-ring", "resident", 66 * gib, 20 * gib, 3 * gib, 30 * gib) == "block-ring"
+    with pytest.raises(VflashError, match=r"encoder_residency='resident'.*core's resident weights.*or weight_residency='block-ring'"):
+        plan_residency("resident", "resident", 66 * gib, 20 * gib, 3 * gib, 90 * gib)
+    with pytest.raises(VflashError, match=r"core's block-ring weights.*encoder 20.0 GiB, VAEs 3.0 GiB, 24.0 GiB free"):
+        plan_residency("auto", "resident", 66 * gib, 20 * gib, 3 * gib, 24 * gib)

@@ -118,7 +118,7 @@ async def test_submit_poll_download_playable_mp4(aiohttp_client, make_service, t
     inputs = tmp_path / "inputs"
     inputs.mkdir()
     png(inputs / "last.png")
-    app, config = make_service(input_dir=inputs)
+    app, config = make_service(input_dir=inputs, encoder_residency="resident")
     ended = subprocess.Popen([sys.executable, "-c", "pass"])
     ended.wait()
     stale = config.output_dir / ".vflash-work-0dead"  # left by a service on this host that was killed
@@ -140,6 +140,7 @@ async def test_submit_poll_download_playable_mp4(aiohttp_client, make_service, t
     assert job["evaluations"] == {"done": 4, "total": 4}  # progress per evaluation of the 4-NFE demo profile
     result = job["result"]
     assert result["path"] == f"{job_id}.mp4" and result["mode"] == "t2va"
+    assert result["metadata"]["encoder_residency"] == "resident"  # the worker opened its pipeline with the service's option
     assert result["session"]["request_index"] == 1
     assert {"validate", "encode", "denoise", "decode", "write"} <= set(result["stages"])
     assert 0 < result["elapsed_seconds"] <= job["timings"]["run_seconds"]

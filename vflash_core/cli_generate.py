@@ -75,6 +75,8 @@ def _device_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strategy", choices=("sequence-head",), help="how the core splits one request over two GPUs")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--weight-residency", default="auto", choices=("auto", "resident", "block-ring"))
+    p.add_argument("--encoder-residency", default="offload", choices=("offload", "resident"),
+                   help="GPU: move the text encoder and VAEs off the device after each use (default), or keep them there")
     p.add_argument("--media-video-input", default="file", choices=("file", "pipe"), help="feed the H.264 encoder from a temporary RGB file or frame by frame")
     p.add_argument("--media-video-threads", type=int, help="H.264 encoder threads, 1-256 (default: automatic)")
 
@@ -115,7 +117,7 @@ def _generate(args: argparse.Namespace) -> int:
     pipeline = H3Pipeline.from_prepared(
         args.prepared_assets, device="cpu" if args.gpu is None else args.gpu, peer_device=args.peer_gpu, strategy=args.strategy,
         attention_backend=args.attention_backend, weight_residency=args.weight_residency, media_video_input=args.media_video_input,
-        media_video_threads=args.media_video_threads, profile_denoise=args.profile_denoise,
+        media_video_threads=args.media_video_threads, profile_denoise=args.profile_denoise, encoder_residency=args.encoder_residency,
     )
     bars = StageBars()
     with pipeline:

@@ -54,7 +54,7 @@ def _serve(args: argparse.Namespace) -> int:
         prepared_assets=prepared, output_dir=args.output_dir,
         device="cpu" if args.gpu is None else f"cuda:{args.gpu}",
         peer_device=None if args.peer_gpu is None else f"cuda:{args.peer_gpu}", strategy=args.strategy,
-        attention_backend=args.attention_backend, weight_residency=args.weight_residency,
+        attention_backend=args.attention_backend, weight_residency=args.weight_residency, encoder_residency=args.encoder_residency,
         media_video_input=args.media_video_input, media_video_threads=args.media_video_threads,
         input_dir=args.input_dir, max_queue=args.max_queue, keep_finished_jobs=args.keep_finished_jobs,
         max_upload_bytes=int(args.max_upload_mb * MIB),

@@ -93,7 +93,7 @@ class TextConditioner:
         tokenizer: the model's `Qwen2TokenizerFast`.
         image_processor, video_processor: the model's Qwen processors (`video_processor` None without torchvision,
             which disables video references).
-        device: where `encode` runs; between calls the encoder may sit on the CPU (`offload`).
+        device: where `encode` runs; between calls the encoder sits on the CPU (`offload`) unless `keep_on_device`.
         canvas: the model family's canvas rules (from its `modular_model_index.json`).
     """
 
@@ -107,6 +107,7 @@ class TextConditioner:
         self.video_processor = video_processor
         self.device = torch.device(device)
         self.canvas = canvas or CanvasRules()
+        self.keep_on_device = False  # True: the encoder stays on `device` after its first use (until `close`)
         config = text_encoder.config
         self._ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in (("start", "<|vision_start|>"), ("end", "<|vision_end|>"), ("image", "<|image_pad|>"), ("video", "<|video_pad|>"))}
         if (self._ids["image"], self._ids["video"]) != (config.image_token_id, config.video_token_id):
@@ -155,12 +156,14 @@ class TextConditioner:
 
     @contextlib.contextmanager
     def on_device(self) -> Iterator["TextConditioner"]:
-        """Hold the encoder on `device` for the block, then hand the device back (serial GPU ownership)."""
+        """Hold the encoder on `device` for the block, then hand the device back (serial GPU ownership) unless
+        `keep_on_device`."""
         self.text_encoder.to(self.device)
         try:
             yield self
         finally:
-            self.offload()
+            if not self.keep_on_device:
+                self.offload()
 
     def offload(self) -> None:
         """Move the encoder to the CPU and release cached device memory (a no-op on a CPU conditioner)."""

@@ -5,6 +5,8 @@ Ownership (seed 001): the pipeline owns three serial owners of one device — th
 requests. On a GPU, the encoder and the VAEs sit on the CPU until their stage, take the device, and give it back
 (`torch.cuda.empty_cache()`), so the core's weights and activations have it in between; when the core's resident
 weights plus the larger of the other two parts do not fit, the core streams its blocks (`weight_residency="block-ring"`).
+A GPU with room for all three keeps the encoder and the VAEs there instead (`encoder_residency="resident"`), which
+saves their copies to and from the device on every request.
 
 A request is checked completely before any model loads (`validate`): canvas, duration, mode against the profile,
 image/reference counts per mode, prompt labels bound to provided inputs, input files readable, output writable. The
@@ -62,6 +64,8 @@ ASSET_FIELDS = ("model_root", "decoder_root", "adapter_path", "artifact", "sched
 STAGES = ("load", "encode", "denoise", "decode", "write")
 _LABEL = re.compile(r"<(Picture|Video|Audio) (\d+)>")
 _GIB = 1 << 30
+#: Where the text encoder and the VAEs live between their stages on a GPU (`H3Pipeline.from_prepared`).
+ENCODER_RESIDENCIES = ("offload", "resident")
 
 # progress(stage, done, total), stage in STAGES
 PipelineProgress = Callable[[str, int, int], None]
@@ -465,8 +469,17 @@ class H3Pipeline:
         media_video_input: str = "file",
         media_video_threads: int | None = None,
         profile_denoise: bool = False,
+        encoder_residency: str = "offload",
     ) -> "H3Pipeline":
-        """A pipeline over prepared assets that loads nothing until `prepare()` or the first request."""
+        """A pipeline over prepared assets that loads nothing until `prepare()` or the first request.
+
+        `encoder_residency`: on a GPU, "offload" (default) moves the text encoder and the VAEs to the CPU after each
+        of their stages, leaving the device to the core; "resident" keeps them on the device after first use, which
+        saves their host-device copies on every later request when the GPU has room for everything (checked when the
+        pipeline loads).
+        """
+        if encoder_residency not in ENCODER_RESIDENCIES:
+            raise VflashError(f"encoder_residency must be one of {', '.join(ENCODER_RESIDENCIES)}, got {encoder_residency!r}")
         assets = prepared_assets if isinstance(prepared_assets, PreparedAssets) else PreparedAssets.load(prepared_assets)
         primary = torch.device(f"cuda:{device}") if isinstance(device, int) else torch.device(device)
         if peer_device is not None and strategy is None:
@@ -481,7 +494,8 @@ class H3Pipeline:
             vaes = MediaVAEs.from_pretrained(assets.decoder_root, primary)
             if progress:
                 progress("load", 2, total)
-            residency = _pipeline_residency(weight_residency, primary, assets, conditioner, vaes)
+            residency = _pipeline_residency(weight_residency, primary, assets, conditioner, vaes, encoder_residency)
+            conditioner.keep_on_device = vaes.keep_on_device = encoder_residency == "resident"
             session = NativeEngineSession(
                 assets.profile, **assets.session_paths(), device=primary, peer_device=peer_device, strategy=strategy,
                 weight_residency=residency, attention_backend=attention_backend,
@@ -644,6 +658,7 @@ class H3Pipeline:
             "audio_samples": samples,
             "media_video_input": self.media_video_input,
             "media_video_threads": self.media_video_threads,
+            "encoder_residency": "resident" if self.conditioner.keep_on_device else "offload",
         }
         if generation.denoise_profile is not None:
             metadata["denoise_profile"] = generation.denoise_profile
@@ -654,10 +669,11 @@ class H3Pipeline:
         )
 
 
-def _pipeline_residency(requested: str, device: torch.device, assets: PreparedAssets, conditioner: TextConditioner, vaes: MediaVAEs) -> str:
-    """On a GPU, "auto" keeps the core's blocks resident only if they fit beside the larger of the encoder and the
-    VAEs (which take the device in turn); otherwise the core streams its blocks."""
-    if requested != "auto" or device.type != "cuda":
+def _pipeline_residency(
+    requested: str, device: torch.device, assets: PreparedAssets, conditioner: TextConditioner, vaes: MediaVAEs, encoder_residency: str
+) -> str:
+    """The core's weight residency on `device` (`plan_residency` with the loaded parts' sizes and the free memory)."""
+    if device.type != "cuda":
         return requested
     from .artifact import CompiledArtifact
 
@@ -665,7 +681,26 @@ def _pipeline_residency(requested: str, device: torch.device, assets: PreparedAs
     core = sum(int(b["size"]) for b in compiled.manifest["blocks"]) + int(compiled.manifest["auxiliary"]["size"])
     encoder = sum(p.numel() * p.element_size() for p in conditioner.text_encoder.parameters())
     media = sum(p.numel() * p.element_size() for m in (vaes.video_vae, vaes.audio_vae) for p in m.parameters())
-    free = torch.cuda.mem_get_info(device)[0]
-    choice = "resident" if core + max(encoder, media) + 4 * _GIB <= free else "block-ring"
-    logger.info("pipeline weight residency auto -> %s: core %.1f GiB, encoder %.1f GiB, VAEs %.1f GiB, %.1f GiB free", choice, core / _GIB, encoder / _GIB, media / _GIB, free / _GIB)
+    return plan_residency(requested, encoder_residency, core, encoder, media, torch.cuda.mem_get_info(device)[0], str(device))
+
+
+def plan_residency(requested: str, encoder_residency: str, core: int, encoder: int, media: int, free: int, device: str = "the GPU") -> str:
+    """The core's weight residency given where the encoder and the VAEs live between their stages (sizes in bytes).
+
+    With `encoder_residency="offload"` the encoder and the VAEs take the device in turn, so "auto" keeps the core's
+    blocks resident only if they fit beside the larger of the two with 4 GiB to spare; with "resident" both stay on
+    the device, so they must fit beside the core's blocks (resident) or by themselves (block ring), or this raises.
+    """
+    beside_core = encoder + media if encoder_residency == "resident" else max(encoder, media)
+    sizes = f"core {core / _GIB:.1f} GiB, encoder {encoder / _GIB:.1f} GiB, VAEs {media / _GIB:.1f} GiB, {free / _GIB:.1f} GiB free on {device}"
+    choice = requested
+    if requested == "auto":
+        choice = "resident" if core + beside_core + 4 * _GIB <= free else "block-ring"
+        logger.info("pipeline weight residency auto -> %s (encoders %s): %s", choice, encoder_residency, sizes)
+    if encoder_residency == "resident" and (core if choice == "resident" else 0) + beside_core + 4 * _GIB > free:
+        raise VflashError(
+            f"encoder_residency='resident' keeps the text encoder and the VAEs on the GPU beside the core's {choice} weights, "
+            f"which does not fit with 4 GiB to spare ({sizes}); use encoder_residency='offload'"
+            + (" or weight_residency='block-ring'" if choice == "resident" else "")
+        )
     return choice

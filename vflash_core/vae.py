@@ -51,6 +51,7 @@ class MediaVAEs:
         self.video_vae = video_vae.eval()
         self.audio_vae = audio_vae.eval()
         self.device = torch.device(device)
+        self.keep_on_device = False  # True: both VAEs stay on `device` after their first use (until `close`)
         if not self.video_vae.use_tiling:
             logger.warning("video VAE tiling is off; the released decodes are tiled, so frames will differ")
 
@@ -92,13 +93,15 @@ class MediaVAEs:
 
     @contextlib.contextmanager
     def on_device(self) -> Iterator["MediaVAEs"]:
-        """Hold both VAEs on `device` for the block, then hand the device back (serial GPU ownership)."""
+        """Hold both VAEs on `device` for the block, then hand the device back (serial GPU ownership) unless
+        `keep_on_device`."""
         self.video_vae.to(self.device)
         self.audio_vae.to(self.device)
         try:
             yield self
         finally:
-            self.offload()
+            if not self.keep_on_device:
+                self.offload()
 
     def offload(self) -> None:
         if self.device.type != "cpu":

@@ -22,6 +22,7 @@ class ServiceConfig:
     strategy: str | None = None  # paired-session strategy, e.g. "sequence-head"
     attention_backend: str = "auto"
     weight_residency: str = "auto"
+    encoder_residency: str = "offload"
     media_video_input: str = "file"
     media_video_threads: int | None = None
     input_dir: Path | None = None  # client paths must resolve inside it; None accepts uploads only
@@ -63,6 +64,6 @@ class ServiceConfig:
         return WorkerConfig(
             prepared_assets=str(self.prepared_assets), device=self.device, peer_device=self.peer_device,
             strategy=self.strategy, attention_backend=self.attention_backend, weight_residency=self.weight_residency,
-            media_video_input=self.media_video_input, media_video_threads=self.media_video_threads,
+            encoder_residency=self.encoder_residency, media_video_input=self.media_video_input, media_video_threads=self.media_video_threads,
             scratch_dir=str(scratch_dir), log_level=self.log_level,
         )

@@ -18,7 +18,7 @@ class RequestValidator:
 
         self._pipeline = H3Pipeline.from_prepared(
             config.prepared_assets, device=config.device, peer_device=config.peer_device, strategy=config.strategy,
-            attention_backend=config.attention_backend, weight_residency=config.weight_residency,
+            attention_backend=config.attention_backend, weight_residency=config.weight_residency, encoder_residency=config.encoder_residency,
             media_video_input=config.media_video_input, media_video_threads=config.media_video_threads,
         )
 

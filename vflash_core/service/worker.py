@@ -37,6 +37,7 @@ class WorkerConfig:
     strategy: str | None
     attention_backend: str
     weight_residency: str
+    encoder_residency: str
     media_video_input: str
     media_video_threads: int | None
     scratch_dir: str  # the worker's TMPDIR, owned and removed by the parent
@@ -133,7 +134,7 @@ def _open_pipeline(config: WorkerConfig) -> tuple[Any, dict[str, Any]]:
 
     pipeline = H3Pipeline.from_prepared(
         config.prepared_assets, device=config.device, peer_device=config.peer_device, strategy=config.strategy,
-        attention_backend=config.attention_backend, weight_residency=config.weight_residency,
+        attention_backend=config.attention_backend, weight_residency=config.weight_residency, encoder_residency=config.encoder_residency,
         media_video_input=config.media_video_input, media_video_threads=config.media_video_threads,
     )
     info: dict[str, Any] = {"profile": pipeline.profile.id, "strategy": config.strategy}
