@@ -95,6 +95,24 @@ def test_pipeline_matches_diffusers_on_gpu(case, sm90, reference_gpu, gpu_media)
         assert next(pipeline.vaes.video_vae.parameters()).device.type == "cpu"
 
 
+@pytest.mark.gpu
+def test_resident_encoders_stay_on_the_gpu_and_change_no_bits(sm90, tmp_path):
+    first = tmp_path / "first.png"
+    Image.fromarray(np.random.default_rng(3).integers(0, 255, (80, 120, 3), dtype=np.uint8)).save(first)
+    requests = [VideoRequest("A robot dances in the rain.", seed=3, width=96, height=64),
+                VideoRequest("<Picture 1>: a cat jumps.", first_frame=str(first), seed=5, width=96, height=64)]
+    results = {}
+    for residency in ("offload", "resident"):
+        with H3Pipeline.from_prepared(sm90["transformer"], device=0, encoder_residency=residency) as pipeline:
+            results[residency] = [pipeline.generate(request, None) for request in requests]
+            on_gpu = {next(m.parameters()).device.type == "cuda" for m in (pipeline.conditioner.text_encoder, pipeline.vaes.video_vae, pipeline.vaes.audio_vae)}
+            assert on_gpu == {residency == "resident"}
+    for kept, moved in zip(results["resident"], results["offload"]):
+        assert kept.metadata["encoder_residency"] == "resident"
+        assert_bitwise(kept.media.frames, moved.media.frames, "frames")
+        assert_bitwise(kept.media.waveform, moved.media.waveform, "waveform")
+
+
 @pytest.mark.parametrize("rate", [16000, 22050, 44100, 48000])
 def test_resampler_equals_torchaudio(rate):
     """Wherever torchaudio can be installed (not next to this repository's CPU torch build)."""
