@@ -64,6 +64,30 @@ def test_interrupted_compile_leaves_nothing_that_loads(tmp_path, tiny_transforme
         compile_receipt(tmp_path / "r.json", tmp_path / "out")
 
 
+def test_progress_reports_each_file_and_block_and_may_abandon_the_call(tmp_path, tiny_transformer):
+    steps = []
+    prepare("t2va-base4-exact-cpu", tiny_transformer, tmp_path / "r.json", progress=lambda *step: steps.append(step))
+    files = len(json.loads((tmp_path / "r.json").read_text())["transformer"]["files"])
+    assert steps == [("hash", k, files) for k in range(1, files + 1)]
+    steps.clear()
+    compile_receipt(tmp_path / "r.json", tmp_path / "out", progress=lambda *step: steps.append(step))
+    assert steps == [*(("verify", k, files) for k in range(1, files + 1)), *(("compile", i, TINY.num_layers) for i in range(1, TINY.num_layers + 1))]
+
+    def cancel_at(stage_to_cancel):
+        def progress(stage, done, total):
+            if stage == stage_to_cancel:
+                raise KeyboardInterrupt
+
+        return progress
+
+    with pytest.raises(KeyboardInterrupt):
+        compile_receipt(tmp_path / "r.json", tmp_path / "again", progress=cancel_at("compile"))
+    assert not (tmp_path / "again").exists()
+    with pytest.raises(KeyboardInterrupt):
+        prepare("t2va-base4-exact-cpu", tiny_transformer, tmp_path / "r2.json", progress=cancel_at("hash"))
+    assert not (tmp_path / "r2.json").exists()
+
+
 def test_architecture_mismatch(tmp_path, tiny_transformer):
     with pytest.raises(IdentityMismatchError, match="compiled on sm90; device cpu is cpu"):
         prepare("t2va-base16-bf16-sm90", tiny_transformer, tmp_path / "r.json")

@@ -21,6 +21,7 @@ import torch
 
 from comfy_standins import harness
 from vflash_core import comfy_latent as cl
+from vflash_core.config import H3Config
 from vflash_core.errors import RequestError, VflashError
 from vflash_core.workflow import VFLASH_SIGNATURES, WorkflowError, apply_overrides, execute, load_api_workflow
 
@@ -175,12 +176,37 @@ def test_official_single_file_compiles_on_first_use(pack, comfy, model_files):
                   peer_device="none", strategy="sequence-head", attention_backend="auto")
     spec = loader.execute(**kwargs).args[0]
     assert Path(spec.compile_dir, "artifact", "manifest.json").is_file()
-    assert (2, 2) in updates and mm.calls["unload_all_models"] >= 1
+    layers = H3Config.preset("tiny").num_layers
+    assert all((block, layers) in updates for block in range(1, layers + 1)) and mm.calls["unload_all_models"] >= 1  # a step per block
     registry = pack.module.nodes.registry.ENGINES
     assert registry.loaded()["dit"] == "diffusion_models/h3_tiny.safetensors"
     with pytest.raises(VflashError, match="choose the profile"):
         loader.execute(**{**kwargs, "profile": "auto"})
     registry.release("dit")
+
+
+def test_first_use_compile_can_be_interrupted_and_publishes_nothing(pack, comfy, model_files, monkeypatch):
+    from vflash_core import compiler
+
+    mm, updates = comfy
+    write_block = compiler.save_file
+
+    def write_then_cancel(*args, **kwargs):  # the user presses Cancel while the first block is written
+        write_block(*args, **kwargs)
+        mm.interrupt_current_processing(True)
+
+    monkeypatch.setattr(compiler, "save_file", write_then_cancel)
+    loader = pack.nodes["VflashModelLoader"]
+    kwargs = dict(model="diffusion_models/h3_tiny.safetensors", profile="t2va-base16-exact-cpu", weight_residency="auto", device="cpu",
+                  peer_device="none", strategy="sequence-head", attention_backend="auto")
+    compiled = model_files / "vflash" / "compiled"
+    with pytest.raises(mm.InterruptProcessingException):
+        loader.execute(**kwargs)
+    assert [p.name for p in compiled.iterdir() if "base16" in p.name] == ["h3_tiny-t2va-base16-exact-cpu.weights-receipt.json"]
+    monkeypatch.setattr(compiler, "save_file", write_block)
+    spec = loader.execute(**kwargs).args[0]  # the next run compiles from the start, reusing the finished receipt
+    assert Path(spec.compile_dir, "artifact", "manifest.json").is_file()
+    pack.module.nodes.registry.ENGINES.release("dit")
 
 
 # -- the t2va chain -----------------------------------------------------------------------------------------------

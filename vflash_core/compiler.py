@@ -30,6 +30,7 @@ import logging
 import re
 import sys
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -44,6 +45,10 @@ from .fileio import atomic_directory, atomic_file, check_writable_destination
 from .lora import Adapter, load_adapter
 from .profiles import Profile, get_profile
 from .schedule import distinct_timesteps
+
+#: `(stage, done, total)` after each unit of work: "hash" (prepare, per weight file), "verify" (compile, per weight
+#: file), "compile" (per block). It may raise to abandon the call; nothing is published then.
+CompileProgress = Callable[[str, int, int], None]
 from .tensor_store import describe_files, file_sha256
 
 logger = logging.getLogger(__name__)
@@ -77,6 +82,7 @@ def prepare(
     receipt: str | Path,
     adapter: str | Path | None = None,
     qkv_layout: str | None = None,
+    progress: CompileProgress | None = None,
 ) -> dict[str, object]:
     """Write a receipt binding `profile` to the base weights and adapter; returns the receipt."""
     profile = _resolve(profile)
@@ -109,7 +115,7 @@ def prepare(
             "layout": source.layout,
             "qkv_layout": source.qkv_layout,
             "config": source.config.to_dict(),
-            "files": describe_files(source.files, with_hash=True),
+            "files": _hash_files(source.files, progress),
         },
         "adapter": adapter_record,
     }
@@ -117,6 +123,15 @@ def prepare(
     with atomic_file(receipt) as tmp:
         tmp.write_text(text)
     return json.loads(text)
+
+
+def _hash_files(paths: list[Path], progress: CompileProgress | None) -> list[dict[str, object]]:
+    records = []
+    for done, path in enumerate(paths, 1):
+        records += describe_files([path], with_hash=True)
+        if progress is not None:
+            progress("hash", done, len(paths))
+    return records
 
 
 def _check_adapter_against_profile(profile: Profile, path: Path, adapter: Adapter) -> None:
@@ -168,20 +183,22 @@ def _profile_from_receipt(receipt: dict, path: str | Path) -> Profile:
     return profile
 
 
-def _verify_receipt_files(receipt: dict, source: SourceWeights) -> None:
+def _verify_receipt_files(receipt: dict, source: SourceWeights, progress: CompileProgress | None) -> None:
     """The payloads must be exactly the ones the receipt hashed."""
     recorded = {f["name"]: f for f in receipt["transformer"]["files"]}
     actual_files = {p.name: p for p in source.files}
     if set(recorded) != set(actual_files):
         raise IdentityMismatchError(f"transformer files {sorted(actual_files)} differ from the receipt's {sorted(recorded)}")
-    for name, path in tqdm(actual_files.items(), desc="verify weights", unit="file", leave=False):
+    for done, (name, path) in enumerate(tqdm(actual_files.items(), desc="verify weights", unit="file", leave=False), 1):
         if path.stat().st_size != recorded[name]["size"] or file_sha256(path) != recorded[name]["sha256"]:
             raise IdentityMismatchError(f"{path} does not match the receipt (size or sha256 changed since prepare)")
+        if progress is not None:
+            progress("verify", done, len(actual_files))
     if source.config.to_dict() != receipt["transformer"]["config"]:
         raise IdentityMismatchError("transformer config differs from the receipt")
 
 
-def compile_receipt(receipt_path: str | Path, output: str | Path, device: str = "cpu") -> Path:
+def compile_receipt(receipt_path: str | Path, output: str | Path, device: str = "cpu", progress: CompileProgress | None = None) -> Path:
     """Compile the receipt's weights for its profile into `output` (must not exist). Returns `output`."""
     receipt = _load_receipt(receipt_path)
     profile = _profile_from_receipt(receipt, receipt_path)
@@ -194,7 +211,7 @@ def compile_receipt(receipt_path: str | Path, output: str | Path, device: str = 
         raise VflashError(f"{output} already exists; refusing to overwrite it")
     tx = receipt["transformer"]
     source = SourceWeights(tx["path"], qkv_layout=None if tx["layout"] == "diffusers" else tx["qkv_layout"])
-    _verify_receipt_files(receipt, source)
+    _verify_receipt_files(receipt, source, progress)
     adapter = None
     if receipt["adapter"] is not None:
         adapter_path = Path(receipt["adapter"]["path"])
@@ -202,7 +219,7 @@ def compile_receipt(receipt_path: str | Path, output: str | Path, device: str = 
             raise IdentityMismatchError(f"adapter {adapter_path} does not match the receipt (missing, or size or sha256 changed)")
         adapter = load_adapter(adapter_path, source.config, profile.adapter.strength)  # type: ignore[union-attr]
     with atomic_directory(output) as tmp:
-        _write_compiled(tmp, source, adapter, profile, receipt, device_t, arch)
+        _write_compiled(tmp, source, adapter, profile, receipt, device_t, arch, progress)
     logger.info("compiled %s for %s into %s", tx["path"], profile.id, output)
     return output
 
@@ -246,7 +263,9 @@ def _timestep_vectors(profile: Profile) -> list[list[torch.Tensor]]:
 
 
 @torch.no_grad()
-def _write_compiled(out: Path, source: SourceWeights, adapter: Adapter | None, profile: Profile, receipt: dict, device: torch.device, arch: str) -> None:
+def _write_compiled(
+    out: Path, source: SourceWeights, adapter: Adapter | None, profile: Profile, receipt: dict, device: torch.device, arch: str, progress: CompileProgress | None
+) -> None:
     config = source.config
     compile_id = uuid.uuid4().hex
     identity = _identity(profile, receipt, config, arch, compile_id)
@@ -284,6 +303,8 @@ def _write_compiled(out: Path, source: SourceWeights, adapter: Adapter | None, p
         file_name = f"block_{i:03d}.safetensors"
         save_file({**tensors, **lora_tensors}, str(out / "artifact" / file_name), metadata={"format": ARTIFACT_FORMAT, "compile_id": compile_id})
         block_records.append({"file": file_name, "lora": lora_records})
+        if progress is not None:
+            progress("compile", i + 1, config.num_layers)
 
     aux = source.read_aux(lambda n: not n.startswith(("time_embedder.", "norm_out.linear.")))
     aux.update(source.read_refiner())

@@ -386,16 +386,18 @@ def _demo_receipt(host: Host | None) -> Path:
 
 
 class _StageProgress:
-    """A `(stage, done, total)` callback (demo build, pipeline load) on one host progress bar."""
+    """A `(stage, done, total)` callback (demo build, pipeline load, compile) on a host progress bar, a fresh bar for
+    each new stage; every update checks for an interrupt."""
 
     def __init__(self, host: Host):
         self.host = host
         self.bar: ProgressSink | None = None
+        self.stage: str | None = None
 
     def __call__(self, stage: str, done: int, total: int) -> None:
         self.host.check_interrupt()
-        if self.bar is None:
-            self.bar = self.host.progress(max(1, total))
+        if self.bar is None or stage != self.stage:
+            self.bar, self.stage = self.host.progress(max(1, total)), stage
         self.bar.update(done, total)
 
 
@@ -443,20 +445,18 @@ def resolve_model(host: Host | None, spec: ModelSpec) -> ResolvedModel:
     if not (out / "artifact" / "manifest.json").is_file():
         from .compiler import compile_receipt, prepare
 
-        bar = None if host is None else host.progress(2)
+        # One bar per step (hash, verify, compile), advanced per file or block; an interrupt between two of them
+        # abandons the step and publishes nothing (the receipt and the compiled folder are written atomically).
         out.parent.mkdir(parents=True, exist_ok=True)
         receipt = out.with_name(out.name + ".weights-receipt.json")
         if host is not None:
             host.log(f"Vflash: preparing {spec.source} for {profile.id} (hashing the weights) ...")
         if not receipt.is_file():
-            prepare(profile, root, receipt, spec.loras[0].path if spec.loras else None)
-        if bar is not None:
+            prepare(profile, root, receipt, spec.loras[0].path if spec.loras else None, progress=None if host is None else _StageProgress(host))
+        if host is not None:
             host.check_interrupt()
-            bar.update(1, 2)
             host.log(f"Vflash: compiling {spec.source} for {profile.id} into {out} (once) ...")
-        compile_receipt(receipt, out, "cpu" if profile.arch == "cpu" else spec.device)
-        if bar is not None:
-            bar.update(2, 2)
+        compile_receipt(receipt, out, "cpu" if profile.arch == "cpu" else spec.device, progress=None if host is None else _StageProgress(host))
     model_root = path if path.is_dir() else None
     return ResolvedModel(profile, out / "artifact", out / "schedule", out / "auxiliary.safetensors", model_root, model_root)
 
