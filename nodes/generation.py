@@ -57,6 +57,13 @@ class VflashEncode(io.ComfyNode):
                     template=io.Autogrow.TemplatePrefix(input=io.Image.Input("ref_video", tooltip="Reference clip <Video k>: frames at 24 fps, cut to 17 n + 5 frames."), prefix="ref_video_", min=0, max=3),
                 ),
                 io.Autogrow.Input(
+                    "ref_video_audios", optional=True,
+                    template=io.Autogrow.TemplatePrefix(
+                        input=io.Audio.Input("ref_video_audio", tooltip="Soundtrack of the reference clip in the same slot (ref_video_audio_k belongs to ref_video_k); any rate, mono or stereo."),
+                        prefix="ref_video_audio_", min=0, max=3,
+                    ),
+                ),
+                io.Autogrow.Input(
                     "ref_audios", optional=True,
                     template=io.Autogrow.TemplatePrefix(input=io.Audio.Input("ref_audio", tooltip="Reference audio <Audio j>, resampled to 32 kHz stereo."), prefix="ref_audio_", min=0, max=3),
                 ),
@@ -71,10 +78,10 @@ class VflashEncode(io.ComfyNode):
 
     @classmethod
     def execute(cls, te, vae, prompt, width, height, length, seconds, first_frame=None, last_frame=None,
-                ref_images=None, ref_videos=None, ref_audios=None, force_offload=True):
+                ref_images=None, ref_videos=None, ref_video_audios=None, ref_audios=None, force_offload=True):
         cond, latent, frames = ops.encode(
             ENGINES, HOST, te, vae, prompt, width, height, length, seconds, first_frame, last_frame,
-            ref_images, ref_videos, ref_audios, force_offload,
+            ref_images, ref_videos, ref_audios, force_offload, ref_video_audios,
         )
         return io.NodeOutput(cond, latent, frames)
 

@@ -366,6 +366,39 @@ def test_memory_plan_line_per_run(pack, comfy, caplog):
 # -- the encode split equals the pipeline's bundle ------------------------------------------------------------------
 
 
+def test_reference_clip_soundtracks_travel_with_their_clip(pack, comfy, monkeypatch):
+    """`ref_video_audio_k` becomes the soundtrack of `ref_video_k`'s reference, as a video file's own audio does in the
+    pipeline; what follows (normalisation, encoders) is the pipeline's shared code."""
+    from vflash_core import node_ops as ops
+    from vflash_core import references
+
+    registry = pack.module.nodes.registry.ENGINES
+    host, folders = pack.module.nodes.host.HOST, pack.module.nodes.host.FOLDERS
+    te = ops.load_text_encoder(registry, host, folders, "embedded-demo", "cpu")
+    vae = ops.load_vae(registry, host, folders, "embedded-demo", "cpu")
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def spy(raw, *args):
+        seen.extend(raw)
+        raise Stop
+
+    monkeypatch.setattr(references, "normalize_references", spy)
+    clip = torch.rand(22, 32, 48, 3)
+    voice = {"waveform": torch.rand(1, 1, 48000) - 0.5, "sample_rate": 48000}
+    picture = torch.rand(1, 32, 32, 3)
+    with pytest.raises(Stop):
+        ops.encode(registry, host, te, vae, "<Picture 1> in <Video 1>, then <Video 2>", 128, 96, 124, 0.0, ref_images={"ref_image_0": picture},
+                   ref_videos={"ref_video_0": clip, "ref_video_1": None, "ref_video_2": clip}, ref_video_audios={"ref_video_audio_2": voice})
+    kinds = [(ref.kind, ref.has_audio) for ref in seen]
+    assert kinds == [("image", False), ("video", False), ("video", True)]
+    assert torch.equal(torch.as_tensor(seen[2].audio), voice["waveform"][0]) and seen[2].sample_rate == 48000
+    with pytest.raises(RequestError, match="ref_video_audio_1 is the soundtrack of ref_video_1, which is not connected"):
+        ops.encode(registry, host, te, vae, "<Video 1>", 128, 96, 124, 0.0, ref_videos={"ref_video_0": clip}, ref_video_audios={"ref_video_audio_1": voice})
+
+
 @pytest.mark.parametrize("keyframes", [(), ("first", "last")])
 def test_encode_then_sample_bundle_equals_pipeline_bundle(pack, comfy, keyframes, tmp_path):
     """VflashEncode + the sampler's noise draw build exactly the bundle `pipeline.build_request_bundle` builds."""

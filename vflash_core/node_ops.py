@@ -610,11 +610,15 @@ def _to_pil(image: torch.Tensor, what: str):
     return Image.fromarray((frame.clamp(0, 1).numpy() * 255.0).round().astype(np.uint8))
 
 
+def _slots(group: Mapping[str, Any] | None) -> dict[int, Any]:
+    """Autogrow values (`ref_image_0`, `ref_image_1`, ...) by slot index, in index order, unconnected slots skipped."""
+    items = sorted((int(name.rsplit("_", 1)[-1]), value) for name, value in (group or {}).items() if value is not None)
+    return dict(items)
+
+
 def _ordered(group: Mapping[str, Any] | None) -> list[Any]:
-    """Autogrow values (`ref_image_0`, `ref_image_1`, ...) in index order, unconnected slots skipped."""
-    if not group:
-        return []
-    return [value for _, value in sorted(group.items(), key=lambda kv: int(kv[0].rsplit("_", 1)[-1])) if value is not None]
+    """Autogrow values in slot order, unconnected slots skipped."""
+    return list(_slots(group).values())
 
 
 def _check_labels(prompt: str, mode: str, pictures: int, videos: int, audios: int) -> None:
@@ -630,9 +634,11 @@ def _check_labels(prompt: str, mode: str, pictures: int, videos: int, audios: in
 def encode(registry: EngineRegistry, host: Host, te: ComponentSpec, vae: ComponentSpec, prompt: str, width: int, height: int,
            length: int, seconds: float, first_frame: torch.Tensor | None = None, last_frame: torch.Tensor | None = None,
            ref_images: Mapping[str, Any] | None = None, ref_videos: Mapping[str, Any] | None = None,
-           ref_audios: Mapping[str, Any] | None = None, force_offload: bool = True) -> tuple[Conditioning, dict[str, Any], int]:
+           ref_audios: Mapping[str, Any] | None = None, force_offload: bool = True,
+           ref_video_audios: Mapping[str, Any] | None = None) -> tuple[Conditioning, dict[str, Any], int]:
     """VflashEncode: the same media normalisation and encoders as `pipeline.build_request_bundle`, without the noise
-    (the sampler draws it from its seed, so one encoding serves every seed)."""
+    (the sampler draws it from its seed, so one encoding serves every seed). `ref_video_audios` holds the soundtracks
+    of reference clips: `ref_video_audio_k` belongs to `ref_video_k` (a video file's own soundtrack in the pipeline)."""
     from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3AudioReference, MiniMaxH3ImageReference, MiniMaxH3VideoReference
 
     from .pipeline import encode_conditions
@@ -641,7 +647,13 @@ def encode(registry: EngineRegistry, host: Host, te: ComponentSpec, vae: Compone
     if not isinstance(prompt, str) or not prompt.strip():
         raise RequestError("the prompt must be a non-empty string")
     geometry = request_geometry(width, height, length, seconds)
-    images, videos, audios = _ordered(ref_images), _ordered(ref_videos), _ordered(ref_audios)
+    images, audios = _ordered(ref_images), _ordered(ref_audios)
+    video_slots, soundtrack_slots = _slots(ref_videos), _slots(ref_video_audios)
+    orphans = sorted(soundtrack_slots.keys() - video_slots.keys())
+    if orphans:
+        raise RequestError(f"ref_video_audio_{orphans[0]} is the soundtrack of ref_video_{orphans[0]}, which is not connected")
+    videos = list(video_slots.values())
+    soundtracks = [soundtrack_slots.get(slot) for slot in video_slots]
     keyframe_inputs = [(a, f) for a, f in (("first", first_frame), ("last", last_frame)) if f is not None]
     if (images or videos or audios) and keyframe_inputs:
         raise RequestError("a request takes either keyframes (first/last frame) or references, not both")
@@ -657,7 +669,9 @@ def encode(registry: EngineRegistry, host: Host, te: ComponentSpec, vae: Compone
     keyframes, references = [], []
     if mode == "ref2va":
         raw = [MiniMaxH3ImageReference(image=_to_pil(img, f"reference image {i + 1}")) for i, img in enumerate(images)]
-        raw += [MiniMaxH3VideoReference(frames=cl.image_to_clip(clip, f"reference video {i + 1}").numpy(), fps=float(FPS)) for i, clip in enumerate(videos)]
+        for i, (clip, soundtrack) in enumerate(zip(videos, soundtracks)):
+            audio, rate = cl.audio_to_waveform(soundtrack, f"soundtrack of reference video {i + 1}") if soundtrack is not None else (None, None)
+            raw.append(MiniMaxH3VideoReference(frames=cl.image_to_clip(clip, f"reference video {i + 1}").numpy(), fps=float(FPS), audio=audio, sample_rate=rate))
         for i, audio in enumerate(audios):
             waveform, rate = cl.audio_to_waveform(audio, f"reference audio {i + 1}")
             raw.append(MiniMaxH3AudioReference(audio=waveform, sample_rate=rate))

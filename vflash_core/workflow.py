@@ -430,6 +430,7 @@ _GEOMETRY = {"width": "INT", "height": "INT", "length": "INT", "seconds": "FLOAT
 _REFS = {
     **{f"ref_images.ref_image_{i}": "IMAGE" for i in range(9)},
     **{f"ref_videos.ref_video_{i}": "IMAGE" for i in range(3)},
+    **{f"ref_video_audios.ref_video_audio_{i}": "AUDIO" for i in range(3)},
     **{f"ref_audios.ref_audio_{i}": "AUDIO" for i in range(3)},
 }
 VFLASH_SIGNATURES: dict[str, tuple[dict[str, str], frozenset[str], tuple[str, ...], bool]] = {
