@@ -432,6 +432,44 @@ def test_encode_then_sample_bundle_equals_pipeline_bundle(pack, comfy, keyframes
     assert mine.fingerprint() == theirs.fingerprint()
 
 
+def test_reference_clip_with_soundtrack_bundle_equals_pipeline_bundle(pack, comfy, tmp_path):
+    """ref2va with a picture and a clip carrying its own 48 kHz soundtrack: the node's IMAGE + AUDIO inputs, decoded
+    from the MP4 the pipeline reads, give the pipeline's bundle. Needs torchvision (Qwen's video processor), which
+    the CPU suite lacks; it runs where torchvision is installed (the GPU machine)."""
+    pytest.importorskip("torchvision")
+    import numpy as np
+    from PIL import Image
+
+    from vflash_core import node_ops as ops
+    from vflash_core.media import write_mp4
+    from vflash_core.pipeline import VideoRequest, build_request_bundle
+    from vflash_core.profiles import get_profile
+    from vflash_core.references import frames_to_uint8, load_reference
+
+    registry = pack.module.nodes.registry.ENGINES
+    host, folders = pack.module.nodes.host.HOST, pack.module.nodes.host.FOLDERS
+    te = ops.load_text_encoder(registry, host, folders, "embedded-demo", "cpu")
+    vae = ops.load_vae(registry, host, folders, "embedded-demo", "cpu")
+    ops.load_model(registry, host, folders, "embedded-demo", "auto", "auto", "cpu", "none", "sequence-head", "auto")
+    g = torch.Generator().manual_seed(5)
+    picture = np.random.default_rng(5).integers(0, 255, (60, 90, 3), dtype=np.uint8)
+    Image.fromarray(picture).save(tmp_path / "picture.png")
+    clip_path = write_mp4(tmp_path / "clip.mp4", torch.rand(48, 64, 96, 3, generator=g), torch.rand(2, 96000, generator=g) - 0.5, 48000)
+    decoded = load_reference(clip_path)
+    assert decoded.fps == 24 and decoded.sample_rate == 48000
+    frames = torch.from_numpy(frames_to_uint8(decoded.frames).astype(np.float32) / 255.0)
+    soundtrack = {"waveform": torch.as_tensor(decoded.audio, dtype=torch.float32)[None], "sample_rate": decoded.sample_rate}
+    prompt = "<Picture 1> dances to <Video 1>."
+    cond, latent, _ = ops.encode(registry, host, te, vae, prompt, 96, 64, 124, 0.0, ref_images={"ref_image_0": torch.from_numpy(picture.astype(np.float32) / 255.0)[None]},
+                                 ref_videos={"ref_video_0": frames}, ref_video_audios={"ref_video_audio_0": soundtrack}, force_offload=False)
+    config = registry.engine("dit").compiled.config
+    mine = ops.request_bundle(cond, cl.from_comfy_latent(latent).geometry, 7, config).consume()
+    request = VideoRequest(prompt, references=(str(tmp_path / "picture.png"), str(clip_path)), duration_seconds=5.0, seed=7, width=96, height=64)
+    theirs = build_request_bundle(registry.engine("te"), registry.engine("vae"), request, config, get_profile("ref2va-base4-exact-cpu")).consume()
+    assert mine.mode == theirs.mode == "ref2va"
+    assert mine.fingerprint() == theirs.fingerprint()
+
+
 # -- workflows with unsupported nodes -----------------------------------------------------------------------------------
 
 
