@@ -22,9 +22,7 @@ modality ids from the model config's image and video token ids, as that processo
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +30,7 @@ import numpy as np
 import torch
 
 from .config import TEXT_TAG, VIDEO_TAG
+from .device_owner import SerialDeviceOwner, release_device_memory
 from .errors import RequestError, VflashError
 from .layout import FPS
 from .references import CanvasRules
@@ -58,11 +57,6 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def _release(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def sample_video_frames(frames: np.ndarray, temporal_patch: int, fps: float = FPS, sample_fps: float = VIDEO_SAMPLE_FPS) -> tuple[list[np.ndarray], list[float]]:
     """The frames Qwen sees of a 24 fps reference (every 12th, deduplicated) and one timestamp per merged group.
 
@@ -85,7 +79,7 @@ def sample_video_frames(frames: np.ndarray, temporal_patch: int, fps: float = FP
     return [frames[i] for i in indices], groups
 
 
-class TextConditioner:
+class TextConditioner(SerialDeviceOwner):
     """Owns the Qwen3-VL text encoder, its tokenizer and its image/video processors.
 
     Args:
@@ -107,7 +101,6 @@ class TextConditioner:
         self.video_processor = video_processor
         self.device = torch.device(device)
         self.canvas = canvas or CanvasRules()
-        self.keep_on_device = False  # True: the encoder stays on `device` after its first use (until `close`)
         config = text_encoder.config
         self._ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in (("start", "<|vision_start|>"), ("end", "<|vision_end|>"), ("image", "<|image_pad|>"), ("video", "<|video_pad|>"))}
         if (self._ids["image"], self._ids["video"]) != (config.image_token_id, config.video_token_id):
@@ -154,27 +147,13 @@ class TextConditioner:
     def hidden_size(self) -> int:
         return self.text_encoder.config.text_config.hidden_size
 
-    @contextlib.contextmanager
-    def on_device(self) -> Iterator["TextConditioner"]:
-        """Hold the encoder on `device` for the block, then hand the device back (serial GPU ownership) unless
-        `keep_on_device`."""
-        self.text_encoder.to(self.device)
-        try:
-            yield self
-        finally:
-            if not self.keep_on_device:
-                self.offload()
-
-    def offload(self) -> None:
-        """Move the encoder to the CPU and release cached device memory (a no-op on a CPU conditioner)."""
-        if self.device.type != "cpu":
-            self.text_encoder.to("cpu")
-            _release(self.device)
+    def device_modules(self) -> list[torch.nn.Module]:
+        return [self.text_encoder]
 
     def close(self) -> None:
         """Drop the encoder; the object is unusable afterwards."""
         self.text_encoder = None
-        _release(self.device)
+        release_device_memory(self.device)
 
     # -- presentation -------------------------------------------------------------------------------------------------
 

@@ -13,9 +13,7 @@ channels as two batch items.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +21,7 @@ import numpy as np
 import torch
 
 from .conditioning import default_dtype
+from .device_owner import SerialDeviceOwner, release_device_memory
 from .errors import VflashError
 from .layout import AUDIO_CHANNELS, FPS
 
@@ -44,14 +43,13 @@ class DecodedMedia:
     fps: int = FPS
 
 
-class MediaVAEs:
+class MediaVAEs(SerialDeviceOwner):
     """Owns `AutoencoderKLMiniMaxH3` (video) and `AutoencoderKLMiniMaxH3Audio` (audio, always fp32)."""
 
     def __init__(self, video_vae, audio_vae, device: str | torch.device = "cpu"):
         self.video_vae = video_vae.eval()
         self.audio_vae = audio_vae.eval()
         self.device = torch.device(device)
-        self.keep_on_device = False  # True: both VAEs stay on `device` after their first use (until `close`)
         if not self.video_vae.use_tiling:
             logger.warning("video VAE tiling is off; the released decodes are tiled, so frames will differ")
 
@@ -91,28 +89,12 @@ class MediaVAEs:
 
     # -- ownership ----------------------------------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def on_device(self) -> Iterator["MediaVAEs"]:
-        """Hold both VAEs on `device` for the block, then hand the device back (serial GPU ownership) unless
-        `keep_on_device`."""
-        self.video_vae.to(self.device)
-        self.audio_vae.to(self.device)
-        try:
-            yield self
-        finally:
-            if not self.keep_on_device:
-                self.offload()
-
-    def offload(self) -> None:
-        if self.device.type != "cpu":
-            self.video_vae.to("cpu")
-            self.audio_vae.to("cpu")
-            torch.cuda.empty_cache()
+    def device_modules(self) -> list[torch.nn.Module]:
+        return [self.video_vae, self.audio_vae]
 
     def close(self) -> None:
         self.video_vae = self.audio_vae = None
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        release_device_memory(self.device)
 
     # -- encoding -----------------------------------------------------------------------------------------------------
 
