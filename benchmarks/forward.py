@@ -73,6 +73,22 @@ def vflash_denoiser(artifact: CompiledArtifact, attention_backend: str) -> tuple
     return name, Denoiser(artifact, ResidentBlocks(artifact, device), device, attention, FusedBlock(artifact.config, attention))
 
 
+def vflash_times(den: Denoiser, state) -> tuple[list[float], tuple[torch.Tensor, torch.Tensor]]:
+    """Block-loop times (ms) of 5 evaluations of step STEP after 2 warm-ups, and the last evaluation's output."""
+    times = []
+    for i in range(7):
+        timer = StageTimer(torch.device("cuda:0"), True)
+        out = den.evaluate(state, STEP, timer)
+        if i >= 2:
+            times.append(timer.summary()["total_ms"]["blocks"])
+    return times, out
+
+
+def roofline_ms(config, rows: int, gemm_rate: float, attention_rate: float) -> float:
+    """Per-block roofline: linear FLOPs at `gemm_rate` plus attention FLOPs at `attention_rate` (TFLOP/s)."""
+    return linear_flops_per_block(config, rows) / (gemm_rate * 1e9) + attention_flops(rows) / (attention_rate * 1e9)
+
+
 def run(blocks: int, cache: Path, shapes: list[str], rounds: int) -> dict[str, object]:
     import diffusers
 
@@ -92,12 +108,6 @@ def run(blocks: int, cache: Path, shapes: list[str], rounds: int) -> dict[str, o
         rows = bundle.layout.sequence_length
         lay = bundle.layout
 
-        def per_block(times: list[float]) -> float:
-            return statistics.median(times) / blocks
-
-        def roofline_ms(gemm_rate: float, attention_rate: float, rows: int = rows) -> float:
-            return linear_flops_per_block(config, rows) / (gemm_rate * 1e9) + attention_flops(rows) / (attention_rate * 1e9)
-
         with torch.no_grad():
             state = fast.prepare(bundle)
             cudnn_state = cudnn.prepare(bundle)
@@ -113,41 +123,32 @@ def run(blocks: int, cache: Path, shapes: list[str], rounds: int) -> dict[str, o
                 if i >= 2:
                     diffusers_times.append(loop_timer.last_ms())
 
-            def vflash_times(den: Denoiser, st) -> tuple[list[float], tuple[torch.Tensor, torch.Tensor]]:
-                times = []
-                for i in range(7):
-                    timer = StageTimer(torch.device("cuda:0"), True)
-                    out = den.evaluate(st, STEP, timer)
-                    if i >= 2:
-                        times.append(timer.summary()["total_ms"]["blocks"])
-                return times, out
-
             cudnn_times, cudnn_out = vflash_times(cudnn, cudnn_state)
             measured = []
             for _ in range(rounds):
                 fast_times, fast_out = vflash_times(fast, state)
                 clocks = gpu_clocks()
                 gemm, attention = gemm_tflops(sustained=True), attention_tflops(fast.attention, rows, sustained=True)
-                v_ms = per_block(fast_times)
+                v_ms = statistics.median(fast_times) / blocks
                 measured.append({"vflash_ms_per_block": round(v_ms, 3), "gemm_tflops": round(gemm, 1), "attention_tflops": round(attention, 1),
-                                 "roofline_ratio": round(v_ms / roofline_ms(gemm, attention), 4), "gpu_after_vflash": clocks})
+                                 "roofline_ratio": round(v_ms / roofline_ms(config, rows, gemm, attention), 4), "gpu_after_vflash": clocks})
                 print(measured[-1])
             attention_burst = attention_tflops(fast.attention, rows)
             bitwise = all(torch.equal(a, b[0]) for a, b in zip(cudnn_out, expected))
             max_abs = max((a - b[0]).abs().max().item() for a, b in zip(fast_out, expected))
             cudnn_max_abs = max((a - b[0]).abs().max().item() for a, b in zip(cudnn_out, expected))
-        d_ms = per_block(diffusers_times)
+        d_ms = statistics.median(diffusers_times) / blocks
         v_ms = statistics.median(m["vflash_ms_per_block"] for m in measured)
         gemm = statistics.median(m["gemm_tflops"] for m in measured)
         attention = statistics.median(m["attention_tflops"] for m in measured)
-        roofline = roofline_ms(gemm, attention)
+        roofline = roofline_ms(config, rows, gemm, attention)
         row = {
             "name": shape,
             "N": rows,
             "blocks": blocks,
             "diffusers_ms_per_block": round(d_ms, 3),
             "vflash_ms_per_block": round(v_ms, 3),
-            "vflash_cudnn_ms_per_block": round(per_block(cudnn_times), 3),
+            "vflash_cudnn_ms_per_block": round(statistics.median(cudnn_times) / blocks, 3),
             "speedup": round(d_ms / v_ms, 4),
             "roofline_ms_per_block": round(roofline, 3),
             "roofline_ratio": round(v_ms / roofline, 4),
@@ -158,7 +159,7 @@ def run(blocks: int, cache: Path, shapes: list[str], rounds: int) -> dict[str, o
             "rounds": measured,
             "gemm_tflops_burst": round(gemm_burst, 1),
             "attention_tflops_burst": round(attention_burst, 1),
-            "roofline_ratio_burst_rates": round(v_ms / roofline_ms(gemm_burst, attention_burst), 4),
+            "roofline_ratio_burst_rates": round(v_ms / roofline_ms(config, rows, gemm_burst, attention_burst), 4),
             "bitwise_equal_to_diffusers": bitwise,
             "bitwise_compared_with": "torch-cudnn on both sides",
             "cudnn_max_abs_diff": cudnn_max_abs,

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib
-import importlib.util
 import json
 import sys
 from collections.abc import Callable
@@ -45,15 +44,7 @@ RANKS = 2
 
 
 def load_kernels() -> SimpleNamespace:
-    """`vflash_kernels` if installed, else the repository's `kernels/` folder registered under that name."""
-    try:
-        importlib.import_module("vflash_kernels")
-    except ModuleNotFoundError:
-        folder = ROOT / "kernels"
-        spec = importlib.util.spec_from_file_location("vflash_kernels", folder / "__init__.py", submodule_search_locations=[str(folder)])
-        package = importlib.util.module_from_spec(spec)
-        sys.modules["vflash_kernels"] = package
-        spec.loader.exec_module(package)
+    """The `vflash_kernels` modules (installed with the package, like the `vflash_core` that `_common` imports)."""
     return SimpleNamespace(**{m: importlib.import_module(f"vflash_kernels.{m}") for m in MODULES})
 
 
