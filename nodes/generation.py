@@ -8,7 +8,7 @@ from vflash_core import node_ops as ops
 
 from .host import HOST
 from .registry import ENGINES
-from .types import VflashCond, VflashModel, VflashTextEncoder, VflashVAE
+from .types import AUDIO_VAE_TOOLTIP, VAE_TOOLTIP, VflashCond, VflashModel, aliases, te_input, vae_inputs
 
 _WIDTH_TOOLTIP = "Canvas width in pixels: a multiple of 32, aspect ratio within 1:4..4:1 (768x1344 area cap for the released model)."
 _HEIGHT_TOOLTIP = "Canvas height in pixels: a multiple of 32, aspect ratio within 1:4..4:1."
@@ -34,16 +34,22 @@ class VflashEncode(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="VflashEncode",
-            display_name="Vflash Prompt / Frames / References",
+            display_name="Vflash MiniMax-H3 Prompt / Frames / References",
             category="Vflash/conditioning",
+            search_aliases=aliases("encode", "prompt", "text to video", "image to video", "reference to video", "t2va", "i2va", "fl2va", "ref2va"),
             description=(
                 "Encodes a request: t2va (prompt only), i2va / l2va / fl2va (first and/or last frame), or ref2va "
                 "(reference images, videos, audio; refer to them in the prompt as <Picture i>, <Video k>, <Audio j>). "
-                "Keyframes and references cannot be mixed. Also returns the empty AV latent of the canvas."
+                "Keyframes and references cannot be mixed. Also returns the empty AV latent of the canvas. "
+                "te takes the Vflash text encoder or core CLIP (CLIPLoader type minimax); vae the Vflash VAE pair or core "
+                "VAEs (video in vae, audio in audio_vae). With core's text encoder the conditioning is not bitwise the "
+                "diffusers pipeline's hidden_states[50] (core's own Qwen3-VL code rounds differently; the sampler logs "
+                "this and records it in its latent as vflash_notes); with core's VAEs keyframe / reference latents are "
+                "the posterior mean, not the pipeline's seeded sample."
             ),
             inputs=[
-                VflashTextEncoder.Input("te"),
-                VflashVAE.Input("vae"),
+                te_input(),
+                *vae_inputs(),
                 io.String.Input("prompt", multiline=True, dynamic_prompts=True, tooltip="What happens and what it sounds like."),
                 *_geometry_inputs(),
                 io.Image.Input("first_frame", optional=True, tooltip="Keyframe at frame 0 (stretched to the canvas)."),
@@ -67,10 +73,10 @@ class VflashEncode(io.ComfyNode):
                     "ref_audios", optional=True,
                     template=io.Autogrow.TemplatePrefix(input=io.Audio.Input("ref_audio", tooltip="Reference audio <Audio j>, resampled to 32 kHz stereo."), prefix="ref_audio_", min=0, max=3),
                 ),
-                io.Boolean.Input("force_offload", default=True, tooltip="Release the text encoder after encoding (it is reloaded when the prompt changes)."),
+                io.Boolean.Input("force_offload", default=True, tooltip="Release the Vflash text encoder after encoding (it is reloaded when the prompt changes). Core CLIP stays ComfyUI's to manage."),
             ],
             outputs=[
-                VflashCond.Output("cond"),
+                VflashCond.Output("cond", tooltip="The encoded request (prompt, keyframe / reference latents, canvas); connect it to the Vflash Sampler."),
                 io.Latent.Output("latent", tooltip="Empty H3 AV latent of the canvas (the layout of core's EmptyMiniMaxH3LatentAV)."),
                 io.Int.Output("frames", tooltip="The actual frame count after snapping."),
             ],
@@ -78,10 +84,10 @@ class VflashEncode(io.ComfyNode):
 
     @classmethod
     def execute(cls, te, vae, prompt, width, height, length, seconds, first_frame=None, last_frame=None,
-                ref_images=None, ref_videos=None, ref_video_audios=None, ref_audios=None, force_offload=True):
+                ref_images=None, ref_videos=None, ref_video_audios=None, ref_audios=None, force_offload=True, audio_vae=None):
         cond, latent, frames = ops.encode(
             ENGINES, HOST, te, vae, prompt, width, height, length, seconds, first_frame, last_frame,
-            ref_images, ref_videos, ref_audios, force_offload, ref_video_audios,
+            ref_images, ref_videos, ref_audios, force_offload, ref_video_audios, audio_vae,
         )
         return io.NodeOutput(cond, latent, frames)
 
@@ -91,16 +97,17 @@ class VflashSampler(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="VflashSampler",
-            display_name="Vflash Sampler",
+            display_name="Vflash MiniMax-H3 Sampler",
             category="Vflash/sampling",
+            search_aliases=aliases("sampler", "ksampler", "denoise", "generate video"),
             description=(
                 "Runs the profile's fixed schedule (its number of evaluations and its video/audio shifts are compiled "
                 "into the weights; change the profile to change them). One progress step per evaluation; Cancel stops "
                 "within one evaluation and leaves the engine reusable."
             ),
             inputs=[
-                VflashModel.Input("model"),
-                VflashCond.Input("cond"),
+                VflashModel.Input("model", tooltip="The transformer from the Vflash MiniMax-H3 Model Loader."),
+                VflashCond.Input("cond", tooltip="The encoded request from Vflash MiniMax-H3 Prompt / Frames / References; its mode (t2va, i2va, ref2va ...) must be one the profile accepts."),
                 io.Latent.Input(
                     "latent",
                     tooltip="An EMPTY H3 AV latent (from Vflash Encode or core EmptyMiniMaxH3LatentAV); only its canvas and "
@@ -123,19 +130,27 @@ class VflashDecode(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="VflashDecode",
-            display_name="Vflash Decode (video + audio)",
+            display_name="Vflash MiniMax-H3 Decode (video + audio)",
             category="Vflash/decode",
-            description="Decodes an H3 AV latent to frames (IMAGE batch), 32 kHz stereo AUDIO and a VIDEO at 24 fps (save it with core SaveVideo).",
+            search_aliases=aliases("decode", "vae decode", "latent to video"),
+            description=(
+                "Decodes an H3 AV latent to frames (IMAGE batch), 32 kHz stereo AUDIO and a VIDEO at 24 fps (save it with "
+                "core SaveVideo). vae takes the Vflash VAE pair, or core's video VAE with core's audio VAE in audio_vae."
+            ),
             inputs=[
-                VflashVAE.Input("vae"),
+                *vae_inputs(),
                 io.Latent.Input("latent", tooltip="H3 AV latent (Vflash Sampler output or any core H3 AV latent of this model family)."),
             ],
-            outputs=[io.Image.Output("images"), io.Audio.Output("audio"), io.Video.Output("video")],
+            outputs=[
+                io.Image.Output("images", tooltip="The frames as an IMAGE batch (F, H, W, 3), 0..1."),
+                io.Audio.Output("audio", tooltip="The soundtrack: 32 kHz stereo, cut to the video's length."),
+                io.Video.Output("video", tooltip="Frames + soundtrack at 24 fps; save it with core Save Video."),
+            ],
         )
 
     @classmethod
-    def execute(cls, vae, latent):
-        return io.NodeOutput(*ops.decode(ENGINES, HOST, vae, latent))
+    def execute(cls, vae, latent, audio_vae=None):
+        return io.NodeOutput(*ops.decode(ENGINES, HOST, vae, latent, audio_vae))
 
 
 class VflashGenerate(io.ComfyNode):
@@ -143,13 +158,17 @@ class VflashGenerate(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="VflashGenerate",
-            display_name="Vflash Text/Image -> Video+Audio",
+            display_name="Vflash MiniMax-H3 Text/Image -> Video+Audio",
             category="Vflash/sampling",
-            description="All in one: encode, sample with the profile's fixed schedule, decode. t2va, or i2va / l2va / fl2va with keyframes.",
+            search_aliases=aliases("all in one", "text to video", "image to video", "generate video"),
+            description=(
+                "All in one: encode, sample with the profile's fixed schedule, decode. t2va, or i2va / l2va / fl2va with "
+                "keyframes. te / vae take Vflash's loaders or core's CLIP (type minimax) and VAEs, as Vflash Encode does."
+            ),
             inputs=[
-                VflashModel.Input("model"),
-                VflashTextEncoder.Input("te"),
-                VflashVAE.Input("vae"),
+                VflashModel.Input("model", tooltip="The transformer from the Vflash MiniMax-H3 Model Loader."),
+                te_input(),
+                *vae_inputs(),
                 io.String.Input("prompt", multiline=True, dynamic_prompts=True, tooltip="What happens and what it sounds like."),
                 *_geometry_inputs(),
                 io.Int.Input("seed", default=0, min=0, max=2**63 - 1, control_after_generate=True, tooltip=_SEED_TOOLTIP),
@@ -157,12 +176,16 @@ class VflashGenerate(io.ComfyNode):
                 io.Image.Input("last_frame", optional=True, tooltip="Keyframe at the last frame."),
                 io.Boolean.Input("force_offload", default=False, tooltip="Release the transformer's device memory after sampling."),
             ],
-            outputs=[io.Video.Output("video"), io.Image.Output("images"), io.Audio.Output("audio")],
+            outputs=[
+                io.Video.Output("video", tooltip="Frames + soundtrack at 24 fps; save it with core Save Video."),
+                io.Image.Output("images", tooltip="The frames as an IMAGE batch (F, H, W, 3), 0..1."),
+                io.Audio.Output("audio", tooltip="The soundtrack: 32 kHz stereo, cut to the video's length."),
+            ],
         )
 
     @classmethod
-    def execute(cls, model, te, vae, prompt, width, height, length, seconds, seed, first_frame=None, last_frame=None, force_offload=False):
-        return io.NodeOutput(*ops.generate(ENGINES, HOST, model, te, vae, prompt, width, height, length, seconds, seed, first_frame, last_frame, force_offload))
+    def execute(cls, model, te, vae, prompt, width, height, length, seconds, seed, first_frame=None, last_frame=None, force_offload=False, audio_vae=None):
+        return io.NodeOutput(*ops.generate(ENGINES, HOST, model, te, vae, prompt, width, height, length, seconds, seed, first_frame, last_frame, force_offload, audio_vae))
 
 
 class VflashUnload(io.ComfyNode):
@@ -170,14 +193,15 @@ class VflashUnload(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="VflashUnload",
-            display_name="Vflash Unload",
+            display_name="Vflash MiniMax-H3 Unload",
             category="Vflash/utils",
+            search_aliases=aliases("unload", "free memory"),
             description="Releases Vflash engines (device and pinned host memory) when its input arrives; passes the input through.",
             inputs=[
                 io.AnyType.Input("anything", tooltip="Any value; connect it to order the unload after the node that produces it."),
                 io.Combo.Input("what", options=list(ops.UNLOAD_TARGETS), default="all", tooltip="all, or only the transformer (dit), text encoder (te) or VAEs (vae)."),
             ],
-            outputs=[io.AnyType.Output("anything")],
+            outputs=[io.AnyType.Output("anything", tooltip="The input, passed through after the unload.")],
             is_output_node=True,
             not_idempotent=True,
         )

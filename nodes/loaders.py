@@ -6,11 +6,10 @@ from comfy_api.latest import io
 
 from vflash_core import node_ops as ops
 from vflash_core.attention import BACKENDS
-from vflash_core.profiles import PROFILES
 
 from .host import FOLDERS, HOST
 from .registry import ENGINES
-from .types import DEVICE_TOOLTIP, DEVICES, VflashLora, VflashModel, VflashTextEncoder, VflashVAE
+from .types import DEVICE_TOOLTIP, VflashLora, VflashModel, VflashTextEncoder, VflashVAE, aliases, devices, peer_devices
 
 _MODEL_TOOLTIP = (
     "What to run. 'embedded-demo' is a tiny random-weight H3 family built on first use (CPU, for testing graphs). "
@@ -25,16 +24,22 @@ class VflashModelLoader(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="VflashModelLoader",
-            display_name="Vflash Model Loader",
+            display_name="Vflash MiniMax-H3 Model Loader",
             category="Vflash/loaders",
-            description="Loads the H3 diffusion transformer into a Vflash engine (compiled, exact fixed-schedule runtime).",
+            search_aliases=aliases("load transformer", "dit", "unet loader"),
+            description=(
+                "Loads the MiniMax-H3 diffusion transformer into a Vflash engine (compiled, exact fixed-schedule runtime). "
+                "The profile, devices and model option are checked when the graph is queued: a profile for another GPU "
+                "architecture or a device this machine lacks is refused before any model work."
+            ),
             inputs=[
                 io.Combo.Input("model", options=ops.model_options(FOLDERS), tooltip=_MODEL_TOOLTIP),
                 io.Combo.Input(
-                    "profile", options=["auto", *sorted(PROFILES)], default="auto",
-                    tooltip="The fixed schedule, LoRA binding and GPU architecture the weights are compiled for. 'auto' "
-                    "takes the profile recorded in a compiled artifact or receipt; official weights need an explicit one. "
-                    "The profile fixes evaluations, shifts, modes and clip durations (see the sampler's tooltip).",
+                    "profile", options=ops.ordered_profiles(), default="auto",
+                    tooltip="The fixed schedule, LoRA binding and GPU architecture the weights are compiled for (the id "
+                    "ends in it: -sm90 = H100/H200, -cpu). Profiles this machine can run are listed first. 'auto' takes "
+                    "the profile recorded in a compiled artifact or receipt; official weights need an explicit one. The "
+                    "profile fixes evaluations, shifts, modes and clip durations (see the sampler's tooltip).",
                 ),
                 io.Combo.Input(
                     "weight_residency", options=list(ops.RESIDENCIES), default="auto",
@@ -42,9 +47,9 @@ class VflashModelLoader(io.ComfyNode):
                     "memory, streamed through two device slots (for GPUs that cannot hold the model). auto: resident if "
                     "it fits, else block-ring. Bits are identical either way.",
                 ),
-                io.Combo.Input("device", options=DEVICES, default="auto", tooltip=DEVICE_TOOLTIP),
+                io.Combo.Input("device", options=devices(), default="auto", tooltip=DEVICE_TOOLTIP),
                 io.Combo.Input(
-                    "peer_device", options=["none", *DEVICES[2:]], default="none",
+                    "peer_device", options=peer_devices(), default="none",
                     tooltip="Optional second GPU of the same host that shares each evaluation (see strategy). 'none': one device.",
                 ),
                 io.Combo.Input(
@@ -59,8 +64,14 @@ class VflashModelLoader(io.ComfyNode):
                 ),
                 VflashLora.Input("lora", optional=True, tooltip="LoRA chain from Vflash LoRA Select; it is compiled into the weights and must match the profile's adapter."),
             ],
-            outputs=[VflashModel.Output("model")],
+            outputs=[VflashModel.Output("model", tooltip="The transformer engine (a spec; the engine loads on first use and after an unload).")],
         )
+
+    @classmethod
+    def validate_inputs(cls, model, profile, weight_residency, device, peer_device, strategy, attention_backend):
+        """Runs when the graph is queued: refuses what cannot run here before any node executes."""
+        return ops.validate_loader(HOST, FOLDERS, model=model, profile=profile, weight_residency=weight_residency, device=device,
+                                   peer_device=peer_device, strategy=strategy, attention_backend=attention_backend)
 
     @classmethod
     def fingerprint_inputs(cls, model, **kwargs):
@@ -77,8 +88,9 @@ class VflashLoraSelect(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="VflashLoraSelect",
-            display_name="Vflash LoRA Select",
+            display_name="Vflash MiniMax-H3 LoRA Select",
             category="Vflash/loaders",
+            search_aliases=aliases("lora", "turbo lora"),
             description="Adds one LoRA file to a chain for the Vflash Model Loader.",
             inputs=[
                 io.Combo.Input("lora", options=ops.lora_options(FOLDERS), tooltip="A LoRA in models/loras (diffusers/peft, original, kohya, musubi or DiffSynth naming)."),
@@ -89,7 +101,7 @@ class VflashLoraSelect(io.ComfyNode):
                 ),
                 VflashLora.Input("prev", optional=True, tooltip="Earlier LoRAs of the chain."),
             ],
-            outputs=[VflashLora.Output("lora")],
+            outputs=[VflashLora.Output("lora", tooltip="The chain so far; connect it to the model loader or to the next LoRA Select.")],
         )
 
     @classmethod
@@ -106,15 +118,24 @@ class VflashTextEncoderLoader(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="VflashTextEncoderLoader",
-            display_name="Vflash Text Encoder Loader",
+            display_name="Vflash MiniMax-H3 Text Encoder Loader",
             category="Vflash/loaders",
-            description="Loads H3's Qwen3-VL conditioner (text encoder, tokenizer and processor of a model folder).",
+            search_aliases=aliases("qwen3-vl", "text encoder", "clip"),
+            description=(
+                "Loads MiniMax-H3's Qwen3-VL conditioner (text encoder, tokenizer and processor of a diffusers model "
+                "folder), bitwise the diffusers conditioning. For the single file in text_encoders/ use core CLIPLoader "
+                "(type minimax) instead: Vflash Encode takes its CLIP."
+            ),
             inputs=[
                 io.Combo.Input("encoder", options=ops.text_encoder_options(FOLDERS), tooltip="A model folder with text_encoder/, tokenizer/ and processor/ (official layout), or 'embedded-demo'."),
-                io.Combo.Input("device", options=DEVICES, default="auto", tooltip=DEVICE_TOOLTIP),
+                io.Combo.Input("device", options=devices(), default="auto", tooltip=DEVICE_TOOLTIP),
             ],
-            outputs=[VflashTextEncoder.Output("te")],
+            outputs=[VflashTextEncoder.Output("te", tooltip="The text encoder (a spec; it loads on first use).")],
         )
+
+    @classmethod
+    def validate_inputs(cls, device):
+        return ops.validate_device(HOST, device)
 
     @classmethod
     def fingerprint_inputs(cls, encoder, device):
@@ -130,15 +151,23 @@ class VflashVAELoader(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="VflashVAELoader",
-            display_name="Vflash VAE Loader (video + audio)",
+            display_name="Vflash MiniMax-H3 VAE Loader (video + audio)",
             category="Vflash/loaders",
-            description="Loads H3's video VAE and audio VAE (32 kHz stereo) of a model folder as one pair.",
+            search_aliases=aliases("vae", "audio vae"),
+            description=(
+                "Loads MiniMax-H3's video VAE and audio VAE (32 kHz stereo) of a diffusers model folder as one pair. For "
+                "the files in vae/ use two core VAELoaders instead: Vflash Encode / Decode take them (vae + audio_vae)."
+            ),
             inputs=[
                 io.Combo.Input("vae", options=ops.vae_options(FOLDERS), tooltip="A model folder with vae/ and audio_vae/ (official layout), or 'embedded-demo'."),
-                io.Combo.Input("device", options=DEVICES, default="auto", tooltip=DEVICE_TOOLTIP),
+                io.Combo.Input("device", options=devices(), default="auto", tooltip=DEVICE_TOOLTIP),
             ],
-            outputs=[VflashVAE.Output("vae")],
+            outputs=[VflashVAE.Output("vae", tooltip="The video + audio VAE pair (a spec; it loads on first use).")],
         )
+
+    @classmethod
+    def validate_inputs(cls, device):
+        return ops.validate_device(HOST, device)
 
     @classmethod
     def fingerprint_inputs(cls, vae, device):

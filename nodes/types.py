@@ -1,6 +1,9 @@
-"""Custom socket types of the Vflash pack (handles that only Vflash nodes produce and consume)."""
+"""Custom socket types of the Vflash pack (handles that only Vflash nodes produce and consume), the sockets that
+also take core's types, and the words every Vflash node is found by."""
 
 from comfy_api.latest import io
+
+from vflash_core import node_ops as ops
 
 VflashModel = io.Custom("VFLASH_MODEL")  # DiT engine spec: weights, profile, devices, residency, attention, LoRAs
 VflashTextEncoder = io.Custom("VFLASH_TE")  # Qwen3-VL text/vision conditioner spec
@@ -8,8 +11,50 @@ VflashVAE = io.Custom("VFLASH_VAE")  # video + audio VAE pair spec
 VflashCond = io.Custom("VFLASH_COND")  # encoded prompt, keyframes / references and the geometry they were encoded for
 VflashLora = io.Custom("VFLASH_LORA")  # chain of (LoRA file, strength)
 
-DEVICES = ["auto", "cpu", *(f"cuda:{i}" for i in range(8))]
+# Node search: every Vflash node is found by these words (display names also say "MiniMax-H3").
+SEARCH_ALIASES = ["minimax", "minimax h3", "h3", "video audio", "video + audio", "soundtrack", "vflash"]
+
+
+def aliases(*extra: str) -> list[str]:
+    return [*SEARCH_ALIASES, *extra]
+
+
+def devices() -> list[str]:
+    """The device options: auto, cpu, the CUDA devices present here, then the others (kept for saved workflows)."""
+    return ops.ordered_devices()
+
+
+def peer_devices() -> list[str]:
+    return ["none", *(d for d in devices() if d.startswith("cuda:"))]
+
+
 DEVICE_TOOLTIP = (
     "'auto' = ComfyUI's compute device, read when the node runs (get_torch_device(); --cpu gives cpu); a model compiled "
-    "for a CPU profile (embedded-demo) runs on the CPU. A cuda:N that does not exist here is an error, never a fallback."
+    "for a CPU profile (embedded-demo) runs on the CPU. The devices present on this machine are listed first; a cuda:N "
+    "that does not exist here is refused when the graph is queued, never a fallback."
 )
+
+TE_TOOLTIP = (
+    "The text encoder: Vflash Text Encoder Loader's (diffusers Qwen3-VL folder, bitwise the diffusers conditioning) or "
+    "core CLIP from CLIPLoader with type 'minimax' (the Qwen3-VL file in text_encoders/, any format core reads; "
+    "ComfyUI manages its memory; not bitwise the diffusers conditioning)."
+)
+VAE_TOOLTIP = (
+    "The VAEs: Vflash VAE Loader's video + audio pair, or core VAE from VAELoader with MiniMax-H3's video VAE file "
+    "(vae/); then connect the audio VAE file's VAELoader to audio_vae."
+)
+AUDIO_VAE_TOOLTIP = (
+    "Core VAE from VAELoader with MiniMax-H3's audio VAE file (vae/), beside a core video VAE in vae. Needed to decode "
+    "and for reference soundtracks; leave empty with the Vflash VAE Loader."
+)
+
+
+def te_input(optional: bool = False):
+    return io.MultiType.Input("te", types=[VflashTextEncoder, io.Clip], optional=optional, tooltip=TE_TOOLTIP)
+
+
+def vae_inputs():
+    return [
+        io.MultiType.Input("vae", types=[VflashVAE, io.Vae], tooltip=VAE_TOOLTIP),
+        io.Vae.Input("audio_vae", optional=True, tooltip=AUDIO_VAE_TOOLTIP),
+    ]

@@ -16,6 +16,7 @@ spec; operations `acquire` the engine from the registry, which loads it on first
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -229,8 +230,9 @@ class Conditioning:
     mode: str
     geometry: Geometry
     payload: Any
-    te: ComponentSpec
-    vae: ComponentSpec
+    te: Any  # ComponentSpec, or core's CLIP
+    vae: Any  # ComponentSpec, or core's video VAE
+    notes: tuple[str, ...] = ()  # how this conditioning differs from the diffusers pipeline's (core encoders)
 
     @property
     def geometry_bound(self) -> bool:
@@ -484,42 +486,136 @@ def select_lora(folders: Folders, lora: str, strength: float, prev: tuple[LoraRe
     return (*(prev or ()), LoraRef(str(path), float(strength), path_identity(path)))
 
 
-def _profile_arch(model: str, path: str, profile: str) -> str | None:
-    """The architecture the option's profile is compiled for ("cpu", "sm90", ...), read from manifests only."""
+def recorded_profile(model: str, path: str, profile: str):
+    """The profile an option runs: the explicit one, or the one recorded in its manifests ("auto"); None for
+    official weights with "auto" (they need an explicit profile). Reads manifests only."""
     from .profiles import get_profile
 
     if profile != "auto":
-        return get_profile(profile).arch
+        return get_profile(profile)
     if model == DEMO:
         from .demo import DEMO_PROFILE
 
-        return get_profile(DEMO_PROFILE).arch
+        return get_profile(DEMO_PROFILE)
     if model.endswith(".json"):
         from .pipeline import PreparedAssets
 
-        return PreparedAssets.load(path).profile.arch
+        return PreparedAssets.load(path).profile
     if model.startswith("vflash/"):
         from .artifact import CompiledArtifact
 
         p = Path(path)
-        return get_profile(CompiledArtifact(p / "artifact", p / "schedule", p / "auxiliary.safetensors").profile_id).arch
+        return get_profile(CompiledArtifact(p / "artifact", p / "schedule", p / "auxiliary.safetensors").profile_id)
     return None
 
 
-def model_spec(host: Host, folders: Folders, model: str, profile: str, weight_residency: str, device: str, peer_device: str,
-               strategy: str, attention_backend: str, lora: tuple[LoraRef, ...] | None = None) -> ModelSpec:
-    """Validate the loader's widgets into a spec (cheap; loads nothing)."""
-    if weight_residency not in RESIDENCIES:
-        raise VflashError(f"weight_residency must be one of {', '.join(RESIDENCIES)}, got {weight_residency!r}")
-    if strategy not in STRATEGIES:
-        raise VflashError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+def _profile_arch(model: str, path: str, profile: str) -> str | None:
+    """The architecture the option's profile is compiled for ("cpu", "sm90", ...), read from manifests only."""
+    found = recorded_profile(model, path, profile)
+    return None if found is None else found.arch
+
+
+_ARCH_NAMES = {"cpu": "the CPU", "sm86": "sm86 GPUs (RTX 30xx / A-series)", "sm89": "sm89 GPUs (RTX 40xx / L4 / L40)", "sm90": "sm90 GPUs (H100 / H200)"}
+
+
+def check_profile_device(profile: Any, device: str, what: str = "device") -> None:
+    """Refuse a resolved device whose architecture is not the one the profile's tables were computed on."""
+    from .compiler import device_arch
+
+    arch = device_arch(device)
+    if arch != profile.arch:
+        runnable = [p for p in ordered_profiles() if p != "auto" and p.endswith(f"-{arch}")]
+        hint = f"; profiles for {arch} here: {', '.join(runnable[:4])}{' ...' if len(runnable) > 4 else ''}" if runnable else ""
+        raise VflashError(
+            f"profile {profile.id} runs on {_ARCH_NAMES.get(profile.arch, profile.arch)}; the {what} {device} is {arch}{hint}"
+        )
+
+
+def machine_archs() -> list[str]:
+    """Architectures this machine can run: each visible CUDA device's (in device order), then the CPU's."""
+    archs = []
+    if torch.cuda.is_available():
+        for index in range(torch.cuda.device_count()):
+            major, minor = torch.cuda.get_device_capability(index)
+            if f"sm{major}{minor}" not in archs:
+                archs.append(f"sm{major}{minor}")
+    return [*archs, "cpu"]
+
+
+def ordered_profiles() -> list[str]:
+    """'auto', then the profiles this machine can run (its GPUs' architectures first, then CPU ones), then the rest
+    (still selectable, so saved workflows keep their value)."""
+    from .profiles import PROFILES
+
+    here = machine_archs()
+    runnable = sorted((p for p in PROFILES.values() if p.arch in here), key=lambda p: (here.index(p.arch), p.id))
+    return ["auto", *(p.id for p in runnable), *sorted(set(PROFILES) - {p.id for p in runnable})]
+
+
+MAX_CUDA_DEVICES = 8
+
+
+def ordered_devices() -> list[str]:
+    """'auto', 'cpu', the CUDA devices that exist here, then the other cuda:N (kept for saved workflows)."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    present = [f"cuda:{i}" for i in range(count)]
+    return ["auto", "cpu", *present, *(f"cuda:{i}" for i in range(max(count, MAX_CUDA_DEVICES)) if f"cuda:{i}" not in present)]
+
+
+def check_loader(host: Host, folders: Folders, model: str, profile: str, weight_residency: str, device: str,
+                 peer_device: str, strategy: str, attention_backend: str) -> tuple[str, str, str | None]:
+    """Every check of the model loader that needs no model work: option values, the model option, the profile,
+    the devices' existence and architecture vs the profile. Returns (resolved path, device, peer device)."""
+    from .attention import BACKENDS
+    from .profiles import PROFILES
+
+    for name, value, allowed in (("weight_residency", weight_residency, RESIDENCIES), ("strategy", strategy, STRATEGIES),
+                                 ("attention_backend", attention_backend, tuple(BACKENDS))):
+        if value not in allowed:
+            raise VflashError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+    if profile != "auto" and profile not in PROFILES:
+        raise VflashError(f"unknown profile {profile!r}; known profiles: {', '.join(sorted(PROFILES))}")
     path = "" if model == DEMO else str(resolve(folders, model))
-    if device == "auto" and _profile_arch(model, path, profile) == "cpu":
+    chosen = recorded_profile(model, path, profile)
+    if chosen is None and model.startswith(("diffusers/", "diffusion_models/")):
+        raise VflashError(f"{model} holds official weights; choose the profile to compile them for (e.g. {ordered_profiles()[1]})")
+    if device == "auto" and chosen is not None and chosen.arch == "cpu":
         device = "cpu"  # a CPU-compiled profile (the embedded demo's) runs on the CPU whatever the host's device
     resolved = resolve_device(host, device)
     peer = None if peer_device in (None, "", "none") else resolve_device(host, peer_device)
     if peer is not None and peer == resolved:
         raise VflashError(f"peer_device {peer} is the loader's device; choose another GPU or 'none'")
+    if chosen is not None:
+        check_profile_device(chosen, resolved)
+        if peer is not None:
+            check_profile_device(chosen, peer, "peer device")
+    return path, resolved, peer
+
+
+def validate_device(host: Host, device: str) -> bool | str:
+    """`validate_inputs` of a device widget: True, or why the device cannot be used here."""
+    if device not in ordered_devices():
+        return f"device must be one of {', '.join(ordered_devices())}, got {device!r}"
+    try:
+        resolve_device(host, device)
+    except VflashError as exc:
+        return str(exc)
+    return True
+
+
+def validate_loader(host: Host, folders: Folders, **widgets: Any) -> bool | str:
+    """`validate_inputs` of the model loader: True, or the refusal as text (shown by ComfyUI before anything runs)."""
+    try:
+        check_loader(host, folders, **widgets)
+    except VflashError as exc:
+        return str(exc)
+    return True
+
+
+def model_spec(host: Host, folders: Folders, model: str, profile: str, weight_residency: str, device: str, peer_device: str,
+               strategy: str, attention_backend: str, lora: tuple[LoraRef, ...] | None = None) -> ModelSpec:
+    """Validate the loader's widgets into a spec (cheap; loads nothing, writes nothing)."""
+    path, resolved, peer = check_loader(host, folders, model, profile, weight_residency, device, peer_device, strategy, attention_backend)
     loras = tuple(lora or ())
     compile_dir = ""
     if model.startswith(("diffusers/", "diffusion_models/")) and profile != "auto":
@@ -588,6 +684,179 @@ def load_vae(registry: EngineRegistry, host: Host, folders: Folders, vae: str, d
     return spec
 
 
+# -- ComfyUI core's own text encoder and VAEs ---------------------------------------------------------------------
+
+# What Vflash measured of core's text conditioning (ComfyUI 0.33.0 `comfy/text_encoders/minimax.py` on the same
+# Qwen3-VL weights as the diffusers conditioner): the README's ComfyUI section has the numbers and the test.
+CORE_TEXT_NOTE = (
+    "text conditioning from ComfyUI core's CLIP (its own Qwen3-VL code): the same presentation (labels, vision "
+    "blocks, row tags) as diffusers' hidden_states[50], but not bitwise equal to it (core's attention, rotary and "
+    "image preprocessing round differently), so results are not bitwise those of the diffusers pipeline"
+)
+CORE_VAE_NOTE = (
+    "keyframe / reference latents from ComfyUI core's VAE (its own H3 VAE code, posterior mean); the diffusers "
+    "pipeline samples the posterior with seed 42, so conditioning latents differ from it"
+)
+
+
+def is_core_clip(value: Any) -> bool:
+    """A ComfyUI core CLIP (what CLIPLoader returns): tokenises and encodes to CONDITIONING."""
+    return not isinstance(value, ComponentSpec) and callable(getattr(value, "tokenize", None)) and callable(getattr(value, "encode_from_tokens_scheduled", None))
+
+
+def is_core_vae(value: Any) -> bool:
+    """A ComfyUI core VAE (what VAELoader returns)."""
+    return not isinstance(value, ComponentSpec) and callable(getattr(value, "decode", None)) and callable(getattr(value, "encode", None))
+
+
+def _pil_to_image(picture) -> torch.Tensor:
+    """PIL RGB -> core IMAGE (1, H, W, 3) fp32 0..1."""
+    import numpy as np
+
+    return torch.from_numpy(np.asarray(picture.convert("RGB"), dtype=np.float32) / 255.0)[None]
+
+
+class CoreTextConditioner:
+    """Vflash's text-conditioner interface over core's CLIP loaded with `CLIPLoader(type="minimax")`.
+
+    The presentation is core's `MiniMaxH3Tokenizer` (labels and vision blocks in Vflash's order: keyframes as
+    `images`, references as `minimax_ref_items`); the conditioning is core's CONDITIONING tensor and its
+    `minimax_token_tags`. ComfyUI owns the model's memory (core loads and offloads it as for its own nodes).
+    """
+
+    def __init__(self, clip: Any, canvas: Any = None):
+        from .references import CanvasRules
+
+        self.clip = clip
+        self.canvas = canvas or CanvasRules()
+
+    def _ref_items(self, references: list) -> list[dict[str, Any]]:
+        import numpy as np
+
+        from .conditioning import sample_video_frames
+
+        items: list[dict[str, Any]] = []
+        for ref in references:
+            if ref.has_audio:
+                items.append({"type": "audio"})
+            if ref.kind == "image":
+                items.append({"type": "image", "data": _pil_to_image(ref.image)})
+            elif ref.kind == "video":
+                frames, _ = sample_video_frames(np.asarray(ref.frames), 2)
+                items.append({"type": "video", "data": torch.from_numpy(np.stack(frames).astype(np.float32) / 255.0)})
+        return items
+
+    def encode(self, prompt: str, keyframes: list | None = None, references: list | None = None):
+        from .conditioning import TextConditioning
+
+        if references:
+            tokens = self.clip.tokenize(prompt, minimax_ref_items=self._ref_items(references))
+        else:
+            tokens = self.clip.tokenize(prompt, images=[_pil_to_image(k) for k in keyframes or []])
+        conditioning = self.clip.encode_from_tokens_scheduled(tokens)
+        if not conditioning:
+            raise VflashError("core CLIP returned no conditioning")
+        embeds, extra = conditioning[0][0], conditioning[0][1]
+        tags = extra.get("minimax_token_tags") if isinstance(extra, dict) else None
+        if tags is None or embeds.ndim != 3 or embeds.shape[0] != 1:
+            raise RequestError(
+                "this CLIP is not MiniMax-H3's text encoder: load the Qwen3-VL file from text_encoders/ with core "
+                "CLIPLoader, type 'minimax' (its conditioning carries minimax_token_tags)"
+            )
+        tags = tags.reshape(-1).long().cpu()
+        if tags.shape[0] != embeds.shape[1]:
+            raise VflashError(f"core CLIP returned {embeds.shape[1]} conditioning rows and {tags.shape[0]} token tags")
+        return TextConditioning(embeds[0].detach().cpu(), tags, [])
+
+    def close(self) -> None:
+        """Nothing to release: ComfyUI owns the model."""
+
+
+class CoreVAEs:
+    """Vflash's VAE-pair interface (`MediaVAEs`) over core's H3 video VAE and, optionally, its audio VAE.
+
+    Core's VAEs take and return the normalised latents the transformer works on (the same as Vflash's), pixels in
+    0..1, and manage their own device memory; the audio VAE is needed to decode and for soundtracks.
+    """
+
+    def __init__(self, video_vae: Any, audio_vae: Any = None):
+        if getattr(video_vae, "latent_dim", 3) != 3:
+            raise RequestError("the vae input takes MiniMax-H3's video VAE (VAELoader of the video VAE file); connect the audio VAE to audio_vae")
+        if audio_vae is not None and getattr(audio_vae, "latent_dim", 2) != 2:
+            raise RequestError("the audio_vae input takes MiniMax-H3's audio VAE (VAELoader of the audio VAE file)")
+        self.video_vae = video_vae
+        self.audio_vae = audio_vae
+
+    def _audio(self) -> Any:
+        if self.audio_vae is None:
+            raise RequestError("a core video VAE is connected without its audio VAE: connect MiniMax-H3's audio VAE (VAELoader) to audio_vae")
+        return self.audio_vae
+
+    @property
+    def latent_channels(self) -> int:
+        """The video latent's channels: the model's own (its post-quant conv), else what core records (24)."""
+        conv = getattr(getattr(self.video_vae, "first_stage_model", None), "post_quant_conv", None)
+        return int(getattr(conv, "in_channels", None) or getattr(self.video_vae, "latent_channels", 24))
+
+    @property
+    def audio_latent_channels(self) -> int:
+        mean = getattr(getattr(self.audio_vae, "first_stage_model", None), "latents_mean", None)
+        if mean is not None:
+            return int(mean.shape[0])
+        return int(getattr(self.audio_vae, "latent_channels", 32)) if self.audio_vae is not None else 32
+
+    @property
+    def sample_rate(self) -> int:
+        """The audio VAE's rate (H3's 32 kHz when no audio VAE is connected: references are resampled to it)."""
+        return int(getattr(self.audio_vae, "audio_sample_rate", 32000)) if self.audio_vae is not None else 32000
+
+    @contextlib.contextmanager
+    def on_device(self):
+        yield self
+
+    def close(self) -> None:
+        """Nothing to release: ComfyUI owns the models."""
+
+    def encode_pixels(self, frames) -> torch.Tensor:
+        """(F, H, W, 3) uint8 -> (1, C, f, H/16, W/16) fp32 normalised, CPU."""
+        pixels = torch.from_numpy(frames.astype("float32") / 255.0) if not isinstance(frames, torch.Tensor) else frames.float() / 255.0
+        return self.video_vae.encode(pixels).float().cpu()
+
+    def encode_soundtrack(self, waveform: torch.Tensor) -> torch.Tensor:
+        """(2, S) at the VAE's rate -> (2 A, C) normalised channel-major rows, CPU."""
+        latents = self._audio().encode(waveform.float()[None].movedim(1, -1)).float().cpu()  # (1, C, 2, A)
+        return latents[0].permute(1, 2, 0).reshape(-1, latents.shape[1])
+
+    def decode_video(self, video_latents: torch.Tensor) -> torch.Tensor:
+        """(1, C, F, h, w) normalised -> (F', 16 h, 16 w, 3) fp32 in [0, 1], CPU."""
+        images = self.video_vae.decode(video_latents)
+        return images.reshape(-1, *images.shape[-3:]).float().clamp(0, 1).cpu()
+
+    def decode_audio(self, audio_latents: torch.Tensor) -> torch.Tensor:
+        """(2, C, A) normalised -> (2, A * hop) fp32 waveform, CPU (core's decode, without VAEDecodeAudio's loudness
+        normalisation)."""
+        waveform = self._audio().decode(cl.audio_to_comfy(audio_latents))  # (1, T, 2)
+        return waveform[0].movedim(-1, 0).float().cpu()
+
+
+def _text_conditioner(registry: "EngineRegistry", host: Host, te: Any):
+    if isinstance(te, ComponentSpec):
+        return _load_component(registry, host, te)
+    if is_core_clip(te):
+        return CoreTextConditioner(te)
+    raise RequestError(f"te takes a Vflash text encoder (VflashTextEncoderLoader) or core CLIP (CLIPLoader, type minimax), got {type(te).__name__}")
+
+
+def _vae_pair(registry: "EngineRegistry", host: Host, vae: Any, audio_vae: Any = None):
+    if isinstance(vae, ComponentSpec):
+        if audio_vae is not None:
+            raise RequestError("audio_vae goes with a core video VAE; a Vflash VAE loader already holds both VAEs")
+        return _load_component(registry, host, vae)
+    if is_core_vae(vae):
+        return CoreVAEs(vae, audio_vae)
+    raise RequestError(f"vae takes a Vflash VAE pair (VflashVAELoader) or core's H3 video VAE (VAELoader), got {type(vae).__name__}")
+
+
 # -- node operations: encode, sample, decode ---------------------------------------------------------------------
 
 
@@ -631,14 +900,18 @@ def _check_labels(prompt: str, mode: str, pictures: int, videos: int, audios: in
             raise RequestError(f"prompt label <{word} {number}> is not bound to an input: this {mode} request provides {pictures} picture(s), {videos} video(s) and {audios} audio clip(s)")
 
 
-def encode(registry: EngineRegistry, host: Host, te: ComponentSpec, vae: ComponentSpec, prompt: str, width: int, height: int,
+def encode(registry: EngineRegistry, host: Host, te: Any, vae: Any, prompt: str, width: int, height: int,
            length: int, seconds: float, first_frame: torch.Tensor | None = None, last_frame: torch.Tensor | None = None,
            ref_images: Mapping[str, Any] | None = None, ref_videos: Mapping[str, Any] | None = None,
            ref_audios: Mapping[str, Any] | None = None, force_offload: bool = True,
-           ref_video_audios: Mapping[str, Any] | None = None) -> tuple[Conditioning, dict[str, Any], int]:
+           ref_video_audios: Mapping[str, Any] | None = None, audio_vae: Any = None) -> tuple[Conditioning, dict[str, Any], int]:
     """VflashEncode: the same media normalisation and encoders as `pipeline.build_request_bundle`, without the noise
     (the sampler draws it from its seed, so one encoding serves every seed). `ref_video_audios` holds the soundtracks
-    of reference clips: `ref_video_audio_k` belongs to `ref_video_k` (a video file's own soundtrack in the pipeline)."""
+    of reference clips: `ref_video_audio_k` belongs to `ref_video_k` (a video file's own soundtrack in the pipeline).
+
+    `te` is a Vflash text encoder spec or core's CLIP (`CLIPLoader(type="minimax")`); `vae` a Vflash VAE pair spec
+    or core's H3 video VAE, with core's audio VAE in `audio_vae` (needed for soundtracks). With core's encoders the
+    conditioning records how it differs from the diffusers pipeline's in `notes`."""
     from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3AudioReference, MiniMaxH3ImageReference, MiniMaxH3VideoReference
 
     from .pipeline import encode_conditions
@@ -664,8 +937,10 @@ def encode(registry: EngineRegistry, host: Host, te: ComponentSpec, vae: Compone
 
     steps = 2 + bool(keyframe_inputs or mode == "ref2va")
     bar = _Progress(host, steps)
-    conditioner = _load_component(registry, host, te)
-    vaes = _load_component(registry, host, vae)
+    conditioner = _text_conditioner(registry, host, te)
+    vaes = _vae_pair(registry, host, vae, audio_vae)
+    notes = tuple(note for core, note in ((isinstance(conditioner, CoreTextConditioner), CORE_TEXT_NOTE),
+                                          (isinstance(vaes, CoreVAEs) and bool(keyframe_inputs or mode == "ref2va"), CORE_VAE_NOTE)) if core)
     keyframes, references = [], []
     if mode == "ref2va":
         raw = [MiniMaxH3ImageReference(image=_to_pil(img, f"reference image {i + 1}")) for i, img in enumerate(images)]
@@ -680,7 +955,7 @@ def encode(registry: EngineRegistry, host: Host, te: ComponentSpec, vae: Compone
         keyframes = fit_keyframes([_to_pil(f, f"{a} frame") for a, f in keyframe_inputs], geometry.height, geometry.width)
     bar(1, steps)
     text = conditioner.encode(prompt, keyframes, references)
-    if force_offload:
+    if force_offload and isinstance(te, ComponentSpec):
         registry.release("te")
     bar(2, steps)
     conditions, encoded = encode_conditions(vaes, keyframes, references)
@@ -688,7 +963,9 @@ def encode(registry: EngineRegistry, host: Host, te: ComponentSpec, vae: Compone
         bar(3, steps)
     payload = EncodedConditions(text.prompt_embeds, text.token_tags, tuple(conditions), tuple(a for a, _ in keyframe_inputs), tuple(encoded))
     latents = cl.empty_latents(geometry, vaes.latent_channels, vaes.audio_latent_channels)
-    cond = Conditioning(mode, geometry, payload, te, vae)
+    cond = Conditioning(mode, geometry, payload, te, vae, notes)
+    for note in notes:
+        host.log(f"Vflash encode: {note}")
     return cond, cl.to_comfy_latent(latents.video, latents.audio, host.nested), geometry.num_frames
 
 
@@ -719,6 +996,11 @@ def sample(registry: EngineRegistry, host: Host, model: ModelSpec, cond: Conditi
             f"the {cond.mode} conditioning was encoded for {cond.geometry.width}x{cond.geometry.height}, {cond.geometry.num_frames} frames; "
             f"the latent is {geometry.width}x{geometry.height}, {geometry.num_frames} frames (use VflashEncode's latent or match them)"
         )
+    # Profile vs request before the transformer is touched (loading or compiling it is model work).
+    profile = recorded_profile(model.source, model.path, model.profile)
+    if profile is not None:
+        profile.check_mode(cond.mode)
+        profile.check_duration(geometry.num_frames / FPS)
     host.free_memory()
     session = _load_session(registry, host, model)
     handoff = request_bundle(cond, geometry, seed, session.compiled.config)
@@ -754,19 +1036,27 @@ def sample(registry: EngineRegistry, host: Host, model: ModelSpec, cond: Conditi
         f"{session.profile.id} ({session.profile.nfe} evaluations) in {time.perf_counter() - start:.2f} s"
     )
     host.log(_memory_line(result.metadata))
+    for note in cond.notes:
+        host.log(f"Vflash sampled with {note}")
     if profile_denoise and result.denoise_profile is not None:
         import json
 
         host.log("Vflash denoise profile: " + json.dumps(result.denoise_profile, default=str))
     if force_offload:
         registry.release("dit")
-    return cl.to_comfy_latent(result.video_latents, result.audio_latents, host.nested)
+    out = cl.to_comfy_latent(result.video_latents, result.audio_latents, host.nested)
+    if cond.notes:
+        out["vflash_notes"] = list(cond.notes)  # result metadata: how this differs from the diffusers pipeline
+    return out
 
 
-def decode(registry: EngineRegistry, host: Host, vae: ComponentSpec, latent: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any], Any]:
-    """VflashDecode: frames (IMAGE batch), stereo AUDIO trimmed to the video's length, and a VIDEO at 24 fps."""
+def decode(registry: EngineRegistry, host: Host, vae: Any, latent: dict[str, Any], audio_vae: Any = None) -> tuple[torch.Tensor, dict[str, Any], Any]:
+    """VflashDecode: frames (IMAGE batch), stereo AUDIO trimmed to the video's length, and a VIDEO at 24 fps.
+    `vae` is a Vflash VAE pair spec, or core's H3 video VAE with core's audio VAE in `audio_vae`."""
     av = cl.from_comfy_latent(latent)
-    vaes = _load_component(registry, host, vae)
+    vaes = _vae_pair(registry, host, vae, audio_vae)
+    if isinstance(vaes, CoreVAEs):
+        vaes._audio()  # refuse a missing audio VAE before decoding anything
     if av.video.shape[1] != vaes.latent_channels or av.audio.shape[1] != vaes.audio_latent_channels:
         raise RequestError(
             f"the latent has {av.video.shape[1]} video / {av.audio.shape[1]} audio channels; these VAEs take "
@@ -785,13 +1075,13 @@ def decode(registry: EngineRegistry, host: Host, vae: ComponentSpec, latent: dic
     return images, audio, host.make_video(images, audio, float(FPS))
 
 
-def generate(registry: EngineRegistry, host: Host, model: ModelSpec, te: ComponentSpec, vae: ComponentSpec, prompt: str,
+def generate(registry: EngineRegistry, host: Host, model: ModelSpec, te: Any, vae: Any, prompt: str,
              width: int, height: int, length: int, seconds: float, seed: int, first_frame: torch.Tensor | None = None,
-             last_frame: torch.Tensor | None = None, force_offload: bool = False) -> tuple[Any, torch.Tensor, dict[str, Any]]:
-    """VflashGenerate: encode, sample, decode in one node."""
-    cond, latent, _ = encode(registry, host, te, vae, prompt, width, height, length, seconds, first_frame, last_frame, force_offload=True)
+             last_frame: torch.Tensor | None = None, force_offload: bool = False, audio_vae: Any = None) -> tuple[Any, torch.Tensor, dict[str, Any]]:
+    """VflashGenerate: encode, sample, decode in one node (Vflash or core text encoder / VAEs, as `encode`)."""
+    cond, latent, _ = encode(registry, host, te, vae, prompt, width, height, length, seconds, first_frame, last_frame, force_offload=True, audio_vae=audio_vae)
     latent = sample(registry, host, model, cond, latent, seed, force_offload)
-    images, audio, video = decode(registry, host, vae, latent)
+    images, audio, video = decode(registry, host, vae, latent, audio_vae)
     return video, images, audio
 
 

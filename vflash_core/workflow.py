@@ -433,6 +433,10 @@ _REFS = {
     **{f"ref_video_audios.ref_video_audio_{i}": "AUDIO" for i in range(3)},
     **{f"ref_audios.ref_audio_{i}": "AUDIO" for i in range(3)},
 }
+# Sockets that take a Vflash handle or core's own object (ComfyUI's comma-joined multi-type form).
+_TE = "VFLASH_TE,CLIP"
+_VAE = "VFLASH_VAE,VAE"
+
 VFLASH_SIGNATURES: dict[str, tuple[dict[str, str], frozenset[str], tuple[str, ...], bool]] = {
     # class_type: (inputs, optional inputs, outputs, output node)
     "VflashModelLoader": (
@@ -443,17 +447,17 @@ VFLASH_SIGNATURES: dict[str, tuple[dict[str, str], frozenset[str], tuple[str, ..
     "VflashTextEncoderLoader": ({"encoder": "COMBO", "device": "COMBO"}, frozenset(), ("VFLASH_TE",), False),
     "VflashVAELoader": ({"vae": "COMBO", "device": "COMBO"}, frozenset(), ("VFLASH_VAE",), False),
     "VflashEncode": (
-        {"te": "VFLASH_TE", "vae": "VFLASH_VAE", "prompt": "STRING", **_GEOMETRY, "first_frame": "IMAGE", "last_frame": "IMAGE", **_REFS, "force_offload": "BOOLEAN"},
-        frozenset({"first_frame", "last_frame", *_REFS}), ("VFLASH_COND", "LATENT", "INT"), False,
+        {"te": _TE, "vae": _VAE, "audio_vae": "VAE", "prompt": "STRING", **_GEOMETRY, "first_frame": "IMAGE", "last_frame": "IMAGE", **_REFS, "force_offload": "BOOLEAN"},
+        frozenset({"audio_vae", "first_frame", "last_frame", *_REFS}), ("VFLASH_COND", "LATENT", "INT"), False,
     ),
     "VflashSampler": (
         {"model": "VFLASH_MODEL", "cond": "VFLASH_COND", "latent": "LATENT", "seed": "INT", "force_offload": "BOOLEAN", "profile_denoise": "BOOLEAN"},
         frozenset(), ("LATENT",), False,
     ),
-    "VflashDecode": ({"vae": "VFLASH_VAE", "latent": "LATENT"}, frozenset(), ("IMAGE", "AUDIO", "VIDEO"), False),
+    "VflashDecode": ({"vae": _VAE, "audio_vae": "VAE", "latent": "LATENT"}, frozenset({"audio_vae"}), ("IMAGE", "AUDIO", "VIDEO"), False),
     "VflashGenerate": (
-        {"model": "VFLASH_MODEL", "te": "VFLASH_TE", "vae": "VFLASH_VAE", "prompt": "STRING", **_GEOMETRY, "seed": "INT", "first_frame": "IMAGE", "last_frame": "IMAGE", "force_offload": "BOOLEAN"},
-        frozenset({"first_frame", "last_frame"}), ("VIDEO", "IMAGE", "AUDIO"), False,
+        {"model": "VFLASH_MODEL", "te": _TE, "vae": _VAE, "audio_vae": "VAE", "prompt": "STRING", **_GEOMETRY, "seed": "INT", "first_frame": "IMAGE", "last_frame": "IMAGE", "force_offload": "BOOLEAN"},
+        frozenset({"audio_vae", "first_frame", "last_frame"}), ("VIDEO", "IMAGE", "AUDIO"), False,
     ),
     "VflashUnload": ({"anything": "*", "what": "COMBO"}, frozenset(), ("*",), True),
 }

@@ -258,6 +258,39 @@ Video = _plain("VIDEO")
 AnyType = _plain("*")
 
 
+class MultiType:
+    """An input that takes several types; `get_io_type()` is their comma-joined io types (as in core)."""
+
+    Type = Any
+
+    class Input(Input):
+        def __init__(self, id, types: list, display_name: str = None, optional=False, tooltip: str = None,
+                     lazy: bool = None, extra_dict=None, raw_link: bool = None, advanced: bool = None):
+            self.input_override = None
+            if isinstance(id, Input):
+                self.input_override = copy.copy(id)
+                optional = id.optional if id.optional is True else optional
+                tooltip = id.tooltip if id.tooltip is not None else tooltip
+                display_name = id.display_name if id.display_name is not None else display_name
+                id = id.id
+            super().__init__(id, display_name, optional, tooltip, lazy, extra_dict, raw_link, advanced)
+            self._io_types = types
+
+        def get_io_type(self) -> str:
+            names = [t.io_type for t in self._io_types]
+            if self.input_override is not None:
+                names.insert(0, self.input_override.get_io_type())
+            return ",".join(dict.fromkeys(names))
+
+        @property
+        def io_type(self) -> str:
+            return self.get_io_type()
+
+        def as_dict(self):
+            base = self.input_override.as_dict() if self.input_override is not None else {}
+            return base | super().as_dict()
+
+
 class DynamicInput(Input):
     def get_all(self) -> list[Input]:
         raise NotImplementedError

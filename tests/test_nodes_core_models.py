@@ -1,0 +1,251 @@
+"""The Vflash nodes with ComfyUI core's own loaders (over the test stand-ins): core CLIP (CLIPLoader type minimax)
+and core VAEs (VAELoader, video + audio) drive Vflash Encode / Sampler / Decode; refusals happen before any model
+work; option lists put what this machine runs first; every socket has a tooltip and every node is found by
+"MiniMax-H3".
+
+The stand-in CLIP and VAEs compute the family's own diffusers numerics (see `comfy_standins/core_nodes.py`), so these
+tests check the node side: the presentation handed to core, the layouts taken from and given back to core's objects,
+and that nothing is rounded on the way (bundles equal bitwise). Core's own numerics are measured against a real
+ComfyUI in `tests/test_comfyui_server.py`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from comfy_standins import harness
+from vflash_core import comfy_latent as cl
+from vflash_core import node_ops as ops
+from vflash_core.errors import RequestError, VflashError
+from vflash_core.workflow import apply_overrides, execute, load_api_workflow
+
+REPO = Path(__file__).resolve().parent.parent
+API = REPO / "workflows" / "api"
+
+
+@pytest.fixture(scope="module")
+def pack(tmp_path_factory):
+    with harness.installed(tmp_path_factory.mktemp("vflash-cache"), tmp_path_factory.mktemp("comfyui")) as loaded:
+        yield loaded
+
+
+@pytest.fixture(scope="module")
+def core_files(pack) -> dict[str, str]:
+    """The demo family's text encoder and VAEs named in text_encoders/ and vae/ for the stand-in core loaders."""
+    from vflash_core.pipeline import PreparedAssets
+
+    host = pack.module.nodes.host.HOST
+    root = PreparedAssets.load(ops._demo_receipt(host)).model_root
+    models = Path(importlib.import_module("folder_paths").models_dir)
+    names = {"text_encoder": "text_encoders/h3_demo_te.json", "video_vae": "vae/h3_demo_video_vae.json", "audio_vae": "vae/h3_demo_audio_vae.json"}
+    for part, rel in names.items():
+        (models / rel).parent.mkdir(parents=True, exist_ok=True)
+        (models / rel).write_text(json.dumps({"family_root": str(root), "part": part}))
+    return {part: rel.split("/", 1)[1] for part, rel in names.items()}
+
+
+def _core(pack, core_files):
+    clip = pack.core["CLIPLoader"].execute(clip_name=core_files["text_encoder"], type="minimax").args[0]
+    video = pack.core["VAELoader"].execute(vae_name=core_files["video_vae"]).args[0]
+    audio = pack.core["VAELoader"].execute(vae_name=core_files["audio_vae"]).args[0]
+    return clip, video, audio
+
+
+def _core_loaders_workflow(core_files) -> dict:
+    workflow = load_api_workflow(API / "t2va_core_loaders.json")
+    workflow["1"]["inputs"].update(model="embedded-demo", profile="auto")  # the demo transformer: text width of the demo family
+    workflow["2"]["inputs"]["clip_name"] = core_files["text_encoder"]
+    workflow["3"]["inputs"]["vae_name"] = core_files["video_vae"]
+    workflow["12"]["inputs"]["vae_name"] = core_files["audio_vae"]
+    return workflow
+
+
+# -- core loaders in a graph -------------------------------------------------------------------------------------
+
+
+def test_core_clip_and_vae_loaders_drive_the_sampler_to_mp4(pack, core_files):
+    from vflash_core.media import probe_mp4
+
+    workflow = apply_overrides(_core_loaders_workflow(core_files), ["4.width=128", "4.height=128", "7.filename_prefix=video/core_loaders"])
+    report = execute(workflow, pack.node_types(workflow))
+    out = Path(importlib.import_module("folder_paths").get_output_directory()) / "video"
+    info = probe_mp4(next(out.glob("core_loaders_*.mp4")))
+    assert (info["frames"], info["width"], info["height"]) == (124, 128, 128)
+    assert info["audio_codec"] == "aac" and info["channels"] == 2 and abs(info["audio_seconds"] - 124 / 24) < 0.05
+    # The result says how it differs from the diffusers pipeline: core's text encoder is not bitwise it.
+    latent = report.outputs["5"][0]
+    assert any("not bitwise" in note for note in latent["vflash_notes"])
+    cond = report.outputs["4"][0]
+    assert cond.notes == (ops.CORE_TEXT_NOTE,)  # t2va: no VAE-encoded conditions, so no VAE note
+    # core's VAEs decode the sampler's latent: frames and a 32 kHz soundtrack of the video's length
+    images, audio, _ = report.outputs["6"]
+    assert images.shape == (124, 128, 128, 3) and audio["sample_rate"] == 32000 and audio["waveform"].shape == (1, 2, round(124 / 24 * 32000))
+
+
+@pytest.mark.parametrize("keyframes", [(), ("first", "last")])
+def test_core_encoders_give_the_vflash_bundle_bitwise(pack, core_files, keyframes):
+    """Through core's CLIP and VAE interfaces the encode node builds the same bundle, bit for bit, as with Vflash's
+    loaders when the core objects compute the same numbers: the adapters reorder nothing and round nothing."""
+    registry = pack.module.nodes.registry.ENGINES
+    host, folders = pack.module.nodes.host.HOST, pack.module.nodes.host.FOLDERS
+    te = ops.load_text_encoder(registry, host, folders, "embedded-demo", "cpu")
+    vae = ops.load_vae(registry, host, folders, "embedded-demo", "cpu")
+    ops.load_model(registry, host, folders, "embedded-demo", "auto", "auto", "cpu", "none", "sequence-head", "auto")
+    clip, video_vae, audio_vae = _core(pack, core_files)
+    g = torch.Generator().manual_seed(3)
+    frames = {name: torch.rand(1, 80, 144, 3, generator=g) for name in keyframes}
+    prompt = "A red square <Picture 1> turns blue." if keyframes else "Waves crash on a rocky shore."
+    mine, latent, _ = ops.encode(registry, host, te, vae, prompt, 128, 96, 124, 0.0, frames.get("first"), frames.get("last"), force_offload=False)
+    core, core_latent, _ = ops.encode(registry, host, clip, video_vae, prompt, 128, 96, 124, 0.0, frames.get("first"), frames.get("last"), audio_vae=audio_vae)
+    # core was handed Vflash's presentation: the canvas-fitted keyframes, in order, as IMAGE tensors
+    call = clip.calls[-1]
+    assert call["text"] == prompt and call["minimax_ref_items"] is None and len(call["images"]) == len(keyframes)
+    assert all(img.shape == (1, 96, 128, 3) for img in call["images"])
+    config = registry.engine("dit").compiled.config
+    geometry = cl.from_comfy_latent(latent).geometry
+    assert cl.from_comfy_latent(core_latent).geometry == geometry
+    a = ops.request_bundle(mine, geometry, 5, config).consume()
+    b = ops.request_bundle(core, geometry, 5, config).consume()
+    assert a.mode == b.mode == ("fl2va" if keyframes else "t2va") and a.fingerprint() == b.fingerprint()
+    assert core.notes == ((ops.CORE_TEXT_NOTE, ops.CORE_VAE_NOTE) if keyframes else (ops.CORE_TEXT_NOTE,)) and mine.notes == ()
+
+
+def test_core_vae_decode_equals_vflash_decode(pack, core_files):
+    registry = pack.module.nodes.registry.ENGINES
+    host, folders = pack.module.nodes.host.HOST, pack.module.nodes.host.FOLDERS
+    vae = ops.load_vae(registry, host, folders, "embedded-demo", "cpu")
+    _, video_vae, audio_vae = _core(pack, core_files)
+    nested = importlib.import_module("comfy.nested_tensor").NestedTensor
+    g = torch.Generator().manual_seed(1)
+    latent = cl.to_comfy_latent(torch.randn(1, 8, 7, 4, 4, generator=g), torch.randn(2, 8, 37, generator=g), nested)
+    images, audio, _ = ops.decode(registry, host, vae, latent)
+    core_images, core_audio, video = ops.decode(registry, host, video_vae, latent, audio_vae)
+    assert torch.equal(images, core_images) and torch.equal(audio["waveform"], core_audio["waveform"])
+    assert video.get_frame_count() == images.shape[0]
+
+
+def test_core_objects_are_refused_by_name(pack, core_files):
+    registry = pack.module.nodes.registry.ENGINES
+    host, folders = pack.module.nodes.host.HOST, pack.module.nodes.host.FOLDERS
+    clip, video_vae, audio_vae = _core(pack, core_files)
+    vae = ops.load_vae(registry, host, folders, "embedded-demo", "cpu")
+    nested = importlib.import_module("comfy.nested_tensor").NestedTensor
+    latent = cl.to_comfy_latent(torch.zeros(1, 8, 7, 4, 4), torch.zeros(2, 8, 37), nested)
+    with pytest.raises(RequestError, match="connect MiniMax-H3's audio VAE"):
+        ops.decode(registry, host, video_vae, latent)
+    with pytest.raises(RequestError, match="takes MiniMax-H3's video VAE"):
+        ops.decode(registry, host, audio_vae, latent, audio_vae)
+    with pytest.raises(RequestError, match="already holds both VAEs"):
+        ops.decode(registry, host, vae, latent, audio_vae)
+    with pytest.raises(RequestError, match="te takes a Vflash text encoder"):
+        ops.encode(registry, host, object(), vae, "a prompt", 128, 96, 124, 0.0)
+
+    class OtherClip:  # a CLIP of another model: its conditioning carries no H3 token tags
+        def tokenize(self, text, **kwargs):
+            return {}
+
+        def encode_from_tokens_scheduled(self, tokens):
+            return [[torch.zeros(1, 4, 32), {"pooled_output": None}]]
+
+    with pytest.raises(RequestError, match="type 'minimax'"):
+        ops.encode(registry, host, OtherClip(), vae, "a prompt", 128, 96, 124, 0.0)
+
+
+# -- early refusal ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def official_weights(pack) -> str:
+    from vflash_core import synthetic
+    from vflash_core.config import H3Config
+
+    models = Path(importlib.import_module("folder_paths").models_dir)
+    tiny = H3Config.preset("tiny")
+    (models / "diffusion_models").mkdir(parents=True, exist_ok=True)
+    synthetic.write_original_transformer(models / "diffusion_models" / "h3_early.safetensors", tiny, synthetic.random_internal_weights(tiny, seed=4))
+    return "diffusion_models/h3_early.safetensors"
+
+
+def test_sm90_profile_on_cpu_is_refused_at_validation_and_writes_nothing(pack, official_weights, monkeypatch):
+    from vflash_core import compiler
+
+    pack.module.nodes.registry.ENGINES.release("all")
+    loader = pack.nodes["VflashModelLoader"]
+    widgets = dict(model=official_weights, profile="t2va-base16-bf16-sm90", weight_residency="auto", device="auto", peer_device="none",
+                   strategy="sequence-head", attention_backend="auto")
+    message = loader.validate_inputs(**widgets)
+    assert isinstance(message, str) and "t2va-base16-bf16-sm90 runs on sm90 GPUs" in message and "cpu" in message
+    assert "t2va-base4-exact-cpu" in message  # names what runs here instead
+    touched = []
+    monkeypatch.setattr(compiler, "prepare", lambda *a, **k: touched.append("prepare"))
+    with pytest.raises(VflashError, match="runs on sm90 GPUs"):
+        loader.execute(**widgets)
+    compiled = Path(importlib.import_module("folder_paths").models_dir) / "vflash" / "compiled"
+    assert touched == [] and not list(compiled.glob("h3_early*")) and "dit" not in pack.module.nodes.registry.ENGINES.loaded()
+    # cpu profiles, explicit devices that exist, and the demo pass validation
+    assert loader.validate_inputs(**{**widgets, "profile": "t2va-base4-exact-cpu"}) is True
+    assert loader.validate_inputs(**{**widgets, "model": "embedded-demo", "profile": "auto"}) is True
+    assert "cuda:3 does not exist" in loader.validate_inputs(**{**widgets, "model": "embedded-demo", "profile": "auto", "device": "cuda:3"})
+    assert "unknown profile" in loader.validate_inputs(**{**widgets, "profile": "t2va-nope"})
+    assert "not found" in loader.validate_inputs(**{**widgets, "model": "diffusers/absent"})
+    assert "does not exist" in pack.nodes["VflashTextEncoderLoader"].validate_inputs(device="cuda:1")
+    assert pack.nodes["VflashVAELoader"].validate_inputs(device="cpu") is True
+
+
+def test_profile_vs_mode_is_refused_before_the_transformer_is_touched(pack, monkeypatch):
+    registry = pack.module.nodes.registry.ENGINES
+    host, folders = pack.module.nodes.host.HOST, pack.module.nodes.host.FOLDERS
+    te = ops.load_text_encoder(registry, host, folders, "embedded-demo", "cpu")
+    vae = ops.load_vae(registry, host, folders, "embedded-demo", "cpu")
+    cond, latent, _ = ops.encode(registry, host, te, vae, "Waves crash.", 128, 96, 124, 0.0, force_offload=False)
+    ref_profile = ops.model_spec(host, folders, "embedded-demo", "auto", "auto", "cpu", "none", "sequence-head", "auto")
+    wrong = ref_profile.__class__(**{**ref_profile.__dict__, "profile": "ref2va-base4-exact-cpu"})
+    registry.release("dit")
+    monkeypatch.setattr(ops, "_load_session", lambda *a, **k: pytest.fail("the transformer was loaded"))
+    with pytest.raises(VflashError, match="accepts ref2va; a t2va request"):
+        ops.sample(registry, host, wrong, cond, latent, 0)
+    long = ops.encode(registry, host, te, vae, "Waves crash.", 128, 96, 400, 0.0, force_offload=False)  # 413 frames, 17.2 s
+    with pytest.raises(VflashError, match="5-15 s clips"):
+        ops.sample(registry, host, ref_profile, long[0], long[1], 0)
+
+
+def test_option_lists_put_what_runs_here_first(pack, monkeypatch):
+    loader = pack.schema("VflashModelLoader")
+    by_id = {i.id: i for i in loader.inputs}
+    profiles = by_id["profile"].options
+    cpu = [p for p in profiles if p.endswith("-cpu")]
+    assert profiles[0] == "auto" and profiles[1:1 + len(cpu)] == cpu and set(profiles) - {"auto"} == set(importlib.import_module("vflash_core.profiles").PROFILES)
+    assert by_id["device"].options[:2] == ["auto", "cpu"] and "cuda:7" in by_id["device"].options  # saved workflows keep cuda:N
+    # On a machine with two sm90 GPUs: their profiles first, then the CPU's; present devices before absent ones.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    ordered = ops.ordered_profiles()
+    sm90 = [p for p in ordered if p.endswith("-sm90")]
+    assert ordered[1:1 + len(sm90)] == sm90 and ordered[1 + len(sm90)].endswith("-cpu") and ordered[-1].endswith(("-sm86", "-sm89"))
+    assert ops.ordered_devices()[:4] == ["auto", "cpu", "cuda:0", "cuda:1"]
+
+
+# -- found where users look ------------------------------------------------------------------------------------------
+
+
+def test_names_aliases_and_tooltips_on_every_socket(pack):
+    io = importlib.import_module("comfy_api.latest").io
+    for node_id, cls in pack.nodes.items():
+        schema = cls.GET_SCHEMA()
+        assert "MiniMax-H3" in schema.display_name, node_id
+        assert {"minimax", "h3", "video audio"} <= set(schema.search_aliases), node_id
+        for inp in schema.inputs:
+            children = inp.template.get_all() if isinstance(inp, io.Autogrow.Input) else [inp]
+            for child in children:
+                assert child.tooltip, f"{node_id} input {child.id} has no tooltip"
+        for out in schema.outputs:
+            assert out.tooltip, f"{node_id} output {out.id} has no tooltip"
+    encode = {i.id: i for i in pack.schema("VflashEncode").inputs}
+    assert encode["te"].get_io_type() == "VFLASH_TE,CLIP" and encode["vae"].get_io_type() == "VFLASH_VAE,VAE" and encode["audio_vae"].optional
+    assert "not bitwise" in pack.schema("VflashEncode").description
