@@ -32,8 +32,11 @@ def pack(tmp_path_factory):
         yield loaded
 
 
+CORE_LOADERS = {"t2va_core_loaders"}  # core CLIPLoader / VAELoader: ComfyUI only, not headless
+
+
 def test_the_set_of_workflows():
-    assert NAMES == ["fl2va", "i2va", "ref2va", "t2va", "t2va_core_save", "t2va_two_gpu_sequence_head"]
+    assert NAMES == ["fl2va", "i2va", "ref2va", "t2va", "t2va_core_loaders", "t2va_core_save", "t2va_two_gpu_sequence_head"]
     assert sorted(p.stem for p in API_DIR.glob("*.json")) == NAMES
 
 
@@ -50,6 +53,10 @@ def test_api_workflow_type_checks_against_the_node_schemas(pack, name):
 @pytest.mark.parametrize("name", NAMES)
 def test_api_workflow_runs_headless_without_unsupported_nodes(name):
     workflow = load_api_workflow(API_DIR / f"{name}.json")
+    if name in CORE_LOADERS:
+        with pytest.raises(WorkflowError, match=r"unsupported nodes: .*CLIPLoader"):
+            plan(workflow, headless_node_types())
+        return
     plan(workflow, headless_node_types())
 
 
@@ -67,7 +74,7 @@ def test_api_checks_name_the_problem(pack):
         check_api_workflow(json.loads((UI_DIR / "t2va.json").read_text()))
     with pytest.raises(WorkflowError, match="no node 'nope'"):
         apply_overrides(workflow, ["nope.seed=1"])
-    assert apply_overrides(workflow, ["Vflash Sampler.seed=5"])["5"]["inputs"]["seed"] == 5
+    assert apply_overrides(workflow, ["Vflash MiniMax-H3 Sampler.seed=5"])["5"]["inputs"]["seed"] == 5
 
 
 def test_nested_inputs_follow_comfyui():
@@ -79,20 +86,33 @@ def test_nested_inputs_follow_comfyui():
 # -- UI format -------------------------------------------------------------------------------------------------------
 
 
-def _widget_slots(schema, io) -> list[str | None]:
-    """The frontend's `widgets_values` order: required widgets, then optional ones, in schema order; a seed's
-    control_after_generate value and an upload combo's button take one extra (unnamed) slot each."""
-    slots: dict[bool, list[str | None]] = {False: [], True: []}
-    for inp in schema.inputs:
+def _name_widgets(schema, io, values: list) -> list[tuple[str | None, object]]:
+    """Pair `widgets_values` with API names in the frontend's order: required widgets, then optional ones, in schema
+    order; a DynamicCombo's value is followed by the widgets of the option it selects (dotted names, recursively); a
+    seed's control_after_generate value and an upload combo's button take one extra (unnamed) slot each. Fails when
+    the values do not fill the slots exactly."""
+    values = list(values)
+    out: list[tuple[str | None, object]] = []
+
+    def take(inp, key: str) -> None:
+        assert values, f"{schema.node_id}: no widget value left for {key}"
+        value = values.pop(0)
+        out.append((key, value))
         if isinstance(inp, io.DynamicCombo.Input):
-            slots[inp.optional].append(inp.id)
-            children = {c.id: c for option in inp.options for c in option.inputs}
-            slots[inp.optional].extend(f"{inp.id}.{cid}" for cid in children)
-        elif isinstance(inp, io.WidgetInput) and not inp.force_input:
-            slots[inp.optional].append(inp.id)
-            if getattr(inp, "control_after_generate", None) or getattr(inp, "upload", None) is not None:
-                slots[inp.optional].append(None)
-    return slots[False] + slots[True]
+            option = next((o for o in inp.options if o.key == value), None)
+            assert option is not None, f"{schema.node_id}.{key}: {value!r} is not an option"
+            for child in option.inputs:
+                if isinstance(child, (io.DynamicCombo.Input, io.WidgetInput)):
+                    take(child, f"{key}.{child.id}")
+        elif getattr(inp, "control_after_generate", None) or getattr(inp, "upload", None) is not None:
+            out.append((None, values.pop(0)))
+
+    for optional in (False, True):
+        for inp in schema.inputs:
+            if inp.optional == optional and (isinstance(inp, io.DynamicCombo.Input) or (isinstance(inp, io.WidgetInput) and not inp.force_input)):
+                take(inp, inp.id)
+    assert not values, f"{schema.node_id}: {len(values)} widget values left over: {values}"
+    return out
 
 
 def _socket_types(schema, io) -> dict[str, str]:
@@ -101,8 +121,7 @@ def _socket_types(schema, io) -> dict[str, str]:
         if isinstance(inp, io.Autogrow.Input):
             types.update({f"{inp.id}.{c.id}": c.get_io_type() for c in inp.template.get_all()})
         elif isinstance(inp, io.DynamicCombo.Input):
-            types[inp.id] = "COMBO"
-            types.update({f"{inp.id}.{c.id}": c.get_io_type() for o in inp.options for c in o.inputs})
+            types.update(harness._dynamic_combo_inputs(io, inp, inp.id))
         else:
             types[inp.id] = inp.get_io_type()
             if getattr(inp, "upload", None) is not None:  # the frontend's "choose file to upload" button widget
@@ -121,11 +140,9 @@ def ui_to_api(ui: dict, pack) -> dict:
             continue
         assert node.get("mode", 0) == 0, f"node {node['id']} is muted or bypassed"
         schema = pack.schema(node["type"])
-        slots = _widget_slots(schema, io)
-        values = node.get("widgets_values", [])
-        assert len(values) == len(slots), f"node {node['id']} ({node['type']}): {len(values)} widget values for {len(slots)} slots {slots}"
+        named = _name_widgets(schema, io, node.get("widgets_values") or [])
         linked = {i["name"] for i in node["inputs"] if i.get("link") is not None}
-        inputs = {name: value for name, value in zip(slots, values) if name is not None and name not in linked}
+        inputs = {name: value for name, value in named if name is not None and name not in linked}
         for i in node["inputs"]:
             if i.get("link") is not None:
                 link = links[i["link"]]
@@ -231,3 +248,70 @@ def test_ref2va_headless_on_a_small_ref2va_family(tmp_path):
     files = run_headless(workflow, output_dir=tmp_path / "out", input_dir=INPUTS, models_dir=models)
     info = probe_mp4(files[0])
     assert info["frames"] == 124 and info["audio_codec"] == "aac"
+
+
+# -- what a user sees: readable notes, nothing hidden, the saved view shows the whole graph ---------------------------
+
+TITLE_HEIGHT = 30  # LiteGraph draws a node's title bar above its `pos`
+VIEW = (1440, 780)  # a 1600 x 900 window less ComfyUI's side bar and top bar
+
+
+def _boxes(ui: dict) -> dict[int, tuple[float, float, float, float]]:
+    """Every node's box on the canvas, title bar included: (x0, y0, x1, y1)."""
+    return {n["id"]: (n["pos"][0], n["pos"][1] - TITLE_HEIGHT, n["pos"][0] + n["size"][0], n["pos"][1] + n["size"][1]) for n in ui["nodes"]}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_no_node_covers_another(name):
+    boxes = _boxes(json.loads((UI_DIR / f"{name}.json").read_text()))
+    ids = sorted(boxes)
+    for i, a in enumerate(ids):
+        for b in ids[i + 1:]:
+            ax0, ay0, ax1, ay1 = boxes[a]
+            bx0, by0, bx1, by1 = boxes[b]
+            assert ax1 <= bx0 or bx1 <= ax0 or ay1 <= by0 or by1 <= ay0, f"{name}: node {a} {boxes[a]} overlaps node {b} {boxes[b]}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_nodes_are_at_least_as_large_as_the_frontend_draws_them(pack, name):
+    """Heights leave room for every socket row and widget row (the frontend's rows are 20 px plus a little)."""
+    io = importlib.import_module("comfy_api.latest").io
+    for node in json.loads((UI_DIR / f"{name}.json").read_text())["nodes"]:
+        if node["type"] in UI_ONLY:
+            continue
+        schema = pack.schema(node["type"])
+        rows = max(len(node["outputs"]), len([i for i in node["inputs"] if "widget" not in i])) + len(node.get("widgets_values") or [])
+        rows += 3 * any(isinstance(i, io.String.Input) and i.multiline for i in schema.inputs)  # a prompt box
+        assert node["size"][1] >= 20 * rows, f"{name}: node {node['id']} ({node['type']}) is {node['size'][1]} px for {rows} rows"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_saved_view_shows_the_whole_graph(name):
+    ui = json.loads((UI_DIR / f"{name}.json").read_text())
+    ds = ui["extra"]["ds"]
+    scale, (ox, oy) = ds["scale"], ds["offset"]
+    for node_id, (x0, y0, x1, y1) in _boxes(ui).items():
+        sx0, sy0, sx1, sy1 = (x0 + ox) * scale, (y0 + oy) * scale, (x1 + ox) * scale, (y1 + oy) * scale
+        assert 0 <= sx0 and 0 <= sy0 and sx1 <= VIEW[0] + 80 and sy1 <= VIEW[1] + 70, f"{name}: node {node_id} is off-screen at {(sx0, sy0, sx1, sy1)}"
+    assert scale >= 0.5, f"{name}: the saved view is zoomed out to {scale}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_note_text_renders_as_written(name):
+    """MarkdownNote renders HTML: a bare <Picture i> would be eaten as a tag, so prompt labels sit in code spans."""
+    import re
+
+    for node in json.loads((UI_DIR / f"{name}.json").read_text())["nodes"]:
+        if node["type"] == "MarkdownNote":
+            text = node["widgets_values"][0]
+            outside_code = re.sub(r"`[^`]*`", "", text)
+            assert not re.search(r"<[A-Za-z/!]", outside_code), f"{name}: raw markup in the note outside code spans: {outside_code!r}"
+
+
+def test_save_video_fields_match_the_frontend_export():
+    """The API files carry every SaveVideo field the frontend exports (format, format.codec, format.codec.encoding,
+    and the top-level codec), so UI and API are equivalent field for field."""
+    for name in NAMES:
+        for node in load_api_workflow(API_DIR / f"{name}.json").values():
+            if node["class_type"] == "SaveVideo":
+                assert {"format", "format.codec", "format.codec.encoding", "codec"} <= set(node["inputs"]), name

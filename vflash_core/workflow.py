@@ -369,14 +369,16 @@ def _core_node_types(host: HeadlessHost, output_dir: Path, input_dir: Path) -> d
             raise WorkflowError(f"CreateVideo: the headless runner writes 8-bit video, got bit_depth {bit_depth}")
         return (HeadlessVideo(images, audio, float(fps)),)
 
-    def save_video(video, filename_prefix: str, format: Any = "auto") -> tuple:
+    def save_video(video, filename_prefix: str, format: Any = "auto", codec: Any = None) -> tuple:
         from .media import write_mp4
 
         container = format.get("format", "auto") if isinstance(format, dict) else format
-        codec = format.get("codec", "auto") if isinstance(format, dict) else "auto"
-        codec = codec.get("codec", "auto") if isinstance(codec, dict) else codec
-        if container not in ("auto", "mp4") or codec not in ("auto", "h264"):
-            raise WorkflowError(f"SaveVideo: the headless runner writes mp4/h264 (got format {container!r}, codec {codec!r})")
+        chosen = (format.get("codec") if isinstance(format, dict) else None) or codec or "auto"
+        name = chosen.get("codec", "auto") if isinstance(chosen, dict) else chosen
+        encoding = chosen.get("encoding", "auto") if isinstance(chosen, dict) else "auto"
+        encoding = encoding.get("encoding", "auto") if isinstance(encoding, dict) else encoding
+        if container not in ("auto", "mp4") or name not in ("auto", "h264") or encoding != "auto":
+            raise WorkflowError(f"SaveVideo: the headless runner writes mp4/h264 with its own encoding (got format {container!r}, codec {name!r}, encoding {encoding!r})")
         if not isinstance(video, HeadlessVideo):
             raise WorkflowError(f"SaveVideo: expected a VIDEO, got {type(video).__name__}")
         if video.audio is None:
@@ -419,7 +421,7 @@ def _core_node_types(host: HeadlessHost, output_dir: Path, input_dir: Path) -> d
     return {
         "EmptyMiniMaxH3LatentAV": NodeType("EmptyMiniMaxH3LatentAV", {"width": "INT", "height": "INT", "length": "INT"}, frozenset({"width", "height", "length"}), ("LATENT",), empty_latent),
         "CreateVideo": NodeType("CreateVideo", {"images": "IMAGE", "fps": "FLOAT", "audio": "AUDIO", "bit_depth": "INT"}, frozenset({"images", "fps"}), ("VIDEO",), create_video),
-        "SaveVideo": NodeType("SaveVideo", {"video": "VIDEO", "filename_prefix": "STRING", "format": "COMBO", "format.codec": "COMBO"}, frozenset({"video", "filename_prefix", "format"}), ("VIDEO",), save_video, output_node=True),
+        "SaveVideo": NodeType("SaveVideo", {"video": "VIDEO", "filename_prefix": "STRING", "format": "COMBO", "format.codec": "COMBO", "format.codec.encoding": "COMBO", "codec": "COMBO"}, frozenset({"video", "filename_prefix", "format"}), ("VIDEO",), save_video, output_node=True),
         "LoadImage": NodeType("LoadImage", {"image": "COMBO", "upload": "COMBO"}, frozenset({"image"}), ("IMAGE", "MASK"), load_image),
         "LoadAudio": NodeType("LoadAudio", {"audio": "COMBO", "upload": "COMBO"}, frozenset({"audio"}), ("AUDIO",), load_audio),
     }

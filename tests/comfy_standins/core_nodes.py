@@ -78,9 +78,18 @@ class CreateVideo(io.ComfyNode):
 
 
 class SaveVideo(io.ComfyNode):
+    @staticmethod
+    def codec_input(codecs, optional=False):
+        """Core's `_save_video_codec_input`: codec, and for h264 / av1 an optional `encoding` (auto / re-encode)."""
+        encoding = io.DynamicCombo.Input("encoding", display_name="encoding mode", optional=True, options=[
+            io.DynamicCombo.Option("auto", []),
+            io.DynamicCombo.Option("re-encode", [io.Float.Input("crf", default=23.0, min=0.0, max=51.0, step=1.0),
+                                                 io.Combo.Input("color_space", options=["auto", "bt709", "bt601"], default="auto")]),
+        ])
+        return io.DynamicCombo.Input("codec", optional=optional, options=[io.DynamicCombo.Option(c, [] if c == "auto" else [encoding]) for c in codecs])
+
     @classmethod
     def define_schema(cls):
-        codec = io.Combo.Input("codec", options=["auto", "h264", "av1"], default="auto")
         return io.Schema(
             node_id="SaveVideo",
             display_name="Save Video",
@@ -88,7 +97,8 @@ class SaveVideo(io.ComfyNode):
             inputs=[
                 io.Video.Input("video"),
                 io.String.Input("filename_prefix", default="video/ComfyUI"),
-                io.DynamicCombo.Input("format", options=[io.DynamicCombo.Option(k, [codec]) for k in ("auto", "mp4", "mkv")]),
+                io.DynamicCombo.Input("format", options=[io.DynamicCombo.Option(k, [cls.codec_input(["auto", "h264", "av1"])]) for k in ("auto", "mp4", "mkv")]),
+                cls.codec_input(["auto", "h264", "av1"], optional=True),  # core's hidden top-level codec (the frontend exports it)
             ],
             hidden=[io.Hidden.prompt, io.Hidden.extra_pnginfo],
             is_output_node=True,
@@ -96,9 +106,9 @@ class SaveVideo(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, video, filename_prefix, format):
+    def execute(cls, video, filename_prefix, format, codec=None):
         format_name = format["format"] if isinstance(format, dict) else format
-        codec = format.get("codec", "auto") if isinstance(format, dict) else "auto"
+        codec = (format.get("codec") if isinstance(format, dict) else None) or codec or "auto"
         codec = codec["codec"] if isinstance(codec, dict) else codec
         width, height = video.get_dimensions()
         folder, filename, counter, subfolder, _ = folder_paths.get_save_image_path(filename_prefix, folder_paths.get_output_directory(), width, height)

@@ -54,10 +54,7 @@ class Pack:
                             required.add(f"{inp.id}.{child.id}")
                     continue
                 if isinstance(inp, io.DynamicCombo.Input):
-                    inputs[inp.id] = "COMBO"
-                    for option in inp.options:
-                        for child in option.inputs:
-                            inputs[f"{inp.id}.{child.id}"] = child.get_io_type()
+                    inputs.update(_dynamic_combo_inputs(io, inp, inp.id))
                     if not inp.optional:
                         required.add(inp.id)
                     continue
@@ -73,6 +70,19 @@ class Pack:
                 output_node=schema.is_output_node,
             )
         return out
+
+
+def _dynamic_combo_inputs(io, combo, key: str) -> dict[str, str]:
+    """A DynamicCombo's API keys: its own ("format") and its options' children, nested ones dotted further
+    ("format.codec", "format.codec.encoding", ...)."""
+    out = {key: "COMBO"}
+    for option in combo.options:
+        for child in option.inputs:
+            if isinstance(child, io.DynamicCombo.Input):
+                out.update(_dynamic_combo_inputs(io, child, f"{key}.{child.id}"))
+            else:
+                out[f"{key}.{child.id}"] = child.get_io_type()
+    return out
 
 
 def _runner(cls, schema, prompt):
