@@ -1,8 +1,9 @@
 """The `vflash` command line.
 
 Each subcommand lives in the module that owns its work and exposes `register(subparsers)`, which adds the parser
-and sets `handler`; heavy imports happen inside the handler, so `vflash --help` is instant. A user mistake (any
-`VflashError`) prints one line and exits with status 2; anything else is a bug and keeps its traceback.
+and sets `handler`; heavy imports happen inside the handler, so `vflash --help` is instant. A user error (any
+`VflashError`) prints one line, without a traceback, and exits with its `exit_status` (2 for a bad request, option or
+file, 1 for a valid request that could not be completed); anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -29,14 +30,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def one_line(message: str) -> str:
+    """A message that lists problems on several lines, as one line: "head: first; second"."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    return " ".join(lines[:1] + ["; ".join(lines[1:])] if len(lines) > 1 else lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
     try:
         return int(args.handler(args) or 0)
     except VflashError as exc:
-        print(f"vflash: error: {exc}", file=sys.stderr)
-        return 2
+        print(f"vflash: error: {one_line(str(exc))}", file=sys.stderr)
+        return exc.exit_status
     except KeyboardInterrupt:
         print("vflash: interrupted", file=sys.stderr)
         return 130

@@ -1,12 +1,23 @@
 """Error types that cross the engine's boundaries.
 
 Every error a user can cause (a bad file, a mismatched profile, a bad request) is a `VflashError`: the CLI prints its
-message on one line and exits non-zero without a traceback. Anything else is a bug and keeps its traceback.
+message on one line and exits with its `exit_status` without a traceback (2 for a bad request, option or file; 1 for
+a valid request that could not be completed); the HTTP service answers it with a 4xx JSON body. Anything else is a
+bug and keeps its traceback.
 """
 
 
 class VflashError(Exception):
     """A user-facing failure with a message that names the offending values."""
+
+    #: The `vflash` command's exit status: 2 for usage and validation errors (the request, an option, an input file).
+    exit_status = 2
+
+
+class RunFailedError(VflashError):
+    """A valid request that could not be completed here: cancelled, not enough device memory, a closed pipeline."""
+
+    exit_status = 1
 
 
 class WeightFileError(VflashError):
@@ -21,7 +32,7 @@ class BundleError(VflashError):
     """A conditioning bundle is malformed, tampered with, or already consumed."""
 
 
-class SessionClosedError(VflashError):
+class SessionClosedError(RunFailedError):
     """A closed or failed session was called."""
 
 

@@ -9,8 +9,10 @@ removed, so an interrupted write never leaves something at the final path.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,16 +38,72 @@ class OutputExistsError(VflashError):
     """The destination exists and overwriting was not requested."""
 
 
-def check_writable_destination(path: str | Path, overwrite: bool = False) -> Path:
-    """Validate an output path before any heavy work: parent exists and is writable, destination free."""
+def _file_type(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def check_input_file(path: str | Path, what: str, error: type[VflashError] = VflashError) -> Path:
+    """`path` as a regular, readable file; otherwise `error` saying exactly what it is instead (missing, a broken
+    link, a symbolic-link loop, a folder, a FIFO, unreadable). The path is never opened, so a FIFO cannot block."""
     path = Path(path)
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        if path.is_symlink():
+            raise error(f"{what} {path} is a broken symbolic link (to {os.readlink(path)})") from None
+        raise error(f"{what} {path} does not exist") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise error(f"{what} {path} is a symbolic link loop") from None
+        if exc.errno == errno.ENOTDIR:
+            raise error(f"{what} {path} does not exist (a part of its folder path is a file)") from None
+        raise error(f"{what} {path} cannot be read: {exc.strerror}") from None
+    if not stat.S_ISREG(mode):
+        kind = _file_type(mode)
+        raise error(f"{what} {path} is {kind}, not a file" if kind.startswith("a ") else f"{what} {path} is {kind}")
+    if not os.access(path, os.R_OK):
+        raise error(f"{what} {path} is not readable (permission denied)")
+    return path
+
+
+def read_text_file(path: str | Path, what: str, max_bytes: int, error: type[VflashError] = VflashError) -> str:
+    """The UTF-8 text of a regular file of at most `max_bytes`, checked before it is read."""
+    path = check_input_file(path, what, error)
+    size = path.stat().st_size
+    if size > max_bytes:
+        raise error(f"{what} {path} is {size:,} bytes; at most {max_bytes:,} are accepted")
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise error(f"{what} {path} cannot be read: {exc.strerror}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise error(f"{what} {path} is not UTF-8 text (byte {exc.start} is 0x{data[exc.start]:02x})") from None
+
+
+def check_writable_destination(path: str | Path, overwrite: bool = False) -> Path:
+    """Validate an output file path before any heavy work: parent folder exists and is writable, the destination
+    is free (or, with `overwrite`, a regular file or a link that may be replaced; never a folder)."""
+    text = os.fspath(path)
+    path = Path(path)
+    if text.endswith(("/", os.sep)) or path.name in ("", ".", ".."):
+        raise VflashError(f"output {text} names a folder; give a file name inside it")
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
-        raise VflashError(f"output folder {parent} does not exist")
+        raise VflashError(f"output folder {parent} {'is not a folder' if parent.exists() else 'does not exist'}")
     if not os.access(parent, os.W_OK):
         raise VflashError(f"output folder {parent} is not writable")
-    if path.exists() and not overwrite:
-        raise OutputExistsError(f"{path} already exists; refusing to overwrite it")
+    if os.path.lexists(path):
+        if path.is_dir():
+            raise VflashError(f"output {path} is a folder; give a file name inside it")
+        if not overwrite:
+            raise OutputExistsError(f"{path} already exists; refusing to overwrite it")
+        if path.exists() and not path.is_file():
+            raise VflashError(f"output {path} is {_file_type(path.stat().st_mode)}; refusing to replace it")
     return path
 
 
