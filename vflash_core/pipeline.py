@@ -26,11 +26,10 @@ A cancelled request (the `cancel` callable raised) closes the pipeline, as does 
 from __future__ import annotations
 
 import datetime as dt
-import importlib.util
 import json
 import logging
 import math
-import re
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,17 +42,17 @@ import torch
 from .bundle import BundleHandoff, EncodedReference, build_keyframe_bundle, build_ref2va_bundle
 from .conditioning import TEXT_ENCODER_LAYER, TextConditioner
 from .config import H3Config
-from .errors import IdentityMismatchError, RequestError, SessionClosedError, VflashError
-from .fileio import atomic_file, check_writable_destination
-from .layout import FPS, VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK, Geometry, check_canvas, frames_for_duration
+from .errors import IdentityMismatchError, RequestError, RunFailedError, SessionClosedError, VflashError
+from .fileio import atomic_file, check_input_file, check_writable_destination
+from .layout import FPS, VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK
 from .media import check_delivery_options, write_mp4
 from .profiles import Profile, check_identity, get_profile
-from .references import (
-    MAX_AUDIOS, MAX_IMAGES, MAX_REFERENCES, MAX_VIDEOS, CanvasRules, check_media_file, fit_keyframes, image_size,
-    load_image, load_reference, normalize_references, reference_kind, video_has_soundtrack,
-)
+from .references import CanvasRules, fit_keyframes, load_image, load_reference, normalize_references
 from .session import GenerationResult, NativeEngineSession, SessionTiming
 from .vae import DecodedMedia, MediaVAEs
+from .validation import (
+    MediaInput, PromptBudget, RequestPlan, describe_value, check_device, integer, media_input, media_inputs, plan_request, seconds,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +61,6 @@ PIPELINE_FORMAT = "vflash-pipeline/1"
 # directory (vae/, audio_vae/), adapter file or null, and the three outputs of one compile.
 ASSET_FIELDS = ("model_root", "decoder_root", "adapter_path", "artifact", "schedule_overlay", "auxiliary_tensor")
 STAGES = ("load", "encode", "denoise", "decode", "write")
-_LABEL = re.compile(r"<(Picture|Video|Audio) (\d+)>")
 _GIB = 1 << 30
 #: Where the text encoder and the VAEs live between their stages on a GPU (`H3Pipeline.from_prepared`).
 ENCODER_RESIDENCIES = ("offload", "resident")
@@ -70,31 +68,54 @@ ENCODER_RESIDENCIES = ("offload", "resident")
 # progress(stage, done, total), stage in STAGES
 PipelineProgress = Callable[[str, int, int], None]
 
+# Held around every model load in this process. transformers and diffusers load under context managers that patch
+# process-wide functions (torch.nn.init, nn.Module.register_parameter for meta-device construction) and restore them
+# on exit; two loads interleaved in threads restore each other's patches, leaving every later model of the process
+# on the meta device ("Cannot copy out of meta tensor"). Re-entrant, so a loader may take it again.
+MODEL_LOAD_LOCK = threading.RLock()
 
-class RequestCancelled(VflashError):
+
+class RequestCancelled(RunFailedError):
     """Raised when a request is aborted through its `cancel` callable (the pipeline is closed)."""
 
 
 # -- requests and results ------------------------------------------------------------------------------------------
 
 
-MediaInput = str | Path | PIL.Image.Image
-
-
 @dataclass(frozen=True)
 class VideoRequest:
     """One generation. `first_frame` / `last_frame` make i2va, l2va or fl2va; `references` (image, video or audio
-    files by extension, or PIL images, in the order the prompt's labels number them) make ref2va; neither is t2va.
-    `width` / `height` (multiples of 32, both or neither) default to the model's canvas for the mode."""
+    files by extension, or PIL images, in the order the prompt's labels number them; one path or image, or a list or
+    tuple of them) make ref2va; neither is t2va. `width` / `height` (multiples of 32, both or neither) default to the
+    model's canvas for the mode.
+
+    Field types are checked when the request is built (a wrong type raises `RequestError` naming the field); values
+    are checked against a model and a profile by `H3Pipeline.validate` (`validation.plan_request`)."""
 
     prompt: str
     first_frame: MediaInput | None = None
     last_frame: MediaInput | None = None
-    references: tuple = ()
+    references: tuple[MediaInput, ...] = ()
     duration_seconds: float = 5.0
     seed: int = 0
     width: int | None = None
     height: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prompt, str):
+            raise RequestError(f"prompt must be a string, got {type(self.prompt).__name__}")
+        pixels = "an integer number of pixels"
+        checked = {
+            "first_frame": media_input(self.first_frame, "first_frame"),
+            "last_frame": media_input(self.last_frame, "last_frame"),
+            "references": media_inputs(self.references, "references"),
+            "duration_seconds": seconds(self.duration_seconds, "duration_seconds"),
+            "seed": integer(self.seed, "seed"),
+            "width": None if self.width is None else integer(self.width, "width", pixels),
+            "height": None if self.height is None else integer(self.height, "height", pixels),
+        }
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)  # frozen: normalised once, here
 
     @property
     def mode(self) -> str:
@@ -106,6 +127,12 @@ class VideoRequest:
     def keyframes(self) -> tuple[MediaInput, ...]:
         """Keyframes in packed order (first, then last)."""
         return tuple(k for k in (self.first_frame, self.last_frame) if k is not None)
+
+
+def _check_request(request: object, method: str) -> None:
+    if not isinstance(request, VideoRequest):
+        hint = f"; wrap the prompt: VideoRequest(prompt={request[:20]!r}{'...' if len(request) > 20 else ''})" if isinstance(request, str) else ""
+        raise RequestError(f"H3Pipeline.{method} takes a VideoRequest, got {type(request).__name__}{hint}")
 
 
 @dataclass
@@ -126,91 +153,14 @@ class VideoResult:
     media: DecodedMedia | None = None
 
 
-@dataclass(frozen=True)
-class RequestPlan:
-    """What validation resolved: mode, geometry, and how many pictures / videos / audio clips labels may name."""
-
-    mode: str
-    geometry: Geometry
-    pictures: int
-    videos: int
-    audios: int
-
-
-def _count_label(n: int, word: str) -> str:
-    return f"{n} {word}{'' if n == 1 else 's'}"
-
-
-def plan_request(request: VideoRequest, profile: Profile, canvas: CanvasRules) -> RequestPlan:
-    """Check a request against a profile and a model's canvas rules without loading any model; raises
-    `RequestError` / `VflashError` naming the offending values."""
-    if not isinstance(request.prompt, str) or not request.prompt.strip():
-        raise RequestError("the prompt must be a non-empty string")
-    if isinstance(request.seed, bool) or not isinstance(request.seed, int) or not 0 <= request.seed < 2**63:
-        raise RequestError(f"seed must be an integer from 0 to 2**63 - 1, got {request.seed!r}")
-    if request.references and request.keyframes:
-        raise RequestError("a request takes either keyframes (first/last frame) or references, not both")
-    mode = request.mode
-    profile.check_mode(mode)
-    if not isinstance(request.duration_seconds, (int, float)) or not math.isfinite(request.duration_seconds):
-        raise RequestError(f"duration must be a number of seconds, got {request.duration_seconds!r}")
-    num_frames = frames_for_duration(float(request.duration_seconds))
-    profile.check_duration(num_frames / FPS)
-    if (request.width is None) != (request.height is None):
-        raise RequestError(f"width and height go together: got width={request.width}, height={request.height}")
-
-    for name, item in (("first frame", request.first_frame), ("last frame", request.last_frame)):
-        if item is not None:
-            check_media_file(item, name)
-            if reference_kind(item) != "image":
-                raise RequestError(f"{name} {item} is not an image")
-    kinds = []
-    for index, item in enumerate(request.references):
-        kind = reference_kind(item)
-        check_media_file(item, f"reference {index + 1}")
-        kinds.append(kind)
-    for kind, limit in (("image", MAX_IMAGES), ("video", MAX_VIDEOS), ("audio", MAX_AUDIOS)):
-        if kinds.count(kind) > limit:
-            raise RequestError(f"H3 takes at most {limit} {kind} references, got {kinds.count(kind)}")
-    if len(kinds) > MAX_REFERENCES:
-        raise RequestError(f"H3 takes at most {MAX_REFERENCES} references in total, got {len(kinds)}")
-    if kinds and set(kinds) == {"audio"}:
-        raise RequestError("audio references need at least one image or video reference beside them")
-    if "video" in kinds and importlib.util.find_spec("torchvision") is None:
-        raise RequestError("video references need torchvision (Qwen3-VL's video processor), which is not installed; use image and audio references")
-
-    if request.width is not None:
-        check_canvas(int(request.height), int(request.width))
-        height, width = int(request.height), int(request.width)
-    elif request.keyframes:
-        height, width = canvas.default_canvas(*image_size(request.keyframes[0]))
-    else:
-        height, width = canvas.default_canvas(16, 9)
-
-    if mode == "ref2va":
-        pictures, videos = kinds.count("image"), kinds.count("video")
-        audios = kinds.count("audio") + sum(video_has_soundtrack(r) for r, k in zip(request.references, kinds) if k == "video")
-    else:
-        pictures, videos, audios = len(request.keyframes), 0, 0
-    bound = {"Picture": pictures, "Video": videos, "Audio": audios}
-    for word, number in _LABEL.findall(request.prompt):
-        if not 1 <= int(number) <= bound[word]:
-            raise RequestError(
-                f"prompt label <{word} {number}> is not bound to an input: this {mode} request provides "
-                f"{_count_label(pictures, 'picture')}, {_count_label(videos, 'video')} and {_count_label(audios, 'audio clip')}"
-            )
-    return RequestPlan(mode, Geometry(height, width, num_frames), pictures, videos, audios)
-
-
 # -- prepared assets -----------------------------------------------------------------------------------------------
 
 
 def _read_json(path: Path, what: str) -> dict:
+    check_input_file(path, what)
     try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise VflashError(f"{what} {path} does not exist") from None
-    except (OSError, json.JSONDecodeError) as exc:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # unreadable, not UTF-8, not JSON
         raise VflashError(f"{what} {path} cannot be read as JSON: {exc}") from None
     if not isinstance(data, dict):
         raise VflashError(f"{what} {path} must hold a JSON object")
@@ -218,34 +168,65 @@ def _read_json(path: Path, what: str) -> dict:
 
 
 def _require(path: Path, what: str) -> Path:
-    if not path.exists():
-        raise VflashError(f"{what} {path} does not exist")
-    return path
+    """An asset that must exist: a folder, or a readable regular file (anything else is named precisely)."""
+    return path if path.is_dir() else check_input_file(path, what)
 
 
 def _model_facts(model_root: Path, decoder_root: Path) -> dict[str, object]:
     """Read and check the configs of the encoder and the VAEs (no weights are loaded)."""
-    text = _read_json(_require(model_root / "text_encoder" / "config.json", "text encoder config"), "text encoder config")
+    text = _read_json(model_root / "text_encoder" / "config.json", "text encoder config")
     _require(model_root / "tokenizer", "tokenizer folder")
     _require(model_root / "processor" / "preprocessor_config.json", "processor config")
-    text_config = text.get("text_config", {})
-    layers, hidden = int(text_config.get("num_hidden_layers", 0)), int(text_config.get("hidden_size", 0))
+    video = _read_json(decoder_root / "vae" / "config.json", "video VAE config")
+    audio = _read_json(decoder_root / "audio_vae" / "config.json", "audio VAE config")
+    try:
+        text_config = text.get("text_config", {})
+        layers, hidden = int(text_config.get("num_hidden_layers", 0)), int(text_config.get("hidden_size", 0))
+        spatial = math.prod(video.get("spatial_downsample_factors", (2, 2, 2, 2, 1, 1)))
+        temporal = math.prod(video.get("temporal_downsample_factors", (1, 2, 2, 1, 1, 1)))
+        clip, drop = int(video.get("clip_length", 17)), int(video.get("token_drop", 3))
+        rate, hop = int(audio.get("sampling_rate", 32000)), math.prod(audio.get("encoder_rates", (2, 4, 4, 5, 5)))
+        video_channels, audio_channels = int(video.get("latent_channels", 24)), int(audio.get("latent_channels", 32))
+    except (AttributeError, TypeError, ValueError) as exc:  # a field of the wrong type
+        raise VflashError(f"the model configs under {model_root} / {decoder_root} are malformed: {exc}") from None
     if layers <= TEXT_ENCODER_LAYER:
         raise VflashError(f"{model_root / 'text_encoder'}: {layers} text layers; H3 conditions on hidden_states[{TEXT_ENCODER_LAYER}] and needs more")
-    video = _read_json(_require(decoder_root / "vae" / "config.json", "video VAE config"), "video VAE config")
-    audio = _read_json(_require(decoder_root / "audio_vae" / "config.json", "audio VAE config"), "audio VAE config")
-    spatial = math.prod(video.get("spatial_downsample_factors", (2, 2, 2, 2, 1, 1)))
-    temporal = math.prod(video.get("temporal_downsample_factors", (1, 2, 2, 1, 1, 1)))
-    clip, drop = int(video.get("clip_length", 17)), int(video.get("token_drop", 3))
     if spatial != 16 or clip != VAE_FRAMES_PER_CHUNK or math.ceil(clip / temporal) != VAE_LATENTS_PER_CHUNK or drop != 3:
         raise VflashError(f"{decoder_root / 'vae'}: H3 needs x16 spatial and 17-frame / 5-latent chunks with token_drop 3; this VAE has x{spatial}, {clip}/{math.ceil(clip / temporal)}, drop {drop}")
-    rate, hop = int(audio.get("sampling_rate", 32000)), math.prod(audio.get("encoder_rates", (2, 4, 4, 5, 5)))
     if rate != 40 * hop:
         raise VflashError(f"{decoder_root / 'audio_vae'}: H3 needs 40 audio latents per second; this VAE gives {rate / hop:g} ({rate} Hz, hop {hop})")
     return {
-        "text_layers": layers, "text_hidden_size": hidden, "video_latent_channels": int(video.get("latent_channels", 24)),
-        "audio_latent_channels": int(audio.get("latent_channels", 32)), "audio_sample_rate": rate,
+        "text_layers": layers, "text_hidden_size": hidden, "video_latent_channels": video_channels,
+        "audio_latent_channels": audio_channels, "audio_sample_rate": rate,
     }
+
+
+def _path_string(value: object) -> bool:
+    return isinstance(value, str) and bool(value) and "\x00" not in value
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+# What `PreparedAssets.load` reads from a receipt, with what each must be.
+_RECEIPT_FIELDS: tuple[tuple[str, str, Callable[[object], bool]], ...] = (
+    ("profile", "a profile id", lambda v: isinstance(v, str)),
+    ("profile_identity", "an object", lambda v: isinstance(v, dict)),
+    ("compile_id", "a string", lambda v: isinstance(v, str)),
+    *((f"assets.{k}", "a path string" + (" or null" if k == "adapter_path" else ""), (lambda v, k=k: v is None and k == "adapter_path" or _path_string(v))) for k in ASSET_FIELDS),
+    *((f"canvas.{k}", "a positive integer", _positive_int) for k in CanvasRules().to_dict()),
+    ("transformer.num_layers", "a positive integer", _positive_int),
+)
+
+
+def _receipt_value(record: dict, key: str, path: Path) -> object:
+    value: object = record
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise VflashError(f"prepared-assets receipt {path} has no {key}; recreate it with `vflash prepare-pipeline`")
+        value = value[part]
+    return value
 
 
 @dataclass(frozen=True)
@@ -265,19 +246,25 @@ class PreparedAssets:
 
     @classmethod
     def load(cls, receipt: str | Path) -> "PreparedAssets":
-        """Read a receipt written by `prepare_pipeline`; the profile's identity must still match and the assets exist."""
+        """Read a receipt written by `prepare_pipeline`; every field it needs must be present with its type, the
+        profile's identity must still match and the assets exist."""
         path = Path(receipt)
         record = _read_json(path, "prepared-assets receipt")
         if record.get("format") != PIPELINE_FORMAT:
             raise VflashError(f"{path} is not a Vflash prepared-assets receipt (format {record.get('format')!r}, expected {PIPELINE_FORMAT!r}); create one with `vflash prepare-pipeline`")
+        for key, expected, valid in _RECEIPT_FIELDS:
+            value = _receipt_value(record, key, path)
+            if not valid(value):
+                raise VflashError(f"prepared-assets receipt {path}: {key} must be {expected}, got {describe_value(value)}; recreate it with `vflash prepare-pipeline`")
         profile = get_profile(record["profile"])
         check_identity(profile, record["profile_identity"], f"prepared assets {path}")
         assets = {k: None if record["assets"][k] is None else Path(record["assets"][k]) for k in ASSET_FIELDS}
         for name, value in assets.items():
             if value is not None:
                 _require(value, f"{name} of {path}:")
+        canvas = CanvasRules(record["canvas"]["canvas_short_edge"], record["canvas"]["canvas_max_pixels"], record["canvas"]["reference_image_short_edge"])
         return cls(path, profile, assets["model_root"], assets["decoder_root"], assets["adapter_path"], assets["artifact"],
-                   assets["schedule_overlay"], assets["auxiliary_tensor"], CanvasRules(**{k.replace("canvas_", "", 1): v for k, v in record["canvas"].items()}), record)
+                   assets["schedule_overlay"], assets["auxiliary_tensor"], canvas, record)
 
     def session_paths(self) -> dict[str, Path]:
         return {"artifact": self.artifact, "schedule_overlay": self.schedule_overlay, "auxiliary": self.auxiliary_tensor}
@@ -296,13 +283,14 @@ def prepare_pipeline(profile: Profile | str, assets: str | Path, receipt: str | 
     missing, extra = [k for k in ASSET_FIELDS if k not in data], sorted(set(data) - set(ASSET_FIELDS))
     if missing or extra:
         raise VflashError(f"assets file {assets} must have exactly the fields {', '.join(ASSET_FIELDS)}" + (f"; missing {', '.join(missing)}" if missing else "") + (f"; unknown {', '.join(extra)}" if extra else ""))
+    for name in ASSET_FIELDS:
+        if not (_path_string(data[name]) or name == "adapter_path" and data[name] is None):
+            raise VflashError(f"assets file {assets}: {name} must be a path string{' or null' if name == 'adapter_path' else ''}, got {describe_value(data[name])}")
     base = assets.resolve().parent
     paths = {k: None if data[k] is None else (base / Path(data[k]).expanduser()).resolve() for k in ASSET_FIELDS}
-    for name in ASSET_FIELDS:
-        if name != "adapter_path" and paths[name] is None:
-            raise VflashError(f"assets file {assets}: {name} must be a path")
-        if paths[name] is not None:
-            _require(paths[name], f"{name}")
+    for name, value in paths.items():
+        if value is not None:
+            _require(value, name)
     facts = _model_facts(paths["model_root"], paths["decoder_root"])
 
     compiled = CompiledArtifact(paths["artifact"], paths["schedule_overlay"], paths["auxiliary_tensor"])
@@ -376,6 +364,13 @@ def encode_conditions(vaes: MediaVAEs, keyframes: list, references: list) -> tup
     return conditions, encoded
 
 
+def conditioner_prompt_budget(conditioner: TextConditioner) -> PromptBudget | None:
+    """The prompt budget of a loaded text conditioner (None once it is closed)."""
+    if conditioner.text_encoder is None:
+        return None
+    return PromptBudget.of_tokenizer(conditioner.tokenizer, conditioner.text_encoder.config.text_config.max_position_embeddings)
+
+
 def build_request_bundle(
     conditioner: TextConditioner,
     vaes: MediaVAEs,
@@ -384,11 +379,14 @@ def build_request_bundle(
     profile: Profile,
     canvas: CanvasRules | None = None,
     timings: dict[str, float] | None = None,
+    plan: RequestPlan | None = None,
 ) -> BundleHandoff:
     """Read and normalise the request's media, encode text and visual/audio conditions, draw the noise, and hand the
-    bundle over one-shot. `timings` (optional) receives `encode.inputs`, `encode.text`, `encode.vae`, `encode.bundle`."""
+    bundle over one-shot. `timings` (optional) receives `encode.inputs`, `encode.text`, `encode.vae`, `encode.bundle`;
+    `plan` is the request's `plan_request` result when the caller validated it already."""
     canvas = canvas or conditioner.canvas
-    plan = plan_request(request, profile, canvas)
+    if plan is None:
+        plan = plan_request(request, profile, canvas, conditioner_prompt_budget(conditioner))
     geometry = plan.geometry
     t = time.perf_counter()
     keyframes: list[PIL.Image.Image] = []
@@ -419,11 +417,15 @@ def build_request_bundle(
 class H3Pipeline:
     """The complete pipeline around one native session. Compose it from loaded parts, or `from_prepared` (lazy).
 
+    Thread-safe: concurrent first calls load the models once (the first loads, the others wait for it), and requests
+    on one pipeline run one at a time; a request is validated before it waits, so a bad one is refused at once.
+
     Args:
         profile: the profile the session runs (id or `Profile`).
         conditioner, vaes, session: the three loaded parts (ComfyUI loads them separately); all None only when a
             `loader` is given (what `from_prepared` does).
         canvas: the model's canvas rules (default: the conditioner's).
+        prompt_budget: the text encoder's context and tokenizer (default: the conditioner's).
         media_video_input, media_video_threads: MP4 delivery options (`media.write_mp4`).
         profile_denoise: return per-evaluation device timings (`metadata["denoise_profile"]`); a diagnostic.
     """
@@ -436,6 +438,7 @@ class H3Pipeline:
         session: NativeEngineSession | None,
         *,
         canvas: CanvasRules | None = None,
+        prompt_budget: PromptBudget | None = None,
         media_video_input: str = "file",
         media_video_threads: int | None = None,
         profile_denoise: bool = False,
@@ -450,11 +453,14 @@ class H3Pipeline:
             raise IdentityMismatchError(f"the session runs profile {session.profile.id}, the pipeline was given {self.profile.id}")
         self.conditioner, self.vaes, self.session = parts
         self.canvas = canvas or (conditioner.canvas if conditioner is not None else CanvasRules())
+        self.prompt_budget = prompt_budget or (conditioner_prompt_budget(conditioner) if conditioner is not None else None)
         self.media_video_input = media_video_input
         self.media_video_threads = media_video_threads
         self.profile_denoise = profile_denoise
         self._loader = loader
         self._closed = False
+        # Guards loading and running: one request at a time, and the parts never change under a running request.
+        self._lock = threading.RLock()
         self.initialization_seconds = 0.0  # set by prepare(); a pipeline composed from loaded parts has none
 
     @classmethod
@@ -471,7 +477,8 @@ class H3Pipeline:
         profile_denoise: bool = False,
         encoder_residency: str = "offload",
     ) -> "H3Pipeline":
-        """A pipeline over prepared assets that loads nothing until `prepare()` or the first request.
+        """A pipeline over prepared assets that loads nothing until `prepare()` or the first request. The devices
+        are checked now (present on this machine, of the profile's architecture), before anything loads.
 
         `encoder_residency`: on a GPU, "offload" (default) moves the text encoder and the VAEs to the CPU after each
         of their stages, leaving the device to the core; "resident" keeps them on the device after first use, which
@@ -481,9 +488,11 @@ class H3Pipeline:
         if encoder_residency not in ENCODER_RESIDENCIES:
             raise VflashError(f"encoder_residency must be one of {', '.join(ENCODER_RESIDENCIES)}, got {encoder_residency!r}")
         assets = prepared_assets if isinstance(prepared_assets, PreparedAssets) else PreparedAssets.load(prepared_assets)
-        primary = torch.device(f"cuda:{device}") if isinstance(device, int) else torch.device(device)
         if peer_device is not None and strategy is None:
             raise VflashError("a peer GPU needs --strategy sequence-head")
+        primary = check_device(device, assets.profile.arch)
+        if peer_device is not None:
+            check_device(peer_device, assets.profile.arch, "peer device")
 
         def load(progress: PipelineProgress | None) -> tuple[TextConditioner, MediaVAEs, NativeEngineSession]:
             layers = int(assets.record["transformer"]["num_layers"])
@@ -504,8 +513,8 @@ class H3Pipeline:
             return conditioner, vaes, session
 
         return cls(
-            assets.profile, None, None, None, canvas=assets.canvas, media_video_input=media_video_input,
-            media_video_threads=media_video_threads, profile_denoise=profile_denoise, loader=load,
+            assets.profile, None, None, None, canvas=assets.canvas, prompt_budget=PromptBudget.from_model_root(assets.model_root),
+            media_video_input=media_video_input, media_video_threads=media_video_threads, profile_denoise=profile_denoise, loader=load,
         )
 
     # -- lifecycle ----------------------------------------------------------------------------------------------------
@@ -519,23 +528,29 @@ class H3Pipeline:
             raise SessionClosedError("this pipeline is closed (closed, cancelled or failed); create a new H3Pipeline")
 
     def prepare(self, progress: PipelineProgress | None = None) -> None:
-        """Load the text encoder, the VAEs and the native session now; sets `initialization_seconds`."""
+        """Load the text encoder, the VAEs and the native session now (once, whichever thread asks first); sets
+        `initialization_seconds`."""
         self._check_open()
-        if self.prepared:
-            return
-        start = time.perf_counter()
-        assert self._loader is not None
-        self.conditioner, self.vaes, self.session = self._loader(progress)
-        self.initialization_seconds = time.perf_counter() - start
-        logger.info("pipeline %s ready in %.2f s", self.profile.id, self.initialization_seconds)
+        with self._lock:
+            self._check_open()  # closed while this thread waited
+            if self.prepared:
+                return
+            start = time.perf_counter()
+            assert self._loader is not None
+            with MODEL_LOAD_LOCK:
+                self.conditioner, self.vaes, self.session = self._loader(progress)
+            self.initialization_seconds = time.perf_counter() - start
+            logger.info("pipeline %s ready in %.2f s", self.profile.id, self.initialization_seconds)
 
     def close(self) -> None:
-        """Release the session (waits for its devices), the encoder and the VAEs. Idempotent."""
+        """Release the session (waits for its devices and for a running request), the encoder and the VAEs.
+        Idempotent."""
         self._closed = True
-        for part in (self.session, self.conditioner, self.vaes):
-            if part is not None:
-                part.close()
-        self.session = self.conditioner = self.vaes = None
+        with self._lock:
+            for part in (self.session, self.conditioner, self.vaes):
+                if part is not None:
+                    part.close()
+            self.session = self.conditioner = self.vaes = None
 
     def __enter__(self) -> "H3Pipeline":
         return self
@@ -545,10 +560,11 @@ class H3Pipeline:
 
     # -- stages -------------------------------------------------------------------------------------------------------
 
-    def validate(self, request: VideoRequest) -> None:
+    def validate(self, request: VideoRequest) -> RequestPlan:
         """Everything about `request` that can be checked before any model loads; raises `VflashError`."""
         self._check_open()
-        plan_request(request, self.profile, self.canvas)
+        _check_request(request, "validate")
+        return plan_request(request, self.profile, self.canvas, self.prompt_budget)
 
     @property
     def config(self) -> H3Config:
@@ -557,21 +573,24 @@ class H3Pipeline:
 
     def encode(self, request: VideoRequest, timings: dict[str, float] | None = None) -> BundleHandoff:
         """Prompt and media -> a one-shot conditioning handoff for `denoise`."""
-        self._check_open()
-        self.prepare()
-        return build_request_bundle(self.conditioner, self.vaes, request, self.config, self.profile, self.canvas, timings)
+        plan = self.validate(request)
+        with self._lock:
+            self.prepare()
+            return build_request_bundle(self.conditioner, self.vaes, request, self.config, self.profile, self.canvas, timings, plan)
 
     def denoise(self, bundle_or_handoff, progress: Callable[[int, int], None] | None = None) -> GenerationResult:
         """Run the native core; `progress(done, total)` after every evaluation (it may raise to abort)."""
         self._check_open()
-        self.prepare()
-        return self.session.generate(bundle_or_handoff, progress=progress, profile_denoise=self.profile_denoise)
+        with self._lock:
+            self.prepare()
+            return self.session.generate(bundle_or_handoff, progress=progress, profile_denoise=self.profile_denoise)
 
     def decode(self, video_latents: torch.Tensor, audio_latents: torch.Tensor) -> DecodedMedia:
         """(1, C, F, h, w) and (2, C_a, A) normalised latents -> frames and stereo waveform."""
         self._check_open()
-        self.prepare()
-        return self.vaes.decode(video_latents, audio_latents)
+        with self._lock:
+            self.prepare()
+            return self.vaes.decode(video_latents, audio_latents)
 
     # -- one request --------------------------------------------------------------------------------------------------
 
@@ -584,18 +603,27 @@ class H3Pipeline:
         cancel: Callable[[], None] | None = None,
     ) -> VideoResult:
         """Generate one clip and write it to `output` (MP4; None keeps the decoded media in the result)."""
-        self._check_open()
-        stages: dict[str, float] = {}
         start = time.perf_counter()
-        plan = plan_request(request, self.profile, self.canvas)
+        plan = self.validate(request)
         if output is not None:
             check_writable_destination(output, overwrite)
-        stages["validate"] = time.perf_counter() - start
+        validated = time.perf_counter() - start
+        with self._lock:
+            return self._run(request, plan, output, overwrite, progress, cancel, validated)
+
+    def _run(
+        self, request: VideoRequest, plan: RequestPlan, output: str | Path | None, overwrite: bool,
+        progress: PipelineProgress | None, cancel: Callable[[], None] | None, validated: float,
+    ) -> VideoResult:
+        """One validated request, under the pipeline's lock; the clock starts after any wait for the lock."""
+        start = time.perf_counter() - validated
+        stages: dict[str, float] = {"validate": validated}
         initialization = 0.0
         if not self.prepared:
             load_start = time.perf_counter()
             self.prepare(progress)
             initialization = time.perf_counter() - load_start
+        self._check_open()  # closed while this request waited
 
         def poll() -> None:
             if cancel is not None:
@@ -611,7 +639,7 @@ class H3Pipeline:
         try:
             poll()
             t = time.perf_counter()
-            handoff = build_request_bundle(self.conditioner, self.vaes, request, self.config, self.profile, self.canvas, stages)
+            handoff = build_request_bundle(self.conditioner, self.vaes, request, self.config, self.profile, self.canvas, stages, plan)
             stages["encode"] = time.perf_counter() - t
             report("encode", 1, 1)
             poll()

@@ -26,7 +26,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .errors import RequestError
+from .errors import RequestError, VflashError
+from .fileio import check_input_file
 from .layout import FPS, MAX_ASPECT_RATIO, MIN_ASPECT_RATIO, resolve_canvas_size
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
@@ -35,6 +36,12 @@ AUDIO_EXTENSIONS = (".wav", ".mp3", ".flac", ".ogg", ".m4a", ".aac", ".opus")
 CANVAS_MULTIPLE = 32
 # Limits of the released checkpoint (diffusers' Ref2VA setup step).
 MAX_IMAGES, MAX_VIDEOS, MAX_AUDIOS, MAX_REFERENCES = 9, 3, 3, 12
+# What one input file may decode to. The readers decode a whole file before it is cut to the clip (15 s at most), so
+# these bound the memory and time a single input can cost; they are checked from headers and packet times only.
+MAX_INPUT_IMAGE_PIXELS = 1 << 26  # 67 MP, e.g. 8192 x 8192 (below PIL's decompression-bomb warning)
+MAX_INPUT_SECONDS = 300.0  # a reference video or audio file
+MAX_INPUT_VIDEO_BYTES = 4 << 30  # a reference video's decoded RGB frames, e.g. 1080p at 30 fps for 23 s
+_EXIF_ORIENTATION = 0x0112
 
 
 @dataclass(frozen=True)
@@ -50,13 +57,19 @@ class CanvasRules:
     @classmethod
     def from_model_root(cls, root: str | Path) -> "CanvasRules":
         index = Path(root) / "modular_model_index.json"
-        values = json.loads(index.read_text()) if index.is_file() else {}
         default = cls()
-        return cls(
-            int(values.get("canvas_short_edge", default.short_edge)),
-            int(values.get("canvas_max_pixels", default.max_pixels)),
-            int(values.get("reference_image_short_edge", default.reference_image_short_edge)),
-        )
+        try:
+            values = json.loads(index.read_text(encoding="utf-8")) if index.is_file() else {}
+            rules = cls(
+                int(values.get("canvas_short_edge", default.short_edge)),
+                int(values.get("canvas_max_pixels", default.max_pixels)),
+                int(values.get("reference_image_short_edge", default.reference_image_short_edge)),
+            )
+        except (OSError, ValueError, TypeError, AttributeError) as exc:  # unreadable, not JSON, not an object, not numbers
+            raise VflashError(f"{index} does not hold the model's canvas rules: {exc}") from None
+        if min(rules.short_edge, rules.max_pixels, rules.reference_image_short_edge) <= 0:
+            raise VflashError(f"{index}: canvas rules must be positive, got {rules.to_dict()}")
+        return rules
 
     def default_canvas(self, aspect_width: float = 16, aspect_height: float = 9) -> tuple[int, int]:
         """(height, width) for an aspect ratio, by the released rule."""
@@ -69,7 +82,7 @@ class CanvasRules:
 # -- reading -------------------------------------------------------------------------------------------------------
 
 
-def reference_kind(item: str | Path | Image.Image) -> str:
+def reference_kind(item: str | Path | Image.Image, what: str = "reference") -> str:
     """`"image"`, `"video"` or `"audio"` from a PIL image or a file extension."""
     if isinstance(item, Image.Image):
         return "image"
@@ -78,52 +91,90 @@ def reference_kind(item: str | Path | Image.Image) -> str:
         if suffix in extensions:
             return kind
     raise RequestError(
-        f"reference {item}: unknown media type {suffix or '(no extension)'!r}; images {', '.join(IMAGE_EXTENSIONS)}, "
+        f"{what} {item}: unknown media type {suffix or '(no extension)'!r}; images {', '.join(IMAGE_EXTENSIONS)}, "
         f"videos {', '.join(VIDEO_EXTENSIONS)}, audio {', '.join(AUDIO_EXTENSIONS)}"
     )
 
 
-def check_media_file(item: str | Path | Image.Image, what: str) -> None:
-    """Cheap readability check before any model loads: the file exists, opens, and has the stream it needs."""
+@dataclass(frozen=True)
+class MediaProbe:
+    """What a media input's headers say: its kind, an image's displayed (width, height), whether a video has sound."""
+
+    kind: str
+    size: tuple[int, int] | None = None
+    has_soundtrack: bool = False
+
+
+def probe_media(item: str | Path | Image.Image, what: str) -> MediaProbe:
+    """Check a media input before any model loads, from its headers and packet times (no pixels or samples are
+    decoded): a readable regular file of a known kind that opens, has the stream it needs and stays within the
+    input limits. Raises `RequestError` naming `what`."""
     if isinstance(item, Image.Image):
-        return
-    path = Path(item)
-    if not path.is_file():
-        raise RequestError(f"{what} {path} does not exist")
-    kind = reference_kind(path)
+        return MediaProbe("image", item.size)
+    path = check_input_file(item, what, RequestError)
+    kind = reference_kind(path, what)
     try:
         if kind == "image":
-            with Image.open(path) as image:
-                image.verify()
-            return
-        import av
-
-        with av.open(str(path)) as container:
-            if kind == "video" and not container.streams.video:
-                raise RequestError(f"{what} {path} has no video stream")
-            if kind == "audio" and not container.streams.audio:
-                raise RequestError(f"{what} {path} has no audio stream")
+            return _probe_image(path, what)
+        return _probe_stream(path, kind, what)
     except RequestError:
         raise
     except Exception as exc:  # PIL and FFmpeg raise many types for unreadable files
         raise RequestError(f"{what} {path} cannot be read as {kind}: {exc}") from None
 
 
-def video_has_soundtrack(item: str | Path) -> bool:
+def _probe_image(path: Path, what: str) -> MediaProbe:
+    with Image.open(path) as image:
+        width, height = image.size
+        if width * height > MAX_INPUT_IMAGE_PIXELS:
+            raise RequestError(f"{what} {path} is {width}x{height} pixels; images of at most {MAX_INPUT_IMAGE_PIXELS / 1e6:.0f} megapixels are accepted")
+        orientation = image.getexif().get(_EXIF_ORIENTATION)
+    with Image.open(path) as image:  # `verify` must come first after opening, and leaves the image unusable
+        image.verify()
+    if orientation in (5, 6, 7, 8):  # EXIF transposes: displayed the other way round (as `load_image` returns it)
+        width, height = height, width
+    return MediaProbe("image", (width, height))
+
+
+def _probe_stream(path: Path, kind: str, what: str) -> MediaProbe:
     import av
 
-    with av.open(str(item)) as container:
-        return bool(container.streams.audio)
+    with av.open(str(path)) as container:
+        streams = container.streams.video if kind == "video" else container.streams.audio
+        if not streams:
+            raise RequestError(f"{what} {path} has no {kind} stream")
+        stream = streams[0]
+        frame_bytes = 3 * stream.codec_context.width * stream.codec_context.height if kind == "video" else 0
+        max_packets = MAX_INPUT_VIDEO_BYTES // frame_bytes if frame_bytes else None
+        seconds, packets = _stream_extent(container, stream, max_packets)
+        if seconds > MAX_INPUT_SECONDS:
+            raise RequestError(f"{what} {path} lasts more than {MAX_INPUT_SECONDS:g} s; trim it (at most the clip's length is used)")
+        if max_packets is not None and packets > max_packets:
+            raise RequestError(
+                f"{what} {path} decodes to more than {MAX_INPUT_VIDEO_BYTES / (1 << 30):g} GiB of frames "
+                f"({stream.codec_context.width}x{stream.codec_context.height}); trim it to the clip's length or scale it down"
+            )
+        return MediaProbe(kind, has_soundtrack=kind == "video" and bool(container.streams.audio))
 
 
-def image_size(item: str | Path | Image.Image) -> tuple[int, int]:
-    """(width, height) as displayed, without decoding the pixels."""
-    if isinstance(item, Image.Image):
-        return item.size
-    from PIL import ImageOps
-
-    with Image.open(item) as image:
-        return ImageOps.exif_transpose(image).size
+def _stream_extent(container, stream, max_packets: int | None) -> tuple[float, int]:
+    """(seconds, packets) of one stream from its packets' times, without decoding; stops once past a limit, so a
+    header that lies about the length cannot hide a long file."""
+    start = end = None
+    packets = 0
+    for packet in container.demux(stream):
+        if packet.size == 0:  # the demuxer's final empty packet
+            continue
+        packets += 1
+        if packet.pts is not None and packet.time_base is not None:
+            begin = float(packet.pts * packet.time_base)
+            start = begin if start is None else min(start, begin)
+            stop = float((packet.pts + (packet.duration or 0)) * packet.time_base)
+            end = stop if end is None else max(end, stop)
+        seconds = 0.0 if start is None else end - start
+        if seconds > MAX_INPUT_SECONDS or (max_packets is not None and packets > max_packets):
+            break
+    return (0.0 if start is None else end - start), packets
 
 
 def load_image(item: str | Path | Image.Image) -> Image.Image:
