@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
+import math
 import os
 from pathlib import Path
 
 from .cli_generate import _device_arguments
-from .errors import VflashError
+from .errors import RunFailedError, VflashError
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     _device_arguments(p)  # the same device and delivery options as `vflash generate`
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback; anything else wants --token)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--output-dir", type=Path, required=True, help="where finished videos are published")
+    p.add_argument("--output-dir", type=Path, required=True, help="where finished videos are published (created if missing)")
     p.add_argument("--input-dir", type=Path, help="allow request inputs given as paths inside this folder")
     p.add_argument("--max-queue", type=int, default=16, help="queued jobs before 429 (default 16)")
     p.add_argument("--keep-finished-jobs", type=int, default=1000,
@@ -44,6 +45,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     if args.peer_gpu is not None and args.gpu is None:
         raise VflashError("--peer-gpu needs --gpu")
+    if not 0 <= args.port <= 65535:
+        raise VflashError(f"--port must be from 0 to 65535, got {args.port}")
+    if not math.isfinite(args.max_upload_mb) or args.max_upload_mb <= 0:  # before it becomes a byte count
+        raise VflashError(f"--max-upload-mb must be a positive number, got {args.max_upload_mb:g}")
     if args.demo:
         from .demo import ensure_demo_assets
 
@@ -51,7 +56,7 @@ def _serve(args: argparse.Namespace) -> int:
     else:
         prepared = args.prepared_assets
     config = ServiceConfig(
-        prepared_assets=prepared, output_dir=args.output_dir,
+        prepared_assets=prepared, output_dir=args.output_dir, create_output_dir=True,
         device="cpu" if args.gpu is None else f"cuda:{args.gpu}",
         peer_device=None if args.peer_gpu is None else f"cuda:{args.peer_gpu}", strategy=args.strategy,
         attention_backend=args.attention_backend, weight_residency=args.weight_residency, encoder_residency=args.encoder_residency,
@@ -63,7 +68,11 @@ def _serve(args: argparse.Namespace) -> int:
     if not is_loopback(args.host) and config.token is None:
         logger.warning("serving on %s without a token: anyone who can reach this address can submit jobs; "
                        "set VFLASH_SERVICE_TOKEN (or --token), or bind 127.0.0.1", args.host)
-    web.run_app(create_app(config), host=args.host, port=args.port, access_log=logging.getLogger("vflash.access"))
+    app = create_app(config)
+    try:
+        web.run_app(app, host=args.host, port=args.port, access_log=logging.getLogger("vflash.access"))
+    except OSError as exc:  # the address cannot be bound: in use, not this machine's, not resolvable
+        raise RunFailedError(f"cannot serve on {args.host}:{args.port}: {exc.strerror or exc}") from None
     return 0
 
 

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import VflashError
+from ..fileio import check_input_file
+from ..media import check_delivery_options
 from .worker import WorkerConfig
 
 MIB = 2**20
@@ -32,16 +35,19 @@ class ServiceConfig:
     token: str | None = None  # bearer token required on every endpoint but /healthz and /readyz
     cancel_grace_seconds: float = 10.0  # how long a cancelled or stopping worker may take before it is killed
     log_level: int = field(default=logging.INFO)
+    create_output_dir: bool = False  # create a missing output folder (its parent must exist) once all else checks out
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise paths once, here
         set_(self, "prepared_assets", Path(self.prepared_assets).resolve())
         set_(self, "output_dir", Path(self.output_dir).resolve())
-        if not self.prepared_assets.is_file():
-            raise VflashError(f"prepared assets {self.prepared_assets} do not exist")
-        if not self.output_dir.is_dir():
-            raise VflashError(f"output folder {self.output_dir} does not exist")
-        if not os.access(self.output_dir, os.W_OK):
+        check_input_file(self.prepared_assets, "prepared assets")
+        create = self.create_output_dir and not os.path.lexists(self.output_dir)
+        if create and not self.output_dir.parent.is_dir():
+            raise VflashError(f"output folder {self.output_dir} cannot be created: {self.output_dir.parent} is not a folder")
+        if not create and not self.output_dir.is_dir():
+            raise VflashError(f"output folder {self.output_dir} {'is not a folder' if os.path.lexists(self.output_dir) else 'does not exist'}")
+        if not os.access(self.output_dir.parent if create else self.output_dir, os.W_OK):
             raise VflashError(f"output folder {self.output_dir} is not writable")
         if self.input_dir is not None:
             set_(self, "input_dir", Path(self.input_dir).resolve())
@@ -53,12 +59,15 @@ class ServiceConfig:
             raise VflashError(f"keep_finished_jobs must be 0 or more, got {self.keep_finished_jobs}")
         if self.max_upload_bytes < 1:
             raise VflashError(f"max_upload_bytes must be positive, got {self.max_upload_bytes}")
-        if self.cancel_grace_seconds <= 0:
+        if not math.isfinite(self.cancel_grace_seconds) or self.cancel_grace_seconds <= 0:
             raise VflashError(f"cancel_grace_seconds must be positive, got {self.cancel_grace_seconds}")
         if self.token is not None and not self.token.strip():
             raise VflashError("the bearer token is empty")
         if self.strategy is not None and self.peer_device is None:
             raise VflashError(f"strategy {self.strategy!r} needs a peer device")
+        check_delivery_options(self.media_video_input, self.media_video_threads)
+        if create:
+            self.output_dir.mkdir()
 
     def worker_config(self, scratch_dir: Path) -> WorkerConfig:
         return WorkerConfig(

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import re
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 from aiohttp import BodyPartReader, web
+from aiohttp.http_exceptions import HttpProcessingError
 
 FILE_FIELDS = ("first_frame", "last_frame", "references")
 SCALAR_FIELDS = ("prompt", "duration_seconds", "seed", "width", "height")
@@ -51,11 +51,20 @@ class InputPolicy:
 async def read_submission(request: web.Request, upload_dir: Path, policy: InputPolicy) -> dict[str, Any]:
     """The request's fields as `VideoRequest` keyword arguments; file inputs become local paths (str)."""
     if request.content_type == "application/json":
-        return _request_fields(_parse_json(await request.read(), "the request body"), policy, {})
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:  # the server's body limit, answered in this API's JSON form
+            limit = request.client_max_size
+            raise http_error(web.HTTPRequestEntityTooLarge, f"the request body exceeds {limit} bytes",
+                             max_size=limit, actual_size=request.content_length or limit + 1) from None
+        return _request_fields(_parse_json(raw, "the request body"), policy, {})
     if request.content_type == "multipart/form-data":
         if request.content_length is not None and request.content_length > policy.max_upload_bytes + MAX_REQUEST_JSON_BYTES:
             raise _too_large(policy, request.content_length)
-        body, uploads = await _read_multipart(request, upload_dir, policy)
+        try:
+            body, uploads = await _read_multipart(request, upload_dir, policy)
+        except (HttpProcessingError, ValueError) as exc:  # aiohttp's parser: bad boundary, headers (a NUL byte), framing
+            raise bad_request(f"the multipart body is malformed: {getattr(exc, 'message', None) or exc}") from None
         return _request_fields(body, policy, uploads)
     raise http_error(web.HTTPUnsupportedMediaType, f"send application/json or multipart/form-data, not {request.content_type!r}")
 
@@ -71,19 +80,14 @@ def _parse_json(raw: bytes, what: str) -> dict[str, Any]:
 
 
 def _request_fields(body: dict[str, Any], policy: InputPolicy, uploads: dict[str, list[Path]]) -> dict[str, Any]:
+    """Scalars pass through as given: `VideoRequest` checks their types (one validator); file fields become local
+    paths. A path field may be one path string or, for references, a list of them."""
     unknown = sorted(set(body) - set(SCALAR_FIELDS) - set(FILE_FIELDS))
     if unknown:
         raise bad_request(f"unknown field(s) {', '.join(unknown)}; accepted: {', '.join(SCALAR_FIELDS + FILE_FIELDS)}")
-    if not isinstance(body.get("prompt"), str):
-        raise bad_request("prompt is required and must be a string")
-    fields: dict[str, Any] = {"prompt": body["prompt"]}
-    if "seed" in body:
-        fields["seed"] = _integer("seed", body["seed"])
-    for name in ("width", "height"):  # null: the profile's default canvas
-        if body.get(name) is not None:
-            fields[name] = _integer(name, body[name])
-    if "duration_seconds" in body:
-        fields["duration_seconds"] = _seconds(body["duration_seconds"])
+    if "prompt" not in body:
+        raise bad_request("prompt is required")
+    fields: dict[str, Any] = {name: body[name] for name in SCALAR_FIELDS if name in body}
     for name in FILE_FIELDS:
         if name in body and name in uploads:
             raise bad_request(f"{name} was given both as a path and as an upload")
@@ -96,22 +100,11 @@ def _request_fields(body: dict[str, Any], policy: InputPolicy, uploads: dict[str
         fields["references"] = tuple(str(path) for path in uploads["references"])
     elif body.get("references") is not None:
         refs = body["references"]
-        if not isinstance(refs, list):
-            raise bad_request(f"references must be a list of paths, got {type(refs).__name__}")
+        if not isinstance(refs, (str, list)):
+            raise bad_request(f"references must be a path or a list of paths, got {type(refs).__name__}")
+        refs = [refs] if isinstance(refs, str) else refs
         fields["references"] = tuple(str(resolve_input_path(_string("references", ref), policy)) for ref in refs)
     return fields
-
-
-def _integer(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise bad_request(f"{name} must be an integer, got {json.dumps(value)}")
-    return value
-
-
-def _seconds(value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise bad_request(f"duration_seconds must be a number, got {json.dumps(value)}")
-    return float(value)
 
 
 def _string(name: str, value: object) -> str:

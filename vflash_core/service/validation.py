@@ -1,8 +1,8 @@
-"""The CLI's request validation, run in the HTTP process before a job is queued.
+"""The request validator of the HTTP process, run before a job is queued.
 
-It uses a lazy `H3Pipeline` opened from the same prepared-assets receipt as the worker: `validate` checks the
-canvas, duration, mode, image count and `<Picture N>` labels against the profile, and the input files, without
-loading a model or touching the device (the parent must never initialise CUDA; seed 001).
+It runs the pipeline's own validator (`validation.plan_request`: canvas, duration, mode, counts, labels, prompt
+length, input files) against the profile, canvas rules and prompt budget of the served receipt. It holds no pipeline
+and checks no device: the worker does that, and this process never initialises CUDA (seed 001).
 """
 
 from __future__ import annotations
@@ -14,18 +14,18 @@ from .config import ServiceConfig
 
 class RequestValidator:
     def __init__(self, config: ServiceConfig):
-        from ..pipeline import H3Pipeline
+        from ..pipeline import PreparedAssets
+        from ..validation import PromptBudget
 
-        self._pipeline = H3Pipeline.from_prepared(
-            config.prepared_assets, device=config.device, peer_device=config.peer_device, strategy=config.strategy,
-            attention_backend=config.attention_backend, weight_residency=config.weight_residency, encoder_residency=config.encoder_residency,
-            media_video_input=config.media_video_input, media_video_threads=config.media_video_threads,
-        )
+        assets = PreparedAssets.load(config.prepared_assets)
+        self._profile, self._canvas = assets.profile, assets.canvas
+        self._prompt_budget = PromptBudget.from_model_root(assets.model_root)
 
     def __call__(self, fields: dict[str, Any]) -> Any:
         """A validated `VideoRequest` from its keyword arguments; raises `VflashError` with the reason."""
         from ..pipeline import VideoRequest
+        from ..validation import plan_request
 
         request = VideoRequest(**fields)
-        self._pipeline.validate(request)
+        plan_request(request, self._profile, self._canvas, self._prompt_budget)
         return request

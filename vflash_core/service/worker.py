@@ -129,7 +129,7 @@ def worker_main(config: WorkerConfig, orders: Connection, events: Connection, ca
 
 
 def _open_pipeline(config: WorkerConfig) -> tuple[Any, dict[str, Any]]:
-    """Open the lazy pipeline and run the profile and device checks; loads no model."""
+    """Open the lazy pipeline, which checks the devices against the profile; loads no model."""
     from ..pipeline import H3Pipeline
 
     pipeline = H3Pipeline.from_prepared(
@@ -140,29 +140,18 @@ def _open_pipeline(config: WorkerConfig) -> tuple[Any, dict[str, Any]]:
     info: dict[str, Any] = {"profile": pipeline.profile.id, "strategy": config.strategy}
     for role, device in (("device", config.device), ("peer_device", config.peer_device)):
         if device is not None:
-            info[role] = check_device(device, pipeline.profile.arch, role)
+            info[role] = _describe_device(device)
     return pipeline, info
 
 
-def check_device(name: str, arch: str, role: str = "device") -> str:
-    """The device exists and has the architecture the profile's tables were computed on (what the session checks
-    again at load, here before any weight moves). Runs only in the worker: it initialises CUDA."""
+def _describe_device(name: str) -> str:
+    """`cpu`, or `cuda:N (GPU name, smXY)`, for the readiness report. Runs only in the worker: it initialises CUDA."""
     import torch
 
     from ..compiler import device_arch
-    from ..errors import VflashError
 
     device = torch.device(name)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise VflashError(f"{role} {name}: CUDA is not available on this machine")
-        count = torch.cuda.device_count()
-        if device.index is not None and device.index >= count:
-            raise VflashError(f"{role} {name}: this machine has {count} CUDA device(s)")
-    found = device_arch(device)
-    if found != arch:
-        raise VflashError(f"the profile was compiled for {arch}; {role} {name} is {found}")
-    return name if device.type == "cpu" else f"{name} ({torch.cuda.get_device_name(device)}, {found})"
+    return name if device.type == "cpu" else f"{name} ({torch.cuda.get_device_name(device)}, {device_arch(device)})"
 
 
 def _run(pipeline: Any, order: JobOrder, events: Connection, cancel: Event) -> bool:
