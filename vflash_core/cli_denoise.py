@@ -29,11 +29,16 @@ def _denoise(args: argparse.Namespace) -> int:
 
     from .bundle import ConditioningBundle
     from .fileio import check_writable_destination
+    from .profiles import get_profile
     from .session import NativeEngineSession
+    from .validation import check_device
 
     check_writable_destination(args.output_latents)
+    arch = get_profile(args.profile).arch
+    device = check_device("cpu" if args.gpu is None else args.gpu, arch)
+    for peer in args.peer_gpu or ():
+        check_device(peer, arch, "peer device")
     bundle = ConditioningBundle.load(args.bundle)
-    device = "cpu" if args.gpu is None else f"cuda:{args.gpu}"
     with tqdm(desc="load weights", unit="block") as load_bar:
         def on_load(done: int, total: int) -> None:
             load_bar.total = total

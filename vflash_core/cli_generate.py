@@ -7,7 +7,6 @@ import json
 import sys
 from pathlib import Path
 
-from .errors import VflashError
 
 _BARS = {"build family": ("build demo family", "step"), "load": ("load models", "part"), "encode": ("encode", "stage"), "denoise": ("denoise", "eval"), "decode": ("decode", "stream"), "write": ("write mp4", "file")}
 
@@ -101,13 +100,12 @@ def _prepare_pipeline(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from .fileio import read_text_file
     from .pipeline import H3Pipeline, VideoRequest
+    from .validation import MAX_PROMPT_BYTES
 
     if args.prompt_file is not None:
-        try:
-            prompt = args.prompt_file.read_text(encoding="utf-8").strip()
-        except OSError as exc:
-            raise VflashError(f"cannot read --prompt-file {args.prompt_file}: {exc.strerror}") from None
+        prompt = read_text_file(args.prompt_file, "--prompt-file", MAX_PROMPT_BYTES).strip()
     else:
         prompt = args.prompt
     request = VideoRequest(

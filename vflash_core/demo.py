@@ -124,15 +124,15 @@ def run_demo(output: str | Path | None = None, overwrite: bool = False, cache_di
     demo.mp4, demo-2.mp4, ..."""
     from .pipeline import H3Pipeline, VideoRequest
 
+    target = Path(output) if output is not None else _free_output()
+    try:
+        check_writable_destination(target, overwrite)  # before the family is built: a bad output costs nothing
+    except OutputExistsError as exc:
+        raise VflashError(f"{exc} (pass --overwrite, or another --output)") from None
     built = not demo_receipt_path(cache_dir).is_file()
     start = time.perf_counter()
     receipt = ensure_demo_assets(cache_dir, progress)
     build = time.perf_counter() - start
-    target = Path(output) if output is not None else _free_output()
-    try:
-        check_writable_destination(target, overwrite)
-    except OutputExistsError as exc:
-        raise VflashError(f"{exc} (pass --overwrite, or another --output)") from None
     request = VideoRequest(prompt=DEMO_PROMPT, duration_seconds=5.0, seed=DEMO_SEED)
     with H3Pipeline.from_prepared(receipt, **pipeline_options) as pipeline:
         pipeline.validate(request)

@@ -22,6 +22,7 @@ Targets: `blocks.{i}.attn.qkv` (three row ranges q, k, v), `attn.out`, `ffn.in` 
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,8 +101,11 @@ class Adapter:
 
 def load_adapter(path: str | Path, config: H3Config, strength: float = 1.0) -> Adapter:
     """Parse a LoRA safetensors file onto the internal linear names of a model with `config`."""
+    if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not math.isfinite(strength):
+        raise WeightFileError(f"{path}: LoRA strength must be a finite number, got {strength!r}")
     store = TensorStore(path)
     state = store.read(store.names)
+    _check_values(state, Path(path))
     has_alpha_tensors = any(k.endswith(".alpha") for k in state)
     network_alpha = None
     if not has_alpha_tensors and "alpha" in store.metadata:
@@ -109,6 +113,8 @@ def load_adapter(path: str | Path, config: H3Config, strength: float = 1.0) -> A
             network_alpha = float(store.metadata["alpha"])
         except ValueError:
             raise WeightFileError(f"{path}: `__metadata__` alpha {store.metadata['alpha']!r} is not a number") from None
+        if not math.isfinite(network_alpha) or network_alpha <= 0:
+            raise WeightFileError(f"{path}: `__metadata__` alpha must be a positive finite number, got {store.metadata['alpha']!r}")
     alpha_source = "tensor" if has_alpha_tensors else ("metadata" if network_alpha is not None else "none")
 
     original = any(k.startswith(("diffusion_model.", "blocks.", "token_refiner.blocks.", "final_layer.", "lora_unet_")) for k in state)
@@ -139,6 +145,32 @@ def load_adapter(path: str | Path, config: H3Config, strength: float = 1.0) -> A
     adapter.residuals = {k: sorted(v, key=lambda r: r.row_start) for k, v in sorted(adapter.residuals.items())}
     _validate_shapes(adapter, config)
     return adapter
+
+
+_FACTOR = re.compile(r".*\.lora_(A|B|down|up)(\.default)?\.weight$")
+
+
+def _check_values(state: dict[str, torch.Tensor], path: Path) -> None:
+    """Factors are non-empty finite float matrices and each `.alpha` one positive finite number, checked before
+    they are used (a 0-d factor has no rank; a NaN or infinite value would poison every output it touches; alpha
+    <= 0 has no meaning and would never finish folding). Keys of neither kind are left to the unknown-key report."""
+    problems = []
+    for key, tensor in sorted(state.items()):
+        if key.endswith(".alpha"):
+            value = float(tensor.float().reshape(-1)[0]) if tensor.numel() == 1 else None
+            if value is None or not math.isfinite(value) or value <= 0:
+                shown = f"shape {list(tensor.shape)}" if value is None else f"{value:g}"
+                problems.append(f"{key} must be one positive finite number, got {shown}")
+        elif _FACTOR.match(key):
+            if tensor.ndim != 2 or 0 in tensor.shape:
+                problems.append(f"{key} must be a non-empty matrix, got shape {list(tensor.shape)}")
+            elif not tensor.is_floating_point():
+                problems.append(f"{key} must hold floating-point values, got {tensor.dtype}")
+            elif not bool(torch.isfinite(tensor).all()):
+                problems.append(f"{key} holds NaN or infinite values")
+    if problems:
+        shown = "; ".join(problems[:8]) + (f" (+{len(problems) - 8} more)" if len(problems) > 8 else "")
+        raise WeightFileError(f"{path}: LoRA file rejected: {shown}")
 
 
 def _diffusers_pairs(state: dict[str, torch.Tensor], path: Path) -> dict[tuple[str, int | None], tuple[torch.Tensor, torch.Tensor]]:
