@@ -47,7 +47,10 @@ class Server:
             (work / d).mkdir(parents=True, exist_ok=True)
         for image in (REPO / "workflows" / "inputs").glob("*.png"):
             shutil.copy(image, work / "input" / image.name)
-        (work / "extra_paths.yaml").write_text(f"vflash_test:\n    custom_nodes: {work / 'nodes'}\n    vflash: {work / 'models' / 'vflash'}\n")
+        (work / "extra_paths.yaml").write_text(
+            f"vflash_test:\n    custom_nodes: {work / 'nodes'}\n    vflash: {work / 'models' / 'vflash'}\n"
+            f"    diffusion_models: {work / 'models' / 'diffusion_models'}\n"
+        )
         env = {**os.environ, "VFLASH_CACHE": str(work / "cache")}
         self.log = open(work / "server.log", "w")
         self.proc = subprocess.Popen(
@@ -222,3 +225,43 @@ def test_interrupt_then_next_run_succeeds(server, tmp_path):
     again = asyncio.run(server.run_prompt(_workflow("t2va", SMALL, seed=12)))
     assert again["status"] == "success"
     assert len(server.history_files(again["prompt_id"], tmp_path)) == 1
+
+
+# -- early refusal and core's text conditioning ------------------------------------------------------------------------
+
+
+def test_sm90_profile_on_cpu_is_refused_at_validation_before_any_model_loads(server):
+    """Official weights with an sm90 profile on this CPU-only server: ComfyUI rejects the graph when it is queued
+    (HTTP 400 naming the loader), nothing executes, and no receipt or compiled folder is written."""
+    from safetensors.torch import save_file
+
+    from vflash_core import synthetic
+    from vflash_core.config import H3Config
+
+    models = server.work / "models"
+    (models / "diffusion_models").mkdir(parents=True, exist_ok=True)
+    tiny = H3Config.preset("tiny")
+    synthetic.write_original_transformer(models / "diffusion_models" / "h3_sm90.safetensors", tiny, synthetic.random_internal_weights(tiny, seed=2))
+    save_file({"x": __import__("torch").zeros(1)}, str(models / "diffusion_models" / "unrelated.safetensors"))
+    workflow = _workflow("t2va", {"1": {"model": "diffusion_models/h3_sm90.safetensors", "profile": "t2va-base16-bf16-sm90"}})
+    result = asyncio.run(server.run_prompt(workflow))
+    assert result["status"] == "rejected" and result["http_status"] == 400, result
+    errors = result["body"]["node_errors"]["1"]["errors"]
+    assert any("runs on sm90 GPUs" in e["details"] and "cpu" in e["details"] for e in errors), errors
+    assert "Vflash: preparing" not in server.tail(400) and not list((server.work / "models" / "vflash").rglob("*receipt*"))
+
+
+def test_core_text_conditioning_vs_diffusers_hidden_state_50(server):
+    """Core's own MiniMax-H3 text encoder (`CLIPLoader(type="minimax")` code: detection, loader, tokenizer, Qwen3-VL)
+    on a small random Qwen3-VL written as a Comfy-Org file, against transformers' hidden_states[50] on the same
+    weights and token ids. Measured (ComfyUI 0.33.0): not bitwise; fp32 differs by ~2e-6 (values up to ~5), and a
+    bf16 file by up to ~0.17 (core returns fp32 from its own casting order). The node description and the sampler's
+    vflash_notes say so."""
+    python = os.environ.get("COMFYUI_PYTHON", sys.executable)
+    probe = REPO / "tests" / "comfy_core_probe" / "measure_text.py"
+    out = subprocess.run([python, str(probe)], cwd=COMFYUI_ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {r["dtype"]: r for r in (json.loads(line) for line in out.stdout.splitlines() if line.startswith("{"))}
+    assert set(rows) == {"fp32", "bf16"}
+    assert not rows["fp32"]["bitwise_equal"] and rows["fp32"]["max_abs_diff"] < 1e-4
+    assert not rows["bf16"]["bitwise_equal"] and rows["bf16"]["max_abs_diff"] < 0.5
