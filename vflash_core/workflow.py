@@ -57,6 +57,10 @@ def types_compatible(output_type: str, input_type: str) -> bool:
     return a <= b or b <= a
 
 
+# Python types a widget value of each io type may have, checked before anything runs (an INT is never a bool).
+_WIDGET_TYPES = {"INT": (int,), "FLOAT": (int, float), "BOOLEAN": (bool,), "STRING": (str,)}
+
+
 def is_link(value: Any) -> bool:
     return isinstance(value, list) and len(value) == 2 and isinstance(value[0], str) and isinstance(value[1], int)
 
@@ -142,6 +146,9 @@ def plan(workflow: Mapping[str, Mapping[str, Any]], node_types: Mapping[str, Nod
                 problems.append(f"node {nid} ({spec.class_type}): unknown input {name!r}")
                 continue
             if not is_link(value):
+                expected = _WIDGET_TYPES.get(spec.inputs[name])
+                if expected is not None and (not isinstance(value, expected) or isinstance(value, bool) != (bool in expected)):
+                    problems.append(f"node {nid} ({spec.class_type}).{name} takes {spec.inputs[name]}, got {json.dumps(value)}")
                 continue
             src_id, index = value
             if src_id not in workflow:
