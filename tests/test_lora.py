@@ -169,6 +169,39 @@ def test_factors_that_do_not_fit_are_rejected(lora_dir):
         load_adapter(lora_dir / "misfit.safetensors", TINY)
 
 
+BAD_VALUES = {
+    "nan-factor": (lambda s: s["diffusion_model.blocks.0.mlp.fc1.lora_up.weight"].__setitem__((0, 0), float("nan")), None,
+                   r"blocks.0.mlp.fc1.lora_up.weight holds NaN or infinite values"),
+    "inf-factor": (lambda s: s["diffusion_model.blocks.1.attn.out_proj.lora_down.weight"].__setitem__((1, 2), float("inf")), None,
+                   r"blocks.1.attn.out_proj.lora_down.weight holds NaN or infinite values"),
+    "0-d-factor": (lambda s: s.__setitem__("diffusion_model.blocks.0.mlp.fc2.lora_down.weight", torch.tensor(1.0)), None,
+                   r"blocks.0.mlp.fc2.lora_down.weight must be a non-empty matrix, got shape \[\]"),
+    "rank-0-factor": (lambda s: s.__setitem__("diffusion_model.blocks.0.mlp.fc2.lora_down.weight", torch.zeros(0, F)), None,
+                      r"must be a non-empty matrix, got shape \[0, \d+\]"),
+    "zero-alpha": (lambda s: s.__setitem__("diffusion_model.blocks.0.mlp.fc2.alpha", torch.tensor(0.0)), None,
+                   r"blocks.0.mlp.fc2.alpha must be one positive finite number, got 0"),
+    "nan-alpha": (lambda s: s.__setitem__("diffusion_model.blocks.0.mlp.fc2.alpha", torch.tensor(float("nan"))), None,
+                  r"alpha must be one positive finite number, got nan"),
+    "vector-alpha": (lambda s: s.__setitem__("diffusion_model.blocks.0.mlp.fc2.alpha", torch.ones(3)), None,
+                     r"alpha must be one positive finite number, got shape \[3\]"),
+    "inf-metadata-alpha": (lambda s: None, {"alpha": "inf"}, r"`__metadata__` alpha must be a positive finite number, got 'inf'"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_VALUES)
+def test_bad_factor_and_alpha_values_are_refused_with_the_key(case, lora_dir):
+    """NaN / Inf factors would poison every output; a 0-d factor has no rank (it crashed with IndexError); alpha <= 0
+    never finished folding into the factors. Each is refused, naming the key, before any factor is used."""
+    edit, metadata, message = BAD_VALUES[case]
+    state = {k: v.float() for k, v in original_lora(9, {"default": 2}, alpha_tensors=None if metadata else {}).items()}
+    edit(state)
+    path = lora_dir / f"bad-{case}.safetensors"
+    save_file(state, str(path), metadata=metadata)
+    with pytest.raises(WeightFileError, match=message) as info:
+        load_adapter(path, TINY)
+    assert "\n" not in str(info.value)
+
+
 @pytest.mark.parametrize("strength", [1.0, 0.5])
 def test_compiled_lora_matches_diffusers_peft(tmp_path, tiny_transformer, strength):
     """AdaLN / norm_out tables with LoRA bitwise; whole evaluations with the separate residual equal too."""

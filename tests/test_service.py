@@ -264,6 +264,50 @@ async def test_rejected_submissions_are_4xx_with_a_message_and_write_nothing(aio
     assert not list(tmp_path.rglob("escaped.png")) and not list(tmp_path.rglob("big.png"))
 
 
+async def test_limits_types_and_malformed_bodies_are_4xx_json_and_write_nothing(aiohttp_client, make_service, tmp_path):
+    """Issue 15's service cases: the pipeline's own validator and types, every refusal a JSON 4xx, nothing queued or
+    written, the service up throughout."""
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    png(inputs / "frame.png")
+    app, config = make_service(input_dir=inputs)
+    client = await aiohttp_client(app)
+
+    async def rejected(status: int, **post: Any) -> str:
+        response = await client.post("/v1/jobs", **post)
+        assert response.content_type == "application/json", await response.text()
+        body = await response.json()
+        assert response.status == status, body
+        return body["error"]
+
+    assert await rejected(400, json={"prompt": "x", "width": 100_000, "height": 100_000}) == (
+        "canvas 100000x100000 is 10,000,000,000 pixels; this model generates at most 114,688 "
+        "(canvas_max_pixels, within rounding to multiples of 32; e.g. 448x256 at 16:9)"
+    )
+    assert await rejected(400, json={"prompt": "x", "width": 448.7, "height": 256}) == "width must be an integer number of pixels, got float 448.7"
+    assert await rejected(400, json={"prompt": "x", "seed": True}) == "seed must be an integer, got bool True"
+    assert await rejected(400, json={"prompt": 5}) == "prompt must be a string, got int"
+    assert await rejected(400, json={"prompt": "x", "duration_seconds": None}) == "duration_seconds must be a number of seconds, got NoneType None"
+    assert (await rejected(400, json={"prompt": "a " * 139_999 + "a"})).startswith("the prompt is 140,000 tokens long; the text encoder reads at most 128,000")
+    # One path string is one reference (never one reference per character): the demo profile refuses ref2va.
+    assert await rejected(400, json={"prompt": "x", "references": "frame.png"}) == "profile t2va-base4-exact-cpu accepts t2va, i2va, l2va, fl2va; a ref2va request was given"
+    assert await rejected(400, json={"prompt": "x", "references": 5}) == "references must be a path or a list of paths, got int"
+    assert await rejected(413, data=json.dumps({"prompt": "x" * (1 << 20)}), headers={"Content-Type": "application/json"}) == "the request body exceeds 1048576 bytes"
+
+    request_part = b'{"prompt": "<Picture 1> waves", "width": 32, "height": 32}'
+    for header in (b'form-data; name="first_frame"; filename="a\x00b.png"', b'form-data; name="first\x00frame"'):
+        body = (b'--XX\r\nContent-Disposition: form-data; name="request"\r\nContent-Type: application/json\r\n\r\n' + request_part + b"\r\n"
+                b"--XX\r\nContent-Disposition: " + header + b"\r\nContent-Type: image/png\r\n\r\nPNG\r\n--XX--\r\n")
+        message = await rejected(400, data=body, headers={"Content-Type": "multipart/form-data; boundary=XX"})
+        assert message.startswith("the multipart body is malformed: Invalid HTTP header")
+    truncated = b'--XX\r\nContent-Disposition: form-data; name="request"\r\n\r\n{"prompt": "x"}'
+    assert (await rejected(400, data=truncated, headers={"Content-Type": "multipart/form-data; boundary=XX"})).startswith("the multipart body is malformed")
+
+    assert len(app[JOBS]) == 0
+    assert published(config.output_dir) == [] and files_under(app[WORK_DIR]) == []
+    assert (await client.get("/healthz")).status == 200
+
+
 async def test_bearer_token(aiohttp_client, make_service):
     app, _ = make_service(token="s3cret")
     client = await aiohttp_client(app)

@@ -184,6 +184,41 @@ def test_service_config_is_checked(tmp_path):
         ServiceConfig(receipt, tmp_path, strategy="sequence-head")
     config = ServiceConfig(receipt, tmp_path, input_dir=Path("."))
     assert config.input_dir == Path.cwd()
+    with pytest.raises(VflashError, match="cancel_grace_seconds must be positive, got nan"):
+        ServiceConfig(receipt, tmp_path, cancel_grace_seconds=float("nan"))
+    with pytest.raises(VflashError, match=r"video_threads must be an integer from 1 to 256 .* got 0"):
+        ServiceConfig(receipt, tmp_path, media_video_threads=0)
+    with pytest.raises(VflashError, match=r"prepared assets .* is a folder, not a file"):
+        ServiceConfig(tmp_path, tmp_path)
+
+
+def test_a_missing_output_folder_is_created_once_everything_else_checks_out(tmp_path):
+    """`vflash serve --demo --output-dir out/` works on a fresh checkout: the CLI asks for the folder to be created."""
+    from vflash_core.errors import VflashError
+    from vflash_core.service import ServiceConfig
+
+    receipt = tmp_path / "receipt.json"
+    receipt.write_text("{}")
+    with pytest.raises(VflashError, match="max_queue"):
+        ServiceConfig(receipt, tmp_path / "out", max_queue=0, create_output_dir=True)
+    assert not (tmp_path / "out").exists()  # a refused configuration creates nothing
+    with pytest.raises(VflashError, match=r"output folder .*deeper/out cannot be created: .*deeper is not a folder"):
+        ServiceConfig(receipt, tmp_path / "deeper" / "out", create_output_dir=True)
+    with pytest.raises(VflashError, match=r"output folder .*receipt.json is not a folder"):
+        ServiceConfig(receipt, receipt, create_output_dir=True)
+    config = ServiceConfig(receipt, tmp_path / "out", create_output_dir=True)
+    assert config.output_dir.is_dir() and ServiceConfig(receipt, tmp_path / "out", create_output_dir=True).output_dir == config.output_dir
+
+
+def test_serve_refuses_bad_options_on_one_line(tmp_path, capsys):
+    from vflash_core.cli import main
+
+    for option, value, message in (("--port", "70000", "--port must be from 0 to 65535, got 70000"),
+                                   ("--max-upload-mb", "nan", "--max-upload-mb must be a positive number, got nan"),
+                                   ("--max-upload-mb", "inf", "--max-upload-mb must be a positive number, got inf")):
+        assert main(["serve", "--demo", "--output-dir", str(tmp_path / "out"), option, value]) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [f"vflash: error: {message}"]
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.skipif(os.name != "posix", reason="the stale-folder sweep is POSIX only")

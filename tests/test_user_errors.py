@@ -1,0 +1,398 @@
+"""Every bad input is refused early with one clear line (issue 15), through the CLI, the Python API and run-workflow.
+
+Each case asserts the message, the exit status (2: bad request, option or file; 1: a valid request that could not
+complete), that no traceback reached the user, that no model was loaded and that nothing was written. The HTTP
+service's cases live in test_service.py, LoRA files in test_lora.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from vflash_core import pipeline as pipeline_module
+from vflash_core.cli import main
+from vflash_core.errors import RequestError, RunFailedError, VflashError
+from vflash_core.fileio import check_input_file, check_writable_destination
+from vflash_core.pipeline import H3Pipeline, PreparedAssets, VideoRequest, prepare_pipeline
+from vflash_core.profiles import get_profile
+from vflash_core.references import CanvasRules
+from vflash_core.validation import check_canvas_size
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Fail the test if anything starts loading a model."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded for a request that must be refused before loading")
+
+    for part in (pipeline_module.TextConditioner, pipeline_module.MediaVAEs):
+        monkeypatch.setattr(part, "from_pretrained", refuse)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> Path:
+    """Files that are not what they claim to be, outside the folders the tests write to."""
+    folder = tmp_path_factory.mktemp("odd-inputs")
+    (folder / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
+    (folder / "huge.txt").write_bytes(b"a" * ((1 << 20) + 1))
+    (folder / "long.txt").write_text("a " * 139_999 + "a")  # 140,000 tokens of the demo tokenizer; its context is 128,000
+    (folder / "a-folder.png").mkdir()
+    os.symlink("loop.png", folder / "loop.png")
+    os.symlink("nowhere.png", folder / "broken.png")
+    os.mkfifo(folder / "fifo.png")
+    os.mkfifo(folder / "fifo.txt")
+    Image.new("RGB", (64, 64)).save(folder / "frame.png")
+    return folder
+
+
+def refused(capsys, argv: list[str], status: int = 2) -> str:
+    """Run `vflash argv` in-process; return its one error line (asserting the status and that there is one line)."""
+    code = main(argv)
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == status, err
+    assert len(lines) == 1 and lines[0].startswith("vflash: error: ") and "Traceback" not in err, err
+    return lines[0].removeprefix("vflash: error: ")
+
+
+def files_in(folder: Path) -> list[Path]:
+    return sorted(folder.rglob("*"))
+
+
+# -- the command line ------------------------------------------------------------------------------------------------
+
+
+GENERATE_CASES = {
+    "prompt-file-not-utf8": (["--prompt-file", "{in}/latin1.txt"], r"^--prompt-file .*latin1.txt is not UTF-8 text \(byte 3 is 0xe9\)$"),
+    "prompt-file-folder": (["--prompt-file", "{in}/a-folder.png"], r"^--prompt-file .*a-folder.png is a folder, not a file$"),
+    "prompt-file-link-loop": (["--prompt-file", "{in}/loop.png"], r"^--prompt-file .*loop.png is a symbolic link loop$"),
+    "prompt-file-fifo": (["--prompt-file", "{in}/fifo.txt"], r"^--prompt-file .*fifo.txt is a FIFO, not a file$"),
+    "prompt-file-missing": (["--prompt-file", "{in}/none.txt"], r"^--prompt-file .*none.txt does not exist$"),
+    "prompt-file-too-big": (["--prompt-file", "{in}/huge.txt"], r"^--prompt-file .*huge.txt is 1,048,577 bytes; at most 1,048,576 are accepted$"),
+    "prompt-too-many-tokens": (["--prompt-file", "{in}/long.txt"], r"^the prompt is 140,000 tokens long; the text encoder reads at most 128,000 \(its context"),
+    "first-frame-folder": (["--prompt", "x", "--first-frame", "{in}/a-folder.png"], r"^first frame .*a-folder.png is a folder, not a file$"),
+    "first-frame-fifo": (["--prompt", "x", "--first-frame", "{in}/fifo.png"], r"^first frame .*fifo.png is a FIFO, not a file$"),
+    "first-frame-link-loop": (["--prompt", "x", "--first-frame", "{in}/loop.png"], r"^first frame .*loop.png is a symbolic link loop$"),
+    "first-frame-broken-link": (["--prompt", "x", "--first-frame", "{in}/broken.png"], r"^first frame .*broken.png is a broken symbolic link \(to nowhere.png\)$"),
+    "canvas-beyond-the-model": (["--prompt", "x", "--width", "100000", "--height", "100000"],
+                                r"^canvas 100000x100000 is 10,000,000,000 pixels; this model generates at most 114,688 \(canvas_max_pixels, within rounding to multiples of 32; e\.g\. 448x256 at 16:9\)$"),
+    "overwrite-onto-a-folder": (["--prompt", "x", "--overwrite", "--output", "{out}"], r"^output .* is a folder; give a file name inside it$"),
+    "output-names-a-folder": (["--prompt", "x", "--output", "{out}/new/"], r"^output .*new/ names a folder; give a file name inside it$"),
+}
+
+
+@pytest.mark.parametrize("case", GENERATE_CASES)
+def test_generate_refuses_bad_input_before_loading(case, h3_prepared, inputs, tmp_path, capsys, no_model_loads):
+    argv, message = GENERATE_CASES[case]
+    out = tmp_path / "out"
+    out.mkdir()
+    argv = [a.format(**{"in": inputs, "out": out}) for a in argv]
+    if "--output" not in argv:
+        argv += ["--output", str(out / "clip.mp4")]
+    line = refused(capsys, ["generate", "--prepared-assets", str(h3_prepared), *argv])
+    assert re.search(message, line), line
+    assert files_in(out) == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_gpu_request_without_cuda_is_refused_before_loading(h3_prepared, tmp_path, capsys, no_model_loads):
+    line = refused(capsys, ["generate", "--prepared-assets", str(h3_prepared), "--prompt", "x", "--gpu", "0", "--output", str(tmp_path / "o.mp4")])
+    assert line.startswith("device cuda:0: CUDA is not available on this machine")
+    with pytest.raises(VflashError, match=r"peer device cuda:1: CUDA is not available"):
+        H3Pipeline.from_prepared(h3_prepared, peer_device=1, strategy="sequence-head")
+    assert files_in(tmp_path) == []
+
+
+def test_the_installed_command_prints_one_line_without_traceback(h3_prepared, inputs, tmp_path):
+    """The real entry point, in its own process: a user error is one line on stderr, exit status 2, nothing written."""
+    done = subprocess.run(
+        [sys.executable, "-m", "vflash_core.cli", "generate", "--prepared-assets", str(h3_prepared),
+         "--prompt-file", str(inputs / "latin1.txt"), "--output", str(tmp_path / "o.mp4")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == [f"vflash: error: --prompt-file {inputs / 'latin1.txt'} is not UTF-8 text (byte 3 is 0xe9)"]
+    assert files_in(tmp_path) == []
+
+
+def _receipt_variants(receipt: Path) -> dict[str, tuple[object, str]]:
+    record = json.loads(receipt.read_text())
+    without_canvas = {k: v for k, v in record.items() if k != "canvas"}
+    return {
+        "mistyped-asset": ({**record, "assets": {**record["assets"], "model_root": 5}}, r"assets.model_root must be a path string, got int 5; recreate it"),
+        "missing-field": (without_canvas, r"has no canvas.canvas_short_edge; recreate it with `vflash prepare-pipeline`"),
+        "mistyped-canvas": ({**record, "canvas": {**record["canvas"], "canvas_max_pixels": "big"}}, r"canvas.canvas_max_pixels must be a positive integer, got str 'big'"),
+        "assets-not-an-object": ({**record, "assets": [1, 2]}, r"has no assets.model_root"),
+        "identity-not-an-object": ({**record, "profile_identity": "x"}, r"profile_identity must be an object, got str 'x'"),
+        "not-utf8": (b"\xff\xfe{", r"cannot be read as JSON: 'utf-8' codec can't decode byte 0xff"),
+        "not-an-object": ([record], r"must hold a JSON object"),
+    }
+
+
+@pytest.mark.parametrize("case", ["mistyped-asset", "missing-field", "mistyped-canvas", "assets-not-an-object", "identity-not-an-object", "not-utf8", "not-an-object"])
+def test_malformed_receipts_are_one_line(case, h3_prepared, tmp_path, capsys, no_model_loads):
+    content, message = _receipt_variants(h3_prepared)[case]
+    receipt = tmp_path / "receipt.json"
+    receipt.write_bytes(content if isinstance(content, bytes) else json.dumps(content).encode())
+    line = refused(capsys, ["generate", "--prepared-assets", str(receipt), "--prompt", "x", "--output", str(tmp_path / "o.mp4")])
+    assert re.search(message, line), line
+    assert files_in(tmp_path) == [receipt]
+
+
+def test_receipt_folder_and_mistyped_assets_file(h3_prepared, tmp_path, capsys):
+    line = refused(capsys, ["generate", "--prepared-assets", str(tmp_path), "--prompt", "x", "--output", str(tmp_path / "o.mp4")])
+    assert line == f"prepared-assets receipt {tmp_path} is a folder, not a file"
+    record = PreparedAssets.load(h3_prepared).record
+    assets = {k: record["assets"][k] for k in pipeline_module.ASSET_FIELDS}
+    bad = tmp_path / "assets.json"
+    for value, shown in ((5, "int 5"), (["models"], "list ['models']"), ("", "str ''")):
+        bad.write_text(json.dumps({**assets, "artifact": value}))
+        line = refused(capsys, ["prepare-pipeline", "--profile", "t2va-base4-exact-cpu", "--assets", str(bad), "--receipt", str(tmp_path / "r.json")])
+        assert line == f"assets file {bad}: artifact must be a path string, got {shown}"
+    bad.write_text(json.dumps({**assets, "adapter_path": 3}))
+    with pytest.raises(VflashError, match=r"adapter_path must be a path string or null, got int 3"):
+        prepare_pipeline("t2va-base4-exact-cpu", bad, tmp_path / "r.json")
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_workflow_value_of_the_wrong_type_is_refused_before_any_model_loads(tmp_path, capsys, no_model_loads):
+    from vflash_core import node_ops
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a node ran for a workflow that must be refused when it is checked")
+
+    for loader in ("load_model", "load_text_encoder", "load_vae"):
+        setattr_target = getattr(node_ops, loader)
+        assert callable(setattr_target)
+    with pytest.MonkeyPatch.context() as patch:
+        for loader in ("load_model", "load_text_encoder", "load_vae"):
+            patch.setattr(node_ops, loader, refuse)
+        workflow = Path(__file__).resolve().parent.parent / "workflows" / "api" / "t2va.json"
+        line = refused(capsys, ["run-workflow", str(workflow), "--set", "4.width=wide", "--set", "4.force_offload=1", "--output-dir", str(tmp_path / "out")])
+    assert line == 'invalid workflow: node 4 (VflashEncode).width takes INT, got "wide"; node 4 (VflashEncode).force_offload takes BOOLEAN, got 1'
+    assert files_in(tmp_path) == []
+
+
+def test_runtime_failures_exit_1_and_bugs_keep_their_traceback(monkeypatch, capsys):
+    from vflash_core import cli_denoise
+
+    def cancelled(args):
+        raise pipeline_module.RequestCancelled("request cancelled: stop")
+
+    monkeypatch.setattr(cli_denoise, "_denoise", cancelled)
+    argv = ["denoise", "p", "--artifact", "a", "--schedule-overlay", "s", "--auxiliary-tensor", "x", "--bundle", "b", "--output-latents", "o"]
+    assert refused(capsys, argv, status=1) == "request cancelled: stop"
+    assert issubclass(pipeline_module.RequestCancelled, RunFailedError)
+
+    def bug(args):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(cli_denoise, "_denoise", bug)
+    with pytest.raises(KeyError):
+        main(argv)
+
+
+# -- the Python API --------------------------------------------------------------------------------------------------
+
+
+TYPE_CASES = {
+    "prompt-not-a-string": (dict(prompt=5), r"^prompt must be a string, got int$"),
+    "fractional-width": (dict(prompt="x", width=448.7, height=256), r"^width must be an integer number of pixels, got float 448\.7$"),
+    "bool-height": (dict(prompt="x", width=448, height=True), r"^height must be an integer number of pixels, got bool True$"),
+    "string-seed": (dict(prompt="x", seed="1"), r"^seed must be an integer, got str '1'$"),
+    "string-duration": (dict(prompt="x", duration_seconds="5"), r"^duration_seconds must be a number of seconds, got str '5'$"),
+    "number-as-frame": (dict(prompt="x", first_frame=3), r"^first_frame must be a file path \(str or Path\) or a PIL image, got int 3$"),
+    "empty-path": (dict(prompt="x", last_frame=""), r"^last_frame must be a non-empty file path, got str ''$"),
+    "nul-in-path": (dict(prompt="x", first_frame="a\x00.png"), r"^first_frame must not contain a NUL character$"),
+    "number-as-references": (dict(prompt="x", references=5), r"^references must be a file path, a PIL image or a list of them, got int 5$"),
+    "number-among-references": (dict(prompt="x", references=["a.png", 5]), r"^references\[1\] must be a file path \(str or Path\) or a PIL image, got int 5$"),
+    "dict-as-references": (dict(prompt="x", references={"a.png": 1}), r"^references must be a file path, a PIL image or a list of them, got dict"),
+}
+
+
+@pytest.mark.parametrize("case", TYPE_CASES)
+def test_video_request_refuses_wrong_types_naming_the_field(case):
+    kwargs, message = TYPE_CASES[case]
+    with pytest.raises(RequestError, match=message):
+        VideoRequest(**kwargs)
+
+
+def test_paths_are_one_path_never_characters(inputs):
+    kite = str(inputs / "frame.png")
+    assert VideoRequest("x", references=kite).references == (kite,)
+    assert VideoRequest("x", references=Path(kite)).references == (Path(kite),)
+    assert VideoRequest("x", references=[kite, kite]).references == (kite, kite)
+    assert VideoRequest("x", references=None).references == () and VideoRequest("x").mode == "t2va"
+    request = VideoRequest("x", seed=True and 3, width=448, height=256)
+    assert (request.seed, request.width, request.height, request.duration_seconds) == (3, 448, 256, 5.0)
+
+
+def test_generate_needs_a_request_not_a_prompt(h3_prepared, tmp_path, no_model_loads):
+    pipeline = H3Pipeline.from_prepared(h3_prepared)
+    for call in (lambda: pipeline.generate("a prompt", tmp_path / "o.mp4"), lambda: pipeline.validate("a prompt")):
+        with pytest.raises(RequestError, match=r"takes a VideoRequest, got str; wrap the prompt: VideoRequest\(prompt='a prompt'\)"):
+            call()
+    assert not pipeline.prepared and files_in(tmp_path) == []
+
+
+def test_limits_from_the_model_are_checked_before_loading(h3_prepared, h3_prepared_ref, inputs, tmp_path, monkeypatch, no_model_loads):
+    import wave
+
+    from vflash_core import references
+    from vflash_core.media import write_mp4
+
+    pipeline = H3Pipeline.from_prepared(h3_prepared)
+    with pytest.raises(RequestError, match=r"^canvas 100000x100000 is 10,000,000,000 pixels; this model generates at most 114,688"):
+        pipeline.validate(VideoRequest("x", width=100_000, height=100_000))
+    with pytest.raises(RequestError, match=r"^the prompt is 140,000 tokens long; the text encoder reads at most 128,000"):
+        pipeline.generate(VideoRequest((inputs / "long.txt").read_text()), tmp_path / "o.mp4")
+    with pytest.raises(RequestError, match=r"^the prompt is 1,048,577 bytes long; prompts of at most 1,048,576 bytes are accepted$"):
+        pipeline.validate(VideoRequest("a" * ((1 << 20) + 1)))
+    with pytest.raises(RequestError, match=r"^the prompt is not valid Unicode text \(a lone surrogate at character 1\)$"):
+        pipeline.validate(VideoRequest("a\ud800"))
+    with pytest.raises(RequestError, match=r"^prompt label <Picture 99999999999999999999> is not bound to an input"):
+        pipeline.validate(VideoRequest("<Picture 99999999999999999999>"))
+
+    # An image whose header promises more pixels than any input may have (the pixels are never decoded).
+    big = inputs.parent / f"{tmp_path.name}-huge.png"
+    _png_header(big, 9000, 8000)
+    with pytest.raises(RequestError, match=r"^first frame .*huge.png is 9000x8000 pixels; images of at most 67 megapixels are accepted$"):
+        pipeline.validate(VideoRequest("x", first_frame=big))
+
+    ref = H3Pipeline.from_prepared(h3_prepared_ref)
+    long_audio = inputs.parent / f"{tmp_path.name}-long.wav"
+    with wave.open(str(long_audio), "wb") as audio:
+        audio.setnchannels(1)
+        audio.setsampwidth(2)
+        audio.setframerate(8000)
+        audio.writeframes(b"\0\0" * 8000 * 301)
+    with pytest.raises(RequestError, match=r"^reference 2 .*long.wav lasts more than 300 s; trim it"):
+        ref.validate(VideoRequest("x", references=(str(inputs / "frame.png"), str(long_audio))))
+    clip = write_mp4(inputs.parent / f"{tmp_path.name}-clip.mp4", torch.rand(30, 64, 64, 3), torch.zeros(2, 40000), 32000)
+    monkeypatch.setattr(references, "MAX_INPUT_VIDEO_BYTES", 20 * 64 * 64 * 3)
+    with pytest.raises(RequestError, match=r"^reference 1 .*clip.mp4 decodes to more than .* GiB of frames \(64x64\); trim it"):
+        ref.validate(VideoRequest("x", references=str(clip)))
+    assert not pipeline.prepared and not ref.prepared and files_in(tmp_path) == []
+
+
+def _png_header(path: Path, width: int, height: int) -> None:
+    """A PNG whose header says width x height (its one row of pixel data is never read by validation)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0")) + chunk(b"IEND", b""))
+
+
+def test_canvas_budget_admits_every_canvas_the_rules_pick():
+    """Rounding to multiples of 32 can put the rules' own canvas a few percent above canvas_max_pixels (480x256 for
+    a 1.88:1 keyframe on the demo's 256 / 448x256 rules): every such canvas is accepted, a larger one is not."""
+    import numpy as np
+
+    for rules in (CanvasRules(256, 256 * 448, 128), CanvasRules()):
+        picked = {rules.default_canvas(aspect, 1) for aspect in np.linspace(0.25, 4.0, 2001)}
+        picked = {(h, w) for h, w in picked if 0.25 <= w / h <= 4.0}  # rounding can also leave H3's aspect range
+        assert max(h * w for h, w in picked) > rules.max_pixels
+        for height, width in picked:
+            check_canvas_size(height, width, rules)
+    demo = CanvasRules(256, 256 * 448, 128)
+    with pytest.raises(RequestError, match=r"^canvas 512x256 is 131,072 pixels; this model generates at most 114,688 \(canvas_max_pixels, within rounding"):
+        check_canvas_size(256, 512, demo)
+    with pytest.raises(RequestError, match=r"canvas 1920x1088 .* at most 1,032,192 .*e\.g\. 1344x768 at 16:9\)$"):
+        check_canvas_size(1088, 1920, CanvasRules())
+
+
+def test_device_requests_are_checked_before_loading(h3_prepared, no_model_loads):
+    with pytest.raises(VflashError, match=r"^device 'gpu0' is not a device; use 'cpu', a GPU index or 'cuda:N'$"):
+        H3Pipeline.from_prepared(h3_prepared, device="gpu0")
+    with pytest.raises(VflashError, match=r"^device -1 is not a device"):
+        H3Pipeline.from_prepared(h3_prepared, device=-1)
+    sm90 = get_profile("t2va-base16-bf16-sm90")
+    from vflash_core.validation import check_device
+
+    with pytest.raises(VflashError, match=r"^the profile was compiled for sm90; device cpu is cpu$"):
+        check_device("cpu", sm90.arch)
+
+
+def test_input_file_problems_are_named(inputs, tmp_path):
+    check_input_file(inputs / "frame.png", "x")
+    for name, what in (("a-folder.png", "is a folder, not a file"), ("fifo.png", "is a FIFO, not a file"), ("loop.png", "is a symbolic link loop"),
+                       ("none.png", "does not exist"), ("frame.png/inner", r"does not exist \(a part of its folder path is a file\)")):
+        with pytest.raises(VflashError, match=rf"^input {re.escape(str(inputs / name))} {what}$"):
+            check_input_file(inputs / name, "input")
+    taken = tmp_path / "taken.mp4"
+    taken.write_bytes(b"keep")
+    with pytest.raises(VflashError, match="already exists; refusing to overwrite it"):
+        check_writable_destination(taken)
+    assert check_writable_destination(taken, overwrite=True) == taken
+    with pytest.raises(VflashError, match=r"is a FIFO; refusing to replace it"):
+        check_writable_destination(inputs / "fifo.png", overwrite=True)
+    with pytest.raises(VflashError, match=r"output folder .*frame.png is not a folder"):
+        check_writable_destination(inputs / "frame.png" / "o.mp4")
+    assert taken.read_bytes() == b"keep"
+
+
+# -- thread safety ---------------------------------------------------------------------------------------------------
+
+
+def _process_wide_state() -> dict[str, object]:
+    """What transformers' and diffusers' loaders patch while they run and must leave as they found it."""
+    import torch.nn.init as init
+
+    state = {"register_parameter": torch.nn.Module.register_parameter, "register_buffer": torch.nn.Module.register_buffer}
+    state.update({f"init.{name}": getattr(init, name) for name in ("normal_", "uniform_", "zeros_", "ones_", "kaiming_uniform_", "trunc_normal_")})
+    return state
+
+
+def test_concurrent_first_use_loads_once_and_leaves_nothing_patched(h3_prepared, tmp_path):
+    before = _process_wide_state()
+    shared = H3Pipeline.from_prepared(h3_prepared)
+    loads = []
+    loader = shared._loader
+
+    def counting(progress):
+        loads.append(threading.get_ident())
+        return loader(progress)
+
+    shared._loader = counting
+    others = [H3Pipeline.from_prepared(h3_prepared) for _ in range(2)]
+    errors: list[BaseException] = []
+
+    def run(call) -> None:
+        try:
+            call()
+        except BaseException as exc:  # reported below, with the thread's exception
+            errors.append(exc)
+
+    request = VideoRequest("A lighthouse at dusk.", seed=1, width=32, height=32)
+    calls = [shared.prepare, shared.prepare, lambda: shared.generate(request, None), *(p.prepare for p in others)]
+    threads = [threading.Thread(target=run, args=(call,)) for call in calls]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == [] and len(loads) == 1
+    assert all(p.prepared for p in (shared, *others))
+    assert _process_wide_state() == before
+    # A pipeline created afterwards still builds real (not meta-device) models and generates.
+    with H3Pipeline.from_prepared(h3_prepared) as fresh:
+        result = fresh.generate(request, None)
+    assert result.num_frames == 124 and torch.isfinite(result.media.frames).all()
+    for p in (shared, *others):
+        p.close()
