@@ -323,6 +323,8 @@ def test_device_requests_are_checked_before_loading(h3_prepared, no_model_loads)
         H3Pipeline.from_prepared(h3_prepared, device="gpu0")
     with pytest.raises(VflashError, match=r"^device -1 is not a device"):
         H3Pipeline.from_prepared(h3_prepared, device=-1)
+    with pytest.raises(VflashError, match=r"^unknown attention backend 'bogus'; choose one of auto, "):
+        H3Pipeline.from_prepared(h3_prepared, attention_backend="bogus")
     sm90 = get_profile("t2va-base16-bf16-sm90")
     from vflash_core.validation import check_device
 

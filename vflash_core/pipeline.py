@@ -39,6 +39,7 @@ import numpy as np
 import PIL.Image
 import torch
 
+from .attention import resolve_attention
 from .bundle import BundleHandoff, EncodedReference, build_keyframe_bundle, build_ref2va_bundle
 from .conditioning import TEXT_ENCODER_LAYER, TextConditioner
 from .config import H3Config
@@ -478,7 +479,7 @@ class H3Pipeline:
         encoder_residency: str = "offload",
     ) -> "H3Pipeline":
         """A pipeline over prepared assets that loads nothing until `prepare()` or the first request. The devices
-        are checked now (present on this machine, of the profile's architecture), before anything loads.
+        (present on this machine, of the profile's architecture) and the attention backend are checked now.
 
         `encoder_residency`: on a GPU, "offload" (default) moves the text encoder and the VAEs to the CPU after each
         of their stages, leaving the device to the core; "resident" keeps them on the device after first use, which
@@ -491,6 +492,7 @@ class H3Pipeline:
         if peer_device is not None and strategy is None:
             raise VflashError("a peer GPU needs --strategy sequence-head")
         primary = check_device(device, assets.profile.arch)
+        resolve_attention(attention_backend, primary)  # an unknown or unavailable kernel is refused now, not after loading
         if peer_device is not None:
             check_device(peer_device, assets.profile.arch, "peer device")
 
