@@ -121,6 +121,13 @@ def test_client_paths_stay_inside_the_input_folder(tmp_path):
     with pytest.raises(web.HTTPBadRequest) as info:
         resolve_input_path("missing.png", policy)
     assert "is not a file" in json.loads(info.value.text)["error"]
+    (inputs / "loop.png").symlink_to("loop.png")
+    os.mkfifo(inputs / "fifo.png")
+    for name, message in (("loop.png", "input path 'loop.png' is a symbolic link loop"), ("fifo.png", "input path 'fifo.png' is not a file in the input folder"),
+                          ("sub", "input path 'sub' is not a file in the input folder")):
+        with pytest.raises(web.HTTPBadRequest) as info:
+            resolve_input_path(name, policy)
+        assert json.loads(info.value.text)["error"] == message
     with pytest.raises(web.HTTPBadRequest) as info:
         resolve_input_path("sub/a.png", InputPolicy(None, 1024))
     assert "uploads only" in json.loads(info.value.text)["error"]

@@ -119,7 +119,10 @@ def resolve_input_path(value: str, policy: InputPolicy) -> Path:
         raise bad_request(f"this service takes input files as uploads only (it was started without --input-dir); got path {value!r}")
     if "\x00" in value:
         raise bad_request("input paths must not contain NUL characters")
-    path = (policy.input_dir / value).resolve()
+    try:
+        path = (policy.input_dir / value).resolve()
+    except (RuntimeError, OSError):  # a symbolic-link loop (RuntimeError before Python 3.13)
+        raise bad_request(f"input path {value!r} is a symbolic link loop") from None
     if not path.is_relative_to(policy.input_dir):
         raise bad_request(f"input path {value!r} is outside the input folder")
     if not path.is_file():
