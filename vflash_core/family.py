@@ -4,21 +4,24 @@ The embedded demo and the pipeline tests cannot download anything, so they build
 folder what `MiniMaxAI/MiniMax-H3` holds and what the pipeline reads from a real model root:
 
     transformer/ transformer_ref/   diffusers `MiniMaxH3Transformer3DModel` folders (`synthetic.write_diffusers_transformer`)
-    vae/ audio_vae/                 `AutoencoderKLMiniMaxH3` / `AutoencoderKLMiniMaxH3Audio` via `save_pretrained`
-    text_encoder/                   `Qwen3VLForConditionalGeneration` (>= 51 text layers) via `save_pretrained`
+    vae/ audio_vae/                 `AutoencoderKLMiniMaxH3` (fp32) / `AutoencoderKLMiniMaxH3Audio` folders
+    text_encoder/                   `Qwen3VLForConditionalGeneration` (bf16, >= 51 text layers), `save_pretrained` layout
     tokenizer/ processor/           a byte-level BPE `Qwen2Tokenizer` trained here on a small text, with the Qwen
                                     vision special tokens; the processor's image and video preprocessor configs
     scheduler/ audio_scheduler/     `MiniMaxH3Scheduler` at shifts 12 and 3
     modular_model_index.json        the diffusers modular index, plus the canvas rules of this family
 
 The weights are random, so what the family generates is noise-like; it exists to exercise the exact code path of the
-real model (diffusers loads the same folder with `ModularPipeline.from_pretrained`).
+real model (diffusers loads the same folder with `ModularPipeline.from_pretrained`). Large weights are drawn per
+tensor from seeds (`synthetic.random_like`, `synthetic.RandomWeights`) on a chosen device and written shard by shard,
+so the same code writes the demo's family and the released model at full size.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +58,8 @@ class FamilySpec:
     audio_vae: dict[str, Any]  # AutoencoderKLMiniMaxH3Audio config
     canvas: dict[str, int] = field(default_factory=dict)  # canvas rules recorded in modular_model_index.json
     tokenizer_vocab_size: int = 384
+    text_vocab_size: int | None = None  # the text encoder's embedding rows; None: the tokenizer's size
+    max_shard_bytes: int | None = None  # large weight files are written in shards of at most this size
 
 
 DEMO_FAMILY = FamilySpec(
@@ -151,26 +156,46 @@ def _write_processor(folder: Path, tokenizer, vision: dict[str, Any]) -> None:
     tokenizer.save_pretrained(folder)
 
 
-def _write_text_encoder(folder: Path, spec: FamilySpec, tokenizer, seed: int) -> None:
+def _write_random_state(folder: Path, module: torch.nn.Module, seed: int, dtype: torch.dtype, stem: str, spec: FamilySpec, device: str | torch.device, write_workers: int) -> None:
+    """Random values (`synthetic.random_like`) for every tensor of `module`'s state, which may live on the meta
+    device: a full-size model is drawn shard by shard on `device` and never instantiated in host memory."""
+    shapes = {name: tuple(t.shape) for name, t in module.state_dict().items()}
+
+    def produce(names: list[str]) -> dict[str, torch.Tensor]:
+        return {n: synthetic.random_like(n, shapes[n], seed, device).to(dtype).cpu() for n in names}
+
+    sizes = {name: math.prod(shape) * dtype.itemsize for name, shape in shapes.items()}
+    folder.mkdir(parents=True, exist_ok=True)
+    synthetic.write_shards(folder, stem, sizes, produce, spec.max_shard_bytes, write_workers)
+
+
+def _write_text_encoder(folder: Path, spec: FamilySpec, tokenizer, seed: int, device: str | torch.device, write_workers: int) -> None:
+    """`Qwen3VLForConditionalGeneration` in bf16, as released, in the `save_pretrained` layout."""
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"), VISION_TOKENS)}
-    config = Qwen3VLConfig(
-        text_config={**spec.text, "vocab_size": len(tokenizer)}, vision_config=spec.vision, tie_word_embeddings=False, **ids
-    )
-    with _seeded(seed):
-        model = Qwen3VLForConditionalGeneration(config).eval()
-    model.save_pretrained(folder)
+    vocab = spec.text_vocab_size or len(tokenizer)
+    config = Qwen3VLConfig(text_config={**spec.text, "vocab_size": vocab}, vision_config=spec.vision, tie_word_embeddings=False, **ids)
+    config.dtype = torch.bfloat16
+    with torch.device("meta"):
+        model = Qwen3VLForConditionalGeneration(config)
+    _write_random_state(folder, model, seed, torch.bfloat16, "model", spec, device, write_workers)
+    config.save_pretrained(folder)
 
 
-def _write_vaes(root: Path, spec: FamilySpec, seed: int) -> None:
+def _write_vaes(root: Path, spec: FamilySpec, seed: int, device: str | torch.device, write_workers: int) -> None:
     from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
 
-    video_config = _with_latent_stats(spec.video_vae, spec.video_vae["latent_channels"], seed)
-    audio_config = _with_latent_stats(spec.audio_vae, spec.audio_vae["latent_channels"], seed + 1)
+    video_config = _with_latent_stats(spec.video_vae, spec.video_vae.get("latent_channels", 24), seed)
+    audio_config = _with_latent_stats(spec.audio_vae, spec.audio_vae.get("latent_channels", 32), seed + 1)
+    with torch.device("meta"):
+        video = AutoencoderKLMiniMaxH3(**video_config)
+    _write_random_state(root / "vae", video, seed, torch.float32, "diffusion_pytorch_model", spec, device, write_workers)
+    video.save_config(root / "vae")
+    # The audio VAE's anti-aliasing filters are persistent buffers computed by its constructor, so it is built
+    # (small: ~150 M parameters) rather than drawn.
     with _seeded(seed):
-        video, audio = AutoencoderKLMiniMaxH3(**video_config), AutoencoderKLMiniMaxH3Audio(**audio_config)
-    video.save_pretrained(root / "vae")
+        audio = AutoencoderKLMiniMaxH3Audio(**audio_config)
     audio.save_pretrained(root / "audio_vae")
 
 
@@ -194,23 +219,43 @@ def _modular_index(spec: FamilySpec, with_ref: bool) -> dict[str, Any]:
     return index
 
 
-def build_model_family(root: str | Path, spec: FamilySpec = DEMO_FAMILY, seed: int = 0, with_ref: bool = True) -> Path:
-    """Write a complete random-weight family into `root` (created; must not hold a family yet). Returns `root`."""
+#: What `build_model_family` can write; the default is all of it.
+PARTS = ("transformer", "transformer_ref", "text", "vaes", "index")
+
+
+def build_model_family(
+    root: str | Path, spec: FamilySpec = DEMO_FAMILY, seed: int = 0, with_ref: bool = True, parts: tuple[str, ...] = PARTS,
+    device: str | torch.device = "cpu", write_workers: int = 1,
+) -> Path:
+    """Write a random-weight family into `root` (created). Returns `root`.
+
+    `parts` selects what is written (a caller short of disk can write the transformer, compile it, remove it, then
+    write the rest); `device` is where the random numbers are drawn (a GPU is much faster at full size, and the
+    values depend on it); `write_workers` files are written concurrently.
+    """
     from diffusers import MiniMaxH3Scheduler
 
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        raise ValueError(f"unknown family parts {sorted(unknown)}; known: {PARTS}")
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     config = H3Config.preset(spec.transformer)
-    if config.in_channels != spec.video_vae["latent_channels"] or config.audio_in_channels != spec.audio_vae["latent_channels"] or config.text_dim != spec.text["hidden_size"]:
+    video_channels, audio_channels = spec.video_vae.get("latent_channels", 24), spec.audio_vae.get("latent_channels", 32)
+    if config.in_channels != video_channels or config.audio_in_channels != audio_channels or config.text_dim != spec.text["hidden_size"]:
         raise ValueError(f"preset {spec.transformer!r} does not match the family's VAE channels or text width")
-    synthetic.write_diffusers_transformer(root / "transformer", config, synthetic.random_internal_weights(config, seed=seed))
-    if with_ref:
-        synthetic.write_diffusers_transformer(root / "transformer_ref", config, synthetic.random_internal_weights(config, seed=seed + 1))
-    _write_vaes(root, spec, seed + 2)
-    tokenizer = build_tokenizer(root / "tokenizer", spec.tokenizer_vocab_size)
-    _write_processor(root / "processor", tokenizer, spec.vision)
-    _write_text_encoder(root / "text_encoder", spec, tokenizer, seed + 3)
-    MiniMaxH3Scheduler(12.0).save_pretrained(root / "scheduler")
-    MiniMaxH3Scheduler(3.0).save_pretrained(root / "audio_scheduler")
-    (root / "modular_model_index.json").write_text(json.dumps(_modular_index(spec, with_ref), indent=2) + "\n")
+    for part, offset in (("transformer", 0), ("transformer_ref", 1)):
+        if part in parts and (with_ref or part == "transformer"):
+            weights = synthetic.RandomWeights(config, seed=seed + offset, device=device)
+            synthetic.write_diffusers_transformer(root / part, config, weights, spec.max_shard_bytes, write_workers)
+    if "vaes" in parts:
+        _write_vaes(root, spec, seed + 2, device, write_workers)
+    if "text" in parts:
+        tokenizer = build_tokenizer(root / "tokenizer", spec.tokenizer_vocab_size)
+        _write_processor(root / "processor", tokenizer, spec.vision)
+        _write_text_encoder(root / "text_encoder", spec, tokenizer, seed + 3, device, write_workers)
+    if "index" in parts:
+        MiniMaxH3Scheduler(12.0).save_pretrained(root / "scheduler")
+        MiniMaxH3Scheduler(3.0).save_pretrained(root / "audio_scheduler")
+        (root / "modular_model_index.json").write_text(json.dumps(_modular_index(spec, with_ref), indent=2) + "\n")
     return root
