@@ -27,14 +27,16 @@ import argparse
 import datetime as dt
 import json
 import logging
+import hashlib
 import re
 import sys
 import uuid
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save as save_safetensors
 from tqdm.auto import tqdm
 
 from . import model as M
@@ -54,6 +56,11 @@ from .tensor_store import describe_files, file_sha256
 logger = logging.getLogger(__name__)
 
 RECEIPT_FORMAT = "vflash-receipt/1"
+# Weight files hashed at once by `prepare`, and blocks read ahead of / written behind the table GEMMs by `compile`:
+# enough to keep a fast disk and the page cache busy, few enough to bound host memory (~1.3 GB per full-size block).
+HASH_WORKERS = 8
+READ_AHEAD_BLOCKS = 2
+WRITE_BEHIND_BLOCKS = 4
 ARTIFACT_FORMAT = "vflash-artifact/1"
 OVERLAY_FORMAT = "vflash-schedule-overlay/1"
 
@@ -126,11 +133,13 @@ def prepare(
 
 
 def _hash_files(paths: list[Path], progress: CompileProgress | None) -> list[dict[str, object]]:
+    """Hash the weight files, several at once; `progress` is told after each file, in order."""
     records = []
-    for done, path in enumerate(paths, 1):
-        records += describe_files([path], with_hash=True)
-        if progress is not None:
-            progress("hash", done, len(paths))
+    with ThreadPoolExecutor(min(HASH_WORKERS, max(1, len(paths)))) as pool:
+        for done, record in enumerate(pool.map(lambda path: describe_files([path], with_hash=True)[0], paths), 1):
+            records.append(record)
+            if progress is not None:
+                progress("hash", done, len(paths))
     return records
 
 
@@ -184,14 +193,28 @@ def _profile_from_receipt(receipt: dict, path: str | Path) -> Profile:
 
 
 def _verify_receipt_files(receipt: dict, source: SourceWeights, progress: CompileProgress | None) -> None:
-    """The payloads must be exactly the ones the receipt hashed."""
+    """The payloads must be exactly the ones the receipt hashed.
+
+    A file whose size and modification time are still the ones `prepare` recorded is the file it hashed (weights
+    are immutable; anything that rewrites a file changes its mtime), so it is not read again; any other file is
+    re-hashed against the receipt. A full-size model is thus hashed once on its first use, not twice.
+    """
     recorded = {f["name"]: f for f in receipt["transformer"]["files"]}
     actual_files = {p.name: p for p in source.files}
     if set(recorded) != set(actual_files):
         raise IdentityMismatchError(f"transformer files {sorted(actual_files)} differ from the receipt's {sorted(recorded)}")
-    for done, (name, path) in enumerate(tqdm(actual_files.items(), desc="verify weights", unit="file", leave=False), 1):
-        if path.stat().st_size != recorded[name]["size"] or file_sha256(path) != recorded[name]["sha256"]:
-            raise IdentityMismatchError(f"{path} does not match the receipt (size or sha256 changed since prepare)")
+    changed = []
+    for name, path in actual_files.items():
+        if path.stat().st_size != recorded[name]["size"]:
+            raise IdentityMismatchError(f"{path} does not match the receipt (size changed since prepare)")
+        if not _unchanged(path, recorded[name]):
+            changed.append(path)
+    if changed:
+        logger.info("re-hashing %d of %d weight files whose modification time changed since prepare", len(changed), len(actual_files))
+    hashes = dict(zip(changed, _hash_files(changed, None)))
+    for done, (name, path) in enumerate(actual_files.items(), 1):
+        if path in hashes and hashes[path]["sha256"] != recorded[name]["sha256"]:
+            raise IdentityMismatchError(f"{path} does not match the receipt (sha256 changed since prepare)")
         if progress is not None:
             progress("verify", done, len(actual_files))
     if source.config.to_dict() != receipt["transformer"]["config"]:
@@ -215,7 +238,7 @@ def compile_receipt(receipt_path: str | Path, output: str | Path, device: str = 
     adapter = None
     if receipt["adapter"] is not None:
         adapter_path = Path(receipt["adapter"]["path"])
-        if not adapter_path.is_file() or adapter_path.stat().st_size != receipt["adapter"]["size"] or file_sha256(adapter_path) != receipt["adapter"]["sha256"]:
+        if not adapter_path.is_file() or not _unchanged(adapter_path, receipt["adapter"]) and file_sha256(adapter_path) != receipt["adapter"]["sha256"]:
             raise IdentityMismatchError(f"adapter {adapter_path} does not match the receipt (missing, or size or sha256 changed)")
         adapter = load_adapter(adapter_path, source.config, profile.adapter.strength)  # type: ignore[union-attr]
     with atomic_directory(output) as tmp:
@@ -231,10 +254,29 @@ def _identity(profile: Profile, receipt: dict, config: H3Config, arch: str, comp
         "profile": profile.identity(),
         "config": config.to_dict(),
         "arch": arch,
-        "base_weights": {"layout": receipt["transformer"]["layout"], "files": receipt["transformer"]["files"]},
+        "base_weights": {"layout": receipt["transformer"]["layout"], "files": [_identity_record(f) for f in receipt["transformer"]["files"]]},
         "adapter": None if receipt["adapter"] is None else {k: receipt["adapter"][k] for k in ("name", "size", "sha256", "format", "alpha_source", "network_alpha")},
         "torch": torch.__version__,
     }
+
+
+def _unchanged(path: Path, record: dict) -> bool:
+    """Same size and modification time as when `prepare` hashed it (see `_verify_receipt_files`)."""
+    stat = path.stat()
+    return stat.st_size == record["size"] and stat.st_mtime_ns == record.get("mtime_ns")
+
+
+def _identity_record(record: dict) -> dict[str, object]:
+    """What identifies a file's content: name, size, sha256 (not where or when it was written)."""
+    return {k: record[k] for k in ("name", "size", "sha256")}
+
+
+def _save_hashed(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> dict[str, object]:
+    """Write a safetensors file and return its identity record, hashing the bytes as they are written (no re-read)."""
+    data = save_safetensors(tensors, metadata=metadata)
+    with open(path, "wb") as handle:
+        handle.write(data)
+    return {"name": path.name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
 def _lora_tensors(residuals: dict[str, tuple[M.LoraResidual, ...]]) -> tuple[dict[str, torch.Tensor], list[dict[str, object]]]:
@@ -289,22 +331,41 @@ def _write_compiled(
             overlay[f"{key}.norm_out"] = M.norm_out_table(temb, table_aux["norm_out.linear.weight"], table_aux["norm_out.linear.bias"], aux_loras.get("norm_out.linear", ())).cpu()
             entries.append({"step": s, "variant": v, "timesteps": vector.tolist()})
 
-    block_records = []
-    for i in tqdm(range(config.num_layers), desc="compile blocks", unit="block"):
-        adaln = source.read_adaln(i)
-        weight, bias = adaln[f"blocks.{i}.adaln.weight"].to(device), adaln[f"blocks.{i}.adaln.bias"].to(device)
-        block_loras = adapter.for_prefix(f"blocks.{i}") if adapter else {}
-        adaln_loras = tuple(r.to(device) for r in block_loras.pop("adaln", ()))
-        for s, v, temb in tembs:
-            overlay[f"step{s:03d}.v{v}.block{i:03d}"] = M.adaln_table(temb, weight, bias, adaln_loras).cpu()
-        del adaln, weight, bias
-        tensors = {k.split(".", 2)[2]: t for k, t in source.read_block(i).items()}
-        lora_tensors, lora_records = _lora_tensors(block_loras)
-        file_name = f"block_{i:03d}.safetensors"
-        save_file({**tensors, **lora_tensors}, str(out / "artifact" / file_name), metadata={"format": ARTIFACT_FORMAT, "compile_id": compile_id})
-        block_records.append({"file": file_name, "lora": lora_records})
-        if progress is not None:
-            progress("compile", i + 1, config.num_layers)
+    # Blocks stream through: source reads run READ_AHEAD_BLOCKS ahead of the table GEMMs, and each packed block is
+    # serialised, hashed and written by a writer thread behind them, so reading, the device and writing overlap and
+    # no more than a few blocks are in host memory at once.
+    reader = ThreadPoolExecutor(READ_AHEAD_BLOCKS)
+    writer = ThreadPoolExecutor(WRITE_BEHIND_BLOCKS)
+    reads: dict[int, Future] = {}
+    writes: list[Future] = []
+    lora_records: list[list[dict[str, object]]] = []
+    try:
+        for i in range(min(READ_AHEAD_BLOCKS, config.num_layers)):
+            reads[i] = reader.submit(_read_source_block, source, i)
+        for i in tqdm(range(config.num_layers), desc="compile blocks", unit="block"):
+            adaln, block = reads.pop(i).result()
+            if i + READ_AHEAD_BLOCKS < config.num_layers:
+                reads[i + READ_AHEAD_BLOCKS] = reader.submit(_read_source_block, source, i + READ_AHEAD_BLOCKS)
+            weight, bias = adaln[f"blocks.{i}.adaln.weight"].to(device), adaln[f"blocks.{i}.adaln.bias"].to(device)
+            block_loras = adapter.for_prefix(f"blocks.{i}") if adapter else {}
+            adaln_loras = tuple(r.to(device) for r in block_loras.pop("adaln", ()))
+            for s, v, temb in tembs:
+                overlay[f"step{s:03d}.v{v}.block{i:03d}"] = M.adaln_table(temb, weight, bias, adaln_loras).cpu()
+            del adaln, weight, bias
+            tensors = {k.split(".", 2)[2]: t for k, t in block.items()}
+            lora_tensors, records = _lora_tensors(block_loras)
+            lora_records.append(records)
+            while sum(not w.done() for w in writes) >= WRITE_BEHIND_BLOCKS:
+                writes[[w.done() for w in writes].index(False)].result()
+            path = out / "artifact" / f"block_{i:03d}.safetensors"
+            writes.append(writer.submit(_save_hashed, {**tensors, **lora_tensors}, path, {"format": ARTIFACT_FORMAT, "compile_id": compile_id}))
+            del block, tensors, lora_tensors
+            if progress is not None:
+                progress("compile", i + 1, config.num_layers)
+        block_files = [w.result() for w in writes]
+    finally:
+        reader.shutdown(wait=True, cancel_futures=True)
+        writer.shutdown(wait=True, cancel_futures=True)
 
     aux = source.read_aux(lambda n: not n.startswith(("time_embedder.", "norm_out.linear.")))
     aux.update(source.read_refiner())
@@ -313,20 +374,19 @@ def _write_compiled(
         runtime_loras = {k: v for k, v in adapter.aux().items() if k not in ("time_embedder.linear_1", "time_embedder.linear_2", "norm_out.linear")}
         for j in range(config.num_refiner_layers):
             runtime_loras.update({f"refiner.{j}.{k}": v for k, v in adapter.for_prefix(f"refiner.{j}").items()})
-    lora_tensors, lora_records = _lora_tensors(runtime_loras)
-    aux_meta = {"format": ARTIFACT_FORMAT, "compile_id": compile_id, "identity": json.dumps(identity), "lora": json.dumps(lora_records)}
-    save_file({**aux, **lora_tensors}, str(out / "auxiliary.safetensors"), metadata=aux_meta)
+    lora_tensors, aux_lora_records = _lora_tensors(runtime_loras)
+    aux_meta = {"format": ARTIFACT_FORMAT, "compile_id": compile_id, "identity": json.dumps(identity), "lora": json.dumps(aux_lora_records)}
+    aux_file = _save_hashed({**aux, **lora_tensors}, out / "auxiliary.safetensors", aux_meta)
 
     schedule = profile.schedule
     overlay["video_sigmas"], overlay["audio_sigmas"] = schedule.video_sigmas, schedule.audio_sigmas
-    save_file(overlay, str(out / "schedule" / "overlay.safetensors"), metadata={"format": OVERLAY_FORMAT, "compile_id": compile_id})
+    overlay_file = _save_hashed(overlay, out / "schedule" / "overlay.safetensors", {"format": OVERLAY_FORMAT, "compile_id": compile_id})
 
-    files = describe_files([out / "artifact" / r["file"] for r in block_records], with_hash=True)
     artifact_manifest = {
         "format": ARTIFACT_FORMAT,
         **identity,
-        "blocks": [{**r, **f} for r, f in zip(block_records, files)],
-        "auxiliary": describe_files([out / "auxiliary.safetensors"], with_hash=True)[0],
+        "blocks": [{"file": f["name"], "lora": r, **f} for f, r in zip(block_files, lora_records)],
+        "auxiliary": aux_file,
     }
     (out / "artifact" / "manifest.json").write_text(json.dumps(artifact_manifest, indent=2) + "\n")
     overlay_manifest = {
@@ -338,9 +398,14 @@ def _write_compiled(
         "schedule": schedule.to_dict(),
         "num_layers": config.num_layers,
         "entries": entries,
-        "file": describe_files([out / "schedule" / "overlay.safetensors"], with_hash=True)[0],
+        "file": overlay_file,
     }
     (out / "schedule" / "manifest.json").write_text(json.dumps(overlay_manifest, indent=2) + "\n")
+
+
+def _read_source_block(source: SourceWeights, index: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One main block's `adaln_proj` (compiled into tables) and packed weights (copied), read from the source."""
+    return source.read_adaln(index), source.read_block(index)
 
 
 # -- command line ---------------------------------------------------------------------------------------------------
