@@ -8,6 +8,9 @@ was hashed at compile time.
 from __future__ import annotations
 
 import json
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +23,10 @@ from .errors import IdentityMismatchError, VflashError, WeightFileError
 from .model import LayerWeights, LoraResidual
 from .profiles import Profile, check_identity
 from .tensor_store import TensorStore
+
+
+# Block files read concurrently when a session loads (measured by benchmarks/end_to_end.py).
+READ_WORKERS = 4
 
 
 def _read_manifest(path: Path, fmt: str, what: str) -> dict:
@@ -147,6 +154,27 @@ class CompiledArtifact:
         store.require({k: (v, dtypes) for k, v in shapes.items()})
         data = store.read(store.names)
         return LayerWeights({k: data[k] for k in shapes}, _loras(record["lora"], data))
+
+    def iter_blocks(self, read_workers: int = READ_WORKERS) -> Iterator[LayerWeights]:
+        """Every main block, in order, read by up to `read_workers` threads ahead of the consumer.
+
+        Each block file is read in one sequential pass into tensors that own their storage; several in flight keep a
+        fast disk (or the page cache) busy while the consumer copies the previous block to its device.
+        """
+        count = self.config.num_layers
+        with ThreadPoolExecutor(max(1, read_workers)) as pool:
+            pending = deque(pool.submit(self.read_block, i) for i in range(min(max(1, read_workers), count)))
+            queued = len(pending)
+            try:
+                while pending:
+                    block = pending.popleft().result()
+                    if queued < count:
+                        pending.append(pool.submit(self.read_block, queued))
+                        queued += 1
+                    yield block
+            finally:
+                for future in pending:
+                    future.cancel()
 
     def read_block_loras(self, index: int) -> dict[str, tuple[LoraResidual, ...]]:
         """Only the (small) LoRA factors of one block."""

@@ -19,12 +19,13 @@ import logging
 import math
 import mmap
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from .artifact import CompiledArtifact
+from .artifact import READ_WORKERS, CompiledArtifact
 from .checkpoint import block_shapes
 from .config import H3Config
 from .errors import RequestError, VflashError
@@ -76,8 +77,7 @@ class ResidentBlocks(BlockSource):
 
     def __init__(self, artifact: CompiledArtifact, device: torch.device, on_block=None, shard: WeightShard | None = None):
         self.blocks: list[LayerWeights] = []
-        for i in range(artifact.config.num_layers):
-            w = artifact.read_block(i)
+        for i, w in enumerate(artifact.iter_blocks()):
             tensors, loras = (dict(w.tensors), dict(w.loras)) if shard is None else (shard.tensors(w.tensors), shard.loras(w.loras))
             self.blocks.append(LayerWeights({k: v.to(device) for k, v in tensors.items()}, _device_loras(loras, device)))
             if on_block is not None:
@@ -131,13 +131,14 @@ class PinnedArena:
             count = min(per_segment, config.num_layers - first)
             self.segments.append(torch.empty(count * self.block_bytes, dtype=torch.uint8, pin_memory=pin))
         for i in range(config.num_layers):
-            segment = self.segments[i // per_segment]
             start = (i % per_segment) * self.block_bytes
-            span = segment[start : start + self.block_bytes]
-            self.spans.append(span)
-            self.loras.append(self._fill(artifact, i, span))
-            if on_block is not None:
-                on_block(i)
+            self.spans.append(self.segments[i // per_segment][start : start + self.block_bytes])
+        # Blocks fill their spans concurrently (the copies release the GIL), reported in order.
+        with ThreadPoolExecutor(READ_WORKERS) as pool:
+            for i, loras in enumerate(pool.map(lambda i: self._fill(artifact, i, self.spans[i]), range(config.num_layers))):
+                self.loras.append(loras)
+                if on_block is not None:
+                    on_block(i)
         self.nbytes = sum(s.nbytes for s in self.segments)
 
     def _fill(self, artifact: CompiledArtifact, index: int, span: torch.Tensor) -> dict[str, tuple[LoraResidual, ...]]:
