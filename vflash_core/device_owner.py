@@ -1,5 +1,5 @@
-"""`SerialDeviceOwner`: a pipeline part that holds its device only for its own stage (seed 001: the text encoder, the
-VAEs and the core share one GPU in turn)."""
+"""`SerialDeviceOwner`: a pipeline part that holds its device only for its own stage (the text encoder, the VAEs and
+the core share one GPU in turn)."""
 
 from __future__ import annotations
 
@@ -15,12 +15,37 @@ def release_device_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def _host_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's and buffer's current (host) tensor, by qualified name (tied parameters once)."""
+    return {**{name: p.data for name, p in module.named_parameters()}, **dict(module.named_buffers())}
+
+
+def _restore(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Point every parameter and buffer back at its host tensor (no copy)."""
+    for name, tensor in tensors.items():
+        owner, _, leaf = name.rpartition(".")
+        sub = module.get_submodule(owner) if owner else module
+        if leaf in sub._parameters:
+            param = sub._parameters[leaf]
+            try:
+                param.data = tensor  # type: ignore[union-attr]
+            except RuntimeError:  # a device whose tensors cannot share a Parameter with host ones (meta): a new one
+                sub._parameters[leaf] = torch.nn.Parameter(tensor, requires_grad=param.requires_grad)  # type: ignore[union-attr]
+        else:
+            sub._buffers[leaf] = tensor
+
+
 class SerialDeviceOwner:
     """Base of `TextConditioner` and `MediaVAEs`: `on_device()` moves the part's modules to `device` for a block and
-    hands the device back afterwards (`offload`), unless `keep_on_device` (`encoder_residency="resident"`)."""
+    hands the device back afterwards (`offload`), unless `keep_on_device` (`encoder_residency="resident"`).
+
+    The weights never change, so the host tensors are kept while the modules run on the device and handing the device
+    back only points the modules at them again: a 54 GB text encoder is copied to the GPU once per stage, never back.
+    """
 
     device: torch.device
     keep_on_device: bool = False  # True: the modules stay on `device` after their first use (until `close`)
+    _host: dict[int, dict[str, torch.Tensor]] | None = None  # id(module) -> its host tensors while on the device
 
     def device_modules(self) -> list[torch.nn.Module]:
         """The modules that move between the CPU and `device`."""
@@ -29,8 +54,13 @@ class SerialDeviceOwner:
     @contextlib.contextmanager
     def on_device(self) -> Iterator[SerialDeviceOwner]:
         """Hold the modules on `device` for the block, then hand the device back unless `keep_on_device`."""
-        for module in self.device_modules():
-            module.to(self.device)
+        if self.device.type != "cpu":
+            if self._host is None:
+                self._host = {}
+            for module in self.device_modules():
+                if not self.keep_on_device:  # a resident part never comes back: its host copy is not kept
+                    self._host.setdefault(id(module), _host_tensors(module))
+                module.to(self.device)
         try:
             yield self
         finally:
@@ -38,8 +68,13 @@ class SerialDeviceOwner:
                 self.offload()
 
     def offload(self) -> None:
-        """Move the modules to the CPU and release cached device memory (a no-op for a CPU part)."""
-        if self.device.type != "cpu":
-            for module in self.device_modules():
+        """Point the modules back at their host tensors and release cached device memory (no-op for a CPU part)."""
+        if self.device.type == "cpu":
+            return
+        for module in self.device_modules():
+            tensors = (self._host or {}).pop(id(module), None)
+            if tensors is not None:
+                _restore(module, tensors)
+            else:
                 module.to("cpu")
-            release_device_memory(self.device)
+        release_device_memory(self.device)

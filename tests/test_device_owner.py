@@ -1,0 +1,45 @@
+"""`SerialDeviceOwner`: a part handed back to the CPU points at its original host tensors (nothing copied back)."""
+
+from __future__ import annotations
+
+import torch
+
+from vflash_core.device_owner import SerialDeviceOwner
+
+
+class _Part(SerialDeviceOwner):
+    def __init__(self, device: str):
+        self.device = torch.device(device)
+        self.module = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+        self.module[0].weight.data = self.module[0].weight.data.to(torch.bfloat16)
+
+    def device_modules(self) -> list[torch.nn.Module]:
+        return [self.module]
+
+
+def _state(module: torch.nn.Module) -> dict[str, tuple[int, torch.Tensor]]:
+    return {name: (t.data_ptr(), t.clone()) for name, t in module.state_dict(keep_vars=True).items()}
+
+
+def test_offload_restores_the_host_tensors_without_copying():
+    # The meta device stands in for a GPU: moving there drops the values, so only a restore can bring them back.
+    part = _Part("meta")
+    before = _state(part.module)
+    with part.on_device():
+        assert all(t.device.type == "meta" for t in part.module.state_dict().values())
+    after = _state(part.module)
+    assert after.keys() == before.keys()
+    for name, (pointer, value) in before.items():
+        assert after[name][0] == pointer, name  # the same storage, not a copy
+        assert torch.equal(after[name][1], value) and after[name][1].dtype == value.dtype, name
+    with part.on_device():  # and again: the host tensors were handed back, not lost
+        pass
+    assert all(torch.equal(_state(part.module)[n][1], v) for n, (_, v) in before.items())
+
+
+def test_resident_part_keeps_no_host_copy():
+    part = _Part("meta")
+    part.keep_on_device = True
+    with part.on_device():
+        pass
+    assert not part._host and all(t.device.type == "meta" for t in part.module.state_dict().values())
