@@ -24,7 +24,8 @@ from vflash_core.compiler import compile_receipt, prepare
 from vflash_core.config import H3Config
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
+# VFLASH_RESULTS redirects result files (a long run on a device machine keeps them outside the synced tree).
+RESULTS = Path(os.environ.get("VFLASH_RESULTS") or ROOT / "benchmarks" / "results")
 TEXT_ROWS = 512
 # (name, height, width) at 5 s (124 frames): N = 512 text + audio + video rows.
 SHAPES = {"640x352": (352, 640), "960x544": (544, 960), "1344x768": (768, 1344)}

@@ -115,6 +115,8 @@ PROFILES: dict[str, Profile] = {
     **_family("t2va-base16-bf16", ("sm90",), modes=("t2va", *_KEYFRAMES), variant="transformer", adapter=None, nfe=16, video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=15.0),
     **_family("ref2va-base16-bf16", ("sm90",), modes=("ref2va",), variant="transformer_ref", adapter=None, nfe=16, video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=15.0),
     # CPU profiles: tests and the embedded demo.
+    # The Turbo4 t2va profile's schedule and adapter on the CPU: the end-to-end benchmark's dry run at demo size.
+    "t2va-turbo4-exact-cpu": Profile("t2va-turbo4-exact-cpu", ("t2va",), "transformer", _BASE_TURBO4, 4, 6.0, 3.0, 5.0, 5.2, "cpu"),
     "t2va-base4-exact-cpu": Profile("t2va-base4-exact-cpu", ("t2va", *_KEYFRAMES), "transformer", None, 4, 12.0, 3.0, 5.0, 15.0, "cpu"),
     "t2va-base16-exact-cpu": Profile("t2va-base16-exact-cpu", ("t2va", *_KEYFRAMES), "transformer", None, 16, 12.0, 3.0, 5.0, 15.0, "cpu"),
     "ref2va-base4-exact-cpu": Profile("ref2va-base4-exact-cpu", ("ref2va",), "transformer_ref", None, 4, 12.0, 3.0, 5.0, 15.0, "cpu"),
