@@ -57,7 +57,7 @@ REF2VA_PROFILE_CASES = {
     "label-video": (dict(prompt="<Video 1> moves", references=(F("a.png"),)), r"prompt label <Video 1> is not bound .* ref2va request provides 1 picture, 0 videos and 0 audio clips"),
     "label-audio": (dict(prompt="<Audio 1>", references=(F("a.png"),)), r"prompt label <Audio 1> is not bound"),
     "unknown-media": (dict(prompt="x", references=(F("notes.xyz"),)), r"reference .*notes.xyz: unknown media type '.xyz'"),
-    "unreadable-audio": (dict(prompt="x", references=(F("voice.wav"),)), r"reference 1 .*voice.wav cannot be read as audio"),
+    "unreadable-audio": (dict(prompt="x", references=(F("a.png"), F("voice.wav"))), r"reference 2 .*voice.wav cannot be read as audio"),
     "mode-not-in-profile": (dict(prompt="x"), r"profile ref2va-base4-exact-cpu accepts ref2va; a t2va request was given"),
     "ten-images": (dict(prompt="x", references=(F("a.png"),) * 10), r"H3 takes at most 9 image references, got 10"),
 }

@@ -265,6 +265,14 @@ def test_limits_from_the_model_are_checked_before_loading(h3_prepared, h3_prepar
         pipeline.validate(VideoRequest("a\ud800"))
     with pytest.raises(RequestError, match=r"^prompt label <Picture 99999999999999999999> is not bound to an input"):
         pipeline.validate(VideoRequest("<Picture 99999999999999999999>"))
+    with pytest.raises(RequestError, match=r"^duration 1e\+308 s is outside the 5-15 s H3 generates$"):
+        pipeline.validate(VideoRequest("x", duration_seconds=1e308))
+    with pytest.raises(RequestError, match=r"^canvas 10{400}x32 is"):
+        pipeline.validate(VideoRequest("x", width=10**400, height=32))
+    with pytest.raises(VflashError, match=r"^the output path must not contain a NUL character$"):
+        pipeline.generate(VideoRequest("x"), str(tmp_path / "a\x00.mp4"))
+    with pytest.raises(RequestError, match=r"^H3 takes at most 9 image references, got 1000$"):  # counted before any file is opened
+        H3Pipeline.from_prepared(h3_prepared_ref).validate(VideoRequest("x", references=[str(tmp_path / f"{i}.png") for i in range(1000)]))
 
     # An image whose header promises more pixels than any input may have (the pixels are never decoded).
     big = inputs.parent / f"{tmp_path.name}-huge.png"

@@ -90,6 +90,8 @@ def check_writable_destination(path: str | Path, overwrite: bool = False) -> Pat
     is free (or, with `overwrite`, a regular file or a link that may be replaced; never a folder)."""
     text = os.fspath(path)
     path = Path(path)
+    if "\x00" in text:
+        raise VflashError("the output path must not contain a NUL character")
     if text.endswith(("/", os.sep)) or path.name in ("", ".", ".."):
         raise VflashError(f"output {text} names a folder; give a file name inside it")
     parent = path.parent if str(path.parent) else Path(".")

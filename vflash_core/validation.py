@@ -8,8 +8,7 @@ service runs before it queues a job; the ComfyUI nodes can call its parts (`chec
   (`text_config.max_position_embeddings`), counted with the model's own tokenizer (`PromptBudget`);
 * clip: the model's 5-15 s, within the profile's range;
 * canvas: multiples of 32, aspect 1:4 .. 4:1, and no more pixels than the model's canvas rules give
-  (`canvas_max_pixels`, or exactly the canvas the rules pick for that aspect ratio, which rounding may put a few
-  percent above it);
+  (`canvas_max_pixels`, within the rounding of each side to a multiple of 32 that the rules themselves apply);
 * inputs: counts per kind, readable regular files of bounded size (`references.probe_media`), every prompt label
   bound to an input;
 * devices: present on this machine and of the profile's architecture (`check_device`).
@@ -36,9 +35,9 @@ import PIL.Image
 import torch
 
 from .errors import IdentityMismatchError, RequestError, VflashError
-from .layout import FPS, Geometry, check_canvas, frames_for_duration
+from .layout import FPS, MAX_DURATION_SECONDS, MIN_DURATION_SECONDS, Geometry, check_canvas, frames_for_duration
 from .profiles import Profile
-from .references import MAX_AUDIOS, MAX_IMAGES, MAX_REFERENCES, MAX_VIDEOS, CanvasRules, probe_media
+from .references import CANVAS_MULTIPLE, MAX_AUDIOS, MAX_IMAGES, MAX_REFERENCES, MAX_VIDEOS, CanvasRules, probe_media, reference_kind
 
 if TYPE_CHECKING:
     from .pipeline import VideoRequest
@@ -187,21 +186,28 @@ def clip_frames(duration_seconds: float, profile: Profile) -> int:
     """The aligned frame count of a duration the model generates and the profile accepts."""
     if not math.isfinite(duration_seconds):
         raise RequestError(f"duration must be a finite number of seconds, got {duration_seconds!r}")
+    if abs(duration_seconds) > 2 * MAX_DURATION_SECONDS:  # far outside: no frame count to align (1e308 s would overflow)
+        raise RequestError(f"duration {duration_seconds:g} s is outside the {MIN_DURATION_SECONDS:g}-{MAX_DURATION_SECONDS:g} s H3 generates")
     num_frames = frames_for_duration(float(duration_seconds))
     profile.check_duration(num_frames / FPS)
     return num_frames
 
 
 def check_canvas_size(height: int, width: int, canvas: CanvasRules) -> None:
-    """Multiples of 32 at an aspect ratio H3 accepts, within the model's pixel budget."""
-    check_canvas(height, width)
-    pixels = height * width
-    if pixels > canvas.max_pixels and canvas.default_canvas(width, height) != (height, width):
+    """Multiples of 32 at an aspect ratio H3 accepts, within the model's pixel budget.
+
+    The budget admits every canvas the canvas rules can pick: they scale the area to at most `canvas_max_pixels`,
+    then round each side to a multiple of 32, which adds at most half a multiple (16) per side.
+    """
+    slack = CANVAS_MULTIPLE // 2
+    # In integers, before `check_canvas` divides: an enormous side must not overflow a float.
+    if height > 0 and width > 0 and (height - slack) * (width - slack) > canvas.max_pixels:
         largest_h, largest_w = canvas.default_canvas(16, 9)
         raise RequestError(
-            f"canvas {width}x{height} is {pixels:,} pixels; this model generates at most {canvas.max_pixels:,} "
-            f"(canvas_max_pixels; e.g. {largest_w}x{largest_h} at 16:9)"
+            f"canvas {width}x{height} is {height * width:,} pixels; this model generates at most {canvas.max_pixels:,} "
+            f"(canvas_max_pixels, within rounding to multiples of {CANVAS_MULTIPLE}; e.g. {largest_w}x{largest_h} at 16:9)"
         )
+    check_canvas(height, width)
 
 
 def check_reference_counts(kinds: list[str]) -> None:
@@ -290,9 +296,10 @@ def plan_request(request: "VideoRequest", profile: Profile, canvas: CanvasRules,
             if probe.kind != "image":
                 raise RequestError(f"{name} {item} is not an image")
             keyframe_sizes.append(probe.size)
-    probes = [probe_media(item, f"reference {index + 1}") for index, item in enumerate(request.references)]
-    kinds = [probe.kind for probe in probes]
-    check_reference_counts(kinds)
+    names = [f"reference {index + 1}" for index in range(len(request.references))]
+    kinds = [reference_kind(item, name) for item, name in zip(request.references, names)]
+    check_reference_counts(kinds)  # from the extensions, before any file is opened
+    probes = [probe_media(item, name) for item, name in zip(request.references, names)]
     if "video" in kinds:
         import importlib.util
 

@@ -25,6 +25,8 @@ from typing import Any
 from aiohttp import BodyPartReader, web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from ..references import MAX_REFERENCES
+
 FILE_FIELDS = ("first_frame", "last_frame", "references")
 SCALAR_FIELDS = ("prompt", "duration_seconds", "seed", "width", "height")
 REQUEST_PART = "request"
@@ -152,6 +154,8 @@ async def _read_multipart(request: web.Request, upload_dir: Path, policy: InputP
             files = uploads.setdefault(part.name, [])
             if files and part.name != "references":
                 raise bad_request(f"more than one {part.name} upload")
+            if len(files) == MAX_REFERENCES:  # refused before another file is written
+                raise bad_request(f"H3 takes at most {MAX_REFERENCES} references in total, got more")
             index = len(files) + 1
             target = upload_dir / (f"reference-{index}" if part.name == "references" else part.name)
             target = target.with_name(target.name + upload_suffix(part.filename))
