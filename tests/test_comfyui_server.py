@@ -30,6 +30,26 @@ API = REPO / "workflows" / "api"
 SMALL = {"4": {"width": 128, "height": 128}}  # the chain on a small canvas; t2va runs unmodified
 
 
+PROBE = REPO / "tests" / "comfy_core_probe"
+SMALL_DIT = "h3_small_av.safetensors"
+
+
+def write_small_family(root: Path, models: Path) -> None:
+    """The small random family in the files a ComfyUI user has: a single-file transformer in diffusion_models (24 / 32
+    latent channels, text width 32: the released channel counts on a tiny network), and the text encoder and the two
+    VAEs in Comfy-Org's formats, written by core's own modules (`small_core.py`, run with ComfyUI's Python)."""
+    from dataclasses import replace
+
+    from vflash_core import synthetic
+    from vflash_core.config import H3Config
+
+    config = replace(H3Config.preset("demo"), in_channels=24, audio_in_channels=32)
+    synthetic.write_original_transformer(models / "diffusion_models" / SMALL_DIT, config, synthetic.random_internal_weights(config, seed=6))
+    out = subprocess.run([os.environ.get("COMFYUI_PYTHON", sys.executable), str(PROBE / "small_core.py"), str(models)], cwd=root,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -43,15 +63,19 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         (work / "nodes").mkdir(parents=True)
         (work / "nodes" / "vflash").symlink_to(REPO)
-        for d in ("models/vflash", "input", "out"):
+        # Test-only: core's H3 classes at the small family's dimensions (see tests/comfy_core_probe/small_core.py).
+        (work / "nodes" / "vflash_test_small_core").symlink_to(PROBE / "small_core_node")
+        for d in ("models/vflash", "models/diffusion_models", "input", "out"):
             (work / d).mkdir(parents=True, exist_ok=True)
         for image in (REPO / "workflows" / "inputs").glob("*.png"):
             shutil.copy(image, work / "input" / image.name)
+        write_small_family(root, work / "models")
         (work / "extra_paths.yaml").write_text(
             f"vflash_test:\n    custom_nodes: {work / 'nodes'}\n    vflash: {work / 'models' / 'vflash'}\n"
-            f"    diffusion_models: {work / 'models' / 'diffusion_models'}\n"
+            f"    diffusion_models: {work / 'models' / 'diffusion_models'}\n    text_encoders: {work / 'models' / 'text_encoders'}\n"
+            f"    vae: {work / 'models' / 'vae'}\n"
         )
-        env = {**os.environ, "VFLASH_CACHE": str(work / "cache")}
+        env = {**os.environ, "VFLASH_CACHE": str(work / "cache"), "VFLASH_TEST_SMALL_CORE": "1"}
         self.log = open(work / "server.log", "w")
         self.proc = subprocess.Popen(
             [os.environ.get("COMFYUI_PYTHON", sys.executable), "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
@@ -265,3 +289,34 @@ def test_core_text_conditioning_vs_diffusers_hidden_state_50(server):
     assert set(rows) == {"fp32", "bf16"}
     assert not rows["fp32"]["bitwise_equal"] and rows["fp32"]["max_abs_diff"] < 1e-4
     assert not rows["bf16"]["bitwise_equal"] and rows["bf16"]["max_abs_diff"] < 0.5
+
+
+@pytest.mark.parametrize("mode", ["t2va", "i2va"])
+def test_core_clip_and_vae_loaders_drive_the_vflash_sampler_to_mp4(server, tmp_path, mode):
+    """The new template's graph: core CLIPLoader (type minimax) reads the Qwen3-VL file from text_encoders/, two core
+    VAELoaders read the video and audio VAE files from vae/, Vflash compiles and runs the single-file transformer; with
+    a first frame, core's vision tower and core's video VAE encode it. The MP4 has the clip's frames and soundtrack."""
+    from vflash_core.media import probe_mp4
+
+    workflow = json.loads((API / "t2va_core_loaders.json").read_text())
+    workflow["1"]["inputs"].update(model=f"diffusion_models/{SMALL_DIT}", profile="t2va-base4-exact-cpu")
+    workflow["2"]["inputs"]["clip_name"] = "h3_small_te.safetensors"
+    workflow["3"]["inputs"]["vae_name"] = "h3_small_video_vae.safetensors"
+    workflow["12"]["inputs"]["vae_name"] = "h3_small_audio_vae.safetensors"
+    workflow["4"]["inputs"].update(width=128, height=128)
+    workflow["5"]["inputs"]["seed"] = 21
+    workflow["7"]["inputs"]["filename_prefix"] = f"video/core_loaders_{mode}"
+    if mode == "i2va":
+        workflow["8"] = {"class_type": "LoadImage", "inputs": {"image": "vflash_first_frame.png"}}
+        workflow["4"]["inputs"]["first_frame"] = ["8", 0]
+        workflow["4"]["inputs"]["prompt"] = "<Picture 1> comes alive: the square spins, a bell rings."
+    result = asyncio.run(server.run_prompt(workflow))
+    assert result["status"] == "success", f"{result}\n{server.tail()}"
+    files = server.history_files(result["prompt_id"], tmp_path)
+    assert len(files) == 1
+    info = probe_mp4(files[0])
+    assert (info["frames"], info["width"], info["height"]) == (124, 128, 128)
+    assert info["audio_codec"] == "aac" and info["channels"] == 2 and abs(info["audio_seconds"] - 124 / 24) < 0.05
+    log = server.tail(400)
+    assert "Vflash sampled with text conditioning from ComfyUI core's CLIP" in log
+    assert ("keyframe / reference latents from ComfyUI core's VAE" in log) == (mode == "i2va")

@@ -129,6 +129,43 @@ def test_core_vae_decode_equals_vflash_decode(pack, core_files):
     assert video.get_frame_count() == images.shape[0]
 
 
+def test_references_reach_core_clip_in_request_order(pack, core_files, monkeypatch):
+    """ref2va through core CLIP: `minimax_ref_items` in request order, an `audio` item before each reference that
+    carries sound (so core labels <Audio j> as Vflash does), videos as their 2 fps frames."""
+    from vflash_core.references import CanvasRules
+
+    registry = pack.module.nodes.registry.ENGINES
+    host = pack.module.nodes.host.HOST
+    _, video_vae, audio_vae = _core(pack, core_files)
+    family = CanvasRules.from_model_root(json.loads(Path(importlib.import_module("folder_paths").get_full_path("vae", core_files["video_vae"])).read_text())["family_root"])
+    base = ops.CoreTextConditioner
+    small = type("SmallCanvasCoreText", (base,), {"__init__": lambda self, clip: base.__init__(self, clip, family)})
+    monkeypatch.setattr(ops, "CoreTextConditioner", small)  # the demo family's reference sizes, not the released 2048 px
+
+    class RecordingClip:
+        def __init__(self):
+            self.items = None
+
+        def tokenize(self, text, images=[], minimax_ref_items=None, **kwargs):
+            self.items = minimax_ref_items
+            return {"qwen3vl_32b": [[(1, 1.0)]]}
+
+        def encode_from_tokens_scheduled(self, tokens):
+            return [[torch.zeros(1, 6, 32), {"pooled_output": None, "minimax_token_tags": torch.ones(6, dtype=torch.long)}]]
+
+    clip = RecordingClip()
+    g = torch.Generator().manual_seed(2)
+    clip_frames = torch.rand(48, 64, 96, 3, generator=g)
+    voice = {"waveform": torch.rand(1, 2, 96000, generator=g) - 0.5, "sample_rate": 48000}
+    cond, _, _ = ops.encode(registry, host, clip, video_vae, "<Picture 1> sings over <Video 1> and <Audio 2>.", 128, 96, 124, 0.0,
+                            ref_images={"ref_image_0": torch.rand(1, 64, 64, 3, generator=g)}, ref_videos={"ref_video_0": clip_frames},
+                            ref_video_audios={"ref_video_audio_0": voice}, ref_audios={"ref_audio_0": voice}, audio_vae=audio_vae)
+    assert [item["type"] for item in clip.items] == ["image", "audio", "video", "audio"]
+    assert clip.items[0]["data"].ndim == 4 and clip.items[2]["data"].shape[0] == 4  # 2 s of 24 fps frames read at 2 fps
+    assert cond.mode == "ref2va" and cond.notes == (ops.CORE_TEXT_NOTE, ops.CORE_VAE_NOTE)
+    assert [ref.kind for ref in cond.payload.references] == ["image", "video", "audio"]
+
+
 def test_core_objects_are_refused_by_name(pack, core_files):
     registry = pack.module.nodes.registry.ENGINES
     host, folders = pack.module.nodes.host.HOST, pack.module.nodes.host.FOLDERS

@@ -690,8 +690,9 @@ def load_vae(registry: EngineRegistry, host: Host, folders: Folders, vae: str, d
 # Qwen3-VL weights as the diffusers conditioner): the README's ComfyUI section has the numbers and the test.
 CORE_TEXT_NOTE = (
     "text conditioning from ComfyUI core's CLIP (its own Qwen3-VL code): the same presentation (labels, vision "
-    "blocks, row tags) as diffusers' hidden_states[50], but not bitwise equal to it (core's attention, rotary and "
-    "image preprocessing round differently), so results are not bitwise those of the diffusers pipeline"
+    "blocks, row tags) as diffusers' hidden_states[50], but not bitwise equal to it (measured on ComfyUI 0.33.0 with a "
+    "small Qwen3-VL: up to 2e-6 apart with fp32 weights, up to 0.17 with bf16 weights, for values up to 5), so "
+    "results are not bitwise those of the diffusers pipeline"
 )
 CORE_VAE_NOTE = (
     "keyframe / reference latents from ComfyUI core's VAE (its own H3 VAE code, posterior mean); the diffusers "
@@ -746,6 +747,7 @@ class CoreTextConditioner:
                 items.append({"type": "video", "data": torch.from_numpy(np.stack(frames).astype(np.float32) / 255.0)})
         return items
 
+    @torch.no_grad()
     def encode(self, prompt: str, keyframes: list | None = None, references: list | None = None):
         from .conditioning import TextConditioning
 
@@ -817,21 +819,25 @@ class CoreVAEs:
     def close(self) -> None:
         """Nothing to release: ComfyUI owns the models."""
 
+    @torch.no_grad()
     def encode_pixels(self, frames) -> torch.Tensor:
         """(F, H, W, 3) uint8 -> (1, C, f, H/16, W/16) fp32 normalised, CPU."""
         pixels = torch.from_numpy(frames.astype("float32") / 255.0) if not isinstance(frames, torch.Tensor) else frames.float() / 255.0
         return self.video_vae.encode(pixels).float().cpu()
 
+    @torch.no_grad()
     def encode_soundtrack(self, waveform: torch.Tensor) -> torch.Tensor:
         """(2, S) at the VAE's rate -> (2 A, C) normalised channel-major rows, CPU."""
         latents = self._audio().encode(waveform.float()[None].movedim(1, -1)).float().cpu()  # (1, C, 2, A)
         return latents[0].permute(1, 2, 0).reshape(-1, latents.shape[1])
 
+    @torch.no_grad()
     def decode_video(self, video_latents: torch.Tensor) -> torch.Tensor:
         """(1, C, F, h, w) normalised -> (F', 16 h, 16 w, 3) fp32 in [0, 1], CPU."""
         images = self.video_vae.decode(video_latents)
         return images.reshape(-1, *images.shape[-3:]).float().clamp(0, 1).cpu()
 
+    @torch.no_grad()
     def decode_audio(self, audio_latents: torch.Tensor) -> torch.Tensor:
         """(2, C, A) normalised -> (2, A * hop) fp32 waveform, CPU (core's decode, without VAEDecodeAudio's loudness
         normalisation)."""
@@ -933,7 +939,8 @@ def encode(registry: EngineRegistry, host: Host, te: Any, vae: Any, prompt: str,
     if audios and not (images or videos):
         raise RequestError("audio references need at least one image or video reference beside them")
     mode = "ref2va" if images or videos or audios else {(): "t2va", ("first",): "i2va", ("last",): "l2va", ("first", "last"): "fl2va"}[tuple(a for a, _ in keyframe_inputs)]
-    _check_labels(prompt, mode, len(images) if mode == "ref2va" else len(keyframe_inputs), len(videos), len(audios))
+    # <Audio j> counts audio references and reference clips' soundtracks alike (the pipeline's numbering).
+    _check_labels(prompt, mode, len(images) if mode == "ref2va" else len(keyframe_inputs), len(videos), len(audios) + sum(s is not None for s in soundtracks))
 
     steps = 2 + bool(keyframe_inputs or mode == "ref2va")
     bar = _Progress(host, steps)
