@@ -303,6 +303,12 @@ async def test_limits_types_and_malformed_bodies_are_4xx_json_and_write_nothing(
     truncated = b'--XX\r\nContent-Disposition: form-data; name="request"\r\n\r\n{"prompt": "x"}'
     assert (await rejected(400, data=truncated, headers={"Content-Type": "multipart/form-data; boundary=XX"})).startswith("the multipart body is malformed")
 
+    many = FormData()  # uploads stop at the model's 12 references, before a 13th file is written
+    many.add_field("request", json.dumps({"prompt": "x"}), content_type="application/json")
+    for index in range(13):
+        many.add_field("references", b"\x89PNG", filename=f"r{index}.png", content_type="image/png")
+    assert await rejected(400, data=many) == "H3 takes at most 12 references in total, got more"
+
     assert len(app[JOBS]) == 0
     assert published(config.output_dir) == [] and files_under(app[WORK_DIR]) == []
     assert (await client.get("/healthz")).status == 200
