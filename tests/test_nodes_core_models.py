@@ -234,6 +234,17 @@ def test_sm90_profile_on_cpu_is_refused_at_validation_and_writes_nothing(pack, o
     assert pack.nodes["VflashVAELoader"].validate_inputs(device="cpu") is True
 
 
+def test_a_graph_with_an_sm90_profile_runs_no_node_on_cpu(pack, official_weights):
+    """The whole t2va graph, validated as ComfyUI validates a queued prompt: refused naming the loader, no node runs."""
+    from vflash_core.workflow import WorkflowError
+
+    workflow = apply_overrides(load_api_workflow(API / "t2va.json"), [f"1.model={official_weights}", "1.profile=t2va-base16-bf16-sm90"])
+    ran = []
+    with pytest.raises(WorkflowError, match=r"node 1 \(VflashModelLoader\): profile t2va-base16-bf16-sm90 runs on sm90 GPUs"):
+        execute(workflow, pack.node_types(workflow), on_node=lambda nid, class_type: ran.append(nid))
+    assert ran == []
+
+
 def test_profile_vs_mode_is_refused_before_the_transformer_is_touched(pack, monkeypatch):
     registry = pack.module.nodes.registry.ENGINES
     host, folders = pack.module.nodes.host.HOST, pack.module.nodes.host.FOLDERS

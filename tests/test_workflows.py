@@ -215,6 +215,25 @@ def test_run_workflow_cli_refuses_unsupported_nodes(tmp_path):
     assert out.returncode == 2 and "unsupported nodes: 8 (VAEDecodeAudio)" in out.stderr and not (tmp_path / "output").exists()
 
 
+def test_run_workflow_refuses_an_sm90_profile_on_cpu_before_anything_runs(tmp_path):
+    """Headless like ComfyUI: the loader's checks run before any node, so nothing is built, hashed or written."""
+    from vflash_core import synthetic
+    from vflash_core.config import H3Config
+
+    models = tmp_path / "models"
+    (models / "diffusion_models").mkdir(parents=True)
+    tiny = H3Config.preset("tiny")
+    synthetic.write_original_transformer(models / "diffusion_models" / "h3.safetensors", tiny, synthetic.random_internal_weights(tiny, seed=1))
+    env = {**os.environ, "VFLASH_CACHE": str(tmp_path / "cache")}
+    out = subprocess.run(
+        [sys.executable, "-m", "vflash_core.cli", "run-workflow", str(API_DIR / "t2va.json"), "--models-dir", str(models), "--output-dir", str(tmp_path / "out"),
+         "--set", "1.model=diffusion_models/h3.safetensors", "--set", "1.profile=t2va-base16-bf16-sm90"],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
+    )
+    assert out.returncode != 0 and "runs on sm90 GPUs" in out.stderr, out.stderr[-2000:]
+    assert not (tmp_path / "cache").exists() and not (models / "vflash").exists() and not (tmp_path / "out").exists()
+
+
 def test_fl2va_headless_with_the_example_inputs(tmp_path, monkeypatch):
     from vflash_core.media import probe_mp4
 

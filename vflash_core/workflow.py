@@ -15,6 +15,7 @@ before anything runs, with the list of unsupported nodes.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import time
@@ -38,7 +39,9 @@ class NodeType:
 
     inputs: every accepted input name (dotted names for dynamic inputs) -> io type ("INT", "IMAGE", "VFLASH_MODEL",
     "*" for any, comma-separated for several); required: the names that must be given; outputs: output io types.
-    run(**inputs) returns a tuple with one value per output.
+    run(**inputs) returns a tuple with one value per output. validate(**constant inputs), when given, is ComfyUI's
+    `validate_inputs`: called for every node before anything runs, with the constant inputs its signature names;
+    True, or the refusal as text.
     """
 
     class_type: str
@@ -47,6 +50,7 @@ class NodeType:
     outputs: tuple[str, ...]
     run: Callable[..., tuple]
     output_node: bool = False
+    validate: Callable[..., Any] | None = None
 
 
 def types_compatible(output_type: str, input_type: str) -> bool:
@@ -229,8 +233,23 @@ def execute(
     node_types: Mapping[str, NodeType],
     on_node: Callable[[str, str], None] | None = None,
 ) -> RunReport:
-    """Check, then run the workflow's output nodes and their ancestors; `on_node(id, class_type)` before each."""
+    """Check, then run the workflow's output nodes and their ancestors; `on_node(id, class_type)` before each.
+    Every node's `validate` runs first (as ComfyUI validates a prompt when it is queued): a refusal stops the run
+    before any node executes."""
     order = plan(workflow, node_types)
+    refusals = []
+    for nid in order:
+        node = workflow[nid]
+        check = node_types[node["class_type"]].validate
+        if check is None:
+            continue
+        accepted = inspect.signature(check).parameters
+        constants = {k: v for k, v in node.get("inputs", {}).items() if not is_link(v) and k in accepted}
+        verdict = check(**constants)
+        if verdict is not True:
+            refusals.append(f"node {nid} ({node['class_type']}): {verdict}")
+    if refusals:
+        raise WorkflowError("the workflow was refused before running: " + "; ".join(refusals))
     report = RunReport()
     for nid in order:
         node = workflow[nid]
@@ -486,8 +505,17 @@ def _vflash_node_types(registry, host, folders) -> dict[str, NodeType]:
         "VflashGenerate": lambda **kw: ops.generate(registry, host, **kw),
         "VflashUnload": lambda **kw: (ops.unload(registry, host, **kw),),
     }
+
+    def loader(model, profile, weight_residency, device, peer_device, strategy, attention_backend):
+        return ops.validate_loader(host, folders, model=model, profile=profile, weight_residency=weight_residency, device=device,
+                                   peer_device=peer_device, strategy=strategy, attention_backend=attention_backend)
+
+    def device_only(device):
+        return ops.validate_device(host, device)
+
+    validations = {"VflashModelLoader": loader, "VflashTextEncoderLoader": device_only, "VflashVAELoader": device_only}
     return {
-        name: NodeType(name, inputs, frozenset(inputs) - optional, outputs, runs[name], output_node)
+        name: NodeType(name, inputs, frozenset(inputs) - optional, outputs, runs[name], output_node, validations.get(name))
         for name, (inputs, optional, outputs, output_node) in VFLASH_SIGNATURES.items()
     }
 

@@ -68,6 +68,7 @@ class Pack:
                 outputs=tuple(o.get_io_type() for o in schema.outputs),
                 run=_runner(cls, schema, prompt),
                 output_node=schema.is_output_node,
+                validate=cls.validate_inputs if "validate_inputs" in vars(cls) else None,  # as ComfyUI: only an override
             )
         return out
 
