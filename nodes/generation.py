@@ -6,7 +6,7 @@ from comfy_api.latest import io
 
 from vflash_core import node_ops as ops
 
-from .host import HOST
+from .host import FOLDERS, HOST
 from .registry import ENGINES
 from .types import AUDIO_VAE_TOOLTIP, VAE_TOOLTIP, VflashCond, VflashModel, aliases, te_input, vae_inputs
 
@@ -80,11 +80,13 @@ class VflashEncode(io.ComfyNode):
                 io.Latent.Output("latent", tooltip="Empty H3 AV latent of the canvas (the layout of core's EmptyMiniMaxH3LatentAV)."),
                 io.Int.Output("frames", tooltip="The actual frame count after snapping."),
             ],
+            hidden=[io.Hidden.prompt],
         )
 
     @classmethod
     def execute(cls, te, vae, prompt, width, height, length, seconds, first_frame=None, last_frame=None,
                 ref_images=None, ref_videos=None, ref_video_audios=None, ref_audios=None, force_offload=True, audio_vae=None):
+        ops.check_graph(getattr(cls.hidden, "prompt", None), FOLDERS)  # profile vs this request, before the encoders run
         cond, latent, frames = ops.encode(
             ENGINES, HOST, te, vae, prompt, width, height, length, seconds, first_frame, last_frame,
             ref_images, ref_videos, ref_audios, force_offload, ref_video_audios, audio_vae,

@@ -65,6 +65,7 @@ class VflashModelLoader(io.ComfyNode):
                 VflashLora.Input("lora", optional=True, tooltip="LoRA chain from Vflash LoRA Select; it is compiled into the weights and must match the profile's adapter."),
             ],
             outputs=[VflashModel.Output("model", tooltip="The transformer engine (a spec; the engine loads on first use and after an unload).")],
+            hidden=[io.Hidden.prompt],
         )
 
     @classmethod
@@ -79,6 +80,7 @@ class VflashModelLoader(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, profile, weight_residency, device, peer_device, strategy, attention_backend, lora=None):
+        ops.check_graph(getattr(cls.hidden, "prompt", None), FOLDERS)  # profile vs the graph's requests, before any model work
         spec = ops.load_model(ENGINES, HOST, FOLDERS, model, profile, weight_residency, device, peer_device, strategy, attention_backend, lora)
         return io.NodeOutput(spec)
 
@@ -131,6 +133,7 @@ class VflashTextEncoderLoader(io.ComfyNode):
                 io.Combo.Input("device", options=devices(), default="auto", tooltip=DEVICE_TOOLTIP),
             ],
             outputs=[VflashTextEncoder.Output("te", tooltip="The text encoder (a spec; it loads on first use).")],
+            hidden=[io.Hidden.prompt],
         )
 
     @classmethod
@@ -143,6 +146,7 @@ class VflashTextEncoderLoader(io.ComfyNode):
 
     @classmethod
     def execute(cls, encoder, device):
+        ops.check_graph(getattr(cls.hidden, "prompt", None), FOLDERS)
         return io.NodeOutput(ops.load_text_encoder(ENGINES, HOST, FOLDERS, encoder, device))
 
 
@@ -163,6 +167,7 @@ class VflashVAELoader(io.ComfyNode):
                 io.Combo.Input("device", options=devices(), default="auto", tooltip=DEVICE_TOOLTIP),
             ],
             outputs=[VflashVAE.Output("vae", tooltip="The video + audio VAE pair (a spec; it loads on first use).")],
+            hidden=[io.Hidden.prompt],
         )
 
     @classmethod
@@ -175,6 +180,7 @@ class VflashVAELoader(io.ComfyNode):
 
     @classmethod
     def execute(cls, vae, device):
+        ops.check_graph(getattr(cls.hidden, "prompt", None), FOLDERS)
         return io.NodeOutput(ops.load_vae(ENGINES, HOST, FOLDERS, vae, device))
 
 

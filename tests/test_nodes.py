@@ -189,13 +189,14 @@ def test_first_use_compile_can_be_interrupted_and_publishes_nothing(pack, comfy,
     from vflash_core import compiler
 
     mm, updates = comfy
-    write_block = compiler.save_file
+    write_block = compiler._save_hashed
 
     def write_then_cancel(*args, **kwargs):  # the user presses Cancel while the first block is written
-        write_block(*args, **kwargs)
+        record = write_block(*args, **kwargs)
         mm.interrupt_current_processing(True)
+        return record
 
-    monkeypatch.setattr(compiler, "save_file", write_then_cancel)
+    monkeypatch.setattr(compiler, "_save_hashed", write_then_cancel)
     loader = pack.nodes["VflashModelLoader"]
     kwargs = dict(model="diffusion_models/h3_tiny.safetensors", profile="t2va-base16-exact-cpu", weight_residency="auto", device="cpu",
                   peer_device="none", strategy="sequence-head", attention_backend="auto")
@@ -203,7 +204,7 @@ def test_first_use_compile_can_be_interrupted_and_publishes_nothing(pack, comfy,
     with pytest.raises(mm.InterruptProcessingException):
         loader.execute(**kwargs)
     assert [p.name for p in compiled.iterdir() if "base16" in p.name] == ["h3_tiny-t2va-base16-exact-cpu.weights-receipt.json"]
-    monkeypatch.setattr(compiler, "save_file", write_block)
+    monkeypatch.setattr(compiler, "_save_hashed", write_block)
     spec = loader.execute(**kwargs).args[0]  # the next run compiles from the start, reusing the finished receipt
     assert Path(spec.compile_dir, "artifact", "manifest.json").is_file()
     pack.module.nodes.registry.ENGINES.release("dit")

@@ -245,6 +245,31 @@ def test_a_graph_with_an_sm90_profile_runs_no_node_on_cpu(pack, official_weights
     assert ran == []
 
 
+@pytest.mark.parametrize("change,refusal", [
+    ({"1.model": "embedded-demo", "1.profile": "auto", "2.encoder": "embedded-demo", "3.vae": "embedded-demo"},
+     r"profile t2va-base4-exact-cpu \(node 1\) accepts t2va, i2va, l2va, fl2va; node 4 \(VflashEncode\) encodes a ref2va request"),
+])
+def test_profile_vs_the_graphs_request_is_refused_before_any_model_work(pack, change, refusal):
+    """A ref2va graph on a t2va-only profile: the first Vflash node to run reads the graph (ComfyUI's hidden prompt)
+    and refuses before any model loads, whichever node ComfyUI runs first; headless refuses before running."""
+    from vflash_core.workflow import WorkflowError, run_headless
+
+    registry = pack.module.nodes.registry.ENGINES
+    registry.release("all")
+    workflow = apply_overrides(load_api_workflow(API / "ref2va.json"), [f"{k}={v}" for k, v in change.items()])
+    ran = []
+    with pytest.raises(VflashError, match=refusal):
+        execute(workflow, pack.node_types(workflow), on_node=lambda nid, class_type: ran.append(class_type))
+    assert len(ran) == 1 and registry.loaded() == {}  # the first node refused; nothing loaded
+    with pytest.raises(WorkflowError, match=refusal):
+        run_headless(workflow, output_dir=Path(importlib.import_module("folder_paths").get_output_directory()) / "refused")
+    # the clip length is the profile's too
+    long = apply_overrides(load_api_workflow(API / "t2va.json"), ["4.length=400"])
+    with pytest.raises(VflashError, match="generates 5-15 s clips"):
+        execute(long, pack.node_types(long))
+    assert registry.loaded() == {}
+
+
 def test_profile_vs_mode_is_refused_before_the_transformer_is_touched(pack, monkeypatch):
     registry = pack.module.nodes.registry.ENGINES
     host, folders = pack.module.nodes.host.HOST, pack.module.nodes.host.FOLDERS

@@ -592,6 +592,65 @@ def check_loader(host: Host, folders: Folders, model: str, profile: str, weight_
     return path, resolved, peer
 
 
+def _linked(value: Any) -> bool:
+    return isinstance(value, list) and len(value) == 2 and isinstance(value[0], str)
+
+
+def encode_mode(inputs: Mapping[str, Any]) -> str:
+    """The mode a VflashEncode node of an API prompt encodes, from which of its inputs are given (no values needed)."""
+    given = {name for name, value in inputs.items() if value is not None}
+    if any(name.split(".")[0] in ("ref_images", "ref_videos", "ref_audios") for name in given):
+        return "ref2va"
+    return {(False, False): "t2va", (True, False): "i2va", (False, True): "l2va", (True, True): "fl2va"}[("first_frame" in given, "last_frame" in given)]
+
+
+def graph_refusals(prompt: Mapping[str, Mapping[str, Any]] | None, folders: Folders) -> list[str]:
+    """Profile vs request for every VflashSampler of an API prompt, read from the graph alone (the loader's profile,
+    which inputs of the encode node are connected, its length): what must not reach any model work. Cheap: reads
+    manifests only; a node whose own checks fail is left to them."""
+    out: list[str] = []
+    for nid, node in (prompt or {}).items():
+        if not isinstance(node, Mapping) or node.get("class_type") != "VflashSampler":
+            continue
+        inputs = node.get("inputs", {})
+        model_link, cond_link = inputs.get("model"), inputs.get("cond")
+        if not (_linked(model_link) and _linked(cond_link)):
+            continue
+        loader, encode = prompt.get(model_link[0], {}), prompt.get(cond_link[0], {})
+        if loader.get("class_type") != "VflashModelLoader" or encode.get("class_type") != "VflashEncode":
+            continue
+        widgets = loader.get("inputs", {})
+        model, profile_id = widgets.get("model"), widgets.get("profile", "auto")
+        if not isinstance(model, str) or not isinstance(profile_id, str):
+            continue
+        try:
+            profile = recorded_profile(model, "" if model == DEMO else str(resolve(folders, model)), profile_id)
+        except VflashError:
+            continue
+        if profile is None:
+            continue
+        mode = encode_mode(encode.get("inputs", {}))
+        if mode not in profile.modes:
+            out.append(f"node {nid} (VflashSampler): profile {profile.id} (node {model_link[0]}) accepts {', '.join(profile.modes)}; "
+                       f"node {cond_link[0]} (VflashEncode) encodes a {mode} request")
+            continue
+        e = encode.get("inputs", {})
+        if not any(_linked(e.get(k)) for k in ("width", "height", "length", "seconds")):
+            try:
+                geometry = request_geometry(e.get("width", 1344), e.get("height", 768), e.get("length", 124), e.get("seconds", 0.0))
+                profile.check_duration(geometry.num_frames / FPS)
+            except VflashError as exc:
+                out.append(f"node {nid} (VflashSampler): {exc}")
+    return out
+
+
+def check_graph(prompt: Mapping[str, Mapping[str, Any]] | None, folders: Folders) -> None:
+    """Raise the graph's refusals (see `graph_refusals`); the Vflash nodes that do model work call it first."""
+    refusals = graph_refusals(prompt, folders)
+    if refusals:
+        raise VflashError("this graph cannot run: " + "; ".join(refusals))
+
+
 def validate_device(host: Host, device: str) -> bool | str:
     """`validate_inputs` of a device widget: True, or why the device cannot be used here."""
     if device not in ordered_devices():
@@ -1086,6 +1145,9 @@ def generate(registry: EngineRegistry, host: Host, model: ModelSpec, te: Any, va
              width: int, height: int, length: int, seconds: float, seed: int, first_frame: torch.Tensor | None = None,
              last_frame: torch.Tensor | None = None, force_offload: bool = False, audio_vae: Any = None) -> tuple[Any, torch.Tensor, dict[str, Any]]:
     """VflashGenerate: encode, sample, decode in one node (Vflash or core text encoder / VAEs, as `encode`)."""
+    profile = recorded_profile(model.source, model.path, model.profile)
+    if profile is not None:  # before the text encoder runs
+        profile.check_mode(encode_mode({"first_frame": first_frame, "last_frame": last_frame}))
     cond, latent, _ = encode(registry, host, te, vae, prompt, width, height, length, seconds, first_frame, last_frame, force_offload=True, audio_vae=audio_vae)
     latent = sample(registry, host, model, cond, latent, seed, force_offload)
     images, audio, video = decode(registry, host, vae, latent, audio_vae)

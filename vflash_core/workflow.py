@@ -534,11 +534,17 @@ def headless_node_types(registry=None, host: HeadlessHost | None = None, folders
 def run_headless(workflow: Mapping[str, Mapping[str, Any]], output_dir: str | Path = "output", input_dir: str | Path = "input",
                  models_dir: str | Path | None = None) -> list[Path]:
     """Run an API workflow without ComfyUI; returns the files its SaveVideo nodes wrote. Engines are closed after."""
+    from . import node_ops as ops
     from .node_ops import EngineRegistry
 
     output_dir = Path(output_dir)
     registry = EngineRegistry()
-    types = headless_node_types(registry, HeadlessHost(), HeadlessFolders(models_dir), output_dir, input_dir)
+    folders = HeadlessFolders(models_dir)
+    types = headless_node_types(registry, HeadlessHost(), folders, output_dir, input_dir)
+    plan(workflow, types)
+    refusals = ops.graph_refusals(workflow, folders)  # profile vs the graph's requests, as the Vflash nodes check in ComfyUI
+    if refusals:
+        raise WorkflowError("the workflow was refused before running: " + "; ".join(refusals))
     before = set(output_dir.rglob("*.mp4")) if output_dir.is_dir() else set()
     try:
         execute(workflow, types, on_node=lambda nid, class_type: logger.info("node %s %s", nid, class_type))
