@@ -275,6 +275,21 @@ def test_sm90_profile_on_cpu_is_refused_at_validation_before_any_model_loads(ser
     assert "Vflash: preparing" not in server.tail(400) and not list((server.work / "models" / "vflash").rglob("*receipt*"))
 
 
+def test_profile_vs_request_is_refused_before_any_model_loads(server):
+    """A ref2va graph on the demo's t2va profile: the first Vflash node ComfyUI runs reads the graph and stops the
+    prompt before a text encoder, VAE or transformer loads."""
+    demo = {"model": "embedded-demo", "profile": "auto"}
+    workflow = _workflow("ref2va", {"1": demo, "2": {"encoder": "embedded-demo"}, "3": {"vae": "embedded-demo"}}, seed=31)
+    log = server.work / "server.log"
+    server.log.flush()
+    before = log.read_text(errors="replace").count("Vflash model ")
+    result = asyncio.run(server.run_prompt(workflow))
+    assert result["status"] == "execution_error", result
+    assert "accepts t2va, i2va, l2va, fl2va" in result["body"]["exception_message"] and "encodes a ref2va request" in result["body"]["exception_message"]
+    server.log.flush()
+    assert log.read_text(errors="replace").count("Vflash model ") == before
+
+
 def test_core_text_conditioning_vs_diffusers_hidden_state_50(server):
     """Core's own MiniMax-H3 text encoder (`CLIPLoader(type="minimax")` code: detection, loader, tokenizer, Qwen3-VL)
     on a small random Qwen3-VL written as a Comfy-Org file, against transformers' hidden_states[50] on the same
