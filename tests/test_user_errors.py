@@ -265,7 +265,7 @@ def test_limits_from_the_model_are_checked_before_loading(h3_prepared, h3_prepar
         pipeline.validate(VideoRequest("a\ud800"))
     with pytest.raises(RequestError, match=r"^prompt label <Picture 99999999999999999999> is not bound to an input"):
         pipeline.validate(VideoRequest("<Picture 99999999999999999999>"))
-    with pytest.raises(RequestError, match=r"^duration 1e\+308 s is outside the 5-15 s H3 generates$"):
+    with pytest.raises(RequestError, match=r"^duration 1e\+308 s cannot be generated; H3 generates 5-15 s$"):
         pipeline.validate(VideoRequest("x", duration_seconds=1e308))
     with pytest.raises(RequestError, match=r"^canvas 10{400}x32 is"):
         pipeline.validate(VideoRequest("x", width=10**400, height=32))
@@ -404,5 +404,9 @@ def test_concurrent_first_use_loads_once_and_leaves_nothing_patched(h3_prepared,
     with H3Pipeline.from_prepared(h3_prepared) as fresh:
         result = fresh.generate(request, None)
     assert result.num_frames == 124 and torch.isfinite(result.media.frames).all()
+    # A pipeline composed from loaded parts counts prompts with (a copy of) its conditioner's tokenizer.
+    composed = H3Pipeline(shared.profile, shared.conditioner, shared.vaes, shared.session)
+    with pytest.raises(RequestError, match=r"^the prompt is 140,000 tokens long; the text encoder reads at most 128,000"):
+        composed.validate(VideoRequest("a " * 139_999 + "a"))
     for p in (shared, *others):
         p.close()

@@ -8,9 +8,16 @@ weights plus the larger of the other two parts do not fit, the core streams its 
 A GPU with room for all three keeps the encoder and the VAEs there instead (`encoder_residency="resident"`), which
 saves their copies to and from the device on every request.
 
-A request is checked completely before any model loads (`validate`): canvas, duration, mode against the profile,
-image/reference counts per mode, prompt labels bound to provided inputs, input files readable, output writable. The
-encoders hand their tensors to the core through a validated one-shot `BundleHandoff` (no temporary file).
+A request is checked completely before any model loads (`validate`, which runs `validation.plan_request`, the
+validator the service shares): prompt length against the text encoder's context, canvas against the model's pixel
+budget, duration and mode against the profile, reference counts and input file sizes, prompt labels bound to
+provided inputs; `generate` also checks the output path. Devices and the attention backend are checked when the
+pipeline is created. The encoders hand their tensors to the core through a validated one-shot `BundleHandoff` (no
+temporary file).
+
+Threads: concurrent first calls load the models once, and requests on one pipeline run one at a time (after their
+validation, so a bad request is refused without waiting). Model loading is serialised process-wide
+(`MODEL_LOAD_LOCK`).
 
 Timing (seed 002): `initialization_seconds` is the time `prepare()` took (the first `generate` prepares when needed,
 after its input checks, and that time is not part of the request); `VideoResult.elapsed_seconds` covers the request:
@@ -52,7 +59,7 @@ from .references import CanvasRules, fit_keyframes, load_image, load_reference, 
 from .session import GenerationResult, NativeEngineSession, SessionTiming
 from .vae import DecodedMedia, MediaVAEs
 from .validation import (
-    MediaInput, PromptBudget, RequestPlan, describe_value, check_device, integer, media_input, media_inputs, plan_request, seconds,
+    MediaInput, PromptBudget, RequestPlan, check_device, describe_value, integer, media_input, media_inputs, plan_request, seconds,
 )
 
 logger = logging.getLogger(__name__)

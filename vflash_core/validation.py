@@ -187,7 +187,7 @@ def clip_frames(duration_seconds: float, profile: Profile) -> int:
     if not math.isfinite(duration_seconds):
         raise RequestError(f"duration must be a finite number of seconds, got {duration_seconds!r}")
     if abs(duration_seconds) > 2 * MAX_DURATION_SECONDS:  # far outside: no frame count to align (1e308 s would overflow)
-        raise RequestError(f"duration {duration_seconds:g} s is outside the {MIN_DURATION_SECONDS:g}-{MAX_DURATION_SECONDS:g} s H3 generates")
+        raise RequestError(f"duration {duration_seconds:g} s cannot be generated; H3 generates {MIN_DURATION_SECONDS:g}-{MAX_DURATION_SECONDS:g} s")
     num_frames = frames_for_duration(float(duration_seconds))
     profile.check_duration(num_frames / FPS)
     return num_frames
