@@ -113,6 +113,9 @@ def test_gpu_request_without_cuda_is_refused_before_loading(h3_prepared, tmp_pat
     assert line.startswith("device cuda:0: CUDA is not available on this machine")
     with pytest.raises(VflashError, match=r"peer device cuda:1: CUDA is not available"):
         H3Pipeline.from_prepared(h3_prepared, peer_device=1, strategy="sequence-head")
+    denoise = ["denoise", "t2va-base4-exact-cpu", "--artifact", "a", "--schedule-overlay", "s", "--auxiliary-tensor", "x",
+               "--bundle", "b", "--output-latents", str(tmp_path / "latents.safetensors"), "--gpu", "0"]
+    assert refused(capsys, denoise).startswith("device cuda:0: CUDA is not available on this machine")
     assert files_in(tmp_path) == []
 
 
