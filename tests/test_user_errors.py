@@ -171,20 +171,16 @@ def test_receipt_folder_and_mistyped_assets_file(h3_prepared, tmp_path, capsys):
     assert not (tmp_path / "r.json").exists()
 
 
-def test_workflow_value_of_the_wrong_type_is_refused_before_any_model_loads(tmp_path, capsys, no_model_loads):
+def test_workflow_value_of_the_wrong_type_is_refused_before_any_model_loads(tmp_path, capsys, monkeypatch):
     from vflash_core import node_ops
 
     def refuse(*args, **kwargs):
-        raise AssertionError("a node ran for a workflow that must be refused when it is checked")
+        raise AssertionError("a loader node ran for a workflow that must be refused when it is checked")
 
     for loader in ("load_model", "load_text_encoder", "load_vae"):
-        setattr_target = getattr(node_ops, loader)
-        assert callable(setattr_target)
-    with pytest.MonkeyPatch.context() as patch:
-        for loader in ("load_model", "load_text_encoder", "load_vae"):
-            patch.setattr(node_ops, loader, refuse)
-        workflow = Path(__file__).resolve().parent.parent / "workflows" / "api" / "t2va.json"
-        line = refused(capsys, ["run-workflow", str(workflow), "--set", "4.width=wide", "--set", "4.force_offload=1", "--output-dir", str(tmp_path / "out")])
+        monkeypatch.setattr(node_ops, loader, refuse)
+    workflow = Path(__file__).resolve().parent.parent / "workflows" / "api" / "t2va.json"
+    line = refused(capsys, ["run-workflow", str(workflow), "--set", "4.width=wide", "--set", "4.force_offload=1", "--output-dir", str(tmp_path / "out")])
     assert line == 'invalid workflow: node 4 (VflashEncode).width takes INT, got "wide"; node 4 (VflashEncode).force_offload takes BOOLEAN, got 1'
     assert files_in(tmp_path) == []
 
