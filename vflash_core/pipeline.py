@@ -17,7 +17,7 @@ temporary file).
 
 Threads: concurrent first calls load the models once, and requests on one pipeline run one at a time (after their
 validation, so a bad request is refused without waiting). Model loading is serialised process-wide
-(`MODEL_LOAD_LOCK`).
+(`model_loading.MODEL_LOAD_LOCK`).
 
 Timing (seed 002): `initialization_seconds` is the time `prepare()` took (the first `generate` prepares when needed,
 after its input checks, and that time is not part of the request); `VideoResult.elapsed_seconds` covers the request:
@@ -54,6 +54,7 @@ from .errors import IdentityMismatchError, RequestError, RunFailedError, Session
 from .fileio import atomic_file, check_input_file, check_writable_destination
 from .layout import FPS, VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK
 from .media import check_delivery_options, write_mp4
+from .model_loading import MODEL_LOAD_LOCK
 from .profiles import Profile, check_identity, get_profile
 from .references import CanvasRules, fit_keyframes, load_image, load_reference, normalize_references
 from .session import GenerationResult, NativeEngineSession, SessionTiming
@@ -75,12 +76,6 @@ ENCODER_RESIDENCIES = ("offload", "resident")
 
 # progress(stage, done, total), stage in STAGES
 PipelineProgress = Callable[[str, int, int], None]
-
-# Held around every model load in this process. transformers and diffusers load under context managers that patch
-# process-wide functions (torch.nn.init, nn.Module.register_parameter for meta-device construction) and restore them
-# on exit; two loads interleaved in threads restore each other's patches, leaving every later model of the process
-# on the meta device ("Cannot copy out of meta tensor"). Re-entrant, so a loader may take it again.
-MODEL_LOAD_LOCK = threading.RLock()
 
 
 class RequestCancelled(RunFailedError):

@@ -36,6 +36,7 @@ import torch
 
 from .errors import IdentityMismatchError, RequestError, VflashError
 from .layout import FPS, MAX_DURATION_SECONDS, MIN_DURATION_SECONDS, Geometry, check_canvas, frames_for_duration
+from .model_loading import MODEL_LOAD_LOCK
 from .profiles import Profile
 from .references import CANVAS_MULTIPLE, MAX_AUDIOS, MAX_IMAGES, MAX_REFERENCES, MAX_VIDEOS, CanvasRules, probe_media, reference_kind
 
@@ -131,9 +132,10 @@ class PromptBudget:
         folder = root / "tokenizer"
 
         def load() -> Any:
-            from transformers import Qwen2TokenizerFast
+            with MODEL_LOAD_LOCK:
+                from transformers import Qwen2TokenizerFast
 
-            return Qwen2TokenizerFast.from_pretrained(folder, local_files_only=True)
+                return Qwen2TokenizerFast.from_pretrained(folder, local_files_only=True)
 
         return cls(context, load)
 
