@@ -150,3 +150,28 @@ def test_not_an_h3_checkpoint(tmp_path):
     save_file({"foo": torch.zeros(2)}, str(tmp_path / "x.safetensors"))
     with pytest.raises(WeightFileError, match="not an H3 transformer"):
         SourceWeights(tmp_path / "x.safetensors")
+
+
+def test_safetensors_writer_round_trips_and_hashes_what_it_wrote(tmp_path):
+    """The compiler's writer: the library reads its files back exactly, with metadata, and the hash is the file's."""
+    import hashlib
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from vflash_core.tensor_store import write_safetensors
+
+    tensors = {
+        "bf16": torch.randn(3, 5).to(torch.bfloat16), "f64": torch.randn(7, dtype=torch.float64), "scalar": torch.tensor(3),
+        "empty": torch.empty(0, 4), "u8": torch.arange(5, dtype=torch.uint8), "f32": torch.randn(2, 2).t(),  # not contiguous
+    }
+    path = tmp_path / "x.safetensors"
+    size, sha256 = write_safetensors(path, tensors, {"format": "test"})
+    data = path.read_bytes()
+    assert size == len(data) and sha256 == hashlib.sha256(data).hexdigest()
+    loaded = load_file(path)
+    assert loaded.keys() == tensors.keys()
+    for name, tensor in tensors.items():
+        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
+    with safe_open(path, "pt") as handle:
+        assert handle.metadata() == {"format": "test"}

@@ -27,7 +27,6 @@ import argparse
 import datetime as dt
 import json
 import logging
-import hashlib
 import re
 import sys
 import uuid
@@ -36,7 +35,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from safetensors.torch import save as save_safetensors
 from tqdm.auto import tqdm
 
 from . import model as M
@@ -51,7 +49,7 @@ from .schedule import distinct_timesteps
 #: `(stage, done, total)` after each unit of work: "hash" (prepare, per weight file), "verify" (compile, per weight
 #: file), "compile" (per block). It may raise to abandon the call; nothing is published then.
 CompileProgress = Callable[[str, int, int], None]
-from .tensor_store import describe_files, file_sha256
+from .tensor_store import describe_files, file_sha256, write_safetensors
 
 logger = logging.getLogger(__name__)
 
@@ -272,11 +270,9 @@ def _identity_record(record: dict) -> dict[str, object]:
 
 
 def _save_hashed(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> dict[str, object]:
-    """Write a safetensors file and return its identity record, hashing the bytes as they are written (no re-read)."""
-    data = save_safetensors(tensors, metadata=metadata)
-    with open(path, "wb") as handle:
-        handle.write(data)
-    return {"name": path.name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    """Write a safetensors file and return its identity record, hashed as it is written (never read back)."""
+    size, sha256 = write_safetensors(path, tensors, metadata)
+    return {"name": path.name, "size": size, "sha256": sha256}
 
 
 def _lora_tensors(residuals: dict[str, tuple[M.LoraResidual, ...]]) -> tuple[dict[str, torch.Tensor], list[dict[str, object]]]:

@@ -268,6 +268,40 @@ def _resolve_files(path: Path) -> list[Path]:
     return [path]
 
 
+def write_safetensors(path: str | Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> tuple[int, str]:
+    """Write CPU `tensors` as a safetensors file and return (size in bytes, sha256), hashing the bytes as they go out.
+
+    The tensors' own memory is written and hashed (no serialised copy of the file is built), so a writer thread moves
+    each byte once; `hashlib` and file writes release the GIL, so several writers run in parallel. Tensors are laid
+    out by decreasing element size, like the safetensors library does, so each one is aligned for zero-copy reads.
+    """
+    import hashlib
+
+    dtype_names = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+    order = sorted(tensors, key=lambda name: -tensors[name].element_size())
+    header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name in order:
+        tensor = tensors[name]
+        nbytes = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": dtype_names[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # data starts 8-byte aligned
+    digest = hashlib.sha256()
+    with open(path, "wb") as handle:
+        for chunk in (struct.pack("<Q", len(encoded)), encoded):
+            digest.update(chunk)
+            handle.write(chunk)
+        for name in order:
+            tensor = tensors[name].contiguous()
+            if tensor.numel():
+                data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+                digest.update(data)
+                handle.write(data)
+    return 8 + len(encoded) + offset, digest.hexdigest()
+
+
 def file_sha256(path: str | Path) -> str:
     """Hex sha256 of a whole file, read in large chunks."""
     import hashlib
