@@ -185,18 +185,19 @@ def test_official_single_file_compiles_on_first_use(pack, comfy, model_files):
     registry.release("dit")
 
 
-def test_first_use_compile_can_be_interrupted_and_publishes_nothing(pack, comfy, model_files, monkeypatch):
-    from vflash_core import compiler
-
+def test_first_use_compile_can_be_interrupted_and_publishes_nothing(pack, comfy, model_files):
+    utils = importlib.import_module("comfy.utils")
     mm, updates = comfy
-    write_block = compiler._save_hashed
+    layers = H3Config.preset("tiny").num_layers
+    hook = utils.PROGRESS_BAR_HOOK
 
-    def write_then_cancel(*args, **kwargs):  # the user presses Cancel while the first block is written
-        record = write_block(*args, **kwargs)
-        mm.interrupt_current_processing(True)
-        return record
+    def cancel_after_first_block(value, total, preview, node_id=None):  # the user presses Cancel once block 1 is done
+        hook(value, total, preview, node_id)
+        if (value, total) == (1, layers) and not getattr(cancel_after_first_block, "pressed", False):
+            cancel_after_first_block.pressed = True
+            mm.interrupt_current_processing(True)
 
-    monkeypatch.setattr(compiler, "_save_hashed", write_then_cancel)
+    utils.set_progress_bar_global_hook(cancel_after_first_block)
     loader = pack.nodes["VflashModelLoader"]
     kwargs = dict(model="diffusion_models/h3_tiny.safetensors", profile="t2va-base16-exact-cpu", weight_residency="auto", device="cpu",
                   peer_device="none", strategy="sequence-head", attention_backend="auto")
@@ -204,7 +205,7 @@ def test_first_use_compile_can_be_interrupted_and_publishes_nothing(pack, comfy,
     with pytest.raises(mm.InterruptProcessingException):
         loader.execute(**kwargs)
     assert [p.name for p in compiled.iterdir() if "base16" in p.name] == ["h3_tiny-t2va-base16-exact-cpu.weights-receipt.json"]
-    monkeypatch.setattr(compiler, "_save_hashed", write_block)
+    utils.set_progress_bar_global_hook(hook)
     spec = loader.execute(**kwargs).args[0]  # the next run compiles from the start, reusing the finished receipt
     assert Path(spec.compile_dir, "artifact", "manifest.json").is_file()
     pack.module.nodes.registry.ENGINES.release("dit")
