@@ -8,7 +8,6 @@ was hashed at compile time.
 from __future__ import annotations
 
 import json
-from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -23,10 +22,13 @@ from .errors import IdentityMismatchError, VflashError, WeightFileError
 from .model import LayerWeights, LoraResidual
 from .profiles import Profile, check_identity
 from .tensor_store import TensorStore
+from .weight_io import SequentialWeights
 
 
-# Block files read concurrently when a session loads (measured by benchmarks/end_to_end.py).
-READ_WORKERS = 4
+# Threads reading one block file: a deep queue of large sequential reads. On the H200 machines' virtio disk a cold
+# 0.83 GB block read at 1.14 / 1.41 / 1.57 / 1.62 GB/s with 1 / 2 / 4 / 8 threads (disk: 1.66 GB/s), where reading
+# several block files at once, one thread each, did not pass 1.17 GB/s (benchmarks/results/end_to_end_h200.json).
+READ_WORKERS = 8
 
 
 def _read_manifest(path: Path, fmt: str, what: str) -> dict:
@@ -147,42 +149,24 @@ class CompiledArtifact:
         return int(self.manifest["blocks"][index]["size"])
 
     def read_block(self, index: int) -> LayerWeights:
+        """One packed block (tensors owning host buffers), its file read by `READ_WORKERS` threads at once."""
         record = self.manifest["blocks"][index]
-        store = TensorStore(self.artifact_dir / record["file"])
+        path = self.artifact_dir / record["file"]
         shapes = {k.split(".", 2)[2]: v for k, v in block_shapes(self.config, f"blocks.{index}", with_adaln=False).items()}
-        dtypes = (torch.bfloat16, torch.float32, torch.float16)
-        store.require({k: (v, dtypes) for k, v in shapes.items()})
-        data = store.read(store.names)
+        TensorStore(path).require({k: (v, (torch.bfloat16, torch.float32, torch.float16)) for k, v in shapes.items()})
+        with SequentialWeights(path, read_workers=READ_WORKERS) as weights:
+            data = weights.tensors()
         return LayerWeights({k: data[k] for k in shapes}, _loras(record["lora"], data))
 
-    def iter_blocks(self, read_workers: int = READ_WORKERS) -> Iterator[LayerWeights]:
-        """Every main block, in order, read by up to `read_workers` threads ahead of the consumer.
-
-        Each block file is read in one sequential pass into tensors that own their storage; several in flight keep a
-        fast disk (or the page cache) busy while the consumer copies the previous block to its device.
-        """
+    def iter_blocks(self) -> Iterator[LayerWeights]:
+        """Every main block, in order; the next block is read while the consumer copies the last one to its device."""
         count = self.config.num_layers
-        with ThreadPoolExecutor(max(1, read_workers)) as pool:
-            pending = deque(pool.submit(self.read_block, i) for i in range(min(max(1, read_workers), count)))
-            queued = len(pending)
-            try:
-                while pending:
-                    block = pending.popleft().result()
-                    if queued < count:
-                        pending.append(pool.submit(self.read_block, queued))
-                        queued += 1
-                    yield block
-            finally:
-                for future in pending:
-                    future.cancel()
-
-    def read_block_loras(self, index: int) -> dict[str, tuple[LoraResidual, ...]]:
-        """Only the (small) LoRA factors of one block."""
-        record = self.manifest["blocks"][index]
-        if not record["lora"]:
-            return {}
-        store = TensorStore(self.artifact_dir / record["file"])
-        return _loras(record["lora"], store.read([n for n in store.names if n.startswith("lora.")]))
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(self.read_block, 0) if count else None
+            for i in range(count):
+                block = pending.result()  # type: ignore[union-attr]
+                pending = pool.submit(self.read_block, i + 1) if i + 1 < count else None
+                yield block
 
     def read_auxiliary(self) -> tuple[dict[str, torch.Tensor], list[LayerWeights], dict[str, tuple[LoraResidual, ...]]]:
         """(aux tensors, refiner blocks, aux LoRA residuals) of the runtime; no timestep-only tensors."""

@@ -1,8 +1,7 @@
 """Where the main blocks' weights live: resident on the device, or streamed from pinned host memory (block ring).
 
-Block ring (seed 001 "Loading weights once"): every compiled block file is memory-mapped for a scoped load, its
-tensors are copied back to back into ONE segmented pinned host arena that spans blocks (no per-block allocation
-padding), and the map is closed. Two device slots, each the size of one block, alternate: a copy stream fills slot
+Block ring: every compiled block file is read once (several threads per file) and its tensors are copied back to back
+into ONE segmented pinned host arena that spans blocks (no per-block allocation padding). Two device slots, each the size of one block, alternate: a copy stream fills slot
 k+1 while block k computes from slot k, and block 0 of the next evaluation while the last block finishes. A copy
 event marks a slot ready (the compute stream waits on it); a compute event marks the block that read a slot
 finished (the copy stream waits on it before overwriting). Nothing waits on the host per block. The arena and the
@@ -17,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import math
-import mmap
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,7 +23,7 @@ from typing import Protocol
 
 import torch
 
-from .artifact import READ_WORKERS, CompiledArtifact
+from .artifact import CompiledArtifact
 from .checkpoint import block_shapes
 from .config import H3Config
 from .errors import RequestError, VflashError
@@ -133,8 +131,8 @@ class PinnedArena:
         for i in range(config.num_layers):
             start = (i % per_segment) * self.block_bytes
             self.spans.append(self.segments[i // per_segment][start : start + self.block_bytes])
-        # Blocks fill their spans concurrently (the copies release the GIL), reported in order.
-        with ThreadPoolExecutor(READ_WORKERS) as pool:
+        # Two blocks fill their spans at once (each read by several threads), reported in order.
+        with ThreadPoolExecutor(2) as pool:
             for i, loras in enumerate(pool.map(lambda i: self._fill(artifact, i, self.spans[i]), range(config.num_layers))):
                 self.loras.append(loras)
                 if on_block is not None:
@@ -142,25 +140,15 @@ class PinnedArena:
         self.nbytes = sum(s.nbytes for s in self.segments)
 
     def _fill(self, artifact: CompiledArtifact, index: int, span: torch.Tensor) -> dict[str, tuple[LoraResidual, ...]]:
-        """Scoped memory map of one block file: copy its tensors into the arena, read its (small) LoRA factors."""
-        path = artifact.artifact_dir / artifact.manifest["blocks"][index]["file"]
-        store = TensorStore(path)
-        # A private mapping, so torch sees a writable buffer; nothing writes to it.
-        with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY) as mapped:
-            sources = {}
-            for slot in self.layout:
-                info = store.info(slot.name)
-                if info.dtype != slot.dtype:
-                    raise VflashError(f"{path}: {slot.name} is {info.dtype}, block 0 has {slot.dtype}")
-                sources[slot.name] = torch.frombuffer(mapped, dtype=info.dtype, count=math.prod(info.shape), offset=info.start).view(info.shape)
-            shards = sources if self.shard is None else self.shard.tensors(sources)
-            for slot in self.layout:
-                if tuple(shards[slot.name].shape) != slot.shape:
-                    raise VflashError(f"{path}: {slot.name} is {list(shards[slot.name].shape)}, block 0 has {list(slot.shape)}")
-                span[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape).copy_(shards[slot.name])
-            del sources, shards  # the map cannot close while a tensor still points into it
-        loras = artifact.read_block_loras(index)
-        return loras if self.shard is None else self.shard.loras(loras)
+        """Read one block file and copy its tensors (or this rank's shard of them) into its span of the arena."""
+        block = artifact.read_block(index)
+        tensors = block.tensors if self.shard is None else self.shard.tensors(block.tensors)
+        for slot in self.layout:
+            tensor = tensors[slot.name]
+            if tensor.dtype != slot.dtype or tuple(tensor.shape) != slot.shape:
+                raise VflashError(f"block {index}: {slot.name} is {tensor.dtype} {list(tensor.shape)}, block 0 has {slot.dtype} {list(slot.shape)}")
+            span[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape).copy_(tensor)
+        return dict(block.loras) if self.shard is None else self.shard.loras(block.loras)
 
 
 class BlockRing(BlockSource):
