@@ -43,3 +43,28 @@ def test_resident_part_keeps_no_host_copy():
     with part.on_device():
         pass
     assert not part._host and all(t.device.type == "meta" for t in part.module.state_dict().values())
+
+
+def test_materialize_replaces_file_mapped_weights_with_owned_copies(tmp_path):
+    """Loaders may leave weights memory-mapped; after `materialize` every tensor owns its memory, values unchanged."""
+    import mmap
+
+    part = _Part("cpu")
+    weight = part.module[0].weight.data
+    path = tmp_path / "weight.bin"
+    path.write_bytes(weight.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    with open(path, "rb") as handle:
+        mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+    part.module[0].weight.data = torch.frombuffer(mapped, dtype=weight.dtype).view(weight.shape)
+    mapped_pointer = part.module[0].weight.data_ptr()
+    before = _state(part.module)
+    part.materialize()
+    assert part.module[0].weight.data_ptr() != mapped_pointer
+    assert all(torch.equal(_state(part.module)[n][1], v) for n, (_, v) in before.items())
+
+
+def test_materialize_moves_a_resident_part_to_its_device():
+    part = _Part("meta")
+    part.keep_on_device = True
+    part.materialize()
+    assert all(t.device.type == "meta" for t in part.module.state_dict().values())

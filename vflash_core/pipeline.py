@@ -514,6 +514,8 @@ class H3Pipeline:
                 weight_residency=residency, attention_backend=attention_backend,
                 on_load_progress=None if progress is None else (lambda done, n: progress("load", 2 + done, total)),
             )
+            conditioner.materialize()  # read the (memory-mapped) weights now, not inside the first request
+            vaes.materialize()
             return conditioner, vaes, session
 
         return cls(
