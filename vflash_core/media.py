@@ -52,11 +52,15 @@ def check_delivery_options(video_input: str, video_threads: int | None) -> None:
 
 
 def quantize_frames(frames: torch.Tensor | np.ndarray) -> np.ndarray:
-    """(F, H, W, 3) float in [0, 1] or uint8 -> contiguous uint8 RGB."""
-    array = frames.detach().cpu().numpy() if isinstance(frames, torch.Tensor) else np.asarray(frames)
-    if array.dtype == np.uint8:
-        return np.ascontiguousarray(array)
-    return np.ascontiguousarray((np.clip(array.astype(np.float32), 0.0, 1.0) * 255.0).round().astype(np.uint8))
+    """(F, H, W, 3) float in [0, 1] or uint8 -> contiguous uint8 RGB: `round(clip(x, 0, 1) * 255)` in float32.
+
+    Computed with torch's multi-threaded CPU ops (the same float32 multiply and round-half-to-even as numpy, so the
+    same bytes); one thread of numpy took ~2 s for a 5 s 1344x768 clip.
+    """
+    tensor = frames.detach().cpu() if isinstance(frames, torch.Tensor) else torch.from_numpy(np.asarray(frames))
+    if tensor.dtype == torch.uint8:
+        return np.ascontiguousarray(tensor.numpy())
+    return tensor.to(torch.float32).clamp(0.0, 1.0).mul_(255.0).round_().to(torch.uint8).contiguous().numpy()
 
 
 def _check_inputs(frames, waveform, sample_rate: int, fps: int) -> tuple[tuple[int, ...], np.ndarray]:
