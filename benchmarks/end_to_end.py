@@ -72,8 +72,8 @@ STAGES = ("text_encode", "vae_encode", "denoise", "video_decode", "audio_decode"
 class Run:
     """The result file, written after every phase, and the deadline phases check before they start."""
 
-    def __init__(self, name: str, deadline: float, small: bool):
-        self.name, self.deadline, self.small = name, deadline, small
+    def __init__(self, name: str, deadline: float, small: bool, skip: tuple[str, ...] = ()):
+        self.name, self.deadline, self.small, self.skip = name, deadline, small, skip
         self.data: dict[str, object] = {**environment(), "small": small, "phases": {}, "requests": [], "errors": []}
         self.start = time.perf_counter()
 
@@ -89,6 +89,10 @@ class Run:
     @contextmanager
     def phase(self, name: str, needs_seconds: float):
         """Run a phase if the deadline leaves `needs_seconds`; record its wall time or its error, then save."""
+        if name in self.skip:
+            self.data["phases"][name] = {"skipped": "--skip"}
+            yield None
+            return
         if self.left() < needs_seconds:
             self.log(f"skip {name}: {self.left():.0f} s left, needs ~{needs_seconds:.0f}")
             self.data["phases"][name] = {"skipped": f"deadline: {self.left():.0f} s left, needs ~{needs_seconds:.0f}"}
@@ -334,8 +338,9 @@ def diffusers_pipeline(root: Path, lora: Path, config: H3Config, profile, device
     return pipe, offload
 
 
-def diffusers_request(run: Run, pipe, offload, canvas: str, index: int, host: HostPeak, out_dir: Path, nfe: int) -> dict:
-    """One request through the modular pipeline's blocks, one block at a time (each stage timed, its peak read)."""
+def diffusers_request(run: Run, pipe, offload, canvas: str, index: int, host: HostPeak, out_dir: Path, nfe: int, config_name: str = "diffusers") -> dict[str, torch.Tensor]:
+    """One request through the modular pipeline's blocks, one block at a time (each stage timed, its peak read);
+    returns its final video and audio latents."""
     from diffusers.modular_pipelines import PipelineState
 
     from vflash_core.media import write_mp4
@@ -394,15 +399,14 @@ def diffusers_request(run: Run, pipe, offload, canvas: str, index: int, host: Ho
     hosts["mp4"] = host.reset()
     elapsed = time.perf_counter() - start
     record = {
-        "side": "diffusers", "config": "diffusers", "canvas": canvas, "mode": "t2va", "index": index, "warm": index > 0,
+        "side": "diffusers", "config": config_name, "canvas": canvas, "mode": "t2va", "index": index, "warm": index > 0,
         "elapsed_seconds": round(elapsed, 3), "stages": {k: round(stages.get(k, 0.0), 3) for k in STAGES},
         "peak_device_bytes": {k: peaks.get(k) for k in STAGES}, "host_rss_peak_bytes": max(hosts.values()),
     }
     run.data["requests"].append(record)
     run.log(f"diffusers {canvas} #{index}: {elapsed:.2f} s (denoise {stages['denoise']:.2f}, video decode {stages['video_decode']:.2f})")
     run.save()
-    record["_latents"] = latents
-    return record
+    return latents
 
 
 # -- summary -------------------------------------------------------------------------------------------------------
@@ -441,11 +445,12 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="dry run: demo-sized family on the CPU")
     parser.add_argument("--disk-gib", type=int, default=8)
     parser.add_argument("--warm-requests", type=int, default=WARM_REQUESTS, help="requests after the first, per canvas and pipeline")
+    parser.add_argument("--skip", nargs="*", default=[], help="phases to leave out, e.g. weight_io diffusers vflash_block_ring")
     args = parser.parse_args()
     warm = args.warm_requests
 
     small = args.small
-    run = Run("end_to_end_small" if small else "end_to_end_h200", time.perf_counter() + args.deadline_minutes * 60, small)
+    run = Run("end_to_end_small" if small else "end_to_end_h200", time.perf_counter() + args.deadline_minutes * 60, small, tuple(args.skip))
     cuda = torch.cuda.is_available() and not small
     device = "cuda:0" if cuda else "cpu"
     gpus = torch.cuda.device_count() if cuda else 0
@@ -575,7 +580,6 @@ def main() -> None:
             prepare_pipeline(profile, work / "assets.json", receipt)
 
     loaded_bytes = {"artifact": folder_bytes(compiled) if compiled.exists() else 0}
-    bundle = None
     resident = dict(device=device, encoder_residency="resident", weight_residency="resident" if cuda else "auto")
     with run.phase("vflash_resident", 420) as rec:
         if rec is not None:
@@ -586,10 +590,6 @@ def main() -> None:
             run.data["initialization_seconds"] = {"cold_page_cache": rec["initialization_seconds"]}
             try:
                 vflash_requests(run, pipe, "resident", canvases, 1 + warm, host, out_dir)
-                from vflash_core.pipeline import VideoRequest
-
-                width, height = (int(v) for v in canvases[1].split("x"))
-                bundle = pipe.encode(VideoRequest(PROMPT, seed=REQUEST_SEED, width=width, height=height)).consume()
             finally:
                 pipe.close()
                 gc.collect()
@@ -606,25 +606,38 @@ def main() -> None:
             try:
                 for canvas in canvases:
                     for k in range(1 + max(1, warm - 1)):
-                        out = diffusers_request(run, pipe, offload, canvas, k, host, out_dir, nfe)
+                        latents = diffusers_request(run, pipe, offload, canvas, k, host, out_dir, nfe)
                         if canvas == canvases[1]:
-                            reference_latents = out.pop("_latents")
-                        else:
-                            out.pop("_latents")
+                            reference_latents = latents
             finally:
                 del pipe
                 gc.collect()
                 if cuda:
                     torch.cuda.empty_cache()
 
-    with run.phase("bitwise", 120) as rec:
-        if rec is not None and bundle is not None and reference_latents is not None:
-            from vflash_core.session import NativeEngineSession
+    with run.phase("bitwise", 300) as rec:
+        if rec is not None:
+            from vflash_core import get_profile
+            from vflash_core.pipeline import VideoRequest
 
-            paths = {"artifact": compiled / "artifact", "schedule_overlay": compiled / "schedule", "auxiliary": compiled / "auxiliary.safetensors"}
-            backend = "cudnn" if cuda else "auto"
-            with NativeEngineSession(profile, **paths, device=device, attention_backend=backend, weight_residency="resident" if cuda else "auto") as session:
-                result = session.generate(bundle)
+            if reference_latents is None:  # the timed diffusers phase was skipped: one request of its own
+                from vflash_core.session import _largest_request_rows
+
+                pipe, offload = diffusers_pipeline(root, lora, config, get_profile(profile), device, _largest_request_rows(get_profile(profile), config), rec)
+                try:
+                    reference_latents = diffusers_request(run, pipe, offload, canvases[1], 0, host, out_dir, get_profile(profile).nfe, "diffusers_bitwise")
+                finally:
+                    del pipe, offload
+                    gc.collect()
+                    if cuda:
+                        torch.cuda.empty_cache()
+            pipe = load_pipeline(run, receipt, {}, **dict(resident, attention_backend="cudnn" if cuda else "auto"))
+            try:
+                width, height = (int(v) for v in canvases[1].split("x"))
+                result = pipe.denoise(pipe.encode(VideoRequest(PROMPT, seed=REQUEST_SEED, width=width, height=height)))
+            finally:
+                pipe.close()
+                gc.collect()
             same = torch.equal(result.video_latents, reference_latents["video"]) and torch.equal(result.audio_latents, reference_latents["audio"])
             rec.update({
                 "canvas": canvases[1], "attention_backend": result.metadata["attention_backend"], "bitwise_equal_to_diffusers": same,
@@ -643,7 +656,7 @@ def main() -> None:
         with run.phase(f"vflash_{name}", needs) as rec:
             if rec is not None:
                 pipe = load_pipeline(run, receipt, rec, **options)
-                run.data["initialization_seconds"][f"warm_page_cache_{name}"] = rec["initialization_seconds"]
+                run.data.setdefault("initialization_seconds", {})[f"warm_page_cache_{name}"] = rec["initialization_seconds"]
                 try:
                     vflash_requests(run, pipe, name, shapes, 1 + count, host, out_dir)
                 finally:

@@ -41,6 +41,60 @@ def _source(data: dict) -> str:
     return f"{data['gpu']}, torch {data['torch']}, commit `{data['commit'][:10]}`"
 
 
+def _gb(value: object) -> str:
+    return "" if not value else f"{value / 1e9:.1f} GB"
+
+
+def _end_to_end(data: dict) -> list[str]:
+    """The full-size run: first use, loading, warm requests per configuration, stages against diffusers."""
+    phases = data["phases"]
+    first, disk, io = phases.get("first_use", {}), phases.get("disk", {}), phases.get("weight_io", {})
+    rows = []
+    for m in data.get("summary", []):
+        rows.append({
+            "config": f"{m['side']} {m['config']}" if m["side"] == "vflash" else "diffusers", "canvas": m["canvas"], "n": m["warm_requests"],
+            "elapsed": m["elapsed_seconds"], **{k: m["stages"][k] for k in ("text_encode", "denoise", "video_decode", "audio_decode", "mp4")},
+            "speedup": m.get("speedup_elapsed_vs_diffusers"), "denoise_speedup": (m.get("stage_speedup_vs_diffusers") or {}).get("denoise"),
+            "peak": _gb(max(m["peak_device_bytes"].values())), "rss": _gb(m["host_rss_peak_bytes"]),
+        })
+    skipped = [name for name, phase in phases.items() if "skipped" in phase]
+    out = [
+        "## The full-size model, prompt to MP4 (`benchmarks/end_to_end.py`)",
+        "",
+        _source(data) + f", two GPUs linked NV18. The released shapes with random weights (`benchmarks/full_family.py`): a "
+        f"{_gb(phases['family_transformer'].get('transformer_bytes'))} transformer, the Turbo4 LoRA, a 64-layer Qwen3-VL-32B-shaped text encoder "
+        f"({_gb(phases.get('family_rest', {}).get('bytes', {}).get('text_encoder'))}; Vflash loads layers 0..50), both released VAEs. "
+        f"Profile `{data['setup']['profile']}`, t2va, 5 s.",
+        "",
+        f"Disk: {disk.get('write_bandwidth_gbps')} GB/s sequential write, {disk.get('read_bandwidth_gbps')} GB/s read. First use of the "
+        f"{_gb(first.get('source_bytes'))} source (page cache dropped): prepare {first.get('prepare_seconds')} s (hashes every byte), compile "
+        f"{first.get('compile_seconds')} s (writes {_gb(first.get('artifact_bytes'))}), together {first.get('first_use_over_one_read')}x the time "
+        f"to read the source once at the disk's bandwidth. Pipeline load from a dropped page cache: "
+        f"{(data.get('initialization_seconds') or {}).get('cold_page_cache')} s.",
+        "",
+        "Warm requests, median seconds (`n` warm requests after a first one); `speedup` is diffusers / Vflash end to end:",
+        "",
+        _table(rows, [("config", "side, configuration"), ("canvas", "canvas"), ("n", "n"), ("elapsed", "elapsed s"), ("text_encode", "text encode"),
+                      ("denoise", "denoise"), ("video_decode", "video decode"), ("audio_decode", "audio decode"), ("mp4", "MP4"), ("speedup", "speedup"),
+                      ("denoise_speedup", "denoise speedup"), ("peak", "peak device"), ("rss", "host RSS peak")]),
+        "",
+        "`vflash resident`: the text encoder, VAEs and all 50 blocks stay on the GPU. diffusers' text encoder (all 64 layers) does not fit "
+        "beside its transformer and the largest request, so it runs with accelerate's offload hook, as a user on one H200 must: its text "
+        "encode stage is mostly that 66.7 GB moving each way. Both sides decode with the same diffusers VAE code.",
+        "",
+    ]
+    if io:
+        out += [
+            f"Cold reads of compiled block files ({_gb(io.get('sample_bytes'))}): `SequentialWeights` with 1/2/4/8 threads "
+            + " / ".join(str(v) for v in io.get("sequential_weights_gbps_by_workers", {}).values())
+            + f" GB/s; Zstandard sidecar {io.get('sidecar_size_ratio')} of the size, read at {io.get('sidecar_read_gbps')} GB/s (slower here).",
+            "",
+        ]
+    if skipped:
+        out += [f"Not measured in this run (deadline): {', '.join(skipped)}.", ""]
+    return out
+
+
 def render() -> str:
     parts = [
         "# Benchmarks",
@@ -69,6 +123,9 @@ def render() -> str:
                                         ("attention_backend", "attention"), ("bitwise_equal_to_diffusers", "bitwise (cuDNN)"), ("max_abs_diff", "max abs diff (FA3)")]),
             "",
         ]
+    e2e = _load("end_to_end_h200")
+    if e2e:
+        parts += _end_to_end(e2e)
     kernels = _load("kernels_h200")
     if kernels:
         parts += ["## Triton kernels vs their torch references (`benchmarks/kernels.py`)", "", _source(kernels) + ". All outputs bitwise equal to the references.", "",
