@@ -68,3 +68,27 @@ def test_materialize_moves_a_resident_part_to_its_device():
     part.keep_on_device = True
     part.materialize()
     assert all(t.device.type == "meta" for t in part.module.state_dict().values())
+
+
+def _file_mapped_ranges() -> list[tuple[int, int]]:
+    ranges = []
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        if len(fields) >= 6 and fields[5].endswith(".safetensors"):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            ranges.append((start, end))
+    return ranges
+
+
+def test_prepared_pipeline_holds_no_weights_mapped_from_their_files(h3_prepared):
+    """transformers leaves the text encoder memory-mapped; the pipeline reads it at load instead of in the first request."""
+    from vflash_core.pipeline import H3Pipeline
+
+    with H3Pipeline.from_prepared(h3_prepared) as pipeline:
+        pipeline.prepare()
+        mapped = _file_mapped_ranges()
+        modules = [pipeline.conditioner.text_encoder, pipeline.vaes.video_vae, pipeline.vaes.audio_vae]
+        for module in modules:
+            for name, tensor in module.state_dict().items():
+                pointer = tensor.data_ptr()
+                assert not any(start <= pointer < end for start, end in mapped), f"{name} still points into a mapped weight file"
