@@ -9,10 +9,12 @@ The presentation is tokenised piece by piece and concatenated, with no chat temp
   block for an image, or `"<Video k>: "` plus one `"<t seconds>"` label and `<|video_pad|>` block per merged frame
   pair for a video; then the prompt.
 
-Vision rows are tagged video (0) for the transformer, text rows 1. One call of `text_encoder.model` (the language
+Vision rows are tagged video (0) for the transformer, text rows 1. One call of the Qwen3-VL base model (the language
 model head never runs) returns `hidden_states[50]`: the residual stream after decoder layer 49, before the final norm.
-The conditioner is therefore loaded with its first 51 decoder layers only (layer 50 keeps index 50 clear of the final
-norm that transformers writes into the last recorded hidden state); the dropped layers cannot influence index 50.
+Nothing after layer 49 can influence it, so the conditioner loads only what it needs (`Qwen3VLModel`: embeddings,
+the vision tower, decoder layers 0..49): the 14 later layers and the LM head of Qwen3-VL-32B (~15 GB) are never read.
+transformers records the final norm's output as the last hidden state, so with 50 layers index 50 would be normed:
+the final norm is replaced by the identity, which makes index 50 the residual stream again, bit for bit.
 
 Image and video pixels go through the official Qwen processors saved in the model's `processor/` folder. The
 `Qwen3VLProcessor` wrapper itself needs torchvision just to be constructed, so the conditioner holds its parts (the
@@ -79,11 +81,17 @@ def sample_video_frames(frames: np.ndarray, temporal_patch: int, fps: float = FP
     return [frames[i] for i in indices], groups
 
 
+def _base_model(text_encoder: torch.nn.Module) -> torch.nn.Module:
+    """The `Qwen3VLModel` of a conditioner: the model itself, or the `.model` of a `Qwen3VLForConditionalGeneration`."""
+    return text_encoder.model if hasattr(text_encoder, "lm_head") else text_encoder
+
+
 class TextConditioner(SerialDeviceOwner):
     """Owns the Qwen3-VL text encoder, its tokenizer and its image/video processors.
 
     Args:
-        text_encoder: `Qwen3VLForConditionalGeneration` with more than 50 text layers (extra ones are never run).
+        text_encoder: `Qwen3VLModel` with layers 0..49 and an identity final norm (what `from_pretrained` loads), or
+            a `Qwen3VLModel` / `Qwen3VLForConditionalGeneration` with more than 50 text layers (extra ones are run too).
         tokenizer: the model's `Qwen2TokenizerFast`.
         image_processor, video_processor: the model's Qwen processors (`video_processor` None without torchvision,
             which disables video references).
@@ -92,9 +100,14 @@ class TextConditioner(SerialDeviceOwner):
     """
 
     def __init__(self, text_encoder, tokenizer, image_processor, video_processor=None, device: str | torch.device = "cpu", canvas: CanvasRules | None = None):
-        layers = text_encoder.config.text_config.num_hidden_layers
-        if layers <= TEXT_ENCODER_LAYER:
-            raise VflashError(f"H3 conditions on hidden_states[{TEXT_ENCODER_LAYER}] of Qwen3-VL, which needs more than {TEXT_ENCODER_LAYER} text layers; this text encoder has {layers}")
+        base = _base_model(text_encoder)
+        layers = len(base.language_model.layers)
+        pruned = isinstance(base.language_model.norm, torch.nn.Identity)
+        if layers < TEXT_ENCODER_LAYER or (layers == TEXT_ENCODER_LAYER and not pruned):
+            raise VflashError(
+                f"H3 conditions on hidden_states[{TEXT_ENCODER_LAYER}] of Qwen3-VL: the text encoder needs more than {TEXT_ENCODER_LAYER} text "
+                f"layers, or exactly {TEXT_ENCODER_LAYER} with the final norm removed (`TextConditioner.from_pretrained` loads it so); this one has {layers}"
+            )
         self.text_encoder = text_encoder.eval()
         self.tokenizer = tokenizer
         self.image_processor = image_processor
@@ -108,8 +121,9 @@ class TextConditioner(SerialDeviceOwner):
 
     @classmethod
     def from_pretrained(cls, model_root: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> "TextConditioner":
-        """Load `text_encoder/` (first 51 layers), `tokenizer/` and `processor/` of an official model root, offline."""
-        from transformers import AutoConfig, AutoImageProcessor, Qwen2TokenizerFast, Qwen3VLForConditionalGeneration
+        """Load `text_encoder/` (layers 0..49, no final norm, no LM head), `tokenizer/` and `processor/` of an official
+        model root, offline."""
+        from transformers import AutoConfig, AutoImageProcessor, Qwen2TokenizerFast, Qwen3VLModel
         from transformers.utils import is_torchvision_available
 
         root = Path(model_root).resolve()
@@ -119,15 +133,16 @@ class TextConditioner(SerialDeviceOwner):
         total = config.text_config.num_hidden_layers
         if total <= TEXT_ENCODER_LAYER:
             raise VflashError(f"{root / 'text_encoder'}: {total} text layers; H3 needs more than {TEXT_ENCODER_LAYER}")
-        config.text_config.num_hidden_layers = TEXT_ENCODER_LAYER + 1
-        logger.info("text encoder: loading %d of %d Qwen3-VL text layers in %s", TEXT_ENCODER_LAYER + 1, total, dtype)
-        # Weights of the dropped layers stay on disk; transformers reports them as unused, which is expected here.
+        config.text_config.num_hidden_layers = TEXT_ENCODER_LAYER
+        logger.info("text encoder: loading %d of %d Qwen3-VL text layers in %s (no final norm, no LM head)", TEXT_ENCODER_LAYER, total, dtype)
+        # Weights of the dropped layers and the LM head stay on disk; transformers reports them as unused, as expected.
         from transformers.utils import logging as hf_logging
 
         previous = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()
         try:
-            model = Qwen3VLForConditionalGeneration.from_pretrained(root / "text_encoder", config=config, dtype=dtype, local_files_only=True)
+            model = Qwen3VLModel.from_pretrained(root / "text_encoder", config=config, dtype=dtype, local_files_only=True)
+            model.language_model.norm = torch.nn.Identity()
         finally:
             hf_logging.set_verbosity(previous)
         tokenizer = Qwen2TokenizerFast.from_pretrained(root / "tokenizer", local_files_only=True)
@@ -241,7 +256,7 @@ class TextConditioner(SerialDeviceOwner):
         qwen_types[input_ids == self._ids["image"]] = _QWEN_IMAGE
         qwen_types[input_ids == self._ids["video"]] = _QWEN_VIDEO
         inputs = {k: v.to(device, model.dtype) if k.startswith("pixel_") else v.to(device) for k, v in vision.items()}
-        out = model.model(
+        out = _base_model(model)(
             input_ids=input_ids, attention_mask=torch.ones_like(input_ids), mm_token_type_ids=qwen_types,
             use_cache=False, output_hidden_states=True, **inputs,
         )
