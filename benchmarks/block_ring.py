@@ -27,7 +27,7 @@ from _common import compiled_model, environment, full_width, median_ms, request,
 from vflash_core.artifact import CompiledArtifact  # noqa: E402
 from vflash_core.attention import resolve_attention  # noqa: E402
 from vflash_core.denoise import Denoiser  # noqa: E402
-from vflash_core.fused import FusedBlock  # noqa: E402
+from vflash_core.fused import FusedOps  # noqa: E402
 from vflash_core.profiler import StageTimer  # noqa: E402
 from vflash_core.residency import BlockRing, PinnedArena, ResidentBlocks  # noqa: E402
 
@@ -86,9 +86,9 @@ def run(blocks: int, cache: Path, shapes: list[str]) -> dict[str, object]:
     backend, attention = resolve_attention("auto", device)
     bandwidth = h2d_gbps()
     print(f"pinned H2D: {bandwidth:.1f} GB/s; attention {backend}")
-    resident = Denoiser(artifact, ResidentBlocks(artifact, device), device, attention, FusedBlock(config, attention))
+    resident = Denoiser(artifact, ResidentBlocks(artifact, device), device, FusedOps(config, attention))
     arena = PinnedArena(artifact)
-    ring = Denoiser(artifact, BlockRing(arena, device), device, attention, FusedBlock(config, attention))
+    ring = Denoiser(artifact, BlockRing(arena, device), device, FusedOps(config, attention))
     rows = []
     with torch.no_grad():
         for shape in shapes:

@@ -39,7 +39,7 @@ from vflash_core.artifact import CompiledArtifact  # noqa: E402
 from vflash_core.attention import resolve_attention  # noqa: E402
 from vflash_core.denoise import Denoiser  # noqa: E402
 from vflash_core import fused  # noqa: E402
-from vflash_core.fused import FusedBlock  # noqa: E402
+from vflash_core.fused import FusedOps  # noqa: E402
 from vflash_core.profiler import StageTimer  # noqa: E402
 from vflash_core.residency import ResidentBlocks  # noqa: E402
 
@@ -70,7 +70,7 @@ class BlockLoopTimer:
 def vflash_denoiser(artifact: CompiledArtifact, attention_backend: str) -> tuple[str, Denoiser]:
     device = torch.device("cuda:0")
     name, attention = resolve_attention(attention_backend, device)
-    return name, Denoiser(artifact, ResidentBlocks(artifact, device), device, attention, FusedBlock(artifact.config, attention))
+    return name, Denoiser(artifact, ResidentBlocks(artifact, device), device, FusedOps(artifact.config, attention))
 
 
 def vflash_times(den: Denoiser, state) -> tuple[list[float], tuple[torch.Tensor, torch.Tensor]]:

@@ -4,7 +4,7 @@
     python benchmarks/kernels.py --sizes 19796 --ops swiglu rope
     python benchmarks/kernels.py --sweep-tiles         # also time TARGET_TILE_ELEMENTS in {2048, 4096, 8192}
 
-Baseline provider: the `*_reference` torch ops beside each kernel (what `vflash_core.model` runs). Before timing, every
+Baseline provider: each kernel's torch reference in `vflash_core.model` (what the reference path runs). Before timing, every
 op checks that the kernel equals its reference bit for bit on the benchmark inputs and stops with an error if not;
 the fused `qk_norm_rope` only reports its count of differing elements (it is exact only if the GPU reproduces torch's
 RMSNorm reduction), and its `parity` field says so. Times are medians of `triton.testing.do_bench` (L2 flushed between
@@ -32,6 +32,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import commit_id  # noqa: E402
+
+from vflash_core import model as reference, parallel  # noqa: E402
+
+
+def modulate_reference(normed, table, row_index, which="msa", out_dtype=None):
+    y = reference.modulate(normed, table, row_index, which)
+    return y if out_dtype is None else y.to(out_dtype)
 
 ROOT = Path(__file__).resolve().parent.parent
 H, HEADS, HEAD_DIM, ROTARY, FFN, EPS = 5376, 56, 128, 96, 14336, 1e-5
@@ -81,7 +88,7 @@ def build_cases(k: SimpleNamespace, n: int, g: torch.Generator, ops: set[str]) -
     if "modulate" in ops:
         normed = randn(1, n, H)
         cases.append(Case(
-            "modulate", lambda: k.modulate.modulate_reference(normed, table, idx, "msa"),
+            "modulate", lambda: modulate_reference(normed, table, idx, "msa"),
             lambda: k.modulate.modulate(normed, table, idx, "msa"), 2 * n * H * 2 + 2 * 3 * T * H * 2,
         ))
     if "norm_out" in ops:
@@ -89,18 +96,18 @@ def build_cases(k: SimpleNamespace, n: int, g: torch.Generator, ops: set[str]) -
         out_table = randn(T, 2 * H, scale=0.5)
         t_idx = torch.randint(0, T, (n,), generator=g, device=dev)
         cases.append(Case(
-            "norm_out", lambda: k.modulate.modulate_reference(normed_out, out_table, t_idx, "out", torch.float32),
+            "norm_out", lambda: modulate_reference(normed_out, out_table, t_idx, "out", torch.float32),
             lambda: k.modulate.modulate(normed_out, out_table, t_idx, "out", out_dtype=torch.float32), n * H * (2 + 4) + 2 * T * H * 2,
         ))
     if "gated_residual" in ops:
         x, y = randn(1, n, H, scale=4.0), randn(1, n, H)
         cases.append(Case(
-            "gated_residual", lambda: k.gated_residual.gated_residual_reference(x, y, table, idx, "msa"),
+            "gated_residual", lambda: reference.gated_residual(x, y, table, idx, "msa"),
             lambda: k.gated_residual.gated_residual(x, y, table, idx, "msa"), 3 * n * H * 2 + 3 * T * H * 2,
         ))
     if "swiglu" in ops:
         p = randn(1, n, 2 * FFN, scale=3.0)
-        cases.append(Case("swiglu", lambda: k.swiglu.swiglu_reference(p), lambda: k.swiglu.swiglu(p), n * 3 * FFN * 2))
+        cases.append(Case("swiglu", lambda: reference.swiglu(p), lambda: k.swiglu.swiglu(p), n * 3 * FFN * 2))
     if ops & {"rope", "qk_norm_rope", "rms_norm+rope"}:
         qkv = randn(1, n, 3 * INNER, scale=2.0)
         wq, wk = randn(HEAD_DIM, scale=0.2) + 1, randn(HEAD_DIM, scale=0.2) + 1
@@ -112,20 +119,20 @@ def build_cases(k: SimpleNamespace, n: int, g: torch.Generator, ops: set[str]) -
         if "rope" in ops:
             q_n, k_n = F.rms_norm(q_view, (HEAD_DIM,), wq, EPS), F.rms_norm(k_view, (HEAD_DIM,), wk, EPS)
             cases.append(Case(
-                "rope", lambda: k.rope.rope_reference(q_n, k_n, cos, sin), lambda: k.rope.rope(q_n, k_n, cos, sin),
+                "rope", lambda: reference.rope(q_n, k_n, cos, sin), lambda: k.rope.rope(q_n, k_n, cos, sin),
                 4 * n * INNER * 2 + angle_bytes,
             ))
         norm_rope_bytes = 4 * n * INNER * 2 + angle_bytes  # q, k read from the QKV rows, q, k written
-        reference = lambda: k.rope.qk_norm_rope_reference(qkv, wq, wk, EPS, cos, sin, head_dim=HEAD_DIM)[:2]  # noqa: E731
+        qk_reference = lambda: reference.qk_norm_rope(qkv, wq, wk, EPS, cos, sin, head_dim=HEAD_DIM)[:2]  # noqa: E731
         if "rms_norm+rope" in ops:  # variant (a) in the model: torch's F.rms_norm, then the Triton rope
             cases.append(Case(
-                "rms_norm+rope", reference,
+                "rms_norm+rope", qk_reference,
                 lambda: k.rope.rope(F.rms_norm(q_view, (HEAD_DIM,), wq, EPS), F.rms_norm(k_view, (HEAD_DIM,), wk, EPS), cos, sin),
                 norm_rope_bytes,
             ))
         if "qk_norm_rope" in ops:  # variant (b): fused, exact only where the reduction order matches
             cases.append(Case(
-                "qk_norm_rope", reference, lambda: k.rope.qk_norm_rope(qkv, wq, wk, EPS, cos, sin, head_dim=HEAD_DIM)[:2],
+                "qk_norm_rope", qk_reference, lambda: k.rope.qk_norm_rope(qkv, wq, wk, EPS, cos, sin, head_dim=HEAD_DIM)[:2],
                 norm_rope_bytes, exact_required=False,
             ))
     if ops & {"pack_heads", "pack_heads_v", "merge_heads"}:
@@ -137,17 +144,17 @@ def build_cases(k: SimpleNamespace, n: int, g: torch.Generator, ops: set[str]) -
         if "pack_heads" in ops:  # q / k: the contiguous rope output
             q_rows = randn(s_r, HEADS, HEAD_DIM)
             cases.append(Case(
-                "pack_heads", lambda: k.relayout.pack_heads_reference(q_rows, send_ref), lambda: k.relayout.pack_heads(q_rows, send), relayout_bytes,
+                "pack_heads", lambda: parallel.pack_heads_reference(q_rows, send_ref), lambda: k.relayout.pack_heads(q_rows, send), relayout_bytes,
             ))
         if "pack_heads_v" in ops:  # v: a view into the fused QKV GEMM output (row stride 3I)
             v_rows = randn(s_r, 3 * INNER)[:, 2 * INNER :].unflatten(-1, (HEADS, HEAD_DIM))
             cases.append(Case(
-                "pack_heads_v", lambda: k.relayout.pack_heads_reference(v_rows, send_ref), lambda: k.relayout.pack_heads(v_rows, send), relayout_bytes,
+                "pack_heads_v", lambda: parallel.pack_heads_reference(v_rows, send_ref), lambda: k.relayout.pack_heads(v_rows, send), relayout_bytes,
             ))
         if "merge_heads" in ops:
             received = randn(RANKS, s_r, HEADS // RANKS, HEAD_DIM)
             cases.append(Case(
-                "merge_heads", lambda: k.relayout.merge_heads_reference(received, merged_ref), lambda: k.relayout.merge_heads(received, merged),
+                "merge_heads", lambda: parallel.merge_heads_reference(received, merged_ref), lambda: k.relayout.merge_heads(received, merged),
                 relayout_bytes,
             ))
     return cases

@@ -1,7 +1,7 @@
 """Gated residual update: `x + gate[row] * y`, gathering the gate rows of the AdaLN table in-kernel.
 
-Reference: `vflash_core.model.main_block` (`x + mod.gate_msa * attention(...)`, `x + mod.gate_mlp * feed_forward(...)`).
-No tanh, no clamp (h3_model.md 1.4 step 6).
+Reference: `vflash_core.model.gated_residual` (`x + gate * y` after each sublayer of `main_block`): the product rounds,
+then the sum; no tanh, no clamp on the gate.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import triton.language as tl
 from . import _launch
 from ._device import _round_as, _to_f32, _to_storage
 
-__all__ = ["GATE_BLOCKS", "gated_residual", "gated_residual_reference"]
+__all__ = ["GATE_BLOCKS", "gated_residual"]
 
 #: which -> (gate block, number of H-wide blocks in a (3T, 6H) main-block table row).
 GATE_BLOCKS = {"msa": (2, 6), "mlp": (5, 6)}
@@ -149,7 +149,3 @@ def gated_residual(
     return out
 
 
-def gated_residual_reference(x: torch.Tensor, y: torch.Tensor, table: torch.Tensor, row_index: torch.Tensor, which: str = "msa") -> torch.Tensor:
-    """The torch ops `gated_residual` reproduces bit for bit (`x + mod.gate_* * sublayer(h)` of `main_block`)."""
-    gate_block, n_blocks = GATE_BLOCKS[which]
-    return x + table.chunk(n_blocks, dim=-1)[gate_block].index_select(0, row_index) * y

@@ -1,8 +1,7 @@
 """AdaLN modulation after the RMSNorm: `normed * (1 + scale[row]) + shift[row]`, gathering the table rows in-kernel.
 
-Reference: `vflash_core.model.main_block` (`h * (1.0 + mod.scale_msa) + mod.shift_msa`, the `Modulation.gather`
-rows of `table.chunk(6, -1)`), and `output_heads` for the final `norm_out` modulation ((T, 2H) [shift | scale] rows
-indexed by timestep, then `.to(float32)`). The RMSNorm itself stays in torch (`F.rms_norm`): its CUDA reduction order
+Reference: `vflash_core.model.modulate` (`h * (1.0 + scale) + shift`, rows of `table.chunk(6, -1)` for the blocks,
+of the (T, 2H) [shift | scale] `norm_out` table indexed by timestep for the output heads, then `.to(float32)`). The RMSNorm itself stays in torch (`F.rms_norm`): its CUDA reduction order
 for H = 5376 cannot be reproduced bit for bit.
 """
 
@@ -15,7 +14,7 @@ import triton.language as tl
 from . import _launch
 from ._device import _round_as, _to_f32, _to_storage
 
-__all__ = ["MODULATION_BLOCKS", "modulate", "modulate_reference"]
+__all__ = ["MODULATION_BLOCKS", "modulate"]
 
 #: which -> (shift block, scale block, number of H-wide blocks in a table row).
 #: Main-block tables are (3T, 6H): shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp.
@@ -146,12 +145,3 @@ def modulate(
     return out
 
 
-def modulate_reference(
-    normed: torch.Tensor, table: torch.Tensor, row_index: torch.Tensor, which: str = "msa", out_dtype: torch.dtype | None = None
-) -> torch.Tensor:
-    """The torch ops `modulate` reproduces bit for bit (same arguments; the model's `Modulation.gather` + main_block)."""
-    shift_block, scale_block, n_blocks = MODULATION_BLOCKS[which]
-    parts = table.chunk(n_blocks, dim=-1)
-    shift, scale = parts[shift_block].index_select(0, row_index), parts[scale_block].index_select(0, row_index)
-    y = normed * (1.0 + scale) + shift
-    return y if out_dtype is None else y.to(out_dtype)

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from . import _launch
 
-__all__ = ["merge_heads", "merge_heads_reference", "pack_heads", "pack_heads_reference"]
+__all__ = ["merge_heads", "pack_heads"]
 
 
 @triton.jit
@@ -109,7 +109,7 @@ def pack_heads(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         fused QKV GEMM output with row stride 3 * heads * D).
     out: (P, S_r, Hp, D) of x's dtype, any strides (contiguous when it is the all-to-all's send buffer), not
         overlapping x. P is read from out.shape[0] and must divide heads.
-    Returns out (the signature of `pack_heads_reference`).
+    Returns out (the signature of `vflash_core.parallel.pack_heads_reference`).
     """
     if x.dim() != 3 or out.dim() != 4:
         raise ValueError(f"x must be (S_r, heads, D) and out (P, S_r, heads/P, D), got {tuple(x.shape)} and {tuple(out.shape)}")
@@ -130,7 +130,7 @@ def merge_heads(received: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
     received: (P, S_r, Hp, D), bf16/fp16/fp32, any strides (contiguous: the all-to-all's receive buffer), P >= 1.
     out: (S_r, P * Hp, D) of received's dtype, any strides (a view is written in place), not overlapping received.
-    Returns out (the signature of `merge_heads_reference`).
+    Returns out (the signature of `vflash_core.parallel.merge_heads_reference`).
     """
     if received.dim() != 4 or out.dim() != 3:
         raise ValueError(f"received must be (P, S_r, Hp, D) and out (S_r, P*Hp, D), got {tuple(received.shape)} and {tuple(out.shape)}")
@@ -145,13 +145,3 @@ def merge_heads(received: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def pack_heads_reference(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """The torch op `pack_heads` reproduces (same arguments): one strided `copy_` from a permuted view of x."""
-    out.copy_(x.unflatten(1, (out.shape[0], -1)).permute(1, 0, 2, 3))
-    return out
-
-
-def merge_heads_reference(received: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """The torch op `merge_heads` reproduces (same arguments): one strided `copy_` into a permuted view of out."""
-    out.unflatten(1, (received.shape[0], -1)).copy_(received.permute(1, 0, 2, 3))
-    return out

@@ -1,7 +1,7 @@
 """RMSNorm fused with the AdaLN modulation: `modulate(F.rms_norm(x, (H,), w, eps), table, row_index, which)` in one pass.
 
-Reference: `vflash_core.model.main_block` (`h = rms_norm(x, norm1.weight)`, `h * (1 + scale_msa) + shift_msa`, and the
-same with norm2 / the mlp blocks) and `output_heads` (`norm_out`). The (S, H) normalised tensor is never written: the
+Reference: `vflash_core.model.rms_norm_modulate` (`F.rms_norm`, then `modulate`), used by `main_block` before each
+sublayer and by `output_heads`. The (S, H) normalised tensor is never written: the
 kernel saves one write and one read of it per norm against `F.rms_norm` followed by `modulate`.
 
 Bit parity with `F.rms_norm` needs its CUDA reduction order. Recent torch (2.11 included) sends `F.rms_norm`
@@ -38,9 +38,9 @@ import triton.language as tl
 
 from . import _launch
 from ._device import _lane_tree_sum, _round_as, _to_f32, _to_storage
-from .modulate import MODULATION_BLOCKS, modulate_reference
+from .modulate import MODULATION_BLOCKS
 
-__all__ = ["rms_norm_block_order_reference", "rms_norm_modulate", "rms_norm_modulate_order_reference", "rms_norm_modulate_reference"]
+__all__ = ["rms_norm_block_order_reference", "rms_norm_modulate"]
 
 #: torch's block for the vectorized row kernel: 32-lane warps, `num_threads() / 32` = 4 of them, 4-element vectors.
 _LANES = 32
@@ -263,15 +263,3 @@ def rms_norm_block_order_reference(x: torch.Tensor, weight: torch.Tensor, eps: f
     return (weight.float() * (rstd[..., None] * xf)).to(x.dtype)
 
 
-def rms_norm_modulate_order_reference(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, table: torch.Tensor, row_index: torch.Tensor, which: str = "msa", out_dtype: torch.dtype | None = None
-) -> torch.Tensor:
-    """`rms_norm_block_order_reference` + `modulate_reference`: what the kernel computes, in torch ops."""
-    return modulate_reference(rms_norm_block_order_reference(x, weight, eps), table, row_index, which, out_dtype)
-
-
-def rms_norm_modulate_reference(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, table: torch.Tensor, row_index: torch.Tensor, which: str = "msa", out_dtype: torch.dtype | None = None
-) -> torch.Tensor:
-    """The torch ops `rms_norm_modulate` replaces (`F.rms_norm` then the model's modulation, `main_block` / `output_heads`)."""
-    return modulate_reference(F.rms_norm(x, (x.shape[-1],), weight, eps), table, row_index, which, out_dtype)

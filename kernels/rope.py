@@ -1,6 +1,6 @@
 """Partial rotary embedding on q and k, alone (`rope`) or fused with the per-head QK RMSNorm (`qk_norm_rope`).
 
-Reference: `vflash_core.model.attention` / `apply_rotary` (h3_model.md 1.4 step 7, gotcha 7). Rotate-half over the
+Reference: `vflash_core.model.rope` / `qk_norm_rope` (per-head `F.rms_norm` of q and k, then rotary). Rotate-half over the
 first R channels of each D-channel head (R = 96 of 128 in the released model), pairs (i, i + R/2); channels >= R pass
 through. cos/sin are the (S, R) fp32 tables rounded to bf16 *before* use. Both ops write q and k as contiguous
 (1, S, heads, D): the layout FA3 (`[B, N, H, D]`) and SDPA-on-permuted-views take.
@@ -16,7 +16,7 @@ import triton.language as tl
 from . import _launch
 from ._device import _lane_tree_sum, _round_as, _to_f32, _to_storage
 
-__all__ = ["qk_norm_rope", "qk_norm_rope_reference", "rms_norm_warp_order_reference", "rope", "rope_reference"]
+__all__ = ["qk_norm_rope", "rms_norm_warp_order_reference", "rope"]
 
 #: torch's vectorized CUDA row kernel (`vectorized_layer_norm_kernel`, used by `F.rms_norm` for contiguous rows whose
 #: length is a multiple of 4) gives lane t of a 32-lane warp the 4 consecutive channels 4t..4t+3; `qk_norm_rope`
@@ -395,43 +395,6 @@ def qk_norm_rope(
 
 
 # -- references -----------------------------------------------------------------------------------------------------
-
-
-def _rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`vflash_core.model.apply_rotary`'s ops: (1, S, heads, D) with cos/sin (1, S, 1, R) -> contiguous result."""
-    r = cos.shape[-1]
-    x_rot, x_pass = x[..., :r], x[..., r:]
-    x1, x2 = x_rot.chunk(2, dim=-1)
-    x_rot = x_rot * cos + torch.cat((-x2, x1), dim=-1) * sin
-    return torch.cat((x_rot, x_pass), dim=-1).contiguous()
-
-
-def _reference_angles(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dim() == 4 else t[None, :, None, :]
-
-
-def rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch ops `rope` reproduces bit for bit; q, k (1, S, heads, D), cos/sin (S, R) or (1, S, 1, R)."""
-    cos4, sin4 = _reference_angles(cos), _reference_angles(sin)
-    q4 = q if q.dim() == 4 else q[None]
-    k4 = k if k.dim() == 4 else k[None]
-    return _rotary_reference(q4, cos4, sin4), _rotary_reference(k4, cos4, sin4)
-
-
-def qk_norm_rope_reference(
-    qkv: torch.Tensor, norm_q_weight: torch.Tensor, norm_k_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, *, head_dim: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The model's torch ops (`attention` up to the attention call): split, `F.rms_norm` per head, rotary.
-
-    Returns (q, k, v) as the reference passes them to attention: q, k contiguous (1, S, heads, D), v a strided view.
-    """
-    qkv3 = qkv if qkv.dim() == 3 else qkv[None]
-    inner = qkv3.shape[-1] // 3
-    q, k, v = (part.unflatten(-1, (inner // head_dim, head_dim)) for part in qkv3.split(inner, dim=-1))
-    q = F.rms_norm(q, (head_dim,), norm_q_weight, eps)
-    k = F.rms_norm(k, (head_dim,), norm_k_weight, eps)
-    q, k = rope_reference(q, k, cos, sin)
-    return q, k, v
 
 
 def rms_norm_warp_order_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

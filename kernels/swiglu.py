@@ -1,7 +1,7 @@
 """SwiGLU of the feed-forward: `value * silu(gate)` on the fused [value | gate] input projection.
 
-Reference: `vflash_core.model.feed_forward` (`value, gate = linear(...).chunk(2, dim=-1)`; `value * F.silu(gate)`).
-diffusers' `ff.net.0.proj` is [value; gate]: the first half is the value (h3_model.md 1.4 step 8, gotcha 6).
+Reference: `vflash_core.model.swiglu` (`value, gate = p.chunk(2, dim=-1)`; `value * F.silu(gate)`). diffusers'
+`ff.net.0.proj` is [value; gate]: the first half is the value (the original checkpoint's `mlp.fc1` is [gate; value]).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ except ImportError:  # pragma: no cover - depends on the installed triton
     except ImportError:
         _libdevice = tl.math
 
-__all__ = ["swiglu", "swiglu_reference"]
+__all__ = ["swiglu"]
 
 
 @triton.jit
@@ -118,7 +118,3 @@ def swiglu(p: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     return out
 
 
-def swiglu_reference(p: torch.Tensor) -> torch.Tensor:
-    """The torch ops `swiglu` reproduces bit for bit (two roundings: `F.silu`, then the product)."""
-    value, gate = p.chunk(2, dim=-1)
-    return value * torch.nn.functional.silu(gate)

@@ -15,7 +15,7 @@ from vflash_core import Geometry, build_keyframe_bundle, synthetic
 from vflash_core.artifact import CompiledArtifact
 from vflash_core.denoise import Denoiser
 from vflash_core.residency import ResidentBlocks
-from vflash_core.model import sdpa_attention
+from vflash_core.model import BlockOps, sdpa_attention
 
 
 def _reference_forward(model, bundle, state_plan, video_rows, audio_rows):
@@ -41,7 +41,7 @@ def test_native_forward_equals_diffusers(tmp_path, dtype, source):
         path = synthetic.write_original_transformer(tmp_path / "h3.safetensors", TINY, weights, qkv_layout)
     paths = compile_tiny(tmp_path, path, "t2va-base4-exact-cpu", qkv_layout=qkv_layout)
     artifact = CompiledArtifact(**paths)
-    denoiser = Denoiser(artifact, ResidentBlocks(artifact, torch.device("cpu")), torch.device("cpu"), sdpa_attention)
+    denoiser = Denoiser(artifact, ResidentBlocks(artifact, torch.device("cpu")), torch.device("cpu"), BlockOps(artifact.config, sdpa_attention))
     reference = diffusers_transformer(folder, dtype)
 
     g = torch.Generator().manual_seed(4)

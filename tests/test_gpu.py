@@ -92,9 +92,13 @@ def test_two_gpus(gpu_compiled, strategy, residency):
         got = group.generate(_bundle(3), progress=lambda done, total: None)
         again = group.generate(_bundle(3))
     assert_bitwise(got.video_latents, again.video_latents, "repeatable")
-    diff = (got.video_latents - expected.video_latents).abs().max().item()
-    print(f"{strategy} vs single GPU ({residency}): max abs diff {diff:.3e}")
-    assert diff < 1e-1
+    if strategy == "sequence-head":  # per-row and per-head math is the single GPU's: the same bits
+        assert_bitwise(got.video_latents, expected.video_latents, "sequence-head vs one GPU")
+        assert_bitwise(got.audio_latents, expected.audio_latents, "sequence-head vs one GPU (audio)")
+    else:  # partial projections summed across ranks: rounding differs, the result stays close
+        diff = (got.video_latents - expected.video_latents).abs().max().item()
+        print(f"tensor vs single GPU ({residency}): max abs diff {diff:.3e}")
+        assert diff < 1e-1
 
 
 @pytest.mark.multigpu

@@ -43,6 +43,14 @@ import torch.nn.functional as F
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
+from vflash_core import model as reference  # noqa: E402  (the torch reference of every kernel op)
+
+
+def modulate_reference(normed, table, row_index, which="msa", out_dtype=None):
+    """`vflash_core.model.modulate`, cast to a kernel's `out_dtype` (the output heads take it in fp32)."""
+    y = reference.modulate(normed, table, row_index, which)
+    return y if out_dtype is None else y.to(out_dtype)
+
 _MODULES = ("_launch", "modulate", "gated_residual", "rope", "swiglu", "relayout")
 _INTERPRETED = "_vflash_kernels_interpreted"
 _FOLDER = Path(__file__).resolve().parent.parent / "kernels"
@@ -213,29 +221,6 @@ def test_cpu_tensors_need_the_interpreter():
         kernels.modulate.modulate(x, torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(3, dtype=torch.long))
 
 
-def test_references_are_the_model_ops():
-    """The references beside the kernels are the ops of `vflash_core.model` (the numerical definition)."""
-    from vflash_core import model
-
-    g = torch.Generator().manual_seed(7)
-    kernels = _compiled_kernels()
-    S, H, heads, D, R, F_ = 11, 8, 2, 16, 12, 6
-    table = randn((6, 6 * H), torch.bfloat16, g)
-    idx = torch.randint(0, 6, (S,), generator=g)
-    x, y, normed = (randn((1, S, H), torch.bfloat16, g) for _ in range(3))
-    mod = model.Modulation.gather(table, idx)
-    assert_bitwise(kernels.modulate.modulate_reference(normed, table, idx, "msa"), normed * (1.0 + mod.scale_msa) + mod.shift_msa, "msa")
-    assert_bitwise(kernels.modulate.modulate_reference(normed, table, idx, "mlp"), normed * (1.0 + mod.scale_mlp) + mod.shift_mlp, "mlp")
-    assert_bitwise(kernels.gated_residual.gated_residual_reference(x, y, table, idx, "mlp"), x + mod.gate_mlp * y, "gate")
-    q = randn((1, S, heads, D), torch.bfloat16, g)
-    cos, sin = randn((S, R), torch.bfloat16, g), randn((S, R), torch.bfloat16, g)
-    assert_bitwise(kernels.rope.rope_reference(q, q, cos, sin)[0], model.apply_rotary(q, cos[None, :, None], sin[None, :, None]), "rope")
-    # feed_forward with identity projections is exactly the SwiGLU of its input rows
-    p = randn((1, S, 2 * F_), torch.bfloat16, g)
-    weights = model.LayerWeights({"ffn.in.weight": torch.eye(2 * F_, dtype=torch.bfloat16), "ffn.out.weight": torch.eye(F_, dtype=torch.bfloat16)}, {})
-    assert_bitwise(kernels.swiglu.swiglu_reference(p), model.feed_forward(p, weights), "swiglu")
-
-
 # -- CPU: the kernels in the interpreter ---------------------------------------------------------------------------
 
 
@@ -256,7 +241,7 @@ def test_modulate_interpreter(interp, monkeypatch, request, which, hidden, dtype
     result = interp.modulate.modulate(normed, table, idx, which, out=out, out_dtype=out_dtype)
     assert result is out
     assert_all_written(out, "modulate")
-    assert_bitwise(out, interp.modulate.modulate_reference(normed, table, idx, which, out_dtype), f"modulate {which}")
+    assert_bitwise(out, modulate_reference(normed, table, idx, which, out_dtype), f"modulate {which}")
 
 
 @pytest.mark.parametrize("tile", TILES)
@@ -271,7 +256,7 @@ def test_gated_residual_interpreter(interp, monkeypatch, request, mode, dtype, t
     y = strided((S_CPU, hidden), dtype, g)[None]  # the sublayer output as a strided view
     idx = torch.randint(0, 6, (S_CPU,), generator=g, dtype=torch.int32)
     for which in ("msa", "mlp"):
-        expected = interp.gated_residual.gated_residual_reference(x, y, table, idx.long(), which)
+        expected = reference.gated_residual(x, y, table, idx.long(), which)
         if mode == "inplace":
             x_run = x.clone()
             result = interp.gated_residual.gated_residual(x_run, y, table, idx, which, inplace=True)
@@ -293,7 +278,7 @@ def test_swiglu_interpreter_bf16(interp, monkeypatch, request, width, tile):
     out = poisoned((S_CPU, width), torch.bfloat16)
     interp.swiglu.swiglu(p, out=out)
     assert_all_written(out, "swiglu")
-    assert_bitwise(out, interp.swiglu.swiglu_reference(p), "swiglu bf16")
+    assert_bitwise(out, reference.swiglu(p), "swiglu bf16")
 
 
 def test_swiglu_interpreter_fp32(interp, request):
@@ -303,7 +288,7 @@ def test_swiglu_interpreter_fp32(interp, request):
     out = poisoned((1, S_CPU, 48), torch.float32)
     interp.swiglu.swiglu(p, out=out)
     assert_all_written(out, "swiglu fp32")
-    torch.testing.assert_close(out, interp.swiglu.swiglu_reference(p), rtol=4e-7, atol=1e-30)
+    torch.testing.assert_close(out, reference.swiglu(p), rtol=4e-7, atol=1e-30)
 
 
 def test_swiglu_interpreter_many_bf16_values(interp, request):
@@ -312,7 +297,7 @@ def test_swiglu_interpreter_many_bf16_values(interp, request):
     gate = gate[gate.float().abs() < 100]
     value = torch.ones_like(gate)
     p = torch.cat([value[:, None], gate[:, None]], dim=1)  # one row per value: (N, 2)
-    assert_bitwise(interp.swiglu.swiglu(p), interp.swiglu.swiglu_reference(p), "swiglu over bf16 gates")
+    assert_bitwise(interp.swiglu.swiglu(p), reference.swiglu(p), "swiglu over bf16 gates")
 
 
 def _qkv(S, heads, D, dtype, g, pad=8):
@@ -344,7 +329,7 @@ def test_rope_interpreter(interp, monkeypatch, request, heads, D, R, layout, dty
     out = poisoned((2, S_CPU, heads, D), dtype)
     q_out, k_out = interp.rope.rope(q, k, cos, sin, out=out)
     assert_all_written(out, "rope")
-    q_ref, k_ref = interp.rope.rope_reference(q, k, cos, sin)
+    q_ref, k_ref = reference.rope(q, k, cos, sin)
     assert_bitwise(q_out, q_ref, "rope q")
     assert_bitwise(k_out, k_ref, "rope k")
     # default allocation: contiguous (1, S, heads, D)
@@ -369,14 +354,14 @@ def test_qk_norm_rope_interpreter(interp, monkeypatch, request, heads, D, R, cop
     q_out, k_out, v_out = interp.rope.qk_norm_rope(qkv, wq, wk, eps, cos, sin, head_dim=D, copy_v=copy_v, out=out)
     assert_all_written(out, "qk_norm_rope")
     assert q_out.shape == k_out.shape == v_out.shape == (1, S_CPU, heads, D) and q_out.is_contiguous()
-    emulated = interp.rope.rope_reference(
+    emulated = reference.rope(
         interp.rope.rms_norm_warp_order_reference(q, wq, eps), interp.rope.rms_norm_warp_order_reference(k, wk, eps), cos, sin
     )
     assert_bitwise(q_out, emulated[0], "fused q vs emulated order")
     assert_bitwise(k_out, emulated[1], "fused k vs emulated order")
     assert_bitwise(v_out, v, "v")
     assert v_out.is_contiguous() == copy_v
-    q_ref, k_ref, _ = interp.rope.qk_norm_rope_reference(qkv, wq, wk, eps, cos, sin, head_dim=D)
+    q_ref, k_ref, _ = reference.qk_norm_rope(qkv, wq, wk, eps, cos, sin, head_dim=D)
     for name, got, ref in (("q", q_out, q_ref), ("k", k_out, k_ref)):
         ulps = ulp_distance(got, ref)
         print(f"qk_norm_rope vs CPU F.rms_norm ({name}, D={D}): {int((ulps > 0).sum())}/{ulps.numel()} differ, max {int(ulps.max())} ulp")
@@ -389,7 +374,7 @@ def test_qk_norm_rope_interpreter_fp32(interp, request):
     wq, wk = randn((16,), torch.float32, g, 0.2) + 1, randn((16,), torch.float32, g, 0.2) + 1
     cos, sin = _angles(S_CPU, 12, torch.float32, g, "model")
     got = interp.rope.qk_norm_rope(qkv, wq, wk, 1e-5, cos, sin, head_dim=16)
-    ref = interp.rope.qk_norm_rope_reference(qkv, wq, wk, 1e-5, cos, sin, head_dim=16)
+    ref = reference.qk_norm_rope(qkv, wq, wk, 1e-5, cos, sin, head_dim=16)
     for a, b in zip(got[:2], ref[:2]):
         torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-6)
 
@@ -402,17 +387,17 @@ def test_int64_variant_interpreter(interp, monkeypatch, request):
     table = strided((6, 6 * H), dtype, g, scale=0.5)
     idx = torch.randint(0, 6, (S,), generator=g)
     x, y = randn((1, S, H), dtype, g), randn((1, S, H), dtype, g)
-    assert_bitwise(interp.modulate.modulate(x, table, idx, "mlp"), interp.modulate.modulate_reference(x, table, idx, "mlp"), "modulate int64")
-    assert_bitwise(interp.gated_residual.gated_residual(x, y, table, idx), interp.gated_residual.gated_residual_reference(x, y, table, idx), "gate int64")
+    assert_bitwise(interp.modulate.modulate(x, table, idx, "mlp"), modulate_reference(x, table, idx, "mlp"), "modulate int64")
+    assert_bitwise(interp.gated_residual.gated_residual(x, y, table, idx), reference.gated_residual(x, y, table, idx), "gate int64")
     p = strided((S, 96), dtype, g, scale=3.0)
-    assert_bitwise(interp.swiglu.swiglu(p), interp.swiglu.swiglu_reference(p), "swiglu int64")
+    assert_bitwise(interp.swiglu.swiglu(p), reference.swiglu(p), "swiglu int64")
     qkv, q, k, _ = _qkv(S, 3, 16, dtype, g)
     cos, sin = _angles(S, 12, dtype, g, "strided")
-    for got, ref in zip(interp.rope.rope(q, k, cos, sin), interp.rope.rope_reference(q, k, cos, sin)):
+    for got, ref in zip(interp.rope.rope(q, k, cos, sin), reference.rope(q, k, cos, sin)):
         assert_bitwise(got, ref, "rope int64")
     wq, wk = randn((16,), dtype, g, 0.2) + 1, randn((16,), dtype, g, 0.2) + 1
     got = interp.rope.qk_norm_rope(qkv, wq, wk, 1e-5, cos, sin, head_dim=16)
-    emulated = interp.rope.rope_reference(
+    emulated = reference.rope(
         interp.rope.rms_norm_warp_order_reference(q, wq, 1e-5), interp.rope.rms_norm_warp_order_reference(k, wk, 1e-5), cos, sin
     )
     assert_bitwise(got[0], emulated[0], "qk_norm_rope int64 q")
@@ -477,14 +462,14 @@ def test_modulate_gpu(gpu, request, S):
     for which in ("msa", "mlp"):
         out = poisoned(normed.shape, torch.bfloat16, "cuda")
         gpu.modulate.modulate(normed, table, idx, which, out=out)
-        assert_bitwise(out, gpu.modulate.modulate_reference(normed, table, idx, which), f"modulate {which} S={S}")
+        assert_bitwise(out, modulate_reference(normed, table, idx, which), f"modulate {which} S={S}")
     # a strided table view (row stride 6H + 64) and the norm_out modulation with its fp32 result
     wide = randn((6, 6 * H_FULL + 64), torch.bfloat16, g, 0.5, "cuda")[:, : 6 * H_FULL]
-    assert_bitwise(gpu.modulate.modulate(normed, wide, idx, "mlp"), gpu.modulate.modulate_reference(normed, wide, idx, "mlp"), "strided table")
+    assert_bitwise(gpu.modulate.modulate(normed, wide, idx, "mlp"), modulate_reference(normed, wide, idx, "mlp"), "strided table")
     out_table = randn((2, 2 * H_FULL), torch.bfloat16, g, 0.5, "cuda")
     t_idx = torch.randint(0, 2, (S,), generator=g, device="cuda")
     got = gpu.modulate.modulate(normed, out_table, t_idx, "out", out_dtype=torch.float32)
-    assert_bitwise(got, gpu.modulate.modulate_reference(normed, out_table, t_idx, "out", torch.float32), "norm_out")
+    assert_bitwise(got, modulate_reference(normed, out_table, t_idx, "out", torch.float32), "norm_out")
 
 
 @pytest.mark.gpu
@@ -496,7 +481,7 @@ def test_gated_residual_gpu(gpu, request, S):
     x = randn((1, S, H_FULL), torch.bfloat16, g, 4.0, "cuda")
     y = randn((1, S, H_FULL), torch.bfloat16, g, device="cuda")
     for which in ("msa", "mlp"):
-        expected = gpu.gated_residual.gated_residual_reference(x, y, table, idx, which)
+        expected = reference.gated_residual(x, y, table, idx, which)
         out = poisoned(x.shape, torch.bfloat16, "cuda")
         assert_bitwise(gpu.gated_residual.gated_residual(x, y, table, idx, which, out=out), expected, f"gate {which} S={S}")
         x_run = x.clone()
@@ -511,7 +496,7 @@ def test_swiglu_gpu(gpu, request, S):
     p = randn((1, S, 2 * FFN), torch.bfloat16, g, 3.0, "cuda")
     out = poisoned((1, S, FFN), torch.bfloat16, "cuda")
     gpu.swiglu.swiglu(p, out=out)
-    assert_bitwise(out, gpu.swiglu.swiglu_reference(p), f"swiglu S={S}")
+    assert_bitwise(out, reference.swiglu(p), f"swiglu S={S}")
 
 
 def _gpu_rotary(S, g):
@@ -531,14 +516,14 @@ def test_rope_gpu(gpu, request, S):
     cos, sin = _gpu_rotary(S, g)
     q_view, k_view, _ = (part.unflatten(-1, (HEADS, HEAD_DIM)) for part in qkv.split(inner, dim=-1))
     q_normed, k_normed = F.rms_norm(q_view, (HEAD_DIM,), wq, 1e-5), F.rms_norm(k_view, (HEAD_DIM,), wk, 1e-5)
-    q_ref, k_ref = gpu.rope.rope_reference(q_normed, k_normed, cos, sin)
+    q_ref, k_ref = reference.rope(q_normed, k_normed, cos, sin)
     out = poisoned((2, S, HEADS, HEAD_DIM), torch.bfloat16, "cuda")
     q_out, k_out = gpu.rope.rope(q_normed, k_normed, cos, sin, out=out)
     assert q_out.is_contiguous() and q_out.shape == (1, S, HEADS, HEAD_DIM)
     assert_bitwise(q_out, q_ref, f"rope q S={S}")
     assert_bitwise(k_out, k_ref, f"rope k S={S}")
     q_s, k_s = gpu.rope.rope(q_view, k_view, cos, sin)
-    q_sr, k_sr = gpu.rope.rope_reference(q_view, k_view, cos, sin)
+    q_sr, k_sr = reference.rope(q_view, k_view, cos, sin)
     assert_bitwise(q_s, q_sr, "rope on strided q")
     assert_bitwise(k_s, k_sr, "rope on strided k")
     _report_fused(gpu, request, qkv, wq, wk, cos, sin, q_ref, k_ref)
@@ -567,14 +552,14 @@ def test_forced_int64_gpu(gpu, monkeypatch, request):
     table = _table(2, torch.bfloat16, g)
     idx = torch.randint(0, 6, (S,), generator=g, device="cuda")
     x, y = randn((1, S, H_FULL), torch.bfloat16, g, device="cuda"), randn((1, S, H_FULL), torch.bfloat16, g, device="cuda")
-    assert_bitwise(gpu.modulate.modulate(x, table, idx, "msa"), gpu.modulate.modulate_reference(x, table, idx, "msa"), "modulate")
-    assert_bitwise(gpu.gated_residual.gated_residual(x, y, table, idx), gpu.gated_residual.gated_residual_reference(x, y, table, idx), "gate")
+    assert_bitwise(gpu.modulate.modulate(x, table, idx, "msa"), modulate_reference(x, table, idx, "msa"), "modulate")
+    assert_bitwise(gpu.gated_residual.gated_residual(x, y, table, idx), reference.gated_residual(x, y, table, idx), "gate")
     p = randn((1, S, 2 * FFN), torch.bfloat16, g, 3.0, "cuda")
-    assert_bitwise(gpu.swiglu.swiglu(p), gpu.swiglu.swiglu_reference(p), "swiglu")
+    assert_bitwise(gpu.swiglu.swiglu(p), reference.swiglu(p), "swiglu")
     qkv = randn((1, S, 3 * HEADS * HEAD_DIM), torch.bfloat16, g, 2.0, "cuda")
     q, k, _ = (part.unflatten(-1, (HEADS, HEAD_DIM)) for part in qkv.split(HEADS * HEAD_DIM, dim=-1))
     cos, sin = _gpu_rotary(S, g)
-    for got, ref in zip(gpu.rope.rope(q, k, cos, sin), gpu.rope.rope_reference(q, k, cos, sin)):
+    for got, ref in zip(gpu.rope.rope(q, k, cos, sin), reference.rope(q, k, cos, sin)):
         assert_bitwise(got, ref, "rope")
 
 
@@ -586,7 +571,7 @@ def test_swiglu_gpu_beyond_int32(gpu, request):
     p = randn((S, 2 * FFN), torch.bfloat16, g, 3.0, "cuda")
     assert gpu._launch.needs_int64(p)
     got = gpu.swiglu.swiglu(p)
-    expected = gpu.swiglu.swiglu_reference(p)
+    expected = reference.swiglu(p)
     del p
     assert_bitwise(got, expected, "swiglu S=75,000")
 
@@ -602,12 +587,12 @@ def test_rope_gpu_beyond_int32(gpu, request):
     assert gpu._launch.needs_int64(q) and gpu._launch.needs_int64(qkv)
     cos, sin = _gpu_rotary(S, g)
     q_out, k_out = gpu.rope.rope(q, k, cos, sin)
-    q_ref, k_ref = gpu.rope.rope_reference(q, k, cos, sin)
+    q_ref, k_ref = reference.rope(q, k, cos, sin)
     assert_bitwise(q_out, q_ref, "rope q S=100,000")
     assert_bitwise(k_out, k_ref, "rope k S=100,000")
     del q_out, k_out, q_ref, k_ref
     wq, wk = randn((HEAD_DIM,), torch.bfloat16, g, 0.2, "cuda") + 1, randn((HEAD_DIM,), torch.bfloat16, g, 0.2, "cuda") + 1
-    q_ref, k_ref, _ = gpu.rope.qk_norm_rope_reference(qkv, wq, wk, 1e-5, cos, sin, head_dim=HEAD_DIM)
+    q_ref, k_ref, _ = reference.qk_norm_rope(qkv, wq, wk, 1e-5, cos, sin, head_dim=HEAD_DIM)
     _report_fused(gpu, request, qkv[None], wq, wk, cos, sin, q_ref, k_ref)
 
 
@@ -621,9 +606,9 @@ def test_modulate_and_gate_gpu_beyond_int32(gpu, request):
     x = randn((S, H_FULL), torch.bfloat16, g, device="cuda")
     assert gpu._launch.needs_int64(x)
     got = gpu.modulate.modulate(x, table, idx, "mlp")
-    assert_bitwise(got, gpu.modulate.modulate_reference(x, table, idx, "mlp"), "modulate S=400,000")
+    assert_bitwise(got, modulate_reference(x, table, idx, "mlp"), "modulate S=400,000")
     y = got
-    expected = gpu.gated_residual.gated_residual_reference(x, y, table, idx, "msa")
+    expected = reference.gated_residual(x, y, table, idx, "msa")
     gpu.gated_residual.gated_residual(x, y, table, idx, "msa", inplace=True)
     assert_bitwise(x, expected, "gate in place S=400,000")
 
@@ -644,11 +629,11 @@ def test_special_values_gpu(gpu, request):
     table = sprinkle(_table(2, torch.bfloat16, g))
     idx = torch.randint(0, 6, (S,), generator=g, device="cuda")
     x, y = sprinkle(randn((1, S, H_FULL), torch.bfloat16, g, device="cuda")), sprinkle(randn((1, S, H_FULL), torch.bfloat16, g, device="cuda"))
-    assert_bitwise(gpu.modulate.modulate(x, table, idx, "msa"), gpu.modulate.modulate_reference(x, table, idx, "msa"), "modulate")
-    assert_bitwise(gpu.gated_residual.gated_residual(x, y, table, idx), gpu.gated_residual.gated_residual_reference(x, y, table, idx), "gate")
+    assert_bitwise(gpu.modulate.modulate(x, table, idx, "msa"), modulate_reference(x, table, idx, "msa"), "modulate")
+    assert_bitwise(gpu.gated_residual.gated_residual(x, y, table, idx), reference.gated_residual(x, y, table, idx), "gate")
     p = sprinkle(randn((1, S, 2 * FFN), torch.bfloat16, g, 3.0, "cuda"))
-    assert_bitwise(gpu.swiglu.swiglu(p), gpu.swiglu.swiglu_reference(p), "swiglu")
+    assert_bitwise(gpu.swiglu.swiglu(p), reference.swiglu(p), "swiglu")
     q, k = sprinkle(randn((1, S, HEADS, HEAD_DIM), torch.bfloat16, g, device="cuda")), sprinkle(randn((1, S, HEADS, HEAD_DIM), torch.bfloat16, g, device="cuda"))
     cos, sin = _gpu_rotary(S, g)
-    for got, ref in zip(gpu.rope.rope(q, k, cos, sin), gpu.rope.rope_reference(q, k, cos, sin)):
+    for got, ref in zip(gpu.rope.rope(q, k, cos, sin), reference.rope(q, k, cos, sin)):
         assert_bitwise(got, ref, "rope")

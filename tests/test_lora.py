@@ -18,7 +18,7 @@ from vflash_core.denoise import Denoiser
 from vflash_core.residency import ResidentBlocks
 from vflash_core.errors import IdentityMismatchError, WeightFileError
 from vflash_core.lora import load_adapter
-from vflash_core.model import sdpa_attention
+from vflash_core.model import BlockOps, sdpa_attention
 from vflash_core.profiles import AdapterSpec
 
 H, INNER, F, TEMB = TINY.hidden_size, TINY.inner_dim, TINY.ffn_dim, TINY.time_embed_dim
@@ -227,7 +227,7 @@ def test_compiled_lora_matches_diffusers_peft(tmp_path, tiny_transformer, streng
                 shift_scale = reference.norm_out.linear(torch.nn.functional.silu(temb).to(torch.bfloat16))
                 assert_bitwise(tables.norm_out, shift_scale, f"norm_out table step {step}")
 
-    denoiser = Denoiser(artifact, ResidentBlocks(artifact, torch.device("cpu")), torch.device("cpu"), sdpa_attention)
+    denoiser = Denoiser(artifact, ResidentBlocks(artifact, torch.device("cpu")), torch.device("cpu"), BlockOps(artifact.config, sdpa_attention))
     g = torch.Generator().manual_seed(2)
     bundle = build_keyframe_bundle(torch.randn(6, TINY.text_dim, generator=g).to(torch.bfloat16), torch.ones(6, dtype=torch.long), Geometry(64, 96, 124), TINY, g)
     state = denoiser.prepare(bundle)

@@ -28,6 +28,8 @@ from test_kernels import (
     randn,
 )
 
+from vflash_core import parallel
+
 # test_kernels.py's fixtures, used here by name: `interp` (the package decorated for the interpreter, a private copy
 # made once per module) and `gpu` (the compiled package, CUDA memory freed after each case).
 interp = test_kernels.interp
@@ -69,10 +71,10 @@ def _check_pack_merge(kernels, x: torch.Tensor, ranks: int, g: torch.Generator, 
     send = poisoned((ranks, S, hp, D), x.dtype)
     assert relayout.pack_heads(x, send) is send
     assert_all_written(send, f"pack {what}")
-    assert_bitwise(send, relayout.pack_heads_reference(x, torch.empty_like(send)), f"pack {what}")
+    assert_bitwise(send, parallel.pack_heads_reference(x, torch.empty_like(send)), f"pack {what}")
 
     received = randn((ranks, S, hp, D), x.dtype, g)
-    expected = relayout.merge_heads_reference(received, torch.empty(S, heads, D, dtype=x.dtype))
+    expected = parallel.merge_heads_reference(received, torch.empty(S, heads, D, dtype=x.dtype))
     out = poisoned((S, heads, D), x.dtype)
     assert relayout.merge_heads(received, out) is out
     assert_all_written(out, f"merge {what}")
@@ -90,37 +92,13 @@ def _check_pack_merge(kernels, x: torch.Tensor, ranks: int, g: torch.Generator, 
 # -- CPU: host-side checks (no kernels run) -----------------------------------------------------------------------
 
 
-def test_references_are_the_parallel_ops():
-    """The references beside the kernels are the relayouts `vflash_core.parallel` runs on the CPU."""
-    from vflash_core import parallel
-
-    kernels = _compiled_kernels()
-    g = torch.Generator().manual_seed(11)
-    x = _input("qkv-view", 13, 8, 8, torch.bfloat16, g)
-    received = randn((4, 13, 2, 8), torch.bfloat16, g)
-    assert_same_bits(
-        kernels.relayout.pack_heads_reference(x, torch.empty(4, 13, 2, 8, dtype=x.dtype)),
-        parallel.pack_heads_reference(x, torch.empty(4, 13, 2, 8, dtype=x.dtype)),
-        "pack reference",
-    )
-    assert_same_bits(
-        kernels.relayout.merge_heads_reference(received, torch.empty(13, 8, 8, dtype=x.dtype)),
-        parallel.merge_heads_reference(received, torch.empty(13, 8, 8, dtype=x.dtype)),
-        "merge reference",
-    )
-
-
 def test_session_keeps_the_references_on_the_cpu():
     """Gloo ranks are CPU threads, and the Triton interpreter is not thread-safe: the CPU uses the torch references."""
-    from vflash_core import parallel
-
     assert parallel.relayout_ops(torch.device("cpu")) == (parallel.pack_heads_reference, parallel.merge_heads_reference)
 
 
 @pytest.mark.gpu
 def test_session_uses_the_kernels_on_cuda():
-    from vflash_core import parallel
-
     kernels = _compiled_kernels()
     assert parallel.relayout_ops(torch.device("cuda:0")) == (kernels.relayout.pack_heads, kernels.relayout.merge_heads)
 
@@ -191,10 +169,10 @@ def test_every_bit_pattern_interpreter(interp, request, dtype):
     g = generator(request)
     x = _random_bits((S_CPU, 3 * HEADS_CPU, D_CPU), dtype, g)[:, HEADS_CPU : 2 * HEADS_CPU]
     send = interp.relayout.pack_heads(x, torch.empty(2, S_CPU, HEADS_CPU // 2, D_CPU, dtype=dtype))
-    assert_same_bits(send, interp.relayout.pack_heads_reference(x, torch.empty_like(send)), f"pack {dtype}")
+    assert_same_bits(send, parallel.pack_heads_reference(x, torch.empty_like(send)), f"pack {dtype}")
     received = _random_bits((2, S_CPU, HEADS_CPU // 2, D_CPU), dtype, g)
     out = interp.relayout.merge_heads(received, torch.empty(S_CPU, HEADS_CPU, D_CPU, dtype=dtype))
-    assert_same_bits(out, interp.relayout.merge_heads_reference(received, torch.empty_like(out)), f"merge {dtype}")
+    assert_same_bits(out, parallel.merge_heads_reference(received, torch.empty_like(out)), f"merge {dtype}")
 
 
 # -- GPU: the released width, bit for bit against torch on CUDA ---------------------------------------------------
@@ -210,12 +188,12 @@ def _gpu_case(gpu, x: torch.Tensor, ranks: int, g: torch.Generator, what: str) -
     relayout = gpu.relayout
     send = poisoned((ranks, S, hp, HEAD_DIM), x.dtype, "cuda")
     relayout.pack_heads(x, send)
-    assert_bitwise(send, relayout.pack_heads_reference(x, torch.empty_like(send)), f"pack {what}")
+    assert_bitwise(send, parallel.pack_heads_reference(x, torch.empty_like(send)), f"pack {what}")
     out = poisoned((S, HEADS, HEAD_DIM), x.dtype, "cuda")
     assert_bitwise(relayout.merge_heads(send, out), x, f"merge(pack(x)) {what}")
     received = randn(send.shape, x.dtype, g, device="cuda")
     relayout.merge_heads(received, out.fill_(float("nan")))
-    assert_bitwise(out, relayout.merge_heads_reference(received, torch.empty_like(out)), f"merge {what}")
+    assert_bitwise(out, parallel.merge_heads_reference(received, torch.empty_like(out)), f"merge {what}")
 
 
 @pytest.mark.gpu
@@ -243,7 +221,7 @@ def test_relayout_gpu_every_bit_pattern(gpu, request):
     g = generator(request, "cuda")
     x = _random_bits((4099, HEADS, HEAD_DIM), torch.bfloat16, g)
     send = gpu.relayout.pack_heads(x, torch.empty(4, 4099, HEADS // 4, HEAD_DIM, dtype=x.dtype, device="cuda"))
-    assert_same_bits(send, gpu.relayout.pack_heads_reference(x, torch.empty_like(send)), "pack")
+    assert_same_bits(send, parallel.pack_heads_reference(x, torch.empty_like(send)), "pack")
     assert_same_bits(gpu.relayout.merge_heads(send, torch.empty_like(x)), x, "merge(pack(x))")
 
 
@@ -267,7 +245,7 @@ def test_relayout_gpu_beyond_int32(gpu, request):
     send = poisoned((ranks, S, HEADS // ranks, HEAD_DIM), torch.bfloat16, "cuda")
     assert not gpu._launch.needs_int64(send)
     gpu.relayout.pack_heads(v, send)
-    assert_bitwise(send, gpu.relayout.pack_heads_reference(v, torch.empty_like(send)), "pack S=100,000")
+    assert_bitwise(send, parallel.pack_heads_reference(v, torch.empty_like(send)), "pack S=100,000")
     expected = v.contiguous()
     qkv.fill_(float("nan"))
     gpu.relayout.merge_heads(send, v)  # into the same strided view, now poisoned

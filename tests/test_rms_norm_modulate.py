@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from test_kernels import (
     H_FULL,
+    modulate_reference,
     S_CPU,
     S_GPU,
     TILES,
@@ -41,6 +42,16 @@ from test_kernels import (
     strided,
     ulp_distance,
 )
+
+
+def rms_norm_modulate_order_reference(op, x, weight, eps, table, row_index, which="msa", out_dtype=None):
+    """What the kernel computes, in torch ops: the emulated reduction order of its norm, then the model's modulation."""
+    return modulate_reference(op.rms_norm_block_order_reference(x, weight, eps), table, row_index, which, out_dtype)
+
+
+def rms_norm_modulate_reference(x, weight, eps, table, row_index, which="msa", out_dtype=None):
+    """The torch ops the kernel replaces: `F.rms_norm`, then the model's modulation."""
+    return modulate_reference(F.rms_norm(x, (x.shape[-1],), weight, eps), table, row_index, which, out_dtype)
 
 # test_kernels.py's fixtures, used by name: `interp` (the package decorated for the interpreter) and `gpu` (the
 # compiled package, CUDA memory freed after each case).
@@ -134,8 +145,8 @@ def test_rms_norm_modulate_interpreter(op, monkeypatch, request, hidden, layout,
     out = poisoned(x.shape, dtype)
     assert op.rms_norm_modulate(x, w, EPS, table, idx, which, out=out) is out
     assert_all_written(out, "rms_norm_modulate")
-    assert_bitwise(out, op.rms_norm_modulate_order_reference(x, w, EPS, table, idx.long(), which), f"H={hidden} {which} vs emulated order")
-    _report(f"rms_norm_modulate vs CPU F.rms_norm + modulate (H={hidden}, {which})", out, op.rms_norm_modulate_reference(x, w, EPS, table, idx.long(), which))
+    assert_bitwise(out, rms_norm_modulate_order_reference(op, x, w, EPS, table, idx.long(), which), f"H={hidden} {which} vs emulated order")
+    _report(f"rms_norm_modulate vs CPU F.rms_norm + modulate (H={hidden}, {which})", out, rms_norm_modulate_reference(x, w, EPS, table, idx.long(), which))
     normed_ulps = _report(f"  the norm alone, emulated order vs CPU F.rms_norm (H={hidden})", op.rms_norm_block_order_reference(x, w, EPS), F.rms_norm(x, (hidden,), w, EPS))
     assert int(normed_ulps.max()) <= 1  # another summation order moves rstd by a few fp32 ulp: one bf16 rounding at most
 
@@ -148,7 +159,7 @@ def test_rms_norm_modulate_interpreter_norm_out_fp32_result(op, request):
     idx = torch.randint(0, 2, (S_CPU,), generator=g)
     got = op.rms_norm_modulate(x, w, EPS, table, idx, "out", out_dtype=torch.float32)
     assert got.dtype == torch.float32 and got.shape == x.shape and got.is_contiguous()
-    assert_bitwise(got, op.rms_norm_modulate_order_reference(x, w, EPS, table, idx, "out", torch.float32), "norm_out")
+    assert_bitwise(got, rms_norm_modulate_order_reference(op, x, w, EPS, table, idx, "out", torch.float32), "norm_out")
 
 
 def test_rms_norm_modulate_interpreter_int64_variant(op, monkeypatch, request):
@@ -157,7 +168,7 @@ def test_rms_norm_modulate_interpreter_int64_variant(op, monkeypatch, request):
     x, w = _inputs(S_CPU, 1000, torch.bfloat16, g, "strided")
     table = strided((6, 6 * 1000), torch.bfloat16, g, scale=0.5)
     idx = torch.randint(0, 6, (S_CPU,), generator=g)
-    assert_bitwise(op.rms_norm_modulate(x, w, EPS, table, idx, "mlp"), op.rms_norm_modulate_order_reference(x, w, EPS, table, idx, "mlp"), "int64")
+    assert_bitwise(op.rms_norm_modulate(x, w, EPS, table, idx, "mlp"), rms_norm_modulate_order_reference(op, x, w, EPS, table, idx, "mlp"), "int64")
 
 
 def test_rms_norm_modulate_interpreter_fp32(op, request):
@@ -168,7 +179,7 @@ def test_rms_norm_modulate_interpreter_fp32(op, request):
     table = randn((6, 6 * 1000), torch.float32, g, 0.5)
     idx = torch.randint(0, 6, (S_CPU,), generator=g)
     got = op.rms_norm_modulate(x, w, EPS, table, idx, "msa")
-    torch.testing.assert_close(got, op.rms_norm_modulate_reference(x, w, EPS, table, idx, "msa"), rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(got, rms_norm_modulate_reference(x, w, EPS, table, idx, "msa"), rtol=2e-6, atol=2e-6)
 
 
 # -- GPU: full width against torch on CUDA -------------------------------------------------------------------------

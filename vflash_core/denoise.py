@@ -72,25 +72,17 @@ def _local(indices: torch.Tensor, start: int, stop: int) -> tuple[tuple[int, int
 
 
 class Denoiser:
-    """Runs whole trajectories (or one rank's rows of them) on one device.
+    """Runs whole trajectories (or one rank's rows of them) on one device; `ops` are the main blocks' operations
+    (`model.BlockOps`: the torch reference, or fused kernels, a sequence-head attention, a tensor-parallel shard)."""
 
-    `block_fn(x, weights, table, plan, state, timer)` runs one main block; the default is the reference math.
-    """
-
-    def __init__(
-        self,
-        artifact: CompiledArtifact,
-        blocks: BlockSource,
-        device: torch.device,
-        attention: M.AttentionFn,
-        block_fn: Callable[..., torch.Tensor] | None = None,
-    ):
+    def __init__(self, artifact: CompiledArtifact, blocks: BlockSource, device: torch.device, ops: M.BlockOps):
         self.artifact = artifact
         self.config = artifact.config
         self.device = device
-        self.attention = attention
+        self.ops = ops
+        # The text refiner runs whole on every device, with the reference operations and a local attention.
+        self.text_ops = M.BlockOps(self.config, getattr(ops.attention, "local", ops.attention))
         self.blocks = blocks
-        self.block_fn = block_fn or self._reference_block
         aux, refiner, aux_loras = artifact.read_auxiliary()
         self.aux = {k: v.to(device) for k, v in aux.items()}
         self.refiner = [M.LayerWeights({k: v.to(device) for k, v in w.tensors.items()}, {k: tuple(r.to(device) for r in rs) for k, rs in w.loras.items()}) for w in refiner]
@@ -129,7 +121,7 @@ class Denoiser:
         rotary = (cos.to(self.block_dtype)[None, :, None, :], sin.to(self.block_dtype)[None, :, None, :])
         if text_range[1] > text_range[0]:
             # The refiner attends over the whole prompt, so it runs on all of it; only this range's rows are kept.
-            text = M.text_stream(bundle.prompt_embeds[None].to(dev), self.aux, self.refiner, self.config, self.attention_full, self.aux_loras)
+            text = M.text_stream(bundle.prompt_embeds[None].to(dev), self.aux, self.refiner, self.text_ops, self.aux_loras)
             text = text[:, text_range[0] : text_range[1]]
         else:
             text = torch.empty(1, 0, self.config.hidden_size, dtype=self.block_dtype, device=dev)
@@ -147,14 +139,6 @@ class Denoiser:
         audio_rows = bundle.audio_rows[audio_range[0] : audio_range[1]].to(dev, torch.float32).clone()
         return RequestState(layout, rotary, text, plans, video_rows, audio_rows, video_range, audio_range)
 
-    @property
-    def attention_full(self) -> M.AttentionFn:
-        """Attention over a whole sequence held on this device (the text refiner never splits rows)."""
-        return getattr(self.attention, "local", self.attention)
-
-    def _reference_block(self, x: torch.Tensor, w: M.LayerWeights, table: torch.Tensor, plan: StepPlan, state: RequestState, timer: StageTimer) -> torch.Tensor:
-        return M.main_block(x, w, M.Modulation.gather(table, plan.adaln_indices), self.config, self.attention, state.rotary)
-
     @torch.no_grad()
     def evaluate(self, state: RequestState, step: int, timer: StageTimer = NO_TIMER, between_blocks: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One model evaluation: fp32 velocities of this state's video and audio rows."""
@@ -163,7 +147,7 @@ class Denoiser:
             x = M.pack_inputs(state.video_rows, state.audio_rows, state.text, self.aux, state.layout, self.aux_loras)
         with timer.stage("blocks"):  # the whole block loop, including any wait for streamed weights
             for w, table in zip(self.blocks, plan.tables.blocks):
-                x = self.block_fn(x, w, table, plan, state, timer)
+                x = M.main_block(x, w, table, plan.adaln_indices, state.rotary, self.ops, timer)
                 if between_blocks is not None:
                     between_blocks()
         with timer.stage("final_layer"):

@@ -1,4 +1,4 @@
-"""GPU fast path: the reference block (`model.main_block`) with its elementwise work in fused Triton kernels.
+"""GPU fast path: the block's operations (`model.BlockOps`) with the elementwise work in fused Triton kernels.
 
 Same operations, same order, same BF16 roundings as the reference — each kernel reproduces the rounding of the torch
 ops it replaces (see `kernels/`) — so a trajectory through this path equals the reference path bit for bit on the
@@ -19,7 +19,6 @@ import torch
 from . import model as M
 from ._imports import vflash_kernels
 from .config import H3Config
-from .profiler import StageTimer
 
 # Whether the fused QK RMSNorm + rotary kernel replaces F.rms_norm + rotary. Measured on an H200 (torch 2.11, triton
 # 3.6, 2026-11-30): 0 differing elements against F.rms_norm + rotary at S = 19,796, 38,222 and 100,000, full width
@@ -32,10 +31,12 @@ FUSED_QK_NORM = True
 FUSED_NORM_MODULATE = True
 
 
-class FusedBlock:
-    """`block_fn` for `Denoiser`: one main block with Triton elementwise kernels and stage timing."""
+class FusedOps(M.BlockOps):
+    """`BlockOps` with the elementwise work in Triton kernels (same operations, same roundings); the residual stream
+    is updated in place by the gated residuals."""
 
-    def __init__(self, config: H3Config, attention: M.AttentionFn):
+    def __init__(self, config: H3Config, attention: M.AttentionFn, reduce=None):
+        super().__init__(config, attention, reduce)
         vflash_kernels()
         from vflash_kernels.gated_residual import gated_residual
         from vflash_kernels.modulate import modulate
@@ -43,49 +44,27 @@ class FusedBlock:
         from vflash_kernels.rope import qk_norm_rope, rope
         from vflash_kernels.swiglu import swiglu
 
-        self.config = config
-        self.attention = attention
-        self.modulate, self.gated_residual, self.rope, self.qk_norm_rope, self.swiglu = modulate, gated_residual, rope, qk_norm_rope, swiglu
-        self.rms_norm_modulate = rms_norm_modulate
+        self._modulate, self._gated_residual, self._rope, self._qk_norm_rope, self._swiglu = modulate, gated_residual, rope, qk_norm_rope, swiglu
+        self._rms_norm_modulate = rms_norm_modulate
 
-    def norm_modulate(self, x: torch.Tensor, weight: torch.Tensor, table: torch.Tensor, idx: torch.Tensor, which: str) -> torch.Tensor:
+    def norm_modulate(self, x: torch.Tensor, weight: torch.Tensor, table: torch.Tensor, row_index: torch.Tensor, which: str) -> torch.Tensor:
         """RMSNorm then AdaLN modulation of the (1, S, H) stream: one kernel or two (`FUSED_NORM_MODULATE`)."""
         if FUSED_NORM_MODULATE:
-            return self.rms_norm_modulate(x, weight, self.config.norm_eps, table, idx, which)
-        return self.modulate(M.rms_norm(x, weight, self.config.norm_eps), table, idx, which)
+            return self._rms_norm_modulate(x, weight, self.config.norm_eps, table, row_index, which)
+        return self._modulate(M.rms_norm(x, weight, self.config.norm_eps), table, row_index, which)
 
-    def __call__(self, x: torch.Tensor, w: M.LayerWeights, table: torch.Tensor, plan, state, timer: StageTimer) -> torch.Tensor:
-        """x: (1, S, H) residual stream, updated in place and returned."""
-        cfg, idx = self.config, plan.adaln_indices
-        cos, sin = state.rotary
-        with timer.stage("adaln_modulation"):
-            h = self.norm_modulate(x, w["norm1.weight"], table, idx, "msa")
-        with timer.stage("qkv_projection"):
-            qkv = M.linear(h, w["attn.qkv.weight"], loras=w.lora("attn.qkv"))
-        with timer.stage("qk_norm_rope"):
-            if FUSED_QK_NORM:
-                q, k, v = self.qk_norm_rope(qkv, w["attn.norm_q.weight"], w["attn.norm_k.weight"], cfg.qk_norm_eps, cos, sin, head_dim=cfg.attention_head_dim)
-            else:
-                q, k, v = (part.unflatten(-1, (cfg.num_attention_heads, -1)) for part in qkv.split(cfg.inner_dim, dim=-1))
-                q, k = self.rope(M.rms_norm(q, w["attn.norm_q.weight"], cfg.qk_norm_eps), M.rms_norm(k, w["attn.norm_k.weight"], cfg.qk_norm_eps), cos, sin)
-        del qkv, h
-        with timer.stage("attention"):
-            out = self.attention(q, k, v).flatten(2, 3).type_as(q)
-        del q, k, v
-        with timer.stage("attention_output"):
-            y = M.linear(out, w["attn.out.weight"], loras=w.lora("attn.out"))
-            del out
-            self.gated_residual(x, y, table, idx, "msa", inplace=True)
-        del y
-        with timer.stage("ffn_norm_modulation"):
-            h = self.norm_modulate(x, w["norm2.weight"], table, idx, "mlp")
-        with timer.stage("ffn_input"):
-            p = M.linear(h, w["ffn.in.weight"], loras=w.lora("ffn.in"))
-        del h
-        with timer.stage("swiglu"):
-            y = self.swiglu(p)
-        del p
-        with timer.stage("ffn_output"):
-            y = M.linear(y, w["ffn.out.weight"], loras=w.lora("ffn.out"))
-            self.gated_residual(x, y, table, idx, "mlp", inplace=True)
-        return x
+    def qk_norm_rope(self, qkv: torch.Tensor, norm_q: torch.Tensor, norm_k: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cfg = self.config
+        if rotary is None:  # the text refiner: no rotary, and it runs once per request
+            return super().qk_norm_rope(qkv, norm_q, norm_k, rotary)
+        if FUSED_QK_NORM:
+            return self._qk_norm_rope(qkv, norm_q, norm_k, cfg.qk_norm_eps, *rotary, head_dim=cfg.attention_head_dim)
+        q, k, v = (part.unflatten(-1, (cfg.num_attention_heads, -1)) for part in qkv.split(cfg.inner_dim, dim=-1))
+        q, k = self._rope(M.rms_norm(q, norm_q, cfg.qk_norm_eps), M.rms_norm(k, norm_k, cfg.qk_norm_eps), *rotary)
+        return q, k, v
+
+    def swiglu(self, p: torch.Tensor) -> torch.Tensor:
+        return self._swiglu(p)
+
+    def gated_residual(self, x: torch.Tensor, y: torch.Tensor, table: torch.Tensor, row_index: torch.Tensor, which: str) -> torch.Tensor:
+        return self._gated_residual(x, y, table, row_index, which, inplace=True)

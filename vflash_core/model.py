@@ -12,6 +12,10 @@ Every tensor keeps the batch axis of 1 the reference uses, so each torch call se
 every elementwise op rounds its own output (that rounding is part of the model); RMSNorm is `F.rms_norm`, which
 multiplies by the weight in fp32 before its single rounding.
 
+The block is written once (`main_block`) over a small set of operations (`BlockOps`): the methods here are the torch
+reference of each operation; the fast path (`fused.FusedOps`) swaps in Triton kernels with the same roundings, a
+sequence-head rank swaps the attention call, a tensor-parallel rank adds the reduction of partial projections.
+
 Shapes: S packed rows, H hidden, I = heads * head_dim (inner), R rotary channels per head.
 """
 
@@ -25,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import NUM_MODALITIES, H3Config
+from .profiler import NO_TIMER, StageTimer
 
 # (B, S, heads, head_dim) q, k, v -> (B, S, heads, head_dim)
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -121,30 +126,136 @@ class LayerWeights:
         return self.loras.get(name, ())
 
 
-def attention(
-    h: torch.Tensor,
-    w: LayerWeights,
-    config: H3Config,
-    attn_fn: AttentionFn,
-    rotary: tuple[torch.Tensor, torch.Tensor] | None,
+# Where each AdaLN parameter sits in a modulation table row: (shift, scale, gate) block indices and the block count.
+# Main-block tables are (3T, 6H) [shift, scale, gate] x [attention, FFN]; the final norm's are (T, 2H) [shift, scale].
+MODULATION_BLOCKS = {"msa": (0, 1, 2, 6), "mlp": (3, 4, 5, 6), "out": (0, 1, None, 2)}
+
+
+def modulation_rows(table: torch.Tensor, row_index: torch.Tensor, which: str, part: int) -> torch.Tensor:
+    """Rows of one AdaLN parameter (0 shift, 1 scale, 2 gate of `which`) for every packed row: (S, H)."""
+    blocks = MODULATION_BLOCKS[which]
+    return table.chunk(blocks[3], dim=-1)[blocks[part]].index_select(0, row_index)
+
+
+def modulate(normed: torch.Tensor, table: torch.Tensor, row_index: torch.Tensor, which: str = "msa") -> torch.Tensor:
+    """AdaLN modulation: `h * (1 + scale) + shift`, three roundings in bf16."""
+    return normed * (1.0 + modulation_rows(table, row_index, which, 1)) + modulation_rows(table, row_index, which, 0)
+
+
+def rms_norm_modulate(x: torch.Tensor, weight: torch.Tensor, eps: float, table: torch.Tensor, row_index: torch.Tensor, which: str = "msa") -> torch.Tensor:
+    return modulate(rms_norm(x, weight, eps), table, row_index, which)
+
+
+def gated_residual(x: torch.Tensor, y: torch.Tensor, table: torch.Tensor, row_index: torch.Tensor, which: str = "msa") -> torch.Tensor:
+    """`x + gate * y`: the gate's product rounds, then the sum."""
+    return x + modulation_rows(table, row_index, which, 2) * y
+
+
+def swiglu(p: torch.Tensor) -> torch.Tensor:
+    """`value * silu(gate)` from the fused [value; gate] projection (`silu` rounds before the product)."""
+    value, gate = p.chunk(2, dim=-1)
+    return value * F.silu(gate)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary on q and k (1, S, heads, D); cos/sin (S, R) or (1, S, 1, R) in the blocks' dtype."""
+    cos, sin = (t if t.dim() == 4 else t[None, :, None, :] for t in (cos, sin))
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+def qk_norm_rope(
+    qkv: torch.Tensor, norm_q: torch.Tensor, norm_k: torch.Tensor, eps: float, cos: torch.Tensor | None, sin: torch.Tensor | None, *, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(1, S, 3I) fused projection -> q, k normalised per head (and rotated, unless cos is None), v a view: (1, S, heads, D)."""
+    inner = qkv.shape[-1] // 3
+    q, k, v = (part.unflatten(-1, (inner // head_dim, head_dim)) for part in qkv.split(inner, dim=-1))
+    q, k = rms_norm(q, norm_q, eps), rms_norm(k, norm_k, eps)
+    if cos is not None:
+        q, k = rope(q, k, cos, sin)
+    return q, k, v
+
+
+class BlockOps:
+    """The operations `main_block` is written in, as the torch reference (see the module docstring).
+
+    `attention` attends (1, S, heads, D) q, k, v; `reduce` finishes a row-sharded output projection (identity on one
+    device, an all-reduce across tensor-parallel ranks). `config` is the block's shape as this device sees it.
+    """
+
+    def __init__(self, config: H3Config, attention: AttentionFn, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        self.config = config
+        self.attention = attention
+        self.reduce = reduce or (lambda partial: partial)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, loras: tuple[LoraResidual, ...] = ()) -> torch.Tensor:
+        return linear(x, weight, loras=loras)
+
+    def norm_modulate(self, x: torch.Tensor, weight: torch.Tensor, table: torch.Tensor, row_index: torch.Tensor, which: str) -> torch.Tensor:
+        return rms_norm_modulate(x, weight, self.config.norm_eps, table, row_index, which)
+
+    def qk_norm_rope(self, qkv: torch.Tensor, norm_q: torch.Tensor, norm_k: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cos, sin = rotary or (None, None)
+        return qk_norm_rope(qkv, norm_q, norm_k, self.config.qk_norm_eps, cos, sin, head_dim=self.config.attention_head_dim)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """(1, S, heads, D) each -> (1, S, I) in q's dtype."""
+        return self.attention(q, k, v).flatten(2, 3).type_as(q)
+
+    def swiglu(self, p: torch.Tensor) -> torch.Tensor:
+        return swiglu(p)
+
+    def gated_residual(self, x: torch.Tensor, y: torch.Tensor, table: torch.Tensor, row_index: torch.Tensor, which: str) -> torch.Tensor:
+        return gated_residual(x, y, table, row_index, which)
+
+
+def attention(h: torch.Tensor, w: LayerWeights, ops: BlockOps, rotary: tuple[torch.Tensor, torch.Tensor] | None, timer: StageTimer = NO_TIMER) -> torch.Tensor:
+    """(1, S, H) normalised input -> (1, S, H) attention output (before the gate and any reduction)."""
+    with timer.stage("qkv_projection"):
+        qkv = ops.linear(h, w["attn.qkv.weight"], w.lora("attn.qkv"))
+    with timer.stage("qk_norm_rope"):
+        q, k, v = ops.qk_norm_rope(qkv, w["attn.norm_q.weight"], w["attn.norm_k.weight"], rotary)
+    del qkv
+    with timer.stage("attention"):
+        out = ops.attend(q, k, v)
+    del q, k, v
+    with timer.stage("attention_output"):
+        return ops.linear(out, w["attn.out.weight"], w.lora("attn.out"))
+
+
+def feed_forward(h: torch.Tensor, w: LayerWeights, ops: BlockOps, timer: StageTimer = NO_TIMER) -> torch.Tensor:
+    """SwiGLU from the fused [value; gate] projection, then the output projection (before the gate)."""
+    with timer.stage("ffn_input"):
+        p = ops.linear(h, w["ffn.in.weight"], w.lora("ffn.in"))
+    with timer.stage("swiglu"):
+        y = ops.swiglu(p)
+    del p
+    with timer.stage("ffn_output"):
+        return ops.linear(y, w["ffn.out.weight"], w.lora("ffn.out"))
+
+
+def main_block(
+    x: torch.Tensor, w: LayerWeights, table: torch.Tensor, row_index: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], ops: BlockOps,
+    timer: StageTimer = NO_TIMER,
 ) -> torch.Tensor:
-    """(1, S, H) normalised input -> (1, S, H) attention output (before the gate)."""
-    inner = config.inner_dim
-    qkv = linear(h, w["attn.qkv.weight"], loras=w.lora("attn.qkv"))
-    q, k, v = (part.unflatten(-1, (config.num_attention_heads, -1)) for part in qkv.split(inner, dim=-1))
-    q = rms_norm(q, w["attn.norm_q.weight"], config.qk_norm_eps)
-    k = rms_norm(k, w["attn.norm_k.weight"], config.qk_norm_eps)
-    if rotary is not None:
-        q = apply_rotary(q, *rotary)
-        k = apply_rotary(k, *rotary)
-    out = attn_fn(q, k, v).flatten(2, 3).type_as(q)
-    return linear(out, w["attn.out.weight"], loras=w.lora("attn.out"))
+    """One main block on the (1, S, H) residual stream (a fused `gated_residual` updates it in place).
 
-
-def feed_forward(h: torch.Tensor, w: LayerWeights) -> torch.Tensor:
-    """SwiGLU: `value * silu(gate)` from the fused [value; gate] projection, then the output projection."""
-    value, gate = linear(h, w["ffn.in.weight"], loras=w.lora("ffn.in")).chunk(2, dim=-1)
-    return linear(value * F.silu(gate), w["ffn.out.weight"], loras=w.lora("ffn.out"))
+    `table` (3T, 6H) is this block's AdaLN table for the evaluation, `row_index` (S,) each row's table row. The
+    attention's temporaries are released before the FFN runs, and the FFN keeps at most its input projection and its
+    SwiGLU product alive at once.
+    """
+    with timer.stage("adaln_modulation"):
+        h = ops.norm_modulate(x, w["norm1.weight"], table, row_index, "msa")
+    y = attention(h, w, ops, rotary, timer)
+    del h
+    with timer.stage("attention_output"):
+        x = ops.gated_residual(x, ops.reduce(y), table, row_index, "msa")
+    del y
+    with timer.stage("ffn_norm_modulation"):
+        h = ops.norm_modulate(x, w["norm2.weight"], table, row_index, "mlp")
+    y = feed_forward(h, w, ops, timer)
+    del h
+    with timer.stage("ffn_output"):
+        return ops.gated_residual(x, ops.reduce(y), table, row_index, "mlp")
 
 
 # -- text stream --------------------------------------------------------------------------------------------------
@@ -154,47 +265,21 @@ def text_stream(
     prompt_embeds: torch.Tensor,
     aux: Mapping[str, torch.Tensor],
     refiner: list[LayerWeights],
-    config: H3Config,
-    attn_fn: AttentionFn,
+    ops: BlockOps,
     aux_loras: Mapping[str, tuple[LoraResidual, ...]] = {},
 ) -> torch.Tensor:
-    """(1, L, text_dim) -> (1, L, H) in the block dtype: context embedder, refiner blocks, final norm."""
+    """(1, L, text_dim) -> (1, L, H) in the block dtype: context embedder, refiner blocks (plain pre-norm, no rotary,
+    no modulation), final norm. `ops` attends the whole prompt on this device."""
+    config = ops.config
     weight = aux["context_embedder.weight"]
     x = linear(prompt_embeds.to(weight.dtype), weight, aux["context_embedder.bias"], aux_loras.get("context_embedder", ()))
     for w in refiner:
-        x = x + attention(rms_norm(x, w["norm1.weight"], config.norm_eps), w, config, attn_fn, rotary=None)
-        x = x + feed_forward(rms_norm(x, w["norm2.weight"], config.norm_eps), w)
+        x = x + attention(rms_norm(x, w["norm1.weight"], config.norm_eps), w, ops, rotary=None)
+        x = x + feed_forward(rms_norm(x, w["norm2.weight"], config.norm_eps), w, ops)
     return rms_norm(x, aux["refiner.final_norm.weight"], config.final_norm_eps)
 
 
 # -- one evaluation -----------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Modulation:
-    """AdaLN rows of one block for one evaluation, gathered per packed row: six (S, H) tensors."""
-
-    shift_msa: torch.Tensor
-    scale_msa: torch.Tensor
-    gate_msa: torch.Tensor
-    shift_mlp: torch.Tensor
-    scale_mlp: torch.Tensor
-    gate_mlp: torch.Tensor
-
-    @classmethod
-    def gather(cls, table: torch.Tensor, adaln_indices: torch.Tensor) -> Modulation:
-        """`table` (3T, 6H) as the reference's `adaln_proj` output viewed per (timestep, modality) row."""
-        return cls(*(part.index_select(0, adaln_indices) for part in table.chunk(6, dim=-1)))
-
-
-def main_block(x: torch.Tensor, w: LayerWeights, mod: Modulation, config: H3Config, attn_fn: AttentionFn, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """One main block on the (1, S, H) residual stream."""
-    h = rms_norm(x, w["norm1.weight"], config.norm_eps)
-    h = h * (1.0 + mod.scale_msa) + mod.shift_msa
-    x = x + mod.gate_msa * attention(h, w, config, attn_fn, rotary)
-    h = rms_norm(x, w["norm2.weight"], config.norm_eps)
-    h = h * (1.0 + mod.scale_mlp) + mod.shift_mlp
-    return x + mod.gate_mlp * feed_forward(h, w)
 
 
 def pack_inputs(
@@ -228,9 +313,7 @@ def output_heads(
     aux_loras: Mapping[str, tuple[LoraResidual, ...]] = {},
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Final modulated norm and the fp32 heads over every row, then the video / audio rows: (Nv, P), (Na, C)."""
-    shift, scale = norm_out_rows.chunk(2, dim=-1)
-    h = rms_norm(x, aux["norm_out.norm.weight"], config.final_norm_eps)
-    h = h * (1.0 + scale.index_select(0, timestep_indices)) + shift.index_select(0, timestep_indices)
+    h = rms_norm_modulate(x, aux["norm_out.norm.weight"], config.final_norm_eps, norm_out_rows, timestep_indices, "out")
     h = h.to(aux["proj_out.weight"].dtype)
     video = linear(h, aux["proj_out.weight"], aux["proj_out.bias"], aux_loras.get("proj_out", ())).index_select(1, layout["video_indices"])
     audio = linear(h, aux["audio_proj_out.weight"], aux["audio_proj_out.bias"], aux_loras.get("audio_proj_out", ())).index_select(1, layout["audio_indices"])

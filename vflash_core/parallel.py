@@ -278,50 +278,15 @@ class TensorShard:
         return out
 
 
-class TensorParallelBlock:
-    """`block_fn` for `tensor`: the whole residual stream on every rank, this rank's heads and FFN channels, and an
-    all-reduce of the two output projections' partial products (bf16, so rounding differs from one GPU)."""
+def tensor_parallel_ops(config, group: dist.ProcessGroup, size: int, attention: M.AttentionFn, ops_class: type[M.BlockOps] = M.BlockOps) -> M.BlockOps:
+    """The block's operations on one tensor-parallel rank: this rank's heads and FFN channels (the block's shape as
+    the rank sees it), and an all-reduce of the two output projections' partial products (bf16, so the rounding
+    differs from one GPU)."""
+    from dataclasses import replace
 
-    def __init__(self, config, group: dist.ProcessGroup, size: int, attention: M.AttentionFn, fused):
-        from dataclasses import replace
-
-        self.config = config
-        self.shard_config = replace(config, num_attention_heads=config.num_attention_heads // size, ffn_dim=config.ffn_dim // size)
-        self.group = group
-        self.attention = attention
-        self.fused = fused  # a `FusedBlock` for its kernels, or None for the reference ops
-
-    def _sum(self, partial: torch.Tensor) -> torch.Tensor:
-        self.group.allreduce([partial]).wait()
+    def reduce(partial: torch.Tensor) -> torch.Tensor:
+        group.allreduce([partial]).wait()
         return partial
 
-    def __call__(self, x: torch.Tensor, w: M.LayerWeights, table: torch.Tensor, plan, state, timer) -> torch.Tensor:
-        cfg, idx = self.shard_config, plan.adaln_indices
-        if self.fused is None:
-            mod = M.Modulation.gather(table, idx)
-            h = M.rms_norm(x, w["norm1.weight"], cfg.norm_eps) * (1.0 + mod.scale_msa) + mod.shift_msa
-            x = x + mod.gate_msa * self._sum(M.attention(h, w, cfg, self.attention, state.rotary))
-            h = M.rms_norm(x, w["norm2.weight"], cfg.norm_eps) * (1.0 + mod.scale_mlp) + mod.shift_mlp
-            return x + mod.gate_mlp * self._sum(M.feed_forward(h, w))
-        k = self.fused
-        with timer.stage("adaln_modulation"):
-            h = k.norm_modulate(x, w["norm1.weight"], table, idx, "msa")
-        with timer.stage("qkv_projection"):
-            qkv = M.linear(h, w["attn.qkv.weight"], loras=w.lora("attn.qkv"))
-        with timer.stage("qk_norm_rope"):
-            q, kk, v = k.qk_norm_rope(qkv, w["attn.norm_q.weight"], w["attn.norm_k.weight"], cfg.qk_norm_eps, *state.rotary, head_dim=cfg.attention_head_dim)
-        with timer.stage("attention"):
-            out = self.attention(q, kk, v).flatten(2, 3).type_as(q)
-        with timer.stage("attention_output"):
-            y = self._sum(M.linear(out, w["attn.out.weight"], loras=w.lora("attn.out")))
-            k.gated_residual(x, y, table, idx, "msa", inplace=True)
-        with timer.stage("ffn_norm_modulation"):
-            h = k.norm_modulate(x, w["norm2.weight"], table, idx, "mlp")
-        with timer.stage("ffn_input"):
-            p = M.linear(h, w["ffn.in.weight"], loras=w.lora("ffn.in"))
-        with timer.stage("swiglu"):
-            y = k.swiglu(p)
-        with timer.stage("ffn_output"):
-            y = self._sum(M.linear(y, w["ffn.out.weight"], loras=w.lora("ffn.out")))
-            k.gated_residual(x, y, table, idx, "mlp", inplace=True)
-        return x
+    shard = replace(config, num_attention_heads=config.num_attention_heads // size, ffn_dim=config.ffn_dim // size)
+    return ops_class(shard, attention, reduce)

@@ -1,4 +1,4 @@
-"""Denoise profiler (seed 002 "Profiling one request"): per-evaluation, per-stage device timings.
+"""Denoise profiler: per-evaluation, per-stage device timings of one request.
 
 Off by default and then free: the disabled timer's `stage()` is a shared no-op context. When enabled on CUDA, each
 stage records a pair of CUDA events on the current stream (no synchronisation); the events are read once, after the
@@ -8,7 +8,7 @@ Stages of one evaluation: `pack_inputs`, per block `adaln_modulation` (norm1 + m
 `qk_norm_rope`, `attention`, `attention_output` (output projection + gated residual), `ffn_norm_modulation`,
 `ffn_input`, `swiglu`, `ffn_output` (output projection + gated residual), then `final_layer` and `latent_update`;
 `blocks` spans the whole block loop (it contains the per-block stages and any wait for streamed weights, so it is not
-added to them). The reference (CPU) path reports only the coarse stages. Block-ring sources add `h2d_copy_ms`
+added to them). Block-ring sources add `h2d_copy_ms`
 (copy-stream time, which overlaps compute and must not be added to it).
 """
 

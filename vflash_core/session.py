@@ -28,9 +28,10 @@ from .compiler import device_arch
 from .denoise import Denoiser, DenoiseOutput, ProgressFn
 from .errors import IdentityMismatchError, SessionClosedError, VflashError
 from .fileio import atomic_file, check_writable_destination
-from .fused import FusedBlock
+from .fused import FusedOps
 from .layout import FPS, Geometry, audio_latent_count
-from .parallel import STRATEGIES, LocalGroup, SequenceHeadAttention, TensorParallelBlock, TensorShard, head_groups, relayout_ops, split_rows
+from .model import BlockOps
+from .parallel import STRATEGIES, LocalGroup, SequenceHeadAttention, TensorShard, head_groups, relayout_ops, split_rows, tensor_parallel_ops
 from .profiler import StageTimer
 from .profiles import Profile, get_profile
 from .residency import BlockRing, BlockSource, PinnedArena, ResidentBlocks, activation_bytes, check_fits
@@ -132,7 +133,7 @@ class NativeEngineSession:
         config = self.compiled.config
         if self.strategy is not None:
             head_groups(config.num_attention_heads, len(self.devices))
-        self.attention_backend, attention = resolve_attention(attention_backend, self.device)
+        self.attention_backend = resolve_attention(attention_backend, self.device)[0]
         self.weight_residency = self._choose_residency(weight_residency)
         if execution not in EXECUTIONS:
             raise VflashError(f"execution must be one of {', '.join(EXECUTIONS)}, got {execution!r}")
@@ -159,16 +160,14 @@ class NativeEngineSession:
             else:
                 blocks = ResidentBlocks(self.compiled, dev, load if rank == 0 else None, shards[rank])
             local = resolve_attention(attention_backend, dev)[1]
-            fused = FusedBlock(config, local) if self.execution == "fused" else None
+            ops_class = FusedOps if self.execution == "fused" else BlockOps
             if self.strategy == "sequence-head":
-                attention = SequenceHeadAttention(self._group.group(rank), rank, [(0, 0)] * size, config.num_attention_heads, local, *relayout_ops(dev))  # type: ignore[union-attr]
-                block_fn = FusedBlock(config, attention) if fused else None
+                ops = ops_class(config, SequenceHeadAttention(self._group.group(rank), rank, [(0, 0)] * size, config.num_attention_heads, local, *relayout_ops(dev)))  # type: ignore[union-attr]
             elif self.strategy == "tensor":
-                attention = local
-                block_fn = TensorParallelBlock(config, self._group.group(rank), size, local, fused)  # type: ignore[union-attr]
+                ops = tensor_parallel_ops(config, self._group.group(rank), size, local, ops_class)  # type: ignore[union-attr]
             else:
-                attention, block_fn = local, fused
-            self._denoisers.append(Denoiser(self.compiled, blocks, dev, attention, block_fn))
+                ops = ops_class(config, local)
+            self._denoisers.append(Denoiser(self.compiled, blocks, dev, ops))
         self._failure: str | None = None
         self._closed = False
         self._requests = 0
@@ -377,7 +376,7 @@ class NativeEngineSession:
         if self.strategy == "sequence-head":
             rows = split_rows(total, len(self.devices))
             for den in self._denoisers:
-                den.attention.rows = rows
+                den.ops.attention.rows = rows
         else:  # tensor: every rank holds every row
             rows = [(0, total)] * len(self.devices)
         stop: list[BaseException] = []
