@@ -155,9 +155,3 @@ def linear_flops_per_block(config: H3Config, rows: int) -> float:
     h, i, f = config.hidden_size, config.inner_dim, config.ffn_dim
     params = 3 * i * h + h * i + 2 * f * h + h * f
     return 2.0 * params * rows
-
-
-def block_loop_ms(profile: dict[str, object] | None) -> list[float]:
-    """Per-evaluation time of the block loop from a denoise profile."""
-    assert profile is not None
-    return [e["blocks"] for e in profile["evaluations"]]  # type: ignore[index]

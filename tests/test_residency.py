@@ -38,7 +38,7 @@ def test_arena_holds_every_block_exactly_and_closes_its_maps(tiny_compiled, monk
         expected = artifact.read_block(i)
         for name, tensor in expected.tensors.items():
             assert_bitwise(weights[name], tensor, f"block {i} {name}")
-    assert ring.device_weight_bytes == 2 * block_bytes and ring.pinned_host_bytes == arena.nbytes
+    assert ring.device_weight_bytes == 2 * block_bytes
 
 
 def test_block_ring_equals_resident_and_reuses_its_buffers(tiny_compiled):

@@ -145,9 +145,6 @@ class CompiledArtifact:
         if profile.arch != self.arch:
             raise IdentityMismatchError(f"profile {profile.id} is for {profile.arch}; the artifact was compiled on {self.arch}")
 
-    def block_nbytes(self, index: int) -> int:
-        return int(self.manifest["blocks"][index]["size"])
-
     def read_block(self, index: int) -> LayerWeights:
         """One packed block (tensors owning host buffers), its file read by `READ_WORKERS` threads at once."""
         record = self.manifest["blocks"][index]

@@ -46,8 +46,6 @@ FLOAT_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
 # Prefixes some single-file exports put in front of the original names.
 _ORIGINAL_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 
-_BLOCK_PARTS = ("norm1", "attn.qkv", "attn.norm_q", "attn.norm_k", "attn.out", "norm2", "ffn.in", "ffn.out")
-
 # Internal aux name -> (diffusers name, original name).
 _AUX_NAMES = {
     "proj_in": ("proj_in", "video_patch_proj"),

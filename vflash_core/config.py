@@ -19,7 +19,6 @@ AUDIO_TAG = 2
 NUM_MODALITIES = 3
 
 # The six AdaLN parameters of a block, in the order of the `adaln_proj` output rows.
-ADALN_PARAMS = ("shift_msa", "scale_msa", "gate_msa", "shift_mlp", "scale_mlp", "gate_mlp")
 
 
 @dataclass(frozen=True)

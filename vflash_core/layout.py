@@ -111,11 +111,6 @@ def audio_rows_to_latents(rows: torch.Tensor, num_audio_latents: int) -> torch.T
     return rows.reshape(AUDIO_CHANNELS, num_audio_latents, rows.shape[-1]).permute(0, 2, 1).contiguous()
 
 
-def audio_latents_to_rows(latents: torch.Tensor) -> torch.Tensor:
-    """(2, C, A) -> channel-major (2A, C)."""
-    return latents.permute(0, 2, 1).reshape(-1, latents.shape[1])
-
-
 def spatial_grid(dim: int, patch: int, sqrt_area: float) -> torch.Tensor:
     """One rotary spatial axis: `dim // patch` fp64 coordinates, numpy `linspace(endpoint=False)` arithmetic."""
     ratio = dim / sqrt_area

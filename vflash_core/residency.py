@@ -47,7 +47,6 @@ class BlockSource:
     """Yields the main blocks' weights on the compute device, in order, once per evaluation."""
 
     device_weight_bytes: int = 0
-    pinned_host_bytes: int = 0
 
     def __iter__(self) -> Iterator[LayerWeights]:
         raise NotImplementedError
@@ -169,7 +168,6 @@ class BlockRing(BlockSource):
             self.copy_done = [torch.cuda.Event() for _ in range(2)]
             self.compute_done = [torch.cuda.Event() for _ in range(2)]
         self.device_weight_bytes = 2 * arena.block_bytes
-        self.pinned_host_bytes = arena.nbytes
         self._first_block_ready = False
         # Set by the profiler: (start, end) timing events of every copy.
         self.copy_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
