@@ -8,7 +8,8 @@ Decoding denormalises (`z * std + mean`), decodes with `AutoencoderKLMiniMaxH3` 
 default; the released frames are the blended-tile ones, and the tile geometry is the model's own, 256 px tiles with
 at least 64 px overlap) and the model's temporal windowing, which decodes 7 latent frames at a time with cross-fades,
 so 10 s and 15 s clips fit — and maps ImageNet space back to [0, 1]. The mono audio VAE decodes the two stereo
-channels as two batch items.
+channels as two batch items. `video_decoder="native"` decodes the video with `vae_decode.NativeVideoDecoder` instead:
+the same frames bit for bit, several tile-windows per ViT call, each window's frames copied out as it completes.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from .conditioning import default_dtype
 from .device_owner import SerialDeviceOwner, release_device_memory
 from .errors import VflashError
 from .layout import AUDIO_CHANNELS, FPS
+from .vae_decode import NativeVideoDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +33,7 @@ logger = logging.getLogger(__name__)
 PIXEL_MEAN = (0.485, 0.456, 0.406)
 PIXEL_STD = (0.229, 0.224, 0.225)
 CONDITION_ENCODE_SEED = 42
+VIDEO_DECODERS = ("diffusers", "native")
 
 
 @dataclass
@@ -46,7 +49,10 @@ class DecodedMedia:
 class MediaVAEs(SerialDeviceOwner):
     """Owns `AutoencoderKLMiniMaxH3` (video) and `AutoencoderKLMiniMaxH3Audio` (audio, always fp32)."""
 
-    def __init__(self, video_vae, audio_vae, device: str | torch.device = "cpu"):
+    def __init__(self, video_vae, audio_vae, device: str | torch.device = "cpu", video_decoder: str = "diffusers"):
+        if video_decoder not in VIDEO_DECODERS:
+            raise VflashError(f"unknown video_decoder {video_decoder!r}; choose one of {', '.join(VIDEO_DECODERS)}")
+        self.video_decoder = video_decoder
         self.video_vae = video_vae.eval()
         self.audio_vae = audio_vae.eval()
         self.device = torch.device(device)
@@ -54,11 +60,13 @@ class MediaVAEs(SerialDeviceOwner):
             logger.warning("video VAE tiling is off; the released decodes are tiled, so frames will differ")
 
     @classmethod
-    def from_pretrained(cls, decoder_root: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> "MediaVAEs":
+    def from_pretrained(
+        cls, decoder_root: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, video_decoder: str = "diffusers"
+    ) -> "MediaVAEs":
         """Load `vae/` and `audio_vae/` from a decoder root (an official model root works), offline.
 
         `dtype` applies to the video VAE's decoder stack (its cast-sensitive modules stay fp32, as diffusers pins
-        them); default bf16 on CUDA, fp32 on the CPU.
+        them); default bf16 on CUDA, fp32 on the CPU. `video_decoder`: "diffusers" (its `decode`) or "native".
         """
         from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
 
@@ -66,7 +74,7 @@ class MediaVAEs(SerialDeviceOwner):
         device = torch.device(device)
         video = AutoencoderKLMiniMaxH3.from_pretrained(root / "vae", torch_dtype=dtype or default_dtype(device), local_files_only=True)
         audio = AutoencoderKLMiniMaxH3Audio.from_pretrained(root / "audio_vae", local_files_only=True)
-        return cls(video, audio, device)
+        return cls(video, audio, device, video_decoder)
 
     # -- geometry -----------------------------------------------------------------------------------------------------
 
@@ -130,11 +138,28 @@ class MediaVAEs(SerialDeviceOwner):
         mean, std = self._stats(self.video_vae, (1, -1, 1, 1, 1))
         device = next(self.video_vae.parameters()).device
         latents = video_latents.to(device) * std.to(device) + mean.to(device)
-        video = self.video_vae.decode(latents, return_dict=False)[0]
         pixel_mean = torch.tensor(PIXEL_MEAN, device=device).view(1, -1, 1, 1, 1)
         pixel_std = torch.tensor(PIXEL_STD, device=device).view(1, -1, 1, 1, 1)
+        if self.video_decoder == "native":
+            return self._decode_video_native(latents, pixel_mean, pixel_std)
+        video = self.video_vae.decode(latents, return_dict=False)[0]
         video = (video.float() * pixel_std + pixel_mean).clamp(0, 1)
         return video[0].permute(1, 2, 3, 0).cpu()
+
+    def _decode_video_native(self, latents: torch.Tensor, pixel_mean: torch.Tensor, pixel_std: torch.Tensor) -> torch.Tensor:
+        """`decode_video` through `NativeVideoDecoder` on the module's current tensors: each window's frames are mapped
+        to [0, 1] on the device (the same elementwise ops per element as on the whole video) and copied to the host as
+        the window completes, so the video itself never occupies the device."""
+        decoder = NativeVideoDecoder.from_vae(self.video_vae)
+        plan = decoder.plan(latents.shape)
+        frames = torch.empty((plan.output_frames, plan.pixel_height, plan.pixel_width, 3), dtype=torch.float32)
+
+        def write(start: int, chunk: torch.Tensor) -> None:
+            pixels = (chunk.float() * pixel_std + pixel_mean).clamp(0, 1)
+            frames[start : start + chunk.shape[2]].copy_(pixels[0].permute(1, 2, 3, 0))
+
+        decoder.decode(latents, write)
+        return frames
 
     @torch.no_grad()
     def decode_audio(self, audio_latents: torch.Tensor) -> torch.Tensor:

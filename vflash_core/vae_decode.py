@@ -175,6 +175,8 @@ class DecodeGeometry:
         num_tokens = latent_frames + self.token_drop
         pad_tokens = (-num_tokens) % stride
         num_windows = (num_tokens + pad_tokens) // stride - int(self.token_drop > 0)
+        if num_windows < 1:
+            raise VflashError(f"{latent_frames} latent frames are too few for one decode window of the video VAE")
         window_latents = stride + self.window_overlap
         height, width = latent_height * ratio, latent_width * ratio
         if self.tiled:

@@ -1,0 +1,252 @@
+"""The native video decode (`vflash_core.vae_decode`) against diffusers' `AutoencoderKLMiniMaxH3.decode`, unmodified,
+bit for bit: the demo family's VAE (2 blocks, 32 wide) loaded as the pipeline loads it, in fp32 and in bf16 with
+diffusers' fp32 pins, at the released tile geometry (256 px tiles, so latents above 16 x 16 tile) and with smaller
+tiles for many-tile and padding cases."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import assert_bitwise
+from vflash_core import vae_decode
+from vflash_core.errors import VflashError
+from vflash_core.vae import MediaVAEs
+from vflash_core.vae_decode import BlockWeights, DecodeGeometry, DecoderWeights, NativeVideoDecoder, split_tiles
+
+# 17 latent frames make 3 temporal windows; 20 x 24 latents are 320 x 384 px: 2 x 2 tiles of 256 px.
+RELEASED_TILING_LATENTS = (1, 8, 17, 20, 24)
+# 64 px tiles with 32 px overlaps: 9 x 10 latents are 4 x 4 tiles; 13 frames end with repeated latents.
+SMALL_TILES = (64, 64, 32, 32)
+
+
+@pytest.fixture(scope="module")
+def vae_root(tmp_path_factory):
+    from vflash_core.family import DEMO_FAMILY, build_model_family
+
+    return build_model_family(tmp_path_factory.mktemp("vaes") / "model", DEMO_FAMILY, seed=0, with_ref=False, parts=("vaes",))
+
+
+@pytest.fixture(scope="module")
+def media(vae_root) -> dict[torch.dtype, MediaVAEs]:
+    """The demo VAEs as the pipeline loads them: fp32 (the CPU default) and bf16 (diffusers' pins keep the norms and
+    scales in fp32)."""
+    return {dtype: MediaVAEs.from_pretrained(vae_root, dtype=dtype) for dtype in (torch.float32, torch.bfloat16)}
+
+
+def latents(shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def reference(vae, z: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return vae.decode(z, return_dict=False)[0]
+
+
+@pytest.fixture(scope="module")
+def released_tiling_reference(media) -> dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]]:
+    """(latents, diffusers' decode) per dtype at the released tile geometry, computed once."""
+    z = latents(RELEASED_TILING_LATENTS)
+    return {dtype: (z, reference(vaes.video_vae, z)) for dtype, vaes in media.items()}
+
+
+@pytest.fixture
+def small_tiles(media):
+    """The bf16 and fp32 video VAEs with 64 px tiles for the duration of a test."""
+    for vaes in media.values():
+        vaes.video_vae.enable_tiling(*SMALL_TILES)
+    yield
+    for vaes in media.values():
+        vaes.video_vae.enable_tiling(256, 256, 64, 64)
+
+
+def cloned(weights: DecoderWeights) -> DecoderWeights:
+    """A copy of every tensor (what a second device holds), on the same device."""
+
+    def copy(value):
+        if isinstance(value, torch.Tensor):
+            return value.clone()
+        if isinstance(value, tuple):
+            return tuple(copy(v) for v in value)
+        if isinstance(value, BlockWeights):
+            return BlockWeights(**{f.name: copy(getattr(value, f.name)) for f in fields(value)})
+        return value
+
+    return DecoderWeights(**{f.name: copy(getattr(weights, f.name)) for f in fields(weights)})
+
+
+# -- geometry ---------------------------------------------------------------------------------------------------------
+
+
+def test_split_tiles_is_the_vae_tiling(media):
+    vae = media[torch.float32].video_vae
+    for length in range(16, 1600, 16):
+        for tile, overlap in ((256, 64), (64, 32), (128, 48)):
+            starts, size, overlaps = split_tiles(length, tile, overlap, 16)
+            expected = vae._split_tiles(length, tile, overlap)
+            assert (starts, [size] * len(starts), overlaps) == expected, (length, tile, overlap)
+
+
+def test_released_geometry_plan():
+    """1344 x 768 at 5 s (37 latent frames): 7 windows of 7 latents, 4 x 7 tiles of 16 x 16 latents, 124 frames."""
+    from diffusers import AutoencoderKLMiniMaxH3
+
+    with torch.device("meta"):
+        vae = AutoencoderKLMiniMaxH3()
+    plan = DecodeGeometry.from_vae(vae).plan(37, 48, 84)
+    assert plan.window_starts == (0, 5, 10, 15, 20, 25, 30) and plan.window_latents == 7
+    assert (len(plan.row_starts), len(plan.col_starts), plan.tile_height, plan.tile_width) == (4, 7, 16, 16)
+    assert plan.output_frames == 124 and (plan.pixel_height, plan.pixel_width) == (768, 1344)
+
+
+# -- bit for bit with diffusers ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype, windows_per_call", [(torch.float32, 1), (torch.float32, 3), (torch.bfloat16, 1), (torch.bfloat16, 5)])
+def test_released_tiling_bitwise(media, released_tiling_reference, dtype, windows_per_call):
+    """2 x 2 tiles of 256 px, 3 windows with cross-fades: equal to diffusers whether each ViT call runs one tile-window
+    (the reference's shapes) or stacks several (5 does not divide the 12 tile-windows: a shorter last call)."""
+    z, expected = released_tiling_reference[dtype]
+    decoder = NativeVideoDecoder.from_vae(media[dtype].video_vae, windows_per_call=windows_per_call)
+    assert decoder.attention_backend == "torch-sdpa"
+    assert_bitwise(decoder.decode(z), expected, f"{dtype} windows_per_call={windows_per_call}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_tiles_padding_and_two_devices_bitwise(media, small_tiles, dtype):
+    """4 x 4 tiles, 13 latent frames (3 windows, the last ending on repeated latents whose frames are cut), calls of 7
+    tile-windows that straddle windows, spread over two devices with their own weight copies: all equal to diffusers.
+    Both devices are the CPU here, which exercises the assignment and the merge."""
+    vae = media[dtype].video_vae
+    z = latents((1, 8, 13, 9, 10), seed=1)
+    expected = reference(vae, z)
+    own = DecoderWeights.from_vae(vae)
+    geometry = DecodeGeometry.from_vae(vae)
+    assert_bitwise(NativeVideoDecoder(geometry, [own], windows_per_call=7).decode(z), expected, "one device")
+
+    used = []
+    original = vae_decode.decode_tile_windows
+
+    def recording(w, *args):
+        used.append(w)
+        return original(w, *args)
+
+    two = NativeVideoDecoder(geometry, [own, cloned(own)], windows_per_call=7)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(vae_decode, "decode_tile_windows", recording)
+        assert_bitwise(two.decode(z), expected, "two devices")
+    # 48 tile-windows in calls of 7: 7 calls, alternating, the second device on its own copy of the weights.
+    assert [w is own for w in used] == [True, False] * 3 + [True]
+    assert used[1].blocks[0].to_q is not own.blocks[0].to_q
+
+
+@pytest.mark.parametrize("frames", range(3, 14))
+def test_every_clip_length_bitwise(media, frames):
+    """Latent frame counts 3..13 (fewer make no window), every padding case, one 16 px tile: frame count and values
+    equal diffusers'."""
+    vae = media[torch.bfloat16].video_vae
+    z = latents((1, 8, frames, 1, 1), seed=frames)
+    assert_bitwise(NativeVideoDecoder.from_vae(vae, windows_per_call=2).decode(z), reference(vae, z), f"{frames} latent frames")
+
+
+def test_untiled_vae_bitwise(media):
+    vae = media[torch.float32].video_vae
+    z = latents((1, 8, 7, 3, 5), seed=2)
+    vae.disable_tiling()
+    try:
+        assert_bitwise(NativeVideoDecoder.from_vae(vae).decode(z), reference(vae, z), "tiling off")
+    finally:
+        vae.enable_tiling()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stacked_rows_gemm_is_rowwise(dtype):
+    """What stacking tile-windows relies on: a linear layer over stacked rows gives each row block the bits it gets
+    alone, here at the full-size decoder's shapes (1797 tokens per tile-window, 2048 wide, SwiGLU 2 x 8192)."""
+    g = torch.Generator().manual_seed(3)
+    for rows, k, n in ((1797, 2048, 2048), (1797, 8192, 2048), (1797, 2048, 3072), (1792, 24, 2048)):
+        weight, bias = torch.randn(n, k, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
+        x = torch.randn(2, rows, k, generator=g).to(dtype)
+        stacked = F.linear(x, weight, bias)
+        for i in range(2):
+            assert_bitwise(stacked[i : i + 1], F.linear(x[i : i + 1], weight, bias), f"{dtype} {rows}x{k}x{n} block {i}")
+
+
+# -- memory -----------------------------------------------------------------------------------------------------------
+
+
+def peak_allocated_bytes(fn) -> int:
+    """Peak of the bytes allocated by `fn` and not yet freed, from the profiler's record of every CPU allocation."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    live = peak = 0
+    for event in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()):
+        live += event.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def test_peak_memory_does_not_grow_with_clip_length(media, small_tiles):
+    """With a sink that takes the frames away, the decode's peak allocation is the same for 6 and for 12 windows (by 6
+    windows every combination of calls in flight, window tiles and cross-fade frames has occurred), while diffusers'
+    (which keeps every window until the end) grows with the clip."""
+    vae = media[torch.bfloat16].video_vae
+    decoder = NativeVideoDecoder.from_vae(vae, windows_per_call=3)
+    short, long = latents((1, 8, 32, 6, 6), seed=4), latents((1, 8, 62, 6, 6), seed=4)
+    assert [len(decoder.plan(z.shape).window_starts) for z in (short, long)] == [6, 12]
+
+    def drain(start: int, frames: torch.Tensor) -> None:
+        assert start >= 0 and frames.shape[2] > 0
+
+    native = [peak_allocated_bytes(lambda z=z: decoder.decode(z, drain)) for z in (short, long)]
+    diffusers = [peak_allocated_bytes(lambda z=z: reference(vae, z)) for z in (short, long)]
+    assert native[1] == native[0], native
+    assert diffusers[1] > 1.5 * diffusers[0], diffusers
+
+
+# -- options ----------------------------------------------------------------------------------------------------------
+
+
+def test_attention_backend_and_arguments_are_checked(media):
+    vae = media[torch.float32].video_vae
+    with pytest.raises(VflashError, match="unknown attention backend"):
+        NativeVideoDecoder.from_vae(vae, attention="flash")
+    with pytest.raises(VflashError, match="needs a CUDA device"):
+        NativeVideoDecoder.from_vae(vae, attention="fa3")
+    with pytest.raises(VflashError, match="windows_per_call"):
+        NativeVideoDecoder.from_vae(vae, windows_per_call=0)
+    with pytest.raises(VflashError, match=r"latents \(1, C, F, h, w\)"):
+        NativeVideoDecoder.from_vae(vae).decode(torch.zeros(2, 8, 3, 1, 1))
+    with pytest.raises(VflashError, match="too few"):
+        NativeVideoDecoder.from_vae(vae).decode(torch.zeros(1, 8, 2, 1, 1))
+
+
+def test_hooked_vae_is_refused(vae_root):
+    from diffusers import AutoencoderKLMiniMaxH3
+
+    vae = AutoencoderKLMiniMaxH3.from_pretrained(vae_root / "vae")
+    vae.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
+    with pytest.raises(VflashError, match="forward hook"):
+        NativeVideoDecoder.from_vae(vae)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_media_vaes_native_decode_is_the_default_decode(vae_root, dtype):
+    """The pipeline's decode stage with `video_decoder="native"` gives the default's frames bit for bit (2 tiles of
+    256 px, 12 latent frames); the soundtrack is untouched."""
+    default = MediaVAEs.from_pretrained(vae_root, dtype=dtype)
+    native = MediaVAEs.from_pretrained(vae_root, dtype=dtype, video_decoder="native")
+    video = latents((1, 8, 12, 17, 5), seed=5)
+    audio = latents((2, 8, 30), seed=6)
+    expected, got = default.decode(video, audio), native.decode(video, audio)
+    assert expected.frames.shape == (39, 272, 80, 3)
+    assert_bitwise(got.frames, expected.frames, f"{dtype} frames")
+    assert_bitwise(got.waveform, expected.waveform, "waveform")
+    with pytest.raises(VflashError, match="video_decoder"):
+        MediaVAEs.from_pretrained(vae_root, video_decoder="fast")
