@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from unittest import mock
 
@@ -110,9 +111,47 @@ def test_progress_reports_each_file_and_block_and_may_abandon_the_call(tmp_path,
 
 
 def test_architecture_mismatch(tmp_path, tiny_transformer):
-    with pytest.raises(IdentityMismatchError, match="compiled on sm90; device cpu is cpu"):
-        prepare("t2va-base16-bf16-sm90", tiny_transformer, tmp_path / "r.json")
+    prepare("t2va-base16-bf16-sm90", tiny_transformer, tmp_path / "r.json")
+    with pytest.raises(IdentityMismatchError, match="compiled for sm90; device cpu is cpu"):
         compile_receipt(tmp_path / "r.json", tmp_path / "out", device="cpu")
+    with pytest.raises(VflashError, match="cuda:0: CUDA is not available|cuda:0 is sm"):  # checked before any weight is read
+        compile_receipt(tmp_path / "r.json", tmp_path / "out", device="cuda:0")
+    assert not (tmp_path / "out").exists()
+
+
+def test_compile_removes_what_a_killed_compile_left(tmp_path, tiny_transformer):
+    """A SIGKILLed compile cannot clean up: its temporary names its host and process, and the next compile into the
+    same destination removes it when that process is gone (a live writer's and another host's are kept)."""
+    import socket
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    host = socket.gethostname()
+    left = tmp_path / f".out.{host}+{dead.stdout.strip()}+abcd.partial"
+    live = tmp_path / f".out.{host}+{os.getpid()}+efgh.partial"
+    other = tmp_path / f".out.another-host+{dead.stdout.strip()}+ijkl.partial"
+    for folder in (left, live, other):
+        folder.mkdir()
+        (folder / "block_000.safetensors").write_bytes(b"half written")
+    prepare("t2va-base4-exact-cpu", tiny_transformer, tmp_path / "r.json")
+    compile_receipt(tmp_path / "r.json", tmp_path / "out")
+    assert not left.exists() and live.exists() and other.exists()
+
+
+def test_verify_finds_a_flipped_byte(tmp_path, tiny_transformer, capsys):
+    from vflash_core.compiler import main
+
+    prepare("t2va-base4-exact-cpu", tiny_transformer, tmp_path / "r.json")
+    compile_receipt(tmp_path / "r.json", tmp_path / "out")
+    assert main(["verify", str(tmp_path / "out")]) == 0
+    block = tmp_path / "out" / "artifact" / "block_001.safetensors"
+    data = bytearray(block.read_bytes())
+    data[-3] ^= 0x10  # same size: loading still accepts it
+    block.write_bytes(bytes(data))
+    CompiledArtifact(tmp_path / "out" / "artifact", tmp_path / "out" / "schedule", tmp_path / "out" / "auxiliary.safetensors")
+    assert main(["verify", str(tmp_path / "out")]) == 2
+    assert "block_001.safetensors" in capsys.readouterr().err
 
 
 def test_profile_schedule_mismatch_names_both_sides(tiny_compiled):
@@ -162,3 +201,19 @@ def test_mode_not_in_profile_is_refused(tmp_path, tiny_transformer):
         with pytest.raises(VflashError, match="accepts t2va; a l2va request"):
             session.generate(_bundle())
         assert not session.closed  # bad input does not fail the session
+
+
+def test_pipeline_verify_weights_refuses_a_corrupt_compile_before_loading(tmp_path, h3_family):
+    from conftest import prepare_family
+
+    from vflash_core.options import RunOptions
+    from vflash_core.pipeline import H3Pipeline
+
+    receipt = prepare_family(tmp_path, h3_family, "t2va-base4-exact-cpu", "transformer")
+    block = tmp_path / "compiled" / "artifact" / "block_000.safetensors"
+    data = bytearray(block.read_bytes())
+    data[-1] ^= 0x01
+    block.write_bytes(bytes(data))
+    with H3Pipeline.from_prepared(receipt, RunOptions(verify_weights=True)) as pipeline:
+        with pytest.raises(WeightFileError, match="block_000.safetensors"):
+            pipeline.prepare()

@@ -1,4 +1,4 @@
-"""Loading a compiled artifact: format, identity and size checks (never a rehash), then grouped tensor reads.
+"""Loading a compiled artifact: format, identity and size checks (no rehash; `verify` re-hashes on request), then reads.
 
 The three outputs of one compile (`artifact/`, `schedule/`, `auxiliary.safetensors`) are passed separately on the
 command line, so each carries the compile id and they must agree; each file's size must be the one recorded when it
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import aux_shapes, block_shapes
-from .compiler import ARTIFACT_FORMAT, OVERLAY_FORMAT
+from .formats import ARTIFACT_FORMAT, OVERLAY_FORMAT
 from .config import H3Config
 from .errors import IdentityMismatchError, VflashError, WeightFileError
 from .model import LayerWeights, LoraResidual
@@ -125,6 +125,22 @@ class CompiledArtifact:
             _check_size(self.artifact_dir / record["file"], record["size"])
         if len(self.manifest["blocks"]) != self.config.num_layers or self.overlay.num_layers != self.config.num_layers:
             raise WeightFileError(f"{self.artifact_dir}: block count does not match the config ({self.config.num_layers})")
+
+    def verify(self, workers: int = 8) -> None:
+        """Re-hash every file of this compile against the sha256 recorded when it was written; raises
+        `WeightFileError` naming each file that differs. Loading checks formats, identities and sizes only, so a
+        flipped byte goes unnoticed until this runs (reading the whole model: ~40 GB at full size)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from .tensor_store import file_sha256
+
+        records = [(self.artifact_dir / b["file"], b["sha256"]) for b in self.manifest["blocks"]]
+        records += [(self.aux_path, self.manifest["auxiliary"]["sha256"]), (self.overlay.path / self.overlay.manifest["file"]["name"], self.overlay.manifest["file"]["sha256"])]
+        with ThreadPoolExecutor(workers) as pool:
+            actual = list(pool.map(lambda record: file_sha256(record[0]), records))
+        bad = [str(path) for (path, expected), found in zip(records, actual) if found != expected]
+        if bad:
+            raise WeightFileError(f"{len(bad)} compiled file(s) differ from what the compiler wrote (corrupt or modified): {', '.join(bad)}")
 
     @property
     def compile_id(self) -> str:

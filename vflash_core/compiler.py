@@ -1,10 +1,11 @@
 """The weights compiler: official weights (+ LoRA) -> packed blocks, auxiliary tensors and a schedule overlay.
 
-Two verbs (`python -m vflash_core.compiler prepare|compile`):
+Verbs (`python -m vflash_core.compiler prepare|compile|verify`):
 
 * `prepare` binds a profile to the identities of the base weights and the adapter (file names, sizes, sha256 of
   each payload, config) in a receipt. No request data is involved.
-* `compile` re-hashes the files against the receipt, then writes, atomically, a folder with
+* `compile` checks the files against the receipt (re-hashing only those whose size or modification time changed
+  since `prepare`), then writes, atomically, a folder with
 
   - `artifact/`: one `block_NNN.safetensors` per main block: the unchanged matrices in their stored dtype with the
     fused QKV `[3*inner, H]` and fused SwiGLU input `[2*ffn, H]`, plus the block's LoRA factors; no `adaln_proj`
@@ -18,7 +19,8 @@ Two verbs (`python -m vflash_core.compiler prepare|compile`):
   - a `manifest.json` in `artifact/` and `schedule/` (and metadata in the auxiliary file) carrying one compile id,
     the profile identity, the config, the device architecture and the size and sha256 of every file.
 
-Loading (see `artifact.py`) checks format, compile id, identities and sizes, and never rehashes the model.
+Loading (see `artifact.py`) checks format, compile id, identities and sizes, and never rehashes the model; `verify`
+re-hashes a compiled folder against the sha256 of every file recorded as it was written.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from . import model as M
 from .checkpoint import SourceWeights
 from .config import H3Config
 from .errors import IdentityMismatchError, VflashError
+from .formats import ARTIFACT_FORMAT, OVERLAY_FORMAT, WEIGHTS_RECEIPT_FORMAT, device_arch
 from .fileio import atomic_directory, atomic_file, check_writable_destination
 from .lora import Adapter, load_adapter
 from .profiles import Profile, get_profile
@@ -53,25 +56,11 @@ from .tensor_store import describe_files, file_sha256, write_safetensors
 
 logger = logging.getLogger(__name__)
 
-RECEIPT_FORMAT = "vflash-receipt/1"
 # Weight files hashed at once by `prepare`, and blocks read ahead of / written behind the table GEMMs by `compile`:
 # enough to keep a fast disk and the page cache busy, few enough to bound host memory (~1.3 GB per full-size block).
 HASH_WORKERS = 8
 READ_AHEAD_BLOCKS = 2
 WRITE_BEHIND_BLOCKS = 4
-ARTIFACT_FORMAT = "vflash-artifact/1"
-OVERLAY_FORMAT = "vflash-schedule-overlay/1"
-
-
-def device_arch(device: torch.device | str) -> str:
-    """`"cpu"` or `"smXY"` from the CUDA compute capability."""
-    device = torch.device(device)
-    if device.type == "cpu":
-        return "cpu"
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        return f"sm{major}{minor}"
-    raise VflashError(f"unsupported device {device}")
 
 
 def _resolve(profile: Profile | str) -> Profile:
@@ -112,7 +101,7 @@ def prepare(
         }
     folder = Path(transformer)
     record = {
-        "format": RECEIPT_FORMAT,
+        "format": WEIGHTS_RECEIPT_FORMAT,
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "profile": profile.to_dict(),
         "transformer": {
@@ -168,7 +157,7 @@ def _load_receipt(path: str | Path) -> dict:
         raise VflashError(f"{path}: no such receipt") from None
     except json.JSONDecodeError:
         raise VflashError(f"{path}: corrupt receipt (not JSON)") from None
-    if receipt.get("format") != RECEIPT_FORMAT:
+    if receipt.get("format") != WEIGHTS_RECEIPT_FORMAT:
         raise VflashError(f"{path}: not a Vflash receipt (format {receipt.get('format')!r})")
     return receipt
 
@@ -223,10 +212,10 @@ def compile_receipt(receipt_path: str | Path, output: str | Path, device: str = 
     """Compile the receipt's weights for its profile into `output` (must not exist). Returns `output`."""
     receipt = _load_receipt(receipt_path)
     profile = _profile_from_receipt(receipt, receipt_path)
-    device_t = torch.device(device)
+    from .validation import check_device
+
+    device_t = check_device(device, profile.arch)  # before anything is read: this machine must have that device
     arch = device_arch(device_t)
-    if arch != profile.arch:
-        raise IdentityMismatchError(f"profile {profile.id} is compiled on {profile.arch}; device {device} is {arch}")
     output = Path(output)
     if output.exists():
         raise VflashError(f"{output} already exists; refusing to overwrite it")
@@ -421,19 +410,30 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--output", required=True)
     c.add_argument("--device", default="cpu", help="cpu or cuda:N (the profile's architecture)")
     c.add_argument("--gpu", type=int, help="shorthand for --device cuda:N")
+    v = sub.add_parser("verify", help="re-hash a compiled folder against the sha256 recorded when it was written")
+    v.add_argument("compiled", help="folder holding artifact/, schedule/ and auxiliary.safetensors")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         if args.command == "prepare":
             prepare(args.profile, args.transformer, args.receipt, args.adapter, args.qkv_layout)
             print(f"wrote receipt {args.receipt}")
+        elif args.command == "verify":
+            from .artifact import CompiledArtifact
+
+            folder = Path(args.compiled)
+            CompiledArtifact(folder / "artifact", folder / "schedule", folder / "auxiliary.safetensors").verify()
+            print(f"{folder}: every file matches the sha256 recorded at compile time")
         else:
             device = f"cuda:{args.gpu}" if args.gpu is not None else args.device
             out = compile_receipt(args.receipt, args.output, device)
             print(f"compiled into {out}: artifact/, schedule/, auxiliary.safetensors")
     except VflashError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_status
+    except KeyboardInterrupt:
+        print("interrupted; nothing was published", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -241,7 +241,7 @@ def check_labels(prompt: str, mode: str, pictures: int, videos: int, audios: int
 def check_device(device: int | str | torch.device, arch: str, role: str = "device") -> torch.device:
     """A device this machine has, of the architecture the profile's tables were computed on; checked before any
     model loads. Initialises CUDA for a CUDA device, so the service's HTTP process never calls it."""
-    from .compiler import device_arch
+    from .formats import device_arch
 
     try:
         resolved = torch.device(f"cuda:{device}") if isinstance(device, int) and not isinstance(device, bool) else torch.device(device)
