@@ -4,20 +4,29 @@ Outputs are written under a temporary name in the destination folder and publish
 with `os.link`, which fails if the destination exists, so a concurrent writer cannot be overwritten either; a
 directory is published with `os.rename` after checking the destination is absent. On any failure the temporary is
 removed, so an interrupted write never leaves something at the final path.
+
+A temporary's name carries its writer (`.NAME.HOST+PID+random.partial`): a process killed mid-write (SIGKILL, power
+loss) cannot remove its own, so the next write to the same destination removes those whose writer ran on this host
+and no longer exists. Temporaries of live processes, of other hosts sharing the folder, or without a writer are kept.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import glob
+import logging
 import os
 import shutil
+import socket
 import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 from .errors import VflashError
+
+logger = logging.getLogger(__name__)
 
 
 def _umask() -> int:
@@ -109,11 +118,46 @@ def check_writable_destination(path: str | Path, overwrite: bool = False) -> Pat
     return path
 
 
+def _writer() -> str:
+    return f"{socket.gethostname()}+{os.getpid()}+"
+
+
+def process_exists(pid: int) -> bool:
+    """Whether a process id is in use on this host (POSIX; signal 0 probes without side effects)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_abandoned_temporaries(destination: Path) -> list[Path]:
+    """Remove the temporaries of `destination` left by writers on this host that no longer run (see the module doc)."""
+    if os.name != "posix":
+        return []
+    host = socket.gethostname()
+    removed = []
+    for candidate in destination.parent.glob(f".{glob.escape(destination.name)}.*.partial*"):
+        writer = candidate.name[len(destination.name) + 2 :].split("+")
+        if len(writer) < 3 or writer[0] != host or not writer[1].isdigit() or process_exists(int(writer[1])):
+            continue
+        if candidate.is_dir() and not candidate.is_symlink():
+            shutil.rmtree(candidate, ignore_errors=True)
+        else:
+            candidate.unlink(missing_ok=True)
+        logger.info("removed %s, left by process %s that no longer runs", candidate, writer[1])
+        removed.append(candidate)
+    return removed
+
+
 @contextlib.contextmanager
 def atomic_file(path: str | Path, overwrite: bool = False, suffix: str = "") -> Iterator[Path]:
     """Yield a temporary path next to `path`; publish it at `path` when the block succeeds."""
     path = check_writable_destination(path, overwrite)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".partial{suffix}", dir=path.parent)
+    remove_abandoned_temporaries(path)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.{_writer()}", suffix=f".partial{suffix}", dir=path.parent)
     os.close(fd)
     tmp = Path(tmp_name)
     try:
@@ -139,7 +183,8 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
         raise OutputExistsError(f"{path} already exists; refusing to overwrite it")
     parent = path.parent if str(path.parent) else Path(".")
     parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".partial", dir=parent))
+    remove_abandoned_temporaries(parent / path.name)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.{_writer()}", suffix=".partial", dir=parent))
     try:
         yield tmp
         if path.exists():

@@ -21,6 +21,7 @@ from typing import Any
 from aiohttp import web
 
 from ..errors import VflashError
+from ..fileio import process_exists
 from . import metrics
 from .config import ServiceConfig
 from .jobs import JOB_ID_PATTERN, Job, JobState, JobStore, QueueFullError, new_job_id, redact_paths
@@ -105,7 +106,7 @@ def remove_stale_work_dirs(output_dir: Path) -> list[Path]:
     for folder in output_dir.glob(f"{WORK_DIR_PREFIX}*"):
         try:
             owner_host, pid = (folder / WORK_DIR_OWNER).read_text().split()
-            if owner_host != host or _process_exists(int(pid)):
+            if owner_host != host or process_exists(int(pid)):
                 continue
         except (OSError, ValueError):
             continue
@@ -113,16 +114,6 @@ def remove_stale_work_dirs(output_dir: Path) -> list[Path]:
         logger.info("removed %s, left by service process %s that no longer runs", folder, pid)
         removed.append(folder)
     return removed
-
-
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # signal 0: existence and permission check only
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def _supervisor_ended(supervisor: WorkerSupervisor, task: asyncio.Task[None]) -> None:
