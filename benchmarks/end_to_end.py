@@ -250,9 +250,10 @@ def vflash_requests(run: Run, pipe, config_name: str, canvases: list[str], count
 
 
 def load_pipeline(run: Run, receipt: Path, record: dict, **options):
+    from vflash_core.options import RunOptions
     from vflash_core.pipeline import H3Pipeline
 
-    pipe = H3Pipeline.from_prepared(receipt, **options)
+    pipe = H3Pipeline.from_prepared(receipt, RunOptions(**options))
     start = time.perf_counter()
     pipe.prepare()
     record["initialization_seconds"] = round(pipe.initialization_seconds, 3)

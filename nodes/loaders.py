@@ -42,7 +42,7 @@ class VflashModelLoader(io.ComfyNode):
                     "profile fixes evaluations, shifts, modes and clip durations (see the sampler's tooltip).",
                 ),
                 io.Combo.Input(
-                    "weight_residency", options=list(ops.RESIDENCIES), default="auto",
+                    "weight_residency", options=list(ops.WEIGHT_RESIDENCIES), default="auto",
                     tooltip="Where the transformer blocks live. resident: all on the device. block-ring: in pinned host "
                     "memory, streamed through two device slots (for GPUs that cannot hold the model). auto: resident if "
                     "it fits, else block-ring. Bits are identical either way.",

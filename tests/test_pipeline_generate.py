@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import assert_bitwise
+from vflash_core.options import RunOptions
 from vflash_core.conditioning import TextConditioner
 from vflash_core.errors import SessionClosedError, VflashError
 from vflash_core.media import probe_mp4
@@ -163,7 +164,7 @@ def test_encoder_residency_keeps_the_encoder_and_vaes_on_their_device(pipeline, 
         pass
     assert len(offloads) == 2
     with pytest.raises(VflashError, match="encoder_residency must be one of offload, resident"):
-        H3Pipeline.from_prepared(h3_prepared, encoder_residency="always")
+        H3Pipeline.from_prepared(h3_prepared, RunOptions(encoder_residency="always"))
 
 
 def test_plan_residency_fits_the_encoders_beside_the_core():

@@ -16,6 +16,7 @@ from PIL import Image
 
 from conftest import assert_bitwise
 from test_pipeline_parity import _check
+from vflash_core.options import RunOptions
 from vflash_core.pipeline import H3Pipeline, VideoRequest, prepare_pipeline
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,7 @@ CASES = {
 def test_pipeline_matches_diffusers_on_gpu(case, sm90, reference_gpu, gpu_media):
     partition, make = CASES[case]
     request = make(gpu_media)
-    with H3Pipeline.from_prepared(sm90[partition], device=0, attention_backend="torch-cudnn") as pipeline:
+    with H3Pipeline.from_prepared(sm90[partition], RunOptions(device=0, attention_backend="torch-cudnn")) as pipeline:
         pipeline.prepare()
         _check(pipeline, reference_gpu, request, request.height, request.width)
         assert next(pipeline.conditioner.text_encoder.parameters()).device.type == "cpu"
@@ -103,7 +104,7 @@ def test_resident_encoders_stay_on_the_gpu_and_change_no_bits(sm90, tmp_path):
                 VideoRequest("<Picture 1>: a cat jumps.", first_frame=str(first), seed=5, width=96, height=64)]
     results = {}
     for residency in ("offload", "resident"):
-        with H3Pipeline.from_prepared(sm90["transformer"], device=0, encoder_residency=residency) as pipeline:
+        with H3Pipeline.from_prepared(sm90["transformer"], RunOptions(device=0, encoder_residency=residency)) as pipeline:
             results[residency] = [pipeline.generate(request, None) for request in requests]
             on_gpu = {next(m.parameters()).device.type == "cuda" for m in (pipeline.conditioner.text_encoder, pipeline.vaes.video_vae, pipeline.vaes.audio_vae)}
             assert on_gpu == {residency == "resident"}

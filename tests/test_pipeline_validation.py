@@ -7,6 +7,7 @@ import importlib.util
 import pytest
 from PIL import Image
 
+from vflash_core.options import RunOptions
 from vflash_core.cli import main
 from vflash_core.errors import VflashError
 from vflash_core.pipeline import H3Pipeline, PreparedAssets, VideoRequest, prepare_pipeline
@@ -117,7 +118,7 @@ def test_output_problems_are_refused_before_loading(h3_prepared, tmp_path):
         pipeline.generate(VideoRequest("x"), existing)
     assert existing.read_bytes() == b"keep me" and not pipeline.prepared
     with pytest.raises(VflashError, match=r"video_threads must be an integer from 1 to 256 .* got 0"):
-        H3Pipeline.from_prepared(h3_prepared, media_video_threads=0)
+        H3Pipeline.from_prepared(h3_prepared, RunOptions(media_video_threads=0))
 
 
 def test_cli_reports_one_line_and_exit_status_2(h3_prepared, tmp_path, capsys):

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 from aiohttp import FormData, web
 
+from vflash_core.options import RunOptions
 from vflash_core.service import ServiceConfig, create_app
 from vflash_core.service.app import JOBS, SUPERVISOR, WORK_DIR, WORK_DIR_OWNER
 
@@ -118,7 +119,7 @@ async def test_submit_poll_download_playable_mp4(aiohttp_client, make_service, t
     inputs = tmp_path / "inputs"
     inputs.mkdir()
     png(inputs / "last.png")
-    app, config = make_service(input_dir=inputs, encoder_residency="resident")
+    app, config = make_service(input_dir=inputs, options=RunOptions(encoder_residency="resident"))
     ended = subprocess.Popen([sys.executable, "-c", "pass"])
     ended.wait()
     stale = config.output_dir / ".vflash-work-0dead"  # left by a service on this host that was killed

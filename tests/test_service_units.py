@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
+from vflash_core.options import RunOptions
 from vflash_core.cli import build_parser
 from vflash_core.cli_serve import is_loopback
 from vflash_core.service.app import WORK_DIR_OWNER, WORK_DIR_PREFIX, remove_stale_work_dirs
@@ -187,14 +188,14 @@ def test_service_config_is_checked(tmp_path):
         ServiceConfig(receipt, tmp_path, max_queue=0)
     with pytest.raises(VflashError, match="keep_finished_jobs"):
         ServiceConfig(receipt, tmp_path, keep_finished_jobs=-1)
-    with pytest.raises(VflashError, match="needs a peer device"):
-        ServiceConfig(receipt, tmp_path, strategy="sequence-head")
+    with pytest.raises(VflashError, match="go together"):
+        ServiceConfig(receipt, tmp_path, RunOptions(strategy="sequence-head"))
     config = ServiceConfig(receipt, tmp_path, input_dir=Path("."))
     assert config.input_dir == Path.cwd()
     with pytest.raises(VflashError, match="cancel_grace_seconds must be positive, got nan"):
         ServiceConfig(receipt, tmp_path, cancel_grace_seconds=float("nan"))
     with pytest.raises(VflashError, match=r"video_threads must be an integer from 1 to 256 .* got 0"):
-        ServiceConfig(receipt, tmp_path, media_video_threads=0)
+        ServiceConfig(receipt, tmp_path, RunOptions(media_video_threads=0))
     with pytest.raises(VflashError, match=r"prepared assets .* is a folder, not a file"):
         ServiceConfig(tmp_path, tmp_path)
 

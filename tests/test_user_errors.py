@@ -19,6 +19,7 @@ import pytest
 import torch
 from PIL import Image
 
+from vflash_core.options import RunOptions
 from vflash_core import pipeline as pipeline_module
 from vflash_core.cli import main
 from vflash_core.errors import RequestError, RunFailedError, VflashError
@@ -112,7 +113,7 @@ def test_gpu_request_without_cuda_is_refused_before_loading(h3_prepared, tmp_pat
     line = refused(capsys, ["generate", "--prepared-assets", str(h3_prepared), "--prompt", "x", "--gpu", "0", "--output", str(tmp_path / "o.mp4")])
     assert line.startswith("device cuda:0: CUDA is not available on this machine")
     with pytest.raises(VflashError, match=r"peer device cuda:1: CUDA is not available"):
-        H3Pipeline.from_prepared(h3_prepared, peer_device=1, strategy="sequence-head")
+        H3Pipeline.from_prepared(h3_prepared, RunOptions(peer_device=1, strategy="sequence-head"))
     denoise = ["denoise", "t2va-base4-exact-cpu", "--artifact", "a", "--schedule-overlay", "s", "--auxiliary-tensor", "x",
                "--bundle", "b", "--output-latents", str(tmp_path / "latents.safetensors"), "--gpu", "0"]
     assert refused(capsys, denoise).startswith("device cuda:0: CUDA is not available on this machine")
@@ -327,11 +328,11 @@ def test_canvas_budget_admits_every_canvas_the_rules_pick():
 
 def test_device_requests_are_checked_before_loading(h3_prepared, no_model_loads):
     with pytest.raises(VflashError, match=r"^device 'gpu0' is not a device; use 'cpu', a GPU index or 'cuda:N'$"):
-        H3Pipeline.from_prepared(h3_prepared, device="gpu0")
+        H3Pipeline.from_prepared(h3_prepared, RunOptions(device="gpu0"))
     with pytest.raises(VflashError, match=r"^device -1 is not a device"):
-        H3Pipeline.from_prepared(h3_prepared, device=-1)
+        H3Pipeline.from_prepared(h3_prepared, RunOptions(device=-1))
     with pytest.raises(VflashError, match=r"^unknown attention backend 'bogus'; choose one of auto, "):
-        H3Pipeline.from_prepared(h3_prepared, attention_backend="bogus")
+        H3Pipeline.from_prepared(h3_prepared, RunOptions(attention_backend="bogus"))
     sm90 = get_profile("t2va-base16-bf16-sm90")
     from vflash_core.validation import check_device
 

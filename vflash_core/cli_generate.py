@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from .options import RunOptions
+
 
 _BARS = {"build family": ("build demo family", "step"), "load": ("load models", "part"), "encode": ("encode", "stage"), "denoise": ("denoise", "eval"), "decode": ("decode", "stream"), "write": ("write mp4", "file")}
 
@@ -55,7 +57,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--width", type=int, help="multiple of 32 (with --height; default: the model's canvas)")
     p.add_argument("--height", type=int, help="multiple of 32 (with --width)")
     p.add_argument("--seed", type=int, default=0)
-    _device_arguments(p)
+    RunOptions.add_arguments(p)
     p.add_argument("--output", required=True, help="MP4 to write (must not exist unless --overwrite)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output file")
     p.add_argument("--profile-denoise", action="store_true", help="record per-evaluation device timings (diagnostic; slows the run)")
@@ -66,18 +68,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     p.add_argument("--cache-dir", type=Path, help="where the demo model family is built once (default $VFLASH_CACHE or ~/.cache/vflash)")
     p.set_defaults(handler=_demo)
-
-
-def _device_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--gpu", type=int, help="CUDA device index (default: CPU)")
-    p.add_argument("--peer-gpu", type=int, help="second GPU for the native core (needs --strategy)")
-    p.add_argument("--strategy", choices=("sequence-head",), help="how the core splits one request over two GPUs")
-    p.add_argument("--attention-backend", default="auto")
-    p.add_argument("--weight-residency", default="auto", choices=("auto", "resident", "block-ring"))
-    p.add_argument("--encoder-residency", default="offload", choices=("offload", "resident"),
-                   help="GPU: move the text encoder and VAEs off the device after each use (default), or keep them there")
-    p.add_argument("--media-video-input", default="file", choices=("file", "pipe"), help="feed the H.264 encoder from a temporary RGB file or frame by frame")
-    p.add_argument("--media-video-threads", type=int, help="H.264 encoder threads, 1-256 (default: automatic)")
 
 
 def _print_result(result, initialization: float, extra: dict | None = None) -> None:
@@ -112,11 +102,7 @@ def _generate(args: argparse.Namespace) -> int:
         prompt=prompt, first_frame=args.first_frame, last_frame=args.last_frame, references=tuple(args.reference),
         duration_seconds=args.duration, seed=args.seed, width=args.width, height=args.height,
     )
-    pipeline = H3Pipeline.from_prepared(
-        args.prepared_assets, device="cpu" if args.gpu is None else args.gpu, peer_device=args.peer_gpu, strategy=args.strategy,
-        attention_backend=args.attention_backend, weight_residency=args.weight_residency, media_video_input=args.media_video_input,
-        media_video_threads=args.media_video_threads, profile_denoise=args.profile_denoise, encoder_residency=args.encoder_residency,
-    )
+    pipeline = H3Pipeline.from_prepared(args.prepared_assets, RunOptions.from_arguments(args, profile_denoise=args.profile_denoise))
     bars = StageBars()
     with pipeline:
         try:

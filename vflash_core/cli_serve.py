@@ -9,7 +9,7 @@ import math
 import os
 from pathlib import Path
 
-from .cli_generate import _device_arguments
+from .options import RunOptions
 from .errors import RunFailedError, VflashError
 
 logger = logging.getLogger(__name__)
@@ -22,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prepared-assets", type=Path, help="prepared-assets receipt (JSON) of the model to serve")
     source.add_argument("--demo", action="store_true", help="serve the embedded default model (tiny, CPU)")
-    _device_arguments(p)  # the same device and delivery options as `vflash generate`
+    RunOptions.add_arguments(p)  # the same run options as `vflash generate`
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback; anything else wants --token)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--output-dir", type=Path, required=True, help="where finished videos are published (created if missing)")
@@ -56,11 +56,7 @@ def _serve(args: argparse.Namespace) -> int:
     else:
         prepared = args.prepared_assets
     config = ServiceConfig(
-        prepared_assets=prepared, output_dir=args.output_dir, create_output_dir=True,
-        device="cpu" if args.gpu is None else f"cuda:{args.gpu}",
-        peer_device=None if args.peer_gpu is None else f"cuda:{args.peer_gpu}", strategy=args.strategy,
-        attention_backend=args.attention_backend, weight_residency=args.weight_residency, encoder_residency=args.encoder_residency,
-        media_video_input=args.media_video_input, media_video_threads=args.media_video_threads,
+        prepared_assets=prepared, output_dir=args.output_dir, create_output_dir=True, options=RunOptions.from_arguments(args),
         input_dir=args.input_dir, max_queue=args.max_queue, keep_finished_jobs=args.keep_finished_jobs,
         max_upload_bytes=int(args.max_upload_mb * MIB),
         token=args.token, cancel_grace_seconds=args.cancel_grace, log_level=logging.getLogger().level,

@@ -24,6 +24,7 @@ from pathlib import Path
 from .errors import VflashError
 from .family import DEMO_FAMILY, build_model_family
 from .fileio import OutputExistsError, check_writable_destination
+from .options import RunOptions
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +119,7 @@ def _free_output(name: str = "demo.mp4") -> Path:
     return path
 
 
-def run_demo(output: str | Path | None = None, overwrite: bool = False, cache_dir: str | Path | None = None, progress=None, **pipeline_options):
+def run_demo(output: str | Path | None = None, overwrite: bool = False, cache_dir: str | Path | None = None, progress=None, options: RunOptions | None = None):
     """Generate the demo clip; returns (VideoResult, info) with `built` (whether this call built the family),
     `build_seconds`, `initialization_seconds` and the `receipt`. Without `output`, writes the first free name of
     demo.mp4, demo-2.mp4, ..."""
@@ -134,7 +135,7 @@ def run_demo(output: str | Path | None = None, overwrite: bool = False, cache_di
     receipt = ensure_demo_assets(cache_dir, progress)
     build = time.perf_counter() - start
     request = VideoRequest(prompt=DEMO_PROMPT, duration_seconds=5.0, seed=DEMO_SEED)
-    with H3Pipeline.from_prepared(receipt, **pipeline_options) as pipeline:
+    with H3Pipeline.from_prepared(receipt, options) as pipeline:
         pipeline.validate(request)
         pipeline.prepare(progress)
         result = pipeline.generate(request, target, overwrite=overwrite, progress=progress)

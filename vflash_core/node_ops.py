@@ -28,14 +28,13 @@ from typing import Any, Protocol
 import torch
 
 from . import comfy_latent as cl
+from .options import STRATEGIES, WEIGHT_RESIDENCIES
 from .errors import RequestError, VflashError, WeightFileError
 from .layout import FPS, Geometry, align_num_frames, check_canvas, frames_for_duration
 
 logger = logging.getLogger(__name__)
 
 DEMO = "embedded-demo"
-RESIDENCIES = ("auto", "resident", "block-ring")
-STRATEGIES = ("sequence-head", "tensor")
 UNLOAD_TARGETS = ("all", "dit", "te", "vae")
 _KIND_LABEL = {"dit": "transformer", "te": "text encoder", "vae": "VAEs"}
 
@@ -361,7 +360,7 @@ class ResolvedModel:
 
 
 def _receipt_entries(folders: Folders) -> list[str]:
-    from .pipeline import PIPELINE_FORMAT
+    from .formats import PIPELINE_FORMAT
 
     out = []
     for rel in folders.filenames("vflash"):
@@ -520,7 +519,7 @@ _ARCH_NAMES = {"cpu": "the CPU", "sm86": "sm86 GPUs (RTX 30xx / A-series)", "sm8
 
 def check_profile_device(profile: Any, device: str, what: str = "device") -> None:
     """Refuse a resolved device whose architecture is not the one the profile's tables were computed on."""
-    from .compiler import device_arch
+    from .formats import device_arch
 
     arch = device_arch(device)
     if arch != profile.arch:
@@ -569,7 +568,7 @@ def check_loader(host: Host, folders: Folders, model: str, profile: str, weight_
     from .attention import BACKENDS
     from .profiles import PROFILES
 
-    for name, value, allowed in (("weight_residency", weight_residency, RESIDENCIES), ("strategy", strategy, STRATEGIES),
+    for name, value, allowed in (("weight_residency", weight_residency, WEIGHT_RESIDENCIES), ("strategy", strategy, STRATEGIES),
                                  ("attention_backend", attention_backend, tuple(BACKENDS))):
         if value not in allowed:
             raise VflashError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")

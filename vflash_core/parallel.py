@@ -33,7 +33,6 @@ from .errors import VflashError
 
 logger = logging.getLogger(__name__)
 
-STRATEGIES = ("sequence-head", "tensor")
 T = TypeVar("T")
 
 

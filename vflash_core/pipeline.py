@@ -46,33 +46,31 @@ import numpy as np
 import PIL.Image
 import torch
 
-from .attention import resolve_attention
 from .bundle import BundleHandoff, EncodedReference, build_keyframe_bundle, build_ref2va_bundle
 from .conditioning import TEXT_ENCODER_LAYER, TextConditioner
 from .config import H3Config
 from .errors import IdentityMismatchError, RequestError, RunFailedError, SessionClosedError, VflashError
+from .formats import PIPELINE_FORMAT
 from .fileio import atomic_file, check_input_file, check_writable_destination
 from .layout import FPS, VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK
-from .media import check_delivery_options, write_mp4
+from .media import write_mp4
 from .model_loading import MODEL_LOAD_LOCK
+from .options import RunOptions
 from .profiles import Profile, check_identity, get_profile
 from .references import CanvasRules, fit_keyframes, load_image, load_reference, normalize_references
 from .session import GenerationResult, NativeEngineSession, SessionTiming
 from .vae import DecodedMedia, MediaVAEs
 from .validation import (
-    MediaInput, PromptBudget, RequestPlan, check_device, describe_value, integer, media_input, media_inputs, plan_request, seconds,
+    MediaInput, PromptBudget, RequestPlan, describe_value, integer, media_input, media_inputs, plan_request, seconds,
 )
 
 logger = logging.getLogger(__name__)
 
-PIPELINE_FORMAT = "vflash-pipeline/1"
 # The six fields of an assets file (seed 004): official model root (text encoder, tokenizer, processor), decoder
 # directory (vae/, audio_vae/), adapter file or null, and the three outputs of one compile.
 ASSET_FIELDS = ("model_root", "decoder_root", "adapter_path", "artifact", "schedule_overlay", "auxiliary_tensor")
 STAGES = ("load", "encode", "denoise", "decode", "write")
 _GIB = 1 << 30
-#: Where the text encoder and the VAEs live between their stages on a GPU (`H3Pipeline.from_prepared`).
-ENCODER_RESIDENCIES = ("offload", "resident")
 
 # progress(stage, done, total), stage in STAGES
 PipelineProgress = Callable[[str, int, int], None]
@@ -429,8 +427,9 @@ class H3Pipeline:
             `loader` is given (what `from_prepared` does).
         canvas: the model's canvas rules (default: the conditioner's).
         prompt_budget: the text encoder's context and tokenizer (default: the conditioner's).
-        media_video_input, media_video_threads: MP4 delivery options (`media.write_mp4`).
-        profile_denoise: return per-evaluation device timings (`metadata["denoise_profile"]`); a diagnostic.
+        options: the run options this pipeline was made with; of them a composed pipeline uses the MP4 delivery
+            (`media_video_input`, `media_video_threads`) and `profile_denoise` (per-evaluation device timings in
+            `metadata["denoise_profile"]`, a diagnostic).
     """
 
     def __init__(
@@ -442,13 +441,10 @@ class H3Pipeline:
         *,
         canvas: CanvasRules | None = None,
         prompt_budget: PromptBudget | None = None,
-        media_video_input: str = "file",
-        media_video_threads: int | None = None,
-        profile_denoise: bool = False,
+        options: RunOptions | None = None,
         loader: Callable[[PipelineProgress | None], tuple[TextConditioner, MediaVAEs, NativeEngineSession]] | None = None,
     ):
         self.profile = get_profile(profile) if isinstance(profile, str) else profile
-        check_delivery_options(media_video_input, media_video_threads)
         parts = (conditioner, vaes, session)
         if loader is None and any(p is None for p in parts):
             raise VflashError("H3Pipeline needs a conditioner, VAEs and a session (or a loader, see from_prepared)")
@@ -457,9 +453,7 @@ class H3Pipeline:
         self.conditioner, self.vaes, self.session = parts
         self.canvas = canvas or (conditioner.canvas if conditioner is not None else CanvasRules())
         self.prompt_budget = prompt_budget or (conditioner_prompt_budget(conditioner) if conditioner is not None else None)
-        self.media_video_input = media_video_input
-        self.media_video_threads = media_video_threads
-        self.profile_denoise = profile_denoise
+        self.options = options or RunOptions()
         self._loader = loader
         self._closed = False
         # Guards loading and running: one request at a time, and the parts never change under a running request.
@@ -467,36 +461,19 @@ class H3Pipeline:
         self.initialization_seconds = 0.0  # set by prepare(); a pipeline composed from loaded parts has none
 
     @classmethod
-    def from_prepared(
-        cls,
-        prepared_assets: str | Path | PreparedAssets,
-        device: int | str | torch.device = "cpu",
-        peer_device: int | str | torch.device | None = None,
-        strategy: str | None = None,
-        attention_backend: str = "auto",
-        weight_residency: str = "auto",
-        media_video_input: str = "file",
-        media_video_threads: int | None = None,
-        profile_denoise: bool = False,
-        encoder_residency: str = "offload",
-    ) -> "H3Pipeline":
+    def from_prepared(cls, prepared_assets: str | Path | PreparedAssets, options: RunOptions | None = None) -> "H3Pipeline":
         """A pipeline over prepared assets that loads nothing until `prepare()` or the first request. The devices
         (present on this machine, of the profile's architecture) and the attention backend are checked now.
 
-        `encoder_residency`: on a GPU, "offload" (default) moves the text encoder and the VAEs to the CPU after each
-        of their stages, leaving the device to the core; "resident" keeps them on the device after first use, which
-        saves their host-device copies on every later request when the GPU has room for everything (checked when the
-        pipeline loads).
+        `options.encoder_residency`: on a GPU, "offload" (default) hands the device back after the text encoder's and
+        the VAEs' stages, leaving it to the core; "resident" keeps them there, which saves their host-device copies
+        on every request when the GPU has room for everything (checked when the pipeline loads).
+        `options.verify_weights` re-hashes the compiled weights against their compile-time sha256 before loading them
+        (slow: it reads the whole model once more); loading alone checks formats, identities and sizes.
         """
-        if encoder_residency not in ENCODER_RESIDENCIES:
-            raise VflashError(f"encoder_residency must be one of {', '.join(ENCODER_RESIDENCIES)}, got {encoder_residency!r}")
+        options = options or RunOptions()
         assets = prepared_assets if isinstance(prepared_assets, PreparedAssets) else PreparedAssets.load(prepared_assets)
-        if peer_device is not None and strategy is None:
-            raise VflashError("a peer GPU needs --strategy sequence-head")
-        primary = check_device(device, assets.profile.arch)
-        resolve_attention(attention_backend, primary)  # an unknown or unavailable kernel is refused now, not after loading
-        if peer_device is not None:
-            check_device(peer_device, assets.profile.arch, "peer device")
+        primary, peer = options.check_devices(assets.profile.arch)
 
         def load(progress: PipelineProgress | None) -> tuple[TextConditioner, MediaVAEs, NativeEngineSession]:
             layers = int(assets.record["transformer"]["num_layers"])
@@ -507,11 +484,15 @@ class H3Pipeline:
             vaes = MediaVAEs.from_pretrained(assets.decoder_root, primary)
             if progress:
                 progress("load", 2, total)
-            residency = _pipeline_residency(weight_residency, primary, assets, conditioner, vaes, encoder_residency)
-            conditioner.keep_on_device = vaes.keep_on_device = encoder_residency == "resident"
+            if options.verify_weights:
+                from .artifact import CompiledArtifact
+
+                CompiledArtifact(**assets.session_paths()).verify()
+            residency = _pipeline_residency(options.weight_residency, primary, assets, conditioner, vaes, options.encoder_residency)
+            conditioner.keep_on_device = vaes.keep_on_device = options.encoder_residency == "resident"
             session = NativeEngineSession(
-                assets.profile, **assets.session_paths(), device=primary, peer_device=peer_device, strategy=strategy,
-                weight_residency=residency, attention_backend=attention_backend,
+                assets.profile, **assets.session_paths(), device=primary, peer_device=peer, strategy=options.strategy,
+                weight_residency=residency, attention_backend=options.attention_backend,
                 on_load_progress=None if progress is None else (lambda done, n: progress("load", 2 + done, total)),
             )
             conditioner.materialize()  # read the (memory-mapped) weights now, not inside the first request
@@ -520,7 +501,7 @@ class H3Pipeline:
 
         return cls(
             assets.profile, None, None, None, canvas=assets.canvas, prompt_budget=PromptBudget.from_model_root(assets.model_root),
-            media_video_input=media_video_input, media_video_threads=media_video_threads, profile_denoise=profile_denoise, loader=load,
+            options=options, loader=load,
         )
 
     # -- lifecycle ----------------------------------------------------------------------------------------------------
@@ -589,7 +570,7 @@ class H3Pipeline:
         self._check_open()
         with self._lock:
             self.prepare()
-            return self.session.generate(bundle_or_handoff, progress=progress, profile_denoise=self.profile_denoise)
+            return self.session.generate(bundle_or_handoff, progress=progress, profile_denoise=self.options.profile_denoise)
 
     def decode(self, video_latents: torch.Tensor, audio_latents: torch.Tensor) -> DecodedMedia:
         """(1, C, F, h, w) and (2, C_a, A) normalised latents -> frames and stereo waveform."""
@@ -655,7 +636,7 @@ class H3Pipeline:
                 poll()
 
             t = time.perf_counter()
-            generation = self.session.generate(handoff, progress=on_evaluation, profile_denoise=self.profile_denoise)
+            generation = self.session.generate(handoff, progress=on_evaluation, profile_denoise=self.options.profile_denoise)
             stages["denoise"] = time.perf_counter() - t
             poll()
             t = time.perf_counter()
@@ -674,7 +655,7 @@ class H3Pipeline:
             if output is not None:
                 poll()
                 t = time.perf_counter()
-                path = write_mp4(output, frames, waveform[:, :samples], media.sample_rate, FPS, self.media_video_input, self.media_video_threads, overwrite)
+                path = write_mp4(output, frames, waveform[:, :samples], media.sample_rate, FPS, self.options.media_video_input, self.options.media_video_threads, overwrite)
                 stages["write"] = time.perf_counter() - t
                 report("write", 1, 1)
         except VflashError as exc:
@@ -690,8 +671,8 @@ class H3Pipeline:
             "seed": request.seed,
             "duration_seconds": frames.shape[0] / FPS,
             "audio_samples": samples,
-            "media_video_input": self.media_video_input,
-            "media_video_threads": self.media_video_threads,
+            "media_video_input": self.options.media_video_input,
+            "media_video_threads": self.options.media_video_threads,
             "encoder_residency": "resident" if self.conditioner.keep_on_device else "offload",
         }
         if generation.denoise_profile is not None:

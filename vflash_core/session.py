@@ -24,21 +24,21 @@ import torch
 from .artifact import CompiledArtifact
 from .attention import resolve_attention
 from .bundle import MODE_VARIANT, BundleHandoff, ConditioningBundle
-from .compiler import device_arch
+from .formats import device_arch
 from .denoise import Denoiser, DenoiseOutput, ProgressFn
 from .errors import IdentityMismatchError, SessionClosedError, VflashError
 from .fileio import atomic_file, check_writable_destination
 from .fused import FusedOps
 from .layout import FPS, Geometry, audio_latent_count
 from .model import BlockOps
-from .parallel import STRATEGIES, LocalGroup, SequenceHeadAttention, TensorShard, head_groups, relayout_ops, split_rows, tensor_parallel_ops
+from .options import STRATEGIES, WEIGHT_RESIDENCIES
+from .parallel import LocalGroup, SequenceHeadAttention, TensorShard, head_groups, relayout_ops, split_rows, tensor_parallel_ops
 from .profiler import StageTimer
 from .profiles import Profile, get_profile
 from .residency import BlockRing, BlockSource, PinnedArena, ResidentBlocks, activation_bytes, check_fits
 
 logger = logging.getLogger(__name__)
 
-RESIDENCIES = ("auto", "resident", "block-ring")
 EXECUTIONS = ("auto", "fused", "reference")
 _GIB = 1 << 30
 # Free device memory kept back beyond the estimates (allocator fragmentation, kernels' workspaces, other users).
@@ -122,8 +122,8 @@ class NativeEngineSession:
         if not peers and strategy is not None:
             raise VflashError(f"strategy {strategy!r} needs a peer_device")
         self.strategy = strategy if peers else None
-        if weight_residency not in RESIDENCIES:
-            raise VflashError(f"weight_residency must be one of {', '.join(RESIDENCIES)}, got {weight_residency!r}")
+        if weight_residency not in WEIGHT_RESIDENCIES:
+            raise VflashError(f"weight_residency must be one of {', '.join(WEIGHT_RESIDENCIES)}, got {weight_residency!r}")
         self.compiled = CompiledArtifact(artifact, schedule_overlay, auxiliary)
         self.compiled.check_profile(self.profile)
         for dev in self.devices:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..errors import VflashError
 from ..fileio import check_input_file
-from ..media import check_delivery_options
+from ..options import RunOptions
 from .worker import WorkerConfig
 
 MIB = 2**20
@@ -20,14 +20,7 @@ MIB = 2**20
 class ServiceConfig:
     prepared_assets: Path  # the prepared-assets receipt the pipeline is opened from
     output_dir: Path  # published MP4s (`<job id>.mp4`) and the service's hidden work folder
-    device: str = "cpu"  # "cpu" or "cuda:N"; only the worker ever uses it
-    peer_device: str | None = None  # second device of a paired session ("cuda:M")
-    strategy: str | None = None  # paired-session strategy, e.g. "sequence-head"
-    attention_backend: str = "auto"
-    weight_residency: str = "auto"
-    encoder_residency: str = "offload"
-    media_video_input: str = "file"
-    media_video_threads: int | None = None
+    options: RunOptions = field(default_factory=RunOptions)  # how the worker's pipeline runs; only the worker uses devices
     input_dir: Path | None = None  # client paths must resolve inside it; None accepts uploads only
     max_queue: int = 16  # queued (not running) jobs before 429
     keep_finished_jobs: int = 1000  # records of ended jobs kept for GET /v1/jobs/{id}; older ones are forgotten
@@ -63,16 +56,10 @@ class ServiceConfig:
             raise VflashError(f"cancel_grace_seconds must be positive, got {self.cancel_grace_seconds}")
         if self.token is not None and not self.token.strip():
             raise VflashError("the bearer token is empty")
-        if self.strategy is not None and self.peer_device is None:
-            raise VflashError(f"strategy {self.strategy!r} needs a peer device")
-        check_delivery_options(self.media_video_input, self.media_video_threads)
         if create:
             self.output_dir.mkdir()
 
     def worker_config(self, scratch_dir: Path) -> WorkerConfig:
         return WorkerConfig(
-            prepared_assets=str(self.prepared_assets), device=self.device, peer_device=self.peer_device,
-            strategy=self.strategy, attention_backend=self.attention_backend, weight_residency=self.weight_residency,
-            encoder_residency=self.encoder_residency, media_video_input=self.media_video_input, media_video_threads=self.media_video_threads,
-            scratch_dir=str(scratch_dir), log_level=self.log_level,
+            prepared_assets=str(self.prepared_assets), options=self.options, scratch_dir=str(scratch_dir), log_level=self.log_level,
         )

@@ -24,6 +24,8 @@ from multiprocessing.synchronize import Event
 from pathlib import Path
 from typing import Any
 
+from ..options import RunOptions
+
 logger = logging.getLogger(__name__)
 
 
@@ -32,14 +34,7 @@ class WorkerConfig:
     """Everything the worker needs to open its pipeline; picklable."""
 
     prepared_assets: str
-    device: str
-    peer_device: str | None
-    strategy: str | None
-    attention_backend: str
-    weight_residency: str
-    encoder_residency: str
-    media_video_input: str
-    media_video_threads: int | None
+    options: RunOptions
     scratch_dir: str  # the worker's TMPDIR, owned and removed by the parent
     log_level: int = logging.INFO
 
@@ -132,13 +127,9 @@ def _open_pipeline(config: WorkerConfig) -> tuple[Any, dict[str, Any]]:
     """Open the lazy pipeline, which checks the devices against the profile; loads no model."""
     from ..pipeline import H3Pipeline
 
-    pipeline = H3Pipeline.from_prepared(
-        config.prepared_assets, device=config.device, peer_device=config.peer_device, strategy=config.strategy,
-        attention_backend=config.attention_backend, weight_residency=config.weight_residency, encoder_residency=config.encoder_residency,
-        media_video_input=config.media_video_input, media_video_threads=config.media_video_threads,
-    )
-    info: dict[str, Any] = {"profile": pipeline.profile.id, "strategy": config.strategy}
-    for role, device in (("device", config.device), ("peer_device", config.peer_device)):
+    pipeline = H3Pipeline.from_prepared(config.prepared_assets, config.options)
+    info: dict[str, Any] = {"profile": pipeline.profile.id, "strategy": config.options.strategy}
+    for role, device in (("device", config.options.device), ("peer_device", config.options.peer_device)):
         if device is not None:
             info[role] = _describe_device(device)
     return pipeline, info
@@ -148,7 +139,7 @@ def _describe_device(name: str) -> str:
     """`cpu`, or `cuda:N (GPU name, smXY)`, for the readiness report. Runs only in the worker: it initialises CUDA."""
     import torch
 
-    from ..compiler import device_arch
+    from ..formats import device_arch
 
     device = torch.device(name)
     return name if device.type == "cpu" else f"{name} ({torch.cuda.get_device_name(device)}, {device_arch(device)})"
