@@ -14,9 +14,9 @@ What the decode computes (diffusers 0.42.1's `decode`; its windows, tiles, blend
   in fp32, the projections run in the compute dtype), q/k RMSNorm in fp32 and rotary over the leading channels of each
   head; LayerNorm, `proj_out` and unpatchify to (3, 4 T, 16 th, 16 tw) pixels.
 * Tiles are blended linearly into the window's clip (each tile with its upper, then its left neighbour, both as
-  decoded). The clip gives `tokens_chunk_size * 4 - frame_pre_padding` frames (17), cross-faded over `frame_overlap`
-  frames (5) with the frames after the next chunk boundary of the previous clip; the last clip's own such frames end
-  the video, less the frames that the repeated latents produced.
+  decoded). The clip gives `tokens_chunk_size * temporal_compression_ratio - frame_pre_padding` frames (17),
+  cross-faded over `frame_overlap` frames (5) with the frames after the next chunk boundary of the previous clip; the
+  last clip's own such frames end the video, less the frames that the repeated latents produced.
 
 What this module changes is only how the work is issued:
 
@@ -27,7 +27,7 @@ What this module changes is only how the work is issued:
   `windows_per_call=1` issues exactly the reference's shapes). Elementwise work and the norms are per element or per
   row; attention is per batch item and head.
 * A window is stitched, cross-faded and handed to the sink as soon as its last tile is decoded, so device memory is
-  bounded by the tile-windows in flight plus one clip, whatever the clip length.
+  bounded by the calls in flight, one window's tiles and clip, and the cross-fade frames, whatever the clip length.
 * Calls may be spread round robin over several devices, each with its own copy of the decoder weights; tiles come back
   to the first device, where the stitching and blending run. One host thread drives every device: launches are
   asynchronous, so while the host waits for a window's frames the calls already queued keep the devices busy.
@@ -277,7 +277,9 @@ class DecoderWeights:
         """The tensors `vae` holds now (read them again after the module moves: offloading re-points its parameters)."""
         for name, module in vae.named_modules():
             if hasattr(module, "_diffusers_hook") or hasattr(module, "_hf_hook"):
-                raise VflashError(f"the native video decode reads the VAE's weights directly; {name or 'the VAE'} has a forward hook (layerwise casting or offload)")
+                raise VflashError(
+                    f"the native video decode reads the VAE's weights directly; {name or 'the VAE'} has a forward hook (layerwise casting or offload)"
+                )
         dec = vae.decoder
         block = dec.transformer_blocks[0]
         return cls(
@@ -512,7 +514,10 @@ class NativeVideoDecoder:
     """`AutoencoderKLMiniMaxH3.decode` bit for bit: `windows_per_call` tile-windows per ViT call, calls round robin over
     the devices of `weights` (the first one stitches and blends), frames handed out window by window."""
 
-    def __init__(self, geometry: DecodeGeometry, weights: Sequence[DecoderWeights], attention: str = DEFAULT_ATTENTION, windows_per_call: int = DEFAULT_WINDOWS_PER_CALL):
+    def __init__(
+        self, geometry: DecodeGeometry, weights: Sequence[DecoderWeights], attention: str = DEFAULT_ATTENTION,
+        windows_per_call: int = DEFAULT_WINDOWS_PER_CALL,
+    ):
         if windows_per_call < 1:
             raise VflashError(f"windows_per_call must be at least 1, got {windows_per_call}")
         if not weights:
