@@ -7,7 +7,7 @@ per-block time is the median over evaluations 2..16 of the block loop's CUDA-eve
 waiting for the peers' collectives) divided by the block count. Parity: the final latents of the group against the
 single GPU (max abs difference and a PSNR over the latents' range). `two_workers_throughput_ratio`: the wall time of
 sequence-head serving two requests in turn over that of two independent single-GPU workers serving one each at the
-same time (above 1: latency mode costs fleet throughput, seed 002).
+same time (above 1: latency mode costs fleet throughput).
 
 Writes benchmarks/results/two_gpu_<P>xh200.json (two_gpu_2xh200.json by default; multi_gpu.py sweeps GPU counts).
 """

@@ -1,6 +1,6 @@
 """`@triton.jit` helpers shared by the kernels: the per-op rounding of the model and torch's 32-lane tree sum.
 
-Rounding contract (h3_model.md 1.4 and 9): every torch elementwise op on bf16 tensors computes in fp32 and rounds its
+Rounding contract (the model's, which diffusers' H3 transformer defines): every torch elementwise op on bf16 tensors computes in fp32 and rounds its
 own output to bf16 (round to nearest, ties to even). The kernels keep each intermediate in fp32 and call
 `_round_as` exactly where torch rounds, so an fp32 value that is exactly representable in the storage dtype flows
 between the "ops". For fp32 tensors the rounding is the identity (torch's fp32 ops round to fp32 themselves).

@@ -1,4 +1,4 @@
-"""`H3Pipeline.generate`: MP4 delivery, stage timings (seed 002), reuse across serial requests, composition from
+"""`H3Pipeline.generate`: MP4 delivery, stage timings, reuse across serial requests, composition from
 separately loaded parts, cancellation and failures that leave nothing behind."""
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ pipeline's encoders (or by `build_keyframe_bundle` from precomputed embeddings) 
 * persisted: a folder with `tensors.safetensors` and `manifest.json`, whose sha256 is checked on load, or
 * in process: a `BundleHandoff`, validated again when consumed and consumable once.
 
-Noise-draw contract (h3_model.md 3.3): one generator; first one draw per visual condition in packed order (noised to
+Noise-draw contract (diffusers' H3 latents steps): one generator; first one draw per visual condition in packed order (noised to
 t = 0.999), then the video noise as a `(1, C, F, h, w)` latent, then the audio noise directly in `(2A, C)` row layout.
 """
 

@@ -1,6 +1,6 @@
 """Official MiniMax-H3 transformer weights, read into one internal naming.
 
-Two on-disk layouts exist (h3_model.md section 7):
+Two on-disk layouts exist:
 
 * **diffusers** — the `transformer/` or `transformer_ref/` folder of MiniMaxAI/MiniMax-H3: `config.json` plus one or
   more `diffusion_pytorch_model*.safetensors`, separate `to_q/to_k/to_v`, SwiGLU input stored `[value; gate]`.

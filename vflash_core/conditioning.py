@@ -1,4 +1,4 @@
-"""Text conditioning with the official Qwen3-VL conditioner, reproducing diffusers 0.42.1 (h3_model.md section 4).
+"""Text conditioning with the official Qwen3-VL conditioner, reproducing diffusers 0.42.1.
 
 The presentation is tokenised piece by piece and concatenated, with no chat template, no special tokens, no padding:
 

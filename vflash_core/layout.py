@@ -1,4 +1,4 @@
-"""Geometry and the packed row layout of one H3 request (h3_model.md section 2).
+"""Geometry and the packed row layout of one H3 request.
 
 One request is one packed sequence ``[text | conditioning video rows | target audio | target video]`` (t2va, i2va,
 l2va, fl2va). Positions are (t, h, w) rotary coordinates built in float64 with numpy's `linspace` arithmetic, exactly

@@ -1,7 +1,7 @@
 """LoRA adapters for H3 as separate low-rank residuals on internal linear names.
 
 Base matrices are never modified: each adapted linear adds `scale * B(A(x))` to its output rows, with
-`scale = strength * alpha / rank` per module. Accepted files (h3_model.md 7.2):
+`scale = strength * alpha / rank` per module. Accepted files (those diffusers' H3 LoRA loader accepts):
 
 * diffusers / peft: `transformer.<module>.lora_A.weight` / `lora_B.weight` (or `transformer_ref.`), or an unprefixed
   peft dump with the `.default.` infix, over diffusers module names;

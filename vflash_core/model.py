@@ -1,7 +1,7 @@
 """The MiniMax-H3 transformer, reference path: plain PyTorch over compiled weights and precomputed AdaLN tables.
 
 This file is the numerical definition the fused kernels must reproduce. It follows diffusers 0.42.1
-`MiniMaxH3Transformer3DModel` op for op (h3_model.md section 1.4), with three precomputations that change no bits:
+`MiniMaxH3Transformer3DModel` op for op, with three precomputations that change no bits:
 
 * the AdaLN modulation rows and `norm_out` shift/scale come from the compiled schedule overlay (they depend on t only),
 * the text stream (`context_embedder`, token refiner, final norm) is computed once per request (it depends on the

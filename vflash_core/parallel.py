@@ -1,4 +1,4 @@
-"""Several GPUs for one request (seed 001 "Two GPUs for one request", seed 003).
+"""Several GPUs for one request.
 
 A `LocalGroup` owns P explicitly named devices, one submitting thread per rank and a local process group built
 directly on an in-process store (NCCL on CUDA, Gloo on the CPU for tests): no global `torch.distributed` state, no

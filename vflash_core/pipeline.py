@@ -1,6 +1,6 @@
 """`H3Pipeline`: prompt (+ keyframes or references) -> conditioning bundle -> native core -> VAEs -> MP4.
 
-Ownership (seed 001): the pipeline owns three serial owners of one device — the `TextConditioner` (Qwen3-VL), the
+Ownership: the pipeline owns three serial owners of one device — the `TextConditioner` (Qwen3-VL), the
 `MediaVAEs` and the `NativeEngineSession` — and the temporary media of a request; it is reused across serial
 requests. On a GPU, the encoder and the VAEs sit on the CPU until their stage, take the device, and give it back
 (`torch.cuda.empty_cache()`), so the core's weights and activations have it in between; when the core's resident
@@ -19,7 +19,7 @@ Threads: concurrent first calls load the models once, and requests on one pipeli
 validation, so a bad request is refused without waiting). Model loading is serialised process-wide
 (`model_loading.MODEL_LOAD_LOCK`).
 
-Timing (seed 002): `initialization_seconds` is the time `prepare()` took (the first `generate` prepares when needed,
+Timing: `initialization_seconds` is the time `prepare()` took (the first `generate` prepares when needed,
 after its input checks, and that time is not part of the request); `VideoResult.elapsed_seconds` covers the request:
 validation, encoding, denoising, decoding and writing. `VideoResult.stages` holds the top-level stages `validate`,
 `encode`, `denoise`, `decode`, `write` (their sum is at most `elapsed_seconds`) and nested details whose names carry
@@ -66,7 +66,7 @@ from .validation import (
 
 logger = logging.getLogger(__name__)
 
-# The six fields of an assets file (seed 004): official model root (text encoder, tokenizer, processor), decoder
+# The six fields of an assets file: official model root (text encoder, tokenizer, processor), decoder
 # directory (vae/, audio_vae/), adapter file or null, and the three outputs of one compile.
 ASSET_FIELDS = ("model_root", "decoder_root", "adapter_path", "artifact", "schedule_overlay", "auxiliary_tensor")
 STAGES = ("load", "encode", "denoise", "decode", "write")

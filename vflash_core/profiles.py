@@ -1,11 +1,11 @@
-"""Named profiles: the fixed model, adapter, schedule and hardware a compiled artifact is bound to (seed 004).
+"""Named profiles: the fixed model, adapter, schedule and hardware a compiled artifact is bound to.
 
 A profile fixes which workflow modes a session accepts, which transformer partition it runs, which LoRA (if any) at
 which alpha and rank, the number of evaluations and the two schedule shifts, the allowed clip durations and the GPU
 architecture the tables were computed on. Compiled artifacts record the profile's identity; at load the identities
 (not the name) are compared, so renaming a profile never converts assets, and a mismatch names both sides.
 
-The seed IDs for SM86 (RTX 3080) and SM89 (RTX 4090) are kept; SM90 (H100/H200) variants and CPU profiles (tests,
+The published profile ids for SM86 (RTX 3080) and SM89 (RTX 4090) are kept; SM90 (H100/H200) variants and CPU profiles (tests,
 the embedded demo) are added.
 """
 

@@ -2,7 +2,7 @@
 
 Files are decoded with diffusers' official readers (`load_image`, and `MiniMaxH3{Image,Video,Audio}Reference.from_file`,
 which bring a video's frame rate and a soundtrack's sample rate along). Normalisation then reproduces diffusers 0.42.1
-(h3_model.md section 4, "Media normalization"):
+(as diffusers' H3 pipeline normalises media):
 
 * keyframes: the first is stretched onto the canvas (PIL LANCZOS); a second one is cover-cropped with the reference
   implementation's rounding and centring;

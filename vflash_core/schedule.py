@@ -1,6 +1,6 @@
 """Flow-matching schedules of MiniMax-H3, bit-identical to diffusers' `MiniMaxH3Scheduler`.
 
-Conventions (h3_model.md section 3): `t = 1 - sigma` in [0, 1] with t = 1 clean; `num_inference_steps` counts sigma
+Conventions: `t = 1 - sigma` in [0, 1] with t = 1 clean; `num_inference_steps` counts sigma
 grid points including the terminal 0, so NFE evaluations need NFE + 1 points; the model predicts a data-ward velocity
 (`x0 = x + (1 - t) * v`, with `1 - t` recomputed from the fp32 timestep); the update is the blend
 `r * x + (1 - r) * x0` with `r = sigma_next / sigma` from the grid. Video and audio use two shifts (12 and 3 in the

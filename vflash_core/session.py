@@ -1,11 +1,11 @@
 """`NativeEngineSession`: one profile, one GPU group, one loaded compiled model, reused across serial requests.
 
-Ownership (seed 001): the session owns its profile, devices and weights; each `generate` call owns its request's
+Ownership: the session owns its profile, devices and weights; each `generate` call owns its request's
 tensors. Closing waits for the devices, then drops every weight reference and communicator. A trajectory that fails
 (anything other than bad input, or an abort raised by the caller's own progress / between-block callback) marks the
 session failed: it refuses further calls and must be closed and replaced.
 
-Memory placement (seed 001 "Choosing memory placement"): `weight_residency="resident"` keeps every block on the
+Memory placement: `weight_residency="resident"` keeps every block on the
 device; `"block-ring"` streams blocks from one pinned host arena through two device slots; `"auto"` picks resident
 when the model plus the largest request of the profile fits the free device memory with a margin, else block-ring,
 and logs the numbers. Several GPUs (`peer_device`, `strategy`) are used only when the caller names them.

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from .checkpoint import aux_shapes, block_shapes
 from .config import H3Config
 
-# Tensors the released checkpoint stores in fp32; everything else is bf16 (h3_model.md 1.2).
+# Tensors the released checkpoint stores in fp32; everything else is bf16.
 FP32_PREFIXES = ("proj_in.", "audio_proj_in.", "time_embedder.", "proj_out.", "audio_proj_out.")
 
 

@@ -1,4 +1,4 @@
-"""The official video and audio VAEs of H3: conditioning encodes and the final decode (h3_model.md section 5).
+"""The official video and audio VAEs of H3: conditioning encodes and the final decode.
 
 Encoding keyframes and visual references follows the released recipe exactly: ImageNet-normalised pixels over a
 [0, 1] base, the posterior *sampled* under its own `Generator().manual_seed(42)` (never the request's), a round trip

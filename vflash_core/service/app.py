@@ -1,6 +1,6 @@
 """`create_app(config) -> web.Application`: the HTTP layer of `vflash serve`.
 
-The HTTP process owns validation, job records and output names (seed 001); all model work happens in the worker
+The HTTP process owns validation, job records and output names; all model work happens in the worker
 process that `WorkerSupervisor` spawns, started and stopped by the one `cleanup_ctx` below.
 """
 
@@ -220,7 +220,7 @@ async def cancel_job(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """Ready once the worker passed its profile and device checks (seed 002: not "the model is loaded")."""
+    """Ready once the worker passed its profile and device checks (not "the model is loaded": loading happens on the first job)."""
     supervisor = request.app[SUPERVISOR]
     ready = supervisor.state is WorkerState.READY
     body = {"ready": ready, "worker": supervisor.state.value, "worker_pid": supervisor.worker_pid, "error": supervisor.fatal_error}

@@ -1,4 +1,4 @@
-"""In-memory job records and the bounded FIFO queue (seed 001: job state belongs to the HTTP process).
+"""In-memory job records and the bounded FIFO queue (job state belongs to the HTTP process, not the worker).
 
 A job's record lives in the parent and outlives any worker process: a worker that dies mid-job cannot take the
 record with it. Records are never persisted; an application that needs durable jobs supplies its own storage.

@@ -2,7 +2,7 @@
 
 It runs the pipeline's own validator (`validation.plan_request`: canvas, duration, mode, counts, labels, prompt
 length, input files) against the profile, canvas rules and prompt budget of the served receipt. It holds no pipeline
-and checks no device: the worker does that, and this process never initialises CUDA (seed 001).
+and checks no device: the worker does that, and this process never initialises CUDA.
 """
 
 from __future__ import annotations

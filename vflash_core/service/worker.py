@@ -1,4 +1,4 @@
-"""The spawned worker process: one `H3Pipeline`, reused across serial jobs (seed 001).
+"""The spawned worker process: one `H3Pipeline`, reused across serial jobs.
 
 The parent starts this module's `worker_main` with the `spawn` start method, so the worker never inherits a forked
 copy of the parent (the parent never touches CUDA, and CUDA cannot be used after a fork anyway). The two sides talk
@@ -168,7 +168,7 @@ def _run(pipeline: Any, order: JobOrder, events: Connection, cancel: Event) -> b
     except RequestError as exc:  # a bad input (its checks, or reading it): the pipeline stays usable
         events.send(Failed(order.job_id, str(exc), worker_exits=False))
         return True
-    except Exception as exc:  # a failed trajectory: report it, then exit (seed 001)
+    except Exception as exc:  # a failed trajectory: report it, then exit (its CUDA context cannot be trusted again)
         logger.error("job %s failed, this worker exits: %s", order.job_id, _describe(exc), exc_info=_is_bug(exc))
         events.send(Failed(order.job_id, _describe(exc), worker_exits=True))
         return False
