@@ -175,3 +175,23 @@ def test_safetensors_writer_round_trips_and_hashes_what_it_wrote(tmp_path):
         assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
     with safe_open(path, "pt") as handle:
         assert handle.metadata() == {"format": "test"}
+
+
+@pytest.mark.parametrize("qkv_layout", ["stacked", "interleaved"])
+def test_original_layout_reads_as_diffusers_own_converter_reads_it(tmp_path, tiny_weights, qkv_layout):
+    """An oracle for the original single-file conventions that is not our own writer: diffusers' single-file
+    converter (`from_single_file`) and `SourceWeights` read the same file into the same values, name for name
+    (fused QKV per-head interleaved or stacked, `mlp.fc1` stored [gate; value], `final_layer.*`)."""
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    folder = synthetic.write_diffusers_transformer(tmp_path / "transformer", TINY, tiny_weights)  # its config.json only
+    path = synthetic.write_original_transformer(tmp_path / "h3.safetensors", TINY, tiny_weights, qkv_layout)
+    converted = MiniMaxH3Transformer3DModel.from_single_file(str(path), config=str(folder), qkv_layout=qkv_layout, torch_dtype=torch.float32).state_dict()
+    source = SourceWeights(path, qkv_layout=qkv_layout)
+    ours = source.read(list(source.shapes()))
+    seen = set()
+    for name, tensor in ours.items():
+        for diffusers_name, rows in synthetic.diffusers_names(name, TINY):
+            assert_bitwise(tensor[rows].float(), converted[diffusers_name], diffusers_name)
+            seen.add(diffusers_name)
+    assert seen == set(converted)
