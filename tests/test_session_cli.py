@@ -134,3 +134,30 @@ def test_compiler_cli(tmp_path, tiny_transformer, capsys):
     assert compiler_main(["compile", "--receipt", str(tmp_path / "missing.json"), "--output", str(tmp_path / "d")]) == 2
     assert "no such receipt" in capsys.readouterr().err
     assert TINY.num_layers == len(list((tmp_path / "c" / "artifact").glob("block_*.safetensors")))
+
+
+def test_compiler_cli_refuses_a_missing_gpu_before_reading_and_stops_cleanly(tmp_path, tiny_transformer, capsys, monkeypatch):
+    """User errors of the compiler command are one line with exit 2, checked before any weight is read; Ctrl-C is one
+    line with exit 130 and publishes nothing."""
+    import torch
+
+    from vflash_core import compiler
+
+    assert compiler_main(["prepare", "--profile", PROFILE, "--transformer", str(tiny_transformer), "--receipt", str(tmp_path / "r.json")]) == 0
+    capsys.readouterr()
+    if not torch.cuda.is_available():
+        hashed = []
+        monkeypatch.setattr(compiler, "_verify_receipt_files", lambda *args: hashed.append(args))
+        assert compiler_main(["compile", "--receipt", str(tmp_path / "r.json"), "--output", str(tmp_path / "c"), "--gpu", "0"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "CUDA is not available" in err and "Traceback" not in err
+        assert not hashed and not (tmp_path / "c").exists()
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(compiler, "_write_compiled", interrupt)
+    assert compiler_main(["compile", "--receipt", str(tmp_path / "r.json"), "--output", str(tmp_path / "c")]) == 130
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "nothing was published" in err
+    assert not (tmp_path / "c").exists() and not list(tmp_path.glob(".c.*"))
