@@ -23,7 +23,8 @@ both measured on this GPU after the timings (`_common.sustained_ms`); `roofline_
 
 With two GPUs, the same decode with calls round robin over cuda:0 and cuda:1 (a copy of the decoder weights on
 cuda:1): `two_gpu_speedup` = one-GPU time / two-GPU time, `two_gpu_bitwise_equal` against one GPU.
-`audio_decode_seconds`: the audio VAE's decode of the same duration (both stereo channels), for its share of decode.
+`audio_decode_seconds`, `audio_peak_device_bytes`: the audio VAE's decode of the same duration (both stereo channels),
+for its share of decode time and whether its memory needs bounding too.
 
 Writes benchmarks/results/vae_h200.json (--small: vae_small_cpu.json).
 """
@@ -198,7 +199,8 @@ def run(vaes: MediaVAEs, device: torch.device, canvases: dict[str, tuple[int, in
                               two_gpu_bitwise_equal=torch.equal(pair_out, one))
                 del pair_out, one
             audio = torch.randn(2, vaes.audio_latent_channels, audio_latent_count(frames), generator=g)
-            record["audio_decode_seconds"] = round(timed(lambda: vaes.decode_audio(audio), device, repeat)[0], 4)
+            audio_seconds, audio_peak, _ = timed(lambda: vaes.decode_audio(audio), device, repeat)
+            record.update(audio_decode_seconds=round(audio_seconds, 4), audio_peak_device_bytes=audio_peak)
             print({k: v for k, v in record.items() if k != "by_windows_per_call"})
             records.append(record)
             del z, expected
