@@ -437,7 +437,7 @@ async def test_readyz_false_after_a_fatal_config_error_and_parent_never_touches_
 
     monkeypatch.setattr(torch.cuda, "_lazy_init", no_cuda)
     monkeypatch.setattr(torch.cuda, "init", no_cuda)
-    app, _ = make_service(device="cuda:99")  # no machine has this device: the worker's checks must fail
+    app, _ = make_service(options=RunOptions(device="cuda:99"))  # no machine has this device: the worker's checks must fail
     client = await aiohttp_client(app)
 
     async def fatal():
