@@ -15,7 +15,9 @@ _MODEL_TOOLTIP = (
     "What to run. 'embedded-demo' is a tiny random-weight H3 family built on first use (CPU, for testing graphs). "
     "'vflash/...' are compiled artifacts or prepared-assets receipts in models/vflash; 'diffusers/...' are official "
     "diffusers-layout H3 folders and 'diffusion_models/...' single-file H3 transformers: both are prepared and "
-    "compiled for the profile on first use (progress bar), then cached next to them."
+    "compiled for the profile on first use (progress bar), then cached next to them. Comfy-Org files: bf16 as is; "
+    "fp8_scaled dequantized to BF16 at compile time (exact for those weights); *_pruned_* (adaln_t_table) only with a "
+    "-pruned profile (approximate AdaLN); int8_convrot and other quantized formats are refused."
 )
 
 
@@ -39,7 +41,8 @@ class VflashModelLoader(io.ComfyNode):
                     tooltip="The fixed schedule, LoRA binding and GPU architecture the weights are compiled for (the id "
                     "ends in it: -sm90 = H100/H200, -cpu). Profiles this machine can run are listed first. 'auto' takes "
                     "the profile recorded in a compiled artifact or receipt; official weights need an explicit one. The "
-                    "profile fixes evaluations, shifts, modes and clip durations (see the sampler's tooltip).",
+                    "profile fixes evaluations, shifts, modes and clip durations (see the sampler's tooltip). -pruned "
+                    "profiles (approximate) are for pruned files only.",
                 ),
                 io.Combo.Input(
                     "weight_residency", options=list(ops.WEIGHT_RESIDENCIES), default="auto",

@@ -138,11 +138,13 @@ def test_missing_and_misshapen_weights_are_listed(tmp_path, tiny_weights):
     assert "transformer_blocks.0.norm1.weight: expected [24]" in str(info.value)
 
 
-def test_pruned_checkpoint_is_rejected(tmp_path, tiny_weights):
+def test_malformed_adaln_t_table_is_rejected(tmp_path, tiny_weights):
+    """Pruned files are read (tests/test_comfy_transformer_files.py); a curve table that is not [grid >= 2, rank] fp32
+    is refused."""
     state = synthetic.to_original_names(tiny_weights, TINY)
     state["adaln_t_table"] = torch.zeros(4)
     save_file(state, str(tmp_path / "pruned.safetensors"))
-    with pytest.raises(WeightFileError, match="pruned"):
+    with pytest.raises(WeightFileError, match=r"`adaln_t_table` must be a \[grid >= 2, rank\] fp32 table"):
         SourceWeights(tmp_path / "pruned.safetensors")
 
 

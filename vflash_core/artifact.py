@@ -154,6 +154,33 @@ class CompiledArtifact:
     def profile_id(self) -> str:
         return self.manifest["profile_id"]
 
+    @property
+    def base_weights(self) -> dict[str, object]:
+        """The base weights' form (`layout`, `format`: "bf16" / "fp8_scaled" / ..., `pruned`: the curve table's
+        grid and rank or None) and file identities, as compiled."""
+        return self.manifest["base_weights"]
+
+    def base_weight_notes(self) -> list[str]:
+        """How these weights differ from the official BF16 release, one line each (none for the release itself)."""
+        base = self.manifest["base_weights"]
+        notes = []
+        if base.get("format") == "fp8_scaled":
+            notes.append(
+                "transformer weights from an fp8_scaled file, dequantized to BF16 (float8 code x per-tensor scale, as "
+                "ComfyUI core dequantizes them): exact for those weights, which are not the BF16 release"
+            )
+        if base.get("pruned"):
+            notes.append(
+                f"a pruned transformer: approximate AdaLN (rank-{base['pruned']['rank']} time embedding read by linear "
+                f"interpolation from a {base['pruned']['grid']}-row table, computed as ComfyUI core computes it)"
+            )
+        if self.manifest.get("adapter_not_applied"):
+            notes.append(
+                f"{len(self.manifest['adapter_not_applied'])} LoRA module(s) feeding the AdaLN tables not applied: they do "
+                "not fit a pruned file's reduced-rank AdaLN (ComfyUI core skips them too)"
+            )
+        return notes
+
     def check_profile(self, profile: Profile) -> None:
         """Model, adapter, schedule and hardware identities must agree; names alone never convert assets."""
         check_identity(profile, self.manifest["profile"], f"compiled artifact {self.artifact_dir} (profile {self.profile_id})")

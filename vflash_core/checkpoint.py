@@ -8,6 +8,16 @@ Two on-disk layouts exist:
   single file or shards. `mlp.fc1` is stored `[gate; value]`; the fused QKV is `stacked` (`[q; k; v]`, published
   single files) or per-head `interleaved` (raw MiniMaxAI shards), which shapes cannot tell apart.
 
+Comfy-Org's repacked single files (original layout, stacked QKV) come in three further forms:
+
+* **fp8_scaled** — ComfyUI's scaled-FP8 files: the block linears stored as float8 codes with one scale per tensor.
+  They are read as BF16 `code * scale`, computed as ComfyUI core dequantizes them (`dequantize`), so what Vflash
+  runs is exact for those weights.
+* **pruned** (`*_pruned_*`) — an `adaln_t_table` [grid, k] fp32 replaces the time embedder, and every `adaln_proj`
+  is a reduced-rank fp32 [rows, k] projection applied without SiLU. They compile only for `-pruned` profiles
+  (approximate: see `model.curve_time_embedding`).
+* other ComfyUI quantized formats (`int8_convrot`, nvfp4, mxfp8, ...) have no exact dequantization and are refused.
+
 Internal names (what the compiler and the runtime use)::
 
     blocks.{i}.norm1.weight            [H]
@@ -30,6 +40,7 @@ SwiGLU halves and de-interleaving heads cost no intermediate copies.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,11 +48,28 @@ from pathlib import Path
 
 import torch
 
+from typing import TYPE_CHECKING
+
 from .config import H3Config
-from .errors import WeightFileError
+from .errors import IdentityMismatchError, WeightFileError
 from .tensor_store import ReadRequest, TensorStore
 
+if TYPE_CHECKING:
+    from .profiles import Profile
+
 FLOAT_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}
+
+# ComfyUI quantization formats with an exact dequantization: float8 codes times one scale per tensor.
+FP8_FORMATS = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+
+SUPPORTED_FILES = (
+    "bf16 / fp16 / fp32 weights, fp8_scaled files (float8 with per-tensor scales, dequantized exactly) and pruned "
+    "files (`adaln_t_table`, with a -pruned profile)"
+)
+
+# Internal names that feed only the AdaLN tables (compiled into the schedule overlay, never loaded at run time).
+TABLE_INPUTS = ("time_embedder.", "norm_out.linear.", "adaln_t_table")
 
 # Prefixes some single-file exports put in front of the original names.
 _ORIGINAL_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
@@ -111,8 +139,65 @@ class _Source:
     pieces: list[tuple[str, int, int, int]]  # (source name, src_row_start, src_row_stop, dst_row_start)
 
 
+@dataclass(frozen=True)
+class ScaledWeight:
+    """A float8 weight of a scaled-FP8 file: its value is `code * scale`."""
+
+    scale: str  # name of its per-tensor scale
+    code_dtype: torch.dtype
+
+
+def dequantize(code: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`code * scale` in `dtype` as ComfyUI core computes it (comfy_kitchen's eager backend: the CPU, and GPUs without
+    its CUDA kernels): the code and the scale are each cast to `dtype` (the float8 code exactly; the scale rounds),
+    then one product rounds. Its Triton kernel instead multiplies by the fp32 scale before one rounding, which differs
+    in the last bit of many elements whenever the scale is not a bf16 value."""
+    return torch.mul(code.to(dtype), scale.to(dtype), out=out)
+
+
+def _format_name(conf: dict) -> str:
+    fmt = str(conf.get("format"))
+    params = conf.get("params") if isinstance(conf.get("params"), dict) else {}
+    if fmt == "int8_tensorwise" and conf.get("convrot", params.get("convrot", False)):
+        return "int8_convrot"
+    return fmt
+
+
+def quantized_layers(store: TensorStore, prefix: str) -> dict[str, ScaledWeight]:
+    """Weight name -> `ScaledWeight` for each quantized layer of a ComfyUI-quantized file (empty for a float file).
+
+    ComfyUI marks quantized layers in three ways, read here as core reads them: `__metadata__` key
+    `_quantization_metadata` (JSON `{"layers": {layer: {"format": ...}}}`, scales `<layer>.weight_scale`), which takes
+    precedence over per-layer `<layer>.comfy_quant` tensors (the same JSON as bytes); or the older scaled-FP8 layout (a
+    `scaled_fp8` tensor, and every layer with a `<layer>.scale_weight` is float8_e4m3fn). A format other than
+    per-tensor float8 raises, naming it and what is supported.
+    """
+    names = set(store.names)
+    formats: dict[str, dict] = {}
+    flags = [n for n in names if n.endswith(".comfy_quant")]
+    for name, tensor in store.read(flags).items():
+        formats[name.removesuffix(".comfy_quant")] = json.loads(bytes(tensor.reshape(-1).tolist()))
+    if "_quantization_metadata" in store.metadata:
+        formats.update(json.loads(store.metadata["_quantization_metadata"]).get("layers", {}))
+    elif f"{prefix}scaled_fp8" in names:
+        formats.update({n.removesuffix(".scale_weight"): {"format": "float8_e4m3fn"} for n in names if n.endswith(".scale_weight")})
+    refused: dict[str, list[str]] = {}
+    for layer, conf in formats.items():
+        if _format_name(conf) not in FP8_FORMATS:
+            refused.setdefault(_format_name(conf), []).append(layer)
+    if refused:
+        found = "; ".join(f"{fmt} ({len(layers)} layers, e.g. {sorted(layers)[0]})" for fmt, layers in sorted(refused.items()))
+        raise WeightFileError(f"{store.path}: {found}: no exact dequantization; Vflash reads {SUPPORTED_FILES}")
+    out = {}
+    for layer, conf in sorted(formats.items()):
+        scale = f"{layer}.weight_scale" if f"{layer}.weight_scale" in names else f"{layer}.scale_weight"
+        out[f"{layer}.weight"] = ScaledWeight(scale, FP8_FORMATS[conf["format"]])
+    return out
+
+
 class SourceWeights:
-    """An official H3 transformer checkpoint, readable in internal naming. Holds no open file.
+    """An H3 transformer checkpoint (official, or a Comfy-Org fp8_scaled / pruned file), readable in internal naming.
+    Holds no open file.
 
     Args:
         path: a diffusers `transformer/` folder, a single `.safetensors` file, an index json, or a folder of
@@ -120,18 +205,17 @@ class SourceWeights:
         qkv_layout: for the original layout only, `"stacked"` (default; published single files) or `"interleaved"`
             (raw MiniMaxAI shards).
         config: the transformer config; read from `config.json` (diffusers folder), the file's `__metadata__`
-            `config` entry, or inferred from tensor shapes, in that order, when not given.
+            `config` entry, or inferred from tensor shapes, in that order, when not given. For a pruned file it is
+            the base model's (`time_embed_dim` is the full width; the file's rank is `curve[1]`).
+
+    `format` is "fp8_scaled" or the main blocks' stored dtype ("bf16", "fp16", "fp32"); `curve` is (grid, rank) of a
+    pruned file's `adaln_t_table`, else None.
     """
 
     def __init__(self, path: str | Path, qkv_layout: str | None = None, config: H3Config | None = None):
         self.path = Path(path)
         self.store = TensorStore(self.path)
         names = set(self.store.names)
-        if any(name.endswith("adaln_t_table") for name in names):
-            raise WeightFileError(
-                f"{self.path}: pruned H3 checkpoint (has an `adaln_t_table`); Vflash needs the official weights with "
-                "`time_embedder` and every `adaln_proj`"
-            )
         if "transformer_blocks.0.attn.to_q.weight" in names:
             self.layout = "diffusers"
             if qkv_layout not in (None, "stacked"):
@@ -150,9 +234,46 @@ class SourceWeights:
             if qkv_layout not in ("stacked", "interleaved"):
                 raise WeightFileError(f"qkv_layout must be 'stacked' or 'interleaved', got {qkv_layout!r}")
             self.qkv_layout = qkv_layout
+        table = f"{self._prefix}adaln_t_table"
+        self.curve: tuple[int, int] | None = None
+        if table in names:
+            shape = self.store.info(table).shape
+            if len(shape) != 2 or shape[0] < 2 or self.store.info(table).dtype != torch.float32:
+                raise WeightFileError(f"{self.path}: `adaln_t_table` must be a [grid >= 2, rank] fp32 table, found {list(shape)} {self.store.info(table).dtype}")
+            self.curve = (shape[0], shape[1])
+        self._quantized = quantized_layers(self.store, self._prefix)
         self.config = config or self._find_config()
+        self._shapes = self._build_shapes()
+        self._aux = {*aux_shapes(self.config), "adaln_t_table"} & set(self._shapes)
         self._sources = self._build_sources()
         self._validate()
+        self._scales = self.store.read(sorted({q.scale for q in self._quantized.values()}))
+        self.format = "fp8_scaled" if self._quantized else _DTYPE_NAMES[self.dtype_of("blocks.0.attn.qkv.weight")]
+
+    @property
+    def pruned(self) -> bool:
+        return self.curve is not None
+
+    def describe(self) -> dict[str, object]:
+        """What a receipt and a compiled artifact record of the weights' form."""
+        return {"format": self.format, "quantized_layers": len(self._quantized), "pruned": None if self.curve is None else {"grid": self.curve[0], "rank": self.curve[1]}}
+
+    def check_profile(self, profile: Profile) -> None:
+        """A pruned file compiles only for a -pruned profile, and a -pruned profile only from a pruned file."""
+        from .profiles import PROFILES
+
+        if self.pruned and not profile.pruned:
+            grid, rank = self.curve  # type: ignore[misc]
+            choices = ", ".join(p for p, v in PROFILES.items() if v.pruned and v.arch == profile.arch) or "a -pruned profile"
+            raise IdentityMismatchError(
+                f"{self.path} is a pruned file (an `adaln_t_table` [{grid}, {rank}] replaces the time embedder): it compiles "
+                f"only for a -pruned profile (approximate AdaLN), not {profile.id}; for {profile.arch}: {choices}"
+            )
+        if profile.pruned and not self.pruned:
+            raise IdentityMismatchError(
+                f"profile {profile.id} is for pruned files (with an `adaln_t_table`); {self.path} holds the full AdaLN "
+                "weights: choose the profile without -pruned"
+            )
 
     # -- config -------------------------------------------------------------------------------------------------
 
@@ -178,6 +299,13 @@ class SourceWeights:
         prefix = re.escape(self._prefix)
         num_layers = count(rf"{prefix}blocks\.(\d+)\.")
         num_refiner = count(rf"{prefix}token_refiner\.blocks\.(\d+)\.")
+        time = {}
+        if not self.pruned:  # a pruned file has no time embedder: the base model's widths stay the defaults
+            time = dict(
+                freq_dim=shape("time_embedder.proj_in.weight")[1],
+                time_embed_hidden_dim=shape("time_embedder.proj_in.weight")[0],
+                time_embed_dim=shape("time_embedder.proj_out.weight")[0],
+            )
         return H3Config(
             num_attention_heads=inner // head_dim,
             attention_head_dim=head_dim,
@@ -188,9 +316,7 @@ class SourceWeights:
             in_channels=video_patch[1] // 4,
             audio_in_channels=shape("audio_patch_proj.weight")[1],
             text_dim=shape("condition_proj.weight")[1],
-            freq_dim=shape("time_embedder.proj_in.weight")[1],
-            time_embed_hidden_dim=shape("time_embedder.proj_in.weight")[0],
-            time_embed_dim=shape("time_embedder.proj_out.weight")[0],
+            **time,
             # Not stored (the inv_freq buffer is recomputed): the release rotates 3/4 of each head (96 of 128).
             rope_freq_dim=head_dim // 8,
         )
@@ -262,34 +388,55 @@ class SourceWeights:
                 sources[f"{internal}.{suffix}"] = _Source([(name, 0, -1, 0)])
         for internal, (d_name, o_name) in _AUX_NORMS.items():
             sources[internal] = _Source([(d_name if diffusers else self._raw(o_name), 0, -1, 0)])
-        return sources
+        sources["adaln_t_table"] = _Source([(self._raw("adaln_t_table"), 0, -1, 0)])
+        return {name: source for name, source in sources.items() if name in self._shapes}
 
     # -- validation and reads -----------------------------------------------------------------------------------
 
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every internal tensor of this checkpoint with its shape."""
+    def _build_shapes(self) -> dict[str, tuple[int, ...]]:
         shapes = {}
         for i in range(self.config.num_layers):
             shapes.update(block_shapes(self.config, f"blocks.{i}", with_adaln=True))
         for j in range(self.config.num_refiner_layers):
             shapes.update(block_shapes(self.config, f"refiner.{j}", with_adaln=False))
         shapes.update(aux_shapes(self.config))
+        if self.curve is not None:  # reduced-rank AdaLN projections read the table's curve; no time embedder
+            grid, rank = self.curve
+            h = self.config.hidden_size
+            for i in range(self.config.num_layers):
+                shapes[f"blocks.{i}.adaln.weight"] = (18 * h, rank)
+            shapes["norm_out.linear.weight"] = (2 * h, rank)
+            shapes = {name: shape for name, shape in shapes.items() if not name.startswith("time_embedder.")}
+            shapes["adaln_t_table"] = (grid, rank)
         return shapes
 
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every internal tensor of this checkpoint with its shape."""
+        return dict(self._shapes)
+
     def _validate(self) -> None:
-        """Every source tensor present with the shape the config implies and a float dtype; one error lists all."""
+        """Every source tensor present with the shape the config implies and a float dtype (float8 for the layers a
+        scaled-FP8 file quantizes, each with a one-element float scale); one error lists all."""
         expect: dict[str, tuple[tuple[int, ...], tuple[torch.dtype, ...]]] = {}
-        for internal, shape in self.shapes().items():
-            source = self._sources[internal]
-            if len(source.pieces) == 1 and source.pieces[0][2] == -1:
-                expect[source.pieces[0][0]] = (shape, FLOAT_DTYPES)
-            else:
-                for name, *_ in source.pieces:
-                    if name not in expect:
-                        rows = self._source_rows(internal, name, shape)
-                        expect[name] = ((rows, *shape[1:]), FLOAT_DTYPES)
+        for internal, shape in self._shapes.items():
+            for name, start, stop, _ in self._sources[internal].pieces:
+                if name not in expect:
+                    rows = shape[0] if stop == -1 else self._source_rows(internal, name, shape)
+                    expect[name] = ((rows, *shape[1:]), FLOAT_DTYPES)
+        unmarked = sorted(n for n in expect if n in self.store and n not in self._quantized and self.store.info(n).dtype not in FLOAT_DTYPES)
+        if unmarked:
+            dtypes = sorted({str(self.store.info(n).dtype).removeprefix("torch.") for n in unmarked})
+            raise WeightFileError(
+                f"{self.path}: {len(unmarked)} weight(s) stored as {'/'.join(dtypes)} without ComfyUI quantization metadata "
+                f"(e.g. {unmarked[0]}); Vflash reads {SUPPORTED_FILES}"
+            )
+        for name, scaled in self._quantized.items():
+            if name in expect:
+                expect[name] = (expect[name][0], (scaled.code_dtype,))
+                stored = self.store.info(scaled.scale).shape if scaled.scale in self.store else ()
+                expect[scaled.scale] = (stored if math.prod(stored) == 1 else (), FLOAT_DTYPES)  # 0-d or one element
         self.store.require(expect)
-        block_dtypes = {self.store.info(self._sources[n].pieces[0][0]).dtype for n in self.shapes() if n.startswith("blocks.")}
+        block_dtypes = {self.dtype_of(n) for n in self._shapes if n.startswith("blocks.") and not n.endswith((".adaln.weight", ".adaln.bias"))}
         if len(block_dtypes) > 1:
             raise WeightFileError(f"{self.path}: main-block tensors mix dtypes {sorted(map(str, block_dtypes))}")
 
@@ -299,22 +446,29 @@ class SourceWeights:
         return shape[0]  # fused qkv_proj or fc1: the source tensor has the internal row count
 
     def dtype_of(self, internal: str) -> torch.dtype:
-        return self.store.info(self._sources[internal].pieces[0][0]).dtype
+        """The dtype `read` returns: the stored one, or bf16 for a float8 weight (ComfyUI core dequantizes every
+        quantized layer to its compute dtype, bf16 on a device with bf16)."""
+        name = self._sources[internal].pieces[0][0]
+        return torch.bfloat16 if name in self._quantized else self.store.info(name).dtype
 
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """Read internal tensors (names from `shapes()`) into fresh CPU tensors."""
-        shapes = self.shapes()
+        """Read internal tensors (names from `shapes()`) into fresh CPU tensors; float8 weights are dequantized."""
         out: dict[str, torch.Tensor] = {}
         requests = []
+        scaled: list[tuple[torch.Tensor, str, torch.Tensor]] = []  # (code, scale name, destination)
         for internal in names:
-            tensor = torch.empty(shapes[internal], dtype=self.dtype_of(internal))
+            tensor = torch.empty(self._shapes[internal], dtype=self.dtype_of(internal))
             out[internal] = tensor
             for name, start, stop, dst in self._sources[internal].pieces:
-                if stop == -1:
-                    requests.append(ReadRequest(name, tensor))
-                else:
-                    requests.append(ReadRequest(name, tensor[dst : dst + stop - start], start, stop))
+                target = tensor if stop == -1 else tensor[dst : dst + stop - start]
+                if name in self._quantized:
+                    code = torch.empty(target.shape, dtype=self._quantized[name].code_dtype)
+                    scaled.append((code, self._quantized[name].scale, target))
+                    target = code
+                requests.append(ReadRequest(name, target) if stop == -1 else ReadRequest(name, target, start, stop))
         self.store.read_into(requests)
+        for code, scale, target in scaled:
+            dequantize(code, self._scales[scale], target.dtype, out=target)
         return out
 
     def read_block(self, index: int, with_adaln: bool = False) -> dict[str, torch.Tensor]:
@@ -330,7 +484,8 @@ class SourceWeights:
         return self.read(names + ["refiner.final_norm.weight"])
 
     def read_aux(self, include: Callable[[str], bool] = lambda name: True) -> dict[str, torch.Tensor]:
-        return self.read([n for n in aux_shapes(self.config) if include(n)])
+        """Tensors outside the main and refiner blocks (with a pruned file's `adaln_t_table`) that `include` accepts."""
+        return self.read([n for n in self._shapes if n in self._aux and include(n)])
 
     @property
     def files(self) -> list[Path]:

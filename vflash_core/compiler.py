@@ -1,4 +1,4 @@
-"""The weights compiler: official weights (+ LoRA) -> packed blocks, auxiliary tensors and a schedule overlay.
+"""The weights compiler: H3 weights (+ LoRA) -> packed blocks, auxiliary tensors and a schedule overlay.
 
 Verbs (`python -m vflash_core.compiler prepare|compile|verify`):
 
@@ -15,9 +15,11 @@ Verbs (`python -m vflash_core.compiler prepare|compile|verify`):
   - `schedule/overlay.safetensors`: for every step of the profile's fixed schedule and every distinct-timestep vector
     a request of the profile can present, `temb`, each block's AdaLN table and the `norm_out` shift/scale, computed
     on the target device from exactly that vector (the fp32 `time_embedder` GEMM is not row-invariant), with any
-    LoRA on `adaln_proj`, `time_embedder` or `norm_out` folded in;
+    LoRA on `adaln_proj`, `time_embedder` or `norm_out` folded in (a pruned file, for a -pruned profile: from its
+    `adaln_t_table` curve and reduced-rank projections, see `model.curve_time_embedding`);
   - a `manifest.json` in `artifact/` and `schedule/` (and metadata in the auxiliary file) carrying one compile id,
-    the profile identity, the config, the device architecture and the size and sha256 of every file.
+    the profile identity, the config, the device architecture, the base weights' form (`format`: "bf16" or
+    "fp8_scaled", dequantized to BF16 as it is read; `pruned`) and the size and sha256 of every file.
 
 Loading (see `artifact.py`) checks format, compile id, identities and sizes, and never rehashes the model; `verify`
 re-hashes a compiled folder against the sha256 of every file recorded as it was written.
@@ -40,12 +42,12 @@ import torch
 from tqdm.auto import tqdm
 
 from . import model as M
-from .checkpoint import SourceWeights
+from .checkpoint import TABLE_INPUTS, SourceWeights
 from .config import H3Config
 from .errors import IdentityMismatchError, VflashError
 from .formats import ARTIFACT_FORMAT, OVERLAY_FORMAT, WEIGHTS_RECEIPT_FORMAT, device_arch
 from .fileio import atomic_directory, atomic_file, check_writable_destination
-from .lora import Adapter, load_adapter
+from .lora import TABLE_ONLY, Adapter, load_adapter
 from .profiles import Profile, get_profile
 from .schedule import distinct_timesteps
 
@@ -82,6 +84,7 @@ def prepare(
     profile = _resolve(profile)
     receipt = check_writable_destination(receipt)
     source = SourceWeights(transformer, qkv_layout=qkv_layout)
+    source.check_profile(profile)
     if profile.adapter is None and adapter is not None:
         raise IdentityMismatchError(f"profile {profile.id} uses no adapter, but {adapter} was given")
     if profile.adapter is not None and adapter is None:
@@ -108,6 +111,7 @@ def prepare(
             "path": str(folder.resolve()),
             "layout": source.layout,
             "qkv_layout": source.qkv_layout,
+            **source.describe(),
             "config": source.config.to_dict(),
             "files": _hash_files(source.files, progress),
         },
@@ -221,6 +225,7 @@ def compile_receipt(receipt_path: str | Path, output: str | Path, device: str = 
         raise VflashError(f"{output} already exists; refusing to overwrite it")
     tx = receipt["transformer"]
     source = SourceWeights(tx["path"], qkv_layout=None if tx["layout"] == "diffusers" else tx["qkv_layout"])
+    source.check_profile(profile)
     _verify_receipt_files(receipt, source, progress)
     adapter = None
     if receipt["adapter"] is not None:
@@ -241,7 +246,11 @@ def _identity(profile: Profile, receipt: dict, config: H3Config, arch: str, comp
         "profile": profile.identity(),
         "config": config.to_dict(),
         "arch": arch,
-        "base_weights": {"layout": receipt["transformer"]["layout"], "files": [_identity_record(f) for f in receipt["transformer"]["files"]]},
+        "base_weights": {
+            "layout": receipt["transformer"]["layout"],
+            **{k: receipt["transformer"][k] for k in ("format", "quantized_layers", "pruned") if k in receipt["transformer"]},
+            "files": [_identity_record(f) for f in receipt["transformer"]["files"]],
+        },
         "adapter": None if receipt["adapter"] is None else {k: receipt["adapter"][k] for k in ("name", "size", "sha256", "format", "alpha_source", "network_alpha")},
         "torch": torch.__version__,
     }
@@ -299,21 +308,34 @@ def _write_compiled(
     (out / "artifact").mkdir()
     (out / "schedule").mkdir()
 
-    # Tables first need temb for every (step, vector); the time embedder is small and read once.
-    table_aux = {k: v.to(device) for k, v in source.read_aux(lambda n: n.startswith(("time_embedder.", "norm_out.linear."))).items()}
-    aux_loras = {k: tuple(r.to(device) for r in rs) for k, rs in (adapter.aux() if adapter else {}).items()}
+    # Tables first need temb for every (step, vector); the time embedder (or a pruned file's curve table) is small
+    # and read once. A pruned file's tables follow ComfyUI core for that file: the curve read by interpolation, fp32
+    # projections without SiLU, block rows cast to the blocks' dtype. A LoRA's modules feeding only the tables do not
+    # fit its reduced-rank projections (core skips them with a shape warning); they are left out and recorded.
+    pruned = source.pruned
+    table_aux = {k: v.to(device) for k, v in source.read_aux(lambda n: n.startswith(TABLE_INPUTS)).items()}
+    not_applied = sorted(n for n in adapter.residuals if TABLE_ONLY.match(n)) if adapter and pruned else []
+    if not_applied:
+        logger.warning("%d LoRA module(s) of %s feed the AdaLN tables and do not apply to a pruned file; left out", len(not_applied), adapter.path.name)  # type: ignore[union-attr]
+    aux_loras = {k: tuple(r.to(device) for r in rs) for k, rs in (adapter.aux() if adapter and not pruned else {}).items()}
+    block_dtype = source.dtype_of("refiner.final_norm.weight")
     vectors = _timestep_vectors(profile)
     overlay: dict[str, torch.Tensor] = {}
     entries = []
     tembs = []
     for s, step_vectors in enumerate(vectors):
         for v, vector in enumerate(step_vectors):
-            temb = M.time_embedding(vector.to(device), table_aux, config, aux_loras)
-            tembs.append((s, v, temb))
             key = f"step{s:03d}.v{v}"
+            if pruned:
+                temb = M.curve_time_embedding(vector.to(device), table_aux["adaln_t_table"])
+                norm_out = M.curve_norm_out_table(temb, table_aux["norm_out.linear.weight"].float(), table_aux["norm_out.linear.bias"].float())
+            else:
+                temb = M.time_embedding(vector.to(device), table_aux, config, aux_loras)
+                norm_out = M.norm_out_table(temb, table_aux["norm_out.linear.weight"], table_aux["norm_out.linear.bias"], aux_loras.get("norm_out.linear", ()))
+            tembs.append((s, v, temb))
             overlay[f"{key}.timesteps"] = vector
             overlay[f"{key}.temb"] = temb.cpu()
-            overlay[f"{key}.norm_out"] = M.norm_out_table(temb, table_aux["norm_out.linear.weight"], table_aux["norm_out.linear.bias"], aux_loras.get("norm_out.linear", ())).cpu()
+            overlay[f"{key}.norm_out"] = norm_out.cpu()
             entries.append({"step": s, "variant": v, "timesteps": vector.tolist()})
 
     # Blocks stream through: source reads run READ_AHEAD_BLOCKS ahead of the table GEMMs, and each packed block is
@@ -335,7 +357,11 @@ def _write_compiled(
             block_loras = adapter.for_prefix(f"blocks.{i}") if adapter else {}
             adaln_loras = tuple(r.to(device) for r in block_loras.pop("adaln", ()))
             for s, v, temb in tembs:
-                overlay[f"step{s:03d}.v{v}.block{i:03d}"] = M.adaln_table(temb, weight, bias, adaln_loras).cpu()
+                if pruned:
+                    table = M.curve_adaln_table(temb, weight.float(), bias.float(), block_dtype)
+                else:
+                    table = M.adaln_table(temb, weight, bias, adaln_loras)
+                overlay[f"step{s:03d}.v{v}.block{i:03d}"] = table.cpu()
             del adaln, weight, bias
             tensors = {k.split(".", 2)[2]: t for k, t in block.items()}
             lora_tensors, records = _lora_tensors(block_loras)
@@ -352,7 +378,7 @@ def _write_compiled(
         reader.shutdown(wait=True, cancel_futures=True)
         writer.shutdown(wait=True, cancel_futures=True)
 
-    aux = source.read_aux(lambda n: not n.startswith(("time_embedder.", "norm_out.linear.")))
+    aux = source.read_aux(lambda n: not n.startswith(TABLE_INPUTS))
     aux.update(source.read_refiner())
     runtime_loras = {}
     if adapter:
@@ -370,6 +396,7 @@ def _write_compiled(
     artifact_manifest = {
         "format": ARTIFACT_FORMAT,
         **identity,
+        "adapter_not_applied": not_applied,
         "blocks": [{"file": f["name"], "lora": r, **f} for f, r in zip(block_files, lora_records)],
         "auxiliary": aux_file,
     }

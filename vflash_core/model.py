@@ -312,7 +312,11 @@ def output_heads(
     config: H3Config,
     aux_loras: Mapping[str, tuple[LoraResidual, ...]] = {},
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Final modulated norm and the fp32 heads over every row, then the video / audio rows: (Nv, P), (Na, C)."""
+    """Final modulated norm and the fp32 heads over every row, then the video / audio rows: (Nv, P), (Na, C).
+
+    The modulation runs in the table's dtype: bf16 (three roundings) for official weights, fp32 for a pruned file's
+    fp32 table (the bf16 norm promoted, as ComfyUI core's final layer computes it for such a file).
+    """
     h = rms_norm_modulate(x, aux["norm_out.norm.weight"], config.final_norm_eps, norm_out_rows, timestep_indices, "out")
     h = h.to(aux["proj_out.weight"].dtype)
     video = linear(h, aux["proj_out.weight"], aux["proj_out.bias"], aux_loras.get("proj_out", ())).index_select(1, layout["video_indices"])
@@ -362,3 +366,31 @@ def adaln_table(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, lo
 def norm_out_table(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, loras: tuple[LoraResidual, ...] = ()) -> torch.Tensor:
     """Final-norm modulation (T, 2H): shift then scale, one row per timestep (no modality split)."""
     return linear(F.silu(temb).to(weight.dtype), weight, bias, loras)
+
+
+# -- pruned files: the AdaLN of a reduced-rank time-embedding curve (approximate) ---------------------------------
+
+
+def curve_time_embedding(timesteps: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """(T,) fp32 timesteps -> (T, k) fp32 time embedding read from a pruned file's `adaln_t_table` (grid, k).
+
+    The table holds the time-embedding curve at `grid` evenly spaced t in [0, 1], reduced to k directions; t (clamped
+    to [0, 1]) is read by linear interpolation between the two rows around it, t = 1 at the end of the last interval.
+    These are ComfyUI core's ops for such a file, in its order. The approximation against the full model is the rank
+    k and the interpolation.
+    """
+    grid = table.shape[0]
+    position = timesteps.clamp(0.0, 1.0) * (grid - 1)
+    lower = position.floor().long().clamp(max=grid - 2)
+    return torch.lerp(table[lower], table[lower + 1], (position - lower).unsqueeze(1))
+
+
+def curve_adaln_table(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A pruned file's block modulation table (3T, 6H) in the blocks' `dtype`: its fp32 reduced-rank projection of the
+    curve embedding, without SiLU, then one cast (core casts each row it uses to the stream's dtype)."""
+    return F.linear(temb, weight, bias).view(-1, weight.shape[0] // NUM_MODALITIES).to(dtype)
+
+
+def curve_norm_out_table(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """A pruned file's final-norm modulation (T, 2H) in fp32, without SiLU; `output_heads` then modulates in fp32."""
+    return F.linear(temb, weight, bias)

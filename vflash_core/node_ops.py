@@ -578,6 +578,12 @@ def check_loader(host: Host, folders: Folders, model: str, profile: str, weight_
     chosen = recorded_profile(model, path, profile)
     if chosen is None and model.startswith(("diffusers/", "diffusion_models/")):
         raise VflashError(f"{model} holds official weights; choose the profile to compile them for (e.g. {ordered_profiles()[1]})")
+    if chosen is not None and model.startswith(("diffusers/", "diffusion_models/")):
+        from .checkpoint import SourceWeights
+
+        # The file's form (header and scales only): quantized formats without an exact dequantization are refused, and
+        # a pruned file pairs only with a -pruned profile.
+        SourceWeights(path if Path(path).is_file() else Path(path) / "transformer").check_profile(chosen)
     if device == "auto" and chosen is not None and chosen.arch == "cpu":
         device = "cpu"  # a CPU-compiled profile (the embedded demo's) runs on the CPU whatever the host's device
     resolved = resolve_device(host, device)
@@ -1101,7 +1107,8 @@ def sample(registry: EngineRegistry, host: Host, model: ModelSpec, cond: Conditi
         f"{session.profile.id} ({session.profile.nfe} evaluations) in {time.perf_counter() - start:.2f} s"
     )
     host.log(_memory_line(result.metadata))
-    for note in cond.notes:
+    notes = [*cond.notes, *session.compiled.base_weight_notes()]
+    for note in notes:
         host.log(f"Vflash sampled with {note}")
     if profile_denoise and result.denoise_profile is not None:
         import json
@@ -1110,8 +1117,8 @@ def sample(registry: EngineRegistry, host: Host, model: ModelSpec, cond: Conditi
     if force_offload:
         registry.release("dit")
     out = cl.to_comfy_latent(result.video_latents, result.audio_latents, host.nested)
-    if cond.notes:
-        out["vflash_notes"] = list(cond.notes)  # result metadata: how this differs from the diffusers pipeline
+    if notes:
+        out["vflash_notes"] = notes  # result metadata: how this differs from the diffusers pipeline on the release
     return out
 
 

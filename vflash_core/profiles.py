@@ -43,6 +43,9 @@ class Profile:
     max_seconds: float
     arch: str  # "sm86", "sm89", "sm90" or "cpu": where the schedule tables were computed
     attention: str = "exact"
+    # Approximate: compiled from a pruned file (an `adaln_t_table` replaces the time embedder; reduced-rank AdaLN),
+    # whose tables are computed as ComfyUI core computes them for that file. Only pruned files compile for it.
+    pruned: bool = False
 
     @property
     def schedule(self) -> FixedSchedule:
@@ -64,6 +67,8 @@ class Profile:
         """What must agree between a profile and an artifact compiled for it (the id is not part of it)."""
         out = asdict(self)
         del out["id"], out["min_seconds"], out["max_seconds"], out["modes"]
+        if not self.pruned:  # absent from the identities of artifacts compiled before pruned profiles existed
+            del out["pruned"]
         out["timestep_kinds"] = [list(k) for k in self.timestep_kinds()]
         return out
 
@@ -114,11 +119,16 @@ PROFILES: dict[str, Profile] = {
     # the 141 GB H200 runs it resident).
     **_family("t2va-base16-bf16", ("sm90",), modes=("t2va", *_KEYFRAMES), variant="transformer", adapter=None, nfe=16, video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=15.0),
     **_family("ref2va-base16-bf16", ("sm90",), modes=("ref2va",), variant="transformer_ref", adapter=None, nfe=16, video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=15.0),
+    # Pruned Comfy-Org files (approximate, never chosen for you): the Turbo4 t2va and Base16 profiles over a pruned
+    # file's rank-k time embedding (its `adaln_t_table` read by linear interpolation) and reduced-rank AdaLN.
+    **_family("t2va-turbo4-pruned", _GPU, modes=("t2va",), variant="transformer", adapter=_BASE_TURBO4, nfe=4, video_shift=6.0, audio_shift=3.0, min_seconds=5.0, max_seconds=5.2, pruned=True),
+    **_family("t2va-base16-pruned-bf16", ("sm90",), modes=("t2va", *_KEYFRAMES), variant="transformer", adapter=None, nfe=16, video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=15.0, pruned=True),
     # CPU profiles: tests and the embedded demo.
     # The Turbo4 t2va profile's schedule and adapter on the CPU: the end-to-end benchmark's dry run at demo size.
     "t2va-turbo4-exact-cpu": Profile("t2va-turbo4-exact-cpu", ("t2va",), "transformer", _BASE_TURBO4, 4, 6.0, 3.0, 5.0, 5.2, "cpu"),
     "t2va-base4-exact-cpu": Profile("t2va-base4-exact-cpu", ("t2va", *_KEYFRAMES), "transformer", None, 4, 12.0, 3.0, 5.0, 15.0, "cpu"),
     "t2va-base16-exact-cpu": Profile("t2va-base16-exact-cpu", ("t2va", *_KEYFRAMES), "transformer", None, 16, 12.0, 3.0, 5.0, 15.0, "cpu"),
+    "t2va-base4-pruned-cpu": Profile("t2va-base4-pruned-cpu", ("t2va", *_KEYFRAMES), "transformer", None, 4, 12.0, 3.0, 5.0, 15.0, "cpu", pruned=True),
     "ref2va-base4-exact-cpu": Profile("ref2va-base4-exact-cpu", ("ref2va",), "transformer_ref", None, 4, 12.0, 3.0, 5.0, 15.0, "cpu"),
 }
 

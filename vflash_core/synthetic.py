@@ -2,7 +2,8 @@
 
 No weights can be downloaded where the tests and the embedded demo run, so both build small random models here, in
 exactly the layouts `checkpoint.SourceWeights` reads: the diffusers `transformer/` folder (single file or sharded with
-an index) and the original single-file names (stacked or per-head interleaved QKV, `mlp.fc1` as [gate; value]).
+an index), the original single-file names (stacked or per-head interleaved QKV, `mlp.fc1` as [gate; value]) and
+Comfy-Org's repacked single files (with `rope.inv_freq`; optionally ComfyUI scaled-FP8, optionally pruned).
 Norm weights are random too, so a missing weight multiply cannot hide behind ones.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -20,6 +22,7 @@ from safetensors.torch import save_file
 
 from .checkpoint import aux_shapes, block_shapes
 from .config import H3Config
+from .model import rope_inv_freq, time_embedding
 
 # Tensors the released checkpoint stores in fp32; everything else is bf16.
 FP32_PREFIXES = ("proj_in.", "audio_proj_in.", "time_embedder.", "proj_out.", "audio_proj_out.")
@@ -137,6 +140,8 @@ def to_original_names(weights: dict[str, torch.Tensor], config: H3Config, qkv_la
             out[f"{prefix}.{local}"] = tensor
         elif name == "refiner.final_norm.weight":
             out["token_refiner.final_norm.weight"] = tensor
+        elif name == "adaln_t_table":
+            out[name] = tensor
         elif name == "norm_out.norm.weight":
             out["final_layer.norm.weight"] = tensor
         else:
@@ -267,4 +272,59 @@ def write_original_transformer(
     path = Path(path)
     metadata = {"config": json.dumps(config.to_dict())} if embed_config else {}
     save_file(to_original_names(weights, config, qkv_layout), str(path), metadata=metadata)
+    return path
+
+
+def prune_adaln(weights: Mapping[str, torch.Tensor], config: H3Config, grid: int = 1025, rank: int = 8) -> dict[str, torch.Tensor]:
+    """`weights` as a pruned file holds them: the post-SiLU time-embedding curve sampled at `grid` evenly spaced t in
+    [0, 1] (fp32), projected on its top `rank` right-singular directions U: `adaln_t_table` = curve @ U [grid, rank],
+    each AdaLN projection (blocks and `norm_out.linear`) W -> W @ U in fp32 with its bias in fp32, no time embedder.
+    The pruned model approximates the full one as closely as rank `rank` and the interpolation allow."""
+    t = torch.linspace(0.0, 1.0, grid, dtype=torch.float64).float()
+    curve = torch.nn.functional.silu(time_embedding(t, weights, config))
+    basis = torch.linalg.svd(curve, full_matrices=False).Vh[:rank].T.contiguous()  # (time_embed_dim, rank)
+    out = {name: tensor for name, tensor in weights.items() if not name.startswith("time_embedder.")}
+    out["adaln_t_table"] = (curve @ basis).contiguous()
+    for name in [n for n in out if n.endswith(".adaln.weight") or n == "norm_out.linear.weight"]:
+        out[name] = (out[name].float() @ basis).contiguous()
+        bias = name.removesuffix("weight") + "bias"
+        out[bias] = out[bias].float()
+    return out
+
+
+# Linears a Comfy-Org scaled-FP8 file stores as float8 (original names): block and refiner projections, condition_proj.
+_FP8_LAYERS = re.compile(r"^((token_refiner\.)?blocks\.\d+\.(attn\.qkv_proj|attn\.out_proj|mlp\.fc1|mlp\.fc2|adaln_proj\.linear)|condition_proj)$")
+
+
+def write_comfy_transformer(
+    path: str | Path, config: H3Config, weights: Mapping[str, torch.Tensor], fp8: str | None = None, embed_config: bool = True
+) -> Path:
+    """A Comfy-Org single file: original names with stacked QKV and the `rope.inv_freq` buffer, from full or pruned
+    (`prune_adaln`) weights. With `fp8`, the bf16 linears ComfyUI quantizes become float8_e4m3fn codes with one fp32
+    scale each (`scale = amax / 448`, `code = fp8(w / scale)`), marked the way ComfyUI marks them: "metadata"
+    (`_quantization_metadata` and `<layer>.weight_scale`), "comfy_quant" (a `<layer>.comfy_quant` tensor each) or
+    "legacy" (a `scaled_fp8` tensor and `<layer>.scale_weight`)."""
+    path = Path(path)
+    state = {**to_original_names(dict(weights), config), "rope.inv_freq": rope_inv_freq(config)}
+    metadata = {"config": json.dumps(config.to_dict())} if embed_config else {}
+    if fp8 is not None:
+        layers = {}
+        for name in [n for n in state if n.endswith(".weight") and _FP8_LAYERS.match(n.removesuffix(".weight")) and state[n].dtype == torch.bfloat16]:
+            layer = name.removesuffix(".weight")
+            weight = state[name].float()
+            scale = weight.abs().amax() / torch.finfo(torch.float8_e4m3fn).max
+            state[name] = (weight / scale).to(torch.float8_e4m3fn)
+            conf = {"format": "float8_e4m3fn"}
+            if fp8 == "legacy":
+                state[f"{layer}.scale_weight"] = scale
+            else:
+                state[f"{layer}.weight_scale"] = scale
+                if fp8 == "comfy_quant":
+                    state[f"{layer}.comfy_quant"] = torch.tensor(list(json.dumps(conf).encode()), dtype=torch.uint8)
+            layers[layer] = conf
+        if fp8 == "metadata":
+            metadata["_quantization_metadata"] = json.dumps({"format_version": "1.0", "layers": layers})
+        elif fp8 == "legacy":
+            state["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
+    save_file(state, str(path), metadata=metadata)
     return path

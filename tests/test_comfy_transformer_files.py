@@ -1,0 +1,287 @@
+"""Comfy-Org transformer files as Vflash sources: fp8_scaled (exact for its dequantized weights), pruned (approximate,
+its own profiles), other quantized formats refused. Small files in these layouts are written here
+(`synthetic.write_comfy_transformer`); `tests/test_comfyui_server.py` checks the same files against ComfyUI core."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from conftest import TINY, assert_bitwise, compile_tiny, cpu_profile
+from safetensors.torch import load_file, save_file
+
+from vflash_core import Geometry, NativeEngineSession, build_keyframe_bundle, synthetic
+from vflash_core import model as M
+from vflash_core.artifact import CompiledArtifact
+from vflash_core.checkpoint import SourceWeights
+from vflash_core.errors import IdentityMismatchError, WeightFileError
+from vflash_core.profiles import AdapterSpec
+
+HEIGHT, WIDTH, FRAMES = 64, 96, 124
+
+
+@pytest.fixture(scope="module")
+def base_weights():
+    return synthetic.random_internal_weights(TINY, seed=12)
+
+
+@pytest.fixture(scope="module")
+def pruned_file(tmp_path_factory, base_weights):
+    return synthetic.write_comfy_transformer(tmp_path_factory.mktemp("pruned") / "h3_pruned.safetensors", TINY, synthetic.prune_adaln(base_weights, TINY))
+
+
+@pytest.fixture(scope="module")
+def full_file(tmp_path_factory, base_weights):
+    return synthetic.write_comfy_transformer(tmp_path_factory.mktemp("full") / "h3_bf16.safetensors", TINY, base_weights)
+
+
+def _bundle(seed: int = 7):
+    g = torch.Generator().manual_seed(seed)
+    embeds = torch.randn(6, TINY.text_dim, generator=g).to(torch.bfloat16)
+    return build_keyframe_bundle(embeds, torch.ones(6, dtype=torch.long), Geometry(HEIGHT, WIDTH, FRAMES), TINY, torch.Generator().manual_seed(seed), seed=seed)
+
+
+def _compile(folder, transformer, profile, adapter=None):
+    folder.mkdir(parents=True)
+    return compile_tiny(folder, transformer, profile, adapter=adapter)
+
+
+def _generate(profile, paths, seed: int = 7):
+    with NativeEngineSession(profile, **paths) as session:
+        return session.generate(_bundle(seed))
+
+
+# -- reading ------------------------------------------------------------------------------------------------------
+
+
+def test_pruned_file_reads_its_curve_and_reduced_rank_adaln(pruned_file):
+    raw = load_file(pruned_file)
+    assert "adaln_t_table" in raw and "rope.inv_freq" in raw and not any(k.startswith("time_embedder.") for k in raw)
+    source = SourceWeights(pruned_file)
+    assert source.pruned and source.curve == (1025, 8) and source.format == "bf16"
+    assert source.describe() == {"format": "bf16", "quantized_layers": 0, "pruned": {"grid": 1025, "rank": 8}}
+    shapes = source.shapes()
+    assert shapes["blocks.1.adaln.weight"] == (18 * TINY.hidden_size, 8) and shapes["norm_out.linear.weight"] == (2 * TINY.hidden_size, 8)
+    assert not any(n.startswith("time_embedder.") for n in shapes)
+    table = source.read_aux(lambda n: n == "adaln_t_table")["adaln_t_table"]
+    assert_bitwise(table, raw["adaln_t_table"], "adaln_t_table")
+
+
+@pytest.mark.parametrize("marking", ["metadata", "comfy_quant", "legacy"])
+def test_fp8_scaled_file_reads_as_core_dequantizes(tmp_path, base_weights, marking):
+    """Every float8 layer reads as BF16 `bf16(code) * bf16(scale)` (one rounding of the product), whichever of
+    ComfyUI's three markings the file uses; every other tensor reads as stored."""
+    path = synthetic.write_comfy_transformer(tmp_path / "h3_fp8.safetensors", TINY, base_weights, fp8=marking)
+    raw = load_file(path)
+    source = SourceWeights(path)
+    assert source.format == "fp8_scaled" and source.describe()["quantized_layers"] == TINY.num_layers * 5 + TINY.num_refiner_layers * 4 + 1
+    ours = synthetic.to_original_names(source.read(list(source.shapes())), TINY)
+    scale_key = "scale_weight" if marking == "legacy" else "weight_scale"
+    quantized = [k.removesuffix(f".{scale_key}") for k in raw if k.endswith(f".{scale_key}")]
+    assert "blocks.0.attn.qkv_proj" in quantized and "condition_proj" in quantized
+    differs_from_fp32_product = 0
+    for layer in quantized:
+        code, scale = raw[f"{layer}.weight"], raw[f"{layer}.{scale_key}"]
+        assert code.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
+        assert_bitwise(ours[f"{layer}.weight"], code.to(torch.bfloat16) * scale.to(torch.bfloat16), layer)
+        differs_from_fp32_product += int((ours[f"{layer}.weight"] != (code.float() * scale).to(torch.bfloat16)).sum())
+    assert differs_from_fp32_product > 0  # the rounding order matters: the scale rounds to bf16 first
+    for name, tensor in raw.items():
+        if name in ours and not any(name == f"{layer}.weight" for layer in quantized):
+            assert_bitwise(ours[name], tensor, name)
+
+
+def _int8_file(path, fmt: dict[str, object], marking: str = "metadata"):
+    """A file whose block linears carry another ComfyUI quantization format (int8 codes; never dequantized here)."""
+    state = synthetic.to_original_names(synthetic.random_internal_weights(TINY, seed=1), TINY)
+    metadata = {"config": json.dumps(TINY.to_dict())}
+    layers = {}
+    for name in [n for n in state if n.startswith("blocks.") and n.endswith(("qkv_proj.weight", "fc1.weight"))]:
+        layer = name.removesuffix(".weight")
+        state[name] = torch.zeros(state[name].shape, dtype=torch.int8)
+        state[f"{layer}.weight_scale"] = torch.tensor(0.01)
+        layers[layer] = fmt
+        if marking == "comfy_quant":
+            state[f"{layer}.comfy_quant"] = torch.tensor(list(json.dumps(fmt).encode()), dtype=torch.uint8)
+    if marking == "metadata":
+        metadata["_quantization_metadata"] = json.dumps({"format_version": "1.0", "layers": layers})
+    save_file(state, str(path), metadata=metadata)
+    return path
+
+
+@pytest.mark.parametrize("fmt,marking,named", [
+    ({"format": "int8_tensorwise", "params": {"convrot": True, "convrot_groupsize": 256}}, "metadata", "int8_convrot"),
+    ({"format": "nvfp4"}, "comfy_quant", "nvfp4"),
+    (None, "none", "int8 without ComfyUI quantization metadata"),
+])
+def test_quantized_formats_without_exact_dequantization_are_refused(tmp_path, fmt, marking, named):
+    path = _int8_file(tmp_path / "h3_q.safetensors", fmt or {}, marking)
+    with pytest.raises(WeightFileError) as info:
+        SourceWeights(path)
+    message = str(info.value)
+    assert "\n" not in message and named.split()[0] in message and "fp8_scaled" in message and "pruned" in message
+
+
+# -- the pruned representation --------------------------------------------------------------------------------------
+
+
+def test_curve_time_embedding_reads_the_table_by_linear_interpolation():
+    table = torch.randn(5, 3)
+    rows = M.curve_time_embedding(torch.tensor([0.0, 0.25, 1.0, -0.5, 2.0]), table)
+    assert_bitwise(rows[0], table[0], "t = 0: first row")
+    assert_bitwise(rows[1], table[1], "t on a grid point: that row")
+    assert_bitwise(rows[2], table[4], "t = 1: last row (end of the last interval)")
+    assert_bitwise(rows[3], table[0], "t < 0 clamps")
+    assert_bitwise(rows[4], table[4], "t > 1 clamps")
+    middle = M.curve_time_embedding(torch.tensor([0.375]), table)[0]
+    assert_bitwise(middle, torch.lerp(table[1], table[2], torch.tensor(0.5)), "half-way between rows 1 and 2")
+
+
+def test_pruned_file_compiles_loads_and_denoises(tmp_path, pruned_file, full_file):
+    """The overlay holds the tables of the pruned representation (curve read at each step's timesteps, fp32 projections
+    without SiLU, block rows cast to bf16, final-norm rows kept fp32); they approximate the full model's tables, and
+    a t2va request runs to latents near the full model's."""
+    paths = _compile(tmp_path / "pruned", pruned_file, "t2va-base4-pruned-cpu")
+    artifact = CompiledArtifact(**paths)
+    assert artifact.base_weights["pruned"] == {"grid": 1025, "rank": 8} and artifact.profile_id == "t2va-base4-pruned-cpu"
+    assert "approximate AdaLN (rank-8 time embedding" in " ".join(artifact.base_weight_notes())
+    raw = load_file(pruned_file)
+    exact = CompiledArtifact(**_compile(tmp_path / "full", full_file, "t2va-base4-exact-cpu"))
+    for step in range(4):
+        tables, reference = artifact.overlay.read_step(step, 0), exact.overlay.read_step(step, 0)
+        temb = M.curve_time_embedding(tables.timesteps, raw["adaln_t_table"])
+        for i, (table, full) in enumerate(zip(tables.blocks, reference.blocks)):
+            expected = (torch.nn.functional.linear(temb, raw[f"blocks.{i}.adaln_proj.linear.weight"], raw[f"blocks.{i}.adaln_proj.linear.bias"])
+                        .view(-1, 6 * TINY.hidden_size).to(torch.bfloat16))
+            assert_bitwise(table, expected, f"step {step} block {i}")
+            assert (table.float() - full.float()).abs().max() <= 0.02 * full.float().abs().max()
+        assert tables.norm_out.dtype == torch.float32
+        assert_bitwise(tables.norm_out, torch.nn.functional.linear(temb, raw["final_layer.adaln_proj.linear.weight"], raw["final_layer.adaln_proj.linear.bias"]), f"step {step} norm_out")
+    pruned, full = _generate("t2va-base4-pruned-cpu", paths), _generate("t2va-base4-exact-cpu", {"artifact": exact.artifact_dir, "schedule_overlay": exact.overlay.path, "auxiliary": exact.aux_path})
+    assert torch.isfinite(pruned.video_latents).all() and pruned.metadata["profile"] == "t2va-base4-pruned-cpu"
+    assert not torch.equal(pruned.video_latents, full.video_latents)
+    assert (pruned.video_latents - full.video_latents).abs().max() < 0.05 * full.video_latents.abs().max()
+    assert (pruned.audio_latents - full.audio_latents).abs().max() < 0.05 * full.audio_latents.abs().max()
+
+
+def test_fp8_scaled_file_is_exact_for_its_weights(tmp_path, base_weights):
+    """Compiled from an fp8_scaled file, a request gives the latents of the BF16 file that holds exactly its
+    dequantized weights, bit for bit; the artifact and the notes say the base was fp8_scaled."""
+    fp8 = synthetic.write_comfy_transformer(tmp_path / "h3_fp8_scaled.safetensors", TINY, base_weights, fp8="metadata")
+    source = SourceWeights(fp8)
+    dequantized = synthetic.write_original_transformer(tmp_path / "h3_dequantized.safetensors", TINY, source.read(list(source.shapes())))
+    paths = _compile(tmp_path / "fp8", fp8, "t2va-base4-exact-cpu")
+    artifact = CompiledArtifact(**paths)
+    assert artifact.base_weights["format"] == "fp8_scaled" and artifact.base_weights["quantized_layers"] == TINY.num_layers * 5 + TINY.num_refiner_layers * 4 + 1
+    assert "fp8_scaled file, dequantized to BF16" in artifact.base_weight_notes()[0]
+    block = artifact.read_block(0).tensors
+    assert block["attn.qkv.weight"].dtype == torch.bfloat16
+    assert_bitwise(block["attn.qkv.weight"], source.read(["blocks.0.attn.qkv.weight"])["blocks.0.attn.qkv.weight"], "compiled qkv")
+    reference = _compile(tmp_path / "bf16", dequantized, "t2va-base4-exact-cpu")
+    assert CompiledArtifact(**reference).base_weights["format"] == "bf16"
+    ours, theirs = _generate("t2va-base4-exact-cpu", paths), _generate("t2va-base4-exact-cpu", reference)
+    assert_bitwise(ours.video_latents, theirs.video_latents, "video latents")
+    assert_bitwise(ours.audio_latents, theirs.audio_latents, "audio latents")
+
+
+def test_pruned_files_and_pruned_profiles_pair_only_with_each_other(tmp_path, pruned_file, full_file):
+    from vflash_core.compiler import prepare
+
+    with pytest.raises(IdentityMismatchError, match=r"pruned file .* only for a -pruned profile .* t2va-base4-pruned-cpu"):
+        prepare("t2va-base4-exact-cpu", pruned_file, tmp_path / "a.json")
+    with pytest.raises(IdentityMismatchError, match="holds the full AdaLN weights"):
+        prepare("t2va-base4-pruned-cpu", full_file, tmp_path / "b.json")
+    assert not list(tmp_path.iterdir())
+
+
+def test_pruned_profiles_are_their_own_named_profiles():
+    from vflash_core.profiles import PROFILES
+
+    pruned = sorted(p for p, v in PROFILES.items() if v.pruned)
+    assert pruned == ["t2va-base16-pruned-bf16-sm90", "t2va-base4-pruned-cpu", "t2va-turbo4-pruned-sm86", "t2va-turbo4-pruned-sm89", "t2va-turbo4-pruned-sm90"]
+    assert all("-pruned" in p for p in pruned) and not any(v.pruned for p, v in PROFILES.items() if "-pruned" not in p)
+    # The profile identity of the exact profiles is unchanged (their compiled artifacts still load).
+    assert "pruned" not in PROFILES["t2va-base4-exact-cpu"].identity() and PROFILES["t2va-base4-pruned-cpu"].identity()["pruned"] is True
+
+
+def test_lora_modules_feeding_the_tables_are_left_out_on_a_pruned_file(tmp_path, pruned_file):
+    """A LoRA's AdaLN modules do not fit the reduced-rank projections: they are left out (as core skips them) and
+    recorded; its block modules stay. The tables equal those of the same file without the LoRA."""
+    lora = synthetic.write_random_lora(tmp_path / "turbo.safetensors", TINY, rank=4, alpha=4.0, seed=2, adaln_rank=2)
+    profile = cpu_profile(id="t2va-lora-pruned-cpu", pruned=True, adapter=AdapterSpec("test", "turbo.safetensors", 4.0, 4))
+    paths = _compile(tmp_path / "with", pruned_file, profile, adapter=lora)
+    artifact = CompiledArtifact(**paths)
+    assert artifact.manifest["adapter_not_applied"] == [f"blocks.{i}.adaln" for i in range(TINY.num_layers)]
+    assert "LoRA module(s) feeding the AdaLN tables not applied" in artifact.base_weight_notes()[-1]
+    assert artifact.read_block(0).loras["attn.qkv"]
+    plain = CompiledArtifact(**_compile(tmp_path / "without", pruned_file, replace(profile, adapter=None)))
+    for step in range(4):
+        for a, b in zip(artifact.overlay.read_step(step, 0).blocks, plain.overlay.read_step(step, 0).blocks):
+            assert_bitwise(a, b, f"step {step}")
+
+
+# -- the ComfyUI model loader (stand-ins) ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pack(tmp_path_factory):
+    from comfy_standins import harness
+
+    with harness.installed(tmp_path_factory.mktemp("vflash-cache"), tmp_path_factory.mktemp("comfyui")) as loaded:
+        yield loaded
+
+
+@pytest.fixture(scope="module")
+def comfy_files(pack):
+    """The embedded demo's transformer as a user's Comfy-Org files in models/diffusion_models."""
+    import importlib
+    from pathlib import Path
+
+    from vflash_core.config import H3Config
+
+    folder = Path(importlib.import_module("folder_paths").models_dir) / "diffusion_models"
+    folder.mkdir(parents=True, exist_ok=True)
+    demo = H3Config.preset("demo")
+    weights = synthetic.random_internal_weights(demo, seed=4)
+    synthetic.write_comfy_transformer(folder / "h3_demo_pruned.safetensors", demo, synthetic.prune_adaln(weights, demo))
+    synthetic.write_comfy_transformer(folder / "h3_demo_fp8_scaled.safetensors", demo, weights, fp8="metadata")
+    _int8_file(folder / "h3_int8_convrot.safetensors", {"format": "int8_tensorwise", "params": {"convrot": True}})
+    return folder
+
+
+def test_model_loader_takes_comfy_files_and_refuses_mismatches_when_queued(pack, comfy_files):
+    loader = pack.nodes["VflashModelLoader"]
+    options = pack.schema("VflashModelLoader").inputs[0].options
+    assert {f"diffusion_models/{n}" for n in ("h3_demo_pruned.safetensors", "h3_demo_fp8_scaled.safetensors", "h3_int8_convrot.safetensors")} <= set(options)
+    widgets = dict(weight_residency="auto", device="cpu", peer_device="none", strategy="sequence-head", attention_backend="auto")
+    assert loader.validate_inputs(model="diffusion_models/h3_demo_pruned.safetensors", profile="t2va-base4-pruned-cpu", **widgets) is True
+    assert loader.validate_inputs(model="diffusion_models/h3_demo_fp8_scaled.safetensors", profile="t2va-base4-exact-cpu", **widgets) is True
+    refusal = loader.validate_inputs(model="diffusion_models/h3_demo_pruned.safetensors", profile="t2va-base4-exact-cpu", **widgets)
+    assert "compiles only for a -pruned profile" in refusal and "t2va-base4-pruned-cpu" in refusal
+    refusal = loader.validate_inputs(model="diffusion_models/h3_demo_fp8_scaled.safetensors", profile="t2va-base4-pruned-cpu", **widgets)
+    assert "holds the full AdaLN weights" in refusal
+    refusal = loader.validate_inputs(model="diffusion_models/h3_int8_convrot.safetensors", profile="t2va-base4-exact-cpu", **widgets)
+    assert "int8_convrot" in refusal and "no exact dequantization" in refusal and "fp8_scaled" in refusal
+    assert not list(comfy_files.parent.glob("vflash/compiled/*"))  # refusals write nothing
+
+
+@pytest.mark.parametrize("model,profile,note", [
+    ("h3_demo_pruned.safetensors", "t2va-base4-pruned-cpu", "a pruned transformer: approximate AdaLN (rank-8"),
+    ("h3_demo_fp8_scaled.safetensors", "t2va-base4-exact-cpu", "transformer weights from an fp8_scaled file, dequantized to BF16"),
+])
+def test_comfy_file_drives_the_t2va_chain(pack, comfy_files, model, profile, note):
+    """The demo's t2va graph with the transformer from a Comfy-Org file: compiled on first use, sampled, and the
+    sampler's latent says how the weights differ from the release (`vflash_notes`)."""
+    from pathlib import Path
+
+    from vflash_core.workflow import apply_overrides, execute, load_api_workflow
+
+    api = Path(__file__).resolve().parent.parent / "workflows" / "api" / "t2va.json"
+    workflow = apply_overrides(load_api_workflow(api), [f"1.model=diffusion_models/{model}", f"1.profile={profile}", "4.width=128", "4.height=128"])
+    report = execute(workflow, pack.node_types(workflow))
+    latent = report.outputs["5"][0]
+    assert any(n.startswith(note) for n in latent["vflash_notes"]), latent["vflash_notes"]
+    assert torch.isfinite(latent["samples"].tensors[0]).all()
+    pack.module.nodes.registry.ENGINES.release("all")
