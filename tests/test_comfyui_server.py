@@ -335,3 +335,99 @@ def test_core_clip_and_vae_loaders_drive_the_vflash_sampler_to_mp4(server, tmp_p
     log = server.tail(400)
     assert "Vflash sampled with text conditioning from ComfyUI core's CLIP" in log
     assert ("keyframe / reference latents from ComfyUI core's VAE" in log) == (mode == "i2va")
+
+
+# -- Comfy-Org transformer files -----------------------------------------------------------------------------------
+
+
+def test_comfy_org_transformer_files_against_core_model(tmp_path):
+    """Core's own MiniMax-H3 model (`comfy.sd.load_diffusion_model`, bf16) and Vflash on the same small files in
+    Comfy-Org's formats, the same latents, text and timesteps (`comfy_core_probe/measure_transformer.py`). Measured
+    (ComfyUI 0.33.0, CPU):
+
+    * pruned: every compiled AdaLN table (each block's, and the final norm's) equals core's `adaln_proj` output
+      bitwise at every step; Vflash's velocity is not core's bitwise (max abs diff ~0.03 at values ~5, one bf16 ulp
+      there) because core's blocks differ in two ops only: its attention kernel (on the CPU the sub-quadratic one)
+      and its gate (`addcmul_`, one rounding where diffusers rounds twice). With those two ops swapped in (test-only),
+      the velocity equals core's bit for bit.
+    * fp8_scaled: every float8 layer Vflash dequantizes equals core's `weight.dequantize()` (bf16 compute) bitwise.
+    * bf16 (for contrast): core's AdaLN itself differs from diffusers' (its time embedding is cast to bf16 before
+      SiLU), so the tables differ by up to one bf16 ulp and Vflash (diffusers-exact) is not core-exact there.
+    """
+    python = os.environ.get("COMFYUI_PYTHON", sys.executable)
+    out = subprocess.run([python, str(PROBE / "measure_transformer.py"), str(tmp_path)], cwd=COMFYUI_ROOT, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {r["file"]: r for r in (json.loads(line) for line in out.stdout.splitlines() if line.startswith("{"))}
+    assert set(rows) == {"bf16", "pruned", "fp8_scaled"}
+    pruned = rows["pruned"]
+    assert pruned["base_weights"]["pruned"] == {"grid": 1025, "rank": 8}
+    assert len(pruned["tables"]) == 4 and all(t["bitwise"] for t in pruned["tables"]), pruned["tables"]
+    for step in pruned["velocity"]:
+        assert step["core_attention_and_gate"]["video"]["bitwise"] and step["core_attention_and_gate"]["audio"]["bitwise"], step
+        for stream in ("video", "audio"):
+            assert not step["vflash_ops"][stream]["bitwise"] and step["vflash_ops"][stream]["max_abs_diff"] < 0.1, step
+    fp8 = rows["fp8_scaled"]
+    assert fp8["base_weights"]["format"] == "fp8_scaled"
+    assert fp8["dequantized"]["layers"] == fp8["dequantized"]["bitwise_layers"] > 0 and fp8["dequantized"]["core_dtype"] == "torch.bfloat16"
+    assert not any(t["bitwise"] for t in rows["bf16"]["tables"])
+
+
+@pytest.mark.parametrize("form,profile,note", [
+    ("pruned", "t2va-base4-pruned-cpu", "a pruned transformer: approximate AdaLN"),
+    ("fp8_scaled", "t2va-base4-exact-cpu", "transformer weights from an fp8_scaled file"),
+])
+def test_comfy_org_transformer_file_through_the_model_loader(server, tmp_path, form, profile, note):
+    """The small family's transformer as a pruned or fp8_scaled Comfy-Org file in diffusion_models/, with core's text
+    encoder and VAEs: the Vflash loader compiles it on first use and the graph runs to an MP4."""
+    from dataclasses import replace
+
+    from vflash_core import synthetic
+    from vflash_core.config import H3Config
+    from vflash_core.media import probe_mp4
+
+    config = replace(H3Config.preset("demo"), in_channels=24, audio_in_channels=32)
+    weights = synthetic.random_internal_weights(config, seed=6)
+    name = f"h3_small_{form}.safetensors"
+    if form == "pruned":
+        synthetic.write_comfy_transformer(server.work / "models" / "diffusion_models" / name, config, synthetic.prune_adaln(weights, config))
+    else:
+        synthetic.write_comfy_transformer(server.work / "models" / "diffusion_models" / name, config, weights, fp8="metadata")
+    workflow = json.loads((API / "t2va_core_loaders.json").read_text())
+    workflow["1"]["inputs"].update(model=f"diffusion_models/{name}", profile=profile)
+    workflow["2"]["inputs"]["clip_name"] = "h3_small_te.safetensors"
+    workflow["3"]["inputs"]["vae_name"] = "h3_small_video_vae.safetensors"
+    workflow["12"]["inputs"]["vae_name"] = "h3_small_audio_vae.safetensors"
+    workflow["4"]["inputs"].update(width=128, height=128)
+    workflow["5"]["inputs"]["seed"] = 23
+    workflow["7"]["inputs"]["filename_prefix"] = f"video/comfy_org_{form}"
+    result = asyncio.run(server.run_prompt(workflow))
+    assert result["status"] == "success", f"{result}\n{server.tail()}"
+    files = server.history_files(result["prompt_id"], tmp_path)
+    assert len(files) == 1 and probe_mp4(files[0])["frames"] == 124
+    assert f"Vflash sampled with {note}" in server.tail(400)
+
+
+def test_int8_convrot_file_is_refused_when_queued(server):
+    """A transformer in a quantized format without an exact dequantization (here int8_convrot): HTTP 400 on the
+    loader, in one line naming what is supported, before anything is prepared."""
+    import torch
+    from safetensors.torch import save_file
+
+    from vflash_core import synthetic
+    from vflash_core.config import H3Config
+
+    tiny = H3Config.preset("tiny")
+    state = synthetic.to_original_names(synthetic.random_internal_weights(tiny, seed=2), tiny)
+    layers = {}
+    for key in [k for k in state if k.startswith("blocks.") and k.endswith("qkv_proj.weight")]:
+        state[key] = torch.zeros(state[key].shape, dtype=torch.int8)
+        state[key.replace(".weight", ".weight_scale")] = torch.tensor(0.01)
+        layers[key.removesuffix(".weight")] = {"format": "int8_tensorwise", "params": {"convrot": True, "convrot_groupsize": 256}}
+    save_file(state, str(server.work / "models" / "diffusion_models" / "h3_int8_convrot.safetensors"),
+              metadata={"_quantization_metadata": json.dumps({"layers": layers})})
+    workflow = _workflow("t2va", {"1": {"model": "diffusion_models/h3_int8_convrot.safetensors", "profile": "t2va-base4-exact-cpu"}})
+    result = asyncio.run(server.run_prompt(workflow))
+    assert result["status"] == "rejected" and result["http_status"] == 400, result
+    details = " ".join(e["details"] for e in result["body"]["node_errors"]["1"]["errors"])
+    assert "int8_convrot" in details and "no exact dequantization" in details and "fp8_scaled" in details, details
+    assert not list((server.work / "models" / "vflash").rglob("h3_int8_convrot*"))
