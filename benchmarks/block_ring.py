@@ -29,7 +29,7 @@ from vflash_core.attention import resolve_attention  # noqa: E402
 from vflash_core.denoise import Denoiser  # noqa: E402
 from vflash_core.fused import FusedOps  # noqa: E402
 from vflash_core.profiler import StageTimer  # noqa: E402
-from vflash_core.residency import BlockRing, PinnedArena, ResidentBlocks  # noqa: E402
+from vflash_core.residency import BlockArena, BlockRing, ResidentBlocks  # noqa: E402
 
 STEP = 1
 GIB = 1 << 30
@@ -87,7 +87,7 @@ def run(blocks: int, cache: Path, shapes: list[str]) -> dict[str, object]:
     bandwidth = h2d_gbps()
     print(f"pinned H2D: {bandwidth:.1f} GB/s; attention {backend}")
     resident = Denoiser(artifact, ResidentBlocks(artifact, device), device, FusedOps(config, attention))
-    arena = PinnedArena(artifact)
+    arena = BlockArena(artifact)
     ring = Denoiser(artifact, BlockRing(arena, device), device, FusedOps(config, attention))
     rows = []
     with torch.no_grad():
@@ -106,7 +106,7 @@ def run(blocks: int, cache: Path, shapes: list[str]) -> dict[str, object]:
                 "ratio": round(ring_ms / resident_ms, 4),
                 "device_weight_bytes_peak": ring.blocks.device_weight_bytes,
                 "pinned_host_bytes": arena.nbytes,
-                "block_bytes": arena.block_bytes,
+                "block_bytes": arena.item_bytes,
                 "bitwise_equal_to_resident": all(torch.equal(a, b) for a, b in zip(out_r, out_b)),
             }
             print(row)

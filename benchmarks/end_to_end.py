@@ -318,10 +318,10 @@ def diffusers_pipeline(root: Path, lora: Path, config: H3Config, profile, device
     record["component_bytes"] = sizes
     offload = None
     if device.startswith("cuda"):
-        from vflash_core.residency import activation_bytes
+        from vflash_core.memory_plan import denoise_bytes
 
         free = torch.cuda.mem_get_info(0)[0] + sum(p.numel() * p.element_size() for p in pipe.transformer.parameters())
-        need = sum(sizes.values()) + activation_bytes(config, largest_rows) + (12 << 30)
+        need = sum(sizes.values()) + denoise_bytes(config, largest_rows) + (12 << 30)
         if need <= free:
             for name in ("text_encoder", "vae", "audio_vae"):
                 getattr(pipe, name).to(device)
@@ -599,10 +599,10 @@ def main() -> None:
     with run.phase("diffusers", 420) as rec:
         if rec is not None:
             from vflash_core import get_profile
-            from vflash_core.session import _largest_request_rows
+            from vflash_core.memory_plan import largest_request_rows
 
             nfe = get_profile(profile).nfe
-            pipe, offload = diffusers_pipeline(root, lora, config, get_profile(profile), device, _largest_request_rows(get_profile(profile), config), rec)
+            pipe, offload = diffusers_pipeline(root, lora, config, get_profile(profile), device, largest_request_rows(get_profile(profile), config), rec)
             run.log(f"diffusers ready: {rec.get('placement')}")
             try:
                 for canvas in canvases:
@@ -622,9 +622,9 @@ def main() -> None:
             from vflash_core.pipeline import VideoRequest
 
             if reference_latents is None:  # the timed diffusers phase was skipped: one request of its own
-                from vflash_core.session import _largest_request_rows
+                from vflash_core.memory_plan import largest_request_rows
 
-                pipe, offload = diffusers_pipeline(root, lora, config, get_profile(profile), device, _largest_request_rows(get_profile(profile), config), rec)
+                pipe, offload = diffusers_pipeline(root, lora, config, get_profile(profile), device, largest_request_rows(get_profile(profile), config), rec)
                 try:
                     reference_latents = diffusers_request(run, pipe, offload, canvases[1], 0, host, out_dir, get_profile(profile).nfe, "diffusers_bitwise")
                 finally:

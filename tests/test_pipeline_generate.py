@@ -165,20 +165,3 @@ def test_encoder_residency_keeps_the_encoder_and_vaes_on_their_device(pipeline, 
     assert len(offloads) == 2
     with pytest.raises(VflashError, match="encoder_residency must be one of offload, resident"):
         H3Pipeline.from_prepared(h3_prepared, RunOptions(encoder_residency="always"))
-
-
-def test_plan_residency_fits_the_encoders_beside_the_core():
-    from vflash_core.pipeline import plan_residency
-
-    gib = 1 << 30
-    # offload: the core shares the device with the larger of the encoder and the VAEs, one at a time
-    assert plan_residency("auto", "offload", 66 * gib, 20 * gib, 3 * gib, 100 * gib) == "resident"
-    assert plan_residency("auto", "offload", 66 * gib, 20 * gib, 3 * gib, 80 * gib) == "block-ring"
-    # resident encoders: all three must fit; auto streams the core's blocks when only the encoders fit
-    assert plan_residency("auto", "resident", 66 * gib, 20 * gib, 3 * gib, 100 * gib) == "resident"
-    assert plan_residency("auto", "resident", 66 * gib, 20 * gib, 3 * gib, 90 * gib) == "block-ring"
-    assert plan_residency("block-ring", "resident", 66 * gib, 20 * gib, 3 * gib, 30 * gib) == "block-ring"
-    with pytest.raises(VflashError, match=r"encoder_residency='resident'.*core's resident weights.*or weight_residency='block-ring'"):
-        plan_residency("resident", "resident", 66 * gib, 20 * gib, 3 * gib, 90 * gib)
-    with pytest.raises(VflashError, match=r"core's block-ring weights.*encoder 20.0 GiB, VAEs 3.0 GiB, 24.0 GiB free"):
-        plan_residency("auto", "resident", 66 * gib, 20 * gib, 3 * gib, 24 * gib)

@@ -1,5 +1,6 @@
-"""Weight residency on the CPU: the segmented pinned arena (unpinned here), its scoped memory maps, the block ring's
-slot rotation (synchronous copies on the CPU, events on CUDA), and the fit check. GPU behaviour is in test_gpu.py."""
+"""Weight residency on the CPU: the segmented pinned arena (unpinned here), its scoped memory maps and the block ring's
+slot rotation (synchronous copies on the CPU, events on CUDA). GPU behaviour is in test_gpu.py; the memory plan and
+the fit checks in test_memory_plan.py."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from test_schedule_layout_bundle import _bundle
 from vflash_core import NativeEngineSession
 from vflash_core import residency as R
 from vflash_core.artifact import CompiledArtifact
-from vflash_core.errors import RequestError
 
 PROFILE = "t2va-base4-exact-cpu"
 
@@ -29,7 +29,7 @@ def test_arena_holds_every_block_exactly_and_closes_its_maps(tiny_compiled, monk
     layout, block_bytes = R.block_layout(artifact.config, artifact)
     monkeypatch.setattr(R, "_SEGMENT_BYTES", segment_blocks * block_bytes)
     before = _fds()
-    arena = R.PinnedArena(artifact, pin=False)
+    arena = R.BlockArena(artifact, pin=False)
     assert _fds() == before, "memory maps and files must be closed after the scoped load"
     assert len(arena.segments) == -(-artifact.config.num_layers // segment_blocks)
     assert arena.nbytes == artifact.config.num_layers * block_bytes  # no per-block padding beyond alignment
@@ -73,22 +73,3 @@ def test_failed_request_closes_nothing_it_should_not(tiny_compiled):
         again = session.generate(_bundle(6))  # the ring is reusable after an interrupt
     with NativeEngineSession(PROFILE, **tiny_compiled) as resident:
         assert_bitwise(again.video_latents, resident.generate(_bundle(6)).video_latents, "after an interrupt")
-
-
-def test_fit_check_message():
-    with pytest.raises(RequestError) as info:
-        R.check_fits(30 << 30, 20 << 30, 2 << 30, "this request's activations (38222 packed rows, weights block-ring)", torch.device("cuda:0"), "Use a smaller canvas.")
-    assert str(info.value) == (
-        "this request's activations (38222 packed rows, weights block-ring) needs about 30.0 GiB on cuda:0 plus a 2.0 GiB margin; "
-        "20.0 GiB are free. Use a smaller canvas."
-    )
-    R.check_fits(10 << 30, 20 << 30, 2 << 30, "x", torch.device("cuda:0"), "")
-
-
-def test_activation_estimate_scales_with_rows(tiny_config):
-    from vflash_core.config import H3Config
-
-    full = H3Config.preset("h3")
-    small, large = R.activation_bytes(full, 19_796), R.activation_bytes(full, 38_222)
-    assert large / small == pytest.approx(38_222 / 19_796, rel=1e-6)
-    assert 3 < small / (1 << 30) < 8  # a few GiB of transients at 960x544, 5 s

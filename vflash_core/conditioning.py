@@ -16,6 +16,12 @@ the vision tower, decoder layers 0..49): the 14 later layers and the LM head of 
 transformers records the final norm's output as the last hidden state, so with 50 layers index 50 would be normed:
 the final norm is replaced by the identity, which makes index 50 the residual stream again, bit for bit.
 
+Where the pruned encoder does not fit the device, its decoder layers stream (`stream_layers`): they move once into a
+pinned host arena and, during each encode, pass through two device slots of one layer (`residency.ModuleRing`, the
+transformer's block-ring mechanism) while the embeddings and the vision tower take the device as a whole part does.
+The model's own forward runs unchanged on the same values, so the streamed encoder equals the resident one bit for
+bit. With a memory plan attached, an encode is checked against it before anything moves to the device.
+
 Image and video pixels go through the official Qwen processors saved in the model's `processor/` folder. The
 `Qwen3VLProcessor` wrapper itself needs torchvision just to be constructed, so the conditioner holds its parts (the
 tokenizer, the image processor, and the video processor where torchvision is installed) and derives Qwen's per-token
@@ -27,6 +33,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -35,7 +42,12 @@ from .config import TEXT_TAG, VIDEO_TAG
 from .device_owner import SerialDeviceOwner, release_device_memory
 from .errors import RequestError, VflashError
 from .layout import FPS
+from .memory_plan import encode_bytes
 from .references import CanvasRules
+from .residency import ModuleRing
+
+if TYPE_CHECKING:
+    from .memory_plan import MemoryPlan
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +98,17 @@ def _base_model(text_encoder: torch.nn.Module) -> torch.nn.Module:
     return text_encoder.model if hasattr(text_encoder, "lm_head") else text_encoder
 
 
+def _around(module: torch.nn.Module, inner: torch.nn.Module) -> list[torch.nn.Module]:
+    """Submodules of `module` that together hold every parameter and buffer outside `inner`."""
+    if module is inner:
+        return []
+    if not any(m is inner for m in module.modules()):
+        return [module]
+    if next(module.parameters(recurse=False), None) is not None or next(module.buffers(recurse=False), None) is not None:
+        raise VflashError(f"{type(module).__name__} holds tensors of its own beside the decoder layers; they cannot stream")
+    return [m for child in module.children() for m in _around(child, inner)]
+
+
 class TextConditioner(SerialDeviceOwner):
     """Owns the Qwen3-VL text encoder, its tokenizer and its image/video processors.
 
@@ -96,6 +119,7 @@ class TextConditioner(SerialDeviceOwner):
         image_processor, video_processor: the model's Qwen processors (`video_processor` None without torchvision,
             which disables video references).
         device: where `encode` runs; between calls the encoder sits on the CPU (`offload`) unless `keep_on_device`.
+            `stream_layers()` streams its decoder layers through the device instead of moving them.
         canvas: the model family's canvas rules (from its `modular_model_index.json`).
     """
 
@@ -114,6 +138,8 @@ class TextConditioner(SerialDeviceOwner):
         self.video_processor = video_processor
         self.device = torch.device(device)
         self.canvas = canvas or CanvasRules()
+        self.layer_ring: ModuleRing | None = None
+        self.memory_plan: MemoryPlan | None = None  # set by `MemoryPlan.place`: encodes are checked against it
         config = text_encoder.config
         self._ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in (("start", "<|vision_start|>"), ("end", "<|vision_end|>"), ("image", "<|image_pad|>"), ("video", "<|video_pad|>"))}
         if (self._ids["image"], self._ids["video"]) != (config.image_token_id, config.video_token_id):
@@ -162,13 +188,31 @@ class TextConditioner(SerialDeviceOwner):
     def hidden_size(self) -> int:
         return self.text_encoder.config.text_config.hidden_size
 
+    def decoder_layers(self) -> torch.nn.ModuleList:
+        return _base_model(self.text_encoder).language_model.layers
+
     def device_modules(self) -> list[torch.nn.Module]:
-        return [self.text_encoder]
+        """The whole encoder, or with streamed layers everything but them."""
+        if self.layer_ring is None:
+            return [self.text_encoder]
+        return _around(self.text_encoder, self.decoder_layers())
+
+    def stream_layers(self) -> None:
+        """Stream the decoder layers from now on: their weights move into a pinned host arena (page-locked for a CUDA
+        device) and pass through two device slots during each encode. Call it before `materialize`."""
+        if self.layer_ring is None:
+            self.layer_ring = ModuleRing(list(self.decoder_layers()), pin=self.device.type == "cuda", what="decoder layer")
 
     def close(self) -> None:
         """Drop the encoder; the object is unusable afterwards."""
         self.text_encoder = None
+        self.layer_ring = None
         release_device_memory(self.device)
+
+    def encode_bytes(self, tokens: int, patches: int) -> int:
+        """Transient device bytes of one encode of `tokens` presentation tokens with `patches` vision patches."""
+        config = self.text_encoder.config
+        return encode_bytes(config.text_config, config.vision_config, tokens, patches, self.text_encoder.dtype.itemsize)
 
     # -- presentation -------------------------------------------------------------------------------------------------
 
@@ -250,17 +294,23 @@ class TextConditioner(SerialDeviceOwner):
         if self.text_encoder is None:
             raise VflashError("this text conditioner was closed")
         model = self.text_encoder
-        device = next(model.parameters()).device
+        device = model.get_input_embeddings().weight.device
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=device)
         qwen_types = torch.full_like(input_ids, _QWEN_TEXT)
         qwen_types[input_ids == self._ids["image"]] = _QWEN_IMAGE
         qwen_types[input_ids == self._ids["video"]] = _QWEN_VIDEO
         inputs = {k: v.to(device, model.dtype) if k.startswith("pixel_") else v.to(device) for k, v in vision.items()}
-        out = _base_model(model)(
-            input_ids=input_ids, attention_mask=torch.ones_like(input_ids), mm_token_type_ids=qwen_types,
-            use_cache=False, output_hidden_states=True, **inputs,
-        )
-        return out.hidden_states[TEXT_ENCODER_LAYER][0].to("cpu")
+        if self.layer_ring is not None:
+            self.layer_ring.attach(device)
+        try:
+            out = _base_model(model)(
+                input_ids=input_ids, attention_mask=torch.ones_like(input_ids), mm_token_type_ids=qwen_types,
+                use_cache=False, output_hidden_states=True, **inputs,
+            )
+            return out.hidden_states[TEXT_ENCODER_LAYER][0].to("cpu")
+        finally:
+            if self.layer_ring is not None:
+                self.layer_ring.detach()
 
     def encode(self, prompt: str, keyframes: list | None = None, references: list | None = None) -> TextConditioning:
         """Encode a request's presentation; `keyframes` are canvas-sized PIL images, `references` normalised ones."""
@@ -268,6 +318,10 @@ class TextConditioner(SerialDeviceOwner):
             ids, tags, vision = self.reference_presentation(prompt, references)
         else:
             ids, tags, vision = self.keyframe_presentation(prompt, list(keyframes or []))
+        if self.memory_plan is not None:
+            patches = sum(v.shape[0] for k, v in vision.items() if k.startswith("pixel_"))
+            self.memory_plan.check({"encode": self.encode_bytes(len(ids), patches)}, f"this request's text encode ({len(ids)} tokens, {patches} vision patches)",
+                                   "Use a shorter prompt or fewer, smaller references.")
         with self.on_device():
             embeds = self.encode_tokens(ids, vision)
         return TextConditioning(embeds, torch.tensor(tags, dtype=torch.long), ids)

@@ -4,7 +4,7 @@ the core share one GPU in turn)."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -15,13 +15,13 @@ def release_device_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _host_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter's and buffer's current (host) tensor, by qualified name (tied parameters once)."""
+def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's and buffer's current tensor, by qualified name (tied parameters once)."""
     return {**{name: p.data for name, p in module.named_parameters()}, **dict(module.named_buffers())}
 
 
-def _restore(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Point every parameter and buffer back at its host tensor (no copy)."""
+def point_module_at(module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Point the parameters and buffers named in `tensors` at those tensors (no copy)."""
     for name, tensor in tensors.items():
         owner, _, leaf = name.rpartition(".")
         sub = module.get_submodule(owner) if owner else module
@@ -71,7 +71,7 @@ class SerialDeviceOwner:
                 self._host = {}
             for module in self.device_modules():
                 if not self.keep_on_device:  # a resident part never comes back: its host copy is not kept
-                    self._host.setdefault(id(module), _host_tensors(module))
+                    self._host.setdefault(id(module), module_tensors(module))
                 module.to(self.device)
         try:
             yield self
@@ -91,10 +91,10 @@ class SerialDeviceOwner:
             with self.on_device():
                 return
         modules = self.device_modules()
-        nbytes = sum(t.numel() * t.element_size() for m in modules for t in _host_tensors(m).values())
+        nbytes = sum(t.numel() * t.element_size() for m in modules for t in module_tensors(m).values())
         pin = self.device.type == "cuda" and 2 * nbytes <= _available_host_bytes()
         for module in modules:
-            _restore(module, {name: t.pin_memory() if pin else t.clone() for name, t in _host_tensors(module).items()})
+            point_module_at(module, {name: t.pin_memory() if pin else t.clone() for name, t in module_tensors(module).items()})
 
     def offload(self) -> None:
         """Point the modules back at their host tensors and release cached device memory (no-op for a CPU part)."""
@@ -103,7 +103,7 @@ class SerialDeviceOwner:
         for module in self.device_modules():
             tensors = (self._host or {}).pop(id(module), None)
             if tensors is not None:
-                _restore(module, tensors)
+                point_module_at(module, tensors)
             else:
                 module.to("cpu")
         release_device_memory(self.device)

@@ -8,6 +8,7 @@ has the devices and that they are of the architecture the profile's tables were 
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -23,7 +24,9 @@ STRATEGIES = ("sequence-head", "tensor")  # how one request is split over severa
 @dataclass(frozen=True)
 class RunOptions:
     """device / peer_device: "cpu", a CUDA index or "cuda:N" (the peer only with a `strategy`); attention_backend:
-    see `attention.BACKENDS`; weight_residency, encoder_residency: memory placement on a GPU; media_video_input,
+    see `attention.BACKENDS`; weight_residency, encoder_residency: memory placement on a GPU; max_device_memory: a cap
+    in GiB on what the pipeline may hold on each of its devices (the memory plan is made against it and it is enforced
+    through PyTorch's allocator; None: the device's free memory); media_video_input,
     media_video_threads: MP4 delivery; profile_denoise: per-evaluation device timings in the result (a diagnostic);
     verify_weights: re-hash the compiled weights against their compile-time sha256 before loading them (slow)."""
 
@@ -33,6 +36,7 @@ class RunOptions:
     attention_backend: str = "auto"
     weight_residency: str = "auto"
     encoder_residency: str = "offload"
+    max_device_memory: float | None = None
     media_video_input: str = "file"
     media_video_threads: int | None = None
     profile_denoise: bool = False
@@ -47,6 +51,9 @@ class RunOptions:
         if (self.peer_device is None) != (self.strategy is None):
             raise VflashError("a peer GPU and a strategy go together (e.g. --peer-gpu 1 --strategy sequence-head)")
         check_delivery_options(self.media_video_input, self.media_video_threads)
+        cap = self.max_device_memory
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap <= 0):
+            raise VflashError(f"max_device_memory must be a positive number of GiB, got {cap!r}")
         for name in ("profile_denoise", "verify_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise VflashError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -75,6 +82,8 @@ class RunOptions:
         parser.add_argument("--weight-residency", default="auto", choices=WEIGHT_RESIDENCIES)
         parser.add_argument("--encoder-residency", default="offload", choices=ENCODER_RESIDENCIES,
                             help="GPU: move the text encoder and VAEs off the device after each use (default), or keep them there")
+        parser.add_argument("--max-device-memory", type=float, metavar="GIB",
+                            help="cap on the device memory the pipeline may use, in GiB (default: what the GPU has free); placement is planned against it and it is enforced")
         parser.add_argument("--media-video-input", default="file", choices=VIDEO_INPUTS, help="feed the H.264 encoder from a temporary RGB file or frame by frame")
         parser.add_argument("--media-video-threads", type=int, help=f"H.264 encoder threads, 1-{MAX_VIDEO_THREADS} (default: automatic)")
         parser.add_argument("--verify-weights", action="store_true", help="re-hash the compiled weights before loading them (slow; loading checks sizes only)")
@@ -85,6 +94,6 @@ class RunOptions:
         return cls(
             device="cpu" if args.gpu is None else f"cuda:{args.gpu}", peer_device=None if args.peer_gpu is None else f"cuda:{args.peer_gpu}",
             strategy=args.strategy, attention_backend=args.attention_backend, weight_residency=args.weight_residency,
-            encoder_residency=args.encoder_residency, media_video_input=args.media_video_input, media_video_threads=args.media_video_threads,
+            encoder_residency=args.encoder_residency, max_device_memory=args.max_device_memory, media_video_input=args.media_video_input, media_video_threads=args.media_video_threads,
             verify_weights=args.verify_weights, **extra,  # type: ignore[arg-type]
         )

@@ -3,10 +3,13 @@
 Ownership: the pipeline owns three serial owners of one device — the `TextConditioner` (Qwen3-VL), the
 `MediaVAEs` and the `NativeEngineSession` — and the temporary media of a request; it is reused across serial
 requests. On a GPU, the encoder and the VAEs sit on the CPU until their stage, take the device, and give it back
-(`torch.cuda.empty_cache()`), so the core's weights and activations have it in between; when the core's resident
-weights plus the larger of the other two parts do not fit, the core streams its blocks (`weight_residency="block-ring"`).
-A GPU with room for all three keeps the encoder and the VAEs there instead (`encoder_residency="resident"`), which
-saves their copies to and from the device on every request.
+(`torch.cuda.empty_cache()`), so the core's weights and activations have it in between. A GPU with room for all three
+keeps the encoder and the VAEs there instead (`encoder_residency="resident"`), which saves their copies to and from
+the device on every request. One memory plan (`memory_plan.plan_memory`), made when the pipeline loads from the
+parts' sizes, the profile's largest request and the device's free memory or the `max_device_memory` cap, decides
+where each part lives (the core's blocks resident or streamed, the encoder offloaded or its layers streamed, the
+video decode windowed), logs it in one line and refuses what cannot fit; the session takes the same plan, enforces
+the cap, and every request is checked against it before it runs.
 
 A request is checked completely before any model loads (`validate`, which runs `validation.plan_request`, the
 validator the service shares): prompt length against the text encoder's context, canvas against the model's pixel
@@ -39,7 +42,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -52,14 +55,16 @@ from .config import H3Config
 from .errors import IdentityMismatchError, RequestError, RunFailedError, SessionClosedError, VflashError
 from .formats import PIPELINE_FORMAT
 from .fileio import atomic_file, check_input_file, check_writable_destination
-from .layout import FPS, VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK
+from .layout import FPS, VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK, VAE_SPATIAL_RATIO, Geometry
 from .media import write_mp4
+from .memory_plan import MemoryPlan, PartSizes, cap_bytes, decode_bytes, denoise_bytes, largest_request, plan_memory, request_rows
 from .model_loading import MODEL_LOAD_LOCK
 from .options import RunOptions
 from .profiles import Profile, check_identity, get_profile
 from .references import CanvasRules, fit_keyframes, load_image, load_reference, normalize_references
 from .session import GenerationResult, NativeEngineSession, SessionTiming
 from .vae import DecodedMedia, MediaVAEs
+from .vae_decode import DEFAULT_WINDOWS_PER_CALL
 from .validation import (
     MediaInput, PromptBudget, RequestPlan, describe_value, integer, media_input, media_inputs, plan_request, seconds,
 )
@@ -70,7 +75,6 @@ logger = logging.getLogger(__name__)
 # directory (vae/, audio_vae/), adapter file or null, and the three outputs of one compile.
 ASSET_FIELDS = ("model_root", "decoder_root", "adapter_path", "artifact", "schedule_overlay", "auxiliary_tensor")
 STAGES = ("load", "encode", "denoise", "decode", "write")
-_GIB = 1 << 30
 
 # progress(stage, done, total), stage in STAGES
 PipelineProgress = Callable[[str, int, int], None]
@@ -470,6 +474,8 @@ class H3Pipeline:
         on every request when the GPU has room for everything (checked when the pipeline loads).
         `options.verify_weights` re-hashes the compiled weights against their compile-time sha256 before loading them
         (slow: it reads the whole model once more); loading alone checks formats, identities and sizes.
+        `options.max_device_memory` caps what the pipeline may hold on each device (GiB): the memory plan is made
+        against it and the session enforces it.
         """
         options = options or RunOptions()
         assets = prepared_assets if isinstance(prepared_assets, PreparedAssets) else PreparedAssets.load(prepared_assets)
@@ -488,12 +494,15 @@ class H3Pipeline:
                 from .artifact import CompiledArtifact
 
                 CompiledArtifact(**assets.session_paths()).verify()
-            residency = _pipeline_residency(options.weight_residency, primary, assets, conditioner, vaes, options.encoder_residency)
-            conditioner.keep_on_device = vaes.keep_on_device = options.encoder_residency == "resident"
+            plan = _plan_memory(options, assets, conditioner, vaes, [primary] + ([peer] if peer is not None else []))
+            if plan is None:  # the CPU without a cap: everything stays in host memory
+                conditioner.keep_on_device = vaes.keep_on_device = options.encoder_residency == "resident"
+            else:
+                plan.place(conditioner, vaes)
             session = NativeEngineSession(
                 assets.profile, **assets.session_paths(), device=primary, peer_device=peer, strategy=options.strategy,
-                weight_residency=residency, attention_backend=options.attention_backend,
-                on_load_progress=None if progress is None else (lambda done, n: progress("load", 2 + done, total)),
+                weight_residency=options.weight_residency, attention_backend=options.attention_backend,
+                on_load_progress=None if progress is None else (lambda done, n: progress("load", 2 + done, total)), plan=plan,
             )
             conditioner.materialize()  # read the (memory-mapped) weights now, not inside the first request
             vaes.materialize()
@@ -577,7 +586,25 @@ class H3Pipeline:
         self._check_open()
         with self._lock:
             self.prepare()
+            _, _, latent_frames, latent_height, latent_width = video_latents.shape
+            frames = (latent_frames - 2) // VAE_LATENTS_PER_CHUNK * VAE_FRAMES_PER_CHUNK + VAE_LATENTS_PER_CHUNK
+            self._check_memory(Geometry(latent_height * VAE_SPATIAL_RATIO, latent_width * VAE_SPATIAL_RATIO, frames), ("decode",))
             return self.vaes.decode(video_latents, audio_latents)
+
+    def _check_memory(self, geometry: Geometry, stages: tuple[str, ...]) -> None:
+        """Refuse, before anything runs, a request whose denoise or decode does not fit the memory plan (a pipeline
+        loaded with `from_prepared` on a GPU or under a cap). The denoise is checked here without the text rows, which
+        only the encode knows (the session checks it again, exactly, before it runs); the encode is checked exactly by
+        the conditioner before it moves anything."""
+        plan = self.session.plan
+        if plan is None or plan.placement.vaes is None:
+            return
+        needs = {}
+        if "denoise" in stages:
+            needs["denoise"] = denoise_bytes(self.config, request_rows(self.config, geometry, 0))
+        if "decode" in stages:
+            needs["decode"] = decode_bytes(self.vaes.video_vae, geometry.num_frames, geometry.height, geometry.width, self.vaes.video_decoder, DEFAULT_WINDOWS_PER_CALL)
+        plan.check(needs, f"a {geometry.width}x{geometry.height} clip of {geometry.num_frames} frames")
 
     # -- one request --------------------------------------------------------------------------------------------------
 
@@ -623,6 +650,7 @@ class H3Pipeline:
             if progress is not None:
                 progress(stage, done, total)
 
+        self._check_memory(plan.geometry, ("denoise", "decode"))
         try:
             poll()
             t = time.perf_counter()
@@ -675,6 +703,8 @@ class H3Pipeline:
             "media_video_threads": self.options.media_video_threads,
             "encoder_residency": "resident" if self.conditioner.keep_on_device else "offload",
         }
+        if self.session.plan is not None and self.session.plan.placement.vaes is not None:
+            metadata["memory_plan"] = asdict(self.session.plan.placement)
         if generation.denoise_profile is not None:
             metadata["denoise_profile"] = generation.denoise_profile
         return VideoResult(
@@ -684,38 +714,15 @@ class H3Pipeline:
         )
 
 
-def _pipeline_residency(
-    requested: str, device: torch.device, assets: PreparedAssets, conditioner: TextConditioner, vaes: MediaVAEs, encoder_residency: str
-) -> str:
-    """The core's weight residency on `device` (`plan_residency` with the loaded parts' sizes and the free memory)."""
-    if device.type != "cuda":
-        return requested
+def _plan_memory(options: RunOptions, assets: PreparedAssets, conditioner: TextConditioner, vaes: MediaVAEs, devices: list[torch.device]) -> MemoryPlan | None:
+    """The pipeline's memory plan from the loaded parts' sizes (None on the CPU without a cap)."""
+    cap = cap_bytes(options.max_device_memory)
+    if devices[0].type != "cuda" and cap is None:
+        return None
     from .artifact import CompiledArtifact
 
     compiled = CompiledArtifact(**assets.session_paths())
-    core = sum(int(b["size"]) for b in compiled.manifest["blocks"]) + int(compiled.manifest["auxiliary"]["size"])
-    encoder = sum(p.numel() * p.element_size() for p in conditioner.text_encoder.parameters())
-    media = sum(p.numel() * p.element_size() for m in (vaes.video_vae, vaes.audio_vae) for p in m.parameters())
-    return plan_residency(requested, encoder_residency, core, encoder, media, torch.cuda.mem_get_info(device)[0], str(device))
-
-
-def plan_residency(requested: str, encoder_residency: str, core: int, encoder: int, media: int, free: int, device: str = "the GPU") -> str:
-    """The core's weight residency given where the encoder and the VAEs live between their stages (sizes in bytes).
-
-    With `encoder_residency="offload"` the encoder and the VAEs take the device in turn, so "auto" keeps the core's
-    blocks resident only if they fit beside the larger of the two with 4 GiB to spare; with "resident" both stay on
-    the device, so they must fit beside the core's blocks (resident) or by themselves (block ring), or this raises.
-    """
-    beside_core = encoder + media if encoder_residency == "resident" else max(encoder, media)
-    sizes = f"core {core / _GIB:.1f} GiB, encoder {encoder / _GIB:.1f} GiB, VAEs {media / _GIB:.1f} GiB, {free / _GIB:.1f} GiB free on {device}"
-    choice = requested
-    if requested == "auto":
-        choice = "resident" if core + beside_core + 4 * _GIB <= free else "block-ring"
-        logger.info("pipeline weight residency auto -> %s (encoders %s): %s", choice, encoder_residency, sizes)
-    if encoder_residency == "resident" and (core if choice == "resident" else 0) + beside_core + 4 * _GIB > free:
-        raise VflashError(
-            f"encoder_residency='resident' keeps the text encoder and the VAEs on the GPU beside the core's {choice} weights, "
-            f"which does not fit with 4 GiB to spare ({sizes}); use encoder_residency='offload'"
-            + (" or weight_residency='block-ring'" if choice == "resident" else "")
-        )
-    return choice
+    return plan_memory(
+        PartSizes.of(compiled, conditioner, vaes), largest_request(assets.profile, compiled.config, conditioner, vaes, assets.canvas), devices, cap,
+        options.weight_residency, options.encoder_residency,
+    )

@@ -1,22 +1,27 @@
-"""Where the main blocks' weights live: resident on the device, or streamed from pinned host memory (block ring).
+"""Where weights live: resident on the device, or streamed from pinned host memory through two device slots (a ring).
 
-Block ring: every compiled block file is read once (several threads per file) and its tensors are copied back to back
-into ONE segmented pinned host arena that spans blocks (no per-block allocation padding). Two device slots, each the size of one block, alternate: a copy stream fills slot
-k+1 while block k computes from slot k, and block 0 of the next evaluation while the last block finishes. A copy
-event marks a slot ready (the compute stream waits on it); a compute event marks the block that read a slot
-finished (the copy stream waits on it before overwriting). Nothing waits on the host per block. The arena and the
-slots are reused across requests and released by `close()`. With tensor parallelism each rank's arena holds its
-shard of every block.
+Ring: items of one byte layout (the transformer's main blocks, the text encoder's decoder layers: same names, shapes
+and dtypes in every item) are copied once, back to back, into ONE segmented pinned host arena that spans items (no
+per-item allocation padding). Two device slots, each the size of one item, alternate: a copy stream fills slot k+1
+while item k computes from slot k. A copy event marks a slot ready (the compute stream waits on it); a compute event
+marks the item that read a slot finished (the copy stream waits on it before overwriting). Nothing waits on the host
+per item. The arena is kept until its owner is closed; the slots live as long as their ring (`close()`).
 
-Resident and block-ring sources yield the same `LayerWeights` (same tensors, same values), so the math, and the
-bits, are identical.
+Two users of the same arena, slots and events (`PinnedArena`, `WeightRing`):
+
+* `BlockRing`: the main blocks, read once from the compiled block files (`BlockArena`), one pass per evaluation; the
+  next evaluation's block 0 is fetched while the last block finishes. With tensor parallelism each rank's arena holds
+  its shard of every block. Resident and block-ring sources yield the same `LayerWeights` (same tensors, same
+  values), so the math, and the bits, are identical.
+* `ModuleRing`: the modules of an `nn.ModuleList` (the text encoder's decoder layers), whose parameters move into the
+  arena; while the ring is attached to a device, a forward pre-hook points each module's parameters at its slot just
+  before the module runs, so the model's own forward runs unchanged on the same values.
 """
 
 from __future__ import annotations
 
-import logging
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
@@ -26,11 +31,10 @@ import torch
 from .artifact import CompiledArtifact
 from .checkpoint import block_shapes
 from .config import H3Config
-from .errors import RequestError, VflashError
+from .device_owner import module_tensors, point_module_at
+from .errors import VflashError
 from .model import LayerWeights, LoraResidual
 from .tensor_store import TensorStore
-
-logger = logging.getLogger(__name__)
 
 # Tensors start at multiples of this inside the arena and the slots (cuBLAS- and vector-load friendly). The full
 # model's tensors are all multiples of it, so no padding is added there.
@@ -90,7 +94,7 @@ class ResidentBlocks(BlockSource):
 
 @dataclass(frozen=True)
 class _Slot:
-    """Where one tensor of a block sits inside a block's byte span."""
+    """Where one tensor of an item sits inside an item's byte span."""
 
     name: str
     dtype: torch.dtype
@@ -99,145 +103,224 @@ class _Slot:
     nbytes: int
 
 
-def block_layout(config: H3Config, artifact: CompiledArtifact, shard: WeightShard | None = None) -> tuple[list[_Slot], int]:
-    """Byte layout shared by every main block (same names, shapes and dtypes), or by every block's shard."""
-    store = TensorStore(artifact.artifact_dir / artifact.manifest["blocks"][0]["file"])
+def pack_layout(tensors: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]) -> tuple[list[_Slot], int]:
+    """(name, dtype, shape) in order -> their byte layout in one item's span, and the span's size."""
     slots, offset = [], 0
-    for internal in block_shapes(config, "blocks.0", with_adaln=False):
-        name = internal.split(".", 2)[2]
-        info = store.info(name)
-        shape = info.shape if shard is None else shard.shape(name, info.shape)
-        nbytes = math.prod(shape) * info.dtype.itemsize
-        slots.append(_Slot(name, info.dtype, shape, offset, nbytes))
+    for name, dtype, shape in tensors:
+        nbytes = math.prod(shape) * dtype.itemsize
+        slots.append(_Slot(name, dtype, shape, offset, nbytes))
         offset = _aligned(offset + nbytes)
     return slots, offset
 
 
-class PinnedArena:
-    """Every main block's weights in one segmented pinned host arena, filled once from memory-mapped block files."""
+def block_layout(config: H3Config, artifact: CompiledArtifact, shard: WeightShard | None = None) -> tuple[list[_Slot], int]:
+    """Byte layout shared by every main block (same names, shapes and dtypes), or by every block's shard."""
+    store = TensorStore(artifact.artifact_dir / artifact.manifest["blocks"][0]["file"])
 
-    def __init__(self, artifact: CompiledArtifact, pin: bool = True, on_block=None, shard: WeightShard | None = None):
-        config = artifact.config
-        self.shard = shard
-        self.layout, self.block_bytes = block_layout(config, artifact, shard)
-        per_segment = max(1, _SEGMENT_BYTES // self.block_bytes)
+    def tensors() -> Iterator[tuple[str, torch.dtype, tuple[int, ...]]]:
+        for internal in block_shapes(config, "blocks.0", with_adaln=False):
+            name = internal.split(".", 2)[2]
+            info = store.info(name)
+            yield name, info.dtype, (info.shape if shard is None else shard.shape(name, info.shape))
+
+    return pack_layout(tensors())
+
+
+class PinnedArena:
+    """`count` items of one layout back to back in segmented pinned host memory (pageable with `pin=False`).
+
+    `read(i)` gives item i's tensors by name; two items are read and copied in at once, reported to `on_item` in
+    order. `what` names an item in errors.
+    """
+
+    def __init__(
+        self, layout: list[_Slot], item_bytes: int, count: int, read: Callable[[int], Mapping[str, torch.Tensor]],
+        pin: bool = True, on_item: Callable[[int], None] | None = None, what: str = "item",
+    ):
+        self.layout, self.item_bytes, self.what = layout, item_bytes, what
+        per_segment = max(1, _SEGMENT_BYTES // item_bytes)
         self.segments: list[torch.Tensor] = []
-        self.spans: list[torch.Tensor] = []  # per block: uint8 view of its bytes in a segment
-        self.loras: list[dict[str, tuple[LoraResidual, ...]]] = []
-        for first in range(0, config.num_layers, per_segment):
-            count = min(per_segment, config.num_layers - first)
-            self.segments.append(torch.empty(count * self.block_bytes, dtype=torch.uint8, pin_memory=pin))
-        for i in range(config.num_layers):
-            start = (i % per_segment) * self.block_bytes
-            self.spans.append(self.segments[i // per_segment][start : start + self.block_bytes])
-        # Two blocks fill their spans at once (each read by several threads), reported in order.
+        self.spans: list[torch.Tensor] = []  # per item: uint8 view of its bytes in a segment
+        for first in range(0, count, per_segment):
+            self.segments.append(torch.empty(min(per_segment, count - first) * item_bytes, dtype=torch.uint8, pin_memory=pin))
+        for i in range(count):
+            start = (i % per_segment) * item_bytes
+            self.spans.append(self.segments[i // per_segment][start : start + item_bytes])
         with ThreadPoolExecutor(2) as pool:
-            for i, loras in enumerate(pool.map(lambda i: self._fill(artifact, i, self.spans[i]), range(config.num_layers))):
-                self.loras.append(loras)
-                if on_block is not None:
-                    on_block(i)
+            for i, _ in enumerate(pool.map(lambda i: self._fill(i, read(i)), range(count))):
+                if on_item is not None:
+                    on_item(i)
         self.nbytes = sum(s.nbytes for s in self.segments)
 
-    def _fill(self, artifact: CompiledArtifact, index: int, span: torch.Tensor) -> dict[str, tuple[LoraResidual, ...]]:
-        """Read one block file and copy its tensors (or this rank's shard of them) into its span of the arena."""
-        block = artifact.read_block(index)
-        tensors = block.tensors if self.shard is None else self.shard.tensors(block.tensors)
+    def views(self, span: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The layout's tensors as views of one item-sized byte buffer (an item's span here, or a device slot)."""
+        return {s.name: span[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in self.layout}
+
+    def _fill(self, index: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Copy one item's tensors into its span."""
+        span = self.spans[index]
+        if set(tensors) != {s.name for s in self.layout}:
+            raise VflashError(f"{self.what} {index} holds {sorted(tensors)}, {self.what} 0 {sorted(s.name for s in self.layout)}")
         for slot in self.layout:
             tensor = tensors[slot.name]
             if tensor.dtype != slot.dtype or tuple(tensor.shape) != slot.shape:
-                raise VflashError(f"block {index}: {slot.name} is {tensor.dtype} {list(tensor.shape)}, block 0 has {slot.dtype} {list(slot.shape)}")
+                raise VflashError(f"{self.what} {index}: {slot.name} is {tensor.dtype} {list(tensor.shape)}, {self.what} 0 has {slot.dtype} {list(slot.shape)}")
             span[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape).copy_(tensor)
-        return dict(block.loras) if self.shard is None else self.shard.loras(block.loras)
 
 
-class BlockRing(BlockSource):
+class BlockArena(PinnedArena):
+    """Every main block's weights (or this rank's shard of them), each block file read once (several threads per
+    file); their LoRA residuals stay beside the arena, by block."""
+
+    def __init__(self, artifact: CompiledArtifact, pin: bool = True, on_block: Callable[[int], None] | None = None, shard: WeightShard | None = None):
+        count = artifact.config.num_layers
+        self.loras: list[dict[str, tuple[LoraResidual, ...]]] = [{} for _ in range(count)]
+
+        def read(index: int) -> Mapping[str, torch.Tensor]:
+            block = artifact.read_block(index)
+            self.loras[index] = dict(block.loras) if shard is None else shard.loras(block.loras)
+            return block.tensors if shard is None else shard.tensors(block.tensors)
+
+        super().__init__(*block_layout(artifact.config, artifact, shard), count, read, pin, on_block, "block")
+
+
+class WeightRing:
     """Two device slots fed from a `PinnedArena` by a copy stream, ordered by events (see the module docstring).
 
-    On the CPU (tests) the same slots are filled by plain synchronous copies.
+    Iterating makes one pass: each item's tensors, as views of its slot, in order; the caller computes with them
+    before asking for the next. With `cyclic` the first item of the next pass is fetched as a pass ends. On the CPU
+    (tests) the same slots are filled by plain synchronous copies.
     """
 
-    def __init__(self, arena: PinnedArena, device: torch.device):
+    def __init__(self, arena: PinnedArena, device: torch.device, cyclic: bool = True):
         self.arena = arena
         self.device = device
-        self.slots = [torch.empty(arena.block_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
-        self.views = [self._views(slot) for slot in self.slots]
-        self.loras = [_device_loras(lora, device) for lora in arena.loras]
+        self.cyclic = cyclic
+        self.slots = [torch.empty(arena.item_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
+        self.views = [arena.views(slot) for slot in self.slots]
         self.cuda = device.type == "cuda"
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device)
             self.copy_done = [torch.cuda.Event() for _ in range(2)]
             self.compute_done = [torch.cuda.Event() for _ in range(2)]
-        self.device_weight_bytes = 2 * arena.block_bytes
-        self._first_block_ready = False
+        self.device_weight_bytes = 2 * arena.item_bytes
+        self._first_ready = False
         # Set by the profiler: (start, end) timing events of every copy.
         self.copy_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
 
-    def _views(self, slot: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {s.name: slot[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in self.arena.layout}
-
-    def _issue_copy(self, block: int) -> None:
-        s = block % 2
+    def _issue_copy(self, index: int) -> None:
+        s = index % 2
         if not self.cuda:
-            self.slots[s].copy_(self.arena.spans[block])
+            self.slots[s].copy_(self.arena.spans[index])
             return
         with torch.cuda.stream(self.copy_stream):
-            self.copy_stream.wait_event(self.compute_done[s])  # the block that last read this slot has finished
+            self.copy_stream.wait_event(self.compute_done[s])  # the item that last read this slot has finished
             timing = None
             if self.copy_events is not None:
                 timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                 timing[0].record(self.copy_stream)
-            self.slots[s].copy_(self.arena.spans[block], non_blocking=True)
+            self.slots[s].copy_(self.arena.spans[index], non_blocking=True)
             if timing is not None:
                 timing[1].record(self.copy_stream)
                 self.copy_events.append(timing)  # type: ignore[union-attr]
             self.copy_done[s].record(self.copy_stream)
 
-    def __iter__(self) -> Iterator[LayerWeights]:
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         count = len(self.arena.spans)
         if not self.cuda:
             for i in range(count):
                 self._issue_copy(i)
-                yield LayerWeights(self.views[i % 2], self.loras[i])
+                yield self.views[i % 2]
             return
         compute = torch.cuda.current_stream(self.device)
-        if not self._first_block_ready:
+        if not self._first_ready:
             self._issue_copy(0)
-        self._first_block_ready = False
+        self._first_ready = False
         for i in range(count):
             s = i % 2
             if i + 1 < count:
-                self._issue_copy(i + 1)  # overlaps block i's compute
+                self._issue_copy(i + 1)  # overlaps item i's compute
             compute.wait_event(self.copy_done[s])
-            yield LayerWeights(self.views[s], self.loras[i])
+            yield self.views[s]
             self.compute_done[s].record(compute)
-        # Every pass starts with block 0: fetch it now, so the copy overlaps the output heads, the latent update and
-        # the next evaluation's input packing instead of stalling the next pass.
-        self._issue_copy(0)
-        self._first_block_ready = True
+        if self.cyclic:
+            # Every pass starts with item 0: fetch it now, so the copy overlaps what runs between passes (the output
+            # heads, the latent update, the next evaluation's input packing) instead of stalling the next pass.
+            self._issue_copy(0)
+            self._first_ready = True
 
     def close(self) -> None:
         if self.cuda:
             torch.cuda.synchronize(self.device)
-        self.slots, self.views, self.loras = [], [], []
+        self.slots, self.views = [], []
 
 
-def check_fits(need_bytes: int, free_bytes: int, margin_bytes: int, what: str, device: torch.device, advice: str) -> None:
-    """Refuse, before anything moves, a placement whose estimate plus margin exceeds the free device memory."""
-    if need_bytes + margin_bytes > free_bytes:
-        gib = 1 << 30
-        raise RequestError(
-            f"{what} needs about {need_bytes / gib:.1f} GiB on {device} plus a {margin_bytes / gib:.1f} GiB margin; "
-            f"{free_bytes / gib:.1f} GiB are free. {advice}"
-        )
+class BlockRing(WeightRing, BlockSource):
+    """The main blocks streamed through a `WeightRing` from a `BlockArena`, one pass per evaluation."""
+
+    def __init__(self, arena: BlockArena, device: torch.device):
+        super().__init__(arena, device)
+        self.loras = [_device_loras(lora, device) for lora in arena.loras]
+
+    def __iter__(self) -> Iterator[LayerWeights]:  # type: ignore[override]
+        for index, views in enumerate(super().__iter__()):
+            yield LayerWeights(views, self.loras[index])
+
+    def close(self) -> None:
+        super().close()
+        self.loras = []
 
 
-def activation_bytes(config: H3Config, sequence_length: int) -> int:
-    """Upper estimate of one evaluation's transient device memory at S packed rows (bf16 block dtype).
+class ModuleRing:
+    """Modules of one structure (same parameter names, shapes and dtypes) run with their weights streamed.
 
-    Residual and normalised streams (3 x S x H), fused QKV (S x 3I), q/k copies and attention output (3 x S x I), the
-    SwiGLU input and product (S x 2F + S x F), fp32 head inputs (S x H x 4), with a 25 % allowance for the
-    allocator and the attention kernel's workspace.
+    Their parameters and buffers move once into a `PinnedArena` (the modules point at their spans from then on, so
+    the host holds them once). `attach(device)` allocates a `WeightRing` there and hooks the modules: before module i
+    runs its tensors are pointed at the slot the ring filled (the next module's copy is issued meanwhile), and after
+    the last one the pass is closed; `detach()` removes the hooks, frees the slots and points the modules back at the
+    arena. The modules must run in order, each once per pass, as a model's layer loop runs them.
     """
-    h, i, f = config.hidden_size, config.inner_dim, config.ffn_dim
-    per_row = 2 * (3 * h + 3 * i + 3 * i + 2 * f + f) + 4 * h
-    return int(sequence_length * per_row * 1.25)
+
+    def __init__(self, modules: Sequence[torch.nn.Module], pin: bool, what: str = "module"):
+        self.modules = list(modules)
+        first = module_tensors(self.modules[0])
+        layout, item_bytes = pack_layout((name, t.dtype, tuple(t.shape)) for name, t in first.items())
+        self.arena = PinnedArena(layout, item_bytes, len(self.modules), lambda i: module_tensors(self.modules[i]), pin, what=what)
+        self.host = [self.arena.views(span) for span in self.arena.spans]
+        for module, tensors in zip(self.modules, self.host):
+            point_module_at(module, tensors)
+        self.ring: WeightRing | None = None
+        self._pass: Iterator[dict[str, torch.Tensor]] | None = None
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes of the arena."""
+        return self.arena.nbytes
+
+    def attach(self, device: torch.device) -> None:
+        """Stream the modules through two slots on `device` from now on."""
+        self.ring = WeightRing(self.arena, device, cyclic=False)
+        for index, module in enumerate(self.modules):
+            self._hooks.append(module.register_forward_pre_hook(lambda m, args, i=index: self._before(i, m)))
+        self._hooks.append(self.modules[-1].register_forward_hook(lambda m, args, out: self._end_pass()))
+
+    def _before(self, index: int, module: torch.nn.Module) -> None:
+        if index == 0:
+            self._pass = iter(self.ring)  # type: ignore[arg-type]
+        point_module_at(module, next(self._pass))  # type: ignore[arg-type]
+
+    def _end_pass(self) -> None:
+        next(self._pass, None)  # type: ignore[arg-type]  # records the last module's completion
+        self._pass = None
+
+    def detach(self) -> None:
+        """Remove the hooks, wait for the device and free the slots; the modules point at the arena again."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks, self._pass = [], None
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
+        for module, tensors in zip(self.modules, self.host):
+            point_module_at(module, tensors)

@@ -5,10 +5,12 @@ tensors. Closing waits for the devices, then drops every weight reference and co
 (anything other than bad input, or an abort raised by the caller's own progress / between-block callback) marks the
 session failed: it refuses further calls and must be closed and replaced.
 
-Memory placement: `weight_residency="resident"` keeps every block on the
-device; `"block-ring"` streams blocks from one pinned host arena through two device slots; `"auto"` picks resident
-when the model plus the largest request of the profile fits the free device memory with a margin, else block-ring,
-and logs the numbers. Several GPUs (`peer_device`, `strategy`) are used only when the caller names them.
+Memory placement: `weight_residency="resident"` keeps every block on the device; `"block-ring"` streams blocks from
+one pinned host arena through two device slots; `"auto"` lets the memory plan (`memory_plan.plan_memory`) choose:
+resident when the blocks and the profile's largest request fit the free device memory (or the `max_device_memory`
+cap, which the session then enforces on its devices until it closes) with the plan's margin, else block-ring. Inside
+a pipeline the pipeline's plan (the encoder and the VAEs too) is passed in and used instead. Each request is checked
+against the plan before it runs. Several GPUs (`peer_device`, `strategy`) are used only when the caller names them.
 """
 
 from __future__ import annotations
@@ -24,25 +26,25 @@ import torch
 from .artifact import CompiledArtifact
 from .attention import resolve_attention
 from .bundle import MODE_VARIANT, BundleHandoff, ConditioningBundle
-from .formats import device_arch
+from .config import H3Config
 from .denoise import Denoiser, DenoiseOutput, ProgressFn
 from .errors import IdentityMismatchError, SessionClosedError, VflashError
 from .fileio import atomic_file, check_writable_destination
+from .formats import device_arch
 from .fused import FusedOps
-from .layout import FPS, Geometry, audio_latent_count
+from .layout import FPS
+from .memory_plan import DeviceCap, MemoryPlan, PartSizes, cap_bytes, denoise_bytes, largest_request, plan_memory
 from .model import BlockOps
 from .options import STRATEGIES, WEIGHT_RESIDENCIES
 from .parallel import LocalGroup, SequenceHeadAttention, TensorShard, head_groups, relayout_ops, split_rows, tensor_parallel_ops
 from .profiler import StageTimer
 from .profiles import Profile, get_profile
-from .residency import BlockRing, BlockSource, PinnedArena, ResidentBlocks, activation_bytes, check_fits
+from .residency import BlockArena, BlockRing, BlockSource, ResidentBlocks
 
 logger = logging.getLogger(__name__)
 
 EXECUTIONS = ("auto", "fused", "reference")
 _GIB = 1 << 30
-# Free device memory kept back beyond the estimates (allocator fragmentation, kernels' workspaces, other users).
-MEMORY_MARGIN_BYTES = 2 * _GIB
 
 
 @dataclass
@@ -73,12 +75,6 @@ def _as_device(value: int | str | torch.device) -> torch.device:
     return device
 
 
-def _largest_request_rows(profile: Profile, config) -> int:
-    """Packed rows of the profile's longest clip on the default 768 x 1344 canvas with 512 text rows (t2va)."""
-    geometry = Geometry(768, 1344, int(profile.max_seconds * FPS) // 17 * 17 + 5)
-    return 512 + 2 * audio_latent_count(geometry.num_frames) + geometry.num_latent_frames * geometry.rows_per_frame(config.patch_size)
-
-
 class NativeEngineSession:
     """Run fixed-schedule H3 trajectories for one profile on one device or an explicit group of devices.
 
@@ -89,7 +85,11 @@ class NativeEngineSession:
         peer_device: further GPU(s) for one request (index, name or list); needs `strategy`.
         strategy: with `peer_device`, `"sequence-head"` (rows split, heads exchanged for attention; exact per row and
             head) or `"tensor"` (heads and FFN channels split, partial projections summed; rounding differs).
-        weight_residency: `"auto"`, `"resident"` or `"block-ring"` (CUDA only).
+        weight_residency: `"auto"`, `"resident"` or `"block-ring"`.
+        max_device_memory: a cap in GiB on what the session may hold on each device: planned against and enforced
+            (`memory_plan.DeviceCap`) until `close`.
+        plan: a pipeline's memory plan (`memory_plan.plan_memory`), which then decides the residency and carries the
+            cap; `weight_residency` must agree with it and `max_device_memory` be left out.
         attention_backend: see `attention.BACKENDS`; the backend used is logged once and reported per result.
         execution: `"fused"` (Triton elementwise kernels, the CUDA default), `"reference"` (plain PyTorch, the CPU
             default) or `"auto"`; both give the same bits.
@@ -111,6 +111,8 @@ class NativeEngineSession:
         execution: str = "auto",
         on_load_progress: Callable[[int, int], None] | None = None,
         collective_timeout_seconds: float = 120.0,
+        max_device_memory: float | None = None,
+        plan: MemoryPlan | None = None,
     ):
         start = time.perf_counter()
         self.profile = get_profile(profile) if isinstance(profile, str) else profile
@@ -124,6 +126,8 @@ class NativeEngineSession:
         self.strategy = strategy if peers else None
         if weight_residency not in WEIGHT_RESIDENCIES:
             raise VflashError(f"weight_residency must be one of {', '.join(WEIGHT_RESIDENCIES)}, got {weight_residency!r}")
+        if plan is not None and max_device_memory is not None:
+            raise VflashError("a session given a memory plan takes its cap from the plan; leave max_device_memory out")
         self.compiled = CompiledArtifact(artifact, schedule_overlay, auxiliary)
         self.compiled.check_profile(self.profile)
         for dev in self.devices:
@@ -134,24 +138,40 @@ class NativeEngineSession:
         if self.strategy is not None:
             head_groups(config.num_attention_heads, len(self.devices))
         self.attention_backend = resolve_attention(attention_backend, self.device)[0]
-        self.weight_residency = self._choose_residency(weight_residency)
         if execution not in EXECUTIONS:
             raise VflashError(f"execution must be one of {', '.join(EXECUTIONS)}, got {execution!r}")
         self.execution = ("fused" if self.device.type == "cuda" else "reference") if execution == "auto" else execution
+        self.plan = self._memory_plan(weight_residency, cap_bytes(max_device_memory)) if plan is None else plan
+        if plan is not None and weight_residency not in ("auto", plan.placement.core):
+            raise VflashError(f"weight_residency={weight_residency!r} disagrees with the memory plan's {plan.placement.core!r}")
+        self.weight_residency = self.plan.placement.core if self.plan is not None else ("resident" if weight_residency == "auto" else weight_residency)
+        self._cap = DeviceCap(self.plan.cap, self.devices) if self.plan is not None and self.plan.cap is not None else None
+        try:
+            self._load(config, attention_backend, on_load_progress, collective_timeout_seconds)
+        except BaseException:
+            self._release_cap()
+            raise
+        self._failure: str | None = None
+        self._closed = False
+        self._requests = 0
+        self.initialization_seconds = time.perf_counter() - start
+        logger.info("Vflash session %s: %s", self.profile.id, self.memory_plan())
 
+    def _load(self, config: H3Config, attention_backend: str, on_load_progress: Callable[[int, int], None] | None, collective_timeout_seconds: float) -> None:
+        """Load the weights where the plan put them and build one denoiser per device."""
         self._group: LocalGroup | None = LocalGroup(self.devices, collective_timeout_seconds) if self.strategy else None
         size = len(self.devices)
         shards = [TensorShard(config, r, size) if self.strategy == "tensor" else None for r in range(size)]
         total = config.num_layers
         load = None if on_load_progress is None else (lambda i: on_load_progress(i + 1, total))
         # One host arena shared by every ring (sequence-head replicates blocks); one arena of shards per rank (tensor).
-        self._arenas: list[PinnedArena] = []
+        self._arenas: list[BlockArena] = []
         if self.weight_residency == "block-ring":
             pin = self.device.type == "cuda"
             if self.strategy == "tensor":
-                self._arenas = [PinnedArena(self.compiled, pin, load if r == 0 else None, shard) for r, shard in enumerate(shards)]
+                self._arenas = [BlockArena(self.compiled, pin, load if r == 0 else None, shard) for r, shard in enumerate(shards)]
             else:
-                self._arenas = [PinnedArena(self.compiled, pin, load)]
+                self._arenas = [BlockArena(self.compiled, pin, load)]
         self._denoisers: list[Denoiser] = []
         for rank, dev in enumerate(self.devices):
             blocks: BlockSource
@@ -168,38 +188,15 @@ class NativeEngineSession:
             else:
                 ops = ops_class(config, local)
             self._denoisers.append(Denoiser(self.compiled, blocks, dev, ops))
-        self._failure: str | None = None
-        self._closed = False
-        self._requests = 0
-        self.initialization_seconds = time.perf_counter() - start
-        logger.info("Vflash session %s: %s", self.profile.id, self.memory_plan())
 
     # -- memory -------------------------------------------------------------------------------------------------
 
-    def _choose_residency(self, requested: str) -> str:
-        """Resolve "auto"; refuse an explicit choice that cannot fit, before any weights move."""
-        if self.device.type != "cuda":
-            return "resident" if requested == "auto" else requested
-        config = self.compiled.config
-        block_bytes = [int(b["size"]) for b in self.compiled.manifest["blocks"]]
-        aux_bytes = int(self.compiled.manifest["auxiliary"]["size"])
-        largest = activation_bytes(config, _largest_request_rows(self.profile, config))
-        free = min(torch.cuda.mem_get_info(dev)[0] for dev in self.devices)
-        resident_need = sum(block_bytes) + aux_bytes + largest
-        if requested == "auto":
-            choice = "resident" if resident_need + MEMORY_MARGIN_BYTES <= free else "block-ring"
-            logger.info(
-                "weight residency auto -> %s: resident needs %.1f GiB (blocks %.1f + auxiliary %.1f + largest request %.1f) "
-                "+ %.1f GiB margin, %.1f GiB free",
-                choice, resident_need / _GIB, sum(block_bytes) / _GIB, aux_bytes / _GIB, largest / _GIB, MEMORY_MARGIN_BYTES / _GIB, free / _GIB,
-            )
-            return choice
-        weights = sum(block_bytes) if requested == "resident" else 2 * max(block_bytes)
-        check_fits(
-            weights + aux_bytes, free, MEMORY_MARGIN_BYTES, f"weight_residency={requested!r} ({weights / _GIB:.1f} GiB of block weights)",
-            self.device, "Choose weight_residency='block-ring' or 'auto'." if requested == "resident" else "This GPU is too small for H3.",
-        )
-        return requested
+    def _memory_plan(self, weight_residency: str, cap: int | None) -> MemoryPlan | None:
+        """This session's own plan, for the core alone (its blocks and the profile's largest request), on a GPU or
+        under a cap; None on the CPU without a cap (the blocks stay resident there)."""
+        if self.device.type != "cuda" and cap is None:
+            return None
+        return plan_memory(PartSizes.of(self.compiled), largest_request(self.profile, self.compiled.config), self.devices, cap, weight_residency)
 
     def memory_plan(self) -> str:
         """One line: devices, strategy, attention, residency, blocks on device, pinned host bytes."""
@@ -215,18 +212,22 @@ class NativeEngineSession:
         )
 
     def _check_request_fits(self, bundle: ConditioningBundle) -> None:
-        if self.device.type != "cuda":
+        """Refuse a request whose activations do not fit the plan (nothing to check without one: CPU, no cap)."""
+        if self.plan is None:
             return
         rows = bundle.layout.sequence_length
         if self.strategy == "sequence-head":  # local rows everywhere, plus whole-sequence q/k/v/out for 1/P of the heads
             rows = max(stop - start for start, stop in split_rows(rows, len(self.devices))) + rows // len(self.devices)
-        need = activation_bytes(self.compiled.config, rows)
-        for dev in self.devices:
-            free = torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
-            check_fits(
-                need, free, MEMORY_MARGIN_BYTES, f"this request's activations ({bundle.layout.sequence_length} packed rows, weights {self.weight_residency})", dev,
-                "Use a smaller canvas or a shorter clip, weight_residency='block-ring', or a second GPU.",
-            )
+        self.plan.check(
+            {"denoise": denoise_bytes(self.compiled.config, rows)},
+            f"this request's activations ({bundle.layout.sequence_length} packed rows, weights {self.weight_residency})",
+            "Use a smaller canvas or a shorter clip, weight_residency='block-ring', or a second GPU.",
+        )
+
+    def _release_cap(self) -> None:
+        if self._cap is not None:
+            self._cap.release()
+            self._cap = None
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
 
@@ -258,6 +259,7 @@ class NativeEngineSession:
             self._group.close()
             self._group = None
         self._arenas = []
+        self._release_cap()
 
     def _check_usable(self) -> None:
         if self._failure is not None:
