@@ -3,7 +3,8 @@
     python benchmarks/report.py
 
 Each table is generated from `benchmarks/results/*.json`; the prose around them states how they were measured. Run
-it after fetching new results so the README never disagrees with the JSON.
+it after fetching new results so the README never disagrees with the JSON. The repository README's "what fits where"
+table (between its `what-fits-where` markers) is filled from `memory_caps_h200.json` too.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 OUT = Path(__file__).resolve().parent / "README.md"
+REPO_README = Path(__file__).resolve().parent.parent / "README.md"
+FITS_START, FITS_END = "<!-- what-fits-where: filled by benchmarks/report.py -->", "<!-- /what-fits-where -->"
 
 
 def _load(name: str) -> dict | None:
@@ -95,6 +98,47 @@ def _end_to_end(data: dict) -> list[str]:
     return out
 
 
+def _cell(record: dict | None) -> str:
+    """One run: peak device memory and seconds, whether it equals the uncapped run, or why it did not complete."""
+    if record is None:
+        return "not run"
+    if not record["completed"]:
+        return "out of memory" if record["error"].startswith("OutOfMemoryError") else "refused by the plan"
+    same = {True: ", bitwise", False: ", differs", None: ""}[record["bitwise_equal_to_uncapped"]]
+    return f"{record['peak_device_bytes'] / 2**30:.1f} GiB, {record['elapsed_seconds']:.1f} s{same}"
+
+
+def what_fits(data: dict) -> str:
+    """The memory caps table: one row per stage and size, one column per cap (and the uncapped twin)."""
+    caps = [None, *data["setup"]["caps_gib"]]
+    names = {"encode": "text encode", "denoise_evaluation": "one denoise evaluation (50 blocks)", "decode": "video + audio decode", "end_to_end": "t2va Turbo4 to MP4"}
+    rows: dict[tuple, dict] = {}
+    for r in data["records"]:
+        key = (r["stage"], r.get("mode"), r["canvas"], r["seconds"])
+        label = " ".join(str(v) for v in (names[r["stage"]], r.get("mode"), r["canvas"], r["seconds"] and f"{r['seconds']} s") if v)
+        rows.setdefault(key, {"what": label})[str(r["cap_gib"])] = _cell(r)
+    columns = [("what", "stage")] + [(str(c), "uncapped (H200)" if c is None else f"cap {c:g} GiB") for c in caps]
+    chosen = {r["cap_gib"]: r["placement"] for r in data["records"] if r["stage"] == "end_to_end" and r.get("placement")}
+    plans = [f"- {'uncapped' if c is None else f'{c:g} GiB'}: core {p['core']}, text encoder {p['encoder']}, VAEs {p['vaes']}, video decode {p['video_decoder']}"
+             for c, p in ((c, chosen.get(c)) for c in caps) if p]
+    return "\n".join([
+        f"Each stage alone at real size ({_source(data)}), peak device memory allocated with its weights and seconds; under a cap "
+        "the memory plan places the parts and the cap is enforced (`max_device_memory`), and every completed run is compared bit for "
+        "bit with the uncapped one (`benchmarks/memory_caps.py`).",
+        "",
+        _table(list(rows.values()), columns),
+        "",
+        *(["The pipeline's placement per cap:", "", *plans, ""] if plans else []),
+    ])
+
+
+def fill_repo_readme(data: dict) -> None:
+    """Replace the table between the repository README's `what-fits-where` markers."""
+    text = REPO_README.read_text()
+    start, end = text.index(FITS_START) + len(FITS_START), text.index(FITS_END)
+    REPO_README.write_text(text[:start] + "\n" + what_fits(data) + "\n" + text[end:])
+
+
 def render() -> str:
     parts = [
         "# Benchmarks",
@@ -146,6 +190,9 @@ def render() -> str:
                    [("cap", "cap"), ("canvas", "canvas"), ("seconds", "seconds"), ("N", "N"), ("peak_allocated_bytes", "peak allocated bytes")]),
             "",
         ]
+    caps = _load("memory_caps_h200")
+    if caps:
+        parts += ["## What fits where: each stage under device memory caps (`benchmarks/memory_caps.py`)", "", what_fits(caps)]
     two = _load("two_gpu_2xh200")
     if two:
         parts += [
@@ -170,3 +217,7 @@ def render() -> str:
 if __name__ == "__main__":
     OUT.write_text(render())
     print(f"wrote {OUT}")
+    caps_data = _load("memory_caps_h200")
+    if caps_data:
+        fill_repo_readme(caps_data)
+        print(f"filled the what-fits-where table of {REPO_README}")
