@@ -69,6 +69,18 @@ def test_pruned_file_reads_its_curve_and_reduced_rank_adaln(pruned_file):
     assert_bitwise(table, raw["adaln_t_table"], "adaln_t_table")
 
 
+def test_config_of_a_comfy_file_without_one_is_inferred(tmp_path, base_weights):
+    """Without a config in the metadata: shapes give the config, `rope.inv_freq` the rotary width; a pruned file
+    has no time embedder, so its widths stay the release's."""
+    config = replace(TINY, rope_freq_dim=1)
+    path = synthetic.write_comfy_transformer(tmp_path / "h3.safetensors", config, base_weights, embed_config=False)
+    assert SourceWeights(path).config == config
+    pruned = synthetic.write_comfy_transformer(tmp_path / "h3_pruned.safetensors", config, synthetic.prune_adaln(base_weights, config), embed_config=False)
+    release = type(TINY)()
+    time = dict(freq_dim=release.freq_dim, time_embed_hidden_dim=release.time_embed_hidden_dim, time_embed_dim=release.time_embed_dim)
+    assert SourceWeights(pruned).config == replace(config, **time)
+
+
 @pytest.mark.parametrize("marking", ["metadata", "comfy_quant", "legacy"])
 def test_fp8_scaled_file_reads_as_core_dequantizes(tmp_path, base_weights, marking):
     """Every float8 layer reads as BF16 `bf16(code) * bf16(scale)` (one rounding of the product), whichever of

@@ -45,10 +45,9 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-
-from typing import TYPE_CHECKING
 
 from .config import H3Config
 from .errors import IdentityMismatchError, WeightFileError
@@ -172,13 +171,23 @@ def quantized_layers(store: TensorStore, prefix: str) -> dict[str, ScaledWeight]
     `scaled_fp8` tensor, and every layer with a `<layer>.scale_weight` is float8_e4m3fn). A format other than
     per-tensor float8 raises, naming it and what is supported.
     """
+    def parse(text: str | bytes, what: str) -> dict:
+        try:
+            value = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            value = None
+        if not isinstance(value, dict):
+            raise WeightFileError(f"{store.path}: {what} is not a JSON object")
+        return value
+
     names = set(store.names)
     formats: dict[str, dict] = {}
     flags = [n for n in names if n.endswith(".comfy_quant")]
     for name, tensor in store.read(flags).items():
-        formats[name.removesuffix(".comfy_quant")] = json.loads(bytes(tensor.reshape(-1).tolist()))
+        formats[name.removesuffix(".comfy_quant")] = parse(bytes(tensor.reshape(-1).tolist()), name)
     if "_quantization_metadata" in store.metadata:
-        formats.update(json.loads(store.metadata["_quantization_metadata"]).get("layers", {}))
+        layers = parse(store.metadata["_quantization_metadata"], "`_quantization_metadata`").get("layers", {})
+        formats.update({layer: conf if isinstance(conf, dict) else {} for layer, conf in layers.items()})
     elif f"{prefix}scaled_fp8" in names:
         formats.update({n.removesuffix(".scale_weight"): {"format": "float8_e4m3fn"} for n in names if n.endswith(".scale_weight")})
     refused: dict[str, list[str]] = {}
@@ -317,8 +326,8 @@ class SourceWeights:
             audio_in_channels=shape("audio_patch_proj.weight")[1],
             text_dim=shape("condition_proj.weight")[1],
             **time,
-            # Not stored (the inv_freq buffer is recomputed): the release rotates 3/4 of each head (96 of 128).
-            rope_freq_dim=head_dim // 8,
+            # Comfy-Org files keep the `rope.inv_freq` buffer; otherwise the release's: 3/4 of each head (96 of 128).
+            rope_freq_dim=shape("rope.inv_freq")[0] if self._raw("rope.inv_freq") in self.store else head_dim // 8,
         )
 
     def _raw(self, name: str) -> str:
@@ -436,7 +445,8 @@ class SourceWeights:
                 stored = self.store.info(scaled.scale).shape if scaled.scale in self.store else ()
                 expect[scaled.scale] = (stored if math.prod(stored) == 1 else (), FLOAT_DTYPES)  # 0-d or one element
         self.store.require(expect)
-        block_dtypes = {self.dtype_of(n) for n in self._shapes if n.startswith("blocks.") and not n.endswith((".adaln.weight", ".adaln.bias"))}
+        adaln = (".adaln.weight", ".adaln.bias") if self.pruned else ()  # a pruned file's are fp32 by design
+        block_dtypes = {self.dtype_of(n) for n in self._shapes if n.startswith("blocks.") and not n.endswith(adaln)}
         if len(block_dtypes) > 1:
             raise WeightFileError(f"{self.path}: main-block tensors mix dtypes {sorted(map(str, block_dtypes))}")
 

@@ -428,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="bind a profile to base weights (and adapter) in a receipt")
     p.add_argument("--profile", required=True)
-    p.add_argument("--transformer", required=True, help="diffusers transformer/ folder, or an original-layout file/folder")
+    p.add_argument("--transformer", required=True, help="diffusers transformer/ folder, or an original-layout file/folder (Comfy-Org bf16, fp8_scaled or pruned single files too)")
     p.add_argument("--adapter", help="LoRA .safetensors the profile is built with")
     p.add_argument("--qkv-layout", choices=("stacked", "interleaved"), help="original layout only (default stacked)")
     p.add_argument("--receipt", required=True)
