@@ -61,7 +61,12 @@ class LoraResidual:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, loras: tuple[LoraResidual, ...] = ()) -> torch.Tensor:
     """`F.linear` plus separate LoRA residuals; base weights are never modified."""
-    y = F.linear(x, weight, bias)
+    return add_lora_residuals(F.linear(x, weight, bias), x, loras)
+
+
+def add_lora_residuals(y: torch.Tensor, x: torch.Tensor, loras: tuple[LoraResidual, ...]) -> torch.Tensor:
+    """A linear's output `y` of input `x` plus its LoRA residuals, each rounded into y's dtype (in place on a row
+    range of y, whole-width residuals as a new tensor)."""
     for lora in loras:
         x_lora = x.to(lora.down.dtype)
         delta = F.linear(F.linear(x_lora, lora.down), lora.up) * lora.scale
@@ -107,6 +112,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 # -- sublayers ----------------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class RowScaledWeight:
+    """The weight of one block linear in an FP8 artifact (approximate): E4M3 codes [out, in] and FP32 row scales
+    [out, 1], weight ~ codes * scales. Only FP8 block operations (`fp8.RowFP8Ops`) take it."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+
 @dataclass
 class LayerWeights:
     """Weights of one main or refiner block in internal names without the block prefix, plus its LoRA residuals.
@@ -124,6 +138,14 @@ class LayerWeights:
 
     def lora(self, name: str) -> tuple[LoraResidual, ...]:
         return self.loras.get(name, ())
+
+    def weight(self, linear: str) -> torch.Tensor | RowScaledWeight:
+        """The weight operand of `linear` (`attn.qkv`, ...): its matrix, or in an FP8 artifact its E4M3 codes with
+        their row scales (stored beside the codes as `<linear>.weight_scale`)."""
+        scales = self.tensors.get(f"{linear}.weight_scale")
+        if scales is None:
+            return self.tensors[f"{linear}.weight"]
+        return RowScaledWeight(self.tensors[f"{linear}.weight"], scales)
 
 
 # Where each AdaLN parameter sits in a modulation table row: (shift, scale, gate) block indices and the block count.
@@ -211,7 +233,7 @@ class BlockOps:
 def attention(h: torch.Tensor, w: LayerWeights, ops: BlockOps, rotary: tuple[torch.Tensor, torch.Tensor] | None, timer: StageTimer = NO_TIMER) -> torch.Tensor:
     """(1, S, H) normalised input -> (1, S, H) attention output (before the gate and any reduction)."""
     with timer.stage("qkv_projection"):
-        qkv = ops.linear(h, w["attn.qkv.weight"], w.lora("attn.qkv"))
+        qkv = ops.linear(h, w.weight("attn.qkv"), w.lora("attn.qkv"))
     with timer.stage("qk_norm_rope"):
         q, k, v = ops.qk_norm_rope(qkv, w["attn.norm_q.weight"], w["attn.norm_k.weight"], rotary)
     del qkv
@@ -219,18 +241,18 @@ def attention(h: torch.Tensor, w: LayerWeights, ops: BlockOps, rotary: tuple[tor
         out = ops.attend(q, k, v)
     del q, k, v
     with timer.stage("attention_output"):
-        return ops.linear(out, w["attn.out.weight"], w.lora("attn.out"))
+        return ops.linear(out, w.weight("attn.out"), w.lora("attn.out"))
 
 
 def feed_forward(h: torch.Tensor, w: LayerWeights, ops: BlockOps, timer: StageTimer = NO_TIMER) -> torch.Tensor:
     """SwiGLU from the fused [value; gate] projection, then the output projection (before the gate)."""
     with timer.stage("ffn_input"):
-        p = ops.linear(h, w["ffn.in.weight"], w.lora("ffn.in"))
+        p = ops.linear(h, w.weight("ffn.in"), w.lora("ffn.in"))
     with timer.stage("swiglu"):
         y = ops.swiglu(p)
     del p
     with timer.stage("ffn_output"):
-        return ops.linear(y, w["ffn.out.weight"], w.lora("ffn.out"))
+        return ops.linear(y, w.weight("ffn.out"), w.lora("ffn.out"))
 
 
 def main_block(

@@ -1,0 +1,394 @@
+"""Per-row FP8 (E4M3) activation quantizers, alone and fused into the kernels that produce the block's activations.
+
+An approximate path's operands (the exact path never calls these): the input of each block linear is quantized per
+row to E4M3 codes with one FP32 scale per row (`_fp8`'s rule; torch reference `vflash_core.fp8.quantize_rows`):
+
+| op                            | reference (torch)                                                         |
+|-------------------------------|---------------------------------------------------------------------------|
+| `quantize_rows(x)`            | `quantize_rows(x)`                                                        |
+| `swiglu_quantize(p)`          | `quantize_rows(model.swiglu(p))`                                          |
+| `rms_norm_modulate_quantize`  | `quantize_rows(model.rms_norm_modulate(...))` (the norm in torch's CUDA order, as `rms_norm_modulate`) |
+
+The fused ops read their inputs twice instead of writing the BF16 activation and reading it back: a row's scale
+needs the absmax of the whole row before the first code can be written, so a first pass computes the activation and
+its absmax (writing the BF16 value too with `keep_value`, for a LoRA branch that reads it), and a second pass
+computes the same values again (the same ops, so the same bits) and writes the codes. Each program owns whole rows.
+
+Every op returns `(codes, scales, value)`: codes `float8_e4m3fn` of the activation's shape, scales FP32 of its shape
+with a last dimension of 1, value the BF16 activation or None.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _launch
+from ._device import _lane_tree_sum, _round_as, _to_f32, _to_storage
+from ._fp8 import _e4m3_bits, _row_absmax, _row_scale
+from .rms_norm_modulate import _TORCH_WARPS, _check_torch_vectorized
+from .rms_norm_modulate import _CHUNK as _NORM_CHUNK
+from .modulate import MODULATION_BLOCKS
+from .swiglu import _libdevice
+
+__all__ = ["quantize_rows", "rms_norm_modulate_quantize", "swiglu_quantize"]
+
+Quantized = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]
+
+
+def _outputs(x: torch.Tensor, shape: tuple[int, ...], keep_value: bool, value_dtype: torch.dtype) -> Quantized:
+    codes = torch.empty(shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty((*shape[:-1], 1), dtype=torch.float32, device=x.device)
+    value = torch.empty(shape, dtype=value_dtype, device=x.device) if keep_value else None
+    return codes, scales, value
+
+
+# -- quantize_rows --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x_ptr,
+    codes_ptr,
+    scales_ptr,
+    n_rows,
+    n_cols,
+    x_row_stride,
+    x_col_stride,
+    codes_row_stride,
+    codes_col_stride,
+    scales_stride,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    INDEX_64: tl.constexpr,
+    EMULATE_CASTS: tl.constexpr,
+):
+    """codes[s, :], scales[s] = the row rule of `_fp8` over x[s, :]. Grid: (row blocks,); each program walks its rows
+    in column chunks twice (absmax, then codes)."""
+    pid = tl.program_id(0)
+    if INDEX_64:
+        pid = pid.to(tl.int64)
+    rows = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_mask = rows < n_rows
+    x_rows = x_ptr + rows[:, None] * x_row_stride
+    amax = tl.full((BLOCK_ROWS, 1), 0.0, tl.float32)
+    for start in range(0, n_cols, BLOCK_COLS):
+        cols = start + tl.arange(0, BLOCK_COLS)
+        if INDEX_64:
+            cols = cols.to(tl.int64)
+        mask = row_mask[:, None] & (cols < n_cols)[None, :]
+        amax = _row_absmax(_to_f32(tl.load(x_rows + cols[None, :] * x_col_stride, mask=mask, other=0.0), EMULATE_CASTS), amax)
+    scale = _row_scale(amax)
+    tl.store(scales_ptr + rows[:, None] * scales_stride, scale, mask=row_mask[:, None])
+    codes_rows = codes_ptr + rows[:, None] * codes_row_stride
+    for start in range(0, n_cols, BLOCK_COLS):
+        cols = start + tl.arange(0, BLOCK_COLS)
+        if INDEX_64:
+            cols = cols.to(tl.int64)
+        mask = row_mask[:, None] & (cols < n_cols)[None, :]
+        x = _to_f32(tl.load(x_rows + cols[None, :] * x_col_stride, mask=mask, other=0.0), EMULATE_CASTS)
+        tl.store(codes_rows + cols[None, :] * codes_col_stride, _e4m3_bits(x, scale, EMULATE_CASTS), mask=mask)
+
+
+def quantize_rows(x: torch.Tensor) -> Quantized:
+    """Per-row E4M3 codes and FP32 scales of x: (S, K) or (1, S, K), bf16 / fp16 / fp32, any strides.
+
+    Returns (codes, scales, None): codes contiguous `float8_e4m3fn` of x's shape, scales (S, 1) / (1, S, 1) fp32.
+    """
+    x2 = _launch.as_rows(x, "x")
+    _launch.round_dtype(x.dtype)
+    codes, scales, _ = _outputs(x, tuple(x.shape), False, x.dtype)
+    _launch.check_device(x, codes, scales)
+    n_rows, n_cols = x2.shape
+    if n_rows and n_cols:
+        codes2, scales2 = _launch.as_rows(codes, "codes").view(torch.uint8), _launch.as_rows(scales, "scales")
+        tile = _launch.elementwise_tile(n_rows, n_cols)
+        _quantize_rows_kernel[(triton.cdiv(n_rows, tile.block_rows),)](
+            x2, codes2, scales2,
+            n_rows, n_cols,
+            x2.stride(0), x2.stride(1),
+            codes2.stride(0), codes2.stride(1),
+            scales2.stride(0),
+            BLOCK_ROWS=tile.block_rows,
+            BLOCK_COLS=tile.block_groups,
+            INDEX_64=_launch.needs_int64(x2, codes2),
+            EMULATE_CASTS=_launch.INTERPRET,
+            num_warps=tile.num_warps,
+            **_launch.COMPILE_OPTIONS,
+        )
+    return codes, scales, None
+
+
+# -- SwiGLU + quantize ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _swiglu_values(p_rows, cols, mask, n_cols, p_col_stride, ROUND_DTYPE: tl.constexpr, EMULATE_CASTS: tl.constexpr, USE_LIBDEVICE: tl.constexpr):
+    """One chunk of `swiglu`'s output with its kernel's roundings (see `swiglu._swiglu_kernel`), as fp32."""
+    value = _to_f32(tl.load(p_rows + cols[None, :] * p_col_stride, mask=mask, other=0.0), EMULATE_CASTS)
+    gate = _to_f32(tl.load(p_rows + (n_cols + cols)[None, :] * p_col_stride, mask=mask, other=0.0), EMULATE_CASTS)
+    if USE_LIBDEVICE:
+        decay = _libdevice.exp(-gate)
+    else:
+        decay = tl.exp(-gate)
+    silu = _round_as(tl.math.div_rn(gate, 1.0 + decay), ROUND_DTYPE, EMULATE_CASTS)
+    return _round_as(value * silu, ROUND_DTYPE, EMULATE_CASTS)
+
+
+@triton.jit
+def _swiglu_quantize_kernel(
+    p_ptr,
+    value_ptr,
+    codes_ptr,
+    scales_ptr,
+    n_rows,
+    n_cols,
+    p_row_stride,
+    p_col_stride,
+    value_row_stride,
+    value_col_stride,
+    codes_row_stride,
+    codes_col_stride,
+    scales_stride,
+    ROUND_DTYPE: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    WRITE_VALUE: tl.constexpr,
+    INDEX_64: tl.constexpr,
+    EMULATE_CASTS: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr,
+):
+    """y = swiglu(p) per row (written to value with WRITE_VALUE), then its codes and scale. Grid: (row blocks,)."""
+    pid = tl.program_id(0)
+    if INDEX_64:
+        pid = pid.to(tl.int64)
+    rows = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_mask = rows < n_rows
+    p_rows = p_ptr + rows[:, None] * p_row_stride
+    amax = tl.full((BLOCK_ROWS, 1), 0.0, tl.float32)
+    for start in range(0, n_cols, BLOCK_COLS):
+        cols = start + tl.arange(0, BLOCK_COLS)
+        if INDEX_64:
+            cols = cols.to(tl.int64)
+        mask = row_mask[:, None] & (cols < n_cols)[None, :]
+        y = _swiglu_values(p_rows, cols, mask, n_cols, p_col_stride, ROUND_DTYPE, EMULATE_CASTS, USE_LIBDEVICE)
+        if WRITE_VALUE:
+            out = value_ptr + rows[:, None] * value_row_stride + cols[None, :] * value_col_stride
+            tl.store(out, _to_storage(y, value_ptr.dtype.element_ty, EMULATE_CASTS), mask=mask)
+        amax = _row_absmax(y, amax)
+    scale = _row_scale(amax)
+    tl.store(scales_ptr + rows[:, None] * scales_stride, scale, mask=row_mask[:, None])
+    codes_rows = codes_ptr + rows[:, None] * codes_row_stride
+    for start in range(0, n_cols, BLOCK_COLS):
+        cols = start + tl.arange(0, BLOCK_COLS)
+        if INDEX_64:
+            cols = cols.to(tl.int64)
+        mask = row_mask[:, None] & (cols < n_cols)[None, :]
+        y = _swiglu_values(p_rows, cols, mask, n_cols, p_col_stride, ROUND_DTYPE, EMULATE_CASTS, USE_LIBDEVICE)
+        tl.store(codes_rows + cols[None, :] * codes_col_stride, _e4m3_bits(y, scale, EMULATE_CASTS), mask=mask)
+
+
+def swiglu_quantize(p: torch.Tensor, *, keep_value: bool = False) -> Quantized:
+    """`swiglu(p)` quantized per row, without writing the BF16 product unless `keep_value`.
+
+    p: (S, 2F) or (1, S, 2F) [value | gate], bf16 (or fp16 / fp32), any strides. Returns (codes, scales, value) of
+    the (.., S, F) product: value is the product itself (`vflash_kernels.swiglu.swiglu`'s bits) or None.
+    """
+    p2 = _launch.as_rows(p, "p")
+    if p2.shape[1] % 2:
+        raise ValueError(f"p must have an even last dimension [value | gate], got {tuple(p.shape)}")
+    round_dtype = _launch.round_dtype(p.dtype)
+    codes, scales, value = _outputs(p, (*p.shape[:-1], p.shape[-1] // 2), keep_value, p.dtype)
+    _launch.check_device(p, codes, scales)
+    n_rows, n_cols = p2.shape[0], p2.shape[1] // 2
+    if n_rows and n_cols:
+        codes2, scales2 = _launch.as_rows(codes, "codes").view(torch.uint8), _launch.as_rows(scales, "scales")
+        value2 = _launch.as_rows(value, "value") if value is not None else p2  # p2: never written (WRITE_VALUE=False)
+        tile = _launch.elementwise_tile(n_rows, n_cols)
+        _swiglu_quantize_kernel[(triton.cdiv(n_rows, tile.block_rows),)](
+            p2, value2, codes2, scales2,
+            n_rows, n_cols,
+            p2.stride(0), p2.stride(1),
+            value2.stride(0), value2.stride(1),
+            codes2.stride(0), codes2.stride(1),
+            scales2.stride(0),
+            ROUND_DTYPE=round_dtype,
+            BLOCK_ROWS=tile.block_rows,
+            BLOCK_COLS=tile.block_groups,
+            WRITE_VALUE=value is not None,
+            INDEX_64=_launch.needs_int64(p2, value2, codes2),
+            EMULATE_CASTS=_launch.INTERPRET,
+            USE_LIBDEVICE=not _launch.INTERPRET,
+            num_warps=tile.num_warps,
+            **_launch.COMPILE_OPTIONS,
+        )
+    return codes, scales, value
+
+
+# -- RMSNorm + modulate + quantize ----------------------------------------------------------------------------------
+
+
+@triton.jit
+def _norm_modulate_chunk(
+    x_rows, weight_ptr, table_row_ptrs, rstd, cols, mask, col_mask, x_col_stride, weight_stride, table_col_stride, shift_col, scale_col,
+    ROUND_DTYPE: tl.constexpr, EMULATE_CASTS: tl.constexpr,
+):
+    """One chunk of `rms_norm_modulate`'s output with its kernel's roundings (normalise, then modulate), as fp32."""
+    x = _to_f32(tl.load(x_rows + cols[None, :] * x_col_stride, mask=mask, other=0.0), EMULATE_CASTS)
+    weight = _to_f32(tl.load(weight_ptr + cols * weight_stride, mask=col_mask, other=0.0), EMULATE_CASTS)
+    normed = _round_as(weight[None, :] * (rstd * x), ROUND_DTYPE, EMULATE_CASTS)
+    scale = tl.load(table_row_ptrs + (scale_col + cols)[None, :] * table_col_stride, mask=mask, other=0.0)
+    shift = tl.load(table_row_ptrs + (shift_col + cols)[None, :] * table_col_stride, mask=mask, other=0.0)
+    one_plus_scale = _round_as(1.0 + _to_f32(scale, EMULATE_CASTS), ROUND_DTYPE, EMULATE_CASTS)
+    y = _round_as(normed * one_plus_scale, ROUND_DTYPE, EMULATE_CASTS)
+    return _round_as(y + _to_f32(shift, EMULATE_CASTS), ROUND_DTYPE, EMULATE_CASTS)
+
+
+@triton.jit
+def _rms_norm_modulate_quantize_kernel(
+    x_ptr,
+    weight_ptr,
+    table_ptr,
+    index_ptr,
+    value_ptr,
+    codes_ptr,
+    scales_ptr,
+    n_rows,
+    eps,
+    x_row_stride,
+    x_col_stride,
+    weight_stride,
+    table_row_stride,
+    table_col_stride,
+    index_stride,
+    value_row_stride,
+    value_col_stride,
+    codes_row_stride,
+    codes_col_stride,
+    scales_stride,
+    shift_col,
+    scale_col,
+    HIDDEN: tl.constexpr,
+    TORCH_WARPS: tl.constexpr,
+    ROUND_DTYPE: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    WRITE_VALUE: tl.constexpr,
+    INDEX_64: tl.constexpr,
+    EMULATE_CASTS: tl.constexpr,
+):
+    """`rms_norm_modulate._rms_norm_modulate_kernel`'s rows (the same sum of squares in torch's CUDA order, the same
+    normalise and modulate), then their codes and scales. Three passes over each row's chunks: sum of squares; the
+    modulated values (stored with WRITE_VALUE) and their absmax; the same values again, quantized. Grid: (row blocks,).
+    """
+    CHUNK: tl.constexpr = 4 * 32 * TORCH_WARPS
+    pid = tl.program_id(0)
+    if INDEX_64:
+        pid = pid.to(tl.int64)
+    rows = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_mask = rows < n_rows
+    x_rows = x_ptr + rows[:, None] * x_row_stride
+
+    # per-thread sums of torch's block (channel 4t + j of a chunk is torch thread t's channel j), as in that kernel
+    acc = tl.full((BLOCK_ROWS, CHUNK // 4), 0.0, tl.float32)
+    for start in range(0, HIDDEN, CHUNK):
+        cols = start + tl.arange(0, CHUNK)
+        if INDEX_64:
+            cols = cols.to(tl.int64)
+        mask = row_mask[:, None] & (cols < HIDDEN)[None, :]
+        x = _to_f32(tl.load(x_rows + cols[None, :] * x_col_stride, mask=mask, other=0.0), EMULATE_CASTS)
+        quads = tl.reshape(x, (BLOCK_ROWS, CHUNK // 4, 2, 2))
+        even, odd = tl.split(quads)
+        x0, x2 = tl.split(even)
+        x1, x3 = tl.split(odd)
+        acc = tl.fma(x3, x3, tl.fma(x2, x2, tl.fma(x1, x1, tl.fma(x0, x0, acc))))
+    warp_sums = _lane_tree_sum(tl.reshape(acc, (BLOCK_ROWS, TORCH_WARPS, 32)), BLOCK_ROWS, TORCH_WARPS, 32)
+    sum_sq = _lane_tree_sum(tl.reshape(warp_sums, (BLOCK_ROWS, 1, TORCH_WARPS)), BLOCK_ROWS, 1, TORCH_WARPS)
+    rstd = tl.math.rsqrt(tl.math.div_rn(sum_sq, HIDDEN * 1.0) + eps)  # (BLOCK_ROWS, 1)
+
+    table_rows = tl.load(index_ptr + rows * index_stride, mask=row_mask, other=0)
+    if INDEX_64:
+        table_rows = table_rows.to(tl.int64)
+    else:
+        table_rows = table_rows.to(tl.int32)
+    table_row_ptrs = table_ptr + (table_rows * table_row_stride)[:, None]
+
+    amax = tl.full((BLOCK_ROWS, 1), 0.0, tl.float32)
+    for start in range(0, HIDDEN, CHUNK):
+        cols = start + tl.arange(0, CHUNK)
+        if INDEX_64:
+            cols = cols.to(tl.int64)
+        col_mask = cols < HIDDEN
+        mask = row_mask[:, None] & col_mask[None, :]
+        y = _norm_modulate_chunk(x_rows, weight_ptr, table_row_ptrs, rstd, cols, mask, col_mask, x_col_stride, weight_stride, table_col_stride,
+                                 shift_col, scale_col, ROUND_DTYPE, EMULATE_CASTS)
+        if WRITE_VALUE:
+            out = value_ptr + rows[:, None] * value_row_stride + cols[None, :] * value_col_stride
+            tl.store(out, _to_storage(y, value_ptr.dtype.element_ty, EMULATE_CASTS), mask=mask)
+        amax = _row_absmax(y, amax)
+    scale = _row_scale(amax)
+    tl.store(scales_ptr + rows[:, None] * scales_stride, scale, mask=row_mask[:, None])
+    codes_rows = codes_ptr + rows[:, None] * codes_row_stride
+    for start in range(0, HIDDEN, CHUNK):
+        cols = start + tl.arange(0, CHUNK)
+        if INDEX_64:
+            cols = cols.to(tl.int64)
+        col_mask = cols < HIDDEN
+        mask = row_mask[:, None] & col_mask[None, :]
+        y = _norm_modulate_chunk(x_rows, weight_ptr, table_row_ptrs, rstd, cols, mask, col_mask, x_col_stride, weight_stride, table_col_stride,
+                                 shift_col, scale_col, ROUND_DTYPE, EMULATE_CASTS)
+        tl.store(codes_rows + cols[None, :] * codes_col_stride, _e4m3_bits(y, scale, EMULATE_CASTS), mask=mask)
+
+
+def rms_norm_modulate_quantize(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, table: torch.Tensor, row_index: torch.Tensor, which: str = "msa", *, keep_value: bool = False
+) -> Quantized:
+    """`rms_norm_modulate(x, weight, eps, table, row_index, which)` quantized per row, without writing the BF16
+    activation unless `keep_value`.
+
+    Arguments as `vflash_kernels.rms_norm_modulate.rms_norm_modulate` for the main-block tables ("msa" / "mlp"),
+    with the same refusals (inputs for which `F.rms_norm` would take its other CUDA path). Returns
+    (codes, scales, value): value is `rms_norm_modulate`'s result itself, or None.
+    """
+    if which not in ("msa", "mlp"):
+        raise ValueError(f"which must be 'msa' or 'mlp' (a main block's table), got {which!r}")
+    shift_block, scale_block, n_blocks = MODULATION_BLOCKS[which]
+    x2 = _launch.as_rows(x, "x")
+    n_rows, hidden = x2.shape
+    if weight.shape != (hidden,) or weight.dtype != x.dtype:
+        raise ValueError(f"weight must be ({hidden},) {x.dtype}, got {tuple(weight.shape)} {weight.dtype}")
+    if table.dim() != 2 or table.shape[1] != n_blocks * hidden:
+        raise ValueError(f"table for {which!r} must be (R, {n_blocks}*{hidden}), got {tuple(table.shape)}")
+    if table.dtype != x.dtype:
+        raise TypeError(f"table dtype {table.dtype} differs from x dtype {x.dtype}")
+    _check_torch_vectorized(x, weight)
+    _launch.check_index(row_index, n_rows, "row_index")
+    round_dtype = _launch.round_dtype(x.dtype)
+    codes, scales, value = _outputs(x, tuple(x.shape), keep_value, x.dtype)
+    _launch.check_device(x, weight, table, row_index, codes, scales)
+    if n_rows:
+        codes2, scales2 = _launch.as_rows(codes, "codes").view(torch.uint8), _launch.as_rows(scales, "scales")
+        value2 = _launch.as_rows(value, "value") if value is not None else x2  # x2: never written (WRITE_VALUE=False)
+        tile = _launch.elementwise_tile(n_rows, 1, _NORM_CHUNK)
+        _rms_norm_modulate_quantize_kernel[(triton.cdiv(n_rows, tile.block_rows),)](
+            x2, weight, table, row_index, value2, codes2, scales2,
+            n_rows, float(eps),
+            x2.stride(0), x2.stride(1),
+            weight.stride(0),
+            table.stride(0), table.stride(1),
+            row_index.stride(0),
+            value2.stride(0), value2.stride(1),
+            codes2.stride(0), codes2.stride(1),
+            scales2.stride(0),
+            shift_block * hidden, scale_block * hidden,
+            HIDDEN=hidden,
+            TORCH_WARPS=_TORCH_WARPS,
+            ROUND_DTYPE=round_dtype,
+            BLOCK_ROWS=tile.block_rows,
+            WRITE_VALUE=value is not None,
+            INDEX_64=_launch.needs_int64(x2, weight, table, row_index, value2, codes2),
+            EMULATE_CASTS=_launch.INTERPRET,
+            num_warps=tile.num_warps,
+            **_launch.COMPILE_OPTIONS,
+        )
+    return codes, scales, value

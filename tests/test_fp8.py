@@ -1,0 +1,406 @@
+"""The approximate FP8 execution (`vflash_core.fp8`) and its Triton activation quantizers (`vflash_kernels.fp8_quantize`).
+
+CPU, kernels: in Triton's interpreter (test_kernels.py's private interpreted copy of the package, see its docstring),
+each quantizer's codes (compared as bytes) and scales equal its torch reference bit for bit: `fp8.quantize_rows` of
+the input, of `model.swiglu`, and of the RMSNorm (in torch's CUDA reduction order, `rms_norm_block_order_reference`)
++ modulation; also strided inputs, both tile settings, the INDEX_64 variants, zero rows and codes in E4M3's subnormal
+range. The interpreter has no float8 type, so the fp32 -> E4M3 rounding is emulated on bit patterns there
+(`_fp8._e4m3_bits`), checked against torch's cast on ~400,000 values; on the GPU it is the hardware `cvt`.
+
+CPU, execution: weight-only equals a BF16 GEMM over the dequantized weights; w8a8 equals `torch._scaled_mm` of the
+quantized rows with row-wise scales, with either quantizer, bit for bit (run on the CPU with the device rule patched:
+the class itself refuses any device that is not SM90 / SM120 CUDA, which is tested too, as are the explicit choices and
+that nothing in torch is patched).
+
+GPU (`-m gpu`): the quantizers against the torch reference on CUDA at the released width (S = 19,796 and 38,222) and
+beyond 2**31 addressed elements, and w8a8 through `torch._scaled_mm` with the Triton quantizer equal to the torch one:
+
+    pytest -m gpu tests/test_fp8.py -s
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import pytest
+import test_kernels
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from test_kernels import FFN, H_FULL, S_CPU, S_GPU, TILES, _table, assert_bitwise, configure, generator, randn, strided
+from triton.runtime.interpreter import InterpretedFunction
+
+from vflash_core import fp8
+from vflash_core import model as reference
+from vflash_core.errors import VflashError
+
+interp = test_kernels.interp
+gpu = test_kernels.gpu
+EPS = 1e-5
+
+
+@pytest.fixture(scope="module")
+def op(interp):
+    """`fp8_quantize` inside `interp`'s private package, decorated for the interpreter (as test_rms_norm_modulate.py
+    imports its op)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRITON_INTERPRET", "1")
+        module = importlib.import_module(f"{test_kernels._INTERPRETED}.fp8_quantize")
+        norm = importlib.import_module(f"{test_kernels._INTERPRETED}.rms_norm_modulate")
+    assert module._launch is interp._launch and module._launch.INTERPRET
+    module.norm_order_reference = norm.rms_norm_block_order_reference
+    return module
+
+
+def assert_same_quantization(got, expected_rows: torch.Tensor, what: str) -> None:
+    """(codes, scales, value) of a kernel against `fp8.quantize_rows(expected_rows)`: codes as bytes, bitwise."""
+    codes, scales, _ = got
+    expected_codes, expected_scales = fp8.quantize_rows(expected_rows)
+    assert codes.dtype == torch.float8_e4m3fn and codes.shape == expected_rows.shape, f"{what}: codes {codes.dtype} {tuple(codes.shape)}"
+    assert scales.shape == (*expected_rows.shape[:-1], 1), f"{what}: scales {tuple(scales.shape)}"
+    assert_bitwise(codes.view(torch.uint8), expected_codes.view(torch.uint8), f"{what} codes")
+    assert_bitwise(scales, expected_scales, f"{what} scales")
+
+
+def with_special_rows(x: torch.Tensor) -> torch.Tensor:
+    """Row 0 all zeros (scale 1, codes 0); row 1 one large value among tiny ones (codes in E4M3's subnormal range)."""
+    x = x.clone()
+    rows = x.view(-1, x.shape[-1])
+    rows[0] = 0
+    rows[1] = rows[1] * 1e-3
+    rows[1, 0] = 50.0
+    return x
+
+
+# -- CPU: the E4M3 rounding --------------------------------------------------------------------------------------
+
+
+def _e4m3_probe(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """fp32 -> `_e4m3_bits(scale 1, EMULATE_CASTS=True)` -> uint8 (run through the interpreter by the test below)."""
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    x = tl.reshape(tl.load(x_ptr + offsets, mask=mask, other=0.0), (1, BLOCK))
+    bits = _fp8_interpreted._e4m3_bits(x, tl.full((1, 1), 1.0, tl.float32), True)
+    tl.store(out_ptr + offsets, tl.reshape(bits, (BLOCK,)), mask=mask)
+
+
+def test_e4m3_emulation_matches_torch(op, monkeypatch):
+    """`_e4m3_bits(EMULATE_CASTS=True)` is torch's fp32 -> float8_e4m3fn after the clamp to +-448: random bit patterns,
+    normal and subnormal magnitudes, ties, signed zeros."""
+    monkeypatch.setitem(globals(), "_fp8_interpreted", sys.modules[test_kernels._INTERPRETED + "._fp8"])
+    g = torch.Generator().manual_seed(11)
+    patterns = torch.randint(-(2**31), 2**31, (200_000,), generator=g, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    ties = torch.tensor([1 + 2**-4, 1 + 3 * 2**-4, 2**-9 * 1.5, 2**-9 * 2.5, 2**-10, 3 * 2**-11, 2**-6 * (1 - 2**-4)])
+    special = torch.tensor([0.0, -0.0, 448.0, -448.0, 447.9, 2**-6, -(2**-6), 2**-9, 464.0, 1e30, -1e30])
+    values = torch.cat([patterns[patterns.isfinite()], torch.randn(50_000, generator=g) * 100, torch.randn(50_000, generator=g) * 1e-2, ties, -ties, special])
+    out = torch.empty(values.shape, dtype=torch.uint8)
+    InterpretedFunction(_e4m3_probe)[(triton.cdiv(values.numel(), 1024),)](values, out, values.numel(), BLOCK=1024)
+    expected = values.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+    assert_bitwise(out.view(torch.int8), expected.view(torch.int8), "E4M3 rounding")
+
+
+# -- CPU: the kernels in the interpreter ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tile", TILES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("width,layout", [(1000, "model"), (40, "strided"), (24, "model")])
+def test_quantize_rows_interpreter(op, monkeypatch, request, width, layout, dtype, tile):
+    configure(op, monkeypatch, tile)
+    g = generator(request)
+    x = randn((1, S_CPU, width), dtype, g, 3.0) if layout == "model" else strided((S_CPU, width), dtype, g, scale=3.0)
+    x = with_special_rows(x)
+    assert_same_quantization(op.quantize_rows(x), x, f"quantize_rows {dtype} {width}")
+
+
+@pytest.mark.parametrize("tile", TILES)
+@pytest.mark.parametrize("keep_value", [False, True])
+@pytest.mark.parametrize("width", [48, 40])
+def test_swiglu_quantize_interpreter(op, monkeypatch, request, width, keep_value, tile):
+    configure(op, monkeypatch, tile)
+    g = generator(request)
+    p = with_special_rows(strided((S_CPU, 2 * width), torch.bfloat16, g, scale=3.0))  # packed rows with padding
+    got = op.swiglu_quantize(p, keep_value=keep_value)
+    expected = reference.swiglu(p)
+    assert_same_quantization(got, expected, f"swiglu_quantize F={width}")
+    if keep_value:
+        assert_bitwise(got[2], expected, "swiglu value")
+    else:
+        assert got[2] is None
+
+
+@pytest.mark.parametrize("tile", TILES)
+@pytest.mark.parametrize("which", ["msa", "mlp"])
+@pytest.mark.parametrize("hidden,layout", [(H_FULL, "model"), (1000, "strided"), (24, "model")])
+def test_rms_norm_modulate_quantize_interpreter(op, monkeypatch, request, hidden, layout, which, tile):
+    """Against `fp8.quantize_rows` of the norm in the kernel's order (as test_rms_norm_modulate.py) + `modulate`."""
+    configure(op, monkeypatch, tile)
+    g = generator(request)
+    x = randn((1, S_CPU, hidden), torch.bfloat16, g, 3.0) if layout == "model" else strided((S_CPU, hidden), torch.bfloat16, g, scale=3.0)
+    x = with_special_rows(x)
+    weight = randn((hidden,), torch.bfloat16, g, 0.25) + 1
+    table = strided((6, 6 * hidden), torch.bfloat16, g, scale=0.5)
+    idx = torch.randint(0, 6, (S_CPU,), generator=g, dtype=torch.int32 if layout == "strided" else torch.int64)
+    expected = reference.modulate(op.norm_order_reference(x, weight, EPS), table, idx.long(), which)
+    got = op.rms_norm_modulate_quantize(x, weight, EPS, table, idx, which, keep_value=layout == "model")
+    assert_same_quantization(got, expected, f"rms_norm_modulate_quantize H={hidden} {which}")
+    if layout == "model":
+        assert_bitwise(got[2], expected, "rms_norm_modulate value")
+
+
+def test_int64_variants_interpreter(op, monkeypatch, request):
+    """The INDEX_64 variant of each quantizer (forced on small shapes) gives the int32 variant's bits."""
+    configure(op, monkeypatch, "small", index_64=True)
+    g = generator(request)
+    x = strided((S_CPU, 40), torch.bfloat16, g, scale=3.0)
+    assert_same_quantization(op.quantize_rows(x), x, "quantize_rows int64")
+    p = strided((S_CPU, 96), torch.bfloat16, g, scale=3.0)
+    assert_same_quantization(op.swiglu_quantize(p), reference.swiglu(p), "swiglu_quantize int64")
+    weight, table = randn((1000,), torch.bfloat16, g, 0.25) + 1, strided((6, 6000), torch.bfloat16, g, scale=0.5)
+    xs = randn((1, S_CPU, 1000), torch.bfloat16, g, 3.0)
+    idx = torch.randint(0, 6, (S_CPU,), generator=g)
+    expected = reference.modulate(op.norm_order_reference(xs, weight, EPS), table, idx, "msa")
+    assert_same_quantization(op.rms_norm_modulate_quantize(xs, weight, EPS, table, idx, "msa"), expected, "rms_norm_modulate_quantize int64")
+
+
+def test_quantizer_refusals(op):
+    x = torch.zeros(3, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="even"):
+        op.swiglu_quantize(torch.zeros(3, 7, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="main block"):
+        op.rms_norm_modulate_quantize(x, torch.ones(8, dtype=torch.bfloat16), EPS, torch.zeros(2, 16, dtype=torch.bfloat16), torch.zeros(3, dtype=torch.long), "out")
+    with pytest.raises(ValueError, match="multiple of 4"):
+        op.rms_norm_modulate_quantize(torch.zeros(3, 6, dtype=torch.bfloat16), torch.ones(6, dtype=torch.bfloat16), EPS, torch.zeros(6, 36, dtype=torch.bfloat16), torch.zeros(3, dtype=torch.long))
+    with pytest.raises(TypeError, match="unsupported dtype"):
+        op.quantize_rows(torch.zeros(3, 8, dtype=torch.float64))
+
+
+# -- CPU: the execution --------------------------------------------------------------------------------------------
+
+
+def _linear_case(request, rows=S_CPU, in_features=64, out_features=48, lora=True):
+    """x (1, rows, in) bf16, a BF16 weight compiled to codes + row scales, and a LoRA residual on a row range."""
+    g = generator(request)
+    x = randn((1, rows, in_features), torch.bfloat16, g, 2.0)
+    weight = randn((out_features, in_features), torch.bfloat16, g, 0.1)
+    codes, scales = fp8.quantize_rows(weight)
+    loras = (reference.LoraResidual(randn((4, in_features), torch.bfloat16, g, 0.1), randn((16, 4), torch.bfloat16, g, 0.1), 0.5, 8),) if lora else ()
+    return x, weight, codes, scales, loras
+
+
+@pytest.fixture
+def cpu_is_sm90(monkeypatch):
+    """Let w8a8 run on the CPU (torch's CPU `_scaled_mm` takes row-wise scales), to compare it here bit for bit."""
+    monkeypatch.setattr(fp8, "w8a8_refusal", lambda device: None)
+
+
+def test_weight_only_is_a_gemm_over_dequantized_weights(request):
+    x, weight, codes, scales, loras = _linear_case(request)
+    got = fp8.RowFP8Execution("weight-only").linear(x, codes, scales, loras)
+    dequantized = (codes.float() * scales).to(torch.bfloat16)
+    assert_bitwise(got, reference.linear(x, dequantized, loras=loras), "weight-only")
+    assert (dequantized.float() - weight.float()).abs().max() <= weight.float().abs().amax(1, keepdim=True).max() / 16  # 3 mantissa bits
+
+
+@pytest.mark.parametrize("quantizer", fp8.ACTIVATION_QUANTIZERS)
+def test_w8a8_equals_scaled_mm_of_quantized_rows(request, op, cpu_is_sm90, quantizer):
+    """w8a8 = `torch._scaled_mm` of the activation's and the weight's codes with their row-wise scales (+ LoRA), bit
+    for bit, with either activation quantizer (the Triton one in the interpreter)."""
+    x, weight, codes, scales, loras = _linear_case(request)
+    execution = fp8.RowFP8Execution("w8a8", activation_quantizer=quantizer)
+    if quantizer == "triton":
+        execution.kernels = op
+    got = execution.linear(x, codes, scales, loras)
+    x_codes, x_scales = fp8.quantize_rows(x)
+    scaled = torch._scaled_mm(x_codes[0], codes.t(), scale_a=x_scales[0], scale_b=scales.t().contiguous(), out_dtype=torch.bfloat16)
+    assert_bitwise(got, reference.add_lora_residuals(scaled[None].clone(), x, loras), f"w8a8 {quantizer}")  # (in place on a row range)
+    dequantized_math = ((x_codes.float() * x_scales) @ (codes.float() * scales).t()).to(torch.bfloat16)
+    torch.testing.assert_close(scaled[None], dequantized_math, rtol=1e-2, atol=1e-2)
+    exact = reference.linear(x, weight)
+    relative = ((scaled[None].float() - exact.float()).norm() / exact.float().norm()).item()
+    assert relative < 0.08, relative  # E4M3: 3 mantissa bits on both operands
+
+
+def test_w8a8_takes_quantized_rows_with_or_without_values(request, op, cpu_is_sm90):
+    x, _, codes, scales, loras = _linear_case(request)
+    execution = fp8.RowFP8Execution("w8a8")
+    expected = execution.linear(x, codes, scales, loras)
+    x_codes, x_scales, _ = op.quantize_rows(x)
+    assert_bitwise(execution.linear(fp8.QuantizedRows(x_codes, x_scales, x), codes, scales, loras), expected, "quantized rows")
+    assert_bitwise(execution.linear(fp8.QuantizedRows(x_codes, x_scales, None), codes, scales), execution.linear(x, codes, scales), "without LoRA")
+    with pytest.raises(VflashError, match="LoRA residual needs the BF16 input"):
+        execution.linear(fp8.QuantizedRows(x_codes, x_scales, None), codes, scales, loras)
+
+
+def test_w8a8_is_refused_off_sm90(request):
+    """An explicit choice: w8a8 on the CPU raises (it does not fall back to weight-only or to BF16)."""
+    x, _, codes, scales, _ = _linear_case(request, lora=False)
+    execution = fp8.RowFP8Execution("w8a8", activation_quantizer="triton")
+    with pytest.raises(VflashError, match="SM90 or SM120 CUDA device; cpu is not a CUDA device"):
+        execution.check_device("cpu")
+    with pytest.raises(VflashError, match="SM90 or SM120"):
+        execution.linear(x, codes, scales)
+    assert execution.kernels is None  # nothing ran: the refusal comes first
+    fp8.RowFP8Execution("weight-only").check_device("cpu")
+
+
+def test_w8a8_refusal_names_the_architecture(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    assert fp8.w8a8_refusal(torch.device("cuda:0")) == "FP8 w8a8 execution needs an SM90 or SM120 CUDA device; cuda:0 is SM89"
+    for capability in fp8.W8A8_CAPABILITIES:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert fp8.w8a8_refusal(torch.device("cuda:0")) is None
+
+
+def test_explicit_choices_are_checked():
+    with pytest.raises(VflashError, match="FP8 mode must be one of weight-only, w8a8"):
+        fp8.RowFP8Execution("auto")
+    with pytest.raises(VflashError, match="activation_quantizer"):
+        fp8.RowFP8Execution("w8a8", activation_quantizer="cuda")
+    with pytest.raises(VflashError, match="w8a8 only"):
+        fp8.RowFP8Execution("weight-only", activation_quantizer="triton")
+    with pytest.raises(VflashError, match="w8a8 only"):
+        fp8.RowFP8Execution("weight-only", fast_accum=True)
+    with pytest.raises(VflashError, match="fast_accum"):
+        fp8.RowFP8Execution("w8a8", fast_accum=1)
+    execution = fp8.RowFP8Execution("weight-only")
+    with pytest.raises(VflashError, match="float8_e4m3fn codes"):
+        execution.linear(torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(4, 8, dtype=torch.bfloat16), torch.ones(4, 1))
+
+
+def test_nothing_in_torch_is_patched(request, cpu_is_sm90):
+    """Running both modes leaves torch's functions and modules as they were (no global patching)."""
+    before = (F.linear, torch._scaled_mm, torch.nn.Linear.forward, torch.Tensor.__matmul__, torch.matmul)
+    x, _, codes, scales, loras = _linear_case(request)
+    for mode in fp8.FP8_MODES:
+        fp8.RowFP8Execution(mode).linear(x, codes, scales, loras)
+    assert (F.linear, torch._scaled_mm, torch.nn.Linear.forward, torch.Tensor.__matmul__, torch.matmul) == before
+
+
+def test_row_fp8_linear_module(request):
+    """Buffers start on meta (no memory); the trusted loader assigns them, with shapes and dtypes checked."""
+    x, _, codes, scales, loras = _linear_case(request)
+    execution = fp8.RowFP8Execution("weight-only")
+    module = fp8.RowFP8Linear(64, 48, execution)
+    assert module.codes.is_meta and module.scales.is_meta and module.codes.dtype == torch.float8_e4m3fn
+    with pytest.raises(VflashError, match="no weights yet"):
+        module(x)
+    with pytest.raises(VflashError, match=r"codes must be torch.float8_e4m3fn \[48, 64\]"):
+        module.load(codes.t().contiguous(), scales)
+    with pytest.raises(VflashError, match="scales must be torch.float32"):
+        module.load(codes, scales.double())
+    module.load(codes, scales)
+    assert_bitwise(module(x, loras), execution.linear(x, codes, scales, loras), "module")
+    other = fp8.RowFP8Linear(64, 48, execution)
+    other.load_state_dict({"codes": codes, "scales": scales}, assign=True)
+    assert_bitwise(other(x), execution.linear(x, codes, scales), "load_state_dict")
+    assert "RowFP8Execution('weight-only'" in repr(module)
+
+
+def test_quantize_block_keeps_everything_else(request):
+    g = generator(request)
+    block = {f"{name}.weight": randn((16, 8), torch.bfloat16, g) for name in fp8.FP8_LINEARS}
+    block["norm1.weight"] = randn((8,), torch.bfloat16, g)
+    out = fp8.quantize_block(block)
+    assert out["norm1.weight"] is block["norm1.weight"]
+    for name in fp8.FP8_LINEARS:
+        codes, scales = fp8.quantize_rows(block[f"{name}.weight"])
+        assert_bitwise(out[f"{name}.weight"].view(torch.uint8), codes.view(torch.uint8), name)
+        assert_bitwise(out[f"{name}.weight_scale"], scales, name)
+
+
+def test_quantize_heads_is_exact_division_by_powers_of_two(request):
+    g = generator(request)
+    x = randn((1, S_CPU, 3, 16), torch.bfloat16, g, 5.0)
+    x[:, :, 1] = 0
+    codes, descale = fp8.quantize_heads(x)
+    assert descale.shape == (1, 3) and descale[0, 1] == 1.0
+    assert torch.equal(torch.exp2(torch.log2(descale).round()), descale)
+    amax = x.float().abs().amax(dim=(1, 3))
+    assert bool((amax / descale <= 448).all()) and bool((amax / descale > 224).all() | (amax == 0).any())
+    restored = codes.float() * descale[:, None, :, None]
+    assert (restored - x.float()).abs().max() <= amax.max() / 16
+
+
+def test_fp8_block_ops_refuse_bf16_weights(tiny_config):
+    ops = fp8.RowFP8Ops(tiny_config, reference.sdpa_attention, fp8.RowFP8Execution("weight-only"))
+    with pytest.raises(VflashError, match="FP8 artifact's weights"):
+        ops.linear(torch.zeros(1, 2, 8, dtype=torch.bfloat16), torch.zeros(4, 8, dtype=torch.bfloat16))
+
+
+# -- GPU -------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def gpu_op(gpu):
+    return importlib.import_module("vflash_kernels.fp8_quantize")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("S", S_GPU)
+def test_quantizers_gpu(gpu, gpu_op, request, S):
+    """Full width, bit for bit against `fp8.quantize_rows` of the torch ops on CUDA (the norm: `F.rms_norm`, which the
+    fused kernel's order reproduces on the H200, see test_rms_norm_modulate.py)."""
+    g = generator(request, "cuda")
+    out = randn((1, S, 56 * 128), torch.bfloat16, g, 2.0, "cuda")  # the attention output feeding attn.out
+    assert_same_quantization(gpu_op.quantize_rows(out), out, f"quantize_rows S={S}")
+    del out
+    p = randn((1, S, 2 * FFN), torch.bfloat16, g, 3.0, "cuda")
+    got = gpu_op.swiglu_quantize(p, keep_value=True)
+    expected = reference.swiglu(p)
+    assert_same_quantization(got, expected, f"swiglu_quantize S={S}")
+    assert_bitwise(got[2], expected, "swiglu value")
+    del p, got, expected
+    x = randn((1, S, H_FULL), torch.bfloat16, g, 3.0, "cuda")
+    weight = randn((H_FULL,), torch.bfloat16, g, 0.25, "cuda") + 1
+    table = _table(2, torch.bfloat16, g)
+    idx = torch.randint(0, 6, (S,), generator=g, device="cuda")
+    for which in ("msa", "mlp"):
+        expected = reference.modulate(F.rms_norm(x, (H_FULL,), weight, EPS), table, idx, which)
+        got = gpu_op.rms_norm_modulate_quantize(x, weight, EPS, table, idx, which, keep_value=True)
+        assert_same_quantization(got, expected, f"rms_norm_modulate_quantize {which} S={S}")
+        assert_bitwise(got[2], expected, f"rms_norm_modulate value {which}")
+
+
+@pytest.mark.gpu
+def test_quantizers_gpu_beyond_int32(gpu, gpu_op, request):
+    """SwiGLU input (75,000, 28,672): 2.15e9 addressed elements, the INDEX_64 variant; and a forced INDEX_64 run."""
+    g = generator(request, "cuda")
+    p = randn((75_000, 2 * FFN), torch.bfloat16, g, 3.0, "cuda")
+    assert gpu._launch.needs_int64(p)
+    got = gpu_op.swiglu_quantize(p)
+    expected = reference.swiglu(p)
+    del p
+    assert_same_quantization(got, expected, "swiglu_quantize S=75,000")
+
+
+@pytest.mark.gpu
+def test_forced_int64_quantizers_gpu(gpu, gpu_op, monkeypatch, request):
+    monkeypatch.setattr(gpu._launch, "needs_int64", lambda *views: True)
+    g = generator(request, "cuda")
+    x = randn((4099, H_FULL), torch.bfloat16, g, 3.0, "cuda")
+    assert_same_quantization(gpu_op.quantize_rows(x), x, "quantize_rows INDEX_64")
+    p = randn((4099, 2 * FFN), torch.bfloat16, g, 3.0, "cuda")
+    assert_same_quantization(gpu_op.swiglu_quantize(p), reference.swiglu(p), "swiglu_quantize INDEX_64")
+
+
+@pytest.mark.gpu
+def test_w8a8_gpu(gpu, request):
+    """On an SM90 GPU: the Triton quantizer's w8a8 equals the torch quantizer's bit for bit at a full-width FFN
+    output projection; the error against the BF16 GEMM is printed. Elsewhere: refused."""
+    g = generator(request, "cuda")
+    x = randn((1, 4096, FFN), torch.bfloat16, g, 1.0, "cuda")
+    weight = randn((H_FULL, FFN), torch.bfloat16, g, 0.02, "cuda")
+    codes, scales = fp8.quantize_rows(weight)
+    triton_execution = fp8.RowFP8Execution("w8a8", activation_quantizer="triton")
+    refusal = fp8.w8a8_refusal(torch.device("cuda:0"))
+    if refusal is not None:
+        with pytest.raises(VflashError, match="SM90 or SM120"):
+            triton_execution.linear(x, codes, scales)
+        return
+    got = triton_execution.linear(x, codes, scales)
+    assert_bitwise(got, fp8.RowFP8Execution("w8a8").linear(x, codes, scales), "triton vs torch quantizer")
+    exact = reference.linear(x, weight)
+    print(f"w8a8 vs BF16 GEMM (4096 x {FFN} -> {H_FULL}): relative L2 {((got.float() - exact.float()).norm() / exact.float().norm()).item():.4f}")
