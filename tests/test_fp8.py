@@ -404,3 +404,83 @@ def test_w8a8_gpu(gpu, request):
     assert_bitwise(got, fp8.RowFP8Execution("w8a8").linear(x, codes, scales), "triton vs torch quantizer")
     exact = reference.linear(x, weight)
     print(f"w8a8 vs BF16 GEMM (4096 x {FFN} -> {H_FULL}): relative L2 {((got.float() - exact.float()).norm() / exact.float().norm()).item():.4f}")
+
+
+# -- FP8 attention (fa3-fp8) ---------------------------------------------------------------------------------------
+
+
+def test_fp8_attention_is_refused_outside_fp8_profiles():
+    from vflash_core.attention import resolve_attention
+
+    with pytest.raises(VflashError, match="approximate .FP8 attention.: it runs only with an FP8 profile"):
+        resolve_attention("fa3-fp8", torch.device("cpu"))
+    with pytest.raises(VflashError, match="needs a CUDA device"):
+        resolve_attention("fa3-fp8", torch.device("cpu"), approximate_allowed=True)
+    assert resolve_attention("auto", torch.device("cpu"), approximate_allowed=True)[0] == "torch-sdpa"
+
+
+def _fake_fa3(monkeypatch, build_flags: dict, with_descale: bool = True) -> list[dict]:
+    """Stand-ins for fa3-fwd's modules (its CUDA kernels cannot load here); records each call's arguments."""
+    import types
+
+    calls: list[dict] = []
+
+    def flash_attn_func(q, k, v, softmax_scale=None, causal=False, q_descale=None, k_descale=None, v_descale=None):
+        calls.append({"q": q, "k": k, "v": v, "q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale})
+        return torch.zeros(q.shape, dtype=torch.bfloat16)
+
+    def plain(q, k, v, softmax_scale=None, causal=False):
+        return q
+
+    monkeypatch.setitem(sys.modules, "fa3_fwd_config", types.SimpleNamespace(CONFIG={"build_flags": build_flags}))
+    monkeypatch.setitem(sys.modules, "fa3_fwd_interface", types.SimpleNamespace(flash_attn_func=flash_attn_func if with_descale else plain))
+    return calls
+
+
+def test_fp8_attention_probe_refuses_builds_without_fp8(monkeypatch):
+    from vflash_core import attention
+
+    _fake_fa3(monkeypatch, {"FLASHATTENTION_DISABLE_FP8": True})
+    with pytest.raises(VflashError, match="built without FP8 kernels"):
+        attention._fa3_fp8()
+    _fake_fa3(monkeypatch, {"FLASHATTENTION_DISABLE_FP8": False}, with_descale=False)
+    with pytest.raises(VflashError, match="takes no q/k/v descale factors"):
+        attention._fa3_fp8()
+    monkeypatch.setitem(sys.modules, "fa3_fwd_interface", None)  # not installed
+    with pytest.raises(VflashError, match="needs the fa3-fwd package"):
+        attention._fa3_fp8()
+
+
+def test_fp8_attention_hands_e4m3_heads_and_descales(monkeypatch, request):
+    from vflash_core import attention
+
+    calls = _fake_fa3(monkeypatch, {"FLASHATTENTION_DISABLE_FP8": False})
+    g = generator(request)
+    q, k, v = (randn((1, S_CPU, 3, 16), torch.bfloat16, g, 3.0) for _ in range(3))
+    attention._fa3_fp8()(q, k, v)
+    (call,) = calls
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        codes, descale = fp8.quantize_heads(x)
+        assert call[name].dtype == torch.float8_e4m3fn and call[f"{name}_descale"].shape == (1, 3)
+        assert_bitwise(call[name].view(torch.uint8), codes.view(torch.uint8), name)
+        assert_bitwise(call[f"{name}_descale"], descale, f"{name} descale")
+
+
+@pytest.mark.gpu
+def test_fp8_attention_gpu(gpu, request):
+    """fa3-fp8 against exact FA3 on (1, 19,796, 56, 128): relative L2 and max abs printed; or its refusal's reason."""
+    from vflash_core.attention import resolve_attention
+
+    device = torch.device("cuda:0")
+    try:
+        _, approximate = resolve_attention("fa3-fp8", device, approximate_allowed=True)
+        _, exact = resolve_attention("fa3", device)
+    except VflashError as exc:
+        pytest.skip(f"fa3-fp8 refused here: {exc}")
+    g = generator(request, "cuda")
+    q, k, v = (randn((1, 19_796, 56, 128), torch.bfloat16, g, 2.0, "cuda") for _ in range(3))
+    got, expected = approximate(q, k, v), exact(q, k, v)
+    assert got.dtype == torch.bfloat16 and got.shape == expected.shape
+    relative = ((got.float() - expected.float()).norm() / expected.float().norm()).item()
+    print(f"fa3-fp8 vs fa3: relative L2 {relative:.4f}, max abs {(got.float() - expected.float()).abs().max().item():.4f}")
+    assert relative < 0.1

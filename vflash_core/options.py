@@ -58,14 +58,15 @@ class RunOptions:
             if not isinstance(getattr(self, name), bool):
                 raise VflashError(f"{name} must be true or false, got {getattr(self, name)!r}")
 
-    def check_devices(self, arch: str) -> tuple[torch.device, torch.device | None]:
+    def check_devices(self, arch: str, approximate_attention: bool = False) -> tuple[torch.device, torch.device | None]:
         """(device, peer) resolved and checked against this machine and the profile's architecture; the attention
-        backend is resolved on the device too, so an unknown or unavailable kernel is refused before any load."""
+        backend is resolved on the device too, so an unknown or unavailable kernel is refused before any load (an
+        approximate one unless `approximate_attention`: the profile is an FP8 profile)."""
         from .attention import resolve_attention
         from .validation import check_device
 
         primary = check_device(self.device, arch)
-        resolve_attention(self.attention_backend, primary)
+        resolve_attention(self.attention_backend, primary, approximate_attention)
         peer = None if self.peer_device is None else check_device(self.peer_device, arch, "peer device")
         return primary, peer
 
