@@ -1,6 +1,6 @@
 """Each stage of the pipeline at real size under device memory caps, against the same stage uncapped.
 
-    python benchmarks/memory_caps.py --work /data/caps [--deadline-minutes 20] [--caps 48 20] [--skip PHASE ...] [--small]
+    python benchmarks/memory_caps.py --work /data/caps [--deadline-minutes 22] [--caps 48 20] [--skip PHASE ...] [--small]
 
 One process on cuda:0 of a two-GPU machine. The full-size random family of `full_family.py` is written the way
 `end_to_end.py` writes it (the transformer source first; once compiled, the text encoder and the VAEs). Under a cap
@@ -17,12 +17,12 @@ Phases, each recorded as soon as it ends (a run stopped by its deadline keeps wh
 4. `compile_turbo4`: the base16 artifact is removed (the disk holds the source and one compiled copy), prepare +
    compile for `t2va-turbo4-exact-sm90`, then the source is removed.
 5. `family_rest`: text encoder, tokenizer, processor, VAEs, index, and the pipeline receipt.
-6. `encode`: the text conditioner planned alone per cap (for the base16 profile: keyframe modes), a t2va prompt and
-   an i2va prompt with a 1344x768 first frame; `hidden_states[50]` compared.
-7. `decode`: the VAEs planned alone per cap (base16: up to 15 s), video + audio decode of seeded 5, 10 and 15 s
-   latents at 1344x768; frames and waveform compared.
-8. `end_to_end`: per cap a pipeline (`RunOptions(max_device_memory=...)`), t2va Turbo4 5 s at 960x544 and 1344x768
+6. `end_to_end`: per cap a pipeline (`RunOptions(max_device_memory=...)`), t2va Turbo4 5 s at 960x544 and 1344x768
    to an MP4 (the MP4 bytes compared; its writer is deterministic).
+7. `encode`: the text conditioner planned alone per cap (for the base16 profile: keyframe modes), a t2va prompt and
+   an i2va prompt with a 1344x768 first frame; `hidden_states[50]` compared.
+8. `decode`: the VAEs planned alone per cap (base16: up to 15 s), video + audio decode of seeded 5, 10 and 15 s
+   latents at 1344x768; frames and waveform compared.
 
 One record per run: `cap_gib` (null for the uncapped twin), `canvas`, `seconds` (null for an encode), `stage` ("encode",
 "denoise_evaluation", "decode", "end_to_end"), `completed`, `elapsed_seconds`, `peak_device_bytes` (allocated, the
@@ -251,6 +251,7 @@ def end_to_end_phase(stages: Stages, caps: list[float | None], receipt: Path, ca
     def same(a: str, b: str) -> bool:
         return a == b
 
+    # Canvases smallest first: a run that fails closes its pipeline, and a larger one would fail too.
     for cap in caps:
         rec: dict = {}
         try:
@@ -282,7 +283,7 @@ def end_to_end_phase(stages: Stages, caps: list[float | None], receipt: Path, ca
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, required=True, help="folder for the family and the compiled weights (emptied first)")
-    parser.add_argument("--deadline-minutes", type=float, default=20.0)
+    parser.add_argument("--deadline-minutes", type=float, default=22.0)
     parser.add_argument("--caps", type=float, nargs="+", default=[48.0, 20.0], help="device memory caps in GiB")
     parser.add_argument("--small", action="store_true", help="dry run: demo-sized family on the CPU")
     parser.add_argument("--skip", nargs="*", default=[], help="phases to leave out, e.g. encode decode")
@@ -295,7 +296,7 @@ def main() -> None:
     spec: FamilySpec = replace(DEMO_FAMILY, text_vocab_size=None) if small else FULL_FAMILY
     base16, turbo4 = ("t2va-base4-exact-cpu", "t2va-turbo4-exact-cpu") if small else ("t2va-base16-bf16-sm90", "t2va-turbo4-exact-sm90")
     canvas = "640x352" if small else "1344x768"  # the denoise, encode and decode canvas
-    e2e_canvases = ["448x256", "256x256"] if small else ["960x544", "1344x768"]
+    e2e_canvases = ["256x256", "448x256"] if small else ["960x544", "1344x768"]
     caps: list[float | None] = [None, *args.caps]
     config = H3Config.preset(spec.transformer)
     work = args.work
@@ -366,6 +367,10 @@ def main() -> None:
 
     from vflash_core.profiles import get_profile
 
+    with run.phase("end_to_end", 420) as rec:
+        if rec is not None and receipt.exists():
+            end_to_end_phase(stages, caps, receipt, e2e_canvases, out_dir)
+
     with run.phase("encode", 150) as rec:
         if rec is not None and (root / "text_encoder").exists():
             encode_phase(stages, caps, root, get_profile(base16), canvas)
@@ -373,10 +378,6 @@ def main() -> None:
     with run.phase("decode", 200) as rec:
         if rec is not None and (root / "vae").exists():
             decode_phase(stages, caps, root, get_profile(base16), canvas)
-
-    with run.phase("end_to_end", 360) as rec:
-        if rec is not None and receipt.exists():
-            end_to_end_phase(stages, caps, receipt, e2e_canvases, out_dir)
 
     run.log("done")
 

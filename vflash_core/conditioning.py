@@ -199,7 +199,8 @@ class TextConditioner(SerialDeviceOwner):
 
     def stream_layers(self) -> None:
         """Stream the decoder layers from now on: their weights move into a pinned host arena (page-locked for a CUDA
-        device) and pass through two device slots during each encode. Call it before `materialize`."""
+        device) and pass through two device slots during each encode. Called before `materialize`, the layers' weights
+        are read from their (memory-mapped) files straight into the arena."""
         if self.layer_ring is None:
             self.layer_ring = ModuleRing(list(self.decoder_layers()), pin=self.device.type == "cuda", what="decoder layer")
 

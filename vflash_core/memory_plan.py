@@ -237,7 +237,7 @@ class DeviceCap:
 
     def __init__(self, cap: int, devices: Sequence[torch.device]):
         self.cap = cap
-        self.previous = {}
+        self.previous: dict[torch.device, float] = {}
         for device in devices:
             if device.type == "cuda":
                 total = torch.cuda.get_device_properties(device).total_memory
