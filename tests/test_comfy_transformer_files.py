@@ -173,6 +173,7 @@ def test_pruned_file_compiles_loads_and_denoises(tmp_path, pruned_file, full_fil
         assert_bitwise(tables.norm_out, torch.nn.functional.linear(temb, raw["final_layer.adaln_proj.linear.weight"], raw["final_layer.adaln_proj.linear.bias"]), f"step {step} norm_out")
     pruned, full = _generate("t2va-base4-pruned-cpu", paths), _generate("t2va-base4-exact-cpu", {"artifact": exact.artifact_dir, "schedule_overlay": exact.overlay.path, "auxiliary": exact.aux_path})
     assert torch.isfinite(pruned.video_latents).all() and pruned.metadata["profile"] == "t2va-base4-pruned-cpu"
+    assert pruned.metadata["base_weights"]["pruned"] == {"grid": 1025, "rank": 8}
     assert not torch.equal(pruned.video_latents, full.video_latents)
     assert (pruned.video_latents - full.video_latents).abs().max() < 0.05 * full.video_latents.abs().max()
     assert (pruned.audio_latents - full.audio_latents).abs().max() < 0.05 * full.audio_latents.abs().max()
@@ -196,6 +197,7 @@ def test_fp8_scaled_file_is_exact_for_its_weights(tmp_path, base_weights):
     ours, theirs = _generate("t2va-base4-exact-cpu", paths), _generate("t2va-base4-exact-cpu", reference)
     assert_bitwise(ours.video_latents, theirs.video_latents, "video latents")
     assert_bitwise(ours.audio_latents, theirs.audio_latents, "audio latents")
+    assert ours.metadata["base_weights"]["format"] == "fp8_scaled" and theirs.metadata["base_weights"]["format"] == "bf16"
 
 
 def test_pruned_files_and_pruned_profiles_pair_only_with_each_other(tmp_path, pruned_file, full_file):

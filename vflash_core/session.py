@@ -349,6 +349,7 @@ class NativeEngineSession:
             "execution": self.execution,
             "weight_residency": self.weight_residency,
             "compile_id": self.compiled.compile_id,
+            "base_weights": {k: v for k, v in self.compiled.base_weights.items() if k != "files"},  # e.g. format fp8_scaled, pruned
             "nfe": self._denoisers[0].nfe,
             "memory": self._memory_report(),
         }
