@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from .checkpoint import aux_shapes, block_shapes
-from .formats import ARTIFACT_FORMAT, OVERLAY_FORMAT
+from .formats import ARTIFACT_FORMAT, ARTIFACT_FP8_FORMAT, OVERLAY_FORMAT
+from .fp8 import FP8_LINEARS
 from .config import H3Config
 from .errors import IdentityMismatchError, VflashError, WeightFileError
 from .model import LayerWeights, LoraResidual
@@ -31,15 +32,15 @@ from .weight_io import SequentialWeights
 READ_WORKERS = 8
 
 
-def _read_manifest(path: Path, fmt: str, what: str) -> dict:
+def _read_manifest(path: Path, formats: tuple[str, ...], what: str) -> dict:
     try:
         manifest = json.loads((path / "manifest.json").read_text())
     except FileNotFoundError:
         raise VflashError(f"{path}: not a compiled {what} (no manifest.json)") from None
     except json.JSONDecodeError:
         raise VflashError(f"{path}/manifest.json: corrupt (not JSON)") from None
-    if manifest.get("format") != fmt:
-        raise VflashError(f"{path}: {what} format {manifest.get('format')!r}, expected {fmt!r}")
+    if manifest.get("format") not in formats:
+        raise VflashError(f"{path}: {what} format {manifest.get('format')!r}, expected {' or '.join(map(repr, formats))}")
     return manifest
 
 
@@ -75,7 +76,7 @@ class ScheduleOverlay:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.manifest = _read_manifest(self.path, OVERLAY_FORMAT, "schedule overlay")
+        self.manifest = _read_manifest(self.path, (OVERLAY_FORMAT,), "schedule overlay")
         _check_size(self.path / self.manifest["file"]["name"], self.manifest["file"]["size"])
         self.store = TensorStore(self.path / self.manifest["file"]["name"])
         self.num_layers = int(self.manifest["num_layers"])
@@ -107,11 +108,15 @@ class ScheduleOverlay:
 
 
 class CompiledArtifact:
-    """One compile: packed blocks, auxiliary tensors and schedule overlay, checked against each other."""
+    """One compile: packed blocks, auxiliary tensors and schedule overlay, checked against each other.
+
+    `fp8`: an FP8 artifact (approximate, compiled for an FP8 profile): the four block linears are E4M3 codes with
+    FP32 row scales (`<linear>.weight_scale`); all other tensors are the BF16 artifact's."""
 
     def __init__(self, artifact: str | Path, schedule_overlay: str | Path, auxiliary: str | Path):
         self.artifact_dir = Path(artifact)
-        self.manifest = _read_manifest(self.artifact_dir, ARTIFACT_FORMAT, "artifact")
+        self.manifest = _read_manifest(self.artifact_dir, (ARTIFACT_FORMAT, ARTIFACT_FP8_FORMAT), "artifact")
+        self.fp8 = self.manifest["format"] == ARTIFACT_FP8_FORMAT
         self.overlay = ScheduleOverlay(schedule_overlay)
         self.aux_path = Path(auxiliary)
         _check_size(self.aux_path, self.manifest["auxiliary"]["size"])
@@ -169,6 +174,11 @@ class CompiledArtifact:
                 "transformer weights from an fp8_scaled file, dequantized to BF16 (float8 code x per-tensor scale, as "
                 "ComfyUI core dequantizes them): exact for those weights, which are not the BF16 release"
             )
+        if self.fp8:
+            notes.append(
+                "approximate FP8 block linears: E4M3 codes with one FP32 scale per output row (row absmax / 448), "
+                f"executed {self.manifest['profile']['fp8']} (profile {self.profile_id})"
+            )
         if base.get("pruned"):
             notes.append(
                 f"a pruned transformer: approximate AdaLN (rank-{base['pruned']['rank']} time embedding read by linear "
@@ -188,15 +198,26 @@ class CompiledArtifact:
         if profile.arch != self.arch:
             raise IdentityMismatchError(f"profile {profile.id} is for {profile.arch}; the artifact was compiled on {self.arch}")
 
+    def block_tensors(self) -> dict[str, tuple[tuple[int, ...], tuple[torch.dtype, ...]]]:
+        """Name -> (shape, allowed dtypes) of every packed block's tensors (LoRA factors aside), in file order."""
+        floats = (torch.bfloat16, torch.float32, torch.float16)
+        specs = {k.split(".", 2)[2]: (tuple(v), floats) for k, v in block_shapes(self.config, "blocks.0", with_adaln=False).items()}
+        if self.fp8:
+            for linear in FP8_LINEARS:
+                shape = specs[f"{linear}.weight"][0]
+                specs[f"{linear}.weight"] = (shape, (torch.float8_e4m3fn,))
+                specs[f"{linear}.weight_scale"] = ((shape[0], 1), (torch.float32,))
+        return specs
+
     def read_block(self, index: int) -> LayerWeights:
         """One packed block (tensors owning host buffers), its file read by `READ_WORKERS` threads at once."""
         record = self.manifest["blocks"][index]
         path = self.artifact_dir / record["file"]
-        shapes = {k.split(".", 2)[2]: v for k, v in block_shapes(self.config, f"blocks.{index}", with_adaln=False).items()}
-        TensorStore(path).require({k: (v, (torch.bfloat16, torch.float32, torch.float16)) for k, v in shapes.items()})
+        specs = self.block_tensors()
+        TensorStore(path).require(specs)
         with SequentialWeights(path, read_workers=READ_WORKERS) as weights:
             data = weights.tensors()
-        return LayerWeights({k: data[k] for k in shapes}, _loras(record["lora"], data))
+        return LayerWeights({k: data[k] for k in specs}, _loras(record["lora"], data))
 
     def iter_blocks(self) -> Iterator[LayerWeights]:
         """Every main block, in order; the next block is read while the consumer copies the last one to its device."""

@@ -21,6 +21,10 @@ Verbs (`python -m vflash_core.compiler prepare|compile|verify`):
     the profile identity, the config, the device architecture, the base weights' form (`format`: "bf16" or
     "fp8_scaled", dequantized to BF16 as it is read; `pruned`) and the size and sha256 of every file.
 
+  For an FP8 profile (approximate, `Profile.fp8`) the artifact is of its own kind (`ARTIFACT_FP8_FORMAT`): each
+  block's four linears are quantized on the compile device to E4M3 codes (`<linear>.weight`) with FP32 row scales
+  (`<linear>.weight_scale`, [out, 1]) by `fp8.quantize_block`; everything else is the BF16 artifact's.
+
 Loading (see `artifact.py`) checks format, compile id, identities and sizes, and never rehashes the model; `verify`
 re-hashes a compiled folder against the sha256 of every file recorded as it was written.
 """
@@ -45,7 +49,8 @@ from . import model as M
 from .checkpoint import TABLE_INPUTS, SourceWeights
 from .config import H3Config
 from .errors import IdentityMismatchError, VflashError
-from .formats import ARTIFACT_FORMAT, OVERLAY_FORMAT, WEIGHTS_RECEIPT_FORMAT, device_arch
+from .formats import ARTIFACT_FORMAT, ARTIFACT_FP8_FORMAT, OVERLAY_FORMAT, WEIGHTS_RECEIPT_FORMAT, device_arch
+from .fp8 import FP8_LINEARS, quantize_block
 from .fileio import atomic_directory, atomic_file, check_writable_destination
 from .lora import TABLE_ONLY, Adapter, load_adapter
 from .profiles import Profile, get_profile
@@ -305,6 +310,7 @@ def _write_compiled(
     config = source.config
     compile_id = uuid.uuid4().hex
     identity = _identity(profile, receipt, config, arch, compile_id)
+    artifact_format = ARTIFACT_FP8_FORMAT if profile.fp8 else ARTIFACT_FORMAT
     (out / "artifact").mkdir()
     (out / "schedule").mkdir()
 
@@ -364,12 +370,14 @@ def _write_compiled(
                 overlay[f"step{s:03d}.v{v}.block{i:03d}"] = table.cpu()
             del adaln, weight, bias
             tensors = {k.split(".", 2)[2]: t for k, t in block.items()}
+            if profile.fp8:
+                tensors = quantize_block(tensors, device)
             lora_tensors, records = _lora_tensors(block_loras)
             lora_records.append(records)
             while sum(not w.done() for w in writes) >= WRITE_BEHIND_BLOCKS:
                 writes[[w.done() for w in writes].index(False)].result()
             path = out / "artifact" / f"block_{i:03d}.safetensors"
-            writes.append(writer.submit(_save_hashed, {**tensors, **lora_tensors}, path, {"format": ARTIFACT_FORMAT, "compile_id": compile_id}))
+            writes.append(writer.submit(_save_hashed, {**tensors, **lora_tensors}, path, {"format": artifact_format, "compile_id": compile_id}))
             del block, tensors, lora_tensors
             if progress is not None:
                 progress("compile", i + 1, config.num_layers)
@@ -386,7 +394,7 @@ def _write_compiled(
         for j in range(config.num_refiner_layers):
             runtime_loras.update({f"refiner.{j}.{k}": v for k, v in adapter.for_prefix(f"refiner.{j}").items()})
     lora_tensors, aux_lora_records = _lora_tensors(runtime_loras)
-    aux_meta = {"format": ARTIFACT_FORMAT, "compile_id": compile_id, "identity": json.dumps(identity), "lora": json.dumps(aux_lora_records)}
+    aux_meta = {"format": artifact_format, "compile_id": compile_id, "identity": json.dumps(identity), "lora": json.dumps(aux_lora_records)}
     aux_file = _save_hashed({**aux, **lora_tensors}, out / "auxiliary.safetensors", aux_meta)
 
     schedule = profile.schedule
@@ -394,8 +402,9 @@ def _write_compiled(
     overlay_file = _save_hashed(overlay, out / "schedule" / "overlay.safetensors", {"format": OVERLAY_FORMAT, "compile_id": compile_id})
 
     artifact_manifest = {
-        "format": ARTIFACT_FORMAT,
+        "format": artifact_format,
         **identity,
+        **({"fp8": {"linears": list(FP8_LINEARS), "codes": "float8_e4m3fn", "scales": "float32 [out, 1] = row absmax / 448"}} if profile.fp8 else {}),
         "adapter_not_applied": not_applied,
         "blocks": [{"file": f["name"], "lora": r, **f} for f, r in zip(block_files, lora_records)],
         "auxiliary": aux_file,

@@ -7,6 +7,10 @@ architecture the tables were computed on. Compiled artifacts record the profile'
 
 The published profile ids for SM86 (RTX 3080) and SM89 (RTX 4090) are kept; SM90 (H100/H200) variants and CPU profiles (tests,
 the embedded demo) are added.
+
+Approximate profiles carry it in their id and are never chosen for you: `-pruned` (a pruned file's reduced-rank
+AdaLN) and `-fp8` (the four block linears compiled to E4M3 codes with FP32 row scales and run in FP8, `fp8.py`; only
+they accept the approximate FP8 attention backend `fa3-fp8`).
 """
 
 from __future__ import annotations
@@ -46,6 +50,13 @@ class Profile:
     # Approximate: compiled from a pruned file (an `adaln_t_table` replaces the time embedder; reduced-rank AdaLN),
     # whose tables are computed as ComfyUI core computes them for that file. Only pruned files compile for it.
     pruned: bool = False
+    # Approximate: the block linears as E4M3 codes + FP32 row scales (an FP8 artifact) run as `fp8.RowFP8Execution`
+    # of this mode ("weight-only" or "w8a8"); None for BF16 block linears.
+    fp8: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.fp8 is not None and self.fp8 not in ("weight-only", "w8a8"):
+            raise VflashError(f"profile {self.id}: fp8 must be 'weight-only' or 'w8a8', got {self.fp8!r}")
 
     @property
     def schedule(self) -> FixedSchedule:
@@ -69,6 +80,8 @@ class Profile:
         del out["id"], out["min_seconds"], out["max_seconds"], out["modes"]
         if not self.pruned:  # absent from the identities of artifacts compiled before pruned profiles existed
             del out["pruned"]
+        if self.fp8 is None:  # likewise before FP8 profiles existed
+            del out["fp8"]
         out["timestep_kinds"] = [list(k) for k in self.timestep_kinds()]
         return out
 
@@ -123,12 +136,18 @@ PROFILES: dict[str, Profile] = {
     # file's rank-k time embedding (its `adaln_t_table` read by linear interpolation) and reduced-rank AdaLN.
     **_family("t2va-turbo4-pruned", _GPU, modes=("t2va",), variant="transformer", adapter=_BASE_TURBO4, nfe=4, video_shift=6.0, audio_shift=3.0, min_seconds=5.0, max_seconds=5.2, pruned=True),
     **_family("t2va-base16-pruned-bf16", ("sm90",), modes=("t2va", *_KEYFRAMES), variant="transformer", adapter=None, nfe=16, video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=15.0, pruned=True),
+    # FP8 (approximate, never chosen for you): the Turbo4 t2va profile and the Base16 profiles with the block linears
+    # in w8a8 FP8 on Hopper (FP8 artifacts: half the block bytes on the device and through the block ring).
+    "t2va-turbo4-fp8-sm90": Profile("t2va-turbo4-fp8-sm90", ("t2va",), "transformer", _BASE_TURBO4, 4, 6.0, 3.0, 5.0, 5.2, "sm90", fp8="w8a8"),
+    "i2va-base16-fp8-sm90": Profile("i2va-base16-fp8-sm90", _KEYFRAMES, "transformer", None, 16, 12.0, 3.0, 5.0, 10.2, "sm90", fp8="w8a8"),
+    "t2va-base16-fp8-sm90": Profile("t2va-base16-fp8-sm90", ("t2va", *_KEYFRAMES), "transformer", None, 16, 12.0, 3.0, 5.0, 15.0, "sm90", fp8="w8a8"),
     # CPU profiles: tests and the embedded demo.
     # The Turbo4 t2va profile's schedule and adapter on the CPU: the end-to-end benchmark's dry run at demo size.
     "t2va-turbo4-exact-cpu": Profile("t2va-turbo4-exact-cpu", ("t2va",), "transformer", _BASE_TURBO4, 4, 6.0, 3.0, 5.0, 5.2, "cpu"),
     "t2va-base4-exact-cpu": Profile("t2va-base4-exact-cpu", ("t2va", *_KEYFRAMES), "transformer", None, 4, 12.0, 3.0, 5.0, 15.0, "cpu"),
     "t2va-base16-exact-cpu": Profile("t2va-base16-exact-cpu", ("t2va", *_KEYFRAMES), "transformer", None, 16, 12.0, 3.0, 5.0, 15.0, "cpu"),
     "t2va-base4-pruned-cpu": Profile("t2va-base4-pruned-cpu", ("t2va", *_KEYFRAMES), "transformer", None, 4, 12.0, 3.0, 5.0, 15.0, "cpu", pruned=True),
+    "t2va-base4-fp8-cpu": Profile("t2va-base4-fp8-cpu", ("t2va", *_KEYFRAMES), "transformer", None, 4, 12.0, 3.0, 5.0, 15.0, "cpu", fp8="weight-only"),
     "ref2va-base4-exact-cpu": Profile("ref2va-base4-exact-cpu", ("ref2va",), "transformer_ref", None, 4, 12.0, 3.0, 5.0, 15.0, "cpu"),
 }
 

@@ -29,8 +29,6 @@ from typing import Protocol
 import torch
 
 from .artifact import CompiledArtifact
-from .checkpoint import block_shapes
-from .config import H3Config
 from .device_owner import module_tensors, point_module_at
 from .errors import VflashError
 from .model import LayerWeights, LoraResidual
@@ -113,13 +111,13 @@ def pack_layout(tensors: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]) -> 
     return slots, offset
 
 
-def block_layout(config: H3Config, artifact: CompiledArtifact, shard: WeightShard | None = None) -> tuple[list[_Slot], int]:
-    """Byte layout shared by every main block (same names, shapes and dtypes), or by every block's shard."""
+def block_layout(artifact: CompiledArtifact, shard: WeightShard | None = None) -> tuple[list[_Slot], int]:
+    """Byte layout shared by every main block (same names, shapes and dtypes), or by every block's shard; an FP8
+    artifact's codes take one byte per weight and their row scales sit beside them."""
     store = TensorStore(artifact.artifact_dir / artifact.manifest["blocks"][0]["file"])
 
     def tensors() -> Iterator[tuple[str, torch.dtype, tuple[int, ...]]]:
-        for internal in block_shapes(config, "blocks.0", with_adaln=False):
-            name = internal.split(".", 2)[2]
+        for name in artifact.block_tensors():
             info = store.info(name)
             yield name, info.dtype, (info.shape if shard is None else shard.shape(name, info.shape))
 
@@ -181,7 +179,7 @@ class BlockArena(PinnedArena):
             self.loras[index] = dict(block.loras) if shard is None else shard.loras(block.loras)
             return block.tensors if shard is None else shard.tensors(block.tensors)
 
-        super().__init__(*block_layout(artifact.config, artifact, shard), count, read, pin, on_block, "block")
+        super().__init__(*block_layout(artifact, shard), count, read, pin, on_block, "block")
 
 
 class WeightRing:

@@ -1,0 +1,136 @@
+"""FP8 profiles and artifacts (approximate, default off): compile, identity, loading, the execution a session picks.
+
+The tiny model is compiled for `t2va-base4-fp8-cpu` (weight-only FP8, the CPU stand-in of the SM90 w8a8 profiles) and
+for `t2va-base4-exact-cpu` from the same files: the FP8 artifact's blocks are `fp8.quantize_block` of the BF16
+artifact's, everything else (auxiliary tensors, schedule tables) is the same bytes' worth of values, the identities keep
+the two kinds apart, and an FP8 trajectory equals the BF16 reference operations over the dequantized weights bit for
+bit (resident, block ring and sequence-head alike), while staying close to the exact trajectory.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_bitwise, compile_tiny
+from test_schedule_layout_bundle import _bundle
+
+from vflash_core import fp8
+from vflash_core.artifact import CompiledArtifact
+from vflash_core.denoise import Denoiser
+from vflash_core.errors import IdentityMismatchError
+from vflash_core.formats import ARTIFACT_FORMAT, ARTIFACT_FP8_FORMAT
+from vflash_core.model import BlockOps, LayerWeights, RowScaledWeight, sdpa_attention
+from vflash_core.profiler import NO_TIMER
+from vflash_core.profiles import PROFILES, get_profile
+from vflash_core.residency import BlockArena, BlockRing, BlockSource, ResidentBlocks
+
+FP8_CPU = "t2va-base4-fp8-cpu"
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_fp8_compiled(tmp_path_factory, tiny_transformer):
+    return compile_tiny(tmp_path_factory.mktemp("compiled_fp8"), tiny_transformer, FP8_CPU)
+
+
+def test_fp8_profiles_are_named_and_off_by_default():
+    fp8_profiles = sorted(p for p, v in PROFILES.items() if v.fp8)
+    assert {"t2va-turbo4-fp8-sm90", "i2va-base16-fp8-sm90", FP8_CPU} <= set(fp8_profiles)
+    assert all("-fp8-" in p for p in fp8_profiles) and not any(v.fp8 for p, v in PROFILES.items() if "-fp8-" not in p)
+    assert {PROFILES[p].fp8 for p in fp8_profiles if p.endswith("-sm90")} == {"w8a8"} and PROFILES[FP8_CPU].fp8 == "weight-only"
+    # BF16 identities are unchanged (artifacts compiled before FP8 profiles existed still load)
+    assert "fp8" not in get_profile("t2va-base4-exact-cpu").identity() and get_profile(FP8_CPU).identity()["fp8"] == "weight-only"
+    turbo, exact = get_profile("t2va-turbo4-fp8-sm90"), get_profile("t2va-turbo4-exact-sm90")
+    assert {k: v for k, v in turbo.identity().items() if k != "fp8"} == exact.identity()
+
+
+def test_fp8_artifact_is_the_bf16_blocks_quantized(tiny_compiled, tiny_fp8_compiled):
+    exact, quantized = CompiledArtifact(**tiny_compiled), CompiledArtifact(**tiny_fp8_compiled)
+    assert exact.manifest["format"] == ARTIFACT_FORMAT and not exact.fp8
+    assert quantized.manifest["format"] == ARTIFACT_FP8_FORMAT and quantized.fp8
+    assert quantized.manifest["fp8"]["linears"] == list(fp8.FP8_LINEARS)
+    for i in range(exact.config.num_layers):
+        expected = fp8.quantize_block(exact.read_block(i).tensors)
+        block = quantized.read_block(i)
+        assert set(block.tensors) == set(expected)
+        for name, tensor in expected.items():
+            got = block.tensors[name]
+            if tensor.dtype == torch.float8_e4m3fn:
+                got, tensor = got.view(torch.uint8), tensor.view(torch.uint8)
+            assert_bitwise(got, tensor, f"block {i} {name}")
+        assert isinstance(block.weight("ffn.in"), RowScaledWeight) and isinstance(exact.read_block(i).weight("ffn.in"), torch.Tensor)
+    aux, aux_fp8 = exact.read_auxiliary()[0], quantized.read_auxiliary()[0]
+    for name in aux:
+        assert_bitwise(aux_fp8[name], aux[name], name)
+    step = quantized.overlay.read_step(1, 0)
+    for got, expected in zip(step.blocks, exact.overlay.read_step(1, 0).blocks):
+        assert_bitwise(got, expected, "AdaLN table")
+    notes = quantized.base_weight_notes()
+    assert any("approximate FP8 block linears" in n and "weight-only" in n for n in notes) and not exact.base_weight_notes()
+
+
+def test_fp8_blocks_take_about_half_the_bytes(tiny_compiled, tiny_fp8_compiled):
+    exact, quantized = CompiledArtifact(**tiny_compiled), CompiledArtifact(**tiny_fp8_compiled)
+    linear_bytes = lambda w: sum(t.nbytes for n, t in w.tensors.items() if n.split(".weight")[0] in fp8.FP8_LINEARS)  # noqa: E731
+    a, b = exact.read_block(0), quantized.read_block(0)
+    config = exact.config
+    # one byte per weight, plus a 4-byte scale per output row of each linear
+    rows = 3 * config.inner_dim + config.hidden_size + 2 * config.ffn_dim + config.hidden_size
+    assert linear_bytes(b) == linear_bytes(a) // 2 + 4 * rows
+    assert sum(r["size"] for r in quantized.manifest["blocks"]) < sum(r["size"] for r in exact.manifest["blocks"])
+
+
+def test_identities_keep_the_kinds_apart(tiny_compiled, tiny_fp8_compiled):
+    with pytest.raises(IdentityMismatchError, match="fp8"):
+        CompiledArtifact(**tiny_fp8_compiled).check_profile(get_profile("t2va-base4-exact-cpu"))
+    with pytest.raises(IdentityMismatchError, match="fp8"):
+        CompiledArtifact(**tiny_compiled).check_profile(get_profile(FP8_CPU))
+    CompiledArtifact(**tiny_fp8_compiled).check_profile(get_profile(FP8_CPU))
+
+
+class DequantizedBlocks(BlockSource):
+    """An FP8 artifact's blocks with each linear dequantized to BF16: what weight-only FP8 multiplies by."""
+
+    def __init__(self, artifact: CompiledArtifact):
+        self.blocks = []
+        for w in artifact.iter_blocks():
+            tensors = {n: t for n, t in w.tensors.items() if not n.endswith(".weight_scale")}
+            for linear in fp8.FP8_LINEARS:
+                tensors[f"{linear}.weight"] = fp8.dequantize_rows(w.tensors[f"{linear}.weight"], w.tensors[f"{linear}.weight_scale"])
+            self.blocks.append(LayerWeights(tensors, w.loras))
+
+    def __iter__(self):
+        return iter(self.blocks)
+
+
+def _trajectory(artifact: CompiledArtifact, blocks: BlockSource, ops) -> tuple[torch.Tensor, torch.Tensor]:
+    output = Denoiser(artifact, blocks, CPU, ops).run(_bundle(5), NO_TIMER)
+    return output.video_latents, output.audio_latents
+
+
+def test_weight_only_trajectory_is_bf16_math_over_dequantized_weights(tiny_compiled, tiny_fp8_compiled):
+    artifact = CompiledArtifact(**tiny_fp8_compiled)
+    config = artifact.config
+    got = _trajectory(artifact, ResidentBlocks(artifact, CPU), fp8.RowFP8Ops(config, sdpa_attention, fp8.RowFP8Execution("weight-only")))
+    expected = _trajectory(artifact, DequantizedBlocks(artifact), BlockOps(config, sdpa_attention))
+    assert_bitwise(got[0], expected[0], "video latents")
+    assert_bitwise(got[1], expected[1], "audio latents")
+    ring = _trajectory(artifact, BlockRing(BlockArena(artifact, pin=False), CPU), fp8.RowFP8Ops(config, sdpa_attention, fp8.RowFP8Execution("weight-only")))
+    assert_bitwise(ring[0], got[0], "block ring vs resident")
+    exact_artifact = CompiledArtifact(**tiny_compiled)
+    exact = _trajectory(exact_artifact, ResidentBlocks(exact_artifact, CPU), BlockOps(config, sdpa_attention))
+    relative = ((got[0] - exact[0]).norm() / exact[0].norm()).item()
+    assert 0 < relative < 0.1, relative
+
+
+def test_w8a8_trajectory_runs_the_fp8_gemm(tiny_fp8_compiled, monkeypatch):
+    """The same artifact with w8a8 operations (the device rule patched: torch's CPU `_scaled_mm`) stays close to
+    weight-only; the Triton activation quantizer is compared with the torch one in test_fp8.py."""
+    monkeypatch.setattr(fp8, "w8a8_refusal", lambda device: None)
+    artifact = CompiledArtifact(**tiny_fp8_compiled)
+    config = artifact.config
+    blocks = ResidentBlocks(artifact, CPU)
+    w8a8 = _trajectory(artifact, blocks, fp8.RowFP8Ops(config, sdpa_attention, fp8.RowFP8Execution("w8a8")))
+    weight_only = _trajectory(artifact, blocks, fp8.RowFP8Ops(config, sdpa_attention, fp8.RowFP8Execution("weight-only")))
+    relative = ((w8a8[0] - weight_only[0]).norm() / weight_only[0].norm()).item()
+    assert 0 < relative < 0.1, relative
