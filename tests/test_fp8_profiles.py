@@ -17,12 +17,13 @@ from test_schedule_layout_bundle import _bundle
 from vflash_core import fp8
 from vflash_core.artifact import CompiledArtifact
 from vflash_core.denoise import Denoiser
-from vflash_core.errors import IdentityMismatchError
+from vflash_core.errors import IdentityMismatchError, VflashError
 from vflash_core.formats import ARTIFACT_FORMAT, ARTIFACT_FP8_FORMAT
 from vflash_core.model import BlockOps, LayerWeights, RowScaledWeight, sdpa_attention
 from vflash_core.profiler import NO_TIMER
 from vflash_core.profiles import PROFILES, get_profile
 from vflash_core.residency import BlockArena, BlockRing, BlockSource, ResidentBlocks
+from vflash_core.session import NativeEngineSession
 
 FP8_CPU = "t2va-base4-fp8-cpu"
 CPU = torch.device("cpu")
@@ -134,3 +135,34 @@ def test_w8a8_trajectory_runs_the_fp8_gemm(tiny_fp8_compiled, monkeypatch):
     weight_only = _trajectory(artifact, blocks, fp8.RowFP8Ops(config, sdpa_attention, fp8.RowFP8Execution("weight-only")))
     relative = ((w8a8[0] - weight_only[0]).norm() / weight_only[0].norm()).item()
     assert 0 < relative < 0.1, relative
+
+
+# -- sessions ----------------------------------------------------------------------------------------------------
+
+
+def test_fp8_session_runs_its_profile_resident_ring_and_sequence_head(tiny_fp8_compiled):
+    artifact = CompiledArtifact(**tiny_fp8_compiled)
+    expected = _trajectory(artifact, ResidentBlocks(artifact, CPU), fp8.RowFP8Ops(artifact.config, sdpa_attention, fp8.RowFP8Execution("weight-only")))
+    with NativeEngineSession(FP8_CPU, **tiny_fp8_compiled) as session:
+        assert isinstance(session._denoisers[0].ops, fp8.RowFP8Ops) and session._denoisers[0].ops.fp8.mode == "weight-only"
+        assert "approximate FP8 weight-only block linears" in session.memory_plan()
+        result = session.generate(_bundle(5))
+    assert result.metadata["fp8"] == "weight-only"
+    assert_bitwise(result.video_latents, expected[0], "session vs denoiser")
+    with NativeEngineSession(FP8_CPU, **tiny_fp8_compiled, weight_residency="block-ring") as ring:
+        assert_bitwise(ring.generate(_bundle(5)).video_latents, expected[0], "block ring")
+    with NativeEngineSession(FP8_CPU, **tiny_fp8_compiled, peer_device="cpu", strategy="sequence-head") as group:
+        got = group.generate(_bundle(5))
+    assert_bitwise(got.video_latents, expected[0], "sequence-head")
+    assert_bitwise(got.audio_latents, expected[1], "sequence-head audio")
+
+
+def test_fp8_session_refusals(tiny_compiled, tiny_fp8_compiled):
+    with pytest.raises(VflashError, match="tensor strategy shards BF16 blocks only"):
+        NativeEngineSession(FP8_CPU, **tiny_fp8_compiled, peer_device="cpu", strategy="tensor")
+    with pytest.raises(VflashError, match="approximate .FP8 attention."):
+        NativeEngineSession("t2va-base4-exact-cpu", **tiny_compiled, attention_backend="fa3-fp8")
+    with pytest.raises(VflashError, match="fa3-fp8 needs a CUDA device"):
+        NativeEngineSession(FP8_CPU, **tiny_fp8_compiled, attention_backend="fa3-fp8")
+    with pytest.raises(IdentityMismatchError):
+        NativeEngineSession("t2va-base4-exact-cpu", **tiny_fp8_compiled)

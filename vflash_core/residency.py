@@ -90,6 +90,41 @@ class ResidentBlocks(BlockSource):
         self.blocks = []
 
 
+class LoadedBlocks(BlockSource):
+    """The resident block stack as a trusted `block_loader` supplied it, checked against the artifact before use: the
+    block count, each block's tensor names, shapes, dtypes and device, and which linears carry LoRA residuals."""
+
+    def __init__(self, artifact: CompiledArtifact, device: torch.device, blocks: Sequence[LayerWeights]):
+        blocks = list(blocks)
+        if len(blocks) != artifact.config.num_layers:
+            raise VflashError(f"block_loader returned {len(blocks)} blocks; the artifact has {artifact.config.num_layers}")
+        names = list(artifact.block_tensors())
+        for index, block in enumerate(blocks):
+            if not isinstance(block, LayerWeights):
+                raise VflashError(f"block_loader: block {index} is a {type(block).__name__}, not a vflash_core.model.LayerWeights")
+            if set(block.tensors) != set(names):
+                raise VflashError(f"block_loader: block {index} holds {sorted(block.tensors)}; the artifact's blocks hold {sorted(names)}")
+            store = TensorStore(artifact.artifact_dir / artifact.manifest["blocks"][index]["file"])  # its header only
+            for name in names:
+                tensor, info = block.tensors[name], store.info(name)
+                if tuple(tensor.shape) != tuple(info.shape) or tensor.dtype != info.dtype or tensor.device != device:
+                    raise VflashError(
+                        f"block_loader: block {index} {name} is {tensor.dtype} {list(tensor.shape)} on {tensor.device}; "
+                        f"the artifact's is {info.dtype} {list(info.shape)}, wanted on {device}"
+                    )
+            expected = {record["linear"] for record in artifact.manifest["blocks"][index]["lora"]}
+            if set(block.loras) != expected:
+                raise VflashError(f"block_loader: block {index} has LoRA residuals on {sorted(block.loras)}; the artifact's on {sorted(expected)}")
+        self.blocks = blocks
+        self.device_weight_bytes = sum(t.nbytes for w in blocks for t in w.tensors.values())
+
+    def __iter__(self) -> Iterator[LayerWeights]:
+        return iter(self.blocks)
+
+    def close(self) -> None:
+        self.blocks = []
+
+
 @dataclass(frozen=True)
 class _Slot:
     """Where one tensor of an item sits inside an item's byte span."""

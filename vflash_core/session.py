@@ -11,13 +11,21 @@ resident when the blocks and the profile's largest request fit the free device m
 cap, which the session then enforces on its devices until it closes) with the plan's margin, else block-ring. Inside
 a pipeline the pipeline's plan (the encoder and the VAEs too) is passed in and used instead. Each request is checked
 against the plan before it runs. Several GPUs (`peer_device`, `strategy`) are used only when the caller names them.
+
+Execution: an FP8 profile's artifact (approximate) runs its block linears through `fp8.RowFP8Execution` of the
+profile's mode, with the Triton activation quantizers in the fused execution; only such a session accepts the
+approximate attention backend `fa3-fp8`. Nothing else ever runs approximately.
+
+Trusted loader hooks (Python callables given by the caller, never names resolved to code): `native_denoiser_loader`
+builds the denoiser itself from the verified artifact (resident weights, one device); `block_loader` supplies the
+resident block stack, which is checked against the artifact before use.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,20 +39,38 @@ from .denoise import Denoiser, DenoiseOutput, ProgressFn
 from .errors import IdentityMismatchError, SessionClosedError, VflashError
 from .fileio import atomic_file, check_writable_destination
 from .formats import device_arch
+from .fp8 import FusedRowFP8Ops, RowFP8Execution, RowFP8Ops
 from .fused import FusedOps
 from .layout import FPS
 from .memory_plan import DeviceCap, MemoryPlan, PartSizes, cap_bytes, denoise_bytes, largest_request, plan_memory
-from .model import BlockOps
+from .model import AttentionFn, BlockOps, LayerWeights
 from .options import STRATEGIES, WEIGHT_RESIDENCIES
 from .parallel import LocalGroup, SequenceHeadAttention, TensorShard, head_groups, relayout_ops, split_rows, tensor_parallel_ops
 from .profiler import StageTimer
 from .profiles import Profile, get_profile
-from .residency import BlockArena, BlockRing, BlockSource, ResidentBlocks
+from .residency import BlockArena, BlockRing, BlockSource, LoadedBlocks, ResidentBlocks
 
 logger = logging.getLogger(__name__)
 
 EXECUTIONS = ("auto", "fused", "reference")
 _GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class DenoiserLoad:
+    """What a `native_denoiser_loader` is handed beside the verified artifact: the device, the block operations the
+    session chose for it (execution, attention, FP8) and a callback to call with each block's index once it is loaded
+    (None when nobody listens)."""
+
+    device: torch.device
+    ops: BlockOps
+    on_block: Callable[[int], None] | None
+
+
+#: (verified artifact, load arguments) -> the `Denoiser` of the session's one device, its blocks resident.
+NativeDenoiserLoader = Callable[[CompiledArtifact, DenoiserLoad], Denoiser]
+#: (verified artifact, device) -> every main block's weights on that device, in order (checked against the artifact).
+BlockLoader = Callable[[CompiledArtifact, torch.device], Sequence[LayerWeights]]
 
 
 @dataclass
@@ -95,6 +121,11 @@ class NativeEngineSession:
             default) or `"auto"`; both give the same bits.
         on_load_progress: called with (blocks loaded, total) while weights load.
         collective_timeout_seconds: how long a rank waits for its peers in one collective before the group fails.
+        native_denoiser_loader: a trusted Python callable `(artifact, DenoiserLoad) -> Denoiser` that builds the
+            denoiser in place of the session's own loading; resident weights on one device only.
+        block_loader: a trusted Python callable `(artifact, device) -> blocks` supplying the resident block stack
+            (names, shapes, dtypes, device and LoRA linears are checked against the artifact); not with
+            `native_denoiser_loader` (which loads its own) nor the tensor strategy (which shards blocks).
     """
 
     def __init__(
@@ -113,6 +144,8 @@ class NativeEngineSession:
         collective_timeout_seconds: float = 120.0,
         max_device_memory: float | None = None,
         plan: MemoryPlan | None = None,
+        native_denoiser_loader: NativeDenoiserLoader | None = None,
+        block_loader: BlockLoader | None = None,
     ):
         start = time.perf_counter()
         self.profile = get_profile(profile) if isinstance(profile, str) else profile
@@ -128,6 +161,9 @@ class NativeEngineSession:
             raise VflashError(f"weight_residency must be one of {', '.join(WEIGHT_RESIDENCIES)}, got {weight_residency!r}")
         if plan is not None and max_device_memory is not None:
             raise VflashError("a session given a memory plan takes its cap from the plan; leave max_device_memory out")
+        hooks = _check_hooks(native_denoiser_loader, block_loader, self.strategy, len(self.devices))
+        if hooks and weight_residency == "auto":
+            weight_residency = "resident"
         self.compiled = CompiledArtifact(artifact, schedule_overlay, auxiliary)
         self.compiled.check_profile(self.profile)
         for dev in self.devices:
@@ -137,7 +173,9 @@ class NativeEngineSession:
         config = self.compiled.config
         if self.strategy is not None:
             head_groups(config.num_attention_heads, len(self.devices))
-        self.attention_backend = resolve_attention(attention_backend, self.device)[0]
+        if self.profile.fp8 is not None and self.strategy == "tensor":
+            raise VflashError(f"profile {self.profile.id} runs FP8 block linears on one device or with sequence-head; the tensor strategy shards BF16 blocks only")
+        self.attention_backend = resolve_attention(attention_backend, self.device, self.profile.fp8 is not None)[0]
         if execution not in EXECUTIONS:
             raise VflashError(f"execution must be one of {', '.join(EXECUTIONS)}, got {execution!r}")
         self.execution = ("fused" if self.device.type == "cuda" else "reference") if execution == "auto" else execution
@@ -145,49 +183,72 @@ class NativeEngineSession:
         if plan is not None and weight_residency not in ("auto", plan.placement.core):
             raise VflashError(f"weight_residency={weight_residency!r} disagrees with the memory plan's {plan.placement.core!r}")
         self.weight_residency = self.plan.placement.core if self.plan is not None else ("resident" if weight_residency == "auto" else weight_residency)
+        if hooks and self.weight_residency != "resident":
+            raise VflashError(f"{hooks[0]} loads the resident block stack; this session's blocks are {self.weight_residency} (the memory plan's choice)")
         self._cap = DeviceCap(self.plan.cap, self.devices) if self.plan is not None and self.plan.cap is not None else None
+        self._closed = False
+        self._denoisers: list[Denoiser] = []
+        self._group: LocalGroup | None = None
+        self._arenas: list[BlockArena] = []
         try:
-            self._load(config, attention_backend, on_load_progress, collective_timeout_seconds)
+            self._load(config, attention_backend, on_load_progress, collective_timeout_seconds, native_denoiser_loader, block_loader)
         except BaseException:
-            self._release_cap()
+            self.close()  # what was loaded before the failure (a loader hook's exception included), and the cap
             raise
         self._failure: str | None = None
-        self._closed = False
         self._requests = 0
         self.initialization_seconds = time.perf_counter() - start
         logger.info("Vflash session %s: %s", self.profile.id, self.memory_plan())
 
-    def _load(self, config: H3Config, attention_backend: str, on_load_progress: Callable[[int, int], None] | None, collective_timeout_seconds: float) -> None:
-        """Load the weights where the plan put them and build one denoiser per device."""
-        self._group: LocalGroup | None = LocalGroup(self.devices, collective_timeout_seconds) if self.strategy else None
+    def _load(
+        self, config: H3Config, attention_backend: str, on_load_progress: Callable[[int, int], None] | None, collective_timeout_seconds: float,
+        native_denoiser_loader: NativeDenoiserLoader | None, block_loader: BlockLoader | None,
+    ) -> None:
+        """Load the weights where the plan put them (or through the caller's loader) and build one denoiser per device."""
+        self._group = LocalGroup(self.devices, collective_timeout_seconds) if self.strategy else None
         size = len(self.devices)
         shards = [TensorShard(config, r, size) if self.strategy == "tensor" else None for r in range(size)]
         total = config.num_layers
         load = None if on_load_progress is None else (lambda i: on_load_progress(i + 1, total))
         # One host arena shared by every ring (sequence-head replicates blocks); one arena of shards per rank (tensor).
-        self._arenas: list[BlockArena] = []
         if self.weight_residency == "block-ring":
             pin = self.device.type == "cuda"
             if self.strategy == "tensor":
                 self._arenas = [BlockArena(self.compiled, pin, load if r == 0 else None, shard) for r, shard in enumerate(shards)]
             else:
                 self._arenas = [BlockArena(self.compiled, pin, load)]
-        self._denoisers: list[Denoiser] = []
         for rank, dev in enumerate(self.devices):
+            local = resolve_attention(attention_backend, dev, self.profile.fp8 is not None)[1]
+            if self.strategy == "sequence-head":
+                ops = self._block_ops(config, SequenceHeadAttention(self._group.group(rank), rank, [(0, 0)] * size, config.num_attention_heads, local, *relayout_ops(dev)), dev)  # type: ignore[union-attr]
+            elif self.strategy == "tensor":
+                ops = tensor_parallel_ops(config, self._group.group(rank), size, local, FusedOps if self.execution == "fused" else BlockOps)  # type: ignore[union-attr]
+            else:
+                ops = self._block_ops(config, local, dev)
+            if native_denoiser_loader is not None:
+                self._denoisers.append(_loaded_denoiser(native_denoiser_loader, self.compiled, DenoiserLoad(dev, ops, load)))
+                continue
             blocks: BlockSource
             if self._arenas:
                 blocks = BlockRing(self._arenas[rank % len(self._arenas)], dev)
+            elif block_loader is not None:
+                blocks = LoadedBlocks(self.compiled, dev, block_loader(self.compiled, dev))
             else:
                 blocks = ResidentBlocks(self.compiled, dev, load if rank == 0 else None, shards[rank])
-            local = resolve_attention(attention_backend, dev)[1]
-            ops_class = FusedOps if self.execution == "fused" else BlockOps
-            if self.strategy == "sequence-head":
-                ops = ops_class(config, SequenceHeadAttention(self._group.group(rank), rank, [(0, 0)] * size, config.num_attention_heads, local, *relayout_ops(dev)))  # type: ignore[union-attr]
-            elif self.strategy == "tensor":
-                ops = tensor_parallel_ops(config, self._group.group(rank), size, local, ops_class)  # type: ignore[union-attr]
-            else:
-                ops = ops_class(config, local)
             self._denoisers.append(Denoiser(self.compiled, blocks, dev, ops))
+
+    def _block_ops(self, config: H3Config, attention: AttentionFn, device: torch.device) -> BlockOps:
+        """The main blocks' operations for this session's execution; for an FP8 profile its `RowFP8Execution` (the
+        fused execution quantizes activations in the Triton kernels that produce them), checked against `device`."""
+        fused = self.execution == "fused"
+        if self.profile.fp8 is None:
+            return FusedOps(config, attention) if fused else BlockOps(config, attention)
+        execution = RowFP8Execution(self.profile.fp8, "triton" if fused and self.profile.fp8 == "w8a8" else "torch")
+        execution.check_device(device)
+        if not fused:
+            return RowFP8Ops(config, attention, execution)
+        keep_values = any(record["lora"] for record in self.compiled.manifest["blocks"])  # LoRA branches read BF16 inputs
+        return FusedRowFP8Ops(config, attention, execution, keep_values)
 
     # -- memory -------------------------------------------------------------------------------------------------
 
@@ -205,8 +266,9 @@ class NativeEngineSession:
         pinned = sum(a.nbytes for a in self._arenas)
         devices = ", ".join(str(d) for d in self.devices)
         strategy = f" {self.strategy}" if self.strategy else ""
+        linears = f", approximate FP8 {self.profile.fp8} block linears" if self.profile.fp8 else ""
         return (
-            f"{devices}{strategy}, {self.execution} kernels, attention {self.attention_backend}, weights {self.weight_residency} "
+            f"{devices}{strategy}, {self.execution} kernels{linears}, attention {self.attention_backend}, weights {self.weight_residency} "
             f"({blocks_on_device} blocks on device, {den.blocks.device_weight_bytes / _GIB:.2f} GiB block weights per device, "
             f"{pinned / _GIB:.2f} GiB pinned host)"
         )
@@ -347,6 +409,7 @@ class NativeEngineSession:
             "strategy": self.strategy,
             "attention_backend": self.attention_backend,
             "execution": self.execution,
+            "fp8": self.profile.fp8,
             "weight_residency": self.weight_residency,
             "compile_id": self.compiled.compile_id,
             "base_weights": {k: v for k, v in self.compiled.base_weights.items() if k != "files"},  # e.g. format fp8_scaled, pruned
@@ -419,6 +482,32 @@ class NativeEngineSession:
         video = torch.cat([r[0] for r in results])  # type: ignore[index]
         audio = torch.cat([r[1] for r in results])  # type: ignore[index]
         return self._denoisers[0].finish(bundle, video, audio)
+
+
+def _check_hooks(native_denoiser_loader: object, block_loader: object, strategy: str | None, devices: int) -> list[str]:
+    """The names of the loader hooks given, after checking they are callables used where they can be."""
+    given = [name for name, hook in (("native_denoiser_loader", native_denoiser_loader), ("block_loader", block_loader)) if hook is not None]
+    for name, hook in (("native_denoiser_loader", native_denoiser_loader), ("block_loader", block_loader)):
+        if hook is not None and not callable(hook):
+            raise VflashError(f"{name} must be a Python callable, got {type(hook).__name__}")
+    if len(given) == 2:
+        raise VflashError("give a native_denoiser_loader or a block_loader, not both: the denoiser loader loads its own blocks")
+    if native_denoiser_loader is not None and devices > 1:
+        raise VflashError("native_denoiser_loader builds the denoiser of one device (resident, single-device only); leave peer_device and strategy out")
+    if block_loader is not None and strategy == "tensor":
+        raise VflashError("block_loader supplies whole blocks; the tensor strategy shards them (use sequence-head or one device)")
+    return given
+
+
+def _loaded_denoiser(loader: NativeDenoiserLoader, artifact: CompiledArtifact, load: DenoiserLoad) -> Denoiser:
+    """Call the caller's denoiser loader and check what it returned is a denoiser of this artifact on this device."""
+    denoiser = loader(artifact, load)
+    if not isinstance(denoiser, Denoiser):
+        raise VflashError(f"native_denoiser_loader must return a vflash_core.denoise.Denoiser, got {type(denoiser).__name__}")
+    if denoiser.artifact is not artifact or denoiser.device != load.device:
+        denoiser.close()
+        raise VflashError(f"native_denoiser_loader returned a denoiser of another artifact or device ({denoiser.device}); it must use the artifact and device it is handed")
+    return denoiser
 
 
 def write_latents(path: str | Path, output: DenoiseOutput, metadata: dict[str, str]) -> Path:
