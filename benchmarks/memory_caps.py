@@ -375,7 +375,7 @@ def main() -> None:
         if rec is not None and (root / "text_encoder").exists():
             encode_phase(stages, caps, root, get_profile(base16), canvas)
 
-    with run.phase("decode", 200) as rec:
+    with run.phase("decode", 150) as rec:
         if rec is not None and (root / "vae").exists():
             decode_phase(stages, caps, root, get_profile(base16), canvas)
 
