@@ -1,12 +1,12 @@
 """ComfyUI entry point of the Vflash node pack.
 
-ComfyUI imports this file from `custom_nodes/<folder>/`. It makes `vflash_core` and `vflash_kernels` importable by
-their own names (from this folder when they are not pip-installed) without putting this folder on `sys.path`, and
-does nothing heavy: no CUDA initialisation, no model load.
+ComfyUI imports this file from `custom_nodes/<folder>/`. It makes `vflash_core`, `vflash_kernels` and
+`vflash_nodes` importable by their own names (from this folder when they are not pip-installed) without putting this
+folder on `sys.path`, and does nothing heavy: no CUDA initialisation, no model load.
 
-Inside ComfyUI (where `comfy_api` exists) it exposes the V3 entry point `comfy_entrypoint` of the `nodes` package.
-Elsewhere (pip-installed use, the CLI, the tests) importing it only registers the two packages; any other import
-error surfaces.
+Inside ComfyUI (where `comfy_api` exists) it exposes the V3 entry point `comfy_entrypoint` of the node pack
+(`nodes/`, registered as `vflash_nodes`). Elsewhere (pip-installed use, the CLI, the tests) importing it only
+registers the three packages; any other import error surfaces.
 """
 
 import importlib.util
@@ -25,6 +25,7 @@ def _load_imports_helper():
 _helper = _load_imports_helper()
 _helper.load_package("vflash_core", _ROOT / "vflash_core")
 _helper.load_package("vflash_kernels", _ROOT / "kernels")
+_helper.load_package("vflash_nodes", _ROOT / "nodes")
 
 try:
     import comfy_api.latest  # noqa: F401  (present only inside ComfyUI)
@@ -32,4 +33,4 @@ except ModuleNotFoundError as exc:
     if exc.name not in ("comfy_api", "comfy_api.latest"):
         raise
 else:
-    from .nodes import comfy_entrypoint  # noqa: F401
+    from vflash_nodes.extension import comfy_entrypoint  # noqa: F401

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from vflash_core import node_ops as ops
+from . import ops
 
 from .host import FOLDERS, HOST
 from .registry import ENGINES

@@ -6,6 +6,6 @@ attention backend); node outputs carry only specs, so a cached loader output sta
 entries here.
 """
 
-from vflash_core.node_ops import EngineRegistry
+from .ops import EngineRegistry
 
 ENGINES = EngineRegistry()

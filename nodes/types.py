@@ -3,7 +3,7 @@ also take core's types, and the words every Vflash node is found by."""
 
 from comfy_api.latest import io
 
-from vflash_core import node_ops as ops
+from . import ops
 
 VflashModel = io.Custom("VFLASH_MODEL")  # DiT engine spec: weights, profile, devices, residency, attention, LoRAs
 VflashTextEncoder = io.Custom("VFLASH_TE")  # Qwen3-VL text/vision conditioner spec

@@ -290,7 +290,7 @@ def test_comfy_file_drives_the_t2va_chain(pack, comfy_files, model, profile, not
     sampler's latent says how the weights differ from the release (`vflash_notes`)."""
     from pathlib import Path
 
-    from vflash_core.workflow import apply_overrides, execute, load_api_workflow
+    from vflash_nodes.workflow import apply_overrides, execute, load_api_workflow
 
     api = Path(__file__).resolve().parent.parent / "workflows" / "api" / "t2va.json"
     workflow = apply_overrides(load_api_workflow(api), [f"1.model=diffusion_models/{model}", f"1.profile={profile}", "4.width=128", "4.height=128"])
@@ -298,4 +298,4 @@ def test_comfy_file_drives_the_t2va_chain(pack, comfy_files, model, profile, not
     latent = report.outputs["5"][0]
     assert any(n.startswith(note) for n in latent["vflash_notes"]), latent["vflash_notes"]
     assert torch.isfinite(latent["samples"].tensors[0]).all()
-    pack.module.nodes.registry.ENGINES.release("all")
+    pack.package.registry.ENGINES.release("all")

@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from comfy_standins import harness
-from vflash_core import comfy_latent as cl
+from vflash_nodes import comfy_latent as cl
 from vflash_core.config import H3Config
 from vflash_core.errors import RequestError, VflashError
-from vflash_core.workflow import VFLASH_SIGNATURES, WorkflowError, apply_overrides, execute, load_api_workflow
+from vflash_nodes.workflow import VFLASH_SIGNATURES, WorkflowError, apply_overrides, execute, load_api_workflow
 
 REPO = Path(__file__).resolve().parent.parent
 API = REPO / "workflows" / "api"
@@ -178,7 +178,7 @@ def test_official_single_file_compiles_on_first_use(pack, comfy, model_files):
     assert Path(spec.compile_dir, "artifact", "manifest.json").is_file()
     layers = H3Config.preset("tiny").num_layers
     assert all((block, layers) in updates for block in range(1, layers + 1)) and mm.calls["unload_all_models"] >= 1  # a step per block
-    registry = pack.module.nodes.registry.ENGINES
+    registry = pack.package.registry.ENGINES
     assert registry.loaded()["dit"] == "diffusion_models/h3_tiny.safetensors"
     with pytest.raises(VflashError, match="choose the profile"):
         loader.execute(**{**kwargs, "profile": "auto"})
@@ -208,7 +208,7 @@ def test_first_use_compile_can_be_interrupted_and_publishes_nothing(pack, comfy,
     utils.set_progress_bar_global_hook(hook)
     spec = loader.execute(**kwargs).args[0]  # the next run compiles from the start, reusing the finished receipt
     assert Path(spec.compile_dir, "artifact", "manifest.json").is_file()
-    pack.module.nodes.registry.ENGINES.release("dit")
+    pack.package.registry.ENGINES.release("dit")
 
 
 # -- the t2va chain -----------------------------------------------------------------------------------------------
@@ -300,7 +300,7 @@ def test_keyframe_conditioning_must_match_the_canvas(pack, comfy):
 def test_interrupt_at_evaluation_k_stops_within_one_and_next_run_succeeds(pack, comfy, k):
     mm, updates = comfy
     workflow = apply_overrides(load_api_workflow(API / "t2va.json"), [*SMALL, f"7.filename_prefix=video/interrupt{k}", f"5.seed={k}"])
-    registry = pack.module.nodes.registry.ENGINES
+    registry = pack.package.registry.ENGINES
     run(pack, {nid: n for nid, n in workflow.items() if nid == "1"} | {"9": {"class_type": "VflashUnload", "inputs": {"anything": ["1", 0], "what": "te"}}})
     session = registry.engine("dit")
     hook = importlib.import_module("comfy.utils").PROGRESS_BAR_HOOK
@@ -328,7 +328,7 @@ def test_interrupt_at_evaluation_k_stops_within_one_and_next_run_succeeds(pack, 
 
 def test_interrupt_during_load_leaves_nothing_half_loaded(pack, comfy):
     mm, _ = comfy
-    registry = pack.module.nodes.registry.ENGINES
+    registry = pack.package.registry.ENGINES
     registry.release("all")
     loader = pack.nodes["VflashModelLoader"]
     kwargs = dict(model="embedded-demo", profile="auto", weight_residency="auto", device="auto", peer_device="none", strategy="sequence-head", attention_backend="auto")
@@ -344,7 +344,7 @@ def test_interrupt_during_load_leaves_nothing_half_loaded(pack, comfy):
 
 
 def test_force_offload_and_unload_release_and_next_run_reloads(pack, comfy):
-    registry = pack.module.nodes.registry.ENGINES
+    registry = pack.package.registry.ENGINES
     workflow = apply_overrides(load_api_workflow(API / "t2va.json"), [*SMALL, "5.force_offload=true", "4.force_offload=true", "7.filename_prefix=video/offload"])
     run(pack, workflow)
     assert "dit" not in registry.loaded() and "te" not in registry.loaded() and "vae" in registry.loaded()
@@ -371,11 +371,11 @@ def test_memory_plan_line_per_run(pack, comfy, caplog):
 def test_reference_clip_soundtracks_travel_with_their_clip(pack, comfy, monkeypatch):
     """`ref_video_audio_k` becomes the soundtrack of `ref_video_k`'s reference, as a video file's own audio does in the
     pipeline; what follows (normalisation, encoders) is the pipeline's shared code."""
-    from vflash_core import node_ops as ops
+    from vflash_nodes import ops
     from vflash_core import references
 
-    registry = pack.module.nodes.registry.ENGINES
-    host, folders = pack.module.nodes.host.HOST, pack.module.nodes.host.FOLDERS
+    registry = pack.package.registry.ENGINES
+    host, folders = pack.package.host.HOST, pack.package.host.FOLDERS
     te = ops.load_text_encoder(registry, host, folders, "embedded-demo", "cpu")
     vae = ops.load_vae(registry, host, folders, "embedded-demo", "cpu")
     seen = []
@@ -407,12 +407,12 @@ def test_encode_then_sample_bundle_equals_pipeline_bundle(pack, comfy, keyframes
     import numpy as np
     from PIL import Image
 
-    from vflash_core import node_ops as ops
+    from vflash_nodes import ops
     from vflash_core.pipeline import VideoRequest, build_request_bundle
 
-    registry = pack.module.nodes.registry.ENGINES
-    host = pack.module.nodes.host.HOST
-    folders = pack.module.nodes.host.FOLDERS
+    registry = pack.package.registry.ENGINES
+    host = pack.package.host.HOST
+    folders = pack.package.host.FOLDERS
     te = ops.load_text_encoder(registry, host, folders, "embedded-demo", "cpu")
     vae = ops.load_vae(registry, host, folders, "embedded-demo", "cpu")
     model = ops.load_model(registry, host, folders, "embedded-demo", "auto", "auto", "cpu", "none", "sequence-head", "auto")
@@ -442,14 +442,14 @@ def test_reference_clip_with_soundtrack_bundle_equals_pipeline_bundle(pack, comf
     import numpy as np
     from PIL import Image
 
-    from vflash_core import node_ops as ops
+    from vflash_nodes import ops
     from vflash_core.media import write_mp4
     from vflash_core.pipeline import VideoRequest, build_request_bundle
     from vflash_core.profiles import get_profile
     from vflash_core.references import frames_to_uint8, load_reference
 
-    registry = pack.module.nodes.registry.ENGINES
-    host, folders = pack.module.nodes.host.HOST, pack.module.nodes.host.FOLDERS
+    registry = pack.package.registry.ENGINES
+    host, folders = pack.package.host.HOST, pack.package.host.FOLDERS
     te = ops.load_text_encoder(registry, host, folders, "embedded-demo", "cpu")
     vae = ops.load_vae(registry, host, folders, "embedded-demo", "cpu")
     ops.load_model(registry, host, folders, "embedded-demo", "auto", "auto", "cpu", "none", "sequence-head", "auto")
@@ -478,7 +478,7 @@ def test_reference_clip_with_soundtrack_bundle_equals_pipeline_bundle(pack, comf
 def test_unsupported_core_node_is_named_before_anything_runs(pack):
     workflow = load_api_workflow(API / "t2va.json")
     workflow["20"] = {"class_type": "KSampler", "inputs": {}}
-    from vflash_core.workflow import headless_node_types, plan
+    from vflash_nodes.workflow import headless_node_types, plan
 
     with pytest.raises(WorkflowError, match=r"unsupported nodes: 20 \(KSampler\)"):
         plan(workflow, headless_node_types())

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from comfy_standins import harness
-from vflash_core import comfy_latent as cl
-from vflash_core import node_ops as ops
+from vflash_nodes import comfy_latent as cl
+from vflash_nodes import ops
 from vflash_core.errors import RequestError, VflashError
-from vflash_core.workflow import apply_overrides, execute, load_api_workflow
+from vflash_nodes.workflow import apply_overrides, execute, load_api_workflow
 
 REPO = Path(__file__).resolve().parent.parent
 API = REPO / "workflows" / "api"
@@ -39,7 +39,7 @@ def core_files(pack) -> dict[str, str]:
     """The demo family's text encoder and VAEs named in text_encoders/ and vae/ for the stand-in core loaders."""
     from vflash_core.pipeline import PreparedAssets
 
-    host = pack.module.nodes.host.HOST
+    host = pack.package.host.HOST
     root = PreparedAssets.load(ops._demo_receipt(host)).model_root
     models = Path(importlib.import_module("folder_paths").models_dir)
     names = {"text_encoder": "text_encoders/h3_demo_te.json", "video_vae": "vae/h3_demo_video_vae.json", "audio_vae": "vae/h3_demo_audio_vae.json"}
@@ -91,8 +91,8 @@ def test_core_clip_and_vae_loaders_drive_the_sampler_to_mp4(pack, core_files):
 def test_core_encoders_give_the_vflash_bundle_bitwise(pack, core_files, keyframes):
     """Through core's CLIP and VAE interfaces the encode node builds the same bundle, bit for bit, as with Vflash's
     loaders when the core objects compute the same numbers: the adapters reorder nothing and round nothing."""
-    registry = pack.module.nodes.registry.ENGINES
-    host, folders = pack.module.nodes.host.HOST, pack.module.nodes.host.FOLDERS
+    registry = pack.package.registry.ENGINES
+    host, folders = pack.package.host.HOST, pack.package.host.FOLDERS
     te = ops.load_text_encoder(registry, host, folders, "embedded-demo", "cpu")
     vae = ops.load_vae(registry, host, folders, "embedded-demo", "cpu")
     ops.load_model(registry, host, folders, "embedded-demo", "auto", "auto", "cpu", "none", "sequence-head", "auto")
@@ -116,8 +116,8 @@ def test_core_encoders_give_the_vflash_bundle_bitwise(pack, core_files, keyframe
 
 
 def test_core_vae_decode_equals_vflash_decode(pack, core_files):
-    registry = pack.module.nodes.registry.ENGINES
-    host, folders = pack.module.nodes.host.HOST, pack.module.nodes.host.FOLDERS
+    registry = pack.package.registry.ENGINES
+    host, folders = pack.package.host.HOST, pack.package.host.FOLDERS
     vae = ops.load_vae(registry, host, folders, "embedded-demo", "cpu")
     _, video_vae, audio_vae = _core(pack, core_files)
     nested = importlib.import_module("comfy.nested_tensor").NestedTensor
@@ -134,8 +134,8 @@ def test_references_reach_core_clip_in_request_order(pack, core_files, monkeypat
     carries sound (so core labels <Audio j> as Vflash does), videos as their 2 fps frames."""
     from vflash_core.references import CanvasRules
 
-    registry = pack.module.nodes.registry.ENGINES
-    host = pack.module.nodes.host.HOST
+    registry = pack.package.registry.ENGINES
+    host = pack.package.host.HOST
     _, video_vae, audio_vae = _core(pack, core_files)
     family = CanvasRules.from_model_root(json.loads(Path(importlib.import_module("folder_paths").get_full_path("vae", core_files["video_vae"])).read_text())["family_root"])
     base = ops.CoreTextConditioner
@@ -167,8 +167,8 @@ def test_references_reach_core_clip_in_request_order(pack, core_files, monkeypat
 
 
 def test_core_objects_are_refused_by_name(pack, core_files):
-    registry = pack.module.nodes.registry.ENGINES
-    host, folders = pack.module.nodes.host.HOST, pack.module.nodes.host.FOLDERS
+    registry = pack.package.registry.ENGINES
+    host, folders = pack.package.host.HOST, pack.package.host.FOLDERS
     clip, video_vae, audio_vae = _core(pack, core_files)
     vae = ops.load_vae(registry, host, folders, "embedded-demo", "cpu")
     nested = importlib.import_module("comfy.nested_tensor").NestedTensor
@@ -211,7 +211,7 @@ def official_weights(pack) -> str:
 def test_sm90_profile_on_cpu_is_refused_at_validation_and_writes_nothing(pack, official_weights, monkeypatch):
     from vflash_core import compiler
 
-    pack.module.nodes.registry.ENGINES.release("all")
+    pack.package.registry.ENGINES.release("all")
     loader = pack.nodes["VflashModelLoader"]
     widgets = dict(model=official_weights, profile="t2va-base16-bf16-sm90", weight_residency="auto", device="auto", peer_device="none",
                    strategy="sequence-head", attention_backend="auto")
@@ -223,7 +223,7 @@ def test_sm90_profile_on_cpu_is_refused_at_validation_and_writes_nothing(pack, o
     with pytest.raises(VflashError, match="runs on sm90 GPUs"):
         loader.execute(**widgets)
     compiled = Path(importlib.import_module("folder_paths").models_dir) / "vflash" / "compiled"
-    assert touched == [] and not list(compiled.glob("h3_early*")) and "dit" not in pack.module.nodes.registry.ENGINES.loaded()
+    assert touched == [] and not list(compiled.glob("h3_early*")) and "dit" not in pack.package.registry.ENGINES.loaded()
     # cpu profiles, explicit devices that exist, and the demo pass validation
     assert loader.validate_inputs(**{**widgets, "profile": "t2va-base4-exact-cpu"}) is True
     assert loader.validate_inputs(**{**widgets, "model": "embedded-demo", "profile": "auto"}) is True
@@ -236,7 +236,7 @@ def test_sm90_profile_on_cpu_is_refused_at_validation_and_writes_nothing(pack, o
 
 def test_a_graph_with_an_sm90_profile_runs_no_node_on_cpu(pack, official_weights):
     """The whole t2va graph, validated as ComfyUI validates a queued prompt: refused naming the loader, no node runs."""
-    from vflash_core.workflow import WorkflowError
+    from vflash_nodes.workflow import WorkflowError
 
     workflow = apply_overrides(load_api_workflow(API / "t2va.json"), [f"1.model={official_weights}", "1.profile=t2va-base16-bf16-sm90"])
     ran = []
@@ -252,9 +252,9 @@ def test_a_graph_with_an_sm90_profile_runs_no_node_on_cpu(pack, official_weights
 def test_profile_vs_the_graphs_request_is_refused_before_any_model_work(pack, change, refusal):
     """A ref2va graph on a t2va-only profile: the first Vflash node to run reads the graph (ComfyUI's hidden prompt)
     and refuses before any model loads, whichever node ComfyUI runs first; headless refuses before running."""
-    from vflash_core.workflow import WorkflowError, run_headless
+    from vflash_nodes.workflow import WorkflowError, run_headless
 
-    registry = pack.module.nodes.registry.ENGINES
+    registry = pack.package.registry.ENGINES
     registry.release("all")
     workflow = apply_overrides(load_api_workflow(API / "ref2va.json"), [f"{k}={v}" for k, v in change.items()])
     ran = []
@@ -271,8 +271,8 @@ def test_profile_vs_the_graphs_request_is_refused_before_any_model_work(pack, ch
 
 
 def test_profile_vs_mode_is_refused_before_the_transformer_is_touched(pack, monkeypatch):
-    registry = pack.module.nodes.registry.ENGINES
-    host, folders = pack.module.nodes.host.HOST, pack.module.nodes.host.FOLDERS
+    registry = pack.package.registry.ENGINES
+    host, folders = pack.package.host.HOST, pack.package.host.FOLDERS
     te = ops.load_text_encoder(registry, host, folders, "embedded-demo", "cpu")
     vae = ops.load_vae(registry, host, folders, "embedded-demo", "cpu")
     cond, latent, _ = ops.encode(registry, host, te, vae, "Waves crash.", 128, 96, 124, 0.0, force_offload=False)

@@ -173,7 +173,7 @@ def test_receipt_folder_and_mistyped_assets_file(h3_prepared, tmp_path, capsys):
 
 
 def test_workflow_value_of_the_wrong_type_is_refused_before_any_model_loads(tmp_path, capsys, monkeypatch):
-    from vflash_core import node_ops
+    from vflash_nodes import ops as node_ops
 
     def refuse(*args, **kwargs):
         raise AssertionError("a loader node ran for a workflow that must be refused when it is checked")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from comfy_standins import harness
-from vflash_core.workflow import (
+from vflash_nodes.workflow import (
     WorkflowError, apply_overrides, check_api_workflow, headless_node_types, load_api_workflow, nest_inputs, plan, run_headless, types_compatible,
 )
 

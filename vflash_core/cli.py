@@ -1,7 +1,9 @@
 """The `vflash` command line.
 
 Each subcommand lives in the module that owns its work and exposes `register(subparsers)`, which adds the parser
-and sets `handler`; heavy imports happen inside the handler, so `vflash --help` is instant. A user error (any
+and sets `handler`; heavy imports happen inside the handler, so `vflash --help` is instant. Installed packages add
+subcommands through the `vflash.commands` entry points (the node pack adds `run-workflow`), so this package names
+none of them. A user error (any
 `VflashError`) prints one line, without a traceback, and exits with its `exit_status` (2 for a bad request, option or
 file, 1 for a valid request that could not be completed); anything else is a bug and keeps its traceback.
 """
@@ -10,15 +12,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import logging
 import sys
 
 from .errors import VflashError
 
 # Modules that register subcommands, in help order.
-COMMAND_MODULES = (
-    "vflash_core.cli_denoise", "vflash_core.cli_workflow", "vflash_core.cli_generate", "vflash_core.cli_serve",
-)
+COMMAND_MODULES = ("vflash_core.cli_denoise", "vflash_core.cli_generate", "vflash_core.cli_serve")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
+    for entry in importlib.metadata.entry_points(group="vflash.commands"):
+        entry.load().register(sub)
     return parser
 
 

@@ -6,7 +6,7 @@ path-derived name (as `nodes.load_custom_node` does; the root is never put on `s
 `on_load()` and `get_node_list()`, and returns a `Pack`. `uninstall()` removes all of it again.
 
 `Pack.node_types()` turns the node classes (and the core stand-ins in `core_nodes.py`) into
-`vflash_core.workflow.NodeType`s, so the tests run graphs with the same executor as `vflash run-workflow`.
+`vflash_nodes.workflow.NodeType`s, so the tests run graphs with the same executor as `vflash run-workflow`.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 PACK_MODULE = "custom_nodes_x_vflash"
 _STANDIN_MODULES = ("comfy", "comfy_api", "folder_paths", "comfy_standins_core_nodes")
+# The pack's modules that import ComfyUI (bound to one install's stand-ins, holding its registry): dropped on uninstall.
+_COMFY_BOUND = ("vflash_nodes.extension", "vflash_nodes.loaders", "vflash_nodes.generation", "vflash_nodes.host", "vflash_nodes.registry", "vflash_nodes.types")
 
 
 @dataclass
@@ -34,12 +36,17 @@ class Pack:
     nodes: dict[str, type]  # node_id -> class (Vflash nodes only)
     core: dict[str, type]  # node_id -> stand-in core node class
 
+    @property
+    def package(self):
+        """`vflash_nodes`: the node pack's modules (`host`, `registry`, `ops`, ...)."""
+        return importlib.import_module("vflash_nodes")
+
     def schema(self, node_id: str):
         cls = self.nodes.get(node_id) or self.core[node_id]
         return cls.GET_SCHEMA()
 
     def node_types(self, prompt: dict | None = None) -> dict:
-        from vflash_core.workflow import NodeType
+        from vflash_nodes.workflow import NodeType
 
         io = importlib.import_module("comfy_api.latest").io
         out = {}
@@ -135,7 +142,7 @@ def uninstall() -> None:
         return
     _installed = None
     for name in list(sys.modules):
-        if name == PACK_MODULE or name.startswith(PACK_MODULE + ".") or name.split(".")[0] in _STANDIN_MODULES:
+        if name == PACK_MODULE or name.startswith(PACK_MODULE + ".") or name.split(".")[0] in _STANDIN_MODULES or name in _COMFY_BOUND:
             del sys.modules[name]
     if str(HERE) in sys.path:
         sys.path.remove(str(HERE))
@@ -150,7 +157,7 @@ def installed(cache_dir: Path, comfy_dir: Path) -> Iterator[Pack]:
     try:
         yield loaded
     finally:
-        loaded.module.nodes.registry.ENGINES.close()
+        loaded.package.registry.ENGINES.close()
         uninstall()
         if previous is None:
             os.environ.pop("VFLASH_CACHE", None)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import VflashError
+from vflash_core.errors import VflashError
 
 logger = logging.getLogger(__name__)
 
@@ -396,7 +396,7 @@ def _core_node_types(host: HeadlessHost, output_dir: Path, input_dir: Path) -> d
         return (HeadlessVideo(images, audio, float(fps)),)
 
     def save_video(video, filename_prefix: str, format: Any = "auto", codec: Any = None) -> tuple:
-        from .media import write_mp4
+        from vflash_core.media import write_mp4
 
         container = format.get("format", "auto") if isinstance(format, dict) else format
         chosen = (format.get("codec") if isinstance(format, dict) else None) or codec or "auto"
@@ -492,7 +492,7 @@ VFLASH_SIGNATURES: dict[str, tuple[dict[str, str], frozenset[str], tuple[str, ..
 
 
 def _vflash_node_types(registry, host, folders) -> dict[str, NodeType]:
-    from . import node_ops as ops
+    from . import ops
 
     runs: dict[str, Callable[..., tuple]] = {
         "VflashModelLoader": lambda **kw: (ops.load_model(registry, host, folders, **kw),),
@@ -523,7 +523,7 @@ def _vflash_node_types(registry, host, folders) -> dict[str, NodeType]:
 def headless_node_types(registry=None, host: HeadlessHost | None = None, folders: HeadlessFolders | None = None,
                         output_dir: str | Path = "output", input_dir: str | Path = "input") -> dict[str, NodeType]:
     """The node table of `vflash run-workflow`: every Vflash node plus the core stand-ins."""
-    from .node_ops import EngineRegistry
+    from .ops import EngineRegistry
 
     registry = registry if registry is not None else EngineRegistry()
     host = host or HeadlessHost()
@@ -534,8 +534,8 @@ def headless_node_types(registry=None, host: HeadlessHost | None = None, folders
 def run_headless(workflow: Mapping[str, Mapping[str, Any]], output_dir: str | Path = "output", input_dir: str | Path = "input",
                  models_dir: str | Path | None = None) -> list[Path]:
     """Run an API workflow without ComfyUI; returns the files its SaveVideo nodes wrote. Engines are closed after."""
-    from . import node_ops as ops
-    from .node_ops import EngineRegistry
+    from . import ops
+    from .ops import EngineRegistry
 
     output_dir = Path(output_dir)
     registry = EngineRegistry()

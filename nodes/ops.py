@@ -28,9 +28,9 @@ from typing import Any, Protocol
 import torch
 
 from . import comfy_latent as cl
-from .options import STRATEGIES, WEIGHT_RESIDENCIES
-from .errors import RequestError, VflashError, WeightFileError
-from .layout import FPS, Geometry, align_num_frames, check_canvas, frames_for_duration
+from vflash_core.options import STRATEGIES, WEIGHT_RESIDENCIES
+from vflash_core.errors import RequestError, VflashError, WeightFileError
+from vflash_core.layout import FPS, Geometry, align_num_frames, check_canvas, frames_for_duration
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ _h3_file_cache: dict[tuple[str, int, int], bool] = {}
 
 def is_h3_transformer_file(path: str | Path) -> bool:
     """True when a .safetensors file's header names H3 transformer tensors (reads the header only, cached)."""
-    from .tensor_store import TensorStore
+    from vflash_core.tensor_store import TensorStore
 
     path = Path(path)
     stat = path.stat()
@@ -360,7 +360,7 @@ class ResolvedModel:
 
 
 def _receipt_entries(folders: Folders) -> list[str]:
-    from .formats import PIPELINE_FORMAT
+    from vflash_core.formats import PIPELINE_FORMAT
 
     out = []
     for rel in folders.filenames("vflash"):
@@ -380,7 +380,7 @@ def _receipt_entries(folders: Folders) -> list[str]:
 
 
 def _demo_receipt(host: Host | None) -> Path:
-    from .demo import ensure_demo_assets
+    from vflash_core.demo import ensure_demo_assets
 
     bar = None if host is None else _StageProgress(host)
     return ensure_demo_assets(progress=bar)
@@ -404,7 +404,7 @@ class _StageProgress:
 
 def _compiled_dir(root: Path, profile: Any, folders: Folders) -> Path:
     """Where official weights are compiled for a profile on first use: models/vflash/compiled/<name>-<profile>."""
-    from .demo import default_cache_dir
+    from vflash_core.demo import default_cache_dir
 
     bases = [Path(p) for p in folders.folders("vflash")]
     base = bases[0] if bases else default_cache_dir()
@@ -413,9 +413,9 @@ def _compiled_dir(root: Path, profile: Any, folders: Folders) -> Path:
 
 def resolve_model(host: Host | None, spec: ModelSpec) -> ResolvedModel:
     """Resolve (and on first use, prepare and compile) the transformer of a spec; raises `VflashError`."""
-    from .artifact import CompiledArtifact
-    from .pipeline import PreparedAssets
-    from .profiles import get_profile
+    from vflash_core.artifact import CompiledArtifact
+    from vflash_core.pipeline import PreparedAssets
+    from vflash_core.profiles import get_profile
 
     def pick(recorded: str, what: str):
         if spec.profile not in ("auto", recorded):
@@ -444,7 +444,7 @@ def resolve_model(host: Host | None, spec: ModelSpec) -> ResolvedModel:
         raise VflashError(f"profile {profile.id} binds its LoRA at strength {profile.adapter.strength:g}; the chain asks {spec.loras[0].strength:g}")
     out = Path(spec.compile_dir)
     if not (out / "artifact" / "manifest.json").is_file():
-        from .compiler import compile_receipt, prepare
+        from vflash_core.compiler import compile_receipt, prepare
 
         # One bar per step (hash, verify, compile), advanced per file or block; an interrupt between two of them
         # abandons the step and publishes nothing (the receipt and the compiled folder are written atomically).
@@ -464,7 +464,7 @@ def resolve_model(host: Host | None, spec: ModelSpec) -> ResolvedModel:
 
 def component_root(host: Host | None, spec: ComponentSpec) -> Path:
     """The model root a text encoder ("te") or VAE pair ("vae") spec loads from."""
-    from .pipeline import PreparedAssets
+    from vflash_core.pipeline import PreparedAssets
 
     if spec.source == DEMO:
         assets = PreparedAssets.load(_demo_receipt(host))
@@ -488,20 +488,20 @@ def select_lora(folders: Folders, lora: str, strength: float, prev: tuple[LoraRe
 def recorded_profile(model: str, path: str, profile: str):
     """The profile an option runs: the explicit one, or the one recorded in its manifests ("auto"); None for
     official weights with "auto" (they need an explicit profile). Reads manifests only."""
-    from .profiles import get_profile
+    from vflash_core.profiles import get_profile
 
     if profile != "auto":
         return get_profile(profile)
     if model == DEMO:
-        from .demo import DEMO_PROFILE
+        from vflash_core.demo import DEMO_PROFILE
 
         return get_profile(DEMO_PROFILE)
     if model.endswith(".json"):
-        from .pipeline import PreparedAssets
+        from vflash_core.pipeline import PreparedAssets
 
         return PreparedAssets.load(path).profile
     if model.startswith("vflash/"):
-        from .artifact import CompiledArtifact
+        from vflash_core.artifact import CompiledArtifact
 
         p = Path(path)
         return get_profile(CompiledArtifact(p / "artifact", p / "schedule", p / "auxiliary.safetensors").profile_id)
@@ -519,7 +519,7 @@ _ARCH_NAMES = {"cpu": "the CPU", "sm86": "sm86 GPUs (RTX 30xx / A-series)", "sm8
 
 def check_profile_device(profile: Any, device: str, what: str = "device") -> None:
     """Refuse a resolved device whose architecture is not the one the profile's tables were computed on."""
-    from .formats import device_arch
+    from vflash_core.formats import device_arch
 
     arch = device_arch(device)
     if arch != profile.arch:
@@ -544,7 +544,7 @@ def machine_archs() -> list[str]:
 def ordered_profiles() -> list[str]:
     """'auto', then the profiles this machine can run (its GPUs' architectures first, then CPU ones), then the rest
     (still selectable, so saved workflows keep their value)."""
-    from .profiles import PROFILES
+    from vflash_core.profiles import PROFILES
 
     here = machine_archs()
     runnable = sorted((p for p in PROFILES.values() if p.arch in here), key=lambda p: (here.index(p.arch), p.id))
@@ -565,8 +565,8 @@ def check_loader(host: Host, folders: Folders, model: str, profile: str, weight_
                  peer_device: str, strategy: str, attention_backend: str) -> tuple[str, str, str | None]:
     """Every check of the model loader that needs no model work: option values, the model option, the profile,
     the devices' existence and architecture vs the profile. Returns (resolved path, device, peer device)."""
-    from .attention import BACKENDS
-    from .profiles import PROFILES
+    from vflash_core.attention import BACKENDS
+    from vflash_core.profiles import PROFILES
 
     for name, value, allowed in (("weight_residency", weight_residency, WEIGHT_RESIDENCIES), ("strategy", strategy, STRATEGIES),
                                  ("attention_backend", attention_backend, tuple(BACKENDS))):
@@ -579,7 +579,7 @@ def check_loader(host: Host, folders: Folders, model: str, profile: str, weight_
     if chosen is None and model.startswith(("diffusers/", "diffusion_models/")):
         raise VflashError(f"{model} holds official weights; choose the profile to compile them for (e.g. {ordered_profiles()[1]})")
     if chosen is not None and model.startswith(("diffusers/", "diffusion_models/")):
-        from .checkpoint import SourceWeights
+        from vflash_core.checkpoint import SourceWeights
 
         # The file's form (header and scales only): quantized formats without an exact dequantization are refused, and
         # a pruned file pairs only with a -pruned profile.
@@ -683,7 +683,7 @@ def model_spec(host: Host, folders: Folders, model: str, profile: str, weight_re
     loras = tuple(lora or ())
     compile_dir = ""
     if model.startswith(("diffusers/", "diffusion_models/")) and profile != "auto":
-        from .profiles import get_profile
+        from vflash_core.profiles import get_profile
 
         out = _compiled_dir(Path(path), get_profile(profile), folders)
         compile_dir = str(out.with_name(f"{out.name}-{Path(loras[0].path).stem}") if loras else out)
@@ -692,7 +692,7 @@ def model_spec(host: Host, folders: Folders, model: str, profile: str, weight_re
 
 
 def _load_session(registry: EngineRegistry, host: Host, spec: ModelSpec):
-    from .session import NativeEngineSession
+    from vflash_core.session import NativeEngineSession
 
     def factory():
         host.free_memory()
@@ -723,8 +723,8 @@ def _component_spec(host: Host, folders: Folders, kind: str, source: str, device
 
 
 def _load_component(registry: EngineRegistry, host: Host, spec: ComponentSpec):
-    from .conditioning import TextConditioner
-    from .vae import MediaVAEs
+    from vflash_core.conditioning import TextConditioner
+    from vflash_core.vae import MediaVAEs
 
     def factory():
         host.free_memory()
@@ -790,7 +790,7 @@ class CoreTextConditioner:
     """
 
     def __init__(self, clip: Any, canvas: Any = None):
-        from .references import CanvasRules
+        from vflash_core.references import CanvasRules
 
         self.clip = clip
         self.canvas = canvas or CanvasRules()
@@ -798,7 +798,7 @@ class CoreTextConditioner:
     def _ref_items(self, references: list) -> list[dict[str, Any]]:
         import numpy as np
 
-        from .conditioning import sample_video_frames
+        from vflash_core.conditioning import sample_video_frames
 
         items: list[dict[str, Any]] = []
         for ref in references:
@@ -813,7 +813,7 @@ class CoreTextConditioner:
 
     @torch.no_grad()
     def encode(self, prompt: str, keyframes: list | None = None, references: list | None = None):
-        from .conditioning import TextConditioning
+        from vflash_core.conditioning import TextConditioning
 
         if references:
             tokens = self.clip.tokenize(prompt, minimax_ref_items=self._ref_items(references))
@@ -984,8 +984,8 @@ def encode(registry: EngineRegistry, host: Host, te: Any, vae: Any, prompt: str,
     conditioning records how it differs from the diffusers pipeline's in `notes`."""
     from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3AudioReference, MiniMaxH3ImageReference, MiniMaxH3VideoReference
 
-    from .pipeline import encode_conditions
-    from .references import fit_keyframes, normalize_references
+    from vflash_core.pipeline import encode_conditions
+    from vflash_core.references import fit_keyframes, normalize_references
 
     if not isinstance(prompt, str) or not prompt.strip():
         raise RequestError("the prompt must be a non-empty string")
@@ -1042,7 +1042,7 @@ def encode(registry: EngineRegistry, host: Host, te: Any, vae: Any, prompt: str,
 
 def request_bundle(cond: Conditioning, geometry: Geometry, seed: int, config: Any):
     """The full conditioning bundle of an encoded request for one seed (noise drawn as `build_request_bundle` does)."""
-    from .bundle import BundleHandoff, build_keyframe_bundle, build_ref2va_bundle
+    from vflash_core.bundle import BundleHandoff, build_keyframe_bundle, build_ref2va_bundle
 
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
         raise RequestError(f"seed must be an integer from 0 to 2**63 - 1, got {seed!r}")

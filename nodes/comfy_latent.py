@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from .errors import RequestError
-from .layout import (
+from vflash_core.errors import RequestError
+from vflash_core.layout import (
     AUDIO_CHANNELS,
     FPS,
     VAE_FRAMES_PER_CHUNK,
