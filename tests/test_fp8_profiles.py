@@ -166,3 +166,69 @@ def test_fp8_session_refusals(tiny_compiled, tiny_fp8_compiled):
         NativeEngineSession(FP8_CPU, **tiny_fp8_compiled, attention_backend="fa3-fp8")
     with pytest.raises(IdentityMismatchError):
         NativeEngineSession("t2va-base4-exact-cpu", **tiny_fp8_compiled)
+
+
+CHILD = r"""
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+from test_schedule_layout_bundle import _bundle
+from vflash_core import fp8
+from vflash_core.artifact import CompiledArtifact
+from vflash_core.denoise import Denoiser
+from vflash_core.model import sdpa_attention
+from vflash_core.residency import ResidentBlocks
+
+paths = json.loads(sys.argv[2])
+fp8.w8a8_refusal = lambda device: None  # torch's CPU _scaled_mm stands in for the SM90 GEMM
+artifact = CompiledArtifact(**paths)
+cpu = torch.device("cpu")
+blocks = ResidentBlocks(artifact, cpu)
+
+def velocity(quantizer, keep_values):
+    ops = fp8.FusedRowFP8Ops(artifact.config, sdpa_attention, fp8.RowFP8Execution("w8a8", quantizer), keep_values)
+    denoiser = Denoiser(artifact, blocks, cpu, ops)
+    return denoiser.evaluate(denoiser.prepare(_bundle(5)), 1)
+
+expected = velocity("torch", False)
+print(json.dumps([torch.equal(a, b) for a, b in zip(velocity("triton", True), expected)]))
+"""
+
+
+@pytest.mark.slow
+def test_fused_fp8_quantizers_in_the_block_in_the_interpreter(tiny_fp8_compiled):
+    """In Triton's interpreter (a child process, as test_fused_path.py), one evaluation with w8a8: the Triton quantizers
+    fused into RMSNorm + modulation and SwiGLU (keeping the BF16 values) and alone for the attention output give the
+    torch quantizer's velocities bit for bit."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    paths = {k: str(v) for k, v in tiny_fp8_compiled.items()}
+    done = subprocess.run([sys.executable, "-c", CHILD, os.path.dirname(__file__), json.dumps(paths)], env=env, capture_output=True, text=True, timeout=900, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [True, True]
+
+
+def test_fused_execution_picks_the_fused_fp8_operations(tiny_fp8_compiled):
+    """The session's choice (no kernel runs: CPU tensors need the interpreter): FP8 operations over FusedOps."""
+    with NativeEngineSession(FP8_CPU, **tiny_fp8_compiled, execution="fused") as session:
+        ops = session._denoisers[0].ops
+        assert isinstance(ops, fp8.FusedRowFP8Ops) and ops.fp8.mode == "weight-only" and not ops.keep_values
+
+
+def test_w8a8_profile_is_refused_off_sm90_and_uses_the_triton_quantizer(tmp_path, tiny_transformer, monkeypatch):
+    """A w8a8 profile's session on the CPU is refused when it loads (no fallback to weight-only); where w8a8 runs,
+    the fused execution quantizes with the Triton kernels and the reference execution with torch."""
+    from dataclasses import replace
+
+    profile = replace(get_profile(FP8_CPU), id="t2va-base4-w8a8-cpu-test", fp8="w8a8")
+    paths = compile_tiny(tmp_path, tiny_transformer, profile)
+    with pytest.raises(VflashError, match="FP8 w8a8 execution needs an SM90 or SM120 CUDA device; cpu is not a CUDA device"):
+        NativeEngineSession(profile, **paths)
+    monkeypatch.setattr(fp8, "w8a8_refusal", lambda device: None)
+    for execution, quantizer, kind in (("fused", "triton", fp8.FusedRowFP8Ops), ("reference", "torch", fp8.RowFP8Ops)):
+        with NativeEngineSession(profile, **paths, execution=execution) as session:
+            ops = session._denoisers[0].ops
+            assert type(ops) is kind and ops.fp8.mode == "w8a8" and ops.fp8.activation_quantizer == quantizer

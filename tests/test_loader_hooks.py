@@ -142,3 +142,116 @@ def test_a_failing_loader_releases_the_session_and_raises_its_own_error(tiny_com
         NativeEngineSession(PROFILE, **tiny_compiled, block_loader=block_loader, peer_device="cpu", strategy="sequence-head")
     with NativeEngineSession(PROFILE, **tiny_compiled) as session:  # nothing held on to: a new session works
         assert_bitwise(session.generate(_bundle(6)).video_latents, expected.video_latents, "after a failed load")
+
+
+# -- the pipeline ------------------------------------------------------------------------------------------------------
+
+
+def _request():
+    from vflash_core.pipeline import VideoRequest
+
+    return VideoRequest("A lighthouse beam sweeps the fog.", seed=9, width=96, height=64)
+
+
+def full_text_encoder(root):
+    """What a user's loader might do: the whole released `Qwen3VLForConditionalGeneration` (all layers, LM head)."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    return Qwen3VLForConditionalGeneration.from_pretrained(root / "text_encoder", dtype=torch.bfloat16, local_files_only=True)
+
+
+def test_text_encoder_loader_is_trimmed_and_encodes_as_the_default(h3_family):
+    from vflash_core.conditioning import TEXT_ENCODER_LAYER, TextConditioner
+
+    roots = []
+
+    def loader(root):
+        roots.append(root)
+        return full_text_encoder(root)
+
+    loaded = TextConditioner.from_pretrained(h3_family, text_encoder_loader=loader)
+    default = TextConditioner.from_pretrained(h3_family)
+    assert roots == [h3_family.resolve()]
+    base = loaded.text_encoder
+    assert type(base).__name__ == "Qwen3VLModel" and len(base.language_model.layers) == TEXT_ENCODER_LAYER  # no LM head, 50 layers
+    assert isinstance(base.language_model.norm, torch.nn.Identity) and base.dtype == default.text_encoder.dtype
+    prompt = "A lighthouse beam sweeps the fog."
+    assert_bitwise(loaded.encode(prompt).prompt_embeds, default.encode(prompt).prompt_embeds, "hidden_states[50]")
+
+
+def test_text_encoder_loader_results_are_checked(h3_family):
+    from transformers import AutoConfig, Qwen3VLModel
+
+    from vflash_core.conditioning import TextConditioner
+
+    with pytest.raises(VflashError, match="must return a Qwen3VLModel or Qwen3VLForConditionalGeneration, got Linear"):
+        TextConditioner.from_pretrained(h3_family, text_encoder_loader=lambda root: torch.nn.Linear(2, 2))
+    config = AutoConfig.from_pretrained(h3_family / "text_encoder", local_files_only=True)
+    config.text_config.intermediate_size *= 2
+    with pytest.raises(VflashError, match=r"another architecture .*text_config.intermediate_size 128 \(config.json: 64\)"):
+        TextConditioner.from_pretrained(h3_family, text_encoder_loader=lambda root: Qwen3VLModel(config))
+    config.text_config.intermediate_size //= 2
+    config.text_config.num_hidden_layers = 49
+    with pytest.raises(VflashError, match="returned 49 text layers"):
+        TextConditioner.from_pretrained(h3_family, text_encoder_loader=lambda root: Qwen3VLModel(config))
+
+
+def test_pipeline_with_every_hook_generates_the_default_clip(h3_prepared):
+    from vflash_core.pipeline import H3Pipeline
+
+    def denoiser_loader(artifact, load):
+        return Denoiser(artifact, ResidentBlocks(artifact, load.device, load.on_block), load.device, load.ops)
+
+    with H3Pipeline.from_prepared(h3_prepared) as default:
+        expected = default.generate(_request(), None).media
+    for hooks in ({"text_encoder_loader": full_text_encoder, "block_loader": read_blocks}, {"native_denoiser_loader": denoiser_loader}):
+        with H3Pipeline.from_prepared(h3_prepared, **hooks) as pipeline:
+            got = pipeline.generate(_request(), None).media
+        assert_bitwise(got.frames, expected.frames, f"frames with {sorted(hooks)}")
+        assert_bitwise(got.waveform, expected.waveform, f"waveform with {sorted(hooks)}")
+
+
+def test_pipeline_hooks_are_code_not_names(h3_prepared):
+    from vflash_core.pipeline import H3Pipeline
+
+    for name in ("text_encoder_loader", "native_denoiser_loader", "block_loader"):
+        with pytest.raises(VflashError, match=f"{name} must be a Python callable, got str"):
+            H3Pipeline.from_prepared(h3_prepared, **{name: "package.module:function"})
+
+
+@pytest.mark.parametrize("failing", ["text_encoder_loader", "block_loader", "native_denoiser_loader"])
+def test_a_loader_exception_leaves_the_pipeline_usable(h3_prepared, monkeypatch, failing):
+    """The hook's own exception reaches the caller from `prepare`; what loaded before it is released; the pipeline stays
+    open, and the next `prepare` (the hook succeeds this time) gives a working pipeline."""
+    from vflash_core.conditioning import TextConditioner
+    from vflash_core.pipeline import H3Pipeline
+    from vflash_core.vae import MediaVAEs
+
+    class Flaky(OSError):
+        pass
+
+    calls = []
+    regular = {
+        "text_encoder_loader": full_text_encoder,
+        "block_loader": read_blocks,
+        "native_denoiser_loader": lambda artifact, load: Denoiser(artifact, ResidentBlocks(artifact, load.device), load.device, load.ops),
+    }
+
+    def hook(*args):
+        calls.append(args)
+        if len(calls) == 1:
+            raise Flaky("network share unavailable")
+        return regular[failing](*args)
+
+    closed = []
+    for part in (TextConditioner, MediaVAEs):
+        monkeypatch.setattr(part, "close", lambda self, original=part.close: (closed.append(type(self).__name__), original(self))[1])
+    pipeline = H3Pipeline.from_prepared(h3_prepared, **{failing: hook})
+    with pytest.raises(Flaky, match="network share unavailable"):
+        pipeline.prepare()
+    assert not pipeline.prepared and pipeline.session is None
+    assert closed == ([] if failing == "text_encoder_loader" else ["TextConditioner", "MediaVAEs"])
+    pipeline.validate(_request())  # still open
+    result = pipeline.generate(_request(), None)  # prepares again: the hook succeeds
+    assert len(calls) == 2 and result.num_frames == 124
+    pipeline.close()

@@ -22,6 +22,11 @@ transformer's block-ring mechanism) while the embeddings and the vision tower ta
 The model's own forward runs unchanged on the same values, so the streamed encoder equals the resident one bit for
 bit. With a memory plan attached, an encode is checked against it before anything moves to the device.
 
+A trusted `text_encoder_loader` (a Python callable) may supply the model instead of `from_pretrained`'s reader: it is
+handed the model root and returns a CPU `Qwen3VLModel` or `Qwen3VLForConditionalGeneration` of the architecture in
+the root's `text_encoder/config.json`; the conditioner trims it as it loads its own (the base model's layers 0..49,
+identity final norm, no LM head), casts it to its dtype, and offloads and releases it like its own.
+
 Image and video pixels go through the official Qwen processors saved in the model's `processor/` folder. The
 `Qwen3VLProcessor` wrapper itself needs torchvision just to be constructed, so the conditioner holds its parts (the
 tokenizer, the image processor, and the video processor where torchvision is installed) and derives Qwen's per-token
@@ -31,6 +36,7 @@ modality ids from the model config's image and video token ids, as that processo
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -55,6 +61,15 @@ TEXT_ENCODER_LAYER = 50  # H3 conditions on hidden_states[50]
 VIDEO_SAMPLE_FPS = 2.0  # the rate Qwen reads a reference video at
 # Qwen's own multimodal token types (not H3's row tags): they drive its 3-D rotary layout.
 _QWEN_TEXT, _QWEN_IMAGE, _QWEN_VIDEO = 0, 1, 2
+# The config fields a `text_encoder_loader`'s model must share with the model root's `text_encoder/config.json`.
+_ARCHITECTURE = {
+    "text_config": ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size"),
+    "vision_config": ("hidden_size", "depth", "num_heads", "out_hidden_size", "patch_size", "temporal_patch_size", "spatial_merge_size"),
+    None: ("image_token_id", "video_token_id"),
+}
+
+#: (the prepared model root) -> a CPU `Qwen3VLModel` / `Qwen3VLForConditionalGeneration` of its text encoder.
+TextEncoderLoader = Callable[[Path], torch.nn.Module]
 
 
 @dataclass
@@ -96,6 +111,32 @@ def sample_video_frames(frames: np.ndarray, temporal_patch: int, fps: float = FP
 def _base_model(text_encoder: torch.nn.Module) -> torch.nn.Module:
     """The `Qwen3VLModel` of a conditioner: the model itself, or the `.model` of a `Qwen3VLForConditionalGeneration`."""
     return text_encoder.model if hasattr(text_encoder, "lm_head") else text_encoder
+
+
+def _loaded_text_encoder(loader: TextEncoderLoader, root: Path, config, dtype: torch.dtype) -> torch.nn.Module:
+    """The model a `text_encoder_loader` returns for `root`, checked against the root's config and trimmed as
+    `TextConditioner.from_pretrained` loads its own: the base model, layers 0..49, identity final norm, in `dtype`."""
+    from transformers import Qwen3VLForConditionalGeneration, Qwen3VLModel
+
+    model = loader(root)
+    if not isinstance(model, (Qwen3VLModel, Qwen3VLForConditionalGeneration)):
+        raise VflashError(f"text_encoder_loader must return a Qwen3VLModel or Qwen3VLForConditionalGeneration, got {type(model).__name__}")
+    devices = sorted({str(t.device) for t in (*model.parameters(), *model.buffers())})
+    if devices != ["cpu"]:
+        raise VflashError(f"text_encoder_loader must return the model on the CPU (the conditioner moves it); its tensors are on {', '.join(devices)}")
+    differ = []
+    for part, fields in _ARCHITECTURE.items():
+        mine, theirs = (config, model.config) if part is None else (getattr(config, part), getattr(model.config, part))
+        differ += [f"{part + '.' if part else ''}{f} {getattr(theirs, f, None)!r} (config.json: {getattr(mine, f, None)!r})" for f in fields if getattr(theirs, f, None) != getattr(mine, f, None)]
+    if differ:
+        raise VflashError(f"text_encoder_loader returned another architecture than {root / 'text_encoder'}: " + "; ".join(differ))
+    base = _base_model(model)
+    if len(base.language_model.layers) < TEXT_ENCODER_LAYER:
+        raise VflashError(f"text_encoder_loader returned {len(base.language_model.layers)} text layers; H3 conditions on hidden_states[{TEXT_ENCODER_LAYER}] and needs {TEXT_ENCODER_LAYER}")
+    del base.language_model.layers[TEXT_ENCODER_LAYER:]
+    base.language_model.norm = torch.nn.Identity()
+    base.config.text_config.num_hidden_layers = base.language_model.config.num_hidden_layers = TEXT_ENCODER_LAYER
+    return base.to(dtype)
 
 
 def _around(module: torch.nn.Module, inner: torch.nn.Module) -> list[torch.nn.Module]:
@@ -146,9 +187,11 @@ class TextConditioner(SerialDeviceOwner):
             raise VflashError(f"tokenizer vision pads {self._ids['image']}/{self._ids['video']} differ from the text encoder's {config.image_token_id}/{config.video_token_id}")
 
     @classmethod
-    def from_pretrained(cls, model_root: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> "TextConditioner":
+    def from_pretrained(
+        cls, model_root: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, text_encoder_loader: TextEncoderLoader | None = None,
+    ) -> "TextConditioner":
         """Load `text_encoder/` (layers 0..49, no final norm, no LM head), `tokenizer/` and `processor/` of an official
-        model root, offline."""
+        model root, offline; the text encoder from `text_encoder_loader(root)` instead when given (module docstring)."""
         from transformers import AutoConfig, AutoImageProcessor, Qwen2TokenizerFast, Qwen3VLModel
         from transformers.utils import is_torchvision_available
 
@@ -159,18 +202,22 @@ class TextConditioner(SerialDeviceOwner):
         total = config.text_config.num_hidden_layers
         if total <= TEXT_ENCODER_LAYER:
             raise VflashError(f"{root / 'text_encoder'}: {total} text layers; H3 needs more than {TEXT_ENCODER_LAYER}")
-        config.text_config.num_hidden_layers = TEXT_ENCODER_LAYER
-        logger.info("text encoder: loading %d of %d Qwen3-VL text layers in %s (no final norm, no LM head)", TEXT_ENCODER_LAYER, total, dtype)
-        # Weights of the dropped layers and the LM head stay on disk; transformers reports them as unused, as expected.
-        from transformers.utils import logging as hf_logging
+        if text_encoder_loader is not None:
+            logger.info("text encoder: from the caller's loader, trimmed to %d of %d Qwen3-VL text layers in %s", TEXT_ENCODER_LAYER, total, dtype)
+            model = _loaded_text_encoder(text_encoder_loader, root, config, dtype)
+        else:
+            config.text_config.num_hidden_layers = TEXT_ENCODER_LAYER
+            logger.info("text encoder: loading %d of %d Qwen3-VL text layers in %s (no final norm, no LM head)", TEXT_ENCODER_LAYER, total, dtype)
+            # Weights of the dropped layers and the LM head stay on disk; transformers reports them as unused, as expected.
+            from transformers.utils import logging as hf_logging
 
-        previous = hf_logging.get_verbosity()
-        hf_logging.set_verbosity_error()
-        try:
-            model = Qwen3VLModel.from_pretrained(root / "text_encoder", config=config, dtype=dtype, local_files_only=True)
-            model.language_model.norm = torch.nn.Identity()
-        finally:
-            hf_logging.set_verbosity(previous)
+            previous = hf_logging.get_verbosity()
+            hf_logging.set_verbosity_error()
+            try:
+                model = Qwen3VLModel.from_pretrained(root / "text_encoder", config=config, dtype=dtype, local_files_only=True)
+                model.language_model.norm = torch.nn.Identity()
+            finally:
+                hf_logging.set_verbosity(previous)
         tokenizer = Qwen2TokenizerFast.from_pretrained(root / "tokenizer", local_files_only=True)
         image_processor = AutoImageProcessor.from_pretrained(root / "processor", local_files_only=True)
         video_processor = None

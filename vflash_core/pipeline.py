@@ -50,7 +50,7 @@ import PIL.Image
 import torch
 
 from .bundle import BundleHandoff, EncodedReference, build_keyframe_bundle, build_ref2va_bundle
-from .conditioning import TEXT_ENCODER_LAYER, TextConditioner
+from .conditioning import TEXT_ENCODER_LAYER, TextConditioner, TextEncoderLoader
 from .config import H3Config
 from .errors import IdentityMismatchError, RequestError, RunFailedError, SessionClosedError, VflashError
 from .formats import PIPELINE_FORMAT
@@ -62,7 +62,7 @@ from .model_loading import MODEL_LOAD_LOCK
 from .options import RunOptions
 from .profiles import Profile, check_identity, get_profile
 from .references import CanvasRules, fit_keyframes, load_image, load_reference, normalize_references
-from .session import GenerationResult, NativeEngineSession, SessionTiming
+from .session import BlockLoader, GenerationResult, NativeDenoiserLoader, NativeEngineSession, SessionTiming, check_loader_hooks
 from .vae import DecodedMedia, MediaVAEs
 from .vae_decode import DEFAULT_WINDOWS_PER_CALL
 from .validation import (
@@ -465,9 +465,24 @@ class H3Pipeline:
         self.initialization_seconds = 0.0  # set by prepare(); a pipeline composed from loaded parts has none
 
     @classmethod
-    def from_prepared(cls, prepared_assets: str | Path | PreparedAssets, options: RunOptions | None = None) -> "H3Pipeline":
+    def from_prepared(
+        cls,
+        prepared_assets: str | Path | PreparedAssets,
+        options: RunOptions | None = None,
+        *,
+        text_encoder_loader: TextEncoderLoader | None = None,
+        native_denoiser_loader: NativeDenoiserLoader | None = None,
+        block_loader: BlockLoader | None = None,
+    ) -> "H3Pipeline":
         """A pipeline over prepared assets that loads nothing until `prepare()` or the first request. The devices
         (present on this machine, of the profile's architecture) and the attention backend are checked now.
+
+        Trusted loader hooks (Python callables, code rather than options, so never read from a file, a command line
+        or a request): `text_encoder_loader(model_root)` returns the CPU Qwen3-VL model the conditioner then trims,
+        offloads and releases (`conditioning.TextConditioner.from_pretrained`); `native_denoiser_loader` and
+        `block_loader` load the core's resident weights (`session.NativeEngineSession`). What a hook raises
+        propagates from `prepare()` (or the first request) after the parts loaded before it are released; the
+        pipeline stays open, and the next `prepare()` calls the loaders again.
 
         `options.encoder_residency`: on a GPU, "offload" (default) hands the device back after the text encoder's and
         the VAEs' stages, leaving it to the core; "resident" keeps them there, which saves their host-device copies
@@ -479,31 +494,45 @@ class H3Pipeline:
         """
         options = options or RunOptions()
         assets = prepared_assets if isinstance(prepared_assets, PreparedAssets) else PreparedAssets.load(prepared_assets)
-        primary, peer = options.check_devices(assets.profile.arch)
+        primary, peer = options.check_devices(assets.profile.arch, assets.profile.fp8 is not None)
+        if text_encoder_loader is not None and not callable(text_encoder_loader):
+            raise VflashError(f"text_encoder_loader must be a Python callable, got {type(text_encoder_loader).__name__}")
+        core_hooks = check_loader_hooks(native_denoiser_loader, block_loader, options.strategy, 1 + (peer is not None))
+        # The core's loader hooks load resident blocks: the plan places them so unless told otherwise (then refused).
+        weight_residency = "resident" if core_hooks and options.weight_residency == "auto" else options.weight_residency
 
         def load(progress: PipelineProgress | None) -> tuple[TextConditioner, MediaVAEs, NativeEngineSession]:
             layers = int(assets.record["transformer"]["num_layers"])
             total = 2 + layers
-            conditioner = TextConditioner.from_pretrained(assets.model_root, primary)
-            if progress:
-                progress("load", 1, total)
-            vaes = MediaVAEs.from_pretrained(assets.decoder_root, primary)
-            if progress:
-                progress("load", 2, total)
-            if options.verify_weights:
-                from .artifact import CompiledArtifact
+            loaded: list[TextConditioner | MediaVAEs] = []
+            try:
+                conditioner = TextConditioner.from_pretrained(assets.model_root, primary, text_encoder_loader=text_encoder_loader)
+                loaded.append(conditioner)
+                if progress:
+                    progress("load", 1, total)
+                vaes = MediaVAEs.from_pretrained(assets.decoder_root, primary)
+                loaded.append(vaes)
+                if progress:
+                    progress("load", 2, total)
+                if options.verify_weights:
+                    from .artifact import CompiledArtifact
 
-                CompiledArtifact(**assets.session_paths()).verify()
-            plan = _plan_memory(options, assets, conditioner, vaes, [primary] + ([peer] if peer is not None else []))
-            if plan is None:  # the CPU without a cap: everything stays in host memory
-                conditioner.keep_on_device = vaes.keep_on_device = options.encoder_residency == "resident"
-            else:
-                plan.place(conditioner, vaes)
-            session = NativeEngineSession(
-                assets.profile, **assets.session_paths(), device=primary, peer_device=peer, strategy=options.strategy,
-                weight_residency=options.weight_residency, attention_backend=options.attention_backend,
-                on_load_progress=None if progress is None else (lambda done, n: progress("load", 2 + done, total)), plan=plan,
-            )
+                    CompiledArtifact(**assets.session_paths()).verify()
+                plan = _plan_memory(options, weight_residency, assets, conditioner, vaes, [primary] + ([peer] if peer is not None else []))
+                if plan is None:  # the CPU without a cap: everything stays in host memory
+                    conditioner.keep_on_device = vaes.keep_on_device = options.encoder_residency == "resident"
+                else:
+                    plan.place(conditioner, vaes)
+                session = NativeEngineSession(
+                    assets.profile, **assets.session_paths(), device=primary, peer_device=peer, strategy=options.strategy,
+                    weight_residency=weight_residency, attention_backend=options.attention_backend,
+                    on_load_progress=None if progress is None else (lambda done, n: progress("load", 2 + done, total)), plan=plan,
+                    native_denoiser_loader=native_denoiser_loader, block_loader=block_loader,
+                )
+            except BaseException:
+                for part in loaded:  # a failed load (a loader hook's exception included) keeps nothing
+                    part.close()
+                raise
             conditioner.materialize()  # read the (memory-mapped) weights now, not inside the first request
             vaes.materialize()
             return conditioner, vaes, session
@@ -714,7 +743,9 @@ class H3Pipeline:
         )
 
 
-def _plan_memory(options: RunOptions, assets: PreparedAssets, conditioner: TextConditioner, vaes: MediaVAEs, devices: list[torch.device]) -> MemoryPlan | None:
+def _plan_memory(
+    options: RunOptions, weight_residency: str, assets: PreparedAssets, conditioner: TextConditioner, vaes: MediaVAEs, devices: list[torch.device],
+) -> MemoryPlan | None:
     """The pipeline's memory plan from the loaded parts' sizes (None on the CPU without a cap)."""
     cap = cap_bytes(options.max_device_memory)
     if devices[0].type != "cuda" and cap is None:
@@ -724,5 +755,5 @@ def _plan_memory(options: RunOptions, assets: PreparedAssets, conditioner: TextC
     compiled = CompiledArtifact(**assets.session_paths())
     return plan_memory(
         PartSizes.of(compiled, conditioner, vaes), largest_request(assets.profile, compiled.config, conditioner, vaes, assets.canvas), devices, cap,
-        options.weight_residency, options.encoder_residency,
+        weight_residency, options.encoder_residency,
     )

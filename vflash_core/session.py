@@ -161,7 +161,7 @@ class NativeEngineSession:
             raise VflashError(f"weight_residency must be one of {', '.join(WEIGHT_RESIDENCIES)}, got {weight_residency!r}")
         if plan is not None and max_device_memory is not None:
             raise VflashError("a session given a memory plan takes its cap from the plan; leave max_device_memory out")
-        hooks = _check_hooks(native_denoiser_loader, block_loader, self.strategy, len(self.devices))
+        hooks = check_loader_hooks(native_denoiser_loader, block_loader, self.strategy, len(self.devices))
         if hooks and weight_residency == "auto":
             weight_residency = "resident"
         self.compiled = CompiledArtifact(artifact, schedule_overlay, auxiliary)
@@ -484,7 +484,7 @@ class NativeEngineSession:
         return self._denoisers[0].finish(bundle, video, audio)
 
 
-def _check_hooks(native_denoiser_loader: object, block_loader: object, strategy: str | None, devices: int) -> list[str]:
+def check_loader_hooks(native_denoiser_loader: object, block_loader: object, strategy: str | None, devices: int) -> list[str]:
     """The names of the loader hooks given, after checking they are callables used where they can be."""
     given = [name for name, hook in (("native_denoiser_loader", native_denoiser_loader), ("block_loader", block_loader)) if hook is not None]
     for name, hook in (("native_denoiser_loader", native_denoiser_loader), ("block_loader", block_loader)):
