@@ -22,6 +22,7 @@ from vflash_core import Geometry, build_keyframe_bundle, synthetic
 from vflash_core.bundle import ConditioningBundle
 from vflash_core.compiler import compile_receipt, prepare
 from vflash_core.config import H3Config
+from vflash_core.profiles import Profile
 
 ROOT = Path(__file__).resolve().parent.parent
 # VFLASH_RESULTS redirects result files (a long run on a device machine keeps them outside the synced tree).
@@ -60,25 +61,31 @@ def full_width(num_layers: int) -> H3Config:
     return replace(H3Config.preset("h3"), num_layers=num_layers)
 
 
-def compiled_model(cache: Path, num_layers: int, device: str = "cuda:0") -> tuple[Path, dict[str, Path]]:
-    """(diffusers transformer folder, compiled paths) of a full-width random model; built once per cache folder."""
-    root = cache / f"h3-{num_layers}-blocks"
+def compiled_model(
+    cache: Path, num_layers: int, device: str = "cuda:0", profile: Profile | str = PROFILE, config: H3Config | None = None,
+) -> tuple[Path, dict[str, Path]]:
+    """(diffusers transformer folder, compiled paths) of a random model, full width unless `config` says otherwise,
+    compiled for `profile` (default `PROFILE`); the weights are written once per cache folder, each profile's compile
+    once beside them, so several profiles compile the same weights."""
+    config = config or full_width(num_layers)
+    root = cache / (f"h3-{num_layers}-blocks" if config == full_width(num_layers) else f"h3-{config.hidden_size}-wide-{num_layers}-blocks")
+    profile_id = profile if isinstance(profile, str) else profile.id
+    suffix = "" if profile_id == PROFILE else f"-{profile_id}"
     folder = root / "transformer"
-    out = root / "compiled"
+    out = root / f"compiled{suffix}"
     if not out.exists():
-        config = full_width(num_layers)
         if not folder.exists():
             synthetic.write_diffusers_transformer(folder, config, synthetic.random_internal_weights(config, seed=0, device=device), max_shard_bytes=4 << 30)
-        receipt = root / "receipt.json"
+        receipt = root / f"receipt{suffix}.json"
         if not receipt.exists():
-            prepare(PROFILE, folder, receipt)
+            prepare(profile, folder, receipt)
         compile_receipt(receipt, out, device)
     return folder, {"artifact": out / "artifact", "schedule_overlay": out / "schedule", "auxiliary": out / "auxiliary.safetensors"}
 
 
 def request(config: H3Config, shape: str, seconds: float = 5.0, seed: int = 0) -> ConditioningBundle:
-    """A t2va request with the real packing rules: 512 text rows, the canvas of `shape`, `seconds` of clip."""
-    height, width = SHAPES[shape]
+    """A t2va request with the real packing rules: 512 text rows, the canvas `shape` ("WIDTHxHEIGHT"), `seconds` of clip."""
+    width, height = (int(v) for v in shape.split("x"))
     frames = {5.0: 124, 10.0: 243, 15.0: 345}[seconds]
     g = torch.Generator().manual_seed(seed)
     embeds = torch.randn(TEXT_ROWS, config.text_dim, generator=g).to(torch.bfloat16)

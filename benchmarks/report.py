@@ -4,7 +4,8 @@
 
 Each table is generated from `benchmarks/results/*.json`; the prose around them states how they were measured. Run
 it after fetching new results so the README never disagrees with the JSON. The repository README's "what fits where"
-table (between its `what-fits-where` markers) is filled from `memory_caps_h200.json` too.
+table (between its `what-fits-where` markers) is filled from `memory_caps_h200.json` too, and its FP8 figures (between
+its `fp8-figures` markers) from `fp8_h200.json`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 OUT = Path(__file__).resolve().parent / "README.md"
 REPO_README = Path(__file__).resolve().parent.parent / "README.md"
 FITS_START, FITS_END = "<!-- what-fits-where: filled by benchmarks/report.py -->", "<!-- /what-fits-where -->"
+FP8_START, FP8_END = "<!-- fp8-figures: filled by benchmarks/report.py -->", "<!-- /fp8-figures -->"
 
 
 def _load(name: str) -> dict | None:
@@ -132,11 +134,39 @@ def what_fits(data: dict) -> str:
     ])
 
 
-def fill_repo_readme(data: dict) -> None:
-    """Replace the table between the repository README's `what-fits-where` markers."""
+def fp8_figures(data: dict) -> str:
+    """Exact vs the approximate FP8 executions per canvas: ms per block, speedups, and the error of each."""
+    rows = []
+    for r in data["records"]:
+        ms, error = r["ms_per_block"], r["error"]
+        row = {"canvas": r["canvas"], "N": r["N"], "exact": ms["exact"], "fp8_linear": ms["fp8_linear"], "speedup_linear": r["speedup_fp8_linear"],
+               "fp8_both": ms.get("fp8_linear_attention"), "speedup_both": r["speedup_fp8_linear_attention"]}
+        for name, key in (("fp8_linear", "linear"), ("fp8_linear_attention", "both")):
+            if name in error:
+                row[f"rel_l2_{key}"] = max(e["video_velocity_rel_l2"] for e in error[name]["per_evaluation"])
+                row[f"psnr_{key}"] = error[name]["latent_psnr_db"]
+        rows.append(row)
+    targets = "; ".join(f"{k} {t['bound']}{' at ' + t['canvas'] if t.get('canvas') else ''}: {t['value']} ({'met' if t['met'] else 'not met'})" for k, t in data["targets"].items())
+    skipped = "".join(f" FP8 attention not measured: {reason}." for reason in data["attention"]["skipped"].values())
+    return "\n".join([
+        f"Measured by `benchmarks/fp8.py` ({_source(data)}) on the full-width random model, {data['evaluations']}-evaluation trajectories "
+        f"(`{data['profiles']['exact']}` vs `{data['profiles']['fp8']}`, {data['fp8_execution']}). Velocity error: the largest relative L2 "
+        "over the evaluations, each FP8 evaluation on the exact trajectory's inputs; PSNR: final video latents of each whole trajectory "
+        f"against the exact one. Weights on the device: {data['fp8_block_fraction']:.1%} of BF16 per block, {data['fp8_weight_fraction']:.1%} for "
+        f"the 50-block model with its BF16 auxiliary tensors.{skipped} Targets: {targets}.",
+        "",
+        _table(rows, [("canvas", "canvas (5 s)"), ("N", "N"), ("exact", "exact ms/block"), ("fp8_linear", "FP8 linear ms/block"), ("speedup_linear", "speedup"),
+                      ("rel_l2_linear", "velocity rel L2"), ("psnr_linear", "latent PSNR dB"), ("fp8_both", "FP8 linear + attention ms/block"),
+                      ("speedup_both", "speedup"), ("rel_l2_both", "velocity rel L2"), ("psnr_both", "latent PSNR dB")]),
+        "",
+    ])
+
+
+def fill_repo_readme(data: dict, start_marker: str = FITS_START, end_marker: str = FITS_END, render_table=what_fits) -> None:
+    """Replace the text between a pair of the repository README's markers with `render_table(data)`."""
     text = REPO_README.read_text()
-    start, end = text.index(FITS_START) + len(FITS_START), text.index(FITS_END)
-    REPO_README.write_text(text[:start] + "\n" + what_fits(data) + "\n" + text[end:])
+    start, end = text.index(start_marker) + len(start_marker), text.index(end_marker)
+    REPO_README.write_text(text[:start] + "\n" + render_table(data) + "\n" + text[end:])
 
 
 def render() -> str:
@@ -193,6 +223,9 @@ def render() -> str:
     caps = _load("memory_caps_h200")
     if caps:
         parts += ["## What fits where: each stage under device memory caps (`benchmarks/memory_caps.py`)", "", what_fits(caps)]
+    fp8 = _load("fp8_h200")
+    if fp8:
+        parts += ["## Approximate FP8 execution vs exact (`benchmarks/fp8.py`)", "", fp8_figures(fp8)]
     two = _load("two_gpu_2xh200")
     if two:
         parts += [
@@ -221,3 +254,7 @@ if __name__ == "__main__":
     if caps_data:
         fill_repo_readme(caps_data)
         print(f"filled the what-fits-where table of {REPO_README}")
+    fp8_data = _load("fp8_h200")
+    if fp8_data:
+        fill_repo_readme(fp8_data, FP8_START, FP8_END, fp8_figures)
+        print(f"filled the FP8 figures of {REPO_README}")
