@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_bitwise, compile_tiny
+from dataclasses import replace
+
+from conftest import TINY, assert_bitwise, compile_tiny
 from test_schedule_layout_bundle import _bundle
 
 from vflash_core import fp8
@@ -221,8 +223,6 @@ def test_fused_execution_picks_the_fused_fp8_operations(tiny_fp8_compiled):
 def test_w8a8_profile_is_refused_off_sm90_and_uses_the_triton_quantizer(tmp_path, tiny_transformer, monkeypatch):
     """A w8a8 profile's session on the CPU is refused when it loads (no fallback to weight-only); where w8a8 runs,
     the fused execution quantizes with the Triton kernels and the reference execution with torch."""
-    from dataclasses import replace
-
     profile = replace(get_profile(FP8_CPU), id="t2va-base4-w8a8-cpu-test", fp8="w8a8")
     paths = compile_tiny(tmp_path, tiny_transformer, profile)
     with pytest.raises(VflashError, match="FP8 w8a8 execution needs an SM90 or SM120 CUDA device; cpu is not a CUDA device"):
@@ -232,3 +232,92 @@ def test_w8a8_profile_is_refused_off_sm90_and_uses_the_triton_quantizer(tmp_path
         with NativeEngineSession(profile, **paths, execution=execution) as session:
             ops = session._denoisers[0].ops
             assert type(ops) is kind and ops.fp8.mode == "w8a8" and ops.fp8.activation_quantizer == quantizer
+
+
+# -- GPU (SM90): FP8 sessions on the device ------------------------------------------------------------------------
+
+# The tiny model with linear widths that are multiples of 16 (what torch._scaled_mm takes on CUDA); its bundle layout
+# (text width, patch and channels) is the tiny model's, so `_bundle` requests run on it.
+GPU_FP8_CONFIG = replace(TINY, hidden_size=64, attention_head_dim=32, ffn_dim=96, rope_freq_dim=4, time_embed_hidden_dim=64)
+
+
+@pytest.fixture(scope="module")
+def gpu_fp8(tmp_path_factory):
+    """The same random weights compiled on the GPU for the exact and the FP8 Base16 SM90 profiles."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability(0) != (9, 0):
+        pytest.skip("needs an SM90 GPU for the sm90 profiles")
+    from vflash_core import synthetic
+
+    tmp = tmp_path_factory.mktemp("gpu-fp8")
+    weights = synthetic.random_internal_weights(GPU_FP8_CONFIG, seed=3, dtype=torch.bfloat16)
+    folder = synthetic.write_diffusers_transformer(tmp / "transformer", GPU_FP8_CONFIG, weights)
+    compiled = {}
+    for profile in ("t2va-base16-bf16-sm90", "t2va-base16-fp8-sm90"):
+        (tmp / profile).mkdir()
+        compiled[profile] = compile_tiny(tmp / profile, folder, profile, device="cuda:0")
+    return compiled
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["torch-cudnn", "auto"])
+def test_fp8_fused_equals_reference_on_gpu(gpu_fp8, attention):
+    """w8a8 on the H200: the fused execution (Triton quantizers inside RMSNorm + modulation and SwiGLU, alone after
+    attention) equals the reference execution (torch ops, torch quantizer) bit for bit, as the exact path does."""
+    paths = gpu_fp8["t2va-base16-fp8-sm90"]
+    with NativeEngineSession("t2va-base16-fp8-sm90", **paths, device="cuda:0", execution="reference", attention_backend=attention) as ref:
+        expected = ref.generate(_bundle(1))
+    with NativeEngineSession("t2va-base16-fp8-sm90", **paths, device="cuda:0", execution="fused", attention_backend=attention) as fused:
+        assert isinstance(fused._denoisers[0].ops, fp8.FusedRowFP8Ops) and fused._denoisers[0].ops.fp8.activation_quantizer == "triton"
+        got = fused.generate(_bundle(1))
+    assert got.metadata["fp8"] == "w8a8"
+    assert_bitwise(got.video_latents, expected.video_latents, f"video latents ({got.metadata['attention_backend']})")
+    assert_bitwise(got.audio_latents, expected.audio_latents, "audio latents")
+
+
+@pytest.mark.gpu
+def test_fp8_block_ring_equals_resident_on_gpu(gpu_fp8):
+    paths = gpu_fp8["t2va-base16-fp8-sm90"]
+    with NativeEngineSession("t2va-base16-fp8-sm90", **paths, device="cuda:0", weight_residency="resident") as resident:
+        expected = resident.generate(_bundle(2))
+        resident_bytes = resident._denoisers[0].blocks.device_weight_bytes
+    with NativeEngineSession("t2va-base16-fp8-sm90", **paths, device="cuda:0", weight_residency="block-ring") as ring:
+        got = ring.generate(_bundle(2))
+    assert_bitwise(got.video_latents, expected.video_latents, "block ring vs resident")
+    with NativeEngineSession("t2va-base16-bf16-sm90", **gpu_fp8["t2va-base16-bf16-sm90"], device="cuda:0", weight_residency="resident") as exact:
+        exact_bytes = exact._denoisers[0].blocks.device_weight_bytes
+    print(f"FP8 / BF16 resident block bytes: {resident_bytes / exact_bytes:.3f}")
+    assert resident_bytes < 0.6 * exact_bytes
+
+
+@pytest.mark.gpu
+def test_fp8_error_against_exact_on_gpu(gpu_fp8):
+    """The same request through the exact and the FP8 profile (and with fa3-fp8 where it runs): the relative L2 of the
+    final latents is printed; FP8 stays close to exact on these random weights."""
+    with NativeEngineSession("t2va-base16-bf16-sm90", **gpu_fp8["t2va-base16-bf16-sm90"], device="cuda:0") as exact:
+        expected = exact.generate(_bundle(3))
+    paths = gpu_fp8["t2va-base16-fp8-sm90"]
+    backends = ["auto"]
+    try:
+        from vflash_core.attention import resolve_attention
+
+        resolve_attention("fa3-fp8", torch.device("cuda:0"), approximate_allowed=True)
+        backends.append("fa3-fp8")
+    except VflashError as exc:
+        print(f"fa3-fp8 not measured: {exc}")
+    for backend in backends:
+        with NativeEngineSession("t2va-base16-fp8-sm90", **paths, device="cuda:0", attention_backend=backend) as session:
+            got = session.generate(_bundle(3))
+        relative = ((got.video_latents - expected.video_latents).norm() / expected.video_latents.norm()).item()
+        print(f"t2va-base16-fp8-sm90 ({got.metadata['attention_backend']}) vs exact, final video latents: relative L2 {relative:.4f}")
+        assert relative < 0.1
+
+
+@pytest.mark.multigpu
+def test_fp8_sequence_head_equals_one_gpu(gpu_fp8):
+    paths = gpu_fp8["t2va-base16-fp8-sm90"]
+    with NativeEngineSession("t2va-base16-fp8-sm90", **paths, device="cuda:0") as single:
+        expected = single.generate(_bundle(4))
+    with NativeEngineSession("t2va-base16-fp8-sm90", **paths, device="cuda:0", peer_device=1, strategy="sequence-head") as group:
+        got = group.generate(_bundle(4))
+    assert_bitwise(got.video_latents, expected.video_latents, "sequence-head vs one GPU")
+    assert_bitwise(got.audio_latents, expected.audio_latents, "sequence-head vs one GPU (audio)")
