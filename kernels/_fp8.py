@@ -15,10 +15,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-#: The largest finite `float8_e4m3fn` value: a row's absmax maps to it.
-E4M3_MAX = 448.0
-
-
 @triton.jit
 def _maximum(a, b):
     return tl.maximum(a, b)

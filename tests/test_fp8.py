@@ -230,7 +230,7 @@ def test_w8a8_takes_quantized_rows_with_or_without_values(request, op, cpu_is_sm
     x_codes, x_scales, _ = op.quantize_rows(x)
     assert_bitwise(execution.linear(fp8.QuantizedRows(x_codes, x_scales, x), codes, scales, loras), expected, "quantized rows")
     assert_bitwise(execution.linear(fp8.QuantizedRows(x_codes, x_scales, None), codes, scales), execution.linear(x, codes, scales), "without LoRA")
-    with pytest.raises(VflashError, match="LoRA residual needs the BF16 input"):
+    with pytest.raises(VflashError, match="LoRA residuals read the BF16 input"):
         execution.linear(fp8.QuantizedRows(x_codes, x_scales, None), codes, scales, loras)
 
 

@@ -149,6 +149,7 @@ class RowFP8Execution:
         self._devices.add(device)
 
     def quantize_kernels(self) -> ModuleType:
+        """The Triton quantizers (`vflash_kernels.fp8_quantize`), imported on first use."""
         if self.kernels is None:
             from ._imports import vflash_kernels
 
@@ -174,9 +175,9 @@ class RowFP8Execution:
         rows = x if isinstance(x, QuantizedRows) else None
         value = rows.value if rows is not None else x
         self.check_device(codes.device)
+        if value is None and (loras or self.mode == "weight-only"):
+            raise VflashError("weight-only FP8 and LoRA residuals read the BF16 input of the linear; quantized rows without it were given")
         if self.mode == "weight-only":
-            if value is None:
-                raise VflashError("weight-only FP8 multiplies BF16 activations; quantized rows without their BF16 value were given")
             y = F.linear(value, dequantize_rows(codes, scales, torch.bfloat16))
         else:
             if rows is None:
@@ -186,8 +187,6 @@ class RowFP8Execution:
                 rows.codes.reshape(-1, codes.shape[1]), codes.t(), scale_a=rows.scales.reshape(-1, 1), scale_b=scales.view(1, -1),
                 out_dtype=torch.bfloat16, use_fast_accum=self.fast_accum,
             ).view(*lead, codes.shape[0])
-        if loras and value is None:
-            raise VflashError("a LoRA residual needs the BF16 input of its linear; it was not kept with the quantized rows")
         return M.add_lora_residuals(y, value, loras)
 
 
