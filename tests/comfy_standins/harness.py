@@ -144,6 +144,11 @@ def uninstall() -> None:
     for name in list(sys.modules):
         if name == PACK_MODULE or name.startswith(PACK_MODULE + ".") or name.split(".")[0] in _STANDIN_MODULES or name in _COMFY_BOUND:
             del sys.modules[name]
+    # `from . import generation` takes the package's attribute when it exists, so the attributes go with the modules.
+    package = sys.modules.get("vflash_nodes")
+    for name in _COMFY_BOUND:
+        with contextlib.suppress(AttributeError):
+            delattr(package, name.rpartition(".")[2])
     if str(HERE) in sys.path:
         sys.path.remove(str(HERE))
 
