@@ -1,11 +1,12 @@
 """The native video decode (`vflash_core.vae_decode`) against diffusers' `AutoencoderKLMiniMaxH3.decode`, unmodified,
 bit for bit: the demo family's VAE (2 blocks, 32 wide) loaded as the pipeline loads it, in fp32 and in bf16 with
 diffusers' fp32 pins, at the released tile geometry (256 px tiles, so latents above 16 x 16 tile) and with smaller
-tiles for many-tile and padding cases."""
+tiles for many-tile and padding cases; split over two devices (two CPU "devices" here, two GPUs under `multigpu`)
+against one."""
 
 from __future__ import annotations
 
-from dataclasses import fields
+import threading
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from conftest import assert_bitwise
 from vflash_core import vae_decode
 from vflash_core.errors import VflashError
 from vflash_core.vae import MediaVAEs
-from vflash_core.vae_decode import BlockWeights, DecodeGeometry, DecoderWeights, NativeVideoDecoder, split_tiles
+from vflash_core.vae_decode import DecodeGeometry, DecoderWeights, NativeVideoDecoder, split_calls, split_tiles
 
 # 17 latent frames make 3 temporal windows; 20 x 24 latents are 320 x 384 px: 2 x 2 tiles of 256 px.
 RELEASED_TILING_LATENTS = (1, 8, 17, 20, 24)
@@ -63,21 +64,6 @@ def small_tiles(media):
         vaes.video_vae.enable_tiling(256, 256, 64, 64)
 
 
-def cloned(weights: DecoderWeights) -> DecoderWeights:
-    """A copy of every tensor (what a second device holds), on the same device."""
-
-    def copy(value):
-        if isinstance(value, torch.Tensor):
-            return value.clone()
-        if isinstance(value, tuple):
-            return tuple(copy(v) for v in value)
-        if isinstance(value, BlockWeights):
-            return BlockWeights(**{f.name: copy(getattr(value, f.name)) for f in fields(value)})
-        return value
-
-    return DecoderWeights(**{f.name: copy(getattr(weights, f.name)) for f in fields(weights)})
-
-
 # -- geometry ---------------------------------------------------------------------------------------------------------
 
 
@@ -115,32 +101,91 @@ def test_released_tiling_bitwise(media, released_tiling_reference, dtype, window
     assert_bitwise(decoder.decode(z), expected, f"{dtype} windows_per_call={windows_per_call}")
 
 
+def recorded_calls(patch: pytest.MonkeyPatch) -> list[tuple[DecoderWeights, bool, int]]:
+    """Every ViT call from now on: (the weights it ran on, whether on the calling thread, its tile-windows)."""
+    calls = []
+    original = vae_decode.decode_tile_windows
+
+    def recording(w, latents, *args):
+        calls.append((w, threading.current_thread() is threading.main_thread(), latents.shape[0]))
+        return original(w, latents, *args)
+
+    patch.setattr(vae_decode, "decode_tile_windows", recording)
+    return calls
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_many_tiles_padding_and_two_devices_bitwise(media, small_tiles, dtype):
     """4 x 4 tiles, 13 latent frames (3 windows, the last ending on repeated latents whose frames are cut), calls of 7
-    tile-windows that straddle windows, spread over two devices with their own weight copies: all equal to diffusers.
-    Both devices are the CPU here, which exercises the assignment and the merge."""
+    tile-windows that straddle windows; then the same calls split between two devices, the second on a replica of the
+    weights driven by a thread of its own, its tiles staged on the host and gathered on the first: all equal to
+    diffusers and the split equal to one device. Both devices are the CPU here, which runs the two-GPU code: the
+    replica, the split, the peer's thread, the staging and the gather."""
     vae = media[dtype].video_vae
     z = latents((1, 8, 13, 9, 10), seed=1)
     expected = reference(vae, z)
-    own = DecoderWeights.from_vae(vae)
-    geometry = DecodeGeometry.from_vae(vae)
-    assert_bitwise(NativeVideoDecoder(geometry, [own], windows_per_call=7).decode(z), expected, "one device")
+    one = NativeVideoDecoder.from_vae(vae, windows_per_call=7).decode(z)
+    assert_bitwise(one, expected, "one device")
 
-    used = []
+    two = NativeVideoDecoder.from_vae(vae, devices=["cpu", "cpu"], windows_per_call=7)
+    own, replica = two.weights
+    assert own.blocks[0].to_q is vae.decoder.transformer_blocks[0].attn.to_q.weight
+    assert replica.blocks[0].to_q is not own.blocks[0].to_q and torch.equal(replica.blocks[0].to_q, own.blocks[0].to_q)
+    with pytest.MonkeyPatch.context() as patch:
+        calls = recorded_calls(patch)
+        got = two.decode(z)
+    assert_bitwise(got, one, "two devices against one")
+    assert_bitwise(got, expected, "two devices")
+    # 48 tile-windows in calls of 7 (the last of 6): the first 3 calls on the first device and the calling thread,
+    # the last 4 on the replica and the peer's thread.
+    assert sorted((w is replica, on_caller, count) for w, on_caller, count in calls) == [(False, True, 7)] * 3 + [(True, False, 6)] + [(True, False, 7)] * 3
+
+
+def test_split_calls_is_contiguous_and_even():
+    calls = [[vae_decode.TileWindow(i, 0, 0)] for i in range(7)]
+    assert [len(part) for part in split_calls(calls, 2)] == [3, 4]
+    assert [len(part) for part in split_calls(calls, 3)] == [2, 2, 3]
+    assert [len(part) for part in split_calls(calls[:1], 2)] == [0, 1]
+    assert [call for part in split_calls(calls, 3) for call in part] == calls
+
+
+def test_peer_failure_is_raised_by_the_decode(media, small_tiles):
+    """An error on the peer's thread ends the decode with that error, the thread finished."""
+    vae = media[torch.float32].video_vae
+    two = NativeVideoDecoder.from_vae(vae, devices=["cpu", "cpu"], windows_per_call=7)
+    replica = two.weights[1]
     original = vae_decode.decode_tile_windows
 
-    def recording(w, *args):
-        used.append(w)
+    def failing_on_the_peer(w, *args):
+        if w is replica:
+            raise RuntimeError("peer device lost")
         return original(w, *args)
 
-    two = NativeVideoDecoder(geometry, [own, cloned(own)], windows_per_call=7)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(vae_decode, "decode_tile_windows", recording)
-        assert_bitwise(two.decode(z), expected, "two devices")
-    # 48 tile-windows in calls of 7: 7 calls, alternating, the second device on its own copy of the weights.
-    assert [w is own for w in used] == [True, False] * 3 + [True]
-    assert used[1].blocks[0].to_q is not own.blocks[0].to_q
+        patch.setattr(vae_decode, "decode_tile_windows", failing_on_the_peer)
+        with pytest.raises(RuntimeError, match="peer device lost"):
+            two.decode(latents((1, 8, 13, 9, 10), seed=1))
+    assert [t for t in threading.enumerate() if t.name.startswith("vae-decode-device-")] == []
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_two_gpus_bitwise_equal_to_one(vae_root, dtype):
+    """The decode split over cuda:0 and cuda:1 gives one GPU's pixels bit for bit (4 x 4 tiles, 3 windows, calls of 7
+    and of the default 8); through `MediaVAEs` with a peer device too."""
+    vaes = MediaVAEs.from_pretrained(vae_root, "cuda:0", dtype=dtype, video_decoder="native")
+    vae = vaes.video_vae.to("cuda:0")
+    vae.enable_tiling(*SMALL_TILES)
+    z = latents((1, 8, 13, 9, 10), seed=1).to("cuda:0")
+    for windows_per_call in (7, 8):
+        one = NativeVideoDecoder.from_vae(vae, windows_per_call=windows_per_call).decode(z)
+        two = NativeVideoDecoder.from_vae(vae, devices=["cuda:0", "cuda:1"], windows_per_call=windows_per_call).decode(z)
+        assert_bitwise(two, one, f"{dtype} windows_per_call={windows_per_call}")
+    vaes.audio_vae.to("cuda:0")
+    video, audio = latents((1, 8, 13, 9, 10), seed=2), latents((2, 8, 30), seed=3)
+    expected = vaes.decode(video, audio)
+    vaes.peer_device = torch.device("cuda:1")
+    assert_bitwise(vaes.decode(video, audio).frames, expected.frames, f"{dtype} MediaVAEs with a peer")
 
 
 @pytest.mark.parametrize("frames", range(3, 14))
@@ -242,11 +287,15 @@ def test_media_vaes_native_decode_is_the_default_decode(vae_root, dtype):
     256 px, 12 latent frames); the soundtrack is untouched."""
     default = MediaVAEs.from_pretrained(vae_root, dtype=dtype)
     native = MediaVAEs.from_pretrained(vae_root, dtype=dtype, video_decoder="native")
+    # With a peer (the CPU again) and 4 tile-windows in one call, the peer decodes it all and the first device gathers.
+    shared = MediaVAEs.from_pretrained(vae_root, dtype=dtype, video_decoder="native", peer_device="cpu")
     video = latents((1, 8, 12, 17, 5), seed=5)
     audio = latents((2, 8, 30), seed=6)
-    expected, got = default.decode(video, audio), native.decode(video, audio)
+    expected = default.decode(video, audio)
     assert expected.frames.shape == (39, 272, 80, 3)
-    assert_bitwise(got.frames, expected.frames, f"{dtype} frames")
-    assert_bitwise(got.waveform, expected.waveform, "waveform")
+    for name, vaes in (("native", native), ("native with a peer", shared)):
+        got = vaes.decode(video, audio)
+        assert_bitwise(got.frames, expected.frames, f"{dtype} {name} frames")
+        assert_bitwise(got.waveform, expected.waveform, f"{name} waveform")
     with pytest.raises(VflashError, match="video_decoder"):
         MediaVAEs.from_pretrained(vae_root, video_decoder="fast")

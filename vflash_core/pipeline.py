@@ -510,7 +510,7 @@ class H3Pipeline:
                 loaded.append(conditioner)
                 if progress:
                     progress("load", 1, total)
-                vaes = MediaVAEs.from_pretrained(assets.decoder_root, primary)
+                vaes = MediaVAEs.from_pretrained(assets.decoder_root, primary, peer_device=peer)
                 loaded.append(vaes)
                 if progress:
                     progress("load", 2, total)

@@ -9,7 +9,9 @@ default; the released frames are the blended-tile ones, and the tile geometry is
 at least 64 px overlap) and the model's temporal windowing, which decodes 7 latent frames at a time with cross-fades,
 so 10 s and 15 s clips fit — and maps ImageNet space back to [0, 1]. The mono audio VAE decodes the two stereo
 channels as two batch items. `video_decoder="native"` decodes the video with `vae_decode.NativeVideoDecoder` instead:
-the same frames bit for bit, several tile-windows per ViT call, each window's frames copied out as it completes.
+the same frames bit for bit, several tile-windows per ViT call, each window's frames copied out as it completes; with a
+`peer_device` it splits the tile-windows between the two devices (a replica of the decoder's weights on the peer for
+the decode's duration), the same frames again.
 """
 
 from __future__ import annotations
@@ -49,24 +51,29 @@ class DecodedMedia:
 class MediaVAEs(SerialDeviceOwner):
     """Owns `AutoencoderKLMiniMaxH3` (video) and `AutoencoderKLMiniMaxH3Audio` (audio, always fp32)."""
 
-    def __init__(self, video_vae, audio_vae, device: str | torch.device = "cpu", video_decoder: str = "diffusers"):
+    def __init__(
+        self, video_vae, audio_vae, device: str | torch.device = "cpu", video_decoder: str = "diffusers", peer_device: str | torch.device | None = None
+    ):
         if video_decoder not in VIDEO_DECODERS:
             raise VflashError(f"unknown video_decoder {video_decoder!r}; choose one of {', '.join(VIDEO_DECODERS)}")
         self.video_decoder = video_decoder
         self.video_vae = video_vae.eval()
         self.audio_vae = audio_vae.eval()
         self.device = torch.device(device)
+        self.peer_device = None if peer_device is None else torch.device(peer_device)
         if not self.video_vae.use_tiling:
             logger.warning("video VAE tiling is off; the released decodes are tiled, so frames will differ")
 
     @classmethod
     def from_pretrained(
-        cls, decoder_root: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, video_decoder: str = "diffusers"
+        cls, decoder_root: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, video_decoder: str = "diffusers",
+        peer_device: str | torch.device | None = None,
     ) -> "MediaVAEs":
         """Load `vae/` and `audio_vae/` from a decoder root (an official model root works), offline.
 
         `dtype` applies to the video VAE's decoder stack (its cast-sensitive modules stay fp32, as diffusers pins
-        them); default bf16 on CUDA, fp32 on the CPU. `video_decoder`: "diffusers" (its `decode`) or "native".
+        them); default bf16 on CUDA, fp32 on the CPU. `video_decoder`: "diffusers" (its `decode`) or "native";
+        `peer_device`: a second device the native decode shares its work with.
         """
         from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
 
@@ -74,7 +81,7 @@ class MediaVAEs(SerialDeviceOwner):
         device = torch.device(device)
         video = AutoencoderKLMiniMaxH3.from_pretrained(root / "vae", torch_dtype=dtype or default_dtype(device), local_files_only=True)
         audio = AutoencoderKLMiniMaxH3Audio.from_pretrained(root / "audio_vae", local_files_only=True)
-        return cls(video, audio, device, video_decoder)
+        return cls(video, audio, device, video_decoder, peer_device)
 
     # -- geometry -----------------------------------------------------------------------------------------------------
 
@@ -147,10 +154,12 @@ class MediaVAEs(SerialDeviceOwner):
         return video[0].permute(1, 2, 3, 0).cpu()
 
     def _decode_video_native(self, latents: torch.Tensor, pixel_mean: torch.Tensor, pixel_std: torch.Tensor) -> torch.Tensor:
-        """`decode_video` through `NativeVideoDecoder` on the module's current tensors: each window's frames are mapped
-        to [0, 1] on the device (the same elementwise ops per element as on the whole video) and copied to the host as
-        the window completes, so the video itself never occupies the device."""
-        decoder = NativeVideoDecoder.from_vae(self.video_vae)
+        """`decode_video` through `NativeVideoDecoder` on the module's current tensors (and their replica on the peer
+        device, made for this decode and released after it): each window's frames are mapped to [0, 1] on the device
+        (the same elementwise ops per element as on the whole video) and copied to the host as the window completes,
+        so the video itself never occupies the device."""
+        devices = () if self.peer_device is None else (latents.device, self.peer_device)
+        decoder = NativeVideoDecoder.from_vae(self.video_vae, devices)
         plan = decoder.plan(latents.shape)
         frames = torch.empty((plan.output_frames, plan.pixel_height, plan.pixel_width, 3), dtype=torch.float32)
 

@@ -28,16 +28,22 @@ What this module changes is only how the work is issued:
   row; attention is per batch item and head.
 * A window is stitched, cross-faded and handed to the sink as soon as its last tile is decoded, so device memory is
   bounded by the calls in flight, one window's tiles and clip, and the cross-fade frames, whatever the clip length.
-* Calls may be spread round robin over several devices, each with its own copy of the decoder weights; tiles come back
-  to the first device, where the stitching and blending run. One host thread drives every device: launches are
-  asynchronous, so while the host waits for a window's frames the calls already queued keep the devices busy.
+* With several devices (each with its own copy of the decoder weights), the calls are split into contiguous parts, one
+  per device, run concurrently: the first device's part on the calling thread, every other part on a host thread of
+  its own driving its own stream. A call's shape is the one it has on one device, so each device computes the tiles
+  one device would. Every tile comes back to the first device, which stitches and blends everything in the
+  one-device order: its own part first, then each other part's tiles, which wait in host memory meanwhile (so device
+  memory stays bounded on every device, whatever the clip length).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import queue
+import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from typing import NamedTuple
 
@@ -205,13 +211,13 @@ class DecodeGeometry:
 # -- weights ----------------------------------------------------------------------------------------------------------
 
 
-def _moved(value: object, device: torch.device) -> object:
+def _moved(value: object, device: torch.device, copy: bool) -> object:
     if isinstance(value, torch.Tensor):
-        return value.to(device)
+        return value.to(device, copy=copy)
     if isinstance(value, tuple):
-        return tuple(_moved(v, device) for v in value)
+        return tuple(_moved(v, device, copy) for v in value)
     if isinstance(value, BlockWeights):
-        return BlockWeights(**{f.name: _moved(getattr(value, f.name), device) for f in fields(value)})
+        return BlockWeights(**{f.name: _moved(getattr(value, f.name), device, copy) for f in fields(value)})
     return value
 
 
@@ -291,10 +297,11 @@ class DecoderWeights:
             patch_size_t=int(dec.patch_size_t), out_channels=int(dec.out_channels),
         )
 
-    def to(self, device: str | torch.device) -> DecoderWeights:
-        """A copy on `device` (the same tensors where they are there already)."""
+    def to(self, device: str | torch.device, copy: bool = False) -> DecoderWeights:
+        """A copy on `device`: the same tensors where they are there already, unless `copy` (a replica for another
+        decoding device, which may be this one's device: two CPU "devices" in the tests)."""
         device = torch.device(device)
-        return DecoderWeights(**{f.name: _moved(getattr(self, f.name), device) for f in fields(self)})
+        return DecoderWeights(**{f.name: _moved(getattr(self, f.name), device, copy) for f in fields(self)})
 
     @property
     def device(self) -> torch.device:
@@ -510,9 +517,92 @@ class Timeline:
 # -- the driver -------------------------------------------------------------------------------------------------------
 
 
+def split_calls(calls: list[list[TileWindow]], parts: int) -> list[list[list[TileWindow]]]:
+    """`calls` in `parts` contiguous runs as even as possible, the later runs the longer: the first device, which also
+    stitches and blends every window, gets the shorter share."""
+    base, extra = divmod(len(calls), parts)
+    sizes = [base + (i >= parts - extra) for i in range(parts)]
+    bounds = [sum(sizes[:i]) for i in range(parts + 1)]
+    return [calls[bounds[i] : bounds[i + 1]] for i in range(parts)]
+
+
+def _device_context(device: torch.device) -> contextlib.AbstractContextManager:
+    """The device made current for a thread's launches, and a stream of its own for them on CUDA."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.cuda.device(device))
+    stream = torch.cuda.Stream(device)
+    # The replica of the weights and the latents were copied in on the device's current stream: this one starts after.
+    stream.wait_stream(torch.cuda.current_stream(device))
+    stack.enter_context(torch.cuda.stream(stream))
+    stack.callback(stream.synchronize)  # nothing of the thread's may still run once its tensors are released
+    return stack
+
+
+class StagedCall(NamedTuple):
+    """A call decoded on another device, its pixels on the host: `ready` (a CUDA event, None on the CPU) completes
+    when they are there."""
+
+    batch: list[TileWindow]
+    pixels: torch.Tensor
+    ready: torch.cuda.Event | None
+
+
+def _staged(batch: list[TileWindow], pixels: torch.Tensor) -> StagedCall:
+    """`pixels` copied to the host without waiting for them (into pinned memory from CUDA)."""
+    if pixels.device.type != "cuda":
+        return StagedCall(batch, pixels.cpu(), None)
+    host = torch.empty(pixels.shape, dtype=pixels.dtype, pin_memory=True)
+    host.copy_(pixels, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return StagedCall(batch, host, ready)
+
+
+class PeerPart:
+    """One contiguous part of the calls decoded on a device other than the first, on a host thread of its own; each
+    call's tiles are staged in host memory until the first device takes them (`results`), in order."""
+
+    def __init__(self, decoder: NativeVideoDecoder, index: int, z: torch.Tensor, plan: DecodePlan, calls: list[list[TileWindow]]):
+        self.outbox: queue.SimpleQueue[StagedCall | BaseException | None] = queue.SimpleQueue()
+        self.stopping = threading.Event()
+        # The part's own copy of the latents, made before the first device's work is queued: reading them on their
+        # device from the thread would queue each read behind that work.
+        latents = z.to(decoder.weights[index].device, copy=True)
+        self.thread = threading.Thread(target=self._run, args=(decoder, index, latents, plan, calls), name=f"vae-decode-device-{index}", daemon=True)
+        self.thread.start()
+
+    def _run(self, decoder: NativeVideoDecoder, index: int, latents: torch.Tensor, plan: DecodePlan, calls: list[list[TileWindow]]) -> None:
+        try:
+            with torch.no_grad(), _device_context(decoder.weights[index].device):
+                for batch, pixels in decoder._calls(index, latents, plan, calls):
+                    if self.stopping.is_set():
+                        break
+                    self.outbox.put(_staged(batch, pixels))
+            self.outbox.put(None)
+        except BaseException as error:  # handed to the first device's thread, which raises it
+            self.outbox.put(error)
+
+    def results(self) -> Iterator[tuple[list[TileWindow], torch.Tensor]]:
+        """The part's calls in order, (tile-windows, pixels on the host), as they are staged."""
+        while (item := self.outbox.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            if item.ready is not None:
+                item.ready.synchronize()
+            yield item.batch, item.pixels
+
+    def stop(self) -> None:
+        """Let the thread finish (after its current call) and wait for it."""
+        self.stopping.set()
+        self.thread.join()
+
+
 class NativeVideoDecoder:
-    """`AutoencoderKLMiniMaxH3.decode` bit for bit: `windows_per_call` tile-windows per ViT call, calls round robin over
-    the devices of `weights` (the first one stitches and blends), frames handed out window by window."""
+    """`AutoencoderKLMiniMaxH3.decode` bit for bit: `windows_per_call` tile-windows per ViT call, the calls split in
+    contiguous parts over the devices of `weights` and run concurrently (the first one stitches and blends), frames
+    handed out window by window."""
 
     def __init__(
         self, geometry: DecodeGeometry, weights: Sequence[DecoderWeights], attention: str = DEFAULT_ATTENTION,
@@ -535,9 +625,12 @@ class NativeVideoDecoder:
         windows_per_call: int = DEFAULT_WINDOWS_PER_CALL,
     ) -> NativeVideoDecoder:
         """Decode with `vae`'s own tensors on its device, or on each of `devices` (the first one stitches): the
-        module's tensors where it is, a copy of them on every other device."""
+        module's tensors where it is, a replica of them on every other device."""
         own = DecoderWeights.from_vae(vae)
-        return cls(DecodeGeometry.from_vae(vae), [own.to(d) for d in devices] or [own], attention, windows_per_call)
+        if not devices:
+            return cls(DecodeGeometry.from_vae(vae), [own], attention, windows_per_call)
+        weights = [own.to(devices[0]), *(own.to(device, copy=True) for device in devices[1:])]
+        return cls(DecodeGeometry.from_vae(vae), weights, attention, windows_per_call)
 
     @property
     def device(self) -> torch.device:
@@ -554,6 +647,11 @@ class NativeVideoDecoder:
             raise VflashError(f"the native video decode takes latents (1, C, F, h, w), got {list(latent_shape)}")
         return self.geometry.plan(*latent_shape[2:])
 
+    def calls(self, plan: DecodePlan) -> list[list[TileWindow]]:
+        """The tile-windows of each ViT call, in order: `windows_per_call` at a time (the last call may have fewer)."""
+        items = plan.tile_windows()
+        return [items[first : first + self.windows_per_call] for first in range(0, len(items), self.windows_per_call)]
+
     @torch.no_grad()
     def decode(self, z: torch.Tensor, sink: FrameSink | None = None, output_device: str | torch.device = "cpu") -> torch.Tensor | None:
         """(1, C, F, h, w) denormalised latents, on any device -> (1, 3, F', 16 h, 16 w) pixels in ImageNet space, in
@@ -568,20 +666,32 @@ class NativeVideoDecoder:
                 out[:, :, start : start + frames.shape[2]].copy_(frames)
 
         timeline = Timeline(self.geometry, plan, sink)
-        items = plan.tile_windows()
-        ropes = [rotary(w, plan.window_latents, plan.tile_height, plan.tile_width, w.compute_dtype) for w in self.weights]
+        parts = split_calls(self.calls(plan), len(self.weights))
         grid: dict[TileWindow, torch.Tensor] = {}
-        in_flight: deque[tuple[list[TileWindow], torch.Tensor]] = deque()
-        for call, first in enumerate(range(0, len(items), self.windows_per_call)):
-            batch = items[first : first + self.windows_per_call]
-            index = call % len(self.weights)
-            in_flight.append((batch, self._decode_call(index, z, plan, batch, ropes[index])))
-            if len(in_flight) > CALLS_IN_FLIGHT_PER_DEVICE * len(self.weights):
-                self._collect(*in_flight.popleft(), plan, grid, timeline)
-        while in_flight:
-            self._collect(*in_flight.popleft(), plan, grid, timeline)
+        peers = [PeerPart(self, index, z, plan, part) for index, part in enumerate(parts[1:], start=1)]
+        try:
+            for batch, pixels in self._calls(0, z, plan, parts[0]):
+                self._collect(batch, pixels, plan, grid, timeline)
+            for peer in peers:
+                for batch, pixels in peer.results():
+                    self._collect(batch, pixels, plan, grid, timeline)
+        finally:
+            for peer in peers:
+                peer.stop()
         timeline.finish()
         return output
+
+    def _calls(self, index: int, z: torch.Tensor, plan: DecodePlan, calls: list[list[TileWindow]]) -> Iterator[tuple[list[TileWindow], torch.Tensor]]:
+        """`calls` on device `index`, in order, each as (tile-windows, pixels there); up to `CALLS_IN_FLIGHT_PER_DEVICE`
+        further calls are launched before a call's pixels are handed on."""
+        w = self.weights[index]
+        rope = rotary(w, plan.window_latents, plan.tile_height, plan.tile_width, w.compute_dtype)
+        in_flight: deque[tuple[list[TileWindow], torch.Tensor]] = deque()
+        for batch in calls:
+            in_flight.append((batch, self._decode_call(index, z, plan, batch, rope)))
+            if len(in_flight) > CALLS_IN_FLIGHT_PER_DEVICE:
+                yield in_flight.popleft()
+        yield from in_flight
 
     def _decode_call(self, index: int, z: torch.Tensor, plan: DecodePlan, batch: list[TileWindow], rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """One ViT call on device `index`: (len(batch), 3, pt T, p th, p tw) pixels there."""
