@@ -315,6 +315,33 @@ async def test_limits_types_and_malformed_bodies_are_4xx_json_and_write_nothing(
     assert (await client.get("/healthz")).status == 200
 
 
+async def test_json_python_cannot_parse_wrong_json_types_and_nul_prompts_are_400(aiohttp_client, make_service, tmp_path):
+    """Issue 15, found by the adversarial corpus: deeply nested JSON (RecursionError) and integer literals beyond
+    Python's digit limit (ValueError) were HTTP 500 with a traceback in the log; a NUL in a prompt was queued."""
+    app, config = make_service()
+    client = await aiohttp_client(app)
+
+    async def rejected(body: bytes, status: int = 400) -> str:
+        response = await client.post("/v1/jobs", data=body, headers={"Content-Type": "application/json"})
+        assert response.status == status and response.content_type == "application/json", await response.text()
+        return (await response.json())["error"]
+
+    assert await rejected(b"[" * 100_000) == "the request body nests arrays or objects too deeply"
+    assert await rejected(b'{"prompt": "x", "seed": ' + b"[" * 50_000 + b"]" * 50_000 + b"}") == "the request body nests arrays or objects too deeply"
+    assert (await rejected(b'{"prompt": "x", "seed": ' + b"9" * 5000 + b"}")).startswith(
+        "the request body holds a number too long to read: Exceeds the limit (4300 digits)")
+    for body, kind in ((b"null", "null"), (b"[1]", "array"), (b'"a prompt"', "string"), (b"5", "number"), (b"true", "boolean")):
+        assert await rejected(body) == f"the request body must be a JSON object, got {kind}"
+    assert await rejected(json.dumps({"prompt": "a\x00b"}).encode()) == "the prompt holds a NUL character (at character 1); give plain text, not a binary file"
+    form = FormData()
+    form.add_field("request", b"[" * 100_000, content_type="application/json")
+    response = await client.post("/v1/jobs", data=form)
+    assert response.status == 400 and (await response.json())["error"] == "the 'request' part nests arrays or objects too deeply"
+    assert len(app[JOBS]) == 0
+    assert published(config.output_dir) == [] and files_under(app[WORK_DIR]) == []
+    assert (await client.get("/healthz")).status == 200
+
+
 async def test_bearer_token(aiohttp_client, make_service):
     app, _ = make_service(token="s3cret")
     client = await aiohttp_client(app)

@@ -253,3 +253,25 @@ def test_stale_work_folders_of_ended_services_on_this_host_are_removed(tmp_path)
     assert remove_stale_work_dirs(tmp_path) == [stale]
     assert not stale.exists() and user_file.exists()
     assert all(folder.exists() for folder in (live, elsewhere, unstamped, garbled))
+
+
+def test_client_faults_in_the_http_layer_are_logged_on_one_line(caplog):
+    """Issue 15: a malformed HTTP message or a client hanging up mid-body was logged by aiohttp with a traceback;
+    it is one warning line now, while any other exception keeps its traceback."""
+    import logging
+
+    from aiohttp.http_exceptions import LineTooLong
+
+    from vflash_core.service.app import ClientFaultLogFilter
+
+    logger = logging.getLogger("test-client-faults")
+    logger.addFilter(ClientFaultLogFilter())
+    with caplog.at_level(logging.INFO, logger="test-client-faults"):
+        for exc in (LineTooLong(b"aaaa", 8190), ConnectionResetError("Connection lost")):
+            logger.error("Error handling request from %s", "127.0.0.1", exc_info=exc)
+        logger.error("Error handling request from %s", "127.0.0.1", exc_info=KeyError("a bug"))
+    faults, bug = caplog.records[:2], caplog.records[2]
+    assert [r.levelname for r in faults] == ["WARNING", "WARNING"] and all(r.exc_info is None for r in faults)
+    assert faults[0].getMessage().startswith("Error handling request from 127.0.0.1: Got more than 8190 bytes")
+    assert faults[1].getMessage() == "Error handling request from 127.0.0.1: Connection lost"
+    assert bug.levelname == "ERROR" and bug.exc_info is not None

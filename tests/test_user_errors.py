@@ -410,3 +410,68 @@ def test_concurrent_first_use_loads_once_and_leaves_nothing_patched(h3_prepared,
         composed.validate(VideoRequest("a " * 139_999 + "a"))
     for p in (shared, *others):
         p.close()
+
+
+
+# -- found by the adversarial corpus (issue 15): arguments of the wrong type, outputs onto inputs ---------------------
+
+
+def test_api_arguments_of_the_wrong_type_are_refused_naming_them(h3_prepared, tmp_path, no_model_loads):
+    """Each was a TypeError / AttributeError traceback, or (overwrite="no", a progress or cancel that is no callable)
+    a refusal only after the models had loaded; overwrite="no" even replaced the existing file."""
+    keep = tmp_path / "keep.mp4"
+    keep.write_bytes(b"keep")
+    pipeline = H3Pipeline.from_prepared(h3_prepared)
+    request = VideoRequest("x")
+    cases = [
+        (lambda: H3Pipeline.from_prepared(5), r"^the prepared-assets receipt must be a file path \(str or Path\), got int 5$"),
+        (lambda: H3Pipeline.from_prepared(None), r"^the prepared-assets receipt must be a file path \(str or Path\), got NoneType None$"),
+        (lambda: H3Pipeline.from_prepared(str(h3_prepared).encode()), r"^the prepared-assets receipt must be a file path \(str or Path\), got bytes b'"),
+        (lambda: H3Pipeline.from_prepared(h3_prepared, "cpu"), r"^options must be a RunOptions, got str 'cpu'; e\.g\. RunOptions\(device=0\)$"),
+        (lambda: PreparedAssets.load(5), r"^the prepared-assets receipt must be a file path"),
+        (lambda: prepare_pipeline(5, tmp_path / "a.json", tmp_path / "r.json"), r"^profile must be a profile id or a Profile, got int 5$"),
+        (lambda: prepare_pipeline("t2va-base4-exact-cpu", None, tmp_path / "r.json"), r"^the assets file must be a file path \(str or Path\), got NoneType None$"),
+        (lambda: prepare_pipeline("t2va-base4-exact-cpu", tmp_path / "a.json", None), r"^the receipt path must be a file path \(str or Path\), got NoneType None$"),
+        (lambda: H3Pipeline("t2va-base4-exact-cpu", "c", "v", "s"), r"^session must be a loaded NativeEngineSession, got str 's'$"),
+        (lambda: pipeline.generate(request, 5), r"^the output path must be a file path \(str or Path\), got int 5$"),
+        (lambda: pipeline.generate(request, keep, overwrite="no"), r"^overwrite must be True or False, got str 'no'$"),
+        (lambda: pipeline.generate(request, tmp_path / "o.mp4", progress="bar"), r"^progress must be a callable or None, got str 'bar'$"),
+        (lambda: pipeline.generate(request, tmp_path / "o.mp4", cancel=5), r"^cancel must be a callable or None, got int 5$"),
+        (lambda: pipeline.prepare(progress=5), r"^progress must be a callable or None, got int 5$"),
+        (lambda: VideoRequest("x", references=["a.png", None]), r"^references\[1\] is None; give a file path or a PIL image, or leave it out$"),
+    ]
+    for call, message in cases:
+        with pytest.raises(VflashError, match=message):
+            call()
+    assert not pipeline.prepared and keep.read_bytes() == b"keep" and files_in(tmp_path) == [keep]
+
+
+def test_output_onto_an_input_or_a_model_file_is_refused_before_loading(h3_prepared, inputs, tmp_path, capsys, no_model_loads):
+    """With --overwrite the clip replaced the first frame, the prompt file or the receipt it was made from."""
+    frame, prompt, receipt = tmp_path / "frame.png", tmp_path / "prompt.txt", tmp_path / "pipeline.json"
+    frame.write_bytes((inputs / "frame.png").read_bytes())
+    prompt.write_text("a kite")
+    receipt.write_text(h3_prepared.read_text())
+    before = {path: path.read_bytes() for path in (frame, prompt, receipt)}
+    artifact = PreparedAssets.load(h3_prepared).artifact
+    cases = [
+        (["--prompt", "<Picture 1> flies", "--first-frame", str(frame), "--output", str(frame)], f"output {frame} is the first frame; write the clip to another file"),
+        (["--prompt-file", str(prompt), "--output", str(prompt)], f"output {prompt} is the --prompt-file; write the clip to another file"),
+        (["--prompt", "x", "--output", str(receipt)], f"output {receipt} is the prepared-assets receipt; write the clip to another file"),
+        (["--prompt", "x", "--output", str(artifact / "clip.mp4")], f"output {artifact / 'clip.mp4'} is inside the artifact {artifact}; write the clip to another folder"),
+    ]
+    for argv, message in cases:
+        assert refused(capsys, ["generate", "--prepared-assets", str(receipt), "--overwrite", *argv]) == message
+    with pytest.raises(VflashError, match=r"^output .*frame.png is the first frame; write the clip to another file$"):
+        H3Pipeline.from_prepared(h3_prepared).generate(VideoRequest("<Picture 1>", first_frame=frame), str(frame), overwrite=True)
+    assert {path: path.read_bytes() for path in (frame, prompt, receipt)} == before
+    assert files_in(tmp_path) == sorted(before) and not (artifact / "clip.mp4").exists()
+
+
+def test_a_prompt_with_a_nul_character_is_refused(h3_prepared, tmp_path, capsys, no_model_loads):
+    """A prompt file holding a NUL byte (a binary file given by mistake) was generated from."""
+    binary = tmp_path / "prompt.txt"
+    binary.write_bytes(b"a kite\x00 over the sea")
+    line = refused(capsys, ["generate", "--prepared-assets", str(h3_prepared), "--prompt-file", str(binary), "--output", str(tmp_path / "o.mp4")])
+    assert line == "the prompt holds a NUL character (at character 6); give plain text, not a binary file"
+    assert files_in(tmp_path) == [binary]

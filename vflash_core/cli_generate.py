@@ -91,8 +91,8 @@ def _prepare_pipeline(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from .fileio import read_text_file
-    from .pipeline import H3Pipeline, VideoRequest
-    from .validation import MAX_PROMPT_BYTES
+    from .pipeline import ASSET_FIELDS, H3Pipeline, PreparedAssets, VideoRequest
+    from .validation import MAX_PROMPT_BYTES, check_output_is_not_an_input
 
     if args.prompt_file is not None:
         prompt = read_text_file(args.prompt_file, "--prompt-file", MAX_PROMPT_BYTES).strip()
@@ -102,7 +102,12 @@ def _generate(args: argparse.Namespace) -> int:
         prompt=prompt, first_frame=args.first_frame, last_frame=args.last_frame, references=tuple(args.reference),
         duration_seconds=args.duration, seed=args.seed, width=args.width, height=args.height,
     )
-    pipeline = H3Pipeline.from_prepared(args.prepared_assets, RunOptions.from_arguments(args, profile_denoise=args.profile_denoise))
+    assets = PreparedAssets.load(args.prepared_assets)
+    check_output_is_not_an_input(args.output, {
+        "--prompt-file": args.prompt_file, "prepared-assets receipt": assets.path,
+        **{name: getattr(assets, name) for name in ASSET_FIELDS},
+    })
+    pipeline = H3Pipeline.from_prepared(assets, RunOptions.from_arguments(args, profile_denoise=args.profile_denoise))
     bars = StageBars()
     with pipeline:
         try:

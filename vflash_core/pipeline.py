@@ -66,7 +66,8 @@ from .session import BlockLoader, GenerationResult, NativeDenoiserLoader, Native
 from .vae import DecodedMedia, MediaVAEs
 from .vae_decode import DEFAULT_WINDOWS_PER_CALL
 from .validation import (
-    MediaInput, PromptBudget, RequestPlan, describe_value, integer, media_input, media_inputs, plan_request, seconds,
+    MediaInput, PromptBudget, RequestPlan, callback, check_generate_arguments, describe_value, integer, media_input, media_inputs,
+    path_argument, plan_request, seconds,
 )
 
 logger = logging.getLogger(__name__)
@@ -253,7 +254,7 @@ class PreparedAssets:
     def load(cls, receipt: str | Path) -> "PreparedAssets":
         """Read a receipt written by `prepare_pipeline`; every field it needs must be present with its type, the
         profile's identity must still match and the assets exist."""
-        path = Path(receipt)
+        path = path_argument(receipt, "the prepared-assets receipt")
         record = _read_json(path, "prepared-assets receipt")
         if record.get("format") != PIPELINE_FORMAT:
             raise VflashError(f"{path} is not a Vflash prepared-assets receipt (format {record.get('format')!r}, expected {PIPELINE_FORMAT!r}); create one with `vflash prepare-pipeline`")
@@ -282,8 +283,11 @@ def prepare_pipeline(profile: Profile | str, assets: str | Path, receipt: str | 
     from .tensor_store import file_sha256
 
     profile = get_profile(profile) if isinstance(profile, str) else profile
+    if not isinstance(profile, Profile):
+        raise VflashError(f"profile must be a profile id or a Profile, got {describe_value(profile)}")
+    path_argument(receipt, "the receipt path")
     receipt = check_writable_destination(receipt)
-    assets = Path(assets)
+    assets = path_argument(assets, "the assets file")
     data = _read_json(assets, "assets file")
     missing, extra = [k for k in ASSET_FIELDS if k not in data], sorted(set(data) - set(ASSET_FIELDS))
     if missing or extra:
@@ -452,6 +456,10 @@ class H3Pipeline:
         parts = (conditioner, vaes, session)
         if loader is None and any(p is None for p in parts):
             raise VflashError("H3Pipeline needs a conditioner, VAEs and a session (or a loader, see from_prepared)")
+        if not isinstance(self.profile, Profile):
+            raise VflashError(f"profile must be a profile id or a Profile, got {describe_value(profile)}")
+        if session is not None and not isinstance(getattr(session, "profile", None), Profile):
+            raise VflashError(f"session must be a loaded NativeEngineSession, got {describe_value(session)}")
         if session is not None and session.profile.id != self.profile.id:
             raise IdentityMismatchError(f"the session runs profile {session.profile.id}, the pipeline was given {self.profile.id}")
         self.conditioner, self.vaes, self.session = parts
@@ -493,6 +501,8 @@ class H3Pipeline:
         against it and the session enforces it.
         """
         options = options or RunOptions()
+        if not isinstance(options, RunOptions):
+            raise VflashError(f"options must be a RunOptions, got {describe_value(options)}; e.g. RunOptions(device=0)")
         assets = prepared_assets if isinstance(prepared_assets, PreparedAssets) else PreparedAssets.load(prepared_assets)
         primary, peer = options.check_devices(assets.profile.arch, assets.profile.fp8 is not None)
         if text_encoder_loader is not None and not callable(text_encoder_loader):
@@ -556,6 +566,7 @@ class H3Pipeline:
         """Load the text encoder, the VAEs and the native session now (once, whichever thread asks first); sets
         `initialization_seconds`."""
         self._check_open()
+        callback(progress, "progress")
         with self._lock:
             self._check_open()  # closed while this thread waited
             if self.prepared:
@@ -648,8 +659,7 @@ class H3Pipeline:
         """Generate one clip and write it to `output` (MP4; None keeps the decoded media in the result)."""
         start = time.perf_counter()
         plan = self.validate(request)
-        if output is not None:
-            check_writable_destination(output, overwrite)
+        check_generate_arguments(request, output, overwrite, progress, cancel)
         validated = time.perf_counter() - start
         with self._lock:
             return self._run(request, plan, output, overwrite, progress, cancel, validated)

@@ -84,8 +84,76 @@ def media_inputs(value: object, field: str) -> tuple[MediaInput, ...]:
     if isinstance(value, (str, os.PathLike, PIL.Image.Image)):
         return (media_input(value, field),)  # type: ignore[return-value]
     if isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            if item is None:
+                raise RequestError(f"{field}[{index}] is None; give a file path or a PIL image, or leave it out")
         return tuple(media_input(item, f"{field}[{index}]") for index, item in enumerate(value))  # type: ignore[misc]
     raise RequestError(f"{field} must be a file path, a PIL image or a list of them, got {describe_value(value)}")
+
+
+def path_argument(value: object, what: str) -> Path:
+    """A non-empty file path given as str or `os.PathLike` (never bytes, a number or None), as a Path."""
+    if isinstance(value, (str, os.PathLike)):
+        text = os.fspath(value)
+        if isinstance(text, str) and text:
+            if "\x00" in text:
+                raise VflashError(f"{what} must not contain a NUL character")
+            return Path(text)
+    raise VflashError(f"{what} must be a file path (str or Path), got {describe_value(value)}")
+
+
+def flag(value: object, what: str) -> bool:
+    """A bool; a truthy string such as "no" must never turn overwriting on."""
+    if not isinstance(value, bool):
+        raise VflashError(f"{what} must be True or False, got {describe_value(value)}")
+    return value
+
+
+def callback(value: object, what: str) -> None:
+    """None or a callable, checked before anything loads (a callback is first called after loading)."""
+    if value is not None and not callable(value):
+        raise VflashError(f"{what} must be a callable or None, got {describe_value(value)}")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve() or (a.exists() and b.exists() and os.path.samefile(a, b))
+    except (OSError, RuntimeError):
+        return False
+
+
+def check_output_is_not_an_input(output: str | os.PathLike, inputs: dict[str, object]) -> None:
+    """Refuse an output path that names one of the input files in `inputs` (what -> path or image), or lies inside one
+    of its folders, so --overwrite can never replace an input (or a model file) with the clip made from it."""
+    target = Path(output)
+    for what, item in inputs.items():
+        if not isinstance(item, (str, os.PathLike)):
+            continue
+        if _same_file(target, Path(item)):
+            raise VflashError(f"output {target} is the {what}; write the clip to another file")
+        if Path(item).is_dir() and target.resolve().is_relative_to(Path(item).resolve()):
+            raise VflashError(f"output {target} is inside the {what} {item}; write the clip to another folder")
+
+
+def request_inputs(request: "VideoRequest") -> dict[str, object]:
+    """The request's input files by name (first frame, last frame, reference N)."""
+    named: dict[str, object] = {"first frame": request.first_frame, "last frame": request.last_frame}
+    named.update({f"reference {index + 1}": item for index, item in enumerate(request.references)})
+    return named
+
+
+def check_generate_arguments(request: "VideoRequest", output: object, overwrite: object, progress: object = None, cancel: object = None) -> None:
+    """The arguments of `H3Pipeline.generate` besides the request, checked before anything loads: the output a
+    writable file path that is none of the request's inputs, `overwrite` a bool, the callbacks callable."""
+    from .fileio import check_writable_destination
+
+    flag(overwrite, "overwrite")
+    callback(progress, "progress")
+    callback(cancel, "cancel")
+    if output is not None:
+        path_argument(output, "the output path")
+        check_writable_destination(output, overwrite)  # as given: a trailing "/" names a folder
+        check_output_is_not_an_input(output, request_inputs(request))  # type: ignore[arg-type]
 
 
 def integer(value: object, field: str, what: str = "an integer") -> int:
@@ -173,6 +241,8 @@ def check_prompt(prompt: object, budget: PromptBudget | None = None) -> None:
         size = len(prompt.encode("utf-8"))
     except UnicodeEncodeError as exc:
         raise RequestError(f"the prompt is not valid Unicode text (a lone surrogate at character {exc.start})") from None
+    if "\x00" in prompt:
+        raise RequestError(f"the prompt holds a NUL character (at character {prompt.index(chr(0))}); give plain text, not a binary file")
     if size > MAX_PROMPT_BYTES:
         raise RequestError(f"the prompt is {size:,} bytes long; prompts of at most {MAX_PROMPT_BYTES:,} bytes are accepted")
     if budget is not None:

@@ -47,8 +47,28 @@ _OPEN_PATHS = frozenset({"/healthz", "/readyz"})
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+class ClientFaultLogFilter(logging.Filter):
+    """aiohttp logs a malformed HTTP message (garbage bytes, an oversized header line) or a client that hung up
+    with a full traceback; those are the client's faults, so they become one line. Other exceptions keep theirs."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from aiohttp.http_exceptions import HttpProcessingError
+
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, (HttpProcessingError, ConnectionResetError)):
+            detail = (getattr(exc, "message", "") or str(exc) or type(exc).__name__).strip().splitlines()
+            record.msg, record.args = "%s: %s", (record.getMessage(), detail[0] if detail else type(exc).__name__)
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+_CLIENT_FAULTS = ClientFaultLogFilter()
+
+
 def create_app(config: ServiceConfig) -> web.Application:
     """Build the service; nothing is spawned or written until the app starts."""
+    logging.getLogger("aiohttp.server").addFilter(_CLIENT_FAULTS)  # once: a filter is added to a logger only once
     middlewares = [] if config.token is None else [_bearer_auth(config.token)]
     app = web.Application(middlewares=middlewares)
     jobs = JobStore(config.max_queue, config.keep_finished_jobs)

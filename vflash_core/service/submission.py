@@ -52,6 +52,13 @@ class InputPolicy:
 
 async def read_submission(request: web.Request, upload_dir: Path, policy: InputPolicy) -> dict[str, Any]:
     """The request's fields as `VideoRequest` keyword arguments; file inputs become local paths (str)."""
+    try:
+        return await _read_submission(request, upload_dir, policy)
+    except ConnectionResetError:  # the client went away mid-body; the answer goes to the log only
+        raise bad_request("the client closed the connection before its request body was complete") from None
+
+
+async def _read_submission(request: web.Request, upload_dir: Path, policy: InputPolicy) -> dict[str, Any]:
     if request.content_type == "application/json":
         try:
             raw = await request.read()
@@ -74,11 +81,23 @@ async def read_submission(request: web.Request, upload_dir: Path, policy: InputP
 def _parse_json(raw: bytes, what: str) -> dict[str, Any]:
     try:
         body = json.loads(raw)
+    except RecursionError:
+        raise bad_request(f"{what} nests arrays or objects too deeply") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise bad_request(f"{what} is not valid JSON: {exc}") from None
+    except ValueError as exc:  # an integer literal beyond Python's digit limit
+        raise bad_request(f"{what} holds a number too long to read: {str(exc).split(';')[0]}") from None
     if not isinstance(body, dict):
-        raise bad_request(f"{what} must be a JSON object, got {type(body).__name__}")
+        raise bad_request(f"{what} must be a JSON object, got {json_type(body)}")
     return body
+
+
+def json_type(value: object) -> str:
+    """The JSON name of a parsed value's type (null, boolean, number, string, array, object)."""
+    for kind, name in ((type(None), "null"), (bool, "boolean"), ((int, float), "number"), (str, "string"), (list, "array"), (dict, "object")):
+        if isinstance(value, kind):
+            return name
+    return type(value).__name__
 
 
 def _request_fields(body: dict[str, Any], policy: InputPolicy, uploads: dict[str, list[Path]]) -> dict[str, Any]:
