@@ -10,7 +10,8 @@ Parts and their placements:
   `stream` (for its stage, the embeddings and the vision tower on the device and the decoder layers passing through
   two device slots of one layer from a pinned host arena, `residency.ModuleRing`);
 * the VAEs: `resident` or `offload`; the video decode `diffusers` (its `decode`, whose working memory grows with the
-  clip) or `native` (`vae_decode.NativeVideoDecoder`: the same frames bit for bit, working memory of one window).
+  clip) or `native` (`vae_decode.NativeVideoDecoder`: the same frames bit for bit, working memory of one window; with
+  a peer device, split between the two, see `decode_bytes`).
 
 A request runs three stages one after the other: encode, denoise, decode. A stage's peak is what stays on the device
 between stages (the core's weights, the resident parts) plus what the stage brings (an offloaded or streamed part)
@@ -128,6 +129,12 @@ def decode_bytes(video_vae, num_frames: int, height: int, width: int, decoder: s
     device, then maps it to [0, 1] in fp32 (12 bytes per channel and pixel at the peak); `native` runs
     `windows_per_call` tile-windows per call (at most the clip's) with the outputs of the calls in flight, and copies
     each window's frames to the host. A 10 % allowance.
+
+    With a peer device the native decode splits its calls between the two devices. The first device's transient is
+    then no larger (its own calls, one window, and the peer's tiles arriving one call at a time from host memory); the
+    peer holds a replica of the decoder's weights (part of the VAEs' bytes the first device holds) and its own calls
+    in flight, both below the first device's share, and a plan's budget is the least over its devices, so this one
+    estimate bounds the peer's decode as well.
     """
     config = video_vae.config
     geometry = DecodeGeometry.from_vae(video_vae)
