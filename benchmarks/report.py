@@ -162,6 +162,34 @@ def fp8_figures(data: dict) -> str:
     ])
 
 
+def vae_section(data: dict | None) -> list[str]:
+    """diffusers vs Vflash video decode per canvas and duration, with the two-GPU split and the audio decode's share;
+    "not measured yet" without a result file."""
+    out = ["## Video and audio decode (`benchmarks/vae.py`)", ""]
+    if data is None:
+        return out + ["Not measured yet: `benchmarks/results/vae_h200.json` comes from `python benchmarks/vae.py` on an H200 (two for the "
+                      "two-GPU column).", ""]
+    rows = [{**r, "diffusers_peak": _gb(r["peak_device_bytes"]["diffusers"]), "vflash_peak": _gb(r["peak_device_bytes"]["vflash"]),
+             "audio_share": None if r.get("audio_share_of_decode") is None else f"{r['audio_share_of_decode']:.1%}"} for r in data["records"]]
+    first = data["records"][0] if data["records"] else {}
+    return out + [
+        _source(data) + f", {data['dtype']}. "
+        + ("The demo family's video VAE on the CPU (a dry run)" if data.get("small") else "The released video VAE with random weights")
+        + "; both sides decode the same latents, wall seconds "
+        f"around the whole decode (medians). Vflash: `NativeVideoDecoder`, {first.get('windows_per_call')} tile-windows per ViT call, "
+        f"{first.get('attention_backend')} attention; bitwise: its pixels equal diffusers' `decode`. Peak device memory includes the resident "
+        "VAE. Roofline: the decoder's GEMM and attention FLOPs at this GPU's sustained rates. Two GPUs: the calls split in halves over two "
+        "GPUs (replica of the weights included in the time), speedup over one GPU. Audio: the audio VAE's decode of the same duration and "
+        "its share of the decode (audio / (audio + Vflash video)).",
+        "",
+        _table(rows, [("canvas", "canvas"), ("seconds", "clip s"), ("diffusers_seconds", "diffusers s"), ("vflash_seconds", "Vflash s"),
+                      ("speedup_vs_diffusers", "speedup"), ("diffusers_peak", "diffusers peak"), ("vflash_peak", "Vflash peak"),
+                      ("bitwise_equal_to_diffusers", "bitwise"), ("roofline_ratio", "Vflash / roofline"), ("two_gpu_speedup", "two-GPU speedup"),
+                      ("two_gpu_bitwise_equal", "two GPUs bitwise to one"), ("audio_decode_seconds", "audio s"), ("audio_share", "audio share")]),
+        "",
+    ]
+
+
 def fill_repo_readme(data: dict, start_marker: str = FITS_START, end_marker: str = FITS_END, render_table=what_fits) -> None:
     """Replace the text between a pair of the repository README's markers with `render_table(data)`."""
     text = REPO_README.read_text()
@@ -226,6 +254,7 @@ def render() -> str:
     fp8 = _load("fp8_h200")
     if fp8:
         parts += ["## Approximate FP8 execution vs exact (`benchmarks/fp8.py`)", "", fp8_figures(fp8)]
+    parts += vae_section(_load("vae_h200"))
     two = _load("two_gpu_2xh200")
     if two:
         parts += [
