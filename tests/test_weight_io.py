@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from vflash_core.errors import IdentityMismatchError, VflashError, WeightFileError
 from vflash_core.fileio import OutputExistsError
 from vflash_core.tensor_store import TensorStore
-from vflash_core.weight_io import MANIFEST_NAME, SequentialWeights, prepare_sidecar, read_throughput
+from vflash_core.weight_io import MANIFEST_NAME, SequentialWeights, prepare_sidecar
 
 # Small enough that the test file has several shards, a tensor larger than a shard, and tensors across chunks.
 SMALL = {"shard_bytes": 4096, "chunk_bytes": 1000}
@@ -137,12 +137,6 @@ def test_argument_checks(mixed_file):
             SequentialWeights(mixed_file, 1, pin_memory=True)
 
 
-def test_read_throughput(mixed_file):
-    result = read_throughput(mixed_file, 2, drop_cache=True)
-    assert result["bytes"] == result["bytes_read"] == SequentialWeights(mixed_file, 1).nbytes
-    assert result["seconds"] > 0 and result["gb_per_s"] > 0
-
-
 @pytest.mark.parametrize("workers", [1, 4])
 def test_sidecar_round_trip(mixed_file, tmp_path, workers):
     pytest.importorskip("zstandard")
@@ -157,8 +151,6 @@ def test_sidecar_round_trip(mixed_file, tmp_path, workers):
         _assert_matches_store(weights, mixed_file)
         assert weights.bytes_read == manifest["frames_bytes"] == sum(f["compressed_bytes"] for f in manifest["frames"])
     assert _open_fds() == before
-    result = read_throughput(mixed_file, workers, sidecar)
-    assert result["bytes"] == weights.nbytes and result["bytes_read"] == weights.bytes_read
     with pytest.raises(OutputExistsError):
         prepare_sidecar(mixed_file, sidecar)
 

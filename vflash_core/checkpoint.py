@@ -430,7 +430,9 @@ class SourceWeights:
         for internal, shape in self._shapes.items():
             for name, start, stop, _ in self._sources[internal].pieces:
                 if name not in expect:
-                    rows = shape[0] if stop == -1 else self._source_rows(internal, name, shape)
+                    # a piece of a fused internal tensor comes from diffusers' to_q / to_k / to_v (inner_dim rows each)
+                    # or from the original fused qkv_proj / fc1 (the internal row count)
+                    rows = self.config.inner_dim if stop != -1 and self.layout == "diffusers" else shape[0]
                     expect[name] = ((rows, *shape[1:]), FLOAT_DTYPES)
         unmarked = sorted(n for n in expect if n in self.store and n not in self._quantized and self.store.info(n).dtype not in FLOAT_DTYPES)
         if unmarked:
@@ -449,11 +451,6 @@ class SourceWeights:
         block_dtypes = {self.dtype_of(n) for n in self._shapes if n.startswith("blocks.") and not n.endswith(adaln)}
         if len(block_dtypes) > 1:
             raise WeightFileError(f"{self.path}: main-block tensors mix dtypes {sorted(map(str, block_dtypes))}")
-
-    def _source_rows(self, internal: str, name: str, shape: tuple[int, ...]) -> int:
-        if self.layout == "diffusers":  # to_q / to_k / to_v
-            return self.config.inner_dim
-        return shape[0]  # fused qkv_proj or fc1: the source tensor has the internal row count
 
     def dtype_of(self, internal: str) -> torch.dtype:
         """The dtype `read` returns: the stored one, or bf16 for a float8 weight (ComfyUI core dequantizes every

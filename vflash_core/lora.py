@@ -95,9 +95,6 @@ class Adapter:
     def aux(self) -> dict[str, tuple[LoraResidual, ...]]:
         return {name: tuple(rs) for name, rs in self.residuals.items() if not name.startswith(("blocks.", "refiner."))}
 
-    def touches_tables(self) -> bool:
-        return any(TABLE_ONLY.match(name) for name in self.residuals)
-
 
 def load_adapter(path: str | Path, config: H3Config, strength: float = 1.0) -> Adapter:
     """Parse a LoRA safetensors file onto the internal linear names of a model with `config`."""

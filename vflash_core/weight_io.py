@@ -27,7 +27,6 @@ from __future__ import annotations
 import bisect
 import json
 import os
-import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
@@ -456,25 +455,3 @@ def prepare_sidecar(
         }
         (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n")
     return directory
-
-
-def read_throughput(
-    path: str | Path, read_workers: int, compressed_directory: str | Path | None = None, drop_cache: bool = False
-) -> dict[str, float]:
-    """Time one full read (indexing excluded): data-region bytes, bytes from storage, seconds and GB/s (1e9 B/s).
-
-    `drop_cache` first asks the kernel to evict the file that is read from its page cache (posix_fadvise
-    DONTNEED, honoured for clean pages without privileges), so the figure is the storage's rather than memory's.
-    """
-    weights = SequentialWeights(path, read_workers, compressed_directory)
-    if drop_cache:
-        fd = _open(weights.read_path)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    begin = time.perf_counter()
-    with weights:
-        seconds = time.perf_counter() - begin
-    gb_per_s = weights.nbytes / seconds / 1e9
-    return {"bytes": weights.nbytes, "bytes_read": weights.bytes_read, "seconds": seconds, "gb_per_s": gb_per_s}
