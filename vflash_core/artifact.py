@@ -20,6 +20,7 @@ from .formats import ARTIFACT_FORMAT, ARTIFACT_FP8_FORMAT, OVERLAY_FORMAT
 from .fp8 import FP8_LINEARS
 from .config import H3Config
 from .errors import IdentityMismatchError, VflashError, WeightFileError
+from .fileio import read_json
 from .model import LayerWeights, LoraResidual
 from .profiles import Profile, check_identity
 from .tensor_store import TensorStore
@@ -33,12 +34,7 @@ READ_WORKERS = 8
 
 
 def _read_manifest(path: Path, formats: tuple[str, ...], what: str) -> dict:
-    try:
-        manifest = json.loads((path / "manifest.json").read_text())
-    except FileNotFoundError:
-        raise VflashError(f"{path}: not a compiled {what} (no manifest.json)") from None
-    except json.JSONDecodeError:
-        raise VflashError(f"{path}/manifest.json: corrupt (not JSON)") from None
+    manifest = read_json(path / "manifest.json", VflashError, f"{path}: not a compiled {what} (no manifest.json)", f"{path}/manifest.json: corrupt (not JSON)")
     if manifest.get("format") not in formats:
         raise VflashError(f"{path}: {what} format {manifest.get('format')!r}, expected {' or '.join(map(repr, formats))}")
     return manifest

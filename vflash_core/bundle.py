@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 from .config import H3Config
 from .errors import BundleError, VflashError
-from .fileio import atomic_directory
+from .fileio import atomic_directory, read_json
 from .layout import AUDIO_CHANNELS, Geometry, PackedLayout, ReferenceBlock, keyframe_layout, patchify, ref2va_layout
 from .schedule import KEYFRAME_NOISE_AUG, scale_noise
 from .tensor_store import TensorStore, file_sha256
@@ -150,12 +150,7 @@ class ConditioningBundle:
     def load(cls, path: str | Path) -> ConditioningBundle:
         """Read a bundle folder, verifying its content hash and consistency."""
         path = Path(path)
-        try:
-            manifest = json.loads((path / _MANIFEST).read_text())
-        except FileNotFoundError:
-            raise BundleError(f"{path}: not a conditioning bundle (no {_MANIFEST})") from None
-        except json.JSONDecodeError:
-            raise BundleError(f"{path}: corrupt {_MANIFEST}") from None
+        manifest = read_json(path / _MANIFEST, BundleError, f"{path}: not a conditioning bundle (no {_MANIFEST})", f"{path}: corrupt {_MANIFEST}")
         if manifest.get("format") != BUNDLE_FORMAT:
             raise BundleError(f"{path}: bundle format {manifest.get('format')!r}, expected {BUNDLE_FORMAT!r}")
         actual = file_sha256(path / _TENSORS) if (path / _TENSORS).exists() else None
@@ -236,6 +231,17 @@ def build_keyframe_bundle(
     if prompt_embeds.ndim == 3:
         prompt_embeds = prompt_embeds[0]
     layout = keyframe_layout(text_token_tags, geometry, config.patch_size, tuple(keyframe_anchors))
+    video_rows, audio_rows = _draw_rows(condition_latents, geometry, config, generator)
+    bundle = ConditioningBundle(mode, geometry, ModelLayout.of(config), prompt_embeds, layout, video_rows, audio_rows, seed)
+    bundle.validate()
+    return bundle
+
+
+def _draw_rows(
+    condition_latents: tuple[torch.Tensor, ...], geometry: Geometry, config: H3Config, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The video rows (each condition latent noised to `KEYFRAME_NOISE_AUG`, then the target's noise) and the target's
+    audio noise rows, drawn from `generator` in that order."""
     condition_rows = []
     for condition in condition_latents:
         noise = torch.randn(condition.shape, generator=generator, dtype=torch.float32)
@@ -245,13 +251,10 @@ def build_keyframe_bundle(
         generator=generator,
         dtype=torch.float32,
     )
-    audio_rows = torch.randn(
+    audio_noise = torch.randn(
         (AUDIO_CHANNELS * geometry.num_audio_latents, config.audio_in_channels), generator=generator, dtype=torch.float32
     )
-    video_rows = torch.cat([*condition_rows, patchify(video_noise, config.patch_size)])
-    bundle = ConditioningBundle(mode, geometry, ModelLayout.of(config), prompt_embeds, layout, video_rows, audio_rows, seed)
-    bundle.validate()
-    return bundle
+    return torch.cat([*condition_rows, patchify(video_noise, config.patch_size)]), audio_noise
 
 
 @dataclass(frozen=True)
@@ -291,20 +294,8 @@ def build_ref2va_bundle(
     if prompt_embeds.ndim == 3:
         prompt_embeds = prompt_embeds[0]
     layout = ref2va_layout(text_token_tags, geometry, config.patch_size, tuple(r.block() for r in references))
-    condition_rows = []
-    for ref in references:
-        if ref.video_latents is not None:
-            noise = torch.randn(ref.video_latents.shape, generator=generator, dtype=torch.float32)
-            condition_rows.append(patchify(scale_noise(ref.video_latents.float(), KEYFRAME_NOISE_AUG, noise), config.patch_size))
-    video_noise = torch.randn(
-        (1, config.in_channels, geometry.num_latent_frames, geometry.latent_height, geometry.latent_width),
-        generator=generator,
-        dtype=torch.float32,
-    )
-    audio_noise = torch.randn(
-        (AUDIO_CHANNELS * geometry.num_audio_latents, config.audio_in_channels), generator=generator, dtype=torch.float32
-    )
-    video_rows = torch.cat([*condition_rows, patchify(video_noise, config.patch_size)])
+    visual = tuple(r.video_latents for r in references if r.video_latents is not None)
+    video_rows, audio_noise = _draw_rows(visual, geometry, config, generator)
     audio_rows = torch.cat([*(r.audio_rows.float() for r in references if r.audio_rows is not None), audio_noise])
     bundle = ConditioningBundle("ref2va", geometry, ModelLayout.of(config), prompt_embeds, layout, video_rows, audio_rows, seed)
     bundle.validate()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import glob
+import json
 import logging
 import os
 import shutil
@@ -116,6 +117,16 @@ def check_writable_destination(path: str | Path, overwrite: bool = False) -> Pat
         if path.exists() and not path.is_file():
             raise VflashError(f"output {path} is {_file_type(path.stat().st_mode)}; refusing to replace it")
     return path
+
+
+def read_json(path: str | Path, error: type[VflashError], missing: str, corrupt: str) -> object:
+    """The JSON value in `path`; `error(missing)` when there is no such file, `error(corrupt)` when it is not JSON."""
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise error(missing) from None
+    except json.JSONDecodeError:
+        raise error(corrupt) from None
 
 
 def _writer() -> str:
