@@ -148,18 +148,16 @@ def waveform_to_audio(waveform: torch.Tensor, sample_rate: int) -> dict[str, Any
     return {"waveform": waveform.detach().float().cpu().unsqueeze(0).contiguous(), "sample_rate": int(sample_rate)}
 
 
-def image_to_frame(image: torch.Tensor, what: str) -> torch.Tensor:
-    """Core IMAGE (B, H, W, C) 0..1 -> its first frame (H, W, 3) fp32 CPU; alpha is dropped."""
-    if not isinstance(image, torch.Tensor) or image.ndim != 4 or image.shape[-1] not in (3, 4):
-        raise RequestError(f"{what} must be an IMAGE (B, H, W, 3 or 4), got {getattr(image, 'shape', type(image).__name__)}")
-    return image[0, ..., :3].detach().float().cpu().contiguous()
-
-
 def image_to_clip(image: torch.Tensor, what: str) -> torch.Tensor:
-    """Core IMAGE batch used as a video clip (F, H, W, C) -> (F, H, W, 3) fp32 CPU."""
+    """Core IMAGE batch (F, H, W, C) 0..1 -> (F, H, W, 3) fp32 CPU; alpha is dropped."""
     if not isinstance(image, torch.Tensor) or image.ndim != 4 or image.shape[-1] not in (3, 4):
         raise RequestError(f"{what} must be an IMAGE batch (F, H, W, 3 or 4), got {getattr(image, 'shape', type(image).__name__)}")
     return image[..., :3].detach().float().cpu().contiguous()
+
+
+def image_to_frame(image: torch.Tensor, what: str) -> torch.Tensor:
+    """Core IMAGE -> its first frame (H, W, 3) fp32 CPU."""
+    return image_to_clip(image[:1] if isinstance(image, torch.Tensor) else image, what)[0]
 
 
 def audio_to_waveform(audio: dict[str, Any], what: str) -> tuple[torch.Tensor, int]:

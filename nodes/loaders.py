@@ -1,4 +1,4 @@
-"""Loader nodes: thin wrappers that turn widget values into engine specs through `vflash_core.node_ops`."""
+"""Loader nodes: thin wrappers that turn widget values into engine specs through `ops`."""
 
 from __future__ import annotations
 
@@ -118,24 +118,22 @@ class VflashLoraSelect(io.ComfyNode):
         return io.NodeOutput(ops.select_lora(FOLDERS, lora, strength, prev))
 
 
-class VflashTextEncoderLoader(io.ComfyNode):
+class _ComponentLoader(io.ComfyNode):
+    """The text encoder and VAE pair loaders: one model-root option (input `OPTION`) and a device, loaded now."""
+
+    KIND = ""  # "te" or "vae"
+    OPTION = ""
+
     @classmethod
-    def define_schema(cls):
+    def component_schema(cls, node_id: str, display_name: str, search_aliases: list[str], description: str, option_tooltip: str,
+                         output: io.Output) -> io.Schema:
         return io.Schema(
-            node_id="VflashTextEncoderLoader",
-            display_name="Vflash MiniMax-H3 Text Encoder Loader",
-            category="Vflash/loaders",
-            search_aliases=aliases("qwen3-vl", "text encoder", "clip"),
-            description=(
-                "Loads MiniMax-H3's Qwen3-VL conditioner (text encoder, tokenizer and processor of a diffusers model "
-                "folder), bitwise the diffusers conditioning. For the single file in text_encoders/ use core CLIPLoader "
-                "(type minimax) instead: Vflash Encode takes its CLIP."
-            ),
+            node_id=node_id, display_name=display_name, category="Vflash/loaders", search_aliases=search_aliases, description=description,
             inputs=[
-                io.Combo.Input("encoder", options=ops.text_encoder_options(FOLDERS), tooltip="A model folder with text_encoder/, tokenizer/ and processor/ (official layout), or 'embedded-demo'."),
+                io.Combo.Input(cls.OPTION, options=ops.component_options(FOLDERS, cls.KIND), tooltip=option_tooltip),
                 io.Combo.Input("device", options=devices(), default="auto", tooltip=DEVICE_TOOLTIP),
             ],
-            outputs=[VflashTextEncoder.Output("te", tooltip="The text encoder (a spec; it loads on first use).")],
+            outputs=[output],
             hidden=[io.Hidden.prompt],
         )
 
@@ -144,47 +142,43 @@ class VflashTextEncoderLoader(io.ComfyNode):
         return ops.validate_device(HOST, device)
 
     @classmethod
-    def fingerprint_inputs(cls, encoder, device):
-        return (encoder, device, ops.component_identity(FOLDERS, encoder, "text_encoder"))
+    def fingerprint_inputs(cls, device, **option):
+        source = option[cls.OPTION]
+        return (source, device, ops.component_identity(FOLDERS, source, ops.COMPONENT_FOLDERS[cls.KIND]))
 
     @classmethod
-    def execute(cls, encoder, device):
+    def execute(cls, device, **option):
         ops.check_graph(getattr(cls.hidden, "prompt", None), FOLDERS)
-        return io.NodeOutput(ops.load_text_encoder(ENGINES, HOST, FOLDERS, encoder, device))
+        return io.NodeOutput(ops.load_component(ENGINES, HOST, FOLDERS, cls.KIND, option[cls.OPTION], device))
 
 
-class VflashVAELoader(io.ComfyNode):
+class VflashTextEncoderLoader(_ComponentLoader):
+    KIND, OPTION = "te", "encoder"
+
     @classmethod
     def define_schema(cls):
-        return io.Schema(
-            node_id="VflashVAELoader",
-            display_name="Vflash MiniMax-H3 VAE Loader (video + audio)",
-            category="Vflash/loaders",
-            search_aliases=aliases("vae", "audio vae"),
-            description=(
-                "Loads MiniMax-H3's video VAE and audio VAE (32 kHz stereo) of a diffusers model folder as one pair. For "
-                "the files in vae/ use two core VAELoaders instead: Vflash Encode / Decode take them (vae + audio_vae)."
-            ),
-            inputs=[
-                io.Combo.Input("vae", options=ops.vae_options(FOLDERS), tooltip="A model folder with vae/ and audio_vae/ (official layout), or 'embedded-demo'."),
-                io.Combo.Input("device", options=devices(), default="auto", tooltip=DEVICE_TOOLTIP),
-            ],
-            outputs=[VflashVAE.Output("vae", tooltip="The video + audio VAE pair (a spec; it loads on first use).")],
-            hidden=[io.Hidden.prompt],
+        return cls.component_schema(
+            "VflashTextEncoderLoader", "Vflash MiniMax-H3 Text Encoder Loader", aliases("qwen3-vl", "text encoder", "clip"),
+            "Loads MiniMax-H3's Qwen3-VL conditioner (text encoder, tokenizer and processor of a diffusers model "
+            "folder), bitwise the diffusers conditioning. For the single file in text_encoders/ use core CLIPLoader "
+            "(type minimax) instead: Vflash Encode takes its CLIP.",
+            "A model folder with text_encoder/, tokenizer/ and processor/ (official layout), or 'embedded-demo'.",
+            VflashTextEncoder.Output("te", tooltip="The text encoder (a spec; it loads on first use)."),
         )
 
-    @classmethod
-    def validate_inputs(cls, device):
-        return ops.validate_device(HOST, device)
+
+class VflashVAELoader(_ComponentLoader):
+    KIND, OPTION = "vae", "vae"
 
     @classmethod
-    def fingerprint_inputs(cls, vae, device):
-        return (vae, device, ops.component_identity(FOLDERS, vae, "vae"))
-
-    @classmethod
-    def execute(cls, vae, device):
-        ops.check_graph(getattr(cls.hidden, "prompt", None), FOLDERS)
-        return io.NodeOutput(ops.load_vae(ENGINES, HOST, FOLDERS, vae, device))
+    def define_schema(cls):
+        return cls.component_schema(
+            "VflashVAELoader", "Vflash MiniMax-H3 VAE Loader (video + audio)", aliases("vae", "audio vae"),
+            "Loads MiniMax-H3's video VAE and audio VAE (32 kHz stereo) of a diffusers model folder as one pair. For "
+            "the files in vae/ use two core VAELoaders instead: Vflash Encode / Decode take them (vae + audio_vae).",
+            "A model folder with vae/ and audio_vae/ (official layout), or 'embedded-demo'.",
+            VflashVAE.Output("vae", tooltip="The video + audio VAE pair (a spec; it loads on first use)."),
+        )
 
 
 NODES = [VflashModelLoader, VflashLoraSelect, VflashTextEncoderLoader, VflashVAELoader]

@@ -2,7 +2,9 @@
 these functions, so a workflow behaves the same in ComfyUI and headless.
 
 A node operation takes plain values (widget values, core tensors, the specs other nodes returned), makes the engine
-calls, and returns plain values. Everything host-specific comes in through two small interfaces:
+calls, and returns plain values. A request is checked by `vflash_core.validation`'s checks and runs the pipeline's
+own steps (`pipeline.encode_request`, `EncodedRequest.bundle`, `decode_latents`) on the engines the loader nodes
+gave. Everything host-specific comes in through two small interfaces:
 
 * `Host`: progress bars, the interrupt check, freeing the host's own models, the default device, the host's
   `NestedTensor` class and VIDEO type;
@@ -21,7 +23,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -36,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 DEMO = "embedded-demo"
 UNLOAD_TARGETS = ("all", "dit", "te", "vae")
+COMPONENT_FOLDERS = {"te": "text_encoder", "vae": "vae"}  # the model root's folder that identifies a component
 _KIND_LABEL = {"dit": "transformer", "te": "text encoder", "vae": "VAEs"}
 
 
@@ -120,12 +123,9 @@ def model_options(folders: Folders) -> list[str]:
     return [DEMO, *_receipt_entries(folders), *_compiled_entries(folders), *_model_roots(folders, None), *singles]
 
 
-def text_encoder_options(folders: Folders) -> list[str]:
-    return [DEMO, *_receipt_entries(folders), *_model_roots(folders, "text_encoder")]
-
-
-def vae_options(folders: Folders) -> list[str]:
-    return [DEMO, *_receipt_entries(folders), *_model_roots(folders, "vae")]
+def component_options(folders: Folders, kind: str) -> list[str]:
+    """The options of a text encoder ("te") or VAE pair ("vae") loader."""
+    return [DEMO, *_receipt_entries(folders), *_model_roots(folders, COMPONENT_FOLDERS[kind])]
 
 
 def lora_options(folders: Folders) -> list[str]:
@@ -218,26 +218,6 @@ class ComponentSpec:
         return (self.kind, self.identity, self.device)
 
 
-@dataclass(frozen=True)
-class Conditioning:
-    """VFLASH_COND: an encoded request without its noise (the sampler draws that from its seed).
-
-    `payload` is what the pipeline's encoders produced (prompt embeddings, token tags, keyframe or reference latents);
-    `geometry` is the canvas the keyframes / references were encoded for (t2va adopts the latent's canvas).
-    """
-
-    mode: str
-    geometry: Geometry
-    payload: Any
-    te: Any  # ComponentSpec, or core's CLIP
-    vae: Any  # ComponentSpec, or core's video VAE
-    notes: tuple[str, ...] = ()  # how this conditioning differs from the diffusers pipeline's (core encoders)
-
-    @property
-    def geometry_bound(self) -> bool:
-        return self.mode != "t2va"
-
-
 # -- the registry ------------------------------------------------------------------------------------------------
 
 
@@ -322,18 +302,6 @@ def request_geometry(width: int, height: int, length: int, seconds: float) -> Ge
     return Geometry(int(height), int(width), frames)
 
 
-class _Progress:
-    """Progress of one long call: host progress bar + interrupt check on every update."""
-
-    def __init__(self, host: Host, total: int):
-        self.host = host
-        self.bar = host.progress(max(1, total))
-
-    def __call__(self, done: int, total: int) -> None:
-        self.host.check_interrupt()
-        self.bar.update(done, total)
-
-
 def _memory_line(metadata: Mapping[str, Any]) -> str:
     mem = metadata.get("memory", {})
     peak = mem.get("peak_allocated_bytes")
@@ -400,6 +368,12 @@ class _StageProgress:
         if self.bar is None or stage != self.stage:
             self.bar, self.stage = self.host.progress(max(1, total)), stage
         self.bar.update(done, total)
+
+
+def _progress(host: Host) -> Callable[[int, int], None]:
+    """A `(done, total)` callback of one long call on a host progress bar, checking for an interrupt on every update."""
+    stages = _StageProgress(host)
+    return lambda done, total: stages("", done, total)
 
 
 def _compiled_dir(root: Path, profile: Any, folders: Folders) -> Path:
@@ -508,12 +482,6 @@ def recorded_profile(model: str, path: str, profile: str):
     return None
 
 
-def _profile_arch(model: str, path: str, profile: str) -> str | None:
-    """The architecture the option's profile is compiled for ("cpu", "sm90", ...), read from manifests only."""
-    found = recorded_profile(model, path, profile)
-    return None if found is None else found.arch
-
-
 _ARCH_NAMES = {"cpu": "the CPU", "sm86": "sm86 GPUs (RTX 30xx / A-series)", "sm89": "sm89 GPUs (RTX 40xx / L4 / L40)", "sm90": "sm90 GPUs (H100 / H200)"}
 
 
@@ -532,13 +500,10 @@ def check_profile_device(profile: Any, device: str, what: str = "device") -> Non
 
 def machine_archs() -> list[str]:
     """Architectures this machine can run: each visible CUDA device's (in device order), then the CPU's."""
-    archs = []
-    if torch.cuda.is_available():
-        for index in range(torch.cuda.device_count()):
-            major, minor = torch.cuda.get_device_capability(index)
-            if f"sm{major}{minor}" not in archs:
-                archs.append(f"sm{major}{minor}")
-    return [*archs, "cpu"]
+    from vflash_core.formats import device_arch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return [*dict.fromkeys(device_arch(f"cuda:{index}") for index in range(count)), "cpu"]
 
 
 def ordered_profiles() -> list[str]:
@@ -603,10 +568,11 @@ def _linked(value: Any) -> bool:
 
 def encode_mode(inputs: Mapping[str, Any]) -> str:
     """The mode a VflashEncode node of an API prompt encodes, from which of its inputs are given (no values needed)."""
+    from vflash_core.pipeline import request_mode
+
     given = {name for name, value in inputs.items() if value is not None}
-    if any(name.split(".")[0] in ("ref_images", "ref_videos", "ref_audios") for name in given):
-        return "ref2va"
-    return {(False, False): "t2va", (True, False): "i2va", (False, True): "l2va", (True, True): "fl2va"}[("first_frame" in given, "last_frame" in given)]
+    references = any(name.split(".")[0] in ("ref_images", "ref_videos", "ref_audios") for name in given)
+    return request_mode("first_frame" in given, "last_frame" in given, references)
 
 
 def graph_refusals(prompt: Mapping[str, Mapping[str, Any]] | None, folders: Folders) -> list[str]:
@@ -634,7 +600,11 @@ def graph_refusals(prompt: Mapping[str, Mapping[str, Any]] | None, folders: Fold
             continue
         if profile is None:
             continue
-        mode = encode_mode(encode.get("inputs", {}))
+        try:
+            mode = encode_mode(encode.get("inputs", {}))
+        except VflashError as exc:  # keyframes and references together: no mode
+            out.append(f"node {cond_link[0]} (VflashEncode): {exc}")
+            continue
         if mode not in profile.modes:
             out.append(f"node {nid} (VflashSampler): profile {profile.id} (node {model_link[0]}) accepts {', '.join(profile.modes)}; "
                        f"node {cond_link[0]} (VflashEncode) encodes a {mode} request")
@@ -697,7 +667,7 @@ def _load_session(registry: EngineRegistry, host: Host, spec: ModelSpec):
     def factory():
         host.free_memory()
         resolved = resolve_model(host, spec)
-        progress = _Progress(host, 1)
+        progress = _progress(host)
         return NativeEngineSession(
             resolved.profile, resolved.artifact, resolved.schedule_overlay, resolved.auxiliary, device=spec.device,
             peer_device=spec.peer_device, strategy=spec.strategy, weight_residency=spec.weight_residency,
@@ -716,12 +686,6 @@ def load_model(registry: EngineRegistry, host: Host, folders: Folders, model: st
     return spec
 
 
-def _component_spec(host: Host, folders: Folders, kind: str, source: str, device: str) -> ComponentSpec:
-    path = "" if source == DEMO else str(resolve(folders, source))
-    component = "text_encoder" if kind == "te" else "vae"
-    return ComponentSpec(kind, source, path, component_identity(folders, source, component), resolve_device(host, device))
-
-
 def _load_component(registry: EngineRegistry, host: Host, spec: ComponentSpec):
     from vflash_core.conditioning import TextConditioner
     from vflash_core.vae import MediaVAEs
@@ -736,14 +700,10 @@ def _load_component(registry: EngineRegistry, host: Host, spec: ComponentSpec):
     return registry.acquire(spec.kind, spec.key(), spec.source, factory)
 
 
-def load_text_encoder(registry: EngineRegistry, host: Host, folders: Folders, encoder: str, device: str) -> ComponentSpec:
-    spec = _component_spec(host, folders, "te", encoder, device)
-    _load_component(registry, host, spec)
-    return spec
-
-
-def load_vae(registry: EngineRegistry, host: Host, folders: Folders, vae: str, device: str) -> ComponentSpec:
-    spec = _component_spec(host, folders, "vae", vae, device)
+def load_component(registry: EngineRegistry, host: Host, folders: Folders, kind: str, source: str, device: str) -> ComponentSpec:
+    """VflashTextEncoderLoader (`kind` "te") and VflashVAELoader ("vae"): validate, then load the engine now."""
+    path = "" if source == DEMO else str(resolve(folders, source))
+    spec = ComponentSpec(kind, source, path, component_identity(folders, source, COMPONENT_FOLDERS[kind]), resolve_device(host, device))
     _load_component(registry, host, spec)
     return spec
 
@@ -927,18 +887,7 @@ def _vae_pair(registry: "EngineRegistry", host: Host, vae: Any, audio_vae: Any =
     raise RequestError(f"vae takes a Vflash VAE pair (VflashVAELoader) or core's H3 video VAE (VAELoader), got {type(vae).__name__}")
 
 
-# -- node operations: encode, sample, decode ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class EncodedConditions:
-    """The seed-independent half of a request bundle: encoded text and keyframe / reference latents (CPU)."""
-
-    prompt_embeds: torch.Tensor  # (L, text_dim)
-    token_tags: torch.Tensor  # (L,) int64
-    keyframe_latents: tuple[torch.Tensor, ...] = ()  # one (1, C, 1, h, w) per keyframe, packed order
-    anchors: tuple[str, ...] = ()  # "first" / "last" per keyframe
-    references: tuple = ()  # bundle.EncodedReference per reference, request order
+# -- node operations: encode, sample, decode (the pipeline's steps on the nodes' inputs) ---------------------------
 
 
 def _to_pil(image: torch.Tensor, what: str):
@@ -955,114 +904,81 @@ def _slots(group: Mapping[str, Any] | None) -> dict[int, Any]:
     return dict(items)
 
 
-def _ordered(group: Mapping[str, Any] | None) -> list[Any]:
-    """Autogrow values in slot order, unconnected slots skipped."""
-    return list(_slots(group).values())
-
-
-def _check_labels(prompt: str, mode: str, pictures: int, videos: int, audios: int) -> None:
-    """Prompt labels <Picture i> / <Video k> / <Audio j> must name provided inputs (as the pipeline checks)."""
-    import re
-
-    bound = {"Picture": pictures, "Video": videos, "Audio": audios}
-    for word, number in re.findall(r"<(Picture|Video|Audio) (\d+)>", prompt):
-        if not 1 <= int(number) <= bound[word]:
-            raise RequestError(f"prompt label <{word} {number}> is not bound to an input: this {mode} request provides {pictures} picture(s), {videos} video(s) and {audios} audio clip(s)")
-
-
 def encode(registry: EngineRegistry, host: Host, te: Any, vae: Any, prompt: str, width: int, height: int,
            length: int, seconds: float, first_frame: torch.Tensor | None = None, last_frame: torch.Tensor | None = None,
            ref_images: Mapping[str, Any] | None = None, ref_videos: Mapping[str, Any] | None = None,
            ref_audios: Mapping[str, Any] | None = None, force_offload: bool = True,
-           ref_video_audios: Mapping[str, Any] | None = None, audio_vae: Any = None) -> tuple[Conditioning, dict[str, Any], int]:
-    """VflashEncode: the same media normalisation and encoders as `pipeline.build_request_bundle`, without the noise
-    (the sampler draws it from its seed, so one encoding serves every seed). `ref_video_audios` holds the soundtracks
-    of reference clips: `ref_video_audio_k` belongs to `ref_video_k` (a video file's own soundtrack in the pipeline).
+           ref_video_audios: Mapping[str, Any] | None = None, audio_vae: Any = None) -> tuple[Any, dict[str, Any], int]:
+    """VflashEncode: the pipeline's validators and encode step (`pipeline.encode_request`) on the node's inputs,
+    without the noise (the sampler draws it from its seed, so one encoding serves every seed). `ref_video_audios`
+    holds the soundtracks of reference clips: `ref_video_audio_k` belongs to `ref_video_k` (a video file's own
+    soundtrack in the pipeline).
 
     `te` is a Vflash text encoder spec or core's CLIP (`CLIPLoader(type="minimax")`); `vae` a Vflash VAE pair spec
     or core's H3 video VAE, with core's audio VAE in `audio_vae` (needed for soundtracks). With core's encoders the
-    conditioning records how it differs from the diffusers pipeline's in `notes`."""
+    conditioning records how it differs from the diffusers pipeline's in `notes`. Returns the encoding (VFLASH_COND,
+    a `pipeline.EncodedRequest`), the empty latent of its canvas and its frame count."""
     from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3AudioReference, MiniMaxH3ImageReference, MiniMaxH3VideoReference
 
-    from vflash_core.pipeline import encode_conditions
-    from vflash_core.references import fit_keyframes, normalize_references
+    from vflash_core.pipeline import encode_request, request_mode
+    from vflash_core.validation import check_labels, check_prompt, check_reference_counts
 
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise RequestError("the prompt must be a non-empty string")
+    check_prompt(prompt)
     geometry = request_geometry(width, height, length, seconds)
-    images, audios = _ordered(ref_images), _ordered(ref_audios)
+    images, audios = list(_slots(ref_images).values()), list(_slots(ref_audios).values())
     video_slots, soundtrack_slots = _slots(ref_videos), _slots(ref_video_audios)
     orphans = sorted(soundtrack_slots.keys() - video_slots.keys())
     if orphans:
         raise RequestError(f"ref_video_audio_{orphans[0]} is the soundtrack of ref_video_{orphans[0]}, which is not connected")
     videos = list(video_slots.values())
     soundtracks = [soundtrack_slots.get(slot) for slot in video_slots]
-    keyframe_inputs = [(a, f) for a, f in (("first", first_frame), ("last", last_frame)) if f is not None]
-    if (images or videos or audios) and keyframe_inputs:
-        raise RequestError("a request takes either keyframes (first/last frame) or references, not both")
-    if audios and not (images or videos):
-        raise RequestError("audio references need at least one image or video reference beside them")
-    mode = "ref2va" if images or videos or audios else {(): "t2va", ("first",): "i2va", ("last",): "l2va", ("first", "last"): "fl2va"}[tuple(a for a, _ in keyframe_inputs)]
+    frames = {anchor: f for anchor, f in (("first", first_frame), ("last", last_frame)) if f is not None}
+    mode = request_mode("first" in frames, "last" in frames, bool(images or videos or audios))
+    check_reference_counts(["image"] * len(images) + ["video"] * len(videos) + ["audio"] * len(audios))
     # <Audio j> counts audio references and reference clips' soundtracks alike (the pipeline's numbering).
-    _check_labels(prompt, mode, len(images) if mode == "ref2va" else len(keyframe_inputs), len(videos), len(audios) + sum(s is not None for s in soundtracks))
+    check_labels(prompt, mode, len(images) if mode == "ref2va" else len(frames), len(videos), len(audios) + sum(s is not None for s in soundtracks))
 
-    steps = 2 + bool(keyframe_inputs or mode == "ref2va")
-    bar = _Progress(host, steps)
+    steps = 2 + bool(frames or mode == "ref2va")
+    bar = _progress(host)
     conditioner = _text_conditioner(registry, host, te)
     vaes = _vae_pair(registry, host, vae, audio_vae)
     notes = tuple(note for core, note in ((isinstance(conditioner, CoreTextConditioner), CORE_TEXT_NOTE),
-                                          (isinstance(vaes, CoreVAEs) and bool(keyframe_inputs or mode == "ref2va"), CORE_VAE_NOTE)) if core)
-    keyframes, references = [], []
-    if mode == "ref2va":
-        raw = [MiniMaxH3ImageReference(image=_to_pil(img, f"reference image {i + 1}")) for i, img in enumerate(images)]
-        for i, (clip, soundtrack) in enumerate(zip(videos, soundtracks)):
-            audio, rate = cl.audio_to_waveform(soundtrack, f"soundtrack of reference video {i + 1}") if soundtrack is not None else (None, None)
-            raw.append(MiniMaxH3VideoReference(frames=cl.image_to_clip(clip, f"reference video {i + 1}").numpy(), fps=float(FPS), audio=audio, sample_rate=rate))
-        for i, audio in enumerate(audios):
-            waveform, rate = cl.audio_to_waveform(audio, f"reference audio {i + 1}")
-            raw.append(MiniMaxH3AudioReference(audio=waveform, sample_rate=rate))
-        references = normalize_references(raw, geometry.num_frames, conditioner.canvas, vaes.sample_rate)
-    elif keyframe_inputs:
-        keyframes = fit_keyframes([_to_pil(f, f"{a} frame") for a, f in keyframe_inputs], geometry.height, geometry.width)
-    bar(1, steps)
-    text = conditioner.encode(prompt, keyframes, references)
-    if force_offload and isinstance(te, ComponentSpec):
-        registry.release("te")
-    bar(2, steps)
-    conditions, encoded = encode_conditions(vaes, keyframes, references)
-    if keyframes or references:
-        bar(3, steps)
-    payload = EncodedConditions(text.prompt_embeds, text.token_tags, tuple(conditions), tuple(a for a, _ in keyframe_inputs), tuple(encoded))
+                                          (isinstance(vaes, CoreVAEs) and steps == 3, CORE_VAE_NOTE)) if core)
+    references = [MiniMaxH3ImageReference(image=_to_pil(img, f"reference image {i + 1}")) for i, img in enumerate(images)]
+    for i, (clip, soundtrack) in enumerate(zip(videos, soundtracks)):
+        audio, rate = cl.audio_to_waveform(soundtrack, f"soundtrack of reference video {i + 1}") if soundtrack is not None else (None, None)
+        references.append(MiniMaxH3VideoReference(frames=cl.image_to_clip(clip, f"reference video {i + 1}").numpy(), fps=float(FPS), audio=audio, sample_rate=rate))
+    for i, audio in enumerate(audios):
+        waveform, rate = cl.audio_to_waveform(audio, f"reference audio {i + 1}")
+        references.append(MiniMaxH3AudioReference(audio=waveform, sample_rate=rate))
+    keyframes = {anchor: _to_pil(f, f"{anchor} frame") for anchor, f in frames.items()}
+
+    def after_stage(stage: str) -> None:
+        if stage == "encode.text" and force_offload and isinstance(te, ComponentSpec):
+            registry.release("te")
+        done = ("encode.inputs", "encode.text", "encode.vae").index(stage) + 1
+        if done <= steps:
+            bar(done, steps)
+
+    encoded = replace(encode_request(conditioner, vaes, prompt, mode, geometry, keyframes, references, after_stage=after_stage), notes=notes)
     latents = cl.empty_latents(geometry, vaes.latent_channels, vaes.audio_latent_channels)
-    cond = Conditioning(mode, geometry, payload, te, vae, notes)
     for note in notes:
         host.log(f"Vflash encode: {note}")
-    return cond, cl.to_comfy_latent(latents.video, latents.audio, host.nested), geometry.num_frames
+    return encoded, cl.to_comfy_latent(latents.video, latents.audio, host.nested), geometry.num_frames
 
 
-def request_bundle(cond: Conditioning, geometry: Geometry, seed: int, config: Any):
-    """The full conditioning bundle of an encoded request for one seed (noise drawn as `build_request_bundle` does)."""
-    from vflash_core.bundle import BundleHandoff, build_keyframe_bundle, build_ref2va_bundle
-
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-        raise RequestError(f"seed must be an integer from 0 to 2**63 - 1, got {seed!r}")
-    p = cond.payload
-    generator = torch.Generator().manual_seed(seed)
-    if cond.mode == "ref2va":
-        bundle = build_ref2va_bundle(p.prompt_embeds, p.token_tags, geometry, config, generator, p.references, seed=seed)
-    else:
-        bundle = build_keyframe_bundle(p.prompt_embeds, p.token_tags, geometry, config, generator, p.keyframe_latents, p.anchors, seed=seed)
-    return BundleHandoff(bundle)
-
-
-def sample(registry: EngineRegistry, host: Host, model: ModelSpec, cond: Conditioning, latent: dict[str, Any], seed: int,
+def sample(registry: EngineRegistry, host: Host, model: ModelSpec, cond: Any, latent: dict[str, Any], seed: int,
            force_offload: bool = False, profile_denoise: bool = False) -> dict[str, Any]:
-    """VflashSampler: the profile's fixed schedule from the seed's noise; returns core's H3 AV latent."""
+    """VflashSampler: the profile's fixed schedule from the seed's noise on VflashEncode's `pipeline.EncodedRequest`;
+    returns core's H3 AV latent."""
+    from vflash_core.validation import check_seed
+
+    check_seed(seed)
     target = cl.from_comfy_latent(latent)
     if not cl.is_empty(target):
         raise RequestError("VflashSampler starts from noise: its latent input must be empty (VflashEncode's or EmptyMiniMaxH3LatentAV's); it only sets the canvas and length")
     geometry = target.geometry
-    if cond.geometry_bound and geometry != cond.geometry:
+    if cond.mode != "t2va" and geometry != cond.geometry:  # keyframes and references are encoded for their canvas
         raise RequestError(
             f"the {cond.mode} conditioning was encoded for {cond.geometry.width}x{cond.geometry.height}, {cond.geometry.num_frames} frames; "
             f"the latent is {geometry.width}x{geometry.height}, {geometry.num_frames} frames (use VflashEncode's latent or match them)"
@@ -1074,29 +990,22 @@ def sample(registry: EngineRegistry, host: Host, model: ModelSpec, cond: Conditi
         profile.check_duration(geometry.num_frames / FPS)
     host.free_memory()
     session = _load_session(registry, host, model)
-    handoff = request_bundle(cond, geometry, seed, session.compiled.config)
-    stopped = False
+    handoff = cond.bundle(session.compiled.config, seed, geometry)
+    stopped: list[BaseException] = []  # what the progress or interrupt callbacks raised to stop the trajectory
 
-    def on_evaluation(done: int, total: int) -> None:
-        nonlocal stopped
-        try:
-            progress(done, total)
-        except BaseException:
-            stopped = True
-            raise
+    def stopping(callback: Callable[..., None]) -> Callable[..., None]:
+        def call(*args: int) -> None:
+            try:
+                callback(*args)
+            except BaseException as exc:
+                stopped.append(exc)
+                raise
 
-    def between_blocks() -> None:
-        nonlocal stopped
-        try:
-            host.check_interrupt()
-        except BaseException:
-            stopped = True
-            raise
+        return call
 
-    progress = _Progress(host, session.profile.nfe)
     start = time.perf_counter()
     try:
-        result = session.generate(handoff, progress=on_evaluation, between_blocks=between_blocks, profile_denoise=profile_denoise)
+        result = session.generate(handoff, progress=stopping(_progress(host)), between_blocks=stopping(host.check_interrupt), profile_denoise=profile_denoise)
     except BaseException as exc:
         if not stopped and not isinstance(exc, VflashError):
             # A failed trajectory leaves the session refusing work: close it now, the next run loads a fresh one.
@@ -1125,6 +1034,8 @@ def sample(registry: EngineRegistry, host: Host, model: ModelSpec, cond: Conditi
 def decode(registry: EngineRegistry, host: Host, vae: Any, latent: dict[str, Any], audio_vae: Any = None) -> tuple[torch.Tensor, dict[str, Any], Any]:
     """VflashDecode: frames (IMAGE batch), stereo AUDIO trimmed to the video's length, and a VIDEO at 24 fps.
     `vae` is a Vflash VAE pair spec, or core's H3 video VAE with core's audio VAE in `audio_vae`."""
+    from vflash_core.pipeline import decode_latents, delivered_soundtrack
+
     av = cl.from_comfy_latent(latent)
     vaes = _vae_pair(registry, host, vae, audio_vae)
     if isinstance(vaes, CoreVAEs):
@@ -1134,16 +1045,10 @@ def decode(registry: EngineRegistry, host: Host, vae: Any, latent: dict[str, Any
             f"the latent has {av.video.shape[1]} video / {av.audio.shape[1]} audio channels; these VAEs take "
             f"{vaes.latent_channels} / {vaes.audio_latent_channels} (a latent of another model family?)"
         )
-    bar = _Progress(host, 2)
-    with vaes.on_device():
-        frames = vaes.decode_video(av.video)
-        bar(1, 2)
-        waveform = vaes.decode_audio(av.audio)
-        bar(2, 2)
-    # The audio latents cover round(F / 24 * 40) / 40 s; deliver the soundtrack at the video's exact length.
-    samples = round(frames.shape[0] / FPS * vaes.sample_rate)
-    images = cl.frames_to_image(frames)
-    audio = cl.waveform_to_audio(waveform[:, :samples], vaes.sample_rate)
+    bar = _progress(host)
+    media = decode_latents(vaes, av.video, av.audio, lambda stage: bar(("decode.video", "decode.audio").index(stage) + 1, 2))
+    images = cl.frames_to_image(media.frames)
+    audio = cl.waveform_to_audio(delivered_soundtrack(media), media.sample_rate)
     return images, audio, host.make_video(images, audio, float(FPS))
 
 

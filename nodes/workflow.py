@@ -497,8 +497,8 @@ def _vflash_node_types(registry, host, folders) -> dict[str, NodeType]:
     runs: dict[str, Callable[..., tuple]] = {
         "VflashModelLoader": lambda **kw: (ops.load_model(registry, host, folders, **kw),),
         "VflashLoraSelect": lambda **kw: (ops.select_lora(folders, **kw),),
-        "VflashTextEncoderLoader": lambda **kw: (ops.load_text_encoder(registry, host, folders, **kw),),
-        "VflashVAELoader": lambda **kw: (ops.load_vae(registry, host, folders, **kw),),
+        "VflashTextEncoderLoader": lambda encoder, device: (ops.load_component(registry, host, folders, "te", encoder, device),),
+        "VflashVAELoader": lambda vae, device: (ops.load_component(registry, host, folders, "vae", vae, device),),
         "VflashEncode": lambda **kw: ops.encode(registry, host, **kw),
         "VflashSampler": lambda **kw: (ops.sample(registry, host, **kw),),
         "VflashDecode": lambda **kw: ops.decode(registry, host, **kw),

@@ -372,12 +372,12 @@ def test_reference_clip_soundtracks_travel_with_their_clip(pack, comfy, monkeypa
     """`ref_video_audio_k` becomes the soundtrack of `ref_video_k`'s reference, as a video file's own audio does in the
     pipeline; what follows (normalisation, encoders) is the pipeline's shared code."""
     from vflash_nodes import ops
-    from vflash_core import references
+    from vflash_core import pipeline
 
     registry = pack.package.registry.ENGINES
     host, folders = pack.package.host.HOST, pack.package.host.FOLDERS
-    te = ops.load_text_encoder(registry, host, folders, "embedded-demo", "cpu")
-    vae = ops.load_vae(registry, host, folders, "embedded-demo", "cpu")
+    te = ops.load_component(registry, host, folders, "te", "embedded-demo", "cpu")
+    vae = ops.load_component(registry, host, folders, "vae", "embedded-demo", "cpu")
     seen = []
 
     class Stop(Exception):
@@ -387,7 +387,7 @@ def test_reference_clip_soundtracks_travel_with_their_clip(pack, comfy, monkeypa
         seen.extend(raw)
         raise Stop
 
-    monkeypatch.setattr(references, "normalize_references", spy)
+    monkeypatch.setattr(pipeline, "normalize_references", spy)
     clip = torch.rand(22, 32, 48, 3)
     voice = {"waveform": torch.rand(1, 1, 48000) - 0.5, "sample_rate": 48000}
     picture = torch.rand(1, 32, 32, 3)
@@ -408,13 +408,13 @@ def test_encode_then_sample_bundle_equals_pipeline_bundle(pack, comfy, keyframes
     from PIL import Image
 
     from vflash_nodes import ops
-    from vflash_core.pipeline import VideoRequest, build_request_bundle
+    from vflash_core.pipeline import VideoRequest, build_request_bundle, plan_request
 
     registry = pack.package.registry.ENGINES
     host = pack.package.host.HOST
     folders = pack.package.host.FOLDERS
-    te = ops.load_text_encoder(registry, host, folders, "embedded-demo", "cpu")
-    vae = ops.load_vae(registry, host, folders, "embedded-demo", "cpu")
+    te = ops.load_component(registry, host, folders, "te", "embedded-demo", "cpu")
+    vae = ops.load_component(registry, host, folders, "vae", "embedded-demo", "cpu")
     model = ops.load_model(registry, host, folders, "embedded-demo", "auto", "auto", "cpu", "none", "sequence-head", "auto")
     images = {}
     for name, color in zip(keyframes, ((250, 20, 20), (20, 20, 250))):
@@ -426,10 +426,12 @@ def test_encode_then_sample_bundle_equals_pipeline_bundle(pack, comfy, keyframes
     prompt = "A red square <Picture 1> turns blue." if keyframes else "Waves crash on a rocky shore."
     cond, latent, frames = ops.encode(registry, host, te, vae, prompt, 128, 96, 124, 0.0, images.get("first"), images.get("last"), force_offload=False)
     session = registry.engine("dit")
-    mine = ops.request_bundle(cond, cl.from_comfy_latent(latent).geometry, 7, session.compiled.config).consume()
+    mine = cond.bundle(session.compiled.config, 7, cl.from_comfy_latent(latent).geometry).consume()
     request = VideoRequest(prompt, first_frame=tmp_path / "first.png" if keyframes else None, last_frame=tmp_path / "last.png" if keyframes else None,
                            duration_seconds=5.0, seed=7, width=128, height=96)
-    theirs = build_request_bundle(registry.engine("te"), registry.engine("vae"), request, session.compiled.config, session.profile).consume()
+    te, vaes = registry.engine("te"), registry.engine("vae")
+    plan = plan_request(request, session.profile, te.canvas)
+    theirs = build_request_bundle(te, vaes, request, plan, session.compiled.config).consume()
     assert mine.mode == theirs.mode == ("fl2va" if keyframes else "t2va")
     assert mine.fingerprint() == theirs.fingerprint()
 
@@ -444,14 +446,14 @@ def test_reference_clip_with_soundtrack_bundle_equals_pipeline_bundle(pack, comf
 
     from vflash_nodes import ops
     from vflash_core.media import write_mp4
-    from vflash_core.pipeline import VideoRequest, build_request_bundle
+    from vflash_core.pipeline import VideoRequest, build_request_bundle, plan_request
     from vflash_core.profiles import get_profile
     from vflash_core.references import frames_to_uint8, load_reference
 
     registry = pack.package.registry.ENGINES
     host, folders = pack.package.host.HOST, pack.package.host.FOLDERS
-    te = ops.load_text_encoder(registry, host, folders, "embedded-demo", "cpu")
-    vae = ops.load_vae(registry, host, folders, "embedded-demo", "cpu")
+    te = ops.load_component(registry, host, folders, "te", "embedded-demo", "cpu")
+    vae = ops.load_component(registry, host, folders, "vae", "embedded-demo", "cpu")
     ops.load_model(registry, host, folders, "embedded-demo", "auto", "auto", "cpu", "none", "sequence-head", "auto")
     g = torch.Generator().manual_seed(5)
     picture = np.random.default_rng(5).integers(0, 255, (60, 90, 3), dtype=np.uint8)
@@ -465,9 +467,11 @@ def test_reference_clip_with_soundtrack_bundle_equals_pipeline_bundle(pack, comf
     cond, latent, _ = ops.encode(registry, host, te, vae, prompt, 96, 64, 124, 0.0, ref_images={"ref_image_0": torch.from_numpy(picture.astype(np.float32) / 255.0)[None]},
                                  ref_videos={"ref_video_0": frames}, ref_video_audios={"ref_video_audio_0": soundtrack}, force_offload=False)
     config = registry.engine("dit").compiled.config
-    mine = ops.request_bundle(cond, cl.from_comfy_latent(latent).geometry, 7, config).consume()
+    mine = cond.bundle(config, 7, cl.from_comfy_latent(latent).geometry).consume()
     request = VideoRequest(prompt, references=(str(tmp_path / "picture.png"), str(clip_path)), duration_seconds=5.0, seed=7, width=96, height=64)
-    theirs = build_request_bundle(registry.engine("te"), registry.engine("vae"), request, config, get_profile("ref2va-base4-exact-cpu")).consume()
+    te, vaes = registry.engine("te"), registry.engine("vae")
+    plan = plan_request(request, get_profile("ref2va-base4-exact-cpu"), te.canvas)
+    theirs = build_request_bundle(te, vaes, request, plan, config).consume()
     assert mine.mode == theirs.mode == "ref2va"
     assert mine.fingerprint() == theirs.fingerprint()
 

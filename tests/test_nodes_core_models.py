@@ -93,8 +93,8 @@ def test_core_encoders_give_the_vflash_bundle_bitwise(pack, core_files, keyframe
     loaders when the core objects compute the same numbers: the adapters reorder nothing and round nothing."""
     registry = pack.package.registry.ENGINES
     host, folders = pack.package.host.HOST, pack.package.host.FOLDERS
-    te = ops.load_text_encoder(registry, host, folders, "embedded-demo", "cpu")
-    vae = ops.load_vae(registry, host, folders, "embedded-demo", "cpu")
+    te = ops.load_component(registry, host, folders, "te", "embedded-demo", "cpu")
+    vae = ops.load_component(registry, host, folders, "vae", "embedded-demo", "cpu")
     ops.load_model(registry, host, folders, "embedded-demo", "auto", "auto", "cpu", "none", "sequence-head", "auto")
     clip, video_vae, audio_vae = _core(pack, core_files)
     g = torch.Generator().manual_seed(3)
@@ -109,8 +109,8 @@ def test_core_encoders_give_the_vflash_bundle_bitwise(pack, core_files, keyframe
     config = registry.engine("dit").compiled.config
     geometry = cl.from_comfy_latent(latent).geometry
     assert cl.from_comfy_latent(core_latent).geometry == geometry
-    a = ops.request_bundle(mine, geometry, 5, config).consume()
-    b = ops.request_bundle(core, geometry, 5, config).consume()
+    a = mine.bundle(config, 5, geometry).consume()
+    b = core.bundle(config, 5, geometry).consume()
     assert a.mode == b.mode == ("fl2va" if keyframes else "t2va") and a.fingerprint() == b.fingerprint()
     assert core.notes == ((ops.CORE_TEXT_NOTE, ops.CORE_VAE_NOTE) if keyframes else (ops.CORE_TEXT_NOTE,)) and mine.notes == ()
 
@@ -118,7 +118,7 @@ def test_core_encoders_give_the_vflash_bundle_bitwise(pack, core_files, keyframe
 def test_core_vae_decode_equals_vflash_decode(pack, core_files):
     registry = pack.package.registry.ENGINES
     host, folders = pack.package.host.HOST, pack.package.host.FOLDERS
-    vae = ops.load_vae(registry, host, folders, "embedded-demo", "cpu")
+    vae = ops.load_component(registry, host, folders, "vae", "embedded-demo", "cpu")
     _, video_vae, audio_vae = _core(pack, core_files)
     nested = importlib.import_module("comfy.nested_tensor").NestedTensor
     g = torch.Generator().manual_seed(1)
@@ -163,14 +163,14 @@ def test_references_reach_core_clip_in_request_order(pack, core_files, monkeypat
     assert [item["type"] for item in clip.items] == ["image", "audio", "video", "audio"]
     assert clip.items[0]["data"].ndim == 4 and clip.items[2]["data"].shape[0] == 4  # 2 s of 24 fps frames read at 2 fps
     assert cond.mode == "ref2va" and cond.notes == (ops.CORE_TEXT_NOTE, ops.CORE_VAE_NOTE)
-    assert [ref.kind for ref in cond.payload.references] == ["image", "video", "audio"]
+    assert [ref.kind for ref in cond.references] == ["image", "video", "audio"]
 
 
 def test_core_objects_are_refused_by_name(pack, core_files):
     registry = pack.package.registry.ENGINES
     host, folders = pack.package.host.HOST, pack.package.host.FOLDERS
     clip, video_vae, audio_vae = _core(pack, core_files)
-    vae = ops.load_vae(registry, host, folders, "embedded-demo", "cpu")
+    vae = ops.load_component(registry, host, folders, "vae", "embedded-demo", "cpu")
     nested = importlib.import_module("comfy.nested_tensor").NestedTensor
     latent = cl.to_comfy_latent(torch.zeros(1, 8, 7, 4, 4), torch.zeros(2, 8, 37), nested)
     with pytest.raises(RequestError, match="connect MiniMax-H3's audio VAE"):
@@ -273,8 +273,8 @@ def test_profile_vs_the_graphs_request_is_refused_before_any_model_work(pack, ch
 def test_profile_vs_mode_is_refused_before_the_transformer_is_touched(pack, monkeypatch):
     registry = pack.package.registry.ENGINES
     host, folders = pack.package.host.HOST, pack.package.host.FOLDERS
-    te = ops.load_text_encoder(registry, host, folders, "embedded-demo", "cpu")
-    vae = ops.load_vae(registry, host, folders, "embedded-demo", "cpu")
+    te = ops.load_component(registry, host, folders, "te", "embedded-demo", "cpu")
+    vae = ops.load_component(registry, host, folders, "vae", "embedded-demo", "cpu")
     cond, latent, _ = ops.encode(registry, host, te, vae, "Waves crash.", 128, 96, 124, 0.0, force_offload=False)
     ref_profile = ops.model_spec(host, folders, "embedded-demo", "auto", "auto", "cpu", "none", "sequence-head", "auto")
     wrong = ref_profile.__class__(**{**ref_profile.__dict__, "profile": "ref2va-base4-exact-cpu"})

@@ -178,7 +178,7 @@ def test_workflow_value_of_the_wrong_type_is_refused_before_any_model_loads(tmp_
     def refuse(*args, **kwargs):
         raise AssertionError("a loader node ran for a workflow that must be refused when it is checked")
 
-    for loader in ("load_model", "load_text_encoder", "load_vae"):
+    for loader in ("load_model", "load_component"):
         monkeypatch.setattr(node_ops, loader, refuse)
     workflow = Path(__file__).resolve().parent.parent / "workflows" / "api" / "t2va.json"
     line = refused(capsys, ["run-workflow", str(workflow), "--set", "4.width=wide", "--set", "4.force_offload=1", "--output-dir", str(tmp_path / "out")])

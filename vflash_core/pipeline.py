@@ -16,7 +16,9 @@ validator the service shares): prompt length against the text encoder's context,
 budget, duration and mode against the profile, reference counts and input file sizes, prompt labels bound to
 provided inputs; `generate` also checks the output path. Devices and the attention backend are checked when the
 pipeline is created. The encoders hand their tensors to the core through a validated one-shot `BundleHandoff` (no
-temporary file).
+temporary file). The request's steps are functions of the parts they run on (`encode_request`, then
+`EncodedRequest.bundle` for a seed, `decode_latents`), so the node pack, whose text encoder and VAEs come from
+separate loaders (or are ComfyUI core's), runs this code and no copy of it.
 
 Threads: concurrent first calls load the models once, and requests on one pipeline run one at a time (after their
 validation, so a bad request is refused without waiting). Model loading is serialised process-wide
@@ -125,9 +127,7 @@ class VideoRequest:
 
     @property
     def mode(self) -> str:
-        if self.references:
-            return "ref2va"
-        return {(False, False): "t2va", (True, False): "i2va", (False, True): "l2va", (True, True): "fl2va"}[(self.first_frame is not None, self.last_frame is not None)]
+        return request_mode(self.first_frame is not None, self.last_frame is not None, bool(self.references))
 
     @property
     def keyframes(self) -> tuple[MediaInput, ...]:
@@ -337,40 +337,148 @@ def prepare_pipeline(profile: Profile | str, assets: str | Path, receipt: str | 
     return PreparedAssets.load(receipt)
 
 
-# -- encoding ------------------------------------------------------------------------------------------------------
+# -- the request path's steps, on components passed in (the node pack composes them too) -------------------------------
+
+# after_stage(name): called when a nested stage ends (encode.inputs, encode.text, encode.vae, decode.video, decode.audio)
+StageCallback = Callable[[str], None]
 
 
-def _timed(timings: dict[str, float] | None, name: str, start: float) -> float:
-    now = time.perf_counter()
-    if timings is not None:
-        timings[name] = now - start
-    return now
+def stage_timer(timings: dict[str, float] | None, then: StageCallback | None = None) -> StageCallback:
+    """A stage callback that records in `timings` each stage's seconds since the previous one (or since it was made),
+    then calls `then`."""
+    last = [time.perf_counter()]
+
+    def after_stage(name: str) -> None:
+        now = time.perf_counter()
+        if timings is not None:
+            timings[name] = now - last[0]
+        last[0] = now
+        if then is not None:
+            then(name)
+
+    return after_stage
 
 
-def encode_conditions(vaes: MediaVAEs, keyframes: list, references: list) -> tuple[list[torch.Tensor], list[EncodedReference]]:
-    """VAE latents of the canvas-fitted keyframes, and of each normalised reference's frames and soundtrack, in order.
+def request_mode(first_frame: bool, last_frame: bool, references: bool) -> str:
+    """The mode of a request from which inputs it has; keyframes and references together have none."""
+    if references and (first_frame or last_frame):
+        raise RequestError("a request takes either keyframes (first/last frame) or references, not both")
+    if references:
+        return "ref2va"
+    return {(False, False): "t2va", (True, False): "i2va", (False, True): "l2va", (True, True): "fl2va"}[(first_frame, last_frame)]
 
-    Returns (one (1, C, 1, h, w) latent per keyframe, one `EncodedReference` per reference); the VAEs are on their
-    device only for the duration.
+
+@dataclass(frozen=True)
+class EncodedRequest:
+    """The seed-independent half of a request's bundle (CPU tensors): the encoded prompt and keyframe / reference
+    latents, with the mode and the canvas they were encoded for. One encoding serves every seed (`bundle`)."""
+
+    mode: str
+    geometry: Geometry
+    prompt_embeds: torch.Tensor  # (L, text_dim)
+    token_tags: torch.Tensor  # (L,) int64
+    keyframe_latents: tuple[torch.Tensor, ...] = ()  # one (1, C, 1, h, w) per keyframe, packed order
+    anchors: tuple[str, ...] = ()  # "first" / "last" per keyframe
+    references: tuple[EncodedReference, ...] = ()  # request order
+    notes: tuple[str, ...] = ()  # how this encoding differs from the diffusers pipeline's (ComfyUI core's encoders)
+
+    def bundle(self, config: H3Config, seed: int, geometry: Geometry | None = None) -> BundleHandoff:
+        """The conditioning bundle of one seed (its noise drawn by the bundle contract), handed over one-shot;
+        `geometry` replaces the encoded canvas (a t2va encoding is bound to none)."""
+        geometry = geometry or self.geometry
+        generator = torch.Generator().manual_seed(seed)
+        if self.mode == "ref2va":
+            bundle = build_ref2va_bundle(self.prompt_embeds, self.token_tags, geometry, config, generator, self.references, seed=seed)
+        else:
+            bundle = build_keyframe_bundle(self.prompt_embeds, self.token_tags, geometry, config, generator, self.keyframe_latents, self.anchors, seed=seed)
+        return BundleHandoff(bundle)
+
+
+def encode_request(
+    conditioner: TextConditioner,
+    vaes: MediaVAEs,
+    prompt: str,
+    mode: str,
+    geometry: Geometry,
+    keyframes: dict[str, PIL.Image.Image] | None = None,
+    references: list | None = None,
+    canvas: CanvasRules | None = None,
+    after_stage: StageCallback | None = None,
+) -> EncodedRequest:
+    """Put a validated request's media on H3's rates and resolutions, then encode the prompt, and the keyframes and
+    each reference's frames and soundtrack with the VAEs.
+
+    `keyframes`: anchor ("first", "last") -> image, in packed order; `references`: the decoded diffusers
+    `MiniMaxH3*Reference`s in request order; `canvas`: the model's canvas rules (default: the conditioner's). The
+    conditioner and the VAEs may be any objects with their interfaces (the node pack passes ComfyUI core's).
+    `after_stage` is called after encode.inputs, encode.text and encode.vae.
     """
+    after_stage = after_stage or (lambda name: None)
+    fitted: list[PIL.Image.Image] = []
+    normalized: list = []
+    if mode == "ref2va":
+        normalized = normalize_references(list(references or ()), geometry.num_frames, canvas or conditioner.canvas, vaes.sample_rate)
+    elif keyframes:
+        fitted = fit_keyframes(list(keyframes.values()), geometry.height, geometry.width)
+    after_stage("encode.inputs")
+    text = conditioner.encode(prompt, fitted, normalized)
+    after_stage("encode.text")
     conditions: list[torch.Tensor] = []
     encoded: list[EncodedReference] = []
-    if not (keyframes or references):
-        return conditions, encoded
+    if fitted or normalized:
+        with vaes.on_device():  # the VAEs hold their device only for their stage
+            conditions = [vaes.encode_pixels(np.array(k)[None]) for k in fitted]
+            for ref in normalized:
+                latents = rows = None
+                if ref.kind == "image":
+                    latents = vaes.encode_pixels(np.array(ref.image)[None])
+                elif ref.kind == "video":
+                    # Snapped down to 17 n + 5 frames so the VAE encodes without padding (the reference's arithmetic).
+                    n = max(1, (ref.frames.shape[0] - VAE_LATENTS_PER_CHUNK) // VAE_FRAMES_PER_CHUNK)
+                    latents = vaes.encode_pixels(ref.frames[: n * VAE_FRAMES_PER_CHUNK + VAE_LATENTS_PER_CHUNK])
+                if ref.has_audio:
+                    rows = vaes.encode_soundtrack(ref.audio)
+                encoded.append(EncodedReference(ref.kind, latents, rows))
+    after_stage("encode.vae")
+    return EncodedRequest(mode, geometry, text.prompt_embeds, text.token_tags, tuple(conditions), tuple(keyframes or ()), tuple(encoded))
+
+
+def build_request_bundle(
+    conditioner: TextConditioner,
+    vaes: MediaVAEs,
+    request: VideoRequest,
+    plan: RequestPlan,
+    config: H3Config,
+    canvas: CanvasRules | None = None,
+    timings: dict[str, float] | None = None,
+) -> BundleHandoff:
+    """Read the request's media files, encode them and the prompt (`encode_request`), draw the noise, and hand the
+    bundle over one-shot. `plan` is the request's `plan_request` result; `timings` (optional) receives
+    `encode.inputs` (reading included), `encode.text`, `encode.vae`, `encode.bundle`."""
+    after_stage = stage_timer(timings)
+    keyframes = {anchor: load_image(k) for anchor, k in (("first", request.first_frame), ("last", request.last_frame)) if k is not None}
+    references = [load_reference(r) for r in request.references]
+    encoded = encode_request(conditioner, vaes, request.prompt, plan.mode, plan.geometry, keyframes, references, canvas, after_stage)
+    handoff = encoded.bundle(config, request.seed)
+    after_stage("encode.bundle")
+    return handoff
+
+
+def decode_latents(vaes: MediaVAEs, video_latents: torch.Tensor, audio_latents: torch.Tensor, after_stage: StageCallback | None = None) -> DecodedMedia:
+    """(1, C, F, h, w) and (2, C_a, A) normalised latents -> frames and the whole stereo waveform, the VAEs on their
+    device for the duration; `after_stage` is called after decode.video and decode.audio."""
+    after_stage = after_stage or (lambda name: None)
     with vaes.on_device():
-        conditions = [vaes.encode_pixels(np.array(k)[None]) for k in keyframes]
-        for ref in references:
-            latents = rows = None
-            if ref.kind == "image":
-                latents = vaes.encode_pixels(np.array(ref.image)[None])
-            elif ref.kind == "video":
-                # Snapped down to 17 n + 5 frames so the VAE encodes without padding (the reference's arithmetic).
-                n = max(1, (ref.frames.shape[0] - VAE_LATENTS_PER_CHUNK) // VAE_FRAMES_PER_CHUNK)
-                latents = vaes.encode_pixels(ref.frames[: n * VAE_FRAMES_PER_CHUNK + VAE_LATENTS_PER_CHUNK])
-            if ref.has_audio:
-                rows = vaes.encode_soundtrack(ref.audio)
-            encoded.append(EncodedReference(ref.kind, latents, rows))
-    return conditions, encoded
+        frames = vaes.decode_video(video_latents)
+        after_stage("decode.video")
+        waveform = vaes.decode_audio(audio_latents)
+        after_stage("decode.audio")
+    return DecodedMedia(frames, waveform, vaes.sample_rate)
+
+
+def delivered_soundtrack(media: DecodedMedia) -> torch.Tensor:
+    """The waveform cut to the video's exact length: the audio latents cover round(F / 24 * 40) / 40 s."""
+    return media.waveform[:, : round(media.frames.shape[0] / FPS * media.sample_rate)]
 
 
 def conditioner_prompt_budget(conditioner: TextConditioner) -> PromptBudget | None:
@@ -378,46 +486,6 @@ def conditioner_prompt_budget(conditioner: TextConditioner) -> PromptBudget | No
     if conditioner.text_encoder is None:
         return None
     return PromptBudget.of_tokenizer(conditioner.tokenizer, conditioner.text_encoder.config.text_config.max_position_embeddings)
-
-
-def build_request_bundle(
-    conditioner: TextConditioner,
-    vaes: MediaVAEs,
-    request: VideoRequest,
-    config: H3Config,
-    profile: Profile,
-    canvas: CanvasRules | None = None,
-    timings: dict[str, float] | None = None,
-    plan: RequestPlan | None = None,
-) -> BundleHandoff:
-    """Read and normalise the request's media, encode text and visual/audio conditions, draw the noise, and hand the
-    bundle over one-shot. `timings` (optional) receives `encode.inputs`, `encode.text`, `encode.vae`, `encode.bundle`;
-    `plan` is the request's `plan_request` result when the caller validated it already."""
-    canvas = canvas or conditioner.canvas
-    if plan is None:
-        plan = plan_request(request, profile, canvas, conditioner_prompt_budget(conditioner))
-    geometry = plan.geometry
-    t = time.perf_counter()
-    keyframes: list[PIL.Image.Image] = []
-    references: list = []
-    if plan.mode == "ref2va":
-        references = normalize_references([load_reference(r) for r in request.references], geometry.num_frames, canvas, vaes.sample_rate)
-    elif request.keyframes:
-        keyframes = fit_keyframes([load_image(k) for k in request.keyframes], geometry.height, geometry.width)
-    t = _timed(timings, "encode.inputs", t)
-    text = conditioner.encode(request.prompt, keyframes, references)
-    t = _timed(timings, "encode.text", t)
-    conditions, encoded = encode_conditions(vaes, keyframes, references)
-    t = _timed(timings, "encode.vae", t)
-    generator = torch.Generator().manual_seed(request.seed)
-    if plan.mode == "ref2va":
-        bundle = build_ref2va_bundle(text.prompt_embeds, text.token_tags, geometry, config, generator, tuple(encoded), seed=request.seed)
-    else:
-        anchors = tuple(a for a, k in (("first", request.first_frame), ("last", request.last_frame)) if k is not None)
-        bundle = build_keyframe_bundle(text.prompt_embeds, text.token_tags, geometry, config, generator, tuple(conditions), anchors, seed=request.seed)
-    handoff = BundleHandoff(bundle)
-    _timed(timings, "encode.bundle", t)
-    return handoff
 
 
 # -- the pipeline --------------------------------------------------------------------------------------------------
@@ -612,7 +680,7 @@ class H3Pipeline:
         plan = self.validate(request)
         with self._lock:
             self.prepare()
-            return build_request_bundle(self.conditioner, self.vaes, request, self.config, self.profile, self.canvas, timings, plan)
+            return build_request_bundle(self.conditioner, self.vaes, request, plan, self.config, self.canvas, timings)
 
     def denoise(self, bundle_or_handoff, progress: Callable[[int, int], None] | None = None) -> GenerationResult:
         """Run the native core; `progress(done, total)` after every evaluation (it may raise to abort)."""
@@ -693,7 +761,7 @@ class H3Pipeline:
         try:
             poll()
             t = time.perf_counter()
-            handoff = build_request_bundle(self.conditioner, self.vaes, request, self.config, self.profile, self.canvas, stages, plan)
+            handoff = build_request_bundle(self.conditioner, self.vaes, request, plan, self.config, self.canvas, stages)
             stages["encode"] = time.perf_counter() - t
             report("encode", 1, 1)
             poll()
@@ -707,22 +775,15 @@ class H3Pipeline:
             stages["denoise"] = time.perf_counter() - t
             poll()
             t = time.perf_counter()
-            with self.vaes.on_device():
-                frames = self.vaes.decode_video(generation.video_latents)
-                t_video = _timed(stages, "decode.video", t)
-                report("decode", 1, 2)
-                waveform = self.vaes.decode_audio(generation.audio_latents)
-                _timed(stages, "decode.audio", t_video)
-                report("decode", 2, 2)
+            after_stage = stage_timer(stages, lambda stage: report("decode", ("decode.video", "decode.audio").index(stage) + 1, 2))
+            media = decode_latents(self.vaes, generation.video_latents, generation.audio_latents, after_stage)
             stages["decode"] = time.perf_counter() - t
-            media = DecodedMedia(frames, waveform, self.vaes.sample_rate)
-            # Deliver the soundtrack to the video's exact length (the audio latents cover round(F / 24 * 40) / 40 s).
-            samples = round(frames.shape[0] / FPS * media.sample_rate)
+            soundtrack = delivered_soundtrack(media)
             path = None
             if output is not None:
                 poll()
                 t = time.perf_counter()
-                path = write_mp4(output, frames, waveform[:, :samples], media.sample_rate, FPS, self.options.media_video_input, self.options.media_video_threads, overwrite)
+                path = write_mp4(output, media.frames, soundtrack, media.sample_rate, FPS, self.options.media_video_input, self.options.media_video_threads, overwrite)
                 stages["write"] = time.perf_counter() - t
                 report("write", 1, 1)
         except VflashError as exc:
@@ -736,8 +797,8 @@ class H3Pipeline:
         metadata = {
             **generation.metadata,
             "seed": request.seed,
-            "duration_seconds": frames.shape[0] / FPS,
-            "audio_samples": samples,
+            "duration_seconds": media.frames.shape[0] / FPS,
+            "audio_samples": soundtrack.shape[1],
             "media_video_input": self.options.media_video_input,
             "media_video_threads": self.options.media_video_threads,
             "encoder_residency": "resident" if self.conditioner.keep_on_device else "offload",
@@ -748,7 +809,7 @@ class H3Pipeline:
             metadata["denoise_profile"] = generation.denoise_profile
         return VideoResult(
             path=path, elapsed_seconds=elapsed, stages=stages, session=generation.session, mode=plan.mode,
-            width=plan.geometry.width, height=plan.geometry.height, num_frames=int(frames.shape[0]), fps=FPS,
+            width=plan.geometry.width, height=plan.geometry.height, num_frames=int(media.frames.shape[0]), fps=FPS,
             sample_rate=media.sample_rate, metadata=metadata, media=None if output is not None else media,
         )
 
