@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -29,10 +30,51 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_run)
 
 
-def _run(args: argparse.Namespace) -> int:
-    from .workflow import apply_overrides, headless_node_types, load_api_workflow, plan, run_headless
+#: An API workflow is a few kilobytes; this bounds what is read and parsed.
+MAX_WORKFLOW_BYTES = 16 << 20
 
-    workflow = apply_overrides(load_api_workflow(args.workflow), args.sets)
+
+def read_workflow(path: str) -> dict:
+    """An API-format workflow from a UTF-8 JSON file; a folder, FIFO, binary or malformed file is one line."""
+    from vflash_core.fileio import read_text_file
+
+    from .workflow import WorkflowError, check_api_workflow
+
+    text = read_text_file(path, "workflow", MAX_WORKFLOW_BYTES, WorkflowError)
+    try:
+        data = json.loads(text)
+    except RecursionError:
+        raise WorkflowError(f"workflow {path} nests arrays or objects too deeply") from None
+    except ValueError as exc:
+        raise WorkflowError(f"workflow {path} is not JSON ({exc})") from None
+    return check_api_workflow(data, str(path))
+
+
+def check_folders(output_dir: str, input_dir: str, models_dir: str | None) -> None:
+    """Before anything runs: the output folder is a folder or can be created (no part of its path is a file), a
+    given --models-dir exists, and --input-dir, if present, is a folder."""
+    from pathlib import Path
+
+    from .workflow import WorkflowError
+
+    existing = Path(output_dir).absolute()
+    while not os.path.lexists(existing):
+        existing = existing.parent
+    if not existing.is_dir():
+        raise WorkflowError(f"--output-dir {output_dir} cannot be a folder: {existing} is a file")
+    if not os.access(existing, os.W_OK):
+        raise WorkflowError(f"--output-dir {output_dir} is not writable")
+    if models_dir is not None and not Path(models_dir).is_dir():
+        raise WorkflowError(f"--models-dir {models_dir} {'is not a folder' if os.path.lexists(models_dir) else 'does not exist'}")
+    if os.path.lexists(input_dir) and not Path(input_dir).is_dir():
+        raise WorkflowError(f"--input-dir {input_dir} is not a folder")
+
+
+def _run(args: argparse.Namespace) -> int:
+    from .workflow import apply_overrides, headless_node_types, plan, run_headless
+
+    check_folders(args.output_dir, args.input_dir, args.models_dir)
+    workflow = apply_overrides(read_workflow(args.workflow), args.sets)
     if args.print_plan:
         order = plan(workflow, headless_node_types())
         print(" -> ".join(f"{nid} {workflow[nid]['class_type']}" for nid in order))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -32,7 +33,7 @@ import torch
 from . import comfy_latent as cl
 from vflash_core.options import STRATEGIES, WEIGHT_RESIDENCIES
 from vflash_core.errors import RequestError, VflashError, WeightFileError
-from vflash_core.layout import FPS, Geometry, align_num_frames, check_canvas, frames_for_duration
+from vflash_core.layout import FPS, Geometry, align_num_frames, frames_for_duration
 
 logger = logging.getLogger(__name__)
 
@@ -292,7 +293,12 @@ def resolve_device(host: Host, device: str) -> str:
 
 def request_geometry(width: int, height: int, length: int, seconds: float) -> Geometry:
     """Canvas and snapped frame count of the widget values (seconds > 0 overrides length)."""
-    check_canvas(int(height), int(width))
+    from vflash_core.references import CanvasRules
+    from vflash_core.validation import check_canvas_size
+
+    check_canvas_size(int(height), int(width), CanvasRules())  # at most the released model's canvas, before any model loads
+    if seconds and not math.isfinite(float(seconds) * FPS):  # before the frame count becomes an integer
+        raise RequestError(f"seconds must be a finite number of seconds, got {seconds}")
     if seconds and seconds > 0:
         frames = frames_for_duration(float(seconds))
     else:

@@ -416,6 +416,25 @@ def _core_node_types(host: HeadlessHost, output_dir: Path, input_dir: Path) -> d
         write_mp4(path, video.images, waveform, int(video.audio["sample_rate"]), int(video.fps))
         return (video,)
 
+    def check_save(filename_prefix: Any = None, format: Any = "auto") -> bool | str:
+        """Before anything runs: a prefix inside the output folder and a container this runner writes (None: linked)."""
+        if filename_prefix is None:
+            return True
+        if not isinstance(filename_prefix, str) or not filename_prefix.strip():
+            return f"filename_prefix must be a non-empty string, got {json.dumps(filename_prefix)}"
+        if output_dir.resolve() not in (output_dir / filename_prefix).resolve().parents:
+            return f"filename_prefix {filename_prefix!r} points outside the output folder {output_dir}"
+        if isinstance(format, str) and format not in ("auto", "mp4"):
+            return f"the headless runner writes mp4, got format {format!r}"
+        return True
+
+    def check_input(name: Any = None) -> bool | str:
+        if name is None:  # linked: checked when it runs
+            return True
+        if not isinstance(name, str) or not (input_dir / name).is_file():
+            return f"{input_dir / str(name)} does not exist (set --input-dir)"
+        return True
+
     def load_image(image: str, upload: str | None = None) -> tuple:
         import numpy as np
         import torch
@@ -447,9 +466,9 @@ def _core_node_types(host: HeadlessHost, output_dir: Path, input_dir: Path) -> d
     return {
         "EmptyMiniMaxH3LatentAV": NodeType("EmptyMiniMaxH3LatentAV", {"width": "INT", "height": "INT", "length": "INT"}, frozenset({"width", "height", "length"}), ("LATENT",), empty_latent),
         "CreateVideo": NodeType("CreateVideo", {"images": "IMAGE", "fps": "FLOAT", "audio": "AUDIO", "bit_depth": "INT"}, frozenset({"images", "fps"}), ("VIDEO",), create_video),
-        "SaveVideo": NodeType("SaveVideo", {"video": "VIDEO", "filename_prefix": "STRING", "format": "COMBO", "format.codec": "COMBO", "format.codec.encoding": "COMBO", "codec": "COMBO"}, frozenset({"video", "filename_prefix", "format"}), ("VIDEO",), save_video, output_node=True),
-        "LoadImage": NodeType("LoadImage", {"image": "COMBO", "upload": "COMBO"}, frozenset({"image"}), ("IMAGE", "MASK"), load_image),
-        "LoadAudio": NodeType("LoadAudio", {"audio": "COMBO", "upload": "COMBO"}, frozenset({"audio"}), ("AUDIO",), load_audio),
+        "SaveVideo": NodeType("SaveVideo", {"video": "VIDEO", "filename_prefix": "STRING", "format": "COMBO", "format.codec": "COMBO", "format.codec.encoding": "COMBO", "codec": "COMBO"}, frozenset({"video", "filename_prefix", "format"}), ("VIDEO",), save_video, output_node=True, validate=check_save),
+        "LoadImage": NodeType("LoadImage", {"image": "COMBO", "upload": "COMBO"}, frozenset({"image"}), ("IMAGE", "MASK"), load_image, validate=lambda image=None: check_input(image)),
+        "LoadAudio": NodeType("LoadAudio", {"audio": "COMBO", "upload": "COMBO"}, frozenset({"audio"}), ("AUDIO",), load_audio, validate=lambda audio=None: check_input(audio)),
     }
 
 
@@ -513,7 +532,34 @@ def _vflash_node_types(registry, host, folders) -> dict[str, NodeType]:
     def device_only(device):
         return ops.validate_device(host, device)
 
-    validations = {"VflashModelLoader": loader, "VflashTextEncoderLoader": device_only, "VflashVAELoader": device_only}
+    def prompt_only(prompt=None):
+        from vflash_core.validation import check_prompt
+
+        if prompt is None:  # linked: checked when it runs
+            return True
+        try:
+            check_prompt(prompt)
+        except VflashError as exc:
+            return str(exc)
+        return True
+
+    def seed_only(seed=None):
+        from vflash_core.validation import check_seed
+
+        if not isinstance(seed, int):  # linked, or of another type, which the type check reports
+            return True
+        try:
+            check_seed(seed)
+        except VflashError as exc:
+            return str(exc)
+        return True
+
+    def prompt_and_seed(prompt=None, seed=None):
+        verdict = prompt_only(prompt)
+        return seed_only(seed) if verdict is True else verdict
+
+    validations = {"VflashModelLoader": loader, "VflashTextEncoderLoader": device_only, "VflashVAELoader": device_only,
+                   "VflashEncode": prompt_only, "VflashSampler": seed_only, "VflashGenerate": prompt_and_seed}
     return {
         name: NodeType(name, inputs, frozenset(inputs) - optional, outputs, runs[name], output_node, validations.get(name))
         for name, (inputs, optional, outputs, output_node) in VFLASH_SIGNATURES.items()

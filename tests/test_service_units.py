@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -275,3 +276,43 @@ def test_client_faults_in_the_http_layer_are_logged_on_one_line(caplog):
     assert faults[0].getMessage().startswith("Error handling request from 127.0.0.1: Got more than 8190 bytes")
     assert faults[1].getMessage() == "Error handling request from 127.0.0.1: Connection lost"
     assert bug.levelname == "ERROR" and bug.exc_info is not None
+
+
+def test_serve_refuses_settings_address_and_receipt_before_building_the_demo_or_creating_anything(tmp_path, capsys, monkeypatch):
+    """Issue 15, found by the adversarial corpus: a bad --input-dir, an unknown attention backend, an address that
+    cannot be bound or a malformed receipt was refused only after the demo model was built (or, for the backend, by
+    a worker while the service kept running), and the output folder was created first."""
+    import socket
+
+    from vflash_core import demo
+    from vflash_core.cli import main
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the demo model was built for a command that must be refused first")
+
+    monkeypatch.setattr(demo, "ensure_demo_assets", refuse)
+    out, a_file = tmp_path / "out", tmp_path / "a-file"
+    a_file.write_text("x")
+    garbage = tmp_path / "receipt.json"
+    garbage.write_text("{not json")
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    cases = [
+        (["--demo", "--input-dir", str(a_file)], 2, rf"input folder {a_file} is not a folder"),
+        (["--demo", "--max-upload-mb", "1e-9"], 2, r"--max-upload-mb 1e-09 is less than one byte"),
+        (["--demo", "--attention-backend", "bogus"], 2, r"unknown attention backend 'bogus'; choose one of auto, "),
+        (["--demo", "--port", str(port)], 1, rf"cannot serve on 127\.0\.0\.1:{port}: Address already in use"),
+        (["--demo", "--host", "no-such-host.invalid", "--token", "t"], 1, r"cannot serve on no-such-host\.invalid:0: "),
+        (["--prepared-assets", str(garbage)], 2, rf"prepared-assets receipt {garbage} cannot be read as JSON: Expecting property name"),
+    ]
+    try:
+        for argv, status, message in cases:
+            assert main(["serve", "--output-dir", str(out), "--port", "0", *argv]) == status
+            err = capsys.readouterr().err
+            lines = err.strip().splitlines()
+            assert len(lines) == 1 and re.match(rf"^vflash: error: {message}", lines[0]) and "Traceback" not in err, err
+            assert not out.exists()
+    finally:
+        taken.close()

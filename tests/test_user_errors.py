@@ -475,3 +475,108 @@ def test_a_prompt_with_a_nul_character_is_refused(h3_prepared, tmp_path, capsys,
     line = refused(capsys, ["generate", "--prepared-assets", str(h3_prepared), "--prompt-file", str(binary), "--output", str(tmp_path / "o.mp4")])
     assert line == "the prompt holds a NUL character (at character 6); give plain text, not a binary file"
     assert files_in(tmp_path) == [binary]
+
+
+
+def test_demo_cache_bundle_and_workflow_files_that_are_not_what_they_claim(inputs, tmp_path, capsys):
+    """A --cache-dir that is a file, a --bundle that is a file, and a workflow that is a FIFO, a binary file or
+    nested beyond Python's recursion limit were tracebacks (or, for the FIFO, a hang)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    prompt = inputs / "latin1.txt"
+    line = refused(capsys, ["demo", "--output", str(out / "demo.mp4"), "--cache-dir", str(prompt / "cache")])
+    assert line == f"the demo model cache {prompt / 'cache'} cannot be created: it or a folder above it is a file; give --cache-dir (or $VFLASH_CACHE) a folder"
+    denoise = ["denoise", "t2va-base4-exact-cpu", "--artifact", "a", "--schedule-overlay", "s", "--auxiliary-tensor", "x",
+               "--bundle", str(inputs / "frame.png"), "--output-latents", str(out / "latents.safetensors")]
+    assert refused(capsys, denoise) == f"--bundle {inputs / 'frame.png'} is not a folder; give the conditioning bundle's folder"
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000)
+    for workflow, message in ((inputs / "fifo.txt", "is a FIFO, not a file"), (inputs / "latin1.txt", r"is not UTF-8 text \(byte 3 is 0xe9\)"),
+                              (deep, "nests arrays or objects too deeply"), (inputs / "a-folder.png", "is a folder, not a file")):
+        line = refused(capsys, ["run-workflow", str(workflow), "--output-dir", str(out)])
+        assert re.fullmatch(rf"workflow {re.escape(str(workflow))} {message}", line), line
+    assert files_in(out) == []
+
+
+def test_workflow_canvas_beyond_any_h3_model_is_refused_before_any_model_loads(tmp_path, capsys, monkeypatch):
+    """`--set 4.width=1000000000 --set 4.height=1000000000` loaded the models, then failed allocating 4.6e18 bytes
+    with a RuntimeError traceback."""
+    from vflash_nodes import ops as node_ops
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a loader node ran for a workflow that must be refused when it is checked")
+
+    for loader in ("load_model", "load_component", "load_text_encoder", "load_vae"):
+        if hasattr(node_ops, loader):
+            monkeypatch.setattr(node_ops, loader, refuse)
+    workflow = Path(__file__).resolve().parent.parent / "workflows" / "api" / "t2va.json"
+    line = refused(capsys, ["run-workflow", str(workflow), "--set", "4.width=1000000000", "--set", "4.height=1000000000", "--output-dir", str(tmp_path / "out")])
+    assert line == ("the workflow was refused before running: node 5 (VflashSampler): canvas 1000000000x1000000000 is "
+                    "1,000,000,000,000,000,000 pixels; this model generates at most 1,032,192 (canvas_max_pixels, within rounding "
+                    "to multiples of 32; e.g. 1344x768 at 16:9)")
+    assert files_in(tmp_path) == []
+
+
+def test_workflow_save_and_load_nodes_are_checked_before_anything_runs(tmp_path, capsys, monkeypatch):
+    """A filename_prefix outside the output folder or an unsupported container was refused by SaveVideo only after
+    the clip had been generated (minutes on a real model), and an --output-dir that is a file failed there with a
+    traceback; a missing LoadImage file, an empty prompt or a negative seed was refused only after the models loaded,
+    seconds=1e308 was an OverflowError traceback, and a missing --models-dir was ignored."""
+    from vflash_nodes import ops as node_ops
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a loader node ran for a workflow that must be refused when it is checked")
+
+    for loader in ("load_model", "load_component", "load_text_encoder", "load_vae"):
+        if hasattr(node_ops, loader):
+            monkeypatch.setattr(node_ops, loader, refuse)
+    api = Path(__file__).resolve().parent.parent / "workflows" / "api"
+    out = tmp_path / "out"
+    cases = [
+        (["t2va.json", "--set", "7.filename_prefix=../../escape"], f"node 7 (SaveVideo): filename_prefix '../../escape' points outside the output folder {out}"),
+        (["t2va.json", "--set", "7.filename_prefix="], 'node 7 (SaveVideo): filename_prefix must be a non-empty string, got ""'),
+        (["t2va.json", "--set", "7.format=webm"], "node 7 (SaveVideo): the headless runner writes mp4, got format 'webm'"),
+        (["i2va.json", "--input-dir", str(tmp_path / "none")], f"node 8 (LoadImage): {tmp_path / 'none' / 'vflash_first_frame.png'} does not exist (set --input-dir)"),
+        (["t2va.json", "--set", "4.prompt= "], "node 4 (VflashEncode): the prompt must be a non-empty string"),
+        (["t2va.json", "--set", "5.seed=-1"], "node 5 (VflashSampler): seed must be an integer from 0 to 2**63 - 1, got -1"),
+        (["t2va.json", "--set", "4.seconds=1e308"], "node 5 (VflashSampler): seconds must be a finite number of seconds, got 1e+308"),
+    ]
+    for (workflow, *argv), message in cases:
+        line = refused(capsys, ["run-workflow", str(api / workflow), *argv, "--output-dir", str(out)])
+        assert line == f"the workflow was refused before running: {message}"
+    a_file = tmp_path / "a-file"
+    a_file.write_text("keep")
+    for argv, message in ((["--output-dir", str(a_file / "out")], f"--output-dir {a_file / 'out'} cannot be a folder: {a_file} is a file"),
+                          (["--models-dir", str(tmp_path / "none")], f"--models-dir {tmp_path / 'none'} does not exist"),
+                          (["--input-dir", str(a_file)], f"--input-dir {a_file} is not a folder")):
+        assert refused(capsys, ["run-workflow", str(api / "t2va.json"), "--output-dir", str(out), *argv]) == message
+    assert files_in(tmp_path) == [a_file] and a_file.read_text() == "keep"
+
+
+def test_compiler_receipts_and_folders_that_are_not_what_they_claim(inputs, tmp_path, capsys):
+    """`compile --receipt` of a JSON list, a folder or a binary file and `verify` of a file were tracebacks."""
+    from vflash_core.compiler import main as compiler_main
+
+    listed = tmp_path / "list.json"
+    listed.write_text("[1, 2]")
+    out = tmp_path / "compiled"
+    cases = [
+        (["compile", "--receipt", str(listed), "--output", str(out)], f"{listed}: not a Vflash receipt (format None); write one with `python -m vflash_core.compiler prepare`"),
+        (["compile", "--receipt", str(inputs / "a-folder.png"), "--output", str(out)], f"receipt {inputs / 'a-folder.png'} is a folder, not a file"),
+        (["compile", "--receipt", str(inputs / "latin1.txt"), "--output", str(out)], f"receipt {inputs / 'latin1.txt'} is not UTF-8 text (byte 3 is 0xe9)"),
+        (["verify", str(listed)], f"{listed} is not a folder; give the folder compile wrote (artifact/, schedule/, auxiliary.safetensors)"),
+    ]
+    for argv, message in cases:
+        assert compiler_main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.strip().splitlines() == [f"error: {message}"], err
+    assert files_in(tmp_path) == [listed]
+
+
+def test_an_output_name_too_long_for_its_temporary_is_refused_before_loading(h3_prepared, tmp_path, capsys, no_model_loads):
+    """A 250-byte file name passed the checks, and the clip's temporary (the name plus a writer tag) failed with
+    'File name too long' and a traceback once the clip had been generated."""
+    name = "a" * 250 + ".mp4"
+    line = refused(capsys, ["generate", "--prepared-assets", str(h3_prepared), "--prompt", "x", "--output", str(tmp_path / name)])
+    assert re.fullmatch(r"output file name a{40}\.\.\. is 254 bytes long; this folder takes names of at most \d+ bytes", line), line
+    assert files_in(tmp_path) == []

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+
+from .errors import VflashError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -34,6 +37,8 @@ def _denoise(args: argparse.Namespace) -> int:
     from .validation import check_device
 
     check_writable_destination(args.output_latents)
+    if os.path.lexists(args.bundle) and not os.path.isdir(args.bundle):
+        raise VflashError(f"--bundle {args.bundle} is not a folder; give the conditioning bundle's folder")
     arch = get_profile(args.profile).arch
     device = check_device("cpu" if args.gpu is None else args.gpu, arch)
     for peer in args.peer_gpu or ():

@@ -7,6 +7,7 @@ import ipaddress
 import logging
 import math
 import os
+import socket
 from pathlib import Path
 
 from .options import RunOptions
@@ -42,6 +43,8 @@ def _serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from .service import ServiceConfig, create_app
+    from .pipeline import PreparedAssets
+    from .service.config import check_service_settings
 
     if args.peer_gpu is not None and args.gpu is None:
         raise VflashError("--peer-gpu needs --gpu")
@@ -49,18 +52,24 @@ def _serve(args: argparse.Namespace) -> int:
         raise VflashError(f"--port must be from 0 to 65535, got {args.port}")
     if not math.isfinite(args.max_upload_mb) or args.max_upload_mb <= 0:  # before it becomes a byte count
         raise VflashError(f"--max-upload-mb must be a positive number, got {args.max_upload_mb:g}")
+    if args.max_upload_mb * MIB < 1:
+        raise VflashError(f"--max-upload-mb {args.max_upload_mb:g} is less than one byte")
+    settings = dict(
+        output_dir=args.output_dir, create_output_dir=True, input_dir=args.input_dir, max_queue=args.max_queue,
+        keep_finished_jobs=args.keep_finished_jobs, max_upload_bytes=int(args.max_upload_mb * MIB), token=args.token,
+        cancel_grace_seconds=args.cancel_grace,
+    )
+    options = RunOptions.from_arguments(args)
+    check_service_settings(**settings)  # everything but the model, before the demo model is built
+    check_bindable(args.host, args.port)
     if args.demo:
         from .demo import ensure_demo_assets
 
         prepared = ensure_demo_assets()
     else:
         prepared = args.prepared_assets
-    config = ServiceConfig(
-        prepared_assets=prepared, output_dir=args.output_dir, create_output_dir=True, options=RunOptions.from_arguments(args),
-        input_dir=args.input_dir, max_queue=args.max_queue, keep_finished_jobs=args.keep_finished_jobs,
-        max_upload_bytes=int(args.max_upload_mb * MIB),
-        token=args.token, cancel_grace_seconds=args.cancel_grace, log_level=logging.getLogger().level,
-    )
+    PreparedAssets.load(prepared)  # a malformed receipt is refused before the output folder is created
+    config = ServiceConfig(prepared_assets=prepared, options=options, log_level=logging.getLogger().level, **settings)
     if not is_loopback(args.host) and config.token is None:
         logger.warning("serving on %s without a token: anyone who can reach this address can submit jobs; "
                        "set VFLASH_SERVICE_TOKEN (or --token), or bind 127.0.0.1", args.host)
@@ -70,6 +79,21 @@ def _serve(args: argparse.Namespace) -> int:
     except OSError as exc:  # the address cannot be bound: in use, not this machine's, not resolvable
         raise RunFailedError(f"cannot serve on {args.host}:{args.port}: {exc.strerror or exc}") from None
     return 0
+
+
+def check_bindable(host: str, port: int) -> None:
+    """Bind the address once and release it, so that a port in use or a host that is not this machine's is refused
+    before the demo model is built or the output folder created."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise RunFailedError(f"cannot serve on {host}:{port}: {exc.strerror}") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise RunFailedError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
 
 
 def is_loopback(host: str) -> bool:

@@ -35,6 +35,7 @@ import argparse
 import datetime as dt
 import json
 import logging
+import os
 import re
 import sys
 import uuid
@@ -51,7 +52,7 @@ from .config import H3Config
 from .errors import IdentityMismatchError, VflashError
 from .formats import ARTIFACT_FORMAT, ARTIFACT_FP8_FORMAT, OVERLAY_FORMAT, WEIGHTS_RECEIPT_FORMAT, device_arch
 from .fp8 import FP8_LINEARS, quantize_block
-from .fileio import atomic_directory, atomic_file, check_writable_destination
+from .fileio import atomic_directory, atomic_file, check_writable_destination, read_text_file
 from .lora import TABLE_ONLY, Adapter, load_adapter
 from .profiles import Profile, get_profile
 from .schedule import distinct_timesteps
@@ -68,6 +69,8 @@ logger = logging.getLogger(__name__)
 HASH_WORKERS = 8
 READ_AHEAD_BLOCKS = 2
 WRITE_BEHIND_BLOCKS = 4
+#: A weights receipt lists names, sizes and hashes: a few hundred kilobytes at most; this bounds what is read.
+MAX_RECEIPT_BYTES = 64 << 20
 
 
 def _resolve(profile: Profile | str) -> Profile:
@@ -160,14 +163,16 @@ def _check_adapter_against_profile(profile: Profile, path: Path, adapter: Adapte
 
 
 def _load_receipt(path: str | Path) -> dict:
+    if not os.path.lexists(path):
+        raise VflashError(f"{path}: no such receipt")
+    text = read_text_file(path, "receipt", MAX_RECEIPT_BYTES)  # a folder, FIFO or binary file is named as such
     try:
-        receipt = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise VflashError(f"{path}: no such receipt") from None
-    except json.JSONDecodeError:
+        receipt = json.loads(text)
+    except (ValueError, RecursionError):
         raise VflashError(f"{path}: corrupt receipt (not JSON)") from None
-    if receipt.get("format") != WEIGHTS_RECEIPT_FORMAT:
-        raise VflashError(f"{path}: not a Vflash receipt (format {receipt.get('format')!r})")
+    if not isinstance(receipt, dict) or receipt.get("format") != WEIGHTS_RECEIPT_FORMAT:
+        found = receipt.get("format") if isinstance(receipt, dict) else None
+        raise VflashError(f"{path}: not a Vflash receipt (format {found!r}); write one with `python -m vflash_core.compiler prepare`")
     return receipt
 
 
@@ -458,6 +463,8 @@ def main(argv: list[str] | None = None) -> int:
             from .artifact import CompiledArtifact
 
             folder = Path(args.compiled)
+            if not folder.is_dir():
+                raise VflashError(f"{folder} {'is not a folder' if os.path.lexists(folder) else 'does not exist'}; give the folder compile wrote (artifact/, schedule/, auxiliary.safetensors)")
             CompiledArtifact(folder / "artifact", folder / "schedule", folder / "auxiliary.safetensors").verify()
             print(f"{folder}: every file matches the sha256 recorded at compile time")
         else:

@@ -86,7 +86,11 @@ def ensure_demo_assets(cache_dir: str | Path | None = None, progress=None) -> Pa
     if receipt.is_file():
         return receipt
     if not final.exists():
-        cache.mkdir(parents=True, exist_ok=True)
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            reason = "it or a folder above it is a file" if isinstance(exc, (FileExistsError, NotADirectoryError)) else exc.strerror
+            raise VflashError(f"the demo model cache {cache} cannot be created: {reason}; give --cache-dir (or $VFLASH_CACHE) a folder") from None
         start = time.perf_counter()
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=cache))
         try:

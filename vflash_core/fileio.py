@@ -109,6 +109,9 @@ def check_writable_destination(path: str | Path, overwrite: bool = False) -> Pat
         raise VflashError(f"output folder {parent} {'is not a folder' if parent.exists() else 'does not exist'}")
     if not os.access(parent, os.W_OK):
         raise VflashError(f"output folder {parent} is not writable")
+    longest = _name_max(parent) - _TEMPORARY_OVERHEAD
+    if len(os.fsencode(path.name)) > longest:
+        raise VflashError(f"output file name {path.name[:40]}... is {len(os.fsencode(path.name))} bytes long; this folder takes names of at most {longest} bytes")
     if os.path.lexists(path):
         if path.is_dir():
             raise VflashError(f"output {path} is a folder; give a file name inside it")
@@ -131,6 +134,18 @@ def read_json(path: str | Path, error: type[VflashError], missing: str, corrupt:
 
 def _writer() -> str:
     return f"{socket.gethostname()}+{os.getpid()}+"
+
+
+# What a temporary's name adds to its destination's: ".", the writer, mkstemp's 8 random characters, ".partial" and a
+# suffix of up to 16 characters (host names are at most 64 bytes, process ids at most 7 digits).
+_TEMPORARY_OVERHEAD = 1 + 64 + 1 + 7 + 1 + 8 + len(".partial") + 16
+
+
+def _name_max(folder: Path) -> int:
+    try:
+        return os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError, AttributeError):
+        return 255
 
 
 def process_exists(pid: int) -> bool:

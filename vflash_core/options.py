@@ -46,6 +46,10 @@ class RunOptions:
         for name, allowed in (("weight_residency", WEIGHT_RESIDENCIES), ("encoder_residency", ENCODER_RESIDENCIES)):
             if getattr(self, name) not in allowed:
                 raise VflashError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        from .attention import BACKENDS
+
+        if self.attention_backend not in BACKENDS:  # the name now; whether it runs on the device, in check_devices
+            raise VflashError(f"unknown attention backend {self.attention_backend!r}; choose one of {', '.join(BACKENDS)}")
         if self.strategy is not None and self.strategy not in STRATEGIES:
             raise VflashError(f"strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
         if (self.peer_device is None) != (self.strategy is None):

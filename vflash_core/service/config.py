@@ -34,28 +34,11 @@ class ServiceConfig:
         set_ = object.__setattr__  # frozen: normalise paths once, here
         set_(self, "prepared_assets", Path(self.prepared_assets).resolve())
         set_(self, "output_dir", Path(self.output_dir).resolve())
-        check_input_file(self.prepared_assets, "prepared assets")
-        create = self.create_output_dir and not os.path.lexists(self.output_dir)
-        if create and not self.output_dir.parent.is_dir():
-            raise VflashError(f"output folder {self.output_dir} cannot be created: {self.output_dir.parent} is not a folder")
-        if not create and not self.output_dir.is_dir():
-            raise VflashError(f"output folder {self.output_dir} {'is not a folder' if os.path.lexists(self.output_dir) else 'does not exist'}")
-        if not os.access(self.output_dir.parent if create else self.output_dir, os.W_OK):
-            raise VflashError(f"output folder {self.output_dir} is not writable")
         if self.input_dir is not None:
             set_(self, "input_dir", Path(self.input_dir).resolve())
-            if not self.input_dir.is_dir():
-                raise VflashError(f"input folder {self.input_dir} does not exist")
-        if self.max_queue < 1:
-            raise VflashError(f"max_queue must be at least 1, got {self.max_queue}")
-        if self.keep_finished_jobs < 0:
-            raise VflashError(f"keep_finished_jobs must be 0 or more, got {self.keep_finished_jobs}")
-        if self.max_upload_bytes < 1:
-            raise VflashError(f"max_upload_bytes must be positive, got {self.max_upload_bytes}")
-        if not math.isfinite(self.cancel_grace_seconds) or self.cancel_grace_seconds <= 0:
-            raise VflashError(f"cancel_grace_seconds must be positive, got {self.cancel_grace_seconds}")
-        if self.token is not None and not self.token.strip():
-            raise VflashError("the bearer token is empty")
+        check_input_file(self.prepared_assets, "prepared assets")
+        create = check_service_settings(self.output_dir, self.create_output_dir, self.input_dir, self.max_queue,
+                                        self.keep_finished_jobs, self.max_upload_bytes, self.cancel_grace_seconds, self.token)
         if create:
             self.output_dir.mkdir()
 
@@ -63,3 +46,33 @@ class ServiceConfig:
         return WorkerConfig(
             prepared_assets=str(self.prepared_assets), options=self.options, scratch_dir=str(scratch_dir), log_level=self.log_level,
         )
+
+
+def check_service_settings(
+    output_dir: Path, create_output_dir: bool, input_dir: Path | None, max_queue: int, keep_finished_jobs: int,
+    max_upload_bytes: int, cancel_grace_seconds: float, token: str | None,
+) -> bool:
+    """Everything about a service's settings but its model, checked without writing anything (so `vflash serve
+    --demo` refuses a bad folder or limit before it builds the demo model); returns whether the output folder is
+    to be created."""
+    output_dir = Path(output_dir).resolve()
+    create = create_output_dir and not os.path.lexists(output_dir)
+    if create and not output_dir.parent.is_dir():
+        raise VflashError(f"output folder {output_dir} cannot be created: {output_dir.parent} is not a folder")
+    if not create and not output_dir.is_dir():
+        raise VflashError(f"output folder {output_dir} {'is not a folder' if os.path.lexists(output_dir) else 'does not exist'}")
+    if not os.access(output_dir.parent if create else output_dir, os.W_OK):
+        raise VflashError(f"output folder {output_dir} is not writable")
+    if input_dir is not None and not Path(input_dir).is_dir():
+        raise VflashError(f"input folder {input_dir} {'is not a folder' if os.path.lexists(input_dir) else 'does not exist'}")
+    if max_queue < 1:
+        raise VflashError(f"max_queue must be at least 1, got {max_queue}")
+    if keep_finished_jobs < 0:
+        raise VflashError(f"keep_finished_jobs must be 0 or more, got {keep_finished_jobs}")
+    if max_upload_bytes < 1:
+        raise VflashError(f"max_upload_bytes must be positive, got {max_upload_bytes}")
+    if not math.isfinite(cancel_grace_seconds) or cancel_grace_seconds <= 0:
+        raise VflashError(f"cancel_grace_seconds must be positive, got {cancel_grace_seconds}")
+    if token is not None and not token.strip():
+        raise VflashError("the bearer token is empty")
+    return create
