@@ -412,7 +412,6 @@ def test_concurrent_first_use_loads_once_and_leaves_nothing_patched(h3_prepared,
         p.close()
 
 
-
 # -- found by the adversarial corpus (issue 15): arguments of the wrong type, outputs onto inputs ---------------------
 
 
@@ -475,7 +474,6 @@ def test_a_prompt_with_a_nul_character_is_refused(h3_prepared, tmp_path, capsys,
     line = refused(capsys, ["generate", "--prepared-assets", str(h3_prepared), "--prompt-file", str(binary), "--output", str(tmp_path / "o.mp4")])
     assert line == "the prompt holds a NUL character (at character 6); give plain text, not a binary file"
     assert files_in(tmp_path) == [binary]
-
 
 
 def test_demo_cache_bundle_and_workflow_files_that_are_not_what_they_claim(inputs, tmp_path, capsys):
