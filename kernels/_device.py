@@ -1,4 +1,5 @@
-"""`@triton.jit` helpers shared by the kernels: the per-op rounding of the model and torch's 32-lane tree sum.
+"""`@triton.jit` helpers shared by the kernels: the per-op rounding of the model, torch's 32-lane tree sum, and the
+index arithmetic of a program's tile (integer only; every helper is inlined into its kernel).
 
 Rounding contract (the model's, which diffusers' H3 transformer defines): every torch elementwise op on bf16 tensors computes in fp32 and rounds its
 own output to bf16 (round to nearest, ties to even). The kernels keep each intermediate in fp32 and call
@@ -102,3 +103,49 @@ def _lane_tree_sum(s, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, LANES: tl.co
     if LANES >= 2:
         s = _pair_sum(s, BLOCK_A, BLOCK_B, 2)
     return tl.reshape(s, (BLOCK_A, BLOCK_B))
+
+
+# -- tile indices -------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tile_indices(BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, INDEX_64: tl.constexpr):
+    """This program's indices along grid axes 0 and 1: (BLOCK_A,) and (BLOCK_B,), int64 with INDEX_64 (widened
+    before they multiply a stride)."""
+    pid_a = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    if INDEX_64:
+        pid_a = pid_a.to(tl.int64)
+        pid_b = pid_b.to(tl.int64)
+    return pid_a * BLOCK_A + tl.arange(0, BLOCK_A), pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
+
+
+@triton.jit
+def _row_block(n_rows, BLOCK_ROWS: tl.constexpr, INDEX_64: tl.constexpr):
+    """The rows of a program that owns whole rows (grid: (row blocks,)) and their mask."""
+    pid = tl.program_id(0)
+    if INDEX_64:
+        pid = pid.to(tl.int64)
+    rows = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    return rows, rows < n_rows
+
+
+@triton.jit
+def _row_chunk(start, n_cols, row_mask, BLOCK_COLS: tl.constexpr, INDEX_64: tl.constexpr):
+    """Columns [start, start + BLOCK_COLS) of a row loop: the columns, their mask, and the (rows, columns) mask."""
+    cols = start + tl.arange(0, BLOCK_COLS)
+    if INDEX_64:
+        cols = cols.to(tl.int64)
+    col_mask = cols < n_cols
+    return cols, col_mask, row_mask[:, None] & col_mask[None, :]
+
+
+@triton.jit
+def _table_row_offsets(index_ptr, rows, row_mask, index_stride, table_row_stride, INDEX_64: tl.constexpr):
+    """(R,) packed rows -> (R, 1) element offsets of their AdaLN table rows, `index[row] * table_row_stride`."""
+    table_rows = tl.load(index_ptr + rows * index_stride, mask=row_mask, other=0)
+    if INDEX_64:
+        table_rows = table_rows.to(tl.int64)
+    else:
+        table_rows = table_rows.to(tl.int32)
+    return (table_rows * table_row_stride)[:, None]

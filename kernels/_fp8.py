@@ -34,6 +34,14 @@ def _row_scale(amax):
 
 
 @triton.jit
+def _store_row_scales(amax, scales_ptr, rows, row_mask, scales_stride):
+    """`_row_scale(amax)`, stored at scales[rows] and returned for the codes pass."""
+    scale = _row_scale(amax)
+    tl.store(scales_ptr + rows[:, None] * scales_stride, scale, mask=row_mask[:, None])
+    return scale
+
+
+@triton.jit
 def _e4m3_bits(y, scale, EMULATE_CASTS: tl.constexpr):
     """fp32 `y` (R, C) and its rows' scales (R, 1) -> uint8 bit patterns of `e4m3(clamp(y / scale, -448, 448))`.
 

@@ -20,9 +20,11 @@ __all__ = [
     "as_rows",
     "check_device",
     "elementwise_tile",
+    "tile_and_grid",
     "needs_int64",
     "round_dtype",
     "check_index",
+    "output",
     "COMPILE_OPTIONS",
 ]
 
@@ -136,6 +138,15 @@ def elementwise_tile(n_rows: int, n_groups: int, group_size: int = 1, target_ele
     return Tile(block_rows, block_groups, num_warps)
 
 
+def tile_and_grid(
+    n_rows: int, n_groups: int, group_size: int = 1, *, parts: int | None = None, target_elements: int | None = None
+) -> tuple[Tile, tuple[int, ...]]:
+    """`elementwise_tile` and its grid: (row blocks, column-group blocks), with a third axis of `parts` if given."""
+    tile = elementwise_tile(n_rows, n_groups, group_size, target_elements)
+    grid = (triton.cdiv(n_rows, tile.block_rows), triton.cdiv(n_groups, tile.block_groups))
+    return tile, grid if parts is None else (*grid, parts)
+
+
 # -- validation at the API boundary ---------------------------------------------------------------------------------
 
 
@@ -177,6 +188,15 @@ def check_index(index: torch.Tensor, n_rows: int, name: str) -> None:
     """A 1-D int32/int64 row index with one entry per row (values are not checked: that would synchronise)."""
     if index.dtype not in (torch.int32, torch.int64) or index.dim() != 1 or index.shape[0] != n_rows:
         raise ValueError(f"{name} must be a 1-D int32/int64 tensor of {n_rows} entries, got {tuple(index.shape)} {index.dtype}")
+
+
+def output(out: torch.Tensor | None, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The caller's `out` after checking its shape and dtype, or a new contiguous tensor."""
+    if out is None:
+        return torch.empty(tuple(shape), dtype=dtype, device=device)
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype:
+        raise ValueError(f"out must be {tuple(shape)} {dtype}, got {tuple(out.shape)} {out.dtype}")
+    return out
 
 
 #: Launch keyword passed to every kernel: no fp contraction, so `a * b + c` in fp32 stays two roundings as in torch

@@ -25,11 +25,10 @@ import triton
 import triton.language as tl
 
 from . import _launch
-from ._device import _lane_tree_sum, _round_as, _to_f32, _to_storage
-from ._fp8 import _e4m3_bits, _row_absmax, _row_scale
-from .rms_norm_modulate import _TORCH_WARPS, _check_torch_vectorized
+from ._device import _round_as, _row_block, _row_chunk, _table_row_offsets, _to_f32, _to_storage
+from ._fp8 import _e4m3_bits, _row_absmax, _store_row_scales
 from .rms_norm_modulate import _CHUNK as _NORM_CHUNK
-from .modulate import MODULATION_BLOCKS
+from .rms_norm_modulate import _TORCH_WARPS, _check_inputs, _norm_modulate_chunk, _torch_block_rstd
 from .swiglu import _libdevice
 
 __all__ = ["quantize_rows", "rms_norm_modulate_quantize", "swiglu_quantize"]
@@ -42,6 +41,18 @@ def _outputs(x: torch.Tensor, shape: tuple[int, ...], keep_value: bool, value_dt
     scales = torch.empty((*shape[:-1], 1), dtype=torch.float32, device=x.device)
     value = torch.empty(shape, dtype=value_dtype, device=x.device) if keep_value else None
     return codes, scales, value
+
+
+@triton.jit
+def _keep_value_and_absmax(
+    y, amax, value_ptr, rows, cols, mask, value_row_stride, value_col_stride, WRITE_VALUE: tl.constexpr, EMULATE_CASTS: tl.constexpr
+):
+    """A fused quantizer's first pass over one chunk of its activation `y`: stored to value with WRITE_VALUE, and
+    folded into the rows' running absmax (returned)."""
+    if WRITE_VALUE:
+        out = value_ptr + rows[:, None] * value_row_stride + cols[None, :] * value_col_stride
+        tl.store(out, _to_storage(y, value_ptr.dtype.element_ty, EMULATE_CASTS), mask=mask)
+    return _row_absmax(y, amax)
 
 
 # -- quantize_rows --------------------------------------------------------------------------------------------------
@@ -66,27 +77,16 @@ def _quantize_rows_kernel(
 ):
     """codes[s, :], scales[s] = the row rule of `_fp8` over x[s, :]. Grid: (row blocks,); each program walks its rows
     in column chunks twice (absmax, then codes)."""
-    pid = tl.program_id(0)
-    if INDEX_64:
-        pid = pid.to(tl.int64)
-    rows = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    row_mask = rows < n_rows
+    rows, row_mask = _row_block(n_rows, BLOCK_ROWS, INDEX_64)
     x_rows = x_ptr + rows[:, None] * x_row_stride
     amax = tl.full((BLOCK_ROWS, 1), 0.0, tl.float32)
     for start in range(0, n_cols, BLOCK_COLS):
-        cols = start + tl.arange(0, BLOCK_COLS)
-        if INDEX_64:
-            cols = cols.to(tl.int64)
-        mask = row_mask[:, None] & (cols < n_cols)[None, :]
+        cols, _, mask = _row_chunk(start, n_cols, row_mask, BLOCK_COLS, INDEX_64)
         amax = _row_absmax(_to_f32(tl.load(x_rows + cols[None, :] * x_col_stride, mask=mask, other=0.0), EMULATE_CASTS), amax)
-    scale = _row_scale(amax)
-    tl.store(scales_ptr + rows[:, None] * scales_stride, scale, mask=row_mask[:, None])
+    scale = _store_row_scales(amax, scales_ptr, rows, row_mask, scales_stride)
     codes_rows = codes_ptr + rows[:, None] * codes_row_stride
     for start in range(0, n_cols, BLOCK_COLS):
-        cols = start + tl.arange(0, BLOCK_COLS)
-        if INDEX_64:
-            cols = cols.to(tl.int64)
-        mask = row_mask[:, None] & (cols < n_cols)[None, :]
+        cols, _, mask = _row_chunk(start, n_cols, row_mask, BLOCK_COLS, INDEX_64)
         x = _to_f32(tl.load(x_rows + cols[None, :] * x_col_stride, mask=mask, other=0.0), EMULATE_CASTS)
         tl.store(codes_rows + cols[None, :] * codes_col_stride, _e4m3_bits(x, scale, EMULATE_CASTS), mask=mask)
 
@@ -160,31 +160,17 @@ def _swiglu_quantize_kernel(
     USE_LIBDEVICE: tl.constexpr,
 ):
     """y = swiglu(p) per row (written to value with WRITE_VALUE), then its codes and scale. Grid: (row blocks,)."""
-    pid = tl.program_id(0)
-    if INDEX_64:
-        pid = pid.to(tl.int64)
-    rows = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    row_mask = rows < n_rows
+    rows, row_mask = _row_block(n_rows, BLOCK_ROWS, INDEX_64)
     p_rows = p_ptr + rows[:, None] * p_row_stride
     amax = tl.full((BLOCK_ROWS, 1), 0.0, tl.float32)
     for start in range(0, n_cols, BLOCK_COLS):
-        cols = start + tl.arange(0, BLOCK_COLS)
-        if INDEX_64:
-            cols = cols.to(tl.int64)
-        mask = row_mask[:, None] & (cols < n_cols)[None, :]
+        cols, _, mask = _row_chunk(start, n_cols, row_mask, BLOCK_COLS, INDEX_64)
         y = _swiglu_values(p_rows, cols, mask, n_cols, p_col_stride, ROUND_DTYPE, EMULATE_CASTS, USE_LIBDEVICE)
-        if WRITE_VALUE:
-            out = value_ptr + rows[:, None] * value_row_stride + cols[None, :] * value_col_stride
-            tl.store(out, _to_storage(y, value_ptr.dtype.element_ty, EMULATE_CASTS), mask=mask)
-        amax = _row_absmax(y, amax)
-    scale = _row_scale(amax)
-    tl.store(scales_ptr + rows[:, None] * scales_stride, scale, mask=row_mask[:, None])
+        amax = _keep_value_and_absmax(y, amax, value_ptr, rows, cols, mask, value_row_stride, value_col_stride, WRITE_VALUE, EMULATE_CASTS)
+    scale = _store_row_scales(amax, scales_ptr, rows, row_mask, scales_stride)
     codes_rows = codes_ptr + rows[:, None] * codes_row_stride
     for start in range(0, n_cols, BLOCK_COLS):
-        cols = start + tl.arange(0, BLOCK_COLS)
-        if INDEX_64:
-            cols = cols.to(tl.int64)
-        mask = row_mask[:, None] & (cols < n_cols)[None, :]
+        cols, _, mask = _row_chunk(start, n_cols, row_mask, BLOCK_COLS, INDEX_64)
         y = _swiglu_values(p_rows, cols, mask, n_cols, p_col_stride, ROUND_DTYPE, EMULATE_CASTS, USE_LIBDEVICE)
         tl.store(codes_rows + cols[None, :] * codes_col_stride, _e4m3_bits(y, scale, EMULATE_CASTS), mask=mask)
 
@@ -230,22 +216,6 @@ def swiglu_quantize(p: torch.Tensor, *, keep_value: bool = False) -> Quantized:
 
 
 @triton.jit
-def _norm_modulate_chunk(
-    x_rows, weight_ptr, table_row_ptrs, rstd, cols, mask, col_mask, x_col_stride, weight_stride, table_col_stride, shift_col, scale_col,
-    ROUND_DTYPE: tl.constexpr, EMULATE_CASTS: tl.constexpr,
-):
-    """One chunk of `rms_norm_modulate`'s output with its kernel's roundings (normalise, then modulate), as fp32."""
-    x = _to_f32(tl.load(x_rows + cols[None, :] * x_col_stride, mask=mask, other=0.0), EMULATE_CASTS)
-    weight = _to_f32(tl.load(weight_ptr + cols * weight_stride, mask=col_mask, other=0.0), EMULATE_CASTS)
-    normed = _round_as(weight[None, :] * (rstd * x), ROUND_DTYPE, EMULATE_CASTS)
-    scale = tl.load(table_row_ptrs + (scale_col + cols)[None, :] * table_col_stride, mask=mask, other=0.0)
-    shift = tl.load(table_row_ptrs + (shift_col + cols)[None, :] * table_col_stride, mask=mask, other=0.0)
-    one_plus_scale = _round_as(1.0 + _to_f32(scale, EMULATE_CASTS), ROUND_DTYPE, EMULATE_CASTS)
-    y = _round_as(normed * one_plus_scale, ROUND_DTYPE, EMULATE_CASTS)
-    return _round_as(y + _to_f32(shift, EMULATE_CASTS), ROUND_DTYPE, EMULATE_CASTS)
-
-
-@triton.jit
 def _rms_norm_modulate_quantize_kernel(
     x_ptr,
     weight_ptr,
@@ -282,59 +252,20 @@ def _rms_norm_modulate_quantize_kernel(
     modulated values (stored with WRITE_VALUE) and their absmax; the same values again, quantized. Grid: (row blocks,).
     """
     CHUNK: tl.constexpr = 4 * 32 * TORCH_WARPS
-    pid = tl.program_id(0)
-    if INDEX_64:
-        pid = pid.to(tl.int64)
-    rows = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    row_mask = rows < n_rows
+    rows, row_mask = _row_block(n_rows, BLOCK_ROWS, INDEX_64)
     x_rows = x_ptr + rows[:, None] * x_row_stride
-
-    # per-thread sums of torch's block (channel 4t + j of a chunk is torch thread t's channel j), as in that kernel
-    acc = tl.full((BLOCK_ROWS, CHUNK // 4), 0.0, tl.float32)
-    for start in range(0, HIDDEN, CHUNK):
-        cols = start + tl.arange(0, CHUNK)
-        if INDEX_64:
-            cols = cols.to(tl.int64)
-        mask = row_mask[:, None] & (cols < HIDDEN)[None, :]
-        x = _to_f32(tl.load(x_rows + cols[None, :] * x_col_stride, mask=mask, other=0.0), EMULATE_CASTS)
-        quads = tl.reshape(x, (BLOCK_ROWS, CHUNK // 4, 2, 2))
-        even, odd = tl.split(quads)
-        x0, x2 = tl.split(even)
-        x1, x3 = tl.split(odd)
-        acc = tl.fma(x3, x3, tl.fma(x2, x2, tl.fma(x1, x1, tl.fma(x0, x0, acc))))
-    warp_sums = _lane_tree_sum(tl.reshape(acc, (BLOCK_ROWS, TORCH_WARPS, 32)), BLOCK_ROWS, TORCH_WARPS, 32)
-    sum_sq = _lane_tree_sum(tl.reshape(warp_sums, (BLOCK_ROWS, 1, TORCH_WARPS)), BLOCK_ROWS, 1, TORCH_WARPS)
-    rstd = tl.math.rsqrt(tl.math.div_rn(sum_sq, HIDDEN * 1.0) + eps)  # (BLOCK_ROWS, 1)
-
-    table_rows = tl.load(index_ptr + rows * index_stride, mask=row_mask, other=0)
-    if INDEX_64:
-        table_rows = table_rows.to(tl.int64)
-    else:
-        table_rows = table_rows.to(tl.int32)
-    table_row_ptrs = table_ptr + (table_rows * table_row_stride)[:, None]
-
+    rstd = _torch_block_rstd(x_rows, row_mask, x_col_stride, eps, HIDDEN, TORCH_WARPS, BLOCK_ROWS, INDEX_64, EMULATE_CASTS)
+    table_row_ptrs = table_ptr + _table_row_offsets(index_ptr, rows, row_mask, index_stride, table_row_stride, INDEX_64)
     amax = tl.full((BLOCK_ROWS, 1), 0.0, tl.float32)
     for start in range(0, HIDDEN, CHUNK):
-        cols = start + tl.arange(0, CHUNK)
-        if INDEX_64:
-            cols = cols.to(tl.int64)
-        col_mask = cols < HIDDEN
-        mask = row_mask[:, None] & col_mask[None, :]
+        cols, col_mask, mask = _row_chunk(start, HIDDEN, row_mask, CHUNK, INDEX_64)
         y = _norm_modulate_chunk(x_rows, weight_ptr, table_row_ptrs, rstd, cols, mask, col_mask, x_col_stride, weight_stride, table_col_stride,
                                  shift_col, scale_col, ROUND_DTYPE, EMULATE_CASTS)
-        if WRITE_VALUE:
-            out = value_ptr + rows[:, None] * value_row_stride + cols[None, :] * value_col_stride
-            tl.store(out, _to_storage(y, value_ptr.dtype.element_ty, EMULATE_CASTS), mask=mask)
-        amax = _row_absmax(y, amax)
-    scale = _row_scale(amax)
-    tl.store(scales_ptr + rows[:, None] * scales_stride, scale, mask=row_mask[:, None])
+        amax = _keep_value_and_absmax(y, amax, value_ptr, rows, cols, mask, value_row_stride, value_col_stride, WRITE_VALUE, EMULATE_CASTS)
+    scale = _store_row_scales(amax, scales_ptr, rows, row_mask, scales_stride)
     codes_rows = codes_ptr + rows[:, None] * codes_row_stride
     for start in range(0, HIDDEN, CHUNK):
-        cols = start + tl.arange(0, CHUNK)
-        if INDEX_64:
-            cols = cols.to(tl.int64)
-        col_mask = cols < HIDDEN
-        mask = row_mask[:, None] & col_mask[None, :]
+        cols, col_mask, mask = _row_chunk(start, HIDDEN, row_mask, CHUNK, INDEX_64)
         y = _norm_modulate_chunk(x_rows, weight_ptr, table_row_ptrs, rstd, cols, mask, col_mask, x_col_stride, weight_stride, table_col_stride,
                                  shift_col, scale_col, ROUND_DTYPE, EMULATE_CASTS)
         tl.store(codes_rows + cols[None, :] * codes_col_stride, _e4m3_bits(y, scale, EMULATE_CASTS), mask=mask)
@@ -352,17 +283,8 @@ def rms_norm_modulate_quantize(
     """
     if which not in ("msa", "mlp"):
         raise ValueError(f"which must be 'msa' or 'mlp' (a main block's table), got {which!r}")
-    shift_block, scale_block, n_blocks = MODULATION_BLOCKS[which]
-    x2 = _launch.as_rows(x, "x")
+    x2, shift_col, scale_col = _check_inputs(x, weight, table, row_index, which)
     n_rows, hidden = x2.shape
-    if weight.shape != (hidden,) or weight.dtype != x.dtype:
-        raise ValueError(f"weight must be ({hidden},) {x.dtype}, got {tuple(weight.shape)} {weight.dtype}")
-    if table.dim() != 2 or table.shape[1] != n_blocks * hidden:
-        raise ValueError(f"table for {which!r} must be (R, {n_blocks}*{hidden}), got {tuple(table.shape)}")
-    if table.dtype != x.dtype:
-        raise TypeError(f"table dtype {table.dtype} differs from x dtype {x.dtype}")
-    _check_torch_vectorized(x, weight)
-    _launch.check_index(row_index, n_rows, "row_index")
     round_dtype = _launch.round_dtype(x.dtype)
     codes, scales, value = _outputs(x, tuple(x.shape), keep_value, x.dtype)
     _launch.check_device(x, weight, table, row_index, codes, scales)
@@ -380,7 +302,7 @@ def rms_norm_modulate_quantize(
             value2.stride(0), value2.stride(1),
             codes2.stride(0), codes2.stride(1),
             scales2.stride(0),
-            shift_block * hidden, scale_block * hidden,
+            shift_col, scale_col,
             HIDDEN=hidden,
             TORCH_WARPS=_TORCH_WARPS,
             ROUND_DTYPE=round_dtype,

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from . import _launch
-from ._device import _round_as, _to_f32, _to_storage
+from ._device import _round_as, _table_row_offsets, _tile_indices, _to_f32, _to_storage
 
 __all__ = ["GATE_BLOCKS", "gated_residual"]
 
@@ -50,29 +50,14 @@ def _gated_residual_kernel(
     element is loaded before it is stored by the same program, so `out` may be `x` (in-place update).
     Grid: (row blocks, column blocks).
     """
-    pid_r = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    if INDEX_64:
-        pid_r = pid_r.to(tl.int64)
-        pid_c = pid_c.to(tl.int64)
-    rows = pid_r * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    cols = pid_c * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    rows, cols = _tile_indices(BLOCK_ROWS, BLOCK_COLS, INDEX_64)
     row_mask = rows < n_rows
     mask = row_mask[:, None] & (cols < n_cols)[None, :]
-
-    table_rows = tl.load(index_ptr + rows * index_stride, mask=row_mask, other=0)
-    if INDEX_64:
-        table_rows = table_rows.to(tl.int64)
-    else:
-        table_rows = table_rows.to(tl.int32)
+    table_row_offsets = _table_row_offsets(index_ptr, rows, row_mask, index_stride, table_row_stride, INDEX_64)
 
     x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride, mask=mask, other=0.0)
     y = tl.load(y_ptr + rows[:, None] * y_row_stride + cols[None, :] * y_col_stride, mask=mask, other=0.0)
-    gate = tl.load(
-        table_ptr + (table_rows * table_row_stride)[:, None] + (gate_col + cols)[None, :] * table_col_stride,
-        mask=mask,
-        other=0.0,
-    )
+    gate = tl.load(table_ptr + table_row_offsets + (gate_col + cols)[None, :] * table_col_stride, mask=mask, other=0.0)
     gated = _round_as(_to_f32(gate, EMULATE_CASTS) * _to_f32(y, EMULATE_CASTS), ROUND_DTYPE, EMULATE_CASTS)
     result = _round_as(_to_f32(x, EMULATE_CASTS) + gated, ROUND_DTYPE, EMULATE_CASTS)
     tl.store(out_ptr + rows[:, None] * out_row_stride + cols[None, :] * out_col_stride, _to_storage(result, out_ptr.dtype.element_ty, EMULATE_CASTS), mask=mask)
@@ -83,8 +68,7 @@ def gated_residual_forward(x: torch.Tensor, y: torch.Tensor, table: torch.Tensor
     n_rows, n_cols = x.shape
     if n_rows == 0 or n_cols == 0:
         return out
-    tile = _launch.elementwise_tile(n_rows, n_cols)
-    grid = (triton.cdiv(n_rows, tile.block_rows), triton.cdiv(n_cols, tile.block_groups))
+    tile, grid = _launch.tile_and_grid(n_rows, n_cols)
     _gated_residual_kernel[grid](
         x, y, table, row_index, out,
         n_rows, n_cols,
@@ -138,10 +122,8 @@ def gated_residual(
         if out is not None:
             raise ValueError("pass either out= or inplace=True, not both")
         out = x
-    elif out is None:
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    elif out.shape != x.shape or out.dtype != x.dtype:
-        raise ValueError(f"out must be {tuple(x.shape)} {x.dtype}, got {tuple(out.shape)} {out.dtype}")
+    else:
+        out = _launch.output(out, x.shape, x.dtype, x.device)
     if out is not x and out.data_ptr() == x.data_ptr() and out.stride() != x.stride():
         raise ValueError("out aliases x with different strides; use inplace=True or a separate tensor")
     _launch.check_device(x, y, table, row_index, out)

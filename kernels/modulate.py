@@ -12,9 +12,9 @@ import triton
 import triton.language as tl
 
 from . import _launch
-from ._device import _round_as, _to_f32, _to_storage
+from ._device import _round_as, _table_row_offsets, _tile_indices, _to_f32, _to_storage
 
-__all__ = ["MODULATION_BLOCKS", "modulate"]
+__all__ = ["MODULATION_BLOCKS", "modulate", "modulation_columns"]
 
 #: which -> (shift block, scale block, number of H-wide blocks in a table row).
 #: Main-block tables are (3T, 6H): shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp.
@@ -51,22 +51,10 @@ def _modulate_kernel(
     torch's three bf16 ops `1.0 + scale`, `*`, `+` do. The result is stored in out's dtype (fp32 for `norm_out`: an
     exact widening of the bf16 value, i.e. `.to(float32)`). Grid: (row blocks, column blocks).
     """
-    pid_r = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    if INDEX_64:
-        pid_r = pid_r.to(tl.int64)
-        pid_c = pid_c.to(tl.int64)
-    rows = pid_r * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    cols = pid_c * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    rows, cols = _tile_indices(BLOCK_ROWS, BLOCK_COLS, INDEX_64)
     row_mask = rows < n_rows
     mask = row_mask[:, None] & (cols < n_cols)[None, :]
-
-    table_rows = tl.load(index_ptr + rows * index_stride, mask=row_mask, other=0)
-    if INDEX_64:
-        table_rows = table_rows.to(tl.int64)
-    else:
-        table_rows = table_rows.to(tl.int32)
-    table_row_offsets = (table_rows * table_row_stride)[:, None]
+    table_row_offsets = _table_row_offsets(index_ptr, rows, row_mask, index_stride, table_row_stride, INDEX_64)
 
     x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride, mask=mask, other=0.0)
     scale = tl.load(table_ptr + table_row_offsets + (scale_col + cols)[None, :] * table_col_stride, mask=mask, other=0.0)
@@ -78,13 +66,25 @@ def _modulate_kernel(
     tl.store(out_ptr + rows[:, None] * out_row_stride + cols[None, :] * out_col_stride, _to_storage(y, out_ptr.dtype.element_ty, EMULATE_CASTS), mask=mask)
 
 
+def modulation_columns(which: str, table: torch.Tensor, hidden: int, dtype: torch.dtype, input_name: str) -> tuple[int, int]:
+    """(shift column, scale column) of `which` in `table`, after checking the table against an (S, hidden) input of
+    `dtype` named `input_name` in the messages."""
+    if which not in MODULATION_BLOCKS:
+        raise ValueError(f"which must be one of {sorted(MODULATION_BLOCKS)}, got {which!r}")
+    shift_block, scale_block, n_blocks = MODULATION_BLOCKS[which]
+    if table.dim() != 2 or table.shape[1] != n_blocks * hidden:
+        raise ValueError(f"table for {which!r} must be (R, {n_blocks}*{hidden}), got {tuple(table.shape)}")
+    if table.dtype != dtype:
+        raise TypeError(f"table dtype {table.dtype} differs from {input_name} dtype {dtype}")
+    return shift_block * hidden, scale_block * hidden
+
+
 def modulate_forward(normed: torch.Tensor, table: torch.Tensor, row_index: torch.Tensor, shift_col: int, scale_col: int, out: torch.Tensor) -> torch.Tensor:
     """Launcher over 2-D views: normed (S, H), table (R, n*H) (any strides), row_index (S,), out (S, H)."""
     n_rows, n_cols = normed.shape
     if n_rows == 0 or n_cols == 0:
         return out
-    tile = _launch.elementwise_tile(n_rows, n_cols)
-    grid = (triton.cdiv(n_rows, tile.block_rows), triton.cdiv(n_cols, tile.block_groups))
+    tile, grid = _launch.tile_and_grid(n_rows, n_cols)
     _modulate_kernel[grid](
         normed, table, row_index, out,
         n_rows, n_cols,
@@ -125,23 +125,12 @@ def modulate(
     out: optional preallocated result of normed's shape and `out_dtype`, any strides.
     Returns a tensor of normed's shape, contiguous unless `out` was given.
     """
-    if which not in MODULATION_BLOCKS:
-        raise ValueError(f"which must be one of {sorted(MODULATION_BLOCKS)}, got {which!r}")
-    shift_block, scale_block, n_blocks = MODULATION_BLOCKS[which]
     x2 = _launch.as_rows(normed, "normed")
-    n_rows, hidden = x2.shape
-    if table.dim() != 2 or table.shape[1] != n_blocks * hidden:
-        raise ValueError(f"table for {which!r} must be (R, {n_blocks}*{hidden}), got {tuple(table.shape)}")
-    if table.dtype != normed.dtype:
-        raise TypeError(f"table dtype {table.dtype} differs from normed dtype {normed.dtype}")
-    _launch.check_index(row_index, n_rows, "row_index")
-    out_dtype = out_dtype or normed.dtype
-    if out is None:
-        out = torch.empty(normed.shape, dtype=out_dtype, device=normed.device)
-    elif out.shape != normed.shape or out.dtype != out_dtype:
-        raise ValueError(f"out must be {tuple(normed.shape)} {out_dtype}, got {tuple(out.shape)} {out.dtype}")
+    shift_col, scale_col = modulation_columns(which, table, x2.shape[1], normed.dtype, "normed")
+    _launch.check_index(row_index, x2.shape[0], "row_index")
+    out = _launch.output(out, normed.shape, out_dtype or normed.dtype, normed.device)
     _launch.check_device(normed, table, row_index, out)
-    modulate_forward(x2, table, row_index, shift_block * hidden, scale_block * hidden, _launch.as_rows(out, "out"))
+    modulate_forward(x2, table, row_index, shift_col, scale_col, _launch.as_rows(out, "out"))
     return out
 
 

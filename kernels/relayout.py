@@ -77,8 +77,7 @@ def relayout_forward(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     if src.numel() == 0:
         return dst
     block_d = triton.next_power_of_2(head_dim)
-    tile = _launch.elementwise_tile(n_rows, n_heads, block_d)
-    grid = (triton.cdiv(n_rows, tile.block_rows), triton.cdiv(n_heads, tile.block_groups), parts)
+    tile, grid = _launch.tile_and_grid(n_rows, n_heads, block_d, parts=parts)
     _relayout_kernel[grid](
         src, dst,
         n_rows, n_heads,

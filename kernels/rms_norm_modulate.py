@@ -37,8 +37,8 @@ import triton
 import triton.language as tl
 
 from . import _launch
-from ._device import _lane_tree_sum, _round_as, _to_f32, _to_storage
-from .modulate import MODULATION_BLOCKS
+from ._device import _lane_tree_sum, _round_as, _row_block, _row_chunk, _table_row_offsets, _to_f32, _to_storage
+from .modulate import modulation_columns
 
 __all__ = ["rms_norm_block_order_reference", "rms_norm_modulate"]
 
@@ -49,6 +49,45 @@ _VEC = 4
 #: Channels one block of torch reads per step (128 threads x 4): the column tile of every loop iteration here, so that
 #: each tile column group is one torch thread's vector.
 _CHUNK = _LANES * _TORCH_WARPS * _VEC
+
+
+@triton.jit
+def _torch_block_rstd(
+    x_rows, row_mask, x_col_stride, eps, HIDDEN: tl.constexpr, TORCH_WARPS: tl.constexpr, BLOCK_ROWS: tl.constexpr, INDEX_64: tl.constexpr,
+    EMULATE_CASTS: tl.constexpr,
+):
+    """(BLOCK_ROWS, 1) `rstd` of whole rows, the sum of squares in torch's block order (see the kernel below), reading
+    each row chunk by chunk of 4 * 32 * TORCH_WARPS channels; channels past HIDDEN load 0 and add +0.0 exactly."""
+    CHUNK: tl.constexpr = 4 * 32 * TORCH_WARPS
+    # per-thread sums: column 4t + j of a chunk is torch thread t's channel j (x[r, t, a, b] = channel 4t + 2a + b)
+    acc = tl.full((BLOCK_ROWS, CHUNK // 4), 0.0, tl.float32)  # not `tl.zeros`: a triton @jit function (see _device)
+    for start in range(0, HIDDEN, CHUNK):
+        cols, _, mask = _row_chunk(start, HIDDEN, row_mask, CHUNK, INDEX_64)
+        x = _to_f32(tl.load(x_rows + cols[None, :] * x_col_stride, mask=mask, other=0.0), EMULATE_CASTS)
+        quads = tl.reshape(x, (BLOCK_ROWS, CHUNK // 4, 2, 2))
+        even, odd = tl.split(quads)  # channels 4t + 2a and 4t + 2a + 1
+        x0, x2 = tl.split(even)
+        x1, x3 = tl.split(odd)
+        acc = tl.fma(x3, x3, tl.fma(x2, x2, tl.fma(x1, x1, tl.fma(x0, x0, acc))))
+    warp_sums = _lane_tree_sum(tl.reshape(acc, (BLOCK_ROWS, TORCH_WARPS, 32)), BLOCK_ROWS, TORCH_WARPS, 32)
+    sum_sq = _lane_tree_sum(tl.reshape(warp_sums, (BLOCK_ROWS, 1, TORCH_WARPS)), BLOCK_ROWS, 1, TORCH_WARPS)
+    return tl.math.rsqrt(tl.math.div_rn(sum_sq, HIDDEN * 1.0) + eps)
+
+
+@triton.jit
+def _norm_modulate_chunk(
+    x_rows, weight_ptr, table_row_ptrs, rstd, cols, mask, col_mask, x_col_stride, weight_stride, table_col_stride, shift_col, scale_col,
+    ROUND_DTYPE: tl.constexpr, EMULATE_CASTS: tl.constexpr,
+):
+    """One chunk of the output as fp32: normalise (`F.rms_norm`'s one rounding), then `modulate`'s three roundings."""
+    x = _to_f32(tl.load(x_rows + cols[None, :] * x_col_stride, mask=mask, other=0.0), EMULATE_CASTS)
+    weight = _to_f32(tl.load(weight_ptr + cols * weight_stride, mask=col_mask, other=0.0), EMULATE_CASTS)
+    normed = _round_as(weight[None, :] * (rstd * x), ROUND_DTYPE, EMULATE_CASTS)
+    scale = tl.load(table_row_ptrs + (scale_col + cols)[None, :] * table_col_stride, mask=mask, other=0.0)
+    shift = tl.load(table_row_ptrs + (shift_col + cols)[None, :] * table_col_stride, mask=mask, other=0.0)
+    one_plus_scale = _round_as(1.0 + _to_f32(scale, EMULATE_CASTS), ROUND_DTYPE, EMULATE_CASTS)
+    y = _round_as(normed * one_plus_scale, ROUND_DTYPE, EMULATE_CASTS)
+    return _round_as(y + _to_f32(shift, EMULATE_CASTS), ROUND_DTYPE, EMULATE_CASTS)
 
 
 @triton.jit
@@ -89,53 +128,15 @@ def _rms_norm_modulate_kernel(
     of 4T channels, as torch's kernel re-reads its row; channels past H load 0 and add +0.0 exactly.
     """
     CHUNK: tl.constexpr = 4 * 32 * TORCH_WARPS
-    pid = tl.program_id(0)
-    if INDEX_64:
-        pid = pid.to(tl.int64)
-    rows = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    row_mask = rows < n_rows
+    rows, row_mask = _row_block(n_rows, BLOCK_ROWS, INDEX_64)
     x_rows = x_ptr + rows[:, None] * x_row_stride
-
-    # per-thread sums: column 4t + j of a chunk is torch thread t's channel j (x[r, t, a, b] = channel 4t + 2a + b)
-    acc = tl.full((BLOCK_ROWS, CHUNK // 4), 0.0, tl.float32)  # not `tl.zeros`: a triton @jit function (see _device)
-    for start in range(0, HIDDEN, CHUNK):
-        cols = start + tl.arange(0, CHUNK)
-        if INDEX_64:
-            cols = cols.to(tl.int64)
-        mask = row_mask[:, None] & (cols < HIDDEN)[None, :]
-        x = _to_f32(tl.load(x_rows + cols[None, :] * x_col_stride, mask=mask, other=0.0), EMULATE_CASTS)
-        quads = tl.reshape(x, (BLOCK_ROWS, CHUNK // 4, 2, 2))
-        even, odd = tl.split(quads)  # channels 4t + 2a and 4t + 2a + 1
-        x0, x2 = tl.split(even)
-        x1, x3 = tl.split(odd)
-        acc = tl.fma(x3, x3, tl.fma(x2, x2, tl.fma(x1, x1, tl.fma(x0, x0, acc))))
-    warp_sums = _lane_tree_sum(tl.reshape(acc, (BLOCK_ROWS, TORCH_WARPS, 32)), BLOCK_ROWS, TORCH_WARPS, 32)
-    sum_sq = _lane_tree_sum(tl.reshape(warp_sums, (BLOCK_ROWS, 1, TORCH_WARPS)), BLOCK_ROWS, 1, TORCH_WARPS)
-    rstd = tl.math.rsqrt(tl.math.div_rn(sum_sq, HIDDEN * 1.0) + eps)  # (BLOCK_ROWS, 1)
-
-    table_rows = tl.load(index_ptr + rows * index_stride, mask=row_mask, other=0)
-    if INDEX_64:
-        table_rows = table_rows.to(tl.int64)
-    else:
-        table_rows = table_rows.to(tl.int32)
-    table_row_ptrs = table_ptr + (table_rows * table_row_stride)[:, None]
+    rstd = _torch_block_rstd(x_rows, row_mask, x_col_stride, eps, HIDDEN, TORCH_WARPS, BLOCK_ROWS, INDEX_64, EMULATE_CASTS)
+    table_row_ptrs = table_ptr + _table_row_offsets(index_ptr, rows, row_mask, index_stride, table_row_stride, INDEX_64)
     out_rows = out_ptr + rows[:, None] * out_row_stride
-
     for start in range(0, HIDDEN, CHUNK):
-        cols = start + tl.arange(0, CHUNK)
-        if INDEX_64:
-            cols = cols.to(tl.int64)
-        col_mask = cols < HIDDEN
-        mask = row_mask[:, None] & col_mask[None, :]
-        x = _to_f32(tl.load(x_rows + cols[None, :] * x_col_stride, mask=mask, other=0.0), EMULATE_CASTS)
-        weight = _to_f32(tl.load(weight_ptr + cols * weight_stride, mask=col_mask, other=0.0), EMULATE_CASTS)
-        normed = _round_as(weight[None, :] * (rstd * x), ROUND_DTYPE, EMULATE_CASTS)
-        scale = tl.load(table_row_ptrs + (scale_col + cols)[None, :] * table_col_stride, mask=mask, other=0.0)
-        shift = tl.load(table_row_ptrs + (shift_col + cols)[None, :] * table_col_stride, mask=mask, other=0.0)
-        # `modulate`'s three roundings: 1 + scale, the product, the sum
-        one_plus_scale = _round_as(1.0 + _to_f32(scale, EMULATE_CASTS), ROUND_DTYPE, EMULATE_CASTS)
-        y = _round_as(normed * one_plus_scale, ROUND_DTYPE, EMULATE_CASTS)
-        y = _round_as(y + _to_f32(shift, EMULATE_CASTS), ROUND_DTYPE, EMULATE_CASTS)
+        cols, col_mask, mask = _row_chunk(start, HIDDEN, row_mask, CHUNK, INDEX_64)
+        y = _norm_modulate_chunk(x_rows, weight_ptr, table_row_ptrs, rstd, cols, mask, col_mask, x_col_stride, weight_stride, table_col_stride,
+                                 shift_col, scale_col, ROUND_DTYPE, EMULATE_CASTS)
         tl.store(out_rows + cols[None, :] * out_col_stride, _to_storage(y, out_ptr.dtype.element_ty, EMULATE_CASTS), mask=mask)
 
 
@@ -169,18 +170,25 @@ def rms_norm_modulate_forward(
     return out
 
 
-def _check_torch_vectorized(x: torch.Tensor, weight: torch.Tensor) -> None:
-    """Refuse inputs for which `F.rms_norm` takes its non-vectorized CUDA path (another reduction order).
+def _check_inputs(x: torch.Tensor, weight: torch.Tensor, table: torch.Tensor, row_index: torch.Tensor, which: str) -> tuple[torch.Tensor, int, int]:
+    """x as (S, H) rows and the (shift, scale) table columns of `which`, after the checks of `rms_norm_modulate`.
 
-    torch makes x and the weight contiguous first (a copy is freshly allocated, so aligned), then needs H % 4 == 0 and
-    4-element alignment of the data pointers. Reading `data_ptr()` does not synchronise.
+    Refuses inputs for which `F.rms_norm` takes its non-vectorized CUDA path (another reduction order): torch makes x
+    and the weight contiguous first (a copy is freshly allocated, so aligned), then needs H % 4 == 0 and 4-element
+    alignment of the data pointers. Reading `data_ptr()` does not synchronise.
     """
-    hidden = x.shape[-1]
+    x2 = _launch.as_rows(x, "x")
+    n_rows, hidden = x2.shape
+    if weight.shape != (hidden,) or weight.dtype != x.dtype:
+        raise ValueError(f"weight must be ({hidden},) {x.dtype}, got {tuple(weight.shape)} {weight.dtype}")
+    shift_col, scale_col = modulation_columns(which, table, hidden, x.dtype, "x")
     if hidden % _VEC:
         raise ValueError(f"hidden size {hidden} is not a multiple of {_VEC}: F.rms_norm would not use its vectorized kernel")
     for name, t in (("x", x), ("weight", weight)):
         if t.is_contiguous() and t.data_ptr() % (_VEC * t.element_size()):
             raise ValueError(f"{name} is contiguous but not {_VEC}-element aligned: F.rms_norm would not use its vectorized kernel")
+    _launch.check_index(row_index, n_rows, "row_index")
+    return x2, shift_col, scale_col
 
 
 def rms_norm_modulate(
@@ -207,26 +215,10 @@ def rms_norm_modulate(
     weight not aligned to 4 elements). Bit parity with `F.rms_norm` + `modulate` rests on torch's kernel choice:
     check it with `pytest -m gpu tests/test_rms_norm_modulate.py -s` after a torch upgrade or on another GPU.
     """
-    if which not in MODULATION_BLOCKS:
-        raise ValueError(f"which must be one of {sorted(MODULATION_BLOCKS)}, got {which!r}")
-    shift_block, scale_block, n_blocks = MODULATION_BLOCKS[which]
-    x2 = _launch.as_rows(x, "x")
-    n_rows, hidden = x2.shape
-    if weight.shape != (hidden,) or weight.dtype != x.dtype:
-        raise ValueError(f"weight must be ({hidden},) {x.dtype}, got {tuple(weight.shape)} {weight.dtype}")
-    if table.dim() != 2 or table.shape[1] != n_blocks * hidden:
-        raise ValueError(f"table for {which!r} must be (R, {n_blocks}*{hidden}), got {tuple(table.shape)}")
-    if table.dtype != x.dtype:
-        raise TypeError(f"table dtype {table.dtype} differs from x dtype {x.dtype}")
-    _check_torch_vectorized(x, weight)
-    _launch.check_index(row_index, n_rows, "row_index")
-    out_dtype = out_dtype or x.dtype
-    if out is None:
-        out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-    elif out.shape != x.shape or out.dtype != out_dtype:
-        raise ValueError(f"out must be {tuple(x.shape)} {out_dtype}, got {tuple(out.shape)} {out.dtype}")
+    x2, shift_col, scale_col = _check_inputs(x, weight, table, row_index, which)
+    out = _launch.output(out, x.shape, out_dtype or x.dtype, x.device)
     _launch.check_device(x, weight, table, row_index, out)
-    rms_norm_modulate_forward(x2, weight, eps, table, row_index, shift_block * hidden, scale_block * hidden, _launch.as_rows(out, "out"))
+    rms_norm_modulate_forward(x2, weight, eps, table, row_index, shift_col, scale_col, _launch.as_rows(out, "out"))
     return out
 
 

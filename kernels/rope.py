@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from . import _launch
-from ._device import _lane_tree_sum, _round_as, _to_f32, _to_storage
+from ._device import _lane_tree_sum, _round_as, _tile_indices, _to_f32, _to_storage
 
 __all__ = ["qk_norm_rope", "rms_norm_warp_order_reference", "rope"]
 
@@ -76,13 +76,7 @@ def _rope_kernel(
     For d >= R:       out[s,h,d] = x[s,h,d]
     c, s: (S, R) already rounded to x's dtype. Grid: (row blocks, head blocks); a tile holds whole heads.
     """
-    pid_r = tl.program_id(0)
-    pid_h = tl.program_id(1)
-    if INDEX_64:
-        pid_r = pid_r.to(tl.int64)
-        pid_h = pid_h.to(tl.int64)
-    rows = pid_r * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    heads = pid_h * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)
+    rows, heads = _tile_indices(BLOCK_ROWS, BLOCK_HEADS, INDEX_64)
     d = tl.arange(0, BLOCK_D)
     partner = tl.where(d < ROTARY // 2, d + ROTARY // 2, d - ROTARY // 2)
     row_mask = rows < n_rows
@@ -145,15 +139,10 @@ def _qk_norm_rope_kernel(
     out        = rotary of n exactly as `_rope_kernel` (partner channels normalised the same way).
     Grid: (row blocks, head blocks, parts).
     """
-    pid_r = tl.program_id(0)
-    pid_h = tl.program_id(1)
+    rows, heads = _tile_indices(BLOCK_ROWS, BLOCK_HEADS, INDEX_64)
     part = tl.program_id(2)
     if INDEX_64:
-        pid_r = pid_r.to(tl.int64)
-        pid_h = pid_h.to(tl.int64)
         part = part.to(tl.int64)
-    rows = pid_r * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    heads = pid_h * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)
     d = tl.arange(0, BLOCK_D)
     partner = tl.where(d < ROTARY // 2, d + ROTARY // 2, d - ROTARY // 2)
     row_mask = rows < n_rows
@@ -218,26 +207,24 @@ def _heads_view(x: torch.Tensor, name: str) -> torch.Tensor:
     return x
 
 
-def _angles_view(t: torch.Tensor, n_rows: int, dtype: torch.dtype, name: str) -> torch.Tensor:
-    """cos / sin as (S, R) or the model's (1, S, 1, R) -> an (S, R) view (never a copy)."""
-    if t.dim() == 4 and t.shape[0] == 1 and t.shape[2] == 1:
-        t = t[0, :, 0, :]
-    if t.dim() != 2 or t.shape[0] != n_rows:
-        raise ValueError(f"{name} must be ({n_rows}, R) or (1, {n_rows}, 1, R), got {tuple(t.shape)}")
-    if t.dtype != dtype:
-        raise TypeError(f"{name} must already be rounded to {dtype} (the reference rounds cos/sin first), got {t.dtype}")
-    return t
-
-
-def _check_rotary(rotary: int, head_dim: int) -> None:
+def _angles_views(cos: torch.Tensor, sin: torch.Tensor, n_rows: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin as (S, R) or the model's (1, S, 1, R) -> (S, R) views (never a copy), R even and in (0, D]."""
+    views = []
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.dim() == 4 and t.shape[0] == 1 and t.shape[2] == 1:
+            t = t[0, :, 0, :]
+        if t.dim() != 2 or t.shape[0] != n_rows:
+            raise ValueError(f"{name} must be ({n_rows}, R) or (1, {n_rows}, 1, R), got {tuple(t.shape)}")
+        if t.dtype != dtype:
+            raise TypeError(f"{name} must already be rounded to {dtype} (the reference rounds cos/sin first), got {t.dtype}")
+        views.append(t)
+    cos2, sin2 = views
+    if cos2.shape != sin2.shape:
+        raise ValueError(f"cos {tuple(cos2.shape)} and sin {tuple(sin2.shape)} differ")
+    rotary = cos2.shape[1]
     if rotary % 2 or not 0 < rotary <= head_dim:
         raise ValueError(f"rotary width R = {rotary} must be even and in (0, D = {head_dim}]")
-
-
-def _tile_and_grid(n_rows: int, n_heads: int, block_d: int, parts: int = 1, target_elements: int | None = None):
-    tile = _launch.elementwise_tile(n_rows, n_heads, block_d, target_elements)
-    grid = (triton.cdiv(n_rows, tile.block_rows), triton.cdiv(n_heads, tile.block_groups), parts)
-    return tile, grid
+    return cos2, sin2
 
 
 def rope_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -246,8 +233,8 @@ def rope_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: tor
     if x.numel() == 0:
         return out
     block_d = triton.next_power_of_2(head_dim)
-    tile, grid = _tile_and_grid(n_rows, n_heads, block_d)
-    _rope_kernel[grid[:2]](
+    tile, grid = _launch.tile_and_grid(n_rows, n_heads, block_d)
+    _rope_kernel[grid](
         x, cos, sin, out,
         n_rows, n_heads,
         x.stride(0), x.stride(1), x.stride(2),
@@ -288,16 +275,9 @@ def rope(
     if q3.shape != k3.shape or q.dtype != k.dtype:
         raise ValueError(f"q {tuple(q.shape)} {q.dtype} and k {tuple(k.shape)} {k.dtype} must agree")
     n_rows, n_heads, head_dim = q3.shape
-    cos2, sin2 = _angles_view(cos, n_rows, q.dtype, "cos"), _angles_view(sin, n_rows, q.dtype, "sin")
-    if cos2.shape != sin2.shape:
-        raise ValueError(f"cos {tuple(cos2.shape)} and sin {tuple(sin2.shape)} differ")
-    _check_rotary(cos2.shape[1], head_dim)
+    cos2, sin2 = _angles_views(cos, sin, n_rows, head_dim, q.dtype)
     _launch.round_dtype(q.dtype)
-    shape = (2, n_rows, n_heads, head_dim)
-    if out is None:
-        out = torch.empty(shape, dtype=q.dtype, device=q.device)
-    elif tuple(out.shape) != shape or out.dtype != q.dtype:
-        raise ValueError(f"out must be {shape} {q.dtype}, got {tuple(out.shape)} {out.dtype}")
+    out = _launch.output(out, (2, n_rows, n_heads, head_dim), q.dtype, q.device)
     _launch.check_device(q, k, cos, sin, out)
     rope_forward(q3, cos2, sin2, out[0])
     rope_forward(k3, cos2, sin2, out[1])
@@ -313,7 +293,7 @@ def qk_norm_rope_forward(
     if qkv.numel() == 0:
         return out
     block_d = triton.next_power_of_2(head_dim)
-    tile, grid = _tile_and_grid(n_rows, n_heads, block_d, parts=out.shape[0], target_elements=QK_NORM_TILE_ELEMENTS)
+    tile, grid = _launch.tile_and_grid(n_rows, n_heads, block_d, parts=out.shape[0], target_elements=QK_NORM_TILE_ELEMENTS)
     _qk_norm_rope_kernel[grid](
         qkv, q_weight, k_weight, cos, sin, out,
         n_rows, n_heads, float(eps),
@@ -377,10 +357,7 @@ def qk_norm_rope(
     for name, w in (("norm_q_weight", norm_q_weight), ("norm_k_weight", norm_k_weight)):
         if w.shape != (head_dim,) or w.dtype != qkv.dtype:
             raise ValueError(f"{name} must be ({head_dim},) {qkv.dtype}, got {tuple(w.shape)} {w.dtype}")
-    cos2, sin2 = _angles_view(cos, n_rows, qkv.dtype, "cos"), _angles_view(sin, n_rows, qkv.dtype, "sin")
-    if cos2.shape != sin2.shape:
-        raise ValueError(f"cos {tuple(cos2.shape)} and sin {tuple(sin2.shape)} differ")
-    _check_rotary(cos2.shape[1], head_dim)
+    cos2, sin2 = _angles_views(cos, sin, n_rows, head_dim, qkv.dtype)
     _launch.round_dtype(qkv.dtype)
     shape = (3 if copy_v else 2, n_rows, n_heads, head_dim)
     if out is None:

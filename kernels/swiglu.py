@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from . import _launch
-from ._device import _round_as, _to_f32, _to_storage
+from ._device import _round_as, _tile_indices, _to_f32, _to_storage
 
 # The exact `expf`: torch's CUDA silu computes `x / (1 + exp(-x))` in fp32 with the full-precision `expf` (no
 # --use_fast_math) and an IEEE division, and libdevice's `__nv_expf` is that same function. Its module moved between
@@ -52,13 +52,7 @@ def _swiglu_kernel(
     In the interpreter (`USE_LIBDEVICE=False`) numpy's fp32 `exp` stands in for `__nv_expf`.
     Grid: (row blocks, column blocks) over the (S, F) output.
     """
-    pid_r = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    if INDEX_64:
-        pid_r = pid_r.to(tl.int64)
-        pid_c = pid_c.to(tl.int64)
-    rows = pid_r * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    cols = pid_c * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    rows, cols = _tile_indices(BLOCK_ROWS, BLOCK_COLS, INDEX_64)
     mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
 
     row_offsets = rows[:, None] * p_row_stride
@@ -79,8 +73,7 @@ def swiglu_forward(p: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     n_rows, n_cols = out.shape
     if n_rows == 0 or n_cols == 0:
         return out
-    tile = _launch.elementwise_tile(n_rows, n_cols)
-    grid = (triton.cdiv(n_rows, tile.block_rows), triton.cdiv(n_cols, tile.block_groups))
+    tile, grid = _launch.tile_and_grid(n_rows, n_cols)
     _swiglu_kernel[grid](
         p, out,
         n_rows, n_cols,
@@ -107,11 +100,7 @@ def swiglu(p: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     p2 = _launch.as_rows(p, "p")
     if p2.shape[1] % 2:
         raise ValueError(f"p must have an even last dimension [value | gate], got {tuple(p.shape)}")
-    shape = (*p.shape[:-1], p.shape[-1] // 2)
-    if out is None:
-        out = torch.empty(shape, dtype=p.dtype, device=p.device)
-    elif tuple(out.shape) != shape or out.dtype != p.dtype:
-        raise ValueError(f"out must be {shape} {p.dtype}, got {tuple(out.shape)} {out.dtype}")
+    out = _launch.output(out, (*p.shape[:-1], p.shape[-1] // 2), p.dtype, p.device)
     _launch.check_device(p, out)
     _launch.round_dtype(p.dtype)
     swiglu_forward(p2, _launch.as_rows(out, "out"))
