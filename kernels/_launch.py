@@ -163,12 +163,13 @@ def check_device(*tensors: torch.Tensor) -> None:
         )
 
 
-def as_rows(x: torch.Tensor, name: str) -> torch.Tensor:
-    """(S, N) or (1, S, N) -> an (S, N) view with the same strides (never a copy)."""
-    if x.dim() == 3 and x.shape[0] == 1:
+def as_rows(x: torch.Tensor, name: str, dims: tuple[str, ...] = ("S", "N")) -> torch.Tensor:
+    """x of shape `dims` or (1, *dims) -> a view of shape `dims` with the same strides (never a copy)."""
+    if x.dim() == len(dims) + 1 and x.shape[0] == 1:
         return x[0]
-    if x.dim() != 2:
-        raise ValueError(f"{name} must be (S, N) or (1, S, N), got shape {tuple(x.shape)}")
+    if x.dim() != len(dims):
+        shape = ", ".join(dims)
+        raise ValueError(f"{name} must be ({shape}) or (1, {shape}), got shape {tuple(x.shape)}")
     return x
 
 

@@ -198,15 +198,6 @@ def _qk_norm_rope_kernel(
 # -- host side ---------------------------------------------------------------------------------------------------------
 
 
-def _heads_view(x: torch.Tensor, name: str) -> torch.Tensor:
-    """(S, heads, D) or (1, S, heads, D) -> an (S, heads, D) view (never a copy)."""
-    if x.dim() == 4 and x.shape[0] == 1:
-        return x[0]
-    if x.dim() != 3:
-        raise ValueError(f"{name} must be (S, heads, D) or (1, S, heads, D), got {tuple(x.shape)}")
-    return x
-
-
 def _angles_views(cos: torch.Tensor, sin: torch.Tensor, n_rows: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin as (S, R) or the model's (1, S, 1, R) -> (S, R) views (never a copy), R even and in (0, D]."""
     views = []
@@ -271,7 +262,7 @@ def rope(
     Returns (q_out, k_out), each (1, S, heads, D) and contiguous when `out` is not given (views `out[0:1]`,
     `out[1:2]` of one (2, S, heads, D) allocation).
     """
-    q3, k3 = _heads_view(q, "q"), _heads_view(k, "k")
+    q3, k3 = _launch.as_rows(q, "q", ("S", "heads", "D")), _launch.as_rows(k, "k", ("S", "heads", "D"))
     if q3.shape != k3.shape or q.dtype != k.dtype:
         raise ValueError(f"q {tuple(q.shape)} {q.dtype} and k {tuple(k.shape)} {k.dtype} must agree")
     n_rows, n_heads, head_dim = q3.shape
