@@ -363,9 +363,7 @@ def request_mode(first_frame: bool, last_frame: bool, references: bool) -> str:
     """The mode of a request from which inputs it has; keyframes and references together have none."""
     if references and (first_frame or last_frame):
         raise RequestError("a request takes either keyframes (first/last frame) or references, not both")
-    if references:
-        return "ref2va"
-    return {(False, False): "t2va", (True, False): "i2va", (False, True): "l2va", (True, True): "fl2va"}[(first_frame, last_frame)]
+    return "ref2va" if references else {(False, False): "t2va", (True, False): "i2va", (False, True): "l2va", (True, True): "fl2va"}[(first_frame, last_frame)]
 
 
 @dataclass(frozen=True)
@@ -395,15 +393,8 @@ class EncodedRequest:
 
 
 def encode_request(
-    conditioner: TextConditioner,
-    vaes: MediaVAEs,
-    prompt: str,
-    mode: str,
-    geometry: Geometry,
-    keyframes: dict[str, PIL.Image.Image] | None = None,
-    references: list | None = None,
-    canvas: CanvasRules | None = None,
-    after_stage: StageCallback | None = None,
+    conditioner: TextConditioner, vaes: MediaVAEs, prompt: str, mode: str, geometry: Geometry, keyframes: dict[str, PIL.Image.Image] | None = None,
+    references: list | None = None, canvas: CanvasRules | None = None, after_stage: StageCallback | None = None,
 ) -> EncodedRequest:
     """Put a validated request's media on H3's rates and resolutions, then encode the prompt, and the keyframes and
     each reference's frames and soundtrack with the VAEs.
@@ -444,13 +435,8 @@ def encode_request(
 
 
 def build_request_bundle(
-    conditioner: TextConditioner,
-    vaes: MediaVAEs,
-    request: VideoRequest,
-    plan: RequestPlan,
-    config: H3Config,
-    canvas: CanvasRules | None = None,
-    timings: dict[str, float] | None = None,
+    conditioner: TextConditioner, vaes: MediaVAEs, request: VideoRequest, plan: RequestPlan, config: H3Config,
+    canvas: CanvasRules | None = None, timings: dict[str, float] | None = None,
 ) -> BundleHandoff:
     """Read the request's media files, encode them and the prompt (`encode_request`), draw the noise, and hand the
     bundle over one-shot. `plan` is the request's `plan_request` result; `timings` (optional) receives
