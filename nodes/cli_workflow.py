@@ -47,7 +47,11 @@ def read_workflow(path: str) -> dict:
         raise WorkflowError(f"workflow {path} nests arrays or objects too deeply") from None
     except ValueError as exc:
         raise WorkflowError(f"workflow {path} is not JSON ({exc})") from None
-    return check_api_workflow(data, str(path))
+    workflow = check_api_workflow(data, str(path))
+    for node_id, node in workflow.items():
+        if not isinstance(node.get("_meta", {}), dict):
+            raise WorkflowError(f"workflow {path}: node {node_id!r} has a '_meta' that is not an object")
+    return workflow
 
 
 def check_folders(output_dir: str, input_dir: str, models_dir: str | None) -> None:

@@ -104,7 +104,7 @@ def parse_value(text: str) -> Any:
     """A `--set` value: JSON if it parses (numbers, booleans, quoted strings, lists), else the raw string."""
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, or a number beyond Python's digit limit: the raw string
         return text
 
 

@@ -316,3 +316,22 @@ def test_serve_refuses_settings_address_and_receipt_before_building_the_demo_or_
             assert not out.exists()
     finally:
         taken.close()
+
+
+def test_client_refuses_missing_uploads_and_an_unreachable_service_on_one_line(tmp_path):
+    """Issue 15: `submit(files=...)` of a missing file or a folder was a FileNotFoundError / IsADirectoryError
+    traceback, and a service that is not running a URLError traceback."""
+    from vflash_core.client import VflashClient
+    from vflash_core.errors import RunFailedError, VflashError
+
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))
+    port = free.getsockname()[1]
+    free.close()  # nothing listens there now
+    client = VflashClient(f"http://127.0.0.1:{port}", timeout=5)
+    with pytest.raises(VflashError, match=rf"^first_frame upload {tmp_path / 'kite.png'} does not exist$"):
+        client.submit({"prompt": "<Picture 1> flies"}, files={"first_frame": tmp_path / "kite.png"})
+    with pytest.raises(VflashError, match=rf"^references upload {tmp_path} is a folder, not a file$"):
+        client.submit({"prompt": "x"}, files={"references": [tmp_path]})
+    with pytest.raises(RunFailedError, match=rf"^cannot reach the Vflash service at http://127\.0\.0\.1:{port}: Connection refused$"):
+        client.status("0" * 32)

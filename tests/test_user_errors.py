@@ -578,3 +578,52 @@ def test_an_output_name_too_long_for_its_temporary_is_refused_before_loading(h3_
     line = refused(capsys, ["generate", "--prepared-assets", str(h3_prepared), "--prompt", "x", "--output", str(tmp_path / name)])
     assert re.fullmatch(r"output file name a{40}\.\.\. is 254 bytes long; this folder takes names of at most \d+ bytes", line), line
     assert files_in(tmp_path) == []
+
+
+def test_compile_output_folder_problems_are_refused_before_the_weights_are_hashed(tiny_transformer, inputs, tmp_path, capsys, monkeypatch):
+    """An output folder under a file or with a name too long for its temporary failed with a traceback only after
+    every weight file had been read and hashed (minutes at full size)."""
+    from vflash_core import compiler
+    from vflash_core.compiler import main as compiler_main, prepare
+
+    receipt = tmp_path / "receipt.json"
+    prepare("t2va-base4-exact-cpu", tiny_transformer, receipt)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the weights were read for a compile that must be refused first")
+
+    monkeypatch.setattr(compiler, "_verify_receipt_files", refuse)
+    long_name = tmp_path / ("b" * 250)
+    cases = [
+        (inputs / "latin1.txt" / "compiled", f"output folder {inputs / 'latin1.txt' / 'compiled'} cannot be created: {inputs / 'latin1.txt'} is a file"),
+        (long_name, r"output folder name b{40}\.\.\. is 250 bytes long; this folder takes names of at most \d+ bytes"),
+        (tmp_path, f"{tmp_path} already exists; refusing to overwrite it"),
+    ]
+    for output, message in cases:
+        assert compiler_main(["compile", "--receipt", str(receipt), "--output", str(output)]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and re.fullmatch(f"error: {message}" if "\\d" in message else f"error: {re.escape(message)}", lines[0]), lines
+    assert files_in(tmp_path) == [receipt]
+
+
+def test_malformed_transformer_config_and_workflow_values_are_one_line(tiny_transformer, tmp_path, capsys):
+    """A transformer config.json with `"num_layers": "many"` was a TypeError traceback in `compiler prepare`; a
+    workflow node whose `_meta` is a string, and a `--set` integer of more digits than Python converts, were tracebacks
+    in run-workflow."""
+    import shutil
+
+    from vflash_core.compiler import main as compiler_main
+
+    transformer = tmp_path / "transformer"
+    shutil.copytree(tiny_transformer, transformer)
+    (transformer / "config.json").write_text('{"num_layers": "many"}')
+    assert compiler_main(["prepare", "--profile", "t2va-base4-exact-cpu", "--transformer", str(transformer), "--receipt", str(tmp_path / "r.json")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"error: {transformer / 'config.json'}: num_layers must be a positive integer, got 'many'"]
+
+    workflow = tmp_path / "w.json"
+    workflow.write_text('{"1": {"class_type": "SaveVideo", "inputs": {"filename_prefix": "x"}, "_meta": "Save"}}')
+    assert refused(capsys, ["run-workflow", str(workflow), "--set", "Save.filename_prefix=y"]) == f"workflow {workflow}: node '1' has a '_meta' that is not an object"
+    api = Path(__file__).resolve().parent.parent / "workflows" / "api" / "t2va.json"
+    line = refused(capsys, ["run-workflow", str(api), "--set", "5.seed=" + "9" * 5000, "--output-dir", str(tmp_path / "out")])
+    assert line.startswith('invalid workflow: node 5 (VflashSampler).seed takes INT, got "9999')
+    assert not (tmp_path / "r.json").exists() and not (tmp_path / "out").exists()

@@ -25,8 +25,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .errors import VflashError
-from .fileio import atomic_file
+from .errors import RunFailedError, VflashError
+from .fileio import atomic_file, check_input_file
 
 TERMINAL_STATES = frozenset({"succeeded", "failed", "cancelled"})
 
@@ -110,6 +110,9 @@ class VflashClient:
             return urllib.request.urlopen(request, timeout=self.timeout)
         except urllib.error.HTTPError as exc:
             raise ServiceError(exc.code, _error_message(exc)) from None
+        except (urllib.error.URLError, OSError) as exc:  # refused, unresolvable, timed out, reset
+            reason = getattr(exc, "reason", None) or exc
+            raise RunFailedError(f"cannot reach the Vflash service at {self.base_url}: {getattr(reason, 'strerror', None) or reason}") from None
 
 
 def _error_message(exc: urllib.error.HTTPError) -> str:
@@ -126,7 +129,7 @@ def _multipart(request: Mapping[str, Any], files: Mapping[str, str | Path | Sequ
     parts = [_part(boundary, 'name="request"', "application/json", json.dumps(dict(request)).encode())]
     for field, value in files.items():
         for path in [value] if isinstance(value, (str, Path)) else list(value):
-            path = Path(path)
+            path = check_input_file(path, f"{field} upload")  # a missing file, a folder or a FIFO is named as such
             kind = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
             name = path.name.replace('"', "").replace("\r", "").replace("\n", "")  # keep the header well-formed
             parts.append(_part(boundary, f'name="{field}"; filename="{name}"', kind, path.read_bytes()))

@@ -52,7 +52,7 @@ from .config import H3Config
 from .errors import IdentityMismatchError, VflashError
 from .formats import ARTIFACT_FORMAT, ARTIFACT_FP8_FORMAT, OVERLAY_FORMAT, WEIGHTS_RECEIPT_FORMAT, device_arch
 from .fp8 import FP8_LINEARS, quantize_block
-from .fileio import atomic_directory, atomic_file, check_writable_destination, read_text_file
+from .fileio import atomic_directory, atomic_file, check_new_directory, check_writable_destination, read_text_file
 from .lora import TABLE_ONLY, Adapter, load_adapter
 from .profiles import Profile, get_profile
 from .schedule import distinct_timesteps
@@ -230,9 +230,7 @@ def compile_receipt(receipt_path: str | Path, output: str | Path, device: str = 
 
     device_t = check_device(device, profile.arch)  # before anything is read: this machine must have that device
     arch = device_arch(device_t)
-    output = Path(output)
-    if output.exists():
-        raise VflashError(f"{output} already exists; refusing to overwrite it")
+    output = check_new_directory(output)  # before the weights are read and hashed
     tx = receipt["transformer"]
     source = SourceWeights(tx["path"], qkv_layout=None if tx["layout"] == "diffusers" else tx["qkv_layout"])
     source.check_profile(profile)

@@ -18,6 +18,10 @@ TEXT_TAG = 1
 AUDIO_TAG = 2
 NUM_MODALITIES = 3
 
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
 # The six AdaLN parameters of a block, in the order of the `adaln_proj` output rows.
 
 
@@ -60,14 +64,36 @@ class H3Config:
             )
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> H3Config:
-        """Build from a diffusers `config.json` dict; keys starting with `_` and unknown keys are ignored."""
-        names = {f.name for f in dataclasses.fields(cls) if f.init}
-        return cls(**{k: v for k, v in values.items() if k in names})
+    def from_dict(cls, values: dict[str, Any], what: str = "transformer config") -> H3Config:
+        """Build from a diffusers `config.json` dict; keys starting with `_` and unknown keys are ignored. A value of
+        the wrong type (a hand-edited or corrupt config) raises `VflashError` naming the key."""
+        from .errors import VflashError
+
+        if not isinstance(values, dict):
+            raise VflashError(f"{what} must be a JSON object, got {type(values).__name__}")
+        fields = {f.name: f.type for f in dataclasses.fields(cls) if f.init}
+        chosen = {k: v for k, v in values.items() if k in fields}
+        for key, value in chosen.items():
+            if key == "patch_size":
+                valid = isinstance(value, (list, tuple)) and len(value) == 3 and all(_positive_int(p) for p in value)
+            elif fields[key] == "float":
+                valid = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+            else:
+                valid = _positive_int(value)
+            if not valid:
+                expected = "three positive integers" if key == "patch_size" else "a positive number" if fields[key] == "float" else "a positive integer"
+                raise VflashError(f"{what}: {key} must be {expected}, got {value!r}")
+        return cls(**chosen)
 
     @classmethod
     def from_file(cls, path: str | Path) -> H3Config:
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        from .errors import VflashError
+
+        try:
+            values = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, ValueError, RecursionError) as exc:
+            raise VflashError(f"{path} cannot be read as a JSON transformer config: {exc}") from None
+        return cls.from_dict(values, str(path))
 
     def to_dict(self) -> dict[str, Any]:
         """The init fields only, JSON-ready (the diffusers config keys)."""

@@ -109,9 +109,7 @@ def check_writable_destination(path: str | Path, overwrite: bool = False) -> Pat
         raise VflashError(f"output folder {parent} {'is not a folder' if parent.exists() else 'does not exist'}")
     if not os.access(parent, os.W_OK):
         raise VflashError(f"output folder {parent} is not writable")
-    longest = _name_max(parent) - _TEMPORARY_OVERHEAD
-    if len(os.fsencode(path.name)) > longest:
-        raise VflashError(f"output file name {path.name[:40]}... is {len(os.fsencode(path.name))} bytes long; this folder takes names of at most {longest} bytes")
+    _check_name_length(path, parent, "output file name")
     if os.path.lexists(path):
         if path.is_dir():
             raise VflashError(f"output {path} is a folder; give a file name inside it")
@@ -130,6 +128,30 @@ def read_json(path: str | Path, error: type[VflashError], missing: str, corrupt:
         raise error(missing) from None
     except json.JSONDecodeError:
         raise error(corrupt) from None
+
+
+def _check_name_length(path: Path, parent: Path, what: str) -> None:
+    """The name leaves room for its temporary's (`atomic_file`, `atomic_directory`) in the folder's name limit."""
+    longest = _name_max(parent) - _TEMPORARY_OVERHEAD
+    if len(os.fsencode(path.name)) > longest:
+        raise VflashError(f"{what} {path.name[:40]}... is {len(os.fsencode(path.name))} bytes long; this folder takes names of at most {longest} bytes")
+
+
+def check_new_directory(path: str | Path) -> Path:
+    """Validate an output folder before any heavy work: absent, a name that fits, and creatable (the nearest
+    existing folder above it is a writable folder, not a file)."""
+    path = Path(path)
+    if os.path.lexists(path):
+        raise OutputExistsError(f"{path} already exists; refusing to overwrite it")
+    existing = path.absolute().parent
+    while not os.path.lexists(existing):
+        existing = existing.parent
+    if not existing.is_dir():
+        raise VflashError(f"output folder {path} cannot be created: {existing} is a file")
+    if not os.access(existing, os.W_OK):
+        raise VflashError(f"output folder {path} cannot be created: {existing} is not writable")
+    _check_name_length(path, existing, "output folder name")
+    return path
 
 
 def _writer() -> str:
