@@ -64,7 +64,7 @@ def capacity(den: Denoiser, config, cap_gib: float) -> dict[str, object]:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(0)
             try:
-                state = den.prepare(request(config, shape, seconds))
+                state = den.start_request(request(config, shape, seconds))
                 den.evaluate(state, STEP)
                 torch.cuda.synchronize()
                 peaks[f"{shape} {seconds:g}s"] = torch.cuda.max_memory_allocated(0)
@@ -93,7 +93,7 @@ def run(blocks: int, cache: Path, shapes: list[str]) -> dict[str, object]:
     with torch.no_grad():
         for shape in shapes:
             bundle = request(config, shape)
-            state_r, state_b = resident.prepare(bundle), ring.prepare(bundle)
+            state_r, state_b = resident.start_request(bundle), ring.start_request(bundle)
             resident_ms, out_r = block_times(resident, state_r, blocks)
             torch.cuda.reset_peak_memory_stats(0)
             ring_ms, out_b = block_times(ring, state_b, blocks)

@@ -255,7 +255,7 @@ def load_pipeline(run: Run, receipt: Path, record: dict, **options):
 
     pipe = H3Pipeline.from_prepared(receipt, RunOptions(**options))
     start = time.perf_counter()
-    pipe.prepare()
+    pipe.load()
     record["initialization_seconds"] = round(pipe.initialization_seconds, 3)
     record["session_initialization_seconds"] = round(pipe.session.initialization_seconds, 3)
     record["load_wall_seconds"] = round(time.perf_counter() - start, 3)

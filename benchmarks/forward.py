@@ -109,8 +109,8 @@ def run(blocks: int, cache: Path, shapes: list[str], rounds: int) -> dict[str, o
         lay = bundle.layout
 
         with torch.no_grad():
-            state = fast.prepare(bundle)
-            cudnn_state = cudnn.prepare(bundle)
+            state = fast.start_request(bundle)
+            cudnn_state = cudnn.start_request(bundle)
             plan = state.plans[STEP]
             inputs = (
                 state.video_rows[None], state.audio_rows[None], bundle.prompt_embeds[None].cuda(), plan.tables.timesteps, plan.timestep_indices,

@@ -150,7 +150,7 @@ def trajectory_errors(dens: dict[str, Denoiser], bundle) -> dict[str, object]:
     """Per evaluation errors on the exact trajectory's inputs, and each FP8 trajectory's final-latent PSNR."""
     exact = dens["exact"]
     lay = bundle.layout
-    state = exact.prepare(bundle)
+    state = exact.start_request(bundle)
     per_evaluation: dict[str, list[dict[str, float]]] = {name: [] for name in dens if name != "exact"}
     for step in range(exact.nfe):
         expected = exact.evaluate(state, step)
@@ -184,7 +184,7 @@ def run(blocks: int, cache: Path, shapes: list[str], rounds: int, small: bool) -
     records = []
     for shape in shapes:
         bundle = request(config, shape)
-        state = dens["exact"].prepare(bundle)
+        state = dens["exact"].start_request(bundle)
         measured = []
         for _ in range(rounds):
             measured.append({name: round(block_ms(den, state, blocks, warm), 3) for name, den in dens.items()})

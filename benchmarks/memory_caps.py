@@ -163,7 +163,7 @@ def denoise_phase(stages: Stages, caps: list[float | None], profile: str, paths:
                     session.validate(bundle)  # the plan's check of this request's activations
                     denoiser = session._denoisers[0]
                     with torch.no_grad():
-                        state = denoiser.prepare(bundle)
+                        state = denoiser.start_request(bundle)
                         velocity, audio = denoiser.evaluate(state, 0)
                     return velocity.cpu(), audio.cpu()
 

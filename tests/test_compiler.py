@@ -216,4 +216,4 @@ def test_pipeline_verify_weights_refuses_a_corrupt_compile_before_loading(tmp_pa
     block.write_bytes(bytes(data))
     with H3Pipeline.from_prepared(receipt, RunOptions(verify_weights=True)) as pipeline:
         with pytest.raises(WeightFileError, match="block_000.safetensors"):
-            pipeline.prepare()
+            pipeline.load()

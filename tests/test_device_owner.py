@@ -85,7 +85,7 @@ def test_prepared_pipeline_holds_no_weights_mapped_from_their_files(h3_prepared)
     from vflash_core.pipeline import H3Pipeline
 
     with H3Pipeline.from_prepared(h3_prepared) as pipeline:
-        pipeline.prepare()
+        pipeline.load()
         mapped = _file_mapped_ranges()
         modules = [pipeline.conditioner.text_encoder, pipeline.vaes.video_vae, pipeline.vaes.audio_vae]
         for module in modules:

@@ -50,7 +50,7 @@ def test_native_forward_equals_diffusers(tmp_path, dtype, source):
     tags[3:5] = 0
     keyframes = (torch.randn(1, TINY.in_channels, 1, 4, 6, generator=g),) * 2
     bundle = build_keyframe_bundle(embeds[0], tags, Geometry(64, 96, 124), TINY, g, keyframes, ("first", "last"))
-    state = denoiser.prepare(bundle)
+    state = denoiser.start_request(bundle)
     for step in (0, 2):  # T = 2 ({0, 0.999}) and T = 3 distinct timesteps
         video, audio = denoiser.evaluate(state, step)
         expected_video, expected_audio = _reference_forward(reference, bundle, state.plans[step], state.video_rows, state.audio_rows)

@@ -189,7 +189,7 @@ blocks = ResidentBlocks(artifact, cpu)
 def velocity(quantizer, keep_values):
     ops = fp8.FusedRowFP8Ops(artifact.config, sdpa_attention, fp8.RowFP8Execution("w8a8", quantizer), keep_values)
     denoiser = Denoiser(artifact, blocks, cpu, ops)
-    return denoiser.evaluate(denoiser.prepare(_bundle(5)), 1)
+    return denoiser.evaluate(denoiser.start_request(_bundle(5)), 1)
 
 expected = velocity("torch", False)
 print(json.dumps([torch.equal(a, b) for a, b in zip(velocity("triton", True), expected)]))

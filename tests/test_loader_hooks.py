@@ -3,7 +3,7 @@
 
 A hook is a Python callable given by the caller (never a name resolved to code). What it returns is checked before use;
 what it raises propagates unchanged, releases whatever was loaded before it, and leaves the pipeline usable: the next
-`prepare` calls the loaders again.
+`load` calls the loaders again.
 """
 
 from __future__ import annotations
@@ -221,8 +221,8 @@ def test_pipeline_hooks_are_code_not_names(h3_prepared):
 
 @pytest.mark.parametrize("failing", ["text_encoder_loader", "block_loader", "native_denoiser_loader"])
 def test_a_loader_exception_leaves_the_pipeline_usable(h3_prepared, monkeypatch, failing):
-    """The hook's own exception reaches the caller from `prepare`; what loaded before it is released; the pipeline stays
-    open, and the next `prepare` (the hook succeeds this time) gives a working pipeline."""
+    """The hook's own exception reaches the caller from `load`; what loaded before it is released; the pipeline stays
+    open, and the next `load` (the hook succeeds this time) gives a working pipeline."""
     from vflash_core.conditioning import TextConditioner
     from vflash_core.pipeline import H3Pipeline
     from vflash_core.vae import MediaVAEs
@@ -248,10 +248,10 @@ def test_a_loader_exception_leaves_the_pipeline_usable(h3_prepared, monkeypatch,
         monkeypatch.setattr(part, "close", lambda self, original=part.close: (closed.append(type(self).__name__), original(self))[1])
     pipeline = H3Pipeline.from_prepared(h3_prepared, **{failing: hook})
     with pytest.raises(Flaky, match="network share unavailable"):
-        pipeline.prepare()
-    assert not pipeline.prepared and pipeline.session is None
+        pipeline.load()
+    assert not pipeline.loaded and pipeline.session is None
     assert closed == ([] if failing == "text_encoder_loader" else ["TextConditioner", "MediaVAEs"])
     pipeline.validate(_request())  # still open
-    result = pipeline.generate(_request(), None)  # prepares again: the hook succeeds
+    result = pipeline.generate(_request(), None)  # loads again: the hook succeeds
     assert len(calls) == 2 and result.num_frames == 124
     pipeline.close()

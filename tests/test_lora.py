@@ -230,7 +230,7 @@ def test_compiled_lora_matches_diffusers_peft(tmp_path, tiny_transformer, streng
     denoiser = Denoiser(artifact, ResidentBlocks(artifact, torch.device("cpu")), torch.device("cpu"), BlockOps(artifact.config, sdpa_attention))
     g = torch.Generator().manual_seed(2)
     bundle = build_keyframe_bundle(torch.randn(6, TINY.text_dim, generator=g).to(torch.bfloat16), torch.ones(6, dtype=torch.long), Geometry(64, 96, 124), TINY, g)
-    state = denoiser.prepare(bundle)
+    state = denoiser.start_request(bundle)
     video, audio = denoiser.evaluate(state, 1)
     lay, plan = bundle.layout, state.plans[1]
     with torch.no_grad():

@@ -185,7 +185,7 @@ def test_pipeline_under_a_cap_equals_the_uncapped_pipeline(h3_prepared, uncapped
 
 def test_pipeline_streams_the_encoder_and_refuses_before_anything_runs(h3_prepared, uncapped, no_margin):
     with H3Pipeline.from_prepared(h3_prepared, RunOptions(max_device_memory=1.0)) as pipe:
-        pipe.prepare()
+        pipe.load()
         sizes, config = pipe.session.plan.sizes, pipe.config
         encode = pipe.conditioner.encode_bytes(64, 0)
         decode = MP.decode_bytes(pipe.vaes.video_vae, 124, 64, 96, "native", 8)
@@ -196,7 +196,7 @@ def test_pipeline_streams_the_encoder_and_refuses_before_anything_runs(h3_prepar
     room = 2 * denoise
     assert streamed + encode < room < sizes.vaes + decode
     with H3Pipeline.from_prepared(h3_prepared, RunOptions(max_device_memory=(ring + room) / GIB)) as pipe:
-        pipe.prepare()
+        pipe.load()
         placement = pipe.session.plan.placement
         assert (placement.core, placement.encoder, placement.video_decoder) == ("block-ring", "stream", "native")
         assert pipe.conditioner.layer_ring is not None
@@ -208,7 +208,7 @@ def test_pipeline_streams_the_encoder_and_refuses_before_anything_runs(h3_prepar
             pipe.generate(REQUEST, None)
         assert calls == []  # refused before the encode
     with pytest.raises(RunFailedError, match="the weights do not fit on cpu"):
-        H3Pipeline.from_prepared(h3_prepared, RunOptions(max_device_memory=ring / 2 / GIB)).prepare()
+        H3Pipeline.from_prepared(h3_prepared, RunOptions(max_device_memory=ring / 2 / GIB)).load()
 
 
 @pytest.mark.gpu

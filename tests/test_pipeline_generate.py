@@ -29,7 +29,7 @@ def pipeline(h3_prepared):
 
 def test_generate_writes_the_mp4_and_times_its_stages(pipeline, tmp_path):
     events = []
-    loaded_before = pipeline.prepared
+    loaded_before = pipeline.loaded
     start = time.perf_counter()
     result = pipeline.generate(REQUEST, tmp_path / "clip.mp4", progress=lambda *e: events.append(e))
     wall = time.perf_counter() - start
@@ -90,7 +90,7 @@ def test_pipeline_composes_from_separately_loaded_parts(pipeline, h3_prepared):
         NativeEngineSession(assets.profile, **assets.session_paths()),
     )
     with H3Pipeline(assets.profile, *parts) as composed:
-        assert composed.prepared and composed.initialization_seconds == 0.0
+        assert composed.loaded and composed.initialization_seconds == 0.0
         media = composed.generate(REQUEST, None).media
     assert_bitwise(media.frames, pipeline.generate(REQUEST, None).media.frames, "frames")
     with pytest.raises(VflashError, match="needs a conditioner, VAEs and a session"):
@@ -151,7 +151,7 @@ def test_generate_command_with_delivery_options_and_denoise_profile(h3_prepared,
 
 
 def test_encoder_residency_keeps_the_encoder_and_vaes_on_their_device(pipeline, h3_prepared, monkeypatch):
-    pipeline.prepare()
+    pipeline.load()
     offloads = []
     for part in (pipeline.conditioner, pipeline.vaes):
         monkeypatch.setattr(part, "offload", lambda part=part: offloads.append(part))

@@ -90,7 +90,7 @@ def test_pipeline_matches_diffusers_on_gpu(case, sm90, reference_gpu, gpu_media)
     partition, make = CASES[case]
     request = make(gpu_media)
     with H3Pipeline.from_prepared(sm90[partition], RunOptions(device=0, attention_backend="torch-cudnn")) as pipeline:
-        pipeline.prepare()
+        pipeline.load()
         _check(pipeline, reference_gpu, request, request.height, request.width)
         assert next(pipeline.conditioner.text_encoder.parameters()).device.type == "cpu"
         assert next(pipeline.vaes.video_vae.parameters()).device.type == "cpu"

@@ -240,7 +240,7 @@ def test_video_reference_sampling_presentation_and_encoding(native_ref, referenc
             grids = torch.tensor([[(len(v) + 1) // 2, 4, 6] for v in videos])
             return {"pixel_values_videos": torch.zeros(1), "video_grid_thw": grids}
 
-    native_ref.prepare()
+    native_ref.load()
     conditioner = native_ref.conditioner
     conditioner.video_processor, saved = VideoProcessorStandIn(), conditioner.video_processor
     try:

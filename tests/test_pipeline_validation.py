@@ -69,7 +69,7 @@ def _assert_refused(pipeline: H3Pipeline, request: VideoRequest, message: str, o
         pipeline.validate(request)
     with pytest.raises(VflashError, match=message):
         pipeline.generate(request, out)
-    assert not pipeline.prepared, "a model was loaded for a request that was refused"
+    assert not pipeline.loaded, "a model was loaded for a request that was refused"
     assert not out.exists() and list(out.parent.iterdir()) == []
 
 
@@ -105,7 +105,7 @@ def test_reference_counts_per_modality(files, h3_prepared_ref, tmp_path):
     _assert_refused(pipeline, VideoRequest("x", references=(a, *[str(wav)] * 4)), r"H3 takes at most 3 audio references, got 4", tmp_path / "o.mp4")
     # Bound labels pass: one picture, one audio clip.
     pipeline.validate(VideoRequest("<Picture 1> sings <Audio 1>", references=(a, str(wav))))
-    assert not pipeline.prepared
+    assert not pipeline.loaded
 
 
 def test_output_problems_are_refused_before_loading(h3_prepared, tmp_path):
@@ -116,7 +116,7 @@ def test_output_problems_are_refused_before_loading(h3_prepared, tmp_path):
     existing.write_bytes(b"keep me")
     with pytest.raises(VflashError, match=r"taken.mp4 already exists; refusing to overwrite it"):
         pipeline.generate(VideoRequest("x"), existing)
-    assert existing.read_bytes() == b"keep me" and not pipeline.prepared
+    assert existing.read_bytes() == b"keep me" and not pipeline.loaded
     with pytest.raises(VflashError, match=r"video_threads must be an integer from 1 to 256 .* got 0"):
         H3Pipeline.from_prepared(h3_prepared, RunOptions(media_video_threads=0))
 

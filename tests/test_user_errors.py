@@ -245,7 +245,7 @@ def test_generate_needs_a_request_not_a_prompt(h3_prepared, tmp_path, no_model_l
     for call in (lambda: pipeline.generate("a prompt", tmp_path / "o.mp4"), lambda: pipeline.validate("a prompt")):
         with pytest.raises(RequestError, match=r"takes a VideoRequest, got str; wrap the prompt: VideoRequest\(prompt='a prompt'\)"):
             call()
-    assert not pipeline.prepared and files_in(tmp_path) == []
+    assert not pipeline.loaded and files_in(tmp_path) == []
 
 
 def test_limits_from_the_model_are_checked_before_loading(h3_prepared, h3_prepared_ref, inputs, tmp_path, monkeypatch, no_model_loads):
@@ -293,7 +293,7 @@ def test_limits_from_the_model_are_checked_before_loading(h3_prepared, h3_prepar
     monkeypatch.setattr(references, "MAX_INPUT_VIDEO_BYTES", 20 * 64 * 64 * 3)
     with pytest.raises(RequestError, match=r"^reference 1 .*clip.mp4 decodes to more than .* GiB of frames \(64x64\); trim it"):
         ref.validate(VideoRequest("x", references=str(clip)))
-    assert not pipeline.prepared and not ref.prepared and files_in(tmp_path) == []
+    assert not pipeline.loaded and not ref.loaded and files_in(tmp_path) == []
 
 
 def _png_header(path: Path, width: int, height: int) -> None:
@@ -391,14 +391,14 @@ def test_concurrent_first_use_loads_once_and_leaves_nothing_patched(h3_prepared,
             errors.append(exc)
 
     request = VideoRequest("A lighthouse at dusk.", seed=1, width=32, height=32)
-    calls = [shared.prepare, shared.prepare, lambda: shared.generate(request, None), *(p.prepare for p in others)]
+    calls = [shared.load, shared.load, lambda: shared.generate(request, None), *(p.load for p in others)]
     threads = [threading.Thread(target=run, args=(call,)) for call in calls]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     assert errors == [] and len(loads) == 1
-    assert all(p.prepared for p in (shared, *others))
+    assert all(p.loaded for p in (shared, *others))
     assert _process_wide_state() == before
     # A pipeline created afterwards still builds real (not meta-device) models and generates.
     with H3Pipeline.from_prepared(h3_prepared) as fresh:
@@ -436,13 +436,13 @@ def test_api_arguments_of_the_wrong_type_are_refused_naming_them(h3_prepared, tm
         (lambda: pipeline.generate(request, keep, overwrite="no"), r"^overwrite must be True or False, got str 'no'$"),
         (lambda: pipeline.generate(request, tmp_path / "o.mp4", progress="bar"), r"^progress must be a callable or None, got str 'bar'$"),
         (lambda: pipeline.generate(request, tmp_path / "o.mp4", cancel=5), r"^cancel must be a callable or None, got int 5$"),
-        (lambda: pipeline.prepare(progress=5), r"^progress must be a callable or None, got int 5$"),
+        (lambda: pipeline.load(progress=5), r"^progress must be a callable or None, got int 5$"),
         (lambda: VideoRequest("x", references=["a.png", None]), r"^references\[1\] is None; give a file path or a PIL image, or leave it out$"),
     ]
     for call, message in cases:
         with pytest.raises(VflashError, match=message):
             call()
-    assert not pipeline.prepared and keep.read_bytes() == b"keep" and files_in(tmp_path) == [keep]
+    assert not pipeline.loaded and keep.read_bytes() == b"keep" and files_in(tmp_path) == [keep]
 
 
 def test_output_onto_an_input_or_a_model_file_is_refused_before_loading(h3_prepared, inputs, tmp_path, capsys, no_model_loads):

@@ -141,6 +141,6 @@ def run_demo(output: str | Path | None = None, overwrite: bool = False, cache_di
     request = VideoRequest(prompt=DEMO_PROMPT, duration_seconds=5.0, seed=DEMO_SEED)
     with H3Pipeline.from_prepared(receipt, options) as pipeline:
         pipeline.validate(request)
-        pipeline.prepare(progress)
+        pipeline.load(progress)
         result = pipeline.generate(request, target, overwrite=overwrite, progress=progress)
         return result, {"built": built, "build_seconds": build, "initialization_seconds": pipeline.initialization_seconds, "receipt": str(receipt)}

@@ -103,7 +103,7 @@ class Denoiser:
         return self.aux["refiner.final_norm.weight"].dtype
 
     @torch.no_grad()
-    def prepare(self, bundle: ConditioningBundle, rows: tuple[int, int] | None = None) -> RequestState:
+    def start_request(self, bundle: ConditioningBundle, rows: tuple[int, int] | None = None) -> RequestState:
         """Everything that depends only on the request, for packed rows [start, stop) (default: all)."""
         dev = self.device
         lay = bundle.layout
@@ -178,7 +178,7 @@ class Denoiser:
         With a progress callback the host waits for each evaluation to finish before reporting it, so progress and
         cancellation track the device; without one nothing synchronises until the end.
         """
-        state = self.prepare(bundle)
+        state = self.start_request(bundle)
         for step in range(self.nfe):
             self.step(state, step, bundle, timer, between_blocks)
             if progress is not None:

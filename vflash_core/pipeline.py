@@ -24,7 +24,7 @@ Threads: concurrent first calls load the models once, and requests on one pipeli
 validation, so a bad request is refused without waiting). Model loading is serialised process-wide
 (`model_loading.MODEL_LOAD_LOCK`).
 
-Timing: `initialization_seconds` is the time `prepare()` took (the first `generate` prepares when needed,
+Timing: `initialization_seconds` is the time `load()` took (the first `generate` loads when needed,
 after its input checks, and that time is not part of the request); `VideoResult.elapsed_seconds` covers the request:
 validation, encoding, denoising, decoding and writing. `VideoResult.stages` holds the top-level stages `validate`,
 `encode`, `denoise`, `decode`, `write` (their sum is at most `elapsed_seconds`) and nested details whose names carry
@@ -524,7 +524,7 @@ class H3Pipeline:
         self._closed = False
         # Guards loading and running: one request at a time, and the parts never change under a running request.
         self._lock = threading.RLock()
-        self.initialization_seconds = 0.0  # set by prepare(); a pipeline composed from loaded parts has none
+        self.initialization_seconds = 0.0  # set by load(); a pipeline composed from loaded parts has none
 
     @classmethod
     def from_prepared(
@@ -536,15 +536,15 @@ class H3Pipeline:
         native_denoiser_loader: NativeDenoiserLoader | None = None,
         block_loader: BlockLoader | None = None,
     ) -> "H3Pipeline":
-        """A pipeline over prepared assets that loads nothing until `prepare()` or the first request. The devices
+        """A pipeline over prepared assets that loads nothing until `load()` or the first request. The devices
         (present on this machine, of the profile's architecture) and the attention backend are checked now.
 
         Trusted loader hooks (Python callables, code rather than options, so never read from a file, a command line
         or a request): `text_encoder_loader(model_root)` returns the CPU Qwen3-VL model the conditioner then trims,
         offloads and releases (`conditioning.TextConditioner.from_pretrained`); `native_denoiser_loader` and
         `block_loader` load the core's resident weights (`session.NativeEngineSession`). What a hook raises
-        propagates from `prepare()` (or the first request) after the parts loaded before it are released; the
-        pipeline stays open, and the next `prepare()` calls the loaders again.
+        propagates from `load()` (or the first request) after the parts loaded before it are released; the
+        pipeline stays open, and the next `load()` calls the loaders again.
 
         `options.encoder_residency`: on a GPU, "offload" (default) hands the device back after the text encoder's and
         the VAEs' stages, leaving it to the core; "resident" keeps them there, which saves their host-device copies
@@ -609,21 +609,21 @@ class H3Pipeline:
     # -- lifecycle ----------------------------------------------------------------------------------------------------
 
     @property
-    def prepared(self) -> bool:
+    def loaded(self) -> bool:
         return self.session is not None
 
     def _check_open(self) -> None:
         if self._closed:
             raise SessionClosedError("this pipeline is closed (closed, cancelled or failed); create a new H3Pipeline")
 
-    def prepare(self, progress: PipelineProgress | None = None) -> None:
+    def load(self, progress: PipelineProgress | None = None) -> None:
         """Load the text encoder, the VAEs and the native session now (once, whichever thread asks first); sets
         `initialization_seconds`."""
         self._check_open()
         callback(progress, "progress")
         with self._lock:
             self._check_open()  # closed while this thread waited
-            if self.prepared:
+            if self.loaded:
                 return
             start = time.perf_counter()
             assert self._loader is not None
@@ -658,28 +658,28 @@ class H3Pipeline:
 
     @property
     def config(self) -> H3Config:
-        self.prepare()
+        self.load()
         return self.session.compiled.config
 
     def encode(self, request: VideoRequest, timings: dict[str, float] | None = None) -> BundleHandoff:
         """Prompt and media -> a one-shot conditioning handoff for `denoise`."""
         plan = self.validate(request)
         with self._lock:
-            self.prepare()
+            self.load()
             return build_request_bundle(self.conditioner, self.vaes, request, plan, self.config, self.canvas, timings)
 
     def denoise(self, bundle_or_handoff, progress: Callable[[int, int], None] | None = None) -> GenerationResult:
         """Run the native core; `progress(done, total)` after every evaluation (it may raise to abort)."""
         self._check_open()
         with self._lock:
-            self.prepare()
+            self.load()
             return self.session.generate(bundle_or_handoff, progress=progress, profile_denoise=self.options.profile_denoise)
 
     def decode(self, video_latents: torch.Tensor, audio_latents: torch.Tensor) -> DecodedMedia:
         """(1, C, F, h, w) and (2, C_a, A) normalised latents -> frames and stereo waveform."""
         self._check_open()
         with self._lock:
-            self.prepare()
+            self.load()
             _, _, latent_frames, latent_height, latent_width = video_latents.shape
             frames = (latent_frames - 2) // VAE_LATENTS_PER_CHUNK * VAE_FRAMES_PER_CHUNK + VAE_LATENTS_PER_CHUNK
             self._check_memory(Geometry(latent_height * VAE_SPATIAL_RATIO, latent_width * VAE_SPATIAL_RATIO, frames), ("decode",))
@@ -726,9 +726,9 @@ class H3Pipeline:
         start = time.perf_counter() - validated
         stages: dict[str, float] = {"validate": validated}
         initialization = 0.0
-        if not self.prepared:
+        if not self.loaded:
             load_start = time.perf_counter()
-            self.prepare(progress)
+            self.load(progress)
             initialization = time.perf_counter() - load_start
         self._check_open()  # closed while this request waited
 

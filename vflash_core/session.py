@@ -456,7 +456,7 @@ class NativeEngineSession:
 
         def rank_main(rank: int) -> tuple[torch.Tensor, torch.Tensor] | None:
             den = self._denoisers[rank]
-            state = den.prepare(bundle, rows[rank])
+            state = den.start_request(bundle, rows[rank])
             nfe = den.nfe
             for step in range(nfe):
                 den.step(state, step, bundle, timers[rank], poll if rank == 0 else None)

@@ -155,7 +155,7 @@ def main() -> None:
         hooks = [block.adaln_proj.register_forward_hook(lambda m, i, out: captured.append(torch.cat(out, dim=-1))) for block in core.blocks]
         hooks.append(core.final_layer.adaln_proj.register_forward_hook(lambda m, i, out: captured.append(torch.cat(out, dim=-1))))
         ours, with_core_ops = denoiser(artifact, BlockOps(artifact.config, sdpa_attention)), denoiser(artifact, core_ops(artifact.config))
-        state, core_state = ours.prepare(bundle), with_core_ops.prepare(bundle)
+        state, core_state = ours.start_request(bundle), with_core_ops.start_request(bundle)
         tables, velocities, injected = [], [], False
         for step in range(STEPS):
             plan = state.plans[step]
