@@ -574,7 +574,7 @@ def _linked(value: Any) -> bool:
 
 def encode_mode(inputs: Mapping[str, Any]) -> str:
     """The mode a VflashEncode node of an API prompt encodes, from which of its inputs are given (no values needed)."""
-    from vflash_core.pipeline import request_mode
+    from vflash_core.validation import request_mode
 
     given = {name for name, value in inputs.items() if value is not None}
     references = any(name.split(".")[0] in ("ref_images", "ref_videos", "ref_audios") for name in given)
@@ -926,7 +926,8 @@ def encode(registry: EngineRegistry, host: Host, te: Any, vae: Any, prompt: str,
     a `pipeline.EncodedRequest`), the empty latent of its canvas and its frame count."""
     from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3AudioReference, MiniMaxH3ImageReference, MiniMaxH3VideoReference
 
-    from vflash_core.pipeline import encode_request, request_mode
+    from vflash_core.pipeline import encode_request
+    from vflash_core.validation import request_mode
     from vflash_core.validation import check_labels, check_prompt, check_reference_counts
 
     check_prompt(prompt)

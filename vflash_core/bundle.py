@@ -184,8 +184,9 @@ class ConditioningBundle:
 class BundleHandoff:
     """In-process one-shot transfer of a freshly built bundle from the encoders to the core.
 
-    The bundle is validated and fingerprinted when handed over, and again when consumed; a second `consume()` or a
-    bundle modified in between is refused. After consumption the handoff holds no tensors.
+    The bundle is validated and fingerprinted when handed over; `consume()` compares the fingerprint (an unchanged
+    bundle is still valid), so a second `consume()` or a bundle modified in between is refused. After consumption the
+    handoff holds no tensors.
     """
 
     def __init__(self, bundle: ConditioningBundle):
@@ -202,7 +203,6 @@ class BundleHandoff:
         if self._bundle is None:
             raise BundleError("this conditioning handoff was already consumed; build a new one per request")
         bundle, self._bundle = self._bundle, None
-        bundle.validate()
         if bundle.fingerprint() != self._fingerprint:
             raise BundleError("conditioning bundle was modified after it was handed off")
         return bundle
@@ -232,9 +232,7 @@ def build_keyframe_bundle(
         prompt_embeds = prompt_embeds[0]
     layout = keyframe_layout(text_token_tags, geometry, config.patch_size, tuple(keyframe_anchors))
     video_rows, audio_rows = _draw_rows(condition_latents, geometry, config, generator)
-    bundle = ConditioningBundle(mode, geometry, ModelLayout.of(config), prompt_embeds, layout, video_rows, audio_rows, seed)
-    bundle.validate()
-    return bundle
+    return ConditioningBundle(mode, geometry, ModelLayout.of(config), prompt_embeds, layout, video_rows, audio_rows, seed)
 
 
 def _draw_rows(
@@ -297,7 +295,5 @@ def build_ref2va_bundle(
     visual = tuple(r.video_latents for r in references if r.video_latents is not None)
     video_rows, audio_noise = _draw_rows(visual, geometry, config, generator)
     audio_rows = torch.cat([*(r.audio_rows.float() for r in references if r.audio_rows is not None), audio_noise])
-    bundle = ConditioningBundle("ref2va", geometry, ModelLayout.of(config), prompt_embeds, layout, video_rows, audio_rows, seed)
-    bundle.validate()
-    return bundle
+    return ConditioningBundle("ref2va", geometry, ModelLayout.of(config), prompt_embeds, layout, video_rows, audio_rows, seed)
 

@@ -69,7 +69,7 @@ from .vae import DecodedMedia, MediaVAEs
 from .vae_decode import DEFAULT_WINDOWS_PER_CALL
 from .validation import (
     MediaInput, PromptBudget, RequestPlan, callback, check_generate_arguments, describe_value, integer, media_input, media_inputs,
-    path_argument, plan_request, seconds,
+    path_argument, plan_request, request_mode, seconds,
 )
 
 logger = logging.getLogger(__name__)
@@ -357,13 +357,6 @@ def stage_timer(timings: dict[str, float] | None, then: StageCallback | None = N
             then(name)
 
     return after_stage
-
-
-def request_mode(first_frame: bool, last_frame: bool, references: bool) -> str:
-    """The mode of a request from which inputs it has; keyframes and references together have none."""
-    if references and (first_frame or last_frame):
-        raise RequestError("a request takes either keyframes (first/last frame) or references, not both")
-    return "ref2va" if references else {(False, False): "t2va", (True, False): "i2va", (False, True): "l2va", (True, True): "fl2va"}[(first_frame, last_frame)]
 
 
 @dataclass(frozen=True)

@@ -346,13 +346,18 @@ class RequestPlan:
     audios: int
 
 
+def request_mode(first_frame: bool, last_frame: bool, references: bool) -> str:
+    """The mode of a request from which inputs it has; keyframes and references together have none."""
+    if references and (first_frame or last_frame):
+        raise RequestError("a request takes either keyframes (first/last frame) or references, not both")
+    return "ref2va" if references else {(False, False): "t2va", (True, False): "i2va", (False, True): "l2va", (True, True): "fl2va"}[(first_frame, last_frame)]
+
+
 def plan_request(request: "VideoRequest", profile: Profile, canvas: CanvasRules, prompt_budget: PromptBudget | None = None) -> RequestPlan:
     """Check a request against a profile, a model's canvas rules and its prompt budget without loading any model;
     raises `RequestError` / `VflashError` naming the offending values. Cheap checks run first, file probes last."""
     check_prompt(request.prompt, prompt_budget)
     check_seed(request.seed)
-    if request.references and request.keyframes:
-        raise RequestError("a request takes either keyframes (first/last frame) or references, not both")
     mode = request.mode
     profile.check_mode(mode)
     num_frames = clip_frames(request.duration_seconds, profile)
