@@ -8,7 +8,7 @@ from . import ops
 
 from .host import FOLDERS, HOST
 from .registry import ENGINES
-from .types import AUDIO_VAE_TOOLTIP, VAE_TOOLTIP, VflashCond, VflashModel, aliases, te_input, vae_inputs
+from .types import VflashCond, VflashModel, aliases, te_input, vae_inputs
 
 _WIDTH_TOOLTIP = "Canvas width in pixels: a multiple of 32, aspect ratio within 1:4..4:1 (768x1344 area cap for the released model)."
 _HEIGHT_TOOLTIP = "Canvas height in pixels: a multiple of 32, aspect ratio within 1:4..4:1."

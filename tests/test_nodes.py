@@ -415,7 +415,7 @@ def test_encode_then_sample_bundle_equals_pipeline_bundle(pack, comfy, keyframes
     folders = pack.package.host.FOLDERS
     te = ops.load_component(registry, host, folders, "te", "embedded-demo", "cpu")
     vae = ops.load_component(registry, host, folders, "vae", "embedded-demo", "cpu")
-    model = ops.load_model(registry, host, folders, "embedded-demo", "auto", "auto", "cpu", "none", "sequence-head", "auto")
+    ops.load_model(registry, host, folders, "embedded-demo", "auto", "auto", "cpu", "none", "sequence-head", "auto")
     images = {}
     for name, color in zip(keyframes, ((250, 20, 20), (20, 20, 250))):
         pixels = np.zeros((96, 160, 3), np.uint8)
