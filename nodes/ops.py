@@ -927,8 +927,7 @@ def encode(registry: EngineRegistry, host: Host, te: Any, vae: Any, prompt: str,
     from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3AudioReference, MiniMaxH3ImageReference, MiniMaxH3VideoReference
 
     from vflash_core.pipeline import encode_request
-    from vflash_core.validation import request_mode
-    from vflash_core.validation import check_labels, check_prompt, check_reference_counts
+    from vflash_core.validation import check_labels, check_prompt, check_reference_counts, request_mode
 
     check_prompt(prompt)
     geometry = request_geometry(width, height, length, seconds)
