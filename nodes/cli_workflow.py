@@ -59,11 +59,11 @@ def check_folders(output_dir: str, input_dir: str, models_dir: str | None) -> No
     given --models-dir exists, and --input-dir, if present, is a folder."""
     from pathlib import Path
 
+    from vflash_core.fileio import nearest_existing
+
     from .workflow import WorkflowError
 
-    existing = Path(output_dir).absolute()
-    while not os.path.lexists(existing):
-        existing = existing.parent
+    existing = nearest_existing(Path(output_dir).absolute())
     if not existing.is_dir():
         raise WorkflowError(f"--output-dir {output_dir} cannot be a folder: {existing} is a file")
     if not os.access(existing, os.W_OK):

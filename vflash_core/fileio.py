@@ -137,15 +137,20 @@ def _check_name_length(path: Path, parent: Path, what: str) -> None:
         raise VflashError(f"{what} {path.name[:40]}... is {len(os.fsencode(path.name))} bytes long; this folder takes names of at most {longest} bytes")
 
 
+def nearest_existing(path: Path) -> Path:
+    """`path` if it exists (a dangling link counts), else its nearest existing ancestor: where a folder would be created."""
+    while not os.path.lexists(path):
+        path = path.parent
+    return path
+
+
 def check_new_directory(path: str | Path) -> Path:
     """Validate an output folder before any heavy work: absent, a name that fits, and creatable (the nearest
     existing folder above it is a writable folder, not a file)."""
     path = Path(path)
     if os.path.lexists(path):
         raise OutputExistsError(f"{path} already exists; refusing to overwrite it")
-    existing = path.absolute().parent
-    while not os.path.lexists(existing):
-        existing = existing.parent
+    existing = nearest_existing(path.absolute().parent)
     if not existing.is_dir():
         raise VflashError(f"output folder {path} cannot be created: {existing} is a file")
     if not os.access(existing, os.W_OK):
