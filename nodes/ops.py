@@ -3,7 +3,7 @@ these functions, so a workflow behaves the same in ComfyUI and headless.
 
 A node operation takes plain values (widget values, core tensors, the specs other nodes returned), makes the engine
 calls, and returns plain values. A request is checked by `vflash_core.validation`'s checks and runs the pipeline's
-own steps (`pipeline.encode_request`, `EncodedRequest.bundle`, `decode_latents`) on the engines the loader nodes
+own steps (`pipeline.encode_request`, `EncodedRequest.bundle`, `vae.decode_latents`) on the engines the loader nodes
 gave. Everything host-specific comes in through two small interfaces:
 
 * `Host`: progress bars, the interrupt check, freeing the host's own models, the default device, the host's
@@ -1040,7 +1040,8 @@ def sample(registry: EngineRegistry, host: Host, model: ModelSpec, cond: Any, la
 def decode(registry: EngineRegistry, host: Host, vae: Any, latent: dict[str, Any], audio_vae: Any = None) -> tuple[torch.Tensor, dict[str, Any], Any]:
     """VflashDecode: frames (IMAGE batch), stereo AUDIO trimmed to the video's length, and a VIDEO at 24 fps.
     `vae` is a Vflash VAE pair spec, or core's H3 video VAE with core's audio VAE in `audio_vae`."""
-    from vflash_core.pipeline import decode_latents, delivered_soundtrack
+    from vflash_core.pipeline import delivered_soundtrack
+    from vflash_core.vae import decode_latents
 
     av = cl.from_comfy_latent(latent)
     vaes = _vae_pair(registry, host, vae, audio_vae)

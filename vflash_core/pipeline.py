@@ -17,7 +17,7 @@ budget, duration and mode against the profile, reference counts and input file s
 provided inputs; `generate` also checks the output path. Devices and the attention backend are checked when the
 pipeline is created. The encoders hand their tensors to the core through a validated one-shot `BundleHandoff` (no
 temporary file). The request's steps are functions of the parts they run on (`encode_request`, then
-`EncodedRequest.bundle` for a seed, `decode_latents`), so the node pack, whose text encoder and VAEs come from
+`EncodedRequest.bundle` for a seed, `vae.decode_latents`), so the node pack, whose text encoder and VAEs come from
 separate loaders (or are ComfyUI core's), runs this code and no copy of it.
 
 Threads: concurrent first calls load the models once, and requests on one pipeline run one at a time (after their
@@ -65,7 +65,7 @@ from .options import RunOptions
 from .profiles import Profile, check_identity, get_profile
 from .references import CanvasRules, fit_keyframes, load_image, load_reference, normalize_references
 from .session import BlockLoader, GenerationResult, NativeDenoiserLoader, NativeEngineSession, SessionTiming, check_loader_hooks
-from .vae import DecodedMedia, MediaVAEs
+from .vae import DecodedMedia, MediaVAEs, decode_latents
 from .vae_decode import DEFAULT_WINDOWS_PER_CALL
 from .validation import (
     MediaInput, PromptBudget, RequestPlan, callback, check_generate_arguments, describe_value, integer, media_input, media_inputs,
@@ -441,18 +441,6 @@ def build_request_bundle(
     handoff = encoded.bundle(config, request.seed)
     after_stage("encode.bundle")
     return handoff
-
-
-def decode_latents(vaes: MediaVAEs, video_latents: torch.Tensor, audio_latents: torch.Tensor, after_stage: StageCallback | None = None) -> DecodedMedia:
-    """(1, C, F, h, w) and (2, C_a, A) normalised latents -> frames and the whole stereo waveform, the VAEs on their
-    device for the duration; `after_stage` is called after decode.video and decode.audio."""
-    after_stage = after_stage or (lambda name: None)
-    with vaes.on_device():
-        frames = vaes.decode_video(video_latents)
-        after_stage("decode.video")
-        waveform = vaes.decode_audio(audio_latents)
-        after_stage("decode.audio")
-    return DecodedMedia(frames, waveform, vaes.sample_rate)
 
 
 def delivered_soundtrack(media: DecodedMedia) -> torch.Tensor:

@@ -17,6 +17,7 @@ the decode's duration), the same frames again.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -182,8 +183,19 @@ class MediaVAEs(SerialDeviceOwner):
         """Both streams, holding the device for the duration."""
         if audio_latents.shape[0] != AUDIO_CHANNELS:
             raise VflashError(f"audio latents must be (2, C, A), got {list(audio_latents.shape)}")
-        with self.on_device():
-            frames = self.decode_video(video_latents)
-            waveform = self.decode_audio(audio_latents)
-        return DecodedMedia(frames, waveform, self.sample_rate)
+        return decode_latents(self, video_latents, audio_latents)
+
+
+def decode_latents(vaes, video_latents: torch.Tensor, audio_latents: torch.Tensor, after_stage: Callable[[str], None] | None = None) -> DecodedMedia:
+    """(1, C, F, h, w) and (2, C_a, A) normalised latents -> frames and the whole stereo waveform, the VAEs on their
+    device for the duration; `after_stage` is called after decode.video and decode.audio. `vaes` is a `MediaVAEs` or
+    any object with its `on_device` / `decode_video` / `decode_audio` / `sample_rate` (the node pack's adapter over
+    ComfyUI core's VAEs)."""
+    after_stage = after_stage or (lambda name: None)
+    with vaes.on_device():
+        frames = vaes.decode_video(video_latents)
+        after_stage("decode.video")
+        waveform = vaes.decode_audio(audio_latents)
+        after_stage("decode.audio")
+    return DecodedMedia(frames, waveform, vaes.sample_rate)
 
