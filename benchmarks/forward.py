@@ -128,12 +128,12 @@ def run(blocks: int, cache: Path, shapes: list[str], rounds: int) -> dict[str, o
             for _ in range(rounds):
                 fast_times, fast_out = vflash_times(fast, state)
                 clocks = gpu_clocks()
-                gemm, attention = gemm_tflops(sustained=True), attention_tflops(fast.attention, rows, sustained=True)
+                gemm, attention = gemm_tflops(sustained=True), attention_tflops(fast.ops.attention, rows, sustained=True)
                 v_ms = statistics.median(fast_times) / blocks
                 measured.append({"vflash_ms_per_block": round(v_ms, 3), "gemm_tflops": round(gemm, 1), "attention_tflops": round(attention, 1),
                                  "roofline_ratio": round(v_ms / roofline_ms(config, rows, gemm, attention), 4), "gpu_after_vflash": clocks})
                 print(measured[-1])
-            attention_burst = attention_tflops(fast.attention, rows)
+            attention_burst = attention_tflops(fast.ops.attention, rows)
             bitwise = all(torch.equal(a, b[0]) for a, b in zip(cudnn_out, expected))
             max_abs = max((a - b[0]).abs().max().item() for a, b in zip(fast_out, expected))
             cudnn_max_abs = max((a - b[0]).abs().max().item() for a, b in zip(cudnn_out, expected))

@@ -42,27 +42,25 @@ def _store_row_scales(amax, scales_ptr, rows, row_mask, scales_stride):
 
 
 @triton.jit
-def _e4m3_bits(y, scale, EMULATE_CASTS: tl.constexpr):
+def _e4m3_bits(y, scale):
     """fp32 `y` (R, C) and its rows' scales (R, 1) -> uint8 bit patterns of `e4m3(clamp(y / scale, -448, 448))`.
 
-    On the GPU the conversion is the hardware's round-to-nearest-even `cvt` to E4M3. The interpreter has no float8
-    type, so with `EMULATE_CASTS` the rounding is done on the fp32 bit pattern, as torch's `c10::Float8_e4m3fn`
-    does it: below 2^-6 (E4M3's smallest normal) the value is rounded into the subnormal range by adding 2^14 in
-    fp32 (the sum's low bits are the subnormal code); otherwise the exponent is rebiased (127 -> 7) and the 20 dropped
-    mantissa bits rounded to nearest even. Inputs are clamped to +-448, so no code overflows.
+    The rounding is done on the fp32 bit pattern, as torch's `c10::Float8_e4m3fn` does it, in the interpreter (which
+    has no float8 type) and on the GPU alike: Triton's fp32 -> `float8e4nv` cast is not a single round to nearest
+    even on every NVIDIA target (an fp16 intermediate rounds twice, and a value just above a tie lands on it), and a
+    few integer ops cost nothing in a kernel bound by memory. Below 2^-6 (E4M3's smallest normal) the value is rounded
+    into the subnormal range by adding 2^14 in fp32 (the sum's low bits are the subnormal code); otherwise the
+    exponent is rebiased (127 -> 7) and the 20 dropped mantissa bits rounded to nearest even. Inputs are clamped to
+    +-448, so no code overflows.
     """
     q = tl.math.div_rn(y, scale)
     q = tl.minimum(tl.maximum(q, -448.0), 448.0)
-    if EMULATE_CASTS:
-        bits = q.to(tl.uint32, bitcast=True)
-        sign = bits & 0x80000000
-        magnitude = bits ^ sign
-        # 16384.0 = 2^14, whose bit pattern is 141 << 23
-        small = (magnitude.to(tl.float32, bitcast=True) + 16384.0).to(tl.uint32, bitcast=True) - (141 << 23)
-        odd = (magnitude >> 20) & 1
-        normal = (magnitude - (120 << 23) + 0x7FFFF + odd) >> 20
-        code = tl.where(magnitude < (121 << 23), small, normal)
-        out = ((code & 0x7F) | (sign >> 24)).to(tl.uint8)
-    else:
-        out = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    return out
+    bits = q.to(tl.uint32, bitcast=True)
+    sign = bits & 0x80000000
+    magnitude = bits ^ sign
+    # 16384.0 = 2^14, whose bit pattern is 141 << 23
+    small = (magnitude.to(tl.float32, bitcast=True) + 16384.0).to(tl.uint32, bitcast=True) - (141 << 23)
+    odd = (magnitude >> 20) & 1
+    normal = (magnitude - (120 << 23) + 0x7FFFF + odd) >> 20
+    code = tl.where(magnitude < (121 << 23), small, normal)
+    return ((code & 0x7F) | (sign >> 24)).to(tl.uint8)

@@ -88,7 +88,7 @@ def _quantize_rows_kernel(
     for start in range(0, n_cols, BLOCK_COLS):
         cols, _, mask = _row_chunk(start, n_cols, row_mask, BLOCK_COLS, INDEX_64)
         x = _to_f32(tl.load(x_rows + cols[None, :] * x_col_stride, mask=mask, other=0.0), EMULATE_CASTS)
-        tl.store(codes_rows + cols[None, :] * codes_col_stride, _e4m3_bits(x, scale, EMULATE_CASTS), mask=mask)
+        tl.store(codes_rows + cols[None, :] * codes_col_stride, _e4m3_bits(x, scale), mask=mask)
 
 
 def quantize_rows(x: torch.Tensor) -> Quantized:
@@ -172,7 +172,7 @@ def _swiglu_quantize_kernel(
     for start in range(0, n_cols, BLOCK_COLS):
         cols, _, mask = _row_chunk(start, n_cols, row_mask, BLOCK_COLS, INDEX_64)
         y = _swiglu_values(p_rows, cols, mask, n_cols, p_col_stride, ROUND_DTYPE, EMULATE_CASTS, USE_LIBDEVICE)
-        tl.store(codes_rows + cols[None, :] * codes_col_stride, _e4m3_bits(y, scale, EMULATE_CASTS), mask=mask)
+        tl.store(codes_rows + cols[None, :] * codes_col_stride, _e4m3_bits(y, scale), mask=mask)
 
 
 def swiglu_quantize(p: torch.Tensor, *, keep_value: bool = False) -> Quantized:
@@ -268,7 +268,7 @@ def _rms_norm_modulate_quantize_kernel(
         cols, col_mask, mask = _row_chunk(start, HIDDEN, row_mask, CHUNK, INDEX_64)
         y = _norm_modulate_chunk(x_rows, weight_ptr, table_row_ptrs, rstd, cols, mask, col_mask, x_col_stride, weight_stride, table_col_stride,
                                  shift_col, scale_col, ROUND_DTYPE, EMULATE_CASTS)
-        tl.store(codes_rows + cols[None, :] * codes_col_stride, _e4m3_bits(y, scale, EMULATE_CASTS), mask=mask)
+        tl.store(codes_rows + cols[None, :] * codes_col_stride, _e4m3_bits(y, scale), mask=mask)
 
 
 def rms_norm_modulate_quantize(

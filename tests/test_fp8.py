@@ -5,7 +5,8 @@ each quantizer's codes (compared as bytes) and scales equal its torch reference 
 the input, of `model.swiglu`, and of the RMSNorm (in torch's CUDA reduction order, `rms_norm_block_order_reference`)
 + modulation; also strided inputs, both tile settings, the INDEX_64 variants, zero rows and codes in E4M3's subnormal
 range. The interpreter has no float8 type, so the fp32 -> E4M3 rounding is emulated on bit patterns there
-(`_fp8._e4m3_bits`), checked against torch's cast on ~400,000 values; on the GPU it is the hardware `cvt`.
+(`_fp8._e4m3_bits`), checked against torch's cast on ~400,000 values; the GPU runs the same bit rounding (Triton's
+own fp32 -> E4M3 cast rounds twice on some targets), checked against torch's CUDA cast by the GPU tests.
 
 CPU, execution: weight-only equals a BF16 GEMM over the dequantized weights; w8a8 equals `torch._scaled_mm` of the
 quantized rows with row-wise scales, with either quantizer, bit for bit (run on the CPU with the device rule patched:
@@ -78,27 +79,44 @@ def with_special_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _e4m3_probe(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    """fp32 -> `_e4m3_bits(scale 1, EMULATE_CASTS=True)` -> uint8 (run through the interpreter by the test below)."""
+    """fp32 -> `_e4m3_bits(scale 1)` -> uint8, with `_fp8_under_test` the interpreted or the GPU package's `_fp8`."""
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
     x = tl.reshape(tl.load(x_ptr + offsets, mask=mask, other=0.0), (1, BLOCK))
-    bits = _fp8_interpreted._e4m3_bits(x, tl.full((1, 1), 1.0, tl.float32), True)
+    bits = _fp8_under_test._e4m3_bits(x, tl.full((1, 1), 1.0, tl.float32))
     tl.store(out_ptr + offsets, tl.reshape(bits, (BLOCK,)), mask=mask)
 
 
-def test_e4m3_emulation_matches_torch(op, monkeypatch):
-    """`_e4m3_bits(EMULATE_CASTS=True)` is torch's fp32 -> float8_e4m3fn after the clamp to +-448: random bit patterns,
-    normal and subnormal magnitudes, ties, signed zeros."""
-    monkeypatch.setitem(globals(), "_fp8_interpreted", sys.modules[test_kernels._INTERPRETED + "._fp8"])
+def _e4m3_rounding_cases() -> torch.Tensor:
+    """Random fp32 bit patterns, normal and subnormal E4M3 magnitudes, exact ties, signed zeros, the clamp's edges."""
     g = torch.Generator().manual_seed(11)
     patterns = torch.randint(-(2**31), 2**31, (200_000,), generator=g, dtype=torch.int64).to(torch.int32).view(torch.float32)
     ties = torch.tensor([1 + 2**-4, 1 + 3 * 2**-4, 2**-9 * 1.5, 2**-9 * 2.5, 2**-10, 3 * 2**-11, 2**-6 * (1 - 2**-4)])
+    above_ties = torch.nextafter(ties, torch.full_like(ties, 1e9))
     special = torch.tensor([0.0, -0.0, 448.0, -448.0, 447.9, 2**-6, -(2**-6), 2**-9, 464.0, 1e30, -1e30])
-    values = torch.cat([patterns[patterns.isfinite()], torch.randn(50_000, generator=g) * 100, torch.randn(50_000, generator=g) * 1e-2, ties, -ties, special])
+    return torch.cat([patterns[patterns.isfinite()], torch.randn(50_000, generator=g) * 100, torch.randn(50_000, generator=g) * 1e-2, ties, -ties, above_ties, -above_ties, special])
+
+
+def test_e4m3_emulation_matches_torch(op, monkeypatch):
+    """In the interpreter, `_e4m3_bits` is torch's fp32 -> float8_e4m3fn after the clamp to +-448."""
+    monkeypatch.setitem(globals(), "_fp8_under_test", sys.modules[test_kernels._INTERPRETED + "._fp8"])
+    values = _e4m3_rounding_cases()
     out = torch.empty(values.shape, dtype=torch.uint8)
     InterpretedFunction(_e4m3_probe)[(triton.cdiv(values.numel(), 1024),)](values, out, values.numel(), BLOCK=1024)
     expected = values.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
     assert_bitwise(out.view(torch.int8), expected.view(torch.int8), "E4M3 rounding")
+
+
+@pytest.mark.gpu
+def test_e4m3_rounding_gpu(gpu, monkeypatch):
+    """Compiled for the GPU, `_e4m3_bits` is torch's CUDA fp32 -> float8_e4m3fn (values just above a tie included,
+    where a cast through fp16 would round twice)."""
+    monkeypatch.setitem(globals(), "_fp8_under_test", importlib.import_module("vflash_kernels._fp8"))
+    values = _e4m3_rounding_cases().cuda()
+    out = torch.empty(values.shape, dtype=torch.uint8, device="cuda")
+    triton.jit(_e4m3_probe)[(triton.cdiv(values.numel(), 1024),)](values, out, values.numel(), BLOCK=1024)
+    expected = values.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+    assert_bitwise(out, expected, "E4M3 rounding on the GPU")
 
 
 # -- CPU: the kernels in the interpreter ---------------------------------------------------------------------------
@@ -468,7 +486,9 @@ def test_fp8_attention_hands_e4m3_heads_and_descales(monkeypatch, request):
 
 @pytest.mark.gpu
 def test_fp8_attention_gpu(gpu, request):
-    """fa3-fp8 against exact FA3 on (1, 19,796, 56, 128): relative L2 and max abs printed; or its refusal's reason."""
+    """fa3-fp8 on (1, 19,796, 56, 128), or its refusal's reason. Its error against exact FA3 is printed; what it adds
+    beyond the E4M3 rounding of q, k and v (exact FA3 on the dequantized operands) is only the kernel's E4M3 rounding
+    of the softmax weights, each within 2^-4 relative and independent, so the outputs agree to a few percent."""
     from vflash_core.attention import resolve_attention
 
     device = torch.device("cuda:0")
@@ -479,8 +499,18 @@ def test_fp8_attention_gpu(gpu, request):
         pytest.skip(f"fa3-fp8 refused here: {exc}")
     g = generator(request, "cuda")
     q, k, v = (randn((1, 19_796, 56, 128), torch.bfloat16, g, 2.0, "cuda") for _ in range(3))
-    got, expected = approximate(q, k, v), exact(q, k, v)
+    got = approximate(q, k, v)
+
+    def relative(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    expected = exact(q, k, v)
     assert got.dtype == torch.bfloat16 and got.shape == expected.shape
-    relative = ((got.float() - expected.float()).norm() / expected.float().norm()).item()
-    print(f"fa3-fp8 vs fa3: relative L2 {relative:.4f}, max abs {(got.float() - expected.float()).abs().max().item():.4f}")
-    assert relative < 0.1
+    print(f"fa3-fp8 vs fa3: relative L2 {relative(got, expected):.4f}, max abs {(got.float() - expected.float()).abs().max().item():.4f}")
+    dequantized = []
+    for x in (q, k, v):
+        codes, descale = fp8.quantize_heads(x)
+        dequantized.append((codes.float() * descale[:, None, :, None]).to(torch.bfloat16))
+    beyond_operands = relative(got, exact(*dequantized))
+    print(f"fa3-fp8 vs fa3 on the E4M3-rounded q, k, v: relative L2 {beyond_operands:.4f}")
+    assert beyond_operands < 0.05

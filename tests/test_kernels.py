@@ -110,7 +110,10 @@ def assert_bitwise(actual: torch.Tensor, expected: torch.Tensor, what: str = "")
 
 
 def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """|a - b| in units in the last place of the dtype (bf16/fp16 via their 16-bit patterns, fp32 via 32-bit)."""
+    """|a - b| in units in the last place of the dtype (bf16/fp16 via their 16-bit patterns, fp32 via 32-bit); for
+    integer tensors (FP8 codes compared as bytes) the plain difference."""
+    if not a.dtype.is_floating_point:
+        return (a.long() - b.long()).abs()
     bits = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}[a.dtype]
 
     def ordered(t):
@@ -583,7 +586,7 @@ def test_rope_gpu_beyond_int32(gpu, request):
     inner = HEADS * HEAD_DIM
     g = generator(request, "cuda")
     qkv = randn((S, 3 * inner), torch.bfloat16, g, 2.0, "cuda")
-    q, k, _ = (part.unflatten(-1, (HEADS, HEAD_DIM)) for part in qkv.split(inner, dim=-1))
+    q, k, _ = (part.unflatten(-1, (HEADS, HEAD_DIM)) for part in qkv[None].split(inner, dim=-1))
     assert gpu._launch.needs_int64(q) and gpu._launch.needs_int64(qkv)
     cos, sin = _gpu_rotary(S, g)
     q_out, k_out = gpu.rope.rope(q, k, cos, sin)
