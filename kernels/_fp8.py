@@ -46,9 +46,9 @@ def _e4m3_bits(y, scale):
     """fp32 `y` (R, C) and its rows' scales (R, 1) -> uint8 bit patterns of `e4m3(clamp(y / scale, -448, 448))`.
 
     The rounding is done on the fp32 bit pattern, as torch's `c10::Float8_e4m3fn` does it, in the interpreter (which
-    has no float8 type) and on the GPU alike: Triton's fp32 -> `float8e4nv` cast is not a single round to nearest
-    even on every NVIDIA target (an fp16 intermediate rounds twice, and a value just above a tie lands on it), and a
-    few integer ops cost nothing in a kernel bound by memory. Below 2^-6 (E4M3's smallest normal) the value is rounded
+    has no float8 type) and on the GPU alike: Triton's fp32 -> `float8e4nv` cast is not one round to nearest even on
+    every NVIDIA target (on SM89 it goes through fp16, and a value just above a tie rounds onto it, then to even), and
+    a few integer ops cost nothing in a kernel bound by memory. Below 2^-6 (E4M3's smallest normal) the value is rounded
     into the subnormal range by adding 2^14 in fp32 (the sum's low bits are the subnormal code); otherwise the
     exponent is rebiased (127 -> 7) and the 20 dropped mantissa bits rounded to nearest even. Inputs are clamped to
     +-448, so no code overflows.

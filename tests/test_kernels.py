@@ -595,7 +595,7 @@ def test_rope_gpu_beyond_int32(gpu, request):
     assert_bitwise(k_out, k_ref, "rope k S=100,000")
     del q_out, k_out, q_ref, k_ref
     wq, wk = randn((HEAD_DIM,), torch.bfloat16, g, 0.2, "cuda") + 1, randn((HEAD_DIM,), torch.bfloat16, g, 0.2, "cuda") + 1
-    q_ref, k_ref, _ = reference.qk_norm_rope(qkv, wq, wk, 1e-5, cos, sin, head_dim=HEAD_DIM)
+    q_ref, k_ref, _ = reference.qk_norm_rope(qkv[None], wq, wk, 1e-5, cos, sin, head_dim=HEAD_DIM)
     _report_fused(gpu, request, qkv[None], wq, wk, cos, sin, q_ref, k_ref)
 
 

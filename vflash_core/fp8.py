@@ -54,7 +54,8 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True)
-    scales = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    # A tensor divisor: torch's CUDA division by a Python number multiplies by its rounded reciprocal instead.
+    scales = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
     return (xf / scales).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scales
 
 
