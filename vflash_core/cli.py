@@ -16,7 +16,7 @@ import importlib.metadata
 import logging
 import sys
 
-from .errors import VflashError
+from .errors import run_command
 
 # Modules that register subcommands, in help order.
 COMMAND_MODULES = ("vflash_core.cli_denoise", "vflash_core.cli_generate", "vflash_core.cli_serve")
@@ -33,23 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def one_line(message: str) -> str:
-    """A message that lists problems on several lines, as one line: "head: first; second"."""
-    lines = [line.strip() for line in message.splitlines() if line.strip()]
-    return " ".join(lines[:1] + ["; ".join(lines[1:])] if len(lines) > 1 else lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
-    try:
-        return int(args.handler(args) or 0)
-    except VflashError as exc:
-        print(f"vflash: error: {one_line(str(exc))}", file=sys.stderr)
-        return exc.exit_status
-    except KeyboardInterrupt:
-        print("vflash: interrupted", file=sys.stderr)
-        return 130
+    return run_command(lambda: args.handler(args), "vflash: error: ", "vflash: interrupted")
 
 
 if __name__ == "__main__":

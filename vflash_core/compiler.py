@@ -49,7 +49,7 @@ from tqdm.auto import tqdm
 from . import model as M
 from .checkpoint import TABLE_INPUTS, SourceWeights
 from .config import H3Config
-from .errors import IdentityMismatchError, VflashError
+from .errors import IdentityMismatchError, VflashError, run_command
 from .formats import ARTIFACT_FORMAT, ARTIFACT_FP8_FORMAT, OVERLAY_FORMAT, WEIGHTS_RECEIPT_FORMAT, device_arch
 from .fp8 import FP8_LINEARS, quantize_block
 from .fileio import atomic_directory, atomic_file, check_new_directory, check_writable_destination, read_text_file
@@ -453,29 +453,25 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("compiled", help="folder holding artifact/, schedule/ and auxiliary.safetensors")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        if args.command == "prepare":
-            prepare(args.profile, args.transformer, args.receipt, args.adapter, args.qkv_layout)
-            print(f"wrote receipt {args.receipt}")
-        elif args.command == "verify":
-            from .artifact import CompiledArtifact
+    return run_command(lambda: _run(args), "error: ", "interrupted; nothing was published")
 
-            folder = Path(args.compiled)
-            if not folder.is_dir():
-                raise VflashError(f"{folder} {'is not a folder' if os.path.lexists(folder) else 'does not exist'}; give the folder compile wrote (artifact/, schedule/, auxiliary.safetensors)")
-            CompiledArtifact(folder / "artifact", folder / "schedule", folder / "auxiliary.safetensors").verify()
-            print(f"{folder}: every file matches the sha256 recorded at compile time")
-        else:
-            device = f"cuda:{args.gpu}" if args.gpu is not None else args.device
-            out = compile_receipt(args.receipt, args.output, device)
-            print(f"compiled into {out}: artifact/, schedule/, auxiliary.safetensors")
-    except VflashError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_status
-    except KeyboardInterrupt:
-        print("interrupted; nothing was published", file=sys.stderr)
-        return 130
-    return 0
+
+def _run(args: argparse.Namespace) -> None:
+    if args.command == "prepare":
+        prepare(args.profile, args.transformer, args.receipt, args.adapter, args.qkv_layout)
+        print(f"wrote receipt {args.receipt}")
+    elif args.command == "verify":
+        from .artifact import CompiledArtifact
+
+        folder = Path(args.compiled)
+        if not folder.is_dir():
+            raise VflashError(f"{folder} {'is not a folder' if os.path.lexists(folder) else 'does not exist'}; give the folder compile wrote (artifact/, schedule/, auxiliary.safetensors)")
+        CompiledArtifact(folder / "artifact", folder / "schedule", folder / "auxiliary.safetensors").verify()
+        print(f"{folder}: every file matches the sha256 recorded at compile time")
+    else:
+        device = f"cuda:{args.gpu}" if args.gpu is not None else args.device
+        out = compile_receipt(args.receipt, args.output, device)
+        print(f"compiled into {out}: artifact/, schedule/, auxiliary.safetensors")
 
 
 if __name__ == "__main__":

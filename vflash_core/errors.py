@@ -6,6 +6,11 @@ a valid request that could not be completed); the HTTP service answers it with a
 bug and keeps its traceback.
 """
 
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
 
 class VflashError(Exception):
     """A user-facing failure with a message that names the offending values."""
@@ -38,3 +43,21 @@ class SessionClosedError(RunFailedError):
 
 class RequestError(VflashError):
     """A request is invalid (canvas, duration, mode, inputs) and was rejected before any heavy work ran."""
+
+
+def one_line(message: str) -> str:
+    """A message that lists problems on several lines, as one line: "head: first; second"."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    return " ".join(lines[:1] + ["; ".join(lines[1:])] if len(lines) > 1 else lines)
+
+
+def run_command(run: Callable[[], int | None], error_prefix: str, interrupted: str) -> int:
+    """A command line's exit status: a `VflashError` printed on one line after `error_prefix`, Ctrl-C as 130."""
+    try:
+        return int(run() or 0)
+    except VflashError as exc:
+        print(f"{error_prefix}{one_line(str(exc))}", file=sys.stderr)
+        return exc.exit_status
+    except KeyboardInterrupt:
+        print(interrupted, file=sys.stderr)
+        return 130
