@@ -234,27 +234,20 @@ def keyframe_layout(
         rows = slice(cond_start + k * rows_per_frame, cond_start + (k + 1) * rows_per_frame)
         pos[rows, 0] = time
         pos[rows, 1:] = grid
-    audio_time = float(num_text) + torch.arange(num_audio_latents, dtype=torch.float64)
-    pos[audio_start:video_start, 0] = audio_time.repeat(AUDIO_CHANNELS)
-    pos[audio_start:video_start, 2] = torch.cat(
-        [
-            torch.full((num_audio_latents,), float(width_axis[0]), dtype=torch.float64),
-            torch.full((num_audio_rows - num_audio_latents,), float(width_axis[-1]), dtype=torch.float64),
-        ]
-    )
-    video_pos = torch.empty(num_frames, rows_per_frame, 3, dtype=torch.float64)
-    video_pos[:, :, 0] = temporal_grid(num_frames, float(num_text))[:, None]
-    video_pos[:, :, 1:] = grid[None]
-    pos[video_start:] = video_pos.reshape(-1, 3)
-
+    _audio_positions(pos, audio_start, num_audio_latents, float(num_text), width_axis)
+    _video_positions(pos, video_start, num_frames, float(num_text), grid)
     video_indices = torch.cat([torch.arange(cond_start, audio_start), torch.arange(video_start, seq)])
-    audio_indices = torch.arange(audio_start, video_start)
-    text_indices = torch.arange(num_text)
-    tags = torch.empty(seq, dtype=torch.long)
+    return _tagged(pos, text_token_tags, video_indices, torch.arange(audio_start, video_start), num_cond, 0)
+
+
+def _tagged(pos: torch.Tensor, text_token_tags: torch.Tensor, video_indices: torch.Tensor, audio_indices: torch.Tensor, num_cond_video: int, num_cond_audio: int) -> PackedLayout:
+    """The layout of positions `pos` with every row tagged: the text rows first, then the audio and video rows."""
+    text_indices = torch.arange(int(text_token_tags.shape[0]))
+    tags = torch.empty(pos.shape[0], dtype=torch.long)
     tags[text_indices] = text_token_tags.to(torch.long)
     tags[audio_indices] = AUDIO_TAG
     tags[video_indices] = VIDEO_TAG
-    return PackedLayout(pos, tags, video_indices, audio_indices, text_indices, num_cond, 0)
+    return PackedLayout(pos, tags, video_indices, audio_indices, text_indices, num_cond_video, num_cond_audio)
 
 
 REFERENCE_KINDS = ("image", "video", "audio")
@@ -321,13 +314,18 @@ def ref2va_layout(
     video_indices: list[torch.Tensor] = []
     audio_indices: list[torch.Tensor] = []
     cursor, clock = num_text, float(num_text)
+
+    def add_audio(num_latents: int, width_axis: torch.Tensor) -> None:
+        nonlocal cursor
+        _audio_positions(pos, cursor, num_latents, clock, width_axis)
+        audio_indices.append(torch.arange(cursor, cursor + AUDIO_CHANNELS * num_latents))
+        cursor += AUDIO_CHANNELS * num_latents
+
     for ref in references:
         if ref.kind not in REFERENCE_KINDS:
             raise ValueError(f"reference kind must be one of {REFERENCE_KINDS}, got {ref.kind!r}")
         if ref.kind == "audio":
-            _audio_positions(pos, cursor, ref.audio_latents, clock, target_width)
-            audio_indices.append(torch.arange(cursor, cursor + AUDIO_CHANNELS * ref.audio_latents))
-            cursor += AUDIO_CHANNELS * ref.audio_latents
+            add_audio(ref.audio_latents, target_width)
             clock += float(ref.audio_latents)
             continue
         grid, width_axis = frame_grid(ref.latent_height, ref.latent_width, ph, pw)
@@ -340,9 +338,7 @@ def ref2va_layout(
             clock += 1.0  # an image takes one integer slot, not a latent frame's 5/3 units
             continue
         if ref.audio_latents:
-            _audio_positions(pos, cursor, ref.audio_latents, clock, width_axis)
-            audio_indices.append(torch.arange(cursor, cursor + AUDIO_CHANNELS * ref.audio_latents))
-            cursor += AUDIO_CHANNELS * ref.audio_latents
+            add_audio(ref.audio_latents, width_axis)
         _video_positions(pos, cursor, ref.latent_frames, clock, grid)
         video_indices.append(torch.arange(cursor, cursor + ref.video_rows(patch_size)))
         cursor += ref.video_rows(patch_size)
@@ -356,9 +352,4 @@ def ref2va_layout(
     _video_positions(pos, video_start, geometry.num_latent_frames, clock, target_grid)
     video_idx = torch.cat([*video_indices, torch.arange(video_start, seq)])
     audio_idx = torch.cat([*audio_indices, torch.arange(audio_start, video_start)])
-    text_idx = torch.arange(num_text)
-    tags = torch.empty(seq, dtype=torch.long)
-    tags[text_idx] = text_token_tags.to(torch.long)
-    tags[audio_idx] = AUDIO_TAG
-    tags[video_idx] = VIDEO_TAG
-    return PackedLayout(pos, tags, video_idx, audio_idx, text_idx, num_ref_video, num_ref_audio)
+    return _tagged(pos, text_token_tags, video_idx, audio_idx, num_ref_video, num_ref_audio)

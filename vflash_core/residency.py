@@ -90,7 +90,7 @@ class ResidentBlocks(BlockSource):
         self.blocks = []
 
 
-class LoadedBlocks(BlockSource):
+class LoadedBlocks(ResidentBlocks):
     """The resident block stack as a trusted `block_loader` supplied it, checked against the artifact before use: the
     block count, each block's tensor names, shapes, dtypes and device, and which linears carry LoRA residuals."""
 
@@ -117,12 +117,6 @@ class LoadedBlocks(BlockSource):
                 raise VflashError(f"block_loader: block {index} has LoRA residuals on {sorted(block.loras)}; the artifact's on {sorted(expected)}")
         self.blocks = blocks
         self.device_weight_bytes = sum(t.nbytes for w in blocks for t in w.tensors.values())
-
-    def __iter__(self) -> Iterator[LayerWeights]:
-        return iter(self.blocks)
-
-    def close(self) -> None:
-        self.blocks = []
 
 
 @dataclass(frozen=True)

@@ -1,1 +1,0 @@
-"""Stand-in for ComfyUI's `comfy_api` package (tests only)."""
