@@ -4,7 +4,8 @@
   call it; `comfy_latent`: ComfyUI's tensor layouts <-> Vflash's; `workflow`, `cli_workflow`: API-format workflows
   run without ComfyUI (`vflash run-workflow`).
 * `extension`, `loaders`, `generation`, `host`, `registry`, `types`: the V3 nodes, thin (widgets in, one `ops`
-  call, wrapping out); they import `comfy_api` and run only inside ComfyUI or the tests' stand-ins.
+  call, wrapping out); they import `comfy_api` and run only inside ComfyUI or over `headless`, the ComfyUI interface
+  `run-workflow` and the tests install in their own process.
 
 `vflash_core` never imports this package.
 """

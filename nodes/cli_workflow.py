@@ -80,7 +80,8 @@ def _run(args: argparse.Namespace) -> int:
     check_folders(args.output_dir, args.input_dir, args.models_dir)
     workflow = apply_overrides(read_workflow(args.workflow), args.sets)
     if args.print_plan:
-        order = plan(workflow, headless_node_types())
+        with headless_node_types(args.output_dir, args.input_dir, args.models_dir) as types:
+            order = plan(workflow, types)
         print(" -> ".join(f"{nid} {workflow[nid]['class_type']}" for nid in order))
         return 0
     saved = run_headless(workflow, output_dir=args.output_dir, input_dir=args.input_dir, models_dir=args.models_dir)

@@ -1,5 +1,5 @@
 """The ComfyUI V3 entry point of the pack: every Vflash node, and the models/vflash folder. Imported only inside
-ComfyUI (or the tests' stand-ins)."""
+ComfyUI (or over the headless host, `headless/`)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ gave. Everything host-specific comes in through two small interfaces:
 
 * `Host`: progress bars, the interrupt check, freeing the host's own models, the default device, the host's
   `NestedTensor` class and VIDEO type;
-* `Folders`: listing and resolving model files (ComfyUI's `folder_paths`, or a models folder headless).
+* `Folders`: listing and resolving model files (ComfyUI's `folder_paths`, or the headless host's).
 
 Loaded engines (transformer sessions, text encoders, VAE pairs) live in an `EngineRegistry` that the caller owns (the
 node pack keeps one for the process, `run-workflow` one per run). Node outputs never hold an engine, only a frozen

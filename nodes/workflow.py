@@ -7,19 +7,21 @@ output node, and a `run` callable), then runs the output nodes' ancestors in dep
 ComfyUI's executor: dotted input names become nested dicts (``"format.codec"`` of a dynamic combo, the
 ``"ref_images.ref_image_0"`` entries of an autogrow group), links are resolved to upstream outputs.
 
-The graph logic is host-neutral. `headless_node_types()` gives the table `run-workflow` uses: every Vflash node
-(the same `node_ops` the ComfyUI nodes call) plus stand-ins for the few core nodes the example workflows use
-(`EmptyMiniMaxH3LatentAV`, `CreateVideo`, `SaveVideo`, `LoadImage`, `LoadAudio`); any other class type is refused
-before anything runs, with the list of unsupported nodes.
+The graph logic is host-neutral; `node_types()` reads the table from V3 node classes' own schemas. `run_headless()`
+and `headless_node_types()` load the real node classes over the headless host (`vflash_nodes.headless`): every
+Vflash node plus the core nodes the example workflows use (`EmptyMiniMaxH3LatentAV`, `CreateVideo`, `SaveVideo`,
+`LoadImage`, `LoadAudio`); any other class type is refused before anything runs, with the list of unsupported nodes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import inspect
 import json
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,9 +41,8 @@ class NodeType:
 
     inputs: every accepted input name (dotted names for dynamic inputs) -> io type ("INT", "IMAGE", "VFLASH_MODEL",
     "*" for any, comma-separated for several); required: the names that must be given; outputs: output io types.
-    run(**inputs) returns a tuple with one value per output. validate(**constant inputs), when given, is ComfyUI's
-    `validate_inputs`: called for every node before anything runs, with the constant inputs its signature names;
-    True, or the refusal as text.
+    run(**inputs) returns a tuple with one value per output. validate(**constant inputs), when given, is called for
+    every node before anything runs (as ComfyUI validates a queued prompt): True, or the refusal as text.
     """
 
     class_type: str
@@ -243,9 +244,7 @@ def execute(
         check = node_types[node["class_type"]].validate
         if check is None:
             continue
-        accepted = inspect.signature(check).parameters
-        constants = {k: v for k, v in node.get("inputs", {}).items() if not is_link(v) and k in accepted}
-        verdict = check(**constants)
+        verdict = check(**{k: v for k, v in node.get("inputs", {}).items() if not is_link(v)})
         if verdict is not True:
             refusals.append(f"node {nid} ({node['class_type']}): {verdict}")
     if refusals:
@@ -268,332 +267,125 @@ def execute(
     return report
 
 
-# -- headless: the host, the node table, the run -------------------------------------------------------------------
+# -- node types from V3 node classes, and the headless run --------------------------------------------------------
 
 
-class NestedPair:
-    """The headless stand-in of ComfyUI's `NestedTensor` for H3 AV latents: `.tensors` (video, audio), `.is_nested`."""
+def node_types(classes: Mapping[str, type], prompt: Mapping[str, Any] | None = None) -> dict[str, NodeType]:
+    """The `NodeType`s of V3 node classes, read from their schemas: inputs (an autogrow group as its slots
+    ``group.slot``, a dynamic combo as its own key plus its options' inputs, dotted), required inputs, outputs,
+    output node; `run` calls `execute` with `prompt` as the hidden prompt; `validate` is `validate_inputs` when the
+    class overrides it (as ComfyUI calls it), after the prompt and seed checks the Vflash nodes make when they run."""
+    from .headless import comfy_io as io
 
-    is_nested = True
+    out = {}
+    for node_id, cls in classes.items():
+        schema = cls.GET_SCHEMA()
+        inputs, required = {}, set()
+        for inp in schema.inputs:
+            if isinstance(inp, io.Autogrow.Input):
+                slots = inp.template.get_all()
+                inputs.update({f"{inp.id}.{slot.id}": slot.get_io_type() for slot in slots})
+                required.update(f"{inp.id}.{slot.id}" for slot in slots[: 0 if inp.optional else inp.template.min])
+                continue
+            inputs.update(_dynamic_combo_inputs(io, inp, inp.id) if isinstance(inp, io.DynamicCombo.Input) else {inp.id: inp.get_io_type()})
+            if getattr(inp, "upload", None) is not None:  # the frontend's upload button: some exports carry its value
+                inputs["upload"] = "COMBO"
+            if not inp.optional:
+                required.add(inp.id)
+        own = cls.validate_inputs if cls.validate_inputs.__func__ is not io.ComfyNode.validate_inputs.__func__ else None
+        out[node_id] = NodeType(node_id, inputs, frozenset(required), tuple(o.get_io_type() for o in schema.outputs),
+                                _runner(io, cls, schema, prompt), schema.is_output_node, _validator(own))
+    return out
 
-    def __init__(self, tensors):
-        self.tensors = list(tensors)
 
-    @property
-    def shape(self):
-        return self.tensors[0].shape
-
-
-@dataclass
-class HeadlessVideo:
-    """VIDEO headless: frames (F, H, W, 3) in [0, 1], AUDIO dict or None, frames per second."""
-
-    images: Any
-    audio: dict | None
-    fps: float
-
-    def get_dimensions(self) -> tuple[int, int]:
-        return int(self.images.shape[2]), int(self.images.shape[1])
+def _dynamic_combo_inputs(io: Any, combo: Any, key: str) -> dict[str, str]:
+    """A dynamic combo's API keys: its own ("format") and its options' inputs, nested ones dotted further
+    ("format.codec", "format.codec.encoding", ...)."""
+    out = {key: "COMBO"}
+    for option in combo.options:
+        for child in option.inputs:
+            is_combo = isinstance(child, io.DynamicCombo.Input)
+            out.update(_dynamic_combo_inputs(io, child, f"{key}.{child.id}") if is_combo else {f"{key}.{child.id}": child.get_io_type()})
+    return out
 
 
-class _Bar:
-    def __init__(self, total: int):
+def _runner(io: Any, cls: type, schema: Any, prompt: Mapping[str, Any] | None) -> Callable[..., tuple]:
+    autogrow = [i.id for i in schema.inputs if isinstance(i, io.Autogrow.Input)]
+    node = type(cls.__name__, (cls,), {"hidden": io.HiddenHolder(prompt=prompt)})  # as ComfyUI gives each run its own
+
+    def run(**inputs: Any) -> tuple:
+        inputs.pop("upload", None)
+        for group in autogrow:  # ComfyUI passes an empty dict for an autogrow group with no connected inputs
+            inputs.setdefault(group, {})
+        return tuple(node.execute(**inputs).args)
+
+    return run
+
+
+def _validator(own: Callable[..., Any] | None) -> Callable[..., Any]:
+    """Constant inputs checked before anything runs: a prompt and a seed as the Vflash nodes check them when they run
+    (headless, nothing refuses a seed outside its widget's range when the graph is queued), then the node's own
+    `validate_inputs` with the inputs its signature names."""
+    from vflash_core.validation import check_prompt, check_seed
+
+    accepted = inspect.signature(own).parameters if own is not None else {}
+
+    def validate(**constants: Any) -> bool | str:
+        try:
+            if "prompt" in constants:
+                check_prompt(constants["prompt"])
+            if isinstance(constants.get("seed"), int):  # of another type: the type check reports it
+                check_seed(constants["seed"])
+        except VflashError as exc:
+            return str(exc)
+        return own(**{k: v for k, v in constants.items() if k in accepted}) if own is not None else True
+
+    return validate
+
+
+@contextlib.contextmanager
+def headless_node_types(output_dir: str | Path = "output", input_dir: str | Path = "input", models_dir: str | Path | None = None,
+                        prompt: Mapping[str, Any] | None = None) -> Iterator[dict[str, NodeType]]:
+    """The node table of `vflash run-workflow`, valid inside the block: every Vflash node and the core stand-ins, the
+    real V3 classes over the headless host (`vflash_nodes.headless`)."""
+    from .headless import installed
+
+    with installed(output_dir, input_dir, models_dir) as loaded:
+        yield node_types({**loaded.core, **loaded.nodes}, prompt)
+
+
+class _TqdmProgress:
+    """The progress hook headless: one tqdm bar per progress run, closed when it completes."""
+
+    def __init__(self) -> None:
+        self.bar: Any = None
+
+    def __call__(self, value: int, total: int, preview: Any = None, node_id: str | None = None) -> None:
         from tqdm.auto import tqdm
 
-        self.bar = tqdm(total=total, leave=False)
-
-    def update(self, done: int, total: int | None = None) -> None:
-        if total is not None and total != self.bar.total:
-            self.bar.total = total
-        self.bar.n = done
+        if self.bar is None or value < self.bar.n:
+            self.bar = tqdm(total=total, leave=False)
+        self.bar.total, self.bar.n = total, value
         self.bar.refresh()
-        if done >= self.bar.total:
+        if value >= total:
             self.bar.close()
-
-
-class HeadlessHost:
-    """`node_ops.Host` without ComfyUI: tqdm bars, Ctrl-C as the interrupt, the first CUDA device if any."""
-
-    nested = NestedPair
-
-    def progress(self, total: int) -> _Bar:
-        return _Bar(total)
-
-    def check_interrupt(self) -> None:
-        """Nothing to poll: Ctrl-C raises KeyboardInterrupt, which the session treats as an abort."""
-
-    def free_memory(self) -> None:
-        import torch
-
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-
-    def default_device(self) -> str:
-        import torch
-
-        return "cuda:0" if torch.cuda.is_available() else "cpu"
-
-    def make_video(self, images, audio, fps: float) -> HeadlessVideo:
-        return HeadlessVideo(images, audio, fps)
-
-    def log(self, line: str) -> None:
-        logger.info(line)
-
-
-class HeadlessFolders:
-    """`node_ops.Folders` over a ComfyUI-style models folder (or none)."""
-
-    _KEYS = {"vflash": ("vflash",), "diffusers": ("diffusers",), "diffusion_models": ("diffusion_models", "unet"), "loras": ("loras",)}
-
-    def __init__(self, models_dir: str | Path | None):
-        self.root = None if models_dir is None else Path(models_dir)
-
-    def folders(self, key: str) -> list[str]:
-        if self.root is None or key not in self._KEYS:
-            return []
-        return [str(self.root / sub) for sub in self._KEYS[key]]
-
-    def filenames(self, key: str) -> list[str]:
-        out = set()
-        for base in map(Path, self.folders(key)):
-            if base.is_dir():
-                out.update(p.relative_to(base).as_posix() for p in base.rglob("*") if p.is_file())
-        return sorted(out)
-
-    def full_path(self, key: str, name: str) -> str | None:
-        for base in map(Path, self.folders(key)):
-            candidate = base / name
-            if candidate.exists() and base.resolve() in candidate.resolve().parents:
-                return str(candidate)
-        return None
-
-
-def _save_path(output_dir: Path, prefix: str) -> Path:
-    """ComfyUI's naming: `<output>/<prefix>_00001_.mp4`, counting up, never leaving the output folder."""
-    target = (output_dir / prefix).resolve()
-    if output_dir.resolve() not in target.parents:
-        raise WorkflowError(f"filename_prefix {prefix!r} points outside the output folder {output_dir}")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    counter = 1
-    for existing in target.parent.glob(f"{target.name}_*_.mp4"):
-        digits = existing.name[len(target.name) + 1 :].split("_")[0]
-        if digits.isdigit():
-            counter = max(counter, int(digits) + 1)
-    return target.parent / f"{target.name}_{counter:05}_.mp4"
-
-
-def _core_node_types(host: HeadlessHost, output_dir: Path, input_dir: Path) -> dict[str, NodeType]:
-    """Stand-ins for the core nodes the example workflows use, with core's input names and outputs."""
-    from . import comfy_latent as cl
-
-    def empty_latent(width: int, height: int, length: int) -> tuple:
-        latents = cl.empty_latents(cl.core_length_geometry(width, height, length))
-        return (cl.to_comfy_latent(latents.video, latents.audio, host.nested),)
-
-    def create_video(images, fps: float, audio=None, bit_depth: int = 8) -> tuple:
-        if bit_depth != 8:
-            raise WorkflowError(f"CreateVideo: the headless runner writes 8-bit video, got bit_depth {bit_depth}")
-        return (HeadlessVideo(images, audio, float(fps)),)
-
-    def save_video(video, filename_prefix: str, format: Any = "auto", codec: Any = None) -> tuple:
-        from vflash_core.media import write_mp4
-
-        container = format.get("format", "auto") if isinstance(format, dict) else format
-        chosen = (format.get("codec") if isinstance(format, dict) else None) or codec or "auto"
-        name = chosen.get("codec", "auto") if isinstance(chosen, dict) else chosen
-        encoding = chosen.get("encoding", "auto") if isinstance(chosen, dict) else "auto"
-        encoding = encoding.get("encoding", "auto") if isinstance(encoding, dict) else encoding
-        if container not in ("auto", "mp4") or name not in ("auto", "h264") or encoding != "auto":
-            raise WorkflowError(f"SaveVideo: the headless runner writes mp4/h264 with its own encoding (got format {container!r}, codec {name!r}, encoding {encoding!r})")
-        if not isinstance(video, HeadlessVideo):
-            raise WorkflowError(f"SaveVideo: expected a VIDEO, got {type(video).__name__}")
-        if video.audio is None:
-            raise WorkflowError("SaveVideo: the headless runner writes video with its soundtrack; the VIDEO has no audio")
-        if float(video.fps) != int(video.fps):
-            raise WorkflowError(f"SaveVideo: the headless runner writes whole frame rates, got {video.fps}")
-        path = _save_path(output_dir, filename_prefix)
-        waveform = video.audio["waveform"][0]
-        write_mp4(path, video.images, waveform, int(video.audio["sample_rate"]), int(video.fps))
-        return (video,)
-
-    def check_save(filename_prefix: Any = None, format: Any = "auto") -> bool | str:
-        """Before anything runs: a prefix inside the output folder and a container this runner writes (None: linked)."""
-        if filename_prefix is None:
-            return True
-        if not isinstance(filename_prefix, str) or not filename_prefix.strip():
-            return f"filename_prefix must be a non-empty string, got {json.dumps(filename_prefix)}"
-        if output_dir.resolve() not in (output_dir / filename_prefix).resolve().parents:
-            return f"filename_prefix {filename_prefix!r} points outside the output folder {output_dir}"
-        if isinstance(format, str) and format not in ("auto", "mp4"):
-            return f"the headless runner writes mp4, got format {format!r}"
-        return True
-
-    def check_input(name: Any = None) -> bool | str:
-        if name is None:  # linked: checked when it runs
-            return True
-        if not isinstance(name, str) or not (input_dir / name).is_file():
-            return f"{input_dir / str(name)} does not exist (set --input-dir)"
-        return True
-
-    def load_image(image: str, upload: str | None = None) -> tuple:
-        import numpy as np
-        import torch
-        from PIL import Image, ImageOps
-
-        path = input_dir / image
-        if not path.is_file():
-            raise WorkflowError(f"LoadImage: {path} does not exist (set --input-dir)")
-        with Image.open(path) as img:
-            rgb = np.asarray(ImageOps.exif_transpose(img).convert("RGB"), dtype=np.float32) / 255.0
-        tensor = torch.from_numpy(rgb)[None]
-        return tensor, torch.zeros(tensor.shape[:3])
-
-    def load_audio(audio: str, upload: str | None = None) -> tuple:
-        import av
-        import numpy as np
-        import torch
-
-        path = input_dir / audio
-        if not path.is_file():
-            raise WorkflowError(f"LoadAudio: {path} does not exist (set --input-dir)")
-        with av.open(str(path)) as container:
-            stream = container.streams.audio[0]
-            resampler = av.AudioResampler(format="fltp", layout="stereo" if stream.channels > 1 else "mono", rate=stream.rate)
-            chunks = [f.to_ndarray() for frame in container.decode(stream) for f in resampler.resample(frame)]
-            rate = stream.rate
-        return ({"waveform": torch.from_numpy(np.concatenate(chunks, axis=1).astype(np.float32))[None], "sample_rate": int(rate)},)
-
-    return {
-        "EmptyMiniMaxH3LatentAV": NodeType("EmptyMiniMaxH3LatentAV", {"width": "INT", "height": "INT", "length": "INT"}, frozenset({"width", "height", "length"}), ("LATENT",), empty_latent),
-        "CreateVideo": NodeType("CreateVideo", {"images": "IMAGE", "fps": "FLOAT", "audio": "AUDIO", "bit_depth": "INT"}, frozenset({"images", "fps"}), ("VIDEO",), create_video),
-        "SaveVideo": NodeType("SaveVideo", {"video": "VIDEO", "filename_prefix": "STRING", "format": "COMBO", "format.codec": "COMBO", "format.codec.encoding": "COMBO", "codec": "COMBO"}, frozenset({"video", "filename_prefix", "format"}), ("VIDEO",), save_video, output_node=True, validate=check_save),
-        "LoadImage": NodeType("LoadImage", {"image": "COMBO", "upload": "COMBO"}, frozenset({"image"}), ("IMAGE", "MASK"), load_image, validate=lambda image=None: check_input(image)),
-        "LoadAudio": NodeType("LoadAudio", {"audio": "COMBO", "upload": "COMBO"}, frozenset({"audio"}), ("AUDIO",), load_audio, validate=lambda audio=None: check_input(audio)),
-    }
-
-
-# Input and output types of the Vflash nodes; `tests/test_nodes.py` checks them against the nodes' V3 schemas.
-_GEOMETRY = {"width": "INT", "height": "INT", "length": "INT", "seconds": "FLOAT"}
-_REFS = {
-    **{f"ref_images.ref_image_{i}": "IMAGE" for i in range(9)},
-    **{f"ref_videos.ref_video_{i}": "IMAGE" for i in range(3)},
-    **{f"ref_video_audios.ref_video_audio_{i}": "AUDIO" for i in range(3)},
-    **{f"ref_audios.ref_audio_{i}": "AUDIO" for i in range(3)},
-}
-# Sockets that take a Vflash handle or core's own object (ComfyUI's comma-joined multi-type form).
-_TE = "VFLASH_TE,CLIP"
-_VAE = "VFLASH_VAE,VAE"
-
-VFLASH_SIGNATURES: dict[str, tuple[dict[str, str], frozenset[str], tuple[str, ...], bool]] = {
-    # class_type: (inputs, optional inputs, outputs, output node)
-    "VflashModelLoader": (
-        {"model": "COMBO", "profile": "COMBO", "weight_residency": "COMBO", "device": "COMBO", "peer_device": "COMBO", "strategy": "COMBO", "attention_backend": "COMBO", "lora": "VFLASH_LORA"},
-        frozenset({"lora"}), ("VFLASH_MODEL",), False,
-    ),
-    "VflashLoraSelect": ({"lora": "COMBO", "strength": "FLOAT", "prev": "VFLASH_LORA"}, frozenset({"prev"}), ("VFLASH_LORA",), False),
-    "VflashTextEncoderLoader": ({"encoder": "COMBO", "device": "COMBO"}, frozenset(), ("VFLASH_TE",), False),
-    "VflashVAELoader": ({"vae": "COMBO", "device": "COMBO"}, frozenset(), ("VFLASH_VAE",), False),
-    "VflashEncode": (
-        {"te": _TE, "vae": _VAE, "audio_vae": "VAE", "prompt": "STRING", **_GEOMETRY, "first_frame": "IMAGE", "last_frame": "IMAGE", **_REFS, "force_offload": "BOOLEAN"},
-        frozenset({"audio_vae", "first_frame", "last_frame", *_REFS}), ("VFLASH_COND", "LATENT", "INT"), False,
-    ),
-    "VflashSampler": (
-        {"model": "VFLASH_MODEL", "cond": "VFLASH_COND", "latent": "LATENT", "seed": "INT", "force_offload": "BOOLEAN", "profile_denoise": "BOOLEAN"},
-        frozenset(), ("LATENT",), False,
-    ),
-    "VflashDecode": ({"vae": _VAE, "audio_vae": "VAE", "latent": "LATENT"}, frozenset({"audio_vae"}), ("IMAGE", "AUDIO", "VIDEO"), False),
-    "VflashGenerate": (
-        {"model": "VFLASH_MODEL", "te": _TE, "vae": _VAE, "audio_vae": "VAE", "prompt": "STRING", **_GEOMETRY, "seed": "INT", "first_frame": "IMAGE", "last_frame": "IMAGE", "force_offload": "BOOLEAN"},
-        frozenset({"audio_vae", "first_frame", "last_frame"}), ("VIDEO", "IMAGE", "AUDIO"), False,
-    ),
-    "VflashUnload": ({"anything": "*", "what": "COMBO"}, frozenset(), ("*",), True),
-}
-
-
-def _vflash_node_types(registry, host, folders) -> dict[str, NodeType]:
-    from . import ops
-
-    runs: dict[str, Callable[..., tuple]] = {
-        "VflashModelLoader": lambda **kw: (ops.load_model(registry, host, folders, **kw),),
-        "VflashLoraSelect": lambda **kw: (ops.select_lora(folders, **kw),),
-        "VflashTextEncoderLoader": lambda encoder, device: (ops.load_component(registry, host, folders, "te", encoder, device),),
-        "VflashVAELoader": lambda vae, device: (ops.load_component(registry, host, folders, "vae", vae, device),),
-        "VflashEncode": lambda **kw: ops.encode(registry, host, **kw),
-        "VflashSampler": lambda **kw: (ops.sample(registry, host, **kw),),
-        "VflashDecode": lambda **kw: ops.decode(registry, host, **kw),
-        "VflashGenerate": lambda **kw: ops.generate(registry, host, **kw),
-        "VflashUnload": lambda **kw: (ops.unload(registry, host, **kw),),
-    }
-
-    def loader(model, profile, weight_residency, device, peer_device, strategy, attention_backend):
-        return ops.validate_loader(host, folders, model=model, profile=profile, weight_residency=weight_residency, device=device,
-                                   peer_device=peer_device, strategy=strategy, attention_backend=attention_backend)
-
-    def device_only(device):
-        return ops.validate_device(host, device)
-
-    def prompt_only(prompt=None):
-        from vflash_core.validation import check_prompt
-
-        if prompt is None:  # linked: checked when it runs
-            return True
-        try:
-            check_prompt(prompt)
-        except VflashError as exc:
-            return str(exc)
-        return True
-
-    def seed_only(seed=None):
-        from vflash_core.validation import check_seed
-
-        if not isinstance(seed, int):  # linked, or of another type, which the type check reports
-            return True
-        try:
-            check_seed(seed)
-        except VflashError as exc:
-            return str(exc)
-        return True
-
-    def prompt_and_seed(prompt=None, seed=None):
-        verdict = prompt_only(prompt)
-        return seed_only(seed) if verdict is True else verdict
-
-    validations = {"VflashModelLoader": loader, "VflashTextEncoderLoader": device_only, "VflashVAELoader": device_only,
-                   "VflashEncode": prompt_only, "VflashSampler": seed_only, "VflashGenerate": prompt_and_seed}
-    return {
-        name: NodeType(name, inputs, frozenset(inputs) - optional, outputs, runs[name], output_node, validations.get(name))
-        for name, (inputs, optional, outputs, output_node) in VFLASH_SIGNATURES.items()
-    }
-
-
-def headless_node_types(registry=None, host: HeadlessHost | None = None, folders: HeadlessFolders | None = None,
-                        output_dir: str | Path = "output", input_dir: str | Path = "input") -> dict[str, NodeType]:
-    """The node table of `vflash run-workflow`: every Vflash node plus the core stand-ins."""
-    from .ops import EngineRegistry
-
-    registry = registry if registry is not None else EngineRegistry()
-    host = host or HeadlessHost()
-    folders = folders or HeadlessFolders(None)
-    return {**_core_node_types(host, Path(output_dir), Path(input_dir)), **_vflash_node_types(registry, host, folders)}
+            self.bar = None
 
 
 def run_headless(workflow: Mapping[str, Mapping[str, Any]], output_dir: str | Path = "output", input_dir: str | Path = "input",
                  models_dir: str | Path | None = None) -> list[Path]:
     """Run an API workflow without ComfyUI; returns the files its SaveVideo nodes wrote. Engines are closed after."""
     from . import ops
-    from .ops import EngineRegistry
+    from .headless import installed
 
     output_dir = Path(output_dir)
-    registry = EngineRegistry()
-    folders = HeadlessFolders(models_dir)
-    types = headless_node_types(registry, HeadlessHost(), folders, output_dir, input_dir)
-    plan(workflow, types)
-    refusals = ops.graph_refusals(workflow, folders)  # profile vs the graph's requests, as the Vflash nodes check in ComfyUI
-    if refusals:
-        raise WorkflowError("the workflow was refused before running: " + "; ".join(refusals))
-    before = set(output_dir.rglob("*.mp4")) if output_dir.is_dir() else set()
-    try:
+    with installed(output_dir, input_dir, models_dir) as loaded:
+        types = node_types({**loaded.core, **loaded.nodes}, workflow)
+        plan(workflow, types)
+        refusals = ops.graph_refusals(workflow, loaded.package.host.FOLDERS)  # profile vs the graph's requests, as the Vflash nodes check in ComfyUI
+        if refusals:
+            raise WorkflowError("the workflow was refused before running: " + "; ".join(refusals))
+        importlib.import_module("comfy.utils").set_progress_bar_global_hook(_TqdmProgress())
+        before = set(output_dir.rglob("*.mp4")) if output_dir.is_dir() else set()
         execute(workflow, types, on_node=lambda nid, class_type: logger.info("node %s %s", nid, class_type))
-    finally:
-        registry.close()
     return sorted(set(output_dir.rglob("*.mp4")) - before)

@@ -1,9 +1,9 @@
-"""The Vflash nodes with ComfyUI core's own loaders (over the test stand-ins): core CLIP (CLIPLoader type minimax)
+"""The Vflash nodes with ComfyUI core's own loaders (test-only stand-ins, over the headless host): core CLIP (CLIPLoader type minimax)
 and core VAEs (VAELoader, video + audio) drive Vflash Encode / Sampler / Decode; refusals happen before any model
 work; option lists put what this machine runs first; every socket has a tooltip and every node is found by
 "MiniMax-H3".
 
-The stand-in CLIP and VAEs compute the family's own diffusers numerics (see `comfy_standins/core_nodes.py`), so these
+The stand-in CLIP and VAEs compute the family's own diffusers numerics (see `comfy_standins/core_loaders.py`), so these
 tests check the node side: the presentation handed to core, the layouts taken from and given back to core's objects,
 and that nothing is rounded on the way (bundles equal bitwise). Core's own numerics are measured against a real
 ComfyUI in `tests/test_comfyui_server.py`.

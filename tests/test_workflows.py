@@ -15,7 +15,7 @@ import pytest
 
 from comfy_standins import harness
 from vflash_nodes.workflow import (
-    WorkflowError, apply_overrides, check_api_workflow, headless_node_types, load_api_workflow, nest_inputs, plan, run_headless, types_compatible,
+    WorkflowError, _dynamic_combo_inputs, apply_overrides, check_api_workflow, headless_node_types, load_api_workflow, nest_inputs, plan, run_headless, types_compatible,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -53,11 +53,12 @@ def test_api_workflow_type_checks_against_the_node_schemas(pack, name):
 @pytest.mark.parametrize("name", NAMES)
 def test_api_workflow_runs_headless_without_unsupported_nodes(name):
     workflow = load_api_workflow(API_DIR / f"{name}.json")
-    if name in CORE_LOADERS:
-        with pytest.raises(WorkflowError, match=r"unsupported nodes: .*CLIPLoader"):
-            plan(workflow, headless_node_types())
-        return
-    plan(workflow, headless_node_types())
+    with headless_node_types() as types:
+        if name in CORE_LOADERS:
+            with pytest.raises(WorkflowError, match=r"unsupported nodes: .*CLIPLoader"):
+                plan(workflow, types)
+            return
+        plan(workflow, types)
 
 
 def test_api_checks_name_the_problem(pack):
@@ -121,7 +122,7 @@ def _socket_types(schema, io) -> dict[str, str]:
         if isinstance(inp, io.Autogrow.Input):
             types.update({f"{inp.id}.{c.id}": c.get_io_type() for c in inp.template.get_all()})
         elif isinstance(inp, io.DynamicCombo.Input):
-            types.update(harness._dynamic_combo_inputs(io, inp, inp.id))
+            types.update(_dynamic_combo_inputs(io, inp, inp.id))
         else:
             types[inp.id] = inp.get_io_type()
             if getattr(inp, "upload", None) is not None:  # the frontend's "choose file to upload" button widget

@@ -1,1 +1,1 @@
-"""Test-only ComfyUI stand-ins; see README.md. Importing this package does not install them (harness.py does)."""
+"""Test helpers that load the node pack over its headless host; see README.md."""

@@ -1,0 +1,53 @@
+"""`comfy_api.latest` for the headless host: `ComfyExtension`, `io`, and the VIDEO type the Vflash nodes build
+(`InputImpl.VideoFromComponents` of `Types.VideoComponents`), which saves through Vflash's own MP4 writer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+from . import comfy_io as io
+
+
+class ComfyExtension:
+    async def on_load(self) -> None:
+        """Called once before the node list is read."""
+
+    async def get_node_list(self) -> list[type[io.ComfyNode]]:
+        raise NotImplementedError
+
+
+@dataclass
+class VideoComponents:
+    images: Any  # IMAGE (F, H, W, 3) in [0, 1]
+    frame_rate: Fraction
+    audio: dict | None = None  # AUDIO {"waveform": (B, C, T), "sample_rate": int}
+
+
+class VideoFromComponents:
+    def __init__(self, components: VideoComponents, bit_depth: int = 8):
+        self.components, self.bit_depth = components, bit_depth
+
+    def get_components(self) -> VideoComponents:
+        return self.components
+
+    def get_dimensions(self) -> tuple[int, int]:
+        return int(self.components.images.shape[2]), int(self.components.images.shape[1])
+
+    def save_to(self, path: str | Path) -> None:
+        """MP4 (h264 + AAC) written atomically, never over an existing file; whole frame rates with a soundtrack
+        only (what `vflash_core.media.write_mp4` writes; SaveVideo refuses the rest first)."""
+        from vflash_core.media import write_mp4
+
+        c = self.components
+        write_mp4(path, c.images, c.audio["waveform"][0], int(c.audio["sample_rate"]), int(c.frame_rate))
+
+
+class InputImpl:
+    VideoFromComponents = VideoFromComponents
+
+
+class Types:
+    VideoComponents = VideoComponents

@@ -1,0 +1,176 @@
+"""The ComfyUI core nodes the example workflows use, for the headless host: `EmptyMiniMaxH3LatentAV`, `CreateVideo`,
+`SaveVideo`, `LoadImage`, `LoadAudio`, with core's node ids, input names and outputs (ComfyUI 0.33.0), written
+against the same `comfy_api.latest` and `folder_paths` interfaces as core's, so they are loaded only once those names
+resolve to the headless modules.
+
+SaveVideo writes what `vflash_core.media.write_mp4` writes (mp4, h264 + AAC, whole frame rates, atomically and never
+over an existing file) and refuses other containers, codecs and encodings: `validate_inputs` refuses what it can
+before anything runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import folder_paths
+from comfy.nested_tensor import NestedTensor
+from comfy_api.latest import InputImpl, Types, io
+from vflash_core.errors import VflashError
+
+from .. import comfy_latent as cl
+
+
+def _input_files() -> list[str]:
+    directory = folder_paths.get_input_directory()
+    return sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+
+
+def _missing_input(name: Any) -> bool | str:
+    """`validate_inputs` of the file loaders: the file exists in the input folder (None: linked, checked later)."""
+    if name is None or (isinstance(name, str) and os.path.isfile(folder_paths.get_annotated_filepath(name))):
+        return True
+    return f"{os.path.join(folder_paths.get_input_directory(), str(name))} does not exist (set --input-dir)"
+
+
+class EmptyMiniMaxH3LatentAV(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="EmptyMiniMaxH3LatentAV", display_name="Empty MiniMax H3 AV Latent", category="model/latent/minimax",
+            inputs=[io.Int.Input("width", default=1344, min=32, max=16384, step=32),
+                    io.Int.Input("height", default=768, min=32, max=16384, step=32),
+                    io.Int.Input("length", default=124, min=5, max=3600, step=17)],
+            outputs=[io.Latent.Output()],
+        )
+
+    @classmethod
+    def execute(cls, width: int, height: int, length: int) -> io.NodeOutput:
+        latents = cl.empty_latents(cl.core_length_geometry(width, height, length))
+        return io.NodeOutput(cl.to_comfy_latent(latents.video, latents.audio, NestedTensor))
+
+
+class CreateVideo(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="CreateVideo", display_name="Create Video", category="video",
+            inputs=[io.Image.Input("images"), io.Float.Input("fps", default=30.0, min=1.0, max=120.0, step=1.0),
+                    io.Audio.Input("audio", optional=True), io.Int.Input("bit_depth", min=8, max=10, default=8, step=2, optional=True)],
+            outputs=[io.Video.Output()],
+        )
+
+    @classmethod
+    def execute(cls, images, fps: float, audio: dict | None = None, bit_depth: int = 8) -> io.NodeOutput:
+        if bit_depth != 8:
+            raise VflashError(f"CreateVideo: the headless runner writes 8-bit video, got bit_depth {bit_depth}")
+        return io.NodeOutput(InputImpl.VideoFromComponents(Types.VideoComponents(images=images, audio=audio, frame_rate=Fraction(fps))))
+
+
+def _codec_input(optional: bool = False) -> io.DynamicCombo.Input:
+    """Core's codec choice: auto, or h264 / av1 with an optional encoding mode (auto / re-encode)."""
+    encoding = io.DynamicCombo.Input("encoding", optional=True, options=[
+        io.DynamicCombo.Option("auto", []),
+        io.DynamicCombo.Option("re-encode", [io.Float.Input("crf", default=23.0, min=0.0, max=51.0, step=1.0),
+                                             io.Combo.Input("color_space", options=["auto", "bt709", "bt601"], default="auto")]),
+    ])
+    return io.DynamicCombo.Input("codec", optional=optional, options=[io.DynamicCombo.Option(c, [] if c == "auto" else [encoding]) for c in ("auto", "h264", "av1")])
+
+
+def _choice(value: Any, key: str) -> Any:
+    """A DynamicCombo's choice: ComfyUI passes ``{key: choice, <child>: ...}``, a plain value when it has no children."""
+    return value.get(key, "auto") if isinstance(value, dict) else value
+
+
+class SaveVideo(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="SaveVideo", display_name="Save Video", category="video",
+            inputs=[io.Video.Input("video"), io.String.Input("filename_prefix", default="video/ComfyUI"),
+                    io.DynamicCombo.Input("format", options=[io.DynamicCombo.Option(k, [_codec_input()]) for k in ("auto", "mp4", "mkv")]),
+                    _codec_input(optional=True)],  # core's hidden top-level codec, which the frontend exports
+            hidden=[io.Hidden.prompt, io.Hidden.extra_pnginfo], is_output_node=True, outputs=[io.Video.Output("video")],
+        )
+
+    @classmethod
+    def validate_inputs(cls, filename_prefix: Any = None, format: Any = "auto") -> bool | str:
+        output = folder_paths.get_output_directory()
+        if filename_prefix is not None and (not isinstance(filename_prefix, str) or not filename_prefix.strip()):
+            return f"filename_prefix must be a non-empty string, got {json.dumps(filename_prefix)}"
+        if filename_prefix is not None and Path(output).resolve() not in (Path(output) / filename_prefix).resolve().parents:
+            return f"filename_prefix {filename_prefix!r} points outside the output folder {output}"
+        if isinstance(format, str) and format not in ("auto", "mp4"):
+            return f"the headless runner writes mp4, got format {format!r}"
+        return True
+
+    @classmethod
+    def execute(cls, video, filename_prefix: str, format: Any, codec: Any = None) -> io.NodeOutput:
+        container = _choice(format, "format")
+        chosen = (format.get("codec") if isinstance(format, dict) else None) or codec or "auto"
+        name, encoding = _choice(chosen, "codec"), _choice(chosen.get("encoding", "auto") if isinstance(chosen, dict) else "auto", "encoding")
+        if container not in ("auto", "mp4") or name not in ("auto", "h264") or encoding != "auto":
+            raise VflashError(f"SaveVideo: the headless runner writes mp4/h264 with its own encoding (got format {container!r}, codec {name!r}, encoding {encoding!r})")
+        components = video.get_components()
+        if components.audio is None:
+            raise VflashError("SaveVideo: the headless runner writes video with its soundtrack; the VIDEO has no audio")
+        if components.frame_rate != int(components.frame_rate):
+            raise VflashError(f"SaveVideo: the headless runner writes whole frame rates, got {float(components.frame_rate)}")
+        width, height = video.get_dimensions()
+        folder, stem, counter, _, _ = folder_paths.get_save_image_path(filename_prefix, folder_paths.get_output_directory(), width, height)
+        video.save_to(os.path.join(folder, f"{stem}_{counter:05}_.mp4"))
+        return io.NodeOutput(video)
+
+
+class LoadImage(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(node_id="LoadImage", display_name="Load Image", category="image",
+                         inputs=[io.Combo.Input("image", options=_input_files(), upload=io.UploadType.image)],
+                         outputs=[io.Image.Output(), io.Mask.Output()])
+
+    @classmethod
+    def validate_inputs(cls, image: Any = None) -> bool | str:
+        return _missing_input(image)
+
+    @classmethod
+    def execute(cls, image: str) -> io.NodeOutput:
+        import numpy as np
+        import torch
+        from PIL import Image, ImageOps
+
+        with Image.open(folder_paths.get_annotated_filepath(image)) as img:
+            rgb = torch.from_numpy(np.asarray(ImageOps.exif_transpose(img).convert("RGB"), dtype=np.float32) / 255.0)[None]
+        return io.NodeOutput(rgb, torch.zeros(rgb.shape[:3]))
+
+
+class LoadAudio(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(node_id="LoadAudio", display_name="Load Audio", category="audio",
+                         inputs=[io.Combo.Input("audio", options=_input_files(), upload=io.UploadType.audio)],
+                         outputs=[io.Audio.Output()])
+
+    @classmethod
+    def validate_inputs(cls, audio: Any = None) -> bool | str:
+        return _missing_input(audio)
+
+    @classmethod
+    def execute(cls, audio: str) -> io.NodeOutput:
+        """AUDIO (1, channels, samples) float32 at the file's rate, mono or stereo."""
+        import av
+        import numpy as np
+        import torch
+
+        with av.open(folder_paths.get_annotated_filepath(audio)) as container:
+            stream = container.streams.audio[0]
+            resampler = av.AudioResampler(format="fltp", layout="stereo" if stream.channels > 1 else "mono", rate=stream.rate)
+            chunks = [f.to_ndarray() for frame in container.decode(stream) for f in resampler.resample(frame)]
+            rate = stream.rate
+        return io.NodeOutput({"waveform": torch.from_numpy(np.concatenate(chunks, axis=1).astype(np.float32))[None], "sample_rate": int(rate)})
+
+
+NODES: list[type[io.ComfyNode]] = [EmptyMiniMaxH3LatentAV, CreateVideo, SaveVideo, LoadImage, LoadAudio]
