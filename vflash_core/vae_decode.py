@@ -216,8 +216,8 @@ def _moved(value: object, device: torch.device, copy: bool) -> object:
         return value.to(device, copy=copy)
     if isinstance(value, tuple):
         return tuple(_moved(v, device, copy) for v in value)
-    if isinstance(value, BlockWeights):
-        return BlockWeights(**{f.name: _moved(getattr(value, f.name), device, copy) for f in fields(value)})
+    if isinstance(value, (BlockWeights, DecoderWeights)):
+        return type(value)(**{f.name: _moved(getattr(value, f.name), device, copy) for f in fields(value)})
     return value
 
 
@@ -300,8 +300,7 @@ class DecoderWeights:
     def to(self, device: str | torch.device, copy: bool = False) -> DecoderWeights:
         """A copy on `device`: the same tensors where they are there already, unless `copy` (a replica for another
         decoding device, which may be this one's device: two CPU "devices" in the tests)."""
-        device = torch.device(device)
-        return DecoderWeights(**{f.name: _moved(getattr(self, f.name), device, copy) for f in fields(self)})
+        return _moved(self, torch.device(device), copy)
 
     @property
     def device(self) -> torch.device:
@@ -343,19 +342,15 @@ class DecoderOps:
     def qk_norm_rope(self, q: torch.Tensor, k: torch.Tensor, eps: float | None, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(W, S, heads, Dh) q and k: unweighted RMSNorm per head in fp32, rounded back, then rotary (rotate-half) over
         the leading `cos.shape[-1]` channels; cos/sin (1, S, 1, R) in q's dtype."""
-        head_dim = q.shape[-1]
-        q = F.rms_norm(q.float(), (head_dim,), None, eps).to(q.dtype)
-        k = F.rms_norm(k.float(), (head_dim,), None, eps).to(k.dtype)
         r = cos.shape[-1]
-        q_rot, q_pass = q[..., :r], q[..., r:]
-        k_rot, k_pass = k[..., :r], k[..., r:]
-        q1, q2 = q_rot.chunk(2, dim=-1)
-        k1, k2 = k_rot.chunk(2, dim=-1)
-        q_rotated = torch.cat([-q2, q1], dim=-1)
-        k_rotated = torch.cat([-k2, k1], dim=-1)
-        q = torch.cat([q_rot * cos + q_rotated * sin, q_pass], dim=-1)
-        k = torch.cat([k_rot * cos + k_rotated * sin, k_pass], dim=-1)
-        return q, k
+
+        def norm_rope(t: torch.Tensor) -> torch.Tensor:
+            t = F.rms_norm(t.float(), (t.shape[-1],), None, eps).to(t.dtype)
+            t_rot, t_pass = t[..., :r], t[..., r:]
+            t1, t2 = t_rot.chunk(2, dim=-1)
+            return torch.cat([t_rot * cos + torch.cat([-t2, t1], dim=-1) * sin, t_pass], dim=-1)
+
+        return norm_rope(q), norm_rope(k)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """(W, S, heads, Dh) each -> (W, S, heads * Dh): each tile-window attends over its own S tokens."""
@@ -402,9 +397,7 @@ def rotary(w: DecoderWeights, frames: int, height: int, width: int, dtype: torch
 
 def attention(b: BlockWeights, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], w: DecoderWeights, ops: DecoderOps) -> torch.Tensor:
     """(W, S, D) normalised input in the compute dtype -> (W, S, D) attention output (before `scale1`)."""
-    q = F.linear(x, b.to_q, b.to_q_bias).unflatten(2, (w.heads, -1))
-    k = F.linear(x, b.to_k, b.to_k_bias).unflatten(2, (w.heads, -1))
-    v = F.linear(x, b.to_v, b.to_v_bias).unflatten(2, (w.heads, -1))
+    q, k, v = (F.linear(x, weight, bias).unflatten(2, (w.heads, -1)) for weight, bias in ((b.to_q, b.to_q_bias), (b.to_k, b.to_k_bias), (b.to_v, b.to_v_bias)))
     q, k = ops.qk_norm_rope(q, k, w.qk_norm_eps, *rope)
     return F.linear(ops.attend(q, k, v), b.to_out, b.to_out_bias)
 
@@ -627,9 +620,7 @@ class NativeVideoDecoder:
         """Decode with `vae`'s own tensors on its device, or on each of `devices` (the first one stitches): the
         module's tensors where it is, a replica of them on every other device."""
         own = DecoderWeights.from_vae(vae)
-        if not devices:
-            return cls(DecodeGeometry.from_vae(vae), [own], attention, windows_per_call)
-        weights = [own.to(devices[0]), *(own.to(device, copy=True) for device in devices[1:])]
+        weights = [own.to(devices[0]), *(own.to(device, copy=True) for device in devices[1:])] if devices else [own]
         return cls(DecodeGeometry.from_vae(vae), weights, attention, windows_per_call)
 
     @property
@@ -659,11 +650,10 @@ class NativeVideoDecoder:
         plan = self.plan(z.shape)
         output = None
         if sink is None:
-            out = torch.empty((1, 3, plan.output_frames, plan.pixel_height, plan.pixel_width), dtype=self.output_dtype, device=output_device)
-            output = out
+            output = torch.empty((1, 3, plan.output_frames, plan.pixel_height, plan.pixel_width), dtype=self.output_dtype, device=output_device)
 
             def sink(start: int, frames: torch.Tensor) -> None:
-                out[:, :, start : start + frames.shape[2]].copy_(frames)
+                output[:, :, start : start + frames.shape[2]].copy_(frames)
 
         timeline = Timeline(self.geometry, plan, sink)
         parts = split_calls(self.calls(plan), len(self.weights))
