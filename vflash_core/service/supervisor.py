@@ -277,26 +277,17 @@ class WorkerSupervisor:
             elif isinstance(event, CancelRequested):
                 handle.cancel_flag.set()
                 deadline = time.monotonic() + self.cancel_grace
+            elif isinstance(event, Cancelled) or isinstance(event, (Finished, Failed, Exited)) and job.cancel_requested:
+                job.cancel()  # a job that ended before it saw the cancel is cancelled all the same: nothing is published
+                return False
             elif isinstance(event, Finished):
-                if job.cancel_requested:  # finished before it saw the cancel: honour the cancel, publish nothing
-                    job.cancel()
-                    return False
                 self._publish(job, staged, event.result)
                 return True
             elif isinstance(event, Failed):
-                if job.cancel_requested:
-                    job.cancel()
-                    return False
                 job.fail(redact_paths(event.message, (job.upload_dir, self.work_dir, self.config.input_dir)))
                 return not event.worker_exits
-            elif isinstance(event, Cancelled):
-                job.cancel()
-                return False
             elif isinstance(event, Exited):
-                if job.cancel_requested:
-                    job.cancel()
-                else:
-                    job.fail(f"the worker process (pid {handle.pid}) exited with {describe_exit(event.exitcode)} while running this job")
+                job.fail(f"the worker process (pid {handle.pid}) exited with {describe_exit(event.exitcode)} while running this job")
                 return False
             else:
                 raise TypeError(f"unexpected worker event {event!r}")
