@@ -17,8 +17,8 @@ budget, duration and mode against the profile, reference counts and input file s
 provided inputs; `generate` also checks the output path. Devices and the attention backend are checked when the
 pipeline is created. The encoders hand their tensors to the core through a validated one-shot `BundleHandoff` (no
 temporary file). The request's steps are functions of the parts they run on (`encode_request`, then
-`EncodedRequest.bundle` for a seed, `vae.decode_latents`), so the node pack, whose text encoder and VAEs come from
-separate loaders (or are ComfyUI core's), runs this code and no copy of it.
+`EncodedRequest.bundle` for a seed, `vae.decode_latents`), so a front end whose text encoder and VAEs come from
+separate loaders (or from another implementation) runs this code and no copy of it.
 
 Threads: concurrent first calls load the models once, and requests on one pipeline run one at a time (after their
 validation, so a bad request is refused without waiting). Model loading is serialised process-wide
@@ -337,7 +337,7 @@ def prepare_pipeline(profile: Profile | str, assets: str | Path, receipt: str | 
     return PreparedAssets.load(receipt)
 
 
-# -- the request path's steps, on components passed in (the node pack composes them too) -------------------------------
+# -- the request path's steps, on components passed in (other front ends compose them too) -----------------------------
 
 # after_stage(name): called when a nested stage ends (encode.inputs, encode.text, encode.vae, decode.video, decode.audio)
 StageCallback = Callable[[str], None]
@@ -371,7 +371,7 @@ class EncodedRequest:
     keyframe_latents: tuple[torch.Tensor, ...] = ()  # one (1, C, 1, h, w) per keyframe, packed order
     anchors: tuple[str, ...] = ()  # "first" / "last" per keyframe
     references: tuple[EncodedReference, ...] = ()  # request order
-    notes: tuple[str, ...] = ()  # how this encoding differs from the diffusers pipeline's (ComfyUI core's encoders)
+    notes: tuple[str, ...] = ()  # how this encoding differs from the diffusers pipeline's (other encoders passed in)
 
     def bundle(self, config: H3Config, seed: int, geometry: Geometry | None = None) -> BundleHandoff:
         """The conditioning bundle of one seed (its noise drawn by the bundle contract), handed over one-shot;
@@ -394,7 +394,7 @@ def encode_request(
 
     `keyframes`: anchor ("first", "last") -> image, in packed order; `references`: the decoded diffusers
     `MiniMaxH3*Reference`s in request order; `canvas`: the model's canvas rules (default: the conditioner's). The
-    conditioner and the VAEs may be any objects with their interfaces (the node pack passes ComfyUI core's).
+    conditioner and the VAEs may be any objects with their interfaces (e.g. another implementation's).
     `after_stage` is called after encode.inputs, encode.text and encode.vae.
     """
     after_stage = after_stage or (lambda name: None)
@@ -460,13 +460,11 @@ def conditioner_prompt_budget(conditioner: TextConditioner) -> PromptBudget | No
 
 class H3Pipeline:
     """The complete pipeline around one native session. Compose it from loaded parts, or `from_prepared` (lazy).
-
-    Thread-safe: concurrent first calls load the models once (the first loads, the others wait for it), and requests
-    on one pipeline run one at a time; a request is validated before it waits, so a bad one is refused at once.
+    Thread-safe (see the module's doc).
 
     Args:
         profile: the profile the session runs (id or `Profile`).
-        conditioner, vaes, session: the three loaded parts (ComfyUI loads them separately); all None only when a
+        conditioner, vaes, session: the three loaded parts (a front end may load them separately); all None only when a
             `loader` is given (what `from_prepared` does).
         canvas: the model's canvas rules (default: the conditioner's).
         prompt_budget: the text encoder's context and tokenizer (default: the conditioner's).
@@ -547,18 +545,16 @@ class H3Pipeline:
         weight_residency = "resident" if core_hooks and options.weight_residency == "auto" else options.weight_residency
 
         def load(progress: PipelineProgress | None) -> tuple[TextConditioner, MediaVAEs, NativeEngineSession]:
-            layers = int(assets.record["transformer"]["num_layers"])
-            total = 2 + layers
+            total = 2 + int(assets.record["transformer"]["num_layers"])
+            report = progress or (lambda stage, done, total: None)
             loaded: list[TextConditioner | MediaVAEs] = []
             try:
                 conditioner = TextConditioner.from_pretrained(assets.model_root, primary, text_encoder_loader=text_encoder_loader)
                 loaded.append(conditioner)
-                if progress:
-                    progress("load", 1, total)
+                report("load", 1, total)
                 vaes = MediaVAEs.from_pretrained(assets.decoder_root, primary, peer_device=peer)
                 loaded.append(vaes)
-                if progress:
-                    progress("load", 2, total)
+                report("load", 2, total)
                 if options.verify_weights:
                     from .artifact import CompiledArtifact
 
@@ -720,9 +716,7 @@ class H3Pipeline:
                 except BaseException as exc:
                     raise RequestCancelled(f"request cancelled: {exc}") from exc
 
-        def report(stage: str, done: int, total: int) -> None:
-            if progress is not None:
-                progress(stage, done, total)
+        report = progress or (lambda stage, done, total: None)
 
         self._check_memory(plan.geometry, ("denoise", "decode"))
         try:

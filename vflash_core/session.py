@@ -261,16 +261,14 @@ class NativeEngineSession:
 
     def memory_plan(self) -> str:
         """One line: devices, strategy, attention, residency, blocks on device, pinned host bytes."""
-        den = self._denoisers[0]
-        blocks_on_device = self.compiled.config.num_layers if self.weight_residency == "resident" else 2
-        pinned = sum(a.nbytes for a in self._arenas)
+        report = self._memory_report()
         devices = ", ".join(str(d) for d in self.devices)
         strategy = f" {self.strategy}" if self.strategy else ""
         linears = f", approximate FP8 {self.profile.fp8} block linears" if self.profile.fp8 else ""
         return (
             f"{devices}{strategy}, {self.execution} kernels{linears}, attention {self.attention_backend}, weights {self.weight_residency} "
-            f"({blocks_on_device} blocks on device, {den.blocks.device_weight_bytes / _GIB:.2f} GiB block weights per device, "
-            f"{pinned / _GIB:.2f} GiB pinned host)"
+            f"({report['blocks_on_device']} blocks on device, {report['device_weight_bytes'] / _GIB:.2f} GiB block weights per device, "  # type: ignore[operator]
+            f"{report['pinned_host_bytes'] / _GIB:.2f} GiB pinned host)"  # type: ignore[operator]
         )
 
     def _check_request_fits(self, bundle: ConditioningBundle) -> None:
@@ -285,11 +283,6 @@ class NativeEngineSession:
             f"this request's activations ({bundle.layout.sequence_length} packed rows, weights {self.weight_residency})",
             "Use a smaller canvas or a shorter clip, weight_residency='block-ring', or a second GPU.",
         )
-
-    def _release_cap(self) -> None:
-        if self._cap is not None:
-            self._cap.release()
-            self._cap = None
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
 
@@ -321,7 +314,9 @@ class NativeEngineSession:
             self._group.close()
             self._group = None
         self._arenas = []
-        self._release_cap()
+        if self._cap is not None:
+            self._cap.release()
+            self._cap = None
 
     def _check_usable(self) -> None:
         if self._failure is not None:
@@ -417,9 +412,7 @@ class NativeEngineSession:
             "memory": self._memory_report(),
         }
         summaries = [t.summary() for t in timers]
-        profile = None
-        if profile_denoise:
-            profile = summaries[0] if len(summaries) == 1 else {"ranks": summaries}
+        profile = (summaries[0] if len(summaries) == 1 else {"ranks": summaries}) if profile_denoise else None
         return GenerationResult(output.video_latents, output.audio_latents, timing, metadata, profile)
 
     def _memory_report(self) -> dict[str, object]:
@@ -479,8 +472,7 @@ class NativeEngineSession:
             raise stop[0]
         if self.strategy == "tensor":
             results = results[:1]  # identical on every rank
-        video = torch.cat([r[0] for r in results])  # type: ignore[index]
-        audio = torch.cat([r[1] for r in results])  # type: ignore[index]
+        video, audio = (torch.cat([r[i] for r in results]) for i in (0, 1))  # type: ignore[index]
         return self._denoisers[0].finish(bundle, video, audio)
 
 
