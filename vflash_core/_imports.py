@@ -1,7 +1,7 @@
 """Importing the sibling `kernels/` folder as `vflash_kernels` when the repository is used unpacked.
 
-pip installs `kernels/` as the `vflash_kernels` package. When ComfyUI loads the repository from `custom_nodes/`
-without a pip install, the folder is registered under that same name from its path; the repository root is never
+pip installs `kernels/` as the `vflash_kernels` package. When a host application imports the repository from its
+folder without a pip install, the folder is registered under that same name from its path; the repository root is never
 put on `sys.path`, which would expose the folder as a top-level `kernels` and shadow the PyPI package of that name.
 """
 

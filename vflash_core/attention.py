@@ -1,8 +1,8 @@
 """Attention backends: explicit kernel selection for every call.
 
 `torch-sdpa` reproduces diffusers' `native` attention: `F.scaled_dot_product_attention` on (B, heads, S, D) permuted
-views. On CUDA, which SDPA kernel runs depends on a process-wide priority (inside ComfyUI it is flash-first, a silent
-1.6x loss on Hopper), so CUDA backends pin the kernel with `sdpa_kernel` on every call, and an unavailable explicit
+views. On CUDA, which SDPA kernel runs depends on a process-wide priority (a host application may make it flash-first,
+a silent 1.6x loss on Hopper), so CUDA backends pin the kernel with `sdpa_kernel` on every call, and an unavailable explicit
 choice is an error, never a silent fallback.
 
 `fa3` is FlashAttention-3's forward kernel (PyPI `fa3-fwd`, SM90 only; `pip install vflash[sm90]`): exact attention

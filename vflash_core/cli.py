@@ -2,8 +2,7 @@
 
 Each subcommand lives in the module that owns its work and exposes `register(subparsers)`, which adds the parser
 and sets `handler`; heavy imports happen inside the handler, so `vflash --help` is instant. Installed packages add
-subcommands through the `vflash.commands` entry points (the node pack adds `run-workflow`), so this package names
-none of them. A user error (any
+subcommands through the `vflash.commands` entry points, so this package names none of them. A user error (any
 `VflashError`) prints one line, without a traceback, and exits with its `exit_status` (2 for a bad request, option or
 file, 1 for a valid request that could not be completed); anything else is a bug and keeps its traceback.
 """

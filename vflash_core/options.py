@@ -1,5 +1,5 @@
 """How a pipeline runs its requests, never what they generate: one options object for the command line, the HTTP
-service and its worker, `H3Pipeline.from_prepared` and the ComfyUI nodes.
+service and its worker, `H3Pipeline.from_prepared` and any other front end.
 
 `RunOptions` checks its choices when it is built; `check_devices` checks, before anything loads, that this machine
 has the devices and that they are of the architecture the profile's tables were computed on.

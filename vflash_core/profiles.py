@@ -1,6 +1,6 @@
 """Named profiles: the fixed model, adapter, schedule and hardware a compiled artifact is bound to.
 
-A profile fixes which workflow modes a session accepts, which transformer partition it runs, which LoRA (if any) at
+A profile fixes which generation modes a session accepts, which transformer partition it runs, which LoRA (if any) at
 which alpha and rank, the number of evaluations and the two schedule shifts, the allowed clip durations and the GPU
 architecture the tables were computed on. Compiled artifacts record the profile's identity; at load the identities
 (not the name) are compared, so renaming a profile never converts assets, and a mismatch names both sides.
@@ -37,7 +37,7 @@ class AdapterSpec:
 @dataclass(frozen=True)
 class Profile:
     id: str
-    modes: tuple[str, ...]  # workflow modes a session of this profile accepts
+    modes: tuple[str, ...]  # generation modes a session of this profile accepts
     variant: str  # "transformer" (t2va / keyframes) or "transformer_ref" (ref2va)
     adapter: AdapterSpec | None
     nfe: int  # model evaluations per request

@@ -189,8 +189,8 @@ class MediaVAEs(SerialDeviceOwner):
 def decode_latents(vaes, video_latents: torch.Tensor, audio_latents: torch.Tensor, after_stage: Callable[[str], None] | None = None) -> DecodedMedia:
     """(1, C, F, h, w) and (2, C_a, A) normalised latents -> frames and the whole stereo waveform, the VAEs on their
     device for the duration; `after_stage` is called after decode.video and decode.audio. `vaes` is a `MediaVAEs` or
-    any object with its `on_device` / `decode_video` / `decode_audio` / `sample_rate` (the node pack's adapter over
-    ComfyUI core's VAEs)."""
+    any object with its `on_device` / `decode_video` / `decode_audio` / `sample_rate` (an adapter over another
+    implementation's VAEs)."""
     after_stage = after_stage or (lambda name: None)
     with vaes.on_device():
         frames = vaes.decode_video(video_latents)

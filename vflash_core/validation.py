@@ -1,7 +1,7 @@
 """The one request validator: everything about a request that is knowable before a model loads.
 
 `plan_request` is what `H3Pipeline.validate` / `generate` run (so the CLI and the Python API), and what the HTTP
-service runs before it queues a job; the ComfyUI nodes can call its parts (`check_prompt`, `clip_frames`,
+service runs before it queues a job; other front ends can call its parts (`check_prompt`, `clip_frames`,
 `check_canvas_size`, `check_labels`, `check_reference_counts`). The limits come from the model and the profile:
 
 * prompt: a non-empty string of at most `MAX_PROMPT_BYTES` whose tokens fit the text encoder's context
