@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -126,7 +127,7 @@ def test_core_vae_decode_equals_vflash_decode(pack, core_files):
     images, audio, _ = ops.decode(registry, host, vae, latent)
     core_images, core_audio, video = ops.decode(registry, host, video_vae, latent, audio_vae)
     assert torch.equal(images, core_images) and torch.equal(audio["waveform"], core_audio["waveform"])
-    assert video.get_frame_count() == images.shape[0]
+    assert video.get_components().images.shape[0] == images.shape[0]
 
 
 def test_references_reach_core_clip_in_request_order(pack, core_files, monkeypatch):
@@ -257,6 +258,7 @@ def test_profile_vs_the_graphs_request_is_refused_before_any_model_work(pack, ch
     registry = pack.package.registry.ENGINES
     registry.release("all")
     workflow = apply_overrides(load_api_workflow(API / "ref2va.json"), [f"{k}={v}" for k, v in change.items()])
+    shutil.copy(REPO / "workflows" / "inputs" / "vflash_reference.png", importlib.import_module("folder_paths").get_input_directory())  # LoadImage checks it
     ran = []
     with pytest.raises(VflashError, match=refusal):
         execute(workflow, pack.node_types(workflow), on_node=lambda nid, class_type: ran.append(class_type))
