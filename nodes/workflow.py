@@ -28,6 +28,8 @@ from typing import Any
 
 from vflash_core.errors import VflashError
 
+from .headless import comfy_io as io
+
 logger = logging.getLogger(__name__)
 
 
@@ -275,8 +277,6 @@ def node_types(classes: Mapping[str, type], prompt: Mapping[str, Any] | None = N
     ``group.slot``, a dynamic combo as its own key plus its options' inputs, dotted), required inputs, outputs,
     output node; `run` calls `execute` with `prompt` as the hidden prompt; `validate` is `validate_inputs` when the
     class overrides it (as ComfyUI calls it), after the prompt and seed checks the Vflash nodes make when they run."""
-    from .headless import comfy_io as io
-
     out = {}
     for node_id, cls in classes.items():
         schema = cls.GET_SCHEMA()
@@ -287,29 +287,29 @@ def node_types(classes: Mapping[str, type], prompt: Mapping[str, Any] | None = N
                 inputs.update({f"{inp.id}.{slot.id}": slot.get_io_type() for slot in slots})
                 required.update(f"{inp.id}.{slot.id}" for slot in slots[: 0 if inp.optional else inp.template.min])
                 continue
-            inputs.update(_dynamic_combo_inputs(io, inp, inp.id) if isinstance(inp, io.DynamicCombo.Input) else {inp.id: inp.get_io_type()})
+            inputs.update(_dynamic_combo_inputs(inp, inp.id) if isinstance(inp, io.DynamicCombo.Input) else {inp.id: inp.get_io_type()})
             if getattr(inp, "upload", None) is not None:  # the frontend's upload button: some exports carry its value
                 inputs["upload"] = "COMBO"
             if not inp.optional:
                 required.add(inp.id)
         own = cls.validate_inputs if cls.validate_inputs.__func__ is not io.ComfyNode.validate_inputs.__func__ else None
         out[node_id] = NodeType(node_id, inputs, frozenset(required), tuple(o.get_io_type() for o in schema.outputs),
-                                _runner(io, cls, schema, prompt), schema.is_output_node, _validator(own))
+                                _runner(cls, schema, prompt), schema.is_output_node, _validator(own))
     return out
 
 
-def _dynamic_combo_inputs(io: Any, combo: Any, key: str) -> dict[str, str]:
+def _dynamic_combo_inputs(combo: io.DynamicCombo.Input, key: str) -> dict[str, str]:
     """A dynamic combo's API keys: its own ("format") and its options' inputs, nested ones dotted further
     ("format.codec", "format.codec.encoding", ...)."""
     out = {key: "COMBO"}
     for option in combo.options:
         for child in option.inputs:
             is_combo = isinstance(child, io.DynamicCombo.Input)
-            out.update(_dynamic_combo_inputs(io, child, f"{key}.{child.id}") if is_combo else {f"{key}.{child.id}": child.get_io_type()})
+            out.update(_dynamic_combo_inputs(child, f"{key}.{child.id}") if is_combo else {f"{key}.{child.id}": child.get_io_type()})
     return out
 
 
-def _runner(io: Any, cls: type, schema: Any, prompt: Mapping[str, Any] | None) -> Callable[..., tuple]:
+def _runner(cls: type, schema: io.Schema, prompt: Mapping[str, Any] | None) -> Callable[..., tuple]:
     autogrow = [i.id for i in schema.inputs if isinstance(i, io.Autogrow.Input)]
     node = type(cls.__name__, (cls,), {"hidden": io.HiddenHolder(prompt=prompt)})  # as ComfyUI gives each run its own
 

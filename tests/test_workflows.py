@@ -122,7 +122,7 @@ def _socket_types(schema, io) -> dict[str, str]:
         if isinstance(inp, io.Autogrow.Input):
             types.update({f"{inp.id}.{c.id}": c.get_io_type() for c in inp.template.get_all()})
         elif isinstance(inp, io.DynamicCombo.Input):
-            types.update(_dynamic_combo_inputs(io, inp, inp.id))
+            types.update(_dynamic_combo_inputs(inp, inp.id))
         else:
             types[inp.id] = inp.get_io_type()
             if getattr(inp, "upload", None) is not None:  # the frontend's "choose file to upload" button widget

@@ -56,6 +56,10 @@ def _package(name: str, **children: types.ModuleType) -> types.ModuleType:
     return module
 
 
+def _by_id(classes: list[type]) -> dict[str, type]:
+    return {cls.GET_SCHEMA().node_id: cls for cls in classes}
+
+
 @contextlib.contextmanager
 def installed(output_dir: str | Path, input_dir: str | Path, models_dir: str | Path | None = None) -> Iterator[Loaded]:
     """The node pack loaded over the headless host with these folders; its engines are closed on exit."""
@@ -80,8 +84,7 @@ def installed(output_dir: str | Path, input_dir: str | Path, models_dir: str | P
         extension = asyncio.run(importlib.import_module("vflash_nodes.extension").comfy_entrypoint())
         if models_dir is not None:  # it registers models/vflash; without a models folder there is none
             asyncio.run(extension.on_load())
-        by_id = lambda classes: {cls.GET_SCHEMA().node_id: cls for cls in classes}  # noqa: E731
-        loaded = Loaded(by_id(asyncio.run(extension.get_node_list())), by_id(_fresh("core_nodes").NODES), package)
+        loaded = Loaded(_by_id(asyncio.run(extension.get_node_list())), _by_id(_fresh("core_nodes").NODES), package)
         try:
             yield loaded
         finally:
