@@ -478,16 +478,14 @@ class SourceWeights:
             dequantize(code, self._scales[scale], target.dtype, out=target)
         return out
 
-    def read_block(self, index: int, with_adaln: bool = False) -> dict[str, torch.Tensor]:
-        return self.read(list(block_shapes(self.config, f"blocks.{index}", with_adaln)))
+    def read_block(self, index: int) -> dict[str, torch.Tensor]:
+        return self.read(list(block_shapes(self.config, f"blocks.{index}", with_adaln=False)))
 
     def read_adaln(self, index: int) -> dict[str, torch.Tensor]:
         return self.read([f"blocks.{index}.adaln.weight", f"blocks.{index}.adaln.bias"])
 
     def read_refiner(self) -> dict[str, torch.Tensor]:
-        names = []
-        for j in range(self.config.num_refiner_layers):
-            names += list(block_shapes(self.config, f"refiner.{j}", with_adaln=False))
+        names = [n for j in range(self.config.num_refiner_layers) for n in block_shapes(self.config, f"refiner.{j}", with_adaln=False)]
         return self.read(names + ["refiner.final_norm.weight"])
 
     def read_aux(self, include: Callable[[str], bool] = lambda name: True) -> dict[str, torch.Tensor]:

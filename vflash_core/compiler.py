@@ -73,10 +73,6 @@ WRITE_BEHIND_BLOCKS = 4
 MAX_RECEIPT_BYTES = 64 << 20
 
 
-def _resolve(profile: Profile | str) -> Profile:
-    return get_profile(profile) if isinstance(profile, str) else profile
-
-
 # -- prepare ------------------------------------------------------------------------------------------------------
 
 
@@ -89,7 +85,7 @@ def prepare(
     progress: CompileProgress | None = None,
 ) -> dict[str, object]:
     """Write a receipt binding `profile` to the base weights and adapter; returns the receipt."""
-    profile = _resolve(profile)
+    profile = get_profile(profile)
     receipt = check_writable_destination(receipt)
     source = SourceWeights(transformer, qkv_layout=qkv_layout)
     source.check_profile(profile)
@@ -183,11 +179,10 @@ def _profile_from_receipt(receipt: dict, path: str | Path) -> Profile:
     data["modes"] = tuple(data["modes"])
     data["adapter"] = AdapterSpec(**data["adapter"]) if data["adapter"] else None
     profile = Profile(**data)
-    registered = None
     try:
         registered = get_profile(profile.id)
     except VflashError:
-        pass
+        registered = None
     if registered is not None and registered != profile:
         raise IdentityMismatchError(f"{path}: receipt profile {profile.id} differs from the registered profile of that name; prepare again")
     return profile
@@ -352,16 +347,15 @@ def _write_compiled(
     # no more than a few blocks are in host memory at once.
     reader = ThreadPoolExecutor(READ_AHEAD_BLOCKS)
     writer = ThreadPoolExecutor(WRITE_BEHIND_BLOCKS)
-    reads: dict[int, Future] = {}
+    read = lambda i: (source.read_adaln(i), source.read_block(i))  # noqa: E731 - a block's adaln_proj and packed weights
+    reads: dict[int, Future] = {i: reader.submit(read, i) for i in range(min(READ_AHEAD_BLOCKS, config.num_layers))}
     writes: list[Future] = []
     lora_records: list[list[dict[str, object]]] = []
     try:
-        for i in range(min(READ_AHEAD_BLOCKS, config.num_layers)):
-            reads[i] = reader.submit(_read_source_block, source, i)
         for i in tqdm(range(config.num_layers), desc="compile blocks", unit="block"):
             adaln, block = reads.pop(i).result()
             if i + READ_AHEAD_BLOCKS < config.num_layers:
-                reads[i + READ_AHEAD_BLOCKS] = reader.submit(_read_source_block, source, i + READ_AHEAD_BLOCKS)
+                reads[i + READ_AHEAD_BLOCKS] = reader.submit(read, i + READ_AHEAD_BLOCKS)
             weight, bias = adaln[f"blocks.{i}.adaln.weight"].to(device), adaln[f"blocks.{i}.adaln.bias"].to(device)
             block_loras = adapter.for_prefix(f"blocks.{i}") if adapter else {}
             adaln_loras = tuple(r.to(device) for r in block_loras.pop("adaln", ()))
@@ -425,11 +419,6 @@ def _write_compiled(
         "file": overlay_file,
     }
     (out / "schedule" / "manifest.json").write_text(json.dumps(overlay_manifest, indent=2) + "\n")
-
-
-def _read_source_block(source: SourceWeights, index: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """One main block's `adaln_proj` (compiled into tables) and packed weights (copied), read from the source."""
-    return source.read_adaln(index), source.read_block(index)
 
 
 # -- command line ---------------------------------------------------------------------------------------------------

@@ -152,7 +152,10 @@ PROFILES: dict[str, Profile] = {
 }
 
 
-def get_profile(profile_id: str) -> Profile:
+def get_profile(profile_id: str | Profile) -> Profile:
+    """The registered profile of an id; a `Profile` is returned as it is."""
+    if isinstance(profile_id, Profile):
+        return profile_id
     try:
         return PROFILES[profile_id]
     except KeyError:

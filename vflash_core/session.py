@@ -148,7 +148,7 @@ class NativeEngineSession:
         block_loader: BlockLoader | None = None,
     ):
         start = time.perf_counter()
-        self.profile = get_profile(profile) if isinstance(profile, str) else profile
+        self.profile = get_profile(profile)
         peers = [] if peer_device is None else (list(peer_device) if isinstance(peer_device, (list, tuple)) else [peer_device])
         self.devices = [_as_device(device)] + [_as_device(p) for p in peers]
         self.device = self.devices[0]
