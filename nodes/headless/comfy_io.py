@@ -14,12 +14,6 @@ from enum import Enum
 from typing import Any
 
 
-class FolderType(str, Enum):
-    input = "input"
-    output = "output"
-    temp = "temp"
-
-
 class UploadType(str, Enum):
     image = "image_upload"
     audio = "audio_upload"
@@ -51,8 +45,8 @@ class WidgetInput(Input):
 class Output:
     Parent: type
 
-    def __init__(self, id: str | None = None, display_name: str | None = None, tooltip: str | None = None, is_output_list: bool = False):
-        self.id, self.display_name, self.tooltip, self.is_output_list = id, display_name or id, tooltip, is_output_list
+    def __init__(self, id: str | None = None, display_name: str | None = None, tooltip: str | None = None):
+        self.id, self.display_name, self.tooltip = id, display_name or id, tooltip
 
     def get_io_type(self) -> str:
         return self.Parent.io_type
@@ -90,8 +84,7 @@ class _Widget(ComfyTypeIO):
 
 
 Boolean, Int, Float = (comfytype(t)(type(n, (_Widget,), {})) for n, t in (("Boolean", "BOOLEAN"), ("Int", "INT"), ("Float", "FLOAT")))
-Image, Mask, Latent, Clip, Vae, Model, Audio, Video = (
-    Custom(t) for t in ("IMAGE", "MASK", "LATENT", "CLIP", "VAE", "MODEL", "AUDIO", "VIDEO"))
+Image, Mask, Latent, Clip, Vae, Audio, Video = (Custom(t) for t in ("IMAGE", "MASK", "LATENT", "CLIP", "VAE", "AUDIO", "VIDEO"))
 AnyType = Custom("*")
 
 
@@ -169,7 +162,6 @@ class DynamicCombo(ComfyTypeI):
 
 
 class Hidden(str, Enum):
-    unique_id = "UNIQUE_ID"
     prompt = "PROMPT"
     extra_pnginfo = "EXTRA_PNGINFO"
 
@@ -178,7 +170,7 @@ class HiddenHolder:
     """What a node reads as `cls.hidden`: here only the API prompt."""
 
     def __init__(self, prompt: dict | None = None):
-        self.prompt, self.unique_id, self.extra_pnginfo = prompt, None, None
+        self.prompt = prompt
 
 
 @dataclass
@@ -216,10 +208,7 @@ class ComfyNode:
 
     @classmethod
     def validate_inputs(cls, **kwargs: Any) -> bool | str:
-        raise NotImplementedError
-
-    @classmethod
-    def fingerprint_inputs(cls, **kwargs: Any) -> Any:
+        """Not called: as in ComfyUI, only a node's own override runs (`workflow.node_types` checks for one)."""
         raise NotImplementedError
 
     @classmethod
