@@ -4,7 +4,8 @@
 `comfy.utils.ProgressBar` (whose server hook also raises on interrupt), interrupts are polled with
 `throw_exception_if_processing_interrupted()`, memory is freed with `unload_all_models()` + `soft_empty_cache()`, the
 device is `get_torch_device()` read at call time (ComfyUI-MultiGPU patches it), videos are core
-`VideoFromComponents`. `ComfyFolders` lists and resolves model files through `folder_paths`.
+`VideoFromComponents`. `ComfyFolders` lists and resolves model files through `folder_paths`. In `vflash
+run-workflow` the same classes run over the headless host's modules of those names (`headless/`).
 """
 
 from __future__ import annotations
