@@ -150,6 +150,11 @@ def _around(module: torch.nn.Module, inner: torch.nn.Module) -> list[torch.nn.Mo
     return [m for child in module.children() for m in _around(child, inner)]
 
 
+def _joined(parts: list[tuple[list[int], list[int]]]) -> tuple[list[int], list[int]]:
+    """(token ids, row tags) pieces of a presentation, in order, as one list of each."""
+    return [i for ids, _ in parts for i in ids], [t for _, tags in parts for t in tags]
+
+
 class TextConditioner(SerialDeviceOwner):
     """Owns the Qwen3-VL text encoder, its tokenizer and its image/video processors.
 
@@ -282,14 +287,8 @@ class TextConditioner(SerialDeviceOwner):
     def keyframe_presentation(self, prompt: str, keyframes: list) -> tuple[list[int], list[int], dict[str, torch.Tensor]]:
         """Token ids, row tags and vision inputs for t2va (no keyframes) or keyframe requests (canvas-sized images)."""
         vision, counts = self._image_features(keyframes)
-        ids: list[int] = []
-        tags: list[int] = []
-        for index, count in enumerate(counts):
-            for part in (self._text(f"<Picture {index + 1}>: "), self._vision("image", count)):
-                ids += part[0]
-                tags += part[1]
-        prompt_ids, prompt_tags = self._text(prompt)
-        return ids + prompt_ids, tags + prompt_tags, vision
+        parts = [part for index, count in enumerate(counts) for part in (self._text(f"<Picture {index + 1}>: "), self._vision("image", count))]
+        return *_joined(parts + [self._text(prompt)]), vision
 
     def reference_presentation(self, prompt: str, references: list) -> tuple[list[int], list[int], dict[str, torch.Tensor]]:
         """The ref2va presentation of normalised references (diffusers `MiniMaxH3*Reference`s), in request order."""
@@ -309,13 +308,8 @@ class TextConditioner(SerialDeviceOwner):
                 if int(grid[0]) != len(stamps):
                     raise VflashError(f"Qwen merged a reference video into {int(grid[0])} blocks; H3 labels {len(stamps)}")
                 video_counts.append(int(grid[1]) * int(grid[2]) // merge)
-        ids: list[int] = []
-        tags: list[int] = []
-
-        def emit(part: tuple[list[int], list[int]]) -> None:
-            ids.extend(part[0])
-            tags.extend(part[1])
-
+        parts: list[tuple[list[int], list[int]]] = []
+        emit = parts.append
         seen = {"image": 0, "video": 0, "audio": 0}
         for ref in references:
             if ref.has_audio:
@@ -332,7 +326,7 @@ class TextConditioner(SerialDeviceOwner):
                     emit(self._text(f"<{stamp:.1f} seconds>"))  # round-half-even: the first pair reads "<0.2 seconds>"
                     emit(self._vision("video", video_counts[seen["video"] - 1]))
         emit(self._text(prompt))
-        return ids, tags, vision
+        return *_joined(parts), vision
 
     # -- encoding -----------------------------------------------------------------------------------------------------
 

@@ -121,8 +121,7 @@ class MediaVAEs(SerialDeviceOwner):
         device = next(self.video_vae.parameters()).device
         # Copies only when the array is not contiguous or read-only (as `np.asarray` of a PIL image is).
         pixels = torch.from_numpy(np.require(frames, requirements=["C", "W"])).to(device).permute(3, 0, 1, 2)[None]
-        pixel_mean = torch.tensor(PIXEL_MEAN, device=device).view(1, -1, 1, 1, 1)
-        pixel_std = torch.tensor(PIXEL_STD, device=device).view(1, -1, 1, 1, 1)
+        pixel_mean, pixel_std = (torch.tensor(stats, device=device).view(1, -1, 1, 1, 1) for stats in (PIXEL_MEAN, PIXEL_STD))
         pixels = (pixels.to(torch.float32).div(255.0) - pixel_mean) / pixel_std
         posterior = self.video_vae.encode(pixels, return_dict=False)[0]
         latents = posterior.sample(generator=torch.Generator().manual_seed(CONDITION_ENCODE_SEED))
@@ -146,8 +145,7 @@ class MediaVAEs(SerialDeviceOwner):
         mean, std = self._stats(self.video_vae, (1, -1, 1, 1, 1))
         device = next(self.video_vae.parameters()).device
         latents = video_latents.to(device) * std.to(device) + mean.to(device)
-        pixel_mean = torch.tensor(PIXEL_MEAN, device=device).view(1, -1, 1, 1, 1)
-        pixel_std = torch.tensor(PIXEL_STD, device=device).view(1, -1, 1, 1, 1)
+        pixel_mean, pixel_std = (torch.tensor(stats, device=device).view(1, -1, 1, 1, 1) for stats in (PIXEL_MEAN, PIXEL_STD))
         if self.video_decoder == "native":
             return self._decode_video_native(latents, pixel_mean, pixel_std)
         video = self.video_vae.decode(latents, return_dict=False)[0]
