@@ -409,10 +409,7 @@ def _write_compiled(
     (out / "artifact" / "manifest.json").write_text(json.dumps(artifact_manifest, indent=2) + "\n")
     overlay_manifest = {
         "format": OVERLAY_FORMAT,
-        "compile_id": compile_id,
-        "profile_id": profile.id,
-        "profile": profile.identity(),
-        "arch": arch,
+        **{k: identity[k] for k in ("compile_id", "profile_id", "profile", "arch")},
         "schedule": schedule.to_dict(),
         "num_layers": config.num_layers,
         "entries": entries,
