@@ -12,9 +12,7 @@ video decode windowed), logs it in one line and refuses what cannot fit; the ses
 the cap, and every request is checked against it before it runs.
 
 A request is checked completely before any model loads (`validate`, which runs `validation.plan_request`, the
-validator the service shares): prompt length against the text encoder's context, canvas against the model's pixel
-budget, duration and mode against the profile, reference counts and input file sizes, prompt labels bound to
-provided inputs; `generate` also checks the output path. Devices and the attention backend are checked when the
+validator the service shares; its module lists the limits); `generate` also checks the output path. Devices and the attention backend are checked when the
 pipeline is created. The encoders hand their tensors to the core through a validated one-shot `BundleHandoff` (no
 temporary file). The request's steps are functions of the parts they run on (`encode_request`, then
 `EncodedRequest.bundle` for a seed, `vae.decode_latents`), so a front end whose text encoder and VAEs come from
