@@ -84,6 +84,16 @@ _AUX_NAMES = {
     "proj_out": ("proj_out", "final_layer.video_out"),
     "audio_proj_out": ("audio_proj_out", "final_layer.audio_out"),
 }
+# Internal block tensor (read whole) -> (diffusers name, original name), below the block's prefix; the fused QKV and
+# SwiGLU input are assembled from pieces (`SourceWeights._block_sources`).
+_BLOCK_NAMES = {
+    "norm1.weight": ("norm1.weight", "norm1.weight"),
+    "attn.norm_q.weight": ("attn.norm_q.weight", "attn.q_norm.weight"),
+    "attn.norm_k.weight": ("attn.norm_k.weight", "attn.k_norm.weight"),
+    "attn.out.weight": ("attn.to_out.0.weight", "attn.out_proj.weight"),
+    "norm2.weight": ("norm2.weight", "norm2.weight"),
+    "ffn.out.weight": ("ff.net.2.weight", "mlp.fc2.weight"),
+}
 _AUX_NORMS = {
     "norm_out.norm.weight": ("norm_out.norm.weight", "final_layer.norm.weight"),
     "refiner.final_norm.weight": ("token_refiner.final_norm.weight", "token_refiner.final_norm.weight"),
@@ -340,42 +350,24 @@ class SourceWeights:
         inner, d, f = c.inner_dim, c.attention_head_dim, c.ffn_dim
         s = source_prefix
         whole = lambda name: _Source([(name, 0, -1, 0)])
-        if self.layout == "diffusers":
-            table = {
-                "norm1.weight": whole(f"{s}.norm1.weight"),
-                "attn.qkv.weight": _Source(
-                    [(f"{s}.attn.to_{p}.weight", 0, inner, k * inner) for k, p in enumerate("qkv")]
-                ),
-                "attn.norm_q.weight": whole(f"{s}.attn.norm_q.weight"),
-                "attn.norm_k.weight": whole(f"{s}.attn.norm_k.weight"),
-                "attn.out.weight": whole(f"{s}.attn.to_out.0.weight"),
-                "norm2.weight": whole(f"{s}.norm2.weight"),
-                "ffn.in.weight": whole(f"{s}.ff.net.0.proj.weight"),
-                "ffn.out.weight": whole(f"{s}.ff.net.2.weight"),
-            }
-            adaln = f"{s}.adaln_proj.linear"
+        diffusers = self.layout == "diffusers"
+        source = lambda d_name, o_name: f"{s}.{d_name}" if diffusers else self._raw(f"{s}.{o_name}")
+        table = {internal: whole(source(*names)) for internal, names in _BLOCK_NAMES.items()}
+        if diffusers:
+            table["attn.qkv.weight"] = _Source([(f"{s}.attn.to_{p}.weight", 0, inner, k * inner) for k, p in enumerate("qkv")])
+            table["ffn.in.weight"] = whole(f"{s}.ff.net.0.proj.weight")
         else:
             qkv_name = self._raw(f"{s}.attn.qkv_proj.weight")
             if self.qkv_layout == "stacked":
-                qkv = whole(qkv_name)
+                table["attn.qkv.weight"] = whole(qkv_name)
             else:  # per head [q k v] -> [q_all; k_all; v_all]
                 heads = c.num_attention_heads
-                qkv = _Source(
+                table["attn.qkv.weight"] = _Source(
                     [(qkv_name, (h * 3 + k) * d, (h * 3 + k + 1) * d, k * inner + h * d) for h in range(heads) for k in range(3)]
                 )
             fc1 = self._raw(f"{s}.mlp.fc1.weight")
-            table = {
-                "norm1.weight": whole(self._raw(f"{s}.norm1.weight")),
-                "attn.qkv.weight": qkv,
-                "attn.norm_q.weight": whole(self._raw(f"{s}.attn.q_norm.weight")),
-                "attn.norm_k.weight": whole(self._raw(f"{s}.attn.k_norm.weight")),
-                "attn.out.weight": whole(self._raw(f"{s}.attn.out_proj.weight")),
-                "norm2.weight": whole(self._raw(f"{s}.norm2.weight")),
-                # Stored [gate; value]; internal order is [value; gate].
-                "ffn.in.weight": _Source([(fc1, f, 2 * f, 0), (fc1, 0, f, f)]),
-                "ffn.out.weight": whole(self._raw(f"{s}.mlp.fc2.weight")),
-            }
-            adaln = self._raw(f"{s}.adaln_proj.linear")
+            table["ffn.in.weight"] = _Source([(fc1, f, 2 * f, 0), (fc1, 0, f, f)])  # stored [gate; value]; internal [value; gate]
+        adaln = source("adaln_proj.linear", "adaln_proj.linear")
         out = {f"{internal_prefix}.{k}": v for k, v in table.items()}
         if with_adaln:
             out[f"{internal_prefix}.adaln.weight"] = whole(f"{adaln}.weight")
