@@ -227,12 +227,9 @@ class CompiledArtifact:
 
     def read_auxiliary(self) -> tuple[dict[str, torch.Tensor], list[LayerWeights], dict[str, tuple[LoraResidual, ...]]]:
         """(aux tensors, refiner blocks, aux LoRA residuals) of the runtime; no timestep-only tensors."""
-        names = [n for n in aux_shapes(self.config) if not n.startswith(("time_embedder.", "norm_out.linear."))]
-        refiner_shapes = {}
-        for j in range(self.config.num_refiner_layers):
-            refiner_shapes.update(block_shapes(self.config, f"refiner.{j}", with_adaln=False))
-        all_shapes = {**{n: aux_shapes(self.config)[n] for n in names}, **refiner_shapes}
-        self.aux_store.require({k: (v, (torch.bfloat16, torch.float32, torch.float16)) for k, v in all_shapes.items()})
+        names = {n: shape for n, shape in aux_shapes(self.config).items() if not n.startswith(("time_embedder.", "norm_out.linear."))}
+        refiner_shapes = {n: shape for j in range(self.config.num_refiner_layers) for n, shape in block_shapes(self.config, f"refiner.{j}", with_adaln=False).items()}
+        self.aux_store.require({k: (v, (torch.bfloat16, torch.float32, torch.float16)) for k, v in {**names, **refiner_shapes}.items()})
         data = self.aux_store.read(self.aux_store.names)
         records = json.loads(self.aux_store.metadata.get("lora", "[]"))
         refiner = []
