@@ -18,10 +18,11 @@ from pathlib import Path
 
 import torch
 
-from vflash_core import Geometry, build_keyframe_bundle, synthetic
-from vflash_core.bundle import ConditioningBundle
-from vflash_core.compiler import compile_receipt, prepare
-from vflash_core.config import H3Config
+from vflash_core import Geometry, build_keyframe_bundle
+from vflash_core.weights import synthetic
+from vflash_core.engine.bundle import ConditioningBundle
+from vflash_core.weights.compiler import compile_receipt, prepare
+from vflash_core.engine.config import H3Config
 from vflash_core.profiles import Profile
 
 ROOT = Path(__file__).resolve().parent.parent

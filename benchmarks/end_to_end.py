@@ -59,9 +59,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import environment, write_result  # noqa: E402
 from full_family import FULL_FAMILY, SEED, TURBO4_LORA, write_turbo4_lora  # noqa: E402
 
-from vflash_core import synthetic  # noqa: E402
-from vflash_core.config import H3Config  # noqa: E402
-from vflash_core.family import DEMO_FAMILY, FamilySpec, build_model_family  # noqa: E402
+from vflash_core.weights import synthetic  # noqa: E402
+from vflash_core.engine.config import H3Config  # noqa: E402
+from vflash_core.weights.family import DEMO_FAMILY, FamilySpec, build_model_family  # noqa: E402
 
 PROMPT = "A robot dances in the rain on a neon street at night, drums and bass play, the camera slowly pans left."
 REQUEST_SEED = 1234
@@ -200,7 +200,7 @@ class DevicePeak:
 
 def vflash_requests(run: Run, pipe, config_name: str, canvases: list[str], count: int, host: HostPeak, out_dir: Path) -> list[dict]:
     """`count` requests per canvas through `H3Pipeline.generate`, each with its stages and per-stage peaks."""
-    from vflash_core.pipeline import VideoRequest
+    from vflash_core.pipeline.h3_pipeline import VideoRequest
 
     device_peak = DevicePeak(pipe.session.devices if pipe.session is not None else [])
     records = []
@@ -250,8 +250,8 @@ def vflash_requests(run: Run, pipe, config_name: str, canvases: list[str], count
 
 
 def load_pipeline(run: Run, receipt: Path, record: dict, **options):
-    from vflash_core.options import RunOptions
-    from vflash_core.pipeline import H3Pipeline
+    from vflash_core.pipeline.options import RunOptions
+    from vflash_core.pipeline.h3_pipeline import H3Pipeline
 
     pipe = H3Pipeline.from_prepared(receipt, RunOptions(**options))
     start = time.perf_counter()
@@ -318,7 +318,7 @@ def diffusers_pipeline(root: Path, lora: Path, config: H3Config, profile, device
     record["component_bytes"] = sizes
     offload = None
     if device.startswith("cuda"):
-        from vflash_core.memory_plan import denoise_bytes
+        from vflash_core.pipeline.memory_plan import denoise_bytes
 
         free = torch.cuda.mem_get_info(0)[0] + sum(p.numel() * p.element_size() for p in pipe.transformer.parameters())
         need = sum(sizes.values()) + denoise_bytes(config, largest_rows) + (12 << 30)
@@ -344,7 +344,7 @@ def diffusers_request(run: Run, pipe, offload, canvas: str, index: int, host: Ho
     returns its final video and audio latents."""
     from diffusers.modular_pipelines import PipelineState
 
-    from vflash_core.media import write_mp4
+    from vflash_core.media.mp4 import write_mp4
 
     width, height = (int(v) for v in canvas.split("x"))
     kwargs = dict(prompt=PROMPT, num_inference_steps=nfe + 1, generator=torch.Generator().manual_seed(REQUEST_SEED), height=height, width=width, num_frames=124, output_type="pt")
@@ -499,7 +499,7 @@ def main() -> None:
 
     with run.phase("first_use", 240) as rec:
         if rec is not None:
-            from vflash_core.compiler import compile_receipt, prepare
+            from vflash_core.weights.compiler import compile_receipt, prepare
 
             rec["page_cache_dropped"] = drop_page_cache()
             io0, t0 = io_counters(), time.perf_counter()
@@ -520,8 +520,8 @@ def main() -> None:
 
     with run.phase("weight_io", 120) as rec:
         if rec is not None:
-            from vflash_core import weight_io
-            from vflash_core.artifact import CompiledArtifact
+            from vflash_core.weights import weight_io
+            from vflash_core.weights.artifact import CompiledArtifact
 
             artifact = CompiledArtifact(compiled / "artifact", compiled / "schedule", compiled / "auxiliary.safetensors")
             sample = min(5, artifact.config.num_layers)
@@ -573,7 +573,7 @@ def main() -> None:
     receipt = work / "pipeline.json"
     with run.phase("prepare_pipeline", 60) as rec:
         if rec is not None:
-            from vflash_core.pipeline import prepare_pipeline
+            from vflash_core.pipeline.h3_pipeline import prepare_pipeline
 
             assets = {"model_root": str(root), "decoder_root": str(root), "adapter_path": str(lora), "artifact": str(compiled / "artifact"),
                       "schedule_overlay": str(compiled / "schedule"), "auxiliary_tensor": str(compiled / "auxiliary.safetensors")}
@@ -599,7 +599,7 @@ def main() -> None:
     with run.phase("diffusers", 420) as rec:
         if rec is not None:
             from vflash_core import get_profile
-            from vflash_core.memory_plan import largest_request_rows
+            from vflash_core.pipeline.memory_plan import largest_request_rows
 
             nfe = get_profile(profile).nfe
             pipe, offload = diffusers_pipeline(root, lora, config, get_profile(profile), device, largest_request_rows(get_profile(profile), config), rec)
@@ -619,10 +619,10 @@ def main() -> None:
     with run.phase("bitwise", 300) as rec:
         if rec is not None:
             from vflash_core import get_profile
-            from vflash_core.pipeline import VideoRequest
+            from vflash_core.pipeline.h3_pipeline import VideoRequest
 
             if reference_latents is None:  # the timed diffusers phase was skipped: one request of its own
-                from vflash_core.memory_plan import largest_request_rows
+                from vflash_core.pipeline.memory_plan import largest_request_rows
 
                 pipe, offload = diffusers_pipeline(root, lora, config, get_profile(profile), device, largest_request_rows(get_profile(profile), config), rec)
                 try:

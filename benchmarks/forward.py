@@ -35,13 +35,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import PROFILE, attention_flops, attention_tflops, compiled_model, environment, full_width, gemm_tflops, gpu_clocks, linear_flops_per_block, request, write_result  # noqa: E402
 
 from vflash_core import get_profile  # noqa: E402
-from vflash_core.artifact import CompiledArtifact  # noqa: E402
-from vflash_core.attention import resolve_attention  # noqa: E402
-from vflash_core.denoise import Denoiser  # noqa: E402
-from vflash_core import fused  # noqa: E402
-from vflash_core.fused import FusedOps  # noqa: E402
-from vflash_core.profiler import StageTimer  # noqa: E402
-from vflash_core.residency import ResidentBlocks  # noqa: E402
+from vflash_core.weights.artifact import CompiledArtifact  # noqa: E402
+from vflash_core.engine.attention import resolve_attention  # noqa: E402
+from vflash_core.engine.denoise import Denoiser  # noqa: E402
+from vflash_core.engine import fused  # noqa: E402
+from vflash_core.engine.fused import FusedOps  # noqa: E402
+from vflash_core.engine.profiler import StageTimer  # noqa: E402
+from vflash_core.engine.residency import ResidentBlocks  # noqa: E402
 
 STEP = 1
 
@@ -179,7 +179,7 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, default=Path("/tmp/vflash-bench"))
     parser.add_argument("--shapes", nargs="+", default=["960x544", "1344x768"])
     parser.add_argument("--rounds", type=int, default=3, help="(Vflash timing, sustained GEMM rate, sustained attention rate) repeats per shape")
-    parser.add_argument("--fused-norm", choices=("on", "off"), help="override vflash_core.fused.FUSED_NORM_MODULATE for this run")
+    parser.add_argument("--fused-norm", choices=("on", "off"), help="override vflash_core.engine.fused.FUSED_NORM_MODULATE for this run")
     args = parser.parse_args()
     if args.fused_norm is not None:
         fused.FUSED_NORM_MODULATE = args.fused_norm == "on"

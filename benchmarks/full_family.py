@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
-from vflash_core import synthetic
-from vflash_core.config import H3Config
-from vflash_core.family import FamilySpec, build_model_family
+from vflash_core.weights import synthetic
+from vflash_core.engine.config import H3Config
+from vflash_core.weights.family import FamilySpec, build_model_family
 
 SEED = 0
 TURBO4_LORA = "minimax_h3_fl2v_turbo_4step_v1.0_768p_bf16.safetensors"

@@ -4,7 +4,7 @@
     python benchmarks/kernels.py --sizes 19796 --ops swiglu rope
     python benchmarks/kernels.py --sweep-tiles         # also time TARGET_TILE_ELEMENTS in {2048, 4096, 8192}
 
-Baseline provider: each kernel's torch reference in `vflash_core.model` (what the reference path runs). Before timing, every
+Baseline provider: each kernel's torch reference in `vflash_core.engine.model` (what the reference path runs). Before timing, every
 op checks that the kernel equals its reference bit for bit on the benchmark inputs and stops with an error if not;
 the fused `qk_norm_rope` only reports its count of differing elements (it is exact only if the GPU reproduces torch's
 RMSNorm reduction), and its `parity` field says so. Times are medians of `triton.testing.do_bench` (L2 flushed between
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import commit_id  # noqa: E402
 
-from vflash_core import model as reference, parallel  # noqa: E402
+from vflash_core.engine import model as reference, parallel  # noqa: E402
 
 
 def modulate_reference(normed, table, row_index, which="msa", out_dtype=None):

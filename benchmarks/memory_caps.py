@@ -4,7 +4,7 @@
 
 One process on cuda:0 of a two-GPU machine. The full-size random family of `full_family.py` is written the way
 `end_to_end.py` writes it (the transformer source first; once compiled, the text encoder and the VAEs). Under a cap
-every part is placed by the memory plan (`vflash_core.memory_plan`): planned against the cap and enforced through
+every part is placed by the memory plan (`vflash_core.pipeline.memory_plan`): planned against the cap and enforced through
 PyTorch's per-process memory fraction on the device (`DeviceCap`); the uncapped twin is planned against the GPU's
 free memory. Each stage runs on its own (only its parts on the device) and is compared bit for bit with its twin.
 Phases, each recorded as soon as it ends (a run stopped by its deadline keeps what it measured):
@@ -55,10 +55,10 @@ from _common import request as bundle_request  # noqa: E402
 from end_to_end import PROMPT, REQUEST_SEED, DevicePeak, HostPeak, Run, folder_bytes, load_pipeline  # noqa: E402
 from full_family import FULL_FAMILY, SEED, TURBO4_LORA, write_turbo4_lora  # noqa: E402
 
-from vflash_core import synthetic  # noqa: E402
-from vflash_core.config import H3Config  # noqa: E402
+from vflash_core.weights import synthetic  # noqa: E402
+from vflash_core.engine.config import H3Config  # noqa: E402
 from vflash_core.errors import RequestError, RunFailedError  # noqa: E402
-from vflash_core.family import DEMO_FAMILY, FamilySpec, build_model_family  # noqa: E402
+from vflash_core.weights.family import DEMO_FAMILY, FamilySpec, build_model_family  # noqa: E402
 
 SECONDS = {5: 124, 10: 243, 15: 345}  # frames of the 5, 10 and 15 s clips (17 n + 5, at most 15 s)
 I2VA_PROMPT = "The robot from the first frame turns to the camera and waves, rain falling, drums and bass play."
@@ -126,7 +126,7 @@ def _canvas(name: str) -> tuple[int, int]:
 
 def _plan(parts: dict, profile, canvas_rules, device: torch.device, cap: float | None):
     """The memory plan of some parts alone (None on the CPU without a cap, as the pipeline does)."""
-    from vflash_core.memory_plan import PartSizes, cap_bytes, largest_request, plan_memory
+    from vflash_core.pipeline.memory_plan import PartSizes, cap_bytes, largest_request, plan_memory
 
     if device.type != "cuda" and cap is None:
         return None
@@ -135,7 +135,7 @@ def _plan(parts: dict, profile, canvas_rules, device: torch.device, cap: float |
 
 def _cap(device: torch.device, cap: float | None):
     """The cap enforced on the device for a stage run without a session (released by the caller)."""
-    from vflash_core.memory_plan import DeviceCap, cap_bytes
+    from vflash_core.pipeline.memory_plan import DeviceCap, cap_bytes
 
     return DeviceCap(cap_bytes(cap), [device]) if cap is not None and device.type == "cuda" else None
 
@@ -144,7 +144,7 @@ def _cap(device: torch.device, cap: float | None):
 
 
 def denoise_phase(stages: Stages, caps: list[float | None], profile: str, paths: dict[str, Path], config: H3Config, canvas: str, rec: dict) -> None:
-    from vflash_core.session import NativeEngineSession
+    from vflash_core.engine.session import NativeEngineSession
 
     for cap in caps:
         start = time.perf_counter()
@@ -178,8 +178,8 @@ def _raise(exc: BaseException) -> None:
 
 
 def encode_phase(stages: Stages, caps: list[float | None], root: Path, profile, canvas: str) -> None:
-    from vflash_core.conditioning import TextConditioner
-    from vflash_core.references import CanvasRules
+    from vflash_core.media.conditioning import TextConditioner
+    from vflash_core.media.references import CanvasRules
 
     rules = CanvasRules.from_model_root(root)
     conditioner = TextConditioner.from_pretrained(root, stages.device)
@@ -205,11 +205,11 @@ def encode_phase(stages: Stages, caps: list[float | None], root: Path, profile, 
 
 
 def decode_phase(stages: Stages, caps: list[float | None], root: Path, profile, canvas: str) -> None:
-    from vflash_core.layout import Geometry, audio_latent_count
-    from vflash_core.memory_plan import decode_bytes
-    from vflash_core.references import CanvasRules
-    from vflash_core.vae import MediaVAEs
-    from vflash_core.vae_decode import DEFAULT_WINDOWS_PER_CALL
+    from vflash_core.engine.layout import Geometry, audio_latent_count
+    from vflash_core.pipeline.memory_plan import decode_bytes
+    from vflash_core.media.references import CanvasRules
+    from vflash_core.media.vae import MediaVAEs
+    from vflash_core.media.vae_decode import DEFAULT_WINDOWS_PER_CALL
 
     rules = CanvasRules.from_model_root(root)
     vaes = MediaVAEs.from_pretrained(root, stages.device)
@@ -246,7 +246,7 @@ def decode_phase(stages: Stages, caps: list[float | None], root: Path, profile, 
 
 
 def end_to_end_phase(stages: Stages, caps: list[float | None], receipt: Path, canvases: list[str], out_dir: Path) -> None:
-    from vflash_core.pipeline import VideoRequest
+    from vflash_core.pipeline.h3_pipeline import VideoRequest
 
     def same(a: str, b: str) -> bool:
         return a == b
@@ -317,7 +317,7 @@ def main() -> None:
     run.save()
 
     def compile_for(profile: str, out: Path, adapter: Path | None) -> dict[str, Path]:
-        from vflash_core.compiler import compile_receipt, prepare
+        from vflash_core.weights.compiler import compile_receipt, prepare
 
         receipt = work / f"{profile}-receipt.json"
         prepare(profile, transformer, receipt, adapter=adapter)
@@ -355,7 +355,7 @@ def main() -> None:
         if rec is not None:
             import json
 
-            from vflash_core.pipeline import prepare_pipeline
+            from vflash_core.pipeline.h3_pipeline import prepare_pipeline
 
             build_model_family(root, spec, SEED, with_ref=False, parts=("text", "vaes", "index"), device=str(device), write_workers=8)
             rec["bytes"] = {p: folder_bytes(root / p) for p in ("text_encoder", "vae", "audio_vae")}

@@ -1,6 +1,6 @@
 """`@triton.jit` helpers of the FP8 activation quantizers: per-row absmax scale and fp32 -> E4M3 codes.
 
-The rule (the torch reference is `vflash_core.fp8.quantize_rows`): for a row r of fp32 values,
+The rule (the torch reference is `vflash_core.engine.fp8.quantize_rows`): for a row r of fp32 values,
 
     amax[r]  = max |y[r, c]|                                   exact
     scale[r] = amax[r] / 448   (IEEE division), 1 for a zero row (its codes are then 0)

@@ -158,7 +158,7 @@ def check_device(*tensors: torch.Tensor) -> None:
     device = devices.pop()
     if device.type != "cuda" and not INTERPRET:
         raise ValueError(
-            f"vflash_kernels ops run on CUDA tensors (got {device}); on the CPU use the torch reference in `vflash_core.model` "
+            f"vflash_kernels ops run on CUDA tensors (got {device}); on the CPU use the torch reference in `vflash_core.engine.model` "
             "each op, or set TRITON_INTERPRET=1 before importing vflash_kernels to run the kernels in Triton's interpreter"
         )
 

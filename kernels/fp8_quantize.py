@@ -1,7 +1,7 @@
 """Per-row FP8 (E4M3) activation quantizers, alone and fused into the kernels that produce the block's activations.
 
 An approximate path's operands (the exact path never calls these): the input of each block linear is quantized per
-row to E4M3 codes with one FP32 scale per row (`_fp8`'s rule; torch reference `vflash_core.fp8.quantize_rows`):
+row to E4M3 codes with one FP32 scale per row (`_fp8`'s rule; torch reference `vflash_core.engine.fp8.quantize_rows`):
 
 | op                            | reference (torch)                                                         |
 |-------------------------------|---------------------------------------------------------------------------|

@@ -1,6 +1,6 @@
 """Gated residual update: `x + gate[row] * y`, gathering the gate rows of the AdaLN table in-kernel.
 
-Reference: `vflash_core.model.gated_residual` (`x + gate * y` after each sublayer of `main_block`): the product rounds,
+Reference: `vflash_core.engine.model.gated_residual` (`x + gate * y` after each sublayer of `main_block`): the product rounds,
 then the sum; no tanh, no clamp on the gate.
 """
 

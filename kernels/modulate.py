@@ -1,6 +1,6 @@
 """AdaLN modulation after the RMSNorm: `normed * (1 + scale[row]) + shift[row]`, gathering the table rows in-kernel.
 
-Reference: `vflash_core.model.modulate` (`h * (1.0 + scale) + shift`, rows of `table.chunk(6, -1)` for the blocks,
+Reference: `vflash_core.engine.model.modulate` (`h * (1.0 + scale) + shift`, rows of `table.chunk(6, -1)` for the blocks,
 of the (T, 2H) [shift | scale] `norm_out` table indexed by timestep for the output heads, then `.to(float32)`). The RMSNorm itself stays in torch (`F.rms_norm`): its CUDA reduction order
 for H = 5376 cannot be reproduced bit for bit.
 """

@@ -1,6 +1,6 @@
 """Head relayouts around the sequence-head (Ulysses) all-to-alls: `pack_heads` before the exchange, `merge_heads` after.
 
-Reference: `vflash_core.parallel.pack_heads_reference` / `merge_heads_reference`, called by `SequenceHeadAttention`.
+Reference: `vflash_core.engine.parallel.pack_heads_reference` / `merge_heads_reference`, called by `SequenceHeadAttention`.
 Each of P ranks holds S_r rows of all heads = P * Hp heads of D channels; rank j attends heads [j*Hp, (j+1)*Hp).
 
 * pack:  x (S_r, heads, D) -> destination-major (P, S_r, Hp, D),  out[j, s, h, d] = x[s, j*Hp + h, d]
@@ -108,7 +108,7 @@ def pack_heads(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         fused QKV GEMM output with row stride 3 * heads * D).
     out: (P, S_r, Hp, D) of x's dtype, any strides (contiguous when it is the all-to-all's send buffer), not
         overlapping x. P is read from out.shape[0] and must divide heads.
-    Returns out (the signature of `vflash_core.parallel.pack_heads_reference`).
+    Returns out (the signature of `vflash_core.engine.parallel.pack_heads_reference`).
     """
     if x.dim() != 3 or out.dim() != 4:
         raise ValueError(f"x must be (S_r, heads, D) and out (P, S_r, heads/P, D), got {tuple(x.shape)} and {tuple(out.shape)}")
@@ -129,7 +129,7 @@ def merge_heads(received: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
     received: (P, S_r, Hp, D), bf16/fp16/fp32, any strides (contiguous: the all-to-all's receive buffer), P >= 1.
     out: (S_r, P * Hp, D) of received's dtype, any strides (a view is written in place), not overlapping received.
-    Returns out (the signature of `vflash_core.parallel.merge_heads_reference`).
+    Returns out (the signature of `vflash_core.engine.parallel.merge_heads_reference`).
     """
     if received.dim() != 4 or out.dim() != 3:
         raise ValueError(f"received must be (P, S_r, Hp, D) and out (S_r, P*Hp, D), got {tuple(received.shape)} and {tuple(out.shape)}")

@@ -1,6 +1,6 @@
 """RMSNorm fused with the AdaLN modulation: `modulate(F.rms_norm(x, (H,), w, eps), table, row_index, which)` in one pass.
 
-Reference: `vflash_core.model.rms_norm_modulate` (`F.rms_norm`, then `modulate`), used by `main_block` before each
+Reference: `vflash_core.engine.model.rms_norm_modulate` (`F.rms_norm`, then `modulate`), used by `main_block` before each
 sublayer and by `output_heads`. The (S, H) normalised tensor is never written: the
 kernel saves one write and one read of it per norm against `F.rms_norm` followed by `modulate`.
 

@@ -1,6 +1,6 @@
 """Partial rotary embedding on q and k, alone (`rope`) or fused with the per-head QK RMSNorm (`qk_norm_rope`).
 
-Reference: `vflash_core.model.rope` / `qk_norm_rope` (per-head `F.rms_norm` of q and k, then rotary). Rotate-half over the
+Reference: `vflash_core.engine.model.rope` / `qk_norm_rope` (per-head `F.rms_norm` of q and k, then rotary). Rotate-half over the
 first R channels of each D-channel head (R = 96 of 128 in the released model), pairs (i, i + R/2); channels >= R pass
 through. cos/sin are the (S, R) fp32 tables rounded to bf16 *before* use. Both ops write q and k as contiguous
 (1, S, heads, D): the layout FA3 (`[B, N, H, D]`) and SDPA-on-permuted-views take.

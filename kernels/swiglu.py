@@ -1,6 +1,6 @@
 """SwiGLU of the feed-forward: `value * silu(gate)` on the fused [value | gate] input projection.
 
-Reference: `vflash_core.model.swiglu` (`value, gate = p.chunk(2, dim=-1)`; `value * F.silu(gate)`). diffusers'
+Reference: `vflash_core.engine.model.swiglu` (`value, gate = p.chunk(2, dim=-1)`; `value * F.silu(gate)`). diffusers'
 `ff.net.0.proj` is [value; gate]: the first half is the value (the original checkpoint's `mlp.fc1` is [gate; value]).
 """
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from . import ops
-from vflash_core.attention import BACKENDS
+from vflash_core.engine.attention import BACKENDS
 
 from .host import FOLDERS, HOST
 from .registry import ENGINES

@@ -2,7 +2,7 @@
 these functions, so a workflow behaves the same in ComfyUI and headless.
 
 A node operation takes plain values (widget values, core tensors, the specs other nodes returned), makes the engine
-calls, and returns plain values. A request is checked by `vflash_core.validation`'s checks and runs the pipeline's
+calls, and returns plain values. A request is checked by `vflash_core.pipeline.validation`'s checks and runs the pipeline's
 own steps (`pipeline.encode_request`, `EncodedRequest.bundle`, `vae.decode_latents`) on the engines the loader nodes
 gave. Everything host-specific comes in through two small interfaces:
 
@@ -31,9 +31,9 @@ from typing import Any, Protocol
 import torch
 
 from . import comfy_latent as cl
-from vflash_core.options import STRATEGIES, WEIGHT_RESIDENCIES
+from vflash_core.pipeline.options import STRATEGIES, WEIGHT_RESIDENCIES
 from vflash_core.errors import RequestError, VflashError, WeightFileError
-from vflash_core.layout import FPS, Geometry, align_num_frames, frames_for_duration
+from vflash_core.engine.layout import FPS, Geometry, align_num_frames, frames_for_duration
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ _h3_file_cache: dict[tuple[str, int, int], bool] = {}
 
 def is_h3_transformer_file(path: str | Path) -> bool:
     """True when a .safetensors file's header names H3 transformer tensors (reads the header only, cached)."""
-    from vflash_core.tensor_store import TensorStore
+    from vflash_core.weights.tensor_store import TensorStore
 
     path = Path(path)
     stat = path.stat()
@@ -293,8 +293,8 @@ def resolve_device(host: Host, device: str) -> str:
 
 def request_geometry(width: int, height: int, length: int, seconds: float) -> Geometry:
     """Canvas and snapped frame count of the widget values (seconds > 0 overrides length)."""
-    from vflash_core.references import CanvasRules
-    from vflash_core.validation import check_canvas_size
+    from vflash_core.media.references import CanvasRules
+    from vflash_core.pipeline.validation import check_canvas_size
 
     check_canvas_size(int(height), int(width), CanvasRules())  # at most the released model's canvas, before any model loads
     if seconds and not math.isfinite(float(seconds) * FPS):  # before the frame count becomes an integer
@@ -354,7 +354,7 @@ def _receipt_entries(folders: Folders) -> list[str]:
 
 
 def _demo_receipt(host: Host | None) -> Path:
-    from vflash_core.demo import ensure_demo_assets
+    from vflash_core.pipeline.demo import ensure_demo_assets
 
     bar = None if host is None else _StageProgress(host)
     return ensure_demo_assets(progress=bar)
@@ -384,7 +384,7 @@ def _progress(host: Host) -> Callable[[int, int], None]:
 
 def _compiled_dir(root: Path, profile: Any, folders: Folders) -> Path:
     """Where official weights are compiled for a profile on first use: models/vflash/compiled/<name>-<profile>."""
-    from vflash_core.demo import default_cache_dir
+    from vflash_core.pipeline.demo import default_cache_dir
 
     bases = [Path(p) for p in folders.folders("vflash")]
     base = bases[0] if bases else default_cache_dir()
@@ -393,8 +393,8 @@ def _compiled_dir(root: Path, profile: Any, folders: Folders) -> Path:
 
 def resolve_model(host: Host | None, spec: ModelSpec) -> ResolvedModel:
     """Resolve (and on first use, prepare and compile) the transformer of a spec; raises `VflashError`."""
-    from vflash_core.artifact import CompiledArtifact
-    from vflash_core.pipeline import PreparedAssets
+    from vflash_core.weights.artifact import CompiledArtifact
+    from vflash_core.pipeline.h3_pipeline import PreparedAssets
     from vflash_core.profiles import get_profile
 
     def pick(recorded: str, what: str):
@@ -424,7 +424,7 @@ def resolve_model(host: Host | None, spec: ModelSpec) -> ResolvedModel:
         raise VflashError(f"profile {profile.id} binds its LoRA at strength {profile.adapter.strength:g}; the chain asks {spec.loras[0].strength:g}")
     out = Path(spec.compile_dir)
     if not (out / "artifact" / "manifest.json").is_file():
-        from vflash_core.compiler import compile_receipt, prepare
+        from vflash_core.weights.compiler import compile_receipt, prepare
 
         # One bar per step (hash, verify, compile), advanced per file or block; an interrupt between two of them
         # abandons the step and publishes nothing (the receipt and the compiled folder are written atomically).
@@ -444,7 +444,7 @@ def resolve_model(host: Host | None, spec: ModelSpec) -> ResolvedModel:
 
 def component_root(host: Host | None, spec: ComponentSpec) -> Path:
     """The model root a text encoder ("te") or VAE pair ("vae") spec loads from."""
-    from vflash_core.pipeline import PreparedAssets
+    from vflash_core.pipeline.h3_pipeline import PreparedAssets
 
     if spec.source == DEMO:
         assets = PreparedAssets.load(_demo_receipt(host))
@@ -473,15 +473,15 @@ def recorded_profile(model: str, path: str, profile: str):
     if profile != "auto":
         return get_profile(profile)
     if model == DEMO:
-        from vflash_core.demo import DEMO_PROFILE
+        from vflash_core.pipeline.demo import DEMO_PROFILE
 
         return get_profile(DEMO_PROFILE)
     if model.endswith(".json"):
-        from vflash_core.pipeline import PreparedAssets
+        from vflash_core.pipeline.h3_pipeline import PreparedAssets
 
         return PreparedAssets.load(path).profile
     if model.startswith("vflash/"):
-        from vflash_core.artifact import CompiledArtifact
+        from vflash_core.weights.artifact import CompiledArtifact
 
         p = Path(path)
         return get_profile(CompiledArtifact(p / "artifact", p / "schedule", p / "auxiliary.safetensors").profile_id)
@@ -536,7 +536,7 @@ def check_loader(host: Host, folders: Folders, model: str, profile: str, weight_
                  peer_device: str, strategy: str, attention_backend: str) -> tuple[str, str, str | None]:
     """Every check of the model loader that needs no model work: option values, the model option, the profile,
     the devices' existence and architecture vs the profile. Returns (resolved path, device, peer device)."""
-    from vflash_core.attention import BACKENDS
+    from vflash_core.engine.attention import BACKENDS
     from vflash_core.profiles import PROFILES
 
     for name, value, allowed in (("weight_residency", weight_residency, WEIGHT_RESIDENCIES), ("strategy", strategy, STRATEGIES),
@@ -550,7 +550,7 @@ def check_loader(host: Host, folders: Folders, model: str, profile: str, weight_
     if chosen is None and model.startswith(("diffusers/", "diffusion_models/")):
         raise VflashError(f"{model} holds official weights; choose the profile to compile them for (e.g. {ordered_profiles()[1]})")
     if chosen is not None and model.startswith(("diffusers/", "diffusion_models/")):
-        from vflash_core.checkpoint import SourceWeights
+        from vflash_core.weights.checkpoint import SourceWeights
 
         # The file's form (header and scales only): quantized formats without an exact dequantization are refused, and
         # a pruned file pairs only with a -pruned profile.
@@ -574,7 +574,7 @@ def _linked(value: Any) -> bool:
 
 def encode_mode(inputs: Mapping[str, Any]) -> str:
     """The mode a VflashEncode node of an API prompt encodes, from which of its inputs are given (no values needed)."""
-    from vflash_core.validation import request_mode
+    from vflash_core.pipeline.validation import request_mode
 
     given = {name for name, value in inputs.items() if value is not None}
     references = any(name.split(".")[0] in ("ref_images", "ref_videos", "ref_audios") for name in given)
@@ -668,7 +668,7 @@ def model_spec(host: Host, folders: Folders, model: str, profile: str, weight_re
 
 
 def _load_session(registry: EngineRegistry, host: Host, spec: ModelSpec):
-    from vflash_core.session import NativeEngineSession
+    from vflash_core.engine.session import NativeEngineSession
 
     def factory():
         host.free_memory()
@@ -693,8 +693,8 @@ def load_model(registry: EngineRegistry, host: Host, folders: Folders, model: st
 
 
 def _load_component(registry: EngineRegistry, host: Host, spec: ComponentSpec):
-    from vflash_core.conditioning import TextConditioner
-    from vflash_core.vae import MediaVAEs
+    from vflash_core.media.conditioning import TextConditioner
+    from vflash_core.media.vae import MediaVAEs
 
     def factory():
         host.free_memory()
@@ -756,7 +756,7 @@ class CoreTextConditioner:
     """
 
     def __init__(self, clip: Any, canvas: Any = None):
-        from vflash_core.references import CanvasRules
+        from vflash_core.media.references import CanvasRules
 
         self.clip = clip
         self.canvas = canvas or CanvasRules()
@@ -764,7 +764,7 @@ class CoreTextConditioner:
     def _ref_items(self, references: list) -> list[dict[str, Any]]:
         import numpy as np
 
-        from vflash_core.conditioning import sample_video_frames
+        from vflash_core.media.conditioning import sample_video_frames
 
         items: list[dict[str, Any]] = []
         for ref in references:
@@ -779,7 +779,7 @@ class CoreTextConditioner:
 
     @torch.no_grad()
     def encode(self, prompt: str, keyframes: list | None = None, references: list | None = None):
-        from vflash_core.conditioning import TextConditioning
+        from vflash_core.media.conditioning import TextConditioning
 
         if references:
             tokens = self.clip.tokenize(prompt, minimax_ref_items=self._ref_items(references))
@@ -926,8 +926,8 @@ def encode(registry: EngineRegistry, host: Host, te: Any, vae: Any, prompt: str,
     a `pipeline.EncodedRequest`), the empty latent of its canvas and its frame count."""
     from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3AudioReference, MiniMaxH3ImageReference, MiniMaxH3VideoReference
 
-    from vflash_core.pipeline import encode_request
-    from vflash_core.validation import check_labels, check_prompt, check_reference_counts, request_mode
+    from vflash_core.pipeline.h3_pipeline import encode_request
+    from vflash_core.pipeline.validation import check_labels, check_prompt, check_reference_counts, request_mode
 
     check_prompt(prompt)
     geometry = request_geometry(width, height, length, seconds)
@@ -977,7 +977,7 @@ def sample(registry: EngineRegistry, host: Host, model: ModelSpec, cond: Any, la
            force_offload: bool = False, profile_denoise: bool = False) -> dict[str, Any]:
     """VflashSampler: the profile's fixed schedule from the seed's noise on VflashEncode's `pipeline.EncodedRequest`;
     returns core's H3 AV latent."""
-    from vflash_core.validation import check_seed
+    from vflash_core.pipeline.validation import check_seed
 
     check_seed(seed)
     target = cl.from_comfy_latent(latent)
@@ -1040,8 +1040,8 @@ def sample(registry: EngineRegistry, host: Host, model: ModelSpec, cond: Any, la
 def decode(registry: EngineRegistry, host: Host, vae: Any, latent: dict[str, Any], audio_vae: Any = None) -> tuple[torch.Tensor, dict[str, Any], Any]:
     """VflashDecode: frames (IMAGE batch), stereo AUDIO trimmed to the video's length, and a VIDEO at 24 fps.
     `vae` is a Vflash VAE pair spec, or core's H3 video VAE with core's audio VAE in `audio_vae`."""
-    from vflash_core.pipeline import delivered_soundtrack
-    from vflash_core.vae import decode_latents
+    from vflash_core.pipeline.h3_pipeline import delivered_soundtrack
+    from vflash_core.media.vae import decode_latents
 
     av = cl.from_comfy_latent(latent)
     vaes = _vae_pair(registry, host, vae, audio_vae)

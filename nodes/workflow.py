@@ -326,7 +326,7 @@ def _validator(own: Callable[..., Any] | None) -> Callable[..., Any]:
     """Constant inputs checked before anything runs: a prompt and a seed as the Vflash nodes check them when they run
     (headless, nothing refuses a seed outside its widget's range when the graph is queued), then the node's own
     `validate_inputs` with the inputs its signature names."""
-    from vflash_core.validation import check_prompt, check_seed
+    from vflash_core.pipeline.validation import check_prompt, check_seed
 
     accepted = inspect.signature(own).parameters if own is not None else {}
 

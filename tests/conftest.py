@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from vflash_core import synthetic
-from vflash_core.compiler import compile_receipt, prepare
-from vflash_core.config import H3Config
+from vflash_core.weights import synthetic
+from vflash_core.weights.compiler import compile_receipt, prepare
+from vflash_core.engine.config import H3Config
 from vflash_core.profiles import Profile, get_profile
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -114,7 +114,7 @@ def assert_bitwise(actual: torch.Tensor, expected: torch.Tensor, what: str = "")
 @pytest.fixture(scope="session")
 def h3_family(tmp_path_factory) -> Path:
     """The embedded demo's family (Qwen3-VL with 52 layers, both VAEs, both transformer partitions), built once."""
-    from vflash_core.family import DEMO_FAMILY, build_model_family
+    from vflash_core.weights.family import DEMO_FAMILY, build_model_family
 
     return build_model_family(tmp_path_factory.mktemp("family") / "model", DEMO_FAMILY, seed=0, with_ref=True)
 
@@ -123,7 +123,7 @@ def prepare_family(tmp: Path, family: Path, profile: str, partition: str) -> Pat
     """Compile one transformer partition of `family` for `profile`, write the six-field assets file, prepare."""
     import json
 
-    from vflash_core.pipeline import prepare_pipeline
+    from vflash_core.pipeline.h3_pipeline import prepare_pipeline
 
     compiled = compile_tiny(tmp, family / partition, profile)
     assets = {

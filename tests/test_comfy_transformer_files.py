@@ -12,10 +12,11 @@ import torch
 from conftest import TINY, assert_bitwise, compile_tiny, cpu_profile
 from safetensors.torch import load_file, save_file
 
-from vflash_core import Geometry, NativeEngineSession, build_keyframe_bundle, synthetic
-from vflash_core import model as M
-from vflash_core.artifact import CompiledArtifact
-from vflash_core.checkpoint import SourceWeights
+from vflash_core import Geometry, NativeEngineSession, build_keyframe_bundle
+from vflash_core.weights import synthetic
+from vflash_core.engine import model as M
+from vflash_core.weights.artifact import CompiledArtifact
+from vflash_core.weights.checkpoint import SourceWeights
 from vflash_core.errors import IdentityMismatchError, WeightFileError
 from vflash_core.profiles import AdapterSpec
 
@@ -201,7 +202,7 @@ def test_fp8_scaled_file_is_exact_for_its_weights(tmp_path, base_weights):
 
 
 def test_pruned_files_and_pruned_profiles_pair_only_with_each_other(tmp_path, pruned_file, full_file):
-    from vflash_core.compiler import prepare
+    from vflash_core.weights.compiler import prepare
 
     with pytest.raises(IdentityMismatchError, match=r"pruned file .* only for a -pruned profile .* t2va-base4-pruned-cpu"):
         prepare("t2va-base4-exact-cpu", pruned_file, tmp_path / "a.json")
@@ -253,7 +254,7 @@ def comfy_files(pack):
     import importlib
     from pathlib import Path
 
-    from vflash_core.config import H3Config
+    from vflash_core.engine.config import H3Config
 
     folder = Path(importlib.import_module("folder_paths").models_dir) / "diffusion_models"
     folder.mkdir(parents=True, exist_ok=True)

@@ -40,8 +40,8 @@ def write_small_family(root: Path, models: Path) -> None:
     VAEs in Comfy-Org's formats, written by core's own modules (`small_core.py`, run with ComfyUI's Python)."""
     from dataclasses import replace
 
-    from vflash_core import synthetic
-    from vflash_core.config import H3Config
+    from vflash_core.weights import synthetic
+    from vflash_core.engine.config import H3Config
 
     config = replace(H3Config.preset("demo"), in_channels=24, audio_in_channels=32)
     synthetic.write_original_transformer(models / "diffusion_models" / SMALL_DIT, config, synthetic.random_internal_weights(config, seed=6))
@@ -218,7 +218,7 @@ def test_ui_workflows_are_listed_as_templates(server):
     ("t2va_core_save", {**SMALL, "10": {"width": 128, "height": 128}}),
 ])
 def test_workflow_on_the_server(server, tmp_path, name, changes):
-    from vflash_core.media import probe_mp4
+    from vflash_core.media.mp4 import probe_mp4
 
     result = asyncio.run(server.run_prompt(_workflow(name, changes)))
     assert result["status"] == "success", f"{result}\n{server.tail()}"
@@ -259,8 +259,8 @@ def test_sm90_profile_on_cpu_is_refused_at_validation_before_any_model_loads(ser
     (HTTP 400 naming the loader), nothing executes, and no receipt or compiled folder is written."""
     from safetensors.torch import save_file
 
-    from vflash_core import synthetic
-    from vflash_core.config import H3Config
+    from vflash_core.weights import synthetic
+    from vflash_core.engine.config import H3Config
 
     models = server.work / "models"
     (models / "diffusion_models").mkdir(parents=True, exist_ok=True)
@@ -311,7 +311,7 @@ def test_core_clip_and_vae_loaders_drive_the_vflash_sampler_to_mp4(server, tmp_p
     """The new template's graph: core CLIPLoader (type minimax) reads the Qwen3-VL file from text_encoders/, two core
     VAELoaders read the video and audio VAE files from vae/, Vflash compiles and runs the single-file transformer; with
     a first frame, core's vision tower and core's video VAE encode it. The MP4 has the clip's frames and soundtrack."""
-    from vflash_core.media import probe_mp4
+    from vflash_core.media.mp4 import probe_mp4
 
     workflow = json.loads((API / "t2va_core_loaders.json").read_text())
     workflow["1"]["inputs"].update(model=f"diffusion_models/{SMALL_DIT}", profile="t2va-base4-exact-cpu")
@@ -381,9 +381,9 @@ def test_comfy_org_transformer_file_through_the_model_loader(server, tmp_path, f
     encoder and VAEs: the Vflash loader compiles it on first use and the graph runs to an MP4."""
     from dataclasses import replace
 
-    from vflash_core import synthetic
-    from vflash_core.config import H3Config
-    from vflash_core.media import probe_mp4
+    from vflash_core.weights import synthetic
+    from vflash_core.engine.config import H3Config
+    from vflash_core.media.mp4 import probe_mp4
 
     config = replace(H3Config.preset("demo"), in_channels=24, audio_in_channels=32)
     weights = synthetic.random_internal_weights(config, seed=6)
@@ -413,8 +413,8 @@ def test_int8_convrot_file_is_refused_when_queued(server):
     import torch
     from safetensors.torch import save_file
 
-    from vflash_core import synthetic
-    from vflash_core.config import H3Config
+    from vflash_core.weights import synthetic
+    from vflash_core.engine.config import H3Config
 
     tiny = H3Config.preset("tiny")
     state = synthetic.to_original_names(synthetic.random_internal_weights(tiny, seed=2), tiny)

@@ -10,9 +10,10 @@ from unittest import mock
 import pytest
 from conftest import TINY, compile_tiny, cpu_profile
 
-from vflash_core import NativeEngineSession, synthetic
-from vflash_core.artifact import CompiledArtifact
-from vflash_core.compiler import compile_receipt, prepare
+from vflash_core import NativeEngineSession
+from vflash_core.weights import synthetic
+from vflash_core.weights.artifact import CompiledArtifact
+from vflash_core.weights.compiler import compile_receipt, prepare
 from vflash_core.errors import IdentityMismatchError, VflashError, WeightFileError
 from vflash_core.profiles import AdapterSpec
 
@@ -57,7 +58,7 @@ def test_compile_hashes_each_source_byte_once(tmp_path, tiny_weights):
     """Files whose size and mtime are still the ones prepare recorded are trusted; a touched file is re-hashed."""
     import os
 
-    from vflash_core import compiler
+    from vflash_core.weights import compiler
 
     folder = synthetic.write_diffusers_transformer(tmp_path / "t", TINY, tiny_weights, max_shard_bytes=40_000)
     prepare("t2va-base4-exact-cpu", folder, tmp_path / "r.json")
@@ -76,7 +77,7 @@ def test_compile_hashes_each_source_byte_once(tmp_path, tiny_weights):
 
 def test_interrupted_compile_leaves_nothing_that_loads(tmp_path, tiny_transformer):
     prepare("t2va-base4-exact-cpu", tiny_transformer, tmp_path / "r.json")
-    with mock.patch("vflash_core.compiler._save_hashed", side_effect=[None, None, KeyboardInterrupt]):
+    with mock.patch("vflash_core.weights.compiler._save_hashed", side_effect=[None, None, KeyboardInterrupt]):
         with pytest.raises(KeyboardInterrupt):
             compile_receipt(tmp_path / "r.json", tmp_path / "out")
     assert not (tmp_path / "out").exists()
@@ -140,7 +141,7 @@ def test_compile_removes_what_a_killed_compile_left(tmp_path, tiny_transformer):
 
 
 def test_verify_finds_a_flipped_byte(tmp_path, tiny_transformer, capsys):
-    from vflash_core.compiler import main
+    from vflash_core.weights.compiler import main
 
     prepare("t2va-base4-exact-cpu", tiny_transformer, tmp_path / "r.json")
     compile_receipt(tmp_path / "r.json", tmp_path / "out")
@@ -206,8 +207,8 @@ def test_mode_not_in_profile_is_refused(tmp_path, tiny_transformer):
 def test_pipeline_verify_weights_refuses_a_corrupt_compile_before_loading(tmp_path, h3_family):
     from conftest import prepare_family
 
-    from vflash_core.options import RunOptions
-    from vflash_core.pipeline import H3Pipeline
+    from vflash_core.pipeline.options import RunOptions
+    from vflash_core.pipeline.h3_pipeline import H3Pipeline
 
     receipt = prepare_family(tmp_path, h3_family, "t2va-base4-exact-cpu", "transformer")
     block = tmp_path / "compiled" / "artifact" / "block_000.safetensors"

@@ -7,7 +7,7 @@ import torch
 from PIL import Image
 
 from conftest import assert_bitwise
-from vflash_core.conditioning import TEXT_ENCODER_LAYER, TextConditioner
+from vflash_core.media.conditioning import TEXT_ENCODER_LAYER, TextConditioner
 
 
 def test_pruned_encoder_equals_the_full_encoder_bit_for_bit(h3_family):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from vflash_core.device_owner import SerialDeviceOwner
+from vflash_core.pipeline.device_owner import SerialDeviceOwner
 
 
 class _Part(SerialDeviceOwner):
@@ -82,7 +82,7 @@ def _file_mapped_ranges() -> list[tuple[int, int]]:
 
 def test_prepared_pipeline_holds_no_weights_mapped_from_their_files(h3_prepared):
     """transformers leaves the text encoder memory-mapped; the pipeline reads it at load instead of in the first request."""
-    from vflash_core.pipeline import H3Pipeline
+    from vflash_core.pipeline.h3_pipeline import H3Pipeline
 
     with H3Pipeline.from_prepared(h3_prepared) as pipeline:
         pipeline.load()

@@ -9,8 +9,8 @@ import torch
 from PIL import Image
 
 from conftest import assert_bitwise
-from vflash_core import residency as R
-from vflash_core.conditioning import TextConditioner
+from vflash_core.engine import residency as R
+from vflash_core.media.conditioning import TextConditioner
 
 PROMPT = "A robot dances in the rain."
 

@@ -1,4 +1,4 @@
-"""The approximate FP8 execution (`vflash_core.fp8`) and its Triton activation quantizers (`vflash_kernels.fp8_quantize`).
+"""The approximate FP8 execution (`vflash_core.engine.fp8`) and its Triton activation quantizers (`vflash_kernels.fp8_quantize`).
 
 CPU, kernels: in Triton's interpreter (test_kernels.py's private interpreted copy of the package, see its docstring),
 each quantizer's codes (compared as bytes) and scales equal its torch reference bit for bit: `fp8.quantize_rows` of
@@ -33,8 +33,8 @@ import triton.language as tl
 from test_kernels import FFN, H_FULL, S_CPU, S_GPU, TILES, _table, assert_bitwise, configure, generator, randn, strided
 from triton.runtime.interpreter import InterpretedFunction
 
-from vflash_core import fp8
-from vflash_core import model as reference
+from vflash_core.engine import fp8
+from vflash_core.engine import model as reference
 from vflash_core.errors import VflashError
 
 interp = test_kernels.interp
@@ -428,7 +428,7 @@ def test_w8a8_gpu(gpu, request):
 
 
 def test_fp8_attention_is_refused_outside_fp8_profiles():
-    from vflash_core.attention import resolve_attention
+    from vflash_core.engine.attention import resolve_attention
 
     with pytest.raises(VflashError, match="approximate .FP8 attention.: it runs only with an FP8 profile"):
         resolve_attention("fa3-fp8", torch.device("cpu"))
@@ -456,7 +456,7 @@ def _fake_fa3(monkeypatch, build_flags: dict, with_descale: bool = True) -> list
 
 
 def test_fp8_attention_probe_refuses_builds_without_fp8(monkeypatch):
-    from vflash_core import attention
+    from vflash_core.engine import attention
 
     _fake_fa3(monkeypatch, {"FLASHATTENTION_DISABLE_FP8": True})
     with pytest.raises(VflashError, match="built without FP8 kernels"):
@@ -470,7 +470,7 @@ def test_fp8_attention_probe_refuses_builds_without_fp8(monkeypatch):
 
 
 def test_fp8_attention_hands_e4m3_heads_and_descales(monkeypatch, request):
-    from vflash_core import attention
+    from vflash_core.engine import attention
 
     calls = _fake_fa3(monkeypatch, {"FLASHATTENTION_DISABLE_FP8": False})
     g = generator(request)
@@ -489,7 +489,7 @@ def test_fp8_attention_gpu(gpu, request):
     """fa3-fp8 on (1, 19,796, 56, 128), or its refusal's reason. Its error against exact FA3 is printed; what it adds
     beyond the E4M3 rounding of q, k and v (exact FA3 on the dequantized operands) is only the kernel's E4M3 rounding
     of the softmax weights, each within 2^-4 relative and independent, so the outputs agree to a few percent."""
-    from vflash_core.attention import resolve_attention
+    from vflash_core.engine.attention import resolve_attention
 
     device = torch.device("cuda:0")
     try:

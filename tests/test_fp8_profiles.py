@@ -16,16 +16,16 @@ from dataclasses import replace
 from conftest import TINY, assert_bitwise, compile_tiny
 from test_schedule_layout_bundle import _bundle
 
-from vflash_core import fp8
-from vflash_core.artifact import CompiledArtifact
-from vflash_core.denoise import Denoiser
+from vflash_core.engine import fp8
+from vflash_core.weights.artifact import CompiledArtifact
+from vflash_core.engine.denoise import Denoiser
 from vflash_core.errors import IdentityMismatchError, VflashError
 from vflash_core.formats import ARTIFACT_FORMAT, ARTIFACT_FP8_FORMAT
-from vflash_core.model import BlockOps, LayerWeights, RowScaledWeight, sdpa_attention
-from vflash_core.profiler import NO_TIMER
+from vflash_core.engine.model import BlockOps, LayerWeights, RowScaledWeight, sdpa_attention
+from vflash_core.engine.profiler import NO_TIMER
 from vflash_core.profiles import PROFILES, get_profile
-from vflash_core.residency import BlockArena, BlockRing, BlockSource, ResidentBlocks
-from vflash_core.session import NativeEngineSession
+from vflash_core.engine.residency import BlockArena, BlockRing, BlockSource, ResidentBlocks
+from vflash_core.engine.session import NativeEngineSession
 
 FP8_CPU = "t2va-base4-fp8-cpu"
 CPU = torch.device("cpu")
@@ -174,11 +174,11 @@ CHILD = r"""
 import json, sys, torch
 sys.path.insert(0, sys.argv[1])
 from test_schedule_layout_bundle import _bundle
-from vflash_core import fp8
-from vflash_core.artifact import CompiledArtifact
-from vflash_core.denoise import Denoiser
-from vflash_core.model import sdpa_attention
-from vflash_core.residency import ResidentBlocks
+from vflash_core.engine import fp8
+from vflash_core.weights.artifact import CompiledArtifact
+from vflash_core.engine.denoise import Denoiser
+from vflash_core.engine.model import sdpa_attention
+from vflash_core.engine.residency import ResidentBlocks
 
 paths = json.loads(sys.argv[2])
 fp8.w8a8_refusal = lambda device: None  # torch's CPU _scaled_mm stands in for the SM90 GEMM
@@ -246,7 +246,7 @@ def gpu_fp8(tmp_path_factory):
     """The same random weights compiled on the GPU for the exact and the FP8 Base16 SM90 profiles."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability(0) != (9, 0):
         pytest.skip("needs an SM90 GPU for the sm90 profiles")
-    from vflash_core import synthetic
+    from vflash_core.weights import synthetic
 
     tmp = tmp_path_factory.mktemp("gpu-fp8")
     weights = synthetic.random_internal_weights(GPU_FP8_CONFIG, seed=3, dtype=torch.bfloat16)
@@ -298,7 +298,7 @@ def test_fp8_error_against_exact_on_gpu(gpu_fp8):
     paths = gpu_fp8["t2va-base16-fp8-sm90"]
     backends = ["auto"]
     try:
-        from vflash_core.attention import resolve_attention
+        from vflash_core.engine.attention import resolve_attention
 
         resolve_attention("fa3-fp8", torch.device("cuda:0"), approximate_allowed=True)
         backends.append("fa3-fp8")

@@ -18,7 +18,8 @@ CHILD = r"""
 import json, sys, torch
 sys.path.insert(0, sys.argv[1])
 from test_schedule_layout_bundle import _bundle
-from vflash_core import NativeEngineSession, fused
+from vflash_core import NativeEngineSession
+from vflash_core.engine import fused
 # The fused 5376-wide norm sums squares in torch's CUDA order, which CPU F.rms_norm does not share; it is compared
 # with its order reference in test_rms_norm_modulate.py and with F.rms_norm on the GPU.
 fused.FUSED_NORM_MODULATE = False

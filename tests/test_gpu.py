@@ -17,7 +17,7 @@ import torch
 from conftest import assert_bitwise, compile_tiny
 from test_schedule_layout_bundle import _bundle
 from vflash_core import NativeEngineSession
-from vflash_core import parallel as P
+from vflash_core.engine import parallel as P
 
 PROFILE = "t2va-base16-bf16-sm90"
 

@@ -43,11 +43,11 @@ import torch.nn.functional as F
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from vflash_core import model as reference  # noqa: E402  (the torch reference of every kernel op)
+from vflash_core.engine import model as reference  # noqa: E402  (the torch reference of every kernel op)
 
 
 def modulate_reference(normed, table, row_index, which="msa", out_dtype=None):
-    """`vflash_core.model.modulate`, cast to a kernel's `out_dtype` (the output heads take it in fp32)."""
+    """`vflash_core.engine.model.modulate`, cast to a kernel's `out_dtype` (the output heads take it in fp32)."""
     y = reference.modulate(normed, table, row_index, which)
     return y if out_dtype is None else y.to(out_dtype)
 

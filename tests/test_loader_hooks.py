@@ -13,12 +13,12 @@ import torch
 from conftest import assert_bitwise
 from test_schedule_layout_bundle import _bundle
 
-from vflash_core.artifact import CompiledArtifact
-from vflash_core.denoise import Denoiser
+from vflash_core.weights.artifact import CompiledArtifact
+from vflash_core.engine.denoise import Denoiser
 from vflash_core.errors import VflashError
-from vflash_core.model import LayerWeights
-from vflash_core.residency import ResidentBlocks
-from vflash_core.session import DenoiserLoad, NativeEngineSession
+from vflash_core.engine.model import LayerWeights
+from vflash_core.engine.residency import ResidentBlocks
+from vflash_core.engine.session import DenoiserLoad, NativeEngineSession
 
 PROFILE = "t2va-base4-exact-cpu"
 
@@ -69,7 +69,7 @@ def test_block_loader_results_are_checked(tiny_compiled):
     def extra_lora(artifact, device):
         blocks = read_blocks(artifact, device)
         w = blocks[0].tensors["attn.out.weight"]
-        from vflash_core.model import LoraResidual
+        from vflash_core.engine.model import LoraResidual
 
         blocks[0] = LayerWeights(blocks[0].tensors, {"attn.out": (LoraResidual(torch.zeros(1, w.shape[1], dtype=w.dtype), torch.zeros(w.shape[0], 1, dtype=w.dtype), 1.0),)})
         return blocks
@@ -119,7 +119,7 @@ def test_native_denoiser_loader_builds_the_denoiser(tiny_compiled, expected):
 
 
 def test_native_denoiser_loader_results_are_checked(tiny_compiled):
-    with pytest.raises(VflashError, match="must return a vflash_core.denoise.Denoiser, got dict"):
+    with pytest.raises(VflashError, match="must return a vflash_core.engine.denoise.Denoiser, got dict"):
         NativeEngineSession(PROFILE, **tiny_compiled, native_denoiser_loader=lambda artifact, load: {})
     other = CompiledArtifact(**tiny_compiled)
     with pytest.raises(VflashError, match="another artifact or device"):
@@ -148,7 +148,7 @@ def test_a_failing_loader_releases_the_session_and_raises_its_own_error(tiny_com
 
 
 def _request():
-    from vflash_core.pipeline import VideoRequest
+    from vflash_core.pipeline.h3_pipeline import VideoRequest
 
     return VideoRequest("A lighthouse beam sweeps the fog.", seed=9, width=96, height=64)
 
@@ -161,7 +161,7 @@ def full_text_encoder(root):
 
 
 def test_text_encoder_loader_is_trimmed_and_encodes_as_the_default(h3_family):
-    from vflash_core.conditioning import TEXT_ENCODER_LAYER, TextConditioner
+    from vflash_core.media.conditioning import TEXT_ENCODER_LAYER, TextConditioner
 
     roots = []
 
@@ -182,7 +182,7 @@ def test_text_encoder_loader_is_trimmed_and_encodes_as_the_default(h3_family):
 def test_text_encoder_loader_results_are_checked(h3_family):
     from transformers import AutoConfig, Qwen3VLModel
 
-    from vflash_core.conditioning import TextConditioner
+    from vflash_core.media.conditioning import TextConditioner
 
     with pytest.raises(VflashError, match="must return a Qwen3VLModel or Qwen3VLForConditionalGeneration, got Linear"):
         TextConditioner.from_pretrained(h3_family, text_encoder_loader=lambda root: torch.nn.Linear(2, 2))
@@ -197,7 +197,7 @@ def test_text_encoder_loader_results_are_checked(h3_family):
 
 
 def test_pipeline_with_every_hook_generates_the_default_clip(h3_prepared):
-    from vflash_core.pipeline import H3Pipeline
+    from vflash_core.pipeline.h3_pipeline import H3Pipeline
 
     def denoiser_loader(artifact, load):
         return Denoiser(artifact, ResidentBlocks(artifact, load.device, load.on_block), load.device, load.ops)
@@ -212,7 +212,7 @@ def test_pipeline_with_every_hook_generates_the_default_clip(h3_prepared):
 
 
 def test_pipeline_hooks_are_code_not_names(h3_prepared):
-    from vflash_core.pipeline import H3Pipeline
+    from vflash_core.pipeline.h3_pipeline import H3Pipeline
 
     for name in ("text_encoder_loader", "native_denoiser_loader", "block_loader"):
         with pytest.raises(VflashError, match=f"{name} must be a Python callable, got str"):
@@ -223,9 +223,9 @@ def test_pipeline_hooks_are_code_not_names(h3_prepared):
 def test_a_loader_exception_leaves_the_pipeline_usable(h3_prepared, monkeypatch, failing):
     """The hook's own exception reaches the caller from `load`; what loaded before it is released; the pipeline stays
     open, and the next `load` (the hook succeeds this time) gives a working pipeline."""
-    from vflash_core.conditioning import TextConditioner
-    from vflash_core.pipeline import H3Pipeline
-    from vflash_core.vae import MediaVAEs
+    from vflash_core.media.conditioning import TextConditioner
+    from vflash_core.pipeline.h3_pipeline import H3Pipeline
+    from vflash_core.media.vae import MediaVAEs
 
     class Flaky(OSError):
         pass

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from vflash_core import media
+from vflash_core.media import mp4 as media
 from vflash_core.errors import VflashError
 from vflash_core.fileio import OutputExistsError
-from vflash_core.media import probe_mp4, write_mp4
+from vflash_core.media.mp4 import probe_mp4, write_mp4
 
 SR = 32000
 

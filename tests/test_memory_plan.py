@@ -13,13 +13,13 @@ import torch
 from conftest import assert_bitwise
 from test_schedule_layout_bundle import _bundle
 from vflash_core import NativeEngineSession
-from vflash_core import memory_plan as MP
-from vflash_core.artifact import CompiledArtifact
-from vflash_core.config import H3Config
+from vflash_core.pipeline import memory_plan as MP
+from vflash_core.weights.artifact import CompiledArtifact
+from vflash_core.engine.config import H3Config
 from vflash_core.errors import RequestError, RunFailedError, VflashError
-from vflash_core.layout import Geometry
-from vflash_core.options import RunOptions
-from vflash_core.pipeline import H3Pipeline, VideoRequest
+from vflash_core.engine.layout import Geometry
+from vflash_core.pipeline.options import RunOptions
+from vflash_core.pipeline.h3_pipeline import H3Pipeline, VideoRequest
 from vflash_core.profiles import get_profile
 
 GIB = MP.GIB
@@ -55,7 +55,7 @@ def test_plan_prefers_speed_then_frugality(budget, expected):
 
 
 def test_plan_logs_one_line_with_sizes_and_choices(caplog):
-    with caplog.at_level("INFO", logger="vflash_core.memory_plan"):
+    with caplog.at_level("INFO", logger="vflash_core.pipeline.memory_plan"):
         plan = _plan(48, cap=48 * GIB)
     assert [r.getMessage() for r in caplog.records] == [plan.summary()]
     assert plan.summary() == (

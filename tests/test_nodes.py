@@ -21,7 +21,7 @@ import torch
 
 from comfy_standins import harness
 from vflash_nodes import comfy_latent as cl
-from vflash_core.config import H3Config
+from vflash_core.engine.config import H3Config
 from vflash_core.errors import RequestError, VflashError
 from vflash_nodes.workflow import WorkflowError, apply_overrides, execute, load_api_workflow
 
@@ -135,8 +135,8 @@ def model_files(pack) -> Path:
     """Official-layout tiny H3 weights in ComfyUI's model folders, plus files that are not H3 transformers."""
     from safetensors.torch import save_file
 
-    from vflash_core import synthetic
-    from vflash_core.config import H3Config
+    from vflash_core.weights import synthetic
+    from vflash_core.engine.config import H3Config
 
     models = Path(importlib.import_module("folder_paths").models_dir)
     tiny = H3Config.preset("tiny")
@@ -218,7 +218,7 @@ def test_first_use_compile_can_be_interrupted_and_publishes_nothing(pack, comfy,
 
 
 def test_t2va_chain_to_mp4(pack, comfy):
-    from vflash_core.media import probe_mp4
+    from vflash_core.media.mp4 import probe_mp4
 
     mm, updates = comfy
     workflow = apply_overrides(load_api_workflow(API / "t2va.json"), [*SMALL, "7.filename_prefix=video/chain"])
@@ -243,7 +243,7 @@ def test_t2va_chain_to_mp4(pack, comfy):
 
 def test_core_empty_latent_and_create_video(pack, comfy):
     """Core EmptyMiniMaxH3LatentAV (24/32 channels) sets the sampler's canvas; core CreateVideo + SaveVideo save it."""
-    from vflash_core.media import probe_mp4
+    from vflash_core.media.mp4 import probe_mp4
 
     workflow = apply_overrides(load_api_workflow(API / "t2va_core_save.json"), [*SMALL, "10.width=128", "10.height=128", "7.filename_prefix=video/core"])
     report = run(pack, workflow)
@@ -375,7 +375,7 @@ def test_reference_clip_soundtracks_travel_with_their_clip(pack, comfy, monkeypa
     """`ref_video_audio_k` becomes the soundtrack of `ref_video_k`'s reference, as a video file's own audio does in the
     pipeline; what follows (normalisation, encoders) is the pipeline's shared code."""
     from vflash_nodes import ops
-    from vflash_core import pipeline
+    from vflash_core.pipeline import h3_pipeline as pipeline
 
     registry = pack.package.registry.ENGINES
     host, folders = pack.package.host.HOST, pack.package.host.FOLDERS
@@ -411,7 +411,7 @@ def test_encode_then_sample_bundle_equals_pipeline_bundle(pack, comfy, keyframes
     from PIL import Image
 
     from vflash_nodes import ops
-    from vflash_core.pipeline import VideoRequest, build_request_bundle, plan_request
+    from vflash_core.pipeline.h3_pipeline import VideoRequest, build_request_bundle, plan_request
 
     registry = pack.package.registry.ENGINES
     host = pack.package.host.HOST
@@ -448,10 +448,10 @@ def test_reference_clip_with_soundtrack_bundle_equals_pipeline_bundle(pack, comf
     from PIL import Image
 
     from vflash_nodes import ops
-    from vflash_core.media import write_mp4
-    from vflash_core.pipeline import VideoRequest, build_request_bundle, plan_request
+    from vflash_core.media.mp4 import write_mp4
+    from vflash_core.pipeline.h3_pipeline import VideoRequest, build_request_bundle, plan_request
     from vflash_core.profiles import get_profile
-    from vflash_core.references import frames_to_uint8, load_reference
+    from vflash_core.media.references import frames_to_uint8, load_reference
 
     registry = pack.package.registry.ENGINES
     host, folders = pack.package.host.HOST, pack.package.host.FOLDERS
@@ -492,7 +492,7 @@ def test_unsupported_core_node_is_named_before_anything_runs(pack):
 
 
 def test_generate_node_all_in_one(pack, comfy):
-    from vflash_core.media import probe_mp4
+    from vflash_core.media.mp4 import probe_mp4
 
     base = load_api_workflow(API / "t2va.json")
     workflow = {nid: base[nid] for nid in ("1", "2", "3")}

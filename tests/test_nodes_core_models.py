@@ -38,7 +38,7 @@ def pack(tmp_path_factory):
 @pytest.fixture(scope="module")
 def core_files(pack) -> dict[str, str]:
     """The demo family's text encoder and VAEs named in text_encoders/ and vae/ for the stand-in core loaders."""
-    from vflash_core.pipeline import PreparedAssets
+    from vflash_core.pipeline.h3_pipeline import PreparedAssets
 
     host = pack.package.host.HOST
     root = PreparedAssets.load(ops._demo_receipt(host)).model_root
@@ -70,7 +70,7 @@ def _core_loaders_workflow(core_files) -> dict:
 
 
 def test_core_clip_and_vae_loaders_drive_the_sampler_to_mp4(pack, core_files):
-    from vflash_core.media import probe_mp4
+    from vflash_core.media.mp4 import probe_mp4
 
     workflow = apply_overrides(_core_loaders_workflow(core_files), ["4.width=128", "4.height=128", "7.filename_prefix=video/core_loaders"])
     report = execute(workflow, pack.node_types(workflow))
@@ -133,7 +133,7 @@ def test_core_vae_decode_equals_vflash_decode(pack, core_files):
 def test_references_reach_core_clip_in_request_order(pack, core_files, monkeypatch):
     """ref2va through core CLIP: `minimax_ref_items` in request order, an `audio` item before each reference that
     carries sound (so core labels <Audio j> as Vflash does), videos as their 2 fps frames."""
-    from vflash_core.references import CanvasRules
+    from vflash_core.media.references import CanvasRules
 
     registry = pack.package.registry.ENGINES
     host = pack.package.host.HOST
@@ -199,8 +199,8 @@ def test_core_objects_are_refused_by_name(pack, core_files):
 
 @pytest.fixture(scope="module")
 def official_weights(pack) -> str:
-    from vflash_core import synthetic
-    from vflash_core.config import H3Config
+    from vflash_core.weights import synthetic
+    from vflash_core.engine.config import H3Config
 
     models = Path(importlib.import_module("folder_paths").models_dir)
     tiny = H3Config.preset("tiny")
@@ -210,7 +210,7 @@ def official_weights(pack) -> str:
 
 
 def test_sm90_profile_on_cpu_is_refused_at_validation_and_writes_nothing(pack, official_weights, monkeypatch):
-    from vflash_core import compiler
+    from vflash_core.weights import compiler
 
     pack.package.registry.ENGINES.release("all")
     loader = pack.nodes["VflashModelLoader"]

@@ -13,8 +13,9 @@ import torch
 
 from conftest import TINY, assert_bitwise, compile_tiny
 from test_schedule_layout_bundle import _bundle
-from vflash_core import Geometry, NativeEngineSession, build_keyframe_bundle, synthetic
-from vflash_core import parallel as P
+from vflash_core import Geometry, NativeEngineSession, build_keyframe_bundle
+from vflash_core.weights import synthetic
+from vflash_core.engine import parallel as P
 from vflash_core.errors import SessionClosedError, VflashError
 
 PROFILE = "t2va-base4-exact-cpu"
@@ -147,7 +148,7 @@ def wide_fp32(tmp_path_factory):
 
 
 def test_tensor_shards_reassemble_the_block(wide_compiled):
-    from vflash_core.artifact import CompiledArtifact
+    from vflash_core.weights.artifact import CompiledArtifact
 
     artifact = CompiledArtifact(**wide_compiled)
     block = artifact.read_block(1).tensors

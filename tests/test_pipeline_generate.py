@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from conftest import assert_bitwise
-from vflash_core.options import RunOptions
-from vflash_core.conditioning import TextConditioner
+from vflash_core.pipeline.options import RunOptions
+from vflash_core.media.conditioning import TextConditioner
 from vflash_core.errors import SessionClosedError, VflashError
-from vflash_core.media import probe_mp4
-from vflash_core.pipeline import H3Pipeline, PreparedAssets, RequestCancelled, VideoRequest
-from vflash_core.session import NativeEngineSession
-from vflash_core.vae import MediaVAEs
+from vflash_core.media.mp4 import probe_mp4
+from vflash_core.pipeline.h3_pipeline import H3Pipeline, PreparedAssets, RequestCancelled, VideoRequest
+from vflash_core.engine.session import NativeEngineSession
+from vflash_core.media.vae import MediaVAEs
 
 REQUEST = VideoRequest("A train crosses a snowy bridge, whistle echoing.", seed=4, width=96, height=64)
 
@@ -135,7 +135,7 @@ def test_cancel_between_evaluations_closes_the_pipeline(h3_prepared, tmp_path):
 
 
 def test_generate_command_with_delivery_options_and_denoise_profile(h3_prepared, tmp_path, capsys):
-    from vflash_core.cli import main
+    from vflash_core.cli.main import main
 
     out = tmp_path / "cli.mp4"
     prompt = tmp_path / "prompt.txt"

@@ -16,8 +16,8 @@ from PIL import Image
 
 from conftest import assert_bitwise
 from test_pipeline_parity import _check
-from vflash_core.options import RunOptions
-from vflash_core.pipeline import H3Pipeline, VideoRequest, prepare_pipeline
+from vflash_core.pipeline.options import RunOptions
+from vflash_core.pipeline.h3_pipeline import H3Pipeline, VideoRequest, prepare_pipeline
 
 @pytest.fixture(scope="module")
 def sm90(tmp_path_factory, h3_family):
@@ -26,7 +26,7 @@ def sm90(tmp_path_factory, h3_family):
     receipts = {}
     for profile, partition in (("t2va-base16-bf16-sm90", "transformer"), ("ref2va-base16-bf16-sm90", "transformer_ref")):
         tmp = tmp_path_factory.mktemp(profile)
-        from vflash_core.compiler import compile_receipt, prepare
+        from vflash_core.weights.compiler import compile_receipt, prepare
 
         prepare(profile, h3_family / partition, tmp / "receipt.json")
         out = compile_receipt(tmp / "receipt.json", tmp / "compiled", "cuda:0")
@@ -52,7 +52,7 @@ def reference_gpu(h3_family):
 def gpu_media(tmp_path_factory):
     import av
 
-    from vflash_core.media import write_mp4
+    from vflash_core.media.mp4 import write_mp4
 
     folder = tmp_path_factory.mktemp("gpu-media")
     g = np.random.default_rng(0)
@@ -118,7 +118,7 @@ def test_resident_encoders_stay_on_the_gpu_and_change_no_bits(sm90, tmp_path):
 def test_resampler_equals_torchaudio(rate):
     """Wherever torchaudio can be installed (not next to this repository's CPU torch build)."""
     torchaudio = pytest.importorskip("torchaudio")
-    from vflash_core.references import resample_audio
+    from vflash_core.media.references import resample_audio
 
     wave = torch.rand(2, 3 * rate, generator=torch.Generator().manual_seed(rate)) - 0.5
     assert_bitwise(resample_audio(wave, rate, 32000), torchaudio.transforms.Resample(rate, 32000)(wave), f"{rate} Hz -> 32 kHz")

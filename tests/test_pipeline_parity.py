@@ -18,7 +18,7 @@ import torch
 from PIL import Image
 
 from conftest import assert_bitwise
-from vflash_core.pipeline import H3Pipeline, VideoRequest
+from vflash_core.pipeline.h3_pipeline import H3Pipeline, VideoRequest
 
 FRAMES = 124
 
@@ -160,9 +160,9 @@ def test_i2va_matches_diffusers(native, reference, media):
 
 
 def test_canvas_follows_the_keyframe_or_the_default_aspect(media):
-    from vflash_core.pipeline import plan_request
+    from vflash_core.pipeline.h3_pipeline import plan_request
     from vflash_core.profiles import get_profile
-    from vflash_core.references import CanvasRules
+    from vflash_core.media.references import CanvasRules
 
     family, released = CanvasRules(256, 256 * 448, 128), CanvasRules()
 
@@ -199,7 +199,7 @@ def test_reference_normalisation_matches_the_setup_step(reference, media):
     from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3AudioReference, MiniMaxH3ImageReference, MiniMaxH3VideoReference
     from diffusers.modular_pipelines.minimax_h3.before_encoder import MiniMaxH3Ref2VASetupStep
 
-    from vflash_core.references import CanvasRules, load_image, normalize_references
+    from vflash_core.media.references import CanvasRules, load_image, normalize_references
 
     g = torch.Generator().manual_seed(0)
     raw = [
@@ -226,7 +226,7 @@ def test_video_reference_sampling_presentation_and_encoding(native_ref, referenc
     from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3AudioReference, MiniMaxH3ImageReference, MiniMaxH3VideoReference
     from diffusers.modular_pipelines.minimax_h3.encoders import MiniMaxH3Ref2VATextEncoderStep, encode_vae_condition
 
-    from vflash_core.conditioning import sample_video_frames
+    from vflash_core.media.conditioning import sample_video_frames
 
     frames = (torch.rand(60, 64, 64, 3, generator=torch.Generator().manual_seed(1)).numpy() * 255).astype(np.uint8)
     sampled, stamps = sample_video_frames(frames, temporal_patch=2)
@@ -269,7 +269,7 @@ def test_video_reference_sampling_presentation_and_encoding(native_ref, referenc
 def test_soundtrack_resampling_is_band_limited_and_exact_in_length():
     """Off-rate soundtracks are resampled with torchaudio's default windowed sinc (torchaudio itself cannot be
     installed next to this torch build, so the check is against the signal, not against torchaudio's bits)."""
-    from vflash_core.references import normalize_soundtrack, resample_audio
+    from vflash_core.media.references import normalize_soundtrack, resample_audio
 
     t = torch.arange(48000, dtype=torch.float64) / 48000
     tone = torch.sin(2 * torch.pi * 1000 * t).float()[None]

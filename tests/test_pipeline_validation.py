@@ -7,10 +7,10 @@ import importlib.util
 import pytest
 from PIL import Image
 
-from vflash_core.options import RunOptions
-from vflash_core.cli import main
+from vflash_core.pipeline.options import RunOptions
+from vflash_core.cli.main import main
 from vflash_core.errors import VflashError
-from vflash_core.pipeline import H3Pipeline, PreparedAssets, VideoRequest, prepare_pipeline
+from vflash_core.pipeline.h3_pipeline import H3Pipeline, PreparedAssets, VideoRequest, prepare_pipeline
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +153,7 @@ def test_prepare_pipeline_checks_the_assets(h3_prepared, tmp_path):
 def test_video_reference_without_torchvision_is_refused_before_loading(files, h3_prepared_ref, tmp_path):
     import torch
 
-    from vflash_core.media import write_mp4
+    from vflash_core.media.mp4 import write_mp4
 
     clip = write_mp4(tmp_path.parent / f"{tmp_path.name}-ref.mp4", torch.rand(30, 64, 64, 3), torch.zeros(2, 40000), 32000)
     pipeline = H3Pipeline.from_prepared(h3_prepared_ref)

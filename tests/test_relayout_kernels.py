@@ -28,7 +28,7 @@ from test_kernels import (
     randn,
 )
 
-from vflash_core import parallel
+from vflash_core.engine import parallel
 
 # test_kernels.py's fixtures, used here by name: `interp` (the package decorated for the interpreter, a private copy
 # made once per module) and `gpu` (the compiled package, CUDA memory freed after each case).

@@ -13,8 +13,8 @@ import torch
 from conftest import assert_bitwise
 from test_schedule_layout_bundle import _bundle
 from vflash_core import NativeEngineSession
-from vflash_core import residency as R
-from vflash_core.artifact import CompiledArtifact
+from vflash_core.engine import residency as R
+from vflash_core.weights.artifact import CompiledArtifact
 
 PROFILE = "t2va-base4-exact-cpu"
 

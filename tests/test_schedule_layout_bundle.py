@@ -11,17 +11,10 @@ from diffusers import MiniMaxH3Scheduler
 from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3PrepareLayoutStep, MiniMaxH3SetTimestepsStep
 
 from vflash_core import BundleHandoff, ConditioningBundle, Geometry, build_keyframe_bundle
-from vflash_core.config import H3Config
+from vflash_core.engine.config import H3Config
 from vflash_core.errors import BundleError, RequestError
-from vflash_core.layout import (
-    align_num_frames,
-    audio_latent_count,
-    frames_for_duration,
-    keyframe_layout,
-    resolve_canvas_size,
-    video_latent_frames,
-)
-from vflash_core.schedule import FixedSchedule, euler_step, flow_sigmas, row_timestep_plan
+from vflash_core.engine.layout import align_num_frames, audio_latent_count, frames_for_duration, keyframe_layout, resolve_canvas_size, video_latent_frames
+from vflash_core.engine.schedule import FixedSchedule, euler_step, flow_sigmas, row_timestep_plan
 
 
 @pytest.mark.parametrize("points", [2, 5, 9, 17, 50])
@@ -144,7 +137,7 @@ def test_noise_draw_order_matches_the_contract():
     video_noise = torch.randn(1, 24, 37, 4, 6, generator=g)
     audio_noise = torch.randn(2 * 207, 32, generator=g)
     t = torch.tensor(0.999)
-    from vflash_core.layout import patchify
+    from vflash_core.engine.layout import patchify
 
     assert_bitwise(bundle.video_rows[:6], patchify(t * cond + (1.0 - t) * cond_noise, (1, 2, 2)), "condition rows")
     assert_bitwise(bundle.video_rows[6:], patchify(video_noise, (1, 2, 2)), "video noise rows")

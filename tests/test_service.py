@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from aiohttp import FormData, web
 
-from vflash_core.options import RunOptions
+from vflash_core.pipeline.options import RunOptions
 from vflash_core.service import ServiceConfig, create_app
 from vflash_core.service.app import JOBS, SUPERVISOR, WORK_DIR, WORK_DIR_OWNER
 
@@ -35,7 +35,7 @@ TERMINAL = ("succeeded", "failed", "cancelled")
 
 @pytest.fixture(scope="session")
 def demo_assets(tmp_path_factory) -> Path:
-    from vflash_core.demo import ensure_demo_assets
+    from vflash_core.pipeline.demo import ensure_demo_assets
 
     return ensure_demo_assets(cache_dir=tmp_path_factory.mktemp("demo-cache"))
 
@@ -114,7 +114,7 @@ def published(out: Path) -> list[Path]:
 
 
 async def test_submit_poll_download_playable_mp4(aiohttp_client, make_service, tmp_path):
-    from vflash_core.media import probe_mp4
+    from vflash_core.media.mp4 import probe_mp4
 
     inputs = tmp_path / "inputs"
     inputs.mkdir()
@@ -355,7 +355,7 @@ async def test_bearer_token(aiohttp_client, make_service):
 
 
 async def test_python_client_against_a_loopback_server(aiohttp_server, make_service, tmp_path):
-    from vflash_core.client import JobFailedError, ServiceError, VflashClient
+    from vflash_core.service.client import JobFailedError, ServiceError, VflashClient
     from vflash_core.fileio import OutputExistsError
 
     app, _ = make_service(token="t0k")

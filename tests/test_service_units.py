@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from vflash_core.options import RunOptions
-from vflash_core.cli import build_parser
-from vflash_core.cli_serve import is_loopback
+from vflash_core.pipeline.options import RunOptions
+from vflash_core.cli.main import build_parser
+from vflash_core.cli.serve import is_loopback
 from vflash_core.service.app import WORK_DIR_OWNER, WORK_DIR_PREFIX, remove_stale_work_dirs
-from vflash_core.client import _multipart
+from vflash_core.service.client import _multipart
 from vflash_core.service.jobs import Job, JobState, JobStore, QueueFullError, new_job_id, redact_paths
 from vflash_core.service.metrics import Histogram, render
 from vflash_core.service.submission import InputPolicy, resolve_input_path, upload_suffix
@@ -220,7 +220,7 @@ def test_a_missing_output_folder_is_created_once_everything_else_checks_out(tmp_
 
 
 def test_serve_refuses_bad_options_on_one_line(tmp_path, capsys):
-    from vflash_core.cli import main
+    from vflash_core.cli.main import main
 
     for option, value, message in (("--port", "70000", "--port must be from 0 to 65535, got 70000"),
                                    ("--max-upload-mb", "nan", "--max-upload-mb must be a positive number, got nan"),
@@ -284,8 +284,8 @@ def test_serve_refuses_settings_address_and_receipt_before_building_the_demo_or_
     a worker while the service kept running), and the output folder was created first."""
     import socket
 
-    from vflash_core import demo
-    from vflash_core.cli import main
+    from vflash_core.pipeline import demo
+    from vflash_core.cli.main import main
 
     def refuse(*args, **kwargs):
         raise AssertionError("the demo model was built for a command that must be refused first")
@@ -321,7 +321,7 @@ def test_serve_refuses_settings_address_and_receipt_before_building_the_demo_or_
 def test_client_refuses_missing_uploads_and_an_unreachable_service_on_one_line(tmp_path):
     """Issue 15: `submit(files=...)` of a missing file or a folder was a FileNotFoundError / IsADirectoryError
     traceback, and a service that is not running a URLError traceback."""
-    from vflash_core.client import VflashClient
+    from vflash_core.service.client import VflashClient
     from vflash_core.errors import RunFailedError, VflashError
 
     free = socket.socket()

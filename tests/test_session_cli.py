@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from test_schedule_layout_bundle import _bundle
 
 from vflash_core import BundleHandoff, NativeEngineSession
-from vflash_core.compiler import main as compiler_main
+from vflash_core.weights.compiler import main as compiler_main
 from vflash_core.errors import BundleError, SessionClosedError
 
 PROFILE = "t2va-base4-exact-cpu"
@@ -67,7 +67,7 @@ def test_abort_from_callback_leaves_session_usable(tiny_compiled):
 
 def test_failed_trajectory_fails_the_session(tiny_compiled, monkeypatch):
     session = NativeEngineSession(PROFILE, **tiny_compiled)
-    from vflash_core import model
+    from vflash_core.engine import model
 
     def broken(*args, **kwargs):
         raise RuntimeError("injected device fault")
@@ -91,7 +91,7 @@ def test_bad_input_does_not_fail_the_session(tiny_compiled):
 
 
 def _vflash(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "vflash_core.cli", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "vflash_core.cli.main", *args], capture_output=True, text=True, timeout=300)
 
 
 def test_cli_denoise_writes_latents_and_refuses_overwrite(tmp_path, tiny_compiled):
@@ -141,7 +141,7 @@ def test_compiler_cli_refuses_a_missing_gpu_before_reading_and_stops_cleanly(tmp
     line with exit 130 and publishes nothing."""
     import torch
 
-    from vflash_core import compiler
+    from vflash_core.weights import compiler
 
     assert compiler_main(["prepare", "--profile", PROFILE, "--transformer", str(tiny_transformer), "--receipt", str(tmp_path / "r.json")]) == 0
     capsys.readouterr()

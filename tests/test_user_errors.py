@@ -19,15 +19,15 @@ import pytest
 import torch
 from PIL import Image
 
-from vflash_core.options import RunOptions
-from vflash_core import pipeline as pipeline_module
-from vflash_core.cli import main
+from vflash_core.pipeline.options import RunOptions
+from vflash_core.pipeline import h3_pipeline as pipeline_module
+from vflash_core.cli.main import main
 from vflash_core.errors import RequestError, RunFailedError, VflashError
 from vflash_core.fileio import check_input_file, check_writable_destination
-from vflash_core.pipeline import H3Pipeline, PreparedAssets, VideoRequest, prepare_pipeline
+from vflash_core.pipeline.h3_pipeline import H3Pipeline, PreparedAssets, VideoRequest, prepare_pipeline
 from vflash_core.profiles import get_profile
-from vflash_core.references import CanvasRules
-from vflash_core.validation import check_canvas_size
+from vflash_core.media.references import CanvasRules
+from vflash_core.pipeline.validation import check_canvas_size
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -123,7 +123,7 @@ def test_gpu_request_without_cuda_is_refused_before_loading(h3_prepared, tmp_pat
 def test_the_installed_command_prints_one_line_without_traceback(h3_prepared, inputs, tmp_path):
     """The real entry point, in its own process: a user error is one line on stderr, exit status 2, nothing written."""
     done = subprocess.run(
-        [sys.executable, "-m", "vflash_core.cli", "generate", "--prepared-assets", str(h3_prepared),
+        [sys.executable, "-m", "vflash_core.cli.main", "generate", "--prepared-assets", str(h3_prepared),
          "--prompt-file", str(inputs / "latin1.txt"), "--output", str(tmp_path / "o.mp4")],
         capture_output=True, text=True, timeout=120,
     )
@@ -187,7 +187,7 @@ def test_workflow_value_of_the_wrong_type_is_refused_before_any_model_loads(tmp_
 
 
 def test_runtime_failures_exit_1_and_bugs_keep_their_traceback(monkeypatch, capsys):
-    from vflash_core import cli_denoise
+    from vflash_core.cli import denoise as cli_denoise
 
     def cancelled(args):
         raise pipeline_module.RequestCancelled("request cancelled: stop")
@@ -251,8 +251,8 @@ def test_generate_needs_a_request_not_a_prompt(h3_prepared, tmp_path, no_model_l
 def test_limits_from_the_model_are_checked_before_loading(h3_prepared, h3_prepared_ref, inputs, tmp_path, monkeypatch, no_model_loads):
     import wave
 
-    from vflash_core import references
-    from vflash_core.media import write_mp4
+    from vflash_core.media import references
+    from vflash_core.media.mp4 import write_mp4
 
     pipeline = H3Pipeline.from_prepared(h3_prepared)
     with pytest.raises(RequestError, match=r"^canvas 100000x100000 is 10,000,000,000 pixels; this model generates at most 114,688"):
@@ -334,7 +334,7 @@ def test_device_requests_are_checked_before_loading(h3_prepared, no_model_loads)
     with pytest.raises(VflashError, match=r"^unknown attention backend 'bogus'; choose one of auto, "):
         H3Pipeline.from_prepared(h3_prepared, RunOptions(attention_backend="bogus"))
     sm90 = get_profile("t2va-base16-bf16-sm90")
-    from vflash_core.validation import check_device
+    from vflash_core.pipeline.validation import check_device
 
     with pytest.raises(VflashError, match=r"^the profile was compiled for sm90; device cpu is cpu$"):
         check_device("cpu", sm90.arch)
@@ -553,13 +553,13 @@ def test_workflow_save_and_load_nodes_are_checked_before_anything_runs(tmp_path,
 
 def test_compiler_receipts_and_folders_that_are_not_what_they_claim(inputs, tmp_path, capsys):
     """`compile --receipt` of a JSON list, a folder or a binary file and `verify` of a file were tracebacks."""
-    from vflash_core.compiler import main as compiler_main
+    from vflash_core.weights.compiler import main as compiler_main
 
     listed = tmp_path / "list.json"
     listed.write_text("[1, 2]")
     out = tmp_path / "compiled"
     cases = [
-        (["compile", "--receipt", str(listed), "--output", str(out)], f"{listed}: not a Vflash receipt (format None); write one with `python -m vflash_core.compiler prepare`"),
+        (["compile", "--receipt", str(listed), "--output", str(out)], f"{listed}: not a Vflash receipt (format None); write one with `python -m vflash_core.weights.compiler prepare`"),
         (["compile", "--receipt", str(inputs / "a-folder.png"), "--output", str(out)], f"receipt {inputs / 'a-folder.png'} is a folder, not a file"),
         (["compile", "--receipt", str(inputs / "latin1.txt"), "--output", str(out)], f"receipt {inputs / 'latin1.txt'} is not UTF-8 text (byte 3 is 0xe9)"),
         (["verify", str(listed)], f"{listed} is not a folder; give the folder compile wrote (artifact/, schedule/, auxiliary.safetensors)"),
@@ -583,8 +583,8 @@ def test_an_output_name_too_long_for_its_temporary_is_refused_before_loading(h3_
 def test_compile_output_folder_problems_are_refused_before_the_weights_are_hashed(tiny_transformer, inputs, tmp_path, capsys, monkeypatch):
     """An output folder under a file or with a name too long for its temporary failed with a traceback only after
     every weight file had been read and hashed (minutes at full size)."""
-    from vflash_core import compiler
-    from vflash_core.compiler import main as compiler_main, prepare
+    from vflash_core.weights import compiler
+    from vflash_core.weights.compiler import main as compiler_main, prepare
 
     receipt = tmp_path / "receipt.json"
     prepare("t2va-base4-exact-cpu", tiny_transformer, receipt)
@@ -612,7 +612,7 @@ def test_malformed_transformer_config_and_workflow_values_are_one_line(tiny_tran
     in run-workflow."""
     import shutil
 
-    from vflash_core.compiler import main as compiler_main
+    from vflash_core.weights.compiler import main as compiler_main
 
     transformer = tmp_path / "transformer"
     shutil.copytree(tiny_transformer, transformer)

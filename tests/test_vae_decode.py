@@ -1,4 +1,4 @@
-"""The native video decode (`vflash_core.vae_decode`) against diffusers' `AutoencoderKLMiniMaxH3.decode`, unmodified,
+"""The native video decode (`vflash_core.media.vae_decode`) against diffusers' `AutoencoderKLMiniMaxH3.decode`, unmodified,
 bit for bit: the demo family's VAE (2 blocks, 32 wide) loaded as the pipeline loads it, in fp32 and in bf16 with
 diffusers' fp32 pins, at the released tile geometry (256 px tiles, so latents above 16 x 16 tile) and with smaller
 tiles for many-tile and padding cases; split over two devices (two CPU "devices" here, two GPUs under `multigpu`)
@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from conftest import assert_bitwise
-from vflash_core import vae_decode
+from vflash_core.media import vae_decode
 from vflash_core.errors import VflashError
-from vflash_core.vae import MediaVAEs
-from vflash_core.vae_decode import DecodeGeometry, DecoderWeights, NativeVideoDecoder, split_calls, split_tiles
+from vflash_core.media.vae import MediaVAEs
+from vflash_core.media.vae_decode import DecodeGeometry, DecoderWeights, NativeVideoDecoder, split_calls, split_tiles
 
 # 17 latent frames make 3 temporal windows; 20 x 24 latents are 320 x 384 px: 2 x 2 tiles of 256 px.
 RELEASED_TILING_LATENTS = (1, 8, 17, 20, 24)
@@ -26,7 +26,7 @@ SMALL_TILES = (64, 64, 32, 32)
 
 @pytest.fixture(scope="module")
 def vae_root(tmp_path_factory):
-    from vflash_core.family import DEMO_FAMILY, build_model_family
+    from vflash_core.weights.family import DEMO_FAMILY, build_model_family
 
     return build_model_family(tmp_path_factory.mktemp("vaes") / "model", DEMO_FAMILY, seed=0, with_ref=False, parts=("vaes",))
 

@@ -193,11 +193,11 @@ def test_ui_and_api_describe_the_same_graph(pack, name):
 
 def test_run_workflow_cli_t2va_plays_with_audio(tmp_path):
     """The acceptance run: `vflash run-workflow workflows/api/t2va.json` on a fresh cache writes a playable MP4."""
-    from vflash_core.media import probe_mp4
+    from vflash_core.media.mp4 import probe_mp4
 
     env = {**os.environ, "VFLASH_CACHE": str(tmp_path / "cache")}
     out = subprocess.run(
-        [sys.executable, "-m", "vflash_core.cli", "run-workflow", str(API_DIR / "t2va.json"), "--output-dir", str(tmp_path / "out")],
+        [sys.executable, "-m", "vflash_core.cli.main", "run-workflow", str(API_DIR / "t2va.json"), "--output-dir", str(tmp_path / "out")],
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
@@ -212,14 +212,14 @@ def test_run_workflow_cli_refuses_unsupported_nodes(tmp_path):
     workflow = load_api_workflow(API_DIR / "t2va.json")
     workflow["8"] = {"class_type": "VAEDecodeAudio", "inputs": {"samples": ["5", 0], "vae": ["3", 0]}}
     (tmp_path / "w.json").write_text(json.dumps(workflow))
-    out = subprocess.run([sys.executable, "-m", "vflash_core.cli", "run-workflow", str(tmp_path / "w.json")], capture_output=True, text=True, cwd=tmp_path)
+    out = subprocess.run([sys.executable, "-m", "vflash_core.cli.main", "run-workflow", str(tmp_path / "w.json")], capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 2 and "unsupported nodes: 8 (VAEDecodeAudio)" in out.stderr and not (tmp_path / "output").exists()
 
 
 def test_run_workflow_refuses_an_sm90_profile_on_cpu_before_anything_runs(tmp_path):
     """Headless like ComfyUI: the loader's checks run before any node, so nothing is built, hashed or written."""
-    from vflash_core import synthetic
-    from vflash_core.config import H3Config
+    from vflash_core.weights import synthetic
+    from vflash_core.engine.config import H3Config
 
     models = tmp_path / "models"
     (models / "diffusion_models").mkdir(parents=True)
@@ -227,7 +227,7 @@ def test_run_workflow_refuses_an_sm90_profile_on_cpu_before_anything_runs(tmp_pa
     synthetic.write_original_transformer(models / "diffusion_models" / "h3.safetensors", tiny, synthetic.random_internal_weights(tiny, seed=1))
     env = {**os.environ, "VFLASH_CACHE": str(tmp_path / "cache")}
     out = subprocess.run(
-        [sys.executable, "-m", "vflash_core.cli", "run-workflow", str(API_DIR / "t2va.json"), "--models-dir", str(models), "--output-dir", str(tmp_path / "out"),
+        [sys.executable, "-m", "vflash_core.cli.main", "run-workflow", str(API_DIR / "t2va.json"), "--models-dir", str(models), "--output-dir", str(tmp_path / "out"),
          "--set", "1.model=diffusion_models/h3.safetensors", "--set", "1.profile=t2va-base16-bf16-sm90"],
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
     )
@@ -236,7 +236,7 @@ def test_run_workflow_refuses_an_sm90_profile_on_cpu_before_anything_runs(tmp_pa
 
 
 def test_fl2va_headless_with_the_example_inputs(tmp_path, monkeypatch):
-    from vflash_core.media import probe_mp4
+    from vflash_core.media.mp4 import probe_mp4
 
     monkeypatch.setenv("VFLASH_CACHE", str(tmp_path / "cache"))
     workflow = apply_overrides(load_api_workflow(API_DIR / "fl2va.json"), ["4.width=128", "4.height=128"])
@@ -246,10 +246,10 @@ def test_fl2va_headless_with_the_example_inputs(tmp_path, monkeypatch):
 
 def test_ref2va_headless_on_a_small_ref2va_family(tmp_path):
     """The ref2va graph (Autogrow reference inputs) on a random-weight family with a ref2va partition."""
-    from vflash_core.compiler import compile_receipt, prepare
-    from vflash_core.family import DEMO_FAMILY, build_model_family
-    from vflash_core.media import probe_mp4
-    from vflash_core.pipeline import prepare_pipeline
+    from vflash_core.weights.compiler import compile_receipt, prepare
+    from vflash_core.weights.family import DEMO_FAMILY, build_model_family
+    from vflash_core.media.mp4 import probe_mp4
+    from vflash_core.pipeline.h3_pipeline import prepare_pipeline
 
     models = tmp_path / "models"
     root = models / "diffusers" / "H3-ref-demo"

@@ -3,15 +3,15 @@
 Public entry points::
 
     from vflash_core import NativeEngineSession, ConditioningBundle, BundleHandoff, get_profile
-    from vflash_core.compiler import prepare, compile_receipt
+    from vflash_core.weights.compiler import prepare, compile_receipt
 """
 
-from .bundle import BundleHandoff, ConditioningBundle, build_keyframe_bundle
-from .config import H3Config
+from .engine.bundle import BundleHandoff, ConditioningBundle, build_keyframe_bundle
+from .engine.config import H3Config
 from .errors import VflashError
-from .layout import Geometry
+from .engine.layout import Geometry
 from .profiles import PROFILES, Profile, get_profile
-from .session import GenerationResult, NativeEngineSession
+from .engine.session import GenerationResult, NativeEngineSession
 
 __version__ = "0.1.0"
 

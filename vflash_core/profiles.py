@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from .errors import IdentityMismatchError, VflashError
-from .schedule import FixedSchedule
+from .engine.schedule import FixedSchedule
 
 KEYFRAME_MODES = ("i2va", "l2va", "fl2va")
 

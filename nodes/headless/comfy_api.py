@@ -38,8 +38,8 @@ class VideoFromComponents:
 
     def save_to(self, path: str | Path) -> None:
         """MP4 (h264 + AAC) written atomically, never over an existing file; whole frame rates with a soundtrack
-        only (what `vflash_core.media.write_mp4` writes; SaveVideo refuses the rest first)."""
-        from vflash_core.media import write_mp4
+        only (what `vflash_core.media.mp4.write_mp4` writes; SaveVideo refuses the rest first)."""
+        from vflash_core.media.mp4 import write_mp4
 
         c = self.components
         write_mp4(path, c.images, c.audio["waveform"][0], int(c.audio["sample_rate"]), int(c.frame_rate))

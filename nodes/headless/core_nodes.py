@@ -3,7 +3,7 @@
 against the same `comfy_api.latest` and `folder_paths` interfaces as core's, so they are loaded only once those names
 resolve to the headless modules.
 
-SaveVideo writes what `vflash_core.media.write_mp4` writes (mp4, h264 + AAC, whole frame rates, atomically and never
+SaveVideo writes what `vflash_core.media.mp4.write_mp4` writes (mp4, h264 + AAC, whole frame rates, atomically and never
 over an existing file) and refuses other containers, codecs and encodings: `validate_inputs` refuses what it can
 before anything runs.
 """

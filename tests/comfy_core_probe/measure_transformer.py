@@ -32,13 +32,13 @@ PROFILES = {"bf16": "t2va-base4-exact-cpu", "pruned": "t2va-base4-pruned-cpu", "
 
 
 def small_config():
-    from vflash_core.config import H3Config
+    from vflash_core.engine.config import H3Config
 
     return replace(H3Config.preset("demo"), in_channels=24, audio_in_channels=32)
 
 
 def write_files(work: Path, config) -> dict[str, Path]:
-    from vflash_core import synthetic
+    from vflash_core.weights import synthetic
 
     weights = synthetic.random_internal_weights(config, seed=6)
     return {
@@ -49,8 +49,8 @@ def write_files(work: Path, config) -> dict[str, Path]:
 
 
 def vflash_artifact(work: Path, name: str, path: Path, profile: str):
-    from vflash_core.artifact import CompiledArtifact
-    from vflash_core.compiler import compile_receipt, prepare
+    from vflash_core.weights.artifact import CompiledArtifact
+    from vflash_core.weights.compiler import compile_receipt, prepare
 
     receipt = work / f"{name}.receipt.json"
     prepare(profile, path, receipt)
@@ -59,8 +59,8 @@ def vflash_artifact(work: Path, name: str, path: Path, profile: str):
 
 
 def denoiser(artifact, ops):
-    from vflash_core.denoise import Denoiser
-    from vflash_core.residency import ResidentBlocks
+    from vflash_core.engine.denoise import Denoiser
+    from vflash_core.engine.residency import ResidentBlocks
 
     device = torch.device("cpu")
     return Denoiser(artifact, ResidentBlocks(artifact, device), device, ops)
@@ -75,8 +75,8 @@ def dequantized(core_model, path: Path, config) -> dict[str, object]:
     elements a product rounded from fp32 (`(code.float() * scale).to(bf16)`) would give differently."""
     from comfy.quant_ops import QuantizedTensor
 
-    from vflash_core import synthetic
-    from vflash_core.checkpoint import SourceWeights
+    from vflash_core.weights import synthetic
+    from vflash_core.weights.checkpoint import SourceWeights
 
     source = SourceWeights(path)
     ours = synthetic.to_original_names(source.read(list(source.shapes())), config)
@@ -102,7 +102,7 @@ def core_ops(config):
     where Vflash rounds the product, then the sum). Test-only: it shows every other op of the evaluation is core's."""
     from comfy.ldm.modules.attention import AttentionTensorContainer, optimized_attention
 
-    from vflash_core import model as M
+    from vflash_core.engine import model as M
 
     def attention(q, k, v):  # (1, S, heads, D) each
         heads = [AttentionTensorContainer(t[0].transpose(0, 1).unsqueeze(0)) for t in (q, k, v)]
@@ -127,8 +127,8 @@ def main() -> None:
     import comfy.sd
 
     from vflash_core import Geometry, build_keyframe_bundle
-    from vflash_core.layout import audio_rows_to_latents, unpatchify
-    from vflash_core.model import BlockOps, sdpa_attention
+    from vflash_core.engine.layout import audio_rows_to_latents, unpatchify
+    from vflash_core.engine.model import BlockOps, sdpa_attention
 
     # Core as it runs on a device with bf16 (on the CPU it computes a quantized model in fp32).
     comfy.model_management.should_use_bf16 = lambda *a, **k: True

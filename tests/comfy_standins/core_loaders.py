@@ -100,7 +100,7 @@ class CLIPLoader(io.ComfyNode):
 
     @classmethod
     def execute(cls, clip_name, type, device="default"):
-        from vflash_core.conditioning import TextConditioner
+        from vflash_core.media.conditioning import TextConditioner
 
         spec = _family_file("text_encoders", clip_name)
         if type != "minimax":
@@ -121,7 +121,7 @@ class VAELoader(io.ComfyNode):
 
     @classmethod
     def execute(cls, vae_name):
-        from vflash_core.vae import MediaVAEs
+        from vflash_core.media.vae import MediaVAEs
 
         spec = _family_file("vae", vae_name)
         return io.NodeOutput(_StandInVAE(MediaVAEs.from_pretrained(spec["family_root"], "cpu"), spec["part"]))

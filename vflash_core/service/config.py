@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..errors import VflashError
 from ..fileio import check_input_file
-from ..options import RunOptions
+from ..pipeline.options import RunOptions
 from .worker import WorkerConfig
 
 MIB = 2**20

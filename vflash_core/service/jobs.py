@@ -55,7 +55,7 @@ class QueueFullError(Exception):
 @dataclass
 class Job:
     id: str
-    request: Any  # vflash_core.pipeline.VideoRequest; typed loosely so this module imports without torch
+    request: Any  # vflash_core.pipeline.h3_pipeline.VideoRequest; typed loosely so this module imports without torch
     upload_dir: Path | None  # service-owned copies of uploaded inputs, removed once the job ends
     created: float = field(default_factory=time.time)
     state: JobState = JobState.QUEUED

@@ -25,7 +25,7 @@ from typing import Any
 from aiohttp import BodyPartReader, web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from ..references import MAX_REFERENCES
+from ..media.references import MAX_REFERENCES
 
 FILE_FIELDS = ("first_frame", "last_frame", "references")
 SCALAR_FIELDS = ("prompt", "duration_seconds", "seed", "width", "height")

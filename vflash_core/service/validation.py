@@ -14,8 +14,8 @@ from .config import ServiceConfig
 
 class RequestValidator:
     def __init__(self, config: ServiceConfig):
-        from ..pipeline import PreparedAssets
-        from ..validation import PromptBudget
+        from ..pipeline.h3_pipeline import PreparedAssets
+        from ..pipeline.validation import PromptBudget
 
         assets = PreparedAssets.load(config.prepared_assets)
         self._profile, self._canvas = assets.profile, assets.canvas
@@ -23,8 +23,8 @@ class RequestValidator:
 
     def __call__(self, fields: dict[str, Any]) -> Any:
         """A validated `VideoRequest` from its keyword arguments; raises `VflashError` with the reason."""
-        from ..pipeline import VideoRequest
-        from ..validation import plan_request
+        from ..pipeline.h3_pipeline import VideoRequest
+        from ..pipeline.validation import plan_request
 
         request = VideoRequest(**fields)
         plan_request(request, self._profile, self._canvas, self._prompt_budget)

@@ -24,7 +24,7 @@ from multiprocessing.synchronize import Event
 from pathlib import Path
 from typing import Any
 
-from ..options import RunOptions
+from ..pipeline.options import RunOptions
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ def worker_main(config: WorkerConfig, orders: Connection, events: Connection, ca
 
 def _open_pipeline(config: WorkerConfig) -> tuple[Any, dict[str, Any]]:
     """Open the lazy pipeline, which checks the devices against the profile; loads no model."""
-    from ..pipeline import H3Pipeline
+    from ..pipeline.h3_pipeline import H3Pipeline
 
     pipeline = H3Pipeline.from_prepared(config.prepared_assets, config.options)
     info: dict[str, Any] = {"profile": pipeline.profile.id, "strategy": config.options.strategy}
@@ -148,7 +148,7 @@ def _describe_device(name: str) -> str:
 def _run(pipeline: Any, order: JobOrder, events: Connection, cancel: Event) -> bool:
     """Run one job and report it; returns whether this worker may take another job."""
     from ..errors import RequestError
-    from ..pipeline import RequestCancelled
+    from ..pipeline.h3_pipeline import RequestCancelled
 
     def check_cancel() -> None:
         if cancel.is_set():

@@ -1,0 +1,1 @@
+"""The `vflash` command line."""

@@ -1,0 +1,64 @@
+"""`vflash denoise`: a conditioning bundle through the native core to latents (the compiler has its own module CLI,
+`python -m vflash_core.weights.compiler prepare|compile`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from ..errors import VflashError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("denoise", help="run the native core on a conditioning bundle and write latents")
+    p.add_argument("profile", help="profile id, e.g. t2va-base16-bf16-sm90")
+    p.add_argument("--artifact", required=True, help="compiled artifact/ folder")
+    p.add_argument("--schedule-overlay", required=True, help="compiled schedule/ folder")
+    p.add_argument("--auxiliary-tensor", required=True, help="compiled auxiliary.safetensors")
+    p.add_argument("--bundle", required=True, help="conditioning bundle folder")
+    p.add_argument("--output-latents", required=True, help="output .safetensors (must not exist)")
+    p.add_argument("--gpu", type=int, help="CUDA device index (default: CPU)")
+    p.add_argument("--peer-gpu", type=int, action="append", help="another GPU for this request (repeatable); needs --strategy")
+    p.add_argument("--strategy", choices=("sequence-head", "tensor"), help="how several GPUs split one request")
+    p.add_argument("--weight-residency", choices=("auto", "resident", "block-ring"), default="auto")
+    p.add_argument("--attention-backend", default="auto", help="auto, fa3, torch-cudnn, torch-flash, torch-sdpa, ...")
+    p.add_argument("--profile-denoise", action="store_true", help="per-evaluation, per-stage device timings in the report")
+    p.set_defaults(handler=_denoise)
+
+
+def _denoise(args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
+    from ..engine.bundle import ConditioningBundle
+    from ..fileio import check_writable_destination
+    from ..profiles import get_profile
+    from ..engine.session import NativeEngineSession
+    from ..pipeline.validation import check_device
+
+    check_writable_destination(args.output_latents)
+    if os.path.lexists(args.bundle) and not os.path.isdir(args.bundle):
+        raise VflashError(f"--bundle {args.bundle} is not a folder; give the conditioning bundle's folder")
+    arch = get_profile(args.profile).arch
+    device = check_device("cpu" if args.gpu is None else args.gpu, arch)
+    for peer in args.peer_gpu or ():
+        check_device(peer, arch, "peer device")
+    bundle = ConditioningBundle.load(args.bundle)
+    with tqdm(desc="load weights", unit="block") as load_bar:
+        def on_load(done: int, total: int) -> None:
+            load_bar.total = total
+            load_bar.update(1)
+
+        session = NativeEngineSession(
+            args.profile, args.artifact, args.schedule_overlay, args.auxiliary_tensor, device=device, peer_device=args.peer_gpu,
+            strategy=args.strategy, weight_residency=args.weight_residency, attention_backend=args.attention_backend, on_load_progress=on_load,
+        )
+    with session, tqdm(total=session.profile.nfe, desc="denoise", unit="eval") as bar:
+        session.validate(bundle)
+        result = session.generate(bundle, progress=lambda done, total: bar.update(1), output_latents=args.output_latents, profile_denoise=args.profile_denoise)
+    print(f"wrote {args.output_latents}")
+    report = {"session": result.session.__dict__, "metadata": result.metadata}
+    if result.denoise_profile is not None:
+        report["denoise_profile"] = result.denoise_profile
+    print(json.dumps(report, indent=2))
+    return 0

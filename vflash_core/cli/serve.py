@@ -1,0 +1,105 @@
+"""`vflash serve`: the HTTP generation service (see `vflash_core.service`)."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import math
+import os
+import socket
+from pathlib import Path
+
+from ..pipeline.options import RunOptions
+from ..errors import RunFailedError, VflashError
+
+logger = logging.getLogger(__name__)
+
+MIB = 2**20
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="HTTP generation service: jobs, readiness, cancel, one spawned GPU worker")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prepared-assets", type=Path, help="prepared-assets receipt (JSON) of the model to serve")
+    source.add_argument("--demo", action="store_true", help="serve the embedded default model (tiny, CPU)")
+    RunOptions.add_arguments(p)  # the same run options as `vflash generate`
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback; anything else wants --token)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--output-dir", type=Path, required=True, help="where finished videos are published (created if missing)")
+    p.add_argument("--input-dir", type=Path, help="allow request inputs given as paths inside this folder")
+    p.add_argument("--max-queue", type=int, default=16, help="queued jobs before 429 (default 16)")
+    p.add_argument("--keep-finished-jobs", type=int, default=1000,
+                   help="records of ended jobs kept for status queries; the oldest are forgotten beyond this (default 1000)")
+    p.add_argument("--max-upload-mb", type=float, default=64.0, help="uploaded bytes per job, in MiB (default 64)")
+    p.add_argument("--token", default=os.environ.get("VFLASH_SERVICE_TOKEN"),
+                   help="require 'Authorization: Bearer TOKEN' (default: $VFLASH_SERVICE_TOKEN; prefer it to the flag, "
+                        "which other local users can read in the process list)")
+    p.add_argument("--cancel-grace", type=float, default=10.0, help="seconds a cancelled job's worker may take before it is killed")
+    p.set_defaults(handler=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from ..service import ServiceConfig, create_app
+    from ..pipeline.h3_pipeline import PreparedAssets
+    from ..service.config import check_service_settings
+
+    if args.peer_gpu is not None and args.gpu is None:
+        raise VflashError("--peer-gpu needs --gpu")
+    if not 0 <= args.port <= 65535:
+        raise VflashError(f"--port must be from 0 to 65535, got {args.port}")
+    if not math.isfinite(args.max_upload_mb) or args.max_upload_mb <= 0:  # before it becomes a byte count
+        raise VflashError(f"--max-upload-mb must be a positive number, got {args.max_upload_mb:g}")
+    if args.max_upload_mb * MIB < 1:
+        raise VflashError(f"--max-upload-mb {args.max_upload_mb:g} is less than one byte")
+    settings = dict(
+        output_dir=args.output_dir, create_output_dir=True, input_dir=args.input_dir, max_queue=args.max_queue,
+        keep_finished_jobs=args.keep_finished_jobs, max_upload_bytes=int(args.max_upload_mb * MIB), token=args.token,
+        cancel_grace_seconds=args.cancel_grace,
+    )
+    options = RunOptions.from_arguments(args)
+    check_service_settings(**settings)  # everything but the model, before the demo model is built
+    check_bindable(args.host, args.port)
+    if args.demo:
+        from ..pipeline.demo import ensure_demo_assets
+
+        prepared = ensure_demo_assets()
+    else:
+        prepared = args.prepared_assets
+    PreparedAssets.load(prepared)  # a malformed receipt is refused before the output folder is created
+    config = ServiceConfig(prepared_assets=prepared, options=options, log_level=logging.getLogger().level, **settings)
+    if not is_loopback(args.host) and config.token is None:
+        logger.warning("serving on %s without a token: anyone who can reach this address can submit jobs; "
+                       "set VFLASH_SERVICE_TOKEN (or --token), or bind 127.0.0.1", args.host)
+    app = create_app(config)
+    try:
+        web.run_app(app, host=args.host, port=args.port, access_log=logging.getLogger("vflash.access"))
+    except OSError as exc:  # the address cannot be bound: in use, not this machine's, not resolvable
+        raise RunFailedError(f"cannot serve on {args.host}:{args.port}: {exc.strerror or exc}") from None
+    return 0
+
+
+def check_bindable(host: str, port: int) -> None:
+    """Bind the address once and release it, so that a port in use or a host that is not this machine's is refused
+    before the demo model is built or the output folder created."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise RunFailedError(f"cannot serve on {host}:{port}: {exc.strerror}") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise RunFailedError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False

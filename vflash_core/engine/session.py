@@ -1,0 +1,511 @@
+"""`NativeEngineSession`: one profile, one GPU group, one loaded compiled model, reused across serial requests.
+
+Ownership: the session owns its profile, devices and weights; each `generate` call owns its request's
+tensors. Closing waits for the devices, then drops every weight reference and communicator. A trajectory that fails
+(anything other than bad input, or an abort raised by the caller's own progress / between-block callback) marks the
+session failed: it refuses further calls and must be closed and replaced.
+
+Memory placement: `weight_residency="resident"` keeps every block on the device; `"block-ring"` streams blocks from
+one pinned host arena through two device slots; `"auto"` lets the memory plan (`memory_plan.plan_memory`) choose:
+resident when the blocks and the profile's largest request fit the free device memory (or the `max_device_memory`
+cap, which the session then enforces on its devices until it closes) with the plan's margin, else block-ring. Inside
+a pipeline the pipeline's plan (the encoder and the VAEs too) is passed in and used instead. Each request is checked
+against the plan before it runs. Several GPUs (`peer_device`, `strategy`) are used only when the caller names them.
+
+Execution: an FP8 profile's artifact (approximate) runs its block linears through `fp8.RowFP8Execution` of the
+profile's mode, with the Triton activation quantizers in the fused execution; only such a session accepts the
+approximate attention backend `fa3-fp8`. Nothing else ever runs approximately.
+
+Trusted loader hooks (Python callables given by the caller, never names resolved to code): `native_denoiser_loader`
+builds the denoiser itself from the verified artifact (resident weights, one device); `block_loader` supplies the
+resident block stack, which is checked against the artifact before use.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..weights.artifact import CompiledArtifact
+from .attention import resolve_attention
+from .bundle import MODE_VARIANT, BundleHandoff, ConditioningBundle
+from .config import H3Config
+from .denoise import Denoiser, DenoiseOutput, ProgressFn
+from ..errors import IdentityMismatchError, SessionClosedError, VflashError
+from ..fileio import atomic_file, check_writable_destination
+from ..formats import device_arch
+from .fp8 import FusedRowFP8Ops, RowFP8Execution, RowFP8Ops
+from .fused import FusedOps
+from .layout import FPS
+from ..pipeline.memory_plan import DeviceCap, MemoryPlan, PartSizes, cap_bytes, denoise_bytes, largest_request, plan_memory
+from .model import AttentionFn, BlockOps, LayerWeights
+from ..pipeline.options import STRATEGIES, WEIGHT_RESIDENCIES
+from .parallel import LocalGroup, SequenceHeadAttention, TensorShard, head_groups, relayout_ops, split_rows, tensor_parallel_ops
+from .profiler import StageTimer
+from ..profiles import Profile, get_profile
+from .residency import BlockArena, BlockRing, BlockSource, LoadedBlocks, ResidentBlocks
+
+logger = logging.getLogger(__name__)
+
+EXECUTIONS = ("auto", "fused", "reference")
+_GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class DenoiserLoad:
+    """What a `native_denoiser_loader` is handed beside the verified artifact: the device, the block operations the
+    session chose for it (execution, attention, FP8) and a callback to call with each block's index once it is loaded
+    (None when nobody listens)."""
+
+    device: torch.device
+    ops: BlockOps
+    on_block: Callable[[int], None] | None
+
+
+#: (verified artifact, load arguments) -> the `Denoiser` of the session's one device, its blocks resident.
+NativeDenoiserLoader = Callable[[CompiledArtifact, DenoiserLoad], Denoiser]
+#: (verified artifact, device) -> every main block's weights on that device, in order (checked against the artifact).
+BlockLoader = Callable[[CompiledArtifact, torch.device], Sequence[LayerWeights]]
+
+
+@dataclass
+class SessionTiming:
+    """Seed 002 timing fields of one request."""
+
+    request_index: int  # 1-based index of this request in the session
+    initialization_seconds: float  # time the session took to initialise
+    initialization_charged_seconds: float  # initialization_seconds on the first request, 0 afterwards
+    request_wall_seconds: float  # this request inside the initialised session (incl. writing an output file)
+
+
+@dataclass
+class GenerationResult:
+    """video_latents: (1, C, F, h, w) fp32 CPU; audio_latents: (2, C_audio, A) fp32 CPU."""
+
+    video_latents: torch.Tensor
+    audio_latents: torch.Tensor
+    session: SessionTiming
+    metadata: dict[str, object] = field(default_factory=dict)
+    denoise_profile: dict[str, object] | None = None
+
+
+def _as_device(value: int | str | torch.device) -> torch.device:
+    device = torch.device(f"cuda:{value}") if isinstance(value, int) else torch.device(value)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+class NativeEngineSession:
+    """Run fixed-schedule H3 trajectories for one profile on one device or an explicit group of devices.
+
+    Args:
+        profile: a registered profile id or a `Profile`.
+        artifact, schedule_overlay, auxiliary: the three outputs of one `compile`.
+        device: `"cpu"`, an index or `"cuda:N"`; must match the architecture the artifact was compiled on.
+        peer_device: further GPU(s) for one request (index, name or list); needs `strategy`.
+        strategy: with `peer_device`, `"sequence-head"` (rows split, heads exchanged for attention; exact per row and
+            head) or `"tensor"` (heads and FFN channels split, partial projections summed; rounding differs).
+        weight_residency: `"auto"`, `"resident"` or `"block-ring"`.
+        max_device_memory: a cap in GiB on what the session may hold on each device: planned against and enforced
+            (`memory_plan.DeviceCap`) until `close`.
+        plan: a pipeline's memory plan (`memory_plan.plan_memory`), which then decides the residency and carries the
+            cap; `weight_residency` must agree with it and `max_device_memory` be left out.
+        attention_backend: see `attention.BACKENDS`; the backend used is logged once and reported per result.
+        execution: `"fused"` (Triton elementwise kernels, the CUDA default), `"reference"` (plain PyTorch, the CPU
+            default) or `"auto"`; both give the same bits.
+        on_load_progress: called with (blocks loaded, total) while weights load.
+        collective_timeout_seconds: how long a rank waits for its peers in one collective before the group fails.
+        native_denoiser_loader: a trusted Python callable `(artifact, DenoiserLoad) -> Denoiser` that builds the
+            denoiser in place of the session's own loading; resident weights on one device only.
+        block_loader: a trusted Python callable `(artifact, device) -> blocks` supplying the resident block stack
+            (names, shapes, dtypes, device and LoRA linears are checked against the artifact); not with
+            `native_denoiser_loader` (which loads its own) nor the tensor strategy (which shards blocks).
+    """
+
+    def __init__(
+        self,
+        profile: Profile | str,
+        artifact: str | Path,
+        schedule_overlay: str | Path,
+        auxiliary: str | Path,
+        device: int | str | torch.device = "cpu",
+        peer_device: int | str | torch.device | list | None = None,
+        strategy: str | None = None,
+        weight_residency: str = "auto",
+        attention_backend: str = "auto",
+        execution: str = "auto",
+        on_load_progress: Callable[[int, int], None] | None = None,
+        collective_timeout_seconds: float = 120.0,
+        max_device_memory: float | None = None,
+        plan: MemoryPlan | None = None,
+        native_denoiser_loader: NativeDenoiserLoader | None = None,
+        block_loader: BlockLoader | None = None,
+    ):
+        start = time.perf_counter()
+        self.profile = get_profile(profile)
+        peers = [] if peer_device is None else (list(peer_device) if isinstance(peer_device, (list, tuple)) else [peer_device])
+        self.devices = [_as_device(device)] + [_as_device(p) for p in peers]
+        self.device = self.devices[0]
+        if peers and strategy not in STRATEGIES:
+            raise VflashError(f"two or more devices need strategy {' or '.join(STRATEGIES)}, got {strategy!r}")
+        if not peers and strategy is not None:
+            raise VflashError(f"strategy {strategy!r} needs a peer_device")
+        self.strategy = strategy if peers else None
+        if weight_residency not in WEIGHT_RESIDENCIES:
+            raise VflashError(f"weight_residency must be one of {', '.join(WEIGHT_RESIDENCIES)}, got {weight_residency!r}")
+        if plan is not None and max_device_memory is not None:
+            raise VflashError("a session given a memory plan takes its cap from the plan; leave max_device_memory out")
+        hooks = check_loader_hooks(native_denoiser_loader, block_loader, self.strategy, len(self.devices))
+        if hooks and weight_residency == "auto":
+            weight_residency = "resident"
+        self.compiled = CompiledArtifact(artifact, schedule_overlay, auxiliary)
+        self.compiled.check_profile(self.profile)
+        for dev in self.devices:
+            arch = device_arch(dev)
+            if arch != self.compiled.arch:
+                raise IdentityMismatchError(f"the artifact was compiled on {self.compiled.arch}; device {dev} is {arch}")
+        config = self.compiled.config
+        if self.strategy is not None:
+            head_groups(config.num_attention_heads, len(self.devices))
+        if self.profile.fp8 is not None and self.strategy == "tensor":
+            raise VflashError(f"profile {self.profile.id} runs FP8 block linears on one device or with sequence-head; the tensor strategy shards BF16 blocks only")
+        self.attention_backend = resolve_attention(attention_backend, self.device, self.profile.fp8 is not None)[0]
+        if execution not in EXECUTIONS:
+            raise VflashError(f"execution must be one of {', '.join(EXECUTIONS)}, got {execution!r}")
+        self.execution = ("fused" if self.device.type == "cuda" else "reference") if execution == "auto" else execution
+        self.plan = self._memory_plan(weight_residency, cap_bytes(max_device_memory)) if plan is None else plan
+        if plan is not None and weight_residency not in ("auto", plan.placement.core):
+            raise VflashError(f"weight_residency={weight_residency!r} disagrees with the memory plan's {plan.placement.core!r}")
+        self.weight_residency = self.plan.placement.core if self.plan is not None else ("resident" if weight_residency == "auto" else weight_residency)
+        if hooks and self.weight_residency != "resident":
+            raise VflashError(f"{hooks[0]} loads the resident block stack; this session's blocks are {self.weight_residency} (the memory plan's choice)")
+        self._cap = DeviceCap(self.plan.cap, self.devices) if self.plan is not None and self.plan.cap is not None else None
+        self._closed = False
+        self._denoisers: list[Denoiser] = []
+        self._group: LocalGroup | None = None
+        self._arenas: list[BlockArena] = []
+        try:
+            self._load(config, attention_backend, on_load_progress, collective_timeout_seconds, native_denoiser_loader, block_loader)
+        except BaseException:
+            self.close()  # what was loaded before the failure (a loader hook's exception included), and the cap
+            raise
+        self._failure: str | None = None
+        self._requests = 0
+        self.initialization_seconds = time.perf_counter() - start
+        logger.info("Vflash session %s: %s", self.profile.id, self.memory_plan())
+
+    def _load(
+        self, config: H3Config, attention_backend: str, on_load_progress: Callable[[int, int], None] | None, collective_timeout_seconds: float,
+        native_denoiser_loader: NativeDenoiserLoader | None, block_loader: BlockLoader | None,
+    ) -> None:
+        """Load the weights where the plan put them (or through the caller's loader) and build one denoiser per device."""
+        self._group = LocalGroup(self.devices, collective_timeout_seconds) if self.strategy else None
+        size = len(self.devices)
+        shards = [TensorShard(config, r, size) if self.strategy == "tensor" else None for r in range(size)]
+        total = config.num_layers
+        load = None if on_load_progress is None else (lambda i: on_load_progress(i + 1, total))
+        # One host arena shared by every ring (sequence-head replicates blocks); one arena of shards per rank (tensor).
+        if self.weight_residency == "block-ring":
+            pin = self.device.type == "cuda"
+            if self.strategy == "tensor":
+                self._arenas = [BlockArena(self.compiled, pin, load if r == 0 else None, shard) for r, shard in enumerate(shards)]
+            else:
+                self._arenas = [BlockArena(self.compiled, pin, load)]
+        for rank, dev in enumerate(self.devices):
+            local = resolve_attention(attention_backend, dev, self.profile.fp8 is not None)[1]
+            if self.strategy == "sequence-head":
+                ops = self._block_ops(config, SequenceHeadAttention(self._group.group(rank), rank, [(0, 0)] * size, config.num_attention_heads, local, *relayout_ops(dev)), dev)  # type: ignore[union-attr]
+            elif self.strategy == "tensor":
+                ops = tensor_parallel_ops(config, self._group.group(rank), size, local, FusedOps if self.execution == "fused" else BlockOps)  # type: ignore[union-attr]
+            else:
+                ops = self._block_ops(config, local, dev)
+            if native_denoiser_loader is not None:
+                self._denoisers.append(_loaded_denoiser(native_denoiser_loader, self.compiled, DenoiserLoad(dev, ops, load)))
+                continue
+            blocks: BlockSource
+            if self._arenas:
+                blocks = BlockRing(self._arenas[rank % len(self._arenas)], dev)
+            elif block_loader is not None:
+                blocks = LoadedBlocks(self.compiled, dev, block_loader(self.compiled, dev))
+            else:
+                blocks = ResidentBlocks(self.compiled, dev, load if rank == 0 else None, shards[rank])
+            self._denoisers.append(Denoiser(self.compiled, blocks, dev, ops))
+
+    def _block_ops(self, config: H3Config, attention: AttentionFn, device: torch.device) -> BlockOps:
+        """The main blocks' operations for this session's execution; for an FP8 profile its `RowFP8Execution` (the
+        fused execution quantizes activations in the Triton kernels that produce them), checked against `device`."""
+        fused = self.execution == "fused"
+        if self.profile.fp8 is None:
+            return FusedOps(config, attention) if fused else BlockOps(config, attention)
+        execution = RowFP8Execution(self.profile.fp8, "triton" if fused and self.profile.fp8 == "w8a8" else "torch")
+        execution.check_device(device)
+        if not fused:
+            return RowFP8Ops(config, attention, execution)
+        keep_values = any(record["lora"] for record in self.compiled.manifest["blocks"])  # LoRA branches read BF16 inputs
+        return FusedRowFP8Ops(config, attention, execution, keep_values)
+
+    # -- memory -------------------------------------------------------------------------------------------------
+
+    def _memory_plan(self, weight_residency: str, cap: int | None) -> MemoryPlan | None:
+        """This session's own plan, for the core alone (its blocks and the profile's largest request), on a GPU or
+        under a cap; None on the CPU without a cap (the blocks stay resident there)."""
+        if self.device.type != "cuda" and cap is None:
+            return None
+        return plan_memory(PartSizes.of(self.compiled), largest_request(self.profile, self.compiled.config), self.devices, cap, weight_residency)
+
+    def memory_plan(self) -> str:
+        """One line: devices, strategy, attention, residency, blocks on device, pinned host bytes."""
+        report = self._memory_report()
+        devices = ", ".join(str(d) for d in self.devices)
+        strategy = f" {self.strategy}" if self.strategy else ""
+        linears = f", approximate FP8 {self.profile.fp8} block linears" if self.profile.fp8 else ""
+        return (
+            f"{devices}{strategy}, {self.execution} kernels{linears}, attention {self.attention_backend}, weights {self.weight_residency} "
+            f"({report['blocks_on_device']} blocks on device, {report['device_weight_bytes'] / _GIB:.2f} GiB block weights per device, "  # type: ignore[operator]
+            f"{report['pinned_host_bytes'] / _GIB:.2f} GiB pinned host)"  # type: ignore[operator]
+        )
+
+    def _check_request_fits(self, bundle: ConditioningBundle) -> None:
+        """Refuse a request whose activations do not fit the plan (nothing to check without one: CPU, no cap)."""
+        if self.plan is None:
+            return
+        rows = bundle.layout.sequence_length
+        if self.strategy == "sequence-head":  # local rows everywhere, plus whole-sequence q/k/v/out for 1/P of the heads
+            rows = max(stop - start for start, stop in split_rows(rows, len(self.devices))) + rows // len(self.devices)
+        self.plan.check(
+            {"denoise": denoise_bytes(self.compiled.config, rows)},
+            f"this request's activations ({bundle.layout.sequence_length} packed rows, weights {self.weight_residency})",
+            "Use a smaller canvas or a shorter clip, weight_residency='block-ring', or a second GPU.",
+        )
+
+    # -- lifecycle ------------------------------------------------------------------------------------------------
+
+    def __enter__(self) -> NativeEngineSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Wait for the devices, then release every weight and communicator this session owns. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for dev in self.devices:
+            if dev.type == "cuda":
+                try:
+                    torch.cuda.synchronize(dev)
+                except RuntimeError as exc:  # an aborted collective: completion cannot be confirmed
+                    logger.warning("closing %s after a failure: %s; do not reuse this process's CUDA context", dev, exc)
+        for den in self._denoisers:
+            den.close()
+        self._denoisers = []
+        if self._group is not None:
+            self._group.close()
+            self._group = None
+        self._arenas = []
+        if self._cap is not None:
+            self._cap.release()
+            self._cap = None
+
+    def _check_usable(self) -> None:
+        if self._failure is not None:
+            raise SessionClosedError(f"this session failed earlier ({self._failure}); close it and create a new one")
+        if self._closed:
+            raise SessionClosedError("this session is closed; create a new NativeEngineSession")
+
+    # -- requests -------------------------------------------------------------------------------------------------
+
+    def validate(self, bundle: ConditioningBundle) -> None:
+        """Everything about a request that can be checked before any heavy work; raises `VflashError`."""
+        bundle.validate()
+        bundle.check_model(self.compiled.config)
+        self.profile.check_mode(bundle.mode)
+        if MODE_VARIANT[bundle.mode] != self.profile.variant:
+            raise VflashError(f"a {bundle.mode} request needs the {MODE_VARIANT[bundle.mode]} partition; profile {self.profile.id} runs {self.profile.variant}")
+        self.profile.check_duration(bundle.geometry.num_frames / FPS)
+        self._check_request_fits(bundle)
+
+    def generate(
+        self,
+        bundle: ConditioningBundle | BundleHandoff | str | Path,
+        progress: ProgressFn | None = None,
+        between_blocks: Callable[[], None] | None = None,
+        output_latents: str | Path | None = None,
+        profile_denoise: bool = False,
+    ) -> GenerationResult:
+        """Denoise one request. `bundle` may be a bundle, a one-shot handoff, or a persisted bundle folder.
+
+        `progress(done, total)` runs after every evaluation and `between_blocks()` between blocks (with several GPUs,
+        at the next evaluation boundary); an exception they raise aborts the request and leaves the session usable.
+        With `output_latents`, the latents are also written there atomically, inside the timed region. With
+        `profile_denoise`, per-stage device timings are returned in `denoise_profile`.
+        """
+        self._check_usable()
+        if isinstance(bundle, BundleHandoff):
+            bundle = bundle.consume()
+        elif not isinstance(bundle, ConditioningBundle):
+            bundle = ConditioningBundle.load(bundle)
+        self.validate(bundle)
+        if output_latents is not None:
+            check_writable_destination(output_latents)
+        aborted = False
+
+        def guarded(fn: Callable[..., None] | None) -> Callable[..., None] | None:
+            if fn is None:
+                return None
+
+            def call(*args: int) -> None:
+                nonlocal aborted
+                try:
+                    fn(*args)
+                except BaseException:
+                    aborted = True
+                    raise
+
+            return call
+
+        for dev in self.devices:
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(dev)
+        timers = [StageTimer(dev, profile_denoise) for dev in self.devices]
+        for den, timer in zip(self._denoisers, timers):
+            if isinstance(den.blocks, BlockRing):
+                den.blocks.copy_events = timer.copy_events if profile_denoise else None
+        start = time.perf_counter()
+        try:
+            if self._group is None:
+                output = self._denoisers[0].run(bundle, timers[0], guarded(progress), guarded(between_blocks))
+            else:
+                output = self._run_group(bundle, timers, guarded(progress), guarded(between_blocks))
+            if output_latents is not None:
+                write_latents(output_latents, output, {"profile": self.profile.id, "mode": bundle.mode})
+        except BaseException as exc:
+            if not aborted and not isinstance(exc, (VflashError, KeyboardInterrupt)) or (self._group is not None and self._group.failed):
+                self._failure = f"{type(exc).__name__}: {exc}"
+            raise
+        wall = time.perf_counter() - start
+        self._requests += 1
+        timing = SessionTiming(self._requests, self.initialization_seconds, self.initialization_seconds if self._requests == 1 else 0.0, wall)
+        metadata = {
+            "profile": self.profile.id,
+            "mode": bundle.mode,
+            "devices": [str(d) for d in self.devices],
+            "strategy": self.strategy,
+            "attention_backend": self.attention_backend,
+            "execution": self.execution,
+            "fp8": self.profile.fp8,
+            "weight_residency": self.weight_residency,
+            "compile_id": self.compiled.compile_id,
+            "base_weights": {k: v for k, v in self.compiled.base_weights.items() if k != "files"},  # e.g. format fp8_scaled, pruned
+            "nfe": self._denoisers[0].nfe,
+            "memory": self._memory_report(),
+        }
+        summaries = [t.summary() for t in timers]
+        profile = (summaries[0] if len(summaries) == 1 else {"ranks": summaries}) if profile_denoise else None
+        return GenerationResult(output.video_latents, output.audio_latents, timing, metadata, profile)
+
+    def _memory_report(self) -> dict[str, object]:
+        report: dict[str, object] = {
+            "weight_residency": self.weight_residency,
+            "blocks_on_device": self.compiled.config.num_layers if self.weight_residency == "resident" else 2,
+            "device_weight_bytes": self._denoisers[0].blocks.device_weight_bytes,
+            "pinned_host_bytes": sum(a.nbytes for a in self._arenas),
+        }
+        if self.device.type == "cuda":
+            report["peak_allocated_bytes"] = [torch.cuda.max_memory_allocated(d) for d in self.devices]
+            report["peak_reserved_bytes"] = [torch.cuda.max_memory_reserved(d) for d in self.devices]
+        return report
+
+    def _run_group(self, bundle: ConditioningBundle, timers: list[StageTimer], progress: ProgressFn | None, between_blocks: Callable[[], None] | None) -> DenoiseOutput:
+        """Every rank runs the trajectory on its rows; ranks stop together at an evaluation boundary when asked."""
+        group = self._group
+        assert group is not None
+        total = bundle.layout.sequence_length
+        if self.strategy == "sequence-head":
+            rows = split_rows(total, len(self.devices))
+            for den in self._denoisers:
+                den.ops.attention.rows = rows
+        else:  # tensor: every rank holds every row
+            rows = [(0, total)] * len(self.devices)
+        stop: list[BaseException] = []
+
+        def poll() -> None:  # between blocks on rank 0: remember the request to stop, act on it at the boundary
+            if between_blocks is not None and not stop:
+                try:
+                    between_blocks()
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller at the evaluation boundary
+                    stop.append(exc)
+
+        def rank_main(rank: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+            den = self._denoisers[rank]
+            state = den.start_request(bundle, rows[rank])
+            nfe = den.nfe
+            for step in range(nfe):
+                den.step(state, step, bundle, timers[rank], poll if rank == 0 else None)
+                if progress is not None or between_blocks is not None:
+                    if den.device.type == "cuda":
+                        torch.cuda.current_stream(den.device).synchronize()
+                    group.barrier.wait()
+                    if rank == 0 and progress is not None and not stop:
+                        try:
+                            progress(step + 1, nfe)
+                        except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+                            stop.append(exc)
+                    group.barrier.wait()
+                    if stop:
+                        return None
+            return state.video_rows.cpu(), state.audio_rows.cpu()
+
+        results = group.run(rank_main)
+        if stop:
+            raise stop[0]
+        if self.strategy == "tensor":
+            results = results[:1]  # identical on every rank
+        video, audio = (torch.cat([r[i] for r in results]) for i in (0, 1))  # type: ignore[index]
+        return self._denoisers[0].finish(bundle, video, audio)
+
+
+def check_loader_hooks(native_denoiser_loader: object, block_loader: object, strategy: str | None, devices: int) -> list[str]:
+    """The names of the loader hooks given, after checking they are callables used where they can be."""
+    given = [name for name, hook in (("native_denoiser_loader", native_denoiser_loader), ("block_loader", block_loader)) if hook is not None]
+    for name, hook in (("native_denoiser_loader", native_denoiser_loader), ("block_loader", block_loader)):
+        if hook is not None and not callable(hook):
+            raise VflashError(f"{name} must be a Python callable, got {type(hook).__name__}")
+    if len(given) == 2:
+        raise VflashError("give a native_denoiser_loader or a block_loader, not both: the denoiser loader loads its own blocks")
+    if native_denoiser_loader is not None and devices > 1:
+        raise VflashError("native_denoiser_loader builds the denoiser of one device (resident, single-device only); leave peer_device and strategy out")
+    if block_loader is not None and strategy == "tensor":
+        raise VflashError("block_loader supplies whole blocks; the tensor strategy shards them (use sequence-head or one device)")
+    return given
+
+
+def _loaded_denoiser(loader: NativeDenoiserLoader, artifact: CompiledArtifact, load: DenoiserLoad) -> Denoiser:
+    """Call the caller's denoiser loader and check what it returned is a denoiser of this artifact on this device."""
+    denoiser = loader(artifact, load)
+    if not isinstance(denoiser, Denoiser):
+        raise VflashError(f"native_denoiser_loader must return a vflash_core.engine.denoise.Denoiser, got {type(denoiser).__name__}")
+    if denoiser.artifact is not artifact or denoiser.device != load.device:
+        denoiser.close()
+        raise VflashError(f"native_denoiser_loader returned a denoiser of another artifact or device ({denoiser.device}); it must use the artifact and device it is handed")
+    return denoiser
+
+
+def write_latents(path: str | Path, output: DenoiseOutput, metadata: dict[str, str]) -> Path:
+    """Latents as safetensors (`video_latents`, `audio_latents`), published atomically, never overwriting."""
+    from safetensors.torch import save_file
+
+    with atomic_file(path) as tmp:
+        save_file({"video_latents": output.video_latents.contiguous(), "audio_latents": output.audio_latents.contiguous()}, str(tmp), metadata=metadata)
+    return Path(path)

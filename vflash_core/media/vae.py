@@ -1,0 +1,199 @@
+"""The official video and audio VAEs of H3: conditioning encodes and the final decode.
+
+Encoding keyframes and visual references follows the released recipe exactly: ImageNet-normalised pixels over a
+[0, 1] base, the posterior *sampled* under its own `Generator().manual_seed(42)` (never the request's), a round trip
+through float16, then `(z - mean) / std` on the CPU. Soundtracks take the audio posterior's mean.
+
+Decoding denormalises (`z * std + mean`), decodes with `AutoencoderKLMiniMaxH3` as loaded — spatial tiling on (its
+default; the released frames are the blended-tile ones, and the tile geometry is the model's own, 256 px tiles with
+at least 64 px overlap) and the model's temporal windowing, which decodes 7 latent frames at a time with cross-fades,
+so 10 s and 15 s clips fit — and maps ImageNet space back to [0, 1]. The mono audio VAE decodes the two stereo
+channels as two batch items. `video_decoder="native"` decodes the video with `vae_decode.NativeVideoDecoder` instead:
+the same frames bit for bit, several tile-windows per ViT call, each window's frames copied out as it completes; with a
+`peer_device` it splits the tile-windows between the two devices (a replica of the decoder's weights on the peer for
+the decode's duration), the same frames again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .conditioning import default_dtype
+from ..pipeline.device_owner import SerialDeviceOwner, release_device_memory
+from ..errors import VflashError
+from ..engine.layout import AUDIO_CHANNELS, FPS
+from .vae_decode import NativeVideoDecoder
+
+logger = logging.getLogger(__name__)
+
+# The video VAE's pixel convention: ImageNet statistics over a [0, 1] base.
+PIXEL_MEAN = (0.485, 0.456, 0.406)
+PIXEL_STD = (0.229, 0.224, 0.225)
+CONDITION_ENCODE_SEED = 42
+VIDEO_DECODERS = ("diffusers", "native")
+
+
+@dataclass
+class DecodedMedia:
+    """frames: (F, H, W, 3) float32 in [0, 1]; waveform: (2, T) float32 in [-1, 1]."""
+
+    frames: torch.Tensor
+    waveform: torch.Tensor
+    sample_rate: int
+    fps: int = FPS
+
+
+class MediaVAEs(SerialDeviceOwner):
+    """Owns `AutoencoderKLMiniMaxH3` (video) and `AutoencoderKLMiniMaxH3Audio` (audio, always fp32)."""
+
+    def __init__(
+        self, video_vae, audio_vae, device: str | torch.device = "cpu", video_decoder: str = "diffusers", peer_device: str | torch.device | None = None
+    ):
+        if video_decoder not in VIDEO_DECODERS:
+            raise VflashError(f"unknown video_decoder {video_decoder!r}; choose one of {', '.join(VIDEO_DECODERS)}")
+        self.video_decoder = video_decoder
+        self.video_vae = video_vae.eval()
+        self.audio_vae = audio_vae.eval()
+        self.device = torch.device(device)
+        self.peer_device = None if peer_device is None else torch.device(peer_device)
+        if not self.video_vae.use_tiling:
+            logger.warning("video VAE tiling is off; the released decodes are tiled, so frames will differ")
+
+    @classmethod
+    def from_pretrained(
+        cls, decoder_root: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, video_decoder: str = "diffusers",
+        peer_device: str | torch.device | None = None,
+    ) -> "MediaVAEs":
+        """Load `vae/` and `audio_vae/` from a decoder root (an official model root works), offline.
+
+        `dtype` applies to the video VAE's decoder stack (its cast-sensitive modules stay fp32, as diffusers pins
+        them); default bf16 on CUDA, fp32 on the CPU. `video_decoder`: "diffusers" (its `decode`) or "native";
+        `peer_device`: a second device the native decode shares its work with.
+        """
+        from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
+
+        root = Path(decoder_root).resolve()
+        device = torch.device(device)
+        video = AutoencoderKLMiniMaxH3.from_pretrained(root / "vae", torch_dtype=dtype or default_dtype(device), local_files_only=True)
+        audio = AutoencoderKLMiniMaxH3Audio.from_pretrained(root / "audio_vae", local_files_only=True)
+        return cls(video, audio, device, video_decoder, peer_device)
+
+    # -- geometry -----------------------------------------------------------------------------------------------------
+
+    @property
+    def latent_channels(self) -> int:
+        return int(self.video_vae.config.latent_channels)
+
+    @property
+    def audio_latent_channels(self) -> int:
+        return int(self.audio_vae.config.latent_channels)
+
+    @property
+    def sample_rate(self) -> int:
+        return int(self.audio_vae.config.sampling_rate)
+
+    def _stats(self, vae, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        if vae is None:
+            raise VflashError("these VAEs were closed")
+        return torch.tensor(vae.config.latents_mean).view(shape), torch.tensor(vae.config.latents_std).view(shape)
+
+    # -- ownership ----------------------------------------------------------------------------------------------------
+
+    def device_modules(self) -> list[torch.nn.Module]:
+        return [self.video_vae, self.audio_vae]
+
+    def close(self) -> None:
+        self.video_vae = self.audio_vae = None
+        release_device_memory(self.device)
+
+    # -- encoding -----------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def encode_pixels(self, frames: np.ndarray) -> torch.Tensor:
+        """(F, H, W, 3) uint8 RGB (F = 1 for a keyframe or image) -> (1, C, f, H/16, W/16) fp32 normalised, CPU."""
+        mean, std = self._stats(self.video_vae, (1, -1, 1, 1, 1))
+        device = next(self.video_vae.parameters()).device
+        # Copies only when the array is not contiguous or read-only (as `np.asarray` of a PIL image is).
+        pixels = torch.from_numpy(np.require(frames, requirements=["C", "W"])).to(device).permute(3, 0, 1, 2)[None]
+        pixel_mean, pixel_std = (torch.tensor(stats, device=device).view(1, -1, 1, 1, 1) for stats in (PIXEL_MEAN, PIXEL_STD))
+        pixels = (pixels.to(torch.float32).div(255.0) - pixel_mean) / pixel_std
+        posterior = self.video_vae.encode(pixels, return_dict=False)[0]
+        latents = posterior.sample(generator=torch.Generator().manual_seed(CONDITION_ENCODE_SEED))
+        latents = latents.to(torch.float16).float().cpu()
+        return (latents - mean) / std
+
+    @torch.no_grad()
+    def encode_soundtrack(self, waveform: torch.Tensor) -> torch.Tensor:
+        """(2, S) float32 at the VAE's rate -> (2 A, C) fp32 normalised channel-major rows, CPU."""
+        mean, std = self._stats(self.audio_vae, (1, 1, -1))
+        device = next(self.audio_vae.parameters()).device
+        posterior = self.audio_vae.encode(waveform.to(device)[:, None], return_dict=False)[0]
+        latents = posterior.mode().float().cpu().transpose(1, 2)
+        return ((latents - mean) / std).reshape(-1, self.audio_latent_channels)
+
+    # -- decoding -----------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def decode_video(self, video_latents: torch.Tensor) -> torch.Tensor:
+        """(1, C, F, h, w) normalised -> (F', 16h, 16w, 3) float32 in [0, 1], F' = 17 n + 5 for F = 5 n + 2."""
+        mean, std = self._stats(self.video_vae, (1, -1, 1, 1, 1))
+        device = next(self.video_vae.parameters()).device
+        latents = video_latents.to(device) * std.to(device) + mean.to(device)
+        pixel_mean, pixel_std = (torch.tensor(stats, device=device).view(1, -1, 1, 1, 1) for stats in (PIXEL_MEAN, PIXEL_STD))
+        if self.video_decoder == "native":
+            return self._decode_video_native(latents, pixel_mean, pixel_std)
+        video = self.video_vae.decode(latents, return_dict=False)[0]
+        video = (video.float() * pixel_std + pixel_mean).clamp(0, 1)
+        return video[0].permute(1, 2, 3, 0).cpu()
+
+    def _decode_video_native(self, latents: torch.Tensor, pixel_mean: torch.Tensor, pixel_std: torch.Tensor) -> torch.Tensor:
+        """`decode_video` through `NativeVideoDecoder` on the module's current tensors (and their replica on the peer
+        device, made for this decode and released after it): each window's frames are mapped to [0, 1] on the device
+        (the same elementwise ops per element as on the whole video) and copied to the host as the window completes,
+        so the video itself never occupies the device."""
+        devices = () if self.peer_device is None else (latents.device, self.peer_device)
+        decoder = NativeVideoDecoder.from_vae(self.video_vae, devices)
+        plan = decoder.plan(latents.shape)
+        frames = torch.empty((plan.output_frames, plan.pixel_height, plan.pixel_width, 3), dtype=torch.float32)
+
+        def write(start: int, chunk: torch.Tensor) -> None:
+            pixels = (chunk.float() * pixel_std + pixel_mean).clamp(0, 1)
+            frames[start : start + chunk.shape[2]].copy_(pixels[0].permute(1, 2, 3, 0))
+
+        decoder.decode(latents, write)
+        return frames
+
+    @torch.no_grad()
+    def decode_audio(self, audio_latents: torch.Tensor) -> torch.Tensor:
+        """(2, C, A) normalised, one item per stereo channel -> (2, A * hop) float32 in [-1, 1]."""
+        mean, std = self._stats(self.audio_vae, (1, -1, 1))
+        device = next(self.audio_vae.parameters()).device
+        latents = audio_latents.to(device) * std.to(device) + mean.to(device)
+        return self.audio_vae.decode(latents, return_dict=False)[0].float()[:, 0].cpu()
+
+    def decode(self, video_latents: torch.Tensor, audio_latents: torch.Tensor) -> DecodedMedia:
+        """Both streams, holding the device for the duration."""
+        if audio_latents.shape[0] != AUDIO_CHANNELS:
+            raise VflashError(f"audio latents must be (2, C, A), got {list(audio_latents.shape)}")
+        return decode_latents(self, video_latents, audio_latents)
+
+
+def decode_latents(vaes, video_latents: torch.Tensor, audio_latents: torch.Tensor, after_stage: Callable[[str], None] | None = None) -> DecodedMedia:
+    """(1, C, F, h, w) and (2, C_a, A) normalised latents -> frames and the whole stereo waveform, the VAEs on their
+    device for the duration; `after_stage` is called after decode.video and decode.audio. `vaes` is a `MediaVAEs` or
+    any object with its `on_device` / `decode_video` / `decode_audio` / `sample_rate` (an adapter over another
+    implementation's VAEs)."""
+    after_stage = after_stage or (lambda name: None)
+    with vaes.on_device():
+        frames = vaes.decode_video(video_latents)
+        after_stage("decode.video")
+        waveform = vaes.decode_audio(audio_latents)
+        after_stage("decode.audio")
+    return DecodedMedia(frames, waveform, vaes.sample_rate)
+

@@ -1,0 +1,146 @@
+"""The embedded default: a small random-weight H3 family that runs end to end on a fresh CPU machine, no download.
+
+`ensure_demo_assets()` builds the family once under the cache (`$VFLASH_CACHE`, else `~/.cache/vflash`): the official
+folder layout (`family.build_model_family`), the transformer compiled for the `t2va-base4-exact-cpu` profile, a
+six-field assets file and the prepared-assets receipt. Building happens in a temporary folder renamed into place, so
+an interrupted or concurrent build never leaves a half family behind; later calls reuse it.
+
+`run_demo()` then generates through exactly the path a real model takes — `H3Pipeline.from_prepared` -> Qwen3-VL
+conditioning -> bundle -> native core -> VAEs -> MP4. The weights are random, so the clip is noise-like by nature.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from ..errors import VflashError
+from ..weights.family import DEMO_FAMILY, build_model_family
+from ..fileio import OutputExistsError, check_writable_destination
+from .options import RunOptions
+
+logger = logging.getLogger(__name__)
+
+DEMO_PROFILE = "t2va-base4-exact-cpu"
+DEMO_PROMPT = "A robot dances in the rain on a neon street at night, while drums and bass play."
+DEMO_SEED = 0
+_RECEIPT = "pipeline.json"
+
+
+def default_cache_dir() -> Path:
+    """`$VFLASH_CACHE`, else `$XDG_CACHE_HOME/vflash`, else `~/.cache/vflash`."""
+    if os.environ.get("VFLASH_CACHE"):
+        return Path(os.environ["VFLASH_CACHE"]).expanduser()
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "vflash"
+
+
+def _family_key() -> str:
+    """Changes whenever what the demo builds changes, so an old cache is never reused for a new family."""
+    from ..engine.config import PRESETS
+    from .. import __version__
+
+    spec = {"family": asdict(DEMO_FAMILY), "transformer": PRESETS[DEMO_FAMILY.transformer], "profile": DEMO_PROFILE, "version": __version__}
+    return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def _build(folder: Path, progress) -> None:
+    """Family, compile, assets file: everything with paths relative to `folder` (it is renamed afterwards)."""
+    from ..weights.compiler import compile_receipt, prepare
+
+    if progress:
+        progress("build family", 0, 3)
+    build_model_family(folder / "model", DEMO_FAMILY, seed=0, with_ref=False)
+    if progress:
+        progress("build family", 1, 3)
+    prepare(DEMO_PROFILE, folder / "model" / "transformer", folder / "weights-receipt.json")
+    compile_receipt(folder / "weights-receipt.json", folder / "compiled")
+    if progress:
+        progress("build family", 2, 3)
+    assets = {
+        "model_root": "model", "decoder_root": "model", "adapter_path": None, "artifact": "compiled/artifact",
+        "schedule_overlay": "compiled/schedule", "auxiliary_tensor": "compiled/auxiliary.safetensors",
+    }
+    (folder / "assets.json").write_text(json.dumps(assets, indent=2) + "\n")
+
+
+def demo_receipt_path(cache_dir: str | Path | None = None) -> Path:
+    """Where the prepared-assets receipt of the current demo family lives (built or not)."""
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return cache / f"demo-{_family_key()}" / _RECEIPT
+
+
+def ensure_demo_assets(cache_dir: str | Path | None = None, progress=None) -> Path:
+    """Build the embedded family once (idempotent, atomic) and return its prepared-assets receipt."""
+    from .h3_pipeline import prepare_pipeline
+
+    receipt = demo_receipt_path(cache_dir)
+    final, cache = receipt.parent, receipt.parent.parent
+    if receipt.is_file():
+        return receipt
+    if not final.exists():
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            reason = "it or a folder above it is a file" if isinstance(exc, (FileExistsError, NotADirectoryError)) else exc.strerror
+            raise VflashError(f"the demo model cache {cache} cannot be created: {reason}; give --cache-dir (or $VFLASH_CACHE) a folder") from None
+        start = time.perf_counter()
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=cache))
+        try:
+            _build(tmp, progress)
+            try:
+                os.rename(tmp, final)
+            except OSError:
+                if not final.is_dir():
+                    raise
+                logger.info("another process built %s first; using it", final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        logger.info("built the embedded demo family in %s (%.1f s)", final, time.perf_counter() - start)
+    try:
+        prepare_pipeline(DEMO_PROFILE, final / "assets.json", receipt)
+    except OutputExistsError:
+        pass  # prepared concurrently
+    if progress:
+        progress("build family", 3, 3)
+    return receipt
+
+
+def _free_output(name: str = "demo.mp4") -> Path:
+    """demo.mp4, else demo-2.mp4, demo-3.mp4, ... in the current folder."""
+    path = Path(name)
+    k = 2
+    while path.exists():
+        path = Path(f"{Path(name).stem}-{k}{Path(name).suffix}")
+        k += 1
+    return path
+
+
+def run_demo(output: str | Path | None = None, overwrite: bool = False, cache_dir: str | Path | None = None, progress=None, options: RunOptions | None = None):
+    """Generate the demo clip; returns (VideoResult, info) with `built` (whether this call built the family),
+    `build_seconds`, `initialization_seconds` and the `receipt`. Without `output`, writes the first free name of
+    demo.mp4, demo-2.mp4, ..."""
+    from .h3_pipeline import H3Pipeline, VideoRequest
+
+    target = Path(output) if output is not None else _free_output()
+    try:
+        check_writable_destination(target, overwrite)  # before the family is built: a bad output costs nothing
+    except OutputExistsError as exc:
+        raise VflashError(f"{exc} (pass --overwrite, or another --output)") from None
+    built = not demo_receipt_path(cache_dir).is_file()
+    start = time.perf_counter()
+    receipt = ensure_demo_assets(cache_dir, progress)
+    build = time.perf_counter() - start
+    request = VideoRequest(prompt=DEMO_PROMPT, duration_seconds=5.0, seed=DEMO_SEED)
+    with H3Pipeline.from_prepared(receipt, options) as pipeline:
+        pipeline.validate(request)
+        pipeline.load(progress)
+        result = pipeline.generate(request, target, overwrite=overwrite, progress=progress)
+        return result, {"built": built, "build_seconds": build, "initialization_seconds": pipeline.initialization_seconds, "receipt": str(receipt)}

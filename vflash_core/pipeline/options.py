@@ -1,0 +1,104 @@
+"""How a pipeline runs its requests, never what they generate: one options object for the command line, the HTTP
+service and its worker, `H3Pipeline.from_prepared` and any other front end.
+
+`RunOptions` checks its choices when it is built; `check_devices` checks, before anything loads, that this machine
+has the devices and that they are of the architecture the profile's tables were computed on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..errors import VflashError
+from ..media.mp4 import MAX_VIDEO_THREADS, VIDEO_INPUTS, check_delivery_options
+
+WEIGHT_RESIDENCIES = ("auto", "resident", "block-ring")  # where the core's blocks live on a GPU
+ENCODER_RESIDENCIES = ("offload", "resident")  # where the text encoder and the VAEs live between their stages
+STRATEGIES = ("sequence-head", "tensor")  # how one request is split over several GPUs
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """device / peer_device: "cpu", a CUDA index or "cuda:N" (the peer only with a `strategy`); attention_backend:
+    see `attention.BACKENDS`; weight_residency, encoder_residency: memory placement on a GPU; max_device_memory: a cap
+    in GiB on what the pipeline may hold on each of its devices (the memory plan is made against it and it is enforced
+    through PyTorch's allocator; None: the device's free memory); media_video_input,
+    media_video_threads: MP4 delivery; profile_denoise: per-evaluation device timings in the result (a diagnostic);
+    verify_weights: re-hash the compiled weights against their compile-time sha256 before loading them (slow)."""
+
+    device: int | str = "cpu"
+    peer_device: int | str | None = None
+    strategy: str | None = None
+    attention_backend: str = "auto"
+    weight_residency: str = "auto"
+    encoder_residency: str = "offload"
+    max_device_memory: float | None = None
+    media_video_input: str = "file"
+    media_video_threads: int | None = None
+    profile_denoise: bool = False
+    verify_weights: bool = False
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("weight_residency", WEIGHT_RESIDENCIES), ("encoder_residency", ENCODER_RESIDENCIES)):
+            if getattr(self, name) not in allowed:
+                raise VflashError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        from ..engine.attention import BACKENDS
+
+        if self.attention_backend not in BACKENDS:  # the name now; whether it runs on the device, in check_devices
+            raise VflashError(f"unknown attention backend {self.attention_backend!r}; choose one of {', '.join(BACKENDS)}")
+        if self.strategy is not None and self.strategy not in STRATEGIES:
+            raise VflashError(f"strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
+        if (self.peer_device is None) != (self.strategy is None):
+            raise VflashError("a peer GPU and a strategy go together (e.g. --peer-gpu 1 --strategy sequence-head)")
+        check_delivery_options(self.media_video_input, self.media_video_threads)
+        cap = self.max_device_memory
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap <= 0):
+            raise VflashError(f"max_device_memory must be a positive number of GiB, got {cap!r}")
+        for name in ("profile_denoise", "verify_weights"):
+            if not isinstance(getattr(self, name), bool):
+                raise VflashError(f"{name} must be true or false, got {getattr(self, name)!r}")
+
+    def check_devices(self, arch: str, approximate_attention: bool = False) -> tuple[torch.device, torch.device | None]:
+        """(device, peer) resolved and checked against this machine and the profile's architecture; the attention
+        backend is resolved on the device too, so an unknown or unavailable kernel is refused before any load (an
+        approximate one unless `approximate_attention`: the profile is an FP8 profile)."""
+        from ..engine.attention import resolve_attention
+        from .validation import check_device
+
+        primary = check_device(self.device, arch)
+        resolve_attention(self.attention_backend, primary, approximate_attention)
+        peer = None if self.peer_device is None else check_device(self.peer_device, arch, "peer device")
+        return primary, peer
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        """The command-line flags of the run options (`vflash generate`, `vflash serve`)."""
+        parser.add_argument("--gpu", type=int, help="CUDA device index (default: CPU)")
+        parser.add_argument("--peer-gpu", type=int, help="second GPU for the native core (needs --strategy)")
+        parser.add_argument("--strategy", choices=("sequence-head",), help="how the core splits one request over two GPUs")
+        parser.add_argument("--attention-backend", default="auto")
+        parser.add_argument("--weight-residency", default="auto", choices=WEIGHT_RESIDENCIES)
+        parser.add_argument("--encoder-residency", default="offload", choices=ENCODER_RESIDENCIES,
+                            help="GPU: move the text encoder and VAEs off the device after each use (default), or keep them there")
+        parser.add_argument("--max-device-memory", type=float, metavar="GIB",
+                            help="cap on the device memory the pipeline may use, in GiB (default: what the GPU has free); placement is planned against it and it is enforced")
+        parser.add_argument("--media-video-input", default="file", choices=VIDEO_INPUTS, help="feed the H.264 encoder from a temporary RGB file or frame by frame")
+        parser.add_argument("--media-video-threads", type=int, help=f"H.264 encoder threads, 1-{MAX_VIDEO_THREADS} (default: automatic)")
+        parser.add_argument("--verify-weights", action="store_true", help="re-hash the compiled weights before loading them (slow; loading checks sizes only)")
+
+    @classmethod
+    def from_arguments(cls, args: argparse.Namespace, **extra: object) -> RunOptions:
+        """The options from `add_arguments`' flags (plus `extra` fields, e.g. profile_denoise)."""
+        return cls(
+            device="cpu" if args.gpu is None else f"cuda:{args.gpu}", peer_device=None if args.peer_gpu is None else f"cuda:{args.peer_gpu}",
+            strategy=args.strategy, attention_backend=args.attention_backend, weight_residency=args.weight_residency,
+            encoder_residency=args.encoder_residency, max_device_memory=args.max_device_memory, media_video_input=args.media_video_input, media_video_threads=args.media_video_threads,
+            verify_weights=args.verify_weights, **extra,  # type: ignore[arg-type]
+        )

@@ -1,0 +1,399 @@
+"""The one request validator: everything about a request that is knowable before a model loads.
+
+`plan_request` is what `H3Pipeline.validate` / `generate` run (so the CLI and the Python API), and what the HTTP
+service runs before it queues a job; other front ends can call its parts (`check_prompt`, `clip_frames`,
+`check_canvas_size`, `check_labels`, `check_reference_counts`). The limits come from the model and the profile:
+
+* prompt: a non-empty string of at most `MAX_PROMPT_BYTES` whose tokens fit the text encoder's context
+  (`text_config.max_position_embeddings`), counted with the model's own tokenizer (`PromptBudget`);
+* clip: the model's 5-15 s, within the profile's range;
+* canvas: multiples of 32, aspect 1:4 .. 4:1, and no more pixels than the model's canvas rules give
+  (`canvas_max_pixels`, within the rounding of each side to a multiple of 32 that the rules themselves apply);
+* inputs: counts per kind, readable regular files of bounded size (`references.probe_media`), every prompt label
+  bound to an input;
+* devices: present on this machine and of the profile's architecture (`check_device`).
+
+`VideoRequest` checks its field types when it is built, with `media_input`, `media_inputs`, `integer` and `seconds`:
+a wrong type is refused with one line naming the field, and a single path is one path, never a string of characters.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import numbers
+import os
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import PIL.Image
+import torch
+
+from ..errors import IdentityMismatchError, RequestError, VflashError
+from ..engine.layout import FPS, MAX_DURATION_SECONDS, MIN_DURATION_SECONDS, Geometry, check_canvas, frames_for_duration
+from .model_loading import MODEL_LOAD_LOCK
+from ..profiles import Profile
+from ..media.references import CANVAS_MULTIPLE, MAX_AUDIOS, MAX_IMAGES, MAX_REFERENCES, MAX_VIDEOS, CanvasRules, probe_media, reference_kind
+
+if TYPE_CHECKING:
+    from .h3_pipeline import VideoRequest
+
+#: A prompt's UTF-8 size limit: far above any prompt the encoder's context holds, it bounds what is read and tokenised.
+MAX_PROMPT_BYTES = 1 << 20
+# A byte-level BPE token covers at least one UTF-8 byte of the NFC-normalised text, and NFC turns one character into
+# at most three (at most 12 bytes): a prompt of context / 12 characters always fits and needs no tokenizer.
+_MAX_TOKENS_PER_CHARACTER = 12
+_LABEL = re.compile(r"<(Picture|Video|Audio) (\d+)>")
+_SHOWN = 40
+
+MediaInput = str | os.PathLike | PIL.Image.Image
+
+
+# -- field types (VideoRequest) ------------------------------------------------------------------------------------
+
+
+def describe_value(value: object) -> str:
+    """A value's type and (shortened) repr, for messages about a field of the wrong type."""
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= _SHOWN else text[: _SHOWN - 3] + '...'}"
+
+
+def media_input(value: object, field: str) -> MediaInput | None:
+    """None, a PIL image, or a non-empty file path (str or `os.PathLike`), unchanged."""
+    if value is None or isinstance(value, PIL.Image.Image):
+        return value
+    if isinstance(value, (str, os.PathLike)):
+        path = os.fspath(value)
+        if not isinstance(path, str) or not path:
+            raise RequestError(f"{field} must be a non-empty file path, got {describe_value(value)}")
+        if "\x00" in path:
+            raise RequestError(f"{field} must not contain a NUL character")
+        return value
+    raise RequestError(f"{field} must be a file path (str or Path) or a PIL image, got {describe_value(value)}")
+
+
+def media_inputs(value: object, field: str) -> tuple[MediaInput, ...]:
+    """A tuple of media inputs from one input (a path or an image is one input) or a list or tuple of them."""
+    if value is None:
+        return ()
+    if isinstance(value, (str, os.PathLike, PIL.Image.Image)):
+        return (media_input(value, field),)  # type: ignore[return-value]
+    if isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            if item is None:
+                raise RequestError(f"{field}[{index}] is None; give a file path or a PIL image, or leave it out")
+        return tuple(media_input(item, f"{field}[{index}]") for index, item in enumerate(value))  # type: ignore[misc]
+    raise RequestError(f"{field} must be a file path, a PIL image or a list of them, got {describe_value(value)}")
+
+
+def path_argument(value: object, what: str) -> Path:
+    """A non-empty file path given as str or `os.PathLike` (never bytes, a number or None), as a Path."""
+    if isinstance(value, (str, os.PathLike)):
+        text = os.fspath(value)
+        if isinstance(text, str) and text:
+            if "\x00" in text:
+                raise VflashError(f"{what} must not contain a NUL character")
+            return Path(text)
+    raise VflashError(f"{what} must be a file path (str or Path), got {describe_value(value)}")
+
+
+def flag(value: object, what: str) -> bool:
+    """A bool; a truthy string such as "no" must never turn overwriting on."""
+    if not isinstance(value, bool):
+        raise VflashError(f"{what} must be True or False, got {describe_value(value)}")
+    return value
+
+
+def callback(value: object, what: str) -> None:
+    """None or a callable, checked before anything loads (a callback is first called after loading)."""
+    if value is not None and not callable(value):
+        raise VflashError(f"{what} must be a callable or None, got {describe_value(value)}")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve() or (a.exists() and b.exists() and os.path.samefile(a, b))
+    except (OSError, RuntimeError):
+        return False
+
+
+def check_output_is_not_an_input(output: str | os.PathLike, inputs: dict[str, object]) -> None:
+    """Refuse an output path that names one of the input files in `inputs` (what -> path or image), or lies inside one
+    of its folders, so --overwrite can never replace an input (or a model file) with the clip made from it."""
+    target = Path(output)
+    for what, item in inputs.items():
+        if not isinstance(item, (str, os.PathLike)):
+            continue
+        if _same_file(target, Path(item)):
+            raise VflashError(f"output {target} is the {what}; write the clip to another file")
+        if Path(item).is_dir() and target.resolve().is_relative_to(Path(item).resolve()):
+            raise VflashError(f"output {target} is inside the {what} {item}; write the clip to another folder")
+
+
+def request_inputs(request: "VideoRequest") -> dict[str, object]:
+    """The request's input files by name (first frame, last frame, reference N)."""
+    named: dict[str, object] = {"first frame": request.first_frame, "last frame": request.last_frame}
+    named.update({f"reference {index + 1}": item for index, item in enumerate(request.references)})
+    return named
+
+
+def check_generate_arguments(request: "VideoRequest", output: object, overwrite: object, progress: object = None, cancel: object = None) -> None:
+    """The arguments of `H3Pipeline.generate` besides the request, checked before anything loads: the output a
+    writable file path that is none of the request's inputs, `overwrite` a bool, the callbacks callable."""
+    from ..fileio import check_writable_destination
+
+    flag(overwrite, "overwrite")
+    callback(progress, "progress")
+    callback(cancel, "cancel")
+    if output is not None:
+        path_argument(output, "the output path")
+        check_writable_destination(output, overwrite)  # as given: a trailing "/" names a folder
+        check_output_is_not_an_input(output, request_inputs(request))  # type: ignore[arg-type]
+
+
+def integer(value: object, field: str, what: str = "an integer") -> int:
+    """An int (any integral number but a bool); a float such as 448.7 is refused, never truncated."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise RequestError(f"{field} must be {what}, got {describe_value(value)}")
+    return int(value)
+
+
+def seconds(value: object, field: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise RequestError(f"{field} must be a number of seconds, got {describe_value(value)}")
+    return float(value)
+
+
+# -- limits ----------------------------------------------------------------------------------------------------------
+
+
+class PromptBudget:
+    """The text encoder's context in tokens, and the model's tokenizer to count a prompt against it.
+
+    The tokenizer loads on the first prompt long enough to need it (see `_MAX_TOKENS_PER_CHARACTER`), so ordinary
+    prompts are checked without it. Thread-safe: counting holds a lock, because a fast tokenizer must not be used by
+    two threads at once.
+    """
+
+    def __init__(self, context_tokens: int, load_tokenizer: Callable[[], Any]):
+        self.context_tokens = context_tokens
+        self._load_tokenizer = load_tokenizer
+        self._tokenizer: Any = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_model_root(cls, model_root: str | Path) -> "PromptBudget":
+        """The context from `text_encoder/config.json`; the tokenizer from `tokenizer/` when first needed."""
+        root = Path(model_root)
+        config = root / "text_encoder" / "config.json"
+        try:
+            context = json.loads(config.read_text(encoding="utf-8"))["text_config"]["max_position_embeddings"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise VflashError(f"{config} does not give the text encoder's context (text_config.max_position_embeddings): {exc}") from None
+        if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+            raise VflashError(f"{config}: text_config.max_position_embeddings must be a positive integer, got {context!r}")
+        folder = root / "tokenizer"
+
+        def load() -> Any:
+            with MODEL_LOAD_LOCK:
+                from transformers import Qwen2TokenizerFast
+
+                return Qwen2TokenizerFast.from_pretrained(folder, local_files_only=True)
+
+        return cls(context, load)
+
+    @classmethod
+    def of_tokenizer(cls, tokenizer: Any, context_tokens: int) -> "PromptBudget":
+        """A budget over a loaded tokenizer (a text conditioner's); it counts with its own copy of it, so counting
+        never shares the tokenizer with an encode running in another thread."""
+        return cls(context_tokens, lambda: copy.deepcopy(tokenizer))
+
+    def count(self, prompt: str) -> int:
+        with self._lock:
+            if self._tokenizer is None:
+                try:
+                    self._tokenizer = self._load_tokenizer()
+                except (OSError, ValueError) as exc:
+                    raise VflashError(f"cannot load the model's tokenizer to count the prompt's tokens: {exc}") from None
+            return len(self._tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+    def check(self, prompt: str) -> None:
+        if len(prompt) * _MAX_TOKENS_PER_CHARACTER <= self.context_tokens:
+            return
+        tokens = self.count(prompt)
+        if tokens > self.context_tokens:
+            raise RequestError(
+                f"the prompt is {tokens:,} tokens long; the text encoder reads at most {self.context_tokens:,} "
+                f"(its context, text_config.max_position_embeddings)"
+            )
+
+
+def check_prompt(prompt: object, budget: PromptBudget | None = None) -> None:
+    """A non-empty string of valid Unicode, at most `MAX_PROMPT_BYTES`, whose tokens fit `budget` (when given)."""
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise RequestError("the prompt must be a non-empty string")
+    try:
+        size = len(prompt.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise RequestError(f"the prompt is not valid Unicode text (a lone surrogate at character {exc.start})") from None
+    if "\x00" in prompt:
+        raise RequestError(f"the prompt holds a NUL character (at character {prompt.index(chr(0))}); give plain text, not a binary file")
+    if size > MAX_PROMPT_BYTES:
+        raise RequestError(f"the prompt is {size:,} bytes long; prompts of at most {MAX_PROMPT_BYTES:,} bytes are accepted")
+    if budget is not None:
+        budget.check(prompt)
+
+
+def check_seed(seed: int) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise RequestError(f"seed must be an integer from 0 to 2**63 - 1, got {seed!r}")
+
+
+def clip_frames(duration_seconds: float, profile: Profile) -> int:
+    """The aligned frame count of a duration the model generates and the profile accepts."""
+    if not math.isfinite(duration_seconds):
+        raise RequestError(f"duration must be a finite number of seconds, got {duration_seconds!r}")
+    if abs(duration_seconds) > 2 * MAX_DURATION_SECONDS:  # far outside: no frame count to align (1e308 s would overflow)
+        raise RequestError(f"duration {duration_seconds:g} s cannot be generated; H3 generates {MIN_DURATION_SECONDS:g}-{MAX_DURATION_SECONDS:g} s")
+    num_frames = frames_for_duration(float(duration_seconds))
+    profile.check_duration(num_frames / FPS)
+    return num_frames
+
+
+def check_canvas_size(height: int, width: int, canvas: CanvasRules) -> None:
+    """Multiples of 32 at an aspect ratio H3 accepts, within the model's pixel budget.
+
+    The budget admits every canvas the canvas rules can pick: they scale the area to at most `canvas_max_pixels`,
+    then round each side to a multiple of 32, which adds at most half a multiple (16) per side.
+    """
+    slack = CANVAS_MULTIPLE // 2
+    # In integers, before `check_canvas` divides: an enormous side must not overflow a float.
+    if height > 0 and width > 0 and (height - slack) * (width - slack) > canvas.max_pixels:
+        largest_h, largest_w = canvas.default_canvas(16, 9)
+        raise RequestError(
+            f"canvas {width}x{height} is {height * width:,} pixels; this model generates at most {canvas.max_pixels:,} "
+            f"(canvas_max_pixels, within rounding to multiples of {CANVAS_MULTIPLE}; e.g. {largest_w}x{largest_h} at 16:9)"
+        )
+    check_canvas(height, width)
+
+
+def check_reference_counts(kinds: list[str]) -> None:
+    """ref2va limits of the released checkpoint: per kind, in total, and no audio without a picture or video."""
+    for kind, limit in (("image", MAX_IMAGES), ("video", MAX_VIDEOS), ("audio", MAX_AUDIOS)):
+        if kinds.count(kind) > limit:
+            raise RequestError(f"H3 takes at most {limit} {kind} references, got {kinds.count(kind)}")
+    if len(kinds) > MAX_REFERENCES:
+        raise RequestError(f"H3 takes at most {MAX_REFERENCES} references in total, got {len(kinds)}")
+    if kinds and set(kinds) == {"audio"}:
+        raise RequestError("audio references need at least one image or video reference beside them")
+
+
+def _count_label(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def check_labels(prompt: str, mode: str, pictures: int, videos: int, audios: int) -> None:
+    """Every `<Picture N>`, `<Video K>`, `<Audio J>` in the prompt names a provided input (1-based)."""
+    bound = {"Picture": pictures, "Video": videos, "Audio": audios}
+    for word, number in _LABEL.findall(prompt):
+        if len(number) > 3 or not 1 <= int(number) <= bound[word]:
+            raise RequestError(
+                f"prompt label <{word} {number}> is not bound to an input: this {mode} request provides "
+                f"{_count_label(pictures, 'picture')}, {_count_label(videos, 'video')} and {_count_label(audios, 'audio clip')}"
+            )
+
+
+def check_device(device: int | str | torch.device, arch: str, role: str = "device") -> torch.device:
+    """A device this machine has, of the architecture the profile's tables were computed on; checked before any
+    model loads. Initialises CUDA for a CUDA device, so the service's HTTP process never calls it."""
+    from ..formats import device_arch
+
+    try:
+        resolved = torch.device(f"cuda:{device}") if isinstance(device, int) and not isinstance(device, bool) else torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise VflashError(f"{role} {device!r} is not a device; use 'cpu', a GPU index or 'cuda:N'") from None
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "" if torch.version.cuda else " (this torch build has no CUDA support)"
+            raise VflashError(f"{role} {resolved}: CUDA is not available on this machine{build}")
+        count = torch.cuda.device_count()
+        if resolved.index is not None and resolved.index >= count:
+            raise VflashError(f"{role} {resolved}: this machine has {count} CUDA device(s)")
+    elif resolved.type != "cpu":
+        raise VflashError(f"{role} {resolved}: Vflash runs on cpu or cuda devices")
+    found = device_arch(resolved)
+    if found != arch:
+        raise IdentityMismatchError(f"the profile was compiled for {arch}; {role} {resolved} is {found}")
+    return resolved
+
+
+# -- the whole request -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RequestPlan:
+    """What validation resolved: mode, geometry, and how many pictures / videos / audio clips labels may name."""
+
+    mode: str
+    geometry: Geometry
+    pictures: int
+    videos: int
+    audios: int
+
+
+def request_mode(first_frame: bool, last_frame: bool, references: bool) -> str:
+    """The mode of a request from which inputs it has; keyframes and references together have none."""
+    if references and (first_frame or last_frame):
+        raise RequestError("a request takes either keyframes (first/last frame) or references, not both")
+    return "ref2va" if references else {(False, False): "t2va", (True, False): "i2va", (False, True): "l2va", (True, True): "fl2va"}[(first_frame, last_frame)]
+
+
+def plan_request(request: "VideoRequest", profile: Profile, canvas: CanvasRules, prompt_budget: PromptBudget | None = None) -> RequestPlan:
+    """Check a request against a profile, a model's canvas rules and its prompt budget without loading any model;
+    raises `RequestError` / `VflashError` naming the offending values. Cheap checks run first, file probes last."""
+    check_prompt(request.prompt, prompt_budget)
+    check_seed(request.seed)
+    mode = request.mode
+    profile.check_mode(mode)
+    num_frames = clip_frames(request.duration_seconds, profile)
+    if (request.width is None) != (request.height is None):
+        raise RequestError(f"width and height go together: got width={request.width}, height={request.height}")
+    if request.width is not None:
+        check_canvas_size(request.height, request.width, canvas)
+
+    keyframe_sizes = []
+    for name, item in (("first frame", request.first_frame), ("last frame", request.last_frame)):
+        if item is not None:
+            probe = probe_media(item, name)
+            if probe.kind != "image":
+                raise RequestError(f"{name} {item} is not an image")
+            keyframe_sizes.append(probe.size)
+    names = [f"reference {index + 1}" for index in range(len(request.references))]
+    kinds = [reference_kind(item, name) for item, name in zip(request.references, names)]
+    check_reference_counts(kinds)  # from the extensions, before any file is opened
+    probes = [probe_media(item, name) for item, name in zip(request.references, names)]
+    if "video" in kinds:
+        import importlib.util
+
+        if importlib.util.find_spec("torchvision") is None:
+            raise RequestError("video references need torchvision (Qwen3-VL's video processor), which is not installed; use image and audio references")
+
+    if request.width is not None:
+        height, width = request.height, request.width
+    elif keyframe_sizes:
+        height, width = canvas.default_canvas(*keyframe_sizes[0])
+    else:
+        height, width = canvas.default_canvas(16, 9)
+
+    if mode == "ref2va":
+        pictures, videos = kinds.count("image"), kinds.count("video")
+        audios = kinds.count("audio") + sum(probe.has_soundtrack for probe in probes)
+    else:
+        pictures, videos, audios = len(request.keyframes), 0, 0
+    check_labels(request.prompt, mode, pictures, videos, audios)
+    return RequestPlan(mode, Geometry(height, width, num_frames), pictures, videos, audios)

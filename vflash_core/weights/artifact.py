@@ -1,0 +1,241 @@
+"""Loading a compiled artifact: format, identity and size checks (no rehash; `verify` re-hashes on request), then reads.
+
+The three outputs of one compile (`artifact/`, `schedule/`, `auxiliary.safetensors`) are passed separately on the
+command line, so each carries the compile id and they must agree; each file's size must be the one recorded when it
+was hashed at compile time.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .checkpoint import aux_shapes, block_shapes
+from ..formats import ARTIFACT_FORMAT, ARTIFACT_FP8_FORMAT, OVERLAY_FORMAT
+from ..engine.fp8 import FP8_LINEARS
+from ..engine.config import H3Config
+from ..errors import IdentityMismatchError, VflashError, WeightFileError
+from ..fileio import read_json
+from ..engine.model import LayerWeights, LoraResidual
+from ..profiles import Profile, check_identity
+from .tensor_store import TensorStore
+from .weight_io import SequentialWeights
+
+
+# Threads reading one block file: a deep queue of large sequential reads. On the H200 machines' virtio disk a cold
+# 0.83 GB block read at 1.14 / 1.41 / 1.57 / 1.62 GB/s with 1 / 2 / 4 / 8 threads (disk: 1.66 GB/s), where reading
+# several block files at once, one thread each, did not pass 1.17 GB/s (benchmarks/results/end_to_end_h200.json).
+READ_WORKERS = 8
+
+
+def _read_manifest(path: Path, formats: tuple[str, ...], what: str) -> dict:
+    manifest = read_json(path / "manifest.json", VflashError, f"{path}: not a compiled {what} (no manifest.json)", f"{path}/manifest.json: corrupt (not JSON)")
+    if manifest.get("format") not in formats:
+        raise VflashError(f"{path}: {what} format {manifest.get('format')!r}, expected {' or '.join(map(repr, formats))}")
+    return manifest
+
+
+def _check_size(path: Path, size: int) -> None:
+    if not path.is_file():
+        raise WeightFileError(f"{path}: missing")
+    actual = path.stat().st_size
+    if actual != size:
+        raise WeightFileError(f"{path}: {actual} bytes, but {size} were recorded when it was compiled")
+
+
+def _loras(records: list[dict], tensors: dict[str, torch.Tensor], prefix: str = "") -> dict[str, tuple[LoraResidual, ...]]:
+    out: dict[str, list[LoraResidual]] = {}
+    for r in records:
+        if not r["linear"].startswith(prefix):
+            continue
+        key = f"lora.{r['linear']}.{r['index']}"
+        out.setdefault(r["linear"][len(prefix) :], []).append(LoraResidual(tensors[f"{key}.down"], tensors[f"{key}.up"], float(r["scale"]), int(r["row_start"])))
+    return {k: tuple(v) for k, v in out.items()}
+
+
+@dataclass(frozen=True)
+class StepTables:
+    """What one evaluation reads from the overlay: timesteps (T,), per-block AdaLN tables (3T, 6H), norm_out (T, 2H)."""
+
+    timesteps: torch.Tensor
+    blocks: list[torch.Tensor]
+    norm_out: torch.Tensor
+
+
+class ScheduleOverlay:
+    """The fixed-schedule tables of one compile."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.manifest = _read_manifest(self.path, (OVERLAY_FORMAT,), "schedule overlay")
+        _check_size(self.path / self.manifest["file"]["name"], self.manifest["file"]["size"])
+        self.store = TensorStore(self.path / self.manifest["file"]["name"])
+        self.num_layers = int(self.manifest["num_layers"])
+        self.variants: dict[int, list[torch.Tensor]] = {}
+        for entry in self.manifest["entries"]:
+            self.variants.setdefault(entry["step"], []).append(torch.tensor(entry["timesteps"], dtype=torch.float32))
+        sigmas = self.store.read(["video_sigmas", "audio_sigmas"])
+        self.video_sigmas, self.audio_sigmas = sigmas["video_sigmas"], sigmas["audio_sigmas"]
+
+    @property
+    def nfe(self) -> int:
+        return len(self.video_sigmas) - 1
+
+    def find(self, step: int, timesteps: torch.Tensor) -> int:
+        """Index of the table variant compiled for exactly this fp32 timestep vector at `step`."""
+        for v, vector in enumerate(self.variants.get(step, [])):
+            if vector.shape == timesteps.shape and torch.equal(vector, timesteps.cpu()):
+                return v
+        raise VflashError(
+            f"the schedule overlay has no table for timesteps {timesteps.tolist()} at step {step}; this request kind "
+            f"was not compiled for profile {self.manifest['profile_id']}"
+        )
+
+    def read_step(self, step: int, variant: int) -> StepTables:
+        key = f"step{step:03d}.v{variant}"
+        names = [f"{key}.timesteps", f"{key}.norm_out"] + [f"{key}.block{i:03d}" for i in range(self.num_layers)]
+        data = self.store.read(names)
+        return StepTables(data[names[0]], [data[n] for n in names[2:]], data[names[1]])
+
+
+class CompiledArtifact:
+    """One compile: packed blocks, auxiliary tensors and schedule overlay, checked against each other.
+
+    `fp8`: an FP8 artifact (approximate, compiled for an FP8 profile): the four block linears are E4M3 codes with
+    FP32 row scales (`<linear>.weight_scale`); all other tensors are the BF16 artifact's."""
+
+    def __init__(self, artifact: str | Path, schedule_overlay: str | Path, auxiliary: str | Path):
+        self.artifact_dir = Path(artifact)
+        self.manifest = _read_manifest(self.artifact_dir, (ARTIFACT_FORMAT, ARTIFACT_FP8_FORMAT), "artifact")
+        self.fp8 = self.manifest["format"] == ARTIFACT_FP8_FORMAT
+        self.overlay = ScheduleOverlay(schedule_overlay)
+        self.aux_path = Path(auxiliary)
+        _check_size(self.aux_path, self.manifest["auxiliary"]["size"])
+        self.aux_store = TensorStore(self.aux_path)
+        aux_meta = self.aux_store.metadata
+        ids = {"artifact": self.manifest["compile_id"], "schedule overlay": self.overlay.manifest["compile_id"], "auxiliary tensors": aux_meta.get("compile_id")}
+        if len(set(ids.values())) != 1:
+            raise IdentityMismatchError("artifact, schedule overlay and auxiliary tensors come from different compiles: " + ", ".join(f"{k} {v}" for k, v in ids.items()))
+        self.config = H3Config.from_dict(self.manifest["config"])
+        for record in self.manifest["blocks"]:
+            _check_size(self.artifact_dir / record["file"], record["size"])
+        if len(self.manifest["blocks"]) != self.config.num_layers or self.overlay.num_layers != self.config.num_layers:
+            raise WeightFileError(f"{self.artifact_dir}: block count does not match the config ({self.config.num_layers})")
+
+    def verify(self, workers: int = 8) -> None:
+        """Re-hash every file of this compile against the sha256 recorded when it was written; raises
+        `WeightFileError` naming each file that differs. Loading checks formats, identities and sizes only, so a
+        flipped byte goes unnoticed until this runs (reading the whole model: ~40 GB at full size)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from .tensor_store import file_sha256
+
+        records = [(self.artifact_dir / b["file"], b["sha256"]) for b in self.manifest["blocks"]]
+        records += [(self.aux_path, self.manifest["auxiliary"]["sha256"]), (self.overlay.path / self.overlay.manifest["file"]["name"], self.overlay.manifest["file"]["sha256"])]
+        with ThreadPoolExecutor(workers) as pool:
+            actual = list(pool.map(lambda record: file_sha256(record[0]), records))
+        bad = [str(path) for (path, expected), found in zip(records, actual) if found != expected]
+        if bad:
+            raise WeightFileError(f"{len(bad)} compiled file(s) differ from what the compiler wrote (corrupt or modified): {', '.join(bad)}")
+
+    @property
+    def compile_id(self) -> str:
+        return self.manifest["compile_id"]
+
+    @property
+    def arch(self) -> str:
+        return self.manifest["arch"]
+
+    @property
+    def profile_id(self) -> str:
+        return self.manifest["profile_id"]
+
+    @property
+    def base_weights(self) -> dict[str, object]:
+        """The base weights' form (`layout`, `format`: "bf16" / "fp8_scaled" / ..., `pruned`: the curve table's
+        grid and rank or None) and file identities, as compiled."""
+        return self.manifest["base_weights"]
+
+    def base_weight_notes(self) -> list[str]:
+        """How these weights differ from the official BF16 release, one line each (none for the release itself)."""
+        base = self.manifest["base_weights"]
+        notes = []
+        if base.get("format") == "fp8_scaled":
+            notes.append(
+                "transformer weights from an fp8_scaled file, dequantized to BF16 (float8 code x per-tensor scale, as "
+                "ComfyUI core dequantizes them): exact for those weights, which are not the BF16 release"
+            )
+        if self.fp8:
+            notes.append(
+                "approximate FP8 block linears: E4M3 codes with one FP32 scale per output row (row absmax / 448), "
+                f"executed {self.manifest['profile']['fp8']} (profile {self.profile_id})"
+            )
+        if base.get("pruned"):
+            notes.append(
+                f"a pruned transformer: approximate AdaLN (rank-{base['pruned']['rank']} time embedding read by linear "
+                f"interpolation from a {base['pruned']['grid']}-row table, computed as ComfyUI core computes it)"
+            )
+        if self.manifest.get("adapter_not_applied"):
+            notes.append(
+                f"{len(self.manifest['adapter_not_applied'])} LoRA module(s) feeding the AdaLN tables not applied: they do "
+                "not fit a pruned file's reduced-rank AdaLN (ComfyUI core skips them too)"
+            )
+        return notes
+
+    def check_profile(self, profile: Profile) -> None:
+        """Model, adapter, schedule and hardware identities must agree; names alone never convert assets."""
+        check_identity(profile, self.manifest["profile"], f"compiled artifact {self.artifact_dir} (profile {self.profile_id})")
+        check_identity(profile, self.overlay.manifest["profile"], f"schedule overlay {self.overlay.path} (profile {self.overlay.manifest['profile_id']})")
+        if profile.arch != self.arch:
+            raise IdentityMismatchError(f"profile {profile.id} is for {profile.arch}; the artifact was compiled on {self.arch}")
+
+    def block_tensors(self) -> dict[str, tuple[tuple[int, ...], tuple[torch.dtype, ...]]]:
+        """Name -> (shape, allowed dtypes) of every packed block's tensors (LoRA factors aside), in file order."""
+        floats = (torch.bfloat16, torch.float32, torch.float16)
+        specs = {k.split(".", 2)[2]: (tuple(v), floats) for k, v in block_shapes(self.config, "blocks.0", with_adaln=False).items()}
+        if self.fp8:
+            for linear in FP8_LINEARS:
+                shape = specs[f"{linear}.weight"][0]
+                specs[f"{linear}.weight"] = (shape, (torch.float8_e4m3fn,))
+                specs[f"{linear}.weight_scale"] = ((shape[0], 1), (torch.float32,))
+        return specs
+
+    def read_block(self, index: int) -> LayerWeights:
+        """One packed block (tensors owning host buffers), its file read by `READ_WORKERS` threads at once."""
+        record = self.manifest["blocks"][index]
+        path = self.artifact_dir / record["file"]
+        specs = self.block_tensors()
+        TensorStore(path).require(specs)
+        with SequentialWeights(path, read_workers=READ_WORKERS) as weights:
+            data = weights.tensors()
+        return LayerWeights({k: data[k] for k in specs}, _loras(record["lora"], data))
+
+    def iter_blocks(self) -> Iterator[LayerWeights]:
+        """Every main block, in order; the next block is read while the consumer copies the last one to its device."""
+        count = self.config.num_layers
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(self.read_block, 0) if count else None
+            for i in range(count):
+                block = pending.result()  # type: ignore[union-attr]
+                pending = pool.submit(self.read_block, i + 1) if i + 1 < count else None
+                yield block
+
+    def read_auxiliary(self) -> tuple[dict[str, torch.Tensor], list[LayerWeights], dict[str, tuple[LoraResidual, ...]]]:
+        """(aux tensors, refiner blocks, aux LoRA residuals) of the runtime; no timestep-only tensors."""
+        names = {n: shape for n, shape in aux_shapes(self.config).items() if not n.startswith(("time_embedder.", "norm_out.linear."))}
+        refiner_shapes = {n: shape for j in range(self.config.num_refiner_layers) for n, shape in block_shapes(self.config, f"refiner.{j}", with_adaln=False).items()}
+        self.aux_store.require({k: (v, (torch.bfloat16, torch.float32, torch.float16)) for k, v in {**names, **refiner_shapes}.items()})
+        data = self.aux_store.read(self.aux_store.names)
+        records = json.loads(self.aux_store.metadata.get("lora", "[]"))
+        refiner = []
+        for j in range(self.config.num_refiner_layers):
+            prefix = f"refiner.{j}."
+            tensors = {k[len(prefix) :]: data[k] for k in refiner_shapes if k.startswith(prefix)}
+            refiner.append(LayerWeights(tensors, _loras(records, data, prefix)))
+        aux_loras = {k: v for k, v in _loras(records, data).items() if not k.startswith("refiner.")}
+        return {n: data[n] for n in names}, refiner, aux_loras

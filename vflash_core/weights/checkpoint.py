@@ -1,0 +1,489 @@
+"""Official MiniMax-H3 transformer weights, read into one internal naming.
+
+Two on-disk layouts exist:
+
+* **diffusers** — the `transformer/` or `transformer_ref/` folder of MiniMaxAI/MiniMax-H3: `config.json` plus one or
+  more `diffusion_pytorch_model*.safetensors`, separate `to_q/to_k/to_v`, SwiGLU input stored `[value; gate]`.
+* **original** — the reference implementation's names (`blocks.{i}.attn.qkv_proj`, `mlp.fc1`, `final_layer.*`), as a
+  single file or shards. `mlp.fc1` is stored `[gate; value]`; the fused QKV is `stacked` (`[q; k; v]`, published
+  single files) or per-head `interleaved` (raw MiniMaxAI shards), which shapes cannot tell apart.
+
+Comfy-Org's repacked single files (original layout, stacked QKV) come in three further forms:
+
+* **fp8_scaled** — ComfyUI's scaled-FP8 files: the block linears stored as float8 codes with one scale per tensor.
+  They are read as BF16 `code * scale`, computed as ComfyUI core dequantizes them (`dequantize`), so what Vflash
+  runs is exact for those weights.
+* **pruned** (`*_pruned_*`) — an `adaln_t_table` [grid, k] fp32 replaces the time embedder, and every `adaln_proj`
+  is a reduced-rank fp32 [rows, k] projection applied without SiLU. They compile only for `-pruned` profiles
+  (approximate: see `model.curve_time_embedding`).
+* other ComfyUI quantized formats (`int8_convrot`, nvfp4, mxfp8, ...) have no exact dequantization and are refused.
+
+Internal names (what the compiler and the runtime use)::
+
+    blocks.{i}.norm1.weight            [H]
+    blocks.{i}.attn.qkv.weight         [3*inner, H]   stacked q; k; v
+    blocks.{i}.attn.norm_q.weight      [head_dim]
+    blocks.{i}.attn.norm_k.weight      [head_dim]
+    blocks.{i}.attn.out.weight         [H, inner]
+    blocks.{i}.norm2.weight            [H]
+    blocks.{i}.ffn.in.weight           [2*ffn, H]     value; gate
+    blocks.{i}.ffn.out.weight          [H, ffn]
+    blocks.{i}.adaln.weight / .bias    [18*H, temb], [18*H]   (source only; compiled into tables)
+    refiner.{j}.*                      as a block, without adaln
+    refiner.final_norm.weight, proj_in.*, audio_proj_in.*, context_embedder.*, time_embedder.linear_{1,2}.*,
+    norm_out.norm.weight, norm_out.linear.*, proj_out.*, audio_proj_out.*
+
+Everything is read with `TensorStore` row-range reads straight into the final tensors, so fusing Q/K/V, swapping the
+SwiGLU halves and de-interleaving heads cost no intermediate copies.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..engine.config import H3Config
+from ..errors import IdentityMismatchError, WeightFileError
+from .tensor_store import ReadRequest, TensorStore
+
+if TYPE_CHECKING:
+    from ..profiles import Profile
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}
+
+# ComfyUI quantization formats with an exact dequantization: float8 codes times one scale per tensor.
+FP8_FORMATS = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+
+SUPPORTED_FILES = (
+    "bf16 / fp16 / fp32 weights, fp8_scaled files (float8 with per-tensor scales, dequantized exactly) and pruned "
+    "files (`adaln_t_table`, with a -pruned profile)"
+)
+
+# Internal names that feed only the AdaLN tables (compiled into the schedule overlay, never loaded at run time).
+TABLE_INPUTS = ("time_embedder.", "norm_out.linear.", "adaln_t_table")
+
+# Prefixes some single-file exports put in front of the original names.
+_ORIGINAL_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
+
+# Internal aux name -> (diffusers name, original name).
+_AUX_NAMES = {
+    "proj_in": ("proj_in", "video_patch_proj"),
+    "audio_proj_in": ("audio_proj_in", "audio_patch_proj"),
+    "context_embedder": ("context_embedder", "condition_proj"),
+    "time_embedder.linear_1": ("time_embedder.linear_1", "time_embedder.proj_in"),
+    "time_embedder.linear_2": ("time_embedder.linear_2", "time_embedder.proj_out"),
+    "norm_out.linear": ("norm_out.linear", "final_layer.adaln_proj.linear"),
+    "proj_out": ("proj_out", "final_layer.video_out"),
+    "audio_proj_out": ("audio_proj_out", "final_layer.audio_out"),
+}
+# Internal block tensor (read whole) -> (diffusers name, original name), below the block's prefix; the fused QKV and
+# SwiGLU input are assembled from pieces (`SourceWeights._block_sources`).
+_BLOCK_NAMES = {
+    "norm1.weight": ("norm1.weight", "norm1.weight"),
+    "attn.norm_q.weight": ("attn.norm_q.weight", "attn.q_norm.weight"),
+    "attn.norm_k.weight": ("attn.norm_k.weight", "attn.k_norm.weight"),
+    "attn.out.weight": ("attn.to_out.0.weight", "attn.out_proj.weight"),
+    "norm2.weight": ("norm2.weight", "norm2.weight"),
+    "ffn.out.weight": ("ff.net.2.weight", "mlp.fc2.weight"),
+}
+_AUX_NORMS = {
+    "norm_out.norm.weight": ("norm_out.norm.weight", "final_layer.norm.weight"),
+    "refiner.final_norm.weight": ("token_refiner.final_norm.weight", "token_refiner.final_norm.weight"),
+}
+
+
+def block_shapes(config: H3Config, prefix: str, with_adaln: bool) -> dict[str, tuple[int, ...]]:
+    """Internal names and shapes of one main block (`blocks.{i}`) or refiner block (`refiner.{j}`)."""
+    h, inner, d, f = config.hidden_size, config.inner_dim, config.attention_head_dim, config.ffn_dim
+    shapes = {
+        f"{prefix}.norm1.weight": (h,),
+        f"{prefix}.attn.qkv.weight": (3 * inner, h),
+        f"{prefix}.attn.norm_q.weight": (d,),
+        f"{prefix}.attn.norm_k.weight": (d,),
+        f"{prefix}.attn.out.weight": (h, inner),
+        f"{prefix}.norm2.weight": (h,),
+        f"{prefix}.ffn.in.weight": (2 * f, h),
+        f"{prefix}.ffn.out.weight": (h, f),
+    }
+    if with_adaln:
+        shapes[f"{prefix}.adaln.weight"] = (18 * h, config.time_embed_dim)
+        shapes[f"{prefix}.adaln.bias"] = (18 * h,)
+    return shapes
+
+
+def aux_shapes(config: H3Config) -> dict[str, tuple[int, ...]]:
+    """Internal names and shapes of every tensor outside the main blocks and refiner blocks."""
+    h, t = config.hidden_size, config.time_embed_dim
+    linear = {
+        "proj_in": (h, config.video_patch_dim),
+        "audio_proj_in": (h, config.audio_in_channels),
+        "context_embedder": (h, config.text_dim),
+        "time_embedder.linear_1": (config.time_embed_hidden_dim, config.freq_dim),
+        "time_embedder.linear_2": (t, config.time_embed_hidden_dim),
+        "norm_out.linear": (2 * h, t),
+        "proj_out": (config.video_patch_dim, h),
+        "audio_proj_out": (config.audio_in_channels, h),
+    }
+    shapes = {}
+    for name, (out_f, in_f) in linear.items():
+        shapes[f"{name}.weight"] = (out_f, in_f)
+        shapes[f"{name}.bias"] = (out_f,)
+    shapes["norm_out.norm.weight"] = (h,)
+    shapes["refiner.final_norm.weight"] = (h,)
+    return shapes
+
+
+@dataclass
+class _Source:
+    """How to fill one internal tensor: whole-tensor copy, or row ranges from several source tensors."""
+
+    pieces: list[tuple[str, int, int, int]]  # (source name, src_row_start, src_row_stop, dst_row_start)
+
+
+@dataclass(frozen=True)
+class ScaledWeight:
+    """A float8 weight of a scaled-FP8 file: its value is `code * scale`."""
+
+    scale: str  # name of its per-tensor scale
+    code_dtype: torch.dtype
+
+
+def dequantize(code: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`code * scale` in `dtype` as ComfyUI core computes it (comfy_kitchen's eager backend: the CPU, and GPUs without
+    its CUDA kernels): the code and the scale are each cast to `dtype` (the float8 code exactly; the scale rounds),
+    then one product rounds. Its Triton kernel instead multiplies by the fp32 scale before one rounding, which differs
+    in the last bit of many elements whenever the scale is not a bf16 value."""
+    return torch.mul(code.to(dtype), scale.to(dtype), out=out)
+
+
+def _format_name(conf: dict) -> str:
+    fmt = str(conf.get("format"))
+    params = conf.get("params") if isinstance(conf.get("params"), dict) else {}
+    if fmt == "int8_tensorwise" and conf.get("convrot", params.get("convrot", False)):
+        return "int8_convrot"
+    return fmt
+
+
+def quantized_layers(store: TensorStore, prefix: str) -> dict[str, ScaledWeight]:
+    """Weight name -> `ScaledWeight` for each quantized layer of a ComfyUI-quantized file (empty for a float file).
+
+    ComfyUI marks quantized layers in three ways, read here as core reads them: `__metadata__` key
+    `_quantization_metadata` (JSON `{"layers": {layer: {"format": ...}}}`, scales `<layer>.weight_scale`), which takes
+    precedence over per-layer `<layer>.comfy_quant` tensors (the same JSON as bytes); or the older scaled-FP8 layout (a
+    `scaled_fp8` tensor, and every layer with a `<layer>.scale_weight` is float8_e4m3fn). A format other than
+    per-tensor float8 raises, naming it and what is supported.
+    """
+    def parse(text: str | bytes, what: str) -> dict:
+        try:
+            value = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            value = None
+        if not isinstance(value, dict):
+            raise WeightFileError(f"{store.path}: {what} is not a JSON object")
+        return value
+
+    names = set(store.names)
+    formats: dict[str, dict] = {}
+    flags = [n for n in names if n.endswith(".comfy_quant")]
+    for name, tensor in store.read(flags).items():
+        formats[name.removesuffix(".comfy_quant")] = parse(bytes(tensor.reshape(-1).tolist()), name)
+    if "_quantization_metadata" in store.metadata:
+        layers = parse(store.metadata["_quantization_metadata"], "`_quantization_metadata`").get("layers", {})
+        formats.update({layer: conf if isinstance(conf, dict) else {} for layer, conf in layers.items()})
+    elif f"{prefix}scaled_fp8" in names:
+        formats.update({n.removesuffix(".scale_weight"): {"format": "float8_e4m3fn"} for n in names if n.endswith(".scale_weight")})
+    refused: dict[str, list[str]] = {}
+    for layer, conf in formats.items():
+        if _format_name(conf) not in FP8_FORMATS:
+            refused.setdefault(_format_name(conf), []).append(layer)
+    if refused:
+        found = "; ".join(f"{fmt} ({len(layers)} layers, e.g. {sorted(layers)[0]})" for fmt, layers in sorted(refused.items()))
+        raise WeightFileError(f"{store.path}: {found}: no exact dequantization; Vflash reads {SUPPORTED_FILES}")
+    out = {}
+    for layer, conf in sorted(formats.items()):
+        scale = f"{layer}.weight_scale" if f"{layer}.weight_scale" in names else f"{layer}.scale_weight"
+        out[f"{layer}.weight"] = ScaledWeight(scale, FP8_FORMATS[conf["format"]])
+    return out
+
+
+class SourceWeights:
+    """An H3 transformer checkpoint (official, or a Comfy-Org fp8_scaled / pruned file), readable in internal naming.
+    Holds no open file.
+
+    Args:
+        path: a diffusers `transformer/` folder, a single `.safetensors` file, an index json, or a folder of
+            original-layout shards.
+        qkv_layout: for the original layout only, `"stacked"` (default; published single files) or `"interleaved"`
+            (raw MiniMaxAI shards).
+        config: the transformer config; read from `config.json` (diffusers folder), the file's `__metadata__`
+            `config` entry, or inferred from tensor shapes, in that order, when not given. For a pruned file it is
+            the base model's (`time_embed_dim` is the full width; the file's rank is `curve[1]`).
+
+    `format` is "fp8_scaled" or the main blocks' stored dtype ("bf16", "fp16", "fp32"); `curve` is (grid, rank) of a
+    pruned file's `adaln_t_table`, else None.
+    """
+
+    def __init__(self, path: str | Path, qkv_layout: str | None = None, config: H3Config | None = None):
+        self.path = Path(path)
+        self.store = TensorStore(self.path)
+        names = set(self.store.names)
+        if "transformer_blocks.0.attn.to_q.weight" in names:
+            self.layout = "diffusers"
+            if qkv_layout not in (None, "stacked"):
+                raise WeightFileError(f"{self.path}: qkv_layout={qkv_layout!r} applies to the original layout only")
+            self.qkv_layout = "separate"
+            self._prefix = ""
+        else:
+            self._prefix = next((p for p in _ORIGINAL_PREFIXES if f"{p}blocks.0.attn.qkv_proj.weight" in names), "")
+            if f"{self._prefix}blocks.0.attn.qkv_proj.weight" not in names:
+                raise WeightFileError(
+                    f"{self.path}: not an H3 transformer checkpoint (no `transformer_blocks.0.attn.to_q.weight` or "
+                    "`blocks.0.attn.qkv_proj.weight`)"
+                )
+            self.layout = "original"
+            qkv_layout = qkv_layout or "stacked"
+            if qkv_layout not in ("stacked", "interleaved"):
+                raise WeightFileError(f"qkv_layout must be 'stacked' or 'interleaved', got {qkv_layout!r}")
+            self.qkv_layout = qkv_layout
+        table = f"{self._prefix}adaln_t_table"
+        self.curve: tuple[int, int] | None = None
+        if table in names:
+            shape = self.store.info(table).shape
+            if len(shape) != 2 or shape[0] < 2 or self.store.info(table).dtype != torch.float32:
+                raise WeightFileError(f"{self.path}: `adaln_t_table` must be a [grid >= 2, rank] fp32 table, found {list(shape)} {self.store.info(table).dtype}")
+            self.curve = (shape[0], shape[1])
+        self._quantized = quantized_layers(self.store, self._prefix)
+        self.config = config or self._find_config()
+        self._shapes = self._build_shapes()
+        self._aux = {*aux_shapes(self.config), "adaln_t_table"} & set(self._shapes)
+        self._sources = self._build_sources()
+        self._validate()
+        self._scales = self.store.read(sorted({q.scale for q in self._quantized.values()}))
+        self.format = "fp8_scaled" if self._quantized else _DTYPE_NAMES[self.dtype_of("blocks.0.attn.qkv.weight")]
+
+    @property
+    def pruned(self) -> bool:
+        return self.curve is not None
+
+    def describe(self) -> dict[str, object]:
+        """What a receipt and a compiled artifact record of the weights' form."""
+        return {"format": self.format, "quantized_layers": len(self._quantized), "pruned": None if self.curve is None else {"grid": self.curve[0], "rank": self.curve[1]}}
+
+    def check_profile(self, profile: Profile) -> None:
+        """A pruned file compiles only for a -pruned profile, and a -pruned profile only from a pruned file."""
+        from ..profiles import PROFILES
+
+        if self.pruned and not profile.pruned:
+            grid, rank = self.curve  # type: ignore[misc]
+            choices = ", ".join(p for p, v in PROFILES.items() if v.pruned and v.arch == profile.arch) or "a -pruned profile"
+            raise IdentityMismatchError(
+                f"{self.path} is a pruned file (an `adaln_t_table` [{grid}, {rank}] replaces the time embedder): it compiles "
+                f"only for a -pruned profile (approximate AdaLN), not {profile.id}; for {profile.arch}: {choices}"
+            )
+        if profile.pruned and not self.pruned:
+            raise IdentityMismatchError(
+                f"profile {profile.id} is for pruned files (with an `adaln_t_table`); {self.path} holds the full AdaLN "
+                "weights: choose the profile without -pruned"
+            )
+
+    # -- config -------------------------------------------------------------------------------------------------
+
+    def _find_config(self) -> H3Config:
+        folder = self.path if self.path.is_dir() else self.path.parent
+        if self.layout == "diffusers" and (folder / "config.json").is_file():
+            return H3Config.from_file(folder / "config.json")
+        if "config" in self.store.metadata:
+            return H3Config.from_dict(json.loads(self.store.metadata["config"]))
+        return self._infer_config()
+
+    def _infer_config(self) -> H3Config:
+        def shape(name: str) -> tuple[int, ...]:
+            return self.store.info(self._raw(name)).shape
+
+        head_dim = shape("blocks.0.attn.q_norm.weight")[0]
+        inner = shape("blocks.0.attn.qkv_proj.weight")[0] // 3
+        video_patch = shape("video_patch_proj.weight")
+        def count(pattern: str) -> int:
+            found = [int(m.group(1)) for n in self.store.names if (m := re.match(pattern, n))]
+            return 1 + max(found, default=-1)
+
+        prefix = re.escape(self._prefix)
+        num_layers = count(rf"{prefix}blocks\.(\d+)\.")
+        num_refiner = count(rf"{prefix}token_refiner\.blocks\.(\d+)\.")
+        time = {}
+        if not self.pruned:  # a pruned file has no time embedder: the base model's widths stay the defaults
+            time = dict(
+                freq_dim=shape("time_embedder.proj_in.weight")[1],
+                time_embed_hidden_dim=shape("time_embedder.proj_in.weight")[0],
+                time_embed_dim=shape("time_embedder.proj_out.weight")[0],
+            )
+        return H3Config(
+            num_attention_heads=inner // head_dim,
+            attention_head_dim=head_dim,
+            hidden_size=video_patch[0],
+            num_layers=num_layers,
+            num_refiner_layers=num_refiner,
+            ffn_dim=shape("blocks.0.mlp.fc2.weight")[1],
+            in_channels=video_patch[1] // 4,
+            audio_in_channels=shape("audio_patch_proj.weight")[1],
+            text_dim=shape("condition_proj.weight")[1],
+            **time,
+            # Comfy-Org files keep the `rope.inv_freq` buffer; otherwise the release's: 3/4 of each head (96 of 128).
+            rope_freq_dim=shape("rope.inv_freq")[0] if self._raw("rope.inv_freq") in self.store else head_dim // 8,
+        )
+
+    def _raw(self, name: str) -> str:
+        return f"{self._prefix}{name}"
+
+    # -- name mapping -------------------------------------------------------------------------------------------
+
+    def _block_sources(self, internal_prefix: str, source_prefix: str, with_adaln: bool) -> dict[str, _Source]:
+        c = self.config
+        inner, d, f = c.inner_dim, c.attention_head_dim, c.ffn_dim
+        s = source_prefix
+        whole = lambda name: _Source([(name, 0, -1, 0)])
+        diffusers = self.layout == "diffusers"
+        source = lambda d_name, o_name: f"{s}.{d_name}" if diffusers else self._raw(f"{s}.{o_name}")
+        table = {internal: whole(source(*names)) for internal, names in _BLOCK_NAMES.items()}
+        if diffusers:
+            table["attn.qkv.weight"] = _Source([(f"{s}.attn.to_{p}.weight", 0, inner, k * inner) for k, p in enumerate("qkv")])
+            table["ffn.in.weight"] = whole(f"{s}.ff.net.0.proj.weight")
+        else:
+            qkv_name = self._raw(f"{s}.attn.qkv_proj.weight")
+            if self.qkv_layout == "stacked":
+                table["attn.qkv.weight"] = whole(qkv_name)
+            else:  # per head [q k v] -> [q_all; k_all; v_all]
+                heads = c.num_attention_heads
+                table["attn.qkv.weight"] = _Source(
+                    [(qkv_name, (h * 3 + k) * d, (h * 3 + k + 1) * d, k * inner + h * d) for h in range(heads) for k in range(3)]
+                )
+            fc1 = self._raw(f"{s}.mlp.fc1.weight")
+            table["ffn.in.weight"] = _Source([(fc1, f, 2 * f, 0), (fc1, 0, f, f)])  # stored [gate; value]; internal [value; gate]
+        adaln = source("adaln_proj.linear", "adaln_proj.linear")
+        out = {f"{internal_prefix}.{k}": v for k, v in table.items()}
+        if with_adaln:
+            out[f"{internal_prefix}.adaln.weight"] = whole(f"{adaln}.weight")
+            out[f"{internal_prefix}.adaln.bias"] = whole(f"{adaln}.bias")
+        return out
+
+    def _build_sources(self) -> dict[str, _Source]:
+        diffusers = self.layout == "diffusers"
+        sources: dict[str, _Source] = {}
+        for i in range(self.config.num_layers):
+            src = f"transformer_blocks.{i}" if diffusers else f"blocks.{i}"
+            sources.update(self._block_sources(f"blocks.{i}", src, with_adaln=True))
+        for j in range(self.config.num_refiner_layers):
+            src = f"token_refiner.refiner_blocks.{j}" if diffusers else f"token_refiner.blocks.{j}"
+            sources.update(self._block_sources(f"refiner.{j}", src, with_adaln=False))
+        for internal, (d_name, o_name) in _AUX_NAMES.items():
+            for suffix in ("weight", "bias"):
+                name = f"{d_name}.{suffix}" if diffusers else self._raw(f"{o_name}.{suffix}")
+                sources[f"{internal}.{suffix}"] = _Source([(name, 0, -1, 0)])
+        for internal, (d_name, o_name) in _AUX_NORMS.items():
+            sources[internal] = _Source([(d_name if diffusers else self._raw(o_name), 0, -1, 0)])
+        sources["adaln_t_table"] = _Source([(self._raw("adaln_t_table"), 0, -1, 0)])
+        return {name: source for name, source in sources.items() if name in self._shapes}
+
+    # -- validation and reads -----------------------------------------------------------------------------------
+
+    def _build_shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes = {}
+        for i in range(self.config.num_layers):
+            shapes.update(block_shapes(self.config, f"blocks.{i}", with_adaln=True))
+        for j in range(self.config.num_refiner_layers):
+            shapes.update(block_shapes(self.config, f"refiner.{j}", with_adaln=False))
+        shapes.update(aux_shapes(self.config))
+        if self.curve is not None:  # reduced-rank AdaLN projections read the table's curve; no time embedder
+            grid, rank = self.curve
+            h = self.config.hidden_size
+            for i in range(self.config.num_layers):
+                shapes[f"blocks.{i}.adaln.weight"] = (18 * h, rank)
+            shapes["norm_out.linear.weight"] = (2 * h, rank)
+            shapes = {name: shape for name, shape in shapes.items() if not name.startswith("time_embedder.")}
+            shapes["adaln_t_table"] = (grid, rank)
+        return shapes
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every internal tensor of this checkpoint with its shape."""
+        return dict(self._shapes)
+
+    def _validate(self) -> None:
+        """Every source tensor present with the shape the config implies and a float dtype (float8 for the layers a
+        scaled-FP8 file quantizes, each with a one-element float scale); one error lists all."""
+        expect: dict[str, tuple[tuple[int, ...], tuple[torch.dtype, ...]]] = {}
+        for internal, shape in self._shapes.items():
+            for name, start, stop, _ in self._sources[internal].pieces:
+                if name not in expect:
+                    # a piece of a fused internal tensor comes from diffusers' to_q / to_k / to_v (inner_dim rows each)
+                    # or from the original fused qkv_proj / fc1 (the internal row count)
+                    rows = self.config.inner_dim if stop != -1 and self.layout == "diffusers" else shape[0]
+                    expect[name] = ((rows, *shape[1:]), FLOAT_DTYPES)
+        unmarked = sorted(n for n in expect if n in self.store and n not in self._quantized and self.store.info(n).dtype not in FLOAT_DTYPES)
+        if unmarked:
+            dtypes = sorted({str(self.store.info(n).dtype).removeprefix("torch.") for n in unmarked})
+            raise WeightFileError(
+                f"{self.path}: {len(unmarked)} weight(s) stored as {'/'.join(dtypes)} without ComfyUI quantization metadata "
+                f"(e.g. {unmarked[0]}); Vflash reads {SUPPORTED_FILES}"
+            )
+        for name, scaled in self._quantized.items():
+            if name in expect:
+                expect[name] = (expect[name][0], (scaled.code_dtype,))
+                stored = self.store.info(scaled.scale).shape if scaled.scale in self.store else ()
+                expect[scaled.scale] = (stored if math.prod(stored) == 1 else (), FLOAT_DTYPES)  # 0-d or one element
+        self.store.require(expect)
+        adaln = (".adaln.weight", ".adaln.bias") if self.pruned else ()  # a pruned file's are fp32 by design
+        block_dtypes = {self.dtype_of(n) for n in self._shapes if n.startswith("blocks.") and not n.endswith(adaln)}
+        if len(block_dtypes) > 1:
+            raise WeightFileError(f"{self.path}: main-block tensors mix dtypes {sorted(map(str, block_dtypes))}")
+
+    def dtype_of(self, internal: str) -> torch.dtype:
+        """The dtype `read` returns: the stored one, or bf16 for a float8 weight (ComfyUI core dequantizes every
+        quantized layer to its compute dtype, bf16 on a device with bf16)."""
+        name = self._sources[internal].pieces[0][0]
+        return torch.bfloat16 if name in self._quantized else self.store.info(name).dtype
+
+    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Read internal tensors (names from `shapes()`) into fresh CPU tensors; float8 weights are dequantized."""
+        out: dict[str, torch.Tensor] = {}
+        requests = []
+        scaled: list[tuple[torch.Tensor, str, torch.Tensor]] = []  # (code, scale name, destination)
+        for internal in names:
+            tensor = torch.empty(self._shapes[internal], dtype=self.dtype_of(internal))
+            out[internal] = tensor
+            for name, start, stop, dst in self._sources[internal].pieces:
+                target = tensor if stop == -1 else tensor[dst : dst + stop - start]
+                if name in self._quantized:
+                    code = torch.empty(target.shape, dtype=self._quantized[name].code_dtype)
+                    scaled.append((code, self._quantized[name].scale, target))
+                    target = code
+                requests.append(ReadRequest(name, target) if stop == -1 else ReadRequest(name, target, start, stop))
+        self.store.read_into(requests)
+        for code, scale, target in scaled:
+            dequantize(code, self._scales[scale], target.dtype, out=target)
+        return out
+
+    def read_block(self, index: int) -> dict[str, torch.Tensor]:
+        return self.read(list(block_shapes(self.config, f"blocks.{index}", with_adaln=False)))
+
+    def read_adaln(self, index: int) -> dict[str, torch.Tensor]:
+        return self.read([f"blocks.{index}.adaln.weight", f"blocks.{index}.adaln.bias"])
+
+    def read_refiner(self) -> dict[str, torch.Tensor]:
+        names = [n for j in range(self.config.num_refiner_layers) for n in block_shapes(self.config, f"refiner.{j}", with_adaln=False)]
+        return self.read(names + ["refiner.final_norm.weight"])
+
+    def read_aux(self, include: Callable[[str], bool] = lambda name: True) -> dict[str, torch.Tensor]:
+        """Tensors outside the main and refiner blocks (with a pruned file's `adaln_t_table`) that `include` accepts."""
+        return self.read([n for n in self._shapes if n in self._aux and include(n)])
+
+    @property
+    def files(self) -> list[Path]:
+        return [shard.path for shard in self.store.files]

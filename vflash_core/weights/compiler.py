@@ -1,0 +1,464 @@
+"""The weights compiler: H3 weights (+ LoRA) -> packed blocks, auxiliary tensors and a schedule overlay.
+
+Verbs (`python -m vflash_core.weights.compiler prepare|compile|verify`):
+
+* `prepare` binds a profile to the identities of the base weights and the adapter (file names, sizes, sha256 of
+  each payload, config) in a receipt. No request data is involved.
+* `compile` checks the files against the receipt (re-hashing only those whose size or modification time changed
+  since `prepare`), then writes, atomically, a folder with
+
+  - `artifact/`: one `block_NNN.safetensors` per main block: the unchanged matrices in their stored dtype with the
+    fused QKV `[3*inner, H]` and fused SwiGLU input `[2*ffn, H]`, plus the block's LoRA factors; no `adaln_proj`
+    (39 % of the model) — the runtime never loads it;
+  - `auxiliary.safetensors`: input projections, context embedder, token refiner, final norm and output heads (plus
+    their LoRA factors);
+  - `schedule/overlay.safetensors`: for every step of the profile's fixed schedule and every distinct-timestep vector
+    a request of the profile can present, `temb`, each block's AdaLN table and the `norm_out` shift/scale, computed
+    on the target device from exactly that vector (the fp32 `time_embedder` GEMM is not row-invariant), with any
+    LoRA on `adaln_proj`, `time_embedder` or `norm_out` folded in (a pruned file, for a -pruned profile: from its
+    `adaln_t_table` curve and reduced-rank projections, see `model.curve_time_embedding`);
+  - a `manifest.json` in `artifact/` and `schedule/` (and metadata in the auxiliary file) carrying one compile id,
+    the profile identity, the config, the device architecture, the base weights' form (`format`: "bf16" or
+    "fp8_scaled", dequantized to BF16 as it is read; `pruned`) and the size and sha256 of every file.
+
+  For an FP8 profile (approximate, `Profile.fp8`) the artifact is of its own kind (`ARTIFACT_FP8_FORMAT`): each
+  block's four linears are quantized on the compile device to E4M3 codes (`<linear>.weight`) with FP32 row scales
+  (`<linear>.weight_scale`, [out, 1]) by `fp8.quantize_block`; everything else is the BF16 artifact's.
+
+Loading (see `artifact.py`) checks format, compile id, identities and sizes, and never rehashes the model; `verify`
+re-hashes a compiled folder against the sha256 of every file recorded as it was written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import logging
+import os
+import re
+import sys
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ..engine import model as M
+from .checkpoint import TABLE_INPUTS, SourceWeights
+from ..engine.config import H3Config
+from ..errors import IdentityMismatchError, VflashError, run_command
+from ..formats import ARTIFACT_FORMAT, ARTIFACT_FP8_FORMAT, OVERLAY_FORMAT, WEIGHTS_RECEIPT_FORMAT, device_arch
+from ..engine.fp8 import FP8_LINEARS, quantize_block
+from ..fileio import atomic_directory, atomic_file, check_new_directory, check_writable_destination, read_text_file
+from .lora import TABLE_ONLY, Adapter, load_adapter
+from ..profiles import Profile, get_profile
+from ..engine.schedule import distinct_timesteps
+
+#: `(stage, done, total)` after each unit of work: "hash" (prepare, per weight file), "verify" (compile, per weight
+#: file), "compile" (per block). It may raise to abandon the call; nothing is published then.
+CompileProgress = Callable[[str, int, int], None]
+from .tensor_store import describe_files, file_sha256, write_safetensors
+
+logger = logging.getLogger(__name__)
+
+# Weight files hashed at once by `prepare`, and blocks read ahead of / written behind the table GEMMs by `compile`:
+# enough to keep a fast disk and the page cache busy, few enough to bound host memory (~1.3 GB per full-size block).
+HASH_WORKERS = 8
+READ_AHEAD_BLOCKS = 2
+WRITE_BEHIND_BLOCKS = 4
+#: A weights receipt lists names, sizes and hashes: a few hundred kilobytes at most; this bounds what is read.
+MAX_RECEIPT_BYTES = 64 << 20
+
+
+# -- prepare ------------------------------------------------------------------------------------------------------
+
+
+def prepare(
+    profile: Profile | str,
+    transformer: str | Path,
+    receipt: str | Path,
+    adapter: str | Path | None = None,
+    qkv_layout: str | None = None,
+    progress: CompileProgress | None = None,
+) -> dict[str, object]:
+    """Write a receipt binding `profile` to the base weights and adapter; returns the receipt."""
+    profile = get_profile(profile)
+    receipt = check_writable_destination(receipt)
+    source = SourceWeights(transformer, qkv_layout=qkv_layout)
+    source.check_profile(profile)
+    if profile.adapter is None and adapter is not None:
+        raise IdentityMismatchError(f"profile {profile.id} uses no adapter, but {adapter} was given")
+    if profile.adapter is not None and adapter is None:
+        raise IdentityMismatchError(f"profile {profile.id} needs adapter {profile.adapter.file_name} ({profile.adapter.name})")
+    adapter_record = None
+    if adapter is not None:
+        adapter = Path(adapter)
+        parsed = load_adapter(adapter, source.config, profile.adapter.strength)  # type: ignore[union-attr]
+        _check_adapter_against_profile(profile, adapter, parsed)
+        adapter_record = {
+            "path": str(adapter.resolve()),
+            **describe_files([adapter], with_hash=True)[0],
+            "format": parsed.format,
+            "alpha_source": parsed.alpha_source,
+            "network_alpha": parsed.network_alpha,
+            "ranks": sorted(set(parsed.ranks.values())),
+        }
+    folder = Path(transformer)
+    record = {
+        "format": WEIGHTS_RECEIPT_FORMAT,
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "profile": profile.to_dict(),
+        "transformer": {
+            "path": str(folder.resolve()),
+            "layout": source.layout,
+            "qkv_layout": source.qkv_layout,
+            **source.describe(),
+            "config": source.config.to_dict(),
+            "files": _hash_files(source.files, progress),
+        },
+        "adapter": adapter_record,
+    }
+    text = json.dumps(record, indent=2) + "\n"
+    with atomic_file(receipt) as tmp:
+        tmp.write_text(text)
+    return json.loads(text)
+
+
+def _hash_files(paths: list[Path], progress: CompileProgress | None) -> list[dict[str, object]]:
+    """Hash the weight files, several at once; `progress` is told after each file, in order."""
+    records = []
+    with ThreadPoolExecutor(min(HASH_WORKERS, max(1, len(paths)))) as pool:
+        for done, record in enumerate(pool.map(lambda path: describe_files([path], with_hash=True)[0], paths), 1):
+            records.append(record)
+            if progress is not None:
+                progress("hash", done, len(paths))
+    return records
+
+
+def _check_adapter_against_profile(profile: Profile, path: Path, adapter: Adapter) -> None:
+    spec = profile.adapter
+    assert spec is not None
+    problems = []
+    if path.name != spec.file_name:
+        problems.append(f"file name {path.name!r} (profile expects {spec.file_name!r})")
+    # Published H3 LoRAs are mixed-rank (e.g. 64 on attention/FFN, 16 on AdaLN); the profile pins the block rank.
+    ranks = {rank for name, rank in adapter.ranks.items() if re.search(r"\.(attn|ffn)\.", name)}
+    if ranks != {spec.rank}:
+        problems.append(f"attention/FFN ranks {sorted(ranks)} (profile expects {spec.rank})")
+    alpha = adapter.network_alpha if adapter.alpha_source == "metadata" else None
+    if alpha is not None and alpha != spec.alpha:
+        problems.append(f"metadata alpha {alpha:g} (profile expects {spec.alpha:g})")
+    if problems:
+        raise IdentityMismatchError(f"adapter {path} does not match profile {profile.id} ({spec.name}): " + "; ".join(problems))
+
+
+# -- compile ------------------------------------------------------------------------------------------------------
+
+
+def _load_receipt(path: str | Path) -> dict:
+    if not os.path.lexists(path):
+        raise VflashError(f"{path}: no such receipt")
+    text = read_text_file(path, "receipt", MAX_RECEIPT_BYTES)  # a folder, FIFO or binary file is named as such
+    try:
+        receipt = json.loads(text)
+    except (ValueError, RecursionError):
+        raise VflashError(f"{path}: corrupt receipt (not JSON)") from None
+    if not isinstance(receipt, dict) or receipt.get("format") != WEIGHTS_RECEIPT_FORMAT:
+        found = receipt.get("format") if isinstance(receipt, dict) else None
+        raise VflashError(f"{path}: not a Vflash receipt (format {found!r}); write one with `python -m vflash_core.weights.compiler prepare`")
+    return receipt
+
+
+def _profile_from_receipt(receipt: dict, path: str | Path) -> Profile:
+    from ..profiles import AdapterSpec
+
+    data = dict(receipt["profile"])
+    data["modes"] = tuple(data["modes"])
+    data["adapter"] = AdapterSpec(**data["adapter"]) if data["adapter"] else None
+    profile = Profile(**data)
+    try:
+        registered = get_profile(profile.id)
+    except VflashError:
+        registered = None
+    if registered is not None and registered != profile:
+        raise IdentityMismatchError(f"{path}: receipt profile {profile.id} differs from the registered profile of that name; prepare again")
+    return profile
+
+
+def _verify_receipt_files(receipt: dict, source: SourceWeights, progress: CompileProgress | None) -> None:
+    """The payloads must be exactly the ones the receipt hashed.
+
+    A file whose size and modification time are still the ones `prepare` recorded is the file it hashed (weights
+    are immutable; anything that rewrites a file changes its mtime), so it is not read again; any other file is
+    re-hashed against the receipt. A full-size model is thus hashed once on its first use, not twice.
+    """
+    recorded = {f["name"]: f for f in receipt["transformer"]["files"]}
+    actual_files = {p.name: p for p in source.files}
+    if set(recorded) != set(actual_files):
+        raise IdentityMismatchError(f"transformer files {sorted(actual_files)} differ from the receipt's {sorted(recorded)}")
+    changed = []
+    for name, path in actual_files.items():
+        if path.stat().st_size != recorded[name]["size"]:
+            raise IdentityMismatchError(f"{path} does not match the receipt (size changed since prepare)")
+        if not _unchanged(path, recorded[name]):
+            changed.append(path)
+    if changed:
+        logger.info("re-hashing %d of %d weight files whose modification time changed since prepare", len(changed), len(actual_files))
+    hashes = dict(zip(changed, _hash_files(changed, None)))
+    for done, (name, path) in enumerate(actual_files.items(), 1):
+        if path in hashes and hashes[path]["sha256"] != recorded[name]["sha256"]:
+            raise IdentityMismatchError(f"{path} does not match the receipt (sha256 changed since prepare)")
+        if progress is not None:
+            progress("verify", done, len(actual_files))
+    if source.config.to_dict() != receipt["transformer"]["config"]:
+        raise IdentityMismatchError("transformer config differs from the receipt")
+
+
+def compile_receipt(receipt_path: str | Path, output: str | Path, device: str = "cpu", progress: CompileProgress | None = None) -> Path:
+    """Compile the receipt's weights for its profile into `output` (must not exist). Returns `output`."""
+    receipt = _load_receipt(receipt_path)
+    profile = _profile_from_receipt(receipt, receipt_path)
+    from ..pipeline.validation import check_device
+
+    device_t = check_device(device, profile.arch)  # before anything is read: this machine must have that device
+    arch = device_arch(device_t)
+    output = check_new_directory(output)  # before the weights are read and hashed
+    tx = receipt["transformer"]
+    source = SourceWeights(tx["path"], qkv_layout=None if tx["layout"] == "diffusers" else tx["qkv_layout"])
+    source.check_profile(profile)
+    _verify_receipt_files(receipt, source, progress)
+    adapter = None
+    if receipt["adapter"] is not None:
+        adapter_path = Path(receipt["adapter"]["path"])
+        if not adapter_path.is_file() or not _unchanged(adapter_path, receipt["adapter"]) and file_sha256(adapter_path) != receipt["adapter"]["sha256"]:
+            raise IdentityMismatchError(f"adapter {adapter_path} does not match the receipt (missing, or size or sha256 changed)")
+        adapter = load_adapter(adapter_path, source.config, profile.adapter.strength)  # type: ignore[union-attr]
+    with atomic_directory(output) as tmp:
+        _write_compiled(tmp, source, adapter, profile, receipt, device_t, arch, progress)
+    logger.info("compiled %s for %s into %s", tx["path"], profile.id, output)
+    return output
+
+
+def _identity(profile: Profile, receipt: dict, config: H3Config, arch: str, compile_id: str) -> dict[str, object]:
+    return {
+        "compile_id": compile_id,
+        "profile_id": profile.id,
+        "profile": profile.identity(),
+        "config": config.to_dict(),
+        "arch": arch,
+        "base_weights": {
+            "layout": receipt["transformer"]["layout"],
+            **{k: receipt["transformer"][k] for k in ("format", "quantized_layers", "pruned") if k in receipt["transformer"]},
+            "files": [_identity_record(f) for f in receipt["transformer"]["files"]],
+        },
+        "adapter": None if receipt["adapter"] is None else {k: receipt["adapter"][k] for k in ("name", "size", "sha256", "format", "alpha_source", "network_alpha")},
+        "torch": torch.__version__,
+    }
+
+
+def _unchanged(path: Path, record: dict) -> bool:
+    """Same size and modification time as when `prepare` hashed it (see `_verify_receipt_files`)."""
+    stat = path.stat()
+    return stat.st_size == record["size"] and stat.st_mtime_ns == record.get("mtime_ns")
+
+
+def _identity_record(record: dict) -> dict[str, object]:
+    """What identifies a file's content: name, size, sha256 (not where or when it was written)."""
+    return {k: record[k] for k in ("name", "size", "sha256")}
+
+
+def _save_hashed(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> dict[str, object]:
+    """Write a safetensors file and return its identity record, hashed as it is written (never read back)."""
+    size, sha256 = write_safetensors(path, tensors, metadata)
+    return {"name": path.name, "size": size, "sha256": sha256}
+
+
+def _lora_tensors(residuals: dict[str, tuple[M.LoraResidual, ...]]) -> tuple[dict[str, torch.Tensor], list[dict[str, object]]]:
+    """Flatten residuals to safetensors entries `lora.<linear>.<k>.{down,up}` plus their scale/row records."""
+    tensors, records = {}, []
+    for name, rs in residuals.items():
+        for k, r in enumerate(rs):
+            tensors[f"lora.{name}.{k}.down"] = r.down.contiguous()
+            tensors[f"lora.{name}.{k}.up"] = r.up.contiguous()
+            records.append({"linear": name, "index": k, "scale": r.scale, "row_start": r.row_start})
+    return tensors, records
+
+
+def _timestep_vectors(profile: Profile) -> list[list[torch.Tensor]]:
+    """Per step, the distinct fp32 timestep vectors requests of this profile present (deduplicated by value)."""
+    schedule = profile.schedule
+    vectors = []
+    for t_v, t_a in zip(schedule.video_timesteps.tolist(), schedule.audio_timesteps.tolist()):
+        step: list[torch.Tensor] = []
+        for conditioned, ref_audio in profile.timestep_kinds():
+            v = distinct_timesteps(t_v, t_a, conditioned, ref_audio)
+            if not any(torch.equal(v, seen) for seen in step):
+                step.append(v)
+        vectors.append(step)
+    return vectors
+
+
+@torch.no_grad()
+def _write_compiled(
+    out: Path, source: SourceWeights, adapter: Adapter | None, profile: Profile, receipt: dict, device: torch.device, arch: str, progress: CompileProgress | None
+) -> None:
+    config = source.config
+    compile_id = uuid.uuid4().hex
+    identity = _identity(profile, receipt, config, arch, compile_id)
+    artifact_format = ARTIFACT_FP8_FORMAT if profile.fp8 else ARTIFACT_FORMAT
+    (out / "artifact").mkdir()
+    (out / "schedule").mkdir()
+
+    # Tables first need temb for every (step, vector); the time embedder (or a pruned file's curve table) is small
+    # and read once. A pruned file's tables follow ComfyUI core for that file: the curve read by interpolation, fp32
+    # projections without SiLU, block rows cast to the blocks' dtype. A LoRA's modules feeding only the tables do not
+    # fit its reduced-rank projections (core skips them with a shape warning); they are left out and recorded.
+    pruned = source.pruned
+    table_aux = {k: v.to(device) for k, v in source.read_aux(lambda n: n.startswith(TABLE_INPUTS)).items()}
+    not_applied = sorted(n for n in adapter.residuals if TABLE_ONLY.match(n)) if adapter and pruned else []
+    if not_applied:
+        logger.warning("%d LoRA module(s) of %s feed the AdaLN tables and do not apply to a pruned file; left out", len(not_applied), adapter.path.name)  # type: ignore[union-attr]
+    aux_loras = {k: tuple(r.to(device) for r in rs) for k, rs in (adapter.aux() if adapter and not pruned else {}).items()}
+    block_dtype = source.dtype_of("refiner.final_norm.weight")
+    vectors = _timestep_vectors(profile)
+    overlay: dict[str, torch.Tensor] = {}
+    entries = []
+    tembs = []
+    for s, step_vectors in enumerate(vectors):
+        for v, vector in enumerate(step_vectors):
+            key = f"step{s:03d}.v{v}"
+            if pruned:
+                temb = M.curve_time_embedding(vector.to(device), table_aux["adaln_t_table"])
+                norm_out = M.curve_norm_out_table(temb, table_aux["norm_out.linear.weight"].float(), table_aux["norm_out.linear.bias"].float())
+            else:
+                temb = M.time_embedding(vector.to(device), table_aux, config, aux_loras)
+                norm_out = M.norm_out_table(temb, table_aux["norm_out.linear.weight"], table_aux["norm_out.linear.bias"], aux_loras.get("norm_out.linear", ()))
+            tembs.append((s, v, temb))
+            overlay[f"{key}.timesteps"] = vector
+            overlay[f"{key}.temb"] = temb.cpu()
+            overlay[f"{key}.norm_out"] = norm_out.cpu()
+            entries.append({"step": s, "variant": v, "timesteps": vector.tolist()})
+
+    # Blocks stream through: source reads run READ_AHEAD_BLOCKS ahead of the table GEMMs, and each packed block is
+    # serialised, hashed and written by a writer thread behind them, so reading, the device and writing overlap and
+    # no more than a few blocks are in host memory at once.
+    reader = ThreadPoolExecutor(READ_AHEAD_BLOCKS)
+    writer = ThreadPoolExecutor(WRITE_BEHIND_BLOCKS)
+    read = lambda i: (source.read_adaln(i), source.read_block(i))  # noqa: E731 - a block's adaln_proj and packed weights
+    reads: dict[int, Future] = {i: reader.submit(read, i) for i in range(min(READ_AHEAD_BLOCKS, config.num_layers))}
+    writes: list[Future] = []
+    lora_records: list[list[dict[str, object]]] = []
+    try:
+        for i in tqdm(range(config.num_layers), desc="compile blocks", unit="block"):
+            adaln, block = reads.pop(i).result()
+            if i + READ_AHEAD_BLOCKS < config.num_layers:
+                reads[i + READ_AHEAD_BLOCKS] = reader.submit(read, i + READ_AHEAD_BLOCKS)
+            weight, bias = adaln[f"blocks.{i}.adaln.weight"].to(device), adaln[f"blocks.{i}.adaln.bias"].to(device)
+            block_loras = adapter.for_prefix(f"blocks.{i}") if adapter else {}
+            adaln_loras = tuple(r.to(device) for r in block_loras.pop("adaln", ()))
+            for s, v, temb in tembs:
+                if pruned:
+                    table = M.curve_adaln_table(temb, weight.float(), bias.float(), block_dtype)
+                else:
+                    table = M.adaln_table(temb, weight, bias, adaln_loras)
+                overlay[f"step{s:03d}.v{v}.block{i:03d}"] = table.cpu()
+            del adaln, weight, bias
+            tensors = {k.split(".", 2)[2]: t for k, t in block.items()}
+            if profile.fp8:
+                tensors = quantize_block(tensors, device)
+            lora_tensors, records = _lora_tensors(block_loras)
+            lora_records.append(records)
+            while sum(not w.done() for w in writes) >= WRITE_BEHIND_BLOCKS:
+                writes[[w.done() for w in writes].index(False)].result()
+            path = out / "artifact" / f"block_{i:03d}.safetensors"
+            writes.append(writer.submit(_save_hashed, {**tensors, **lora_tensors}, path, {"format": artifact_format, "compile_id": compile_id}))
+            del block, tensors, lora_tensors
+            if progress is not None:
+                progress("compile", i + 1, config.num_layers)
+        block_files = [w.result() for w in writes]
+    finally:
+        reader.shutdown(wait=True, cancel_futures=True)
+        writer.shutdown(wait=True, cancel_futures=True)
+
+    aux = source.read_aux(lambda n: not n.startswith(TABLE_INPUTS))
+    aux.update(source.read_refiner())
+    runtime_loras = {}
+    if adapter:
+        runtime_loras = {k: v for k, v in adapter.aux().items() if k not in ("time_embedder.linear_1", "time_embedder.linear_2", "norm_out.linear")}
+        for j in range(config.num_refiner_layers):
+            runtime_loras.update({f"refiner.{j}.{k}": v for k, v in adapter.for_prefix(f"refiner.{j}").items()})
+    lora_tensors, aux_lora_records = _lora_tensors(runtime_loras)
+    aux_meta = {"format": artifact_format, "compile_id": compile_id, "identity": json.dumps(identity), "lora": json.dumps(aux_lora_records)}
+    aux_file = _save_hashed({**aux, **lora_tensors}, out / "auxiliary.safetensors", aux_meta)
+
+    schedule = profile.schedule
+    overlay["video_sigmas"], overlay["audio_sigmas"] = schedule.video_sigmas, schedule.audio_sigmas
+    overlay_file = _save_hashed(overlay, out / "schedule" / "overlay.safetensors", {"format": OVERLAY_FORMAT, "compile_id": compile_id})
+
+    artifact_manifest = {
+        "format": artifact_format,
+        **identity,
+        **({"fp8": {"linears": list(FP8_LINEARS), "codes": "float8_e4m3fn", "scales": "float32 [out, 1] = row absmax / 448"}} if profile.fp8 else {}),
+        "adapter_not_applied": not_applied,
+        "blocks": [{"file": f["name"], "lora": r, **f} for f, r in zip(block_files, lora_records)],
+        "auxiliary": aux_file,
+    }
+    (out / "artifact" / "manifest.json").write_text(json.dumps(artifact_manifest, indent=2) + "\n")
+    overlay_manifest = {
+        "format": OVERLAY_FORMAT,
+        **{k: identity[k] for k in ("compile_id", "profile_id", "profile", "arch")},
+        "schedule": schedule.to_dict(),
+        "num_layers": config.num_layers,
+        "entries": entries,
+        "file": overlay_file,
+    }
+    (out / "schedule" / "manifest.json").write_text(json.dumps(overlay_manifest, indent=2) + "\n")
+
+
+# -- command line ---------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m vflash_core.weights.compiler", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("prepare", help="bind a profile to base weights (and adapter) in a receipt")
+    p.add_argument("--profile", required=True)
+    p.add_argument("--transformer", required=True, help="diffusers transformer/ folder, or an original-layout file/folder (Comfy-Org bf16, fp8_scaled or pruned single files too)")
+    p.add_argument("--adapter", help="LoRA .safetensors the profile is built with")
+    p.add_argument("--qkv-layout", choices=("stacked", "interleaved"), help="original layout only (default stacked)")
+    p.add_argument("--receipt", required=True)
+    c = sub.add_parser("compile", help="compile a receipt into artifact/, schedule/ and auxiliary.safetensors")
+    c.add_argument("--receipt", required=True)
+    c.add_argument("--output", required=True)
+    c.add_argument("--device", default="cpu", help="cpu or cuda:N (the profile's architecture)")
+    c.add_argument("--gpu", type=int, help="shorthand for --device cuda:N")
+    v = sub.add_parser("verify", help="re-hash a compiled folder against the sha256 recorded when it was written")
+    v.add_argument("compiled", help="folder holding artifact/, schedule/ and auxiliary.safetensors")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    return run_command(lambda: _run(args), "error: ", "interrupted; nothing was published")
+
+
+def _run(args: argparse.Namespace) -> None:
+    if args.command == "prepare":
+        prepare(args.profile, args.transformer, args.receipt, args.adapter, args.qkv_layout)
+        print(f"wrote receipt {args.receipt}")
+    elif args.command == "verify":
+        from .artifact import CompiledArtifact
+
+        folder = Path(args.compiled)
+        if not folder.is_dir():
+            raise VflashError(f"{folder} {'is not a folder' if os.path.lexists(folder) else 'does not exist'}; give the folder compile wrote (artifact/, schedule/, auxiliary.safetensors)")
+        CompiledArtifact(folder / "artifact", folder / "schedule", folder / "auxiliary.safetensors").verify()
+        print(f"{folder}: every file matches the sha256 recorded at compile time")
+    else:
+        device = f"cuda:{args.gpu}" if args.gpu is not None else args.device
+        out = compile_receipt(args.receipt, args.output, device)
+        print(f"compiled into {out}: artifact/, schedule/, auxiliary.safetensors")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

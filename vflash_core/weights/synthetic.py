@@ -1,0 +1,330 @@
+"""Random-weight H3 transformers written in the official on-disk layouts.
+
+No weights can be downloaded where the tests and the embedded demo run, so both build small random models here, in
+exactly the layouts `checkpoint.SourceWeights` reads: the diffusers `transformer/` folder (single file or sharded with
+an index), the original single-file names (stacked or per-head interleaved QKV, `mlp.fc1` as [gate; value]) and
+Comfy-Org's repacked single files (with `rope.inv_freq`; optionally ComfyUI scaled-FP8, optionally pruned).
+Norm weights are random too, so a missing weight multiply cannot hide behind ones.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import zlib
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from .checkpoint import aux_shapes, block_shapes
+from ..engine.config import H3Config
+from ..engine.model import rope_inv_freq, time_embedding
+
+# Tensors the released checkpoint stores in fp32; everything else is bf16.
+FP32_PREFIXES = ("proj_in.", "audio_proj_in.", "time_embedder.", "proj_out.", "audio_proj_out.")
+
+
+def _tensor_seed(seed: int, name: str) -> int:
+    """A generator seed per tensor, so any subset of a checkpoint can be drawn in any order with the same values."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 63)
+
+
+def internal_shapes(config: H3Config) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a checkpoint in internal names, in file order: blocks, refiner blocks, auxiliary tensors."""
+    shapes = {}
+    for i in range(config.num_layers):
+        shapes.update(block_shapes(config, f"blocks.{i}", with_adaln=True))
+    for j in range(config.num_refiner_layers):
+        shapes.update(block_shapes(config, f"refiner.{j}", with_adaln=False))
+    shapes.update(aux_shapes(config))
+    return shapes
+
+
+class RandomWeights(Mapping[str, torch.Tensor]):
+    """A random checkpoint in internal names whose tensors are drawn on demand (on `device`) from per-tensor seeds.
+
+    `dtype=bfloat16` gives the released mixed-precision layout (fp32 patch projections, time embedder and heads).
+    Norm weights are random around 1, so a missing weight multiply cannot hide behind ones; matrices are scaled by
+    fan_in^-1/2 so activations stay O(1) through every block. The same (config, seed, dtype, device type) always gives
+    the same values, which lets a benchmark rebuild a model in memory that equals one written to disk earlier.
+    """
+
+    def __init__(self, config: H3Config, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"):
+        self.config, self.seed, self.dtype, self.device = config, seed, dtype, torch.device(device)
+        self.shapes = internal_shapes(config)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        shape = self.shapes[name]
+        generator = torch.Generator(self.device).manual_seed(_tensor_seed(self.seed, name))
+        value = torch.randn(shape, generator=generator, device=self.device)
+        if "norm" in name and name.endswith(".weight") and len(shape) == 1:
+            value = value.mul_(0.25).add_(1.0)
+        else:
+            value = value.mul_((shape[1] if len(shape) == 2 else shape[0]) ** -0.5)
+        pinned = self.dtype == torch.bfloat16 and name.startswith(FP32_PREFIXES)
+        return value.to(torch.float32 if pinned else self.dtype).contiguous()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+
+def random_internal_weights(config: H3Config, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Every tensor of `RandomWeights` materialised as CPU tensors (`device` says where the numbers are drawn)."""
+    weights = RandomWeights(config, seed, dtype, device)
+    return {name: weights[name].cpu() for name in weights}
+
+
+def diffusers_names(name: str, config: H3Config) -> list[tuple[str, slice]]:
+    """Internal name -> the diffusers `MiniMaxH3Transformer3DModel` tensors it holds, with their rows."""
+    parts = name.split(".")
+    if parts[0] in ("blocks", "refiner") and parts[1].isdigit():
+        prefix = f"transformer_blocks.{parts[1]}" if parts[0] == "blocks" else f"token_refiner.refiner_blocks.{parts[1]}"
+        local = ".".join(parts[2:])
+        if local == "attn.qkv.weight":
+            inner = config.inner_dim
+            return [(f"{prefix}.attn.to_{p}.weight", slice(k * inner, (k + 1) * inner)) for k, p in enumerate("qkv")]
+        local = {
+            "attn.out.weight": "attn.to_out.0.weight",
+            "ffn.in.weight": "ff.net.0.proj.weight",
+            "ffn.out.weight": "ff.net.2.weight",
+            "adaln.weight": "adaln_proj.linear.weight",
+            "adaln.bias": "adaln_proj.linear.bias",
+        }.get(local, local)
+        return [(f"{prefix}.{local}", slice(None))]
+    if name == "refiner.final_norm.weight":
+        return [("token_refiner.final_norm.weight", slice(None))]
+    return [(name, slice(None))]
+
+
+def to_original_names(weights: dict[str, torch.Tensor], config: H3Config, qkv_layout: str = "stacked") -> dict[str, torch.Tensor]:
+    """Internal names -> the original reference implementation's names (inverse of the diffusers converter)."""
+    aux = {
+        "proj_in": "video_patch_proj",
+        "audio_proj_in": "audio_patch_proj",
+        "context_embedder": "condition_proj",
+        "time_embedder.linear_1": "time_embedder.proj_in",
+        "time_embedder.linear_2": "time_embedder.proj_out",
+        "norm_out.linear": "final_layer.adaln_proj.linear",
+        "proj_out": "final_layer.video_out",
+        "audio_proj_out": "final_layer.audio_out",
+    }
+    heads, d = config.num_attention_heads, config.attention_head_dim
+    out = {}
+    for name, tensor in weights.items():
+        parts = name.split(".")
+        if parts[0] in ("blocks", "refiner") and parts[1].isdigit():
+            prefix = f"blocks.{parts[1]}" if parts[0] == "blocks" else f"token_refiner.blocks.{parts[1]}"
+            local = ".".join(parts[2:])
+            if local == "attn.qkv.weight" and qkv_layout == "interleaved":
+                tensor = tensor.reshape(3, heads, d, -1).transpose(0, 1).reshape(3 * heads * d, -1).contiguous()
+            elif local == "ffn.in.weight":
+                value, gate = tensor.chunk(2)
+                tensor = torch.cat([gate, value]).contiguous()
+            local = {
+                "attn.qkv.weight": "attn.qkv_proj.weight",
+                "attn.norm_q.weight": "attn.q_norm.weight",
+                "attn.norm_k.weight": "attn.k_norm.weight",
+                "attn.out.weight": "attn.out_proj.weight",
+                "ffn.in.weight": "mlp.fc1.weight",
+                "ffn.out.weight": "mlp.fc2.weight",
+                "adaln.weight": "adaln_proj.linear.weight",
+                "adaln.bias": "adaln_proj.linear.bias",
+            }.get(local, local)
+            out[f"{prefix}.{local}"] = tensor
+        elif name == "refiner.final_norm.weight":
+            out["token_refiner.final_norm.weight"] = tensor
+        elif name == "adaln_t_table":
+            out[name] = tensor
+        elif name == "norm_out.norm.weight":
+            out["final_layer.norm.weight"] = tensor
+        else:
+            module, _, suffix = name.rpartition(".")
+            out[f"{aux[module]}.{suffix}"] = tensor
+    return out
+
+
+def write_shards(
+    folder: Path, stem: str, sizes: Mapping[str, int], produce: Callable[[list[str]], dict[str, torch.Tensor]],
+    max_shard_bytes: int | None = None, write_workers: int = 1,
+) -> list[Path]:
+    """Write safetensors files the way `save_pretrained` lays them out: `{stem}.safetensors`, or shards
+    `{stem}-0000k-of-0000n.safetensors` plus `{stem}.safetensors.index.json` when `max_shard_bytes` is given.
+
+    `sizes` lists the source keys in order with their byte sizes; `produce(keys)` returns the CPU tensors (file
+    names -> tensors) of one shard. Shards are produced one at a time, so a full-size model is never held in host
+    memory whole, and up to `write_workers` of them are written concurrently while the next is produced.
+    """
+    groups: list[list[str]] = [[]]
+    size = 0
+    for key, nbytes in sizes.items():
+        if max_shard_bytes is not None and groups[-1] and size + nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(key)
+        size += nbytes
+    if max_shard_bytes is None:
+        names = [f"{stem}.safetensors"]
+    else:
+        names = [f"{stem}-{k + 1:05d}-of-{len(groups):05d}.safetensors" for k in range(len(groups))]
+    weight_map: dict[str, str] = {}
+    total = 0
+    workers = max(1, write_workers)
+    with ThreadPoolExecutor(workers) as pool:
+        pending: list[Future] = []
+        for keys, file_name in zip(groups, names):
+            while sum(not f.done() for f in pending) >= workers:  # bound the shards held in memory
+                wait(pending, return_when=FIRST_COMPLETED)
+            state = produce(keys)
+            weight_map.update(dict.fromkeys(state, file_name))
+            total += sum(t.nbytes for t in state.values())
+            pending.append(pool.submit(save_file, state, str(folder / file_name), {"format": "pt"}))
+            del state
+        for future in pending:
+            future.result()
+    if max_shard_bytes is not None:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (folder / f"{stem}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return [folder / n for n in names]
+
+
+def write_diffusers_transformer(
+    folder: str | Path, config: H3Config, weights: Mapping[str, torch.Tensor], max_shard_bytes: int | None = None, write_workers: int = 1
+) -> Path:
+    """A diffusers `transformer/` folder: config.json plus one file, or shards and an index when `max_shard_bytes`.
+
+    Tensors are taken from `weights` one shard at a time (a `RandomWeights` draws them only then); see `write_shards`.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(
+        json.dumps({"_class_name": "MiniMaxH3Transformer3DModel", **config.to_dict()}, indent=2) + "\n"
+    )
+
+    def produce(names: list[str]) -> dict[str, torch.Tensor]:
+        state = {}
+        for name in names:
+            tensor = weights[name]
+            for out, rows in diffusers_names(name, config):
+                # Row slices of one tensor share storage, which safetensors refuses: each gets its own copy.
+                state[out] = tensor[rows].to("cpu", copy=rows != slice(None))
+        return state
+
+    sizes = {name: math.prod(_shape(weights, name)) * _dtype(weights, name).itemsize for name in weights}
+    write_shards(folder, "diffusion_pytorch_model", sizes, produce, max_shard_bytes, write_workers)
+    return folder
+
+
+def _shape(weights: Mapping[str, torch.Tensor], name: str) -> tuple[int, ...]:
+    return weights.shapes[name] if isinstance(weights, RandomWeights) else tuple(weights[name].shape)
+
+
+def _dtype(weights: Mapping[str, torch.Tensor], name: str) -> torch.dtype:
+    if isinstance(weights, RandomWeights):
+        return torch.float32 if weights.dtype == torch.bfloat16 and name.startswith(FP32_PREFIXES) else weights.dtype
+    return weights[name].dtype
+
+
+def random_like(name: str, shape: tuple[int, ...], seed: int, device: str | torch.device = "cpu") -> torch.Tensor:
+    """One fp32 tensor of a random module state: norm-like vectors (1-D weights) around 1, biases small, matrices and
+    kernels scaled by fan_in^-1/2 (activations stay O(1) through deep stacks). Drawn from a per-tensor seed."""
+    generator = torch.Generator(device).manual_seed(_tensor_seed(seed, name))
+    value = torch.randn(shape, generator=generator, device=device)
+    if len(shape) == 1 and not name.endswith("bias"):
+        return value.mul_(0.02).add_(1.0)
+    if len(shape) <= 1:
+        return value.mul_(0.02)
+    return value.mul_(math.prod(shape[1:]) ** -0.5)
+
+
+def write_random_lora(
+    path: str | Path, config: H3Config, rank: int, alpha: float, seed: int = 0, adaln_rank: int | None = None, device: str | torch.device = "cpu"
+) -> Path:
+    """A LoRA over every main block in the original names as LightX2V publishes them (`diffusion_model.` prefix,
+    `lora_A`/`lora_B`, a uniform network alpha in the metadata): fused `attn.qkv_proj`, `attn.out_proj`, `mlp.fc1`,
+    `mlp.fc2` at `rank`, and `adaln_proj.linear` at `adaln_rank` when given. The up factors are small, so the
+    adapted model stays close to the base one, as a distillation LoRA does."""
+    h, inner, f = config.hidden_size, config.inner_dim, config.ffn_dim
+    modules = {"attn.qkv_proj": (3 * inner, h), "attn.out_proj": (h, inner), "mlp.fc1": (2 * f, h), "mlp.fc2": (h, f)}
+    state = {}
+    for i in range(config.num_layers):
+        targets = [(m, s, rank) for m, s in modules.items()]
+        if adaln_rank is not None:
+            targets.append(("adaln_proj.linear", (18 * h, config.time_embed_dim), adaln_rank))
+        for module, (out_f, in_f), r in targets:
+            key = f"diffusion_model.blocks.{i}.{module}"
+            state[f"{key}.lora_A.weight"] = random_like(f"{key}.lora_A", (r, in_f), seed, device).to(torch.bfloat16).cpu()
+            state[f"{key}.lora_B.weight"] = random_like(f"{key}.lora_B", (out_f, r), seed, device).mul_(0.1).to(torch.bfloat16).cpu()
+    save_file(state, str(path), metadata={"alpha": f"{alpha:g}"})
+    return Path(path)
+
+
+def write_original_transformer(
+    path: str | Path, config: H3Config, weights: dict[str, torch.Tensor], qkv_layout: str = "stacked", embed_config: bool = True
+) -> Path:
+    """A single original-layout file (as published single files are); optionally records the config in metadata."""
+    path = Path(path)
+    metadata = {"config": json.dumps(config.to_dict())} if embed_config else {}
+    save_file(to_original_names(weights, config, qkv_layout), str(path), metadata=metadata)
+    return path
+
+
+def prune_adaln(weights: Mapping[str, torch.Tensor], config: H3Config, grid: int = 1025, rank: int = 8) -> dict[str, torch.Tensor]:
+    """`weights` as a pruned file holds them: the post-SiLU time-embedding curve sampled at `grid` evenly spaced t in
+    [0, 1] (fp32), projected on its top `rank` right-singular directions U: `adaln_t_table` = curve @ U [grid, rank],
+    each AdaLN projection (blocks and `norm_out.linear`) W -> W @ U in fp32 with its bias in fp32, no time embedder.
+    The pruned model approximates the full one as closely as rank `rank` and the interpolation allow."""
+    t = torch.linspace(0.0, 1.0, grid, dtype=torch.float64).float()
+    curve = torch.nn.functional.silu(time_embedding(t, weights, config))
+    basis = torch.linalg.svd(curve, full_matrices=False).Vh[:rank].T.contiguous()  # (time_embed_dim, rank)
+    out = {name: tensor for name, tensor in weights.items() if not name.startswith("time_embedder.")}
+    out["adaln_t_table"] = (curve @ basis).contiguous()
+    for name in [n for n in out if n.endswith(".adaln.weight") or n == "norm_out.linear.weight"]:
+        out[name] = (out[name].float() @ basis).contiguous()
+        bias = name.removesuffix("weight") + "bias"
+        out[bias] = out[bias].float()
+    return out
+
+
+# Linears a Comfy-Org scaled-FP8 file stores as float8 (original names): block and refiner projections, condition_proj.
+_FP8_LAYERS = re.compile(r"^((token_refiner\.)?blocks\.\d+\.(attn\.qkv_proj|attn\.out_proj|mlp\.fc1|mlp\.fc2|adaln_proj\.linear)|condition_proj)$")
+
+
+def write_comfy_transformer(
+    path: str | Path, config: H3Config, weights: Mapping[str, torch.Tensor], fp8: str | None = None, embed_config: bool = True
+) -> Path:
+    """A Comfy-Org single file: original names with stacked QKV and the `rope.inv_freq` buffer, from full or pruned
+    (`prune_adaln`) weights. With `fp8`, the bf16 linears ComfyUI quantizes become float8_e4m3fn codes with one fp32
+    scale each (`scale = amax / 448`, `code = fp8(w / scale)`), marked the way ComfyUI marks them: "metadata"
+    (`_quantization_metadata` and `<layer>.weight_scale`), "comfy_quant" (a `<layer>.comfy_quant` tensor each) or
+    "legacy" (a `scaled_fp8` tensor and `<layer>.scale_weight`)."""
+    path = Path(path)
+    state = {**to_original_names(dict(weights), config), "rope.inv_freq": rope_inv_freq(config)}
+    metadata = {"config": json.dumps(config.to_dict())} if embed_config else {}
+    if fp8 is not None:
+        layers = {}
+        for name in [n for n in state if n.endswith(".weight") and _FP8_LAYERS.match(n.removesuffix(".weight")) and state[n].dtype == torch.bfloat16]:
+            layer = name.removesuffix(".weight")
+            weight = state[name].float()
+            scale = weight.abs().amax() / torch.finfo(torch.float8_e4m3fn).max
+            state[name] = (weight / scale).to(torch.float8_e4m3fn)
+            conf = {"format": "float8_e4m3fn"}
+            if fp8 == "legacy":
+                state[f"{layer}.scale_weight"] = scale
+            else:
+                state[f"{layer}.weight_scale"] = scale
+                if fp8 == "comfy_quant":
+                    state[f"{layer}.comfy_quant"] = torch.tensor(list(json.dumps(conf).encode()), dtype=torch.uint8)
+            layers[layer] = conf
+        if fp8 == "metadata":
+            metadata["_quantization_metadata"] = json.dumps({"format_version": "1.0", "layers": layers})
+        elif fp8 == "legacy":
+            state["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
+    save_file(state, str(path), metadata=metadata)
+    return path

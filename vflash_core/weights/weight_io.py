@@ -1,0 +1,457 @@
+"""Buffered sequential reads of one immutable safetensors file, optionally through a lossless Zstandard sidecar.
+
+`TensorStore` reads each requested tensor with its own `readinto` into its own storage, which suits selective reads.
+Loading a whole file (a compiled block, the auxiliary tensors) goes faster as a few large reads issued by several
+threads at once: storage sees a deep queue of long sequential requests, and no per-tensor allocation or system call
+remains. `SequentialWeights` does that:
+
+* The data region (the bytes after the header) is cut at tensor boundaries into *shards* of at most `shard_bytes` (a
+  larger tensor gets a shard of its own). Each shard is one owned uint8 buffer, so every tensor is a view into
+  exactly one buffer.
+* Shards are filled in *chunks* of at most `chunk_bytes`, read with `os.preadv` by a pool of `read_workers` threads
+  sharing one descriptor (`preadv` takes an explicit offset, so the threads share no file position). Chunks bound
+  one thread's work; without them the H3 blocks' largest tensors (150-300 MB) would each serialise on one thread.
+* The descriptor is open only while the buffers are filled. The file's size and mtime are recorded when it is
+  indexed and checked before and after the reads: the engine's weight files are immutable, and one that changed is
+  refused rather than mixed.
+
+The optional sidecar (`prepare_sidecar`) holds the same data region as independent Zstandard frames, one per chunk,
+each with its content checksum. The worker pool reads and decompresses them straight into the shard buffers: fewer
+bytes from storage for more CPU, which pays where storage is slower than decompression. The source file stays the
+authority for the header and must remain; the sidecar's manifest records its name, size and mtime and is refused
+when they no longer match.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from types import ModuleType, TracebackType
+
+import torch
+
+from ..errors import IdentityMismatchError, VflashError, WeightFileError
+from ..fileio import atomic_directory
+from .tensor_store import SafetensorsFile, TensorInfo
+
+READ_WORKERS = (1, 2, 4, 8)
+DEFAULT_SHARD_BYTES = 256 << 20
+DEFAULT_CHUNK_BYTES = 64 << 20
+SIDECAR_FORMAT = "vflash-zstd-sidecar/1"
+MANIFEST_NAME = "manifest.json"
+FRAMES_NAME = "frames.zst"
+
+# A byte range [start, end) of a file.
+Range = tuple[int, int]
+
+
+def _zstd() -> ModuleType:
+    try:
+        import zstandard
+    except ImportError:
+        raise VflashError(
+            "the Zstandard weight sidecar needs the zstandard package: pip install 'vflash[weight-io]'"
+        ) from None
+    return zstandard
+
+
+def data_region(file: SafetensorsFile) -> Range:
+    """Where the tensor bytes of `file` lie.
+
+    The format allows no holes, so the lowest tensor offset is where the header ends; a file without tensors has an
+    empty region at its end.
+    """
+    if not file.tensors:
+        return file.file_size, file.file_size
+    return min(i.start for i in file.tensors.values()), max(i.end for i in file.tensors.values())
+
+
+def plan_shards(file: SafetensorsFile, shard_bytes: int) -> list[Range]:
+    """Cut the data region, only where no tensor crosses, into ranges of at most `shard_bytes` (or one tensor)."""
+    start, end = data_region(file)
+    cuts = [start]
+    reach = start  # no tensor seen so far extends past this offset
+    for info in sorted(file.tensors.values(), key=lambda i: (i.start, i.end)):
+        if info.start >= reach and info.start > cuts[-1] and info.end - cuts[-1] > shard_bytes:
+            cuts.append(info.start)
+        reach = max(reach, info.end)
+    cuts.append(end)
+    return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+
+
+def _split(span: Range, chunk_bytes: int) -> list[Range]:
+    """`span` in equal pieces of at most `chunk_bytes` (equal, so no piece is a tiny remainder)."""
+    start, end = span
+    count = max(1, -(-(end - start) // chunk_bytes))
+    bounds = [start + (end - start) * k // count for k in range(count + 1)]
+    return list(zip(bounds, bounds[1:]))
+
+
+def _identity(stat: os.stat_result) -> tuple[int, int]:
+    return stat.st_size, stat.st_mtime_ns
+
+
+def _stat(path: Path) -> os.stat_result:
+    try:
+        return path.stat()
+    except OSError as exc:
+        raise WeightFileError(f"{path}: cannot read ({exc.strerror})") from None
+
+
+def _open(path: Path) -> int:
+    try:
+        return os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        raise WeightFileError(f"{path}: cannot read ({exc.strerror})") from None
+
+
+def _check_identity(path: Path, stat: os.stat_result, expected: tuple[int, int], when: str) -> None:
+    size, mtime_ns = _identity(stat)
+    if (size, mtime_ns) != expected:
+        raise WeightFileError(
+            f"{path}: changed on disk {when} (size {expected[0]} -> {size} bytes, mtime_ns {expected[1]} -> "
+            f"{mtime_ns}); weight files must not change while they are used"
+        )
+
+
+def _pread_into(fd: int, path: Path, view: memoryview, offset: int) -> None:
+    """Fill `view` from `offset`; a read that ends early is an error naming the file and the offset."""
+    filled = 0
+    while filled < len(view):
+        try:
+            count = os.preadv(fd, [view[filled:]], offset + filled)
+        except OSError as exc:
+            raise WeightFileError(f"{path}: read failed at byte {offset + filled} ({exc.strerror})") from None
+        if count == 0:
+            raise WeightFileError(
+                f"{path}: short read at byte {offset + filled}: end of file {len(view) - filled} bytes before the "
+                f"end of the range [{offset}, {offset + len(view)})"
+            )
+        filled += count
+
+
+def _read_pieces(fd: int, path: Path, pieces: list[tuple[int, memoryview]]) -> int:
+    for offset, view in pieces:
+        _pread_into(fd, path, view, offset)
+    return sum(len(view) for _, view in pieces)
+
+
+def _run_jobs(workers: int, jobs: list[Callable[[], int]]) -> int:
+    """Run `jobs` on `workers` threads and return the sum of their results.
+
+    The first failure cancels the jobs not yet started; it is raised only after the running ones have finished, so
+    no thread still reads a descriptor or a buffer that the caller releases next.
+    """
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="vflash-weight-io")
+    futures: list[Future[int]] = []
+    try:
+        futures = [pool.submit(job) for job in jobs]
+        wait(futures, return_when=FIRST_EXCEPTION)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    for future in futures:
+        error = None if future.cancelled() else future.exception()
+        if error is not None:
+            raise error
+    return sum(future.result() for future in futures)
+
+
+@dataclass(frozen=True)
+class _Frame:
+    """One Zstandard frame of a sidecar: its place in the frames file and the source bytes it holds."""
+
+    offset: int
+    compressed_bytes: int
+    raw: Range
+
+
+def _load_sidecar(directory: Path, file: SafetensorsFile, identity: tuple[int, int]) -> list[_Frame]:
+    """The frames of the sidecar in `directory`, after checking that it was made from this very `file`."""
+    manifest_path = directory / MANIFEST_NAME
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except FileNotFoundError:
+        raise WeightFileError(f"{directory}: not a weight sidecar (no {MANIFEST_NAME})") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise WeightFileError(f"{manifest_path}: unreadable ({exc})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != SIDECAR_FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else None
+        raise WeightFileError(f"{manifest_path}: format {found!r}, expected {SIDECAR_FORMAT!r}")
+    start, end = data_region(file)
+    try:
+        source = manifest["source"]
+        recorded = {"name": source["name"], "size": int(source["size"]), "mtime_ns": int(source["mtime_ns"]),
+                    "header_bytes": int(source["header_bytes"])}
+        frames = []
+        for f in manifest["frames"]:
+            raw = (int(f["raw_offset"]), int(f["raw_offset"]) + int(f["raw_bytes"]))
+            frames.append(_Frame(int(f["offset"]), int(f["compressed_bytes"]), raw))
+        frames_size = int(manifest["frames_bytes"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise WeightFileError(f"{manifest_path}: corrupt manifest ({exc!r})") from None
+    actual = {"name": file.path.name, "size": identity[0], "mtime_ns": identity[1], "header_bytes": start}
+    if recorded != actual:
+        differ = ", ".join(f"{k} {recorded[k]!r} vs {actual[k]!r}" for k in actual if recorded[k] != actual[k])
+        raise IdentityMismatchError(
+            f"{directory} was made from another file than {file.path} ({differ}); rebuild it with prepare_sidecar"
+        )
+    position, offset = start, 0
+    for frame in frames:
+        follows = frame.raw[0] == position and frame.offset == offset
+        if not follows or frame.raw[1] <= frame.raw[0] or frame.compressed_bytes <= 0:
+            raise WeightFileError(f"{manifest_path}: corrupt manifest (frame {frame} does not follow byte {position})")
+        position, offset = frame.raw[1], offset + frame.compressed_bytes
+    if position != end or offset != frames_size:
+        raise WeightFileError(
+            f"{manifest_path}: corrupt manifest (frames cover [{start}, {position}) in {offset} bytes; the data region "
+            f"is [{start}, {end}) and the frames file is recorded as {frames_size} bytes)"
+        )
+    return frames
+
+
+def _decompress_frame(
+    zstd: ModuleType, fd: int, path: Path, frame: _Frame, pieces: list[tuple[int, memoryview]]
+) -> int:
+    compressed = bytearray(frame.compressed_bytes)
+    _pread_into(fd, path, memoryview(compressed), frame.offset)
+    try:
+        with zstd.ZstdDecompressor().stream_reader(compressed) as reader:
+            for _, view in pieces:
+                filled = 0
+                while filled < len(view):
+                    count = reader.readinto(view[filled:])
+                    if not count:
+                        raise WeightFileError(f"{path}: frame at byte {frame.offset} holds fewer bytes than recorded")
+                    filled += count
+            # Reading past the content consumes the frame's end, which is where its checksum is verified.
+            if reader.read(1):
+                raise WeightFileError(f"{path}: frame at byte {frame.offset} holds more bytes than recorded")
+    except zstd.ZstdError as exc:
+        raise WeightFileError(f"{path}: corrupt frame at byte {frame.offset} ({exc})") from None
+    return frame.compressed_bytes
+
+
+class SequentialWeights:
+    """Every tensor of one safetensors file, read into owned shard buffers by a thread pool; see the module docstring.
+
+    Entering the context reads the whole data region (so does the first `get_tensor` outside a context); leaving it
+    drops this object's references to the buffers. No file descriptor outlives a read. With `compressed_directory`
+    the bytes come from a sidecar made by `prepare_sidecar` for this file. `pin_memory` allocates page-locked buffers
+    for asynchronous host-to-device copies and needs CUDA.
+
+    Not for concurrent use while reading; once read, `get_tensor` may be called from any thread.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        read_workers: int = 4,
+        compressed_directory: str | Path | None = None,
+        *,
+        pin_memory: bool = False,
+        shard_bytes: int = DEFAULT_SHARD_BYTES,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ):
+        if read_workers not in READ_WORKERS:
+            raise ValueError(f"read_workers must be one of {READ_WORKERS}, not {read_workers}")
+        if shard_bytes <= 0 or chunk_bytes <= 0:
+            raise ValueError(f"shard_bytes and chunk_bytes must be positive, not {shard_bytes} and {chunk_bytes}")
+        if pin_memory and not torch.cuda.is_available():
+            raise VflashError("pinned weight buffers need CUDA, which is not available; read with pin_memory=False")
+        self.path = Path(path)
+        self.read_workers = read_workers
+        self.pin_memory = pin_memory
+        self._identity = _identity(_stat(self.path))
+        self.file = SafetensorsFile(self.path)
+        _check_identity(self.path, _stat(self.path), self._identity, "while it was indexed")
+        start, end = data_region(self.file)
+        self.nbytes = end - start
+        self.shards = plan_shards(self.file, shard_bytes)
+        self._shard_starts = [s for s, _ in self.shards]
+        self._zstd: ModuleType | None = None
+        self._frames: list[_Frame] = []
+        if compressed_directory is None:
+            self.read_path = self.path
+            self.chunks = [chunk for shard in self.shards for chunk in _split(shard, chunk_bytes)]
+        else:
+            self._zstd = _zstd()
+            self.read_path = Path(compressed_directory) / FRAMES_NAME
+            self._frames = _load_sidecar(Path(compressed_directory), self.file, self._identity)
+            self.chunks = [frame.raw for frame in self._frames]
+        # Bytes taken from storage: the raw data region, or the compressed frames of a sidecar.
+        self.bytes_read = 0
+        self._buffers: list[torch.Tensor] | None = None
+        self._closed = False
+
+    def __enter__(self) -> SequentialWeights:
+        self.read_all()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.file.tensors)
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        return dict(self.file.metadata)
+
+    def info(self, name: str) -> TensorInfo:
+        return self.file.info(name)
+
+    def read_all(self) -> None:
+        """Fill every shard buffer, once; the threads and the descriptor are gone when it returns."""
+        if self._closed:
+            raise VflashError(f"{self.path}: read after close")
+        if self._buffers is not None:
+            return
+        buffers = [
+            torch.empty(end - start, dtype=torch.uint8, pin_memory=self.pin_memory) for start, end in self.shards
+        ]
+        views = [memoryview(buffer.numpy()) for buffer in buffers]
+        fd = _open(self.read_path)
+        try:
+            if self._zstd is None:
+                _check_identity(self.path, os.fstat(fd), self._identity, "since it was indexed")
+                jobs = [partial(_read_pieces, fd, self.path, self._pieces(views, chunk)) for chunk in self.chunks]
+            else:
+                _check_identity(self.path, _stat(self.path), self._identity, "since it was indexed")
+                frames_size = os.fstat(fd).st_size
+                if frames_size != sum(frame.compressed_bytes for frame in self._frames):
+                    raise WeightFileError(f"{self.read_path}: {frames_size} bytes, not the size its manifest records")
+                jobs = [
+                    partial(_decompress_frame, self._zstd, fd, self.read_path, frame, self._pieces(views, frame.raw))
+                    for frame in self._frames
+                ]
+            self.bytes_read += _run_jobs(self.read_workers, jobs)
+            _check_identity(self.path, _stat(self.path), self._identity, "while it was read")
+        finally:
+            os.close(fd)
+        self._buffers = buffers
+
+    def _pieces(self, views: list[memoryview], chunk: Range) -> list[tuple[int, memoryview]]:
+        """(file offset, destination) of each part of `chunk` that lies in one shard buffer."""
+        start, end = chunk
+        index = bisect.bisect_right(self._shard_starts, start) - 1
+        pieces = []
+        while start < end:
+            shard_start, shard_end = self.shards[index]
+            stop = min(end, shard_end)
+            pieces.append((start, views[index][start - shard_start : stop - shard_start]))
+            start, index = stop, index + 1
+        return pieces
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        """Tensor `name` as a view into the shard buffer that holds it.
+
+        The view stays valid after the context exits and keeps its whole shard buffer alive (up to `shard_bytes`, or
+        the tensor alone when it is larger); `clone()` a small tensor kept for long to let its buffer go. An empty
+        tensor is a fresh one (it has no bytes to view).
+        """
+        info = self.file.info(name)
+        if self._buffers is None:
+            self.read_all()
+        nbytes = info.end - info.start
+        if nbytes == 0:
+            return torch.empty(info.shape, dtype=info.dtype)
+        index = bisect.bisect_right(self._shard_starts, info.start) - 1
+        offset = info.start - self.shards[index][0]
+        data = self._buffers[index][offset : offset + nbytes]  # type: ignore[index]
+        if offset % info.dtype.itemsize:
+            # Torch views bytes as a wider dtype only at a multiple of its size; the safetensors library always
+            # aligns tensors, so only a file written otherwise pays for this copy.
+            data = data.clone()
+        return data.view(info.dtype).view(info.shape)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor, by name, as `get_tensor` returns it."""
+        return {name: self.get_tensor(name) for name in self.file.tensors}
+
+    def close(self) -> None:
+        """Drop the buffers; tensors already handed out keep theirs alive."""
+        self._buffers = None
+        self._closed = True
+
+
+def _compress_chunk(zstd: ModuleType, level: int, fd: int, path: Path, chunk: Range) -> bytes:
+    raw = bytearray(chunk[1] - chunk[0])
+    _pread_into(fd, path, memoryview(raw), chunk[0])
+    compressed = zstd.ZstdCompressor(level=level, write_checksum=True, write_content_size=True).compress(raw)
+    if zstd.ZstdDecompressor().decompress(compressed) != raw:
+        raise VflashError(f"{path}: bytes [{chunk[0]}, {chunk[1]}) do not survive a Zstandard round trip")
+    return compressed
+
+
+def prepare_sidecar(
+    source: str | Path,
+    directory: str | Path,
+    level: int = 3,
+    frame_bytes: int = DEFAULT_CHUNK_BYTES,
+    workers: int = 4,
+) -> Path:
+    """Write the Zstandard sidecar of `source` into the new directory `directory` and return its path.
+
+    The data region is cut like `SequentialWeights` cuts it by default (shards at tensor boundaries, frames of at
+    most `frame_bytes` inside them); `workers` threads compress the frames, and each is decompressed and compared
+    with its source bytes before it is written. The directory appears only once complete, and never replaces an
+    existing one. It holds `frames.zst` (the frames back to back) and `manifest.json`: the source's name, size,
+    mtime_ns and header_bytes (length prefix and JSON header, i.e. where the data region starts), and for each frame
+    its offset and compressed_bytes in `frames.zst` and the source range it holds (raw_offset, raw_bytes).
+    """
+    zstd = _zstd()
+    source, directory = Path(source), Path(directory)
+    if frame_bytes <= 0 or workers <= 0:
+        raise ValueError(f"frame_bytes and workers must be positive, not {frame_bytes} and {workers}")
+    identity = _identity(_stat(source))
+    file = SafetensorsFile(source)
+    start, _ = data_region(file)
+    chunks = [chunk for shard in plan_shards(file, DEFAULT_SHARD_BYTES) for chunk in _split(shard, frame_bytes)]
+    frames: list[dict[str, int]] = []
+    with atomic_directory(directory) as tmp:
+        fd = _open(source)
+        try:
+            _check_identity(source, os.fstat(fd), identity, "while it was indexed")
+            with (
+                ThreadPoolExecutor(workers, thread_name_prefix="vflash-zstd") as pool,
+                open(tmp / FRAMES_NAME, "wb") as out,
+            ):
+                # At most two frames per worker in flight, so memory stays bounded however large the source is.
+                pending: deque[tuple[Range, Future[bytes]]] = deque()
+
+                def write_next() -> None:
+                    chunk, future = pending.popleft()
+                    compressed = future.result()
+                    frames.append({"offset": out.tell(), "compressed_bytes": len(compressed), "raw_offset": chunk[0],
+                                   "raw_bytes": chunk[1] - chunk[0]})
+                    out.write(compressed)
+
+                for chunk in chunks:
+                    pending.append((chunk, pool.submit(_compress_chunk, zstd, level, fd, source, chunk)))
+                    if len(pending) >= 2 * workers:
+                        write_next()
+                while pending:
+                    write_next()
+                frames_size = out.tell()
+            _check_identity(source, os.fstat(fd), identity, "while it was compressed")
+        finally:
+            os.close(fd)
+        manifest = {
+            "format": SIDECAR_FORMAT,
+            "source": {"name": source.name, "size": identity[0], "mtime_ns": identity[1], "header_bytes": start},
+            "level": level,
+            "frames_bytes": frames_size,
+            "frames": frames,
+        }
+        (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n")
+    return directory
