@@ -24,8 +24,16 @@ from typing import Any
 
 import torch
 
+from vflash_core.engine.layout import (
+    AUDIO_CHANNELS,
+    FPS,
+    VAE_FRAMES_PER_CHUNK,
+    VAE_LATENTS_PER_CHUNK,
+    VAE_SPATIAL_RATIO,
+    Geometry,
+    align_num_frames,
+)
 from vflash_core.errors import RequestError
-from vflash_core.engine.layout import AUDIO_CHANNELS, FPS, VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK, VAE_SPATIAL_RATIO, Geometry, align_num_frames
 
 VIDEO_LATENT_CHANNELS = 24
 AUDIO_LATENT_CHANNELS = 32

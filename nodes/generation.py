@@ -5,7 +5,6 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from . import ops
-
 from .host import FOLDERS, HOST
 from .registry import ENGINES
 from .types import VflashCond, VflashModel, aliases, te_input, vae_inputs

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from . import ops
 from vflash_core.engine.attention import BACKENDS
 
+from . import ops
 from .host import FOLDERS, HOST
 from .registry import ENGINES
 from .types import DEVICE_TOOLTIP, VflashLora, VflashModel, VflashTextEncoder, VflashVAE, aliases, devices, peer_devices

@@ -30,10 +30,11 @@ from typing import Any, Protocol
 
 import torch
 
-from . import comfy_latent as cl
-from vflash_core.pipeline.options import STRATEGIES, WEIGHT_RESIDENCIES
-from vflash_core.errors import RequestError, VflashError, WeightFileError
 from vflash_core.engine.layout import FPS, Geometry, align_num_frames, frames_for_duration
+from vflash_core.errors import RequestError, VflashError, WeightFileError
+from vflash_core.pipeline.options import STRATEGIES, WEIGHT_RESIDENCIES
+
+from . import comfy_latent as cl
 
 logger = logging.getLogger(__name__)
 
@@ -393,9 +394,9 @@ def _compiled_dir(root: Path, profile: Any, folders: Folders) -> Path:
 
 def resolve_model(host: Host | None, spec: ModelSpec) -> ResolvedModel:
     """Resolve (and on first use, prepare and compile) the transformer of a spec; raises `VflashError`."""
-    from vflash_core.weights.artifact import CompiledArtifact
     from vflash_core.pipeline.h3_pipeline import PreparedAssets
     from vflash_core.profiles import get_profile
+    from vflash_core.weights.artifact import CompiledArtifact
 
     def pick(recorded: str, what: str):
         if spec.profile not in ("auto", recorded):
@@ -924,7 +925,11 @@ def encode(registry: EngineRegistry, host: Host, te: Any, vae: Any, prompt: str,
     or core's H3 video VAE, with core's audio VAE in `audio_vae` (needed for soundtracks). With core's encoders the
     conditioning records how it differs from the diffusers pipeline's in `notes`. Returns the encoding (VFLASH_COND,
     a `pipeline.EncodedRequest`), the empty latent of its canvas and its frame count."""
-    from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3AudioReference, MiniMaxH3ImageReference, MiniMaxH3VideoReference
+    from diffusers.modular_pipelines.minimax_h3 import (
+        MiniMaxH3AudioReference,
+        MiniMaxH3ImageReference,
+        MiniMaxH3VideoReference,
+    )
 
     from vflash_core.pipeline.h3_pipeline import encode_request
     from vflash_core.pipeline.validation import check_labels, check_prompt, check_reference_counts, request_mode
@@ -1040,8 +1045,8 @@ def sample(registry: EngineRegistry, host: Host, model: ModelSpec, cond: Any, la
 def decode(registry: EngineRegistry, host: Host, vae: Any, latent: dict[str, Any], audio_vae: Any = None) -> tuple[torch.Tensor, dict[str, Any], Any]:
     """VflashDecode: frames (IMAGE batch), stereo AUDIO trimmed to the video's length, and a VIDEO at 24 fps.
     `vae` is a Vflash VAE pair spec, or core's H3 video VAE with core's audio VAE in `audio_vae`."""
-    from vflash_core.pipeline.h3_pipeline import delivered_soundtrack
     from vflash_core.media.vae import decode_latents
+    from vflash_core.pipeline.h3_pipeline import delivered_soundtrack
 
     av = cl.from_comfy_latent(latent)
     vaes = _vae_pair(registry, host, vae, audio_vae)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from vflash_core.pipeline.device_owner import SerialDeviceOwner
+from vflash_core.engine.device_owner import SerialDeviceOwner
 
 
 class _Part(SerialDeviceOwner):

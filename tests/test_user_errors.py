@@ -334,7 +334,7 @@ def test_device_requests_are_checked_before_loading(h3_prepared, no_model_loads)
     with pytest.raises(VflashError, match=r"^unknown attention backend 'bogus'; choose one of auto, "):
         H3Pipeline.from_prepared(h3_prepared, RunOptions(attention_backend="bogus"))
     sm90 = get_profile("t2va-base16-bf16-sm90")
-    from vflash_core.pipeline.validation import check_device
+    from vflash_core.formats import check_device
 
     with pytest.raises(VflashError, match=r"^the profile was compiled for sm90; device cpu is cpu$"):
         check_device("cpu", sm90.arch)

@@ -8,10 +8,10 @@ Public entry points::
 
 from .engine.bundle import BundleHandoff, ConditioningBundle, build_keyframe_bundle
 from .engine.config import H3Config
-from .errors import VflashError
 from .engine.layout import Geometry
-from .profiles import PROFILES, Profile, get_profile
 from .engine.session import GenerationResult, NativeEngineSession
+from .errors import VflashError
+from .profiles import PROFILES, Profile, get_profile
 
 __version__ = "0.1.0"
 

@@ -1,4 +1,5 @@
-"""What the weights compiler writes and the runtime reads: file format tags and the hardware identity of a compile.
+"""What the weights compiler writes and the runtime reads: file format tags and the hardware identity of a compile
+(`device_arch`), and the one device check against it (`check_device`).
 
 Both sides import these from here, so loading a compiled model never imports the compiler.
 """
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import VflashError
+from .errors import IdentityMismatchError, VflashError
 
 WEIGHTS_RECEIPT_FORMAT = "vflash-receipt/1"  # `compiler prepare`: a profile bound to hashed base weights and adapter
 ARTIFACT_FORMAT = "vflash-artifact/1"  # `compiler compile`: packed blocks and auxiliary tensors
@@ -27,3 +28,25 @@ def device_arch(device: torch.device | str) -> str:
         major, minor = torch.cuda.get_device_capability(device)
         return f"sm{major}{minor}"
     raise VflashError(f"unsupported device {device}")
+
+
+def check_device(device: int | str | torch.device, arch: str, role: str = "device") -> torch.device:
+    """A device this machine has, of the architecture the profile's tables were computed on; checked before any
+    model loads. Initialises CUDA for a CUDA device, so the service's HTTP process never calls it."""
+    try:
+        resolved = torch.device(f"cuda:{device}") if isinstance(device, int) and not isinstance(device, bool) else torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise VflashError(f"{role} {device!r} is not a device; use 'cpu', a GPU index or 'cuda:N'") from None
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "" if torch.version.cuda else " (this torch build has no CUDA support)"
+            raise VflashError(f"{role} {resolved}: CUDA is not available on this machine{build}")
+        count = torch.cuda.device_count()
+        if resolved.index is not None and resolved.index >= count:
+            raise VflashError(f"{role} {resolved}: this machine has {count} CUDA device(s)")
+    elif resolved.type != "cpu":
+        raise VflashError(f"{role} {resolved}: Vflash runs on cpu or cuda devices")
+    found = device_arch(resolved)
+    if found != arch:
+        raise IdentityMismatchError(f"the profile was compiled for {arch}; {role} {resolved} is {found}")
+    return resolved

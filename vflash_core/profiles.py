@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .errors import IdentityMismatchError, VflashError
 from .engine.schedule import FixedSchedule
+from .errors import IdentityMismatchError, VflashError
 
 KEYFRAME_MODES = ("i2va", "l2va", "fl2va")
 

@@ -19,6 +19,7 @@ from typing import Any
 import folder_paths
 from comfy.nested_tensor import NestedTensor
 from comfy_api.latest import InputImpl, Types, io
+
 from vflash_core.errors import VflashError
 
 from .. import comfy_latent as cl

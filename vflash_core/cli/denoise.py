@@ -31,10 +31,10 @@ def _denoise(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     from ..engine.bundle import ConditioningBundle
-    from ..fileio import check_writable_destination
-    from ..profiles import get_profile
     from ..engine.session import NativeEngineSession
-    from ..pipeline.validation import check_device
+    from ..fileio import check_writable_destination
+    from ..formats import check_device
+    from ..profiles import get_profile
 
     check_writable_destination(args.output_latents)
     if os.path.lexists(args.bundle) and not os.path.isdir(args.bundle):

@@ -9,7 +9,6 @@ from pathlib import Path
 
 from ..pipeline.options import RunOptions
 
-
 _BARS = {"build family": ("build demo family", "step"), "load": ("load models", "part"), "encode": ("encode", "stage"), "denoise": ("denoise", "eval"), "decode": ("decode", "stream"), "write": ("write mp4", "file")}
 
 

@@ -10,8 +10,8 @@ import os
 import socket
 from pathlib import Path
 
-from ..pipeline.options import RunOptions
 from ..errors import RunFailedError, VflashError
+from ..pipeline.options import RunOptions
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +42,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
-    from ..service import ServiceConfig, create_app
     from ..pipeline.h3_pipeline import PreparedAssets
+    from ..service import ServiceConfig, create_app
     from ..service.config import check_service_settings
 
     if args.peer_gpu is not None and args.gpu is None:

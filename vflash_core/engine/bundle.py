@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .config import H3Config
 from ..errors import BundleError, VflashError
 from ..fileio import atomic_directory, read_json
+from ..weights.tensor_store import TensorStore, file_sha256
+from .config import H3Config
 from .layout import AUDIO_CHANNELS, Geometry, PackedLayout, ReferenceBlock, keyframe_layout, patchify, ref2va_layout
 from .schedule import KEYFRAME_NOISE_AUG, scale_noise
-from ..weights.tensor_store import TensorStore, file_sha256
 
 BUNDLE_FORMAT = "vflash-bundle/1"
 MODES = ("t2va", "i2va", "l2va", "fl2va", "ref2va")

@@ -28,9 +28,9 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from ..errors import VflashError
 from . import model as M
 from .config import H3Config
-from ..errors import VflashError
 from .fused import FusedOps
 
 FP8_MODES = ("weight-only", "w8a8")

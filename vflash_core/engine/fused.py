@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from . import model as M
 from .._imports import vflash_kernels
+from . import model as M
 from .config import H3Config
 
 # Whether the fused QK RMSNorm + rotary kernel replaces F.rms_norm + rotary. Measured on an H200 (torch 2.11, triton

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .config import AUDIO_TAG, VIDEO_TAG
 from ..errors import RequestError
+from .config import AUDIO_TAG, VIDEO_TAG
 
 FPS = 24
 AUDIO_LATENTS_PER_SECOND = 40

@@ -28,8 +28,8 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from . import model as M
 from ..errors import VflashError
+from . import model as M
 
 logger = logging.getLogger(__name__)
 

@@ -28,11 +28,11 @@ from typing import Protocol
 
 import torch
 
-from ..weights.artifact import CompiledArtifact
-from ..pipeline.device_owner import module_tensors, point_module_at
 from ..errors import VflashError
-from .model import LayerWeights, LoraResidual
+from ..weights.artifact import CompiledArtifact
 from ..weights.tensor_store import TensorStore
+from .device_owner import module_tensors, point_module_at
+from .model import LayerWeights, LoraResidual
 
 # Tensors start at multiples of this inside the arena and the slots (cuBLAS- and vector-load friendly). The full
 # model's tensors are all multiples of it, so no padding is added there.

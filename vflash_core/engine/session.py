@@ -31,28 +31,45 @@ from pathlib import Path
 
 import torch
 
+from ..errors import IdentityMismatchError, SessionClosedError, VflashError
+from ..fileio import atomic_file, check_writable_destination
+from ..formats import device_arch
+from ..pipeline.memory_plan import (
+    DeviceCap,
+    MemoryPlan,
+    PartSizes,
+    cap_bytes,
+    denoise_bytes,
+    largest_request,
+    plan_memory,
+)
+from ..profiles import Profile, get_profile
 from ..weights.artifact import CompiledArtifact
 from .attention import resolve_attention
 from .bundle import MODE_VARIANT, BundleHandoff, ConditioningBundle
 from .config import H3Config
-from .denoise import Denoiser, DenoiseOutput, ProgressFn
-from ..errors import IdentityMismatchError, SessionClosedError, VflashError
-from ..fileio import atomic_file, check_writable_destination
-from ..formats import device_arch
+from .denoise import DenoiseOutput, Denoiser, ProgressFn
 from .fp8 import FusedRowFP8Ops, RowFP8Execution, RowFP8Ops
 from .fused import FusedOps
 from .layout import FPS
-from ..pipeline.memory_plan import DeviceCap, MemoryPlan, PartSizes, cap_bytes, denoise_bytes, largest_request, plan_memory
 from .model import AttentionFn, BlockOps, LayerWeights
-from ..pipeline.options import STRATEGIES, WEIGHT_RESIDENCIES
-from .parallel import LocalGroup, SequenceHeadAttention, TensorShard, head_groups, relayout_ops, split_rows, tensor_parallel_ops
+from .parallel import (
+    LocalGroup,
+    SequenceHeadAttention,
+    TensorShard,
+    head_groups,
+    relayout_ops,
+    split_rows,
+    tensor_parallel_ops,
+)
 from .profiler import StageTimer
-from ..profiles import Profile, get_profile
 from .residency import BlockArena, BlockRing, BlockSource, LoadedBlocks, ResidentBlocks
 
 logger = logging.getLogger(__name__)
 
 EXECUTIONS = ("auto", "fused", "reference")
+WEIGHT_RESIDENCIES = ("auto", "resident", "block-ring")  # where the core's blocks live on a GPU
+STRATEGIES = ("sequence-head", "tensor")  # how one request is split over several GPUs
 _GIB = 1 << 30
 
 

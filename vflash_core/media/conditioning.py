@@ -45,12 +45,12 @@ import numpy as np
 import torch
 
 from ..engine.config import TEXT_TAG, VIDEO_TAG
-from ..pipeline.device_owner import SerialDeviceOwner, release_device_memory
-from ..errors import RequestError, VflashError
+from ..engine.device_owner import SerialDeviceOwner, release_device_memory
 from ..engine.layout import FPS
+from ..engine.residency import ModuleRing
+from ..errors import RequestError, VflashError
 from ..pipeline.memory_plan import encode_bytes
 from .references import CanvasRules
-from ..engine.residency import ModuleRing
 
 if TYPE_CHECKING:
     from ..pipeline.memory_plan import MemoryPlan

@@ -26,9 +26,9 @@ import numpy as np
 import torch
 from PIL import Image
 
+from ..engine.layout import FPS, MAX_ASPECT_RATIO, MIN_ASPECT_RATIO, resolve_canvas_size
 from ..errors import RequestError, VflashError
 from ..fileio import check_input_file
-from ..engine.layout import FPS, MAX_ASPECT_RATIO, MIN_ASPECT_RATIO, resolve_canvas_size
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 VIDEO_EXTENSIONS = (".mp4", ".mov", ".mkv", ".webm", ".avi", ".m4v")
@@ -186,7 +186,11 @@ def load_image(item: str | Path | Image.Image) -> Image.Image:
 
 def load_reference(item: str | Path | Image.Image):
     """A diffusers `MiniMaxH3*Reference` decoded at the rates the file carries."""
-    from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3AudioReference, MiniMaxH3ImageReference, MiniMaxH3VideoReference
+    from diffusers.modular_pipelines.minimax_h3 import (
+        MiniMaxH3AudioReference,
+        MiniMaxH3ImageReference,
+        MiniMaxH3VideoReference,
+    )
 
     kind = reference_kind(item)
     if kind == "image":
@@ -303,7 +307,11 @@ def normalize_soundtrack(waveform: torch.Tensor, sample_rate: int, target_rate: 
 
 def normalize_references(references: list, num_frames: int, canvas: CanvasRules, sample_rate: int) -> list:
     """Decoded `MiniMaxH3*Reference`s -> the same types on H3's rates and resolutions, in request order."""
-    from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3AudioReference, MiniMaxH3ImageReference, MiniMaxH3VideoReference
+    from diffusers.modular_pipelines.minimax_h3 import (
+        MiniMaxH3AudioReference,
+        MiniMaxH3ImageReference,
+        MiniMaxH3VideoReference,
+    )
 
     seconds = num_frames / FPS
     out = []

@@ -24,10 +24,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .conditioning import default_dtype
-from ..pipeline.device_owner import SerialDeviceOwner, release_device_memory
-from ..errors import VflashError
+from ..engine.device_owner import SerialDeviceOwner, release_device_memory
 from ..engine.layout import AUDIO_CHANNELS, FPS
+from ..errors import VflashError
+from .conditioning import default_dtype
 from .vae_decode import NativeVideoDecoder
 
 logger = logging.getLogger(__name__)

@@ -51,8 +51,8 @@ import torch
 import torch.nn.functional as F
 
 from ..engine.attention import resolve_attention
-from ..errors import VflashError
 from ..engine.model import AttentionFn
+from ..errors import VflashError
 
 #: Receives the decoded frames in order: (index of the first frame, frames (1, 3, f, H, W) on the first device).
 FrameSink = Callable[[int, torch.Tensor], None]

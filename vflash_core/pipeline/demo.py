@@ -22,8 +22,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..errors import VflashError
-from ..weights.family import DEMO_FAMILY, build_model_family
 from ..fileio import OutputExistsError, check_writable_destination
+from ..weights.family import DEMO_FAMILY, build_model_family
 from .options import RunOptions
 
 logger = logging.getLogger(__name__)
@@ -44,8 +44,8 @@ def default_cache_dir() -> Path:
 
 def _family_key() -> str:
     """Changes whenever what the demo builds changes, so an old cache is never reused for a new family."""
-    from ..engine.config import PRESETS
     from .. import __version__
+    from ..engine.config import PRESETS
 
     spec = {"family": asdict(DEMO_FAMILY), "transformer": PRESETS[DEMO_FAMILY.transformer], "profile": DEMO_PROFILE, "version": __version__}
     return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:12]

@@ -50,24 +50,51 @@ import PIL.Image
 import torch
 
 from ..engine.bundle import BundleHandoff, EncodedReference, build_keyframe_bundle, build_ref2va_bundle
-from ..media.conditioning import TEXT_ENCODER_LAYER, TextConditioner, TextEncoderLoader
 from ..engine.config import H3Config
-from ..errors import IdentityMismatchError, RequestError, RunFailedError, SessionClosedError, VflashError
-from ..formats import PIPELINE_FORMAT
-from ..fileio import atomic_file, check_input_file, check_writable_destination
 from ..engine.layout import FPS, VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK, VAE_SPATIAL_RATIO, Geometry
+from ..engine.session import (
+    BlockLoader,
+    GenerationResult,
+    NativeDenoiserLoader,
+    NativeEngineSession,
+    SessionTiming,
+    check_loader_hooks,
+)
+from ..errors import IdentityMismatchError, RequestError, RunFailedError, SessionClosedError, VflashError
+from ..fileio import atomic_file, check_input_file, check_writable_destination
+from ..formats import PIPELINE_FORMAT
+from ..media.conditioning import TEXT_ENCODER_LAYER, TextConditioner, TextEncoderLoader
 from ..media.mp4 import write_mp4
-from .memory_plan import MemoryPlan, PartSizes, cap_bytes, decode_bytes, denoise_bytes, largest_request, plan_memory, request_rows
-from .model_loading import MODEL_LOAD_LOCK
-from .options import RunOptions
-from ..profiles import Profile, check_identity, get_profile
 from ..media.references import CanvasRules, fit_keyframes, load_image, load_reference, normalize_references
-from ..engine.session import BlockLoader, GenerationResult, NativeDenoiserLoader, NativeEngineSession, SessionTiming, check_loader_hooks
 from ..media.vae import DecodedMedia, MediaVAEs, decode_latents
 from ..media.vae_decode import DEFAULT_WINDOWS_PER_CALL
+from ..profiles import Profile, check_identity, get_profile
+from .memory_plan import (
+    MemoryPlan,
+    PartSizes,
+    cap_bytes,
+    decode_bytes,
+    denoise_bytes,
+    largest_request,
+    plan_memory,
+    request_rows,
+)
+from .model_loading import MODEL_LOAD_LOCK
+from .options import RunOptions
 from .validation import (
-    MediaInput, PromptBudget, RequestPlan, callback, check_generate_arguments, describe_value, integer, media_input, media_inputs,
-    path_argument, plan_request, request_mode, seconds,
+    MediaInput,
+    PromptBudget,
+    RequestPlan,
+    callback,
+    check_generate_arguments,
+    describe_value,
+    integer,
+    media_input,
+    media_inputs,
+    path_argument,
+    plan_request,
+    request_mode,
+    seconds,
 )
 
 logger = logging.getLogger(__name__)

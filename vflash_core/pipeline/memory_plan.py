@@ -41,17 +41,24 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..engine.config import H3Config
-from .device_owner import module_tensors
+from ..engine.device_owner import module_tensors
+from ..engine.layout import (
+    FPS,
+    VAE_FRAMES_PER_CHUNK,
+    VAE_LATENTS_PER_CHUNK,
+    Geometry,
+    audio_latent_count,
+    video_latent_frames,
+)
 from ..errors import RequestError, RunFailedError, VflashError
-from ..engine.layout import FPS, VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK, Geometry, audio_latent_count, video_latent_frames
 from ..media.references import CanvasRules
 from ..media.vae_decode import CALLS_IN_FLIGHT_PER_DEVICE, DEFAULT_WINDOWS_PER_CALL, DecodeGeometry
 
 if TYPE_CHECKING:
-    from ..weights.artifact import CompiledArtifact
     from ..media.conditioning import TextConditioner
-    from ..profiles import Profile
     from ..media.vae import MediaVAEs
+    from ..profiles import Profile
+    from ..weights.artifact import CompiledArtifact
 
 logger = logging.getLogger(__name__)
 

@@ -13,12 +13,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..engine.session import STRATEGIES, WEIGHT_RESIDENCIES
 from ..errors import VflashError
 from ..media.mp4 import MAX_VIDEO_THREADS, VIDEO_INPUTS, check_delivery_options
 
-WEIGHT_RESIDENCIES = ("auto", "resident", "block-ring")  # where the core's blocks live on a GPU
 ENCODER_RESIDENCIES = ("offload", "resident")  # where the text encoder and the VAEs live between their stages
-STRATEGIES = ("sequence-head", "tensor")  # how one request is split over several GPUs
 
 
 @dataclass(frozen=True)
@@ -67,7 +66,7 @@ class RunOptions:
         backend is resolved on the device too, so an unknown or unavailable kernel is refused before any load (an
         approximate one unless `approximate_attention`: the profile is an FP8 profile)."""
         from ..engine.attention import resolve_attention
-        from .validation import check_device
+        from ..formats import check_device
 
         primary = check_device(self.device, arch)
         resolve_attention(self.attention_backend, primary, approximate_attention)

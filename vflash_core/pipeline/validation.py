@@ -11,7 +11,7 @@ service runs before it queues a job; other front ends can call its parts (`check
   (`canvas_max_pixels`, within the rounding of each side to a multiple of 32 that the rules themselves apply);
 * inputs: counts per kind, readable regular files of bounded size (`references.probe_media`), every prompt label
   bound to an input;
-* devices: present on this machine and of the profile's architecture (`check_device`).
+* devices: present on this machine and of the profile's architecture (`formats.check_device`).
 
 `VideoRequest` checks its field types when it is built, with `media_input`, `media_inputs`, `integer` and `seconds`:
 a wrong type is refused with one line naming the field, and a single path is one path, never a string of characters.
@@ -32,13 +32,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import PIL.Image
-import torch
 
-from ..errors import IdentityMismatchError, RequestError, VflashError
 from ..engine.layout import FPS, MAX_DURATION_SECONDS, MIN_DURATION_SECONDS, Geometry, check_canvas, frames_for_duration
-from .model_loading import MODEL_LOAD_LOCK
+from ..errors import RequestError, VflashError
+from ..media.references import (
+    CANVAS_MULTIPLE,
+    MAX_AUDIOS,
+    MAX_IMAGES,
+    MAX_REFERENCES,
+    MAX_VIDEOS,
+    CanvasRules,
+    probe_media,
+    reference_kind,
+)
 from ..profiles import Profile
-from ..media.references import CANVAS_MULTIPLE, MAX_AUDIOS, MAX_IMAGES, MAX_REFERENCES, MAX_VIDEOS, CanvasRules, probe_media, reference_kind
+from .model_loading import MODEL_LOAD_LOCK
 
 if TYPE_CHECKING:
     from .h3_pipeline import VideoRequest
@@ -306,30 +314,6 @@ def check_labels(prompt: str, mode: str, pictures: int, videos: int, audios: int
                 f"prompt label <{word} {number}> is not bound to an input: this {mode} request provides "
                 f"{_count_label(pictures, 'picture')}, {_count_label(videos, 'video')} and {_count_label(audios, 'audio clip')}"
             )
-
-
-def check_device(device: int | str | torch.device, arch: str, role: str = "device") -> torch.device:
-    """A device this machine has, of the architecture the profile's tables were computed on; checked before any
-    model loads. Initialises CUDA for a CUDA device, so the service's HTTP process never calls it."""
-    from ..formats import device_arch
-
-    try:
-        resolved = torch.device(f"cuda:{device}") if isinstance(device, int) and not isinstance(device, bool) else torch.device(device)
-    except (RuntimeError, TypeError, ValueError):
-        raise VflashError(f"{role} {device!r} is not a device; use 'cpu', a GPU index or 'cuda:N'") from None
-    if resolved.type == "cuda":
-        if not torch.cuda.is_available():
-            build = "" if torch.version.cuda else " (this torch build has no CUDA support)"
-            raise VflashError(f"{role} {resolved}: CUDA is not available on this machine{build}")
-        count = torch.cuda.device_count()
-        if resolved.index is not None and resolved.index >= count:
-            raise VflashError(f"{role} {resolved}: this machine has {count} CUDA device(s)")
-    elif resolved.type != "cpu":
-        raise VflashError(f"{role} {resolved}: Vflash runs on cpu or cuda devices")
-    found = device_arch(resolved)
-    if found != arch:
-        raise IdentityMismatchError(f"the profile was compiled for {arch}; {role} {resolved} is {found}")
-    return resolved
 
 
 # -- the whole request -----------------------------------------------------------------------------------------------

@@ -15,17 +15,16 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import aux_shapes, block_shapes
-from ..formats import ARTIFACT_FORMAT, ARTIFACT_FP8_FORMAT, OVERLAY_FORMAT
-from ..engine.fp8 import FP8_LINEARS
 from ..engine.config import H3Config
+from ..engine.fp8 import FP8_LINEARS
+from ..engine.model import LayerWeights, LoraResidual
 from ..errors import IdentityMismatchError, VflashError, WeightFileError
 from ..fileio import read_json
-from ..engine.model import LayerWeights, LoraResidual
+from ..formats import ARTIFACT_FORMAT, ARTIFACT_FP8_FORMAT, OVERLAY_FORMAT
 from ..profiles import Profile, check_identity
+from .checkpoint import aux_shapes, block_shapes
 from .tensor_store import TensorStore
 from .weight_io import SequentialWeights
-
 
 # Threads reading one block file: a deep queue of large sequential reads. On the H200 machines' virtio disk a cold
 # 0.83 GB block read at 1.14 / 1.41 / 1.57 / 1.62 GB/s with 1 / 2 / 4 / 8 threads (disk: 1.66 GB/s), where reading

@@ -47,15 +47,15 @@ import torch
 from tqdm.auto import tqdm
 
 from ..engine import model as M
-from .checkpoint import TABLE_INPUTS, SourceWeights
 from ..engine.config import H3Config
-from ..errors import IdentityMismatchError, VflashError, run_command
-from ..formats import ARTIFACT_FORMAT, ARTIFACT_FP8_FORMAT, OVERLAY_FORMAT, WEIGHTS_RECEIPT_FORMAT, device_arch
 from ..engine.fp8 import FP8_LINEARS, quantize_block
-from ..fileio import atomic_directory, atomic_file, check_new_directory, check_writable_destination, read_text_file
-from .lora import TABLE_ONLY, Adapter, load_adapter
-from ..profiles import Profile, get_profile
 from ..engine.schedule import distinct_timesteps
+from ..errors import IdentityMismatchError, VflashError, run_command
+from ..fileio import atomic_directory, atomic_file, check_new_directory, check_writable_destination, read_text_file
+from ..formats import ARTIFACT_FORMAT, ARTIFACT_FP8_FORMAT, OVERLAY_FORMAT, WEIGHTS_RECEIPT_FORMAT, device_arch
+from ..profiles import Profile, get_profile
+from .checkpoint import TABLE_INPUTS, SourceWeights
+from .lora import TABLE_ONLY, Adapter, load_adapter
 
 #: `(stage, done, total)` after each unit of work: "hash" (prepare, per weight file), "verify" (compile, per weight
 #: file), "compile" (per block). It may raise to abandon the call; nothing is published then.
@@ -221,7 +221,7 @@ def compile_receipt(receipt_path: str | Path, output: str | Path, device: str = 
     """Compile the receipt's weights for its profile into `output` (must not exist). Returns `output`."""
     receipt = _load_receipt(receipt_path)
     profile = _profile_from_receipt(receipt, receipt_path)
-    from ..pipeline.validation import check_device
+    from ..formats import check_device
 
     device_t = check_device(device, profile.arch)  # before anything is read: this machine must have that device
     arch = device_arch(device_t)

@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from . import synthetic
 from ..engine.config import H3Config
+from . import synthetic
 
 # Qwen's multimodal special tokens; their ids are written into the text encoder config.
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")

@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 
 from ..engine.config import H3Config
-from ..errors import WeightFileError
 from ..engine.model import LoraResidual
+from ..errors import WeightFileError
 from .tensor_store import TensorStore
 
 # Internal linear names whose LoRA only affects the timestep tables.

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .checkpoint import aux_shapes, block_shapes
 from ..engine.config import H3Config
 from ..engine.model import rope_inv_freq, time_embedding
+from .checkpoint import aux_shapes, block_shapes
 
 # Tensors the released checkpoint stores in fp32; everything else is bf16.
 FP32_PREFIXES = ("proj_in.", "audio_proj_in.", "time_embedder.", "proj_out.", "audio_proj_out.")
