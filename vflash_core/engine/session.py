@@ -92,7 +92,8 @@ BlockLoader = Callable[[CompiledArtifact, torch.device], Sequence[LayerWeights]]
 
 @dataclass
 class SessionTiming:
-    """Seed 002 timing fields of one request."""
+    """Where one request's time went: the session's one-off initialisation, charged to its first request, and the
+    request itself."""
 
     request_index: int  # 1-based index of this request in the session
     initialization_seconds: float  # time the session took to initialise
