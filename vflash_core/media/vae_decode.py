@@ -39,6 +39,7 @@ What this module changes is only how the work is issued:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import queue
 import threading
@@ -163,15 +164,10 @@ class DecodeGeometry:
             raise VflashError(f"video VAE geometry not supported: token_drop {geometry.token_drop} with chunks of {geometry.window_stride}")
         return geometry
 
-    @property
-    def chunk_frames(self) -> int:
-        """Pixel frames per `window_stride` latents."""
-        return self.window_stride * self.temporal_ratio
-
     def clip_parts(self, clip_frames: int) -> tuple[range, range | None]:
         """Frame ranges of a window's clip: its own frames, and (when tokens were dropped) those cross-faded into the
         next window's first frames."""
-        frames, chunk, pre = range(clip_frames), self.chunk_frames, self.frame_pre_padding
+        frames, chunk, pre = range(clip_frames), self.window_stride * self.temporal_ratio, self.frame_pre_padding
         head = frames[0:chunk][pre:]
         return head, (frames[chunk : 2 * chunk][pre:] if self.token_drop > 0 else None)
 
@@ -345,7 +341,7 @@ class DecoderOps:
         r = cos.shape[-1]
 
         def norm_rope(t: torch.Tensor) -> torch.Tensor:
-            t = F.rms_norm(t.float(), (t.shape[-1],), None, eps).to(t.dtype)
+            t = self.norm(t, None, eps, t.dtype)
             t_rot, t_pass = t[..., :r], t[..., r:]
             t1, t2 = t_rot.chunk(2, dim=-1)
             return torch.cat([t_rot * cos + torch.cat([-t2, t1], dim=-1) * sin, t_pass], dim=-1)
@@ -364,21 +360,6 @@ class DecoderOps:
     def scaled_residual(self, x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """`x + y * scale` with the fp32 scale: the product rounds in fp32, then the sum (an fp32 stream)."""
         return x + y * scale
-
-
-def post_quant(w: DecoderWeights, tile: torch.Tensor) -> torch.Tensor:
-    """`post_quant_conv` of one tile, (1, C, T, th, tw) -> same shape, called with the reference's shape: the tiles of a
-    call are convolved one by one (a 1x1x1 convolution over C channels, negligible beside the ViT)."""
-    return F.conv3d(tile, w.post_quant_conv, w.post_quant_conv_bias)
-
-
-def embed(w: DecoderWeights, latents: torch.Tensor) -> torch.Tensor:
-    """(W, C, T, th, tw) -> (W, S, D) tokens, S = T th tw + R + 1: `proj_in` per voxel (rows t, y, x), then the R
-    register tokens and one zero token, in `proj_in`'s dtype."""
-    count, channels = latents.shape[:2]
-    hidden = F.linear(latents.permute(0, 2, 3, 4, 1).reshape(count, -1, channels), w.proj_in, w.proj_in_bias)
-    registers = w.register_tokens.expand(count, -1, -1).to(hidden.dtype)
-    return torch.cat([hidden, registers, torch.zeros_like(hidden[:, :1, :])], dim=1)
 
 
 def rotary(w: DecoderWeights, frames: int, height: int, width: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -413,25 +394,22 @@ def block(b: BlockWeights, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tens
     return ops.scaled_residual(h, feed_forward(b, ops.norm(h, b.norm2, w.norm_eps, w.compute_dtype), ops), b.scale2)
 
 
-def unpatchify(w: DecoderWeights, h: torch.Tensor, frames: int, height: int, width: int) -> torch.Tensor:
-    """(W, S, D) final stream -> (W, 3, pt T, p th, p tw) pixels in `proj_out`'s dtype: LayerNorm in fp32, `proj_out`,
-    the register and zero tokens dropped, each token's (3, pt, p, p) block put in place."""
-    h = F.layer_norm(h, (h.shape[-1],), w.norm_out, w.norm_out_bias, w.norm_out_eps).to(w.output_dtype)
-    h = F.linear(h, w.proj_out, w.proj_out_bias)[:, : frames * height * width, :]
-    p, pt, count = w.patch_size, w.patch_size_t, h.shape[0]
-    h = h.view(count, frames, height, width, w.out_channels, pt, p, p).permute(0, 4, 1, 5, 2, 6, 3, 7).contiguous()
-    return h.reshape(count, w.out_channels, frames * pt, height * p, width * p)
-
-
 def decode_tile_windows(w: DecoderWeights, latents: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ops: DecoderOps) -> torch.Tensor:
     """The ViT decoder over W stacked tile-windows: (W, C, T, th, tw) `post_quant_conv` outputs -> (W, 3, pt T, p th,
-    p tw) pixels. `rope` is `rotary(w, T, th, tw, compute dtype)`. A pure function of fixed shapes (a CUDA graph can
-    capture it per W)."""
-    frames, height, width = latents.shape[2:]
-    h = embed(w, latents)
+    p tw) pixels in `proj_out`'s dtype. `rope` is `rotary(w, T, th, tw, compute dtype)`. A pure function of fixed
+    shapes (a CUDA graph can capture it per W)."""
+    count, channels, frames, height, width = latents.shape
+    # (W, S, D) tokens, S = T th tw + R + 1: `proj_in` per voxel (rows t, y, x), the R register tokens, one zero token.
+    h = F.linear(latents.permute(0, 2, 3, 4, 1).reshape(count, -1, channels), w.proj_in, w.proj_in_bias)
+    h = torch.cat([h, w.register_tokens.expand(count, -1, -1).to(h.dtype), torch.zeros_like(h[:, :1, :])], dim=1)
     for b in w.blocks:
         h = block(b, h, rope, w, ops)
-    return unpatchify(w, h, frames, height, width)
+    # LayerNorm in fp32, `proj_out`, the register and zero tokens dropped, each token's (3, pt, p, p) block in place.
+    h = F.layer_norm(h, (h.shape[-1],), w.norm_out, w.norm_out_bias, w.norm_out_eps).to(w.output_dtype)
+    h = F.linear(h, w.proj_out, w.proj_out_bias)[:, : frames * height * width, :]
+    p, pt = w.patch_size, w.patch_size_t
+    h = h.view(count, frames, height, width, w.out_channels, pt, p, p).permute(0, 4, 1, 5, 2, 6, 3, 7).contiguous()
+    return h.reshape(count, w.out_channels, frames * pt, height * p, width * p)
 
 
 # -- assembly: tiles into clips, clips into the video -----------------------------------------------------------------
@@ -446,12 +424,10 @@ def blend(a: torch.Tensor, b: torch.Tensor, extent: int, dim: int) -> torch.Tens
     shape[dim] = extent
     weight_a = (1 - positions / extent).view(shape)
     weight_b = (positions / extent).view(shape)
-    head_a, head_b, rest_b = [slice(None)] * a.ndim, [slice(None)] * b.ndim, [slice(None)] * b.ndim
-    head_a[dim], head_b[dim], rest_b[dim] = slice(-extent, None), slice(0, extent), slice(extent, None)
-    blended = a[tuple(head_a)] * weight_a + b[tuple(head_b)] * weight_b
+    blended = a.narrow(dim, a.shape[dim] - extent, extent) * weight_a + b.narrow(dim, 0, extent) * weight_b
     if extent == b.shape[dim]:
         return blended
-    return torch.cat([blended, b[tuple(rest_b)]], dim=dim)
+    return torch.cat([blended, b.narrow(dim, extent, b.shape[dim] - extent)], dim=dim)
 
 
 def stitch(tiles: list[list[torch.Tensor]], height_overlaps: Sequence[int], width_overlaps: Sequence[int]) -> torch.Tensor:
@@ -628,10 +604,6 @@ class NativeVideoDecoder:
         """Where tiles are stitched and frames handed to the sink."""
         return self.weights[0].device
 
-    @property
-    def output_dtype(self) -> torch.dtype:
-        return self.weights[0].output_dtype
-
     def plan(self, latent_shape: Sequence[int]) -> DecodePlan:
         """The plan for latents of shape (1, C, F, h, w)."""
         if len(latent_shape) != 5 or latent_shape[0] != 1:
@@ -650,7 +622,8 @@ class NativeVideoDecoder:
         plan = self.plan(z.shape)
         output = None
         if sink is None:
-            output = torch.empty((1, 3, plan.output_frames, plan.pixel_height, plan.pixel_width), dtype=self.output_dtype, device=output_device)
+            shape = (1, 3, plan.output_frames, plan.pixel_height, plan.pixel_width)
+            output = torch.empty(shape, dtype=self.weights[0].output_dtype, device=output_device)
 
             def sink(start: int, frames: torch.Tensor) -> None:
                 output[:, :, start : start + frames.shape[2]].copy_(frames)
@@ -660,11 +633,10 @@ class NativeVideoDecoder:
         grid: dict[TileWindow, torch.Tensor] = {}
         peers = [PeerPart(self, index, z, plan, part) for index, part in enumerate(parts[1:], start=1)]
         try:
-            for batch, pixels in self._calls(0, z, plan, parts[0]):
+            # The one-device order: the first device's own part, then each peer's part as it is staged.
+            in_order = itertools.chain(self._calls(0, z, plan, parts[0]), *(peer.results() for peer in peers))
+            for batch, pixels in in_order:
                 self._collect(batch, pixels, plan, grid, timeline)
-            for peer in peers:
-                for batch, pixels in peer.results():
-                    self._collect(batch, pixels, plan, grid, timeline)
         finally:
             for peer in peers:
                 peer.stop()
@@ -692,7 +664,9 @@ class NativeVideoDecoder:
             if item.window not in windows:
                 windows[item.window] = z[:, :, plan.window_latent_indices(item.window).to(z.device)].to(w.device).to(w.input_dtype)
             y, x = plan.row_starts[item.row], plan.col_starts[item.col]
-            tiles.append(post_quant(w, windows[item.window][..., y : y + plan.tile_height, x : x + plan.tile_width]))
+            tile = windows[item.window][..., y : y + plan.tile_height, x : x + plan.tile_width]
+            # `post_quant_conv` tile by tile, at the reference's shape (a 1x1x1 convolution, negligible beside the ViT).
+            tiles.append(F.conv3d(tile, w.post_quant_conv, w.post_quant_conv_bias))
         return decode_tile_windows(w, torch.cat(tiles), rope, self.ops[index])
 
     def _collect(self, batch: list[TileWindow], pixels: torch.Tensor, plan: DecodePlan, grid: dict[TileWindow, torch.Tensor], timeline: Timeline) -> None:
