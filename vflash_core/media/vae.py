@@ -98,10 +98,12 @@ class MediaVAEs(SerialDeviceOwner):
     def sample_rate(self) -> int:
         return int(self.audio_vae.config.sampling_rate)
 
-    def _stats(self, vae, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _stats(self, vae, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.device]:
+        """`vae`'s latent mean and std on the CPU, viewed as `shape`, and the device its parameters are on."""
         if vae is None:
             raise VflashError("these VAEs were closed")
-        return torch.tensor(vae.config.latents_mean).view(shape), torch.tensor(vae.config.latents_std).view(shape)
+        mean, std = torch.tensor(vae.config.latents_mean).view(shape), torch.tensor(vae.config.latents_std).view(shape)
+        return mean, std, next(vae.parameters()).device
 
     # -- ownership ----------------------------------------------------------------------------------------------------
 
@@ -117,8 +119,7 @@ class MediaVAEs(SerialDeviceOwner):
     @torch.no_grad()
     def encode_pixels(self, frames: np.ndarray) -> torch.Tensor:
         """(F, H, W, 3) uint8 RGB (F = 1 for a keyframe or image) -> (1, C, f, H/16, W/16) fp32 normalised, CPU."""
-        mean, std = self._stats(self.video_vae, (1, -1, 1, 1, 1))
-        device = next(self.video_vae.parameters()).device
+        mean, std, device = self._stats(self.video_vae, (1, -1, 1, 1, 1))
         # Copies only when the array is not contiguous or read-only (as `np.asarray` of a PIL image is).
         pixels = torch.from_numpy(np.require(frames, requirements=["C", "W"])).to(device).permute(3, 0, 1, 2)[None]
         pixel_mean, pixel_std = (torch.tensor(stats, device=device).view(1, -1, 1, 1, 1) for stats in (PIXEL_MEAN, PIXEL_STD))
@@ -131,8 +132,7 @@ class MediaVAEs(SerialDeviceOwner):
     @torch.no_grad()
     def encode_soundtrack(self, waveform: torch.Tensor) -> torch.Tensor:
         """(2, S) float32 at the VAE's rate -> (2 A, C) fp32 normalised channel-major rows, CPU."""
-        mean, std = self._stats(self.audio_vae, (1, 1, -1))
-        device = next(self.audio_vae.parameters()).device
+        mean, std, device = self._stats(self.audio_vae, (1, 1, -1))
         posterior = self.audio_vae.encode(waveform.to(device)[:, None], return_dict=False)[0]
         latents = posterior.mode().float().cpu().transpose(1, 2)
         return ((latents - mean) / std).reshape(-1, self.audio_latent_channels)
@@ -142,29 +142,24 @@ class MediaVAEs(SerialDeviceOwner):
     @torch.no_grad()
     def decode_video(self, video_latents: torch.Tensor) -> torch.Tensor:
         """(1, C, F, h, w) normalised -> (F', 16h, 16w, 3) float32 in [0, 1], F' = 17 n + 5 for F = 5 n + 2."""
-        mean, std = self._stats(self.video_vae, (1, -1, 1, 1, 1))
-        device = next(self.video_vae.parameters()).device
+        mean, std, device = self._stats(self.video_vae, (1, -1, 1, 1, 1))
         latents = video_latents.to(device) * std.to(device) + mean.to(device)
         pixel_mean, pixel_std = (torch.tensor(stats, device=device).view(1, -1, 1, 1, 1) for stats in (PIXEL_MEAN, PIXEL_STD))
-        if self.video_decoder == "native":
-            return self._decode_video_native(latents, pixel_mean, pixel_std)
-        video = self.video_vae.decode(latents, return_dict=False)[0]
-        video = (video.float() * pixel_std + pixel_mean).clamp(0, 1)
-        return video[0].permute(1, 2, 3, 0).cpu()
 
-    def _decode_video_native(self, latents: torch.Tensor, pixel_mean: torch.Tensor, pixel_std: torch.Tensor) -> torch.Tensor:
-        """`decode_video` through `NativeVideoDecoder` on the module's current tensors (and their replica on the peer
-        device, made for this decode and released after it): each window's frames are mapped to [0, 1] on the device
-        (the same elementwise ops per element as on the whole video) and copied to the host as the window completes,
-        so the video itself never occupies the device."""
+        def unit_frames(video: torch.Tensor) -> torch.Tensor:  # (1, 3, f, H, W) -> (f, H, W, 3) in [0, 1]
+            return (video.float() * pixel_std + pixel_mean).clamp(0, 1)[0].permute(1, 2, 3, 0)
+
+        if self.video_decoder != "native":
+            return unit_frames(self.video_vae.decode(latents, return_dict=False)[0]).cpu()
+        # Each window's frames are mapped to [0, 1] on the device (the same ops per element as on the whole video) and
+        # copied to the host as the window completes, so the video itself never occupies the device.
         devices = () if self.peer_device is None else (latents.device, self.peer_device)
         decoder = NativeVideoDecoder.from_vae(self.video_vae, devices)
         plan = decoder.plan(latents.shape)
         frames = torch.empty((plan.output_frames, plan.pixel_height, plan.pixel_width, 3), dtype=torch.float32)
 
         def write(start: int, chunk: torch.Tensor) -> None:
-            pixels = (chunk.float() * pixel_std + pixel_mean).clamp(0, 1)
-            frames[start : start + chunk.shape[2]].copy_(pixels[0].permute(1, 2, 3, 0))
+            frames[start : start + chunk.shape[2]].copy_(unit_frames(chunk))
 
         decoder.decode(latents, write)
         return frames
@@ -172,8 +167,7 @@ class MediaVAEs(SerialDeviceOwner):
     @torch.no_grad()
     def decode_audio(self, audio_latents: torch.Tensor) -> torch.Tensor:
         """(2, C, A) normalised, one item per stereo channel -> (2, A * hop) float32 in [-1, 1]."""
-        mean, std = self._stats(self.audio_vae, (1, -1, 1))
-        device = next(self.audio_vae.parameters()).device
+        mean, std, device = self._stats(self.audio_vae, (1, -1, 1))
         latents = audio_latents.to(device) * std.to(device) + mean.to(device)
         return self.audio_vae.decode(latents, return_dict=False)[0].float()[:, 0].cpu()
 
