@@ -309,24 +309,23 @@ class TextConditioner(SerialDeviceOwner):
                     raise VflashError(f"Qwen merged a reference video into {int(grid[0])} blocks; H3 labels {len(stamps)}")
                 video_counts.append(int(grid[1]) * int(grid[2]) // merge)
         parts: list[tuple[list[int], list[int]]] = []
-        emit = parts.append
         seen = {"image": 0, "video": 0, "audio": 0}
         for ref in references:
             if ref.has_audio:
                 seen["audio"] += 1
-                emit(self._text(f"<Audio {seen['audio']}>: "))
+                parts.append(self._text(f"<Audio {seen['audio']}>: "))
             if ref.kind == "image":
                 seen["image"] += 1
-                emit(self._text(f"<Picture {seen['image']}>: "))
-                emit(self._vision("image", image_counts[seen["image"] - 1]))
+                parts.append(self._text(f"<Picture {seen['image']}>: "))
+                parts.append(self._vision("image", image_counts[seen["image"] - 1]))
             elif ref.kind == "video":
                 seen["video"] += 1
-                emit(self._text(f"<Video {seen['video']}>: "))
+                parts.append(self._text(f"<Video {seen['video']}>: "))
+                # `:.1f` rounds half to even: the first pair reads "<0.2 seconds>".
                 for stamp in video_stamps[seen["video"] - 1]:
-                    emit(self._text(f"<{stamp:.1f} seconds>"))  # round-half-even: the first pair reads "<0.2 seconds>"
-                    emit(self._vision("video", video_counts[seen["video"] - 1]))
-        emit(self._text(prompt))
-        return *_joined(parts), vision
+                    parts.append(self._text(f"<{stamp:.1f} seconds>"))
+                    parts.append(self._vision("video", video_counts[seen["video"] - 1]))
+        return *_joined(parts + [self._text(prompt)]), vision
 
     # -- encoding -----------------------------------------------------------------------------------------------------
 

@@ -161,7 +161,7 @@ def _stream_extent(container, stream, max_packets: int | None) -> tuple[float, i
     """(seconds, packets) of one stream from its packets' times, without decoding; stops once past a limit, so a
     header that lies about the length cannot hide a long file."""
     start = end = None
-    packets = 0
+    seconds, packets = 0.0, 0
     for packet in container.demux(stream):
         if packet.size == 0:  # the demuxer's final empty packet
             continue
@@ -171,10 +171,10 @@ def _stream_extent(container, stream, max_packets: int | None) -> tuple[float, i
             start = begin if start is None else min(start, begin)
             stop = float((packet.pts + (packet.duration or 0)) * packet.time_base)
             end = stop if end is None else max(end, stop)
-        seconds = 0.0 if start is None else end - start
+            seconds = end - start
         if seconds > MAX_INPUT_SECONDS or (max_packets is not None and packets > max_packets):
             break
-    return (0.0 if start is None else end - start), packets
+    return seconds, packets
 
 
 def load_image(item: str | Path | Image.Image) -> Image.Image:
@@ -186,18 +186,14 @@ def load_image(item: str | Path | Image.Image) -> Image.Image:
 
 def load_reference(item: str | Path | Image.Image):
     """A diffusers `MiniMaxH3*Reference` decoded at the rates the file carries."""
-    from diffusers.modular_pipelines.minimax_h3 import (
-        MiniMaxH3AudioReference,
-        MiniMaxH3ImageReference,
-        MiniMaxH3VideoReference,
-    )
+    import diffusers.modular_pipelines.minimax_h3 as h3
 
     kind = reference_kind(item)
     if kind == "image":
-        return MiniMaxH3ImageReference(image=load_image(item))
+        return h3.MiniMaxH3ImageReference(image=load_image(item))
     if kind == "video":
-        return MiniMaxH3VideoReference.from_file(str(item))
-    return MiniMaxH3AudioReference.from_file(str(item))
+        return h3.MiniMaxH3VideoReference.from_file(str(item))
+    return h3.MiniMaxH3AudioReference.from_file(str(item))
 
 
 # -- normalisation -------------------------------------------------------------------------------------------------
@@ -307,11 +303,7 @@ def normalize_soundtrack(waveform: torch.Tensor, sample_rate: int, target_rate: 
 
 def normalize_references(references: list, num_frames: int, canvas: CanvasRules, sample_rate: int) -> list:
     """Decoded `MiniMaxH3*Reference`s -> the same types on H3's rates and resolutions, in request order."""
-    from diffusers.modular_pipelines.minimax_h3 import (
-        MiniMaxH3AudioReference,
-        MiniMaxH3ImageReference,
-        MiniMaxH3VideoReference,
-    )
+    import diffusers.modular_pipelines.minimax_h3 as h3
 
     seconds = num_frames / FPS
     out = []
@@ -320,10 +312,10 @@ def normalize_references(references: list, num_frames: int, canvas: CanvasRules,
         if ref.has_audio:
             soundtrack = normalize_soundtrack(ref.audio, ref.sample_rate or sample_rate, sample_rate, seconds)
         if ref.kind == "image":
-            out.append(MiniMaxH3ImageReference(image=normalize_image_reference(ref.image, canvas.reference_image_short_edge)))
+            out.append(h3.MiniMaxH3ImageReference(image=normalize_image_reference(ref.image, canvas.reference_image_short_edge)))
         elif ref.kind == "video":
             frames = normalize_video_frames(ref.frames, float(ref.fps), num_frames, canvas)
-            out.append(MiniMaxH3VideoReference(frames=frames, fps=float(FPS), audio=soundtrack, sample_rate=None if soundtrack is None else sample_rate))
+            out.append(h3.MiniMaxH3VideoReference(frames=frames, fps=float(FPS), audio=soundtrack, sample_rate=None if soundtrack is None else sample_rate))
         else:
-            out.append(MiniMaxH3AudioReference(audio=soundtrack, sample_rate=sample_rate))
+            out.append(h3.MiniMaxH3AudioReference(audio=soundtrack, sample_rate=sample_rate))
     return out
