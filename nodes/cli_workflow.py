@@ -30,30 +30,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_run)
 
 
-#: An API workflow is a few kilobytes; this bounds what is read and parsed.
-MAX_WORKFLOW_BYTES = 16 << 20
-
-
-def read_workflow(path: str) -> dict:
-    """An API-format workflow from a UTF-8 JSON file; a folder, FIFO, binary or malformed file is one line."""
-    from vflash_core.fileio import read_text_file
-
-    from .workflow import WorkflowError, check_api_workflow
-
-    text = read_text_file(path, "workflow", MAX_WORKFLOW_BYTES, WorkflowError)
-    try:
-        data = json.loads(text)
-    except RecursionError:
-        raise WorkflowError(f"workflow {path} nests arrays or objects too deeply") from None
-    except ValueError as exc:
-        raise WorkflowError(f"workflow {path} is not JSON ({exc})") from None
-    workflow = check_api_workflow(data, str(path))
-    for node_id, node in workflow.items():
-        if not isinstance(node.get("_meta", {}), dict):
-            raise WorkflowError(f"workflow {path}: node {node_id!r} has a '_meta' that is not an object")
-    return workflow
-
-
 def check_folders(output_dir: str, input_dir: str, models_dir: str | None) -> None:
     """Before anything runs: the output folder is a folder or can be created (no part of its path is a file), a
     given --models-dir exists, and --input-dir, if present, is a folder."""
@@ -75,10 +51,10 @@ def check_folders(output_dir: str, input_dir: str, models_dir: str | None) -> No
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .workflow import apply_overrides, headless_node_types, plan, run_headless
+    from .workflow import apply_overrides, headless_node_types, load_api_workflow, plan, run_headless
 
     check_folders(args.output_dir, args.input_dir, args.models_dir)
-    workflow = apply_overrides(read_workflow(args.workflow), args.sets)
+    workflow = apply_overrides(load_api_workflow(args.workflow), args.sets)
     if args.print_plan:
         with headless_node_types(args.output_dir, args.input_dir, args.models_dir) as types:
             order = plan(workflow, types)

@@ -78,13 +78,6 @@ def audio_to_comfy(audio: torch.Tensor) -> torch.Tensor:
     return audio.permute(1, 0, 2).unsqueeze(0).contiguous()
 
 
-def audio_from_comfy(audio: torch.Tensor) -> torch.Tensor:
-    """(1, C_a, 2, A) -> (2, C_a, A)."""
-    if audio.ndim != 4 or audio.shape[0] != 1 or audio.shape[2] != AUDIO_CHANNELS:
-        raise RequestError(f"a core H3 audio latent is (1, C, {AUDIO_CHANNELS}, A), got {list(audio.shape)}")
-    return audio[0].permute(1, 0, 2).contiguous()
-
-
 def to_comfy_latent(video: torch.Tensor, audio: torch.Tensor, nested: type) -> dict[str, Any]:
     """Vflash (video (1, C, T, h, w), audio (2, C_a, A)) -> core ``{"samples": NestedTensor((video, audio))}``."""
     geometry_of_latents(video, audio)
@@ -108,7 +101,9 @@ def from_comfy_latent(latent: dict[str, Any]) -> AVLatents:
         raise RequestError(f"not a MiniMax-H3 AV latent: video {list(video.shape)}, audio {list(audio.shape)}")
     if video.shape[0] != 1 or audio.shape[0] != 1:
         raise RequestError(f"Vflash runs one clip per request; the latent has batch size {int(video.shape[0])}")
-    out = AVLatents(video.detach().float().cpu().contiguous(), audio_from_comfy(audio.detach().float().cpu()))
+    if audio.shape[2] != AUDIO_CHANNELS:
+        raise RequestError(f"a core H3 audio latent is (1, C, {AUDIO_CHANNELS}, A), got {list(audio.shape)}")
+    out = AVLatents(video.detach().float().cpu().contiguous(), audio[0].detach().float().cpu().permute(1, 0, 2).contiguous())
     geometry_of_latents(out.video, out.audio)
     return out
 

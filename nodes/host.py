@@ -1,6 +1,6 @@
 """How the Vflash core reaches ComfyUI: progress bars, interrupts, memory cooperation, model folders, core types.
 
-`ComfyHost` implements `vflash_core.node_ops.Host` with ComfyUI's own hooks only (no patching): progress goes to
+`ComfyHost` implements `ops.Host` with ComfyUI's own hooks only (no patching): progress goes to
 `comfy.utils.ProgressBar` (whose server hook also raises on interrupt), interrupts are polled with
 `throw_exception_if_processing_interrupted()`, memory is freed with `unload_all_models()` + `soft_empty_cache()`, the
 device is `get_torch_device()` read at call time (ComfyUI-MultiGPU patches it), videos are core
@@ -23,19 +23,11 @@ from comfy_api.latest import InputImpl, Types
 logger = logging.getLogger("vflash")
 
 
-class _Bar:
-    def __init__(self, total: int):
-        self._bar = comfy.utils.ProgressBar(total)
-
-    def update(self, done: int, total: int | None = None) -> None:
-        self._bar.update_absolute(done, total)
-
-
 class ComfyHost:
     nested = comfy.nested_tensor.NestedTensor
 
-    def progress(self, total: int) -> _Bar:
-        return _Bar(total)
+    def progress(self, total: int) -> comfy.utils.ProgressBar:
+        return comfy.utils.ProgressBar(total)
 
     def check_interrupt(self) -> None:
         mm.throw_exception_if_processing_interrupted()

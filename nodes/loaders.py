@@ -9,7 +9,7 @@ from vflash_core.engine.attention import BACKENDS
 from . import ops
 from .host import FOLDERS, HOST
 from .registry import ENGINES
-from .types import DEVICE_TOOLTIP, VflashLora, VflashModel, VflashTextEncoder, VflashVAE, aliases, devices, peer_devices
+from .types import DEVICE_TOOLTIP, VflashLora, VflashModel, VflashTextEncoder, VflashVAE, aliases, peer_devices
 
 _MODEL_TOOLTIP = (
     "What to run. 'embedded-demo' is a tiny random-weight H3 family built on first use (CPU, for testing graphs). "
@@ -50,7 +50,7 @@ class VflashModelLoader(io.ComfyNode):
                     "memory, streamed through two device slots (for GPUs that cannot hold the model). auto: resident if "
                     "it fits, else block-ring. Bits are identical either way.",
                 ),
-                io.Combo.Input("device", options=devices(), default="auto", tooltip=DEVICE_TOOLTIP),
+                io.Combo.Input("device", options=ops.ordered_devices(), default="auto", tooltip=DEVICE_TOOLTIP),
                 io.Combo.Input(
                     "peer_device", options=peer_devices(), default="none",
                     tooltip="Optional second GPU of the same host that shares each evaluation (see strategy). 'none': one device.",
@@ -74,8 +74,7 @@ class VflashModelLoader(io.ComfyNode):
     @classmethod
     def validate_inputs(cls, model, profile, weight_residency, device, peer_device, strategy, attention_backend):
         """Runs when the graph is queued: refuses what cannot run here before any node executes."""
-        return ops.validate_loader(HOST, FOLDERS, model=model, profile=profile, weight_residency=weight_residency, device=device,
-                                   peer_device=peer_device, strategy=strategy, attention_backend=attention_backend)
+        return ops.refusal(ops.check_loader, HOST, FOLDERS, model, profile, weight_residency, device, peer_device, strategy, attention_backend)
 
     @classmethod
     def fingerprint_inputs(cls, model, **kwargs):
@@ -131,7 +130,7 @@ class _ComponentLoader(io.ComfyNode):
             node_id=node_id, display_name=display_name, category="Vflash/loaders", search_aliases=search_aliases, description=description,
             inputs=[
                 io.Combo.Input(cls.OPTION, options=ops.component_options(FOLDERS, cls.KIND), tooltip=option_tooltip),
-                io.Combo.Input("device", options=devices(), default="auto", tooltip=DEVICE_TOOLTIP),
+                io.Combo.Input("device", options=ops.ordered_devices(), default="auto", tooltip=DEVICE_TOOLTIP),
             ],
             outputs=[output],
             hidden=[io.Hidden.prompt],

@@ -19,6 +19,7 @@ spec; operations `acquire` the engine from the registry, which loads it on first
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import os
@@ -47,8 +48,8 @@ _KIND_LABEL = {"dit": "transformer", "te": "text encoder", "vae": "VAEs"}
 # -- host interfaces ---------------------------------------------------------------------------------------------
 
 
-class ProgressSink(Protocol):
-    def update(self, done: int, total: int | None = None) -> None: ...
+class ProgressSink(Protocol):  # comfy.utils.ProgressBar
+    def update_absolute(self, value: int, total: int | None = None) -> None: ...
 
 
 class Host(Protocol):
@@ -78,7 +79,7 @@ class Folders(Protocol):
 # -- model listing and identity ----------------------------------------------------------------------------------
 
 _H3_MARKERS = ("transformer_blocks.0.attn.to_q.weight", "blocks.0.attn.qkv_proj.weight", "model.diffusion_model.blocks.0.attn.qkv_proj.weight", "diffusion_model.blocks.0.attn.qkv_proj.weight")
-_h3_file_cache: dict[tuple[str, int, int], bool] = {}
+_h3_file_cache: dict[tuple, bool] = {}
 
 
 def is_h3_transformer_file(path: str | Path) -> bool:
@@ -86,8 +87,7 @@ def is_h3_transformer_file(path: str | Path) -> bool:
     from vflash_core.weights.tensor_store import TensorStore
 
     path = Path(path)
-    stat = path.stat()
-    key = (str(path), stat.st_size, stat.st_mtime_ns)
+    key = path_identity(path)
     if key not in _h3_file_cache:
         try:
             names = set(TensorStore(path).names)
@@ -114,6 +114,25 @@ def _model_roots(folders: Folders, component: str | None) -> list[str]:
 def _compiled_entries(folders: Folders) -> list[str]:
     """`vflash/<folder>` entries: compiled outputs (artifact/manifest.json inside) in the vflash folders."""
     return sorted({"vflash/" + rel[: -len("/artifact/manifest.json")] for rel in folders.filenames("vflash") if rel.endswith("/artifact/manifest.json")})
+
+
+def _receipt_entries(folders: Folders) -> list[str]:
+    """`vflash/<file>.json` entries: prepared-assets receipts (at most 1 MiB) in the vflash folders."""
+    from vflash_core.formats import PIPELINE_FORMAT
+
+    out = []
+    for rel in folders.filenames("vflash"):
+        if not rel.endswith(".json") or "/artifact/" in rel or "/schedule/" in rel:
+            continue
+        path = folders.full_path("vflash", rel)
+        if path is None or os.path.getsize(path) > 1 << 20:
+            continue
+        try:
+            if json.loads(Path(path).read_text()).get("format") == PIPELINE_FORMAT:
+                out.append("vflash/" + rel)
+        except (OSError, ValueError) as exc:
+            logger.debug("not listing %s as a receipt: %s", path, exc)
+    return out
 
 
 def model_options(folders: Folders) -> list[str]:
@@ -145,19 +164,17 @@ def resolve(folders: Folders, name: str) -> Path:
     return Path(full)
 
 
+_IDENTITY_FILES = ("artifact/manifest.json", "schedule/manifest.json", "auxiliary.safetensors", "transformer/config.json",
+                   "transformer/diffusion_pytorch_model.safetensors.index.json", "text_encoder/config.json", "vae/config.json",
+                   "audio_vae/config.json")
+
+
 def path_identity(path: Path) -> tuple:
     """(path, size, mtime) of a file, or of every file directly identifying a folder model (manifests, configs)."""
     if path.is_file():
         stat = path.stat()
         return (str(path), stat.st_size, stat.st_mtime_ns)
-    marks = []
-    for rel in ("artifact/manifest.json", "schedule/manifest.json", "auxiliary.safetensors", "transformer/config.json",
-                "transformer/diffusion_pytorch_model.safetensors.index.json", "text_encoder/config.json", "vae/config.json", "audio_vae/config.json"):
-        p = path / rel
-        if p.is_file():
-            stat = p.stat()
-            marks.append((rel, stat.st_size, stat.st_mtime_ns))
-    return (str(path), tuple(marks))
+    return (str(path), tuple((rel, *path_identity(path / rel)[1:]) for rel in _IDENTITY_FILES if (path / rel).is_file()))
 
 
 def model_identity(folders: Folders, name: str) -> tuple:
@@ -324,41 +341,23 @@ def _memory_line(metadata: Mapping[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class ResolvedModel:
-    """The compiled transformer a `ModelSpec` runs, and the model root its text encoder / VAEs come from (if known)."""
+    """The compiled transformer a `ModelSpec` runs."""
 
     profile: Any  # Profile
     artifact: Path
     schedule_overlay: Path
     auxiliary: Path
-    model_root: Path | None = None
-    decoder_root: Path | None = None
 
 
-def _receipt_entries(folders: Folders) -> list[str]:
-    from vflash_core.formats import PIPELINE_FORMAT
-
-    out = []
-    for rel in folders.filenames("vflash"):
-        if not rel.endswith(".json") or "/artifact/" in rel or "/schedule/" in rel:
-            continue
-        path = folders.full_path("vflash", rel)
-        if path is None or os.path.getsize(path) > 1 << 20:
-            continue
-        try:
-            import json
-
-            if json.loads(Path(path).read_text()).get("format") == PIPELINE_FORMAT:
-                out.append("vflash/" + rel)
-        except (OSError, ValueError) as exc:
-            logger.debug("not listing %s as a receipt: %s", path, exc)
-    return out
+def _compiled_paths(folder: Path) -> tuple[Path, Path, Path]:
+    """The artifact, schedule overlay and auxiliary tensors of a compiled output folder."""
+    return folder / "artifact", folder / "schedule", folder / "auxiliary.safetensors"
 
 
-def _demo_receipt(host: Host | None) -> Path:
+def _demo_receipt(host: Host) -> Path:
     from vflash_core.pipeline.demo import ensure_demo_assets
 
-    bar = None if host is None else _StageProgress(host)
-    return ensure_demo_assets(progress=bar)
+    return ensure_demo_assets(progress=_StageProgress(host))
 
 
 class _StageProgress:
@@ -374,7 +373,7 @@ class _StageProgress:
         self.host.check_interrupt()
         if self.bar is None or stage != self.stage:
             self.bar, self.stage = self.host.progress(max(1, total)), stage
-        self.bar.update(done, total)
+        self.bar.update_absolute(done, total)
 
 
 def _progress(host: Host) -> Callable[[int, int], None]:
@@ -383,42 +382,29 @@ def _progress(host: Host) -> Callable[[int, int], None]:
     return lambda done, total: stages("", done, total)
 
 
-def _compiled_dir(root: Path, profile: Any, folders: Folders) -> Path:
-    """Where official weights are compiled for a profile on first use: models/vflash/compiled/<name>-<profile>."""
-    from vflash_core.pipeline.demo import default_cache_dir
-
-    bases = [Path(p) for p in folders.folders("vflash")]
-    base = bases[0] if bases else default_cache_dir()
-    return base / "compiled" / f"{root.stem if root.is_file() else root.name}-{profile.id}"
-
-
-def resolve_model(host: Host | None, spec: ModelSpec) -> ResolvedModel:
+def resolve_model(host: Host, spec: ModelSpec) -> ResolvedModel:
     """Resolve (and on first use, prepare and compile) the transformer of a spec; raises `VflashError`."""
     from vflash_core.pipeline.h3_pipeline import PreparedAssets
     from vflash_core.profiles import get_profile
     from vflash_core.weights.artifact import CompiledArtifact
 
-    def pick(recorded: str, what: str):
+    def pick(recorded: str):
         if spec.profile not in ("auto", recorded):
-            raise VflashError(f"{what} is compiled for profile {recorded}; the loader asks for {spec.profile} (choose 'auto' or {recorded})")
+            raise VflashError(f"{spec.source} is compiled for profile {recorded}; the loader asks for {spec.profile} (choose 'auto' or {recorded})")
         return get_profile(recorded)
 
     if spec.loras and (spec.source == DEMO or spec.source.startswith("vflash/")):
         raise VflashError(f"{spec.source} is already compiled (LoRAs are compiled into the weights); connect a LoRA only when loading official weights (diffusers/... or diffusion_models/...)")
     if spec.source == DEMO or spec.source.endswith(".json"):
-        receipt = _demo_receipt(host) if spec.source == DEMO else Path(spec.path)
-        assets = PreparedAssets.load(receipt)
-        return ResolvedModel(pick(assets.profile.id, spec.source), assets.artifact, assets.schedule_overlay, assets.auxiliary_tensor, assets.model_root, assets.decoder_root)
-    path = Path(spec.path)
+        assets = PreparedAssets.load(_demo_receipt(host) if spec.source == DEMO else Path(spec.path))
+        return ResolvedModel(pick(assets.profile.id), assets.artifact, assets.schedule_overlay, assets.auxiliary_tensor)
     if spec.source.startswith("vflash/"):
-        paths = (path / "artifact", path / "schedule", path / "auxiliary.safetensors")
-        profile = pick(CompiledArtifact(*paths).profile_id, spec.source)
-        return ResolvedModel(profile, *paths)
+        paths = _compiled_paths(Path(spec.path))
+        return ResolvedModel(pick(CompiledArtifact(*paths).profile_id), *paths)
     # Official weights: prepare + compile once for the profile, next to the other compiled models.
     if spec.profile == "auto":
         raise VflashError(f"{spec.source} holds official weights; choose the profile to compile them for (e.g. t2va-base16-bf16-sm90)")
     profile = get_profile(spec.profile)
-    root = path if path.is_file() else path / "transformer"
     if len(spec.loras) > 1:
         raise VflashError(f"a profile binds at most one LoRA; the chain has {len(spec.loras)}")
     if spec.loras and profile.adapter is not None and abs(spec.loras[0].strength - profile.adapter.strength) > 1e-9:
@@ -431,19 +417,18 @@ def resolve_model(host: Host | None, spec: ModelSpec) -> ResolvedModel:
         # abandons the step and publishes nothing (the receipt and the compiled folder are written atomically).
         out.parent.mkdir(parents=True, exist_ok=True)
         receipt = out.with_name(out.name + ".weights-receipt.json")
-        if host is not None:
-            host.log(f"Vflash: preparing {spec.source} for {profile.id} (hashing the weights) ...")
+        host.log(f"Vflash: preparing {spec.source} for {profile.id} (hashing the weights) ...")
         if not receipt.is_file():
-            prepare(profile, root, receipt, spec.loras[0].path if spec.loras else None, progress=None if host is None else _StageProgress(host))
-        if host is not None:
-            host.check_interrupt()
-            host.log(f"Vflash: compiling {spec.source} for {profile.id} into {out} (once) ...")
-        compile_receipt(receipt, out, "cpu" if profile.arch == "cpu" else spec.device, progress=None if host is None else _StageProgress(host))
-    model_root = path if path.is_dir() else None
-    return ResolvedModel(profile, out / "artifact", out / "schedule", out / "auxiliary.safetensors", model_root, model_root)
+            path = Path(spec.path)
+            root = path if path.is_file() else path / "transformer"
+            prepare(profile, root, receipt, spec.loras[0].path if spec.loras else None, progress=_StageProgress(host))
+        host.check_interrupt()
+        host.log(f"Vflash: compiling {spec.source} for {profile.id} into {out} (once) ...")
+        compile_receipt(receipt, out, "cpu" if profile.arch == "cpu" else spec.device, progress=_StageProgress(host))
+    return ResolvedModel(profile, *_compiled_paths(out))
 
 
-def component_root(host: Host | None, spec: ComponentSpec) -> Path:
+def component_root(host: Host, spec: ComponentSpec) -> Path:
     """The model root a text encoder ("te") or VAE pair ("vae") spec loads from."""
     from vflash_core.pipeline.h3_pipeline import PreparedAssets
 
@@ -454,7 +439,7 @@ def component_root(host: Host | None, spec: ComponentSpec) -> Path:
     elif spec.source.startswith("diffusers/"):
         return Path(spec.path)
     else:
-        raise VflashError(f"{spec.source} has no {'text encoder' if spec.kind == 'te' else 'VAEs'}: choose a model folder or prepared-assets receipt")
+        raise VflashError(f"{spec.source} has no {_KIND_LABEL[spec.kind]}: choose a model folder or prepared-assets receipt")
     return assets.model_root if spec.kind == "te" else assets.decoder_root
 
 
@@ -484,8 +469,7 @@ def recorded_profile(model: str, path: str, profile: str):
     if model.startswith("vflash/"):
         from vflash_core.weights.artifact import CompiledArtifact
 
-        p = Path(path)
-        return get_profile(CompiledArtifact(p / "artifact", p / "schedule", p / "auxiliary.safetensors").profile_id)
+        return get_profile(CompiledArtifact(*_compiled_paths(Path(path))).profile_id)
     return None
 
 
@@ -505,20 +489,14 @@ def check_profile_device(profile: Any, device: str, what: str = "device") -> Non
         )
 
 
-def machine_archs() -> list[str]:
-    """Architectures this machine can run: each visible CUDA device's (in device order), then the CPU's."""
-    from vflash_core.formats import device_arch
-
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return [*dict.fromkeys(device_arch(f"cuda:{index}") for index in range(count)), "cpu"]
-
-
 def ordered_profiles() -> list[str]:
-    """'auto', then the profiles this machine can run (its GPUs' architectures first, then CPU ones), then the rest
-    (still selectable, so saved workflows keep their value)."""
+    """'auto', then the profiles this machine can run (its GPUs' architectures in device order first, then CPU ones),
+    then the rest (still selectable, so saved workflows keep their value)."""
+    from vflash_core.formats import device_arch
     from vflash_core.profiles import PROFILES
 
-    here = machine_archs()
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    here = [*dict.fromkeys(device_arch(f"cuda:{index}") for index in range(count)), "cpu"]
     runnable = sorted((p for p in PROFILES.values() if p.arch in here), key=lambda p: (here.index(p.arch), p.id))
     return ["auto", *(p.id for p in runnable), *sorted(set(PROFILES) - {p.id for p in runnable})]
 
@@ -548,11 +526,11 @@ def check_loader(host: Host, folders: Folders, model: str, profile: str, weight_
         raise VflashError(f"unknown profile {profile!r}; known profiles: {', '.join(sorted(PROFILES))}")
     path = "" if model == DEMO else str(resolve(folders, model))
     chosen = recorded_profile(model, path, profile)
-    if chosen is None and model.startswith(("diffusers/", "diffusion_models/")):
-        raise VflashError(f"{model} holds official weights; choose the profile to compile them for (e.g. {ordered_profiles()[1]})")
-    if chosen is not None and model.startswith(("diffusers/", "diffusion_models/")):
+    if model.startswith(("diffusers/", "diffusion_models/")):
         from vflash_core.weights.checkpoint import SourceWeights
 
+        if chosen is None:
+            raise VflashError(f"{model} holds official weights; choose the profile to compile them for (e.g. {ordered_profiles()[1]})")
         # The file's form (header and scales only): quantized formats without an exact dequantization are refused, and
         # a pruned file pairs only with a -pruned profile.
         SourceWeights(path if Path(path).is_file() else Path(path) / "transformer").check_profile(chosen)
@@ -633,24 +611,20 @@ def check_graph(prompt: Mapping[str, Mapping[str, Any]] | None, folders: Folders
         raise VflashError("this graph cannot run: " + "; ".join(refusals))
 
 
+def refusal(check: Callable[..., Any], *args: Any) -> bool | str:
+    """What `validate_inputs` returns for a check: True, or its refusal as text (ComfyUI shows it before anything runs)."""
+    try:
+        check(*args)
+    except VflashError as exc:
+        return str(exc)
+    return True
+
+
 def validate_device(host: Host, device: str) -> bool | str:
     """`validate_inputs` of a device widget: True, or why the device cannot be used here."""
     if device not in ordered_devices():
         return f"device must be one of {', '.join(ordered_devices())}, got {device!r}"
-    try:
-        resolve_device(host, device)
-    except VflashError as exc:
-        return str(exc)
-    return True
-
-
-def validate_loader(host: Host, folders: Folders, **widgets: Any) -> bool | str:
-    """`validate_inputs` of the model loader: True, or the refusal as text (shown by ComfyUI before anything runs)."""
-    try:
-        check_loader(host, folders, **widgets)
-    except VflashError as exc:
-        return str(exc)
-    return True
+    return refusal(resolve_device, host, device)
 
 
 def model_spec(host: Host, folders: Folders, model: str, profile: str, weight_residency: str, device: str, peer_device: str,
@@ -659,11 +633,14 @@ def model_spec(host: Host, folders: Folders, model: str, profile: str, weight_re
     path, resolved, peer = check_loader(host, folders, model, profile, weight_residency, device, peer_device, strategy, attention_backend)
     loras = tuple(lora or ())
     compile_dir = ""
-    if model.startswith(("diffusers/", "diffusion_models/")) and profile != "auto":
-        from vflash_core.profiles import get_profile
+    if model.startswith(("diffusers/", "diffusion_models/")):  # official weights (check_loader refused "auto" for them)
+        from vflash_core.pipeline.demo import default_cache_dir
 
-        out = _compiled_dir(Path(path), get_profile(profile), folders)
-        compile_dir = str(out.with_name(f"{out.name}-{Path(loras[0].path).stem}") if loras else out)
+        # Compiled for the profile on first use: models/vflash/compiled/<name>-<profile>[-<LoRA>].
+        root, bases = Path(path), folders.folders("vflash")
+        name = f"{root.stem if root.is_file() else root.name}-{profile}"
+        compiled = (Path(bases[0]) if bases else default_cache_dir()) / "compiled"
+        compile_dir = str(compiled / (f"{name}-{Path(loras[0].path).stem}" if loras else name))
     return ModelSpec(model, path, model_identity(folders, model), profile, resolved, peer, strategy if peer else None,
                      weight_residency, attention_backend, loras, compile_dir)
 
@@ -674,11 +651,10 @@ def _load_session(registry: EngineRegistry, host: Host, spec: ModelSpec):
     def factory():
         host.free_memory()
         resolved = resolve_model(host, spec)
-        progress = _progress(host)
         return NativeEngineSession(
             resolved.profile, resolved.artifact, resolved.schedule_overlay, resolved.auxiliary, device=spec.device,
             peer_device=spec.peer_device, strategy=spec.strategy, weight_residency=spec.weight_residency,
-            attention_backend=spec.attention_backend, on_load_progress=progress,
+            attention_backend=spec.attention_backend, on_load_progress=_progress(host),
         )
 
     return registry.acquire("dit", spec.key(), spec.source, factory)
@@ -699,10 +675,7 @@ def _load_component(registry: EngineRegistry, host: Host, spec: ComponentSpec):
 
     def factory():
         host.free_memory()
-        root = component_root(host, spec)
-        if spec.kind == "te":
-            return TextConditioner.from_pretrained(root, spec.device)
-        return MediaVAEs.from_pretrained(root, spec.device)
+        return (TextConditioner if spec.kind == "te" else MediaVAEs).from_pretrained(component_root(host, spec), spec.device)
 
     return registry.acquire(spec.kind, spec.key(), spec.source, factory)
 
@@ -729,16 +702,6 @@ CORE_VAE_NOTE = (
     "keyframe / reference latents from ComfyUI core's VAE (its own H3 VAE code, posterior mean); the diffusers "
     "pipeline samples the posterior with seed 42, so conditioning latents differ from it"
 )
-
-
-def is_core_clip(value: Any) -> bool:
-    """A ComfyUI core CLIP (what CLIPLoader returns): tokenises and encodes to CONDITIONING."""
-    return not isinstance(value, ComponentSpec) and callable(getattr(value, "tokenize", None)) and callable(getattr(value, "encode_from_tokens_scheduled", None))
-
-
-def is_core_vae(value: Any) -> bool:
-    """A ComfyUI core VAE (what VAELoader returns)."""
-    return not isinstance(value, ComponentSpec) and callable(getattr(value, "decode", None)) and callable(getattr(value, "encode", None))
 
 
 def _pil_to_image(picture) -> torch.Tensor:
@@ -801,9 +764,6 @@ class CoreTextConditioner:
             raise VflashError(f"core CLIP returned {embeds.shape[1]} conditioning rows and {tags.shape[0]} token tags")
         return TextConditioning(embeds[0].detach().cpu(), tags, [])
 
-    def close(self) -> None:
-        """Nothing to release: ComfyUI owns the model."""
-
 
 class CoreVAEs:
     """Vflash's VAE-pair interface (`MediaVAEs`) over core's H3 video VAE and, optionally, its audio VAE.
@@ -834,21 +794,16 @@ class CoreVAEs:
     @property
     def audio_latent_channels(self) -> int:
         mean = getattr(getattr(self.audio_vae, "first_stage_model", None), "latents_mean", None)
-        if mean is not None:
-            return int(mean.shape[0])
-        return int(getattr(self.audio_vae, "latent_channels", 32)) if self.audio_vae is not None else 32
+        return int(mean.shape[0]) if mean is not None else int(getattr(self.audio_vae, "latent_channels", 32))
 
     @property
     def sample_rate(self) -> int:
         """The audio VAE's rate (H3's 32 kHz when no audio VAE is connected: references are resampled to it)."""
-        return int(getattr(self.audio_vae, "audio_sample_rate", 32000)) if self.audio_vae is not None else 32000
+        return int(getattr(self.audio_vae, "audio_sample_rate", 32000))
 
     @contextlib.contextmanager
     def on_device(self):
-        yield self
-
-    def close(self) -> None:
-        """Nothing to release: ComfyUI owns the models."""
+        yield self  # ComfyUI moves core's VAEs itself
 
     @torch.no_grad()
     def encode_pixels(self, frames) -> torch.Tensor:
@@ -876,20 +831,20 @@ class CoreVAEs:
         return waveform[0].movedim(-1, 0).float().cpu()
 
 
-def _text_conditioner(registry: "EngineRegistry", host: Host, te: Any):
+def _text_conditioner(registry: EngineRegistry, host: Host, te: Any):
     if isinstance(te, ComponentSpec):
         return _load_component(registry, host, te)
-    if is_core_clip(te):
+    if callable(getattr(te, "tokenize", None)) and callable(getattr(te, "encode_from_tokens_scheduled", None)):  # core CLIP
         return CoreTextConditioner(te)
     raise RequestError(f"te takes a Vflash text encoder (VflashTextEncoderLoader) or core CLIP (CLIPLoader, type minimax), got {type(te).__name__}")
 
 
-def _vae_pair(registry: "EngineRegistry", host: Host, vae: Any, audio_vae: Any = None):
+def _vae_pair(registry: EngineRegistry, host: Host, vae: Any, audio_vae: Any = None):
     if isinstance(vae, ComponentSpec):
         if audio_vae is not None:
             raise RequestError("audio_vae goes with a core video VAE; a Vflash VAE loader already holds both VAEs")
         return _load_component(registry, host, vae)
-    if is_core_vae(vae):
+    if callable(getattr(vae, "decode", None)) and callable(getattr(vae, "encode", None)):  # core VAE
         return CoreVAEs(vae, audio_vae)
     raise RequestError(f"vae takes a Vflash VAE pair (VflashVAELoader) or core's H3 video VAE (VAELoader), got {type(vae).__name__}")
 
@@ -1031,8 +986,6 @@ def sample(registry: EngineRegistry, host: Host, model: ModelSpec, cond: Any, la
     for note in notes:
         host.log(f"Vflash sampled with {note}")
     if profile_denoise and result.denoise_profile is not None:
-        import json
-
         host.log("Vflash denoise profile: " + json.dumps(result.denoise_profile, default=str))
     if force_offload:
         registry.release("dit")

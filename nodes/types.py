@@ -19,13 +19,8 @@ def aliases(*extra: str) -> list[str]:
     return [*SEARCH_ALIASES, *extra]
 
 
-def devices() -> list[str]:
-    """The device options: auto, cpu, the CUDA devices present here, then the others (kept for saved workflows)."""
-    return ops.ordered_devices()
-
-
 def peer_devices() -> list[str]:
-    return ["none", *(d for d in devices() if d.startswith("cuda:"))]
+    return ["none", *(d for d in ops.ordered_devices() if d.startswith("cuda:"))]
 
 
 DEVICE_TOOLTIP = (

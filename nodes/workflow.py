@@ -75,16 +75,26 @@ def is_link(value: Any) -> bool:
 # -- loading and editing -------------------------------------------------------------------------------------------
 
 
+MAX_WORKFLOW_BYTES = 16 << 20  # an API workflow is a few kilobytes; this bounds what is read and parsed
+
+
 def load_api_workflow(path: str | Path) -> dict[str, dict[str, Any]]:
-    """Read an API-format workflow; a UI-format (graph) file is refused with the way to get the API form."""
-    path = Path(path)
+    """An API-format workflow from a UTF-8 JSON file; a folder, FIFO, binary or malformed file is one line, a UI-format
+    (graph) file is refused with the way to get the API form."""
+    from vflash_core.fileio import read_text_file
+
+    text = read_text_file(path, "workflow", MAX_WORKFLOW_BYTES, WorkflowError)
     try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise WorkflowError(f"{path}: no such workflow file") from None
-    except json.JSONDecodeError as exc:
-        raise WorkflowError(f"{path}: not JSON ({exc})") from None
-    return check_api_workflow(data, str(path))
+        data = json.loads(text)
+    except RecursionError:
+        raise WorkflowError(f"workflow {path} nests arrays or objects too deeply") from None
+    except ValueError as exc:
+        raise WorkflowError(f"workflow {path} is not JSON ({exc})") from None
+    workflow = check_api_workflow(data, str(path))
+    for node_id, node in workflow.items():
+        if not isinstance(node.get("_meta", {}), dict):
+            raise WorkflowError(f"workflow {path}: node {node_id!r} has a '_meta' that is not an object")
+    return workflow
 
 
 def check_api_workflow(data: Any, what: str = "workflow") -> dict[str, dict[str, Any]]:
@@ -206,15 +216,11 @@ def nest_inputs(values: Mapping[str, Any]) -> dict[str, Any]:
     ``{"format": "mp4", "format.codec": "h264"}`` -> ``{"format": {"format": "mp4", "codec": "h264"}}``;
     ``{"ref_images.ref_image_0": img}`` -> ``{"ref_images": {"ref_image_0": img}}``.
     """
-    out: dict[str, Any] = {}
-    dotted = sorted((k for k in values if "." in k), key=lambda k: k.count("."))
-    for key, value in values.items():
-        if "." not in key:
-            out[key] = value
-    for key in dotted:
+    out = {key: value for key, value in values.items() if "." not in key}
+    for key in sorted((k for k in values if "." in k), key=lambda k: k.count(".")):
         parts = key.split(".")
         current = out
-        for depth, part in enumerate(parts[:-1]):
+        for part in parts[:-1]:
             existing = current.get(part)
             if not isinstance(existing, dict):
                 current[part] = {} if existing is None else {part: existing}
@@ -255,9 +261,7 @@ def execute(
     for nid in order:
         node = workflow[nid]
         spec = node_types[node["class_type"]]
-        values = {}
-        for name, value in node.get("inputs", {}).items():
-            values[name] = report.outputs[value[0]][value[1]] if is_link(value) else value
+        values = {name: report.outputs[value[0]][value[1]] if is_link(value) else value for name, value in node.get("inputs", {}).items()}
         if on_node is not None:
             on_node(nid, spec.class_type)
         start = time.perf_counter()
