@@ -73,8 +73,8 @@ TABLE_INPUTS = ("time_embedder.", "norm_out.linear.", "adaln_t_table")
 # Prefixes some single-file exports put in front of the original names.
 _ORIGINAL_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 
-# Internal aux name -> (diffusers name, original name).
-_AUX_NAMES = {
+# Internal aux module -> (diffusers name, original name); each has a `.weight` and a `.bias`.
+AUX_NAMES = {
     "proj_in": ("proj_in", "video_patch_proj"),
     "audio_proj_in": ("audio_proj_in", "audio_patch_proj"),
     "context_embedder": ("context_embedder", "condition_proj"),
@@ -84,20 +84,46 @@ _AUX_NAMES = {
     "proj_out": ("proj_out", "final_layer.video_out"),
     "audio_proj_out": ("audio_proj_out", "final_layer.audio_out"),
 }
-# Internal block tensor (read whole) -> (diffusers name, original name), below the block's prefix; the fused QKV and
-# SwiGLU input are assembled from pieces (`SourceWeights._block_sources`).
+# The other tensors outside the blocks: internal name -> (diffusers name, original name).
+_AUX_TENSORS = {
+    "norm_out.norm.weight": ("norm_out.norm.weight", "final_layer.norm.weight"),
+    "refiner.final_norm.weight": ("token_refiner.final_norm.weight", "token_refiner.final_norm.weight"),
+    "adaln_t_table": ("adaln_t_table", "adaln_t_table"),  # pruned files only
+}
+# Internal block list -> (diffusers, original) prefix of its blocks.
+_BLOCK_PREFIXES = {
+    "blocks": ("transformer_blocks", "blocks"),
+    "refiner": ("token_refiner.refiner_blocks", "token_refiner.blocks"),
+}
+# Internal block tensor -> (diffusers name, original name), below the block's prefix. Diffusers stores Q, K and V apart
+# (`{}` stands for q, k or v); the original `mlp.fc1` is stored [gate; value] and its fused QKV may be interleaved per
+# head (`SourceWeights._build_sources` reads those rows in internal order).
 _BLOCK_NAMES = {
     "norm1.weight": ("norm1.weight", "norm1.weight"),
+    "attn.qkv.weight": ("attn.to_{}.weight", "attn.qkv_proj.weight"),
     "attn.norm_q.weight": ("attn.norm_q.weight", "attn.q_norm.weight"),
     "attn.norm_k.weight": ("attn.norm_k.weight", "attn.k_norm.weight"),
     "attn.out.weight": ("attn.to_out.0.weight", "attn.out_proj.weight"),
     "norm2.weight": ("norm2.weight", "norm2.weight"),
+    "ffn.in.weight": ("ff.net.0.proj.weight", "mlp.fc1.weight"),
     "ffn.out.weight": ("ff.net.2.weight", "mlp.fc2.weight"),
+    "adaln.weight": ("adaln_proj.linear.weight", "adaln_proj.linear.weight"),
+    "adaln.bias": ("adaln_proj.linear.bias", "adaln_proj.linear.bias"),
 }
-_AUX_NORMS = {
-    "norm_out.norm.weight": ("norm_out.norm.weight", "final_layer.norm.weight"),
-    "refiner.final_norm.weight": ("token_refiner.final_norm.weight", "token_refiner.final_norm.weight"),
-}
+
+
+def source_name(internal: str, original: bool) -> str:
+    """The name internal tensor `internal` has in the original layout (without an export prefix) or in diffusers'
+    (for diffusers' QKV a template: `{}` is q, k or v)."""
+    column = 1 if original else 0
+    kind, _, rest = internal.partition(".")
+    index, _, local = rest.partition(".")
+    if kind in _BLOCK_PREFIXES and index.isdigit():
+        return f"{_BLOCK_PREFIXES[kind][column]}.{index}.{_BLOCK_NAMES[local][column]}"
+    module, _, suffix = internal.rpartition(".")
+    if module in AUX_NAMES:
+        return f"{AUX_NAMES[module][column]}.{suffix}"
+    return _AUX_TENSORS[internal][column]
 
 
 def block_shapes(config: H3Config, prefix: str, with_adaln: bool) -> dict[str, tuple[int, ...]]:
@@ -141,11 +167,20 @@ def aux_shapes(config: H3Config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-@dataclass
-class _Source:
-    """How to fill one internal tensor: whole-tensor copy, or row ranges from several source tensors."""
+def internal_shapes(config: H3Config) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a checkpoint in internal names, in file order: blocks, refiner blocks, auxiliary tensors."""
+    shapes = {}
+    for i in range(config.num_layers):
+        shapes.update(block_shapes(config, f"blocks.{i}", with_adaln=True))
+    for j in range(config.num_refiner_layers):
+        shapes.update(block_shapes(config, f"refiner.{j}", with_adaln=False))
+    shapes.update(aux_shapes(config))
+    return shapes
 
-    pieces: list[tuple[str, int, int, int]]  # (source name, src_row_start, src_row_stop, dst_row_start)
+
+# How to fill one internal tensor: (source name, src_row_start, src_row_stop, dst_row_start) row ranges, stop -1 for
+# the whole source tensor.
+_Pieces = list[tuple[str, int, int, int]]
 
 
 @dataclass(frozen=True)
@@ -345,62 +380,29 @@ class SourceWeights:
 
     # -- name mapping -------------------------------------------------------------------------------------------
 
-    def _block_sources(self, internal_prefix: str, source_prefix: str, with_adaln: bool) -> dict[str, _Source]:
+    def _build_sources(self) -> dict[str, _Pieces]:
         c = self.config
         inner, d, f = c.inner_dim, c.attention_head_dim, c.ffn_dim
-        s = source_prefix
-        whole = lambda name: _Source([(name, 0, -1, 0)])
-        diffusers = self.layout == "diffusers"
-        source = lambda d_name, o_name: f"{s}.{d_name}" if diffusers else self._raw(f"{s}.{o_name}")
-        table = {internal: whole(source(*names)) for internal, names in _BLOCK_NAMES.items()}
-        if diffusers:
-            table["attn.qkv.weight"] = _Source([(f"{s}.attn.to_{p}.weight", 0, inner, k * inner) for k, p in enumerate("qkv")])
-            table["ffn.in.weight"] = whole(f"{s}.ff.net.0.proj.weight")
-        else:
-            qkv_name = self._raw(f"{s}.attn.qkv_proj.weight")
-            if self.qkv_layout == "stacked":
-                table["attn.qkv.weight"] = whole(qkv_name)
-            else:  # per head [q k v] -> [q_all; k_all; v_all]
-                heads = c.num_attention_heads
-                table["attn.qkv.weight"] = _Source(
-                    [(qkv_name, (h * 3 + k) * d, (h * 3 + k + 1) * d, k * inner + h * d) for h in range(heads) for k in range(3)]
-                )
-            fc1 = self._raw(f"{s}.mlp.fc1.weight")
-            table["ffn.in.weight"] = _Source([(fc1, f, 2 * f, 0), (fc1, 0, f, f)])  # stored [gate; value]; internal [value; gate]
-        adaln = source("adaln_proj.linear", "adaln_proj.linear")
-        out = {f"{internal_prefix}.{k}": v for k, v in table.items()}
-        if with_adaln:
-            out[f"{internal_prefix}.adaln.weight"] = whole(f"{adaln}.weight")
-            out[f"{internal_prefix}.adaln.bias"] = whole(f"{adaln}.bias")
-        return out
-
-    def _build_sources(self) -> dict[str, _Source]:
-        diffusers = self.layout == "diffusers"
-        sources: dict[str, _Source] = {}
-        for i in range(self.config.num_layers):
-            src = f"transformer_blocks.{i}" if diffusers else f"blocks.{i}"
-            sources.update(self._block_sources(f"blocks.{i}", src, with_adaln=True))
-        for j in range(self.config.num_refiner_layers):
-            src = f"token_refiner.refiner_blocks.{j}" if diffusers else f"token_refiner.blocks.{j}"
-            sources.update(self._block_sources(f"refiner.{j}", src, with_adaln=False))
-        for internal, (d_name, o_name) in _AUX_NAMES.items():
-            for suffix in ("weight", "bias"):
-                name = f"{d_name}.{suffix}" if diffusers else self._raw(f"{o_name}.{suffix}")
-                sources[f"{internal}.{suffix}"] = _Source([(name, 0, -1, 0)])
-        for internal, (d_name, o_name) in _AUX_NORMS.items():
-            sources[internal] = _Source([(d_name if diffusers else self._raw(o_name), 0, -1, 0)])
-        sources["adaln_t_table"] = _Source([(self._raw("adaln_t_table"), 0, -1, 0)])
-        return {name: source for name, source in sources.items() if name in self._shapes}
+        original = self.layout == "original"
+        sources: dict[str, _Pieces] = {}
+        for internal in self._shapes:
+            name = self._raw(source_name(internal, original))
+            if internal.endswith(".attn.qkv.weight") and not original:
+                sources[internal] = [(name.format(p), 0, inner, k * inner) for k, p in enumerate("qkv")]
+            elif internal.endswith(".attn.qkv.weight") and self.qkv_layout == "interleaved":
+                # per head [q k v] -> [q_all; k_all; v_all]
+                rows = [(h * 3 + k, k * inner + h * d) for h in range(c.num_attention_heads) for k in range(3)]
+                sources[internal] = [(name, src * d, (src + 1) * d, dst) for src, dst in rows]
+            elif internal.endswith(".ffn.in.weight") and original:  # stored [gate; value]; internal [value; gate]
+                sources[internal] = [(name, f, 2 * f, 0), (name, 0, f, f)]
+            else:
+                sources[internal] = [(name, 0, -1, 0)]
+        return sources
 
     # -- validation and reads -----------------------------------------------------------------------------------
 
     def _build_shapes(self) -> dict[str, tuple[int, ...]]:
-        shapes = {}
-        for i in range(self.config.num_layers):
-            shapes.update(block_shapes(self.config, f"blocks.{i}", with_adaln=True))
-        for j in range(self.config.num_refiner_layers):
-            shapes.update(block_shapes(self.config, f"refiner.{j}", with_adaln=False))
-        shapes.update(aux_shapes(self.config))
+        shapes = internal_shapes(self.config)
         if self.curve is not None:  # reduced-rank AdaLN projections read the table's curve; no time embedder
             grid, rank = self.curve
             h = self.config.hidden_size
@@ -420,7 +422,7 @@ class SourceWeights:
         scaled-FP8 file quantizes, each with a one-element float scale); one error lists all."""
         expect: dict[str, tuple[tuple[int, ...], tuple[torch.dtype, ...]]] = {}
         for internal, shape in self._shapes.items():
-            for name, start, stop, _ in self._sources[internal].pieces:
+            for name, start, stop, _ in self._sources[internal]:
                 if name not in expect:
                     # a piece of a fused internal tensor comes from diffusers' to_q / to_k / to_v (inner_dim rows each)
                     # or from the original fused qkv_proj / fc1 (the internal row count)
@@ -447,7 +449,7 @@ class SourceWeights:
     def dtype_of(self, internal: str) -> torch.dtype:
         """The dtype `read` returns: the stored one, or bf16 for a float8 weight (ComfyUI core dequantizes every
         quantized layer to its compute dtype, bf16 on a device with bf16)."""
-        name = self._sources[internal].pieces[0][0]
+        name = self._sources[internal][0][0]
         return torch.bfloat16 if name in self._quantized else self.store.info(name).dtype
 
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
@@ -458,7 +460,7 @@ class SourceWeights:
         for internal in names:
             tensor = torch.empty(self._shapes[internal], dtype=self.dtype_of(internal))
             out[internal] = tensor
-            for name, start, stop, dst in self._sources[internal].pieces:
+            for name, start, stop, dst in self._sources[internal]:
                 target = tensor if stop == -1 else tensor[dst : dst + stop - start]
                 if name in self._quantized:
                     code = torch.empty(target.shape, dtype=self._quantized[name].code_dtype)

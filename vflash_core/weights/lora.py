@@ -32,6 +32,7 @@ import torch
 from ..engine.config import H3Config
 from ..engine.model import LoraResidual
 from ..errors import WeightFileError
+from .checkpoint import AUX_NAMES, aux_shapes
 from .tensor_store import TensorStore
 
 # Internal linear names whose LoRA only affects the timestep tables.
@@ -46,18 +47,18 @@ _DIFFUSERS_BLOCK = {
     "ff.net.2": ("ffn.out", None),
     "adaln_proj.linear": ("adaln", None),
 }
-_ORIGINAL_BLOCK = {"attn.qkv_proj": "attn.qkv", "attn.out_proj": "attn.out", "mlp.fc1": "ffn.in", "mlp.fc2": "ffn.out", "adaln_proj.linear": "adaln"}
-_DIFFUSERS_AUX = ("proj_in", "audio_proj_in", "context_embedder", "time_embedder.linear_1", "time_embedder.linear_2", "norm_out.linear", "proj_out", "audio_proj_out")
-_ORIGINAL_AUX = {
-    "video_patch_proj": "proj_in",
-    "audio_patch_proj": "audio_proj_in",
-    "condition_proj": "context_embedder",
-    "time_embedder.proj_in": "time_embedder.linear_1",
-    "time_embedder.proj_out": "time_embedder.linear_2",
-    "final_layer.adaln_proj.linear": "norm_out.linear",
-    "final_layer.video_out": "proj_out",
-    "final_layer.audio_out": "audio_proj_out",
+_ORIGINAL_BLOCK = {
+    "attn.qkv_proj": ("attn.qkv", None),
+    "attn.out_proj": ("attn.out", None),
+    "mlp.fc1": ("ffn.in", None),
+    "mlp.fc2": ("ffn.out", None),
+    "adaln_proj.linear": ("adaln", None),
 }
+_DIFFUSERS_AUX = {diffusers: internal for internal, (diffusers, _) in AUX_NAMES.items()}
+_ORIGINAL_AUX = {original: internal for internal, (_, original) in AUX_NAMES.items()}
+# Module names of the main and refiner blocks: (block list, index, module in the block).
+_DIFFUSERS_BLOCKS = r"(transformer_blocks|token_refiner\.refiner_blocks)\.(\d+)\.(.+)"
+_ORIGINAL_BLOCKS = r"(blocks|token_refiner\.blocks)\.(\d+)\.(.+)"
 _MUSUBI_MODULES = [
     (r"blocks_(\d+)_attn_(qkv|out)_proj", r"blocks.\1.attn.\2_proj"),
     (r"blocks_(\d+)_mlp_fc([12])", r"blocks.\1.mlp.fc\2"),
@@ -177,7 +178,7 @@ def _diffusers_pairs(state: dict[str, torch.Tensor], path: Path) -> dict[tuple[s
         name = key.replace(".default.", ".")
         name = re.sub(r"^(transformer|transformer_ref)\.", "", name)
         match = re.fullmatch(r"(.+)\.lora_([AB])\.weight", name)
-        target = _diffusers_target(match.group(1)) if match else None
+        target = _target(match.group(1), _DIFFUSERS_AUX, _DIFFUSERS_BLOCKS, _DIFFUSERS_BLOCK) if match else None
         if target is None:
             unknown.append(key)
             continue
@@ -186,14 +187,18 @@ def _diffusers_pairs(state: dict[str, torch.Tensor], path: Path) -> dict[tuple[s
     return _complete(pairs, path)
 
 
-def _diffusers_target(module: str) -> tuple[str, int | None] | None:
-    if module in _DIFFUSERS_AUX:
-        return module, None
-    match = re.fullmatch(r"(transformer_blocks|token_refiner\.refiner_blocks)\.(\d+)\.(.+)", module)
-    if not match or match.group(3) not in _DIFFUSERS_BLOCK:
+def _target(
+    module: str, aux: dict[str, str], blocks: str, block_modules: dict[str, tuple[str, int | None]]
+) -> tuple[str, int | None] | None:
+    """The internal linear a LoRA module adapts and, for one of diffusers' to_q / to_k / to_v, its third of the fused
+    QKV; None for a module that names none."""
+    if module in aux:
+        return aux[module], None
+    match = re.fullmatch(blocks, module)
+    if not match or match.group(3) not in block_modules:
         return None
-    local, part = _DIFFUSERS_BLOCK[match.group(3)]
-    prefix = "blocks" if match.group(1) == "transformer_blocks" else "refiner"
+    local, part = block_modules[match.group(3)]
+    prefix = "refiner" if match.group(1).startswith("token_refiner") else "blocks"
     if prefix == "refiner" and local == "adaln":
         return None
     return f"{prefix}.{match.group(2)}.{local}", part
@@ -225,7 +230,7 @@ def _original_pairs(state: dict[str, torch.Tensor], path: Path) -> tuple[str, di
         groups.setdefault(match.group(1), {})[part] = tensor
     pairs: dict[tuple[str, int | None], dict[str, torch.Tensor]] = {}
     for module, parts in groups.items():
-        target = _original_target(module)
+        target = _target(module, _ORIGINAL_AUX, _ORIGINAL_BLOCKS, _ORIGINAL_BLOCK)
         if target is None:
             unknown.extend(f"{module}.{p}" for p in parts)
             continue
@@ -237,22 +242,9 @@ def _original_pairs(state: dict[str, torch.Tensor], path: Path) -> tuple[str, di
                 scale_down *= 2
                 scale_up /= 2
             down, up = down * scale_down, up * scale_up
-        pairs[(target, None)] = {k: v for k, v in (("A", down), ("B", up)) if v is not None}
+        pairs[target] = {k: v for k, v in (("A", down), ("B", up)) if v is not None}
     _raise_unknown(unknown, path)
     return fmt, _complete(pairs, path)
-
-
-def _original_target(module: str) -> str | None:
-    if module in _ORIGINAL_AUX:
-        return _ORIGINAL_AUX[module]
-    match = re.fullmatch(r"(blocks|token_refiner\.blocks)\.(\d+)\.(.+)", module)
-    if not match or match.group(3) not in _ORIGINAL_BLOCK:
-        return None
-    local = _ORIGINAL_BLOCK[match.group(3)]
-    prefix = "blocks" if match.group(1) == "blocks" else "refiner"
-    if prefix == "refiner" and local == "adaln":
-        return None
-    return f"{prefix}.{match.group(2)}.{local}"
 
 
 def _complete(pairs: dict, path: Path) -> dict:
@@ -271,13 +263,10 @@ def _raise_unknown(keys: list[str], path: Path) -> None:
 def _validate_shapes(adapter: Adapter, config: H3Config) -> None:
     """Each residual's factors must fit the linear it adapts."""
     h, inner, f, t = config.hidden_size, config.inner_dim, config.ffn_dim, config.time_embed_dim
-    io = {
-        "attn.qkv": (h, inner), "attn.out": (inner, h), "ffn.in": (h, 2 * f), "ffn.out": (f, h), "adaln": (t, 18 * h),
-        "proj_in": (config.video_patch_dim, h), "audio_proj_in": (config.audio_in_channels, h),
-        "context_embedder": (config.text_dim, h), "time_embedder.linear_1": (config.freq_dim, config.time_embed_hidden_dim),
-        "time_embedder.linear_2": (config.time_embed_hidden_dim, t), "norm_out.linear": (t, 2 * h),
-        "proj_out": (h, config.video_patch_dim), "audio_proj_out": (h, config.audio_in_channels),
-    }
+    # (fan_in, fan_out) of each linear; the fused QKV's residuals each cover `inner` of its rows
+    io = {"attn.qkv": (h, inner), "attn.out": (inner, h), "ffn.in": (h, 2 * f), "ffn.out": (f, h), "adaln": (t, 18 * h)}
+    aux_linears = {name.removesuffix(".weight"): shape for name, shape in aux_shapes(config).items() if len(shape) == 2}
+    io.update({name: (fan_in, fan_out) for name, (fan_out, fan_in) in aux_linears.items()})
     problems = []
     for name, residuals in adapter.residuals.items():
         match = re.fullmatch(r"(?:blocks|refiner)\.(\d+)\.(.+)", name)
@@ -287,8 +276,7 @@ def _validate_shapes(adapter: Adapter, config: H3Config) -> None:
             continue
         fan_in, fan_out = io[local]
         for r in residuals:
-            rows = inner if local == "attn.qkv" else fan_out
-            if r.down.ndim != 2 or r.up.ndim != 2 or r.down.shape[1] != fan_in or r.up.shape != (rows, r.down.shape[0]):
+            if r.down.ndim != 2 or r.up.ndim != 2 or r.down.shape[1] != fan_in or r.up.shape != (fan_out, r.down.shape[0]):
                 problems.append(f"{name}: factors {list(r.down.shape)} / {list(r.up.shape)} do not fit [{fan_out}, {fan_in}]")
     if problems:
         raise WeightFileError(f"{adapter.path}: LoRA does not fit this model: " + "; ".join(problems[:8]))

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 
 from ..engine.config import H3Config
 from ..engine.model import rope_inv_freq, time_embedding
-from .checkpoint import aux_shapes, block_shapes
+from .checkpoint import internal_shapes, source_name
 
 # Tensors the released checkpoint stores in fp32; everything else is bf16.
 FP32_PREFIXES = ("proj_in.", "audio_proj_in.", "time_embedder.", "proj_out.", "audio_proj_out.")
@@ -31,17 +31,6 @@ FP32_PREFIXES = ("proj_in.", "audio_proj_in.", "time_embedder.", "proj_out.", "a
 def _tensor_seed(seed: int, name: str) -> int:
     """A generator seed per tensor, so any subset of a checkpoint can be drawn in any order with the same values."""
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 63)
-
-
-def internal_shapes(config: H3Config) -> dict[str, tuple[int, ...]]:
-    """Every tensor of a checkpoint in internal names, in file order: blocks, refiner blocks, auxiliary tensors."""
-    shapes = {}
-    for i in range(config.num_layers):
-        shapes.update(block_shapes(config, f"blocks.{i}", with_adaln=True))
-    for j in range(config.num_refiner_layers):
-        shapes.update(block_shapes(config, f"refiner.{j}", with_adaln=False))
-    shapes.update(aux_shapes(config))
-    return shapes
 
 
 class RandomWeights(Mapping[str, torch.Tensor]):
@@ -65,8 +54,15 @@ class RandomWeights(Mapping[str, torch.Tensor]):
             value = value.mul_(0.25).add_(1.0)
         else:
             value = value.mul_((shape[1] if len(shape) == 2 else shape[0]) ** -0.5)
+        return value.to(self.dtype_of(name)).contiguous()
+
+    def dtype_of(self, name: str) -> torch.dtype:
         pinned = self.dtype == torch.bfloat16 and name.startswith(FP32_PREFIXES)
-        return value.to(torch.float32 if pinned else self.dtype).contiguous()
+        return torch.float32 if pinned else self.dtype
+
+    def nbytes(self, name: str) -> int:
+        """Bytes of tensor `name`, without drawing it."""
+        return math.prod(self.shapes[name]) * self.dtype_of(name).itemsize
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.shapes)
@@ -83,70 +79,24 @@ def random_internal_weights(config: H3Config, seed: int = 0, dtype: torch.dtype 
 
 def diffusers_names(name: str, config: H3Config) -> list[tuple[str, slice]]:
     """Internal name -> the diffusers `MiniMaxH3Transformer3DModel` tensors it holds, with their rows."""
-    parts = name.split(".")
-    if parts[0] in ("blocks", "refiner") and parts[1].isdigit():
-        prefix = f"transformer_blocks.{parts[1]}" if parts[0] == "blocks" else f"token_refiner.refiner_blocks.{parts[1]}"
-        local = ".".join(parts[2:])
-        if local == "attn.qkv.weight":
-            inner = config.inner_dim
-            return [(f"{prefix}.attn.to_{p}.weight", slice(k * inner, (k + 1) * inner)) for k, p in enumerate("qkv")]
-        local = {
-            "attn.out.weight": "attn.to_out.0.weight",
-            "ffn.in.weight": "ff.net.0.proj.weight",
-            "ffn.out.weight": "ff.net.2.weight",
-            "adaln.weight": "adaln_proj.linear.weight",
-            "adaln.bias": "adaln_proj.linear.bias",
-        }.get(local, local)
-        return [(f"{prefix}.{local}", slice(None))]
-    if name == "refiner.final_norm.weight":
-        return [("token_refiner.final_norm.weight", slice(None))]
-    return [(name, slice(None))]
+    source = source_name(name, original=False)
+    if name.endswith(".attn.qkv.weight"):
+        inner = config.inner_dim
+        return [(source.format(p), slice(k * inner, (k + 1) * inner)) for k, p in enumerate("qkv")]
+    return [(source, slice(None))]
 
 
 def to_original_names(weights: dict[str, torch.Tensor], config: H3Config, qkv_layout: str = "stacked") -> dict[str, torch.Tensor]:
     """Internal names -> the original reference implementation's names (inverse of the diffusers converter)."""
-    aux = {
-        "proj_in": "video_patch_proj",
-        "audio_proj_in": "audio_patch_proj",
-        "context_embedder": "condition_proj",
-        "time_embedder.linear_1": "time_embedder.proj_in",
-        "time_embedder.linear_2": "time_embedder.proj_out",
-        "norm_out.linear": "final_layer.adaln_proj.linear",
-        "proj_out": "final_layer.video_out",
-        "audio_proj_out": "final_layer.audio_out",
-    }
     heads, d = config.num_attention_heads, config.attention_head_dim
     out = {}
     for name, tensor in weights.items():
-        parts = name.split(".")
-        if parts[0] in ("blocks", "refiner") and parts[1].isdigit():
-            prefix = f"blocks.{parts[1]}" if parts[0] == "blocks" else f"token_refiner.blocks.{parts[1]}"
-            local = ".".join(parts[2:])
-            if local == "attn.qkv.weight" and qkv_layout == "interleaved":
-                tensor = tensor.reshape(3, heads, d, -1).transpose(0, 1).reshape(3 * heads * d, -1).contiguous()
-            elif local == "ffn.in.weight":
-                value, gate = tensor.chunk(2)
-                tensor = torch.cat([gate, value]).contiguous()
-            local = {
-                "attn.qkv.weight": "attn.qkv_proj.weight",
-                "attn.norm_q.weight": "attn.q_norm.weight",
-                "attn.norm_k.weight": "attn.k_norm.weight",
-                "attn.out.weight": "attn.out_proj.weight",
-                "ffn.in.weight": "mlp.fc1.weight",
-                "ffn.out.weight": "mlp.fc2.weight",
-                "adaln.weight": "adaln_proj.linear.weight",
-                "adaln.bias": "adaln_proj.linear.bias",
-            }.get(local, local)
-            out[f"{prefix}.{local}"] = tensor
-        elif name == "refiner.final_norm.weight":
-            out["token_refiner.final_norm.weight"] = tensor
-        elif name == "adaln_t_table":
-            out[name] = tensor
-        elif name == "norm_out.norm.weight":
-            out["final_layer.norm.weight"] = tensor
-        else:
-            module, _, suffix = name.rpartition(".")
-            out[f"{aux[module]}.{suffix}"] = tensor
+        if name.endswith(".attn.qkv.weight") and qkv_layout == "interleaved":
+            tensor = tensor.reshape(3, heads, d, -1).transpose(0, 1).reshape(3 * heads * d, -1).contiguous()
+        elif name.endswith(".ffn.in.weight"):
+            value, gate = tensor.chunk(2)
+            tensor = torch.cat([gate, value]).contiguous()
+        out[source_name(name, original=True)] = tensor
     return out
 
 
@@ -216,19 +166,9 @@ def write_diffusers_transformer(
                 state[out] = tensor[rows].to("cpu", copy=rows != slice(None))
         return state
 
-    sizes = {name: math.prod(_shape(weights, name)) * _dtype(weights, name).itemsize for name in weights}
+    sizes = {n: weights.nbytes(n) if isinstance(weights, RandomWeights) else weights[n].nbytes for n in weights}
     write_shards(folder, "diffusion_pytorch_model", sizes, produce, max_shard_bytes, write_workers)
     return folder
-
-
-def _shape(weights: Mapping[str, torch.Tensor], name: str) -> tuple[int, ...]:
-    return weights.shapes[name] if isinstance(weights, RandomWeights) else tuple(weights[name].shape)
-
-
-def _dtype(weights: Mapping[str, torch.Tensor], name: str) -> torch.dtype:
-    if isinstance(weights, RandomWeights):
-        return torch.float32 if weights.dtype == torch.bfloat16 and name.startswith(FP32_PREFIXES) else weights.dtype
-    return weights[name].dtype
 
 
 def random_like(name: str, shape: tuple[int, ...], seed: int, device: str | torch.device = "cpu") -> torch.Tensor:
