@@ -22,8 +22,8 @@ from ..errors import IdentityMismatchError, VflashError, WeightFileError
 from ..fileio import read_json
 from ..formats import ARTIFACT_FORMAT, ARTIFACT_FP8_FORMAT, OVERLAY_FORMAT
 from ..profiles import Profile, check_identity
-from .checkpoint import aux_shapes, block_shapes
-from .tensor_store import TensorStore
+from .checkpoint import FLOAT_DTYPES, TABLE_INPUTS, aux_shapes, block_shapes
+from .tensor_store import TensorStore, file_sha256
 from .weight_io import SequentialWeights
 
 # Threads reading one block file: a deep queue of large sequential reads. On the H200 machines' virtio disk a cold
@@ -130,10 +130,6 @@ class CompiledArtifact:
         """Re-hash every file of this compile against the sha256 recorded when it was written; raises
         `WeightFileError` naming each file that differs. Loading checks formats, identities and sizes only, so a
         flipped byte goes unnoticed until this runs (reading the whole model: ~40 GB at full size)."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        from .tensor_store import file_sha256
-
         records = [(self.artifact_dir / b["file"], b["sha256"]) for b in self.manifest["blocks"]]
         records += [(self.aux_path, self.manifest["auxiliary"]["sha256"]), (self.overlay.path / self.overlay.manifest["file"]["name"], self.overlay.manifest["file"]["sha256"])]
         with ThreadPoolExecutor(workers) as pool:
@@ -195,8 +191,7 @@ class CompiledArtifact:
 
     def block_tensors(self) -> dict[str, tuple[tuple[int, ...], tuple[torch.dtype, ...]]]:
         """Name -> (shape, allowed dtypes) of every packed block's tensors (LoRA factors aside), in file order."""
-        floats = (torch.bfloat16, torch.float32, torch.float16)
-        specs = {k.split(".", 2)[2]: (tuple(v), floats) for k, v in block_shapes(self.config, "blocks.0", with_adaln=False).items()}
+        specs = {k.split(".", 2)[2]: (tuple(v), FLOAT_DTYPES) for k, v in block_shapes(self.config, "blocks.0", with_adaln=False).items()}
         if self.fp8:
             for linear in FP8_LINEARS:
                 shape = specs[f"{linear}.weight"][0]
@@ -226,9 +221,9 @@ class CompiledArtifact:
 
     def read_auxiliary(self) -> tuple[dict[str, torch.Tensor], list[LayerWeights], dict[str, tuple[LoraResidual, ...]]]:
         """(aux tensors, refiner blocks, aux LoRA residuals) of the runtime; no timestep-only tensors."""
-        names = {n: shape for n, shape in aux_shapes(self.config).items() if not n.startswith(("time_embedder.", "norm_out.linear."))}
+        names = {n: shape for n, shape in aux_shapes(self.config).items() if not n.startswith(TABLE_INPUTS)}
         refiner_shapes = {n: shape for j in range(self.config.num_refiner_layers) for n, shape in block_shapes(self.config, f"refiner.{j}", with_adaln=False).items()}
-        self.aux_store.require({k: (v, (torch.bfloat16, torch.float32, torch.float16)) for k, v in {**names, **refiner_shapes}.items()})
+        self.aux_store.require({k: (v, FLOAT_DTYPES) for k, v in {**names, **refiner_shapes}.items()})
         data = self.aux_store.read(self.aux_store.names)
         records = json.loads(self.aux_store.metadata.get("lora", "[]"))
         refiner = []

@@ -53,14 +53,15 @@ from ..engine.schedule import distinct_timesteps
 from ..errors import IdentityMismatchError, VflashError, run_command
 from ..fileio import atomic_directory, atomic_file, check_new_directory, check_writable_destination, read_text_file
 from ..formats import ARTIFACT_FORMAT, ARTIFACT_FP8_FORMAT, OVERLAY_FORMAT, WEIGHTS_RECEIPT_FORMAT, device_arch
-from ..profiles import Profile, get_profile
+from ..profiles import AdapterSpec, Profile, get_profile
+from .artifact import CompiledArtifact
 from .checkpoint import TABLE_INPUTS, SourceWeights
 from .lora import TABLE_ONLY, Adapter, load_adapter
+from .tensor_store import describe_files, file_sha256, write_safetensors
 
 #: `(stage, done, total)` after each unit of work: "hash" (prepare, per weight file), "verify" (compile, per weight
 #: file), "compile" (per block). It may raise to abandon the call; nothing is published then.
 CompileProgress = Callable[[str, int, int], None]
-from .tensor_store import describe_files, file_sha256, write_safetensors
 
 logger = logging.getLogger(__name__)
 
@@ -173,8 +174,6 @@ def _load_receipt(path: str | Path) -> dict:
 
 
 def _profile_from_receipt(receipt: dict, path: str | Path) -> Profile:
-    from ..profiles import AdapterSpec
-
     data = dict(receipt["profile"])
     data["modes"] = tuple(data["modes"])
     data["adapter"] = AdapterSpec(**data["adapter"]) if data["adapter"] else None
@@ -252,7 +251,8 @@ def _identity(profile: Profile, receipt: dict, config: H3Config, arch: str, comp
         "base_weights": {
             "layout": receipt["transformer"]["layout"],
             **{k: receipt["transformer"][k] for k in ("format", "quantized_layers", "pruned") if k in receipt["transformer"]},
-            "files": [_identity_record(f) for f in receipt["transformer"]["files"]],
+            # what identifies a file's content, not where or when it was written
+            "files": [{k: f[k] for k in ("name", "size", "sha256")} for f in receipt["transformer"]["files"]],
         },
         "adapter": None if receipt["adapter"] is None else {k: receipt["adapter"][k] for k in ("name", "size", "sha256", "format", "alpha_source", "network_alpha")},
         "torch": torch.__version__,
@@ -263,11 +263,6 @@ def _unchanged(path: Path, record: dict) -> bool:
     """Same size and modification time as when `prepare` hashed it (see `_verify_receipt_files`)."""
     stat = path.stat()
     return stat.st_size == record["size"] and stat.st_mtime_ns == record.get("mtime_ns")
-
-
-def _identity_record(record: dict) -> dict[str, object]:
-    """What identifies a file's content: name, size, sha256 (not where or when it was written)."""
-    return {k: record[k] for k in ("name", "size", "sha256")}
 
 
 def _save_hashed(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> dict[str, object]:
@@ -387,7 +382,7 @@ def _write_compiled(
     aux.update(source.read_refiner())
     runtime_loras = {}
     if adapter:
-        runtime_loras = {k: v for k, v in adapter.aux().items() if k not in ("time_embedder.linear_1", "time_embedder.linear_2", "norm_out.linear")}
+        runtime_loras = {k: v for k, v in adapter.aux().items() if not TABLE_ONLY.match(k)}
         for j in range(config.num_refiner_layers):
             runtime_loras.update({f"refiner.{j}.{k}": v for k, v in adapter.for_prefix(f"refiner.{j}").items()})
     lora_tensors, aux_lora_records = _lora_tensors(runtime_loras)
@@ -447,8 +442,6 @@ def _run(args: argparse.Namespace) -> None:
         prepare(args.profile, args.transformer, args.receipt, args.adapter, args.qkv_layout)
         print(f"wrote receipt {args.receipt}")
     elif args.command == "verify":
-        from .artifact import CompiledArtifact
-
         folder = Path(args.compiled)
         if not folder.is_dir():
             raise VflashError(f"{folder} {'is not a folder' if os.path.lexists(folder) else 'does not exist'}; give the folder compile wrote (artifact/, schedule/, auxiliary.safetensors)")

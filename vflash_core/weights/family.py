@@ -19,10 +19,8 @@ so the same code writes the demo's family and the released model at full size.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,14 +83,6 @@ DEMO_FAMILY = FamilySpec(
     # The demo generates a small canvas by default; the released model's rules are 768 / 768*1344 / 2048.
     canvas=dict(canvas_short_edge=256, canvas_max_pixels=256 * 448, reference_image_short_edge=128),
 )
-
-
-@contextlib.contextmanager
-def _seeded(seed: int) -> Iterator[None]:
-    """Construct modules under a fixed seed without disturbing the caller's global RNG."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        yield
 
 
 def _with_latent_stats(config: dict[str, Any], channels: int, seed: int) -> dict[str, Any]:
@@ -193,8 +183,9 @@ def _write_vaes(root: Path, spec: FamilySpec, seed: int, device: str | torch.dev
     _write_random_state(root / "vae", video, seed, torch.float32, "diffusion_pytorch_model", spec, device, write_workers)
     video.save_config(root / "vae")
     # The audio VAE's anti-aliasing filters are persistent buffers computed by its constructor, so it is built
-    # (small: ~150 M parameters) rather than drawn.
-    with _seeded(seed):
+    # (small: ~150 M parameters) rather than drawn, under a fixed seed without disturbing the caller's global RNG.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
         audio = AutoencoderKLMiniMaxH3Audio(**audio_config)
     audio.save_pretrained(root / "audio_vae")
 

@@ -11,12 +11,12 @@ it again. Returned tensors own their storage and stay valid after the file is go
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import struct
 from collections.abc import Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,9 +96,7 @@ class SafetensorsFile:
             raise WeightFileError(f"{self.path}: corrupt safetensors header (not an object)")
         self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
         data_start = 8 + header_len
-        self.tensors: dict[str, TensorInfo] = {}
-        for name, entry in header.items():
-            self.tensors[name] = self._parse_entry(name, entry, data_start)
+        self.tensors = {name: self._parse_entry(name, entry, data_start) for name, entry in header.items()}
         data_end = max((info.end for info in self.tensors.values()), default=data_start)
         if data_end > self.file_size:
             raise WeightFileError(
@@ -275,8 +273,6 @@ def write_safetensors(path: str | Path, tensors: Mapping[str, torch.Tensor], met
     each byte once; `hashlib` and file writes release the GIL, so several writers run in parallel. Tensors are laid
     out by decreasing element size, like the safetensors library does, so each one is aligned for zero-copy reads.
     """
-    import hashlib
-
     dtype_names = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
     order = sorted(tensors, key=lambda name: -tensors[name].element_size())
     header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
@@ -304,28 +300,17 @@ def write_safetensors(path: str | Path, tensors: Mapping[str, torch.Tensor], met
 
 def file_sha256(path: str | Path) -> str:
     """Hex sha256 of a whole file, read in large chunks."""
-    import hashlib
-
     with open(path, "rb") as handle:
         return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
-def describe_files(paths: Iterable[Path], with_hash: bool, workers: int = 1) -> list[dict[str, object]]:
-    """Identity records (name, size, modification time in ns, and optionally sha256) for a list of files, in order.
-
-    With `workers > 1` that many files are hashed concurrently (hashlib releases the GIL), which keeps a fast disk
-    busy where one hashing thread would not.
-    """
-
-    def record(path: Path) -> dict[str, object]:
+def describe_files(paths: Iterable[Path], with_hash: bool) -> list[dict[str, object]]:
+    """Identity records (name, size, modification time in ns, and optionally sha256) for a list of files, in order."""
+    records = []
+    for path in paths:
         stat = os.stat(path)
-        out: dict[str, object] = {"name": path.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+        record: dict[str, object] = {"name": path.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
         if with_hash:
-            out["sha256"] = file_sha256(path)
-        return out
-
-    paths = list(paths)
-    if workers <= 1 or len(paths) <= 1:
-        return [record(p) for p in paths]
-    with ThreadPoolExecutor(min(workers, len(paths))) as pool:
-        return list(pool.map(record, paths))
+            record["sha256"] = file_sha256(path)
+        records.append(record)
+    return records
