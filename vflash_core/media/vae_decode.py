@@ -599,11 +599,6 @@ class NativeVideoDecoder:
         weights = [own.to(devices[0]), *(own.to(device, copy=True) for device in devices[1:])] if devices else [own]
         return cls(DecodeGeometry.from_vae(vae), weights, attention, windows_per_call)
 
-    @property
-    def device(self) -> torch.device:
-        """Where tiles are stitched and frames handed to the sink."""
-        return self.weights[0].device
-
     def plan(self, latent_shape: Sequence[int]) -> DecodePlan:
         """The plan for latents of shape (1, C, F, h, w)."""
         if len(latent_shape) != 5 or latent_shape[0] != 1:
@@ -671,7 +666,7 @@ class NativeVideoDecoder:
 
     def _collect(self, batch: list[TileWindow], pixels: torch.Tensor, plan: DecodePlan, grid: dict[TileWindow, torch.Tensor], timeline: Timeline) -> None:
         """File a call's tiles on the first device; stitch and hand on each window whose last tile this was."""
-        pixels = pixels.to(self.device)
+        pixels = pixels.to(self.weights[0].device)
         for i, item in enumerate(batch):
             grid[item] = pixels[i : i + 1]
             if len(grid) == plan.tiles_per_window:
