@@ -45,16 +45,12 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
-
 import torch
 
 from ..engine.config import H3Config
 from ..errors import IdentityMismatchError, WeightFileError
+from ..profiles import PROFILES, Profile
 from .tensor_store import ReadRequest, TensorStore
-
-if TYPE_CHECKING:
-    from ..profiles import Profile
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}
@@ -240,7 +236,7 @@ def quantized_layers(store: TensorStore, prefix: str) -> dict[str, ScaledWeight]
         if _format_name(conf) not in FP8_FORMATS:
             refused.setdefault(_format_name(conf), []).append(layer)
     if refused:
-        found = "; ".join(f"{fmt} ({len(layers)} layers, e.g. {sorted(layers)[0]})" for fmt, layers in sorted(refused.items()))
+        found = "; ".join(f"{fmt} ({len(layers)} layers, e.g. {min(layers)})" for fmt, layers in sorted(refused.items()))
         raise WeightFileError(f"{store.path}: {found}: no exact dequantization; Vflash reads {SUPPORTED_FILES}")
     out = {}
     for layer, conf in sorted(formats.items()):
@@ -314,8 +310,6 @@ class SourceWeights:
 
     def check_profile(self, profile: Profile) -> None:
         """A pruned file compiles only for a -pruned profile, and a -pruned profile only from a pruned file."""
-        from ..profiles import PROFILES
-
         if self.pruned and not profile.pruned:
             grid, rank = self.curve  # type: ignore[misc]
             choices = ", ".join(p for p, v in PROFILES.items() if v.pruned and v.arch == profile.arch) or "a -pruned profile"
@@ -355,11 +349,11 @@ class SourceWeights:
         num_refiner = count(rf"{prefix}token_refiner\.blocks\.(\d+)\.")
         time = {}
         if not self.pruned:  # a pruned file has no time embedder: the base model's widths stay the defaults
-            time = dict(
-                freq_dim=shape("time_embedder.proj_in.weight")[1],
-                time_embed_hidden_dim=shape("time_embedder.proj_in.weight")[0],
-                time_embed_dim=shape("time_embedder.proj_out.weight")[0],
-            )
+            time = {
+                "freq_dim": shape("time_embedder.proj_in.weight")[1],
+                "time_embed_hidden_dim": shape("time_embedder.proj_in.weight")[0],
+                "time_embed_dim": shape("time_embedder.proj_out.weight")[0],
+            }
         return H3Config(
             num_attention_heads=inner // head_dim,
             attention_head_dim=head_dim,

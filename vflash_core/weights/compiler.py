@@ -110,7 +110,7 @@ def prepare(
     folder = Path(transformer)
     record = {
         "format": WEIGHTS_RECEIPT_FORMAT,
-        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "profile": profile.to_dict(),
         "transformer": {
             "path": str(folder.resolve()),
@@ -342,7 +342,7 @@ def _write_compiled(
     # no more than a few blocks are in host memory at once.
     reader = ThreadPoolExecutor(READ_AHEAD_BLOCKS)
     writer = ThreadPoolExecutor(WRITE_BEHIND_BLOCKS)
-    read = lambda i: (source.read_adaln(i), source.read_block(i))  # noqa: E731 - a block's adaln_proj and packed weights
+    read = lambda i: (source.read_adaln(i), source.read_block(i))  # a block's adaln_proj and packed weights
     reads: dict[int, Future] = {i: reader.submit(read, i) for i in range(min(READ_AHEAD_BLOCKS, config.num_layers))}
     writes: list[Future] = []
     lora_records: list[list[dict[str, object]]] = []

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from functools import partial
+from itertools import pairwise
 from pathlib import Path
 from types import ModuleType, TracebackType
 
@@ -83,7 +84,7 @@ def plan_shards(file: SafetensorsFile, shard_bytes: int) -> list[Range]:
             cuts.append(info.start)
         reach = max(reach, info.end)
     cuts.append(end)
-    return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+    return [(a, b) for a, b in pairwise(cuts) if b > a]
 
 
 def _split(span: Range, chunk_bytes: int) -> list[Range]:
@@ -91,7 +92,7 @@ def _split(span: Range, chunk_bytes: int) -> list[Range]:
     start, end = span
     count = max(1, -(-(end - start) // chunk_bytes))
     bounds = [start + (end - start) * k // count for k in range(count + 1)]
-    return list(zip(bounds, bounds[1:]))
+    return list(pairwise(bounds))
 
 
 def _identity(stat: os.stat_result) -> tuple[int, int]:
