@@ -1,4 +1,4 @@
-"""Encode, sample, decode and the all-in-one generate node: widget conversion, one `node_ops` call, wrapping."""
+"""Encode, sample, decode and the all-in-one generate node: widget conversion, one `ops` call, wrapping."""
 
 from __future__ import annotations
 
@@ -19,8 +19,12 @@ _SECONDS_TOOLTIP = "When > 0, overrides length: seconds * 24 frames, snapped up 
 _SEED_TOOLTIP = "Seed of the one CPU generator that draws the keyframe noise, then the video noise, then the audio noise."
 
 
-def _geometry_inputs():
+def _request_inputs():
+    """The text encoder, VAEs, prompt and canvas of a request (VflashEncode, VflashGenerate)."""
     return [
+        te_input(),
+        *vae_inputs(),
+        io.String.Input("prompt", multiline=True, dynamic_prompts=True, tooltip="What happens and what it sounds like."),
         io.Int.Input("width", default=1344, min=32, max=4096, step=32, tooltip=_WIDTH_TOOLTIP),
         io.Int.Input("height", default=768, min=32, max=4096, step=32, tooltip=_HEIGHT_TOOLTIP),
         io.Int.Input("length", default=124, min=5, max=3600, step=17, tooltip=_LENGTH_TOOLTIP),
@@ -47,10 +51,7 @@ class VflashEncode(io.ComfyNode):
                 "the posterior mean, not the pipeline's seeded sample."
             ),
             inputs=[
-                te_input(),
-                *vae_inputs(),
-                io.String.Input("prompt", multiline=True, dynamic_prompts=True, tooltip="What happens and what it sounds like."),
-                *_geometry_inputs(),
+                *_request_inputs(),
                 io.Image.Input("first_frame", optional=True, tooltip="Keyframe at frame 0 (stretched to the canvas)."),
                 io.Image.Input("last_frame", optional=True, tooltip="Keyframe at the last frame (aspect-preserving cover crop)."),
                 io.Autogrow.Input(
@@ -168,10 +169,7 @@ class VflashGenerate(io.ComfyNode):
             ),
             inputs=[
                 VflashModel.Input("model", tooltip="The transformer from the Vflash MiniMax-H3 Model Loader."),
-                te_input(),
-                *vae_inputs(),
-                io.String.Input("prompt", multiline=True, dynamic_prompts=True, tooltip="What happens and what it sounds like."),
-                *_geometry_inputs(),
+                *_request_inputs(),
                 io.Int.Input("seed", default=0, min=0, max=2**63 - 1, control_after_generate=True, tooltip=_SEED_TOOLTIP),
                 io.Image.Input("first_frame", optional=True, tooltip="Keyframe at frame 0."),
                 io.Image.Input("last_frame", optional=True, tooltip="Keyframe at the last frame."),

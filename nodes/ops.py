@@ -289,9 +289,6 @@ class EngineRegistry:
             torch.cuda.empty_cache()
         return released
 
-    def close(self) -> None:
-        self.release("all")
-
 
 # -- small helpers -----------------------------------------------------------------------------------------------
 
@@ -401,9 +398,8 @@ def resolve_model(host: Host, spec: ModelSpec) -> ResolvedModel:
     if spec.source.startswith("vflash/"):
         paths = _compiled_paths(Path(spec.path))
         return ResolvedModel(pick(CompiledArtifact(*paths).profile_id), *paths)
-    # Official weights: prepare + compile once for the profile, next to the other compiled models.
-    if spec.profile == "auto":
-        raise VflashError(f"{spec.source} holds official weights; choose the profile to compile them for (e.g. t2va-base16-bf16-sm90)")
+    # Official weights (`model_spec` refused "auto" for them): prepare + compile once for the profile, next to the
+    # other compiled models.
     profile = get_profile(spec.profile)
     if len(spec.loras) > 1:
         raise VflashError(f"a profile binds at most one LoRA; the chain has {len(spec.loras)}")
@@ -575,7 +571,7 @@ def graph_refusals(prompt: Mapping[str, Mapping[str, Any]] | None, folders: Fold
         loader, encode = prompt.get(model_link[0], {}), prompt.get(cond_link[0], {})
         if loader.get("class_type") != "VflashModelLoader" or encode.get("class_type") != "VflashEncode":
             continue
-        widgets = loader.get("inputs", {})
+        widgets, e = loader.get("inputs", {}), encode.get("inputs", {})
         model, profile_id = widgets.get("model"), widgets.get("profile", "auto")
         if not isinstance(model, str) or not isinstance(profile_id, str):
             continue
@@ -586,7 +582,7 @@ def graph_refusals(prompt: Mapping[str, Mapping[str, Any]] | None, folders: Fold
         if profile is None:
             continue
         try:
-            mode = encode_mode(encode.get("inputs", {}))
+            mode = encode_mode(e)
         except VflashError as exc:  # keyframes and references together: no mode
             out.append(f"node {cond_link[0]} (VflashEncode): {exc}")
             continue
@@ -594,7 +590,6 @@ def graph_refusals(prompt: Mapping[str, Mapping[str, Any]] | None, folders: Fold
             out.append(f"node {nid} (VflashSampler): profile {profile.id} (node {model_link[0]}) accepts {', '.join(profile.modes)}; "
                        f"node {cond_link[0]} (VflashEncode) encodes a {mode} request")
             continue
-        e = encode.get("inputs", {})
         if not any(_linked(e.get(k)) for k in ("width", "height", "length", "seconds")):
             try:
                 geometry = request_geometry(e.get("width", 1344), e.get("height", 768), e.get("length", 124), e.get("seconds", 0.0))

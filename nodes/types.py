@@ -44,8 +44,8 @@ AUDIO_VAE_TOOLTIP = (
 )
 
 
-def te_input(optional: bool = False):
-    return io.MultiType.Input("te", types=[VflashTextEncoder, io.Clip], optional=optional, tooltip=TE_TOOLTIP)
+def te_input():
+    return io.MultiType.Input("te", types=[VflashTextEncoder, io.Clip], tooltip=TE_TOOLTIP)
 
 
 def vae_inputs():

@@ -113,14 +113,6 @@ def check_api_workflow(data: Any, what: str = "workflow") -> dict[str, dict[str,
     return data
 
 
-def parse_value(text: str) -> Any:
-    """A `--set` value: JSON if it parses (numbers, booleans, quoted strings, lists), else the raw string."""
-    try:
-        return json.loads(text)
-    except (ValueError, RecursionError):  # not JSON, or a number beyond Python's digit limit: the raw string
-        return text
-
-
 def apply_overrides(workflow: dict[str, dict[str, Any]], assignments: Iterable[str]) -> dict[str, dict[str, Any]]:
     """Return a copy with `node.input=value` assignments applied (node by id, or by its `_meta.title`)."""
     out = json.loads(json.dumps(workflow))
@@ -136,7 +128,10 @@ def apply_overrides(workflow: dict[str, dict[str, Any]], assignments: Iterable[s
         inputs = out[matches[0]].setdefault("inputs", {})
         if is_link(inputs.get(name)):
             raise WorkflowError(f"--set {assignment!r}: input {name!r} of node {matches[0]} is a link, not a value")
-        inputs[name] = parse_value(raw)
+        try:  # a value is JSON if it parses (numbers, booleans, quoted strings, lists)
+            inputs[name] = json.loads(raw)
+        except (ValueError, RecursionError):  # not JSON, or a number beyond Python's digit limit: the raw string
+            inputs[name] = raw
     return out
 
 

@@ -88,7 +88,7 @@ def installed(output_dir: str | Path, input_dir: str | Path, models_dir: str | P
         try:
             yield loaded
         finally:
-            package.registry.ENGINES.close()
+            package.registry.ENGINES.release()
     finally:
         for name in [*modules, *bound]:
             sys.modules.pop(name, None)

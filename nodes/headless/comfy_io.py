@@ -17,8 +17,6 @@ from typing import Any
 class UploadType(str, Enum):
     image = "image_upload"
     audio = "audio_upload"
-    video = "video_upload"
-    model = "file_upload"
 
 
 class Input:
@@ -36,10 +34,8 @@ class Input:
 
 
 class WidgetInput(Input):
-    def __init__(self, id: str, display_name: str | None = None, optional: bool = False, tooltip: str | None = None,
-                 default: Any = None, force_input: bool | None = None, **extra: Any):
-        super().__init__(id, display_name, optional, tooltip, **extra)
-        self.default, self.force_input = default, force_input
+    default: Any = None  # ComfyUI's defaults of the widget options that `extra` sets
+    force_input: bool | None = None
 
 
 class Output:
@@ -91,9 +87,7 @@ AnyType = Custom("*")
 @comfytype(io_type="STRING")
 class String(ComfyTypeIO):
     class Input(WidgetInput):
-        def __init__(self, id: str, display_name: str | None = None, optional: bool = False, tooltip: str | None = None,
-                     multiline: bool = False, **extra: Any):
-            super().__init__(id, display_name, optional, tooltip, multiline=multiline, **extra)
+        multiline = False
 
 
 @comfytype(io_type="COMBO")
@@ -101,7 +95,7 @@ class Combo(ComfyTypeIO):
     class Input(WidgetInput):
         def __init__(self, id: str, options: list | type[Enum] | None = None, display_name: str | None = None, optional: bool = False,
                      tooltip: str | None = None, default: Any = None, upload: UploadType | None = None, **extra: Any):
-            super().__init__(id, display_name, optional, tooltip, default.value if isinstance(default, Enum) else default, **extra)
+            super().__init__(id, display_name, optional, tooltip, default=default.value if isinstance(default, Enum) else default, **extra)
             self.options = [v.value for v in options] if isinstance(options, type) and issubclass(options, Enum) else options
             self.upload = upload  # the frontend adds a "choose file to upload" button widget
 

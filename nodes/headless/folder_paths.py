@@ -27,13 +27,10 @@ def configure(output_dir: str, input_dir: str, models: str | None) -> None:
     folder_names_and_paths["diffusers"] = ([os.path.join(models, "diffusers")], ["folder"])
 
 
-def add_model_folder_path(folder_name: str, full_folder_path: str, is_default: bool = False) -> None:
+def add_model_folder_path(folder_name: str, full_folder_path: str) -> None:
     paths = folder_names_and_paths.setdefault(folder_name, ([], set()))[0]
-    if full_folder_path in paths and not is_default:
-        return
-    if full_folder_path in paths:
-        paths.remove(full_folder_path)
-    paths.insert(0 if is_default else len(paths), full_folder_path)
+    if full_folder_path not in paths:
+        paths.append(full_folder_path)
 
 
 def get_folder_paths(folder_name: str) -> list[str]:
