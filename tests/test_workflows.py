@@ -192,7 +192,7 @@ def test_ui_and_api_describe_the_same_graph(pack, name):
 
 
 def test_run_workflow_cli_t2va_plays_with_audio(tmp_path):
-    """The acceptance run: `vflash run-workflow workflows/api/t2va.json` on a fresh cache writes a playable MP4."""
+    """The headless run a user makes: `vflash run-workflow workflows/api/t2va.json` on a fresh cache writes a playable MP4."""
     from vflash_core.media.mp4 import probe_mp4
 
     env = {**os.environ, "VFLASH_CACHE": str(tmp_path / "cache")}
