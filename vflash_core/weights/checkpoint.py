@@ -45,6 +45,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
 import torch
 
 from ..engine.config import H3Config

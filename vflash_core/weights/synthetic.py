@@ -4,7 +4,6 @@ No weights can be downloaded where the tests and the embedded demo run, so both 
 exactly the layouts `checkpoint.SourceWeights` reads: the diffusers `transformer/` folder (single file or sharded with
 an index), the original single-file names (stacked or per-head interleaved QKV, `mlp.fc1` as [gate; value]) and
 Comfy-Org's repacked single files (with `rope.inv_freq`; optionally ComfyUI scaled-FP8, optionally pruned).
-Norm weights are random too, so a missing weight multiply cannot hide behind ones.
 """
 
 from __future__ import annotations
