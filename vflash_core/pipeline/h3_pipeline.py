@@ -3,13 +3,10 @@
 Ownership: the pipeline owns three serial owners of one device — the `TextConditioner` (Qwen3-VL), the
 `MediaVAEs` and the `NativeEngineSession` — and the temporary media of a request; it is reused across serial
 requests. On a GPU, the encoder and the VAEs sit on the CPU until their stage, take the device, and give it back
-(`torch.cuda.empty_cache()`), so the core's weights and activations have it in between. A GPU with room for all three
-keeps the encoder and the VAEs there instead (`encoder_residency="resident"`), which saves their copies to and from
-the device on every request. One memory plan (`memory_plan.plan_memory`), made when the pipeline loads from the
-parts' sizes, the profile's largest request and the device's free memory or the `max_device_memory` cap, decides
-where each part lives (the core's blocks resident or streamed, the encoder offloaded or its layers streamed, the
-video decode windowed), logs it in one line and refuses what cannot fit; the session takes the same plan, enforces
-the cap, and every request is checked against it before it runs.
+(`torch.cuda.empty_cache()`), so the core's weights and activations have it in between; a GPU with room for all three
+keeps them there (`encoder_residency="resident"`), which saves their copies on every request. Where each part lives
+is decided once, when the pipeline loads, by one memory plan (`memory_plan`, whose module says how); the session
+takes the same plan and enforces the cap, and every request is checked against it before it runs.
 
 A request is checked completely before any model loads (`validate`, which runs `validation.plan_request`, the
 validator the service shares; its module lists the limits); `generate` also checks the output path. Devices and the attention backend are checked when the
@@ -70,7 +67,6 @@ from ..media.vae import DecodedMedia, MediaVAEs, decode_latents
 from ..media.vae_decode import DEFAULT_WINDOWS_PER_CALL
 from ..profiles import Profile, check_identity, get_profile
 from .memory_plan import (
-    MemoryPlan,
     PartSizes,
     cap_bytes,
     decode_bytes,
@@ -102,6 +98,7 @@ logger = logging.getLogger(__name__)
 # The six fields of an assets file: official model root (text encoder, tokenizer, processor), decoder
 # directory (vae/, audio_vae/), adapter file or null, and the three outputs of one compile.
 ASSET_FIELDS = ("model_root", "decoder_root", "adapter_path", "artifact", "schedule_overlay", "auxiliary_tensor")
+_ASSET_KINDS = {k: "a path string or null" if k == "adapter_path" else "a path string" for k in ASSET_FIELDS}
 STAGES = ("load", "encode", "denoise", "decode", "write")
 
 # progress(stage, done, total), stage in STAGES
@@ -158,12 +155,6 @@ class VideoRequest:
     def keyframes(self) -> tuple[MediaInput, ...]:
         """Keyframes in packed order (first, then last)."""
         return tuple(k for k in (self.first_frame, self.last_frame) if k is not None)
-
-
-def _check_request(request: object, method: str) -> None:
-    if not isinstance(request, VideoRequest):
-        hint = f"; wrap the prompt: VideoRequest(prompt={request[:20]!r}{'...' if len(request) > 20 else ''})" if isinstance(request, str) else ""
-        raise RequestError(f"H3Pipeline.{method} takes a VideoRequest, got {type(request).__name__}{hint}")
 
 
 @dataclass
@@ -232,8 +223,9 @@ def _model_facts(model_root: Path, decoder_root: Path) -> dict[str, object]:
     }
 
 
-def _path_string(value: object) -> bool:
-    return isinstance(value, str) and bool(value) and "\x00" not in value
+def _valid_asset(name: str, value: object) -> bool:
+    """A path string; only the adapter may be null (`_ASSET_KINDS` says so to the user)."""
+    return isinstance(value, str) and bool(value) and "\x00" not in value or value is None and name == "adapter_path"
 
 
 def _positive_int(value: object) -> bool:
@@ -245,7 +237,7 @@ _RECEIPT_FIELDS: tuple[tuple[str, str, Callable[[object], bool]], ...] = (
     ("profile", "a profile id", lambda v: isinstance(v, str)),
     ("profile_identity", "an object", lambda v: isinstance(v, dict)),
     ("compile_id", "a string", lambda v: isinstance(v, str)),
-    *((f"assets.{k}", "a path string" + (" or null" if k == "adapter_path" else ""), (lambda v, k=k: v is None and k == "adapter_path" or _path_string(v))) for k in ASSET_FIELDS),
+    *((f"assets.{k}", _ASSET_KINDS[k], lambda v, k=k: _valid_asset(k, v)) for k in ASSET_FIELDS),
     *((f"canvas.{k}", "a positive integer", _positive_int) for k in CanvasRules().to_dict()),
     ("transformer.num_layers", "a positive integer", _positive_int),
 )
@@ -294,11 +286,17 @@ class PreparedAssets:
             if value is not None:
                 _require(value, f"{name} of {path}:")
         canvas = CanvasRules(record["canvas"]["canvas_short_edge"], record["canvas"]["canvas_max_pixels"], record["canvas"]["reference_image_short_edge"])
-        return cls(path, profile, assets["model_root"], assets["decoder_root"], assets["adapter_path"], assets["artifact"],
-                   assets["schedule_overlay"], assets["auxiliary_tensor"], canvas, record)
+        return cls(path=path, profile=profile, canvas=canvas, record=record, **assets)
 
     def session_paths(self) -> dict[str, Path]:
         return {"artifact": self.artifact, "schedule_overlay": self.schedule_overlay, "auxiliary": self.auxiliary_tensor}
+
+
+def _resolve_profile(profile: object) -> Profile:
+    profile = get_profile(profile) if isinstance(profile, str) else profile
+    if not isinstance(profile, Profile):
+        raise VflashError(f"profile must be a profile id or a Profile, got {describe_value(profile)}")
+    return profile
 
 
 def prepare_pipeline(profile: Profile | str, assets: str | Path, receipt: str | Path) -> PreparedAssets:
@@ -307,9 +305,7 @@ def prepare_pipeline(profile: Profile | str, assets: str | Path, receipt: str | 
     from ..weights.artifact import CompiledArtifact
     from ..weights.tensor_store import file_sha256
 
-    profile = get_profile(profile) if isinstance(profile, str) else profile
-    if not isinstance(profile, Profile):
-        raise VflashError(f"profile must be a profile id or a Profile, got {describe_value(profile)}")
+    profile = _resolve_profile(profile)
     path_argument(receipt, "the receipt path")
     receipt = check_writable_destination(receipt)
     assets = path_argument(assets, "the assets file")
@@ -318,8 +314,8 @@ def prepare_pipeline(profile: Profile | str, assets: str | Path, receipt: str | 
     if missing or extra:
         raise VflashError(f"assets file {assets} must have exactly the fields {', '.join(ASSET_FIELDS)}" + (f"; missing {', '.join(missing)}" if missing else "") + (f"; unknown {', '.join(extra)}" if extra else ""))
     for name in ASSET_FIELDS:
-        if not (_path_string(data[name]) or name == "adapter_path" and data[name] is None):
-            raise VflashError(f"assets file {assets}: {name} must be a path string{' or null' if name == 'adapter_path' else ''}, got {describe_value(data[name])}")
+        if not _valid_asset(name, data[name]):
+            raise VflashError(f"assets file {assets}: {name} must be {_ASSET_KINDS[name]}, got {describe_value(data[name])}")
     base = assets.resolve().parent
     paths = {k: None if data[k] is None else (base / Path(data[k]).expanduser()).resolve() for k in ASSET_FIELDS}
     for name, value in paths.items():
@@ -473,13 +469,6 @@ def delivered_soundtrack(media: DecodedMedia) -> torch.Tensor:
     return media.waveform[:, : round(media.frames.shape[0] / FPS * media.sample_rate)]
 
 
-def conditioner_prompt_budget(conditioner: TextConditioner) -> PromptBudget | None:
-    """The prompt budget of a loaded text conditioner (None once it is closed)."""
-    if conditioner.text_encoder is None:
-        return None
-    return PromptBudget.of_tokenizer(conditioner.tokenizer, conditioner.text_encoder.config.text_config.max_position_embeddings)
-
-
 # -- the pipeline --------------------------------------------------------------------------------------------------
 
 
@@ -510,19 +499,20 @@ class H3Pipeline:
         options: RunOptions | None = None,
         loader: Callable[[PipelineProgress | None], tuple[TextConditioner, MediaVAEs, NativeEngineSession]] | None = None,
     ):
-        self.profile = get_profile(profile) if isinstance(profile, str) else profile
+        self.profile = _resolve_profile(profile)
         parts = (conditioner, vaes, session)
         if loader is None and any(p is None for p in parts):
             raise VflashError("H3Pipeline needs a conditioner, VAEs and a session (or a loader, see from_prepared)")
-        if not isinstance(self.profile, Profile):
-            raise VflashError(f"profile must be a profile id or a Profile, got {describe_value(profile)}")
         if session is not None and not isinstance(getattr(session, "profile", None), Profile):
             raise VflashError(f"session must be a loaded NativeEngineSession, got {describe_value(session)}")
         if session is not None and session.profile.id != self.profile.id:
             raise IdentityMismatchError(f"the session runs profile {session.profile.id}, the pipeline was given {self.profile.id}")
         self.conditioner, self.vaes, self.session = parts
         self.canvas = canvas or (conditioner.canvas if conditioner is not None else CanvasRules())
-        self.prompt_budget = prompt_budget or (conditioner_prompt_budget(conditioner) if conditioner is not None else None)
+        if prompt_budget is None and conditioner is not None and conditioner.text_encoder is not None:  # None once closed
+            context = conditioner.text_encoder.config.text_config.max_position_embeddings
+            prompt_budget = PromptBudget.of_tokenizer(conditioner.tokenizer, context)
+        self.prompt_budget = prompt_budget
         self.options = options or RunOptions()
         self._loader = loader
         self._closed = False
@@ -550,13 +540,7 @@ class H3Pipeline:
         propagates from `load()` (or the first request) after the parts loaded before it are released; the
         pipeline stays open, and the next `load()` calls the loaders again.
 
-        `options.encoder_residency`: on a GPU, "offload" (default) hands the device back after the text encoder's and
-        the VAEs' stages, leaving it to the core; "resident" keeps them there, which saves their host-device copies
-        on every request when the GPU has room for everything (checked when the pipeline loads).
-        `options.verify_weights` re-hashes the compiled weights against their compile-time sha256 before loading them
-        (slow: it reads the whole model once more); loading alone checks formats, identities and sizes.
-        `options.max_device_memory` caps what the pipeline may hold on each device (GiB): the memory plan is made
-        against it and the session enforces it.
+        `options`: see `RunOptions`; the placement it asks for and its memory cap are planned when the pipeline loads.
         """
         options = options or RunOptions()
         if not isinstance(options, RunOptions):
@@ -580,14 +564,20 @@ class H3Pipeline:
                 vaes = MediaVAEs.from_pretrained(assets.decoder_root, primary, peer_device=peer)
                 loaded.append(vaes)
                 report("load", 2, total)
-                if options.verify_weights:
-                    from ..weights.artifact import CompiledArtifact
+                from ..weights.artifact import CompiledArtifact
 
+                if options.verify_weights:
                     CompiledArtifact(**assets.session_paths()).verify()
-                plan = _plan_memory(options, weight_residency, assets, conditioner, vaes, [primary] + ([peer] if peer is not None else []))
-                if plan is None:  # the CPU without a cap: everything stays in host memory
+                cap = cap_bytes(options.max_device_memory)
+                if primary.type != "cuda" and cap is None:  # nothing to plan: everything stays in host memory
+                    plan = None
                     conditioner.keep_on_device = vaes.keep_on_device = options.encoder_residency == "resident"
                 else:
+                    compiled = CompiledArtifact(**assets.session_paths())
+                    largest = largest_request(assets.profile, compiled.config, conditioner, vaes, assets.canvas)
+                    devices = [primary] + ([peer] if peer is not None else [])
+                    plan = plan_memory(PartSizes.of(compiled, conditioner, vaes), largest, devices, cap, weight_residency,
+                                       options.encoder_residency)
                     plan.place(conditioner, vaes)
                 session = NativeEngineSession(
                     assets.profile, **assets.session_paths(), device=primary, peer_device=peer, strategy=options.strategy,
@@ -655,7 +645,9 @@ class H3Pipeline:
     def validate(self, request: VideoRequest) -> RequestPlan:
         """Everything about `request` that can be checked before any model loads; raises `VflashError`."""
         self._check_open()
-        _check_request(request, "validate")
+        if not isinstance(request, VideoRequest):
+            hint = f"; wrap the prompt: VideoRequest(prompt={request[:20]!r}{'...' if len(request) > 20 else ''})" if isinstance(request, str) else ""
+            raise RequestError(f"H3Pipeline.validate takes a VideoRequest, got {type(request).__name__}{hint}")
         return plan_request(request, self.profile, self.canvas, self.prompt_budget)
 
     @property
@@ -717,100 +709,75 @@ class H3Pipeline:
         plan = self.validate(request)
         check_generate_arguments(request, output, overwrite, progress, cancel)
         validated = time.perf_counter() - start
-        with self._lock:
-            return self._run(request, plan, output, overwrite, progress, cancel, validated)
+        with self._lock:  # the request's clock starts after any wait for the lock
+            start = time.perf_counter() - validated
+            stages: dict[str, float] = {"validate": validated}
+            initialization = 0.0
+            if not self.loaded:
+                load_start = time.perf_counter()
+                self.load(progress)
+                initialization = time.perf_counter() - load_start
+            self._check_open()  # closed while this request waited
 
-    def _run(
-        self, request: VideoRequest, plan: RequestPlan, output: str | Path | None, overwrite: bool,
-        progress: PipelineProgress | None, cancel: Callable[[], None] | None, validated: float,
-    ) -> VideoResult:
-        """One validated request, under the pipeline's lock; the clock starts after any wait for the lock."""
-        start = time.perf_counter() - validated
-        stages: dict[str, float] = {"validate": validated}
-        initialization = 0.0
-        if not self.loaded:
-            load_start = time.perf_counter()
-            self.load(progress)
-            initialization = time.perf_counter() - load_start
-        self._check_open()  # closed while this request waited
+            def poll() -> None:
+                if cancel is not None:
+                    try:
+                        cancel()
+                    except BaseException as exc:
+                        raise RequestCancelled(f"request cancelled: {exc}") from exc
 
-        def poll() -> None:
-            if cancel is not None:
-                try:
-                    cancel()
-                except BaseException as exc:
-                    raise RequestCancelled(f"request cancelled: {exc}") from exc
+            report = progress or (lambda stage, done, total: None)
 
-        report = progress or (lambda stage, done, total: None)
-
-        self._check_memory(plan.geometry, ("denoise", "decode"))
-        try:
-            poll()
-            t = time.perf_counter()
-            handoff = build_request_bundle(self.conditioner, self.vaes, request, plan, self.config, self.canvas, stages)
-            stages["encode"] = time.perf_counter() - t
-            report("encode", 1, 1)
-            poll()
-
-            def on_evaluation(done: int, total: int) -> None:
-                report("denoise", done, total)
-                poll()
-
-            t = time.perf_counter()
-            generation = self.session.generate(handoff, progress=on_evaluation, profile_denoise=self.options.profile_denoise)
-            stages["denoise"] = time.perf_counter() - t
-            poll()
-            t = time.perf_counter()
-            after_stage = stage_timer(stages, lambda stage: report("decode", ("decode.video", "decode.audio").index(stage) + 1, 2))
-            media = decode_latents(self.vaes, generation.video_latents, generation.audio_latents, after_stage)
-            stages["decode"] = time.perf_counter() - t
-            soundtrack = delivered_soundtrack(media)
-            path = None
-            if output is not None:
+            self._check_memory(plan.geometry, ("denoise", "decode"))
+            try:
                 poll()
                 t = time.perf_counter()
-                path = write_mp4(output, media.frames, soundtrack, media.sample_rate, FPS, self.options.media_video_input, self.options.media_video_threads, overwrite)
-                stages["write"] = time.perf_counter() - t
-                report("write", 1, 1)
-        except VflashError as exc:
-            if isinstance(exc, RequestCancelled):
-                self.close()
-            raise
-        except BaseException:
-            self.close()
-            raise
-        elapsed = time.perf_counter() - start - initialization
-        metadata = {
-            **generation.metadata,
-            "seed": request.seed,
-            "duration_seconds": media.frames.shape[0] / FPS,
-            "audio_samples": soundtrack.shape[1],
-            "media_video_input": self.options.media_video_input,
-            "media_video_threads": self.options.media_video_threads,
-            "encoder_residency": "resident" if self.conditioner.keep_on_device else "offload",
-        }
-        if self.session.plan is not None and self.session.plan.placement.vaes is not None:
-            metadata["memory_plan"] = asdict(self.session.plan.placement)
-        if generation.denoise_profile is not None:
-            metadata["denoise_profile"] = generation.denoise_profile
-        return VideoResult(
-            path=path, elapsed_seconds=elapsed, stages=stages, session=generation.session, mode=plan.mode,
-            width=plan.geometry.width, height=plan.geometry.height, num_frames=int(media.frames.shape[0]), fps=FPS,
-            sample_rate=media.sample_rate, metadata=metadata, media=None if output is not None else media,
-        )
+                handoff = build_request_bundle(self.conditioner, self.vaes, request, plan, self.config, self.canvas, stages)
+                stages["encode"] = time.perf_counter() - t
+                report("encode", 1, 1)
+                poll()
 
+                def on_evaluation(done: int, total: int) -> None:
+                    report("denoise", done, total)
+                    poll()
 
-def _plan_memory(
-    options: RunOptions, weight_residency: str, assets: PreparedAssets, conditioner: TextConditioner, vaes: MediaVAEs, devices: list[torch.device],
-) -> MemoryPlan | None:
-    """The pipeline's memory plan from the loaded parts' sizes (None on the CPU without a cap)."""
-    cap = cap_bytes(options.max_device_memory)
-    if devices[0].type != "cuda" and cap is None:
-        return None
-    from ..weights.artifact import CompiledArtifact
-
-    compiled = CompiledArtifact(**assets.session_paths())
-    return plan_memory(
-        PartSizes.of(compiled, conditioner, vaes), largest_request(assets.profile, compiled.config, conditioner, vaes, assets.canvas), devices, cap,
-        weight_residency, options.encoder_residency,
-    )
+                t = time.perf_counter()
+                generation = self.session.generate(handoff, progress=on_evaluation, profile_denoise=self.options.profile_denoise)
+                stages["denoise"] = time.perf_counter() - t
+                poll()
+                t = time.perf_counter()
+                after_stage = stage_timer(stages, lambda stage: report("decode", ("decode.video", "decode.audio").index(stage) + 1, 2))
+                media = decode_latents(self.vaes, generation.video_latents, generation.audio_latents, after_stage)
+                stages["decode"] = time.perf_counter() - t
+                soundtrack = delivered_soundtrack(media)
+                path = None
+                if output is not None:
+                    poll()
+                    t = time.perf_counter()
+                    path = write_mp4(output, media.frames, soundtrack, media.sample_rate, FPS, self.options.media_video_input,
+                                     self.options.media_video_threads, overwrite)
+                    stages["write"] = time.perf_counter() - t
+                    report("write", 1, 1)
+            except BaseException as exc:  # a cancel, or a failure that is not the user's, ends the pipeline
+                if isinstance(exc, RequestCancelled) or not isinstance(exc, VflashError):
+                    self.close()
+                raise
+            elapsed = time.perf_counter() - start - initialization
+            metadata = {
+                **generation.metadata,
+                "seed": request.seed,
+                "duration_seconds": media.frames.shape[0] / FPS,
+                "audio_samples": soundtrack.shape[1],
+                "media_video_input": self.options.media_video_input,
+                "media_video_threads": self.options.media_video_threads,
+                "encoder_residency": "resident" if self.conditioner.keep_on_device else "offload",
+            }
+            if self.session.plan is not None and self.session.plan.placement.vaes is not None:
+                metadata["memory_plan"] = asdict(self.session.plan.placement)
+            if generation.denoise_profile is not None:
+                metadata["denoise_profile"] = generation.denoise_profile
+            return VideoResult(
+                path=path, elapsed_seconds=elapsed, stages=stages, session=generation.session, mode=plan.mode,
+                width=plan.geometry.width, height=plan.geometry.height, num_frames=int(media.frames.shape[0]), fps=FPS,
+                sample_rate=media.sample_rate, metadata=metadata, media=None if output is not None else media,
+            )
