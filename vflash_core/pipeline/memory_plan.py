@@ -25,14 +25,14 @@ the most frugal placement is taken if the weights alone fit, and each request is
 (`MemoryPlan.check`); when even the weights do not fit, loading is refused with the numbers.
 
 Budget: on CUDA the least over the plan's devices of the driver's free memory plus this process's cached blocks,
-within a user cap (`max_device_memory`). The cap is also enforced (`DeviceCap`): the session sets PyTorch's
-per-process memory fraction on its devices to cap / total, so the caching allocator refuses what would take the
-process past the cap even where an estimate was low. On the CPU a cap is planned against (the tests exercise
-streaming and refusals there) but host memory is not limited; without a cap nothing is planned on the CPU.
+within a user cap (`max_device_memory`), which the session also enforces through PyTorch's allocator (`DeviceCap`),
+even where an estimate was low. On the CPU a cap is planned against (the tests exercise streaming and refusals
+there) but host memory is not limited; without a cap nothing is planned on the CPU.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -222,20 +222,19 @@ def largest_request(
 # -- the budget and the cap -----------------------------------------------------------------------------------------
 
 
-def _cuda_available(device: torch.device, cap: int | None) -> int:
-    """What this process may still allocate on `device`: the driver's free memory plus its own cached blocks, within
-    the cap."""
-    free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return free if cap is None else min(free, cap - torch.cuda.memory_allocated(device))
-
-
 def device_budget(devices: Sequence[torch.device], cap: int | None) -> int:
-    """Bytes a plan may place on each of `devices` now (the least over them); on the CPU, the cap."""
+    """Bytes this process may still allocate on each of `devices` now (the least over them): on CUDA the driver's free
+    memory plus its own cached blocks, within the cap; on the CPU, the cap."""
     if devices[0].type != "cuda":
         if cap is None:
             raise VflashError("a memory plan on the CPU needs a cap (max_device_memory)")
         return cap
-    return min(_cuda_available(d, cap) for d in devices)
+    budgets = []
+    for device in devices:
+        allocated = torch.cuda.memory_allocated(device)
+        free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - allocated
+        budgets.append(free if cap is None else min(free, cap - allocated))
+    return min(budgets)
 
 
 def cap_bytes(max_device_memory: float | None) -> int | None:
@@ -280,6 +279,10 @@ class Placement:
 def _size(n: int) -> str:
     """Bytes for a person: GiB from 1 GiB on, MiB below."""
     return f"{n / GIB:.1f} GiB" if abs(n) >= GIB else f"{n / (1 << 20):.1f} MiB"
+
+
+def _cap_note(cap: int | None) -> str:
+    return "" if cap is None else f" (cap {_size(cap)})"
 
 
 @dataclass(frozen=True)
@@ -333,24 +336,20 @@ class MemoryPlan:
             parts.append(f"text encoder {_size(s.encoder)} ({_size(s.encoder_layers)} in decoder layers) -> {p.encoder}")
         if p.vaes is not None:
             parts.append(f"VAEs {_size(s.vaes)} -> {p.vaes}, video decode {p.video_decoder}")
-        peaks = ", ".join(f"{stage} {_size(peak)}" for stage, peak in self.peaks(self.largest).items() if self._runs(stage))
-        cap = f" (cap {_size(self.cap)})" if self.cap is not None else ""
+        planned = {"encode": p.encoder, "denoise": p.core, "decode": p.vaes}  # the part that runs each stage
+        peaks = ", ".join(f"{stage} {_size(peak)}" for stage, peak in self.peaks(self.largest).items() if planned[stage])
         verdict = "fits" if self.fits_largest else "does not fit: each request is checked before it runs"
         return (
             f"memory plan on {', '.join(str(d) for d in self.devices)}: {'; '.join(parts)}; the largest planned request peaks at "
-            f"{peaks} + {_size(self.margin)} margin, {_size(self.budget)} available{cap}: {verdict}"
+            f"{peaks} + {_size(self.margin)} margin, {_size(self.budget)} available{_cap_note(self.cap)}: {verdict}"
         )
-
-    def _runs(self, stage: str) -> bool:
-        """Whether this plan places the part that runs `stage`."""
-        return {"encode": self.placement.encoder, "denoise": self.placement.core, "decode": self.placement.vaes}[stage] is not None
 
     def available(self) -> int:
         """Bytes a stage may add now on each device (the least over them): on CUDA the allocator's and the driver's
         numbers within the cap, on the CPU the cap less the resident parts."""
         if self.devices[0].type != "cuda":
             return self.budget - self.resident_bytes()
-        return min(_cuda_available(d, self.cap) for d in self.devices)
+        return device_budget(self.devices, self.cap)
 
     def check(self, needs: Mapping[str, int], what: str, advice: str = "Use a smaller canvas or a shorter clip.") -> None:
         """Refuse, before it runs, a request whose stages (stage -> transient bytes; the decode's for this plan's
@@ -360,10 +359,9 @@ class MemoryPlan:
             brought, transient = self.brought_bytes(stage), needs[stage]
             if brought + transient + self.margin > available:
                 detail = f"{_size(transient)} transient" + (f" + {_size(brought)} of weights it brings" if brought else "")
-                cap = f" (cap {_size(self.cap)})" if self.cap is not None else ""
                 raise RequestError(
                     f"{what}: the {stage} stage needs about {_size(brought + transient)} on {self.devices[0]} ({detail}) plus a "
-                    f"{_size(self.margin)} margin; {_size(available)} are available{cap}. {advice}"
+                    f"{_size(self.margin)} margin; {_size(available)} are available{_cap_note(self.cap)}. {advice}"
                 )
 
     def place(self, conditioner: TextConditioner | None = None, vaes: MediaVAEs | None = None) -> None:
@@ -379,19 +377,13 @@ class MemoryPlan:
 
 
 def _candidates(sizes: PartSizes, weight_residency: str, encoder_residency: str) -> list[Placement]:
-    """Placements in the order of preference (fastest first, most frugal last)."""
-    cores: list[str | None] = [None]
-    if sizes.core_blocks:
-        cores = ["resident", "block-ring"] if weight_residency == "auto" else [weight_residency]
-    encoders: list[str | None] = [None]
-    if sizes.encoder:
-        encoders = ["resident"] if encoder_residency == "resident" else ["offload", "stream"]
-    vaes: list[str | None] = [None]
-    decoders: list[str | None] = [None]
-    if sizes.vaes:
-        vaes = ["resident"] if encoder_residency == "resident" else ["offload"]
-        decoders = ["diffusers", "native"]
-    return [Placement(c, e, v, d) for c in cores for e in encoders for v in vaes for d in decoders]
+    """Placements in the order of preference (fastest first, most frugal last); None for a part not planned here."""
+    resident = encoder_residency == "resident"
+    cores = (["resident", "block-ring"] if weight_residency == "auto" else [weight_residency]) if sizes.core_blocks else [None]
+    encoders = (["resident"] if resident else ["offload", "stream"]) if sizes.encoder else [None]
+    vaes = (["resident"] if resident else ["offload"]) if sizes.vaes else [None]
+    decoders = ["diffusers", "native"] if sizes.vaes else [None]
+    return [Placement(*choice) for choice in itertools.product(cores, encoders, vaes, decoders)]
 
 
 def plan_memory(
@@ -423,8 +415,7 @@ def plan_memory(
             advice = f" Leave {' and '.join(explicit)} to the plan, or use a larger GPU." if explicit else " This GPU is too small for H3."
             raise RunFailedError(
                 f"the weights do not fit on {devices[0]}: with the most frugal placement ({placement}) the {stage} stage holds "
-                f"{_size(peak)} of weights, plus a {_size(margin)} margin; {_size(budget)} are available"
-                + (f" (cap {_size(cap)})" if cap is not None else "") + f".{advice}"
+                f"{_size(peak)} of weights, plus a {_size(margin)} margin; {_size(budget)} are available{_cap_note(cap)}.{advice}"
             )
     logger.info(plan.summary())
     return plan
