@@ -55,15 +55,12 @@ def _build(folder: Path, progress) -> None:
     """Family, compile, assets file: everything with paths relative to `folder` (it is renamed afterwards)."""
     from ..weights.compiler import compile_receipt, prepare
 
-    if progress:
-        progress("build family", 0, 3)
+    progress("build family", 0, 3)
     build_model_family(folder / "model", DEMO_FAMILY, seed=0, with_ref=False)
-    if progress:
-        progress("build family", 1, 3)
+    progress("build family", 1, 3)
     prepare(DEMO_PROFILE, folder / "model" / "transformer", folder / "weights-receipt.json")
     compile_receipt(folder / "weights-receipt.json", folder / "compiled")
-    if progress:
-        progress("build family", 2, 3)
+    progress("build family", 2, 3)
     assets = {
         "model_root": "model", "decoder_root": "model", "adapter_path": None, "artifact": "compiled/artifact",
         "schedule_overlay": "compiled/schedule", "auxiliary_tensor": "compiled/auxiliary.safetensors",
@@ -85,6 +82,7 @@ def ensure_demo_assets(cache_dir: str | Path | None = None, progress=None) -> Pa
     final, cache = receipt.parent, receipt.parent.parent
     if receipt.is_file():
         return receipt
+    report = progress or (lambda stage, done, total: None)
     if not final.exists():
         try:
             cache.mkdir(parents=True, exist_ok=True)
@@ -94,7 +92,7 @@ def ensure_demo_assets(cache_dir: str | Path | None = None, progress=None) -> Pa
         start = time.perf_counter()
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=cache))
         try:
-            _build(tmp, progress)
+            _build(tmp, report)
             try:
                 os.rename(tmp, final)
             except OSError:
@@ -108,8 +106,7 @@ def ensure_demo_assets(cache_dir: str | Path | None = None, progress=None) -> Pa
         prepare_pipeline(DEMO_PROFILE, final / "assets.json", receipt)
     except OutputExistsError:
         pass  # prepared concurrently
-    if progress:
-        progress("build family", 3, 3)
+    report("build family", 3, 3)
     return receipt
 
 

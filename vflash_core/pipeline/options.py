@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -72,9 +72,6 @@ class RunOptions:
         resolve_attention(self.attention_backend, primary, approximate_attention)
         peer = None if self.peer_device is None else check_device(self.peer_device, arch, "peer device")
         return primary, peer
-
-    def to_dict(self) -> dict[str, object]:
-        return asdict(self)
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:

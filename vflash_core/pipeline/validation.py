@@ -110,13 +110,6 @@ def path_argument(value: object, what: str) -> Path:
     raise VflashError(f"{what} must be a file path (str or Path), got {describe_value(value)}")
 
 
-def flag(value: object, what: str) -> bool:
-    """A bool; a truthy string such as "no" must never turn overwriting on."""
-    if not isinstance(value, bool):
-        raise VflashError(f"{what} must be True or False, got {describe_value(value)}")
-    return value
-
-
 def callback(value: object, what: str) -> None:
     """None or a callable, checked before anything loads (a callback is first called after loading)."""
     if value is not None and not callable(value):
@@ -143,25 +136,21 @@ def check_output_is_not_an_input(output: str | os.PathLike, inputs: dict[str, ob
             raise VflashError(f"output {target} is inside the {what} {item}; write the clip to another folder")
 
 
-def request_inputs(request: "VideoRequest") -> dict[str, object]:
-    """The request's input files by name (first frame, last frame, reference N)."""
-    named: dict[str, object] = {"first frame": request.first_frame, "last frame": request.last_frame}
-    named.update({f"reference {index + 1}": item for index, item in enumerate(request.references)})
-    return named
-
-
 def check_generate_arguments(request: "VideoRequest", output: object, overwrite: object, progress: object = None, cancel: object = None) -> None:
     """The arguments of `H3Pipeline.generate` besides the request, checked before anything loads: the output a
     writable file path that is none of the request's inputs, `overwrite` a bool, the callbacks callable."""
     from ..fileio import check_writable_destination
 
-    flag(overwrite, "overwrite")
+    if not isinstance(overwrite, bool):  # a truthy string such as "no" must never turn overwriting on
+        raise VflashError(f"overwrite must be True or False, got {describe_value(overwrite)}")
     callback(progress, "progress")
     callback(cancel, "cancel")
     if output is not None:
         path_argument(output, "the output path")
         check_writable_destination(output, overwrite)  # as given: a trailing "/" names a folder
-        check_output_is_not_an_input(output, request_inputs(request))  # type: ignore[arg-type]
+        inputs = {"first frame": request.first_frame, "last frame": request.last_frame}
+        inputs.update({f"reference {index + 1}": item for index, item in enumerate(request.references)})
+        check_output_is_not_an_input(output, inputs)  # type: ignore[arg-type]
 
 
 def integer(value: object, field: str, what: str = "an integer") -> int:
