@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -107,12 +108,9 @@ def _generate(args: argparse.Namespace) -> int:
         **{name: getattr(assets, name) for name in ASSET_FIELDS},
     })
     pipeline = H3Pipeline.from_prepared(assets, RunOptions.from_arguments(args, profile_denoise=args.profile_denoise))
-    bars = StageBars()
     with pipeline:
-        try:
+        with contextlib.closing(StageBars()) as bars:
             result = pipeline.generate(request, args.output, overwrite=args.overwrite, progress=bars)
-        finally:
-            bars.close()
         _print_result(result, pipeline.initialization_seconds)
     if args.profile_denoise:
         print(json.dumps({"denoise_profile": result.metadata.get("denoise_profile")}, indent=2))
@@ -122,11 +120,8 @@ def _generate(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from ..pipeline.demo import run_demo
 
-    bars = StageBars()
-    try:
+    with contextlib.closing(StageBars()) as bars:
         result, info = run_demo(args.output, overwrite=args.overwrite, cache_dir=args.cache_dir, progress=bars)
-    finally:
-        bars.close()
     _print_result(result, info["initialization_seconds"], {"build family" if info["built"] else "find family": info["build_seconds"]})
     print(f"model family: {Path(info['receipt']).parent}")
     print("note: the embedded model has random weights, so the clip is noise-like by design; it exercises the real code path.")

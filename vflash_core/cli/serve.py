@@ -86,14 +86,11 @@ def check_bindable(host: str, port: int) -> None:
     before the demo model is built or the output folder created."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-    except socket.gaierror as exc:
-        raise RunFailedError(f"cannot serve on {host}:{port}: {exc.strerror}") from None
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds
-        try:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds
             probe.bind(address)
-        except OSError as exc:
-            raise RunFailedError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
+    except OSError as exc:  # socket.gaierror included: a host that does not resolve
+        raise RunFailedError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
 
 
 def is_loopback(host: str) -> bool:

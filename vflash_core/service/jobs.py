@@ -97,7 +97,7 @@ class Job:
 
     def view(self, queue_position: int | None = None) -> dict[str, Any]:
         """The JSON a client sees. Times are UTC ISO 8601; durations are seconds measured by the service."""
-        out: dict[str, Any] = {
+        return {
             "id": self.id,
             "status": self.state.value,
             "created_at": _iso(self.created),
@@ -116,7 +116,6 @@ class Job:
             "result": self.result,
             "video_url": f"/v1/jobs/{self.id}/video" if self.state is JobState.SUCCEEDED else None,
         }
-        return out
 
 
 def _iso(stamp: float | None) -> str | None:
