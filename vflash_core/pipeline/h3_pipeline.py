@@ -9,11 +9,11 @@ is decided once, when the pipeline loads, by one memory plan (`memory_plan`, who
 takes the same plan and enforces the cap, and every request is checked against it before it runs.
 
 A request is checked completely before any model loads (`validate`, which runs `validation.plan_request`, the
-validator the service shares; its module lists the limits); `generate` also checks the output path. Devices and the attention backend are checked when the
-pipeline is created. The encoders hand their tensors to the core through a validated one-shot `BundleHandoff` (no
-temporary file). The request's steps are functions of the parts they run on (`encode_request`, then
-`EncodedRequest.bundle` for a seed, `vae.decode_latents`), so a front end whose text encoder and VAEs come from
-separate loaders (or from another implementation) runs this code and no copy of it.
+validator the service shares; its module lists the limits); `generate` also checks the output path. Devices and the
+attention backend are checked when the pipeline is created. The encoders hand their tensors to the core through a
+validated one-shot `BundleHandoff` (no temporary file). The request's steps are functions of the parts they run on
+(`encode_request`, then `EncodedRequest.bundle` for a seed, `vae.decode_latents`), so a front end whose text encoder
+and VAEs come from separate loaders (or from another implementation) runs this code and no copy of it.
 
 Threads: concurrent first calls load the models once, and requests on one pipeline run one at a time (after their
 validation, so a bad request is refused without waiting). Model loading is serialised process-wide
@@ -99,9 +99,8 @@ logger = logging.getLogger(__name__)
 # directory (vae/, audio_vae/), adapter file or null, and the three outputs of one compile.
 ASSET_FIELDS = ("model_root", "decoder_root", "adapter_path", "artifact", "schedule_overlay", "auxiliary_tensor")
 _ASSET_KINDS = {k: "a path string or null" if k == "adapter_path" else "a path string" for k in ASSET_FIELDS}
-STAGES = ("load", "encode", "denoise", "decode", "write")
 
-# progress(stage, done, total), stage in STAGES
+# progress(stage, done, total), stage one of "load", "encode", "denoise", "decode", "write"
 PipelineProgress = Callable[[str, int, int], None]
 
 
@@ -315,7 +314,8 @@ def prepare_pipeline(profile: Profile | str, assets: str | Path, receipt: str | 
         raise VflashError(f"assets file {assets} must have exactly the fields {', '.join(ASSET_FIELDS)}" + (f"; missing {', '.join(missing)}" if missing else "") + (f"; unknown {', '.join(extra)}" if extra else ""))
     for name in ASSET_FIELDS:
         if not _valid_asset(name, data[name]):
-            raise VflashError(f"assets file {assets}: {name} must be {_ASSET_KINDS[name]}, got {describe_value(data[name])}")
+            got = describe_value(data[name])
+            raise VflashError(f"assets file {assets}: {name} must be {_ASSET_KINDS[name]}, got {got}")
     base = assets.resolve().parent
     paths = {k: None if data[k] is None else (base / Path(data[k]).expanduser()).resolve() for k in ASSET_FIELDS}
     for name, value in paths.items():
@@ -509,7 +509,8 @@ class H3Pipeline:
             raise IdentityMismatchError(f"the session runs profile {session.profile.id}, the pipeline was given {self.profile.id}")
         self.conditioner, self.vaes, self.session = parts
         self.canvas = canvas or (conditioner.canvas if conditioner is not None else CanvasRules())
-        if prompt_budget is None and conditioner is not None and conditioner.text_encoder is not None:  # None once closed
+        # A closed conditioner (text_encoder None) has no tokenizer to count with.
+        if prompt_budget is None and conditioner is not None and conditioner.text_encoder is not None:
             context = conditioner.text_encoder.config.text_config.max_position_embeddings
             prompt_budget = PromptBudget.of_tokenizer(conditioner.tokenizer, context)
         self.prompt_budget = prompt_budget
@@ -576,8 +577,8 @@ class H3Pipeline:
                     compiled = CompiledArtifact(**assets.session_paths())
                     largest = largest_request(assets.profile, compiled.config, conditioner, vaes, assets.canvas)
                     devices = [primary] + ([peer] if peer is not None else [])
-                    plan = plan_memory(PartSizes.of(compiled, conditioner, vaes), largest, devices, cap, weight_residency,
-                                       options.encoder_residency)
+                    sizes = PartSizes.of(compiled, conditioner, vaes)
+                    plan = plan_memory(sizes, largest, devices, cap, weight_residency, options.encoder_residency)
                     plan.place(conditioner, vaes)
                 session = NativeEngineSession(
                     assets.profile, **assets.session_paths(), device=primary, peer_device=peer, strategy=options.strategy,
@@ -646,7 +647,9 @@ class H3Pipeline:
         """Everything about `request` that can be checked before any model loads; raises `VflashError`."""
         self._check_open()
         if not isinstance(request, VideoRequest):
-            hint = f"; wrap the prompt: VideoRequest(prompt={request[:20]!r}{'...' if len(request) > 20 else ''})" if isinstance(request, str) else ""
+            hint = ""
+            if isinstance(request, str):
+                hint = f"; wrap the prompt: VideoRequest(prompt={request[:20]!r}{'...' if len(request) > 20 else ''})"
             raise RequestError(f"H3Pipeline.validate takes a VideoRequest, got {type(request).__name__}{hint}")
         return plan_request(request, self.profile, self.canvas, self.prompt_budget)
 
@@ -709,75 +712,82 @@ class H3Pipeline:
         plan = self.validate(request)
         check_generate_arguments(request, output, overwrite, progress, cancel)
         validated = time.perf_counter() - start
-        with self._lock:  # the request's clock starts after any wait for the lock
-            start = time.perf_counter() - validated
-            stages: dict[str, float] = {"validate": validated}
-            initialization = 0.0
-            if not self.loaded:
-                load_start = time.perf_counter()
-                self.load(progress)
-                initialization = time.perf_counter() - load_start
-            self._check_open()  # closed while this request waited
+        with self._lock:
+            return self._run(request, plan, output, overwrite, progress, cancel, validated)
 
-            def poll() -> None:
-                if cancel is not None:
-                    try:
-                        cancel()
-                    except BaseException as exc:
-                        raise RequestCancelled(f"request cancelled: {exc}") from exc
+    def _run(
+        self, request: VideoRequest, plan: RequestPlan, output: str | Path | None, overwrite: bool,
+        progress: PipelineProgress | None, cancel: Callable[[], None] | None, validated: float,
+    ) -> VideoResult:
+        """One validated request, under the pipeline's lock; the clock starts after any wait for the lock."""
+        start = time.perf_counter() - validated
+        stages: dict[str, float] = {"validate": validated}
+        initialization = 0.0
+        if not self.loaded:
+            load_start = time.perf_counter()
+            self.load(progress)
+            initialization = time.perf_counter() - load_start
+        self._check_open()  # closed while this request waited
 
-            report = progress or (lambda stage, done, total: None)
+        def poll() -> None:
+            if cancel is not None:
+                try:
+                    cancel()
+                except BaseException as exc:
+                    raise RequestCancelled(f"request cancelled: {exc}") from exc
 
-            self._check_memory(plan.geometry, ("denoise", "decode"))
-            try:
+        report = progress or (lambda stage, done, total: None)
+
+        self._check_memory(plan.geometry, ("denoise", "decode"))
+        try:
+            poll()
+            t = time.perf_counter()
+            handoff = build_request_bundle(self.conditioner, self.vaes, request, plan, self.config, self.canvas, stages)
+            stages["encode"] = time.perf_counter() - t
+            report("encode", 1, 1)
+            poll()
+
+            def on_evaluation(done: int, total: int) -> None:
+                report("denoise", done, total)
+                poll()
+
+            t = time.perf_counter()
+            generation = self.session.generate(handoff, progress=on_evaluation, profile_denoise=self.options.profile_denoise)
+            stages["denoise"] = time.perf_counter() - t
+            poll()
+            t = time.perf_counter()
+            after_stage = stage_timer(stages, lambda stage: report("decode", ("decode.video", "decode.audio").index(stage) + 1, 2))
+            media = decode_latents(self.vaes, generation.video_latents, generation.audio_latents, after_stage)
+            stages["decode"] = time.perf_counter() - t
+            soundtrack = delivered_soundtrack(media)
+            path = None
+            if output is not None:
                 poll()
                 t = time.perf_counter()
-                handoff = build_request_bundle(self.conditioner, self.vaes, request, plan, self.config, self.canvas, stages)
-                stages["encode"] = time.perf_counter() - t
-                report("encode", 1, 1)
-                poll()
-
-                def on_evaluation(done: int, total: int) -> None:
-                    report("denoise", done, total)
-                    poll()
-
-                t = time.perf_counter()
-                generation = self.session.generate(handoff, progress=on_evaluation, profile_denoise=self.options.profile_denoise)
-                stages["denoise"] = time.perf_counter() - t
-                poll()
-                t = time.perf_counter()
-                after_stage = stage_timer(stages, lambda stage: report("decode", ("decode.video", "decode.audio").index(stage) + 1, 2))
-                media = decode_latents(self.vaes, generation.video_latents, generation.audio_latents, after_stage)
-                stages["decode"] = time.perf_counter() - t
-                soundtrack = delivered_soundtrack(media)
-                path = None
-                if output is not None:
-                    poll()
-                    t = time.perf_counter()
-                    path = write_mp4(output, media.frames, soundtrack, media.sample_rate, FPS, self.options.media_video_input,
-                                     self.options.media_video_threads, overwrite)
-                    stages["write"] = time.perf_counter() - t
-                    report("write", 1, 1)
-            except BaseException as exc:  # a cancel, or a failure that is not the user's, ends the pipeline
-                if isinstance(exc, RequestCancelled) or not isinstance(exc, VflashError):
-                    self.close()
-                raise
-            elapsed = time.perf_counter() - start - initialization
-            metadata = {
-                **generation.metadata,
-                "seed": request.seed,
-                "duration_seconds": media.frames.shape[0] / FPS,
-                "audio_samples": soundtrack.shape[1],
-                "media_video_input": self.options.media_video_input,
-                "media_video_threads": self.options.media_video_threads,
-                "encoder_residency": "resident" if self.conditioner.keep_on_device else "offload",
-            }
-            if self.session.plan is not None and self.session.plan.placement.vaes is not None:
-                metadata["memory_plan"] = asdict(self.session.plan.placement)
-            if generation.denoise_profile is not None:
-                metadata["denoise_profile"] = generation.denoise_profile
-            return VideoResult(
-                path=path, elapsed_seconds=elapsed, stages=stages, session=generation.session, mode=plan.mode,
-                width=plan.geometry.width, height=plan.geometry.height, num_frames=int(media.frames.shape[0]), fps=FPS,
-                sample_rate=media.sample_rate, metadata=metadata, media=None if output is not None else media,
-            )
+                path = write_mp4(output, media.frames, soundtrack, media.sample_rate, FPS,
+                                 self.options.media_video_input, self.options.media_video_threads, overwrite)
+                stages["write"] = time.perf_counter() - t
+                report("write", 1, 1)
+        except BaseException as exc:  # a cancel, or a failure that is not the user's, ends the pipeline
+            if isinstance(exc, RequestCancelled) or not isinstance(exc, VflashError):
+                self.close()
+            raise
+        elapsed = time.perf_counter() - start - initialization
+        metadata = {
+            **generation.metadata,
+            "seed": request.seed,
+            "duration_seconds": media.frames.shape[0] / FPS,
+            "audio_samples": soundtrack.shape[1],
+            "media_video_input": self.options.media_video_input,
+            "media_video_threads": self.options.media_video_threads,
+            "encoder_residency": "resident" if self.conditioner.keep_on_device else "offload",
+        }
+        if self.session.plan is not None and self.session.plan.placement.vaes is not None:
+            metadata["memory_plan"] = asdict(self.session.plan.placement)
+        if generation.denoise_profile is not None:
+            metadata["denoise_profile"] = generation.denoise_profile
+        return VideoResult(
+            path=path, elapsed_seconds=elapsed, stages=stages, session=generation.session, mode=plan.mode,
+            width=plan.geometry.width, height=plan.geometry.height, num_frames=int(media.frames.shape[0]), fps=FPS,
+            sample_rate=media.sample_rate, metadata=metadata, media=None if output is not None else media,
+        )
