@@ -337,7 +337,8 @@ class MemoryPlan:
         if p.vaes is not None:
             parts.append(f"VAEs {_size(s.vaes)} -> {p.vaes}, video decode {p.video_decoder}")
         planned = {"encode": p.encoder, "denoise": p.core, "decode": p.vaes}  # the part that runs each stage
-        peaks = ", ".join(f"{stage} {_size(peak)}" for stage, peak in self.peaks(self.largest).items() if planned[stage])
+        peaks = ", ".join(f"{stage} {_size(peak)}" for stage, peak in self.peaks(self.largest).items()
+                          if planned[stage])
         verdict = "fits" if self.fits_largest else "does not fit: each request is checked before it runs"
         return (
             f"memory plan on {', '.join(str(d) for d in self.devices)}: {'; '.join(parts)}; the largest planned request peaks at "
@@ -379,7 +380,8 @@ class MemoryPlan:
 def _candidates(sizes: PartSizes, weight_residency: str, encoder_residency: str) -> list[Placement]:
     """Placements in the order of preference (fastest first, most frugal last); None for a part not planned here."""
     resident = encoder_residency == "resident"
-    cores = (["resident", "block-ring"] if weight_residency == "auto" else [weight_residency]) if sizes.core_blocks else [None]
+    core = ["resident", "block-ring"] if weight_residency == "auto" else [weight_residency]
+    cores = core if sizes.core_blocks else [None]
     encoders = (["resident"] if resident else ["offload", "stream"]) if sizes.encoder else [None]
     vaes = (["resident"] if resident else ["offload"]) if sizes.vaes else [None]
     decoders = ["diffusers", "native"] if sizes.vaes else [None]
@@ -415,7 +417,8 @@ def plan_memory(
             advice = f" Leave {' and '.join(explicit)} to the plan, or use a larger GPU." if explicit else " This GPU is too small for H3."
             raise RunFailedError(
                 f"the weights do not fit on {devices[0]}: with the most frugal placement ({placement}) the {stage} stage holds "
-                f"{_size(peak)} of weights, plus a {_size(margin)} margin; {_size(budget)} are available{_cap_note(cap)}.{advice}"
+                f"{_size(peak)} of weights, plus a {_size(margin)} margin; {_size(budget)} are available"
+                f"{_cap_note(cap)}.{advice}"
             )
     logger.info(plan.summary())
     return plan
