@@ -168,6 +168,25 @@ def test_peer_failure_is_raised_by_the_decode(media, small_tiles):
     assert [t for t in threading.enumerate() if t.name.startswith("vae-decode-device-")] == []
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_gpu_bitwise_equal_to_diffusers(vae_root, dtype):
+    """On a GPU, where diffusers' attention, convolutions and GEMMs pick CUDA kernels: the released tiling (2 x 2
+    tiles, 3 windows) and 4 x 4 small tiles with padded windows, equal to diffusers with the default calls (stacked
+    for bf16 weights, one tile-window for fp32 ones, whose stacked GEMMs round differently on cuBLAS) and with one
+    and five tile-windows per call in bf16."""
+    vae = MediaVAEs.from_pretrained(vae_root, "cuda:0", dtype=dtype, video_decoder="native").video_vae.to("cuda:0")
+    for tiling, shape, seed in ((None, RELEASED_TILING_LATENTS, 0), (SMALL_TILES, (1, 8, 13, 9, 10), 1)):
+        if tiling is not None:
+            vae.enable_tiling(*tiling)
+        z = latents(shape, seed=seed).to("cuda:0")
+        expected = reference(vae, z).cpu()  # the native decode brings each window's frames to the host
+        for windows_per_call in (None, 1, 5) if dtype == torch.bfloat16 else (None, 1):
+            decoder = NativeVideoDecoder.from_vae(vae, windows_per_call=windows_per_call)
+            assert decoder.windows_per_call == (windows_per_call or (8 if dtype == torch.bfloat16 else 1))
+            assert_bitwise(decoder.decode(z), expected, f"{dtype} {shape} windows_per_call={decoder.windows_per_call}")
+
+
 @pytest.mark.multigpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_two_gpus_bitwise_equal_to_one(vae_root, dtype):

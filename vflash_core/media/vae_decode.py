@@ -23,8 +23,9 @@ What this module changes is only how the work is issued:
 * `windows_per_call` tile-windows run as one ViT call: their token rows stacked, so every linear layer is one GEMM
   over all of them, and attention one call with the tile-windows as its batch dimension. Row blocks of a GEMM do not
   interact, so this is the per-tile-window result wherever the GEMM computes a row the same way whatever the row count
-  (MKL and oneDNN on the CPU do for these shapes, tested; on a GPU it has to be checked per kernel library, and
-  `windows_per_call=1` issues exactly the reference's shapes). Elementwise work and the norms are per element or per
+  (MKL and oneDNN on the CPU do for these shapes, tested; on an H200, cuBLAS does for bf16 weights, tested, but not
+  for fp32 ones, whose results moved by up to 3e-6, so with fp32 weights on a GPU the default is one tile-window per
+  call: `windows_per_call=1` issues exactly the reference's shapes). Elementwise work and the norms are per element or per
   row; attention is per batch item and head.
 * A window is stitched, cross-faded and handed to the sink as soon as its last tile is decoded, so device memory is
   bounded by the calls in flight, one window's tiles and clip, and the cross-fade frames, whatever the clip length.
@@ -569,14 +570,17 @@ class PeerPart:
 
 
 class NativeVideoDecoder:
-    """`AutoencoderKLMiniMaxH3.decode` bit for bit: `windows_per_call` tile-windows per ViT call, the calls split in
-    contiguous parts over the devices of `weights` and run concurrently (the first one stitches and blends), frames
-    handed out window by window."""
+    """`AutoencoderKLMiniMaxH3.decode` bit for bit: `windows_per_call` tile-windows per ViT call (default
+    `DEFAULT_WINDOWS_PER_CALL`, one for fp32 weights on a GPU), the calls split in contiguous parts over the devices of
+    `weights` and run concurrently (the first one stitches and blends), frames handed out window by window."""
 
     def __init__(
         self, geometry: DecodeGeometry, weights: Sequence[DecoderWeights], attention: str = DEFAULT_ATTENTION,
-        windows_per_call: int = DEFAULT_WINDOWS_PER_CALL,
+        windows_per_call: int | None = None,
     ):
+        if windows_per_call is None:  # stacked calls keep diffusers' bits except for fp32 GEMMs on a GPU (module doc)
+            fp32_on_gpu = bool(weights) and weights[0].proj_in.dtype == torch.float32 and weights[0].proj_in.is_cuda
+            windows_per_call = 1 if fp32_on_gpu else DEFAULT_WINDOWS_PER_CALL
         if windows_per_call < 1:
             raise VflashError(f"windows_per_call must be at least 1, got {windows_per_call}")
         if not weights:
@@ -591,7 +595,7 @@ class NativeVideoDecoder:
     @classmethod
     def from_vae(
         cls, vae: torch.nn.Module, devices: Sequence[str | torch.device] = (), attention: str = DEFAULT_ATTENTION,
-        windows_per_call: int = DEFAULT_WINDOWS_PER_CALL,
+        windows_per_call: int | None = None,
     ) -> NativeVideoDecoder:
         """Decode with `vae`'s own tensors on its device, or on each of `devices` (the first one stitches): the
         module's tensors where it is, a replica of them on every other device."""
