@@ -32,6 +32,16 @@ def _leftovers(folder) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if ".partial" in p.name)
 
 
+def test_mp4_metadata_tags_are_kept_under_their_own_names(tmp_path):
+    """Free-form keys (as ComfyUI stores a graph's prompt) survive the MP4 muxer and read back unchanged."""
+    frames, wave = _clip()
+    prompt = '{"1": {"class_type": "VflashGenerate", "inputs": {"prompt": "a fox, \u00e9t\u00e9"}}}'
+    out = write_mp4(tmp_path / "tagged.mp4", frames, wave, SR, metadata={"prompt": prompt})
+    with av.open(str(out)) as container:
+        assert container.metadata["prompt"] == prompt
+    assert probe_mp4(out)["frames"] == 29
+
+
 def test_mp4_has_exact_frames_timing_and_audio(tmp_path):
     frames, wave = _clip()
     out = write_mp4(tmp_path / "clip.mp4", frames, wave, SR)

@@ -193,6 +193,8 @@ def test_ui_and_api_describe_the_same_graph(pack, name):
 
 def test_run_workflow_cli_t2va_plays_with_audio(tmp_path):
     """The headless run a user makes: `vflash run-workflow workflows/api/t2va.json` on a fresh cache writes a playable MP4."""
+    import av
+
     from vflash_core.media.mp4 import probe_mp4
 
     env = {**os.environ, "VFLASH_CACHE": str(tmp_path / "cache")}
@@ -206,6 +208,8 @@ def test_run_workflow_cli_t2va_plays_with_audio(tmp_path):
     info = probe_mp4(files[0])
     assert (info["frames"], info["width"], info["height"], info["video_codec"]) == (124, 448, 256, "h264")
     assert info["audio_codec"] == "aac" and info["channels"] == 2 and info["sample_rate"] == 32000 and abs(info["audio_seconds"] - 124 / 24) < 0.05
+    with av.open(str(files[0])) as container:  # SaveVideo stores the prompt in the file as core's SaveVideo does
+        assert json.loads(container.metadata["prompt"]) == load_api_workflow(API_DIR / "t2va.json")
 
 
 def test_run_workflow_cli_refuses_unsupported_nodes(tmp_path):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -36,13 +37,15 @@ class VideoFromComponents:
     def get_dimensions(self) -> tuple[int, int]:
         return int(self.components.images.shape[2]), int(self.components.images.shape[1])
 
-    def save_to(self, path: str | Path) -> None:
+    def save_to(self, path: str | Path, metadata: dict[str, Any] | None = None) -> None:
         """MP4 (h264 + AAC) written atomically, never over an existing file; whole frame rates with a soundtrack
-        only (what `vflash_core.media.mp4.write_mp4` writes; SaveVideo refuses the rest first)."""
+        only (what `vflash_core.media.mp4.write_mp4` writes; SaveVideo refuses the rest first). Each `metadata`
+        entry becomes a container tag holding its value as JSON, as core writes the prompt and the workflow."""
         from vflash_core.media.mp4 import write_mp4
 
         c = self.components
-        write_mp4(path, c.images, c.audio["waveform"][0], int(c.audio["sample_rate"]), int(c.frame_rate))
+        tags = {key: json.dumps(value) for key, value in (metadata or {}).items()}
+        write_mp4(path, c.images, c.audio["waveform"][0], int(c.audio["sample_rate"]), int(c.frame_rate), metadata=tags)
 
 
 class InputImpl:

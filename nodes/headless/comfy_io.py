@@ -161,10 +161,10 @@ class Hidden(str, Enum):
 
 
 class HiddenHolder:
-    """What a node reads as `cls.hidden`: here only the API prompt."""
+    """What a node reads as `cls.hidden`: the API prompt, and the UI workflow's extra info (none for an API file)."""
 
-    def __init__(self, prompt: dict | None = None):
-        self.prompt = prompt
+    def __init__(self, prompt: dict | None = None, extra_pnginfo: dict | None = None):
+        self.prompt, self.extra_pnginfo = prompt, extra_pnginfo
 
 
 @dataclass

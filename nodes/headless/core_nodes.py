@@ -4,8 +4,8 @@ against the same `comfy_api.latest` and `folder_paths` interfaces as core's, so 
 resolve to the headless modules.
 
 SaveVideo writes what `vflash_core.media.mp4.write_mp4` writes (mp4, h264 + AAC, whole frame rates, atomically and never
-over an existing file) and refuses other containers, codecs and encodings: `validate_inputs` refuses what it can
-before anything runs.
+over an existing file), with the prompt in the file's metadata as core saves it, and refuses other containers, codecs
+and encodings: `validate_inputs` refuses what it can before anything runs.
 """
 
 from __future__ import annotations
@@ -122,7 +122,8 @@ class SaveVideo(io.ComfyNode):
             raise VflashError(f"SaveVideo: the headless runner writes whole frame rates, got {float(components.frame_rate)}")
         width, height = video.get_dimensions()
         folder, stem, counter, _, _ = folder_paths.get_save_image_path(filename_prefix, folder_paths.get_output_directory(), width, height)
-        video.save_to(os.path.join(folder, f"{stem}_{counter:05}_.mp4"))
+        metadata = {"prompt": cls.hidden.prompt} if cls.hidden.prompt is not None else {}
+        video.save_to(os.path.join(folder, f"{stem}_{counter:05}_.mp4"), metadata={**metadata, **(cls.hidden.extra_pnginfo or {})})
         return io.NodeOutput(video)
 
 

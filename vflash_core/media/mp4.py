@@ -21,7 +21,7 @@ import contextlib
 import logging
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from fractions import Fraction
 from pathlib import Path
 
@@ -106,12 +106,18 @@ def rgb_frames(frames, shape: tuple[int, ...], video_input: str, folder: Path) -
         Path(name).unlink(missing_ok=True)
 
 
-def _encode(target: Path, rgb, shape: tuple[int, ...], audio: np.ndarray, sample_rate: int, fps: int, video_threads: int | None) -> None:
+def _encode(
+    target: Path, rgb, shape: tuple[int, ...], audio: np.ndarray, sample_rate: int, fps: int, video_threads: int | None,
+    metadata: Mapping[str, str],
+) -> None:
     import av
 
     frames_count, height, width, _ = shape
     layout = "stereo" if audio.shape[0] == 2 else "mono"
-    with av.open(str(target), mode="w", format="mp4", options={"movflags": "+faststart"}) as container:
+    # MP4 keeps only the tags FFmpeg knows unless it writes them as free-form (mdta) keys.
+    movflags = "+faststart+use_metadata_tags" if metadata else "+faststart"
+    with av.open(str(target), mode="w", format="mp4", options={"movflags": movflags}) as container:
+        container.metadata.update(metadata)
         video = container.add_stream("libx264", rate=fps, options=dict(H264_OPTIONS))
         video.width, video.height, video.pix_fmt = width, height, "yuv420p"
         video.time_base = Fraction(1, fps)
@@ -142,17 +148,19 @@ def write_mp4(
     video_input: str = "file",
     video_threads: int | None = None,
     overwrite: bool = False,
+    metadata: Mapping[str, str] | None = None,
 ) -> Path:
     """Encode `frames` (F, H, W, 3; float32 in [0, 1] or uint8) and `waveform` (channels, samples; float32 in [-1, 1])
     into an MP4 at `path`, written under a temporary name in the same folder and published atomically.
 
-    An existing `path` is an error unless `overwrite`; on any failure nothing appears at `path`.
+    An existing `path` is an error unless `overwrite`; on any failure nothing appears at `path`. `metadata`: container
+    tags, kept under their own names.
     """
     check_delivery_options(video_input, video_threads)
     shape, audio = _check_inputs(frames, waveform, sample_rate, fps)
     path = Path(path)
     with atomic_file(path, overwrite=overwrite, suffix=".mp4") as tmp, rgb_frames(frames, shape, video_input, path.parent) as rgb:
-        _encode(tmp, rgb, shape, audio, sample_rate, fps, video_threads)
+        _encode(tmp, rgb, shape, audio, sample_rate, fps, video_threads, metadata or {})
     logger.debug("wrote %s: %d frames %dx%d at %d fps, %.3f s of %d Hz audio", path, shape[0], shape[2], shape[1], fps, audio.shape[1] / sample_rate, sample_rate)
     return path
 
