@@ -35,7 +35,7 @@ def check_folders(output_dir: str, input_dir: str, models_dir: str | None) -> No
     given --models-dir exists, and --input-dir, if present, is a folder."""
     from pathlib import Path
 
-    from vflash_core.fileio import nearest_existing
+    from vflash_core.fileio import check_folder, nearest_existing
 
     from .workflow import WorkflowError
 
@@ -44,8 +44,8 @@ def check_folders(output_dir: str, input_dir: str, models_dir: str | None) -> No
         raise WorkflowError(f"--output-dir {output_dir} cannot be a folder: {existing} is a file")
     if not os.access(existing, os.W_OK):
         raise WorkflowError(f"--output-dir {output_dir} is not writable")
-    if models_dir is not None and not Path(models_dir).is_dir():
-        raise WorkflowError(f"--models-dir {models_dir} {'is not a folder' if os.path.lexists(models_dir) else 'does not exist'}")
+    if models_dir is not None:
+        check_folder(models_dir, "--models-dir", WorkflowError)
     if os.path.lexists(input_dir) and not Path(input_dir).is_dir():
         raise WorkflowError(f"--input-dir {input_dir} is not a folder")
 

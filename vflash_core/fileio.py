@@ -79,6 +79,15 @@ def check_input_file(path: str | Path, what: str, error: type[VflashError] = Vfl
     return path
 
 
+def check_folder(path: str | Path, what: str = "", error: type[VflashError] = VflashError, hint: str = "") -> Path:
+    """`path` as an existing folder; otherwise `error` saying whether it is missing or something else (then `hint`)."""
+    path = Path(path)
+    if not path.is_dir():
+        state = "is not a folder" if os.path.lexists(path) else "does not exist"
+        raise error(" ".join(filter(None, (what, str(path), state))) + (f"; {hint}" if hint else ""))
+    return path
+
+
 def read_text_file(path: str | Path, what: str, max_bytes: int, error: type[VflashError] = VflashError) -> str:
     """The UTF-8 text of a regular file of at most `max_bytes`, checked before it is read."""
     path = check_input_file(path, what, error)
@@ -105,8 +114,7 @@ def check_writable_destination(path: str | Path, overwrite: bool = False) -> Pat
     if text.endswith(("/", os.sep)) or path.name in ("", ".", ".."):
         raise VflashError(f"output {text} names a folder; give a file name inside it")
     parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise VflashError(f"output folder {parent} {'is not a folder' if parent.exists() else 'does not exist'}")
+    check_folder(parent, "output folder")
     if not os.access(parent, os.W_OK):
         raise VflashError(f"output folder {parent} is not writable")
     _check_name_length(path, parent, "output file name")

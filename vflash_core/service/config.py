@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import VflashError
-from ..fileio import check_input_file
+from ..fileio import check_folder, check_input_file
 from ..pipeline.options import RunOptions
 from .worker import WorkerConfig
 
@@ -59,12 +59,12 @@ def check_service_settings(
     create = create_output_dir and not os.path.lexists(output_dir)
     if create and not output_dir.parent.is_dir():
         raise VflashError(f"output folder {output_dir} cannot be created: {output_dir.parent} is not a folder")
-    if not create and not output_dir.is_dir():
-        raise VflashError(f"output folder {output_dir} {'is not a folder' if os.path.lexists(output_dir) else 'does not exist'}")
+    if not create:
+        check_folder(output_dir, "output folder")
     if not os.access(output_dir.parent if create else output_dir, os.W_OK):
         raise VflashError(f"output folder {output_dir} is not writable")
-    if input_dir is not None and not Path(input_dir).is_dir():
-        raise VflashError(f"input folder {input_dir} {'is not a folder' if os.path.lexists(input_dir) else 'does not exist'}")
+    if input_dir is not None:
+        check_folder(input_dir, "input folder")
     if max_queue < 1:
         raise VflashError(f"max_queue must be at least 1, got {max_queue}")
     if keep_finished_jobs < 0:

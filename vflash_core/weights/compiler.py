@@ -51,7 +51,7 @@ from ..engine.config import H3Config
 from ..engine.fp8 import FP8_LINEARS, quantize_block
 from ..engine.schedule import distinct_timesteps
 from ..errors import IdentityMismatchError, VflashError, run_command
-from ..fileio import atomic_directory, atomic_file, check_new_directory, check_writable_destination, read_text_file
+from ..fileio import atomic_directory, atomic_file, check_folder, check_new_directory, check_writable_destination, read_text_file
 from ..formats import ARTIFACT_FORMAT, ARTIFACT_FP8_FORMAT, OVERLAY_FORMAT, WEIGHTS_RECEIPT_FORMAT, device_arch
 from ..profiles import AdapterSpec, Profile, get_profile
 from .artifact import CompiledArtifact
@@ -442,9 +442,7 @@ def _run(args: argparse.Namespace) -> None:
         prepare(args.profile, args.transformer, args.receipt, args.adapter, args.qkv_layout)
         print(f"wrote receipt {args.receipt}")
     elif args.command == "verify":
-        folder = Path(args.compiled)
-        if not folder.is_dir():
-            raise VflashError(f"{folder} {'is not a folder' if os.path.lexists(folder) else 'does not exist'}; give the folder compile wrote (artifact/, schedule/, auxiliary.safetensors)")
+        folder = check_folder(args.compiled, hint="give the folder compile wrote (artifact/, schedule/, auxiliary.safetensors)")
         CompiledArtifact(folder / "artifact", folder / "schedule", folder / "auxiliary.safetensors").verify()
         print(f"{folder}: every file matches the sha256 recorded at compile time")
     else:
