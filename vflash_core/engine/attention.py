@@ -36,6 +36,7 @@ _SDPA_KERNELS = {
 }
 APPROXIMATE_BACKENDS = ("fa3-fp8",)
 BACKENDS = ("auto", "torch-sdpa", *_SDPA_KERNELS, "fa3", *APPROXIMATE_BACKENDS)
+_FA3_MISSING = "attention backend {} needs the fa3-fwd package (pip install 'vflash[sm90]'): {}"
 
 
 def _pinned_sdpa(kernel: SDPBackend) -> AttentionFn:
@@ -47,15 +48,12 @@ def _pinned_sdpa(kernel: SDPBackend) -> AttentionFn:
 
 
 def _fa3() -> AttentionFn:
+    """FlashAttention-3's `flash_attn_func`: (B, S, heads, D) in and out, scale 1/sqrt(D), non-causal."""
     try:
         from fa3_fwd_interface import flash_attn_func
     except ImportError as exc:
-        raise VflashError(f"attention backend fa3 needs the fa3-fwd package (pip install 'vflash[sm90]'): {exc}") from None
-
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return flash_attn_func(q, k, v)  # (B, S, heads, D) in and out, scale 1/sqrt(D), non-causal
-
-    return attend
+        raise VflashError(_FA3_MISSING.format("fa3", exc)) from None
+    return flash_attn_func
 
 
 def _fa3_fp8() -> AttentionFn:
@@ -63,7 +61,7 @@ def _fa3_fp8() -> AttentionFn:
         from fa3_fwd_config import CONFIG
         from fa3_fwd_interface import flash_attn_func
     except ImportError as exc:
-        raise VflashError(f"attention backend fa3-fp8 needs the fa3-fwd package (pip install 'vflash[sm90]'): {exc}") from None
+        raise VflashError(_FA3_MISSING.format("fa3-fp8", exc)) from None
     if CONFIG.get("build_flags", {}).get("FLASHATTENTION_DISABLE_FP8", True):
         raise VflashError("attention backend fa3-fp8: the installed fa3-fwd was built without FP8 kernels (FLASHATTENTION_DISABLE_FP8)")
     if not {"q_descale", "k_descale", "v_descale"} <= set(inspect.signature(flash_attn_func).parameters):
