@@ -22,7 +22,7 @@ from . import model as M
 from .bundle import ConditioningBundle
 from .layout import audio_rows_to_latents, unpatchify
 from .profiler import NO_TIMER, StageTimer
-from .residency import BlockSource
+from .residency import BlockSource, device_loras
 from .schedule import euler_step, row_timestep_plan
 
 # progress(evaluation_index_done, total_evaluations)
@@ -85,8 +85,9 @@ class Denoiser:
         self.blocks = blocks
         aux, refiner, aux_loras = artifact.read_auxiliary()
         self.aux = {k: v.to(device) for k, v in aux.items()}
-        self.refiner = [M.LayerWeights({k: v.to(device) for k, v in w.tensors.items()}, {k: tuple(r.to(device) for r in rs) for k, rs in w.loras.items()}) for w in refiner]
-        self.aux_loras = {k: tuple(r.to(device) for r in rs) for k, rs in aux_loras.items()}
+        self.refiner = [M.LayerWeights({k: v.to(device) for k, v in w.tensors.items()}, device_loras(w.loras, device))
+                        for w in refiner]
+        self.aux_loras = device_loras(aux_loras, device)
         self.inv_freq = M.rope_inv_freq(self.config)
         overlay = artifact.overlay
         self.video_sigmas = overlay.video_sigmas.to(device)

@@ -57,7 +57,9 @@ class BlockSource:
         """Release the device (and host) memory the source owns."""
 
 
-def _device_loras(loras: dict[str, tuple[LoraResidual, ...]], device: torch.device) -> dict[str, tuple[LoraResidual, ...]]:
+def device_loras(
+    loras: Mapping[str, tuple[LoraResidual, ...]], device: torch.device
+) -> dict[str, tuple[LoraResidual, ...]]:
     return {k: tuple(r.to(device) for r in rs) for k, rs in loras.items()}
 
 
@@ -78,7 +80,7 @@ class ResidentBlocks(BlockSource):
         self.blocks: list[LayerWeights] = []
         for i, w in enumerate(artifact.iter_blocks()):
             tensors, loras = (dict(w.tensors), dict(w.loras)) if shard is None else (shard.tensors(w.tensors), shard.loras(w.loras))
-            self.blocks.append(LayerWeights({k: v.to(device) for k, v in tensors.items()}, _device_loras(loras, device)))
+            self.blocks.append(LayerWeights({k: v.to(device) for k, v in tensors.items()}, device_loras(loras, device)))
             if on_block is not None:
                 on_block(i)
         self.device_weight_bytes = sum(t.nbytes for w in self.blocks for t in w.tensors.values())
@@ -185,14 +187,14 @@ class PinnedArena:
 
     def _fill(self, index: int, tensors: Mapping[str, torch.Tensor]) -> None:
         """Copy one item's tensors into its span."""
-        span = self.spans[index]
+        targets = self.views(self.spans[index])
         if set(tensors) != {s.name for s in self.layout}:
             raise VflashError(f"{self.what} {index} holds {sorted(tensors)}, {self.what} 0 {sorted(s.name for s in self.layout)}")
         for slot in self.layout:
             tensor = tensors[slot.name]
             if tensor.dtype != slot.dtype or tuple(tensor.shape) != slot.shape:
                 raise VflashError(f"{self.what} {index}: {slot.name} is {tensor.dtype} {list(tensor.shape)}, {self.what} 0 has {slot.dtype} {list(slot.shape)}")
-            span[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape).copy_(tensor)
+            targets[slot.name].copy_(tensor)
 
 
 class BlockArena(PinnedArena):
@@ -287,7 +289,7 @@ class BlockRing(WeightRing, BlockSource):
 
     def __init__(self, arena: BlockArena, device: torch.device):
         super().__init__(arena, device)
-        self.loras = [_device_loras(lora, device) for lora in arena.loras]
+        self.loras = [device_loras(lora, device) for lora in arena.loras]
 
     def __iter__(self) -> Iterator[LayerWeights]:  # type: ignore[override]
         for index, views in enumerate(super().__iter__()):
