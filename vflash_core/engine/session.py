@@ -458,10 +458,11 @@ class NativeEngineSession:
             rows = [(0, total)] * len(self.devices)
         stop: list[BaseException] = []
 
-        def poll() -> None:  # between blocks on rank 0: remember the request to stop, act on it at the boundary
-            if between_blocks is not None and not stop:
+        def relay(callback: Callable[..., None] | None, *args: int) -> None:
+            """Rank 0 calls the caller's callbacks; a request to stop is remembered and acted on at the boundary."""
+            if callback is not None and not stop:
                 try:
-                    between_blocks()
+                    callback(*args)
                 except BaseException as exc:  # noqa: BLE001 - handed to the caller at the evaluation boundary
                     stop.append(exc)
 
@@ -470,16 +471,13 @@ class NativeEngineSession:
             state = den.start_request(bundle, rows[rank])
             nfe = den.nfe
             for step in range(nfe):
-                den.step(state, step, bundle, timers[rank], poll if rank == 0 else None)
+                den.step(state, step, bundle, timers[rank], (lambda: relay(between_blocks)) if rank == 0 else None)
                 if progress is not None or between_blocks is not None:
                     if den.device.type == "cuda":
                         torch.cuda.current_stream(den.device).synchronize()
                     group.barrier.wait()
-                    if rank == 0 and progress is not None and not stop:
-                        try:
-                            progress(step + 1, nfe)
-                        except BaseException as exc:  # noqa: BLE001 - handed to the caller below
-                            stop.append(exc)
+                    if rank == 0:
+                        relay(progress, step + 1, nfe)
                     group.barrier.wait()
                     if stop:
                         return None
@@ -496,10 +494,11 @@ class NativeEngineSession:
 
 def check_loader_hooks(native_denoiser_loader: object, block_loader: object, strategy: str | None, devices: int) -> list[str]:
     """The names of the loader hooks given, after checking they are callables used where they can be."""
-    given = [name for name, hook in (("native_denoiser_loader", native_denoiser_loader), ("block_loader", block_loader)) if hook is not None]
-    for name, hook in (("native_denoiser_loader", native_denoiser_loader), ("block_loader", block_loader)):
-        if hook is not None and not callable(hook):
-            raise VflashError(f"{name} must be a Python callable, got {type(hook).__name__}")
+    hooks = {"native_denoiser_loader": native_denoiser_loader, "block_loader": block_loader}
+    given = [name for name, hook in hooks.items() if hook is not None]
+    for name in given:
+        if not callable(hooks[name]):
+            raise VflashError(f"{name} must be a Python callable, got {type(hooks[name]).__name__}")
     if len(given) == 2:
         raise VflashError("give a native_denoiser_loader or a block_loader, not both: the denoiser loader loads its own blocks")
     if native_denoiser_loader is not None and devices > 1:
