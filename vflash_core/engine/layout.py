@@ -329,23 +329,22 @@ def ref2va_layout(
             clock += float(ref.audio_latents)
             continue
         grid, width_axis = frame_grid(ref.latent_height, ref.latent_width, ph, pw)
+        rows = ref.video_rows(patch_size)
         if ref.kind == "image":
-            rows = ref.video_rows(patch_size)
             pos[cursor : cursor + rows, 0] = clock
             pos[cursor : cursor + rows, 1:] = grid.repeat(ref.latent_frames, 1)
-            video_indices.append(torch.arange(cursor, cursor + rows))
-            cursor += rows
-            clock += 1.0  # an image takes one integer slot, not a latent frame's 5/3 units
-            continue
-        if ref.audio_latents:
-            add_audio(ref.audio_latents, width_axis)
-        _video_positions(pos, cursor, ref.latent_frames, clock, grid)
-        video_indices.append(torch.arange(cursor, cursor + ref.video_rows(patch_size)))
-        cursor += ref.video_rows(patch_size)
-        span = 0.0
-        for k in range(ref.latent_frames):
-            span += _FRAME_RESCALE * _FRAMES_PER_LATENT[k % len(_FRAMES_PER_LATENT)]
-        clock += max(float(ref.audio_latents), span)
+            advance = 1.0  # an image takes one integer slot, not a latent frame's 5/3 units
+        else:
+            if ref.audio_latents:
+                add_audio(ref.audio_latents, width_axis)
+            _video_positions(pos, cursor, ref.latent_frames, clock, grid)
+            span = 0.0
+            for k in range(ref.latent_frames):
+                span += _FRAME_RESCALE * _FRAMES_PER_LATENT[k % len(_FRAMES_PER_LATENT)]
+            advance = max(float(ref.audio_latents), span)
+        video_indices.append(torch.arange(cursor, cursor + rows))
+        cursor += rows
+        clock += advance
 
     audio_start, video_start = cursor, cursor + num_audio_rows
     _audio_positions(pos, audio_start, geometry.num_audio_latents, clock, target_width)
