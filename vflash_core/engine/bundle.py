@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -124,17 +124,6 @@ class ConditioningBundle:
             digest.update(t.view(-1).view(torch.uint8).numpy().tobytes())
         return digest.hexdigest()
 
-    def _manifest(self) -> dict[str, object]:
-        return {
-            "format": BUNDLE_FORMAT,
-            "mode": self.mode,
-            "geometry": {"height": self.geometry.height, "width": self.geometry.width, "num_frames": self.geometry.num_frames},
-            "model_layout": self.model_layout.to_dict(),
-            "num_condition_video_rows": self.layout.num_condition_video_rows,
-            "num_condition_audio_rows": self.layout.num_condition_audio_rows,
-            "seed": self.seed,
-        }
-
     def save(self, path: str | Path) -> Path:
         """Write the bundle folder atomically; refuses to overwrite."""
         self.validate()
@@ -142,7 +131,16 @@ class ConditioningBundle:
         with atomic_directory(path) as tmp:
             tensors = {k: v.detach().contiguous().cpu() for k, v in self._tensor_dict().items()}
             save_file(tensors, str(tmp / _TENSORS), metadata={"format": BUNDLE_FORMAT})
-            manifest = {**self._manifest(), "tensors_sha256": file_sha256(tmp / _TENSORS)}
+            manifest = {
+                "format": BUNDLE_FORMAT,
+                "mode": self.mode,
+                "geometry": asdict(self.geometry),  # height, width, num_frames
+                "model_layout": self.model_layout.to_dict(),
+                "num_condition_video_rows": self.layout.num_condition_video_rows,
+                "num_condition_audio_rows": self.layout.num_condition_audio_rows,
+                "seed": self.seed,
+                "tensors_sha256": file_sha256(tmp / _TENSORS),
+            }
             (tmp / _MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         return path
 
