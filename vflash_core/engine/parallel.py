@@ -23,6 +23,7 @@ import datetime
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TypeVar
 
 import torch
@@ -249,13 +250,16 @@ class TensorShard:
         start = part * width * self.size + self.rank * width
         return t[start : start + width]
 
+    def _columns(self, t: torch.Tensor, width: int) -> torch.Tensor:
+        return t[:, self.rank * width : (self.rank + 1) * width].contiguous()
+
     def tensors(self, tensors) -> dict[str, torch.Tensor]:
         out = dict(tensors)
         qkv, ffn_in = tensors["attn.qkv.weight"], tensors["ffn.in.weight"]
         out["attn.qkv.weight"] = torch.cat([self._rows(qkv, k, self.inner_r) for k in range(3)])
         out["ffn.in.weight"] = torch.cat([self._rows(ffn_in, k, self.ffn_r) for k in range(2)])
-        out["attn.out.weight"] = tensors["attn.out.weight"][:, self.rank * self.inner_r : (self.rank + 1) * self.inner_r].contiguous()
-        out["ffn.out.weight"] = tensors["ffn.out.weight"][:, self.rank * self.ffn_r : (self.rank + 1) * self.ffn_r].contiguous()
+        out["attn.out.weight"] = self._columns(tensors["attn.out.weight"], self.inner_r)
+        out["ffn.out.weight"] = self._columns(tensors["ffn.out.weight"], self.ffn_r)
         return out
 
     def loras(self, loras) -> dict[str, tuple[M.LoraResidual, ...]]:
@@ -270,8 +274,7 @@ class TensorShard:
                     up = torch.cat([self._rows(r.up, k, self.ffn_r) for k in range(2)])
                     sharded.append(M.LoraResidual(r.down, up, r.scale, 0))
                 else:  # attn.out / ffn.out: this rank's input columns of A
-                    width = self.inner_r if name == "attn.out" else self.ffn_r
-                    down = r.down[:, self.rank * width : (self.rank + 1) * width].contiguous()
+                    down = self._columns(r.down, self.inner_r if name == "attn.out" else self.ffn_r)
                     sharded.append(M.LoraResidual(down, r.up, r.scale, r.row_start))
             out[name] = tuple(sharded)
         return out
@@ -281,7 +284,6 @@ def tensor_parallel_ops(config, group: dist.ProcessGroup, size: int, attention: 
     """The block's operations on one tensor-parallel rank: this rank's heads and FFN channels (the block's shape as
     the rank sees it), and an all-reduce of the two output projections' partial products (bf16, so the rounding
     differs from one GPU)."""
-    from dataclasses import replace
 
     def reduce(partial: torch.Tensor) -> torch.Tensor:
         group.allreduce([partial]).wait()
