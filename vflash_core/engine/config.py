@@ -18,11 +18,9 @@ TEXT_TAG = 1
 AUDIO_TAG = 2
 NUM_MODALITIES = 3
 
+
 def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-# The six AdaLN parameters of a block, in the order of the `adaln_proj` output rows.
 
 
 @dataclass(frozen=True)
@@ -75,13 +73,14 @@ class H3Config:
         chosen = {k: v for k, v in values.items() if k in fields}
         for key, value in chosen.items():
             if key == "patch_size":
+                expected = "three positive integers"
                 valid = isinstance(value, (list, tuple)) and len(value) == 3 and all(_positive_int(p) for p in value)
             elif fields[key] == "float":
+                expected = "a positive number"
                 valid = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
             else:
-                valid = _positive_int(value)
+                expected, valid = "a positive integer", _positive_int(value)
             if not valid:
-                expected = "three positive integers" if key == "patch_size" else "a positive number" if fields[key] == "float" else "a positive integer"
                 raise VflashError(f"{what}: {key} must be {expected}, got {value!r}")
         return cls(**chosen)
 

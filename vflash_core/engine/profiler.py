@@ -8,8 +8,8 @@ Stages of one evaluation: `pack_inputs`, per block `adaln_modulation` (norm1 + m
 `qk_norm_rope`, `attention`, `attention_output` (output projection + gated residual), `ffn_norm_modulation`,
 `ffn_input`, `swiglu`, `ffn_output` (output projection + gated residual), then `final_layer` and `latent_update`;
 `blocks` spans the whole block loop (it contains the per-block stages and any wait for streamed weights, so it is not
-added to them). Block-ring sources add `h2d_copy_ms`
-(copy-stream time, which overlaps compute and must not be added to it).
+added to them). Block-ring sources add `h2d_copy_ms` (copy-stream time, which overlaps compute and must not be added
+to it).
 """
 
 from __future__ import annotations
