@@ -12,7 +12,7 @@ from test_schedule_layout_bundle import _bundle
 
 from vflash_core import BundleHandoff, NativeEngineSession
 from vflash_core.weights.compiler import main as compiler_main
-from vflash_core.errors import BundleError, SessionClosedError
+from vflash_core.errors import BundleError, SessionClosedError, VflashError
 
 PROFILE = "t2va-base4-exact-cpu"
 
@@ -161,3 +161,27 @@ def test_compiler_cli_refuses_a_missing_gpu_before_reading_and_stops_cleanly(tmp
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "nothing was published" in err
     assert not (tmp_path / "c").exists() and not list(tmp_path.glob(".c.*"))
+
+
+def test_attention_auto_fallback_is_logged_once_per_device(monkeypatch, caplog):
+    """"auto" on an SM90 GPU without FlashAttention-3 falls back to cuDNN and says so once per device, although the
+    options check, the session and every rank resolve it again (the GPU is simulated: capability and probe patched)."""
+    import logging
+
+    import torch
+
+    from vflash_core.engine import attention
+
+    def no_fa3() -> None:
+        raise VflashError("fa3-fwd is not installed")
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(attention, "_fa3", no_fa3)
+    monkeypatch.setattr(attention, "_probe", lambda name, fn, device: None)
+    monkeypatch.setattr(attention, "_FALLBACK_LOGGED", set())
+    with caplog.at_level(logging.INFO, logger=attention.__name__):
+        chosen = [attention.resolve_attention("auto", torch.device(d))[0] for d in ("cuda:0", "cuda:0", "cuda:1", "cuda:0")]
+    assert chosen == ["torch-cudnn"] * 4
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2 and messages[0].startswith("attention auto on cuda:0: FlashAttention-3 unavailable")
+    assert messages[1].startswith("attention auto on cuda:1: FlashAttention-3 unavailable") and "fa3-fwd is not installed" in messages[1]

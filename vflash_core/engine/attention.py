@@ -27,6 +27,8 @@ from ..errors import VflashError
 from .model import AttentionFn, sdpa_attention
 
 logger = logging.getLogger(__name__)
+# Devices whose "auto" fallback was logged: the options check, the session and each rank resolve the same choice.
+_FALLBACK_LOGGED: set[torch.device] = set()
 
 _SDPA_KERNELS = {
     "torch-cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -93,7 +95,9 @@ def resolve_attention(name: str, device: torch.device, approximate_allowed: bool
                 _probe("fa3", fn, device)
                 return "fa3", fn
             except VflashError as exc:
-                logger.info("attention auto: FlashAttention-3 unavailable (%s); using cuDNN", exc)
+                if device not in _FALLBACK_LOGGED:
+                    _FALLBACK_LOGGED.add(device)
+                    logger.info("attention auto on %s: FlashAttention-3 unavailable (%s); using cuDNN", device, exc)
         name = "torch-cudnn"
     if name == "torch-sdpa":
         return name, sdpa_attention
