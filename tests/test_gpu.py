@@ -85,7 +85,7 @@ def test_explicit_unavailable_backend_is_an_error(gpu_compiled):
 @pytest.mark.multigpu
 @pytest.mark.parametrize("strategy", ["sequence-head", "tensor"])
 @pytest.mark.parametrize("residency", ["resident", "block-ring"])
-def test_two_gpus(gpu_compiled, strategy, residency):
+def test_two_gpus_repeatable_and_sequence_head_bitwise(gpu_compiled, strategy, residency):
     with NativeEngineSession(PROFILE, **gpu_compiled, device="cuda:0") as single:
         expected = single.generate(_bundle(3))
     with NativeEngineSession(PROFILE, **gpu_compiled, device="cuda:0", peer_device=1, strategy=strategy, weight_residency=residency) as group:

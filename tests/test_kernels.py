@@ -198,7 +198,7 @@ def test_index_width_rule_on_fake_shapes():
     assert needs(torch.empty_strided((2, 3), (2**31, 1), device="meta")) and not needs(torch.empty(4, 4, device="meta"))
 
 
-def test_tile_heuristic():
+def test_elementwise_tiles_fit_the_released_widths_and_stay_powers_of_two():
     launch = _compiled_kernels()._launch
     tile = launch.elementwise_tile
     assert tile(19_796, 5376) == launch.Tile(16, 256, 8)  # H = 21 * 256: no masked lanes

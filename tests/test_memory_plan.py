@@ -109,7 +109,7 @@ def test_a_request_is_checked_against_what_is_available_now():
     )
 
 
-def test_estimates():
+def test_memory_estimates_of_each_part_at_the_released_sizes():
     from diffusers import AutoencoderKLMiniMaxH3
     from transformers import Qwen3VLTextConfig, Qwen3VLVisionConfig
 

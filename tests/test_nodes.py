@@ -506,7 +506,7 @@ def test_generate_node_all_in_one(pack, comfy):
     assert probe_mp4(next((output_dir() / "video").glob("generate_*.mp4")))["frames"] == 124
 
 
-def test_lora_chain(pack, model_files):
+def test_lora_select_chains_and_loader_refuses_chains_it_cannot_apply(pack, model_files):
     from safetensors.torch import save_file
 
     loras = model_files / "loras"
@@ -526,7 +526,7 @@ def test_lora_chain(pack, model_files):
                        strategy="sequence-head", attention_backend="auto", lora=chain)
 
 
-def test_device_rules(pack):
+def test_model_loader_refuses_missing_devices_and_unknown_options(pack):
     loader = pack.nodes["VflashModelLoader"]
     with pytest.raises(VflashError, match="cuda:3 does not exist"):
         loader.execute(model="embedded-demo", profile="auto", weight_residency="auto", device="cuda:3", peer_device="none",

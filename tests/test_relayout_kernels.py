@@ -103,7 +103,7 @@ def test_session_uses_the_kernels_on_cuda():
     assert parallel.relayout_ops(torch.device("cuda:0")) == (kernels.relayout.pack_heads, kernels.relayout.merge_heads)
 
 
-def test_validation(interp):
+def test_relayout_refuses_bad_shapes_and_dtypes(interp):
     relayout = interp.relayout
     x = torch.zeros(5, 8, 4, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"must be >= 1 and divide x's 8 heads"):

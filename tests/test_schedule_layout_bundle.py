@@ -42,7 +42,7 @@ def test_documented_nine_point_schedule():
     assert len(schedule.video_timesteps) == 8
 
 
-def test_geometry_rules():
+def test_frame_latent_and_canvas_geometry_rules():
     assert align_num_frames(120) == 124 and align_num_frames(124) == 124 and align_num_frames(125) == 141
     assert video_latent_frames(124) == 37 and video_latent_frames(243) == 72
     assert audio_latent_count(124) == 207 and audio_latent_count(243) == 405 and audio_latent_count(345) == 575

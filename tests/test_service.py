@@ -342,7 +342,7 @@ async def test_json_python_cannot_parse_wrong_json_types_and_nul_prompts_are_400
     assert (await client.get("/healthz")).status == 200
 
 
-async def test_bearer_token(aiohttp_client, make_service):
+async def test_bearer_token_guards_the_api_but_not_the_probes(aiohttp_client, make_service):
     app, _ = make_service(token="s3cret")
     client = await aiohttp_client(app)
     assert (await client.get("/healthz")).status == 200  # probes stay open

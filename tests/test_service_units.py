@@ -161,7 +161,7 @@ def test_client_messages_do_not_show_service_folders(tmp_path):
     )
 
 
-def test_describe_exit():
+def test_describe_exit_names_signals_and_exit_codes():
     assert describe_exit(-9) == "signal SIGKILL"
     assert describe_exit(1) == "exit code 1"
     assert describe_exit(None) == "an unknown status"

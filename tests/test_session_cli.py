@@ -127,7 +127,7 @@ def test_cli_bad_inputs_are_one_line_errors(tmp_path, tiny_compiled):
     assert not out.exists()
 
 
-def test_compiler_cli(tmp_path, tiny_transformer, capsys):
+def test_compiler_cli_prepares_compiles_and_refuses_a_missing_receipt(tmp_path, tiny_transformer, capsys):
     assert compiler_main(["prepare", "--profile", PROFILE, "--transformer", str(tiny_transformer), "--receipt", str(tmp_path / "r.json")]) == 0
     assert compiler_main(["compile", "--receipt", str(tmp_path / "r.json"), "--output", str(tmp_path / "c")]) == 0
     assert (tmp_path / "c" / "artifact" / "block_000.safetensors").is_file()

@@ -129,7 +129,7 @@ def test_short_read_names_file_and_offset(mixed_file, monkeypatch):
     assert _open_fds() == before
 
 
-def test_argument_checks(mixed_file):
+def test_sequential_weights_refuses_bad_workers_and_pinning_without_cuda(mixed_file):
     with pytest.raises(ValueError, match="read_workers"):
         SequentialWeights(mixed_file, 3)
     if not torch.cuda.is_available():

@@ -49,7 +49,7 @@ def test_row_range_reads_into_slices(sample_file):
     assert_bitwise(dest, torch.cat([tensors["a"][2:5], tensors["a"][0:2]]), "swapped rows")
 
 
-def test_sharded_index(tmp_path, tiny_weights):
+def test_sharded_diffusers_folder_reads_through_its_index(tmp_path, tiny_weights):
     folder = synthetic.write_diffusers_transformer(tmp_path / "t", TINY, tiny_weights, max_shard_bytes=20_000)
     store = TensorStore(folder)
     assert len(store.files) > 3
