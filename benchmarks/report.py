@@ -197,6 +197,18 @@ def fill_repo_readme(data: dict, start_marker: str = FITS_START, end_marker: str
     REPO_README.write_text(text[:start] + "\n" + render_table(data) + "\n" + text[end:])
 
 
+def _forward_reruns(other_runs: dict | None) -> list[str]:
+    """The re-runs of forward.py kept beside its table: per commit and canvas, diffusers and Vflash ms/block, speedup,
+    Vflash / roofline (values stored as [vflash, diffusers, speedup, roofline ratio, worst round, burst rates])."""
+    if not other_runs:
+        return []
+    rows = [f"| `{run['commit']}` | {canvas} | {values[1]} | {values[0]} | {values[2]} | {values[3]} | {run.get('note', '')} |"
+            for run in other_runs["runs"] for canvas, values in run.items() if isinstance(values, list)]
+    return ["Re-runs at other commits (same method, another H200 machine):", "",
+            "| commit | canvas | diffusers ms/block | Vflash ms/block | speedup | Vflash / roofline | note |",
+            "|---|---|---:|---:|---:|---:|---|", *rows, ""]
+
+
 def render() -> str:
     parts = [
         "# Benchmarks",
@@ -224,6 +236,7 @@ def render() -> str:
                                         ("roofline_ratio_max_over_rounds", "worst round"), ("roofline_ratio_burst_rates", "with burst rates"),
                                         ("attention_backend", "attention"), ("bitwise_equal_to_diffusers", "bitwise (cuDNN)"), ("max_abs_diff", "max abs diff (FA3)")]),
             "",
+            *_forward_reruns(forward.get("other_runs")),
         ]
     e2e = _load("end_to_end_h200")
     if e2e:
