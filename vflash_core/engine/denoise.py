@@ -25,8 +25,11 @@ from .profiler import NO_TIMER, StageTimer
 from .residency import BlockSource, device_loras
 from .schedule import euler_step, row_timestep_plan
 
-# progress(evaluation_index_done, total_evaluations)
+# The two progress callbacks of Vflash: within one stage, progress(done, total) (here: evaluations of a trajectory);
+# across stages, progress(stage, done, total) (the compiler's hash / verify / compile, the pipeline's load / encode /
+# denoise / decode / write). Either may raise to abandon the call.
 ProgressFn = Callable[[int, int], None]
+StageProgress = Callable[[str, int, int], None]
 
 
 @dataclass

@@ -48,6 +48,7 @@ import torch
 
 from ..engine.bundle import BundleHandoff, EncodedReference, build_keyframe_bundle, build_ref2va_bundle
 from ..engine.config import H3Config
+from ..engine.denoise import StageProgress
 from ..engine.layout import FPS, VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK, VAE_SPATIAL_RATIO, Geometry
 from ..engine.session import (
     BlockLoader,
@@ -100,8 +101,7 @@ logger = logging.getLogger(__name__)
 ASSET_FIELDS = ("model_root", "decoder_root", "adapter_path", "artifact", "schedule_overlay", "auxiliary_tensor")
 _ASSET_KINDS = {k: "a path string or null" if k == "adapter_path" else "a path string" for k in ASSET_FIELDS}
 
-# progress(stage, done, total), stage one of "load", "encode", "denoise", "decode", "write"
-PipelineProgress = Callable[[str, int, int], None]
+# Progress stages (`StageProgress`): "load", "encode", "denoise", "decode", "write".
 
 
 class RequestCancelled(RunFailedError):
@@ -497,7 +497,7 @@ class H3Pipeline:
         canvas: CanvasRules | None = None,
         prompt_budget: PromptBudget | None = None,
         options: RunOptions | None = None,
-        loader: Callable[[PipelineProgress | None], tuple[TextConditioner, MediaVAEs, NativeEngineSession]] | None = None,
+        loader: Callable[[StageProgress | None], tuple[TextConditioner, MediaVAEs, NativeEngineSession]] | None = None,
     ):
         self.profile = _resolve_profile(profile)
         parts = (conditioner, vaes, session)
@@ -554,7 +554,7 @@ class H3Pipeline:
         # The core's loader hooks load resident blocks: the plan places them so unless told otherwise (then refused).
         weight_residency = "resident" if core_hooks and options.weight_residency == "auto" else options.weight_residency
 
-        def load(progress: PipelineProgress | None) -> tuple[TextConditioner, MediaVAEs, NativeEngineSession]:
+        def load(progress: StageProgress | None) -> tuple[TextConditioner, MediaVAEs, NativeEngineSession]:
             total = 2 + int(assets.record["transformer"]["num_layers"])
             report = progress or (lambda stage, done, total: None)
             loaded: list[TextConditioner | MediaVAEs] = []
@@ -609,7 +609,7 @@ class H3Pipeline:
         if self._closed:
             raise SessionClosedError("this pipeline is closed (closed, cancelled or failed); create a new H3Pipeline")
 
-    def load(self, progress: PipelineProgress | None = None) -> None:
+    def load(self, progress: StageProgress | None = None) -> None:
         """Load the text encoder, the VAEs and the native session now (once, whichever thread asks first); sets
         `initialization_seconds`."""
         self._check_open()
@@ -704,7 +704,7 @@ class H3Pipeline:
         request: VideoRequest,
         output: str | Path | None,
         overwrite: bool = False,
-        progress: PipelineProgress | None = None,
+        progress: StageProgress | None = None,
         cancel: Callable[[], None] | None = None,
     ) -> VideoResult:
         """Generate one clip and write it to `output` (MP4; None keeps the decoded media in the result)."""
@@ -717,7 +717,7 @@ class H3Pipeline:
 
     def _run(
         self, request: VideoRequest, plan: RequestPlan, output: str | Path | None, overwrite: bool,
-        progress: PipelineProgress | None, cancel: Callable[[], None] | None, validated: float,
+        progress: StageProgress | None, cancel: Callable[[], None] | None, validated: float,
     ) -> VideoResult:
         """One validated request, under the pipeline's lock; the clock starts after any wait for the lock."""
         start = time.perf_counter() - validated

@@ -48,6 +48,7 @@ from tqdm.auto import tqdm
 
 from ..engine import model as M
 from ..engine.config import H3Config
+from ..engine.denoise import StageProgress
 from ..engine.fp8 import FP8_LINEARS, quantize_block
 from ..engine.schedule import distinct_timesteps
 from ..errors import IdentityMismatchError, VflashError, run_command
@@ -59,9 +60,8 @@ from .checkpoint import TABLE_INPUTS, SourceWeights
 from .lora import TABLE_ONLY, Adapter, load_adapter
 from .tensor_store import describe_files, file_sha256, write_safetensors
 
-#: `(stage, done, total)` after each unit of work: "hash" (prepare, per weight file), "verify" (compile, per weight
-#: file), "compile" (per block). It may raise to abandon the call; nothing is published then.
-CompileProgress = Callable[[str, int, int], None]
+# Progress stages (`StageProgress`), after each unit of work: "hash" (prepare, per weight file), "verify" (compile,
+# per weight file), "compile" (per block). A callback that raises abandons the call; nothing is published then.
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def prepare(
     receipt: str | Path,
     adapter: str | Path | None = None,
     qkv_layout: str | None = None,
-    progress: CompileProgress | None = None,
+    progress: StageProgress | None = None,
 ) -> dict[str, object]:
     """Write a receipt binding `profile` to the base weights and adapter; returns the receipt."""
     profile = get_profile(profile)
@@ -128,7 +128,7 @@ def prepare(
     return json.loads(text)
 
 
-def _hash_files(paths: list[Path], progress: CompileProgress | None) -> list[dict[str, object]]:
+def _hash_files(paths: list[Path], progress: StageProgress | None) -> list[dict[str, object]]:
     """Hash the weight files, several at once; `progress` is told after each file, in order."""
     records = []
     with ThreadPoolExecutor(min(HASH_WORKERS, max(1, len(paths)))) as pool:
@@ -187,7 +187,7 @@ def _profile_from_receipt(receipt: dict, path: str | Path) -> Profile:
     return profile
 
 
-def _verify_receipt_files(receipt: dict, source: SourceWeights, progress: CompileProgress | None) -> None:
+def _verify_receipt_files(receipt: dict, source: SourceWeights, progress: StageProgress | None) -> None:
     """The payloads must be exactly the ones the receipt hashed.
 
     A file whose size and modification time are still the ones `prepare` recorded is the file it hashed (weights
@@ -216,7 +216,7 @@ def _verify_receipt_files(receipt: dict, source: SourceWeights, progress: Compil
         raise IdentityMismatchError("transformer config differs from the receipt")
 
 
-def compile_receipt(receipt_path: str | Path, output: str | Path, device: str = "cpu", progress: CompileProgress | None = None) -> Path:
+def compile_receipt(receipt_path: str | Path, output: str | Path, device: str = "cpu", progress: StageProgress | None = None) -> Path:
     """Compile the receipt's weights for its profile into `output` (must not exist). Returns `output`."""
     receipt = _load_receipt(receipt_path)
     profile = _profile_from_receipt(receipt, receipt_path)
@@ -298,7 +298,7 @@ def _timestep_vectors(profile: Profile) -> list[list[torch.Tensor]]:
 
 @torch.no_grad()
 def _write_compiled(
-    out: Path, source: SourceWeights, adapter: Adapter | None, profile: Profile, receipt: dict, device: torch.device, arch: str, progress: CompileProgress | None
+    out: Path, source: SourceWeights, adapter: Adapter | None, profile: Profile, receipt: dict, device: torch.device, arch: str, progress: StageProgress | None
 ) -> None:
     config = source.config
     compile_id = uuid.uuid4().hex
