@@ -32,7 +32,8 @@ from typing import Any, Protocol
 import torch
 
 from vflash_core.engine.layout import FPS, Geometry, align_num_frames, frames_for_duration
-from vflash_core.errors import RequestError, VflashError, WeightFileError
+from vflash_core.errors import IdentityMismatchError, RequestError, VflashError, WeightFileError
+from vflash_core.formats import check_device, device_arch
 from vflash_core.pipeline.options import STRATEGIES, WEIGHT_RESIDENCIES
 
 from . import comfy_latent as cl
@@ -294,16 +295,8 @@ class EngineRegistry:
 
 
 def resolve_device(host: Host, device: str) -> str:
-    """'auto' -> the host's compute device now; an explicit cuda:N must exist."""
-    resolved = host.default_device() if device == "auto" else device
-    dev = torch.device(resolved)
-    if dev.type == "cuda":
-        count = torch.cuda.device_count()
-        if dev.index is not None and dev.index >= count:
-            raise VflashError(f"device {resolved} does not exist: this machine has {count} CUDA device(s)")
-    elif dev.type != "cpu":
-        raise VflashError(f"Vflash runs on cpu or cuda devices, not {resolved}")
-    return str(dev)
+    """'auto' -> the host's compute device now; an explicit device must exist (`formats.check_device`)."""
+    return str(check_device(host.default_device() if device == "auto" else device, None))
 
 
 def request_geometry(width: int, height: int, length: int, seconds: float) -> Geometry:
@@ -469,26 +462,21 @@ def recorded_profile(model: str, path: str, profile: str):
     return None
 
 
-_ARCH_NAMES = {"cpu": "the CPU", "sm86": "sm86 GPUs (RTX 30xx / A-series)", "sm89": "sm89 GPUs (RTX 40xx / L4 / L40)", "sm90": "sm90 GPUs (H100 / H200)"}
-
-
 def check_profile_device(profile: Any, device: str, what: str = "device") -> None:
-    """Refuse a resolved device whose architecture is not the one the profile's tables were computed on."""
-    from vflash_core.formats import device_arch
-
-    arch = device_arch(device)
-    if arch != profile.arch:
+    """Refuse a resolved device whose architecture is not the one the profile's tables were computed on, naming the
+    profiles that run on it instead."""
+    try:
+        check_device(device, profile.arch, what, profile.id)
+    except IdentityMismatchError as exc:
+        arch = device_arch(device)
         runnable = [p for p in ordered_profiles() if p != "auto" and p.endswith(f"-{arch}")]
         hint = f"; profiles for {arch} here: {', '.join(runnable[:4])}{' ...' if len(runnable) > 4 else ''}" if runnable else ""
-        raise VflashError(
-            f"profile {profile.id} runs on {_ARCH_NAMES.get(profile.arch, profile.arch)}; the {what} {device} is {arch}{hint}"
-        )
+        raise IdentityMismatchError(f"{exc}{hint}") from None
 
 
 def ordered_profiles() -> list[str]:
     """'auto', then the profiles this machine can run (its GPUs' architectures in device order first, then CPU ones),
     then the rest (still selectable, so saved workflows keep their value)."""
-    from vflash_core.formats import device_arch
     from vflash_core.profiles import PROFILES
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -113,9 +113,9 @@ def test_progress_reports_each_file_and_block_and_may_abandon_the_call(tmp_path,
 
 def test_architecture_mismatch(tmp_path, tiny_transformer):
     prepare("t2va-base16-bf16-sm90", tiny_transformer, tmp_path / "r.json")
-    with pytest.raises(IdentityMismatchError, match="compiled for sm90; device cpu is cpu"):
+    with pytest.raises(IdentityMismatchError, match=r"profile t2va-base16-bf16-sm90 runs on sm90 GPUs \(H100 / H200\); the device cpu is cpu"):
         compile_receipt(tmp_path / "r.json", tmp_path / "out", device="cpu")
-    with pytest.raises(VflashError, match="cuda:0: CUDA is not available|cuda:0 is sm"):  # checked before any weight is read
+    with pytest.raises(VflashError, match="cuda:0 does not exist: CUDA is not available|cuda:0 is sm"):  # checked before any weight is read
         compile_receipt(tmp_path / "r.json", tmp_path / "out", device="cuda:0")
     assert not (tmp_path / "out").exists()
 

@@ -111,12 +111,12 @@ def test_generate_refuses_bad_input_before_loading(case, h3_prepared, inputs, tm
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_gpu_request_without_cuda_is_refused_before_loading(h3_prepared, tmp_path, capsys, no_model_loads):
     line = refused(capsys, ["generate", "--prepared-assets", str(h3_prepared), "--prompt", "x", "--gpu", "0", "--output", str(tmp_path / "o.mp4")])
-    assert line.startswith("device cuda:0: CUDA is not available on this machine")
-    with pytest.raises(VflashError, match=r"peer device cuda:1: CUDA is not available"):
+    assert line.startswith("device cuda:0 does not exist: CUDA is not available on this machine")
+    with pytest.raises(VflashError, match=r"peer device cuda:1 does not exist: CUDA is not available"):
         H3Pipeline.from_prepared(h3_prepared, RunOptions(peer_device=1, strategy="sequence-head"))
     denoise = ["denoise", "t2va-base4-exact-cpu", "--artifact", "a", "--schedule-overlay", "s", "--auxiliary-tensor", "x",
                "--bundle", "b", "--output-latents", str(tmp_path / "latents.safetensors"), "--gpu", "0"]
-    assert refused(capsys, denoise).startswith("device cuda:0: CUDA is not available on this machine")
+    assert refused(capsys, denoise).startswith("device cuda:0 does not exist: CUDA is not available on this machine")
     assert files_in(tmp_path) == []
 
 
@@ -336,8 +336,10 @@ def test_device_requests_are_checked_before_loading(h3_prepared, no_model_loads)
     sm90 = get_profile("t2va-base16-bf16-sm90")
     from vflash_core.formats import check_device
 
-    with pytest.raises(VflashError, match=r"^the profile was compiled for sm90; device cpu is cpu$"):
+    with pytest.raises(VflashError, match=r"^the profile runs on sm90 GPUs \(H100 / H200\); the device cpu is cpu$"):
         check_device("cpu", sm90.arch)
+    with pytest.raises(VflashError, match=r"^profile t2va-base16-bf16-sm90 runs on sm90 GPUs \(H100 / H200\); the peer device cpu is cpu$"):
+        check_device("cpu", sm90.arch, "peer device", sm90.id)
 
 
 def test_input_file_problems_are_named(inputs, tmp_path):

@@ -30,9 +30,14 @@ def device_arch(device: torch.device | str) -> str:
     raise VflashError(f"unsupported device {device}")
 
 
-def check_device(device: int | str | torch.device, arch: str, role: str = "device") -> torch.device:
-    """A device this machine has, of the architecture the profile's tables were computed on; checked before any
-    model loads. Initialises CUDA for a CUDA device, so the service's HTTP process never calls it."""
+#: What an architecture tag means to a user.
+ARCH_NAMES = {"cpu": "the CPU", "sm86": "sm86 GPUs (RTX 30xx / A-series)", "sm89": "sm89 GPUs (RTX 40xx / L4 / L40)", "sm90": "sm90 GPUs (H100 / H200)"}
+
+
+def check_device(device: int | str | torch.device, arch: str | None, role: str = "device", profile_id: str | None = None) -> torch.device:
+    """A device this machine has and, when `arch` is given, of the architecture the profile's tables were computed on;
+    checked before any model loads (`profile_id` names the profile in the refusal). Initialises CUDA for a CUDA
+    device, so the service's HTTP process never calls it."""
     try:
         resolved = torch.device(f"cuda:{device}") if isinstance(device, int) and not isinstance(device, bool) else torch.device(device)
     except (RuntimeError, TypeError, ValueError):
@@ -40,13 +45,14 @@ def check_device(device: int | str | torch.device, arch: str, role: str = "devic
     if resolved.type == "cuda":
         if not torch.cuda.is_available():
             build = "" if torch.version.cuda else " (this torch build has no CUDA support)"
-            raise VflashError(f"{role} {resolved}: CUDA is not available on this machine{build}")
+            raise VflashError(f"{role} {resolved} does not exist: CUDA is not available on this machine{build}")
         count = torch.cuda.device_count()
         if resolved.index is not None and resolved.index >= count:
-            raise VflashError(f"{role} {resolved}: this machine has {count} CUDA device(s)")
+            raise VflashError(f"{role} {resolved} does not exist: this machine has {count} CUDA device(s)")
     elif resolved.type != "cpu":
         raise VflashError(f"{role} {resolved}: Vflash runs on cpu or cuda devices")
     found = device_arch(resolved)
-    if found != arch:
-        raise IdentityMismatchError(f"the profile was compiled for {arch}; {role} {resolved} is {found}")
+    if arch is not None and found != arch:
+        profile = f"profile {profile_id}" if profile_id else "the profile"
+        raise IdentityMismatchError(f"{profile} runs on {ARCH_NAMES.get(arch, arch)}; the {role} {resolved} is {found}")
     return resolved

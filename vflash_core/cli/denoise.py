@@ -39,10 +39,10 @@ def _denoise(args: argparse.Namespace) -> int:
     check_writable_destination(args.output_latents)
     if os.path.lexists(args.bundle) and not os.path.isdir(args.bundle):
         raise VflashError(f"--bundle {args.bundle} is not a folder; give the conditioning bundle's folder")
-    arch = get_profile(args.profile).arch
-    device = check_device("cpu" if args.gpu is None else args.gpu, arch)
+    profile = get_profile(args.profile)
+    device = check_device("cpu" if args.gpu is None else args.gpu, profile.arch, profile_id=profile.id)
     for peer in args.peer_gpu or ():
-        check_device(peer, arch, "peer device")
+        check_device(peer, profile.arch, "peer device", profile.id)
     bundle = ConditioningBundle.load(args.bundle)
     with tqdm(desc="load weights", unit="block") as load_bar:
         def on_load(done: int, total: int) -> None:

@@ -547,7 +547,7 @@ class H3Pipeline:
         if not isinstance(options, RunOptions):
             raise VflashError(f"options must be a RunOptions, got {describe_value(options)}; e.g. RunOptions(device=0)")
         assets = prepared_assets if isinstance(prepared_assets, PreparedAssets) else PreparedAssets.load(prepared_assets)
-        primary, peer = options.check_devices(assets.profile.arch, assets.profile.fp8 is not None)
+        primary, peer = options.check_devices(assets.profile)
         if text_encoder_loader is not None and not callable(text_encoder_loader):
             raise VflashError(f"text_encoder_loader must be a Python callable, got {type(text_encoder_loader).__name__}")
         core_hooks = check_loader_hooks(native_denoiser_loader, block_loader, options.strategy, 1 + (peer is not None))

@@ -16,6 +16,7 @@ import torch
 from ..engine.session import STRATEGIES, WEIGHT_RESIDENCIES
 from ..errors import VflashError
 from ..media.mp4 import MAX_VIDEO_THREADS, VIDEO_INPUTS, check_delivery_options
+from ..profiles import Profile
 
 ENCODER_RESIDENCIES = ("offload", "resident")  # where the text encoder and the VAEs live between their stages
 
@@ -61,16 +62,16 @@ class RunOptions:
             if not isinstance(getattr(self, name), bool):
                 raise VflashError(f"{name} must be true or false, got {getattr(self, name)!r}")
 
-    def check_devices(self, arch: str, approximate_attention: bool = False) -> tuple[torch.device, torch.device | None]:
+    def check_devices(self, profile: Profile) -> tuple[torch.device, torch.device | None]:
         """(device, peer) resolved and checked against this machine and the profile's architecture; the attention
         backend is resolved on the device too, so an unknown or unavailable kernel is refused before any load (an
-        approximate one unless `approximate_attention`: the profile is an FP8 profile)."""
+        approximate one unless the profile is an FP8 profile)."""
         from ..engine.attention import resolve_attention
         from ..formats import check_device
 
-        primary = check_device(self.device, arch)
-        resolve_attention(self.attention_backend, primary, approximate_attention)
-        peer = None if self.peer_device is None else check_device(self.peer_device, arch, "peer device")
+        primary = check_device(self.device, profile.arch, profile_id=profile.id)
+        resolve_attention(self.attention_backend, primary, profile.fp8 is not None)
+        peer = None if self.peer_device is None else check_device(self.peer_device, profile.arch, "peer device", profile.id)
         return primary, peer
 
     @staticmethod

@@ -222,7 +222,7 @@ def compile_receipt(receipt_path: str | Path, output: str | Path, device: str = 
     profile = _profile_from_receipt(receipt, receipt_path)
     from ..formats import check_device
 
-    device_t = check_device(device, profile.arch)  # before anything is read: this machine must have that device
+    device_t = check_device(device, profile.arch, profile_id=profile.id)  # before anything is read
     arch = device_arch(device_t)
     output = check_new_directory(output)  # before the weights are read and hashed
     tx = receipt["transformer"]
