@@ -29,7 +29,7 @@ def _round_as(x, DTYPE: tl.constexpr, EMULATE_CASTS: tl.constexpr):
             bits = x.to(tl.uint32, bitcast=True)
             bits = bits + (((bits >> 16) & 1) + 0x7FFF)
             bits = (bits >> 16) << 16
-            y = tl.where(x == x, bits.to(tl.float32, bitcast=True), x)
+            y = tl.where(x == x, bits.to(tl.float32, bitcast=True), x)  # noqa: PLR0124 - NaN stays NaN
         else:
             y = x.to(tl.bfloat16).to(tl.float32)
     else:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+
 @triton.jit
 def _maximum(a, b):
     return tl.maximum(a, b)

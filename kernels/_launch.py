@@ -13,19 +13,19 @@ import torch
 import triton
 
 __all__ = [
-    "INTERPRET",
+    "COMPILE_OPTIONS",
     "INT32_MAX",
+    "INTERPRET",
     "Tile",
     "addressed_span",
     "as_rows",
     "check_device",
-    "elementwise_tile",
-    "tile_and_grid",
-    "needs_int64",
-    "round_dtype",
     "check_index",
+    "elementwise_tile",
+    "needs_int64",
     "output",
-    "COMPILE_OPTIONS",
+    "round_dtype",
+    "tile_and_grid",
 ]
 
 
@@ -130,7 +130,7 @@ def elementwise_tile(n_rows: int, n_groups: int, group_size: int = 1, target_ele
     candidates = [g for g in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048) if 256 <= g * group_size <= 2048 and g <= whole]
     if not candidates:  # rows narrower than 256 elements (or a single group wider than 2048): one block per row
         candidates = [min(whole, max(1, 2048 // group_size))]
-    waste = lambda g: -n_groups % g  # noqa: E731 - masked groups in the last column block
+    waste = lambda g: -n_groups % g  # masked groups in the last column block
     block_groups = min(candidates, key=lambda g: (waste(g), -g))
     tile_cols = block_groups * group_size
     block_rows = max(1, min(target // tile_cols, triton.next_power_of_2(n_rows)))

@@ -9,7 +9,7 @@ bug and keeps its traceback.
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 
 class VflashError(Exception):

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 import torch
 
@@ -304,7 +305,7 @@ class NativeEngineSession:
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
 
-    def __enter__(self) -> NativeEngineSession:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

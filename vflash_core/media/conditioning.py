@@ -194,7 +194,7 @@ class TextConditioner(SerialDeviceOwner):
     @classmethod
     def from_pretrained(
         cls, model_root: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, text_encoder_loader: TextEncoderLoader | None = None,
-    ) -> "TextConditioner":
+    ) -> TextConditioner:
         """Load `text_encoder/` (layers 0..49, no final norm, no LM head), `tokenizer/` and `processor/` of an official
         model root, offline; the text encoder from `text_encoder_loader(root)` instead when given (module docstring)."""
         from transformers import AutoConfig, AutoImageProcessor, Qwen2TokenizerFast, Qwen3VLModel

@@ -55,7 +55,7 @@ class CanvasRules:
     reference_image_short_edge: int = 2048
 
     @classmethod
-    def from_model_root(cls, root: str | Path) -> "CanvasRules":
+    def from_model_root(cls, root: str | Path) -> CanvasRules:
         index = Path(root) / "modular_model_index.json"
         default = cls()
         try:
@@ -119,7 +119,7 @@ def probe_media(item: str | Path | Image.Image, what: str) -> MediaProbe:
         return _probe_stream(path, kind, what)
     except RequestError:
         raise
-    except Exception as exc:  # PIL and FFmpeg raise many types for unreadable files
+    except Exception as exc:  # noqa: BLE001 - PIL and FFmpeg raise many types for unreadable files
         raise RequestError(f"{what} {path} cannot be read as {kind}: {exc}") from None
 
 

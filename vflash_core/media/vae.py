@@ -69,7 +69,7 @@ class MediaVAEs(SerialDeviceOwner):
     def from_pretrained(
         cls, decoder_root: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, video_decoder: str = "diffusers",
         peer_device: str | torch.device | None = None,
-    ) -> "MediaVAEs":
+    ) -> MediaVAEs:
         """Load `vae/` and `audio_vae/` from a decoder root (an official model root works), offline.
 
         `dtype` applies to the video VAE's decoder stack (its cast-sensitive modules stay fp32, as diffusers pins

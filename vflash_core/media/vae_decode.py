@@ -551,7 +551,7 @@ class PeerPart:
                         break
                     self.outbox.put(_staged(batch, pixels))
             self.outbox.put(None)
-        except BaseException as error:  # handed to the first device's thread, which raises it
+        except BaseException as error:  # noqa: BLE001 - handed to the first device's thread, which raises it
             self.outbox.put(error)
 
     def results(self) -> Iterator[tuple[list[TileWindow], torch.Tensor]]:

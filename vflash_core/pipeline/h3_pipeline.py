@@ -41,6 +41,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Self
 
 import numpy as np
 import PIL.Image
@@ -267,7 +268,7 @@ class PreparedAssets:
     record: dict
 
     @classmethod
-    def load(cls, receipt: str | Path) -> "PreparedAssets":
+    def load(cls, receipt: str | Path) -> PreparedAssets:
         """Read a receipt written by `prepare_pipeline`; every field it needs must be present with its type, the
         profile's identity must still match and the assets exist."""
         path = path_argument(receipt, "the prepared-assets receipt")
@@ -342,7 +343,7 @@ def prepare_pipeline(profile: Profile | str, assets: str | Path, receipt: str | 
     canvas = CanvasRules.from_model_root(paths["model_root"])
     record = {
         "format": PIPELINE_FORMAT,
-        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "profile": profile.id,
         "profile_identity": profile.identity(),
         "assets": {k: None if v is None else str(v) for k, v in paths.items()},
@@ -530,7 +531,7 @@ class H3Pipeline:
         text_encoder_loader: TextEncoderLoader | None = None,
         native_denoiser_loader: NativeDenoiserLoader | None = None,
         block_loader: BlockLoader | None = None,
-    ) -> "H3Pipeline":
+    ) -> H3Pipeline:
         """A pipeline over prepared assets that loads nothing until `load()` or the first request. The devices
         (present on this machine, of the profile's architecture) and the attention backend are checked now.
 
@@ -635,7 +636,7 @@ class H3Pipeline:
                     part.close()
             self.session = self.conditioner = self.vaes = None
 
-    def __enter__(self) -> "H3Pipeline":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -66,6 +66,7 @@ GIB = 1 << 30
 # Device memory kept free beyond the estimates: allocator fragmentation, kernels' workspaces, the audio decode and the
 # VAE encode of conditioning frames (not estimated), other users of the device.
 MARGIN_BYTES = 2 * GIB
+RELEASED_CANVAS = CanvasRules()  # the released model's canvas rules, what the plan is sized for by default
 STAGES = ("encode", "denoise", "decode")
 # The request the plan is sized for: the profile's longest clip on the model's 16:9 canvas, with this many text rows
 # and, in keyframe and reference modes, two canvas-sized pictures.
@@ -86,7 +87,7 @@ def request_rows(config: H3Config, geometry: Geometry, text_rows: int) -> int:
     return text_rows + 2 * audio_latent_count(geometry.num_frames) + geometry.num_latent_frames * geometry.rows_per_frame(config.patch_size)
 
 
-def largest_request_rows(profile: Profile, config: H3Config, canvas: CanvasRules = CanvasRules()) -> int:
+def largest_request_rows(profile: Profile, config: H3Config, canvas: CanvasRules = RELEASED_CANVAS) -> int:
     """Packed rows of the profile's longest clip on the model's 16:9 canvas with the planned text rows."""
     return request_rows(config, Geometry(*canvas.default_canvas(), largest_clip_frames(profile)), PLANNED_TEXT_ROWS)
 
@@ -198,7 +199,7 @@ class PartSizes:
 
 def largest_request(
     profile: Profile, config: H3Config | None = None, conditioner: TextConditioner | None = None, vaes: MediaVAEs | None = None,
-    canvas: CanvasRules = CanvasRules(),
+    canvas: CanvasRules = RELEASED_CANVAS,
 ) -> dict[str, int]:
     """Transient bytes of each stage of the largest request the plan is sized for (the profile's longest clip on the
     model's 16:9 canvas, see `PLANNED_TEXT_ROWS`), for the parts given: stage -> bytes, with the decode as

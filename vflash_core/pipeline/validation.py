@@ -136,7 +136,7 @@ def check_output_is_not_an_input(output: str | os.PathLike, inputs: dict[str, ob
             raise VflashError(f"output {target} is inside the {what} {item}; write the clip to another folder")
 
 
-def check_generate_arguments(request: "VideoRequest", output: object, overwrite: object, progress: object = None, cancel: object = None) -> None:
+def check_generate_arguments(request: VideoRequest, output: object, overwrite: object, progress: object = None, cancel: object = None) -> None:
     """The arguments of `H3Pipeline.generate` besides the request, checked before anything loads: the output a
     writable file path that is none of the request's inputs, `overwrite` a bool, the callbacks callable."""
     from ..fileio import check_writable_destination
@@ -184,7 +184,7 @@ class PromptBudget:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_model_root(cls, model_root: str | Path) -> "PromptBudget":
+    def from_model_root(cls, model_root: str | Path) -> PromptBudget:
         """The context from `text_encoder/config.json`; the tokenizer from `tokenizer/` when first needed."""
         root = Path(model_root)
         config = root / "text_encoder" / "config.json"
@@ -205,7 +205,7 @@ class PromptBudget:
         return cls(context, load)
 
     @classmethod
-    def of_tokenizer(cls, tokenizer: Any, context_tokens: int) -> "PromptBudget":
+    def of_tokenizer(cls, tokenizer: Any, context_tokens: int) -> PromptBudget:
         """A budget over a loaded tokenizer (a text conditioner's); it counts with its own copy of it, so counting
         never shares the tokenizer with an encode running in another thread."""
         return cls(context_tokens, lambda: copy.deepcopy(tokenizer))
@@ -326,7 +326,7 @@ def request_mode(first_frame: bool, last_frame: bool, references: bool) -> str:
     return "ref2va" if references else {(False, False): "t2va", (True, False): "i2va", (False, True): "l2va", (True, True): "fl2va"}[(first_frame, last_frame)]
 
 
-def plan_request(request: "VideoRequest", profile: Profile, canvas: CanvasRules, prompt_budget: PromptBudget | None = None) -> RequestPlan:
+def plan_request(request: VideoRequest, profile: Profile, canvas: CanvasRules, prompt_budget: PromptBudget | None = None) -> RequestPlan:
     """Check a request against a profile, a model's canvas rules and its prompt budget without loading any model;
     raises `RequestError` / `VflashError` naming the offending values. Cheap checks run first, file probes last."""
     check_prompt(request.prompt, prompt_budget)

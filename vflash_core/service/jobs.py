@@ -15,7 +15,7 @@ import secrets
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -119,7 +119,7 @@ class Job:
 
 
 def _iso(stamp: float | None) -> str | None:
-    return None if stamp is None else datetime.fromtimestamp(stamp, timezone.utc).isoformat()
+    return None if stamp is None else datetime.fromtimestamp(stamp, UTC).isoformat()
 
 
 class JobStore:

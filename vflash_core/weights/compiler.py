@@ -39,7 +39,6 @@ import os
 import re
 import sys
 import uuid
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -52,7 +51,14 @@ from ..engine.denoise import StageProgress
 from ..engine.fp8 import FP8_LINEARS, quantize_block
 from ..engine.schedule import distinct_timesteps
 from ..errors import IdentityMismatchError, VflashError, run_command
-from ..fileio import atomic_directory, atomic_file, check_folder, check_new_directory, check_writable_destination, read_text_file
+from ..fileio import (
+    atomic_directory,
+    atomic_file,
+    check_folder,
+    check_new_directory,
+    check_writable_destination,
+    read_text_file,
+)
 from ..formats import ARTIFACT_FORMAT, ARTIFACT_FP8_FORMAT, OVERLAY_FORMAT, WEIGHTS_RECEIPT_FORMAT, device_arch
 from ..profiles import AdapterSpec, Profile, get_profile
 from .artifact import CompiledArtifact

@@ -35,6 +35,7 @@ from functools import partial
 from itertools import pairwise
 from pathlib import Path
 from types import ModuleType, TracebackType
+from typing import Self
 
 import torch
 
@@ -291,7 +292,7 @@ class SequentialWeights:
         self._buffers: list[torch.Tensor] | None = None
         self._closed = False
 
-    def __enter__(self) -> SequentialWeights:
+    def __enter__(self) -> Self:
         self.read_all()
         return self
 
