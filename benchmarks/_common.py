@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 
 from vflash_core import Geometry, build_keyframe_bundle
-from vflash_core.weights import synthetic
 from vflash_core.engine.bundle import ConditioningBundle
-from vflash_core.weights.compiler import compile_receipt, prepare
 from vflash_core.engine.config import H3Config
 from vflash_core.profiles import Profile
+from vflash_core.weights import synthetic
+from vflash_core.weights.compiler import compile_receipt, prepare
 
 ROOT = Path(__file__).resolve().parent.parent
 # VFLASH_RESULTS redirects result files (a long run on a device machine keeps them outside the synced tree).

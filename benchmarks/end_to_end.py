@@ -59,8 +59,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import environment, write_result  # noqa: E402
 from full_family import FULL_FAMILY, SEED, TURBO4_LORA, write_turbo4_lora  # noqa: E402
 
-from vflash_core.weights import synthetic  # noqa: E402
 from vflash_core.engine.config import H3Config  # noqa: E402
+from vflash_core.weights import synthetic  # noqa: E402
 from vflash_core.weights.family import DEMO_FAMILY, FamilySpec, build_model_family  # noqa: E402
 
 PROMPT = "A robot dances in the rain on a neon street at night, drums and bass play, the camera slowly pans left."
@@ -250,8 +250,8 @@ def vflash_requests(run: Run, pipe, config_name: str, canvases: list[str], count
 
 
 def load_pipeline(run: Run, receipt: Path, record: dict, **options):
-    from vflash_core.pipeline.options import RunOptions
     from vflash_core.pipeline.h3_pipeline import H3Pipeline
+    from vflash_core.pipeline.options import RunOptions
 
     pipe = H3Pipeline.from_prepared(receipt, RunOptions(**options))
     start = time.perf_counter()

@@ -32,16 +32,28 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import PROFILE, attention_flops, attention_tflops, compiled_model, environment, full_width, gemm_tflops, gpu_clocks, linear_flops_per_block, request, write_result  # noqa: E402
+from _common import (  # noqa: E402
+    PROFILE,
+    attention_flops,
+    attention_tflops,
+    compiled_model,
+    environment,
+    full_width,
+    gemm_tflops,
+    gpu_clocks,
+    linear_flops_per_block,
+    request,
+    write_result,
+)
 
 from vflash_core import get_profile  # noqa: E402
-from vflash_core.weights.artifact import CompiledArtifact  # noqa: E402
+from vflash_core.engine import fused  # noqa: E402
 from vflash_core.engine.attention import resolve_attention  # noqa: E402
 from vflash_core.engine.denoise import Denoiser  # noqa: E402
-from vflash_core.engine import fused  # noqa: E402
 from vflash_core.engine.fused import FusedOps  # noqa: E402
 from vflash_core.engine.profiler import StageTimer  # noqa: E402
 from vflash_core.engine.residency import ResidentBlocks  # noqa: E402
+from vflash_core.weights.artifact import CompiledArtifact  # noqa: E402
 
 STEP = 1
 

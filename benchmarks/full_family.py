@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from vflash_core.weights import synthetic
 from vflash_core.engine.config import H3Config
+from vflash_core.weights import synthetic
 from vflash_core.weights.family import FamilySpec, build_model_family
 
 SEED = 0

@@ -33,7 +33,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import commit_id  # noqa: E402
 
-from vflash_core.engine import model as reference, parallel  # noqa: E402
+from vflash_core.engine import model as reference  # noqa: E402
+from vflash_core.engine import parallel
 
 
 def modulate_reference(normed, table, row_index, which="msa", out_dtype=None):

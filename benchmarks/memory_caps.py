@@ -55,9 +55,9 @@ from _common import request as bundle_request  # noqa: E402
 from end_to_end import PROMPT, REQUEST_SEED, DevicePeak, HostPeak, Run, folder_bytes, load_pipeline  # noqa: E402
 from full_family import FULL_FAMILY, SEED, TURBO4_LORA, write_turbo4_lora  # noqa: E402
 
-from vflash_core.weights import synthetic  # noqa: E402
 from vflash_core.engine.config import H3Config  # noqa: E402
 from vflash_core.errors import RequestError, RunFailedError  # noqa: E402
+from vflash_core.weights import synthetic  # noqa: E402
 from vflash_core.weights.family import DEMO_FAMILY, FamilySpec, build_model_family  # noqa: E402
 
 SECONDS = {5: 124, 10: 243, 15: 345}  # frames of the 5, 10 and 15 s clips (17 n + 5, at most 15 s)
@@ -206,10 +206,10 @@ def encode_phase(stages: Stages, caps: list[float | None], root: Path, profile, 
 
 def decode_phase(stages: Stages, caps: list[float | None], root: Path, profile, canvas: str) -> None:
     from vflash_core.engine.layout import Geometry, audio_latent_count
-    from vflash_core.pipeline.memory_plan import decode_bytes
     from vflash_core.media.references import CanvasRules
     from vflash_core.media.vae import MediaVAEs
     from vflash_core.media.vae_decode import DEFAULT_WINDOWS_PER_CALL
+    from vflash_core.pipeline.memory_plan import decode_bytes
 
     rules = CanvasRules.from_model_root(root)
     vaes = MediaVAEs.from_pretrained(root, stages.device)

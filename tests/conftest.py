@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from vflash_core.weights import synthetic
-from vflash_core.weights.compiler import compile_receipt, prepare
 from vflash_core.engine.config import H3Config
 from vflash_core.profiles import Profile, get_profile
+from vflash_core.weights import synthetic
+from vflash_core.weights.compiler import compile_receipt, prepare
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 

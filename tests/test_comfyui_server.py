@@ -40,8 +40,8 @@ def write_small_family(root: Path, models: Path) -> None:
     VAEs in Comfy-Org's formats, written by core's own modules (`small_core.py`, run with ComfyUI's Python)."""
     from dataclasses import replace
 
-    from vflash_core.weights import synthetic
     from vflash_core.engine.config import H3Config
+    from vflash_core.weights import synthetic
 
     config = replace(H3Config.preset("demo"), in_channels=24, audio_in_channels=32)
     synthetic.write_original_transformer(models / "diffusion_models" / SMALL_DIT, config, synthetic.random_internal_weights(config, seed=6))
@@ -259,8 +259,8 @@ def test_sm90_profile_on_cpu_is_refused_at_validation_before_any_model_loads(ser
     (HTTP 400 naming the loader), nothing executes, and no receipt or compiled folder is written."""
     from safetensors.torch import save_file
 
-    from vflash_core.weights import synthetic
     from vflash_core.engine.config import H3Config
+    from vflash_core.weights import synthetic
 
     models = server.work / "models"
     (models / "diffusion_models").mkdir(parents=True, exist_ok=True)
@@ -381,9 +381,9 @@ def test_comfy_org_transformer_file_through_the_model_loader(server, tmp_path, f
     encoder and VAEs: the Vflash loader compiles it on first use and the graph runs to an MP4."""
     from dataclasses import replace
 
-    from vflash_core.weights import synthetic
     from vflash_core.engine.config import H3Config
     from vflash_core.media.mp4 import probe_mp4
+    from vflash_core.weights import synthetic
 
     config = replace(H3Config.preset("demo"), in_channels=24, audio_in_channels=32)
     weights = synthetic.random_internal_weights(config, seed=6)
@@ -413,8 +413,8 @@ def test_int8_convrot_file_is_refused_when_queued(server):
     import torch
     from safetensors.torch import save_file
 
-    from vflash_core.weights import synthetic
     from vflash_core.engine.config import H3Config
+    from vflash_core.weights import synthetic
 
     tiny = H3Config.preset("tiny")
     state = synthetic.to_original_names(synthetic.random_internal_weights(tiny, seed=2), tiny)

@@ -11,11 +11,11 @@ import pytest
 from conftest import TINY, compile_tiny, cpu_profile
 
 from vflash_core import NativeEngineSession
+from vflash_core.errors import IdentityMismatchError, VflashError, WeightFileError
+from vflash_core.profiles import AdapterSpec
 from vflash_core.weights import synthetic
 from vflash_core.weights.artifact import CompiledArtifact
 from vflash_core.weights.compiler import compile_receipt, prepare
-from vflash_core.errors import IdentityMismatchError, VflashError, WeightFileError
-from vflash_core.profiles import AdapterSpec
 
 
 def test_receipt_records_identities_without_request_data(tmp_path, tiny_transformer):
@@ -207,8 +207,8 @@ def test_mode_not_in_profile_is_refused(tmp_path, tiny_transformer):
 def test_pipeline_verify_weights_refuses_a_corrupt_compile_before_loading(tmp_path, h3_family):
     from conftest import prepare_family
 
-    from vflash_core.pipeline.options import RunOptions
     from vflash_core.pipeline.h3_pipeline import H3Pipeline
+    from vflash_core.pipeline.options import RunOptions
 
     receipt = prepare_family(tmp_path, h3_family, "t2va-base4-exact-cpu", "transformer")
     block = tmp_path / "compiled" / "artifact" / "block_000.safetensors"

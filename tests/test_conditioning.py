@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from conftest import assert_bitwise
 from PIL import Image
 
-from conftest import assert_bitwise
 from vflash_core.media.conditioning import TEXT_ENCODER_LAYER, TextConditioner
 
 

@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from vflash_core.pipeline import demo
 from vflash_core.cli.main import main
 from vflash_core.media.mp4 import probe_mp4
+from vflash_core.pipeline import demo
 
 
 def test_demo_command_builds_once_and_writes_a_playable_clip(tmp_path, monkeypatch, capsys):

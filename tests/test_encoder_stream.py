@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import assert_bitwise
 from PIL import Image
 
-from conftest import assert_bitwise
 from vflash_core.engine import residency as R
 from vflash_core.media.conditioning import TextConditioner
 

@@ -13,9 +13,9 @@ import time
 
 import pytest
 import torch
-
 from conftest import assert_bitwise, compile_tiny
 from test_schedule_layout_bundle import _bundle
+
 from vflash_core import NativeEngineSession
 from vflash_core.engine import parallel as P
 

@@ -13,12 +13,12 @@ import torch
 from conftest import assert_bitwise
 from test_schedule_layout_bundle import _bundle
 
-from vflash_core.weights.artifact import CompiledArtifact
 from vflash_core.engine.denoise import Denoiser
-from vflash_core.errors import VflashError
 from vflash_core.engine.model import LayerWeights
 from vflash_core.engine.residency import ResidentBlocks
 from vflash_core.engine.session import DenoiserLoad, NativeEngineSession
+from vflash_core.errors import VflashError
+from vflash_core.weights.artifact import CompiledArtifact
 
 PROFILE = "t2va-base4-exact-cpu"
 
@@ -224,8 +224,8 @@ def test_a_loader_exception_leaves_the_pipeline_usable(h3_prepared, monkeypatch,
     """The hook's own exception reaches the caller from `load`; what loaded before it is released; the pipeline stays
     open, and the next `load` (the hook succeeds this time) gives a working pipeline."""
     from vflash_core.media.conditioning import TextConditioner
-    from vflash_core.pipeline.h3_pipeline import H3Pipeline
     from vflash_core.media.vae import MediaVAEs
+    from vflash_core.pipeline.h3_pipeline import H3Pipeline
 
     class Flaky(OSError):
         pass

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from vflash_core.media import mp4 as media
 from vflash_core.errors import VflashError
 from vflash_core.fileio import OutputExistsError
+from vflash_core.media import mp4 as media
 from vflash_core.media.mp4 import probe_mp4, write_mp4
 
 SR = 32000

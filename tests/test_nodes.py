@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from comfy_standins import harness
 from vflash_nodes import comfy_latent as cl
+from vflash_nodes.workflow import WorkflowError, apply_overrides, execute, load_api_workflow
+
 from vflash_core.engine.config import H3Config
 from vflash_core.errors import RequestError, VflashError
-from vflash_nodes.workflow import WorkflowError, apply_overrides, execute, load_api_workflow
 
 REPO = Path(__file__).resolve().parent.parent
 API = REPO / "workflows" / "api"
@@ -135,8 +135,8 @@ def model_files(pack) -> Path:
     """Official-layout tiny H3 weights in ComfyUI's model folders, plus files that are not H3 transformers."""
     from safetensors.torch import save_file
 
-    from vflash_core.weights import synthetic
     from vflash_core.engine.config import H3Config
+    from vflash_core.weights import synthetic
 
     models = Path(importlib.import_module("folder_paths").models_dir)
     tiny = H3Config.preset("tiny")
@@ -375,6 +375,7 @@ def test_reference_clip_soundtracks_travel_with_their_clip(pack, comfy, monkeypa
     """`ref_video_audio_k` becomes the soundtrack of `ref_video_k`'s reference, as a video file's own audio does in the
     pipeline; what follows (normalisation, encoders) is the pipeline's shared code."""
     from vflash_nodes import ops
+
     from vflash_core.pipeline import h3_pipeline as pipeline
 
     registry = pack.package.registry.ENGINES
@@ -409,8 +410,8 @@ def test_encode_then_sample_bundle_equals_pipeline_bundle(pack, comfy, keyframes
     """VflashEncode + the sampler's noise draw build exactly the bundle `pipeline.build_request_bundle` builds."""
     import numpy as np
     from PIL import Image
-
     from vflash_nodes import ops
+
     from vflash_core.pipeline.h3_pipeline import VideoRequest, build_request_bundle, plan_request
 
     registry = pack.package.registry.ENGINES
@@ -446,12 +447,12 @@ def test_reference_clip_with_soundtrack_bundle_equals_pipeline_bundle(pack, comf
     pytest.importorskip("torchvision")
     import numpy as np
     from PIL import Image
-
     from vflash_nodes import ops
+
     from vflash_core.media.mp4 import write_mp4
+    from vflash_core.media.references import frames_to_uint8, load_reference
     from vflash_core.pipeline.h3_pipeline import VideoRequest, build_request_bundle, plan_request
     from vflash_core.profiles import get_profile
-    from vflash_core.media.references import frames_to_uint8, load_reference
 
     registry = pack.package.registry.ENGINES
     host, folders = pack.package.host.HOST, pack.package.host.FOLDERS

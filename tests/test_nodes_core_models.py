@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from comfy_standins import harness
 from vflash_nodes import comfy_latent as cl
 from vflash_nodes import ops
-from vflash_core.errors import RequestError, VflashError
 from vflash_nodes.workflow import apply_overrides, execute, load_api_workflow
+
+from vflash_core.errors import RequestError, VflashError
 
 REPO = Path(__file__).resolve().parent.parent
 API = REPO / "workflows" / "api"
@@ -199,8 +199,8 @@ def test_core_objects_are_refused_by_name(pack, core_files):
 
 @pytest.fixture(scope="module")
 def official_weights(pack) -> str:
-    from vflash_core.weights import synthetic
     from vflash_core.engine.config import H3Config
+    from vflash_core.weights import synthetic
 
     models = Path(importlib.import_module("folder_paths").models_dir)
     tiny = H3Config.preset("tiny")

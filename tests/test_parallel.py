@@ -10,13 +10,13 @@ from dataclasses import replace
 
 import pytest
 import torch
-
 from conftest import TINY, assert_bitwise, compile_tiny
 from test_schedule_layout_bundle import _bundle
+
 from vflash_core import Geometry, NativeEngineSession, build_keyframe_bundle
-from vflash_core.weights import synthetic
 from vflash_core.engine import parallel as P
 from vflash_core.errors import SessionClosedError, VflashError
+from vflash_core.weights import synthetic
 
 PROFILE = "t2va-base4-exact-cpu"
 # Eight heads so 2, 4 and 8 ranks divide them; keeps inner (128) != hidden (24) and partial rotary.
@@ -178,9 +178,9 @@ def test_tensor_strategy_matches_single_device(wide_fp32, ranks, residency):
 
 def test_tensor_strategy_shards_lora_branches(tmp_path, wide_fp32):
     """A LoRA on every block linear (and AdaLN), fp32: the sharded branches sum to the single-device residual."""
+    from conftest import cpu_profile
     from safetensors.torch import save_file
 
-    from conftest import cpu_profile
     from vflash_core.profiles import AdapterSpec
 
     folder, _ = wide_fp32

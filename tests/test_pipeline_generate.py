@@ -8,15 +8,15 @@ import time
 import av
 import pytest
 import torch
-
 from conftest import assert_bitwise
-from vflash_core.pipeline.options import RunOptions
-from vflash_core.media.conditioning import TextConditioner
-from vflash_core.errors import SessionClosedError, VflashError
-from vflash_core.media.mp4 import probe_mp4
-from vflash_core.pipeline.h3_pipeline import H3Pipeline, PreparedAssets, RequestCancelled, VideoRequest
+
 from vflash_core.engine.session import NativeEngineSession
+from vflash_core.errors import SessionClosedError, VflashError
+from vflash_core.media.conditioning import TextConditioner
+from vflash_core.media.mp4 import probe_mp4
 from vflash_core.media.vae import MediaVAEs
+from vflash_core.pipeline.h3_pipeline import H3Pipeline, PreparedAssets, RequestCancelled, VideoRequest
+from vflash_core.pipeline.options import RunOptions
 
 REQUEST = VideoRequest("A train crosses a snowy bridge, whistle echoing.", seed=4, width=96, height=64)
 

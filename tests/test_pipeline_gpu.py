@@ -12,12 +12,13 @@ import json
 import numpy as np
 import pytest
 import torch
-from PIL import Image
-
 from conftest import assert_bitwise
+from PIL import Image
 from test_pipeline_parity import _check
-from vflash_core.pipeline.options import RunOptions
+
 from vflash_core.pipeline.h3_pipeline import H3Pipeline, VideoRequest, prepare_pipeline
+from vflash_core.pipeline.options import RunOptions
+
 
 @pytest.fixture(scope="module")
 def sm90(tmp_path_factory, h3_family):

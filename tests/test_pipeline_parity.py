@@ -15,9 +15,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import assert_bitwise
 from PIL import Image
 
-from conftest import assert_bitwise
 from vflash_core.pipeline.h3_pipeline import H3Pipeline, VideoRequest
 
 FRAMES = 124
@@ -94,9 +94,16 @@ def media(tmp_path_factory):
 def _reference_run(reference, request: VideoRequest, nfe: int, height: int, width: int) -> dict:
     """The whole reference pipeline, plus its noise: the condition and target draws replayed by its own blocks."""
     from diffusers.modular_pipelines import PipelineState
-    from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3AudioReference, MiniMaxH3ImageReference, MiniMaxH3VideoReference
+    from diffusers.modular_pipelines.minimax_h3 import (
+        MiniMaxH3AudioReference,
+        MiniMaxH3ImageReference,
+        MiniMaxH3VideoReference,
+    )
     from diffusers.modular_pipelines.minimax_h3.before_denoise import (
-        MiniMaxH3FL2VAPrepareLatentsStep, MiniMaxH3PrepareConditionLatentsStep, MiniMaxH3PrepareLatentsStep, MiniMaxH3Ref2VAPrepareLatentsStep,
+        MiniMaxH3FL2VAPrepareLatentsStep,
+        MiniMaxH3PrepareConditionLatentsStep,
+        MiniMaxH3PrepareLatentsStep,
+        MiniMaxH3Ref2VAPrepareLatentsStep,
     )
     from diffusers.utils import load_image
 
@@ -160,9 +167,9 @@ def test_i2va_matches_diffusers(native, reference, media):
 
 
 def test_canvas_follows_the_keyframe_or_the_default_aspect(media):
+    from vflash_core.media.references import CanvasRules
     from vflash_core.pipeline.h3_pipeline import plan_request
     from vflash_core.profiles import get_profile
-    from vflash_core.media.references import CanvasRules
 
     family, released = CanvasRules(256, 256 * 448, 128), CanvasRules()
 
@@ -196,7 +203,11 @@ def test_ref2va_with_image_and_audio_references_matches_diffusers(native_ref, re
 def test_reference_normalisation_matches_the_setup_step(reference, media):
     """Image, 30 fps video with a 32 kHz soundtrack, and audio: the same media diffusers' Ref2VA setup step makes."""
     from diffusers.modular_pipelines import PipelineState
-    from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3AudioReference, MiniMaxH3ImageReference, MiniMaxH3VideoReference
+    from diffusers.modular_pipelines.minimax_h3 import (
+        MiniMaxH3AudioReference,
+        MiniMaxH3ImageReference,
+        MiniMaxH3VideoReference,
+    )
     from diffusers.modular_pipelines.minimax_h3.before_encoder import MiniMaxH3Ref2VASetupStep
 
     from vflash_core.media.references import CanvasRules, load_image, normalize_references
@@ -223,7 +234,11 @@ def test_reference_normalisation_matches_the_setup_step(reference, media):
 def test_video_reference_sampling_presentation_and_encoding(native_ref, reference):
     """Qwen's 2 fps frame sampling and block labels, the ref2va presentation (with a video processor stand-in giving
     fixed grids), and the VAE encode of a frame stack, each equal to diffusers."""
-    from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3AudioReference, MiniMaxH3ImageReference, MiniMaxH3VideoReference
+    from diffusers.modular_pipelines.minimax_h3 import (
+        MiniMaxH3AudioReference,
+        MiniMaxH3ImageReference,
+        MiniMaxH3VideoReference,
+    )
     from diffusers.modular_pipelines.minimax_h3.encoders import MiniMaxH3Ref2VATextEncoderStep, encode_vae_condition
 
     from vflash_core.media.conditioning import sample_video_frames

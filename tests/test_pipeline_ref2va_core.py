@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from conftest import TINY, assert_bitwise, compile_tiny, diffusers_transformer
+
 from vflash_core import Geometry, NativeEngineSession, get_profile
 from vflash_core.engine.bundle import EncodedReference, build_ref2va_bundle
 from vflash_core.engine.layout import ref2va_layout
@@ -19,7 +19,11 @@ HEIGHT, WIDTH, FRAMES = 64, 96, 124
 
 
 def _diffusers_reference(ref: EncodedReference):
-    from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3AudioReference, MiniMaxH3ImageReference, MiniMaxH3VideoReference
+    from diffusers.modular_pipelines.minimax_h3 import (
+        MiniMaxH3AudioReference,
+        MiniMaxH3ImageReference,
+        MiniMaxH3VideoReference,
+    )
 
     # The packing reads only a reference's kind and whether it carries audio; the media itself is not used.
     if ref.kind == "image":

@@ -7,10 +7,10 @@ import importlib.util
 import pytest
 from PIL import Image
 
-from vflash_core.pipeline.options import RunOptions
 from vflash_core.cli.main import main
 from vflash_core.errors import VflashError
 from vflash_core.pipeline.h3_pipeline import H3Pipeline, PreparedAssets, VideoRequest, prepare_pipeline
+from vflash_core.pipeline.options import RunOptions
 
 
 @pytest.fixture(scope="module")

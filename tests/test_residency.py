@@ -9,9 +9,9 @@ import os
 
 import pytest
 import torch
-
 from conftest import assert_bitwise
 from test_schedule_layout_bundle import _bundle
+
 from vflash_core import NativeEngineSession
 from vflash_core.engine import residency as R
 from vflash_core.weights.artifact import CompiledArtifact

@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 from test_kernels import (
     H_FULL,
-    modulate_reference,
     S_CPU,
     S_GPU,
     TILES,
@@ -37,6 +36,7 @@ from test_kernels import (
     assert_bitwise,
     configure,
     generator,
+    modulate_reference,
     poisoned,
     randn,
     strided,

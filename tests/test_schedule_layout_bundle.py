@@ -12,9 +12,16 @@ from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3Prepa
 
 from vflash_core import BundleHandoff, ConditioningBundle, Geometry, build_keyframe_bundle
 from vflash_core.engine.config import H3Config
-from vflash_core.errors import BundleError, RequestError
-from vflash_core.engine.layout import align_num_frames, audio_latent_count, frames_for_duration, keyframe_layout, resolve_canvas_size, video_latent_frames
+from vflash_core.engine.layout import (
+    align_num_frames,
+    audio_latent_count,
+    frames_for_duration,
+    keyframe_layout,
+    resolve_canvas_size,
+    video_latent_frames,
+)
 from vflash_core.engine.schedule import FixedSchedule, euler_step, flow_sigmas, row_timestep_plan
+from vflash_core.errors import BundleError, RequestError
 
 
 @pytest.mark.parametrize("points", [2, 5, 9, 17, 50])

@@ -355,8 +355,8 @@ async def test_bearer_token_guards_the_api_but_not_the_probes(aiohttp_client, ma
 
 
 async def test_python_client_against_a_loopback_server(aiohttp_server, make_service, tmp_path):
-    from vflash_core.service.client import JobFailedError, ServiceError, VflashClient
     from vflash_core.fileio import OutputExistsError
+    from vflash_core.service.client import JobFailedError, ServiceError, VflashClient
 
     app, _ = make_service(token="t0k")
     server = await aiohttp_server(app, host="127.0.0.1")

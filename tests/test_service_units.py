@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from vflash_core.pipeline.options import RunOptions
 from vflash_core.cli.main import build_parser
 from vflash_core.cli.serve import is_loopback
+from vflash_core.pipeline.options import RunOptions
 from vflash_core.service.app import WORK_DIR_OWNER, WORK_DIR_PREFIX, remove_stale_work_dirs
 from vflash_core.service.client import _multipart
 from vflash_core.service.jobs import Job, JobState, JobStore, QueueFullError, new_job_id, redact_paths
@@ -284,8 +284,8 @@ def test_serve_refuses_settings_address_and_receipt_before_building_the_demo_or_
     a worker while the service kept running), and the output folder was created first."""
     import socket
 
-    from vflash_core.pipeline import demo
     from vflash_core.cli.main import main
+    from vflash_core.pipeline import demo
 
     def refuse(*args, **kwargs):
         raise AssertionError("the demo model was built for a command that must be refused first")
@@ -321,8 +321,8 @@ def test_serve_refuses_settings_address_and_receipt_before_building_the_demo_or_
 def test_client_refuses_missing_uploads_and_an_unreachable_service_on_one_line(tmp_path):
     """Issue 15: `submit(files=...)` of a missing file or a folder was a FileNotFoundError / IsADirectoryError
     traceback, and a service that is not running a URLError traceback."""
-    from vflash_core.service.client import VflashClient
     from vflash_core.errors import RunFailedError, VflashError
+    from vflash_core.service.client import VflashClient
 
     free = socket.socket()
     free.bind(("127.0.0.1", 0))

@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 from test_schedule_layout_bundle import _bundle
 
 from vflash_core import BundleHandoff, NativeEngineSession
-from vflash_core.weights.compiler import main as compiler_main
 from vflash_core.errors import BundleError, SessionClosedError, VflashError
+from vflash_core.weights.compiler import main as compiler_main
 
 PROFILE = "t2va-base4-exact-cpu"
 

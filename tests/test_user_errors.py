@@ -19,15 +19,15 @@ import pytest
 import torch
 from PIL import Image
 
-from vflash_core.pipeline.options import RunOptions
-from vflash_core.pipeline import h3_pipeline as pipeline_module
 from vflash_core.cli.main import main
 from vflash_core.errors import RequestError, RunFailedError, VflashError
 from vflash_core.fileio import check_input_file, check_writable_destination
-from vflash_core.pipeline.h3_pipeline import H3Pipeline, PreparedAssets, VideoRequest, prepare_pipeline
-from vflash_core.profiles import get_profile
 from vflash_core.media.references import CanvasRules
+from vflash_core.pipeline import h3_pipeline as pipeline_module
+from vflash_core.pipeline.h3_pipeline import H3Pipeline, PreparedAssets, VideoRequest, prepare_pipeline
+from vflash_core.pipeline.options import RunOptions
 from vflash_core.pipeline.validation import check_canvas_size
+from vflash_core.profiles import get_profile
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -365,7 +365,7 @@ def test_input_file_problems_are_named(inputs, tmp_path):
 
 def _process_wide_state() -> dict[str, object]:
     """What transformers' and diffusers' loaders patch while they run and must leave as they found it."""
-    import torch.nn.init as init
+    from torch.nn import init
 
     state = {"register_parameter": torch.nn.Module.register_parameter, "register_buffer": torch.nn.Module.register_buffer}
     state.update({f"init.{name}": getattr(init, name) for name in ("normal_", "uniform_", "zeros_", "ones_", "kaiming_uniform_", "trunc_normal_")})
@@ -586,7 +586,8 @@ def test_compile_output_folder_problems_are_refused_before_the_weights_are_hashe
     """An output folder under a file or with a name too long for its temporary failed with a traceback only after
     every weight file had been read and hashed (minutes at full size)."""
     from vflash_core.weights import compiler
-    from vflash_core.weights.compiler import main as compiler_main, prepare
+    from vflash_core.weights.compiler import main as compiler_main
+    from vflash_core.weights.compiler import prepare
 
     receipt = tmp_path / "receipt.json"
     prepare("t2va-base4-exact-cpu", tiny_transformer, receipt)

@@ -11,10 +11,10 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import assert_bitwise
-from vflash_core.media import vae_decode
+
 from vflash_core.errors import VflashError
+from vflash_core.media import vae_decode
 from vflash_core.media.vae import MediaVAEs
 from vflash_core.media.vae_decode import DecodeGeometry, DecoderWeights, NativeVideoDecoder, split_calls, split_tiles
 

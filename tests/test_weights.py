@@ -11,9 +11,9 @@ import torch
 from conftest import TINY, assert_bitwise
 from safetensors.torch import save_file
 
+from vflash_core.errors import WeightFileError
 from vflash_core.weights import synthetic
 from vflash_core.weights.checkpoint import SourceWeights
-from vflash_core.errors import WeightFileError
 from vflash_core.weights.tensor_store import ReadRequest, SafetensorsFile, TensorStore
 
 

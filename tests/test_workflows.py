@@ -12,10 +12,18 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from comfy_standins import harness
 from vflash_nodes.workflow import (
-    WorkflowError, _dynamic_combo_inputs, apply_overrides, check_api_workflow, headless_node_types, load_api_workflow, nest_inputs, plan, run_headless, types_compatible,
+    WorkflowError,
+    _dynamic_combo_inputs,
+    apply_overrides,
+    check_api_workflow,
+    headless_node_types,
+    load_api_workflow,
+    nest_inputs,
+    plan,
+    run_headless,
+    types_compatible,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -222,8 +230,8 @@ def test_run_workflow_cli_refuses_unsupported_nodes(tmp_path):
 
 def test_run_workflow_refuses_an_sm90_profile_on_cpu_before_anything_runs(tmp_path):
     """Headless like ComfyUI: the loader's checks run before any node, so nothing is built, hashed or written."""
-    from vflash_core.weights import synthetic
     from vflash_core.engine.config import H3Config
+    from vflash_core.weights import synthetic
 
     models = tmp_path / "models"
     (models / "diffusion_models").mkdir(parents=True)
@@ -250,10 +258,10 @@ def test_fl2va_headless_with_the_example_inputs(tmp_path, monkeypatch):
 
 def test_ref2va_headless_on_a_small_ref2va_family(tmp_path):
     """The ref2va graph (Autogrow reference inputs) on a random-weight family with a ref2va partition."""
-    from vflash_core.weights.compiler import compile_receipt, prepare
-    from vflash_core.weights.family import DEMO_FAMILY, build_model_family
     from vflash_core.media.mp4 import probe_mp4
     from vflash_core.pipeline.h3_pipeline import prepare_pipeline
+    from vflash_core.weights.compiler import compile_receipt, prepare
+    from vflash_core.weights.family import DEMO_FAMILY, build_model_family
 
     models = tmp_path / "models"
     root = models / "diffusers" / "H3-ref-demo"

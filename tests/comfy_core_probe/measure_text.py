@@ -21,8 +21,7 @@ PROMPTS = ["A robot dances in the rain on a neon street at night, while drums an
 
 
 def small_core_dimensions():
-    import comfy.text_encoders.llama as llama
-    import comfy.text_encoders.qwen3vl as qwen3vl
+    from comfy.text_encoders import llama, qwen3vl
 
     @dataclasses.dataclass
     class Small(llama.Qwen3VL_32BConfig):

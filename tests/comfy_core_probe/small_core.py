@@ -25,10 +25,9 @@ TEXT_WIDTH = 32  # the small transformer's text_dim
 
 
 def patch() -> None:
-    import comfy.ldm.minimax.audio_vae as audio_vae
     import comfy.ldm.minimax.vae as video_vae
-    import comfy.text_encoders.llama as llama
-    import comfy.text_encoders.qwen3vl as qwen3vl
+    from comfy.ldm.minimax import audio_vae
+    from comfy.text_encoders import llama, qwen3vl
 
     if getattr(video_vae, "_vflash_small", False):
         return
@@ -124,9 +123,9 @@ def write_files(dest: Path) -> None:
 
     args.cpu = True
     patch()
-    import comfy.ldm.minimax.audio_vae as audio_vae
     import comfy.ldm.minimax.vae as video_vae
     import comfy.ops
+    from comfy.ldm.minimax import audio_vae
 
     (dest / "text_encoders").mkdir(parents=True, exist_ok=True)
     (dest / "vae").mkdir(parents=True, exist_ok=True)

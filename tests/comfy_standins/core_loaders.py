@@ -17,8 +17,8 @@ import json
 import numpy as np
 import torch
 from PIL import Image
-
 from vflash_nodes.headless import comfy_io as io
+
 
 def _family_file(folder: str, name: str) -> dict:
     folder_paths = importlib.import_module("folder_paths")  # the install's own
