@@ -73,17 +73,12 @@ class WeightShard(Protocol):
     def loras(self, loras: Mapping[str, tuple[LoraResidual, ...]]) -> dict[str, tuple[LoraResidual, ...]]: ...
 
 
-class ResidentBlocks(BlockSource):
-    """Every block's weights (or this rank's shard of them) live on the device for the whole session."""
+class _DeviceBlocks(BlockSource):
+    """A block stack that stays on the device for the whole session."""
 
-    def __init__(self, artifact: CompiledArtifact, device: torch.device, on_block=None, shard: WeightShard | None = None):
-        self.blocks: list[LayerWeights] = []
-        for i, w in enumerate(artifact.iter_blocks()):
-            tensors, loras = (dict(w.tensors), dict(w.loras)) if shard is None else (shard.tensors(w.tensors), shard.loras(w.loras))
-            self.blocks.append(LayerWeights({k: v.to(device) for k, v in tensors.items()}, device_loras(loras, device)))
-            if on_block is not None:
-                on_block(i)
-        self.device_weight_bytes = sum(t.nbytes for w in self.blocks for t in w.tensors.values())
+    def __init__(self, blocks: list[LayerWeights]):
+        self.blocks = blocks
+        self.device_weight_bytes = sum(t.nbytes for w in blocks for t in w.tensors.values())
 
     def __iter__(self) -> Iterator[LayerWeights]:
         return iter(self.blocks)
@@ -92,7 +87,20 @@ class ResidentBlocks(BlockSource):
         self.blocks = []
 
 
-class LoadedBlocks(ResidentBlocks):
+class ResidentBlocks(_DeviceBlocks):
+    """Every block's weights (or this rank's shard of them), loaded from the artifact onto the device."""
+
+    def __init__(self, artifact: CompiledArtifact, device: torch.device, on_block=None, shard: WeightShard | None = None):
+        blocks = []
+        for i, w in enumerate(artifact.iter_blocks()):
+            tensors, loras = (dict(w.tensors), dict(w.loras)) if shard is None else (shard.tensors(w.tensors), shard.loras(w.loras))
+            blocks.append(LayerWeights({k: v.to(device) for k, v in tensors.items()}, device_loras(loras, device)))
+            if on_block is not None:
+                on_block(i)
+        super().__init__(blocks)
+
+
+class LoadedBlocks(_DeviceBlocks):
     """The resident block stack as a trusted `block_loader` supplied it, checked against the artifact before use: the
     block count, each block's tensor names, shapes, dtypes and device, and which linears carry LoRA residuals."""
 
@@ -117,8 +125,7 @@ class LoadedBlocks(ResidentBlocks):
             expected = {record["linear"] for record in artifact.manifest["blocks"][index]["lora"]}
             if set(block.loras) != expected:
                 raise VflashError(f"block_loader: block {index} has LoRA residuals on {sorted(block.loras)}; the artifact's on {sorted(expected)}")
-        self.blocks = blocks
-        self.device_weight_bytes = sum(t.nbytes for w in blocks for t in w.tensors.values())
+        super().__init__(blocks)
 
 
 @dataclass(frozen=True)

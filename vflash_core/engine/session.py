@@ -467,12 +467,15 @@ class NativeEngineSession:
                 except BaseException as exc:  # noqa: BLE001 - handed to the caller at the evaluation boundary
                     stop.append(exc)
 
+        def poll() -> None:  # between blocks, on rank 0
+            relay(between_blocks)
+
         def rank_main(rank: int) -> tuple[torch.Tensor, torch.Tensor] | None:
             den = self._denoisers[rank]
             state = den.start_request(bundle, rows[rank])
             nfe = den.nfe
             for step in range(nfe):
-                den.step(state, step, bundle, timers[rank], (lambda: relay(between_blocks)) if rank == 0 else None)
+                den.step(state, step, bundle, timers[rank], poll if rank == 0 else None)
                 if progress is not None or between_blocks is not None:
                     if den.device.type == "cuda":
                         torch.cuda.current_stream(den.device).synchronize()

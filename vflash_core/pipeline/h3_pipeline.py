@@ -568,14 +568,14 @@ class H3Pipeline:
                 report("load", 2, total)
                 from ..weights.artifact import CompiledArtifact
 
+                compiled = CompiledArtifact(**assets.session_paths())
                 if options.verify_weights:
-                    CompiledArtifact(**assets.session_paths()).verify()
+                    compiled.verify()
                 cap = cap_bytes(options.max_device_memory)
                 if primary.type != "cuda" and cap is None:  # nothing to plan: everything stays in host memory
                     plan = None
                     conditioner.keep_on_device = vaes.keep_on_device = options.encoder_residency == "resident"
                 else:
-                    compiled = CompiledArtifact(**assets.session_paths())
                     largest = largest_request(assets.profile, compiled.config, conditioner, vaes, assets.canvas)
                     devices = [primary] + ([peer] if peer is not None else [])
                     sizes = PartSizes.of(compiled, conditioner, vaes)
