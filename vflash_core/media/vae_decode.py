@@ -304,11 +304,6 @@ class DecoderWeights:
         return self.proj_in.device
 
     @property
-    def input_dtype(self) -> torch.dtype:
-        """The latents' dtype on entry (`post_quant_conv`'s)."""
-        return self.post_quant_conv.dtype
-
-    @property
     def compute_dtype(self) -> torch.dtype:
         """The projections' dtype, which the normalised activations are cast to."""
         return self.blocks[0].to_q.dtype
@@ -323,11 +318,8 @@ class DecoderWeights:
 
 
 class DecoderOps:
-    """The decoder's elementwise and attention stages as torch ops, in the reference's order and roundings.
-
-    A fused implementation (Triton) can replace a method where it reproduces the method's bits; everything else is a
-    GEMM. Tensors are (W, S, ...) for W stacked tile-windows of S tokens.
-    """
+    """The decoder's norms and attention as torch ops, in the reference's order and roundings; the rest of a block is
+    GEMMs and elementwise ops (`block`). Tensors are (W, S, ...) for W stacked tile-windows of S tokens."""
 
     def __init__(self, attend: AttentionFn):
         self.attend_fn = attend
@@ -353,15 +345,6 @@ class DecoderOps:
         """(W, S, heads, Dh) each -> (W, S, heads * Dh): each tile-window attends over its own S tokens."""
         return self.attend_fn(q, k, v).flatten(2, 3)
 
-    def swiglu(self, p: torch.Tensor) -> torch.Tensor:
-        """(W, S, 2 I) [value | gate] -> value * silu(gate), (W, S, I) in p's dtype."""
-        value, gate = p.chunk(2, dim=-1)
-        return value * F.silu(gate)
-
-    def scaled_residual(self, x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """`x + y * scale` with the fp32 scale: the product rounds in fp32, then the sum (an fp32 stream)."""
-        return x + y * scale
-
 
 def rotary(w: DecoderWeights, frames: int, height: int, width: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin (1, S, 1, R) in `dtype` for a (frames, height, width) tile-window: each axis' coordinates normalised to
@@ -377,22 +360,16 @@ def rotary(w: DecoderWeights, frames: int, height: int, width: int, dtype: torch
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def attention(b: BlockWeights, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], w: DecoderWeights, ops: DecoderOps) -> torch.Tensor:
-    """(W, S, D) normalised input in the compute dtype -> (W, S, D) attention output (before `scale1`)."""
+def block(b: BlockWeights, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], w: DecoderWeights, ops: DecoderOps) -> torch.Tensor:
+    """(W, S, D) stream -> the next one, fp32 (the first block's input is in `proj_in`'s dtype): attention, then the
+    SwiGLU feed-forward (`ff_in` gives [value | gate]; value * silu(gate) in the compute dtype), each on the normalised
+    stream and added as `h + y * scale` with the fp32 scale (the product rounds in fp32, then the sum)."""
+    x = ops.norm(h, b.norm1, w.norm_eps, w.compute_dtype)
     q, k, v = (F.linear(x, weight, bias).unflatten(2, (w.heads, -1)) for weight, bias in ((b.to_q, b.to_q_bias), (b.to_k, b.to_k_bias), (b.to_v, b.to_v_bias)))
     q, k = ops.qk_norm_rope(q, k, w.qk_norm_eps, *rope)
-    return F.linear(ops.attend(q, k, v), b.to_out, b.to_out_bias)
-
-
-def feed_forward(b: BlockWeights, x: torch.Tensor, ops: DecoderOps) -> torch.Tensor:
-    """(W, S, D) normalised input -> (W, S, D) SwiGLU output (before `scale2`)."""
-    return F.linear(ops.swiglu(F.linear(x, b.ff_in, b.ff_in_bias)), b.ff_out, b.ff_out_bias)
-
-
-def block(b: BlockWeights, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], w: DecoderWeights, ops: DecoderOps) -> torch.Tensor:
-    """(W, S, D) stream -> the next one, fp32 (the first block's input is in `proj_in`'s dtype)."""
-    h = ops.scaled_residual(h, attention(b, ops.norm(h, b.norm1, w.norm_eps, w.compute_dtype), rope, w, ops), b.scale1)
-    return ops.scaled_residual(h, feed_forward(b, ops.norm(h, b.norm2, w.norm_eps, w.compute_dtype), ops), b.scale2)
+    h = h + F.linear(ops.attend(q, k, v), b.to_out, b.to_out_bias) * b.scale1
+    value, gate = F.linear(ops.norm(h, b.norm2, w.norm_eps, w.compute_dtype), b.ff_in, b.ff_in_bias).chunk(2, dim=-1)
+    return h + F.linear(value * F.silu(gate), b.ff_out, b.ff_out_bias) * b.scale2
 
 
 def decode_tile_windows(w: DecoderWeights, latents: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ops: DecoderOps) -> torch.Tensor:
@@ -579,12 +556,10 @@ class NativeVideoDecoder:
         windows_per_call: int | None = None,
     ):
         if windows_per_call is None:  # stacked calls keep diffusers' bits except for fp32 GEMMs on a GPU (module doc)
-            fp32_on_gpu = bool(weights) and weights[0].proj_in.dtype == torch.float32 and weights[0].proj_in.is_cuda
+            fp32_on_gpu = weights[0].proj_in.dtype == torch.float32 and weights[0].proj_in.is_cuda
             windows_per_call = 1 if fp32_on_gpu else DEFAULT_WINDOWS_PER_CALL
         if windows_per_call < 1:
             raise VflashError(f"windows_per_call must be at least 1, got {windows_per_call}")
-        if not weights:
-            raise VflashError("the native video decode needs the decoder weights on at least one device")
         self.geometry = geometry
         self.weights = list(weights)
         resolved = [resolve_attention(attention, w.device) for w in self.weights]
@@ -609,11 +584,6 @@ class NativeVideoDecoder:
             raise VflashError(f"the native video decode takes latents (1, C, F, h, w), got {list(latent_shape)}")
         return self.geometry.plan(*latent_shape[2:])
 
-    def calls(self, plan: DecodePlan) -> list[list[TileWindow]]:
-        """The tile-windows of each ViT call, in order: `windows_per_call` at a time (the last call may have fewer)."""
-        items = plan.tile_windows()
-        return [items[first : first + self.windows_per_call] for first in range(0, len(items), self.windows_per_call)]
-
     @torch.no_grad()
     def decode(self, z: torch.Tensor, sink: FrameSink | None = None, output_device: str | torch.device = "cpu") -> torch.Tensor | None:
         """(1, C, F, h, w) denormalised latents, on any device -> (1, 3, F', 16 h, 16 w) pixels in ImageNet space, in
@@ -628,7 +598,9 @@ class NativeVideoDecoder:
                 output[:, :, start : start + frames.shape[2]].copy_(frames)
 
         timeline = Timeline(self.geometry, plan, sink)
-        parts = split_calls(self.calls(plan), len(self.weights))
+        # The tile-windows of each ViT call, in order, `windows_per_call` at a time (the last call may have fewer).
+        items, per_call = plan.tile_windows(), self.windows_per_call
+        parts = split_calls([items[first : first + per_call] for first in range(0, len(items), per_call)], len(self.weights))
         grid: dict[TileWindow, torch.Tensor] = {}
         peers = [PeerPart(self, index, z, plan, part) for index, part in enumerate(parts[1:], start=1)]
         try:
@@ -661,7 +633,8 @@ class NativeVideoDecoder:
         tiles = []
         for item in batch:
             if item.window not in windows:
-                windows[item.window] = z[:, :, plan.window_latent_indices(item.window).to(z.device)].to(w.device).to(w.input_dtype)
+                window = z[:, :, plan.window_latent_indices(item.window).to(z.device)]
+                windows[item.window] = window.to(w.device).to(w.post_quant_conv.dtype)  # `post_quant_conv`'s dtype
             y, x = plan.row_starts[item.row], plan.col_starts[item.col]
             tile = windows[item.window][..., y : y + plan.tile_height, x : x + plan.tile_width]
             # `post_quant_conv` tile by tile, at the reference's shape (a 1x1x1 convolution, negligible beside the ViT).
