@@ -88,14 +88,14 @@ _AUX_TENSORS = {
     "adaln_t_table": ("adaln_t_table", "adaln_t_table"),  # pruned files only
 }
 # Internal block list -> (diffusers, original) prefix of its blocks.
-_BLOCK_PREFIXES = {
+BLOCK_PREFIXES = {
     "blocks": ("transformer_blocks", "blocks"),
     "refiner": ("token_refiner.refiner_blocks", "token_refiner.blocks"),
 }
 # Internal block tensor -> (diffusers name, original name), below the block's prefix. Diffusers stores Q, K and V apart
 # (`{}` stands for q, k or v); the original `mlp.fc1` is stored [gate; value] and its fused QKV may be interleaved per
 # head (`SourceWeights._build_sources` reads those rows in internal order).
-_BLOCK_NAMES = {
+BLOCK_NAMES = {
     "norm1.weight": ("norm1.weight", "norm1.weight"),
     "attn.qkv.weight": ("attn.to_{}.weight", "attn.qkv_proj.weight"),
     "attn.norm_q.weight": ("attn.norm_q.weight", "attn.q_norm.weight"),
@@ -115,8 +115,8 @@ def source_name(internal: str, original: bool) -> str:
     column = 1 if original else 0
     kind, _, rest = internal.partition(".")
     index, _, local = rest.partition(".")
-    if kind in _BLOCK_PREFIXES and index.isdigit():
-        return f"{_BLOCK_PREFIXES[kind][column]}.{index}.{_BLOCK_NAMES[local][column]}"
+    if kind in BLOCK_PREFIXES and index.isdigit():
+        return f"{BLOCK_PREFIXES[kind][column]}.{index}.{BLOCK_NAMES[local][column]}"
     module, _, suffix = internal.rpartition(".")
     if module in AUX_NAMES:
         return f"{AUX_NAMES[module][column]}.{suffix}"
@@ -466,16 +466,6 @@ class SourceWeights:
         for code, scale, target in scaled:
             dequantize(code, self._scales[scale], target.dtype, out=target)
         return out
-
-    def read_block(self, index: int) -> dict[str, torch.Tensor]:
-        return self.read(list(block_shapes(self.config, f"blocks.{index}", with_adaln=False)))
-
-    def read_adaln(self, index: int) -> dict[str, torch.Tensor]:
-        return self.read([f"blocks.{index}.adaln.weight", f"blocks.{index}.adaln.bias"])
-
-    def read_refiner(self) -> dict[str, torch.Tensor]:
-        names = [n for j in range(self.config.num_refiner_layers) for n in block_shapes(self.config, f"refiner.{j}", with_adaln=False)]
-        return self.read(names + ["refiner.final_norm.weight"])
 
     def read_aux(self, include: Callable[[str], bool] = lambda name: True) -> dict[str, torch.Tensor]:
         """Tensors outside the main and refiner blocks (with a pruned file's `adaln_t_table`) that `include` accepts."""

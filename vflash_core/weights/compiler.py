@@ -62,7 +62,7 @@ from ..fileio import (
 from ..formats import ARTIFACT_FORMAT, ARTIFACT_FP8_FORMAT, OVERLAY_FORMAT, WEIGHTS_RECEIPT_FORMAT, device_arch
 from ..profiles import AdapterSpec, Profile, get_profile
 from .artifact import CompiledArtifact
-from .checkpoint import TABLE_INPUTS, SourceWeights
+from .checkpoint import TABLE_INPUTS, SourceWeights, block_shapes
 from .lora import TABLE_ONLY, Adapter, load_adapter
 from .tensor_store import describe_files, file_sha256, write_safetensors
 
@@ -348,16 +348,16 @@ def _write_compiled(
     # no more than a few blocks are in host memory at once.
     reader = ThreadPoolExecutor(READ_AHEAD_BLOCKS)
     writer = ThreadPoolExecutor(WRITE_BEHIND_BLOCKS)
-    read = lambda i: (source.read_adaln(i), source.read_block(i))  # a block's adaln_proj and packed weights
+    read = lambda i: source.read(list(block_shapes(config, f"blocks.{i}", with_adaln=True)))  # with its adaln_proj
     reads: dict[int, Future] = {i: reader.submit(read, i) for i in range(min(READ_AHEAD_BLOCKS, config.num_layers))}
     writes: list[Future] = []
     lora_records: list[list[dict[str, object]]] = []
     try:
         for i in tqdm(range(config.num_layers), desc="compile blocks", unit="block"):
-            adaln, block = reads.pop(i).result()
+            block = reads.pop(i).result()
             if i + READ_AHEAD_BLOCKS < config.num_layers:
                 reads[i + READ_AHEAD_BLOCKS] = reader.submit(read, i + READ_AHEAD_BLOCKS)
-            weight, bias = adaln[f"blocks.{i}.adaln.weight"].to(device), adaln[f"blocks.{i}.adaln.bias"].to(device)
+            weight, bias = block.pop(f"blocks.{i}.adaln.weight").to(device), block.pop(f"blocks.{i}.adaln.bias").to(device)
             block_loras = adapter.for_prefix(f"blocks.{i}") if adapter else {}
             adaln_loras = tuple(r.to(device) for r in block_loras.pop("adaln", ()))
             for s, v, temb in tembs:
@@ -366,7 +366,7 @@ def _write_compiled(
                 else:
                     table = M.adaln_table(temb, weight, bias, adaln_loras)
                 overlay[f"step{s:03d}.v{v}.block{i:03d}"] = table.cpu()
-            del adaln, weight, bias
+            del weight, bias
             tensors = {k.split(".", 2)[2]: t for k, t in block.items()}
             if profile.fp8:
                 tensors = quantize_block(tensors, device)
@@ -385,7 +385,8 @@ def _write_compiled(
         writer.shutdown(wait=True, cancel_futures=True)
 
     aux = source.read_aux(lambda n: not n.startswith(TABLE_INPUTS))
-    aux.update(source.read_refiner())
+    refiner = [n for j in range(config.num_refiner_layers) for n in block_shapes(config, f"refiner.{j}", with_adaln=False)]
+    aux.update(source.read(refiner))  # the refiner's final norm is an aux tensor, read above
     runtime_loras = {}
     if adapter:
         runtime_loras = {k: v for k, v in adapter.aux().items() if not TABLE_ONLY.match(k)}

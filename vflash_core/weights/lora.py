@@ -32,28 +32,25 @@ import torch
 from ..engine.config import H3Config
 from ..engine.model import LoraResidual
 from ..errors import WeightFileError
-from .checkpoint import AUX_NAMES, aux_shapes
+from .checkpoint import AUX_NAMES, BLOCK_NAMES, aux_shapes
 from .tensor_store import TensorStore
 
 # Internal linear names whose LoRA only affects the timestep tables.
 TABLE_ONLY = re.compile(r"^(blocks\.\d+\.adaln|time_embedder\.linear_[12]|norm_out\.linear)$")
 
-_DIFFUSERS_BLOCK = {
-    "attn.to_q": ("attn.qkv", 0),
-    "attn.to_k": ("attn.qkv", 1),
-    "attn.to_v": ("attn.qkv", 2),
-    "attn.to_out.0": ("attn.out", None),
-    "ff.net.0.proj": ("ffn.in", None),
-    "ff.net.2": ("ffn.out", None),
-    "adaln_proj.linear": ("adaln", None),
-}
-_ORIGINAL_BLOCK = {
-    "attn.qkv_proj": ("attn.qkv", None),
-    "attn.out_proj": ("attn.out", None),
-    "mlp.fc1": ("ffn.in", None),
-    "mlp.fc2": ("ffn.out", None),
-    "adaln_proj.linear": ("adaln", None),
-}
+
+def _block_linears(column: int) -> dict[str, tuple[str, int | None]]:
+    """A block's LoRA-adaptable linears in one layout (`BLOCK_NAMES` column: 0 diffusers, 1 original) -> (internal
+    linear, for diffusers' to_q / to_k / to_v its third of the fused QKV, else None)."""
+    linears: dict[str, tuple[str, int | None]] = {}
+    for linear in ("attn.qkv", "attn.out", "ffn.in", "ffn.out", "adaln"):
+        module = BLOCK_NAMES[f"{linear}.weight"][column].removesuffix(".weight")
+        thirds = enumerate("qkv") if "{}" in module else [(None, "")]
+        linears.update({module.format(p): (linear, k) for k, p in thirds})
+    return linears
+
+
+_DIFFUSERS_BLOCK, _ORIGINAL_BLOCK = _block_linears(0), _block_linears(1)
 _DIFFUSERS_AUX = {diffusers: internal for internal, (diffusers, _) in AUX_NAMES.items()}
 _ORIGINAL_AUX = {original: internal for internal, (_, original) in AUX_NAMES.items()}
 # Module names of the main and refiner blocks: (block list, index, module in the block).

@@ -118,12 +118,6 @@ class SafetensorsFile:
             )
         return TensorInfo(dtype, shape, data_start + begin, data_start + stop)
 
-    def check_unchanged(self) -> None:
-        """Immutable means immutable: a file whose size changed since it was indexed is refused."""
-        size = self.path.stat().st_size
-        if size != self.file_size:
-            raise WeightFileError(f"{self.path}: changed on disk since it was opened ({self.file_size} -> {size} bytes)")
-
     def read_group(self, requests: Iterable[ReadRequest]) -> None:
         """Serve `requests` with one open of the file, in file order."""
         jobs = []
@@ -142,7 +136,9 @@ class SafetensorsFile:
                 )
             jobs.append((start_byte, nbytes, request.out))
         jobs.sort(key=lambda job: job[0])
-        self.check_unchanged()
+        size = self.path.stat().st_size  # immutable means immutable: a file whose size changed is refused
+        if size != self.file_size:
+            raise WeightFileError(f"{self.path}: changed on disk since it was opened ({self.file_size} -> {size} bytes)")
         with open(self.path, "rb", buffering=0) as handle:
             for start_byte, nbytes, out in jobs:
                 if nbytes == 0:

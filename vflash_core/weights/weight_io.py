@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from functools import partial
 from itertools import pairwise
 from pathlib import Path
-from types import ModuleType, TracebackType
+from types import ModuleType
 from typing import Self
 
 import torch
@@ -296,9 +296,7 @@ class SequentialWeights:
         self.read_all()
         return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     @property
