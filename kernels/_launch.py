@@ -5,48 +5,18 @@ Nothing here touches the device (no synchronisation, no allocation): launchers c
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import triton
 
-__all__ = [
-    "COMPILE_OPTIONS",
-    "INT32_MAX",
-    "INTERPRET",
-    "Tile",
-    "addressed_span",
-    "as_rows",
-    "check_device",
-    "check_index",
-    "elementwise_tile",
-    "needs_int64",
-    "output",
-    "round_dtype",
-    "tile_and_grid",
-]
-
-
-def _interpreting() -> bool:
-    """Whether `@triton.jit` decorated this package's kernels for Triton's CPU interpreter.
-
-    `triton.jit` reads TRITON_INTERPRET when it decorates a function (triton 3.9: `knobs.runtime.interpret` in
-    `triton.jit`; triton 3.6 reads the same variable the same way), so the answer is fixed when this package is
-    imported. Older tritons without `triton.knobs` read the environment variable directly.
-    """
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
-#: True when the kernels run in Triton's CPU interpreter. Launchers then pass `EMULATE_CASTS=True` (the interpreter
-#: casts fp32 -> bf16 by truncation instead of round-to-nearest-even, and flushes bf16 subnormals in both directions,
-#: so the kernels convert on bit patterns instead) and `USE_LIBDEVICE=False` (the interpreter cannot call libdevice;
-#: numpy's `exp` stands in for `__nv_expf`).
-INTERPRET: bool = _interpreting()
+#: True when the kernels run in Triton's CPU interpreter: `triton.jit` reads TRITON_INTERPRET (`knobs.runtime.interpret`,
+#: triton >= 3.6) when it decorates a function, so this is fixed when the package is imported. Launchers then pass
+#: `EMULATE_CASTS=True` (the interpreter casts fp32 -> bf16 by truncation instead of round-to-nearest-even, and flushes
+#: bf16 subnormals in both directions, so the kernels convert on bit patterns instead) and `USE_LIBDEVICE=False` (the
+#: interpreter cannot call libdevice; numpy's `exp` stands in for `__nv_expf`).
+INTERPRET: bool = bool(triton.knobs.runtime.interpret)
 
 INT32_MAX = 2**31 - 1
 
@@ -76,14 +46,8 @@ def needs_int64(*views: torch.Tensor | tuple[Sequence[int], Sequence[int]]) -> b
     Masked-off lanes past the end of a tensor may form wrapped offsets in int32, which is harmless: they are never
     dereferenced.
     """
-    for view in views:
-        if isinstance(view, torch.Tensor):
-            span = addressed_span(view.shape, view.stride())
-        else:
-            span = addressed_span(*view)
-        if span > INT32_MAX:
-            return True
-    return False
+    spans = (addressed_span(v.shape, v.stride()) if isinstance(v, torch.Tensor) else addressed_span(*v) for v in views)
+    return any(span > INT32_MAX for span in spans)
 
 
 # -- launch settings -----------------------------------------------------------------------------------------------
@@ -203,3 +167,9 @@ def output(out: torch.Tensor | None, shape: Sequence[int], dtype: torch.dtype, d
 #: Launch keyword passed to every kernel: no fp contraction, so `a * b + c` in fp32 stays two roundings as in torch
 #: (with bf16 storage the intermediate conversions already prevent it; for fp32 tensors this keeps parity).
 COMPILE_OPTIONS = {"enable_fp_fusion": False}
+
+
+def launch_options(tile: Tile) -> dict[str, object]:
+    """The keywords every converting kernel's launch ends with: `EMULATE_CASTS` (see `INTERPRET`), the tile's warps and
+    `COMPILE_OPTIONS`."""
+    return {"EMULATE_CASTS": INTERPRET, "num_warps": tile.num_warps, **COMPILE_OPTIONS}

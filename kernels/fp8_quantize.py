@@ -113,9 +113,7 @@ def quantize_rows(x: torch.Tensor) -> Quantized:
             BLOCK_ROWS=tile.block_rows,
             BLOCK_COLS=tile.block_groups,
             INDEX_64=_launch.needs_int64(x2, codes2),
-            EMULATE_CASTS=_launch.INTERPRET,
-            num_warps=tile.num_warps,
-            **_launch.COMPILE_OPTIONS,
+            **_launch.launch_options(tile),
         )
     return codes, scales, None
 
@@ -204,10 +202,8 @@ def swiglu_quantize(p: torch.Tensor, *, keep_value: bool = False) -> Quantized:
             BLOCK_COLS=tile.block_groups,
             WRITE_VALUE=value is not None,
             INDEX_64=_launch.needs_int64(p2, value2, codes2),
-            EMULATE_CASTS=_launch.INTERPRET,
             USE_LIBDEVICE=not _launch.INTERPRET,
-            num_warps=tile.num_warps,
-            **_launch.COMPILE_OPTIONS,
+            **_launch.launch_options(tile),
         )
     return codes, scales, value
 
@@ -309,8 +305,6 @@ def rms_norm_modulate_quantize(
             BLOCK_ROWS=tile.block_rows,
             WRITE_VALUE=value is not None,
             INDEX_64=_launch.needs_int64(x2, weight, table, row_index, value2, codes2),
-            EMULATE_CASTS=_launch.INTERPRET,
-            num_warps=tile.num_warps,
-            **_launch.COMPILE_OPTIONS,
+            **_launch.launch_options(tile),
         )
     return codes, scales, value

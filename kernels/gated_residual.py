@@ -63,32 +63,6 @@ def _gated_residual_kernel(
     tl.store(out_ptr + rows[:, None] * out_row_stride + cols[None, :] * out_col_stride, _to_storage(result, out_ptr.dtype.element_ty, EMULATE_CASTS), mask=mask)
 
 
-def gated_residual_forward(x: torch.Tensor, y: torch.Tensor, table: torch.Tensor, row_index: torch.Tensor, gate_col: int, out: torch.Tensor) -> torch.Tensor:
-    """Launcher over 2-D views: x, y, out (S, H) (any strides; out may be x), table (R, 6H), row_index (S,)."""
-    n_rows, n_cols = x.shape
-    if n_rows == 0 or n_cols == 0:
-        return out
-    tile, grid = _launch.tile_and_grid(n_rows, n_cols)
-    _gated_residual_kernel[grid](
-        x, y, table, row_index, out,
-        n_rows, n_cols,
-        x.stride(0), x.stride(1),
-        y.stride(0), y.stride(1),
-        table.stride(0), table.stride(1),
-        row_index.stride(0),
-        out.stride(0), out.stride(1),
-        gate_col,
-        ROUND_DTYPE=_launch.round_dtype(x.dtype),
-        BLOCK_ROWS=tile.block_rows,
-        BLOCK_COLS=tile.block_groups,
-        INDEX_64=_launch.needs_int64(x, y, table, row_index, out),
-        EMULATE_CASTS=_launch.INTERPRET,
-        num_warps=tile.num_warps,
-        **_launch.COMPILE_OPTIONS,
-    )
-    return out
-
-
 def gated_residual(
     x: torch.Tensor,
     y: torch.Tensor,
@@ -127,7 +101,24 @@ def gated_residual(
     if out is not x and out.data_ptr() == x.data_ptr() and out.stride() != x.stride():
         raise ValueError("out aliases x with different strides; use inplace=True or a separate tensor")
     _launch.check_device(x, y, table, row_index, out)
-    gated_residual_forward(x2, y2, table, row_index, gate_block * hidden, _launch.as_rows(out, "out"))
+    out2 = _launch.as_rows(out, "out")
+    if n_rows and hidden:
+        tile, grid = _launch.tile_and_grid(n_rows, hidden)
+        _gated_residual_kernel[grid](
+            x2, y2, table, row_index, out2,
+            n_rows, hidden,
+            x2.stride(0), x2.stride(1),
+            y2.stride(0), y2.stride(1),
+            table.stride(0), table.stride(1),
+            row_index.stride(0),
+            out2.stride(0), out2.stride(1),
+            gate_block * hidden,
+            ROUND_DTYPE=_launch.round_dtype(x.dtype),
+            BLOCK_ROWS=tile.block_rows,
+            BLOCK_COLS=tile.block_groups,
+            INDEX_64=_launch.needs_int64(x2, y2, table, row_index, out2),
+            **_launch.launch_options(tile),
+        )
     return out
 
 

@@ -79,31 +79,6 @@ def modulation_columns(which: str, table: torch.Tensor, hidden: int, dtype: torc
     return shift_block * hidden, scale_block * hidden
 
 
-def modulate_forward(normed: torch.Tensor, table: torch.Tensor, row_index: torch.Tensor, shift_col: int, scale_col: int, out: torch.Tensor) -> torch.Tensor:
-    """Launcher over 2-D views: normed (S, H), table (R, n*H) (any strides), row_index (S,), out (S, H)."""
-    n_rows, n_cols = normed.shape
-    if n_rows == 0 or n_cols == 0:
-        return out
-    tile, grid = _launch.tile_and_grid(n_rows, n_cols)
-    _modulate_kernel[grid](
-        normed, table, row_index, out,
-        n_rows, n_cols,
-        normed.stride(0), normed.stride(1),
-        table.stride(0), table.stride(1),
-        row_index.stride(0),
-        out.stride(0), out.stride(1),
-        shift_col, scale_col,
-        ROUND_DTYPE=_launch.round_dtype(normed.dtype),
-        BLOCK_ROWS=tile.block_rows,
-        BLOCK_COLS=tile.block_groups,
-        INDEX_64=_launch.needs_int64(normed, table, row_index, out),
-        EMULATE_CASTS=_launch.INTERPRET,
-        num_warps=tile.num_warps,
-        **_launch.COMPILE_OPTIONS,
-    )
-    return out
-
-
 def modulate(
     normed: torch.Tensor,
     table: torch.Tensor,
@@ -130,7 +105,24 @@ def modulate(
     _launch.check_index(row_index, x2.shape[0], "row_index")
     out = _launch.output(out, normed.shape, out_dtype or normed.dtype, normed.device)
     _launch.check_device(normed, table, row_index, out)
-    modulate_forward(x2, table, row_index, shift_col, scale_col, _launch.as_rows(out, "out"))
+    out2 = _launch.as_rows(out, "out")
+    n_rows, n_cols = x2.shape
+    if n_rows and n_cols:
+        tile, grid = _launch.tile_and_grid(n_rows, n_cols)
+        _modulate_kernel[grid](
+            x2, table, row_index, out2,
+            n_rows, n_cols,
+            x2.stride(0), x2.stride(1),
+            table.stride(0), table.stride(1),
+            row_index.stride(0),
+            out2.stride(0), out2.stride(1),
+            shift_col, scale_col,
+            ROUND_DTYPE=_launch.round_dtype(normed.dtype),
+            BLOCK_ROWS=tile.block_rows,
+            BLOCK_COLS=tile.block_groups,
+            INDEX_64=_launch.needs_int64(x2, table, row_index, out2),
+            **_launch.launch_options(tile),
+        )
     return out
 
 

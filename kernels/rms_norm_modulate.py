@@ -140,36 +140,6 @@ def _rms_norm_modulate_kernel(
         tl.store(out_rows + cols[None, :] * out_col_stride, _to_storage(y, out_ptr.dtype.element_ty, EMULATE_CASTS), mask=mask)
 
 
-def rms_norm_modulate_forward(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, table: torch.Tensor, row_index: torch.Tensor, shift_col: int, scale_col: int, out: torch.Tensor
-) -> torch.Tensor:
-    """Launcher over 2-D views: x (S, H), weight (H,), table (R, n*H), row_index (S,), out (S, H), all any strides."""
-    n_rows, hidden = x.shape
-    if n_rows == 0:
-        return out
-    # a row is n_groups = 1 group of one torch block's chunk: the loops walk the rest of the row
-    tile = _launch.elementwise_tile(n_rows, 1, _CHUNK)
-    _rms_norm_modulate_kernel[(triton.cdiv(n_rows, tile.block_rows),)](
-        x, weight, table, row_index, out,
-        n_rows, float(eps),
-        x.stride(0), x.stride(1),
-        weight.stride(0),
-        table.stride(0), table.stride(1),
-        row_index.stride(0),
-        out.stride(0), out.stride(1),
-        shift_col, scale_col,
-        HIDDEN=hidden,
-        TORCH_WARPS=_TORCH_WARPS,
-        ROUND_DTYPE=_launch.round_dtype(x.dtype),
-        BLOCK_ROWS=tile.block_rows,
-        INDEX_64=_launch.needs_int64(x, weight, table, row_index, out),
-        EMULATE_CASTS=_launch.INTERPRET,
-        num_warps=tile.num_warps,
-        **_launch.COMPILE_OPTIONS,
-    )
-    return out
-
-
 def _check_inputs(x: torch.Tensor, weight: torch.Tensor, table: torch.Tensor, row_index: torch.Tensor, which: str) -> tuple[torch.Tensor, int, int]:
     """x as (S, H) rows and the (shift, scale) table columns of `which`, after the checks of `rms_norm_modulate`.
 
@@ -218,7 +188,27 @@ def rms_norm_modulate(
     x2, shift_col, scale_col = _check_inputs(x, weight, table, row_index, which)
     out = _launch.output(out, x.shape, out_dtype or x.dtype, x.device)
     _launch.check_device(x, weight, table, row_index, out)
-    rms_norm_modulate_forward(x2, weight, eps, table, row_index, shift_col, scale_col, _launch.as_rows(out, "out"))
+    out2 = _launch.as_rows(out, "out")
+    n_rows, hidden = x2.shape
+    if n_rows:
+        # a row is n_groups = 1 group of one torch block's chunk: the loops walk the rest of the row
+        tile = _launch.elementwise_tile(n_rows, 1, _CHUNK)
+        _rms_norm_modulate_kernel[(triton.cdiv(n_rows, tile.block_rows),)](
+            x2, weight, table, row_index, out2,
+            n_rows, float(eps),
+            x2.stride(0), x2.stride(1),
+            weight.stride(0),
+            table.stride(0), table.stride(1),
+            row_index.stride(0),
+            out2.stride(0), out2.stride(1),
+            shift_col, scale_col,
+            HIDDEN=hidden,
+            TORCH_WARPS=_TORCH_WARPS,
+            ROUND_DTYPE=_launch.round_dtype(x.dtype),
+            BLOCK_ROWS=tile.block_rows,
+            INDEX_64=_launch.needs_int64(x2, weight, table, row_index, out2),
+            **_launch.launch_options(tile),
+        )
     return out
 
 

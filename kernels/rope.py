@@ -239,9 +239,7 @@ def rope_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: tor
         BLOCK_HEADS=tile.block_groups,
         BLOCK_D=block_d,
         INDEX_64=_launch.needs_int64(x, cos, sin, out),
-        EMULATE_CASTS=_launch.INTERPRET,
-        num_warps=tile.num_warps,
-        **_launch.COMPILE_OPTIONS,
+        **_launch.launch_options(tile),
     )
     return out
 
@@ -273,38 +271,6 @@ def rope(
     rope_forward(q3, cos2, sin2, out[0])
     rope_forward(k3, cos2, sin2, out[1])
     return out[0:1], out[1:2]
-
-
-def qk_norm_rope_forward(
-    qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, head_dim: int, out: torch.Tensor
-) -> torch.Tensor:
-    """Launcher: qkv (S, 3I) any strides, weights (D,), cos/sin (S, R), out (P, S, heads, D) with unit channel stride."""
-    n_rows = qkv.shape[0]
-    n_heads = qkv.shape[1] // (3 * head_dim)
-    if qkv.numel() == 0:
-        return out
-    block_d = triton.next_power_of_2(head_dim)
-    tile, grid = _launch.tile_and_grid(n_rows, n_heads, block_d, parts=out.shape[0], target_elements=QK_NORM_TILE_ELEMENTS)
-    _qk_norm_rope_kernel[grid](
-        qkv, q_weight, k_weight, cos, sin, out,
-        n_rows, n_heads, float(eps),
-        qkv.stride(0), qkv.stride(1),
-        q_weight.stride(0), k_weight.stride(0),
-        cos.stride(0), cos.stride(1),
-        sin.stride(0), sin.stride(1),
-        out.stride(0), out.stride(1), out.stride(2),
-        HEAD_DIM=head_dim,
-        ROTARY=cos.shape[1],
-        ROUND_DTYPE=_launch.round_dtype(qkv.dtype),
-        BLOCK_ROWS=tile.block_rows,
-        BLOCK_HEADS=tile.block_groups,
-        BLOCK_D=block_d,
-        INDEX_64=_launch.needs_int64(qkv, cos, sin, out),
-        EMULATE_CASTS=_launch.INTERPRET,
-        num_warps=tile.num_warps,
-        **_launch.COMPILE_OPTIONS,
-    )
-    return out
 
 
 def qk_norm_rope(
@@ -349,14 +315,33 @@ def qk_norm_rope(
         if w.shape != (head_dim,) or w.dtype != qkv.dtype:
             raise ValueError(f"{name} must be ({head_dim},) {qkv.dtype}, got {tuple(w.shape)} {w.dtype}")
     cos2, sin2 = _angles_views(cos, sin, n_rows, head_dim, qkv.dtype)
-    _launch.round_dtype(qkv.dtype)
+    round_dtype = _launch.round_dtype(qkv.dtype)
     shape = (3 if copy_v else 2, n_rows, n_heads, head_dim)
     if out is None:
         out = torch.empty(shape, dtype=qkv.dtype, device=qkv.device)
     elif tuple(out.shape) != shape or out.dtype != qkv.dtype or (out.numel() and out.stride(3) != 1):
         raise ValueError(f"out must be {shape} {qkv.dtype} with channel stride 1, got {tuple(out.shape)} {out.dtype}")
     _launch.check_device(qkv, norm_q_weight, norm_k_weight, cos, sin, out)
-    qk_norm_rope_forward(qkv2, norm_q_weight, norm_k_weight, eps, cos2, sin2, head_dim, out)
+    if qkv2.numel():
+        block_d = triton.next_power_of_2(head_dim)
+        tile, grid = _launch.tile_and_grid(n_rows, n_heads, block_d, parts=out.shape[0], target_elements=QK_NORM_TILE_ELEMENTS)
+        _qk_norm_rope_kernel[grid](
+            qkv2, norm_q_weight, norm_k_weight, cos2, sin2, out,
+            n_rows, n_heads, float(eps),
+            qkv2.stride(0), qkv2.stride(1),
+            norm_q_weight.stride(0), norm_k_weight.stride(0),
+            cos2.stride(0), cos2.stride(1),
+            sin2.stride(0), sin2.stride(1),
+            out.stride(0), out.stride(1), out.stride(2),
+            HEAD_DIM=head_dim,
+            ROTARY=cos2.shape[1],
+            ROUND_DTYPE=round_dtype,
+            BLOCK_ROWS=tile.block_rows,
+            BLOCK_HEADS=tile.block_groups,
+            BLOCK_D=block_d,
+            INDEX_64=_launch.needs_int64(qkv2, cos2, sin2, out),
+            **_launch.launch_options(tile),
+        )
     inner = n_heads * head_dim
     v = out[2:3] if copy_v else qkv2[None, :, 2 * inner :].unflatten(-1, (n_heads, head_dim))
     return out[0:1], out[1:2], v

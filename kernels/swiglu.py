@@ -68,29 +68,6 @@ def _swiglu_kernel(
     tl.store(out_ptr + rows[:, None] * out_row_stride + cols[None, :] * out_col_stride, _to_storage(result, out_ptr.dtype.element_ty, EMULATE_CASTS), mask=mask)
 
 
-def swiglu_forward(p: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Launcher over 2-D views: p (S, 2F) any strides, out (S, F) any strides."""
-    n_rows, n_cols = out.shape
-    if n_rows == 0 or n_cols == 0:
-        return out
-    tile, grid = _launch.tile_and_grid(n_rows, n_cols)
-    _swiglu_kernel[grid](
-        p, out,
-        n_rows, n_cols,
-        p.stride(0), p.stride(1),
-        out.stride(0), out.stride(1),
-        ROUND_DTYPE=_launch.round_dtype(p.dtype),
-        BLOCK_ROWS=tile.block_rows,
-        BLOCK_COLS=tile.block_groups,
-        INDEX_64=_launch.needs_int64(p, out),
-        EMULATE_CASTS=_launch.INTERPRET,
-        USE_LIBDEVICE=not _launch.INTERPRET,
-        num_warps=tile.num_warps,
-        **_launch.COMPILE_OPTIONS,
-    )
-    return out
-
-
 def swiglu(p: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """Fused SwiGLU with torch's roundings: `value * silu(gate)` where `value, gate = p.chunk(2, -1)`.
 
@@ -102,8 +79,23 @@ def swiglu(p: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         raise ValueError(f"p must have an even last dimension [value | gate], got {tuple(p.shape)}")
     out = _launch.output(out, (*p.shape[:-1], p.shape[-1] // 2), p.dtype, p.device)
     _launch.check_device(p, out)
-    _launch.round_dtype(p.dtype)
-    swiglu_forward(p2, _launch.as_rows(out, "out"))
+    round_dtype = _launch.round_dtype(p.dtype)
+    out2 = _launch.as_rows(out, "out")
+    n_rows, n_cols = out2.shape
+    if n_rows and n_cols:
+        tile, grid = _launch.tile_and_grid(n_rows, n_cols)
+        _swiglu_kernel[grid](
+            p2, out2,
+            n_rows, n_cols,
+            p2.stride(0), p2.stride(1),
+            out2.stride(0), out2.stride(1),
+            ROUND_DTYPE=round_dtype,
+            BLOCK_ROWS=tile.block_rows,
+            BLOCK_COLS=tile.block_groups,
+            INDEX_64=_launch.needs_int64(p2, out2),
+            USE_LIBDEVICE=not _launch.INTERPRET,
+            **_launch.launch_options(tile),
+        )
     return out
 
 
