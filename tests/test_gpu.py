@@ -108,7 +108,7 @@ def test_fault_on_rank_one_ends_within_seconds(gpu_compiled, monkeypatch):
     calls = []
 
     def faulty(self, q, k, v):
-        if self.rank == 1:
+        if self.group.rank() == 1:
             calls.append(1)
             if len(calls) == 5:
                 raise RuntimeError("injected fault on rank 1")

@@ -119,7 +119,7 @@ def test_fault_on_rank_one_aborts_both_and_fails_the_session(tiny_compiled, monk
     calls = []
 
     def faulty(self, q, k, v):
-        if self.rank == 1:
+        if self.group.rank() == 1:
             calls.append(1)
             if len(calls) == 3:
                 raise RuntimeError("injected fault on rank 1")

@@ -88,8 +88,9 @@ def resolve_attention(name: str, device: torch.device, approximate_allowed: bool
         if name not in ("auto", "torch-sdpa", "torch-math"):
             raise VflashError(f"attention backend {name} needs a CUDA device, not {device}")
         return "torch-sdpa", sdpa_attention
+    capability = torch.cuda.get_device_capability(device)
     if name == "auto":
-        if torch.cuda.get_device_capability(device) == (9, 0):
+        if capability == (9, 0):
             try:
                 fn = _fa3()
                 _probe("fa3", fn, device)
@@ -101,9 +102,8 @@ def resolve_attention(name: str, device: torch.device, approximate_allowed: bool
         name = "torch-cudnn"
     if name == "torch-sdpa":
         return name, sdpa_attention
-    if name == "fa3-fp8" and torch.cuda.get_device_capability(device) != (9, 0):
-        major, minor = torch.cuda.get_device_capability(device)
-        raise VflashError(f"attention backend fa3-fp8 runs FlashAttention-3's SM90 FP8 kernels; {device} is SM{major}{minor}")
+    if name == "fa3-fp8" and capability != (9, 0):
+        raise VflashError(f"attention backend fa3-fp8 runs FlashAttention-3's SM90 FP8 kernels; {device} is SM{capability[0]}{capability[1]}")
     if name == "fa3":
         fn = _fa3()
     elif name == "fa3-fp8":

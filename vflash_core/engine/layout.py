@@ -32,19 +32,18 @@ _FRAMES_PER_LATENT = (1, 4, 4, 4, 4)
 _SPATIAL_SCALE = 32
 
 
-def align_num_frames(num_frames: int, frames_per_chunk: int = VAE_FRAMES_PER_CHUNK, latents_per_chunk: int = VAE_LATENTS_PER_CHUNK) -> int:
+def align_num_frames(num_frames: int) -> int:
     """Snap a frame count up to the next `17 n + 5` the video VAE encodes."""
     if num_frames < 1:
         raise RequestError(f"num_frames must be positive, got {num_frames}")
-    remainder = (num_frames - latents_per_chunk) % frames_per_chunk
-    return num_frames if remainder == 0 else num_frames + frames_per_chunk - remainder
+    return num_frames + (VAE_LATENTS_PER_CHUNK - num_frames) % VAE_FRAMES_PER_CHUNK
 
 
-def video_latent_frames(num_frames: int, frames_per_chunk: int = VAE_FRAMES_PER_CHUNK, latents_per_chunk: int = VAE_LATENTS_PER_CHUNK) -> int:
+def video_latent_frames(num_frames: int) -> int:
     """Latent frames of an aligned frame count: 17 n + 5 -> 5 n + 2."""
-    if num_frames % frames_per_chunk != latents_per_chunk:
-        raise RequestError(f"num_frames must be {frames_per_chunk} n + {latents_per_chunk}, got {num_frames}")
-    return (num_frames - latents_per_chunk) // frames_per_chunk * latents_per_chunk + 2
+    if num_frames % VAE_FRAMES_PER_CHUNK != VAE_LATENTS_PER_CHUNK:
+        raise RequestError(f"num_frames must be {VAE_FRAMES_PER_CHUNK} n + {VAE_LATENTS_PER_CHUNK}, got {num_frames}")
+    return (num_frames - VAE_LATENTS_PER_CHUNK) // VAE_FRAMES_PER_CHUNK * VAE_LATENTS_PER_CHUNK + 2
 
 
 def audio_latent_count(num_frames: int) -> int:
@@ -118,12 +117,14 @@ def spatial_grid(dim: int, patch: int, sqrt_area: float) -> torch.Tensor:
     return torch.from_numpy(np.linspace(left, left + ratio, dim // patch, endpoint=False) * _SPATIAL_SCALE)
 
 
+def _frame_spans(num_latent_frames: int) -> list[float]:
+    """Rotary time each latent frame spans: 5/3 * (1, 4, 4, 4, 4)[k % 5]."""
+    return [_FRAME_RESCALE * _FRAMES_PER_LATENT[k % len(_FRAMES_PER_LATENT)] for k in range(num_latent_frames)]
+
+
 def temporal_grid(num_latent_frames: int, origin: float) -> torch.Tensor:
     """Rotary time of every latent frame from `origin`, spans 5/3 * (1, 4, 4, 4, 4) summed sequentially (fp64)."""
-    spans = torch.tensor(
-        [_FRAME_RESCALE * _FRAMES_PER_LATENT[k % len(_FRAMES_PER_LATENT)] for k in range(num_latent_frames)],
-        dtype=torch.float64,
-    )
+    spans = torch.tensor(_frame_spans(num_latent_frames), dtype=torch.float64)
     return origin + torch.cat([torch.zeros(1, dtype=torch.float64), spans[:-1].cumsum(0)])
 
 
@@ -139,10 +140,7 @@ def frame_grid(latent_height: int, latent_width: int, patch_h: int, patch_w: int
 def _last_keyframe_time(num_text: int, num_latent_frames: int) -> float:
     # numpy's pairwise sum of the spans, as the reference computes this anchor (differs from a sequential sum in the
     # last ulp from 16 latent frames on).
-    spans = np.ones(num_latent_frames, dtype=np.float64) * _FRAME_RESCALE
-    for offset, frames in enumerate(_FRAMES_PER_LATENT):
-        spans[offset :: len(_FRAMES_PER_LATENT)] *= frames
-    return float(num_text) + float(spans.sum()) - _FRAME_RESCALE
+    return float(num_text) + float(np.array(_frame_spans(num_latent_frames), dtype=np.float64).sum()) - _FRAME_RESCALE
 
 
 @dataclass(frozen=True)
@@ -339,8 +337,8 @@ def ref2va_layout(
                 add_audio(ref.audio_latents, width_axis)
             _video_positions(pos, cursor, ref.latent_frames, clock, grid)
             span = 0.0
-            for k in range(ref.latent_frames):
-                span += _FRAME_RESCALE * _FRAMES_PER_LATENT[k % len(_FRAMES_PER_LATENT)]
+            for frame_span in _frame_spans(ref.latent_frames):  # sequentially (Python 3.12's sum() compensates)
+                span += frame_span
             advance = max(float(ref.audio_latents), span)
         video_indices.append(torch.arange(cursor, cursor + rows))
         cursor += rows

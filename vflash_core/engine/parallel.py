@@ -20,6 +20,7 @@ sharded alongside). Partial sums change rounding; outputs are close to, not bitw
 from __future__ import annotations
 
 import datetime
+import itertools
 import logging
 import threading
 from collections.abc import Callable
@@ -42,12 +43,8 @@ def split_rows(total: int, ranks: int) -> list[tuple[int, int]]:
     if ranks < 1:
         raise VflashError(f"need at least one rank, got {ranks}")
     base, extra = divmod(total, ranks)
-    bounds, start = [], 0
-    for r in range(ranks):
-        stop = start + base + (1 if r < extra else 0)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
+    starts = [r * base + min(r, extra) for r in range(ranks + 1)]
+    return list(itertools.pairwise(starts))
 
 
 def head_groups(heads: int, ranks: int) -> list[tuple[int, int]]:
@@ -91,11 +88,6 @@ class LocalGroup:
         else:
             group = dist.ProcessGroupGloo(store, rank, self.size, self.timeout)
         self.groups[rank] = group
-
-    def group(self, rank: int) -> dist.ProcessGroup:
-        group = self.groups[rank]
-        assert group is not None
-        return group
 
     def run(self, fn: Callable[[int], T]) -> list[T]:
         """Run `fn(rank)` on one thread per rank (each bound to its device); abort everything if any rank raises."""
@@ -159,14 +151,12 @@ class SequenceHeadAttention:
     `local` attends a sequence held whole on this device (used by the text refiner).
     """
 
-    def __init__(self, group: dist.ProcessGroup, rank: int, rows: list[tuple[int, int]], heads: int, local: M.AttentionFn, pack: Callable, merge: Callable):
+    def __init__(self, group: dist.ProcessGroup, rows: list[tuple[int, int]], heads: int, local: M.AttentionFn, pack: Callable, merge: Callable):
         self.group = group
-        self.rank = rank
         self.size = len(rows)
         self.rows = rows
         self.heads = heads
-        self.heads_per_rank = heads // self.size
-        head_groups(heads, self.size)
+        self.heads_per_rank = heads // self.size  # the session checked that the rank count divides the heads
         self.local = local
         self.pack = pack  # (x (S_r, heads, D) strided, out (P, S_r, Hp, D)) -> out
         self.merge = merge  # (received (P, S_r, Hp, D), out (S_r, heads, D)) -> out
@@ -230,8 +220,7 @@ class TensorShard:
     """
 
     def __init__(self, config, rank: int, size: int):
-        head_groups(config.num_attention_heads, size)
-        if config.ffn_dim % size:
+        if config.ffn_dim % size:  # (the session checked the heads)
             raise VflashError(f"FFN width {config.ffn_dim} cannot be split over {size} GPUs")
         self.rank, self.size = rank, size
         self.inner, self.ffn = config.inner_dim, config.ffn_dim

@@ -24,7 +24,7 @@ import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,6 +33,9 @@ from ..weights.artifact import CompiledArtifact
 from ..weights.tensor_store import TensorStore
 from .device_owner import module_tensors, point_module_at
 from .model import LayerWeights, LoraResidual
+
+if TYPE_CHECKING:
+    from .parallel import TensorShard as WeightShard  # one rank's share of a block's weights; identity when absent
 
 # Tensors start at multiples of this inside the arena and the slots (cuBLAS- and vector-load friendly). The full
 # model's tensors are all multiples of it, so no padding is added there.
@@ -61,16 +64,6 @@ def device_loras(
     loras: Mapping[str, tuple[LoraResidual, ...]], device: torch.device
 ) -> dict[str, tuple[LoraResidual, ...]]:
     return {k: tuple(r.to(device) for r in rs) for k, rs in loras.items()}
-
-
-class WeightShard(Protocol):
-    """One rank's share of a block's weights (tensor parallelism); identity when absent."""
-
-    def shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]: ...
-
-    def tensors(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
-
-    def loras(self, loras: Mapping[str, tuple[LoraResidual, ...]]) -> dict[str, tuple[LoraResidual, ...]]: ...
 
 
 class _DeviceBlocks(BlockSource):
@@ -153,13 +146,8 @@ def block_layout(artifact: CompiledArtifact, shard: WeightShard | None = None) -
     """Byte layout shared by every main block (same names, shapes and dtypes), or by every block's shard; an FP8
     artifact's codes take one byte per weight and their row scales sit beside them."""
     store = TensorStore(artifact.artifact_dir / artifact.manifest["blocks"][0]["file"])
-
-    def tensors() -> Iterator[tuple[str, torch.dtype, tuple[int, ...]]]:
-        for name in artifact.block_tensors():
-            info = store.info(name)
-            yield name, info.dtype, (info.shape if shard is None else shard.shape(name, info.shape))
-
-    return pack_layout(tensors())
+    infos = {name: store.info(name) for name in artifact.block_tensors()}
+    return pack_layout((name, i.dtype, i.shape if shard is None else shard.shape(name, i.shape)) for name, i in infos.items())
 
 
 class PinnedArena:
@@ -175,13 +163,10 @@ class PinnedArena:
     ):
         self.layout, self.item_bytes, self.what = layout, item_bytes, what
         per_segment = max(1, _SEGMENT_BYTES // item_bytes)
-        self.segments: list[torch.Tensor] = []
-        self.spans: list[torch.Tensor] = []  # per item: uint8 view of its bytes in a segment
-        for first in range(0, count, per_segment):
-            self.segments.append(torch.empty(min(per_segment, count - first) * item_bytes, dtype=torch.uint8, pin_memory=pin))
-        for i in range(count):
-            start = (i % per_segment) * item_bytes
-            self.spans.append(self.segments[i // per_segment][start : start + item_bytes])
+        sizes = [min(per_segment, count - first) * item_bytes for first in range(0, count, per_segment)]
+        self.segments = [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for size in sizes]
+        # per item: uint8 view of its bytes in a segment
+        self.spans = [self.segments[i // per_segment].view(-1, item_bytes)[i % per_segment] for i in range(count)]
         with ThreadPoolExecutor(2) as pool:
             for i, _ in enumerate(pool.map(lambda i: self._fill(i, read(i)), range(count))):
                 if on_item is not None:
@@ -328,11 +313,6 @@ class ModuleRing:
         self.ring: WeightRing | None = None
         self._pass: Iterator[dict[str, torch.Tensor]] | None = None
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
-
-    @property
-    def nbytes(self) -> int:
-        """Host bytes of the arena."""
-        return self.arena.nbytes
 
     def attach(self, device: torch.device) -> None:
         """Stream the modules through two slots on `device` from now on."""

@@ -16,9 +16,8 @@ Execution: an FP8 profile's artifact (approximate) runs its block linears throug
 profile's mode, with the Triton activation quantizers in the fused execution; only such a session accepts the
 approximate attention backend `fa3-fp8`. Nothing else ever runs approximately.
 
-Trusted loader hooks (Python callables given by the caller, never names resolved to code): `native_denoiser_loader`
-builds the denoiser itself from the verified artifact (resident weights, one device); `block_loader` supplies the
-resident block stack, which is checked against the artifact before use.
+Trusted loader hooks (`native_denoiser_loader`, `block_loader`) are Python callables given by the caller, never names
+resolved to code.
 """
 
 from __future__ import annotations
@@ -198,14 +197,18 @@ class NativeEngineSession:
         if execution not in EXECUTIONS:
             raise VflashError(f"execution must be one of {', '.join(EXECUTIONS)}, got {execution!r}")
         self.execution = ("fused" if self.device.type == "cuda" else "reference") if execution == "auto" else execution
-        self.plan = self._memory_plan(weight_residency, cap_bytes(max_device_memory)) if plan is None else plan
-        if plan is not None and weight_residency not in ("auto", plan.placement.core):
+        if plan is None and (self.device.type == "cuda" or max_device_memory is not None):  # else CPU, no cap: resident blocks
+            # this session's own plan, for the core alone: its blocks and the profile's largest request
+            largest = largest_request(self.profile, config)
+            plan = plan_memory(PartSizes.of(self.compiled), largest, self.devices, cap_bytes(max_device_memory), weight_residency)
+        elif plan is not None and weight_residency not in ("auto", plan.placement.core):
             raise VflashError(f"weight_residency={weight_residency!r} disagrees with the memory plan's {plan.placement.core!r}")
+        self.plan = plan
         self.weight_residency = self.plan.placement.core if self.plan is not None else ("resident" if weight_residency == "auto" else weight_residency)
         if hooks and self.weight_residency != "resident":
             raise VflashError(f"{hooks[0]} loads the resident block stack; this session's blocks are {self.weight_residency} (the memory plan's choice)")
         self._cap = DeviceCap(self.plan.cap, self.devices) if self.plan is not None and self.plan.cap is not None else None
-        self._closed = False
+        self.closed = False
         self._denoisers: list[Denoiser] = []
         self._group: LocalGroup | None = None
         self._arenas: list[BlockArena] = []
@@ -227,8 +230,7 @@ class NativeEngineSession:
         self._group = LocalGroup(self.devices, collective_timeout_seconds) if self.strategy else None
         size = len(self.devices)
         shards = [TensorShard(config, r, size) if self.strategy == "tensor" else None for r in range(size)]
-        total = config.num_layers
-        load = None if on_load_progress is None else (lambda i: on_load_progress(i + 1, total))
+        load = None if on_load_progress is None else (lambda i: on_load_progress(i + 1, config.num_layers))
         # One host arena shared by every ring (sequence-head replicates blocks); one arena of shards per rank (tensor).
         if self.weight_residency == "block-ring":
             pin = self.device.type == "cuda"
@@ -239,9 +241,9 @@ class NativeEngineSession:
         for rank, dev in enumerate(self.devices):
             local = resolve_attention(attention_backend, dev, self.profile.fp8 is not None)[1]
             if self.strategy == "sequence-head":
-                ops = self._block_ops(config, SequenceHeadAttention(self._group.group(rank), rank, [(0, 0)] * size, config.num_attention_heads, local, *relayout_ops(dev)), dev)  # type: ignore[union-attr]
+                ops = self._block_ops(config, SequenceHeadAttention(self._group.groups[rank], [(0, 0)] * size, config.num_attention_heads, local, *relayout_ops(dev)), dev)  # type: ignore[union-attr,arg-type]
             elif self.strategy == "tensor":
-                ops = tensor_parallel_ops(config, self._group.group(rank), size, local, FusedOps if self.execution == "fused" else BlockOps)  # type: ignore[union-attr]
+                ops = tensor_parallel_ops(config, self._group.groups[rank], size, local, FusedOps if self.execution == "fused" else BlockOps)  # type: ignore[union-attr,arg-type]
             else:
                 ops = self._block_ops(config, local, dev)
             if native_denoiser_loader is not None:
@@ -270,13 +272,6 @@ class NativeEngineSession:
         return FusedRowFP8Ops(config, attention, execution, keep_values)
 
     # -- memory -------------------------------------------------------------------------------------------------
-
-    def _memory_plan(self, weight_residency: str, cap: int | None) -> MemoryPlan | None:
-        """This session's own plan, for the core alone (its blocks and the profile's largest request), on a GPU or
-        under a cap; None on the CPU without a cap (the blocks stay resident there)."""
-        if self.device.type != "cuda" and cap is None:
-            return None
-        return plan_memory(PartSizes.of(self.compiled), largest_request(self.profile, self.compiled.config), self.devices, cap, weight_residency)
 
     def memory_plan(self) -> str:
         """One line: devices, strategy, attention, residency, blocks on device, pinned host bytes."""
@@ -311,15 +306,11 @@ class NativeEngineSession:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def close(self) -> None:
         """Wait for the devices, then release every weight and communicator this session owns. Idempotent."""
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
+        self.closed = True
         for dev in self.devices:
             if dev.type == "cuda":
                 try:
@@ -336,12 +327,6 @@ class NativeEngineSession:
         if self._cap is not None:
             self._cap.release()
             self._cap = None
-
-    def _check_usable(self) -> None:
-        if self._failure is not None:
-            raise SessionClosedError(f"this session failed earlier ({self._failure}); close it and create a new one")
-        if self._closed:
-            raise SessionClosedError("this session is closed; create a new NativeEngineSession")
 
     # -- requests -------------------------------------------------------------------------------------------------
 
@@ -370,7 +355,10 @@ class NativeEngineSession:
         With `output_latents`, the latents are also written there atomically, inside the timed region. With
         `profile_denoise`, per-stage device timings are returned in `denoise_profile`.
         """
-        self._check_usable()
+        if self._failure is not None:
+            raise SessionClosedError(f"this session failed earlier ({self._failure}); close it and create a new one")
+        if self.closed:
+            raise SessionClosedError("this session is closed; create a new NativeEngineSession")
         if isinstance(bundle, BundleHandoff):
             bundle = bundle.consume()
         elif not isinstance(bundle, ConditioningBundle):
@@ -523,10 +511,9 @@ def _loaded_denoiser(loader: NativeDenoiserLoader, artifact: CompiledArtifact, l
     return denoiser
 
 
-def write_latents(path: str | Path, output: DenoiseOutput, metadata: dict[str, str]) -> Path:
+def write_latents(path: str | Path, output: DenoiseOutput, metadata: dict[str, str]) -> None:
     """Latents as safetensors (`video_latents`, `audio_latents`), published atomically, never overwriting."""
     from safetensors.torch import save_file
 
     with atomic_file(path) as tmp:
         save_file({"video_latents": output.video_latents.contiguous(), "audio_latents": output.audio_latents.contiguous()}, str(tmp), metadata=metadata)
-    return Path(path)
