@@ -9,12 +9,12 @@ through. cos/sin are the (S, R) fp32 tables rounded to bf16 *before* use. Both o
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from . import _launch
 from ._device import _lane_tree_sum, _round_as, _tile_indices, _to_f32, _to_storage
+from .rms_norm_modulate import rms_norm_block_order_reference
 
 __all__ = ["qk_norm_rope", "rms_norm_warp_order_reference", "rope"]
 
@@ -351,21 +351,9 @@ def qk_norm_rope(
 
 
 def rms_norm_warp_order_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """torch emulation of `qk_norm_rope`'s RMSNorm, reduction order included: (..., D) -> (..., D) in x's dtype.
+    """torch emulation of `qk_norm_rope`'s RMSNorm, reduction order included: (..., D) -> (..., D) in x's dtype, D <= 128.
 
-    Exact for bf16/fp16 inputs, whose squares are exact in fp32 (so the kernel's fma equals a multiply and an add).
-    `torch.rsqrt` on the CPU is `1 / sqrt` (what the Triton interpreter computes); on the GPU both sides use the
-    hardware approximation.
+    torch's block order (`rms_norm_modulate.rms_norm_block_order_reference`) with a single warp: rows of at most 128
+    channels fill only warp 0, whose lanes then are the whole reduction.
     """
-    head_dim = x.shape[-1]
-    xf = x.float()
-    lanes = F.pad(xf * xf, (0, _VEC * _LANES - head_dim)).unflatten(-1, (_LANES, _VEC))
-    acc = lanes[..., 0]
-    for j in range(1, _VEC):
-        acc = acc + lanes[..., j]
-    width = _LANES
-    while width > 1:
-        width //= 2
-        acc = acc[..., :width] + acc[..., width : 2 * width]
-    rstd = torch.rsqrt(acc / head_dim + eps)
-    return (weight.float() * (rstd * xf)).to(x.dtype)
+    return rms_norm_block_order_reference(x, weight, eps, warps=1)

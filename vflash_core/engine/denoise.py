@@ -170,7 +170,6 @@ class Denoiser:
         )
 
     def step(self, state: RequestState, step: int, bundle: ConditioningBundle, timer: StageTimer, between_blocks: Callable[[], None] | None = None) -> None:
-        """Evaluate and update one step."""
         timer.evaluation = step
         velocity, audio_velocity = self.evaluate(state, step, timer, between_blocks)
         with timer.stage("latent_update"):

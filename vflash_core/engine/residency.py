@@ -44,10 +44,6 @@ _ALIGN = 256
 _SEGMENT_BYTES = 4 << 30
 
 
-def _aligned(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
 class BlockSource:
     """Yields the main blocks' weights on the compute device, in order, once per evaluation."""
 
@@ -138,7 +134,7 @@ def pack_layout(tensors: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]) -> 
     for name, dtype, shape in tensors:
         nbytes = math.prod(shape) * dtype.itemsize
         slots.append(_Slot(name, dtype, shape, offset, nbytes))
-        offset = _aligned(offset + nbytes)
+        offset = (offset + nbytes + _ALIGN - 1) // _ALIGN * _ALIGN  # the next tensor starts aligned
     return slots, offset
 
 
