@@ -110,7 +110,7 @@ class VflashLoraSelect(io.ComfyNode):
 
     @classmethod
     def fingerprint_inputs(cls, lora, strength, **kwargs):
-        return (lora, strength, ops.lora_identity(FOLDERS, lora))
+        return (lora, strength, ops.model_identity(FOLDERS, "loras/" + lora))
 
     @classmethod
     def execute(cls, lora, strength, prev=None):
@@ -143,7 +143,7 @@ class _ComponentLoader(io.ComfyNode):
     @classmethod
     def fingerprint_inputs(cls, device, **option):
         source = option[cls.OPTION]
-        return (source, device, ops.component_identity(FOLDERS, source, ops.COMPONENT_FOLDERS[cls.KIND]))
+        return (source, device, ops.model_identity(FOLDERS, source, ops.COMPONENT_FOLDERS[cls.KIND]))
 
     @classmethod
     def execute(cls, device, **option):

@@ -178,20 +178,13 @@ def path_identity(path: Path) -> tuple:
     return (str(path), tuple((rel, *path_identity(path / rel)[1:]) for rel in _IDENTITY_FILES if (path / rel).is_file()))
 
 
-def model_identity(folders: Folders, name: str) -> tuple:
-    """What `fingerprint_inputs` compares: the option plus size and mtime of what it resolves to."""
-    return (DEMO,) if name == DEMO else path_identity(resolve(folders, name))
-
-
-def component_identity(folders: Folders, name: str, component: str) -> tuple:
+def model_identity(folders: Folders, name: str, component: str = "") -> tuple:
+    """What `fingerprint_inputs` compares: the option plus size and mtime of what it resolves to (of its `component`
+    folder, e.g. "text_encoder", when the model root has one)."""
     if name == DEMO:
         return (DEMO,)
-    root = resolve(folders, name)
-    return path_identity(root / component if (root / component).exists() else root)
-
-
-def lora_identity(folders: Folders, name: str) -> tuple:
-    return path_identity(resolve(folders, "loras/" + name))
+    path = resolve(folders, name)
+    return path_identity(path / component if (path / component).exists() else path)
 
 
 # -- specs: what node outputs carry ------------------------------------------------------------------------------
@@ -329,16 +322,6 @@ def _memory_line(metadata: Mapping[str, Any]) -> str:
 # -- what a model option resolves to -----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ResolvedModel:
-    """The compiled transformer a `ModelSpec` runs."""
-
-    profile: Any  # Profile
-    artifact: Path
-    schedule_overlay: Path
-    auxiliary: Path
-
-
 def _compiled_paths(folder: Path) -> tuple[Path, Path, Path]:
     """The artifact, schedule overlay and auxiliary tensors of a compiled output folder."""
     return folder / "artifact", folder / "schedule", folder / "auxiliary.safetensors"
@@ -372,8 +355,9 @@ def _progress(host: Host) -> Callable[[int, int], None]:
     return lambda done, total: stages("", done, total)
 
 
-def resolve_model(host: Host, spec: ModelSpec) -> ResolvedModel:
-    """Resolve (and on first use, prepare and compile) the transformer of a spec; raises `VflashError`."""
+def resolve_model(host: Host, spec: ModelSpec) -> tuple[Any, Path, Path, Path]:
+    """The compiled transformer a spec runs, as `NativeEngineSession` takes it: (profile, artifact, schedule overlay,
+    auxiliary tensors); on first use official weights are prepared and compiled. Raises `VflashError`."""
     from vflash_core.pipeline.h3_pipeline import PreparedAssets
     from vflash_core.profiles import get_profile
     from vflash_core.weights.artifact import CompiledArtifact
@@ -387,10 +371,10 @@ def resolve_model(host: Host, spec: ModelSpec) -> ResolvedModel:
         raise VflashError(f"{spec.source} is already compiled (LoRAs are compiled into the weights); connect a LoRA only when loading official weights (diffusers/... or diffusion_models/...)")
     if spec.source == DEMO or spec.source.endswith(".json"):
         assets = PreparedAssets.load(_demo_receipt(host) if spec.source == DEMO else Path(spec.path))
-        return ResolvedModel(pick(assets.profile.id), assets.artifact, assets.schedule_overlay, assets.auxiliary_tensor)
+        return pick(assets.profile.id), assets.artifact, assets.schedule_overlay, assets.auxiliary_tensor
     if spec.source.startswith("vflash/"):
         paths = _compiled_paths(Path(spec.path))
-        return ResolvedModel(pick(CompiledArtifact(*paths).profile_id), *paths)
+        return pick(CompiledArtifact(*paths).profile_id), *paths
     # Official weights (`model_spec` refused "auto" for them): prepare + compile once for the profile, next to the
     # other compiled models.
     profile = get_profile(spec.profile)
@@ -414,7 +398,7 @@ def resolve_model(host: Host, spec: ModelSpec) -> ResolvedModel:
         host.check_interrupt()
         host.log(f"Vflash: compiling {spec.source} for {profile.id} into {out} (once) ...")
         compile_receipt(receipt, out, "cpu" if profile.arch == "cpu" else spec.device, progress=_StageProgress(host))
-    return ResolvedModel(profile, *_compiled_paths(out))
+    return profile, *_compiled_paths(out)
 
 
 def component_root(host: Host, spec: ComponentSpec) -> Path:
@@ -500,14 +484,14 @@ def check_loader(host: Host, folders: Folders, model: str, profile: str, weight_
     """Every check of the model loader that needs no model work: option values, the model option, the profile,
     the devices' existence and architecture vs the profile. Returns (resolved path, device, peer device)."""
     from vflash_core.engine.attention import BACKENDS
-    from vflash_core.profiles import PROFILES
+    from vflash_core.profiles import get_profile
 
     for name, value, allowed in (("weight_residency", weight_residency, WEIGHT_RESIDENCIES), ("strategy", strategy, STRATEGIES),
                                  ("attention_backend", attention_backend, tuple(BACKENDS))):
         if value not in allowed:
             raise VflashError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
-    if profile != "auto" and profile not in PROFILES:
-        raise VflashError(f"unknown profile {profile!r}; known profiles: {', '.join(sorted(PROFILES))}")
+    if profile != "auto":
+        get_profile(profile)  # an unknown profile is refused before the model option is resolved
     path = "" if model == DEMO else str(resolve(folders, model))
     chosen = recorded_profile(model, path, profile)
     if model.startswith(("diffusers/", "diffusion_models/")):
@@ -633,11 +617,9 @@ def _load_session(registry: EngineRegistry, host: Host, spec: ModelSpec):
 
     def factory():
         host.free_memory()
-        resolved = resolve_model(host, spec)
         return NativeEngineSession(
-            resolved.profile, resolved.artifact, resolved.schedule_overlay, resolved.auxiliary, device=spec.device,
-            peer_device=spec.peer_device, strategy=spec.strategy, weight_residency=spec.weight_residency,
-            attention_backend=spec.attention_backend, on_load_progress=_progress(host),
+            *resolve_model(host, spec), device=spec.device, peer_device=spec.peer_device, strategy=spec.strategy,
+            weight_residency=spec.weight_residency, attention_backend=spec.attention_backend, on_load_progress=_progress(host),
         )
 
     return registry.acquire("dit", spec.key(), spec.source, factory)
@@ -666,7 +648,7 @@ def _load_component(registry: EngineRegistry, host: Host, spec: ComponentSpec):
 def load_component(registry: EngineRegistry, host: Host, folders: Folders, kind: str, source: str, device: str) -> ComponentSpec:
     """VflashTextEncoderLoader (`kind` "te") and VflashVAELoader ("vae"): validate, then load the engine now."""
     path = "" if source == DEMO else str(resolve(folders, source))
-    spec = ComponentSpec(kind, source, path, component_identity(folders, source, COMPONENT_FOLDERS[kind]), resolve_device(host, device))
+    spec = ComponentSpec(kind, source, path, model_identity(folders, source, COMPONENT_FOLDERS[kind]), resolve_device(host, device))
     _load_component(registry, host, spec)
     return spec
 

@@ -375,13 +375,12 @@ def run_headless(workflow: Mapping[str, Mapping[str, Any]], output_dir: str | Pa
                  models_dir: str | Path | None = None) -> list[Path]:
     """Run an API workflow without ComfyUI; returns the files its SaveVideo nodes wrote. Engines are closed after."""
     from . import ops
-    from .headless import installed
 
     output_dir = Path(output_dir)
-    with installed(output_dir, input_dir, models_dir) as loaded:
-        types = node_types({**loaded.core, **loaded.nodes}, workflow)
+    with headless_node_types(output_dir, input_dir, models_dir, workflow) as types:
         plan(workflow, types)
-        refusals = ops.graph_refusals(workflow, loaded.package.host.FOLDERS)  # profile vs the graph's requests, as the Vflash nodes check in ComfyUI
+        folders = importlib.import_module(f"{__package__}.host").FOLDERS  # the install's, like comfy.utils below
+        refusals = ops.graph_refusals(workflow, folders)  # profile vs the graph's requests, as the Vflash nodes check in ComfyUI
         if refusals:
             raise WorkflowError("the workflow was refused before running: " + "; ".join(refusals))
         importlib.import_module("comfy.utils").set_progress_bar_global_hook(_TqdmProgress())

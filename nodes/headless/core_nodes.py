@@ -81,9 +81,10 @@ def _codec_input(optional: bool = False) -> io.DynamicCombo.Input:
     return io.DynamicCombo.Input("codec", optional=optional, options=[io.DynamicCombo.Option(c, [] if c == "auto" else [encoding]) for c in ("auto", "h264", "av1")])
 
 
-def _choice(value: Any, key: str) -> Any:
-    """A DynamicCombo's choice: ComfyUI passes ``{key: choice, <child>: ...}``, a plain value when it has no children."""
-    return value.get(key, "auto") if isinstance(value, dict) else value
+def _choice(value: Any, key: str) -> tuple[Any, dict]:
+    """A DynamicCombo's (choice, child values): ComfyUI passes ``{key: choice, <child>: ...}``, a plain value when it has
+    no children."""
+    return (value.get(key, "auto"), value) if isinstance(value, dict) else (value, {})
 
 
 class SaveVideo(io.ComfyNode):
@@ -110,9 +111,9 @@ class SaveVideo(io.ComfyNode):
 
     @classmethod
     def execute(cls, video, filename_prefix: str, format: Any, codec: Any = None) -> io.NodeOutput:
-        container = _choice(format, "format")
-        chosen = (format.get("codec") if isinstance(format, dict) else None) or codec or "auto"
-        name, encoding = _choice(chosen, "codec"), _choice(chosen.get("encoding", "auto") if isinstance(chosen, dict) else "auto", "encoding")
+        container, children = _choice(format, "format")
+        name, children = _choice(children.get("codec") or codec or "auto", "codec")
+        encoding, _ = _choice(children.get("encoding", "auto"), "encoding")
         if container not in ("auto", "mp4") or name not in ("auto", "h264") or encoding != "auto":
             raise VflashError(f"SaveVideo: the headless runner writes mp4/h264 with its own encoding (got format {container!r}, codec {name!r}, encoding {encoding!r})")
         components = video.get_components()
