@@ -80,6 +80,7 @@ from .memory_plan import (
 from .model_loading import MODEL_LOAD_LOCK
 from .options import RunOptions
 from .validation import (
+    ANCHORS,
     MediaInput,
     PromptBudget,
     RequestPlan,
@@ -136,8 +137,7 @@ class VideoRequest:
             raise RequestError(f"prompt must be a string, got {type(self.prompt).__name__}")
         pixels = "an integer number of pixels"
         checked = {
-            "first_frame": media_input(self.first_frame, "first_frame"),
-            "last_frame": media_input(self.last_frame, "last_frame"),
+            **{f"{anchor}_frame": media_input(getattr(self, f"{anchor}_frame"), f"{anchor}_frame") for anchor in ANCHORS},
             "references": media_inputs(self.references, "references"),
             "duration_seconds": seconds(self.duration_seconds, "duration_seconds"),
             "seed": integer(self.seed, "seed"),
@@ -152,9 +152,9 @@ class VideoRequest:
         return request_mode(self.first_frame is not None, self.last_frame is not None, bool(self.references))
 
     @property
-    def keyframes(self) -> tuple[MediaInput, ...]:
-        """Keyframes in packed order (first, then last)."""
-        return tuple(k for k in (self.first_frame, self.last_frame) if k is not None)
+    def keyframes(self) -> dict[str, MediaInput]:
+        """Anchor ("first", "last") -> keyframe, in packed order; the fields are `<anchor>_frame`."""
+        return {anchor: k for anchor in ANCHORS if (k := getattr(self, f"{anchor}_frame")) is not None}
 
 
 @dataclass
@@ -281,10 +281,7 @@ class PreparedAssets:
                 raise VflashError(f"prepared-assets receipt {path}: {key} must be {expected}, got {describe_value(value)}; recreate it with `vflash prepare-pipeline`")
         profile = get_profile(record["profile"])
         check_identity(profile, record["profile_identity"], f"prepared assets {path}")
-        assets = {k: None if record["assets"][k] is None else Path(record["assets"][k]) for k in ASSET_FIELDS}
-        for name, value in assets.items():
-            if value is not None:
-                _require(value, f"{name} of {path}:")
+        assets = {k: None if (v := record["assets"][k]) is None else _require(Path(v), f"{k} of {path}:") for k in ASSET_FIELDS}
         canvas = CanvasRules(record["canvas"]["canvas_short_edge"], record["canvas"]["canvas_max_pixels"], record["canvas"]["reference_image_short_edge"])
         return cls(path=path, profile=profile, canvas=canvas, record=record, **assets)
 
@@ -318,10 +315,7 @@ def prepare_pipeline(profile: Profile | str, assets: str | Path, receipt: str | 
             got = describe_value(data[name])
             raise VflashError(f"assets file {assets}: {name} must be {_ASSET_KINDS[name]}, got {got}")
     base = assets.resolve().parent
-    paths = {k: None if data[k] is None else (base / Path(data[k]).expanduser()).resolve() for k in ASSET_FIELDS}
-    for name, value in paths.items():
-        if value is not None:
-            _require(value, name)
+    paths = {k: None if data[k] is None else _require((base / Path(data[k]).expanduser()).resolve(), k) for k in ASSET_FIELDS}
     facts = _model_facts(paths["model_root"], paths["decoder_root"])
 
     compiled = CompiledArtifact(paths["artifact"], paths["schedule_overlay"], paths["auxiliary_tensor"])
@@ -457,7 +451,7 @@ def build_request_bundle(
     bundle over one-shot. `plan` is the request's `plan_request` result; `timings` (optional) receives
     `encode.inputs` (reading included), `encode.text`, `encode.vae`, `encode.bundle`."""
     after_stage = stage_timer(timings)
-    keyframes = {anchor: load_image(k) for anchor, k in (("first", request.first_frame), ("last", request.last_frame)) if k is not None}
+    keyframes = {anchor: load_image(k) for anchor, k in request.keyframes.items()}
     references = [load_reference(r) for r in request.references]
     encoded = encode_request(conditioner, vaes, request.prompt, plan.mode, plan.geometry, keyframes, references, canvas, after_stage)
     handoff = encoded.bundle(config, request.seed)
@@ -680,10 +674,11 @@ class H3Pipeline:
             self.load()
             _, _, latent_frames, latent_height, latent_width = video_latents.shape
             frames = (latent_frames - 2) // VAE_LATENTS_PER_CHUNK * VAE_FRAMES_PER_CHUNK + VAE_LATENTS_PER_CHUNK
-            self._check_memory(Geometry(latent_height * VAE_SPATIAL_RATIO, latent_width * VAE_SPATIAL_RATIO, frames), ("decode",))
+            geometry = Geometry(latent_height * VAE_SPATIAL_RATIO, latent_width * VAE_SPATIAL_RATIO, frames)
+            self._check_memory(geometry, denoise=False)
             return self.vaes.decode(video_latents, audio_latents)
 
-    def _check_memory(self, geometry: Geometry, stages: tuple[str, ...]) -> None:
+    def _check_memory(self, geometry: Geometry, denoise: bool = True) -> None:
         """Refuse, before anything runs, a request whose denoise or decode does not fit the memory plan (a pipeline
         loaded with `from_prepared` on a GPU or under a cap). The denoise is checked here without the text rows, which
         only the encode knows (the session checks it again, exactly, before it runs); the encode is checked exactly by
@@ -692,10 +687,9 @@ class H3Pipeline:
         if plan is None or plan.placement.vaes is None:
             return
         needs = {}
-        if "denoise" in stages:
+        if denoise:
             needs["denoise"] = denoise_bytes(self.config, request_rows(self.config, geometry, 0))
-        if "decode" in stages:
-            needs["decode"] = decode_bytes(self.vaes.video_vae, geometry.num_frames, geometry.height, geometry.width, self.vaes.video_decoder, DEFAULT_WINDOWS_PER_CALL)
+        needs["decode"] = decode_bytes(self.vaes.video_vae, geometry.num_frames, geometry.height, geometry.width, self.vaes.video_decoder, DEFAULT_WINDOWS_PER_CALL)
         plan.check(needs, f"a {geometry.width}x{geometry.height} clip of {geometry.num_frames} frames")
 
     # -- one request --------------------------------------------------------------------------------------------------
@@ -739,7 +733,7 @@ class H3Pipeline:
 
         report = progress or (lambda stage, done, total: None)
 
-        self._check_memory(plan.geometry, ("denoise", "decode"))
+        self._check_memory(plan.geometry)
         try:
             poll()
             t = time.perf_counter()

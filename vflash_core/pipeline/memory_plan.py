@@ -298,7 +298,6 @@ class MemoryPlan:
     placement: Placement
     largest: Mapping[str, int]  # stage transients of the largest planned request
     fits_largest: bool
-    margin: int
 
     def resident_bytes(self) -> int:
         """What stays on the device between stages: the core's weights and the resident parts."""
@@ -325,7 +324,7 @@ class MemoryPlan:
         return {stage: resident + self.brought_bytes(stage) + self.transient(needs, stage) for stage in STAGES}
 
     def fits(self, needs: Mapping[str, int]) -> bool:
-        return all(peak + self.margin <= self.budget for peak in self.peaks(needs).values())
+        return all(peak + MARGIN_BYTES <= self.budget for peak in self.peaks(needs).values())
 
     def summary(self) -> str:
         """The plan in one line: sizes, choices, the largest request's stage peaks and the budget."""
@@ -343,7 +342,7 @@ class MemoryPlan:
         verdict = "fits" if self.fits_largest else "does not fit: each request is checked before it runs"
         return (
             f"memory plan on {', '.join(str(d) for d in self.devices)}: {'; '.join(parts)}; the largest planned request peaks at "
-            f"{peaks} + {_size(self.margin)} margin, {_size(self.budget)} available{_cap_note(self.cap)}: {verdict}"
+            f"{peaks} + {_size(MARGIN_BYTES)} margin, {_size(self.budget)} available{_cap_note(self.cap)}: {verdict}"
         )
 
     def available(self) -> int:
@@ -359,11 +358,11 @@ class MemoryPlan:
         available = self.available()
         for stage in (s for s in STAGES if s in needs):
             brought, transient = self.brought_bytes(stage), needs[stage]
-            if brought + transient + self.margin > available:
+            if brought + transient + MARGIN_BYTES > available:
                 detail = f"{_size(transient)} transient" + (f" + {_size(brought)} of weights it brings" if brought else "")
                 raise RequestError(
                     f"{what}: the {stage} stage needs about {_size(brought + transient)} on {self.devices[0]} ({detail}) plus a "
-                    f"{_size(self.margin)} margin; {_size(available)} are available{_cap_note(self.cap)}. {advice}"
+                    f"{_size(MARGIN_BYTES)} margin; {_size(available)} are available{_cap_note(self.cap)}. {advice}"
                 )
 
     def place(self, conditioner: TextConditioner | None = None, vaes: MediaVAEs | None = None) -> None:
@@ -397,16 +396,14 @@ def plan_memory(
     weight_residency: str = "auto",
     encoder_residency: str = "offload",
     budget: int | None = None,
-    margin: int | None = None,
 ) -> MemoryPlan:
     """Choose the placement (see the module docstring), log it in one line, or refuse with the numbers.
 
     `largest`: stage -> transient bytes of the largest request to plan for (`largest_request`). `budget` defaults to
-    `device_budget(devices, cap)`, `margin` to `MARGIN_BYTES`."""
+    `device_budget(devices, cap)`."""
     devices = tuple(devices)
     budget = device_budget(devices, cap) if budget is None else budget
-    margin = MARGIN_BYTES if margin is None else margin
-    plans = [MemoryPlan(devices, budget, cap, sizes, p, largest, True, margin) for p in _candidates(sizes, weight_residency, encoder_residency)]
+    plans = [MemoryPlan(devices, budget, cap, sizes, p, largest, True) for p in _candidates(sizes, weight_residency, encoder_residency)]
     plan = next((p for p in plans if p.fits(largest)), None)
     if plan is None:
         plan = replace(plans[-1], fits_largest=False)
@@ -418,7 +415,7 @@ def plan_memory(
             advice = f" Leave {' and '.join(explicit)} to the plan, or use a larger GPU." if explicit else " This GPU is too small for H3."
             raise RunFailedError(
                 f"the weights do not fit on {devices[0]}: with the most frugal placement ({placement}) the {stage} stage holds "
-                f"{_size(peak)} of weights, plus a {_size(margin)} margin; {_size(budget)} are available"
+                f"{_size(peak)} of weights, plus a {_size(MARGIN_BYTES)} margin; {_size(budget)} are available"
                 f"{_cap_note(cap)}.{advice}"
             )
     logger.info(plan.summary())

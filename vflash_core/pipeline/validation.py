@@ -35,6 +35,7 @@ import PIL.Image
 
 from ..engine.layout import FPS, MAX_DURATION_SECONDS, MIN_DURATION_SECONDS, Geometry, check_canvas, frames_for_duration
 from ..errors import RequestError, VflashError
+from ..fileio import check_writable_destination
 from ..media.references import (
     CANVAS_MULTIPLE,
     MAX_AUDIOS,
@@ -60,6 +61,8 @@ _LABEL = re.compile(r"<(Picture|Video|Audio) (\d+)>")
 _SHOWN = 40
 
 MediaInput = str | os.PathLike | PIL.Image.Image
+#: A request's keyframe anchors in packed order: field `<anchor>_frame`, named "<anchor> frame" in messages.
+ANCHORS = ("first", "last")
 
 
 # -- field types (VideoRequest) ------------------------------------------------------------------------------------
@@ -139,8 +142,6 @@ def check_output_is_not_an_input(output: str | os.PathLike, inputs: dict[str, ob
 def check_generate_arguments(request: VideoRequest, output: object, overwrite: object, progress: object = None, cancel: object = None) -> None:
     """The arguments of `H3Pipeline.generate` besides the request, checked before anything loads: the output a
     writable file path that is none of the request's inputs, `overwrite` a bool, the callbacks callable."""
-    from ..fileio import check_writable_destination
-
     if not isinstance(overwrite, bool):  # a truthy string such as "no" must never turn overwriting on
         raise VflashError(f"overwrite must be True or False, got {describe_value(overwrite)}")
     callback(progress, "progress")
@@ -148,7 +149,7 @@ def check_generate_arguments(request: VideoRequest, output: object, overwrite: o
     if output is not None:
         path_argument(output, "the output path")
         check_writable_destination(output, overwrite)  # as given: a trailing "/" names a folder
-        inputs = {"first frame": request.first_frame, "last frame": request.last_frame}
+        inputs = {f"{anchor} frame": item for anchor, item in request.keyframes.items()}
         inputs.update({f"reference {index + 1}": item for index, item in enumerate(request.references)})
         check_output_is_not_an_input(output, inputs)  # type: ignore[arg-type]
 
@@ -340,12 +341,11 @@ def plan_request(request: VideoRequest, profile: Profile, canvas: CanvasRules, p
         check_canvas_size(request.height, request.width, canvas)
 
     keyframe_sizes = []
-    for name, item in (("first frame", request.first_frame), ("last frame", request.last_frame)):
-        if item is not None:
-            probe = probe_media(item, name)
-            if probe.kind != "image":
-                raise RequestError(f"{name} {item} is not an image")
-            keyframe_sizes.append(probe.size)
+    for anchor, item in request.keyframes.items():
+        probe = probe_media(item, f"{anchor} frame")
+        if probe.kind != "image":
+            raise RequestError(f"{anchor} frame {item} is not an image")
+        keyframe_sizes.append(probe.size)
     names = [f"reference {index + 1}" for index in range(len(request.references))]
     kinds = [reference_kind(item, name) for item, name in zip(request.references, names)]
     check_reference_counts(kinds)  # from the extensions, before any file is opened
