@@ -21,6 +21,9 @@ from .engine.schedule import FixedSchedule
 from .errors import IdentityMismatchError, VflashError
 
 KEYFRAME_MODES = ("i2va", "l2va", "fl2va")
+# (conditioned video, reference audio) per mode: references always carry video; soundtracks are optional.
+_TIMESTEP_KINDS = {"t2va": [(False, False)], **{m: [(True, False)] for m in KEYFRAME_MODES},
+                   "ref2va": [(True, False), (True, True)]}
 
 
 @dataclass(frozen=True)
@@ -64,15 +67,7 @@ class Profile:
 
     def timestep_kinds(self) -> list[tuple[bool, bool]]:
         """(conditioned video, reference audio) combinations a request of this profile can present to the model."""
-        kinds = set()
-        for mode in self.modes:
-            if mode == "t2va":
-                kinds.add((False, False))
-            elif mode in KEYFRAME_MODES:
-                kinds.add((True, False))
-            elif mode == "ref2va":  # references always carry video; soundtracks are optional
-                kinds.update({(True, False), (True, True)})
-        return sorted(kinds)
+        return sorted(set().union(*(_TIMESTEP_KINDS[mode] for mode in self.modes)))
 
     def identity(self) -> dict[str, object]:
         """What must agree between a profile and an artifact compiled for it (the id is not part of it)."""

@@ -183,10 +183,7 @@ class JobStore:
         """1 for the next job to run; None when the job is not queued."""
         if job.state is not JobState.QUEUED:
             return None
-        for index, queued in enumerate(self._queue):
-            if queued is job:
-                return index + 1
-        return None
+        return next((index + 1 for index, queued in enumerate(self._queue) if queued is job), None)
 
     def counts(self) -> dict[JobState, int]:
         counts = dict.fromkeys(JobState, 0)

@@ -24,6 +24,7 @@ from multiprocessing.synchronize import Event
 from pathlib import Path
 from typing import Any
 
+from ..errors import RequestError, VflashError
 from ..pipeline.options import RunOptions
 
 logger = logging.getLogger(__name__)
@@ -147,7 +148,6 @@ def _describe_device(name: str) -> str:
 
 def _run(pipeline: Any, order: JobOrder, events: Connection, cancel: Event) -> bool:
     """Run one job and report it; returns whether this worker may take another job."""
-    from ..errors import RequestError
     from ..pipeline.h3_pipeline import RequestCancelled
 
     def check_cancel() -> None:
@@ -178,8 +178,6 @@ def _run(pipeline: Any, order: JobOrder, events: Connection, cancel: Event) -> b
 
 def _is_bug(exc: BaseException) -> bool:
     """Anything but a `VflashError` is a bug: it is logged with its traceback."""
-    from ..errors import VflashError
-
     return not isinstance(exc, VflashError)
 
 
