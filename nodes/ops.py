@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import torch
 
 from vflash_core.engine.layout import FPS, Geometry, align_num_frames, frames_for_duration
-from vflash_core.errors import IdentityMismatchError, RequestError, VflashError, WeightFileError
+from vflash_core.errors import IdentityMismatchError, RequestError, VflashError, WeightFileError, check_choice
 from vflash_core.formats import check_device, device_arch
 from vflash_core.pipeline.options import STRATEGIES, WEIGHT_RESIDENCIES
 
@@ -271,8 +271,7 @@ class EngineRegistry:
 
     def release(self, kind: str = "all") -> list[str]:
         """Close the engines of `kind` ("all", "dit", "te" or "vae"); returns what was released."""
-        if kind not in UNLOAD_TARGETS:
-            raise VflashError(f"unload target must be one of {', '.join(UNLOAD_TARGETS)}, got {kind!r}")
+        check_choice("unload target", kind, UNLOAD_TARGETS)
         released = []
         for k in list(self._entries) if kind == "all" else [kind]:
             entry = self._entries.pop(k, None)
@@ -486,10 +485,9 @@ def check_loader(host: Host, folders: Folders, model: str, profile: str, weight_
     from vflash_core.engine.attention import BACKENDS
     from vflash_core.profiles import get_profile
 
-    for name, value, allowed in (("weight_residency", weight_residency, WEIGHT_RESIDENCIES), ("strategy", strategy, STRATEGIES),
-                                 ("attention_backend", attention_backend, tuple(BACKENDS))):
-        if value not in allowed:
-            raise VflashError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+    check_choice("weight_residency", weight_residency, WEIGHT_RESIDENCIES)
+    check_choice("strategy", strategy, STRATEGIES)
+    check_choice("attention_backend", attention_backend, tuple(BACKENDS))
     if profile != "auto":
         get_profile(profile)  # an unknown profile is refused before the model option is resolved
     path = "" if model == DEMO else str(resolve(folders, model))

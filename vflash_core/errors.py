@@ -9,7 +9,7 @@ bug and keeps its traceback.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 
 class VflashError(Exception):
@@ -17,6 +17,12 @@ class VflashError(Exception):
 
     #: The `vflash` command's exit status: 2 for usage and validation errors (the request, an option, an input file).
     exit_status = 2
+
+
+def check_choice(name: str, value: object, allowed: Collection[str]) -> None:
+    """Refuse `value` unless it is one of `allowed`, naming the choices: "<name> must be one of a, b, got 'c'"."""
+    if value not in allowed:
+        raise VflashError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
 
 
 class RunFailedError(VflashError):

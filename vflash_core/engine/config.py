@@ -19,7 +19,8 @@ AUDIO_TAG = 2
 NUM_MODALITIES = 3
 
 
-def _positive_int(value: Any) -> bool:
+def is_positive_int(value: Any) -> bool:
+    """An int above zero (a bool is not a count)."""
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
@@ -74,12 +75,12 @@ class H3Config:
         for key, value in chosen.items():
             if key == "patch_size":
                 expected = "three positive integers"
-                valid = isinstance(value, (list, tuple)) and len(value) == 3 and all(_positive_int(p) for p in value)
+                valid = isinstance(value, (list, tuple)) and len(value) == 3 and all(is_positive_int(p) for p in value)
             elif fields[key] == "float":
                 expected = "a positive number"
                 valid = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
             else:
-                expected, valid = "a positive integer", _positive_int(value)
+                expected, valid = "a positive integer", is_positive_int(value)
             if not valid:
                 raise VflashError(f"{what}: {key} must be {expected}, got {value!r}")
         return cls(**chosen)

@@ -28,7 +28,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from ..errors import VflashError
+from ..errors import VflashError, check_choice
 from . import model as M
 from .config import H3Config
 from .fused import FusedOps
@@ -121,10 +121,8 @@ class RowFP8Execution:
     """
 
     def __init__(self, mode: str, activation_quantizer: str = "torch", fast_accum: bool = False):
-        if mode not in FP8_MODES:
-            raise VflashError(f"FP8 mode must be one of {', '.join(FP8_MODES)}, got {mode!r}")
-        if activation_quantizer not in ACTIVATION_QUANTIZERS:
-            raise VflashError(f"activation_quantizer must be one of {', '.join(ACTIVATION_QUANTIZERS)}, got {activation_quantizer!r}")
+        check_choice("FP8 mode", mode, FP8_MODES)
+        check_choice("activation_quantizer", activation_quantizer, ACTIVATION_QUANTIZERS)
         if not isinstance(fast_accum, bool):
             raise VflashError(f"fast_accum must be true or false, got {fast_accum!r}")
         if mode == "weight-only" and (activation_quantizer != "torch" or fast_accum):

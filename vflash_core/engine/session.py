@@ -31,7 +31,7 @@ from typing import Self
 
 import torch
 
-from ..errors import IdentityMismatchError, SessionClosedError, VflashError
+from ..errors import IdentityMismatchError, SessionClosedError, VflashError, check_choice
 from ..fileio import atomic_file, check_writable_destination
 from ..formats import device_arch
 from ..pipeline.memory_plan import (
@@ -175,8 +175,7 @@ class NativeEngineSession:
         if not peers and strategy is not None:
             raise VflashError(f"strategy {strategy!r} needs a peer_device")
         self.strategy = strategy if peers else None
-        if weight_residency not in WEIGHT_RESIDENCIES:
-            raise VflashError(f"weight_residency must be one of {', '.join(WEIGHT_RESIDENCIES)}, got {weight_residency!r}")
+        check_choice("weight_residency", weight_residency, WEIGHT_RESIDENCIES)
         if plan is not None and max_device_memory is not None:
             raise VflashError("a session given a memory plan takes its cap from the plan; leave max_device_memory out")
         hooks = check_loader_hooks(native_denoiser_loader, block_loader, self.strategy, len(self.devices))
@@ -194,8 +193,7 @@ class NativeEngineSession:
         if self.profile.fp8 is not None and self.strategy == "tensor":
             raise VflashError(f"profile {self.profile.id} runs FP8 block linears on one device or with sequence-head; the tensor strategy shards BF16 blocks only")
         self.attention_backend = resolve_attention(attention_backend, self.device, self.profile.fp8 is not None)[0]
-        if execution not in EXECUTIONS:
-            raise VflashError(f"execution must be one of {', '.join(EXECUTIONS)}, got {execution!r}")
+        check_choice("execution", execution, EXECUTIONS)
         self.execution = ("fused" if self.device.type == "cuda" else "reference") if execution == "auto" else execution
         if plan is None and (self.device.type == "cuda" or max_device_memory is not None):  # else CPU, no cap: resident blocks
             # this session's own plan, for the core alone: its blocks and the profile's largest request

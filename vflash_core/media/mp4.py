@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import VflashError
+from ..errors import VflashError, check_choice
 from ..fileio import atomic_file
 
 logger = logging.getLogger(__name__)
@@ -45,8 +45,7 @@ _AAC_FRAME = 1024
 
 def check_delivery_options(video_input: str, video_threads: int | None) -> None:
     """Validate the encoder options before any heavy work; raises `VflashError` naming the value."""
-    if video_input not in VIDEO_INPUTS:
-        raise VflashError(f"video_input must be one of {', '.join(VIDEO_INPUTS)}, got {video_input!r}")
+    check_choice("video_input", video_input, VIDEO_INPUTS)
     if video_threads is not None and (isinstance(video_threads, bool) or not isinstance(video_threads, int) or not 1 <= video_threads <= MAX_VIDEO_THREADS):
         raise VflashError(f"video_threads must be an integer from 1 to {MAX_VIDEO_THREADS} (or None for automatic), got {video_threads!r}")
 

@@ -48,7 +48,7 @@ import PIL.Image
 import torch
 
 from ..engine.bundle import BundleHandoff, EncodedReference, build_keyframe_bundle, build_ref2va_bundle
-from ..engine.config import H3Config
+from ..engine.config import H3Config, is_positive_int
 from ..engine.denoise import StageProgress
 from ..engine.layout import FPS, VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK, VAE_SPATIAL_RATIO, Geometry
 from ..engine.session import (
@@ -228,18 +228,14 @@ def _valid_asset(name: str, value: object) -> bool:
     return isinstance(value, str) and bool(value) and "\x00" not in value or value is None and name == "adapter_path"
 
 
-def _positive_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
 # What `PreparedAssets.load` reads from a receipt, with what each must be.
 _RECEIPT_FIELDS: tuple[tuple[str, str, Callable[[object], bool]], ...] = (
     ("profile", "a profile id", lambda v: isinstance(v, str)),
     ("profile_identity", "an object", lambda v: isinstance(v, dict)),
     ("compile_id", "a string", lambda v: isinstance(v, str)),
     *((f"assets.{k}", _ASSET_KINDS[k], lambda v, k=k: _valid_asset(k, v)) for k in ASSET_FIELDS),
-    *((f"canvas.{k}", "a positive integer", _positive_int) for k in CanvasRules().to_dict()),
-    ("transformer.num_layers", "a positive integer", _positive_int),
+    *((f"canvas.{k}", "a positive integer", is_positive_int) for k in CanvasRules().to_dict()),
+    ("transformer.num_layers", "a positive integer", is_positive_int),
 )
 
 

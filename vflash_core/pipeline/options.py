@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..engine.session import STRATEGIES, WEIGHT_RESIDENCIES
-from ..errors import VflashError
+from ..errors import VflashError, check_choice
 from ..media.mp4 import MAX_VIDEO_THREADS, VIDEO_INPUTS, check_delivery_options
 from ..profiles import Profile
 
@@ -43,15 +43,14 @@ class RunOptions:
     verify_weights: bool = False
 
     def __post_init__(self) -> None:
-        for name, allowed in (("weight_residency", WEIGHT_RESIDENCIES), ("encoder_residency", ENCODER_RESIDENCIES)):
-            if getattr(self, name) not in allowed:
-                raise VflashError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        check_choice("weight_residency", self.weight_residency, WEIGHT_RESIDENCIES)
+        check_choice("encoder_residency", self.encoder_residency, ENCODER_RESIDENCIES)
         from ..engine.attention import BACKENDS
 
         if self.attention_backend not in BACKENDS:  # the name now; whether it runs on the device, in check_devices
             raise VflashError(f"unknown attention backend {self.attention_backend!r}; choose one of {', '.join(BACKENDS)}")
-        if self.strategy is not None and self.strategy not in STRATEGIES:
-            raise VflashError(f"strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
+        if self.strategy is not None:
+            check_choice("strategy", self.strategy, STRATEGIES)
         if (self.peer_device is None) != (self.strategy is None):
             raise VflashError("a peer GPU and a strategy go together (e.g. --peer-gpu 1 --strategy sequence-head)")
         check_delivery_options(self.media_video_input, self.media_video_threads)
