@@ -48,8 +48,9 @@ def _e4m3_bits(y, scale):
 
     The rounding is done on the fp32 bit pattern, as torch's `c10::Float8_e4m3fn` does it, in the interpreter (which
     has no float8 type) and on the GPU alike: Triton's fp32 -> `float8e4nv` cast is not one round to nearest even on
-    every NVIDIA target (on SM89 it goes through fp16, and a value just above a tie rounds onto it, then to even), and
-    a few integer ops cost nothing in a kernel bound by memory. Below 2^-6 (E4M3's smallest normal) the value is rounded
+    every NVIDIA target (below compute capability 9.0, SM89 included, Triton's NVIDIA backend first truncates to fp16,
+    so a value just above a tie lands on it and then rounds to even), and a few integer ops cost nothing in a kernel
+    bound by memory. Below 2^-6 (E4M3's smallest normal) the value is rounded
     into the subnormal range by adding 2^14 in fp32 (the sum's low bits are the subnormal code); otherwise the
     exponent is rebiased (127 -> 7) and the 20 dropped mantissa bits rounded to nearest even. Inputs are clamped to
     +-448, so no code overflows.
