@@ -137,7 +137,8 @@ class VideoRequest:
             raise RequestError(f"prompt must be a string, got {type(self.prompt).__name__}")
         pixels = "an integer number of pixels"
         checked = {
-            **{f"{anchor}_frame": media_input(getattr(self, f"{anchor}_frame"), f"{anchor}_frame") for anchor in ANCHORS},
+            "first_frame": media_input(self.first_frame, "first_frame"),
+            "last_frame": media_input(self.last_frame, "last_frame"),
             "references": media_inputs(self.references, "references"),
             "duration_seconds": seconds(self.duration_seconds, "duration_seconds"),
             "seed": integer(self.seed, "seed"),
