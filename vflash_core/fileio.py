@@ -22,7 +22,7 @@ import shutil
 import socket
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from .errors import VflashError
@@ -194,23 +194,34 @@ def process_exists(pid: int) -> bool:
     return True
 
 
-def remove_abandoned_temporaries(destination: Path) -> list[Path]:
-    """Remove the temporaries of `destination` left by writers on this host that no longer run (see the module doc)."""
+def remove_if_owner_ended(owned: Iterable[tuple[Path, str, str]], what: str) -> list[Path]:
+    """Remove each (path, owner host, owner pid) whose owner ran on this host and no longer exists; keep those of live
+    processes, of other hosts sharing the folder, or with a malformed pid. POSIX only: elsewhere there is no
+    side-effect-free liveness probe for a process id. Returns what was removed."""
     if os.name != "posix":
         return []
     host = socket.gethostname()
     removed = []
+    for path, owner_host, pid in owned:
+        if owner_host != host or not pid.isdigit() or process_exists(int(pid)):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        logger.info("removed %s, left by %s %s that no longer runs", path, what, pid)
+        removed.append(path)
+    return removed
+
+
+def remove_abandoned_temporaries(destination: Path) -> list[Path]:
+    """Remove the temporaries of `destination` left by writers on this host that no longer run (see the module doc)."""
+    owned = []
     for candidate in destination.parent.glob(f".{glob.escape(destination.name)}.*.partial*"):
         writer = candidate.name[len(destination.name) + 2 :].split("+")
-        if len(writer) < 3 or writer[0] != host or not writer[1].isdigit() or process_exists(int(writer[1])):
-            continue
-        if candidate.is_dir() and not candidate.is_symlink():
-            shutil.rmtree(candidate, ignore_errors=True)
-        else:
-            candidate.unlink(missing_ok=True)
-        logger.info("removed %s, left by process %s that no longer runs", candidate, writer[1])
-        removed.append(candidate)
-    return removed
+        if len(writer) >= 3:
+            owned.append((candidate, writer[0], writer[1]))
+    return remove_if_owner_ended(owned, "process")
 
 
 @contextlib.contextmanager

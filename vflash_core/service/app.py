@@ -21,7 +21,7 @@ from typing import Any
 from aiohttp import web
 
 from ..errors import VflashError
-from ..fileio import process_exists
+from ..fileio import remove_if_owner_ended
 from . import metrics
 from .config import ServiceConfig
 from .jobs import JOB_ID_PATTERN, Job, JobState, JobStore, QueueFullError, new_job_id, redact_paths
@@ -116,24 +116,16 @@ def remove_stale_work_dirs(output_dir: Path) -> list[Path]:
     """Remove the work folders (uploads, staged videos) of services on this host that ended without cleaning up.
 
     A folder is stale when its owner file names this host and a process id that no longer exists; folders of live
-    services, of other hosts sharing the output folder, or without an owner file are left alone. POSIX only: elsewhere
-    there is no side-effect-free liveness probe for a process id.
+    services, of other hosts sharing the output folder, or without an owner file are left alone.
     """
-    if os.name != "posix":
-        return []
-    host = socket.gethostname()
-    removed = []
+    owned = []
     for folder in output_dir.glob(f"{WORK_DIR_PREFIX}*"):
         try:
             owner_host, pid = (folder / WORK_DIR_OWNER).read_text().split()
-            if owner_host != host or process_exists(int(pid)):
-                continue
         except (OSError, ValueError):
             continue
-        shutil.rmtree(folder, ignore_errors=True)
-        logger.info("removed %s, left by service process %s that no longer runs", folder, pid)
-        removed.append(folder)
-    return removed
+        owned.append((folder, owner_host, pid))
+    return remove_if_owner_ended(owned, "service process")
 
 
 def _supervisor_ended(supervisor: WorkerSupervisor, task: asyncio.Task[None]) -> None:
