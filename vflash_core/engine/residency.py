@@ -35,7 +35,7 @@ from .device_owner import module_tensors, point_module_at
 from .model import LayerWeights, LoraResidual
 
 if TYPE_CHECKING:
-    from .parallel import TensorShard as WeightShard  # one rank's share of a block's weights; identity when absent
+    from .parallel import TensorShard  # one rank's share of a block's weights (tensor strategy); None: whole blocks
 
 # Tensors start at multiples of this inside the arena and the slots (cuBLAS- and vector-load friendly). The full
 # model's tensors are all multiples of it, so no padding is added there.
@@ -79,7 +79,7 @@ class _DeviceBlocks(BlockSource):
 class ResidentBlocks(_DeviceBlocks):
     """Every block's weights (or this rank's shard of them), loaded from the artifact onto the device."""
 
-    def __init__(self, artifact: CompiledArtifact, device: torch.device, on_block=None, shard: WeightShard | None = None):
+    def __init__(self, artifact: CompiledArtifact, device: torch.device, on_block=None, shard: TensorShard | None = None):
         blocks = []
         for i, w in enumerate(artifact.iter_blocks()):
             tensors, loras = (dict(w.tensors), dict(w.loras)) if shard is None else (shard.tensors(w.tensors), shard.loras(w.loras))
@@ -138,7 +138,7 @@ def pack_layout(tensors: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]) -> 
     return slots, offset
 
 
-def block_layout(artifact: CompiledArtifact, shard: WeightShard | None = None) -> tuple[list[_Slot], int]:
+def block_layout(artifact: CompiledArtifact, shard: TensorShard | None = None) -> tuple[list[_Slot], int]:
     """Byte layout shared by every main block (same names, shapes and dtypes), or by every block's shard; an FP8
     artifact's codes take one byte per weight and their row scales sit beside them."""
     store = TensorStore(artifact.artifact_dir / artifact.manifest["blocks"][0]["file"])
@@ -189,7 +189,7 @@ class BlockArena(PinnedArena):
     """Every main block's weights (or this rank's shard of them), each block file read once (several threads per
     file); their LoRA residuals stay beside the arena, by block."""
 
-    def __init__(self, artifact: CompiledArtifact, pin: bool = True, on_block: Callable[[int], None] | None = None, shard: WeightShard | None = None):
+    def __init__(self, artifact: CompiledArtifact, pin: bool = True, on_block: Callable[[int], None] | None = None, shard: TensorShard | None = None):
         count = artifact.config.num_layers
         self.loras: list[dict[str, tuple[LoraResidual, ...]]] = [{} for _ in range(count)]
 

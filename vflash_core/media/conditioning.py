@@ -159,8 +159,8 @@ class TextConditioner(SerialDeviceOwner):
     """Owns the Qwen3-VL text encoder, its tokenizer and its image/video processors.
 
     Args:
-        text_encoder: `Qwen3VLModel` with layers 0..49 and an identity final norm, as `from_pretrained` loads it and
-            checks the layer count (a model with more than 50 text layers also works: the extra ones run, unread).
+        text_encoder: `Qwen3VLModel` with layers 0..49 and an identity final norm (what `from_pretrained` loads), or
+            a `Qwen3VLModel` / `Qwen3VLForConditionalGeneration` with more than 50 text layers (extra ones are run too).
         tokenizer: the model's `Qwen2TokenizerFast`.
         image_processor, video_processor: the model's Qwen processors (`video_processor` None without torchvision,
             which disables video references).
@@ -170,6 +170,14 @@ class TextConditioner(SerialDeviceOwner):
     """
 
     def __init__(self, text_encoder, tokenizer, image_processor, video_processor=None, device: str | torch.device = "cpu", canvas: CanvasRules | None = None):
+        base = _base_model(text_encoder)
+        layers = len(base.language_model.layers)
+        pruned = isinstance(base.language_model.norm, torch.nn.Identity)
+        if layers < TEXT_ENCODER_LAYER or (layers == TEXT_ENCODER_LAYER and not pruned):
+            raise VflashError(
+                f"H3 conditions on hidden_states[{TEXT_ENCODER_LAYER}] of Qwen3-VL: the text encoder needs more than {TEXT_ENCODER_LAYER} text "
+                f"layers, or exactly {TEXT_ENCODER_LAYER} with the final norm removed (`TextConditioner.from_pretrained` loads it so); this one has {layers}"
+            )
         self.text_encoder = text_encoder.eval()
         self.tokenizer = tokenizer
         self.image_processor = image_processor

@@ -634,7 +634,7 @@ class NativeVideoDecoder:
         for item in batch:
             if item.window not in windows:
                 window = z[:, :, plan.window_latent_indices(item.window).to(z.device)]
-                windows[item.window] = window.to(w.device).to(w.post_quant_conv.dtype)  # `post_quant_conv`'s dtype
+                windows[item.window] = window.to(w.device).to(w.post_quant_conv.dtype)
             y, x = plan.row_starts[item.row], plan.col_starts[item.col]
             tile = windows[item.window][..., y : y + plan.tile_height, x : x + plan.tile_width]
             # `post_quant_conv` tile by tile, at the reference's shape (a 1x1x1 convolution, negligible beside the ViT).
