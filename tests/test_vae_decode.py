@@ -285,6 +285,8 @@ def test_attention_backend_and_arguments_are_checked(media):
         NativeVideoDecoder.from_vae(vae, attention="fa3")
     with pytest.raises(VflashError, match="windows_per_call"):
         NativeVideoDecoder.from_vae(vae, windows_per_call=0)
+    with pytest.raises(VflashError, match="on at least one device"):
+        NativeVideoDecoder(DecodeGeometry.from_vae(vae), [])
     with pytest.raises(VflashError, match=r"latents \(1, C, F, h, w\)"):
         NativeVideoDecoder.from_vae(vae).decode(torch.zeros(2, 8, 3, 1, 1))
     with pytest.raises(VflashError, match="too few"):

@@ -555,6 +555,8 @@ class NativeVideoDecoder:
         self, geometry: DecodeGeometry, weights: Sequence[DecoderWeights], attention: str = DEFAULT_ATTENTION,
         windows_per_call: int | None = None,
     ):
+        if not weights:
+            raise VflashError("the native video decode needs the decoder's weights on at least one device, got none")
         if windows_per_call is None:  # stacked calls keep diffusers' bits except for fp32 GEMMs on a GPU (module doc)
             fp32_on_gpu = weights[0].proj_in.dtype == torch.float32 and weights[0].proj_in.is_cuda
             windows_per_call = 1 if fp32_on_gpu else DEFAULT_WINDOWS_PER_CALL
