@@ -43,6 +43,24 @@ def test_fused_trajectory_equals_reference_on_gpu(gpu_compiled, attention):
 
 
 @pytest.mark.gpu
+def test_a_closed_block_ring_gives_its_pinned_host_memory_back(gpu_compiled):
+    """PyTorch's host allocator caches freed page-locked blocks; a closed session must not keep its arena pinned (at
+    full size 40 GB that the next configuration's host memory needs)."""
+
+    def pinned() -> int:
+        stats = torch.cuda.host_memory_stats()
+        return int(next(v for k, v in stats.items() if k in ("allocated_bytes.current", "allocated_bytes.all.current")))
+
+    before = pinned()
+    with NativeEngineSession(PROFILE, **gpu_compiled, device="cuda:0", weight_residency="block-ring") as ring:
+        ring.generate(_bundle(2))
+        held = pinned()
+    gc.collect()
+    assert held > before, "the block ring pinned nothing"
+    assert pinned() <= before, f"{pinned() - before} pinned bytes outlive the closed session"
+
+
+@pytest.mark.gpu
 def test_block_ring_equals_resident_and_holds_memory_flat(gpu_compiled):
     with NativeEngineSession(PROFILE, **gpu_compiled, device="cuda:0", weight_residency="resident") as resident:
         expected = resident.generate(_bundle(2))

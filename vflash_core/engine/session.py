@@ -49,6 +49,7 @@ from .attention import resolve_attention
 from .bundle import MODE_VARIANT, BundleHandoff, ConditioningBundle
 from .config import H3Config
 from .denoise import DenoiseOutput, Denoiser, ProgressFn
+from .device_owner import release_host_memory
 from .fp8 import FusedRowFP8Ops, RowFP8Execution, RowFP8Ops
 from .fused import FusedOps
 from .layout import FPS
@@ -322,6 +323,7 @@ class NativeEngineSession:
             self._group.close()
             self._group = None
         self._arenas = []
+        release_host_memory()
         if self._cap is not None:
             self._cap.release()
             self._cap = None

@@ -44,8 +44,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..engine.config import TEXT_TAG, VIDEO_TAG
-from ..engine.device_owner import SerialDeviceOwner, release_device_memory
+from ..engine.config import TEXT_ENCODER_LAYER, TEXT_TAG, VIDEO_TAG
+from ..engine.device_owner import SerialDeviceOwner, release_device_memory, release_host_memory
 from ..engine.layout import FPS
 from ..engine.residency import ModuleRing
 from ..errors import RequestError, VflashError
@@ -57,7 +57,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-TEXT_ENCODER_LAYER = 50  # H3 conditions on hidden_states[50]
 VIDEO_SAMPLE_FPS = 2.0  # the rate Qwen reads a reference video at
 # Qwen's own multimodal token types (not H3's row tags): they drive its 3-D rotary layout.
 _QWEN_TEXT, _QWEN_IMAGE, _QWEN_VIDEO = 0, 1, 2
@@ -256,7 +255,9 @@ class TextConditioner(SerialDeviceOwner):
         """Drop the encoder; the object is unusable afterwards."""
         self.text_encoder = None
         self.layer_ring = None
+        self._host = None
         release_device_memory(self.device)
+        release_host_memory()
 
     def encode_bytes(self, tokens: int, patches: int) -> int:
         """Transient device bytes of one encode of `tokens` presentation tokens with `patches` vision patches."""

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..engine.device_owner import SerialDeviceOwner, release_device_memory
+from ..engine.device_owner import SerialDeviceOwner, release_device_memory, release_host_memory
 from ..engine.layout import AUDIO_CHANNELS, FPS
 from ..errors import VflashError
 from .conditioning import default_dtype
@@ -112,7 +112,9 @@ class MediaVAEs(SerialDeviceOwner):
 
     def close(self) -> None:
         self.video_vae = self.audio_vae = None
+        self._host = None
         release_device_memory(self.device)
+        release_host_memory()
 
     # -- encoding -----------------------------------------------------------------------------------------------------
 
