@@ -17,6 +17,8 @@ VIDEO_TAG = 0
 TEXT_TAG = 1
 AUDIO_TAG = 2
 NUM_MODALITIES = 3
+# H3 conditions on the text encoder's hidden_states[50]: the residual stream after Qwen3-VL's decoder layer 49.
+TEXT_ENCODER_LAYER = 50
 
 
 def is_positive_int(value: Any) -> bool:

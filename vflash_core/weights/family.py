@@ -21,13 +21,16 @@ from __future__ import annotations
 
 import json
 import math
+import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..engine.config import H3Config
+from ..engine.config import TEXT_ENCODER_LAYER, H3Config
 from . import synthetic
 
 # Qwen's multimodal special tokens; their ids are written into the text encoder config.
@@ -58,6 +61,10 @@ class FamilySpec:
     tokenizer_vocab_size: int = 384
     text_vocab_size: int | None = None  # the text encoder's embedding rows; None: the tokenizer's size
     max_shard_bytes: int | None = None  # large weight files are written in shards of at most this size
+    # Write only the text encoder's first N decoder layers and no LM head: what H3 reads (N >= 50), for a machine short
+    # of storage. The config still names every layer, so a loader that reads them all (diffusers') cannot load it.
+    # None writes the whole encoder, as released.
+    text_layers_written: int | None = None
 
 
 DEMO_FAMILY = FamilySpec(
@@ -146,10 +153,13 @@ def _write_processor(folder: Path, tokenizer, vision: dict[str, Any]) -> None:
     tokenizer.save_pretrained(folder)
 
 
-def _write_random_state(folder: Path, module: torch.nn.Module, seed: int, dtype: torch.dtype, stem: str, spec: FamilySpec, device: str | torch.device, write_workers: int) -> None:
-    """Random values (`synthetic.random_like`) for every tensor of `module`'s state, which may live on the meta
-    device: a full-size model is drawn shard by shard on `device` and never instantiated in host memory."""
-    shapes = {name: tuple(t.shape) for name, t in module.state_dict().items()}
+def _write_random_state(
+    folder: Path, module: torch.nn.Module, seed: int, dtype: torch.dtype, stem: str, spec: FamilySpec, device: str | torch.device, write_workers: int,
+    written: Callable[[str], bool] = lambda name: True,
+) -> None:
+    """Random values (`synthetic.random_like`) for every tensor of `module`'s state that `written` keeps, which may live
+    on the meta device: a full-size model is drawn shard by shard on `device` and never instantiated in host memory."""
+    shapes = {name: tuple(t.shape) for name, t in module.state_dict().items() if written(name)}
 
     def produce(names: list[str]) -> dict[str, torch.Tensor]:
         return {n: synthetic.random_like(n, shapes[n], seed, device).to(dtype).cpu() for n in names}
@@ -169,8 +179,16 @@ def _write_text_encoder(folder: Path, spec: FamilySpec, tokenizer, seed: int, de
     config.dtype = torch.bfloat16
     with torch.device("meta"):
         model = Qwen3VLForConditionalGeneration(config)
-    _write_random_state(folder, model, seed, torch.bfloat16, "model", spec, device, write_workers)
+    _write_random_state(folder, model, seed, torch.bfloat16, "model", spec, device, write_workers, partial(_text_tensor_written, spec.text_layers_written))
     config.save_pretrained(folder)
+
+
+def _text_tensor_written(layers: int | None, name: str) -> bool:
+    """Whether a text encoder tensor is written when only the first `layers` decoder layers are (None: all)."""
+    if layers is None:
+        return True
+    found = re.match(r"model\.language_model\.layers\.(\d+)\.", name)
+    return name != "lm_head.weight" and (found is None or int(found.group(1)) < layers)
 
 
 def _write_vaes(root: Path, spec: FamilySpec, seed: int, device: str | torch.device, write_workers: int) -> None:
@@ -229,6 +247,8 @@ def build_model_family(
     unknown = set(parts) - set(PARTS)
     if unknown:
         raise ValueError(f"unknown family parts {sorted(unknown)}; known: {PARTS}")
+    if spec.text_layers_written is not None and not TEXT_ENCODER_LAYER <= spec.text_layers_written <= spec.text["num_hidden_layers"]:
+        raise ValueError(f"text_layers_written must be {TEXT_ENCODER_LAYER}..{spec.text['num_hidden_layers']} (H3 reads layers 0..{TEXT_ENCODER_LAYER - 1}), got {spec.text_layers_written}")
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     config = H3Config.preset(spec.transformer)
