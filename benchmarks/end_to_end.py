@@ -1,38 +1,42 @@
-"""The real model at its real size, prompt to MP4: Vflash's `H3Pipeline` against diffusers 0.42.1's modular pipeline.
+"""The real model at its real size, prompt to MP4, on one H200: Vflash's `H3Pipeline` in the configurations users run,
+its final latents against diffusers 0.42.1's, and the first use of the weights.
 
-    python benchmarks/end_to_end.py --work /data/e2e [--deadline-minutes 24] [--small]
+    python benchmarks/end_to_end.py --work /root/e2e --shm /dev/shm/vflash [--deadline-minutes 20] [--skip PHASE ...] [--small]
 
-One process, one machine with two H200s. The full-size random family of `full_family.py` (66.3 GB transformer,
-Turbo4 LoRA, 66.7 GB Qwen3-VL-32B-shaped text encoder, both released VAEs) is written, then, phase by phase (each
-records its numbers in the result file as soon as it ends, so a run stopped by its deadline keeps what it measured):
+One process. The full-size random family of `full_family.py` (66.3 GB transformer source, Turbo4 LoRA, the
+Qwen3-VL-32B-shaped text encoder as H3 reads it, both released VAEs) is staged by its `StagingPlan` (printed first,
+with the sizes): the source in the tmpfs `--shm`, compiled onto the disk of `--work`, the source removed, then the
+text encoder into the tmpfs and the VAEs onto the disk. Phases, each recorded in the result file as soon as it ends
+(a run stopped by its deadline keeps what it measured; a resumed run with the same `--work` and `--shm` repeats no
+staging step, and `--skip` leaves phases out):
 
-1. `disk`: sequential write and read bandwidth of the work folder's disk (dd with O_DIRECT, 8 GiB).
-2. `first_use`: the transformer source and the LoRA are written, the page cache is dropped, then `prepare` (hashes
-   every source byte) and `compile` for `t2va-turbo4-exact-sm90` run as a user's first use does; wall time, bytes the
-   process read from and wrote to storage (/proc/self/io), against the time to read the source once at the measured
-   bandwidth.
-3. `weight_io`: cold reads of compiled block files through the session's block reader and with 1/2/4/8 read workers
-   through `weight_io.SequentialWeights`, the Zstandard sidecar's size ratio and a cold read through it.
-4. The transformer source is removed (the disk holds the source and its compiled copy, or the compiled copy and the
-   text encoder, not all three); the text encoder, tokenizer, processor, VAEs and index are written.
-5. `vflash`: pipelines over the prepared assets, each a warm pipeline serving one first request and then three more
-   (the median of those is reported): 1344x768 and 960x544 5 s t2va with the text encoder and VAEs resident and
-   resident weights (its first load from a dropped page cache: cold initialization); then, each loaded anew from a
-   warm page cache, the text encoder and VAEs offloaded between stages (the default; 1344x768, two warm requests),
-   two GPUs with sequence-head (1344x768), and block-ring weights (960x544).
-6. `diffusers`: the modular pipeline with the same text encoder, VAEs, processor and schedulers loaded from the
-   family's folders, the transformer rebuilt in GPU memory from the same seed (equal to the file that was compiled:
-   the source is gone from the disk by then), the same LoRA file through `load_lora_weights`, default settings (SDPA
-   attention, which picks cuDNN here), everything on the GPU when it fits beside the largest request with 12 GiB
-   spare, else the text encoder on the CPU with accelerate's offload hook. Its blocks run one at a time so each stage
-   is timed and its peak memory read; the MP4 is written with the same muxer. A first request and two more per canvas.
-7. `bitwise`: a Vflash session on cuDNN attention denoises the 960x544 request's bundle; its final latents are compared
-   with diffusers' bit for bit.
+1. `disk`: sequential write and read bandwidth of the work folder's disk (dd with O_DIRECT) and of the tmpfs.
+2. `family_transformer`: the transformer source (tmpfs) and the LoRA (disk).
+3. `first_use`: `prepare` (hashes every source byte) and `compile` for `t2va-turbo4-exact-sm90`, as a user's first
+   use runs them; wall time and bytes read and written (/proc/self/io), against the time to read the source once at
+   the disk's bandwidth (where a user's source is) and at the tmpfs's (where it is here).
+4. `weight_io`: cold reads of compiled block files through the session's block reader and `SequentialWeights`.
+5. `family_rest`: the source removed; text encoder, tokenizer, processor and index (tmpfs), VAEs and index (disk).
+6. `vflash_resident`: a pipeline with the text encoder, VAEs and weights resident, loaded from a dropped page cache
+   (cold initialization), a first request and `--warm-requests` more per canvas (1344x768 and 960x544, 5 s t2va);
+   the text of the 960x544 request is kept for `bitwise`.
+7. `bitwise`: a `NativeEngineSession` on cuDNN attention denoises that request's bundle; diffusers' transformer,
+   rebuilt in GPU memory from the same seed (equal to the compiled file) with the same LoRA through
+   `load_lora_weights`, denoises the same prompt embeddings and seed through the modular pipeline's core denoise
+   step (SDPA, which picks cuDNN here); the final latents are compared bit for bit.
+8. `vflash_encoder_offload` (the default: text encoder and VAEs on the GPU for their stage only) and
+   `vflash_block_ring` (the blocks stream from pinned host memory), each loaded anew from a warm page cache, at both
+   canvases; `vflash_two_gpu_sequence_head` where two GPUs are present.
+9. `diffusers`: the modular pipeline end to end, where its text encoder's host copy fits this machine's host memory
+   beside the staged files (it loads all 64 layers); otherwise skipped with the numbers, and the report compares with
+   `--diffusers-from` (an earlier run's diffusers records on the same family and request).
 
 Every request record carries `canvas`, `mode`, `side`, `config`, `elapsed_seconds`, `stages` (text_encode,
-vae_encode, denoise, video_decode, audio_decode, mp4), `peak_device_bytes` per stage and `host_rss_peak_bytes`.
-`speedup_elapsed_vs_diffusers` and `stage_speedup_vs_diffusers` compare warm medians. `--small` runs the same phases
-on the demo-sized family on the CPU (a dry run of the script; its numbers mean nothing).
+vae_encode, denoise, video_decode, audio_decode, mp4), `peak_device_bytes` per stage, `host_rss_peak_bytes`,
+`host_pinned_bytes` (page-locked bytes held by PyTorch's host allocator, peak), `host_in_use_peak_bytes` (the
+machine's memory in use, tmpfs included) and `mp4_sha256` (the uncapped twin of `memory_caps.py`'s runs).
+`summary` holds warm medians and the ratios to diffusers. `--small` runs the same phases on the demo-sized family on
+the CPU (a dry run of the script; its numbers mean nothing).
 
 Writes benchmarks/results/end_to_end_h200.json (end_to_end_small.json with --small).
 """
@@ -41,8 +45,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -56,17 +62,19 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import environment, write_result  # noqa: E402
-from full_family import FULL_FAMILY, SEED, TURBO4_LORA, write_turbo4_lora  # noqa: E402
+from _common import RESULTS, environment, write_result
+from full_family import SEED, STAGED_FAMILY, StagedFamily, folder_bytes, host_memory_bytes, host_memory_in_use
 
-from vflash_core.engine.config import H3Config  # noqa: E402
-from vflash_core.weights import synthetic  # noqa: E402
-from vflash_core.weights.family import DEMO_FAMILY, FamilySpec, build_model_family  # noqa: E402
+from vflash_core.engine.config import H3Config
+from vflash_core.weights import synthetic
+from vflash_core.weights.family import DEMO_FAMILY
 
 PROMPT = "A robot dances in the rain on a neon street at night, drums and bass play, the camera slowly pans left."
 REQUEST_SEED = 1234
-WARM_REQUESTS = 3
+WARM_REQUESTS = 2
 STAGES = ("text_encode", "vae_encode", "denoise", "video_decode", "audio_decode", "mp4")
+PROFILE, SMALL_PROFILE = "t2va-turbo4-exact-sm90", "t2va-turbo4-exact-cpu"
+CANVASES, SMALL_CANVASES = ["1344x768", "960x544"], ["448x256", "256x256"]
 
 
 class Run:
@@ -114,12 +122,17 @@ class Run:
         record["wall_seconds"] = round(time.perf_counter() - start, 3)
         self.save()
 
+    def skip_phase(self, name: str, reason: str) -> None:
+        self.log(f"skip {name}: {reason}")
+        self.data["phases"][name] = {"skipped": reason}
+        self.save()
+
 
 # -- machine -----------------------------------------------------------------------------------------------------
 
 
 def drop_page_cache() -> bool:
-    """Write back and drop the page cache (root only); False where the machine does not allow it."""
+    """Write back and drop the page cache (root only; tmpfs files stay); False where the machine does not allow it."""
     subprocess.run(["sync"], check=False)
     try:
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
@@ -129,37 +142,46 @@ def drop_page_cache() -> bool:
 
 
 def io_counters() -> dict[str, int]:
-    """Bytes this process read from and wrote to storage (page-cache hits not counted)."""
+    """Bytes this process read from and wrote to storage (page-cache and tmpfs hits not counted)."""
     fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
     return {"read_bytes": int(fields["read_bytes"]), "write_bytes": int(fields["write_bytes"])}
 
 
-def folder_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
-
-
-def disk_bandwidth(folder: Path, gib: int) -> dict[str, float]:
-    """Sequential write then read of `gib` GiB of random bytes in 64 MiB blocks with O_DIRECT (dd), page cache bypassed."""
+def bandwidth(folder: Path, gib: int, direct: bool = True) -> dict[str, float]:
+    """Sequential write then read of `gib` GiB of random bytes in 64 MiB blocks (dd; with O_DIRECT where the file
+    system has it, bypassing the page cache; a tmpfs has none and is memory)."""
+    folder.mkdir(parents=True, exist_ok=True)
     path, seed = folder / "bandwidth.bin", folder / "seed.bin"
+    flags = (["oflag=direct"], ["iflag=direct"]) if direct else ([], [])
     subprocess.run(["dd", "if=/dev/urandom", f"of={seed}", "bs=64M", "count=16", "status=none"], check=True)  # 1 GiB
     start = time.perf_counter()
     for k in range(gib):
-        subprocess.run(["dd", f"if={seed}", f"of={path}", "bs=64M", f"seek={16 * k}", "conv=notrunc", "oflag=direct", "status=none"], check=True)
+        subprocess.run(["dd", f"if={seed}", f"of={path}", "bs=64M", f"seek={16 * k}", "conv=notrunc", *flags[0], "status=none"], check=True)
     subprocess.run(["sync"], check=True)
     write = time.perf_counter() - start
     start = time.perf_counter()
-    subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=64M", "iflag=direct", "status=none"], check=True)
+    subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=64M", *flags[1], "status=none"], check=True)
     read = time.perf_counter() - start
     path.unlink()
     seed.unlink()
     return {"write_bandwidth_gbps": round(gib * (1 << 30) / write / 1e9, 3), "read_bandwidth_gbps": round(gib * (1 << 30) / read / 1e9, 3)}
 
 
+def pinned_host_bytes(peak: bool = False) -> int:
+    """Page-locked host bytes PyTorch's host allocator holds now (or its peak since the last reset); 0 without CUDA."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return 0
+    stats = torch.cuda.host_memory_stats()
+    key = next((k for k in stats if re.fullmatch(r"allocated_bytes(\.all)?\." + ("peak" if peak else "current"), k)), None)
+    return int(stats[key]) if key else 0
+
+
 class HostPeak:
-    """Peak resident set size of this process between `reset()` calls, sampled every 20 ms."""
+    """Host memory between `reset()` calls, sampled every 20 ms: this process's peak resident set, the machine's peak
+    memory in use (tmpfs files included) and the host allocator's peak page-locked bytes."""
 
     def __init__(self) -> None:
-        self.peak = 0
+        self.peak = self.in_use = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
@@ -174,11 +196,20 @@ class HostPeak:
     def _sample(self) -> None:
         while not self._stop.wait(0.02):
             self.peak = max(self.peak, self.rss())
+            self.in_use = max(self.in_use, host_memory_in_use())
 
-    def reset(self) -> int:
-        """Return the peak since the last reset and start a new window."""
-        peak, self.peak = max(self.peak, self.rss()), self.rss()
-        return peak
+    def reset(self) -> dict[str, int]:
+        """The peaks since the last reset; a new window starts."""
+        out = {"host_rss_peak_bytes": max(self.peak, self.rss()), "host_in_use_peak_bytes": max(self.in_use, host_memory_in_use()),
+               "host_pinned_bytes": max(pinned_host_bytes(peak=True), pinned_host_bytes())}
+        self.peak, self.in_use = self.rss(), host_memory_in_use()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.reset_peak_host_memory_stats()
+        return out
+
+
+def merge_host(windows: list[dict[str, int]]) -> dict[str, int]:
+    return {k: max((w[k] for w in windows), default=0) for k in ("host_rss_peak_bytes", "host_in_use_peak_bytes", "host_pinned_bytes")}
 
 
 class DevicePeak:
@@ -195,11 +226,146 @@ class DevicePeak:
         return peak
 
 
+def sha256(path: Path) -> str:
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+# -- staging: the family, its first use, the pipeline receipt --------------------------------------------------
+
+
+class Setup:
+    """Where this run's parts are: the staged family, the profile, the canvases, the compiled folder, the receipt."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.small = args.small
+        self.cuda = torch.cuda.is_available() and not self.small
+        self.device = "cuda:0" if self.cuda else "cpu"
+        self.gpus = torch.cuda.device_count() if self.cuda else 0
+        spec = replace(DEMO_FAMILY, text_vocab_size=None, text_layers_written=50) if self.small else STAGED_FAMILY
+        self.staged = StagedFamily(args.work, args.shm, spec, self.device)
+        self.spec = spec
+        self.profile = SMALL_PROFILE if self.small else PROFILE
+        self.canvases = SMALL_CANVASES if self.small else CANVASES
+        self.config = H3Config.preset(spec.transformer)
+        self.compiled = Path(args.work) / "compiled"
+        self.receipt = Path(args.work) / "pipeline.json"
+        self.out_dir = Path(args.work) / "out"
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+
+    def session_paths(self) -> dict[str, Path]:
+        return {"artifact": self.compiled / "artifact", "schedule_overlay": self.compiled / "schedule", "auxiliary": self.compiled / "auxiliary.safetensors"}
+
+
+def stage(run: Run, setup: Setup, measure_storage: bool = True) -> None:
+    """The staging plan (printed, recorded, refused when it cannot fit), then every staging phase not yet done;
+    `measure_storage`: also the disk's and the tmpfs's bandwidth and the weight reads (`disk`, `weight_io`)."""
+    staged = setup.staged
+    plan = staged.plan()
+    run.log("\n".join(plan.lines()))
+    run.data["staging"] = plan.to_dict()
+    run.save()
+    if plan.problems() and not setup.small:
+        raise SystemExit("the family does not fit this machine: " + "; ".join(plan.problems()))
+
+    with run.phase("disk", 60) as rec:
+        if rec is not None and measure_storage and not setup.small:
+            rec["disk"] = bandwidth(staged.work / "bandwidth", 8)
+            rec["tmpfs"] = bandwidth(staged.shm / "bandwidth", 8, direct=False)
+            run.data["read_bandwidth_gbps"] = rec["disk"]["read_bandwidth_gbps"]
+            run.data["tmpfs_read_bandwidth_gbps"] = rec["tmpfs"]["read_bandwidth_gbps"]
+    if setup.compiled.exists() and (setup.compiled / "artifact" / "manifest.json").exists():
+        run.log(f"compiled weights found in {setup.compiled}: first use not repeated")
+    else:
+        with run.phase("family_transformer", 120) as rec:
+            if rec is not None:
+                rec.update(staged.write_source())
+        with run.phase("first_use", 240) as rec:
+            if rec is not None:
+                first_use(run, setup, rec)
+        if measure_storage:
+            with run.phase("weight_io", 120) as rec:
+                if rec is not None:
+                    weight_io(setup, rec)
+    staged.remove_source()
+    with run.phase("family_rest", 240) as rec:
+        if rec is not None:
+            rec.update(staged.write_rest())
+            run.data.setdefault("setup", {})["disk_after_family"] = shutil.disk_usage(staged.work)._asdict()
+            run.data["setup"]["shm_after_family"] = shutil.disk_usage(staged.shm)._asdict()
+    if setup.receipt.exists():
+        run.log(f"pipeline receipt found: {setup.receipt}")
+        return
+    with run.phase("prepare_pipeline", 60) as rec:
+        if rec is not None:
+            from vflash_core.pipeline.h3_pipeline import prepare_pipeline
+
+            paths = setup.session_paths()
+            assets = {"model_root": str(staged.model_root), "decoder_root": str(staged.decoder_root), "adapter_path": str(staged.lora),
+                      "artifact": str(paths["artifact"]), "schedule_overlay": str(paths["schedule_overlay"]), "auxiliary_tensor": str(paths["auxiliary"])}
+            (staged.work / "assets.json").write_text(json.dumps(assets))
+            prepare_pipeline(setup.profile, staged.work / "assets.json", setup.receipt)
+
+
+def first_use(run: Run, setup: Setup, rec: dict) -> None:
+    from vflash_core.weights.compiler import compile_receipt, prepare
+
+    staged = setup.staged
+    rec["page_cache_dropped"] = drop_page_cache()
+    weights_receipt = staged.work / "weights-receipt.json"
+    io0, t0 = io_counters(), time.perf_counter()
+    prepare(setup.profile, staged.source, weights_receipt, adapter=staged.lora)
+    io1, t1 = io_counters(), time.perf_counter()
+    compile_receipt(weights_receipt, setup.compiled, setup.device)
+    io2, t2 = io_counters(), time.perf_counter()
+    source = folder_bytes(staged.source) + staged.lora.stat().st_size
+    artifact = folder_bytes(setup.compiled)
+    rec.update({
+        "prepare_seconds": round(t1 - t0, 3), "compile_seconds": round(t2 - t1, 3), "first_use_seconds": round(t2 - t0, 3),
+        "source_bytes": source, "artifact_bytes": artifact, "source_place": "tmpfs (the disk cannot hold it beside its compile)",
+        "prepare_io": {k: io1[k] - io0[k] for k in io0}, "compile_io": {k: io2[k] - io1[k] for k in io1},
+    })
+    disk = run.data.get("phases", {}).get("disk", {})
+    if disk.get("disk"):
+        read_s = source / (disk["disk"]["read_bandwidth_gbps"] * 1e9)
+        rec["source_read_seconds_at_disk_bandwidth"] = round(read_s, 3)
+        rec["first_use_over_one_read"] = round((t2 - t0) / read_s, 3)
+        rec["artifact_write_seconds_at_disk_bandwidth"] = round(artifact / (disk["disk"]["write_bandwidth_gbps"] * 1e9), 3)
+        rec["source_read_seconds_at_tmpfs_bandwidth"] = round(source / (disk["tmpfs"]["read_bandwidth_gbps"] * 1e9), 3)
+    run.data["first_use_seconds"] = rec["first_use_seconds"]
+
+
+def weight_io(setup: Setup, rec: dict) -> None:
+    from vflash_core.weights import weight_io as wio
+    from vflash_core.weights.artifact import CompiledArtifact
+
+    artifact = CompiledArtifact(**{k: v for k, v in zip(("artifact", "schedule_overlay", "auxiliary"), setup.session_paths().values())})
+    sample = min(5, artifact.config.num_layers)
+    files = [artifact.artifact_dir / b["file"] for b in artifact.manifest["blocks"][:sample]]
+    nbytes = sum(f.stat().st_size for f in files)
+    rec["sample_blocks"], rec["sample_bytes"] = sample, nbytes
+    drop_page_cache()
+    t = time.perf_counter()
+    for _ in zip(range(sample), artifact.iter_blocks()):
+        pass
+    rec["session_block_reader_gbps"] = round(nbytes / (time.perf_counter() - t) / 1e9, 3)
+    sequential = {}
+    for workers in (1, 2, 4, 8):
+        drop_page_cache()
+        t = time.perf_counter()
+        for f in files:
+            with wio.SequentialWeights(f, read_workers=workers) as w:
+                w.read_all()
+        sequential[workers] = round(nbytes / (time.perf_counter() - t) / 1e9, 3)
+    rec["sequential_weights_gbps_by_workers"] = sequential
+
+
 # -- Vflash --------------------------------------------------------------------------------------------------------
 
 
-def vflash_requests(run: Run, pipe, config_name: str, canvases: list[str], count: int, host: HostPeak, out_dir: Path) -> list[dict]:
-    """`count` requests per canvas through `H3Pipeline.generate`, each with its stages and per-stage peaks."""
+def vflash_requests(run: Run, pipe, config_name: str, canvases: list[str], count: int, host: HostPeak, out_dir: Path, **extra: object) -> list[dict]:
+    """`count` requests per canvas through `H3Pipeline.generate`, each with its stages, per-stage device peaks, host
+    memory and its MP4's sha256."""
     from vflash_core.pipeline.h3_pipeline import VideoRequest
 
     device_peak = DevicePeak(pipe.session.devices if pipe.session is not None else [])
@@ -208,7 +374,7 @@ def vflash_requests(run: Run, pipe, config_name: str, canvases: list[str], count
         width, height = (int(v) for v in canvas.split("x"))
         for k in range(count):
             peaks: dict[str, int] = {}
-            hosts: dict[str, int] = {}
+            hosts: list[dict[str, int]] = []
 
             def progress(stage: str, done: int, total: int) -> None:
                 name = {"encode": "encode", "denoise": "denoise", "write": "mp4"}.get(stage)
@@ -218,13 +384,14 @@ def vflash_requests(run: Run, pipe, config_name: str, canvases: list[str], count
                     return
                 if name is not None:
                     peaks[name] = device_peak.reset()
-                    hosts[name] = host.reset()
+                    hosts.append(host.reset())
 
             device_peak.reset()
             host.reset()
             request = VideoRequest(PROMPT, seed=REQUEST_SEED, width=width, height=height)
             output = out_dir / f"{config_name}-{canvas}-{k}.mp4"
             result = pipe.generate(request, output, progress=progress)
+            digest = sha256(output)
             output.unlink()
             s = result.stages
             stages = {
@@ -232,35 +399,42 @@ def vflash_requests(run: Run, pipe, config_name: str, canvases: list[str], count
                 "video_decode": s["decode.video"], "audio_decode": s["decode.audio"], "mp4": s["write"],
             }
             record = {
-                "side": "vflash", "config": config_name, "canvas": canvas, "mode": result.mode, "index": k, "warm": k > 0,
-                "elapsed_seconds": round(result.elapsed_seconds, 3), "stages": {k2: round(v, 3) for k2, v in stages.items()},
+                "side": "vflash", "config": config_name, "canvas": canvas, "mode": result.mode, "seconds": round(result.num_frames / result.fps, 3),
+                "index": k, "warm": k > 0, "elapsed_seconds": round(result.elapsed_seconds, 3), "stages": {k2: round(v, 3) for k2, v in stages.items()},
                 "stages_raw": {k2: round(v, 3) for k2, v in s.items()},
                 "peak_device_bytes": {"text_encode": peaks.get("encode"), "denoise": peaks.get("denoise"), "video_decode": peaks.get("video_decode"),
                                       "audio_decode": peaks.get("audio_decode"), "mp4": peaks.get("mp4")},
-                "host_rss_peak_bytes": max(hosts.values(), default=0),
+                **merge_host(hosts), "mp4_sha256": digest,
                 "session": {"request_wall_seconds": round(result.session.request_wall_seconds, 3)},
                 "attention_backend": result.metadata.get("attention_backend"), "weight_residency": result.metadata.get("weight_residency"),
                 "encoder_residency": result.metadata.get("encoder_residency"), "devices": result.metadata.get("devices"),
+                "memory_plan": pipe.session.plan.summary() if pipe.session.plan is not None else None, **extra,
             }
             records.append(record)
             run.data["requests"].append(record)
-            run.log(f"vflash {config_name} {canvas} #{k}: {result.elapsed_seconds:.2f} s (denoise {s['denoise']:.2f}, decode {s['decode']:.2f})")
+            run.log(f"vflash {config_name} {canvas} #{k}: {result.elapsed_seconds:.2f} s (denoise {s['denoise']:.2f}, decode {s['decode']:.2f}, "
+                    f"MP4 {s['write']:.2f}); host pinned {record['host_pinned_bytes'] / 2**30:.1f} GiB, in use {record['host_in_use_peak_bytes'] / 2**30:.1f} GiB")
             run.save()
     return records
 
 
-def load_pipeline(run: Run, receipt: Path, record: dict, **options):
+def load_pipeline(run: Run, receipt: Path, record: dict, host: HostPeak | None = None, text_encoder_loader=None, **options):
     from vflash_core.pipeline.h3_pipeline import H3Pipeline
     from vflash_core.pipeline.options import RunOptions
 
-    pipe = H3Pipeline.from_prepared(receipt, RunOptions(**options))
+    pipe = H3Pipeline.from_prepared(receipt, RunOptions(**options), text_encoder_loader=text_encoder_loader)
+    if host is not None:
+        host.reset()
     start = time.perf_counter()
     pipe.load()
     record["initialization_seconds"] = round(pipe.initialization_seconds, 3)
     record["session_initialization_seconds"] = round(pipe.session.initialization_seconds, 3)
     record["load_wall_seconds"] = round(time.perf_counter() - start, 3)
-    record["memory_plan"] = pipe.session.memory_plan()
-    run.log(f"pipeline {options} ready in {pipe.initialization_seconds:.1f} s (session {pipe.session.initialization_seconds:.1f} s)")
+    record["session_memory_plan"] = pipe.session.memory_plan()
+    record["memory_plan"] = pipe.session.plan.summary() if pipe.session.plan is not None else None
+    if host is not None:
+        record["load_host"] = host.reset()
+    run.log(f"pipeline {options} ready in {pipe.initialization_seconds:.1f} s (session {pipe.session.initialization_seconds:.1f} s): {record['memory_plan']}")
     return pipe
 
 
@@ -360,7 +534,7 @@ def diffusers_request(run: Run, pipe, offload, canvas: str, index: int, host: Ho
             state.set(param.name, param.default, param.kwargs_type)
     stages: dict[str, float] = {}
     peaks: dict[str, int] = {}
-    hosts: dict[str, int] = {}
+    hosts: list[dict[str, int]] = []
     peak.reset()
     host.reset()
     start = time.perf_counter()
@@ -374,7 +548,7 @@ def diffusers_request(run: Run, pipe, offload, canvas: str, index: int, host: Ho
             torch.cuda.synchronize(device)
         stages[name] = stages.get(name, 0.0) + time.perf_counter() - t
         peaks[name] = max(peaks.get(name, 0), peak.reset())
-        hosts[name] = max(hosts.get(name, 0), host.reset())
+        hosts.append(host.reset())
 
     names = {"before_encode": "vae_encode", "text_encoder": "text_encode", "vae_encoder": "vae_encode", "denoise": "denoise"}
     for block_name, block in blocks.sub_blocks.items():
@@ -397,12 +571,12 @@ def diffusers_request(run: Run, pipe, offload, canvas: str, index: int, host: Ho
     output.unlink()
     stages["mp4"] = time.perf_counter() - t
     peaks["mp4"] = peak.reset()
-    hosts["mp4"] = host.reset()
+    hosts.append(host.reset())
     elapsed = time.perf_counter() - start
     record = {
         "side": "diffusers", "config": config_name, "canvas": canvas, "mode": "t2va", "index": index, "warm": index > 0,
         "elapsed_seconds": round(elapsed, 3), "stages": {k: round(stages.get(k, 0.0), 3) for k in STAGES},
-        "peak_device_bytes": {k: peaks.get(k) for k in STAGES}, "host_rss_peak_bytes": max(hosts.values()),
+        "peak_device_bytes": {k: peaks.get(k) for k in STAGES}, **merge_host(hosts),
     }
     run.data["requests"].append(record)
     run.log(f"diffusers {canvas} #{index}: {elapsed:.2f} s (denoise {stages['denoise']:.2f}, video decode {stages['video_decode']:.2f})")
@@ -410,14 +584,87 @@ def diffusers_request(run: Run, pipe, offload, canvas: str, index: int, host: Ho
     return latents
 
 
+def bitwise(run: Run, setup: Setup, encoded, rec: dict) -> None:
+    """Vflash's final latents (cuDNN attention) against diffusers' core denoise step on the same prompt embeddings,
+    canvas and seed; diffusers' transformer is rebuilt in device memory from the family's seed."""
+    from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio, MiniMaxH3Scheduler
+    from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import MiniMaxH3CoreDenoiseStep
+
+    from vflash_core import get_profile
+    from vflash_core.engine.session import NativeEngineSession
+
+    profile = get_profile(setup.profile)
+    width, height = (int(v) for v in setup.canvases[1].split("x"))
+    t = time.perf_counter()
+    session = NativeEngineSession(profile, **setup.session_paths(), device=setup.device, attention_backend="cudnn" if setup.cuda else "auto")
+    try:
+        result = session.generate(encoded.bundle(setup.config, REQUEST_SEED))
+        rec["vflash_attention_backend"] = result.metadata["attention_backend"]
+    finally:
+        session.close()
+        gc.collect()
+        if setup.cuda:
+            torch.cuda.empty_cache()
+    rec["vflash_seconds"] = round(time.perf_counter() - t, 3)
+    t = time.perf_counter()
+    pipe = MiniMaxH3CoreDenoiseStep().init_pipeline()
+    pipe.update_components(transformer=diffusers_transformer(setup.config, setup.device), scheduler=MiniMaxH3Scheduler(profile.video_shift),
+                           audio_scheduler=MiniMaxH3Scheduler(profile.audio_shift))
+    # The step reads the latent geometry (channels, compression) from VAEs it does not take as components, with the
+    # released VAEs' values as defaults: the family's configs on the meta device give it the same numbers at full size
+    # and the demo family's in a dry run.
+    with torch.device("meta"):
+        pipe.vae = AutoencoderKLMiniMaxH3.from_config(AutoencoderKLMiniMaxH3.load_config(setup.staged.decoder_root / "vae"))
+        pipe.audio_vae = AutoencoderKLMiniMaxH3Audio.from_config(AutoencoderKLMiniMaxH3Audio.load_config(setup.staged.decoder_root / "audio_vae"))
+    pipe.load_lora_weights(str(setup.staged.lora))
+    pipe.set_progress_bar_config(disable=True)
+    rec["diffusers_build_seconds"] = round(time.perf_counter() - t, 3)
+    t = time.perf_counter()
+    try:
+        out = pipe(
+            prompt_embeds=encoded.prompt_embeds[None].to(setup.device), text_token_tags=encoded.token_tags.to(setup.device), num_inference_steps=profile.nfe + 1,
+            generator=torch.Generator().manual_seed(REQUEST_SEED), height=height, width=width, num_frames=encoded.geometry.num_frames,
+            output=["latents", "audio_latents"],
+        )
+        video, audio = out["latents"].cpu(), out["audio_latents"].cpu()
+    finally:
+        del pipe
+        gc.collect()
+        if setup.cuda:
+            torch.cuda.empty_cache()
+    rec["diffusers_seconds"] = round(time.perf_counter() - t, 3)
+    same = video.shape == result.video_latents.shape and torch.equal(result.video_latents, video.to(result.video_latents.dtype)) \
+        and audio.shape == result.audio_latents.shape and torch.equal(result.audio_latents, audio.to(result.audio_latents.dtype))
+    rec.update({
+        "canvas": setup.canvases[1], "seconds": round(encoded.geometry.num_frames / 24, 3), "diffusers_attention": "SDPA" + (" (cuDNN on this GPU)" if setup.cuda else ""),
+        "dtypes": [str(result.video_latents.dtype), str(video.dtype)], "bitwise_equal_to_diffusers": same,
+        "video_max_abs_diff": float((result.video_latents.double() - video.double()).abs().max()) if video.shape == result.video_latents.shape else None,
+        "audio_max_abs_diff": float((result.audio_latents.double() - audio.double()).abs().max()) if audio.shape == result.audio_latents.shape else None,
+    })
+    run.data["bitwise_equal_to_diffusers"] = same
+    run.log(f"bitwise at {setup.canvases[1]}: {same} (max abs diff video {rec['video_max_abs_diff']}, audio {rec['audio_max_abs_diff']})")
+
+
 # -- summary -------------------------------------------------------------------------------------------------------
 
 
-def summarize(run: Run) -> None:
-    """Warm medians per (side, config, canvas) and the diffusers / Vflash ratios of elapsed time and of each stage."""
+def summarize(run: Run, diffusers_from: Path | None) -> None:
+    """Warm medians per (side, config, canvas) and the diffusers / Vflash ratios of elapsed time and of each stage;
+    the diffusers medians of this run, else those of `diffusers_from` (named in `diffusers_reference`)."""
     groups: dict[tuple[str, str, str], list[dict]] = {}
     for r in run.data["requests"]:
         if r["warm"]:
+            groups.setdefault((r["side"], r["config"], r["canvas"]), []).append(r)
+    reference_requests = [r for r in run.data["requests"] if r["side"] == "diffusers"]
+    if not reference_requests and diffusers_from is not None and diffusers_from.exists():
+        earlier = json.loads(diffusers_from.read_text())
+        reference_requests = [r for r in earlier["requests"] if r["side"] == "diffusers" and r["warm"]]
+        run.data["diffusers_reference"] = {
+            "file": diffusers_from.name, "commit": earlier["commit"], "gpu": earlier["gpu"], "gpus": earlier.get("setup", {}).get("gpus"),
+            "note": "diffusers' side of an earlier run on the same family, request and seed (its text encoder offloaded by accelerate, "
+                    "needing a host copy this machine cannot hold beside the staged files)",
+        }
+        for r in reference_requests:
             groups.setdefault((r["side"], r["config"], r["canvas"]), []).append(r)
     medians = {}
     for (side, config, canvas), rs in groups.items():
@@ -426,7 +673,7 @@ def summarize(run: Run) -> None:
             "elapsed_seconds": round(statistics.median(r["elapsed_seconds"] for r in rs), 3),
             "stages": {s: round(statistics.median(r["stages"][s] for r in rs), 3) for s in STAGES},
             "peak_device_bytes": {s: max((r["peak_device_bytes"].get(s) or 0) for r in rs) for s in STAGES},
-            "host_rss_peak_bytes": max(r["host_rss_peak_bytes"] for r in rs),
+            **{k: max(r.get(k) or 0 for r in rs) for k in ("host_rss_peak_bytes", "host_in_use_peak_bytes", "host_pinned_bytes")},
         }
     for key, m in medians.items():
         reference = medians.get(("diffusers", "diffusers", key[2]))
@@ -441,222 +688,70 @@ def summarize(run: Run) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--work", type=Path, required=True, help="folder on the disk being measured (emptied first)")
-    parser.add_argument("--deadline-minutes", type=float, default=24.0)
+    parser.add_argument("--work", type=Path, required=True, help="folder on the disk (compiled weights, VAEs); kept for a resumed run")
+    parser.add_argument("--shm", type=Path, required=True, help="folder on a tmpfs (transformer source, text encoder)")
+    parser.add_argument("--deadline-minutes", type=float, default=20.0)
     parser.add_argument("--small", action="store_true", help="dry run: demo-sized family on the CPU")
-    parser.add_argument("--disk-gib", type=int, default=8)
+    parser.add_argument("--fresh", action="store_true", help="empty --work and --shm first (else staged parts are reused)")
     parser.add_argument("--warm-requests", type=int, default=WARM_REQUESTS, help="requests after the first, per canvas and pipeline")
-    parser.add_argument("--skip", nargs="*", default=[], help="phases to leave out, e.g. weight_io diffusers vflash_block_ring")
+    parser.add_argument("--skip", nargs="*", default=[], help="phases to leave out, e.g. weight_io vflash_block_ring")
+    parser.add_argument("--diffusers-from", type=Path, default=RESULTS / "end_to_end_2xh200.json",
+                        help="an earlier run's result file whose diffusers requests the summary compares with when this run has none")
     args = parser.parse_args()
+    if args.fresh:
+        shutil.rmtree(args.work, ignore_errors=True)
+        shutil.rmtree(args.shm, ignore_errors=True)
+    setup = Setup(args)
     warm = args.warm_requests
-
-    small = args.small
-    run = Run("end_to_end_small" if small else "end_to_end_h200", time.perf_counter() + args.deadline_minutes * 60, small, tuple(args.skip))
-    cuda = torch.cuda.is_available() and not small
-    device = "cuda:0" if cuda else "cpu"
-    gpus = torch.cuda.device_count() if cuda else 0
-    spec: FamilySpec = replace(DEMO_FAMILY, text_vocab_size=None) if small else FULL_FAMILY
-    profile = "t2va-turbo4-exact-cpu" if small else "t2va-turbo4-exact-sm90"
-    canvases = ["448x256", "256x256"] if small else ["1344x768", "960x544"]
-    config = H3Config.preset(spec.transformer)
-    work = args.work
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    root, out_dir = work / "model", work / "out"
-    out_dir.mkdir()
+    run = Run("end_to_end_small" if setup.small else "end_to_end_h200", time.perf_counter() + args.deadline_minutes * 60, setup.small, tuple(args.skip))
     host = HostPeak()
     torch.backends.cuda.matmul.allow_tf32 = False  # the reference's default; both sides run in this process
     run.data["setup"] = {
-        "family": "demo (dry run)" if small else "full size: see benchmarks/full_family.py",
-        "text_encoder": {"layers": spec.text["num_hidden_layers"], "hidden_size": spec.text["hidden_size"], "read_by_h3": "hidden_states[50] (Vflash loads layers 0..50)"},
-        "profile": profile, "prompt": PROMPT, "seed": REQUEST_SEED, "gpus": gpus, "warm_requests": warm,
-        "disk": shutil.disk_usage(work)._asdict(), "cpu_count": os.cpu_count(),
-        "nvidia_smi_topo": subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True).stdout if cuda else None,
+        "family": "demo (dry run)" if setup.small else "full size: see benchmarks/full_family.py",
+        "text_encoder": {"layers": setup.spec.text["num_hidden_layers"], "written": setup.spec.text_layers_written, "hidden_size": setup.spec.text["hidden_size"],
+                         "read_by_h3": "hidden_states[50] (Vflash loads the embeddings, the vision tower and layers 0..49)"},
+        "profile": setup.profile, "prompt": PROMPT, "seed": REQUEST_SEED, "gpus": setup.gpus, "warm_requests": warm,
+        "cpu_count": os.cpu_count(), "host_memory_bytes": host_memory_bytes(),
     }
-    run.save()
+    stage(run, setup)
+    canvases, out_dir, receipt = setup.canvases, setup.out_dir, setup.receipt
+    resident = dict(device=setup.device, encoder_residency="resident", weight_residency="resident" if setup.cuda else "auto")
 
-    with run.phase("disk", 60) as rec:
-        if rec is not None and not small:
-            rec.update(disk_bandwidth(work, args.disk_gib))
-            run.data["read_bandwidth_gbps"] = rec["read_bandwidth_gbps"]
-            run.data["write_bandwidth_gbps"] = rec["write_bandwidth_gbps"]
-    read_bw = float(run.data.get("read_bandwidth_gbps") or 0)
-
-    transformer, lora = root / "transformer", work / TURBO4_LORA
-    compiled = work / "compiled"
-    with run.phase("family_transformer", 120) as rec:
+    encoded = None
+    with run.phase("vflash_resident", 300) as rec:
         if rec is not None:
-            t = time.perf_counter()
-            build_model_family(root, spec, SEED, with_ref=False, parts=("transformer",), device=device, write_workers=8)
-            rec["transformer_seconds"] = round(time.perf_counter() - t, 3)
-            t = time.perf_counter()
-            if small:
-                synthetic.write_random_lora(lora, config, 128, 128.0, SEED + 10, 16, device)
-            else:
-                write_turbo4_lora(lora, device)
-            rec["lora_seconds"] = round(time.perf_counter() - t, 3)
-            rec["transformer_bytes"], rec["lora_bytes"] = folder_bytes(transformer), lora.stat().st_size
+            from vflash_core.engine.layout import Geometry
+            from vflash_core.pipeline.h3_pipeline import encode_request
 
-    with run.phase("first_use", 240) as rec:
-        if rec is not None:
-            from vflash_core.weights.compiler import compile_receipt, prepare
-
-            rec["page_cache_dropped"] = drop_page_cache()
-            io0, t0 = io_counters(), time.perf_counter()
-            prepare(profile, transformer, work / "weights-receipt.json", adapter=lora)
-            io1, t1 = io_counters(), time.perf_counter()
-            compile_receipt(work / "weights-receipt.json", compiled, device)
-            io2, t2 = io_counters(), time.perf_counter()
-            source = folder_bytes(transformer) + lora.stat().st_size
-            rec.update({
-                "prepare_seconds": round(t1 - t0, 3), "compile_seconds": round(t2 - t1, 3), "first_use_seconds": round(t2 - t0, 3),
-                "source_bytes": source, "artifact_bytes": folder_bytes(compiled),
-                "prepare_io": {k: io1[k] - io0[k] for k in io0}, "compile_io": {k: io2[k] - io1[k] for k in io1},
-            })
-            if read_bw:
-                rec["source_read_seconds_at_disk_bandwidth"] = round(source / (read_bw * 1e9), 3)
-                rec["first_use_over_one_read"] = round((t2 - t0) / rec["source_read_seconds_at_disk_bandwidth"], 3)
-            run.data["first_use_seconds"] = rec["first_use_seconds"]
-
-    with run.phase("weight_io", 120) as rec:
-        if rec is not None:
-            from vflash_core.weights import weight_io
-            from vflash_core.weights.artifact import CompiledArtifact
-
-            artifact = CompiledArtifact(compiled / "artifact", compiled / "schedule", compiled / "auxiliary.safetensors")
-            sample = min(5, artifact.config.num_layers)
-            files = [artifact.artifact_dir / b["file"] for b in artifact.manifest["blocks"][:sample]]
-            nbytes = sum(f.stat().st_size for f in files)
-            rec["sample_blocks"], rec["sample_bytes"] = sample, nbytes
-            sequential = {}
-            drop_page_cache()
-            t = time.perf_counter()
-            for i, _ in zip(range(sample), artifact.iter_blocks()):
-                pass
-            rec["session_block_reader_gbps"] = round(nbytes / (time.perf_counter() - t) / 1e9, 3)
-            for workers in (1, 2, 4, 8):
-                drop_page_cache()
-                t = time.perf_counter()
-                for f in files:
-                    with weight_io.SequentialWeights(f, read_workers=workers) as w:
-                        w.read_all()
-                sequential[workers] = round(nbytes / (time.perf_counter() - t) / 1e9, 3)
-            rec["sequential_weights_gbps_by_workers"] = sequential
-            try:
-                sidecars = work / "sidecars"
-                sidecars.mkdir()
-                t = time.perf_counter()
-                for f in files:
-                    weight_io.prepare_sidecar(f, sidecars / f.stem, workers=8)
-                rec["sidecar_prepare_seconds"] = round(time.perf_counter() - t, 3)
-                rec["sidecar_size_ratio"] = round(folder_bytes(sidecars) / nbytes, 4)
-                drop_page_cache()
-                t = time.perf_counter()
-                for f in files:
-                    with weight_io.SequentialWeights(f, read_workers=8, compressed_directory=sidecars / f.stem) as w:
-                        w.read_all()
-                rec["sidecar_read_gbps"] = round(nbytes / (time.perf_counter() - t) / 1e9, 3)
-                shutil.rmtree(sidecars)
-            except Exception as exc:  # noqa: BLE001 - zstandard may be missing on the machine
-                rec["sidecar_error"] = f"{type(exc).__name__}: {exc}"
-
-    # The disk holds the source and its compiled copy, or the compiled copy and the text encoder: not all three.
-    shutil.rmtree(transformer, ignore_errors=True)
-    with run.phase("family_rest", 240) as rec:
-        if rec is not None:
-            t = time.perf_counter()
-            build_model_family(root, spec, SEED, with_ref=False, parts=("text", "vaes", "index"), device=device, write_workers=8)
-            rec["seconds"] = round(time.perf_counter() - t, 3)
-            rec["bytes"] = {p: folder_bytes(root / p) for p in ("text_encoder", "vae", "audio_vae")}
-            run.data["setup"]["disk_after_family"] = shutil.disk_usage(work)._asdict()
-
-    receipt = work / "pipeline.json"
-    with run.phase("prepare_pipeline", 60) as rec:
-        if rec is not None:
-            from vflash_core.pipeline.h3_pipeline import prepare_pipeline
-
-            assets = {"model_root": str(root), "decoder_root": str(root), "adapter_path": str(lora), "artifact": str(compiled / "artifact"),
-                      "schedule_overlay": str(compiled / "schedule"), "auxiliary_tensor": str(compiled / "auxiliary.safetensors")}
-            (work / "assets.json").write_text(json.dumps(assets))
-            prepare_pipeline(profile, work / "assets.json", receipt)
-
-    loaded_bytes = {"artifact": folder_bytes(compiled) if compiled.exists() else 0}
-    resident = dict(device=device, encoder_residency="resident", weight_residency="resident" if cuda else "auto")
-    with run.phase("vflash_resident", 420) as rec:
-        if rec is not None:
             rec["page_cache_dropped"] = drop_page_cache()
             io0 = io_counters()
-            pipe = load_pipeline(run, receipt, rec, **resident)
+            pipe = load_pipeline(run, receipt, rec, host, **resident)
             rec["initialization_io"] = {k: io_counters()[k] - io0[k] for k in io0}
             run.data["initialization_seconds"] = {"cold_page_cache": rec["initialization_seconds"]}
             try:
                 vflash_requests(run, pipe, "resident", canvases, 1 + warm, host, out_dir)
-            finally:
-                pipe.close()
-                gc.collect()
-
-    reference_latents = None
-    with run.phase("diffusers", 420) as rec:
-        if rec is not None:
-            from vflash_core import get_profile
-            from vflash_core.pipeline.memory_plan import largest_request_rows
-
-            nfe = get_profile(profile).nfe
-            pipe, offload = diffusers_pipeline(root, lora, config, get_profile(profile), device, largest_request_rows(get_profile(profile), config), rec)
-            run.log(f"diffusers ready: {rec.get('placement')}")
-            try:
-                for canvas in canvases:
-                    for k in range(1 + max(1, warm - 1)):
-                        latents = diffusers_request(run, pipe, offload, canvas, k, host, out_dir, nfe)
-                        if canvas == canvases[1]:
-                            reference_latents = latents
-            finally:
-                del pipe
-                gc.collect()
-                if cuda:
-                    torch.cuda.empty_cache()
-
-    with run.phase("bitwise", 300) as rec:
-        if rec is not None:
-            from vflash_core import get_profile
-            from vflash_core.pipeline.h3_pipeline import VideoRequest
-
-            if reference_latents is None:  # the timed diffusers phase was skipped: one request of its own
-                from vflash_core.pipeline.memory_plan import largest_request_rows
-
-                pipe, offload = diffusers_pipeline(root, lora, config, get_profile(profile), device, largest_request_rows(get_profile(profile), config), rec)
-                try:
-                    reference_latents = diffusers_request(run, pipe, offload, canvases[1], 0, host, out_dir, get_profile(profile).nfe, "diffusers_bitwise")
-                finally:
-                    del pipe, offload
-                    gc.collect()
-                    if cuda:
-                        torch.cuda.empty_cache()
-            pipe = load_pipeline(run, receipt, {}, **dict(resident, attention_backend="cudnn" if cuda else "auto"))
-            try:
                 width, height = (int(v) for v in canvases[1].split("x"))
-                result = pipe.denoise(pipe.encode(VideoRequest(PROMPT, seed=REQUEST_SEED, width=width, height=height)))
+                encoded = encode_request(pipe.conditioner, pipe.vaes, PROMPT, "t2va", Geometry(height, width, 124))
             finally:
                 pipe.close()
                 gc.collect()
-            same = torch.equal(result.video_latents, reference_latents["video"]) and torch.equal(result.audio_latents, reference_latents["audio"])
-            rec.update({
-                "canvas": canvases[1], "attention_backend": result.metadata["attention_backend"], "bitwise_equal_to_diffusers": same,
-                "video_max_abs_diff": float((result.video_latents.double() - reference_latents["video"].double()).abs().max()),
-                "audio_max_abs_diff": float((result.audio_latents.double() - reference_latents["audio"].double()).abs().max()),
-            })
-            run.data["bitwise_equal_to_diffusers"] = same
+
+    with run.phase("bitwise", 150) as rec:
+        if rec is not None:
+            if encoded is None:
+                raise RuntimeError("the resident phase did not run: no encoded request to compare")
+            bitwise(run, setup, encoded, rec)
 
     # (name, pipeline options, canvases, warm requests, seconds it needs), most wanted first: the deadline drops the rest.
-    variants = [("encoder_offload", dict(resident, encoder_residency="offload"), canvases[:1], max(1, warm - 1), 200)]
-    if gpus >= 2:
+    variants = [("encoder_offload", dict(resident, encoder_residency="offload"), canvases, warm, 200)]
+    if setup.cuda:
+        variants.append(("block_ring", dict(resident, weight_residency="block-ring"), canvases, warm, 200))
+    if setup.gpus >= 2:
         variants.append(("two_gpu_sequence_head", dict(resident, peer_device="cuda:1", strategy="sequence-head"), canvases[:1], warm, 200))
-    if cuda:
-        variants.append(("block_ring", dict(resident, weight_residency="block-ring"), canvases[1:], warm, 130))
     for name, options, shapes, count, needs in variants:
         with run.phase(f"vflash_{name}", needs) as rec:
             if rec is not None:
-                pipe = load_pipeline(run, receipt, rec, **options)
+                pipe = load_pipeline(run, receipt, rec, host, **options)
                 run.data.setdefault("initialization_seconds", {})[f"warm_page_cache_{name}"] = rec["initialization_seconds"]
                 try:
                     vflash_requests(run, pipe, name, shapes, 1 + count, host, out_dir)
@@ -664,12 +759,33 @@ def main() -> None:
                     pipe.close()
                     gc.collect()
 
-    text_bytes = sum(p.stat().st_size for p in (root / "text_encoder").glob("*.safetensors")) if (root / "text_encoder").exists() else 0
-    loaded_bytes.update({"text_encoder_files": text_bytes, "vaes": folder_bytes(root / "vae") + folder_bytes(root / "audio_vae") if (root / "vae").exists() else 0})
-    run.data["loaded_bytes"] = loaded_bytes
-    if read_bw:
-        run.data["artifact_read_seconds_at_disk_bandwidth"] = round(loaded_bytes["artifact"] / (read_bw * 1e9), 3)
-    summarize(run)
+    if setup.spec.text_layers_written is not None:
+        run.skip_phase("diffusers", f"the staged text encoder holds only what H3 reads (layers 0..{setup.spec.text_layers_written - 1}); diffusers' "
+                       "pipeline loads all 64 layers, and its offloaded text encoder needs a host copy of ~62 GiB that this machine's host memory "
+                       "cannot hold beside the staged files")
+    else:
+        with run.phase("diffusers", 420) as rec:
+            if rec is not None:
+                from vflash_core import get_profile
+                from vflash_core.pipeline.memory_plan import largest_request_rows
+
+                profile = get_profile(setup.profile)
+                root = setup.staged.model_root
+                pipe, offload = diffusers_pipeline(root, setup.staged.lora, setup.config, profile, setup.device, largest_request_rows(profile, setup.config), rec)
+                try:
+                    for canvas in canvases:
+                        for k in range(1 + max(1, warm - 1)):
+                            diffusers_request(run, pipe, offload, canvas, k, host, out_dir, profile.nfe)
+                finally:
+                    del pipe
+                    gc.collect()
+
+    run.data["not_measured"] = {"i2va": "a keyframe request needs a keyframe profile's own compile (another ~39 GiB and ~2 minutes of the machine); left for a later run"}
+    staged = setup.staged
+    run.data["loaded_bytes"] = {"artifact": folder_bytes(setup.compiled) if setup.compiled.exists() else 0,
+                                "text_encoder_files": sum(p.stat().st_size for p in staged.text_encoder_files()),
+                                "vaes": folder_bytes(staged.decoder_root / "vae") + folder_bytes(staged.decoder_root / "audio_vae") if (staged.decoder_root / "vae").exists() else 0}
+    summarize(run, args.diffusers_from)
     run.save()
     run.log("done")
 

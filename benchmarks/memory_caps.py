@@ -1,34 +1,41 @@
-"""Each stage of the pipeline at real size under device memory caps, against the same stage uncapped.
+"""The pipeline's stages and the whole pipeline at real size under device memory caps (48, 24 and 20 GiB: the cards
+the product targets), each run compared bit for bit with the same work uncapped, on one H200.
 
-    python benchmarks/memory_caps.py --work /data/caps [--deadline-minutes 22] [--caps 48 20] [--skip PHASE ...] [--small]
+    python benchmarks/memory_caps.py --work /root/e2e --shm /dev/shm/vflash [--caps 48 24 20] [--deadline-minutes 12] [--skip PHASE ...] [--small]
 
-One process on cuda:0 of a two-GPU machine. The full-size random family of `full_family.py` is written the way
-`end_to_end.py` writes it (the transformer source first; once compiled, the text encoder and the VAEs). Under a cap
-every part is placed by the memory plan (`vflash_core.pipeline.memory_plan`): planned against the cap and enforced through
-PyTorch's per-process memory fraction on the device (`DeviceCap`); the uncapped twin is planned against the GPU's
-free memory. Each stage runs on its own (only its parts on the device) and is compared bit for bit with its twin.
-Phases, each recorded as soon as it ends (a run stopped by its deadline keeps what it measured):
+One process on cuda:0, over the family `end_to_end.py` staged (the same `--work` and `--shm`; a step it has not done
+is staged the same way first). Under a cap every part is placed by the memory plan (`vflash_core.pipeline.memory_plan`),
+planned against the cap and enforced through PyTorch's per-process memory fraction (`DeviceCap`); the uncapped twin is
+planned against the GPU's free memory. Phases, each recorded as soon as it ends, in the order 2, 4, 1, 3 (the encode
+while the text encoder's files are staged, then the whole pipeline, which may unlink them, then the rest):
 
-1. `family_transformer`: the transformer source and the Turbo4 LoRA.
-2. `compile_base16`: prepare + compile for `t2va-base16-bf16-sm90` (5-15 s clips).
-3. `denoise_evaluation`: per cap (uncapped first) a session of that profile (its plan: resident or block-ring
-   blocks), then at 1344x768 for 5, 10 and 15 s one evaluation of all 50 blocks (a t2va request with 512 text rows,
-   the first step); the velocities are compared with the uncapped session's.
-4. `compile_turbo4`: the base16 artifact is removed (the disk holds the source and one compiled copy), prepare +
-   compile for `t2va-turbo4-exact-sm90`, then the source is removed.
-5. `family_rest`: text encoder, tokenizer, processor, VAEs, index, and the pipeline receipt.
-6. `end_to_end`: per cap a pipeline (`RunOptions(max_device_memory=...)`), t2va Turbo4 5 s at 960x544 and 1344x768
-   to an MP4 (the MP4 bytes compared; its writer is deterministic).
-7. `encode`: the text conditioner planned alone per cap (for the base16 profile: keyframe modes), a t2va prompt and
-   an i2va prompt with a 1344x768 first frame; `hidden_states[50]` compared.
-8. `decode`: the VAEs planned alone per cap (base16: up to 15 s), video + audio decode of seeded 5, 10 and 15 s
-   latents at 1344x768; frames and waveform compared.
+1. `denoise_evaluation`: per cap (uncapped first) a session over the compiled Turbo4 weights with the plan sized for
+   the longest request of `t2va-base16-bf16-sm90` (15 s: the Turbo4 profile itself generates 5 s clips, and the
+   blocks are the same but for Turbo4's LoRA residuals, which only add to the bytes), then at 1344x768 one
+   evaluation of all 50 blocks (the first step of a t2va request with 512 text rows) for 5 and 10 s, and 15 s
+   uncapped and under caps of at least 48 GiB; velocities compared with the uncapped session's. The session's own
+   request check runs (the plan's), not the Turbo4 profile's duration check.
+2. `encode`: the text conditioner alone, planned per cap (offloaded, or its decoder layers streamed through two
+   device slots), a t2va prompt and an i2va prompt with a 1344x768 first frame; `hidden_states[50]` compared.
+3. `decode`: the VAEs alone, planned per cap (the diffusers decode, or the native one with a window's working
+   memory), video + audio decode of seeded 5 and 10 s latents at 1344x768 (15 s uncapped and under >= 48 GiB);
+   frames and waveform compared.
+4. `end_to_end`: per cap a pipeline (`RunOptions(max_device_memory=...)`), t2va Turbo4 5 s at 1344x768 to an MP4
+   (the whole pipeline; the MP4's bytes compared, its writer is deterministic) with each stage's device peak. The
+   uncapped twin is `end_to_end.py`'s resident request of the same commit (its `mp4_sha256`), or one run here.
+   Where the plan streams both the blocks and the text encoder's layers from pinned host memory (20 and 24 GiB:
+   ~90 GiB page-locked), that and the staged text encoder's tmpfs files (~48 GiB) exceed this machine's ~125 GiB;
+   on a user's machine those files are on a disk, whose page cache gives way. So for those caps the text encoder is
+   loaded through the pipeline's `text_encoder_loader` hook, which reads it as `TextConditioner.from_pretrained`
+   does and then unlinks its tmpfs files (their pages go once the arena holds the layers); they are staged again
+   before the next such run.
 
 One record per run: `cap_gib` (null for the uncapped twin), `canvas`, `seconds` (null for an encode), `stage` ("encode",
 "denoise_evaluation", "decode", "end_to_end"), `completed`, `elapsed_seconds`, `peak_device_bytes` (allocated, the
-stage's peak with its parts' weights), `host_rss_peak_bytes`, `bitwise_equal_to_uncapped` (null for the twin or
-when either run did not complete), and `placement` (the plan's choice), `error` where a run was refused or ran out
-of memory. `--small` runs the same phases on the demo-sized family on the CPU (a dry run: caps are planned against,
+stage's peak with its parts' weights), `host_rss_peak_bytes`, `host_pinned_bytes`, `host_in_use_peak_bytes`,
+`bitwise_equal_to_uncapped` (null for the twin or when either run did not complete), `placement` and `memory_plan`
+(the plan's choice and its line), `error` where a run was refused up front (the plan's numbers) or ran out of
+memory. `--small` runs the same phases on the demo-sized family on the CPU (a dry run: caps are planned against,
 nothing is enforced, the numbers mean nothing).
 
 Writes benchmarks/results/memory_caps_h200.json (memory_caps_small.json with --small).
@@ -38,12 +45,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import hashlib
-import shutil
+import json
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -51,19 +57,23 @@ import PIL.Image
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import RESULTS  # noqa: E402
 from _common import request as bundle_request  # noqa: E402
-from end_to_end import PROMPT, REQUEST_SEED, DevicePeak, HostPeak, Run, folder_bytes, load_pipeline  # noqa: E402
-from full_family import FULL_FAMILY, SEED, TURBO4_LORA, write_turbo4_lora  # noqa: E402
+from end_to_end import PROMPT, REQUEST_SEED, DevicePeak, HostPeak, Run, Setup, load_pipeline, stage, vflash_requests  # noqa: E402
+from full_family import SEED  # noqa: E402
 
-from vflash_core.engine.config import H3Config  # noqa: E402
 from vflash_core.errors import RequestError, RunFailedError  # noqa: E402
-from vflash_core.weights import synthetic  # noqa: E402
-from vflash_core.weights.family import DEMO_FAMILY, FamilySpec, build_model_family  # noqa: E402
 
-SECONDS = {5: 124, 10: 243, 15: 345}  # frames of the 5, 10 and 15 s clips (17 n + 5, at most 15 s)
+SECONDS = {5: 124, 10: 243, 15: 345}  # frames of the 5, 10 and 15 s clips (17 n + 5)
+LONGEST_UNDER = 48.0  # caps below this run 5 and 10 s clips only
 I2VA_PROMPT = "The robot from the first frame turns to the camera and waves, rain falling, drums and bass play."
 # What a capped run may fail with: refused by the plan, or out of memory under the enforced cap.
 REFUSALS = (RequestError, RunFailedError, torch.OutOfMemoryError)
+SIZED_FOR, SMALL_SIZED_FOR = "t2va-base16-bf16-sm90", "t2va-base4-exact-cpu"
+
+
+def seconds_under(cap: float | None) -> list[int]:
+    return [s for s in SECONDS if s <= 10 or cap is None or cap >= LONGEST_UNDER]
 
 
 class Stages:
@@ -95,27 +105,32 @@ class Stages:
             record.update(completed=False, error=f"{type(exc).__name__}: {exc}")
         record["elapsed_seconds"] = round(time.perf_counter() - start, 3)
         record["peak_device_bytes"] = self.peak.reset()
-        record["host_rss_peak_bytes"] = self.host.reset()
-        if cap is None:
+        record.update(self.host.reset())
+        self.compare(record, key, output, same)
+        return record
+
+    def compare(self, record: dict, key: tuple, output: object, same: Callable[[object, object], bool]) -> None:
+        """Keep an uncapped output as the twin, or compare a capped one with it; record and log."""
+        if record["cap_gib"] is None:
             self.twins[key] = output
             record["bitwise_equal_to_uncapped"] = None
         else:
             twin = self.twins.get(key)
             record["bitwise_equal_to_uncapped"] = same(output, twin) if output is not None and twin is not None else None
         self.run.data["records"].append(record)
-        what = " ".join(str(v) for v in (stage, extra.get("mode"), canvas, seconds and f"{seconds} s") if v)
-        self.run.log(f"{what} cap {cap}: {'ok' if record['completed'] else record['error']} in {record['elapsed_seconds']} s, "
-                     f"peak {record['peak_device_bytes'] / 2**30:.2f} GiB, bitwise {record['bitwise_equal_to_uncapped']}")
+        what = " ".join(str(v) for v in (record["stage"], record.get("mode"), record["canvas"], record["seconds"] and f"{record['seconds']} s") if v)
+        self.run.log(f"{what} cap {record['cap_gib']}: {'ok' if record['completed'] else record['error']} in {record['elapsed_seconds']} s, "
+                     f"peak {record['peak_device_bytes'] / 2**30:.2f} GiB, host pinned {record['host_pinned_bytes'] / 2**30:.1f} GiB, "
+                     f"bitwise {record['bitwise_equal_to_uncapped']}")
         self.run.save()
-        return record
 
 
 def _equal(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-def _placement(plan) -> dict[str, object] | None:
-    return None if plan is None else {**asdict(plan.placement), "summary": plan.summary()}
+def _placement(plan) -> dict[str, object]:
+    return {} if plan is None else {"placement": asdict(plan.placement), "memory_plan": plan.summary()}
 
 
 def _canvas(name: str) -> tuple[int, int]:
@@ -140,27 +155,42 @@ def _cap(device: torch.device, cap: float | None):
     return DeviceCap(cap_bytes(cap), [device]) if cap is not None and device.type == "cuda" else None
 
 
+def _refused(stages: Stages, stage: str, cap: float | None, canvas: str, seconds: int | None, key: tuple, exc: BaseException, **extra: object) -> None:
+    record = {"cap_gib": cap, "canvas": canvas, "seconds": seconds, "stage": stage, **extra, "completed": False, "error": f"{type(exc).__name__}: {exc}",
+              "elapsed_seconds": 0.0, "peak_device_bytes": stages.peak.reset(), **stages.host.reset()}
+    stages.compare(record, key, None, _equal)
+
+
 # -- stages ----------------------------------------------------------------------------------------------------------
 
 
-def denoise_phase(stages: Stages, caps: list[float | None], profile: str, paths: dict[str, Path], config: H3Config, canvas: str, rec: dict) -> None:
+def denoise_phase(stages: Stages, caps: list[float | None], setup: Setup, sized_for: str, canvas: str, rec: dict) -> None:
+    from vflash_core import get_profile
     from vflash_core.engine.session import NativeEngineSession
+    from vflash_core.pipeline.memory_plan import PartSizes, cap_bytes, largest_request, plan_memory
+    from vflash_core.weights.artifact import CompiledArtifact
 
+    paths = setup.session_paths()
+    artifact = CompiledArtifact(**paths)
+    longest = get_profile(sized_for)
     for cap in caps:
         start = time.perf_counter()
         try:
-            session = NativeEngineSession(profile, **paths, device=stages.device, max_device_memory=cap)
-        except RunFailedError as exc:
-            for seconds in SECONDS:
-                stages.measure("denoise_evaluation", cap, canvas, seconds, ("denoise", seconds), lambda exc=exc: _raise(exc), _equal)
+            plan = None
+            if stages.device.type == "cuda" or cap is not None:
+                plan = plan_memory(PartSizes.of(artifact), largest_request(longest, artifact.config), [stages.device], cap_bytes(cap))
+            session = NativeEngineSession(setup.profile, **paths, device=stages.device, plan=plan)
+        except REFUSALS as exc:
+            for seconds in seconds_under(cap):
+                _refused(stages, "denoise_evaluation", cap, canvas, seconds, ("denoise", seconds), exc)
             continue
         rec.setdefault("sessions", []).append({"cap_gib": cap, "load_seconds": round(time.perf_counter() - start, 3), "memory_plan": session.memory_plan()})
         try:
-            for seconds in SECONDS:
-                bundle = bundle_request(config, canvas, float(seconds))
+            for seconds in seconds_under(cap):
+                bundle = bundle_request(artifact.config, canvas, float(seconds))
 
                 def evaluate(bundle=bundle) -> tuple[torch.Tensor, torch.Tensor]:
-                    session.validate(bundle)  # the plan's check of this request's activations
+                    session._check_request_fits(bundle)  # the plan's check of this request's activations
                     denoiser = session._denoisers[0]
                     with torch.no_grad():
                         state = denoiser.start_request(bundle)
@@ -168,13 +198,9 @@ def denoise_phase(stages: Stages, caps: list[float | None], profile: str, paths:
                     return velocity.cpu(), audio.cpu()
 
                 stages.measure("denoise_evaluation", cap, canvas, seconds, ("denoise", seconds), evaluate, _equal,
-                               rows=bundle.layout.sequence_length, placement=_placement(session.plan))
+                               rows=bundle.layout.sequence_length, **_placement(session.plan))
         finally:
             session.close()
-
-
-def _raise(exc: BaseException) -> None:
-    raise exc
 
 
 def encode_phase(stages: Stages, caps: list[float | None], root: Path, profile, canvas: str) -> None:
@@ -182,21 +208,21 @@ def encode_phase(stages: Stages, caps: list[float | None], root: Path, profile, 
     from vflash_core.media.references import CanvasRules
 
     rules = CanvasRules.from_model_root(root)
+    # Left memory-mapped (not materialized): an owned host copy beside the staged tmpfs files and a streamed arena
+    # would not fit this machine; the values and so the bits are the same.
     conditioner = TextConditioner.from_pretrained(root, stages.device)
     height, width = _canvas(canvas)
     frame = PIL.Image.fromarray(np.random.default_rng(SEED).integers(0, 256, (height, width, 3), dtype=np.uint8))
     try:
-        for index, cap in enumerate(caps):
+        for cap in caps:
             plan = _plan({"conditioner": conditioner}, profile, rules, stages.device, cap)
             if plan is not None:
                 plan.place(conditioner)
-            if index == 0:
-                conditioner.materialize()
             enforced = _cap(stages.device, cap)
             try:
                 for mode, prompt, keyframes in (("t2va", PROMPT, []), ("i2va", I2VA_PROMPT, [frame])):
                     stages.measure("encode", cap, canvas, None, ("encode", mode), lambda p=prompt, k=keyframes: (conditioner.encode(p, k).prompt_embeds,),
-                                   _equal, mode=mode, placement=_placement(plan))
+                                   _equal, mode=mode, **_placement(plan))
             finally:
                 if enforced is not None:
                     enforced.release()
@@ -229,7 +255,9 @@ def decode_phase(stages: Stages, caps: list[float | None], root: Path, profile, 
                 vaes.materialize()
             enforced = _cap(stages.device, cap)
             try:
-                for seconds, (video, audio) in latents.items():
+                for seconds in seconds_under(cap):
+                    video, audio = latents[seconds]
+
                     def decode(video=video, audio=audio, seconds=seconds) -> tuple[torch.Tensor, torch.Tensor]:
                         if plan is not None:
                             need = decode_bytes(vaes.video_vae, SECONDS[seconds], height, width, vaes.video_decoder, DEFAULT_WINDOWS_PER_CALL)
@@ -237,7 +265,7 @@ def decode_phase(stages: Stages, caps: list[float | None], root: Path, profile, 
                         media = vaes.decode(video, audio)
                         return media.frames, media.waveform
 
-                    stages.measure("decode", cap, canvas, seconds, ("decode", seconds), decode, _equal, placement=_placement(plan))
+                    stages.measure("decode", cap, canvas, seconds, ("decode", seconds), decode, _equal, **_placement(plan))
             finally:
                 if enforced is not None:
                     enforced.release()
@@ -245,36 +273,80 @@ def decode_phase(stages: Stages, caps: list[float | None], root: Path, profile, 
         vaes.close()
 
 
-def end_to_end_phase(stages: Stages, caps: list[float | None], receipt: Path, canvases: list[str], out_dir: Path) -> None:
-    from vflash_core.pipeline.h3_pipeline import VideoRequest
+def _unlinking_text_encoder_loader(setup: Setup):
+    """A `text_encoder_loader` that loads the text encoder as `TextConditioner.from_pretrained` does (layers 0..49,
+    memory-mapped from its files) and then unlinks its tmpfs files (see the module docstring)."""
 
-    def same(a: str, b: str) -> bool:
-        return a == b
+    def load(root: Path) -> torch.nn.Module:
+        from transformers import AutoConfig, Qwen3VLModel
 
-    # Canvases smallest first: a run that fails closes its pipeline, and a larger one would fail too.
+        from vflash_core.engine.config import TEXT_ENCODER_LAYER
+        from vflash_core.media.conditioning import default_dtype
+
+        config = AutoConfig.from_pretrained(root / "text_encoder", local_files_only=True)
+        config.text_config.num_hidden_layers = TEXT_ENCODER_LAYER
+        model = Qwen3VLModel.from_pretrained(root / "text_encoder", config=config, dtype=default_dtype(torch.device(setup.device)), local_files_only=True)
+        setup.staged.remove_text_encoder_files()
+        return model
+
+    return load
+
+
+def _host_needs_unlinking(setup: Setup) -> bool:
+    """Whether the placement of the caps below 48 GiB (block-ring and a streamed encoder) holds more host memory beside
+    the staged tmpfs files than the machine has (the staging plan's estimate); a dry run takes that path too."""
+    plan = setup.staged.plan()
+    return setup.small or plan.shm_resident + plan.host_needs()["block-ring + streamed text encoder (20 / 24 GiB)"] > plan.host_bytes
+
+
+def end_to_end_phase(stages: Stages, caps: list[float], setup: Setup, canvas: str, rec: dict) -> None:
+    """The whole pipeline per cap; the uncapped twin from `end_to_end.py`'s resident request of the same commit."""
+    twin_file = RESULTS / f"{'end_to_end_small' if setup.small else 'end_to_end_h200'}.json"
+    twin = None
+    if twin_file.exists():
+        earlier = json.loads(twin_file.read_text())
+        if earlier["commit"] == stages.run.data["commit"]:
+            twin = next((r for r in earlier["requests"] if r["config"] == "resident" and r["canvas"] == canvas and r.get("mp4_sha256")), None)
+    key = ("end_to_end", canvas)
+    if twin is not None:
+        rec["uncapped_twin"] = f"{twin_file.name}: resident request #{twin['index']} at {canvas} (commit {earlier['commit'][:10]})"
+        stages.twins[key] = twin["mp4_sha256"]
+    else:
+        caps = [None, *caps]
+    unlink = _host_needs_unlinking(setup)
+    rec["text_encoder_files_unlinked_below_gib"] = LONGEST_UNDER if unlink else None
     for cap in caps:
-        rec: dict = {}
+        loader = None
+        if unlink and cap is not None and cap < LONGEST_UNDER:
+            if not setup.staged.text_encoder_files():
+                setup.staged.write_rest()
+            loader = _unlinking_text_encoder_loader(setup)
+        load: dict = {}
+        stages.peak.reset()
         try:
-            pipe = load_pipeline(stages.run, receipt, rec, device=str(stages.device), max_device_memory=cap)
-        except RunFailedError as exc:
-            for canvas in canvases:
-                stages.measure("end_to_end", cap, canvas, 5, ("end_to_end", canvas), lambda exc=exc: _raise(exc), same)
+            pipe = load_pipeline(stages.run, setup.receipt, load, stages.host, text_encoder_loader=loader, device=str(stages.device), max_device_memory=cap)
+        except REFUSALS as exc:
+            _refused(stages, "end_to_end", cap, canvas, 5, key, exc, load=load)
             continue
         try:
-            for canvas in canvases:
-                height, width = _canvas(canvas)
-                output = out_dir / f"cap-{cap}-{canvas}.mp4"
-
-                def generate(output=output, height=height, width=width) -> str:
-                    pipe.generate(VideoRequest(PROMPT, seed=REQUEST_SEED, width=width, height=height), output)
-                    digest = hashlib.sha256(output.read_bytes()).hexdigest()
-                    output.unlink()
-                    return digest
-
-                stages.measure("end_to_end", cap, canvas, 5, ("end_to_end", canvas), generate, same,
-                               placement=_placement(pipe.session.plan), initialization_seconds=rec["initialization_seconds"])
+            gc.collect()
+            try:
+                (request,) = vflash_requests(stages.run, pipe, f"cap-{cap}", [canvas], 1, stages.host, setup.out_dir, cap_gib=cap)
+            except REFUSALS as exc:
+                _refused(stages, "end_to_end", cap, canvas, 5, key, exc, load=load)
+                continue
+            record = {
+                "cap_gib": cap, "canvas": canvas, "seconds": request["seconds"], "stage": "end_to_end", "completed": True,
+                "elapsed_seconds": request["elapsed_seconds"], "stages": request["stages"], "peak_device_bytes": max(v or 0 for v in request["peak_device_bytes"].values()),
+                "stage_peak_device_bytes": request["peak_device_bytes"],
+                **{k: max(request[k], load["load_host"][k]) for k in ("host_rss_peak_bytes", "host_pinned_bytes", "host_in_use_peak_bytes")},
+                "load": load, "placement": asdict(pipe.session.plan.placement) if pipe.session.plan else None, "memory_plan": request["memory_plan"],
+                "mp4_sha256": request["mp4_sha256"], "text_encoder_files_unlinked_after_reading": loader is not None,
+            }
+            stages.compare(record, key, request["mp4_sha256"], lambda a, b: a == b)
         finally:
             pipe.close()
+            gc.collect()
 
 
 # -- main ------------------------------------------------------------------------------------------------------------
@@ -282,103 +354,45 @@ def end_to_end_phase(stages: Stages, caps: list[float | None], receipt: Path, ca
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--work", type=Path, required=True, help="folder for the family and the compiled weights (emptied first)")
-    parser.add_argument("--deadline-minutes", type=float, default=22.0)
-    parser.add_argument("--caps", type=float, nargs="+", default=[48.0, 20.0], help="device memory caps in GiB")
+    parser.add_argument("--work", type=Path, required=True, help="the folder end_to_end.py staged the family in (disk)")
+    parser.add_argument("--shm", type=Path, required=True, help="its tmpfs folder")
+    parser.add_argument("--deadline-minutes", type=float, default=12.0)
+    parser.add_argument("--caps", type=float, nargs="+", default=[48.0, 24.0, 20.0], help="device memory caps in GiB")
     parser.add_argument("--small", action="store_true", help="dry run: demo-sized family on the CPU")
     parser.add_argument("--skip", nargs="*", default=[], help="phases to leave out, e.g. encode decode")
     args = parser.parse_args()
-
-    small = args.small
-    run = Run("memory_caps_small" if small else "memory_caps_h200", time.perf_counter() + args.deadline_minutes * 60, small, tuple(args.skip))
-    cuda = torch.cuda.is_available() and not small
-    device = torch.device("cuda:0" if cuda else "cpu")
-    spec: FamilySpec = replace(DEMO_FAMILY, text_vocab_size=None) if small else FULL_FAMILY
-    base16, turbo4 = ("t2va-base4-exact-cpu", "t2va-turbo4-exact-cpu") if small else ("t2va-base16-bf16-sm90", "t2va-turbo4-exact-sm90")
-    canvas = "640x352" if small else "1344x768"  # the denoise, encode and decode canvas
-    e2e_canvases = ["256x256", "448x256"] if small else ["960x544", "1344x768"]
+    setup = Setup(args)
+    run = Run("memory_caps_small" if setup.small else "memory_caps_h200", time.perf_counter() + args.deadline_minutes * 60, setup.small, tuple(args.skip))
+    device = torch.device(setup.device)
+    sized_for = SMALL_SIZED_FOR if setup.small else SIZED_FOR
+    canvas = "640x352" if setup.small else "1344x768"
     caps: list[float | None] = [None, *args.caps]
-    config = H3Config.preset(spec.transformer)
-    work = args.work
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    root, out_dir = work / "model", work / "out"
-    out_dir.mkdir()
-    transformer, lora = root / "transformer", work / TURBO4_LORA
     host = HostPeak()
     stages = Stages(run, device, host)
     torch.backends.cuda.matmul.allow_tf32 = False
     run.data["setup"] = {
-        "family": "demo (dry run)" if small else "full size: see benchmarks/full_family.py", "device": str(device),
-        "caps_gib": args.caps, "profiles": {"denoise_encode_decode": base16, "end_to_end": turbo4}, "canvas": canvas,
-        "end_to_end_canvases": e2e_canvases, "seconds": {str(k): v for k, v in SECONDS.items()},
-        "total_memory_bytes": torch.cuda.get_device_properties(device).total_memory if cuda else None,
+        "family": "demo (dry run)" if setup.small else "full size: see benchmarks/full_family.py", "device": str(device),
+        "caps_gib": args.caps, "profile": setup.profile, "denoise_plan_sized_for": sized_for, "canvas": canvas,
+        "seconds": {str(k): v for k, v in SECONDS.items()}, "longest_clip_under_caps_below_gib": LONGEST_UNDER,
+        "total_memory_bytes": torch.cuda.get_device_properties(device).total_memory if setup.cuda else None,
     }
-    run.save()
-
-    def compile_for(profile: str, out: Path, adapter: Path | None) -> dict[str, Path]:
-        from vflash_core.weights.compiler import compile_receipt, prepare
-
-        receipt = work / f"{profile}-receipt.json"
-        prepare(profile, transformer, receipt, adapter=adapter)
-        compiled = compile_receipt(receipt, out, str(device))
-        return {"artifact": compiled / "artifact", "schedule_overlay": compiled / "schedule", "auxiliary": compiled / "auxiliary.safetensors"}
-
-    with run.phase("family_transformer", 120) as rec:
-        if rec is not None:
-            build_model_family(root, spec, SEED, with_ref=False, parts=("transformer",), device=str(device), write_workers=8)
-            if small:
-                synthetic.write_random_lora(lora, config, 128, 128.0, SEED + 10, 16, str(device))
-            else:
-                write_turbo4_lora(lora, str(device))
-            rec["transformer_bytes"] = folder_bytes(transformer)
-
-    base16_paths: dict[str, Path] = {}
-    with run.phase("compile_base16", 180) as rec:
-        if rec is not None:
-            base16_paths = compile_for(base16, work / "compiled-base16", None)
-
-    with run.phase("denoise_evaluation", 300) as rec:
-        if rec is not None and base16_paths:
-            denoise_phase(stages, caps, base16, base16_paths, config, canvas, rec)
-
-    # The disk holds the source and one compiled copy, or the compiled copy and the text encoder: not more.
-    shutil.rmtree(work / "compiled-base16", ignore_errors=True)
-    turbo4_paths: dict[str, Path] = {}
-    with run.phase("compile_turbo4", 180) as rec:
-        if rec is not None:
-            turbo4_paths = compile_for(turbo4, work / "compiled", lora)
-    shutil.rmtree(transformer, ignore_errors=True)
-
-    receipt = work / "pipeline.json"
-    with run.phase("family_rest", 150) as rec:
-        if rec is not None:
-            import json
-
-            from vflash_core.pipeline.h3_pipeline import prepare_pipeline
-
-            build_model_family(root, spec, SEED, with_ref=False, parts=("text", "vaes", "index"), device=str(device), write_workers=8)
-            rec["bytes"] = {p: folder_bytes(root / p) for p in ("text_encoder", "vae", "audio_vae")}
-            if turbo4_paths:
-                assets = {"model_root": str(root), "decoder_root": str(root), "adapter_path": str(lora), "artifact": str(turbo4_paths["artifact"]),
-                          "schedule_overlay": str(turbo4_paths["schedule_overlay"]), "auxiliary_tensor": str(turbo4_paths["auxiliary"])}
-                (work / "assets.json").write_text(json.dumps(assets))
-                prepare_pipeline(turbo4, work / "assets.json", receipt)
-
+    stage(run, setup, measure_storage=False)
     from vflash_core.profiles import get_profile
 
-    with run.phase("end_to_end", 420) as rec:
-        if rec is not None and receipt.exists():
-            end_to_end_phase(stages, caps, receipt, e2e_canvases, out_dir)
-
-    with run.phase("encode", 150) as rec:
-        if rec is not None and (root / "text_encoder").exists():
-            encode_phase(stages, caps, root, get_profile(base16), canvas)
-
-    with run.phase("decode", 150) as rec:
-        if rec is not None and (root / "vae").exists():
-            decode_phase(stages, caps, root, get_profile(base16), canvas)
-
+    # The whole pipeline first (what a user runs); the encode before it, while the text encoder's files are staged
+    # (the capped runs below 48 GiB unlink them); then the stages that need only the core or the VAEs.
+    with run.phase("encode", 90) as rec:
+        if rec is not None:
+            encode_phase(stages, caps, setup.staged.model_root, get_profile(sized_for), canvas)
+    with run.phase("end_to_end", 240) as rec:
+        if rec is not None:
+            end_to_end_phase(stages, args.caps, setup, canvas if not setup.small else "448x256", rec)
+    with run.phase("denoise_evaluation", 200) as rec:
+        if rec is not None:
+            denoise_phase(stages, caps, setup, sized_for, canvas, rec)
+    with run.phase("decode", 120) as rec:
+        if rec is not None:
+            decode_phase(stages, caps, setup.staged.decoder_root, get_profile(sized_for), canvas)
     run.log("done")
 
 

@@ -50,53 +50,82 @@ def _gb(value: object) -> str:
     return "" if not value else f"{value / 1e9:.1f} GB"
 
 
-def _end_to_end(data: dict) -> list[str]:
-    """The full-size run: first use, loading, warm requests per configuration, stages against diffusers."""
+def _gib(value: object) -> str:
+    return "" if not value else f"{value / 2**30:.1f} GiB"
+
+
+def _end_to_end(data: dict, title: str) -> list[str]:
+    """A full-size run: staging, first use, loading, warm requests per configuration, stages against diffusers."""
     phases = data["phases"]
     first, disk, io = phases.get("first_use", {}), phases.get("disk", {}), phases.get("weight_io", {})
+    disk_rates = disk.get("disk", disk)  # runs before the staging plan recorded the disk and the tmpfs apart
     rows = []
     for m in data.get("summary", []):
         rows.append({
             "config": f"{m['side']} {m['config']}" if m["side"] == "vflash" else "diffusers", "canvas": m["canvas"], "n": m["warm_requests"],
             "elapsed": m["elapsed_seconds"], **{k: m["stages"][k] for k in ("text_encode", "denoise", "video_decode", "audio_decode", "mp4")},
             "speedup": m.get("speedup_elapsed_vs_diffusers"), "denoise_speedup": (m.get("stage_speedup_vs_diffusers") or {}).get("denoise"),
-            "peak": _gb(max(m["peak_device_bytes"].values())), "rss": _gb(m["host_rss_peak_bytes"]),
+            "peak": _gb(max(m["peak_device_bytes"].values())), "rss": _gb(m["host_rss_peak_bytes"]), "pinned": _gib(m.get("host_pinned_bytes")),
+            "in_use": _gib(m.get("host_in_use_peak_bytes")),
         })
-    skipped = [name for name, phase in phases.items() if "skipped" in phase]
+    skipped = {name: phase["skipped"] for name, phase in phases.items() if "skipped" in phase}
+    gpus = data["setup"].get("gpus")
+    bitwise = phases.get("bitwise", {})
     out = [
-        "## The full-size model, prompt to MP4 (`benchmarks/end_to_end.py`)",
+        f"## {title}",
         "",
-        _source(data) + f", two GPUs linked NV18. The released shapes with random weights (`benchmarks/full_family.py`): a "
-        f"{_gb(phases['family_transformer'].get('transformer_bytes'))} transformer, the Turbo4 LoRA, a 64-layer Qwen3-VL-32B-shaped text encoder "
-        f"({_gb(phases.get('family_rest', {}).get('bytes', {}).get('text_encoder'))}; Vflash loads layers 0..50), both released VAEs. "
+        _source(data) + (f", {gpus} GPUs" if gpus and gpus > 1 else ", one GPU") + ". The released shapes with random weights "
+        f"(`benchmarks/full_family.py`): a {_gb(first.get('source_bytes'))} transformer source with the Turbo4 LoRA, a Qwen3-VL-32B-shaped "
+        f"text encoder ({_gb(phases.get('family_rest', {}).get('text', {}).get('bytes') or phases.get('family_rest', {}).get('bytes', {}).get('text_encoder'))}"
+        f"{'; only the layers H3 reads are written' if data['setup'].get('text_encoder', {}).get('written') else ''}), both released VAEs. "
         f"Profile `{data['setup']['profile']}`, t2va, 5 s.",
         "",
-        f"Disk: {disk.get('write_bandwidth_gbps')} GB/s sequential write, {disk.get('read_bandwidth_gbps')} GB/s read. First use of the "
-        f"{_gb(first.get('source_bytes'))} source (page cache dropped): prepare {first.get('prepare_seconds')} s (hashes every byte), compile "
+    ]
+    if data.get("staging"):
+        st = data["staging"]
+        out += [f"Staging (one machine: {_gib(st['disk_free'])} of disk, a {_gib(st['shm_free'])} tmpfs in {_gib(st['host_bytes'])} of host memory): "
+                + "; ".join(f"{step['step']} (disk {_gib(step['disk_after'])}, tmpfs {_gib(step['shm_after'])})" for step in st["steps"]) + ".", ""]
+    out += [
+        f"Disk: {disk_rates.get('write_bandwidth_gbps')} GB/s sequential write, {disk_rates.get('read_bandwidth_gbps')} GB/s read"
+        + (f"; tmpfs {disk['tmpfs']['read_bandwidth_gbps']} GB/s read" if disk.get("tmpfs") else "")
+        + f". First use of the {_gb(first.get('source_bytes'))} source: prepare {first.get('prepare_seconds')} s (hashes every byte), compile "
         f"{first.get('compile_seconds')} s (writes {_gb(first.get('artifact_bytes'))}), together {first.get('first_use_over_one_read')}x the time "
-        f"to read the source once at the disk's bandwidth. Pipeline load from a dropped page cache: "
-        f"{(data.get('initialization_seconds') or {}).get('cold_page_cache')} s.",
+        f"to read the source once at the disk's bandwidth ({first.get('source_read_seconds_at_disk_bandwidth')} s)"
+        + (f"; the source sat in the tmpfs ({first.get('source_read_seconds_at_tmpfs_bandwidth')} s to read there) and writing the compile "
+           f"at the disk's bandwidth takes {first.get('artifact_write_seconds_at_disk_bandwidth')} s" if first.get("source_read_seconds_at_tmpfs_bandwidth") else "")
+        + f". Pipeline load from a dropped page cache: {(data.get('initialization_seconds') or {}).get('cold_page_cache')} s.",
         "",
-        "Warm requests, median seconds (`n` warm requests after a first one); `speedup` is diffusers / Vflash end to end:",
+    ]
+    if bitwise.get("bitwise_equal_to_diffusers") is not None:
+        out += [f"Bitwise: Vflash's final latents of the {bitwise['canvas']} request ({bitwise.get('vflash_attention_backend')} attention) against "
+                f"diffusers' core denoise step on the same prompt embeddings and seed ({bitwise.get('diffusers_attention')}): "
+                f"**{'equal' if bitwise['bitwise_equal_to_diffusers'] else 'different'}** (max abs difference video "
+                f"{bitwise.get('video_max_abs_diff')}, audio {bitwise.get('audio_max_abs_diff')}).", ""]
+    reference = data.get("diffusers_reference")
+    out += [
+        "Warm requests, median seconds (`n` warm requests after a first one); `speedup` is diffusers / Vflash end to end"
+        + (f" (diffusers from `{reference['file']}`, commit `{reference['commit'][:10]}`: {reference['note']})" if reference else "") + ":",
         "",
         _table(rows, [("config", "side, configuration"), ("canvas", "canvas"), ("n", "n"), ("elapsed", "elapsed s"), ("text_encode", "text encode"),
                       ("denoise", "denoise"), ("video_decode", "video decode"), ("audio_decode", "audio decode"), ("mp4", "MP4"), ("speedup", "speedup"),
-                      ("denoise_speedup", "denoise speedup"), ("peak", "peak device"), ("rss", "host RSS peak")]),
+                      ("denoise_speedup", "denoise speedup"), ("peak", "peak device"), ("rss", "host RSS peak"), ("pinned", "host pinned"),
+                      ("in_use", "host in use (machine)")]),
         "",
-        "`vflash resident`: the text encoder, VAEs and all 50 blocks stay on the GPU. diffusers' text encoder (all 64 layers) does not fit "
-        "beside its transformer and the largest request, so it runs with accelerate's offload hook, as a user on one H200 must: its text "
-        "encode stage is mostly that 66.7 GB moving each way. Both sides decode with the same diffusers VAE code.",
+        "`vflash resident`: the text encoder, VAEs and all 50 blocks stay on the GPU; `encoder_offload` (the default): the text encoder "
+        "and the VAEs come to the GPU for their stage only; `block_ring`: the blocks stream from pinned host memory through two device "
+        "slots. Host in use counts the whole machine (the staged tmpfs files included).",
         "",
     ]
     if io:
         out += [
             f"Cold reads of compiled block files ({_gb(io.get('sample_bytes'))}): `SequentialWeights` with 1/2/4/8 threads "
-            + " / ".join(str(v) for v in io.get("sequential_weights_gbps_by_workers", {}).values())
-            + f" GB/s; Zstandard sidecar {io.get('sidecar_size_ratio')} of the size, read at {io.get('sidecar_read_gbps')} GB/s (slower here).",
+            + " / ".join(str(v) for v in io.get("sequential_weights_gbps_by_workers", {}).values()) + " GB/s.",
             "",
         ]
     if skipped:
-        out += [f"Not measured in this run (deadline): {', '.join(skipped)}.", ""]
+        out += ["Not measured in this run: " + "; ".join(f"`{name}` ({why})" for name, why in skipped.items()) + ".", ""]
+    for name, why in (data.get("not_measured") or {}).items():
+        out += [f"Not measured: {name}: {why}.", ""]
     return out
 
 
@@ -110,27 +139,55 @@ def _cell(record: dict | None) -> str:
     return f"{record['peak_device_bytes'] / 2**30:.1f} GiB, {record['elapsed_seconds']:.1f} s{same}"
 
 
-def what_fits(data: dict) -> str:
-    """The memory caps table: one row per stage and size, one column per cap (and the uncapped twin)."""
+def _uncapped_request(e2e: dict | None, canvas: str) -> dict | None:
+    """end_to_end.py's warm resident request at `canvas` (the uncapped row of the what-fits table)."""
+    if not e2e:
+        return None
+    return next((m for m in e2e.get("summary", []) if m["side"] == "vflash" and m["config"] == "resident" and m["canvas"] == canvas), None)
+
+
+def what_fits(data: dict, e2e: dict | None = None) -> str:
+    """What a card of each size runs: the plan's choice, the host memory it needs, seconds per request; then each
+    stage alone per cap (and the uncapped twin)."""
     caps = [None, *data["setup"]["caps_gib"]]
+    canvas = data["setup"]["canvas"]
+    fits = []
+    uncapped = _uncapped_request(e2e, canvas)
+    if uncapped:
+        fits.append({"card": "141 GB (H200, uncapped)", "plan": "core resident, text encoder resident, VAEs resident", "host": _gib(uncapped.get("host_pinned_bytes")) or "0",
+                     "rss": _gib(uncapped["host_rss_peak_bytes"]), "seconds": uncapped["elapsed_seconds"], "same": "(the reference)"})
+    for r in data["records"]:
+        if r["stage"] != "end_to_end" or r["cap_gib"] is None:
+            continue
+        p = r.get("placement") or {}
+        fits.append({
+            "card": f"{r['cap_gib']:g} GiB", "plan": f"core {p.get('core')}, text encoder {p.get('encoder')}, VAEs {p.get('vaes')}, {p.get('video_decoder')} decode" if p else "",
+            "host": _gib(r.get("host_pinned_bytes")) or "0", "rss": _gib(r.get("host_rss_peak_bytes")),
+            "seconds": r["elapsed_seconds"] if r["completed"] else _cell(r), "same": {True: "yes", False: "no", None: ""}[r["bitwise_equal_to_uncapped"]],
+        })
     names = {"encode": "text encode", "denoise_evaluation": "one denoise evaluation (50 blocks)", "decode": "video + audio decode", "end_to_end": "t2va Turbo4 to MP4"}
     rows: dict[tuple, dict] = {}
     for r in data["records"]:
         key = (r["stage"], r.get("mode"), r["canvas"], r["seconds"])
-        label = " ".join(str(v) for v in (names[r["stage"]], r.get("mode"), r["canvas"], r["seconds"] and f"{r['seconds']} s") if v)
+        label = " ".join(str(v) for v in (names[r["stage"]], r.get("mode"), r["canvas"], r["seconds"] and f"{r['seconds']:g} s") if v)
         rows.setdefault(key, {"what": label})[str(r["cap_gib"])] = _cell(r)
     columns = [("what", "stage")] + [(str(c), "uncapped (H200)" if c is None else f"cap {c:g} GiB") for c in caps]
-    chosen = {r["cap_gib"]: r["placement"] for r in data["records"] if r["stage"] == "end_to_end" and r.get("placement")}
-    plans = [f"- {'uncapped' if c is None else f'{c:g} GiB'}: core {p['core']}, text encoder {p['encoder']}, VAEs {p['vaes']}, video decode {p['video_decoder']}"
-             for c, p in ((c, chosen.get(c)) for c in caps) if p]
     return "\n".join([
-        f"Each stage alone at real size ({_source(data)}), peak device memory allocated with its weights and seconds; under a cap "
-        "the memory plan places the parts and the cap is enforced (`max_device_memory`), and every completed run is compared bit for "
-        "bit with the uncapped one (`benchmarks/memory_caps.py`).",
+        f"Measured at full size on one H200 ({_source(data)}) with random weights: the card's memory is a device memory cap the plan places "
+        f"the parts under and PyTorch's allocator enforces (`max_device_memory`). One t2va Turbo4 request, {canvas}, 5 s, to an MP4; "
+        "`host pinned` is the page-locked host memory the placement holds (the peak of PyTorch's host allocator, whose blocks are rounded "
+        "up to powers of two), `host RSS` the process's peak resident memory (pinned memory and the memory-mapped weight files included). "
+        "A machine needs its host memory to hold the pinned bytes, the process and the files' page cache; `same MP4` compares the bytes "
+        "with the uncapped request's.",
+        "",
+        _table(fits, [("card", "device memory"), ("plan", "what the plan chooses"), ("host", "host pinned"), ("rss", "host RSS peak"),
+                      ("seconds", "seconds per request"), ("same", "same MP4")]),
+        "",
+        "Each stage alone, peak device memory allocated with its weights and seconds, compared bit for bit with the uncapped run "
+        "(`benchmarks/memory_caps.py`; the denoise evaluation's plan is sized for a 15 s request, the Base16 profile's longest):",
         "",
         _table(list(rows.values()), columns),
         "",
-        *(["The pipeline's placement per cap:", "", *plans, ""] if plans else []),
     ])
 
 
@@ -240,7 +297,10 @@ def render() -> str:
         ]
     e2e = _load("end_to_end_h200")
     if e2e:
-        parts += _end_to_end(e2e)
+        parts += _end_to_end(e2e, "The full-size model, prompt to MP4, on one H200 (`benchmarks/end_to_end.py`)")
+    earlier = _load("end_to_end_2xh200")
+    if earlier:
+        parts += _end_to_end(earlier, "The same on a two-GPU machine, diffusers' side included (`benchmarks/end_to_end.py`, an earlier run; its requests use one GPU)")
     kernels = _load("kernels_h200")
     if kernels:
         parts += ["## Triton kernels vs their torch references (`benchmarks/kernels.py`)", "", _source(kernels) + ". All outputs bitwise equal to the references.", "",
@@ -263,7 +323,7 @@ def render() -> str:
         ]
     caps = _load("memory_caps_h200")
     if caps:
-        parts += ["## What fits where: each stage under device memory caps (`benchmarks/memory_caps.py`)", "", what_fits(caps)]
+        parts += ["## What fits where: the pipeline under device memory caps (`benchmarks/memory_caps.py`)", "", what_fits(caps, e2e)]
     fp8 = _load("fp8_h200")
     if fp8:
         parts += ["## Approximate FP8 execution vs exact (`benchmarks/fp8.py`)", "", fp8_figures(fp8)]
@@ -294,7 +354,8 @@ if __name__ == "__main__":
     print(f"wrote {OUT}")
     caps_data = _load("memory_caps_h200")
     if caps_data:
-        fill_repo_readme(caps_data)
+        e2e_data = _load("end_to_end_h200")
+        fill_repo_readme(caps_data, render_table=lambda data: what_fits(data, e2e_data))
         print(f"filled the what-fits-where table of {REPO_README}")
     fp8_data = _load("fp8_h200")
     if fp8_data:
