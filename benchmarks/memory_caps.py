@@ -23,12 +23,12 @@ while the text encoder's files are staged, then the whole pipeline, which may un
 4. `end_to_end`: per cap a pipeline (`RunOptions(max_device_memory=...)`), t2va Turbo4 5 s at 1344x768 to an MP4
    (the whole pipeline; the MP4's bytes compared, its writer is deterministic) with each stage's device peak. The
    uncapped twin is `end_to_end.py`'s resident request of the same commit (its `mp4_sha256`), or one run here.
-   Where the plan streams both the blocks and the text encoder's layers from pinned host memory (20 and 24 GiB:
-   ~90 GiB page-locked), that and the staged text encoder's tmpfs files (~48 GiB) exceed this machine's ~125 GiB;
-   on a user's machine those files are on a disk, whose page cache gives way. So for those caps the text encoder is
-   loaded through the pipeline's `text_encoder_loader` hook, which reads it as `TextConditioner.from_pretrained`
-   does and then unlinks its tmpfs files (their pages go once the arena holds the layers); they are staged again
-   before the next such run.
+   A capped placement holds the text encoder's streamed layers in pinned host memory (~50 GiB; below 48 GiB the
+   blocks' arena too, ~40 GiB more); that and the staged text encoder's tmpfs files (~48 GiB) come too close to or
+   exceed this machine's ~125 GiB, where a user's files are on a disk whose page cache gives way. So for those caps
+   the text encoder is loaded through the pipeline's `text_encoder_loader` hook, which reads it as
+   `TextConditioner.from_pretrained` does and then unlinks its tmpfs files (their pages go once the arena holds the
+   layers); they are staged again before the next such run (`text_encoder_files_unlinked_below_gib`).
 
 One record per run: `cap_gib` (null for the uncapped twin), `canvas`, `seconds` (null for an encode), `stage` ("encode",
 "denoise_evaluation", "decode", "end_to_end"), `completed`, `elapsed_seconds`, `peak_device_bytes` (allocated, the
@@ -292,11 +292,18 @@ def _unlinking_text_encoder_loader(setup: Setup):
     return load
 
 
-def _host_needs_unlinking(setup: Setup) -> bool:
-    """Whether the placement of the caps below 48 GiB (block-ring and a streamed encoder) holds more host memory beside
-    the staged tmpfs files than the machine has (the staging plan's estimate); a dry run takes that path too."""
+def _unlink_below(setup: Setup) -> float:
+    """The caps under which a capped pipeline loads its text encoder through the unlinking loader: those whose
+    placement (the staging plan's estimate, with 16 GiB to spare) holds more host memory beside the staged tmpfs files
+    than the machine has. At 48 GiB the encoder streams (its arena) and the VAEs are offloaded (their host copies);
+    below, the blocks stream too. A dry run takes the path below 48 GiB, as the full size does."""
     plan = setup.staged.plan()
-    return setup.small or plan.shm_resident + plan.host_needs()["block-ring + streamed text encoder (20 / 24 GiB)"] > plan.host_bytes
+    needs, spare = plan.host_needs(), plan.host_bytes - (16 << 30) - plan.shm_resident
+    if setup.small:
+        return LONGEST_UNDER
+    if needs["streamed text encoder"] + plan.sizes.vaes > spare:
+        return float("inf")
+    return LONGEST_UNDER if needs["block-ring + streamed text encoder (20 / 24 GiB)"] > spare else 0.0
 
 
 def end_to_end_phase(stages: Stages, caps: list[float], setup: Setup, canvas: str, rec: dict) -> None:
@@ -313,11 +320,11 @@ def end_to_end_phase(stages: Stages, caps: list[float], setup: Setup, canvas: st
         stages.twins[key] = twin["mp4_sha256"]
     else:
         caps = [None, *caps]
-    unlink = _host_needs_unlinking(setup)
-    rec["text_encoder_files_unlinked_below_gib"] = LONGEST_UNDER if unlink else None
+    unlink_below = _unlink_below(setup)
+    rec["text_encoder_files_unlinked_below_gib"] = "every cap" if unlink_below == float("inf") else unlink_below
     for cap in caps:
         loader = None
-        if unlink and cap is not None and cap < LONGEST_UNDER:
+        if cap is not None and cap < unlink_below:
             if not setup.staged.text_encoder_files():
                 setup.staged.write_rest()
             loader = _unlinking_text_encoder_loader(setup)
