@@ -179,6 +179,20 @@ def test_text_encoder_loader_is_trimmed_and_encodes_as_the_default(h3_family):
     assert_bitwise(loaded.encode(prompt).prompt_embeds, default.encode(prompt).prompt_embeds, "hidden_states[50]")
 
 
+def test_a_loaded_text_encoder_in_bf16_keeps_its_fp32_rotary_frequencies(h3_family):
+    """The GPU dtype: the conditioner casts a loader's model to bf16 without rounding its rotary frequencies, which
+    `from_pretrained(dtype=bf16)` computes in fp32 (an H200 run found the capped pipelines' MP4s differing)."""
+    from vflash_core.media.conditioning import TextConditioner
+
+    loaded = TextConditioner.from_pretrained(h3_family, dtype=torch.bfloat16, text_encoder_loader=full_text_encoder)
+    default = TextConditioner.from_pretrained(h3_family, dtype=torch.bfloat16)
+    assert {n: b.dtype for n, b in loaded.text_encoder.named_buffers()} == {n: b.dtype for n, b in default.text_encoder.named_buffers()}
+    prompt = "A lighthouse beam sweeps the fog."
+    assert_bitwise(loaded.encode(prompt).prompt_embeds, default.encode(prompt).prompt_embeds, "hidden_states[50] in bf16")
+    with pytest.raises(VflashError, match=r"rotary frequencies in torch.bfloat16 \(.*inv_freq\); load the model with from_pretrained"):
+        TextConditioner.from_pretrained(h3_family, dtype=torch.bfloat16, text_encoder_loader=lambda root: full_text_encoder(root).to(torch.bfloat16))
+
+
 def test_text_encoder_loader_results_are_checked(h3_family):
     from transformers import AutoConfig, Qwen3VLModel
 

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from ..engine.config import TEXT_ENCODER_LAYER, TEXT_TAG, VIDEO_TAG
-from ..engine.device_owner import SerialDeviceOwner, release_device_memory, release_host_memory
+from ..engine.device_owner import SerialDeviceOwner, point_module_at, release_device_memory, release_host_memory
 from ..engine.layout import FPS
 from ..engine.residency import ModuleRing
 from ..errors import RequestError, VflashError
@@ -132,10 +132,21 @@ def _loaded_text_encoder(loader: TextEncoderLoader, root: Path, config, dtype: t
     base = _base_model(model)
     if len(base.language_model.layers) < TEXT_ENCODER_LAYER:
         raise VflashError(f"text_encoder_loader returned {len(base.language_model.layers)} text layers; H3 conditions on hidden_states[{TEXT_ENCODER_LAYER}] and needs {TEXT_ENCODER_LAYER}")
+    # transformers computes the rotary frequencies in fp32 whatever the weights' dtype (`from_pretrained(dtype=...)`
+    # keeps them so), and H3's reference encodes with them; `Module.to(bf16)` rounds them, and the embeddings differ.
+    rounded = [name for name, buffer in base.named_buffers() if name.endswith("inv_freq") and buffer.dtype != torch.float32]
+    if rounded:
+        raise VflashError(
+            f"text_encoder_loader returned rotary frequencies in {base.get_buffer(rounded[0]).dtype} ({rounded[0]}); load the model with "
+            "from_pretrained(dtype=...) instead of casting it with .to(), which rounds them"
+        )
     del base.language_model.layers[TEXT_ENCODER_LAYER:]
     base.language_model.norm = torch.nn.Identity()
     base.config.text_config.num_hidden_layers = base.language_model.config.num_hidden_layers = TEXT_ENCODER_LAYER
-    return base.to(dtype)
+    kept = {name: buffer for name, buffer in base.named_buffers() if buffer.dtype == torch.float32}
+    base = base.to(dtype)
+    point_module_at(base, kept)  # the weights in `dtype`, the fp32 buffers as loaded
+    return base
 
 
 def _around(module: torch.nn.Module, inner: torch.nn.Module) -> list[torch.nn.Module]:
