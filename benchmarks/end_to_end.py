@@ -34,7 +34,8 @@ staging step, and `--skip` leaves phases out):
 Every request record carries `canvas`, `mode`, `side`, `config`, `elapsed_seconds`, `stages` (text_encode,
 vae_encode, denoise, video_decode, audio_decode, mp4), `peak_device_bytes` per stage, `host_rss_peak_bytes`,
 `host_pinned_bytes` (page-locked bytes held by PyTorch's host allocator, peak), `host_in_use_peak_bytes` (the
-machine's memory in use, tmpfs included) and `mp4_sha256` (the uncapped twin of `memory_caps.py`'s runs).
+machine's memory in use, tmpfs included) and `mp4_sha256`; `stage_digests` holds the sha256 of each stage's
+output of one resident 1344x768 request (the uncapped twin of `memory_caps.py`'s runs, with its MP4's).
 `summary` holds warm medians and the ratios to diffusers. `--small` runs the same phases on the demo-sized family on
 the CPU (a dry run of the script; its numbers mean nothing).
 
@@ -62,7 +63,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, environment, write_result
+from _common import ROOT, environment, write_result
 from full_family import SEED, STAGED_FAMILY, StagedFamily, folder_bytes, host_memory_bytes, host_memory_in_use
 
 from vflash_core.engine.config import H3Config
@@ -75,6 +76,8 @@ WARM_REQUESTS = 2
 STAGES = ("text_encode", "vae_encode", "denoise", "video_decode", "audio_decode", "mp4")
 PROFILE, SMALL_PROFILE = "t2va-turbo4-exact-sm90", "t2va-turbo4-exact-cpu"
 CANVASES, SMALL_CANVASES = ["1344x768", "960x544"], ["448x256", "256x256"]
+# Vflash's side of the bitwise comparison runs the attention kernel diffusers' SDPA picks on an H200.
+BITWISE_ATTENTION = "torch-cudnn"
 
 
 class Run:
@@ -248,7 +251,7 @@ class Setup:
         self.profile = SMALL_PROFILE if self.small else PROFILE
         self.canvases = SMALL_CANVASES if self.small else CANVASES
         self.config = H3Config.preset(spec.transformer)
-        self.compiled = Path(args.work) / "compiled"
+        self.compiled = self.staged.compiled
         self.receipt = Path(args.work) / "pipeline.json"
         self.out_dir = Path(args.work) / "out"
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -418,6 +421,26 @@ def vflash_requests(run: Run, pipe, config_name: str, canvases: list[str], count
     return records
 
 
+def tensor_sha256(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()
+
+
+def stage_digests(pipe, canvas: str) -> dict[str, str]:
+    """sha256 of each stage's output for the benchmark's request at `canvas`, run stage by stage through the
+    pipeline (untimed): the bundle (prompt embeddings and packed rows with the noise), the final latents, the frames
+    and the waveform. Where two placements' MP4s differ, the first differing digest names the stage."""
+    from vflash_core.pipeline.h3_pipeline import VideoRequest
+
+    width, height = (int(v) for v in canvas.split("x"))
+    bundle = pipe.encode(VideoRequest(PROMPT, seed=REQUEST_SEED, width=width, height=height)).consume()
+    digests = {"prompt_embeds": tensor_sha256(bundle.prompt_embeds), "video_rows": tensor_sha256(bundle.video_rows), "audio_rows": tensor_sha256(bundle.audio_rows)}
+    result = pipe.denoise(bundle)
+    digests.update(video_latents=tensor_sha256(result.video_latents), audio_latents=tensor_sha256(result.audio_latents))
+    media = pipe.decode(result.video_latents, result.audio_latents)
+    digests.update(frames=tensor_sha256(media.frames), waveform=tensor_sha256(media.waveform))
+    return digests
+
+
 def load_pipeline(run: Run, receipt: Path, record: dict, host: HostPeak | None = None, text_encoder_loader=None, **options):
     from vflash_core.pipeline.h3_pipeline import H3Pipeline
     from vflash_core.pipeline.options import RunOptions
@@ -584,6 +607,20 @@ def diffusers_request(run: Run, pipe, offload, canvas: str, index: int, host: Ho
     return latents
 
 
+def encode_alone(setup: Setup):
+    """The bitwise request's encoding without a pipeline (a run that skipped the resident phase)."""
+    from vflash_core.engine.layout import Geometry
+    from vflash_core.media.conditioning import TextConditioner
+    from vflash_core.pipeline.h3_pipeline import encode_request
+
+    width, height = (int(v) for v in setup.canvases[1].split("x"))
+    conditioner = TextConditioner.from_pretrained(setup.staged.model_root, setup.device)
+    try:
+        return encode_request(conditioner, None, PROMPT, "t2va", Geometry(height, width, 124))
+    finally:
+        conditioner.close()
+
+
 def bitwise(run: Run, setup: Setup, encoded, rec: dict) -> None:
     """Vflash's final latents (cuDNN attention) against diffusers' core denoise step on the same prompt embeddings,
     canvas and seed; diffusers' transformer is rebuilt in device memory from the family's seed."""
@@ -596,7 +633,7 @@ def bitwise(run: Run, setup: Setup, encoded, rec: dict) -> None:
     profile = get_profile(setup.profile)
     width, height = (int(v) for v in setup.canvases[1].split("x"))
     t = time.perf_counter()
-    session = NativeEngineSession(profile, **setup.session_paths(), device=setup.device, attention_backend="cudnn" if setup.cuda else "auto")
+    session = NativeEngineSession(profile, **setup.session_paths(), device=setup.device, attention_backend=BITWISE_ATTENTION if setup.cuda else "auto")
     try:
         result = session.generate(encoded.bundle(setup.config, REQUEST_SEED))
         rec["vflash_attention_backend"] = result.metadata["attention_backend"]
@@ -695,7 +732,7 @@ def main() -> None:
     parser.add_argument("--fresh", action="store_true", help="empty --work and --shm first (else staged parts are reused)")
     parser.add_argument("--warm-requests", type=int, default=WARM_REQUESTS, help="requests after the first, per canvas and pipeline")
     parser.add_argument("--skip", nargs="*", default=[], help="phases to leave out, e.g. weight_io vflash_block_ring")
-    parser.add_argument("--diffusers-from", type=Path, default=RESULTS / "end_to_end_2xh200.json",
+    parser.add_argument("--diffusers-from", type=Path, default=ROOT / "benchmarks" / "results" / "end_to_end_2xh200.json",
                         help="an earlier run's result file whose diffusers requests the summary compares with when this run has none")
     args = parser.parse_args()
     if args.fresh:
@@ -730,17 +767,16 @@ def main() -> None:
             run.data["initialization_seconds"] = {"cold_page_cache": rec["initialization_seconds"]}
             try:
                 vflash_requests(run, pipe, "resident", canvases, 1 + warm, host, out_dir)
+                run.data["stage_digests"] = {canvases[0]: stage_digests(pipe, canvases[0])}  # memory_caps.py's uncapped twin
                 width, height = (int(v) for v in canvases[1].split("x"))
                 encoded = encode_request(pipe.conditioner, pipe.vaes, PROMPT, "t2va", Geometry(height, width, 124))
             finally:
                 pipe.close()
                 gc.collect()
 
-    with run.phase("bitwise", 150) as rec:
+    with run.phase("bitwise", 180) as rec:
         if rec is not None:
-            if encoded is None:
-                raise RuntimeError("the resident phase did not run: no encoded request to compare")
-            bitwise(run, setup, encoded, rec)
+            bitwise(run, setup, encoded or encode_alone(setup), rec)
 
     # (name, pipeline options, canvases, warm requests, seconds it needs), most wanted first: the deadline drops the rest.
     variants = [("encoder_offload", dict(resident, encoder_residency="offload"), canvases, warm, 200)]

@@ -21,8 +21,10 @@ while the text encoder's files are staged, then the whole pipeline, which may un
    memory), video + audio decode of seeded 5 and 10 s latents at 1344x768 (15 s uncapped and under >= 48 GiB);
    frames and waveform compared.
 4. `end_to_end`: per cap a pipeline (`RunOptions(max_device_memory=...)`), t2va Turbo4 5 s at 1344x768 to an MP4
-   (the whole pipeline; the MP4's bytes compared, its writer is deterministic) with each stage's device peak. The
-   uncapped twin is `end_to_end.py`'s resident request of the same commit (its `mp4_sha256`), or one run here.
+   (the whole pipeline; the MP4's bytes compared, its writer is deterministic) with each stage's device peak; then
+   the same request stage by stage (untimed), each stage's output hashed (`stage_digests`) and compared with the
+   uncapped run's (`stage_bitwise_equal_to_uncapped`), so a difference is pinned to its stage. The uncapped twin is
+   `end_to_end.py`'s resident request of the same commit (its `mp4_sha256` and `stage_digests`), or one run here.
    A capped placement holds the text encoder's streamed layers in pinned host memory (~50 GiB; below 48 GiB the
    blocks' arena too, ~40 GiB more); that and the staged text encoder's tmpfs files (~48 GiB) come too close to or
    exceed this machine's ~125 GiB, where a user's files are on a disk whose page cache gives way. So for those caps
@@ -59,7 +61,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS  # noqa: E402
 from _common import request as bundle_request  # noqa: E402
-from end_to_end import PROMPT, REQUEST_SEED, DevicePeak, HostPeak, Run, Setup, load_pipeline, stage, vflash_requests  # noqa: E402
+from end_to_end import PROMPT, DevicePeak, HostPeak, Run, Setup, load_pipeline, stage, stage_digests, vflash_requests  # noqa: E402
 from full_family import SEED  # noqa: E402
 
 from vflash_core.errors import RequestError, RunFailedError  # noqa: E402
@@ -315,9 +317,11 @@ def end_to_end_phase(stages: Stages, caps: list[float], setup: Setup, canvas: st
         if earlier["commit"] == stages.run.data["commit"]:
             twin = next((r for r in earlier["requests"] if r["config"] == "resident" and r["canvas"] == canvas and r.get("mp4_sha256")), None)
     key = ("end_to_end", canvas)
-    if twin is not None:
+    twin_digests = earlier.get("stage_digests", {}).get(canvas) if twin is not None else None
+    if twin is not None and twin_digests:
         rec["uncapped_twin"] = f"{twin_file.name}: resident request #{twin['index']} at {canvas} (commit {earlier['commit'][:10]})"
         stages.twins[key] = twin["mp4_sha256"]
+        stages.twins[("stage_digests", canvas)] = twin_digests
     else:
         caps = [None, *caps]
     unlink_below = _unlink_below(setup)
@@ -350,6 +354,14 @@ def end_to_end_phase(stages: Stages, caps: list[float], setup: Setup, canvas: st
                 "load": load, "placement": asdict(pipe.session.plan.placement) if pipe.session.plan else None, "memory_plan": request["memory_plan"],
                 "mp4_sha256": request["mp4_sha256"], "text_encoder_files_unlinked_after_reading": loader is not None,
             }
+            # Each stage's output again, stage by stage (untimed): the first that differs from the uncapped run's.
+            digests = stage_digests(pipe, canvas)
+            record["stage_digests"] = digests
+            if cap is None:
+                stages.twins[("stage_digests", canvas)] = digests
+            uncapped = stages.twins.get(("stage_digests", canvas))
+            if cap is not None and uncapped:
+                record["stage_bitwise_equal_to_uncapped"] = {name: digests[name] == uncapped.get(name) for name in digests}
             stages.compare(record, key, request["mp4_sha256"], lambda a, b: a == b)
         finally:
             pipe.close()
