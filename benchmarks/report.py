@@ -172,6 +172,8 @@ def what_fits(data: dict, e2e: dict | None = None) -> str:
         label = " ".join(str(v) for v in (names[r["stage"]], r.get("mode"), r["canvas"], r["seconds"] and f"{r['seconds']:g} s") if v)
         rows.setdefault(key, {"what": label})[str(r["cap_gib"])] = _cell(r)
     columns = [("what", "stage")] + [(str(c), "uncapped (H200)" if c is None else f"cap {c:g} GiB") for c in caps]
+    differs = [f"{r['cap_gib']:g} GiB" for r in data["records"] if r["stage"] == "end_to_end" and r["bitwise_equal_to_uncapped"] is False]
+    skipped = [name for name, phase in data["phases"].items() if "skipped" in phase]
     return "\n".join([
         f"Measured at full size on one H200 ({_source(data)}) with random weights: the card's memory is a device memory cap the plan places "
         f"the parts under and PyTorch's allocator enforces (`max_device_memory`). One t2va Turbo4 request, {canvas}, 5 s, to an MP4; "
@@ -183,6 +185,11 @@ def what_fits(data: dict, e2e: dict | None = None) -> str:
         _table(fits, [("card", "device memory"), ("plan", "what the plan chooses"), ("host", "host pinned"), ("rss", "host RSS peak"),
                       ("seconds", "seconds per request"), ("same", "same MP4")]),
         "",
+        *([f"**Not exact under a cap in this run**: the MP4 under {', '.join(differs)} differs from the uncapped one's (the capped ones "
+           "equal each other)" + (f"; {data['finding']}." if data.get("finding") else
+                                  "; the stage-by-stage digests of a run show which stage differs (`stage_bitwise_equal_to_uncapped`)."), ""]
+          if differs else []),
+        *([f"Not measured in this run: {', '.join(skipped)}.", ""] if skipped else []),
         "Each stage alone, peak device memory allocated with its weights and seconds, compared bit for bit with the uncapped run "
         "(`benchmarks/memory_caps.py`; the denoise evaluation's plan is sized for a 15 s request, the Base16 profile's longest):",
         "",
