@@ -2,7 +2,7 @@
 # The full-size set on one nvidia-h200 machine, started detached by the first device call (benchmarks/RUNNING.md):
 # `pytest -m gpu` beside the staging, then end_to_end.py, then memory_caps.py, all within MINUTES of this start.
 #
-#   bash benchmarks/full_size_h200.sh COMMIT [MINUTES] [extra end_to_end.py arguments...]
+#   [CAPS_ARGS="memory_caps.py arguments"] bash benchmarks/full_size_h200.sh COMMIT [MINUTES] [extra end_to_end.py arguments...]
 #
 # Run from the repository root of the device copy with `.whl/site.tar.xz` carried. Results and logs go to $R/results
 # (default /root/run/results); the work folders are /root/e2e (disk) and /dev/shm/vflash (tmpfs), kept so a second
@@ -27,5 +27,5 @@ tests=$!
 # memory_caps.py keeps ~10 minutes; end_to_end.py takes what is left before them.
 python3 benchmarks/end_to_end.py --work /root/e2e --shm /dev/shm/vflash --deadline-minutes $(( $(left) - 10 )) "$@" > "$R/results/end_to_end.log" 2>&1
 wait $tests
-python3 benchmarks/memory_caps.py --work /root/e2e --shm /dev/shm/vflash --deadline-minutes "$(left)" > "$R/results/memory_caps.log" 2>&1
+python3 benchmarks/memory_caps.py --work /root/e2e --shm /dev/shm/vflash --deadline-minutes "$(left)" ${CAPS_ARGS:-} > "$R/results/memory_caps.log" 2>&1
 echo "done at $(date)" >> "$R/results/memory_caps.log"
