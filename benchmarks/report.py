@@ -83,8 +83,9 @@ def _end_to_end(data: dict, title: str) -> list[str]:
     ]
     if data.get("staging"):
         st = data["staging"]
-        out += [f"Staging (one machine: {_gib(st['disk_free'])} of disk, a {_gib(st['shm_free'])} tmpfs in {_gib(st['host_bytes'])} of host memory): "
-                + "; ".join(f"{step['step']} (disk {_gib(step['disk_after'])}, tmpfs {_gib(step['shm_after'])})" for step in st["steps"]) + ".", ""]
+        size = lambda n: f"{n / 2**30:.1f} GiB"  # noqa: E731 - zero included
+        out += [f"Staging (one machine: {size(st['disk_free'])} of disk, a {size(st['shm_free'])} tmpfs in {size(st['host_bytes'])} of host memory): "
+                + "; ".join(f"{step['step']} (disk {size(step['disk_after'])}, tmpfs {size(step['shm_after'])})" for step in st["steps"]) + ".", ""]
     out += [
         f"Disk: {disk_rates.get('write_bandwidth_gbps')} GB/s sequential write, {disk_rates.get('read_bandwidth_gbps')} GB/s read"
         + (f"; tmpfs {disk['tmpfs']['read_bandwidth_gbps']} GB/s read" if disk.get("tmpfs") else "")
@@ -116,7 +117,7 @@ def _end_to_end(data: dict, title: str) -> list[str]:
         "slots. Host in use counts the whole machine (the staged tmpfs files included).",
         "",
     ]
-    if io:
+    if io and "skipped" not in io:
         out += [
             f"Cold reads of compiled block files ({_gb(io.get('sample_bytes'))}): `SequentialWeights` with 1/2/4/8 threads "
             + " / ".join(str(v) for v in io.get("sequential_weights_gbps_by_workers", {}).values()) + " GB/s.",
@@ -124,6 +125,10 @@ def _end_to_end(data: dict, title: str) -> list[str]:
         ]
     if skipped:
         out += ["Not measured in this run: " + "; ".join(f"`{name}` ({why})" for name, why in skipped.items()) + ".", ""]
+    failed = {name: phase["error"] for name, phase in phases.items() if "error" in phase}
+    if failed:
+        out += ["Failed in this run: " + "; ".join(f"`{name}` ({why})" for name, why in failed.items())
+                + (f". {data['code_note']}" if data.get("code_note") else "") + ".", ""]
     for name, why in (data.get("not_measured") or {}).items():
         out += [f"Not measured: {name}: {why}.", ""]
     return out
