@@ -54,6 +54,11 @@ def _gib(value: object) -> str:
     return "" if not value else f"{value / 2**30:.1f} GiB"
 
 
+def _size(n: int) -> str:
+    """GiB, zero included (`_gib` leaves zero out)."""
+    return f"{n / 2**30:.1f} GiB"
+
+
 def _end_to_end(data: dict, title: str) -> list[str]:
     """A full-size run: staging, first use, loading, warm requests per configuration, stages against diffusers."""
     phases = data["phases"]
@@ -83,9 +88,8 @@ def _end_to_end(data: dict, title: str) -> list[str]:
     ]
     if data.get("staging"):
         st = data["staging"]
-        size = lambda n: f"{n / 2**30:.1f} GiB"  # noqa: E731 - zero included
-        out += [f"Staging (one machine: {size(st['disk_free'])} of disk, a {size(st['shm_free'])} tmpfs in {size(st['host_bytes'])} of host memory): "
-                + "; ".join(f"{step['step']} (disk {size(step['disk_after'])}, tmpfs {size(step['shm_after'])})" for step in st["steps"]) + ".", ""]
+        out += [f"Staging (one machine: {_size(st['disk_free'])} of disk, a {_size(st['shm_free'])} tmpfs in {_size(st['host_bytes'])} of host memory): "
+                + "; ".join(f"{step['step']} (disk {_size(step['disk_after'])}, tmpfs {_size(step['shm_after'])})" for step in st["steps"]) + ".", ""]
     out += [
         f"Disk: {disk_rates.get('write_bandwidth_gbps')} GB/s sequential write, {disk_rates.get('read_bandwidth_gbps')} GB/s read"
         + (f"; tmpfs {disk['tmpfs']['read_bandwidth_gbps']} GB/s read" if disk.get("tmpfs") else "")
