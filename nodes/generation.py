@@ -86,7 +86,7 @@ class VflashEncode(io.ComfyNode):
     @classmethod
     def execute(cls, te, vae, prompt, width, height, length, seconds, first_frame=None, last_frame=None,
                 ref_images=None, ref_videos=None, ref_video_audios=None, ref_audios=None, force_offload=True, audio_vae=None):
-        ops.check_graph(getattr(cls.hidden, "prompt", None), FOLDERS)  # profile vs this request, before the encoders run
+        ops.check_graph(getattr(cls.hidden, "prompt", None), HOST, FOLDERS)  # the loaders' widgets, profile vs this request
         cond, latent, frames = ops.encode(
             ENGINES, HOST, te, vae, prompt, width, height, length, seconds, first_frame, last_frame,
             ref_images, ref_videos, ref_audios, force_offload, ref_video_audios, audio_vae,

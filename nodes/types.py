@@ -20,13 +20,13 @@ def aliases(*extra: str) -> list[str]:
 
 
 def peer_devices() -> list[str]:
-    return ["none", *(d for d in ops.ordered_devices() if d.startswith("cuda:"))]
+    return ["none", *(d for d in ops.present_devices() if d.startswith("cuda:"))]
 
 
 DEVICE_TOOLTIP = (
     "'auto' = ComfyUI's compute device, read when the node runs (get_torch_device(); --cpu gives cpu); a model compiled "
-    "for a CPU profile (embedded-demo) runs on the CPU. The devices present on this machine are listed first; a cuda:N "
-    "that does not exist here is refused when the graph is queued, never a fallback."
+    "for a CPU profile (embedded-demo) runs on the CPU. Only the devices this machine has are listed; a saved cuda:N "
+    "that it lacks is refused when the graph is queued, never a fallback."
 )
 
 TE_TOOLTIP = (
