@@ -168,7 +168,8 @@ def resolve(folders: Folders, name: str) -> Path:
 
 
 _IDENTITY_FILES = ("artifact/manifest.json", "schedule/manifest.json", "auxiliary.safetensors", "transformer/config.json",
-                   "transformer/diffusion_pytorch_model.safetensors.index.json", "text_encoder/config.json", "vae/config.json",
+                   "transformer/diffusion_pytorch_model.safetensors.index.json", "transformer_ref/config.json",
+                   "transformer_ref/diffusion_pytorch_model.safetensors.index.json", "text_encoder/config.json", "vae/config.json",
                    "audio_vae/config.json")
 
 
@@ -393,9 +394,8 @@ def resolve_model(host: Host, spec: ModelSpec) -> tuple[Any, Path, Path, Path]:
         receipt = out.with_name(out.name + ".weights-receipt.json")
         host.log(f"Vflash: preparing {spec.source} for {profile.id} (hashing the weights) ...")
         if not receipt.is_file():
-            path = Path(spec.path)
-            root = path if path.is_file() else path / "transformer"
-            prepare(profile, root, receipt, spec.loras[0].path if spec.loras else None, progress=_StageProgress(host))
+            prepare(profile, official_transformer(Path(spec.path), profile), receipt, spec.loras[0].path if spec.loras else None,
+                    progress=_StageProgress(host))
         host.check_interrupt()
         host.log(f"Vflash: compiling {spec.source} for {profile.id} into {out} (once) ...")
         compile_receipt(receipt, out, "cpu" if profile.arch == "cpu" else spec.device, progress=_StageProgress(host))
@@ -476,19 +476,24 @@ def present_devices() -> list[str]:
     return ["auto", "cpu", *(f"cuda:{i}" for i in range(count))]
 
 
-def check_model_option(folders: Folders, model: str) -> tuple[str, Any]:
-    """The model option alone, as the loader's `validate_inputs` checks it when the graph is queued: it resolves (else
-    one refusal naming the models folder it belongs in), and official weights are in a form Vflash reads (their header
-    only: quantized formats without an exact dequantization are refused). Returns (resolved path, the official
-    weights' `SourceWeights` or None)."""
-    if model == DEMO:
-        return "", None
-    path = resolve(folders, model)
-    if not model.startswith(("diffusers/", "diffusion_models/")):
-        return str(path), None
-    from vflash_core.weights.checkpoint import SourceWeights
+def official_transformer(path: Path, profile: Any) -> Path:
+    """The transformer weights official weights compile from for a profile: a single file as it is; in a diffusers
+    model root, the profile's partition folder (`transformer/`, or `transformer_ref/` for the ref2va profiles)."""
+    return path if path.is_file() else path / profile.variant
 
-    return str(path), SourceWeights(path if path.is_file() else path / "transformer")
+
+def check_model_option(folders: Folders, model: str) -> str:
+    """The model option alone, as the loader's `validate_inputs` checks it when the graph is queued: it resolves (else
+    one refusal naming the models folder it belongs in), and a single-file transformer is in a form Vflash reads (its
+    header only: quantized formats without an exact dequantization are refused). Returns the resolved path."""
+    if model == DEMO:
+        return ""
+    path = resolve(folders, model)
+    if model.startswith("diffusion_models/"):
+        from vflash_core.weights.checkpoint import SourceWeights
+
+        SourceWeights(path)
+    return str(path)
 
 
 def check_loader(host: Host, folders: Folders, model: str, profile: str, weight_residency: str, device: str,
@@ -503,12 +508,19 @@ def check_loader(host: Host, folders: Folders, model: str, profile: str, weight_
     check_choice("attention_backend", attention_backend, tuple(BACKENDS))
     if profile != "auto":
         get_profile(profile)  # an unknown profile is refused before the model option is resolved
-    path, source = check_model_option(folders, model)
+    path = check_model_option(folders, model)
     chosen = recorded_profile(model, path, profile)
-    if source is not None:
+    if model.startswith(("diffusers/", "diffusion_models/")):
+        from vflash_core.weights.checkpoint import SourceWeights
+
         if chosen is None:
             raise VflashError(f"{model} holds official weights; choose the profile to compile them for (e.g. {runnable_profiles()[1]})")
-        source.check_profile(chosen)  # a pruned file pairs only with a -pruned profile
+        transformer = official_transformer(Path(path), chosen)
+        if not transformer.exists():
+            raise VflashError(f"{model} has no {transformer.name}/: profile {chosen.id} compiles the {transformer.name} partition of a model root")
+        # The file's form (header and scales only): quantized formats without an exact dequantization are refused, and
+        # a pruned file pairs only with a -pruned profile.
+        SourceWeights(transformer).check_profile(chosen)
     if device == "auto" and chosen is not None and chosen.arch == "cpu":
         device = "cpu"  # a CPU-compiled profile (the embedded demo's) runs on the CPU whatever the host's device
     resolved = resolve_device(host, device)
