@@ -26,7 +26,7 @@ class VflashModelLoader(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="VflashModelLoader",
-            display_name="Vflash MiniMax-H3 Model Loader",
+            display_name="MiniMax H3 Vflash Model Loader",
             category="Vflash/loaders",
             search_aliases=aliases("load transformer", "dit", "unet loader"),
             description=(
@@ -94,7 +94,7 @@ class VflashLoraSelect(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="VflashLoraSelect",
-            display_name="Vflash MiniMax-H3 LoRA Select",
+            display_name="MiniMax H3 Vflash LoRA Select",
             category="Vflash/loaders",
             search_aliases=aliases("lora", "turbo lora"),
             description="Adds one LoRA file to a chain for the Vflash Model Loader.",
@@ -159,7 +159,7 @@ class VflashTextEncoderLoader(_ComponentLoader):
     @classmethod
     def define_schema(cls):
         return cls.component_schema(
-            "VflashTextEncoderLoader", "Vflash MiniMax-H3 Text Encoder Loader", aliases("qwen3-vl", "text encoder", "clip"),
+            "VflashTextEncoderLoader", "MiniMax H3 Vflash Text Encoder Loader", aliases("qwen3-vl", "text encoder", "clip"),
             "Loads MiniMax-H3's Qwen3-VL conditioner (text encoder, tokenizer and processor of a diffusers model "
             "folder), bitwise the diffusers conditioning. For the single file in text_encoders/ use core CLIPLoader "
             "(type minimax) instead: Vflash Encode takes its CLIP.",
@@ -174,7 +174,7 @@ class VflashVAELoader(_ComponentLoader):
     @classmethod
     def define_schema(cls):
         return cls.component_schema(
-            "VflashVAELoader", "Vflash MiniMax-H3 VAE Loader (video + audio)", aliases("vae", "audio vae"),
+            "VflashVAELoader", "MiniMax H3 Vflash VAE Loader (video + audio)", aliases("vae", "audio vae"),
             "Loads MiniMax-H3's video VAE and audio VAE (32 kHz stereo) of a diffusers model folder as one pair. For "
             "the files in vae/ use two core VAELoaders instead: Vflash Encode / Decode take them (vae + audio_vae).",
             "A model folder with vae/ and audio_vae/ (official layout), or 'embedded-demo'.",

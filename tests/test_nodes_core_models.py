@@ -322,17 +322,25 @@ def test_option_lists_hold_only_what_runs_here(pack, monkeypatch):
 
 
 def test_names_aliases_and_tooltips_on_every_socket(pack):
+    """Every socket has a tooltip. The frontend looks a socket's tooltip up by its name, and an Autogrow slot's name
+    (`ref_images.ref_image_0`) is not an input of the node definition, so the slots' tooltips reach it through the
+    pack's locale file (`locales/en/nodeDefs.json`, key `ref_images_ref_image_0`), which holds exactly them."""
     io = importlib.import_module("comfy_api.latest").io
+    slots = {}
     for node_id, cls in pack.nodes.items():
         schema = cls.GET_SCHEMA()
-        assert "MiniMax-H3" in schema.display_name, node_id
-        assert {"minimax", "h3", "video audio"} <= set(schema.search_aliases), node_id
+        assert schema.display_name.startswith("MiniMax H3 Vflash "), node_id
+        assert {"minimax", "h3", "video audio", "vflash"} <= set(schema.search_aliases), node_id
         for inp in schema.inputs:
             children = inp.template.get_all() if isinstance(inp, io.Autogrow.Input) else [inp]
             for child in children:
                 assert child.tooltip, f"{node_id} input {child.id} has no tooltip"
+                if isinstance(inp, io.Autogrow.Input):
+                    slots.setdefault(node_id, {"inputs": {}})["inputs"][f"{inp.id}_{child.id}"] = {"tooltip": child.tooltip}
         for out in schema.outputs:
             assert out.tooltip, f"{node_id} output {out.id} has no tooltip"
+    assert json.loads((REPO / "locales" / "en" / "nodeDefs.json").read_text()) == slots
+    assert len(slots["VflashEncode"]["inputs"]) == 9 + 3 + 3 + 3
     encode = {i.id: i for i in pack.schema("VflashEncode").inputs}
     assert encode["te"].get_io_type() == "VFLASH_TE,CLIP" and encode["vae"].get_io_type() == "VFLASH_VAE,VAE" and encode["audio_vae"].optional
     assert "not bitwise" in pack.schema("VflashEncode").description

@@ -83,7 +83,7 @@ def test_api_checks_name_the_problem(pack):
         check_api_workflow(json.loads((UI_DIR / "t2va.json").read_text()))
     with pytest.raises(WorkflowError, match="no node 'nope'"):
         apply_overrides(workflow, ["nope.seed=1"])
-    assert apply_overrides(workflow, ["Vflash MiniMax-H3 Sampler.seed=5"])["5"]["inputs"]["seed"] == 5
+    assert apply_overrides(workflow, ["MiniMax H3 Vflash Sampler.seed=5"])["5"]["inputs"]["seed"] == 5
 
 
 def test_nested_inputs_follow_comfyui():
