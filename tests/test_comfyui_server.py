@@ -21,6 +21,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from conftest import TEMPLATES
 
 COMFYUI_ROOT = os.environ.get("COMFYUI_ROOT")
 pytestmark = pytest.mark.skipif(not COMFYUI_ROOT, reason="set COMFYUI_ROOT to a ComfyUI checkout to run the real-server tests")
@@ -200,15 +201,31 @@ def test_pack_loaded_and_published(server):
         assert "embedded-demo" in json.loads(r.read())["VflashModelLoader"]["input"]["required"]["model"][1]["options"]
 
 
-def test_ui_workflows_are_listed_as_templates(server):
-    """ComfyUI serves workflows/*.json as this pack's templates (and does not descend into workflows/api/)."""
+def test_templates_are_listed_and_load_with_their_model_files_and_thumbnails(server):
+    """ComfyUI serves workflows/*.json as this pack's templates (not workflows/api/), each by its title, with its
+    <title>.jpg thumbnail; a template loads with the model metadata the frontend's Missing Models uses (each file's
+    name, URL and folder, in the properties of the node that reads it), as served to the browser."""
+    import urllib.parse
     import urllib.request
 
     with urllib.request.urlopen(server.url + "/workflow_templates") as r:
         templates = json.loads(r.read())
-    assert sorted(templates["vflash"]) == sorted(p.stem for p in (REPO / "workflows").glob("*.json"))
-    with urllib.request.urlopen(server.url + "/api/workflow_templates/vflash/t2va.json") as r:
-        assert json.loads(r.read()) == json.loads((REPO / "workflows" / "t2va.json").read_text())
+    assert sorted(templates["vflash"]) == sorted(TEMPLATES.values())
+    for title in TEMPLATES.values():
+        quoted = urllib.parse.quote(title)
+        with urllib.request.urlopen(f"{server.url}/api/workflow_templates/vflash/{quoted}.json") as r:
+            assert json.loads(r.read()) == json.loads((REPO / "workflows" / f"{title}.json").read_text())
+        with urllib.request.urlopen(f"{server.url}/api/workflow_templates/vflash/{quoted}.jpg") as r:
+            assert r.headers["Content-Type"] == "image/jpeg" and r.read()[:3] == b"\xff\xd8\xff"
+    with urllib.request.urlopen(f"{server.url}/api/workflow_templates/vflash/{urllib.parse.quote(TEMPLATES['t2va_core_loaders'])}.json") as r:
+        nodes = {n["id"]: n for n in json.loads(r.read())["nodes"]}
+    hub = "https://huggingface.co/Comfy-Org/MiniMax-H3/resolve/main"
+    assert nodes[1]["properties"]["models"] == [{"name": "diffusion_models/minimax_h3_fl2va_bf16.safetensors", "directory": "diffusion_models",
+                                                  "url": f"{hub}/diffusion_models/minimax_h3_fl2va_bf16.safetensors"}]
+    assert nodes[2]["properties"]["models"] == [{"name": "qwen3vl_32b_minimax_h3_nvfp4_awq.safetensors", "directory": "text_encoders",
+                                                  "url": f"{hub}/text_encoders/qwen3vl_32b_minimax_h3_nvfp4_awq.safetensors"}]
+    assert [nodes[i]["properties"]["models"][0]["url"] for i in (3, 12)] == [f"{hub}/vae/minimax_h3_video_vae_fp16.safetensors",
+                                                                           f"{hub}/vae/minimax_h3_audio_vae_fp32.safetensors"]
 
 
 @pytest.mark.parametrize("name,changes", [
