@@ -37,7 +37,7 @@ class VflashEncode(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="VflashEncode",
-            display_name="Vflash MiniMax-H3 Prompt / Frames / References",
+            display_name="MiniMax H3 Vflash Prompt / Frames / References",
             category="Vflash/conditioning",
             search_aliases=aliases("encode", "prompt", "text to video", "image to video", "reference to video", "t2va", "i2va", "fl2va", "ref2va"),
             description=(
@@ -86,7 +86,7 @@ class VflashEncode(io.ComfyNode):
     @classmethod
     def execute(cls, te, vae, prompt, width, height, length, seconds, first_frame=None, last_frame=None,
                 ref_images=None, ref_videos=None, ref_video_audios=None, ref_audios=None, force_offload=True, audio_vae=None):
-        ops.check_graph(getattr(cls.hidden, "prompt", None), FOLDERS)  # profile vs this request, before the encoders run
+        ops.check_graph(getattr(cls.hidden, "prompt", None), HOST, FOLDERS)  # the loaders' widgets, profile vs this request
         cond, latent, frames = ops.encode(
             ENGINES, HOST, te, vae, prompt, width, height, length, seconds, first_frame, last_frame,
             ref_images, ref_videos, ref_audios, force_offload, ref_video_audios, audio_vae,
@@ -99,7 +99,7 @@ class VflashSampler(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="VflashSampler",
-            display_name="Vflash MiniMax-H3 Sampler",
+            display_name="MiniMax H3 Vflash Sampler",
             category="Vflash/sampling",
             search_aliases=aliases("sampler", "ksampler", "denoise", "generate video"),
             description=(
@@ -108,8 +108,8 @@ class VflashSampler(io.ComfyNode):
                 "within one evaluation and leaves the engine reusable."
             ),
             inputs=[
-                VflashModel.Input("model", tooltip="The transformer from the Vflash MiniMax-H3 Model Loader."),
-                VflashCond.Input("cond", tooltip="The encoded request from Vflash MiniMax-H3 Prompt / Frames / References; its mode (t2va, i2va, ref2va ...) must be one the profile accepts."),
+                VflashModel.Input("model", tooltip="The transformer from the MiniMax H3 Vflash Model Loader."),
+                VflashCond.Input("cond", tooltip="The encoded request from MiniMax H3 Vflash Prompt / Frames / References; its mode (t2va, i2va, ref2va ...) must be one the profile accepts."),
                 io.Latent.Input(
                     "latent",
                     tooltip="An EMPTY H3 AV latent (from Vflash Encode or core EmptyMiniMaxH3LatentAV); only its canvas and "
@@ -132,7 +132,7 @@ class VflashDecode(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="VflashDecode",
-            display_name="Vflash MiniMax-H3 Decode (video + audio)",
+            display_name="MiniMax H3 Vflash Decode (video + audio)",
             category="Vflash/decode",
             search_aliases=aliases("decode", "vae decode", "latent to video"),
             description=(
@@ -160,7 +160,7 @@ class VflashGenerate(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="VflashGenerate",
-            display_name="Vflash MiniMax-H3 Text/Image -> Video+Audio",
+            display_name="MiniMax H3 Vflash Generate",
             category="Vflash/sampling",
             search_aliases=aliases("all in one", "text to video", "image to video", "generate video"),
             description=(
@@ -168,7 +168,7 @@ class VflashGenerate(io.ComfyNode):
                 "keyframes. te / vae take Vflash's loaders or core's CLIP (type minimax) and VAEs, as Vflash Encode does."
             ),
             inputs=[
-                VflashModel.Input("model", tooltip="The transformer from the Vflash MiniMax-H3 Model Loader."),
+                VflashModel.Input("model", tooltip="The transformer from the MiniMax H3 Vflash Model Loader."),
                 *_request_inputs(),
                 io.Int.Input("seed", default=0, min=0, max=2**63 - 1, control_after_generate=True, tooltip=_SEED_TOOLTIP),
                 io.Image.Input("first_frame", optional=True, tooltip="Keyframe at frame 0."),
@@ -192,7 +192,7 @@ class VflashUnload(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="VflashUnload",
-            display_name="Vflash MiniMax-H3 Unload",
+            display_name="MiniMax H3 Vflash Unload (free memory)",
             category="Vflash/utils",
             search_aliases=aliases("unload", "free memory"),
             description="Releases Vflash engines (device and pinned host memory) when its input arrives; passes the input through.",

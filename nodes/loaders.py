@@ -26,7 +26,7 @@ class VflashModelLoader(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="VflashModelLoader",
-            display_name="Vflash MiniMax-H3 Model Loader",
+            display_name="MiniMax H3 Vflash Model Loader",
             category="Vflash/loaders",
             search_aliases=aliases("load transformer", "dit", "unet loader"),
             description=(
@@ -37,9 +37,9 @@ class VflashModelLoader(io.ComfyNode):
             inputs=[
                 io.Combo.Input("model", options=ops.model_options(FOLDERS), tooltip=_MODEL_TOOLTIP),
                 io.Combo.Input(
-                    "profile", options=ops.ordered_profiles(), default="auto",
+                    "profile", options=ops.runnable_profiles(), default="auto",
                     tooltip="The fixed schedule, LoRA binding and GPU architecture the weights are compiled for (the id "
-                    "ends in it: -sm90 = H100/H200, -cpu). Profiles this machine can run are listed first. 'auto' takes "
+                    "ends in it: -sm90 = H100/H200, -cpu). Only the profiles this machine can run are listed. 'auto' takes "
                     "the profile recorded in a compiled artifact or receipt; official weights need an explicit one. The "
                     "profile fixes evaluations, shifts, modes and clip durations (see the sampler's tooltip). -pruned "
                     "profiles (approximate) are for pruned files only.",
@@ -50,7 +50,7 @@ class VflashModelLoader(io.ComfyNode):
                     "memory, streamed through two device slots (for GPUs that cannot hold the model). auto: resident if "
                     "it fits, else block-ring. Bits are identical either way.",
                 ),
-                io.Combo.Input("device", options=ops.ordered_devices(), default="auto", tooltip=DEVICE_TOOLTIP),
+                io.Combo.Input("device", options=ops.present_devices(), default="auto", tooltip=DEVICE_TOOLTIP),
                 io.Combo.Input(
                     "peer_device", options=peer_devices(), default="none",
                     tooltip="Optional second GPU of the same host that shares each evaluation (see strategy). 'none': one device.",
@@ -72,9 +72,11 @@ class VflashModelLoader(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, model, profile, weight_residency, device, peer_device, strategy, attention_backend):
-        """Runs when the graph is queued: refuses what cannot run here before any node executes."""
-        return ops.refusal(ops.check_loader, HOST, FOLDERS, model, profile, weight_residency, device, peer_device, strategy, attention_backend)
+    def validate_inputs(cls, model):
+        """Runs when the graph is queued. ComfyUI files a refusal once per argument of this method, so it takes the
+        model option alone (one error naming the folder a missing file belongs in); the other widgets are checked
+        against their lists by ComfyUI, and across each other by the first Vflash node that runs (`ops.check_graph`)."""
+        return ops.refusal(ops.check_model_option, FOLDERS, model)
 
     @classmethod
     def fingerprint_inputs(cls, model, **kwargs):
@@ -82,7 +84,7 @@ class VflashModelLoader(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, profile, weight_residency, device, peer_device, strategy, attention_backend, lora=None):
-        ops.check_graph(getattr(cls.hidden, "prompt", None), FOLDERS)  # profile vs the graph's requests, before any model work
+        ops.check_graph(getattr(cls.hidden, "prompt", None), HOST, FOLDERS)  # the loaders' widgets, profile vs the graph's requests
         spec = ops.load_model(ENGINES, HOST, FOLDERS, model, profile, weight_residency, device, peer_device, strategy, attention_backend, lora)
         return io.NodeOutput(spec)
 
@@ -92,7 +94,7 @@ class VflashLoraSelect(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="VflashLoraSelect",
-            display_name="Vflash MiniMax-H3 LoRA Select",
+            display_name="MiniMax H3 Vflash LoRA Select",
             category="Vflash/loaders",
             search_aliases=aliases("lora", "turbo lora"),
             description="Adds one LoRA file to a chain for the Vflash Model Loader.",
@@ -130,7 +132,7 @@ class _ComponentLoader(io.ComfyNode):
             node_id=node_id, display_name=display_name, category="Vflash/loaders", search_aliases=search_aliases, description=description,
             inputs=[
                 io.Combo.Input(cls.OPTION, options=ops.component_options(FOLDERS, cls.KIND), tooltip=option_tooltip),
-                io.Combo.Input("device", options=ops.ordered_devices(), default="auto", tooltip=DEVICE_TOOLTIP),
+                io.Combo.Input("device", options=ops.present_devices(), default="auto", tooltip=DEVICE_TOOLTIP),
             ],
             outputs=[output],
             hidden=[io.Hidden.prompt],
@@ -147,7 +149,7 @@ class _ComponentLoader(io.ComfyNode):
 
     @classmethod
     def execute(cls, device, **option):
-        ops.check_graph(getattr(cls.hidden, "prompt", None), FOLDERS)
+        ops.check_graph(getattr(cls.hidden, "prompt", None), HOST, FOLDERS)
         return io.NodeOutput(ops.load_component(ENGINES, HOST, FOLDERS, cls.KIND, option[cls.OPTION], device))
 
 
@@ -157,7 +159,7 @@ class VflashTextEncoderLoader(_ComponentLoader):
     @classmethod
     def define_schema(cls):
         return cls.component_schema(
-            "VflashTextEncoderLoader", "Vflash MiniMax-H3 Text Encoder Loader", aliases("qwen3-vl", "text encoder", "clip"),
+            "VflashTextEncoderLoader", "MiniMax H3 Vflash Text Encoder Loader", aliases("qwen3-vl", "text encoder", "clip"),
             "Loads MiniMax-H3's Qwen3-VL conditioner (text encoder, tokenizer and processor of a diffusers model "
             "folder), bitwise the diffusers conditioning. For the single file in text_encoders/ use core CLIPLoader "
             "(type minimax) instead: Vflash Encode takes its CLIP.",
@@ -172,7 +174,7 @@ class VflashVAELoader(_ComponentLoader):
     @classmethod
     def define_schema(cls):
         return cls.component_schema(
-            "VflashVAELoader", "Vflash MiniMax-H3 VAE Loader (video + audio)", aliases("vae", "audio vae"),
+            "VflashVAELoader", "MiniMax H3 Vflash VAE Loader (video + audio)", aliases("vae", "audio vae"),
             "Loads MiniMax-H3's video VAE and audio VAE (32 kHz stereo) of a diffusers model folder as one pair. For "
             "the files in vae/ use two core VAELoaders instead: Vflash Encode / Decode take them (vae + audio_vae).",
             "A model folder with vae/ and audio_vae/ (official layout), or 'embedded-demo'.",

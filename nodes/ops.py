@@ -155,18 +155,21 @@ def lora_options(folders: Folders) -> list[str]:
 
 
 def resolve(folders: Folders, name: str) -> Path:
-    """The file or folder behind a listed option; raises `VflashError` naming the option and where it looked."""
+    """The file or folder behind a listed option; raises `VflashError` naming the models folder it belongs in and
+    where ComfyUI looked."""
     key, _, rel = name.partition("/")
     if name == DEMO or not rel or key not in ("vflash", "diffusers", "diffusion_models", "loras"):
         raise VflashError(f"{name!r} is not a model file option (expected vflash/..., diffusers/..., diffusion_models/... or loras/...)")
     full = folders.full_path(key, rel)
     if full is None:
-        raise VflashError(f"{name}: not found in the {key} folders ({', '.join(folders.folders(key)) or 'none registered'})")
+        looked = ", ".join(folders.folders(key)) or "no folder is registered for it"
+        raise VflashError(f"{name} is missing: {rel} belongs in models/{key} (ComfyUI looks in {looked})")
     return Path(full)
 
 
 _IDENTITY_FILES = ("artifact/manifest.json", "schedule/manifest.json", "auxiliary.safetensors", "transformer/config.json",
-                   "transformer/diffusion_pytorch_model.safetensors.index.json", "text_encoder/config.json", "vae/config.json",
+                   "transformer/diffusion_pytorch_model.safetensors.index.json", "transformer_ref/config.json",
+                   "transformer_ref/diffusion_pytorch_model.safetensors.index.json", "text_encoder/config.json", "vae/config.json",
                    "audio_vae/config.json")
 
 
@@ -391,9 +394,8 @@ def resolve_model(host: Host, spec: ModelSpec) -> tuple[Any, Path, Path, Path]:
         receipt = out.with_name(out.name + ".weights-receipt.json")
         host.log(f"Vflash: preparing {spec.source} for {profile.id} (hashing the weights) ...")
         if not receipt.is_file():
-            path = Path(spec.path)
-            root = path if path.is_file() else path / "transformer"
-            prepare(profile, root, receipt, spec.loras[0].path if spec.loras else None, progress=_StageProgress(host))
+            prepare(profile, official_transformer(Path(spec.path), profile), receipt, spec.loras[0].path if spec.loras else None,
+                    progress=_StageProgress(host))
         host.check_interrupt()
         host.log(f"Vflash: compiling {spec.source} for {profile.id} into {out} (once) ...")
         compile_receipt(receipt, out, "cpu" if profile.arch == "cpu" else spec.device, progress=_StageProgress(host))
@@ -452,30 +454,46 @@ def check_profile_device(profile: Any, device: str, what: str = "device") -> Non
         check_device(device, profile.arch, what, profile.id)
     except IdentityMismatchError as exc:
         arch = device_arch(device)
-        runnable = [p for p in ordered_profiles() if p != "auto" and p.endswith(f"-{arch}")]
+        runnable = [p for p in runnable_profiles() if p != "auto" and p.endswith(f"-{arch}")]
         hint = f"; profiles for {arch} here: {', '.join(runnable[:4])}{' ...' if len(runnable) > 4 else ''}" if runnable else ""
         raise IdentityMismatchError(f"{exc}{hint}") from None
 
 
-def ordered_profiles() -> list[str]:
-    """'auto', then the profiles this machine can run (its GPUs' architectures in device order first, then CPU ones),
-    then the rest (still selectable, so saved workflows keep their value)."""
+def runnable_profiles() -> list[str]:
+    """'auto', then the profiles this machine can run: its GPUs' architectures in device order, then the CPU's. A
+    saved workflow's other profile is not in the list, so ComfyUI refuses it when the graph is queued."""
     from vflash_core.profiles import PROFILES
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     here = [*dict.fromkeys(device_arch(f"cuda:{index}") for index in range(count)), "cpu"]
     runnable = sorted((p for p in PROFILES.values() if p.arch in here), key=lambda p: (here.index(p.arch), p.id))
-    return ["auto", *(p.id for p in runnable), *sorted(set(PROFILES) - {p.id for p in runnable})]
+    return ["auto", *(p.id for p in runnable)]
 
 
-MAX_CUDA_DEVICES = 8
-
-
-def ordered_devices() -> list[str]:
-    """'auto', 'cpu', the CUDA devices that exist here, then the other cuda:N (kept for saved workflows)."""
+def present_devices() -> list[str]:
+    """'auto', 'cpu' and the CUDA devices this machine has."""
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    present = [f"cuda:{i}" for i in range(count)]
-    return ["auto", "cpu", *present, *(f"cuda:{i}" for i in range(max(count, MAX_CUDA_DEVICES)) if f"cuda:{i}" not in present)]
+    return ["auto", "cpu", *(f"cuda:{i}" for i in range(count))]
+
+
+def official_transformer(path: Path, profile: Any) -> Path:
+    """The transformer weights official weights compile from for a profile: a single file as it is; in a diffusers
+    model root, the profile's partition folder (`transformer/`, or `transformer_ref/` for the ref2va profiles)."""
+    return path if path.is_file() else path / profile.variant
+
+
+def check_model_option(folders: Folders, model: str) -> str:
+    """The model option alone, as the loader's `validate_inputs` checks it when the graph is queued: it resolves (else
+    one refusal naming the models folder it belongs in), and a single-file transformer is in a form Vflash reads (its
+    header only: quantized formats without an exact dequantization are refused). Returns the resolved path."""
+    if model == DEMO:
+        return ""
+    path = resolve(folders, model)
+    if model.startswith("diffusion_models/"):
+        from vflash_core.weights.checkpoint import SourceWeights
+
+        SourceWeights(path)
+    return str(path)
 
 
 def check_loader(host: Host, folders: Folders, model: str, profile: str, weight_residency: str, device: str,
@@ -490,16 +508,19 @@ def check_loader(host: Host, folders: Folders, model: str, profile: str, weight_
     check_choice("attention_backend", attention_backend, tuple(BACKENDS))
     if profile != "auto":
         get_profile(profile)  # an unknown profile is refused before the model option is resolved
-    path = "" if model == DEMO else str(resolve(folders, model))
+    path = check_model_option(folders, model)
     chosen = recorded_profile(model, path, profile)
     if model.startswith(("diffusers/", "diffusion_models/")):
         from vflash_core.weights.checkpoint import SourceWeights
 
         if chosen is None:
-            raise VflashError(f"{model} holds official weights; choose the profile to compile them for (e.g. {ordered_profiles()[1]})")
+            raise VflashError(f"{model} holds official weights; choose the profile to compile them for (e.g. {runnable_profiles()[1]})")
+        transformer = official_transformer(Path(path), chosen)
+        if not transformer.exists():
+            raise VflashError(f"{model} has no {transformer.name}/: profile {chosen.id} compiles the {transformer.name} partition of a model root")
         # The file's form (header and scales only): quantized formats without an exact dequantization are refused, and
         # a pruned file pairs only with a -pruned profile.
-        SourceWeights(path if Path(path).is_file() else Path(path) / "transformer").check_profile(chosen)
+        SourceWeights(transformer).check_profile(chosen)
     if device == "auto" and chosen is not None and chosen.arch == "cpu":
         device = "cpu"  # a CPU-compiled profile (the embedded demo's) runs on the CPU whatever the host's device
     resolved = resolve_device(host, device)
@@ -511,6 +532,26 @@ def check_loader(host: Host, folders: Folders, model: str, profile: str, weight_
         if peer is not None:
             check_profile_device(chosen, peer, "peer device")
     return path, resolved, peer
+
+
+LOADER_WIDGETS = ("model", "profile", "weight_residency", "device", "peer_device", "strategy", "attention_backend")
+
+
+def loader_refusals(prompt: Mapping[str, Mapping[str, Any]] | None, host: Host, folders: Folders) -> list[str]:
+    """`check_loader` for every VflashModelLoader of an API prompt whose widgets are constants: the checks across its
+    widgets (the profile vs the file and the devices). They run here, not in the loader's `validate_inputs`, because
+    ComfyUI files a refusal of `validate_inputs` once per argument it takes. Cheap: headers and manifests only."""
+    out: list[str] = []
+    for nid, node in (prompt or {}).items():
+        if not isinstance(node, Mapping) or node.get("class_type") != "VflashModelLoader":
+            continue
+        widgets = node.get("inputs", {})
+        if not all(isinstance(widgets.get(name), str) for name in LOADER_WIDGETS):
+            continue  # a linked widget: the loader checks its value when it runs
+        reason = refusal(check_loader, host, folders, *(widgets[name] for name in LOADER_WIDGETS))
+        if reason is not True:
+            out.append(f"node {nid} (VflashModelLoader): {reason}")
+    return out
 
 
 def _linked(value: Any) -> bool:
@@ -569,9 +610,10 @@ def graph_refusals(prompt: Mapping[str, Mapping[str, Any]] | None, folders: Fold
     return out
 
 
-def check_graph(prompt: Mapping[str, Mapping[str, Any]] | None, folders: Folders) -> None:
-    """Raise the graph's refusals (see `graph_refusals`); the Vflash nodes that do model work call it first."""
-    refusals = graph_refusals(prompt, folders)
+def check_graph(prompt: Mapping[str, Mapping[str, Any]] | None, host: Host, folders: Folders) -> None:
+    """Raise the graph's refusals (`loader_refusals`, then `graph_refusals`); the Vflash nodes that do model work call
+    it first, so whichever of them ComfyUI runs first refuses the graph before any Vflash model work."""
+    refusals = loader_refusals(prompt, host, folders) + graph_refusals(prompt, folders)
     if refusals:
         raise VflashError("this graph cannot run: " + "; ".join(refusals))
 
@@ -586,10 +628,12 @@ def refusal(check: Callable[..., Any], *args: Any) -> bool | str:
 
 
 def validate_device(host: Host, device: str) -> bool | str:
-    """`validate_inputs` of a device widget: True, or why the device cannot be used here."""
-    if device not in ordered_devices():
-        return f"device must be one of {', '.join(ordered_devices())}, got {device!r}"
-    return refusal(resolve_device, host, device)
+    """`validate_inputs` of a device widget: True, or why the device cannot be used here (a saved workflow's cuda:N
+    that this machine lacks is named as such before the list is)."""
+    reason = refusal(resolve_device, host, device)
+    if reason is True and device not in present_devices():
+        return f"device must be one of {', '.join(present_devices())}, got {device!r}"
+    return reason
 
 
 def model_spec(host: Host, folders: Folders, model: str, profile: str, weight_residency: str, device: str, peer_device: str,

@@ -11,7 +11,9 @@ VflashVAE = io.Custom("VFLASH_VAE")  # video + audio VAE pair spec
 VflashCond = io.Custom("VFLASH_COND")  # encoded prompt, keyframes / references and the geometry they were encoded for
 VflashLora = io.Custom("VFLASH_LORA")  # chain of (LoRA file, strength)
 
-# Node search: every Vflash node is found by these words (display names also say "MiniMax-H3").
+# Node search: every Vflash node is found by these words. They only widen the match: the frontend ranks a display
+# name or node id that starts with the query first, shorter ones before longer, so the display names start with
+# "MiniMax H3 Vflash" and the node ids with "Vflash" (the sampler and the all-in-one node are the shortest).
 SEARCH_ALIASES = ["minimax", "minimax h3", "h3", "video audio", "video + audio", "soundtrack", "vflash"]
 
 
@@ -20,13 +22,13 @@ def aliases(*extra: str) -> list[str]:
 
 
 def peer_devices() -> list[str]:
-    return ["none", *(d for d in ops.ordered_devices() if d.startswith("cuda:"))]
+    return ["none", *(d for d in ops.present_devices() if d.startswith("cuda:"))]
 
 
 DEVICE_TOOLTIP = (
     "'auto' = ComfyUI's compute device, read when the node runs (get_torch_device(); --cpu gives cpu); a model compiled "
-    "for a CPU profile (embedded-demo) runs on the CPU. The devices present on this machine are listed first; a cuda:N "
-    "that does not exist here is refused when the graph is queued, never a fallback."
+    "for a CPU profile (embedded-demo) runs on the CPU. Only the devices this machine has are listed; a saved cuda:N "
+    "that it lacks is refused when the graph is queued, never a fallback."
 )
 
 TE_TOOLTIP = (

@@ -19,6 +19,20 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 TINY = H3Config.preset("tiny")
 
+# The example workflows: each API twin (workflows/api/<name>.json, what `vflash run-workflow` and `POST /prompt` take) and
+# its UI template (workflows/<title>.json). ComfyUI's template browser shows a custom node's template by its file name,
+# as its title and, dashes and underscores read as spaces, as its description, and searches those words: so the title
+# says what the graph does and holds "MiniMax", "H3" and "Vflash".
+TEMPLATES = {
+    "t2va": "MiniMax H3 Vflash - text to video + audio (demo weights)",
+    "i2va": "MiniMax H3 Vflash - first frame to video + audio (demo weights)",
+    "fl2va": "MiniMax H3 Vflash - first + last frame to video + audio (demo weights)",
+    "t2va_core_save": "MiniMax H3 Vflash - text to video + audio, core latent and Save Video (demo weights)",
+    "t2va_core_loaders": "MiniMax H3 Vflash - text to video + audio from Comfy-Org files",
+    "ref2va": "MiniMax H3 Vflash - reference image to video + audio (official weights)",
+    "t2va_two_gpu_sequence_head": "MiniMax H3 Vflash - text to video + audio on two GPUs (official weights)",
+}
+
 
 def pytest_collection_modifyitems(config, items):
     cuda = torch.cuda.is_available()

@@ -266,19 +266,30 @@ def comfy_files(pack):
     return folder
 
 
-def test_model_loader_takes_comfy_files_and_refuses_mismatches_when_queued(pack, comfy_files):
+def test_model_loader_takes_comfy_files_and_refuses_mismatches_before_model_work(pack, comfy_files):
+    """When queued the loader checks the file alone (an int8_convrot file is refused); the file vs the profile is
+    refused by the first Vflash node that runs (`ops.check_graph` reads the loader's widgets from the prompt)."""
     loader = pack.nodes["VflashModelLoader"]
     options = pack.schema("VflashModelLoader").inputs[0].options
     assert {f"diffusion_models/{n}" for n in ("h3_demo_pruned.safetensors", "h3_demo_fp8_scaled.safetensors", "h3_int8_convrot.safetensors")} <= set(options)
-    widgets = dict(weight_residency="auto", device="cpu", peer_device="none", strategy="sequence-head", attention_backend="auto")
-    assert loader.validate_inputs(model="diffusion_models/h3_demo_pruned.safetensors", profile="t2va-base4-pruned-cpu", **widgets) is True
-    assert loader.validate_inputs(model="diffusion_models/h3_demo_fp8_scaled.safetensors", profile="t2va-base4-exact-cpu", **widgets) is True
-    refusal = loader.validate_inputs(model="diffusion_models/h3_demo_pruned.safetensors", profile="t2va-base4-exact-cpu", **widgets)
-    assert "compiles only for a -pruned profile" in refusal and "t2va-base4-pruned-cpu" in refusal
-    refusal = loader.validate_inputs(model="diffusion_models/h3_demo_fp8_scaled.safetensors", profile="t2va-base4-pruned-cpu", **widgets)
-    assert "holds the full AdaLN weights" in refusal
-    refusal = loader.validate_inputs(model="diffusion_models/h3_int8_convrot.safetensors", profile="t2va-base4-exact-cpu", **widgets)
+    assert loader.validate_inputs(model="diffusion_models/h3_demo_pruned.safetensors") is True
+    assert loader.validate_inputs(model="diffusion_models/h3_demo_fp8_scaled.safetensors") is True
+    refusal = loader.validate_inputs(model="diffusion_models/h3_int8_convrot.safetensors")
     assert "int8_convrot" in refusal and "no exact dequantization" in refusal and "fp8_scaled" in refusal
+
+    ops = pack.package.ops
+    widgets = dict(weight_residency="auto", device="cpu", peer_device="none", strategy="sequence-head", attention_backend="auto")
+
+    def refusals(model: str, profile: str) -> list[str]:
+        prompt = {"1": {"class_type": "VflashModelLoader", "inputs": dict(model=f"diffusion_models/{model}", profile=profile, **widgets)}}
+        return ops.loader_refusals(prompt, pack.package.host.HOST, pack.package.host.FOLDERS)
+
+    assert refusals("h3_demo_pruned.safetensors", "t2va-base4-pruned-cpu") == []
+    assert refusals("h3_demo_fp8_scaled.safetensors", "t2va-base4-exact-cpu") == []
+    (refusal,) = refusals("h3_demo_pruned.safetensors", "t2va-base4-exact-cpu")
+    assert refusal.startswith("node 1 (VflashModelLoader): ") and "compiles only for a -pruned profile" in refusal and "t2va-base4-pruned-cpu" in refusal
+    (refusal,) = refusals("h3_demo_fp8_scaled.safetensors", "t2va-base4-pruned-cpu")
+    assert "holds the full AdaLN weights" in refusal
     assert not list(comfy_files.parent.glob("vflash/compiled/*"))  # refusals write nothing
 
 

@@ -21,6 +21,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from conftest import TEMPLATES
 
 COMFYUI_ROOT = os.environ.get("COMFYUI_ROOT")
 pytestmark = pytest.mark.skipif(not COMFYUI_ROOT, reason="set COMFYUI_ROOT to a ComfyUI checkout to run the real-server tests")
@@ -200,15 +201,31 @@ def test_pack_loaded_and_published(server):
         assert "embedded-demo" in json.loads(r.read())["VflashModelLoader"]["input"]["required"]["model"][1]["options"]
 
 
-def test_ui_workflows_are_listed_as_templates(server):
-    """ComfyUI serves workflows/*.json as this pack's templates (and does not descend into workflows/api/)."""
+def test_templates_are_listed_and_load_with_their_model_files_and_thumbnails(server):
+    """ComfyUI serves workflows/*.json as this pack's templates (not workflows/api/), each by its title, with its
+    <title>.jpg thumbnail; a template loads with the model metadata the frontend's Missing Models uses (each file's
+    name, URL and folder, in the properties of the node that reads it), as served to the browser."""
+    import urllib.parse
     import urllib.request
 
     with urllib.request.urlopen(server.url + "/workflow_templates") as r:
         templates = json.loads(r.read())
-    assert sorted(templates["vflash"]) == sorted(p.stem for p in (REPO / "workflows").glob("*.json"))
-    with urllib.request.urlopen(server.url + "/api/workflow_templates/vflash/t2va.json") as r:
-        assert json.loads(r.read()) == json.loads((REPO / "workflows" / "t2va.json").read_text())
+    assert sorted(templates["vflash"]) == sorted(TEMPLATES.values())
+    for title in TEMPLATES.values():
+        quoted = urllib.parse.quote(title)
+        with urllib.request.urlopen(f"{server.url}/api/workflow_templates/vflash/{quoted}.json") as r:
+            assert json.loads(r.read()) == json.loads((REPO / "workflows" / f"{title}.json").read_text())
+        with urllib.request.urlopen(f"{server.url}/api/workflow_templates/vflash/{quoted}.jpg") as r:
+            assert r.headers["Content-Type"] == "image/jpeg" and r.read()[:3] == b"\xff\xd8\xff"
+    with urllib.request.urlopen(f"{server.url}/api/workflow_templates/vflash/{urllib.parse.quote(TEMPLATES['t2va_core_loaders'])}.json") as r:
+        nodes = {n["id"]: n for n in json.loads(r.read())["nodes"]}
+    hub = "https://huggingface.co/Comfy-Org/MiniMax-H3/resolve/main"
+    assert nodes[1]["properties"]["models"] == [{"name": "diffusion_models/minimax_h3_fl2va_bf16.safetensors", "directory": "diffusion_models",
+                                                  "url": f"{hub}/diffusion_models/minimax_h3_fl2va_bf16.safetensors"}]
+    assert nodes[2]["properties"]["models"] == [{"name": "qwen3vl_32b_minimax_h3_nvfp4_awq.safetensors", "directory": "text_encoders",
+                                                  "url": f"{hub}/text_encoders/qwen3vl_32b_minimax_h3_nvfp4_awq.safetensors"}]
+    assert [nodes[i]["properties"]["models"][0]["url"] for i in (3, 12)] == [f"{hub}/vae/minimax_h3_video_vae_fp16.safetensors",
+                                                                           f"{hub}/vae/minimax_h3_audio_vae_fp32.safetensors"]
 
 
 @pytest.mark.parametrize("name,changes", [
@@ -254,9 +271,10 @@ def test_interrupt_then_next_run_succeeds(server, tmp_path):
 # -- early refusal and core's text conditioning ------------------------------------------------------------------------
 
 
-def test_sm90_profile_on_cpu_is_refused_at_validation_before_any_model_loads(server):
-    """Official weights with an sm90 profile on this CPU-only server: ComfyUI rejects the graph when it is queued
-    (HTTP 400 naming the loader), nothing executes, and no receipt or compiled folder is written."""
+def test_sm90_profile_on_cpu_is_refused_when_queued_before_any_model_loads(server):
+    """Official weights with an sm90 profile on this CPU-only server: the profile list holds only what this machine
+    runs, so ComfyUI rejects the graph when it is queued (HTTP 400, one error on the loader's profile, naming what is
+    here), nothing executes, and no receipt or compiled folder is written."""
     from safetensors.torch import save_file
 
     from vflash_core.engine.config import H3Config
@@ -270,9 +288,32 @@ def test_sm90_profile_on_cpu_is_refused_at_validation_before_any_model_loads(ser
     workflow = _workflow("t2va", {"1": {"model": "diffusion_models/h3_sm90.safetensors", "profile": "t2va-base16-bf16-sm90"}})
     result = asyncio.run(server.run_prompt(workflow))
     assert result["status"] == "rejected" and result["http_status"] == 400, result
-    errors = result["body"]["node_errors"]["1"]["errors"]
-    assert any("runs on sm90 GPUs" in e["details"] and "cpu" in e["details"] for e in errors), errors
+    (error,) = result["body"]["node_errors"]["1"]["errors"]
+    assert error["type"] == "value_not_in_list" and error["extra_info"]["input_name"] == "profile", error
+    assert "t2va-base16-bf16-sm90" in error["details"] and "t2va-base4-exact-cpu" in error["details"], error
     assert "Vflash: preparing" not in server.tail(400) and not list((server.work / "models" / "vflash").rglob("*receipt*"))
+
+
+@pytest.mark.parametrize("name,folder,file,cpu_profile", [
+    ("t2va_core_loaders", "diffusion_models", "minimax_h3_fl2va_bf16.safetensors", "t2va-base4-exact-cpu"),
+    ("ref2va", "diffusers", "MiniMax-H3", "ref2va-base4-exact-cpu"),
+])
+def test_a_missing_model_is_one_error_naming_its_folder(server, name, folder, file, cpu_profile):
+    """A template's transformer is not here: ComfyUI rejects the graph when it is queued with one error on the Vflash
+    loader, on its model option, naming the folder the file belongs in (ComfyUI files a refusal of `validate_inputs`
+    once per argument it takes; the loader's takes the model option alone). As shipped, the template's sm90 profile is
+    one more error on this CPU machine, on the profile widget: one error per problem, none repeated."""
+    workflow = json.loads((API / f"{name}.json").read_text())
+    workflow["1"]["inputs"]["profile"] = cpu_profile
+    result = asyncio.run(server.run_prompt(workflow))
+    assert result["status"] == "rejected" and result["http_status"] == 400, result
+    (error,) = result["body"]["node_errors"]["1"]["errors"]
+    assert error["type"] == "custom_validation_failed" and error["extra_info"]["input_name"] == "model", error
+    assert f"model - {folder}/{file} is missing: {file} belongs in models/{folder} (ComfyUI looks in " in error["details"], error
+    shipped = asyncio.run(server.run_prompt(json.loads((API / f"{name}.json").read_text())))
+    errors = shipped["body"]["node_errors"]["1"]["errors"]
+    assert sorted(e["extra_info"]["input_name"] for e in errors) == ["model", "profile"], errors
+    assert all(len(node["errors"]) == 1 for nid, node in shipped["body"]["node_errors"].items() if nid != "1"), shipped
 
 
 def test_profile_vs_request_is_refused_before_any_model_loads(server):
@@ -428,6 +469,7 @@ def test_int8_convrot_file_is_refused_when_queued(server):
     workflow = _workflow("t2va", {"1": {"model": "diffusion_models/h3_int8_convrot.safetensors", "profile": "t2va-base4-exact-cpu"}})
     result = asyncio.run(server.run_prompt(workflow))
     assert result["status"] == "rejected" and result["http_status"] == 400, result
-    details = " ".join(e["details"] for e in result["body"]["node_errors"]["1"]["errors"])
+    (error,) = result["body"]["node_errors"]["1"]["errors"]
+    details = error["details"]
     assert "int8_convrot" in details and "no exact dequantization" in details and "fp8_scaled" in details, details
     assert not list((server.work / "models" / "vflash").rglob("h3_int8_convrot*"))

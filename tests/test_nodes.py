@@ -188,6 +188,35 @@ def test_official_single_file_compiles_on_first_use(pack, comfy, model_files):
     registry.release("dit")
 
 
+def test_a_model_root_compiles_the_partition_of_its_profile(pack, model_files, monkeypatch):
+    """A diffusers model root holds both partitions (`transformer/` for t2va ... fl2va, `transformer_ref/` for ref2va,
+    as MiniMaxAI/MiniMax-H3 does): a ref2va profile prepares `transformer_ref/`, a t2va profile `transformer/`; a
+    root without the profile's partition is refused naming it, before anything is hashed."""
+    from vflash_core.engine.config import H3Config
+    from vflash_core.weights import compiler, synthetic
+
+    tiny = H3Config.preset("tiny")
+    root = model_files / "diffusers" / "H3-tiny-both"
+    synthetic.write_diffusers_transformer(root / "transformer", tiny, synthetic.random_internal_weights(tiny, seed=5))
+    synthetic.write_diffusers_transformer(root / "transformer_ref", tiny, synthetic.random_internal_weights(tiny, seed=6))
+    prepared = []
+
+    def stop(profile, transformer, *args, **kwargs):
+        prepared.append((profile.id, Path(transformer)))
+        raise VflashError("stopped after choosing the weights")
+
+    monkeypatch.setattr(compiler, "prepare", stop)
+    loader = pack.nodes["VflashModelLoader"]
+    widgets = dict(weight_residency="auto", device="cpu", peer_device="none", strategy="sequence-head", attention_backend="auto")
+    for profile in ("ref2va-base4-exact-cpu", "t2va-base4-exact-cpu"):
+        with pytest.raises(VflashError, match="stopped after choosing the weights"):
+            loader.execute(model="diffusers/H3-tiny-both", profile=profile, **widgets)
+    assert prepared == [("ref2va-base4-exact-cpu", root / "transformer_ref"), ("t2va-base4-exact-cpu", root / "transformer")]
+    with pytest.raises(VflashError, match="diffusers/H3-tiny has no transformer_ref/: profile ref2va-base4-exact-cpu compiles"):
+        loader.execute(model="diffusers/H3-tiny", profile="ref2va-base4-exact-cpu", **widgets)
+    assert len(prepared) == 2
+
+
 def test_first_use_compile_can_be_interrupted_and_publishes_nothing(pack, comfy, model_files):
     utils = importlib.import_module("comfy.utils")
     mm, updates = comfy

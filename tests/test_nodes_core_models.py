@@ -1,7 +1,7 @@
 """The Vflash nodes with ComfyUI core's own loaders (test-only stand-ins, over the headless host): core CLIP (CLIPLoader type minimax)
 and core VAEs (VAELoader, video + audio) drive Vflash Encode / Sampler / Decode; refusals happen before any model
-work; option lists put what this machine runs first; every socket has a tooltip and every node is found by
-"MiniMax-H3".
+work; option lists hold what this machine runs; every socket has a tooltip and every node is found by
+"MiniMax H3".
 
 The stand-in CLIP and VAEs compute the family's own diffusers numerics (see `comfy_standins/core_loaders.py`), so these
 tests check the node side: the presentation handed to core, the layouts taken from and given back to core's objects,
@@ -209,41 +209,53 @@ def official_weights(pack) -> str:
     return "diffusion_models/h3_early.safetensors"
 
 
-def test_sm90_profile_on_cpu_is_refused_at_validation_and_writes_nothing(pack, official_weights, monkeypatch):
+def test_the_loader_checks_its_model_option_when_queued_and_its_widgets_before_model_work(pack, official_weights, monkeypatch):
+    """When the graph is queued the loader checks its model option alone (ComfyUI files a refusal of validate_inputs
+    once per argument it takes): a missing file is one refusal naming the folder it belongs in. The checks across its
+    widgets (an sm90 profile on this CPU machine) run in the first Vflash node, naming what runs here, before anything
+    is prepared or loaded."""
     from vflash_core.weights import compiler
 
     pack.package.registry.ENGINES.release("all")
     loader = pack.nodes["VflashModelLoader"]
+    assert loader.validate_inputs(model=official_weights) is True and loader.validate_inputs(model="embedded-demo") is True
+    missing = loader.validate_inputs(model="diffusion_models/minimax_h3_fl2va_bf16.safetensors")
+    assert missing.startswith("diffusion_models/minimax_h3_fl2va_bf16.safetensors is missing: minimax_h3_fl2va_bf16.safetensors belongs in models/diffusion_models (ComfyUI looks in ")
+    assert loader.validate_inputs(model="diffusers/absent").startswith("diffusers/absent is missing: absent belongs in models/diffusers")
+
     widgets = dict(model=official_weights, profile="t2va-base16-bf16-sm90", weight_residency="auto", device="auto", peer_device="none",
                    strategy="sequence-head", attention_backend="auto")
-    message = loader.validate_inputs(**widgets)
-    assert isinstance(message, str) and "t2va-base16-bf16-sm90 runs on sm90 GPUs" in message and "cpu" in message
-    assert "t2va-base4-exact-cpu" in message  # names what runs here instead
+    host, folders = pack.package.host.HOST, pack.package.host.FOLDERS
+
+    def refusals(**changes) -> list[str]:
+        return ops.loader_refusals({"1": {"class_type": "VflashModelLoader", "inputs": {**widgets, **changes}}}, host, folders)
+
+    (refusal,) = refusals()
+    assert "t2va-base16-bf16-sm90 runs on sm90 GPUs" in refusal and "cpu" in refusal and "t2va-base4-exact-cpu" in refusal  # names what runs here
     touched = []
     monkeypatch.setattr(compiler, "prepare", lambda *a, **k: touched.append("prepare"))
     with pytest.raises(VflashError, match="runs on sm90 GPUs"):
         loader.execute(**widgets)
     compiled = Path(importlib.import_module("folder_paths").models_dir) / "vflash" / "compiled"
     assert touched == [] and not list(compiled.glob("h3_early*")) and "dit" not in pack.package.registry.ENGINES.loaded()
-    # cpu profiles, explicit devices that exist, and the demo pass validation
-    assert loader.validate_inputs(**{**widgets, "profile": "t2va-base4-exact-cpu"}) is True
-    assert loader.validate_inputs(**{**widgets, "model": "embedded-demo", "profile": "auto"}) is True
-    assert "cuda:3 does not exist" in loader.validate_inputs(**{**widgets, "model": "embedded-demo", "profile": "auto", "device": "cuda:3"})
-    assert "unknown profile" in loader.validate_inputs(**{**widgets, "profile": "t2va-nope"})
-    assert "not found" in loader.validate_inputs(**{**widgets, "model": "diffusers/absent"})
+    # cpu profiles, explicit devices that exist, and the demo pass
+    assert refusals(profile="t2va-base4-exact-cpu") == [] and refusals(model="embedded-demo", profile="auto") == []
+    assert "cuda:3 does not exist" in refusals(model="embedded-demo", profile="auto", device="cuda:3")[0]
+    assert "unknown profile" in refusals(profile="t2va-nope")[0]
+    assert refusals(model=["7", 0]) == []  # a linked widget is checked when the loader runs
     assert "does not exist" in pack.nodes["VflashTextEncoderLoader"].validate_inputs(device="cuda:1")
     assert pack.nodes["VflashVAELoader"].validate_inputs(device="cpu") is True
 
 
-def test_a_graph_with_an_sm90_profile_runs_no_node_on_cpu(pack, official_weights):
-    """The whole t2va graph, validated as ComfyUI validates a queued prompt: refused naming the loader, no node runs."""
-    from vflash_nodes.workflow import WorkflowError
-
+def test_a_graph_with_an_sm90_profile_is_refused_by_its_first_node_on_cpu(pack, official_weights):
+    """The whole t2va graph as ComfyUI runs it: the first Vflash node refuses it, naming the loader; nothing loads."""
+    registry = pack.package.registry.ENGINES
+    registry.release("all")
     workflow = apply_overrides(load_api_workflow(API / "t2va.json"), [f"1.model={official_weights}", "1.profile=t2va-base16-bf16-sm90"])
     ran = []
-    with pytest.raises(WorkflowError, match=r"node 1 \(VflashModelLoader\): profile t2va-base16-bf16-sm90 runs on sm90 GPUs"):
+    with pytest.raises(VflashError, match=r"node 1 \(VflashModelLoader\): profile t2va-base16-bf16-sm90 runs on sm90 GPUs"):
         execute(workflow, pack.node_types(workflow), on_node=lambda nid, class_type: ran.append(nid))
-    assert ran == []
+    assert len(ran) == 1 and registry.loaded() == {}
 
 
 @pytest.mark.parametrize("change,refusal", [
@@ -289,38 +301,46 @@ def test_profile_vs_mode_is_refused_before_the_transformer_is_touched(pack, monk
         ops.sample(registry, host, ref_profile, long[0], long[1], 0)
 
 
-def test_option_lists_put_what_runs_here_first(pack, monkeypatch):
+def test_option_lists_hold_only_what_runs_here(pack, monkeypatch):
+    from vflash_core.profiles import PROFILES
+
     loader = pack.schema("VflashModelLoader")
     by_id = {i.id: i for i in loader.inputs}
-    profiles = by_id["profile"].options
-    cpu = [p for p in profiles if p.endswith("-cpu")]
-    assert profiles[0] == "auto" and profiles[1:1 + len(cpu)] == cpu and set(profiles) - {"auto"} == set(importlib.import_module("vflash_core.profiles").PROFILES)
-    assert by_id["device"].options[:2] == ["auto", "cpu"] and "cuda:7" in by_id["device"].options  # saved workflows keep cuda:N
-    # On a machine with two sm90 GPUs: their profiles first, then the CPU's; present devices before absent ones.
+    assert by_id["profile"].options == ["auto", *sorted(p for p in PROFILES if p.endswith("-cpu"))]
+    assert by_id["device"].options == ["auto", "cpu"] and by_id["peer_device"].options == ["none"]
+    # On a machine with two sm90 GPUs: their profiles, then the CPU's; no profile of another architecture.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
-    ordered = ops.ordered_profiles()
-    sm90 = [p for p in ordered if p.endswith("-sm90")]
-    assert ordered[1:1 + len(sm90)] == sm90 and ordered[1 + len(sm90)].endswith("-cpu") and ordered[-1].endswith(("-sm86", "-sm89"))
-    assert ops.ordered_devices()[:4] == ["auto", "cpu", "cuda:0", "cuda:1"]
+    runnable = ops.runnable_profiles()
+    sm90 = sorted(p for p in PROFILES if p.endswith("-sm90"))
+    assert runnable == ["auto", *sm90, *sorted(p for p in PROFILES if p.endswith("-cpu"))]
+    assert ops.present_devices() == ["auto", "cpu", "cuda:0", "cuda:1"]
 
 
 # -- found where users look ------------------------------------------------------------------------------------------
 
 
 def test_names_aliases_and_tooltips_on_every_socket(pack):
+    """Every socket has a tooltip. The frontend looks a socket's tooltip up by its name, and an Autogrow slot's name
+    (`ref_images.ref_image_0`) is not an input of the node definition, so the slots' tooltips reach it through the
+    pack's locale file (`locales/en/nodeDefs.json`, key `ref_images_ref_image_0`), which holds exactly them."""
     io = importlib.import_module("comfy_api.latest").io
+    slots = {}
     for node_id, cls in pack.nodes.items():
         schema = cls.GET_SCHEMA()
-        assert "MiniMax-H3" in schema.display_name, node_id
-        assert {"minimax", "h3", "video audio"} <= set(schema.search_aliases), node_id
+        assert schema.display_name.startswith("MiniMax H3 Vflash "), node_id
+        assert {"minimax", "h3", "video audio", "vflash"} <= set(schema.search_aliases), node_id
         for inp in schema.inputs:
             children = inp.template.get_all() if isinstance(inp, io.Autogrow.Input) else [inp]
             for child in children:
                 assert child.tooltip, f"{node_id} input {child.id} has no tooltip"
+                if isinstance(inp, io.Autogrow.Input):
+                    slots.setdefault(node_id, {"inputs": {}})["inputs"][f"{inp.id}_{child.id}"] = {"tooltip": child.tooltip}
         for out in schema.outputs:
             assert out.tooltip, f"{node_id} output {out.id} has no tooltip"
+    assert json.loads((REPO / "locales" / "en" / "nodeDefs.json").read_text()) == slots
+    assert len(slots["VflashEncode"]["inputs"]) == 9 + 3 + 3 + 3
     encode = {i.id: i for i in pack.schema("VflashEncode").inputs}
     assert encode["te"].get_io_type() == "VFLASH_TE,CLIP" and encode["vae"].get_io_type() == "VFLASH_VAE,VAE" and encode["audio_vae"].optional
     assert "not bitwise" in pack.schema("VflashEncode").description

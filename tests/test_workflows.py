@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from comfy_standins import harness
+from conftest import TEMPLATES
 from vflash_nodes.workflow import (
     WorkflowError,
     _dynamic_combo_inputs,
@@ -30,7 +31,12 @@ REPO = Path(__file__).resolve().parent.parent
 UI_DIR = REPO / "workflows"
 API_DIR = UI_DIR / "api"
 INPUTS = UI_DIR / "inputs"
-NAMES = sorted(p.stem for p in UI_DIR.glob("*.json"))
+NAMES = sorted(TEMPLATES)
+
+
+def ui_file(name: str) -> Path:
+    """The UI template of the API twin `name`."""
+    return UI_DIR / f"{TEMPLATES[name]}.json"
 UI_ONLY = {"MarkdownNote", "Note"}
 
 
@@ -46,6 +52,39 @@ CORE_LOADERS = {"t2va_core_loaders"}  # core CLIPLoader / VAELoader: ComfyUI onl
 def test_the_set_of_workflows():
     assert NAMES == ["fl2va", "i2va", "ref2va", "t2va", "t2va_core_loaders", "t2va_core_save", "t2va_two_gpu_sequence_head"]
     assert sorted(p.stem for p in API_DIR.glob("*.json")) == NAMES
+    assert sorted(p.stem for p in UI_DIR.glob("*.json")) == sorted(TEMPLATES.values())
+    for title in TEMPLATES.values():
+        assert {"minimax", "h3", "vflash"} <= set(title.lower().replace("-", " ").split()), title  # what the template search matches
+
+
+COMFY_ORG = "https://huggingface.co/Comfy-Org/MiniMax-H3/resolve/main/"
+MODEL_FOLDERS = {"VflashModelLoader": "diffusion_models", "CLIPLoader": "text_encoders", "VAELoader": "vae"}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_templates_name_their_model_files_as_core_templates_do(name):
+    """A node whose widget names a model file carries that file's name, download URL and folder in its
+    `properties.models`, as core's own templates do: the frontend's Missing Models lists a missing file with them. The
+    files are Comfy-Org's MiniMax-H3 repack; a diffusers folder (the official-weight templates) is not a file the
+    frontend can list, and the demo templates name no file."""
+    for node in json.loads(ui_file(name).read_text())["nodes"]:
+        files = [v for v in node.get("widgets_values") or [] if isinstance(v, str) and v.endswith(".safetensors")]
+        models = node.get("properties", {}).get("models", [])
+        assert [m["name"] for m in models] == files, f"{name} node {node['id']}"
+        for model in models:
+            folder = MODEL_FOLDERS[node["type"]]
+            assert model == {"name": model["name"], "directory": folder, "url": f"{COMFY_ORG}{folder}/{model['name'].rsplit('/', 1)[-1]}"}, model
+    assert thumbnail(name).read_bytes()[:3] == b"\xff\xd8\xff"  # the template browser shows <template>.jpg
+
+
+def thumbnail(name: str) -> Path:
+    return ui_file(name).with_suffix(".jpg")
+
+
+def test_the_comfy_org_template_names_four_files():
+    files = [m["name"] for n in json.loads(ui_file("t2va_core_loaders").read_text())["nodes"] for m in n.get("properties", {}).get("models", [])]
+    assert sorted(files) == ["diffusion_models/minimax_h3_fl2va_bf16.safetensors", "minimax_h3_audio_vae_fp32.safetensors",
+                             "minimax_h3_video_vae_fp16.safetensors", "qwen3vl_32b_minimax_h3_nvfp4_awq.safetensors"]
 
 
 # -- API format ------------------------------------------------------------------------------------------------------
@@ -80,10 +119,10 @@ def test_api_checks_name_the_problem(pack):
     with pytest.raises(WorkflowError, match="missing required input 'seed'"):
         plan(broken, pack.node_types())
     with pytest.raises(WorkflowError, match="UI-format"):
-        check_api_workflow(json.loads((UI_DIR / "t2va.json").read_text()))
+        check_api_workflow(json.loads((ui_file("t2va")).read_text()))
     with pytest.raises(WorkflowError, match="no node 'nope'"):
         apply_overrides(workflow, ["nope.seed=1"])
-    assert apply_overrides(workflow, ["Vflash MiniMax-H3 Sampler.seed=5"])["5"]["inputs"]["seed"] == 5
+    assert apply_overrides(workflow, ["MiniMax H3 Vflash Sampler.seed=5"])["5"]["inputs"]["seed"] == 5
 
 
 def test_nested_inputs_follow_comfyui():
@@ -163,7 +202,7 @@ def ui_to_api(ui: dict, pack) -> dict:
 @pytest.mark.parametrize("name", NAMES)
 def test_ui_workflow_links_type_check(pack, name):
     io = importlib.import_module("comfy_api.latest").io
-    ui = json.loads((UI_DIR / f"{name}.json").read_text())
+    ui = json.loads((ui_file(name)).read_text())
     nodes = {n["id"]: n for n in ui["nodes"]}
     assert len(nodes) == len(ui["nodes"]) and ui["last_node_id"] >= max(nodes) and ui["last_link_id"] >= max(l[0] for l in ui["links"])
     known = set(pack.nodes) | set(pack.core) | UI_ONLY
@@ -188,7 +227,7 @@ def test_ui_workflow_links_type_check(pack, name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_ui_and_api_describe_the_same_graph(pack, name):
-    ui = json.loads((UI_DIR / f"{name}.json").read_text())
+    ui = json.loads((ui_file(name)).read_text())
     api = load_api_workflow(API_DIR / f"{name}.json")
     converted = ui_to_api(ui, pack)
     assert {k: v["class_type"] for k, v in converted.items()} == {k: v["class_type"] for k, v in api.items()}
@@ -295,7 +334,7 @@ def _boxes(ui: dict) -> dict[int, tuple[float, float, float, float]]:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_no_node_covers_another(name):
-    boxes = _boxes(json.loads((UI_DIR / f"{name}.json").read_text()))
+    boxes = _boxes(json.loads((ui_file(name)).read_text()))
     ids = sorted(boxes)
     for i, a in enumerate(ids):
         for b in ids[i + 1:]:
@@ -308,7 +347,7 @@ def test_no_node_covers_another(name):
 def test_nodes_are_at_least_as_large_as_the_frontend_draws_them(pack, name):
     """Heights leave room for every socket row and widget row (the frontend's rows are 20 px plus a little)."""
     io = importlib.import_module("comfy_api.latest").io
-    for node in json.loads((UI_DIR / f"{name}.json").read_text())["nodes"]:
+    for node in json.loads((ui_file(name)).read_text())["nodes"]:
         if node["type"] in UI_ONLY:
             continue
         schema = pack.schema(node["type"])
@@ -319,7 +358,7 @@ def test_nodes_are_at_least_as_large_as_the_frontend_draws_them(pack, name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_the_saved_view_shows_the_whole_graph(name):
-    ui = json.loads((UI_DIR / f"{name}.json").read_text())
+    ui = json.loads((ui_file(name)).read_text())
     ds = ui["extra"]["ds"]
     scale, (ox, oy) = ds["scale"], ds["offset"]
     for node_id, (x0, y0, x1, y1) in _boxes(ui).items():
@@ -333,7 +372,7 @@ def test_note_text_renders_as_written(name):
     """MarkdownNote renders HTML: a bare <Picture i> would be eaten as a tag, so prompt labels sit in code spans."""
     import re
 
-    for node in json.loads((UI_DIR / f"{name}.json").read_text())["nodes"]:
+    for node in json.loads((ui_file(name)).read_text())["nodes"]:
         if node["type"] == "MarkdownNote":
             text = node["widgets_values"][0]
             outside_code = re.sub(r"`[^`]*`", "", text)
