@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vflash_core.errors import VflashError
+from vflash_core.errors import Number, VflashError
 
 from .headless import comfy_io as io
 
@@ -44,7 +44,8 @@ class NodeType:
     inputs: every accepted input name (dotted names for dynamic inputs) -> io type ("INT", "IMAGE", "VFLASH_MODEL",
     "*" for any, comma-separated for several); required: the names that must be given; outputs: output io types.
     run(**inputs) returns a tuple with one value per output. validate(**constant inputs), when given, is called for
-    every node before anything runs (as ComfyUI validates a queued prompt): True, or the refusal as text.
+    every node before anything runs (as ComfyUI validates a queued prompt): True, or the refusal as text. numbers:
+    the INT and FLOAT inputs' widget ranges, checked as ComfyUI checks a queued prompt's values against min and max.
     """
 
     class_type: str
@@ -54,6 +55,7 @@ class NodeType:
     run: Callable[..., tuple]
     output_node: bool = False
     validate: Callable[..., Any] | None = None
+    numbers: Mapping[str, Number] = field(default_factory=dict)
 
 
 def types_compatible(output_type: str, input_type: str) -> bool:
@@ -64,8 +66,9 @@ def types_compatible(output_type: str, input_type: str) -> bool:
     return a <= b or b <= a
 
 
-# Python types a widget value of each io type may have, checked before anything runs (an INT is never a bool).
-_WIDGET_TYPES = {"INT": (int,), "FLOAT": (int, float), "BOOLEAN": (bool,), "STRING": (str,)}
+# Python types a BOOLEAN or STRING widget value may have, checked before anything runs (INT and FLOAT values are
+# `NodeType.numbers`').
+_WIDGET_TYPES = {"BOOLEAN": bool, "STRING": str}
 
 
 def is_link(value: Any) -> bool:
@@ -142,7 +145,7 @@ def plan(workflow: Mapping[str, Mapping[str, Any]], node_types: Mapping[str, Nod
     """Check the whole graph, then return the node ids to run, in dependency order.
 
     Raises `WorkflowError` listing every problem: unsupported class types, unknown or missing inputs, links to
-    missing nodes or outputs, type mismatches, cycles, no output node.
+    missing nodes or outputs, type mismatches, numbers outside their widgets' ranges, cycles, no output node.
     """
     unsupported = sorted({f"{nid} ({n['class_type']})" for nid, n in workflow.items() if n["class_type"] not in node_types})
     if unsupported:
@@ -159,8 +162,13 @@ def plan(workflow: Mapping[str, Mapping[str, Any]], node_types: Mapping[str, Nod
                 continue
             if not is_link(value):
                 expected = _WIDGET_TYPES.get(spec.inputs[name])
-                if expected is not None and (not isinstance(value, expected) or isinstance(value, bool) != (bool in expected)):
-                    problems.append(f"node {nid} ({spec.class_type}).{name} takes {spec.inputs[name]}, got {json.dumps(value)}")
+                if name in spec.numbers:
+                    try:
+                        spec.numbers[name].check(f"node {nid} ({spec.class_type}).{name}", value)
+                    except VflashError as exc:
+                        problems.append(str(exc))
+                elif expected is not None and (not isinstance(value, expected) or isinstance(value, bool) != (expected is bool)):
+                    problems.append(f"node {nid} ({spec.class_type}).{name} takes {spec.inputs[name]}, got {json.dumps(value)[:80]}")
                 continue
             src_id, index = value
             if src_id not in workflow:
@@ -274,37 +282,44 @@ def execute(
 def node_types(classes: Mapping[str, type], prompt: Mapping[str, Any] | None = None) -> dict[str, NodeType]:
     """The `NodeType`s of V3 node classes, read from their schemas: inputs (an autogrow group as its slots
     ``group.slot``, a dynamic combo as its own key plus its options' inputs, dotted), required inputs, outputs,
-    output node; `run` calls `execute` with `prompt` as the hidden prompt; `validate` is `validate_inputs` when the
-    class overrides it (as ComfyUI calls it), after the prompt and seed checks the Vflash nodes make when they run."""
+    output node, INT and FLOAT widget ranges; `run` calls `execute` with `prompt` as the hidden prompt; `validate` is
+    `validate_inputs` when the class overrides it (as ComfyUI calls it), after the prompt check the Vflash nodes make
+    when they run."""
     out = {}
     for node_id, cls in classes.items():
         schema = cls.GET_SCHEMA()
-        inputs, required = {}, set()
+        widgets, required = {}, set()
         for inp in schema.inputs:
             if isinstance(inp, io.Autogrow.Input):
                 slots = inp.template.get_all()
-                inputs.update({f"{inp.id}.{slot.id}": slot.get_io_type() for slot in slots})
+                widgets.update({f"{inp.id}.{slot.id}": slot for slot in slots})
                 required.update(f"{inp.id}.{slot.id}" for slot in slots[: 0 if inp.optional else inp.template.min])
                 continue
-            inputs.update(_dynamic_combo_inputs(inp, inp.id) if isinstance(inp, io.DynamicCombo.Input) else {inp.id: inp.get_io_type()})
-            if getattr(inp, "upload", None) is not None:  # the frontend's upload button: some exports carry its value
-                inputs["upload"] = "COMBO"
+            widgets.update(_dynamic_combo_inputs(inp, inp.id) if isinstance(inp, io.DynamicCombo.Input) else {inp.id: inp})
             if not inp.optional:
                 required.add(inp.id)
+        inputs = {key: "COMBO" if isinstance(inp, io.DynamicCombo.Input) else inp.get_io_type() for key, inp in widgets.items()}
+        if any(getattr(inp, "upload", None) is not None for inp in schema.inputs):  # the frontend's upload button: some exports carry its value
+            inputs["upload"] = "COMBO"
+        numbers = {key: Number(_NUMBER_KINDS[inputs[key]], getattr(inp, "min", None), getattr(inp, "max", None))
+                   for key, inp in widgets.items() if inputs[key] in _NUMBER_KINDS}
         own = cls.validate_inputs if cls.validate_inputs.__func__ is not io.ComfyNode.validate_inputs.__func__ else None
         out[node_id] = NodeType(node_id, inputs, frozenset(required), tuple(o.get_io_type() for o in schema.outputs),
-                                _runner(cls, schema, prompt), schema.is_output_node, _validator(own))
+                                _runner(cls, schema, prompt), schema.is_output_node, _validator(own), numbers)
     return out
 
 
-def _dynamic_combo_inputs(combo: io.DynamicCombo.Input, key: str) -> dict[str, str]:
-    """A dynamic combo's API keys: its own ("format") and its options' inputs, nested ones dotted further
-    ("format.codec", "format.codec.encoding", ...)."""
-    out = {key: "COMBO"}
+_NUMBER_KINDS = {"INT": int, "FLOAT": float}
+
+
+def _dynamic_combo_inputs(combo: io.DynamicCombo.Input, key: str) -> dict[str, io.Input]:
+    """A dynamic combo's API keys and their inputs: its own ("format") and its options' inputs, nested ones dotted
+    further ("format.codec", "format.codec.encoding", ...)."""
+    out: dict[str, io.Input] = {key: combo}
     for option in combo.options:
         for child in option.inputs:
             is_combo = isinstance(child, io.DynamicCombo.Input)
-            out.update(_dynamic_combo_inputs(child, f"{key}.{child.id}") if is_combo else {f"{key}.{child.id}": child.get_io_type()})
+            out.update(_dynamic_combo_inputs(child, f"{key}.{child.id}") if is_combo else {f"{key}.{child.id}": child})
     return out
 
 
@@ -322,10 +337,10 @@ def _runner(cls: type, schema: io.Schema, prompt: Mapping[str, Any] | None) -> C
 
 
 def _validator(own: Callable[..., Any] | None) -> Callable[..., Any]:
-    """Constant inputs checked before anything runs: a prompt and a seed as the Vflash nodes check them when they run
-    (headless, nothing refuses a seed outside its widget's range when the graph is queued), then the node's own
-    `validate_inputs` with the inputs its signature names."""
-    from vflash_core.pipeline.validation import check_prompt, check_seed
+    """Constant inputs checked before anything runs: a prompt as the Vflash nodes check it when they run, then the
+    node's own `validate_inputs` with the inputs its signature names (numbers are checked against their widgets'
+    ranges by `plan`)."""
+    from vflash_core.pipeline.validation import check_prompt
 
     accepted = inspect.signature(own).parameters if own is not None else {}
 
@@ -333,8 +348,6 @@ def _validator(own: Callable[..., Any] | None) -> Callable[..., Any]:
         try:
             if "prompt" in constants:
                 check_prompt(constants["prompt"])
-            if isinstance(constants.get("seed"), int):  # of another type: the type check reports it
-                check_seed(constants["seed"])
         except VflashError as exc:
             return str(exc)
         return own(**{k: v for k, v in constants.items() if k in accepted}) if own is not None else True

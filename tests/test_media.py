@@ -116,8 +116,8 @@ def test_encode_failure_leaves_no_partial_file(tmp_path, monkeypatch, video_inpu
     "kwargs, message",
     [
         (dict(video_input="socket"), "video_input must be one of file, pipe, got 'socket'"),
-        (dict(video_threads=0), "video_threads must be an integer from 1 to 256 .* got 0"),
-        (dict(video_threads=257), "video_threads must be an integer from 1 to 256 .* got 257"),
+        (dict(video_threads=0), "video_threads must be an integer from 1 to 256, got 0"),
+        (dict(video_threads=257), "video_threads must be an integer from 1 to 256, got 257"),
         (dict(sample_rate=12345), "AAC cannot encode 12345 Hz audio"),
         (dict(frames=torch.zeros(3, 63, 96, 3)), "even frame size, got 96x63"),
         (dict(frames=torch.zeros(3, 64, 96)), r"frames must be \(F, H, W, 3\) RGB"),

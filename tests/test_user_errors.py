@@ -182,7 +182,7 @@ def test_workflow_value_of_the_wrong_type_is_refused_before_any_model_loads(tmp_
         monkeypatch.setattr(node_ops, loader, refuse)
     workflow = Path(__file__).resolve().parent.parent / "workflows" / "api" / "t2va.json"
     line = refused(capsys, ["run-workflow", str(workflow), "--set", "4.width=wide", "--set", "4.force_offload=1", "--output-dir", str(tmp_path / "out")])
-    assert line == 'invalid workflow: node 4 (VflashEncode).width takes INT, got "wide"; node 4 (VflashEncode).force_offload takes BOOLEAN, got 1'
+    assert line == "invalid workflow: node 4 (VflashEncode).width must be an integer from 32 to 4,096, got str 'wide'; node 4 (VflashEncode).force_offload takes BOOLEAN, got 1"
     assert files_in(tmp_path) == []
 
 
@@ -510,10 +510,12 @@ def test_workflow_canvas_beyond_any_h3_model_is_refused_before_any_model_loads(t
         if hasattr(node_ops, loader):
             monkeypatch.setattr(node_ops, loader, refuse)
     workflow = Path(__file__).resolve().parent.parent / "workflows" / "api" / "t2va.json"
-    line = refused(capsys, ["run-workflow", str(workflow), "--set", "4.width=1000000000", "--set", "4.height=1000000000", "--output-dir", str(tmp_path / "out")])
-    assert line == ("the workflow was refused before running: node 5 (VflashSampler): canvas 1000000000x1000000000 is "
-                    "1,000,000,000,000,000,000 pixels; this model generates at most 1,032,192 (canvas_max_pixels, within rounding "
+    line = refused(capsys, ["run-workflow", str(workflow), "--set", "4.width=4096", "--set", "4.height=4096", "--output-dir", str(tmp_path / "out")])
+    assert line == ("the workflow was refused before running: node 5 (VflashSampler): canvas 4096x4096 is "
+                    "16,777,216 pixels; this model generates at most 1,032,192 (canvas_max_pixels, within rounding "
                     "to multiples of 32; e.g. 1344x768 at 16:9)")
+    line = refused(capsys, ["run-workflow", str(workflow), "--set", "4.width=1000000000", "--output-dir", str(tmp_path / "out")])
+    assert line == "invalid workflow: node 4 (VflashEncode).width must be an integer from 32 to 4,096, got 1000000000"
     assert files_in(tmp_path) == []
 
 
@@ -628,5 +630,5 @@ def test_malformed_transformer_config_and_workflow_values_are_one_line(tiny_tran
     assert refused(capsys, ["run-workflow", str(workflow), "--set", "Save.filename_prefix=y"]) == f"workflow {workflow}: node '1' has a '_meta' that is not an object"
     api = Path(__file__).resolve().parent.parent / "workflows" / "api" / "t2va.json"
     line = refused(capsys, ["run-workflow", str(api), "--set", "5.seed=" + "9" * 5000, "--output-dir", str(tmp_path / "out")])
-    assert line.startswith('invalid workflow: node 5 (VflashSampler).seed takes INT, got "9999')
+    assert line.startswith("invalid workflow: node 5 (VflashSampler).seed must be an integer from 0 to 9,223,372,036,854,775,807, got str '9999")
     assert not (tmp_path / "r.json").exists() and not (tmp_path / "out").exists()

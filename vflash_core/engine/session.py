@@ -31,7 +31,7 @@ from typing import Self
 
 import torch
 
-from ..errors import IdentityMismatchError, SessionClosedError, VflashError, check_choice
+from ..errors import IdentityMismatchError, Number, SessionClosedError, VflashError, check_choice
 from ..fileio import atomic_file, check_writable_destination
 from ..formats import device_arch
 from ..pipeline.memory_plan import (
@@ -70,6 +70,8 @@ logger = logging.getLogger(__name__)
 EXECUTIONS = ("auto", "fused", "reference")
 WEIGHT_RESIDENCIES = ("auto", "resident", "block-ring")  # where the core's blocks live on a GPU
 STRATEGIES = ("sequence-head", "tensor")  # how one request is split over several GPUs
+#: How long a rank waits for its peers in one collective: positive, and at most a day (a wait is a deadline).
+COLLECTIVE_TIMEOUT = Number(float, 0, 86_400, above=True, unit="seconds")
 _GIB = 1 << 30
 
 
@@ -166,6 +168,8 @@ class NativeEngineSession:
         block_loader: BlockLoader | None = None,
     ):
         start = time.perf_counter()
+        cap = cap_bytes(max_device_memory)  # checked before anything is read (a string or NaN is refused here)
+        COLLECTIVE_TIMEOUT.check("collective_timeout_seconds", collective_timeout_seconds)
         self.profile = get_profile(profile)
         peers = [] if peer_device is None else (list(peer_device) if isinstance(peer_device, (list, tuple)) else [peer_device])
         self.devices = [_as_device(device)] + [_as_device(p) for p in peers]
@@ -198,7 +202,7 @@ class NativeEngineSession:
         if plan is None and (self.device.type == "cuda" or max_device_memory is not None):  # else CPU, no cap: resident blocks
             # this session's own plan, for the core alone: its blocks and the profile's largest request
             largest = largest_request(self.profile, config)
-            plan = plan_memory(PartSizes.of(self.compiled), largest, self.devices, cap_bytes(max_device_memory), weight_residency)
+            plan = plan_memory(PartSizes.of(self.compiled), largest, self.devices, cap, weight_residency)
         elif plan is not None and weight_residency not in ("auto", plan.placement.core):
             raise VflashError(f"weight_residency={weight_residency!r} disagrees with the memory plan's {plan.placement.core!r}")
         self.plan = plan

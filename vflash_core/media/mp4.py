@@ -28,13 +28,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import VflashError, check_choice
+from ..errors import Number, VflashError, check_choice
 from ..fileio import atomic_file
 
 logger = logging.getLogger(__name__)
 
 VIDEO_INPUTS = ("file", "pipe")
-MAX_VIDEO_THREADS = 256
+#: The H.264 encoder's thread count, when given (None: FFmpeg's automatic choice).
+VIDEO_THREADS = Number(int, 1, 256)
 # x264 quality: visually lossless for generated content at moderate size.
 H264_OPTIONS = {"crf": "18", "preset": "medium"}
 AAC_BITRATE = 192_000
@@ -46,8 +47,8 @@ _AAC_FRAME = 1024
 def check_delivery_options(video_input: str, video_threads: int | None) -> None:
     """Validate the encoder options before any heavy work; raises `VflashError` naming the value."""
     check_choice("video_input", video_input, VIDEO_INPUTS)
-    if video_threads is not None and (isinstance(video_threads, bool) or not isinstance(video_threads, int) or not 1 <= video_threads <= MAX_VIDEO_THREADS):
-        raise VflashError(f"video_threads must be an integer from 1 to {MAX_VIDEO_THREADS} (or None for automatic), got {video_threads!r}")
+    if video_threads is not None:
+        VIDEO_THREADS.check("video_threads", video_threads)
 
 
 def quantize_frames(frames: torch.Tensor | np.ndarray) -> np.ndarray:

@@ -59,7 +59,15 @@ from ..engine.session import (
     SessionTiming,
     check_loader_hooks,
 )
-from ..errors import IdentityMismatchError, RequestError, RunFailedError, SessionClosedError, VflashError
+from ..errors import (
+    IdentityMismatchError,
+    Number,
+    RequestError,
+    RunFailedError,
+    SessionClosedError,
+    VflashError,
+    describe_value,
+)
 from ..fileio import atomic_file, check_input_file, check_writable_destination
 from ..formats import PIPELINE_FORMAT
 from ..media.conditioning import TEXT_ENCODER_LAYER, TextConditioner, TextEncoderLoader
@@ -81,19 +89,18 @@ from .model_loading import MODEL_LOAD_LOCK
 from .options import RunOptions
 from .validation import (
     ANCHORS,
+    PIXELS,
+    SECONDS,
     MediaInput,
     PromptBudget,
     RequestPlan,
     callback,
     check_generate_arguments,
-    describe_value,
-    integer,
     media_input,
     media_inputs,
     path_argument,
     plan_request,
     request_mode,
-    seconds,
 )
 
 logger = logging.getLogger(__name__)
@@ -135,15 +142,14 @@ class VideoRequest:
     def __post_init__(self) -> None:
         if not isinstance(self.prompt, str):
             raise RequestError(f"prompt must be a string, got {type(self.prompt).__name__}")
-        pixels = "an integer number of pixels"
         checked = {
             "first_frame": media_input(self.first_frame, "first_frame"),
             "last_frame": media_input(self.last_frame, "last_frame"),
             "references": media_inputs(self.references, "references"),
-            "duration_seconds": seconds(self.duration_seconds, "duration_seconds"),
-            "seed": integer(self.seed, "seed"),
-            "width": None if self.width is None else integer(self.width, "width", pixels),
-            "height": None if self.height is None else integer(self.height, "height", pixels),
+            "duration_seconds": SECONDS.check("duration_seconds", self.duration_seconds, RequestError),
+            "seed": Number(int).check("seed", self.seed, RequestError),  # its range: `check_seed`, with the request
+            "width": None if self.width is None else PIXELS.check("width", self.width, RequestError),
+            "height": None if self.height is None else PIXELS.check("height", self.height, RequestError),
         }
         for name, value in checked.items():
             object.__setattr__(self, name, value)  # frozen: normalised once, here

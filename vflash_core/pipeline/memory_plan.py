@@ -50,7 +50,7 @@ from ..engine.layout import (
     audio_latent_count,
     video_latent_frames,
 )
-from ..errors import RequestError, RunFailedError, VflashError
+from ..errors import Number, RequestError, RunFailedError, VflashError
 from ..media.references import CanvasRules
 from ..media.vae_decode import CALLS_IN_FLIGHT_PER_DEVICE, DEFAULT_WINDOWS_PER_CALL, DecodeGeometry
 
@@ -238,9 +238,15 @@ def device_budget(devices: Sequence[torch.device], cap: int | None) -> int:
     return min(budgets)
 
 
-def cap_bytes(max_device_memory: float | None) -> int | None:
-    """A user cap in GiB (`max_device_memory`) in bytes."""
-    return None if max_device_memory is None else int(max_device_memory * GIB)
+#: A user cap on device memory in GiB: positive, and bounded (1 PiB, far above any device) so that its byte count is
+#: an integer.
+DEVICE_MEMORY_GIB = Number(float, 0, 2**20, above=True, unit="GiB")
+
+
+def cap_bytes(max_device_memory: object, name: str = "max_device_memory") -> int | None:
+    """A user cap in GiB (`max_device_memory`, None for none) in bytes, checked by `DEVICE_MEMORY_GIB` (`name` in the
+    refusal)."""
+    return None if max_device_memory is None else int(DEVICE_MEMORY_GIB.check(name, max_device_memory) * GIB)
 
 
 class DeviceCap:

@@ -423,25 +423,36 @@ def _write_compiled(
 # -- command line ---------------------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    from ..pipeline.options import GPU_INDEX
+
     parser = argparse.ArgumentParser(prog="python -m vflash_core.weights.compiler", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="bind a profile to base weights (and adapter) in a receipt")
-    p.add_argument("--profile", required=True)
+    p.add_argument("--profile", required=True, help="profile id the weights are compiled for, e.g. t2va-base16-bf16-sm90")
     p.add_argument("--transformer", required=True, help="diffusers transformer/ folder, or an original-layout file/folder (Comfy-Org bf16, fp8_scaled or pruned single files too)")
     p.add_argument("--adapter", help="LoRA .safetensors the profile is built with")
     p.add_argument("--qkv-layout", choices=("stacked", "interleaved"), help="original layout only (default stacked)")
-    p.add_argument("--receipt", required=True)
+    p.add_argument("--receipt", required=True, help="receipt JSON to write (must not exist)")
     c = sub.add_parser("compile", help="compile a receipt into artifact/, schedule/ and auxiliary.safetensors")
-    c.add_argument("--receipt", required=True)
-    c.add_argument("--output", required=True)
+    c.add_argument("--receipt", required=True, help="receipt written by `prepare`")
+    c.add_argument("--output", required=True, help="folder to write (must not exist): artifact/, schedule/, auxiliary.safetensors")
     c.add_argument("--device", default="cpu", help="cpu or cuda:N (the profile's architecture)")
-    c.add_argument("--gpu", type=int, help="shorthand for --device cuda:N")
+    c.add_argument("--gpu", type=GPU_INDEX.option("--gpu"), help="shorthand for --device cuda:N")
     v = sub.add_parser("verify", help="re-hash a compiled folder against the sha256 recorded when it was written")
     v.add_argument("compiled", help="folder holding artifact/, schedule/ and auxiliary.safetensors")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    return run_command(lambda: _run(args), "error: ", "interrupted; nothing was published")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+
+    def run() -> None:
+        args = parser.parse_args(argv)  # inside: a refused number is a one-line error too
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        _run(args)
+
+    return run_command(run, "error: ", "interrupted; nothing was published")
 
 
 def _run(args: argparse.Namespace) -> None:

@@ -1,0 +1,99 @@
+"""The second wave of bad inputs and faults (issue 29): numbers, path escapes, stale compiles, forged files, full disks
+and killed writers, through the CLI, the compiler, run-workflow and the Python API.
+
+As in test_user_errors.py, each case asserts the one line, the exit status (2: bad request, option or file; 1: a
+valid request that could not complete), that no traceback reached the user and that nothing was written or left
+behind. The HTTP service's cases live in test_service.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+from test_user_errors import files_in, no_model_loads, refused  # noqa: F401 (a fixture, used by name)
+
+from vflash_core.errors import Number, VflashError
+from vflash_core.pipeline.options import RunOptions
+
+pytestmark = pytest.mark.timeout(300)
+
+API = Path(__file__).resolve().parent.parent / "workflows" / "api"
+
+
+# -- one number parser -----------------------------------------------------------------------------------------------
+
+
+def test_the_number_parser_refuses_what_is_no_number_of_its_kind_on_one_line():
+    gib = Number(float, 0, 2**20, above=True, unit="GiB")
+    assert gib.check("cap", 8) == 8.0 and isinstance(gib.check("cap", 8), float) and gib.parse("--cap", " 2.5 ") == 2.5
+    for value, shown in ((1e308, "1e+308"), (math.nan, "nan"), (-math.inf, "-inf"), (0, "0"), ("8", "str '8'"), (True, "bool True"),
+                         (None, "NoneType None"), (10**400, "1" + "0" * 36 + "...")):
+        with pytest.raises(VflashError, match=f"^{re.escape(f'cap must be a number of GiB above 0 and at most 1,048,576, got {shown}')}$"):
+            gib.check("cap", value)
+    count = Number(int, 1, 256)
+    assert count.check("n", 3) == 3 and count.parse("--n", "256") == 256
+    for value, shown in ((3.0, "float 3.0"), (0, "0"), (10**400, "1" + "0" * 36 + "...")):
+        with pytest.raises(VflashError, match=rf"^n must be an integer from 1 to 256, got {shown}$"):
+            count.check("n", value)
+    for text in ("1.5", "1e3", "", "9" * 5000):  # more digits than Python converts is no integer either
+        with pytest.raises(VflashError, match=r"^--n must be an integer from 1 to 256, got '"):
+            count.parse("--n", text)
+
+
+def test_numeric_options_out_of_range_are_one_line_before_anything_loads(h3_prepared, tmp_path, capsys, no_model_loads):
+    """`--max-device-memory 1e308` was an OverflowError traceback once the models had loaded (in a service worker's
+    job too), `serve --max-upload-mb 1e308` one before the service started; other numbers were argparse's two-line
+    usage errors."""
+    from vflash_core.weights.compiler import main as compiler_main
+
+    out = tmp_path / "out"
+    out.mkdir()
+    generate = ["generate", "--prepared-assets", str(h3_prepared), "--prompt", "x", "--output", str(out / "o.mp4")]
+    cases = [
+        ([*generate, "--max-device-memory", "1e308"], "--max-device-memory must be a number of GiB above 0 and at most 1,048,576, got 1e+308"),
+        ([*generate, "--max-device-memory", "nan"], "--max-device-memory must be a number of GiB above 0 and at most 1,048,576, got nan"),
+        ([*generate, "--seed", "abc"], "--seed must be an integer from 0 to 9,223,372,036,854,775,807, got 'abc'"),
+        ([*generate, "--duration", "inf"], "--duration must be a number of seconds, got inf"),
+        ([*generate, "--width", "448.0", "--height", "256"], "--width must be an integer number of pixels, got '448.0'"),
+        ([*generate, "--gpu", "-1"], "--gpu must be an integer of at least 0, got -1"),
+        ([*generate, "--media-video-threads", "1.5"], "--media-video-threads must be an integer from 1 to 256, got '1.5'"),
+        (["serve", "--demo", "--output-dir", str(out / "served"), "--max-upload-mb", "1e308"],
+         "--max-upload-mb must be a number of MiB above 0 and at most 1,048,576, got 1e+308"),
+        (["serve", "--demo", "--output-dir", str(out / "served"), "--cancel-grace", "1e308"],
+         "--cancel-grace must be a number of seconds above 0 and at most 86,400, got 1e+308"),
+        (["serve", "--demo", "--output-dir", str(out / "served"), "--max-queue", "0"], "--max-queue must be an integer of at least 1, got 0"),
+    ]
+    for argv, message in cases:
+        assert refused(capsys, argv) == message
+    assert compiler_main(["compile", "--receipt", "r.json", "--output", str(out / "c"), "--gpu", "x"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == ["error: --gpu must be an integer of at least 0, got 'x'"]
+    assert files_in(out) == []
+
+
+def test_numeric_arguments_of_the_python_api_are_checked_before_anything_is_read(tmp_path):
+    """`NativeEngineSession(max_device_memory=nan)` was a ValueError and `='8'` a ValueError after 1.6 s of loading;
+    `RunOptions(max_device_memory=1e308)` was accepted and failed in the worker's first job (OverflowError)."""
+    from vflash_core.engine.session import NativeEngineSession
+    from vflash_core.service import ServiceConfig
+
+    missing = {name: tmp_path / name for name in ("artifact", "schedule", "auxiliary.safetensors")}  # never read
+    for value, shown in ((math.nan, "nan"), ("8", "str '8'"), (1e308, "1e+308"), (True, "bool True")):
+        message = f"^{re.escape(f'max_device_memory must be a number of GiB above 0 and at most 1,048,576, got {shown}')}$"
+        with pytest.raises(VflashError, match=message):
+            NativeEngineSession("t2va-base4-exact-cpu", *missing.values(), max_device_memory=value)
+        with pytest.raises(VflashError, match=message):
+            RunOptions(max_device_memory=value)
+    with pytest.raises(VflashError, match=r"^collective_timeout_seconds must be a number of seconds above 0 and at most 86,400, got inf$"):
+        NativeEngineSession("t2va-base4-exact-cpu", *missing.values(), collective_timeout_seconds=math.inf)
+    receipt = tmp_path / "receipt.json"
+    receipt.write_text("{}")
+    for field, value, message in (("max_upload_bytes", 2**80, "max_upload_bytes must be an integer from 1 to 1,099,511,627,776, got 1208925819614629174706176"),
+                                  ("max_queue", "16", "max_queue must be an integer of at least 1, got str '16'"),
+                                  ("cancel_grace_seconds", 1e308, "cancel_grace_seconds must be a number of seconds above 0 and at most 86,400, got 1e+308")):
+        with pytest.raises(VflashError, match=f"^{re.escape(message)}$"):
+            ServiceConfig(receipt, tmp_path, **{field: value})
+    assert files_in(tmp_path) == [receipt]
