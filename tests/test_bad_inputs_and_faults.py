@@ -97,3 +97,45 @@ def test_numeric_arguments_of_the_python_api_are_checked_before_anything_is_read
         with pytest.raises(VflashError, match=f"^{re.escape(message)}$"):
             ServiceConfig(receipt, tmp_path, **{field: value})
     assert files_in(tmp_path) == [receipt]
+
+
+# -- input folders are boundaries ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_loader_runs(monkeypatch):
+    """Fail the test if a run-workflow loader node starts model work."""
+    from vflash_nodes import ops as node_ops
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a loader node ran for a workflow that must be refused when it is checked")
+
+    for loader in ("load_model", "load_component"):
+        monkeypatch.setattr(node_ops, loader, refuse)
+
+
+def test_a_graph_cannot_read_files_outside_its_input_folder(tmp_path, capsys, no_loader_runs):
+    """A LoadImage of `../outside.png` read a real PNG outside --input-dir and generated from it (exit 0)."""
+    from PIL import Image
+
+    inputs, out = tmp_path / "inputs", tmp_path / "out"
+    inputs.mkdir()
+    Image.new("RGB", (64, 64)).save(tmp_path / "outside.png")
+    Image.new("RGB", (64, 64)).save(inputs / "inside.png")
+    (inputs / "link-out.png").symlink_to(tmp_path / "outside.png")
+    (inputs / "link-in.png").symlink_to(inputs / "inside.png")
+    outside = f"is outside the input folder {inputs}"
+    for name, refusal in (("../outside.png", f"input file '../outside.png' {outside}"), (str(tmp_path / "outside.png"), f"input file '{tmp_path / 'outside.png'}' {outside}"),
+                          ("link-out.png", f"input file 'link-out.png' {outside}"), ("sub/../../outside.png", f"input file 'sub/../../outside.png' {outside}"),
+                          ("a\x00.png", "input file 'a\\x00.png' must not contain a NUL character")):
+        argv = ["run-workflow", str(API / "i2va.json"), "--input-dir", str(inputs), "--output-dir", str(out), "--set", f"8.image={name}"]
+        assert refused(capsys, argv) == f"the workflow was refused before running: node 8 (LoadImage): {refusal}"
+    # A link that stays inside the folder, and an absolute path into it, are files of the folder like any other.
+    from vflash_nodes.headless import installed
+
+    with installed(out, inputs):
+        import folder_paths
+
+        assert folder_paths.get_annotated_filepath("link-in.png") == str((inputs / "inside.png").resolve())
+        assert folder_paths.get_annotated_filepath(str(inputs / "inside.png")) == str((inputs / "inside.png").resolve())
+    assert not out.exists()

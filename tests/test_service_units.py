@@ -122,7 +122,7 @@ def test_client_paths_stay_inside_the_input_folder(tmp_path):
         assert "outside the input folder" in json.loads(info.value.text)["error"]
     with pytest.raises(web.HTTPBadRequest) as info:
         resolve_input_path("missing.png", policy)
-    assert "is not a file" in json.loads(info.value.text)["error"]
+    assert json.loads(info.value.text)["error"] == "input path 'missing.png' does not exist in the input folder"
     (inputs / "loop.png").symlink_to("loop.png")
     os.mkfifo(inputs / "fifo.png")
     for name, message in (("loop.png", "input path 'loop.png' is a symbolic link loop"), ("fifo.png", "input path 'fifo.png' is not a file in the input folder"),

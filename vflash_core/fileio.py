@@ -48,6 +48,10 @@ class OutputExistsError(VflashError):
     """The destination exists and overwriting was not requested."""
 
 
+class MissingInputError(VflashError):
+    """A file named inside an input folder is not there (`resolve_inside`)."""
+
+
 def _file_type(mode: int) -> str:
     for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
         if test(mode):
@@ -102,6 +106,29 @@ def read_text_file(path: str | Path, what: str, max_bytes: int, error: type[Vfla
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise error(f"{what} {path} is not UTF-8 text (byte {exc.start} is 0x{data[exc.start]:02x})") from None
+
+
+def resolve_inside(folder: str | Path, name: str, what: str) -> Path:
+    """The file `name` (relative to `folder`, or an absolute path into it) names, links resolved, which must lie inside
+    `folder`: an input folder is a boundary, so `..`, an absolute path elsewhere or a symbolic link out of it is refused
+    with `VflashError`, as is a name that is not a regular file there. The messages quote `name` as given, never the
+    resolved target outside."""
+    if not isinstance(name, str) or not name:
+        raise VflashError(f"{what} must be a non-empty file name, got {name!r}")
+    if "\x00" in name:
+        raise VflashError(f"{what} {name!r} must not contain a NUL character")
+    root = Path(folder).resolve()
+    try:
+        path = (root / name).resolve()
+    except (RuntimeError, OSError):  # a symbolic-link loop (RuntimeError before Python 3.13)
+        raise VflashError(f"{what} {name!r} is a symbolic link loop") from None
+    if not path.is_relative_to(root):
+        raise VflashError(f"{what} {name!r} is outside the input folder {folder}")
+    if not os.path.lexists(path):
+        raise MissingInputError(f"{what} {name!r} does not exist in the input folder {folder}")
+    if not path.is_file():
+        raise VflashError(f"{what} {name!r} is not a file in the input folder {folder}")
+    return path
 
 
 def check_writable_destination(path: str | Path, overwrite: bool = False) -> Path:

@@ -21,6 +21,7 @@ from comfy.nested_tensor import NestedTensor
 from comfy_api.latest import InputImpl, Types, io
 
 from vflash_core.errors import VflashError
+from vflash_core.fileio import MissingInputError
 
 from .. import comfy_latent as cl
 
@@ -31,10 +32,17 @@ def _input_files() -> list[str]:
 
 
 def _missing_input(name: Any) -> bool | str:
-    """`validate_inputs` of the file loaders: the file exists in the input folder (None: linked, checked later)."""
-    if name is None or (isinstance(name, str) and os.path.isfile(folder_paths.get_annotated_filepath(name))):
+    """`validate_inputs` of the file loaders: the name is a file inside the input folder (None: linked, checked
+    later)."""
+    if name is None:
         return True
-    return f"{os.path.join(folder_paths.get_input_directory(), str(name))} does not exist (set --input-dir)"
+    try:
+        folder_paths.get_annotated_filepath(name)
+    except MissingInputError as exc:
+        return f"{exc} (set --input-dir)"
+    except VflashError as exc:
+        return str(exc)
+    return True
 
 
 class EmptyMiniMaxH3LatentAV(io.ComfyNode):

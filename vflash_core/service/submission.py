@@ -25,6 +25,8 @@ from typing import Any
 from aiohttp import BodyPartReader, web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from ..errors import VflashError
+from ..fileio import resolve_inside
 from ..media.references import MAX_REFERENCES
 
 FILE_FIELDS = ("first_frame", "last_frame", "references")
@@ -135,20 +137,14 @@ def _string(name: str, value: object) -> str:
 
 
 def resolve_input_path(value: str, policy: InputPolicy) -> Path:
-    """A client path, resolved with symlinks; it must name a file inside the input folder."""
+    """A client path, resolved with symlinks; it must name a file inside the input folder (`fileio.resolve_inside`),
+    which the client is told of as "the input folder", never by its path on this host."""
     if policy.input_dir is None:
         raise bad_request(f"this service takes input files as uploads only (it was started without --input-dir); got path {value!r}")
-    if "\x00" in value:
-        raise bad_request("input paths must not contain NUL characters")
     try:
-        path = (policy.input_dir / value).resolve()
-    except (RuntimeError, OSError):  # a symbolic-link loop (RuntimeError before Python 3.13)
-        raise bad_request(f"input path {value!r} is a symbolic link loop") from None
-    if not path.is_relative_to(policy.input_dir):
-        raise bad_request(f"input path {value!r} is outside the input folder")
-    if not path.is_file():
-        raise bad_request(f"input path {value!r} is not a file in the input folder")
-    return path
+        return resolve_inside(policy.input_dir, value, "input path")
+    except VflashError as exc:
+        raise bad_request(str(exc).replace(f" {policy.input_dir}", "")) from None
 
 
 async def _read_multipart(request: web.Request, upload_dir: Path, policy: InputPolicy) -> tuple[dict[str, Any], dict[str, list[Path]]]:
