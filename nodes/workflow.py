@@ -20,6 +20,7 @@ import importlib
 import inspect
 import json
 import logging
+import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -72,7 +73,32 @@ _WIDGET_TYPES = {"BOOLEAN": bool, "STRING": str}
 
 
 def is_link(value: Any) -> bool:
+    """A link of a checked workflow (`check_api_workflow` writes every link so): [source node id, output index]."""
     return isinstance(value, list) and len(value) == 2 and isinstance(value[0], str) and isinstance(value[1], int)
+
+
+# Node ids as ComfyUI writes them: ASCII digits, a subgraph's or group node's inner nodes "12:3" (":"-joined).
+_NODE_ID = re.compile(r"[0-9]+(?::[0-9]+)*")
+
+
+def _node_id(value: Any) -> str | None:
+    """A node id in a form ComfyUI writes (an int, or a string of `_NODE_ID`), as the string it is keyed by; None
+    for anything else (a unicode digit such as "²", a float, a bool)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return str(value)
+    return value if isinstance(value, str) and _NODE_ID.fullmatch(value) else None
+
+
+def _link(value: list) -> list | None:
+    """[source id, output index] with either written as a string or an int, as [str, int]; None if it is not one."""
+    if len(value) != 2:
+        return None
+    source, index = _node_id(value[0]), value[1]
+    if isinstance(index, str) and index.isascii() and index.isdigit():
+        index = int(index)
+    if source is None or isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        return None
+    return [source, index]
 
 
 # -- loading and editing -------------------------------------------------------------------------------------------
@@ -93,7 +119,7 @@ def load_api_workflow(path: str | Path) -> dict[str, dict[str, Any]]:
         raise WorkflowError(f"workflow {path} nests arrays or objects too deeply") from None
     except ValueError as exc:
         raise WorkflowError(f"workflow {path} is not JSON ({exc})") from None
-    workflow = check_api_workflow(data, str(path))
+    workflow = check_api_workflow(data, f"workflow {path}")
     for node_id, node in workflow.items():
         if not isinstance(node.get("_meta", {}), dict):
             raise WorkflowError(f"workflow {path}: node {node_id!r} has a '_meta' that is not an object")
@@ -101,6 +127,10 @@ def load_api_workflow(path: str | Path) -> dict[str, dict[str, Any]]:
 
 
 def check_api_workflow(data: Any, what: str = "workflow") -> dict[str, dict[str, Any]]:
+    """The workflow in one form: node ids as strings, every link as [source id (str), output index (int)], whichever
+    of the forms ComfyUI writes it came in (int or numeric-string ids, `[id, index]` with either as a string). As in
+    ComfyUI, a list input value is a link; anything else is refused naming the node. Returns a new dict (`data` is
+    left as it is), so checking twice is harmless."""
     if isinstance(data, dict) and "nodes" in data and "links" in data:
         raise WorkflowError(
             f"{what} is a UI-format (graph) workflow; run-workflow takes the API format "
@@ -110,10 +140,26 @@ def check_api_workflow(data: Any, what: str = "workflow") -> dict[str, dict[str,
         data = data["prompt"]  # a saved `POST /prompt` body
     if not isinstance(data, dict) or not data:
         raise WorkflowError(f"{what}: an API workflow is a non-empty object of nodes")
-    for node_id, node in data.items():
+    out: dict[str, dict[str, Any]] = {}
+    for key, node in data.items():
+        node_id = _node_id(key)
+        if node_id is None:
+            raise WorkflowError(f"{what}: node id {key!r} is not one ComfyUI writes (ASCII digits, e.g. \"12\", or \"12:3\" inside a subgraph)")
+        if node_id in out:
+            raise WorkflowError(f"{what}: node {node_id} appears twice (as {key!r} too)")
         if not isinstance(node, dict) or not isinstance(node.get("class_type"), str) or not isinstance(node.get("inputs", {}), dict):
-            raise WorkflowError(f"{what}: node {node_id!r} needs a 'class_type' string and an 'inputs' object")
-    return data
+            raise WorkflowError(f"{what}: node {key!r} needs a 'class_type' string and an 'inputs' object")
+        inputs = {}
+        for name, value in node.get("inputs", {}).items():
+            if isinstance(value, list):
+                link = _link(value)
+                if link is None:
+                    raise WorkflowError(f"{what}: node {node_id} ({node['class_type']}).{name}: a list is a link, "
+                                        f"[source node id, output index], got {json.dumps(value)[:80]}")
+                value = link
+            inputs[name] = value
+        out[node_id] = {**node, "inputs": inputs}
+    return out
 
 
 def apply_overrides(workflow: dict[str, dict[str, Any]], assignments: Iterable[str]) -> dict[str, dict[str, Any]]:
@@ -131,10 +177,13 @@ def apply_overrides(workflow: dict[str, dict[str, Any]], assignments: Iterable[s
         inputs = out[matches[0]].setdefault("inputs", {})
         if is_link(inputs.get(name)):
             raise WorkflowError(f"--set {assignment!r}: input {name!r} of node {matches[0]} is a link, not a value")
-        try:  # a value is JSON if it parses (numbers, booleans, quoted strings, lists)
-            inputs[name] = json.loads(raw)
+        try:  # a value is JSON if it parses (numbers, booleans, quoted strings)
+            value = json.loads(raw)
         except (ValueError, RecursionError):  # not JSON, or a number beyond Python's digit limit: the raw string
-            inputs[name] = raw
+            value = raw
+        if isinstance(value, (list, dict)):  # a list would be read as a link
+            raise WorkflowError(f"--set {assignment!r}: a widget value is a number, a boolean or a string")
+        inputs[name] = value
     return out
 
 
@@ -147,6 +196,7 @@ def plan(workflow: Mapping[str, Mapping[str, Any]], node_types: Mapping[str, Nod
     Raises `WorkflowError` listing every problem: unsupported class types, unknown or missing inputs, links to
     missing nodes or outputs, type mismatches, numbers outside their widgets' ranges, cycles, no output node.
     """
+    workflow = check_api_workflow(workflow)
     unsupported = sorted({f"{nid} ({n['class_type']})" for nid, n in workflow.items() if n["class_type"] not in node_types})
     if unsupported:
         raise WorkflowError(
@@ -189,28 +239,45 @@ def plan(workflow: Mapping[str, Mapping[str, Any]], node_types: Mapping[str, Nod
     outputs = [nid for nid, n in workflow.items() if node_types[n["class_type"]].output_node]
     if not outputs:
         raise WorkflowError("the workflow has no output node (e.g. SaveVideo), so nothing would run")
+    return _dependency_order(workflow, sorted(outputs, key=_node_sort_key))
+
+
+def _dependency_order(workflow: Mapping[str, Mapping[str, Any]], outputs: list[str]) -> list[str]:
+    """The output nodes' ancestors, each after its sources, once each: a depth-first walk kept on an explicit stack
+    (a chain of 10,000 nodes is as deep as a graph gets, far beyond Python's recursion limit)."""
     order: list[str] = []
-    state: dict[str, int] = {}  # 1 visiting, 2 done
-
-    def visit(nid: str, path: tuple[str, ...]) -> None:
-        if state.get(nid) == 2:
-            return
-        if state.get(nid) == 1:
-            raise WorkflowError(f"the workflow has a cycle: {' -> '.join((*path, nid))}")
-        state[nid] = 1
-        for value in workflow[nid].get("inputs", {}).values():
-            if is_link(value):
-                visit(value[0], (*path, nid))
-        state[nid] = 2
-        order.append(nid)
-
-    for nid in sorted(outputs, key=_node_sort_key):
-        visit(nid, ())
+    done: set[str] = set()
+    for output in outputs:
+        if output in done:
+            continue
+        path: list[str] = [output]  # the nodes being visited, each waiting for its sources
+        on_path = {output}
+        pending = [iter(_sources(workflow, output))]
+        while pending:
+            source = next(pending[-1], None)
+            if source is None:
+                pending.pop()
+                finished = path.pop()
+                on_path.discard(finished)
+                done.add(finished)
+                order.append(finished)
+            elif source in on_path:
+                cycle = [*path[path.index(source):], source]
+                shown = cycle if len(cycle) <= 12 else [*cycle[:6], "...", *cycle[-5:]]  # one line, however long the cycle
+                raise WorkflowError(f"the workflow has a cycle of {len(cycle) - 1} node(s): {' -> '.join(shown)}")
+            elif source not in done:
+                path.append(source)
+                on_path.add(source)
+                pending.append(iter(_sources(workflow, source)))
     return order
 
 
-def _node_sort_key(node_id: str) -> tuple[int, str]:
-    return (int(node_id), "") if node_id.isdigit() else (1 << 62, node_id)
+def _sources(workflow: Mapping[str, Mapping[str, Any]], node_id: str) -> list[str]:
+    return [value[0] for value in workflow[node_id].get("inputs", {}).values() if is_link(value)]
+
+
+def _node_sort_key(node_id: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in node_id.split(":"))
 
 
 def nest_inputs(values: Mapping[str, Any]) -> dict[str, Any]:
@@ -248,6 +315,7 @@ def execute(
     """Check, then run the workflow's output nodes and their ancestors; `on_node(id, class_type)` before each.
     Every node's `validate` runs first (as ComfyUI validates a prompt when it is queued): a refusal stops the run
     before any node executes."""
+    workflow = check_api_workflow(workflow)
     order = plan(workflow, node_types)
     refusals = []
     for nid in order:
@@ -390,6 +458,7 @@ def run_headless(workflow: Mapping[str, Mapping[str, Any]], output_dir: str | Pa
     from . import ops
 
     output_dir = Path(output_dir)
+    workflow = check_api_workflow(workflow)  # the nodes read it as their hidden prompt: links in one form
     with headless_node_types(output_dir, input_dir, models_dir, workflow) as types:
         plan(workflow, types)
         folders = importlib.import_module(f"{__package__}.host").FOLDERS  # the install's, like comfy.utils below

@@ -139,3 +139,72 @@ def test_a_graph_cannot_read_files_outside_its_input_folder(tmp_path, capsys, no
         assert folder_paths.get_annotated_filepath("link-in.png") == str((inputs / "inside.png").resolve())
         assert folder_paths.get_annotated_filepath(str(inputs / "inside.png")) == str((inputs / "inside.png").resolve())
     assert not out.exists()
+
+
+# -- graphs: ids and links in every form ComfyUI writes, no recursion, save names checked first ----------------------
+
+
+def test_node_ids_and_links_in_every_form_comfyui_writes(tmp_path, capsys, no_loader_runs):
+    """A link written ["1", "0"] (a string output index) was an AttributeError traceback, a node id "²" (a unicode
+    digit: str.isdigit but not int()) a ValueError one."""
+    from vflash_nodes.workflow import check_api_workflow
+
+    workflow = json.loads((API / "t2va.json").read_text())
+    forms = check_api_workflow({int(k) if k == "6" else k: {**v, "inputs": {name: [int(x[0]), str(x[1])] if isinstance(x, list) and k == "7" else x
+                                                                   for name, x in v["inputs"].items()}} for k, v in workflow.items()})
+    assert forms == check_api_workflow(workflow) and forms["7"]["inputs"]["video"] == ["6", 2]
+    cases = [
+        ({"²": {"class_type": "SaveVideo", "inputs": {}}}, "node id '²' is not one ComfyUI writes"),
+        ({"1.5": {"class_type": "SaveVideo", "inputs": {}}}, "node id '1.5' is not one ComfyUI writes"),
+        ({**workflow, "7": {**workflow["7"], "inputs": {**workflow["7"]["inputs"], "video": ["6", "x"]}}},
+         'node 7 (SaveVideo).video: a list is a link, [source node id, output index], got ["6", "x"]'),
+        ({**workflow, "7": {**workflow["7"], "inputs": {**workflow["7"]["inputs"], "video": ["²", 0]}}},
+         'node 7 (SaveVideo).video: a list is a link, [source node id, output index], got ["\\u00b2", 0]'),
+        ({**workflow, "7": {**workflow["7"], "inputs": {**workflow["7"]["inputs"], "video": [6, 0, 1]}}},
+         "node 7 (SaveVideo).video: a list is a link, [source node id, output index], got [6, 0, 1]"),
+    ]
+    graph = tmp_path / "graph.json"
+    for data, message in cases:
+        graph.write_text(json.dumps(data))
+        assert refused(capsys, ["run-workflow", str(graph), "--output-dir", str(tmp_path / "out")]).startswith(f"workflow {graph}: {message}")
+    graph.write_text(json.dumps(forms))
+    assert refused(capsys, ["run-workflow", str(graph), "--output-dir", str(tmp_path / "out"), "--set", '7.video=["6", 2]']) == \
+        "--set '7.video=[\"6\", 2]': input 'video' of node 7 is a link, not a value"
+    assert refused(capsys, ["run-workflow", str(graph), "--output-dir", str(tmp_path / "out"), "--set", '4.prompt=["6", 2]']) == \
+        "--set '4.prompt=[\"6\", 2]': a widget value is a number, a boolean or a string"
+    assert files_in(tmp_path) == [graph]
+
+
+def test_a_chain_of_ten_thousand_nodes_is_planned_without_recursion(tmp_path, capsys):
+    """10,000 independent nodes worked; a chain of 10,000 was a RecursionError traceback."""
+    chain = {"1": {"class_type": "EmptyMiniMaxH3LatentAV", "inputs": {"width": 448, "height": 256, "length": 124}}}
+    for i in range(2, 10_002):
+        chain[str(i)] = {"class_type": "VflashUnload", "inputs": {"anything": [str(i - 1), 0], "what": "all"}}
+    chain["10002"] = {"class_type": "SaveVideo", "inputs": {"video": ["10001", 0], "filename_prefix": "x", "format": "mp4"}}
+    graph = tmp_path / "chain.json"
+    graph.write_text(json.dumps(chain))
+    assert main_output(capsys, ["run-workflow", str(graph), "--print-plan", "--output-dir", str(tmp_path / "out")]).startswith(
+        "1 EmptyMiniMaxH3LatentAV -> 2 VflashUnload -> 3 VflashUnload")
+    chain["2"]["inputs"]["anything"] = ["10001", 0]  # the chain closed into a cycle
+    graph.write_text(json.dumps(chain))
+    line = refused(capsys, ["run-workflow", str(graph), "--print-plan", "--output-dir", str(tmp_path / "out")])
+    assert line == "the workflow has a cycle of 10000 node(s): 2 -> 10001 -> 10000 -> 9999 -> 9998 -> 9997 -> ... -> 6 -> 5 -> 4 -> 3 -> 2"
+
+
+def main_output(capsys, argv: list[str]) -> str:
+    from vflash_core.cli.main import main
+
+    assert main(argv) == 0, capsys.readouterr().err
+    return capsys.readouterr().out
+
+
+def test_save_names_are_checked_before_the_graph_runs(tmp_path, capsys, no_loader_runs):
+    """A filename_prefix holding a NUL byte was a ValueError traceback; a 5,000-character one was refused only after
+    the whole graph had run (minutes of generation on a real model)."""
+    out = tmp_path / "out"
+    for prefix, message in (('"a\\u0000b"', "filename_prefix must not contain a NUL character"),
+                            ("a" * 5000, r"filename_prefix file name a{40}\.\.\. is 5011 bytes long; this folder takes names of at most \d+ bytes"),
+                            ("b" * 300 + "/clip", r"filename_prefix folder b{40}\.\.\. is 300 bytes long; this folder takes names of at most \d+ bytes")):
+        line = refused(capsys, ["run-workflow", str(API / "t2va.json"), "--output-dir", str(out), "--set", f"7.filename_prefix={prefix}"])
+        assert re.fullmatch(f"the workflow was refused before running: node 7 \\(SaveVideo\\): {message}", line), line
+    assert not out.exists()

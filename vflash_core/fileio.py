@@ -144,7 +144,7 @@ def check_writable_destination(path: str | Path, overwrite: bool = False) -> Pat
     check_folder(parent, "output folder")
     if not os.access(parent, os.W_OK):
         raise VflashError(f"output folder {parent} is not writable")
-    _check_name_length(path, parent, "output file name")
+    check_file_name(parent, path.name, "output file name")
     if os.path.lexists(path):
         if path.is_dir():
             raise VflashError(f"output {path} is a folder; give a file name inside it")
@@ -165,11 +165,12 @@ def read_json(path: str | Path, error: type[VflashError], missing: str, corrupt:
         raise error(corrupt) from None
 
 
-def _check_name_length(path: Path, parent: Path, what: str) -> None:
-    """The name leaves room for its temporary's (`atomic_file`, `atomic_directory`) in the folder's name limit."""
-    longest = _name_max(parent) - _TEMPORARY_OVERHEAD
-    if len(os.fsencode(path.name)) > longest:
-        raise VflashError(f"{what} {path.name[:40]}... is {len(os.fsencode(path.name))} bytes long; this folder takes names of at most {longest} bytes")
+def check_file_name(folder: Path, name: str, what: str) -> None:
+    """A name of a file or folder to be written in `folder` (or, while it does not exist yet, the folder it will be
+    created in): it leaves room for its temporary's (`atomic_file`, `atomic_directory`) in the folder's name limit."""
+    longest = _name_max(nearest_existing(folder)) - _TEMPORARY_OVERHEAD
+    if len(os.fsencode(name)) > longest:
+        raise VflashError(f"{what} {name[:40]}... is {len(os.fsencode(name))} bytes long; this folder takes names of at most {longest} bytes")
 
 
 def nearest_existing(path: Path) -> Path:
@@ -190,7 +191,7 @@ def check_new_directory(path: str | Path) -> Path:
         raise VflashError(f"output folder {path} cannot be created: {existing} is a file")
     if not os.access(existing, os.W_OK):
         raise VflashError(f"output folder {path} cannot be created: {existing} is not writable")
-    _check_name_length(path, existing, "output folder name")
+    check_file_name(existing, path.name, "output folder name")
     return path
 
 

@@ -21,7 +21,7 @@ from comfy.nested_tensor import NestedTensor
 from comfy_api.latest import InputImpl, Types, io
 
 from vflash_core.errors import VflashError
-from vflash_core.fileio import MissingInputError
+from vflash_core.fileio import MissingInputError, check_file_name
 
 from .. import comfy_latent as cl
 
@@ -111,8 +111,18 @@ class SaveVideo(io.ComfyNode):
         output = folder_paths.get_output_directory()
         if filename_prefix is not None and (not isinstance(filename_prefix, str) or not filename_prefix.strip()):
             return f"filename_prefix must be a non-empty string, got {json.dumps(filename_prefix)}"
+        if filename_prefix is not None and "\x00" in filename_prefix:
+            return "filename_prefix must not contain a NUL character"
         if filename_prefix is not None and Path(output).resolve() not in (Path(output) / filename_prefix).resolve().parents:
             return f"filename_prefix {filename_prefix!r} points outside the output folder {output}"
+        if filename_prefix is not None:  # every folder it names, and the file `execute` writes, fit the names' limit
+            *folders, stem = Path(filename_prefix).parts
+            try:
+                for part in folders:
+                    check_file_name(Path(output), part, "filename_prefix folder")
+                check_file_name(Path(output), f"{stem}_00001_.mp4", "filename_prefix file name")
+            except VflashError as exc:
+                return str(exc)
         if isinstance(format, str) and format not in ("auto", "mp4"):
             return f"the headless runner writes mp4, got format {format!r}"
         return True
