@@ -354,6 +354,26 @@ async def test_bearer_token_guards_the_api_but_not_the_probes(aiohttp_client, ma
     assert len(app[JOBS]) == 0
 
 
+async def test_authorization_headers_of_any_bytes_and_any_scheme_case(aiohttp_client, make_service, caplog):
+    """An Authorization header holding bytes that are not UTF-8 answered 500 and logged a UnicodeEncodeError; the
+    scheme written `bearer` was refused although auth schemes are case-insensitive (issue 29)."""
+    app, _ = make_service(token="s3cret")
+    client = await aiohttp_client(app)
+    for scheme in ("bearer", "BEARER", "Bearer"):
+        assert (await client.get("/metrics", headers={"Authorization": f"{scheme} s3cret"})).status == 200
+    for header in ("Basic s3cret", "Bearer S3CRET", "Bearers3cret", "s3cret", "Bearer"):
+        assert (await client.get("/metrics", headers={"Authorization": header})).status == 401
+    for raw in (b"Bearer \xff\xfe", b"\xc3\x28 s3cret", b"Bearer s3cret\x80"):
+        reader, writer = await asyncio.open_connection(client.server.host, client.server.port)
+        writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: " + raw + b"\r\nConnection: close\r\n\r\n")
+        await writer.drain()
+        status = (await reader.readline()).split()[1]
+        writer.close()
+        assert status in (b"400", b"401"), (raw, status)
+    assert "Traceback" not in caplog.text and "UnicodeEncodeError" not in caplog.text
+    assert (await client.get("/healthz")).status == 200
+
+
 async def test_python_client_against_a_loopback_server(aiohttp_server, make_service, tmp_path):
     from vflash_core.fileio import OutputExistsError
     from vflash_core.service.client import JobFailedError, ServiceError, VflashClient
