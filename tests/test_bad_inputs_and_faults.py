@@ -208,3 +208,96 @@ def test_save_names_are_checked_before_the_graph_runs(tmp_path, capsys, no_loade
         line = refused(capsys, ["run-workflow", str(API / "t2va.json"), "--output-dir", str(out), "--set", f"7.filename_prefix={prefix}"])
         assert re.fullmatch(f"the workflow was refused before running: node 7 \\(SaveVideo\\): {message}", line), line
     assert not out.exists()
+
+
+# -- non-finite weights, scales and bundles ----------------------------------------------------------------------------
+
+
+def _compiler(capsys, argv: list[str]) -> str:
+    """`python -m vflash_core.weights.compiler argv` in-process; its one error line (exit status 2)."""
+    from vflash_core.weights.compiler import main as compiler_main
+
+    code = compiler_main(argv)
+    err = capsys.readouterr().err
+    lines = [line for line in err.strip().splitlines() if not line.startswith("compile blocks")]  # tqdm's bar
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    return lines[0].removeprefix("error: ")
+
+
+def test_non_finite_weights_and_scales_are_refused_when_the_file_is_compiled(tmp_path, capsys):
+    """An fp8_scaled Comfy-Org file whose QKV scale is NaN passed prepare, compile and prepare-pipeline, and
+    generate failed in the MP4 encoder (avcodec_send_frame() returned 22); a NaN weight compiled as well."""
+    import torch
+    from conftest import TINY
+    from safetensors.torch import load_file, save_file
+
+    from vflash_core.weights import synthetic
+    from vflash_core.weights.compiler import prepare
+
+    weights = synthetic.random_internal_weights(TINY, seed=3)
+    fp8 = synthetic.write_comfy_transformer(tmp_path / "h3_fp8.safetensors", TINY, weights, fp8="metadata")
+    state = load_file(fp8)
+    state["blocks.0.attn.qkv_proj.weight_scale"] = torch.tensor(float("nan"))
+    save_file(state, str(fp8), metadata={"config": json.dumps(TINY.to_dict()), "_quantization_metadata": _quantization_metadata(fp8)})
+    receipt = tmp_path / "receipt.json"
+    line = _compiler(capsys, ["prepare", "--profile", "t2va-base4-exact-cpu", "--transformer", str(fp8), "--receipt", str(receipt)])
+    assert line == f"{fp8}: tensor 'blocks.0.attn.qkv_proj.weight_scale' holds a non-finite value (nan at element 0); the file is corrupt"
+
+    bad = {**weights, "blocks.1.ffn.out.weight": weights["blocks.1.ffn.out.weight"].clone()}
+    bad["blocks.1.ffn.out.weight"][3, 5] = float("inf")
+    folder = synthetic.write_diffusers_transformer(tmp_path / "transformer", TINY, bad)
+    assert not receipt.exists()
+    prepare("t2va-base4-exact-cpu", folder, receipt)  # hashes the files; their values are read when they are compiled
+    line = _compiler(capsys, ["compile", "--receipt", str(receipt), "--output", str(tmp_path / "compiled")])
+    assert line == f"{folder}: tensor 'transformer_blocks.1.ff.net.2.weight' holds a non-finite value (inf at element {3 * TINY.ffn_dim + 5}); the file is corrupt"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["h3_fp8.safetensors", "receipt.json", "transformer"]  # nothing published or left
+
+
+def _quantization_metadata(path: Path) -> str:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as handle:
+        return handle.metadata()["_quantization_metadata"]
+
+
+def test_a_missing_fp8_scale_is_named_by_the_key_its_marking_reads(tmp_path):
+    """It was named by the legacy key `scale_weight` whatever the file's marking."""
+    from conftest import TINY
+    from safetensors.torch import load_file, save_file
+
+    from vflash_core.errors import WeightFileError
+    from vflash_core.weights import synthetic
+    from vflash_core.weights.checkpoint import SourceWeights
+
+    weights = synthetic.random_internal_weights(TINY, seed=3)
+    for marking, key in (("metadata", "weight_scale"), ("comfy_quant", "weight_scale"), ("legacy", "scale_weight")):
+        path = synthetic.write_comfy_transformer(tmp_path / f"h3_{marking}.safetensors", TINY, weights, fp8=marking)
+        metadata = {"config": json.dumps(TINY.to_dict())}
+        if marking == "metadata":
+            metadata["_quantization_metadata"] = _quantization_metadata(path)
+        state = load_file(path)
+        del state[f"blocks.0.attn.qkv_proj.{key}"]
+        if marking == "legacy":  # the legacy layout marks a layer by its scale: the one left without is a plain float8 weight
+            key, message = "scale_weight", r"weight\(s\) stored as float8_e4m3fn without ComfyUI quantization metadata \(e\.g\. blocks\.0\.attn\.qkv_proj\.weight\)"
+        else:
+            message = rf"missing 1 tensor\(s\): blocks\.0\.attn\.qkv_proj\.{key}"
+        save_file(state, str(path), metadata=metadata)
+        with pytest.raises(WeightFileError, match=message):
+            SourceWeights(path)
+
+
+def test_verify_weights_runs_before_anything_loads(tmp_path, h3_family, no_model_loads):
+    """`--verify-weights` hashed the compile after the text encoder and VAEs had loaded."""
+    from conftest import prepare_family
+
+    from vflash_core.errors import WeightFileError
+    from vflash_core.pipeline.h3_pipeline import H3Pipeline
+
+    receipt = prepare_family(tmp_path, h3_family, "t2va-base4-exact-cpu", "transformer")
+    block = tmp_path / "compiled" / "artifact" / "block_001.safetensors"
+    data = bytearray(block.read_bytes())
+    data[-1] ^= 0x01
+    block.write_bytes(bytes(data))
+    with H3Pipeline.from_prepared(receipt, RunOptions(verify_weights=True)) as pipeline:
+        with pytest.raises(WeightFileError, match=r"1 compiled file\(s\) differ from what the compiler wrote .*block_001\.safetensors$"):
+            pipeline.load()  # `no_model_loads` fails the test if an encoder or a VAE loads first

@@ -556,6 +556,11 @@ class H3Pipeline:
             total = 2 + int(assets.record["transformer"]["num_layers"])
             report = progress or (lambda stage, done, total: None)
             loaded: list[TextConditioner | MediaVAEs] = []
+            from ..weights.artifact import CompiledArtifact
+
+            compiled = CompiledArtifact(**assets.session_paths())
+            if options.verify_weights:  # before anything loads: a corrupt compile costs no encoder load
+                compiled.verify()
             try:
                 conditioner = TextConditioner.from_pretrained(assets.model_root, primary, text_encoder_loader=text_encoder_loader)
                 loaded.append(conditioner)
@@ -563,11 +568,6 @@ class H3Pipeline:
                 vaes = MediaVAEs.from_pretrained(assets.decoder_root, primary, peer_device=peer)
                 loaded.append(vaes)
                 report("load", 2, total)
-                from ..weights.artifact import CompiledArtifact
-
-                compiled = CompiledArtifact(**assets.session_paths())
-                if options.verify_weights:
-                    compiled.verify()
                 cap = cap_bytes(options.max_device_memory)
                 if primary.type != "cuda" and cap is None:  # nothing to plan: everything stays in host memory
                     plan = None
