@@ -286,6 +286,71 @@ def test_a_missing_fp8_scale_is_named_by_the_key_its_marking_reads(tmp_path):
             SourceWeights(path)
 
 
+def _forged_bundle(folder: Path, manifest_changes: dict | None = None, tensor_changes=None) -> Path:
+    """A saved bundle with its manifest or tensors changed, the manifest's hash recomputed (so only the checks of its
+    fields and values can tell)."""
+    import torch  # noqa: F401 (the changes build tensors)
+    from safetensors.torch import load_file, save_file
+    from test_schedule_layout_bundle import _bundle
+
+    from vflash_core.weights.tensor_store import file_sha256
+
+    _bundle().save(folder)
+    if tensor_changes is not None:
+        tensors = load_file(folder / "tensors.safetensors")
+        tensor_changes(tensors)
+        save_file(tensors, str(folder / "tensors.safetensors"), metadata={"format": "vflash-bundle/1"})
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest.update(manifest_changes or {}, tensors_sha256=file_sha256(folder / "tensors.safetensors"))
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    return folder
+
+
+def test_forged_bundles_are_refused_field_by_field_and_range_by_range(tmp_path, tiny_compiled, capsys):
+    """Bundles whose manifest hash was recomputed: `num_condition_video_rows: "abc"` was a ValueError traceback,
+    `text_indices` past the sequence an IndexError, and a bundle full of NaN gave NaN latents with exit 0."""
+    import torch
+
+    from vflash_core.engine.bundle import ConditioningBundle
+    from vflash_core.errors import BundleError
+
+    def nan_rows(t):
+        t["video_rows"][0, 0] = float("nan")
+
+    def past_the_end(t):
+        t["text_indices"][-1] = t["position_ids"].shape[0] + 7
+
+    def negative(t):
+        t["video_indices"][0] = -1
+
+    def float_tags(t):
+        t["token_tags"] = t["token_tags"].float()
+
+    cases = [
+        ({"num_condition_video_rows": "abc"}, None, r"manifest\.json: num_condition_video_rows must be an integer of 0 or more, got str 'abc'$"),
+        ({"num_condition_video_rows": 10**6}, None, r"num_condition_video_rows 1000000 is outside 0\.\.\d+ \(the rows there are\)$"),
+        ({"geometry": {"height": 64, "width": "96", "num_frames": 124}}, None, r"geometry\.width must be a positive integer, got str '96'$"),
+        ({"model_layout": {"text_dim": 8}}, None, r"has no model_layout\.video_patch_dim$"),
+        ({"mode": "t2v"}, None, r"mode must be one of t2va, i2va, l2va, fl2va, ref2va, got str 't2v'$"),
+        ({"seed": -3}, None, r"seed must be an integer of 0 or more, or null, got int -3$"),
+        ({}, past_the_end, r"text_indices holds values \d+\.\.\d+, outside 0\.\.\d+$"),
+        ({}, negative, r"video_indices holds values -1\.\.\d+, outside 0\.\.\d+$"),
+        ({}, float_tags, r"token_tags is torch\.float32, expected torch\.int64 or torch\.int32$"),
+        ({}, nan_rows, r"video_rows holds NaN or infinite values; the bundle is corrupt$"),
+        ({}, lambda t: t.pop("audio_rows"), r"incomplete bundle: tensors\.safetensors has no audio_rows$"),
+    ]
+    for index, (changes, tensors, message) in enumerate(cases):
+        folder = _forged_bundle(tmp_path / f"bundle{index}", changes, tensors)
+        with pytest.raises(BundleError, match=message):
+            ConditioningBundle.load(folder)
+    out = tmp_path / "out"
+    out.mkdir()
+    argv = ["denoise", "t2va-base4-exact-cpu", "--artifact", str(tiny_compiled["artifact"]), "--schedule-overlay", str(tiny_compiled["schedule_overlay"]),
+            "--auxiliary-tensor", str(tiny_compiled["auxiliary"]), "--bundle", str(tmp_path / "bundle9"), "--output-latents", str(out / "latents.safetensors")]
+    assert refused(capsys, argv) == f"{tmp_path / 'bundle9'}: video_rows holds NaN or infinite values; the bundle is corrupt"
+    assert files_in(out) == [] and torch.isfinite(ConditioningBundle.load(_forged_bundle(tmp_path / "plain")).video_rows).all()
+
+
 def test_verify_weights_runs_before_anything_loads(tmp_path, h3_family, no_model_loads):
     """`--verify-weights` hashed the compile after the text encoder and VAEs had loaded."""
     from conftest import prepare_family
@@ -301,3 +366,49 @@ def test_verify_weights_runs_before_anything_loads(tmp_path, h3_family, no_model
     with H3Pipeline.from_prepared(receipt, RunOptions(verify_weights=True)) as pipeline:
         with pytest.raises(WeightFileError, match=r"1 compiled file\(s\) differ from what the compiler wrote .*block_001\.safetensors$"):
             pipeline.load()  # `no_model_loads` fails the test if an encoder or a VAE loads first
+
+
+# -- receipts and manifests, field by field ----------------------------------------------------------------------------
+
+
+def test_receipts_and_manifests_are_checked_field_by_field(tmp_path, tiny_transformer, tiny_compiled, capsys):
+    """`compiler verify` on a manifest without `blocks` was a KeyError traceback, `compiler compile` with a receipt
+    missing `profile` a KeyError one and with `transformer` a string a TypeError one."""
+    import shutil
+
+    from vflash_core.weights.compiler import prepare
+
+    receipt = tmp_path / "receipt.json"
+    prepare("t2va-base4-exact-cpu", tiny_transformer, receipt)
+    record = json.loads(receipt.read_text())
+    forged = tmp_path / "forged.json"
+    redo = "write it again with `python -m vflash_core.weights.compiler prepare`"
+    for changes, message in (
+        ({"profile": None}, f"receipt {forged} has no profile.id; {redo}"),
+        ({"transformer": "models/x"}, f"receipt {forged}: transformer must be an object, got str 'models/x'; {redo}"),
+        ({"transformer": {**record["transformer"], "files": [{"name": "../x", "size": 1, "sha256": "0"}]}},
+         f"receipt {forged}: transformer.files must be a list of {{name, size, sha256}} records, got list [{{'name': '../x', 'size': 1, 'sha256'...; {redo}"),
+        ({"profile": {**record["profile"], "nfe": "4"}}, f"receipt {forged}: profile.nfe must be a positive integer, got str '4'; {redo}"),
+        ({"adapter": "lora.safetensors"}, f"receipt {forged}: adapter must be null or a {{path, name, size, sha256, format, alpha_source, network_alpha}} record, got str 'lora.safetensors'; {redo}"),
+    ):
+        forged.write_text(json.dumps({**record, **changes}))
+        assert _compiler(capsys, ["compile", "--receipt", str(forged), "--output", str(tmp_path / "compiled")]) == message
+    assert not (tmp_path / "compiled").exists()
+
+    compiled = tmp_path / "copy"
+    shutil.copytree(tiny_compiled["artifact"].parent, compiled)
+    manifest_path = compiled / "artifact" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    for changes, message in (
+        ({"blocks": None}, "has no blocks"),
+        ({"blocks": [{**manifest["blocks"][0], "file": "../../../etc/passwd"}, manifest["blocks"][1]]}, "blocks must be a list of {file, size, sha256, lora} records"),
+        ({"auxiliary": {"size": -1, "sha256": "x"}}, "auxiliary.size must be a byte count, got int -1"),
+        ({"config": [1]}, "config must be an object, got list [1]"),
+    ):
+        manifest_path.write_text(json.dumps({k: v for k, v in {**manifest, **changes}.items() if v is not None}))
+        assert _compiler(capsys, ["verify", str(compiled)]).startswith(f"{manifest_path}{':' if 'has no' not in message else ''} {message}")
+    manifest_path.write_text(json.dumps(manifest))
+    overlay_path = compiled / "schedule" / "manifest.json"
+    overlay = json.loads(overlay_path.read_text())
+    overlay_path.write_text(json.dumps({**overlay, "entries": [{"step": "0", "variant": 0, "timesteps": [1.0]}]}))
+    assert _compiler(capsys, ["verify", str(compiled)]).startswith(f"{overlay_path}: entries must be a list of {{step, variant, timesteps}} records")

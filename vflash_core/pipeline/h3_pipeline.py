@@ -48,7 +48,7 @@ import PIL.Image
 import torch
 
 from ..engine.bundle import BundleHandoff, EncodedReference, build_keyframe_bundle, build_ref2va_bundle
-from ..engine.config import H3Config, is_positive_int
+from ..engine.config import H3Config
 from ..engine.denoise import StageProgress
 from ..engine.layout import FPS, VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK, VAE_SPATIAL_RATIO, Geometry
 from ..engine.session import (
@@ -69,7 +69,7 @@ from ..errors import (
     describe_value,
 )
 from ..fileio import atomic_file, check_input_file, check_writable_destination
-from ..formats import PIPELINE_FORMAT
+from ..formats import PIPELINE_FORMAT, Field, check_fields, is_object, is_positive
 from ..media.conditioning import TEXT_ENCODER_LAYER, TextConditioner, TextEncoderLoader
 from ..media.mp4 import write_mp4
 from ..media.references import CanvasRules, fit_keyframes, load_image, load_reference, normalize_references
@@ -236,23 +236,14 @@ def _valid_asset(name: str, value: object) -> bool:
 
 
 # What `PreparedAssets.load` reads from a receipt, with what each must be.
-_RECEIPT_FIELDS: tuple[tuple[str, str, Callable[[object], bool]], ...] = (
+_RECEIPT_FIELDS: tuple[Field, ...] = (
     ("profile", "a profile id", lambda v: isinstance(v, str)),
-    ("profile_identity", "an object", lambda v: isinstance(v, dict)),
+    ("profile_identity", "an object", is_object),
     ("compile_id", "a string", lambda v: isinstance(v, str)),
     *((f"assets.{k}", _ASSET_KINDS[k], lambda v, k=k: _valid_asset(k, v)) for k in ASSET_FIELDS),
-    *((f"canvas.{k}", "a positive integer", is_positive_int) for k in CanvasRules().to_dict()),
-    ("transformer.num_layers", "a positive integer", is_positive_int),
+    *((f"canvas.{k}", "a positive integer", is_positive) for k in CanvasRules().to_dict()),
+    ("transformer.num_layers", "a positive integer", is_positive),
 )
-
-
-def _receipt_value(record: dict, key: str, path: Path) -> object:
-    value: object = record
-    for part in key.split("."):
-        if not isinstance(value, dict) or part not in value:
-            raise VflashError(f"prepared-assets receipt {path} has no {key}; recreate it with `vflash prepare-pipeline`")
-        value = value[part]
-    return value
 
 
 @dataclass(frozen=True)
@@ -278,10 +269,7 @@ class PreparedAssets:
         record = _read_json(path, "prepared-assets receipt")
         if record.get("format") != PIPELINE_FORMAT:
             raise VflashError(f"{path} is not a Vflash prepared-assets receipt (format {record.get('format')!r}, expected {PIPELINE_FORMAT!r}); create one with `vflash prepare-pipeline`")
-        for key, expected, valid in _RECEIPT_FIELDS:
-            value = _receipt_value(record, key, path)
-            if not valid(value):
-                raise VflashError(f"prepared-assets receipt {path}: {key} must be {expected}, got {describe_value(value)}; recreate it with `vflash prepare-pipeline`")
+        check_fields(record, _RECEIPT_FIELDS, f"prepared-assets receipt {path}", "recreate it with `vflash prepare-pipeline`")
         profile = get_profile(record["profile"])
         check_identity(profile, record["profile_identity"], f"prepared assets {path}")
         assets = {k: None if (v := record["assets"][k]) is None else _require(Path(v), f"{k} of {path}:") for k in ASSET_FIELDS}

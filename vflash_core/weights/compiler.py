@@ -32,6 +32,7 @@ re-hashes a compiled folder against the sha256 of every file recorded as it was 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import logging
@@ -59,7 +60,23 @@ from ..fileio import (
     check_writable_destination,
     read_text_file,
 )
-from ..formats import ARTIFACT_FORMAT, ARTIFACT_FP8_FORMAT, OVERLAY_FORMAT, WEIGHTS_RECEIPT_FORMAT, device_arch
+from ..formats import (
+    ARTIFACT_FORMAT,
+    ARTIFACT_FP8_FORMAT,
+    OVERLAY_FORMAT,
+    WEIGHTS_RECEIPT_FORMAT,
+    Field,
+    check_fields,
+    device_arch,
+    field_problem,
+    is_count,
+    is_file_name,
+    is_number,
+    is_object,
+    is_positive,
+    is_text,
+    list_of,
+)
 from ..profiles import AdapterSpec, Profile, get_profile
 from .artifact import CompiledArtifact
 from .checkpoint import TABLE_INPUTS, SourceWeights, block_shapes
@@ -165,6 +182,32 @@ def _check_adapter_against_profile(profile: Profile, path: Path, adapter: Adapte
 # -- compile ------------------------------------------------------------------------------------------------------
 
 
+_FILE_RECORD: tuple[Field, ...] = (("name", "a file name", is_file_name), ("size", "a byte count", is_count), ("sha256", "a hex digest", is_text))
+_ADAPTER_SPEC: tuple[Field, ...] = (
+    ("name", "a string", is_text), ("file_name", "a file name", is_file_name), ("alpha", "a number", is_number),
+    ("rank", "a positive integer", is_positive), ("strength", "a number", is_number),
+)
+# What `compile_receipt` reads from a weights receipt, with what each must be.
+RECEIPT_FIELDS: tuple[Field, ...] = (
+    ("profile.id", "a profile id", is_text),
+    ("profile.modes", "a list of mode names", lambda v: isinstance(v, list) and all(is_text(m) for m in v)),
+    ("profile.variant", "a partition name", is_text),
+    ("profile.adapter", "null or an adapter record", lambda v: v is None or not field_problem(v, _ADAPTER_SPEC)),
+    ("profile.nfe", "a positive integer", is_positive),
+    *((f"profile.{k}", "a number", is_number) for k in ("video_shift", "audio_shift", "min_seconds", "max_seconds")),
+    ("profile.arch", "an architecture tag", is_text),
+    ("transformer", "an object", is_object),
+    ("transformer.path", "a path string", is_text),
+    ("transformer.layout", "'diffusers' or 'original'", lambda v: v in ("diffusers", "original")),
+    ("transformer.qkv_layout", "a QKV layout name", is_text),
+    ("transformer.config", "an object", is_object),
+    ("transformer.files", "a list of {name, size, sha256} records", list_of(*_FILE_RECORD)),
+    ("adapter", "null or a {path, name, size, sha256, format, alpha_source, network_alpha} record", lambda v: v is None or not field_problem(v, (
+        ("path", "", is_text), *_FILE_RECORD, ("format", "", is_text), ("alpha_source", "", is_text),
+        ("network_alpha", "", lambda a: a is None or is_number(a))))),
+)
+
+
 def _load_receipt(path: str | Path) -> dict:
     if not os.path.lexists(path):
         raise VflashError(f"{path}: no such receipt")
@@ -176,14 +219,16 @@ def _load_receipt(path: str | Path) -> dict:
     if not isinstance(receipt, dict) or receipt.get("format") != WEIGHTS_RECEIPT_FORMAT:
         found = receipt.get("format") if isinstance(receipt, dict) else None
         raise VflashError(f"{path}: not a Vflash receipt (format {found!r}); write one with `python -m vflash_core.weights.compiler prepare`")
+    check_fields(receipt, RECEIPT_FIELDS, f"receipt {path}", "write it again with `python -m vflash_core.weights.compiler prepare`")
     return receipt
 
 
 def _profile_from_receipt(receipt: dict, path: str | Path) -> Profile:
     data = dict(receipt["profile"])
     data["modes"] = tuple(data["modes"])
-    data["adapter"] = AdapterSpec(**data["adapter"]) if data["adapter"] else None
-    profile = Profile(**data)
+    data["adapter"] = AdapterSpec(**{k: data["adapter"][k] for k, _, _ in _ADAPTER_SPEC}) if data["adapter"] else None
+    fields = {f.name for f in dataclasses.fields(Profile)}
+    profile = Profile(**{k: v for k, v in data.items() if k in fields})
     try:
         registered = get_profile(profile.id)
     except VflashError:
