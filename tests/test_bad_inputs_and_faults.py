@@ -351,6 +351,29 @@ def test_forged_bundles_are_refused_field_by_field_and_range_by_range(tmp_path, 
     assert files_in(out) == [] and torch.isfinite(ConditioningBundle.load(_forged_bundle(tmp_path / "plain")).video_rows).all()
 
 
+def test_session_generate_of_something_that_is_no_bundle_is_one_line(tiny_compiled):
+    """`generate(42)` / `generate(None)` were raw TypeErrors (the pipeline's `generate("a prompt")` explains itself)."""
+    from vflash_core.engine.session import NativeEngineSession
+
+    with NativeEngineSession("t2va-base4-exact-cpu", **tiny_compiled) as session:
+        for value, shown in ((42, "int 42"), (None, "NoneType None"), ("", "str ''"), (b"bundle", "bytes b'bundle'")):
+            with pytest.raises(VflashError, match=re.escape(f"NativeEngineSession.generate takes a ConditioningBundle, a BundleHandoff or a bundle folder path, got {shown}")):
+                session.generate(value)
+        assert not session.closed and session._failure is None  # bad input leaves the session usable
+
+
+def test_the_memory_refusal_on_the_cpu_speaks_of_the_cap_not_of_a_gpu(tiny_compiled):
+    """On the CPU (where the budget is the cap) the refusal said "This GPU is too small for H3"."""
+    from vflash_core.engine.session import NativeEngineSession
+    from vflash_core.errors import RunFailedError
+
+    with pytest.raises(RunFailedError) as info:
+        NativeEngineSession("t2va-base4-exact-cpu", **tiny_compiled, max_device_memory=1e-6)
+    message = str(info.value)
+    assert message.startswith("the weights do not fit on cpu: ") and "GPU" not in message
+    assert message.endswith("Raise max_device_memory, or leave it out on the CPU (no cap: everything stays in host memory).")
+
+
 def test_verify_weights_runs_before_anything_loads(tmp_path, h3_family, no_model_loads):
     """`--verify-weights` hashed the compile after the text encoder and VAEs had loaded."""
     from conftest import prepare_family

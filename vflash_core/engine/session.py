@@ -23,6 +23,7 @@ resolved to code.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from typing import Self
 
 import torch
 
-from ..errors import IdentityMismatchError, Number, SessionClosedError, VflashError, check_choice
+from ..errors import IdentityMismatchError, Number, SessionClosedError, VflashError, check_choice, describe_value
 from ..fileio import atomic_file, check_writable_destination
 from ..formats import device_arch
 from ..pipeline.memory_plan import (
@@ -363,8 +364,12 @@ class NativeEngineSession:
             raise SessionClosedError("this session is closed; create a new NativeEngineSession")
         if isinstance(bundle, BundleHandoff):
             bundle = bundle.consume()
-        elif not isinstance(bundle, ConditioningBundle):
+        elif isinstance(bundle, (str, os.PathLike)) and os.fspath(bundle):
             bundle = ConditioningBundle.load(bundle)
+        elif not isinstance(bundle, ConditioningBundle):
+            raise VflashError(
+                f"NativeEngineSession.generate takes a ConditioningBundle, a BundleHandoff or a bundle folder path, got {describe_value(bundle)}"
+            )
         self.validate(bundle)
         if output_latents is not None:
             check_writable_destination(output_latents)

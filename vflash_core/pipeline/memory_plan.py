@@ -418,7 +418,12 @@ def plan_memory(
             p = plan.placement
             placement = ", ".join(f"{name} {choice}" for name, choice in (("core", p.core), ("text encoder", p.encoder), ("VAEs", p.vaes)) if choice)
             explicit = [f"{name}={value!r}" for name, value, default in (("weight_residency", weight_residency, "auto"), ("encoder_residency", encoder_residency, "offload")) if value != default]
-            advice = f" Leave {' and '.join(explicit)} to the plan, or use a larger GPU." if explicit else " This GPU is too small for H3."
+            if devices[0].type != "cuda":  # on the CPU the budget is the cap: nothing else is measured
+                advice = " Raise max_device_memory, or leave it out on the CPU (no cap: everything stays in host memory)."
+            elif explicit:
+                advice = f" Leave {' and '.join(explicit)} to the plan, or use a larger GPU."
+            else:
+                advice = " This GPU is too small for H3."
             raise RunFailedError(
                 f"the weights do not fit on {devices[0]}: with the most frugal placement ({placement}) the {stage} stage holds "
                 f"{_size(peak)} of weights, plus a {_size(MARGIN_BYTES)} margin; {_size(budget)} are available"
