@@ -435,3 +435,96 @@ def test_receipts_and_manifests_are_checked_field_by_field(tmp_path, tiny_transf
     overlay = json.loads(overlay_path.read_text())
     overlay_path.write_text(json.dumps({**overlay, "entries": [{"step": "0", "variant": 0, "timesteps": [1.0]}]}))
     assert _compiler(capsys, ["verify", str(compiled)]).startswith(f"{overlay_path}: entries must be a list of {{step, variant, timesteps}} records")
+
+
+# -- writers under faults: a full disk, a killed run ---------------------------------------------------------------
+
+
+def _mounts_allowed(folder: Path) -> bool:
+    """Whether this machine lets a child mount a tmpfs in a mount namespace of its own (root, or unprivileged user
+    namespaces); the full-disk test uses an RLIMIT_FSIZE child otherwise."""
+    import shutil
+    import subprocess
+
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", f"mount -t tmpfs -o size=1m tmpfs {folder}"],
+                           capture_output=True, timeout=30)
+    return probe.returncode == 0
+
+
+# Runs `vflash generate` twice into a full filesystem at argv[1] (a 4 MiB tmpfs mounted there, or a 4 MiB file size
+# limit), then reports each run's exit status and stderr and what the folder holds, as JSON.
+_FULL_DISK_RUNS = """
+import json, os, resource, signal, subprocess, sys
+folder, receipt, limit = sys.argv[1], sys.argv[2], sys.argv[3] == "limit"
+def child():
+    if limit:  # writes past 4 MiB fail with EFBIG instead of killing the writer
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4 << 20, 4 << 20))
+runs = []
+for video_input in ("file", "file", "pipe"):
+    done = subprocess.run([sys.executable, "-m", "vflash_core.cli.main", "generate", "--prepared-assets", receipt, "--prompt", "a kite",
+                           "--media-video-input", video_input, "--output", os.path.join(folder, "clip.mp4")],
+                          capture_output=True, text=True, preexec_fn=child)
+    runs.append([done.returncode, done.stderr])
+print(json.dumps({"runs": runs, "left": sorted(os.listdir(folder))}))
+"""
+
+
+@pytest.mark.timeout(600)
+def test_a_full_disk_is_one_line_and_leaves_nothing(h3_prepared, tmp_path):
+    """`generate --output` into a full 4 MiB tmpfs: the first run died with SIGBUS (a memory-mapped temporary written
+    past the disk's end), the second printed OSError [Errno 28] with a traceback, and a `.vflash-frames.*.rgb.partial`
+    temporary was left behind."""
+    import subprocess
+    import sys
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    script = tmp_path / "runs.py"
+    script.write_text(_FULL_DISK_RUNS)
+    if _mounts_allowed(disk):
+        argv = ["unshare", "-m", "--propagation", "private", "sh", "-c",
+                f'mount -t tmpfs -o size=4m tmpfs "$1" && exec "{sys.executable}" "$2" "$1" "$3" tmpfs', "sh", str(disk), str(script), str(h3_prepared)]
+        full = "No space left on device"
+    else:
+        argv, full = [sys.executable, str(script), str(disk), str(h3_prepared), "limit"], "File too large"
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=540)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    for status, stderr in report["runs"]:
+        lines = [line for line in stderr.splitlines() if "error" in line.lower()]  # beside them: log lines and progress bars
+        assert status == 1 and "Traceback" not in stderr, stderr
+        assert len(lines) == 1 and re.fullmatch(rf"vflash: error: writing {re.escape(str(disk / 'clip.mp4'))} failed: {full} \(\d+\.\d [MG]iB free in {re.escape(str(disk))}\)", lines[0]), lines
+    assert report["left"] == []
+
+
+def test_a_killed_runs_temporaries_are_removed_by_the_next_run_into_its_folder(h3_prepared, tmp_path):
+    """A `vflash generate` SIGKILLed in its MP4 stage left its raw frames temporary, and a rerun into the same folder
+    did not remove it (the atomic writers' temporaries were swept, that one was not)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "out"
+    out.mkdir()
+    keep = out / ".notes.txt.partial"  # not a Vflash temporary (no writer in its name): never touched
+    keep.write_text("mine")
+    run = subprocess.Popen([sys.executable, "-m", "vflash_core.cli.main", "generate", "--prepared-assets", str(h3_prepared), "--prompt", "a kite",
+                            "--media-video-threads", "1", "--output", str(out / "first.mp4")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 240
+    while not list(out.glob(".first.mp4.*.partial.rgb")):
+        assert run.poll() is None and time.monotonic() < deadline, "the run ended before its MP4 stage was seen"
+        time.sleep(0.002)
+    os.kill(run.pid, signal.SIGKILL)
+    run.wait()
+    left = sorted(p.name for p in out.iterdir() if p != keep)
+    assert left and all(name.startswith(f".first.mp4.{os.uname().nodename}+{run.pid}+") for name in left), left
+    main_output_of_generate = subprocess.run([sys.executable, "-m", "vflash_core.cli.main", "generate", "--prepared-assets", str(h3_prepared),
+                                              "--prompt", "a kite", "--width", "32", "--height", "32", "--output", str(out / "second.mp4")],
+                                             capture_output=True, text=True, timeout=240)
+    assert main_output_of_generate.returncode == 0, main_output_of_generate.stderr
+    assert sorted(out.iterdir()) == [keep, out / "second.mp4"] and keep.read_text() == "mine"

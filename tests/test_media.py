@@ -68,7 +68,8 @@ def test_mp4_has_exact_frames_timing_and_audio(tmp_path):
 def test_file_and_pipe_inputs_feed_identical_frames(tmp_path):
     frames, _ = _clip()
     shape = tuple(frames.shape)
-    with media.rgb_frames(frames, shape, "file", tmp_path) as from_file, media.rgb_frames(frames, shape, "pipe", tmp_path) as piped:
+    clip = tmp_path / "clip.mp4"
+    with media.rgb_frames(frames, shape, "file", clip) as from_file, media.rgb_frames(frames, shape, "pipe", clip) as piped:
         assert len(from_file) == len(piped) == 29
         assert _leftovers(tmp_path) != []  # the file mode's raw RGB clip exists while encoding
         for i in range(29):

@@ -342,6 +342,35 @@ async def test_json_python_cannot_parse_wrong_json_types_and_nul_prompts_are_400
     assert (await client.get("/healthz")).status == 200
 
 
+async def test_an_upload_onto_a_full_disk_is_507_and_leaves_nothing(aiohttp_client, make_service, tmp_path, monkeypatch):
+    """An OS error while an upload was stored (a full disk under the output folder) was HTTP 500 with a traceback."""
+    import errno
+
+    from vflash_core.service import submission
+
+    class FullDisk:
+        def __init__(self, path, mode):
+            self.file = open(path, mode)
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def close(self):
+            self.file.close()
+
+    monkeypatch.setattr(submission, "open", FullDisk, raising=False)
+    app, config = make_service()
+    client = await aiohttp_client(app)
+    form = FormData()
+    form.add_field("request", json.dumps({"prompt": "<Picture 1> waves", **FAST}), content_type="application/json")
+    form.add_field("first_frame", png(tmp_path / "frame.png").read_bytes(), filename="frame.png", content_type="image/png")
+    response = await client.post("/v1/jobs", data=form)
+    assert response.status == 507
+    assert (await response.json())["error"] == "the service cannot store the first_frame upload now: No space left on device"
+    assert files_under(app[WORK_DIR]) == [] and len(app[JOBS]) == 0
+    assert (await client.get("/healthz")).status == 200
+
+
 async def test_bearer_token_guards_the_api_but_not_the_probes(aiohttp_client, make_service):
     app, _ = make_service(token="s3cret")
     client = await aiohttp_client(app)

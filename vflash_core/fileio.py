@@ -5,19 +5,25 @@ with `os.link`, which fails if the destination exists, so a concurrent writer ca
 directory is published with `os.rename` after checking the destination is absent. On any failure the temporary is
 removed, so an interrupted write never leaves something at the final path.
 
-A temporary's name carries its writer (`.NAME.HOST+PID+random.partial`): a process killed mid-write (SIGKILL, power
-loss) cannot remove its own, so the next write to the same destination removes those whose writer ran on this host
-and no longer exists. Temporaries of live processes, of other hosts sharing the folder, or without a writer are kept.
+Every temporary Vflash creates (`temporary`: the atomic writers', the MP4 encoder's frames, the demo family's build
+folder) is named for its writer (`.NAME.HOST+PID+random.partial[SUFFIX]`): a process killed mid-write (SIGKILL, power
+loss) cannot remove its own, so the next temporary made in the same folder removes those whose writer ran on this
+host and no longer exists. Temporaries of live processes, of other hosts sharing the folder, or without a writer are
+kept.
+
+Writes are plain I/O, never into a memory map (writing a mapped page past a full disk is SIGBUS, not an error): an OS
+error while a temporary is written, a full disk above all, is one line naming the destination and the free space
+left there (`WriteFailedError`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import glob
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import stat
@@ -25,7 +31,7 @@ import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from .errors import VflashError
+from .errors import RunFailedError, VflashError
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +56,10 @@ class OutputExistsError(VflashError):
 
 class MissingInputError(VflashError):
     """A file named inside an input folder is not there (`resolve_inside`)."""
+
+
+class WriteFailedError(RunFailedError):
+    """Writing an output failed in the OS (a full disk, a quota, a read-only filesystem); nothing was published."""
 
 
 def _file_type(mode: int) -> str:
@@ -195,10 +205,6 @@ def check_new_directory(path: str | Path) -> Path:
     return path
 
 
-def _writer() -> str:
-    return f"{socket.gethostname()}+{os.getpid()}+"
-
-
 # What a temporary's name adds to its destination's: ".", the writer, mkstemp's 8 random characters, ".partial" and a
 # suffix of up to 16 characters (host names are at most 64 bytes, process ids at most 7 digits).
 _TEMPORARY_OVERHEAD = 1 + 64 + 1 + 7 + 1 + 8 + len(".partial") + 16
@@ -242,35 +248,77 @@ def remove_if_owner_ended(owned: Iterable[tuple[Path, str, str]], what: str) -> 
     return removed
 
 
-def remove_abandoned_temporaries(destination: Path) -> list[Path]:
-    """Remove the temporaries of `destination` left by writers on this host that no longer run (see the module doc)."""
+# `temporary`'s names: the destination's name, then the writer "HOST+PID+" and mkstemp's random part, ".partial".
+_TEMPORARY_NAME = re.compile(r"\.(?P<name_and_host>.+)\+(?P<pid>[0-9]+)\+[^+/]*\.partial.*")
+
+
+def remove_abandoned_temporaries(folder: Path) -> list[Path]:
+    """Remove the temporaries in `folder` left by writers on this host that no longer run (see the module doc)."""
+    host = socket.gethostname()
     owned = []
-    for candidate in destination.parent.glob(f".{glob.escape(destination.name)}.*.partial*"):
-        writer = candidate.name[len(destination.name) + 2 :].split("+")
-        if len(writer) >= 3:
-            owned.append((candidate, writer[0], writer[1]))
+    for candidate in folder.glob(".*.partial*"):
+        match = _TEMPORARY_NAME.fullmatch(candidate.name)
+        if match is not None:  # host names hold dots, destination names may too: the name ends in this host's or not
+            owner = host if match["name_and_host"].endswith(f".{host}") else "another host"
+            owned.append((candidate, owner, match["pid"]))
     return remove_if_owner_ended(owned, "process")
+
+
+def temporary(destination: Path, suffix: str = "", directory: bool = False) -> Path:
+    """A new temporary file (or folder) named for `destination` and this writer, beside it (see the module doc), after
+    removing what writers that ended left in that folder."""
+    folder = destination.parent if str(destination.parent) else Path(".")
+    remove_abandoned_temporaries(folder)
+    prefix, end = f".{destination.name}.{socket.gethostname()}+{os.getpid()}+", f".partial{suffix}"
+    if directory:
+        return Path(tempfile.mkdtemp(prefix=prefix, suffix=end, dir=folder))
+    fd, name = tempfile.mkstemp(prefix=prefix, suffix=end, dir=folder)
+    os.close(fd)
+    return Path(name)
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+@contextlib.contextmanager
+def write_errors(destination: Path) -> Iterator[None]:
+    """An OS error inside the block (a full disk, a quota, a read-only or failing filesystem) as one line naming
+    `destination`, the file the OS named when it is not one of the destination's own temporaries, and the space left
+    in the destination's folder at that moment (so the block must not have removed its temporaries yet)."""
+    try:
+        yield
+    except OSError as exc:
+        if isinstance(exc, VflashError) or exc.errno is None:
+            raise
+        folder = nearest_existing(destination.absolute().parent)
+        try:
+            free = f"{_size(shutil.disk_usage(folder).free)} free in {folder}"
+        except OSError:
+            free = f"{folder} cannot be examined"
+        named = Path(os.fsdecode(exc.filename)) if exc.filename else destination
+        own = named == destination or named.name.startswith(f".{destination.name}.") and named.parent == destination.parent
+        raise WriteFailedError(f"writing {destination} failed{'' if own else f' at {named}'}: {exc.strerror or exc} ({free})") from None
 
 
 @contextlib.contextmanager
 def atomic_file(path: str | Path, overwrite: bool = False, suffix: str = "") -> Iterator[Path]:
     """Yield a temporary path next to `path`; publish it at `path` when the block succeeds."""
     path = check_writable_destination(path, overwrite)
-    remove_abandoned_temporaries(path)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.{_writer()}", suffix=f".partial{suffix}", dir=path.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
+    with write_errors(path):
+        tmp = temporary(path, suffix)
     try:
-        yield tmp
-        # mkstemp creates 0600; a published file gets the permissions a plain open() would give it.
-        os.chmod(tmp, 0o666 & ~_umask())
-        if overwrite:
-            os.replace(tmp, path)
-        else:
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
-                raise OutputExistsError(f"{path} appeared while it was being written; refusing to overwrite it")
+        with write_errors(path):
+            yield tmp
+            # mkstemp creates 0600; a published file gets the permissions a plain open() would give it.
+            os.chmod(tmp, 0o666 & ~_umask())
+            if overwrite:
+                os.replace(tmp, path)
+            else:
+                try:
+                    os.link(tmp, path)
+                except FileExistsError:
+                    raise OutputExistsError(f"{path} appeared while it was being written; refusing to overwrite it") from None
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -282,14 +330,15 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
     if path.exists():
         raise OutputExistsError(f"{path} already exists; refusing to overwrite it")
     parent = path.parent if str(path.parent) else Path(".")
-    parent.mkdir(parents=True, exist_ok=True)
-    remove_abandoned_temporaries(parent / path.name)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.{_writer()}", suffix=".partial", dir=parent))
+    with write_errors(path):
+        parent.mkdir(parents=True, exist_ok=True)
+        tmp = temporary(path, directory=True)
     try:
-        yield tmp
-        if path.exists():
-            raise OutputExistsError(f"{path} appeared while it was being written; refusing to overwrite it")
-        os.rename(tmp, path)
+        with write_errors(path):
+            yield tmp
+            if path.exists():
+                raise OutputExistsError(f"{path} appeared while it was being written; refusing to overwrite it")
+            os.rename(tmp, path)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

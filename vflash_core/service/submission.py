@@ -202,18 +202,23 @@ async def _read_capped(part: BodyPartReader, limit: int) -> bytes | None:
 
 async def _save(part: BodyPartReader, target: Path, budget: int, policy: InputPolicy) -> int:
     """Stream one upload to `target`; returns its size. Raises 413 as soon as the budget is exceeded."""
-    target.parent.mkdir(parents=True, exist_ok=True)
     written = 0
-    # "x": service names are unique; never follow or replace an existing file. File I/O runs off the event loop.
-    out = await asyncio.to_thread(open, target, "xb")
     try:
-        while chunk := await part.read_chunk(_CHUNK):
-            written += len(chunk)
-            if written > budget:
-                raise _too_large(policy, policy.max_upload_bytes - budget + written)
-            await asyncio.to_thread(out.write, chunk)
-    finally:
-        out.close()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # "x": service names are unique; never follow or replace an existing file. File I/O runs off the event loop.
+        out = await asyncio.to_thread(open, target, "xb")
+        try:
+            while chunk := await part.read_chunk(_CHUNK):
+                written += len(chunk)
+                if written > budget:
+                    raise _too_large(policy, policy.max_upload_bytes - budget + written)
+                await asyncio.to_thread(out.write, chunk)
+        finally:
+            out.close()
+    except ConnectionResetError:  # the client went away: `read_submission` answers it
+        raise
+    except OSError as exc:  # a full disk under the work folder: the service's fault, said without its paths
+        raise http_error(web.HTTPInsufficientStorage, f"the service cannot store the {part.name} upload now: {exc.strerror or exc}") from None
     if written == 0:
         raise bad_request(f"the {part.name} upload is empty")
     return written
