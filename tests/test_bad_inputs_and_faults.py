@@ -528,3 +528,65 @@ def test_a_killed_runs_temporaries_are_removed_by_the_next_run_into_its_folder(h
                                              capture_output=True, text=True, timeout=240)
     assert main_output_of_generate.returncode == 0, main_output_of_generate.stderr
     assert sorted(out.iterdir()) == [keep, out / "second.mp4"] and keep.read_text() == "mine"
+
+
+# -- compile on first use, keyed by the files' identity ----------------------------------------------------------------
+
+
+@pytest.fixture
+def models_folder(tmp_path, monkeypatch, tmp_path_factory):
+    """A models folder holding one Comfy-Org single file of the demo's transformer, and a demo family cache for the
+    text encoder and VAE loaders' `embedded-demo`."""
+    from vflash_core.engine.config import H3Config
+    from vflash_core.weights import synthetic
+
+    monkeypatch.setenv("VFLASH_CACHE", str(tmp_path_factory.getbasetemp() / "demo-cache-first-use"))
+    models = tmp_path / "models"
+    (models / "diffusion_models").mkdir(parents=True)
+    demo = H3Config.preset("demo")
+    synthetic.write_comfy_transformer(models / "diffusion_models" / "h3.safetensors", demo, synthetic.random_internal_weights(demo, seed=4))
+    return models
+
+
+def test_compile_on_first_use_follows_the_file_never_a_stale_compile(models_folder, tmp_path, capsys, caplog):
+    """run-workflow on a diffusion_models file, then the file replaced by other weights under the same name: the
+    second run used the first file's compile and never said so. A first use interrupted after its prepare left a
+    receipt that every later run met with "does not match the receipt" once the file was replaced."""
+    import logging
+    import os
+
+    from vflash_core.engine.config import H3Config
+    from vflash_core.weights import synthetic
+    from vflash_core.weights.artifact import CompiledArtifact
+    from vflash_core.weights.tensor_store import file_sha256
+
+    weights = models_folder / "diffusion_models" / "h3.safetensors"
+    compiled = models_folder / "vflash" / "compiled" / "h3-t2va-base4-exact-cpu"
+    receipt = compiled.with_name(compiled.name + ".weights-receipt.json")
+    argv = ["run-workflow", str(API / "t2va.json"), "--models-dir", str(models_folder), "--output-dir", str(tmp_path / "out"),
+            "--set", "1.model=diffusion_models/h3.safetensors", "--set", "1.profile=t2va-base4-exact-cpu", "--set", "4.width=32", "--set", "4.height=32"]
+
+    def run() -> tuple[str, list[str]]:
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            main_output(capsys, argv)
+        artifact = CompiledArtifact(compiled / "artifact", compiled / "schedule", compiled / "auxiliary.safetensors")
+        assert [f["sha256"] for f in artifact.base_weights["files"]] == [file_sha256(weights)]  # the compile is of the file as it is
+        return artifact.compile_id, [r.getMessage() for r in caplog.records if r.getMessage().startswith("Vflash: ")]
+
+    first, said = run()
+    assert [line.split(" (")[0].split(" for ")[0] for line in said] == ["Vflash: preparing diffusion_models/h3.safetensors", "Vflash: compiling diffusion_models/h3.safetensors"]
+    assert run() == (first, [])  # the same file: the same compile, nothing hashed again
+
+    demo = H3Config.preset("demo")
+    synthetic.write_comfy_transformer(weights, demo, synthetic.random_internal_weights(demo, seed=5))  # replaced, same name
+    second, said = run()
+    assert second != first and said[0].startswith("Vflash: diffusion_models/h3.safetensors is not the file it was prepared from")
+    assert any(line.startswith(f"Vflash: {compiled} was compiled from other weights") for line in said)
+
+    # A first use interrupted after its prepare: the receipt is there, the compile is not; then the file is replaced.
+    os.rename(compiled, tmp_path / "aside")
+    synthetic.write_comfy_transformer(weights, demo, synthetic.random_internal_weights(demo, seed=6))
+    third, said = run()
+    assert third not in (first, second) and said[0].startswith("Vflash: diffusion_models/h3.safetensors is not the file it was prepared from")
+    assert receipt.is_file() and not [p for p in compiled.parent.iterdir() if ".partial" in p.name]

@@ -277,6 +277,14 @@ def temporary(destination: Path, suffix: str = "", directory: bool = False) -> P
     return Path(name)
 
 
+def remove_folder(path: Path) -> None:
+    """Remove a folder Vflash wrote (a stale compile): first renamed to a temporary of this writer, so it leaves its
+    name at once and, should this process be killed while deleting it, the next temporary made beside it finishes."""
+    doomed = temporary(path, directory=True)
+    os.rename(path, doomed)  # onto the new empty folder: POSIX replaces it
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
 def _size(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 

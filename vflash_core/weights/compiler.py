@@ -81,7 +81,7 @@ from ..profiles import AdapterSpec, Profile, get_profile
 from .artifact import CompiledArtifact
 from .checkpoint import TABLE_INPUTS, SourceWeights, block_shapes
 from .lora import TABLE_ONLY, Adapter, load_adapter
-from .tensor_store import describe_files, file_sha256, write_safetensors
+from .tensor_store import TensorStore, describe_files, file_sha256, write_safetensors
 
 # Progress stages (`StageProgress`), after each unit of work: "hash" (prepare, per weight file), "verify" (compile,
 # per weight file), "compile" (per block). A callback that raises abandons the call; nothing is published then.
@@ -290,6 +290,40 @@ def compile_receipt(receipt_path: str | Path, output: str | Path, device: str = 
         _write_compiled(tmp, source, adapter, profile, receipt, device_t, arch, progress)
     logger.info("compiled %s for %s into %s", tx["path"], profile.id, output)
     return output
+
+
+def receipt_describes(receipt_path: str | Path, transformer: str | Path, adapter: str | Path | None) -> bool:
+    """Whether a weights receipt was prepared from these very files as they are now: the same paths, file names,
+    sizes and modification times (only the receipt, the files' metadata and their safetensors headers are read).
+    False for a receipt that cannot be read."""
+    try:
+        receipt = _load_receipt(receipt_path)
+        files = TensorStore(transformer).files
+    except VflashError:
+        return False
+    recorded = {f["name"]: f for f in receipt["transformer"]["files"]}
+    if receipt["transformer"]["path"] != str(Path(transformer).resolve()) or set(recorded) != {f.path.name for f in files}:
+        return False
+    if not all(_unchanged(f.path, recorded[f.path.name]) for f in files):
+        return False
+    if adapter is None or receipt["adapter"] is None:
+        return adapter is None and receipt["adapter"] is None
+    return receipt["adapter"]["path"] == str(Path(adapter).resolve()) and Path(adapter).is_file() and _unchanged(Path(adapter), receipt["adapter"])
+
+
+def compiled_from(folder: str | Path, receipt_path: str | Path) -> bool:
+    """Whether the compile in `folder` was made for the receipt's profile from the weights it hashed (their names,
+    sizes and sha256, and the adapter's). False for a compile or a receipt that cannot be read."""
+    folder = Path(folder)
+    try:
+        receipt = _load_receipt(receipt_path)
+        profile = _profile_from_receipt(receipt, receipt_path)
+        artifact = CompiledArtifact(folder / "artifact", folder / "schedule", folder / "auxiliary.safetensors")
+    except VflashError:
+        return False
+    identity = _identity(profile, receipt, artifact.config, artifact.arch, artifact.compile_id)
+    return all(artifact.manifest.get(key) == identity[key] for key in ("profile_id", "profile", "adapter")) and (
+        artifact.base_weights.get("files") == identity["base_weights"]["files"])  # type: ignore[index]
 
 
 def _identity(profile: Profile, receipt: dict, config: H3Config, arch: str, compile_id: str) -> dict[str, object]:
