@@ -161,7 +161,8 @@ def resolve(folders: Folders, name: str) -> Path:
         raise VflashError(f"{name!r} is not a model file option (expected vflash/..., diffusers/..., diffusion_models/... or loras/...)")
     full = folders.full_path(key, rel)
     if full is None:
-        raise VflashError(f"{name}: not found in the {key} folders ({', '.join(folders.folders(key)) or 'none registered'})")
+        searched = ", ".join(folders.folders(key)) or "none registered: vflash run-workflow registers them under --models-dir"
+        raise VflashError(f"{name}: not found in the {key} folders ({searched})")
     return Path(full)
 
 

@@ -590,3 +590,35 @@ def test_compile_on_first_use_follows_the_file_never_a_stale_compile(models_fold
     third, said = run()
     assert third not in (first, second) and said[0].startswith("Vflash: diffusion_models/h3.safetensors is not the file it was prepared from")
     assert receipt.is_file() and not [p for p in compiled.parent.iterdir() if ".partial" in p.name]
+
+
+# -- the command lines' help ---------------------------------------------------------------------------------------
+
+
+def test_every_option_of_every_command_has_help_text():
+    """`--prompt`, `--seed` and `--attention-backend` had none (nor had the compiler's `--profile`, `--receipt`,
+    `--output`)."""
+    import argparse
+
+    from vflash_core.cli.main import build_parser
+    from vflash_core.weights.compiler import build_parser as compiler_parser
+
+    def undocumented(parser: argparse.ArgumentParser, name: str) -> list[str]:
+        out = []
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                out += [f"{name} {sub} (the command)" for sub in action.choices if not any(c.dest == sub and c.help for c in action._choices_actions)]
+                out += [found for sub, child in action.choices.items() for found in undocumented(child, f"{name} {sub}")]
+            elif not isinstance(action, argparse._HelpAction) and not action.help:
+                out.append(f"{name} {'/'.join(action.option_strings) or action.dest}")
+        return out
+
+    assert undocumented(build_parser(), "vflash") + undocumented(compiler_parser(), "compiler") == []
+
+
+def test_a_model_not_found_without_a_models_folder_names_models_dir(tmp_path, capsys):
+    """run-workflow without --models-dir said "not found in the diffusers folders (none registered)"."""
+    argv = ["run-workflow", str(API / "t2va.json"), "--output-dir", str(tmp_path / "out"), "--set", "1.model=diffusers/minimax-h3"]
+    assert refused(capsys, argv) == ("the workflow was refused before running: node 1 (VflashModelLoader): diffusers/minimax-h3: not found in the "
+                                     "diffusers folders (none registered: vflash run-workflow registers them under --models-dir)")
+    assert not (tmp_path / "out").exists()
