@@ -399,6 +399,7 @@ def test_receipts_and_manifests_are_checked_field_by_field(tmp_path, tiny_transf
     missing `profile` a KeyError one and with `transformer` a string a TypeError one."""
     import shutil
 
+    from vflash_core.formats import MISSING
     from vflash_core.weights.compiler import prepare
 
     receipt = tmp_path / "receipt.json"
@@ -407,14 +408,15 @@ def test_receipts_and_manifests_are_checked_field_by_field(tmp_path, tiny_transf
     forged = tmp_path / "forged.json"
     redo = "write it again with `python -m vflash_core.weights.compiler prepare`"
     for changes, message in (
-        ({"profile": None}, f"receipt {forged} has no profile.id; {redo}"),
+        ({"profile": MISSING}, f"receipt {forged} has no profile.id; {redo}"),
+        ({"profile": None}, f"receipt {forged}: profile must be an object, got NoneType None; {redo}"),
         ({"transformer": "models/x"}, f"receipt {forged}: transformer must be an object, got str 'models/x'; {redo}"),
         ({"transformer": {**record["transformer"], "files": [{"name": "../x", "size": 1, "sha256": "0"}]}},
          f"receipt {forged}: transformer.files must be a list of {{name, size, sha256}} records, got list [{{'name': '../x', 'size': 1, 'sha256'...; {redo}"),
         ({"profile": {**record["profile"], "nfe": "4"}}, f"receipt {forged}: profile.nfe must be a positive integer, got str '4'; {redo}"),
         ({"adapter": "lora.safetensors"}, f"receipt {forged}: adapter must be null or a {{path, name, size, sha256, format, alpha_source, network_alpha}} record, got str 'lora.safetensors'; {redo}"),
     ):
-        forged.write_text(json.dumps({**record, **changes}))
+        forged.write_text(json.dumps({k: v for k, v in {**record, **changes}.items() if v is not MISSING}))
         assert _compiler(capsys, ["compile", "--receipt", str(forged), "--output", str(tmp_path / "compiled")]) == message
     assert not (tmp_path / "compiled").exists()
 
@@ -622,3 +624,25 @@ def test_a_model_not_found_without_a_models_folder_names_models_dir(tmp_path, ca
     assert refused(capsys, argv) == ("the workflow was refused before running: node 1 (VflashModelLoader): diffusers/minimax-h3: not found in the "
                                      "diffusers folders (none registered: vflash run-workflow registers them under --models-dir)")
     assert not (tmp_path / "out").exists()
+
+
+# -- found by this issue's own adversarial run -------------------------------------------------------------------------
+
+
+def test_json_records_nested_too_deeply_or_under_a_file_are_one_line(h3_prepared, tmp_path, capsys, no_model_loads):
+    """A prepared-assets receipt of 200,000 nested arrays was a RecursionError traceback, and an assets file whose
+    artifact is a regular file a NotADirectoryError one (reading <file>/manifest.json)."""
+    from vflash_core.pipeline.h3_pipeline import PreparedAssets
+
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 200_000)
+    out = tmp_path / "o.mp4"
+    assert refused(capsys, ["generate", "--prepared-assets", str(deep), "--prompt", "x", "--output", str(out)]) == \
+        f"prepared-assets receipt {deep} nests arrays or objects too deeply to be read"
+    record = PreparedAssets.load(h3_prepared).record
+    assets = tmp_path / "assets.json"
+    assets.write_text(json.dumps({**{k: record["assets"][k] for k in ("model_root", "decoder_root", "adapter_path", "schedule_overlay", "auxiliary_tensor")},
+                                  "artifact": str(deep)}))
+    line = refused(capsys, ["prepare-pipeline", "--profile", "t2va-base4-exact-cpu", "--assets", str(assets), "--receipt", str(tmp_path / "r.json")])
+    assert line == f"{deep}: not a compiled artifact (no manifest.json)"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["assets.json", "deep.json"]

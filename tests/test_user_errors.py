@@ -139,7 +139,7 @@ def _receipt_variants(receipt: Path) -> dict[str, tuple[object, str]]:
         "mistyped-asset": ({**record, "assets": {**record["assets"], "model_root": 5}}, r"assets.model_root must be a path string, got int 5; recreate it"),
         "missing-field": (without_canvas, r"has no canvas.canvas_short_edge; recreate it with `vflash prepare-pipeline`"),
         "mistyped-canvas": ({**record, "canvas": {**record["canvas"], "canvas_max_pixels": "big"}}, r"canvas.canvas_max_pixels must be a positive integer, got str 'big'"),
-        "assets-not-an-object": ({**record, "assets": [1, 2]}, r"has no assets.model_root"),
+        "assets-not-an-object": ({**record, "assets": [1, 2]}, r"assets must be an object, got list \[1, 2\]; recreate it"),
         "identity-not-an-object": ({**record, "profile_identity": "x"}, r"profile_identity must be an object, got str 'x'"),
         "not-utf8": (b"\xff\xfe{", r"cannot be read as JSON: 'utf-8' codec can't decode byte 0xff"),
         "not-an-object": ([record], r"must hold a JSON object"),

@@ -166,13 +166,16 @@ def check_writable_destination(path: str | Path, overwrite: bool = False) -> Pat
 
 
 def read_json(path: str | Path, error: type[VflashError], missing: str, corrupt: str) -> object:
-    """The JSON value in `path`; `error(missing)` when there is no such file, `error(corrupt)` when it is not JSON."""
+    """The JSON value in `path`; `error(missing)` when there is no such file (or a part of its folder path is a file),
+    `error(corrupt)` when it is not UTF-8 JSON or nests too deeply to parse."""
     try:
-        return json.loads(Path(path).read_text())
-    except FileNotFoundError:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (FileNotFoundError, NotADirectoryError):
         raise error(missing) from None
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, not UTF-8 (UnicodeDecodeError is a ValueError), too deep
         raise error(corrupt) from None
+    except OSError as exc:  # an I/O error (a folder or an unreadable file is named by check_input_file)
+        raise error(f"{path} cannot be read: {exc.strerror or exc}") from None
 
 
 def check_file_name(folder: Path, name: str, what: str) -> None:

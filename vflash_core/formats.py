@@ -100,21 +100,25 @@ def list_of(*fields: Field) -> Callable[[object], bool]:
     return lambda value: isinstance(value, list) and all(not field_problem(item, fields) for item in value)
 
 
-def field_problem(record: object, fields: Sequence[Field]) -> tuple[str, object] | None:
-    """(key, value) of the first field of `fields` that `record` lacks ("missing" value None) or fails; None if
-    every field passes."""
-    for key, _, valid in fields:
+def field_problem(record: object, fields: Sequence[Field]) -> tuple[str, object, str] | None:
+    """(key, value, what it must be) of the first field of `fields` that `record` lacks (value `MISSING`) or fails,
+    or of the part of its key that holds no object where one must be; None if every field passes."""
+    for key, what, valid in fields:
         value: object = record
-        for part in key.split("."):
+        parts = key.split(".")
+        for depth, part in enumerate(parts):
+            if depth and not isinstance(value, dict):
+                return ".".join(parts[:depth]), value, "an object"
             if not isinstance(value, dict) or part not in value:
-                return key, _MISSING
+                return key, MISSING, what
             value = value[part]
         if not valid(value):
-            return key, value
+            return key, value, what
     return None
 
 
-_MISSING = object()
+#: `field_problem`'s value of a field that is not there.
+MISSING = object()
 
 
 def check_fields(record: object, fields: Sequence[Field], where: str, hint: str = "", error: type[VflashError] = VflashError) -> None:
@@ -124,9 +128,8 @@ def check_fields(record: object, fields: Sequence[Field], where: str, hint: str 
     problem = field_problem(record, fields)
     if problem is None:
         return
-    key, value = problem
+    key, value, what = problem
     tail = f"; {hint}" if hint else ""
-    if value is _MISSING:
+    if value is MISSING:
         raise error(f"{where} has no {key}{tail}")
-    what = next(what for name, what, _ in fields if name == key)
     raise error(f"{where}: {key} must be {what}, got {describe_value(value)}{tail}")

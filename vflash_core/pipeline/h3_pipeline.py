@@ -191,6 +191,8 @@ def _read_json(path: Path, what: str) -> dict:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:  # unreadable, not UTF-8, not JSON
         raise VflashError(f"{what} {path} cannot be read as JSON: {exc}") from None
+    except RecursionError:
+        raise VflashError(f"{what} {path} nests arrays or objects too deeply to be read") from None
     if not isinstance(data, dict):
         raise VflashError(f"{what} {path} must hold a JSON object")
     return data
