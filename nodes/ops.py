@@ -126,7 +126,7 @@ def _receipt_entries(folders: Folders) -> list[str]:
         if not rel.endswith(".json") or "/artifact/" in rel or "/schedule/" in rel:
             continue
         path = folders.full_path("vflash", rel)
-        if path is None or os.path.getsize(path) > 1 << 20:
+        if path is None or not os.path.isfile(path) or os.path.getsize(path) > 1 << 20:  # a FIFO would block the read
             continue
         try:
             if json.loads(Path(path).read_text()).get("format") == PIPELINE_FORMAT:

@@ -646,3 +646,51 @@ def test_json_records_nested_too_deeply_or_under_a_file_are_one_line(h3_prepared
     line = refused(capsys, ["prepare-pipeline", "--profile", "t2va-base4-exact-cpu", "--assets", str(assets), "--receipt", str(tmp_path / "r.json")])
     assert line == f"{deep}: not a compiled artifact (no manifest.json)"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["assets.json", "deep.json"]
+
+
+def test_fifos_named_as_weights_configs_or_manifests_never_block(tmp_path, tiny_compiled, capsys):
+    """`compiler prepare --transformer <a FIFO>` blocked forever in open() (so would a FIFO named config.json,
+    *.safetensors.index.json or manifest.json, or one among the receipts the model loader lists)."""
+    import os
+    import shutil
+
+    from vflash_core.engine.config import H3Config
+    from vflash_core.errors import WeightFileError
+    from vflash_core.weights.artifact import CompiledArtifact
+    from vflash_core.weights.tensor_store import TensorStore
+
+    fifo = tmp_path / "h3.safetensors"
+    os.mkfifo(fifo)
+    receipt = tmp_path / "r.json"
+    assert _compiler(capsys, ["prepare", "--profile", "t2va-base4-exact-cpu", "--transformer", str(fifo), "--receipt", str(receipt)]) == \
+        f"safetensors file {fifo} is a FIFO, not a file"
+    index = tmp_path / "sharded"
+    index.mkdir()
+    os.mkfifo(index / "model.safetensors.index.json")
+    with pytest.raises(WeightFileError, match=r"^safetensors index .*model\.safetensors\.index\.json is a FIFO, not a file$"):
+        TensorStore(index)
+    os.mkfifo(tmp_path / "config.json")
+    with pytest.raises(VflashError, match=r"^transformer config .*config\.json is a FIFO, not a file$"):
+        H3Config.from_file(tmp_path / "config.json")
+    compiled = tmp_path / "compiled"
+    shutil.copytree(tiny_compiled["artifact"].parent, compiled)
+    (compiled / "artifact" / "manifest.json").unlink()
+    os.mkfifo(compiled / "artifact" / "manifest.json")
+    with pytest.raises(VflashError, match=r"^JSON file .*artifact/manifest\.json is a FIFO, not a file$"):
+        CompiledArtifact(compiled / "artifact", compiled / "schedule", compiled / "auxiliary.safetensors")
+
+    from vflash_nodes import ops
+
+    class Folders:  # a models/vflash folder holding a FIFO named like a receipt
+        def filenames(self, key):
+            return ["stuck.json"] if key == "vflash" else []
+
+        def folders(self, key):
+            return [str(tmp_path)]
+
+        def full_path(self, key, name):
+            return str(tmp_path / name)
+
+    os.mkfifo(tmp_path / "stuck.json")
+    assert ops.model_options(Folders()) == [ops.DEMO]
+    assert not receipt.exists()

@@ -168,6 +168,8 @@ def check_writable_destination(path: str | Path, overwrite: bool = False) -> Pat
 def read_json(path: str | Path, error: type[VflashError], missing: str, corrupt: str) -> object:
     """The JSON value in `path`; `error(missing)` when there is no such file (or a part of its folder path is a file),
     `error(corrupt)` when it is not UTF-8 JSON or nests too deeply to parse."""
+    if os.path.lexists(path):
+        check_input_file(path, "JSON file", error)  # a FIFO would block the read
     try:
         return json.loads(Path(path).read_text(encoding="utf-8"))
     except (FileNotFoundError, NotADirectoryError):
