@@ -46,7 +46,9 @@ class NodeType:
     "*" for any, comma-separated for several); required: the names that must be given; outputs: output io types.
     run(**inputs) returns a tuple with one value per output. validate(**constant inputs), when given, is called for
     every node before anything runs (as ComfyUI validates a queued prompt): True, or the refusal as text. numbers:
-    the INT and FLOAT inputs' widget ranges, checked as ComfyUI checks a queued prompt's values against min and max.
+    the INT and FLOAT inputs' widget ranges, checked as ComfyUI checks a queued prompt's values against min and max;
+    choices: the options of the combos the node's own `validate_inputs` does not take (ComfyUI's rule), checked with
+    `validate`.
     """
 
     class_type: str
@@ -57,6 +59,7 @@ class NodeType:
     output_node: bool = False
     validate: Callable[..., Any] | None = None
     numbers: Mapping[str, Number] = field(default_factory=dict)
+    choices: Mapping[str, tuple] = field(default_factory=dict)
 
 
 def types_compatible(output_type: str, input_type: str) -> bool:
@@ -320,10 +323,13 @@ def execute(
     refusals = []
     for nid in order:
         node = workflow[nid]
-        check = node_types[node["class_type"]].validate
-        if check is None:
-            continue
-        verdict = check(**{k: v for k, v in node.get("inputs", {}).items() if not is_link(v)})
+        spec = node_types[node["class_type"]]
+        constants = {k: v for k, v in node.get("inputs", {}).items() if not is_link(v)}
+        for name, value in constants.items():  # combo values, as ComfyUI checks them against the options it lists
+            if name in spec.choices and value not in spec.choices[name]:
+                shown = ", ".join(map(str, spec.choices[name][:12])) + (" ..." if len(spec.choices[name]) > 12 else "")
+                refusals.append(f"node {nid} ({node['class_type']}): {name} must be one of {shown or '(none listed)'}, got {json.dumps(value)[:80]}")
+        verdict = True if spec.validate is None else spec.validate(**constants)
         if verdict is not True:
             refusals.append(f"node {nid} ({node['class_type']}): {verdict}")
     if refusals:
@@ -372,12 +378,24 @@ def node_types(classes: Mapping[str, type], prompt: Mapping[str, Any] | None = N
         numbers = {key: Number(_NUMBER_KINDS[inputs[key]], getattr(inp, "min", None), getattr(inp, "max", None))
                    for key, inp in widgets.items() if inputs[key] in _NUMBER_KINDS}
         own = cls.validate_inputs if cls.validate_inputs.__func__ is not io.ComfyNode.validate_inputs.__func__ else None
+        validated = set(inspect.signature(own).parameters) if own is not None else set()
+        choices = {key: tuple(options) for key, inp in widgets.items() if key.split(".")[0] not in validated
+                   and (options := _options(inp)) is not None}
         out[node_id] = NodeType(node_id, inputs, frozenset(required), tuple(o.get_io_type() for o in schema.outputs),
-                                _runner(cls, schema, prompt), schema.is_output_node, _validator(own), numbers)
+                                _runner(cls, schema, prompt), schema.is_output_node, _validator(own), numbers, choices)
     return out
 
 
 _NUMBER_KINDS = {"INT": int, "FLOAT": float}
+
+
+def _options(inp: io.Input) -> list | None:
+    """The values a combo takes (a dynamic combo: its options' keys); None for any other input, or a combo whose
+    options are not a list."""
+    if isinstance(inp, io.DynamicCombo.Input):
+        return [option.key for option in inp.options]
+    options = getattr(inp, "options", None) if isinstance(inp, io.Combo.Input) else None
+    return options if isinstance(options, list) else None
 
 
 def _dynamic_combo_inputs(combo: io.DynamicCombo.Input, key: str) -> dict[str, io.Input]:
@@ -418,7 +436,8 @@ def _validator(own: Callable[..., Any] | None) -> Callable[..., Any]:
                 check_prompt(constants["prompt"])
         except VflashError as exc:
             return str(exc)
-        return own(**{k: v for k, v in constants.items() if k in accepted}) if own is not None else True
+        nested = nest_inputs(constants)  # as `execute` gets them: a dynamic combo's values as one dict
+        return own(**{k: v for k, v in nested.items() if k in accepted}) if own is not None else True
 
     return validate
 

@@ -694,3 +694,31 @@ def test_fifos_named_as_weights_configs_or_manifests_never_block(tmp_path, tiny_
     os.mkfifo(tmp_path / "stuck.json")
     assert ops.model_options(Folders()) == [ops.DEMO]
     assert not receipt.exists()
+
+
+def test_load_nodes_save_formats_and_combo_values_are_checked_before_the_graph_runs(tmp_path, capsys, no_loader_runs):
+    """Found by this issue's adversarial run: a LoadImage of a text file named .png, of a truncated PNG or of a
+    60000x60000 PNG header was a PIL traceback once the graph ran; SaveVideo's `format.codec` av1 and a combo value
+    no option names (VflashUnload `what`: "everything") were refused only after the models had run."""
+    from PIL import Image
+
+    inputs, out = tmp_path / "inputs", tmp_path / "out"
+    inputs.mkdir()
+    (inputs / "text.png").write_text("not an image")
+    Image.new("RGB", (64, 48)).save(inputs / "whole.png")
+    (inputs / "truncated.png").write_bytes((inputs / "whole.png").read_bytes()[:40])
+    for name in ("text.png", "truncated.png"):
+        argv = ["run-workflow", str(API / "i2va.json"), "--input-dir", str(inputs), "--output-dir", str(out), "--set", f"8.image={name}"]
+        assert refused(capsys, argv) == (f"the workflow was refused before running: node 8 (LoadImage): image file '{name}': {inputs.resolve() / name} "
+                                         f"cannot be read as image: cannot identify image file '{inputs.resolve() / name}'")
+    t2va = ["run-workflow", str(API / "t2va.json"), "--output-dir", str(out)]
+    assert refused(capsys, [*t2va, "--set", "7.format.codec=av1"]) == ("the workflow was refused before running: node 7 (SaveVideo): the headless "
+                                                                     "runner writes mp4/h264 with its own encoding (got format 'mp4', codec 'av1', encoding 'auto')")
+    workflow = json.loads((API / "t2va.json").read_text())
+    workflow["9"] = {"class_type": "VflashUnload", "inputs": {"anything": ["6", 2], "what": "everything"}}
+    graph = tmp_path / "unload.json"
+    graph.write_text(json.dumps(workflow))
+    assert refused(capsys, ["run-workflow", str(graph), "--output-dir", str(out)]) == \
+        "the workflow was refused before running: node 9 (VflashUnload): what must be one of all, dit, te, vae, got \"everything\""
+    assert main_output(capsys, ["run-workflow", str(graph), "--print-plan", "--output-dir", str(out)]).strip().endswith("7 SaveVideo -> 9 VflashUnload")  # the order needs no values
+    assert not out.exists()

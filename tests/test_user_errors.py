@@ -537,7 +537,7 @@ def test_workflow_save_and_load_nodes_are_checked_before_anything_runs(tmp_path,
     cases = [
         (["t2va.json", "--set", "7.filename_prefix=../../escape"], f"node 7 (SaveVideo): filename_prefix '../../escape' points outside the output folder {out}"),
         (["t2va.json", "--set", "7.filename_prefix="], 'node 7 (SaveVideo): filename_prefix must be a non-empty string, got ""'),
-        (["t2va.json", "--set", "7.format=webm"], "node 7 (SaveVideo): the headless runner writes mp4, got format 'webm'"),
+        (["t2va.json", "--set", "7.format=webm"], "node 7 (SaveVideo): the headless runner writes mp4/h264 with its own encoding (got format 'webm', codec 'h264', encoding 'auto')"),
         (["i2va.json", "--input-dir", str(tmp_path / "none")], f"node 8 (LoadImage): input file 'vflash_first_frame.png' does not exist in the input folder {tmp_path / 'none'} (set --input-dir)"),
         (["t2va.json", "--set", "4.prompt= "], "node 4 (VflashEncode): the prompt must be a non-empty string"),
     ]
