@@ -722,3 +722,36 @@ def test_load_nodes_save_formats_and_combo_values_are_checked_before_the_graph_r
         "the workflow was refused before running: node 9 (VflashUnload): what must be one of all, dit, te, vae, got \"everything\""
     assert main_output(capsys, ["run-workflow", str(graph), "--print-plan", "--output-dir", str(out)]).strip().endswith("7 SaveVideo -> 9 VflashUnload")  # the order needs no values
     assert not out.exists()
+
+
+def test_python_api_paths_devices_and_callbacks_of_the_wrong_kind_are_one_line(tiny_compiled, tmp_path):
+    """Found by this issue's adversarial run: NativeEngineSession with an artifact of None, a device "tpu", a
+    progress callback that is an int (a TypeError after the first evaluation), ConditioningBundle.load(5),
+    prepare(transformer=5) and compile_receipt(5, ...) were TypeError / RuntimeError tracebacks."""
+    from test_schedule_layout_bundle import _bundle
+
+    from vflash_core.engine.bundle import ConditioningBundle
+    from vflash_core.engine.session import NativeEngineSession
+    from vflash_core.weights.compiler import compile_receipt, prepare
+
+    profile = "t2va-base4-exact-cpu"
+    cases = [
+        (lambda: NativeEngineSession(profile, None, None, None), "artifact must be a file path (str or Path), got NoneType None"),
+        (lambda: NativeEngineSession(profile, **tiny_compiled, device="tpu"), "device 'tpu' is not a device; use 'cpu', a GPU index or 'cuda:N'"),
+        (lambda: NativeEngineSession(profile, **tiny_compiled, peer_device=["gpu1"], strategy="tensor"), "peer device 'gpu1' is not a device; use 'cpu', a GPU index or 'cuda:N'"),
+        (lambda: NativeEngineSession(profile, **tiny_compiled, on_load_progress=5), "on_load_progress must be a callable or None, got int 5"),
+        (lambda: ConditioningBundle.load(5), "the bundle folder must be a file path (str or Path), got int 5"),
+        (lambda: prepare(profile, 5, tmp_path / "r.json"), "the transformer must be a file path (str or Path), got int 5"),
+        (lambda: compile_receipt(5, tmp_path / "c"), "the receipt must be a file path (str or Path), got int 5"),
+    ]
+    for call, message in cases:
+        with pytest.raises(VflashError, match=f"^{re.escape(message)}$"):
+            call()
+    with NativeEngineSession(profile, **tiny_compiled) as session:
+        for keyword, value in (("progress", 5), ("between_blocks", "stop")):
+            with pytest.raises(VflashError, match=f"^{keyword} must be a callable or None, got "):
+                session.generate(_bundle(), **{keyword: value})
+        with pytest.raises(VflashError, match=r"^output_latents must be a file path \(str or Path\), got int 7$"):
+            session.generate(_bundle(), output_latents=7)
+        assert session._failure is None and session.generate(_bundle()).video_latents.isfinite().all()
+    assert list(tmp_path.iterdir()) == []

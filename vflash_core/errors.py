@@ -28,6 +28,12 @@ def check_choice(name: str, value: object, allowed: Collection[str]) -> None:
         raise VflashError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
 
 
+def check_callback(value: object, what: str) -> None:
+    """None or a callable, checked before anything loads or runs (a callback is first called once work started)."""
+    if value is not None and not callable(value):
+        raise VflashError(f"{what} must be a callable or None, got {describe_value(value)}")
+
+
 _SHOWN = 40
 
 

@@ -31,7 +31,7 @@ import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from .errors import RunFailedError, VflashError
+from .errors import RunFailedError, VflashError, describe_value
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +116,18 @@ def read_text_file(path: str | Path, what: str, max_bytes: int, error: type[Vfla
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise error(f"{what} {path} is not UTF-8 text (byte {exc.start} is 0x{data[exc.start]:02x})") from None
+
+
+def path_argument(value: object, what: str) -> Path:
+    """A non-empty file path given as str or `os.PathLike` (never bytes, a number or None), as a Path: the check of
+    every path a Python caller hands over, before it reaches `open` or `os.stat` (which raise TypeError)."""
+    if isinstance(value, (str, os.PathLike)):
+        text = os.fspath(value)
+        if isinstance(text, str) and text:
+            if "\x00" in text:
+                raise VflashError(f"{what} must not contain a NUL character")
+            return Path(text)
+    raise VflashError(f"{what} must be a file path (str or Path), got {describe_value(value)}")
 
 
 def resolve_inside(folder: str | Path, name: str, what: str) -> Path:

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..errors import BundleError, VflashError
-from ..fileio import atomic_directory, read_json
+from ..fileio import atomic_directory, path_argument, read_json
 from ..formats import Field, check_fields, is_count, is_positive
 from ..weights.tensor_store import TensorStore, file_sha256
 from .config import NUM_MODALITIES, H3Config
@@ -177,7 +177,7 @@ class ConditioningBundle:
     def load(cls, path: str | Path) -> ConditioningBundle:
         """Read a bundle folder, verifying its content hash, its manifest field by field, its tensors' names, dtypes and
         values (finite) and its consistency: a bundle is input, and one whose hash was recomputed is still checked."""
-        path = Path(path)
+        path = path_argument(path, "the bundle folder")
         manifest = read_json(path / _MANIFEST, BundleError, f"{path}: not a conditioning bundle (no {_MANIFEST})", f"{path}: corrupt {_MANIFEST}")
         if not isinstance(manifest, dict) or manifest.get("format") != BUNDLE_FORMAT:
             found = manifest.get("format") if isinstance(manifest, dict) else None

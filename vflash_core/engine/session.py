@@ -32,9 +32,17 @@ from typing import Self
 
 import torch
 
-from ..errors import IdentityMismatchError, Number, SessionClosedError, VflashError, check_choice, describe_value
-from ..fileio import atomic_file, check_writable_destination
-from ..formats import device_arch
+from ..errors import (
+    IdentityMismatchError,
+    Number,
+    SessionClosedError,
+    VflashError,
+    check_callback,
+    check_choice,
+    describe_value,
+)
+from ..fileio import atomic_file, check_writable_destination, path_argument
+from ..formats import check_device, device_arch
 from ..pipeline.memory_plan import (
     DeviceCap,
     MemoryPlan,
@@ -115,8 +123,8 @@ class GenerationResult:
     denoise_profile: dict[str, object] | None = None
 
 
-def _as_device(value: int | str | torch.device) -> torch.device:
-    device = torch.device(f"cuda:{value}") if isinstance(value, int) else torch.device(value)
+def _as_device(value: int | str | torch.device, role: str) -> torch.device:
+    device = check_device(value, None, role)  # a device this machine has: "tpu" or cuda:9 is one line, not a RuntimeError
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
@@ -171,9 +179,12 @@ class NativeEngineSession:
         start = time.perf_counter()
         cap = cap_bytes(max_device_memory)  # checked before anything is read (a string or NaN is refused here)
         COLLECTIVE_TIMEOUT.check("collective_timeout_seconds", collective_timeout_seconds)
+        check_callback(on_load_progress, "on_load_progress")
+        artifact, schedule_overlay, auxiliary = (path_argument(value, name) for value, name in (
+            (artifact, "artifact"), (schedule_overlay, "schedule_overlay"), (auxiliary, "auxiliary")))
         self.profile = get_profile(profile)
         peers = [] if peer_device is None else (list(peer_device) if isinstance(peer_device, (list, tuple)) else [peer_device])
-        self.devices = [_as_device(device)] + [_as_device(p) for p in peers]
+        self.devices = [_as_device(device, "device")] + [_as_device(p, "peer device") for p in peers]
         self.device = self.devices[0]
         if peers and strategy not in STRATEGIES:
             raise VflashError(f"two or more devices need strategy {' or '.join(STRATEGIES)}, got {strategy!r}")
@@ -371,8 +382,10 @@ class NativeEngineSession:
                 f"NativeEngineSession.generate takes a ConditioningBundle, a BundleHandoff or a bundle folder path, got {describe_value(bundle)}"
             )
         self.validate(bundle)
+        check_callback(progress, "progress")
+        check_callback(between_blocks, "between_blocks")
         if output_latents is not None:
-            check_writable_destination(output_latents)
+            check_writable_destination(path_argument(output_latents, "output_latents"))
         aborted = False
 
         def guarded(fn: Callable[..., None] | None) -> Callable[..., None] | None:

@@ -66,9 +66,10 @@ from ..errors import (
     RunFailedError,
     SessionClosedError,
     VflashError,
+    check_callback,
     describe_value,
 )
-from ..fileio import atomic_file, check_input_file, check_writable_destination
+from ..fileio import atomic_file, check_input_file, check_writable_destination, path_argument
 from ..formats import PIPELINE_FORMAT, Field, check_fields, is_object, is_positive
 from ..media.conditioning import TEXT_ENCODER_LAYER, TextConditioner, TextEncoderLoader
 from ..media.mp4 import write_mp4
@@ -94,11 +95,9 @@ from .validation import (
     MediaInput,
     PromptBudget,
     RequestPlan,
-    callback,
     check_generate_arguments,
     media_input,
     media_inputs,
-    path_argument,
     plan_request,
     request_mode,
 )
@@ -601,7 +600,7 @@ class H3Pipeline:
         """Load the text encoder, the VAEs and the native session now (once, whichever thread asks first); sets
         `initialization_seconds`."""
         self._check_open()
-        callback(progress, "progress")
+        check_callback(progress, "progress")
         with self._lock:
             self._check_open()  # closed while this thread waited
             if self.loaded:

@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any
 import PIL.Image
 
 from ..engine.layout import FPS, MAX_DURATION_SECONDS, MIN_DURATION_SECONDS, Geometry, check_canvas, frames_for_duration
-from ..errors import Number, RequestError, VflashError, describe_value
-from ..fileio import check_writable_destination
+from ..errors import Number, RequestError, VflashError, check_callback, describe_value
+from ..fileio import check_writable_destination, path_argument
 from ..media.references import (
     CANVAS_MULTIPLE,
     MAX_AUDIOS,
@@ -95,23 +95,6 @@ def media_inputs(value: object, field: str) -> tuple[MediaInput, ...]:
     raise RequestError(f"{field} must be a file path, a PIL image or a list of them, got {describe_value(value)}")
 
 
-def path_argument(value: object, what: str) -> Path:
-    """A non-empty file path given as str or `os.PathLike` (never bytes, a number or None), as a Path."""
-    if isinstance(value, (str, os.PathLike)):
-        text = os.fspath(value)
-        if isinstance(text, str) and text:
-            if "\x00" in text:
-                raise VflashError(f"{what} must not contain a NUL character")
-            return Path(text)
-    raise VflashError(f"{what} must be a file path (str or Path), got {describe_value(value)}")
-
-
-def callback(value: object, what: str) -> None:
-    """None or a callable, checked before anything loads (a callback is first called after loading)."""
-    if value is not None and not callable(value):
-        raise VflashError(f"{what} must be a callable or None, got {describe_value(value)}")
-
-
 def _same_file(a: Path, b: Path) -> bool:
     try:
         return a.resolve() == b.resolve() or (a.exists() and b.exists() and os.path.samefile(a, b))
@@ -137,8 +120,8 @@ def check_generate_arguments(request: VideoRequest, output: object, overwrite: o
     writable file path that is none of the request's inputs, `overwrite` a bool, the callbacks callable."""
     if not isinstance(overwrite, bool):  # a truthy string such as "no" must never turn overwriting on
         raise VflashError(f"overwrite must be True or False, got {describe_value(overwrite)}")
-    callback(progress, "progress")
-    callback(cancel, "cancel")
+    check_callback(progress, "progress")
+    check_callback(cancel, "cancel")
     if output is not None:
         path_argument(output, "the output path")
         check_writable_destination(output, overwrite)  # as given: a trailing "/" names a folder

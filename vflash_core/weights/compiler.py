@@ -58,6 +58,7 @@ from ..fileio import (
     check_folder,
     check_new_directory,
     check_writable_destination,
+    path_argument,
     read_text_file,
 )
 from ..formats import (
@@ -110,7 +111,9 @@ def prepare(
 ) -> dict[str, object]:
     """Write a receipt binding `profile` to the base weights and adapter; returns the receipt."""
     profile = get_profile(profile)
-    receipt = check_writable_destination(receipt)
+    transformer = path_argument(transformer, "the transformer")
+    adapter = None if adapter is None else path_argument(adapter, "the adapter")
+    receipt = check_writable_destination(path_argument(receipt, "the receipt path"))
     source = SourceWeights(transformer, qkv_layout=qkv_layout)
     source.check_profile(profile)
     if profile.adapter is None and adapter is not None:
@@ -269,6 +272,7 @@ def _verify_receipt_files(receipt: dict, source: SourceWeights, progress: StageP
 
 def compile_receipt(receipt_path: str | Path, output: str | Path, device: str = "cpu", progress: StageProgress | None = None) -> Path:
     """Compile the receipt's weights for its profile into `output` (must not exist). Returns `output`."""
+    receipt_path, output = path_argument(receipt_path, "the receipt"), path_argument(output, "the output folder")
     receipt = _load_receipt(receipt_path)
     profile = _profile_from_receipt(receipt, receipt_path)
     from ..formats import check_device
