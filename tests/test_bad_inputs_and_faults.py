@@ -455,50 +455,68 @@ def _mounts_allowed(folder: Path) -> bool:
     return probe.returncode == 0
 
 
-# Runs `vflash generate` twice into a full filesystem at argv[1] (a 4 MiB tmpfs mounted there, or a 4 MiB file size
-# limit), then reports each run's exit status and stderr and what the folder holds, as JSON.
+# Runs each [command, room] of argv[3] (JSON: a `vflash` argument list, "{disk}" standing for the folder, and the bytes
+# it may write) with the folder argv[1] full to within `room` (a tmpfs mounted there and a ballast file, or a file
+# size limit of `room`), then reports each run's exit status and stderr and what the folder holds, as JSON.
 _FULL_DISK_RUNS = """
 import json, os, resource, signal, subprocess, sys
-folder, receipt, limit = sys.argv[1], sys.argv[2], sys.argv[3] == "limit"
-def child():
-    if limit:  # writes past 4 MiB fail with EFBIG instead of killing the writer
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (4 << 20, 4 << 20))
+folder, limit, commands = sys.argv[1], sys.argv[2] == "limit", json.loads(sys.argv[3])
+ballast = os.path.join(folder, "ballast")
 runs = []
-for video_input in ("file", "file", "pipe"):
-    done = subprocess.run([sys.executable, "-m", "vflash_core.cli.main", "generate", "--prepared-assets", receipt, "--prompt", "a kite",
-                           "--media-video-input", video_input, "--output", os.path.join(folder, "clip.mp4")],
+for argv, room in commands:
+    def child():
+        if limit:  # writes past `room` fail with EFBIG instead of killing the writer
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (room, room))
+    if not limit:
+        open(ballast, "wb").close()
+        free = os.statvfs(folder).f_bavail * os.statvfs(folder).f_frsize
+        with open(ballast, "wb") as f:
+            f.write(b"\\0" * max(0, free - room))
+    done = subprocess.run([sys.executable, "-m", "vflash_core.cli.main", *(a.replace("{disk}", folder) for a in argv)],
                           capture_output=True, text=True, preexec_fn=child)
     runs.append([done.returncode, done.stderr])
+if os.path.exists(ballast):
+    os.unlink(ballast)
 print(json.dumps({"runs": runs, "left": sorted(os.listdir(folder))}))
 """
 
 
 @pytest.mark.timeout(600)
-def test_a_full_disk_is_one_line_and_leaves_nothing(h3_prepared, tmp_path):
+def test_a_full_disk_is_one_line_and_leaves_nothing(h3_prepared, tiny_compiled, tmp_path):
     """`generate --output` into a full 4 MiB tmpfs: the first run died with SIGBUS (a memory-mapped temporary written
     past the disk's end), the second printed OSError [Errno 28] with a traceback, and a `.vflash-frames.*.rgb.partial`
-    temporary was left behind."""
+    temporary was left behind. Found by this issue's adversarial run: `denoise --output-latents` and the demo
+    family's build there were SafetensorError tracebacks (safetensors' writer reports the OS error as text)."""
     import subprocess
     import sys
 
+    from test_schedule_layout_bundle import _bundle
+
     disk = tmp_path / "disk"
     disk.mkdir()
+    bundle = _bundle().save(tmp_path / "bundle")
+    generate = ["generate", "--prepared-assets", str(h3_prepared), "--prompt", "a kite", "--output", "{disk}/clip.mp4"]
+    denoise = ["denoise", "t2va-base4-exact-cpu", "--artifact", str(tiny_compiled["artifact"]), "--schedule-overlay", str(tiny_compiled["schedule_overlay"]),
+               "--auxiliary-tensor", str(tiny_compiled["auxiliary"]), "--bundle", str(bundle), "--output-latents", "{disk}/latents.safetensors"]
+    commands = [((generate, 4 << 20), "clip.mp4"), ((generate, 4 << 20), "clip.mp4"), (([*generate, "--media-video-input", "pipe"], 4 << 20), "clip.mp4"),
+                ((denoise, 512), "latents.safetensors")]
     script = tmp_path / "runs.py"
     script.write_text(_FULL_DISK_RUNS)
+    argv = json.dumps([command for command, _ in commands])
     if _mounts_allowed(disk):
         argv = ["unshare", "-m", "--propagation", "private", "sh", "-c",
-                f'mount -t tmpfs -o size=4m tmpfs "$1" && exec "{sys.executable}" "$2" "$1" "$3" tmpfs', "sh", str(disk), str(script), str(h3_prepared)]
+                f'mount -t tmpfs -o size=4m tmpfs "$1" && exec "{sys.executable}" "$2" "$1" tmpfs "$3"', "sh", str(disk), str(script), argv]
         full = "No space left on device"
     else:
-        argv, full = [sys.executable, str(script), str(disk), str(h3_prepared), "limit"], "File too large"
+        argv, full = [sys.executable, str(script), str(disk), "limit", argv], "File too large"
     done = subprocess.run(argv, capture_output=True, text=True, timeout=540)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
-    for status, stderr in report["runs"]:
+    for (status, stderr), (_, name) in zip(report["runs"], commands):
         lines = [line for line in stderr.splitlines() if "error" in line.lower()]  # beside them: log lines and progress bars
         assert status == 1 and "Traceback" not in stderr, stderr
-        assert len(lines) == 1 and re.fullmatch(rf"vflash: error: writing {re.escape(str(disk / 'clip.mp4'))} failed: {full} \(\d+\.\d [MG]iB free in {re.escape(str(disk))}\)", lines[0]), lines
+        assert len(lines) == 1 and re.fullmatch(rf"vflash: error: writing {re.escape(str(disk / name))} failed: {full} \(\d+\.\d [MG]iB free in {re.escape(str(disk))}\)", lines[0]), lines
     assert report["left"] == []
 
 

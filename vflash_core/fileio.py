@@ -311,19 +311,31 @@ def write_errors(destination: Path) -> Iterator[None]:
     """An OS error inside the block (a full disk, a quota, a read-only or failing filesystem) as one line naming
     `destination`, the file the OS named when it is not one of the destination's own temporaries, and the space left
     in the destination's folder at that moment (so the block must not have removed its temporaries yet)."""
+    from safetensors import SafetensorError
+
     try:
         yield
-    except OSError as exc:
-        if isinstance(exc, VflashError) or exc.errno is None:
+    except (OSError, SafetensorError) as exc:
+        failed = _os_error(exc)
+        if failed is None:
             raise
         folder = nearest_existing(destination.absolute().parent)
         try:
             free = f"{_size(shutil.disk_usage(folder).free)} free in {folder}"
         except OSError:
             free = f"{folder} cannot be examined"
-        named = Path(os.fsdecode(exc.filename)) if exc.filename else destination
+        named = Path(os.fsdecode(failed.filename)) if failed.filename else destination
         own = named == destination or named.name.startswith(f".{destination.name}.") and named.parent == destination.parent
-        raise WriteFailedError(f"writing {destination} failed{'' if own else f' at {named}'}: {exc.strerror or exc} ({free})") from None
+        raise WriteFailedError(f"writing {destination} failed{'' if own else f' at {named}'}: {failed.strerror} ({free})") from None
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OS error behind `exc`: itself, or the one safetensors' writer reports as text ("... (os error 28)");
+    None when there is none (then it is not a fault of the filesystem)."""
+    if isinstance(exc, OSError) and not isinstance(exc, VflashError) and exc.errno is not None:
+        return exc if exc.strerror else OSError(exc.errno, os.strerror(exc.errno), exc.filename)
+    found = re.search(r"\(os error (\d+)\)", str(exc)) if not isinstance(exc, OSError) else None
+    return None if found is None else OSError(int(found[1]), os.strerror(int(found[1])))
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..errors import VflashError
-from ..fileio import OutputExistsError, check_writable_destination, temporary
+from ..fileio import OutputExistsError, check_writable_destination, temporary, write_errors
 from ..weights.family import DEMO_FAMILY, build_model_family
 from .options import RunOptions
 
@@ -91,7 +91,8 @@ def ensure_demo_assets(cache_dir: str | Path | None = None, progress=None) -> Pa
         start = time.perf_counter()
         tmp = temporary(final, directory=True)  # named for this process: a killed build's is removed by the next
         try:
-            _build(tmp, report)
+            with write_errors(final):
+                _build(tmp, report)
             try:
                 os.rename(tmp, final)
             except OSError:
