@@ -126,7 +126,7 @@ def _receipt_entries(folders: Folders) -> list[str]:
         if not rel.endswith(".json") or "/artifact/" in rel or "/schedule/" in rel:
             continue
         path = folders.full_path("vflash", rel)
-        if path is None or os.path.getsize(path) > 1 << 20:
+        if path is None or not os.path.isfile(path) or os.path.getsize(path) > 1 << 20:  # a FIFO would block the read
             continue
         try:
             if json.loads(Path(path).read_text()).get("format") == PIPELINE_FORMAT:
@@ -162,8 +162,10 @@ def resolve(folders: Folders, name: str) -> Path:
         raise VflashError(f"{name!r} is not a model file option (expected vflash/..., diffusers/..., diffusion_models/... or loras/...)")
     full = folders.full_path(key, rel)
     if full is None:
-        looked = ", ".join(folders.folders(key)) or "no folder is registered for it"
-        raise VflashError(f"{name} is missing: {rel} belongs in models/{key} (ComfyUI looks in {looked})")
+        if folders.folders(key):
+            raise VflashError(f"{name} is missing: {rel} belongs in models/{key} (ComfyUI looks in {', '.join(folders.folders(key))})")
+        raise VflashError(f"{name} is missing: {rel} belongs in models/{key}, and no {key} folder is registered "
+                          "(vflash run-workflow registers them under --models-dir)")
     return Path(full)
 
 
@@ -384,22 +386,39 @@ def resolve_model(host: Host, spec: ModelSpec) -> tuple[Any, Path, Path, Path]:
         raise VflashError(f"a profile binds at most one LoRA; the chain has {len(spec.loras)}")
     if spec.loras and profile.adapter is not None and abs(spec.loras[0].strength - profile.adapter.strength) > 1e-9:
         raise VflashError(f"profile {profile.id} binds its LoRA at strength {profile.adapter.strength:g}; the chain asks {spec.loras[0].strength:g}")
-    out = Path(spec.compile_dir)
-    if not (out / "artifact" / "manifest.json").is_file():
-        from vflash_core.weights.compiler import compile_receipt, prepare
+    return profile, *_compiled_paths(compile_on_first_use(host, spec, profile))
 
-        # One bar per step (hash, verify, compile), advanced per file or block; an interrupt between two of them
-        # abandons the step and publishes nothing (the receipt and the compiled folder are written atomically).
-        out.parent.mkdir(parents=True, exist_ok=True)
-        receipt = out.with_name(out.name + ".weights-receipt.json")
+
+def compile_on_first_use(host: Host, spec: ModelSpec, profile: Any) -> Path:
+    """The compile of official weights for `profile`, made on first use beside the other compiled models, keyed by
+    the files' identity: the receipt next to it must describe the files as they are now (paths, sizes, modification
+    times) and the compile must be the one made from the weights that receipt hashed. A file replaced since, or a
+    receipt left by a first use that was interrupted after its prepare, is prepared (hashed) again; a compile of other
+    weights is removed and compiled again, never used stale. One bar per step (hash, verify, compile), advanced per
+    file or block; an interrupt between two of them abandons the step and publishes nothing (the receipt and the
+    compiled folder are written atomically)."""
+    from vflash_core.fileio import remove_folder
+    from vflash_core.weights.compiler import compile_receipt, compiled_from, prepare, receipt_describes
+
+    out = Path(spec.compile_dir)
+    receipt = out.with_name(out.name + ".weights-receipt.json")
+    root = official_transformer(Path(spec.path), profile)
+    adapter = spec.loras[0].path if spec.loras else None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if os.path.lexists(receipt) and not receipt_describes(receipt, root, adapter):
+        host.log(f"Vflash: {spec.source} is not the file it was prepared from (its size or modification time changed, or it moved); preparing it again")
+        receipt.unlink()
+    if not receipt.is_file():
         host.log(f"Vflash: preparing {spec.source} for {profile.id} (hashing the weights) ...")
-        if not receipt.is_file():
-            prepare(profile, official_transformer(Path(spec.path), profile), receipt, spec.loras[0].path if spec.loras else None,
-                    progress=_StageProgress(host))
+        prepare(profile, root, receipt, adapter, progress=_StageProgress(host))
+    if out.exists() and not compiled_from(out, receipt):
+        host.log(f"Vflash: {out} was compiled from other weights than {spec.source} holds now; compiling it again")
+        remove_folder(out)
+    if not out.exists():
         host.check_interrupt()
         host.log(f"Vflash: compiling {spec.source} for {profile.id} into {out} (once) ...")
         compile_receipt(receipt, out, "cpu" if profile.arch == "cpu" else spec.device, progress=_StageProgress(host))
-    return profile, *_compiled_paths(out)
+    return out
 
 
 def component_root(host: Host, spec: ComponentSpec) -> Path:

@@ -137,7 +137,7 @@ def test_memory_estimates_of_each_part_at_the_released_sizes():
 def test_max_device_memory_option():
     assert RunOptions(max_device_memory=20).max_device_memory == 20
     for bad in (0, -1.0, math.nan, math.inf, True, "20"):
-        with pytest.raises(VflashError, match="max_device_memory must be a positive number of GiB"):
+        with pytest.raises(VflashError, match=r"max_device_memory must be a number of GiB above 0 and at most 1,048,576, got "):
             RunOptions(max_device_memory=bad)
     parser = argparse.ArgumentParser()
     RunOptions.add_arguments(parser)

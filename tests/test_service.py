@@ -342,6 +342,35 @@ async def test_json_python_cannot_parse_wrong_json_types_and_nul_prompts_are_400
     assert (await client.get("/healthz")).status == 200
 
 
+async def test_an_upload_onto_a_full_disk_is_507_and_leaves_nothing(aiohttp_client, make_service, tmp_path, monkeypatch):
+    """An OS error while an upload was stored (a full disk under the output folder) was HTTP 500 with a traceback."""
+    import errno
+
+    from vflash_core.service import submission
+
+    class FullDisk:
+        def __init__(self, path, mode):
+            self.file = open(path, mode)
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def close(self):
+            self.file.close()
+
+    monkeypatch.setattr(submission, "open", FullDisk, raising=False)
+    app, config = make_service()
+    client = await aiohttp_client(app)
+    form = FormData()
+    form.add_field("request", json.dumps({"prompt": "<Picture 1> waves", **FAST}), content_type="application/json")
+    form.add_field("first_frame", png(tmp_path / "frame.png").read_bytes(), filename="frame.png", content_type="image/png")
+    response = await client.post("/v1/jobs", data=form)
+    assert response.status == 507
+    assert (await response.json())["error"] == "the service cannot store the first_frame upload now: No space left on device"
+    assert files_under(app[WORK_DIR]) == [] and len(app[JOBS]) == 0
+    assert (await client.get("/healthz")).status == 200
+
+
 async def test_bearer_token_guards_the_api_but_not_the_probes(aiohttp_client, make_service):
     app, _ = make_service(token="s3cret")
     client = await aiohttp_client(app)
@@ -352,6 +381,26 @@ async def test_bearer_token_guards_the_api_but_not_the_probes(aiohttp_client, ma
     assert (await client.get("/metrics", headers={"Authorization": "Bearer wrong"})).status == 401
     assert (await client.get("/metrics", headers={"Authorization": "Bearer s3cret"})).status == 200
     assert len(app[JOBS]) == 0
+
+
+async def test_authorization_headers_of_any_bytes_and_any_scheme_case(aiohttp_client, make_service, caplog):
+    """An Authorization header holding bytes that are not UTF-8 answered 500 and logged a UnicodeEncodeError; the
+    scheme written `bearer` was refused although auth schemes are case-insensitive (issue 29)."""
+    app, _ = make_service(token="s3cret")
+    client = await aiohttp_client(app)
+    for scheme in ("bearer", "BEARER", "Bearer"):
+        assert (await client.get("/metrics", headers={"Authorization": f"{scheme} s3cret"})).status == 200
+    for header in ("Basic s3cret", "Bearer S3CRET", "Bearers3cret", "s3cret", "Bearer"):
+        assert (await client.get("/metrics", headers={"Authorization": header})).status == 401
+    for raw in (b"Bearer \xff\xfe", b"\xc3\x28 s3cret", b"Bearer s3cret\x80"):
+        reader, writer = await asyncio.open_connection(client.server.host, client.server.port)
+        writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: " + raw + b"\r\nConnection: close\r\n\r\n")
+        await writer.drain()
+        status = (await reader.readline()).split()[1]
+        writer.close()
+        assert status in (b"400", b"401"), (raw, status)
+    assert "Traceback" not in caplog.text and "UnicodeEncodeError" not in caplog.text
+    assert (await client.get("/healthz")).status == 200
 
 
 async def test_python_client_against_a_loopback_server(aiohttp_server, make_service, tmp_path):

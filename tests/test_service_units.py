@@ -122,7 +122,7 @@ def test_client_paths_stay_inside_the_input_folder(tmp_path):
         assert "outside the input folder" in json.loads(info.value.text)["error"]
     with pytest.raises(web.HTTPBadRequest) as info:
         resolve_input_path("missing.png", policy)
-    assert "is not a file" in json.loads(info.value.text)["error"]
+    assert json.loads(info.value.text)["error"] == "input path 'missing.png' does not exist in the input folder"
     (inputs / "loop.png").symlink_to("loop.png")
     os.mkfifo(inputs / "fifo.png")
     for name, message in (("loop.png", "input path 'loop.png' is a symbolic link loop"), ("fifo.png", "input path 'fifo.png' is not a file in the input folder"),
@@ -193,9 +193,9 @@ def test_service_config_is_checked(tmp_path):
         ServiceConfig(receipt, tmp_path, RunOptions(strategy="sequence-head"))
     config = ServiceConfig(receipt, tmp_path, input_dir=Path("."))
     assert config.input_dir == Path.cwd()
-    with pytest.raises(VflashError, match="cancel_grace_seconds must be positive, got nan"):
+    with pytest.raises(VflashError, match=r"cancel_grace_seconds must be a number of seconds above 0 and at most 86,400, got nan"):
         ServiceConfig(receipt, tmp_path, cancel_grace_seconds=float("nan"))
-    with pytest.raises(VflashError, match=r"video_threads must be an integer from 1 to 256 .* got 0"):
+    with pytest.raises(VflashError, match=r"video_threads must be an integer from 1 to 256, got 0"):
         ServiceConfig(receipt, tmp_path, RunOptions(media_video_threads=0))
     with pytest.raises(VflashError, match=r"prepared assets .* is a folder, not a file"):
         ServiceConfig(tmp_path, tmp_path)
@@ -222,9 +222,9 @@ def test_a_missing_output_folder_is_created_once_everything_else_checks_out(tmp_
 def test_serve_refuses_bad_options_on_one_line(tmp_path, capsys):
     from vflash_core.cli.main import main
 
-    for option, value, message in (("--port", "70000", "--port must be from 0 to 65535, got 70000"),
-                                   ("--max-upload-mb", "nan", "--max-upload-mb must be a positive number, got nan"),
-                                   ("--max-upload-mb", "inf", "--max-upload-mb must be a positive number, got inf")):
+    for option, value, message in (("--port", "70000", "--port must be an integer from 0 to 65,535, got 70000"),
+                                   ("--max-upload-mb", "nan", "--max-upload-mb must be a number of MiB above 0 and at most 1,048,576, got nan"),
+                                   ("--max-upload-mb", "inf", "--max-upload-mb must be a number of MiB above 0 and at most 1,048,576, got inf")):
         assert main(["serve", "--demo", "--output-dir", str(tmp_path / "out"), option, value]) == 2
         assert capsys.readouterr().err.strip().splitlines() == [f"vflash: error: {message}"]
     assert not (tmp_path / "out").exists()

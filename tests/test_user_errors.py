@@ -139,7 +139,7 @@ def _receipt_variants(receipt: Path) -> dict[str, tuple[object, str]]:
         "mistyped-asset": ({**record, "assets": {**record["assets"], "model_root": 5}}, r"assets.model_root must be a path string, got int 5; recreate it"),
         "missing-field": (without_canvas, r"has no canvas.canvas_short_edge; recreate it with `vflash prepare-pipeline`"),
         "mistyped-canvas": ({**record, "canvas": {**record["canvas"], "canvas_max_pixels": "big"}}, r"canvas.canvas_max_pixels must be a positive integer, got str 'big'"),
-        "assets-not-an-object": ({**record, "assets": [1, 2]}, r"has no assets.model_root"),
+        "assets-not-an-object": ({**record, "assets": [1, 2]}, r"assets must be an object, got list \[1, 2\]; recreate it"),
         "identity-not-an-object": ({**record, "profile_identity": "x"}, r"profile_identity must be an object, got str 'x'"),
         "not-utf8": (b"\xff\xfe{", r"cannot be read as JSON: 'utf-8' codec can't decode byte 0xff"),
         "not-an-object": ([record], r"must hold a JSON object"),
@@ -182,7 +182,7 @@ def test_workflow_value_of_the_wrong_type_is_refused_before_any_model_loads(tmp_
         monkeypatch.setattr(node_ops, loader, refuse)
     workflow = Path(__file__).resolve().parent.parent / "workflows" / "api" / "t2va.json"
     line = refused(capsys, ["run-workflow", str(workflow), "--set", "4.width=wide", "--set", "4.force_offload=1", "--output-dir", str(tmp_path / "out")])
-    assert line == 'invalid workflow: node 4 (VflashEncode).width takes INT, got "wide"; node 4 (VflashEncode).force_offload takes BOOLEAN, got 1'
+    assert line == "invalid workflow: node 4 (VflashEncode).width must be an integer from 32 to 4,096, got str 'wide'; node 4 (VflashEncode).force_offload takes BOOLEAN, got 1"
     assert files_in(tmp_path) == []
 
 
@@ -510,10 +510,12 @@ def test_workflow_canvas_beyond_any_h3_model_is_refused_before_any_model_loads(t
         if hasattr(node_ops, loader):
             monkeypatch.setattr(node_ops, loader, refuse)
     workflow = Path(__file__).resolve().parent.parent / "workflows" / "api" / "t2va.json"
-    line = refused(capsys, ["run-workflow", str(workflow), "--set", "4.width=1000000000", "--set", "4.height=1000000000", "--output-dir", str(tmp_path / "out")])
-    assert line == ("the workflow was refused before running: node 5 (VflashSampler): canvas 1000000000x1000000000 is "
-                    "1,000,000,000,000,000,000 pixels; this model generates at most 1,032,192 (canvas_max_pixels, within rounding "
+    line = refused(capsys, ["run-workflow", str(workflow), "--set", "4.width=4096", "--set", "4.height=4096", "--output-dir", str(tmp_path / "out")])
+    assert line == ("the workflow was refused before running: node 5 (VflashSampler): canvas 4096x4096 is "
+                    "16,777,216 pixels; this model generates at most 1,032,192 (canvas_max_pixels, within rounding "
                     "to multiples of 32; e.g. 1344x768 at 16:9)")
+    line = refused(capsys, ["run-workflow", str(workflow), "--set", "4.width=1000000000", "--output-dir", str(tmp_path / "out")])
+    assert line == "invalid workflow: node 4 (VflashEncode).width must be an integer from 32 to 4,096, got 1000000000"
     assert files_in(tmp_path) == []
 
 
@@ -535,15 +537,18 @@ def test_workflow_save_and_load_nodes_are_checked_before_anything_runs(tmp_path,
     cases = [
         (["t2va.json", "--set", "7.filename_prefix=../../escape"], f"node 7 (SaveVideo): filename_prefix '../../escape' points outside the output folder {out}"),
         (["t2va.json", "--set", "7.filename_prefix="], 'node 7 (SaveVideo): filename_prefix must be a non-empty string, got ""'),
-        (["t2va.json", "--set", "7.format=webm"], "node 7 (SaveVideo): the headless runner writes mp4, got format 'webm'"),
-        (["i2va.json", "--input-dir", str(tmp_path / "none")], f"node 8 (LoadImage): {tmp_path / 'none' / 'vflash_first_frame.png'} does not exist (set --input-dir)"),
+        (["t2va.json", "--set", "7.format=webm"], "node 7 (SaveVideo): the headless runner writes mp4/h264 with its own encoding (got format 'webm', codec 'h264', encoding 'auto')"),
+        (["i2va.json", "--input-dir", str(tmp_path / "none")], f"node 8 (LoadImage): input file 'vflash_first_frame.png' does not exist in the input folder {tmp_path / 'none'} (set --input-dir)"),
         (["t2va.json", "--set", "4.prompt= "], "node 4 (VflashEncode): the prompt must be a non-empty string"),
-        (["t2va.json", "--set", "5.seed=-1"], "node 5 (VflashSampler): seed must be an integer from 0 to 2**63 - 1, got -1"),
-        (["t2va.json", "--set", "4.seconds=1e308"], "node 5 (VflashSampler): seconds must be a finite number of seconds, got 1e+308"),
     ]
     for (workflow, *argv), message in cases:
         line = refused(capsys, ["run-workflow", str(api / workflow), *argv, "--output-dir", str(out)])
         assert line == f"the workflow was refused before running: {message}"
+    # Numbers outside their widgets' ranges, as ComfyUI refuses them when a prompt is queued (issue 29: one number parser).
+    for argv, message in ((["--set", "5.seed=-1"], "node 5 (VflashSampler).seed must be an integer from 0 to 9,223,372,036,854,775,807, got -1"),
+                          (["--set", "4.seconds=1e308"], "node 4 (VflashEncode).seconds must be a number from 0 to 60, got 1e+308"),
+                          (["--set", "4.seconds=NaN"], "node 4 (VflashEncode).seconds must be a number from 0 to 60, got nan")):
+        assert refused(capsys, ["run-workflow", str(api / "t2va.json"), *argv, "--output-dir", str(out)]) == f"invalid workflow: {message}"
     a_file = tmp_path / "a-file"
     a_file.write_text("keep")
     for argv, message in ((["--output-dir", str(a_file / "out")], f"--output-dir {a_file / 'out'} cannot be a folder: {a_file} is a file"),
@@ -628,5 +633,5 @@ def test_malformed_transformer_config_and_workflow_values_are_one_line(tiny_tran
     assert refused(capsys, ["run-workflow", str(workflow), "--set", "Save.filename_prefix=y"]) == f"workflow {workflow}: node '1' has a '_meta' that is not an object"
     api = Path(__file__).resolve().parent.parent / "workflows" / "api" / "t2va.json"
     line = refused(capsys, ["run-workflow", str(api), "--set", "5.seed=" + "9" * 5000, "--output-dir", str(tmp_path / "out")])
-    assert line.startswith('invalid workflow: node 5 (VflashSampler).seed takes INT, got "9999')
+    assert line.startswith("invalid workflow: node 5 (VflashSampler).seed must be an integer from 0 to 9,223,372,036,854,775,807, got str '9999")
     assert not (tmp_path / "r.json").exists() and not (tmp_path / "out").exists()

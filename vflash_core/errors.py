@@ -8,8 +8,11 @@ bug and keeps its traceback.
 
 from __future__ import annotations
 
+import math
+import numbers
 import sys
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 
 
 class VflashError(Exception):
@@ -23,6 +26,85 @@ def check_choice(name: str, value: object, allowed: Collection[str]) -> None:
     """Refuse `value` unless it is one of `allowed`, naming the choices: "<name> must be one of a, b, got 'c'"."""
     if value not in allowed:
         raise VflashError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+
+
+def check_callback(value: object, what: str) -> None:
+    """None or a callable, checked before anything loads or runs (a callback is first called once work started)."""
+    if value is not None and not callable(value):
+        raise VflashError(f"{what} must be a callable or None, got {describe_value(value)}")
+
+
+_SHOWN = 40
+
+
+def describe_value(value: object) -> str:
+    """A value's type and (shortened) repr, for messages about a field of the wrong type."""
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= _SHOWN else text[: _SHOWN - 3] + '...'}"
+
+
+def _bound(value: float) -> str:
+    if isinstance(value, int) or value.is_integer() and abs(value) < 1e15:
+        return f"{int(value):,}"
+    return f"{value:g}"
+
+
+@dataclass(frozen=True)
+class Number:
+    """What one numeric option accepts, and the one parser of numbers for every front end: the right type (an int
+    for `int`, any real for `float`; never a bool, a string or None), finite, from `low` to `high` (`low` itself
+    refused when `above`). Bounds keep what a number becomes (bytes, a frame count, a timeout) from overflowing.
+
+    `check` takes a value given in Python or JSON, `parse` the text of a command line, `option` is `parse` as an
+    argparse `type` (its `VflashError` reaches the command's one-line error tail, see `run_command`)."""
+
+    kind: type[int | float] = float
+    low: float | None = None
+    high: float | None = None
+    above: bool = False
+    unit: str = ""  # what the number counts ("GiB", "seconds"), said in messages
+
+    def describe(self) -> str:
+        """What is accepted, e.g. "an integer from 1 to 256", "a number of GiB above 0 and at most 1,048,576"."""
+        noun = ("an integer number" if self.unit else "an integer") if self.kind is int else "a number"
+        noun += f" of {self.unit}" if self.unit else ""
+        low = None if self.low is None else f"{'above' if self.above else 'at least'} {_bound(self.low)}"
+        if self.low is not None and self.high is not None and not self.above:
+            return f"{noun} from {_bound(self.low)} to {_bound(self.high)}"
+        limits = " and ".join(text for text in (low, None if self.high is None else f"at most {_bound(self.high)}") if text)
+        if not limits:
+            return noun
+        return f"{noun} {limits}" if limits.startswith("above") else f"{noun}{', ' if self.unit else ' of '}{limits}"
+
+    def check(self, name: str, value: object, error: type[VflashError] | None = None) -> int | float:
+        """`value` as an int or a float, or `error` (default `VflashError`) "<name> must be <describe()>, got ..."."""
+        error = error or VflashError
+        wanted = numbers.Integral if self.kind is int else numbers.Real
+        if isinstance(value, bool) or not isinstance(value, wanted):
+            raise error(f"{name} must be {self.describe()}, got {describe_value(value)}")
+        try:
+            number = int(value) if self.kind is int else float(value)
+        except OverflowError:  # an int beyond the float range
+            number = math.inf
+        if isinstance(number, float) and not math.isfinite(number) or (self.low is not None and (number <= self.low if self.above else number < self.low)) or (
+            self.high is not None and number > self.high
+        ):
+            shown = repr(value) if len(repr(value)) <= _SHOWN else repr(value)[: _SHOWN - 3] + "..."
+            raise error(f"{name} must be {self.describe()}, got {shown}")
+        return number
+
+    def parse(self, name: str, text: str) -> int | float:
+        """A number from command-line text ("8", "1e3", " 2 "); text that is no number of this kind is refused."""
+        try:
+            value = self.kind(text.strip())
+        except ValueError:  # not a number; an int() also refuses "1.5" and more digits than Python converts
+            shown = text if len(text) <= _SHOWN else text[: _SHOWN - 3] + "..."
+            raise VflashError(f"{name} must be {self.describe()}, got {shown!r}") from None
+        return self.check(name, value)
+
+    def option(self, name: str) -> Callable[[str], int | float]:
+        """`parse` as an argparse `type=`, naming the flag (`name`) in its refusal."""
+        return lambda text: self.parse(name, text)
 
 
 class RunFailedError(VflashError):

@@ -1,14 +1,18 @@
-"""What the weights compiler writes and the runtime reads: file format tags and the hardware identity of a compile
-(`device_arch`), and the one device check against it (`check_device`).
+"""What the weights compiler writes and the runtime reads: file format tags, the one field-by-field check of the JSON
+records they come with (`check_fields`: receipts, manifests, bundles), the hardware identity of a compile
+(`device_arch`) and the one device check against it (`check_device`).
 
 Both sides import these from here, so loading a compiled model never imports the compiler.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Sequence
+
 import torch
 
-from .errors import IdentityMismatchError, VflashError
+from .errors import IdentityMismatchError, VflashError, describe_value
 
 WEIGHTS_RECEIPT_FORMAT = "vflash-receipt/1"  # `compiler prepare`: a profile bound to hashed base weights and adapter
 ARTIFACT_FORMAT = "vflash-artifact/1"  # `compiler compile`: packed blocks and auxiliary tensors
@@ -56,3 +60,76 @@ def check_device(device: int | str | torch.device, arch: str | None, role: str =
         profile = f"profile {profile_id}" if profile_id else "the profile"
         raise IdentityMismatchError(f"{profile} runs on {ARCH_NAMES.get(arch, arch)}; the {role} {resolved} is {found}")
     return resolved
+
+
+# -- the JSON records: receipts, manifests, bundles --------------------------------------------------------------
+
+#: One field of a record: (dotted key, what it must be, the test of its value).
+Field = tuple[str, str, Callable[[object], bool]]
+
+
+def is_count(value: object) -> bool:
+    """An int of 0 or more (a bool is not a count)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def is_positive(value: object) -> bool:
+    return is_count(value) and value > 0  # type: ignore[operator]
+
+
+def is_number(value: object) -> bool:
+    """A finite int or float (a bool is not a number)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def is_text(value: object) -> bool:
+    return isinstance(value, str) and bool(value)
+
+
+def is_file_name(value: object) -> bool:
+    """A plain file name: a record naming a file beside it must not reach outside its folder."""
+    return is_text(value) and "/" not in value and "\\" not in value and "\x00" not in value and value not in (".", "..")  # type: ignore[operator]
+
+
+def is_object(value: object) -> bool:
+    return isinstance(value, dict)
+
+
+def list_of(*fields: Field) -> Callable[[object], bool]:
+    """The test of a list of records, each of which has `fields`."""
+    return lambda value: isinstance(value, list) and all(not field_problem(item, fields) for item in value)
+
+
+def field_problem(record: object, fields: Sequence[Field]) -> tuple[str, object, str] | None:
+    """(key, value, what it must be) of the first field of `fields` that `record` lacks (value `MISSING`) or fails,
+    or of the part of its key that holds no object where one must be; None if every field passes."""
+    for key, what, valid in fields:
+        value: object = record
+        parts = key.split(".")
+        for depth, part in enumerate(parts):
+            if depth and not isinstance(value, dict):
+                return ".".join(parts[:depth]), value, "an object"
+            if not isinstance(value, dict) or part not in value:
+                return key, MISSING, what
+            value = value[part]
+        if not valid(value):
+            return key, value, what
+    return None
+
+
+#: `field_problem`'s value of a field that is not there.
+MISSING = object()
+
+
+def check_fields(record: object, fields: Sequence[Field], where: str, hint: str = "", error: type[VflashError] = VflashError) -> None:
+    """Refuse a record (a receipt, a manifest, a bundle's) unless every field of `fields` is present and passes its
+    test, before any value is used: "<where> has no <key>" or "<where>: <key> must be <what>, got <value>", then
+    `hint` (what to do about it)."""
+    problem = field_problem(record, fields)
+    if problem is None:
+        return
+    key, value, what = problem
+    tail = f"; {hint}" if hint else ""
+    if value is MISSING:
+        raise error(f"{where} has no {key}{tail}")
+    raise error(f"{where}: {key} must be {what}, got {describe_value(value)}{tail}")

@@ -21,6 +21,7 @@ from comfy.nested_tensor import NestedTensor
 from comfy_api.latest import InputImpl, Types, io
 
 from vflash_core.errors import VflashError
+from vflash_core.fileio import MissingInputError, check_file_name
 
 from .. import comfy_latent as cl
 
@@ -30,11 +31,21 @@ def _input_files() -> list[str]:
     return sorted(os.listdir(directory)) if os.path.isdir(directory) else []
 
 
-def _missing_input(name: Any) -> bool | str:
-    """`validate_inputs` of the file loaders: the file exists in the input folder (None: linked, checked later)."""
-    if name is None or (isinstance(name, str) and os.path.isfile(folder_paths.get_annotated_filepath(name))):
+def _input_file(name: Any, kind: str) -> bool | str:
+    """`validate_inputs` of the file loaders: the name is a file inside the input folder that reads as `kind` (its
+    headers, as the pipeline probes its inputs: a text file named .png must not fail once the models are loaded);
+    None: linked, checked later."""
+    from vflash_core.media.references import probe_media
+
+    if name is None:
         return True
-    return f"{os.path.join(folder_paths.get_input_directory(), str(name))} does not exist (set --input-dir)"
+    try:
+        probe_media(folder_paths.get_annotated_filepath(name), f"{kind} file {name!r}:", kind)
+    except MissingInputError as exc:
+        return f"{exc} (set --input-dir)"
+    except VflashError as exc:
+        return str(exc)
+    return True
 
 
 class EmptyMiniMaxH3LatentAV(io.ComfyNode):
@@ -87,6 +98,17 @@ def _choice(value: Any, key: str) -> tuple[Any, dict]:
     return (value.get(key, "auto"), value) if isinstance(value, dict) else (value, {})
 
 
+def _format_refusal(format: Any, codec: Any) -> str | None:
+    """Why the headless runner cannot write this format (the nested values of the format combo, or core's hidden
+    top-level codec), or None: it writes mp4 / h264 with its own encoding."""
+    container, children = _choice(format, "format")
+    name, children = _choice(children.get("codec") or codec or "auto", "codec")
+    encoding, _ = _choice(children.get("encoding", "auto"), "encoding")
+    if container not in ("auto", "mp4") or name not in ("auto", "h264") or encoding != "auto":
+        return f"the headless runner writes mp4/h264 with its own encoding (got format {container!r}, codec {name!r}, encoding {encoding!r})"
+    return None
+
+
 class SaveVideo(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -99,23 +121,29 @@ class SaveVideo(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, filename_prefix: Any = None, format: Any = "auto") -> bool | str:
+    def validate_inputs(cls, filename_prefix: Any = None, format: Any = "auto", codec: Any = None) -> bool | str:
         output = folder_paths.get_output_directory()
         if filename_prefix is not None and (not isinstance(filename_prefix, str) or not filename_prefix.strip()):
             return f"filename_prefix must be a non-empty string, got {json.dumps(filename_prefix)}"
+        if filename_prefix is not None and "\x00" in filename_prefix:
+            return "filename_prefix must not contain a NUL character"
         if filename_prefix is not None and Path(output).resolve() not in (Path(output) / filename_prefix).resolve().parents:
             return f"filename_prefix {filename_prefix!r} points outside the output folder {output}"
-        if isinstance(format, str) and format not in ("auto", "mp4"):
-            return f"the headless runner writes mp4, got format {format!r}"
-        return True
+        if filename_prefix is not None:  # every folder it names, and the file `execute` writes, fit the names' limit
+            *folders, stem = Path(filename_prefix).parts
+            try:
+                for part in folders:
+                    check_file_name(Path(output), part, "filename_prefix folder")
+                check_file_name(Path(output), f"{stem}_00001_.mp4", "filename_prefix file name")
+            except VflashError as exc:
+                return str(exc)
+        return _format_refusal(format, codec) or True
 
     @classmethod
     def execute(cls, video, filename_prefix: str, format: Any, codec: Any = None) -> io.NodeOutput:
-        container, children = _choice(format, "format")
-        name, children = _choice(children.get("codec") or codec or "auto", "codec")
-        encoding, _ = _choice(children.get("encoding", "auto"), "encoding")
-        if container not in ("auto", "mp4") or name not in ("auto", "h264") or encoding != "auto":
-            raise VflashError(f"SaveVideo: the headless runner writes mp4/h264 with its own encoding (got format {container!r}, codec {name!r}, encoding {encoding!r})")
+        refusal = _format_refusal(format, codec)
+        if refusal:
+            raise VflashError(f"SaveVideo: {refusal}")
         components = video.get_components()
         if components.audio is None:
             raise VflashError("SaveVideo: the headless runner writes video with its soundtrack; the VIDEO has no audio")
@@ -137,7 +165,7 @@ class LoadImage(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, image: Any = None) -> bool | str:
-        return _missing_input(image)
+        return _input_file(image, "image")
 
     @classmethod
     def execute(cls, image: str) -> io.NodeOutput:
@@ -159,7 +187,7 @@ class LoadAudio(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, audio: Any = None) -> bool | str:
-        return _missing_input(audio)
+        return _input_file(audio, "audio")
 
     @classmethod
     def execute(cls, audio: str) -> io.NodeOutput:

@@ -75,7 +75,11 @@ def get_input_directory() -> str:
 
 
 def get_annotated_filepath(name: str) -> str:
-    return os.path.join(input_directory, name)
+    """The input file `name` names. Unlike ComfyUI's, the input folder is a boundary: a graph may come from anyone, so
+    a name that leaves it (`..`, an absolute path elsewhere, a link out) or is no file there raises `VflashError`."""
+    from vflash_core.fileio import resolve_inside
+
+    return str(resolve_inside(input_directory, name, "input file"))
 
 
 def get_save_image_path(filename_prefix: str, output_dir: str, image_width: int = 0, image_height: int = 0) -> tuple[str, str, int, str, str]:

@@ -43,6 +43,10 @@ def installed(cache_dir: Path, comfy_dir: Path) -> Iterator[Pack]:
         folder.mkdir(parents=True, exist_ok=True)
     try:
         with headless(*folders) as loaded:
+            import folder_paths  # this install's
+
+            for key in ("text_encoders", "vae"):  # the stand-ins' one-line JSON files are listed as core lists its models
+                folder_paths.folder_names_and_paths[key][1].add(".json")
             core = {**loaded.core, **{cls.GET_SCHEMA().node_id: cls for cls in core_loaders.NODES}}
             yield Pack(loaded.nodes, core, loaded.package)
     finally:

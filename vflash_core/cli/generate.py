@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from ..pipeline.options import RunOptions
+from ..pipeline.validation import PIXELS, SECONDS, SEED
 
 _BARS = {"build family": ("build demo family", "step"), "load": ("load models", "part"), "encode": ("encode", "stage"), "denoise": ("denoise", "eval"), "decode": ("decode", "stream"), "write": ("write mp4", "file")}
 
@@ -48,15 +49,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate an MP4 (video + soundtrack) from a prompt and optional images")
     p.add_argument("--prepared-assets", required=True, help="receipt written by `vflash prepare-pipeline`")
     prompt = p.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt")
+    prompt.add_argument("--prompt", help="what happens and what it sounds like; <Picture N>, <Video K>, <Audio J> name references")
     prompt.add_argument("--prompt-file", type=Path, help="UTF-8 text file holding the prompt")
     p.add_argument("--first-frame", help="image the video starts from (i2va; with --last-frame fl2va)")
     p.add_argument("--last-frame", help="image the video ends on (l2va; with --first-frame fl2va)")
     p.add_argument("--reference", action="append", default=[], help="ref2va image, video or audio file; repeat, in label order")
-    p.add_argument("--duration", type=float, default=5.0, help="seconds (5-15, snapped to 17n+5 frames at 24 fps; the profile may allow less)")
-    p.add_argument("--width", type=int, help="multiple of 32 (with --height; default: the model's canvas)")
-    p.add_argument("--height", type=int, help="multiple of 32 (with --width)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--duration", type=SECONDS.option("--duration"), default=5.0,
+                   help="seconds (5-15, snapped to 17n+5 frames at 24 fps; the profile may allow less)")
+    p.add_argument("--width", type=PIXELS.option("--width"), help="multiple of 32 (with --height; default: the model's canvas)")
+    p.add_argument("--height", type=PIXELS.option("--height"), help="multiple of 32 (with --width)")
+    p.add_argument("--seed", type=SEED.option("--seed"), default=0, help="seed of the noise, 0 to 2**63 - 1 (default 0): the same seed gives the same clip")
     RunOptions.add_arguments(p)
     p.add_argument("--output", required=True, help="MP4 to write (must not exist unless --overwrite)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output file")

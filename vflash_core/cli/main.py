@@ -33,9 +33,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
-    return run_command(lambda: args.handler(args), "vflash: error: ", "vflash: interrupted")
+    parser = build_parser()
+
+    def run() -> int | None:
+        args = parser.parse_args(argv)  # inside: a refused number (`errors.Number.option`) is a one-line error too
+        logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
+        return args.handler(args)
+
+    return run_command(run, "vflash: error: ", "vflash: interrupted")
 
 
 if __name__ == "__main__":

@@ -5,13 +5,17 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
-import math
 import os
 import socket
 from pathlib import Path
 
-from ..errors import RunFailedError, VflashError
+from ..errors import Number, RunFailedError, VflashError
 from ..pipeline.options import RunOptions
+from ..service.config import CANCEL_GRACE, KEEP_FINISHED_JOBS, MAX_QUEUE
+
+PORT = Number(int, 0, 65535)
+#: --max-upload-mb: positive, and at most 1 TiB, so its byte count is an integer.
+UPLOAD_MIB = Number(float, 0, 2**20, above=True, unit="MiB")
 
 logger = logging.getLogger(__name__)
 
@@ -25,17 +29,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     source.add_argument("--demo", action="store_true", help="serve the embedded default model (tiny, CPU)")
     RunOptions.add_arguments(p)  # the same run options as `vflash generate`
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback; anything else wants --token)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=PORT.option("--port"), default=8000, help="TCP port (default 8000; 0 picks a free one)")
     p.add_argument("--output-dir", type=Path, required=True, help="where finished videos are published (created if missing)")
     p.add_argument("--input-dir", type=Path, help="allow request inputs given as paths inside this folder")
-    p.add_argument("--max-queue", type=int, default=16, help="queued jobs before 429 (default 16)")
-    p.add_argument("--keep-finished-jobs", type=int, default=1000,
+    p.add_argument("--max-queue", type=MAX_QUEUE.option("--max-queue"), default=16, help="queued jobs before 429 (default 16)")
+    p.add_argument("--keep-finished-jobs", type=KEEP_FINISHED_JOBS.option("--keep-finished-jobs"), default=1000,
                    help="records of ended jobs kept for status queries; the oldest are forgotten beyond this (default 1000)")
-    p.add_argument("--max-upload-mb", type=float, default=64.0, help="uploaded bytes per job, in MiB (default 64)")
+    p.add_argument("--max-upload-mb", type=UPLOAD_MIB.option("--max-upload-mb"), default=64.0, help="uploaded bytes per job, in MiB (default 64)")
     p.add_argument("--token", default=os.environ.get("VFLASH_SERVICE_TOKEN"),
                    help="require 'Authorization: Bearer TOKEN' (default: $VFLASH_SERVICE_TOKEN; prefer it to the flag, "
                         "which other local users can read in the process list)")
-    p.add_argument("--cancel-grace", type=float, default=10.0, help="seconds a cancelled job's worker may take before it is killed")
+    p.add_argument("--cancel-grace", type=CANCEL_GRACE.option("--cancel-grace"), default=10.0,
+                   help="seconds a cancelled job's worker may take before it is killed (default 10)")
     p.set_defaults(handler=_serve)
 
 
@@ -48,10 +53,6 @@ def _serve(args: argparse.Namespace) -> int:
 
     if args.peer_gpu is not None and args.gpu is None:
         raise VflashError("--peer-gpu needs --gpu")
-    if not 0 <= args.port <= 65535:
-        raise VflashError(f"--port must be from 0 to 65535, got {args.port}")
-    if not math.isfinite(args.max_upload_mb) or args.max_upload_mb <= 0:  # before it becomes a byte count
-        raise VflashError(f"--max-upload-mb must be a positive number, got {args.max_upload_mb:g}")
     if args.max_upload_mb * MIB < 1:
         raise VflashError(f"--max-upload-mb {args.max_upload_mb:g} is less than one byte")
     settings = dict(

@@ -22,9 +22,10 @@ import torch
 from safetensors.torch import save_file
 
 from ..errors import BundleError, VflashError
-from ..fileio import atomic_directory, read_json
+from ..fileio import atomic_directory, path_argument, read_json
+from ..formats import Field, check_fields, is_count, is_positive
 from ..weights.tensor_store import TensorStore, file_sha256
-from .config import H3Config
+from .config import NUM_MODALITIES, H3Config
 from .layout import AUDIO_CHANNELS, Geometry, PackedLayout, ReferenceBlock, keyframe_layout, patchify, ref2va_layout
 from .schedule import KEYFRAME_NOISE_AUG, scale_noise
 
@@ -34,6 +35,23 @@ MODES = ("t2va", "i2va", "l2va", "fl2va", "ref2va")
 MODE_VARIANT = {"t2va": "transformer", "i2va": "transformer", "l2va": "transformer", "fl2va": "transformer", "ref2va": "transformer_ref"}
 _TENSORS = "tensors.safetensors"
 _MANIFEST = "manifest.json"
+_INDEX_DTYPES = (torch.int64, torch.int32)
+_FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+# The tensors of `tensors.safetensors`, with the dtypes each may have.
+_TENSOR_DTYPES = {
+    "prompt_embeds": _FLOATS, "video_rows": (torch.float32,), "audio_rows": (torch.float32,), "position_ids": _FLOATS,
+    "token_tags": _INDEX_DTYPES, "video_indices": _INDEX_DTYPES, "audio_indices": _INDEX_DTYPES, "text_indices": _INDEX_DTYPES,
+}
+# What `ConditioningBundle.load` reads from a manifest: every field it uses, with what it must be.
+_MANIFEST_FIELDS: tuple[Field, ...] = (
+    ("mode", f"one of {', '.join(MODES)}", lambda v: v in MODES),
+    *((f"geometry.{k}", "a positive integer", is_positive) for k in ("height", "width", "num_frames")),
+    *((f"model_layout.{k}", "a positive integer", is_positive) for k in ("text_dim", "video_patch_dim", "audio_in_channels")),
+    ("model_layout.patch_size", "three positive integers", lambda v: isinstance(v, list) and len(v) == 3 and all(map(is_positive, v))),
+    ("num_condition_video_rows", "an integer of 0 or more", is_count),
+    ("num_condition_audio_rows", "an integer of 0 or more", is_count),
+    ("seed", "an integer of 0 or more, or null", lambda v: v is None or is_count(v)),
+)
 
 
 @dataclass(frozen=True)
@@ -72,10 +90,21 @@ class ConditioningBundle:
     seed: int | None = None
 
     def validate(self) -> None:
-        """Internal consistency; raises `BundleError` naming the mismatch."""
+        """Internal consistency and index ranges; raises `BundleError` naming the mismatch."""
         lay, m = self.layout, self.model_layout
         if self.mode not in MODES:
             raise BundleError(f"bundle mode {self.mode!r} is not one of {MODES}")
+        rows = lay.sequence_length
+        for name, tensor, stop in (("text_indices", lay.text_indices, rows), ("video_indices", lay.video_indices, rows),
+                                   ("audio_indices", lay.audio_indices, rows), ("token_tags", lay.token_tags, NUM_MODALITIES)):
+            if tensor.ndim != 1 or tensor.dtype not in _INDEX_DTYPES:
+                raise BundleError(f"inconsistent conditioning bundle: {name} must be a 1-D integer tensor, got {list(tensor.shape)} {tensor.dtype}")
+            if tensor.numel() and (int(tensor.min()) < 0 or int(tensor.max()) >= stop):
+                raise BundleError(f"inconsistent conditioning bundle: {name} holds values {int(tensor.min())}..{int(tensor.max())}, outside 0..{stop - 1}")
+        for name, count, total in (("num_condition_video_rows", lay.num_condition_video_rows, lay.video_indices.numel()),
+                                   ("num_condition_audio_rows", lay.num_condition_audio_rows, lay.audio_indices.numel())):
+            if not 0 <= count <= total:
+                raise BundleError(f"inconsistent conditioning bundle: {name} {count} is outside 0..{total} (the rows there are)")
         checks = [
             (self.prompt_embeds.ndim == 2 and self.prompt_embeds.shape[1] == m.text_dim, f"prompt_embeds {list(self.prompt_embeds.shape)} vs text_dim {m.text_dim}"),
             (lay.text_indices.numel() == self.prompt_embeds.shape[0], "text rows vs prompt_embeds length"),
@@ -146,35 +175,46 @@ class ConditioningBundle:
 
     @classmethod
     def load(cls, path: str | Path) -> ConditioningBundle:
-        """Read a bundle folder, verifying its content hash and consistency."""
-        path = Path(path)
+        """Read a bundle folder, verifying its content hash, its manifest field by field, its tensors' names, dtypes and
+        values (finite) and its consistency: a bundle is input, and one whose hash was recomputed is still checked."""
+        path = path_argument(path, "the bundle folder")
         manifest = read_json(path / _MANIFEST, BundleError, f"{path}: not a conditioning bundle (no {_MANIFEST})", f"{path}: corrupt {_MANIFEST}")
-        if manifest.get("format") != BUNDLE_FORMAT:
-            raise BundleError(f"{path}: bundle format {manifest.get('format')!r}, expected {BUNDLE_FORMAT!r}")
-        actual = file_sha256(path / _TENSORS) if (path / _TENSORS).exists() else None
+        if not isinstance(manifest, dict) or manifest.get("format") != BUNDLE_FORMAT:
+            found = manifest.get("format") if isinstance(manifest, dict) else None
+            raise BundleError(f"{path}: bundle format {found!r}, expected {BUNDLE_FORMAT!r}")
+        actual = file_sha256(path / _TENSORS) if (path / _TENSORS).is_file() else None
         if actual != manifest.get("tensors_sha256"):
             raise BundleError(f"{path}: {_TENSORS} does not match the hash in its manifest (modified after it was written)")
+        check_fields(manifest, _MANIFEST_FIELDS, f"{path}/{_MANIFEST}", error=BundleError)
         try:
             tensors = TensorStore(path / _TENSORS)
-            data = tensors.read(tensors.names)
-            layout = PackedLayout(
-                data["position_ids"], data["token_tags"], data["video_indices"], data["audio_indices"], data["text_indices"],
-                int(manifest["num_condition_video_rows"]), int(manifest["num_condition_audio_rows"]),
-            )
-            bundle = cls(
-                mode=manifest["mode"],
-                geometry=Geometry(**manifest["geometry"]),
-                model_layout=ModelLayout(**{**manifest["model_layout"], "patch_size": tuple(manifest["model_layout"]["patch_size"])}),
-                prompt_embeds=data["prompt_embeds"],
-                layout=layout,
-                video_rows=data["video_rows"],
-                audio_rows=data["audio_rows"],
-                seed=manifest.get("seed"),
-            )
-        except (KeyError, TypeError) as exc:
-            raise BundleError(f"{path}: incomplete bundle ({exc})") from None
         except VflashError as exc:
             raise BundleError(f"{path}: {exc}") from None
+        missing = sorted(set(_TENSOR_DTYPES) - set(tensors.names))
+        if missing:
+            raise BundleError(f"{path}: incomplete bundle: {_TENSORS} has no {', '.join(missing)}")
+        for name, dtypes in _TENSOR_DTYPES.items():
+            if tensors.info(name).dtype not in dtypes:
+                raise BundleError(f"{path}: {name} is {tensors.info(name).dtype}, expected {' or '.join(map(str, dtypes))}")
+        data = tensors.read(list(_TENSOR_DTYPES))
+        for name in ("prompt_embeds", "video_rows", "audio_rows", "position_ids"):
+            if not bool(torch.isfinite(data[name]).all()):
+                raise BundleError(f"{path}: {name} holds NaN or infinite values; the bundle is corrupt")
+        layout = PackedLayout(
+            data["position_ids"], data["token_tags"], data["video_indices"], data["audio_indices"], data["text_indices"],
+            manifest["num_condition_video_rows"], manifest["num_condition_audio_rows"],
+        )
+        model = manifest["model_layout"]
+        bundle = cls(
+            mode=manifest["mode"],
+            geometry=Geometry(**{k: manifest["geometry"][k] for k in ("height", "width", "num_frames")}),
+            model_layout=ModelLayout(model["text_dim"], model["video_patch_dim"], model["audio_in_channels"], tuple(model["patch_size"])),
+            prompt_embeds=data["prompt_embeds"],
+            layout=layout,
+            video_rows=data["video_rows"],
+            audio_rows=data["audio_rows"],
+            seed=manifest.get("seed"),
+        )
         bundle.validate()
         return bundle
 

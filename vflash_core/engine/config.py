@@ -90,7 +90,9 @@ class H3Config:
     @classmethod
     def from_file(cls, path: str | Path) -> H3Config:
         from ..errors import VflashError
+        from ..fileio import check_input_file
 
+        check_input_file(path, "transformer config")  # a FIFO would block the read
         try:
             values = json.loads(Path(path).read_text(encoding="utf-8"))
         except (OSError, ValueError, RecursionError) as exc:

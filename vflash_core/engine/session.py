@@ -23,6 +23,7 @@ resolved to code.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -31,9 +32,17 @@ from typing import Self
 
 import torch
 
-from ..errors import IdentityMismatchError, SessionClosedError, VflashError, check_choice
-from ..fileio import atomic_file, check_writable_destination
-from ..formats import device_arch
+from ..errors import (
+    IdentityMismatchError,
+    Number,
+    SessionClosedError,
+    VflashError,
+    check_callback,
+    check_choice,
+    describe_value,
+)
+from ..fileio import atomic_file, check_writable_destination, path_argument
+from ..formats import check_device, device_arch
 from ..pipeline.memory_plan import (
     DeviceCap,
     MemoryPlan,
@@ -71,6 +80,8 @@ logger = logging.getLogger(__name__)
 EXECUTIONS = ("auto", "fused", "reference")
 WEIGHT_RESIDENCIES = ("auto", "resident", "block-ring")  # where the core's blocks live on a GPU
 STRATEGIES = ("sequence-head", "tensor")  # how one request is split over several GPUs
+#: How long a rank waits for its peers in one collective: positive, and at most a day (a wait is a deadline).
+COLLECTIVE_TIMEOUT = Number(float, 0, 86_400, above=True, unit="seconds")
 _GIB = 1 << 30
 
 
@@ -113,8 +124,8 @@ class GenerationResult:
     denoise_profile: dict[str, object] | None = None
 
 
-def _as_device(value: int | str | torch.device) -> torch.device:
-    device = torch.device(f"cuda:{value}") if isinstance(value, int) else torch.device(value)
+def _as_device(value: int | str | torch.device, role: str) -> torch.device:
+    device = check_device(value, None, role)  # a device this machine has: "tpu" or cuda:9 is one line, not a RuntimeError
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
@@ -167,9 +178,14 @@ class NativeEngineSession:
         block_loader: BlockLoader | None = None,
     ):
         start = time.perf_counter()
+        cap = cap_bytes(max_device_memory)  # checked before anything is read (a string or NaN is refused here)
+        COLLECTIVE_TIMEOUT.check("collective_timeout_seconds", collective_timeout_seconds)
+        check_callback(on_load_progress, "on_load_progress")
+        artifact, schedule_overlay, auxiliary = (path_argument(value, name) for value, name in (
+            (artifact, "artifact"), (schedule_overlay, "schedule_overlay"), (auxiliary, "auxiliary")))
         self.profile = get_profile(profile)
         peers = [] if peer_device is None else (list(peer_device) if isinstance(peer_device, (list, tuple)) else [peer_device])
-        self.devices = [_as_device(device)] + [_as_device(p) for p in peers]
+        self.devices = [_as_device(device, "device")] + [_as_device(p, "peer device") for p in peers]
         self.device = self.devices[0]
         if peers and strategy not in STRATEGIES:
             raise VflashError(f"two or more devices need strategy {' or '.join(STRATEGIES)}, got {strategy!r}")
@@ -199,7 +215,7 @@ class NativeEngineSession:
         if plan is None and (self.device.type == "cuda" or max_device_memory is not None):  # else CPU, no cap: resident blocks
             # this session's own plan, for the core alone: its blocks and the profile's largest request
             largest = largest_request(self.profile, config)
-            plan = plan_memory(PartSizes.of(self.compiled), largest, self.devices, cap_bytes(max_device_memory), weight_residency)
+            plan = plan_memory(PartSizes.of(self.compiled), largest, self.devices, cap, weight_residency)
         elif plan is not None and weight_residency not in ("auto", plan.placement.core):
             raise VflashError(f"weight_residency={weight_residency!r} disagrees with the memory plan's {plan.placement.core!r}")
         self.plan = plan
@@ -361,11 +377,17 @@ class NativeEngineSession:
             raise SessionClosedError("this session is closed; create a new NativeEngineSession")
         if isinstance(bundle, BundleHandoff):
             bundle = bundle.consume()
-        elif not isinstance(bundle, ConditioningBundle):
+        elif isinstance(bundle, (str, os.PathLike)) and os.fspath(bundle):
             bundle = ConditioningBundle.load(bundle)
+        elif not isinstance(bundle, ConditioningBundle):
+            raise VflashError(
+                f"NativeEngineSession.generate takes a ConditioningBundle, a BundleHandoff or a bundle folder path, got {describe_value(bundle)}"
+            )
         self.validate(bundle)
+        check_callback(progress, "progress")
+        check_callback(between_blocks, "between_blocks")
         if output_latents is not None:
-            check_writable_destination(output_latents)
+            check_writable_destination(path_argument(output_latents, "output_latents"))
         aborted = False
 
         def guarded(fn: Callable[..., None] | None) -> Callable[..., None] | None:

@@ -7,7 +7,8 @@ video frame carries an exact presentation time `i / fps`, so the container holds
 Two ways to feed the encoder the same 8-bit frames:
 
 * `video_input="file"` (default): the quantised RGB clip is first written to a temporary raw file next to the output
-  and encoded from there (one bounded pass over the frames, then the encoder reads a plain file);
+  and encoded from there (one bounded pass over the frames, then the encoder reads a plain file), with plain I/O both
+  ways: a full disk is an error (`fileio.WriteFailedError`), never a SIGBUS;
 * `video_input="pipe"`: each frame is quantised and handed to the encoder directly, without the temporary file.
 
 `video_threads` sets the H.264 encoder's thread count (1-256); `None` leaves FFmpeg's automatic choice. Thread counts
@@ -20,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import tempfile
 from collections.abc import Iterator, Mapping
 from fractions import Fraction
 from pathlib import Path
@@ -28,13 +28,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import VflashError, check_choice
-from ..fileio import atomic_file
+from ..errors import Number, VflashError, check_choice
+from ..fileio import atomic_file, temporary, write_errors
 
 logger = logging.getLogger(__name__)
 
 VIDEO_INPUTS = ("file", "pipe")
-MAX_VIDEO_THREADS = 256
+#: The H.264 encoder's thread count, when given (None: FFmpeg's automatic choice).
+VIDEO_THREADS = Number(int, 1, 256)
 # x264 quality: visually lossless for generated content at moderate size.
 H264_OPTIONS = {"crf": "18", "preset": "medium"}
 AAC_BITRATE = 192_000
@@ -46,8 +47,8 @@ _AAC_FRAME = 1024
 def check_delivery_options(video_input: str, video_threads: int | None) -> None:
     """Validate the encoder options before any heavy work; raises `VflashError` naming the value."""
     check_choice("video_input", video_input, VIDEO_INPUTS)
-    if video_threads is not None and (isinstance(video_threads, bool) or not isinstance(video_threads, int) or not 1 <= video_threads <= MAX_VIDEO_THREADS):
-        raise VflashError(f"video_threads must be an integer from 1 to {MAX_VIDEO_THREADS} (or None for automatic), got {video_threads!r}")
+    if video_threads is not None:
+        VIDEO_THREADS.check("video_threads", video_threads)
 
 
 def quantize_frames(frames: torch.Tensor | np.ndarray) -> np.ndarray:
@@ -78,9 +79,28 @@ def _check_inputs(frames, waveform, sample_rate: int, fps: int) -> tuple[tuple[i
     return shape, np.ascontiguousarray(np.clip(audio, -1.0, 1.0))
 
 
+class _RawFrames:
+    """The frames of a raw uint8 RGB file, each read on demand with plain I/O (a memory map of a file on a disk that
+    fills, or that someone truncates, turns a read or a write into SIGBUS instead of an error)."""
+
+    def __init__(self, fd: int, shape: tuple[int, ...]):
+        self.fd, self.shape = fd, shape
+        self.frame_bytes = shape[1] * shape[2] * shape[3]
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        data = os.pread(self.fd, self.frame_bytes, i * self.frame_bytes)
+        if len(data) != self.frame_bytes:
+            raise VflashError(f"the raw frames file ended at frame {i} of {self.shape[0]}; it was changed while the clip was encoded")
+        return np.frombuffer(data, dtype=np.uint8).reshape(self.shape[1:])
+
+
 @contextlib.contextmanager
-def rgb_frames(frames, shape: tuple[int, ...], video_input: str, folder: Path) -> Iterator:
-    """Yields an indexable of uint8 (H, W, 3) frames: a raw temporary file ("file") or per-frame quantisation ("pipe")."""
+def rgb_frames(frames, shape: tuple[int, ...], video_input: str, destination: Path) -> Iterator:
+    """Yields an indexable of uint8 (H, W, 3) frames: a raw temporary file beside `destination`, named for it and this
+    writer (`fileio.temporary`, so a killed run's is removed by the next) ("file"), or per-frame quantisation ("pipe")."""
     if video_input == "pipe":
 
         class _Frames:
@@ -92,17 +112,15 @@ def rgb_frames(frames, shape: tuple[int, ...], video_input: str, folder: Path) -
 
         yield _Frames()
         return
-    fd, name = tempfile.mkstemp(prefix=".vflash-frames.", suffix=".rgb.partial", dir=folder)
-    os.close(fd)
+    path = temporary(destination, ".rgb")
     try:
-        raw = np.memmap(name, dtype=np.uint8, mode="w+", shape=shape)
-        for i in range(shape[0]):
-            raw[i] = quantize_frames(frames[i : i + 1])[0]
-        raw.flush()
-        del raw
-        yield np.memmap(name, dtype=np.uint8, mode="r", shape=shape)
+        with write_errors(destination), open(path, "r+b") as raw:  # the free space is measured before it is removed
+            # frame by frame, so one frame's bytes are in memory at a time; a full disk is ENOSPC here, never SIGBUS
+            raw.writelines(quantize_frames(frames[i : i + 1])[0].data for i in range(shape[0]))
+            raw.flush()
+            yield _RawFrames(raw.fileno(), shape)
     finally:
-        Path(name).unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
 
 
 def _encode(
@@ -158,7 +176,7 @@ def write_mp4(
     check_delivery_options(video_input, video_threads)
     shape, audio = _check_inputs(frames, waveform, sample_rate, fps)
     path = Path(path)
-    with atomic_file(path, overwrite=overwrite, suffix=".mp4") as tmp, rgb_frames(frames, shape, video_input, path.parent) as rgb:
+    with atomic_file(path, overwrite=overwrite, suffix=".mp4") as tmp, rgb_frames(frames, shape, video_input, path) as rgb:
         _encode(tmp, rgb, shape, audio, sample_rate, fps, video_threads, metadata or {})
     logger.debug("wrote %s: %d frames %dx%d at %d fps, %.3f s of %d Hz audio", path, shape[0], shape[2], shape[1], fps, audio.shape[1] / sample_rate, sample_rate)
     return path

@@ -105,14 +105,14 @@ class MediaProbe:
     has_soundtrack: bool = False
 
 
-def probe_media(item: str | Path | Image.Image, what: str) -> MediaProbe:
+def probe_media(item: str | Path | Image.Image, what: str, kind: str | None = None) -> MediaProbe:
     """Check a media input before any model loads, from its headers and packet times (no pixels or samples are
-    decoded): a readable regular file of a known kind that opens, has the stream it needs and stays within the
-    input limits. Raises `RequestError` naming `what`."""
+    decoded): a readable regular file of a known kind (`kind`, else its extension's) that opens, has the stream it
+    needs and stays within the input limits. Raises `RequestError` naming `what`."""
     if isinstance(item, Image.Image):
         return MediaProbe("image", item.size)
     path = check_input_file(item, what, RequestError)
-    kind = reference_kind(path, what)
+    kind = kind or reference_kind(path, what)
     try:
         if kind == "image":
             return _probe_image(path, what)

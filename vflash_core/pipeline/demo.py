@@ -16,13 +16,12 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 from ..errors import VflashError
-from ..fileio import OutputExistsError, check_writable_destination
+from ..fileio import OutputExistsError, check_writable_destination, temporary, write_errors
 from ..weights.family import DEMO_FAMILY, build_model_family
 from .options import RunOptions
 
@@ -90,9 +89,10 @@ def ensure_demo_assets(cache_dir: str | Path | None = None, progress=None) -> Pa
             reason = "it or a folder above it is a file" if isinstance(exc, (FileExistsError, NotADirectoryError)) else exc.strerror
             raise VflashError(f"the demo model cache {cache} cannot be created: {reason}; give --cache-dir (or $VFLASH_CACHE) a folder") from None
         start = time.perf_counter()
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=cache))
+        tmp = temporary(final, directory=True)  # named for this process: a killed build's is removed by the next
         try:
-            _build(tmp, report)
+            with write_errors(final):
+                _build(tmp, report)
             try:
                 os.rename(tmp, final)
             except OSError:

@@ -48,7 +48,7 @@ import PIL.Image
 import torch
 
 from ..engine.bundle import BundleHandoff, EncodedReference, build_keyframe_bundle, build_ref2va_bundle
-from ..engine.config import H3Config, is_positive_int
+from ..engine.config import H3Config
 from ..engine.denoise import StageProgress
 from ..engine.layout import FPS, VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK, VAE_SPATIAL_RATIO, Geometry
 from ..engine.session import (
@@ -59,9 +59,18 @@ from ..engine.session import (
     SessionTiming,
     check_loader_hooks,
 )
-from ..errors import IdentityMismatchError, RequestError, RunFailedError, SessionClosedError, VflashError
-from ..fileio import atomic_file, check_input_file, check_writable_destination
-from ..formats import PIPELINE_FORMAT
+from ..errors import (
+    IdentityMismatchError,
+    Number,
+    RequestError,
+    RunFailedError,
+    SessionClosedError,
+    VflashError,
+    check_callback,
+    describe_value,
+)
+from ..fileio import atomic_file, check_input_file, check_writable_destination, path_argument
+from ..formats import PIPELINE_FORMAT, Field, check_fields, is_object, is_positive
 from ..media.conditioning import TEXT_ENCODER_LAYER, TextConditioner, TextEncoderLoader
 from ..media.mp4 import write_mp4
 from ..media.references import CanvasRules, fit_keyframes, load_image, load_reference, normalize_references
@@ -81,19 +90,16 @@ from .model_loading import MODEL_LOAD_LOCK
 from .options import RunOptions
 from .validation import (
     ANCHORS,
+    PIXELS,
+    SECONDS,
     MediaInput,
     PromptBudget,
     RequestPlan,
-    callback,
     check_generate_arguments,
-    describe_value,
-    integer,
     media_input,
     media_inputs,
-    path_argument,
     plan_request,
     request_mode,
-    seconds,
 )
 
 logger = logging.getLogger(__name__)
@@ -135,15 +141,14 @@ class VideoRequest:
     def __post_init__(self) -> None:
         if not isinstance(self.prompt, str):
             raise RequestError(f"prompt must be a string, got {type(self.prompt).__name__}")
-        pixels = "an integer number of pixels"
         checked = {
             "first_frame": media_input(self.first_frame, "first_frame"),
             "last_frame": media_input(self.last_frame, "last_frame"),
             "references": media_inputs(self.references, "references"),
-            "duration_seconds": seconds(self.duration_seconds, "duration_seconds"),
-            "seed": integer(self.seed, "seed"),
-            "width": None if self.width is None else integer(self.width, "width", pixels),
-            "height": None if self.height is None else integer(self.height, "height", pixels),
+            "duration_seconds": SECONDS.check("duration_seconds", self.duration_seconds, RequestError),
+            "seed": Number(int).check("seed", self.seed, RequestError),  # its range: `check_seed`, with the request
+            "width": None if self.width is None else PIXELS.check("width", self.width, RequestError),
+            "height": None if self.height is None else PIXELS.check("height", self.height, RequestError),
         }
         for name, value in checked.items():
             object.__setattr__(self, name, value)  # frozen: normalised once, here
@@ -185,6 +190,8 @@ def _read_json(path: Path, what: str) -> dict:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:  # unreadable, not UTF-8, not JSON
         raise VflashError(f"{what} {path} cannot be read as JSON: {exc}") from None
+    except RecursionError:
+        raise VflashError(f"{what} {path} nests arrays or objects too deeply to be read") from None
     if not isinstance(data, dict):
         raise VflashError(f"{what} {path} must hold a JSON object")
     return data
@@ -230,23 +237,14 @@ def _valid_asset(name: str, value: object) -> bool:
 
 
 # What `PreparedAssets.load` reads from a receipt, with what each must be.
-_RECEIPT_FIELDS: tuple[tuple[str, str, Callable[[object], bool]], ...] = (
+_RECEIPT_FIELDS: tuple[Field, ...] = (
     ("profile", "a profile id", lambda v: isinstance(v, str)),
-    ("profile_identity", "an object", lambda v: isinstance(v, dict)),
+    ("profile_identity", "an object", is_object),
     ("compile_id", "a string", lambda v: isinstance(v, str)),
     *((f"assets.{k}", _ASSET_KINDS[k], lambda v, k=k: _valid_asset(k, v)) for k in ASSET_FIELDS),
-    *((f"canvas.{k}", "a positive integer", is_positive_int) for k in CanvasRules().to_dict()),
-    ("transformer.num_layers", "a positive integer", is_positive_int),
+    *((f"canvas.{k}", "a positive integer", is_positive) for k in CanvasRules().to_dict()),
+    ("transformer.num_layers", "a positive integer", is_positive),
 )
-
-
-def _receipt_value(record: dict, key: str, path: Path) -> object:
-    value: object = record
-    for part in key.split("."):
-        if not isinstance(value, dict) or part not in value:
-            raise VflashError(f"prepared-assets receipt {path} has no {key}; recreate it with `vflash prepare-pipeline`")
-        value = value[part]
-    return value
 
 
 @dataclass(frozen=True)
@@ -272,10 +270,7 @@ class PreparedAssets:
         record = _read_json(path, "prepared-assets receipt")
         if record.get("format") != PIPELINE_FORMAT:
             raise VflashError(f"{path} is not a Vflash prepared-assets receipt (format {record.get('format')!r}, expected {PIPELINE_FORMAT!r}); create one with `vflash prepare-pipeline`")
-        for key, expected, valid in _RECEIPT_FIELDS:
-            value = _receipt_value(record, key, path)
-            if not valid(value):
-                raise VflashError(f"prepared-assets receipt {path}: {key} must be {expected}, got {describe_value(value)}; recreate it with `vflash prepare-pipeline`")
+        check_fields(record, _RECEIPT_FIELDS, f"prepared-assets receipt {path}", "recreate it with `vflash prepare-pipeline`")
         profile = get_profile(record["profile"])
         check_identity(profile, record["profile_identity"], f"prepared assets {path}")
         assets = {k: None if (v := record["assets"][k]) is None else _require(Path(v), f"{k} of {path}:") for k in ASSET_FIELDS}
@@ -550,6 +545,11 @@ class H3Pipeline:
             total = 2 + int(assets.record["transformer"]["num_layers"])
             report = progress or (lambda stage, done, total: None)
             loaded: list[TextConditioner | MediaVAEs] = []
+            from ..weights.artifact import CompiledArtifact
+
+            compiled = CompiledArtifact(**assets.session_paths())
+            if options.verify_weights:  # before anything loads: a corrupt compile costs no encoder load
+                compiled.verify()
             try:
                 conditioner = TextConditioner.from_pretrained(assets.model_root, primary, text_encoder_loader=text_encoder_loader)
                 loaded.append(conditioner)
@@ -557,11 +557,6 @@ class H3Pipeline:
                 vaes = MediaVAEs.from_pretrained(assets.decoder_root, primary, peer_device=peer)
                 loaded.append(vaes)
                 report("load", 2, total)
-                from ..weights.artifact import CompiledArtifact
-
-                compiled = CompiledArtifact(**assets.session_paths())
-                if options.verify_weights:
-                    compiled.verify()
                 cap = cap_bytes(options.max_device_memory)
                 if primary.type != "cuda" and cap is None:  # nothing to plan: everything stays in host memory
                     plan = None
@@ -605,7 +600,7 @@ class H3Pipeline:
         """Load the text encoder, the VAEs and the native session now (once, whichever thread asks first); sets
         `initialization_seconds`."""
         self._check_open()
-        callback(progress, "progress")
+        check_callback(progress, "progress")
         with self._lock:
             self._check_open()  # closed while this thread waited
             if self.loaded:

@@ -50,7 +50,7 @@ from ..engine.layout import (
     audio_latent_count,
     video_latent_frames,
 )
-from ..errors import RequestError, RunFailedError, VflashError
+from ..errors import Number, RequestError, RunFailedError, VflashError
 from ..media.references import CanvasRules
 from ..media.vae_decode import CALLS_IN_FLIGHT_PER_DEVICE, DEFAULT_WINDOWS_PER_CALL, DecodeGeometry
 
@@ -238,9 +238,15 @@ def device_budget(devices: Sequence[torch.device], cap: int | None) -> int:
     return min(budgets)
 
 
-def cap_bytes(max_device_memory: float | None) -> int | None:
-    """A user cap in GiB (`max_device_memory`) in bytes."""
-    return None if max_device_memory is None else int(max_device_memory * GIB)
+#: A user cap on device memory in GiB: positive, and bounded (1 PiB, far above any device) so that its byte count is
+#: an integer.
+DEVICE_MEMORY_GIB = Number(float, 0, 2**20, above=True, unit="GiB")
+
+
+def cap_bytes(max_device_memory: object, name: str = "max_device_memory") -> int | None:
+    """A user cap in GiB (`max_device_memory`, None for none) in bytes, checked by `DEVICE_MEMORY_GIB` (`name` in the
+    refusal)."""
+    return None if max_device_memory is None else int(DEVICE_MEMORY_GIB.check(name, max_device_memory) * GIB)
 
 
 class DeviceCap:
@@ -412,7 +418,12 @@ def plan_memory(
             p = plan.placement
             placement = ", ".join(f"{name} {choice}" for name, choice in (("core", p.core), ("text encoder", p.encoder), ("VAEs", p.vaes)) if choice)
             explicit = [f"{name}={value!r}" for name, value, default in (("weight_residency", weight_residency, "auto"), ("encoder_residency", encoder_residency, "offload")) if value != default]
-            advice = f" Leave {' and '.join(explicit)} to the plan, or use a larger GPU." if explicit else " This GPU is too small for H3."
+            if devices[0].type != "cuda":  # on the CPU the budget is the cap: nothing else is measured
+                advice = " Raise max_device_memory, or leave it out on the CPU (no cap: everything stays in host memory)."
+            elif explicit:
+                advice = f" Leave {' and '.join(explicit)} to the plan, or use a larger GPU."
+            else:
+                advice = " This GPU is too small for H3."
             raise RunFailedError(
                 f"the weights do not fit on {devices[0]}: with the most frugal placement ({placement}) the {stage} stage holds "
                 f"{_size(peak)} of weights, plus a {_size(MARGIN_BYTES)} margin; {_size(budget)} are available"

@@ -8,15 +8,18 @@ has the devices and that they are of the architecture the profile's tables were 
 from __future__ import annotations
 
 import argparse
-import math
 from dataclasses import dataclass
 
 import torch
 
 from ..engine.session import STRATEGIES, WEIGHT_RESIDENCIES
-from ..errors import VflashError, check_choice
-from ..media.mp4 import MAX_VIDEO_THREADS, VIDEO_INPUTS, check_delivery_options
+from ..errors import Number, VflashError, check_choice
+from ..media.mp4 import VIDEO_INPUTS, VIDEO_THREADS, check_delivery_options
 from ..profiles import Profile
+from .memory_plan import DEVICE_MEMORY_GIB, cap_bytes
+
+#: A CUDA device index on the command line (`--gpu`, `--peer-gpu`); whether this machine has it, `check_device`.
+GPU_INDEX = Number(int, 0)
 
 ENCODER_RESIDENCIES = ("offload", "resident")  # where the text encoder and the VAEs live between their stages
 
@@ -54,9 +57,7 @@ class RunOptions:
         if (self.peer_device is None) != (self.strategy is None):
             raise VflashError("a peer GPU and a strategy go together (e.g. --peer-gpu 1 --strategy sequence-head)")
         check_delivery_options(self.media_video_input, self.media_video_threads)
-        cap = self.max_device_memory
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap <= 0):
-            raise VflashError(f"max_device_memory must be a positive number of GiB, got {cap!r}")
+        cap_bytes(self.max_device_memory)
         for name in ("profile_denoise", "verify_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise VflashError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -76,17 +77,22 @@ class RunOptions:
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         """The command-line flags of the run options (`vflash generate`, `vflash serve`)."""
-        parser.add_argument("--gpu", type=int, help="CUDA device index (default: CPU)")
-        parser.add_argument("--peer-gpu", type=int, help="second GPU for the native core (needs --strategy)")
+        from ..engine.attention import BACKENDS
+
+        parser.add_argument("--gpu", type=GPU_INDEX.option("--gpu"), help="CUDA device index (default: CPU)")
+        parser.add_argument("--peer-gpu", type=GPU_INDEX.option("--peer-gpu"), help="second GPU for the native core (needs --strategy)")
         parser.add_argument("--strategy", choices=("sequence-head",), help="how the core splits one request over two GPUs")
-        parser.add_argument("--attention-backend", default="auto")
-        parser.add_argument("--weight-residency", default="auto", choices=WEIGHT_RESIDENCIES)
+        parser.add_argument("--attention-backend", default="auto",
+                            help=f"attention kernel, pinned on every call: {', '.join(BACKENDS)} (default auto: the exact default for the device)")
+        parser.add_argument("--weight-residency", default="auto", choices=WEIGHT_RESIDENCIES,
+                            help="GPU: the core's blocks all on the device, or streamed from pinned host memory (block-ring); auto: the memory plan chooses")
         parser.add_argument("--encoder-residency", default="offload", choices=ENCODER_RESIDENCIES,
                             help="GPU: move the text encoder and VAEs off the device after each use (default), or keep them there")
-        parser.add_argument("--max-device-memory", type=float, metavar="GIB",
+        parser.add_argument("--max-device-memory", type=DEVICE_MEMORY_GIB.option("--max-device-memory"), metavar="GIB",
                             help="cap on the device memory the pipeline may use, in GiB (default: what the GPU has free); placement is planned against it and it is enforced")
         parser.add_argument("--media-video-input", default="file", choices=VIDEO_INPUTS, help="feed the H.264 encoder from a temporary RGB file or frame by frame")
-        parser.add_argument("--media-video-threads", type=int, help=f"H.264 encoder threads, 1-{MAX_VIDEO_THREADS} (default: automatic)")
+        parser.add_argument("--media-video-threads", type=VIDEO_THREADS.option("--media-video-threads"),
+                            help=f"H.264 encoder threads, {VIDEO_THREADS.describe().removeprefix('an integer ')} (default: automatic)")
         parser.add_argument("--verify-weights", action="store_true", help="re-hash the compiled weights before loading them (slow; loading checks sizes only)")
 
     @classmethod

@@ -13,8 +13,9 @@ service runs before it queues a job; other front ends can call its parts (`check
   bound to an input;
 * devices: present on this machine and of the profile's architecture (`formats.check_device`).
 
-`VideoRequest` checks its field types when it is built, with `media_input`, `media_inputs`, `integer` and `seconds`:
-a wrong type is refused with one line naming the field, and a single path is one path, never a string of characters.
+`VideoRequest` checks its field types when it is built, with `media_input`, `media_inputs` and the numbers' specs
+(`SEED`, `PIXELS`, `SECONDS`, `errors.Number`): a wrong type is refused with one line naming the field, and a single
+path is one path, never a string of characters.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import numbers
 import os
 import re
 import threading
@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any
 import PIL.Image
 
 from ..engine.layout import FPS, MAX_DURATION_SECONDS, MIN_DURATION_SECONDS, Geometry, check_canvas, frames_for_duration
-from ..errors import RequestError, VflashError
-from ..fileio import check_writable_destination
+from ..errors import Number, RequestError, VflashError, check_callback, describe_value
+from ..fileio import check_writable_destination, path_argument
 from ..media.references import (
     CANVAS_MULTIPLE,
     MAX_AUDIOS,
@@ -58,7 +58,6 @@ MAX_PROMPT_BYTES = 1 << 20
 # at most three (at most 12 bytes): a prompt of context / 12 characters always fits and needs no tokenizer.
 _MAX_TOKENS_PER_CHARACTER = 12
 _LABEL = re.compile(r"<(Picture|Video|Audio) (\d+)>")
-_SHOWN = 40
 
 MediaInput = str | os.PathLike | PIL.Image.Image
 #: A request's keyframe anchors in packed order: field `<anchor>_frame`, named "<anchor> frame" in messages.
@@ -66,12 +65,6 @@ ANCHORS = ("first", "last")
 
 
 # -- field types (VideoRequest) ------------------------------------------------------------------------------------
-
-
-def describe_value(value: object) -> str:
-    """A value's type and (shortened) repr, for messages about a field of the wrong type."""
-    text = repr(value)
-    return f"{type(value).__name__} {text if len(text) <= _SHOWN else text[: _SHOWN - 3] + '...'}"
 
 
 def media_input(value: object, field: str) -> MediaInput | None:
@@ -102,23 +95,6 @@ def media_inputs(value: object, field: str) -> tuple[MediaInput, ...]:
     raise RequestError(f"{field} must be a file path, a PIL image or a list of them, got {describe_value(value)}")
 
 
-def path_argument(value: object, what: str) -> Path:
-    """A non-empty file path given as str or `os.PathLike` (never bytes, a number or None), as a Path."""
-    if isinstance(value, (str, os.PathLike)):
-        text = os.fspath(value)
-        if isinstance(text, str) and text:
-            if "\x00" in text:
-                raise VflashError(f"{what} must not contain a NUL character")
-            return Path(text)
-    raise VflashError(f"{what} must be a file path (str or Path), got {describe_value(value)}")
-
-
-def callback(value: object, what: str) -> None:
-    """None or a callable, checked before anything loads (a callback is first called after loading)."""
-    if value is not None and not callable(value):
-        raise VflashError(f"{what} must be a callable or None, got {describe_value(value)}")
-
-
 def _same_file(a: Path, b: Path) -> bool:
     try:
         return a.resolve() == b.resolve() or (a.exists() and b.exists() and os.path.samefile(a, b))
@@ -144,8 +120,8 @@ def check_generate_arguments(request: VideoRequest, output: object, overwrite: o
     writable file path that is none of the request's inputs, `overwrite` a bool, the callbacks callable."""
     if not isinstance(overwrite, bool):  # a truthy string such as "no" must never turn overwriting on
         raise VflashError(f"overwrite must be True or False, got {describe_value(overwrite)}")
-    callback(progress, "progress")
-    callback(cancel, "cancel")
+    check_callback(progress, "progress")
+    check_callback(cancel, "cancel")
     if output is not None:
         path_argument(output, "the output path")
         check_writable_destination(output, overwrite)  # as given: a trailing "/" names a folder
@@ -154,17 +130,11 @@ def check_generate_arguments(request: VideoRequest, output: object, overwrite: o
         check_output_is_not_an_input(output, inputs)  # type: ignore[arg-type]
 
 
-def integer(value: object, field: str, what: str = "an integer") -> int:
-    """An int (any integral number but a bool); a float such as 448.7 is refused, never truncated."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise RequestError(f"{field} must be {what}, got {describe_value(value)}")
-    return int(value)
-
-
-def seconds(value: object, field: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise RequestError(f"{field} must be a number of seconds, got {describe_value(value)}")
-    return float(value)
+#: A request's numbers: a float such as 448.7 is refused as a width, never truncated; the ranges are checked against
+#: the model and the profile by `plan_request`, but the seed's is the generator's.
+SEED = Number(int, 0, 2**63 - 1)
+PIXELS = Number(int, unit="pixels")
+SECONDS = Number(float, unit="seconds")
 
 
 # -- limits ----------------------------------------------------------------------------------------------------------
@@ -247,9 +217,8 @@ def check_prompt(prompt: object, budget: PromptBudget | None = None) -> None:
         budget.check(prompt)
 
 
-def check_seed(seed: int) -> None:
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-        raise RequestError(f"seed must be an integer from 0 to 2**63 - 1, got {seed!r}")
+def check_seed(seed: object) -> None:
+    SEED.check("seed", seed, RequestError)
 
 
 def clip_frames(duration_seconds: float, profile: Profile) -> int:

@@ -138,13 +138,16 @@ def _supervisor_ended(supervisor: WorkerSupervisor, task: asyncio.Task[None]) ->
 
 
 def _bearer_auth(token: str) -> Any:
-    expected = f"Bearer {token}".encode()
+    expected = token.encode()
 
     @web.middleware
     async def bearer_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path not in _OPEN_PATHS:
-            given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, expected):  # constant time: no token prefix leaks through timing
+            # aiohttp hands header bytes that are not UTF-8 over as surrogate escapes; they go back to the same bytes,
+            # which match no token. The scheme is case-insensitive (RFC 9110 section 11.1), the token is not.
+            scheme, _, given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape").strip().partition(b" ")
+            # constant time over the token: no prefix of it leaks through timing
+            if not hmac.compare_digest(given.strip(), expected) or scheme.lower() != b"bearer":
                 raise http_error(web.HTTPUnauthorized, "a valid bearer token is required", headers={"WWW-Authenticate": "Bearer"})
         return await handler(request)
 

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import logging
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import VflashError
+from ..errors import Number, VflashError
 from ..fileio import check_folder, check_input_file
 from ..pipeline.options import RunOptions
 from .worker import WorkerConfig
 
 MIB = 2**20
+MAX_QUEUE = Number(int, 1)
+KEEP_FINISHED_JOBS = Number(int, 0)
+MAX_UPLOAD_BYTES = Number(int, 1, 2**40)  # 1 TiB
+#: How long a cancelled or stopping worker may take: positive, and at most a day (it is an asyncio deadline).
+CANCEL_GRACE = Number(float, 0, 86_400, above=True, unit="seconds")
 
 
 @dataclass(frozen=True)
@@ -65,14 +69,10 @@ def check_service_settings(
         raise VflashError(f"output folder {output_dir} is not writable")
     if input_dir is not None:
         check_folder(input_dir, "input folder")
-    if max_queue < 1:
-        raise VflashError(f"max_queue must be at least 1, got {max_queue}")
-    if keep_finished_jobs < 0:
-        raise VflashError(f"keep_finished_jobs must be 0 or more, got {keep_finished_jobs}")
-    if max_upload_bytes < 1:
-        raise VflashError(f"max_upload_bytes must be positive, got {max_upload_bytes}")
-    if not math.isfinite(cancel_grace_seconds) or cancel_grace_seconds <= 0:
-        raise VflashError(f"cancel_grace_seconds must be positive, got {cancel_grace_seconds}")
-    if token is not None and not token.strip():
-        raise VflashError("the bearer token is empty")
+    MAX_QUEUE.check("max_queue", max_queue)
+    KEEP_FINISHED_JOBS.check("keep_finished_jobs", keep_finished_jobs)
+    MAX_UPLOAD_BYTES.check("max_upload_bytes", max_upload_bytes)
+    CANCEL_GRACE.check("cancel_grace_seconds", cancel_grace_seconds)
+    if token is not None and (not isinstance(token, str) or not token.strip()):
+        raise VflashError("the bearer token must be a non-empty string")
     return create

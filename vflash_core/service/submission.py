@@ -25,6 +25,8 @@ from typing import Any
 from aiohttp import BodyPartReader, web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from ..errors import VflashError
+from ..fileio import resolve_inside
 from ..media.references import MAX_REFERENCES
 
 FILE_FIELDS = ("first_frame", "last_frame", "references")
@@ -135,20 +137,14 @@ def _string(name: str, value: object) -> str:
 
 
 def resolve_input_path(value: str, policy: InputPolicy) -> Path:
-    """A client path, resolved with symlinks; it must name a file inside the input folder."""
+    """A client path, resolved with symlinks; it must name a file inside the input folder (`fileio.resolve_inside`),
+    which the client is told of as "the input folder", never by its path on this host."""
     if policy.input_dir is None:
         raise bad_request(f"this service takes input files as uploads only (it was started without --input-dir); got path {value!r}")
-    if "\x00" in value:
-        raise bad_request("input paths must not contain NUL characters")
     try:
-        path = (policy.input_dir / value).resolve()
-    except (RuntimeError, OSError):  # a symbolic-link loop (RuntimeError before Python 3.13)
-        raise bad_request(f"input path {value!r} is a symbolic link loop") from None
-    if not path.is_relative_to(policy.input_dir):
-        raise bad_request(f"input path {value!r} is outside the input folder")
-    if not path.is_file():
-        raise bad_request(f"input path {value!r} is not a file in the input folder")
-    return path
+        return resolve_inside(policy.input_dir, value, "input path")
+    except VflashError as exc:
+        raise bad_request(str(exc).replace(f" {policy.input_dir}", "")) from None
 
 
 async def _read_multipart(request: web.Request, upload_dir: Path, policy: InputPolicy) -> tuple[dict[str, Any], dict[str, list[Path]]]:
@@ -206,18 +202,23 @@ async def _read_capped(part: BodyPartReader, limit: int) -> bytes | None:
 
 async def _save(part: BodyPartReader, target: Path, budget: int, policy: InputPolicy) -> int:
     """Stream one upload to `target`; returns its size. Raises 413 as soon as the budget is exceeded."""
-    target.parent.mkdir(parents=True, exist_ok=True)
     written = 0
-    # "x": service names are unique; never follow or replace an existing file. File I/O runs off the event loop.
-    out = await asyncio.to_thread(open, target, "xb")
     try:
-        while chunk := await part.read_chunk(_CHUNK):
-            written += len(chunk)
-            if written > budget:
-                raise _too_large(policy, policy.max_upload_bytes - budget + written)
-            await asyncio.to_thread(out.write, chunk)
-    finally:
-        out.close()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # "x": service names are unique; never follow or replace an existing file. File I/O runs off the event loop.
+        out = await asyncio.to_thread(open, target, "xb")
+        try:
+            while chunk := await part.read_chunk(_CHUNK):
+                written += len(chunk)
+                if written > budget:
+                    raise _too_large(policy, policy.max_upload_bytes - budget + written)
+                await asyncio.to_thread(out.write, chunk)
+        finally:
+            out.close()
+    except ConnectionResetError:  # the client went away: `read_submission` answers it
+        raise
+    except OSError as exc:  # a full disk under the work folder: the service's fault, said without its paths
+        raise http_error(web.HTTPInsufficientStorage, f"the service cannot store the {part.name} upload now: {exc.strerror or exc}") from None
     if written == 0:
         raise bad_request(f"the {part.name} upload is empty")
     return written

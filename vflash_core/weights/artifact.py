@@ -20,7 +20,20 @@ from ..engine.fp8 import FP8_LINEARS
 from ..engine.model import LayerWeights, LoraResidual
 from ..errors import IdentityMismatchError, VflashError, WeightFileError
 from ..fileio import read_json
-from ..formats import ARTIFACT_FORMAT, ARTIFACT_FP8_FORMAT, OVERLAY_FORMAT
+from ..formats import (
+    ARTIFACT_FORMAT,
+    ARTIFACT_FP8_FORMAT,
+    OVERLAY_FORMAT,
+    Field,
+    check_fields,
+    is_count,
+    is_file_name,
+    is_number,
+    is_object,
+    is_positive,
+    is_text,
+    list_of,
+)
 from ..profiles import Profile, check_identity
 from .checkpoint import FLOAT_DTYPES, TABLE_INPUTS, aux_shapes, block_shapes
 from .tensor_store import TensorStore, file_sha256
@@ -32,10 +45,36 @@ from .weight_io import SequentialWeights
 READ_WORKERS = 8
 
 
-def _read_manifest(path: Path, formats: tuple[str, ...], what: str) -> dict:
+_FILE_RECORD: tuple[Field, ...] = (("size", "a byte count", is_count), ("sha256", "a hex digest", is_text))
+_LORA_RECORD: tuple[Field, ...] = (("linear", "a linear's name", is_text), ("index", "an integer of 0 or more", is_count),
+                                   ("scale", "a number", is_number), ("row_start", "an integer of 0 or more", is_count))
+_IDENTITY: tuple[Field, ...] = (("compile_id", "a compile id", is_text), ("profile_id", "a profile id", is_text),
+                                ("profile", "an object", is_object), ("arch", "an architecture tag", is_text))
+# What `CompiledArtifact` and `ScheduleOverlay` read from their manifests, with what each must be.
+ARTIFACT_FIELDS: tuple[Field, ...] = (
+    *_IDENTITY,
+    ("config", "an object", is_object),
+    ("base_weights", "an object", is_object),
+    ("blocks", "a list of {file, size, sha256, lora} records", list_of(("file", "", is_file_name), *_FILE_RECORD, ("lora", "", list_of(*_LORA_RECORD)))),
+    ("auxiliary.size", "a byte count", is_count),
+    ("auxiliary.sha256", "a hex digest", is_text),
+)
+OVERLAY_FIELDS: tuple[Field, ...] = (
+    *_IDENTITY,
+    ("num_layers", "a positive integer", is_positive),
+    ("entries", "a list of {step, variant, timesteps} records", list_of(
+        ("step", "", is_count), ("variant", "", is_count), ("timesteps", "", lambda v: isinstance(v, list) and all(map(is_number, v))))),
+    ("file.name", "a file name", is_file_name),
+    *((f"file.{key}", what, valid) for key, what, valid in _FILE_RECORD),
+)
+
+
+def _read_manifest(path: Path, formats: tuple[str, ...], what: str, fields: tuple[Field, ...]) -> dict:
     manifest = read_json(path / "manifest.json", VflashError, f"{path}: not a compiled {what} (no manifest.json)", f"{path}/manifest.json: corrupt (not JSON)")
-    if manifest.get("format") not in formats:
-        raise VflashError(f"{path}: {what} format {manifest.get('format')!r}, expected {' or '.join(map(repr, formats))}")
+    found = manifest.get("format") if isinstance(manifest, dict) else None
+    if found not in formats:
+        raise VflashError(f"{path}: {what} format {found!r}, expected {' or '.join(map(repr, formats))}")
+    check_fields(manifest, fields, f"{path}/manifest.json", "compile it again")
     return manifest
 
 
@@ -53,6 +92,8 @@ def _loras(records: list[dict], tensors: dict[str, torch.Tensor], prefix: str = 
         if not r["linear"].startswith(prefix):
             continue
         key = f"lora.{r['linear']}.{r['index']}"
+        if f"{key}.down" not in tensors or f"{key}.up" not in tensors:
+            raise WeightFileError(f"the manifest records LoRA factors {key} that the compiled file does not hold; compile it again")
         out.setdefault(r["linear"][len(prefix) :], []).append(LoraResidual(tensors[f"{key}.down"], tensors[f"{key}.up"], float(r["scale"]), int(r["row_start"])))
     return {k: tuple(v) for k, v in out.items()}
 
@@ -71,7 +112,7 @@ class ScheduleOverlay:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.manifest = _read_manifest(self.path, (OVERLAY_FORMAT,), "schedule overlay")
+        self.manifest = _read_manifest(self.path, (OVERLAY_FORMAT,), "schedule overlay", OVERLAY_FIELDS)
         _check_size(self.path / self.manifest["file"]["name"], self.manifest["file"]["size"])
         self.store = TensorStore(self.path / self.manifest["file"]["name"])
         self.num_layers = int(self.manifest["num_layers"])
@@ -110,7 +151,7 @@ class CompiledArtifact:
 
     def __init__(self, artifact: str | Path, schedule_overlay: str | Path, auxiliary: str | Path):
         self.artifact_dir = Path(artifact)
-        self.manifest = _read_manifest(self.artifact_dir, (ARTIFACT_FORMAT, ARTIFACT_FP8_FORMAT), "artifact")
+        self.manifest = _read_manifest(self.artifact_dir, (ARTIFACT_FORMAT, ARTIFACT_FP8_FORMAT), "artifact", ARTIFACT_FIELDS)
         self.fp8 = self.manifest["format"] == ARTIFACT_FP8_FORMAT
         self.overlay = ScheduleOverlay(schedule_overlay)
         self.aux_path = Path(auxiliary)
@@ -225,7 +266,12 @@ class CompiledArtifact:
         refiner_shapes = {n: shape for j in range(self.config.num_refiner_layers) for n, shape in block_shapes(self.config, f"refiner.{j}", with_adaln=False).items()}
         self.aux_store.require({k: (v, FLOAT_DTYPES) for k, v in {**names, **refiner_shapes}.items()})
         data = self.aux_store.read(self.aux_store.names)
-        records = json.loads(self.aux_store.metadata.get("lora", "[]"))
+        try:
+            records = json.loads(self.aux_store.metadata.get("lora", "[]"))
+        except ValueError:
+            records = None
+        if not list_of(*_LORA_RECORD)(records):
+            raise WeightFileError(f"{self.aux_path}: its `lora` metadata is not a list of LoRA records; compile it again")
         refiner = []
         for j in range(self.config.num_refiner_layers):
             prefix = f"refiner.{j}."

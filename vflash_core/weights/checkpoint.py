@@ -188,6 +188,23 @@ class ScaledWeight:
     code_dtype: torch.dtype
 
 
+# Elements checked at once by `check_finite`: bounds the temporary mask (1 byte each) whatever the tensor's size.
+_FINITE_CHUNK = 1 << 24
+
+
+def check_finite(tensor: torch.Tensor, name: str, path: Path) -> None:
+    """Refuse a floating-point tensor holding NaN or an infinity, naming it and its file: one such weight or scale
+    poisons every output it touches (an fp8_scaled file with a NaN scale compiled, then failed in the MP4 encoder)."""
+    if not tensor.is_floating_point():
+        return
+    flat = tensor.reshape(-1)
+    for start in range(0, flat.numel(), _FINITE_CHUNK):
+        chunk = flat[start : start + _FINITE_CHUNK]
+        if not bool(torch.isfinite(chunk).all()):
+            bad = start + int((~torch.isfinite(chunk)).nonzero()[0])
+            raise WeightFileError(f"{path}: tensor {name!r} holds a non-finite value ({flat[bad].item()} at element {bad}); the file is corrupt")
+
+
 def dequantize(code: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     """`code * scale` in `dtype` as ComfyUI core computes it (comfy_kitchen's eager backend: the CPU, and GPUs without
     its CUDA kernels): the code and the scale are each cast to `dtype` (the float8 code exactly; the scale rounds),
@@ -227,11 +244,13 @@ def quantized_layers(store: TensorStore, prefix: str) -> dict[str, ScaledWeight]
     flags = [n for n in names if n.endswith(".comfy_quant")]
     for name, tensor in store.read(flags).items():
         formats[name.removesuffix(".comfy_quant")] = parse(bytes(tensor.reshape(-1).tolist()), name)
+    legacy: set[str] = set()  # layers of the older layout, whose scale is `<layer>.scale_weight`
     if "_quantization_metadata" in store.metadata:
         layers = parse(store.metadata["_quantization_metadata"], "`_quantization_metadata`").get("layers", {})
         formats.update({layer: conf if isinstance(conf, dict) else {} for layer, conf in layers.items()})
     elif f"{prefix}scaled_fp8" in names:
-        formats.update({n.removesuffix(".scale_weight"): {"format": "float8_e4m3fn"} for n in names if n.endswith(".scale_weight")})
+        legacy = {n.removesuffix(".scale_weight") for n in names if n.endswith(".scale_weight")}
+        formats.update({layer: {"format": "float8_e4m3fn"} for layer in legacy})
     refused: dict[str, list[str]] = {}
     for layer, conf in formats.items():
         if _format_name(conf) not in FP8_FORMATS:
@@ -239,11 +258,9 @@ def quantized_layers(store: TensorStore, prefix: str) -> dict[str, ScaledWeight]
     if refused:
         found = "; ".join(f"{fmt} ({len(layers)} layers, e.g. {min(layers)})" for fmt, layers in sorted(refused.items()))
         raise WeightFileError(f"{store.path}: {found}: no exact dequantization; Vflash reads {SUPPORTED_FILES}")
-    out = {}
-    for layer, conf in sorted(formats.items()):
-        scale = f"{layer}.weight_scale" if f"{layer}.weight_scale" in names else f"{layer}.scale_weight"
-        out[f"{layer}.weight"] = ScaledWeight(scale, FP8_FORMATS[conf["format"]])
-    return out
+    # A missing scale is named by the key its marking reads (`weight_scale`; `scale_weight` only in the older layout).
+    return {f"{layer}.weight": ScaledWeight(f"{layer}.{'scale_weight' if layer in legacy else 'weight_scale'}", FP8_FORMATS[conf["format"]])
+            for layer, conf in sorted(formats.items())}
 
 
 class SourceWeights:
@@ -299,6 +316,8 @@ class SourceWeights:
         self._sources = self._build_sources()
         self._validate()
         self._scales = self.store.read(sorted({q.scale for q in self._quantized.values()}))
+        for name, scale in self._scales.items():  # read once, here: a NaN scale is refused by prepare already
+            check_finite(scale, name, self.path)
         self.format = "fp8_scaled" if self._quantized else _DTYPE_NAMES[self.dtype_of("blocks.0.attn.qkv.weight")]
 
     @property
@@ -465,6 +484,8 @@ class SourceWeights:
         self.store.read_into(requests)
         for code, scale, target in scaled:
             dequantize(code, self._scales[scale], target.dtype, out=target)
+        for internal, tensor in out.items():  # as the tensors are read: no second pass over the file
+            check_finite(tensor, " / ".join(dict.fromkeys(name for name, *_ in self._sources[internal])), self.path)
         return out
 
     def read_aux(self, include: Callable[[str], bool] = lambda name: True) -> dict[str, torch.Tensor]:

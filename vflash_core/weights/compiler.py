@@ -32,6 +32,7 @@ re-hashes a compiled folder against the sha256 of every file recorded as it was 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import logging
@@ -57,14 +58,31 @@ from ..fileio import (
     check_folder,
     check_new_directory,
     check_writable_destination,
+    path_argument,
     read_text_file,
 )
-from ..formats import ARTIFACT_FORMAT, ARTIFACT_FP8_FORMAT, OVERLAY_FORMAT, WEIGHTS_RECEIPT_FORMAT, device_arch
+from ..formats import (
+    ARTIFACT_FORMAT,
+    ARTIFACT_FP8_FORMAT,
+    OVERLAY_FORMAT,
+    WEIGHTS_RECEIPT_FORMAT,
+    Field,
+    check_fields,
+    device_arch,
+    field_problem,
+    is_count,
+    is_file_name,
+    is_number,
+    is_object,
+    is_positive,
+    is_text,
+    list_of,
+)
 from ..profiles import AdapterSpec, Profile, get_profile
 from .artifact import CompiledArtifact
 from .checkpoint import TABLE_INPUTS, SourceWeights, block_shapes
 from .lora import TABLE_ONLY, Adapter, load_adapter
-from .tensor_store import describe_files, file_sha256, write_safetensors
+from .tensor_store import TensorStore, describe_files, file_sha256, write_safetensors
 
 # Progress stages (`StageProgress`), after each unit of work: "hash" (prepare, per weight file), "verify" (compile,
 # per weight file), "compile" (per block). A callback that raises abandons the call; nothing is published then.
@@ -93,7 +111,9 @@ def prepare(
 ) -> dict[str, object]:
     """Write a receipt binding `profile` to the base weights and adapter; returns the receipt."""
     profile = get_profile(profile)
-    receipt = check_writable_destination(receipt)
+    transformer = path_argument(transformer, "the transformer")
+    adapter = None if adapter is None else path_argument(adapter, "the adapter")
+    receipt = check_writable_destination(path_argument(receipt, "the receipt path"))
     source = SourceWeights(transformer, qkv_layout=qkv_layout)
     source.check_profile(profile)
     if profile.adapter is None and adapter is not None:
@@ -165,6 +185,32 @@ def _check_adapter_against_profile(profile: Profile, path: Path, adapter: Adapte
 # -- compile ------------------------------------------------------------------------------------------------------
 
 
+_FILE_RECORD: tuple[Field, ...] = (("name", "a file name", is_file_name), ("size", "a byte count", is_count), ("sha256", "a hex digest", is_text))
+_ADAPTER_SPEC: tuple[Field, ...] = (
+    ("name", "a string", is_text), ("file_name", "a file name", is_file_name), ("alpha", "a number", is_number),
+    ("rank", "a positive integer", is_positive), ("strength", "a number", is_number),
+)
+# What `compile_receipt` reads from a weights receipt, with what each must be.
+RECEIPT_FIELDS: tuple[Field, ...] = (
+    ("profile.id", "a profile id", is_text),
+    ("profile.modes", "a list of mode names", lambda v: isinstance(v, list) and all(is_text(m) for m in v)),
+    ("profile.variant", "a partition name", is_text),
+    ("profile.adapter", "null or an adapter record", lambda v: v is None or not field_problem(v, _ADAPTER_SPEC)),
+    ("profile.nfe", "a positive integer", is_positive),
+    *((f"profile.{k}", "a number", is_number) for k in ("video_shift", "audio_shift", "min_seconds", "max_seconds")),
+    ("profile.arch", "an architecture tag", is_text),
+    ("transformer", "an object", is_object),
+    ("transformer.path", "a path string", is_text),
+    ("transformer.layout", "'diffusers' or 'original'", lambda v: v in ("diffusers", "original")),
+    ("transformer.qkv_layout", "a QKV layout name", is_text),
+    ("transformer.config", "an object", is_object),
+    ("transformer.files", "a list of {name, size, sha256} records", list_of(*_FILE_RECORD)),
+    ("adapter", "null or a {path, name, size, sha256, format, alpha_source, network_alpha} record", lambda v: v is None or not field_problem(v, (
+        ("path", "", is_text), *_FILE_RECORD, ("format", "", is_text), ("alpha_source", "", is_text),
+        ("network_alpha", "", lambda a: a is None or is_number(a))))),
+)
+
+
 def _load_receipt(path: str | Path) -> dict:
     if not os.path.lexists(path):
         raise VflashError(f"{path}: no such receipt")
@@ -176,14 +222,16 @@ def _load_receipt(path: str | Path) -> dict:
     if not isinstance(receipt, dict) or receipt.get("format") != WEIGHTS_RECEIPT_FORMAT:
         found = receipt.get("format") if isinstance(receipt, dict) else None
         raise VflashError(f"{path}: not a Vflash receipt (format {found!r}); write one with `python -m vflash_core.weights.compiler prepare`")
+    check_fields(receipt, RECEIPT_FIELDS, f"receipt {path}", "write it again with `python -m vflash_core.weights.compiler prepare`")
     return receipt
 
 
 def _profile_from_receipt(receipt: dict, path: str | Path) -> Profile:
     data = dict(receipt["profile"])
     data["modes"] = tuple(data["modes"])
-    data["adapter"] = AdapterSpec(**data["adapter"]) if data["adapter"] else None
-    profile = Profile(**data)
+    data["adapter"] = AdapterSpec(**{k: data["adapter"][k] for k, _, _ in _ADAPTER_SPEC}) if data["adapter"] else None
+    fields = {f.name for f in dataclasses.fields(Profile)}
+    profile = Profile(**{k: v for k, v in data.items() if k in fields})
     try:
         registered = get_profile(profile.id)
     except VflashError:
@@ -224,6 +272,7 @@ def _verify_receipt_files(receipt: dict, source: SourceWeights, progress: StageP
 
 def compile_receipt(receipt_path: str | Path, output: str | Path, device: str = "cpu", progress: StageProgress | None = None) -> Path:
     """Compile the receipt's weights for its profile into `output` (must not exist). Returns `output`."""
+    receipt_path, output = path_argument(receipt_path, "the receipt"), path_argument(output, "the output folder")
     receipt = _load_receipt(receipt_path)
     profile = _profile_from_receipt(receipt, receipt_path)
     from ..formats import check_device
@@ -245,6 +294,40 @@ def compile_receipt(receipt_path: str | Path, output: str | Path, device: str = 
         _write_compiled(tmp, source, adapter, profile, receipt, device_t, arch, progress)
     logger.info("compiled %s for %s into %s", tx["path"], profile.id, output)
     return output
+
+
+def receipt_describes(receipt_path: str | Path, transformer: str | Path, adapter: str | Path | None) -> bool:
+    """Whether a weights receipt was prepared from these very files as they are now: the same paths, file names,
+    sizes and modification times (only the receipt, the files' metadata and their safetensors headers are read).
+    False for a receipt that cannot be read."""
+    try:
+        receipt = _load_receipt(receipt_path)
+        files = TensorStore(transformer).files
+    except VflashError:
+        return False
+    recorded = {f["name"]: f for f in receipt["transformer"]["files"]}
+    if receipt["transformer"]["path"] != str(Path(transformer).resolve()) or set(recorded) != {f.path.name for f in files}:
+        return False
+    if not all(_unchanged(f.path, recorded[f.path.name]) for f in files):
+        return False
+    if adapter is None or receipt["adapter"] is None:
+        return adapter is None and receipt["adapter"] is None
+    return receipt["adapter"]["path"] == str(Path(adapter).resolve()) and Path(adapter).is_file() and _unchanged(Path(adapter), receipt["adapter"])
+
+
+def compiled_from(folder: str | Path, receipt_path: str | Path) -> bool:
+    """Whether the compile in `folder` was made for the receipt's profile from the weights it hashed (their names,
+    sizes and sha256, and the adapter's). False for a compile or a receipt that cannot be read."""
+    folder = Path(folder)
+    try:
+        receipt = _load_receipt(receipt_path)
+        profile = _profile_from_receipt(receipt, receipt_path)
+        artifact = CompiledArtifact(folder / "artifact", folder / "schedule", folder / "auxiliary.safetensors")
+    except VflashError:
+        return False
+    identity = _identity(profile, receipt, artifact.config, artifact.arch, artifact.compile_id)
+    return all(artifact.manifest.get(key) == identity[key] for key in ("profile_id", "profile", "adapter")) and (
+        artifact.base_weights.get("files") == identity["base_weights"]["files"])  # type: ignore[index]
 
 
 def _identity(profile: Profile, receipt: dict, config: H3Config, arch: str, compile_id: str) -> dict[str, object]:
@@ -423,25 +506,36 @@ def _write_compiled(
 # -- command line ---------------------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    from ..pipeline.options import GPU_INDEX
+
     parser = argparse.ArgumentParser(prog="python -m vflash_core.weights.compiler", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="bind a profile to base weights (and adapter) in a receipt")
-    p.add_argument("--profile", required=True)
+    p.add_argument("--profile", required=True, help="profile id the weights are compiled for, e.g. t2va-base16-bf16-sm90")
     p.add_argument("--transformer", required=True, help="diffusers transformer/ folder, or an original-layout file/folder (Comfy-Org bf16, fp8_scaled or pruned single files too)")
     p.add_argument("--adapter", help="LoRA .safetensors the profile is built with")
     p.add_argument("--qkv-layout", choices=("stacked", "interleaved"), help="original layout only (default stacked)")
-    p.add_argument("--receipt", required=True)
+    p.add_argument("--receipt", required=True, help="receipt JSON to write (must not exist)")
     c = sub.add_parser("compile", help="compile a receipt into artifact/, schedule/ and auxiliary.safetensors")
-    c.add_argument("--receipt", required=True)
-    c.add_argument("--output", required=True)
+    c.add_argument("--receipt", required=True, help="receipt written by `prepare`")
+    c.add_argument("--output", required=True, help="folder to write (must not exist): artifact/, schedule/, auxiliary.safetensors")
     c.add_argument("--device", default="cpu", help="cpu or cuda:N (the profile's architecture)")
-    c.add_argument("--gpu", type=int, help="shorthand for --device cuda:N")
+    c.add_argument("--gpu", type=GPU_INDEX.option("--gpu"), help="shorthand for --device cuda:N")
     v = sub.add_parser("verify", help="re-hash a compiled folder against the sha256 recorded when it was written")
     v.add_argument("compiled", help="folder holding artifact/, schedule/ and auxiliary.safetensors")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    return run_command(lambda: _run(args), "error: ", "interrupted; nothing was published")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+
+    def run() -> None:
+        args = parser.parse_args(argv)  # inside: a refused number is a one-line error too
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        _run(args)
+
+    return run_command(run, "error: ", "interrupted; nothing was published")
 
 
 def _run(args: argparse.Namespace) -> None:

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from ..errors import WeightFileError
+from ..fileio import check_input_file
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -72,7 +73,7 @@ class SafetensorsFile:
     """Validated index of one safetensors file; see the module docstring."""
 
     def __init__(self, path: str | Path):
-        self.path = Path(path)
+        self.path = check_input_file(path, "safetensors file", WeightFileError)  # a FIFO would block the open
         try:
             self.file_size = self.path.stat().st_size
             with open(self.path, "rb") as handle:
@@ -254,6 +255,7 @@ def _resolve_files(path: Path) -> list[Path]:
     if not path.exists():
         raise WeightFileError(f"{path}: no such file")
     if path.name.endswith(".index.json"):
+        check_input_file(path, "safetensors index", WeightFileError)
         try:
             weight_map = json.loads(path.read_text())["weight_map"]
         except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
