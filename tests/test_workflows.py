@@ -268,7 +268,8 @@ def test_run_workflow_cli_refuses_unsupported_nodes(tmp_path):
 
 
 def test_run_workflow_refuses_an_sm90_profile_on_cpu_before_anything_runs(tmp_path):
-    """Headless like ComfyUI: the loader's checks run before any node, so nothing is built, hashed or written."""
+    """Headless like ComfyUI: the profile list holds only what this machine runs, and the value is refused before any
+    node runs, so nothing is built, hashed or written."""
     from vflash_core.engine.config import H3Config
     from vflash_core.weights import synthetic
 
@@ -282,7 +283,8 @@ def test_run_workflow_refuses_an_sm90_profile_on_cpu_before_anything_runs(tmp_pa
          "--set", "1.model=diffusion_models/h3.safetensors", "--set", "1.profile=t2va-base16-bf16-sm90"],
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
     )
-    assert out.returncode != 0 and "runs on sm90 GPUs" in out.stderr, out.stderr[-2000:]
+    assert out.returncode == 2 and 'node 1 (VflashModelLoader): profile must be one of auto, ' in out.stderr, out.stderr[-2000:]
+    assert 'got "t2va-base16-bf16-sm90"' in out.stderr and "-cpu" in out.stderr and "-sm90," not in out.stderr
     assert not (tmp_path / "cache").exists() and not (models / "vflash").exists() and not (tmp_path / "out").exists()
 
 
