@@ -56,6 +56,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -87,6 +88,7 @@ class Run:
         self.name, self.deadline, self.small, self.skip = name, deadline, small, skip
         self.data: dict[str, object] = {**environment(), "small": small, "phases": {}, "requests": [], "errors": []}
         self.start = time.perf_counter()
+        self.carried: dict[str, dict] = {}
 
     def left(self) -> float:
         return self.deadline - time.perf_counter()
@@ -97,11 +99,28 @@ class Run:
     def save(self) -> None:
         write_result(self.name, self.data)
 
+    def carry_skipped(self, earlier: Path, records: str, phase_of: Callable[[dict], str]) -> None:
+        """Phases left out with `--skip` keep what an earlier run measured instead of nothing: its phase record and its
+        `records` (those `phase_of` assigns to the phase), each marked `measured_at_commit`. A phase the earlier run
+        skipped or failed is not carried."""
+        if not earlier.exists():
+            return
+        data = json.loads(earlier.read_text())
+        for name in self.skip:
+            measured = data.get("phases", {}).get(name)
+            if not measured or "skipped" in measured or "error" in measured:
+                continue
+            commit = measured.get("measured_at_commit", data["commit"])
+            self.carried[name] = {**measured, "measured_at_commit": commit}
+            for record in data.get(records, []):
+                if phase_of(record) == name:
+                    self.data.setdefault(records, []).append({**record, "measured_at_commit": record.get("measured_at_commit", commit)})
+
     @contextmanager
     def phase(self, name: str, needs_seconds: float):
         """Run a phase if the deadline leaves `needs_seconds`; record its wall time or its error, then save."""
         if name in self.skip:
-            self.data["phases"][name] = {"skipped": "--skip"}
+            self.data["phases"][name] = self.carried.get(name, {"skipped": "--skip"})
             yield None
             return
         if self.left() < needs_seconds:
@@ -732,6 +751,8 @@ def main() -> None:
     parser.add_argument("--fresh", action="store_true", help="empty --work and --shm first (else staged parts are reused)")
     parser.add_argument("--warm-requests", type=int, default=WARM_REQUESTS, help="requests after the first, per canvas and pipeline")
     parser.add_argument("--skip", nargs="*", default=[], help="phases to leave out, e.g. weight_io vflash_block_ring")
+    parser.add_argument("--carry-from", type=Path, default=ROOT / "benchmarks" / "results" / "end_to_end_h200.json",
+                        help="an earlier run's result file whose records of the --skip phases this run keeps (marked with their commit)")
     parser.add_argument("--diffusers-from", type=Path, default=ROOT / "benchmarks" / "results" / "end_to_end_2xh200.json",
                         help="an earlier run's result file whose diffusers requests the summary compares with when this run has none")
     args = parser.parse_args()
@@ -741,6 +762,7 @@ def main() -> None:
     setup = Setup(args)
     warm = args.warm_requests
     run = Run("end_to_end_small" if setup.small else "end_to_end_h200", time.perf_counter() + args.deadline_minutes * 60, setup.small, tuple(args.skip))
+    run.carry_skipped(args.carry_from, "requests", lambda r: "diffusers" if r["side"] == "diffusers" else f"vflash_{r['config']}")
     host = HostPeak()
     torch.backends.cuda.matmul.allow_tf32 = False  # the reference's default; both sides run in this process
     run.data["setup"] = {
@@ -764,7 +786,6 @@ def main() -> None:
             io0 = io_counters()
             pipe = load_pipeline(run, receipt, rec, host, **resident)
             rec["initialization_io"] = {k: io_counters()[k] - io0[k] for k in io0}
-            run.data["initialization_seconds"] = {"cold_page_cache": rec["initialization_seconds"]}
             try:
                 vflash_requests(run, pipe, "resident", canvases, 1 + warm, host, out_dir)
                 run.data["stage_digests"] = {canvases[0]: stage_digests(pipe, canvases[0])}  # memory_caps.py's uncapped twin
@@ -788,7 +809,6 @@ def main() -> None:
         with run.phase(f"vflash_{name}", needs) as rec:
             if rec is not None:
                 pipe = load_pipeline(run, receipt, rec, host, **options)
-                run.data.setdefault("initialization_seconds", {})[f"warm_page_cache_{name}"] = rec["initialization_seconds"]
                 try:
                     vflash_requests(run, pipe, name, shapes, 1 + count, host, out_dir)
                 finally:
@@ -816,6 +836,10 @@ def main() -> None:
                     del pipe
                     gc.collect()
 
+    run.data["initialization_seconds"] = {
+        "cold_page_cache" if phase == "vflash_resident" else f"warm_page_cache_{phase.removeprefix('vflash_')}": rec["initialization_seconds"]
+        for phase, rec in run.data["phases"].items() if phase.startswith("vflash_") and "initialization_seconds" in rec
+    }
     run.data["not_measured"] = {"i2va": "a keyframe request needs a keyframe profile's own compile (another ~39 GiB and ~2 minutes of the machine); left for a later run"}
     staged = setup.staged
     run.data["loaded_bytes"] = {"artifact": folder_bytes(setup.compiled) if setup.compiled.exists() else 0,

@@ -379,6 +379,8 @@ def main() -> None:
     parser.add_argument("--caps", type=float, nargs="+", default=[48.0, 24.0, 20.0], help="device memory caps in GiB")
     parser.add_argument("--small", action="store_true", help="dry run: demo-sized family on the CPU")
     parser.add_argument("--skip", nargs="*", default=[], help="phases to leave out, e.g. encode decode")
+    parser.add_argument("--carry-from", type=Path, default=Path(__file__).resolve().parent / "results" / "memory_caps_h200.json",
+                        help="an earlier run's result file whose records of the --skip phases this run keeps (marked with their commit)")
     args = parser.parse_args()
     setup = Setup(args)
     run = Run("memory_caps_small" if setup.small else "memory_caps_h200", time.perf_counter() + args.deadline_minutes * 60, setup.small, tuple(args.skip))
@@ -388,6 +390,7 @@ def main() -> None:
     caps: list[float | None] = [None, *args.caps]
     host = HostPeak()
     stages = Stages(run, device, host)
+    run.carry_skipped(args.carry_from, "records", lambda r: r["stage"])
     torch.backends.cuda.matmul.allow_tf32 = False
     run.data["setup"] = {
         "family": "demo (dry run)" if setup.small else "full size: see benchmarks/full_family.py", "device": str(device),

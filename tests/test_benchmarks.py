@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-from end_to_end import BITWISE_ATTENTION  # noqa: E402
+from end_to_end import BITWISE_ATTENTION, Run  # noqa: E402
 from full_family import StagedFamily  # noqa: E402
 
 from vflash_core.engine.attention import BACKENDS  # noqa: E402
@@ -26,3 +27,22 @@ def test_a_resumed_staging_counts_the_compile_it_made_as_its_own(tmp_path):
 
 def test_the_bitwise_comparison_names_an_attention_backend_the_session_knows():
     assert BITWISE_ATTENTION in BACKENDS
+
+
+def test_a_skipped_phase_keeps_what_an_earlier_run_measured_with_its_commit(tmp_path):
+    """A session too short for the whole set re-runs some phases; the result file must still hold the others."""
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({
+        "commit": "abc", "phases": {"vflash_block_ring": {"initialization_seconds": 84.7}, "bitwise": {"error": "broke"}},
+        "requests": [{"side": "vflash", "config": "block_ring", "elapsed_seconds": 38.9},
+                     {"side": "vflash", "config": "resident", "elapsed_seconds": 40.5}],
+    }))
+    run = Run("carried", deadline=0.0, small=True, skip=("vflash_block_ring", "bitwise"))
+    run.carry_skipped(earlier, "requests", lambda r: f"vflash_{r['config']}")
+    with run.phase("vflash_block_ring", 1) as rec:
+        assert rec is None
+    with run.phase("bitwise", 1) as rec:
+        assert rec is None
+    assert run.data["phases"]["vflash_block_ring"] == {"initialization_seconds": 84.7, "measured_at_commit": "abc"}
+    assert run.data["phases"]["bitwise"] == {"skipped": "--skip"}, "a failed phase is not carried"
+    assert run.data["requests"] == [{"side": "vflash", "config": "block_ring", "elapsed_seconds": 38.9, "measured_at_commit": "abc"}]
