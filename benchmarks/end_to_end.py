@@ -678,7 +678,7 @@ def bitwise(run: Run, setup: Setup, encoded, rec: dict) -> None:
     t = time.perf_counter()
     try:
         out = pipe(
-            prompt_embeds=encoded.prompt_embeds[None].to(setup.device), text_token_tags=encoded.token_tags.to(setup.device), num_inference_steps=profile.nfe + 1,
+            prompt_embeds=encoded.prompt_embeds[None].to(setup.device), text_token_tags=encoded.token_tags, num_inference_steps=profile.nfe + 1,
             generator=torch.Generator().manual_seed(REQUEST_SEED), height=height, width=width, num_frames=encoded.geometry.num_frames,
             output=["latents", "audio_latents"],
         )
