@@ -64,10 +64,14 @@ def _end_to_end(data: dict, title: str) -> list[str]:
     phases = data["phases"]
     first, disk, io = phases.get("first_use", {}), phases.get("disk", {}), phases.get("weight_io", {})
     disk_rates = disk.get("disk", disk)  # runs before the staging plan recorded the disk and the tmpfs apart
+    # Requests a --skip carried from an earlier run of the same benchmark name the commit they were measured at.
+    carried = {(r["side"], r["config"], r["canvas"]): r["measured_at_commit"] for r in data.get("requests", []) if r.get("measured_at_commit")}
     rows = []
     for m in data.get("summary", []):
+        at = carried.get((m["side"], m["config"], m["canvas"]))
         rows.append({
-            "config": f"{m['side']} {m['config']}" if m["side"] == "vflash" else "diffusers", "canvas": m["canvas"], "n": m["warm_requests"],
+            "config": (f"{m['side']} {m['config']}" if m["side"] == "vflash" else "diffusers") + (f" (at `{at[:7]}`)" if at else ""),
+            "canvas": m["canvas"], "n": m["warm_requests"],
             "elapsed": m["elapsed_seconds"], **{k: m["stages"][k] for k in ("text_encode", "denoise", "video_decode", "audio_decode", "mp4")},
             "speedup": m.get("speedup_elapsed_vs_diffusers"), "denoise_speedup": (m.get("stage_speedup_vs_diffusers") or {}).get("denoise"),
             "peak": _gb(max(m["peak_device_bytes"].values())), "rss": _gb(m["host_rss_peak_bytes"]), "pinned": _gib(m.get("host_pinned_bytes")),
@@ -131,8 +135,9 @@ def _end_to_end(data: dict, title: str) -> list[str]:
         out += ["Not measured in this run: " + "; ".join(f"`{name}` ({why})" for name, why in skipped.items()) + ".", ""]
     failed = {name: phase["error"] for name, phase in phases.items() if "error" in phase}
     if failed:
-        out += ["Failed in this run: " + "; ".join(f"`{name}` ({why})" for name, why in failed.items())
-                + (f". {data['code_note']}" if data.get("code_note") else "") + ".", ""]
+        out += ["Failed in this run: " + "; ".join(f"`{name}` ({why})" for name, why in failed.items()) + ".", ""]
+    if data.get("code_note"):
+        out += [f"How this file was measured: {data['code_note']}", ""]
     for name, why in (data.get("not_measured") or {}).items():
         out += [f"Not measured: {name}: {why}.", ""]
     return out
@@ -199,6 +204,7 @@ def what_fits(data: dict, e2e: dict | None = None) -> str:
                                   "; the stage-by-stage digests of a run show which stage differs (`stage_bitwise_equal_to_uncapped`)."), ""]
           if differs else []),
         *([f"Not measured in this run: {', '.join(skipped)}.", ""] if skipped else []),
+        *([f"How this file was measured: {data['code_note']}", ""] if data.get("code_note") else []),
         "Each stage alone, peak device memory allocated with its weights and seconds, compared bit for bit with the uncapped run "
         "(`benchmarks/memory_caps.py`; the denoise evaluation's plan is sized for a 15 s request, the Base16 profile's longest):",
         "",

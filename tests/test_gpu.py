@@ -54,10 +54,12 @@ def test_a_closed_block_ring_gives_its_pinned_host_memory_back(gpu_compiled):
     before = pinned()
     with NativeEngineSession(PROFILE, **gpu_compiled, device="cuda:0", weight_residency="block-ring") as ring:
         arena = ring.generate(_bundle(2)).metadata["memory"]["pinned_host_bytes"]
-        assert pinned() - before >= arena, "the block ring's arena is not in PyTorch's pinned pool"
+        held = pinned()
+        assert held - before >= arena, "the block ring's arena is not in PyTorch's pinned pool"
     gc.collect()
-    # A few KiB of small pinned blocks may stay (an H200 run kept 32 KiB); the arena itself must not.
-    assert pinned() - before < arena, f"{pinned() - before} pinned bytes outlive the closed session (its arena: {arena})"
+    # Small pinned blocks of the request may stay cached (an H200 run kept 32 KiB, more than this tiny model's
+    # arena); the arena's own bytes must be gone.
+    assert pinned() <= held - arena, f"{pinned() - before} pinned bytes outlive the closed session (its arena: {arena})"
 
 
 @pytest.mark.gpu

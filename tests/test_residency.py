@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import os
+import weakref
 
 import pytest
 import torch
@@ -39,6 +40,17 @@ def test_arena_holds_every_block_exactly_and_closes_its_maps(tiny_compiled, monk
         for name, tensor in expected.tensors.items():
             assert_bitwise(weights[name], tensor, f"block {i} {name}")
     assert ring.device_weight_bytes == 2 * block_bytes
+
+
+def test_a_closed_arena_lets_its_segments_go_while_something_still_holds_it(tiny_compiled):
+    """A closed session's arena must free its (pinned) segments before the session empties the host allocator's
+    cache, even where a ring or a reference cycle keeps the arena object alive."""
+    arena = R.BlockArena(CompiledArtifact(**tiny_compiled), pin=False)
+    ring = R.BlockRing(arena, torch.device("cpu"))
+    segments = [weakref.ref(s) for s in arena.segments]
+    arena.close()
+    ring.close()
+    assert ring.arena is arena and all(ref() is None for ref in segments), "the arena's segments outlive its close"
 
 
 def test_block_ring_equals_resident_and_reuses_its_buffers(tiny_compiled):

@@ -169,6 +169,12 @@ class PinnedArena:
                     on_item(i)
         self.nbytes = sum(s.nbytes for s in self.segments)
 
+    def close(self) -> None:
+        """Drop the host memory, whoever still holds this arena: page-locked blocks go back to PyTorch's host
+        allocator now, before the owner empties its cache (`release_host_memory`), not when a reference cycle is
+        collected later (the block would stay cached, page-locked, for the life of the process)."""
+        self.segments, self.spans = [], []
+
     def views(self, span: torch.Tensor) -> dict[str, torch.Tensor]:
         """The layout's tensors as views of one item-sized byte buffer (an item's span here, or a device slot)."""
         return {s.name: span[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in self.layout}

@@ -338,6 +338,8 @@ class NativeEngineSession:
         if self._group is not None:
             self._group.close()
             self._group = None
+        for arena in self._arenas:
+            arena.close()
         self._arenas = []
         release_host_memory()
         if self._cap is not None:
