@@ -10,7 +10,8 @@ residuals) keeps its BF16 operations.
 * `RowFP8Execution("weight-only")` dequantizes the codes to BF16 and runs a plain GEMM: any device (the reference,
   and the CPU profile's execution). `RowFP8Execution("w8a8")` also quantizes each activation row the same way and
   runs `torch._scaled_mm` with the two row-wise scale vectors (FP8 tensor cores at twice the BF16 rate), only on
-  SM90 / SM120 CUDA devices: anywhere else it raises `VflashError`; it never falls back to another execution.
+  CUDA devices of the FP8 families (sm89, sm90, sm100, sm120): anywhere else it raises `VflashError`; it never falls
+  back to another execution.
 * The activation quantizer is "torch" (`quantize_rows`, the reference) or "triton": the quantization then happens
   inside the kernel that produces the activation (RMSNorm + modulation before `attn.qkv` and `ffn.in`, SwiGLU before
   `ffn.out`; `vflash_kernels.fp8_quantize`), or alone for the attention output. Both give the same bits.
@@ -29,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import VflashError, check_choice
+from ..formats import ARCH_FAMILIES, ARCH_NAMES, device_arch
 from . import model as M
 from .config import H3Config
 from .fused import FusedOps
@@ -39,8 +41,10 @@ ACTIVATION_QUANTIZERS = ("torch", "triton")
 FP8_LINEARS = ("attn.qkv", "attn.out", "ffn.in", "ffn.out")
 #: The largest finite `float8_e4m3fn` value: a row's absmax maps to it.
 E4M3_MAX = 448.0
-#: CUDA compute capabilities with row-wise scaled FP8 GEMMs in `torch._scaled_mm`: Hopper (SM90) and SM120.
-W8A8_CAPABILITIES = ((9, 0), (12, 0))
+#: CUDA compute capabilities with row-wise scaled FP8 GEMMs in `torch._scaled_mm` (its CUTLASS kernels for sm89, sm90,
+#: sm100 and sm120): those of the GPU families with `fp8` (`formats.ARCH_FAMILIES`).
+W8A8_CAPABILITIES = tuple(c for family in ARCH_FAMILIES.values() if family.fp8 for c in family.capabilities)
+W8A8_ARCHS = tuple(tag for tag, family in ARCH_FAMILIES.items() if family.fp8)
 
 
 # -- the quantization rule (torch reference) -------------------------------------------------------------------------
@@ -102,11 +106,11 @@ class QuantizedRows:
 
 def w8a8_refusal(device: torch.device) -> str | None:
     """Why w8a8 cannot run on `device` (None when it can): it needs a CUDA device of a `W8A8_CAPABILITIES` arch."""
+    need = f"FP8 w8a8 execution needs FP8 tensor cores, a CUDA device of {', '.join(W8A8_ARCHS)}"
     if device.type != "cuda":
-        return f"FP8 w8a8 execution needs an SM90 or SM120 CUDA device; {device} is not a CUDA device"
-    capability = torch.cuda.get_device_capability(device)
-    if capability not in W8A8_CAPABILITIES:
-        return f"FP8 w8a8 execution needs an SM90 or SM120 CUDA device; {device} is SM{capability[0]}{capability[1]}"
+        return f"{need}; {device} is not a CUDA device"
+    if torch.cuda.get_device_capability(device) not in W8A8_CAPABILITIES:
+        return f"{need}; {device} is {ARCH_NAMES.get(device_arch(device), device_arch(device))}"
     return None
 
 
@@ -117,7 +121,8 @@ class RowFP8Execution:
         same bits either way. w8a8 only.
     fast_accum: `torch._scaled_mm`'s `use_fast_accum` (Hopper's faster FP8 accumulation, less precise); w8a8 only.
 
-    `linear` raises `VflashError` for w8a8 on a device that is not SM90 / SM120 CUDA, on the first call per device.
+    `linear` raises `VflashError` for w8a8 on a device without FP8 tensor cores (`w8a8_refusal`), on the first call
+    per device.
     """
 
     def __init__(self, mode: str, activation_quantizer: str = "torch", fast_accum: bool = False):
