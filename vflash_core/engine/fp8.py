@@ -6,7 +6,8 @@ residuals) keeps its BF16 operations.
 
 * Weights are quantized once, when the artifact is compiled (`quantize_block`): each output row of a [out, in] matrix
   gets its own FP32 scale, absmax / 448, and E4M3 codes (`float8_e4m3fn`) of the row divided by it. The codes take
-  half the bytes of BF16 on the device and through the block ring.
+  half the bytes of BF16 on the device and through the block ring. A linear an fp8_scaled file already stores as
+  E4M3 codes with one scale is not quantized again: its codes are kept and its scale becomes every row's.
 * `RowFP8Execution("weight-only")` dequantizes the codes to BF16 and runs a plain GEMM: any device (the reference,
   and the CPU profile's execution). `RowFP8Execution("w8a8")` also quantizes each activation row the same way and
   runs `torch._scaled_mm` with the two row-wise scale vectors (FP8 tensor cores at twice the BF16 rate), only on
@@ -68,12 +69,20 @@ def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtyp
     return (codes.to(torch.float32) * scales).to(dtype)
 
 
-def quantize_block(tensors: Mapping[str, torch.Tensor], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+def quantize_block(
+    tensors: Mapping[str, torch.Tensor], device: torch.device | str = "cpu", stored: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+) -> dict[str, torch.Tensor]:
     """A packed block's tensors with the four linears as E4M3 codes (`<linear>.weight`) and FP32 row scales
-    (`<linear>.weight_scale`, [out, 1]), computed on `device`, returned on the CPU; other tensors unchanged."""
+    (`<linear>.weight_scale`, [out, 1]), computed on `device`, returned on the CPU; other tensors unchanged.
+
+    stored: linear -> (codes, row scales) already in this form (an fp8_scaled file's, `SourceWeights.read_codes`):
+        taken as they are, never re-quantized; `tensors` then need not hold that linear's weight."""
     out = dict(tensors)
     for linear in FP8_LINEARS:
-        codes, scales = quantize_rows(tensors[f"{linear}.weight"].to(device))
+        if stored is not None and linear in stored:
+            codes, scales = stored[linear]
+        else:
+            codes, scales = quantize_rows(tensors[f"{linear}.weight"].to(device))
         out[f"{linear}.weight"], out[f"{linear}.weight_scale"] = codes.cpu(), scales.cpu()
     return out
 
