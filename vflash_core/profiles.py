@@ -66,7 +66,8 @@ class Profile:
             raise VflashError(f"profile {self.id}: fp8 must be 'weight-only' or 'w8a8', got {self.fp8!r}")
         if self.arch != "cpu" and self.arch not in ARCH_FAMILIES:
             raise VflashError(f"profile {self.id}: arch {self.arch!r} is not a GPU family ({', '.join(ARCH_FAMILIES)}) or 'cpu'")
-        if self.fp8 == "w8a8" and not (self.arch in ARCH_FAMILIES and ARCH_FAMILIES[self.arch].fp8):
+        # A GPU family without FP8 tensor cores never runs w8a8; on the CPU the session refuses it when it loads.
+        if self.fp8 == "w8a8" and self.arch in ARCH_FAMILIES and not ARCH_FAMILIES[self.arch].fp8:
             raise VflashError(f"profile {self.id}: {_no_fp8(self.arch)}")
 
     @property
