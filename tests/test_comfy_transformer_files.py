@@ -215,7 +215,7 @@ def test_pruned_profiles_are_their_own_named_profiles():
     from vflash_core.profiles import PROFILES
 
     pruned = sorted(p for p, v in PROFILES.items() if v.pruned)
-    assert pruned == ["t2va-base16-pruned-bf16-sm90", "t2va-base4-pruned-cpu", "t2va-turbo4-pruned-sm86", "t2va-turbo4-pruned-sm89", "t2va-turbo4-pruned-sm90"]
+    assert pruned == ["t2va-base16-pruned-bf16-sm100", "t2va-base16-pruned-bf16-sm90", "t2va-base4-pruned-cpu", *(f"t2va-turbo4-pruned-{a}" for a in ("sm100", "sm120", "sm80", "sm86", "sm89", "sm90"))]
     assert all("-pruned" in p for p in pruned) and not any(v.pruned for p, v in PROFILES.items() if "-pruned" not in p)
     # The profile identity of the exact profiles is unchanged (their compiled artifacts still load).
     assert "pruned" not in PROFILES["t2va-base4-exact-cpu"].identity() and PROFILES["t2va-base4-pruned-cpu"].identity()["pruned"] is True

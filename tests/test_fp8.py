@@ -10,7 +10,7 @@ own fp32 -> E4M3 cast rounds twice on some targets), checked against torch's CUD
 
 CPU, execution: weight-only equals a BF16 GEMM over the dequantized weights; w8a8 equals `torch._scaled_mm` of the
 quantized rows with row-wise scales, with either quantizer, bit for bit (run on the CPU with the device rule patched:
-the class itself refuses any device that is not SM90 / SM120 CUDA, which is tested too, as are the explicit choices and
+the class itself refuses any device without FP8 tensor cores (sm89, sm90, sm100, sm120), which is tested too, as are the explicit choices and
 that nothing in torch is patched).
 
 GPU (`-m gpu`): the quantizers against the torch reference on CUDA at the released width (S = 19,796 and 38,222) and
@@ -256,17 +256,18 @@ def test_w8a8_is_refused_off_sm90(request):
     """An explicit choice: w8a8 on the CPU raises (it does not fall back to weight-only or to BF16)."""
     x, _, codes, scales, _ = _linear_case(request, lora=False)
     execution = fp8.RowFP8Execution("w8a8", activation_quantizer="triton")
-    with pytest.raises(VflashError, match="SM90 or SM120 CUDA device; cpu is not a CUDA device"):
+    with pytest.raises(VflashError, match="needs FP8 tensor cores, a CUDA device of sm89, sm90, sm100, sm120; cpu is not a CUDA device"):
         execution.check_device("cpu")
-    with pytest.raises(VflashError, match="SM90 or SM120"):
+    with pytest.raises(VflashError, match="needs FP8 tensor cores"):
         execution.linear(x, codes, scales)
     assert execution.kernels is None  # nothing ran: the refusal comes first
     fp8.RowFP8Execution("weight-only").check_device("cpu")
 
 
 def test_w8a8_refusal_names_the_architecture(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
-    assert fp8.w8a8_refusal(torch.device("cuda:0")) == "FP8 w8a8 execution needs an SM90 or SM120 CUDA device; cuda:0 is SM89"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))
+    assert fp8.w8a8_refusal(torch.device("cuda:0")) == (
+        "FP8 w8a8 execution needs FP8 tensor cores, a CUDA device of sm89, sm90, sm100, sm120; cuda:0 is sm86 GPUs (RTX 30xx / A-series)")
     for capability in fp8.W8A8_CAPABILITIES:
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
         assert fp8.w8a8_refusal(torch.device("cuda:0")) is None
@@ -406,7 +407,7 @@ def test_forced_int64_quantizers_gpu(gpu, gpu_op, monkeypatch, request):
 
 @pytest.mark.gpu
 def test_w8a8_gpu(gpu, request):
-    """On an SM90 GPU: the Triton quantizer's w8a8 equals the torch quantizer's bit for bit at a full-width FFN
+    """On a GPU with FP8 tensor cores (sm89, sm90, sm100, sm120): the Triton quantizer's w8a8 equals the torch quantizer's bit for bit at a full-width FFN
     output projection; the error against the BF16 GEMM is printed. Elsewhere: refused."""
     g = generator(request, "cuda")
     x = randn((1, 4096, FFN), torch.bfloat16, g, 1.0, "cuda")
@@ -415,7 +416,7 @@ def test_w8a8_gpu(gpu, request):
     triton_execution = fp8.RowFP8Execution("w8a8", activation_quantizer="triton")
     refusal = fp8.w8a8_refusal(torch.device("cuda:0"))
     if refusal is not None:
-        with pytest.raises(VflashError, match="SM90 or SM120"):
+        with pytest.raises(VflashError, match="needs FP8 tensor cores"):
             triton_execution.linear(x, codes, scales)
         return
     got = triton_execution.linear(x, codes, scales)

@@ -225,7 +225,7 @@ def test_w8a8_profile_is_refused_off_sm90_and_uses_the_triton_quantizer(tmp_path
     the fused execution quantizes with the Triton kernels and the reference execution with torch."""
     profile = replace(get_profile(FP8_CPU), id="t2va-base4-w8a8-cpu-test", fp8="w8a8")
     paths = compile_tiny(tmp_path, tiny_transformer, profile)
-    with pytest.raises(VflashError, match="FP8 w8a8 execution needs an SM90 or SM120 CUDA device; cpu is not a CUDA device"):
+    with pytest.raises(VflashError, match="FP8 w8a8 execution needs FP8 tensor cores, a CUDA device of sm89, sm90, sm100, sm120; cpu is not a CUDA device"):
         NativeEngineSession(profile, **paths)
     monkeypatch.setattr(fp8, "w8a8_refusal", lambda device: None)
     for execution, quantizer, kind in (("fused", "triton", fp8.FusedRowFP8Ops), ("reference", "torch", fp8.RowFP8Ops)):

@@ -1,6 +1,6 @@
 """What the weights compiler writes and the runtime reads: file format tags, the one field-by-field check of the JSON
 records they come with (`check_fields`: receipts, manifests, bundles), the hardware identity of a compile
-(`device_arch`) and the one device check against it (`check_device`).
+(`device_arch`, over the GPU families `ARCH_FAMILIES`) and the one device check against it (`check_device`).
 
 Both sides import these from here, so loading a compiled model never imports the compiler.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -23,19 +24,61 @@ OVERLAY_FORMAT = "vflash-schedule-overlay/1"  # `compiler compile`: the fixed-sc
 PIPELINE_FORMAT = "vflash-pipeline/1"  # `prepare-pipeline`: a profile bound to its six assets
 
 
+@dataclass(frozen=True)
+class ArchFamily:
+    """One architecture tag of the profiles: the CUDA compute capabilities it covers and what runs there.
+
+    Every family runs the exact path unchanged (BF16 GEMMs, the Triton kernels, cuDNN SDPA). `fp8`: torch's row-wise
+    scaled FP8 GEMM (`torch._scaled_mm`, FP8 tensor cores) exists there, so FP8 w8a8 profiles do; `fa3`:
+    FlashAttention-3's SM90 kernels (the `fa3` and `fa3-fp8` attention backends) run there."""
+
+    tag: str
+    name: str  # what the tag means to a user
+    capabilities: tuple[tuple[int, int], ...]
+    fp8: bool
+    fa3: bool
+
+
+#: The GPU families Vflash has profiles for, by tag. A family covers capabilities whose kernels are the same code
+#: (torch dispatches its GEMMs, SDPA and scaled-FP8 kernels per major version there; Triton compiles the same source):
+#: sm103 (B300) runs sm100's, sm121 (GB10) sm120's. sm86 and sm89 are families of their own: the published profile
+#: ids name them, and sm89 adds FP8 tensor cores. Measured on sm90 (H200) only; see README "Architectures".
+ARCH_FAMILIES: dict[str, ArchFamily] = {f.tag: f for f in (
+    ArchFamily("sm80", "sm80 GPUs (A100 / A800 / A30)", ((8, 0),), fp8=False, fa3=False),
+    ArchFamily("sm86", "sm86 GPUs (RTX 30xx / A-series)", ((8, 6),), fp8=False, fa3=False),
+    ArchFamily("sm89", "sm89 GPUs (RTX 40xx / L4 / L40)", ((8, 9),), fp8=True, fa3=False),
+    ArchFamily("sm90", "sm90 GPUs (H100 / H200)", ((9, 0),), fp8=True, fa3=True),
+    ArchFamily("sm100", "sm100 GPUs (B200 / GB200, sm103 B300 / GB300)", ((10, 0), (10, 3)), fp8=True, fa3=False),
+    ArchFamily("sm120", "sm120 GPUs (RTX 50xx / RTX PRO Blackwell, sm121 GB10)", ((12, 0), (12, 1)), fp8=True, fa3=False),
+)}
+_CAPABILITY_FAMILY = {capability: family.tag for family in ARCH_FAMILIES.values() for capability in family.capabilities}
+
+
+def capability_arch(capability: tuple[int, int]) -> str:
+    """The architecture tag of a CUDA compute capability: its family's (`ARCH_FAMILIES`), else `"smXY"` (no profile
+    runs there; `check_device` says so)."""
+    major, minor = capability
+    return _CAPABILITY_FAMILY.get((major, minor), f"sm{major}{minor}")
+
+
 def device_arch(device: torch.device | str) -> str:
-    """`"cpu"` or `"smXY"` from the CUDA compute capability: where a compile's tables were computed."""
+    """`"cpu"` or the architecture tag of a CUDA device's compute capability (`capability_arch`): where a compile's
+    tables were computed."""
     device = torch.device(device)
     if device.type == "cpu":
         return "cpu"
     if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        return f"sm{major}{minor}"
+        return capability_arch(torch.cuda.get_device_capability(device))
     raise VflashError(f"unsupported device {device}")
 
 
+def arch_family(device: torch.device | str) -> ArchFamily | None:
+    """The `ArchFamily` of a device (None for the CPU and for a GPU no family covers)."""
+    return ARCH_FAMILIES.get(device_arch(device))
+
+
 #: What an architecture tag means to a user.
-ARCH_NAMES = {"cpu": "the CPU", "sm86": "sm86 GPUs (RTX 30xx / A-series)", "sm89": "sm89 GPUs (RTX 40xx / L4 / L40)", "sm90": "sm90 GPUs (H100 / H200)"}
+ARCH_NAMES = {"cpu": "the CPU", **{tag: family.name for tag, family in ARCH_FAMILIES.items()}}
 
 
 def check_device(device: int | str | torch.device, arch: str | None, role: str = "device", profile_id: str | None = None) -> torch.device:
@@ -58,7 +101,8 @@ def check_device(device: int | str | torch.device, arch: str | None, role: str =
     found = device_arch(resolved)
     if arch is not None and found != arch:
         profile = f"profile {profile_id}" if profile_id else "the profile"
-        raise IdentityMismatchError(f"{profile} runs on {ARCH_NAMES.get(arch, arch)}; the {role} {resolved} is {found}")
+        uncovered = "" if found in ARCH_NAMES else f", which no Vflash profile runs on (GPU families: {', '.join(ARCH_FAMILIES)})"
+        raise IdentityMismatchError(f"{profile} runs on {ARCH_NAMES.get(arch, arch)}; the {role} {resolved} is {found}{uncovered}")
     return resolved
 
 

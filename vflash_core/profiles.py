@@ -5,8 +5,11 @@ which alpha and rank, the number of evaluations and the two schedule shifts, the
 architecture the tables were computed on. Compiled artifacts record the profile's identity; at load the identities
 (not the name) are compared, so renaming a profile never converts assets, and a mismatch names both sides.
 
-The published profile ids for SM86 (RTX 3080) and SM89 (RTX 4090) are kept; SM90 (H100/H200) variants and CPU profiles (tests,
-the embedded demo) are added.
+Each exact family exists for every GPU family of `formats.ARCH_FAMILIES` it fits (sm80, sm86, sm89, sm90, sm100,
+sm120; the id ends in the family's tag, e.g. `t2va-turbo4-exact-sm120`): the exact path runs unchanged on all of them
+(BF16 GEMMs, the Triton kernels, cuDNN attention; FlashAttention-3 only on sm90). The published ids for SM86 (RTX
+3080) and SM89 (RTX 4090) are kept; the full-range Base16 families need the memory of sm90 / sm100 boards. CPU profiles
+serve the tests and the embedded demo.
 
 Approximate profiles carry it in their id and are never chosen for you: `-pruned` (a pruned file's reduced-rank
 AdaLN) and `-fp8` (the four block linears compiled to E4M3 codes with FP32 row scales and run in FP8, `fp8.py`; only
@@ -19,6 +22,7 @@ from dataclasses import asdict, dataclass
 
 from .engine.schedule import FixedSchedule
 from .errors import IdentityMismatchError, VflashError
+from .formats import ARCH_FAMILIES, ARCH_NAMES
 
 KEYFRAME_MODES = ("i2va", "l2va", "fl2va")
 # (conditioned video, reference audio) per mode: references always carry video; soundtracks are optional.
@@ -48,7 +52,7 @@ class Profile:
     audio_shift: float
     min_seconds: float
     max_seconds: float
-    arch: str  # "sm86", "sm89", "sm90" or "cpu": where the schedule tables were computed
+    arch: str  # a GPU family tag (`formats.ARCH_FAMILIES`: "sm80" ... "sm120") or "cpu": where the tables were computed
     attention: str = "exact"
     # Approximate: compiled from a pruned file (an `adaln_t_table` replaces the time embedder; reduced-rank AdaLN),
     # whose tables are computed as ComfyUI core computes them for that file. Only pruned files compile for it.
@@ -60,6 +64,11 @@ class Profile:
     def __post_init__(self) -> None:
         if self.fp8 is not None and self.fp8 not in ("weight-only", "w8a8"):
             raise VflashError(f"profile {self.id}: fp8 must be 'weight-only' or 'w8a8', got {self.fp8!r}")
+        if self.arch != "cpu" and self.arch not in ARCH_FAMILIES:
+            raise VflashError(f"profile {self.id}: arch {self.arch!r} is not a GPU family ({', '.join(ARCH_FAMILIES)}) or 'cpu'")
+        # A GPU family without FP8 tensor cores never runs w8a8; on the CPU the session refuses it when it loads.
+        if self.fp8 == "w8a8" and self.arch in ARCH_FAMILIES and not ARCH_FAMILIES[self.arch].fp8:
+            raise VflashError(f"profile {self.id}: {_no_fp8(self.arch)}")
 
     @property
     def schedule(self) -> FixedSchedule:
@@ -94,6 +103,12 @@ class Profile:
             )
 
 
+def _no_fp8(arch: str) -> str:
+    """Why an architecture has no FP8 w8a8 profile."""
+    with_fp8 = ", ".join(tag for tag, family in ARCH_FAMILIES.items() if family.fp8)
+    return f"FP8 w8a8 needs FP8 tensor cores ({with_fp8}); {ARCH_NAMES.get(arch, arch)} have none"
+
+
 def check_identity(expected: Profile, recorded: dict[str, object], what: str) -> None:
     """Compare a profile's identity with the one an artifact recorded; the error names both sides."""
     mine = expected.identity()
@@ -113,29 +128,37 @@ def _family(stem: str, archs: tuple[str, ...], **fields: object) -> dict[str, Pr
     return {f"{stem}-{arch}": Profile(id=f"{stem}-{arch}", arch=arch, **fields) for arch in archs}  # type: ignore[arg-type]
 
 
-_GPU = ("sm86", "sm89", "sm90")
+#: The GPU families each kind of family is built for (`formats.ARCH_FAMILIES`): every one for the exact families that
+#: fit a 24 GB card, the published 544p LightX ones from sm89 on, the full-range Base16 ones where the board's memory
+#: holds them resident (sm90: 141 GB, sm100: 180 GB), and FP8 on the families with FP8 tensor cores.
+_GPU = ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120")
+_GPU_544 = ("sm89", "sm90", "sm100", "sm120")
+_LARGE = ("sm90", "sm100")
+_FP8 = tuple(tag for tag, family in ARCH_FAMILIES.items() if family.fp8)
+_FP8_LARGE = tuple(tag for tag in _LARGE if ARCH_FAMILIES[tag].fp8)
 PROFILES: dict[str, Profile] = {
     **_family("ref2va-turbo4-exact", _GPU, modes=("ref2va",), variant="transformer_ref", adapter=_REF_TURBO4, nfe=4, video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=5.2),
     **_family("t2va-turbo4-exact", _GPU, modes=("t2va",), variant="transformer", adapter=_BASE_TURBO4, nfe=4, video_shift=6.0, audio_shift=3.0, min_seconds=5.0, max_seconds=5.2),
     **_family("i2va-base16-bf16", _GPU, modes=_KEYFRAMES, variant="transformer", adapter=None, nfe=16, video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=10.2),
     **_family("fl2va-base16-bf16", _GPU, modes=_KEYFRAMES, variant="transformer", adapter=None, nfe=16, video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=10.2),
-    **_family("i2va-turbo4-v01-544-exact", ("sm89", "sm90"), modes=_KEYFRAMES, variant="transformer", adapter=_LIGHTX_V01, nfe=4, video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=10.2),
-    **_family("fl2va-turbo4-v01-544-exact", ("sm89", "sm90"), modes=_KEYFRAMES, variant="transformer", adapter=_LIGHTX_V01, nfe=4, video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=10.2),
-    **_family("i2va-turbo8-544-exact", ("sm89", "sm90"), modes=_KEYFRAMES, variant="transformer", adapter=_LIGHTX_TURBO8, nfe=8, video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=10.2),
-    **_family("fl2va-turbo8-544-exact", ("sm89", "sm90"), modes=_KEYFRAMES, variant="transformer", adapter=_LIGHTX_TURBO8, nfe=8, video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=10.2),
-    # The official Base model at its 16 evaluations, every mode of its partition, full 5-15 s range (SM90 only:
-    # the 141 GB H200 runs it resident).
-    **_family("t2va-base16-bf16", ("sm90",), modes=("t2va", *_KEYFRAMES), variant="transformer", adapter=None, nfe=16, video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=15.0),
-    **_family("ref2va-base16-bf16", ("sm90",), modes=("ref2va",), variant="transformer_ref", adapter=None, nfe=16, video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=15.0),
+    **_family("i2va-turbo4-v01-544-exact", _GPU_544, modes=_KEYFRAMES, variant="transformer", adapter=_LIGHTX_V01, nfe=4, video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=10.2),
+    **_family("fl2va-turbo4-v01-544-exact", _GPU_544, modes=_KEYFRAMES, variant="transformer", adapter=_LIGHTX_V01, nfe=4, video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=10.2),
+    **_family("i2va-turbo8-544-exact", _GPU_544, modes=_KEYFRAMES, variant="transformer", adapter=_LIGHTX_TURBO8, nfe=8, video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=10.2),
+    **_family("fl2va-turbo8-544-exact", _GPU_544, modes=_KEYFRAMES, variant="transformer", adapter=_LIGHTX_TURBO8, nfe=8, video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=10.2),
+    # The official Base model at its 16 evaluations, every mode of its partition, full 5-15 s range (resident).
+    **_family("t2va-base16-bf16", _LARGE, modes=("t2va", *_KEYFRAMES), variant="transformer", adapter=None, nfe=16, video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=15.0),
+    **_family("ref2va-base16-bf16", _LARGE, modes=("ref2va",), variant="transformer_ref", adapter=None, nfe=16, video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=15.0),
     # Pruned Comfy-Org files (approximate, never chosen for you): the Turbo4 t2va and Base16 profiles over a pruned
     # file's rank-k time embedding (its `adaln_t_table` read by linear interpolation) and reduced-rank AdaLN.
     **_family("t2va-turbo4-pruned", _GPU, modes=("t2va",), variant="transformer", adapter=_BASE_TURBO4, nfe=4, video_shift=6.0, audio_shift=3.0, min_seconds=5.0, max_seconds=5.2, pruned=True),
-    **_family("t2va-base16-pruned-bf16", ("sm90",), modes=("t2va", *_KEYFRAMES), variant="transformer", adapter=None, nfe=16, video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=15.0, pruned=True),
+    **_family("t2va-base16-pruned-bf16", _LARGE, modes=("t2va", *_KEYFRAMES), variant="transformer", adapter=None, nfe=16, video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=15.0, pruned=True),
     # FP8 (approximate, never chosen for you): the Turbo4 t2va profile and the Base16 profiles with the block linears
-    # in w8a8 FP8 on Hopper (FP8 artifacts: half the block bytes on the device and through the block ring).
-    "t2va-turbo4-fp8-sm90": Profile("t2va-turbo4-fp8-sm90", ("t2va",), "transformer", _BASE_TURBO4, 4, 6.0, 3.0, 5.0, 5.2, "sm90", fp8="w8a8"),
-    "i2va-base16-fp8-sm90": Profile("i2va-base16-fp8-sm90", _KEYFRAMES, "transformer", None, 16, 12.0, 3.0, 5.0, 10.2, "sm90", fp8="w8a8"),
-    "t2va-base16-fp8-sm90": Profile("t2va-base16-fp8-sm90", ("t2va", *_KEYFRAMES), "transformer", None, 16, 12.0, 3.0, 5.0, 15.0, "sm90", fp8="w8a8"),
+    # in w8a8 FP8 (FP8 artifacts: half the block bytes on the device and through the block ring), on every family
+    # with FP8 tensor cores; compiled from a BF16 file (row scales of its weights) or straight from an fp8_scaled
+    # file (its own E4M3 codes, its per-tensor scale per row).
+    **_family("t2va-turbo4-fp8", _FP8, modes=("t2va",), variant="transformer", adapter=_BASE_TURBO4, nfe=4, video_shift=6.0, audio_shift=3.0, min_seconds=5.0, max_seconds=5.2, fp8="w8a8"),
+    **_family("i2va-base16-fp8", _FP8, modes=_KEYFRAMES, variant="transformer", adapter=None, nfe=16, video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=10.2, fp8="w8a8"),
+    **_family("t2va-base16-fp8", _FP8_LARGE, modes=("t2va", *_KEYFRAMES), variant="transformer", adapter=None, nfe=16, video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=15.0, fp8="w8a8"),
     # CPU profiles: tests and the embedded demo.
     # The Turbo4 t2va profile's schedule and adapter on the CPU: the end-to-end benchmark's dry run at demo size.
     "t2va-turbo4-exact-cpu": Profile("t2va-turbo4-exact-cpu", ("t2va",), "transformer", _BASE_TURBO4, 4, 6.0, 3.0, 5.0, 5.2, "cpu"),
@@ -154,4 +177,10 @@ def get_profile(profile_id: str | Profile) -> Profile:
     try:
         return PROFILES[profile_id]
     except KeyError:
-        raise VflashError(f"unknown profile {profile_id!r}; known profiles: {', '.join(sorted(PROFILES))}") from None
+        pass
+    stem, _, arch = str(profile_id).rpartition("-")
+    if "-fp8" in stem and arch in ARCH_FAMILIES and not ARCH_FAMILIES[arch].fp8:
+        raise VflashError(f"no profile {profile_id!r}: {_no_fp8(arch)}; for {arch} choose a BF16 profile (e.g. t2va-turbo4-exact-{arch})")
+    if stem and arch.startswith("sm") and arch not in ARCH_FAMILIES:
+        raise VflashError(f"no profile {profile_id!r}: no Vflash profile runs on {arch} (GPU families: {', '.join(ARCH_FAMILIES)})")
+    raise VflashError(f"unknown profile {profile_id!r}; known profiles: {', '.join(sorted(PROFILES))}")

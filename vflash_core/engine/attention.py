@@ -7,7 +7,9 @@ choice is an error, never a silent fallback.
 
 `fa3` is FlashAttention-3's forward kernel (PyPI `fa3-fwd`, SM90 only; `pip install vflash[sm90]`): exact attention
 (no sparsity, no quantisation), a different kernel from cuDNN, so its bits differ within bf16 rounding (max abs
-difference 2.4e-4 to 4.9e-4 at H3 shapes, measured). `auto` picks it on SM90 when it imports and runs, else cuDNN.
+difference 2.4e-4 to 4.9e-4 at H3 shapes, measured). `auto` picks it on SM90 when it imports and runs, else cuDNN
+(every other GPU family of `formats.ARCH_FAMILIES`: sm80, sm86, sm89, sm100, sm120); `fa3` asked for on another family
+is refused before anything imports, naming the device's family.
 
 `fa3-fp8` is approximate: the same package's FP8 forward (its SM90 E4M3 kernels, `flash_attn_func` with per-head
 `q_descale` / `k_descale` / `v_descale`), on q, k and v quantized per head (`fp8.quantize_heads`), BF16 out. It is
@@ -24,6 +26,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..errors import VflashError
+from ..formats import ARCH_NAMES, arch_family, device_arch
 from .model import AttentionFn, sdpa_attention
 
 logger = logging.getLogger(__name__)
@@ -88,9 +91,9 @@ def resolve_attention(name: str, device: torch.device, approximate_allowed: bool
         if name not in ("auto", "torch-sdpa", "torch-math"):
             raise VflashError(f"attention backend {name} needs a CUDA device, not {device}")
         return "torch-sdpa", sdpa_attention
-    capability = torch.cuda.get_device_capability(device)
+    family = arch_family(device)
     if name == "auto":
-        if capability == (9, 0):
+        if family is not None and family.fa3:
             try:
                 fn = _fa3()
                 _probe("fa3", fn, device)
@@ -102,8 +105,10 @@ def resolve_attention(name: str, device: torch.device, approximate_allowed: bool
         name = "torch-cudnn"
     if name == "torch-sdpa":
         return name, sdpa_attention
-    if name == "fa3-fp8" and capability != (9, 0):
-        raise VflashError(f"attention backend fa3-fp8 runs FlashAttention-3's SM90 FP8 kernels; {device} is SM{capability[0]}{capability[1]}")
+    if name in ("fa3", "fa3-fp8") and (family is None or not family.fa3):
+        kind = "FP8 kernels" if name == "fa3-fp8" else "kernels"
+        here = ARCH_NAMES.get(device_arch(device), device_arch(device))
+        raise VflashError(f"attention backend {name} runs FlashAttention-3's SM90 {kind} only; {device} is {here}: use auto (cuDNN there)")
     if name == "fa3":
         fn = _fa3()
     elif name == "fa3-fp8":

@@ -6,11 +6,13 @@ residuals) keeps its BF16 operations.
 
 * Weights are quantized once, when the artifact is compiled (`quantize_block`): each output row of a [out, in] matrix
   gets its own FP32 scale, absmax / 448, and E4M3 codes (`float8_e4m3fn`) of the row divided by it. The codes take
-  half the bytes of BF16 on the device and through the block ring.
+  half the bytes of BF16 on the device and through the block ring. A linear an fp8_scaled file already stores as
+  E4M3 codes with one scale is not quantized again: its codes are kept and its scale becomes every row's.
 * `RowFP8Execution("weight-only")` dequantizes the codes to BF16 and runs a plain GEMM: any device (the reference,
   and the CPU profile's execution). `RowFP8Execution("w8a8")` also quantizes each activation row the same way and
   runs `torch._scaled_mm` with the two row-wise scale vectors (FP8 tensor cores at twice the BF16 rate), only on
-  SM90 / SM120 CUDA devices: anywhere else it raises `VflashError`; it never falls back to another execution.
+  CUDA devices of the FP8 families (sm89, sm90, sm100, sm120): anywhere else it raises `VflashError`; it never falls
+  back to another execution.
 * The activation quantizer is "torch" (`quantize_rows`, the reference) or "triton": the quantization then happens
   inside the kernel that produces the activation (RMSNorm + modulation before `attn.qkv` and `ffn.in`, SwiGLU before
   `ffn.out`; `vflash_kernels.fp8_quantize`), or alone for the attention output. Both give the same bits.
@@ -29,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import VflashError, check_choice
+from ..formats import ARCH_FAMILIES, ARCH_NAMES, device_arch
 from . import model as M
 from .config import H3Config
 from .fused import FusedOps
@@ -39,8 +42,10 @@ ACTIVATION_QUANTIZERS = ("torch", "triton")
 FP8_LINEARS = ("attn.qkv", "attn.out", "ffn.in", "ffn.out")
 #: The largest finite `float8_e4m3fn` value: a row's absmax maps to it.
 E4M3_MAX = 448.0
-#: CUDA compute capabilities with row-wise scaled FP8 GEMMs in `torch._scaled_mm`: Hopper (SM90) and SM120.
-W8A8_CAPABILITIES = ((9, 0), (12, 0))
+#: CUDA compute capabilities with row-wise scaled FP8 GEMMs in `torch._scaled_mm` (its CUTLASS kernels for sm89, sm90,
+#: sm100 and sm120): those of the GPU families with `fp8` (`formats.ARCH_FAMILIES`).
+W8A8_CAPABILITIES = tuple(c for family in ARCH_FAMILIES.values() if family.fp8 for c in family.capabilities)
+W8A8_ARCHS = tuple(tag for tag, family in ARCH_FAMILIES.items() if family.fp8)
 
 
 # -- the quantization rule (torch reference) -------------------------------------------------------------------------
@@ -64,12 +69,20 @@ def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtyp
     return (codes.to(torch.float32) * scales).to(dtype)
 
 
-def quantize_block(tensors: Mapping[str, torch.Tensor], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+def quantize_block(
+    tensors: Mapping[str, torch.Tensor], device: torch.device | str = "cpu", stored: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+) -> dict[str, torch.Tensor]:
     """A packed block's tensors with the four linears as E4M3 codes (`<linear>.weight`) and FP32 row scales
-    (`<linear>.weight_scale`, [out, 1]), computed on `device`, returned on the CPU; other tensors unchanged."""
+    (`<linear>.weight_scale`, [out, 1]), computed on `device`, returned on the CPU; other tensors unchanged.
+
+    stored: linear -> (codes, row scales) already in this form (an fp8_scaled file's, `SourceWeights.read_codes`):
+        taken as they are, never re-quantized; `tensors` then need not hold that linear's weight."""
     out = dict(tensors)
     for linear in FP8_LINEARS:
-        codes, scales = quantize_rows(tensors[f"{linear}.weight"].to(device))
+        if stored is not None and linear in stored:
+            codes, scales = stored[linear]
+        else:
+            codes, scales = quantize_rows(tensors[f"{linear}.weight"].to(device))
         out[f"{linear}.weight"], out[f"{linear}.weight_scale"] = codes.cpu(), scales.cpu()
     return out
 
@@ -102,11 +115,11 @@ class QuantizedRows:
 
 def w8a8_refusal(device: torch.device) -> str | None:
     """Why w8a8 cannot run on `device` (None when it can): it needs a CUDA device of a `W8A8_CAPABILITIES` arch."""
+    need = f"FP8 w8a8 execution needs FP8 tensor cores, a CUDA device of {', '.join(W8A8_ARCHS)}"
     if device.type != "cuda":
-        return f"FP8 w8a8 execution needs an SM90 or SM120 CUDA device; {device} is not a CUDA device"
-    capability = torch.cuda.get_device_capability(device)
-    if capability not in W8A8_CAPABILITIES:
-        return f"FP8 w8a8 execution needs an SM90 or SM120 CUDA device; {device} is SM{capability[0]}{capability[1]}"
+        return f"{need}; {device} is not a CUDA device"
+    if torch.cuda.get_device_capability(device) not in W8A8_CAPABILITIES:
+        return f"{need}; {device} is {ARCH_NAMES.get(device_arch(device), device_arch(device))}"
     return None
 
 
@@ -117,7 +130,8 @@ class RowFP8Execution:
         same bits either way. w8a8 only.
     fast_accum: `torch._scaled_mm`'s `use_fast_accum` (Hopper's faster FP8 accumulation, less precise); w8a8 only.
 
-    `linear` raises `VflashError` for w8a8 on a device that is not SM90 / SM120 CUDA, on the first call per device.
+    `linear` raises `VflashError` for w8a8 on a device without FP8 tensor cores (`w8a8_refusal`), on the first call
+    per device.
     """
 
     def __init__(self, mode: str, activation_quantizer: str = "torch", fast_accum: bool = False):

@@ -201,16 +201,16 @@ class CompiledArtifact:
         """How these weights differ from the official BF16 release, one line each (none for the release itself)."""
         base = self.manifest["base_weights"]
         notes = []
+        kept = self.fp8 and self.manifest.get("fp8", {}).get("origin") in ("kept", "mixed")
         if base.get("format") == "fp8_scaled":
             notes.append(
-                "transformer weights from an fp8_scaled file, dequantized to BF16 (float8 code x per-tensor scale, as "
-                "ComfyUI core dequantizes them): exact for those weights, which are not the BF16 release"
+                f"transformer weights from an fp8_scaled file, {'its other float8 weights ' if kept else ''}dequantized to BF16 "
+                "(float8 code x per-tensor scale, as ComfyUI core dequantizes them): exact for those weights, which are not the BF16 release"
             )
         if self.fp8:
-            notes.append(
-                "approximate FP8 block linears: E4M3 codes with one FP32 scale per output row (row absmax / 448), "
-                f"executed {self.manifest['profile']['fp8']} (profile {self.profile_id})"
-            )
+            scales = "the fp8_scaled file's own E4M3 codes, its per-tensor scale repeated per output row" if kept else (
+                "E4M3 codes with one FP32 scale per output row (row absmax / 448)")
+            notes.append(f"approximate FP8 block linears: {scales}, executed {self.manifest['profile']['fp8']} (profile {self.profile_id})")
         if base.get("pruned"):
             notes.append(
                 f"a pruned transformer: approximate AdaLN (rank-{base['pruned']['rank']} time embedding read by linear "

@@ -12,7 +12,8 @@ Comfy-Org's repacked single files (original layout, stacked QKV) come in three f
 
 * **fp8_scaled** — ComfyUI's scaled-FP8 files: the block linears stored as float8 codes with one scale per tensor.
   They are read as BF16 `code * scale`, computed as ComfyUI core dequantizes them (`dequantize`), so what Vflash
-  runs is exact for those weights.
+  runs is exact for those weights. For an FP8 profile the main blocks' E4M3 linears are instead kept as stored
+  (`read_codes`: the file's codes, its per-tensor scale repeated per row), never dequantized and re-quantized.
 * **pruned** (`*_pruned_*`) — an `adaln_t_table` [grid, k] fp32 replaces the time embedder, and every `adaln_proj`
   is a reduced-rank fp32 [rows, k] projection applied without SiLU. They compile only for `-pruned` profiles
   (approximate: see `model.curve_time_embedding`).
@@ -200,6 +201,8 @@ def check_finite(tensor: torch.Tensor, name: str, path: Path) -> None:
     flat = tensor.reshape(-1)
     for start in range(0, flat.numel(), _FINITE_CHUNK):
         chunk = flat[start : start + _FINITE_CHUNK]
+        if chunk.dtype in FP8_FORMATS.values():  # float8 has no isfinite; widening is exact
+            chunk = chunk.float()
         if not bool(torch.isfinite(chunk).all()):
             bad = start + int((~torch.isfinite(chunk)).nonzero()[0])
             raise WeightFileError(f"{path}: tensor {name!r} holds a non-finite value ({flat[bad].item()} at element {bad}); the file is corrupt")
@@ -337,11 +340,23 @@ class SourceWeights:
                 f"{self.path} is a pruned file (an `adaln_t_table` [{grid}, {rank}] replaces the time embedder): it compiles "
                 f"only for a -pruned profile (approximate AdaLN), not {profile.id}; for {profile.arch}: {choices}"
             )
+        if profile.fp8 and self._quantized:
+            other = sorted(n for n, q in self._quantized.items() if q.code_dtype != torch.float8_e4m3fn and n in self._block_linear_sources())
+            if other:
+                raise IdentityMismatchError(
+                    f"{self.path} stores block linears as {str(self._quantized[other[0]].code_dtype).removeprefix('torch.')} (e.g. {other[0]}): "
+                    f"FP8 profile {profile.id} keeps a file's float8_e4m3fn codes and never re-quantizes them; choose a BF16 profile"
+                )
         if profile.pruned and not self.pruned:
             raise IdentityMismatchError(
                 f"profile {profile.id} is for pruned files (with an `adaln_t_table`); {self.path} holds the full AdaLN "
                 "weights: choose the profile without -pruned"
             )
+
+    def _block_linear_sources(self) -> set[str]:
+        """The file names of the main blocks' four FP8 linears (`fp8.FP8_LINEARS`)."""
+        linears = ("attn.qkv.weight", "attn.out.weight", "ffn.in.weight", "ffn.out.weight")
+        return {name for i in range(self.config.num_layers) for linear in linears for name, *_ in self._sources[f"blocks.{i}.{linear}"]}
 
     # -- config -------------------------------------------------------------------------------------------------
 
@@ -459,6 +474,32 @@ class SourceWeights:
         block_dtypes = {self.dtype_of(n) for n in self._shapes if n.startswith("blocks.") and not n.endswith(adaln)}
         if len(block_dtypes) > 1:
             raise WeightFileError(f"{self.path}: main-block tensors mix dtypes {sorted(map(str, block_dtypes))}")
+
+    def stores_e4m3(self, internal: str) -> bool:
+        """Whether an internal weight is stored as float8_e4m3fn codes with per-tensor scales, every piece of it (the
+        block linears of an fp8_scaled file): an FP8 profile then keeps those codes (`read_codes`)."""
+        return all(name in self._quantized and self._quantized[name].code_dtype == torch.float8_e4m3fn for name, *_ in self._sources[internal])
+
+    def read_codes(self, names: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Internal E4M3 weights (`stores_e4m3`) as the file stores them, never dequantized: (codes [rows, in]
+        float8_e4m3fn, the file's bytes in internal row order; row scales [rows, 1] float32, each row the per-tensor
+        scale of the file tensor it comes from). `codes * scales` is the weight's value, as for `read`."""
+        out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        requests = []
+        for internal in names:
+            if not self.stores_e4m3(internal):
+                raise WeightFileError(f"{self.path}: {internal} is not stored as float8_e4m3fn codes with a per-tensor scale")
+            codes = torch.empty(self._shapes[internal], dtype=torch.float8_e4m3fn)
+            scales = torch.empty(codes.shape[0], 1, dtype=torch.float32)
+            for name, start, stop, dst in self._sources[internal]:
+                rows = codes.shape[0] if stop == -1 else stop - start
+                scales[dst : dst + rows] = self._scales[self._quantized[name].scale].float().reshape(())  # exact widening
+                requests.append(ReadRequest(name, codes) if stop == -1 else ReadRequest(name, codes[dst : dst + rows], start, stop))
+            out[internal] = (codes, scales)
+        self.store.read_into(requests)
+        for internal, (codes, _) in out.items():
+            check_finite(codes, " / ".join(dict.fromkeys(name for name, *_ in self._sources[internal])), self.path)
+        return out
 
     def dtype_of(self, internal: str) -> torch.dtype:
         """The dtype `read` returns: the stored one, or bf16 for a float8 weight (ComfyUI core dequantizes every

@@ -23,7 +23,10 @@ Verbs (`python -m vflash_core.weights.compiler prepare|compile|verify`):
 
   For an FP8 profile (approximate, `Profile.fp8`) the artifact is of its own kind (`ARTIFACT_FP8_FORMAT`): each
   block's four linears are quantized on the compile device to E4M3 codes (`<linear>.weight`) with FP32 row scales
-  (`<linear>.weight_scale`, [out, 1]) by `fp8.quantize_block`; everything else is the BF16 artifact's.
+  (`<linear>.weight_scale`, [out, 1]) by `fp8.quantize_block`; everything else is the BF16 artifact's. From an
+  fp8_scaled file the linears it stores as E4M3 are not quantized again: its codes are copied as they are and its
+  per-tensor scale repeated per row (`SourceWeights.read_codes`); the manifest's `fp8` record says which
+  (`source_format`, `origin`: "kept", "quantized" or "mixed").
 
 Loading (see `artifact.py`) checks format, compile id, identities and sizes, and never rehashes the model; `verify`
 re-hashes a compiled folder against the sha256 of every file recorded as it was written.
@@ -348,6 +351,20 @@ def _identity(profile: Profile, receipt: dict, config: H3Config, arch: str, comp
     }
 
 
+def _fp8_record(source_format: str, kept: int, total: int) -> dict[str, object]:
+    """What an FP8 artifact's manifest says of its block linears: where the codes and scales come from."""
+    scales = {
+        "quantized": "float32 [out, 1] = row absmax / 448 of the source weights",
+        "kept": "float32 [out, 1] = the file's per-tensor weight_scale repeated per row; codes as stored",
+    }
+    origin = "kept" if kept == total else "quantized" if kept == 0 else "mixed"
+    return {
+        "linears": list(FP8_LINEARS), "codes": "float8_e4m3fn", "source_format": source_format, "origin": origin,
+        "kept_linears": kept, "quantized_linears": total - kept,
+        "scales": scales[origin] if origin != "mixed" else f"{scales['kept']} ({kept} linears); {scales['quantized']} ({total - kept})",
+    }
+
+
 def _unchanged(path: Path, record: dict) -> bool:
     """Same size and modification time as when `prepare` hashed it (see `_verify_receipt_files`)."""
     stat = path.stat()
@@ -431,13 +448,22 @@ def _write_compiled(
     # no more than a few blocks are in host memory at once.
     reader = ThreadPoolExecutor(READ_AHEAD_BLOCKS)
     writer = ThreadPoolExecutor(WRITE_BEHIND_BLOCKS)
-    read = lambda i: source.read(list(block_shapes(config, f"blocks.{i}", with_adaln=True)))  # with its adaln_proj
+    def read(i: int) -> tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+        """Block i's tensors with its adaln_proj, and for an FP8 profile the linears the file stores as E4M3 codes
+        (kept as they are: codes and per-tensor scales, never dequantized)."""
+        names = list(block_shapes(config, f"blocks.{i}", with_adaln=True))
+        kept = [f"blocks.{i}.{linear}.weight" for linear in FP8_LINEARS if profile.fp8 and source.stores_e4m3(f"blocks.{i}.{linear}.weight")]
+        codes = {name.split(".", 2)[2].removesuffix(".weight"): pair for name, pair in source.read_codes(kept).items()}
+        return source.read([n for n in names if n not in kept]), codes
+
     reads: dict[int, Future] = {i: reader.submit(read, i) for i in range(min(READ_AHEAD_BLOCKS, config.num_layers))}
     writes: list[Future] = []
     lora_records: list[list[dict[str, object]]] = []
+    kept_codes = 0  # FP8 profile: block linears whose E4M3 codes and scales come from the file as stored
     try:
         for i in tqdm(range(config.num_layers), desc="compile blocks", unit="block"):
-            block = reads.pop(i).result()
+            block, stored_codes = reads.pop(i).result()
+            kept_codes += len(stored_codes)
             if i + READ_AHEAD_BLOCKS < config.num_layers:
                 reads[i + READ_AHEAD_BLOCKS] = reader.submit(read, i + READ_AHEAD_BLOCKS)
             weight, bias = block.pop(f"blocks.{i}.adaln.weight").to(device), block.pop(f"blocks.{i}.adaln.bias").to(device)
@@ -452,7 +478,7 @@ def _write_compiled(
             del weight, bias
             tensors = {k.split(".", 2)[2]: t for k, t in block.items()}
             if profile.fp8:
-                tensors = quantize_block(tensors, device)
+                tensors = quantize_block(tensors, device, stored_codes)
             lora_tensors, records = _lora_tensors(block_loras)
             lora_records.append(records)
             while sum(not w.done() for w in writes) >= WRITE_BEHIND_BLOCKS:
@@ -486,7 +512,7 @@ def _write_compiled(
     artifact_manifest = {
         "format": artifact_format,
         **identity,
-        **({"fp8": {"linears": list(FP8_LINEARS), "codes": "float8_e4m3fn", "scales": "float32 [out, 1] = row absmax / 448"}} if profile.fp8 else {}),
+        **({"fp8": _fp8_record(source.format, kept_codes, config.num_layers * len(FP8_LINEARS))} if profile.fp8 else {}),
         "adapter_not_applied": not_applied,
         "blocks": [{"file": f["name"], "lora": r, **f} for f, r in zip(block_files, lora_records)],
         "auxiliary": aux_file,

@@ -1,0 +1,77 @@
+"""Every Triton kernel compiles ahead of time for every GPU family's targets (sm80, sm86, sm89, sm90, sm100, sm103,
+sm120, sm121) at the launch settings the engine uses at H3's full width (`vflash_kernels.aot`): on the CPU (Triton
+lowers to PTX and runs the `ptxas` it ships; no GPU), and on a GPU, where the launches are captured from the real
+device and must equal the CPU's capture.
+
+The kernels are this checkout's `kernels/` folder, imported under a private name (an installed `vflash_kernels` may
+be another checkout's), in a fresh Triton cache so that every compile really runs."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import pytest
+import torch
+from test_kernels import _FOLDER, _import_folder
+
+_PRIVATE = "_vflash_kernels_aot"
+# What the engine launches: one per distinct (kernel, specialisation) at H3's shapes.
+KERNELS = {
+    "_rms_norm_modulate_kernel", "_modulate_kernel", "_gated_residual_kernel", "_qk_norm_rope_kernel", "_rope_kernel",
+    "_swiglu_kernel", "_relayout_kernel", "_quantize_rows_kernel", "_swiglu_quantize_kernel", "_rms_norm_modulate_quantize_kernel",
+}
+
+
+@pytest.fixture(scope="module")
+def aot(tmp_path_factory):
+    saved = pytest.MonkeyPatch()
+    saved.setenv("TRITON_CACHE_DIR", str(tmp_path_factory.mktemp("triton_cache")))
+    saved.delenv("TRITON_INTERPRET", raising=False)
+    _import_folder(_PRIVATE, _FOLDER)
+    yield importlib.import_module(f"{_PRIVATE}.aot")
+    saved.undo()
+    for key in [k for k in list(sys.modules) if k == _PRIVATE or k.startswith(_PRIVATE + ".")]:
+        del sys.modules[key]
+
+
+@pytest.fixture(scope="module")
+def cpu_launches(aot):
+    return aot.capture_launches("cpu")
+
+
+def test_every_kernel_is_captured_at_h3_shapes(aot, cpu_launches):
+    assert {launch.name for launch in cpu_launches} == KERNELS
+    import triton
+
+    assert not isinstance(triton.runtime.driver._active, aot._CaptureDriver)  # the stand-in is gone after the capture
+    by_name = {launch.name: dict(launch.constexprs) for launch in cpu_launches}
+    fn = {launch.name: launch.kernel.arg_names for launch in cpu_launches}
+    value = lambda kernel, arg: by_name[kernel][(fn[kernel].index(arg),)]
+    # the launch settings of the released width: H = 5376, 56 heads of 128, 96 rotary channels, 32-bit indices
+    assert value("_rms_norm_modulate_kernel", "HIDDEN") == 5376 and value("_qk_norm_rope_kernel", "HEAD_DIM") == 128
+    assert value("_rope_kernel", "ROTARY") == value("_qk_norm_rope_kernel", "ROTARY") == 96 and value("_swiglu_kernel", "BLOCK_COLS") == 2048
+    assert not any(value(name, "INDEX_64") for name in KERNELS) and not any(value(name, "EMULATE_CASTS") for name in KERNELS - {"_relayout_kernel"})
+
+
+@pytest.mark.parametrize("capability", [80, 86, 89, 90, 100, 103, 120, 121])
+def test_every_kernel_compiles_for_the_target(aot, cpu_launches, capability):
+    arch = f"sm_{capability}{'a' if capability >= 90 else ''}"
+    for launch in cpu_launches:
+        kernel = aot.compile_for(launch, capability)
+        assert kernel.metadata.target.arch == capability and f".target {arch}" in kernel.asm["ptx"], launch.name
+        assert len(kernel.asm["cubin"]) > 1000 and kernel.metadata.num_warps == launch.num_warps, launch.name
+
+
+@pytest.mark.gpu
+def test_gpu_launches_equal_the_cpu_capture_and_compile_everywhere(aot, cpu_launches):
+    """On a GPU the launchers run their real device checks on CUDA tensors: the launches they make are the CPU's, and
+    each compiles for every target; the local target's cubin loads on this device."""
+    launches = aot.capture_launches("cuda")
+    assert launches == cpu_launches
+    major, minor = torch.cuda.get_device_capability()
+    for capability in aot.CAPABILITIES:
+        for launch in launches:
+            kernel = aot.compile_for(launch, capability)
+            if capability == major * 10 + minor:
+                kernel._init_handles()  # loads the cubin into this device's context
