@@ -1,7 +1,7 @@
 """Every Triton kernel compiles ahead of time for every GPU family's targets (sm80, sm86, sm89, sm90, sm100, sm103,
-sm120, sm121) at the launch settings the engine uses at H3's full width (`vflash_kernels.aot`): on the CPU (Triton
-lowers to PTX and runs the `ptxas` it ships; no GPU), and on a GPU, where the launches are captured from the real
-device and must equal the CPU's capture.
+sm120, sm121) at the launch settings the engine uses at H3's full width (`vflash_kernels.aot`): on a GPU, where the
+launches are captured from the real device and must equal the CPU's capture, for all eight; on the CPU (Triton lowers
+to PTX and runs the `ptxas` it ships; no GPU) for sm80 and sm120.
 
 The kernels are this checkout's `kernels/` folder, imported under a private name (an installed `vflash_kernels` may
 be another checkout's), in a fresh Triton cache so that every compile really runs."""
@@ -54,7 +54,9 @@ def test_every_kernel_is_captured_at_h3_shapes(aot, cpu_launches):
     assert not any(value(name, "INDEX_64") for name in KERNELS) and not any(value(name, "EMULATE_CASTS") for name in KERNELS - {"_relayout_kernel"})
 
 
-@pytest.mark.parametrize("capability", [80, 86, 89, 90, 100, 103, 120, 121])
+# On the CPU (each compile ~2.5 s on the CI machine) the oldest family and the consumer Blackwell one, neither of which
+# this project's machines have; the GPU test below compiles for all eight.
+@pytest.mark.parametrize("capability", [80, 120])
 def test_every_kernel_compiles_for_the_target(aot, cpu_launches, capability):
     arch = f"sm_{capability}{'a' if capability >= 90 else ''}"
     for launch in cpu_launches:
