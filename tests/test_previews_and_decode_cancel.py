@@ -151,3 +151,30 @@ def test_pipeline_cancel_during_the_decode(h3_prepared, tmp_path):
     with pytest.raises(RequestCancelled, match="request cancelled: user pressed stop"):
         pipeline.generate(request, tmp_path / "stopped.mp4", progress=progress, cancel=cancel)
     assert len(polls_after) == 3 and list(tmp_path.iterdir()) == [] and pipeline.session is None
+
+
+# -- the node side (headless host: the pack's real modules over the stand-in ComfyUI modules) -----------------------
+
+
+@pytest.fixture(scope="module")
+def pack(tmp_path_factory):
+    from comfy_standins import harness
+
+    with harness.installed(tmp_path_factory.mktemp("vflash-cache"), tmp_path_factory.mktemp("comfyui")) as loaded:
+        yield loaded
+
+
+def test_preview_strip_puts_frames_spread_over_the_clip_side_by_side(pack):
+    host = pack.package.host
+    video = torch.arange(31.0).view(1, 1, 31, 1, 1).expand(1, 2, 31, 3, 5).contiguous()  # each frame holds its index
+    strip = host.preview_strip(video)
+    assert strip.shape == (1, 2, 1, 3, 20)
+    assert strip[0, 0, 0, 0, ::5].tolist() == [0.0, 10.0, 20.0, 30.0]
+    assert torch.equal(strip[:, :, 0, :, 5:10], video[:, :, 10])
+    assert host.preview_strip(video[:, :, :2]).shape == (1, 2, 1, 3, 10) and host.preview_strip(video[:, :, :1]).shape == (1, 2, 1, 3, 5)
+
+
+def test_a_host_without_latent_preview_runs_without_previews_and_says_so_once(pack):
+    host = pack.package.host
+    assert host.HOST.preview(4, torch.device("cpu")) is None and host.HOST.preview(4, torch.device("cpu")) is None
+    assert host._missing_preview_logged == ["this host has no latent_preview module"]
