@@ -27,7 +27,7 @@ logger = logging.getLogger("vflash")
 
 #: Latent frames shown side by side in a live preview: enough to show the motion, still a small image.
 PREVIEW_FRAMES = 4
-_missing_preview_logged: list[str] = []  # the reason previews are off, logged once per process
+_missing_preview_logged: list[str] = []  # each reason previews are off, logged once per process
 
 
 def preview_strip(video: torch.Tensor, frames: int = PREVIEW_FRAMES) -> torch.Tensor:
@@ -42,7 +42,7 @@ def preview_strip(video: torch.Tensor, frames: int = PREVIEW_FRAMES) -> torch.Te
 
 
 def _previews_off(reason: str) -> None:
-    if not _missing_preview_logged:
+    if reason not in _missing_preview_logged:
         _missing_preview_logged.append(reason)
         logger.info(f"Vflash: no live previews ({reason})")
 
@@ -56,20 +56,24 @@ class ComfyHost:
     def check_interrupt(self) -> None:
         mm.throw_exception_if_processing_interrupted()
 
-    def preview(self, total: int, device: torch.device) -> Callable[[int, int, torch.Tensor], None] | None:
-        """A per-evaluation callback (`vflash_core.engine.denoise.PreviewFn`) that draws the x0 prediction with core's
-        previewer for the user's preview method (`--preview-method`, or the prompt's) and sends it with the step's
-        progress on a fresh progress bar, checking for an interrupt; None when the method is "none", or when the
-        running core has no `latent_preview` or no MiniMax-H3 video latent format (said once in the log)."""
+    def preview(self, total: int, device: torch.device, channels: int) -> Callable[[int, int, torch.Tensor], None] | None:
+        """A per-evaluation callback (`vflash_core.engine.denoise.PreviewFn`) that draws the x0 prediction of video
+        latents with `channels` channels with core's previewer for the user's preview method (`--preview-method`, or
+        the prompt's) and sends it with the step's progress on a fresh progress bar, checking for an interrupt. None
+        when the method is "none", or (said once in the log) when the running core has no `latent_preview` or no
+        MiniMax-H3 video latent format, or the latents are not that format's (the small demo family's 8 channels)."""
         try:
             import latent_preview
             from comfy import latent_formats
         except ImportError:
-            _previews_off("this host has no latent_preview module")
+            _previews_off("this host has no latent_preview or comfy.latent_formats module")
             return None
         latent_format = getattr(latent_formats, "MiniMaxH3Video", None)
         if latent_format is None:
             _previews_off("this ComfyUI has no MiniMaxH3Video latent format in comfy.latent_formats; update ComfyUI for them")
+            return None
+        if channels != latent_format.latent_channels:
+            _previews_off(f"the model's video latents have {channels} channels, core's MiniMaxH3Video format {latent_format.latent_channels}")
             return None
         previewer = latent_preview.get_previewer(device, latent_format())
         if previewer is None:

@@ -60,7 +60,7 @@ class Host(Protocol):
 
     def check_interrupt(self) -> None: ...
 
-    def preview(self, total: int, device: torch.device) -> Callable[[int, int, torch.Tensor], None] | None: ...
+    def preview(self, total: int, device: torch.device, channels: int) -> Callable[[int, int, torch.Tensor], None] | None: ...
 
     def free_memory(self) -> None: ...
 
@@ -1004,7 +1004,7 @@ def sample(registry: EngineRegistry, host: Host, model: ModelSpec, cond: Any, la
 
     # With a previewer the preview callback draws each step's progress bar update (core's one per step, image and
     # value together), so the plain progress callback is left out.
-    preview = host.preview(session.profile.nfe, session.device)
+    preview = host.preview(session.profile.nfe, session.device, session.compiled.config.in_channels)
     progress = None if preview is not None else stopping(_progress(host))
     start = time.perf_counter()
     try:

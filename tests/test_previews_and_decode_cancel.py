@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_bitwise
+from conftest import assert_bitwise, compile_tiny
 from test_schedule_layout_bundle import _bundle
 
 from vflash_core import NativeEngineSession
@@ -72,6 +72,21 @@ def test_a_preview_that_raises_aborts_and_the_session_stays_usable(tiny_compiled
         assert_bitwise(after.video_latents, session.generate(_bundle(3)).video_latents, "after an aborted preview")
     with NativeEngineSession(PROFILE, **tiny_compiled) as fresh, pytest.raises(Exception, match="preview must be"):
         fresh.generate(_bundle(3), preview="not callable")
+
+
+@pytest.mark.gpu
+def test_preview_on_the_gpu_is_on_the_device_and_leaves_the_latents_bitwise(tmp_path_factory, tiny_transformer):
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability(0) != (9, 0):
+        pytest.skip("needs an SM90 GPU for the sm90 profile")
+    profile = "t2va-base16-bf16-sm90"
+    compiled = compile_tiny(tmp_path_factory.mktemp("gpu-preview"), tiny_transformer, profile, device="cuda:0")
+    with NativeEngineSession(profile, **compiled, device="cuda:0") as session:
+        plain = session.generate(_bundle(6))
+        seen = []
+        previewed = session.generate(_bundle(6), preview=recording_preview(seen))
+    assert_bitwise(previewed.video_latents, plain.video_latents, "GPU video with previews")
+    assert len(seen) == 16 and all(video.device.type == "cuda" for _, _, video in seen)
+    assert_bitwise(seen[-1][2].cpu(), plain.video_latents, "the GPU's last x0 is the result")
 
 
 # -- cancelling the decode between blocks ---------------------------------------------------------------------------
@@ -176,5 +191,5 @@ def test_preview_strip_puts_frames_spread_over_the_clip_side_by_side(pack):
 
 def test_a_host_without_latent_preview_runs_without_previews_and_says_so_once(pack):
     host = pack.package.host
-    assert host.HOST.preview(4, torch.device("cpu")) is None and host.HOST.preview(4, torch.device("cpu")) is None
-    assert host._missing_preview_logged == ["this host has no latent_preview module"]
+    assert host.HOST.preview(4, torch.device("cpu"), 24) is None and host.HOST.preview(4, torch.device("cpu"), 24) is None
+    assert host._missing_preview_logged == ["this host has no latent_preview or comfy.latent_formats module"]
