@@ -1,7 +1,8 @@
 """How the Vflash core reaches ComfyUI: progress bars, interrupts, memory cooperation, model folders, core types.
 
 `ComfyHost` implements `ops.Host` with ComfyUI's own hooks only (no patching): progress goes to
-`comfy.utils.ProgressBar` (whose server hook also raises on interrupt), interrupts are polled with
+`comfy.utils.ProgressBar` (whose server hook also raises on interrupt), live previews through core's `latent_preview`
+previewers for core's MiniMax-H3 video latent format, interrupts are polled with
 `throw_exception_if_processing_interrupted()`, memory is freed with `unload_all_models()` + `soft_empty_cache()`, the
 device is `get_torch_device()` read at call time (ComfyUI-MultiGPU patches it), videos are core
 `VideoFromComponents`. `ComfyFolders` lists and resolves model files through `folder_paths`. In `vflash
@@ -12,15 +13,38 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from fractions import Fraction
 
 import comfy.model_management as mm
 import comfy.nested_tensor
 import comfy.utils
 import folder_paths
+import torch
 from comfy_api.latest import InputImpl, Types
 
 logger = logging.getLogger("vflash")
+
+#: Latent frames shown side by side in a live preview: enough to show the motion, still a small image.
+PREVIEW_FRAMES = 4
+_missing_preview_logged: list[str] = []  # each reason previews are off, logged once per process
+
+
+def preview_strip(video: torch.Tensor, frames: int = PREVIEW_FRAMES) -> torch.Tensor:
+    """(1, C, F, h, w) -> (1, C, 1, h, k w): up to `frames` latent frames spread evenly over the clip (the first and
+    the last included), side by side in time order, as the one frame core's previewers draw. Views and one small
+    gather on the latents' device; nothing is copied to the host."""
+    count = video.shape[2]
+    k = min(frames, count)
+    picks = sorted({round(i * (count - 1) / max(1, k - 1)) for i in range(k)})
+    side_by_side = torch.stack([video[:, :, i] for i in picks], dim=3)  # (1, C, h, k, w)
+    return side_by_side.flatten(3, 4).unsqueeze(2)
+
+
+def _previews_off(reason: str) -> None:
+    if reason not in _missing_preview_logged:
+        _missing_preview_logged.append(reason)
+        logger.info(f"Vflash: no live previews ({reason})")
 
 
 class ComfyHost:
@@ -31,6 +55,38 @@ class ComfyHost:
 
     def check_interrupt(self) -> None:
         mm.throw_exception_if_processing_interrupted()
+
+    def preview(self, total: int, device: torch.device, channels: int) -> Callable[[int, int, torch.Tensor], None] | None:
+        """A per-evaluation callback (`vflash_core.engine.denoise.PreviewFn`) that draws the x0 prediction of video
+        latents with `channels` channels with core's previewer for the user's preview method (`--preview-method`, or
+        the prompt's) and sends it with the step's progress on a fresh progress bar, checking for an interrupt. None
+        when the method is "none", or (said once in the log) when the running core has no `latent_preview` or no
+        MiniMax-H3 video latent format, or the latents are not that format's (the small demo family's 8 channels)."""
+        try:
+            import latent_preview
+            from comfy import latent_formats
+        except ImportError:
+            _previews_off("this host has no latent_preview or comfy.latent_formats module")
+            return None
+        latent_format = getattr(latent_formats, "MiniMaxH3Video", None)
+        if latent_format is None:
+            _previews_off("this ComfyUI has no MiniMaxH3Video latent format in comfy.latent_formats; update ComfyUI for them")
+            return None
+        if channels != latent_format.latent_channels:
+            _previews_off(f"the model's video latents have {channels} channels, core's MiniMaxH3Video format {latent_format.latent_channels}")
+            return None
+        previewer = latent_preview.get_previewer(device, latent_format())
+        if previewer is None:
+            return None
+        bar = comfy.utils.ProgressBar(total)
+
+        def show(done: int, total: int, video: torch.Tensor) -> None:
+            self.check_interrupt()
+            # The projection (latent2rgb) or the tiny decoder runs on the strip on the device; the one copy to the
+            # host is core's, of the small uint8 image.
+            bar.update_absolute(done, total, previewer.decode_latent_to_preview_image("JPEG", preview_strip(video)))
+
+        return show
 
     def free_memory(self) -> None:
         mm.unload_all_models()

@@ -60,6 +60,8 @@ class Host(Protocol):
 
     def check_interrupt(self) -> None: ...
 
+    def preview(self, total: int, device: torch.device, channels: int) -> Callable[[int, int, torch.Tensor], None] | None: ...
+
     def free_memory(self) -> None: ...
 
     def default_device(self) -> str: ...
@@ -844,9 +846,14 @@ class CoreVAEs:
         return latents[0].permute(1, 2, 0).reshape(-1, latents.shape[1])
 
     @torch.no_grad()
-    def decode_video(self, video_latents: torch.Tensor) -> torch.Tensor:
-        """(1, C, F, h, w) normalised -> (F', 16 h, 16 w, 3) fp32 in [0, 1], CPU."""
-        images = self.video_vae.decode(video_latents)
+    def decode_video(self, video_latents: torch.Tensor, between_blocks: Callable[[], None] | None = None) -> torch.Tensor:
+        """(1, C, F, h, w) normalised -> (F', 16 h, 16 w, 3) fp32 in [0, 1], CPU; `between_blocks()` before each block
+        of core's ViT decoder (`first_stage_model.decoder.transformer_blocks`; a model without them is not polled)."""
+        from vflash_core.media.vae import calling_between_blocks
+
+        decoder = getattr(getattr(self.video_vae, "first_stage_model", None), "decoder", None)
+        with calling_between_blocks(decoder, between_blocks if hasattr(decoder, "transformer_blocks") else None):
+            images = self.video_vae.decode(video_latents)
         return images.reshape(-1, *images.shape[-3:]).float().clamp(0, 1).cpu()
 
     @torch.no_grad()
@@ -995,9 +1002,14 @@ def sample(registry: EngineRegistry, host: Host, model: ModelSpec, cond: Any, la
 
         return call
 
+    # With a previewer the preview callback draws each step's progress bar update (core's one per step, image and
+    # value together), so the plain progress callback is left out.
+    preview = host.preview(session.profile.nfe, session.device, session.compiled.config.in_channels)
+    progress = None if preview is not None else stopping(_progress(host))
     start = time.perf_counter()
     try:
-        result = session.generate(handoff, progress=stopping(_progress(host)), between_blocks=stopping(host.check_interrupt), profile_denoise=profile_denoise)
+        result = session.generate(handoff, progress=progress, between_blocks=stopping(host.check_interrupt), profile_denoise=profile_denoise,
+                                  preview=None if preview is None else stopping(preview))
     except BaseException as exc:
         if not stopped and not isinstance(exc, VflashError):
             # A failed trajectory leaves the session refusing work: close it now, the next run loads a fresh one.
@@ -1037,7 +1049,8 @@ def decode(registry: EngineRegistry, host: Host, vae: Any, latent: dict[str, Any
             f"{vaes.latent_channels} / {vaes.audio_latent_channels} (a latent of another model family?)"
         )
     bar = _progress(host)
-    media = decode_latents(vaes, av.video, av.audio, lambda stage: bar(("decode.video", "decode.audio").index(stage) + 1, 2))
+    # ComfyUI's interrupt is polled before every block of the video decoder, so Cancel stops a long decode at once.
+    media = decode_latents(vaes, av.video, av.audio, lambda stage: bar(("decode.video", "decode.audio").index(stage) + 1, 2), host.check_interrupt)
     images = cl.frames_to_image(media.frames)
     audio = cl.waveform_to_audio(delivered_soundtrack(media), media.sample_rate)
     return images, audio, host.make_video(images, audio, float(FPS))

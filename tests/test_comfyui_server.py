@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -116,42 +117,71 @@ class Server:
 
     # -- the API ------------------------------------------------------------------------------------------------
 
-    async def run_prompt(self, prompt: dict, interrupt_at: int | None = None, timeout: float = 900.0) -> dict:
-        """Submit, follow the websocket to the end; returns {"status", "prompt_id", "events", "http_status", "body"}.
+    async def run_prompt(
+        self, prompt: dict, interrupt_at: int | None = None, timeout: float = 900.0, extra_data: dict | None = None,
+        interrupt_in_node: tuple[str, float] | None = None,
+    ) -> dict:
+        """Submit, follow the websocket to the end; returns {"status", "prompt_id", "events", "previews",
+        "http_status", "body"}: every JSON event with the monotonic time it arrived ("received"), and the binary
+        preview messages as (event type, image type, image bytes).
 
-        With `interrupt_at`, `POST /interrupt` is sent when a progress event reports that value.
+        With `interrupt_at`, `POST /interrupt` is sent when a progress event reports that value; with
+        `interrupt_in_node` (node id, seconds), that long after the node starts executing ("interrupted_at" in the
+        result: when the interrupt was answered). `extra_data` goes with the prompt (e.g. {"preview_method": ...}).
         """
         import aiohttp
 
         client_id = str(uuid.uuid4())
         prompt_id = str(uuid.uuid4())
-        events = []
+        events: list[dict] = []
+        previews: list[tuple[int, int, bytes]] = []
+        interrupted_at: list[float] = []
         async with aiohttp.ClientSession() as http:
+
+            async def interrupt(delay: float = 0.0) -> None:
+                await asyncio.sleep(delay)
+                async with http.post(f"{self.url}/interrupt", json={}) as ir:
+                    assert ir.status == 200
+                interrupted_at.append(time.monotonic())
+
             async with http.ws_connect(f"{self.url}/ws?clientId={client_id}") as ws:
-                async with http.post(f"{self.url}/prompt", json={"prompt": prompt, "client_id": client_id, "prompt_id": prompt_id}) as r:
+                payload = {"prompt": prompt, "client_id": client_id, "prompt_id": prompt_id, "extra_data": extra_data or {}}
+                async with http.post(f"{self.url}/prompt", json=payload) as r:
                     body = await r.json()
                     if r.status != 200:
                         return {"status": "rejected", "http_status": r.status, "body": body, "events": events, "prompt_id": prompt_id}
                 interrupted_sent = False
+                pending = None
                 deadline = time.monotonic() + timeout
                 while time.monotonic() < deadline:
                     msg = await ws.receive(timeout=deadline - time.monotonic())
+                    if msg.type == aiohttp.WSMsgType.BINARY:
+                        kind, image_type = struct.unpack(">II", msg.data[:8])
+                        previews.append((kind, image_type, msg.data[8:]))
+                        continue
                     if msg.type != aiohttp.WSMsgType.TEXT:
                         continue
                     event = json.loads(msg.data)
+                    event["received"] = time.monotonic()
                     data = event.get("data", {})
                     if data.get("prompt_id") not in (None, prompt_id):
                         continue
                     events.append(event)
                     kind = event["type"]
                     if kind == "progress" and interrupt_at is not None and not interrupted_sent and data.get("value") == interrupt_at and data.get("max") == 4:
-                        async with http.post(f"{self.url}/interrupt", json={}) as ir:
-                            assert ir.status == 200
+                        await interrupt()
                         interrupted_sent = True
+                    if kind == "executing" and interrupt_in_node is not None and data.get("node") == interrupt_in_node[0] and pending is None:
+                        pending = asyncio.ensure_future(interrupt(interrupt_in_node[1]))
+                    done = {"events": events, "previews": previews, "prompt_id": prompt_id}
                     if kind in ("execution_error", "execution_interrupted"):
-                        return {"status": kind, "events": events, "prompt_id": prompt_id, "body": data}
+                        if pending is not None:
+                            await pending
+                        return {"status": kind, "body": data, "interrupted_at": interrupted_at[0] if interrupted_at else None, **done}
                     if kind == "executing" and data.get("node") is None and data.get("prompt_id") == prompt_id:
-                        return {"status": "success", "events": events, "prompt_id": prompt_id}
+                        if pending is not None:
+                            await pending
+                        return {"status": "success", **done}
                 raise TimeoutError(f"prompt {prompt_id} did not finish in {timeout} s:\n{self.tail()}")
 
     def history_files(self, prompt_id: str, dest: Path) -> list[Path]:
@@ -473,3 +503,76 @@ def test_int8_convrot_file_is_refused_when_queued(server):
     details = error["details"]
     assert "int8_convrot" in details and "no exact dequantization" in details and "fp8_scaled" in details, details
     assert not list((server.work / "models" / "vflash").rglob("h3_int8_convrot*"))
+
+
+# -- live previews and cancel during decode -------------------------------------------------------------------------
+# Last in the file: they compile the small family, and the refusal tests above check that nothing was ever prepared.
+
+
+def _node_seconds(result: dict, node: str) -> float:
+    """Seconds from `node` starting to execute until the next node started (or the prompt ended)."""
+    times = [(e["data"].get("node"), e["received"]) for e in result["events"] if e["type"] in ("executing", "execution_interrupted")]
+    start = next(i for i, (n, _) in enumerate(times) if n == node)
+    return times[start + 1][1] - times[start][1]
+
+
+def _small_core_workflow(seed: int, generate: bool = False) -> dict:
+    """The core-loaders template on the small 24-channel family (core's H3 latent format's channels) at 128x128: the
+    Vflash sampler and decode, or with `generate` VflashGenerate (encode, sample, decode in one node, id 5)."""
+    workflow = json.loads((API / "t2va_core_loaders.json").read_text())
+    workflow["1"]["inputs"].update(model=f"diffusion_models/{SMALL_DIT}", profile="t2va-base4-exact-cpu")
+    workflow["2"]["inputs"]["clip_name"] = "h3_small_te.safetensors"
+    workflow["3"]["inputs"]["vae_name"] = "h3_small_video_vae.safetensors"
+    workflow["12"]["inputs"]["vae_name"] = "h3_small_audio_vae.safetensors"
+    workflow["4"]["inputs"].update(width=128, height=128)
+    workflow["5"]["inputs"]["seed"] = seed
+    workflow["7"]["inputs"]["filename_prefix"] = "video/previews"
+    if generate:
+        request = {k: workflow["4"]["inputs"][k] for k in ("prompt", "width", "height", "length", "seconds", "te", "vae", "audio_vae")}
+        workflow["5"] = {"class_type": "VflashGenerate", "inputs": {"model": ["1", 0], **request, "seed": seed, "force_offload": False}}
+        workflow["7"]["inputs"]["video"] = ["5", 0]
+        del workflow["4"], workflow["6"]
+    return workflow
+
+
+@pytest.mark.parametrize("graph", ["VflashSampler", "VflashGenerate"])
+def test_live_previews_over_the_websocket_one_per_evaluation(server, graph):
+    """With the prompt's preview method latent2rgb, the Vflash sampler (alone, or inside VflashGenerate) sends one JPEG
+    preview per evaluation through core's previewer and progress bar, each a strip of 4 latent frames side by side
+    (4:1 at a square canvas, where core's one-frame preview is 1:1); with "none", none. (The embedded demo family's
+    8-channel latents are not core's H3 format: those runs have no previews, said once in the log.)"""
+    from io import BytesIO
+
+    from PIL import Image
+
+    def workflow() -> dict:
+        return _small_core_workflow(31, generate=graph == "VflashGenerate")
+
+    result = asyncio.run(server.run_prompt(workflow(), extra_data={"preview_method": "latent2rgb"}))
+    assert result["status"] == "success", f"{result}\n{server.tail()}"
+    steps = [e["data"]["value"] for e in result["events"] if e["type"] == "progress" and e["data"].get("node") == "5" and e["data"]["max"] == 4]
+    assert steps == [1, 2, 3, 4]
+    assert len(result["previews"]) == 4 and all(kind == 1 and image_type == 1 for kind, image_type, _ in result["previews"])
+    for _, _, jpeg in result["previews"]:
+        image = Image.open(BytesIO(jpeg))
+        assert image.format == "JPEG" and image.width == 4 * image.height
+    off = asyncio.run(server.run_prompt(workflow(), extra_data={"preview_method": "none"}))
+    assert off["status"] == "success" and off["previews"] == []
+    assert [e["data"]["value"] for e in off["events"] if e["type"] == "progress" and e["data"].get("node") == "5" and e["data"]["max"] == 4][-1] == 4
+
+
+def test_cancel_during_decode_within_1_5_s_then_next_run_succeeds(server, tmp_path):
+    """The full canvas's decode takes seconds on the CPU; Cancel one second into it ends the prompt within 1.5 s (the
+    decoder polls ComfyUI's interrupt before every ViT block), and the next run, on the same loaded VAEs, succeeds."""
+    decode = "6"
+    full = asyncio.run(server.run_prompt(_workflow("t2va", seed=41)))
+    assert full["status"] == "success", f"{full}\n{server.tail()}"
+    assert _node_seconds(full, decode) > 3.0  # long enough for the cancel below to land inside the decode
+    result = asyncio.run(server.run_prompt(_workflow("t2va", seed=41), interrupt_in_node=(decode, 1.0)))
+    assert result["status"] == "execution_interrupted", result
+    assert result["body"]["node_id"] == decode
+    stopped = next(e["received"] for e in result["events"] if e["type"] == "execution_interrupted")
+    assert stopped - result["interrupted_at"] <= 1.5, f"{stopped - result['interrupted_at']:.2f} s from the interrupt to the stop"
+    again = asyncio.run(server.run_prompt(_workflow("t2va", SMALL, seed=42)))
+    assert again["status"] == "success", f"{again}\n{server.tail()}"
+    assert len(server.history_files(again["prompt_id"], tmp_path)) == 1

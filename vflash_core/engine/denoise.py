@@ -23,13 +23,19 @@ from .bundle import ConditioningBundle
 from .layout import audio_rows_to_latents, unpatchify
 from .profiler import NO_TIMER, StageTimer
 from .residency import BlockSource, device_loras
-from .schedule import euler_step, row_timestep_plan
+from .schedule import euler_step, flow_denoised, row_timestep_plan
 
 # The two progress callbacks of Vflash: within one stage, progress(done, total) (here: evaluations of a trajectory);
 # across stages, progress(stage, done, total) (the compiler's hash / verify / compile, the pipeline's load / encode /
 # denoise / decode / write). Either may raise to abandon the call.
 ProgressFn = Callable[[int, int], None]
 StageProgress = Callable[[str, int, int], None]
+# A live preview: preview(done, total, video) after every evaluation, beside or instead of the progress callback (a
+# front end that draws the image with its progress, as ComfyUI does, passes only this). `video` is that evaluation's
+# prediction of the clean video latents (x0, as the scheduler forms it): (1, C, F, h, w) fp32 on the denoiser's
+# device, the generated frames only; a tensor of its own, which the loop never reads again, so reading it (or even
+# writing it) leaves the trajectory bitwise unchanged. It may raise to abandon the call.
+PreviewFn = Callable[[int, int, torch.Tensor], None]
 
 
 @dataclass
@@ -169,32 +175,50 @@ class Denoiser:
             audio_velocity[ca:].float(), self.audio_timesteps[step], state.audio_rows[ca:], self.audio_sigmas[step], self.audio_sigmas[step + 1]
         )
 
-    def step(self, state: RequestState, step: int, bundle: ConditioningBundle, timer: StageTimer, between_blocks: Callable[[], None] | None = None) -> None:
+    def step(
+        self, state: RequestState, step: int, bundle: ConditioningBundle, timer: StageTimer, between_blocks: Callable[[], None] | None = None,
+        denoised: bool = False,
+    ) -> torch.Tensor | None:
+        """One evaluation and its Euler step; with `denoised`, returns the evaluation's x0 prediction of this state's
+        video rows (all of them, conditioning rows included: `video_latents` drops those), taken before the step."""
         timer.evaluation = step
         velocity, audio_velocity = self.evaluate(state, step, timer, between_blocks)
+        x0 = flow_denoised(velocity.float(), self.video_timesteps[step], state.video_rows) if denoised else None
         with timer.stage("latent_update"):
             self.update(state, step, velocity, audio_velocity, bundle.layout.num_condition_video_rows, bundle.layout.num_condition_audio_rows)
+        return x0
 
-    def run(self, bundle: ConditioningBundle, timer: StageTimer, progress: ProgressFn | None = None, between_blocks: Callable[[], None] | None = None) -> DenoiseOutput:
-        """The whole trajectory; `progress` is called after every evaluation (it may raise to abort).
+    def run(
+        self, bundle: ConditioningBundle, timer: StageTimer, progress: ProgressFn | None = None, between_blocks: Callable[[], None] | None = None,
+        preview: PreviewFn | None = None,
+    ) -> DenoiseOutput:
+        """The whole trajectory; `progress` and `preview` are called after every evaluation (either may raise to abort).
 
-        With a progress callback the host waits for each evaluation to finish before reporting it, so progress and
+        With either callback the host waits for each evaluation to finish before reporting it, so progress and
         cancellation track the device; without one nothing synchronises until the end.
         """
         state = self.start_request(bundle)
         for step in range(self.nfe):
-            self.step(state, step, bundle, timer, between_blocks)
-            if progress is not None:
+            x0 = self.step(state, step, bundle, timer, between_blocks, denoised=preview is not None)
+            if progress is not None or preview is not None:
                 if self.device.type == "cuda":
                     torch.cuda.current_stream(self.device).synchronize()
-                progress(step + 1, self.nfe)
+                if preview is not None:
+                    preview(step + 1, self.nfe, self.video_latents(bundle, x0))
+                if progress is not None:
+                    progress(step + 1, self.nfe)
         return self.finish(bundle, state.video_rows, state.audio_rows)
+
+    def video_latents(self, bundle: ConditioningBundle, video_rows: torch.Tensor) -> torch.Tensor:
+        """All packed video rows (conditioning first, as in the bundle) -> (1, C, F, h, w) of the generated frames,
+        on the rows' device."""
+        lay, geo, cfg = bundle.layout, bundle.geometry, self.config
+        return unpatchify(video_rows[lay.num_condition_video_rows :], cfg.in_channels, geo.num_latent_frames, geo.latent_height, geo.latent_width, cfg.patch_size)
 
     def finish(self, bundle: ConditioningBundle, video_rows: torch.Tensor, audio_rows: torch.Tensor) -> DenoiseOutput:
         """Drop conditioning rows and unpack all rows into latents on the CPU."""
-        lay, geo, cfg = bundle.layout, bundle.geometry, self.config
-        video = unpatchify(video_rows[lay.num_condition_video_rows :], cfg.in_channels, geo.num_latent_frames, geo.latent_height, geo.latent_width, cfg.patch_size)
-        audio = audio_rows_to_latents(audio_rows[lay.num_condition_audio_rows :], geo.num_audio_latents)
+        video = self.video_latents(bundle, video_rows)
+        audio = audio_rows_to_latents(audio_rows[bundle.layout.num_condition_audio_rows :], bundle.geometry.num_audio_latents)
         return DenoiseOutput(video.cpu(), audio.cpu())
 
     def close(self) -> None:

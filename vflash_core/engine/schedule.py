@@ -69,11 +69,16 @@ class FixedSchedule:
         return {"nfe": self.nfe, "video_shift": self.video_shift, "audio_shift": self.audio_shift}
 
 
+def flow_denoised(velocity: torch.Tensor, timestep: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
+    """The evaluation's prediction of the clean sample (x0), as `MiniMaxH3Scheduler.step` forms it before stepping."""
+    return sample + (1 - timestep) * velocity
+
+
 def euler_step(
     velocity: torch.Tensor, timestep: torch.Tensor, sample: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor
 ) -> torch.Tensor:
     """One `MiniMaxH3Scheduler.step` in fp32: `timestep`, `sigma`, `sigma_next` are 0-d fp32 tensors on the device."""
-    denoised = sample + (1 - timestep) * velocity
+    denoised = flow_denoised(velocity, timestep, sample)
     ratio = sigma_next / sigma
     return ratio * sample + (1.0 - ratio) * denoised
 

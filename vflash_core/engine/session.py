@@ -57,7 +57,7 @@ from ..weights.artifact import CompiledArtifact
 from .attention import resolve_attention
 from .bundle import MODE_VARIANT, BundleHandoff, ConditioningBundle
 from .config import H3Config
-from .denoise import DenoiseOutput, Denoiser, ProgressFn
+from .denoise import DenoiseOutput, Denoiser, PreviewFn, ProgressFn
 from .device_owner import release_host_memory
 from .fp8 import FusedRowFP8Ops, RowFP8Execution, RowFP8Ops
 from .fused import FusedOps
@@ -365,11 +365,15 @@ class NativeEngineSession:
         between_blocks: Callable[[], None] | None = None,
         output_latents: str | Path | None = None,
         profile_denoise: bool = False,
+        preview: PreviewFn | None = None,
     ) -> GenerationResult:
         """Denoise one request. `bundle` may be a bundle, a one-shot handoff, or a persisted bundle folder.
 
         `progress(done, total)` runs after every evaluation and `between_blocks()` between blocks (with several GPUs,
-        at the next evaluation boundary); an exception they raise aborts the request and leaves the session usable.
+        at the next evaluation boundary); `preview(done, total, video)` after every evaluation too, with that
+        evaluation's x0 prediction of the video latents on the first device (`denoise.PreviewFn`: it only reads a copy,
+        so the latents are bitwise those of a run without it). An exception these raise aborts the request and leaves
+        the session usable.
         With `output_latents`, the latents are also written there atomically, inside the timed region. With
         `profile_denoise`, per-stage device timings are returned in `denoise_profile`.
         """
@@ -388,6 +392,7 @@ class NativeEngineSession:
         self.validate(bundle)
         check_callback(progress, "progress")
         check_callback(between_blocks, "between_blocks")
+        check_callback(preview, "preview")
         if output_latents is not None:
             check_writable_destination(path_argument(output_latents, "output_latents"))
         aborted = False
@@ -396,7 +401,7 @@ class NativeEngineSession:
             if fn is None:
                 return None
 
-            def call(*args: int) -> None:
+            def call(*args: object) -> None:
                 nonlocal aborted
                 try:
                     fn(*args)
@@ -416,9 +421,9 @@ class NativeEngineSession:
         start = time.perf_counter()
         try:
             if self._group is None:
-                output = self._denoisers[0].run(bundle, timers[0], guarded(progress), guarded(between_blocks))
+                output = self._denoisers[0].run(bundle, timers[0], guarded(progress), guarded(between_blocks), guarded(preview))
             else:
-                output = self._run_group(bundle, timers, guarded(progress), guarded(between_blocks))
+                output = self._run_group(bundle, timers, guarded(progress), guarded(between_blocks), guarded(preview))
             if output_latents is not None:
                 write_latents(output_latents, output, {"profile": self.profile.id, "mode": bundle.mode})
         except BaseException as exc:
@@ -458,8 +463,12 @@ class NativeEngineSession:
             report["peak_reserved_bytes"] = [torch.cuda.max_memory_reserved(d) for d in self.devices]
         return report
 
-    def _run_group(self, bundle: ConditioningBundle, timers: list[StageTimer], progress: ProgressFn | None, between_blocks: Callable[[], None] | None) -> DenoiseOutput:
-        """Every rank runs the trajectory on its rows; ranks stop together at an evaluation boundary when asked."""
+    def _run_group(
+        self, bundle: ConditioningBundle, timers: list[StageTimer], progress: ProgressFn | None, between_blocks: Callable[[], None] | None,
+        preview: PreviewFn | None,
+    ) -> DenoiseOutput:
+        """Every rank runs the trajectory on its rows; ranks stop together at an evaluation boundary when asked. For a
+        preview, rank 0 gathers every rank's x0 rows onto its device between the boundary's two barriers."""
         group = self._group
         assert group is not None
         total = bundle.layout.sequence_length
@@ -470,8 +479,9 @@ class NativeEngineSession:
         else:  # tensor: every rank holds every row
             rows = [(0, total)] * len(self.devices)
         stop: list[BaseException] = []
+        denoised: list[torch.Tensor | None] = [None] * len(self.devices)
 
-        def relay(callback: Callable[..., None] | None, *args: int) -> None:
+        def relay(callback: Callable[..., None] | None, *args: object) -> None:
             """Rank 0 calls the caller's callbacks; a request to stop is remembered and acted on at the boundary."""
             if callback is not None and not stop:
                 try:
@@ -487,12 +497,17 @@ class NativeEngineSession:
             state = den.start_request(bundle, rows[rank])
             nfe = den.nfe
             for step in range(nfe):
-                den.step(state, step, bundle, timers[rank], poll if rank == 0 else None)
-                if progress is not None or between_blocks is not None:
+                denoised[rank] = den.step(state, step, bundle, timers[rank], poll if rank == 0 else None, denoised=preview is not None)
+                if progress is not None or between_blocks is not None or preview is not None:
                     if den.device.type == "cuda":
                         torch.cuda.current_stream(den.device).synchronize()
                     group.barrier.wait()
                     if rank == 0:
+                        if preview is not None:
+                            # tensor: every rank holds every row; sequence-head: the ranks' rows in order are all rows
+                            parts = denoised[:1] if self.strategy == "tensor" else denoised
+                            gathered = torch.cat([part.to(den.device) for part in parts])  # type: ignore[union-attr]
+                            relay(preview, step + 1, nfe, den.video_latents(bundle, gathered))
                         relay(progress, step + 1, nfe)
                     group.barrier.wait()
                     if stop:

@@ -12,12 +12,17 @@ channels as two batch items. `video_decoder="native"` decodes the video with `va
 the same frames bit for bit, several tile-windows per ViT call, each window's frames copied out as it completes; with a
 `peer_device` it splits the tile-windows between the two devices (a replica of the decoder's weights on the peer for
 the decode's duration), the same frames again.
+
+Both decodes take a `between_blocks()` hook, called before each of the ViT decoder's blocks (in diffusers' decode
+through a forward pre-hook on each block, for the decode's duration only), so a cancel raised there stops a decode
+within one block of one tile call; it reads nothing and the frames are unchanged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,8 +147,9 @@ class MediaVAEs(SerialDeviceOwner):
     # -- decoding -----------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def decode_video(self, video_latents: torch.Tensor) -> torch.Tensor:
-        """(1, C, F, h, w) normalised -> (F', 16h, 16w, 3) float32 in [0, 1], F' = 17 n + 5 for F = 5 n + 2."""
+    def decode_video(self, video_latents: torch.Tensor, between_blocks: Callable[[], None] | None = None) -> torch.Tensor:
+        """(1, C, F, h, w) normalised -> (F', 16h, 16w, 3) float32 in [0, 1], F' = 17 n + 5 for F = 5 n + 2.
+        `between_blocks()` runs before each ViT decoder block (it may raise to abandon the decode)."""
         mean, std, device = self._stats(self.video_vae, (1, -1, 1, 1, 1))
         latents = video_latents.to(device) * std.to(device) + mean.to(device)
         pixel_mean, pixel_std = (torch.tensor(stats, device=device).view(1, -1, 1, 1, 1) for stats in (PIXEL_MEAN, PIXEL_STD))
@@ -152,7 +158,8 @@ class MediaVAEs(SerialDeviceOwner):
             return (video.float() * pixel_std + pixel_mean).clamp(0, 1)[0].permute(1, 2, 3, 0)
 
         if self.video_decoder != "native":
-            return unit_frames(self.video_vae.decode(latents, return_dict=False)[0]).cpu()
+            with calling_between_blocks(self.video_vae.decoder, between_blocks):
+                return unit_frames(self.video_vae.decode(latents, return_dict=False)[0]).cpu()
         # Each window's frames are mapped to [0, 1] on the device (the same ops per element as on the whole video) and
         # copied to the host as the window completes, so the video itself never occupies the device.
         devices = () if self.peer_device is None else (latents.device, self.peer_device)
@@ -163,7 +170,7 @@ class MediaVAEs(SerialDeviceOwner):
         def write(start: int, chunk: torch.Tensor) -> None:
             frames[start : start + chunk.shape[2]].copy_(unit_frames(chunk))
 
-        decoder.decode(latents, write)
+        decoder.decode(latents, write, between_blocks=between_blocks)
         return frames
 
     @torch.no_grad()
@@ -180,15 +187,37 @@ class MediaVAEs(SerialDeviceOwner):
         return decode_latents(self, video_latents, audio_latents)
 
 
-def decode_latents(vaes, video_latents: torch.Tensor, audio_latents: torch.Tensor, after_stage: Callable[[str], None] | None = None) -> DecodedMedia:
+@contextlib.contextmanager
+def calling_between_blocks(decoder: torch.nn.Module, between_blocks: Callable[[], None] | None) -> Iterator[None]:
+    """Inside the `with`, `between_blocks()` runs before each of `decoder.transformer_blocks` (the H3 ViT
+    decoder's, in diffusers' and in ComfyUI core's VAE alike) through forward pre-hooks that return nothing, so the
+    blocks' inputs are untouched; the hooks are removed on exit, whatever happened."""
+    if between_blocks is None:
+        yield
+        return
+    handles = [block.register_forward_pre_hook(lambda module, args: between_blocks()) for block in decoder.transformer_blocks]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def decode_latents(
+    vaes, video_latents: torch.Tensor, audio_latents: torch.Tensor, after_stage: Callable[[str], None] | None = None,
+    between_blocks: Callable[[], None] | None = None,
+) -> DecodedMedia:
     """(1, C, F, h, w) and (2, C_a, A) normalised latents -> frames and the whole stereo waveform, the VAEs on their
-    device for the duration; `after_stage` is called after decode.video and decode.audio. `vaes` is a `MediaVAEs` or
-    any object with its `on_device` / `decode_video` / `decode_audio` / `sample_rate` (an adapter over another
-    implementation's VAEs)."""
+    device for the duration; `after_stage` is called after decode.video and decode.audio, `between_blocks()` before
+    each block of the video decoder and once before the audio decode (either may raise to abandon the decode). `vaes`
+    is a `MediaVAEs` or any object with its `on_device` / `decode_video(latents, between_blocks)` / `decode_audio` /
+    `sample_rate` (an adapter over another implementation's VAEs)."""
     after_stage = after_stage or (lambda name: None)
     with vaes.on_device():
-        frames = vaes.decode_video(video_latents)
+        frames = vaes.decode_video(video_latents, between_blocks)
         after_stage("decode.video")
+        if between_blocks is not None:
+            between_blocks()
         waveform = vaes.decode_audio(audio_latents)
         after_stage("decode.audio")
     return DecodedMedia(frames, waveform, vaes.sample_rate)

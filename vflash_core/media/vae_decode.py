@@ -372,15 +372,21 @@ def block(b: BlockWeights, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tens
     return h + F.linear(value * F.silu(gate), b.ff_out, b.ff_out_bias) * b.scale2
 
 
-def decode_tile_windows(w: DecoderWeights, latents: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ops: DecoderOps) -> torch.Tensor:
+def decode_tile_windows(
+    w: DecoderWeights, latents: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ops: DecoderOps,
+    between_blocks: Callable[[], None] | None = None,
+) -> torch.Tensor:
     """The ViT decoder over W stacked tile-windows: (W, C, T, th, tw) `post_quant_conv` outputs -> (W, 3, pt T, p th,
-    p tw) pixels in `proj_out`'s dtype. `rope` is `rotary(w, T, th, tw, compute dtype)`. A pure function of fixed
-    shapes (a CUDA graph can capture it per W)."""
+    p tw) pixels in `proj_out`'s dtype. `rope` is `rotary(w, T, th, tw, compute dtype)`. `between_blocks()` runs on the
+    host before each block (a cancel check; it may raise). Without it, a pure function of fixed shapes (a CUDA graph
+    can capture it per W)."""
     count, channels, frames, height, width = latents.shape
     # (W, S, D) tokens, S = T th tw + R + 1: `proj_in` per voxel (rows t, y, x), the R register tokens, one zero token.
     h = F.linear(latents.permute(0, 2, 3, 4, 1).reshape(count, -1, channels), w.proj_in, w.proj_in_bias)
     h = torch.cat([h, w.register_tokens.expand(count, -1, -1).to(h.dtype), torch.zeros_like(h[:, :1, :])], dim=1)
     for b in w.blocks:
+        if between_blocks is not None:
+            between_blocks()
         h = block(b, h, rope, w, ops)
     # LayerNorm in fp32, `proj_out`, the register and zero tokens dropped, each token's (3, pt, p, p) block in place.
     h = F.layer_norm(h, (h.shape[-1],), w.norm_out, w.norm_out_bias, w.norm_out_eps).to(w.output_dtype)
@@ -587,9 +593,16 @@ class NativeVideoDecoder:
         return self.geometry.plan(*latent_shape[2:])
 
     @torch.no_grad()
-    def decode(self, z: torch.Tensor, sink: FrameSink | None = None, output_device: str | torch.device = "cpu") -> torch.Tensor | None:
+    def decode(
+        self, z: torch.Tensor, sink: FrameSink | None = None, output_device: str | torch.device = "cpu",
+        between_blocks: Callable[[], None] | None = None,
+    ) -> torch.Tensor | None:
         """(1, C, F, h, w) denormalised latents, on any device -> (1, 3, F', 16 h, 16 w) pixels in ImageNet space, in
-        `proj_out`'s dtype, on `output_device`; or None, the frames having gone to `sink` window by window."""
+        `proj_out`'s dtype, on `output_device`; or None, the frames having gone to `sink` window by window.
+
+        `between_blocks()` (a cancel check; it may raise, which stops every device after its current call) runs on the
+        calling thread only: before each block of the first device's calls, and before each call's tiles are
+        collected, so also while the other devices' parts are awaited."""
         plan = self.plan(z.shape)
         output = None
         if sink is None:
@@ -607,8 +620,10 @@ class NativeVideoDecoder:
         peers = [PeerPart(self, index, z, plan, part) for index, part in enumerate(parts[1:], start=1)]
         try:
             # The one-device order: the first device's own part, then each peer's part as it is staged.
-            in_order = itertools.chain(self._calls(0, z, plan, parts[0]), *(peer.results() for peer in peers))
+            in_order = itertools.chain(self._calls(0, z, plan, parts[0], between_blocks), *(peer.results() for peer in peers))
             for batch, pixels in in_order:
+                if between_blocks is not None:
+                    between_blocks()
                 self._collect(batch, pixels, plan, grid, timeline)
         finally:
             for peer in peers:
@@ -616,19 +631,24 @@ class NativeVideoDecoder:
         timeline.finish()
         return output
 
-    def _calls(self, index: int, z: torch.Tensor, plan: DecodePlan, calls: list[list[TileWindow]]) -> Iterator[tuple[list[TileWindow], torch.Tensor]]:
+    def _calls(
+        self, index: int, z: torch.Tensor, plan: DecodePlan, calls: list[list[TileWindow]], between_blocks: Callable[[], None] | None = None,
+    ) -> Iterator[tuple[list[TileWindow], torch.Tensor]]:
         """`calls` on device `index`, in order, each as (tile-windows, pixels there); up to `CALLS_IN_FLIGHT_PER_DEVICE`
         further calls are launched before a call's pixels are handed on."""
         w = self.weights[index]
         rope = rotary(w, plan.window_latents, plan.tile_height, plan.tile_width, w.compute_dtype)
         in_flight: deque[tuple[list[TileWindow], torch.Tensor]] = deque()
         for batch in calls:
-            in_flight.append((batch, self._decode_call(index, z, plan, batch, rope)))
+            in_flight.append((batch, self._decode_call(index, z, plan, batch, rope, between_blocks)))
             if len(in_flight) > CALLS_IN_FLIGHT_PER_DEVICE:
                 yield in_flight.popleft()
         yield from in_flight
 
-    def _decode_call(self, index: int, z: torch.Tensor, plan: DecodePlan, batch: list[TileWindow], rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def _decode_call(
+        self, index: int, z: torch.Tensor, plan: DecodePlan, batch: list[TileWindow], rope: tuple[torch.Tensor, torch.Tensor],
+        between_blocks: Callable[[], None] | None = None,
+    ) -> torch.Tensor:
         """One ViT call on device `index`: (len(batch), 3, pt T, p th, p tw) pixels there."""
         w = self.weights[index]
         windows: dict[int, torch.Tensor] = {}
@@ -641,7 +661,7 @@ class NativeVideoDecoder:
             tile = windows[item.window][..., y : y + plan.tile_height, x : x + plan.tile_width]
             # `post_quant_conv` tile by tile, at the reference's shape (a 1x1x1 convolution, negligible beside the ViT).
             tiles.append(F.conv3d(tile, w.post_quant_conv, w.post_quant_conv_bias))
-        return decode_tile_windows(w, torch.cat(tiles), rope, self.ops[index])
+        return decode_tile_windows(w, torch.cat(tiles), rope, self.ops[index], between_blocks)
 
     def _collect(self, batch: list[TileWindow], pixels: torch.Tensor, plan: DecodePlan, grid: dict[TileWindow, torch.Tensor], timeline: Timeline) -> None:
         """File a call's tiles on the first device; stitch and hand on each window whose last tile this was."""

@@ -49,7 +49,7 @@ import torch
 
 from ..engine.bundle import BundleHandoff, EncodedReference, build_keyframe_bundle, build_ref2va_bundle
 from ..engine.config import H3Config
-from ..engine.denoise import StageProgress
+from ..engine.denoise import PreviewFn, StageProgress
 from ..engine.layout import FPS, VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK, VAE_SPATIAL_RATIO, Geometry
 from ..engine.session import (
     BlockLoader,
@@ -652,12 +652,13 @@ class H3Pipeline:
             self.load()
             return build_request_bundle(self.conditioner, self.vaes, request, plan, self.config, self.canvas, timings)
 
-    def denoise(self, bundle_or_handoff, progress: Callable[[int, int], None] | None = None) -> GenerationResult:
-        """Run the native core; `progress(done, total)` after every evaluation (it may raise to abort)."""
+    def denoise(self, bundle_or_handoff, progress: Callable[[int, int], None] | None = None, preview: PreviewFn | None = None) -> GenerationResult:
+        """Run the native core; `progress(done, total)` and `preview(done, total, video x0)` after every evaluation
+        (either may raise to abort; `engine.denoise.PreviewFn`)."""
         self._check_open()
         with self._lock:
             self.load()
-            return self.session.generate(bundle_or_handoff, progress=progress, profile_denoise=self.options.profile_denoise)
+            return self.session.generate(bundle_or_handoff, progress=progress, profile_denoise=self.options.profile_denoise, preview=preview)
 
     def decode(self, video_latents: torch.Tensor, audio_latents: torch.Tensor) -> DecodedMedia:
         """(1, C, F, h, w) and (2, C_a, A) normalised latents -> frames and stereo waveform."""
@@ -693,18 +694,23 @@ class H3Pipeline:
         overwrite: bool = False,
         progress: StageProgress | None = None,
         cancel: Callable[[], None] | None = None,
+        preview: PreviewFn | None = None,
     ) -> VideoResult:
-        """Generate one clip and write it to `output` (MP4; None keeps the decoded media in the result)."""
+        """Generate one clip and write it to `output` (MP4; None keeps the decoded media in the result).
+
+        `cancel()` is polled between stages, between the denoiser's evaluations and the video decoder's blocks; what
+        it raises ends the request as `RequestCancelled`. `preview(done, total, video x0)` runs after every evaluation
+        (`engine.denoise.PreviewFn`)."""
         start = time.perf_counter()
         plan = self.validate(request)
-        check_generate_arguments(request, output, overwrite, progress, cancel)
+        check_generate_arguments(request, output, overwrite, progress, cancel, preview)
         validated = time.perf_counter() - start
         with self._lock:
-            return self._run(request, plan, output, overwrite, progress, cancel, validated)
+            return self._run(request, plan, output, overwrite, progress, cancel, preview, validated)
 
     def _run(
         self, request: VideoRequest, plan: RequestPlan, output: str | Path | None, overwrite: bool,
-        progress: StageProgress | None, cancel: Callable[[], None] | None, validated: float,
+        progress: StageProgress | None, cancel: Callable[[], None] | None, preview: PreviewFn | None, validated: float,
     ) -> VideoResult:
         """One validated request, under the pipeline's lock; the clock starts after any wait for the lock."""
         start = time.perf_counter() - validated
@@ -739,12 +745,12 @@ class H3Pipeline:
                 poll()
 
             t = time.perf_counter()
-            generation = self.session.generate(handoff, progress=on_evaluation, profile_denoise=self.options.profile_denoise)
+            generation = self.session.generate(handoff, progress=on_evaluation, profile_denoise=self.options.profile_denoise, preview=preview)
             stages["denoise"] = time.perf_counter() - t
             poll()
             t = time.perf_counter()
             after_stage = stage_timer(stages, lambda stage: report("decode", ("decode.video", "decode.audio").index(stage) + 1, 2))
-            media = decode_latents(self.vaes, generation.video_latents, generation.audio_latents, after_stage)
+            media = decode_latents(self.vaes, generation.video_latents, generation.audio_latents, after_stage, poll if cancel is not None else None)
             stages["decode"] = time.perf_counter() - t
             soundtrack = delivered_soundtrack(media)
             path = None

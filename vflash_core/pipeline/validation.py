@@ -115,13 +115,16 @@ def check_output_is_not_an_input(output: str | os.PathLike, inputs: dict[str, ob
             raise VflashError(f"output {target} is inside the {what} {item}; write the clip to another folder")
 
 
-def check_generate_arguments(request: VideoRequest, output: object, overwrite: object, progress: object = None, cancel: object = None) -> None:
+def check_generate_arguments(
+    request: VideoRequest, output: object, overwrite: object, progress: object = None, cancel: object = None, preview: object = None,
+) -> None:
     """The arguments of `H3Pipeline.generate` besides the request, checked before anything loads: the output a
     writable file path that is none of the request's inputs, `overwrite` a bool, the callbacks callable."""
     if not isinstance(overwrite, bool):  # a truthy string such as "no" must never turn overwriting on
         raise VflashError(f"overwrite must be True or False, got {describe_value(overwrite)}")
     check_callback(progress, "progress")
     check_callback(cancel, "cancel")
+    check_callback(preview, "preview")
     if output is not None:
         path_argument(output, "the output path")
         check_writable_destination(output, overwrite)  # as given: a trailing "/" names a folder
