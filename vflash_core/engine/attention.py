@@ -26,6 +26,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from ..errors import VflashError
 from .model import AttentionFn, sdpa_attention
 
+__all__ = ["BACKENDS", "resolve_attention"]
+
 logger = logging.getLogger(__name__)
 # Devices whose "auto" fallback was logged: the options check, the session and each rank resolve the same choice.
 _FALLBACK_LOGGED: set[torch.device] = set()
