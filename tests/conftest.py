@@ -123,14 +123,49 @@ def assert_bitwise(actual: torch.Tensor, expected: torch.Tensor, what: str = "")
 
 
 # -- the complete pipeline: one random-weight model family in the official layout, compiled and prepared -------------
+#
+# The embedded demo (`vflash_core.pipeline.demo.ensure_demo_assets`: the family without its ref2va partition, its
+# transformer compiled for t2va-base4-exact-cpu, the assets file and the prepared receipt) is built once per test run
+# and shared by every test that needs a whole model: the pipeline tests, the CLI, the service, the node pack and the
+# headless workflows. It is read-only: a test that changes a file of it copies the file first.
 
 
 @pytest.fixture(scope="session")
-def h3_family(tmp_path_factory) -> Path:
-    """The embedded demo's family (Qwen3-VL with 52 layers, both VAEs, both transformer partitions), built once."""
+def demo_receipt(tmp_path_factory) -> Path:
+    """The shared demo build's prepared-assets receipt (t2va / i2va / l2va / fl2va, 4 NFE, CPU)."""
+    from vflash_core.pipeline.demo import ensure_demo_assets
+
+    return ensure_demo_assets(tmp_path_factory.mktemp("demo-cache"))
+
+
+def linked_demo_cache(cache: Path, demo_receipt: Path) -> Path:
+    """Make `cache` (created) a demo cache folder of its own (for `$VFLASH_CACHE` or `--cache-dir`) in which the demo
+    is found built: its one entry links to the shared build, so what a test writes into its cache stays its own."""
+    cache.mkdir(parents=True, exist_ok=True)
+    (cache / demo_receipt.parent.name).symlink_to(demo_receipt.parent, target_is_directory=True)
+    return cache
+
+
+@pytest.fixture
+def demo_cache(demo_receipt, tmp_path) -> Path:
+    """This test's demo cache folder (`linked_demo_cache`)."""
+    return linked_demo_cache(tmp_path / "vflash-cache", demo_receipt)
+
+
+@pytest.fixture(scope="session")
+def h3_family(tmp_path_factory, demo_receipt) -> Path:
+    """The demo's family with its ref2va partition (Qwen3-VL with 52 layers, both VAEs, both transformer
+    partitions): the shared demo build's parts linked in; only `transformer_ref/` and the index naming it are
+    written here (each part has its own seed, so this equals a family built whole)."""
     from vflash_core.weights.family import DEMO_FAMILY, build_model_family
 
-    return build_model_family(tmp_path_factory.mktemp("family") / "model", DEMO_FAMILY, seed=0, with_ref=True)
+    built = demo_receipt.parent / "model"
+    root = tmp_path_factory.mktemp("family") / "model"
+    root.mkdir()
+    for part in built.iterdir():
+        if part.name != "modular_model_index.json":
+            (root / part.name).symlink_to(part, target_is_directory=part.is_dir())
+    return build_model_family(root, DEMO_FAMILY, seed=0, with_ref=True, parts=("transformer_ref", "index"))
 
 
 def prepare_family(tmp: Path, family: Path, profile: str, partition: str) -> Path:
@@ -150,9 +185,10 @@ def prepare_family(tmp: Path, family: Path, profile: str, partition: str) -> Pat
 
 
 @pytest.fixture(scope="session")
-def h3_prepared(tmp_path_factory, h3_family) -> Path:
-    """Prepared-assets receipt of the family's `transformer/` for t2va / i2va / l2va / fl2va (4 NFE, CPU)."""
-    return prepare_family(tmp_path_factory.mktemp("prepared4"), h3_family, "t2va-base4-exact-cpu", "transformer")
+def h3_prepared(demo_receipt) -> Path:
+    """Prepared-assets receipt of the family's `transformer/` for t2va / i2va / l2va / fl2va (4 NFE, CPU): the shared
+    demo build's, whose transformer is `h3_family`'s."""
+    return demo_receipt
 
 
 @pytest.fixture(scope="session")

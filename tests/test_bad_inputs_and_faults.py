@@ -554,13 +554,13 @@ def test_a_killed_runs_temporaries_are_removed_by_the_next_run_into_its_folder(h
 
 
 @pytest.fixture
-def models_folder(tmp_path, monkeypatch, tmp_path_factory):
+def models_folder(tmp_path, monkeypatch, demo_cache):
     """A models folder holding one Comfy-Org single file of the demo's transformer, and a demo family cache for the
-    text encoder and VAE loaders' `embedded-demo`."""
+    text encoder and VAE loaders' `embedded-demo` (the run's shared demo build)."""
     from vflash_core.engine.config import H3Config
     from vflash_core.weights import synthetic
 
-    monkeypatch.setenv("VFLASH_CACHE", str(tmp_path_factory.getbasetemp() / "demo-cache-first-use"))
+    monkeypatch.setenv("VFLASH_CACHE", str(demo_cache))
     models = tmp_path / "models"
     (models / "diffusion_models").mkdir(parents=True)
     demo = H3Config.preset("demo")

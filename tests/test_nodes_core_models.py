@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from comfy_standins import harness
+from conftest import linked_demo_cache
 from vflash_nodes import comfy_latent as cl
 from vflash_nodes import ops
 from vflash_nodes.workflow import apply_overrides, execute, load_api_workflow
@@ -30,8 +31,9 @@ API = REPO / "workflows" / "api"
 
 
 @pytest.fixture(scope="module")
-def pack(tmp_path_factory):
-    with harness.installed(tmp_path_factory.mktemp("vflash-cache"), tmp_path_factory.mktemp("comfyui")) as loaded:
+def pack(tmp_path_factory, demo_receipt):
+    cache = linked_demo_cache(tmp_path_factory.mktemp("vflash-cache"), demo_receipt)  # the run's demo build
+    with harness.installed(cache, tmp_path_factory.mktemp("comfyui")) as loaded:
         yield loaded
 
 

@@ -33,21 +33,14 @@ SLOW: dict[str, Any] = {"duration_seconds": 5}  # the demo's default 448x256 can
 TERMINAL = ("succeeded", "failed", "cancelled")
 
 
-@pytest.fixture(scope="session")
-def demo_assets(tmp_path_factory) -> Path:
-    from vflash_core.pipeline.demo import ensure_demo_assets
-
-    return ensure_demo_assets(cache_dir=tmp_path_factory.mktemp("demo-cache"))
-
-
 @pytest.fixture
-def make_service(demo_assets, tmp_path):
-    """An app serving the demo model, publishing into `tmp_path / "out"`."""
+def make_service(demo_receipt, tmp_path):
+    """An app serving the demo model (the run's shared demo build), publishing into `tmp_path / "out"`."""
 
     def make(**changes: Any) -> tuple[web.Application, ServiceConfig]:
         out = tmp_path / "out"
         out.mkdir(exist_ok=True)
-        config = ServiceConfig(prepared_assets=demo_assets, output_dir=out, **changes)
+        config = ServiceConfig(prepared_assets=demo_receipt, output_dir=out, **changes)
         return create_app(config), config
 
     return make
@@ -173,10 +166,14 @@ async def test_submit_poll_download_playable_mp4(aiohttp_client, make_service, t
     assert "vflash_request_seconds_count 3" in text and "vflash_worker_restarts_total 0" in text
 
 
-async def test_twenty_queued_jobs_run_in_order_on_one_pipeline_then_429(aiohttp_client, make_service):
-    app, config = make_service(max_queue=20)
+async def test_queued_jobs_run_in_order_on_one_pipeline_then_429(aiohttp_client, make_service):
+    """Four queued jobs (a queue of four, filled): run in submission order by one worker whose session counts four
+    serial requests, none lost, each its own video; one more submission while the queue is full is 429, and the
+    overflow jobs, cancelled while queued, hold no worker."""
+    jobs_queued = 4
+    app, config = make_service(max_queue=jobs_queued)
     client = await aiohttp_client(app)
-    ids = [await submit(client, seed=seed, **FAST) for seed in range(20)]
+    ids = [await submit(client, seed=seed, **FAST) for seed in range(jobs_queued)]
     # Fill the queue to the brim (jobs may already have left it for the worker), then one more.
     extra = []
     while True:
@@ -184,21 +181,21 @@ async def test_twenty_queued_jobs_run_in_order_on_one_pipeline_then_429(aiohttp_
         if response.status == 429:
             assert "queue is full" in (await response.json())["error"]
             break
-        assert response.status == 202 and len(extra) < 20
+        assert response.status == 202 and len(extra) < jobs_queued
         extra.append((await response.json())["id"])
     for job_id in extra:
         await client.delete(f"/v1/jobs/{job_id}")  # queued ones are cancelled at once; any already running finish
 
     jobs = [await wait_job(client, job_id, timeout=600) for job_id in ids]
-    assert [job["status"] for job in jobs] == ["succeeded"] * 20
+    assert [job["status"] for job in jobs] == ["succeeded"] * jobs_queued
     started = [job["started_at"] for job in jobs]
     assert started == sorted(started)
-    # One pipeline, reused: one worker served them all, and its session counted 20 serial requests.
+    # One pipeline, reused: one worker served them all, and its session counted the serial requests.
     assert {job["worker_pid"] for job in jobs} == {jobs[0]["worker_pid"]}
-    assert [job["result"]["session"]["request_index"] for job in jobs] == list(range(1, 21))
+    assert [job["result"]["session"]["request_index"] for job in jobs] == list(range(1, jobs_queued + 1))
     outputs = {config.output_dir / f"{job_id}.mp4" for job_id in ids}
     assert outputs <= set(published(config.output_dir))
-    assert len({path.read_bytes() for path in outputs}) == 20  # twenty seeds, twenty different videos
+    assert len({path.read_bytes() for path in outputs}) == jobs_queued  # one seed each, one different video each
     assert app[SUPERVISOR].restarts == 0
 
 
@@ -429,12 +426,14 @@ async def test_python_client_against_a_loopback_server(aiohttp_server, make_serv
         with pytest.raises(ServiceError) as info:
             VflashClient(client.base_url).status(job_id)
         assert info.value.status == 401
-        queued = client.submit({"prompt": "first", **SLOW})
+        running = client.submit({"prompt": "first", **SLOW})  # long enough that the next one is still queued
         doomed = client.submit({"prompt": "second", **FAST})
         assert client.cancel(doomed)["status"] == "cancelled"
         with pytest.raises(JobFailedError, match="cancelled"):
             client.wait(doomed)
-        client.wait(queued, poll_seconds=0.05)
+        client.cancel(running)  # its render is the kill and cancel tests' business; the client's ends here
+        with pytest.raises(JobFailedError, match="cancelled"):
+            client.wait(running, poll_seconds=0.05)
 
     await asyncio.to_thread(session)
 

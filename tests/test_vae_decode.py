@@ -25,10 +25,9 @@ SMALL_TILES = (64, 64, 32, 32)
 
 
 @pytest.fixture(scope="module")
-def vae_root(tmp_path_factory):
-    from vflash_core.weights.family import DEMO_FAMILY, build_model_family
-
-    return build_model_family(tmp_path_factory.mktemp("vaes") / "model", DEMO_FAMILY, seed=0, with_ref=False, parts=("vaes",))
+def vae_root(h3_family):
+    """The run's shared demo family (its `vae/` and `audio_vae/`)."""
+    return h3_family
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from comfy_standins import harness
-from conftest import TEMPLATES
+from conftest import TEMPLATES, linked_demo_cache
 from vflash_nodes.workflow import (
     WorkflowError,
     _dynamic_combo_inputs,
@@ -41,8 +41,9 @@ UI_ONLY = {"MarkdownNote", "Note"}
 
 
 @pytest.fixture(scope="module")
-def pack(tmp_path_factory):
-    with harness.installed(tmp_path_factory.mktemp("vflash-cache"), tmp_path_factory.mktemp("comfyui")) as loaded:
+def pack(tmp_path_factory, demo_receipt):
+    cache = linked_demo_cache(tmp_path_factory.mktemp("vflash-cache"), demo_receipt)  # the run's demo build
+    with harness.installed(cache, tmp_path_factory.mktemp("comfyui")) as loaded:
         yield loaded
 
 
@@ -238,25 +239,29 @@ def test_ui_and_api_describe_the_same_graph(pack, name):
 # -- headless runs ---------------------------------------------------------------------------------------------------
 
 
-def test_run_workflow_cli_t2va_plays_with_audio(tmp_path):
-    """The headless run a user makes: `vflash run-workflow workflows/api/t2va.json` on a fresh cache writes a playable MP4."""
+def test_run_workflow_cli_t2va_plays_with_audio(tmp_path, demo_cache):
+    """The headless run a user makes: `vflash run-workflow workflows/api/t2va.json` writes a playable MP4 (the cache
+    holds the run's demo build; `vflash demo`'s test builds one from nothing and renders the 448x256 canvas). The
+    wiring is what is checked here, so the canvas is set to the smallest H3 takes, as `--set` lets a user do."""
     import av
 
     from vflash_core.media.mp4 import probe_mp4
 
-    env = {**os.environ, "VFLASH_CACHE": str(tmp_path / "cache")}
+    overrides = ["4.width=32", "4.height=32"]
+    env = {**os.environ, "VFLASH_CACHE": str(demo_cache)}
     out = subprocess.run(
-        [sys.executable, "-m", "vflash_core.cli.main", "run-workflow", str(API_DIR / "t2va.json"), "--output-dir", str(tmp_path / "out")],
+        [sys.executable, "-m", "vflash_core.cli.main", "run-workflow", str(API_DIR / "t2va.json"), "--output-dir", str(tmp_path / "out"),
+         *[arg for override in overrides for arg in ("--set", override)]],
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     files = list((tmp_path / "out" / "video").glob("vflash_t2va_*.mp4"))
     assert len(files) == 1 and json.loads(out.stdout.strip().splitlines()[-1])["outputs"] == [str(files[0])]
     info = probe_mp4(files[0])
-    assert (info["frames"], info["width"], info["height"], info["video_codec"]) == (124, 448, 256, "h264")
+    assert (info["frames"], info["width"], info["height"], info["video_codec"]) == (124, 32, 32, "h264")
     assert info["audio_codec"] == "aac" and info["channels"] == 2 and info["sample_rate"] == 32000 and abs(info["audio_seconds"] - 124 / 24) < 0.05
-    with av.open(str(files[0])) as container:  # SaveVideo stores the prompt in the file as core's SaveVideo does
-        assert json.loads(container.metadata["prompt"]) == load_api_workflow(API_DIR / "t2va.json")
+    with av.open(str(files[0])) as container:  # SaveVideo stores the prompt it ran in the file as core's SaveVideo does
+        assert json.loads(container.metadata["prompt"]) == apply_overrides(load_api_workflow(API_DIR / "t2va.json"), overrides)
 
 
 def test_run_workflow_cli_refuses_unsupported_nodes(tmp_path):
@@ -288,32 +293,25 @@ def test_run_workflow_refuses_an_sm90_profile_on_cpu_before_anything_runs(tmp_pa
     assert not (tmp_path / "cache").exists() and not (models / "vflash").exists() and not (tmp_path / "out").exists()
 
 
-def test_fl2va_headless_with_the_example_inputs(tmp_path, monkeypatch):
+def test_fl2va_headless_with_the_example_inputs(tmp_path, monkeypatch, demo_cache):
     from vflash_core.media.mp4 import probe_mp4
 
-    monkeypatch.setenv("VFLASH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("VFLASH_CACHE", str(demo_cache))
     workflow = apply_overrides(load_api_workflow(API_DIR / "fl2va.json"), ["4.width=128", "4.height=128"])
     files = run_headless(workflow, output_dir=tmp_path / "out", input_dir=INPUTS)
     assert len(files) == 1 and probe_mp4(files[0])["frames"] == 124
 
 
-def test_ref2va_headless_on_a_small_ref2va_family(tmp_path):
-    """The ref2va graph (Autogrow reference inputs) on a random-weight family with a ref2va partition."""
+def test_ref2va_headless_on_a_small_ref2va_family(tmp_path, h3_family, h3_prepared_ref):
+    """The ref2va graph (Autogrow reference inputs) on a random-weight family with a ref2va partition (the run's
+    shared family, linked into the models folder, and its ref2va receipt)."""
     from vflash_core.media.mp4 import probe_mp4
-    from vflash_core.pipeline.h3_pipeline import prepare_pipeline
-    from vflash_core.weights.compiler import compile_receipt, prepare
-    from vflash_core.weights.family import DEMO_FAMILY, build_model_family
 
     models = tmp_path / "models"
-    root = models / "diffusers" / "H3-ref-demo"
-    build_model_family(root, DEMO_FAMILY, seed=0, with_ref=True)
-    prepare("ref2va-base4-exact-cpu", root / "transformer_ref", tmp_path / "weights.json")
-    compile_receipt(tmp_path / "weights.json", tmp_path / "compiled")
-    assets = {"model_root": str(root), "decoder_root": str(root), "adapter_path": None, "artifact": str(tmp_path / "compiled" / "artifact"),
-              "schedule_overlay": str(tmp_path / "compiled" / "schedule"), "auxiliary_tensor": str(tmp_path / "compiled" / "auxiliary.safetensors")}
-    (tmp_path / "assets.json").write_text(json.dumps(assets))
-    (models / "vflash").mkdir(parents=True)
-    prepare_pipeline("ref2va-base4-exact-cpu", tmp_path / "assets.json", models / "vflash" / "ref-demo.json")
+    (models / "diffusers").mkdir(parents=True)
+    (models / "diffusers" / "H3-ref-demo").symlink_to(h3_family, target_is_directory=True)
+    (models / "vflash").mkdir()
+    (models / "vflash" / "ref-demo.json").write_bytes(h3_prepared_ref.read_bytes())  # its paths are absolute
     workflow = apply_overrides(load_api_workflow(API_DIR / "ref2va.json"), [
         "1.model=vflash/ref-demo.json", "1.profile=auto", "2.encoder=vflash/ref-demo.json", "3.vae=diffusers/H3-ref-demo",
         "4.width=128", "4.height=128",

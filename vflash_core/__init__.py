@@ -2,29 +2,68 @@
 
 Public entry points::
 
-    from vflash_core import NativeEngineSession, ConditioningBundle, BundleHandoff, get_profile
+    from vflash_core import H3Pipeline, RunOptions, VideoRequest      # prompt (+ media) -> MP4
+    from vflash_core import NativeEngineSession, ConditioningBundle, BundleHandoff, get_profile   # the core alone
     from vflash_core.weights.compiler import prepare, compile_receipt
+
+Every name here is also importable from the module that defines it; the errors a caller may catch are all
+`VflashError` subclasses. Importing the pipeline loads neither diffusers nor transformers (they load with the
+models), so these imports stay eager.
 """
 
 from .engine.bundle import BundleHandoff, ConditioningBundle, build_keyframe_bundle
 from .engine.config import H3Config
 from .engine.layout import Geometry
 from .engine.session import GenerationResult, NativeEngineSession
-from .errors import VflashError
+from .errors import (
+    BundleError,
+    IdentityMismatchError,
+    RequestError,
+    RunFailedError,
+    SessionClosedError,
+    VflashError,
+    WeightFileError,
+)
+from .fileio import MissingInputError, OutputExistsError, WriteFailedError
+from .pipeline.h3_pipeline import (
+    H3Pipeline,
+    PreparedAssets,
+    RequestCancelled,
+    VideoRequest,
+    VideoResult,
+    prepare_pipeline,
+)
+from .pipeline.options import RunOptions
 from .profiles import PROFILES, Profile, get_profile
 
 __version__ = "0.1.0"
 
 __all__ = [
     "PROFILES",
+    "BundleError",
     "BundleHandoff",
     "ConditioningBundle",
     "GenerationResult",
     "Geometry",
     "H3Config",
+    "H3Pipeline",
+    "IdentityMismatchError",
+    "MissingInputError",
     "NativeEngineSession",
+    "OutputExistsError",
+    "PreparedAssets",
     "Profile",
+    "RequestCancelled",
+    "RequestError",
+    "RunFailedError",
+    "RunOptions",
+    "SessionClosedError",
     "VflashError",
+    "VideoRequest",
+    "VideoResult",
+    "WeightFileError",
+    "WriteFailedError",
     "build_keyframe_bundle",
     "get_profile",
+    "prepare_pipeline",
 ]

@@ -14,6 +14,11 @@ import sys
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
+__all__ = [
+    "BundleError", "IdentityMismatchError", "Number", "RequestError", "RunFailedError", "SessionClosedError",
+    "VflashError", "WeightFileError", "check_callback", "check_choice", "describe_value", "run_command",
+]
+
 
 class VflashError(Exception):
     """A user-facing failure with a message that names the offending values."""

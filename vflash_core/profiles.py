@@ -24,6 +24,8 @@ from .engine.schedule import FixedSchedule
 from .errors import IdentityMismatchError, VflashError
 from .formats import ARCH_FAMILIES, ARCH_NAMES
 
+__all__ = ["PROFILES", "AdapterSpec", "Profile", "check_identity", "get_profile"]
+
 KEYFRAME_MODES = ("i2va", "l2va", "fl2va")
 # (conditioned video, reference audio) per mode: references always carry video; soundtracks are optional.
 _TIMESTEP_KINDS = {"t2va": [(False, False)], **{m: [(True, False)] for m in KEYFRAME_MODES},

@@ -10,6 +10,8 @@ import os
 from ..errors import VflashError
 from ..pipeline.options import GPU_INDEX
 
+__all__ = ["register"]
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("denoise", help="run the native core on a conditioning bundle and write latents")

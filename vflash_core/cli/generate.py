@@ -11,6 +11,8 @@ from pathlib import Path
 from ..pipeline.options import RunOptions
 from ..pipeline.validation import PIXELS, SECONDS, SEED
 
+__all__ = ["register"]
+
 _BARS = {"build family": ("build demo family", "step"), "load": ("load models", "part"), "encode": ("encode", "stage"), "denoise": ("denoise", "eval"), "decode": ("decode", "stream"), "write": ("write mp4", "file")}
 
 

@@ -17,6 +17,8 @@ import sys
 
 from ..errors import run_command
 
+__all__ = ["build_parser", "main"]
+
 # Modules that register subcommands, in help order.
 COMMAND_MODULES = ("vflash_core.cli.denoise", "vflash_core.cli.generate", "vflash_core.cli.serve")
 

@@ -13,6 +13,8 @@ from ..errors import Number, RunFailedError, VflashError
 from ..pipeline.options import RunOptions
 from ..service.config import CANCEL_GRACE, KEEP_FINISHED_JOBS, MAX_QUEUE
 
+__all__ = ["is_loopback", "register"]
+
 PORT = Number(int, 0, 65535)
 #: --max-upload-mb: positive, and at most 1 TiB, so its byte count is an integer.
 UPLOAD_MIB = Number(float, 0, 2**20, above=True, unit="MiB")

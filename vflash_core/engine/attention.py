@@ -29,6 +29,8 @@ from ..errors import VflashError
 from ..formats import ARCH_NAMES, arch_family, device_arch
 from .model import AttentionFn, sdpa_attention
 
+__all__ = ["BACKENDS", "resolve_attention"]
+
 logger = logging.getLogger(__name__)
 # Devices whose "auto" fallback was logged: the options check, the session and each rank resolve the same choice.
 _FALLBACK_LOGGED: set[torch.device] = set()

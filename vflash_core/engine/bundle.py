@@ -29,6 +29,11 @@ from .config import NUM_MODALITIES, H3Config
 from .layout import AUDIO_CHANNELS, Geometry, PackedLayout, ReferenceBlock, keyframe_layout, patchify, ref2va_layout
 from .schedule import KEYFRAME_NOISE_AUG, scale_noise
 
+__all__ = [
+    "MODE_VARIANT", "BundleHandoff", "ConditioningBundle", "EncodedReference", "build_keyframe_bundle",
+    "build_ref2va_bundle",
+]
+
 BUNDLE_FORMAT = "vflash-bundle/1"
 MODES = ("t2va", "i2va", "l2va", "fl2va", "ref2va")
 # Which transformer partition serves a mode.

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+__all__ = ["AUDIO_TAG", "NUM_MODALITIES", "PRESETS", "TEXT_ENCODER_LAYER", "TEXT_TAG", "VIDEO_TAG", "H3Config"]
+
 # Modality tags of the packed sequence; one AdaLN table row exists per (timestep, tag).
 VIDEO_TAG = 0
 TEXT_TAG = 1

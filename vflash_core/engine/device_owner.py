@@ -8,6 +8,8 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
+__all__ = ["SerialDeviceOwner", "module_tensors", "point_module_at", "release_device_memory", "release_host_memory"]
+
 
 def release_device_memory(device: torch.device) -> None:
     """Return cached blocks to the driver so the next owner of the GPU can use them (no-op off CUDA)."""

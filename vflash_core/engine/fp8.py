@@ -36,6 +36,12 @@ from . import model as M
 from .config import H3Config
 from .fused import FusedOps
 
+__all__ = [
+    "ACTIVATION_QUANTIZERS", "FP8_LINEARS", "FP8_MODES", "W8A8_CAPABILITIES", "FusedRowFP8Ops", "QuantizedRows",
+    "RowFP8Execution", "RowFP8Linear", "RowFP8Ops", "dequantize_rows", "quantize_block", "quantize_heads",
+    "quantize_rows", "w8a8_refusal",
+]
+
 FP8_MODES = ("weight-only", "w8a8")
 ACTIVATION_QUANTIZERS = ("torch", "triton")
 #: The block linears an FP8 artifact stores as codes + row scales (all other block tensors stay BF16).

@@ -20,6 +20,8 @@ from .._imports import vflash_kernels
 from . import model as M
 from .config import H3Config
 
+__all__ = ["FUSED_NORM_MODULATE", "FusedOps"]
+
 # Whether the fused QK RMSNorm + rotary kernel replaces F.rms_norm + rotary. Measured on an H200 (torch 2.11, triton
 # 3.6, 2026-11-30): 0 differing elements against F.rms_norm + rotary at S = 19,796, 38,222 and 100,000, full width
 # (tests/test_kernels.py, GPU); 0.42 / 0.81 ms instead of 5.9 / 11.3 ms per block. Re-check after a torch upgrade.

@@ -15,6 +15,13 @@ import torch
 from ..errors import RequestError
 from .config import AUDIO_TAG, VIDEO_TAG
 
+__all__ = [
+    "AUDIO_CHANNELS", "FPS", "MAX_ASPECT_RATIO", "MAX_DURATION_SECONDS", "MIN_ASPECT_RATIO", "MIN_DURATION_SECONDS",
+    "VAE_FRAMES_PER_CHUNK", "VAE_LATENTS_PER_CHUNK", "VAE_SPATIAL_RATIO", "Geometry", "PackedLayout", "ReferenceBlock",
+    "align_num_frames", "audio_latent_count", "audio_rows_to_latents", "check_canvas", "frames_for_duration",
+    "keyframe_layout", "patchify", "ref2va_layout", "resolve_canvas_size", "unpatchify", "video_latent_frames",
+]
+
 FPS = 24
 AUDIO_LATENTS_PER_SECOND = 40
 AUDIO_CHANNELS = 2

@@ -33,6 +33,11 @@ import torch.distributed as dist
 from ..errors import VflashError
 from . import model as M
 
+__all__ = [
+    "LocalGroup", "RankAborted", "RankFailure", "SequenceHeadAttention", "TensorShard", "head_groups",
+    "merge_heads_reference", "pack_heads_reference", "relayout_ops", "split_rows", "tensor_parallel_ops",
+]
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")

@@ -21,6 +21,8 @@ from collections.abc import Iterator
 
 import torch
 
+__all__ = ["NO_TIMER", "StageTimer"]
+
 _NULL = contextlib.nullcontext()
 
 

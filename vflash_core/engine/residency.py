@@ -34,6 +34,11 @@ from ..weights.tensor_store import TensorStore
 from .device_owner import module_tensors, point_module_at
 from .model import LayerWeights, LoraResidual
 
+__all__ = [
+    "BlockArena", "BlockRing", "BlockSource", "LoadedBlocks", "ModuleRing", "ResidentBlocks", "WeightRing",
+    "block_layout", "device_loras",
+]
+
 if TYPE_CHECKING:
     from .parallel import TensorShard  # one rank's share of a block's weights (tensor strategy); None: whole blocks
 

@@ -17,6 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
+__all__ = [
+    "KEYFRAME_NOISE_AUG", "FixedSchedule", "distinct_timesteps", "euler_step", "flow_sigmas", "row_timestep_plan",
+    "scale_noise",
+]
+
 # The t a visual conditioning anchor (keyframe or reference image/video) is held at for the whole trajectory.
 KEYFRAME_NOISE_AUG = 0.999
 # Reference soundtracks condition clean.

@@ -75,6 +75,11 @@ from .parallel import (
 from .profiler import StageTimer
 from .residency import BlockArena, BlockRing, BlockSource, LoadedBlocks, ResidentBlocks
 
+__all__ = [
+    "STRATEGIES", "WEIGHT_RESIDENCIES", "BlockLoader", "DenoiserLoad", "GenerationResult", "NativeDenoiserLoader",
+    "NativeEngineSession", "SessionTiming", "check_loader_hooks",
+]
+
 logger = logging.getLogger(__name__)
 
 EXECUTIONS = ("auto", "fused", "reference")

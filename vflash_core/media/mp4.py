@@ -31,6 +31,11 @@ import torch
 from ..errors import Number, VflashError, check_choice
 from ..fileio import atomic_file, temporary, write_errors
 
+__all__ = [
+    "VIDEO_INPUTS", "VIDEO_THREADS", "check_delivery_options", "probe_mp4", "quantize_frames", "rgb_frames",
+    "write_mp4",
+]
+
 logger = logging.getLogger(__name__)
 
 VIDEO_INPUTS = ("file", "pipe")

@@ -30,6 +30,12 @@ from ..engine.layout import FPS, MAX_ASPECT_RATIO, MIN_ASPECT_RATIO, resolve_can
 from ..errors import RequestError, VflashError
 from ..fileio import check_input_file
 
+__all__ = [
+    "CANVAS_MULTIPLE", "MAX_AUDIOS", "MAX_IMAGES", "MAX_REFERENCES", "MAX_VIDEOS", "CanvasRules", "MediaProbe",
+    "fit_keyframes", "frames_to_uint8", "load_image", "load_reference", "normalize_references", "normalize_soundtrack",
+    "probe_media", "reference_kind", "resample_audio",
+]
+
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 VIDEO_EXTENSIONS = (".mp4", ".mov", ".mkv", ".webm", ".avi", ".m4v")
 AUDIO_EXTENSIONS = (".wav", ".mp3", ".flac", ".ogg", ".m4a", ".aac", ".opus")

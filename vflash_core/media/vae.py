@@ -35,6 +35,8 @@ from ..errors import VflashError
 from .conditioning import default_dtype
 from .vae_decode import NativeVideoDecoder
 
+__all__ = ["PIXEL_MEAN", "PIXEL_STD", "DecodedMedia", "MediaVAEs", "decode_latents"]
+
 logger = logging.getLogger(__name__)
 
 # The video VAE's pixel convention: ImageNet statistics over a [0, 1] base.

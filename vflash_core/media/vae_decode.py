@@ -56,6 +56,11 @@ from ..engine.attention import resolve_attention
 from ..engine.model import AttentionFn
 from ..errors import VflashError
 
+__all__ = [
+    "CALLS_IN_FLIGHT_PER_DEVICE", "DEFAULT_WINDOWS_PER_CALL", "DecodeGeometry", "DecoderWeights", "NativeVideoDecoder",
+    "TileWindow", "decode_tile_windows", "split_calls", "split_tiles",
+]
+
 #: Receives the decoded frames in order: (index of the first frame, frames (1, 3, f, H, W) on the first device).
 FrameSink = Callable[[int, torch.Tensor], None]
 

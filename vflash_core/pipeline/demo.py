@@ -25,6 +25,8 @@ from ..fileio import OutputExistsError, check_writable_destination, temporary, w
 from ..weights.family import DEMO_FAMILY, build_model_family
 from .options import RunOptions
 
+__all__ = ["DEMO_PROFILE", "default_cache_dir", "demo_receipt_path", "ensure_demo_assets", "run_demo"]
+
 logger = logging.getLogger(__name__)
 
 DEMO_PROFILE = "t2va-base4-exact-cpu"

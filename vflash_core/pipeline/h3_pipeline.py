@@ -102,6 +102,11 @@ from .validation import (
     request_mode,
 )
 
+__all__ = [
+    "ASSET_FIELDS", "EncodedRequest", "H3Pipeline", "PreparedAssets", "RequestCancelled", "VideoRequest", "VideoResult",
+    "build_request_bundle", "delivered_soundtrack", "encode_request", "prepare_pipeline",
+]
+
 logger = logging.getLogger(__name__)
 
 # The six fields of an assets file: official model root (text encoder, tokenizer, processor), decoder

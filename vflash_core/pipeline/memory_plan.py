@@ -54,6 +54,11 @@ from ..errors import Number, RequestError, RunFailedError, VflashError
 from ..media.references import CanvasRules
 from ..media.vae_decode import CALLS_IN_FLIGHT_PER_DEVICE, DEFAULT_WINDOWS_PER_CALL, DecodeGeometry
 
+__all__ = [
+    "DEVICE_MEMORY_GIB", "GIB", "DeviceCap", "MemoryPlan", "PartSizes", "cap_bytes", "decode_bytes", "denoise_bytes",
+    "encode_bytes", "largest_clip_frames", "largest_request", "largest_request_rows", "plan_memory", "request_rows",
+]
+
 if TYPE_CHECKING:
     from ..media.conditioning import TextConditioner
     from ..media.vae import MediaVAEs

@@ -11,4 +11,6 @@ from __future__ import annotations
 
 import threading
 
+__all__ = ["MODEL_LOAD_LOCK"]
+
 MODEL_LOAD_LOCK = threading.RLock()

@@ -29,6 +29,11 @@ from .submission import InputPolicy, bad_request, http_error, read_submission
 from .supervisor import WorkerState, WorkerSupervisor
 from .validation import RequestValidator
 
+__all__ = [
+    "JOBS", "SUPERVISOR", "WORK_DIR", "WORK_DIR_OWNER", "WORK_DIR_PREFIX", "ClientFaultLogFilter", "create_app",
+    "remove_stale_work_dirs",
+]
+
 logger = logging.getLogger(__name__)
 
 CONFIG = web.AppKey("vflash_config", ServiceConfig)

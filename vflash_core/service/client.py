@@ -28,6 +28,8 @@ from typing import Any
 from ..errors import RunFailedError, VflashError
 from ..fileio import atomic_file, check_input_file
 
+__all__ = ["JobFailedError", "ServiceError", "VflashClient"]
+
 TERMINAL_STATES = frozenset({"succeeded", "failed", "cancelled"})
 
 

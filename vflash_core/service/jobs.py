@@ -19,6 +19,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+__all__ = ["JOB_ID_PATTERN", "Job", "JobState", "JobStore", "QueueFullError", "new_job_id", "redact_paths"]
+
 
 class JobState(str, enum.Enum):
     QUEUED = "queued"

@@ -6,6 +6,8 @@ from __future__ import annotations
 import bisect
 import math
 
+__all__ = ["CONTENT_TYPE", "Histogram", "render"]
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # Generation requests take from seconds (the CPU demo) to tens of minutes (Base16 at 15 s on one GPU).

@@ -29,6 +29,8 @@ from ..errors import VflashError
 from ..fileio import resolve_inside
 from ..media.references import MAX_REFERENCES
 
+__all__ = ["InputPolicy", "bad_request", "http_error", "read_submission", "resolve_input_path", "upload_suffix"]
+
 FILE_FIELDS = ("first_frame", "last_frame", "references")
 SCALAR_FIELDS = ("prompt", "duration_seconds", "seed", "width", "height")
 REQUEST_PART = "request"

@@ -29,6 +29,8 @@ from .jobs import Job, JobState, JobStore, redact_paths
 from .metrics import Histogram
 from .worker import Cancelled, Failed, Fatal, Finished, JobOrder, Progress, Ready, WorkerConfig, worker_main
 
+__all__ = ["WorkerState", "WorkerSupervisor", "describe_exit"]
+
 logger = logging.getLogger(__name__)
 
 # A worker that dies before it reports ready this many times in a row is treated as a fatal configuration error,

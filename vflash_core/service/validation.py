@@ -11,6 +11,8 @@ from typing import Any
 
 from .config import ServiceConfig
 
+__all__ = ["RequestValidator"]
+
 
 class RequestValidator:
     def __init__(self, config: ServiceConfig):

@@ -27,6 +27,8 @@ from typing import Any
 from ..errors import RequestError, VflashError
 from ..pipeline.options import RunOptions
 
+__all__ = ["Cancelled", "Failed", "Fatal", "Finished", "JobOrder", "Progress", "Ready", "WorkerConfig", "worker_main"]
+
 logger = logging.getLogger(__name__)
 
 

@@ -39,6 +39,8 @@ from .checkpoint import FLOAT_DTYPES, TABLE_INPUTS, aux_shapes, block_shapes
 from .tensor_store import TensorStore, file_sha256
 from .weight_io import SequentialWeights
 
+__all__ = ["CompiledArtifact", "ScheduleOverlay", "StepTables"]
+
 # Threads reading one block file: a deep queue of large sequential reads. On the H200 machines' virtio disk a cold
 # 0.83 GB block read at 1.14 / 1.41 / 1.57 / 1.62 GB/s with 1 / 2 / 4 / 8 threads (disk: 1.66 GB/s), where reading
 # several block files at once, one thread each, did not pass 1.17 GB/s (benchmarks/results/end_to_end_h200.json).

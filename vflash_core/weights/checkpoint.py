@@ -54,6 +54,11 @@ from ..errors import IdentityMismatchError, WeightFileError
 from ..profiles import PROFILES, Profile
 from .tensor_store import ReadRequest, TensorStore
 
+__all__ = [
+    "AUX_NAMES", "BLOCK_NAMES", "FLOAT_DTYPES", "TABLE_INPUTS", "SourceWeights", "aux_shapes", "block_shapes",
+    "internal_shapes", "source_name",
+]
+
 FLOAT_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}
 

@@ -87,6 +87,8 @@ from .checkpoint import TABLE_INPUTS, SourceWeights, block_shapes
 from .lora import TABLE_ONLY, Adapter, load_adapter
 from .tensor_store import TensorStore, describe_files, file_sha256, write_safetensors
 
+__all__ = ["build_parser", "compile_receipt", "compiled_from", "main", "prepare", "receipt_describes"]
+
 # Progress stages (`StageProgress`), after each unit of work: "hash" (prepare, per weight file), "verify" (compile,
 # per weight file), "compile" (per block). A callback that raises abandons the call; nothing is published then.
 

@@ -33,6 +33,8 @@ import torch
 from ..engine.config import TEXT_ENCODER_LAYER, H3Config
 from . import synthetic
 
+__all__ = ["DEMO_FAMILY", "FamilySpec", "build_model_family"]
+
 # Qwen's multimodal special tokens; their ids are written into the text encoder config.
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 END_OF_TEXT = "<|endoftext|>"

@@ -35,6 +35,8 @@ from ..errors import WeightFileError
 from .checkpoint import AUX_NAMES, BLOCK_NAMES, aux_shapes
 from .tensor_store import TensorStore
 
+__all__ = ["TABLE_ONLY", "Adapter", "load_adapter"]
+
 # Internal linear names whose LoRA only affects the timestep tables.
 TABLE_ONLY = re.compile(r"^(blocks\.\d+\.adaln|time_embedder\.linear_[12]|norm_out\.linear)$")
 

@@ -23,6 +23,12 @@ from ..engine.config import H3Config
 from ..engine.model import rope_inv_freq, time_embedding
 from .checkpoint import internal_shapes, source_name
 
+__all__ = [
+    "RandomWeights", "diffusers_names", "prune_adaln", "random_internal_weights", "random_like", "to_original_names",
+    "write_comfy_transformer", "write_diffusers_transformer", "write_original_transformer", "write_random_lora",
+    "write_shards",
+]
+
 # Tensors the released checkpoint stores in fp32; everything else is bf16.
 FP32_PREFIXES = ("proj_in.", "audio_proj_in.", "time_embedder.", "proj_out.", "audio_proj_out.")
 

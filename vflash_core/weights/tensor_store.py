@@ -25,6 +25,10 @@ import torch
 from ..errors import WeightFileError
 from ..fileio import check_input_file
 
+__all__ = [
+    "ReadRequest", "SafetensorsFile", "TensorInfo", "TensorStore", "describe_files", "file_sha256", "write_safetensors",
+]
+
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
     "F32": torch.float32,

@@ -43,6 +43,8 @@ from ..errors import IdentityMismatchError, VflashError, WeightFileError
 from ..fileio import atomic_directory
 from .tensor_store import SafetensorsFile, TensorInfo
 
+__all__ = ["MANIFEST_NAME", "SequentialWeights", "prepare_sidecar"]
+
 READ_WORKERS = (1, 2, 4, 8)
 DEFAULT_SHARD_BYTES = 256 << 20
 DEFAULT_CHUNK_BYTES = 64 << 20
