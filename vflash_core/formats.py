@@ -16,9 +16,10 @@ import torch
 from .errors import IdentityMismatchError, VflashError, describe_value
 
 __all__ = [
-    "ARTIFACT_FORMAT", "ARTIFACT_FP8_FORMAT", "MISSING", "OVERLAY_FORMAT", "PIPELINE_FORMAT", "WEIGHTS_RECEIPT_FORMAT",
-    "Field", "check_device", "check_fields", "device_arch", "field_problem", "is_count", "is_file_name", "is_number",
-    "is_object", "is_positive", "is_text", "list_of",
+    "ARCH_FAMILIES", "ARCH_NAMES", "ARTIFACT_FORMAT", "ARTIFACT_FP8_FORMAT", "MISSING", "OVERLAY_FORMAT",
+    "PIPELINE_FORMAT", "WEIGHTS_RECEIPT_FORMAT", "Field", "arch_family", "capability_arch", "check_device",
+    "check_fields", "device_arch", "field_problem", "is_count", "is_file_name", "is_number", "is_object", "is_positive",
+    "is_text", "list_of",
 ]
 
 WEIGHTS_RECEIPT_FORMAT = "vflash-receipt/1"  # `compiler prepare`: a profile bound to hashed base weights and adapter

@@ -25,7 +25,7 @@ from .profiler import NO_TIMER, StageTimer
 from .residency import BlockSource, device_loras
 from .schedule import euler_step, flow_denoised, row_timestep_plan
 
-__all__ = ["DenoiseOutput", "Denoiser", "ProgressFn", "RequestState", "StageProgress"]
+__all__ = ["DenoiseOutput", "Denoiser", "PreviewFn", "ProgressFn", "RequestState", "StageProgress"]
 
 # The two progress callbacks of Vflash: within one stage, progress(done, total) (here: evaluations of a trajectory);
 # across stages, progress(stage, done, total) (the compiler's hash / verify / compile, the pipeline's load / encode /

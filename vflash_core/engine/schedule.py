@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
-    "KEYFRAME_NOISE_AUG", "FixedSchedule", "distinct_timesteps", "euler_step", "flow_sigmas", "row_timestep_plan",
-    "scale_noise",
+    "KEYFRAME_NOISE_AUG", "FixedSchedule", "distinct_timesteps", "euler_step", "flow_denoised", "flow_sigmas",
+    "row_timestep_plan", "scale_noise",
 ]
 
 # The t a visual conditioning anchor (keyframe or reference image/video) is held at for the whole trajectory.

@@ -52,7 +52,10 @@ from ..errors import RequestError, VflashError
 from ..pipeline.memory_plan import encode_bytes
 from .references import CanvasRules
 
-__all__ = ["TextConditioner", "TextConditioning", "TextEncoderLoader", "default_dtype", "sample_video_frames"]
+__all__ = [
+    "TEXT_ENCODER_LAYER", "TextConditioner", "TextConditioning", "TextEncoderLoader", "default_dtype",
+    "sample_video_frames",
+]
 
 if TYPE_CHECKING:
     from ..pipeline.memory_plan import MemoryPlan

@@ -35,7 +35,7 @@ from ..errors import VflashError
 from .conditioning import default_dtype
 from .vae_decode import NativeVideoDecoder
 
-__all__ = ["PIXEL_MEAN", "PIXEL_STD", "DecodedMedia", "MediaVAEs", "decode_latents"]
+__all__ = ["PIXEL_MEAN", "PIXEL_STD", "DecodedMedia", "MediaVAEs", "calling_between_blocks", "decode_latents"]
 
 logger = logging.getLogger(__name__)
 

@@ -104,7 +104,7 @@ from .validation import (
 
 __all__ = [
     "ASSET_FIELDS", "EncodedRequest", "H3Pipeline", "PreparedAssets", "RequestCancelled", "VideoRequest", "VideoResult",
-    "build_request_bundle", "delivered_soundtrack", "encode_request", "prepare_pipeline",
+    "build_request_bundle", "delivered_soundtrack", "encode_request", "plan_request", "prepare_pipeline",
 ]
 
 logger = logging.getLogger(__name__)

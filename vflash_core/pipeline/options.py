@@ -18,7 +18,7 @@ from ..media.mp4 import VIDEO_INPUTS, VIDEO_THREADS, check_delivery_options
 from ..profiles import Profile
 from .memory_plan import DEVICE_MEMORY_GIB, cap_bytes
 
-__all__ = ["GPU_INDEX", "RunOptions"]
+__all__ = ["GPU_INDEX", "STRATEGIES", "WEIGHT_RESIDENCIES", "RunOptions"]
 
 #: A CUDA device index on the command line (`--gpu`, `--peer-gpu`); whether this machine has it, `check_device`.
 GPU_INDEX = Number(int, 0)
