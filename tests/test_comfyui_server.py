@@ -384,13 +384,7 @@ def test_core_clip_and_vae_loaders_drive_the_vflash_sampler_to_mp4(server, tmp_p
     a first frame, core's vision tower and core's video VAE encode it. The MP4 has the clip's frames and soundtrack."""
     from vflash_core.media.mp4 import probe_mp4
 
-    workflow = json.loads((API / "t2va_core_loaders.json").read_text())
-    workflow["1"]["inputs"].update(model=f"diffusion_models/{SMALL_DIT}", profile="t2va-base4-exact-cpu")
-    workflow["2"]["inputs"]["clip_name"] = "h3_small_te.safetensors"
-    workflow["3"]["inputs"]["vae_name"] = "h3_small_video_vae.safetensors"
-    workflow["12"]["inputs"]["vae_name"] = "h3_small_audio_vae.safetensors"
-    workflow["4"]["inputs"].update(width=128, height=128)
-    workflow["5"]["inputs"]["seed"] = 21
+    workflow = _small_core_workflow(21)
     workflow["7"]["inputs"]["filename_prefix"] = f"video/core_loaders_{mode}"
     if mode == "i2va":
         workflow["8"] = {"class_type": "LoadImage", "inputs": {"image": "vflash_first_frame.png"}}
