@@ -2,8 +2,8 @@
 GPU group on a real device, against the PyTorch reference path on the same device, bit for bit.
 
 The tiny model is compiled for the SM90 profile on the GPU itself (schedule tables are computed where they run).
-Full-width parity of each kernel is in test_kernels.py; full-width parity with diffusers is measured by
-benchmarks/forward.py."""
+Full-width parity of each kernel is in test_kernels.py, of the fused block with the reference block here;
+full-width parity with diffusers is measured by benchmarks/forward.py."""
 
 from __future__ import annotations
 
@@ -92,6 +92,48 @@ def test_block_ring_equals_resident_and_holds_memory_flat(gpu_compiled):
     for result in (first, got, after):
         assert_bitwise(result.video_latents, expected.video_latents, "block ring vs resident")
         assert_bitwise(result.audio_latents, expected.audio_latents, "block ring vs resident audio")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("S", [19_796, 38_222])
+def test_fused_block_equals_reference_at_full_width_on_gpu(S):
+    """One main block of the released shape (5376 wide, 56 heads of 128, FFN 14336), random weights: the default fused
+    path (`FusedOps`: fused norm + modulation, QK norm + rotary, SwiGLU, in-place gated residuals) equals the torch
+    reference block bit for bit with cuDNN attention on both, at the row counts of 960x544 and 1344x768 5 s clips."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability(0) < (8, 0):
+        pytest.skip("needs a GPU the Triton kernels run on")
+    from vflash_core.engine import model as M
+    from vflash_core.engine.attention import resolve_attention
+    from vflash_core.engine.config import H3Config
+    from vflash_core.engine.fused import FusedOps
+
+    config, device, bf16 = H3Config(), torch.device("cuda:0"), torch.bfloat16
+    g = torch.Generator(device).manual_seed(S)
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(shape, generator=g, device=device) * scale).to(bf16)
+
+    H, I, F = config.hidden_size, config.inner_dim, config.ffn_dim
+    weights = M.LayerWeights(
+        {
+            "norm1.weight": randn(H, scale=0.2) + 1, "norm2.weight": randn(H, scale=0.2) + 1,
+            "attn.qkv.weight": randn(3 * I, H, scale=H**-0.5), "attn.out.weight": randn(H, I, scale=I**-0.5),
+            "attn.norm_q.weight": randn(config.attention_head_dim, scale=0.2) + 1,
+            "attn.norm_k.weight": randn(config.attention_head_dim, scale=0.2) + 1,
+            "ffn.in.weight": randn(2 * F, H, scale=H**-0.5), "ffn.out.weight": randn(H, F, scale=F**-0.5),
+        },
+        {},
+    )
+    table = randn(3, 6 * H, scale=0.3)  # one timestep: a (video, text, audio) row each
+    row_index = torch.randint(0, 3, (S,), generator=g, device=device)
+    positions = torch.stack([torch.randint(0, n, (S,), generator=g, device=device) for n in (32, 48, 84)], dim=1)
+    rotary = tuple(t.to(bf16)[None, :, None, :] for t in M.rope_cos_sin(positions, M.rope_inv_freq(config).to(device)))
+    x = randn(1, S, H, scale=4.0)
+    _, attend = resolve_attention("torch-cudnn", device)
+    with torch.no_grad():
+        expected = M.main_block(x.clone(), weights, table, row_index, rotary, M.BlockOps(config, attend))
+        got = M.main_block(x.clone(), weights, table, row_index, rotary, FusedOps(config, attend))
+    assert_bitwise(got, expected, f"fused block vs reference block at full width, S={S}")
 
 
 @pytest.mark.gpu

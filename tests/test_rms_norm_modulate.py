@@ -12,10 +12,7 @@ CPU reference does) and whether torch's CUDA kernel really uses that order.
 GPU tests (`-m gpu`) answer the latter: full width, S = 19,796 and 38,222, bf16, x ~ 3 N(0, 1), weight ~ 1 +
 0.25 N(0, 1), a (3T, 6H) table view as the model builds it; the kernel must equal `F.rms_norm` + `modulate` bit for bit
 for "msa" and "mlp". On a mismatch the test prints the count of differing elements, and which launch configuration of
-torch's kernel (warps per block) the order reference has to assume to reproduce `F.rms_norm`. Timing (median ms,
-fused against `F.rms_norm` + `modulate`) is printed by `test_rms_norm_modulate_timing_gpu`:
-
-    pytest -m gpu tests/test_rms_norm_modulate.py -s
+torch's kernel (warps per block) the order reference has to assume to reproduce `F.rms_norm`.
 """
 
 from __future__ import annotations
@@ -224,17 +221,3 @@ def test_rms_norm_modulate_gpu(gpu, gpu_op, monkeypatch, request, S):
     assert not failures, f"not bit for bit with F.rms_norm + modulate for {failures} (counts above)"
     monkeypatch.setattr(gpu._launch, "needs_int64", lambda *views: True)
     assert_bitwise(gpu_op.rms_norm_modulate(x, w, EPS, table, idx, "mlp"), expected["mlp"], f"INDEX_64 variant S={S}")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("S", S_GPU)
-def test_rms_norm_modulate_timing_gpu(gpu, gpu_op, request, S):
-    """Median ms of the fused kernel against `F.rms_norm` + `modulate` (printed, nothing asserted)."""
-    from triton.testing import do_bench
-
-    x, w, table, idx = _gpu_case(S, generator(request, "cuda"))
-    out = torch.empty_like(x)
-    fused = do_bench(lambda: gpu_op.rms_norm_modulate(x, w, EPS, table, idx, "msa", out=out), return_mode="median")
-    separate = do_bench(lambda: gpu.modulate.modulate(F.rms_norm(x, (H_FULL,), w, EPS), table, idx, "msa", out=out), return_mode="median")
-    norm_only = do_bench(lambda: F.rms_norm(x, (H_FULL,), w, EPS), return_mode="median")
-    print(f"S={S}: rms_norm_modulate {fused:.3f} ms, F.rms_norm + modulate {separate:.3f} ms (F.rms_norm alone {norm_only:.3f} ms)")
