@@ -56,7 +56,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -99,10 +99,11 @@ class Run:
     def save(self) -> None:
         write_result(self.name, self.data)
 
-    def carry_skipped(self, earlier: Path, records: str, phase_of: Callable[[dict], str]) -> None:
-        """Phases left out with `--skip` keep what an earlier run measured instead of nothing: its phase record and its
-        `records` (those `phase_of` assigns to the phase), each marked `measured_at_commit`. A phase the earlier run
-        skipped or failed is not carried."""
+    def carry_skipped(self, earlier: Path, records: str, phase_of: Callable[[dict], str], results_of: Mapping[str, tuple[str, ...]] = {}) -> None:
+        """Phases left out with `--skip` keep what an earlier run measured instead of nothing: its phase record, its
+        `records` (those `phase_of` assigns to the phase), each marked `measured_at_commit`, and the top-level results
+        the phase writes (`results_of[phase]`, e.g. the bitwise phase's `bitwise_equal_to_diffusers`), whose commit is
+        the phase record's. A phase the earlier run skipped or failed is not carried."""
         if not earlier.exists():
             return
         data = json.loads(earlier.read_text())
@@ -115,6 +116,7 @@ class Run:
             for record in data.get(records, []):
                 if phase_of(record) == name:
                     self.data.setdefault(records, []).append({**record, "measured_at_commit": record.get("measured_at_commit", commit)})
+            self.data.update({key: data[key] for key in results_of.get(name, ()) if key in data})
 
     @contextmanager
     def phase(self, name: str, needs_seconds: float):
@@ -762,7 +764,8 @@ def main() -> None:
     setup = Setup(args)
     warm = args.warm_requests
     run = Run("end_to_end_small" if setup.small else "end_to_end_h200", time.perf_counter() + args.deadline_minutes * 60, setup.small, tuple(args.skip))
-    run.carry_skipped(args.carry_from, "requests", lambda r: "diffusers" if r["side"] == "diffusers" else f"vflash_{r['config']}")
+    run.carry_skipped(args.carry_from, "requests", lambda r: "diffusers" if r["side"] == "diffusers" else f"vflash_{r['config']}",
+                      {"bitwise": ("bitwise_equal_to_diffusers",), "vflash_resident": ("stage_digests",)})
     host = HostPeak()
     torch.backends.cuda.matmul.allow_tf32 = False  # the reference's default; both sides run in this process
     run.data["setup"] = {

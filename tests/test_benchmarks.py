@@ -33,16 +33,24 @@ def test_a_skipped_phase_keeps_what_an_earlier_run_measured_with_its_commit(tmp_
     """A session too short for the whole set re-runs some phases; the result file must still hold the others."""
     earlier = tmp_path / "earlier.json"
     earlier.write_text(json.dumps({
-        "commit": "abc", "phases": {"vflash_block_ring": {"initialization_seconds": 84.7}, "bitwise": {"error": "broke"}},
+        "commit": "abc", "phases": {"vflash_block_ring": {"initialization_seconds": 84.7}, "bitwise": {"error": "broke"},
+                                    "vflash_resident": {"measured_at_commit": "def"}},
+        "stage_digests": {"1344x768": {"frames": "0f"}}, "bitwise_equal_to_diffusers": False,
         "requests": [{"side": "vflash", "config": "block_ring", "elapsed_seconds": 38.9},
                      {"side": "vflash", "config": "resident", "elapsed_seconds": 40.5}],
     }))
-    run = Run("carried", deadline=0.0, small=True, skip=("vflash_block_ring", "bitwise"))
-    run.carry_skipped(earlier, "requests", lambda r: f"vflash_{r['config']}")
+    run = Run("carried", deadline=0.0, small=True, skip=("vflash_block_ring", "bitwise", "vflash_resident"))
+    run.carry_skipped(earlier, "requests", lambda r: f"vflash_{r['config']}",
+                      {"bitwise": ("bitwise_equal_to_diffusers",), "vflash_resident": ("stage_digests",)})
     with run.phase("vflash_block_ring", 1) as rec:
         assert rec is None
     with run.phase("bitwise", 1) as rec:
         assert rec is None
     assert run.data["phases"]["vflash_block_ring"] == {"initialization_seconds": 84.7, "measured_at_commit": "abc"}
     assert run.data["phases"]["bitwise"] == {"skipped": "--skip"}, "a failed phase is not carried"
-    assert run.data["requests"] == [{"side": "vflash", "config": "block_ring", "elapsed_seconds": 38.9, "measured_at_commit": "abc"}]
+    assert run.data["requests"] == [
+        {"side": "vflash", "config": "block_ring", "elapsed_seconds": 38.9, "measured_at_commit": "abc"},
+        {"side": "vflash", "config": "resident", "elapsed_seconds": 40.5, "measured_at_commit": "def"},
+    ]
+    assert run.data["stage_digests"] == {"1344x768": {"frames": "0f"}}, "a carried phase keeps the results it wrote at the top level"
+    assert "bitwise_equal_to_diffusers" not in run.data, "a failed phase's top-level result is not carried"
