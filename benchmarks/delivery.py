@@ -167,10 +167,12 @@ def sha256(path: Path) -> str:
 
 
 def run(vaes: MediaVAEs, device: torch.device, canvases: dict[str, tuple[int, int]], seconds_list: tuple[float, ...],
-        images: list[PIL.Image.Image], repeat: int, folder: Path) -> dict[str, object]:
+        images: list[PIL.Image.Image], repeat: int, folder: Path, save: Callable[[dict[str, object]], None]) -> None:
+    """Every record, saved as soon as it is measured (`save(result)`: a long run keeps what it measured)."""
     vae, g = vaes.video_vae, torch.Generator().manual_seed(SEED)
     inputs = MuxerInputs()
-    records = []
+    records: list[dict[str, object]] = []
+    result = {**environment(), "dtype": str(vae.decoder.proj_out.weight.dtype), "video_decoder": vaes.video_decoder, "records": records}
     for canvas, (height, width) in canvases.items():
         for seconds in seconds_list:
             frames = frames_for_duration(seconds)
@@ -199,10 +201,10 @@ def run(vaes: MediaVAEs, device: torch.device, canvases: dict[str, tuple[int, in
                     record["bitwise_equal_to_diffusers"] = equal_to_diffusers(vaes, z)
                 print(record, flush=True)
                 records.append(record)
+                save(result)
             del pan, clips
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    return {**environment(), "dtype": str(vae.decoder.proj_out.weight.dtype), "records": records}
 
 
 def main() -> None:
@@ -223,10 +225,9 @@ def main() -> None:
     vaes = load_vaes(args.cache, spec, device)
     vaes.video_decoder = args.video_decoder
     vaes.keep_on_device = True  # a warm request's VAEs, as the resident configuration keeps them
+    name = "delivery_small_cpu" if args.small else "delivery_h200"
     with tempfile.TemporaryDirectory(prefix="vflash-delivery-") as folder:
-        data = run(vaes, device, canvases, seconds_list, images, args.repeat, Path(folder))
-    data["small"] = args.small
-    write_result("delivery_small_cpu" if args.small else "delivery_h200", data)
+        run(vaes, device, canvases, seconds_list, images, args.repeat, Path(folder), lambda result: write_result(name, {**result, "small": args.small}))
 
 
 if __name__ == "__main__":
