@@ -269,6 +269,30 @@ def vae_section(data: dict | None) -> list[str]:
     ]
 
 
+def delivery_section(data: dict | None) -> list[str]:
+    """Decode + MP4 after the last latent, serial against streamed, per canvas, duration and clip."""
+    out = ["## Decode + MP4: serial vs streamed (`benchmarks/delivery.py`)", ""]
+    if data is None:
+        return out + ["Not measured yet: `benchmarks/results/delivery_h200.json` comes from `python benchmarks/delivery.py` on an H200.", ""]
+    rows = []
+    for r in data["records"]:
+        rows.append({**r, **{f"{path}_{key}": r[path][key] for path in ("serial", "streaming") for key in r[path]}})
+    return out + [
+        _source(data) + f", {data['dtype']}, the `{data['video_decoder']}` video decoder. From the last latent to the MP4 published: "
+        "`serial` decodes the video and the audio, then writes the MP4 (`media_video_input=\"file\"`); `streaming` hands each decoded part "
+        "to the MP4 stream's encoder thread while the decoder goes on (`\"stream\"`). `noise` is what the random-weight decoder makes "
+        "(x264's worst case); `natural` a pan over photographs in the decoded frames' place. Tail: last video frame decoded to the MP4 "
+        "published. Same input: both paths handed the encoder the same frames and soundtrack.",
+        "",
+        _table(rows, [("canvas", "canvas"), ("seconds", "clip s"), ("source", "clip"), ("serial_delivery_seconds", "serial s"),
+                      ("streaming_delivery_seconds", "streamed s"), ("delivery_speedup", "speedup"), ("serial_mp4_tail_seconds", "serial tail s"),
+                      ("streaming_mp4_tail_seconds", "streamed tail s"), ("streaming_decode_seconds", "streamed decode s"),
+                      ("same_encoder_input", "same input"), ("same_mp4_bytes", "same MP4 bytes"), ("bitwise_equal_to_diffusers", "decode bitwise")]),
+        "",
+        *([f"How this file was measured: {data['code_note']}", ""] if data.get("code_note") else []),
+    ]
+
+
 def fill_repo_readme(data: dict, start_marker: str = FITS_START, end_marker: str = FITS_END, render_table=what_fits) -> None:
     """Replace the text between a pair of the repository README's markers with `render_table(data)`."""
     text = REPO_README.read_text()
@@ -350,6 +374,7 @@ def render() -> str:
     if fp8:
         parts += ["## Approximate FP8 execution vs exact (`benchmarks/fp8.py`)", "", fp8_figures(fp8)]
     parts += vae_section(_load("vae_h200"))
+    parts += delivery_section(_load("delivery_h200"))
     two = _load("two_gpu_2xh200")
     if two:
         parts += [
