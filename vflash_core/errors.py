@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "BundleError", "IdentityMismatchError", "Number", "RequestError", "RunFailedError", "SessionClosedError",
-    "VflashError", "WeightFileError", "check_callback", "check_choice", "describe_value", "run_command",
+    "VflashError", "WeightFileError", "check_callback", "check_choice", "describe_value", "is_int", "is_real", "run_command",
 ]
 
 
@@ -37,6 +37,16 @@ def check_callback(value: object, what: str) -> None:
     """None or a callable, checked before anything loads or runs (a callback is first called once work started)."""
     if value is not None and not callable(value):
         raise VflashError(f"{what} must be a callable or None, got {describe_value(value)}")
+
+
+def is_int(value: object) -> bool:
+    """An int, never a bool: Python counts True as 1, a user never means a flag as a count, an index or a size."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_real(value: object) -> bool:
+    """An int or a float, never a bool (not checked finite: `Number` and `formats.is_number` are)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 _SHOWN = 40

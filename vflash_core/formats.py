@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import IdentityMismatchError, VflashError, describe_value
+from .errors import IdentityMismatchError, VflashError, describe_value, is_int, is_real
 
 __all__ = [
     "ARCH_FAMILIES", "ARCH_NAMES", "ARTIFACT_FORMAT", "ARTIFACT_FP8_FORMAT", "MISSING", "OVERLAY_FORMAT",
@@ -93,7 +93,7 @@ def check_device(device: int | str | torch.device, arch: str | None, role: str =
     checked before any model loads (`profile_id` names the profile in the refusal). Initialises CUDA for a CUDA
     device, so the service's HTTP process never calls it."""
     try:
-        resolved = torch.device(f"cuda:{device}") if isinstance(device, int) and not isinstance(device, bool) else torch.device(device)
+        resolved = torch.device(f"cuda:{device}") if is_int(device) else torch.device(device)
     except (RuntimeError, TypeError, ValueError):
         raise VflashError(f"{role} {device!r} is not a device; use 'cpu', a GPU index or 'cuda:N'") from None
     if resolved.type == "cuda":
@@ -121,7 +121,7 @@ Field = tuple[str, str, Callable[[object], bool]]
 
 def is_count(value: object) -> bool:
     """An int of 0 or more (a bool is not a count)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return is_int(value) and value >= 0  # type: ignore[operator]
 
 
 def is_positive(value: object) -> bool:
@@ -130,7 +130,7 @@ def is_positive(value: object) -> bool:
 
 def is_number(value: object) -> bool:
     """A finite int or float (a bool is not a number)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return is_real(value) and math.isfinite(value)  # type: ignore[arg-type]
 
 
 def is_text(value: object) -> bool:
