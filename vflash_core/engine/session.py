@@ -41,7 +41,7 @@ from ..errors import (
     check_choice,
     describe_value,
 )
-from ..fileio import atomic_file, check_writable_destination, path_argument
+from ..fileio import GIB, atomic_file, check_writable_destination, path_argument
 from ..formats import check_device, device_arch
 from ..pipeline.memory_plan import (
     DeviceCap,
@@ -87,7 +87,6 @@ WEIGHT_RESIDENCIES = ("auto", "resident", "block-ring")  # where the core's bloc
 STRATEGIES = ("sequence-head", "tensor")  # how one request is split over several GPUs
 #: How long a rank waits for its peers in one collective: positive, and at most a day (a wait is a deadline).
 COLLECTIVE_TIMEOUT = Number(float, 0, 86_400, above=True, unit="seconds")
-_GIB = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -301,8 +300,8 @@ class NativeEngineSession:
         linears = f", approximate FP8 {self.profile.fp8} block linears" if self.profile.fp8 else ""
         return (
             f"{devices}{strategy}, {self.execution} kernels{linears}, attention {self.attention_backend}, weights {self.weight_residency} "
-            f"({report['blocks_on_device']} blocks on device, {report['device_weight_bytes'] / _GIB:.2f} GiB block weights per device, "  # type: ignore[operator]
-            f"{report['pinned_host_bytes'] / _GIB:.2f} GiB pinned host)"  # type: ignore[operator]
+            f"({report['blocks_on_device']} blocks on device, {report['device_weight_bytes'] / GIB:.2f} GiB block weights per device, "  # type: ignore[operator]
+            f"{report['pinned_host_bytes'] / GIB:.2f} GiB pinned host)"  # type: ignore[operator]
         )
 
     def _check_request_fits(self, bundle: ConditioningBundle) -> None:
