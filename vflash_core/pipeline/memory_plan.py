@@ -44,9 +44,8 @@ from ..engine.config import H3Config
 from ..engine.device_owner import module_tensors
 from ..engine.layout import (
     FPS,
-    VAE_FRAMES_PER_CHUNK,
-    VAE_LATENTS_PER_CHUNK,
     Geometry,
+    align_num_frames_down,
     audio_latent_count,
     video_latent_frames,
 )
@@ -84,7 +83,7 @@ PLANNED_PICTURES = 2
 
 def largest_clip_frames(profile: Profile) -> int:
     """The longest clip a profile accepts, in frames of the form 17 n + 5."""
-    return (int(profile.max_seconds * FPS + 1e-6) - VAE_LATENTS_PER_CHUNK) // VAE_FRAMES_PER_CHUNK * VAE_FRAMES_PER_CHUNK + VAE_LATENTS_PER_CHUNK
+    return align_num_frames_down(int(profile.max_seconds * FPS + 1e-6))
 
 
 def request_rows(config: H3Config, geometry: Geometry, text_rows: int) -> int:
@@ -172,7 +171,7 @@ def decode_bytes(video_vae, num_frames: int, height: int, width: int, decoder: s
 
 
 def _nbytes(module: torch.nn.Module) -> int:
-    return sum(t.numel() * t.elementsize_text() for t in module_tensors(module).values())
+    return sum(t.numel() * t.element_size() for t in module_tensors(module).values())
 
 
 @dataclass(frozen=True)
