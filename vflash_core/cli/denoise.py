@@ -37,14 +37,14 @@ def _denoise(args: argparse.Namespace) -> int:
     from ..engine.bundle import ConditioningBundle
     from ..engine.session import NativeEngineSession
     from ..fileio import check_writable_destination
-    from ..formats import check_device
+    from ..formats import check_device, gpu_device
     from ..profiles import get_profile
 
     check_writable_destination(args.output_latents)
     if os.path.lexists(args.bundle) and not os.path.isdir(args.bundle):
         raise VflashError(f"--bundle {args.bundle} is not a folder; give the conditioning bundle's folder")
     profile = get_profile(args.profile)
-    device = check_device("cpu" if args.gpu is None else args.gpu, profile.arch, profile_id=profile.id)
+    device = check_device(gpu_device(args.gpu), profile.arch, profile_id=profile.id)
     for peer in args.peer_gpu or ():
         check_device(peer, profile.arch, "peer device", profile.id)
     bundle = ConditioningBundle.load(args.bundle)

@@ -128,13 +128,6 @@ class GenerationResult:
     denoise_profile: dict[str, object] | None = None
 
 
-def _as_device(value: int | str | torch.device, role: str) -> torch.device:
-    device = check_device(value, None, role)  # a device this machine has: "tpu" or cuda:9 is one line, not a RuntimeError
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
 class NativeEngineSession:
     """Run fixed-schedule H3 trajectories for one profile on one device or an explicit group of devices.
 
@@ -189,7 +182,8 @@ class NativeEngineSession:
             (artifact, "artifact"), (schedule_overlay, "schedule_overlay"), (auxiliary, "auxiliary")))
         self.profile = get_profile(profile)
         peers = [] if peer_device is None else (list(peer_device) if isinstance(peer_device, (list, tuple)) else [peer_device])
-        self.devices = [_as_device(device, "device")] + [_as_device(p, "peer device") for p in peers]
+        # devices this machine has: "tpu" or cuda:9 is one line, not a RuntimeError
+        self.devices = [check_device(device, None, "device")] + [check_device(p, None, "peer device") for p in peers]
         self.device = self.devices[0]
         if peers and strategy not in STRATEGIES:
             raise VflashError(f"two or more devices need strategy {' or '.join(STRATEGIES)}, got {strategy!r}")
