@@ -15,7 +15,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 __all__ = [
-    "BundleError", "IdentityMismatchError", "Number", "RequestError", "RunFailedError", "SessionClosedError",
+    "BundleError", "CallbackGuard", "IdentityMismatchError", "Number", "RequestError", "RunFailedError", "SessionClosedError",
     "VflashError", "WeightFileError", "check_callback", "check_choice", "describe_value", "is_int", "is_real", "run_command",
 ]
 
@@ -47,6 +47,28 @@ def is_int(value: object) -> bool:
 def is_real(value: object) -> bool:
     """An int or a float, never a bool (not checked finite: `Number` and `formats.is_number` are)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class CallbackGuard:
+    """Wraps a caller's callbacks for one run so the run can tell what they raised (a cancel, an interrupt, a
+    caller's bug: the caller's, re-raised unchanged) from a failure of its own: `raised` holds the latest."""
+
+    def __init__(self) -> None:
+        self.raised: BaseException | None = None
+
+    def __call__(self, callback: Callable[..., None] | None) -> Callable[..., None] | None:
+        """`callback` (None stays None), remembering what it raises."""
+        if callback is None:
+            return None
+
+        def call(*args: object) -> None:
+            try:
+                callback(*args)
+            except BaseException as exc:
+                self.raised = exc
+                raise
+
+        return call
 
 
 _SHOWN = 40

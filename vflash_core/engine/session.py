@@ -33,6 +33,7 @@ from typing import Self
 import torch
 
 from ..errors import (
+    CallbackGuard,
     IdentityMismatchError,
     Number,
     SessionClosedError,
@@ -393,22 +394,7 @@ class NativeEngineSession:
         check_callback(preview, "preview")
         if output_latents is not None:
             check_writable_destination(path_argument(output_latents, "output_latents"))
-        aborted = False
-
-        def guarded(fn: Callable[..., None] | None) -> Callable[..., None] | None:
-            if fn is None:
-                return None
-
-            def call(*args: object) -> None:
-                nonlocal aborted
-                try:
-                    fn(*args)
-                except BaseException:
-                    aborted = True
-                    raise
-
-            return call
-
+        guarded = CallbackGuard()  # a stop the caller's callback raised is no failure of the session
         for dev in self.devices:
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
@@ -425,7 +411,7 @@ class NativeEngineSession:
             if output_latents is not None:
                 write_latents(output_latents, output, {"profile": self.profile.id, "mode": bundle.mode})
         except BaseException as exc:
-            if not aborted and not isinstance(exc, (VflashError, KeyboardInterrupt)) or (self._group is not None and self._group.failed):
+            if guarded.raised is None and not isinstance(exc, (VflashError, KeyboardInterrupt)) or (self._group is not None and self._group.failed):
                 self._failure = f"{type(exc).__name__}: {exc}"
             raise
         wall = time.perf_counter() - start
