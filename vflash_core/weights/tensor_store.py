@@ -5,8 +5,10 @@ A `SafetensorsFile` parses and validates the header once and keeps no file descr
 caller-provided tensor, which is how fused and reordered weights are assembled without intermediate copies), and close
 it again. Returned tensors own their storage and stay valid after the file is gone.
 
-`TensorStore` puts one interface over a single file and over a sharded checkpoint described by a
-`*.safetensors.index.json` (the diffusers `transformer/` folder layout).
+`TensorIndex` is the one interface over what the headers say (names, metadata, shapes and dtypes, `require`), for a
+single file and for a sharded checkpoint described by a `*.safetensors.index.json` (the diffusers `transformer/`
+folder layout). Its two readers: `TensorStore`, tensor by tensor (selective reads, row ranges into caller tensors),
+and `weight_io.SequentialWeights`, one whole file by several threads.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from ..errors import WeightFileError
 from ..fileio import check_input_file
 
 __all__ = [
-    "ReadRequest", "SafetensorsFile", "TensorInfo", "TensorStore", "describe_files", "file_sha256", "write_safetensors",
+    "ReadRequest", "SafetensorsFile", "TensorIndex", "TensorInfo", "TensorStore", "describe_files", "file_sha256", "write_safetensors",
 ]
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
@@ -164,19 +166,14 @@ class SafetensorsFile:
             raise WeightFileError(f"{self.path}: missing tensor {name!r}") from None
 
 
-class TensorStore:
-    """One view over a single safetensors file or a sharded checkpoint.
+class TensorIndex:
+    """The tensors of parsed safetensors files (one file, or the shards of one checkpoint at `path`), by name."""
 
-    `path` may be a `.safetensors` file, a `*.safetensors.index.json`, or a directory holding either exactly one
-    index or exactly one `.safetensors` file.
-    """
-
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, files: Iterable[SafetensorsFile]):
         self.path = Path(path)
         self.files: list[SafetensorsFile] = []
         self._file_of: dict[str, SafetensorsFile] = {}
-        for file_path in _resolve_files(self.path):
-            shard = SafetensorsFile(file_path)
+        for shard in files:
             self.files.append(shard)
             for name in shard.tensors:
                 if name in self._file_of:
@@ -220,6 +217,17 @@ class TensorStore:
                 )
         if problems:
             raise WeightFileError(f"{self.path}: " + "; ".join(problems))
+
+
+class TensorStore(TensorIndex):
+    """One view over a single safetensors file or a sharded checkpoint, read tensor by tensor.
+
+    `path` may be a `.safetensors` file, a `*.safetensors.index.json`, or a directory holding either exactly one
+    index or exactly one `.safetensors` file.
+    """
+
+    def __init__(self, path: str | Path):
+        super().__init__(path, (SafetensorsFile(file_path) for file_path in _resolve_files(Path(path))))
 
     def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         """Read whole tensors into fresh CPU tensors that own their storage."""
