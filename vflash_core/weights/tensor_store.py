@@ -18,7 +18,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +28,8 @@ from ..errors import WeightFileError
 from ..fileio import check_input_file
 
 __all__ = [
-    "ReadRequest", "SafetensorsFile", "TensorIndex", "TensorInfo", "TensorStore", "describe_files", "file_sha256", "write_safetensors",
+    "ReadRequest", "SafetensorsFile", "TensorIndex", "TensorInfo", "TensorStore", "describe_files", "file_sha256", "read_fully",
+    "write_safetensors",
 ]
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
@@ -73,6 +74,18 @@ class ReadRequest:
     out: torch.Tensor
     row_start: int = 0
     row_stop: int | None = None
+
+
+def read_fully(view: memoryview, read: Callable[[memoryview, int], int | None]) -> int:
+    """Fill `view` by calls `read(the rest of view, bytes filled so far)` until it is full or a read returns nothing
+    (the data ended): the bytes filled. A read may return fewer bytes than asked (a pipe, a signal, a stream)."""
+    filled = 0
+    while filled < len(view):
+        count = read(view[filled:], filled)
+        if not count:
+            break
+        filled += count
+    return filled
 
 
 class SafetensorsFile:
@@ -152,12 +165,9 @@ class SafetensorsFile:
                     continue
                 view = memoryview(out.view(-1).view(torch.uint8).numpy())
                 handle.seek(start_byte)
-                filled = 0
-                while filled < nbytes:
-                    count = handle.readinto(view[filled:])
-                    if not count:
-                        raise WeightFileError(f"{self.path}: truncated while reading at byte {start_byte + filled}")
-                    filled += count
+                filled = read_fully(view, lambda rest, _: handle.readinto(rest))
+                if filled < nbytes:
+                    raise WeightFileError(f"{self.path}: truncated while reading at byte {start_byte + filled}")
 
     def info(self, name: str) -> TensorInfo:
         try:

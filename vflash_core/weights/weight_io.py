@@ -41,7 +41,7 @@ import torch
 
 from ..errors import IdentityMismatchError, VflashError, WeightFileError
 from ..fileio import atomic_directory
-from .tensor_store import SafetensorsFile, TensorIndex
+from .tensor_store import SafetensorsFile, TensorIndex, read_fully
 
 __all__ = ["MANIFEST_NAME", "SequentialWeights", "prepare_sidecar"]
 
@@ -127,18 +127,19 @@ def _check_identity(path: Path, stat: os.stat_result, expected: tuple[int, int],
 
 def _pread_into(fd: int, path: Path, view: memoryview, offset: int) -> None:
     """Fill `view` from `offset`; a read that ends early is an error naming the file and the offset."""
-    filled = 0
-    while filled < len(view):
+
+    def read(rest: memoryview, filled: int) -> int:
         try:
-            count = os.preadv(fd, [view[filled:]], offset + filled)
+            return os.preadv(fd, [rest], offset + filled)
         except OSError as exc:
             raise WeightFileError(f"{path}: read failed at byte {offset + filled} ({exc.strerror})") from None
-        if count == 0:
-            raise WeightFileError(
-                f"{path}: short read at byte {offset + filled}: end of file {len(view) - filled} bytes before the "
-                f"end of the range [{offset}, {offset + len(view)})"
-            )
-        filled += count
+
+    filled = read_fully(view, read)
+    if filled < len(view):
+        raise WeightFileError(
+            f"{path}: short read at byte {offset + filled}: end of file {len(view) - filled} bytes before the "
+            f"end of the range [{offset}, {offset + len(view)})"
+        )
 
 
 def _read_pieces(fd: int, path: Path, pieces: list[tuple[int, memoryview]]) -> int:
@@ -228,12 +229,8 @@ def _decompress_frame(
     try:
         with zstd.ZstdDecompressor().stream_reader(compressed) as reader:
             for _, view in pieces:
-                filled = 0
-                while filled < len(view):
-                    count = reader.readinto(view[filled:])
-                    if not count:
-                        raise WeightFileError(f"{path}: frame at byte {frame.offset} holds fewer bytes than recorded")
-                    filled += count
+                if read_fully(view, lambda rest, _: reader.readinto(rest)) < len(view):
+                    raise WeightFileError(f"{path}: frame at byte {frame.offset} holds fewer bytes than recorded")
             # Reading past the content consumes the frame's end, which is where its checksum is verified.
             if reader.read(1):
                 raise WeightFileError(f"{path}: frame at byte {frame.offset} holds more bytes than recorded")
