@@ -1,6 +1,9 @@
-"""MP4 delivery: exact frame count and timing, AAC of the right length, file/pipe equivalence, atomic publication."""
+"""MP4 delivery: exact frame count and timing, AAC of the right length, file/pipe/stream equivalence, atomic
+publication."""
 
 from __future__ import annotations
+
+import threading
 
 import av
 import numpy as np
@@ -10,7 +13,7 @@ import torch
 from vflash_core.errors import VflashError
 from vflash_core.fileio import OutputExistsError
 from vflash_core.media import mp4 as media
-from vflash_core.media.mp4 import probe_mp4, write_mp4
+from vflash_core.media.mp4 import mp4_stream, probe_mp4, write_mp4
 
 SR = 32000
 
@@ -116,7 +119,7 @@ def test_encode_failure_leaves_no_partial_file(tmp_path, monkeypatch, video_inpu
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(video_input="socket"), "video_input must be one of file, pipe, got 'socket'"),
+        (dict(video_input="socket"), "video_input must be one of file, pipe, stream, got 'socket'"),
         (dict(video_threads=0), "video_threads must be an integer from 1 to 256, got 0"),
         (dict(video_threads=257), "video_threads must be an integer from 1 to 256, got 257"),
         (dict(sample_rate=12345), "AAC cannot encode 12345 Hz audio"),
@@ -136,3 +139,127 @@ def test_bad_delivery_arguments_are_rejected(tmp_path, kwargs, message):
 def test_quantization_rounds_like_diffusers():
     values = torch.tensor([0.0, 0.5 / 255, 1.5 / 255, 0.999, 1.2, -0.1]).view(1, 1, 2, 3)
     assert media.quantize_frames(values).reshape(-1).tolist() == [0, 0, 2, 255, 255, 0]
+
+
+def _noisy_clip(frames: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradient clip with noise (so the encoder's decisions vary frame to frame), values outside [0, 1] included."""
+    rgb, wave = _clip(frames=frames)
+    noise = torch.rand(rgb.shape, generator=torch.Generator().manual_seed(frames)) * 0.3 - 0.1
+    return rgb + noise, wave
+
+
+def _encoder_inputs(monkeypatch) -> dict[str, list]:
+    """What every writer hands the muxer, recorded: each RGB frame, and the soundtrack."""
+    seen: dict[str, list] = {"frames": [], "audio": []}
+    add_frame, finish = media._Muxer.add_frame, media._Muxer.finish
+
+    def recording_add_frame(self, rgb):
+        seen["frames"].append(np.array(rgb))
+        add_frame(self, rgb)
+
+    def recording_finish(self, audio):
+        seen["audio"].append(np.array(audio))
+        finish(self, audio)
+
+    monkeypatch.setattr(media._Muxer, "add_frame", recording_add_frame)
+    monkeypatch.setattr(media._Muxer, "finish", recording_finish)
+    return seen
+
+
+def test_a_stream_fed_in_parts_encodes_what_the_whole_clip_encodes(tmp_path, monkeypatch):
+    """Parts of uneven sizes (as decode windows come), float frames quantised by the stream: the muxer receives the
+    same uint8 frames, in the same order, and the same soundtrack as `write_mp4` gives it for the whole clip. (The
+    files' bytes are not compared: this libx264 build's output for the same frames, single-threaded, differed between
+    processes and between calls in one process on this clip, so bytes cannot be promised even for one writer.)"""
+    frames, wave = _noisy_clip(41)
+    seen = _encoder_inputs(monkeypatch)
+    write_mp4(tmp_path / "whole.mp4", frames, wave, SR)
+    whole = {k: v[:] for k, v in seen.items()}
+    seen["frames"].clear(), seen["audio"].clear()
+    with mp4_stream(tmp_path / "streamed.mp4", 96, 64, SR) as stream:
+        for start, stop in ((0, 5), (5, 22), (22, 39), (39, 41)):
+            stream.add(start, frames[start:stop])
+        stream.finish(wave)
+    assert len(seen["frames"]) == len(whole["frames"]) == 41
+    assert all(np.array_equal(a, b) for a, b in zip(seen["frames"], whole["frames"]))
+    assert np.array_equal(seen["audio"][0], whole["audio"][0])
+    info = probe_mp4(tmp_path / "streamed.mp4")
+    assert (info["frames"], info["width"], info["height"], info["channels"]) == (41, 96, 64, 2)
+    assert _leftovers(tmp_path) == []
+
+
+def test_a_stream_of_uint8_frames_and_mono_audio(tmp_path):
+    frames, wave = _clip(frames=7)
+    with mp4_stream(tmp_path / "m.mp4", 96, 64, SR, channels=1) as stream:
+        stream.add(0, media.quantize(frames))
+        stream.finish(wave[:1])
+    assert (probe_mp4(tmp_path / "m.mp4")["frames"], probe_mp4(tmp_path / "m.mp4")["channels"]) == (7, 1)
+
+
+@pytest.mark.parametrize(
+    "feed, message",
+    [
+        (lambda s, f, w: s.add(3, f[:3]), "expected frame 0 next, got a part starting at frame 3"),
+        (lambda s, f, w: s.add(0, f[:3, :32]), r"takes \(f, 64, 96, 3\) RGB frames, got \[3, 32, 96, 3\]"),
+        (lambda s, f, w: s.finish(w), "was given no frames"),
+        (lambda s, f, w: (s.add(0, f), s.finish(w[:1])), "opened for 2 audio channels, got 1"),
+        (lambda s, f, w: s.add(0, f), "ended without finish\\(\\); nothing was written"),
+    ],
+)
+def test_a_misfed_stream_is_refused_and_publishes_nothing(tmp_path, feed, message):
+    frames, wave = _clip(frames=5)
+    with pytest.raises(VflashError, match=message), mp4_stream(tmp_path / "x.mp4", 96, 64, SR) as stream:
+        feed(stream, frames, wave)
+    assert list(tmp_path.iterdir()) == []
+    assert not stream._thread.is_alive()
+
+
+def test_an_encoder_failure_reaches_the_producer_and_publishes_nothing(tmp_path, monkeypatch):
+    """The encoder thread fails on frame 4 while the producer keeps adding: the producer sees that error (not a hang
+    on the full queue), the thread ends and nothing appears at the path."""
+    frames, wave = _clip(frames=12)
+    original, seen = media._Muxer.add_frame, []
+
+    def failing(self, rgb):
+        seen.append(1)
+        if len(seen) == 4:
+            raise OSError(28, "No space left on device")
+        original(self, rgb)
+
+    monkeypatch.setattr(media._Muxer, "add_frame", failing)
+    with pytest.raises(VflashError, match="No space left on device"), mp4_stream(tmp_path / "x.mp4", 96, 64, SR) as stream:
+        for i in range(12):
+            stream.add(i, frames[i : i + 1])
+        stream.finish(wave)
+    assert list(tmp_path.iterdir()) == []
+    assert not stream._thread.is_alive() and len(seen) == 4
+
+
+def test_a_producer_failure_stops_the_encoder_and_publishes_nothing(tmp_path):
+    frames, _ = _clip(frames=6)
+    with pytest.raises(RuntimeError, match="decoder died"), mp4_stream(tmp_path / "x.mp4", 96, 64, SR) as stream:
+        stream.add(0, frames[:3])
+        raise RuntimeError("decoder died")
+    assert list(tmp_path.iterdir()) == []
+    assert not stream._thread.is_alive()
+    assert not any(t.name == "vflash-mp4-stream" and t.is_alive() for t in threading.enumerate())
+
+
+def test_a_stream_never_overwrites(tmp_path):
+    target = tmp_path / "keep.mp4"
+    target.write_bytes(b"precious")
+    with pytest.raises(OutputExistsError, match="already exists"), mp4_stream(target, 96, 64, SR):
+        pass
+    assert target.read_bytes() == b"precious"
+
+
+@pytest.mark.gpu
+def test_quantizing_on_the_gpu_gives_the_hosts_bytes():
+    """The stream quantises where the frames were decoded: on CUDA the same bytes as on the CPU (one correctly
+    rounded float32 multiply, round-half-to-even), over values that straddle every rounding boundary."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    g = torch.Generator().manual_seed(0)
+    steps = (torch.arange(256, dtype=torch.float32) + 0.5) / 255  # x * 255 lands on every .5 tie
+    values = torch.cat([torch.rand(1 << 22, generator=g) * 1.2 - 0.1, steps, torch.nextafter(steps, steps + 1), torch.nextafter(steps, steps - 1)])
+    assert torch.equal(media.quantize(values.cuda()).cpu(), media.quantize(values))

@@ -3,15 +3,18 @@ separately loaded parts, cancellation and failures that leave nothing behind."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import av
+import numpy as np
 import pytest
 import torch
 from conftest import assert_bitwise
 
 from vflash_core.engine.session import NativeEngineSession
 from vflash_core.errors import SessionClosedError, VflashError
+from vflash_core.media import mp4
 from vflash_core.media.conditioning import TextConditioner
 from vflash_core.media.mp4 import probe_mp4
 from vflash_core.media.vae import MediaVAEs
@@ -165,3 +168,49 @@ def test_encoder_residency_keeps_the_encoder_and_vaes_on_their_device(pipeline, 
     assert len(offloads) == 2
     with pytest.raises(VflashError, match="encoder_residency must be one of offload, resident"):
         H3Pipeline.from_prepared(h3_prepared, RunOptions(encoder_residency="always"))
+
+
+def test_a_streamed_request_encodes_what_the_file_path_encodes(pipeline, h3_prepared, tmp_path, monkeypatch):
+    """`media_video_input="stream"`: the MP4 is encoded while the video decodes; the muxer gets the same frames and
+    soundtrack as the default file path for the same request, and the stages and progress are the same."""
+    seen: list[list[np.ndarray]] = []
+    add_frame = mp4._Muxer.add_frame
+
+    def recording(self, rgb):
+        seen[-1].append(np.array(rgb))
+        add_frame(self, rgb)
+
+    monkeypatch.setattr(mp4._Muxer, "add_frame", recording)
+    results, events = [], []
+    for name, loaded in (("file", pipeline), ("stream", H3Pipeline.from_prepared(h3_prepared, RunOptions(media_video_input="stream")))):
+        seen.append([])
+        events.append([])
+        results.append(loaded.generate(REQUEST, tmp_path / f"{name}.mp4", progress=lambda *e: events[-1].append(e)))
+    file_result, stream_result = results
+    assert len(seen[0]) == len(seen[1]) == 124 and all(np.array_equal(a, b) for a, b in zip(*seen))
+    assert stream_result.path == tmp_path / "stream.mp4" and probe_mp4(stream_result.path)["frames"] == 124
+    assert set(stream_result.stages) == set(file_result.stages)
+    assert [e for e in events[1] if e[0] != "load"] == [e for e in events[0] if e[0] != "load"]
+    assert stream_result.num_frames == 124 and stream_result.metadata["media_video_input"] == "stream"
+    assert stream_result.metadata["audio_samples"] == file_result.metadata["audio_samples"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.mp4", "stream.mp4"]
+
+
+def test_a_cancel_during_a_streamed_decode_publishes_nothing(h3_prepared, tmp_path, monkeypatch):
+    fresh = H3Pipeline.from_prepared(h3_prepared, RunOptions(media_video_input="stream"))
+    added = []
+    add = mp4.MP4Stream.add
+
+    def counting_add(self, start, frames):
+        added.append(start)
+        add(self, start, frames)
+
+    def cancel() -> None:
+        if added:  # the first part is in the encoder's queue: stop while the decode goes on
+            raise KeyboardInterrupt("user pressed stop")
+
+    monkeypatch.setattr(mp4.MP4Stream, "add", counting_add)
+    with pytest.raises(RequestCancelled, match="user pressed stop"):
+        fresh.generate(REQUEST, tmp_path / "stopped.mp4", cancel=cancel)
+    assert added and list(tmp_path.iterdir()) == []
+    assert not any(t.name == "vflash-mp4-stream" and t.is_alive() for t in threading.enumerate())

@@ -7,6 +7,8 @@ that of a run without previews, even when the preview writes into the tensor it 
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from conftest import assert_bitwise, compile_tiny
@@ -125,6 +127,20 @@ def test_decode_polls_before_every_block_stops_at_once_and_decodes_again(vae_roo
     assert len(stopped) == blocks + 1  # nothing ran after the raise
     assert all(not block._forward_pre_hooks for block in vaes.video_vae.decoder.transformer_blocks)
     assert_bitwise(vaes.decode_video(z), plain, f"{decoder} decode after a cancel")
+
+
+@pytest.mark.parametrize("decoder", ["diffusers", "native"])
+def test_a_streamed_video_decode_hands_the_sink_the_decoded_frames_in_order(vae_root, decoder):
+    """`stream_video`: the frames `decode_video` returns, bit for bit, handed over part by part in order (the native
+    decoder as each window's frames are final: several parts here), on the decoding device."""
+    vaes = MediaVAEs.from_pretrained(vae_root, video_decoder=decoder)
+    z = torch.randn(1, 8, 12, 4, 4, generator=torch.Generator().manual_seed(4))  # 12 latent frames: two windows
+    parts: list = []
+    count = vaes.stream_video(z, lambda start, frames: parts.append((start, frames.clone())))
+    whole = vaes.decode_video(z)
+    assert count == whole.shape[0] and [start for start, _ in parts] == list(itertools.accumulate([0] + [f.shape[0] for _, f in parts[:-1]]))
+    assert len(parts) == 1 if decoder == "diffusers" else len(parts) > 1
+    assert_bitwise(torch.cat([frames for _, frames in parts]), whole, f"{decoder} streamed frames")
 
 
 def test_decode_latents_polls_the_video_decoder_and_before_the_audio(vae_root):

@@ -4,16 +4,22 @@ Frames are quantised to 8-bit RGB once (`round(x * 255)`, as diffusers' postproc
 FFmpeg's swscale (single-threaded, so the output is reproducible) and encoded with libx264; the waveform is encoded with FFmpeg's native AAC encoder. Every
 video frame carries an exact presentation time `i / fps`, so the container holds exactly the frames given.
 
-Two ways to feed the encoder the same 8-bit frames:
+Three ways to feed the encoder the same 8-bit frames:
 
 * `video_input="file"` (default): the quantised RGB clip is first written to a temporary raw file next to the output
   and encoded from there (one bounded pass over the frames, then the encoder reads a plain file), with plain I/O both
   ways: a full disk is an error (`fileio.WriteFailedError`), never a SIGBUS;
-* `video_input="pipe"`: each frame is quantised and handed to the encoder directly, without the temporary file.
+* `video_input="pipe"`: each frame is quantised and handed to the encoder directly, without the temporary file;
+* `video_input="stream"` (`mp4_stream`): the frames arrive part by part while they are still being decoded, are
+  quantised where they were decoded (the same float32 multiply and rounding, so the same bytes), and are converted and
+  encoded on the stream's own thread, so the encoder works while the decoder does; at most `STREAM_QUEUE_PARTS`
+  parts wait for it. The muxer sees the same calls with the same frames in the same order as for a whole clip (every
+  video frame, the flush, then the audio): the encoder gets exactly what `write_mp4` gives it.
 
 `video_threads` sets the H.264 encoder's thread count (1-256); `None` leaves FFmpeg's automatic choice. Thread counts
-can change the lossy bitstream, never the frame count or timing. (libx264's bitstream for identical input was seen to
-differ occasionally between runs in one process, so byte identity of two MP4s is not promised.)
+can change the lossy bitstream, never the frame count or timing. (libx264's bitstream for identical input, even on one
+thread, was seen to differ between processes and between calls in one process for some clips, so byte identity of two
+MP4s is not promised; their encoder inputs are.)
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
+import threading
 from collections.abc import Iterator, Mapping
 from fractions import Fraction
 from pathlib import Path
@@ -32,13 +40,15 @@ from ..errors import Number, VflashError, check_choice
 from ..fileio import atomic_file, temporary, write_errors
 
 __all__ = [
-    "VIDEO_INPUTS", "VIDEO_THREADS", "check_delivery_options", "probe_mp4", "quantize_frames", "rgb_frames",
-    "write_mp4",
+    "STREAM_QUEUE_PARTS", "VIDEO_INPUTS", "VIDEO_THREADS", "MP4Stream", "check_delivery_options", "mp4_stream",
+    "probe_mp4", "quantize", "quantize_frames", "rgb_frames", "write_mp4",
 ]
 
 logger = logging.getLogger(__name__)
 
-VIDEO_INPUTS = ("file", "pipe")
+VIDEO_INPUTS = ("file", "pipe", "stream")
+# Decoded parts (a native decode's window, or a whole clip) an `MP4Stream` holds for its encoder before `add` waits.
+STREAM_QUEUE_PARTS = 2
 #: The H.264 encoder's thread count, when given (None: FFmpeg's automatic choice).
 VIDEO_THREADS = Number(int, 1, 256)
 # x264 quality: visually lossless for generated content at moderate size.
@@ -56,32 +66,49 @@ def check_delivery_options(video_input: str, video_threads: int | None) -> None:
         VIDEO_THREADS.check("video_threads", video_threads)
 
 
-def quantize_frames(frames: torch.Tensor | np.ndarray) -> np.ndarray:
-    """(F, H, W, 3) float in [0, 1] or uint8 -> contiguous uint8 RGB: `round(clip(x, 0, 1) * 255)` in float32.
+def quantize(frames: torch.Tensor) -> torch.Tensor:
+    """Float frames in [0, 1] (or uint8) -> uint8, on their own device: `round(clip(x, 0, 1) * 255)` in float32.
 
-    Computed with torch's multi-threaded CPU ops (the same float32 multiply and round-half-to-even as numpy, so the
-    same bytes); one thread of numpy took ~2 s for a 5 s 1344x768 clip.
+    One float32 multiply (correctly rounded) and round-half-to-even: the same bytes on the CPU and on a GPU, and the
+    same as numpy's, which is why a stream may quantise where the frames were decoded and copy a quarter of the bytes.
+    """
+    if frames.dtype == torch.uint8:
+        return frames
+    return frames.to(torch.float32).clamp(0.0, 1.0).mul_(255.0).round_().to(torch.uint8)
+
+
+def quantize_frames(frames: torch.Tensor | np.ndarray) -> np.ndarray:
+    """(F, H, W, 3) float in [0, 1] or uint8 -> contiguous uint8 RGB on the host (`quantize`).
+
+    Computed with torch's multi-threaded CPU ops; one thread of numpy took ~2 s for a 5 s 1344x768 clip.
     """
     tensor = frames.detach().cpu() if isinstance(frames, torch.Tensor) else torch.from_numpy(np.asarray(frames))
-    if tensor.dtype == torch.uint8:
-        return np.ascontiguousarray(tensor.numpy())
-    return tensor.to(torch.float32).clamp(0.0, 1.0).mul_(255.0).round_().to(torch.uint8).contiguous().numpy()
+    return np.ascontiguousarray(quantize(tensor).numpy())
+
+
+def _check_frame_size(width: int, height: int, fps: int) -> None:
+    if width % 2 or height % 2:
+        raise VflashError(f"H.264 yuv420p needs an even frame size, got {width}x{height}")
+    if not isinstance(fps, int) or isinstance(fps, bool) or fps <= 0:
+        raise VflashError(f"fps must be a positive integer, got {fps!r}")
+
+
+def _check_soundtrack(waveform: torch.Tensor | np.ndarray, sample_rate: int) -> np.ndarray:
+    """(channels, samples) float -> contiguous float32 clipped to [-1, 1]; raises `VflashError` naming the fault."""
+    audio = waveform.detach().cpu().float().numpy() if isinstance(waveform, torch.Tensor) else np.asarray(waveform, dtype=np.float32)
+    if audio.ndim != 2 or audio.shape[0] not in (1, 2) or audio.shape[1] < 1:
+        raise VflashError(f"waveform must be (channels, samples) with 1 or 2 channels, got {list(audio.shape)}")
+    if sample_rate not in AAC_SAMPLE_RATES:
+        raise VflashError(f"AAC cannot encode {sample_rate} Hz audio; supported rates: {', '.join(map(str, AAC_SAMPLE_RATES))}")
+    return np.ascontiguousarray(np.clip(audio, -1.0, 1.0))
 
 
 def _check_inputs(frames, waveform, sample_rate: int, fps: int) -> tuple[tuple[int, ...], np.ndarray]:
     shape = tuple(frames.shape)
     if len(shape) != 4 or shape[3] != 3 or shape[0] < 1:
         raise VflashError(f"frames must be (F, H, W, 3) RGB with F >= 1, got {list(shape)}")
-    if shape[1] % 2 or shape[2] % 2:
-        raise VflashError(f"H.264 yuv420p needs an even frame size, got {shape[2]}x{shape[1]}")
-    if not isinstance(fps, int) or fps <= 0:
-        raise VflashError(f"fps must be a positive integer, got {fps!r}")
-    audio = waveform.detach().cpu().float().numpy() if isinstance(waveform, torch.Tensor) else np.asarray(waveform, dtype=np.float32)
-    if audio.ndim != 2 or audio.shape[0] not in (1, 2) or audio.shape[1] < 1:
-        raise VflashError(f"waveform must be (channels, samples) with 1 or 2 channels, got {list(audio.shape)}")
-    if sample_rate not in AAC_SAMPLE_RATES:
-        raise VflashError(f"AAC cannot encode {sample_rate} Hz audio; supported rates: {', '.join(map(str, AAC_SAMPLE_RATES))}")
-    return shape, np.ascontiguousarray(np.clip(audio, -1.0, 1.0))
+    _check_frame_size(shape[2], shape[1], fps)
+    return shape, _check_soundtrack(waveform, sample_rate)
 
 
 class _RawFrames:
@@ -128,37 +155,177 @@ def rgb_frames(frames, shape: tuple[int, ...], video_input: str, destination: Pa
         path.unlink(missing_ok=True)
 
 
+class _Muxer:
+    """One MP4 being written: an H.264 (yuv420p) and an AAC stream, fed in the one order every writer here uses
+    (all video frames, the video flush, then the audio), so equal frames and audio make equal files."""
+
+    def __init__(
+        self, target: Path, width: int, height: int, channels: int, sample_rate: int, fps: int, video_threads: int | None,
+        metadata: Mapping[str, str],
+    ):
+        import av
+
+        self.av, self.frames, self.sample_rate = av, 0, sample_rate
+        self.layout = "stereo" if channels == 2 else "mono"
+        # MP4 keeps only the tags FFmpeg knows unless it writes them as free-form (mdta) keys.
+        movflags = "+faststart+use_metadata_tags" if metadata else "+faststart"
+        self.container = av.open(str(target), mode="w", format="mp4", options={"movflags": movflags})
+        try:
+            self.container.metadata.update(metadata)
+            self.video = self.container.add_stream("libx264", rate=fps, options=dict(H264_OPTIONS))
+            self.video.width, self.video.height, self.video.pix_fmt = width, height, "yuv420p"
+            self.video.time_base = Fraction(1, fps)
+            self.video.codec_context.thread_count = 0 if video_threads is None else video_threads
+            self.sound = self.container.add_stream("aac", rate=sample_rate)
+            self.sound.layout = self.layout
+            self.sound.bit_rate = AAC_BITRATE
+        except BaseException:
+            self.container.close()
+            raise
+
+    def add_frame(self, rgb: np.ndarray) -> None:
+        """One (H, W, 3) uint8 RGB frame, presented at `index / fps`."""
+        # Converted here, on one thread, so the yuv420p planes never depend on swscale's slice threading (the
+        # encoder would otherwise convert an RGB frame with its own thread count).
+        frame = self.av.VideoFrame.from_ndarray(rgb, format="rgb24").reformat(format="yuv420p", threads=1)
+        frame.pts = self.frames
+        self.frames += 1
+        self.container.mux(self.video.encode(frame))
+
+    def finish(self, audio: np.ndarray) -> None:
+        """Flush the video, encode the (channels, samples) float32 soundtrack, close the file."""
+        self.container.mux(self.video.encode(None))
+        for start in range(0, audio.shape[1], _AAC_FRAME):
+            chunk = self.av.AudioFrame.from_ndarray(np.ascontiguousarray(audio[:, start : start + _AAC_FRAME]), format="fltp", layout=self.layout)
+            chunk.sample_rate, chunk.pts = self.sample_rate, start
+            self.container.mux(self.sound.encode(chunk))
+        self.container.mux(self.sound.encode(None))
+        self.container.close()
+
+    def close(self) -> None:
+        self.container.close()
+
+
 def _encode(
     target: Path, rgb, shape: tuple[int, ...], audio: np.ndarray, sample_rate: int, fps: int, video_threads: int | None,
     metadata: Mapping[str, str],
 ) -> None:
-    import av
+    muxer = _Muxer(target, shape[2], shape[1], audio.shape[0], sample_rate, fps, video_threads, metadata)
+    try:
+        for i in range(shape[0]):
+            muxer.add_frame(rgb[i])
+        muxer.finish(audio)
+    finally:
+        muxer.close()
 
-    frames_count, height, width, _ = shape
-    layout = "stereo" if audio.shape[0] == 2 else "mono"
-    # MP4 keeps only the tags FFmpeg knows unless it writes them as free-form (mdta) keys.
-    movflags = "+faststart+use_metadata_tags" if metadata else "+faststart"
-    with av.open(str(target), mode="w", format="mp4", options={"movflags": movflags}) as container:
-        container.metadata.update(metadata)
-        video = container.add_stream("libx264", rate=fps, options=dict(H264_OPTIONS))
-        video.width, video.height, video.pix_fmt = width, height, "yuv420p"
-        video.time_base = Fraction(1, fps)
-        video.codec_context.thread_count = 0 if video_threads is None else video_threads
-        sound = container.add_stream("aac", rate=sample_rate)
-        sound.layout = layout
-        sound.bit_rate = AAC_BITRATE
-        for i in range(frames_count):
-            # Converted here, on one thread, so the yuv420p planes never depend on swscale's slice threading (the
-            # encoder would otherwise convert an RGB frame with its own thread count).
-            frame = av.VideoFrame.from_ndarray(rgb[i], format="rgb24").reformat(format="yuv420p", threads=1)
-            frame.pts = i
-            container.mux(video.encode(frame))
-        container.mux(video.encode(None))
-        for start in range(0, audio.shape[1], _AAC_FRAME):
-            chunk = av.AudioFrame.from_ndarray(np.ascontiguousarray(audio[:, start : start + _AAC_FRAME]), format="fltp", layout=layout)
-            chunk.sample_rate, chunk.pts = sample_rate, start
-            container.mux(sound.encode(chunk))
-        container.mux(sound.encode(None))
+
+class MP4Stream:
+    """An MP4 encoded while its frames are still being made (`video_input="stream"`; open it with `mp4_stream`).
+
+    `add(start, frames)` takes each decoded part in order: (f, H, W, 3) float in [0, 1] (or uint8) on any device,
+    quantised there (`quantize`) and copied to the host; the stream's thread converts and encodes the parts as they
+    come. `add` waits while `STREAM_QUEUE_PARTS` parts are queued, and raises the encoder's error (a full disk, say)
+    as soon as there is one. `finish(waveform)` waits for the video, then muxes the soundtrack.
+    """
+
+    _END = None
+
+    def __init__(self, target: Path, width: int, height: int, channels: int, sample_rate: int, fps: int,
+                 video_threads: int | None, metadata: Mapping[str, str]):
+        self.width, self.height, self.channels, self.sample_rate = width, height, channels, sample_rate
+        self.frames = 0  # frames handed to `add`
+        self.finished = False
+        self._muxer = _Muxer(target, width, height, channels, sample_rate, fps, video_threads, metadata)
+        self._parts: queue.Queue[np.ndarray | None] = queue.Queue(maxsize=STREAM_QUEUE_PARTS)
+        self._error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._encode_parts, name="vflash-mp4-stream", daemon=True)
+        self._thread.start()
+
+    def _encode_parts(self) -> None:
+        try:
+            while (part := self._parts.get()) is not self._END and not self._stop.is_set():
+                for rgb in part:
+                    if self._stop.is_set():
+                        break
+                    self._muxer.add_frame(rgb)
+        except BaseException as exc:  # noqa: BLE001 - handed to the producer, which raises it on its own thread
+            self._error = exc
+            self._stop.set()
+            while self._parts.get() is not self._END:  # free a producer blocked on a full queue until it sees the error
+                pass
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def add(self, start: int, frames: torch.Tensor) -> None:
+        """Frames `start .. start + f - 1` of the clip; parts come in order, without gaps."""
+        if start != self.frames:
+            raise VflashError(f"the MP4 stream expected frame {self.frames} next, got a part starting at frame {start}")
+        shape = tuple(frames.shape)
+        if len(shape) != 4 or shape[1:] != (self.height, self.width, 3) or shape[0] < 1:
+            raise VflashError(f"the MP4 stream takes (f, {self.height}, {self.width}, 3) RGB frames, got {list(shape)}")
+        rgb = np.ascontiguousarray(quantize(frames.detach()).cpu().numpy())
+        while True:
+            self._raise_error()
+            try:
+                self._parts.put(rgb, timeout=0.1)
+                break
+            except queue.Full:
+                continue
+        self.frames += shape[0]
+
+    def _join(self) -> None:
+        self._parts.put(self._END)
+        self._thread.join()
+
+    def finish(self, waveform: torch.Tensor | np.ndarray) -> None:
+        """Wait for every frame's encode, then mux the (channels, samples) soundtrack and close the file."""
+        audio = _check_soundtrack(waveform, self.sample_rate)
+        if audio.shape[0] != self.channels:
+            raise VflashError(f"the MP4 stream was opened for {self.channels} audio channels, got {audio.shape[0]}")
+        if self.frames < 1:
+            raise VflashError("the MP4 stream was given no frames")
+        self._join()
+        self._raise_error()
+        self._muxer.finish(audio)
+        self.finished = True
+
+    def abandon(self) -> None:
+        """Stop the encoder and close the file without finishing it (its owner removes it)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            with contextlib.suppress(queue.Full):
+                self._parts.put_nowait(self._END)
+            while self._thread.is_alive():  # the encoder drains the queue down to the end marker once stopped
+                with contextlib.suppress(queue.Full):
+                    self._parts.put(self._END, timeout=0.1)
+                self._thread.join(timeout=0.1)
+        self._muxer.close()
+
+
+@contextlib.contextmanager
+def mp4_stream(
+    path: str | Path, width: int, height: int, sample_rate: int, fps: int = 24, channels: int = 2,
+    video_threads: int | None = None, overwrite: bool = False, metadata: Mapping[str, str] | None = None,
+) -> Iterator[MP4Stream]:
+    """An `MP4Stream` written under a temporary name beside `path` and published atomically when the block ends after
+    `finish`; on any failure inside the block (or a block that never called `finish`) nothing appears at `path`."""
+    if video_threads is not None:
+        VIDEO_THREADS.check("video_threads", video_threads)
+    _check_frame_size(width, height, fps)
+    path = Path(path)
+    with atomic_file(path, overwrite=overwrite, suffix=".mp4") as tmp:
+        stream = MP4Stream(tmp, width, height, channels, sample_rate, fps, video_threads, metadata or {})
+        try:
+            yield stream
+        finally:
+            if not stream.finished:
+                stream.abandon()
+        if not stream.finished:
+            raise VflashError(f"the MP4 stream for {path} ended without finish(); nothing was written")
+    logger.debug("wrote %s: %d frames %dx%d at %d fps (streamed)", path, stream.frames, width, height, fps)
 
 
 def write_mp4(

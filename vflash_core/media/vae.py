@@ -13,6 +13,10 @@ the same frames bit for bit, several tile-windows per ViT call, each window's fr
 `peer_device` it splits the tile-windows between the two devices (a replica of the decoder's weights on the peer for
 the decode's duration), the same frames again.
 
+Both decodes can hand their frames to a sink instead of returning the clip (`stream_video`): the
+native one window by window as each completes, diffusers' once for the whole clip; an MP4 stream (`mp4.MP4Stream.add`)
+is such a sink, so the encoder works while the native decoder decodes the next windows.
+
 Both decodes take a `between_blocks()` hook, called before each of the ViT decoder's blocks (in diffusers' decode
 through a forward pre-hook on each block, for the decode's duration only), so a cancel raised there stops a decode
 within one block of one tile call; it reads nothing and the frames are unchanged.
@@ -23,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +39,9 @@ from ..errors import VflashError
 from .conditioning import default_dtype
 from .vae_decode import NativeVideoDecoder
 
-__all__ = ["PIXEL_MEAN", "PIXEL_STD", "DecodedMedia", "MediaVAEs", "calling_between_blocks", "decode_latents"]
+__all__ = [
+    "PIXEL_MEAN", "PIXEL_STD", "DecodedMedia", "FrameSink", "MediaVAEs", "calling_between_blocks", "decode_latents",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -44,16 +50,24 @@ PIXEL_MEAN = (0.485, 0.456, 0.406)
 PIXEL_STD = (0.229, 0.224, 0.225)
 CONDITION_ENCODE_SEED = 42
 VIDEO_DECODERS = ("diffusers", "native")
+# sink(start, frames): frames `start ..` of the clip, (f, H, W, 3) float32 in [0, 1] on the decoding device, in order.
+FrameSink = Callable[[int, torch.Tensor], None]
 
 
 @dataclass
 class DecodedMedia:
-    """frames: (F, H, W, 3) float32 in [0, 1]; waveform: (2, T) float32 in [-1, 1]."""
+    """frames: (F, H, W, 3) float32 in [0, 1], or None when they went to a sink; waveform: (2, T) float32 in
+    [-1, 1]; num_frames: F (given when the frames went to a sink)."""
 
-    frames: torch.Tensor
+    frames: torch.Tensor | None
     waveform: torch.Tensor
     sample_rate: int
     fps: int = FPS
+    num_frames: int = field(default=0)
+
+    def __post_init__(self) -> None:
+        if self.frames is not None:
+            self.num_frames = int(self.frames.shape[0])
 
 
 class MediaVAEs(SerialDeviceOwner):
@@ -148,24 +162,32 @@ class MediaVAEs(SerialDeviceOwner):
 
     # -- decoding -----------------------------------------------------------------------------------------------------
 
-    @torch.no_grad()
-    def decode_video(self, video_latents: torch.Tensor, between_blocks: Callable[[], None] | None = None) -> torch.Tensor:
-        """(1, C, F, h, w) normalised -> (F', 16h, 16w, 3) float32 in [0, 1], F' = 17 n + 5 for F = 5 n + 2.
-        `between_blocks()` runs before each ViT decoder block (it may raise to abandon the decode)."""
+    def _video_decode(self, video_latents: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+        """Denormalised latents on the VAE's device, and the map of decoded pixels (1, 3, f, H, W) to frames
+        (f, H, W, 3) in [0, 1], applied on the device (the same ops per element on a window as on the whole video)."""
         mean, std, device = self._stats(self.video_vae, (1, -1, 1, 1, 1))
         latents = video_latents.to(device) * std.to(device) + mean.to(device)
         pixel_mean, pixel_std = (torch.tensor(stats, device=device).view(1, -1, 1, 1, 1) for stats in (PIXEL_MEAN, PIXEL_STD))
 
-        def unit_frames(video: torch.Tensor) -> torch.Tensor:  # (1, 3, f, H, W) -> (f, H, W, 3) in [0, 1]
+        def unit_frames(video: torch.Tensor) -> torch.Tensor:
             return (video.float() * pixel_std + pixel_mean).clamp(0, 1)[0].permute(1, 2, 3, 0)
 
+        return latents, unit_frames
+
+    def _native_decoder(self, latents: torch.Tensor) -> NativeVideoDecoder:
+        devices = () if self.peer_device is None else (latents.device, self.peer_device)
+        return NativeVideoDecoder.from_vae(self.video_vae, devices)
+
+    @torch.no_grad()
+    def decode_video(self, video_latents: torch.Tensor, between_blocks: Callable[[], None] | None = None) -> torch.Tensor:
+        """(1, C, F, h, w) normalised -> (F', 16h, 16w, 3) float32 in [0, 1] on the CPU, F' = 17 n + 5 for F = 5 n + 2.
+        `between_blocks()` runs before each ViT decoder block (it may raise to abandon the decode)."""
+        latents, unit_frames = self._video_decode(video_latents)
         if self.video_decoder != "native":
             with calling_between_blocks(self.video_vae.decoder, between_blocks):
                 return unit_frames(self.video_vae.decode(latents, return_dict=False)[0]).cpu()
-        # Each window's frames are mapped to [0, 1] on the device (the same ops per element as on the whole video) and
-        # copied to the host as the window completes, so the video itself never occupies the device.
-        devices = () if self.peer_device is None else (latents.device, self.peer_device)
-        decoder = NativeVideoDecoder.from_vae(self.video_vae, devices)
+        # Each window's frames are copied to the host as the window completes, so the video never occupies the device.
+        decoder = self._native_decoder(latents)
         plan = decoder.plan(latents.shape)
         frames = torch.empty((plan.output_frames, plan.pixel_height, plan.pixel_width, 3), dtype=torch.float32)
 
@@ -174,6 +196,20 @@ class MediaVAEs(SerialDeviceOwner):
 
         decoder.decode(latents, write, between_blocks=between_blocks)
         return frames
+
+    @torch.no_grad()
+    def stream_video(self, video_latents: torch.Tensor, sink: FrameSink, between_blocks: Callable[[], None] | None = None) -> int:
+        """`decode_video`'s frames handed to `sink(start, frames)` on the decoding device instead of returned: the
+        native decoder's window by window as each completes, diffusers' once; returns the frame count F'."""
+        latents, unit_frames = self._video_decode(video_latents)
+        if self.video_decoder != "native":
+            with calling_between_blocks(self.video_vae.decoder, between_blocks):
+                frames = unit_frames(self.video_vae.decode(latents, return_dict=False)[0])
+            sink(0, frames)
+            return int(frames.shape[0])
+        decoder = self._native_decoder(latents)
+        decoder.decode(latents, lambda start, chunk: sink(start, unit_frames(chunk)), between_blocks=between_blocks)
+        return decoder.plan(latents.shape).output_frames
 
     @torch.no_grad()
     def decode_audio(self, audio_latents: torch.Tensor) -> torch.Tensor:
@@ -207,20 +243,23 @@ def calling_between_blocks(decoder: torch.nn.Module, between_blocks: Callable[[]
 
 def decode_latents(
     vaes, video_latents: torch.Tensor, audio_latents: torch.Tensor, after_stage: Callable[[str], None] | None = None,
-    between_blocks: Callable[[], None] | None = None,
+    between_blocks: Callable[[], None] | None = None, video_sink: FrameSink | None = None,
 ) -> DecodedMedia:
     """(1, C, F, h, w) and (2, C_a, A) normalised latents -> frames and the whole stereo waveform, the VAEs on their
     device for the duration; `after_stage` is called after decode.video and decode.audio, `between_blocks()` before
-    each block of the video decoder and once before the audio decode (either may raise to abandon the decode). `vaes`
+    each block of the video decoder and once before the audio decode (either may raise to abandon the decode). With a
+    `video_sink` the frames go to it as they are decoded (`MediaVAEs.stream_video`) and the result holds none. `vaes`
     is a `MediaVAEs` or any object with its `on_device` / `decode_video(latents, between_blocks)` / `decode_audio` /
-    `sample_rate` (an adapter over another implementation's VAEs)."""
+    `sample_rate` (an adapter over another implementation's VAEs; a `video_sink` needs its `stream_video` too)."""
     after_stage = after_stage or (lambda name: None)
     with vaes.on_device():
-        frames = vaes.decode_video(video_latents, between_blocks)
+        if video_sink is None:
+            frames, num_frames = vaes.decode_video(video_latents, between_blocks), 0
+        else:
+            frames, num_frames = None, vaes.stream_video(video_latents, video_sink, between_blocks)
         after_stage("decode.video")
         if between_blocks is not None:
             between_blocks()
         waveform = vaes.decode_audio(audio_latents)
         after_stage("decode.audio")
-    return DecodedMedia(frames, waveform, vaes.sample_rate)
-
+    return DecodedMedia(frames, waveform, vaes.sample_rate, num_frames=num_frames)

@@ -80,7 +80,7 @@ from ..errors import (
 from ..fileio import atomic_file, check_input_file, check_writable_destination, path_argument
 from ..formats import PIPELINE_FORMAT, Field, check_fields, is_object, is_positive
 from ..media.conditioning import TEXT_ENCODER_LAYER, TextConditioner, TextEncoderLoader
-from ..media.mp4 import write_mp4
+from ..media.mp4 import mp4_stream, write_mp4
 from ..media.references import CanvasRules, fit_keyframes, load_image, load_reference, normalize_references
 from ..media.vae import DecodedMedia, MediaVAEs, decode_latents
 from ..media.vae_decode import DEFAULT_WINDOWS_PER_CALL
@@ -465,7 +465,7 @@ def build_request_bundle(
 
 def delivered_soundtrack(media: DecodedMedia) -> torch.Tensor:
     """The waveform cut to the video's exact length: the audio latents cover round(F / 24 * 40) / 40 s."""
-    return media.waveform[:, : round(media.frames.shape[0] / FPS * media.sample_rate)]
+    return media.waveform[:, : round(media.num_frames / FPS * media.sample_rate)]
 
 
 # -- the pipeline --------------------------------------------------------------------------------------------------
@@ -761,15 +761,31 @@ class H3Pipeline:
             poll()
             t = time.perf_counter()
             after_stage = stage_timer(stages, lambda stage: report("decode", ("decode.video", "decode.audio").index(stage) + 1, 2))
-            media = decode_latents(self.vaes, generation.video_latents, generation.audio_latents, after_stage, poll if cancel is not None else None)
-            stages["decode"] = time.perf_counter() - t
-            soundtrack = delivered_soundtrack(media)
+            latents = (generation.video_latents, generation.audio_latents)
+            between_blocks = poll if cancel is not None else None
             path = None
-            if output is not None:
-                poll()
-                t = time.perf_counter()
-                path = write_mp4(output, media.frames, soundtrack, media.sample_rate, FPS,
-                                 self.options.media_video_input, self.options.media_video_threads, overwrite)
+            if output is not None and self.options.media_video_input == "stream":
+                # The MP4 is encoded while the video decodes; `write` is what is left of it after the decode.
+                width, height = plan.geometry.width, plan.geometry.height
+                with mp4_stream(output, width, height, self.vaes.sample_rate, FPS, video_threads=self.options.media_video_threads,
+                                overwrite=overwrite) as stream:
+                    media = decode_latents(self.vaes, *latents, after_stage, between_blocks, video_sink=stream.add)
+                    stages["decode"] = time.perf_counter() - t
+                    poll()
+                    t = time.perf_counter()
+                    soundtrack = delivered_soundtrack(media)
+                    stream.finish(soundtrack)
+                path = Path(output)
+            else:
+                media = decode_latents(self.vaes, *latents, after_stage, between_blocks)
+                stages["decode"] = time.perf_counter() - t
+                soundtrack = delivered_soundtrack(media)
+                if output is not None:
+                    poll()
+                    t = time.perf_counter()
+                    path = write_mp4(output, media.frames, soundtrack, media.sample_rate, FPS,
+                                     self.options.media_video_input, self.options.media_video_threads, overwrite)
+            if path is not None:
                 stages["write"] = time.perf_counter() - t
                 report("write", 1, 1)
         except BaseException as exc:  # a cancel, or a failure that is not the user's, ends the pipeline
@@ -780,7 +796,7 @@ class H3Pipeline:
         metadata = {
             **generation.metadata,
             "seed": request.seed,
-            "duration_seconds": media.frames.shape[0] / FPS,
+            "duration_seconds": media.num_frames / FPS,
             "audio_samples": soundtrack.shape[1],
             "media_video_input": self.options.media_video_input,
             "media_video_threads": self.options.media_video_threads,
@@ -792,6 +808,6 @@ class H3Pipeline:
             metadata["denoise_profile"] = generation.denoise_profile
         return VideoResult(
             path=path, elapsed_seconds=elapsed, stages=stages, session=generation.session, mode=plan.mode,
-            width=plan.geometry.width, height=plan.geometry.height, num_frames=int(media.frames.shape[0]), fps=FPS,
+            width=plan.geometry.width, height=plan.geometry.height, num_frames=media.num_frames, fps=FPS,
             sample_rate=media.sample_rate, metadata=metadata, media=None if output is not None else media,
         )
