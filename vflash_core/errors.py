@@ -15,8 +15,9 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 __all__ = [
-    "BundleError", "CallbackGuard", "IdentityMismatchError", "Number", "RequestError", "RunFailedError", "SessionClosedError",
-    "VflashError", "WeightFileError", "check_callback", "check_choice", "describe_value", "is_int", "is_real", "run_command",
+    "BundleError", "CallbackGuard", "IdentityMismatchError", "Number", "RequestError", "RunFailedError",
+    "SessionClosedError", "VflashError", "WeightFileError", "check_callback", "check_choice", "describe_value",
+    "is_int", "is_real", "run_command",
 ]
 
 

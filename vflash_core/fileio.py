@@ -34,10 +34,10 @@ from pathlib import Path
 from .errors import RunFailedError, VflashError, describe_value
 
 __all__ = [
-    "GIB", "MIB", "MissingInputError", "OutputExistsError", "WriteFailedError", "atomic_directory", "atomic_file", "check_file_name",
-    "check_folder", "check_input_file", "check_new_directory", "check_writable_destination", "nearest_existing",
-    "path_argument", "read_json", "read_text_file", "remove_folder", "remove_if_owner_ended", "resolve_inside",
-    "size_text", "temporary", "write_errors",
+    "GIB", "MIB", "MissingInputError", "OutputExistsError", "WriteFailedError", "atomic_directory", "atomic_file",
+    "check_file_name", "check_folder", "check_input_file", "check_new_directory", "check_writable_destination",
+    "nearest_existing", "path_argument", "read_json", "read_text_file", "remove_folder", "remove_if_owner_ended",
+    "resolve_inside", "size_text", "temporary", "write_errors",
 ]
 
 logger = logging.getLogger(__name__)

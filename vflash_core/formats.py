@@ -18,8 +18,8 @@ from .errors import IdentityMismatchError, VflashError, describe_value, is_int, 
 __all__ = [
     "ARCH_FAMILIES", "ARCH_NAMES", "ARTIFACT_FORMAT", "ARTIFACT_FP8_FORMAT", "MISSING", "OVERLAY_FORMAT",
     "PIPELINE_FORMAT", "WEIGHTS_RECEIPT_FORMAT", "Field", "arch_family", "capability_arch", "check_device",
-    "check_fields", "device_arch", "field_problem", "gpu_device", "is_count", "is_file_name", "is_number", "is_object", "is_positive",
-    "is_text", "list_of",
+    "check_fields", "device_arch", "field_problem", "gpu_device", "is_count", "is_file_name", "is_number", "is_object",
+    "is_positive", "is_text", "list_of",
 ]
 
 WEIGHTS_RECEIPT_FORMAT = "vflash-receipt/1"  # `compiler prepare`: a profile bound to hashed base weights and adapter

@@ -56,8 +56,8 @@ def _denoise(args: argparse.Namespace) -> int:
         )
         with session:
             session.validate(bundle)
-            result = session.generate(bundle, progress=lambda done, total: bars("denoise", done, total), output_latents=args.output_latents,
-                                      profile_denoise=args.profile_denoise)
+            result = session.generate(bundle, progress=lambda done, total: bars("denoise", done, total),
+                                      output_latents=args.output_latents, profile_denoise=args.profile_denoise)
     print(f"wrote {args.output_latents}")
     report = {"session": result.session.__dict__, "metadata": result.metadata}
     if result.denoise_profile is not None:

@@ -33,11 +33,12 @@ from .config import NUM_MODALITIES, H3Config
 from .profiler import NO_TIMER, StageTimer
 
 __all__ = [
-    "MODULATION_BLOCKS", "AttentionFn", "BlockOps", "LayerWeights", "LoraResidual", "ModulationBlocks", "RowScaledWeight", "adaln_indices", "adaln_table",
-    "add_lora_residuals", "apply_rotary", "attention", "curve_adaln_table", "curve_norm_out_table",
-    "curve_time_embedding", "feed_forward", "gated_residual", "linear", "main_block", "modulate", "modulation_rows",
-    "norm_out_table", "output_heads", "pack_inputs", "qk_norm_rope", "rms_norm", "rms_norm_modulate", "rope",
-    "rope_cos_sin", "rope_inv_freq", "sdpa_attention", "swiglu", "text_stream", "time_embedding",
+    "MODULATION_BLOCKS", "AttentionFn", "BlockOps", "LayerWeights", "LoraResidual", "ModulationBlocks",
+    "RowScaledWeight", "adaln_indices", "adaln_table", "add_lora_residuals", "apply_rotary", "attention",
+    "curve_adaln_table", "curve_norm_out_table", "curve_time_embedding", "feed_forward", "gated_residual", "linear",
+    "main_block", "modulate", "modulation_rows", "norm_out_table", "output_heads", "pack_inputs", "qk_norm_rope",
+    "rms_norm", "rms_norm_modulate", "rope", "rope_cos_sin", "rope_inv_freq", "sdpa_attention", "swiglu", "text_stream",
+    "time_embedding",
 ]
 
 # (B, S, heads, head_dim) q, k, v -> (B, S, heads, head_dim)

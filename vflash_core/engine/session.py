@@ -411,7 +411,9 @@ class NativeEngineSession:
             if output_latents is not None:
                 write_latents(output_latents, output, {"profile": self.profile.id, "mode": bundle.mode})
         except BaseException as exc:
-            if guarded.raised is None and not isinstance(exc, (VflashError, KeyboardInterrupt)) or (self._group is not None and self._group.failed):
+            # the caller's callback stopped it, a bad input or Ctrl-C: the session stays usable, unless a rank failed
+            caller_caused = guarded.raised is not None or isinstance(exc, (VflashError, KeyboardInterrupt))
+            if not caller_caused or (self._group is not None and self._group.failed):
                 self._failure = f"{type(exc).__name__}: {exc}"
             raise
         wall = time.perf_counter() - start

@@ -678,7 +678,8 @@ class H3Pipeline:
         with self._lock:
             self.load()
             _, _, latent_frames, latent_height, latent_width = video_latents.shape
-            geometry = Geometry(latent_height * VAE_SPATIAL_RATIO, latent_width * VAE_SPATIAL_RATIO, video_num_frames(latent_frames))
+            frames = video_num_frames(latent_frames)
+            geometry = Geometry(latent_height * VAE_SPATIAL_RATIO, latent_width * VAE_SPATIAL_RATIO, frames)
             self._check_memory(geometry, denoise=False)
             return self.vaes.decode(video_latents, audio_latents)
 

@@ -28,8 +28,8 @@ from ..errors import WeightFileError
 from ..fileio import check_input_file
 
 __all__ = [
-    "ReadRequest", "SafetensorsFile", "TensorIndex", "TensorInfo", "TensorStore", "describe_files", "file_sha256", "read_fully",
-    "write_safetensors",
+    "ReadRequest", "SafetensorsFile", "TensorIndex", "TensorInfo", "TensorStore", "describe_files", "file_sha256",
+    "read_fully", "write_safetensors",
 ]
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
