@@ -13,6 +13,10 @@ the model is defined); its parity tests compare the two.
 | `from vflash_kernels.relayout import pack_heads, merge_heads` | `vflash_core.engine.parallel.pack_heads_reference`, `merge_heads_reference` |
 | `from vflash_kernels.fp8_quantize import quantize_rows, swiglu_quantize, rms_norm_modulate_quantize` | `vflash_core.engine.fp8.quantize_rows` of the input, of `swiglu`, of `rms_norm_modulate` (approximate FP8 path only) |
 
+The kernels import the model's definitions they share with it (the AdaLN tables' layout, `MODULATION_BLOCKS`)
+from `vflash_core.engine.model`; the core imports the kernels only lazily, when a fused op is first built
+(`engine/fused.py`, `fp8.py`, `parallel.py`).
+
 Nothing is re-exported here: an op and its module share a name, and importing this package must stay free of triton
 (the ComfyUI entry point registers it on every start, also on machines without triton).
 """

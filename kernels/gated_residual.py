@@ -10,13 +10,15 @@ import torch
 import triton
 import triton.language as tl
 
+from vflash_core.engine.model import MODULATION_BLOCKS
+
 from . import _launch
 from ._device import _round_as, _table_row_offsets, _tile_indices, _to_f32, _to_storage
 
-__all__ = ["GATE_BLOCKS", "gated_residual"]
+__all__ = ["gated_residual"]
 
-#: which -> (gate block, number of H-wide blocks in a (3T, 6H) main-block table row).
-GATE_BLOCKS = {"msa": (2, 6), "mlp": (5, 6)}
+#: The sublayers with a gate: the main blocks' attention and FFN.
+_GATED = sorted(which for which, blocks in MODULATION_BLOCKS.items() if blocks.gate is not None)
 
 
 @triton.jit
@@ -82,9 +84,9 @@ def gated_residual(
     inplace: write the result into `x` and return `x` (safe: each element is read before it is written by the same
         program). Otherwise the result goes to `out` (x's shape and dtype, any strides) or a new contiguous tensor.
     """
-    if which not in GATE_BLOCKS:
-        raise ValueError(f"which must be one of {sorted(GATE_BLOCKS)}, got {which!r}")
-    gate_block, n_blocks = GATE_BLOCKS[which]
+    if which not in _GATED:
+        raise ValueError(f"which must be one of {_GATED}, got {which!r}")
+    gate_block, n_blocks = MODULATION_BLOCKS[which].gate, MODULATION_BLOCKS[which].count
     x2, y2 = _launch.as_rows(x, "x"), _launch.as_rows(y, "y")
     if y.shape != x.shape or y.dtype != x.dtype or table.dtype != x.dtype:
         raise ValueError(f"x {tuple(x.shape)} {x.dtype}, y {tuple(y.shape)} {y.dtype} and table {table.dtype} must agree")

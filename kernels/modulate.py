@@ -11,15 +11,12 @@ import torch
 import triton
 import triton.language as tl
 
+from vflash_core.engine.model import MODULATION_BLOCKS
+
 from . import _launch
 from ._device import _round_as, _table_row_offsets, _tile_indices, _to_f32, _to_storage
 
-__all__ = ["MODULATION_BLOCKS", "modulate", "modulation_columns"]
-
-#: which -> (shift block, scale block, number of H-wide blocks in a table row).
-#: Main-block tables are (3T, 6H): shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp.
-#: The `norm_out` table is (T, 2H): shift, scale.
-MODULATION_BLOCKS = {"msa": (0, 1, 6), "mlp": (3, 4, 6), "out": (0, 1, 2)}
+__all__ = ["modulate", "modulation_columns"]
 
 
 @triton.jit
@@ -71,12 +68,12 @@ def modulation_columns(which: str, table: torch.Tensor, hidden: int, dtype: torc
     `dtype` named `input_name` in the messages."""
     if which not in MODULATION_BLOCKS:
         raise ValueError(f"which must be one of {sorted(MODULATION_BLOCKS)}, got {which!r}")
-    shift_block, scale_block, n_blocks = MODULATION_BLOCKS[which]
-    if table.dim() != 2 or table.shape[1] != n_blocks * hidden:
-        raise ValueError(f"table for {which!r} must be (R, {n_blocks}*{hidden}), got {tuple(table.shape)}")
+    blocks = MODULATION_BLOCKS[which]
+    if table.dim() != 2 or table.shape[1] != blocks.count * hidden:
+        raise ValueError(f"table for {which!r} must be (R, {blocks.count}*{hidden}), got {tuple(table.shape)}")
     if table.dtype != dtype:
         raise TypeError(f"table dtype {table.dtype} differs from {input_name} dtype {dtype}")
-    return shift_block * hidden, scale_block * hidden
+    return blocks.shift * hidden, blocks.scale * hidden
 
 
 def modulate(

@@ -11,7 +11,7 @@ import torch
 
 from vflash_core.engine import attention, fp8
 from vflash_core.errors import IdentityMismatchError, VflashError
-from vflash_core.formats import ARCH_FAMILIES, capability_arch, check_device, device_arch
+from vflash_core.formats import ARCH_FAMILIES, capability_arch, check_device, device_arch, gpu_device
 from vflash_core.pipeline.options import RunOptions
 from vflash_core.profiles import PROFILES, Profile, get_profile
 
@@ -112,9 +112,13 @@ def test_w8a8_runs_on_the_fp8_families_only(gpu_of, capability, tag):
             fp8.RowFP8Execution("w8a8").check_device(CUDA0)
 
 
-def test_device_check_pairs_a_profile_with_its_family(gpu_of, probes):
+def test_device_check_pairs_a_profile_with_its_family(gpu_of, probes, monkeypatch):
     gpu_of((10, 3))  # a B300 runs the sm100 profiles
     assert check_device(1, "sm100", profile_id="t2va-turbo4-exact-sm100") == torch.device("cuda:1")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    # one name per device: a bare "cuda" is the current device with its index, as the session and the plan compare them
+    assert check_device("cuda", "sm100") == check_device(torch.device("cuda:1"), "sm100") == torch.device("cuda:1")
+    assert check_device(gpu_device(0), "sm100") == torch.device("cuda:0")
     RunOptions(device="cuda:0").check_devices(get_profile("t2va-turbo4-fp8-sm100"))
     with pytest.raises(IdentityMismatchError, match=r"^profile t2va-turbo4-exact-sm120 runs on sm120 GPUs \(RTX 50xx .*\); the device cuda:0 is sm100$"):
         check_device("cuda:0", "sm120", profile_id="t2va-turbo4-exact-sm120")

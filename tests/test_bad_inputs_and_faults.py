@@ -16,7 +16,10 @@ from pathlib import Path
 import pytest
 from test_user_errors import files_in, no_model_loads, refused  # noqa: F401 (a fixture, used by name)
 
-from vflash_core.errors import Number, VflashError
+from vflash_core.engine.config import H3Config
+from vflash_core.errors import CallbackGuard, Number, VflashError, is_int, is_real
+from vflash_core.fileio import GIB, MIB, size_text
+from vflash_core.formats import gpu_device, is_count, is_number, is_positive
 from vflash_core.pipeline.options import RunOptions
 
 pytestmark = pytest.mark.timeout(300)
@@ -42,6 +45,39 @@ def test_the_number_parser_refuses_what_is_no_number_of_its_kind_on_one_line():
     for text in ("1.5", "1e3", "", "9" * 5000):  # more digits than Python converts is no integer either
         with pytest.raises(VflashError, match=r"^--n must be an integer from 1 to 256, got '"):
             count.parse("--n", text)
+
+
+def test_a_bool_is_never_a_count_an_index_or_a_number():
+    assert is_int(3) and is_int(-1) and not is_int(True) and not is_int(3.0) and not is_int("3")
+    assert is_real(2.5) and is_real(2) and not is_real(False) and not is_real(None)
+    assert is_count(0) and not is_count(True) and not is_count(-1) and is_positive(1) and not is_positive(0)
+    assert is_number(1.5) and not is_number(True) and not is_number(math.inf) and not is_number(math.nan)
+    with pytest.raises(VflashError, match=r"^transformer config: num_layers must be a positive integer, got True$"):
+        H3Config.from_dict({"num_layers": True})
+    with pytest.raises(VflashError, match=r"^transformer config: rope_theta must be a positive number, got False$"):
+        H3Config.from_dict({"rope_theta": False})
+    assert H3Config.from_dict({"num_layers": 3, "rope_theta": 500}).rope_theta == 500
+
+
+def test_byte_sizes_and_gpu_flags_read_the_same_everywhere():
+    assert size_text(3 * GIB // 2) == "1.5 GiB" and size_text(GIB) == "1.0 GiB" and size_text(512 * MIB) == "512.0 MiB"
+    assert size_text(-2 * GIB) == "-2.0 GiB"  # a shortfall, in a refusal
+    assert gpu_device(None) == "cpu" and gpu_device(2) == "cuda:2" and gpu_device(None, None) is None
+
+
+def test_the_callback_guard_tells_what_the_callers_callback_raised():
+    guard = CallbackGuard()
+    assert guard(None) is None
+    calls: list[int] = []
+    guard(calls.append)(1)
+    assert calls == [1] and guard.raised is None
+
+    def stop(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        guard(stop)(2)
+    assert isinstance(guard.raised, KeyboardInterrupt)
 
 
 def test_numeric_options_out_of_range_are_one_line_before_anything_loads(h3_prepared, tmp_path, capsys, no_model_loads):

@@ -233,7 +233,7 @@ def test_cpu_tensors_need_the_interpreter():
 def test_modulate_interpreter(interp, monkeypatch, request, which, hidden, dtype, tile):
     configure(interp, monkeypatch, tile)
     g = generator(request)
-    n_blocks = interp.modulate.MODULATION_BLOCKS[which][2]
+    n_blocks = reference.MODULATION_BLOCKS[which].count
     table_rows = 6 if n_blocks == 6 else 2
     # the table is a strided view (rows padded) and normed a (1, S, H) tensor
     table = strided((table_rows, n_blocks * hidden), dtype, g, scale=0.5)

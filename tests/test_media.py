@@ -124,6 +124,8 @@ def test_encode_failure_leaves_no_partial_file(tmp_path, monkeypatch, video_inpu
         (dict(video_threads=257), "video_threads must be an integer from 1 to 256, got 257"),
         (dict(sample_rate=12345), "AAC cannot encode 12345 Hz audio"),
         (dict(frames=torch.zeros(3, 63, 96, 3)), "even frame size, got 96x63"),
+        (dict(fps=True), "fps must be a positive integer, got True"),  # a bool is no frame rate
+        (dict(fps=0), "fps must be a positive integer, got 0"),
         (dict(frames=torch.zeros(3, 64, 96)), r"frames must be \(F, H, W, 3\) RGB"),
         (dict(waveform=torch.zeros(3, 100)), r"waveform must be \(channels, samples\) with 1 or 2 channels, got \[3, 100\]"),
     ],

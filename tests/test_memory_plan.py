@@ -16,13 +16,13 @@ from vflash_core import NativeEngineSession
 from vflash_core.engine.config import H3Config
 from vflash_core.engine.layout import Geometry
 from vflash_core.errors import RequestError, RunFailedError, VflashError
+from vflash_core.fileio import GIB
 from vflash_core.pipeline import memory_plan as MP
 from vflash_core.pipeline.h3_pipeline import H3Pipeline, VideoRequest
 from vflash_core.pipeline.options import RunOptions
 from vflash_core.profiles import get_profile
 from vflash_core.weights.artifact import CompiledArtifact
 
-GIB = MP.GIB
 CUDA = [torch.device("cuda:0")]
 # The released sizes: 50 blocks of 0.72 GiB, the text encoder with layers 0..49 (51.5 GB), both VAEs.
 FULL = MP.PartSizes(

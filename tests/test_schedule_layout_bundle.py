@@ -14,11 +14,13 @@ from vflash_core import BundleHandoff, ConditioningBundle, Geometry, build_keyfr
 from vflash_core.engine.config import H3Config
 from vflash_core.engine.layout import (
     align_num_frames,
+    align_num_frames_down,
     audio_latent_count,
     frames_for_duration,
     keyframe_layout,
     resolve_canvas_size,
     video_latent_frames,
+    video_num_frames,
 )
 from vflash_core.engine.schedule import FixedSchedule, euler_step, flow_sigmas, row_timestep_plan
 from vflash_core.errors import BundleError, RequestError
@@ -52,6 +54,9 @@ def test_documented_nine_point_schedule():
 def test_frame_latent_and_canvas_geometry_rules():
     assert align_num_frames(120) == 124 and align_num_frames(124) == 124 and align_num_frames(125) == 141
     assert video_latent_frames(124) == 37 and video_latent_frames(243) == 72
+    assert all(video_num_frames(video_latent_frames(17 * n + 5)) == 17 * n + 5 for n in range(1, 30))
+    # snapped down to a whole chunk: the VAE encodes a reference clip without padding; fewer than 22 frames give 22
+    assert [align_num_frames_down(f) for f in (3, 21, 22, 38, 39, 124, 140, 360)] == [22, 22, 22, 22, 39, 124, 124, 345]
     assert audio_latent_count(124) == 207 and audio_latent_count(243) == 405 and audio_latent_count(345) == 575
     assert resolve_canvas_size(16, 9) == (768, 1344) and resolve_canvas_size(9, 16) == (1344, 768) and resolve_canvas_size(4, 3) == (768, 1024)
     assert frames_for_duration(5) == 124 and frames_for_duration(10) == 243

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from vflash_core.errors import IdentityMismatchError, VflashError, WeightFileError
 from vflash_core.fileio import OutputExistsError
-from vflash_core.weights.tensor_store import TensorStore
+from vflash_core.weights.tensor_store import TensorStore, read_fully
 from vflash_core.weights.weight_io import MANIFEST_NAME, SequentialWeights, prepare_sidecar
 
 # Small enough that the test file has several shards, a tensor larger than a shard, and tensors across chunks.
@@ -219,3 +219,19 @@ def test_sidecar_without_zstandard_says_what_to_install(mixed_file, tmp_path, mo
     (tmp_path / "sidecar").mkdir()
     with pytest.raises(VflashError, match=r"pip install 'vflash\[weight-io\]'"):
         SequentialWeights(mixed_file, 1, tmp_path / "sidecar")
+
+
+def test_read_fully_takes_short_reads_and_stops_where_the_data_ends():
+    data = bytes(range(10))
+    seen: list[int] = []
+
+    def three_at_a_time(rest: memoryview, filled: int) -> int:
+        seen.append(filled)
+        part = data[filled : filled + min(3, len(rest))]
+        rest[: len(part)] = part
+        return len(part)
+
+    view = memoryview(bytearray(10))
+    assert read_fully(view, three_at_a_time) == 10 and bytes(view) == data and seen == [0, 3, 6, 9]
+    longer = memoryview(bytearray(14))
+    assert read_fully(longer, three_at_a_time) == 10 and bytes(longer[:10]) == data  # the data ended 4 bytes short

@@ -15,8 +15,9 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 __all__ = [
-    "BundleError", "IdentityMismatchError", "Number", "RequestError", "RunFailedError", "SessionClosedError",
-    "VflashError", "WeightFileError", "check_callback", "check_choice", "describe_value", "run_command",
+    "BundleError", "CallbackGuard", "IdentityMismatchError", "Number", "RequestError", "RunFailedError",
+    "SessionClosedError", "VflashError", "WeightFileError", "check_callback", "check_choice", "describe_value",
+    "is_int", "is_real", "run_command",
 ]
 
 
@@ -37,6 +38,38 @@ def check_callback(value: object, what: str) -> None:
     """None or a callable, checked before anything loads or runs (a callback is first called once work started)."""
     if value is not None and not callable(value):
         raise VflashError(f"{what} must be a callable or None, got {describe_value(value)}")
+
+
+def is_int(value: object) -> bool:
+    """An int, never a bool: Python counts True as 1, a user never means a flag as a count, an index or a size."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_real(value: object) -> bool:
+    """An int or a float, never a bool (not checked finite: `Number` and `formats.is_number` are)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class CallbackGuard:
+    """Wraps a caller's callbacks for one run so the run can tell what they raised (a cancel, an interrupt, a
+    caller's bug: the caller's, re-raised unchanged) from a failure of its own: `raised` holds the latest."""
+
+    def __init__(self) -> None:
+        self.raised: BaseException | None = None
+
+    def __call__(self, callback: Callable[..., None] | None) -> Callable[..., None] | None:
+        """`callback` (None stays None), remembering what it raises."""
+        if callback is None:
+            return None
+
+        def call(*args: object) -> None:
+            try:
+                callback(*args)
+            except BaseException as exc:
+                self.raised = exc
+                raise
+
+        return call
 
 
 _SHOWN = 40

@@ -34,10 +34,10 @@ from pathlib import Path
 from .errors import RunFailedError, VflashError, describe_value
 
 __all__ = [
-    "MissingInputError", "OutputExistsError", "WriteFailedError", "atomic_directory", "atomic_file", "check_file_name",
-    "check_folder", "check_input_file", "check_new_directory", "check_writable_destination", "nearest_existing",
-    "path_argument", "read_json", "read_text_file", "remove_folder", "remove_if_owner_ended", "resolve_inside",
-    "temporary", "write_errors",
+    "GIB", "MIB", "MissingInputError", "OutputExistsError", "WriteFailedError", "atomic_directory", "atomic_file",
+    "check_file_name", "check_folder", "check_input_file", "check_new_directory", "check_writable_destination",
+    "nearest_existing", "path_argument", "read_json", "read_text_file", "remove_folder", "remove_if_owner_ended",
+    "resolve_inside", "size_text", "temporary", "write_errors",
 ]
 
 logger = logging.getLogger(__name__)
@@ -309,8 +309,13 @@ def remove_folder(path: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def _size(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+MIB = 1 << 20
+GIB = 1 << 30
+
+
+def size_text(n: int) -> str:
+    """Bytes for a person: GiB from 1 GiB on, MiB below ("12.3 GiB", "512.0 MiB")."""
+    return f"{n / GIB:.1f} GiB" if abs(n) >= GIB else f"{n / MIB:.1f} MiB"
 
 
 @contextlib.contextmanager
@@ -328,7 +333,7 @@ def write_errors(destination: Path) -> Iterator[None]:
             raise
         folder = nearest_existing(destination.absolute().parent)
         try:
-            free = f"{_size(shutil.disk_usage(folder).free)} free in {folder}"
+            free = f"{size_text(shutil.disk_usage(folder).free)} free in {folder}"
         except OSError:
             free = f"{folder} cannot be examined"
         named = Path(os.fsdecode(failed.filename)) if failed.filename else destination

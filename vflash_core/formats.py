@@ -13,13 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import IdentityMismatchError, VflashError, describe_value
+from .errors import IdentityMismatchError, VflashError, describe_value, is_int, is_real
 
 __all__ = [
     "ARCH_FAMILIES", "ARCH_NAMES", "ARTIFACT_FORMAT", "ARTIFACT_FP8_FORMAT", "MISSING", "OVERLAY_FORMAT",
     "PIPELINE_FORMAT", "WEIGHTS_RECEIPT_FORMAT", "Field", "arch_family", "capability_arch", "check_device",
-    "check_fields", "device_arch", "field_problem", "is_count", "is_file_name", "is_number", "is_object", "is_positive",
-    "is_text", "list_of",
+    "check_fields", "device_arch", "field_problem", "gpu_device", "is_count", "is_file_name", "is_number", "is_object",
+    "is_positive", "is_text", "list_of",
 ]
 
 WEIGHTS_RECEIPT_FORMAT = "vflash-receipt/1"  # `compiler prepare`: a profile bound to hashed base weights and adapter
@@ -88,12 +88,18 @@ def arch_family(device: torch.device | str) -> ArchFamily | None:
 ARCH_NAMES = {"cpu": "the CPU", **{tag: family.name for tag, family in ARCH_FAMILIES.items()}}
 
 
+def gpu_device(gpu: int | None, default: str | None = "cpu") -> str | None:
+    """The device a command line's `--gpu N` names, `"cuda:N"`, or `default` where it was not given."""
+    return default if gpu is None else f"cuda:{gpu}"
+
+
 def check_device(device: int | str | torch.device, arch: str | None, role: str = "device", profile_id: str | None = None) -> torch.device:
-    """A device this machine has and, when `arch` is given, of the architecture the profile's tables were computed on;
-    checked before any model loads (`profile_id` names the profile in the refusal). Initialises CUDA for a CUDA
-    device, so the service's HTTP process never calls it."""
+    """The one resolution of a device a caller names (`"cpu"`, `"cuda:N"`, a GPU index, a `torch.device`; `"cuda"` is
+    the current CUDA device, with its index): a device this machine has and, when `arch` is given, of the
+    architecture the profile's tables were computed on; checked before any model loads (`profile_id` names the
+    profile in the refusal). Initialises CUDA for a CUDA device, so the service's HTTP process never calls it."""
     try:
-        resolved = torch.device(f"cuda:{device}") if isinstance(device, int) and not isinstance(device, bool) else torch.device(device)
+        resolved = torch.device(f"cuda:{device}") if is_int(device) else torch.device(device)
     except (RuntimeError, TypeError, ValueError):
         raise VflashError(f"{role} {device!r} is not a device; use 'cpu', a GPU index or 'cuda:N'") from None
     if resolved.type == "cuda":
@@ -103,6 +109,8 @@ def check_device(device: int | str | torch.device, arch: str | None, role: str =
         count = torch.cuda.device_count()
         if resolved.index is not None and resolved.index >= count:
             raise VflashError(f"{role} {resolved} does not exist: this machine has {count} CUDA device(s)")
+        if resolved.index is None:  # one name per device: a group of devices or a placement compares them
+            resolved = torch.device("cuda", torch.cuda.current_device())
     elif resolved.type != "cpu":
         raise VflashError(f"{role} {resolved}: Vflash runs on cpu or cuda devices")
     found = device_arch(resolved)
@@ -121,7 +129,7 @@ Field = tuple[str, str, Callable[[object], bool]]
 
 def is_count(value: object) -> bool:
     """An int of 0 or more (a bool is not a count)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return is_int(value) and value >= 0  # type: ignore[operator]
 
 
 def is_positive(value: object) -> bool:
@@ -130,7 +138,7 @@ def is_positive(value: object) -> bool:
 
 def is_number(value: object) -> bool:
     """A finite int or float (a bool is not a number)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return is_real(value) and math.isfinite(value)  # type: ignore[arg-type]
 
 
 def is_text(value: object) -> bool:

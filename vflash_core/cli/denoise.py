@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 
 from ..errors import VflashError
 from ..pipeline.options import GPU_INDEX
+from .generate import StageBars
 
 __all__ = ["register"]
 
@@ -32,34 +34,30 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _denoise(args: argparse.Namespace) -> int:
-    from tqdm.auto import tqdm
-
     from ..engine.bundle import ConditioningBundle
     from ..engine.session import NativeEngineSession
     from ..fileio import check_writable_destination
-    from ..formats import check_device
+    from ..formats import check_device, gpu_device
     from ..profiles import get_profile
 
     check_writable_destination(args.output_latents)
     if os.path.lexists(args.bundle) and not os.path.isdir(args.bundle):
         raise VflashError(f"--bundle {args.bundle} is not a folder; give the conditioning bundle's folder")
     profile = get_profile(args.profile)
-    device = check_device("cpu" if args.gpu is None else args.gpu, profile.arch, profile_id=profile.id)
+    device = check_device(gpu_device(args.gpu), profile.arch, profile_id=profile.id)
     for peer in args.peer_gpu or ():
         check_device(peer, profile.arch, "peer device", profile.id)
     bundle = ConditioningBundle.load(args.bundle)
-    with tqdm(desc="load weights", unit="block") as load_bar:
-        def on_load(done: int, total: int) -> None:
-            load_bar.total = total
-            load_bar.update(1)
-
+    with contextlib.closing(StageBars()) as bars:
         session = NativeEngineSession(
             args.profile, args.artifact, args.schedule_overlay, args.auxiliary_tensor, device=device, peer_device=args.peer_gpu,
-            strategy=args.strategy, weight_residency=args.weight_residency, attention_backend=args.attention_backend, on_load_progress=on_load,
+            strategy=args.strategy, weight_residency=args.weight_residency, attention_backend=args.attention_backend,
+            on_load_progress=lambda done, total: bars("load weights", done, total),
         )
-    with session, tqdm(total=session.profile.nfe, desc="denoise", unit="eval") as bar:
-        session.validate(bundle)
-        result = session.generate(bundle, progress=lambda done, total: bar.update(1), output_latents=args.output_latents, profile_denoise=args.profile_denoise)
+        with session:
+            session.validate(bundle)
+            result = session.generate(bundle, progress=lambda done, total: bars("denoise", done, total),
+                                      output_latents=args.output_latents, profile_denoise=args.profile_denoise)
     print(f"wrote {args.output_latents}")
     report = {"session": result.session.__dict__, "metadata": result.metadata}
     if result.denoise_profile is not None:

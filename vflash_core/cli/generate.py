@@ -13,7 +13,12 @@ from ..pipeline.validation import PIXELS, SECONDS, SEED
 
 __all__ = ["register"]
 
-_BARS = {"build family": ("build demo family", "step"), "load": ("load models", "part"), "encode": ("encode", "stage"), "denoise": ("denoise", "eval"), "decode": ("decode", "stream"), "write": ("write mp4", "file")}
+#: stage -> (bar label, unit): the pipeline's stages (`H3Pipeline.generate`'s progress), the core's (`vflash denoise`).
+_BARS = {
+    "build family": ("build demo family", "step"), "load": ("load models", "part"), "encode": ("encode", "stage"),
+    "denoise": ("denoise", "eval"), "decode": ("decode", "stream"), "write": ("write mp4", "file"),
+    "load weights": ("load weights", "block"),
+}
 
 
 class StageBars:

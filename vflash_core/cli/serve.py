@@ -10,6 +10,7 @@ import socket
 from pathlib import Path
 
 from ..errors import Number, RunFailedError, VflashError
+from ..fileio import MIB
 from ..pipeline.options import RunOptions
 from ..service.config import CANCEL_GRACE, KEEP_FINISHED_JOBS, MAX_QUEUE
 
@@ -20,8 +21,6 @@ PORT = Number(int, 0, 65535)
 UPLOAD_MIB = Number(float, 0, 2**20, above=True, unit="MiB")
 
 logger = logging.getLogger(__name__)
-
-MIB = 2**20
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -12,6 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..errors import VflashError, is_real
+from ..fileio import check_input_file
+from ..formats import is_positive
+
 __all__ = ["AUDIO_TAG", "NUM_MODALITIES", "PRESETS", "TEXT_ENCODER_LAYER", "TEXT_TAG", "VIDEO_TAG", "H3Config"]
 
 # Modality tags of the packed sequence; one AdaLN table row exists per (timestep, tag).
@@ -21,11 +25,6 @@ AUDIO_TAG = 2
 NUM_MODALITIES = 3
 # H3 conditions on the text encoder's hidden_states[50]: the residual stream after Qwen3-VL's decoder layer 49.
 TEXT_ENCODER_LAYER = 50
-
-
-def is_positive_int(value: Any) -> bool:
-    """An int above zero (a bool is not a count)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 @dataclass(frozen=True)
@@ -70,8 +69,6 @@ class H3Config:
     def from_dict(cls, values: dict[str, Any], what: str = "transformer config") -> H3Config:
         """Build from a diffusers `config.json` dict; keys starting with `_` and unknown keys are ignored. A value of
         the wrong type (a hand-edited or corrupt config) raises `VflashError` naming the key."""
-        from ..errors import VflashError
-
         if not isinstance(values, dict):
             raise VflashError(f"{what} must be a JSON object, got {type(values).__name__}")
         fields = {f.name: f.type for f in dataclasses.fields(cls) if f.init}
@@ -79,21 +76,18 @@ class H3Config:
         for key, value in chosen.items():
             if key == "patch_size":
                 expected = "three positive integers"
-                valid = isinstance(value, (list, tuple)) and len(value) == 3 and all(is_positive_int(p) for p in value)
+                valid = isinstance(value, (list, tuple)) and len(value) == 3 and all(is_positive(p) for p in value)
             elif fields[key] == "float":
                 expected = "a positive number"
-                valid = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+                valid = is_real(value) and value > 0
             else:
-                expected, valid = "a positive integer", is_positive_int(value)
+                expected, valid = "a positive integer", is_positive(value)
             if not valid:
                 raise VflashError(f"{what}: {key} must be {expected}, got {value!r}")
         return cls(**chosen)
 
     @classmethod
     def from_file(cls, path: str | Path) -> H3Config:
-        from ..errors import VflashError
-        from ..fileio import check_input_file
-
         check_input_file(path, "transformer config")  # a FIFO would block the read
         try:
             values = json.loads(Path(path).read_text(encoding="utf-8"))

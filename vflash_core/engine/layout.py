@@ -18,8 +18,9 @@ from .config import AUDIO_TAG, VIDEO_TAG
 __all__ = [
     "AUDIO_CHANNELS", "FPS", "MAX_ASPECT_RATIO", "MAX_DURATION_SECONDS", "MIN_ASPECT_RATIO", "MIN_DURATION_SECONDS",
     "VAE_FRAMES_PER_CHUNK", "VAE_LATENTS_PER_CHUNK", "VAE_SPATIAL_RATIO", "Geometry", "PackedLayout", "ReferenceBlock",
-    "align_num_frames", "audio_latent_count", "audio_rows_to_latents", "check_canvas", "frames_for_duration",
-    "keyframe_layout", "patchify", "ref2va_layout", "resolve_canvas_size", "unpatchify", "video_latent_frames",
+    "align_num_frames", "align_num_frames_down", "audio_latent_count", "audio_rows_to_latents", "check_canvas",
+    "frames_for_duration", "keyframe_layout", "patchify", "ref2va_layout", "resolve_canvas_size", "unpatchify",
+    "video_latent_frames", "video_num_frames",
 ]
 
 FPS = 24
@@ -51,6 +52,19 @@ def video_latent_frames(num_frames: int) -> int:
     if num_frames % VAE_FRAMES_PER_CHUNK != VAE_LATENTS_PER_CHUNK:
         raise RequestError(f"num_frames must be {VAE_FRAMES_PER_CHUNK} n + {VAE_LATENTS_PER_CHUNK}, got {num_frames}")
     return (num_frames - VAE_LATENTS_PER_CHUNK) // VAE_FRAMES_PER_CHUNK * VAE_LATENTS_PER_CHUNK + 2
+
+
+def video_num_frames(latent_frames: int) -> int:
+    """The frames the video VAE decodes from `latent_frames` latent frames, `video_latent_frames`' inverse:
+    5 n + 2 -> 17 n + 5."""
+    return (latent_frames - 2) // VAE_LATENTS_PER_CHUNK * VAE_FRAMES_PER_CHUNK + VAE_LATENTS_PER_CHUNK
+
+
+def align_num_frames_down(num_frames: int) -> int:
+    """A frame count snapped down to a `17 n + 5` of at least one chunk (n >= 1; 22 for fewer frames): a clip the
+    video VAE encodes without padding."""
+    chunks = max(1, (num_frames - VAE_LATENTS_PER_CHUNK) // VAE_FRAMES_PER_CHUNK)
+    return chunks * VAE_FRAMES_PER_CHUNK + VAE_LATENTS_PER_CHUNK
 
 
 def audio_latent_count(num_frames: int) -> int:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -32,11 +33,12 @@ from .config import NUM_MODALITIES, H3Config
 from .profiler import NO_TIMER, StageTimer
 
 __all__ = [
-    "AttentionFn", "BlockOps", "LayerWeights", "LoraResidual", "RowScaledWeight", "adaln_indices", "adaln_table",
-    "add_lora_residuals", "apply_rotary", "attention", "curve_adaln_table", "curve_norm_out_table",
-    "curve_time_embedding", "feed_forward", "gated_residual", "linear", "main_block", "modulate", "modulation_rows",
-    "norm_out_table", "output_heads", "pack_inputs", "qk_norm_rope", "rms_norm", "rms_norm_modulate", "rope",
-    "rope_cos_sin", "rope_inv_freq", "sdpa_attention", "swiglu", "text_stream", "time_embedding",
+    "MODULATION_BLOCKS", "AttentionFn", "BlockOps", "LayerWeights", "LoraResidual", "ModulationBlocks",
+    "RowScaledWeight", "adaln_indices", "adaln_table", "add_lora_residuals", "apply_rotary", "attention",
+    "curve_adaln_table", "curve_norm_out_table", "curve_time_embedding", "feed_forward", "gated_residual", "linear",
+    "main_block", "modulate", "modulation_rows", "norm_out_table", "output_heads", "pack_inputs", "qk_norm_rope",
+    "rms_norm", "rms_norm_modulate", "rope", "rope_cos_sin", "rope_inv_freq", "sdpa_attention", "swiglu", "text_stream",
+    "time_embedding",
 ]
 
 # (B, S, heads, head_dim) q, k, v -> (B, S, heads, head_dim)
@@ -109,7 +111,8 @@ def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor) -> tuple[to
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half over the leading R channels of every head of (1, S, heads, D); cos/sin (1, S, 1, R) in x's dtype."""
+    """Rotate-half over the leading R channels of every head of (..., S, heads, D); cos/sin (1, S, 1, R) in x's dtype.
+    Also the video VAE decoder's rotary (`media.vae_decode`), over (W, S, heads, D) stacked tile-windows."""
     r = cos.shape[-1]
     x_rot, x_pass = x[..., :r], x[..., r:]
     x1, x2 = x_rot.chunk(2, dim=-1)
@@ -156,15 +159,30 @@ class LayerWeights:
         return RowScaledWeight(self.tensors[f"{linear}.weight"], scales)
 
 
-# Where each AdaLN parameter sits in a modulation table row: (shift, scale, gate) block indices and the block count.
-# Main-block tables are (3T, 6H) [shift, scale, gate] x [attention, FFN]; the final norm's are (T, 2H) [shift, scale].
-MODULATION_BLOCKS = {"msa": (0, 1, 2, 6), "mlp": (3, 4, 5, 6), "out": (0, 1, None, 2)}
+class ModulationBlocks(NamedTuple):
+    """Where one sublayer's AdaLN parameters sit in a modulation table row: the H-wide block of each and how many
+    blocks a row has."""
+
+    shift: int
+    scale: int
+    gate: int | None  # the final norm has no gate
+    count: int
+
+
+#: The layout of the modulation tables, by sublayer; the kernels (`vflash_kernels.modulate`, `.gated_residual`) read
+#: their columns from it. Main-block tables are (3T, 6H) [shift, scale, gate] x [attention "msa", FFN "mlp"]; the
+#: final norm's ("out") are (T, 2H) [shift, scale].
+MODULATION_BLOCKS = {
+    "msa": ModulationBlocks(shift=0, scale=1, gate=2, count=6),
+    "mlp": ModulationBlocks(shift=3, scale=4, gate=5, count=6),
+    "out": ModulationBlocks(shift=0, scale=1, gate=None, count=2),
+}
 
 
 def modulation_rows(table: torch.Tensor, row_index: torch.Tensor, which: str, part: int) -> torch.Tensor:
     """Rows of one AdaLN parameter (0 shift, 1 scale, 2 gate of `which`) for every packed row: (S, H)."""
     blocks = MODULATION_BLOCKS[which]
-    return table.chunk(blocks[3], dim=-1)[blocks[part]].index_select(0, row_index)
+    return table.chunk(blocks.count, dim=-1)[blocks[part]].index_select(0, row_index)
 
 
 def modulate(normed: torch.Tensor, table: torch.Tensor, row_index: torch.Tensor, which: str = "msa") -> torch.Tensor:

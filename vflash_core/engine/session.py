@@ -33,6 +33,7 @@ from typing import Self
 import torch
 
 from ..errors import (
+    CallbackGuard,
     IdentityMismatchError,
     Number,
     SessionClosedError,
@@ -41,7 +42,7 @@ from ..errors import (
     check_choice,
     describe_value,
 )
-from ..fileio import atomic_file, check_writable_destination, path_argument
+from ..fileio import GIB, atomic_file, check_writable_destination, path_argument
 from ..formats import check_device, device_arch
 from ..pipeline.memory_plan import (
     DeviceCap,
@@ -87,7 +88,6 @@ WEIGHT_RESIDENCIES = ("auto", "resident", "block-ring")  # where the core's bloc
 STRATEGIES = ("sequence-head", "tensor")  # how one request is split over several GPUs
 #: How long a rank waits for its peers in one collective: positive, and at most a day (a wait is a deadline).
 COLLECTIVE_TIMEOUT = Number(float, 0, 86_400, above=True, unit="seconds")
-_GIB = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -127,13 +127,6 @@ class GenerationResult:
     session: SessionTiming
     metadata: dict[str, object] = field(default_factory=dict)
     denoise_profile: dict[str, object] | None = None
-
-
-def _as_device(value: int | str | torch.device, role: str) -> torch.device:
-    device = check_device(value, None, role)  # a device this machine has: "tpu" or cuda:9 is one line, not a RuntimeError
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 class NativeEngineSession:
@@ -190,7 +183,8 @@ class NativeEngineSession:
             (artifact, "artifact"), (schedule_overlay, "schedule_overlay"), (auxiliary, "auxiliary")))
         self.profile = get_profile(profile)
         peers = [] if peer_device is None else (list(peer_device) if isinstance(peer_device, (list, tuple)) else [peer_device])
-        self.devices = [_as_device(device, "device")] + [_as_device(p, "peer device") for p in peers]
+        # devices this machine has: "tpu" or cuda:9 is one line, not a RuntimeError
+        self.devices = [check_device(device, None, "device")] + [check_device(p, None, "peer device") for p in peers]
         self.device = self.devices[0]
         if peers and strategy not in STRATEGIES:
             raise VflashError(f"two or more devices need strategy {' or '.join(STRATEGIES)}, got {strategy!r}")
@@ -301,8 +295,8 @@ class NativeEngineSession:
         linears = f", approximate FP8 {self.profile.fp8} block linears" if self.profile.fp8 else ""
         return (
             f"{devices}{strategy}, {self.execution} kernels{linears}, attention {self.attention_backend}, weights {self.weight_residency} "
-            f"({report['blocks_on_device']} blocks on device, {report['device_weight_bytes'] / _GIB:.2f} GiB block weights per device, "  # type: ignore[operator]
-            f"{report['pinned_host_bytes'] / _GIB:.2f} GiB pinned host)"  # type: ignore[operator]
+            f"({report['blocks_on_device']} blocks on device, {report['device_weight_bytes'] / GIB:.2f} GiB block weights per device, "  # type: ignore[operator]
+            f"{report['pinned_host_bytes'] / GIB:.2f} GiB pinned host)"  # type: ignore[operator]
         )
 
     def _check_request_fits(self, bundle: ConditioningBundle) -> None:
@@ -400,22 +394,7 @@ class NativeEngineSession:
         check_callback(preview, "preview")
         if output_latents is not None:
             check_writable_destination(path_argument(output_latents, "output_latents"))
-        aborted = False
-
-        def guarded(fn: Callable[..., None] | None) -> Callable[..., None] | None:
-            if fn is None:
-                return None
-
-            def call(*args: object) -> None:
-                nonlocal aborted
-                try:
-                    fn(*args)
-                except BaseException:
-                    aborted = True
-                    raise
-
-            return call
-
+        guarded = CallbackGuard()  # a stop the caller's callback raised is no failure of the session
         for dev in self.devices:
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
@@ -432,7 +411,9 @@ class NativeEngineSession:
             if output_latents is not None:
                 write_latents(output_latents, output, {"profile": self.profile.id, "mode": bundle.mode})
         except BaseException as exc:
-            if not aborted and not isinstance(exc, (VflashError, KeyboardInterrupt)) or (self._group is not None and self._group.failed):
+            # the caller's callback stopped it, a bad input or Ctrl-C: the session stays usable, unless a rank failed
+            caller_caused = guarded.raised is not None or isinstance(exc, (VflashError, KeyboardInterrupt))
+            if not caller_caused or (self._group is not None and self._group.failed):
                 self._failure = f"{type(exc).__name__}: {exc}"
             raise
         wall = time.perf_counter() - start

@@ -38,6 +38,7 @@ import torch
 
 from ..errors import Number, VflashError, check_choice
 from ..fileio import atomic_file, temporary, write_errors
+from ..formats import is_positive
 
 __all__ = [
     "STREAM_QUEUE_PARTS", "VIDEO_INPUTS", "VIDEO_THREADS", "MP4Stream", "check_delivery_options", "mp4_stream",
@@ -89,7 +90,7 @@ def quantize_frames(frames: torch.Tensor | np.ndarray) -> np.ndarray:
 def _check_frame_size(width: int, height: int, fps: int) -> None:
     if width % 2 or height % 2:
         raise VflashError(f"H.264 yuv420p needs an even frame size, got {width}x{height}")
-    if not isinstance(fps, int) or isinstance(fps, bool) or fps <= 0:
+    if not is_positive(fps):
         raise VflashError(f"fps must be a positive integer, got {fps!r}")
 
 

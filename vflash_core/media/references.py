@@ -28,7 +28,7 @@ from PIL import Image
 
 from ..engine.layout import FPS, MAX_ASPECT_RATIO, MIN_ASPECT_RATIO, resolve_canvas_size
 from ..errors import RequestError, VflashError
-from ..fileio import check_input_file
+from ..fileio import GIB, check_input_file
 
 __all__ = [
     "CANVAS_MULTIPLE", "MAX_AUDIOS", "MAX_IMAGES", "MAX_REFERENCES", "MAX_VIDEOS", "CanvasRules", "MediaProbe",
@@ -157,7 +157,7 @@ def _probe_stream(path: Path, kind: str, what: str) -> MediaProbe:
             raise RequestError(f"{what} {path} lasts more than {MAX_INPUT_SECONDS:g} s; trim it (at most the clip's length is used)")
         if max_packets is not None and packets > max_packets:
             raise RequestError(
-                f"{what} {path} decodes to more than {MAX_INPUT_VIDEO_BYTES / (1 << 30):g} GiB of frames "
+                f"{what} {path} decodes to more than {MAX_INPUT_VIDEO_BYTES / GIB:g} GiB of frames "
                 f"({stream.codec_context.width}x{stream.codec_context.height}); trim it to the clip's length or scale it down"
             )
         return MediaProbe(kind, has_soundtrack=kind == "video" and bool(container.streams.audio))

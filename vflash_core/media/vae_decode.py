@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from ..engine.attention import resolve_attention
-from ..engine.model import AttentionFn
+from ..engine.model import AttentionFn, apply_rotary
 from ..errors import VflashError
 
 __all__ = [
@@ -336,15 +336,8 @@ class DecoderOps:
     def qk_norm_rope(self, q: torch.Tensor, k: torch.Tensor, eps: float | None, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(W, S, heads, Dh) q and k: unweighted RMSNorm per head in fp32, rounded back, then rotary (rotate-half) over
         the leading `cos.shape[-1]` channels; cos/sin (1, S, 1, R) in q's dtype."""
-        r = cos.shape[-1]
-
-        def norm_rope(t: torch.Tensor) -> torch.Tensor:
-            t = self.norm(t, None, eps, t.dtype)
-            t_rot, t_pass = t[..., :r], t[..., r:]
-            t1, t2 = t_rot.chunk(2, dim=-1)
-            return torch.cat([t_rot * cos + torch.cat([-t2, t1], dim=-1) * sin, t_pass], dim=-1)
-
-        return norm_rope(q), norm_rope(k)
+        return (apply_rotary(self.norm(q, None, eps, q.dtype), cos, sin),
+                apply_rotary(self.norm(k, None, eps, k.dtype), cos, sin))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """(W, S, heads, Dh) each -> (W, S, heads * Dh): each tile-window attends over its own S tokens."""

@@ -50,7 +50,15 @@ import torch
 from ..engine.bundle import BundleHandoff, EncodedReference, build_keyframe_bundle, build_ref2va_bundle
 from ..engine.config import H3Config
 from ..engine.denoise import PreviewFn, StageProgress
-from ..engine.layout import FPS, VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK, VAE_SPATIAL_RATIO, Geometry
+from ..engine.layout import (
+    FPS,
+    VAE_FRAMES_PER_CHUNK,
+    VAE_LATENTS_PER_CHUNK,
+    VAE_SPATIAL_RATIO,
+    Geometry,
+    align_num_frames_down,
+    video_num_frames,
+)
 from ..engine.session import (
     BlockLoader,
     GenerationResult,
@@ -431,8 +439,7 @@ def encode_request(
                     latents = vaes.encode_pixels(np.array(ref.image)[None])
                 elif ref.kind == "video":
                     # Snapped down to 17 n + 5 frames so the VAE encodes without padding (the reference's arithmetic).
-                    n = max(1, (ref.frames.shape[0] - VAE_LATENTS_PER_CHUNK) // VAE_FRAMES_PER_CHUNK)
-                    latents = vaes.encode_pixels(ref.frames[: n * VAE_FRAMES_PER_CHUNK + VAE_LATENTS_PER_CHUNK])
+                    latents = vaes.encode_pixels(ref.frames[: align_num_frames_down(ref.frames.shape[0])])
                 if ref.has_audio:
                     rows = vaes.encode_soundtrack(ref.audio)
                 encoded.append(EncodedReference(ref.kind, latents, rows))
@@ -671,7 +678,7 @@ class H3Pipeline:
         with self._lock:
             self.load()
             _, _, latent_frames, latent_height, latent_width = video_latents.shape
-            frames = (latent_frames - 2) // VAE_LATENTS_PER_CHUNK * VAE_FRAMES_PER_CHUNK + VAE_LATENTS_PER_CHUNK
+            frames = video_num_frames(latent_frames)
             geometry = Geometry(latent_height * VAE_SPATIAL_RATIO, latent_width * VAE_SPATIAL_RATIO, frames)
             self._check_memory(geometry, denoise=False)
             return self.vaes.decode(video_latents, audio_latents)

@@ -44,18 +44,18 @@ from ..engine.config import H3Config
 from ..engine.device_owner import module_tensors
 from ..engine.layout import (
     FPS,
-    VAE_FRAMES_PER_CHUNK,
-    VAE_LATENTS_PER_CHUNK,
     Geometry,
+    align_num_frames_down,
     audio_latent_count,
     video_latent_frames,
 )
 from ..errors import Number, RequestError, RunFailedError, VflashError
+from ..fileio import GIB, size_text
 from ..media.references import CanvasRules
 from ..media.vae_decode import CALLS_IN_FLIGHT_PER_DEVICE, DEFAULT_WINDOWS_PER_CALL, DecodeGeometry
 
 __all__ = [
-    "DEVICE_MEMORY_GIB", "GIB", "DeviceCap", "MemoryPlan", "PartSizes", "cap_bytes", "decode_bytes", "denoise_bytes",
+    "DEVICE_MEMORY_GIB", "DeviceCap", "MemoryPlan", "PartSizes", "cap_bytes", "decode_bytes", "denoise_bytes",
     "encode_bytes", "largest_clip_frames", "largest_request", "largest_request_rows", "plan_memory", "request_rows",
 ]
 
@@ -67,7 +67,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-GIB = 1 << 30
 # Device memory kept free beyond the estimates: allocator fragmentation, kernels' workspaces, the audio decode and the
 # VAE encode of conditioning frames (not estimated), other users of the device.
 MARGIN_BYTES = 2 * GIB
@@ -84,7 +83,7 @@ PLANNED_PICTURES = 2
 
 def largest_clip_frames(profile: Profile) -> int:
     """The longest clip a profile accepts, in frames of the form 17 n + 5."""
-    return (int(profile.max_seconds * FPS + 1e-6) - VAE_LATENTS_PER_CHUNK) // VAE_FRAMES_PER_CHUNK * VAE_FRAMES_PER_CHUNK + VAE_LATENTS_PER_CHUNK
+    return align_num_frames_down(int(profile.max_seconds * FPS + 1e-6))
 
 
 def request_rows(config: H3Config, geometry: Geometry, text_rows: int) -> int:
@@ -288,13 +287,8 @@ class Placement:
     video_decoder: str | None = None  # "diffusers" | "native"
 
 
-def _size(n: int) -> str:
-    """Bytes for a person: GiB from 1 GiB on, MiB below."""
-    return f"{n / GIB:.1f} GiB" if abs(n) >= GIB else f"{n / (1 << 20):.1f} MiB"
-
-
 def _cap_note(cap: int | None) -> str:
-    return "" if cap is None else f" (cap {_size(cap)})"
+    return "" if cap is None else f" (cap {size_text(cap)})"
 
 
 @dataclass(frozen=True)
@@ -342,18 +336,18 @@ class MemoryPlan:
         s, p = self.sizes, self.placement
         parts = []
         if p.core is not None:
-            parts.append(f"core {_size(s.core_blocks)} blocks + {_size(s.core_auxiliary)} auxiliary -> {p.core}")
+            parts.append(f"core {size_text(s.core_blocks)} blocks + {size_text(s.core_auxiliary)} auxiliary -> {p.core}")
         if p.encoder is not None:
-            parts.append(f"text encoder {_size(s.encoder)} ({_size(s.encoder_layers)} in decoder layers) -> {p.encoder}")
+            parts.append(f"text encoder {size_text(s.encoder)} ({size_text(s.encoder_layers)} in decoder layers) -> {p.encoder}")
         if p.vaes is not None:
-            parts.append(f"VAEs {_size(s.vaes)} -> {p.vaes}, video decode {p.video_decoder}")
+            parts.append(f"VAEs {size_text(s.vaes)} -> {p.vaes}, video decode {p.video_decoder}")
         planned = {"encode": p.encoder, "denoise": p.core, "decode": p.vaes}  # the part that runs each stage
-        peaks = ", ".join(f"{stage} {_size(peak)}" for stage, peak in self.peaks(self.largest).items()
+        peaks = ", ".join(f"{stage} {size_text(peak)}" for stage, peak in self.peaks(self.largest).items()
                           if planned[stage])
         verdict = "fits" if self.fits_largest else "does not fit: each request is checked before it runs"
         return (
             f"memory plan on {', '.join(str(d) for d in self.devices)}: {'; '.join(parts)}; the largest planned request peaks at "
-            f"{peaks} + {_size(MARGIN_BYTES)} margin, {_size(self.budget)} available{_cap_note(self.cap)}: {verdict}"
+            f"{peaks} + {size_text(MARGIN_BYTES)} margin, {size_text(self.budget)} available{_cap_note(self.cap)}: {verdict}"
         )
 
     def available(self) -> int:
@@ -370,10 +364,10 @@ class MemoryPlan:
         for stage in (s for s in STAGES if s in needs):
             brought, transient = self.brought_bytes(stage), needs[stage]
             if brought + transient + MARGIN_BYTES > available:
-                detail = f"{_size(transient)} transient" + (f" + {_size(brought)} of weights it brings" if brought else "")
+                detail = f"{size_text(transient)} transient" + (f" + {size_text(brought)} of weights it brings" if brought else "")
                 raise RequestError(
-                    f"{what}: the {stage} stage needs about {_size(brought + transient)} on {self.devices[0]} ({detail}) plus a "
-                    f"{_size(MARGIN_BYTES)} margin; {_size(available)} are available{_cap_note(self.cap)}. {advice}"
+                    f"{what}: the {stage} stage needs about {size_text(brought + transient)} on {self.devices[0]} ({detail}) plus a "
+                    f"{size_text(MARGIN_BYTES)} margin; {size_text(available)} are available{_cap_note(self.cap)}. {advice}"
                 )
 
     def place(self, conditioner: TextConditioner | None = None, vaes: MediaVAEs | None = None) -> None:
@@ -431,7 +425,7 @@ def plan_memory(
                 advice = " This GPU is too small for H3."
             raise RunFailedError(
                 f"the weights do not fit on {devices[0]}: with the most frugal placement ({placement}) the {stage} stage holds "
-                f"{_size(peak)} of weights, plus a {_size(MARGIN_BYTES)} margin; {_size(budget)} are available"
+                f"{size_text(peak)} of weights, plus a {size_text(MARGIN_BYTES)} margin; {size_text(budget)} are available"
                 f"{_cap_note(cap)}.{advice}"
             )
     logger.info(plan.summary())

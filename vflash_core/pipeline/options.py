@@ -14,6 +14,7 @@ import torch
 
 from ..engine.session import STRATEGIES, WEIGHT_RESIDENCIES
 from ..errors import Number, VflashError, check_choice
+from ..formats import check_device, gpu_device
 from ..media.mp4 import VIDEO_INPUTS, VIDEO_THREADS, check_delivery_options
 from ..profiles import Profile
 from .memory_plan import DEVICE_MEMORY_GIB, cap_bytes
@@ -69,7 +70,6 @@ class RunOptions:
         backend is resolved on the device too, so an unknown or unavailable kernel is refused before any load (an
         approximate one unless the profile is an FP8 profile)."""
         from ..engine.attention import resolve_attention
-        from ..formats import check_device
 
         primary = check_device(self.device, profile.arch, profile_id=profile.id)
         resolve_attention(self.attention_backend, primary, profile.fp8 is not None)
@@ -101,7 +101,7 @@ class RunOptions:
     def from_arguments(cls, args: argparse.Namespace, **extra: object) -> RunOptions:
         """The options from `add_arguments`' flags (plus `extra` fields, e.g. profile_denoise)."""
         return cls(
-            device="cpu" if args.gpu is None else f"cuda:{args.gpu}", peer_device=None if args.peer_gpu is None else f"cuda:{args.peer_gpu}",
+            device=gpu_device(args.gpu), peer_device=gpu_device(args.peer_gpu, None),
             strategy=args.strategy, attention_backend=args.attention_backend, weight_residency=args.weight_residency,
             encoder_residency=args.encoder_residency, max_device_memory=args.max_device_memory, media_video_input=args.media_video_input, media_video_threads=args.media_video_threads,
             verify_weights=args.verify_weights, **extra,  # type: ignore[arg-type]

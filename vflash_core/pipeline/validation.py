@@ -36,6 +36,7 @@ import PIL.Image
 from ..engine.layout import FPS, MAX_DURATION_SECONDS, MIN_DURATION_SECONDS, Geometry, check_canvas, frames_for_duration
 from ..errors import Number, RequestError, VflashError, check_callback, describe_value
 from ..fileio import check_writable_destination, path_argument
+from ..formats import is_positive
 from ..media.references import (
     CANVAS_MULTIPLE,
     MAX_AUDIOS,
@@ -172,7 +173,7 @@ class PromptBudget:
             context = json.loads(config.read_text(encoding="utf-8"))["text_config"]["max_position_embeddings"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise VflashError(f"{config} does not give the text encoder's context (text_config.max_position_embeddings): {exc}") from None
-        if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+        if not is_positive(context):
             raise VflashError(f"{config}: text_config.max_position_embeddings must be a positive integer, got {context!r}")
         folder = root / "tokenizer"
 

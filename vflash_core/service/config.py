@@ -8,13 +8,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import Number, VflashError
-from ..fileio import check_folder, check_input_file
+from ..fileio import MIB, check_folder, check_input_file
 from ..pipeline.options import RunOptions
 from .worker import WorkerConfig
 
 __all__ = ["CANCEL_GRACE", "KEEP_FINISHED_JOBS", "MAX_QUEUE", "ServiceConfig", "check_service_settings"]
 
-MIB = 2**20
 MAX_QUEUE = Number(int, 1)
 KEEP_FINISHED_JOBS = Number(int, 0)
 MAX_UPLOAD_BYTES = Number(int, 1, 2**40)  # 1 TiB

@@ -247,8 +247,9 @@ class CompiledArtifact:
         record = self.manifest["blocks"][index]
         path = self.artifact_dir / record["file"]
         specs = self.block_tensors()
-        TensorStore(path).require(specs)
-        with SequentialWeights(path, read_workers=READ_WORKERS) as weights:
+        weights = SequentialWeights(path, read_workers=READ_WORKERS)
+        weights.require(specs)  # from the header, before anything is read
+        with weights:
             data = weights.tensors()
         return LayerWeights({k: data[k] for k in specs}, _loras(record["lora"], data))
 

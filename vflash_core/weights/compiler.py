@@ -73,6 +73,7 @@ from ..formats import (
     check_fields,
     device_arch,
     field_problem,
+    gpu_device,
     is_count,
     is_file_name,
     is_number,
@@ -575,8 +576,7 @@ def _run(args: argparse.Namespace) -> None:
         CompiledArtifact(folder / "artifact", folder / "schedule", folder / "auxiliary.safetensors").verify()
         print(f"{folder}: every file matches the sha256 recorded at compile time")
     else:
-        device = f"cuda:{args.gpu}" if args.gpu is not None else args.device
-        out = compile_receipt(args.receipt, args.output, device)
+        out = compile_receipt(args.receipt, args.output, gpu_device(args.gpu, args.device))
         print(f"compiled into {out}: artifact/, schedule/, auxiliary.safetensors")
 
 

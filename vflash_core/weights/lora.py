@@ -32,6 +32,7 @@ import torch
 from ..engine.config import H3Config
 from ..engine.model import LoraResidual
 from ..errors import WeightFileError
+from ..formats import is_number
 from .checkpoint import AUX_NAMES, BLOCK_NAMES, aux_shapes
 from .tensor_store import TensorStore
 
@@ -98,7 +99,7 @@ class Adapter:
 
 def load_adapter(path: str | Path, config: H3Config, strength: float = 1.0) -> Adapter:
     """Parse a LoRA safetensors file onto the internal linear names of a model with `config`."""
-    if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not math.isfinite(strength):
+    if not is_number(strength):
         raise WeightFileError(f"{path}: LoRA strength must be a finite number, got {strength!r}")
     store = TensorStore(path)
     state = store.read(store.names)

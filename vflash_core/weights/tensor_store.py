@@ -5,8 +5,10 @@ A `SafetensorsFile` parses and validates the header once and keeps no file descr
 caller-provided tensor, which is how fused and reordered weights are assembled without intermediate copies), and close
 it again. Returned tensors own their storage and stay valid after the file is gone.
 
-`TensorStore` puts one interface over a single file and over a sharded checkpoint described by a
-`*.safetensors.index.json` (the diffusers `transformer/` folder layout).
+`TensorIndex` is the one interface over what the headers say (names, metadata, shapes and dtypes, `require`), for a
+single file and for a sharded checkpoint described by a `*.safetensors.index.json` (the diffusers `transformer/`
+folder layout). Its two readers: `TensorStore`, tensor by tensor (selective reads, row ranges into caller tensors),
+and `weight_io.SequentialWeights`, one whole file by several threads.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +28,8 @@ from ..errors import WeightFileError
 from ..fileio import check_input_file
 
 __all__ = [
-    "ReadRequest", "SafetensorsFile", "TensorInfo", "TensorStore", "describe_files", "file_sha256", "write_safetensors",
+    "ReadRequest", "SafetensorsFile", "TensorIndex", "TensorInfo", "TensorStore", "describe_files", "file_sha256",
+    "read_fully", "write_safetensors",
 ]
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
@@ -71,6 +74,18 @@ class ReadRequest:
     out: torch.Tensor
     row_start: int = 0
     row_stop: int | None = None
+
+
+def read_fully(view: memoryview, read: Callable[[memoryview, int], int | None]) -> int:
+    """Fill `view` by calls `read(the rest of view, bytes filled so far)` until it is full or a read returns nothing
+    (the data ended): the bytes filled. A read may return fewer bytes than asked (a pipe, a signal, a stream)."""
+    filled = 0
+    while filled < len(view):
+        count = read(view[filled:], filled)
+        if not count:
+            break
+        filled += count
+    return filled
 
 
 class SafetensorsFile:
@@ -150,12 +165,9 @@ class SafetensorsFile:
                     continue
                 view = memoryview(out.view(-1).view(torch.uint8).numpy())
                 handle.seek(start_byte)
-                filled = 0
-                while filled < nbytes:
-                    count = handle.readinto(view[filled:])
-                    if not count:
-                        raise WeightFileError(f"{self.path}: truncated while reading at byte {start_byte + filled}")
-                    filled += count
+                filled = read_fully(view, lambda rest, _: handle.readinto(rest))
+                if filled < nbytes:
+                    raise WeightFileError(f"{self.path}: truncated while reading at byte {start_byte + filled}")
 
     def info(self, name: str) -> TensorInfo:
         try:
@@ -164,19 +176,14 @@ class SafetensorsFile:
             raise WeightFileError(f"{self.path}: missing tensor {name!r}") from None
 
 
-class TensorStore:
-    """One view over a single safetensors file or a sharded checkpoint.
+class TensorIndex:
+    """The tensors of parsed safetensors files (one file, or the shards of one checkpoint at `path`), by name."""
 
-    `path` may be a `.safetensors` file, a `*.safetensors.index.json`, or a directory holding either exactly one
-    index or exactly one `.safetensors` file.
-    """
-
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, files: Iterable[SafetensorsFile]):
         self.path = Path(path)
         self.files: list[SafetensorsFile] = []
         self._file_of: dict[str, SafetensorsFile] = {}
-        for file_path in _resolve_files(self.path):
-            shard = SafetensorsFile(file_path)
+        for shard in files:
             self.files.append(shard)
             for name in shard.tensors:
                 if name in self._file_of:
@@ -220,6 +227,17 @@ class TensorStore:
                 )
         if problems:
             raise WeightFileError(f"{self.path}: " + "; ".join(problems))
+
+
+class TensorStore(TensorIndex):
+    """One view over a single safetensors file or a sharded checkpoint, read tensor by tensor.
+
+    `path` may be a `.safetensors` file, a `*.safetensors.index.json`, or a directory holding either exactly one
+    index or exactly one `.safetensors` file.
+    """
+
+    def __init__(self, path: str | Path):
+        super().__init__(path, (SafetensorsFile(file_path) for file_path in _resolve_files(Path(path))))
 
     def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         """Read whole tensors into fresh CPU tensors that own their storage."""

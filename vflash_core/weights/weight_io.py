@@ -41,7 +41,7 @@ import torch
 
 from ..errors import IdentityMismatchError, VflashError, WeightFileError
 from ..fileio import atomic_directory
-from .tensor_store import SafetensorsFile, TensorInfo
+from .tensor_store import SafetensorsFile, TensorIndex, read_fully
 
 __all__ = ["MANIFEST_NAME", "SequentialWeights", "prepare_sidecar"]
 
@@ -127,18 +127,19 @@ def _check_identity(path: Path, stat: os.stat_result, expected: tuple[int, int],
 
 def _pread_into(fd: int, path: Path, view: memoryview, offset: int) -> None:
     """Fill `view` from `offset`; a read that ends early is an error naming the file and the offset."""
-    filled = 0
-    while filled < len(view):
+
+    def read(rest: memoryview, filled: int) -> int:
         try:
-            count = os.preadv(fd, [view[filled:]], offset + filled)
+            return os.preadv(fd, [rest], offset + filled)
         except OSError as exc:
             raise WeightFileError(f"{path}: read failed at byte {offset + filled} ({exc.strerror})") from None
-        if count == 0:
-            raise WeightFileError(
-                f"{path}: short read at byte {offset + filled}: end of file {len(view) - filled} bytes before the "
-                f"end of the range [{offset}, {offset + len(view)})"
-            )
-        filled += count
+
+    filled = read_fully(view, read)
+    if filled < len(view):
+        raise WeightFileError(
+            f"{path}: short read at byte {offset + filled}: end of file {len(view) - filled} bytes before the "
+            f"end of the range [{offset}, {offset + len(view)})"
+        )
 
 
 def _read_pieces(fd: int, path: Path, pieces: list[tuple[int, memoryview]]) -> int:
@@ -228,12 +229,8 @@ def _decompress_frame(
     try:
         with zstd.ZstdDecompressor().stream_reader(compressed) as reader:
             for _, view in pieces:
-                filled = 0
-                while filled < len(view):
-                    count = reader.readinto(view[filled:])
-                    if not count:
-                        raise WeightFileError(f"{path}: frame at byte {frame.offset} holds fewer bytes than recorded")
-                    filled += count
+                if read_fully(view, lambda rest, _: reader.readinto(rest)) < len(view):
+                    raise WeightFileError(f"{path}: frame at byte {frame.offset} holds fewer bytes than recorded")
             # Reading past the content consumes the frame's end, which is where its checksum is verified.
             if reader.read(1):
                 raise WeightFileError(f"{path}: frame at byte {frame.offset} holds more bytes than recorded")
@@ -242,7 +239,7 @@ def _decompress_frame(
     return frame.compressed_bytes
 
 
-class SequentialWeights:
+class SequentialWeights(TensorIndex):
     """Every tensor of one safetensors file, read into owned shard buffers by a thread pool; see the module docstring.
 
     Entering the context reads the whole data region (so does the first `get_tensor` outside a context); leaving it
@@ -250,7 +247,8 @@ class SequentialWeights:
     the bytes come from a sidecar made by `prepare_sidecar` for this file. `pin_memory` allocates page-locked buffers
     for asynchronous host-to-device copies and needs CUDA.
 
-    Not for concurrent use while reading; once read, `get_tensor` may be called from any thread.
+    Its header is `TensorIndex`'s (`names`, `info`, `require`: checked before the context reads anything). Not for
+    concurrent use while reading; once read, `get_tensor` may be called from any thread.
     """
 
     def __init__(
@@ -269,11 +267,11 @@ class SequentialWeights:
             raise ValueError(f"shard_bytes and chunk_bytes must be positive, not {shard_bytes} and {chunk_bytes}")
         if pin_memory and not torch.cuda.is_available():
             raise VflashError("pinned weight buffers need CUDA, which is not available; read with pin_memory=False")
-        self.path = Path(path)
+        self._identity = _identity(_stat(Path(path)))
+        self.file = SafetensorsFile(path)
+        super().__init__(path, [self.file])
         self.read_workers = read_workers
         self.pin_memory = pin_memory
-        self._identity = _identity(_stat(self.path))
-        self.file = SafetensorsFile(self.path)
         _check_identity(self.path, _stat(self.path), self._identity, "while it was indexed")
         start, end = data_region(self.file)
         self.nbytes = end - start
@@ -300,17 +298,6 @@ class SequentialWeights:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    @property
-    def names(self) -> list[str]:
-        return list(self.file.tensors)
-
-    @property
-    def metadata(self) -> dict[str, str]:
-        return dict(self.file.metadata)
-
-    def info(self, name: str) -> TensorInfo:
-        return self.file.info(name)
 
     def read_all(self) -> None:
         """Fill every shard buffer, once; the threads and the descriptor are gone when it returns."""
