@@ -171,8 +171,8 @@ def test_encoder_residency_keeps_the_encoder_and_vaes_on_their_device(pipeline, 
 
 
 def test_a_streamed_request_encodes_what_the_file_path_encodes(pipeline, h3_prepared, tmp_path, monkeypatch):
-    """`media_video_input="stream"`: the MP4 is encoded while the video decodes; the muxer gets the same frames and
-    soundtrack as the default file path for the same request, and the stages and progress are the same."""
+    """`media_video_input="stream"` (the default): the MP4 is encoded while the video decodes; the muxer gets the same
+    frames as the file path gives it after the decode, and the stages and progress are the same."""
     seen: list[list[np.ndarray]] = []
     add_frame = mp4._Muxer.add_frame
 
@@ -182,7 +182,7 @@ def test_a_streamed_request_encodes_what_the_file_path_encodes(pipeline, h3_prep
 
     monkeypatch.setattr(mp4._Muxer, "add_frame", recording)
     results, events = [], []
-    for name, loaded in (("file", pipeline), ("stream", H3Pipeline.from_prepared(h3_prepared, RunOptions(media_video_input="stream")))):
+    for name, loaded in (("file", H3Pipeline.from_prepared(h3_prepared, RunOptions(media_video_input="file"))), ("stream", pipeline)):
         seen.append([])
         events.append([])
         results.append(loaded.generate(REQUEST, tmp_path / f"{name}.mp4", progress=lambda *e: events[-1].append(e)))
@@ -197,7 +197,7 @@ def test_a_streamed_request_encodes_what_the_file_path_encodes(pipeline, h3_prep
 
 
 def test_a_cancel_during_a_streamed_decode_publishes_nothing(h3_prepared, tmp_path, monkeypatch):
-    fresh = H3Pipeline.from_prepared(h3_prepared, RunOptions(media_video_input="stream"))
+    fresh = H3Pipeline.from_prepared(h3_prepared)
     added = []
     add = mp4.MP4Stream.add
 

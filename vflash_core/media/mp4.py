@@ -6,11 +6,11 @@ video frame carries an exact presentation time `i / fps`, so the container holds
 
 Three ways to feed the encoder the same 8-bit frames:
 
-* `video_input="file"` (default): the quantised RGB clip is first written to a temporary raw file next to the output
+* `video_input="file"` (`write_mp4`'s default): the quantised RGB clip is first written to a temporary raw file next to the output
   and encoded from there (one bounded pass over the frames, then the encoder reads a plain file), with plain I/O both
   ways: a full disk is an error (`fileio.WriteFailedError`), never a SIGBUS;
 * `video_input="pipe"`: each frame is quantised and handed to the encoder directly, without the temporary file;
-* `video_input="stream"` (`mp4_stream`): the frames arrive part by part while they are still being decoded, are
+* `video_input="stream"` (`mp4_stream`; the pipeline's default): the frames arrive part by part while they are still being decoded, are
   quantised where they were decoded (the same float32 multiply and rounding, so the same bytes), and are converted and
   encoded on the stream's own thread, so the encoder works while the decoder does; at most `STREAM_QUEUE_PARTS`
   parts wait for it. The muxer sees the same calls with the same frames in the same order as for a whole clip (every

@@ -43,7 +43,7 @@ class RunOptions:
     weight_residency: str = "auto"
     encoder_residency: str = "offload"
     max_device_memory: float | None = None
-    media_video_input: str = "file"
+    media_video_input: str = "stream"
     media_video_threads: int | None = None
     profile_denoise: bool = False
     verify_weights: bool = False
@@ -92,7 +92,7 @@ class RunOptions:
                             help="GPU: move the text encoder and VAEs off the device after each use (default), or keep them there")
         parser.add_argument("--max-device-memory", type=DEVICE_MEMORY_GIB.option("--max-device-memory"), metavar="GIB",
                             help="cap on the device memory the pipeline may use, in GiB (default: what the GPU has free); placement is planned against it and it is enforced")
-        parser.add_argument("--media-video-input", default="file", choices=VIDEO_INPUTS, help="feed the H.264 encoder from a temporary RGB file, frame by frame, or while the video decodes (stream)")
+        parser.add_argument("--media-video-input", default="stream", choices=VIDEO_INPUTS, help="feed the H.264 encoder from a temporary RGB file, frame by frame, or while the video decodes (stream)")
         parser.add_argument("--media-video-threads", type=VIDEO_THREADS.option("--media-video-threads"),
                             help=f"H.264 encoder threads, {VIDEO_THREADS.describe().removeprefix('an integer ')} (default: automatic)")
         parser.add_argument("--verify-weights", action="store_true", help="re-hash the compiled weights before loading them (slow; loading checks sizes only)")
