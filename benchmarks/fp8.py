@@ -14,7 +14,11 @@ Executions, each the block loop of the session that would run it:
 * `fp8_linear`: `FusedRowFP8Ops`, w8a8 through `torch._scaled_mm` with row-wise scales, activations quantized by the
   Triton kernels that produce them, FA3 attention (the FP8 profiles' default);
 * `fp8_linear_attention`: the same with the approximate `fa3-fp8` attention (fa3-fwd's SM90 E4M3 forward);
-* `fp8_attention`: exact linears (`FusedOps`) with `fa3-fp8`, FP8 attention measured on its own.
+* `fp8_attention`: exact linears (`FusedOps`) with `fa3-fp8`, FP8 attention measured on its own;
+* `fp8_scaled_linear`: `fp8_linear`'s execution over the FP8 artifact compiled straight from a Comfy-Org fp8_scaled
+  single file of the same weights (each linear's E4M3 codes with one per-tensor scale, `amax / 448`, as ComfyUI's
+  files have them; the artifact keeps the file's codes, the scale repeated per row): what a user's fp8_scaled file
+  runs, its error against the exact BF16 path reported like the others'.
 
 Time: per canvas (5 s, 512 text rows; N = 19,796 and 38,222), one evaluation (step 1: two distinct timesteps); per
 round the executions run one after the other, each after a second of its evaluations back to back (the H200's
@@ -65,7 +69,9 @@ from vflash_core.engine.profiler import StageTimer  # noqa: E402
 from vflash_core.engine.residency import ResidentBlocks  # noqa: E402
 from vflash_core.errors import VflashError  # noqa: E402
 from vflash_core.profiles import Profile, get_profile  # noqa: E402
+from vflash_core.weights import synthetic  # noqa: E402
 from vflash_core.weights.artifact import CompiledArtifact  # noqa: E402
+from vflash_core.weights.compiler import compile_receipt, prepare  # noqa: E402
 
 STEP = 1
 EVALUATIONS = 4
@@ -86,8 +92,28 @@ def small_config(blocks: int) -> H3Config:
     return replace(H3Config.preset("h3"), num_layers=blocks, num_attention_heads=4, hidden_size=512, ffn_dim=1024, text_dim=64, time_embed_hidden_dim=512, time_embed_dim=64)
 
 
-def executions(exact: CompiledArtifact, approximate: CompiledArtifact, device: torch.device) -> tuple[dict[str, Denoiser], dict[str, str]]:
-    """name -> denoiser over resident blocks (the FP8 ones share one copy), and the FP8 attention's refusal if any."""
+def fp8_scaled_model(cache: Path, config: H3Config, profile: Profile, device: torch.device) -> dict[str, Path]:
+    """Compiled paths of `profile` from a Comfy-Org fp8_scaled single file of `compiled_model`'s weights (the same
+    seed), written and compiled once per cache folder."""
+    root = cache / f"h3-{config.hidden_size}-wide-{config.num_layers}-blocks-fp8-scaled"
+    source, out, receipt = root / "h3_fp8_scaled.safetensors", root / "compiled", root / "receipt.json"
+    if not out.exists():
+        if not source.exists():
+            root.mkdir(parents=True, exist_ok=True)
+            weights = synthetic.random_internal_weights(config, seed=0, device=str(device))
+            synthetic.write_comfy_transformer(source, config, {k: v.cpu() for k, v in weights.items()}, fp8="metadata")
+            del weights
+        if not receipt.exists():
+            prepare(profile, source, receipt)
+        compile_receipt(receipt, out, str(device))
+    return {"artifact": out / "artifact", "schedule_overlay": out / "schedule", "auxiliary": out / "auxiliary.safetensors"}
+
+
+def executions(
+    exact: CompiledArtifact, approximate: CompiledArtifact, scaled: CompiledArtifact, device: torch.device,
+) -> tuple[dict[str, Denoiser], dict[str, str]]:
+    """name -> denoiser over resident blocks (the FP8 ones share one copy per artifact), and the FP8 attention's
+    refusal if any."""
     config = exact.config
     cuda = device.type == "cuda"
     exact_blocks, fp8_blocks = ResidentBlocks(exact, device), ResidentBlocks(approximate, device)
@@ -103,6 +129,7 @@ def executions(exact: CompiledArtifact, approximate: CompiledArtifact, device: t
     dens = {
         "exact": Denoiser(exact, exact_blocks, device, exact_ops(config, attention)),
         "fp8_linear": Denoiser(approximate, fp8_blocks, device, fp8_ops(attention)),
+        "fp8_scaled_linear": Denoiser(scaled, ResidentBlocks(scaled, device), device, fp8_ops(attention)),
     }
     skipped = {}
     try:
@@ -175,6 +202,7 @@ def run(blocks: int, cache: Path, shapes: list[str], rounds: int, small: bool) -
     config = small_config(blocks) if small else full_width(blocks)
     exact_profile, fp8_profile = bench_profiles(small)
     artifacts = [CompiledArtifact(**compiled_model(cache, blocks, str(device), profile, config)[1]) for profile in (exact_profile, fp8_profile)]
+    artifacts.append(CompiledArtifact(**fp8_scaled_model(cache, config, fp8_profile, device)))
     dens, skipped = executions(*artifacts, device)
     block_bytes = {"exact": dens["exact"].blocks.device_weight_bytes // blocks, "fp8": dens["fp8_linear"].blocks.device_weight_bytes // blocks}
     den = dens["exact"]
@@ -199,6 +227,7 @@ def run(blocks: int, cache: Path, shapes: list[str], rounds: int, small: bool) -
             "speedup_fp8_linear": round(ms["exact"] / ms["fp8_linear"], 4),
             "speedup_fp8_linear_attention": round(ms["exact"] / ms["fp8_linear_attention"], 4) if "fp8_linear_attention" in ms else None,
             "speedup_fp8_attention": round(ms["exact"] / ms["fp8_attention"], 4) if "fp8_attention" in ms else None,
+            "speedup_fp8_scaled_linear": round(ms["exact"] / ms["fp8_scaled_linear"], 4),
             "rounds": measured,
         }
         del state
@@ -220,6 +249,7 @@ def run(blocks: int, cache: Path, shapes: list[str], rounds: int, small: bool) -
         **environment(),
         "profiles": {"exact": exact_profile.id, "fp8": fp8_profile.id},
         "fp8_execution": repr(dens["fp8_linear"].ops.fp8),
+        "fp8_scaled_source": {"format": artifacts[2].base_weights["format"], "fp8": artifacts[2].manifest["fp8"]},
         "attention": {"exact": "fa3" if not small else "torch-sdpa", "fp8": "fa3-fp8", "skipped": skipped},
         "step": STEP,
         "evaluations": EVALUATIONS if not small else exact_profile.nfe,

@@ -219,8 +219,9 @@ def fp8_figures(data: dict) -> str:
     for r in data["records"]:
         ms, error = r["ms_per_block"], r["error"]
         row = {"canvas": r["canvas"], "N": r["N"], "exact": ms["exact"], "fp8_linear": ms["fp8_linear"], "speedup_linear": r["speedup_fp8_linear"],
-               "fp8_both": ms.get("fp8_linear_attention"), "speedup_both": r["speedup_fp8_linear_attention"]}
-        for name, key in (("fp8_linear", "linear"), ("fp8_linear_attention", "both")):
+               "fp8_both": ms.get("fp8_linear_attention"), "speedup_both": r["speedup_fp8_linear_attention"],
+               "fp8_scaled": ms.get("fp8_scaled_linear"), "speedup_scaled": r.get("speedup_fp8_scaled_linear")}
+        for name, key in (("fp8_linear", "linear"), ("fp8_linear_attention", "both"), ("fp8_scaled_linear", "scaled")):
             if name in error:
                 row[f"rel_l2_{key}"] = max(e["video_velocity_rel_l2"] for e in error[name]["per_evaluation"])
                 row[f"psnr_{key}"] = error[name]["latent_psnr_db"]
@@ -232,11 +233,15 @@ def fp8_figures(data: dict) -> str:
         f"(`{data['profiles']['exact']}` vs `{data['profiles']['fp8']}`, {data['fp8_execution']}). Velocity error: the largest relative L2 "
         "over the evaluations, each FP8 evaluation on the exact trajectory's inputs; PSNR: final video latents of each whole trajectory "
         f"against the exact one. Weights on the device: {data['fp8_block_fraction']:.1%} of BF16 per block, {data['fp8_weight_fraction']:.1%} for "
-        f"the 50-block model with its BF16 auxiliary tensors.{skipped} Targets: {targets}.",
+        f"the 50-block model with its BF16 auxiliary tensors.{skipped} Targets: {targets}."
+        + (" From an fp8_scaled file: the FP8 artifact compiled from a Comfy-Org fp8_scaled single file of the same weights (its own "
+           "E4M3 codes and per-tensor scales kept), the FP8 linear execution." if any(r.get("fp8_scaled") for r in rows) else ""),
         "",
         _table(rows, [("canvas", "canvas (5 s)"), ("N", "N"), ("exact", "exact ms/block"), ("fp8_linear", "FP8 linear ms/block"), ("speedup_linear", "speedup"),
                       ("rel_l2_linear", "velocity rel L2"), ("psnr_linear", "latent PSNR dB"), ("fp8_both", "FP8 linear + attention ms/block"),
-                      ("speedup_both", "speedup"), ("rel_l2_both", "velocity rel L2"), ("psnr_both", "latent PSNR dB")]),
+                      ("speedup_both", "speedup"), ("rel_l2_both", "velocity rel L2"), ("psnr_both", "latent PSNR dB"),
+                      *([("fp8_scaled", "from an fp8_scaled file ms/block"), ("speedup_scaled", "speedup"), ("rel_l2_scaled", "velocity rel L2"),
+                         ("psnr_scaled", "latent PSNR dB")] if any(r.get("fp8_scaled") for r in rows) else [])]),
         "",
     ])
 
