@@ -360,8 +360,8 @@ def first_use(run: Run, setup: Setup, rec: dict) -> None:
 
 
 def weight_io(setup: Setup, rec: dict) -> None:
-    from vflash_core.weights import weight_io as wio
-    from vflash_core.weights.artifact import CompiledArtifact
+    from vflash_core.engine import weight_io as wio
+    from vflash_core.engine.artifact import CompiledArtifact
 
     artifact = CompiledArtifact(**{k: v for k, v in zip(("artifact", "schedule_overlay", "auxiliary"), setup.session_paths().values())})
     sample = min(5, artifact.config.num_layers)

@@ -168,9 +168,9 @@ def _refused(stages: Stages, stage: str, cap: float | None, canvas: str, seconds
 
 def denoise_phase(stages: Stages, caps: list[float | None], setup: Setup, sized_for: str, canvas: str, rec: dict) -> None:
     from vflash_core import get_profile
+    from vflash_core.engine.artifact import CompiledArtifact
     from vflash_core.engine.session import NativeEngineSession
     from vflash_core.pipeline.memory_plan import PartSizes, cap_bytes, largest_request, plan_memory
-    from vflash_core.weights.artifact import CompiledArtifact
 
     paths = setup.session_paths()
     artifact = CompiledArtifact(**paths)

@@ -13,6 +13,7 @@ from conftest import assert_bitwise
 from test_schedule_layout_bundle import _bundle
 
 from vflash_core import NativeEngineSession
+from vflash_core.engine.artifact import CompiledArtifact
 from vflash_core.engine.config import H3Config
 from vflash_core.engine.layout import Geometry
 from vflash_core.errors import RequestError, RunFailedError, VflashError
@@ -20,7 +21,6 @@ from vflash_core.pipeline import memory_plan as MP
 from vflash_core.pipeline.h3_pipeline import H3Pipeline, VideoRequest
 from vflash_core.pipeline.options import RunOptions
 from vflash_core.profiles import get_profile
-from vflash_core.weights.artifact import CompiledArtifact
 
 GIB = MP.GIB
 CUDA = [torch.device("cuda:0")]

@@ -8,7 +8,7 @@ import json
 import os
 
 from ..errors import VflashError
-from ..pipeline.options import GPU_INDEX
+from ..formats import GPU_INDEX
 
 __all__ = ["register"]
 

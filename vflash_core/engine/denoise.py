@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..weights.artifact import CompiledArtifact, StepTables
 from . import model as M
+from .artifact import CompiledArtifact, StepTables
 from .bundle import ConditioningBundle
 from .layout import audio_rows_to_latents, unpatchify
 from .profiler import NO_TIMER, StageTimer

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import VflashError
-from ..weights.artifact import CompiledArtifact
-from ..weights.tensor_store import TensorStore
+from ..tensor_store import TensorStore
+from .artifact import CompiledArtifact
 from .device_owner import module_tensors, point_module_at
 from .model import LayerWeights, LoraResidual
 

@@ -53,7 +53,7 @@ from ..pipeline.memory_plan import (
     plan_memory,
 )
 from ..profiles import Profile, get_profile
-from ..weights.artifact import CompiledArtifact
+from .artifact import CompiledArtifact
 from .attention import resolve_attention
 from .bundle import MODE_VARIANT, BundleHandoff, ConditioningBundle
 from .config import H3Config

@@ -296,8 +296,8 @@ def _resolve_profile(profile: object) -> Profile:
 def prepare_pipeline(profile: Profile | str, assets: str | Path, receipt: str | Path) -> PreparedAssets:
     """Validate a six-field assets file against `profile` and write the pipeline receipt (atomically, never over an
     existing file). Reads configs and manifests only; the adapter file is hashed once to bind it to the compile."""
-    from ..weights.artifact import CompiledArtifact
-    from ..weights.tensor_store import file_sha256
+    from ..engine.artifact import CompiledArtifact
+    from ..tensor_store import file_sha256
 
     profile = _resolve_profile(profile)
     path_argument(receipt, "the receipt path")
@@ -550,7 +550,7 @@ class H3Pipeline:
             total = 2 + int(assets.record["transformer"]["num_layers"])
             report = progress or (lambda stage, done, total: None)
             loaded: list[TextConditioner | MediaVAEs] = []
-            from ..weights.artifact import CompiledArtifact
+            from ..engine.artifact import CompiledArtifact
 
             compiled = CompiledArtifact(**assets.session_paths())
             if options.verify_weights:  # before anything loads: a corrupt compile costs no encoder load

@@ -60,10 +60,10 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from ..engine.artifact import CompiledArtifact
     from ..media.conditioning import TextConditioner
     from ..media.vae import MediaVAEs
     from ..profiles import Profile
-    from ..weights.artifact import CompiledArtifact
 
 logger = logging.getLogger(__name__)
 

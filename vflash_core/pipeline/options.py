@@ -13,15 +13,13 @@ from dataclasses import dataclass
 import torch
 
 from ..engine.session import STRATEGIES, WEIGHT_RESIDENCIES
-from ..errors import Number, VflashError, check_choice
+from ..errors import VflashError, check_choice
+from ..formats import GPU_INDEX, check_device
 from ..media.mp4 import VIDEO_INPUTS, VIDEO_THREADS, check_delivery_options
 from ..profiles import Profile
 from .memory_plan import DEVICE_MEMORY_GIB, cap_bytes
 
-__all__ = ["GPU_INDEX", "STRATEGIES", "WEIGHT_RESIDENCIES", "RunOptions"]
-
-#: A CUDA device index on the command line (`--gpu`, `--peer-gpu`); whether this machine has it, `check_device`.
-GPU_INDEX = Number(int, 0)
+__all__ = ["STRATEGIES", "WEIGHT_RESIDENCIES", "RunOptions"]
 
 ENCODER_RESIDENCIES = ("offload", "resident")  # where the text encoder and the VAEs live between their stages
 
@@ -69,7 +67,6 @@ class RunOptions:
         backend is resolved on the device too, so an unknown or unavailable kernel is refused before any load (an
         approximate one unless the profile is an FP8 profile)."""
         from ..engine.attention import resolve_attention
-        from ..formats import check_device
 
         primary = check_device(self.device, profile.arch, profile_id=profile.id)
         resolve_attention(self.attention_backend, primary, profile.fp8 is not None)

@@ -15,9 +15,6 @@ from pathlib import Path
 
 import torch
 
-from ..engine.config import H3Config
-from ..engine.fp8 import FP8_LINEARS
-from ..engine.model import LayerWeights, LoraResidual
 from ..errors import IdentityMismatchError, VflashError, WeightFileError
 from ..fileio import read_json
 from ..formats import (
@@ -35,11 +32,18 @@ from ..formats import (
     list_of,
 )
 from ..profiles import Profile, check_identity
-from .checkpoint import FLOAT_DTYPES, TABLE_INPUTS, aux_shapes, block_shapes
-from .tensor_store import TensorStore, file_sha256
+from ..tensor_store import TensorStore, file_sha256
+from .config import H3Config, aux_shapes, block_shapes
+from .fp8 import FP8_LINEARS
+from .model import LayerWeights, LoraResidual
 from .weight_io import SequentialWeights
 
-__all__ = ["CompiledArtifact", "ScheduleOverlay", "StepTables"]
+__all__ = ["FLOAT_DTYPES", "TABLE_INPUTS", "CompiledArtifact", "ScheduleOverlay", "StepTables"]
+
+# The dtypes a floating-point tensor of a checkpoint or an artifact may have.
+FLOAT_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
+# Internal names that feed only the AdaLN tables (compiled into the schedule overlay, never loaded at run time).
+TABLE_INPUTS = ("time_embedder.", "norm_out.linear.", "adaln_t_table")
 
 # Threads reading one block file: a deep queue of large sequential reads. On the H200 machines' virtio disk a cold
 # 0.83 GB block read at 1.14 / 1.41 / 1.57 / 1.62 GB/s with 1 / 2 / 4 / 8 threads (disk: 1.66 GB/s), where reading

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from ..errors import WeightFileError
-from ..fileio import check_input_file
+from .errors import WeightFileError
+from .fileio import check_input_file
 
 __all__ = [
     "ReadRequest", "SafetensorsFile", "TensorInfo", "TensorStore", "describe_files", "file_sha256", "write_safetensors",

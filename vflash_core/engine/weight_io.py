@@ -41,7 +41,7 @@ import torch
 
 from ..errors import IdentityMismatchError, VflashError, WeightFileError
 from ..fileio import atomic_directory
-from .tensor_store import SafetensorsFile, TensorInfo
+from ..tensor_store import SafetensorsFile, TensorInfo
 
 __all__ = ["MANIFEST_NAME", "SequentialWeights", "prepare_sidecar"]
 
