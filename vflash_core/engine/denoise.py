@@ -17,27 +17,16 @@ from dataclasses import dataclass
 
 import torch
 
+from ..progress import PreviewFn, ProgressFn
+from ..schedule import euler_step, flow_denoised, row_timestep_plan
 from . import model as M
 from .artifact import CompiledArtifact, StepTables
 from .bundle import ConditioningBundle
 from .layout import audio_rows_to_latents, unpatchify
 from .profiler import NO_TIMER, StageTimer
 from .residency import BlockSource, device_loras
-from .schedule import euler_step, flow_denoised, row_timestep_plan
 
-__all__ = ["DenoiseOutput", "Denoiser", "PreviewFn", "ProgressFn", "RequestState", "StageProgress"]
-
-# The two progress callbacks of Vflash: within one stage, progress(done, total) (here: evaluations of a trajectory);
-# across stages, progress(stage, done, total) (the compiler's hash / verify / compile, the pipeline's load / encode /
-# denoise / decode / write). Either may raise to abandon the call.
-ProgressFn = Callable[[int, int], None]
-StageProgress = Callable[[str, int, int], None]
-# A live preview: preview(done, total, video) after every evaluation, beside or instead of the progress callback (a
-# front end that draws the image with its progress, as ComfyUI does, passes only this). `video` is that evaluation's
-# prediction of the clean video latents (x0, as the scheduler forms it): (1, C, F, h, w) fp32 on the denoiser's
-# device, the generated frames only; a tensor of its own, which the loop never reads again, so reading it (or even
-# writing it) leaves the trajectory bitwise unchanged. It may raise to abandon the call.
-PreviewFn = Callable[[int, int, torch.Tensor], None]
+__all__ = ["DenoiseOutput", "Denoiser", "RequestState"]
 
 
 @dataclass

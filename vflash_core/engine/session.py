@@ -53,11 +53,12 @@ from ..pipeline.memory_plan import (
     plan_memory,
 )
 from ..profiles import Profile, get_profile
+from ..progress import PreviewFn, ProgressFn
 from .artifact import CompiledArtifact
 from .attention import resolve_attention
 from .bundle import MODE_VARIANT, BundleHandoff, ConditioningBundle
 from .config import H3Config
-from .denoise import DenoiseOutput, Denoiser, PreviewFn, ProgressFn
+from .denoise import DenoiseOutput, Denoiser
 from .device_owner import release_host_memory
 from .fp8 import FusedRowFP8Ops, RowFP8Execution, RowFP8Ops
 from .fused import FusedOps
@@ -376,7 +377,7 @@ class NativeEngineSession:
 
         `progress(done, total)` runs after every evaluation and `between_blocks()` between blocks (with several GPUs,
         at the next evaluation boundary); `preview(done, total, video)` after every evaluation too, with that
-        evaluation's x0 prediction of the video latents on the first device (`denoise.PreviewFn`: it only reads a copy,
+        evaluation's x0 prediction of the video latents on the first device (`progress.PreviewFn`: it only reads a copy,
         so the latents are bitwise those of a run without it). An exception these raise aborts the request and leaves
         the session usable.
         With `output_latents`, the latents are also written there atomically, inside the timed region. With

@@ -49,7 +49,6 @@ import torch
 
 from ..engine.bundle import BundleHandoff, EncodedReference, build_keyframe_bundle, build_ref2va_bundle
 from ..engine.config import H3Config
-from ..engine.denoise import PreviewFn, StageProgress
 from ..engine.layout import FPS, VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK, VAE_SPATIAL_RATIO, Geometry
 from ..engine.session import (
     BlockLoader,
@@ -77,6 +76,7 @@ from ..media.references import CanvasRules, fit_keyframes, load_image, load_refe
 from ..media.vae import DecodedMedia, MediaVAEs, decode_latents
 from ..media.vae_decode import DEFAULT_WINDOWS_PER_CALL
 from ..profiles import Profile, check_identity, get_profile
+from ..progress import PreviewFn, StageProgress
 from .memory_plan import (
     PartSizes,
     cap_bytes,
@@ -659,7 +659,7 @@ class H3Pipeline:
 
     def denoise(self, bundle_or_handoff, progress: Callable[[int, int], None] | None = None, preview: PreviewFn | None = None) -> GenerationResult:
         """Run the native core; `progress(done, total)` and `preview(done, total, video x0)` after every evaluation
-        (either may raise to abort; `engine.denoise.PreviewFn`)."""
+        (either may raise to abort; `progress.PreviewFn`)."""
         self._check_open()
         with self._lock:
             self.load()
@@ -705,7 +705,7 @@ class H3Pipeline:
 
         `cancel()` is polled between stages, between the denoiser's evaluations and the video decoder's blocks; what
         it raises ends the request as `RequestCancelled`. `preview(done, total, video x0)` runs after every evaluation
-        (`engine.denoise.PreviewFn`)."""
+        (`progress.PreviewFn`)."""
         start = time.perf_counter()
         plan = self.validate(request)
         check_generate_arguments(request, output, overwrite, progress, cancel, preview)

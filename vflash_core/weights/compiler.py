@@ -52,9 +52,7 @@ from tqdm.auto import tqdm
 from ..engine import model as M
 from ..engine.artifact import TABLE_INPUTS, CompiledArtifact
 from ..engine.config import H3Config, block_shapes
-from ..engine.denoise import StageProgress
 from ..engine.fp8 import FP8_LINEARS, quantize_block
-from ..engine.schedule import distinct_timesteps
 from ..errors import IdentityMismatchError, VflashError, run_command
 from ..fileio import (
     atomic_directory,
@@ -85,6 +83,8 @@ from ..formats import (
     list_of,
 )
 from ..profiles import AdapterSpec, Profile, get_profile
+from ..progress import StageProgress
+from ..schedule import distinct_timesteps
 from ..tensor_store import TensorStore, describe_files, file_sha256, write_safetensors
 from .checkpoint import SourceWeights
 from .lora import TABLE_ONLY, Adapter, load_adapter
