@@ -60,7 +60,6 @@ from ..engine.session import (
 )
 from ..errors import (
     IdentityMismatchError,
-    Number,
     RequestError,
     RunFailedError,
     SessionClosedError,
@@ -89,17 +88,11 @@ from .memory_plan import (
 from .model_loading import MODEL_LOAD_LOCK
 from .options import RunOptions
 from .validation import (
-    ANCHORS,
-    PIXELS,
-    SECONDS,
-    MediaInput,
     PromptBudget,
     RequestPlan,
+    VideoRequest,
     check_generate_arguments,
-    media_input,
-    media_inputs,
     plan_request,
-    request_mode,
 )
 
 __all__ = [
@@ -121,51 +114,7 @@ class RequestCancelled(RunFailedError):
     """Raised when a request is aborted through its `cancel` callable (the pipeline is closed)."""
 
 
-# -- requests and results ------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class VideoRequest:
-    """One generation. `first_frame` / `last_frame` make i2va, l2va or fl2va; `references` (image, video or audio
-    files by extension, or PIL images, in the order the prompt's labels number them; one path or image, or a list or
-    tuple of them) make ref2va; neither is t2va. `width` / `height` (multiples of 32, both or neither) default to the
-    model's canvas for the mode.
-
-    Field types are checked when the request is built (a wrong type raises `RequestError` naming the field); values
-    are checked against a model and a profile by `H3Pipeline.validate` (`validation.plan_request`)."""
-
-    prompt: str
-    first_frame: MediaInput | None = None
-    last_frame: MediaInput | None = None
-    references: tuple[MediaInput, ...] = ()
-    duration_seconds: float = 5.0
-    seed: int = 0
-    width: int | None = None
-    height: int | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.prompt, str):
-            raise RequestError(f"prompt must be a string, got {type(self.prompt).__name__}")
-        checked = {
-            "first_frame": media_input(self.first_frame, "first_frame"),
-            "last_frame": media_input(self.last_frame, "last_frame"),
-            "references": media_inputs(self.references, "references"),
-            "duration_seconds": SECONDS.check("duration_seconds", self.duration_seconds, RequestError),
-            "seed": Number(int).check("seed", self.seed, RequestError),  # its range: `check_seed`, with the request
-            "width": None if self.width is None else PIXELS.check("width", self.width, RequestError),
-            "height": None if self.height is None else PIXELS.check("height", self.height, RequestError),
-        }
-        for name, value in checked.items():
-            object.__setattr__(self, name, value)  # frozen: normalised once, here
-
-    @property
-    def mode(self) -> str:
-        return request_mode(self.first_frame is not None, self.last_frame is not None, bool(self.references))
-
-    @property
-    def keyframes(self) -> dict[str, MediaInput]:
-        """Anchor ("first", "last") -> keyframe, in packed order; the fields are `<anchor>_frame`."""
-        return {anchor: k for anchor in ANCHORS if (k := getattr(self, f"{anchor}_frame")) is not None}
+# -- results ------------------------------------------------------------------------------------------
 
 
 @dataclass
