@@ -233,8 +233,12 @@ class WeightRing:
             self.compute_done = [torch.cuda.Event() for _ in range(2)]
         self.device_weight_bytes = 2 * arena.item_bytes
         self._first_ready = False
-        # Set by the profiler: (start, end) timing events of every copy.
+        # (start, end) timing events of every copy, while a profiled request asks for them (`time_copies`).
         self.copy_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
+
+    def time_copies(self, events: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None) -> None:
+        """Append the (start, end) timing events of every copy from now on to `events`; None stops the timing."""
+        self.copy_events = events
 
     def _issue_copy(self, index: int) -> None:
         s = index % 2

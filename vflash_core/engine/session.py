@@ -423,7 +423,7 @@ class NativeEngineSession:
         timers = [StageTimer(dev, profile_denoise) for dev in self.devices]
         for den, timer in zip(self._denoisers, timers):
             if isinstance(den.blocks, BlockRing):
-                den.blocks.copy_events = timer.copy_events if profile_denoise else None
+                den.blocks.time_copies(timer.copy_events if profile_denoise else None)
         start = time.perf_counter()
         try:
             if self._group is None:
@@ -481,7 +481,7 @@ class NativeEngineSession:
         if self.strategy == "sequence-head":
             rows = split_rows(total, len(self.devices))
             for den in self._denoisers:
-                den.ops.attention.rows = rows
+                den.ops.attention.assign_rows(rows)
         else:  # tensor: every rank holds every row
             rows = [(0, total)] * len(self.devices)
         stop: list[BaseException] = []
