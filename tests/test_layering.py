@@ -17,7 +17,9 @@ CORE = ROOT / "vflash_core"
 # The layers, lowest first; a module may import its own layer and the ones before it. `docs/architecture.md` states
 # the same order (`LAYER_ORDER`, checked below).
 SHARED = "shared"
-LAYERS: tuple[tuple[str, ...], ...] = ((SHARED,), ("engine",), ("weights",), ("media",), ("pipeline",), ("cli", "service"))
+LAYERS: tuple[tuple[str, ...], ...] = (
+    (SHARED,), ("engine",), ("weights",), ("media",), ("pipeline",), ("cli", "service"),
+)
 FACADE = "vflash_core"
 NODE_PACK = "vflash_nodes"
 

@@ -22,11 +22,12 @@ from ..schedule import euler_step, flow_denoised, row_timestep_plan
 from . import model as M
 from .artifact import CompiledArtifact, StepTables
 from .bundle import ConditioningBundle
+from .config import H3Config
 from .layout import audio_rows_to_latents, unpatchify
 from .profiler import NO_TIMER, StageTimer
 from .residency import BlockSource, device_loras
 
-__all__ = ["DenoiseOutput", "Denoiser", "RequestState"]
+__all__ = ["DenoiseOutput", "Denoiser", "RequestState", "denoise_bytes"]
 
 
 @dataclass
@@ -215,3 +216,20 @@ class Denoiser:
     def close(self) -> None:
         self.blocks.close()
         self.aux, self.refiner, self.aux_loras = {}, [], {}
+
+
+# -- memory ---------------------------------------------------------------------------------------------------------
+
+
+def denoise_bytes(config: H3Config, rows: int) -> int:
+    """Upper estimate of one evaluation's transient device memory at `rows` packed rows (bf16 blocks).
+
+    Per row, the main block's largest live set with the reference operations (the fused ones hold less): the residual
+    stream and the normalised input (2H), plus either the attention's fused QKV (3I, kept by v), q and k normalised
+    (2I) and rotated (2I) and its output (I), or the FFN's [value; gate] projection (2F), SiLU (F) and product (F);
+    plus 2 KiB of request state (rotary cos/sin, fp32 latent rows and velocities, each evaluation's row indices); with
+    a 10 % allowance for the allocator and the attention kernel's workspace.
+    """
+    h, i, f = config.hidden_size, config.inner_dim, config.ffn_dim
+    per_row = 2 * (2 * h + max(8 * i, 4 * f)) + 2048
+    return int(rows * per_row * 1.1)

@@ -108,7 +108,7 @@ class LoadedBlocks(_DeviceBlocks):
                 raise VflashError(f"block_loader: block {index} is a {type(block).__name__}, not a vflash_core.engine.model.LayerWeights")
             if set(block.tensors) != set(names):
                 raise VflashError(f"block_loader: block {index} holds {sorted(block.tensors)}; the artifact's blocks hold {sorted(names)}")
-            store = TensorStore(artifact.artifact_dir / artifact.manifest["blocks"][index]["file"])  # its header only
+            store = TensorStore(artifact.block_file(index))  # its header only
             for name in names:
                 tensor, info = block.tensors[name], store.info(name)
                 if tuple(tensor.shape) != tuple(info.shape) or tensor.dtype != info.dtype or tensor.device != device:
@@ -116,7 +116,7 @@ class LoadedBlocks(_DeviceBlocks):
                         f"block_loader: block {index} {name} is {tensor.dtype} {list(tensor.shape)} on {tensor.device}; "
                         f"the artifact's is {info.dtype} {list(info.shape)}, wanted on {device}"
                     )
-            expected = {record["linear"] for record in artifact.manifest["blocks"][index]["lora"]}
+            expected = artifact.block_lora_linears(index)
             if set(block.loras) != expected:
                 raise VflashError(f"block_loader: block {index} has LoRA residuals on {sorted(block.loras)}; the artifact's on {sorted(expected)}")
         super().__init__(blocks)
@@ -146,7 +146,7 @@ def pack_layout(tensors: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]) -> 
 def block_layout(artifact: CompiledArtifact, shard: TensorShard | None = None) -> tuple[list[_Slot], int]:
     """Byte layout shared by every main block (same names, shapes and dtypes), or by every block's shard; an FP8
     artifact's codes take one byte per weight and their row scales sit beside them."""
-    store = TensorStore(artifact.artifact_dir / artifact.manifest["blocks"][0]["file"])
+    store = TensorStore(artifact.block_file(0))
     infos = {name: store.info(name) for name in artifact.block_tensors()}
     return pack_layout((name, i.dtype, i.shape if shard is None else shard.shape(name, i.shape)) for name, i in infos.items())
 

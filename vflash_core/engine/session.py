@@ -43,26 +43,18 @@ from ..errors import (
 )
 from ..fileio import atomic_file, check_writable_destination, path_argument
 from ..formats import check_device, device_arch
-from ..pipeline.memory_plan import (
-    DeviceCap,
-    MemoryPlan,
-    PartSizes,
-    cap_bytes,
-    denoise_bytes,
-    largest_request,
-    plan_memory,
-)
+from ..memory_plan import DeviceCap, MemoryPlan, cap_bytes, plan_memory
 from ..profiles import Profile, get_profile
 from ..progress import PreviewFn, ProgressFn
 from .artifact import CompiledArtifact
 from .attention import resolve_attention
 from .bundle import MODE_VARIANT, BundleHandoff, ConditioningBundle
 from .config import H3Config
-from .denoise import DenoiseOutput, Denoiser
+from .denoise import DenoiseOutput, Denoiser, denoise_bytes
 from .device_owner import release_host_memory
 from .fp8 import FusedRowFP8Ops, RowFP8Execution, RowFP8Ops
 from .fused import FusedOps
-from .layout import FPS
+from .layout import FPS, largest_request_rows
 from .model import AttentionFn, BlockOps, LayerWeights
 from .parallel import (
     LocalGroup,
@@ -220,8 +212,8 @@ class NativeEngineSession:
         self.execution = ("fused" if self.device.type == "cuda" else "reference") if execution == "auto" else execution
         if plan is None and (self.device.type == "cuda" or max_device_memory is not None):  # else CPU, no cap: resident blocks
             # this session's own plan, for the core alone: its blocks and the profile's largest request
-            largest = largest_request(self.profile, config)
-            plan = plan_memory(PartSizes.of(self.compiled), largest, self.devices, cap, weight_residency)
+            largest = {"denoise": denoise_bytes(config, largest_request_rows(self.profile, config))}
+            plan = plan_memory(self.compiled.part_sizes(), largest, self.devices, cap, weight_residency)
         elif plan is not None and weight_residency not in ("auto", plan.placement.core):
             raise VflashError(f"weight_residency={weight_residency!r} disagrees with the memory plan's {plan.placement.core!r}")
         self.plan = plan
@@ -289,7 +281,7 @@ class NativeEngineSession:
         execution.check_device(device)
         if not fused:
             return RowFP8Ops(config, attention, execution)
-        keep_values = any(record["lora"] for record in self.compiled.manifest["blocks"])  # LoRA branches read BF16 inputs
+        keep_values = self.compiled.blocks_carry_lora  # LoRA branches read BF16 inputs
         return FusedRowFP8Ops(config, attention, execution, keep_values)
 
     # -- memory -------------------------------------------------------------------------------------------------

@@ -49,7 +49,17 @@ import torch
 
 from ..engine.bundle import BundleHandoff, EncodedReference, build_keyframe_bundle, build_ref2va_bundle
 from ..engine.config import H3Config
-from ..engine.layout import FPS, VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK, VAE_SPATIAL_RATIO, Geometry
+from ..engine.denoise import denoise_bytes
+from ..engine.layout import (
+    FPS,
+    VAE_FRAMES_PER_CHUNK,
+    VAE_LATENTS_PER_CHUNK,
+    VAE_SPATIAL_RATIO,
+    Geometry,
+    largest_clip_frames,
+    largest_request_rows,
+    request_rows,
+)
 from ..engine.session import (
     BlockLoader,
     GenerationResult,
@@ -72,19 +82,11 @@ from ..formats import PIPELINE_FORMAT, Field, check_fields, is_object, is_positi
 from ..media.conditioning import TEXT_ENCODER_LAYER, TextConditioner, TextEncoderLoader
 from ..media.mp4 import write_mp4
 from ..media.references import CanvasRules, fit_keyframes, load_image, load_reference, normalize_references
-from ..media.vae import DecodedMedia, MediaVAEs, decode_latents
+from ..media.vae import DecodedMedia, MediaVAEs, decode_bytes, decode_latents
 from ..media.vae_decode import DEFAULT_WINDOWS_PER_CALL
+from ..memory_plan import PLANNED_PICTURES, PLANNED_TEXT_ROWS, cap_bytes, plan_memory
 from ..profiles import Profile, check_identity, get_profile
 from ..progress import PreviewFn, StageProgress
-from .memory_plan import (
-    PartSizes,
-    cap_bytes,
-    decode_bytes,
-    denoise_bytes,
-    largest_request,
-    plan_memory,
-    request_rows,
-)
 from .model_loading import MODEL_LOAD_LOCK
 from .options import RunOptions
 from .validation import (
@@ -97,7 +99,8 @@ from .validation import (
 
 __all__ = [
     "ASSET_FIELDS", "EncodedRequest", "H3Pipeline", "PreparedAssets", "RequestCancelled", "VideoRequest", "VideoResult",
-    "build_request_bundle", "delivered_soundtrack", "encode_request", "plan_request", "prepare_pipeline",
+    "build_request_bundle", "delivered_soundtrack", "encode_request", "largest_request", "plan_request",
+    "prepare_pipeline",
 ]
 
 logger = logging.getLogger(__name__)
@@ -114,7 +117,7 @@ class RequestCancelled(RunFailedError):
     """Raised when a request is aborted through its `cancel` callable (the pipeline is closed)."""
 
 
-# -- results ------------------------------------------------------------------------------------------
+# -- results -----------------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -271,7 +274,7 @@ def prepare_pipeline(profile: Profile | str, assets: str | Path, receipt: str | 
     for what, transformer, other in widths:
         if transformer != other:
             raise IdentityMismatchError(f"the compiled transformer's {what} is {transformer}, the model root / decoders give {other}")
-    recorded = compiled.manifest.get("adapter")
+    recorded = compiled.adapter
     adapter = paths["adapter_path"]
     if profile.adapter is None and adapter is not None:
         raise IdentityMismatchError(f"profile {profile.id} uses no adapter; adapter_path must be null, got {adapter}")
@@ -410,6 +413,29 @@ def delivered_soundtrack(media: DecodedMedia) -> torch.Tensor:
     return media.waveform[:, : round(media.frames.shape[0] / FPS * media.sample_rate)]
 
 
+def largest_request(
+    profile: Profile, config: H3Config | None = None, conditioner: TextConditioner | None = None, vaes: MediaVAEs | None = None,
+    canvas: CanvasRules | None = None,
+) -> dict[str, int]:
+    """Transient bytes of each stage of the largest request a memory plan is sized for (the profile's longest clip on
+    the model's 16:9 canvas, the released one by default, see `memory_plan.PLANNED_TEXT_ROWS`), for the parts given:
+    stage -> bytes, with the decode as `decode.diffusers` and `decode.native`; each part's estimate is its own."""
+    height, width = (canvas or CanvasRules()).default_canvas()
+    frames = largest_clip_frames(profile)
+    needs: dict[str, int] = {}
+    if config is not None:
+        needs["denoise"] = denoise_bytes(config, largest_request_rows(profile, config, (height, width)))
+    if conditioner is not None:
+        processor = conditioner.image_processor
+        pictures = PLANNED_PICTURES if set(profile.modes) - {"t2va"} else 0
+        patches = pictures * (height // processor.patch_size) * (width // processor.patch_size)
+        needs["encode"] = conditioner.encode_bytes(PLANNED_TEXT_ROWS + patches // processor.merge_size**2, patches)
+    if vaes is not None:
+        for decoder in ("diffusers", "native"):
+            needs[f"decode.{decoder}"] = decode_bytes(vaes.video_vae, frames, height, width, decoder, DEFAULT_WINDOWS_PER_CALL)
+    return needs
+
+
 # -- the pipeline --------------------------------------------------------------------------------------------------
 
 
@@ -518,9 +544,10 @@ class H3Pipeline:
                 else:
                     largest = largest_request(assets.profile, compiled.config, conditioner, vaes, assets.canvas)
                     devices = [primary] + ([peer] if peer is not None else [])
-                    sizes = PartSizes.of(compiled, conditioner, vaes)
+                    sizes = compiled.part_sizes() + conditioner.part_sizes() + vaes.part_sizes()
                     plan = plan_memory(sizes, largest, devices, cap, weight_residency, options.encoder_residency)
-                    plan.place(conditioner, vaes)
+                    conditioner.place(plan)
+                    vaes.place(plan)
                 session = NativeEngineSession(
                     assets.profile, **assets.session_paths(), device=primary, peer_device=peer, strategy=options.strategy,
                     weight_residency=weight_residency, attention_backend=options.attention_backend,

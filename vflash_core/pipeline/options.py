@@ -16,8 +16,8 @@ from ..engine.session import STRATEGIES, WEIGHT_RESIDENCIES
 from ..errors import VflashError, check_choice
 from ..formats import GPU_INDEX, check_device
 from ..media.mp4 import VIDEO_INPUTS, VIDEO_THREADS, check_delivery_options
+from ..memory_plan import DEVICE_MEMORY_GIB, cap_bytes
 from ..profiles import Profile
-from .memory_plan import DEVICE_MEMORY_GIB, cap_bytes
 
 __all__ = ["STRATEGIES", "WEIGHT_RESIDENCIES", "RunOptions"]
 

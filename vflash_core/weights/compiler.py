@@ -332,7 +332,8 @@ def compiled_from(folder: str | Path, receipt_path: str | Path) -> bool:
     except VflashError:
         return False
     identity = _identity(profile, receipt, artifact.config, artifact.arch, artifact.compile_id)
-    return all(artifact.manifest.get(key) == identity[key] for key in ("profile_id", "profile", "adapter")) and (
+    compiled = {"profile_id": artifact.profile_id, "profile": artifact.profile_record, "adapter": artifact.adapter}
+    return all(compiled[key] == identity[key] for key in compiled) and (
         artifact.base_weights.get("files") == identity["base_weights"]["files"])  # type: ignore[index]
 
 
