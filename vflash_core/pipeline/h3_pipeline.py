@@ -47,6 +47,7 @@ import numpy as np
 import PIL.Image
 import torch
 
+from ..engine.artifact import CompiledArtifact
 from ..engine.bundle import BundleHandoff, EncodedReference, build_keyframe_bundle, build_ref2va_bundle
 from ..engine.config import H3Config
 from ..engine.denoise import denoise_bytes
@@ -87,6 +88,7 @@ from ..media.vae_decode import DEFAULT_WINDOWS_PER_CALL
 from ..memory_plan import PLANNED_PICTURES, PLANNED_TEXT_ROWS, cap_bytes, plan_memory
 from ..profiles import Profile, check_identity, get_profile
 from ..progress import PreviewFn, StageProgress
+from ..tensor_store import file_sha256
 from .model_loading import MODEL_LOAD_LOCK
 from .options import RunOptions
 from .validation import (
@@ -248,9 +250,6 @@ def _resolve_profile(profile: object) -> Profile:
 def prepare_pipeline(profile: Profile | str, assets: str | Path, receipt: str | Path) -> PreparedAssets:
     """Validate a six-field assets file against `profile` and write the pipeline receipt (atomically, never over an
     existing file). Reads configs and manifests only; the adapter file is hashed once to bind it to the compile."""
-    from ..engine.artifact import CompiledArtifact
-    from ..tensor_store import file_sha256
-
     profile = _resolve_profile(profile)
     path_argument(receipt, "the receipt path")
     receipt = check_writable_destination(receipt)
@@ -525,8 +524,6 @@ class H3Pipeline:
             total = 2 + int(assets.record["transformer"]["num_layers"])
             report = progress or (lambda stage, done, total: None)
             loaded: list[TextConditioner | MediaVAEs] = []
-            from ..engine.artifact import CompiledArtifact
-
             compiled = CompiledArtifact(**assets.session_paths())
             if options.verify_weights:  # before anything loads: a corrupt compile costs no encoder load
                 compiled.verify()
