@@ -234,11 +234,11 @@ class WeightRing:
         self.device_weight_bytes = 2 * arena.item_bytes
         self._first_ready = False
         # (start, end) timing events of every copy, while a profiled request asks for them (`time_copies`).
-        self.copy_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
+        self._copy_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
 
     def time_copies(self, events: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None) -> None:
         """Append the (start, end) timing events of every copy from now on to `events`; None stops the timing."""
-        self.copy_events = events
+        self._copy_events = events
 
     def _issue_copy(self, index: int) -> None:
         s = index % 2
@@ -248,13 +248,13 @@ class WeightRing:
         with torch.cuda.stream(self.copy_stream):
             self.copy_stream.wait_event(self.compute_done[s])  # the item that last read this slot has finished
             timing = None
-            if self.copy_events is not None:
+            if self._copy_events is not None:
                 timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                 timing[0].record(self.copy_stream)
             self.slots[s].copy_(self.arena.spans[index], non_blocking=True)
             if timing is not None:
                 timing[1].record(self.copy_stream)
-                self.copy_events.append(timing)  # type: ignore[union-attr]
+                self._copy_events.append(timing)  # type: ignore[union-attr]
             self.copy_done[s].record(self.copy_stream)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
