@@ -24,12 +24,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import compiled_model, environment, full_width, median_ms, request, write_result  # noqa: E402
 
+from vflash_core.engine.artifact import CompiledArtifact  # noqa: E402
 from vflash_core.engine.attention import resolve_attention  # noqa: E402
 from vflash_core.engine.denoise import Denoiser  # noqa: E402
 from vflash_core.engine.fused import FusedOps  # noqa: E402
 from vflash_core.engine.profiler import StageTimer  # noqa: E402
 from vflash_core.engine.residency import BlockArena, BlockRing, ResidentBlocks  # noqa: E402
-from vflash_core.weights.artifact import CompiledArtifact  # noqa: E402
 
 STEP = 1
 GIB = 1 << 30

@@ -360,8 +360,8 @@ def first_use(run: Run, setup: Setup, rec: dict) -> None:
 
 
 def weight_io(setup: Setup, rec: dict) -> None:
-    from vflash_core.weights import weight_io as wio
-    from vflash_core.weights.artifact import CompiledArtifact
+    from vflash_core.engine import weight_io as wio
+    from vflash_core.engine.artifact import CompiledArtifact
 
     artifact = CompiledArtifact(**{k: v for k, v in zip(("artifact", "schedule_overlay", "auxiliary"), setup.session_paths().values())})
     sample = min(5, artifact.config.num_layers)
@@ -536,7 +536,7 @@ def diffusers_pipeline(root: Path, lora: Path, config: H3Config, profile, device
     record["component_bytes"] = sizes
     offload = None
     if device.startswith("cuda"):
-        from vflash_core.pipeline.memory_plan import denoise_bytes
+        from vflash_core.engine.denoise import denoise_bytes
 
         free = torch.cuda.mem_get_info(0)[0] + sum(p.numel() * p.element_size() for p in pipe.transformer.parameters())
         need = sum(sizes.values()) + denoise_bytes(config, largest_rows) + (12 << 30)
@@ -826,7 +826,7 @@ def main() -> None:
         with run.phase("diffusers", 420) as rec:
             if rec is not None:
                 from vflash_core import get_profile
-                from vflash_core.pipeline.memory_plan import largest_request_rows
+                from vflash_core.engine.layout import largest_request_rows
 
                 profile = get_profile(setup.profile)
                 root = setup.staged.model_root

@@ -48,12 +48,12 @@ from _common import (  # noqa: E402
 
 from vflash_core import get_profile  # noqa: E402
 from vflash_core.engine import fused  # noqa: E402
+from vflash_core.engine.artifact import CompiledArtifact  # noqa: E402
 from vflash_core.engine.attention import resolve_attention  # noqa: E402
 from vflash_core.engine.denoise import Denoiser  # noqa: E402
 from vflash_core.engine.fused import FusedOps  # noqa: E402
 from vflash_core.engine.profiler import StageTimer  # noqa: E402
 from vflash_core.engine.residency import ResidentBlocks  # noqa: E402
-from vflash_core.weights.artifact import CompiledArtifact  # noqa: E402
 
 STEP = 1
 

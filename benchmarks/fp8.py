@@ -60,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import compiled_model, environment, full_width, gpu_clocks, request, write_result  # noqa: E402
 
 from vflash_core.engine import fp8  # noqa: E402
+from vflash_core.engine.artifact import CompiledArtifact  # noqa: E402
 from vflash_core.engine.attention import resolve_attention  # noqa: E402
 from vflash_core.engine.config import H3Config  # noqa: E402
 from vflash_core.engine.denoise import Denoiser, RequestState  # noqa: E402
@@ -70,7 +71,6 @@ from vflash_core.engine.residency import ResidentBlocks  # noqa: E402
 from vflash_core.errors import VflashError  # noqa: E402
 from vflash_core.profiles import Profile, get_profile  # noqa: E402
 from vflash_core.weights import synthetic  # noqa: E402
-from vflash_core.weights.artifact import CompiledArtifact  # noqa: E402
 from vflash_core.weights.compiler import compile_receipt, prepare  # noqa: E402
 
 STEP = 1

@@ -4,7 +4,7 @@ the product targets), each run compared bit for bit with the same work uncapped,
     python benchmarks/memory_caps.py --work /root/e2e --shm /dev/shm/vflash [--caps 48 24 20] [--deadline-minutes 12] [--skip PHASE ...] [--small]
 
 One process on cuda:0, over the family `end_to_end.py` staged (the same `--work` and `--shm`; a step it has not done
-is staged the same way first). Under a cap every part is placed by the memory plan (`vflash_core.pipeline.memory_plan`),
+is staged the same way first). Under a cap every part is placed by the memory plan (`vflash_core.memory_plan`),
 planned against the cap and enforced through PyTorch's per-process memory fraction (`DeviceCap`); the uncapped twin is
 planned against the GPU's free memory. Phases, each recorded as soon as it ends, in the order 2, 4, 1, 3 (the encode
 while the text encoder's files are staged, then the whole pipeline, which may unlink them, then the rest):
@@ -143,16 +143,18 @@ def _canvas(name: str) -> tuple[int, int]:
 
 def _plan(parts: dict, profile, canvas_rules, device: torch.device, cap: float | None):
     """The memory plan of some parts alone (None on the CPU without a cap, as the pipeline does)."""
-    from vflash_core.pipeline.memory_plan import PartSizes, cap_bytes, largest_request, plan_memory
+    from vflash_core.memory_plan import PartSizes, cap_bytes, plan_memory
+    from vflash_core.pipeline.h3_pipeline import largest_request
 
     if device.type != "cuda" and cap is None:
         return None
-    return plan_memory(PartSizes.of(**parts), largest_request(profile, **parts, canvas=canvas_rules), [device], cap_bytes(cap))
+    sizes = sum((part.part_sizes() for part in parts.values()), PartSizes())
+    return plan_memory(sizes, largest_request(profile, **parts, canvas=canvas_rules), [device], cap_bytes(cap))
 
 
 def _cap(device: torch.device, cap: float | None):
     """The cap enforced on the device for a stage run without a session (released by the caller)."""
-    from vflash_core.pipeline.memory_plan import DeviceCap, cap_bytes
+    from vflash_core.memory_plan import DeviceCap, cap_bytes
 
     return DeviceCap(cap_bytes(cap), [device]) if cap is not None and device.type == "cuda" else None
 
@@ -168,9 +170,10 @@ def _refused(stages: Stages, stage: str, cap: float | None, canvas: str, seconds
 
 def denoise_phase(stages: Stages, caps: list[float | None], setup: Setup, sized_for: str, canvas: str, rec: dict) -> None:
     from vflash_core import get_profile
+    from vflash_core.engine.artifact import CompiledArtifact
     from vflash_core.engine.session import NativeEngineSession
-    from vflash_core.pipeline.memory_plan import PartSizes, cap_bytes, largest_request, plan_memory
-    from vflash_core.weights.artifact import CompiledArtifact
+    from vflash_core.memory_plan import cap_bytes, plan_memory
+    from vflash_core.pipeline.h3_pipeline import largest_request
 
     paths = setup.session_paths()
     artifact = CompiledArtifact(**paths)
@@ -180,7 +183,7 @@ def denoise_phase(stages: Stages, caps: list[float | None], setup: Setup, sized_
         try:
             plan = None
             if stages.device.type == "cuda" or cap is not None:
-                plan = plan_memory(PartSizes.of(artifact), largest_request(longest, artifact.config), [stages.device], cap_bytes(cap))
+                plan = plan_memory(artifact.part_sizes(), largest_request(longest, artifact.config), [stages.device], cap_bytes(cap))
             session = NativeEngineSession(setup.profile, **paths, device=stages.device, plan=plan)
         except REFUSALS as exc:
             for seconds in seconds_under(cap):
@@ -219,7 +222,7 @@ def encode_phase(stages: Stages, caps: list[float | None], root: Path, profile, 
         for cap in caps:
             plan = _plan({"conditioner": conditioner}, profile, rules, stages.device, cap)
             if plan is not None:
-                plan.place(conditioner)
+                conditioner.place(plan)
             enforced = _cap(stages.device, cap)
             try:
                 for mode, prompt, keyframes in (("t2va", PROMPT, []), ("i2va", I2VA_PROMPT, [frame])):
@@ -235,9 +238,8 @@ def encode_phase(stages: Stages, caps: list[float | None], root: Path, profile, 
 def decode_phase(stages: Stages, caps: list[float | None], root: Path, profile, canvas: str) -> None:
     from vflash_core.engine.layout import Geometry, audio_latent_count
     from vflash_core.media.references import CanvasRules
-    from vflash_core.media.vae import MediaVAEs
+    from vflash_core.media.vae import MediaVAEs, decode_bytes
     from vflash_core.media.vae_decode import DEFAULT_WINDOWS_PER_CALL
-    from vflash_core.pipeline.memory_plan import decode_bytes
 
     rules = CanvasRules.from_model_root(root)
     vaes = MediaVAEs.from_pretrained(root, stages.device)
@@ -252,7 +254,7 @@ def decode_phase(stages: Stages, caps: list[float | None], root: Path, profile, 
         for index, cap in enumerate(caps):
             plan = _plan({"vaes": vaes}, profile, rules, stages.device, cap)
             if plan is not None:
-                plan.place(vaes=vaes)
+                vaes.place(plan)
             if index == 0:
                 vaes.materialize()
             enforced = _cap(stages.device, cap)

@@ -57,7 +57,7 @@ class ComfyHost:
         mm.throw_exception_if_processing_interrupted()
 
     def preview(self, total: int, device: torch.device, channels: int) -> Callable[[int, int, torch.Tensor], None] | None:
-        """A per-evaluation callback (`vflash_core.engine.denoise.PreviewFn`) that draws the x0 prediction of video
+        """A per-evaluation callback (`vflash_core.progress.PreviewFn`) that draws the x0 prediction of video
         latents with `channels` channels with core's previewer for the user's preview method (`--preview-method`, or
         the prompt's) and sends it with the step's progress on a fresh progress bar, checking for an interrupt. None
         when the method is "none", or (said once in the log) when the running core has no `latent_preview` or no

@@ -87,7 +87,7 @@ _h3_file_cache: dict[tuple, bool] = {}
 
 def is_h3_transformer_file(path: str | Path) -> bool:
     """True when a .safetensors file's header names H3 transformer tensors (reads the header only, cached)."""
-    from vflash_core.weights.tensor_store import TensorStore
+    from vflash_core.tensor_store import TensorStore
 
     path = Path(path)
     key = path_identity(path)
@@ -364,9 +364,9 @@ def _progress(host: Host) -> Callable[[int, int], None]:
 def resolve_model(host: Host, spec: ModelSpec) -> tuple[Any, Path, Path, Path]:
     """The compiled transformer a spec runs, as `NativeEngineSession` takes it: (profile, artifact, schedule overlay,
     auxiliary tensors); on first use official weights are prepared and compiled. Raises `VflashError`."""
+    from vflash_core.engine.artifact import CompiledArtifact
     from vflash_core.pipeline.h3_pipeline import PreparedAssets
     from vflash_core.profiles import get_profile
-    from vflash_core.weights.artifact import CompiledArtifact
 
     def pick(recorded: str):
         if spec.profile not in ("auto", recorded):
@@ -462,7 +462,7 @@ def recorded_profile(model: str, path: str, profile: str):
 
         return PreparedAssets.load(path).profile
     if model.startswith("vflash/"):
-        from vflash_core.weights.artifact import CompiledArtifact
+        from vflash_core.engine.artifact import CompiledArtifact
 
         return get_profile(CompiledArtifact(*_compiled_paths(Path(path))).profile_id)
     return None

@@ -329,7 +329,7 @@ def _forged_bundle(folder: Path, manifest_changes: dict | None = None, tensor_ch
     from safetensors.torch import load_file, save_file
     from test_schedule_layout_bundle import _bundle
 
-    from vflash_core.weights.tensor_store import file_sha256
+    from vflash_core.tensor_store import file_sha256
 
     _bundle().save(folder)
     if tensor_changes is not None:
@@ -614,10 +614,10 @@ def test_compile_on_first_use_follows_the_file_never_a_stale_compile(models_fold
     import logging
     import os
 
+    from vflash_core.engine.artifact import CompiledArtifact
     from vflash_core.engine.config import H3Config
+    from vflash_core.tensor_store import file_sha256
     from vflash_core.weights import synthetic
-    from vflash_core.weights.artifact import CompiledArtifact
-    from vflash_core.weights.tensor_store import file_sha256
 
     weights = models_folder / "diffusion_models" / "h3.safetensors"
     compiled = models_folder / "vflash" / "compiled" / "h3-t2va-base4-exact-cpu"
@@ -713,10 +713,10 @@ def test_fifos_named_as_weights_configs_or_manifests_never_block(tmp_path, tiny_
     import os
     import shutil
 
+    from vflash_core.engine.artifact import CompiledArtifact
     from vflash_core.engine.config import H3Config
     from vflash_core.errors import WeightFileError
-    from vflash_core.weights.artifact import CompiledArtifact
-    from vflash_core.weights.tensor_store import TensorStore
+    from vflash_core.tensor_store import TensorStore
 
     fifo = tmp_path / "h3.safetensors"
     os.mkfifo(fifo)

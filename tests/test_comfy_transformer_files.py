@@ -14,10 +14,10 @@ from safetensors.torch import load_file, save_file
 
 from vflash_core import Geometry, NativeEngineSession, build_keyframe_bundle
 from vflash_core.engine import model as M
+from vflash_core.engine.artifact import CompiledArtifact
 from vflash_core.errors import IdentityMismatchError, WeightFileError
 from vflash_core.profiles import AdapterSpec
 from vflash_core.weights import synthetic
-from vflash_core.weights.artifact import CompiledArtifact
 from vflash_core.weights.checkpoint import SourceWeights
 
 HEIGHT, WIDTH, FRAMES = 64, 96, 124

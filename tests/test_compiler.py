@@ -11,10 +11,10 @@ import pytest
 from conftest import TINY, compile_tiny, cpu_profile
 
 from vflash_core import NativeEngineSession
+from vflash_core.engine.artifact import CompiledArtifact
 from vflash_core.errors import IdentityMismatchError, VflashError, WeightFileError
 from vflash_core.profiles import AdapterSpec
 from vflash_core.weights import synthetic
-from vflash_core.weights.artifact import CompiledArtifact
 from vflash_core.weights.compiler import compile_receipt, prepare
 
 

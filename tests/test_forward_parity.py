@@ -12,11 +12,11 @@ import torch
 from conftest import TINY, assert_bitwise, compile_tiny, diffusers_transformer
 
 from vflash_core import Geometry, build_keyframe_bundle
+from vflash_core.engine.artifact import CompiledArtifact
 from vflash_core.engine.denoise import Denoiser
 from vflash_core.engine.model import BlockOps, sdpa_attention
 from vflash_core.engine.residency import ResidentBlocks
 from vflash_core.weights import synthetic
-from vflash_core.weights.artifact import CompiledArtifact
 
 
 def _reference_forward(model, bundle, state_plan, video_rows, audio_rows):

@@ -17,6 +17,7 @@ from conftest import TINY, assert_bitwise, compile_tiny
 from test_schedule_layout_bundle import _bundle
 
 from vflash_core.engine import fp8
+from vflash_core.engine.artifact import CompiledArtifact
 from vflash_core.engine.denoise import Denoiser
 from vflash_core.engine.model import BlockOps, LayerWeights, RowScaledWeight, sdpa_attention
 from vflash_core.engine.profiler import NO_TIMER
@@ -25,7 +26,6 @@ from vflash_core.engine.session import NativeEngineSession
 from vflash_core.errors import IdentityMismatchError, VflashError
 from vflash_core.formats import ARTIFACT_FORMAT, ARTIFACT_FP8_FORMAT
 from vflash_core.profiles import PROFILES, get_profile
-from vflash_core.weights.artifact import CompiledArtifact
 
 FP8_CPU = "t2va-base4-fp8-cpu"
 CPU = torch.device("cpu")
@@ -175,7 +175,7 @@ import json, sys, torch
 sys.path.insert(0, sys.argv[1])
 from test_schedule_layout_bundle import _bundle
 from vflash_core.engine import fp8
-from vflash_core.weights.artifact import CompiledArtifact
+from vflash_core.engine.artifact import CompiledArtifact
 from vflash_core.engine.denoise import Denoiser
 from vflash_core.engine.model import sdpa_attention
 from vflash_core.engine.residency import ResidentBlocks

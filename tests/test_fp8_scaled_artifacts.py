@@ -14,9 +14,9 @@ from safetensors.torch import load_file, save_file
 
 from vflash_core import Geometry, NativeEngineSession, build_keyframe_bundle
 from vflash_core.engine import fp8
+from vflash_core.engine.artifact import CompiledArtifact
 from vflash_core.errors import IdentityMismatchError
 from vflash_core.weights import synthetic
-from vflash_core.weights.artifact import CompiledArtifact
 from vflash_core.weights.checkpoint import SourceWeights
 from vflash_core.weights.compiler import prepare
 

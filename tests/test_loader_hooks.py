@@ -13,12 +13,12 @@ import torch
 from conftest import assert_bitwise
 from test_schedule_layout_bundle import _bundle
 
+from vflash_core.engine.artifact import CompiledArtifact
 from vflash_core.engine.denoise import Denoiser
 from vflash_core.engine.model import LayerWeights
 from vflash_core.engine.residency import ResidentBlocks
 from vflash_core.engine.session import DenoiserLoad, NativeEngineSession
 from vflash_core.errors import VflashError
-from vflash_core.weights.artifact import CompiledArtifact
 
 PROFILE = "t2va-base4-exact-cpu"
 

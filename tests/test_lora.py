@@ -13,12 +13,12 @@ from conftest import TINY, assert_bitwise, compile_tiny, cpu_profile, diffusers_
 from safetensors.torch import save_file
 
 from vflash_core import Geometry, build_keyframe_bundle
+from vflash_core.engine.artifact import CompiledArtifact
 from vflash_core.engine.denoise import Denoiser
 from vflash_core.engine.model import BlockOps, sdpa_attention
 from vflash_core.engine.residency import ResidentBlocks
 from vflash_core.errors import IdentityMismatchError, WeightFileError
 from vflash_core.profiles import AdapterSpec
-from vflash_core.weights.artifact import CompiledArtifact
 from vflash_core.weights.lora import load_adapter
 
 H, INNER, F, TEMB = TINY.hidden_size, TINY.inner_dim, TINY.ffn_dim, TINY.time_embed_dim

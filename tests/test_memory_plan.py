@@ -13,15 +13,18 @@ from conftest import assert_bitwise
 from test_schedule_layout_bundle import _bundle
 
 from vflash_core import NativeEngineSession
+from vflash_core import memory_plan as MP
+from vflash_core.engine.artifact import CompiledArtifact
 from vflash_core.engine.config import H3Config
-from vflash_core.engine.layout import Geometry
+from vflash_core.engine.denoise import denoise_bytes
+from vflash_core.engine.layout import Geometry, largest_clip_frames, largest_request_rows, request_rows
 from vflash_core.errors import RequestError, RunFailedError, VflashError
 from vflash_core.fileio import GIB
-from vflash_core.pipeline import memory_plan as MP
+from vflash_core.media.conditioning import encode_bytes
+from vflash_core.media.vae import decode_bytes
 from vflash_core.pipeline.h3_pipeline import H3Pipeline, VideoRequest
 from vflash_core.pipeline.options import RunOptions
 from vflash_core.profiles import get_profile
-from vflash_core.weights.artifact import CompiledArtifact
 
 CUDA = [torch.device("cuda:0")]
 # The released sizes: 50 blocks of 0.72 GiB, the text encoder with layers 0..49 (51.5 GB), both VAEs.
@@ -55,7 +58,7 @@ def test_plan_prefers_speed_then_frugality(budget, expected):
 
 
 def test_plan_logs_one_line_with_sizes_and_choices(caplog):
-    with caplog.at_level("INFO", logger="vflash_core.pipeline.memory_plan"):
+    with caplog.at_level("INFO", logger="vflash_core.memory_plan"):
         plan = _plan(48, cap=48 * GIB)
     assert [r.getMessage() for r in caplog.records] == [plan.summary()]
     assert plan.summary() == (
@@ -115,23 +118,23 @@ def test_memory_estimates_of_each_part_at_the_released_sizes():
 
     config = H3Config.preset("h3")
     # the block body's live set at 1344x768 (38,222 rows at 5 s): about 5 GiB, in proportion to the rows
-    assert MP.denoise_bytes(config, 38_222) / GIB == pytest.approx(5.41, abs=0.01)
-    assert MP.denoise_bytes(config, 2 * 38_222) == pytest.approx(2 * MP.denoise_bytes(config, 38_222), rel=1e-6)
-    assert [MP.largest_clip_frames(get_profile(p)) for p in ("t2va-turbo4-exact-sm90", "i2va-base16-bf16-sm90", "t2va-base16-bf16-sm90")] == [124, 243, 345]
-    assert MP.largest_request_rows(get_profile("t2va-turbo4-exact-sm90"), config) == 38_222
+    assert denoise_bytes(config, 38_222) / GIB == pytest.approx(5.41, abs=0.01)
+    assert denoise_bytes(config, 2 * 38_222) == pytest.approx(2 * denoise_bytes(config, 38_222), rel=1e-6)
+    assert [largest_clip_frames(get_profile(p)) for p in ("t2va-turbo4-exact-sm90", "i2va-base16-bf16-sm90", "t2va-base16-bf16-sm90")] == [124, 243, 345]
+    assert largest_request_rows(get_profile("t2va-turbo4-exact-sm90"), config) == 38_222
 
     with torch.device("meta"):
         vae = AutoencoderKLMiniMaxH3()  # the released configuration, no memory
-    native = [MP.decode_bytes(vae, frames, 768, 1344, "native", 8) for frames in (124, 243, 345)]
-    diffusers = [MP.decode_bytes(vae, frames, 768, 1344, "diffusers", 8) for frames in (124, 243, 345)]
+    native = [decode_bytes(vae, frames, 768, 1344, "native", 8) for frames in (124, 243, 345)]
+    diffusers = [decode_bytes(vae, frames, 768, 1344, "diffusers", 8) for frames in (124, 243, 345)]
     assert native[0] == native[1] == native[2] < diffusers[0] < diffusers[1] < diffusers[2]  # one window vs the whole clip
     assert diffusers[2] / GIB == pytest.approx(14.6, abs=0.1)
 
     text = Qwen3VLTextConfig(hidden_size=5120, intermediate_size=25600, num_hidden_layers=50, num_attention_heads=64, num_key_value_heads=8, head_dim=128)
     vision = Qwen3VLVisionConfig(hidden_size=1152, intermediate_size=4304, out_hidden_size=5120)
     # every layer's hidden state is kept: about 0.9 MB per token at full size
-    assert MP.encode_bytes(text, vision, 1000, 0, 2) == pytest.approx(1000 * 2 * 1.25 * (51 * 5120 + 2 * 5120 + 4 * 25600))
-    assert MP.encode_bytes(text, vision, 512, 4032, 2) > MP.encode_bytes(text, vision, 512, 0, 2)
+    assert encode_bytes(text, vision, 1000, 0, 2) == pytest.approx(1000 * 2 * 1.25 * (51 * 5120 + 2 * 5120 + 4 * 25600))
+    assert encode_bytes(text, vision, 512, 4032, 2) > encode_bytes(text, vision, 512, 0, 2)
 
 
 def test_max_device_memory_option():
@@ -154,7 +157,7 @@ def no_margin(monkeypatch):
 
 
 def test_session_under_a_cap(tiny_compiled, no_margin):
-    sizes = MP.PartSizes.of(CompiledArtifact(**tiny_compiled))
+    sizes = CompiledArtifact(**tiny_compiled).part_sizes()
     ring_weights = 2 * sizes.core_block + sizes.core_auxiliary
     cap = (ring_weights + 64 * 1024) / GIB  # room for the ring and a small request's activations only
     with NativeEngineSession(PROFILE, **tiny_compiled, max_device_memory=cap) as session:
@@ -188,8 +191,8 @@ def test_pipeline_streams_the_encoder_and_refuses_before_anything_runs(h3_prepar
         pipe.load()
         sizes, config = pipe.session.plan.sizes, pipe.config
         encode = pipe.conditioner.encode_bytes(64, 0)
-        decode = MP.decode_bytes(pipe.vaes.video_vae, 124, 64, 96, "native", 8)
-    denoise = MP.denoise_bytes(config, MP.request_rows(config, Geometry(64, 96, 124), 64))
+        decode = decode_bytes(pipe.vaes.video_vae, 124, 64, 96, "native", 8)
+    denoise = denoise_bytes(config, request_rows(config, Geometry(64, 96, 124), 64))
     ring = 2 * sizes.core_block + sizes.core_auxiliary
     streamed = sizes.encoder - sizes.encoder_layers + 2 * sizes.encoder_layer
     # Room beside the block ring for this request's encode (its layers streamed) and denoise, not for its decode.

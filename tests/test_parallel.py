@@ -148,7 +148,7 @@ def wide_fp32(tmp_path_factory):
 
 
 def test_tensor_shards_reassemble_the_block(wide_compiled):
-    from vflash_core.weights.artifact import CompiledArtifact
+    from vflash_core.engine.artifact import CompiledArtifact
 
     artifact = CompiledArtifact(**wide_compiled)
     block = artifact.read_block(1).tensors

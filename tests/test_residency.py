@@ -15,7 +15,7 @@ from test_schedule_layout_bundle import _bundle
 
 from vflash_core import NativeEngineSession
 from vflash_core.engine import residency as R
-from vflash_core.weights.artifact import CompiledArtifact
+from vflash_core.engine.artifact import CompiledArtifact
 
 PROFILE = "t2va-base4-exact-cpu"
 

@@ -22,8 +22,8 @@ from vflash_core.engine.layout import (
     video_latent_frames,
     video_num_frames,
 )
-from vflash_core.engine.schedule import FixedSchedule, euler_step, flow_sigmas, row_timestep_plan
 from vflash_core.errors import BundleError, RequestError
+from vflash_core.schedule import FixedSchedule, euler_step, flow_sigmas, row_timestep_plan
 
 
 @pytest.mark.parametrize("points", [2, 5, 9, 17, 50])

@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from vflash_core.engine.weight_io import MANIFEST_NAME, SequentialWeights, prepare_sidecar
 from vflash_core.errors import IdentityMismatchError, VflashError, WeightFileError
 from vflash_core.fileio import OutputExistsError
-from vflash_core.weights.tensor_store import TensorStore, read_fully
-from vflash_core.weights.weight_io import MANIFEST_NAME, SequentialWeights, prepare_sidecar
+from vflash_core.tensor_store import TensorStore, read_fully
 
 # Small enough that the test file has several shards, a tensor larger than a shard, and tensors across chunks.
 SMALL = {"shard_bytes": 4096, "chunk_bytes": 1000}

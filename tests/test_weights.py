@@ -12,9 +12,9 @@ from conftest import TINY, assert_bitwise
 from safetensors.torch import save_file
 
 from vflash_core.errors import WeightFileError
+from vflash_core.tensor_store import ReadRequest, SafetensorsFile, TensorStore
 from vflash_core.weights import synthetic
 from vflash_core.weights.checkpoint import SourceWeights
-from vflash_core.weights.tensor_store import ReadRequest, SafetensorsFile, TensorStore
 
 
 @pytest.fixture()
@@ -161,7 +161,7 @@ def test_safetensors_writer_round_trips_and_hashes_what_it_wrote(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from vflash_core.weights.tensor_store import write_safetensors
+    from vflash_core.tensor_store import write_safetensors
 
     tensors = {
         "bf16": torch.randn(3, 5).to(torch.bfloat16), "f64": torch.randn(7, dtype=torch.float64), "scalar": torch.tensor(3),

@@ -11,6 +11,7 @@ Every name here is also importable from the module that defines it; the errors a
 models), so these imports stay eager.
 """
 
+from ._version import __version__ as __version__  # re-exported: the version is the root's attribute
 from .engine.bundle import BundleHandoff, ConditioningBundle, build_keyframe_bundle
 from .engine.config import H3Config
 from .engine.layout import Geometry
@@ -35,8 +36,6 @@ from .pipeline.h3_pipeline import (
 )
 from .pipeline.options import RunOptions
 from .profiles import PROFILES, Profile, get_profile
-
-__version__ = "0.1.0"
 
 __all__ = [
     "PROFILES",

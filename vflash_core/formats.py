@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import IdentityMismatchError, VflashError, describe_value, is_int, is_real
+from .errors import IdentityMismatchError, Number, VflashError, describe_value, is_int, is_real
 
 __all__ = [
-    "ARCH_FAMILIES", "ARCH_NAMES", "ARTIFACT_FORMAT", "ARTIFACT_FP8_FORMAT", "MISSING", "OVERLAY_FORMAT",
+    "ARCH_FAMILIES", "ARCH_NAMES", "ARTIFACT_FORMAT", "ARTIFACT_FP8_FORMAT", "GPU_INDEX", "MISSING", "OVERLAY_FORMAT",
     "PIPELINE_FORMAT", "WEIGHTS_RECEIPT_FORMAT", "Field", "arch_family", "capability_arch", "check_device",
     "check_fields", "device_arch", "field_problem", "gpu_device", "is_count", "is_file_name", "is_number", "is_object",
     "is_positive", "is_text", "list_of",
@@ -86,6 +86,9 @@ def arch_family(device: torch.device | str) -> ArchFamily | None:
 
 #: What an architecture tag means to a user.
 ARCH_NAMES = {"cpu": "the CPU", **{tag: family.name for tag, family in ARCH_FAMILIES.items()}}
+
+#: A CUDA device index on a command line (`--gpu`, `--peer-gpu`); whether this machine has it, `check_device`.
+GPU_INDEX = Number(int, 0)
 
 
 def gpu_device(gpu: int | None, default: str | None = "cpu") -> str | None:

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .engine.schedule import FixedSchedule
 from .errors import IdentityMismatchError, VflashError
 from .formats import ARCH_FAMILIES, ARCH_NAMES
+from .schedule import FixedSchedule
 
 __all__ = ["PROFILES", "AdapterSpec", "Profile", "check_identity", "get_profile"]
 

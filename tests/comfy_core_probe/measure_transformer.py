@@ -49,7 +49,7 @@ def write_files(work: Path, config) -> dict[str, Path]:
 
 
 def vflash_artifact(work: Path, name: str, path: Path, profile: str):
-    from vflash_core.weights.artifact import CompiledArtifact
+    from vflash_core.engine.artifact import CompiledArtifact
     from vflash_core.weights.compiler import compile_receipt, prepare
 
     receipt = work / f"{name}.receipt.json"

@@ -9,7 +9,7 @@ import json
 import os
 
 from ..errors import VflashError
-from ..pipeline.options import GPU_INDEX
+from ..formats import GPU_INDEX
 from .generate import StageBars
 
 __all__ = ["register"]

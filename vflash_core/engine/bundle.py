@@ -24,10 +24,10 @@ from safetensors.torch import save_file
 from ..errors import BundleError, VflashError
 from ..fileio import atomic_directory, path_argument, read_json
 from ..formats import Field, check_fields, is_count, is_positive
-from ..weights.tensor_store import TensorStore, file_sha256
+from ..schedule import KEYFRAME_NOISE_AUG, scale_noise
+from ..tensor_store import TensorStore, file_sha256
 from .config import NUM_MODALITIES, H3Config
 from .layout import AUDIO_CHANNELS, Geometry, PackedLayout, ReferenceBlock, keyframe_layout, patchify, ref2va_layout
-from .schedule import KEYFRAME_NOISE_AUG, scale_noise
 
 __all__ = [
     "MODE_VARIANT", "BundleHandoff", "ConditioningBundle", "EncodedReference", "build_keyframe_bundle",

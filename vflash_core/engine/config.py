@@ -16,7 +16,10 @@ from ..errors import VflashError, is_real
 from ..fileio import check_input_file
 from ..formats import is_positive
 
-__all__ = ["AUDIO_TAG", "NUM_MODALITIES", "PRESETS", "TEXT_ENCODER_LAYER", "TEXT_TAG", "VIDEO_TAG", "H3Config"]
+__all__ = [
+    "AUDIO_TAG", "NUM_MODALITIES", "PRESETS", "TEXT_ENCODER_LAYER", "TEXT_TAG", "VIDEO_TAG", "H3Config", "aux_shapes",
+    "block_shapes",
+]
 
 # Modality tags of the packed sequence; one AdaLN table row exists per (timestep, tag).
 VIDEO_TAG = 0
@@ -147,3 +150,44 @@ PRESETS: dict[str, dict[str, Any]] = {
         rope_freq_dim=4,
     ),
 }
+
+
+def block_shapes(config: H3Config, prefix: str, with_adaln: bool) -> dict[str, tuple[int, ...]]:
+    """Internal names and shapes of one main block (`blocks.{i}`) or refiner block (`refiner.{j}`)."""
+    h, inner, d, f = config.hidden_size, config.inner_dim, config.attention_head_dim, config.ffn_dim
+    shapes = {
+        f"{prefix}.norm1.weight": (h,),
+        f"{prefix}.attn.qkv.weight": (3 * inner, h),
+        f"{prefix}.attn.norm_q.weight": (d,),
+        f"{prefix}.attn.norm_k.weight": (d,),
+        f"{prefix}.attn.out.weight": (h, inner),
+        f"{prefix}.norm2.weight": (h,),
+        f"{prefix}.ffn.in.weight": (2 * f, h),
+        f"{prefix}.ffn.out.weight": (h, f),
+    }
+    if with_adaln:
+        shapes[f"{prefix}.adaln.weight"] = (18 * h, config.time_embed_dim)
+        shapes[f"{prefix}.adaln.bias"] = (18 * h,)
+    return shapes
+
+
+def aux_shapes(config: H3Config) -> dict[str, tuple[int, ...]]:
+    """Internal names and shapes of every tensor outside the main blocks and refiner blocks."""
+    h, t = config.hidden_size, config.time_embed_dim
+    linear = {
+        "proj_in": (h, config.video_patch_dim),
+        "audio_proj_in": (h, config.audio_in_channels),
+        "context_embedder": (h, config.text_dim),
+        "time_embedder.linear_1": (config.time_embed_hidden_dim, config.freq_dim),
+        "time_embedder.linear_2": (t, config.time_embed_hidden_dim),
+        "norm_out.linear": (2 * h, t),
+        "proj_out": (config.video_patch_dim, h),
+        "audio_proj_out": (config.audio_in_channels, h),
+    }
+    shapes = {}
+    for name, (out_f, in_f) in linear.items():
+        shapes[f"{name}.weight"] = (out_f, in_f)
+        shapes[f"{name}.bias"] = (out_f,)
+    shapes["norm_out.norm.weight"] = (h,)
+    shapes["refiner.final_norm.weight"] = (h,)
+    return shapes

@@ -17,27 +17,17 @@ from dataclasses import dataclass
 
 import torch
 
-from ..weights.artifact import CompiledArtifact, StepTables
+from ..progress import PreviewFn, ProgressFn
+from ..schedule import euler_step, flow_denoised, row_timestep_plan
 from . import model as M
+from .artifact import CompiledArtifact, StepTables
 from .bundle import ConditioningBundle
+from .config import H3Config
 from .layout import audio_rows_to_latents, unpatchify
 from .profiler import NO_TIMER, StageTimer
 from .residency import BlockSource, device_loras
-from .schedule import euler_step, flow_denoised, row_timestep_plan
 
-__all__ = ["DenoiseOutput", "Denoiser", "PreviewFn", "ProgressFn", "RequestState", "StageProgress"]
-
-# The two progress callbacks of Vflash: within one stage, progress(done, total) (here: evaluations of a trajectory);
-# across stages, progress(stage, done, total) (the compiler's hash / verify / compile, the pipeline's load / encode /
-# denoise / decode / write). Either may raise to abandon the call.
-ProgressFn = Callable[[int, int], None]
-StageProgress = Callable[[str, int, int], None]
-# A live preview: preview(done, total, video) after every evaluation, beside or instead of the progress callback (a
-# front end that draws the image with its progress, as ComfyUI does, passes only this). `video` is that evaluation's
-# prediction of the clean video latents (x0, as the scheduler forms it): (1, C, F, h, w) fp32 on the denoiser's
-# device, the generated frames only; a tensor of its own, which the loop never reads again, so reading it (or even
-# writing it) leaves the trajectory bitwise unchanged. It may raise to abandon the call.
-PreviewFn = Callable[[int, int, torch.Tensor], None]
+__all__ = ["DenoiseOutput", "Denoiser", "RequestState", "denoise_bytes"]
 
 
 @dataclass
@@ -226,3 +216,20 @@ class Denoiser:
     def close(self) -> None:
         self.blocks.close()
         self.aux, self.refiner, self.aux_loras = {}, [], {}
+
+
+# -- memory ---------------------------------------------------------------------------------------------------------
+
+
+def denoise_bytes(config: H3Config, rows: int) -> int:
+    """Upper estimate of one evaluation's transient device memory at `rows` packed rows (bf16 blocks).
+
+    Per row, the main block's largest live set with the reference operations (the fused ones hold less): the residual
+    stream and the normalised input (2H), plus either the attention's fused QKV (3I, kept by v), q and k normalised
+    (2I) and rotated (2I) and its output (I), or the FFN's [value; gate] projection (2F), SiLU (F) and product (F);
+    plus 2 KiB of request state (rotary cos/sin, fp32 latent rows and velocities, each evaluation's row indices); with
+    a 10 % allowance for the allocator and the attention kernel's workspace.
+    """
+    h, i, f = config.hidden_size, config.inner_dim, config.ffn_dim
+    per_row = 2 * (2 * h + max(8 * i, 4 * f)) + 2048
+    return int(rows * per_row * 1.1)

@@ -8,7 +8,10 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-__all__ = ["SerialDeviceOwner", "module_tensors", "point_module_at", "release_device_memory", "release_host_memory"]
+__all__ = [
+    "SerialDeviceOwner", "module_bytes", "module_tensors", "point_module_at", "release_device_memory",
+    "release_host_memory",
+]
 
 
 def release_device_memory(device: torch.device) -> None:
@@ -30,6 +33,11 @@ def release_host_memory() -> None:
 def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter's and buffer's current tensor, by qualified name (tied parameters once)."""
     return {**{name: p.data for name, p in module.named_parameters()}, **dict(module.named_buffers())}
+
+
+def module_bytes(module: torch.nn.Module) -> int:
+    """Bytes of a module's parameters and buffers (tied parameters once)."""
+    return sum(t.numel() * t.element_size() for t in module_tensors(module).values())
 
 
 def point_module_at(module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:

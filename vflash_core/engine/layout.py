@@ -13,14 +13,16 @@ import numpy as np
 import torch
 
 from ..errors import RequestError
-from .config import AUDIO_TAG, VIDEO_TAG
+from ..memory_plan import PLANNED_TEXT_ROWS
+from ..profiles import Profile
+from .config import AUDIO_TAG, VIDEO_TAG, H3Config
 
 __all__ = [
     "AUDIO_CHANNELS", "FPS", "MAX_ASPECT_RATIO", "MAX_DURATION_SECONDS", "MIN_ASPECT_RATIO", "MIN_DURATION_SECONDS",
     "VAE_FRAMES_PER_CHUNK", "VAE_LATENTS_PER_CHUNK", "VAE_SPATIAL_RATIO", "Geometry", "PackedLayout", "ReferenceBlock",
     "align_num_frames", "align_num_frames_down", "audio_latent_count", "audio_rows_to_latents", "check_canvas",
-    "frames_for_duration", "keyframe_layout", "patchify", "ref2va_layout", "resolve_canvas_size", "unpatchify",
-    "video_latent_frames", "video_num_frames",
+    "frames_for_duration", "keyframe_layout", "largest_clip_frames", "largest_request_rows", "patchify", "ref2va_layout",
+    "request_rows", "resolve_canvas_size", "unpatchify", "video_latent_frames", "video_num_frames",
 ]
 
 FPS = 24
@@ -190,6 +192,23 @@ class Geometry:
 
     def rows_per_frame(self, patch_size: tuple[int, int, int]) -> int:
         return (self.latent_height // patch_size[1]) * (self.latent_width // patch_size[2])
+
+
+def request_rows(config: H3Config, geometry: Geometry, text_rows: int) -> int:
+    """Packed rows of a t2va request: text, both audio channels' latents, every latent frame's patches."""
+    return text_rows + 2 * audio_latent_count(geometry.num_frames) + geometry.num_latent_frames * geometry.rows_per_frame(config.patch_size)
+
+
+def largest_clip_frames(profile: Profile) -> int:
+    """The longest clip a profile accepts, in frames of the form 17 n + 5."""
+    return align_num_frames_down(int(profile.max_seconds * FPS + 1e-6))
+
+
+def largest_request_rows(profile: Profile, config: H3Config, canvas: tuple[int, int] | None = None) -> int:
+    """Packed rows of the profile's longest clip on a (height, width) canvas, by default the released model's 16:9 one
+    (`resolve_canvas_size`'s defaults are its rules), with the memory plan's planned text rows."""
+    height, width = resolve_canvas_size(16, 9) if canvas is None else canvas
+    return request_rows(config, Geometry(height, width, largest_clip_frames(profile)), PLANNED_TEXT_ROWS)
 
 
 @dataclass(frozen=True)

@@ -166,6 +166,10 @@ class SequenceHeadAttention:
         self.pack = pack  # (x (S_r, heads, D) strided, out (P, S_r, Hp, D)) -> out
         self.merge = merge  # (received (P, S_r, Hp, D), out (S_r, heads, D)) -> out
 
+    def assign_rows(self, rows: list[tuple[int, int]]) -> None:
+        """Every rank's [start, stop) rows of the next request's packed sequence (one range per rank, in rank order)."""
+        self.rows = rows
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         p, hp = self.size, self.heads_per_rank
         s_r = q.shape[1]

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import VflashError
-from ..weights.artifact import CompiledArtifact
-from ..weights.tensor_store import TensorStore
+from ..tensor_store import TensorStore
+from .artifact import CompiledArtifact
 from .device_owner import module_tensors, point_module_at
 from .model import LayerWeights, LoraResidual
 
@@ -108,7 +108,7 @@ class LoadedBlocks(_DeviceBlocks):
                 raise VflashError(f"block_loader: block {index} is a {type(block).__name__}, not a vflash_core.engine.model.LayerWeights")
             if set(block.tensors) != set(names):
                 raise VflashError(f"block_loader: block {index} holds {sorted(block.tensors)}; the artifact's blocks hold {sorted(names)}")
-            store = TensorStore(artifact.artifact_dir / artifact.manifest["blocks"][index]["file"])  # its header only
+            store = TensorStore(artifact.block_file(index))  # its header only
             for name in names:
                 tensor, info = block.tensors[name], store.info(name)
                 if tuple(tensor.shape) != tuple(info.shape) or tensor.dtype != info.dtype or tensor.device != device:
@@ -116,7 +116,7 @@ class LoadedBlocks(_DeviceBlocks):
                         f"block_loader: block {index} {name} is {tensor.dtype} {list(tensor.shape)} on {tensor.device}; "
                         f"the artifact's is {info.dtype} {list(info.shape)}, wanted on {device}"
                     )
-            expected = {record["linear"] for record in artifact.manifest["blocks"][index]["lora"]}
+            expected = artifact.block_lora_linears(index)
             if set(block.loras) != expected:
                 raise VflashError(f"block_loader: block {index} has LoRA residuals on {sorted(block.loras)}; the artifact's on {sorted(expected)}")
         super().__init__(blocks)
@@ -146,7 +146,7 @@ def pack_layout(tensors: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]) -> 
 def block_layout(artifact: CompiledArtifact, shard: TensorShard | None = None) -> tuple[list[_Slot], int]:
     """Byte layout shared by every main block (same names, shapes and dtypes), or by every block's shard; an FP8
     artifact's codes take one byte per weight and their row scales sit beside them."""
-    store = TensorStore(artifact.artifact_dir / artifact.manifest["blocks"][0]["file"])
+    store = TensorStore(artifact.block_file(0))
     infos = {name: store.info(name) for name in artifact.block_tensors()}
     return pack_layout((name, i.dtype, i.shape if shard is None else shard.shape(name, i.shape)) for name, i in infos.items())
 
@@ -233,8 +233,12 @@ class WeightRing:
             self.compute_done = [torch.cuda.Event() for _ in range(2)]
         self.device_weight_bytes = 2 * arena.item_bytes
         self._first_ready = False
-        # Set by the profiler: (start, end) timing events of every copy.
-        self.copy_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
+        # (start, end) timing events of every copy, while a profiled request asks for them (`time_copies`).
+        self._copy_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
+
+    def time_copies(self, events: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None) -> None:
+        """Append the (start, end) timing events of every copy from now on to `events`; None stops the timing."""
+        self._copy_events = events
 
     def _issue_copy(self, index: int) -> None:
         s = index % 2
@@ -244,13 +248,13 @@ class WeightRing:
         with torch.cuda.stream(self.copy_stream):
             self.copy_stream.wait_event(self.compute_done[s])  # the item that last read this slot has finished
             timing = None
-            if self.copy_events is not None:
+            if self._copy_events is not None:
                 timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                 timing[0].record(self.copy_stream)
             self.slots[s].copy_(self.arena.spans[index], non_blocking=True)
             if timing is not None:
                 timing[1].record(self.copy_stream)
-                self.copy_events.append(timing)  # type: ignore[union-attr]
+                self._copy_events.append(timing)  # type: ignore[union-attr]
             self.copy_done[s].record(self.copy_stream)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:

@@ -44,25 +44,18 @@ from ..errors import (
 )
 from ..fileio import GIB, atomic_file, check_writable_destination, path_argument
 from ..formats import check_device, device_arch
-from ..pipeline.memory_plan import (
-    DeviceCap,
-    MemoryPlan,
-    PartSizes,
-    cap_bytes,
-    denoise_bytes,
-    largest_request,
-    plan_memory,
-)
+from ..memory_plan import DeviceCap, MemoryPlan, cap_bytes, plan_memory
 from ..profiles import Profile, get_profile
-from ..weights.artifact import CompiledArtifact
+from ..progress import PreviewFn, ProgressFn
+from .artifact import CompiledArtifact
 from .attention import resolve_attention
 from .bundle import MODE_VARIANT, BundleHandoff, ConditioningBundle
 from .config import H3Config
-from .denoise import DenoiseOutput, Denoiser, PreviewFn, ProgressFn
+from .denoise import DenoiseOutput, Denoiser, denoise_bytes
 from .device_owner import release_host_memory
 from .fp8 import FusedRowFP8Ops, RowFP8Execution, RowFP8Ops
 from .fused import FusedOps
-from .layout import FPS
+from .layout import FPS, largest_request_rows
 from .model import AttentionFn, BlockOps, LayerWeights
 from .parallel import (
     LocalGroup,
@@ -213,8 +206,8 @@ class NativeEngineSession:
         self.execution = ("fused" if self.device.type == "cuda" else "reference") if execution == "auto" else execution
         if plan is None and (self.device.type == "cuda" or max_device_memory is not None):  # else CPU, no cap: resident blocks
             # this session's own plan, for the core alone: its blocks and the profile's largest request
-            largest = largest_request(self.profile, config)
-            plan = plan_memory(PartSizes.of(self.compiled), largest, self.devices, cap, weight_residency)
+            largest = {"denoise": denoise_bytes(config, largest_request_rows(self.profile, config))}
+            plan = plan_memory(self.compiled.part_sizes(), largest, self.devices, cap, weight_residency)
         elif plan is not None and weight_residency not in ("auto", plan.placement.core):
             raise VflashError(f"weight_residency={weight_residency!r} disagrees with the memory plan's {plan.placement.core!r}")
         self.plan = plan
@@ -282,7 +275,7 @@ class NativeEngineSession:
         execution.check_device(device)
         if not fused:
             return RowFP8Ops(config, attention, execution)
-        keep_values = any(record["lora"] for record in self.compiled.manifest["blocks"])  # LoRA branches read BF16 inputs
+        keep_values = self.compiled.blocks_carry_lora  # LoRA branches read BF16 inputs
         return FusedRowFP8Ops(config, attention, execution, keep_values)
 
     # -- memory -------------------------------------------------------------------------------------------------
@@ -370,7 +363,7 @@ class NativeEngineSession:
 
         `progress(done, total)` runs after every evaluation and `between_blocks()` between blocks (with several GPUs,
         at the next evaluation boundary); `preview(done, total, video)` after every evaluation too, with that
-        evaluation's x0 prediction of the video latents on the first device (`denoise.PreviewFn`: it only reads a copy,
+        evaluation's x0 prediction of the video latents on the first device (`progress.PreviewFn`: it only reads a copy,
         so the latents are bitwise those of a run without it). An exception these raise aborts the request and leaves
         the session usable.
         With `output_latents`, the latents are also written there atomically, inside the timed region. With
@@ -401,7 +394,7 @@ class NativeEngineSession:
         timers = [StageTimer(dev, profile_denoise) for dev in self.devices]
         for den, timer in zip(self._denoisers, timers):
             if isinstance(den.blocks, BlockRing):
-                den.blocks.copy_events = timer.copy_events if profile_denoise else None
+                den.blocks.time_copies(timer.copy_events if profile_denoise else None)
         start = time.perf_counter()
         try:
             if self._group is None:
@@ -461,7 +454,7 @@ class NativeEngineSession:
         if self.strategy == "sequence-head":
             rows = split_rows(total, len(self.devices))
             for den in self._denoisers:
-                den.ops.attention.rows = rows
+                den.ops.attention.assign_rows(rows)
         else:  # tensor: every rank holds every row
             rows = [(0, total)] * len(self.devices)
         stop: list[BaseException] = []

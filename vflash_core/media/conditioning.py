@@ -39,26 +39,28 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from ..engine.config import TEXT_ENCODER_LAYER, TEXT_TAG, VIDEO_TAG
-from ..engine.device_owner import SerialDeviceOwner, point_module_at, release_device_memory, release_host_memory
+from ..engine.device_owner import (
+    SerialDeviceOwner,
+    module_bytes,
+    point_module_at,
+    release_device_memory,
+    release_host_memory,
+)
 from ..engine.layout import FPS
 from ..engine.residency import ModuleRing
 from ..errors import RequestError, VflashError
-from ..pipeline.memory_plan import encode_bytes
+from ..memory_plan import MemoryPlan, PartSizes
 from .references import CanvasRules
 
 __all__ = [
-    "TEXT_ENCODER_LAYER", "TextConditioner", "TextConditioning", "TextEncoderLoader", "default_dtype",
+    "TEXT_ENCODER_LAYER", "TextConditioner", "TextConditioning", "TextEncoderLoader", "default_dtype", "encode_bytes",
     "sample_video_frames",
 ]
-
-if TYPE_CHECKING:
-    from ..pipeline.memory_plan import MemoryPlan
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +112,26 @@ def sample_video_frames(frames: np.ndarray, temporal_patch: int, fps: float = FP
     stamps += [stamps[-1]] * (-len(stamps) % temporal_patch)
     groups = [(stamps[i] + stamps[i + temporal_patch - 1]) / 2 for i in range(0, len(stamps), temporal_patch)]
     return [frames[i] for i in indices], groups
+
+
+def encode_bytes(text_config, vision_config, tokens: int, patches: int, itemsize: int) -> int:
+    """Upper estimate of one text encode's transient device memory: `tokens` presentation tokens, `patches` vision
+    patches (before merging), `itemsize` bytes per element of the encoder's dtype.
+
+    Per token: every layer's hidden state, kept for `hidden_states[50]` (layers + 1 rows of the hidden width), the
+    residual and normalised streams, and the larger of a layer's MLP (gate, up, SiLU and product: 4 x intermediate)
+    and its attention (q, k, v with their normalised and rotated copies and the output). Per patch: the vision
+    block's stream and normalised input, the larger of its attention (QKV, output, one more) and its MLP (projection
+    and activation), and the merger's four outputs (the final one and the deepstack taps) at the text width, counted
+    per patch as an upper bound. A 25 % allowance.
+    """
+    hidden, inter = text_config.hidden_size, text_config.intermediate_size
+    q = text_config.num_attention_heads * text_config.head_dim
+    kv = text_config.num_key_value_heads * text_config.head_dim
+    per_token = (text_config.num_hidden_layers + 1) * hidden + 2 * hidden + max(4 * inter, 4 * q + 6 * kv + hidden)
+    width, vision_inter = vision_config.hidden_size, vision_config.intermediate_size
+    per_patch = 2 * width + max(5 * width, 2 * vision_inter) + 4 * vision_config.out_hidden_size
+    return int((tokens * per_token + patches * per_patch) * itemsize * 1.25)
 
 
 def _base_model(text_encoder: torch.nn.Module) -> torch.nn.Module:
@@ -200,7 +222,7 @@ class TextConditioner(SerialDeviceOwner):
         self.device = torch.device(device)
         self.canvas = canvas or CanvasRules()
         self.layer_ring: ModuleRing | None = None
-        self.memory_plan: MemoryPlan | None = None  # set by `MemoryPlan.place`: encodes are checked against it
+        self.memory_plan: MemoryPlan | None = None  # set by `place`: encodes are checked against it
         config = text_encoder.config
         self._ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in (("start", "<|vision_start|>"), ("end", "<|vision_end|>"), ("image", "<|image_pad|>"), ("video", "<|video_pad|>"))}
         if (self._ids["image"], self._ids["video"]) != (config.image_token_id, config.video_token_id):
@@ -279,6 +301,20 @@ class TextConditioner(SerialDeviceOwner):
         """Transient device bytes of one encode of `tokens` presentation tokens with `patches` vision patches."""
         config = self.text_encoder.config
         return encode_bytes(config.text_config, config.vision_config, tokens, patches, self.text_encoder.dtype.itemsize)
+
+    def part_sizes(self) -> PartSizes:
+        """The memory plan's sizes of this encoder: the whole as loaded, its decoder layers (what streams) and the
+        largest of them (one ring slot)."""
+        layers = [module_bytes(layer) for layer in self.decoder_layers()]
+        return PartSizes(encoder=module_bytes(self.text_encoder), encoder_layers=sum(layers), encoder_layer=max(layers))
+
+    def place(self, plan: MemoryPlan) -> None:
+        """Take the plan's placement of the encoder (before the weights are read: see `materialize`); each encode is
+        checked against the plan from now on."""
+        self.keep_on_device = plan.placement.encoder == "resident"
+        if plan.placement.encoder == "stream":
+            self.stream_layers()
+        self.memory_plan = plan
 
     # -- presentation -------------------------------------------------------------------------------------------------
 

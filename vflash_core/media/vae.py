@@ -33,14 +33,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..engine.device_owner import SerialDeviceOwner, release_device_memory, release_host_memory
-from ..engine.layout import AUDIO_CHANNELS, FPS
+from ..engine.device_owner import SerialDeviceOwner, module_bytes, release_device_memory, release_host_memory
+from ..engine.layout import AUDIO_CHANNELS, FPS, video_latent_frames
 from ..errors import VflashError
+from ..memory_plan import MemoryPlan, PartSizes
 from .conditioning import default_dtype
-from .vae_decode import NativeVideoDecoder
+from .vae_decode import CALLS_IN_FLIGHT_PER_DEVICE, DecodeGeometry, NativeVideoDecoder
 
 __all__ = [
-    "PIXEL_MEAN", "PIXEL_STD", "DecodedMedia", "FrameSink", "MediaVAEs", "calling_between_blocks", "decode_latents",
+    "PIXEL_MEAN", "PIXEL_STD", "DecodedMedia", "FrameSink", "MediaVAEs", "calling_between_blocks", "decode_bytes",
+    "decode_latents",
 ]
 
 logger = logging.getLogger(__name__)
@@ -52,6 +54,43 @@ CONDITION_ENCODE_SEED = 42
 VIDEO_DECODERS = ("diffusers", "native")
 # sink(start, frames): frames `start ..` of the clip, (f, H, W, 3) float32 in [0, 1] on the decoding device, in order.
 FrameSink = Callable[[int, torch.Tensor], None]
+
+
+def decode_bytes(video_vae, num_frames: int, height: int, width: int, decoder: str, windows_per_call: int) -> int:
+    """Upper estimate of the video decode's transient device memory for a clip of `num_frames` at `height` x `width`.
+
+    One tile-window (a spatial tile of one temporal window) is a ViT sequence of D-wide tokens, one per latent voxel:
+    per token the fp32 residual stream in and out (8D), the normalised input (2D) and the larger of the attention (q, k,
+    v, their fp32 norms, rotated copies and output: 20D) and the SwiGLU (projection, SiLU, product: 8 x inner). Its
+    pixels take 3 channels x 4 bytes per output pixel. Both decoders hold a window's tiles and its stitched clip
+    (twice, while it is concatenated). `diffusers` decodes one tile-window at a time but keeps the whole video on the
+    device, then maps it to [0, 1] in fp32 (12 bytes per channel and pixel at the peak); `native` runs
+    `windows_per_call` tile-windows per call (at most the clip's) with the outputs of the calls in flight, and copies
+    each window's frames to the host. A 10 % allowance.
+
+    With a peer device the native decode splits its calls between the two devices. The first device's transient is
+    then no larger (its own calls, one window, and the peer's tiles arriving one call at a time from host memory); the
+    peer holds a replica of the decoder's weights (part of the VAEs' bytes the first device holds) and its own calls
+    in flight, both below the first device's share, and a plan's budget is the least over its devices, so this one
+    estimate bounds the peer's decode as well.
+    """
+    config = video_vae.config
+    geometry = DecodeGeometry.from_vae(video_vae)
+    plan = geometry.plan(video_latent_frames(num_frames), height // geometry.spatial_ratio, width // geometry.spatial_ratio)
+    d = config.decoder_num_attention_heads * config.decoder_attention_head_dim
+    tokens = plan.window_latents * plan.tile_height * plan.tile_width + config.decoder_num_register_tokens + 1
+    vit = tokens * (10 * d + max(20 * d, 8 * config.decoder_ffn_mult * d))
+    window_frames = plan.window_latents * geometry.temporal_ratio
+    tile = 3 * window_frames * plan.tile_height * plan.tile_width * geometry.spatial_ratio**2 * 4
+    clip = 3 * window_frames * height * width * 4
+    window = plan.tiles_per_window * tile + 2 * clip
+    if decoder == "diffusers":
+        total = vit + window + 12 * 3 * plan.output_frames * height * width
+    else:
+        per_call = min(windows_per_call, len(plan.tile_windows()))
+        in_flight = min((CALLS_IN_FLIGHT_PER_DEVICE + 1) * per_call, len(plan.tile_windows()))
+        total = per_call * vit + in_flight * tile + window
+    return int(total * 1.1)
 
 
 @dataclass
@@ -130,6 +169,15 @@ class MediaVAEs(SerialDeviceOwner):
 
     def device_modules(self) -> list[torch.nn.Module]:
         return [self.video_vae, self.audio_vae]
+
+    def part_sizes(self) -> PartSizes:
+        """The memory plan's size of the VAEs: both, as loaded."""
+        return PartSizes(vaes=module_bytes(self.video_vae) + module_bytes(self.audio_vae))
+
+    def place(self, plan: MemoryPlan) -> None:
+        """Take the plan's placement of the VAEs and its video decoder (before the weights are read: `materialize`)."""
+        self.keep_on_device = plan.placement.vaes == "resident"
+        self.video_decoder = plan.placement.video_decoder
 
     def close(self) -> None:
         self.video_vae = self.audio_vae = None

@@ -20,6 +20,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from .._version import __version__
 from ..errors import VflashError
 from ..fileio import OutputExistsError, check_writable_destination, temporary, write_errors
 from ..weights.family import DEMO_FAMILY, build_model_family
@@ -45,7 +46,6 @@ def default_cache_dir() -> Path:
 
 def _family_key() -> str:
     """Changes whenever what the demo builds changes, so an old cache is never reused for a new family."""
-    from .. import __version__
     from ..engine.config import PRESETS
 
     spec = {"family": asdict(DEMO_FAMILY), "transformer": PRESETS[DEMO_FAMILY.transformer], "profile": DEMO_PROFILE, "version": __version__}

@@ -47,9 +47,10 @@ import numpy as np
 import PIL.Image
 import torch
 
+from ..engine.artifact import CompiledArtifact
 from ..engine.bundle import BundleHandoff, EncodedReference, build_keyframe_bundle, build_ref2va_bundle
 from ..engine.config import H3Config
-from ..engine.denoise import PreviewFn, StageProgress
+from ..engine.denoise import denoise_bytes
 from ..engine.layout import (
     FPS,
     VAE_FRAMES_PER_CHUNK,
@@ -57,6 +58,9 @@ from ..engine.layout import (
     VAE_SPATIAL_RATIO,
     Geometry,
     align_num_frames_down,
+    largest_clip_frames,
+    largest_request_rows,
+    request_rows,
     video_num_frames,
 )
 from ..engine.session import (
@@ -69,7 +73,6 @@ from ..engine.session import (
 )
 from ..errors import (
     IdentityMismatchError,
-    Number,
     RequestError,
     RunFailedError,
     SessionClosedError,
@@ -82,37 +85,26 @@ from ..formats import PIPELINE_FORMAT, Field, check_fields, is_object, is_positi
 from ..media.conditioning import TEXT_ENCODER_LAYER, TextConditioner, TextEncoderLoader
 from ..media.mp4 import mp4_stream, write_mp4
 from ..media.references import CanvasRules, fit_keyframes, load_image, load_reference, normalize_references
-from ..media.vae import DecodedMedia, MediaVAEs, decode_latents
+from ..media.vae import DecodedMedia, MediaVAEs, decode_bytes, decode_latents
 from ..media.vae_decode import DEFAULT_WINDOWS_PER_CALL
+from ..memory_plan import PLANNED_PICTURES, PLANNED_TEXT_ROWS, cap_bytes, plan_memory
 from ..profiles import Profile, check_identity, get_profile
-from .memory_plan import (
-    PartSizes,
-    cap_bytes,
-    decode_bytes,
-    denoise_bytes,
-    largest_request,
-    plan_memory,
-    request_rows,
-)
+from ..progress import PreviewFn, StageProgress
+from ..tensor_store import file_sha256
 from .model_loading import MODEL_LOAD_LOCK
 from .options import RunOptions
 from .validation import (
-    ANCHORS,
-    PIXELS,
-    SECONDS,
-    MediaInput,
     PromptBudget,
     RequestPlan,
+    VideoRequest,
     check_generate_arguments,
-    media_input,
-    media_inputs,
     plan_request,
-    request_mode,
 )
 
 __all__ = [
     "ASSET_FIELDS", "EncodedRequest", "H3Pipeline", "PreparedAssets", "RequestCancelled", "VideoRequest", "VideoResult",
-    "build_request_bundle", "delivered_soundtrack", "encode_request", "plan_request", "prepare_pipeline",
+    "build_request_bundle", "delivered_soundtrack", "encode_request", "largest_request", "plan_request",
+    "prepare_pipeline",
 ]
 
 logger = logging.getLogger(__name__)
@@ -129,51 +121,7 @@ class RequestCancelled(RunFailedError):
     """Raised when a request is aborted through its `cancel` callable (the pipeline is closed)."""
 
 
-# -- requests and results ------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class VideoRequest:
-    """One generation. `first_frame` / `last_frame` make i2va, l2va or fl2va; `references` (image, video or audio
-    files by extension, or PIL images, in the order the prompt's labels number them; one path or image, or a list or
-    tuple of them) make ref2va; neither is t2va. `width` / `height` (multiples of 32, both or neither) default to the
-    model's canvas for the mode.
-
-    Field types are checked when the request is built (a wrong type raises `RequestError` naming the field); values
-    are checked against a model and a profile by `H3Pipeline.validate` (`validation.plan_request`)."""
-
-    prompt: str
-    first_frame: MediaInput | None = None
-    last_frame: MediaInput | None = None
-    references: tuple[MediaInput, ...] = ()
-    duration_seconds: float = 5.0
-    seed: int = 0
-    width: int | None = None
-    height: int | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.prompt, str):
-            raise RequestError(f"prompt must be a string, got {type(self.prompt).__name__}")
-        checked = {
-            "first_frame": media_input(self.first_frame, "first_frame"),
-            "last_frame": media_input(self.last_frame, "last_frame"),
-            "references": media_inputs(self.references, "references"),
-            "duration_seconds": SECONDS.check("duration_seconds", self.duration_seconds, RequestError),
-            "seed": Number(int).check("seed", self.seed, RequestError),  # its range: `check_seed`, with the request
-            "width": None if self.width is None else PIXELS.check("width", self.width, RequestError),
-            "height": None if self.height is None else PIXELS.check("height", self.height, RequestError),
-        }
-        for name, value in checked.items():
-            object.__setattr__(self, name, value)  # frozen: normalised once, here
-
-    @property
-    def mode(self) -> str:
-        return request_mode(self.first_frame is not None, self.last_frame is not None, bool(self.references))
-
-    @property
-    def keyframes(self) -> dict[str, MediaInput]:
-        """Anchor ("first", "last") -> keyframe, in packed order; the fields are `<anchor>_frame`."""
-        return {anchor: k for anchor in ANCHORS if (k := getattr(self, f"{anchor}_frame")) is not None}
+# -- results -----------------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -304,9 +252,6 @@ def _resolve_profile(profile: object) -> Profile:
 def prepare_pipeline(profile: Profile | str, assets: str | Path, receipt: str | Path) -> PreparedAssets:
     """Validate a six-field assets file against `profile` and write the pipeline receipt (atomically, never over an
     existing file). Reads configs and manifests only; the adapter file is hashed once to bind it to the compile."""
-    from ..weights.artifact import CompiledArtifact
-    from ..weights.tensor_store import file_sha256
-
     profile = _resolve_profile(profile)
     path_argument(receipt, "the receipt path")
     receipt = check_writable_destination(receipt)
@@ -330,7 +275,7 @@ def prepare_pipeline(profile: Profile | str, assets: str | Path, receipt: str | 
     for what, transformer, other in widths:
         if transformer != other:
             raise IdentityMismatchError(f"the compiled transformer's {what} is {transformer}, the model root / decoders give {other}")
-    recorded = compiled.manifest.get("adapter")
+    recorded = compiled.adapter
     adapter = paths["adapter_path"]
     if profile.adapter is None and adapter is not None:
         raise IdentityMismatchError(f"profile {profile.id} uses no adapter; adapter_path must be null, got {adapter}")
@@ -468,6 +413,29 @@ def delivered_soundtrack(media: DecodedMedia) -> torch.Tensor:
     return media.waveform[:, : round(media.num_frames / FPS * media.sample_rate)]
 
 
+def largest_request(
+    profile: Profile, config: H3Config | None = None, conditioner: TextConditioner | None = None, vaes: MediaVAEs | None = None,
+    canvas: CanvasRules | None = None,
+) -> dict[str, int]:
+    """Transient bytes of each stage of the largest request a memory plan is sized for (the profile's longest clip on
+    the model's 16:9 canvas, the released one by default, see `memory_plan.PLANNED_TEXT_ROWS`), for the parts given:
+    stage -> bytes, with the decode as `decode.diffusers` and `decode.native`; each part's estimate is its own."""
+    height, width = (canvas or CanvasRules()).default_canvas()
+    frames = largest_clip_frames(profile)
+    needs: dict[str, int] = {}
+    if config is not None:
+        needs["denoise"] = denoise_bytes(config, largest_request_rows(profile, config, (height, width)))
+    if conditioner is not None:
+        processor = conditioner.image_processor
+        pictures = PLANNED_PICTURES if set(profile.modes) - {"t2va"} else 0
+        patches = pictures * (height // processor.patch_size) * (width // processor.patch_size)
+        needs["encode"] = conditioner.encode_bytes(PLANNED_TEXT_ROWS + patches // processor.merge_size**2, patches)
+    if vaes is not None:
+        for decoder in ("diffusers", "native"):
+            needs[f"decode.{decoder}"] = decode_bytes(vaes.video_vae, frames, height, width, decoder, DEFAULT_WINDOWS_PER_CALL)
+    return needs
+
+
 # -- the pipeline --------------------------------------------------------------------------------------------------
 
 
@@ -557,8 +525,6 @@ class H3Pipeline:
             total = 2 + int(assets.record["transformer"]["num_layers"])
             report = progress or (lambda stage, done, total: None)
             loaded: list[TextConditioner | MediaVAEs] = []
-            from ..weights.artifact import CompiledArtifact
-
             compiled = CompiledArtifact(**assets.session_paths())
             if options.verify_weights:  # before anything loads: a corrupt compile costs no encoder load
                 compiled.verify()
@@ -576,9 +542,10 @@ class H3Pipeline:
                 else:
                     largest = largest_request(assets.profile, compiled.config, conditioner, vaes, assets.canvas)
                     devices = [primary] + ([peer] if peer is not None else [])
-                    sizes = PartSizes.of(compiled, conditioner, vaes)
+                    sizes = compiled.part_sizes() + conditioner.part_sizes() + vaes.part_sizes()
                     plan = plan_memory(sizes, largest, devices, cap, weight_residency, options.encoder_residency)
-                    plan.place(conditioner, vaes)
+                    conditioner.place(plan)
+                    vaes.place(plan)
                 session = NativeEngineSession(
                     assets.profile, **assets.session_paths(), device=primary, peer_device=peer, strategy=options.strategy,
                     weight_residency=weight_residency, attention_backend=options.attention_backend,
@@ -666,7 +633,7 @@ class H3Pipeline:
 
     def denoise(self, bundle_or_handoff, progress: Callable[[int, int], None] | None = None, preview: PreviewFn | None = None) -> GenerationResult:
         """Run the native core; `progress(done, total)` and `preview(done, total, video x0)` after every evaluation
-        (either may raise to abort; `engine.denoise.PreviewFn`)."""
+        (either may raise to abort; `progress.PreviewFn`)."""
         self._check_open()
         with self._lock:
             self.load()
@@ -712,7 +679,7 @@ class H3Pipeline:
 
         `cancel()` is polled between stages, between the denoiser's evaluations and the video decoder's blocks; what
         it raises ends the request as `RequestCancelled`. `preview(done, total, video x0)` runs after every evaluation
-        (`engine.denoise.PreviewFn`)."""
+        (`progress.PreviewFn`)."""
         start = time.perf_counter()
         plan = self.validate(request)
         check_generate_arguments(request, output, overwrite, progress, cancel, preview)

@@ -13,16 +13,13 @@ from dataclasses import dataclass
 import torch
 
 from ..engine.session import STRATEGIES, WEIGHT_RESIDENCIES
-from ..errors import Number, VflashError, check_choice
-from ..formats import check_device, gpu_device
+from ..errors import VflashError, check_choice
+from ..formats import GPU_INDEX, check_device, gpu_device
 from ..media.mp4 import VIDEO_INPUTS, VIDEO_THREADS, check_delivery_options
+from ..memory_plan import DEVICE_MEMORY_GIB, cap_bytes
 from ..profiles import Profile
-from .memory_plan import DEVICE_MEMORY_GIB, cap_bytes
 
-__all__ = ["GPU_INDEX", "STRATEGIES", "WEIGHT_RESIDENCIES", "RunOptions"]
-
-#: A CUDA device index on the command line (`--gpu`, `--peer-gpu`); whether this machine has it, `check_device`.
-GPU_INDEX = Number(int, 0)
+__all__ = ["STRATEGIES", "WEIGHT_RESIDENCIES", "RunOptions"]
 
 ENCODER_RESIDENCIES = ("offload", "resident")  # where the text encoder and the VAEs live between their stages
 

@@ -29,7 +29,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import PIL.Image
 
@@ -52,12 +52,10 @@ from .model_loading import MODEL_LOAD_LOCK
 
 __all__ = [
     "ANCHORS", "MAX_PROMPT_BYTES", "PIXELS", "SECONDS", "SEED", "MediaInput", "PromptBudget", "RequestPlan",
-    "check_canvas_size", "check_generate_arguments", "check_labels", "check_output_is_not_an_input", "check_prompt",
-    "check_reference_counts", "check_seed", "media_input", "media_inputs", "plan_request", "request_mode",
+    "VideoRequest", "check_canvas_size", "check_generate_arguments", "check_labels", "check_output_is_not_an_input",
+    "check_prompt", "check_reference_counts", "check_seed", "media_input", "media_inputs", "plan_request",
+    "request_mode",
 ]
-
-if TYPE_CHECKING:
-    from .h3_pipeline import VideoRequest
 
 #: A prompt's UTF-8 size limit: far above any prompt the encoder's context holds, it bounds what is read and tokenised.
 MAX_PROMPT_BYTES = 1 << 20
@@ -145,6 +143,50 @@ def check_generate_arguments(
 SEED = Number(int, 0, 2**63 - 1)
 PIXELS = Number(int, unit="pixels")
 SECONDS = Number(float, unit="seconds")
+
+
+@dataclass(frozen=True)
+class VideoRequest:
+    """One generation. `first_frame` / `last_frame` make i2va, l2va or fl2va; `references` (image, video or audio
+    files by extension, or PIL images, in the order the prompt's labels number them; one path or image, or a list or
+    tuple of them) make ref2va; neither is t2va. `width` / `height` (multiples of 32, both or neither) default to the
+    model's canvas for the mode.
+
+    Field types are checked when the request is built (a wrong type raises `RequestError` naming the field); values
+    are checked against a model and a profile by `H3Pipeline.validate` (`plan_request`)."""
+
+    prompt: str
+    first_frame: MediaInput | None = None
+    last_frame: MediaInput | None = None
+    references: tuple[MediaInput, ...] = ()
+    duration_seconds: float = 5.0
+    seed: int = 0
+    width: int | None = None
+    height: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prompt, str):
+            raise RequestError(f"prompt must be a string, got {type(self.prompt).__name__}")
+        checked = {
+            "first_frame": media_input(self.first_frame, "first_frame"),
+            "last_frame": media_input(self.last_frame, "last_frame"),
+            "references": media_inputs(self.references, "references"),
+            "duration_seconds": SECONDS.check("duration_seconds", self.duration_seconds, RequestError),
+            "seed": Number(int).check("seed", self.seed, RequestError),  # its range: `check_seed`, with the request
+            "width": None if self.width is None else PIXELS.check("width", self.width, RequestError),
+            "height": None if self.height is None else PIXELS.check("height", self.height, RequestError),
+        }
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)  # frozen: normalised once, here
+
+    @property
+    def mode(self) -> str:
+        return request_mode(self.first_frame is not None, self.last_frame is not None, bool(self.references))
+
+    @property
+    def keyframes(self) -> dict[str, MediaInput]:
+        """Anchor ("first", "last") -> keyframe, in packed order; the fields are `<anchor>_frame`."""
+        return {anchor: k for anchor in ANCHORS if (k := getattr(self, f"{anchor}_frame")) is not None}
 
 
 # -- limits ----------------------------------------------------------------------------------------------------------

@@ -49,17 +49,16 @@ from pathlib import Path
 
 import torch
 
-from ..engine.config import H3Config
+from ..engine.artifact import FLOAT_DTYPES
+from ..engine.config import H3Config, aux_shapes, block_shapes
 from ..errors import IdentityMismatchError, WeightFileError
 from ..profiles import PROFILES, Profile
-from .tensor_store import ReadRequest, TensorStore
+from ..tensor_store import ReadRequest, TensorStore
 
 __all__ = [
-    "AUX_NAMES", "BLOCK_NAMES", "FLOAT_DTYPES", "TABLE_INPUTS", "SourceWeights", "aux_shapes", "block_shapes",
-    "internal_shapes", "source_name",
+    "AUX_NAMES", "BLOCK_NAMES", "SourceWeights", "internal_shapes", "source_name",
 ]
 
-FLOAT_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}
 
 # ComfyUI quantization formats with an exact dequantization: float8 codes times one scale per tensor.
@@ -69,9 +68,6 @@ SUPPORTED_FILES = (
     "bf16 / fp16 / fp32 weights, fp8_scaled files (float8 with per-tensor scales, dequantized exactly) and pruned "
     "files (`adaln_t_table`, with a -pruned profile)"
 )
-
-# Internal names that feed only the AdaLN tables (compiled into the schedule overlay, never loaded at run time).
-TABLE_INPUTS = ("time_embedder.", "norm_out.linear.", "adaln_t_table")
 
 # Prefixes some single-file exports put in front of the original names.
 _ORIGINAL_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
@@ -127,47 +123,6 @@ def source_name(internal: str, original: bool) -> str:
     if module in AUX_NAMES:
         return f"{AUX_NAMES[module][column]}.{suffix}"
     return _AUX_TENSORS[internal][column]
-
-
-def block_shapes(config: H3Config, prefix: str, with_adaln: bool) -> dict[str, tuple[int, ...]]:
-    """Internal names and shapes of one main block (`blocks.{i}`) or refiner block (`refiner.{j}`)."""
-    h, inner, d, f = config.hidden_size, config.inner_dim, config.attention_head_dim, config.ffn_dim
-    shapes = {
-        f"{prefix}.norm1.weight": (h,),
-        f"{prefix}.attn.qkv.weight": (3 * inner, h),
-        f"{prefix}.attn.norm_q.weight": (d,),
-        f"{prefix}.attn.norm_k.weight": (d,),
-        f"{prefix}.attn.out.weight": (h, inner),
-        f"{prefix}.norm2.weight": (h,),
-        f"{prefix}.ffn.in.weight": (2 * f, h),
-        f"{prefix}.ffn.out.weight": (h, f),
-    }
-    if with_adaln:
-        shapes[f"{prefix}.adaln.weight"] = (18 * h, config.time_embed_dim)
-        shapes[f"{prefix}.adaln.bias"] = (18 * h,)
-    return shapes
-
-
-def aux_shapes(config: H3Config) -> dict[str, tuple[int, ...]]:
-    """Internal names and shapes of every tensor outside the main blocks and refiner blocks."""
-    h, t = config.hidden_size, config.time_embed_dim
-    linear = {
-        "proj_in": (h, config.video_patch_dim),
-        "audio_proj_in": (h, config.audio_in_channels),
-        "context_embedder": (h, config.text_dim),
-        "time_embedder.linear_1": (config.time_embed_hidden_dim, config.freq_dim),
-        "time_embedder.linear_2": (t, config.time_embed_hidden_dim),
-        "norm_out.linear": (2 * h, t),
-        "proj_out": (config.video_patch_dim, h),
-        "audio_proj_out": (config.audio_in_channels, h),
-    }
-    shapes = {}
-    for name, (out_f, in_f) in linear.items():
-        shapes[f"{name}.weight"] = (out_f, in_f)
-        shapes[f"{name}.bias"] = (out_f,)
-    shapes["norm_out.norm.weight"] = (h,)
-    shapes["refiner.final_norm.weight"] = (h,)
-    return shapes
 
 
 def internal_shapes(config: H3Config) -> dict[str, tuple[int, ...]]:

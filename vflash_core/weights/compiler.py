@@ -50,10 +50,9 @@ import torch
 from tqdm.auto import tqdm
 
 from ..engine import model as M
-from ..engine.config import H3Config
-from ..engine.denoise import StageProgress
+from ..engine.artifact import TABLE_INPUTS, CompiledArtifact
+from ..engine.config import H3Config, block_shapes
 from ..engine.fp8 import FP8_LINEARS, quantize_block
-from ..engine.schedule import distinct_timesteps
 from ..errors import IdentityMismatchError, VflashError, run_command
 from ..fileio import (
     atomic_directory,
@@ -67,9 +66,11 @@ from ..fileio import (
 from ..formats import (
     ARTIFACT_FORMAT,
     ARTIFACT_FP8_FORMAT,
+    GPU_INDEX,
     OVERLAY_FORMAT,
     WEIGHTS_RECEIPT_FORMAT,
     Field,
+    check_device,
     check_fields,
     device_arch,
     field_problem,
@@ -83,10 +84,11 @@ from ..formats import (
     list_of,
 )
 from ..profiles import AdapterSpec, Profile, get_profile
-from .artifact import CompiledArtifact
-from .checkpoint import TABLE_INPUTS, SourceWeights, block_shapes
+from ..progress import StageProgress
+from ..schedule import distinct_timesteps
+from ..tensor_store import TensorStore, describe_files, file_sha256, write_safetensors
+from .checkpoint import SourceWeights
 from .lora import TABLE_ONLY, Adapter, load_adapter
-from .tensor_store import TensorStore, describe_files, file_sha256, write_safetensors
 
 __all__ = ["build_parser", "compile_receipt", "compiled_from", "main", "prepare", "receipt_describes"]
 
@@ -281,7 +283,6 @@ def compile_receipt(receipt_path: str | Path, output: str | Path, device: str = 
     receipt_path, output = path_argument(receipt_path, "the receipt"), path_argument(output, "the output folder")
     receipt = _load_receipt(receipt_path)
     profile = _profile_from_receipt(receipt, receipt_path)
-    from ..formats import check_device
 
     device_t = check_device(device, profile.arch, profile_id=profile.id)  # before anything is read
     arch = device_arch(device_t)
@@ -332,7 +333,8 @@ def compiled_from(folder: str | Path, receipt_path: str | Path) -> bool:
     except VflashError:
         return False
     identity = _identity(profile, receipt, artifact.config, artifact.arch, artifact.compile_id)
-    return all(artifact.manifest.get(key) == identity[key] for key in ("profile_id", "profile", "adapter")) and (
+    compiled = {"profile_id": artifact.profile_id, "profile": artifact.profile_record, "adapter": artifact.adapter}
+    return all(compiled[key] == identity[key] for key in compiled) and (
         artifact.base_weights.get("files") == identity["base_weights"]["files"])  # type: ignore[index]
 
 
@@ -536,8 +538,6 @@ def _write_compiled(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..pipeline.options import GPU_INDEX
-
     parser = argparse.ArgumentParser(prog="python -m vflash_core.weights.compiler", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="bind a profile to base weights (and adapter) in a receipt")

@@ -29,12 +29,12 @@ from pathlib import Path
 
 import torch
 
-from ..engine.config import H3Config
+from ..engine.config import H3Config, aux_shapes
 from ..engine.model import LoraResidual
 from ..errors import WeightFileError
 from ..formats import is_number
-from .checkpoint import AUX_NAMES, BLOCK_NAMES, aux_shapes
-from .tensor_store import TensorStore
+from ..tensor_store import TensorStore
+from .checkpoint import AUX_NAMES, BLOCK_NAMES
 
 __all__ = ["TABLE_ONLY", "Adapter", "load_adapter"]
 

@@ -15,9 +15,6 @@ from pathlib import Path
 
 import torch
 
-from ..engine.config import H3Config
-from ..engine.fp8 import FP8_LINEARS
-from ..engine.model import LayerWeights, LoraResidual
 from ..errors import IdentityMismatchError, VflashError, WeightFileError
 from ..fileio import read_json
 from ..formats import (
@@ -34,12 +31,20 @@ from ..formats import (
     is_text,
     list_of,
 )
+from ..memory_plan import PartSizes
 from ..profiles import Profile, check_identity
-from .checkpoint import FLOAT_DTYPES, TABLE_INPUTS, aux_shapes, block_shapes
-from .tensor_store import TensorStore, file_sha256
+from ..tensor_store import TensorStore, file_sha256
+from .config import H3Config, aux_shapes, block_shapes
+from .fp8 import FP8_LINEARS
+from .model import LayerWeights, LoraResidual
 from .weight_io import SequentialWeights
 
-__all__ = ["CompiledArtifact", "ScheduleOverlay", "StepTables"]
+__all__ = ["FLOAT_DTYPES", "TABLE_INPUTS", "CompiledArtifact", "ScheduleOverlay", "StepTables"]
+
+# The dtypes a floating-point tensor of a checkpoint or an artifact may have.
+FLOAT_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
+# Internal names that feed only the AdaLN tables (compiled into the schedule overlay, never loaded at run time).
+TABLE_INPUTS = ("time_embedder.", "norm_out.linear.", "adaln_t_table")
 
 # Threads reading one block file: a deep queue of large sequential reads. On the H200 machines' virtio disk a cold
 # 0.83 GB block read at 1.14 / 1.41 / 1.57 / 1.62 GB/s with 1 / 2 / 4 / 8 threads (disk: 1.66 GB/s), where reading
@@ -194,6 +199,44 @@ class CompiledArtifact:
         return self.manifest["profile_id"]
 
     @property
+    def profile_record(self) -> dict[str, object]:
+        """The profile's identity as compiled (`Profile.identity`), what `check_profile` compares."""
+        return self.manifest["profile"]
+
+    @property
+    def adapter(self) -> dict[str, object] | None:
+        """The adapter's file identity and scale source as compiled (name, size, sha256, format, ...); None without."""
+        return self.manifest.get("adapter")
+
+    @property
+    def block_sizes(self) -> list[int]:
+        """Bytes of each main block's file, in block order."""
+        return [int(record["size"]) for record in self.manifest["blocks"]]
+
+    @property
+    def auxiliary_size(self) -> int:
+        """Bytes of the auxiliary tensors' file."""
+        return int(self.manifest["auxiliary"]["size"])
+
+    def part_sizes(self) -> PartSizes:
+        """The memory plan's sizes of this core: every block, the largest (one ring slot), the auxiliary tensors."""
+        blocks = self.block_sizes
+        return PartSizes(core_blocks=sum(blocks), core_block=max(blocks), core_auxiliary=self.auxiliary_size)
+
+    def block_file(self, index: int) -> Path:
+        """The file of main block `index`."""
+        return self.artifact_dir / self.manifest["blocks"][index]["file"]
+
+    def block_lora_linears(self, index: int) -> set[str]:
+        """The linears of main block `index` that carry LoRA residuals."""
+        return {record["linear"] for record in self.manifest["blocks"][index]["lora"]}
+
+    @property
+    def blocks_carry_lora(self) -> bool:
+        """Whether any main block carries LoRA residuals."""
+        return any(record["lora"] for record in self.manifest["blocks"])
+
+    @property
     def base_weights(self) -> dict[str, object]:
         """The base weights' form (`layout`, `format`: "bf16" / "fp8_scaled" / ..., `pruned`: the curve table's
         grid and rank or None) and file identities, as compiled."""
@@ -245,7 +288,7 @@ class CompiledArtifact:
     def read_block(self, index: int) -> LayerWeights:
         """One packed block (tensors owning host buffers), its file read by `READ_WORKERS` threads at once."""
         record = self.manifest["blocks"][index]
-        path = self.artifact_dir / record["file"]
+        path = self.block_file(index)
         specs = self.block_tensors()
         weights = SequentialWeights(path, read_workers=READ_WORKERS)
         weights.require(specs)  # from the header, before anything is read

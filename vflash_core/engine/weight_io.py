@@ -41,7 +41,7 @@ import torch
 
 from ..errors import IdentityMismatchError, VflashError, WeightFileError
 from ..fileio import atomic_directory
-from .tensor_store import SafetensorsFile, TensorIndex, read_fully
+from ..tensor_store import SafetensorsFile, TensorIndex, read_fully
 
 __all__ = ["MANIFEST_NAME", "SequentialWeights", "prepare_sidecar"]
 

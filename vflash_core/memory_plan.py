@@ -1,6 +1,11 @@
 """One memory plan for a pipeline's device: where each part lives, chosen from the parts' sizes, the profile's largest
 request and the memory the device has (or a user cap), with one margin; one log line; refusals with the numbers.
 
+The planner takes numbers only (`PartSizes`, each stage's transient bytes) and returns a placement; each part states
+its own: the core's weights (`CompiledArtifact.part_sizes`) and one evaluation's activations (`denoise.denoise_bytes`)
+in the engine, the text encoder's (`TextConditioner.part_sizes`, `conditioning.encode_bytes`) and the VAEs'
+(`MediaVAEs.part_sizes`, `vae.decode_bytes`) in media; the parts apply the placement themselves (`place`).
+
 Parts and their placements:
 
 * the core's main blocks: `resident` (every block on the device) or `block-ring` (two device slots fed from a pinned
@@ -11,12 +16,12 @@ Parts and their placements:
   two device slots of one layer from a pinned host arena, `residency.ModuleRing`);
 * the VAEs: `resident` or `offload`; the video decode `diffusers` (its `decode`, whose working memory grows with the
   clip) or `native` (`vae_decode.NativeVideoDecoder`: the same frames bit for bit, working memory of one window; with
-  a peer device, split between the two, see `decode_bytes`).
+  a peer device, split between the two, see `vae.decode_bytes`).
 
 A request runs three stages one after the other: encode, denoise, decode. A stage's peak is what stays on the device
 between stages (the core's weights, the resident parts) plus what the stage brings (an offloaded or streamed part)
-plus its transient tensors (`encode_bytes`, `denoise_bytes`, `decode_bytes`: upper estimates from the shapes). A
-placement fits when every stage's peak plus `MARGIN_BYTES` is within the budget.
+plus its transient tensors (the parts' `encode_bytes`, `denoise_bytes`, `decode_bytes`: upper estimates from the
+shapes). A placement fits when every stage's peak plus `MARGIN_BYTES` is within the budget.
 
 Choice (`plan_memory`): the first placement, in the order of preference, whose stages all fit the profile's largest
 request: the core resident before block-ring, the encoder offloaded before streamed, the diffusers decode before the
@@ -35,42 +40,23 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, fields, replace
 
 import torch
 
-from ..engine.config import H3Config
-from ..engine.device_owner import module_tensors
-from ..engine.layout import (
-    FPS,
-    Geometry,
-    align_num_frames_down,
-    audio_latent_count,
-    video_latent_frames,
-)
-from ..errors import Number, RequestError, RunFailedError, VflashError
-from ..fileio import GIB, size_text
-from ..media.references import CanvasRules
-from ..media.vae_decode import CALLS_IN_FLIGHT_PER_DEVICE, DEFAULT_WINDOWS_PER_CALL, DecodeGeometry
+from .errors import Number, RequestError, RunFailedError, VflashError
+from .fileio import GIB, size_text
 
 __all__ = [
-    "DEVICE_MEMORY_GIB", "DeviceCap", "MemoryPlan", "PartSizes", "cap_bytes", "decode_bytes", "denoise_bytes",
-    "encode_bytes", "largest_clip_frames", "largest_request", "largest_request_rows", "plan_memory", "request_rows",
+    "DEVICE_MEMORY_GIB", "GIB", "PLANNED_PICTURES", "PLANNED_TEXT_ROWS", "DeviceCap", "MemoryPlan", "PartSizes",
+    "Placement", "cap_bytes", "device_budget", "plan_memory",
 ]
-
-if TYPE_CHECKING:
-    from ..media.conditioning import TextConditioner
-    from ..media.vae import MediaVAEs
-    from ..profiles import Profile
-    from ..weights.artifact import CompiledArtifact
 
 logger = logging.getLogger(__name__)
 
 # Device memory kept free beyond the estimates: allocator fragmentation, kernels' workspaces, the audio decode and the
 # VAE encode of conditioning frames (not estimated), other users of the device.
 MARGIN_BYTES = 2 * GIB
-RELEASED_CANVAS = CanvasRules()  # the released model's canvas rules, what the plan is sized for by default
 STAGES = ("encode", "denoise", "decode")
 # The request the plan is sized for: the profile's longest clip on the model's 16:9 canvas, with this many text rows
 # and, in keyframe and reference modes, two canvas-sized pictures.
@@ -78,100 +64,7 @@ PLANNED_TEXT_ROWS = 512
 PLANNED_PICTURES = 2
 
 
-# -- estimates ------------------------------------------------------------------------------------------------------
-
-
-def largest_clip_frames(profile: Profile) -> int:
-    """The longest clip a profile accepts, in frames of the form 17 n + 5."""
-    return align_num_frames_down(int(profile.max_seconds * FPS + 1e-6))
-
-
-def request_rows(config: H3Config, geometry: Geometry, text_rows: int) -> int:
-    """Packed rows of a t2va request: text, both audio channels' latents, every latent frame's patches."""
-    return text_rows + 2 * audio_latent_count(geometry.num_frames) + geometry.num_latent_frames * geometry.rows_per_frame(config.patch_size)
-
-
-def largest_request_rows(profile: Profile, config: H3Config, canvas: CanvasRules = RELEASED_CANVAS) -> int:
-    """Packed rows of the profile's longest clip on the model's 16:9 canvas with the planned text rows."""
-    return request_rows(config, Geometry(*canvas.default_canvas(), largest_clip_frames(profile)), PLANNED_TEXT_ROWS)
-
-
-def denoise_bytes(config: H3Config, rows: int) -> int:
-    """Upper estimate of one evaluation's transient device memory at `rows` packed rows (bf16 blocks).
-
-    Per row, the main block's largest live set with the reference operations (the fused ones hold less): the residual
-    stream and the normalised input (2H), plus either the attention's fused QKV (3I, kept by v), q and k normalised
-    (2I) and rotated (2I) and its output (I), or the FFN's [value; gate] projection (2F), SiLU (F) and product (F);
-    plus 2 KiB of request state (rotary cos/sin, fp32 latent rows and velocities, each evaluation's row indices); with
-    a 10 % allowance for the allocator and the attention kernel's workspace.
-    """
-    h, i, f = config.hidden_size, config.inner_dim, config.ffn_dim
-    per_row = 2 * (2 * h + max(8 * i, 4 * f)) + 2048
-    return int(rows * per_row * 1.1)
-
-
-def encode_bytes(text_config, vision_config, tokens: int, patches: int, itemsize: int) -> int:
-    """Upper estimate of one text encode's transient device memory: `tokens` presentation tokens, `patches` vision
-    patches (before merging), `itemsize` bytes per element of the encoder's dtype.
-
-    Per token: every layer's hidden state, kept for `hidden_states[50]` (layers + 1 rows of the hidden width), the
-    residual and normalised streams, and the larger of a layer's MLP (gate, up, SiLU and product: 4 x intermediate)
-    and its attention (q, k, v with their normalised and rotated copies and the output). Per patch: the vision
-    block's stream and normalised input, the larger of its attention (QKV, output, one more) and its MLP (projection
-    and activation), and the merger's four outputs (the final one and the deepstack taps) at the text width, counted
-    per patch as an upper bound. A 25 % allowance.
-    """
-    hidden, inter = text_config.hidden_size, text_config.intermediate_size
-    q = text_config.num_attention_heads * text_config.head_dim
-    kv = text_config.num_key_value_heads * text_config.head_dim
-    per_token = (text_config.num_hidden_layers + 1) * hidden + 2 * hidden + max(4 * inter, 4 * q + 6 * kv + hidden)
-    width, vision_inter = vision_config.hidden_size, vision_config.intermediate_size
-    per_patch = 2 * width + max(5 * width, 2 * vision_inter) + 4 * vision_config.out_hidden_size
-    return int((tokens * per_token + patches * per_patch) * itemsize * 1.25)
-
-
-def decode_bytes(video_vae, num_frames: int, height: int, width: int, decoder: str, windows_per_call: int) -> int:
-    """Upper estimate of the video decode's transient device memory for a clip of `num_frames` at `height` x `width`.
-
-    One tile-window (a spatial tile of one temporal window) is a ViT sequence of D-wide tokens, one per latent voxel:
-    per token the fp32 residual stream in and out (8D), the normalised input (2D) and the larger of the attention (q, k,
-    v, their fp32 norms, rotated copies and output: 20D) and the SwiGLU (projection, SiLU, product: 8 x inner). Its
-    pixels take 3 channels x 4 bytes per output pixel. Both decoders hold a window's tiles and its stitched clip
-    (twice, while it is concatenated). `diffusers` decodes one tile-window at a time but keeps the whole video on the
-    device, then maps it to [0, 1] in fp32 (12 bytes per channel and pixel at the peak); `native` runs
-    `windows_per_call` tile-windows per call (at most the clip's) with the outputs of the calls in flight, and copies
-    each window's frames to the host. A 10 % allowance.
-
-    With a peer device the native decode splits its calls between the two devices. The first device's transient is
-    then no larger (its own calls, one window, and the peer's tiles arriving one call at a time from host memory); the
-    peer holds a replica of the decoder's weights (part of the VAEs' bytes the first device holds) and its own calls
-    in flight, both below the first device's share, and a plan's budget is the least over its devices, so this one
-    estimate bounds the peer's decode as well.
-    """
-    config = video_vae.config
-    geometry = DecodeGeometry.from_vae(video_vae)
-    plan = geometry.plan(video_latent_frames(num_frames), height // geometry.spatial_ratio, width // geometry.spatial_ratio)
-    d = config.decoder_num_attention_heads * config.decoder_attention_head_dim
-    tokens = plan.window_latents * plan.tile_height * plan.tile_width + config.decoder_num_register_tokens + 1
-    vit = tokens * (10 * d + max(20 * d, 8 * config.decoder_ffn_mult * d))
-    window_frames = plan.window_latents * geometry.temporal_ratio
-    tile = 3 * window_frames * plan.tile_height * plan.tile_width * geometry.spatial_ratio**2 * 4
-    clip = 3 * window_frames * height * width * 4
-    window = plan.tiles_per_window * tile + 2 * clip
-    if decoder == "diffusers":
-        total = vit + window + 12 * 3 * plan.output_frames * height * width
-    else:
-        per_call = min(windows_per_call, len(plan.tile_windows()))
-        in_flight = min((CALLS_IN_FLIGHT_PER_DEVICE + 1) * per_call, len(plan.tile_windows()))
-        total = per_call * vit + in_flight * tile + window
-    return int(total * 1.1)
-
-
 # -- sizes ----------------------------------------------------------------------------------------------------------
-
-
-def _nbytes(module: torch.nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in module_tensors(module).values())
 
 
 @dataclass(frozen=True)
@@ -186,42 +79,9 @@ class PartSizes:
     encoder_layer: int = 0  # its largest decoder layer: one ring slot
     vaes: int = 0  # video and audio VAE
 
-    @classmethod
-    def of(cls, artifact: CompiledArtifact | None = None, conditioner: TextConditioner | None = None, vaes: MediaVAEs | None = None) -> PartSizes:
-        """The sizes of loaded parts: the compiled core's from its manifest, the encoder's and the VAEs' tensors."""
-        sizes = cls()
-        if artifact is not None:
-            blocks = [int(b["size"]) for b in artifact.manifest["blocks"]]
-            sizes = replace(sizes, core_blocks=sum(blocks), core_block=max(blocks), core_auxiliary=int(artifact.manifest["auxiliary"]["size"]))
-        if conditioner is not None:
-            layers = [_nbytes(layer) for layer in conditioner.decoder_layers()]
-            sizes = replace(sizes, encoder=_nbytes(conditioner.text_encoder), encoder_layers=sum(layers), encoder_layer=max(layers))
-        if vaes is not None:
-            sizes = replace(sizes, vaes=_nbytes(vaes.video_vae) + _nbytes(vaes.audio_vae))
-        return sizes
-
-
-def largest_request(
-    profile: Profile, config: H3Config | None = None, conditioner: TextConditioner | None = None, vaes: MediaVAEs | None = None,
-    canvas: CanvasRules = RELEASED_CANVAS,
-) -> dict[str, int]:
-    """Transient bytes of each stage of the largest request the plan is sized for (the profile's longest clip on the
-    model's 16:9 canvas, see `PLANNED_TEXT_ROWS`), for the parts given: stage -> bytes, with the decode as
-    `decode.diffusers` and `decode.native`."""
-    height, width = canvas.default_canvas()
-    frames = largest_clip_frames(profile)
-    needs: dict[str, int] = {}
-    if config is not None:
-        needs["denoise"] = denoise_bytes(config, largest_request_rows(profile, config, canvas))
-    if conditioner is not None:
-        processor = conditioner.image_processor
-        pictures = PLANNED_PICTURES if set(profile.modes) - {"t2va"} else 0
-        patches = pictures * (height // processor.patch_size) * (width // processor.patch_size)
-        needs["encode"] = conditioner.encode_bytes(PLANNED_TEXT_ROWS + patches // processor.merge_size**2, patches)
-    if vaes is not None:
-        for decoder in ("diffusers", "native"):
-            needs[f"decode.{decoder}"] = decode_bytes(vaes.video_vae, frames, height, width, decoder, DEFAULT_WINDOWS_PER_CALL)
-    return needs
+    def __add__(self, other: PartSizes) -> PartSizes:
+        """The sizes of two sets of parts together (each part states only its own fields)."""
+        return PartSizes(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
 
 
 # -- the budget and the cap -----------------------------------------------------------------------------------------
@@ -370,16 +230,6 @@ class MemoryPlan:
                     f"{size_text(MARGIN_BYTES)} margin; {size_text(available)} are available{_cap_note(self.cap)}. {advice}"
                 )
 
-    def place(self, conditioner: TextConditioner | None = None, vaes: MediaVAEs | None = None) -> None:
-        """Apply the placement to a loaded encoder and VAEs (before they read their weights: see `materialize`)."""
-        if conditioner is not None:
-            conditioner.keep_on_device = self.placement.encoder == "resident"
-            if self.placement.encoder == "stream":
-                conditioner.stream_layers()
-            conditioner.memory_plan = self
-        if vaes is not None:
-            vaes.keep_on_device = self.placement.vaes == "resident"
-            vaes.video_decoder = self.placement.video_decoder
 
 
 def _candidates(sizes: PartSizes, weight_residency: str, encoder_residency: str) -> list[Placement]:

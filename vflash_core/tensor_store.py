@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from ..errors import WeightFileError
-from ..fileio import check_input_file
+from .errors import WeightFileError
+from .fileio import check_input_file
 
 __all__ = [
     "ReadRequest", "SafetensorsFile", "TensorIndex", "TensorInfo", "TensorStore", "describe_files", "file_sha256",
