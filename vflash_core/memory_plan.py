@@ -48,7 +48,7 @@ from .errors import Number, RequestError, RunFailedError, VflashError
 from .fileio import GIB, size_text
 
 __all__ = [
-    "DEVICE_MEMORY_GIB", "GIB", "PLANNED_PICTURES", "PLANNED_TEXT_ROWS", "DeviceCap", "MemoryPlan", "PartSizes",
+    "DEVICE_MEMORY_GIB", "PLANNED_PICTURES", "PLANNED_TEXT_ROWS", "DeviceCap", "MemoryPlan", "PartSizes",
     "Placement", "cap_bytes", "device_budget", "plan_memory",
 ]
 
