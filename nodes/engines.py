@@ -31,9 +31,9 @@ from vflash_core.pipeline.h3_pipeline import PreparedAssets
 from vflash_core.pipeline.options import RunOptions
 from vflash_core.pipeline.validation import PromptBudget
 from vflash_core.profiles import PROFILES, Profile, get_profile
+from vflash_core.weights import compiler
 from vflash_core.weights.artifact import CompiledArtifact
 from vflash_core.weights.checkpoint import SourceWeights
-from vflash_core.weights.compiler import compile_receipt, compiled_from, prepare, receipt_describes
 
 from .interfaces import Folders, Host, HostStageProgress, host_progress
 from .model_files import (
@@ -287,19 +287,19 @@ def compile_on_first_use(host: Host, files: TransformerFiles, profile: Profile, 
     root = official_transformer(Path(files.path), profile)
     adapter = files.loras[0].path if files.loras else None
     out.parent.mkdir(parents=True, exist_ok=True)
-    if os.path.lexists(receipt) and not receipt_describes(receipt, root, adapter):
+    if os.path.lexists(receipt) and not compiler.receipt_describes(receipt, root, adapter):
         host.log(f"Vflash: {files.source} is not the file it was prepared from (its size or modification time changed, or it moved); preparing it again")
         receipt.unlink()
     if not receipt.is_file():
         host.log(f"Vflash: preparing {files.source} for {profile.id} (hashing the weights) ...")
-        prepare(profile, root, receipt, adapter, progress=HostStageProgress(host))
-    if out.exists() and not compiled_from(out, receipt):
+        compiler.prepare(profile, root, receipt, adapter, progress=HostStageProgress(host))
+    if out.exists() and not compiler.compiled_from(out, receipt):
         host.log(f"Vflash: {out} was compiled from other weights than {files.source} holds now; compiling it again")
         remove_folder(out)
     if not out.exists():
         host.check_interrupt()
         host.log(f"Vflash: compiling {files.source} for {profile.id} into {out} (once) ...")
-        compile_receipt(receipt, out, device, progress=HostStageProgress(host))
+        compiler.compile_receipt(receipt, out, device, progress=HostStageProgress(host))
     return out
 
 

@@ -180,7 +180,7 @@ def test_official_single_file_compiles_on_first_use(pack, comfy, model_files):
     kwargs = dict(model="diffusion_models/h3_tiny.safetensors", profile="t2va-base4-exact-cpu", weight_residency="auto", device="cpu",
                   peer_device="none", strategy="sequence-head", attention_backend="auto")
     spec = loader.execute(**kwargs).args[0]
-    assert Path(spec.compile_dir, "artifact", "manifest.json").is_file()
+    assert Path(spec.files.compile_dir, "artifact", "manifest.json").is_file()
     layers = H3Config.preset("tiny").num_layers
     assert all((block, layers) in updates for block in range(1, layers + 1)) and mm.calls["unload_all_models"] >= 1  # a step per block
     registry = pack.package.registry.ENGINES
@@ -241,7 +241,7 @@ def test_first_use_compile_can_be_interrupted_and_publishes_nothing(pack, comfy,
     assert [p.name for p in compiled.iterdir() if "base16" in p.name] == ["h3_tiny-t2va-base16-exact-cpu.weights-receipt.json"]
     utils.set_progress_bar_global_hook(hook)
     spec = loader.execute(**kwargs).args[0]  # the next run compiles from the start, reusing the finished receipt
-    assert Path(spec.compile_dir, "artifact", "manifest.json").is_file()
+    assert Path(spec.files.compile_dir, "artifact", "manifest.json").is_file()
     pack.package.registry.ENGINES.release("dit")
 
 
@@ -371,7 +371,7 @@ def test_interrupt_during_load_leaves_nothing_half_loaded(pack, comfy):
         loader.execute(**kwargs)
     assert "dit" not in registry.loaded()
     spec = loader.execute(**kwargs).args[0]
-    assert registry.loaded()["dit"] == "embedded-demo" and spec.device == "cpu"
+    assert registry.loaded()["dit"] == "embedded-demo" and spec.options.device == "cpu"
 
 
 # -- memory cooperation ---------------------------------------------------------------------------------------------
