@@ -50,25 +50,44 @@ __all__ = ["decode", "encode", "generate", "load_component", "load_model", "samp
 # -- loaders -----------------------------------------------------------------------------------------------------
 
 
-def select_lora(folders: Folders, lora: str, strength: float, prev: tuple[LoraRef, ...] | None = None) -> tuple[LoraRef, ...]:
+def select_lora(
+    folders: Folders, lora: str, strength: float, prev: tuple[LoraRef, ...] | None = None
+) -> tuple[LoraRef, ...]:
     """VflashLoraSelect: one more LoRA file of the chain."""
     path = resolve(folders, "loras/" + lora)
     return (*(prev or ()), LoraRef(str(path), float(strength), path_identity(path)))
 
 
-def load_model(registry: EngineRegistry, host: Host, folders: Folders, model: str, profile: str, weight_residency: str,
-               device: str, peer_device: str, strategy: str, attention_backend: str, lora: tuple[LoraRef, ...] | None = None) -> TransformerSpec:
+def load_model(
+    registry: EngineRegistry,
+    host: Host,
+    folders: Folders,
+    model: str,
+    profile: str,
+    weight_residency: str,
+    device: str,
+    peer_device: str,
+    strategy: str,
+    attention_backend: str,
+    lora: tuple[LoraRef, ...] | None = None,
+) -> TransformerSpec:
     """VflashModelLoader: validate, then load the engine now (progress bar) so errors surface at the loader."""
-    spec = transformer_spec(host, folders, model, profile, weight_residency, device, peer_device, strategy, attention_backend, lora)
+    spec = transformer_spec(
+        host, folders, model, profile, weight_residency, device, peer_device, strategy, attention_backend, lora
+    )
     session = load_session(registry, host, spec)
     host.log(f"Vflash model {spec.files.source}: profile {session.profile.id}, {session.memory_plan()}")
     return spec
 
 
-def load_component(registry: EngineRegistry, host: Host, folders: Folders, kind: str, source: str, device: str) -> ComponentSpec:
+def load_component(
+    registry: EngineRegistry, host: Host, folders: Folders, kind: str, source: str, device: str
+) -> ComponentSpec:
     """VflashTextEncoderLoader (`kind` "te") and VflashVAELoader ("vae"): validate, then load the engine now."""
     path = "" if source == DEMO else str(resolve(folders, source))
-    spec = ComponentSpec(kind, source, path, model_identity(folders, source, COMPONENT_FOLDERS[kind]), resolve_device(host, device))
+    spec = ComponentSpec(
+        kind, source, path, model_identity(folders, source, COMPONENT_FOLDERS[kind]), resolve_device(host, device)
+    )
     load_component_engine(registry, host, spec)
     return spec
 
@@ -81,12 +100,26 @@ def _to_pil(image: torch.Tensor, what: str) -> PIL.Image.Image:
     return PIL.Image.fromarray((frame.clamp(0, 1).numpy() * 255.0).round().astype(np.uint8))
 
 
-def encode(registry: EngineRegistry, host: Host, te: Any, vae: Any, prompt: str, width: int, height: int,
-           length: int, seconds: float, first_frame: torch.Tensor | None = None, last_frame: torch.Tensor | None = None,
-           ref_images: Mapping[str, Any] | None = None, ref_videos: Mapping[str, Any] | None = None,
-           ref_audios: Mapping[str, Any] | None = None, force_offload: bool = True,
-           ref_video_audios: Mapping[str, Any] | None = None, audio_vae: Any = None,
-           profile: Profile | None = None) -> tuple[EncodedRequest, dict[str, Any], int]:
+def encode(
+    registry: EngineRegistry,
+    host: Host,
+    te: Any,
+    vae: Any,
+    prompt: str,
+    width: int,
+    height: int,
+    length: int,
+    seconds: float,
+    first_frame: torch.Tensor | None = None,
+    last_frame: torch.Tensor | None = None,
+    ref_images: Mapping[str, Any] | None = None,
+    ref_videos: Mapping[str, Any] | None = None,
+    ref_audios: Mapping[str, Any] | None = None,
+    force_offload: bool = True,
+    ref_video_audios: Mapping[str, Any] | None = None,
+    audio_vae: Any = None,
+    profile: Profile | None = None,
+) -> tuple[EncodedRequest, dict[str, Any], int]:
     """VflashEncode: the pipeline's validator (`validation.plan_inputs`, against the text encoder's model: its canvas
     rules and prompt budget; and `profile`'s modes and durations when given) and encode step
     (`pipeline.encode_request`) on the node's inputs, without the noise (the sampler draws it from its seed, so one
@@ -110,7 +143,9 @@ def encode(registry: EngineRegistry, host: Host, te: Any, vae: Any, prompt: str,
     video_slots, soundtrack_slots = connected_slots(ref_videos), connected_slots(ref_video_audios)
     orphans = sorted(soundtrack_slots.keys() - video_slots.keys())
     if orphans:
-        raise RequestError(f"ref_video_audio_{orphans[0]} is the soundtrack of ref_video_{orphans[0]}, which is not connected")
+        raise RequestError(
+            f"ref_video_audio_{orphans[0]} is the soundtrack of ref_video_{orphans[0]}, which is not connected"
+        )
     videos = list(video_slots.values())
     soundtracks = [soundtrack_slots.get(slot) for slot in video_slots]
     frames = {anchor: f for anchor, f in (("first", first_frame), ("last", last_frame)) if f is not None}
@@ -119,18 +154,39 @@ def encode(registry: EngineRegistry, host: Host, te: Any, vae: Any, prompt: str,
     core_text = None if isinstance(te, ComponentSpec) else core_text_conditioner(te)
     canvas, budget = (core_text.canvas, None) if core_text is not None else text_encoder_rules(host, te)
     kinds = ["image"] * len(images) + ["video"] * len(videos) + ["audio"] * len(audios)
-    plan_inputs(prompt, mode, geometry, len(frames), kinds, sum(s is not None for s in soundtracks), canvas, profile, budget)
+    plan_inputs(
+        prompt, mode, geometry, len(frames), kinds, sum(s is not None for s in soundtracks), canvas, profile, budget
+    )
 
     steps = 2 + bool(frames or mode == "ref2va")
     bar = host_progress(host)
     conditioner = core_text or load_component_engine(registry, host, te)
     vaes = vae_pair(registry, host, vae, audio_vae)
-    notes = tuple(note for core, note in ((isinstance(conditioner, CoreTextConditioner), CORE_TEXT_NOTE),
-                                          (isinstance(vaes, CoreVAEs) and steps == 3, CORE_VAE_NOTE)) if core)
-    references = [MiniMaxH3ImageReference(image=_to_pil(img, f"reference image {i + 1}")) for i, img in enumerate(images)]
+    notes = tuple(
+        note
+        for core, note in (
+            (isinstance(conditioner, CoreTextConditioner), CORE_TEXT_NOTE),
+            (isinstance(vaes, CoreVAEs) and steps == 3, CORE_VAE_NOTE),
+        )
+        if core
+    )
+    references = [
+        MiniMaxH3ImageReference(image=_to_pil(img, f"reference image {i + 1}")) for i, img in enumerate(images)
+    ]
     for i, (clip, soundtrack) in enumerate(zip(videos, soundtracks)):
-        audio, rate = cl.audio_to_waveform(soundtrack, f"soundtrack of reference video {i + 1}") if soundtrack is not None else (None, None)
-        references.append(MiniMaxH3VideoReference(frames=cl.image_to_clip(clip, f"reference video {i + 1}").numpy(), fps=float(FPS), audio=audio, sample_rate=rate))
+        audio, rate = (
+            cl.audio_to_waveform(soundtrack, f"soundtrack of reference video {i + 1}")
+            if soundtrack is not None
+            else (None, None)
+        )
+        references.append(
+            MiniMaxH3VideoReference(
+                frames=cl.image_to_clip(clip, f"reference video {i + 1}").numpy(),
+                fps=float(FPS),
+                audio=audio,
+                sample_rate=rate,
+            )
+        )
     for i, audio in enumerate(audios):
         waveform, rate = cl.audio_to_waveform(audio, f"reference audio {i + 1}")
         references.append(MiniMaxH3AudioReference(audio=waveform, sample_rate=rate))
@@ -143,7 +199,10 @@ def encode(registry: EngineRegistry, host: Host, te: Any, vae: Any, prompt: str,
         if done <= steps:
             bar(done, steps)
 
-    encoded = replace(encode_request(conditioner, vaes, prompt, mode, geometry, keyframes, references, canvas, after_stage), notes=notes)
+    encoded = replace(
+        encode_request(conditioner, vaes, prompt, mode, geometry, keyframes, references, canvas, after_stage),
+        notes=notes,
+    )
     latents = cl.empty_latents(geometry, vaes.latent_channels, vaes.audio_latent_channels)
     for note in notes:
         host.log(f"Vflash encode: {note}")
@@ -160,19 +219,32 @@ def _memory_line(metadata: Mapping[str, Any]) -> str:
     )
 
 
-def sample(registry: EngineRegistry, host: Host, model: TransformerSpec, cond: EncodedRequest, latent: dict[str, Any], seed: int,
-           force_offload: bool = False, profile_denoise: bool = False) -> dict[str, Any]:
+def sample(
+    registry: EngineRegistry,
+    host: Host,
+    model: TransformerSpec,
+    cond: EncodedRequest,
+    latent: dict[str, Any],
+    seed: int,
+    force_offload: bool = False,
+    profile_denoise: bool = False,
+) -> dict[str, Any]:
     """VflashSampler: the profile's fixed schedule from the seed's noise on VflashEncode's `pipeline.EncodedRequest`;
     returns core's H3 AV latent."""
     check_seed(seed)
     target = cl.from_comfy_latent(latent)
     if not cl.is_empty(target):
-        raise RequestError("VflashSampler starts from noise: its latent input must be empty (VflashEncode's or EmptyMiniMaxH3LatentAV's); it only sets the canvas and length")
+        raise RequestError(
+            "VflashSampler starts from noise: its latent input must be empty (VflashEncode's or "
+            "EmptyMiniMaxH3LatentAV's); it only sets the canvas and length"
+        )
     geometry = target.geometry
     if cond.mode != "t2va" and geometry != cond.geometry:  # keyframes and references are encoded for their canvas
         raise RequestError(
-            f"the {cond.mode} conditioning was encoded for {cond.geometry.width}x{cond.geometry.height}, {cond.geometry.num_frames} frames; "
-            f"the latent is {geometry.width}x{geometry.height}, {geometry.num_frames} frames (use VflashEncode's latent or match them)"
+            f"the {cond.mode} conditioning was encoded for {cond.geometry.width}x{cond.geometry.height}, "
+            f"{cond.geometry.num_frames} frames; "
+            f"the latent is {geometry.width}x{geometry.height}, {geometry.num_frames} frames (use VflashEncode's "
+            "latent or match them)"
         )
     # Profile vs request before the transformer is touched (loading or compiling it is model work).
     profile = recorded_profile(model.files.source, model.files.path, model.files.profile)
@@ -200,8 +272,13 @@ def sample(registry: EngineRegistry, host: Host, model: TransformerSpec, cond: E
     progress = None if preview is not None else stopping(host_progress(host))
     start = time.perf_counter()
     try:
-        result = session.generate(handoff, progress=progress, between_blocks=stopping(host.check_interrupt), profile_denoise=profile_denoise,
-                                  preview=None if preview is None else stopping(preview))
+        result = session.generate(
+            handoff,
+            progress=progress,
+            between_blocks=stopping(host.check_interrupt),
+            profile_denoise=profile_denoise,
+            preview=None if preview is None else stopping(preview),
+        )
     except BaseException as exc:
         if not stopped and not isinstance(exc, VflashError):
             # A failed trajectory leaves the session refusing work: close it now, the next run loads a fresh one.
@@ -225,7 +302,9 @@ def sample(registry: EngineRegistry, host: Host, model: TransformerSpec, cond: E
     return out
 
 
-def decode(registry: EngineRegistry, host: Host, vae: Any, latent: dict[str, Any], audio_vae: Any = None) -> tuple[torch.Tensor, dict[str, Any], Any]:
+def decode(
+    registry: EngineRegistry, host: Host, vae: Any, latent: dict[str, Any], audio_vae: Any = None
+) -> tuple[torch.Tensor, dict[str, Any], Any]:
     """VflashDecode: frames (IMAGE batch), stereo AUDIO trimmed to the video's length, and a VIDEO at 24 fps.
     `vae` is a Vflash VAE pair spec, or core's H3 video VAE with core's audio VAE in `audio_vae`."""
     av = cl.from_comfy_latent(latent)
@@ -239,20 +318,54 @@ def decode(registry: EngineRegistry, host: Host, vae: Any, latent: dict[str, Any
         )
     bar = host_progress(host)
     # ComfyUI's interrupt is polled before every block of the video decoder, so Cancel stops a long decode at once.
-    media = decode_latents(vaes, av.video, av.audio, lambda stage: bar(("decode.video", "decode.audio").index(stage) + 1, 2), host.check_interrupt)
+    media = decode_latents(
+        vaes,
+        av.video,
+        av.audio,
+        lambda stage: bar(("decode.video", "decode.audio").index(stage) + 1, 2),
+        host.check_interrupt,
+    )
     images = cl.frames_to_image(media.frames)
     audio = cl.waveform_to_audio(delivered_soundtrack(media), media.sample_rate)
     return images, audio, host.make_video(images, audio, float(FPS))
 
 
-def generate(registry: EngineRegistry, host: Host, model: TransformerSpec, te: Any, vae: Any, prompt: str,
-             width: int, height: int, length: int, seconds: float, seed: int, first_frame: torch.Tensor | None = None,
-             last_frame: torch.Tensor | None = None, force_offload: bool = False, audio_vae: Any = None) -> tuple[Any, torch.Tensor, dict[str, Any]]:
+def generate(
+    registry: EngineRegistry,
+    host: Host,
+    model: TransformerSpec,
+    te: Any,
+    vae: Any,
+    prompt: str,
+    width: int,
+    height: int,
+    length: int,
+    seconds: float,
+    seed: int,
+    first_frame: torch.Tensor | None = None,
+    last_frame: torch.Tensor | None = None,
+    force_offload: bool = False,
+    audio_vae: Any = None,
+) -> tuple[Any, torch.Tensor, dict[str, Any]]:
     """VflashGenerate: encode, sample, decode in one node (Vflash or core text encoder / VAEs, as `encode`); the
     request is checked against the transformer's profile before the text encoder runs."""
     profile = recorded_profile(model.files.source, model.files.path, model.files.profile)
-    cond, latent, _ = encode(registry, host, te, vae, prompt, width, height, length, seconds, first_frame, last_frame,
-                             force_offload=True, audio_vae=audio_vae, profile=profile)
+    cond, latent, _ = encode(
+        registry,
+        host,
+        te,
+        vae,
+        prompt,
+        width,
+        height,
+        length,
+        seconds,
+        first_frame,
+        last_frame,
+        force_offload=True,
+        audio_vae=audio_vae,
+        profile=profile,
+    )
     latent = sample(registry, host, model, cond, latent, seed, force_offload)
     images, audio, video = decode(registry, host, vae, latent, audio_vae)
     return video, images, audio

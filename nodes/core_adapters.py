@@ -22,7 +22,16 @@ from . import comfy_latent as cl
 from .engines import ComponentSpec, EngineRegistry, load_component_engine
 from .interfaces import Host
 
-__all__ = ["CORE_TEXT_NOTE", "CORE_VAE_NOTE", "CoreTextConditioner", "CoreVAEs", "core_text_conditioner", "pil_to_image", "text_conditioner", "vae_pair"]
+__all__ = [
+    "CORE_TEXT_NOTE",
+    "CORE_VAE_NOTE",
+    "CoreTextConditioner",
+    "CoreVAEs",
+    "core_text_conditioner",
+    "pil_to_image",
+    "text_conditioner",
+    "vae_pair",
+]
 
 # What Vflash measured of core's text conditioning (ComfyUI 0.33.0 `comfy/text_encoders/minimax.py` on the same
 # Qwen3-VL weights as the diffusers conditioner): the README's ComfyUI section has the numbers and the test.
@@ -98,7 +107,10 @@ class CoreVAEs:
 
     def __init__(self, video_vae: Any, audio_vae: Any = None):
         if getattr(video_vae, "latent_dim", 3) != 3:
-            raise RequestError("the vae input takes MiniMax-H3's video VAE (VAELoader of the video VAE file); connect the audio VAE to audio_vae")
+            raise RequestError(
+                "the vae input takes MiniMax-H3's video VAE (VAELoader of the video VAE file); connect the audio VAE "
+                "to audio_vae"
+            )
         if audio_vae is not None and getattr(audio_vae, "latent_dim", 2) != 2:
             raise RequestError("the audio_vae input takes MiniMax-H3's audio VAE (VAELoader of the audio VAE file)")
         self.video_vae = video_vae
@@ -106,7 +118,10 @@ class CoreVAEs:
 
     def require_audio(self) -> Any:
         if self.audio_vae is None:
-            raise RequestError("a core video VAE is connected without its audio VAE: connect MiniMax-H3's audio VAE (VAELoader) to audio_vae")
+            raise RequestError(
+                "a core video VAE is connected without its audio VAE: connect MiniMax-H3's audio VAE (VAELoader) to "
+                "audio_vae"
+            )
         return self.audio_vae
 
     @property
@@ -132,7 +147,11 @@ class CoreVAEs:
     @torch.no_grad()
     def encode_pixels(self, frames) -> torch.Tensor:
         """(F, H, W, 3) uint8 -> (1, C, f, H/16, W/16) fp32 normalised, CPU."""
-        pixels = torch.from_numpy(frames.astype("float32") / 255.0) if not isinstance(frames, torch.Tensor) else frames.float() / 255.0
+        pixels = (
+            torch.from_numpy(frames.astype("float32") / 255.0)
+            if not isinstance(frames, torch.Tensor)
+            else frames.float() / 255.0
+        )
         return self.video_vae.encode(pixels).float().cpu()
 
     @torch.no_grad()
@@ -142,7 +161,9 @@ class CoreVAEs:
         return latents[0].permute(1, 2, 0).reshape(-1, latents.shape[1])
 
     @torch.no_grad()
-    def decode_video(self, video_latents: torch.Tensor, between_blocks: Callable[[], None] | None = None) -> torch.Tensor:
+    def decode_video(
+        self, video_latents: torch.Tensor, between_blocks: Callable[[], None] | None = None
+    ) -> torch.Tensor:
         """(1, C, F, h, w) normalised -> (F', 16 h, 16 w, 3) fp32 in [0, 1], CPU; `between_blocks()` before each block
         of core's ViT decoder (`first_stage_model.decoder.transformer_blocks`; a model without them is not polled)."""
         decoder = getattr(getattr(self.video_vae, "first_stage_model", None), "decoder", None)
@@ -162,11 +183,15 @@ def core_text_conditioner(te: Any) -> CoreTextConditioner:
     """Core's CLIP behind the text-conditioner interface; anything else connected to `te` is refused by name."""
     if callable(getattr(te, "tokenize", None)) and callable(getattr(te, "encode_from_tokens_scheduled", None)):
         return CoreTextConditioner(te)
-    raise RequestError(f"te takes a Vflash text encoder (VflashTextEncoderLoader) or core CLIP (CLIPLoader, type minimax), got {type(te).__name__}")
+    raise RequestError(
+        "te takes a Vflash text encoder (VflashTextEncoderLoader) or core CLIP (CLIPLoader, type minimax), got "
+        f"{type(te).__name__}"
+    )
 
 
 def text_conditioner(registry: EngineRegistry, host: Host, te: Any) -> TextConditioner | CoreTextConditioner:
-    """The text conditioner of a `te` input: a Vflash text encoder spec's engine (loaded now if it is not), or core's CLIP."""
+    """The text conditioner of a `te` input: a Vflash text encoder spec's engine (loaded now if it is not), or core's
+    CLIP."""
     if isinstance(te, ComponentSpec):
         return load_component_engine(registry, host, te)
     return core_text_conditioner(te)
@@ -180,4 +205,6 @@ def vae_pair(registry: EngineRegistry, host: Host, vae: Any, audio_vae: Any = No
         return load_component_engine(registry, host, vae)
     if callable(getattr(vae, "decode", None)) and callable(getattr(vae, "encode", None)):  # core VAE
         return CoreVAEs(vae, audio_vae)
-    raise RequestError(f"vae takes a Vflash VAE pair (VflashVAELoader) or core's H3 video VAE (VAELoader), got {type(vae).__name__}")
+    raise RequestError(
+        f"vae takes a Vflash VAE pair (VflashVAELoader) or core's H3 video VAE (VAELoader), got {type(vae).__name__}"
+    )

@@ -48,9 +48,24 @@ from .model_files import (
 )
 
 __all__ = [
-    "KIND_LABEL", "UNLOAD_TARGETS", "ComponentSpec", "EngineRegistry", "LoraRef", "TransformerFiles", "TransformerSpec",
-    "check_loader", "compile_on_first_use", "component_root", "load_component_engine", "load_session", "present_devices",
-    "resolve_device", "resolve_model", "runnable_profiles", "text_encoder_rules", "transformer_spec",
+    "KIND_LABEL",
+    "UNLOAD_TARGETS",
+    "ComponentSpec",
+    "EngineRegistry",
+    "LoraRef",
+    "TransformerFiles",
+    "TransformerSpec",
+    "check_loader",
+    "compile_on_first_use",
+    "component_root",
+    "load_component_engine",
+    "load_session",
+    "present_devices",
+    "resolve_device",
+    "resolve_model",
+    "runnable_profiles",
+    "text_encoder_rules",
+    "transformer_spec",
 ]
 
 UNLOAD_TARGETS = ("all", "dit", "te", "vae")
@@ -190,15 +205,28 @@ def _check_run_devices(options: RunOptions, profile: Profile) -> None:
         primary = device_arch(options.device)
         arch = primary if primary != profile.arch or options.peer_device is None else device_arch(options.peer_device)
         runnable = [p for p in runnable_profiles() if p != "auto" and p.endswith(f"-{arch}")]
-        hint = f"; profiles for {arch} here: {', '.join(runnable[:4])}{' ...' if len(runnable) > 4 else ''}" if runnable else ""
+        hint = (
+            f"; profiles for {arch} here: {', '.join(runnable[:4])}{' ...' if len(runnable) > 4 else ''}"
+            if runnable
+            else ""
+        )
         raise IdentityMismatchError(f"{exc}{hint}") from None
 
 
 # -- the model loader's widgets ----------------------------------------------------------------------------------
 
 
-def check_loader(host: Host, folders: Folders, model: str, profile: str, weight_residency: str, device: str,
-                 peer_device: str, strategy: str, attention_backend: str) -> tuple[str, RunOptions]:
+def check_loader(
+    host: Host,
+    folders: Folders,
+    model: str,
+    profile: str,
+    weight_residency: str,
+    device: str,
+    peer_device: str,
+    strategy: str,
+    attention_backend: str,
+) -> tuple[str, RunOptions]:
     """Every check of the model loader that needs no model work: the profile, the model option, the run options
     (`RunOptions`: residency, strategy, attention) and the devices' existence and architecture vs the profile.
     `strategy` counts only with a peer device. Returns (resolved path, run options with the devices resolved)."""
@@ -207,11 +235,16 @@ def check_loader(host: Host, folders: Folders, model: str, profile: str, weight_
     path = check_model_option(folders, model)
     chosen = recorded_profile(model, path, profile)
     if chosen is None:
-        raise VflashError(f"{model} holds official weights; choose the profile to compile them for (e.g. {runnable_profiles()[1]})")
+        raise VflashError(
+            f"{model} holds official weights; choose the profile to compile them for (e.g. {runnable_profiles()[1]})"
+        )
     if model.startswith(("diffusers/", "diffusion_models/")):
         transformer = official_transformer(Path(path), chosen)
         if not transformer.exists():
-            raise VflashError(f"{model} has no {transformer.name}/: profile {chosen.id} compiles the {transformer.name} partition of a model root")
+            raise VflashError(
+                f"{model} has no {transformer.name}/: profile {chosen.id} compiles the {transformer.name} partition "
+                "of a model root"
+            )
         # The file's form (header and scales only): quantized formats without an exact dequantization are refused, and
         # a pruned file pairs only with a -pruned profile.
         SourceWeights(transformer).check_profile(chosen)
@@ -221,16 +254,33 @@ def check_loader(host: Host, folders: Folders, model: str, profile: str, weight_
     peer = None if peer_device in (None, "", "none") else resolve_device(host, peer_device)
     if peer is not None and peer == resolved:
         raise VflashError(f"peer_device {peer} is the loader's device; choose another GPU or 'none'")
-    options = RunOptions(device=resolved, peer_device=peer, strategy=strategy if peer else None,
-                         attention_backend=attention_backend, weight_residency=weight_residency)
+    options = RunOptions(
+        device=resolved,
+        peer_device=peer,
+        strategy=strategy if peer else None,
+        attention_backend=attention_backend,
+        weight_residency=weight_residency,
+    )
     _check_run_devices(options, chosen)
     return path, options
 
 
-def transformer_spec(host: Host, folders: Folders, model: str, profile: str, weight_residency: str, device: str, peer_device: str,
-                     strategy: str, attention_backend: str, lora: tuple[LoraRef, ...] | None = None) -> TransformerSpec:
+def transformer_spec(
+    host: Host,
+    folders: Folders,
+    model: str,
+    profile: str,
+    weight_residency: str,
+    device: str,
+    peer_device: str,
+    strategy: str,
+    attention_backend: str,
+    lora: tuple[LoraRef, ...] | None = None,
+) -> TransformerSpec:
     """Validate the loader's widgets into a spec (cheap; loads nothing, writes nothing)."""
-    path, options = check_loader(host, folders, model, profile, weight_residency, device, peer_device, strategy, attention_backend)
+    path, options = check_loader(
+        host, folders, model, profile, weight_residency, device, peer_device, strategy, attention_backend
+    )
     loras = tuple(lora or ())
     compile_dir = ""
     if model.startswith(("diffusers/", "diffusion_models/")):  # official weights (check_loader refused "auto" for them)
@@ -239,7 +289,9 @@ def transformer_spec(host: Host, folders: Folders, model: str, profile: str, wei
         name = f"{root.stem if root.is_file() else root.name}-{profile}"
         compiled = (Path(bases[0]) if bases else default_cache_dir()) / "compiled"
         compile_dir = str(compiled / (f"{name}-{Path(loras[0].path).stem}" if loras else name))
-    return TransformerSpec(TransformerFiles(model, path, model_identity(folders, model), profile, loras, compile_dir), options)
+    return TransformerSpec(
+        TransformerFiles(model, path, model_identity(folders, model), profile, loras, compile_dir), options
+    )
 
 
 # -- what a spec loads -------------------------------------------------------------------------------------------
@@ -252,11 +304,17 @@ def resolve_model(host: Host, spec: TransformerSpec) -> tuple[Profile, Path, Pat
 
     def pick(recorded: str) -> Profile:
         if files.profile not in ("auto", recorded):
-            raise VflashError(f"{files.source} is compiled for profile {recorded}; the loader asks for {files.profile} (choose 'auto' or {recorded})")
+            raise VflashError(
+                f"{files.source} is compiled for profile {recorded}; the loader asks for {files.profile} (choose "
+                f"'auto' or {recorded})"
+            )
         return get_profile(recorded)
 
     if files.loras and (files.source == DEMO or files.source.startswith("vflash/")):
-        raise VflashError(f"{files.source} is already compiled (LoRAs are compiled into the weights); connect a LoRA only when loading official weights (diffusers/... or diffusion_models/...)")
+        raise VflashError(
+            f"{files.source} is already compiled (LoRAs are compiled into the weights); connect a LoRA only when "
+            "loading official weights (diffusers/... or diffusion_models/...)"
+        )
     if files.source == DEMO or files.source.endswith(".json"):
         assets = PreparedAssets.load(demo_receipt(host) if files.source == DEMO else Path(files.path))
         return pick(assets.profile.id), assets.artifact, assets.schedule_overlay, assets.auxiliary_tensor
@@ -269,7 +327,10 @@ def resolve_model(host: Host, spec: TransformerSpec) -> tuple[Profile, Path, Pat
     if len(files.loras) > 1:
         raise VflashError(f"a profile binds at most one LoRA; the chain has {len(files.loras)}")
     if files.loras and profile.adapter is not None and abs(files.loras[0].strength - profile.adapter.strength) > 1e-9:
-        raise VflashError(f"profile {profile.id} binds its LoRA at strength {profile.adapter.strength:g}; the chain asks {files.loras[0].strength:g}")
+        raise VflashError(
+            f"profile {profile.id} binds its LoRA at strength {profile.adapter.strength:g}; the chain asks "
+            f"{files.loras[0].strength:g}"
+        )
     device = "cpu" if profile.arch == "cpu" else str(spec.options.device)
     return profile, *compiled_paths(compile_on_first_use(host, files, profile, device))
 
@@ -288,7 +349,10 @@ def compile_on_first_use(host: Host, files: TransformerFiles, profile: Profile, 
     adapter = files.loras[0].path if files.loras else None
     out.parent.mkdir(parents=True, exist_ok=True)
     if os.path.lexists(receipt) and not compiler.receipt_describes(receipt, root, adapter):
-        host.log(f"Vflash: {files.source} is not the file it was prepared from (its size or modification time changed, or it moved); preparing it again")
+        host.log(
+            f"Vflash: {files.source} is not the file it was prepared from (its size or modification time changed, or "
+            "it moved); preparing it again"
+        )
         receipt.unlink()
     if not receipt.is_file():
         host.log(f"Vflash: preparing {files.source} for {profile.id} (hashing the weights) ...")
@@ -311,9 +375,14 @@ def load_session(registry: EngineRegistry, host: Host, spec: TransformerSpec) ->
     def factory() -> NativeEngineSession:
         host.free_memory()
         return NativeEngineSession(
-            *resolve_model(host, spec), device=options.device, peer_device=options.peer_device, strategy=options.strategy,
-            weight_residency=options.weight_residency, attention_backend=options.attention_backend,
-            max_device_memory=options.max_device_memory, on_load_progress=host_progress(host),
+            *resolve_model(host, spec),
+            device=options.device,
+            peer_device=options.peer_device,
+            strategy=options.strategy,
+            weight_residency=options.weight_residency,
+            attention_backend=options.attention_backend,
+            max_device_memory=options.max_device_memory,
+            on_load_progress=host_progress(host),
         )
 
     return registry.acquire("dit", spec.key(), spec.files.source, factory)
@@ -328,7 +397,9 @@ def component_root(host: Host, spec: ComponentSpec) -> Path:
     elif spec.source.startswith("diffusers/"):
         return Path(spec.path)
     else:
-        raise VflashError(f"{spec.source} has no {KIND_LABEL[spec.kind]}: choose a model folder or prepared-assets receipt")
+        raise VflashError(
+            f"{spec.source} has no {KIND_LABEL[spec.kind]}: choose a model folder or prepared-assets receipt"
+        )
     return assets.model_root if spec.kind == "te" else assets.decoder_root
 
 
@@ -339,8 +410,11 @@ def text_encoder_rules(host: Host, spec: ComponentSpec) -> tuple[CanvasRules, Pr
 
 def load_component_engine(registry: EngineRegistry, host: Host, spec: ComponentSpec) -> TextConditioner | MediaVAEs:
     """The spec's text conditioner or VAE pair from the registry, loaded now if it is not."""
+
     def factory() -> TextConditioner | MediaVAEs:
         host.free_memory()
-        return (TextConditioner if spec.kind == "te" else MediaVAEs).from_pretrained(component_root(host, spec), spec.device)
+        return (TextConditioner if spec.kind == "te" else MediaVAEs).from_pretrained(
+            component_root(host, spec), spec.device
+        )
 
     return registry.acquire(spec.kind, spec.key(), spec.source, factory)

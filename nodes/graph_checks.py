@@ -18,13 +18,22 @@ from .interfaces import Folders, Host
 from .model_files import DEMO, recorded_canvas, recorded_profile, resolve
 from .request_inputs import ENCODE_DEFAULTS, request_geometry
 
-__all__ = ["LOADER_WIDGETS", "check_graph", "encode_mode", "graph_refusals", "loader_refusals", "refusal", "validate_device"]
+__all__ = [
+    "LOADER_WIDGETS",
+    "check_graph",
+    "encode_mode",
+    "graph_refusals",
+    "loader_refusals",
+    "refusal",
+    "validate_device",
+]
 
 LOADER_WIDGETS = ("model", "profile", "weight_residency", "device", "peer_device", "strategy", "attention_backend")
 
 
 def refusal(check: Callable[..., Any], *args: Any) -> bool | str:
-    """What `validate_inputs` returns for a check: True, or its refusal as text (ComfyUI shows it before anything runs)."""
+    """What `validate_inputs` returns for a check: True, or its refusal as text (ComfyUI shows it before anything
+    runs)."""
     try:
         check(*args)
     except VflashError as exc:
@@ -118,8 +127,11 @@ def graph_refusals(prompt: Mapping[str, Mapping[str, Any]] | None, folders: Fold
             out.append(f"node {cond_link[0]} (VflashEncode): {exc}")
             continue
         if mode not in profile.modes:
-            out.append(f"node {nid} (VflashSampler): profile {profile.id} (node {model_link[0]}) accepts {', '.join(profile.modes)}; "
-                       f"node {cond_link[0]} (VflashEncode) encodes a {mode} request")
+            out.append(
+                f"node {nid} (VflashSampler): profile {profile.id} (node {model_link[0]}) accepts "
+                f"{', '.join(profile.modes)}; "
+                f"node {cond_link[0]} (VflashEncode) encodes a {mode} request"
+            )
             continue
         if not any(_linked(e.get(k)) for k in ENCODE_DEFAULTS):
             canvas = _graph_canvas(prompt, e.get("te"), folders)

@@ -24,9 +24,21 @@ from vflash_core.weights.tensor_store import TensorStore
 from .interfaces import Folders, Host, HostStageProgress
 
 __all__ = [
-    "COMPONENT_FOLDERS", "DEMO", "check_model_option", "compiled_paths", "component_options", "demo_receipt",
-    "is_h3_transformer_file", "lora_options", "model_identity", "model_options", "official_transformer", "path_identity",
-    "recorded_canvas", "recorded_profile", "resolve",
+    "COMPONENT_FOLDERS",
+    "DEMO",
+    "check_model_option",
+    "compiled_paths",
+    "component_options",
+    "demo_receipt",
+    "is_h3_transformer_file",
+    "lora_options",
+    "model_identity",
+    "model_options",
+    "official_transformer",
+    "path_identity",
+    "recorded_canvas",
+    "recorded_profile",
+    "resolve",
 ]
 
 logger = logging.getLogger(__name__)
@@ -34,8 +46,12 @@ logger = logging.getLogger(__name__)
 DEMO = "embedded-demo"
 COMPONENT_FOLDERS = {"te": "text_encoder", "vae": "vae"}  # the model root's folder that identifies a component
 
-_H3_MARKERS = ("transformer_blocks.0.attn.to_q.weight", "blocks.0.attn.qkv_proj.weight",
-               "model.diffusion_model.blocks.0.attn.qkv_proj.weight", "diffusion_model.blocks.0.attn.qkv_proj.weight")
+_H3_MARKERS = (
+    "transformer_blocks.0.attn.to_q.weight",
+    "blocks.0.attn.qkv_proj.weight",
+    "model.diffusion_model.blocks.0.attn.qkv_proj.weight",
+    "diffusion_model.blocks.0.attn.qkv_proj.weight",
+)
 _h3_file_cache: dict[tuple, bool] = {}
 
 
@@ -71,7 +87,13 @@ def _model_roots(folders: Folders, component: str | None) -> list[str]:
 
 def _compiled_entries(folders: Folders) -> list[str]:
     """`vflash/<folder>` entries: compiled outputs (artifact/manifest.json inside) in the vflash folders."""
-    return sorted({"vflash/" + rel[: -len("/artifact/manifest.json")] for rel in folders.filenames("vflash") if rel.endswith("/artifact/manifest.json")})
+    return sorted(
+        {
+            "vflash/" + rel[: -len("/artifact/manifest.json")]
+            for rel in folders.filenames("vflash")
+            if rel.endswith("/artifact/manifest.json")
+        }
+    )
 
 
 def _receipt_entries(folders: Folders) -> list[str]:
@@ -95,7 +117,9 @@ def model_options(folders: Folders) -> list[str]:
     singles = [
         f"diffusion_models/{rel}"
         for rel in folders.filenames("diffusion_models")
-        if rel.endswith(".safetensors") and (path := folders.full_path("diffusion_models", rel)) and is_h3_transformer_file(path)
+        if rel.endswith(".safetensors")
+        and (path := folders.full_path("diffusion_models", rel))
+        and is_h3_transformer_file(path)
     ]
     return [DEMO, *_receipt_entries(folders), *_compiled_entries(folders), *_model_roots(folders, None), *singles]
 
@@ -117,20 +141,35 @@ def resolve(folders: Folders, name: str) -> Path:
     where ComfyUI looked."""
     key, _, rel = name.partition("/")
     if name == DEMO or not rel or key not in ("vflash", "diffusers", "diffusion_models", "loras"):
-        raise VflashError(f"{name!r} is not a model file option (expected vflash/..., diffusers/..., diffusion_models/... or loras/...)")
+        raise VflashError(
+            f"{name!r} is not a model file option (expected vflash/..., diffusers/..., diffusion_models/... or "
+            "loras/...)"
+        )
     full = folders.full_path(key, rel)
     if full is None:
         if folders.folders(key):
-            raise VflashError(f"{name} is missing: {rel} belongs in models/{key} (ComfyUI looks in {', '.join(folders.folders(key))})")
-        raise VflashError(f"{name} is missing: {rel} belongs in models/{key}, and no {key} folder is registered "
-                          "(vflash run-workflow registers them under --models-dir)")
+            raise VflashError(
+                f"{name} is missing: {rel} belongs in models/{key} (ComfyUI looks in {', '.join(folders.folders(key))})"
+            )
+        raise VflashError(
+            f"{name} is missing: {rel} belongs in models/{key}, and no {key} folder is registered "
+            "(vflash run-workflow registers them under --models-dir)"
+        )
     return Path(full)
 
 
-_IDENTITY_FILES = ("artifact/manifest.json", "schedule/manifest.json", "auxiliary.safetensors", "transformer/config.json",
-                   "transformer/diffusion_pytorch_model.safetensors.index.json", "transformer_ref/config.json",
-                   "transformer_ref/diffusion_pytorch_model.safetensors.index.json", "text_encoder/config.json", "vae/config.json",
-                   "audio_vae/config.json")
+_IDENTITY_FILES = (
+    "artifact/manifest.json",
+    "schedule/manifest.json",
+    "auxiliary.safetensors",
+    "transformer/config.json",
+    "transformer/diffusion_pytorch_model.safetensors.index.json",
+    "transformer_ref/config.json",
+    "transformer_ref/diffusion_pytorch_model.safetensors.index.json",
+    "text_encoder/config.json",
+    "vae/config.json",
+    "audio_vae/config.json",
+)
 
 
 def path_identity(path: Path) -> tuple:
@@ -138,7 +177,10 @@ def path_identity(path: Path) -> tuple:
     if path.is_file():
         stat = path.stat()
         return (str(path), stat.st_size, stat.st_mtime_ns)
-    return (str(path), tuple((rel, *path_identity(path / rel)[1:]) for rel in _IDENTITY_FILES if (path / rel).is_file()))
+    return (
+        str(path),
+        tuple((rel, *path_identity(path / rel)[1:]) for rel in _IDENTITY_FILES if (path / rel).is_file()),
+    )
 
 
 def model_identity(folders: Folders, name: str, component: str = "") -> tuple:

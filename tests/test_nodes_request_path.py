@@ -54,8 +54,14 @@ def wide_receipt(pack, demo_receipt) -> Path:
     index = json.loads((built / "modular_model_index.json").read_text())
     (root / "modular_model_index.json").write_text(json.dumps({**index, **WIDE}))
     demo = PreparedAssets.load(demo_receipt)
-    assets = {"model_root": str(root), "decoder_root": str(root), "adapter_path": None, "artifact": str(demo.artifact),
-              "schedule_overlay": str(demo.schedule_overlay), "auxiliary_tensor": str(demo.auxiliary_tensor)}
+    assets = {
+        "model_root": str(root),
+        "decoder_root": str(root),
+        "adapter_path": None,
+        "artifact": str(demo.artifact),
+        "schedule_overlay": str(demo.schedule_overlay),
+        "auxiliary_tensor": str(demo.auxiliary_tensor),
+    }
     (models / "wide-assets.json").write_text(json.dumps(assets))
     receipt = models / "vflash" / "wide.json"
     receipt.parent.mkdir(exist_ok=True)
@@ -69,8 +75,21 @@ def cli_verdict(capsys, receipt: Path, tmp_path: Path, width: int, height: int) 
     try:
         H3Pipeline.from_prepared(receipt).validate(VideoRequest(PROMPT, width=width, height=height))
     except RequestError:
-        code = main(["generate", "--prepared-assets", str(receipt), "--prompt", PROMPT, "--width", str(width),
-                     "--height", str(height), "--output", str(tmp_path / "clip.mp4")])
+        code = main(
+            [
+                "generate",
+                "--prepared-assets",
+                str(receipt),
+                "--prompt",
+                PROMPT,
+                "--width",
+                str(width),
+                "--height",
+                str(height),
+                "--output",
+                str(tmp_path / "clip.mp4"),
+            ]
+        )
         lines = capsys.readouterr().err.strip().splitlines()
         assert code != 0 and len(lines) == 1 and lines[0].startswith("vflash: error: "), lines
         assert not (tmp_path / "clip.mp4").exists()
@@ -81,7 +100,14 @@ def cli_verdict(capsys, receipt: Path, tmp_path: Path, width: int, height: int) 
 def graph(width: int, height: int) -> dict:
     """The t2va workflow on the wide receipt, its encode node on the canvas."""
     workflow = load_api_workflow(API / "t2va.json")
-    changes = [f"1.model={OPTION}", f"2.encoder={OPTION}", f"3.vae={OPTION}", f"4.width={width}", f"4.height={height}", f"4.prompt={PROMPT}"]
+    changes = [
+        f"1.model={OPTION}",
+        f"2.encoder={OPTION}",
+        f"3.vae={OPTION}",
+        f"4.width={width}",
+        f"4.height={height}",
+        f"4.prompt={PROMPT}",
+    ]
     return apply_overrides(workflow, changes)
 
 
@@ -111,8 +137,10 @@ def test_the_nodes_accept_a_canvas_exactly_when_the_cli_does(pack, wide_receipt,
         with pytest.raises(RequestError, match="this model generates at most 1,032,192"):
             check_canvas_size(height, width, CanvasRules())
     if (width, height) == (2048, 1024):
-        assert cli == ("canvas 2048x1024 is 2,097,152 pixels; this model generates at most 1,572,864 (canvas_max_pixels, "
-                       "within rounding to multiples of 32; e.g. 1664x928 at 16:9)")
+        assert cli == (
+            "canvas 2048x1024 is 2,097,152 pixels; this model generates at most 1,572,864 (canvas_max_pixels, "
+            "within rounding to multiples of 32; e.g. 1664x928 at 16:9)"
+        )
 
 
 def test_a_canvas_the_model_refuses_is_refused_before_any_model_work(pack, wide_receipt, capsys, tmp_path):
@@ -123,7 +151,11 @@ def test_a_canvas_the_model_refuses_is_refused_before_any_model_work(pack, wide_
     registry.release("all")
     ran = []
     with pytest.raises(VflashError) as refused:
-        execute(graph(2048, 1024), pack.node_types(graph(2048, 1024)), on_node=lambda nid, class_type: ran.append(class_type))
+        execute(
+            graph(2048, 1024),
+            pack.node_types(graph(2048, 1024)),
+            on_node=lambda nid, class_type: ran.append(class_type),
+        )
     assert str(refused.value) == f"this graph cannot run: node 5 (VflashSampler): {refusal}"
     assert len(ran) == 1 and registry.loaded() == {}  # the first node refused; nothing loaded
     assert pack.package.graph_checks.graph_refusals(graph(1536, 768), pack.package.host.FOLDERS) == []

@@ -53,7 +53,8 @@ from .model_loading import MODEL_LOAD_LOCK
 __all__ = [
     "ANCHORS", "MAX_PROMPT_BYTES", "PIXELS", "SECONDS", "SEED", "MediaInput", "PromptBudget", "RequestPlan",
     "check_canvas_size", "check_generate_arguments", "check_labels", "check_output_is_not_an_input", "check_prompt",
-    "check_reference_counts", "check_seed", "media_input", "media_inputs", "plan_inputs", "plan_request", "request_mode",
+    "check_reference_counts", "check_seed", "media_input", "media_inputs", "plan_inputs", "plan_request",
+    "request_mode",
 ]
 
 if TYPE_CHECKING:
