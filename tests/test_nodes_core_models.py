@@ -21,8 +21,8 @@ import pytest
 import torch
 from comfy_standins import harness
 from conftest import linked_demo_cache
-from vflash_nodes import comfy_latent as cl
 from vflash_nodes import actions, core_adapters, engines, graph_checks, model_files
+from vflash_nodes import comfy_latent as cl
 from vflash_nodes.workflow import apply_overrides, execute, load_api_workflow
 
 from vflash_core.errors import RequestError, VflashError
