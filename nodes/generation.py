@@ -1,10 +1,12 @@
-"""Encode, sample, decode and the all-in-one generate node: widget conversion, one `ops` call, wrapping."""
+"""Encode, sample, decode and the all-in-one generate node: widget conversion, one `actions` call, wrapping."""
 
 from __future__ import annotations
 
 from comfy_api.latest import io
 
-from . import ops
+from . import actions
+from .engines import UNLOAD_TARGETS
+from .graph_checks import check_graph
 from .host import FOLDERS, HOST
 from .registry import ENGINES
 from .types import VflashCond, VflashModel, aliases, te_input, vae_inputs
@@ -86,8 +88,8 @@ class VflashEncode(io.ComfyNode):
     @classmethod
     def execute(cls, te, vae, prompt, width, height, length, seconds, first_frame=None, last_frame=None,
                 ref_images=None, ref_videos=None, ref_video_audios=None, ref_audios=None, force_offload=True, audio_vae=None):
-        ops.check_graph(getattr(cls.hidden, "prompt", None), HOST, FOLDERS)  # the loaders' widgets, profile vs this request
-        cond, latent, frames = ops.encode(
+        check_graph(getattr(cls.hidden, "prompt", None), HOST, FOLDERS)  # the loaders' widgets, profile vs this request
+        cond, latent, frames = actions.encode(
             ENGINES, HOST, te, vae, prompt, width, height, length, seconds, first_frame, last_frame,
             ref_images, ref_videos, ref_audios, force_offload, ref_video_audios, audio_vae,
         )
@@ -124,7 +126,7 @@ class VflashSampler(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, cond, latent, seed, force_offload=False, profile_denoise=False):
-        return io.NodeOutput(ops.sample(ENGINES, HOST, model, cond, latent, seed, force_offload, profile_denoise))
+        return io.NodeOutput(actions.sample(ENGINES, HOST, model, cond, latent, seed, force_offload, profile_denoise))
 
 
 class VflashDecode(io.ComfyNode):
@@ -152,7 +154,7 @@ class VflashDecode(io.ComfyNode):
 
     @classmethod
     def execute(cls, vae, latent, audio_vae=None):
-        return io.NodeOutput(*ops.decode(ENGINES, HOST, vae, latent, audio_vae))
+        return io.NodeOutput(*actions.decode(ENGINES, HOST, vae, latent, audio_vae))
 
 
 class VflashGenerate(io.ComfyNode):
@@ -184,7 +186,7 @@ class VflashGenerate(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, te, vae, prompt, width, height, length, seconds, seed, first_frame=None, last_frame=None, force_offload=False, audio_vae=None):
-        return io.NodeOutput(*ops.generate(ENGINES, HOST, model, te, vae, prompt, width, height, length, seconds, seed, first_frame, last_frame, force_offload, audio_vae))
+        return io.NodeOutput(*actions.generate(ENGINES, HOST, model, te, vae, prompt, width, height, length, seconds, seed, first_frame, last_frame, force_offload, audio_vae))
 
 
 class VflashUnload(io.ComfyNode):
@@ -198,7 +200,7 @@ class VflashUnload(io.ComfyNode):
             description="Releases Vflash engines (device and pinned host memory) when its input arrives; passes the input through.",
             inputs=[
                 io.AnyType.Input("anything", tooltip="Any value; connect it to order the unload after the node that produces it."),
-                io.Combo.Input("what", options=list(ops.UNLOAD_TARGETS), default="all", tooltip="all, or only the transformer (dit), text encoder (te) or VAEs (vae)."),
+                io.Combo.Input("what", options=list(UNLOAD_TARGETS), default="all", tooltip="all, or only the transformer (dit), text encoder (te) or VAEs (vae)."),
             ],
             outputs=[io.AnyType.Output("anything", tooltip="The input, passed through after the unload.")],
             is_output_node=True,
@@ -207,7 +209,7 @@ class VflashUnload(io.ComfyNode):
 
     @classmethod
     def execute(cls, anything, what):
-        return io.NodeOutput(ops.unload(ENGINES, HOST, anything, what))
+        return io.NodeOutput(actions.unload(ENGINES, HOST, anything, what))
 
 
 NODES = [VflashEncode, VflashSampler, VflashDecode, VflashGenerate, VflashUnload]

@@ -1,11 +1,11 @@
 """How the Vflash core reaches ComfyUI: progress bars, interrupts, memory cooperation, model folders, core types.
 
-`ComfyHost` implements `ops.Host` with ComfyUI's own hooks only (no patching): progress goes to
+`ComfyHost` implements `interfaces.Host` with ComfyUI's own hooks only (no patching): progress goes to
 `comfy.utils.ProgressBar` (whose server hook also raises on interrupt), live previews through core's `latent_preview`
 previewers for core's MiniMax-H3 video latent format, interrupts are polled with
 `throw_exception_if_processing_interrupted()`, memory is freed with `unload_all_models()` + `soft_empty_cache()`, the
 device is `get_torch_device()` read at call time (ComfyUI-MultiGPU patches it), videos are core
-`VideoFromComponents`. `ComfyFolders` lists and resolves model files through `folder_paths`. In `vflash
+`VideoFromComponents`. `ComfyFolders` (`interfaces.Folders`) lists and resolves model files through `folder_paths`. In `vflash
 run-workflow` the same classes run over the headless host's modules of those names (`headless/`).
 """
 

@@ -1,13 +1,24 @@
-"""Loader nodes: thin wrappers that turn widget values into engine specs through `ops`."""
+"""Loader nodes: thin wrappers that turn widget values into engine specs through `actions`."""
 
 from __future__ import annotations
 
 from comfy_api.latest import io
 
 from vflash_core.engine.attention import BACKENDS
+from vflash_core.engine.session import STRATEGIES, WEIGHT_RESIDENCIES
 
-from . import ops
+from . import actions
+from .engines import present_devices, runnable_profiles
+from .graph_checks import check_graph, refusal, validate_device
 from .host import FOLDERS, HOST
+from .model_files import (
+    COMPONENT_FOLDERS,
+    check_model_option,
+    component_options,
+    lora_options,
+    model_identity,
+    model_options,
+)
 from .registry import ENGINES
 from .types import DEVICE_TOOLTIP, VflashLora, VflashModel, VflashTextEncoder, VflashVAE, aliases, peer_devices
 
@@ -35,9 +46,9 @@ class VflashModelLoader(io.ComfyNode):
                 "architecture or a device this machine lacks is refused before any model work."
             ),
             inputs=[
-                io.Combo.Input("model", options=ops.model_options(FOLDERS), tooltip=_MODEL_TOOLTIP),
+                io.Combo.Input("model", options=model_options(FOLDERS), tooltip=_MODEL_TOOLTIP),
                 io.Combo.Input(
-                    "profile", options=ops.runnable_profiles(), default="auto",
+                    "profile", options=runnable_profiles(), default="auto",
                     tooltip="The fixed schedule, LoRA binding and GPU architecture the weights are compiled for (the id "
                     "ends in it: -sm90 = H100/H200, -cpu). Only the profiles this machine can run are listed. 'auto' takes "
                     "the profile recorded in a compiled artifact or receipt; official weights need an explicit one. The "
@@ -45,18 +56,18 @@ class VflashModelLoader(io.ComfyNode):
                     "profiles (approximate) are for pruned files only.",
                 ),
                 io.Combo.Input(
-                    "weight_residency", options=list(ops.WEIGHT_RESIDENCIES), default="auto",
+                    "weight_residency", options=list(WEIGHT_RESIDENCIES), default="auto",
                     tooltip="Where the transformer blocks live. resident: all on the device. block-ring: in pinned host "
                     "memory, streamed through two device slots (for GPUs that cannot hold the model). auto: resident if "
                     "it fits, else block-ring. Bits are identical either way.",
                 ),
-                io.Combo.Input("device", options=ops.present_devices(), default="auto", tooltip=DEVICE_TOOLTIP),
+                io.Combo.Input("device", options=present_devices(), default="auto", tooltip=DEVICE_TOOLTIP),
                 io.Combo.Input(
                     "peer_device", options=peer_devices(), default="none",
                     tooltip="Optional second GPU of the same host that shares each evaluation (see strategy). 'none': one device.",
                 ),
                 io.Combo.Input(
-                    "strategy", options=list(ops.STRATEGIES), default=ops.STRATEGIES[0],
+                    "strategy", options=list(STRATEGIES), default=STRATEGIES[0],
                     tooltip="How two GPUs split the work: sequence-head (attention heads / sequence split, one all-to-all "
                     "per block) or tensor (weights split, one all-reduce per block). Ignored with peer_device 'none'.",
                 ),
@@ -75,17 +86,17 @@ class VflashModelLoader(io.ComfyNode):
     def validate_inputs(cls, model):
         """Runs when the graph is queued. ComfyUI files a refusal once per argument of this method, so it takes the
         model option alone (one error naming the folder a missing file belongs in); the other widgets are checked
-        against their lists by ComfyUI, and across each other by the first Vflash node that runs (`ops.check_graph`)."""
-        return ops.refusal(ops.check_model_option, FOLDERS, model)
+        against their lists by ComfyUI, and across each other by the first Vflash node that runs (`graph_checks.check_graph`)."""
+        return refusal(check_model_option, FOLDERS, model)
 
     @classmethod
     def fingerprint_inputs(cls, model, **kwargs):
-        return (model, ops.model_identity(FOLDERS, model), tuple(sorted(kwargs.items())))
+        return (model, model_identity(FOLDERS, model), tuple(sorted(kwargs.items())))
 
     @classmethod
     def execute(cls, model, profile, weight_residency, device, peer_device, strategy, attention_backend, lora=None):
-        ops.check_graph(getattr(cls.hidden, "prompt", None), HOST, FOLDERS)  # the loaders' widgets, profile vs the graph's requests
-        spec = ops.load_model(ENGINES, HOST, FOLDERS, model, profile, weight_residency, device, peer_device, strategy, attention_backend, lora)
+        check_graph(getattr(cls.hidden, "prompt", None), HOST, FOLDERS)  # the loaders' widgets, profile vs the graph's requests
+        spec = actions.load_model(ENGINES, HOST, FOLDERS, model, profile, weight_residency, device, peer_device, strategy, attention_backend, lora)
         return io.NodeOutput(spec)
 
 
@@ -99,7 +110,7 @@ class VflashLoraSelect(io.ComfyNode):
             search_aliases=aliases("lora", "turbo lora"),
             description="Adds one LoRA file to a chain for the Vflash Model Loader.",
             inputs=[
-                io.Combo.Input("lora", options=ops.lora_options(FOLDERS), tooltip="A LoRA in models/loras (diffusers/peft, original, kohya, musubi or DiffSynth naming)."),
+                io.Combo.Input("lora", options=lora_options(FOLDERS), tooltip="A LoRA in models/loras (diffusers/peft, original, kohya, musubi or DiffSynth naming)."),
                 io.Float.Input(
                     "strength", default=1.0, min=-4.0, max=4.0, step=0.01,
                     tooltip="Scale of the low-rank residual (strength * alpha / rank per module). Compiled artifacts "
@@ -112,11 +123,11 @@ class VflashLoraSelect(io.ComfyNode):
 
     @classmethod
     def fingerprint_inputs(cls, lora, strength, **kwargs):
-        return (lora, strength, ops.model_identity(FOLDERS, "loras/" + lora))
+        return (lora, strength, model_identity(FOLDERS, "loras/" + lora))
 
     @classmethod
     def execute(cls, lora, strength, prev=None):
-        return io.NodeOutput(ops.select_lora(FOLDERS, lora, strength, prev))
+        return io.NodeOutput(actions.select_lora(FOLDERS, lora, strength, prev))
 
 
 class _ComponentLoader(io.ComfyNode):
@@ -131,8 +142,8 @@ class _ComponentLoader(io.ComfyNode):
         return io.Schema(
             node_id=node_id, display_name=display_name, category="Vflash/loaders", search_aliases=search_aliases, description=description,
             inputs=[
-                io.Combo.Input(cls.OPTION, options=ops.component_options(FOLDERS, cls.KIND), tooltip=option_tooltip),
-                io.Combo.Input("device", options=ops.present_devices(), default="auto", tooltip=DEVICE_TOOLTIP),
+                io.Combo.Input(cls.OPTION, options=component_options(FOLDERS, cls.KIND), tooltip=option_tooltip),
+                io.Combo.Input("device", options=present_devices(), default="auto", tooltip=DEVICE_TOOLTIP),
             ],
             outputs=[output],
             hidden=[io.Hidden.prompt],
@@ -140,17 +151,17 @@ class _ComponentLoader(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, device):
-        return ops.validate_device(HOST, device)
+        return validate_device(HOST, device)
 
     @classmethod
     def fingerprint_inputs(cls, device, **option):
         source = option[cls.OPTION]
-        return (source, device, ops.model_identity(FOLDERS, source, ops.COMPONENT_FOLDERS[cls.KIND]))
+        return (source, device, model_identity(FOLDERS, source, COMPONENT_FOLDERS[cls.KIND]))
 
     @classmethod
     def execute(cls, device, **option):
-        ops.check_graph(getattr(cls.hidden, "prompt", None), HOST, FOLDERS)
-        return io.NodeOutput(ops.load_component(ENGINES, HOST, FOLDERS, cls.KIND, option[cls.OPTION], device))
+        check_graph(getattr(cls.hidden, "prompt", None), HOST, FOLDERS)
+        return io.NodeOutput(actions.load_component(ENGINES, HOST, FOLDERS, cls.KIND, option[cls.OPTION], device))
 
 
 class VflashTextEncoderLoader(_ComponentLoader):

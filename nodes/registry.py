@@ -1,6 +1,6 @@
 """The node pack's engine registry: the one object that owns every Vflash engine loaded in this process (see
-`ops.EngineRegistry`); `VflashUnload` and `force_offload` release entries here."""
+`engines.EngineRegistry`); `VflashUnload` and `force_offload` release entries here."""
 
-from .ops import EngineRegistry
+from .engines import EngineRegistry
 
 ENGINES = EngineRegistry()

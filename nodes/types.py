@@ -3,9 +3,9 @@ also take core's types, and the words every Vflash node is found by."""
 
 from comfy_api.latest import io
 
-from . import ops
+from .engines import present_devices
 
-VflashModel = io.Custom("VFLASH_MODEL")  # DiT engine spec: weights, profile, devices, residency, attention, LoRAs
+VflashModel = io.Custom("VFLASH_MODEL")  # DiT engine spec: its files (weights, profile, LoRAs) and run options
 VflashTextEncoder = io.Custom("VFLASH_TE")  # Qwen3-VL text/vision conditioner spec
 VflashVAE = io.Custom("VFLASH_VAE")  # video + audio VAE pair spec
 VflashCond = io.Custom("VFLASH_COND")  # encoded prompt, keyframes / references and the geometry they were encoded for
@@ -22,7 +22,7 @@ def aliases(*extra: str) -> list[str]:
 
 
 def peer_devices() -> list[str]:
-    return ["none", *(d for d in ops.present_devices() if d.startswith("cuda:"))]
+    return ["none", *(d for d in present_devices() if d.startswith("cuda:"))]
 
 
 DEVICE_TOOLTIP = (

@@ -29,6 +29,7 @@ from typing import Any
 
 from vflash_core.errors import Number, VflashError
 
+from .graph_checks import graph_refusals
 from .headless import comfy_io as io
 
 logger = logging.getLogger(__name__)
@@ -474,14 +475,12 @@ class _TqdmProgress:
 def run_headless(workflow: Mapping[str, Mapping[str, Any]], output_dir: str | Path = "output", input_dir: str | Path = "input",
                  models_dir: str | Path | None = None) -> list[Path]:
     """Run an API workflow without ComfyUI; returns the files its SaveVideo nodes wrote. Engines are closed after."""
-    from . import ops
-
     output_dir = Path(output_dir)
     workflow = check_api_workflow(workflow)  # the nodes read it as their hidden prompt: links in one form
     with headless_node_types(output_dir, input_dir, models_dir, workflow) as types:
         plan(workflow, types)
         folders = importlib.import_module(f"{__package__}.host").FOLDERS  # the install's, like comfy.utils below
-        refusals = ops.graph_refusals(workflow, folders)  # profile vs the graph's requests, as the Vflash nodes check in ComfyUI
+        refusals = graph_refusals(workflow, folders)  # profile vs the graph's requests, as the Vflash nodes check in ComfyUI
         if refusals:
             raise WorkflowError("the workflow was refused before running: " + "; ".join(refusals))
         importlib.import_module("comfy.utils").set_progress_bar_global_hook(_TqdmProgress())

@@ -141,13 +141,13 @@ def test_numeric_arguments_of_the_python_api_are_checked_before_anything_is_read
 @pytest.fixture
 def no_loader_runs(monkeypatch):
     """Fail the test if a run-workflow loader node starts model work."""
-    from vflash_nodes import ops as node_ops
+    from vflash_nodes import actions as node_actions
 
     def refuse(*args, **kwargs):
         raise AssertionError("a loader node ran for a workflow that must be refused when it is checked")
 
     for loader in ("load_model", "load_component"):
-        monkeypatch.setattr(node_ops, loader, refuse)
+        monkeypatch.setattr(node_actions, loader, refuse)
 
 
 def test_a_graph_cannot_read_files_outside_its_input_folder(tmp_path, capsys, no_loader_runs):
@@ -738,7 +738,7 @@ def test_fifos_named_as_weights_configs_or_manifests_never_block(tmp_path, tiny_
     with pytest.raises(VflashError, match=r"^JSON file .*artifact/manifest\.json is a FIFO, not a file$"):
         CompiledArtifact(compiled / "artifact", compiled / "schedule", compiled / "auxiliary.safetensors")
 
-    from vflash_nodes import ops
+    from vflash_nodes import model_files
 
     class Folders:  # a models/vflash folder holding a FIFO named like a receipt
         def filenames(self, key):
@@ -751,7 +751,7 @@ def test_fifos_named_as_weights_configs_or_manifests_never_block(tmp_path, tiny_
             return str(tmp_path / name)
 
     os.mkfifo(tmp_path / "stuck.json")
-    assert ops.model_options(Folders()) == [ops.DEMO]
+    assert model_files.model_options(Folders()) == [model_files.DEMO]
     assert not receipt.exists()
 
 

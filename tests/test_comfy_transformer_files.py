@@ -268,7 +268,7 @@ def comfy_files(pack):
 
 def test_model_loader_takes_comfy_files_and_refuses_mismatches_before_model_work(pack, comfy_files):
     """When queued the loader checks the file alone (an int8_convrot file is refused); the file vs the profile is
-    refused by the first Vflash node that runs (`ops.check_graph` reads the loader's widgets from the prompt)."""
+    refused by the first Vflash node that runs (`graph_checks.check_graph` reads the loader's widgets from the prompt)."""
     loader = pack.nodes["VflashModelLoader"]
     options = pack.schema("VflashModelLoader").inputs[0].options
     assert {f"diffusion_models/{n}" for n in ("h3_demo_pruned.safetensors", "h3_demo_fp8_scaled.safetensors", "h3_int8_convrot.safetensors")} <= set(options)
@@ -277,12 +277,12 @@ def test_model_loader_takes_comfy_files_and_refuses_mismatches_before_model_work
     refusal = loader.validate_inputs(model="diffusion_models/h3_int8_convrot.safetensors")
     assert "int8_convrot" in refusal and "no exact dequantization" in refusal and "fp8_scaled" in refusal
 
-    ops = pack.package.ops
+    graph_checks = pack.package.graph_checks
     widgets = dict(weight_residency="auto", device="cpu", peer_device="none", strategy="sequence-head", attention_backend="auto")
 
     def refusals(model: str, profile: str) -> list[str]:
         prompt = {"1": {"class_type": "VflashModelLoader", "inputs": dict(model=f"diffusion_models/{model}", profile=profile, **widgets)}}
-        return ops.loader_refusals(prompt, pack.package.host.HOST, pack.package.host.FOLDERS)
+        return graph_checks.loader_refusals(prompt, pack.package.host.HOST, pack.package.host.FOLDERS)
 
     assert refusals("h3_demo_pruned.safetensors", "t2va-base4-pruned-cpu") == []
     assert refusals("h3_demo_fp8_scaled.safetensors", "t2va-base4-exact-cpu") == []

@@ -180,7 +180,7 @@ def test_official_single_file_compiles_on_first_use(pack, comfy, model_files):
     kwargs = dict(model="diffusion_models/h3_tiny.safetensors", profile="t2va-base4-exact-cpu", weight_residency="auto", device="cpu",
                   peer_device="none", strategy="sequence-head", attention_backend="auto")
     spec = loader.execute(**kwargs).args[0]
-    assert Path(spec.compile_dir, "artifact", "manifest.json").is_file()
+    assert Path(spec.files.compile_dir, "artifact", "manifest.json").is_file()
     layers = H3Config.preset("tiny").num_layers
     assert all((block, layers) in updates for block in range(1, layers + 1)) and mm.calls["unload_all_models"] >= 1  # a step per block
     registry = pack.package.registry.ENGINES
@@ -241,7 +241,7 @@ def test_first_use_compile_can_be_interrupted_and_publishes_nothing(pack, comfy,
     assert [p.name for p in compiled.iterdir() if "base16" in p.name] == ["h3_tiny-t2va-base16-exact-cpu.weights-receipt.json"]
     utils.set_progress_bar_global_hook(hook)
     spec = loader.execute(**kwargs).args[0]  # the next run compiles from the start, reusing the finished receipt
-    assert Path(spec.compile_dir, "artifact", "manifest.json").is_file()
+    assert Path(spec.files.compile_dir, "artifact", "manifest.json").is_file()
     pack.package.registry.ENGINES.release("dit")
 
 
@@ -371,7 +371,7 @@ def test_interrupt_during_load_leaves_nothing_half_loaded(pack, comfy):
         loader.execute(**kwargs)
     assert "dit" not in registry.loaded()
     spec = loader.execute(**kwargs).args[0]
-    assert registry.loaded()["dit"] == "embedded-demo" and spec.device == "cpu"
+    assert registry.loaded()["dit"] == "embedded-demo" and spec.options.device == "cpu"
 
 
 # -- memory cooperation ---------------------------------------------------------------------------------------------
@@ -405,14 +405,14 @@ def test_memory_plan_line_per_run(pack, comfy, caplog):
 def test_reference_clip_soundtracks_travel_with_their_clip(pack, comfy, monkeypatch):
     """`ref_video_audio_k` becomes the soundtrack of `ref_video_k`'s reference, as a video file's own audio does in the
     pipeline; what follows (normalisation, encoders) is the pipeline's shared code."""
-    from vflash_nodes import ops
+    from vflash_nodes import actions
 
     from vflash_core.pipeline import h3_pipeline as pipeline
 
     registry = pack.package.registry.ENGINES
     host, folders = pack.package.host.HOST, pack.package.host.FOLDERS
-    te = ops.load_component(registry, host, folders, "te", "embedded-demo", "cpu")
-    vae = ops.load_component(registry, host, folders, "vae", "embedded-demo", "cpu")
+    te = actions.load_component(registry, host, folders, "te", "embedded-demo", "cpu")
+    vae = actions.load_component(registry, host, folders, "vae", "embedded-demo", "cpu")
     seen = []
 
     class Stop(Exception):
@@ -427,13 +427,13 @@ def test_reference_clip_soundtracks_travel_with_their_clip(pack, comfy, monkeypa
     voice = {"waveform": torch.rand(1, 1, 48000) - 0.5, "sample_rate": 48000}
     picture = torch.rand(1, 32, 32, 3)
     with pytest.raises(Stop):
-        ops.encode(registry, host, te, vae, "<Picture 1> in <Video 1>, then <Video 2>", 128, 96, 124, 0.0, ref_images={"ref_image_0": picture},
+        actions.encode(registry, host, te, vae, "<Picture 1> in <Video 1>, then <Video 2>", 128, 96, 124, 0.0, ref_images={"ref_image_0": picture},
                    ref_videos={"ref_video_0": clip, "ref_video_1": None, "ref_video_2": clip}, ref_video_audios={"ref_video_audio_2": voice})
     kinds = [(ref.kind, ref.has_audio) for ref in seen]
     assert kinds == [("image", False), ("video", False), ("video", True)]
     assert torch.equal(torch.as_tensor(seen[2].audio), voice["waveform"][0]) and seen[2].sample_rate == 48000
     with pytest.raises(RequestError, match="ref_video_audio_1 is the soundtrack of ref_video_1, which is not connected"):
-        ops.encode(registry, host, te, vae, "<Video 1>", 128, 96, 124, 0.0, ref_videos={"ref_video_0": clip}, ref_video_audios={"ref_video_audio_1": voice})
+        actions.encode(registry, host, te, vae, "<Video 1>", 128, 96, 124, 0.0, ref_videos={"ref_video_0": clip}, ref_video_audios={"ref_video_audio_1": voice})
 
 
 @pytest.mark.parametrize("keyframes", [(), ("first", "last")])
@@ -441,16 +441,16 @@ def test_encode_then_sample_bundle_equals_pipeline_bundle(pack, comfy, keyframes
     """VflashEncode + the sampler's noise draw build exactly the bundle `pipeline.build_request_bundle` builds."""
     import numpy as np
     from PIL import Image
-    from vflash_nodes import ops
+    from vflash_nodes import actions
 
     from vflash_core.pipeline.h3_pipeline import VideoRequest, build_request_bundle, plan_request
 
     registry = pack.package.registry.ENGINES
     host = pack.package.host.HOST
     folders = pack.package.host.FOLDERS
-    te = ops.load_component(registry, host, folders, "te", "embedded-demo", "cpu")
-    vae = ops.load_component(registry, host, folders, "vae", "embedded-demo", "cpu")
-    ops.load_model(registry, host, folders, "embedded-demo", "auto", "auto", "cpu", "none", "sequence-head", "auto")
+    te = actions.load_component(registry, host, folders, "te", "embedded-demo", "cpu")
+    vae = actions.load_component(registry, host, folders, "vae", "embedded-demo", "cpu")
+    actions.load_model(registry, host, folders, "embedded-demo", "auto", "auto", "cpu", "none", "sequence-head", "auto")
     images = {}
     for name, color in zip(keyframes, ((250, 20, 20), (20, 20, 250))):
         pixels = np.zeros((96, 160, 3), np.uint8)
@@ -459,7 +459,7 @@ def test_encode_then_sample_bundle_equals_pipeline_bundle(pack, comfy, keyframes
         Image.fromarray(pixels).save(tmp_path / f"{name}.png")
         images[name] = torch.from_numpy(pixels.astype(np.float32) / 255.0)[None]
     prompt = "A red square <Picture 1> turns blue." if keyframes else "Waves crash on a rocky shore."
-    cond, latent, frames = ops.encode(registry, host, te, vae, prompt, 128, 96, 124, 0.0, images.get("first"), images.get("last"), force_offload=False)
+    cond, latent, frames = actions.encode(registry, host, te, vae, prompt, 128, 96, 124, 0.0, images.get("first"), images.get("last"), force_offload=False)
     session = registry.engine("dit")
     mine = cond.bundle(session.compiled.config, 7, cl.from_comfy_latent(latent).geometry).consume()
     request = VideoRequest(prompt, first_frame=tmp_path / "first.png" if keyframes else None, last_frame=tmp_path / "last.png" if keyframes else None,
@@ -478,7 +478,7 @@ def test_reference_clip_with_soundtrack_bundle_equals_pipeline_bundle(pack, comf
     pytest.importorskip("torchvision")
     import numpy as np
     from PIL import Image
-    from vflash_nodes import ops
+    from vflash_nodes import actions
 
     from vflash_core.media.mp4 import write_mp4
     from vflash_core.media.references import frames_to_uint8, load_reference
@@ -487,9 +487,9 @@ def test_reference_clip_with_soundtrack_bundle_equals_pipeline_bundle(pack, comf
 
     registry = pack.package.registry.ENGINES
     host, folders = pack.package.host.HOST, pack.package.host.FOLDERS
-    te = ops.load_component(registry, host, folders, "te", "embedded-demo", "cpu")
-    vae = ops.load_component(registry, host, folders, "vae", "embedded-demo", "cpu")
-    ops.load_model(registry, host, folders, "embedded-demo", "auto", "auto", "cpu", "none", "sequence-head", "auto")
+    te = actions.load_component(registry, host, folders, "te", "embedded-demo", "cpu")
+    vae = actions.load_component(registry, host, folders, "vae", "embedded-demo", "cpu")
+    actions.load_model(registry, host, folders, "embedded-demo", "auto", "auto", "cpu", "none", "sequence-head", "auto")
     g = torch.Generator().manual_seed(5)
     picture = np.random.default_rng(5).integers(0, 255, (60, 90, 3), dtype=np.uint8)
     Image.fromarray(picture).save(tmp_path / "picture.png")
@@ -499,7 +499,7 @@ def test_reference_clip_with_soundtrack_bundle_equals_pipeline_bundle(pack, comf
     frames = torch.from_numpy(frames_to_uint8(decoded.frames).astype(np.float32) / 255.0)
     soundtrack = {"waveform": torch.as_tensor(decoded.audio, dtype=torch.float32)[None], "sample_rate": decoded.sample_rate}
     prompt = "<Picture 1> dances to <Video 1>."
-    cond, latent, _ = ops.encode(registry, host, te, vae, prompt, 96, 64, 124, 0.0, ref_images={"ref_image_0": torch.from_numpy(picture.astype(np.float32) / 255.0)[None]},
+    cond, latent, _ = actions.encode(registry, host, te, vae, prompt, 96, 64, 124, 0.0, ref_images={"ref_image_0": torch.from_numpy(picture.astype(np.float32) / 255.0)[None]},
                                  ref_videos={"ref_video_0": frames}, ref_video_audios={"ref_video_audio_0": soundtrack}, force_offload=False)
     config = registry.engine("dit").compiled.config
     mine = cond.bundle(config, 7, cl.from_comfy_latent(latent).geometry).consume()

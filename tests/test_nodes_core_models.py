@@ -14,14 +14,15 @@ from __future__ import annotations
 import importlib
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from comfy_standins import harness
 from conftest import linked_demo_cache
+from vflash_nodes import actions, core_adapters, engines, graph_checks, model_files
 from vflash_nodes import comfy_latent as cl
-from vflash_nodes import ops
 from vflash_nodes.workflow import apply_overrides, execute, load_api_workflow
 
 from vflash_core.errors import RequestError, VflashError
@@ -43,7 +44,7 @@ def core_files(pack) -> dict[str, str]:
     from vflash_core.pipeline.h3_pipeline import PreparedAssets
 
     host = pack.package.host.HOST
-    root = PreparedAssets.load(ops._demo_receipt(host)).model_root
+    root = PreparedAssets.load(model_files.demo_receipt(host)).model_root
     models = Path(importlib.import_module("folder_paths").models_dir)
     names = {"text_encoder": "text_encoders/h3_demo_te.json", "video_vae": "vae/h3_demo_video_vae.json", "audio_vae": "vae/h3_demo_audio_vae.json"}
     for part, rel in names.items():
@@ -84,7 +85,7 @@ def test_core_clip_and_vae_loaders_drive_the_sampler_to_mp4(pack, core_files):
     latent = report.outputs["5"][0]
     assert any("not bitwise" in note for note in latent["vflash_notes"])
     cond = report.outputs["4"][0]
-    assert cond.notes == (ops.CORE_TEXT_NOTE,)  # t2va: no VAE-encoded conditions, so no VAE note
+    assert cond.notes == (core_adapters.CORE_TEXT_NOTE,)  # t2va: no VAE-encoded conditions, so no VAE note
     # core's VAEs decode the sampler's latent: frames and a 32 kHz soundtrack of the video's length
     images, audio, _ = report.outputs["6"]
     assert images.shape == (124, 128, 128, 3) and audio["sample_rate"] == 32000 and audio["waveform"].shape == (1, 2, round(124 / 24 * 32000))
@@ -96,15 +97,15 @@ def test_core_encoders_give_the_vflash_bundle_bitwise(pack, core_files, keyframe
     loaders when the core objects compute the same numbers: the adapters reorder nothing and round nothing."""
     registry = pack.package.registry.ENGINES
     host, folders = pack.package.host.HOST, pack.package.host.FOLDERS
-    te = ops.load_component(registry, host, folders, "te", "embedded-demo", "cpu")
-    vae = ops.load_component(registry, host, folders, "vae", "embedded-demo", "cpu")
-    ops.load_model(registry, host, folders, "embedded-demo", "auto", "auto", "cpu", "none", "sequence-head", "auto")
+    te = actions.load_component(registry, host, folders, "te", "embedded-demo", "cpu")
+    vae = actions.load_component(registry, host, folders, "vae", "embedded-demo", "cpu")
+    actions.load_model(registry, host, folders, "embedded-demo", "auto", "auto", "cpu", "none", "sequence-head", "auto")
     clip, video_vae, audio_vae = _core(pack, core_files)
     g = torch.Generator().manual_seed(3)
     frames = {name: torch.rand(1, 80, 144, 3, generator=g) for name in keyframes}
     prompt = "A red square <Picture 1> turns blue." if keyframes else "Waves crash on a rocky shore."
-    mine, latent, _ = ops.encode(registry, host, te, vae, prompt, 128, 96, 124, 0.0, frames.get("first"), frames.get("last"), force_offload=False)
-    core, core_latent, _ = ops.encode(registry, host, clip, video_vae, prompt, 128, 96, 124, 0.0, frames.get("first"), frames.get("last"), audio_vae=audio_vae)
+    mine, latent, _ = actions.encode(registry, host, te, vae, prompt, 128, 96, 124, 0.0, frames.get("first"), frames.get("last"), force_offload=False)
+    core, core_latent, _ = actions.encode(registry, host, clip, video_vae, prompt, 128, 96, 124, 0.0, frames.get("first"), frames.get("last"), audio_vae=audio_vae)
     # core was handed Vflash's presentation: the canvas-fitted keyframes, in order, as IMAGE tensors
     call = clip.calls[-1]
     assert call["text"] == prompt and call["minimax_ref_items"] is None and len(call["images"]) == len(keyframes)
@@ -115,19 +116,19 @@ def test_core_encoders_give_the_vflash_bundle_bitwise(pack, core_files, keyframe
     a = mine.bundle(config, 5, geometry).consume()
     b = core.bundle(config, 5, geometry).consume()
     assert a.mode == b.mode == ("fl2va" if keyframes else "t2va") and a.fingerprint() == b.fingerprint()
-    assert core.notes == ((ops.CORE_TEXT_NOTE, ops.CORE_VAE_NOTE) if keyframes else (ops.CORE_TEXT_NOTE,)) and mine.notes == ()
+    assert core.notes == ((core_adapters.CORE_TEXT_NOTE, core_adapters.CORE_VAE_NOTE) if keyframes else (core_adapters.CORE_TEXT_NOTE,)) and mine.notes == ()
 
 
 def test_core_vae_decode_equals_vflash_decode(pack, core_files):
     registry = pack.package.registry.ENGINES
     host, folders = pack.package.host.HOST, pack.package.host.FOLDERS
-    vae = ops.load_component(registry, host, folders, "vae", "embedded-demo", "cpu")
+    vae = actions.load_component(registry, host, folders, "vae", "embedded-demo", "cpu")
     _, video_vae, audio_vae = _core(pack, core_files)
     nested = importlib.import_module("comfy.nested_tensor").NestedTensor
     g = torch.Generator().manual_seed(1)
     latent = cl.to_comfy_latent(torch.randn(1, 8, 7, 4, 4, generator=g), torch.randn(2, 8, 37, generator=g), nested)
-    images, audio, _ = ops.decode(registry, host, vae, latent)
-    core_images, core_audio, video = ops.decode(registry, host, video_vae, latent, audio_vae)
+    images, audio, _ = actions.decode(registry, host, vae, latent)
+    core_images, core_audio, video = actions.decode(registry, host, video_vae, latent, audio_vae)
     assert torch.equal(images, core_images) and torch.equal(audio["waveform"], core_audio["waveform"])
     assert video.get_components().images.shape[0] == images.shape[0]
 
@@ -141,9 +142,9 @@ def test_references_reach_core_clip_in_request_order(pack, core_files, monkeypat
     host = pack.package.host.HOST
     _, video_vae, audio_vae = _core(pack, core_files)
     family = CanvasRules.from_model_root(json.loads(Path(importlib.import_module("folder_paths").get_full_path("vae", core_files["video_vae"])).read_text())["family_root"])
-    base = ops.CoreTextConditioner
+    base = core_adapters.CoreTextConditioner
     small = type("SmallCanvasCoreText", (base,), {"__init__": lambda self, clip: base.__init__(self, clip, family)})
-    monkeypatch.setattr(ops, "CoreTextConditioner", small)  # the demo family's reference sizes, not the released 2048 px
+    monkeypatch.setattr(core_adapters, "CoreTextConditioner", small)  # the demo family's reference sizes, not the released 2048 px
 
     class RecordingClip:
         def __init__(self):
@@ -160,12 +161,12 @@ def test_references_reach_core_clip_in_request_order(pack, core_files, monkeypat
     g = torch.Generator().manual_seed(2)
     clip_frames = torch.rand(48, 64, 96, 3, generator=g)
     voice = {"waveform": torch.rand(1, 2, 96000, generator=g) - 0.5, "sample_rate": 48000}
-    cond, _, _ = ops.encode(registry, host, clip, video_vae, "<Picture 1> sings over <Video 1> and <Audio 2>.", 128, 96, 124, 0.0,
+    cond, _, _ = actions.encode(registry, host, clip, video_vae, "<Picture 1> sings over <Video 1> and <Audio 2>.", 128, 96, 124, 0.0,
                             ref_images={"ref_image_0": torch.rand(1, 64, 64, 3, generator=g)}, ref_videos={"ref_video_0": clip_frames},
                             ref_video_audios={"ref_video_audio_0": voice}, ref_audios={"ref_audio_0": voice}, audio_vae=audio_vae)
     assert [item["type"] for item in clip.items] == ["image", "audio", "video", "audio"]
     assert clip.items[0]["data"].ndim == 4 and clip.items[2]["data"].shape[0] == 4  # 2 s of 24 fps frames read at 2 fps
-    assert cond.mode == "ref2va" and cond.notes == (ops.CORE_TEXT_NOTE, ops.CORE_VAE_NOTE)
+    assert cond.mode == "ref2va" and cond.notes == (core_adapters.CORE_TEXT_NOTE, core_adapters.CORE_VAE_NOTE)
     assert [ref.kind for ref in cond.references] == ["image", "video", "audio"]
 
 
@@ -173,17 +174,17 @@ def test_core_objects_are_refused_by_name(pack, core_files):
     registry = pack.package.registry.ENGINES
     host, folders = pack.package.host.HOST, pack.package.host.FOLDERS
     clip, video_vae, audio_vae = _core(pack, core_files)
-    vae = ops.load_component(registry, host, folders, "vae", "embedded-demo", "cpu")
+    vae = actions.load_component(registry, host, folders, "vae", "embedded-demo", "cpu")
     nested = importlib.import_module("comfy.nested_tensor").NestedTensor
     latent = cl.to_comfy_latent(torch.zeros(1, 8, 7, 4, 4), torch.zeros(2, 8, 37), nested)
     with pytest.raises(RequestError, match="connect MiniMax-H3's audio VAE"):
-        ops.decode(registry, host, video_vae, latent)
+        actions.decode(registry, host, video_vae, latent)
     with pytest.raises(RequestError, match="takes MiniMax-H3's video VAE"):
-        ops.decode(registry, host, audio_vae, latent, audio_vae)
+        actions.decode(registry, host, audio_vae, latent, audio_vae)
     with pytest.raises(RequestError, match="already holds both VAEs"):
-        ops.decode(registry, host, vae, latent, audio_vae)
+        actions.decode(registry, host, vae, latent, audio_vae)
     with pytest.raises(RequestError, match="te takes a Vflash text encoder"):
-        ops.encode(registry, host, object(), vae, "a prompt", 128, 96, 124, 0.0)
+        actions.encode(registry, host, object(), vae, "a prompt", 128, 96, 124, 0.0)
 
     class OtherClip:  # a CLIP of another model: its conditioning carries no H3 token tags
         def tokenize(self, text, **kwargs):
@@ -193,7 +194,7 @@ def test_core_objects_are_refused_by_name(pack, core_files):
             return [[torch.zeros(1, 4, 32), {"pooled_output": None}]]
 
     with pytest.raises(RequestError, match="type 'minimax'"):
-        ops.encode(registry, host, OtherClip(), vae, "a prompt", 128, 96, 124, 0.0)
+        actions.encode(registry, host, OtherClip(), vae, "a prompt", 128, 96, 124, 0.0)
 
 
 # -- early refusal ------------------------------------------------------------------------------------------------
@@ -230,7 +231,7 @@ def test_the_loader_checks_its_model_option_when_queued_and_its_widgets_before_m
     host, folders = pack.package.host.HOST, pack.package.host.FOLDERS
 
     def refusals(**changes) -> list[str]:
-        return ops.loader_refusals({"1": {"class_type": "VflashModelLoader", "inputs": {**widgets, **changes}}}, host, folders)
+        return graph_checks.loader_refusals({"1": {"class_type": "VflashModelLoader", "inputs": {**widgets, **changes}}}, host, folders)
 
     (refusal,) = refusals()
     assert "t2va-base16-bf16-sm90 runs on sm90 GPUs" in refusal and "cpu" in refusal and "t2va-base4-exact-cpu" in refusal  # names what runs here
@@ -290,18 +291,18 @@ def test_profile_vs_the_graphs_request_is_refused_before_any_model_work(pack, ch
 def test_profile_vs_mode_is_refused_before_the_transformer_is_touched(pack, monkeypatch):
     registry = pack.package.registry.ENGINES
     host, folders = pack.package.host.HOST, pack.package.host.FOLDERS
-    te = ops.load_component(registry, host, folders, "te", "embedded-demo", "cpu")
-    vae = ops.load_component(registry, host, folders, "vae", "embedded-demo", "cpu")
-    cond, latent, _ = ops.encode(registry, host, te, vae, "Waves crash.", 128, 96, 124, 0.0, force_offload=False)
-    ref_profile = ops.model_spec(host, folders, "embedded-demo", "auto", "auto", "cpu", "none", "sequence-head", "auto")
-    wrong = ref_profile.__class__(**{**ref_profile.__dict__, "profile": "ref2va-base4-exact-cpu"})
+    te = actions.load_component(registry, host, folders, "te", "embedded-demo", "cpu")
+    vae = actions.load_component(registry, host, folders, "vae", "embedded-demo", "cpu")
+    cond, latent, _ = actions.encode(registry, host, te, vae, "Waves crash.", 128, 96, 124, 0.0, force_offload=False)
+    ref_profile = engines.transformer_spec(host, folders, "embedded-demo", "auto", "auto", "cpu", "none", "sequence-head", "auto")
+    wrong = replace(ref_profile, files=replace(ref_profile.files, profile="ref2va-base4-exact-cpu"))
     registry.release("dit")
-    monkeypatch.setattr(ops, "_load_session", lambda *a, **k: pytest.fail("the transformer was loaded"))
+    monkeypatch.setattr(actions, "load_session", lambda *a, **k: pytest.fail("the transformer was loaded"))
     with pytest.raises(VflashError, match="accepts ref2va; a t2va request"):
-        ops.sample(registry, host, wrong, cond, latent, 0)
-    long = ops.encode(registry, host, te, vae, "Waves crash.", 128, 96, 400, 0.0, force_offload=False)  # 413 frames, 17.2 s
+        actions.sample(registry, host, wrong, cond, latent, 0)
+    long = actions.encode(registry, host, te, vae, "Waves crash.", 128, 96, 400, 0.0, force_offload=False)  # 413 frames, 17.2 s
     with pytest.raises(VflashError, match="5-15 s clips"):
-        ops.sample(registry, host, ref_profile, long[0], long[1], 0)
+        actions.sample(registry, host, ref_profile, long[0], long[1], 0)
 
 
 def test_option_lists_hold_only_what_runs_here(pack, monkeypatch):
@@ -315,10 +316,10 @@ def test_option_lists_hold_only_what_runs_here(pack, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
-    runnable = ops.runnable_profiles()
+    runnable = engines.runnable_profiles()
     sm90 = sorted(p for p in PROFILES if p.endswith("-sm90"))
     assert runnable == ["auto", *sm90, *sorted(p for p in PROFILES if p.endswith("-cpu"))]
-    assert ops.present_devices() == ["auto", "cpu", "cuda:0", "cuda:1"]
+    assert engines.present_devices() == ["auto", "cpu", "cuda:0", "cuda:1"]
 
 
 # -- found where users look ------------------------------------------------------------------------------------------

@@ -173,13 +173,13 @@ def test_receipt_folder_and_mistyped_assets_file(h3_prepared, tmp_path, capsys):
 
 
 def test_workflow_value_of_the_wrong_type_is_refused_before_any_model_loads(tmp_path, capsys, monkeypatch):
-    from vflash_nodes import ops as node_ops
+    from vflash_nodes import actions as node_actions
 
     def refuse(*args, **kwargs):
         raise AssertionError("a loader node ran for a workflow that must be refused when it is checked")
 
     for loader in ("load_model", "load_component"):
-        monkeypatch.setattr(node_ops, loader, refuse)
+        monkeypatch.setattr(node_actions, loader, refuse)
     workflow = Path(__file__).resolve().parent.parent / "workflows" / "api" / "t2va.json"
     line = refused(capsys, ["run-workflow", str(workflow), "--set", "4.width=wide", "--set", "4.force_offload=1", "--output-dir", str(tmp_path / "out")])
     assert line == "invalid workflow: node 4 (VflashEncode).width must be an integer from 32 to 4,096, got str 'wide'; node 4 (VflashEncode).force_offload takes BOOLEAN, got 1"
@@ -501,19 +501,21 @@ def test_demo_cache_bundle_and_workflow_files_that_are_not_what_they_claim(input
 def test_workflow_canvas_beyond_any_h3_model_is_refused_before_any_model_loads(tmp_path, capsys, monkeypatch):
     """`--set 4.width=1000000000 --set 4.height=1000000000` loaded the models, then failed allocating 4.6e18 bytes
     with a RuntimeError traceback."""
-    from vflash_nodes import ops as node_ops
+    from vflash_nodes import actions as node_actions
 
     def refuse(*args, **kwargs):
         raise AssertionError("a loader node ran for a workflow that must be refused when it is checked")
 
     for loader in ("load_model", "load_component", "load_text_encoder", "load_vae"):
-        if hasattr(node_ops, loader):
-            monkeypatch.setattr(node_ops, loader, refuse)
+        if hasattr(node_actions, loader):
+            monkeypatch.setattr(node_actions, loader, refuse)
     workflow = Path(__file__).resolve().parent.parent / "workflows" / "api" / "t2va.json"
     line = refused(capsys, ["run-workflow", str(workflow), "--set", "4.width=4096", "--set", "4.height=4096", "--output-dir", str(tmp_path / "out")])
+    # The embedded demo's text encoder names the family's canvas rules (its modular_model_index.json), not the
+    # released model's: what `vflash generate` refuses for the same model.
     assert line == ("the workflow was refused before running: node 5 (VflashSampler): canvas 4096x4096 is "
-                    "16,777,216 pixels; this model generates at most 1,032,192 (canvas_max_pixels, within rounding "
-                    "to multiples of 32; e.g. 1344x768 at 16:9)")
+                    "16,777,216 pixels; this model generates at most 114,688 (canvas_max_pixels, within rounding "
+                    "to multiples of 32; e.g. 448x256 at 16:9)")
     line = refused(capsys, ["run-workflow", str(workflow), "--set", "4.width=1000000000", "--output-dir", str(tmp_path / "out")])
     assert line == "invalid workflow: node 4 (VflashEncode).width must be an integer from 32 to 4,096, got 1000000000"
     assert files_in(tmp_path) == []
@@ -524,14 +526,14 @@ def test_workflow_save_and_load_nodes_are_checked_before_anything_runs(tmp_path,
     the clip had been generated (minutes on a real model), and an --output-dir that is a file failed there with a
     traceback; a missing LoadImage file, an empty prompt or a negative seed was refused only after the models loaded,
     seconds=1e308 was an OverflowError traceback, and a missing --models-dir was ignored."""
-    from vflash_nodes import ops as node_ops
+    from vflash_nodes import actions as node_actions
 
     def refuse(*args, **kwargs):
         raise AssertionError("a loader node ran for a workflow that must be refused when it is checked")
 
     for loader in ("load_model", "load_component", "load_text_encoder", "load_vae"):
-        if hasattr(node_ops, loader):
-            monkeypatch.setattr(node_ops, loader, refuse)
+        if hasattr(node_actions, loader):
+            monkeypatch.setattr(node_actions, loader, refuse)
     api = Path(__file__).resolve().parent.parent / "workflows" / "api"
     out = tmp_path / "out"
     cases = [

@@ -10,6 +10,7 @@ import os
 
 from ..errors import VflashError
 from ..formats import GPU_INDEX
+from ..pipeline.options import STRATEGIES, WEIGHT_RESIDENCIES
 from .generate import StageBars
 
 __all__ = ["register"]
@@ -25,8 +26,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output-latents", required=True, help="output .safetensors (must not exist)")
     p.add_argument("--gpu", type=GPU_INDEX.option("--gpu"), help="CUDA device index (default: CPU)")
     p.add_argument("--peer-gpu", type=GPU_INDEX.option("--peer-gpu"), action="append", help="another GPU for this request (repeatable); needs --strategy")
-    p.add_argument("--strategy", choices=("sequence-head", "tensor"), help="how several GPUs split one request")
-    p.add_argument("--weight-residency", choices=("auto", "resident", "block-ring"), default="auto",
+    p.add_argument("--strategy", choices=STRATEGIES, help="how several GPUs split one request")
+    p.add_argument("--weight-residency", choices=WEIGHT_RESIDENCIES, default="auto",
                    help="the blocks all on the device, or streamed from pinned host memory (block-ring); auto: the memory plan chooses")
     p.add_argument("--attention-backend", default="auto", help="auto, fa3, torch-cudnn, torch-flash, torch-sdpa, ...")
     p.add_argument("--profile-denoise", action="store_true", help="per-evaluation, per-stage device timings in the report")

@@ -1,8 +1,8 @@
 """The one request validator: everything about a request that is knowable before a model loads.
 
 `plan_request` is what `H3Pipeline.validate` / `generate` run (so the CLI and the Python API), and what the HTTP
-service runs before it queues a job; other front ends can call its parts (`check_prompt`, `clip_frames`,
-`check_canvas_size`, `check_labels`, `check_reference_counts`). The limits come from the model and the profile:
+service runs before it queues a job; `plan_inputs` is the same validator for a front end whose media are already
+decoded (the node pack holds tensors, not files). The limits come from the model and the profile:
 
 * prompt: a non-empty string of at most `MAX_PROMPT_BYTES` whose tokens fit the text encoder's context
   (`text_config.max_position_embeddings`), counted with the model's own tokenizer (`PromptBudget`);
@@ -53,7 +53,7 @@ from .model_loading import MODEL_LOAD_LOCK
 __all__ = [
     "ANCHORS", "MAX_PROMPT_BYTES", "PIXELS", "SECONDS", "SEED", "MediaInput", "PromptBudget", "RequestPlan",
     "VideoRequest", "check_canvas_size", "check_generate_arguments", "check_labels", "check_output_is_not_an_input",
-    "check_prompt", "check_reference_counts", "check_seed", "media_input", "media_inputs", "plan_request",
+    "check_prompt", "check_reference_counts", "check_seed", "media_input", "media_inputs", "plan_inputs", "plan_request",
     "request_mode",
 ]
 
@@ -384,10 +384,33 @@ def plan_request(request: VideoRequest, profile: Profile, canvas: CanvasRules, p
     else:
         height, width = canvas.default_canvas(16, 9)
 
+    soundtracks = sum(probe.has_soundtrack for probe in probes)
+    return _bind_labels(request.prompt, mode, Geometry(height, width, num_frames), len(request.keyframes), kinds, soundtracks)
+
+
+def plan_inputs(
+    prompt: str, mode: str, geometry: Geometry, keyframes: int, reference_kinds: list[str], soundtracks: int,
+    canvas: CanvasRules, profile: Profile | None = None, prompt_budget: PromptBudget | None = None,
+) -> RequestPlan:
+    """`plan_request` for a request whose media are already decoded (no files to probe): the prompt, the profile's
+    modes and clip durations (when `profile` is given; a front end that encodes before it knows the transformer checks
+    them with the profile later), the canvas against the model's canvas rules, the reference counts and the labels.
+    `geometry` holds an aligned frame count; `soundtracks` counts the reference clips that carry sound."""
+    check_prompt(prompt, prompt_budget)
+    if profile is not None:
+        profile.check_mode(mode)
+        profile.check_duration(geometry.num_frames / FPS)
+    check_canvas_size(geometry.height, geometry.width, canvas)
+    check_reference_counts(reference_kinds)
+    return _bind_labels(prompt, mode, geometry, keyframes, reference_kinds, soundtracks)
+
+
+def _bind_labels(prompt: str, mode: str, geometry: Geometry, keyframes: int, kinds: list[str], soundtracks: int) -> RequestPlan:
+    """The plan, once every label of the prompt names an input: pictures are the keyframes or the image references,
+    and `<Audio j>` counts audio references and reference clips' soundtracks alike."""
     if mode == "ref2va":
-        pictures, videos = kinds.count("image"), kinds.count("video")
-        audios = kinds.count("audio") + sum(probe.has_soundtrack for probe in probes)
+        pictures, videos, audios = kinds.count("image"), kinds.count("video"), kinds.count("audio") + soundtracks
     else:
-        pictures, videos, audios = len(request.keyframes), 0, 0
-    check_labels(request.prompt, mode, pictures, videos, audios)
-    return RequestPlan(mode, Geometry(height, width, num_frames), pictures, videos, audios)
+        pictures, videos, audios = keyframes, 0, 0
+    check_labels(prompt, mode, pictures, videos, audios)
+    return RequestPlan(mode, geometry, pictures, videos, audios)

@@ -1,0 +1,251 @@
+"""The model files the node pack offers and what identifies them: the options of the loaders (compiled outputs and
+prepared-assets receipts in the vflash folders, diffusers model roots, single-file H3 transformers, LoRAs), the path
+an option resolves to, the identity ComfyUI's cache compares (paths, sizes, modification times; nothing is hashed), and
+the profile an option runs (read from its manifests)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from vflash_core.engine.artifact import CompiledArtifact
+from vflash_core.errors import VflashError, WeightFileError
+from vflash_core.formats import PIPELINE_FORMAT
+from vflash_core.media.references import CanvasRules
+from vflash_core.pipeline.demo import DEMO_PROFILE, ensure_demo_assets
+from vflash_core.pipeline.h3_pipeline import PreparedAssets
+from vflash_core.profiles import Profile, get_profile
+from vflash_core.tensor_store import TensorStore
+from vflash_core.weights.checkpoint import SourceWeights
+from vflash_core.weights.family import DEMO_FAMILY
+
+from .interfaces import Folders, Host, HostStageProgress
+
+__all__ = [
+    "COMPONENT_FOLDERS",
+    "DEMO",
+    "check_model_option",
+    "compiled_paths",
+    "component_options",
+    "demo_receipt",
+    "is_h3_transformer_file",
+    "lora_options",
+    "model_identity",
+    "model_options",
+    "official_transformer",
+    "path_identity",
+    "recorded_canvas",
+    "recorded_profile",
+    "resolve",
+]
+
+logger = logging.getLogger(__name__)
+
+DEMO = "embedded-demo"
+COMPONENT_FOLDERS = {"te": "text_encoder", "vae": "vae"}  # the model root's folder that identifies a component
+
+_H3_MARKERS = (
+    "transformer_blocks.0.attn.to_q.weight",
+    "blocks.0.attn.qkv_proj.weight",
+    "model.diffusion_model.blocks.0.attn.qkv_proj.weight",
+    "diffusion_model.blocks.0.attn.qkv_proj.weight",
+)
+_h3_file_cache: dict[tuple, bool] = {}
+
+
+# -- listing -----------------------------------------------------------------------------------------------------
+
+
+def is_h3_transformer_file(path: str | Path) -> bool:
+    """True when a .safetensors file's header names H3 transformer tensors (reads the header only, cached)."""
+    path = Path(path)
+    key = path_identity(path)
+    if key not in _h3_file_cache:
+        try:
+            names = set(TensorStore(path).names)
+        except WeightFileError as exc:
+            logger.debug("not listing %s as an H3 transformer: %s", path, exc)
+            names = set()
+        _h3_file_cache[key] = any(marker in names for marker in _H3_MARKERS)
+    return _h3_file_cache[key]
+
+
+def _model_roots(folders: Folders, component: str | None) -> list[str]:
+    """`diffusers/<name>` folders that hold an H3 model root (with `component/` when given)."""
+    out = []
+    for base in folders.folders("diffusers"):
+        if not os.path.isdir(base):
+            continue
+        for name in sorted(os.listdir(base)):
+            root = Path(base, name)
+            if (root / "transformer" / "config.json").is_file() and (component is None or (root / component).is_dir()):
+                out.append(f"diffusers/{name}")
+    return out
+
+
+def _compiled_entries(folders: Folders) -> list[str]:
+    """`vflash/<folder>` entries: compiled outputs (artifact/manifest.json inside) in the vflash folders."""
+    return sorted(
+        {
+            "vflash/" + rel[: -len("/artifact/manifest.json")]
+            for rel in folders.filenames("vflash")
+            if rel.endswith("/artifact/manifest.json")
+        }
+    )
+
+
+def _receipt_entries(folders: Folders) -> list[str]:
+    """`vflash/<file>.json` entries: prepared-assets receipts (at most 1 MiB) in the vflash folders."""
+    out = []
+    for rel in folders.filenames("vflash"):
+        if not rel.endswith(".json") or "/artifact/" in rel or "/schedule/" in rel:
+            continue
+        path = folders.full_path("vflash", rel)
+        if path is None or not os.path.isfile(path) or os.path.getsize(path) > 1 << 20:  # a FIFO would block the read
+            continue
+        try:
+            if json.loads(Path(path).read_text()).get("format") == PIPELINE_FORMAT:
+                out.append("vflash/" + rel)
+        except (OSError, ValueError) as exc:
+            logger.debug("not listing %s as a receipt: %s", path, exc)
+    return out
+
+
+def model_options(folders: Folders) -> list[str]:
+    singles = [
+        f"diffusion_models/{rel}"
+        for rel in folders.filenames("diffusion_models")
+        if rel.endswith(".safetensors")
+        and (path := folders.full_path("diffusion_models", rel))
+        and is_h3_transformer_file(path)
+    ]
+    return [DEMO, *_receipt_entries(folders), *_compiled_entries(folders), *_model_roots(folders, None), *singles]
+
+
+def component_options(folders: Folders, kind: str) -> list[str]:
+    """The options of a text encoder ("te") or VAE pair ("vae") loader."""
+    return [DEMO, *_receipt_entries(folders), *_model_roots(folders, COMPONENT_FOLDERS[kind])]
+
+
+def lora_options(folders: Folders) -> list[str]:
+    return [rel for rel in folders.filenames("loras") if rel.endswith(".safetensors")]
+
+
+# -- resolving and identity --------------------------------------------------------------------------------------
+
+
+def resolve(folders: Folders, name: str) -> Path:
+    """The file or folder behind a listed option; raises `VflashError` naming the models folder it belongs in and
+    where ComfyUI looked."""
+    key, _, rel = name.partition("/")
+    if name == DEMO or not rel or key not in ("vflash", "diffusers", "diffusion_models", "loras"):
+        raise VflashError(
+            f"{name!r} is not a model file option (expected vflash/..., diffusers/..., diffusion_models/... or "
+            "loras/...)"
+        )
+    full = folders.full_path(key, rel)
+    if full is None:
+        if folders.folders(key):
+            raise VflashError(
+                f"{name} is missing: {rel} belongs in models/{key} (ComfyUI looks in {', '.join(folders.folders(key))})"
+            )
+        raise VflashError(
+            f"{name} is missing: {rel} belongs in models/{key}, and no {key} folder is registered "
+            "(vflash run-workflow registers them under --models-dir)"
+        )
+    return Path(full)
+
+
+_IDENTITY_FILES = (
+    "artifact/manifest.json",
+    "schedule/manifest.json",
+    "auxiliary.safetensors",
+    "transformer/config.json",
+    "transformer/diffusion_pytorch_model.safetensors.index.json",
+    "transformer_ref/config.json",
+    "transformer_ref/diffusion_pytorch_model.safetensors.index.json",
+    "text_encoder/config.json",
+    "vae/config.json",
+    "audio_vae/config.json",
+)
+
+
+def path_identity(path: Path) -> tuple:
+    """(path, size, mtime) of a file, or of every file directly identifying a folder model (manifests, configs)."""
+    if path.is_file():
+        stat = path.stat()
+        return (str(path), stat.st_size, stat.st_mtime_ns)
+    return (
+        str(path),
+        tuple((rel, *path_identity(path / rel)[1:]) for rel in _IDENTITY_FILES if (path / rel).is_file()),
+    )
+
+
+def model_identity(folders: Folders, name: str, component: str = "") -> tuple:
+    """What `fingerprint_inputs` compares: the option plus size and mtime of what it resolves to (of its `component`
+    folder, e.g. "text_encoder", when the model root has one)."""
+    if name == DEMO:
+        return (DEMO,)
+    path = resolve(folders, name)
+    return path_identity(path / component if (path / component).exists() else path)
+
+
+def check_model_option(folders: Folders, model: str) -> str:
+    """The model option alone, as the loader's `validate_inputs` checks it when the graph is queued: it resolves (else
+    one refusal naming the models folder it belongs in), and a single-file transformer is in a form Vflash reads (its
+    header only: quantized formats without an exact dequantization are refused). Returns the resolved path."""
+    if model == DEMO:
+        return ""
+    path = resolve(folders, model)
+    if model.startswith("diffusion_models/"):
+        SourceWeights(path)
+    return str(path)
+
+
+# -- what an option holds ----------------------------------------------------------------------------------------
+
+
+def compiled_paths(folder: Path) -> tuple[Path, Path, Path]:
+    """The artifact, schedule overlay and auxiliary tensors of a compiled output folder."""
+    return folder / "artifact", folder / "schedule", folder / "auxiliary.safetensors"
+
+
+def official_transformer(path: Path, profile: Profile) -> Path:
+    """The transformer weights official weights compile from for a profile: a single file as it is; in a diffusers
+    model root, the profile's partition folder (`transformer/`, or `transformer_ref/` for the ref2va profiles)."""
+    return path if path.is_file() else path / profile.variant
+
+
+def demo_receipt(host: Host) -> Path:
+    """The embedded demo family's prepared-assets receipt, built on first use (a progress bar per stage)."""
+    return ensure_demo_assets(progress=HostStageProgress(host))
+
+
+def recorded_profile(model: str, path: str, profile: str) -> Profile | None:
+    """The profile an option runs: the explicit one, or the one recorded in its manifests ("auto"); None for
+    official weights with "auto" (they need an explicit profile). Reads manifests only."""
+    if profile != "auto":
+        return get_profile(profile)
+    if model == DEMO:
+        return get_profile(DEMO_PROFILE)
+    if model.endswith(".json"):
+        return PreparedAssets.load(path).profile
+    if model.startswith("vflash/"):
+        return get_profile(CompiledArtifact(*compiled_paths(Path(path))).profile_id)
+    return None
+
+
+def recorded_canvas(model: str, path: str) -> CanvasRules:
+    """The canvas rules of an option's model family, read from its files (nothing is built): the embedded demo
+    family's, a prepared-assets receipt's recorded canvas (what `vflash generate` checks a request against), or a
+    diffusers model root's `modular_model_index.json`. Raises `VflashError` for an option without a model root."""
+    if model == DEMO:
+        rules = DEMO_FAMILY.canvas  # what the demo build records in its modular_model_index.json
+        return CanvasRules(rules["canvas_short_edge"], rules["canvas_max_pixels"], rules["reference_image_short_edge"])
+    if model.startswith("vflash/") and model.endswith(".json"):
+        return PreparedAssets.load(path).canvas
+    if model.startswith("diffusers/"):
+        return CanvasRules.from_model_root(path)
+    raise VflashError(f"{model} has no model root: choose a model folder or prepared-assets receipt")
