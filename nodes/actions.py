@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -21,7 +21,8 @@ import PIL.Image
 import torch
 
 from vflash_core.engine.layout import FPS
-from vflash_core.errors import RequestError, VflashError
+from vflash_core.errors import CallbackGuard, RequestError, VflashError
+from vflash_core.fileio import size_text
 from vflash_core.media.vae import decode_latents
 from vflash_core.pipeline.h3_pipeline import EncodedRequest, delivered_soundtrack, encode_request
 from vflash_core.pipeline.validation import check_seed, plan_inputs, request_mode
@@ -212,10 +213,10 @@ def encode(
 def _memory_line(metadata: Mapping[str, Any]) -> str:
     mem = metadata.get("memory", {})
     peak = mem.get("peak_allocated_bytes")
-    peak_text = ", ".join(f"{b / 2**30:.2f} GiB" for b in peak) if peak else "n/a (cpu)"
+    peak_text = ", ".join(size_text(b) for b in peak) if peak else "n/a (cpu)"
     return (
         f"Vflash memory plan: residency {mem.get('weight_residency')}, {mem.get('blocks_on_device')} blocks on device, "
-        f"{mem.get('pinned_host_bytes', 0) / 2**30:.2f} GiB pinned host, peak allocated {peak_text}"
+        f"{size_text(mem.get('pinned_host_bytes', 0))} pinned host, peak allocated {peak_text}"
     )
 
 
@@ -254,17 +255,7 @@ def sample(
     host.free_memory()
     session = load_session(registry, host, model)
     handoff = cond.bundle(session.compiled.config, seed, geometry)
-    stopped: list[BaseException] = []  # what the progress or interrupt callbacks raised to stop the trajectory
-
-    def stopping(callback: Callable[..., None]) -> Callable[..., None]:
-        def call(*args: int) -> None:
-            try:
-                callback(*args)
-            except BaseException as exc:
-                stopped.append(exc)
-                raise
-
-        return call
+    stopping = CallbackGuard()  # what the progress, interrupt or preview callbacks raised to stop the trajectory
 
     # With a previewer the preview callback draws each step's progress bar update (core's one per step, image and
     # value together), so the plain progress callback is left out.
@@ -277,10 +268,10 @@ def sample(
             progress=progress,
             between_blocks=stopping(host.check_interrupt),
             profile_denoise=profile_denoise,
-            preview=None if preview is None else stopping(preview),
+            preview=stopping(preview),
         )
     except BaseException as exc:
-        if not stopped and not isinstance(exc, VflashError):
+        if stopping.raised is None and not isinstance(exc, VflashError):
             # A failed trajectory leaves the session refusing work: close it now, the next run loads a fresh one.
             registry.release("dit")
         raise

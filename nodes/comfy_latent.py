@@ -27,11 +27,11 @@ import torch
 from vflash_core.engine.layout import (
     AUDIO_CHANNELS,
     FPS,
-    VAE_FRAMES_PER_CHUNK,
     VAE_LATENTS_PER_CHUNK,
     VAE_SPATIAL_RATIO,
     Geometry,
     align_num_frames,
+    video_num_frames,
 )
 from vflash_core.errors import RequestError
 
@@ -60,7 +60,7 @@ def geometry_of_latents(video: torch.Tensor, audio: torch.Tensor) -> Geometry:
     latent_frames = int(video.shape[2])
     if latent_frames < 2 or (latent_frames - 2) % VAE_LATENTS_PER_CHUNK:
         raise RequestError(f"an H3 video latent has 5 n + 2 latent frames, got {latent_frames}")
-    num_frames = (latent_frames - 2) // VAE_LATENTS_PER_CHUNK * VAE_FRAMES_PER_CHUNK + VAE_LATENTS_PER_CHUNK
+    num_frames = video_num_frames(latent_frames)
     geometry = Geometry(int(video.shape[3]) * VAE_SPATIAL_RATIO, int(video.shape[4]) * VAE_SPATIAL_RATIO, num_frames)
     if int(audio.shape[2]) != geometry.num_audio_latents:
         raise RequestError(

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vflash_core.errors import Number, VflashError
+from vflash_core.errors import Number, VflashError, is_int
 
 from .graph_checks import graph_refusals
 from .headless import comfy_io as io
@@ -88,7 +88,7 @@ _NODE_ID = re.compile(r"[0-9]+(?::[0-9]+)*")
 def _node_id(value: Any) -> str | None:
     """A node id in a form ComfyUI writes (an int, or a string of `_NODE_ID`), as the string it is keyed by; None
     for anything else (a unicode digit such as "²", a float, a bool)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+    if is_int(value) and value >= 0:
         return str(value)
     return value if isinstance(value, str) and _NODE_ID.fullmatch(value) else None
 
@@ -100,7 +100,7 @@ def _link(value: list) -> list | None:
     source, index = _node_id(value[0]), value[1]
     if isinstance(index, str) and index.isascii() and index.isdigit():
         index = int(index)
-    if source is None or isinstance(index, bool) or not isinstance(index, int) or index < 0:
+    if source is None or not is_int(index) or index < 0:
         return None
     return [source, index]
 
