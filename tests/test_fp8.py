@@ -30,7 +30,20 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from test_kernels import FFN, H_FULL, S_CPU, S_GPU, TILES, _table, assert_bitwise, configure, generator, randn, strided
+from test_kernels import (
+    FFN,
+    H_FULL,
+    H_INTERPRETED,
+    S_CPU,
+    S_GPU,
+    TILES,
+    _table,
+    assert_bitwise,
+    configure,
+    generator,
+    randn,
+    strided,
+)
 from triton.runtime.interpreter import InterpretedFunction
 
 from vflash_core.engine import fp8
@@ -151,7 +164,7 @@ def test_swiglu_quantize_interpreter(op, monkeypatch, request, width, keep_value
 
 @pytest.mark.parametrize("tile", TILES)
 @pytest.mark.parametrize("which", ["msa", "mlp"])
-@pytest.mark.parametrize("hidden,layout", [(H_FULL, "model"), (1000, "strided"), (24, "model")])
+@pytest.mark.parametrize("hidden,layout", [(H_INTERPRETED, "model"), (1000, "strided"), (24, "model")])
 def test_rms_norm_modulate_quantize_interpreter(op, monkeypatch, request, hidden, layout, which, tile):
     """Against `fp8.quantize_rows` of the norm in the kernel's order (as test_rms_norm_modulate.py) + `modulate`."""
     configure(op, monkeypatch, tile)
