@@ -3,19 +3,63 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 
 from vflash_core.engine.config import H3Config
 from vflash_core.profiles import Profile, get_profile
 from vflash_core.weights import synthetic
 from vflash_core.weights.compiler import compile_receipt, prepare
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Two intra-op threads in one process; one per worker when xdist runs the tests in two (two cores in all either way:
+# more threads than cores make torch's OpenMP workers wait on each other).
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+
+
+# -- files built once per test run ---------------------------------------------------------------------------------
+#
+# `pytest -q` runs the tests in two pytest-xdist worker processes (pyproject.toml's addopts). A session fixture runs
+# once per process, so a fixture that builds files (a model, a compile, the demo family) would build them once per
+# worker: `built_once` builds them once per run instead, under a file lock, in a folder all workers share.
+
+
+def _run_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder every process of this test run shares: xdist gives each worker a basetemp of its own inside the
+    run's (`<run>/popen-gw0`, ...); without workers the run's basetemp is the process's."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def _encode_paths(result: Path | dict[str, Path]) -> str | dict[str, str]:
+    return str(result) if isinstance(result, Path) else {key: str(path) for key, path in result.items()}
+
+
+def _decode_paths(record: str | dict[str, str]) -> Path | dict[str, Path]:
+    return Path(record) if isinstance(record, str) else {key: Path(path) for key, path in record.items()}
+
+
+def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], Path | dict[str, Path]]):
+    """`build(folder)` (a new folder `name` of the run's shared folder) once per test run, whichever worker asks
+    first; the others wait on the lock and get the paths it returned. A build that raised left no record: the next
+    worker to ask removes its folder and builds again (and fails the same way, in its own tests)."""
+    shared = _run_folder(tmp_path_factory)
+    folder, record = shared / name, shared / f"{name}.built.json"
+    with FileLock(shared / f"{name}.lock"):
+        if record.is_file():
+            return _decode_paths(json.loads(record.read_text()))
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir()
+        result = build(folder)
+        record.write_text(json.dumps(_encode_paths(result)))
+        return result
 
 TINY = H3Config.preset("tiny")
 
@@ -34,7 +78,40 @@ TEMPLATES = {
 }
 
 
+#: Worker processes of a plain `pytest` run on a machine without CUDA (CI's has 2 cores; more workers were not measured).
+CPU_WORKERS = 2
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """Without `-n`, a run on a machine without CUDA takes CPU_WORKERS pytest-xdist workers, whole test files each
+    (`--dist loadfile`: a module's fixtures are built once), unless xdist is not installed (`-p no:xdist`, the device
+    machines), `--pdb` is given or the machine has fewer cores. With CUDA the tests run in one process: the GPU tests
+    would share the devices. `-n 0` runs one process anywhere. (An ini `addopts = -n` would be refused wherever xdist is
+    missing.) Called before xdist's own hook, which turns the count into worker processes."""
+    if os.environ.get("PYTEST_XDIST_WORKER") or not config.pluginmanager.hasplugin("xdist"):
+        return
+    if config.option.numprocesses is not None or config.getoption("usepdb") or torch.cuda.is_available():
+        return
+    if len(os.sched_getaffinity(0)) < CPU_WORKERS:
+        return
+    config.option.numprocesses = CPU_WORKERS
+    if config.option.dist == "no":
+        config.option.dist = "loadfile"
+
+
+#: The test files that take longest on two cores, longest first (measured with `--durations`): the xdist workers take
+#: them first, so a run does not end with one worker on a long file while the other has nothing left.
+LONGEST_FILES = (
+    "test_service.py", "test_bad_inputs_and_faults.py", "test_fp8.py", "test_vae_decode.py", "test_fp8_profiles.py",
+    "test_workflows.py", "test_pipeline_parity.py", "test_pipeline_generate.py", "test_nodes.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the workers' collection is the order xdist hands the files out in
+        rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+        items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FILES)))  # stable: the rest keep their order
     cuda = torch.cuda.is_available()
     gpus = torch.cuda.device_count() if cuda else 0
     for item in items:
@@ -57,8 +134,9 @@ def tiny_weights() -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="session")
 def tiny_transformer(tmp_path_factory, tiny_weights) -> Path:
-    """A sharded diffusers `transformer/` folder of the tiny model."""
-    return synthetic.write_diffusers_transformer(tmp_path_factory.mktemp("tiny") / "transformer", TINY, tiny_weights, max_shard_bytes=40_000)
+    """A sharded diffusers `transformer/` folder of the tiny model (`tiny_weights`: the same seed in every worker)."""
+    return built_once(tmp_path_factory, "tiny", lambda folder: synthetic.write_diffusers_transformer(
+        folder / "transformer", TINY, tiny_weights, max_shard_bytes=40_000))
 
 
 def compile_tiny(tmp: Path, transformer: Path, profile: Profile | str, adapter: Path | None = None, qkv_layout: str | None = None, device: str = "cpu") -> dict[str, Path]:
@@ -72,7 +150,7 @@ def compile_tiny(tmp: Path, transformer: Path, profile: Profile | str, adapter: 
 @pytest.fixture(scope="session")
 def tiny_compiled(tmp_path_factory, tiny_transformer) -> dict[str, Path]:
     """The tiny model compiled for the 4-NFE CPU profile (t2va and keyframe modes)."""
-    return compile_tiny(tmp_path_factory.mktemp("compiled4"), tiny_transformer, "t2va-base4-exact-cpu")
+    return built_once(tmp_path_factory, "compiled4", lambda folder: compile_tiny(folder, tiny_transformer, "t2va-base4-exact-cpu"))
 
 
 def cpu_profile(**changes) -> Profile:
@@ -135,7 +213,7 @@ def demo_receipt(tmp_path_factory) -> Path:
     """The shared demo build's prepared-assets receipt (t2va / i2va / l2va / fl2va, 4 NFE, CPU)."""
     from vflash_core.pipeline.demo import ensure_demo_assets
 
-    return ensure_demo_assets(tmp_path_factory.mktemp("demo-cache"))
+    return built_once(tmp_path_factory, "demo-cache", ensure_demo_assets)
 
 
 def linked_demo_cache(cache: Path, demo_receipt: Path) -> Path:
@@ -159,13 +237,16 @@ def h3_family(tmp_path_factory, demo_receipt) -> Path:
     written here (each part has its own seed, so this equals a family built whole)."""
     from vflash_core.weights.family import DEMO_FAMILY, build_model_family
 
-    built = demo_receipt.parent / "model"
-    root = tmp_path_factory.mktemp("family") / "model"
-    root.mkdir()
-    for part in built.iterdir():
-        if part.name != "modular_model_index.json":
-            (root / part.name).symlink_to(part, target_is_directory=part.is_dir())
-    return build_model_family(root, DEMO_FAMILY, seed=0, with_ref=True, parts=("transformer_ref", "index"))
+    def build(folder: Path) -> Path:
+        built = demo_receipt.parent / "model"
+        root = folder / "model"
+        root.mkdir()
+        for part in built.iterdir():
+            if part.name != "modular_model_index.json":
+                (root / part.name).symlink_to(part, target_is_directory=part.is_dir())
+        return build_model_family(root, DEMO_FAMILY, seed=0, with_ref=True, parts=("transformer_ref", "index"))
+
+    return built_once(tmp_path_factory, "family", build)
 
 
 def prepare_family(tmp: Path, family: Path, profile: str, partition: str) -> Path:
@@ -194,4 +275,4 @@ def h3_prepared(demo_receipt) -> Path:
 @pytest.fixture(scope="session")
 def h3_prepared_ref(tmp_path_factory, h3_family) -> Path:
     """Prepared-assets receipt of the family's `transformer_ref/` for ref2va (4 NFE, CPU)."""
-    return prepare_family(tmp_path_factory.mktemp("prepared_ref4"), h3_family, "ref2va-base4-exact-cpu", "transformer_ref")
+    return built_once(tmp_path_factory, "prepared_ref4", lambda folder: prepare_family(folder, h3_family, "ref2va-base4-exact-cpu", "transformer_ref"))

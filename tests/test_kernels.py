@@ -161,6 +161,10 @@ def small_tile(kernels):
 TILES = ["heuristic", "small"]
 DTYPES = [torch.bfloat16, torch.float32]
 S_CPU = 37
+#: The interpreter's width for the row-norm kernels (`rms_norm_modulate` and its FP8 quantizing twin), which read a
+#: row in chunks of 512 channels whatever the width: 2.5 chunks, as the released H = 5376 is 10.5 (whole chunks summed
+#: in turn, then a half-full masked one), for a quarter of the interpreted work. The GPU tests run H_FULL.
+H_INTERPRETED = 1280
 
 
 def configure(kernels, monkeypatch, tile: str, index_64: bool = False) -> None:

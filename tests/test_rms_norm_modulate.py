@@ -2,9 +2,9 @@
 
 CPU tests run the kernel in Triton's interpreter, inside test_kernels.py's private interpreted copy of the package (its
 docstring says why and how; the `interp` fixture makes it once per module). The kernel is compared bit for bit with
-`rms_norm_modulate_order_reference`, the torch emulation of torch's CUDA reduction order, on 37 rows at the released
-width H = 5376 (11 chunks of 512 channels, the last half full) and at H = 512 (one chunk, every thread of the torch
-block one vector), 1000 (a partial chunk) and 24 (fewer vectors than lanes), with strided inputs, both tile
+`rms_norm_modulate_order_reference`, the torch emulation of torch's CUDA reduction order, on 37 rows at H = 1280 (3
+chunks of 512 channels, the last half full, as the released 5376's 11 are) and at H = 512 (one chunk, every thread of
+the torch block one vector), 1000 (a partial chunk) and 24 (fewer vectors than lanes), with strided inputs, both tile
 settings, int32 / int64 row indices and the INDEX_64 variant. How often that order differs from the CPU `F.rms_norm`
 (another order) is printed only. What the interpreter cannot show: the GPU's `rsqrt` (it computes `1 / sqrt`, as the
 CPU reference does) and whether torch's CUDA kernel really uses that order.
@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from test_kernels import (
     H_FULL,
+    H_INTERPRETED,
     S_CPU,
     S_GPU,
     TILES,
@@ -129,7 +130,7 @@ def test_rejects_inputs_of_the_other_torch_path():
 
 @pytest.mark.parametrize("tile", TILES)
 @pytest.mark.parametrize("which", ["msa", "mlp"])
-@pytest.mark.parametrize("hidden,layout", [(H_FULL, "model"), (512, "model"), (1000, "strided"), (24, "strided")])
+@pytest.mark.parametrize("hidden,layout", [(H_INTERPRETED, "model"), (512, "model"), (1000, "strided"), (24, "strided")])
 def test_rms_norm_modulate_interpreter(op, monkeypatch, request, hidden, layout, which, tile):
     """bf16: bit for bit with the emulated order; the CPU F.rms_norm (another order) is reported. Strided cases also
     take an int32 row index."""
