@@ -218,7 +218,8 @@ def fp8_figures(data: dict) -> str:
     rows = []
     for r in data["records"]:
         ms, error = r["ms_per_block"], r["error"]
-        row = {"canvas": r["canvas"], "N": r["N"], "exact": ms["exact"], "fp8_linear": ms["fp8_linear"], "speedup_linear": r["speedup_fp8_linear"],
+        carried = f" (at `{r['measured_at_commit'][:7]}`)" if r.get("measured_at_commit") else ""
+        row = {"canvas": r["canvas"] + carried, "N": r["N"], "exact": ms["exact"], "fp8_linear": ms["fp8_linear"], "speedup_linear": r["speedup_fp8_linear"],
                "fp8_both": ms.get("fp8_linear_attention"), "speedup_both": r["speedup_fp8_linear_attention"],
                "fp8_scaled": ms.get("fp8_scaled_linear"), "speedup_scaled": r.get("speedup_fp8_scaled_linear")}
         for name, key in (("fp8_linear", "linear"), ("fp8_linear_attention", "both"), ("fp8_scaled_linear", "scaled")):
@@ -243,6 +244,7 @@ def fp8_figures(data: dict) -> str:
                       *([("fp8_scaled", "from an fp8_scaled file ms/block"), ("speedup_scaled", "speedup"), ("rel_l2_scaled", "velocity rel L2"),
                          ("psnr_scaled", "latent PSNR dB")] if any(r.get("fp8_scaled") for r in rows) else [])]),
         "",
+        *([f"How this file was measured: {data['code_note']}", ""] if data.get("code_note") else []),
     ])
 
 
