@@ -50,6 +50,7 @@ from vae import CANVASES, SMALL_CANVASES, family_spec, load_vaes, synchronize
 from vflash_core.engine.layout import FPS, audio_latent_count, frames_for_duration, video_latent_frames
 from vflash_core.media import mp4
 from vflash_core.media.vae import MediaVAEs, decode_latents
+from vflash_core.pipeline.h3_pipeline import delivered_soundtrack
 from vflash_core.weights.family import DEMO_FAMILY
 
 SEED = 0
@@ -123,8 +124,7 @@ def serial(vaes: MediaVAEs, z: torch.Tensor, audio: torch.Tensor, clip: torch.Te
     media = decode_latents(vaes, z, audio, lambda stage: marks.setdefault(stage, time.perf_counter()))
     decoded = time.perf_counter()
     frames = media.frames if clip is None else clip
-    soundtrack = media.waveform[:, : round(media.num_frames / FPS * media.sample_rate)]
-    mp4.write_mp4(out, frames, soundtrack, media.sample_rate, FPS, video_input="file")
+    mp4.write_mp4(out, frames, delivered_soundtrack(media), media.sample_rate, FPS, video_input="file")
     end = time.perf_counter()
     return {"decode_seconds": decoded - start, "mp4_seconds": end - decoded, "delivery_seconds": end - start,
             "mp4_tail_seconds": end - marks["decode.video"]}
@@ -144,7 +144,7 @@ def streaming(vaes: MediaVAEs, z: torch.Tensor, audio: torch.Tensor, clip: torch
                 stream.add(first, clip[first : first + frames.shape[0]])
         media = decode_latents(vaes, z, audio, lambda stage: marks.setdefault(stage, time.perf_counter()), video_sink=sink)
         decoded = time.perf_counter()
-        stream.finish(media.waveform[:, : round(media.num_frames / FPS * media.sample_rate)])
+        stream.finish(delivered_soundtrack(media))
     end = time.perf_counter()
     return {"decode_seconds": decoded - start, "mp4_seconds": end - decoded, "delivery_seconds": end - start,
             "mp4_tail_seconds": end - marks["decode.video"]}

@@ -26,7 +26,7 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // int(os.environ.get("
 
 # -- files built once per test run ---------------------------------------------------------------------------------
 #
-# `pytest -q` runs the tests in two pytest-xdist worker processes (pyproject.toml's addopts). A session fixture runs
+# `pytest -q` runs the tests in two pytest-xdist worker processes (`pytest_cmdline_main` below). A session fixture runs
 # once per process, so a fixture that builds files (a model, a compile, the demo family) would build them once per
 # worker: `built_once` builds them once per run instead, under a file lock, in a folder all workers share.
 

@@ -296,13 +296,10 @@ class MP4Stream:
     def abandon(self) -> None:
         """Stop the encoder and close the file without finishing it (its owner removes it)."""
         self._stop.set()
-        if self._thread.is_alive():
+        while self._thread.is_alive():  # the encoder drains the queue down to the end marker once stopped
             with contextlib.suppress(queue.Full):
-                self._parts.put_nowait(self._END)
-            while self._thread.is_alive():  # the encoder drains the queue down to the end marker once stopped
-                with contextlib.suppress(queue.Full):
-                    self._parts.put(self._END, timeout=0.1)
-                self._thread.join(timeout=0.1)
+                self._parts.put(self._END, timeout=0.1)
+            self._thread.join(timeout=0.1)
         self._muxer.close()
 
 
