@@ -3,6 +3,7 @@ files, mismatched sidecars and short reads without leaking descriptors."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import struct
@@ -56,6 +57,9 @@ def _spans_boundary(weights: SequentialWeights, boundaries: list[int]) -> bool:
 
 
 def _open_fds() -> int:
+    """This process's open files, after a garbage collection: an earlier test's unreferenced file objects (another
+    test file's, in the same xdist worker) must not close in the middle of a check and count as this one's."""
+    gc.collect()
     return len(os.listdir("/proc/self/fd"))
 
 
