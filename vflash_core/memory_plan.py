@@ -8,9 +8,10 @@ in the engine, the text encoder's (`TextConditioner.part_sizes`, `conditioning.e
 
 Parts and their placements:
 
-* the core's main blocks: `resident` (every block on the device) or `block-ring` (two device slots fed from a pinned
-  host arena, `residency.BlockRing`); its auxiliary tensors (patch projections, text refiner, heads) are always on the
-  device;
+* the core's main blocks: `resident` (every block on the device), `block-ring` (two device slots fed from a pinned
+  host arena, `residency.BlockRing`) or `disk-ring` (the same slots fed from the compiled block files, read on every
+  pass into `DISK_RING_BLOCKS` pinned staging buffers; one device only); its auxiliary tensors (patch
+  projections, text refiner, heads) are always on the device;
 * the text encoder: `resident` (on the device between requests), `offload` (on the device for its stage only) or
   `stream` (for its stage, the embeddings and the vision tower on the device and the decoder layers passing through
   two device slots of one layer from a pinned host arena, `residency.ModuleRing`);
@@ -23,11 +24,19 @@ between stages (the core's weights, the resident parts) plus what the stage brin
 plus its transient tensors (the parts' `encode_bytes`, `denoise_bytes`, `decode_bytes`: upper estimates from the
 shapes). A placement fits when every stage's peak plus `MARGIN_BYTES` is within the budget.
 
+Host memory: a placement holds, between requests, the block-ring arena (every block) or the disk ring's staging
+buffers, the offloaded or streamed text encoder (all of it: streamed layers in their arena, the rest offloaded) and
+the offloaded VAEs; with a host budget (`max_host_memory`) that plus `HOST_MARGIN_BYTES` (the process itself: the CUDA
+libraries, a request's host tensors, reads in flight while loading) must fit it too. The host budget is planned
+against, never enforced: the host has no allocator to cap.
+
 Choice (`plan_memory`): the first placement, in the order of preference, whose stages all fit the profile's largest
-request: the core resident before block-ring, the encoder offloaded before streamed, the diffusers decode before the
-native one (explicit `weight_residency` / `encoder_residency` choices are kept). When none fits the largest request,
+request and whose host bytes fit the host budget: the core resident before block-ring before disk-ring, the encoder
+offloaded before streamed, the diffusers decode before the native one (explicit `weight_residency` /
+`encoder_residency` choices are kept). When none fits the largest request,
 the most frugal placement is taken if the weights alone fit, and each request is checked before it runs
-(`MemoryPlan.check`); when even the weights do not fit, loading is refused with the numbers.
+(`MemoryPlan.check`); when even the weights do not fit, or no placement fits the host budget, loading is refused
+with the numbers.
 
 Budget: on CUDA the least over the plan's devices of the driver's free memory plus this process's cached blocks,
 within a user cap (`max_device_memory`), which the session also enforces through PyTorch's allocator (`DeviceCap`),
@@ -48,7 +57,7 @@ from .errors import Number, RequestError, RunFailedError, VflashError
 from .fileio import GIB, size_text
 
 __all__ = [
-    "DEVICE_MEMORY_GIB", "PLANNED_PICTURES", "PLANNED_TEXT_ROWS", "DeviceCap", "MemoryPlan", "PartSizes",
+    "DEVICE_MEMORY_GIB", "HOST_MARGIN_BYTES", "PLANNED_PICTURES", "PLANNED_TEXT_ROWS", "DeviceCap", "MemoryPlan", "PartSizes",
     "Placement", "cap_bytes", "device_budget", "plan_memory",
 ]
 
@@ -58,6 +67,13 @@ logger = logging.getLogger(__name__)
 # VAE encode of conditioning frames (not estimated), other users of the device.
 MARGIN_BYTES = 2 * GIB
 STAGES = ("encode", "denoise", "decode")
+# Host memory kept beyond the parts' weights under a host budget: the process itself (the CUDA and torch libraries'
+# resident pages, ~2 GiB on an H200 machine), a request's host tensors, the block or auxiliary reads in flight while
+# the core loads.
+HOST_MARGIN_BYTES = 4 * GIB
+# Pinned staging buffers of a disk ring (`residency.BlockFiles`), one block each: one being copied to the device, two
+# being read ahead, so a read has about two blocks' compute to finish in before the ring waits for it.
+DISK_RING_BLOCKS = 3
 # The request the plan is sized for: the profile's longest clip on the model's 16:9 canvas, with this many text rows
 # and, in keyframe and reference modes, two canvas-sized pictures.
 PLANNED_TEXT_ROWS = 512
@@ -141,7 +157,7 @@ class DeviceCap:
 class Placement:
     """Where each part lives (None: the part is not planned here)."""
 
-    core: str | None = None  # "resident" | "block-ring"
+    core: str | None = None  # "resident" | "block-ring" | "disk-ring"
     encoder: str | None = None  # "resident" | "offload" | "stream"
     vaes: str | None = None  # "resident" | "offload"
     video_decoder: str | None = None  # "diffusers" | "native"
@@ -163,12 +179,31 @@ class MemoryPlan:
     placement: Placement
     largest: Mapping[str, int]  # stage transients of the largest planned request
     fits_largest: bool
+    host_budget: int | None = None  # max_host_memory in bytes; None: not planned
 
     def resident_bytes(self) -> int:
         """What stays on the device between stages: the core's weights and the resident parts."""
         s, p = self.sizes, self.placement
-        core = {None: 0, "resident": s.core_blocks + s.core_auxiliary, "block-ring": 2 * s.core_block + s.core_auxiliary}[p.core]
+        ring = 2 * s.core_block + s.core_auxiliary
+        core = {None: 0, "resident": s.core_blocks + s.core_auxiliary, "block-ring": ring, "disk-ring": ring}[p.core]
         return core + (s.encoder if p.encoder == "resident" else 0) + (s.vaes if p.vaes == "resident" else 0)
+
+    def host_parts(self) -> dict[str, int]:
+        """What each part holds in host memory between requests (the module docstring), by part; none held: absent."""
+        s, p = self.sizes, self.placement
+        held = {
+            f"core ({p.core})": {"block-ring": s.core_blocks, "disk-ring": min(DISK_RING_BLOCKS * s.core_block, s.core_blocks)}.get(p.core or "", 0),
+            f"text encoder ({p.encoder})": s.encoder if p.encoder in ("offload", "stream") else 0,
+            "VAEs (offload)": s.vaes if p.vaes == "offload" else 0,
+        }
+        return {name: nbytes for name, nbytes in held.items() if nbytes}
+
+    def host_bytes(self) -> int:
+        """What the parts hold in host memory between requests, without the margin."""
+        return sum(self.host_parts().values())
+
+    def fits_host(self) -> bool:
+        return self.host_budget is None or self.host_bytes() + HOST_MARGIN_BYTES <= self.host_budget
 
     def brought_bytes(self, stage: str) -> int:
         """The weights a stage brings to the device for its duration."""
@@ -205,9 +240,12 @@ class MemoryPlan:
         peaks = ", ".join(f"{stage} {size_text(peak)}" for stage, peak in self.peaks(self.largest).items()
                           if planned[stage])
         verdict = "fits" if self.fits_largest else "does not fit: each request is checked before it runs"
+        host = f"; host memory {size_text(self.host_bytes())} of weights"
+        if self.host_budget is not None:
+            host += f" + {size_text(HOST_MARGIN_BYTES)} margin, budget {size_text(self.host_budget)}"
         return (
             f"memory plan on {', '.join(str(d) for d in self.devices)}: {'; '.join(parts)}; the largest planned request peaks at "
-            f"{peaks} + {size_text(MARGIN_BYTES)} margin, {size_text(self.budget)} available{_cap_note(self.cap)}: {verdict}"
+            f"{peaks} + {size_text(MARGIN_BYTES)} margin, {size_text(self.budget)} available{_cap_note(self.cap)}: {verdict}{host}"
         )
 
     def available(self) -> int:
@@ -232,10 +270,13 @@ class MemoryPlan:
 
 
 
-def _candidates(sizes: PartSizes, weight_residency: str, encoder_residency: str) -> list[Placement]:
-    """Placements in the order of preference (fastest first, most frugal last); None for a part not planned here."""
+def _candidates(sizes: PartSizes, weight_residency: str, encoder_residency: str, devices: int, host_planned: bool) -> list[Placement]:
+    """Placements in the order of preference (fastest first, most frugal last); None for a part not planned here. A
+    disk ring, which holds as much device memory as a block ring, is a candidate only under a host budget and for one
+    device."""
     resident = encoder_residency == "resident"
-    core = ["resident", "block-ring"] if weight_residency == "auto" else [weight_residency]
+    rings = ["block-ring"] + ["disk-ring"] * (devices == 1 and host_planned)
+    core = ["resident", *rings] if weight_residency == "auto" else [weight_residency]
     cores = core if sizes.core_blocks else [None]
     encoders = (["resident"] if resident else ["offload", "stream"]) if sizes.encoder else [None]
     vaes = (["resident"] if resident else ["offload"]) if sizes.vaes else [None]
@@ -251,17 +292,29 @@ def plan_memory(
     weight_residency: str = "auto",
     encoder_residency: str = "offload",
     budget: int | None = None,
+    host_budget: int | None = None,
 ) -> MemoryPlan:
     """Choose the placement (see the module docstring), log it in one line, or refuse with the numbers.
 
     `largest`: stage -> transient bytes of the largest request to plan for (`largest_request`). `budget` defaults to
-    `device_budget(devices, cap)`."""
+    `device_budget(devices, cap)`; `host_budget`: `max_host_memory` in bytes (None: host memory is not planned)."""
     devices = tuple(devices)
+    if weight_residency == "disk-ring" and len(devices) > 1:
+        raise VflashError("weight_residency='disk-ring' streams the blocks to one GPU; with a peer device use 'block-ring' or 'resident'")
     budget = device_budget(devices, cap) if budget is None else budget
-    plans = [MemoryPlan(devices, budget, cap, sizes, p, largest, True) for p in _candidates(sizes, weight_residency, encoder_residency)]
+    candidates = _candidates(sizes, weight_residency, encoder_residency, len(devices), host_budget is not None)
+    plans = [MemoryPlan(devices, budget, cap, sizes, p, largest, True, host_budget) for p in candidates]
+    within_host = [p for p in plans if p.fits_host()]
+    on_device = [p for p in plans if p.fits({})]  # the placements whose weights fit the device
+    if not within_host or (on_device and not any(p.fits({}) for p in within_host)):
+        _refuse_host(min(on_device or plans, key=MemoryPlan.host_bytes), weight_residency, encoder_residency)
+    plans = within_host
     plan = next((p for p in plans if p.fits(largest)), None)
     if plan is None:
-        plan = replace(plans[-1], fits_largest=False)
+        plan = plans[-1]  # the most frugal; a block ring holds what a disk ring holds on the device, and is faster
+        if plan.placement.core == "disk-ring":
+            plan = next((p for p in plans if p.placement == replace(plan.placement, core="block-ring")), plan)
+        plan = replace(plan, fits_largest=False)
         if not plan.fits({}):
             stage, peak = max(plan.peaks({}).items(), key=lambda item: item[1])
             p = plan.placement
@@ -280,3 +333,18 @@ def plan_memory(
             )
     logger.info(plan.summary())
     return plan
+
+
+def _refuse_host(plan: MemoryPlan, weight_residency: str, encoder_residency: str) -> None:
+    """Refuse a host budget that not even the most frugal placement fits, naming what holds the host memory."""
+    held = plan.host_parts()
+    parts = ", ".join(f"{name} {size_text(nbytes)}" for name, nbytes in held.items()) or "no weights"
+    explicit = [f"{name}={value!r}" for name, value, default in (("weight_residency", weight_residency, "auto"), ("encoder_residency", encoder_residency, "offload")) if value != default]
+    advice = f"Leave {' and '.join(explicit)} to the plan, or raise max_host_memory." if explicit else "Raise max_host_memory."
+    if any(name.startswith("text encoder") for name in held):
+        advice += " The text encoder is held in host memory whole (only the core's blocks stream from their files)."
+    raise RunFailedError(
+        f"the host memory budget does not fit: the most frugal placement holds {parts} in host memory, plus a "
+        f"{size_text(HOST_MARGIN_BYTES)} margin for the process: {size_text(plan.host_bytes() + HOST_MARGIN_BYTES)}; "
+        f"max_host_memory is {size_text(plan.host_budget or 0)}. {advice}"
+    )
