@@ -12,7 +12,7 @@ resident twin's (the first run, uncapped, `weight_residency="resident"`, with `p
 compute time).
 
 One record per run: `host_budget_gib`, `cap_gib`, `placement`, `completed`, `bitwise_equal_to_resident`,
-`request_seconds`, `load_seconds`, `host_rss_peak_bytes` (sampled every 20 ms, and the kernel's `ru_maxrss`),
+`request_seconds`, `load_seconds`, `host_rss_peak_bytes` (the child's resident set, sampled every 20 ms),
 `host_pinned_bytes`, `peak_device_bytes`, `memory_plan`; for a disk ring `block_read_seconds` (median, min, max of
 every block read), `block_reads`, `block_read_gbps`; `error` where refused. Top level: `block_bytes`,
 `block_compute_seconds` (the resident twin's block loop over its 200 block evaluations), `disk_read_gbps` (cold reads
@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -94,8 +93,8 @@ def child(spec: dict) -> dict:
             record["block_read_seconds"] = {"median": round(statistics.median(reads), 4), "min": round(min(reads), 4), "max": round(max(reads), 4)}
             record["block_read_gbps"] = round(files.bytes_read / sum(reads) / 1e9, 3)
         peaks = host.reset()
+    # (not getrusage's ru_maxrss: Linux carries the parent's peak across exec)
     record["host_rss_peak_bytes"] = peaks["host_rss_peak_bytes"]
-    record["host_maxrss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     record["host_pinned_bytes"] = max(peaks["host_pinned_bytes"], pinned_host_bytes(peak=True))
     return record
 
