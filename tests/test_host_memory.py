@@ -33,6 +33,8 @@ from vflash_core.weights import synthetic
 
 CUDA = [torch.device("cuda:0")]
 CORE = MP.PartSizes(core_blocks=FULL.core_blocks, core_block=FULL.core_block, core_auxiliary=FULL.core_auxiliary)
+# The released sizes with the text encoder's layers in files as loaded (what `TextConditioner.from_pretrained` reads).
+ON_DISK = dataclasses.replace(FULL, encoder_layers_on_disk=FULL.encoder_layers)
 # The tiny model with more blocks than a disk ring stages.
 FIVE = dataclasses.replace(TINY, num_layers=5)
 
@@ -62,6 +64,11 @@ def _plan(sizes: MP.PartSizes, device_gib: float, host_gib: float | None, device
     (CORE, 24, 32, ("disk-ring", None, None, None, True)),  # the core alone beside 32 GiB
     (CORE, 24, 48, ("block-ring", None, None, None, True)),
     (CORE, 139, 8, ("resident", None, None, None, True)),  # resident blocks hold no host memory
+    # the encoder's layers readable from their files: they stream from disk only once the core does
+    (ON_DISK, 24, 64, ("disk-ring", "stream", "offload", "diffusers", True)),
+    (ON_DISK, 24, 32, ("disk-ring", "disk-stream", "offload", "diffusers", True)),
+    (ON_DISK, 24, 20, ("disk-ring", "disk-stream", "offload", "diffusers", True)),
+    (ON_DISK, 24, None, ("block-ring", "stream", "offload", "diffusers", True)),
 ])
 def test_plan_under_a_host_budget(sizes, device_gib, host_gib, expected):
     plan = _plan(sizes, device_gib, host_gib)
@@ -80,14 +87,22 @@ def test_host_bytes_of_each_placement():
     assert disk.summary().endswith("; host memory 55.9 GiB of weights + 4.0 GiB margin, budget 64.0 GiB")
 
 
+def test_the_encoder_from_disk_holds_its_staging_buffers_only():
+    s = ON_DISK
+    plan = _plan(ON_DISK, 24, 32)
+    assert plan.host_parts()["text encoder (disk-stream)"] == s.encoder - s.encoder_layers + MP.DISK_RING_BLOCKS * s.encoder_layer
+    assert plan.brought_bytes("encode") == _plan(FULL, 24, None).brought_bytes("encode")  # as streamed from the arena
+    assert plan.host_bytes() + MP.HOST_MARGIN_BYTES < 20 * GIB
+
+
 def test_a_host_budget_too_small_for_every_placement_is_refused_with_the_numbers():
     with pytest.raises(RunFailedError) as refused:
         _plan(FULL, 24, 32)
     assert str(refused.value) == (
         "the host memory budget does not fit: the most frugal placement holds core (disk-ring) 2.2 GiB, text encoder "
         "(stream) 48.0 GiB, VAEs (offload) 5.7 GiB in host memory, plus a 4.0 GiB margin for the process: 59.9 GiB; "
-        "max_host_memory is 32.0 GiB. Raise max_host_memory. The text encoder is held in host memory whole (only the "
-        "core's blocks stream from their files)."
+        "max_host_memory is 32.0 GiB. Raise max_host_memory. The text encoder is held in host memory whole: its decoder "
+        "layers cannot stream from their files (a text_encoder_loader's model, or files in another dtype than loaded)."
     )
     with pytest.raises(RunFailedError, match=r"core \(block-ring\) 35.9 GiB .* Leave weight_residency='block-ring' to the plan, or raise"):
         _plan(CORE, 24, 32, weight_residency="block-ring")
@@ -246,6 +261,44 @@ def test_session_plans_the_disk_ring_under_a_host_budget(five_compiled, no_margi
         assert session.weight_residency == "disk-ring" and session.plan.host_budget == int(host * GIB)
     with NativeEngineSession(PROFILE, **five_compiled, max_device_memory=between) as session:
         assert session.weight_residency == "block-ring"  # no host budget: the arena
+
+
+def test_encoder_layers_stream_from_their_files_bit_for_bit(h3_family):
+    from test_encoder_stream import _encodings
+
+    from vflash_core.media.conditioning import TextConditioner
+
+    # The files hold bf16; read in fp32 (the CPU default) the layers cannot stream from them as loaded.
+    assert TextConditioner.from_pretrained(h3_family, "cpu").decoder_layer_files() is None
+    resident = _encodings(TextConditioner.from_pretrained(h3_family, "cpu", dtype=torch.bfloat16))
+    conditioner = TextConditioner.from_pretrained(h3_family, "cpu", dtype=torch.bfloat16)
+    sizes = conditioner.part_sizes()
+    assert sizes.encoder_layers_on_disk == sizes.encoder_layers > 0
+    layers = list(conditioner.decoder_layers())
+    conditioner.stream_layers(from_files=True)
+    files = conditioner.layer_ring.source
+    assert isinstance(files, R.StagedFiles) and len(files.staging) == min(MP.DISK_RING_BLOCKS, len(layers))
+    assert all(p.is_meta for layer in layers for p in layer.parameters())  # no weights held between encodes
+    for _ in range(2):
+        for got, expected in zip(_encodings(conditioner), resident):
+            assert_bitwise(got, expected, "encoder layers from their files vs resident")
+    assert all(p.is_meta for layer in layers for p in layer.parameters())
+    assert len(files.read_seconds) >= 4 * len(layers)  # every layer read again for each of the 4 encodes
+    conditioner.close()
+    assert files.staging == []
+    loaded = TextConditioner.from_pretrained(h3_family, "cpu", dtype=torch.bfloat16, text_encoder_loader=_loader_of(h3_family))
+    assert loaded.decoder_layer_files() is None and loaded.part_sizes().encoder_layers_on_disk == 0
+    with pytest.raises(VflashError, match="cannot stream from their files: the weights came from a text_encoder_loader"):
+        loaded.stream_layers(from_files=True)
+
+
+def _loader_of(root):
+    def load(model_root):
+        from transformers import Qwen3VLModel
+
+        return Qwen3VLModel.from_pretrained(model_root / "text_encoder", dtype=torch.bfloat16, local_files_only=True)
+
+    return load
 
 
 @pytest.fixture

@@ -12,9 +12,11 @@ Parts and their placements:
   host arena, `residency.BlockRing`) or `disk-ring` (the same slots fed from the compiled block files, read on every
   pass into `DISK_RING_BLOCKS` pinned staging buffers; one device only); its auxiliary tensors (patch
   projections, text refiner, heads) are always on the device;
-* the text encoder: `resident` (on the device between requests), `offload` (on the device for its stage only) or
+* the text encoder: `resident` (on the device between requests), `offload` (on the device for its stage only),
   `stream` (for its stage, the embeddings and the vision tower on the device and the decoder layers passing through
-  two device slots of one layer from a pinned host arena, `residency.ModuleRing`);
+  two device slots of one layer from a pinned host arena, `residency.ModuleRing`) or `disk-stream` (the same, the
+  layers read from the model root's files on every encode into `DISK_RING_BLOCKS` staging buffers, where they can
+  be: `PartSizes.encoder_layers_on_disk`);
 * the VAEs: `resident` or `offload`; the video decode `diffusers` (its `decode`, whose working memory grows with the
   clip) or `native` (`vae_decode.NativeVideoDecoder`: the same frames bit for bit, working memory of one window; with
   a peer device, split between the two, see `vae.decode_bytes`).
@@ -25,14 +27,15 @@ plus its transient tensors (the parts' `encode_bytes`, `denoise_bytes`, `decode_
 shapes). A placement fits when every stage's peak plus `MARGIN_BYTES` is within the budget.
 
 Host memory: a placement holds, between requests, the block-ring arena (every block) or the disk ring's staging
-buffers, the offloaded or streamed text encoder (all of it: streamed layers in their arena, the rest offloaded) and
-the offloaded VAEs; with a host budget (`max_host_memory`) that plus `HOST_MARGIN_BYTES` (the process itself: the CUDA
+buffers, the offloaded or streamed text encoder (all of it: streamed layers in their arena, the rest offloaded; from
+disk, the rest and the staging buffers) and the offloaded VAEs; with a host budget (`max_host_memory`) that plus `HOST_MARGIN_BYTES` (the process itself: the CUDA
 libraries, a request's host tensors, reads in flight while loading) must fit it too. The host budget is planned
 against, never enforced: the host has no allocator to cap.
 
 Choice (`plan_memory`): the first placement, in the order of preference, whose stages all fit the profile's largest
 request and whose host bytes fit the host budget: the core resident before block-ring before disk-ring, the encoder
-offloaded before streamed, the diffusers decode before the native one (explicit `weight_residency` /
+offloaded before streamed, streamed from disk only after every core placement, the diffusers decode before the native
+one (explicit `weight_residency` /
 `encoder_residency` choices are kept). When none fits the largest request,
 the most frugal placement is taken if the weights alone fit, and each request is checked before it runs
 (`MemoryPlan.check`); when even the weights do not fit, or no placement fits the host budget, loading is refused
@@ -93,6 +96,7 @@ class PartSizes:
     encoder: int = 0  # the whole text encoder as loaded
     encoder_layers: int = 0  # its decoder layers: what streams
     encoder_layer: int = 0  # its largest decoder layer: one ring slot
+    encoder_layers_on_disk: int = 0  # its decoder layers' bytes that can stream from their files (0: they cannot)
     vaes: int = 0  # video and audio VAE
 
     def __add__(self, other: PartSizes) -> PartSizes:
@@ -158,7 +162,7 @@ class Placement:
     """Where each part lives (None: the part is not planned here)."""
 
     core: str | None = None  # "resident" | "block-ring" | "disk-ring"
-    encoder: str | None = None  # "resident" | "offload" | "stream"
+    encoder: str | None = None  # "resident" | "offload" | "stream" | "disk-stream"
     vaes: str | None = None  # "resident" | "offload"
     video_decoder: str | None = None  # "diffusers" | "native"
 
@@ -193,7 +197,8 @@ class MemoryPlan:
         s, p = self.sizes, self.placement
         held = {
             f"core ({p.core})": {"block-ring": s.core_blocks, "disk-ring": min(DISK_RING_BLOCKS * s.core_block, s.core_blocks)}.get(p.core or "", 0),
-            f"text encoder ({p.encoder})": s.encoder if p.encoder in ("offload", "stream") else 0,
+            f"text encoder ({p.encoder})": {"offload": s.encoder, "stream": s.encoder, "disk-stream": s.encoder - s.encoder_layers + min(
+                DISK_RING_BLOCKS * s.encoder_layer, s.encoder_layers)}.get(p.encoder or "", 0),
             "VAEs (offload)": s.vaes if p.vaes == "offload" else 0,
         }
         return {name: nbytes for name, nbytes in held.items() if nbytes}
@@ -209,7 +214,8 @@ class MemoryPlan:
         """The weights a stage brings to the device for its duration."""
         s, p = self.sizes, self.placement
         if stage == "encode":
-            return {"offload": s.encoder, "stream": s.encoder - s.encoder_layers + 2 * s.encoder_layer}.get(p.encoder or "", 0)
+            streamed = s.encoder - s.encoder_layers + 2 * s.encoder_layer
+            return {"offload": s.encoder, "stream": streamed, "disk-stream": streamed}.get(p.encoder or "", 0)
         if stage == "decode":
             return s.vaes if p.vaes == "offload" else 0
         return 0
@@ -271,17 +277,21 @@ class MemoryPlan:
 
 
 def _candidates(sizes: PartSizes, weight_residency: str, encoder_residency: str, devices: int, host_planned: bool) -> list[Placement]:
-    """Placements in the order of preference (fastest first, most frugal last); None for a part not planned here. A
-    disk ring, which holds as much device memory as a block ring, is a candidate only under a host budget and for one
-    device."""
+    """Placements in the order of preference (fastest first, most frugal last); None for a part not planned here. The
+    disk ring and the encoder streamed from disk, which hold as much device memory as their pinned twins, are
+    candidates only under a host budget (the disk ring for one device, the encoder where its layers' files allow)."""
     resident = encoder_residency == "resident"
     rings = ["block-ring"] + ["disk-ring"] * (devices == 1 and host_planned)
     core = ["resident", *rings] if weight_residency == "auto" else [weight_residency]
     cores = core if sizes.core_blocks else [None]
-    encoders = (["resident"] if resident else ["offload", "stream"]) if sizes.encoder else [None]
+    streams = ["stream"] + ["disk-stream"] * bool(host_planned and sizes.encoder_layers_on_disk)
+    encoders = (["resident"] if resident else ["offload", *streams]) if sizes.encoder else [None]
     vaes = (["resident"] if resident else ["offload"]) if sizes.vaes else [None]
     decoders = ["diffusers", "native"] if sizes.vaes else [None]
-    return [Placement(*choice) for choice in itertools.product(cores, encoders, vaes, decoders)]
+    placements = [Placement(*choice) for choice in itertools.product(cores, encoders, vaes, decoders)]
+    # The encoder from disk after every core placement: its layers are read once per request with little compute to
+    # hide the reads (45 GB at full size), where the disk ring's reads hide behind the blocks' compute on most cards.
+    return sorted(placements, key=lambda p: p.encoder == "disk-stream")
 
 
 def plan_memory(
@@ -311,9 +321,7 @@ def plan_memory(
     plans = within_host
     plan = next((p for p in plans if p.fits(largest)), None)
     if plan is None:
-        plan = plans[-1]  # the most frugal; a block ring holds what a disk ring holds on the device, and is faster
-        if plan.placement.core == "disk-ring":
-            plan = next((p for p in plans if p.placement == replace(plan.placement, core="block-ring")), plan)
+        plan = _fastest_twin(plans, plans[-1])  # the most frugal on the device
         plan = replace(plan, fits_largest=False)
         if not plan.fits({}):
             stage, peak = max(plan.peaks({}).items(), key=lambda item: item[1])
@@ -335,14 +343,24 @@ def plan_memory(
     return plan
 
 
+def _fastest_twin(plans: list[MemoryPlan], plan: MemoryPlan) -> MemoryPlan:
+    """`plan`, or among `plans` the same placement with a pinned twin for what it reads from disk (the block ring for
+    the disk ring, the arena-streamed encoder for the disk-streamed one: the same device memory, faster)."""
+    p = plan.placement
+    twins = [replace(p, core="block-ring" if p.core == "disk-ring" else p.core, encoder="stream" if p.encoder == "disk-stream" else p.encoder),
+             replace(p, core="block-ring" if p.core == "disk-ring" else p.core), replace(p, encoder="stream" if p.encoder == "disk-stream" else p.encoder)]
+    return next((q for twin in twins for q in plans if q.placement == twin), plan)
+
+
 def _refuse_host(plan: MemoryPlan, weight_residency: str, encoder_residency: str) -> None:
     """Refuse a host budget that not even the most frugal placement fits, naming what holds the host memory."""
     held = plan.host_parts()
     parts = ", ".join(f"{name} {size_text(nbytes)}" for name, nbytes in held.items()) or "no weights"
     explicit = [f"{name}={value!r}" for name, value, default in (("weight_residency", weight_residency, "auto"), ("encoder_residency", encoder_residency, "offload")) if value != default]
     advice = f"Leave {' and '.join(explicit)} to the plan, or raise max_host_memory." if explicit else "Raise max_host_memory."
-    if any(name.startswith("text encoder") for name in held):
-        advice += " The text encoder is held in host memory whole (only the core's blocks stream from their files)."
+    if any(name in held for name in ("text encoder (offload)", "text encoder (stream)")):
+        advice += (" The text encoder is held in host memory whole: its decoder layers cannot stream from their files (a text_encoder_loader's "
+                   "model, or files in another dtype than loaded).")
     raise RunFailedError(
         f"the host memory budget does not fit: the most frugal placement holds {parts} in host memory, plus a "
         f"{size_text(HOST_MARGIN_BYTES)} margin for the process: {size_text(plan.host_bytes() + HOST_MARGIN_BYTES)}; "

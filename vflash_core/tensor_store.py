@@ -207,6 +207,11 @@ class TensorIndex:
             raise WeightFileError(f"{self.path}: missing tensor {name!r}")
         return self._file_of[name].info(name)
 
+    def file_path(self, name: str) -> Path:
+        """The file (the shard) that holds tensor `name`."""
+        self.info(name)  # a missing name is refused as `info` refuses it
+        return self._file_of[name].path
+
     def require(self, expect: Mapping[str, tuple[tuple[int, ...], torch.dtype | tuple[torch.dtype, ...]]]) -> None:
         """Check names, shapes and dtypes; the error lists every problem, not just the first."""
         problems = []

@@ -12,7 +12,8 @@ files themselves (`BlockFiles`): a reader thread reads block after block, in pas
 staging buffers, ahead of the ring; a staging buffer is read into again only once the device copy out of it has
 completed. The host holds those few blocks whatever the model's size; each pass reads every block file again.
 
-Users of the slots and events (`WeightRing`, fed by a `HostItems`: a `PinnedArena` or `BlockFiles`):
+Users of the slots and events (`WeightRing`, fed by a `HostItems`: a `PinnedArena`, or `StagedFiles` such as
+`BlockFiles`):
 
 * `BlockRing`: the main blocks, read once from the compiled block files (`BlockArena`), or on every pass
   (`BlockFiles`), one pass per evaluation; the next evaluation's block 0 is fetched while the last block finishes.
@@ -31,6 +32,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -44,8 +46,8 @@ from .model import LayerWeights, LoraResidual
 from .weight_io import TensorReader
 
 __all__ = [
-    "BlockArena", "BlockFiles", "BlockRing", "BlockSource", "HostItems", "LoadedBlocks", "ModuleRing",
-    "ResidentBlocks", "WeightRing", "block_layout", "device_loras",
+    "BlockArena", "BlockFiles", "BlockRing", "BlockSource", "HostItems", "ItemFiles", "LoadedBlocks", "ModuleRing",
+    "ResidentBlocks", "StagedFiles", "WeightRing", "block_layout", "device_loras",
 ]
 
 if TYPE_CHECKING:
@@ -248,55 +250,57 @@ class BlockArena(PinnedArena):
         super().__init__(*block_layout(artifact, shard), count, read, pin, on_block, "block")
 
 
-class BlockFiles(HostItems):
-    """Every main block's weights read from its compiled file each time a pass needs the block, into `memory_plan.DISK_RING_BLOCKS`
-    item-sized staging buffers (pinned; pageable with `pin=False`), for a `BlockRing` (the module docstring's disk ring).
+#: Where one item's tensors lie: (file, {tensor name in the file: the layout's name}) for each file holding some.
+ItemFiles = list[tuple[Path, dict[str, str]]]
 
-    One reader thread reads the blocks in pass order (block 0 after the last), each file by several threads at once,
-    at most `depth` blocks ahead of the ring; a buffer is read into again once the device copy out of it has completed.
-    A pass that asks for another block than the next one read (a request stopped mid-pass) waits for the reads in
-    flight and starts over there. With `drop_cache` each file's pages leave the page cache once read, so streaming a
-    model larger than the machine's memory does not evict the rest of what it caches (and every read is a real one).
-    Each file's header is checked against the artifact's block tensors and block 0's layout when the source is made;
-    each file's size and mtime on every read. LoRA residuals are read once and stay beside the files, by block.
 
-    `read_seconds` / `bytes_read`: each read's wall time, in order, and the bytes read in all.
+class StagedFiles(HostItems):
+    """`count` items of one layout read from their files each time a pass needs them, into `depth` item-sized staging
+    buffers (pinned; pageable with `pin=False`): the module docstring's disk ring, for a `WeightRing`.
+
+    One reader thread reads the items in pass order (item 0 after the last), each file by several threads at once, at
+    most `depth` items ahead of the ring; a buffer is read into again once the device copy out of it has completed. A
+    pass that asks for another item than the next one read (a request stopped mid-pass) waits for the reads in flight
+    and starts over there. With `drop_cache` each file's pages leave the page cache once read, so streaming a model
+    larger than the machine's memory does not evict the rest of what it caches (and every read is a real one). Each
+    file's header is checked against the layout when the source is made (names, dtypes, shapes); its size and mtime
+    on every read. `what` names an item in errors.
+
+    `read_seconds` / `bytes_read`: each item's read time, in order, and the bytes read in all.
     """
 
     wants_copy_events = True
 
-    def __init__(self, artifact: CompiledArtifact, pin: bool = True, on_block: Callable[[int], None] | None = None,
-                 depth: int = DISK_RING_BLOCKS, drop_cache: bool = True):
-        self.layout, self.item_bytes = block_layout(artifact)
-        self.count = artifact.config.num_layers
-        specs = artifact.block_tensors()
-        names = [slot.name for slot in self.layout]
-        self.readers: list[TensorReader] = []
-        self.loras: list[dict[str, tuple[LoraResidual, ...]]] = []
-        for index in range(self.count):
-            TensorStore(artifact.block_file(index)).require(specs)  # the header: names, shapes, allowed dtypes
-            reader = TensorReader(artifact.block_file(index), names, _READ_WORKERS, drop_cache=drop_cache)
-            for slot in self.layout:
-                info = reader.infos[slot.name]
-                if info.dtype != slot.dtype or tuple(info.shape) != slot.shape:
-                    raise VflashError(f"block {index}: {slot.name} is {info.dtype} {list(info.shape)}, block 0 has {slot.dtype} {list(slot.shape)}")
-            self.readers.append(reader)
-            self.loras.append(artifact.read_block_loras(index))
-            if on_block is not None:
-                on_block(index)
-        depth = min(depth, self.count)  # more would hold a block twice
+    def __init__(self, layout: list[_Slot], item_bytes: int, items: list[ItemFiles], pin: bool = True,
+                 depth: int = DISK_RING_BLOCKS, drop_cache: bool = True, what: str = "item"):
+        self.layout, self.item_bytes, self.count = layout, item_bytes, len(items)
+        slots = {slot.name: slot for slot in layout}
+        self.readers: list[list[tuple[TensorReader, dict[str, str]]]] = []
+        for index, files in enumerate(items):
+            readers = []
+            for path, names in files:
+                reader = TensorReader(path, list(names), _READ_WORKERS, drop_cache=drop_cache)
+                for key, name in names.items():
+                    info, slot = reader.infos[key], slots[name]
+                    if info.dtype != slot.dtype or tuple(info.shape) != slot.shape:
+                        raise VflashError(f"{what} {index}: {name} is {info.dtype} {list(info.shape)} in {path}, {what} 0 has {slot.dtype} {list(slot.shape)}")
+                readers.append((reader, names))
+            if sorted(name for _, names in readers for name in names.values()) != sorted(slots):
+                raise VflashError(f"{what} {index}: its files hold another set of tensors than {what} 0's layout")
+            self.readers.append(readers)
+        depth = min(depth, self.count)  # more would hold an item twice
         self.staging = [torch.empty(self.item_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(depth)]
         self.nbytes = depth * self.item_bytes
         self._targets = [{s.name: buffer[s.offset : s.offset + s.nbytes] for s in self.layout} for buffer in self.staging]
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="vflash-block-files")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="vflash-staged-files")
         self._free = deque(range(depth))  # staging buffers neither being read into nor copied out of
-        self._reads: deque[tuple[int, int, Future[None]]] = deque()  # (block, buffer, its read), in pass order
+        self._reads: deque[tuple[int, int, Future[None]]] = deque()  # (item, buffer, its read), in pass order
         self._copies: list[torch.cuda.Event | None] = [None] * depth  # per buffer: the last copy out of it
-        self._next = 0  # the block the next read is of
+        self._next = 0  # the item the next read is of
         self._copying: int | None = None  # the buffer handed to the ring, until `copied`
         self.read_seconds: list[float] = []
         self.bytes_read = 0
-        self._read_ahead()  # the first blocks are read while the session finishes loading
+        self._read_ahead()  # the first items are read while the owner finishes loading
 
     def host_span(self, index: int) -> torch.Tensor:
         if not self._reads or self._reads[0][0] != index:
@@ -316,20 +320,22 @@ class BlockFiles(HostItems):
     def _read_ahead(self) -> None:
         while self._free:
             buffer = self._free.popleft()
-            block, self._next = self._next, (self._next + 1) % self.count
-            self._reads.append((block, buffer, self._pool.submit(self._read, block, buffer)))
+            item, self._next = self._next, (self._next + 1) % self.count
+            self._reads.append((item, buffer, self._pool.submit(self._read, item, buffer)))
 
-    def _read(self, block: int, buffer: int) -> None:
+    def _read(self, item: int, buffer: int) -> None:
         done = self._copies[buffer]
         if done is not None:
-            done.synchronize()  # the device has the block this buffer held before
+            done.synchronize()  # the device has the item this buffer held before
         start = time.perf_counter()
-        self.bytes_read += self.readers[block].read_into(self._targets[buffer])
+        targets = self._targets[buffer]
+        for reader, names in self.readers[item]:
+            self.bytes_read += reader.read_into({key: targets[name] for key, name in names.items()})
         self.read_seconds.append(time.perf_counter() - start)
 
     def _start_at(self, index: int) -> None:
-        """Wait for the reads in flight, then read ahead from block `index`."""
-        wait([read for _, _, read in self._reads])  # blocks no pass uses now: a failed one is read again, and fails there
+        """Wait for the reads in flight, then read ahead from item `index`."""
+        wait([read for _, _, read in self._reads])  # items no pass uses now: a failed one is read again, and fails there
         self._free.extend(buffer for _, buffer, _ in self._reads)
         self._reads.clear()
         self._next = index
@@ -340,6 +346,26 @@ class BlockFiles(HostItems):
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._reads.clear()
         self.staging, self._targets = [], []
+
+
+class BlockFiles(StagedFiles):
+    """Every main block's weights read from its compiled file each time a pass needs the block (`StagedFiles`), for a
+    `BlockRing`; each file's header is checked against the artifact's block tensors. LoRA residuals are read once and
+    stay beside the files, by block."""
+
+    def __init__(self, artifact: CompiledArtifact, pin: bool = True, on_block: Callable[[int], None] | None = None,
+                 depth: int = DISK_RING_BLOCKS, drop_cache: bool = True):
+        layout, item_bytes = block_layout(artifact)
+        specs = artifact.block_tensors()
+        self.loras: list[dict[str, tuple[LoraResidual, ...]]] = []
+        items = []
+        for index in range(artifact.config.num_layers):
+            TensorStore(artifact.block_file(index)).require(specs)  # the header: names, shapes, allowed dtypes
+            items.append([(artifact.block_file(index), {slot.name: slot.name for slot in layout})])
+            self.loras.append(artifact.read_block_loras(index))
+            if on_block is not None:
+                on_block(index)
+        super().__init__(layout, item_bytes, items, pin, depth, drop_cache, "block")
 
 
 class WeightRing:
@@ -446,18 +472,25 @@ class ModuleRing:
     """Modules of one structure (same parameter names, shapes and dtypes) run with their weights streamed.
 
     Their parameters and buffers move once into a `PinnedArena` (the modules point at their spans from then on, so
-    the host holds them once). `attach(device)` allocates a `WeightRing` there and hooks the modules: before module i
-    runs its tensors are pointed at the slot the ring filled (the next module's copy is issued meanwhile), and after
-    the last one the pass is closed; `detach()` removes the hooks, frees the slots and points the modules back at the
-    arena. The modules must run in order, each once per pass, as a model's layer loop runs them.
+    the host holds them once), or with `files` (where each module's tensors lie, by its own names) they are read from
+    those files on every pass into a few staging buffers (`StagedFiles`) and the modules hold no weights in between
+    (meta tensors). `attach(device)` allocates a `WeightRing` there and hooks the modules: before module i runs its
+    tensors are pointed at the slot the ring filled (the next module's copy is issued meanwhile), and after the last
+    one the pass is closed; `detach()` removes the hooks, frees the slots and points the modules back at the arena (or
+    at nothing). The modules must run in order, each once per pass, as a model's layer loop runs them.
     """
 
-    def __init__(self, modules: Sequence[torch.nn.Module], pin: bool, what: str = "module"):
+    def __init__(self, modules: Sequence[torch.nn.Module], pin: bool, what: str = "module", files: list[ItemFiles] | None = None):
         self.modules = list(modules)
         first = module_tensors(self.modules[0])
         layout, item_bytes = pack_layout((name, t.dtype, tuple(t.shape)) for name, t in first.items())
-        self.arena = PinnedArena(layout, item_bytes, len(self.modules), lambda i: module_tensors(self.modules[i]), pin, what=what)
-        self.host = [self.arena.views(span) for span in self.arena.spans]
+        self.source: PinnedArena | StagedFiles
+        if files is None:
+            self.source = PinnedArena(layout, item_bytes, len(self.modules), lambda i: module_tensors(self.modules[i]), pin, what=what)
+            self.host = [self.source.views(span) for span in self.source.spans]
+        else:
+            self.source = StagedFiles(layout, item_bytes, files, pin, what=what)
+            self.host = [{name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in module_tensors(m).items()} for m in self.modules]
         for module, tensors in zip(self.modules, self.host):
             point_module_at(module, tensors)
         self.ring: WeightRing | None = None
@@ -466,7 +499,7 @@ class ModuleRing:
 
     def attach(self, device: torch.device) -> None:
         """Stream the modules through two slots on `device` from now on."""
-        self.ring = WeightRing(self.arena, device, cyclic=False)
+        self.ring = WeightRing(self.source, device, cyclic=False)
         for index, module in enumerate(self.modules):
             self._hooks.append(module.register_forward_pre_hook(lambda m, args, i=index: self._before(i, m)))
         self._hooks.append(self.modules[-1].register_forward_hook(lambda m, args, out: self._end_pass()))
@@ -490,3 +523,8 @@ class ModuleRing:
             self.ring = None
         for module, tensors in zip(self.modules, self.host):
             point_module_at(module, tensors)
+
+    def close(self) -> None:
+        """Drop the host memory (the arena, or the staging buffers and their reader); the modules are unusable after."""
+        self.detach()
+        self.source.close()

@@ -19,6 +19,10 @@ the final norm is replaced by the identity, which makes index 50 the residual st
 Where the pruned encoder does not fit the device, its decoder layers stream (`stream_layers`): they move once into a
 pinned host arena and, during each encode, pass through two device slots of one layer (`residency.ModuleRing`, the
 transformer's block-ring mechanism) while the embeddings and the vision tower take the device as a whole part does.
+Where the arena does not fit a host-memory budget either, the layers stream from the model root's own safetensors
+files (`stream_layers(from_files=True)`, the transformer's disk ring): read again on every encode into a few pinned
+staging buffers, the layers holding no weights in between; possible when the conditioner read the files itself and
+every layer tensor lies there in the dtype and shape it was loaded in (`decoder_layer_files`).
 The model's own forward runs unchanged on the same values, so the streamed encoder equals the resident one bit for
 bit. With a memory plan attached, an encode is checked against it before anything moves to the device.
 
@@ -36,6 +40,7 @@ modality ids from the model config's image and video token ids, as that processo
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,14 +52,16 @@ from ..engine.config import TEXT_ENCODER_LAYER, TEXT_TAG, VIDEO_TAG
 from ..engine.device_owner import (
     SerialDeviceOwner,
     module_bytes,
+    module_tensors,
     point_module_at,
     release_device_memory,
     release_host_memory,
 )
 from ..engine.layout import FPS
-from ..engine.residency import ModuleRing
+from ..engine.residency import ItemFiles, ModuleRing
 from ..errors import RequestError, VflashError
 from ..memory_plan import MemoryPlan, PartSizes
+from ..tensor_store import TensorStore
 from .references import CanvasRules
 
 __all__ = [
@@ -65,6 +72,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 VIDEO_SAMPLE_FPS = 2.0  # the rate Qwen reads a reference video at
+# A decoder layer's tensor in a Qwen3-VL checkpoint (`model.language_model.layers.3.mlp.up_proj.weight`, with or
+# without the leading `model.`): its layer index and its name inside the layer.
+_LAYER_KEY = re.compile(r"(?:^|\.)language_model\.layers\.(\d+)\.(.+)$")
 # Qwen's own multimodal token types (not H3's row tags): they drive its 3-D rotary layout.
 _QWEN_TEXT, _QWEN_IMAGE, _QWEN_VIDEO = 0, 1, 2
 # The config fields a `text_encoder_loader`'s model must share with the model root's `text_encoder/config.json`.
@@ -204,9 +214,12 @@ class TextConditioner(SerialDeviceOwner):
         device: where `encode` runs; between calls the encoder sits on the CPU (`offload`) unless `keep_on_device`.
             `stream_layers()` streams its decoder layers through the device instead of moving them.
         canvas: the model family's canvas rules (from its `modular_model_index.json`).
+        weight_files: the `text_encoder/` folder the weights were read from, as loaded (what `from_pretrained`
+            passes); None where they came from elsewhere. Only then can the decoder layers stream from their files.
     """
 
-    def __init__(self, text_encoder, tokenizer, image_processor, video_processor=None, device: str | torch.device = "cpu", canvas: CanvasRules | None = None):
+    def __init__(self, text_encoder, tokenizer, image_processor, video_processor=None, device: str | torch.device = "cpu", canvas: CanvasRules | None = None,
+                 weight_files: Path | None = None):
         base = _base_model(text_encoder)
         layers = len(base.language_model.layers)
         pruned = isinstance(base.language_model.norm, torch.nn.Identity)
@@ -221,6 +234,7 @@ class TextConditioner(SerialDeviceOwner):
         self.video_processor = video_processor
         self.device = torch.device(device)
         self.canvas = canvas or CanvasRules()
+        self.weight_files = weight_files
         self.layer_ring: ModuleRing | None = None
         self.memory_plan: MemoryPlan | None = None  # set by `place`: encodes are checked against it
         config = text_encoder.config
@@ -269,7 +283,8 @@ class TextConditioner(SerialDeviceOwner):
             video_processor = AutoVideoProcessor.from_pretrained(root / "processor", local_files_only=True)
         else:
             logger.info("torchvision is not installed: video references are unavailable (images and audio work)")
-        return cls(model, tokenizer, image_processor, video_processor, device, CanvasRules.from_model_root(root))
+        weight_files = None if text_encoder_loader is not None else root / "text_encoder"
+        return cls(model, tokenizer, image_processor, video_processor, device, CanvasRules.from_model_root(root), weight_files)
 
     # -- ownership ----------------------------------------------------------------------------------------------------
 
@@ -282,16 +297,49 @@ class TextConditioner(SerialDeviceOwner):
             return [self.text_encoder]
         return _around(self.text_encoder, self.decoder_layers())
 
-    def stream_layers(self) -> None:
+    def decoder_layer_files(self) -> list[ItemFiles] | None:
+        """Where each decoder layer's tensors lie in `weight_files`, by the layer's own names; None where a layer cannot
+        be read from them as loaded (no files, a tensor missing, or stored in another dtype or shape)."""
+        if self.weight_files is None:
+            return None
+        store = TensorStore(self.weight_files)  # headers only
+        keys = {(int(m.group(1)), m.group(2)): name for name in store.names if (m := _LAYER_KEY.search(name))}
+        items: list[ItemFiles] = []
+        for index, layer in enumerate(self.decoder_layers()):
+            by_file: dict[Path, dict[str, str]] = {}
+            for name, tensor in module_tensors(layer).items():
+                key = keys.get((index, name))
+                if key is None:
+                    return None
+                info = store.info(key)
+                if info.dtype != tensor.dtype or tuple(info.shape) != tuple(tensor.shape):
+                    return None
+                by_file.setdefault(store.file_path(key), {})[key] = name
+            items.append(list(by_file.items()))
+        return items
+
+    def stream_layers(self, from_files: bool = False) -> None:
         """Stream the decoder layers from now on: their weights move into a pinned host arena (page-locked for a CUDA
         device) and pass through two device slots during each encode. Called before `materialize`, the layers' weights
-        are read from their (memory-mapped) files straight into the arena."""
-        if self.layer_ring is None:
-            self.layer_ring = ModuleRing(list(self.decoder_layers()), pin=self.device.type == "cuda", what="decoder layer")
+        are read from their (memory-mapped) files straight into the arena. With `from_files` they stay in their files
+        instead and are read on every encode (`decoder_layer_files`, refused where that is None)."""
+        if self.layer_ring is not None:
+            return
+        files = None
+        if from_files:
+            files = self.decoder_layer_files()
+            if files is None:
+                raise VflashError(
+                    "the text encoder's decoder layers cannot stream from their files: the weights came from a text_encoder_loader, or "
+                    f"{self.weight_files} holds them in another dtype or layout than loaded; give more host memory (max_host_memory)"
+                )
+        self.layer_ring = ModuleRing(list(self.decoder_layers()), pin=self.device.type == "cuda", what="decoder layer", files=files)
 
     def close(self) -> None:
         """Drop the encoder; the object is unusable afterwards."""
         self.text_encoder = None
+        if self.layer_ring is not None:
+            self.layer_ring.close()
         self.layer_ring = None
         self._host = None
         release_device_memory(self.device)
@@ -303,17 +351,18 @@ class TextConditioner(SerialDeviceOwner):
         return encode_bytes(config.text_config, config.vision_config, tokens, patches, self.text_encoder.dtype.itemsize)
 
     def part_sizes(self) -> PartSizes:
-        """The memory plan's sizes of this encoder: the whole as loaded, its decoder layers (what streams) and the
-        largest of them (one ring slot)."""
+        """The memory plan's sizes of this encoder: the whole as loaded, its decoder layers (what streams), the largest
+        of them (one ring slot), and the layers' bytes that can stream from their files (0: none can)."""
         layers = [module_bytes(layer) for layer in self.decoder_layers()]
-        return PartSizes(encoder=module_bytes(self.text_encoder), encoder_layers=sum(layers), encoder_layer=max(layers))
+        on_disk = sum(layers) if self.decoder_layer_files() is not None else 0
+        return PartSizes(encoder=module_bytes(self.text_encoder), encoder_layers=sum(layers), encoder_layer=max(layers), encoder_layers_on_disk=on_disk)
 
     def place(self, plan: MemoryPlan) -> None:
         """Take the plan's placement of the encoder (before the weights are read: see `materialize`); each encode is
         checked against the plan from now on."""
         self.keep_on_device = plan.placement.encoder == "resident"
-        if plan.placement.encoder == "stream":
-            self.stream_layers()
+        if plan.placement.encoder in ("stream", "disk-stream"):
+            self.stream_layers(from_files=plan.placement.encoder == "disk-stream")
         self.memory_plan = plan
 
     # -- presentation -------------------------------------------------------------------------------------------------
