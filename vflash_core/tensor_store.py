@@ -158,7 +158,9 @@ class SafetensorsFile:
         jobs.sort(key=lambda job: job[0])
         size = self.path.stat().st_size  # immutable means immutable: a file whose size changed is refused
         if size != self.file_size:
-            raise WeightFileError(f"{self.path}: changed on disk since it was opened ({self.file_size} -> {size} bytes)")
+            raise WeightFileError(
+                f"{self.path}: changed on disk since it was opened ({self.file_size} -> {size} bytes)"
+            )
         with open(self.path, "rb", buffering=0) as handle:
             for start_byte, nbytes, out in jobs:
                 if nbytes == 0:
@@ -286,7 +288,9 @@ def _resolve_files(path: Path) -> list[Path]:
     return [path]
 
 
-def write_safetensors(path: str | Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> tuple[int, str]:
+def write_safetensors(
+    path: str | Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> tuple[int, str]:
     """Write CPU `tensors` as a safetensors file and return (size in bytes, sha256), hashing the bytes as they go out.
 
     The tensors' own memory is written and hashed (no serialised copy of the file is built), so a writer thread moves
@@ -300,7 +304,9 @@ def write_safetensors(path: str | Path, tensors: Mapping[str, torch.Tensor], met
     for name in order:
         tensor = tensors[name]
         nbytes = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": dtype_names[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": dtype_names[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + nbytes]
+        }
         offset += nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # data starts 8-byte aligned

@@ -190,7 +190,9 @@ def _describe(exc: BaseException) -> str:
 
 # What a client sees of a VideoResult: not `path` (a service staging path; the parent reports the published name)
 # and not `media` (decoded tensors, only present when no file was written).
-RESULT_FIELDS = ("elapsed_seconds", "stages", "session", "mode", "width", "height", "num_frames", "fps", "sample_rate", "metadata")
+RESULT_FIELDS = (
+    "elapsed_seconds", "stages", "session", "mode", "width", "height", "num_frames", "fps", "sample_rate", "metadata"
+)
 
 
 def _result_json(result: Any) -> dict[str, Any]:
