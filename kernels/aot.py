@@ -23,6 +23,7 @@ import contextlib
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import triton
@@ -139,19 +140,19 @@ def h3_launches(device: torch.device | str, rows: int = H3_ROWS) -> list[tuple[s
         calls += [
             (
                 f"rms_norm_modulate {which}",
-                lambda w=which: rms_norm_modulate.rms_norm_modulate(x, norm_weight, eps, table, index, w)
+                partial(rms_norm_modulate.rms_norm_modulate, x, norm_weight, eps, table, index, which),
             ),
-            (f"modulate {which}", lambda w=which: modulate.modulate(x, table, index, w)),
+            (f"modulate {which}", partial(modulate.modulate, x, table, index, which)),
             (
                 f"gated_residual {which}",
-                lambda w=which: gated_residual.gated_residual(x, y, table, index, w, inplace=True)
+                partial(gated_residual.gated_residual, x, y, table, index, which, inplace=True),
             ),
         ]
         for keep in (False, True):
             calls.append((
                 f"rms_norm_modulate_quantize {which} keep_value={keep}",
-                lambda w=which, kv=keep: fp8_quantize.rms_norm_modulate_quantize(
-                    x, norm_weight, eps, table, index, w, keep_value=kv
+                partial(
+                    fp8_quantize.rms_norm_modulate_quantize, x, norm_weight, eps, table, index, which, keep_value=keep
                 ),
             ))
     calls += [

@@ -90,6 +90,7 @@ def gated_residual(
     if which not in _GATED:
         raise ValueError(f"which must be one of {_GATED}, got {which!r}")
     gate_block, n_blocks = MODULATION_BLOCKS[which].gate, MODULATION_BLOCKS[which].count
+    assert gate_block is not None  # `which` is one of _GATED
     x2, y2 = _launch.as_rows(x, "x"), _launch.as_rows(y, "y")
     if y.shape != x.shape or y.dtype != x.dtype or table.dtype != x.dtype:
         raise ValueError(

@@ -123,7 +123,8 @@ class Number:
         if isinstance(value, bool) or not isinstance(value, wanted):
             raise error(f"{name} must be {self.describe()}, got {describe_value(value)}")
         try:
-            number = int(value) if self.kind is int else float(value)
+            # typeshed's `numbers.Integral`/`Real` do not declare the `__int__`/`__float__` they have
+            number = int(value) if self.kind is int else float(value)  # type: ignore[call-overload]
         except OverflowError:  # an int beyond the float range
             number = math.inf
         if (

@@ -79,7 +79,7 @@ def _file_type(mode: int) -> str:
     return "not a regular file"
 
 
-def check_input_file(path: str | Path, what: str, error: type[VflashError] = VflashError) -> Path:
+def check_input_file(path: str | os.PathLike[str], what: str, error: type[VflashError] = VflashError) -> Path:
     """`path` as a regular, readable file; otherwise `error` saying exactly what it is instead (missing, a broken
     link, a symbolic-link loop, a folder, a FIFO, unreadable). The path is never opened, so a FIFO cannot block."""
     path = Path(path)
@@ -163,7 +163,7 @@ def resolve_inside(folder: str | Path, name: str, what: str) -> Path:
     return path
 
 
-def check_writable_destination(path: str | Path, overwrite: bool = False) -> Path:
+def check_writable_destination(path: str | os.PathLike[str], overwrite: bool = False) -> Path:
     """Validate an output file path before any heavy work: parent folder exists and is writable, the destination
     is free (or, with `overwrite`, a regular file or a link that may be replaced; never a folder)."""
     text = os.fspath(path)

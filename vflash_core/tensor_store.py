@@ -165,7 +165,8 @@ class SafetensorsFile:
             for start_byte, nbytes, out in jobs:
                 if nbytes == 0:
                     continue
-                view = memoryview(out.view(-1).view(torch.uint8).numpy())
+                # numpy's stubs declare the buffer protocol (`__buffer__`) for Python >= 3.12 only
+                view = memoryview(out.view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
                 handle.seek(start_byte)
                 filled = read_fully(view, lambda rest, _: handle.readinto(rest))
                 if filled < nbytes:
@@ -318,7 +319,8 @@ def write_safetensors(
         for name in order:
             tensor = tensors[name].contiguous()
             if tensor.numel():
-                data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+                # numpy's stubs declare the buffer protocol (`__buffer__`) for Python >= 3.12 only
+                data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
                 digest.update(data)
                 handle.write(data)
     return 8 + len(encoded) + offset, digest.hexdigest()

@@ -7,6 +7,7 @@ import contextlib
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from ..pipeline.options import RunOptions
 from ..pipeline.validation import PIXELS, SECONDS, SEED
@@ -26,7 +27,7 @@ class StageBars:
 
     def __init__(self) -> None:
         self.stage: str | None = None
-        self.bar = None
+        self.bar: Any = None  # the running stage's tqdm bar
 
     def __call__(self, stage: str, done: int, total: int) -> None:
         from tqdm.auto import tqdm

@@ -81,7 +81,8 @@ class ModelLayout:
 
     @classmethod
     def of(cls, config: H3Config) -> ModelLayout:
-        return cls(config.text_dim, config.video_patch_dim, config.audio_in_channels, tuple(config.patch_size))
+        patch_t, patch_h, patch_w = config.patch_size
+        return cls(config.text_dim, config.video_patch_dim, config.audio_in_channels, (patch_t, patch_h, patch_w))
 
     def to_dict(self) -> dict[str, object]:
         return {**self.__dict__, "patch_size": list(self.patch_size)}

@@ -214,6 +214,7 @@ class Denoiser:
                 if self.device.type == "cuda":
                     torch.cuda.current_stream(self.device).synchronize()
                 if preview is not None:
+                    assert x0 is not None  # step(..., denoised=True) returns it
                     preview(step + 1, self.nfe, self.video_latents(bundle, x0))
                 if progress is not None:
                     progress(step + 1, self.nfe)

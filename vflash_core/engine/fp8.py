@@ -206,8 +206,7 @@ class RowFP8Execution:
                 "FP8 weights must be [out, in] float8_e4m3fn codes with [out, 1] float32 scales, "
                 f"got {codes.dtype} {tuple(codes.shape)} and {scales.dtype} {tuple(scales.shape)}"
             )
-        rows = x if isinstance(x, QuantizedRows) else None
-        value = rows.value if rows is not None else x
+        value = x.value if isinstance(x, QuantizedRows) else x
         self.check_device(codes.device)
         if value is None and (loras or self.mode == "weight-only"):
             raise VflashError(
@@ -215,17 +214,17 @@ class RowFP8Execution:
                 "quantized rows without it were given"
             )
         if self.mode == "weight-only":
+            assert value is not None  # refused above
             y = F.linear(value, dequantize_rows(codes, scales, torch.bfloat16))
         else:
-            if rows is None:
-                rows = self.quantize(value)  # type: ignore[arg-type]
+            rows = x if isinstance(x, QuantizedRows) else self.quantize(x)
             lead = rows.codes.shape[:-1]
             y = torch._scaled_mm(
                 rows.codes.reshape(-1, codes.shape[1]), codes.t(), scale_a=rows.scales.reshape(-1, 1),
                 scale_b=scales.view(1, -1),
                 out_dtype=torch.bfloat16, use_fast_accum=self.fast_accum,
             ).view(*lead, codes.shape[0])
-        return M.add_lora_residuals(y, value, loras)
+        return y if value is None else M.add_lora_residuals(y, value, loras)  # (no LoRA without a value: refused above)
 
 
 class RowFP8Linear(torch.nn.Module):

@@ -24,7 +24,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -162,7 +161,8 @@ class LayerWeights:
         return RowScaledWeight(self.tensors[f"{linear}.weight"], scales)
 
 
-class ModulationBlocks(NamedTuple):
+@dataclass(frozen=True)
+class ModulationBlocks:
     """Where one sublayer's AdaLN parameters sit in a modulation table row: the H-wide block of each and how many
     blocks a row has."""
 
@@ -185,7 +185,10 @@ MODULATION_BLOCKS = {
 def modulation_rows(table: torch.Tensor, row_index: torch.Tensor, which: str, part: int) -> torch.Tensor:
     """Rows of one AdaLN parameter (0 shift, 1 scale, 2 gate of `which`) for every packed row: (S, H)."""
     blocks = MODULATION_BLOCKS[which]
-    return table.chunk(blocks.count, dim=-1)[blocks[part]].index_select(0, row_index)
+    block = (blocks.shift, blocks.scale, blocks.gate)[part]
+    if block is None:
+        raise ValueError(f"the {which!r} modulation table has no gate")
+    return table.chunk(blocks.count, dim=-1)[block].index_select(0, row_index)
 
 
 def modulate(normed: torch.Tensor, table: torch.Tensor, row_index: torch.Tensor, which: str = "msa") -> torch.Tensor:
@@ -228,6 +231,7 @@ def qk_norm_rope(
     q, k, v = (part.unflatten(-1, (inner // head_dim, head_dim)) for part in qkv.split(inner, dim=-1))
     q, k = rms_norm(q, norm_q, eps), rms_norm(k, norm_k, eps)
     if cos is not None:
+        assert sin is not None  # cos and sin come together
         q, k = rope(q, k, cos, sin)
     return q, k, v
 
@@ -246,7 +250,11 @@ class BlockOps:
         self.attention = attention
         self.reduce = reduce or (lambda partial: partial)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, loras: tuple[LoraResidual, ...] = ()) -> torch.Tensor:
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor | RowScaledWeight, loras: tuple[LoraResidual, ...] = ()
+    ) -> torch.Tensor:
+        if isinstance(weight, RowScaledWeight):
+            raise TypeError("an FP8 artifact's weights (codes + row scales) need FP8 block operations")
         return linear(x, weight, loras=loras)
 
     def norm_modulate(

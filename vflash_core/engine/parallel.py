@@ -25,7 +25,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -84,6 +84,8 @@ class LocalGroup:
 
     def _init_rank(self, store: dist.Store, rank: int) -> None:
         device = self.devices[rank]
+        # A c10d backend: torch's stubs give `Backend` none of the collectives it has at run time.
+        group: Any
         if device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = self.timeout

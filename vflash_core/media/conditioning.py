@@ -39,9 +39,13 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from transformers import Qwen3VLModel
 
 from ..engine.config import TEXT_ENCODER_LAYER, TEXT_TAG, VIDEO_TAG
 from ..engine.device_owner import (
@@ -144,7 +148,7 @@ def encode_bytes(text_config, vision_config, tokens: int, patches: int, itemsize
     return int((tokens * per_token + patches * per_patch) * itemsize * 1.25)
 
 
-def _base_model(text_encoder: torch.nn.Module) -> torch.nn.Module:
+def _base_model(text_encoder: torch.nn.Module) -> Qwen3VLModel:
     """The `Qwen3VLModel` of a conditioner: the model itself, or the `.model` of a `Qwen3VLForConditionalGeneration`."""
     return text_encoder.model if hasattr(text_encoder, "lm_head") else text_encoder
 

@@ -378,6 +378,8 @@ def probe_mp4(path: str | Path) -> dict[str, object]:
         if not container.streams.video or not container.streams.audio:
             raise VflashError(f"{path}: expected one video and one audio stream")
         video, audio = container.streams.video[0], container.streams.audio[0]
+        if video.average_rate is None or audio.duration is None or audio.time_base is None:
+            raise VflashError(f"{path}: the container gives no video frame rate or no audio duration")
         info = {
             "fps": float(video.average_rate),
             "width": video.codec_context.width,

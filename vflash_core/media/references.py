@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,7 +93,7 @@ class CanvasRules:
 # -- reading -------------------------------------------------------------------------------------------------------
 
 
-def reference_kind(item: str | Path | Image.Image, what: str = "reference") -> str:
+def reference_kind(item: str | os.PathLike[str] | Image.Image, what: str = "reference") -> str:
     """`"image"`, `"video"` or `"audio"` from a PIL image or a file extension."""
     if isinstance(item, Image.Image):
         return "image"
@@ -115,7 +116,7 @@ class MediaProbe:
     has_soundtrack: bool = False
 
 
-def probe_media(item: str | Path | Image.Image, what: str, kind: str | None = None) -> MediaProbe:
+def probe_media(item: str | os.PathLike[str] | Image.Image, what: str, kind: str | None = None) -> MediaProbe:
     """Check a media input before any model loads, from its headers and packet times (no pixels or samples are
     decoded): a readable regular file of a known kind (`kind`, else its extension's) that opens, has the stream it
     needs and stays within the input limits. Raises `RequestError` naming `what`."""
@@ -157,7 +158,11 @@ def _probe_stream(path: Path, kind: str, what: str) -> MediaProbe:
         if not streams:
             raise RequestError(f"{what} {path} has no {kind} stream")
         stream = streams[0]
-        frame_bytes = 3 * stream.codec_context.width * stream.codec_context.height if kind == "video" else 0
+        width = height = 0
+        if kind == "video":
+            video = container.streams.video[0]
+            width, height = video.codec_context.width, video.codec_context.height
+        frame_bytes = 3 * width * height
         max_packets = MAX_INPUT_VIDEO_BYTES // frame_bytes if frame_bytes else None
         seconds, packets = _stream_extent(container, stream, max_packets)
         if seconds > MAX_INPUT_SECONDS:
@@ -167,7 +172,7 @@ def _probe_stream(path: Path, kind: str, what: str) -> MediaProbe:
         if max_packets is not None and packets > max_packets:
             raise RequestError(
                 f"{what} {path} decodes to more than {MAX_INPUT_VIDEO_BYTES / GIB:g} GiB of frames "
-                f"({stream.codec_context.width}x{stream.codec_context.height}); "
+                f"({width}x{height}); "
                 "trim it to the clip's length or scale it down"
             )
         return MediaProbe(kind, has_soundtrack=kind == "video" and bool(container.streams.audio))
@@ -193,14 +198,14 @@ def _stream_extent(container, stream, max_packets: int | None) -> tuple[float, i
     return seconds, packets
 
 
-def load_image(item: str | Path | Image.Image) -> Image.Image:
+def load_image(item: str | os.PathLike[str] | Image.Image) -> Image.Image:
     """An RGB PIL image, EXIF orientation applied (diffusers' `load_image`)."""
     from diffusers.utils import load_image as official_load_image
 
     return official_load_image(item if isinstance(item, Image.Image) else str(item))
 
 
-def load_reference(item: str | Path | Image.Image):
+def load_reference(item: str | os.PathLike[str] | Image.Image):
     """A diffusers `MiniMaxH3*Reference` decoded at the rates the file carries."""
     import diffusers.modular_pipelines.minimax_h3 as h3
 

@@ -29,6 +29,7 @@ import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -120,7 +121,7 @@ class MediaVAEs(SerialDeviceOwner):
     ):
         if video_decoder not in VIDEO_DECODERS:
             raise VflashError(f"unknown video_decoder {video_decoder!r}; choose one of {', '.join(VIDEO_DECODERS)}")
-        self.video_decoder = video_decoder
+        self.video_decoder: str | None = video_decoder  # None once a plan that places no decoder is taken: diffusers
         self.video_vae = video_vae.eval()
         self.audio_vae = audio_vae.eval()
         self.device = torch.device(device)
@@ -288,7 +289,7 @@ class MediaVAEs(SerialDeviceOwner):
 
 
 @contextlib.contextmanager
-def calling_between_blocks(decoder: torch.nn.Module, between_blocks: Callable[[], None] | None) -> Iterator[None]:
+def calling_between_blocks(decoder: Any, between_blocks: Callable[[], None] | None) -> Iterator[None]:
     """Inside the `with`, `between_blocks()` runs before each of `decoder.transformer_blocks` (the H3 ViT
     decoder's, in diffusers' and in ComfyUI core's VAE alike) through forward pre-hooks that return nothing, so the
     blocks' inputs are untouched; the hooks are removed on exit, whatever happened."""

@@ -47,9 +47,13 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
+
+if TYPE_CHECKING:
+    from diffusers import AutoencoderKLMiniMaxH3
+    from diffusers.models.autoencoders.autoencoder_kl_minimax_h3 import MiniMaxH3VideoTransformerBlock
 import torch.nn.functional as F
 
 from ..engine.attention import resolve_attention
@@ -156,7 +160,7 @@ class DecodeGeometry:
     min_overlap_width: int
 
     @classmethod
-    def from_vae(cls, vae: torch.nn.Module) -> DecodeGeometry:
+    def from_vae(cls, vae: AutoencoderKLMiniMaxH3) -> DecodeGeometry:
         """Read from an `AutoencoderKLMiniMaxH3` (its current tiling settings included)."""
         geometry = cls(
             spatial_ratio=int(vae.spatial_compression_ratio), temporal_ratio=int(vae.temporal_compression_ratio),
@@ -220,7 +224,7 @@ class DecodeGeometry:
 # -- weights ----------------------------------------------------------------------------------------------------------
 
 
-def _moved(value: object, device: torch.device, copy: bool) -> object:
+def _moved(value: Any, device: torch.device, copy: bool) -> Any:
     if isinstance(value, torch.Tensor):
         return value.to(device, copy=copy)
     if isinstance(value, tuple):
@@ -253,7 +257,7 @@ class BlockWeights:
     scale2: torch.Tensor
 
     @classmethod
-    def from_module(cls, block: torch.nn.Module) -> BlockWeights:
+    def from_module(cls, block: MiniMaxH3VideoTransformerBlock) -> BlockWeights:
         attn, ff = block.attn, block.ff.net
         return cls(
             norm1=block.norm1.weight, to_q=attn.to_q.weight, to_q_bias=attn.to_q.bias, to_k=attn.to_k.weight,
@@ -288,7 +292,7 @@ class DecoderWeights:
     out_channels: int
 
     @classmethod
-    def from_vae(cls, vae: torch.nn.Module) -> DecoderWeights:
+    def from_vae(cls, vae: AutoencoderKLMiniMaxH3) -> DecoderWeights:
         """The tensors `vae` holds now (read them again after the module moves: offloading re-points its parameters)."""
         for name, module in vae.named_modules():
             if hasattr(module, "_diffusers_hook") or hasattr(module, "_hf_hook"):
@@ -606,8 +610,8 @@ class NativeVideoDecoder:
 
     @classmethod
     def from_vae(
-        cls, vae: torch.nn.Module, devices: Sequence[str | torch.device] = (), attention: str = DEFAULT_ATTENTION,
-        windows_per_call: int | None = None,
+        cls, vae: AutoencoderKLMiniMaxH3, devices: Sequence[str | torch.device] = (),
+        attention: str = DEFAULT_ATTENTION, windows_per_call: int | None = None,
     ) -> NativeVideoDecoder:
         """Decode with `vae`'s own tensors on its device, or on each of `devices` (the first one stitches): the
         module's tensors where it is, a replica of them on every other device."""

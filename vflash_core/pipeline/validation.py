@@ -29,7 +29,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import PIL.Image
 
@@ -134,7 +134,8 @@ def check_generate_arguments(
     check_callback(preview, "preview")
     if output is not None:
         path_argument(output, "the output path")
-        check_writable_destination(output, overwrite)  # as given: a trailing "/" names a folder
+        # as given (path_argument checked it is a str or os.PathLike): a trailing "/" names a folder
+        check_writable_destination(cast("str | os.PathLike[str]", output), overwrite)
         inputs = {f"{anchor} frame": item for anchor, item in request.keyframes.items()}
         inputs.update({f"reference {index + 1}": item for index, item in enumerate(request.references)})
         check_output_is_not_an_input(output, inputs)  # type: ignore[arg-type]
@@ -382,13 +383,13 @@ def plan_request(
     num_frames = clip_frames(request.duration_seconds, profile)
     if (request.width is None) != (request.height is None):
         raise RequestError(f"width and height go together: got width={request.width}, height={request.height}")
-    if request.width is not None:
+    if request.width is not None and request.height is not None:  # (both or neither: checked above)
         check_canvas_size(request.height, request.width, canvas)
 
     keyframe_sizes = []
     for anchor, item in request.keyframes.items():
         probe = probe_media(item, f"{anchor} frame")
-        if probe.kind != "image":
+        if probe.kind != "image" or probe.size is None:
             raise RequestError(f"{anchor} frame {item} is not an image")
         keyframe_sizes.append(probe.size)
     names = [f"reference {index + 1}" for index in range(len(request.references))]
@@ -404,7 +405,7 @@ def plan_request(
                 "which is not installed; use image and audio references"
             )
 
-    if request.width is not None:
+    if request.width is not None and request.height is not None:
         height, width = request.height, request.width
     elif keyframe_sizes:
         height, width = canvas.default_canvas(*keyframe_sizes[0])

@@ -88,6 +88,7 @@ class WorkerHandle:
         # Close the child's ends here, so the pipes report EOF when the child dies.
         orders_out.close()
         events_in.close()
+        assert self.process.pid is not None  # started above
         self.pid = self.process.pid
         self.ready = False  # set by the supervisor when the worker reports `Ready`
         self.events: asyncio.Queue[object] = asyncio.Queue()
@@ -226,7 +227,8 @@ class WorkerSupervisor:
         while True:
             taken = asyncio.ensure_future(self.jobs.take())
             try:
-                await asyncio.wait({taken, handle.exit_code}, return_when=asyncio.FIRST_COMPLETED)
+                either: set[asyncio.Future[Any]] = {taken, handle.exit_code}
+                await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
             except asyncio.CancelledError:
                 self._untake(taken)
                 raise

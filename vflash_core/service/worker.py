@@ -138,14 +138,16 @@ def _open_pipeline(config: WorkerConfig) -> tuple[Any, dict[str, Any]]:
     return pipeline, info
 
 
-def _describe_device(name: str) -> str:
+def _describe_device(name: str | int) -> str:
     """`cpu`, or `cuda:N (GPU name, smXY)`, for the readiness report. Runs only in the worker: it initialises CUDA."""
     import torch
 
     from ..formats import device_arch
 
     device = torch.device(name)
-    return name if device.type == "cpu" else f"{name} ({torch.cuda.get_device_name(device)}, {device_arch(device)})"
+    if device.type == "cpu":
+        return str(name)
+    return f"{name} ({torch.cuda.get_device_name(device)}, {device_arch(device)})"
 
 
 def _run(pipeline: Any, order: JobOrder, events: Connection, cancel: Event) -> bool:
