@@ -38,7 +38,7 @@ def test_mypy_finds_nothing(request: pytest.FixtureRequest, tmp_path_factory: py
     # The kernels folder is imported as `vflash_kernels` (pyproject's package-dir), a name mypy cannot find on disk:
     # a folder holding a link of that name to it goes on MYPYPATH. mypy's cache lives beside pytest's (a run on a
     # fresh clone, as in CI, starts without one) or, without pytest's cache, in this run's temporary folder.
-    cache = request.config.cache
+    cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
     work = cache.mkdir("mypy") if cache is not None else tmp_path_factory.mktemp("mypy")
     search_path = work / "path"
     search_path.mkdir(exist_ok=True)
