@@ -44,9 +44,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from transformers import Qwen3VLModel
-
 from ..engine.config import TEXT_ENCODER_LAYER, TEXT_TAG, VIDEO_TAG
 from ..engine.device_owner import (
     SerialDeviceOwner,
@@ -60,6 +57,9 @@ from ..engine.residency import ModuleRing
 from ..errors import RequestError, VflashError
 from ..memory_plan import MemoryPlan, PartSizes
 from .references import CanvasRules
+
+if TYPE_CHECKING:
+    from transformers import Qwen3VLModel
 
 __all__ = [
     "TEXT_ENCODER_LAYER", "TextConditioner", "TextConditioning", "TextEncoderLoader", "default_dtype", "encode_bytes",

@@ -50,15 +50,15 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
-
-if TYPE_CHECKING:
-    from diffusers import AutoencoderKLMiniMaxH3
-    from diffusers.models.autoencoders.autoencoder_kl_minimax_h3 import MiniMaxH3VideoTransformerBlock
 import torch.nn.functional as F
 
 from ..engine.attention import resolve_attention
 from ..engine.model import AttentionFn, apply_rotary
 from ..errors import VflashError
+
+if TYPE_CHECKING:
+    from diffusers import AutoencoderKLMiniMaxH3
+    from diffusers.models.autoencoders.autoencoder_kl_minimax_h3 import MiniMaxH3VideoTransformerBlock
 
 __all__ = [
     "CALLS_IN_FLIGHT_PER_DEVICE", "DEFAULT_WINDOWS_PER_CALL", "DecodeGeometry", "DecoderWeights", "NativeVideoDecoder",
