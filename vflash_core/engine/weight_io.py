@@ -386,8 +386,10 @@ class TensorReader:
     each read (`POSIX_FADV_DONTNEED`, where the platform has it): the bytes then come from storage every time.
     """
 
-    def __init__(self, path: str | Path, names: list[str], read_workers: int = 8, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 drop_cache: bool = False):
+    def __init__(
+        self, path: str | Path, names: list[str], read_workers: int = 8, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        drop_cache: bool = False,
+    ):
         if read_workers not in READ_WORKERS:
             raise ValueError(f"read_workers must be one of {READ_WORKERS}, not {read_workers}")
         self.path = Path(path)
@@ -404,7 +406,9 @@ class TensorReader:
         for name, info in self.infos.items():
             view = memoryview(targets[name].numpy())
             if len(view) != info.end - info.start:
-                raise VflashError(f"{self.path}: {name} has {info.end - info.start} bytes; its buffer holds {len(view)}")
+                raise VflashError(
+                    f"{self.path}: {name} has {info.end - info.start} bytes; its buffer holds {len(view)}"
+                )
             for start, end in _split((info.start, info.end), self.chunk_bytes):
                 jobs.append((start, view[start - info.start : end - info.start]))
         fd = _open(self.path)
