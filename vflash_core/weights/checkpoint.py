@@ -379,7 +379,8 @@ class SourceWeights:
         self.curve: tuple[int, int] | None = None
         if table in names:
             shape = self.store.info(table).shape
-            if len(shape) != 2 or shape[0] < 2 or self.store.info(table).dtype != torch.float32:
+            # a GGUF's table reads as fp32 whatever float type stores it
+            if len(shape) != 2 or shape[0] < 2 or (self.store.info(table).dtype != torch.float32 and not self.gguf):
                 raise WeightFileError(f"{self.path}: `adaln_t_table` must be a [grid >= 2, rank] fp32 table, found {list(shape)} {self.store.info(table).dtype}")
             self.curve = (shape[0], shape[1])
         self._quantized = quantized_layers(self.store, self._prefix)
