@@ -336,20 +336,20 @@ def _is_power_of_4(value: int) -> bool:
 
 
 class SourceWeights:
-    """An H3 transformer checkpoint (official, or a Comfy-Org fp8_scaled / pruned file), readable in internal naming.
-    Holds no open file.
+    """An H3 transformer checkpoint (official, a Comfy-Org fp8_scaled / int8_convrot / pruned file, or a GGUF),
+    readable in internal naming. Holds no open file.
 
     Args:
-        path: a diffusers `transformer/` folder, a single `.safetensors` file, an index json, or a folder of
-            original-layout shards.
+        path: a diffusers `transformer/` folder, a single `.safetensors` or `.gguf` file, an index json, or a folder
+            of original-layout shards.
         qkv_layout: for the original layout only, `"stacked"` (default; published single files) or `"interleaved"`
             (raw MiniMaxAI shards).
         config: the transformer config; read from `config.json` (diffusers folder), the file's `__metadata__`
             `config` entry, or inferred from tensor shapes, in that order, when not given. For a pruned file it is
             the base model's (`time_embed_dim` is the full width; the file's rank is `curve[1]`).
 
-    `format` is "fp8_scaled" or the main blocks' stored dtype ("bf16", "fp16", "fp32"); `curve` is (grid, rank) of a
-    pruned file's `adaln_t_table`, else None.
+    `format` is "fp8_scaled", "int8_convrot", "int8", "gguf" or the main blocks' stored dtype ("bf16", "fp16",
+    "fp32"); `curve` is (grid, rank) of a pruned file's `adaln_t_table`, else None; `gguf` whether it is a GGUF.
     """
 
     def __init__(self, path: str | Path, qkv_layout: str | None = None, config: H3Config | None = None):
