@@ -261,6 +261,19 @@ def test_gguf_file_reads_as_comfyui_gguf_dequantizes(tmp_path, main):
             assert ((tensor.float() - reference).abs() <= 2.0 ** -8 * reference.abs().max()).all(), f"{name} ({stored[name]})"
 
 
+def test_gguf_reads_in_row_chunks_as_whole(tmp_path, monkeypatch):
+    """Large tensors are dequantized a few rows at a time; fused pieces (fc1's halves) and chunks give the same bits."""
+    from vflash_core.weights import gguf_file
+
+    weights = synthetic.random_internal_weights(GGUF_CONFIG, seed=8)
+    path = synthetic.write_gguf_transformer(tmp_path / "h3-Q4_K.gguf", GGUF_CONFIG, weights, _gguf_types("Q4_K", "Q8_0"))
+    names = ["blocks.0.ffn.in.weight", "blocks.0.ffn.out.weight", "blocks.1.attn.qkv.weight"]
+    whole = SourceWeights(path).read(names)
+    monkeypatch.setattr(gguf_file, "_CHUNK", 300)  # a row or two at a time
+    for name, tensor in SourceWeights(path).read(names).items():
+        assert_bitwise(tensor, whole[name], name)
+
+
 @pytest.mark.parametrize("main", ["Q8_0", "Q4_K"])
 def test_gguf_file_is_exact_for_its_weights(tmp_path, main):
     """Compiled, a GGUF generates the BF16 file of its dequantized weights bit for bit; the artifact records the

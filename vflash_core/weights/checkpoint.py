@@ -205,33 +205,43 @@ def hadamard_signs(group: int) -> torch.Tensor:
 
 
 def _round_to_bf16(exact: torch.Tensor) -> torch.Tensor:
-    """float64 values rounded once to the nearest BF16 (ties to even). torch's float64 -> bf16 cast rounds through
-    fp32 (twice); rounding to fp32 "to odd" first (truncate, then set the last bit where inexact) keeps the one
-    rounding exact, as fp32 carries 16 more bits than BF16."""
-    f32 = exact.float()
-    above = f32.double().abs() > exact.abs()
-    f32 = torch.where(above, torch.nextafter(f32, torch.zeros_like(f32)), f32)
-    inexact = f32.double() != exact
-    f32 = torch.where(inexact, (f32.view(torch.int32) | 1).view(torch.float32), f32)
-    return f32.to(torch.bfloat16)
+    """float64 values (in fp32's normal range, or zero) rounded once to the nearest BF16, ties to even. torch's
+    float64 -> bf16 cast rounds through fp32 (twice), so the 45 low mantissa bits BF16 drops are rounded off the
+    float64's bits directly (a carry steps the exponent); what is left casts exactly."""
+    bits = exact.view(torch.int64)
+    bits = (bits + ((1 << 44) - 1) + ((bits >> 45) & 1)) & ~((1 << 45) - 1)
+    return bits.view(torch.float64).float().to(torch.bfloat16)
+
+
+# Elements of an int8 weight dequantized at once: bounds the float64 temporaries (a few 8-byte copies each).
+_INT8_CHUNK = 1 << 22
 
 
 def dequantize_int8(code: torch.Tensor, scale: torch.Tensor, convrot_group: int, dtype: torch.dtype) -> torch.Tensor:
-    """An int8 layer's weight [rows, cols] in `dtype` from its int8 codes [rows, cols] and fp32 scale (one, or one
-    per row: [rows, 1] / [rows]).
+    """An int8 layer's weight [rows, cols] in `dtype` (bf16 or fp32) from its int8 codes [rows, cols] and fp32 scale
+    (one, or one per row: [rows, 1] / [rows]).
 
     Without ConvRot, core's value: the fp32 product `code * scale` cast to `dtype`. With ConvRot (`convrot_group` g),
     core's definition is `((code * scale) @ H.T)` per group of g columns, H the normalised regular Hadamard matrix
     (`hadamard_signs(g) / sqrt(g)`), cast to `dtype`; core evaluates it in fp32 in a backend-dependent order. Here it
-    is evaluated exactly: the integer sums `code @ signs.T` are exact in fp32 (|sum| <= 128 g < 2^24), times the scale
-    and 1/sqrt(g) (a power of two) exact in float64, then rounded once to BF16 (or cast to fp32 / fp16)."""
-    scale = scale.float().reshape(-1, 1) if scale.numel() > 1 else scale.float().reshape(())
+    is evaluated exactly: the integer sums `code @ signs.T` (each partial sum an integer below 128 g < 2^24, exact in
+    fp32 whatever order the GEMM sums in), times the scale / sqrt(g) (sqrt(g) a power of two) in float64 (exact: 24 x
+    16 bits), then rounded once to `dtype`. Computed in row chunks."""
+    rows, cols = code.shape
+    per_row = scale.numel() > 1
+    scale = scale.float().reshape(-1, 1) if per_row else scale.float().reshape(())
     if not convrot_group:
         return (code.float() * scale).to(dtype)
-    rows, cols = code.shape
-    sums = code.float().reshape(rows, cols // convrot_group, convrot_group) @ hadamard_signs(convrot_group).T
-    exact = sums.reshape(rows, cols).double() * scale.double() / math.isqrt(convrot_group)
-    return _round_to_bf16(exact) if dtype == torch.bfloat16 else exact.to(dtype)
+    signs = hadamard_signs(convrot_group).T
+    factor = scale.double() / math.isqrt(convrot_group)
+    out = torch.empty(rows, cols, dtype=dtype)
+    step = max(1, _INT8_CHUNK // max(cols, 1))
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        sums = (code[start:stop].float().reshape(stop - start, cols // convrot_group, convrot_group) @ signs).reshape(stop - start, cols)
+        exact = sums.double() * (factor[start:stop] if per_row else factor)
+        out[start:stop] = _round_to_bf16(exact) if dtype == torch.bfloat16 else exact.to(dtype)
+    return out
 
 
 def release_dtype(internal: str, pruned: bool) -> torch.dtype:

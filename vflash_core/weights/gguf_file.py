@@ -14,6 +14,7 @@ so no file stays open.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from ..tensor_store import ReadRequest, TensorIndex, TensorInfo
 __all__ = ["DEQUANTIZERS", "GGUFStore", "dequantize_gguf", "require_gguf"]
 
 QK_K = 256  # elements of a k-quant super-block
+_CHUNK = 1 << 22  # elements dequantized at once: bounds the fp16 / fp32 temporaries of one read
 
 
 def require_gguf():
@@ -201,8 +203,8 @@ class _Tensor:
 
     @property
     def row_bytes(self) -> int:
-        """Bytes of one slice along dim 0 (whole blocks for a tensor of two or more dims)."""
-        return self.nbytes // self.shape[0] if len(self.shape) > 1 and self.shape[0] else self.nbytes
+        """Bytes of one slice along dim 0 of a matrix (whole blocks)."""
+        return self.nbytes // self.shape[0] if self.shape[0] else 0
 
 
 class GGUFStore(TensorIndex):
@@ -272,7 +274,8 @@ class GGUFStore(TensorIndex):
         return out
 
     def read_into(self, requests: Iterable[ReadRequest]) -> None:
-        """Rows [row_start, row_stop) of each tensor, dequantized (a row is whole blocks) and cast to `out.dtype`."""
+        """Rows [row_start, row_stop) of each tensor, dequantized (a row is whole blocks) and cast to `out.dtype`,
+        `_CHUNK` elements at a time at most (a matrix's rows; a vector whole)."""
         requests = list(requests)
         for request in requests:
             if request.name not in self._tensors:
@@ -282,12 +285,21 @@ class GGUFStore(TensorIndex):
                 t = self._tensors[request.name]
                 rows = t.shape[0] if t.shape else 1
                 start, stop = request.row_start, rows if request.row_stop is None else request.row_stop
-                whole = start == 0 and stop == rows  # a 1-D quantized tensor's "rows" are not whole blocks
-                raw = torch.empty(t.nbytes if whole else (stop - start) * t.row_bytes, dtype=torch.uint8)
-                handle.seek(t.offset + start * t.row_bytes)
-                if handle.readinto(memoryview(raw.numpy())) != raw.numel():
-                    raise WeightFileError(f"{self.path}: file ends inside tensor {request.name!r}")
                 shape = (stop - start, *t.shape[1:]) if t.shape else ()
                 if request.out.shape != shape:
                     raise WeightFileError(f"{self.path}: {request.name} rows {start}:{stop} are {list(shape)}, not {list(request.out.shape)}")
-                request.out.copy_(dequantize_gguf(raw, t.qtype, shape, request.out.dtype))
+                if len(t.shape) < 2:  # a vector's "rows" are not whole blocks: read it whole
+                    request.out.copy_(dequantize_gguf(self._bytes(handle, t.offset, t.nbytes, request.name), t.qtype, shape, request.out.dtype))
+                    continue
+                step = max(1, _CHUNK // max(1, math.prod(t.shape[1:])))
+                for first in range(start, stop, step):
+                    last = min(stop, first + step)
+                    raw = self._bytes(handle, t.offset + first * t.row_bytes, (last - first) * t.row_bytes, request.name)
+                    request.out[first - start : last - start] = dequantize_gguf(raw, t.qtype, (last - first, *t.shape[1:]), request.out.dtype)
+
+    def _bytes(self, handle, offset: int, size: int, name: str) -> torch.Tensor:
+        raw = torch.empty(size, dtype=torch.uint8)
+        handle.seek(offset)
+        if handle.readinto(memoryview(raw.numpy())) != size:
+            raise WeightFileError(f"{self.path}: file ends inside tensor {name!r}")
+        return raw
