@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # The full-size set on one nvidia-h200 machine, started detached by the first device call (benchmarks/RUNNING.md):
-# `pytest -m gpu` beside the staging, then end_to_end.py, then memory_caps.py, all within MINUTES of this start.
+# `pytest -m gpu` beside the staging, then the benchmarks of SET in order, all within MINUTES of this start.
 #
-#   [CAPS_ARGS="memory_caps.py arguments"] bash benchmarks/full_size_h200.sh COMMIT [MINUTES] [extra end_to_end.py arguments...]
+#   [SET="end_to_end memory_caps"] [CAPS_ARGS="..."] [HOST_ARGS="..."] bash benchmarks/full_size_h200.sh COMMIT [MINUTES] [extra end_to_end.py arguments...]
 #
-# Run from the repository root of the device copy with `.whl/site.tar.xz` carried. Results and logs go to $R/results
-# (default /root/run/results); the work folders are /root/e2e (disk) and /dev/shm/vflash (tmpfs), kept so a second
-# run resumes the staging.
+# SET names any of end_to_end, memory_caps, host_memory (default: the first two). Run from the repository root of the
+# device copy with `.whl/site.tar.xz` carried. Results and logs go to $R/results (default /root/run/results), ending
+# with the line "done at ..." in $R/results/done.log; the work folders are /root/e2e (disk) and /dev/shm/vflash
+# (tmpfs), kept so a second run resumes the staging.
 set -u
 COMMIT=${1:?the commit measured}
 MINUTES=${2:-24}
 shift $(( $# < 2 ? $# : 2 ))
+SET=${SET:-end_to_end memory_caps}
 R=${R:-/root/run}
 END=$(( $(date +%s) + MINUTES * 60 ))
 mkdir -p "$R/site" "$R/results"
@@ -21,11 +23,19 @@ ln -sfn "$R/repo/nodes" "$R/site/vflash_nodes"
 # The machine's host memory: its RAM can start small and grow, so MemTotal is not read for the staging plan.
 export PYTHONPATH=$R/site:$R/repo VFLASH_RESULTS=$R/results VFLASH_COMMIT=$COMMIT PYTHONUNBUFFERED=1 VFLASH_HOST_MEMORY_GIB=${VFLASH_HOST_MEMORY_GIB:-125}
 left() { echo $(( (END - $(date +%s)) / 60 )); }
+WORK="--work /root/e2e --shm /dev/shm/vflash"
 
 ( python3 -m pytest -q -m gpu tests/ -p no:cacheprovider > "$R/results/gpu_tests.log" 2>&1; echo "exit status $?" >> "$R/results/gpu_tests.log" ) &
 tests=$!
-# memory_caps.py keeps ~10 minutes; end_to_end.py takes what is left before them.
-python3 benchmarks/end_to_end.py --work /root/e2e --shm /dev/shm/vflash --deadline-minutes $(( $(left) - 10 )) "$@" > "$R/results/end_to_end.log" 2>&1
+case " $SET " in *" memory_caps "*) reserve=10 ;; *) reserve=0 ;; esac
+for bench in $SET; do
+    case $bench in
+        # end_to_end.py leaves memory_caps.py ~10 minutes when both run
+        end_to_end) python3 benchmarks/end_to_end.py $WORK --deadline-minutes $(( $(left) - reserve )) "$@" > "$R/results/end_to_end.log" 2>&1 ;;
+        memory_caps) wait $tests; python3 benchmarks/memory_caps.py $WORK --deadline-minutes "$(left)" ${CAPS_ARGS:-} > "$R/results/memory_caps.log" 2>&1 ;;
+        host_memory) python3 benchmarks/host_memory.py $WORK --deadline-minutes "$(left)" ${HOST_ARGS:-} > "$R/results/host_memory.log" 2>&1 ;;
+        *) echo "unknown benchmark $bench" >> "$R/results/done.log" ;;
+    esac
+done
 wait $tests
-python3 benchmarks/memory_caps.py --work /root/e2e --shm /dev/shm/vflash --deadline-minutes "$(left)" ${CAPS_ARGS:-} > "$R/results/memory_caps.log" 2>&1
-echo "done at $(date)" >> "$R/results/memory_caps.log"
+echo "done at $(date)" >> "$R/results/done.log"

@@ -5,7 +5,8 @@
 Each table is generated from `benchmarks/results/*.json`; the prose around them states how they were measured. Run
 it after fetching new results so the README never disagrees with the JSON. The repository README's "what fits where"
 table (between its `what-fits-where` markers) is filled from `memory_caps_h200.json` too, and its FP8 figures (between
-its `fp8-figures` markers) from `fp8_h200.json`.
+its `fp8-figures` markers) from `fp8_h200.json`, and its host-memory table (between its `host-memory` markers) from
+`host_memory_h200.json`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ OUT = Path(__file__).resolve().parent / "README.md"
 REPO_README = Path(__file__).resolve().parent.parent / "README.md"
 FITS_START, FITS_END = "<!-- what-fits-where: filled by benchmarks/report.py -->", "<!-- /what-fits-where -->"
 FP8_START, FP8_END = "<!-- fp8-figures: filled by benchmarks/report.py -->", "<!-- /fp8-figures -->"
+HOST_START, HOST_END = "<!-- host-memory: filled by benchmarks/report.py -->", "<!-- /host-memory -->"
 
 
 def _load(name: str) -> dict | None:
@@ -300,6 +302,35 @@ def delivery_section(data: dict | None) -> list[str]:
     ]
 
 
+def host_memory_table(data: dict) -> str:
+    """The core under host-memory budgets and device caps: placement, host peaks, request time, bitwise; the projection."""
+    resident = data["resident"]
+    rows = [{"budget": "none (resident)", "cap": "none", **resident, "rss": _gib(resident["host_rss_peak_bytes"]), "pinned": _size(resident["host_pinned_bytes"])}]
+    for r in data["records"]:
+        reads = r.get("block_read_seconds")
+        rows.append({**r, "budget": f"{r['host_budget_gib']:g} GiB", "cap": f"{r['cap_gib']:g} GiB", "rss": _gib(r.get("host_rss_peak_bytes")),
+                     "pinned": _size(r.get("host_pinned_bytes", 0)), "read": "" if not reads else f"{reads['median']:.2f} s ({r['block_read_gbps']:.2f} GB/s)"})
+    card, here = data["projection"]["card"], data["projection"]["this_machine"]
+    return "\n".join([
+        f"Measured at full size on one H200 ({_source(data)}) with random weights: the core alone (the Turbo4 artifact, "
+        f"{data['block_bytes'] / 1e9:.2f} GB per block), one t2va request at {data['setup']['canvas']} 5 s (4 evaluations of 50 blocks) from a "
+        "conditioning bundle, each run in its own process with the page cache dropped before it, its latents compared with the resident "
+        "run's. `host RSS` is the process's peak resident memory (pinned memory included), `host pinned` the peak of PyTorch's "
+        "page-locked allocator (rounded up to powers of two).",
+        "",
+        _table(rows, [("budget", "host budget"), ("cap", "device cap"), ("placement", "placement"), ("rss", "host RSS"), ("pinned", "host pinned"),
+                      ("load_seconds", "load s"), ("request_seconds", "request s"), ("read", "block read (median)"),
+                      ("bitwise_equal_to_resident", "bitwise = resident")]),
+        "",
+        f"A block computes in {data['block_compute_seconds']:.3f} s here and reads in {here['block_read_seconds']:.2f} s "
+        f"({data['disk_read_gbps']:.2f} GB/s, cold reads in the same run): the disk ring is disk-bound on this machine (the model "
+        f"max(compute, read) per block predicts {here['disk_ring_seconds']:.0f} s of block work; measured {here['measured_disk_ring_request_seconds']:.0f} s "
+        f"for the request). Projected for a card that computes a block in {card['block_compute_seconds']} s beside a {card['drive_gbps']} GB/s drive: "
+        f"reads of {card['block_read_seconds']:.2f} s per block hide behind the compute, {card['disk_ring_seconds']:.1f} s against "
+        f"{card['pinned_seconds']:.1f} s of block work per request from pinned memory (+{card['overhead'] * 100:.1f} %).",
+    ])
+
+
 def fill_repo_readme(data: dict, start_marker: str = FITS_START, end_marker: str = FITS_END, render_table=what_fits) -> None:
     """Replace the text between a pair of the repository README's markers with `render_table(data)`."""
     text = REPO_README.read_text()
@@ -380,6 +411,10 @@ def render() -> str:
     fp8 = _load("fp8_h200")
     if fp8:
         parts += ["## Approximate FP8 execution vs exact (`benchmarks/fp8.py`)", "", fp8_figures(fp8)]
+    host = _load("host_memory_h200")
+    if host:
+        parts += ["## The core under a host-memory budget (`benchmarks/host_memory.py`)", "", host_memory_table(host), "",
+                  *([f"How this file was measured: {host['code_note']}", ""] if host.get("code_note") else [])]
     parts += vae_section(_load("vae_h200"))
     parts += delivery_section(_load("delivery_h200"))
     two = _load("two_gpu_2xh200")
@@ -415,3 +450,7 @@ if __name__ == "__main__":
     if fp8_data:
         fill_repo_readme(fp8_data, FP8_START, FP8_END, fp8_figures)
         print(f"filled the FP8 figures of {REPO_README}")
+    host_data = _load("host_memory_h200")
+    if host_data:
+        fill_repo_readme(host_data, HOST_START, HOST_END, host_memory_table)
+        print(f"filled the host-memory table of {REPO_README}")

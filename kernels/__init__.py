@@ -3,15 +3,17 @@
 Each op reproduces, bit for bit, a torch operation of the model, which is its reference (one reference per op, where
 the model is defined); its parity tests compare the two.
 
-| import                                                        | reference                                          |
-|---------------------------------------------------------------|----------------------------------------------------|
-| `from vflash_kernels.modulate import modulate`                | `vflash_core.engine.model.modulate`                       |
-| `from vflash_kernels.rms_norm_modulate import rms_norm_modulate` | `vflash_core.engine.model.rms_norm_modulate`           |
-| `from vflash_kernels.gated_residual import gated_residual`    | `vflash_core.engine.model.gated_residual`                 |
-| `from vflash_kernels.rope import rope, qk_norm_rope`          | `vflash_core.engine.model.rope`, `vflash_core.engine.model.qk_norm_rope` |
-| `from vflash_kernels.swiglu import swiglu`                    | `vflash_core.engine.model.swiglu`                         |
-| `from vflash_kernels.relayout import pack_heads, merge_heads` | `vflash_core.engine.parallel.pack_heads_reference`, `merge_heads_reference` |
-| `from vflash_kernels.fp8_quantize import quantize_rows, swiglu_quantize, rms_norm_modulate_quantize` | `vflash_core.engine.fp8.quantize_rows` of the input, of `swiglu`, of `rms_norm_modulate` (approximate FP8 path only) |
+| op of `vflash_kernels`                        | reference in `vflash_core.engine`                                 |
+|-----------------------------------------------|-------------------------------------------------------------------|
+| `modulate.modulate`                           | `model.modulate`                                                  |
+| `rms_norm_modulate.rms_norm_modulate`         | `model.rms_norm_modulate`                                         |
+| `gated_residual.gated_residual`               | `model.gated_residual`                                            |
+| `rope.rope`, `rope.qk_norm_rope`              | `model.rope`, `model.qk_norm_rope`                                |
+| `swiglu.swiglu`                               | `model.swiglu`                                                    |
+| `relayout.pack_heads`, `relayout.merge_heads` | `parallel.pack_heads_reference`, `parallel.merge_heads_reference` |
+| `fp8_quantize.quantize_rows`                  | `fp8.quantize_rows` (approximate FP8 path only, as the two below) |
+| `fp8_quantize.swiglu_quantize`                | `fp8.quantize_rows` of `model.swiglu`                             |
+| `fp8_quantize.rms_norm_modulate_quantize`     | `fp8.quantize_rows` of `model.rms_norm_modulate`                  |
 
 The kernels import the model's definitions they share with it (the AdaLN tables' layout, `MODULATION_BLOCKS`)
 from `vflash_core.engine.model`; the core imports the kernels only lazily, when a fused op is first built

@@ -1,10 +1,11 @@
 """`@triton.jit` helpers shared by the kernels: the per-op rounding of the model, torch's 32-lane tree sum, and the
 index arithmetic of a program's tile (integer only; every helper is inlined into its kernel).
 
-Rounding contract (the model's, which diffusers' H3 transformer defines): every torch elementwise op on bf16 tensors computes in fp32 and rounds its
-own output to bf16 (round to nearest, ties to even). The kernels keep each intermediate in fp32 and call
-`_round_as` exactly where torch rounds, so an fp32 value that is exactly representable in the storage dtype flows
-between the "ops". For fp32 tensors the rounding is the identity (torch's fp32 ops round to fp32 themselves).
+Rounding contract (the model's, which diffusers' H3 transformer defines): every torch elementwise op on bf16 tensors
+computes in fp32 and rounds its own output to bf16 (round to nearest, ties to even). The kernels keep each intermediate
+in fp32 and call `_round_as` exactly where torch rounds, so an fp32 value that is exactly representable in the storage
+dtype flows between the "ops". For fp32 tensors the rounding is the identity (torch's fp32 ops round to fp32
+themselves).
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ def _add(a, b):
 
 @triton.jit
 def _pair_sum(s, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, WIDTH: tl.constexpr):
-    """(A, B, WIDTH) -> (A, B, WIDTH // 2): lane i + lane (i + WIDTH/2), one fp32 add per output (one shuffle-down step).
+    """(A, B, WIDTH) -> (A, B, WIDTH // 2): lane i + lane (i + WIDTH/2), one fp32 add per output (one shuffle-down
+    step).
 
     `tl.reduce` with our own combine function rather than `tl.sum`: the latter is a `triton.jit` function of triton's
     standard library, decorated when triton is imported, which the test suite's interpreted copy of this package

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 import torch
 import triton
 
-#: True when the kernels run in Triton's CPU interpreter: `triton.jit` reads TRITON_INTERPRET (`knobs.runtime.interpret`,
-#: triton >= 3.6) when it decorates a function, so this is fixed when the package is imported. Launchers then pass
+#: True when the kernels run in Triton's CPU interpreter: `triton.jit` reads TRITON_INTERPRET
+#: (`knobs.runtime.interpret`, triton >= 3.6) when it decorates a function, so this is fixed when the package is
+#: imported. Launchers then pass
 #: `EMULATE_CASTS=True` (the interpreter casts fp32 -> bf16 by truncation instead of round-to-nearest-even, and flushes
 #: bf16 subnormals in both directions, so the kernels convert on bit patterns instead) and `USE_LIBDEVICE=False` (the
 #: interpreter cannot call libdevice; numpy's `exp` stands in for `__nv_expf`).
@@ -91,7 +92,9 @@ def elementwise_tile(n_rows: int, n_groups: int, group_size: int = 1, target_ele
     target = TARGET_TILE_ELEMENTS if target_elements is None else int(target_elements)
     n_rows, n_groups = max(int(n_rows), 1), max(int(n_groups), 1)
     whole = triton.next_power_of_2(n_groups)
-    candidates = [g for g in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048) if 256 <= g * group_size <= 2048 and g <= whole]
+    candidates = [
+        g for g in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048) if 256 <= g * group_size <= 2048 and g <= whole
+    ]
     if not candidates:  # rows narrower than 256 elements (or a single group wider than 2048): one block per row
         candidates = [min(whole, max(1, 2048 // group_size))]
     waste = lambda g: -n_groups % g  # masked groups in the last column block
@@ -122,8 +125,9 @@ def check_device(*tensors: torch.Tensor) -> None:
     device = devices.pop()
     if device.type != "cuda" and not INTERPRET:
         raise ValueError(
-            f"vflash_kernels ops run on CUDA tensors (got {device}); on the CPU use the torch reference in `vflash_core.engine.model` "
-            "each op, or set TRITON_INTERPRET=1 before importing vflash_kernels to run the kernels in Triton's interpreter"
+            f"vflash_kernels ops run on CUDA tensors (got {device}); on the CPU use the torch reference in "
+            "`vflash_core.engine.model` each op, or set TRITON_INTERPRET=1 before importing vflash_kernels to run the "
+            "kernels in Triton's interpreter"
         )
 
 
@@ -152,7 +156,9 @@ def round_dtype(dtype: torch.dtype):
 def check_index(index: torch.Tensor, n_rows: int, name: str) -> None:
     """A 1-D int32/int64 row index with one entry per row (values are not checked: that would synchronise)."""
     if index.dtype not in (torch.int32, torch.int64) or index.dim() != 1 or index.shape[0] != n_rows:
-        raise ValueError(f"{name} must be a 1-D int32/int64 tensor of {n_rows} entries, got {tuple(index.shape)} {index.dtype}")
+        raise ValueError(
+            f"{name} must be a 1-D int32/int64 tensor of {n_rows} entries, got {tuple(index.shape)} {index.dtype}"
+        )
 
 
 def output(out: torch.Tensor | None, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

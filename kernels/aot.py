@@ -23,6 +23,7 @@ import contextlib
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import triton
@@ -58,7 +59,10 @@ class Launch:
         return ASTSource(self.kernel, dict(self.signature), dict(self.constexprs), {k: list(v) for k, v in self.attrs})
 
     def options(self) -> dict[str, object]:
-        return {"num_warps": self.num_warps, "num_stages": self.num_stages, "num_ctas": self.num_ctas, "enable_fp_fusion": self.enable_fp_fusion}
+        return {
+            "num_warps": self.num_warps, "num_stages": self.num_stages, "num_ctas": self.num_ctas,
+            "enable_fp_fusion": self.enable_fp_fusion
+        }
 
 
 class _CaptureDriver:
@@ -134,12 +138,23 @@ def h3_launches(device: torch.device | str, rows: int = H3_ROWS) -> list[tuple[s
     calls: list[tuple[str, Callable[[], object]]] = []
     for which in ("msa", "mlp"):
         calls += [
-            (f"rms_norm_modulate {which}", lambda w=which: rms_norm_modulate.rms_norm_modulate(x, norm_weight, eps, table, index, w)),
-            (f"modulate {which}", lambda w=which: modulate.modulate(x, table, index, w)),
-            (f"gated_residual {which}", lambda w=which: gated_residual.gated_residual(x, y, table, index, w, inplace=True)),
+            (
+                f"rms_norm_modulate {which}",
+                partial(rms_norm_modulate.rms_norm_modulate, x, norm_weight, eps, table, index, which),
+            ),
+            (f"modulate {which}", partial(modulate.modulate, x, table, index, which)),
+            (
+                f"gated_residual {which}",
+                partial(gated_residual.gated_residual, x, y, table, index, which, inplace=True),
+            ),
         ]
         for keep in (False, True):
-            calls.append((f"rms_norm_modulate_quantize {which} keep_value={keep}", lambda w=which, kv=keep: fp8_quantize.rms_norm_modulate_quantize(x, norm_weight, eps, table, index, w, keep_value=kv)))
+            calls.append((
+                f"rms_norm_modulate_quantize {which} keep_value={keep}",
+                partial(
+                    fp8_quantize.rms_norm_modulate_quantize, x, norm_weight, eps, table, index, which, keep_value=keep
+                ),
+            ))
     calls += [
         ("qk_norm_rope", lambda: rope.qk_norm_rope(qkv, norm_q, norm_k, eps, cos, sin, head_dim=head_dim)),
         ("rope", lambda: rope.rope(q, k, cos, sin)),
@@ -157,7 +172,9 @@ def h3_launches(device: torch.device | str, rows: int = H3_ROWS) -> list[tuple[s
 def capture_launches(device: torch.device | str = "cpu", rows: int = H3_ROWS) -> list[Launch]:
     """The distinct launches of `h3_launches` (in first-seen order), captured without compiling or running any."""
     if _launch.INTERPRET:
-        raise RuntimeError("the kernels were decorated for Triton's interpreter (TRITON_INTERPRET=1): nothing to compile")
+        raise RuntimeError(
+            "the kernels were decorated for Triton's interpreter (TRITON_INTERPRET=1): nothing to compile"
+        )
     launches: list[Launch] = []
     with _capturing(launches, torch.device(device).type == "cpu"):
         for _, call in h3_launches(device, rows):
@@ -179,7 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     for capability in args.capabilities:
         for launch in launches:
             kernel = compile_for(launch, capability)
-            print(f"sm{capability} {launch.name}: {len(kernel.asm['cubin'])} bytes of cubin, {kernel.metadata.num_warps} warps")
+            print(
+                f"sm{capability} {launch.name}: {len(kernel.asm['cubin'])} "
+                f"bytes of cubin, {kernel.metadata.num_warps} warps"
+            )
     return 0
 
 

@@ -3,11 +3,11 @@
 An approximate path's operands (the exact path never calls these): the input of each block linear is quantized per
 row to E4M3 codes with one FP32 scale per row (`_fp8`'s rule; torch reference `vflash_core.engine.fp8.quantize_rows`):
 
-| op                            | reference (torch)                                                         |
-|-------------------------------|---------------------------------------------------------------------------|
-| `quantize_rows(x)`            | `quantize_rows(x)`                                                        |
-| `swiglu_quantize(p)`          | `quantize_rows(model.swiglu(p))`                                          |
-| `rms_norm_modulate_quantize`  | `quantize_rows(model.rms_norm_modulate(...))` (the norm in torch's CUDA order, as `rms_norm_modulate`) |
+| op                           | reference (torch)                                                             |
+|------------------------------|-------------------------------------------------------------------------------|
+| `quantize_rows(x)`           | `quantize_rows(x)`                                                            |
+| `swiglu_quantize(p)`         | `quantize_rows(model.swiglu(p))`                                              |
+| `rms_norm_modulate_quantize` | `quantize_rows(model.rms_norm_modulate(...))`, the norm in torch's CUDA order |
 
 The fused ops read their inputs twice instead of writing the BF16 activation and reading it back: a row's scale
 needs the absmax of the whole row before the first code can be written, so a first pass computes the activation and
@@ -45,7 +45,8 @@ def _outputs(x: torch.Tensor, shape: tuple[int, ...], keep_value: bool, value_dt
 
 @triton.jit
 def _keep_value_and_absmax(
-    y, amax, value_ptr, rows, cols, mask, value_row_stride, value_col_stride, WRITE_VALUE: tl.constexpr, EMULATE_CASTS: tl.constexpr
+    y, amax, value_ptr, rows, cols, mask, value_row_stride, value_col_stride, WRITE_VALUE: tl.constexpr,
+    EMULATE_CASTS: tl.constexpr
 ):
     """A fused quantizer's first pass over one chunk of its activation `y`: stored to value with WRITE_VALUE, and
     folded into the rows' running absmax (returned)."""
@@ -82,7 +83,9 @@ def _quantize_rows_kernel(
     amax = tl.full((BLOCK_ROWS, 1), 0.0, tl.float32)
     for start in range(0, n_cols, BLOCK_COLS):
         cols, _, mask = _row_chunk(start, n_cols, row_mask, BLOCK_COLS, INDEX_64)
-        amax = _row_absmax(_to_f32(tl.load(x_rows + cols[None, :] * x_col_stride, mask=mask, other=0.0), EMULATE_CASTS), amax)
+        amax = _row_absmax(
+            _to_f32(tl.load(x_rows + cols[None, :] * x_col_stride, mask=mask, other=0.0), EMULATE_CASTS), amax
+        )
     scale = _store_row_scales(amax, scales_ptr, rows, row_mask, scales_stride)
     codes_rows = codes_ptr + rows[:, None] * codes_row_stride
     for start in range(0, n_cols, BLOCK_COLS):
@@ -122,7 +125,10 @@ def quantize_rows(x: torch.Tensor) -> Quantized:
 
 
 @triton.jit
-def _swiglu_values(p_rows, cols, mask, n_cols, p_col_stride, ROUND_DTYPE: tl.constexpr, EMULATE_CASTS: tl.constexpr, USE_LIBDEVICE: tl.constexpr):
+def _swiglu_values(
+    p_rows, cols, mask, n_cols, p_col_stride, ROUND_DTYPE: tl.constexpr, EMULATE_CASTS: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr
+):
     """One chunk of `swiglu`'s output with its kernel's roundings (see `swiglu._swiglu_kernel`), as fp32."""
     value = _to_f32(tl.load(p_rows + cols[None, :] * p_col_stride, mask=mask, other=0.0), EMULATE_CASTS)
     gate = _to_f32(tl.load(p_rows + (n_cols + cols)[None, :] * p_col_stride, mask=mask, other=0.0), EMULATE_CASTS)
@@ -164,7 +170,9 @@ def _swiglu_quantize_kernel(
     for start in range(0, n_cols, BLOCK_COLS):
         cols, _, mask = _row_chunk(start, n_cols, row_mask, BLOCK_COLS, INDEX_64)
         y = _swiglu_values(p_rows, cols, mask, n_cols, p_col_stride, ROUND_DTYPE, EMULATE_CASTS, USE_LIBDEVICE)
-        amax = _keep_value_and_absmax(y, amax, value_ptr, rows, cols, mask, value_row_stride, value_col_stride, WRITE_VALUE, EMULATE_CASTS)
+        amax = _keep_value_and_absmax(
+            y, amax, value_ptr, rows, cols, mask, value_row_stride, value_col_stride, WRITE_VALUE, EMULATE_CASTS
+        )
     scale = _store_row_scales(amax, scales_ptr, rows, row_mask, scales_stride)
     codes_rows = codes_ptr + rows[:, None] * codes_row_stride
     for start in range(0, n_cols, BLOCK_COLS):
@@ -250,25 +258,34 @@ def _rms_norm_modulate_quantize_kernel(
     CHUNK: tl.constexpr = 4 * 32 * TORCH_WARPS
     rows, row_mask = _row_block(n_rows, BLOCK_ROWS, INDEX_64)
     x_rows = x_ptr + rows[:, None] * x_row_stride
-    rstd = _torch_block_rstd(x_rows, row_mask, x_col_stride, eps, HIDDEN, TORCH_WARPS, BLOCK_ROWS, INDEX_64, EMULATE_CASTS)
+    rstd = _torch_block_rstd(
+        x_rows, row_mask, x_col_stride, eps, HIDDEN, TORCH_WARPS, BLOCK_ROWS, INDEX_64, EMULATE_CASTS
+    )
     table_row_ptrs = table_ptr + _table_row_offsets(index_ptr, rows, row_mask, index_stride, table_row_stride, INDEX_64)
     amax = tl.full((BLOCK_ROWS, 1), 0.0, tl.float32)
     for start in range(0, HIDDEN, CHUNK):
         cols, col_mask, mask = _row_chunk(start, HIDDEN, row_mask, CHUNK, INDEX_64)
-        y = _norm_modulate_chunk(x_rows, weight_ptr, table_row_ptrs, rstd, cols, mask, col_mask, x_col_stride, weight_stride, table_col_stride,
-                                 shift_col, scale_col, ROUND_DTYPE, EMULATE_CASTS)
-        amax = _keep_value_and_absmax(y, amax, value_ptr, rows, cols, mask, value_row_stride, value_col_stride, WRITE_VALUE, EMULATE_CASTS)
+        y = _norm_modulate_chunk(
+            x_rows, weight_ptr, table_row_ptrs, rstd, cols, mask, col_mask, x_col_stride, weight_stride,
+            table_col_stride, shift_col, scale_col, ROUND_DTYPE, EMULATE_CASTS
+        )
+        amax = _keep_value_and_absmax(
+            y, amax, value_ptr, rows, cols, mask, value_row_stride, value_col_stride, WRITE_VALUE, EMULATE_CASTS
+        )
     scale = _store_row_scales(amax, scales_ptr, rows, row_mask, scales_stride)
     codes_rows = codes_ptr + rows[:, None] * codes_row_stride
     for start in range(0, HIDDEN, CHUNK):
         cols, col_mask, mask = _row_chunk(start, HIDDEN, row_mask, CHUNK, INDEX_64)
-        y = _norm_modulate_chunk(x_rows, weight_ptr, table_row_ptrs, rstd, cols, mask, col_mask, x_col_stride, weight_stride, table_col_stride,
-                                 shift_col, scale_col, ROUND_DTYPE, EMULATE_CASTS)
+        y = _norm_modulate_chunk(
+            x_rows, weight_ptr, table_row_ptrs, rstd, cols, mask, col_mask, x_col_stride, weight_stride,
+            table_col_stride, shift_col, scale_col, ROUND_DTYPE, EMULATE_CASTS
+        )
         tl.store(codes_rows + cols[None, :] * codes_col_stride, _e4m3_bits(y, scale), mask=mask)
 
 
 def rms_norm_modulate_quantize(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, table: torch.Tensor, row_index: torch.Tensor, which: str = "msa", *, keep_value: bool = False
+    x: torch.Tensor, weight: torch.Tensor, eps: float, table: torch.Tensor, row_index: torch.Tensor, which: str = "msa",
+    *, keep_value: bool = False
 ) -> Quantized:
     """`rms_norm_modulate(x, weight, eps, table, row_index, which)` quantized per row, without writing the BF16
     activation unless `keep_value`.

@@ -1,7 +1,7 @@
 """Gated residual update: `x + gate[row] * y`, gathering the gate rows of the AdaLN table in-kernel.
 
-Reference: `vflash_core.engine.model.gated_residual` (`x + gate * y` after each sublayer of `main_block`): the product rounds,
-then the sum; no tanh, no clamp on the gate.
+Reference: `vflash_core.engine.model.gated_residual` (`x + gate * y` after each sublayer of `main_block`): the product
+rounds, then the sum; no tanh, no clamp on the gate.
 """
 
 from __future__ import annotations
@@ -62,7 +62,10 @@ def _gated_residual_kernel(
     gate = tl.load(table_ptr + table_row_offsets + (gate_col + cols)[None, :] * table_col_stride, mask=mask, other=0.0)
     gated = _round_as(_to_f32(gate, EMULATE_CASTS) * _to_f32(y, EMULATE_CASTS), ROUND_DTYPE, EMULATE_CASTS)
     result = _round_as(_to_f32(x, EMULATE_CASTS) + gated, ROUND_DTYPE, EMULATE_CASTS)
-    tl.store(out_ptr + rows[:, None] * out_row_stride + cols[None, :] * out_col_stride, _to_storage(result, out_ptr.dtype.element_ty, EMULATE_CASTS), mask=mask)
+    tl.store(
+        out_ptr + rows[:, None] * out_row_stride + cols[None, :] * out_col_stride,
+        _to_storage(result, out_ptr.dtype.element_ty, EMULATE_CASTS), mask=mask
+    )
 
 
 def gated_residual(
@@ -87,9 +90,12 @@ def gated_residual(
     if which not in _GATED:
         raise ValueError(f"which must be one of {_GATED}, got {which!r}")
     gate_block, n_blocks = MODULATION_BLOCKS[which].gate, MODULATION_BLOCKS[which].count
+    assert gate_block is not None  # `which` is one of _GATED
     x2, y2 = _launch.as_rows(x, "x"), _launch.as_rows(y, "y")
     if y.shape != x.shape or y.dtype != x.dtype or table.dtype != x.dtype:
-        raise ValueError(f"x {tuple(x.shape)} {x.dtype}, y {tuple(y.shape)} {y.dtype} and table {table.dtype} must agree")
+        raise ValueError(
+            f"x {tuple(x.shape)} {x.dtype}, y {tuple(y.shape)} {y.dtype} and table {table.dtype} must agree"
+        )
     n_rows, hidden = x2.shape
     if table.dim() != 2 or table.shape[1] != n_blocks * hidden:
         raise ValueError(f"table must be (R, {n_blocks}*{hidden}), got {tuple(table.shape)}")

@@ -1,8 +1,9 @@
 """AdaLN modulation after the RMSNorm: `normed * (1 + scale[row]) + shift[row]`, gathering the table rows in-kernel.
 
-Reference: `vflash_core.engine.model.modulate` (`h * (1.0 + scale) + shift`, rows of `table.chunk(6, -1)` for the blocks,
-of the (T, 2H) [shift | scale] `norm_out` table indexed by timestep for the output heads, then `.to(float32)`). The RMSNorm itself stays in torch (`F.rms_norm`): its CUDA reduction order
-for H = 5376 cannot be reproduced bit for bit.
+Reference: `vflash_core.engine.model.modulate` (`h * (1.0 + scale) + shift`, rows of `table.chunk(6, -1)` for the
+blocks, of the (T, 2H) [shift | scale] `norm_out` table indexed by timestep for the output heads, then `.to(float32)`).
+The RMSNorm itself stays in torch (`F.rms_norm`): its CUDA reduction order for H = 5376 cannot be reproduced bit for
+bit.
 """
 
 from __future__ import annotations
@@ -54,16 +55,25 @@ def _modulate_kernel(
     table_row_offsets = _table_row_offsets(index_ptr, rows, row_mask, index_stride, table_row_stride, INDEX_64)
 
     x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride, mask=mask, other=0.0)
-    scale = tl.load(table_ptr + table_row_offsets + (scale_col + cols)[None, :] * table_col_stride, mask=mask, other=0.0)
-    shift = tl.load(table_ptr + table_row_offsets + (shift_col + cols)[None, :] * table_col_stride, mask=mask, other=0.0)
+    scale = tl.load(
+        table_ptr + table_row_offsets + (scale_col + cols)[None, :] * table_col_stride, mask=mask, other=0.0
+    )
+    shift = tl.load(
+        table_ptr + table_row_offsets + (shift_col + cols)[None, :] * table_col_stride, mask=mask, other=0.0
+    )
 
     one_plus_scale = _round_as(1.0 + _to_f32(scale, EMULATE_CASTS), ROUND_DTYPE, EMULATE_CASTS)
     y = _round_as(_to_f32(x, EMULATE_CASTS) * one_plus_scale, ROUND_DTYPE, EMULATE_CASTS)
     y = _round_as(y + _to_f32(shift, EMULATE_CASTS), ROUND_DTYPE, EMULATE_CASTS)
-    tl.store(out_ptr + rows[:, None] * out_row_stride + cols[None, :] * out_col_stride, _to_storage(y, out_ptr.dtype.element_ty, EMULATE_CASTS), mask=mask)
+    tl.store(
+        out_ptr + rows[:, None] * out_row_stride + cols[None, :] * out_col_stride,
+        _to_storage(y, out_ptr.dtype.element_ty, EMULATE_CASTS), mask=mask
+    )
 
 
-def modulation_columns(which: str, table: torch.Tensor, hidden: int, dtype: torch.dtype, input_name: str) -> tuple[int, int]:
+def modulation_columns(
+    which: str, table: torch.Tensor, hidden: int, dtype: torch.dtype, input_name: str
+) -> tuple[int, int]:
     """(shift column, scale column) of `which` in `table`, after checking the table against an (S, hidden) input of
     `dtype` named `input_name` in the messages."""
     if which not in MODULATION_BLOCKS:

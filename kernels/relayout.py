@@ -1,7 +1,8 @@
 """Head relayouts around the sequence-head (Ulysses) all-to-alls: `pack_heads` before the exchange, `merge_heads` after.
 
-Reference: `vflash_core.engine.parallel.pack_heads_reference` / `merge_heads_reference`, called by `SequenceHeadAttention`.
-Each of P ranks holds S_r rows of all heads = P * Hp heads of D channels; rank j attends heads [j*Hp, (j+1)*Hp).
+Reference: `vflash_core.engine.parallel.pack_heads_reference` / `merge_heads_reference`, called by
+`SequenceHeadAttention`. Each of P ranks holds S_r rows of all heads = P * Hp heads of D channels; rank j attends heads
+[j*Hp, (j+1)*Hp).
 
 * pack:  x (S_r, heads, D) -> destination-major (P, S_r, Hp, D),  out[j, s, h, d] = x[s, j*Hp + h, d]
   (block j is the contiguous part of the send buffer that goes to rank j).
@@ -65,8 +66,14 @@ def _relayout_kernel(
     heads = pid_h * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)
     mask = (rows < n_rows)[:, None, None] & (heads < n_heads)[None, :, None] & (d < HEAD_DIM)[None, None, :]
 
-    src = src_ptr + part * src_part_stride + rows[:, None, None] * src_row_stride + heads[None, :, None] * src_head_stride
-    dst = dst_ptr + part * dst_part_stride + rows[:, None, None] * dst_row_stride + heads[None, :, None] * dst_head_stride
+    src = (
+        src_ptr + part * src_part_stride + rows[:, None, None] * src_row_stride
+        + heads[None, :, None] * src_head_stride
+    )
+    dst = (
+        dst_ptr + part * dst_part_stride + rows[:, None, None] * dst_row_stride
+        + heads[None, :, None] * dst_head_stride
+    )
     values = tl.load(src + d[None, None, :] * src_col_stride, mask=mask)
     tl.store(dst + d[None, None, :] * dst_col_stride, values, mask=mask)
 
@@ -111,7 +118,9 @@ def pack_heads(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     Returns out (the signature of `vflash_core.engine.parallel.pack_heads_reference`).
     """
     if x.dim() != 3 or out.dim() != 4:
-        raise ValueError(f"x must be (S_r, heads, D) and out (P, S_r, heads/P, D), got {tuple(x.shape)} and {tuple(out.shape)}")
+        raise ValueError(
+            f"x must be (S_r, heads, D) and out (P, S_r, heads/P, D), got {tuple(x.shape)} and {tuple(out.shape)}"
+        )
     parts = out.shape[0]
     n_rows, heads, head_dim = x.shape
     if parts < 1 or heads % parts:
@@ -132,7 +141,10 @@ def merge_heads(received: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     Returns out (the signature of `vflash_core.engine.parallel.merge_heads_reference`).
     """
     if received.dim() != 4 or out.dim() != 3:
-        raise ValueError(f"received must be (P, S_r, Hp, D) and out (S_r, P*Hp, D), got {tuple(received.shape)} and {tuple(out.shape)}")
+        raise ValueError(
+            "received must be (P, S_r, Hp, D) and out (S_r, P*Hp, D), "
+            f"got {tuple(received.shape)} and {tuple(out.shape)}"
+        )
     parts, n_rows, heads_per_part, head_dim = received.shape
     if parts < 1:
         raise ValueError(f"received must hold at least one part, got {tuple(received.shape)}")

@@ -1,8 +1,9 @@
-"""RMSNorm fused with the AdaLN modulation: `modulate(F.rms_norm(x, (H,), w, eps), table, row_index, which)` in one pass.
+"""RMSNorm fused with the AdaLN modulation, in one pass:
+`modulate(F.rms_norm(x, (H,), w, eps), table, row_index, which)`.
 
-Reference: `vflash_core.engine.model.rms_norm_modulate` (`F.rms_norm`, then `modulate`), used by `main_block` before each
-sublayer and by `output_heads`. The (S, H) normalised tensor is never written: the
-kernel saves one write and one read of it per norm against `F.rms_norm` followed by `modulate`.
+Reference: `vflash_core.engine.model.rms_norm_modulate` (`F.rms_norm`, then `modulate`), used by `main_block` before
+each sublayer and by `output_heads`. The (S, H) normalised tensor is never written: the kernel saves one write and one
+read of it per norm against `F.rms_norm` followed by `modulate`.
 
 Bit parity with `F.rms_norm` needs its CUDA reduction order. Recent torch (2.11 included) sends `F.rms_norm`
 with a weight of the input's dtype to `_fused_rms_norm` (aten/src/ATen/native/layer_norm.cpp, `rms_norm_symint`),
@@ -53,7 +54,8 @@ _CHUNK = _LANES * _TORCH_WARPS * _VEC
 
 @triton.jit
 def _torch_block_rstd(
-    x_rows, row_mask, x_col_stride, eps, HIDDEN: tl.constexpr, TORCH_WARPS: tl.constexpr, BLOCK_ROWS: tl.constexpr, INDEX_64: tl.constexpr,
+    x_rows, row_mask, x_col_stride, eps, HIDDEN: tl.constexpr, TORCH_WARPS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    INDEX_64: tl.constexpr,
     EMULATE_CASTS: tl.constexpr,
 ):
     """(BLOCK_ROWS, 1) `rstd` of whole rows, the sum of squares in torch's block order (see the kernel below), reading
@@ -76,7 +78,8 @@ def _torch_block_rstd(
 
 @triton.jit
 def _norm_modulate_chunk(
-    x_rows, weight_ptr, table_row_ptrs, rstd, cols, mask, col_mask, x_col_stride, weight_stride, table_col_stride, shift_col, scale_col,
+    x_rows, weight_ptr, table_row_ptrs, rstd, cols, mask, col_mask, x_col_stride, weight_stride, table_col_stride,
+    shift_col, scale_col,
     ROUND_DTYPE: tl.constexpr, EMULATE_CASTS: tl.constexpr,
 ):
     """One chunk of the output as fp32: normalise (`F.rms_norm`'s one rounding), then `modulate`'s three roundings."""
@@ -130,17 +133,26 @@ def _rms_norm_modulate_kernel(
     CHUNK: tl.constexpr = 4 * 32 * TORCH_WARPS
     rows, row_mask = _row_block(n_rows, BLOCK_ROWS, INDEX_64)
     x_rows = x_ptr + rows[:, None] * x_row_stride
-    rstd = _torch_block_rstd(x_rows, row_mask, x_col_stride, eps, HIDDEN, TORCH_WARPS, BLOCK_ROWS, INDEX_64, EMULATE_CASTS)
+    rstd = _torch_block_rstd(
+        x_rows, row_mask, x_col_stride, eps, HIDDEN, TORCH_WARPS, BLOCK_ROWS, INDEX_64, EMULATE_CASTS
+    )
     table_row_ptrs = table_ptr + _table_row_offsets(index_ptr, rows, row_mask, index_stride, table_row_stride, INDEX_64)
     out_rows = out_ptr + rows[:, None] * out_row_stride
     for start in range(0, HIDDEN, CHUNK):
         cols, col_mask, mask = _row_chunk(start, HIDDEN, row_mask, CHUNK, INDEX_64)
-        y = _norm_modulate_chunk(x_rows, weight_ptr, table_row_ptrs, rstd, cols, mask, col_mask, x_col_stride, weight_stride, table_col_stride,
-                                 shift_col, scale_col, ROUND_DTYPE, EMULATE_CASTS)
-        tl.store(out_rows + cols[None, :] * out_col_stride, _to_storage(y, out_ptr.dtype.element_ty, EMULATE_CASTS), mask=mask)
+        y = _norm_modulate_chunk(
+            x_rows, weight_ptr, table_row_ptrs, rstd, cols, mask, col_mask, x_col_stride, weight_stride,
+            table_col_stride, shift_col, scale_col, ROUND_DTYPE, EMULATE_CASTS
+        )
+        tl.store(
+            out_rows + cols[None, :] * out_col_stride, _to_storage(y, out_ptr.dtype.element_ty, EMULATE_CASTS),
+            mask=mask
+        )
 
 
-def _check_inputs(x: torch.Tensor, weight: torch.Tensor, table: torch.Tensor, row_index: torch.Tensor, which: str) -> tuple[torch.Tensor, int, int]:
+def _check_inputs(
+    x: torch.Tensor, weight: torch.Tensor, table: torch.Tensor, row_index: torch.Tensor, which: str
+) -> tuple[torch.Tensor, int, int]:
     """x as (S, H) rows and the (shift, scale) table columns of `which`, after the checks of `rms_norm_modulate`.
 
     Refuses inputs for which `F.rms_norm` takes its non-vectorized CUDA path (another reduction order): torch makes x
@@ -153,10 +165,14 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor, table: torch.Tensor, ro
         raise ValueError(f"weight must be ({hidden},) {x.dtype}, got {tuple(weight.shape)} {weight.dtype}")
     shift_col, scale_col = modulation_columns(which, table, hidden, x.dtype, "x")
     if hidden % _VEC:
-        raise ValueError(f"hidden size {hidden} is not a multiple of {_VEC}: F.rms_norm would not use its vectorized kernel")
+        raise ValueError(
+            f"hidden size {hidden} is not a multiple of {_VEC}: F.rms_norm would not use its vectorized kernel"
+        )
     for name, t in (("x", x), ("weight", weight)):
         if t.is_contiguous() and t.data_ptr() % (_VEC * t.element_size()):
-            raise ValueError(f"{name} is contiguous but not {_VEC}-element aligned: F.rms_norm would not use its vectorized kernel")
+            raise ValueError(
+                f"{name} is contiguous but not {_VEC}-element aligned: F.rms_norm would not use its vectorized kernel"
+            )
     _launch.check_index(row_index, n_rows, "row_index")
     return x2, shift_col, scale_col
 
@@ -216,7 +232,8 @@ def rms_norm_modulate(
 
 
 def _halving_tree(s: torch.Tensor) -> torch.Tensor:
-    """(..., W) -> (...), W a power of two: element i += element i + W/2, halving W (shuffle-down / shared-memory tree)."""
+    """(..., W) -> (...), W a power of two: element i += element i + W/2, halving W (a shuffle-down or shared-memory
+    tree)."""
     width = s.shape[-1]
     while width > 1:
         width //= 2
@@ -224,7 +241,9 @@ def _halving_tree(s: torch.Tensor) -> torch.Tensor:
     return s[..., 0]
 
 
-def rms_norm_block_order_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, *, warps: int = _TORCH_WARPS) -> torch.Tensor:
+def rms_norm_block_order_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, warps: int = _TORCH_WARPS
+) -> torch.Tensor:
     """torch emulation of `rms_norm_modulate`'s RMSNorm, reduction order included: (..., H) -> (..., H) in x's dtype.
 
     `warps` is the block height of torch's kernel (4; other powers of two model other launch configurations, for

@@ -1,8 +1,8 @@
 """Partial rotary embedding on q and k, alone (`rope`) or fused with the per-head QK RMSNorm (`qk_norm_rope`).
 
-Reference: `vflash_core.engine.model.rope` / `qk_norm_rope` (per-head `F.rms_norm` of q and k, then rotary). Rotate-half over the
-first R channels of each D-channel head (R = 96 of 128 in the released model), pairs (i, i + R/2); channels >= R pass
-through. cos/sin are the (S, R) fp32 tables rounded to bf16 *before* use. Both ops write q and k as contiguous
+Reference: `vflash_core.engine.model.rope` / `qk_norm_rope` (per-head `F.rms_norm` of q and k, then rotary). Rotate-half
+over the first R channels of each D-channel head (R = 96 of 128 in the released model), pairs (i, i + R/2); channels
+>= R pass through. cos/sin are the (S, R) fp32 tables rounded to bf16 *before* use. Both ops write q and k as contiguous
 (1, S, heads, D): the layout FA3 (`[B, N, H, D]`) and SDPA-on-permuted-views take.
 """
 
@@ -32,7 +32,8 @@ QK_NORM_TILE_ELEMENTS = 1024
 
 @triton.jit
 def _rotate_half(x, partner, cos, sin, d, ROTARY: tl.constexpr, ROUND_DTYPE: tl.constexpr, EMULATE_CASTS: tl.constexpr):
-    """out_d = bf( bf(x_d * c_d) + bf(r_d * s_d) ) for d < R (r_d = -x_{d+R/2} below R/2, x_{d-R/2} above), x_d for d >= R."""
+    """out_d = bf( bf(x_d * c_d) + bf(r_d * s_d) ) for d < R (r_d = -x_{d+R/2} below R/2, x_{d-R/2} above),
+    x_d for d >= R."""
     rotated = tl.where(d < ROTARY // 2, -partner, partner)
     out = _round_as(
         _round_as(x * cos, ROUND_DTYPE, EMULATE_CASTS) + _round_as(rotated * sin, ROUND_DTYPE, EMULATE_CASTS),
@@ -91,9 +92,13 @@ def _rope_kernel(
     sin = tl.load(sin_ptr + rows[:, None] * sin_row_stride + d[None, :] * sin_col_stride, mask=angle_mask, other=0.0)
 
     out = _rotate_half(
-        x, x_partner, _to_f32(cos, EMULATE_CASTS)[:, None, :], _to_f32(sin, EMULATE_CASTS)[:, None, :], d[None, None, :], ROTARY, ROUND_DTYPE, EMULATE_CASTS
+        x, x_partner, _to_f32(cos, EMULATE_CASTS)[:, None, :], _to_f32(sin, EMULATE_CASTS)[:, None, :],
+        d[None, None, :], ROTARY, ROUND_DTYPE, EMULATE_CASTS
     )
-    out_ptrs = out_ptr + rows[:, None, None] * out_row_stride + heads[None, :, None] * out_head_stride + d[None, None, :] * out_col_stride
+    out_ptrs = (
+        out_ptr + rows[:, None, None] * out_row_stride + heads[None, :, None] * out_head_stride
+        + d[None, None, :] * out_col_stride
+    )
     tl.store(out_ptrs, _to_storage(out, out_ptr.dtype.element_ty, EMULATE_CASTS), mask=mask)
 
 
@@ -155,7 +160,9 @@ def _qk_norm_rope_kernel(
     base = qkv_ptr + rows[:, None, None] * qkv_row_stride + head_cols[None, :, None] * qkv_col_stride
 
     x = _to_f32(tl.load(base + d[None, None, :] * qkv_col_stride, mask=mask, other=0.0), EMULATE_CASTS)
-    x_partner = _to_f32(tl.load(base + partner[None, None, :] * qkv_col_stride, mask=rot_mask, other=0.0), EMULATE_CASTS)
+    x_partner = _to_f32(
+        tl.load(base + partner[None, None, :] * qkv_col_stride, mask=rot_mask, other=0.0), EMULATE_CASTS
+    )
 
     # sum of squares in the lane order of torch's kernel: lane t holds channels 4t + j, j = 0..3 (x[t, a, b] = 4t+2a+b)
     quads = tl.reshape(x, (BLOCK_ROWS, BLOCK_HEADS, BLOCK_D // 4, 2, 2))
@@ -188,17 +195,23 @@ def _qk_norm_rope_kernel(
     cos = tl.load(cos_ptr + rows[:, None] * cos_row_stride + d[None, :] * cos_col_stride, mask=angle_mask, other=0.0)
     sin = tl.load(sin_ptr + rows[:, None] * sin_row_stride + d[None, :] * sin_col_stride, mask=angle_mask, other=0.0)
     out = _rotate_half(
-        normed, normed_partner, _to_f32(cos, EMULATE_CASTS)[:, None, :], _to_f32(sin, EMULATE_CASTS)[:, None, :], d[None, None, :], ROTARY, ROUND_DTYPE, EMULATE_CASTS
+        normed, normed_partner, _to_f32(cos, EMULATE_CASTS)[:, None, :], _to_f32(sin, EMULATE_CASTS)[:, None, :],
+        d[None, None, :], ROTARY, ROUND_DTYPE, EMULATE_CASTS
     )
     out = tl.where(part == 2, x, out)  # v: a plain copy
-    out_ptrs = out_ptr + part * out_part_stride + rows[:, None, None] * out_row_stride + heads[None, :, None] * out_head_stride + d[None, None, :]
+    out_ptrs = (
+        out_ptr + part * out_part_stride + rows[:, None, None] * out_row_stride
+        + heads[None, :, None] * out_head_stride + d[None, None, :]
+    )
     tl.store(out_ptrs, _to_storage(out, out_ptr.dtype.element_ty, EMULATE_CASTS), mask=mask)
 
 
 # -- host side ---------------------------------------------------------------------------------------------------------
 
 
-def _angles_views(cos: torch.Tensor, sin: torch.Tensor, n_rows: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _angles_views(
+    cos: torch.Tensor, sin: torch.Tensor, n_rows: int, head_dim: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin as (S, R) or the model's (1, S, 1, R) -> (S, R) views (never a copy), R even and in (0, D]."""
     views = []
     for name, t in (("cos", cos), ("sin", sin)):
@@ -207,7 +220,9 @@ def _angles_views(cos: torch.Tensor, sin: torch.Tensor, n_rows: int, head_dim: i
         if t.dim() != 2 or t.shape[0] != n_rows:
             raise ValueError(f"{name} must be ({n_rows}, R) or (1, {n_rows}, 1, R), got {tuple(t.shape)}")
         if t.dtype != dtype:
-            raise TypeError(f"{name} must already be rounded to {dtype} (the reference rounds cos/sin first), got {t.dtype}")
+            raise TypeError(
+                f"{name} must already be rounded to {dtype} (the reference rounds cos/sin first), got {t.dtype}"
+            )
         views.append(t)
     cos2, sin2 = views
     if cos2.shape != sin2.shape:
@@ -324,7 +339,9 @@ def qk_norm_rope(
     _launch.check_device(qkv, norm_q_weight, norm_k_weight, cos, sin, out)
     if qkv2.numel():
         block_d = triton.next_power_of_2(head_dim)
-        tile, grid = _launch.tile_and_grid(n_rows, n_heads, block_d, parts=out.shape[0], target_elements=QK_NORM_TILE_ELEMENTS)
+        tile, grid = _launch.tile_and_grid(
+            n_rows, n_heads, block_d, parts=out.shape[0], target_elements=QK_NORM_TILE_ELEMENTS
+        )
         _qk_norm_rope_kernel[grid](
             qkv2, norm_q_weight, norm_k_weight, cos2, sin2, out,
             n_rows, n_heads, float(eps),
@@ -351,7 +368,8 @@ def qk_norm_rope(
 
 
 def rms_norm_warp_order_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """torch emulation of `qk_norm_rope`'s RMSNorm, reduction order included: (..., D) -> (..., D) in x's dtype, D <= 128.
+    """torch emulation of `qk_norm_rope`'s RMSNorm, reduction order included: (..., D) -> (..., D) in x's dtype,
+    D <= 128.
 
     torch's block order (`rms_norm_modulate.rms_norm_block_order_reference`) with a single warp: rows of at most 128
     channels fill only warp 0, whose lanes then are the whole reduction.

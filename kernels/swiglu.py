@@ -57,7 +57,9 @@ def _swiglu_kernel(
 
     row_offsets = rows[:, None] * p_row_stride
     value = _to_f32(tl.load(p_ptr + row_offsets + cols[None, :] * p_col_stride, mask=mask, other=0.0), EMULATE_CASTS)
-    gate = _to_f32(tl.load(p_ptr + row_offsets + (n_cols + cols)[None, :] * p_col_stride, mask=mask, other=0.0), EMULATE_CASTS)
+    gate = _to_f32(
+        tl.load(p_ptr + row_offsets + (n_cols + cols)[None, :] * p_col_stride, mask=mask, other=0.0), EMULATE_CASTS
+    )
 
     if USE_LIBDEVICE:
         decay = _libdevice.exp(-gate)
@@ -65,7 +67,10 @@ def _swiglu_kernel(
         decay = tl.exp(-gate)
     silu = _round_as(tl.math.div_rn(gate, 1.0 + decay), ROUND_DTYPE, EMULATE_CASTS)
     result = _round_as(value * silu, ROUND_DTYPE, EMULATE_CASTS)
-    tl.store(out_ptr + rows[:, None] * out_row_stride + cols[None, :] * out_col_stride, _to_storage(result, out_ptr.dtype.element_ty, EMULATE_CASTS), mask=mask)
+    tl.store(
+        out_ptr + rows[:, None] * out_row_stride + cols[None, :] * out_col_stride,
+        _to_storage(result, out_ptr.dtype.element_ty, EMULATE_CASTS), mask=mask
+    )
 
 
 def swiglu(p: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:

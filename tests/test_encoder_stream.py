@@ -39,9 +39,9 @@ def test_streamed_encoder_equals_the_resident_encoder_bit_for_bit(h3_family, mon
     layers = list(conditioner.decoder_layers())
     conditioner.stream_layers()
     ring = conditioner.layer_ring
-    assert ring is not None and ring.arena.what == "decoder layer"
+    assert ring is not None and ring.source.what == "decoder layer"
     # The layers' weights live in the arena now (held once), and only the rest of the encoder moves as a part.
-    assert all(_inside(p, ring.arena.segments) for layer in layers for p in layer.parameters())
+    assert all(_inside(p, ring.source.segments) for layer in layers for p in layer.parameters())
     assert not any(m is layer or any(s is layer for s in m.modules()) for m in conditioner.device_modules() for layer in layers)
     moved = {id(p) for m in conditioner.device_modules() for p in m.parameters()}
     assert moved | {id(p) for layer in layers for p in layer.parameters()} == {id(p) for p in conditioner.text_encoder.parameters()}
@@ -59,7 +59,7 @@ def test_streamed_encoder_equals_the_resident_encoder_bit_for_bit(h3_family, mon
     assert copies == list(range(len(layers))) * 2  # every layer through a slot, once per encode
     assert seen == [True, True]  # a layer runs on its slot's bytes
     assert ring.ring is None and not any(layer._forward_pre_hooks for layer in layers)  # detached after each encode
-    assert all(_inside(p, ring.arena.segments) for layer in layers for p in layer.parameters())
+    assert all(_inside(p, ring.source.segments) for layer in layers for p in layer.parameters())
 
 
 def test_module_ring_refuses_layers_of_different_shapes():

@@ -64,7 +64,7 @@ def test_plan_logs_one_line_with_sizes_and_choices(caplog):
     assert plan.summary() == (
         "memory plan on cuda:0: core 35.9 GiB blocks + 1.5 GiB auxiliary -> block-ring; text encoder 48.0 GiB (45.4 GiB in decoder "
         "layers) -> stream; VAEs 5.7 GiB -> offload, video decode diffusers; the largest planned request peaks at encode 7.8 GiB, "
-        "denoise 8.4 GiB, decode 15.0 GiB + 2.0 GiB margin, 48.0 GiB available (cap 48.0 GiB): fits"
+        "denoise 8.4 GiB, decode 15.0 GiB + 2.0 GiB margin, 48.0 GiB available (cap 48.0 GiB): fits; host memory 89.6 GiB of weights"
     )
     # the peaks: resident core weights (2 slots + auxiliary), plus what each stage brings and its transient
     ring = 2 * FULL.core_block + FULL.core_auxiliary

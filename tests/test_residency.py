@@ -50,7 +50,7 @@ def test_a_closed_arena_lets_its_segments_go_while_something_still_holds_it(tiny
     segments = [weakref.ref(s) for s in arena.segments]
     arena.close()
     ring.close()
-    assert ring.arena is arena and all(ref() is None for ref in segments), "the arena's segments outlive its close"
+    assert ring.source is arena and all(ref() is None for ref in segments), "the arena's segments outlive its close"
 
 
 def test_block_ring_equals_resident_and_reuses_its_buffers(tiny_compiled):
@@ -58,14 +58,14 @@ def test_block_ring_equals_resident_and_reuses_its_buffers(tiny_compiled):
         expected = resident.generate(_bundle(6))
     with NativeEngineSession(PROFILE, **tiny_compiled, weight_residency="block-ring") as ring_session:
         ring = ring_session._denoisers[0].blocks
-        pointers = [slot.data_ptr() for slot in ring.slots] + [seg.data_ptr() for seg in ring.arena.segments]
+        pointers = [slot.data_ptr() for slot in ring.slots] + [seg.data_ptr() for seg in ring.source.segments]
         gc.collect()
         live_before = len(gc.get_objects())
         for _ in range(20):
             got = ring_session.generate(_bundle(6))
         gc.collect()
         assert len(gc.get_objects()) - live_before < 200, "objects accumulate across requests"
-        assert [slot.data_ptr() for slot in ring.slots] + [seg.data_ptr() for seg in ring.arena.segments] == pointers
+        assert [slot.data_ptr() for slot in ring.slots] + [seg.data_ptr() for seg in ring.source.segments] == pointers
         assert got.metadata["weight_residency"] == "block-ring" and got.metadata["memory"]["blocks_on_device"] == 2
     assert_bitwise(got.video_latents, expected.video_latents, "block-ring vs resident")
     assert_bitwise(got.audio_latents, expected.audio_latents, "block-ring vs resident audio")

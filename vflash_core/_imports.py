@@ -23,7 +23,9 @@ def load_package(name: str, folder: Path) -> ModuleType:
     except ModuleNotFoundError as exc:
         if exc.name != name:
             raise
-    spec = importlib.util.spec_from_file_location(name, folder / "__init__.py", submodule_search_locations=[str(folder)])
+    spec = importlib.util.spec_from_file_location(
+        name, folder / "__init__.py", submodule_search_locations=[str(folder)]
+    )
     if spec is None or spec.loader is None:
         raise ModuleNotFoundError(f"cannot load {name} from {folder}")
     module = importlib.util.module_from_spec(spec)

@@ -109,7 +109,9 @@ class Number:
         low = None if self.low is None else f"{'above' if self.above else 'at least'} {_bound(self.low)}"
         if self.low is not None and self.high is not None and not self.above:
             return f"{noun} from {_bound(self.low)} to {_bound(self.high)}"
-        limits = " and ".join(text for text in (low, None if self.high is None else f"at most {_bound(self.high)}") if text)
+        limits = " and ".join(
+            text for text in (low, None if self.high is None else f"at most {_bound(self.high)}") if text
+        )
         if not limits:
             return noun
         return f"{noun} {limits}" if limits.startswith("above") else f"{noun}{', ' if self.unit else ' of '}{limits}"
@@ -121,11 +123,14 @@ class Number:
         if isinstance(value, bool) or not isinstance(value, wanted):
             raise error(f"{name} must be {self.describe()}, got {describe_value(value)}")
         try:
-            number = int(value) if self.kind is int else float(value)
+            # typeshed's `numbers.Integral`/`Real` do not declare the `__int__`/`__float__` they have
+            number = int(value) if self.kind is int else float(value)  # type: ignore[call-overload]
         except OverflowError:  # an int beyond the float range
             number = math.inf
-        if isinstance(number, float) and not math.isfinite(number) or (self.low is not None and (number <= self.low if self.above else number < self.low)) or (
-            self.high is not None and number > self.high
+        if (
+            isinstance(number, float) and not math.isfinite(number)
+            or (self.low is not None and (number <= self.low if self.above else number < self.low))
+            or (self.high is not None and number > self.high)
         ):
             shown = repr(value) if len(repr(value)) <= _SHOWN else repr(value)[: _SHOWN - 3] + "..."
             raise error(f"{name} must be {self.describe()}, got {shown}")

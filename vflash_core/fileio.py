@@ -70,13 +70,16 @@ class WriteFailedError(RunFailedError):
 
 
 def _file_type(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+    for test, name in (
+        (stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")
+    ):
         if test(mode):
             return name
     return "not a regular file"
 
 
-def check_input_file(path: str | Path, what: str, error: type[VflashError] = VflashError) -> Path:
+def check_input_file(path: str | os.PathLike[str], what: str, error: type[VflashError] = VflashError) -> Path:
     """`path` as a regular, readable file; otherwise `error` saying exactly what it is instead (missing, a broken
     link, a symbolic-link loop, a folder, a FIFO, unreadable). The path is never opened, so a FIFO cannot block."""
     path = Path(path)
@@ -160,7 +163,7 @@ def resolve_inside(folder: str | Path, name: str, what: str) -> Path:
     return path
 
 
-def check_writable_destination(path: str | Path, overwrite: bool = False) -> Path:
+def check_writable_destination(path: str | os.PathLike[str], overwrite: bool = False) -> Path:
     """Validate an output file path before any heavy work: parent folder exists and is writable, the destination
     is free (or, with `overwrite`, a regular file or a link that may be replaced; never a folder)."""
     text = os.fspath(path)
@@ -204,11 +207,15 @@ def check_file_name(folder: Path, name: str, what: str) -> None:
     created in): it leaves room for its temporary's (`atomic_file`, `atomic_directory`) in the folder's name limit."""
     longest = _name_max(nearest_existing(folder)) - _TEMPORARY_OVERHEAD
     if len(os.fsencode(name)) > longest:
-        raise VflashError(f"{what} {name[:40]}... is {len(os.fsencode(name))} bytes long; this folder takes names of at most {longest} bytes")
+        raise VflashError(
+            f"{what} {name[:40]}... is {len(os.fsencode(name))} bytes long; "
+            f"this folder takes names of at most {longest} bytes"
+        )
 
 
 def nearest_existing(path: Path) -> Path:
-    """`path` if it exists (a dangling link counts), else its nearest existing ancestor: where a folder would be created."""
+    """`path` if it exists (a dangling link counts), else its nearest existing ancestor: where a folder would be
+    created."""
     while not os.path.lexists(path):
         path = path.parent
     return path
@@ -337,8 +344,12 @@ def write_errors(destination: Path) -> Iterator[None]:
         except OSError:
             free = f"{folder} cannot be examined"
         named = Path(os.fsdecode(failed.filename)) if failed.filename else destination
-        own = named == destination or named.name.startswith(f".{destination.name}.") and named.parent == destination.parent
-        raise WriteFailedError(f"writing {destination} failed{'' if own else f' at {named}'}: {failed.strerror} ({free})") from None
+        own = named == destination or (
+            named.name.startswith(f".{destination.name}.") and named.parent == destination.parent
+        )
+        raise WriteFailedError(
+            f"writing {destination} failed{'' if own else f' at {named}'}: {failed.strerror} ({free})"
+        ) from None
 
 
 def _os_error(exc: BaseException) -> OSError | None:
@@ -367,7 +378,9 @@ def atomic_file(path: str | Path, overwrite: bool = False, suffix: str = "") -> 
                 try:
                     os.link(tmp, path)
                 except FileExistsError:
-                    raise OutputExistsError(f"{path} appeared while it was being written; refusing to overwrite it") from None
+                    raise OutputExistsError(
+                        f"{path} appeared while it was being written; refusing to overwrite it"
+                    ) from None
     finally:
         tmp.unlink(missing_ok=True)
 

@@ -8,12 +8,15 @@ in the engine, the text encoder's (`TextConditioner.part_sizes`, `conditioning.e
 
 Parts and their placements:
 
-* the core's main blocks: `resident` (every block on the device) or `block-ring` (two device slots fed from a pinned
-  host arena, `residency.BlockRing`); its auxiliary tensors (patch projections, text refiner, heads) are always on the
-  device;
-* the text encoder: `resident` (on the device between requests), `offload` (on the device for its stage only) or
+* the core's main blocks: `resident` (every block on the device), `block-ring` (two device slots fed from a pinned
+  host arena, `residency.BlockRing`) or `disk-ring` (the same slots fed from the compiled block files, read on every
+  pass into `DISK_RING_BLOCKS` pinned staging buffers; one device only); its auxiliary tensors (patch
+  projections, text refiner, heads) are always on the device;
+* the text encoder: `resident` (on the device between requests), `offload` (on the device for its stage only),
   `stream` (for its stage, the embeddings and the vision tower on the device and the decoder layers passing through
-  two device slots of one layer from a pinned host arena, `residency.ModuleRing`);
+  two device slots of one layer from a pinned host arena, `residency.ModuleRing`) or `disk-stream` (the same, the
+  layers read from the model root's files on every encode into `DISK_RING_BLOCKS` staging buffers, where they can
+  be: `PartSizes.encoder_layers_on_disk`);
 * the VAEs: `resident` or `offload`; the video decode `diffusers` (its `decode`, whose working memory grows with the
   clip) or `native` (`vae_decode.NativeVideoDecoder`: the same frames bit for bit, working memory of one window; with
   a peer device, split between the two, see `vae.decode_bytes`).
@@ -23,11 +26,20 @@ between stages (the core's weights, the resident parts) plus what the stage brin
 plus its transient tensors (the parts' `encode_bytes`, `denoise_bytes`, `decode_bytes`: upper estimates from the
 shapes). A placement fits when every stage's peak plus `MARGIN_BYTES` is within the budget.
 
+Host memory: a placement holds, between requests, the block-ring arena (every block) or the disk ring's staging
+buffers, the offloaded or streamed text encoder (all of it: streamed layers in their arena, the rest offloaded; from
+disk, the rest and the staging buffers) and the offloaded VAEs; with a host budget (`max_host_memory`) that plus `HOST_MARGIN_BYTES` (the process itself: the CUDA
+libraries, a request's host tensors, reads in flight while loading) must fit it too. The host budget is planned
+against, never enforced: the host has no allocator to cap.
+
 Choice (`plan_memory`): the first placement, in the order of preference, whose stages all fit the profile's largest
-request: the core resident before block-ring, the encoder offloaded before streamed, the diffusers decode before the
-native one (explicit `weight_residency` / `encoder_residency` choices are kept). When none fits the largest request,
+request and whose host bytes fit the host budget: the core resident before block-ring before disk-ring, the encoder
+offloaded before streamed, streamed from disk only after every core placement, the diffusers decode before the native
+one (explicit `weight_residency` /
+`encoder_residency` choices are kept). When none fits the largest request,
 the most frugal placement is taken if the weights alone fit, and each request is checked before it runs
-(`MemoryPlan.check`); when even the weights do not fit, loading is refused with the numbers.
+(`MemoryPlan.check`); when even the weights do not fit, or no placement fits the host budget, loading is refused
+with the numbers.
 
 Budget: on CUDA the least over the plan's devices of the driver's free memory plus this process's cached blocks,
 within a user cap (`max_device_memory`), which the session also enforces through PyTorch's allocator (`DeviceCap`),
@@ -48,7 +60,7 @@ from .errors import Number, RequestError, RunFailedError, VflashError
 from .fileio import GIB, size_text
 
 __all__ = [
-    "DEVICE_MEMORY_GIB", "PLANNED_PICTURES", "PLANNED_TEXT_ROWS", "DeviceCap", "MemoryPlan", "PartSizes",
+    "DEVICE_MEMORY_GIB", "HOST_MARGIN_BYTES", "PLANNED_PICTURES", "PLANNED_TEXT_ROWS", "DeviceCap", "MemoryPlan", "PartSizes",
     "Placement", "cap_bytes", "device_budget", "plan_memory",
 ]
 
@@ -58,6 +70,13 @@ logger = logging.getLogger(__name__)
 # VAE encode of conditioning frames (not estimated), other users of the device.
 MARGIN_BYTES = 2 * GIB
 STAGES = ("encode", "denoise", "decode")
+# Host memory kept beyond the parts' weights under a host budget: the process itself (the CUDA and torch libraries'
+# resident pages, ~2 GiB on an H200 machine), a request's host tensors, the block or auxiliary reads in flight while
+# the core loads.
+HOST_MARGIN_BYTES = 4 * GIB
+# Pinned staging buffers of a disk ring (`residency.BlockFiles`), one block each: one being copied to the device, two
+# being read ahead, so a read has about two blocks' compute to finish in before the ring waits for it.
+DISK_RING_BLOCKS = 3
 # The request the plan is sized for: the profile's longest clip on the model's 16:9 canvas, with this many text rows
 # and, in keyframe and reference modes, two canvas-sized pictures.
 PLANNED_TEXT_ROWS = 512
@@ -77,6 +96,7 @@ class PartSizes:
     encoder: int = 0  # the whole text encoder as loaded
     encoder_layers: int = 0  # its decoder layers: what streams
     encoder_layer: int = 0  # its largest decoder layer: one ring slot
+    encoder_layers_on_disk: int = 0  # its decoder layers' bytes that can stream from their files (0: they cannot)
     vaes: int = 0  # video and audio VAE
 
     def __add__(self, other: PartSizes) -> PartSizes:
@@ -141,8 +161,8 @@ class DeviceCap:
 class Placement:
     """Where each part lives (None: the part is not planned here)."""
 
-    core: str | None = None  # "resident" | "block-ring"
-    encoder: str | None = None  # "resident" | "offload" | "stream"
+    core: str | None = None  # "resident" | "block-ring" | "disk-ring"
+    encoder: str | None = None  # "resident" | "offload" | "stream" | "disk-stream"
     vaes: str | None = None  # "resident" | "offload"
     video_decoder: str | None = None  # "diffusers" | "native"
 
@@ -163,18 +183,39 @@ class MemoryPlan:
     placement: Placement
     largest: Mapping[str, int]  # stage transients of the largest planned request
     fits_largest: bool
+    host_budget: int | None = None  # max_host_memory in bytes; None: not planned
 
     def resident_bytes(self) -> int:
         """What stays on the device between stages: the core's weights and the resident parts."""
         s, p = self.sizes, self.placement
-        core = {None: 0, "resident": s.core_blocks + s.core_auxiliary, "block-ring": 2 * s.core_block + s.core_auxiliary}[p.core]
+        ring = 2 * s.core_block + s.core_auxiliary
+        core = {None: 0, "resident": s.core_blocks + s.core_auxiliary, "block-ring": ring, "disk-ring": ring}[p.core]
         return core + (s.encoder if p.encoder == "resident" else 0) + (s.vaes if p.vaes == "resident" else 0)
+
+    def host_parts(self) -> dict[str, int]:
+        """What each part holds in host memory between requests (the module docstring), by part; none held: absent."""
+        s, p = self.sizes, self.placement
+        held = {
+            f"core ({p.core})": {"block-ring": s.core_blocks, "disk-ring": min(DISK_RING_BLOCKS * s.core_block, s.core_blocks)}.get(p.core or "", 0),
+            f"text encoder ({p.encoder})": {"offload": s.encoder, "stream": s.encoder, "disk-stream": s.encoder - s.encoder_layers + min(
+                DISK_RING_BLOCKS * s.encoder_layer, s.encoder_layers)}.get(p.encoder or "", 0),
+            "VAEs (offload)": s.vaes if p.vaes == "offload" else 0,
+        }
+        return {name: nbytes for name, nbytes in held.items() if nbytes}
+
+    def host_bytes(self) -> int:
+        """What the parts hold in host memory between requests, without the margin."""
+        return sum(self.host_parts().values())
+
+    def fits_host(self) -> bool:
+        return self.host_budget is None or self.host_bytes() + HOST_MARGIN_BYTES <= self.host_budget
 
     def brought_bytes(self, stage: str) -> int:
         """The weights a stage brings to the device for its duration."""
         s, p = self.sizes, self.placement
         if stage == "encode":
-            return {"offload": s.encoder, "stream": s.encoder - s.encoder_layers + 2 * s.encoder_layer}.get(p.encoder or "", 0)
+            streamed = s.encoder - s.encoder_layers + 2 * s.encoder_layer
+            return {"offload": s.encoder, "stream": streamed, "disk-stream": streamed}.get(p.encoder or "", 0)
         if stage == "decode":
             return s.vaes if p.vaes == "offload" else 0
         return 0
@@ -205,9 +246,12 @@ class MemoryPlan:
         peaks = ", ".join(f"{stage} {size_text(peak)}" for stage, peak in self.peaks(self.largest).items()
                           if planned[stage])
         verdict = "fits" if self.fits_largest else "does not fit: each request is checked before it runs"
+        host = f"; host memory {size_text(self.host_bytes())} of weights"
+        if self.host_budget is not None:
+            host += f" + {size_text(HOST_MARGIN_BYTES)} margin, budget {size_text(self.host_budget)}"
         return (
             f"memory plan on {', '.join(str(d) for d in self.devices)}: {'; '.join(parts)}; the largest planned request peaks at "
-            f"{peaks} + {size_text(MARGIN_BYTES)} margin, {size_text(self.budget)} available{_cap_note(self.cap)}: {verdict}"
+            f"{peaks} + {size_text(MARGIN_BYTES)} margin, {size_text(self.budget)} available{_cap_note(self.cap)}: {verdict}{host}"
         )
 
     def available(self) -> int:
@@ -232,15 +276,22 @@ class MemoryPlan:
 
 
 
-def _candidates(sizes: PartSizes, weight_residency: str, encoder_residency: str) -> list[Placement]:
-    """Placements in the order of preference (fastest first, most frugal last); None for a part not planned here."""
+def _candidates(sizes: PartSizes, weight_residency: str, encoder_residency: str, devices: int, host_planned: bool) -> list[Placement]:
+    """Placements in the order of preference (fastest first, most frugal last); None for a part not planned here. The
+    disk ring and the encoder streamed from disk, which hold as much device memory as their pinned twins, are
+    candidates only under a host budget (the disk ring for one device, the encoder where its layers' files allow)."""
     resident = encoder_residency == "resident"
-    core = ["resident", "block-ring"] if weight_residency == "auto" else [weight_residency]
+    rings = ["block-ring"] + ["disk-ring"] * (devices == 1 and host_planned)
+    core = ["resident", *rings] if weight_residency == "auto" else [weight_residency]
     cores = core if sizes.core_blocks else [None]
-    encoders = (["resident"] if resident else ["offload", "stream"]) if sizes.encoder else [None]
+    streams = ["stream"] + ["disk-stream"] * bool(host_planned and sizes.encoder_layers_on_disk)
+    encoders = (["resident"] if resident else ["offload", *streams]) if sizes.encoder else [None]
     vaes = (["resident"] if resident else ["offload"]) if sizes.vaes else [None]
     decoders = ["diffusers", "native"] if sizes.vaes else [None]
-    return [Placement(*choice) for choice in itertools.product(cores, encoders, vaes, decoders)]
+    placements = [Placement(*choice) for choice in itertools.product(cores, encoders, vaes, decoders)]
+    # The encoder from disk after every core placement: its layers are read once per request with little compute to
+    # hide the reads (45 GB at full size), where the disk ring's reads hide behind the blocks' compute on most cards.
+    return sorted(placements, key=lambda p: p.encoder == "disk-stream")
 
 
 def plan_memory(
@@ -251,17 +302,27 @@ def plan_memory(
     weight_residency: str = "auto",
     encoder_residency: str = "offload",
     budget: int | None = None,
+    host_budget: int | None = None,
 ) -> MemoryPlan:
     """Choose the placement (see the module docstring), log it in one line, or refuse with the numbers.
 
     `largest`: stage -> transient bytes of the largest request to plan for (`largest_request`). `budget` defaults to
-    `device_budget(devices, cap)`."""
+    `device_budget(devices, cap)`; `host_budget`: `max_host_memory` in bytes (None: host memory is not planned)."""
     devices = tuple(devices)
+    if weight_residency == "disk-ring" and len(devices) > 1:
+        raise VflashError("weight_residency='disk-ring' streams the blocks to one GPU; with a peer device use 'block-ring' or 'resident'")
     budget = device_budget(devices, cap) if budget is None else budget
-    plans = [MemoryPlan(devices, budget, cap, sizes, p, largest, True) for p in _candidates(sizes, weight_residency, encoder_residency)]
+    candidates = _candidates(sizes, weight_residency, encoder_residency, len(devices), host_budget is not None)
+    plans = [MemoryPlan(devices, budget, cap, sizes, p, largest, True, host_budget) for p in candidates]
+    within_host = [p for p in plans if p.fits_host()]
+    on_device = [p for p in plans if p.fits({})]  # the placements whose weights fit the device
+    if not within_host or (on_device and not any(p.fits({}) for p in within_host)):
+        _refuse_host(min(on_device or plans, key=MemoryPlan.host_bytes), weight_residency, encoder_residency)
+    plans = within_host
     plan = next((p for p in plans if p.fits(largest)), None)
     if plan is None:
-        plan = replace(plans[-1], fits_largest=False)
+        plan = _fastest_twin(plans, plans[-1])  # the most frugal on the device
+        plan = replace(plan, fits_largest=False)
         if not plan.fits({}):
             stage, peak = max(plan.peaks({}).items(), key=lambda item: item[1])
             p = plan.placement
@@ -280,3 +341,28 @@ def plan_memory(
             )
     logger.info(plan.summary())
     return plan
+
+
+def _fastest_twin(plans: list[MemoryPlan], plan: MemoryPlan) -> MemoryPlan:
+    """`plan`, or among `plans` the same placement with a pinned twin for what it reads from disk (the block ring for
+    the disk ring, the arena-streamed encoder for the disk-streamed one: the same device memory, faster)."""
+    p = plan.placement
+    twins = [replace(p, core="block-ring" if p.core == "disk-ring" else p.core, encoder="stream" if p.encoder == "disk-stream" else p.encoder),
+             replace(p, core="block-ring" if p.core == "disk-ring" else p.core), replace(p, encoder="stream" if p.encoder == "disk-stream" else p.encoder)]
+    return next((q for twin in twins for q in plans if q.placement == twin), plan)
+
+
+def _refuse_host(plan: MemoryPlan, weight_residency: str, encoder_residency: str) -> None:
+    """Refuse a host budget that not even the most frugal placement fits, naming what holds the host memory."""
+    held = plan.host_parts()
+    parts = ", ".join(f"{name} {size_text(nbytes)}" for name, nbytes in held.items()) or "no weights"
+    explicit = [f"{name}={value!r}" for name, value, default in (("weight_residency", weight_residency, "auto"), ("encoder_residency", encoder_residency, "offload")) if value != default]
+    advice = f"Leave {' and '.join(explicit)} to the plan, or raise max_host_memory." if explicit else "Raise max_host_memory."
+    if any(name in held for name in ("text encoder (offload)", "text encoder (stream)")):
+        advice += (" The text encoder is held in host memory whole: its decoder layers cannot stream from their files (a text_encoder_loader's "
+                   "model, or files in another dtype than loaded).")
+    raise RunFailedError(
+        f"the host memory budget does not fit: the most frugal placement holds {parts} in host memory, plus a "
+        f"{size_text(HOST_MARGIN_BYTES)} margin for the process: {size_text(plan.host_bytes() + HOST_MARGIN_BYTES)}; "
+        f"max_host_memory is {size_text(plan.host_budget or 0)}. {advice}"
+    )

@@ -34,7 +34,8 @@ _TIMESTEP_KINDS = {"t2va": [(False, False)], **{m: [(True, False)] for m in KEYF
 
 @dataclass(frozen=True)
 class AdapterSpec:
-    """The LoRA a profile is built with: applied once as `strength * alpha / rank` per module (alpha, rank as released)."""
+    """The LoRA a profile is built with: applied once as `strength * alpha / rank` per module (alpha and rank as
+    released)."""
 
     name: str
     file_name: str
@@ -67,7 +68,9 @@ class Profile:
         if self.fp8 is not None and self.fp8 not in ("weight-only", "w8a8"):
             raise VflashError(f"profile {self.id}: fp8 must be 'weight-only' or 'w8a8', got {self.fp8!r}")
         if self.arch != "cpu" and self.arch not in ARCH_FAMILIES:
-            raise VflashError(f"profile {self.id}: arch {self.arch!r} is not a GPU family ({', '.join(ARCH_FAMILIES)}) or 'cpu'")
+            raise VflashError(
+                f"profile {self.id}: arch {self.arch!r} is not a GPU family ({', '.join(ARCH_FAMILIES)}) or 'cpu'"
+            )
         # A GPU family without FP8 tensor cores never runs w8a8; on the CPU the session refuses it when it loads.
         if self.fp8 == "w8a8" and self.arch in ARCH_FAMILIES and not ARCH_FAMILIES[self.arch].fp8:
             raise VflashError(f"profile {self.id}: {_no_fp8(self.arch)}")
@@ -101,7 +104,8 @@ class Profile:
     def check_duration(self, seconds: float) -> None:
         if not self.min_seconds - 1e-9 <= seconds <= self.max_seconds + 1e-9:
             raise VflashError(
-                f"profile {self.id} generates {self.min_seconds:g}-{self.max_seconds:g} s clips; {seconds:.3f} s requested"
+                f"profile {self.id} generates {self.min_seconds:g}-{self.max_seconds:g} s clips; "
+                f"{seconds:.3f} s requested"
             )
 
 
@@ -114,7 +118,11 @@ def _no_fp8(arch: str) -> str:
 def check_identity(expected: Profile, recorded: dict[str, object], what: str) -> None:
     """Compare a profile's identity with the one an artifact recorded; the error names both sides."""
     mine = expected.identity()
-    diffs = [f"{k}: profile {expected.id} has {mine.get(k)!r}, {what} has {recorded.get(k)!r}" for k in sorted(set(mine) | set(recorded)) if mine.get(k) != recorded.get(k)]
+    diffs = [
+        f"{k}: profile {expected.id} has {mine.get(k)!r}, {what} has {recorded.get(k)!r}"
+        for k in sorted(set(mine) | set(recorded))
+        if mine.get(k) != recorded.get(k)
+    ]
     if diffs:
         raise IdentityMismatchError(f"{what} does not match profile {expected.id}: " + "; ".join(diffs))
 
@@ -139,36 +147,94 @@ _LARGE = ("sm90", "sm100")
 _FP8 = tuple(tag for tag, family in ARCH_FAMILIES.items() if family.fp8)
 _FP8_LARGE = tuple(tag for tag in _LARGE if ARCH_FAMILIES[tag].fp8)
 PROFILES: dict[str, Profile] = {
-    **_family("ref2va-turbo4-exact", _GPU, modes=("ref2va",), variant="transformer_ref", adapter=_REF_TURBO4, nfe=4, video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=5.2),
-    **_family("t2va-turbo4-exact", _GPU, modes=("t2va",), variant="transformer", adapter=_BASE_TURBO4, nfe=4, video_shift=6.0, audio_shift=3.0, min_seconds=5.0, max_seconds=5.2),
-    **_family("i2va-base16-bf16", _GPU, modes=_KEYFRAMES, variant="transformer", adapter=None, nfe=16, video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=10.2),
-    **_family("fl2va-base16-bf16", _GPU, modes=_KEYFRAMES, variant="transformer", adapter=None, nfe=16, video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=10.2),
-    **_family("i2va-turbo4-v01-544-exact", _GPU_544, modes=_KEYFRAMES, variant="transformer", adapter=_LIGHTX_V01, nfe=4, video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=10.2),
-    **_family("fl2va-turbo4-v01-544-exact", _GPU_544, modes=_KEYFRAMES, variant="transformer", adapter=_LIGHTX_V01, nfe=4, video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=10.2),
-    **_family("i2va-turbo8-544-exact", _GPU_544, modes=_KEYFRAMES, variant="transformer", adapter=_LIGHTX_TURBO8, nfe=8, video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=10.2),
-    **_family("fl2va-turbo8-544-exact", _GPU_544, modes=_KEYFRAMES, variant="transformer", adapter=_LIGHTX_TURBO8, nfe=8, video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=10.2),
+    **_family(
+        "ref2va-turbo4-exact", _GPU, modes=("ref2va",), variant="transformer_ref", adapter=_REF_TURBO4, nfe=4,
+        video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=5.2
+    ),
+    **_family(
+        "t2va-turbo4-exact", _GPU, modes=("t2va",), variant="transformer", adapter=_BASE_TURBO4, nfe=4, video_shift=6.0,
+        audio_shift=3.0, min_seconds=5.0, max_seconds=5.2
+    ),
+    **_family(
+        "i2va-base16-bf16", _GPU, modes=_KEYFRAMES, variant="transformer", adapter=None, nfe=16, video_shift=12.0,
+        audio_shift=3.0, min_seconds=5.0, max_seconds=10.2
+    ),
+    **_family(
+        "fl2va-base16-bf16", _GPU, modes=_KEYFRAMES, variant="transformer", adapter=None, nfe=16, video_shift=12.0,
+        audio_shift=3.0, min_seconds=5.0, max_seconds=10.2
+    ),
+    **_family(
+        "i2va-turbo4-v01-544-exact", _GPU_544, modes=_KEYFRAMES, variant="transformer", adapter=_LIGHTX_V01, nfe=4,
+        video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=10.2
+    ),
+    **_family(
+        "fl2va-turbo4-v01-544-exact", _GPU_544, modes=_KEYFRAMES, variant="transformer", adapter=_LIGHTX_V01, nfe=4,
+        video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=10.2
+    ),
+    **_family(
+        "i2va-turbo8-544-exact", _GPU_544, modes=_KEYFRAMES, variant="transformer", adapter=_LIGHTX_TURBO8, nfe=8,
+        video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=10.2
+    ),
+    **_family(
+        "fl2va-turbo8-544-exact", _GPU_544, modes=_KEYFRAMES, variant="transformer", adapter=_LIGHTX_TURBO8, nfe=8,
+        video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=10.2
+    ),
     # The official Base model at its 16 evaluations, every mode of its partition, full 5-15 s range (resident).
-    **_family("t2va-base16-bf16", _LARGE, modes=("t2va", *_KEYFRAMES), variant="transformer", adapter=None, nfe=16, video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=15.0),
-    **_family("ref2va-base16-bf16", _LARGE, modes=("ref2va",), variant="transformer_ref", adapter=None, nfe=16, video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=15.0),
+    **_family(
+        "t2va-base16-bf16", _LARGE, modes=("t2va", *_KEYFRAMES), variant="transformer", adapter=None, nfe=16,
+        video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=15.0
+    ),
+    **_family(
+        "ref2va-base16-bf16", _LARGE, modes=("ref2va",), variant="transformer_ref", adapter=None, nfe=16,
+        video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=15.0
+    ),
     # Pruned Comfy-Org files (approximate, never chosen for you): the Turbo4 t2va and Base16 profiles over a pruned
     # file's rank-k time embedding (its `adaln_t_table` read by linear interpolation) and reduced-rank AdaLN.
-    **_family("t2va-turbo4-pruned", _GPU, modes=("t2va",), variant="transformer", adapter=_BASE_TURBO4, nfe=4, video_shift=6.0, audio_shift=3.0, min_seconds=5.0, max_seconds=5.2, pruned=True),
-    **_family("t2va-base16-pruned-bf16", _LARGE, modes=("t2va", *_KEYFRAMES), variant="transformer", adapter=None, nfe=16, video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=15.0, pruned=True),
+    **_family(
+        "t2va-turbo4-pruned", _GPU, modes=("t2va",), variant="transformer", adapter=_BASE_TURBO4, nfe=4,
+        video_shift=6.0, audio_shift=3.0, min_seconds=5.0, max_seconds=5.2, pruned=True
+    ),
+    **_family(
+        "t2va-base16-pruned-bf16", _LARGE, modes=("t2va", *_KEYFRAMES), variant="transformer", adapter=None, nfe=16,
+        video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=15.0, pruned=True
+    ),
     # FP8 (approximate, never chosen for you): the Turbo4 t2va profile and the Base16 profiles with the block linears
     # in w8a8 FP8 (FP8 artifacts: half the block bytes on the device and through the block ring), on every family
     # with FP8 tensor cores; compiled from a BF16 file (row scales of its weights) or straight from an fp8_scaled
     # file (its own E4M3 codes, its per-tensor scale per row).
-    **_family("t2va-turbo4-fp8", _FP8, modes=("t2va",), variant="transformer", adapter=_BASE_TURBO4, nfe=4, video_shift=6.0, audio_shift=3.0, min_seconds=5.0, max_seconds=5.2, fp8="w8a8"),
-    **_family("i2va-base16-fp8", _FP8, modes=_KEYFRAMES, variant="transformer", adapter=None, nfe=16, video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=10.2, fp8="w8a8"),
-    **_family("t2va-base16-fp8", _FP8_LARGE, modes=("t2va", *_KEYFRAMES), variant="transformer", adapter=None, nfe=16, video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=15.0, fp8="w8a8"),
+    **_family(
+        "t2va-turbo4-fp8", _FP8, modes=("t2va",), variant="transformer", adapter=_BASE_TURBO4, nfe=4, video_shift=6.0,
+        audio_shift=3.0, min_seconds=5.0, max_seconds=5.2, fp8="w8a8"
+    ),
+    **_family(
+        "i2va-base16-fp8", _FP8, modes=_KEYFRAMES, variant="transformer", adapter=None, nfe=16, video_shift=12.0,
+        audio_shift=3.0, min_seconds=5.0, max_seconds=10.2, fp8="w8a8"
+    ),
+    **_family(
+        "t2va-base16-fp8", _FP8_LARGE, modes=("t2va", *_KEYFRAMES), variant="transformer", adapter=None, nfe=16,
+        video_shift=12.0, audio_shift=3.0, min_seconds=5.0, max_seconds=15.0, fp8="w8a8"
+    ),
     # CPU profiles: tests and the embedded demo.
     # The Turbo4 t2va profile's schedule and adapter on the CPU: the end-to-end benchmark's dry run at demo size.
-    "t2va-turbo4-exact-cpu": Profile("t2va-turbo4-exact-cpu", ("t2va",), "transformer", _BASE_TURBO4, 4, 6.0, 3.0, 5.0, 5.2, "cpu"),
-    "t2va-base4-exact-cpu": Profile("t2va-base4-exact-cpu", ("t2va", *_KEYFRAMES), "transformer", None, 4, 12.0, 3.0, 5.0, 15.0, "cpu"),
-    "t2va-base16-exact-cpu": Profile("t2va-base16-exact-cpu", ("t2va", *_KEYFRAMES), "transformer", None, 16, 12.0, 3.0, 5.0, 15.0, "cpu"),
-    "t2va-base4-pruned-cpu": Profile("t2va-base4-pruned-cpu", ("t2va", *_KEYFRAMES), "transformer", None, 4, 12.0, 3.0, 5.0, 15.0, "cpu", pruned=True),
-    "t2va-base4-fp8-cpu": Profile("t2va-base4-fp8-cpu", ("t2va", *_KEYFRAMES), "transformer", None, 4, 12.0, 3.0, 5.0, 15.0, "cpu", fp8="weight-only"),
-    "ref2va-base4-exact-cpu": Profile("ref2va-base4-exact-cpu", ("ref2va",), "transformer_ref", None, 4, 12.0, 3.0, 5.0, 15.0, "cpu"),
+    "t2va-turbo4-exact-cpu": Profile(
+        "t2va-turbo4-exact-cpu", ("t2va",), "transformer", _BASE_TURBO4, 4, 6.0, 3.0, 5.0, 5.2, "cpu"
+    ),
+    "t2va-base4-exact-cpu": Profile(
+        "t2va-base4-exact-cpu", ("t2va", *_KEYFRAMES), "transformer", None, 4, 12.0, 3.0, 5.0, 15.0, "cpu"
+    ),
+    "t2va-base16-exact-cpu": Profile(
+        "t2va-base16-exact-cpu", ("t2va", *_KEYFRAMES), "transformer", None, 16, 12.0, 3.0, 5.0, 15.0, "cpu"
+    ),
+    "t2va-base4-pruned-cpu": Profile(
+        "t2va-base4-pruned-cpu", ("t2va", *_KEYFRAMES), "transformer", None, 4, 12.0, 3.0, 5.0, 15.0, "cpu", pruned=True
+    ),
+    "t2va-base4-fp8-cpu": Profile(
+        "t2va-base4-fp8-cpu", ("t2va", *_KEYFRAMES), "transformer", None, 4, 12.0, 3.0, 5.0, 15.0, "cpu",
+        fp8="weight-only"
+    ),
+    "ref2va-base4-exact-cpu": Profile(
+        "ref2va-base4-exact-cpu", ("ref2va",), "transformer_ref", None, 4, 12.0, 3.0, 5.0, 15.0, "cpu"
+    ),
 }
 
 
@@ -182,7 +248,12 @@ def get_profile(profile_id: str | Profile) -> Profile:
         pass
     stem, _, arch = str(profile_id).rpartition("-")
     if "-fp8" in stem and arch in ARCH_FAMILIES and not ARCH_FAMILIES[arch].fp8:
-        raise VflashError(f"no profile {profile_id!r}: {_no_fp8(arch)}; for {arch} choose a BF16 profile (e.g. t2va-turbo4-exact-{arch})")
+        raise VflashError(
+            f"no profile {profile_id!r}: {_no_fp8(arch)}; "
+            f"for {arch} choose a BF16 profile (e.g. t2va-turbo4-exact-{arch})"
+        )
     if stem and arch.startswith("sm") and arch not in ARCH_FAMILIES:
-        raise VflashError(f"no profile {profile_id!r}: no Vflash profile runs on {arch} (GPU families: {', '.join(ARCH_FAMILIES)})")
+        raise VflashError(
+            f"no profile {profile_id!r}: no Vflash profile runs on {arch} (GPU families: {', '.join(ARCH_FAMILIES)})"
+        )
     raise VflashError(f"unknown profile {profile_id!r}; known profiles: {', '.join(sorted(PROFILES))}")

@@ -158,12 +158,15 @@ class SafetensorsFile:
         jobs.sort(key=lambda job: job[0])
         size = self.path.stat().st_size  # immutable means immutable: a file whose size changed is refused
         if size != self.file_size:
-            raise WeightFileError(f"{self.path}: changed on disk since it was opened ({self.file_size} -> {size} bytes)")
+            raise WeightFileError(
+                f"{self.path}: changed on disk since it was opened ({self.file_size} -> {size} bytes)"
+            )
         with open(self.path, "rb", buffering=0) as handle:
             for start_byte, nbytes, out in jobs:
                 if nbytes == 0:
                     continue
-                view = memoryview(out.view(-1).view(torch.uint8).numpy())
+                # numpy's stubs declare the buffer protocol (`__buffer__`) for Python >= 3.12 only
+                view = memoryview(out.view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
                 handle.seek(start_byte)
                 filled = read_fully(view, lambda rest, _: handle.readinto(rest))
                 if filled < nbytes:
@@ -206,6 +209,11 @@ class TensorIndex:
         if name not in self._file_of:
             raise WeightFileError(f"{self.path}: missing tensor {name!r}")
         return self._file_of[name].info(name)
+
+    def file_path(self, name: str) -> Path:
+        """The file (the shard) that holds tensor `name`."""
+        self.info(name)  # a missing name is refused as `info` refuses it
+        return self._file_of[name].path
 
     def require(self, expect: Mapping[str, tuple[tuple[int, ...], torch.dtype | tuple[torch.dtype, ...]]]) -> None:
         """Check names, shapes and dtypes; the error lists every problem, not just the first."""
@@ -286,7 +294,9 @@ def _resolve_files(path: Path) -> list[Path]:
     return [path]
 
 
-def write_safetensors(path: str | Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> tuple[int, str]:
+def write_safetensors(
+    path: str | Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> tuple[int, str]:
     """Write CPU `tensors` as a safetensors file and return (size in bytes, sha256), hashing the bytes as they go out.
 
     The tensors' own memory is written and hashed (no serialised copy of the file is built), so a writer thread moves
@@ -300,7 +310,9 @@ def write_safetensors(path: str | Path, tensors: Mapping[str, torch.Tensor], met
     for name in order:
         tensor = tensors[name]
         nbytes = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": dtype_names[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": dtype_names[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + nbytes]
+        }
         offset += nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # data starts 8-byte aligned
@@ -312,7 +324,8 @@ def write_safetensors(path: str | Path, tensors: Mapping[str, torch.Tensor], met
         for name in order:
             tensor = tensors[name].contiguous()
             if tensor.numel():
-                data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+                # numpy's stubs declare the buffer protocol (`__buffer__`) for Python >= 3.12 only
+                data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
                 digest.update(data)
                 handle.write(data)
     return 8 + len(encoded) + offset, digest.hexdigest()

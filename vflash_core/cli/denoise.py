@@ -10,6 +10,7 @@ import os
 
 from ..errors import VflashError
 from ..formats import GPU_INDEX
+from ..memory_plan import DEVICE_MEMORY_GIB
 from ..pipeline.options import STRATEGIES, WEIGHT_RESIDENCIES
 from .generate import StageBars
 
@@ -28,7 +29,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--peer-gpu", type=GPU_INDEX.option("--peer-gpu"), action="append", help="another GPU for this request (repeatable); needs --strategy")
     p.add_argument("--strategy", choices=STRATEGIES, help="how several GPUs split one request")
     p.add_argument("--weight-residency", choices=WEIGHT_RESIDENCIES, default="auto",
-                   help="the blocks all on the device, or streamed from pinned host memory (block-ring); auto: the memory plan chooses")
+                   help="the blocks all on the device, streamed from pinned host memory (block-ring) or from their compiled files "
+                        "(disk-ring, one GPU); auto: the memory plan chooses")
+    p.add_argument("--max-device-memory", type=DEVICE_MEMORY_GIB.option("--max-device-memory"), metavar="GIB",
+                   help="cap on the device memory the session may use, in GiB (default: what the GPU has free); planned against and enforced")
+    p.add_argument("--max-host-memory", type=DEVICE_MEMORY_GIB.option("--max-host-memory"), metavar="GIB",
+                   help="budget for the host memory the session's blocks may hold, in GiB, with a margin for the process (default: not "
+                        "planned); where the pinned blocks do not fit, they stream from their compiled files (disk-ring)")
     p.add_argument("--attention-backend", default="auto", help="auto, fa3, torch-cudnn, torch-flash, torch-sdpa, ...")
     p.add_argument("--profile-denoise", action="store_true", help="per-evaluation, per-stage device timings in the report")
     p.set_defaults(handler=_denoise)
@@ -53,7 +60,7 @@ def _denoise(args: argparse.Namespace) -> int:
         session = NativeEngineSession(
             args.profile, args.artifact, args.schedule_overlay, args.auxiliary_tensor, device=device, peer_device=args.peer_gpu,
             strategy=args.strategy, weight_residency=args.weight_residency, attention_backend=args.attention_backend,
-            on_load_progress=lambda done, total: bars("load weights", done, total),
+            max_device_memory=args.max_device_memory, max_host_memory=args.max_host_memory, on_load_progress=lambda done, total: bars("load weights", done, total),
         )
         with session:
             session.validate(bundle)

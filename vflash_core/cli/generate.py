@@ -7,6 +7,7 @@ import contextlib
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from ..pipeline.options import RunOptions
 from ..pipeline.validation import PIXELS, SECONDS, SEED
@@ -26,7 +27,7 @@ class StageBars:
 
     def __init__(self) -> None:
         self.stage: str | None = None
-        self.bar = None
+        self.bar: Any = None  # the running stage's tqdm bar
 
     def __call__(self, stage: str, done: int, total: int) -> None:
         from tqdm.auto import tqdm
@@ -47,40 +48,65 @@ class StageBars:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("prepare-pipeline", help="bind a profile to its six assets (model root, decoders, adapter, compile outputs)")
+    p = sub.add_parser(
+        "prepare-pipeline", help="bind a profile to its six assets (model root, decoders, adapter, compile outputs)"
+    )
     p.add_argument("--profile", required=True, help="profile id, e.g. t2va-base16-bf16-sm90")
-    p.add_argument("--assets", required=True, help="JSON with model_root, decoder_root, adapter_path (or null), artifact, schedule_overlay, auxiliary_tensor")
+    p.add_argument(
+        "--assets", required=True,
+        help="JSON with model_root, decoder_root, adapter_path (or null), artifact, schedule_overlay, auxiliary_tensor"
+    )
     p.add_argument("--receipt", required=True, help="prepared-assets receipt to write (must not exist)")
     p.set_defaults(handler=_prepare_pipeline)
 
     p = sub.add_parser("generate", help="generate an MP4 (video + soundtrack) from a prompt and optional images")
     p.add_argument("--prepared-assets", required=True, help="receipt written by `vflash prepare-pipeline`")
     prompt = p.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="what happens and what it sounds like; <Picture N>, <Video K>, <Audio J> name references")
+    prompt.add_argument(
+        "--prompt", help="what happens and what it sounds like; <Picture N>, <Video K>, <Audio J> name references"
+    )
     prompt.add_argument("--prompt-file", type=Path, help="UTF-8 text file holding the prompt")
     p.add_argument("--first-frame", help="image the video starts from (i2va; with --last-frame fl2va)")
     p.add_argument("--last-frame", help="image the video ends on (l2va; with --first-frame fl2va)")
-    p.add_argument("--reference", action="append", default=[], help="ref2va image, video or audio file; repeat, in label order")
+    p.add_argument(
+        "--reference", action="append", default=[], help="ref2va image, video or audio file; repeat, in label order"
+    )
     p.add_argument("--duration", type=SECONDS.option("--duration"), default=5.0,
                    help="seconds (5-15, snapped to 17n+5 frames at 24 fps; the profile may allow less)")
-    p.add_argument("--width", type=PIXELS.option("--width"), help="multiple of 32 (with --height; default: the model's canvas)")
+    p.add_argument(
+        "--width", type=PIXELS.option("--width"), help="multiple of 32 (with --height; default: the model's canvas)"
+    )
     p.add_argument("--height", type=PIXELS.option("--height"), help="multiple of 32 (with --width)")
-    p.add_argument("--seed", type=SEED.option("--seed"), default=0, help="seed of the noise, 0 to 2**63 - 1 (default 0): the same seed gives the same clip")
+    p.add_argument(
+        "--seed", type=SEED.option("--seed"), default=0,
+        help="seed of the noise, 0 to 2**63 - 1 (default 0): the same seed gives the same clip"
+    )
     RunOptions.add_arguments(p)
     p.add_argument("--output", required=True, help="MP4 to write (must not exist unless --overwrite)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output file")
-    p.add_argument("--profile-denoise", action="store_true", help="record per-evaluation device timings (diagnostic; slows the run)")
+    p.add_argument(
+        "--profile-denoise", action="store_true",
+        help="record per-evaluation device timings (diagnostic; slows the run)"
+    )
     p.set_defaults(handler=_generate)
 
-    p = sub.add_parser("demo", help="generate a clip with the embedded random-weight model (no download; noise-like output)")
+    p = sub.add_parser(
+        "demo", help="generate a clip with the embedded random-weight model (no download; noise-like output)"
+    )
     p.add_argument("--output", help="MP4 to write (default: demo.mp4, or the next free demo-N.mp4)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
-    p.add_argument("--cache-dir", type=Path, help="where the demo model family is built once (default $VFLASH_CACHE or ~/.cache/vflash)")
+    p.add_argument(
+        "--cache-dir", type=Path,
+        help="where the demo model family is built once (default $VFLASH_CACHE or ~/.cache/vflash)"
+    )
     p.set_defaults(handler=_demo)
 
 
 def _print_result(result, initialization: float, extra: dict | None = None) -> None:
-    print(f"wrote {result.path}: {result.num_frames} frames {result.width}x{result.height} at {result.fps} fps, {result.mode}, {result.sample_rate} Hz stereo AAC")
+    print(
+        f"wrote {result.path}: {result.num_frames} frames {result.width}x{result.height} "
+        f"at {result.fps} fps, {result.mode}, {result.sample_rate} Hz stereo AAC"
+    )
     for name, seconds in (extra or {}).items():
         print(f"  {name:<16} {seconds:8.2f} s")
     print(f"  {'initialization':<16} {initialization:8.2f} s  (loading the models; not part of the request)")
@@ -131,8 +157,14 @@ def _demo(args: argparse.Namespace) -> int:
 
     with contextlib.closing(StageBars()) as bars:
         result, info = run_demo(args.output, overwrite=args.overwrite, cache_dir=args.cache_dir, progress=bars)
-    _print_result(result, info["initialization_seconds"], {"build family" if info["built"] else "find family": info["build_seconds"]})
+    _print_result(
+        result, info["initialization_seconds"],
+        {"build family" if info["built"] else "find family": info["build_seconds"]}
+    )
     print(f"model family: {Path(info['receipt']).parent}")
-    print("note: the embedded model has random weights, so the clip is noise-like by design; it exercises the real code path.")
+    print(
+        "note: the embedded model has random weights, so the clip is noise-like by design; "
+        "it exercises the real code path."
+    )
     sys.stdout.flush()
     return 0

@@ -30,13 +30,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     source.add_argument("--demo", action="store_true", help="serve the embedded default model (tiny, CPU)")
     RunOptions.add_arguments(p)  # the same run options as `vflash generate`
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback; anything else wants --token)")
-    p.add_argument("--port", type=PORT.option("--port"), default=8000, help="TCP port (default 8000; 0 picks a free one)")
-    p.add_argument("--output-dir", type=Path, required=True, help="where finished videos are published (created if missing)")
+    p.add_argument(
+        "--port", type=PORT.option("--port"), default=8000, help="TCP port (default 8000; 0 picks a free one)"
+    )
+    p.add_argument(
+        "--output-dir", type=Path, required=True, help="where finished videos are published (created if missing)"
+    )
     p.add_argument("--input-dir", type=Path, help="allow request inputs given as paths inside this folder")
-    p.add_argument("--max-queue", type=MAX_QUEUE.option("--max-queue"), default=16, help="queued jobs before 429 (default 16)")
-    p.add_argument("--keep-finished-jobs", type=KEEP_FINISHED_JOBS.option("--keep-finished-jobs"), default=1000,
-                   help="records of ended jobs kept for status queries; the oldest are forgotten beyond this (default 1000)")
-    p.add_argument("--max-upload-mb", type=UPLOAD_MIB.option("--max-upload-mb"), default=64.0, help="uploaded bytes per job, in MiB (default 64)")
+    p.add_argument(
+        "--max-queue", type=MAX_QUEUE.option("--max-queue"), default=16, help="queued jobs before 429 (default 16)"
+    )
+    p.add_argument(
+        "--keep-finished-jobs", type=KEEP_FINISHED_JOBS.option("--keep-finished-jobs"), default=1000,
+        help="records of ended jobs kept for status queries; the oldest are forgotten beyond this (default 1000)"
+    )
+    p.add_argument(
+        "--max-upload-mb", type=UPLOAD_MIB.option("--max-upload-mb"), default=64.0,
+        help="uploaded bytes per job, in MiB (default 64)"
+    )
     p.add_argument("--token", default=os.environ.get("VFLASH_SERVICE_TOKEN"),
                    help="require 'Authorization: Bearer TOKEN' (default: $VFLASH_SERVICE_TOKEN; prefer it to the flag, "
                         "which other local users can read in the process list)")
@@ -87,7 +98,9 @@ def check_bindable(host: str, port: int) -> None:
     """Bind the address once and release it, so that a port in use or a host that is not this machine's is refused
     before the demo model is built or the output folder created."""
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
         with socket.socket(family, kind, proto) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds
             probe.bind(address)

@@ -296,6 +296,15 @@ class CompiledArtifact:
             data = weights.tensors()
         return LayerWeights({k: data[k] for k in specs}, _loras(record["lora"], data))
 
+    def read_block_loras(self, index: int) -> dict[str, tuple[LoraResidual, ...]]:
+        """The LoRA residuals of main block `index` alone (its factors read, nothing else): what stays beside
+        weights streamed from the block's file."""
+        records = self.manifest["blocks"][index]["lora"]
+        if not records:
+            return {}
+        store = TensorStore(self.block_file(index))
+        return _loras(records, store.read([name for name in store.names if name.startswith("lora.")]))
+
     def iter_blocks(self) -> Iterator[LayerWeights]:
         """Every main block, in order; the next block is read while the consumer copies the last one to its device."""
         count = self.config.num_layers

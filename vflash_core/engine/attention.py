@@ -1,9 +1,9 @@
 """Attention backends: explicit kernel selection for every call.
 
 `torch-sdpa` reproduces diffusers' `native` attention: `F.scaled_dot_product_attention` on (B, heads, S, D) permuted
-views. On CUDA, which SDPA kernel runs depends on a process-wide priority (a host application may make it flash-first,
-a silent 1.6x loss on Hopper), so CUDA backends pin the kernel with `sdpa_kernel` on every call, and an unavailable explicit
-choice is an error, never a silent fallback.
+views. On CUDA, which SDPA kernel runs depends on a process-wide priority (a host application may make it flash-first, a
+silent 1.6x loss on Hopper), so CUDA backends pin the kernel with `sdpa_kernel` on every call, and an unavailable
+explicit choice is an error, never a silent fallback.
 
 `fa3` is FlashAttention-3's forward kernel (PyPI `fa3-fwd`, SM90 only; `pip install vflash[sm90]`): exact attention
 (no sparsity, no quantisation), a different kernel from cuDNN, so its bits differ within bf16 rounding (max abs
@@ -70,9 +70,15 @@ def _fa3_fp8() -> AttentionFn:
     except ImportError as exc:
         raise VflashError(_FA3_MISSING.format("fa3-fp8", exc)) from None
     if CONFIG.get("build_flags", {}).get("FLASHATTENTION_DISABLE_FP8", True):
-        raise VflashError("attention backend fa3-fp8: the installed fa3-fwd was built without FP8 kernels (FLASHATTENTION_DISABLE_FP8)")
+        raise VflashError(
+            "attention backend fa3-fp8: the installed fa3-fwd was built without FP8 kernels "
+            "(FLASHATTENTION_DISABLE_FP8)"
+        )
     if not {"q_descale", "k_descale", "v_descale"} <= set(inspect.signature(flash_attn_func).parameters):
-        raise VflashError("attention backend fa3-fp8: the installed fa3-fwd's flash_attn_func takes no q/k/v descale factors (fa3-fwd 0.0.3 does)")
+        raise VflashError(
+            "attention backend fa3-fp8: the installed fa3-fwd's flash_attn_func takes no q/k/v descale factors "
+            "(fa3-fwd 0.0.3 does)"
+        )
     from .fp8 import quantize_heads
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -88,7 +94,10 @@ def resolve_attention(name: str, device: torch.device, approximate_allowed: bool
     if name not in BACKENDS:
         raise VflashError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
     if name in APPROXIMATE_BACKENDS and not approximate_allowed:
-        raise VflashError(f"attention backend {name} is approximate (FP8 attention): it runs only with an FP8 profile (an id with -fp8-)")
+        raise VflashError(
+            f"attention backend {name} is approximate (FP8 attention): "
+            "it runs only with an FP8 profile (an id with -fp8-)"
+        )
     if device.type != "cuda":
         if name not in ("auto", "torch-sdpa", "torch-math"):
             raise VflashError(f"attention backend {name} needs a CUDA device, not {device}")
@@ -110,7 +119,10 @@ def resolve_attention(name: str, device: torch.device, approximate_allowed: bool
     if name in ("fa3", "fa3-fp8") and (family is None or not family.fa3):
         kind = "FP8 kernels" if name == "fa3-fp8" else "kernels"
         here = ARCH_NAMES.get(device_arch(device), device_arch(device))
-        raise VflashError(f"attention backend {name} runs FlashAttention-3's SM90 {kind} only; {device} is {here}: use auto (cuDNN there)")
+        raise VflashError(
+            f"attention backend {name} runs FlashAttention-3's SM90 {kind} only; "
+            f"{device} is {here}: use auto (cuDNN there)"
+        )
     if name == "fa3":
         fn = _fa3()
     elif name == "fa3-fp8":
@@ -127,4 +139,6 @@ def _probe(name: str, fn: AttentionFn, device: torch.device) -> None:
     try:
         fn(q, q, q)
     except RuntimeError as exc:
-        raise VflashError(f"attention backend {name} is not available on {torch.cuda.get_device_name(device)}: {exc}") from None
+        raise VflashError(
+            f"attention backend {name} is not available on {torch.cuda.get_device_name(device)}: {exc}"
+        ) from None

@@ -7,8 +7,9 @@ pipeline's encoders (or by `build_keyframe_bundle` from precomputed embeddings) 
 * persisted: a folder with `tensors.safetensors` and `manifest.json`, whose sha256 is checked on load, or
 * in process: a `BundleHandoff`, validated again when consumed and consumable once.
 
-Noise-draw contract (diffusers' H3 latents steps): one generator; first one draw per visual condition in packed order (noised to
-t = 0.999), then the video noise as a `(1, C, F, h, w)` latent, then the audio noise directly in `(2A, C)` row layout.
+Noise-draw contract (diffusers' H3 latents steps): one generator; first one draw per visual condition in packed order
+(noised to t = 0.999), then the video noise as a `(1, C, F, h, w)` latent, then the audio noise directly in `(2A, C)`
+row layout.
 """
 
 from __future__ import annotations
@@ -37,7 +38,10 @@ __all__ = [
 BUNDLE_FORMAT = "vflash-bundle/1"
 MODES = ("t2va", "i2va", "l2va", "fl2va", "ref2va")
 # Which transformer partition serves a mode.
-MODE_VARIANT = {"t2va": "transformer", "i2va": "transformer", "l2va": "transformer", "fl2va": "transformer", "ref2va": "transformer_ref"}
+MODE_VARIANT = {
+    "t2va": "transformer", "i2va": "transformer", "l2va": "transformer", "fl2va": "transformer",
+    "ref2va": "transformer_ref"
+}
 _TENSORS = "tensors.safetensors"
 _MANIFEST = "manifest.json"
 _INDEX_DTYPES = (torch.int64, torch.int32)
@@ -45,14 +49,21 @@ _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 # The tensors of `tensors.safetensors`, with the dtypes each may have.
 _TENSOR_DTYPES = {
     "prompt_embeds": _FLOATS, "video_rows": (torch.float32,), "audio_rows": (torch.float32,), "position_ids": _FLOATS,
-    "token_tags": _INDEX_DTYPES, "video_indices": _INDEX_DTYPES, "audio_indices": _INDEX_DTYPES, "text_indices": _INDEX_DTYPES,
+    "token_tags": _INDEX_DTYPES, "video_indices": _INDEX_DTYPES, "audio_indices": _INDEX_DTYPES,
+    "text_indices": _INDEX_DTYPES,
 }
 # What `ConditioningBundle.load` reads from a manifest: every field it uses, with what it must be.
 _MANIFEST_FIELDS: tuple[Field, ...] = (
     ("mode", f"one of {', '.join(MODES)}", lambda v: v in MODES),
     *((f"geometry.{k}", "a positive integer", is_positive) for k in ("height", "width", "num_frames")),
-    *((f"model_layout.{k}", "a positive integer", is_positive) for k in ("text_dim", "video_patch_dim", "audio_in_channels")),
-    ("model_layout.patch_size", "three positive integers", lambda v: isinstance(v, list) and len(v) == 3 and all(map(is_positive, v))),
+    *(
+        (f"model_layout.{k}", "a positive integer", is_positive)
+        for k in ("text_dim", "video_patch_dim", "audio_in_channels")
+    ),
+    (
+        "model_layout.patch_size", "three positive integers",
+        lambda v: isinstance(v, list) and len(v) == 3 and all(map(is_positive, v))
+    ),
     ("num_condition_video_rows", "an integer of 0 or more", is_count),
     ("num_condition_audio_rows", "an integer of 0 or more", is_count),
     ("seed", "an integer of 0 or more, or null", lambda v: v is None or is_count(v)),
@@ -70,7 +81,8 @@ class ModelLayout:
 
     @classmethod
     def of(cls, config: H3Config) -> ModelLayout:
-        return cls(config.text_dim, config.video_patch_dim, config.audio_in_channels, tuple(config.patch_size))
+        patch_t, patch_h, patch_w = config.patch_size
+        return cls(config.text_dim, config.video_patch_dim, config.audio_in_channels, (patch_t, patch_h, patch_w))
 
     def to_dict(self) -> dict[str, object]:
         return {**self.__dict__, "patch_size": list(self.patch_size)}
@@ -100,27 +112,68 @@ class ConditioningBundle:
         if self.mode not in MODES:
             raise BundleError(f"bundle mode {self.mode!r} is not one of {MODES}")
         rows = lay.sequence_length
-        for name, tensor, stop in (("text_indices", lay.text_indices, rows), ("video_indices", lay.video_indices, rows),
-                                   ("audio_indices", lay.audio_indices, rows), ("token_tags", lay.token_tags, NUM_MODALITIES)):
+        for name, tensor, stop in (
+            ("text_indices", lay.text_indices, rows), ("video_indices", lay.video_indices, rows),
+            ("audio_indices", lay.audio_indices, rows), ("token_tags", lay.token_tags, NUM_MODALITIES),
+        ):
             if tensor.ndim != 1 or tensor.dtype not in _INDEX_DTYPES:
-                raise BundleError(f"inconsistent conditioning bundle: {name} must be a 1-D integer tensor, got {list(tensor.shape)} {tensor.dtype}")
+                raise BundleError(
+                    f"inconsistent conditioning bundle: {name} must be a 1-D integer tensor, "
+                    f"got {list(tensor.shape)} {tensor.dtype}"
+                )
             if tensor.numel() and (int(tensor.min()) < 0 or int(tensor.max()) >= stop):
-                raise BundleError(f"inconsistent conditioning bundle: {name} holds values {int(tensor.min())}..{int(tensor.max())}, outside 0..{stop - 1}")
-        for name, count, total in (("num_condition_video_rows", lay.num_condition_video_rows, lay.video_indices.numel()),
-                                   ("num_condition_audio_rows", lay.num_condition_audio_rows, lay.audio_indices.numel())):
+                raise BundleError(
+                    f"inconsistent conditioning bundle: {name} holds values "
+                    f"{int(tensor.min())}..{int(tensor.max())}, outside 0..{stop - 1}"
+                )
+        for name, count, total in (
+            ("num_condition_video_rows", lay.num_condition_video_rows, lay.video_indices.numel()),
+            ("num_condition_audio_rows", lay.num_condition_audio_rows, lay.audio_indices.numel()),
+        ):
             if not 0 <= count <= total:
-                raise BundleError(f"inconsistent conditioning bundle: {name} {count} is outside 0..{total} (the rows there are)")
+                raise BundleError(
+                    f"inconsistent conditioning bundle: {name} {count} is outside 0..{total} (the rows there are)"
+                )
         checks = [
-            (self.prompt_embeds.ndim == 2 and self.prompt_embeds.shape[1] == m.text_dim, f"prompt_embeds {list(self.prompt_embeds.shape)} vs text_dim {m.text_dim}"),
+            (
+                self.prompt_embeds.ndim == 2 and self.prompt_embeds.shape[1] == m.text_dim,
+                f"prompt_embeds {list(self.prompt_embeds.shape)} vs text_dim {m.text_dim}"
+            ),
             (lay.text_indices.numel() == self.prompt_embeds.shape[0], "text rows vs prompt_embeds length"),
-            (tuple(self.video_rows.shape) == (lay.video_indices.numel(), m.video_patch_dim), f"video_rows {list(self.video_rows.shape)} vs {lay.video_indices.numel()} video rows of width {m.video_patch_dim}"),
-            (tuple(self.audio_rows.shape) == (lay.audio_indices.numel(), m.audio_in_channels), f"audio_rows {list(self.audio_rows.shape)} vs {lay.audio_indices.numel()} audio rows of width {m.audio_in_channels}"),
-            (self.video_rows.dtype == torch.float32 and self.audio_rows.dtype == torch.float32, "latent rows must be float32"),
+            (
+                tuple(self.video_rows.shape) == (lay.video_indices.numel(), m.video_patch_dim),
+                (
+                    f"video_rows {list(self.video_rows.shape)} vs "
+                    f"{lay.video_indices.numel()} video rows of width {m.video_patch_dim}"
+                ),
+            ),
+            (
+                tuple(self.audio_rows.shape) == (lay.audio_indices.numel(), m.audio_in_channels),
+                (
+                    f"audio_rows {list(self.audio_rows.shape)} vs "
+                    f"{lay.audio_indices.numel()} audio rows of width {m.audio_in_channels}"
+                ),
+            ),
+            (
+                self.video_rows.dtype == torch.float32 and self.audio_rows.dtype == torch.float32,
+                "latent rows must be float32"
+            ),
             (lay.position_ids.shape == (lay.sequence_length, 3), "position_ids shape"),
             (lay.token_tags.shape == (lay.sequence_length,), "token_tags length"),
-            (lay.text_indices.numel() + lay.video_indices.numel() + lay.audio_indices.numel() == lay.sequence_length, "index tensors do not cover the sequence"),
-            (lay.video_indices.numel() - lay.num_condition_video_rows == self.geometry.num_latent_frames * self.geometry.rows_per_frame(m.patch_size), "target video rows vs geometry"),
-            (lay.audio_indices.numel() - lay.num_condition_audio_rows == AUDIO_CHANNELS * self.geometry.num_audio_latents, "target audio rows vs geometry"),
+            (
+                lay.text_indices.numel() + lay.video_indices.numel() + lay.audio_indices.numel() == lay.sequence_length,
+                "index tensors do not cover the sequence"
+            ),
+            (
+                lay.video_indices.numel() - lay.num_condition_video_rows
+                == self.geometry.num_latent_frames * self.geometry.rows_per_frame(m.patch_size),
+                "target video rows vs geometry"
+            ),
+            (
+                lay.audio_indices.numel() - lay.num_condition_audio_rows
+                == AUDIO_CHANNELS * self.geometry.num_audio_latents,
+                "target audio rows vs geometry"
+            ),
         ]
         failed = [what for ok, what in checks if not ok]
         if failed:
@@ -183,13 +236,18 @@ class ConditioningBundle:
         """Read a bundle folder, verifying its content hash, its manifest field by field, its tensors' names, dtypes and
         values (finite) and its consistency: a bundle is input, and one whose hash was recomputed is still checked."""
         path = path_argument(path, "the bundle folder")
-        manifest = read_json(path / _MANIFEST, BundleError, f"{path}: not a conditioning bundle (no {_MANIFEST})", f"{path}: corrupt {_MANIFEST}")
+        manifest = read_json(
+            path / _MANIFEST, BundleError, f"{path}: not a conditioning bundle (no {_MANIFEST})",
+            f"{path}: corrupt {_MANIFEST}"
+        )
         if not isinstance(manifest, dict) or manifest.get("format") != BUNDLE_FORMAT:
             found = manifest.get("format") if isinstance(manifest, dict) else None
             raise BundleError(f"{path}: bundle format {found!r}, expected {BUNDLE_FORMAT!r}")
         actual = file_sha256(path / _TENSORS) if (path / _TENSORS).is_file() else None
         if actual != manifest.get("tensors_sha256"):
-            raise BundleError(f"{path}: {_TENSORS} does not match the hash in its manifest (modified after it was written)")
+            raise BundleError(
+                f"{path}: {_TENSORS} does not match the hash in its manifest (modified after it was written)"
+            )
         check_fields(manifest, _MANIFEST_FIELDS, f"{path}/{_MANIFEST}", error=BundleError)
         try:
             tensors = TensorStore(path / _TENSORS)
@@ -200,20 +258,25 @@ class ConditioningBundle:
             raise BundleError(f"{path}: incomplete bundle: {_TENSORS} has no {', '.join(missing)}")
         for name, dtypes in _TENSOR_DTYPES.items():
             if tensors.info(name).dtype not in dtypes:
-                raise BundleError(f"{path}: {name} is {tensors.info(name).dtype}, expected {' or '.join(map(str, dtypes))}")
+                raise BundleError(
+                    f"{path}: {name} is {tensors.info(name).dtype}, expected {' or '.join(map(str, dtypes))}"
+                )
         data = tensors.read(list(_TENSOR_DTYPES))
         for name in ("prompt_embeds", "video_rows", "audio_rows", "position_ids"):
             if not bool(torch.isfinite(data[name]).all()):
                 raise BundleError(f"{path}: {name} holds NaN or infinite values; the bundle is corrupt")
         layout = PackedLayout(
-            data["position_ids"], data["token_tags"], data["video_indices"], data["audio_indices"], data["text_indices"],
+            data["position_ids"], data["token_tags"], data["video_indices"], data["audio_indices"],
+            data["text_indices"],
             manifest["num_condition_video_rows"], manifest["num_condition_audio_rows"],
         )
         model = manifest["model_layout"]
         bundle = cls(
             mode=manifest["mode"],
             geometry=Geometry(**{k: manifest["geometry"][k] for k in ("height", "width", "num_frames")}),
-            model_layout=ModelLayout(model["text_dim"], model["video_patch_dim"], model["audio_in_channels"], tuple(model["patch_size"])),
+            model_layout=ModelLayout(
+                model["text_dim"], model["video_patch_dim"], model["audio_in_channels"], tuple(model["patch_size"])
+            ),
             prompt_embeds=data["prompt_embeds"],
             layout=layout,
             video_rows=data["video_rows"],
@@ -275,7 +338,9 @@ def build_keyframe_bundle(
         prompt_embeds = prompt_embeds[0]
     layout = keyframe_layout(text_token_tags, geometry, config.patch_size, tuple(keyframe_anchors))
     video_rows, audio_rows = _draw_rows(condition_latents, geometry, config, generator)
-    return ConditioningBundle(mode, geometry, ModelLayout.of(config), prompt_embeds, layout, video_rows, audio_rows, seed)
+    return ConditioningBundle(
+        mode, geometry, ModelLayout.of(config), prompt_embeds, layout, video_rows, audio_rows, seed
+    )
 
 
 def _draw_rows(
@@ -293,7 +358,8 @@ def _draw_rows(
         dtype=torch.float32,
     )
     audio_noise = torch.randn(
-        (AUDIO_CHANNELS * geometry.num_audio_latents, config.audio_in_channels), generator=generator, dtype=torch.float32
+        (AUDIO_CHANNELS * geometry.num_audio_latents, config.audio_in_channels), generator=generator,
+        dtype=torch.float32
     )
     return torch.cat([*condition_rows, patchify(video_noise, config.patch_size)]), audio_noise
 
@@ -338,5 +404,7 @@ def build_ref2va_bundle(
     visual = tuple(r.video_latents for r in references if r.video_latents is not None)
     video_rows, audio_noise = _draw_rows(visual, geometry, config, generator)
     audio_rows = torch.cat([*(r.audio_rows.float() for r in references if r.audio_rows is not None), audio_noise])
-    return ConditioningBundle("ref2va", geometry, ModelLayout.of(config), prompt_embeds, layout, video_rows, audio_rows, seed)
+    return ConditioningBundle(
+        "ref2va", geometry, ModelLayout.of(config), prompt_embeds, layout, video_rows, audio_rows, seed
+    )
 

@@ -184,7 +184,7 @@ def aux_shapes(config: H3Config) -> dict[str, tuple[int, ...]]:
         "proj_out": (config.video_patch_dim, h),
         "audio_proj_out": (config.audio_in_channels, h),
     }
-    shapes = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     for name, (out_f, in_f) in linear.items():
         shapes[f"{name}.weight"] = (out_f, in_f)
         shapes[f"{name}.bias"] = (out_f,)

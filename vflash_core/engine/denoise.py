@@ -123,7 +123,9 @@ class Denoiser:
         rotary = (cos.to(self.block_dtype)[None, :, None, :], sin.to(self.block_dtype)[None, :, None, :])
         if text_range[1] > text_range[0]:
             # The refiner attends over the whole prompt, so it runs on all of it; only this range's rows are kept.
-            text = M.text_stream(bundle.prompt_embeds[None].to(dev), self.aux, self.refiner, self.text_ops, self.aux_loras)
+            text = M.text_stream(
+                bundle.prompt_embeds[None].to(dev), self.aux, self.refiner, self.text_ops, self.aux_loras
+            )
             text = text[:, text_range[0] : text_range[1]]
         else:
             text = torch.empty(1, 0, self.config.hidden_size, dtype=self.block_dtype, device=dev)
@@ -131,7 +133,8 @@ class Denoiser:
         overlay = self.artifact.overlay
         for step, (t_v, t_a) in enumerate(zip(self.video_timesteps.tolist(), self.audio_timesteps.tolist())):
             timesteps, indices = row_timestep_plan(
-                lay.sequence_length, lay.video_indices, lay.audio_indices, lay.num_condition_video_rows, lay.num_condition_audio_rows, t_v, t_a
+                lay.sequence_length, lay.video_indices, lay.audio_indices, lay.num_condition_video_rows,
+                lay.num_condition_audio_rows, t_v, t_a
             )
             tables = overlay.read_step(step, overlay.find(step, timesteps))
             tables = StepTables(tables.timesteps.to(dev), [t.to(dev) for t in tables.blocks], tables.norm_out.to(dev))
@@ -142,7 +145,10 @@ class Denoiser:
         return RequestState(layout, rotary, text, plans, video_rows, audio_rows, video_range, audio_range)
 
     @torch.no_grad()
-    def evaluate(self, state: RequestState, step: int, timer: StageTimer = NO_TIMER, between_blocks: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def evaluate(
+        self, state: RequestState, step: int, timer: StageTimer = NO_TIMER,
+        between_blocks: Callable[[], None] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One model evaluation: fp32 velocities of this state's video and audio rows."""
         plan = state.plans[step]
         with timer.stage("pack_inputs"):
@@ -153,22 +159,30 @@ class Denoiser:
                 if between_blocks is not None:
                     between_blocks()
         with timer.stage("final_layer"):
-            return M.output_heads(x, plan.tables.norm_out, plan.timestep_indices, self.aux, state.layout, self.config, self.aux_loras)
+            return M.output_heads(
+                x, plan.tables.norm_out, plan.timestep_indices, self.aux, state.layout, self.config, self.aux_loras
+            )
 
     @torch.no_grad()
-    def update(self, state: RequestState, step: int, velocity: torch.Tensor, audio_velocity: torch.Tensor, num_cond_video: int, num_cond_audio: int) -> None:
+    def update(
+        self, state: RequestState, step: int, velocity: torch.Tensor, audio_velocity: torch.Tensor, num_cond_video: int,
+        num_cond_audio: int
+    ) -> None:
         """Euler step of the generated rows; conditioning rows are never written."""
         cv = max(0, num_cond_video - state.video_range[0])  # local rows before this are conditioning
         ca = max(0, num_cond_audio - state.audio_range[0])
         state.video_rows[cv:] = euler_step(
-            velocity[cv:].float(), self.video_timesteps[step], state.video_rows[cv:], self.video_sigmas[step], self.video_sigmas[step + 1]
+            velocity[cv:].float(), self.video_timesteps[step], state.video_rows[cv:], self.video_sigmas[step],
+            self.video_sigmas[step + 1]
         )
         state.audio_rows[ca:] = euler_step(
-            audio_velocity[ca:].float(), self.audio_timesteps[step], state.audio_rows[ca:], self.audio_sigmas[step], self.audio_sigmas[step + 1]
+            audio_velocity[ca:].float(), self.audio_timesteps[step], state.audio_rows[ca:], self.audio_sigmas[step],
+            self.audio_sigmas[step + 1]
         )
 
     def step(
-        self, state: RequestState, step: int, bundle: ConditioningBundle, timer: StageTimer, between_blocks: Callable[[], None] | None = None,
+        self, state: RequestState, step: int, bundle: ConditioningBundle, timer: StageTimer,
+        between_blocks: Callable[[], None] | None = None,
         denoised: bool = False,
     ) -> torch.Tensor | None:
         """One evaluation and its Euler step; with `denoised`, returns the evaluation's x0 prediction of this state's
@@ -177,11 +191,15 @@ class Denoiser:
         velocity, audio_velocity = self.evaluate(state, step, timer, between_blocks)
         x0 = flow_denoised(velocity.float(), self.video_timesteps[step], state.video_rows) if denoised else None
         with timer.stage("latent_update"):
-            self.update(state, step, velocity, audio_velocity, bundle.layout.num_condition_video_rows, bundle.layout.num_condition_audio_rows)
+            self.update(
+                state, step, velocity, audio_velocity, bundle.layout.num_condition_video_rows,
+                bundle.layout.num_condition_audio_rows
+            )
         return x0
 
     def run(
-        self, bundle: ConditioningBundle, timer: StageTimer, progress: ProgressFn | None = None, between_blocks: Callable[[], None] | None = None,
+        self, bundle: ConditioningBundle, timer: StageTimer, progress: ProgressFn | None = None,
+        between_blocks: Callable[[], None] | None = None,
         preview: PreviewFn | None = None,
     ) -> DenoiseOutput:
         """The whole trajectory; `progress` and `preview` are called after every evaluation (either may raise to abort).
@@ -196,6 +214,7 @@ class Denoiser:
                 if self.device.type == "cuda":
                     torch.cuda.current_stream(self.device).synchronize()
                 if preview is not None:
+                    assert x0 is not None  # step(..., denoised=True) returns it
                     preview(step + 1, self.nfe, self.video_latents(bundle, x0))
                 if progress is not None:
                     progress(step + 1, self.nfe)
@@ -205,12 +224,17 @@ class Denoiser:
         """All packed video rows (conditioning first, as in the bundle) -> (1, C, F, h, w) of the generated frames,
         on the rows' device."""
         lay, geo, cfg = bundle.layout, bundle.geometry, self.config
-        return unpatchify(video_rows[lay.num_condition_video_rows :], cfg.in_channels, geo.num_latent_frames, geo.latent_height, geo.latent_width, cfg.patch_size)
+        return unpatchify(
+            video_rows[lay.num_condition_video_rows :], cfg.in_channels, geo.num_latent_frames, geo.latent_height,
+            geo.latent_width, cfg.patch_size
+        )
 
     def finish(self, bundle: ConditioningBundle, video_rows: torch.Tensor, audio_rows: torch.Tensor) -> DenoiseOutput:
         """Drop conditioning rows and unpack all rows into latents on the CPU."""
         video = self.video_latents(bundle, video_rows)
-        audio = audio_rows_to_latents(audio_rows[bundle.layout.num_condition_audio_rows :], bundle.geometry.num_audio_latents)
+        audio = audio_rows_to_latents(
+            audio_rows[bundle.layout.num_condition_audio_rows :], bundle.geometry.num_audio_latents
+        )
         return DenoiseOutput(video.cpu(), audio.cpu())
 
     def close(self) -> None:

@@ -114,7 +114,9 @@ class SerialDeviceOwner:
         nbytes = sum(t.numel() * t.element_size() for m in modules for t in module_tensors(m).values())
         pin = self.device.type == "cuda" and 2 * nbytes <= _available_host_bytes()
         for module in modules:
-            point_module_at(module, {name: t.pin_memory() if pin else t.clone() for name, t in module_tensors(module).items()})
+            point_module_at(
+                module, {name: t.pin_memory() if pin else t.clone() for name, t in module_tensors(module).items()}
+            )
 
     def offload(self) -> None:
         """Point the modules back at their host tensors and release cached device memory (no-op for a CPU part)."""

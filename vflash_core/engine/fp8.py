@@ -76,7 +76,8 @@ def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtyp
 
 
 def quantize_block(
-    tensors: Mapping[str, torch.Tensor], device: torch.device | str = "cpu", stored: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+    tensors: Mapping[str, torch.Tensor], device: torch.device | str = "cpu",
+    stored: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None
 ) -> dict[str, torch.Tensor]:
     """A packed block's tensors with the four linears as E4M3 codes (`<linear>.weight`) and FP32 row scales
     (`<linear>.weight_scale`, [out, 1]), computed on `device`, returned on the CPU; other tensors unchanged.
@@ -146,7 +147,9 @@ class RowFP8Execution:
         if not isinstance(fast_accum, bool):
             raise VflashError(f"fast_accum must be true or false, got {fast_accum!r}")
         if mode == "weight-only" and (activation_quantizer != "torch" or fast_accum):
-            raise VflashError("weight-only FP8 keeps activations in BF16: activation_quantizer and fast_accum apply to w8a8 only")
+            raise VflashError(
+                "weight-only FP8 keeps activations in BF16: activation_quantizer and fast_accum apply to w8a8 only"
+            )
         self.mode = mode
         self.activation_quantizer = activation_quantizer
         self.fast_accum = fast_accum
@@ -154,7 +157,10 @@ class RowFP8Execution:
         self._devices: set[torch.device] = set()
 
     def __repr__(self) -> str:
-        return f"RowFP8Execution({self.mode!r}, activation_quantizer={self.activation_quantizer!r}, fast_accum={self.fast_accum})"
+        return (
+            f"RowFP8Execution({self.mode!r}, activation_quantizer={self.activation_quantizer!r}, "
+            f"fast_accum={self.fast_accum})"
+        )
 
     def check_device(self, device: torch.device | str) -> None:
         """Raise `VflashError` if this execution cannot run on `device`."""
@@ -186,27 +192,39 @@ class RowFP8Execution:
             codes, scales = quantize_rows(x)
         return QuantizedRows(codes, scales, x)
 
-    def linear(self, x: torch.Tensor | QuantizedRows, codes: torch.Tensor, scales: torch.Tensor, loras: tuple[M.LoraResidual, ...] = ()) -> torch.Tensor:
+    def linear(
+        self, x: torch.Tensor | QuantizedRows, codes: torch.Tensor, scales: torch.Tensor,
+        loras: tuple[M.LoraResidual, ...] = ()
+    ) -> torch.Tensor:
         """x (..., in) BF16 (or already quantized rows, w8a8) times the [out, in] E4M3 `codes` with FP32 row `scales`
         [out, 1] -> (..., out) BF16, plus the LoRA residuals computed from x's BF16 rows."""
-        if codes.dtype != torch.float8_e4m3fn or scales.dtype != torch.float32 or codes.dim() != 2 or scales.shape != (codes.shape[0], 1):
-            raise VflashError(f"FP8 weights must be [out, in] float8_e4m3fn codes with [out, 1] float32 scales, got {codes.dtype} {tuple(codes.shape)} and {scales.dtype} {tuple(scales.shape)}")
-        rows = x if isinstance(x, QuantizedRows) else None
-        value = rows.value if rows is not None else x
+        if (
+            codes.dtype != torch.float8_e4m3fn or scales.dtype != torch.float32
+            or codes.dim() != 2 or scales.shape != (codes.shape[0], 1)
+        ):
+            raise VflashError(
+                "FP8 weights must be [out, in] float8_e4m3fn codes with [out, 1] float32 scales, "
+                f"got {codes.dtype} {tuple(codes.shape)} and {scales.dtype} {tuple(scales.shape)}"
+            )
+        value = x.value if isinstance(x, QuantizedRows) else x
         self.check_device(codes.device)
         if value is None and (loras or self.mode == "weight-only"):
-            raise VflashError("weight-only FP8 and LoRA residuals read the BF16 input of the linear; quantized rows without it were given")
+            raise VflashError(
+                "weight-only FP8 and LoRA residuals read the BF16 input of the linear; "
+                "quantized rows without it were given"
+            )
         if self.mode == "weight-only":
+            assert value is not None  # refused above
             y = F.linear(value, dequantize_rows(codes, scales, torch.bfloat16))
         else:
-            if rows is None:
-                rows = self.quantize(value)  # type: ignore[arg-type]
+            rows = x if isinstance(x, QuantizedRows) else self.quantize(x)
             lead = rows.codes.shape[:-1]
             y = torch._scaled_mm(
-                rows.codes.reshape(-1, codes.shape[1]), codes.t(), scale_a=rows.scales.reshape(-1, 1), scale_b=scales.view(1, -1),
+                rows.codes.reshape(-1, codes.shape[1]), codes.t(), scale_a=rows.scales.reshape(-1, 1),
+                scale_b=scales.view(1, -1),
                 out_dtype=torch.bfloat16, use_fast_accum=self.fast_accum,
             ).view(*lead, codes.shape[0])
-        return M.add_lora_residuals(y, value, loras)
+        return y if value is None else M.add_lora_residuals(y, value, loras)  # (no LoRA without a value: refused above)
 
 
 class RowFP8Linear(torch.nn.Module):
@@ -227,9 +245,13 @@ class RowFP8Linear(torch.nn.Module):
         expected = ((self.out_features, self.in_features), torch.float8_e4m3fn), ((self.out_features, 1), torch.float32)
         for name, tensor, (shape, dtype) in zip(("codes", "scales"), (codes, scales), expected):
             if tuple(tensor.shape) != shape or tensor.dtype != dtype:
-                raise VflashError(f"RowFP8Linear {name} must be {dtype} {list(shape)}, got {tensor.dtype} {list(tensor.shape)}")
+                raise VflashError(
+                    f"RowFP8Linear {name} must be {dtype} {list(shape)}, got {tensor.dtype} {list(tensor.shape)}"
+                )
         if codes.device != scales.device:
-            raise VflashError(f"RowFP8Linear codes on {codes.device} and scales on {scales.device}: they must share a device")
+            raise VflashError(
+                f"RowFP8Linear codes on {codes.device} and scales on {scales.device}: they must share a device"
+            )
         self.codes, self.scales = codes, scales
 
     def forward(self, x: torch.Tensor | QuantizedRows, loras: tuple[M.LoraResidual, ...] = ()) -> torch.Tensor:
@@ -246,9 +268,14 @@ class _RowFP8Linears:
 
     fp8: RowFP8Execution
 
-    def linear(self, x: torch.Tensor | QuantizedRows, weight: torch.Tensor | M.RowScaledWeight, loras: tuple[M.LoraResidual, ...] = ()) -> torch.Tensor:
+    def linear(
+        self, x: torch.Tensor | QuantizedRows, weight: torch.Tensor | M.RowScaledWeight,
+        loras: tuple[M.LoraResidual, ...] = ()
+    ) -> torch.Tensor:
         if not isinstance(weight, M.RowScaledWeight):
-            raise VflashError(f"FP8 block operations take an FP8 artifact's weights (codes + row scales), got a {weight.dtype} matrix")
+            raise VflashError(
+                f"FP8 block operations take an FP8 artifact's weights (codes + row scales), got a {weight.dtype} matrix"
+            )
         return self.fp8.linear(x, weight.codes, weight.scales, loras)
 
 
@@ -265,17 +292,26 @@ class FusedRowFP8Ops(_RowFP8Linears, FusedOps):
     and SwiGLU kernels write their output already quantized (`vflash_kernels.fp8_quantize`), plus its BF16 value only
     when `keep_values` (the artifact's blocks carry LoRA residuals, which read it)."""
 
-    def __init__(self, config: H3Config, attention: M.AttentionFn, execution: RowFP8Execution, keep_values: bool, reduce=None):
+    def __init__(
+        self, config: H3Config, attention: M.AttentionFn, execution: RowFP8Execution, keep_values: bool, reduce=None
+    ):
         super().__init__(config, attention, reduce)
         self.fp8 = execution
         self.keep_values = keep_values
         self._fused_quantizer = execution.mode == "w8a8" and execution.activation_quantizer == "triton"
 
-    def norm_modulate(self, x: torch.Tensor, weight: torch.Tensor, table: torch.Tensor, row_index: torch.Tensor, which: str) -> torch.Tensor | QuantizedRows:  # type: ignore[override]
+    # Wider than the base's return type on purpose: the quantized rows go only to this class's own `linear`.
+    def norm_modulate(  # type: ignore[override]
+        self, x: torch.Tensor, weight: torch.Tensor, table: torch.Tensor, row_index: torch.Tensor, which: str
+    ) -> torch.Tensor | QuantizedRows:
         if not self._fused_quantizer:
             return super().norm_modulate(x, weight, table, row_index, which)
         kernels = self.fp8.quantize_kernels()
-        return QuantizedRows(*kernels.rms_norm_modulate_quantize(x, weight, self.config.norm_eps, table, row_index, which, keep_value=self.keep_values))
+        return QuantizedRows(
+            *kernels.rms_norm_modulate_quantize(
+                x, weight, self.config.norm_eps, table, row_index, which, keep_value=self.keep_values
+            )
+        )
 
     def swiglu(self, p: torch.Tensor) -> torch.Tensor | QuantizedRows:  # type: ignore[override]
         if not self._fused_quantizer:

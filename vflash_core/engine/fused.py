@@ -46,16 +46,21 @@ class FusedOps(M.BlockOps):
         from vflash_kernels.rope import qk_norm_rope, rope
         from vflash_kernels.swiglu import swiglu
 
-        self._modulate, self._gated_residual, self._rope, self._qk_norm_rope, self._swiglu = modulate, gated_residual, rope, qk_norm_rope, swiglu
-        self._rms_norm_modulate = rms_norm_modulate
+        self._modulate, self._gated_residual, self._rope = modulate, gated_residual, rope
+        self._qk_norm_rope, self._swiglu, self._rms_norm_modulate = qk_norm_rope, swiglu, rms_norm_modulate
 
-    def norm_modulate(self, x: torch.Tensor, weight: torch.Tensor, table: torch.Tensor, row_index: torch.Tensor, which: str) -> torch.Tensor:
+    def norm_modulate(
+        self, x: torch.Tensor, weight: torch.Tensor, table: torch.Tensor, row_index: torch.Tensor, which: str
+    ) -> torch.Tensor:
         """RMSNorm then AdaLN modulation of the (1, S, H) stream: one kernel or two (`FUSED_NORM_MODULATE`)."""
         if FUSED_NORM_MODULATE:
             return self._rms_norm_modulate(x, weight, self.config.norm_eps, table, row_index, which)
         return self._modulate(M.rms_norm(x, weight, self.config.norm_eps), table, row_index, which)
 
-    def qk_norm_rope(self, qkv: torch.Tensor, norm_q: torch.Tensor, norm_k: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def qk_norm_rope(
+        self, qkv: torch.Tensor, norm_q: torch.Tensor, norm_k: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cfg = self.config
         if rotary is None:  # the text refiner: no rotary, and it runs once per request
             return super().qk_norm_rope(qkv, norm_q, norm_k, rotary)
@@ -68,5 +73,7 @@ class FusedOps(M.BlockOps):
     def swiglu(self, p: torch.Tensor) -> torch.Tensor:
         return self._swiglu(p)
 
-    def gated_residual(self, x: torch.Tensor, y: torch.Tensor, table: torch.Tensor, row_index: torch.Tensor, which: str) -> torch.Tensor:
+    def gated_residual(
+        self, x: torch.Tensor, y: torch.Tensor, table: torch.Tensor, row_index: torch.Tensor, which: str
+    ) -> torch.Tensor:
         return self._gated_residual(x, y, table, row_index, which, inplace=True)

@@ -21,7 +21,8 @@ __all__ = [
     "AUDIO_CHANNELS", "FPS", "MAX_ASPECT_RATIO", "MAX_DURATION_SECONDS", "MIN_ASPECT_RATIO", "MIN_DURATION_SECONDS",
     "VAE_FRAMES_PER_CHUNK", "VAE_LATENTS_PER_CHUNK", "VAE_SPATIAL_RATIO", "Geometry", "PackedLayout", "ReferenceBlock",
     "align_num_frames", "align_num_frames_down", "audio_latent_count", "audio_rows_to_latents", "check_canvas",
-    "frames_for_duration", "keyframe_layout", "largest_clip_frames", "largest_request_rows", "patchify", "ref2va_layout",
+    "frames_for_duration", "keyframe_layout", "largest_clip_frames", "largest_request_rows", "patchify",
+    "ref2va_layout",
     "request_rows", "resolve_canvas_size", "unpatchify", "video_latent_frames", "video_num_frames",
 ]
 
@@ -121,7 +122,9 @@ def patchify(latents: torch.Tensor, patch_size: tuple[int, int, int]) -> torch.T
     return x.reshape(-1, c * pt * ph * pw).contiguous()
 
 
-def unpatchify(rows: torch.Tensor, channels: int, frames: int, height: int, width: int, patch_size: tuple[int, int, int]) -> torch.Tensor:
+def unpatchify(
+    rows: torch.Tensor, channels: int, frames: int, height: int, width: int, patch_size: tuple[int, int, int]
+) -> torch.Tensor:
     """Inverse of `patchify` for one batch item: rows -> (1, C, F, H, W)."""
     pt, ph, pw = patch_size
     x = rows.reshape(-1, frames // pt, height // ph, width // pw, channels, pt, ph, pw).permute(0, 4, 1, 5, 2, 6, 3, 7)
@@ -196,7 +199,10 @@ class Geometry:
 
 def request_rows(config: H3Config, geometry: Geometry, text_rows: int) -> int:
     """Packed rows of a t2va request: text, both audio channels' latents, every latent frame's patches."""
-    return text_rows + 2 * audio_latent_count(geometry.num_frames) + geometry.num_latent_frames * geometry.rows_per_frame(config.patch_size)
+    return (
+        text_rows + 2 * audio_latent_count(geometry.num_frames)
+        + geometry.num_latent_frames * geometry.rows_per_frame(config.patch_size)
+    )
 
 
 def largest_clip_frames(profile: Profile) -> int:
@@ -278,7 +284,10 @@ def keyframe_layout(
     return _tagged(pos, text_token_tags, video_indices, torch.arange(audio_start, video_start), num_cond, 0)
 
 
-def _tagged(pos: torch.Tensor, text_token_tags: torch.Tensor, video_indices: torch.Tensor, audio_indices: torch.Tensor, num_cond_video: int, num_cond_audio: int) -> PackedLayout:
+def _tagged(
+    pos: torch.Tensor, text_token_tags: torch.Tensor, video_indices: torch.Tensor, audio_indices: torch.Tensor,
+    num_cond_video: int, num_cond_audio: int
+) -> PackedLayout:
     """The layout of positions `pos` with every row tagged: the text rows first, then the audio and video rows."""
     text_indices = torch.arange(int(text_token_tags.shape[0]))
     tags = torch.empty(pos.shape[0], dtype=torch.long)
@@ -314,7 +323,10 @@ def _audio_positions(pos: torch.Tensor, start: int, num_latents: int, time: floa
     stop = start + AUDIO_CHANNELS * num_latents
     pos[start:stop, 0] = (time + torch.arange(num_latents, dtype=torch.float64)).repeat(AUDIO_CHANNELS)
     pos[start:stop, 2] = torch.cat(
-        [torch.full((num_latents,), float(width_axis[0]), dtype=torch.float64), torch.full((num_latents,), float(width_axis[-1]), dtype=torch.float64)]
+        [
+            torch.full((num_latents,), float(width_axis[0]), dtype=torch.float64),
+            torch.full((num_latents,), float(width_axis[-1]), dtype=torch.float64)
+        ]
     )
 
 

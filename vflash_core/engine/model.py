@@ -24,7 +24,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +45,8 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Full, unmasked attention through `F.scaled_dot_product_attention`, called exactly as diffusers' native backend."""
+    """Full, unmasked attention through `F.scaled_dot_product_attention`, called the way diffusers' native backend
+    calls it."""
     out = F.scaled_dot_product_attention(
         q.permute(0, 2, 1, 3), k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3), dropout_p=0.0, is_causal=False
     )
@@ -69,7 +69,9 @@ class LoraResidual:
         return LoraResidual(self.down.to(device), self.up.to(device), self.scale, self.row_start)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, loras: tuple[LoraResidual, ...] = ()) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, loras: tuple[LoraResidual, ...] = ()
+) -> torch.Tensor:
     """`F.linear` plus separate LoRA residuals; base weights are never modified."""
     return add_lora_residuals(F.linear(x, weight, bias), x, loras)
 
@@ -159,7 +161,8 @@ class LayerWeights:
         return RowScaledWeight(self.tensors[f"{linear}.weight"], scales)
 
 
-class ModulationBlocks(NamedTuple):
+@dataclass(frozen=True)
+class ModulationBlocks:
     """Where one sublayer's AdaLN parameters sit in a modulation table row: the H-wide block of each and how many
     blocks a row has."""
 
@@ -182,7 +185,10 @@ MODULATION_BLOCKS = {
 def modulation_rows(table: torch.Tensor, row_index: torch.Tensor, which: str, part: int) -> torch.Tensor:
     """Rows of one AdaLN parameter (0 shift, 1 scale, 2 gate of `which`) for every packed row: (S, H)."""
     blocks = MODULATION_BLOCKS[which]
-    return table.chunk(blocks.count, dim=-1)[blocks[part]].index_select(0, row_index)
+    block = (blocks.shift, blocks.scale, blocks.gate)[part]
+    if block is None:
+        raise ValueError(f"the {which!r} modulation table has no gate")
+    return table.chunk(blocks.count, dim=-1)[block].index_select(0, row_index)
 
 
 def modulate(normed: torch.Tensor, table: torch.Tensor, row_index: torch.Tensor, which: str = "msa") -> torch.Tensor:
@@ -190,11 +196,15 @@ def modulate(normed: torch.Tensor, table: torch.Tensor, row_index: torch.Tensor,
     return normed * (1.0 + modulation_rows(table, row_index, which, 1)) + modulation_rows(table, row_index, which, 0)
 
 
-def rms_norm_modulate(x: torch.Tensor, weight: torch.Tensor, eps: float, table: torch.Tensor, row_index: torch.Tensor, which: str = "msa") -> torch.Tensor:
+def rms_norm_modulate(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, table: torch.Tensor, row_index: torch.Tensor, which: str = "msa"
+) -> torch.Tensor:
     return modulate(rms_norm(x, weight, eps), table, row_index, which)
 
 
-def gated_residual(x: torch.Tensor, y: torch.Tensor, table: torch.Tensor, row_index: torch.Tensor, which: str = "msa") -> torch.Tensor:
+def gated_residual(
+    x: torch.Tensor, y: torch.Tensor, table: torch.Tensor, row_index: torch.Tensor, which: str = "msa"
+) -> torch.Tensor:
     """`x + gate * y`: the gate's product rounds, then the sum."""
     return x + modulation_rows(table, row_index, which, 2) * y
 
@@ -212,13 +222,16 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
 
 
 def qk_norm_rope(
-    qkv: torch.Tensor, norm_q: torch.Tensor, norm_k: torch.Tensor, eps: float, cos: torch.Tensor | None, sin: torch.Tensor | None, *, head_dim: int
+    qkv: torch.Tensor, norm_q: torch.Tensor, norm_k: torch.Tensor, eps: float, cos: torch.Tensor | None,
+    sin: torch.Tensor | None, *, head_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(1, S, 3I) fused projection -> q, k normalised per head (and rotated, unless cos is None), v a view: (1, S, heads, D)."""
+    """(1, S, 3I) fused projection -> q, k normalised per head (and rotated, unless cos is None), v a view:
+    (1, S, heads, D)."""
     inner = qkv.shape[-1] // 3
     q, k, v = (part.unflatten(-1, (inner // head_dim, head_dim)) for part in qkv.split(inner, dim=-1))
     q, k = rms_norm(q, norm_q, eps), rms_norm(k, norm_k, eps)
     if cos is not None:
+        assert sin is not None  # cos and sin come together
         q, k = rope(q, k, cos, sin)
     return q, k, v
 
@@ -230,20 +243,33 @@ class BlockOps:
     device, an all-reduce across tensor-parallel ranks). `config` is the block's shape as this device sees it.
     """
 
-    def __init__(self, config: H3Config, attention: AttentionFn, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
+    def __init__(
+        self, config: H3Config, attention: AttentionFn, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ):
         self.config = config
         self.attention = attention
         self.reduce = reduce or (lambda partial: partial)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, loras: tuple[LoraResidual, ...] = ()) -> torch.Tensor:
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor | RowScaledWeight, loras: tuple[LoraResidual, ...] = ()
+    ) -> torch.Tensor:
+        if isinstance(weight, RowScaledWeight):
+            raise TypeError("an FP8 artifact's weights (codes + row scales) need FP8 block operations")
         return linear(x, weight, loras=loras)
 
-    def norm_modulate(self, x: torch.Tensor, weight: torch.Tensor, table: torch.Tensor, row_index: torch.Tensor, which: str) -> torch.Tensor:
+    def norm_modulate(
+        self, x: torch.Tensor, weight: torch.Tensor, table: torch.Tensor, row_index: torch.Tensor, which: str
+    ) -> torch.Tensor:
         return rms_norm_modulate(x, weight, self.config.norm_eps, table, row_index, which)
 
-    def qk_norm_rope(self, qkv: torch.Tensor, norm_q: torch.Tensor, norm_k: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def qk_norm_rope(
+        self, qkv: torch.Tensor, norm_q: torch.Tensor, norm_k: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cos, sin = rotary or (None, None)
-        return qk_norm_rope(qkv, norm_q, norm_k, self.config.qk_norm_eps, cos, sin, head_dim=self.config.attention_head_dim)
+        return qk_norm_rope(
+            qkv, norm_q, norm_k, self.config.qk_norm_eps, cos, sin, head_dim=self.config.attention_head_dim
+        )
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """(1, S, heads, D) each -> (1, S, I) in q's dtype."""
@@ -252,11 +278,16 @@ class BlockOps:
     def swiglu(self, p: torch.Tensor) -> torch.Tensor:
         return swiglu(p)
 
-    def gated_residual(self, x: torch.Tensor, y: torch.Tensor, table: torch.Tensor, row_index: torch.Tensor, which: str) -> torch.Tensor:
+    def gated_residual(
+        self, x: torch.Tensor, y: torch.Tensor, table: torch.Tensor, row_index: torch.Tensor, which: str
+    ) -> torch.Tensor:
         return gated_residual(x, y, table, row_index, which)
 
 
-def attention(h: torch.Tensor, w: LayerWeights, ops: BlockOps, rotary: tuple[torch.Tensor, torch.Tensor] | None, timer: StageTimer = NO_TIMER) -> torch.Tensor:
+def attention(
+    h: torch.Tensor, w: LayerWeights, ops: BlockOps, rotary: tuple[torch.Tensor, torch.Tensor] | None,
+    timer: StageTimer = NO_TIMER
+) -> torch.Tensor:
     """(1, S, H) normalised input -> (1, S, H) attention output (before the gate and any reduction)."""
     with timer.stage("qkv_projection"):
         qkv = ops.linear(h, w.weight("attn.qkv"), w.lora("attn.qkv"))
@@ -282,7 +313,8 @@ def feed_forward(h: torch.Tensor, w: LayerWeights, ops: BlockOps, timer: StageTi
 
 
 def main_block(
-    x: torch.Tensor, w: LayerWeights, table: torch.Tensor, row_index: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], ops: BlockOps,
+    x: torch.Tensor, w: LayerWeights, table: torch.Tensor, row_index: torch.Tensor,
+    rotary: tuple[torch.Tensor, torch.Tensor], ops: BlockOps,
     timer: StageTimer = NO_TIMER,
 ) -> torch.Tensor:
     """One main block on the (1, S, H) residual stream (a fused `gated_residual` updates it in place).
@@ -320,7 +352,9 @@ def text_stream(
     no modulation), final norm. `ops` attends the whole prompt on this device."""
     config = ops.config
     weight = aux["context_embedder.weight"]
-    x = linear(prompt_embeds.to(weight.dtype), weight, aux["context_embedder.bias"], aux_loras.get("context_embedder", ()))
+    x = linear(
+        prompt_embeds.to(weight.dtype), weight, aux["context_embedder.bias"], aux_loras.get("context_embedder", ())
+    )
     for w in refiner:
         x = x + attention(rms_norm(x, w["norm1.weight"], config.norm_eps), w, ops, rotary=None)
         x = x + feed_forward(rms_norm(x, w["norm2.weight"], config.norm_eps), w, ops)
@@ -367,8 +401,12 @@ def output_heads(
     """
     h = rms_norm_modulate(x, aux["norm_out.norm.weight"], config.final_norm_eps, norm_out_rows, timestep_indices, "out")
     h = h.to(aux["proj_out.weight"].dtype)
-    video = linear(h, aux["proj_out.weight"], aux["proj_out.bias"], aux_loras.get("proj_out", ())).index_select(1, layout["video_indices"])
-    audio = linear(h, aux["audio_proj_out.weight"], aux["audio_proj_out.bias"], aux_loras.get("audio_proj_out", ())).index_select(1, layout["audio_indices"])
+    video = linear(
+        h, aux["proj_out.weight"], aux["proj_out.bias"], aux_loras.get("proj_out", ())
+    ).index_select(1, layout["video_indices"])
+    audio = linear(
+        h, aux["audio_proj_out.weight"], aux["audio_proj_out.bias"], aux_loras.get("audio_proj_out", ())
+    ).index_select(1, layout["audio_indices"])
     return video[0], audio[0]
 
 
@@ -402,7 +440,9 @@ def time_embedding(
     return linear(F.silu(h), w2, aux["time_embedder.linear_2.bias"], aux_loras.get("time_embedder.linear_2", ()))
 
 
-def adaln_table(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, loras: tuple[LoraResidual, ...] = ()) -> torch.Tensor:
+def adaln_table(
+    temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, loras: tuple[LoraResidual, ...] = ()
+) -> torch.Tensor:
     """One block's modulation table (3T, 6H): row `i * 3 + m` holds timestep i, modality m.
 
     SiLU runs at temb's precision and only its result is cast to the projection dtype.
@@ -411,7 +451,9 @@ def adaln_table(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, lo
     return table.view(-1, weight.shape[0] // NUM_MODALITIES)
 
 
-def norm_out_table(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, loras: tuple[LoraResidual, ...] = ()) -> torch.Tensor:
+def norm_out_table(
+    temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, loras: tuple[LoraResidual, ...] = ()
+) -> torch.Tensor:
     """Final-norm modulation (T, 2H): shift then scale, one row per timestep (no modality split)."""
     return linear(F.silu(temb).to(weight.dtype), weight, bias, loras)
 

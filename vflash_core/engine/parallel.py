@@ -25,7 +25,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -84,6 +84,8 @@ class LocalGroup:
 
     def _init_rank(self, store: dist.Store, rank: int) -> None:
         device = self.devices[rank]
+        # A c10d backend: torch's stubs give `Backend` none of the collectives it has at run time.
+        group: Any
         if device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = self.timeout
@@ -112,13 +114,17 @@ class LocalGroup:
                     errors.append((rank, exc))
                 self._abort()
 
-        threads = [threading.Thread(target=body, args=(r,), name=f"vflash-rank{r}", daemon=True) for r in range(self.size)]
+        threads = [
+            threading.Thread(target=body, args=(r,), name=f"vflash-rank{r}", daemon=True) for r in range(self.size)
+        ]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
         if errors:
-            first = next((e for e in errors if not isinstance(e[1], (threading.BrokenBarrierError, RankAborted))), errors[0])
+            first = next(
+                (e for e in errors if not isinstance(e[1], (threading.BrokenBarrierError, RankAborted))), errors[0]
+            )
             rank, exc = first
             if isinstance(exc, VflashError) or not isinstance(exc, Exception):
                 raise exc
@@ -131,7 +137,10 @@ class LocalGroup:
         if self.failed is None:
             self.failed = RankAborted("a rank failed")
             for group in self.groups:
-                abort = getattr(group, "abort", None) or getattr(group, "_abort", None) or getattr(group, "shutdown", None)
+                abort = (
+                    getattr(group, "abort", None) or getattr(group, "_abort", None)
+                    or getattr(group, "shutdown", None)
+                )
                 if abort is not None:
                     try:
                         abort()
@@ -156,7 +165,10 @@ class SequenceHeadAttention:
     `local` attends a sequence held whole on this device (used by the text refiner).
     """
 
-    def __init__(self, group: dist.ProcessGroup, rows: list[tuple[int, int]], heads: int, local: M.AttentionFn, pack: Callable, merge: Callable):
+    def __init__(
+        self, group: dist.ProcessGroup, rows: list[tuple[int, int]], heads: int, local: M.AttentionFn, pack: Callable,
+        merge: Callable
+    ):
         self.group = group
         self.size = len(rows)
         self.rows = rows
@@ -181,7 +193,9 @@ class SequenceHeadAttention:
         for x in (q, k, v):
             send = self.pack(x[0], torch.empty(p, s_r, hp, d, dtype=x.dtype, device=x.device))
             full = torch.empty(total, hp, d, dtype=x.dtype, device=x.device)
-            works.append(self.group.alltoall_base(full.view(-1), send.view(-1), out_splits, in_splits, dist.AllToAllOptions()))
+            works.append(
+                self.group.alltoall_base(full.view(-1), send.view(-1), out_splits, in_splits, dist.AllToAllOptions())
+            )
             received.append(full)
             keep.append(send)
         for work in works:
@@ -267,7 +281,11 @@ class TensorShard:
             for r in residuals:
                 if name == "attn.qkv":  # one residual per q / k / v part; keep this rank's heads of it
                     part = r.row_start // self.inner
-                    sharded.append(M.LoraResidual(r.down, self._rows(r.up, 0, self.inner_r).contiguous(), r.scale, part * self.inner_r))
+                    sharded.append(
+                        M.LoraResidual(
+                            r.down, self._rows(r.up, 0, self.inner_r).contiguous(), r.scale, part * self.inner_r
+                        )
+                    )
                 elif name == "ffn.in":
                     up = torch.cat([self._rows(r.up, k, self.ffn_r) for k in range(2)])
                     sharded.append(M.LoraResidual(r.down, up, r.scale, 0))
@@ -278,7 +296,9 @@ class TensorShard:
         return out
 
 
-def tensor_parallel_ops(config, group: dist.ProcessGroup, size: int, attention: M.AttentionFn, ops_class: type[M.BlockOps] = M.BlockOps) -> M.BlockOps:
+def tensor_parallel_ops(
+    config, group: dist.ProcessGroup, size: int, attention: M.AttentionFn, ops_class: type[M.BlockOps] = M.BlockOps
+) -> M.BlockOps:
     """The block's operations on one tensor-parallel rank: this rank's heads and FFN channels (the block's shape as
     the rank sees it), and an all-reduce of the two output projections' partial products (bf16, so the rounding
     differs from one GPU)."""

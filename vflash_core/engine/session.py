@@ -6,9 +6,11 @@ tensors. Closing waits for the devices, then drops every weight reference and co
 session failed: it refuses further calls and must be closed and replaced.
 
 Memory placement: `weight_residency="resident"` keeps every block on the device; `"block-ring"` streams blocks from
-one pinned host arena through two device slots; `"auto"` lets the memory plan (`memory_plan.plan_memory`) choose:
-resident when the blocks and the profile's largest request fit the free device memory (or the `max_device_memory`
-cap, which the session then enforces on its devices until it closes) with the plan's margin, else block-ring. Inside
+one pinned host arena through two device slots; `"disk-ring"` streams them through the same slots from their compiled
+files, read again on every pass into a few pinned staging buffers (one GPU); `"auto"` lets the memory plan
+(`memory_plan.plan_memory`) choose: resident when the blocks and the profile's largest request fit the free device
+memory (or the `max_device_memory` cap, which the session then enforces on its devices until it closes) with the
+plan's margin, else block-ring, or disk-ring where the arena does not fit the `max_host_memory` budget. Inside
 a pipeline the pipeline's plan (the encoder and the VAEs too) is passed in and used instead. Each request is checked
 against the plan before it runs. Several GPUs (`peer_device`, `strategy`) are used only when the caller names them.
 
@@ -67,7 +69,7 @@ from .parallel import (
     tensor_parallel_ops,
 )
 from .profiler import StageTimer
-from .residency import BlockArena, BlockRing, BlockSource, LoadedBlocks, ResidentBlocks
+from .residency import BlockArena, BlockFiles, BlockRing, BlockSource, LoadedBlocks, ResidentBlocks
 
 __all__ = [
     "STRATEGIES", "WEIGHT_RESIDENCIES", "BlockLoader", "DenoiserLoad", "GenerationResult", "NativeDenoiserLoader",
@@ -77,7 +79,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 EXECUTIONS = ("auto", "fused", "reference")
-WEIGHT_RESIDENCIES = ("auto", "resident", "block-ring")  # where the core's blocks live on a GPU
+WEIGHT_RESIDENCIES = ("auto", "resident", "block-ring", "disk-ring")  # where the core's blocks live on a GPU
 STRATEGIES = ("sequence-head", "tensor")  # how one request is split over several GPUs
 #: How long a rank waits for its peers in one collective: positive, and at most a day (a wait is a deadline).
 COLLECTIVE_TIMEOUT = Number(float, 0, 86_400, above=True, unit="seconds")
@@ -132,11 +134,14 @@ class NativeEngineSession:
         peer_device: further GPU(s) for one request (index, name or list); needs `strategy`.
         strategy: with `peer_device`, `"sequence-head"` (rows split, heads exchanged for attention; exact per row and
             head) or `"tensor"` (heads and FFN channels split, partial projections summed; rounding differs).
-        weight_residency: `"auto"`, `"resident"` or `"block-ring"`.
+        weight_residency: `"auto"`, `"resident"`, `"block-ring"` or `"disk-ring"`.
         max_device_memory: a cap in GiB on what the session may hold on each device: planned against and enforced
             (`memory_plan.DeviceCap`) until `close`.
+        max_host_memory: a budget in GiB for what the session holds in host memory (the block-ring arena or the
+            disk ring's staging buffers, plus `memory_plan.HOST_MARGIN_BYTES` for the process): planned against, not
+            enforced (the plan's estimates; the host has no allocator to cap).
         plan: a pipeline's memory plan (`memory_plan.plan_memory`), which then decides the residency and carries the
-            cap; `weight_residency` must agree with it and `max_device_memory` be left out.
+            cap and the host budget; `weight_residency` must agree with it and the two limits be left out.
         attention_backend: see `attention.BACKENDS`; the backend used is logged once and reported per result.
         execution: `"fused"` (Triton elementwise kernels, the CUDA default), `"reference"` (plain PyTorch, the CPU
             default) or `"auto"`; both give the same bits.
@@ -164,12 +169,14 @@ class NativeEngineSession:
         on_load_progress: Callable[[int, int], None] | None = None,
         collective_timeout_seconds: float = 120.0,
         max_device_memory: float | None = None,
+        max_host_memory: float | None = None,
         plan: MemoryPlan | None = None,
         native_denoiser_loader: NativeDenoiserLoader | None = None,
         block_loader: BlockLoader | None = None,
     ):
         start = time.perf_counter()
         cap = cap_bytes(max_device_memory)  # checked before anything is read (a string or NaN is refused here)
+        host_budget = cap_bytes(max_host_memory, "max_host_memory")
         COLLECTIVE_TIMEOUT.check("collective_timeout_seconds", collective_timeout_seconds)
         check_callback(on_load_progress, "on_load_progress")
         artifact, schedule_overlay, auxiliary = (path_argument(value, name) for value, name in (
@@ -185,8 +192,10 @@ class NativeEngineSession:
             raise VflashError(f"strategy {strategy!r} needs a peer_device")
         self.strategy = strategy if peers else None
         check_choice("weight_residency", weight_residency, WEIGHT_RESIDENCIES)
-        if plan is not None and max_device_memory is not None:
-            raise VflashError("a session given a memory plan takes its cap from the plan; leave max_device_memory out")
+        if plan is not None and (max_device_memory is not None or max_host_memory is not None):
+            raise VflashError("a session given a memory plan takes its limits from the plan; leave max_device_memory and max_host_memory out")
+        if weight_residency == "disk-ring" and peers:
+            raise VflashError("weight_residency='disk-ring' streams the blocks to one GPU; with a peer device use 'block-ring' or 'resident'")
         hooks = check_loader_hooks(native_denoiser_loader, block_loader, self.strategy, len(self.devices))
         if hooks and weight_residency == "auto":
             weight_residency = "resident"
@@ -207,7 +216,9 @@ class NativeEngineSession:
         if plan is None and (self.device.type == "cuda" or max_device_memory is not None):  # else CPU, no cap: resident blocks
             # this session's own plan, for the core alone: its blocks and the profile's largest request
             largest = {"denoise": denoise_bytes(config, largest_request_rows(self.profile, config))}
-            plan = plan_memory(self.compiled.part_sizes(), largest, self.devices, cap, weight_residency)
+            plan = plan_memory(self.compiled.part_sizes(), largest, self.devices, cap, weight_residency, host_budget=host_budget)
+        elif plan is None and host_budget is not None:
+            raise VflashError("max_host_memory is planned with the device memory: on the CPU give max_device_memory too")
         elif plan is not None and weight_residency not in ("auto", plan.placement.core):
             raise VflashError(f"weight_residency={weight_residency!r} disagrees with the memory plan's {plan.placement.core!r}")
         self.plan = plan
@@ -218,7 +229,7 @@ class NativeEngineSession:
         self.closed = False
         self._denoisers: list[Denoiser] = []
         self._group: LocalGroup | None = None
-        self._arenas: list[BlockArena] = []
+        self._host_blocks: list[BlockArena | BlockFiles] = []  # what the block rings copy from
         try:
             self._load(config, attention_backend, on_load_progress, collective_timeout_seconds, native_denoiser_loader, block_loader)
         except BaseException:
@@ -239,12 +250,14 @@ class NativeEngineSession:
         shards = [TensorShard(config, r, size) if self.strategy == "tensor" else None for r in range(size)]
         load = None if on_load_progress is None else (lambda i: on_load_progress(i + 1, config.num_layers))
         # One host arena shared by every ring (sequence-head replicates blocks); one arena of shards per rank (tensor).
+        pin = self.device.type == "cuda"
         if self.weight_residency == "block-ring":
-            pin = self.device.type == "cuda"
             if self.strategy == "tensor":
-                self._arenas = [BlockArena(self.compiled, pin, load if r == 0 else None, shard) for r, shard in enumerate(shards)]
+                self._host_blocks = [BlockArena(self.compiled, pin, load if r == 0 else None, shard) for r, shard in enumerate(shards)]
             else:
-                self._arenas = [BlockArena(self.compiled, pin, load)]
+                self._host_blocks = [BlockArena(self.compiled, pin, load)]
+        elif self.weight_residency == "disk-ring":
+            self._host_blocks = [BlockFiles(self.compiled, pin, load)]
         for rank, dev in enumerate(self.devices):
             local = resolve_attention(attention_backend, dev, self.profile.fp8 is not None)[1]
             if self.strategy == "sequence-head":
@@ -257,8 +270,8 @@ class NativeEngineSession:
                 self._denoisers.append(_loaded_denoiser(native_denoiser_loader, self.compiled, DenoiserLoad(dev, ops, load)))
                 continue
             blocks: BlockSource
-            if self._arenas:
-                blocks = BlockRing(self._arenas[rank % len(self._arenas)], dev)
+            if self._host_blocks:
+                blocks = BlockRing(self._host_blocks[rank % len(self._host_blocks)], dev)
             elif block_loader is not None:
                 blocks = LoadedBlocks(self.compiled, dev, block_loader(self.compiled, dev))
             else:
@@ -287,7 +300,8 @@ class NativeEngineSession:
         strategy = f" {self.strategy}" if self.strategy else ""
         linears = f", approximate FP8 {self.profile.fp8} block linears" if self.profile.fp8 else ""
         return (
-            f"{devices}{strategy}, {self.execution} kernels{linears}, attention {self.attention_backend}, weights {self.weight_residency} "
+            f"{devices}{strategy}, {self.execution} kernels{linears}, attention {self.attention_backend}, weights {self.weight_residency}"
+            f"{', read from the compiled block files on every pass' if self.weight_residency == 'disk-ring' else ''} "
             f"({report['blocks_on_device']} blocks on device, {report['device_weight_bytes'] / GIB:.2f} GiB block weights per device, "  # type: ignore[operator]
             f"{report['pinned_host_bytes'] / GIB:.2f} GiB pinned host)"  # type: ignore[operator]
         )
@@ -330,9 +344,9 @@ class NativeEngineSession:
         if self._group is not None:
             self._group.close()
             self._group = None
-        for arena in self._arenas:
-            arena.close()
-        self._arenas = []
+        for host_blocks in self._host_blocks:
+            host_blocks.close()
+        self._host_blocks = []
         release_host_memory()
         if self._cap is not None:
             self._cap.release()
@@ -435,8 +449,12 @@ class NativeEngineSession:
             "weight_residency": self.weight_residency,
             "blocks_on_device": self.compiled.config.num_layers if self.weight_residency == "resident" else 2,
             "device_weight_bytes": self._denoisers[0].blocks.device_weight_bytes,
-            "pinned_host_bytes": sum(a.nbytes for a in self._arenas),
+            "pinned_host_bytes": sum(a.nbytes for a in self._host_blocks),
         }
+        files = next((h for h in self._host_blocks if isinstance(h, BlockFiles)), None)
+        if files is not None:
+            report["block_file_reads"] = len(files.read_seconds)
+            report["block_file_bytes_read"] = files.bytes_read
         if self.device.type == "cuda":
             report["peak_allocated_bytes"] = [torch.cuda.max_memory_allocated(d) for d in self.devices]
             report["peak_reserved_bytes"] = [torch.cuda.max_memory_reserved(d) for d in self.devices]

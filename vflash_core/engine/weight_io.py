@@ -15,6 +15,11 @@ remains. `SequentialWeights` does that:
   indexed and checked before and after the reads: the engine's weight files are immutable, and one that changed is
   refused rather than mixed.
 
+`TensorReader` reads chosen tensors of one file into buffers the caller owns (a pinned staging buffer), the same
+way (chunks, a thread pool, `preadv`), as often as asked: weights streamed from their files pass after pass. It can
+drop the file's pages from the page cache after each read, so that streaming a model larger than the machine's memory
+does not evict everything else the machine caches.
+
 The optional sidecar (`prepare_sidecar`) holds the same data region as independent Zstandard frames, one per chunk,
 each with its content checksum. The worker pool reads and decompresses them straight into the shard buffers: fewer
 bytes from storage for more CPU, which pays where storage is slower than decompression. The source file stays the
@@ -43,7 +48,7 @@ from ..errors import IdentityMismatchError, VflashError, WeightFileError
 from ..fileio import atomic_directory
 from ..tensor_store import SafetensorsFile, TensorIndex, read_fully
 
-__all__ = ["MANIFEST_NAME", "SequentialWeights", "prepare_sidecar"]
+__all__ = ["MANIFEST_NAME", "SequentialWeights", "TensorReader", "prepare_sidecar"]
 
 READ_WORKERS = (1, 2, 4, 8)
 DEFAULT_SHARD_BYTES = 256 << 20
@@ -371,6 +376,51 @@ class SequentialWeights(TensorIndex):
         """Drop the buffers; tensors already handed out keep theirs alive."""
         self._buffers = None
         self._closed = True
+
+
+class TensorReader:
+    """Tensors `names` of the safetensors file `path`, read into caller buffers on every `read_into` (module docstring).
+
+    The header is parsed once; the file's size and mtime recorded then are checked before and after every read, so a
+    file that changed is refused rather than mixed. `drop_cache` asks the kernel to drop the file's cached pages after
+    each read (`POSIX_FADV_DONTNEED`, where the platform has it): the bytes then come from storage every time.
+    """
+
+    def __init__(
+        self, path: str | Path, names: list[str], read_workers: int = 8, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        drop_cache: bool = False,
+    ):
+        if read_workers not in READ_WORKERS:
+            raise ValueError(f"read_workers must be one of {READ_WORKERS}, not {read_workers}")
+        self.path = Path(path)
+        self._identity = _identity(_stat(self.path))
+        file = SafetensorsFile(self.path)
+        self.infos = {name: file.info(name) for name in names}
+        self.read_workers, self.chunk_bytes, self.drop_cache = read_workers, chunk_bytes, drop_cache
+        self.nbytes = sum(i.end - i.start for i in self.infos.values())
+
+    def read_into(self, targets: dict[str, torch.Tensor]) -> int:
+        """Fill each `targets[name]` (a contiguous CPU uint8 tensor of the tensor's byte count) with the tensor's bytes;
+        returns the bytes read."""
+        jobs = []
+        for name, info in self.infos.items():
+            view = memoryview(targets[name].numpy())
+            if len(view) != info.end - info.start:
+                raise VflashError(
+                    f"{self.path}: {name} has {info.end - info.start} bytes; its buffer holds {len(view)}"
+                )
+            for start, end in _split((info.start, info.end), self.chunk_bytes):
+                jobs.append((start, view[start - info.start : end - info.start]))
+        fd = _open(self.path)
+        try:
+            _check_identity(self.path, os.fstat(fd), self._identity, "since it was indexed")
+            read = _run_jobs(self.read_workers, [partial(_read_pieces, fd, self.path, [job]) for job in jobs])
+            _check_identity(self.path, _stat(self.path), self._identity, "while it was read")
+            if self.drop_cache and hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        return read
 
 
 def _compress_chunk(zstd: ModuleType, level: int, fd: int, path: Path, chunk: Range) -> bytes:

@@ -19,6 +19,10 @@ the final norm is replaced by the identity, which makes index 50 the residual st
 Where the pruned encoder does not fit the device, its decoder layers stream (`stream_layers`): they move once into a
 pinned host arena and, during each encode, pass through two device slots of one layer (`residency.ModuleRing`, the
 transformer's block-ring mechanism) while the embeddings and the vision tower take the device as a whole part does.
+Where the arena does not fit a host-memory budget either, the layers stream from the model root's own safetensors
+files (`stream_layers(from_files=True)`, the transformer's disk ring): read again on every encode into a few pinned
+staging buffers, the layers holding no weights in between; possible when the conditioner read the files itself and
+every layer tensor lies there in the dtype and shape it was loaded in (`decoder_layer_files`).
 The model's own forward runs unchanged on the same values, so the streamed encoder equals the resident one bit for
 bit. With a memory plan attached, an encode is checked against it before anything moves to the device.
 
@@ -36,9 +40,11 @@ modality ids from the model config's image and video token ids, as that processo
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -47,15 +53,20 @@ from ..engine.config import TEXT_ENCODER_LAYER, TEXT_TAG, VIDEO_TAG
 from ..engine.device_owner import (
     SerialDeviceOwner,
     module_bytes,
+    module_tensors,
     point_module_at,
     release_device_memory,
     release_host_memory,
 )
 from ..engine.layout import FPS
-from ..engine.residency import ModuleRing
+from ..engine.residency import ItemFiles, ModuleRing
 from ..errors import RequestError, VflashError
 from ..memory_plan import MemoryPlan, PartSizes
+from ..tensor_store import TensorStore
 from .references import CanvasRules
+
+if TYPE_CHECKING:
+    from transformers import Qwen3VLModel
 
 __all__ = [
     "TEXT_ENCODER_LAYER", "TextConditioner", "TextConditioning", "TextEncoderLoader", "default_dtype", "encode_bytes",
@@ -65,12 +76,20 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 VIDEO_SAMPLE_FPS = 2.0  # the rate Qwen reads a reference video at
+# A decoder layer's tensor in a Qwen3-VL checkpoint (`model.language_model.layers.3.mlp.up_proj.weight`, with or
+# without the leading `model.`): its layer index and its name inside the layer.
+_LAYER_KEY = re.compile(r"(?:^|\.)language_model\.layers\.(\d+)\.(.+)$")
 # Qwen's own multimodal token types (not H3's row tags): they drive its 3-D rotary layout.
 _QWEN_TEXT, _QWEN_IMAGE, _QWEN_VIDEO = 0, 1, 2
 # The config fields a `text_encoder_loader`'s model must share with the model root's `text_encoder/config.json`.
 _ARCHITECTURE = {
-    "text_config": ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size"),
-    "vision_config": ("hidden_size", "depth", "num_heads", "out_hidden_size", "patch_size", "temporal_patch_size", "spatial_merge_size"),
+    "text_config": (
+        "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size"
+    ),
+    "vision_config": (
+        "hidden_size", "depth", "num_heads", "out_hidden_size", "patch_size", "temporal_patch_size",
+        "spatial_merge_size"
+    ),
     None: ("image_token_id", "video_token_id"),
 }
 
@@ -92,7 +111,9 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def sample_video_frames(frames: np.ndarray, temporal_patch: int, fps: float = FPS, sample_fps: float = VIDEO_SAMPLE_FPS) -> tuple[list[np.ndarray], list[float]]:
+def sample_video_frames(
+    frames: np.ndarray, temporal_patch: int, fps: float = FPS, sample_fps: float = VIDEO_SAMPLE_FPS
+) -> tuple[list[np.ndarray], list[float]]:
     """The frames Qwen sees of a 24 fps reference (every 12th, deduplicated) and one timestamp per merged group.
 
     Groups of `temporal_patch` sampled frames are merged (the last one repeated to fill a group); a group is labelled
@@ -107,7 +128,10 @@ def sample_video_frames(frames: np.ndarray, temporal_patch: int, fps: float = FP
         cursor += stride
     if len(indices) < temporal_patch:
         minimum = round((temporal_patch - 1) * stride) + 1
-        raise RequestError(f"a reference video needs at least {minimum} frames at {fps:g} fps ({minimum / fps:.2g} s), got {frames.shape[0]}")
+        raise RequestError(
+            f"a reference video needs at least {minimum} frames at {fps:g} fps ({minimum / fps:.2g} s), "
+            f"got {frames.shape[0]}"
+        )
     stamps = [i / sample_fps for i in range(len(indices))]
     stamps += [stamps[-1]] * (-len(stamps) % temporal_patch)
     groups = [(stamps[i] + stamps[i + temporal_patch - 1]) / 2 for i in range(0, len(stamps), temporal_patch)]
@@ -134,7 +158,7 @@ def encode_bytes(text_config, vision_config, tokens: int, patches: int, itemsize
     return int((tokens * per_token + patches * per_patch) * itemsize * 1.25)
 
 
-def _base_model(text_encoder: torch.nn.Module) -> torch.nn.Module:
+def _base_model(text_encoder: torch.nn.Module) -> Qwen3VLModel:
     """The `Qwen3VLModel` of a conditioner: the model itself, or the `.model` of a `Qwen3VLForConditionalGeneration`."""
     return text_encoder.model if hasattr(text_encoder, "lm_head") else text_encoder
 
@@ -146,25 +170,43 @@ def _loaded_text_encoder(loader: TextEncoderLoader, root: Path, config, dtype: t
 
     model = loader(root)
     if not isinstance(model, (Qwen3VLModel, Qwen3VLForConditionalGeneration)):
-        raise VflashError(f"text_encoder_loader must return a Qwen3VLModel or Qwen3VLForConditionalGeneration, got {type(model).__name__}")
+        raise VflashError(
+            "text_encoder_loader must return a Qwen3VLModel or Qwen3VLForConditionalGeneration, "
+            f"got {type(model).__name__}"
+        )
     devices = sorted({str(t.device) for t in (*model.parameters(), *model.buffers())})
     if devices != ["cpu"]:
-        raise VflashError(f"text_encoder_loader must return the model on the CPU (the conditioner moves it); its tensors are on {', '.join(devices)}")
+        raise VflashError(
+            "text_encoder_loader must return the model on the CPU (the conditioner moves it); "
+            f"its tensors are on {', '.join(devices)}"
+        )
     differ = []
     for part, fields in _ARCHITECTURE.items():
         mine, theirs = (config, model.config) if part is None else (getattr(config, part), getattr(model.config, part))
-        differ += [f"{part + '.' if part else ''}{f} {getattr(theirs, f, None)!r} (config.json: {getattr(mine, f, None)!r})" for f in fields if getattr(theirs, f, None) != getattr(mine, f, None)]
+        differ += [
+            f"{part + '.' if part else ''}{f} {getattr(theirs, f, None)!r} (config.json: {getattr(mine, f, None)!r})"
+            for f in fields
+            if getattr(theirs, f, None) != getattr(mine, f, None)
+        ]
     if differ:
-        raise VflashError(f"text_encoder_loader returned another architecture than {root / 'text_encoder'}: " + "; ".join(differ))
+        raise VflashError(
+            f"text_encoder_loader returned another architecture than {root / 'text_encoder'}: " + "; ".join(differ)
+        )
     base = _base_model(model)
     if len(base.language_model.layers) < TEXT_ENCODER_LAYER:
-        raise VflashError(f"text_encoder_loader returned {len(base.language_model.layers)} text layers; H3 conditions on hidden_states[{TEXT_ENCODER_LAYER}] and needs {TEXT_ENCODER_LAYER}")
+        raise VflashError(
+            f"text_encoder_loader returned {len(base.language_model.layers)} text layers; "
+            f"H3 conditions on hidden_states[{TEXT_ENCODER_LAYER}] and needs {TEXT_ENCODER_LAYER}"
+        )
     # transformers computes the rotary frequencies in fp32 whatever the weights' dtype (`from_pretrained(dtype=...)`
     # keeps them so), and H3's reference encodes with them; `Module.to(bf16)` rounds them, and the embeddings differ.
-    rounded = [name for name, buffer in base.named_buffers() if name.endswith("inv_freq") and buffer.dtype != torch.float32]
+    rounded = [
+        name for name, buffer in base.named_buffers() if name.endswith("inv_freq") and buffer.dtype != torch.float32
+    ]
     if rounded:
         raise VflashError(
-            f"text_encoder_loader returned rotary frequencies in {base.get_buffer(rounded[0]).dtype} ({rounded[0]}); load the model with "
+            f"text_encoder_loader returned rotary frequencies in {base.get_buffer(rounded[0]).dtype} ({rounded[0]}); "
+            "load the model with "
             "from_pretrained(dtype=...) instead of casting it with .to(), which rounds them"
         )
     del base.language_model.layers[TEXT_ENCODER_LAYER:]
@@ -182,8 +224,13 @@ def _around(module: torch.nn.Module, inner: torch.nn.Module) -> list[torch.nn.Mo
         return []
     if not any(m is inner for m in module.modules()):
         return [module]
-    if next(module.parameters(recurse=False), None) is not None or next(module.buffers(recurse=False), None) is not None:
-        raise VflashError(f"{type(module).__name__} holds tensors of its own beside the decoder layers; they cannot stream")
+    if (
+        next(module.parameters(recurse=False), None) is not None
+        or next(module.buffers(recurse=False), None) is not None
+    ):
+        raise VflashError(
+            f"{type(module).__name__} holds tensors of its own beside the decoder layers; they cannot stream"
+        )
     return [m for child in module.children() for m in _around(child, inner)]
 
 
@@ -204,16 +251,22 @@ class TextConditioner(SerialDeviceOwner):
         device: where `encode` runs; between calls the encoder sits on the CPU (`offload`) unless `keep_on_device`.
             `stream_layers()` streams its decoder layers through the device instead of moving them.
         canvas: the model family's canvas rules (from its `modular_model_index.json`).
+        weight_files: the `text_encoder/` folder the weights were read from, as loaded (what `from_pretrained`
+            passes); None where they came from elsewhere. Only then can the decoder layers stream from their files.
     """
 
-    def __init__(self, text_encoder, tokenizer, image_processor, video_processor=None, device: str | torch.device = "cpu", canvas: CanvasRules | None = None):
+    def __init__(
+        self, text_encoder, tokenizer, image_processor, video_processor=None, device: str | torch.device = "cpu",
+        canvas: CanvasRules | None = None, weight_files: Path | None = None,
+    ):
         base = _base_model(text_encoder)
         layers = len(base.language_model.layers)
         pruned = isinstance(base.language_model.norm, torch.nn.Identity)
         if layers < TEXT_ENCODER_LAYER or (layers == TEXT_ENCODER_LAYER and not pruned):
             raise VflashError(
-                f"H3 conditions on hidden_states[{TEXT_ENCODER_LAYER}] of Qwen3-VL: the text encoder needs more than {TEXT_ENCODER_LAYER} text "
-                f"layers, or exactly {TEXT_ENCODER_LAYER} with the final norm removed (`TextConditioner.from_pretrained` loads it so); this one has {layers}"
+                f"H3 conditions on hidden_states[{TEXT_ENCODER_LAYER}] of Qwen3-VL: the text encoder needs more than "
+                f"{TEXT_ENCODER_LAYER} text layers, or exactly {TEXT_ENCODER_LAYER} with the final norm removed "
+                f"(`TextConditioner.from_pretrained` loads it so); this one has {layers}"
             )
         self.text_encoder = text_encoder.eval()
         self.tokenizer = tokenizer
@@ -221,16 +274,27 @@ class TextConditioner(SerialDeviceOwner):
         self.video_processor = video_processor
         self.device = torch.device(device)
         self.canvas = canvas or CanvasRules()
+        self.weight_files = weight_files
         self.layer_ring: ModuleRing | None = None
         self.memory_plan: MemoryPlan | None = None  # set by `place`: encodes are checked against it
         config = text_encoder.config
-        self._ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in (("start", "<|vision_start|>"), ("end", "<|vision_end|>"), ("image", "<|image_pad|>"), ("video", "<|video_pad|>"))}
+        self._ids = {
+            name: tokenizer.convert_tokens_to_ids(token)
+            for name, token in (
+                ("start", "<|vision_start|>"), ("end", "<|vision_end|>"),
+                ("image", "<|image_pad|>"), ("video", "<|video_pad|>"),
+            )
+        }
         if (self._ids["image"], self._ids["video"]) != (config.image_token_id, config.video_token_id):
-            raise VflashError(f"tokenizer vision pads {self._ids['image']}/{self._ids['video']} differ from the text encoder's {config.image_token_id}/{config.video_token_id}")
+            raise VflashError(
+                f"tokenizer vision pads {self._ids['image']}/{self._ids['video']} differ "
+                f"from the text encoder's {config.image_token_id}/{config.video_token_id}"
+            )
 
     @classmethod
     def from_pretrained(
-        cls, model_root: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, text_encoder_loader: TextEncoderLoader | None = None,
+        cls, model_root: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+        text_encoder_loader: TextEncoderLoader | None = None,
     ) -> TextConditioner:
         """Load `text_encoder/` (layers 0..49, no final norm, no LM head), `tokenizer/` and `processor/` of an official
         model root, offline; the text encoder from `text_encoder_loader(root)` instead when given (module docstring)."""
@@ -245,18 +309,27 @@ class TextConditioner(SerialDeviceOwner):
         if total <= TEXT_ENCODER_LAYER:
             raise VflashError(f"{root / 'text_encoder'}: {total} text layers; H3 needs more than {TEXT_ENCODER_LAYER}")
         if text_encoder_loader is not None:
-            logger.info("text encoder: from the caller's loader, trimmed to %d of %d Qwen3-VL text layers in %s", TEXT_ENCODER_LAYER, total, dtype)
+            logger.info(
+                "text encoder: from the caller's loader, trimmed to %d of %d Qwen3-VL text layers in %s",
+                TEXT_ENCODER_LAYER, total, dtype
+            )
             model = _loaded_text_encoder(text_encoder_loader, root, config, dtype)
         else:
             config.text_config.num_hidden_layers = TEXT_ENCODER_LAYER
-            logger.info("text encoder: loading %d of %d Qwen3-VL text layers in %s (no final norm, no LM head)", TEXT_ENCODER_LAYER, total, dtype)
-            # Weights of the dropped layers and the LM head stay on disk; transformers reports them as unused, as expected.
+            logger.info(
+                "text encoder: loading %d of %d Qwen3-VL text layers in %s (no final norm, no LM head)",
+                TEXT_ENCODER_LAYER, total, dtype
+            )
+            # Weights of the dropped layers and the LM head stay on disk; transformers reports them as unused, as
+            # expected.
             from transformers.utils import logging as hf_logging
 
             previous = hf_logging.get_verbosity()
             hf_logging.set_verbosity_error()
             try:
-                model = Qwen3VLModel.from_pretrained(root / "text_encoder", config=config, dtype=dtype, local_files_only=True)
+                model = Qwen3VLModel.from_pretrained(
+                    root / "text_encoder", config=config, dtype=dtype, local_files_only=True
+                )
                 model.language_model.norm = torch.nn.Identity()
             finally:
                 hf_logging.set_verbosity(previous)
@@ -269,7 +342,10 @@ class TextConditioner(SerialDeviceOwner):
             video_processor = AutoVideoProcessor.from_pretrained(root / "processor", local_files_only=True)
         else:
             logger.info("torchvision is not installed: video references are unavailable (images and audio work)")
-        return cls(model, tokenizer, image_processor, video_processor, device, CanvasRules.from_model_root(root))
+        weight_files = None if text_encoder_loader is not None else root / "text_encoder"
+        return cls(
+            model, tokenizer, image_processor, video_processor, device, CanvasRules.from_model_root(root), weight_files
+        )
 
     # -- ownership ----------------------------------------------------------------------------------------------------
 
@@ -282,16 +358,52 @@ class TextConditioner(SerialDeviceOwner):
             return [self.text_encoder]
         return _around(self.text_encoder, self.decoder_layers())
 
-    def stream_layers(self) -> None:
+    def decoder_layer_files(self) -> list[ItemFiles] | None:
+        """Where each decoder layer's tensors lie in `weight_files`, by the layer's own names; None where a layer cannot
+        be read from them as loaded (no files, a tensor missing, or stored in another dtype or shape)."""
+        if self.weight_files is None:
+            return None
+        store = TensorStore(self.weight_files)  # headers only
+        keys = {(int(m.group(1)), m.group(2)): name for name in store.names if (m := _LAYER_KEY.search(name))}
+        items: list[ItemFiles] = []
+        for index, layer in enumerate(self.decoder_layers()):
+            by_file: dict[Path, dict[str, str]] = {}
+            for name, tensor in module_tensors(layer).items():
+                key = keys.get((index, name))
+                if key is None:
+                    return None
+                info = store.info(key)
+                if info.dtype != tensor.dtype or tuple(info.shape) != tuple(tensor.shape):
+                    return None
+                by_file.setdefault(store.file_path(key), {})[key] = name
+            items.append(list(by_file.items()))
+        return items
+
+    def stream_layers(self, from_files: bool = False) -> None:
         """Stream the decoder layers from now on: their weights move into a pinned host arena (page-locked for a CUDA
         device) and pass through two device slots during each encode. Called before `materialize`, the layers' weights
-        are read from their (memory-mapped) files straight into the arena."""
-        if self.layer_ring is None:
-            self.layer_ring = ModuleRing(list(self.decoder_layers()), pin=self.device.type == "cuda", what="decoder layer")
+        are read from their (memory-mapped) files straight into the arena. With `from_files` they stay in their files
+        instead and are read on every encode (`decoder_layer_files`, refused where that is None)."""
+        if self.layer_ring is not None:
+            return
+        files = None
+        if from_files:
+            files = self.decoder_layer_files()
+            if files is None:
+                raise VflashError(
+                    "the text encoder's decoder layers cannot stream from their files: the weights came from a "
+                    f"text_encoder_loader, or {self.weight_files} holds them in another dtype or layout than loaded; "
+                    "give more host memory (max_host_memory)"
+                )
+        self.layer_ring = ModuleRing(
+            list(self.decoder_layers()), pin=self.device.type == "cuda", what="decoder layer", files=files
+        )
 
     def close(self) -> None:
         """Drop the encoder; the object is unusable afterwards."""
         self.text_encoder = None
+        if self.layer_ring is not None:
+            self.layer_ring.close()
         self.layer_ring = None
         self._host = None
         release_device_memory(self.device)
@@ -303,17 +415,21 @@ class TextConditioner(SerialDeviceOwner):
         return encode_bytes(config.text_config, config.vision_config, tokens, patches, self.text_encoder.dtype.itemsize)
 
     def part_sizes(self) -> PartSizes:
-        """The memory plan's sizes of this encoder: the whole as loaded, its decoder layers (what streams) and the
-        largest of them (one ring slot)."""
+        """The memory plan's sizes of this encoder: the whole as loaded, its decoder layers (what streams), the largest
+        of them (one ring slot), and the layers' bytes that can stream from their files (0: none can)."""
         layers = [module_bytes(layer) for layer in self.decoder_layers()]
-        return PartSizes(encoder=module_bytes(self.text_encoder), encoder_layers=sum(layers), encoder_layer=max(layers))
+        on_disk = sum(layers) if self.decoder_layer_files() is not None else 0
+        return PartSizes(
+            encoder=module_bytes(self.text_encoder), encoder_layers=sum(layers), encoder_layer=max(layers),
+            encoder_layers_on_disk=on_disk,
+        )
 
     def place(self, plan: MemoryPlan) -> None:
         """Take the plan's placement of the encoder (before the weights are read: see `materialize`); each encode is
         checked against the plan from now on."""
         self.keep_on_device = plan.placement.encoder == "resident"
-        if plan.placement.encoder == "stream":
-            self.stream_layers()
+        if plan.placement.encoder in ("stream", "disk-stream"):
+            self.stream_layers(from_files=plan.placement.encoder == "disk-stream")
         self.memory_plan = plan
 
     # -- presentation -------------------------------------------------------------------------------------------------
@@ -331,15 +447,24 @@ class TextConditioner(SerialDeviceOwner):
             return {}, []
         features = self.image_processor(images=images, return_tensors="pt")
         merge = self.image_processor.merge_size**2
-        return {"pixel_values": features["pixel_values"], "image_grid_thw": features["image_grid_thw"]}, [int(g.prod()) // merge for g in features["image_grid_thw"]]
+        vision = {"pixel_values": features["pixel_values"], "image_grid_thw": features["image_grid_thw"]}
+        return vision, [int(g.prod()) // merge for g in features["image_grid_thw"]]
 
-    def keyframe_presentation(self, prompt: str, keyframes: list) -> tuple[list[int], list[int], dict[str, torch.Tensor]]:
+    def keyframe_presentation(
+        self, prompt: str, keyframes: list
+    ) -> tuple[list[int], list[int], dict[str, torch.Tensor]]:
         """Token ids, row tags and vision inputs for t2va (no keyframes) or keyframe requests (canvas-sized images)."""
         vision, counts = self._image_features(keyframes)
-        parts = [part for index, count in enumerate(counts) for part in (self._text(f"<Picture {index + 1}>: "), self._vision("image", count))]
+        parts = [
+            part
+            for index, count in enumerate(counts)
+            for part in (self._text(f"<Picture {index + 1}>: "), self._vision("image", count))
+        ]
         return *_joined(parts + [self._text(prompt)]), vision
 
-    def reference_presentation(self, prompt: str, references: list) -> tuple[list[int], list[int], dict[str, torch.Tensor]]:
+    def reference_presentation(
+        self, prompt: str, references: list
+    ) -> tuple[list[int], list[int], dict[str, torch.Tensor]]:
         """The ref2va presentation of normalised references (diffusers `MiniMaxH3*Reference`s), in request order."""
         vision, image_counts = self._image_features([r.image for r in references if r.kind == "image"])
         videos = [r for r in references if r.kind == "video"]
@@ -347,15 +472,23 @@ class TextConditioner(SerialDeviceOwner):
         video_stamps: list[list[float]] = []
         if videos:
             if self.video_processor is None:
-                raise RequestError("video references need torchvision (for Qwen's video processor), which is not installed")
+                raise RequestError(
+                    "video references need torchvision (for Qwen's video processor), which is not installed"
+                )
             sampled = [sample_video_frames(r.frames, self.video_processor.temporal_patch_size) for r in videos]
             video_stamps = [stamps for _, stamps in sampled]
-            features = self.video_processor(videos=[np.stack(f) for f, _ in sampled], do_sample_frames=False, return_tensors="pt")
-            vision.update(pixel_values_videos=features["pixel_values_videos"], video_grid_thw=features["video_grid_thw"])
+            features = self.video_processor(
+                videos=[np.stack(f) for f, _ in sampled], do_sample_frames=False, return_tensors="pt"
+            )
+            vision.update(
+                pixel_values_videos=features["pixel_values_videos"], video_grid_thw=features["video_grid_thw"]
+            )
             merge = self.video_processor.merge_size**2
             for grid, stamps in zip(features["video_grid_thw"], video_stamps):
                 if int(grid[0]) != len(stamps):
-                    raise VflashError(f"Qwen merged a reference video into {int(grid[0])} blocks; H3 labels {len(stamps)}")
+                    raise VflashError(
+                        f"Qwen merged a reference video into {int(grid[0])} blocks; H3 labels {len(stamps)}"
+                    )
                 video_counts.append(int(grid[1]) * int(grid[2]) // merge)
         parts: list[tuple[list[int], list[int]]] = []
         seen = {"image": 0, "video": 0, "audio": 0}
@@ -410,8 +543,11 @@ class TextConditioner(SerialDeviceOwner):
             ids, tags, vision = self.keyframe_presentation(prompt, list(keyframes or []))
         if self.memory_plan is not None:
             patches = sum(v.shape[0] for k, v in vision.items() if k.startswith("pixel_"))
-            self.memory_plan.check({"encode": self.encode_bytes(len(ids), patches)}, f"this request's text encode ({len(ids)} tokens, {patches} vision patches)",
-                                   "Use a shorter prompt or fewer, smaller references.")
+            self.memory_plan.check(
+                {"encode": self.encode_bytes(len(ids), patches)},
+                f"this request's text encode ({len(ids)} tokens, {patches} vision patches)",
+                "Use a shorter prompt or fewer, smaller references.",
+            )
         with self.on_device():
             embeds = self.encode_tokens(ids, vision)
         return TextConditioning(embeds, torch.tensor(tags, dtype=torch.long), ids)

@@ -1,20 +1,21 @@
 """MP4 delivery through PyAV: H.264 (yuv420p) video and AAC audio, published atomically and never overwriting.
 
 Frames are quantised to 8-bit RGB once (`round(x * 255)`, as diffusers' postprocessing does), converted to yuv420p by
-FFmpeg's swscale (single-threaded, so the output is reproducible) and encoded with libx264; the waveform is encoded with FFmpeg's native AAC encoder. Every
-video frame carries an exact presentation time `i / fps`, so the container holds exactly the frames given.
+FFmpeg's swscale (single-threaded, so the output is reproducible) and encoded with libx264; the waveform is encoded with
+FFmpeg's native AAC encoder. Every video frame carries an exact presentation time `i / fps`, so the container holds
+exactly the frames given.
 
 Three ways to feed the encoder the same 8-bit frames:
 
-* `video_input="file"` (`write_mp4`'s default): the quantised RGB clip is first written to a temporary raw file next to the output
-  and encoded from there (one bounded pass over the frames, then the encoder reads a plain file), with plain I/O both
-  ways: a full disk is an error (`fileio.WriteFailedError`), never a SIGBUS;
+* `video_input="file"` (`write_mp4`'s default): the quantised RGB clip is first written to a temporary raw file next to
+  the output and encoded from there (one bounded pass over the frames, then the encoder reads a plain file), with plain
+  I/O both ways: a full disk is an error (`fileio.WriteFailedError`), never a SIGBUS;
 * `video_input="pipe"`: each frame is quantised and handed to the encoder directly, without the temporary file;
-* `video_input="stream"` (`mp4_stream`; the pipeline's default): the frames arrive part by part while they are still being decoded, are
-  quantised where they were decoded (the same float32 multiply and rounding, so the same bytes), and are converted and
-  encoded on the stream's own thread, so the encoder works while the decoder does; at most `STREAM_QUEUE_PARTS`
-  parts wait for it. The muxer sees the same calls with the same frames in the same order as for a whole clip (every
-  video frame, the flush, then the audio): the encoder gets exactly what `write_mp4` gives it.
+* `video_input="stream"` (`mp4_stream`; the pipeline's default): the frames arrive part by part while they are still
+  being decoded, are quantised where they were decoded (the same float32 multiply and rounding, so the same bytes), and
+  are converted and encoded on the stream's own thread, so the encoder works while the decoder does; at most
+  `STREAM_QUEUE_PARTS` parts wait for it. The muxer sees the same calls with the same frames in the same order as for a
+  whole clip (every video frame, the flush, then the audio): the encoder gets exactly what `write_mp4` gives it.
 
 `video_threads` sets the H.264 encoder's thread count (1-256); `None` leaves FFmpeg's automatic choice. Thread counts
 can change the lossy bitstream, never the frame count or timing. (libx264's bitstream for identical input, even on one
@@ -96,11 +97,16 @@ def _check_frame_size(width: int, height: int, fps: int) -> None:
 
 def _check_soundtrack(waveform: torch.Tensor | np.ndarray, sample_rate: int) -> np.ndarray:
     """(channels, samples) float -> contiguous float32 clipped to [-1, 1]; raises `VflashError` naming the fault."""
-    audio = waveform.detach().cpu().float().numpy() if isinstance(waveform, torch.Tensor) else np.asarray(waveform, dtype=np.float32)
+    if isinstance(waveform, torch.Tensor):
+        audio = waveform.detach().cpu().float().numpy()
+    else:
+        audio = np.asarray(waveform, dtype=np.float32)
     if audio.ndim != 2 or audio.shape[0] not in (1, 2) or audio.shape[1] < 1:
         raise VflashError(f"waveform must be (channels, samples) with 1 or 2 channels, got {list(audio.shape)}")
     if sample_rate not in AAC_SAMPLE_RATES:
-        raise VflashError(f"AAC cannot encode {sample_rate} Hz audio; supported rates: {', '.join(map(str, AAC_SAMPLE_RATES))}")
+        raise VflashError(
+            f"AAC cannot encode {sample_rate} Hz audio; supported rates: {', '.join(map(str, AAC_SAMPLE_RATES))}"
+        )
     return np.ascontiguousarray(np.clip(audio, -1.0, 1.0))
 
 
@@ -126,14 +132,17 @@ class _RawFrames:
     def __getitem__(self, i: int) -> np.ndarray:
         data = os.pread(self.fd, self.frame_bytes, i * self.frame_bytes)
         if len(data) != self.frame_bytes:
-            raise VflashError(f"the raw frames file ended at frame {i} of {self.shape[0]}; it was changed while the clip was encoded")
+            raise VflashError(
+                f"the raw frames file ended at frame {i} of {self.shape[0]}; it was changed while the clip was encoded"
+            )
         return np.frombuffer(data, dtype=np.uint8).reshape(self.shape[1:])
 
 
 @contextlib.contextmanager
 def rgb_frames(frames, shape: tuple[int, ...], video_input: str, destination: Path) -> Iterator:
     """Yields an indexable of uint8 (H, W, 3) frames: a raw temporary file beside `destination`, named for it and this
-    writer (`fileio.temporary`, so a killed run's is removed by the next) ("file"), or per-frame quantisation ("pipe")."""
+    writer (`fileio.temporary`, so a killed run's is removed by the next) ("file"), or per-frame quantisation
+    ("pipe")."""
     if video_input == "pipe":
 
         class _Frames:
@@ -161,7 +170,8 @@ class _Muxer:
     (all video frames, the video flush, then the audio), so equal frames and audio make equal files."""
 
     def __init__(
-        self, target: Path, width: int, height: int, channels: int, sample_rate: int, fps: int, video_threads: int | None,
+        self, target: Path, width: int, height: int, channels: int, sample_rate: int, fps: int,
+        video_threads: int | None,
         metadata: Mapping[str, str],
     ):
         import av
@@ -197,7 +207,9 @@ class _Muxer:
         """Flush the video, encode the (channels, samples) float32 soundtrack, close the file."""
         self.container.mux(self.video.encode(None))
         for start in range(0, audio.shape[1], _AAC_FRAME):
-            chunk = self.av.AudioFrame.from_ndarray(np.ascontiguousarray(audio[:, start : start + _AAC_FRAME]), format="fltp", layout=self.layout)
+            chunk = self.av.AudioFrame.from_ndarray(
+                np.ascontiguousarray(audio[:, start : start + _AAC_FRAME]), format="fltp", layout=self.layout
+            )
             chunk.sample_rate, chunk.pts = self.sample_rate, start
             self.container.mux(self.sound.encode(chunk))
         self.container.mux(self.sound.encode(None))
@@ -346,9 +358,15 @@ def write_mp4(
     check_delivery_options(video_input, video_threads)
     shape, audio = _check_inputs(frames, waveform, sample_rate, fps)
     path = Path(path)
-    with atomic_file(path, overwrite=overwrite, suffix=".mp4") as tmp, rgb_frames(frames, shape, video_input, path) as rgb:
+    with (
+        atomic_file(path, overwrite=overwrite, suffix=".mp4") as tmp,
+        rgb_frames(frames, shape, video_input, path) as rgb,
+    ):
         _encode(tmp, rgb, shape, audio, sample_rate, fps, video_threads, metadata or {})
-    logger.debug("wrote %s: %d frames %dx%d at %d fps, %.3f s of %d Hz audio", path, shape[0], shape[2], shape[1], fps, audio.shape[1] / sample_rate, sample_rate)
+    logger.debug(
+        "wrote %s: %d frames %dx%d at %d fps, %.3f s of %d Hz audio", path, shape[0], shape[2], shape[1], fps,
+        audio.shape[1] / sample_rate, sample_rate
+    )
     return path
 
 
@@ -360,6 +378,8 @@ def probe_mp4(path: str | Path) -> dict[str, object]:
         if not container.streams.video or not container.streams.audio:
             raise VflashError(f"{path}: expected one video and one audio stream")
         video, audio = container.streams.video[0], container.streams.audio[0]
+        if video.average_rate is None or audio.duration is None or audio.time_base is None:
+            raise VflashError(f"{path}: the container gives no video frame rate or no audio duration")
         info = {
             "fps": float(video.average_rate),
             "width": video.codec_context.width,

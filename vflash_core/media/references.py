@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,7 +72,8 @@ class CanvasRules:
                 int(values.get("canvas_max_pixels", default.max_pixels)),
                 int(values.get("reference_image_short_edge", default.reference_image_short_edge)),
             )
-        except (OSError, ValueError, TypeError, AttributeError) as exc:  # unreadable, not JSON, not an object, not numbers
+        except (OSError, ValueError, TypeError, AttributeError) as exc:
+            # unreadable, not JSON, not an object, not numbers
             raise VflashError(f"{index} does not hold the model's canvas rules: {exc}") from None
         if min(rules.short_edge, rules.max_pixels, rules.reference_image_short_edge) <= 0:
             raise VflashError(f"{index}: canvas rules must be positive, got {rules.to_dict()}")
@@ -82,13 +84,16 @@ class CanvasRules:
         return resolve_canvas_size(aspect_width, aspect_height, CANVAS_MULTIPLE, self.short_edge, self.max_pixels)
 
     def to_dict(self) -> dict[str, int]:
-        return {"canvas_short_edge": self.short_edge, "canvas_max_pixels": self.max_pixels, "reference_image_short_edge": self.reference_image_short_edge}
+        return {
+            "canvas_short_edge": self.short_edge, "canvas_max_pixels": self.max_pixels,
+            "reference_image_short_edge": self.reference_image_short_edge
+        }
 
 
 # -- reading -------------------------------------------------------------------------------------------------------
 
 
-def reference_kind(item: str | Path | Image.Image, what: str = "reference") -> str:
+def reference_kind(item: str | os.PathLike[str] | Image.Image, what: str = "reference") -> str:
     """`"image"`, `"video"` or `"audio"` from a PIL image or a file extension."""
     if isinstance(item, Image.Image):
         return "image"
@@ -111,7 +116,7 @@ class MediaProbe:
     has_soundtrack: bool = False
 
 
-def probe_media(item: str | Path | Image.Image, what: str, kind: str | None = None) -> MediaProbe:
+def probe_media(item: str | os.PathLike[str] | Image.Image, what: str, kind: str | None = None) -> MediaProbe:
     """Check a media input before any model loads, from its headers and packet times (no pixels or samples are
     decoded): a readable regular file of a known kind (`kind`, else its extension's) that opens, has the stream it
     needs and stays within the input limits. Raises `RequestError` naming `what`."""
@@ -133,7 +138,10 @@ def _probe_image(path: Path, what: str) -> MediaProbe:
     with Image.open(path) as image:
         width, height = image.size
         if width * height > MAX_INPUT_IMAGE_PIXELS:
-            raise RequestError(f"{what} {path} is {width}x{height} pixels; images of at most {MAX_INPUT_IMAGE_PIXELS / 1e6:.0f} megapixels are accepted")
+            raise RequestError(
+                f"{what} {path} is {width}x{height} pixels; images of at most "
+                f"{MAX_INPUT_IMAGE_PIXELS / 1e6:.0f} megapixels are accepted"
+            )
         orientation = image.getexif().get(_EXIF_ORIENTATION)
     with Image.open(path) as image:  # `verify` must come first after opening, and leaves the image unusable
         image.verify()
@@ -150,15 +158,22 @@ def _probe_stream(path: Path, kind: str, what: str) -> MediaProbe:
         if not streams:
             raise RequestError(f"{what} {path} has no {kind} stream")
         stream = streams[0]
-        frame_bytes = 3 * stream.codec_context.width * stream.codec_context.height if kind == "video" else 0
+        width = height = 0
+        if kind == "video":
+            video = container.streams.video[0]
+            width, height = video.codec_context.width, video.codec_context.height
+        frame_bytes = 3 * width * height
         max_packets = MAX_INPUT_VIDEO_BYTES // frame_bytes if frame_bytes else None
         seconds, packets = _stream_extent(container, stream, max_packets)
         if seconds > MAX_INPUT_SECONDS:
-            raise RequestError(f"{what} {path} lasts more than {MAX_INPUT_SECONDS:g} s; trim it (at most the clip's length is used)")
+            raise RequestError(
+                f"{what} {path} lasts more than {MAX_INPUT_SECONDS:g} s; trim it (at most the clip's length is used)"
+            )
         if max_packets is not None and packets > max_packets:
             raise RequestError(
                 f"{what} {path} decodes to more than {MAX_INPUT_VIDEO_BYTES / GIB:g} GiB of frames "
-                f"({stream.codec_context.width}x{stream.codec_context.height}); trim it to the clip's length or scale it down"
+                f"({width}x{height}); "
+                "trim it to the clip's length or scale it down"
             )
         return MediaProbe(kind, has_soundtrack=kind == "video" and bool(container.streams.audio))
 
@@ -183,14 +198,14 @@ def _stream_extent(container, stream, max_packets: int | None) -> tuple[float, i
     return seconds, packets
 
 
-def load_image(item: str | Path | Image.Image) -> Image.Image:
+def load_image(item: str | os.PathLike[str] | Image.Image) -> Image.Image:
     """An RGB PIL image, EXIF orientation applied (diffusers' `load_image`)."""
     from diffusers.utils import load_image as official_load_image
 
     return official_load_image(item if isinstance(item, Image.Image) else str(item))
 
 
-def load_reference(item: str | Path | Image.Image):
+def load_reference(item: str | os.PathLike[str] | Image.Image):
     """A diffusers `MiniMaxH3*Reference` decoded at the rates the file carries."""
     import diffusers.modular_pipelines.minimax_h3 as h3
 
@@ -274,7 +289,9 @@ def normalize_video_frames(frames, fps: float, num_frames: int, canvas: CanvasRu
     return np.stack([np.asarray(Image.fromarray(f).resize((width, height), Image.Resampling.LANCZOS)) for f in frames])
 
 
-def resample_audio(waveform: torch.Tensor, orig_freq: int, new_freq: int, lowpass_filter_width: int = 6, rolloff: float = 0.99) -> torch.Tensor:
+def resample_audio(
+    waveform: torch.Tensor, orig_freq: int, new_freq: int, lowpass_filter_width: int = 6, rolloff: float = 0.99
+) -> torch.Tensor:
     """Band-limited windowed-sinc resampling (Hann window), torchaudio's `Resample` defaults. (C, S) -> (C, S')."""
     gcd = math.gcd(int(orig_freq), int(new_freq))
     orig, new = int(orig_freq) // gcd, int(new_freq) // gcd
@@ -318,10 +335,19 @@ def normalize_references(references: list, num_frames: int, canvas: CanvasRules,
         if ref.has_audio:
             soundtrack = normalize_soundtrack(ref.audio, ref.sample_rate or sample_rate, sample_rate, seconds)
         if ref.kind == "image":
-            out.append(h3.MiniMaxH3ImageReference(image=normalize_image_reference(ref.image, canvas.reference_image_short_edge)))
+            out.append(
+                h3.MiniMaxH3ImageReference(
+                    image=normalize_image_reference(ref.image, canvas.reference_image_short_edge)
+                )
+            )
         elif ref.kind == "video":
             frames = normalize_video_frames(ref.frames, float(ref.fps), num_frames, canvas)
-            out.append(h3.MiniMaxH3VideoReference(frames=frames, fps=float(FPS), audio=soundtrack, sample_rate=None if soundtrack is None else sample_rate))
+            out.append(
+                h3.MiniMaxH3VideoReference(
+                    frames=frames, fps=float(FPS), audio=soundtrack,
+                    sample_rate=None if soundtrack is None else sample_rate
+                )
+            )
         else:
             out.append(h3.MiniMaxH3AudioReference(audio=soundtrack, sample_rate=sample_rate))
     return out

@@ -29,6 +29,7 @@ import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -76,7 +77,9 @@ def decode_bytes(video_vae, num_frames: int, height: int, width: int, decoder: s
     """
     config = video_vae.config
     geometry = DecodeGeometry.from_vae(video_vae)
-    plan = geometry.plan(video_latent_frames(num_frames), height // geometry.spatial_ratio, width // geometry.spatial_ratio)
+    plan = geometry.plan(
+        video_latent_frames(num_frames), height // geometry.spatial_ratio, width // geometry.spatial_ratio
+    )
     d = config.decoder_num_attention_heads * config.decoder_attention_head_dim
     tokens = plan.window_latents * plan.tile_height * plan.tile_width + config.decoder_num_register_tokens + 1
     vit = tokens * (10 * d + max(20 * d, 8 * config.decoder_ffn_mult * d))
@@ -113,11 +116,12 @@ class MediaVAEs(SerialDeviceOwner):
     """Owns `AutoencoderKLMiniMaxH3` (video) and `AutoencoderKLMiniMaxH3Audio` (audio, always fp32)."""
 
     def __init__(
-        self, video_vae, audio_vae, device: str | torch.device = "cpu", video_decoder: str = "diffusers", peer_device: str | torch.device | None = None
+        self, video_vae, audio_vae, device: str | torch.device = "cpu", video_decoder: str = "diffusers",
+        peer_device: str | torch.device | None = None
     ):
         if video_decoder not in VIDEO_DECODERS:
             raise VflashError(f"unknown video_decoder {video_decoder!r}; choose one of {', '.join(VIDEO_DECODERS)}")
-        self.video_decoder = video_decoder
+        self.video_decoder: str | None = video_decoder  # None once a plan that places no decoder is taken: diffusers
         self.video_vae = video_vae.eval()
         self.audio_vae = audio_vae.eval()
         self.device = torch.device(device)
@@ -127,7 +131,8 @@ class MediaVAEs(SerialDeviceOwner):
 
     @classmethod
     def from_pretrained(
-        cls, decoder_root: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, video_decoder: str = "diffusers",
+        cls, decoder_root: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+        video_decoder: str = "diffusers",
         peer_device: str | torch.device | None = None,
     ) -> MediaVAEs:
         """Load `vae/` and `audio_vae/` from a decoder root (an official model root works), offline.
@@ -140,7 +145,9 @@ class MediaVAEs(SerialDeviceOwner):
 
         root = Path(decoder_root).resolve()
         device = torch.device(device)
-        video = AutoencoderKLMiniMaxH3.from_pretrained(root / "vae", torch_dtype=dtype or default_dtype(device), local_files_only=True)
+        video = AutoencoderKLMiniMaxH3.from_pretrained(
+            root / "vae", torch_dtype=dtype or default_dtype(device), local_files_only=True
+        )
         audio = AutoencoderKLMiniMaxH3Audio.from_pretrained(root / "audio_vae", local_files_only=True)
         return cls(video, audio, device, video_decoder, peer_device)
 
@@ -193,7 +200,9 @@ class MediaVAEs(SerialDeviceOwner):
         mean, std, device = self._stats(self.video_vae, (1, -1, 1, 1, 1))
         # Copies only when the array is not contiguous or read-only (as `np.asarray` of a PIL image is).
         pixels = torch.from_numpy(np.require(frames, requirements=["C", "W"])).to(device).permute(3, 0, 1, 2)[None]
-        pixel_mean, pixel_std = (torch.tensor(stats, device=device).view(1, -1, 1, 1, 1) for stats in (PIXEL_MEAN, PIXEL_STD))
+        pixel_mean, pixel_std = (
+            torch.tensor(stats, device=device).view(1, -1, 1, 1, 1) for stats in (PIXEL_MEAN, PIXEL_STD)
+        )
         pixels = (pixels.to(torch.float32).div(255.0) - pixel_mean) / pixel_std
         posterior = self.video_vae.encode(pixels, return_dict=False)[0]
         latents = posterior.sample(generator=torch.Generator().manual_seed(CONDITION_ENCODE_SEED))
@@ -215,7 +224,9 @@ class MediaVAEs(SerialDeviceOwner):
         (f, H, W, 3) in [0, 1], applied on the device (the same ops per element on a window as on the whole video)."""
         mean, std, device = self._stats(self.video_vae, (1, -1, 1, 1, 1))
         latents = video_latents.to(device) * std.to(device) + mean.to(device)
-        pixel_mean, pixel_std = (torch.tensor(stats, device=device).view(1, -1, 1, 1, 1) for stats in (PIXEL_MEAN, PIXEL_STD))
+        pixel_mean, pixel_std = (
+            torch.tensor(stats, device=device).view(1, -1, 1, 1, 1) for stats in (PIXEL_MEAN, PIXEL_STD)
+        )
 
         def unit_frames(video: torch.Tensor) -> torch.Tensor:
             return (video.float() * pixel_std + pixel_mean).clamp(0, 1)[0].permute(1, 2, 3, 0)
@@ -227,7 +238,9 @@ class MediaVAEs(SerialDeviceOwner):
         return NativeVideoDecoder.from_vae(self.video_vae, devices)
 
     @torch.no_grad()
-    def decode_video(self, video_latents: torch.Tensor, between_blocks: Callable[[], None] | None = None) -> torch.Tensor:
+    def decode_video(
+        self, video_latents: torch.Tensor, between_blocks: Callable[[], None] | None = None
+    ) -> torch.Tensor:
         """(1, C, F, h, w) normalised -> (F', 16h, 16w, 3) float32 in [0, 1] on the CPU, F' = 17 n + 5 for F = 5 n + 2.
         `between_blocks()` runs before each ViT decoder block (it may raise to abandon the decode)."""
         latents, unit_frames = self._video_decode(video_latents)
@@ -246,7 +259,9 @@ class MediaVAEs(SerialDeviceOwner):
         return frames
 
     @torch.no_grad()
-    def stream_video(self, video_latents: torch.Tensor, sink: FrameSink, between_blocks: Callable[[], None] | None = None) -> int:
+    def stream_video(
+        self, video_latents: torch.Tensor, sink: FrameSink, between_blocks: Callable[[], None] | None = None
+    ) -> int:
         """`decode_video`'s frames handed to `sink(start, frames)` on the decoding device instead of returned: the
         native decoder's window by window as each completes, diffusers' once; returns the frame count F'."""
         latents, unit_frames = self._video_decode(video_latents)
@@ -274,14 +289,16 @@ class MediaVAEs(SerialDeviceOwner):
 
 
 @contextlib.contextmanager
-def calling_between_blocks(decoder: torch.nn.Module, between_blocks: Callable[[], None] | None) -> Iterator[None]:
+def calling_between_blocks(decoder: Any, between_blocks: Callable[[], None] | None) -> Iterator[None]:
     """Inside the `with`, `between_blocks()` runs before each of `decoder.transformer_blocks` (the H3 ViT
     decoder's, in diffusers' and in ComfyUI core's VAE alike) through forward pre-hooks that return nothing, so the
     blocks' inputs are untouched; the hooks are removed on exit, whatever happened."""
     if between_blocks is None:
         yield
         return
-    handles = [block.register_forward_pre_hook(lambda module, args: between_blocks()) for block in decoder.transformer_blocks]
+    handles = [
+        block.register_forward_pre_hook(lambda module, args: between_blocks()) for block in decoder.transformer_blocks
+    ]
     try:
         yield
     finally:

@@ -20,12 +20,12 @@ What the decode computes (diffusers 0.42.1's `decode`; its windows, tiles, blend
 
 What this module changes is only how the work is issued:
 
-* `windows_per_call` tile-windows run as one ViT call: their token rows stacked, so every linear layer is one GEMM
-  over all of them, and attention one call with the tile-windows as its batch dimension. Row blocks of a GEMM do not
+* `windows_per_call` tile-windows run as one ViT call: their token rows stacked, so every linear layer is one GEMM over
+  all of them, and attention one call with the tile-windows as its batch dimension. Row blocks of a GEMM do not
   interact, so this is the per-tile-window result wherever the GEMM computes a row the same way whatever the row count
-  (MKL and oneDNN on the CPU do for these shapes, tested; on an H200, cuBLAS does for bf16 weights, tested, but not
-  for fp32 ones, whose results moved by up to 3e-6, so with fp32 weights on a GPU the default is one tile-window per
-  call: `windows_per_call=1` issues exactly the reference's shapes). Elementwise work and the norms are per element or per
+  (MKL and oneDNN on the CPU do for these shapes, tested; on an H200, cuBLAS does for bf16 weights, tested, but not for
+  fp32 ones, whose results moved by up to 3e-6, so with fp32 weights on a GPU the default is one tile-window per call:
+  `windows_per_call=1` issues exactly the reference's shapes). Elementwise work and the norms are per element or per
   row; attention is per batch item and head.
 * A window is stitched, cross-faded and handed to the sink as soon as its last tile is decoded, so device memory is
   bounded by the calls in flight, one window's tiles and clip, and the cross-fade frames, whatever the clip length.
@@ -47,7 +47,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +55,10 @@ import torch.nn.functional as F
 from ..engine.attention import resolve_attention
 from ..engine.model import AttentionFn, apply_rotary
 from ..errors import VflashError
+
+if TYPE_CHECKING:
+    from diffusers import AutoencoderKLMiniMaxH3
+    from diffusers.models.autoencoders.autoencoder_kl_minimax_h3 import MiniMaxH3VideoTransformerBlock
 
 __all__ = [
     "CALLS_IN_FLIGHT_PER_DEVICE", "DEFAULT_WINDOWS_PER_CALL", "DecodeGeometry", "DecoderWeights", "NativeVideoDecoder",
@@ -156,18 +160,23 @@ class DecodeGeometry:
     min_overlap_width: int
 
     @classmethod
-    def from_vae(cls, vae: torch.nn.Module) -> DecodeGeometry:
+    def from_vae(cls, vae: AutoencoderKLMiniMaxH3) -> DecodeGeometry:
         """Read from an `AutoencoderKLMiniMaxH3` (its current tiling settings included)."""
         geometry = cls(
             spatial_ratio=int(vae.spatial_compression_ratio), temporal_ratio=int(vae.temporal_compression_ratio),
-            window_stride=int(vae.tokens_chunk_size), window_overlap=int(vae.token_overlap), token_drop=int(vae.config.token_drop),
-            clip_length=int(vae.config.clip_length), frame_pre_padding=int(vae.frame_pre_padding), frame_overlap=int(vae.frame_overlap),
-            tiled=bool(vae.use_tiling), tile_height=int(vae.tile_sample_min_height), tile_width=int(vae.tile_sample_min_width),
-            min_overlap_height=int(vae.tile_sample_min_overlap_height), min_overlap_width=int(vae.tile_sample_min_overlap_width),
+            window_stride=int(vae.tokens_chunk_size), window_overlap=int(vae.token_overlap),
+            token_drop=int(vae.config.token_drop), clip_length=int(vae.config.clip_length),
+            frame_pre_padding=int(vae.frame_pre_padding), frame_overlap=int(vae.frame_overlap),
+            tiled=bool(vae.use_tiling), tile_height=int(vae.tile_sample_min_height),
+            tile_width=int(vae.tile_sample_min_width), min_overlap_height=int(vae.tile_sample_min_overlap_height),
+            min_overlap_width=int(vae.tile_sample_min_overlap_width),
         )
         # With fewer dropped tokens than a chunk, every window ends inside the padded latents, so all have one length.
         if not 0 <= geometry.token_drop < geometry.window_stride:
-            raise VflashError(f"video VAE geometry not supported: token_drop {geometry.token_drop} with chunks of {geometry.window_stride}")
+            raise VflashError(
+                f"video VAE geometry not supported: token_drop {geometry.token_drop} "
+                f"with chunks of {geometry.window_stride}"
+            )
         return geometry
 
     def clip_parts(self, clip_frames: int) -> tuple[range, range | None]:
@@ -200,12 +209,14 @@ class DecodeGeometry:
             # `temporal_ratio`; the repeated latents' frames are cut.
             intra_tail = self.clip_length % self.temporal_ratio
             frames -= sum(
-                intra_tail if intra_tail and (latent_frames + k) % stride == 0 else self.temporal_ratio for k in range(pad_tokens)
+                intra_tail if intra_tail and (latent_frames + k) % stride == 0 else self.temporal_ratio
+                for k in range(pad_tokens)
             )
         return DecodePlan(
-            latent_frames=latent_frames, window_starts=tuple(i * stride for i in range(num_windows)), window_latents=window_latents,
-            row_starts=tuple(r // ratio for r in rows), col_starts=tuple(c // ratio for c in cols), tile_height=tile_h // ratio,
-            tile_width=tile_w // ratio, height_overlaps=tuple(h_overlaps), width_overlaps=tuple(w_overlaps), output_frames=frames,
+            latent_frames=latent_frames, window_starts=tuple(i * stride for i in range(num_windows)),
+            window_latents=window_latents, row_starts=tuple(r // ratio for r in rows),
+            col_starts=tuple(c // ratio for c in cols), tile_height=tile_h // ratio, tile_width=tile_w // ratio,
+            height_overlaps=tuple(h_overlaps), width_overlaps=tuple(w_overlaps), output_frames=frames,
             pixel_height=height, pixel_width=width,
         )
 
@@ -213,7 +224,7 @@ class DecodeGeometry:
 # -- weights ----------------------------------------------------------------------------------------------------------
 
 
-def _moved(value: object, device: torch.device, copy: bool) -> object:
+def _moved(value: Any, device: torch.device, copy: bool) -> Any:
     if isinstance(value, torch.Tensor):
         return value.to(device, copy=copy)
     if isinstance(value, tuple):
@@ -246,13 +257,13 @@ class BlockWeights:
     scale2: torch.Tensor
 
     @classmethod
-    def from_module(cls, block: torch.nn.Module) -> BlockWeights:
+    def from_module(cls, block: MiniMaxH3VideoTransformerBlock) -> BlockWeights:
         attn, ff = block.attn, block.ff.net
         return cls(
-            norm1=block.norm1.weight, to_q=attn.to_q.weight, to_q_bias=attn.to_q.bias, to_k=attn.to_k.weight, to_k_bias=attn.to_k.bias,
-            to_v=attn.to_v.weight, to_v_bias=attn.to_v.bias, to_out=attn.to_out[0].weight, to_out_bias=attn.to_out[0].bias,
-            scale1=block.scale1, norm2=block.norm2.weight, ff_in=ff[0].proj.weight, ff_in_bias=ff[0].proj.bias,
-            ff_out=ff[2].weight, ff_out_bias=ff[2].bias, scale2=block.scale2,
+            norm1=block.norm1.weight, to_q=attn.to_q.weight, to_q_bias=attn.to_q.bias, to_k=attn.to_k.weight,
+            to_k_bias=attn.to_k.bias, to_v=attn.to_v.weight, to_v_bias=attn.to_v.bias, to_out=attn.to_out[0].weight,
+            to_out_bias=attn.to_out[0].bias, scale1=block.scale1, norm2=block.norm2.weight, ff_in=ff[0].proj.weight,
+            ff_in_bias=ff[0].proj.bias, ff_out=ff[2].weight, ff_out_bias=ff[2].bias, scale2=block.scale2,
         )
 
 
@@ -281,21 +292,23 @@ class DecoderWeights:
     out_channels: int
 
     @classmethod
-    def from_vae(cls, vae: torch.nn.Module) -> DecoderWeights:
+    def from_vae(cls, vae: AutoencoderKLMiniMaxH3) -> DecoderWeights:
         """The tensors `vae` holds now (read them again after the module moves: offloading re-points its parameters)."""
         for name, module in vae.named_modules():
             if hasattr(module, "_diffusers_hook") or hasattr(module, "_hf_hook"):
                 raise VflashError(
-                    f"the native video decode reads the VAE's weights directly; {name or 'the VAE'} has a forward hook (layerwise casting or offload)"
+                    "the native video decode reads the VAE's weights directly; "
+                    f"{name or 'the VAE'} has a forward hook (layerwise casting or offload)"
                 )
         dec = vae.decoder
         block = dec.transformer_blocks[0]
         return cls(
             post_quant_conv=vae.post_quant_conv.weight, post_quant_conv_bias=vae.post_quant_conv.bias,
-            proj_in=dec.proj_in.weight, proj_in_bias=dec.proj_in.bias, register_tokens=dec.register_tokens, inv_freq=dec.rope.inv_freq,
-            blocks=tuple(BlockWeights.from_module(b) for b in dec.transformer_blocks), norm_out=dec.norm_out.weight,
-            norm_out_bias=dec.norm_out.bias, proj_out=dec.proj_out.weight, proj_out_bias=dec.proj_out.bias, heads=int(block.attn.heads),
-            norm_eps=block.norm1.eps, qk_norm_eps=block.attn.norm_q.eps, norm_out_eps=float(dec.norm_out.eps), patch_size=int(dec.patch_size),
+            proj_in=dec.proj_in.weight, proj_in_bias=dec.proj_in.bias, register_tokens=dec.register_tokens,
+            inv_freq=dec.rope.inv_freq, blocks=tuple(BlockWeights.from_module(b) for b in dec.transformer_blocks),
+            norm_out=dec.norm_out.weight, norm_out_bias=dec.norm_out.bias, proj_out=dec.proj_out.weight,
+            proj_out_bias=dec.proj_out.bias, heads=int(block.attn.heads), norm_eps=block.norm1.eps,
+            qk_norm_eps=block.attn.norm_q.eps, norm_out_eps=float(dec.norm_out.eps), patch_size=int(dec.patch_size),
             patch_size_t=int(dec.patch_size_t), out_channels=int(dec.out_channels),
         )
 
@@ -333,7 +346,9 @@ class DecoderOps:
         """RMSNorm of the (W, S, D) stream in fp32, rounded to `dtype`."""
         return F.rms_norm(x.float(), (x.shape[-1],), weight, eps).to(dtype)
 
-    def qk_norm_rope(self, q: torch.Tensor, k: torch.Tensor, eps: float | None, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def qk_norm_rope(
+        self, q: torch.Tensor, k: torch.Tensor, eps: float | None, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(W, S, heads, Dh) q and k: unweighted RMSNorm per head in fp32, rounded back, then rotary (rotate-half) over
         the leading `cos.shape[-1]` channels; cos/sin (1, S, 1, R) in q's dtype."""
         return (apply_rotary(self.norm(q, None, eps, q.dtype), cos, sin),
@@ -344,13 +359,18 @@ class DecoderOps:
         return self.attend_fn(q, k, v).flatten(2, 3)
 
 
-def rotary(w: DecoderWeights, frames: int, height: int, width: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary(
+    w: DecoderWeights, frames: int, height: int, width: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin (1, S, 1, R) in `dtype` for a (frames, height, width) tile-window: each axis' coordinates normalised to
     [-1, 1) at voxel centres, times 2 pi inv_freq, [t | h | w] angles duplicated; register and zero tokens at 0.
 
     Computed once per shape on the device, exactly as the reference computes them per tile (batch 1, fp32)."""
     device = w.device
-    grids = [2.0 * (torch.arange(0.5, size, dtype=torch.float32, device=device) / size) - 1.0 for size in (frames, height, width)]
+    grids = [
+        2.0 * (torch.arange(0.5, size, dtype=torch.float32, device=device) / size) - 1.0
+        for size in (frames, height, width)
+    ]
     positions = torch.stack(torch.meshgrid(*grids, indexing="ij"), dim=-1).flatten(0, 2).unsqueeze(0)
     positions = torch.cat([positions, positions.new_zeros((1, w.register_tokens.shape[1] + 1, 3))], dim=1)
     angles = 2.0 * math.pi * positions[:, :, :, None] * w.inv_freq[None, None, None, :]
@@ -358,12 +378,17 @@ def rotary(w: DecoderWeights, frames: int, height: int, width: int, dtype: torch
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def block(b: BlockWeights, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], w: DecoderWeights, ops: DecoderOps) -> torch.Tensor:
+def block(
+    b: BlockWeights, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], w: DecoderWeights, ops: DecoderOps
+) -> torch.Tensor:
     """(W, S, D) stream -> the next one, fp32 (the first block's input is in `proj_in`'s dtype): attention, then the
     SwiGLU feed-forward (`ff_in` gives [value | gate]; value * silu(gate) in the compute dtype), each on the normalised
     stream and added as `h + y * scale` with the fp32 scale (the product rounds in fp32, then the sum)."""
     x = ops.norm(h, b.norm1, w.norm_eps, w.compute_dtype)
-    q, k, v = (F.linear(x, weight, bias).unflatten(2, (w.heads, -1)) for weight, bias in ((b.to_q, b.to_q_bias), (b.to_k, b.to_k_bias), (b.to_v, b.to_v_bias)))
+    q, k, v = (
+        F.linear(x, weight, bias).unflatten(2, (w.heads, -1))
+        for weight, bias in ((b.to_q, b.to_q_bias), (b.to_k, b.to_k_bias), (b.to_v, b.to_v_bias))
+    )
     q, k = ops.qk_norm_rope(q, k, w.qk_norm_eps, *rope)
     h = h + F.linear(ops.attend(q, k, v), b.to_out, b.to_out_bias) * b.scale1
     value, gate = F.linear(ops.norm(h, b.norm2, w.norm_eps, w.compute_dtype), b.ff_in, b.ff_in_bias).chunk(2, dim=-1)
@@ -412,7 +437,9 @@ def blend(a: torch.Tensor, b: torch.Tensor, extent: int, dim: int) -> torch.Tens
     return torch.cat([blended, b.narrow(dim, extent, b.shape[dim] - extent)], dim=dim)
 
 
-def stitch(tiles: list[list[torch.Tensor]], height_overlaps: Sequence[int], width_overlaps: Sequence[int]) -> torch.Tensor:
+def stitch(
+    tiles: list[list[torch.Tensor]], height_overlaps: Sequence[int], width_overlaps: Sequence[int]
+) -> torch.Tensor:
     """Tiles (1, 3, f, th, tw), row by row, into one (1, 3, f, H, W) clip: each tile blended with the tile above and
     then the tile to its left (both as decoded) over their overlaps (pixels), then cut where the next tile begins."""
     rows = []
@@ -515,16 +542,24 @@ class PeerPart:
     """One contiguous part of the calls decoded on a device other than the first, on a host thread of its own; each
     call's tiles are staged in host memory until the first device takes them (`results`), in order."""
 
-    def __init__(self, decoder: NativeVideoDecoder, index: int, z: torch.Tensor, plan: DecodePlan, calls: list[list[TileWindow]]):
+    def __init__(
+        self, decoder: NativeVideoDecoder, index: int, z: torch.Tensor, plan: DecodePlan, calls: list[list[TileWindow]]
+    ):
         self.outbox: queue.SimpleQueue[StagedCall | BaseException | None] = queue.SimpleQueue()
         self.stopping = threading.Event()
         # The part's own copy of the latents, made before the first device's work is queued: reading them on their
         # device from the thread would queue each read behind that work.
         latents = z.to(decoder.weights[index].device, copy=True)
-        self.thread = threading.Thread(target=self._run, args=(decoder, index, latents, plan, calls), name=f"vae-decode-device-{index}", daemon=True)
+        self.thread = threading.Thread(
+            target=self._run, args=(decoder, index, latents, plan, calls), name=f"vae-decode-device-{index}",
+            daemon=True
+        )
         self.thread.start()
 
-    def _run(self, decoder: NativeVideoDecoder, index: int, latents: torch.Tensor, plan: DecodePlan, calls: list[list[TileWindow]]) -> None:
+    def _run(
+        self, decoder: NativeVideoDecoder, index: int, latents: torch.Tensor, plan: DecodePlan,
+        calls: list[list[TileWindow]]
+    ) -> None:
         try:
             with torch.no_grad(), _device_context(decoder.weights[index].device):
                 for batch, pixels in decoder._calls(index, latents, plan, calls):
@@ -575,8 +610,8 @@ class NativeVideoDecoder:
 
     @classmethod
     def from_vae(
-        cls, vae: torch.nn.Module, devices: Sequence[str | torch.device] = (), attention: str = DEFAULT_ATTENTION,
-        windows_per_call: int | None = None,
+        cls, vae: AutoencoderKLMiniMaxH3, devices: Sequence[str | torch.device] = (),
+        attention: str = DEFAULT_ATTENTION, windows_per_call: int | None = None,
     ) -> NativeVideoDecoder:
         """Decode with `vae`'s own tensors on its device, or on each of `devices` (the first one stitches): the
         module's tensors where it is, a replica of them on every other device."""
@@ -613,12 +648,16 @@ class NativeVideoDecoder:
         timeline = Timeline(self.geometry, plan, sink)
         # The tile-windows of each ViT call, in order, `windows_per_call` at a time (the last call may have fewer).
         items, per_call = plan.tile_windows(), self.windows_per_call
-        parts = split_calls([items[first : first + per_call] for first in range(0, len(items), per_call)], len(self.weights))
+        parts = split_calls(
+            [items[first : first + per_call] for first in range(0, len(items), per_call)], len(self.weights)
+        )
         grid: dict[TileWindow, torch.Tensor] = {}
         peers = [PeerPart(self, index, z, plan, part) for index, part in enumerate(parts[1:], start=1)]
         try:
             # The one-device order: the first device's own part, then each peer's part as it is staged.
-            in_order = itertools.chain(self._calls(0, z, plan, parts[0], between_blocks), *(peer.results() for peer in peers))
+            in_order = itertools.chain(
+                self._calls(0, z, plan, parts[0], between_blocks), *(peer.results() for peer in peers)
+            )
             for batch, pixels in in_order:
                 if between_blocks is not None:
                     between_blocks()
@@ -630,7 +669,8 @@ class NativeVideoDecoder:
         return output
 
     def _calls(
-        self, index: int, z: torch.Tensor, plan: DecodePlan, calls: list[list[TileWindow]], between_blocks: Callable[[], None] | None = None,
+        self, index: int, z: torch.Tensor, plan: DecodePlan, calls: list[list[TileWindow]],
+        between_blocks: Callable[[], None] | None = None,
     ) -> Iterator[tuple[list[TileWindow], torch.Tensor]]:
         """`calls` on device `index`, in order, each as (tile-windows, pixels there); up to `CALLS_IN_FLIGHT_PER_DEVICE`
         further calls are launched before a call's pixels are handed on."""
@@ -644,7 +684,8 @@ class NativeVideoDecoder:
         yield from in_flight
 
     def _decode_call(
-        self, index: int, z: torch.Tensor, plan: DecodePlan, batch: list[TileWindow], rope: tuple[torch.Tensor, torch.Tensor],
+        self, index: int, z: torch.Tensor, plan: DecodePlan, batch: list[TileWindow],
+        rope: tuple[torch.Tensor, torch.Tensor],
         between_blocks: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         """One ViT call on device `index`: (len(batch), 3, pt T, p th, p tw) pixels there."""
@@ -661,11 +702,17 @@ class NativeVideoDecoder:
             tiles.append(F.conv3d(tile, w.post_quant_conv, w.post_quant_conv_bias))
         return decode_tile_windows(w, torch.cat(tiles), rope, self.ops[index], between_blocks)
 
-    def _collect(self, batch: list[TileWindow], pixels: torch.Tensor, plan: DecodePlan, grid: dict[TileWindow, torch.Tensor], timeline: Timeline) -> None:
+    def _collect(
+        self, batch: list[TileWindow], pixels: torch.Tensor, plan: DecodePlan, grid: dict[TileWindow, torch.Tensor],
+        timeline: Timeline
+    ) -> None:
         """File a call's tiles on the first device; stitch and hand on each window whose last tile this was."""
         pixels = pixels.to(self.weights[0].device)
         for i, item in enumerate(batch):
             grid[item] = pixels[i : i + 1]
             if len(grid) == plan.tiles_per_window:
-                rows = [[grid.pop(TileWindow(item.window, r, c)) for c in range(len(plan.col_starts))] for r in range(len(plan.row_starts))]
+                rows = [
+                    [grid.pop(TileWindow(item.window, r, c)) for c in range(len(plan.col_starts))]
+                    for r in range(len(plan.row_starts))
+                ]
                 timeline.add(stitch(rows, plan.height_overlaps, plan.width_overlaps))

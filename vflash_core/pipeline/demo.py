@@ -48,7 +48,10 @@ def _family_key() -> str:
     """Changes whenever what the demo builds changes, so an old cache is never reused for a new family."""
     from ..engine.config import PRESETS
 
-    spec = {"family": asdict(DEMO_FAMILY), "transformer": PRESETS[DEMO_FAMILY.transformer], "profile": DEMO_PROFILE, "version": __version__}
+    spec = {
+        "family": asdict(DEMO_FAMILY), "transformer": PRESETS[DEMO_FAMILY.transformer], "profile": DEMO_PROFILE,
+        "version": __version__
+    }
     return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
@@ -88,8 +91,12 @@ def ensure_demo_assets(cache_dir: str | Path | None = None, progress=None) -> Pa
         try:
             cache.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            reason = "it or a folder above it is a file" if isinstance(exc, (FileExistsError, NotADirectoryError)) else exc.strerror
-            raise VflashError(f"the demo model cache {cache} cannot be created: {reason}; give --cache-dir (or $VFLASH_CACHE) a folder") from None
+            folder_is_file = isinstance(exc, (FileExistsError, NotADirectoryError))
+            reason = "it or a folder above it is a file" if folder_is_file else exc.strerror
+            raise VflashError(
+                f"the demo model cache {cache} cannot be created: {reason}; "
+                "give --cache-dir (or $VFLASH_CACHE) a folder"
+            ) from None
         start = time.perf_counter()
         tmp = temporary(final, directory=True)  # named for this process: a killed build's is removed by the next
         try:
@@ -122,7 +129,10 @@ def _free_output(name: str = "demo.mp4") -> Path:
     return path
 
 
-def run_demo(output: str | Path | None = None, overwrite: bool = False, cache_dir: str | Path | None = None, progress=None, options: RunOptions | None = None):
+def run_demo(
+    output: str | Path | None = None, overwrite: bool = False, cache_dir: str | Path | None = None, progress=None,
+    options: RunOptions | None = None
+):
     """Generate the demo clip; returns (VideoResult, info) with `built` (whether this call built the family),
     `build_seconds`, `initialization_seconds` and the `receipt`. Without `output`, writes the first free name of
     demo.mp4, demo-2.mp4, ..."""
@@ -142,4 +152,7 @@ def run_demo(output: str | Path | None = None, overwrite: bool = False, cache_di
         pipeline.validate(request)
         pipeline.load(progress)
         result = pipeline.generate(request, target, overwrite=overwrite, progress=progress)
-        return result, {"built": built, "build_seconds": build, "initialization_seconds": pipeline.initialization_seconds, "receipt": str(receipt)}
+        return result, {
+            "built": built, "build_seconds": build, "initialization_seconds": pipeline.initialization_seconds,
+            "receipt": str(receipt)
+        }

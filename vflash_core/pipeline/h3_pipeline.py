@@ -536,14 +536,16 @@ class H3Pipeline:
                 loaded.append(vaes)
                 report("load", 2, total)
                 cap = cap_bytes(options.max_device_memory)
-                if primary.type != "cuda" and cap is None:  # nothing to plan: everything stays in host memory
+                host_budget = cap_bytes(options.max_host_memory, "max_host_memory")
+                if primary.type != "cuda" and cap is None:  # nothing to plan: everything stays in host memory (RunOptions
+                    # refuses a host budget there)
                     plan = None
                     conditioner.keep_on_device = vaes.keep_on_device = options.encoder_residency == "resident"
                 else:
                     largest = largest_request(assets.profile, compiled.config, conditioner, vaes, assets.canvas)
                     devices = [primary] + ([peer] if peer is not None else [])
                     sizes = compiled.part_sizes() + conditioner.part_sizes() + vaes.part_sizes()
-                    plan = plan_memory(sizes, largest, devices, cap, weight_residency, options.encoder_residency)
+                    plan = plan_memory(sizes, largest, devices, cap, weight_residency, options.encoder_residency, host_budget=host_budget)
                     conditioner.place(plan)
                     vaes.place(plan)
                 session = NativeEngineSession(

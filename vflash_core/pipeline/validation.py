@@ -29,7 +29,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import PIL.Image
 
@@ -53,7 +53,8 @@ from .model_loading import MODEL_LOAD_LOCK
 __all__ = [
     "ANCHORS", "MAX_PROMPT_BYTES", "PIXELS", "SECONDS", "SEED", "MediaInput", "PromptBudget", "RequestPlan",
     "VideoRequest", "check_canvas_size", "check_generate_arguments", "check_labels", "check_output_is_not_an_input",
-    "check_prompt", "check_reference_counts", "check_seed", "media_input", "media_inputs", "plan_inputs", "plan_request",
+    "check_prompt", "check_reference_counts", "check_seed", "media_input", "media_inputs", "plan_inputs",
+    "plan_request",
     "request_mode",
 ]
 
@@ -121,7 +122,8 @@ def check_output_is_not_an_input(output: str | os.PathLike, inputs: dict[str, ob
 
 
 def check_generate_arguments(
-    request: VideoRequest, output: object, overwrite: object, progress: object = None, cancel: object = None, preview: object = None,
+    request: VideoRequest, output: object, overwrite: object, progress: object = None, cancel: object = None,
+    preview: object = None,
 ) -> None:
     """The arguments of `H3Pipeline.generate` besides the request, checked before anything loads: the output a
     writable file path that is none of the request's inputs, `overwrite` a bool, the callbacks callable."""
@@ -132,7 +134,8 @@ def check_generate_arguments(
     check_callback(preview, "preview")
     if output is not None:
         path_argument(output, "the output path")
-        check_writable_destination(output, overwrite)  # as given: a trailing "/" names a folder
+        # as given (path_argument checked it is a str or os.PathLike): a trailing "/" names a folder
+        check_writable_destination(cast("str | os.PathLike[str]", output), overwrite)
         inputs = {f"{anchor} frame": item for anchor, item in request.keyframes.items()}
         inputs.update({f"reference {index + 1}": item for index, item in enumerate(request.references)})
         check_output_is_not_an_input(output, inputs)  # type: ignore[arg-type]
@@ -214,9 +217,13 @@ class PromptBudget:
         try:
             context = json.loads(config.read_text(encoding="utf-8"))["text_config"]["max_position_embeddings"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise VflashError(f"{config} does not give the text encoder's context (text_config.max_position_embeddings): {exc}") from None
+            raise VflashError(
+                f"{config} does not give the text encoder's context (text_config.max_position_embeddings): {exc}"
+            ) from None
         if not is_positive(context):
-            raise VflashError(f"{config}: text_config.max_position_embeddings must be a positive integer, got {context!r}")
+            raise VflashError(
+                f"{config}: text_config.max_position_embeddings must be a positive integer, got {context!r}"
+            )
         folder = root / "tokenizer"
 
         def load() -> Any:
@@ -239,7 +246,9 @@ class PromptBudget:
                 try:
                     self._tokenizer = self._load_tokenizer()
                 except (OSError, ValueError) as exc:
-                    raise VflashError(f"cannot load the model's tokenizer to count the prompt's tokens: {exc}") from None
+                    raise VflashError(
+                        f"cannot load the model's tokenizer to count the prompt's tokens: {exc}"
+                    ) from None
             return len(self._tokenizer(prompt, add_special_tokens=False)["input_ids"])
 
     def check(self, prompt: str) -> None:
@@ -260,11 +269,18 @@ def check_prompt(prompt: object, budget: PromptBudget | None = None) -> None:
     try:
         size = len(prompt.encode("utf-8"))
     except UnicodeEncodeError as exc:
-        raise RequestError(f"the prompt is not valid Unicode text (a lone surrogate at character {exc.start})") from None
+        raise RequestError(
+            f"the prompt is not valid Unicode text (a lone surrogate at character {exc.start})"
+        ) from None
     if "\x00" in prompt:
-        raise RequestError(f"the prompt holds a NUL character (at character {prompt.index(chr(0))}); give plain text, not a binary file")
+        raise RequestError(
+            f"the prompt holds a NUL character (at character {prompt.index(chr(0))}); "
+            "give plain text, not a binary file"
+        )
     if size > MAX_PROMPT_BYTES:
-        raise RequestError(f"the prompt is {size:,} bytes long; prompts of at most {MAX_PROMPT_BYTES:,} bytes are accepted")
+        raise RequestError(
+            f"the prompt is {size:,} bytes long; prompts of at most {MAX_PROMPT_BYTES:,} bytes are accepted"
+        )
     if budget is not None:
         budget.check(prompt)
 
@@ -277,8 +293,12 @@ def clip_frames(duration_seconds: float, profile: Profile) -> int:
     """The aligned frame count of a duration the model generates and the profile accepts."""
     if not math.isfinite(duration_seconds):
         raise RequestError(f"duration must be a finite number of seconds, got {duration_seconds!r}")
-    if abs(duration_seconds) > 2 * MAX_DURATION_SECONDS:  # far outside: no frame count to align (1e308 s would overflow)
-        raise RequestError(f"duration {duration_seconds:g} s cannot be generated; H3 generates {MIN_DURATION_SECONDS:g}-{MAX_DURATION_SECONDS:g} s")
+    # Far outside: no frame count to align (1e308 s would overflow).
+    if abs(duration_seconds) > 2 * MAX_DURATION_SECONDS:
+        raise RequestError(
+            f"duration {duration_seconds:g} s cannot be generated; "
+            f"H3 generates {MIN_DURATION_SECONDS:g}-{MAX_DURATION_SECONDS:g} s"
+        )
     num_frames = frames_for_duration(float(duration_seconds))
     profile.check_duration(num_frames / FPS)
     return num_frames
@@ -296,7 +316,8 @@ def check_canvas_size(height: int, width: int, canvas: CanvasRules) -> None:
         largest_h, largest_w = canvas.default_canvas(16, 9)
         raise RequestError(
             f"canvas {width}x{height} is {height * width:,} pixels; this model generates at most {canvas.max_pixels:,} "
-            f"(canvas_max_pixels, within rounding to multiples of {CANVAS_MULTIPLE}; e.g. {largest_w}x{largest_h} at 16:9)"
+            "(canvas_max_pixels, within rounding to multiples of "
+            f"{CANVAS_MULTIPLE}; e.g. {largest_w}x{largest_h} at 16:9)"
         )
     check_canvas(height, width)
 
@@ -323,7 +344,8 @@ def check_labels(prompt: str, mode: str, pictures: int, videos: int, audios: int
         if len(number) > 3 or not 1 <= int(number) <= bound[word]:
             raise RequestError(
                 f"prompt label <{word} {number}> is not bound to an input: this {mode} request provides "
-                f"{_count_label(pictures, 'picture')}, {_count_label(videos, 'video')} and {_count_label(audios, 'audio clip')}"
+                f"{_count_label(pictures, 'picture')}, {_count_label(videos, 'video')} "
+                f"and {_count_label(audios, 'audio clip')}"
             )
 
 
@@ -345,10 +367,13 @@ def request_mode(first_frame: bool, last_frame: bool, references: bool) -> str:
     """The mode of a request from which inputs it has; keyframes and references together have none."""
     if references and (first_frame or last_frame):
         raise RequestError("a request takes either keyframes (first/last frame) or references, not both")
-    return "ref2va" if references else {(False, False): "t2va", (True, False): "i2va", (False, True): "l2va", (True, True): "fl2va"}[(first_frame, last_frame)]
+    keyframe_modes = {(False, False): "t2va", (True, False): "i2va", (False, True): "l2va", (True, True): "fl2va"}
+    return "ref2va" if references else keyframe_modes[(first_frame, last_frame)]
 
 
-def plan_request(request: VideoRequest, profile: Profile, canvas: CanvasRules, prompt_budget: PromptBudget | None = None) -> RequestPlan:
+def plan_request(
+    request: VideoRequest, profile: Profile, canvas: CanvasRules, prompt_budget: PromptBudget | None = None
+) -> RequestPlan:
     """Check a request against a profile, a model's canvas rules and its prompt budget without loading any model;
     raises `RequestError` / `VflashError` naming the offending values. Cheap checks run first, file probes last."""
     check_prompt(request.prompt, prompt_budget)
@@ -358,13 +383,13 @@ def plan_request(request: VideoRequest, profile: Profile, canvas: CanvasRules, p
     num_frames = clip_frames(request.duration_seconds, profile)
     if (request.width is None) != (request.height is None):
         raise RequestError(f"width and height go together: got width={request.width}, height={request.height}")
-    if request.width is not None:
+    if request.width is not None and request.height is not None:  # (both or neither: checked above)
         check_canvas_size(request.height, request.width, canvas)
 
     keyframe_sizes = []
     for anchor, item in request.keyframes.items():
         probe = probe_media(item, f"{anchor} frame")
-        if probe.kind != "image":
+        if probe.kind != "image" or probe.size is None:
             raise RequestError(f"{anchor} frame {item} is not an image")
         keyframe_sizes.append(probe.size)
     names = [f"reference {index + 1}" for index in range(len(request.references))]
@@ -375,9 +400,12 @@ def plan_request(request: VideoRequest, profile: Profile, canvas: CanvasRules, p
         import importlib.util
 
         if importlib.util.find_spec("torchvision") is None:
-            raise RequestError("video references need torchvision (Qwen3-VL's video processor), which is not installed; use image and audio references")
+            raise RequestError(
+                "video references need torchvision (Qwen3-VL's video processor), "
+                "which is not installed; use image and audio references"
+            )
 
-    if request.width is not None:
+    if request.width is not None and request.height is not None:
         height, width = request.height, request.width
     elif keyframe_sizes:
         height, width = canvas.default_canvas(*keyframe_sizes[0])
@@ -385,7 +413,9 @@ def plan_request(request: VideoRequest, profile: Profile, canvas: CanvasRules, p
         height, width = canvas.default_canvas(16, 9)
 
     soundtracks = sum(probe.has_soundtrack for probe in probes)
-    return _bind_labels(request.prompt, mode, Geometry(height, width, num_frames), len(request.keyframes), kinds, soundtracks)
+    return _bind_labels(
+        request.prompt, mode, Geometry(height, width, num_frames), len(request.keyframes), kinds, soundtracks
+    )
 
 
 def plan_inputs(
@@ -405,7 +435,9 @@ def plan_inputs(
     return _bind_labels(prompt, mode, geometry, keyframes, reference_kinds, soundtracks)
 
 
-def _bind_labels(prompt: str, mode: str, geometry: Geometry, keyframes: int, kinds: list[str], soundtracks: int) -> RequestPlan:
+def _bind_labels(
+    prompt: str, mode: str, geometry: Geometry, keyframes: int, kinds: list[str], soundtracks: int
+) -> RequestPlan:
     """The plan, once every label of the prompt names an input: pictures are the keyframes or the image references,
     and `<Audio j>` counts audio references and reference clips' soundtracks alike."""
     if mode == "ref2va":

@@ -150,10 +150,13 @@ def _bearer_auth(token: str) -> Any:
         if request.path not in _OPEN_PATHS:
             # aiohttp hands header bytes that are not UTF-8 over as surrogate escapes; they go back to the same bytes,
             # which match no token. The scheme is case-insensitive (RFC 9110 section 11.1), the token is not.
-            scheme, _, given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape").strip().partition(b" ")
+            header = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+            scheme, _, given = header.strip().partition(b" ")
             # constant time over the token: no prefix of it leaks through timing
             if not hmac.compare_digest(given.strip(), expected) or scheme.lower() != b"bearer":
-                raise http_error(web.HTTPUnauthorized, "a valid bearer token is required", headers={"WWW-Authenticate": "Bearer"})
+                raise http_error(
+                    web.HTTPUnauthorized, "a valid bearer token is required", headers={"WWW-Authenticate": "Bearer"}
+                )
         return await handler(request)
 
     return bearer_auth
@@ -174,7 +177,9 @@ async def submit_job(request: web.Request) -> web.Response:
         raise
     logger.info("job %s queued at position %s", job.id, app[JOBS].queue_position(job))
     url = f"/v1/jobs/{job.id}"
-    return web.json_response({"id": job.id, "status": job.state.value, "url": url}, status=202, headers={"Location": url})
+    return web.json_response(
+        {"id": job.id, "status": job.state.value, "url": url}, status=202, headers={"Location": url}
+    )
 
 
 async def _accept(request: web.Request, job_id: str, upload_dir: Path) -> Job:
@@ -240,10 +245,14 @@ async def cancel_job(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """Ready once the worker passed its profile and device checks (not "the model is loaded": loading happens on the first job)."""
+    """Ready once the worker passed its profile and device checks (not "the model is loaded": loading happens on the
+    first job)."""
     supervisor = request.app[SUPERVISOR]
     ready = supervisor.state is WorkerState.READY
-    body = {"ready": ready, "worker": supervisor.state.value, "worker_pid": supervisor.worker_pid, "error": supervisor.fatal_error}
+    body = {
+        "ready": ready, "worker": supervisor.state.value, "worker_pid": supervisor.worker_pid,
+        "error": supervisor.fatal_error
+    }
     return web.json_response(body, status=200 if ready else 503)
 
 

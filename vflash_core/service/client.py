@@ -56,7 +56,9 @@ class VflashClient:
         self.token = token
         self.timeout = timeout  # per HTTP call, not per job
 
-    def submit(self, request: Mapping[str, Any], files: Mapping[str, str | Path | Sequence[str | Path]] | None = None) -> str:
+    def submit(
+        self, request: Mapping[str, Any], files: Mapping[str, str | Path | Sequence[str | Path]] | None = None
+    ) -> str:
         """Queue a job; returns its id. Raises `ServiceError` (400 invalid, 413 too large, 429 queue full, ...)."""
         if not files:
             body, content_type = json.dumps(dict(request)).encode(), "application/json"
@@ -93,11 +95,17 @@ class VflashClient:
 
     def download(self, job_id: str, path: str | Path) -> Path:
         """Save the job's MP4 at `path` (published atomically; an existing file is never overwritten)."""
-        with atomic_file(path, suffix=".mp4") as tmp, self._open("GET", f"/v1/jobs/{job_id}/video") as response, open(tmp, "wb") as out:
+        with (
+            atomic_file(path, suffix=".mp4") as tmp,
+            self._open("GET", f"/v1/jobs/{job_id}/video") as response,
+            open(tmp, "wb") as out,
+        ):
             shutil.copyfileobj(response, out)
         return Path(path)
 
-    def _call(self, method: str, route: str, body: bytes | None = None, content_type: str | None = None) -> dict[str, Any]:
+    def _call(
+        self, method: str, route: str, body: bytes | None = None, content_type: str | None = None
+    ) -> dict[str, Any]:
         with self._open(method, route, body, content_type) as response:
             return json.loads(response.read())
 
@@ -114,7 +122,9 @@ class VflashClient:
             raise ServiceError(exc.code, _error_message(exc)) from None
         except (urllib.error.URLError, OSError) as exc:  # refused, unresolvable, timed out, reset
             reason = getattr(exc, "reason", None) or exc
-            raise RunFailedError(f"cannot reach the Vflash service at {self.base_url}: {getattr(reason, 'strerror', None) or reason}") from None
+            raise RunFailedError(
+                f"cannot reach the Vflash service at {self.base_url}: {getattr(reason, 'strerror', None) or reason}"
+            ) from None
 
 
 def _error_message(exc: urllib.error.HTTPError) -> str:

@@ -25,7 +25,8 @@ CANCEL_GRACE = Number(float, 0, 86_400, above=True, unit="seconds")
 class ServiceConfig:
     prepared_assets: Path  # the prepared-assets receipt the pipeline is opened from
     output_dir: Path  # published MP4s (`<job id>.mp4`) and the service's hidden work folder
-    options: RunOptions = field(default_factory=RunOptions)  # how the worker's pipeline runs; only the worker uses devices
+    # How the worker's pipeline runs; only the worker uses devices.
+    options: RunOptions = field(default_factory=RunOptions)
     input_dir: Path | None = None  # client paths must resolve inside it; None accepts uploads only
     max_queue: int = 16  # queued (not running) jobs before 429
     keep_finished_jobs: int = 1000  # records of ended jobs kept for GET /v1/jobs/{id}; older ones are forgotten
@@ -42,14 +43,17 @@ class ServiceConfig:
         if self.input_dir is not None:
             set_(self, "input_dir", Path(self.input_dir).resolve())
         check_input_file(self.prepared_assets, "prepared assets")
-        create = check_service_settings(self.output_dir, self.create_output_dir, self.input_dir, self.max_queue,
-                                        self.keep_finished_jobs, self.max_upload_bytes, self.cancel_grace_seconds, self.token)
+        create = check_service_settings(
+            self.output_dir, self.create_output_dir, self.input_dir, self.max_queue, self.keep_finished_jobs,
+            self.max_upload_bytes, self.cancel_grace_seconds, self.token
+        )
         if create:
             self.output_dir.mkdir()
 
     def worker_config(self, scratch_dir: Path) -> WorkerConfig:
         return WorkerConfig(
-            prepared_assets=str(self.prepared_assets), options=self.options, scratch_dir=str(scratch_dir), log_level=self.log_level,
+            prepared_assets=str(self.prepared_assets), options=self.options, scratch_dir=str(scratch_dir),
+            log_level=self.log_level,
         )
 
 

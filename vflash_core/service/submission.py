@@ -72,14 +72,18 @@ async def _read_submission(request: web.Request, upload_dir: Path, policy: Input
                              max_size=limit, actual_size=request.content_length or limit + 1) from None
         return _request_fields(_parse_json(raw, "the request body"), policy, {})
     if request.content_type == "multipart/form-data":
-        if request.content_length is not None and request.content_length > policy.max_upload_bytes + MAX_REQUEST_JSON_BYTES:
+        largest = policy.max_upload_bytes + MAX_REQUEST_JSON_BYTES
+        if request.content_length is not None and request.content_length > largest:
             raise _too_large(policy, request.content_length)
         try:
             body, uploads = await _read_multipart(request, upload_dir, policy)
-        except (HttpProcessingError, ValueError) as exc:  # aiohttp's parser: bad boundary, headers (a NUL byte), framing
+        except (HttpProcessingError, ValueError) as exc:
+            # aiohttp's parser: a bad boundary, headers (a NUL byte), framing
             raise bad_request(f"the multipart body is malformed: {getattr(exc, 'message', None) or exc}") from None
         return _request_fields(body, policy, uploads)
-    raise http_error(web.HTTPUnsupportedMediaType, f"send application/json or multipart/form-data, not {request.content_type!r}")
+    raise http_error(
+        web.HTTPUnsupportedMediaType, f"send application/json or multipart/form-data, not {request.content_type!r}"
+    )
 
 
 def _parse_json(raw: bytes, what: str) -> dict[str, Any]:
@@ -98,7 +102,10 @@ def _parse_json(raw: bytes, what: str) -> dict[str, Any]:
 
 def json_type(value: object) -> str:
     """The JSON name of a parsed value's type (null, boolean, number, string, array, object)."""
-    for kind, name in ((type(None), "null"), (bool, "boolean"), ((int, float), "number"), (str, "string"), (list, "array"), (dict, "object")):
+    for kind, name in (
+        (type(None), "null"), (bool, "boolean"), ((int, float), "number"), (str, "string"), (list, "array"),
+        (dict, "object")
+    ):
         if isinstance(value, kind):
             return name
     return type(value).__name__
@@ -142,14 +149,18 @@ def resolve_input_path(value: str, policy: InputPolicy) -> Path:
     """A client path, resolved with symlinks; it must name a file inside the input folder (`fileio.resolve_inside`),
     which the client is told of as "the input folder", never by its path on this host."""
     if policy.input_dir is None:
-        raise bad_request(f"this service takes input files as uploads only (it was started without --input-dir); got path {value!r}")
+        raise bad_request(
+            f"this service takes input files as uploads only (it was started without --input-dir); got path {value!r}"
+        )
     try:
         return resolve_inside(policy.input_dir, value, "input path")
     except VflashError as exc:
         raise bad_request(str(exc).replace(f" {policy.input_dir}", "")) from None
 
 
-async def _read_multipart(request: web.Request, upload_dir: Path, policy: InputPolicy) -> tuple[dict[str, Any], dict[str, list[Path]]]:
+async def _read_multipart(
+    request: web.Request, upload_dir: Path, policy: InputPolicy
+) -> tuple[dict[str, Any], dict[str, list[Path]]]:
     body: dict[str, Any] | None = None
     uploads: dict[str, list[Path]] = {}
     remaining = policy.max_upload_bytes
@@ -179,7 +190,9 @@ async def _read_multipart(request: web.Request, upload_dir: Path, policy: InputP
             remaining -= await _save(part, target, remaining, policy)
             files.append(target)
         else:
-            raise bad_request(f"unknown multipart part {part.name!r}; accepted: {REQUEST_PART}, {', '.join(FILE_FIELDS)}")
+            raise bad_request(
+                f"unknown multipart part {part.name!r}; accepted: {REQUEST_PART}, {', '.join(FILE_FIELDS)}"
+            )
     if body is None:
         raise bad_request(f"a multipart submission needs a {REQUEST_PART!r} part holding the JSON request")
     return body, uploads
@@ -220,7 +233,9 @@ async def _save(part: BodyPartReader, target: Path, budget: int, policy: InputPo
     except ConnectionResetError:  # the client went away: `read_submission` answers it
         raise
     except OSError as exc:  # a full disk under the work folder: the service's fault, said without its paths
-        raise http_error(web.HTTPInsufficientStorage, f"the service cannot store the {part.name} upload now: {exc.strerror or exc}") from None
+        raise http_error(
+            web.HTTPInsufficientStorage, f"the service cannot store the {part.name} upload now: {exc.strerror or exc}"
+        ) from None
     if written == 0:
         raise bad_request(f"the {part.name} upload is empty")
     return written
@@ -229,6 +244,7 @@ async def _save(part: BodyPartReader, target: Path, budget: int, policy: InputPo
 def _too_large(policy: InputPolicy, actual: int) -> web.HTTPException:
     """`actual` is the size seen so far (reading stops at the first byte over the limit)."""
     return http_error(
-        web.HTTPRequestEntityTooLarge, f"uploads exceed this service's limit of {policy.max_upload_bytes} bytes per job",
+        web.HTTPRequestEntityTooLarge,
+        f"uploads exceed this service's limit of {policy.max_upload_bytes} bytes per job",
         max_size=policy.max_upload_bytes, actual_size=actual,
     )

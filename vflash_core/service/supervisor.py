@@ -80,11 +80,15 @@ class WorkerHandle:
         self.cancel_flag = ctx.Event()
         self.scratch = Path(config.scratch_dir)
         self.scratch.mkdir(parents=True)
-        self.process = ctx.Process(target=worker_main, args=(config, orders_out, events_in, self.cancel_flag), name="vflash-worker", daemon=True)
+        self.process = ctx.Process(
+            target=worker_main, args=(config, orders_out, events_in, self.cancel_flag), name="vflash-worker",
+            daemon=True
+        )
         self.process.start()
         # Close the child's ends here, so the pipes report EOF when the child dies.
         orders_out.close()
         events_in.close()
+        assert self.process.pid is not None  # started above
         self.pid = self.process.pid
         self.ready = False  # set by the supervisor when the worker reports `Ready`
         self.events: asyncio.Queue[object] = asyncio.Queue()
@@ -199,7 +203,10 @@ class WorkerSupervisor:
                     startup_deaths += 1
                     logger.error("worker %d died during startup with %s", handle.pid, describe_exit(event.exitcode))
                     if startup_deaths >= MAX_STARTUP_DEATHS:
-                        self.go_fatal(f"the worker died during startup {startup_deaths} times in a row (last: {describe_exit(event.exitcode)})")
+                        self.go_fatal(
+                            f"the worker died during startup {startup_deaths} times in a row "
+                            f"(last: {describe_exit(event.exitcode)})"
+                        )
                         return
                     continue
                 assert isinstance(event, Ready), event
@@ -220,7 +227,8 @@ class WorkerSupervisor:
         while True:
             taken = asyncio.ensure_future(self.jobs.take())
             try:
-                await asyncio.wait({taken, handle.exit_code}, return_when=asyncio.FIRST_COMPLETED)
+                either: set[asyncio.Future[Any]] = {taken, handle.exit_code}
+                await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
             except asyncio.CancelledError:
                 self._untake(taken)
                 raise
@@ -270,7 +278,9 @@ class WorkerSupervisor:
             try:
                 event = await asyncio.wait_for(handle.events.get(), timeout)
             except TimeoutError:
-                logger.warning("worker %d did not stop within %.1f s of a cancel; killing it", handle.pid, self.cancel_grace)
+                logger.warning(
+                    "worker %d did not stop within %.1f s of a cancel; killing it", handle.pid, self.cancel_grace
+                )
                 handle.kill()
                 deadline = None
                 continue
@@ -280,7 +290,8 @@ class WorkerSupervisor:
                 handle.cancel_flag.set()
                 deadline = time.monotonic() + self.cancel_grace
             elif isinstance(event, Cancelled) or isinstance(event, (Finished, Failed, Exited)) and job.cancel_requested:
-                job.cancel()  # a job that ended before it saw the cancel is cancelled all the same: nothing is published
+                # A job that ended before it saw the cancel is cancelled all the same: nothing is published.
+                job.cancel()
                 return False
             elif isinstance(event, Finished):
                 self._publish(job, staged, event.result)
@@ -289,7 +300,10 @@ class WorkerSupervisor:
                 job.fail(redact_paths(event.message, (job.upload_dir, self.work_dir, self.config.input_dir)))
                 return not event.worker_exits
             elif isinstance(event, Exited):
-                job.fail(f"the worker process (pid {handle.pid}) exited with {describe_exit(event.exitcode)} while running this job")
+                job.fail(
+                    f"the worker process (pid {handle.pid}) exited with "
+                    f"{describe_exit(event.exitcode)} while running this job"
+                )
                 return False
             else:
                 raise TypeError(f"unexpected worker event {event!r}")

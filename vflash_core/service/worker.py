@@ -138,14 +138,16 @@ def _open_pipeline(config: WorkerConfig) -> tuple[Any, dict[str, Any]]:
     return pipeline, info
 
 
-def _describe_device(name: str) -> str:
+def _describe_device(name: str | int) -> str:
     """`cpu`, or `cuda:N (GPU name, smXY)`, for the readiness report. Runs only in the worker: it initialises CUDA."""
     import torch
 
     from ..formats import device_arch
 
     device = torch.device(name)
-    return name if device.type == "cpu" else f"{name} ({torch.cuda.get_device_name(device)}, {device_arch(device)})"
+    if device.type == "cpu":
+        return str(name)
+    return f"{name} ({torch.cuda.get_device_name(device)}, {device_arch(device)})"
 
 
 def _run(pipeline: Any, order: JobOrder, events: Connection, cancel: Event) -> bool:
@@ -190,7 +192,9 @@ def _describe(exc: BaseException) -> str:
 
 # What a client sees of a VideoResult: not `path` (a service staging path; the parent reports the published name)
 # and not `media` (decoded tensors, only present when no file was written).
-RESULT_FIELDS = ("elapsed_seconds", "stages", "session", "mode", "width", "height", "num_frames", "fps", "sample_rate", "metadata")
+RESULT_FIELDS = (
+    "elapsed_seconds", "stages", "session", "mode", "width", "height", "num_frames", "fps", "sample_rate", "metadata"
+)
 
 
 def _result_json(result: Any) -> dict[str, Any]:

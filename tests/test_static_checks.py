@@ -1,0 +1,56 @@
+"""The linter and the type checker, run from the test suite so that `pytest -q` (what CI runs) runs them too.
+
+ruff checks `vflash_core`, `nodes` and `kernels` with the rules of `pyproject.toml` (120 columns included); mypy checks
+the packages `vflash_core` and `vflash_kernels` with its `[tool.mypy]` settings. Each test fails with the tool's own
+report.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _require(module: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} is not installed (it comes with the test extra: pip install -e '.[test]')")
+
+
+def _run(command: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(command, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_ruff_finds_nothing():
+    _require("ruff")
+    result = _run([sys.executable, "-m", "ruff", "check", "--no-fix", "vflash_core", "nodes", "kernels"])
+    assert result.returncode == 0, f"ruff check failed:\n{result.stdout}{result.stderr}"
+
+
+def test_mypy_finds_nothing(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    _require("mypy")
+    # The kernels folder is imported as `vflash_kernels` (pyproject's package-dir), a name mypy cannot find on disk:
+    # a folder holding a link of that name to it goes on MYPYPATH. mypy's cache lives beside pytest's (a run on a
+    # fresh clone, as in CI, starts without one) or, without pytest's cache, in this run's temporary folder.
+    cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
+    work = cache.mkdir("mypy") if cache is not None else tmp_path_factory.mktemp("mypy")
+    search_path = work / "path"
+    search_path.mkdir(exist_ok=True)
+    link = search_path / "vflash_kernels"
+    if not (link.is_symlink() and link.resolve() == ROOT / "kernels"):
+        link.unlink(missing_ok=True)
+        link.symlink_to(ROOT / "kernels", target_is_directory=True)
+    env = {**os.environ, "MYPYPATH": str(search_path)}
+    command = [
+        sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"), "--cache-dir", str(work / "cache"),
+        "-p", "vflash_core", "-p", "vflash_kernels",
+    ]
+    result = _run(command, env)
+    report = (result.stdout + result.stderr).replace(str(link), "kernels")
+    assert result.returncode == 0, f"mypy found errors:\n{report}"
