@@ -83,7 +83,8 @@ def _gguf_files(folders: Folders) -> list[str]:
     found = set()
     for base in folders.folders("diffusion_models"):
         for root, _, files in os.walk(base, followlinks=True):
-            found.update(os.path.relpath(os.path.join(root, f), base).replace(os.sep, "/") for f in files if f.lower().endswith(".gguf"))
+            ggufs = [os.path.join(root, f) for f in files if f.lower().endswith(".gguf")]
+            found.update(os.path.relpath(path, base).replace(os.sep, "/") for path in ggufs)
     return sorted(found)
 
 
@@ -129,9 +130,10 @@ def _receipt_entries(folders: Folders) -> list[str]:
 
 
 def model_options(folders: Folders) -> list[str]:
+    files = [*(r for r in folders.filenames("diffusion_models") if r.endswith(".safetensors")), *_gguf_files(folders)]
     singles = [
         f"diffusion_models/{rel}"
-        for rel in [*(r for r in folders.filenames("diffusion_models") if r.endswith(".safetensors")), *_gguf_files(folders)]
+        for rel in files
         if (path := folders.full_path("diffusion_models", rel)) and is_h3_transformer_file(path)
     ]
     return [DEMO, *_receipt_entries(folders), *_compiled_entries(folders), *_model_roots(folders, None), *singles]

@@ -34,7 +34,9 @@ def require_gguf():
     try:
         import gguf
     except ImportError:
-        raise WeightFileError("reading a GGUF file needs the gguf package: pip install 'vflash[gguf]' (or pip install gguf)") from None
+        raise WeightFileError(
+            "reading a GGUF file needs the gguf package: pip install 'vflash[gguf]' (or pip install gguf)"
+        ) from None
     return gguf
 
 
@@ -180,13 +182,17 @@ def _f32(blocks: torch.Tensor, arithmetic: torch.dtype) -> torch.Tensor:
 #: ggml type name -> (elements per block, bytes per block, dequantization).
 DEQUANTIZERS: dict[str, tuple[int, int, Callable[[torch.Tensor, torch.dtype], torch.Tensor]]] = {
     "F32": (1, 4, _f32), "F16": (1, 2, _f16), "BF16": (1, 2, _bf16),
-    "Q8_0": (32, 34, _q8_0), "Q4_0": (32, 18, _q4_0), "Q4_1": (32, 20, _q4_1), "Q5_0": (32, 22, _q5_0), "Q5_1": (32, 24, _q5_1),
-    "Q2_K": (QK_K, 84, _q2_k), "Q3_K": (QK_K, 110, _q3_k), "Q4_K": (QK_K, 144, _q4_k), "Q5_K": (QK_K, 176, _q5_k), "Q6_K": (QK_K, 210, _q6_k),
+    "Q8_0": (32, 34, _q8_0), "Q4_0": (32, 18, _q4_0), "Q4_1": (32, 20, _q4_1),
+    "Q5_0": (32, 22, _q5_0), "Q5_1": (32, 24, _q5_1),
+    "Q2_K": (QK_K, 84, _q2_k), "Q3_K": (QK_K, 110, _q3_k), "Q4_K": (QK_K, 144, _q4_k),
+    "Q5_K": (QK_K, 176, _q5_k), "Q6_K": (QK_K, 210, _q6_k),
 }
 FLOAT_TYPES = ("F32", "F16", "BF16")  # stored as values: ComfyUI-GGUF only casts them
 
 
-def dequantize_gguf(raw: torch.Tensor, qtype: str, shape: tuple[int, ...], dtype: torch.dtype, arithmetic: torch.dtype = torch.float16) -> torch.Tensor:
+def dequantize_gguf(
+    raw: torch.Tensor, qtype: str, shape: tuple[int, ...], dtype: torch.dtype, arithmetic: torch.dtype = torch.float16
+) -> torch.Tensor:
     """A tensor of `shape` in `dtype` from its GGUF bytes `raw` (uint8, whole blocks) of ggml type `qtype`, computed
     as ComfyUI-GGUF computes it: each block dequantized in `arithmetic` (float16, its default; float32, its
     "float32" dequant_dtype), then cast to `dtype` (F32 / F16 / BF16 tensors are cast only)."""
@@ -236,10 +242,17 @@ class GGUFStore(TensorIndex):
             self._tensors[tensor.name] = _Tensor(qtype, shape, int(tensor.data_offset), int(tensor.n_bytes))
         if unsupported:
             found = "; ".join(f"{t} ({len(n)} tensors, e.g. {min(n)})" for t, n in sorted(unsupported.items()))
-            raise WeightFileError(f"{self.path}: GGUF quantization type(s) Vflash does not read: {found}; it reads {', '.join(DEQUANTIZERS)}")
-        reshaped = sorted(name.removeprefix("comfy.gguf.orig_shape.") for name in reader.fields if name.startswith("comfy.gguf.orig_shape."))
+            raise WeightFileError(
+                f"{self.path}: GGUF quantization type(s) Vflash does not read: {found}; "
+                f"it reads {', '.join(DEQUANTIZERS)}"
+            )
+        marker = "comfy.gguf.orig_shape."
+        reshaped = sorted(name.removeprefix(marker) for name in reader.fields if name.startswith(marker))
         if reshaped:  # only ComfyUI-GGUF's SDXL / SD1 conversions reshape tensors; an H3 file never does
-            raise WeightFileError(f"{self.path}: tensor {reshaped[0]!r} is stored reshaped (comfy.gguf.orig_shape), which H3 files never are")
+            raise WeightFileError(
+                f"{self.path}: tensor {reshaped[0]!r} is stored reshaped (comfy.gguf.orig_shape), "
+                "which H3 files never are"
+            )
         self._metadata = {}
         for name, field in reader.fields.items():
             if len(field.types) == 1 and field.types[0] == gguf.GGUFValueType.STRING:
@@ -287,19 +300,26 @@ class GGUFStore(TensorIndex):
                 start, stop = request.row_start, rows if request.row_stop is None else request.row_stop
                 shape = (stop - start, *t.shape[1:]) if t.shape else ()
                 if request.out.shape != shape:
-                    raise WeightFileError(f"{self.path}: {request.name} rows {start}:{stop} are {list(shape)}, not {list(request.out.shape)}")
+                    raise WeightFileError(
+                        f"{self.path}: {request.name} rows {start}:{stop} are {list(shape)}, "
+                        f"not {list(request.out.shape)}"
+                    )
                 if len(t.shape) < 2:  # a vector's "rows" are not whole blocks: read it whole
-                    request.out.copy_(dequantize_gguf(self._bytes(handle, t.offset, t.nbytes, request.name), t.qtype, shape, request.out.dtype))
+                    raw = self._bytes(handle, t.offset, t.nbytes, request.name)
+                    request.out.copy_(dequantize_gguf(raw, t.qtype, shape, request.out.dtype))
                     continue
                 step = max(1, _CHUNK // max(1, math.prod(t.shape[1:])))
                 for first in range(start, stop, step):
                     last = min(stop, first + step)
-                    raw = self._bytes(handle, t.offset + first * t.row_bytes, (last - first) * t.row_bytes, request.name)
-                    request.out[first - start : last - start] = dequantize_gguf(raw, t.qtype, (last - first, *t.shape[1:]), request.out.dtype)
+                    offset, size = t.offset + first * t.row_bytes, (last - first) * t.row_bytes
+                    raw = self._bytes(handle, offset, size, request.name)
+                    piece = (last - first, *t.shape[1:])
+                    request.out[first - start : last - start] = dequantize_gguf(raw, t.qtype, piece, request.out.dtype)
 
     def _bytes(self, handle, offset: int, size: int, name: str) -> torch.Tensor:
         raw = torch.empty(size, dtype=torch.uint8)
         handle.seek(offset)
-        if handle.readinto(memoryview(raw.numpy())) != size:
+        # numpy's stubs declare the buffer protocol (`__buffer__`) for Python >= 3.12 only
+        if handle.readinto(memoryview(raw.numpy())) != size:  # type: ignore[arg-type]
             raise WeightFileError(f"{self.path}: file ends inside tensor {name!r}")
         return raw

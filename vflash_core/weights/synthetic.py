@@ -257,15 +257,15 @@ def write_comfy_transformer(
     state = {**to_original_names(dict(weights), config), "rope.inv_freq": rope_inv_freq(config)}
     metadata = {"config": json.dumps(config.to_dict())} if embed_config else {}
     if int8_convrot:
-        layers = {}
+        int8_layers: dict[str, dict[str, object]] = {}
         for name in [n for n in state if n.endswith(".weight") and _FP8_LAYERS.match(n.removesuffix(".weight")) and state[n].shape[1] % int8_convrot == 0]:
             layer = name.removesuffix(".weight")
             state[name], state[f"{layer}.weight_scale"] = quantize_int8_convrot(state[name], int8_convrot)
-            layers[layer] = {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": int8_convrot}
+            int8_layers[layer] = {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": int8_convrot}
             if int8_marking == "comfy_quant":
-                state[f"{layer}.comfy_quant"] = torch.tensor(list(json.dumps(layers[layer]).encode()), dtype=torch.uint8)
+                state[f"{layer}.comfy_quant"] = torch.tensor(list(json.dumps(int8_layers[layer]).encode()), dtype=torch.uint8)
         if int8_marking == "metadata":
-            metadata["_quantization_metadata"] = json.dumps({"format_version": "1.0", "layers": layers})
+            metadata["_quantization_metadata"] = json.dumps({"format_version": "1.0", "layers": int8_layers})
     if fp8 is not None:
         layers = {}
         for name in [n for n in state if n.endswith(".weight") and _FP8_LAYERS.match(n.removesuffix(".weight")) and state[n].dtype == torch.bfloat16]:
