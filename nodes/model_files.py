@@ -1,7 +1,8 @@
 """The model files the node pack offers and what identifies them: the options of the loaders (compiled outputs and
-prepared-assets receipts in the vflash folders, diffusers model roots, single-file H3 transformers, LoRAs), the path
-an option resolves to, the identity ComfyUI's cache compares (paths, sizes, modification times; nothing is hashed), and
-the profile an option runs (read from its manifests)."""
+prepared-assets receipts in the vflash folders, diffusers model roots, single-file H3 transformers in
+models/diffusion_models and models/unet (.safetensors and .gguf), LoRAs), the path an option resolves to, the
+identity ComfyUI's cache compares (paths, sizes, modification times; nothing is hashed), and the profile an option
+runs (read from its manifests)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from vflash_core.profiles import Profile, get_profile
 from vflash_core.tensor_store import TensorStore
 from vflash_core.weights.checkpoint import SourceWeights
 from vflash_core.weights.family import DEMO_FAMILY
+from vflash_core.weights.gguf_file import GGUFStore
 
 from .interfaces import Folders, Host, HostStageProgress
 
@@ -59,17 +61,31 @@ _h3_file_cache: dict[tuple, bool] = {}
 
 
 def is_h3_transformer_file(path: str | Path) -> bool:
-    """True when a .safetensors file's header names H3 transformer tensors (reads the header only, cached)."""
+    """True when a .safetensors or .gguf file's header names H3 transformer tensors (reads the header only, cached).
+    Without the gguf package every .gguf file is listed: choosing one then says how to install it."""
     path = Path(path)
     key = path_identity(path)
     if key not in _h3_file_cache:
         try:
-            names = set(TensorStore(path).names)
+            names = set(GGUFStore(path).names if path.suffix.lower() == ".gguf" else TensorStore(path).names)
         except WeightFileError as exc:
+            if path.suffix.lower() == ".gguf" and "needs the gguf package" in str(exc):
+                return True
             logger.debug("not listing %s as an H3 transformer: %s", path, exc)
             names = set()
         _h3_file_cache[key] = any(marker in names for marker in _H3_MARKERS)
     return _h3_file_cache[key]
+
+
+def _gguf_files(folders: Folders) -> list[str]:
+    """The .gguf files under the diffusion_models folders (ComfyUI's models/unet and models/diffusion_models), as
+    relative paths: ComfyUI lists only its own extensions there (ComfyUI-GGUF adds a `unet_gguf` key for them)."""
+    found = set()
+    for base in folders.folders("diffusion_models"):
+        for root, _, files in os.walk(base, followlinks=True):
+            ggufs = [os.path.join(root, f) for f in files if f.lower().endswith(".gguf")]
+            found.update(os.path.relpath(path, base).replace(os.sep, "/") for path in ggufs)
+    return sorted(found)
 
 
 def _model_roots(folders: Folders, component: str | None) -> list[str]:
@@ -114,12 +130,11 @@ def _receipt_entries(folders: Folders) -> list[str]:
 
 
 def model_options(folders: Folders) -> list[str]:
+    files = [*(r for r in folders.filenames("diffusion_models") if r.endswith(".safetensors")), *_gguf_files(folders)]
     singles = [
         f"diffusion_models/{rel}"
-        for rel in folders.filenames("diffusion_models")
-        if rel.endswith(".safetensors")
-        and (path := folders.full_path("diffusion_models", rel))
-        and is_h3_transformer_file(path)
+        for rel in files
+        if (path := folders.full_path("diffusion_models", rel)) and is_h3_transformer_file(path)
     ]
     return [DEMO, *_receipt_entries(folders), *_compiled_entries(folders), *_model_roots(folders, None), *singles]
 
@@ -195,7 +210,8 @@ def model_identity(folders: Folders, name: str, component: str = "") -> tuple:
 def check_model_option(folders: Folders, model: str) -> str:
     """The model option alone, as the loader's `validate_inputs` checks it when the graph is queued: it resolves (else
     one refusal naming the models folder it belongs in), and a single-file transformer is in a form Vflash reads (its
-    header only: quantized formats without an exact dequantization are refused). Returns the resolved path."""
+    header only: bf16, fp8_scaled, int8_convrot and GGUF files are read; other quantized formats are refused, and a
+    GGUF without the gguf package). Returns the resolved path."""
     if model == DEMO:
         return ""
     path = resolve(folders, model)

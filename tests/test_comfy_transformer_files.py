@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 from conftest import TINY, assert_bitwise, compile_tiny, cpu_profile
@@ -107,7 +108,7 @@ def test_fp8_scaled_file_reads_as_core_dequantizes(tmp_path, base_weights, marki
 
 
 def _int8_file(path, fmt: dict[str, object], marking: str = "metadata"):
-    """A file whose block linears carry another ComfyUI quantization format (int8 codes; never dequantized here)."""
+    """A file whose block linears carry int8 codes marked with a ComfyUI quantization format `fmt`."""
     state = synthetic.to_original_names(synthetic.random_internal_weights(TINY, seed=1), TINY)
     metadata = {"config": json.dumps(TINY.to_dict())}
     layers = {}
@@ -125,16 +126,26 @@ def _int8_file(path, fmt: dict[str, object], marking: str = "metadata"):
 
 
 @pytest.mark.parametrize("fmt,marking,named", [
-    ({"format": "int8_tensorwise", "params": {"convrot": True, "convrot_groupsize": 256}}, "metadata", "int8_convrot"),
     ({"format": "nvfp4"}, "comfy_quant", "nvfp4"),
+    ({"format": "convrot_w4a4", "convrot_groupsize": 4}, "metadata", "convrot_w4a4"),
     (None, "none", "int8 without ComfyUI quantization metadata"),
 ])
-def test_quantized_formats_without_exact_dequantization_are_refused(tmp_path, fmt, marking, named):
+def test_quantized_formats_vflash_does_not_read_are_refused(tmp_path, fmt, marking, named):
     path = _int8_file(tmp_path / "h3_q.safetensors", fmt or {}, marking)
     with pytest.raises(WeightFileError) as info:
         SourceWeights(path)
     message = str(info.value)
-    assert "\n" not in message and named.split()[0] in message and "fp8_scaled" in message and "pruned" in message
+    assert "\n" not in message and named.split()[0] in message and "int8_convrot" in message and "GGUF" in message and "pruned" in message
+
+
+@pytest.mark.parametrize("params,problem", [
+    ({"convrot": True, "convrot_groupsize": 256}, "24 columns, not a multiple of its convrot_groupsize 256"),
+    ({"params": {"convrot": True, "convrot_groupsize": 8}}, "convrot_groupsize 8; a ConvRot group is a power of 4"),
+])
+def test_int8_convrot_layers_whose_groups_do_not_fit_are_refused(tmp_path, params, problem):
+    path = _int8_file(tmp_path / "h3_q.safetensors", {"format": "int8_tensorwise", **params})
+    with pytest.raises(WeightFileError, match=problem):
+        SourceWeights(path)
 
 
 # -- the pruned representation --------------------------------------------------------------------------------------
@@ -152,6 +163,22 @@ def test_curve_time_embedding_reads_the_table_by_linear_interpolation():
     assert_bitwise(middle, torch.lerp(table[1], table[2], torch.tensor(0.5)), "half-way between rows 1 and 2")
 
 
+def _curve_embedding_float64(timesteps, table):
+    """ComfyUI core's read of a pruned file's curve table, in float64 (numpy): t clamped to [0, 1] at position
+    t (grid - 1), between rows floor(position) (at most grid - 2) and the next, linearly."""
+    position = np.clip(timesteps, 0.0, 1.0) * (table.shape[0] - 1)
+    lower = np.minimum(np.floor(position).astype(np.int64), table.shape[0] - 2)
+    fraction = (position - lower)[:, None]
+    return table[lower] * (1.0 - fraction) + table[lower + 1] * fraction
+
+
+def _assert_within(actual, expected, relative: float, what: str) -> None:
+    """|actual - expected| <= relative * max(|expected|, the tensor's largest |value| / 16) elementwise."""
+    floor = np.abs(expected).max() / 16
+    error = np.abs(actual - expected) / np.maximum(np.abs(expected), floor)
+    assert error.max() <= relative, f"{what}: relative error {error.max():.3g} > {relative:.3g}"
+
+
 def test_pruned_file_compiles_loads_and_denoises(tmp_path, pruned_file, full_file):
     """The overlay holds the tables of the pruned representation (curve read at each step's timesteps, fp32 projections
     without SiLU, block rows cast to bf16, final-norm rows kept fp32); they approximate the full model's tables, and
@@ -160,18 +187,20 @@ def test_pruned_file_compiles_loads_and_denoises(tmp_path, pruned_file, full_fil
     artifact = CompiledArtifact(**paths)
     assert artifact.base_weights["pruned"] == {"grid": 1025, "rank": 8} and artifact.profile_id == "t2va-base4-pruned-cpu"
     assert "approximate AdaLN (rank-8 time embedding" in " ".join(artifact.base_weight_notes())
-    raw = load_file(pruned_file)
+    raw = {name: tensor.double().numpy() for name, tensor in load_file(pruned_file).items() if tensor.is_floating_point()}
     exact = CompiledArtifact(**_compile(tmp_path / "full", full_file, "t2va-base4-exact-cpu"))
     for step in range(4):
         tables, reference = artifact.overlay.read_step(step, 0), exact.overlay.read_step(step, 0)
-        temb = M.curve_time_embedding(tables.timesteps, raw["adaln_t_table"])
+        temb = _curve_embedding_float64(tables.timesteps.double().numpy(), raw["adaln_t_table"])
         for i, (table, full) in enumerate(zip(tables.blocks, reference.blocks)):
-            expected = (torch.nn.functional.linear(temb, raw[f"blocks.{i}.adaln_proj.linear.weight"], raw[f"blocks.{i}.adaln_proj.linear.bias"])
-                        .view(-1, 6 * TINY.hidden_size).to(torch.bfloat16))
-            assert_bitwise(table, expected, f"step {step} block {i}")
+            expected = (temb @ raw[f"blocks.{i}.adaln_proj.linear.weight"].T + raw[f"blocks.{i}.adaln_proj.linear.bias"]).reshape(-1, 6 * TINY.hidden_size)
+            # fp32 products and sums, then one cast to bf16: within one bf16 step of the float64 value
+            assert table.dtype == torch.bfloat16
+            _assert_within(table.double().numpy(), expected, 2.0 ** -7, f"step {step} block {i}")
             assert (table.float() - full.float()).abs().max() <= 0.02 * full.float().abs().max()
         assert tables.norm_out.dtype == torch.float32
-        assert_bitwise(tables.norm_out, torch.nn.functional.linear(temb, raw["final_layer.adaln_proj.linear.weight"], raw["final_layer.adaln_proj.linear.bias"]), f"step {step} norm_out")
+        norm_out = temb @ raw["final_layer.adaln_proj.linear.weight"].T + raw["final_layer.adaln_proj.linear.bias"]
+        _assert_within(tables.norm_out.double().numpy(), norm_out, 2.0 ** -18, f"step {step} norm_out")
     pruned, full = _generate("t2va-base4-pruned-cpu", paths), _generate("t2va-base4-exact-cpu", {"artifact": exact.artifact_dir, "schedule_overlay": exact.overlay.path, "auxiliary": exact.aux_path})
     assert torch.isfinite(pruned.video_latents).all() and pruned.metadata["profile"] == "t2va-base4-pruned-cpu"
     assert pruned.metadata["base_weights"]["pruned"] == {"grid": 1025, "rank": 8}
@@ -262,20 +291,28 @@ def comfy_files(pack):
     weights = synthetic.random_internal_weights(demo, seed=4)
     synthetic.write_comfy_transformer(folder / "h3_demo_pruned.safetensors", demo, synthetic.prune_adaln(weights, demo))
     synthetic.write_comfy_transformer(folder / "h3_demo_fp8_scaled.safetensors", demo, weights, fp8="metadata")
-    _int8_file(folder / "h3_int8_convrot.safetensors", {"format": "int8_tensorwise", "params": {"convrot": True}})
+    synthetic.write_comfy_transformer(folder / "h3_demo_int8_convrot.safetensors", demo, weights, int8_convrot=16)
+    unet = folder.parent / "unet"  # ComfyUI's other diffusion-model folder, where GGUF users often put theirs
+    unet.mkdir(exist_ok=True)
+    synthetic.write_gguf_transformer(unet / "h3_demo-Q8_0.gguf", demo, weights, lambda name, shape: "Q8_0" if len(shape) == 2 and shape[1] % 32 == 0 else "F32" if len(shape) == 1 else "BF16")
+    _int8_file(folder / "h3_nvfp4.safetensors", {"format": "nvfp4"})
+    (folder / "not_h3.gguf").write_bytes(b"GGUF" + bytes(20))
     return folder
 
 
 def test_model_loader_takes_comfy_files_and_refuses_mismatches_before_model_work(pack, comfy_files):
-    """When queued the loader checks the file alone (an int8_convrot file is refused); the file vs the profile is
-    refused by the first Vflash node that runs (`graph_checks.check_graph` reads the loader's widgets from the prompt)."""
+    """When queued the loader checks the file alone (an nvfp4 file is refused); the file vs the profile is refused by
+    the first Vflash node that runs (`graph_checks.check_graph` reads the loader's widgets from the prompt). GGUF files
+    in models/unet or models/diffusion_models are listed (not a .gguf that is no H3 transformer)."""
     loader = pack.nodes["VflashModelLoader"]
     options = pack.schema("VflashModelLoader").inputs[0].options
-    assert {f"diffusion_models/{n}" for n in ("h3_demo_pruned.safetensors", "h3_demo_fp8_scaled.safetensors", "h3_int8_convrot.safetensors")} <= set(options)
-    assert loader.validate_inputs(model="diffusion_models/h3_demo_pruned.safetensors") is True
-    assert loader.validate_inputs(model="diffusion_models/h3_demo_fp8_scaled.safetensors") is True
-    refusal = loader.validate_inputs(model="diffusion_models/h3_int8_convrot.safetensors")
-    assert "int8_convrot" in refusal and "no exact dequantization" in refusal and "fp8_scaled" in refusal
+    files = ("h3_demo_pruned.safetensors", "h3_demo_fp8_scaled.safetensors", "h3_demo_int8_convrot.safetensors", "h3_demo-Q8_0.gguf", "h3_nvfp4.safetensors")
+    assert {f"diffusion_models/{n}" for n in files} <= set(options)
+    assert "diffusion_models/not_h3.gguf" not in options
+    for name in files[:4]:
+        assert loader.validate_inputs(model=f"diffusion_models/{name}") is True, name
+    refusal = loader.validate_inputs(model="diffusion_models/h3_nvfp4.safetensors")
+    assert "nvfp4" in refusal and "does not read" in refusal and "int8_convrot" in refusal and "GGUF" in refusal
 
     graph_checks = pack.package.graph_checks
     widgets = dict(weight_residency="auto", device="cpu", peer_device="none", strategy="sequence-head", attention_backend="auto")
@@ -296,6 +333,8 @@ def test_model_loader_takes_comfy_files_and_refuses_mismatches_before_model_work
 @pytest.mark.parametrize("model,profile,note", [
     ("h3_demo_pruned.safetensors", "t2va-base4-pruned-cpu", "a pruned transformer: approximate AdaLN (rank-8"),
     ("h3_demo_fp8_scaled.safetensors", "t2va-base4-exact-cpu", "transformer weights from an fp8_scaled file, dequantized to BF16"),
+    ("h3_demo_int8_convrot.safetensors", "t2va-base4-exact-cpu", None),
+    ("h3_demo-Q8_0.gguf", "t2va-base4-exact-cpu", None),
 ])
 def test_comfy_file_drives_the_t2va_chain(pack, comfy_files, model, profile, note):
     """The demo's t2va graph with the transformer from a Comfy-Org file: compiled on first use, sampled, and the
@@ -308,6 +347,7 @@ def test_comfy_file_drives_the_t2va_chain(pack, comfy_files, model, profile, not
     workflow = apply_overrides(load_api_workflow(api), [f"1.model=diffusion_models/{model}", f"1.profile={profile}", "4.width=128", "4.height=128"])
     report = execute(workflow, pack.node_types(workflow))
     latent = report.outputs["5"][0]
-    assert any(n.startswith(note) for n in latent["vflash_notes"]), latent["vflash_notes"]
+    if note is not None:  # int8_convrot and GGUF artifacts record their `dequantized` line in base_weights
+        assert any(n.startswith(note) for n in latent["vflash_notes"]), latent["vflash_notes"]
     assert torch.isfinite(latent["samples"].tensors[0]).all()
     pack.package.registry.ENGINES.release("all")

@@ -8,16 +8,25 @@ Two on-disk layouts exist:
   single file or shards. `mlp.fc1` is stored `[gate; value]`; the fused QKV is `stacked` (`[q; k; v]`, published
   single files) or per-head `interleaved` (raw MiniMaxAI shards), which shapes cannot tell apart.
 
-Comfy-Org's repacked single files (original layout, stacked QKV) come in three further forms:
+Comfy-Org's repacked single files (original layout, stacked QKV) come in further forms:
 
 * **fp8_scaled** — ComfyUI's scaled-FP8 files: the block linears stored as float8 codes with one scale per tensor.
   They are read as BF16 `code * scale`, computed as ComfyUI core dequantizes them (`dequantize`), so what Vflash
   runs is exact for those weights. For an FP8 profile the main blocks' E4M3 linears are instead kept as stored
   (`read_codes`: the file's codes, its per-tensor scale repeated per row), never dequantized and re-quantized.
+* **int8_convrot** — ComfyUI's `int8_tensorwise` layers with `convrot`: int8 codes with one fp32 scale per output
+  row, stored in a basis rotated by a block-diagonal normalised Hadamard matrix (groups of `convrot_groupsize`
+  input columns). Read as BF16 by `dequantize_int8`: the value core's dequantization defines, `(code * scale)`
+  rotated back, rounded once (core's own fp32 rotation may round the last BF16 bit differently, its summation order
+  depending on the backend). Core itself never runs these weights dequantized: its int8 GEMMs quantize the
+  activations per row too, so Vflash's result is exact for the dequantized weights and approximate relative to
+  core. `int8_tensorwise` without convrot (`code * scale`, core's fp32 product rounded to BF16) is bitwise core's.
+* **GGUF** (`.gguf`, through `gguf_file.GGUFStore`, needs the `gguf` package) — the same original names, each
+  tensor dequantized as ComfyUI-GGUF dequantizes its quant type into the dtype the release stores it in.
 * **pruned** (`*_pruned_*`) — an `adaln_t_table` [grid, k] fp32 replaces the time embedder, and every `adaln_proj`
   is a reduced-rank fp32 [rows, k] projection applied without SiLU. They compile only for `-pruned` profiles
-  (approximate: see `model.curve_time_embedding`).
-* other ComfyUI quantized formats (`int8_convrot`, nvfp4, mxfp8, ...) have no exact dequantization and are refused.
+  (approximate: see `model.curve_time_embedding`); a pruned GGUF too.
+* other ComfyUI quantized formats (nvfp4, mxfp8, convrot_w4a4, ...) are refused.
 
 Internal names (what the compiler and the runtime use)::
 
@@ -54,19 +63,24 @@ from ..engine.config import H3Config, aux_shapes, block_shapes
 from ..errors import IdentityMismatchError, WeightFileError
 from ..profiles import PROFILES, Profile
 from ..tensor_store import ReadRequest, TensorStore
+from .gguf_file import GGUFStore
 
 __all__ = [
-    "AUX_NAMES", "BLOCK_NAMES", "SourceWeights", "internal_shapes", "source_name",
+    "AUX_NAMES", "BLOCK_NAMES", "SourceWeights", "dequantize_int8", "hadamard_signs", "internal_shapes", "release_dtype",
+    "source_name",
 ]
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}
 
 # ComfyUI quantization formats with an exact dequantization: float8 codes times one scale per tensor.
 FP8_FORMATS = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+# ComfyUI's int8 format: int8 codes with a per-tensor or per-row scale, optionally ConvRot-rotated.
+INT8_FORMAT = "int8_tensorwise"
 
 SUPPORTED_FILES = (
-    "bf16 / fp16 / fp32 weights, fp8_scaled files (float8 with per-tensor scales, dequantized exactly) and pruned "
-    "files (`adaln_t_table`, with a -pruned profile)"
+    "bf16 / fp16 / fp32 weights, fp8_scaled and int8 / int8_convrot files (dequantized to BF16 as ComfyUI core "
+    "dequantizes them), GGUF files (dequantized as ComfyUI-GGUF does) and pruned files (`adaln_t_table`, with a "
+    "-pruned profile)"
 )
 
 # Prefixes some single-file exports put in front of the original names.
@@ -143,10 +157,13 @@ _Pieces = list[tuple[str, int, int, int]]
 
 @dataclass(frozen=True)
 class ScaledWeight:
-    """A float8 weight of a scaled-FP8 file: its value is `code * scale`."""
+    """A quantized weight of a ComfyUI-quantized file: its value is `code * scale` (float8 codes with a per-tensor
+    scale, or int8 codes with a per-tensor or per-row scale), rotated back from a ConvRot basis when `convrot_group`
+    is non-zero (int8_convrot)."""
 
-    scale: str  # name of its per-tensor scale
+    scale: str  # name of its scale tensor
     code_dtype: torch.dtype
+    convrot_group: int = 0  # the Hadamard group size of an int8_convrot layer; 0: not rotated
 
 
 # Elements checked at once by `check_finite`: bounds the temporary mask (1 byte each) whatever the tensor's size.
@@ -176,12 +193,101 @@ def dequantize(code: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, out:
     return torch.mul(code.to(dtype), scale.to(dtype), out=out)
 
 
+def hadamard_signs(group: int) -> torch.Tensor:
+    """The ±1 matrix [group, group] of ConvRot's regular Hadamard transform (`group` a power of 4): the Kronecker
+    powers of the symmetric 4x4 regular Hadamard matrix with -1 on its anti-diagonal. Divided by sqrt(group) it is
+    orthogonal and its own inverse, which is what makes the rotation of a weight undo that of its activations."""
+    base = torch.ones(4, 4, dtype=torch.float32) - 2 * torch.eye(4).flip(1)
+    signs = torch.ones(1, 1)
+    while signs.shape[0] < group:
+        signs = torch.kron(signs, base)
+    return signs
+
+
+def _round_to_bf16(exact: torch.Tensor) -> torch.Tensor:
+    """float64 values (in fp32's normal range, or zero) rounded once to the nearest BF16, ties to even. torch's
+    float64 -> bf16 cast rounds through fp32 (twice), so the 45 low mantissa bits BF16 drops are rounded off the
+    float64's bits directly (a carry steps the exponent); what is left casts exactly."""
+    bits = exact.view(torch.int64)
+    bits = (bits + ((1 << 44) - 1) + ((bits >> 45) & 1)) & ~((1 << 45) - 1)
+    return bits.view(torch.float64).float().to(torch.bfloat16)
+
+
+# Elements of an int8 weight dequantized at once: bounds the float64 temporaries (a few 8-byte copies each).
+_INT8_CHUNK = 1 << 22
+
+
+def dequantize_int8(code: torch.Tensor, scale: torch.Tensor, convrot_group: int, dtype: torch.dtype) -> torch.Tensor:
+    """An int8 layer's weight [rows, cols] in `dtype` (bf16 or fp32) from its int8 codes [rows, cols] and fp32 scale
+    (one, or one per row: [rows, 1] / [rows]).
+
+    Without ConvRot, core's value: the fp32 product `code * scale` cast to `dtype`. With ConvRot (`convrot_group` g),
+    core's definition is `((code * scale) @ H.T)` per group of g columns, H the normalised regular Hadamard matrix
+    (`hadamard_signs(g) / sqrt(g)`), cast to `dtype`; core evaluates it in fp32 in a backend-dependent order. Here it
+    is evaluated exactly: the integer sums `code @ signs.T` (each partial sum an integer below 128 g < 2^24, exact in
+    fp32 whatever order the GEMM sums in), times the scale / sqrt(g) (sqrt(g) a power of two) in float64 (exact: 24 x
+    16 bits), then rounded once to `dtype`. Computed in row chunks."""
+    rows, cols = code.shape
+    per_row = scale.numel() > 1
+    scale = scale.float().reshape(-1, 1) if per_row else scale.float().reshape(())
+    if not convrot_group:
+        return (code.float() * scale).to(dtype)
+    signs = hadamard_signs(convrot_group).T
+    factor = scale.double() / math.isqrt(convrot_group)
+    out = torch.empty(rows, cols, dtype=dtype)
+    step = max(1, _INT8_CHUNK // max(cols, 1))
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        sums = (code[start:stop].float().reshape(stop - start, cols // convrot_group, convrot_group) @ signs).reshape(stop - start, cols)
+        exact = sums.double() * (factor[start:stop] if per_row else factor)
+        out[start:stop] = _round_to_bf16(exact) if dtype == torch.bfloat16 else exact.to(dtype)
+    return out
+
+
+def release_dtype(internal: str, pruned: bool) -> torch.dtype:
+    """The dtype of an internal tensor in the release: fp32 for the patch projections, the time embedder and the
+    output heads (a pruned file's time table and reduced-rank AdaLN projections too), bf16 for everything else."""
+    fp32 = internal.startswith(_FP32_INTERNAL) or (pruned and (".adaln." in internal or internal.startswith("norm_out.linear.")))
+    return torch.float32 if fp32 else torch.bfloat16
+
+
+_FP32_INTERNAL = ("proj_in.", "audio_proj_in.", "time_embedder.", "proj_out.", "audio_proj_out.", "adaln_t_table")
+
+# How a quantized file's weights became what Vflash runs, as a receipt and an artifact record it (`describe`).
+_DEQUANTIZED = {
+    "int8_convrot": (
+        "int8_convrot file dequantized to BF16: int8 code x row scale rotated back from the ConvRot basis, the exact "
+        "value rounded once (ComfyUI core's fp32 rotation may round the last BF16 bit otherwise); exact for those "
+        "weights. ComfyUI core runs them as int8 GEMMs on per-row-quantized activations, so core's own outputs are "
+        "approximate relative to these"
+    ),
+    "int8": (
+        "int8 file dequantized to BF16 as ComfyUI core dequantizes it (fp32 code x scale, cast to BF16); exact for "
+        "those weights. ComfyUI core runs them as int8 GEMMs on per-row-quantized activations (approximate)"
+    ),
+    "gguf": (
+        "GGUF file dequantized as ComfyUI-GGUF dequantizes each quantization type (fp16 block arithmetic), cast to "
+        "the release's dtypes (BF16; FP32 where the release keeps FP32); exact for those weights, which are not the "
+        "BF16 release"
+    ),
+}
+
+
 def _format_name(conf: dict) -> str:
     fmt = str(conf.get("format"))
-    params = conf.get("params") if isinstance(conf.get("params"), dict) else {}
-    if fmt == "int8_tensorwise" and conf.get("convrot", params.get("convrot", False)):
+    if fmt == INT8_FORMAT and _convrot_group(conf):
         return "int8_convrot"
     return fmt
+
+
+def _convrot_group(conf: dict) -> int:
+    """The ConvRot group size of an int8 layer's ComfyUI config (0 without ConvRot); its keys sit at the top level or
+    under `params`, as core reads them."""
+    params = conf.get("params") if isinstance(conf.get("params"), dict) else {}
+    if not conf.get("convrot", params.get("convrot", False)):
+        return 0
+    group = conf.get("convrot_groupsize", params.get("convrot_groupsize", 256))
+    return group if isinstance(group, int) and not isinstance(group, bool) else -1
 
 
 def quantized_layers(store: TensorStore, prefix: str) -> dict[str, ScaledWeight]:
@@ -216,36 +322,50 @@ def quantized_layers(store: TensorStore, prefix: str) -> dict[str, ScaledWeight]
         formats.update({layer: {"format": "float8_e4m3fn"} for layer in legacy})
     refused: dict[str, list[str]] = {}
     for layer, conf in formats.items():
-        if _format_name(conf) not in FP8_FORMATS:
+        if _format_name(conf) not in (*FP8_FORMATS, INT8_FORMAT, "int8_convrot"):
             refused.setdefault(_format_name(conf), []).append(layer)
     if refused:
         found = "; ".join(f"{fmt} ({len(layers)} layers, e.g. {min(layers)})" for fmt, layers in sorted(refused.items()))
-        raise WeightFileError(f"{store.path}: {found}: no exact dequantization; Vflash reads {SUPPORTED_FILES}")
+        raise WeightFileError(f"{store.path}: {found}: a quantization format Vflash does not read; Vflash reads {SUPPORTED_FILES}")
+    bad_groups = sorted(layer for layer, conf in formats.items() if _format_name(conf) == "int8_convrot" and not _is_power_of_4(_convrot_group(conf)))
+    if bad_groups:
+        raise WeightFileError(f"{store.path}: int8_convrot layer {bad_groups[0]} has convrot_groupsize {_convrot_group(formats[bad_groups[0]])!r}; a ConvRot group is a power of 4")
     # A missing scale is named by the key its marking reads (`weight_scale`; `scale_weight` only in the older layout).
-    return {f"{layer}.weight": ScaledWeight(f"{layer}.{'scale_weight' if layer in legacy else 'weight_scale'}", FP8_FORMATS[conf["format"]])
-            for layer, conf in sorted(formats.items())}
+    return {
+        f"{layer}.weight": ScaledWeight(
+            f"{layer}.{'scale_weight' if layer in legacy else 'weight_scale'}",
+            torch.int8 if conf["format"] == INT8_FORMAT else FP8_FORMATS[conf["format"]],
+            _convrot_group(conf) if conf["format"] == INT8_FORMAT else 0,
+        )
+        for layer, conf in sorted(formats.items())
+    }
+
+
+def _is_power_of_4(value: int) -> bool:
+    return value >= 4 and value & (value - 1) == 0 and value.bit_length() % 2 == 1
 
 
 class SourceWeights:
-    """An H3 transformer checkpoint (official, or a Comfy-Org fp8_scaled / pruned file), readable in internal naming.
-    Holds no open file.
+    """An H3 transformer checkpoint (official, a Comfy-Org fp8_scaled / int8_convrot / pruned file, or a GGUF),
+    readable in internal naming. Holds no open file.
 
     Args:
-        path: a diffusers `transformer/` folder, a single `.safetensors` file, an index json, or a folder of
-            original-layout shards.
+        path: a diffusers `transformer/` folder, a single `.safetensors` or `.gguf` file, an index json, or a folder
+            of original-layout shards.
         qkv_layout: for the original layout only, `"stacked"` (default; published single files) or `"interleaved"`
             (raw MiniMaxAI shards).
         config: the transformer config; read from `config.json` (diffusers folder), the file's `__metadata__`
             `config` entry, or inferred from tensor shapes, in that order, when not given. For a pruned file it is
             the base model's (`time_embed_dim` is the full width; the file's rank is `curve[1]`).
 
-    `format` is "fp8_scaled" or the main blocks' stored dtype ("bf16", "fp16", "fp32"); `curve` is (grid, rank) of a
-    pruned file's `adaln_t_table`, else None.
+    `format` is "fp8_scaled", "int8_convrot", "int8", "gguf" or the main blocks' stored dtype ("bf16", "fp16",
+    "fp32"); `curve` is (grid, rank) of a pruned file's `adaln_t_table`, else None; `gguf` whether it is a GGUF.
     """
 
     def __init__(self, path: str | Path, qkv_layout: str | None = None, config: H3Config | None = None):
         self.path = Path(path)
-        self.store = TensorStore(self.path)
+        self.gguf = self.path.suffix.lower() == ".gguf"
+        self.store: TensorStore | GGUFStore = GGUFStore(self.path) if self.gguf else TensorStore(self.path)
         names = set(self.store.names)
         if "transformer_blocks.0.attn.to_q.weight" in names:
             self.layout = "diffusers"
@@ -269,7 +389,8 @@ class SourceWeights:
         self.curve: tuple[int, int] | None = None
         if table in names:
             shape = self.store.info(table).shape
-            if len(shape) != 2 or shape[0] < 2 or self.store.info(table).dtype != torch.float32:
+            # a GGUF's table reads as fp32 whatever float type stores it
+            if len(shape) != 2 or shape[0] < 2 or (self.store.info(table).dtype != torch.float32 and not self.gguf):
                 raise WeightFileError(f"{self.path}: `adaln_t_table` must be a [grid >= 2, rank] fp32 table, found {list(shape)} {self.store.info(table).dtype}")
             self.curve = (shape[0], shape[1])
         self._quantized = quantized_layers(self.store, self._prefix)
@@ -281,15 +402,44 @@ class SourceWeights:
         self._scales = self.store.read(sorted({q.scale for q in self._quantized.values()}))
         for name, scale in self._scales.items():  # read once, here: a NaN scale is refused by prepare already
             check_finite(scale, name, self.path)
-        self.format = "fp8_scaled" if self._quantized else _DTYPE_NAMES[self.dtype_of("blocks.0.attn.qkv.weight")]
+        int8 = [q for q in self._quantized.values() if q.code_dtype == torch.int8]
+        if self.gguf:
+            self.format = "gguf"
+        elif int8:
+            self.format = "int8_convrot" if any(q.convrot_group for q in int8) else "int8"
+        else:
+            self.format = "fp8_scaled" if self._quantized else _DTYPE_NAMES[self.dtype_of("blocks.0.attn.qkv.weight")]
 
     @property
     def pruned(self) -> bool:
         return self.curve is not None
 
     def describe(self) -> dict[str, object]:
-        """What a receipt and a compiled artifact record of the weights' form."""
-        return {"format": self.format, "quantized_layers": len(self._quantized), "pruned": None if self.curve is None else {"grid": self.curve[0], "rank": self.curve[1]}}
+        """What a receipt and a compiled artifact record of the weights' form: `format`, `quantized_layers` (the
+        ComfyUI-quantized layers, or a GGUF's quantized tensors), `pruned`; for a quantized file also `quant_types`
+        (tensor count per quantization type) and `dequantized` (one line: how its weights became BF16, and how
+        exact that is)."""
+        record: dict[str, object] = {
+            "format": self.format, "quantized_layers": self._quantized_count(),
+            "pruned": None if self.curve is None else {"grid": self.curve[0], "rank": self.curve[1]},
+        }
+        types = self._quant_types()
+        if types and self.format != "fp8_scaled":  # an fp8_scaled file's record is as it was
+            record["quant_types"] = types
+            record["dequantized"] = _DEQUANTIZED[self.format]
+        return record
+
+    def _quant_types(self) -> dict[str, int]:
+        if self.gguf:
+            return self.store.quant_types()
+        types: dict[str, int] = {}
+        for q in self._quantized.values():
+            kind = "int8_convrot" if q.convrot_group else str(q.code_dtype).removeprefix("torch.")
+            types[kind] = types.get(kind, 0) + 1
+        return dict(sorted(types.items()))
+
+    def _quantized_count(self) -> int:
+        return sum(n for t, n in self.store.quant_types().items() if t not in ("F32", "F16", "BF16")) if self.gguf else len(self._quantized)
 
     def check_profile(self, profile: Profile) -> None:
         """A pruned file compiles only for a -pruned profile, and a -pruned profile only from a pruned file."""
@@ -299,6 +449,11 @@ class SourceWeights:
             raise IdentityMismatchError(
                 f"{self.path} is a pruned file (an `adaln_t_table` [{grid}, {rank}] replaces the time embedder): it compiles "
                 f"only for a -pruned profile (approximate AdaLN), not {profile.id}; for {profile.arch}: {choices}"
+            )
+        if profile.fp8 and (self.gguf or any(q.code_dtype == torch.int8 for q in self._quantized.values())):
+            raise IdentityMismatchError(
+                f"{self.path} is a {self.format} file: FP8 profile {profile.id} would quantize its dequantized weights a "
+                "second time; choose a BF16 profile"
             )
         if profile.fp8 and self._quantized:
             other = sorted(n for n, q in self._quantized.items() if q.code_dtype != torch.float8_e4m3fn and n in self._block_linear_sources())
@@ -428,7 +583,12 @@ class SourceWeights:
             if name in expect:
                 expect[name] = (expect[name][0], (scaled.code_dtype,))
                 stored = self.store.info(scaled.scale).shape if scaled.scale in self.store else ()
-                expect[scaled.scale] = (stored if math.prod(stored) == 1 else (), FLOAT_DTYPES)  # 0-d or one element
+                # one element (0-d or not); an int8 layer's may be one per row instead, [rows, 1] or [rows]
+                per_row = scaled.code_dtype == torch.int8 and stored in ((expect[name][0][0], 1), (expect[name][0][0],))
+                expect[scaled.scale] = (stored if math.prod(stored) == 1 or per_row else (), FLOAT_DTYPES)
+                cols = expect[name][0][-1]
+                if scaled.convrot_group and cols % scaled.convrot_group:
+                    raise WeightFileError(f"{self.path}: int8_convrot weight {name} has {cols} columns, not a multiple of its convrot_groupsize {scaled.convrot_group}")
         self.store.require(expect)
         adaln = (".adaln.weight", ".adaln.bias") if self.pruned else ()  # a pruned file's are fp32 by design
         block_dtypes = {self.dtype_of(n) for n in self._shapes if n.startswith("blocks.") and not n.endswith(adaln)}
@@ -462,8 +622,12 @@ class SourceWeights:
         return out
 
     def dtype_of(self, internal: str) -> torch.dtype:
-        """The dtype `read` returns: the stored one, or bf16 for a float8 weight (ComfyUI core dequantizes every
-        quantized layer to its compute dtype, bf16 on a device with bf16)."""
+        """The dtype `read` returns: the stored one, or bf16 for a ComfyUI-quantized weight (ComfyUI core dequantizes
+        every quantized layer to its compute dtype, bf16 on a device with bf16). A GGUF's tensors read in the dtype the
+        release (and a Comfy-Org file) stores them in (`release_dtype`): ComfyUI-GGUF casts each to its layer's
+        compute dtype, whatever the GGUF type (its converter keeps small and 1-D tensors F32)."""
+        if self.gguf:
+            return release_dtype(internal, self.pruned)
         name = self._sources[internal][0][0]
         return torch.bfloat16 if name in self._quantized else self.store.info(name).dtype
 
@@ -471,7 +635,7 @@ class SourceWeights:
         """Read internal tensors (names from `shapes()`) into fresh CPU tensors; float8 weights are dequantized."""
         out: dict[str, torch.Tensor] = {}
         requests = []
-        scaled: list[tuple[torch.Tensor, str, torch.Tensor]] = []  # (code, scale name, destination)
+        scaled: list[tuple[torch.Tensor, ScaledWeight, slice, torch.Tensor]] = []  # (code, layer, its rows, destination)
         for internal in names:
             tensor = torch.empty(self._shapes[internal], dtype=self.dtype_of(internal))
             out[internal] = tensor
@@ -479,12 +643,16 @@ class SourceWeights:
                 target = tensor if stop == -1 else tensor[dst : dst + stop - start]
                 if name in self._quantized:
                     code = torch.empty(target.shape, dtype=self._quantized[name].code_dtype)
-                    scaled.append((code, self._quantized[name].scale, target))
+                    scaled.append((code, self._quantized[name], slice(start, None if stop == -1 else stop), target))
                     target = code
                 requests.append(ReadRequest(name, target) if stop == -1 else ReadRequest(name, target, start, stop))
         self.store.read_into(requests)
-        for code, scale, target in scaled:
-            dequantize(code, self._scales[scale], target.dtype, out=target)
+        for code, layer, rows, target in scaled:
+            scale = self._scales[layer.scale]
+            if layer.code_dtype == torch.int8:  # a per-row scale follows the rows read
+                target.copy_(dequantize_int8(code, scale.reshape(-1)[rows] if scale.numel() > 1 else scale, layer.convrot_group, target.dtype))
+            else:
+                dequantize(code, scale, target.dtype, out=target)
         for internal, tensor in out.items():  # as the tensors are read: no second pass over the file
             check_finite(tensor, " / ".join(dict.fromkeys(name for name, *_ in self._sources[internal])), self.path)
         return out

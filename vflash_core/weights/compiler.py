@@ -18,8 +18,9 @@ Verbs (`python -m vflash_core.weights.compiler prepare|compile|verify`):
     LoRA on `adaln_proj`, `time_embedder` or `norm_out` folded in (a pruned file, for a -pruned profile: from its
     `adaln_t_table` curve and reduced-rank projections, see `model.curve_time_embedding`);
   - a `manifest.json` in `artifact/` and `schedule/` (and metadata in the auxiliary file) carrying one compile id,
-    the profile identity, the config, the device architecture, the base weights' form (`format`: "bf16" or
-    "fp8_scaled", dequantized to BF16 as it is read; `pruned`) and the size and sha256 of every file.
+    the profile identity, the config, the device architecture, the base weights' form (`format`: "bf16", or
+    "fp8_scaled" / "int8_convrot" / "int8" / "gguf", dequantized as it is read, with `quant_types` and the
+    `dequantized` line saying how; `pruned`) and the size and sha256 of every file.
 
   For an FP8 profile (approximate, `Profile.fp8`) the artifact is of its own kind (`ARTIFACT_FP8_FORMAT`): each
   block's four linears are quantized on the compile device to E4M3 codes (`<linear>.weight`) with FP32 row scales
@@ -347,7 +348,7 @@ def _identity(profile: Profile, receipt: dict, config: H3Config, arch: str, comp
         "arch": arch,
         "base_weights": {
             "layout": receipt["transformer"]["layout"],
-            **{k: receipt["transformer"][k] for k in ("format", "quantized_layers", "pruned") if k in receipt["transformer"]},
+            **{k: receipt["transformer"][k] for k in ("format", "quantized_layers", "pruned", "quant_types", "dequantized") if k in receipt["transformer"]},
             # what identifies a file's content, not where or when it was written
             "files": [{k: f[k] for k in ("name", "size", "sha256")} for f in receipt["transformer"]["files"]],
         },
@@ -542,7 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="bind a profile to base weights (and adapter) in a receipt")
     p.add_argument("--profile", required=True, help="profile id the weights are compiled for, e.g. t2va-base16-bf16-sm90")
-    p.add_argument("--transformer", required=True, help="diffusers transformer/ folder, or an original-layout file/folder (Comfy-Org bf16, fp8_scaled or pruned single files too)")
+    p.add_argument("--transformer", required=True, help="diffusers transformer/ folder, or an original-layout file/folder (Comfy-Org bf16, fp8_scaled, int8_convrot or pruned single files, and GGUF files, too)")
     p.add_argument("--adapter", help="LoRA .safetensors the profile is built with")
     p.add_argument("--qkv-layout", choices=("stacked", "interleaved"), help="original layout only (default stacked)")
     p.add_argument("--receipt", required=True, help="receipt JSON to write (must not exist)")

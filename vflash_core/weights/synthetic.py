@@ -24,9 +24,9 @@ from ..engine.model import rope_inv_freq, time_embedding
 from .checkpoint import internal_shapes, source_name
 
 __all__ = [
-    "RandomWeights", "diffusers_names", "prune_adaln", "random_internal_weights", "random_like", "to_original_names",
-    "write_comfy_transformer", "write_diffusers_transformer", "write_original_transformer", "write_random_lora",
-    "write_shards",
+    "RandomWeights", "diffusers_names", "prune_adaln", "quantize_int8_convrot", "random_internal_weights", "random_like",
+    "to_original_names", "write_comfy_transformer", "write_diffusers_transformer", "write_gguf_transformer",
+    "write_original_transformer", "write_random_lora", "write_shards",
 ]
 
 # Tensors the released checkpoint stores in fp32; everything else is bf16.
@@ -242,16 +242,30 @@ _FP8_LAYERS = re.compile(r"^((token_refiner\.)?blocks\.\d+\.(attn\.qkv_proj|attn
 
 
 def write_comfy_transformer(
-    path: str | Path, config: H3Config, weights: Mapping[str, torch.Tensor], fp8: str | None = None, embed_config: bool = True
+    path: str | Path, config: H3Config, weights: Mapping[str, torch.Tensor], fp8: str | None = None, embed_config: bool = True,
+    int8_convrot: int = 0, int8_marking: str = "comfy_quant",
 ) -> Path:
     """A Comfy-Org single file: original names with stacked QKV and the `rope.inv_freq` buffer, from full or pruned
     (`prune_adaln`) weights. With `fp8`, the bf16 linears ComfyUI quantizes become float8_e4m3fn codes with one fp32
     scale each (`scale = amax / 448`, `code = fp8(w / scale)`), marked the way ComfyUI marks them: "metadata"
     (`_quantization_metadata` and `<layer>.weight_scale`), "comfy_quant" (a `<layer>.comfy_quant` tensor each) or
-    "legacy" (a `scaled_fp8` tensor and `<layer>.scale_weight`)."""
+    "legacy" (a `scaled_fp8` tensor and `<layer>.scale_weight`). With `int8_convrot` (a ConvRot group size, a power
+    of 4), those linears whose columns it divides are written as ComfyUI's int8_convrot layers instead
+    (`quantize_int8_convrot`), marked by `<layer>.comfy_quant` tensors or (`int8_marking="metadata"`)
+    `_quantization_metadata`."""
     path = Path(path)
     state = {**to_original_names(dict(weights), config), "rope.inv_freq": rope_inv_freq(config)}
     metadata = {"config": json.dumps(config.to_dict())} if embed_config else {}
+    if int8_convrot:
+        int8_layers: dict[str, dict[str, object]] = {}
+        for name in [n for n in state if n.endswith(".weight") and _FP8_LAYERS.match(n.removesuffix(".weight")) and state[n].shape[1] % int8_convrot == 0]:
+            layer = name.removesuffix(".weight")
+            state[name], state[f"{layer}.weight_scale"] = quantize_int8_convrot(state[name], int8_convrot)
+            int8_layers[layer] = {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": int8_convrot}
+            if int8_marking == "comfy_quant":
+                state[f"{layer}.comfy_quant"] = torch.tensor(list(json.dumps(int8_layers[layer]).encode()), dtype=torch.uint8)
+        if int8_marking == "metadata":
+            metadata["_quantization_metadata"] = json.dumps({"format_version": "1.0", "layers": int8_layers})
     if fp8 is not None:
         layers = {}
         for name in [n for n in state if n.endswith(".weight") and _FP8_LAYERS.match(n.removesuffix(".weight")) and state[n].dtype == torch.bfloat16]:
@@ -272,4 +286,65 @@ def write_comfy_transformer(
         elif fp8 == "legacy":
             state["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
     save_file(state, str(path), metadata=metadata)
+    return path
+
+
+def quantize_int8_convrot(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [rows, cols] as ComfyUI's int8_convrot quantizer writes it: rotated in fp32 by the normalised regular
+    Hadamard matrix per group of `group` columns (`W @ H.T`), then int8 codes round(w / s) with one fp32 scale per
+    row s = row absmax / 127; returns (codes int8 [rows, cols], scales fp32 [rows, 1])."""
+    from .checkpoint import hadamard_signs
+
+    rows, cols = weight.shape
+    rotated = (weight.float().reshape(rows, cols // group, group) @ (hadamard_signs(group) / math.isqrt(group)).T).reshape(rows, cols)
+    scale = (rotated.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-30)
+    return (rotated / scale).round().clamp(-128, 127).to(torch.int8), scale
+
+
+#: Divisors sizing each k-quant's fp16 super-block scales so that random codes give values of about the target
+#: magnitude: the largest |sub-scale x code| the type's codes reach.
+_K_QUANT_RANGE = {"Q2_K": 15 * 3, "Q3_K": 32 * 4, "Q4_K": 63 * 15, "Q5_K": 63 * 31, "Q6_K": 127 * 32}
+# Byte offsets of the fp16 scale fields in one block of each k-quant.
+_K_QUANT_HALVES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def write_gguf_transformer(
+    path: str | Path, config: H3Config, weights: Mapping[str, torch.Tensor], quant_type: Callable[[str, tuple[int, ...]], str], seed: int = 0
+) -> Path:
+    """A GGUF of a Comfy-Org file (`write_comfy_transformer`'s tensors, original names) as ComfyUI-GGUF's converter and
+    llama.cpp's quantizer lay it out: `quant_type(name, torch shape)` gives each tensor's ggml type. F32 / F16 / BF16
+    and the legacy types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) hold `weights` quantized by the gguf package; the gguf
+    package has no k-quant quantizer, so a k-quant tensor (Q2_K ... Q6_K) holds random codes and sub-scales from
+    `seed`, with fp16 super-block scales giving values of about the weight's fan_in^-1/2."""
+    import numpy as np
+
+    from .gguf_file import require_gguf
+
+    gguf = require_gguf()
+
+    path = Path(path)
+    state = {**to_original_names(dict(weights), config), "rope.inv_freq": rope_inv_freq(config)}
+    writer = gguf.GGUFWriter(str(path), arch="minimax_h3")
+    rng = np.random.default_rng(seed)
+    for name, tensor in state.items():
+        qtype = quant_type(name, tuple(tensor.shape))
+        ggml = gguf.GGMLQuantizationType[qtype]
+        values = tensor.float().numpy()
+        if qtype in _K_QUANT_RANGE:
+            block_size, type_size = gguf.GGML_QUANT_SIZES[ggml]
+            blocks = rng.integers(0, 256, size=(values.size // block_size, type_size), dtype=np.uint8)
+            scale = values.shape[-1] ** -0.5 / _K_QUANT_RANGE[qtype]
+            for at in _K_QUANT_HALVES[qtype]:
+                halves = (rng.uniform(0.5, 1.0, size=blocks.shape[0]) * scale).astype(np.float16)
+                blocks[:, at : at + 2] = halves.view(np.uint8).reshape(-1, 2)
+            data = blocks.reshape(*values.shape[:-1], -1)
+        elif qtype == "F32":
+            data = values
+        else:
+            data = gguf.quants.quantize(values, ggml)
+        writer.add_tensor(name, data, raw_dtype=ggml if qtype != "F32" else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
     return path
