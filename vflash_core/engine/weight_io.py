@@ -313,7 +313,8 @@ class SequentialWeights(TensorIndex):
         buffers = [
             torch.empty(end - start, dtype=torch.uint8, pin_memory=self.pin_memory) for start, end in self.shards
         ]
-        views = [buffer.numpy().data for buffer in buffers]  # ndarray.data: memoryview(array)
+        # numpy's stubs declare the buffer protocol (`__buffer__`) for Python >= 3.12 only
+        views = [memoryview(buffer.numpy()) for buffer in buffers]  # type: ignore[arg-type]
         fd = _open(self.read_path)
         try:
             if self._zstd is None:
@@ -404,7 +405,7 @@ class TensorReader:
         returns the bytes read."""
         jobs = []
         for name, info in self.infos.items():
-            view = targets[name].numpy().data
+            view = memoryview(targets[name].numpy())  # type: ignore[arg-type]
             if len(view) != info.end - info.start:
                 raise VflashError(
                     f"{self.path}: {name} has {info.end - info.start} bytes; its buffer holds {len(view)}"
