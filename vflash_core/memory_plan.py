@@ -28,18 +28,16 @@ shapes). A placement fits when every stage's peak plus `MARGIN_BYTES` is within 
 
 Host memory: a placement holds, between requests, the block-ring arena (every block) or the disk ring's staging
 buffers, the offloaded or streamed text encoder (all of it: streamed layers in their arena, the rest offloaded; from
-disk, the rest and the staging buffers) and the offloaded VAEs; with a host budget (`max_host_memory`) that plus `HOST_MARGIN_BYTES` (the process itself: the CUDA
-libraries, a request's host tensors, reads in flight while loading) must fit it too. The host budget is planned
-against, never enforced: the host has no allocator to cap.
+disk, the rest and the staging buffers) and the offloaded VAEs; with a host budget (`max_host_memory`) that plus
+`HOST_MARGIN_BYTES` (the process itself: the CUDA libraries, a request's host tensors, reads in flight while loading)
+must fit it too. The host budget is planned against, never enforced: the host has no allocator to cap.
 
 Choice (`plan_memory`): the first placement, in the order of preference, whose stages all fit the profile's largest
 request and whose host bytes fit the host budget: the core resident before block-ring before disk-ring, the encoder
 offloaded before streamed, streamed from disk only after every core placement, the diffusers decode before the native
-one (explicit `weight_residency` /
-`encoder_residency` choices are kept). When none fits the largest request,
-the most frugal placement is taken if the weights alone fit, and each request is checked before it runs
-(`MemoryPlan.check`); when even the weights do not fit, or no placement fits the host budget, loading is refused
-with the numbers.
+one (explicit `weight_residency` / `encoder_residency` choices are kept). When none fits the largest request, the most
+frugal placement is taken if the weights alone fit, and each request is checked before it runs (`MemoryPlan.check`);
+when even the weights do not fit, or no placement fits the host budget, loading is refused with the numbers.
 
 Budget: on CUDA the least over the plan's devices of the driver's free memory plus this process's cached blocks,
 within a user cap (`max_device_memory`), which the session also enforces through PyTorch's allocator (`DeviceCap`),
@@ -60,8 +58,8 @@ from .errors import Number, RequestError, RunFailedError, VflashError
 from .fileio import GIB, size_text
 
 __all__ = [
-    "DEVICE_MEMORY_GIB", "HOST_MARGIN_BYTES", "PLANNED_PICTURES", "PLANNED_TEXT_ROWS", "DeviceCap", "MemoryPlan", "PartSizes",
-    "Placement", "cap_bytes", "device_budget", "plan_memory",
+    "DEVICE_MEMORY_GIB", "HOST_MARGIN_BYTES", "PLANNED_PICTURES", "PLANNED_TEXT_ROWS", "DeviceCap", "MemoryPlan",
+    "PartSizes", "Placement", "cap_bytes", "device_budget", "plan_memory",
 ]
 
 logger = logging.getLogger(__name__)
@@ -196,9 +194,15 @@ class MemoryPlan:
         """What each part holds in host memory between requests (the module docstring), by part; none held: absent."""
         s, p = self.sizes, self.placement
         held = {
-            f"core ({p.core})": {"block-ring": s.core_blocks, "disk-ring": min(DISK_RING_BLOCKS * s.core_block, s.core_blocks)}.get(p.core or "", 0),
-            f"text encoder ({p.encoder})": {"offload": s.encoder, "stream": s.encoder, "disk-stream": s.encoder - s.encoder_layers + min(
-                DISK_RING_BLOCKS * s.encoder_layer, s.encoder_layers)}.get(p.encoder or "", 0),
+            f"core ({p.core})": {
+                "block-ring": s.core_blocks,
+                "disk-ring": min(DISK_RING_BLOCKS * s.core_block, s.core_blocks),
+            }.get(p.core or "", 0),
+            f"text encoder ({p.encoder})": {
+                "offload": s.encoder,
+                "stream": s.encoder,
+                "disk-stream": s.encoder - s.encoder_layers + min(DISK_RING_BLOCKS * s.encoder_layer, s.encoder_layers),
+            }.get(p.encoder or "", 0),
             "VAEs (offload)": s.vaes if p.vaes == "offload" else 0,
         }
         return {name: nbytes for name, nbytes in held.items() if nbytes}
@@ -222,7 +226,10 @@ class MemoryPlan:
 
     def transient(self, needs: Mapping[str, int], stage: str) -> int:
         """A stage's transient bytes in `needs` (the decode's for this plan's video decoder)."""
-        return needs.get(f"decode.{self.placement.video_decoder}", needs.get("decode", 0)) if stage == "decode" else needs.get(stage, 0)
+        return (
+            needs.get(f"decode.{self.placement.video_decoder}", needs.get("decode", 0)) if stage == "decode"
+            else needs.get(stage, 0)
+        )
 
     def peaks(self, needs: Mapping[str, int]) -> dict[str, int]:
         """Each stage's device peak for a request's stage transients."""
@@ -237,9 +244,13 @@ class MemoryPlan:
         s, p = self.sizes, self.placement
         parts = []
         if p.core is not None:
-            parts.append(f"core {size_text(s.core_blocks)} blocks + {size_text(s.core_auxiliary)} auxiliary -> {p.core}")
+            parts.append(
+                f"core {size_text(s.core_blocks)} blocks + {size_text(s.core_auxiliary)} auxiliary -> {p.core}"
+            )
         if p.encoder is not None:
-            parts.append(f"text encoder {size_text(s.encoder)} ({size_text(s.encoder_layers)} in decoder layers) -> {p.encoder}")
+            parts.append(
+                f"text encoder {size_text(s.encoder)} ({size_text(s.encoder_layers)} in decoder layers) -> {p.encoder}"
+            )
         if p.vaes is not None:
             parts.append(f"VAEs {size_text(s.vaes)} -> {p.vaes}, video decode {p.video_decoder}")
         planned = {"encode": p.encoder, "denoise": p.core, "decode": p.vaes}  # the part that runs each stage
@@ -250,8 +261,9 @@ class MemoryPlan:
         if self.host_budget is not None:
             host += f" + {size_text(HOST_MARGIN_BYTES)} margin, budget {size_text(self.host_budget)}"
         return (
-            f"memory plan on {', '.join(str(d) for d in self.devices)}: {'; '.join(parts)}; the largest planned request peaks at "
-            f"{peaks} + {size_text(MARGIN_BYTES)} margin, {size_text(self.budget)} available{_cap_note(self.cap)}: {verdict}{host}"
+            f"memory plan on {', '.join(str(d) for d in self.devices)}: {'; '.join(parts)}; "
+            f"the largest planned request peaks at {peaks} + {size_text(MARGIN_BYTES)} margin, "
+            f"{size_text(self.budget)} available{_cap_note(self.cap)}: {verdict}{host}"
         )
 
     def available(self) -> int:
@@ -261,22 +273,29 @@ class MemoryPlan:
             return self.budget - self.resident_bytes()
         return device_budget(self.devices, self.cap)
 
-    def check(self, needs: Mapping[str, int], what: str, advice: str = "Use a smaller canvas or a shorter clip.") -> None:
+    def check(
+        self, needs: Mapping[str, int], what: str, advice: str = "Use a smaller canvas or a shorter clip."
+    ) -> None:
         """Refuse, before it runs, a request whose stages (stage -> transient bytes; the decode's for this plan's
         video decoder) do not fit what is available now beside the parts already on the device, with the margin."""
         available = self.available()
         for stage in (s for s in STAGES if s in needs):
             brought, transient = self.brought_bytes(stage), needs[stage]
             if brought + transient + MARGIN_BYTES > available:
-                detail = f"{size_text(transient)} transient" + (f" + {size_text(brought)} of weights it brings" if brought else "")
+                detail = f"{size_text(transient)} transient" + (
+                    f" + {size_text(brought)} of weights it brings" if brought else ""
+                )
                 raise RequestError(
-                    f"{what}: the {stage} stage needs about {size_text(brought + transient)} on {self.devices[0]} ({detail}) plus a "
-                    f"{size_text(MARGIN_BYTES)} margin; {size_text(available)} are available{_cap_note(self.cap)}. {advice}"
+                    f"{what}: the {stage} stage needs about {size_text(brought + transient)} on {self.devices[0]} "
+                    f"({detail}) plus a {size_text(MARGIN_BYTES)} margin; "
+                    f"{size_text(available)} are available{_cap_note(self.cap)}. {advice}"
                 )
 
 
 
-def _candidates(sizes: PartSizes, weight_residency: str, encoder_residency: str, devices: int, host_planned: bool) -> list[Placement]:
+def _candidates(
+    sizes: PartSizes, weight_residency: str, encoder_residency: str, devices: int, host_planned: bool
+) -> list[Placement]:
     """Placements in the order of preference (fastest first, most frugal last); None for a part not planned here. The
     disk ring and the encoder streamed from disk, which hold as much device memory as their pinned twins, are
     candidates only under a host budget (the disk ring for one device, the encoder where its layers' files allow)."""
@@ -310,7 +329,10 @@ def plan_memory(
     `device_budget(devices, cap)`; `host_budget`: `max_host_memory` in bytes (None: host memory is not planned)."""
     devices = tuple(devices)
     if weight_residency == "disk-ring" and len(devices) > 1:
-        raise VflashError("weight_residency='disk-ring' streams the blocks to one GPU; with a peer device use 'block-ring' or 'resident'")
+        raise VflashError(
+            "weight_residency='disk-ring' streams the blocks to one GPU; "
+            "with a peer device use 'block-ring' or 'resident'"
+        )
     budget = device_budget(devices, cap) if budget is None else budget
     candidates = _candidates(sizes, weight_residency, encoder_residency, len(devices), host_budget is not None)
     plans = [MemoryPlan(devices, budget, cap, sizes, p, largest, True, host_budget) for p in candidates]
@@ -326,18 +348,30 @@ def plan_memory(
         if not plan.fits({}):
             stage, peak = max(plan.peaks({}).items(), key=lambda item: item[1])
             p = plan.placement
-            placement = ", ".join(f"{name} {choice}" for name, choice in (("core", p.core), ("text encoder", p.encoder), ("VAEs", p.vaes)) if choice)
-            explicit = [f"{name}={value!r}" for name, value, default in (("weight_residency", weight_residency, "auto"), ("encoder_residency", encoder_residency, "offload")) if value != default]
+            placement = ", ".join(
+                f"{name} {choice}"
+                for name, choice in (("core", p.core), ("text encoder", p.encoder), ("VAEs", p.vaes))
+                if choice
+            )
+            explicit = [
+                f"{name}={value!r}"
+                for name, value, default in (
+                    ("weight_residency", weight_residency, "auto"), ("encoder_residency", encoder_residency, "offload")
+                )
+                if value != default
+            ]
             if devices[0].type != "cuda":  # on the CPU the budget is the cap: nothing else is measured
-                advice = " Raise max_device_memory, or leave it out on the CPU (no cap: everything stays in host memory)."
+                advice = (
+                    " Raise max_device_memory, or leave it out on the CPU (no cap: everything stays in host memory)."
+                )
             elif explicit:
                 advice = f" Leave {' and '.join(explicit)} to the plan, or use a larger GPU."
             else:
                 advice = " This GPU is too small for H3."
             raise RunFailedError(
-                f"the weights do not fit on {devices[0]}: with the most frugal placement ({placement}) the {stage} stage holds "
-                f"{size_text(peak)} of weights, plus a {size_text(MARGIN_BYTES)} margin; {size_text(budget)} are available"
-                f"{_cap_note(cap)}.{advice}"
+                f"the weights do not fit on {devices[0]}: with the most frugal placement ({placement}) "
+                f"the {stage} stage holds {size_text(peak)} of weights, plus a {size_text(MARGIN_BYTES)} margin; "
+                f"{size_text(budget)} are available{_cap_note(cap)}.{advice}"
             )
     logger.info(plan.summary())
     return plan
@@ -347,8 +381,14 @@ def _fastest_twin(plans: list[MemoryPlan], plan: MemoryPlan) -> MemoryPlan:
     """`plan`, or among `plans` the same placement with a pinned twin for what it reads from disk (the block ring for
     the disk ring, the arena-streamed encoder for the disk-streamed one: the same device memory, faster)."""
     p = plan.placement
-    twins = [replace(p, core="block-ring" if p.core == "disk-ring" else p.core, encoder="stream" if p.encoder == "disk-stream" else p.encoder),
-             replace(p, core="block-ring" if p.core == "disk-ring" else p.core), replace(p, encoder="stream" if p.encoder == "disk-stream" else p.encoder)]
+    twins = [
+        replace(
+            p, core="block-ring" if p.core == "disk-ring" else p.core,
+            encoder="stream" if p.encoder == "disk-stream" else p.encoder,
+        ),
+        replace(p, core="block-ring" if p.core == "disk-ring" else p.core),
+        replace(p, encoder="stream" if p.encoder == "disk-stream" else p.encoder),
+    ]
     return next((q for twin in twins for q in plans if q.placement == twin), plan)
 
 
@@ -356,11 +396,20 @@ def _refuse_host(plan: MemoryPlan, weight_residency: str, encoder_residency: str
     """Refuse a host budget that not even the most frugal placement fits, naming what holds the host memory."""
     held = plan.host_parts()
     parts = ", ".join(f"{name} {size_text(nbytes)}" for name, nbytes in held.items()) or "no weights"
-    explicit = [f"{name}={value!r}" for name, value, default in (("weight_residency", weight_residency, "auto"), ("encoder_residency", encoder_residency, "offload")) if value != default]
-    advice = f"Leave {' and '.join(explicit)} to the plan, or raise max_host_memory." if explicit else "Raise max_host_memory."
+    explicit = [
+        f"{name}={value!r}"
+        for name, value, default in (
+            ("weight_residency", weight_residency, "auto"), ("encoder_residency", encoder_residency, "offload")
+        )
+        if value != default
+    ]
+    advice = (
+        f"Leave {' and '.join(explicit)} to the plan, or raise max_host_memory." if explicit
+        else "Raise max_host_memory."
+    )
     if any(name in held for name in ("text encoder (offload)", "text encoder (stream)")):
-        advice += (" The text encoder is held in host memory whole: its decoder layers cannot stream from their files (a text_encoder_loader's "
-                   "model, or files in another dtype than loaded).")
+        advice += (" The text encoder is held in host memory whole: its decoder layers cannot stream from their files "
+                   "(a text_encoder_loader's model, or files in another dtype than loaded).")
     raise RunFailedError(
         f"the host memory budget does not fit: the most frugal placement holds {parts} in host memory, plus a "
         f"{size_text(HOST_MARGIN_BYTES)} margin for the process: {size_text(plan.host_bytes() + HOST_MARGIN_BYTES)}; "

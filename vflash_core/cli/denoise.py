@@ -26,18 +26,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bundle", required=True, help="conditioning bundle folder")
     p.add_argument("--output-latents", required=True, help="output .safetensors (must not exist)")
     p.add_argument("--gpu", type=GPU_INDEX.option("--gpu"), help="CUDA device index (default: CPU)")
-    p.add_argument("--peer-gpu", type=GPU_INDEX.option("--peer-gpu"), action="append", help="another GPU for this request (repeatable); needs --strategy")
+    p.add_argument("--peer-gpu", type=GPU_INDEX.option("--peer-gpu"), action="append",
+                   help="another GPU for this request (repeatable); needs --strategy")
     p.add_argument("--strategy", choices=STRATEGIES, help="how several GPUs split one request")
     p.add_argument("--weight-residency", choices=WEIGHT_RESIDENCIES, default="auto",
-                   help="the blocks all on the device, streamed from pinned host memory (block-ring) or from their compiled files "
-                        "(disk-ring, one GPU); auto: the memory plan chooses")
+                   help="the blocks all on the device, streamed from pinned host memory (block-ring) or from their "
+                        "compiled files (disk-ring, one GPU); auto: the memory plan chooses")
     p.add_argument("--max-device-memory", type=DEVICE_MEMORY_GIB.option("--max-device-memory"), metavar="GIB",
-                   help="cap on the device memory the session may use, in GiB (default: what the GPU has free); planned against and enforced")
+                   help="cap on the device memory the session may use, in GiB (default: what the GPU has free); "
+                        "planned against and enforced")
     p.add_argument("--max-host-memory", type=DEVICE_MEMORY_GIB.option("--max-host-memory"), metavar="GIB",
-                   help="budget for the host memory the session's blocks may hold, in GiB, with a margin for the process (default: not "
-                        "planned); where the pinned blocks do not fit, they stream from their compiled files (disk-ring)")
+                   help="budget for the host memory the session's blocks may hold, in GiB, with a margin for the "
+                        "process (default: not planned); where the pinned blocks do not fit, they stream from their "
+                        "compiled files (disk-ring)")
     p.add_argument("--attention-backend", default="auto", help="auto, fa3, torch-cudnn, torch-flash, torch-sdpa, ...")
-    p.add_argument("--profile-denoise", action="store_true", help="per-evaluation, per-stage device timings in the report")
+    p.add_argument("--profile-denoise", action="store_true",
+                   help="per-evaluation, per-stage device timings in the report")
     p.set_defaults(handler=_denoise)
 
 
@@ -52,15 +56,19 @@ def _denoise(args: argparse.Namespace) -> int:
     if os.path.lexists(args.bundle) and not os.path.isdir(args.bundle):
         raise VflashError(f"--bundle {args.bundle} is not a folder; give the conditioning bundle's folder")
     profile = get_profile(args.profile)
-    device = check_device(gpu_device(args.gpu), profile.arch, profile_id=profile.id)
+    named = gpu_device(args.gpu)
+    assert named is not None  # without --gpu, gpu_device's default: "cpu"
+    device = check_device(named, profile.arch, profile_id=profile.id)
     for peer in args.peer_gpu or ():
         check_device(peer, profile.arch, "peer device", profile.id)
     bundle = ConditioningBundle.load(args.bundle)
     with contextlib.closing(StageBars()) as bars:
         session = NativeEngineSession(
-            args.profile, args.artifact, args.schedule_overlay, args.auxiliary_tensor, device=device, peer_device=args.peer_gpu,
-            strategy=args.strategy, weight_residency=args.weight_residency, attention_backend=args.attention_backend,
-            max_device_memory=args.max_device_memory, max_host_memory=args.max_host_memory, on_load_progress=lambda done, total: bars("load weights", done, total),
+            args.profile, args.artifact, args.schedule_overlay, args.auxiliary_tensor,
+            device=device, peer_device=args.peer_gpu, strategy=args.strategy,
+            weight_residency=args.weight_residency, attention_backend=args.attention_backend,
+            max_device_memory=args.max_device_memory, max_host_memory=args.max_host_memory,
+            on_load_progress=lambda done, total: bars("load weights", done, total),
         )
         with session:
             session.validate(bundle)

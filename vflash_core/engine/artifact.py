@@ -1,4 +1,5 @@
-"""Loading a compiled artifact: format, identity and size checks (no rehash; `verify` re-hashes on request), then reads.
+"""Loading a compiled artifact: format, identity and size checks (no rehash; `verify` re-hashes on request), then
+reads.
 
 The three outputs of one compile (`artifact/`, `schedule/`, `auxiliary.safetensors`) are passed separately on the
 command line, so each carries the compile id and they must agree; each file's size must be the one recorded when it
@@ -42,7 +43,7 @@ from .weight_io import SequentialWeights
 __all__ = ["FLOAT_DTYPES", "TABLE_INPUTS", "CompiledArtifact", "ScheduleOverlay", "StepTables"]
 
 # The dtypes a floating-point tensor of a checkpoint or an artifact may have.
-FLOAT_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
+FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32, torch.float16)
 # Internal names that feed only the AdaLN tables (compiled into the schedule overlay, never loaded at run time).
 TABLE_INPUTS = ("time_embedder.", "norm_out.linear.", "adaln_t_table")
 
@@ -53,16 +54,21 @@ READ_WORKERS = 8
 
 
 _FILE_RECORD: tuple[Field, ...] = (("size", "a byte count", is_count), ("sha256", "a hex digest", is_text))
-_LORA_RECORD: tuple[Field, ...] = (("linear", "a linear's name", is_text), ("index", "an integer of 0 or more", is_count),
-                                   ("scale", "a number", is_number), ("row_start", "an integer of 0 or more", is_count))
-_IDENTITY: tuple[Field, ...] = (("compile_id", "a compile id", is_text), ("profile_id", "a profile id", is_text),
-                                ("profile", "an object", is_object), ("arch", "an architecture tag", is_text))
+_LORA_RECORD: tuple[Field, ...] = (
+    ("linear", "a linear's name", is_text), ("index", "an integer of 0 or more", is_count),
+    ("scale", "a number", is_number), ("row_start", "an integer of 0 or more", is_count),
+)
+_IDENTITY: tuple[Field, ...] = (
+    ("compile_id", "a compile id", is_text), ("profile_id", "a profile id", is_text),
+    ("profile", "an object", is_object), ("arch", "an architecture tag", is_text),
+)
 # What `CompiledArtifact` and `ScheduleOverlay` read from their manifests, with what each must be.
 ARTIFACT_FIELDS: tuple[Field, ...] = (
     *_IDENTITY,
     ("config", "an object", is_object),
     ("base_weights", "an object", is_object),
-    ("blocks", "a list of {file, size, sha256, lora} records", list_of(("file", "", is_file_name), *_FILE_RECORD, ("lora", "", list_of(*_LORA_RECORD)))),
+    ("blocks", "a list of {file, size, sha256, lora} records", list_of(
+        ("file", "", is_file_name), *_FILE_RECORD, ("lora", "", list_of(*_LORA_RECORD)))),
     ("auxiliary.size", "a byte count", is_count),
     ("auxiliary.sha256", "a hex digest", is_text),
 )
@@ -70,16 +76,20 @@ OVERLAY_FIELDS: tuple[Field, ...] = (
     *_IDENTITY,
     ("num_layers", "a positive integer", is_positive),
     ("entries", "a list of {step, variant, timesteps} records", list_of(
-        ("step", "", is_count), ("variant", "", is_count), ("timesteps", "", lambda v: isinstance(v, list) and all(map(is_number, v))))),
+        ("step", "", is_count), ("variant", "", is_count),
+        ("timesteps", "", lambda v: isinstance(v, list) and all(map(is_number, v))))),
     ("file.name", "a file name", is_file_name),
     *((f"file.{key}", what, valid) for key, what, valid in _FILE_RECORD),
 )
 
 
 def _read_manifest(path: Path, formats: tuple[str, ...], what: str, fields: tuple[Field, ...]) -> dict:
-    manifest = read_json(path / "manifest.json", VflashError, f"{path}: not a compiled {what} (no manifest.json)", f"{path}/manifest.json: corrupt (not JSON)")
+    manifest = read_json(
+        path / "manifest.json", VflashError,
+        f"{path}: not a compiled {what} (no manifest.json)", f"{path}/manifest.json: corrupt (not JSON)",
+    )
     found = manifest.get("format") if isinstance(manifest, dict) else None
-    if found not in formats:
+    if not isinstance(manifest, dict) or found not in formats:
         raise VflashError(f"{path}: {what} format {found!r}, expected {' or '.join(map(repr, formats))}")
     check_fields(manifest, fields, f"{path}/manifest.json", "compile it again")
     return manifest
@@ -93,21 +103,28 @@ def _check_size(path: Path, size: int) -> None:
         raise WeightFileError(f"{path}: {actual} bytes, but {size} were recorded when it was compiled")
 
 
-def _loras(records: list[dict], tensors: dict[str, torch.Tensor], prefix: str = "") -> dict[str, tuple[LoraResidual, ...]]:
+def _loras(
+    records: list[dict], tensors: dict[str, torch.Tensor], prefix: str = ""
+) -> dict[str, tuple[LoraResidual, ...]]:
     out: dict[str, list[LoraResidual]] = {}
     for r in records:
         if not r["linear"].startswith(prefix):
             continue
         key = f"lora.{r['linear']}.{r['index']}"
         if f"{key}.down" not in tensors or f"{key}.up" not in tensors:
-            raise WeightFileError(f"the manifest records LoRA factors {key} that the compiled file does not hold; compile it again")
-        out.setdefault(r["linear"][len(prefix) :], []).append(LoraResidual(tensors[f"{key}.down"], tensors[f"{key}.up"], float(r["scale"]), int(r["row_start"])))
+            raise WeightFileError(
+                f"the manifest records LoRA factors {key} that the compiled file does not hold; compile it again"
+            )
+        out.setdefault(r["linear"][len(prefix) :], []).append(
+            LoraResidual(tensors[f"{key}.down"], tensors[f"{key}.up"], float(r["scale"]), int(r["row_start"]))
+        )
     return {k: tuple(v) for k, v in out.items()}
 
 
 @dataclass(frozen=True)
 class StepTables:
-    """What one evaluation reads from the overlay: timesteps (T,), per-block AdaLN tables (3T, 6H), norm_out (T, 2H)."""
+    """What one evaluation reads from the overlay: timesteps (T,), per-block AdaLN tables (3T, 6H), norm_out
+    (T, 2H)."""
 
     timesteps: torch.Tensor
     blocks: list[torch.Tensor]
@@ -158,33 +175,50 @@ class CompiledArtifact:
 
     def __init__(self, artifact: str | Path, schedule_overlay: str | Path, auxiliary: str | Path):
         self.artifact_dir = Path(artifact)
-        self.manifest = _read_manifest(self.artifact_dir, (ARTIFACT_FORMAT, ARTIFACT_FP8_FORMAT), "artifact", ARTIFACT_FIELDS)
+        self.manifest = _read_manifest(
+            self.artifact_dir, (ARTIFACT_FORMAT, ARTIFACT_FP8_FORMAT), "artifact", ARTIFACT_FIELDS
+        )
         self.fp8 = self.manifest["format"] == ARTIFACT_FP8_FORMAT
         self.overlay = ScheduleOverlay(schedule_overlay)
         self.aux_path = Path(auxiliary)
         _check_size(self.aux_path, self.manifest["auxiliary"]["size"])
         self.aux_store = TensorStore(self.aux_path)
         aux_meta = self.aux_store.metadata
-        ids = {"artifact": self.manifest["compile_id"], "schedule overlay": self.overlay.manifest["compile_id"], "auxiliary tensors": aux_meta.get("compile_id")}
+        ids = {
+            "artifact": self.manifest["compile_id"],
+            "schedule overlay": self.overlay.manifest["compile_id"],
+            "auxiliary tensors": aux_meta.get("compile_id"),
+        }
         if len(set(ids.values())) != 1:
-            raise IdentityMismatchError("artifact, schedule overlay and auxiliary tensors come from different compiles: " + ", ".join(f"{k} {v}" for k, v in ids.items()))
+            raise IdentityMismatchError(
+                "artifact, schedule overlay and auxiliary tensors come from different compiles: "
+                + ", ".join(f"{k} {v}" for k, v in ids.items())
+            )
         self.config = H3Config.from_dict(self.manifest["config"])
         for record in self.manifest["blocks"]:
             _check_size(self.artifact_dir / record["file"], record["size"])
         if len(self.manifest["blocks"]) != self.config.num_layers or self.overlay.num_layers != self.config.num_layers:
-            raise WeightFileError(f"{self.artifact_dir}: block count does not match the config ({self.config.num_layers})")
+            raise WeightFileError(
+                f"{self.artifact_dir}: block count does not match the config ({self.config.num_layers})"
+            )
 
     def verify(self, workers: int = 8) -> None:
         """Re-hash every file of this compile against the sha256 recorded when it was written; raises
         `WeightFileError` naming each file that differs. Loading checks formats, identities and sizes only, so a
         flipped byte goes unnoticed until this runs (reading the whole model: ~40 GB at full size)."""
         records = [(self.artifact_dir / b["file"], b["sha256"]) for b in self.manifest["blocks"]]
-        records += [(self.aux_path, self.manifest["auxiliary"]["sha256"]), (self.overlay.path / self.overlay.manifest["file"]["name"], self.overlay.manifest["file"]["sha256"])]
+        records += [
+            (self.aux_path, self.manifest["auxiliary"]["sha256"]),
+            (self.overlay.path / self.overlay.manifest["file"]["name"], self.overlay.manifest["file"]["sha256"]),
+        ]
         with ThreadPoolExecutor(workers) as pool:
             actual = list(pool.map(lambda record: file_sha256(record[0]), records))
         bad = [str(path) for (path, expected), found in zip(records, actual) if found != expected]
         if bad:
-            raise WeightFileError(f"{len(bad)} compiled file(s) differ from what the compiler wrote (corrupt or modified): {', '.join(bad)}")
+            raise WeightFileError(
+                f"{len(bad)} compiled file(s) differ from what the compiler wrote (corrupt or modified): "
+                f"{', '.join(bad)}"
+            )
 
     @property
     def compile_id(self) -> str:
@@ -249,13 +283,20 @@ class CompiledArtifact:
         kept = self.fp8 and self.manifest.get("fp8", {}).get("origin") in ("kept", "mixed")
         if base.get("format") == "fp8_scaled":
             notes.append(
-                f"transformer weights from an fp8_scaled file, {'its other float8 weights ' if kept else ''}dequantized to BF16 "
-                "(float8 code x per-tensor scale, as ComfyUI core dequantizes them): exact for those weights, which are not the BF16 release"
+                "transformer weights from an fp8_scaled file, "
+                f"{'its other float8 weights ' if kept else ''}dequantized to BF16 "
+                "(float8 code x per-tensor scale, as ComfyUI core dequantizes them): exact for those weights, "
+                "which are not the BF16 release"
             )
         if self.fp8:
-            scales = "the fp8_scaled file's own E4M3 codes, its per-tensor scale repeated per output row" if kept else (
-                "E4M3 codes with one FP32 scale per output row (row absmax / 448)")
-            notes.append(f"approximate FP8 block linears: {scales}, executed {self.manifest['profile']['fp8']} (profile {self.profile_id})")
+            scales = (
+                "the fp8_scaled file's own E4M3 codes, its per-tensor scale repeated per output row" if kept
+                else "E4M3 codes with one FP32 scale per output row (row absmax / 448)"
+            )
+            notes.append(
+                f"approximate FP8 block linears: {scales}, executed {self.manifest['profile']['fp8']} "
+                f"(profile {self.profile_id})"
+            )
         if base.get("pruned"):
             notes.append(
                 f"a pruned transformer: approximate AdaLN (rank-{base['pruned']['rank']} time embedding read by linear "
@@ -263,21 +304,31 @@ class CompiledArtifact:
             )
         if self.manifest.get("adapter_not_applied"):
             notes.append(
-                f"{len(self.manifest['adapter_not_applied'])} LoRA module(s) feeding the AdaLN tables not applied: they do "
-                "not fit a pruned file's reduced-rank AdaLN (ComfyUI core skips them too)"
+                f"{len(self.manifest['adapter_not_applied'])} LoRA module(s) feeding the AdaLN tables not applied: "
+                "they do not fit a pruned file's reduced-rank AdaLN (ComfyUI core skips them too)"
             )
         return notes
 
     def check_profile(self, profile: Profile) -> None:
         """Model, adapter, schedule and hardware identities must agree; names alone never convert assets."""
-        check_identity(profile, self.manifest["profile"], f"compiled artifact {self.artifact_dir} (profile {self.profile_id})")
-        check_identity(profile, self.overlay.manifest["profile"], f"schedule overlay {self.overlay.path} (profile {self.overlay.manifest['profile_id']})")
+        check_identity(
+            profile, self.manifest["profile"], f"compiled artifact {self.artifact_dir} (profile {self.profile_id})"
+        )
+        check_identity(
+            profile, self.overlay.manifest["profile"],
+            f"schedule overlay {self.overlay.path} (profile {self.overlay.manifest['profile_id']})",
+        )
         if profile.arch != self.arch:
-            raise IdentityMismatchError(f"profile {profile.id} is for {profile.arch}; the artifact was compiled on {self.arch}")
+            raise IdentityMismatchError(
+                f"profile {profile.id} is for {profile.arch}; the artifact was compiled on {self.arch}"
+            )
 
     def block_tensors(self) -> dict[str, tuple[tuple[int, ...], tuple[torch.dtype, ...]]]:
         """Name -> (shape, allowed dtypes) of every packed block's tensors (LoRA factors aside), in file order."""
-        specs = {k.split(".", 2)[2]: (tuple(v), FLOAT_DTYPES) for k, v in block_shapes(self.config, "blocks.0", with_adaln=False).items()}
+        specs = {
+            k.split(".", 2)[2]: (tuple(v), FLOAT_DTYPES)
+            for k, v in block_shapes(self.config, "blocks.0", with_adaln=False).items()
+        }
         if self.fp8:
             for linear in FP8_LINEARS:
                 shape = specs[f"{linear}.weight"][0]
@@ -315,10 +366,16 @@ class CompiledArtifact:
                 pending = pool.submit(self.read_block, i + 1) if i + 1 < count else None
                 yield block
 
-    def read_auxiliary(self) -> tuple[dict[str, torch.Tensor], list[LayerWeights], dict[str, tuple[LoraResidual, ...]]]:
+    def read_auxiliary(
+        self,
+    ) -> tuple[dict[str, torch.Tensor], list[LayerWeights], dict[str, tuple[LoraResidual, ...]]]:
         """(aux tensors, refiner blocks, aux LoRA residuals) of the runtime; no timestep-only tensors."""
         names = {n: shape for n, shape in aux_shapes(self.config).items() if not n.startswith(TABLE_INPUTS)}
-        refiner_shapes = {n: shape for j in range(self.config.num_refiner_layers) for n, shape in block_shapes(self.config, f"refiner.{j}", with_adaln=False).items()}
+        refiner_shapes = {
+            n: shape
+            for j in range(self.config.num_refiner_layers)
+            for n, shape in block_shapes(self.config, f"refiner.{j}", with_adaln=False).items()
+        }
         self.aux_store.require({k: (v, FLOAT_DTYPES) for k, v in {**names, **refiner_shapes}.items()})
         data = self.aux_store.read(self.aux_store.names)
         try:
@@ -326,7 +383,9 @@ class CompiledArtifact:
         except ValueError:
             records = None
         if not list_of(*_LORA_RECORD)(records):
-            raise WeightFileError(f"{self.aux_path}: its `lora` metadata is not a list of LoRA records; compile it again")
+            raise WeightFileError(
+                f"{self.aux_path}: its `lora` metadata is not a list of LoRA records; compile it again"
+            )
         refiner = []
         for j in range(self.config.num_refiner_layers):
             prefix = f"refiner.{j}."

@@ -97,10 +97,15 @@ class _DeviceBlocks(BlockSource):
 class ResidentBlocks(_DeviceBlocks):
     """Every block's weights (or this rank's shard of them), loaded from the artifact onto the device."""
 
-    def __init__(self, artifact: CompiledArtifact, device: torch.device, on_block=None, shard: TensorShard | None = None):
+    def __init__(
+        self, artifact: CompiledArtifact, device: torch.device, on_block=None, shard: TensorShard | None = None
+    ):
         blocks = []
         for i, w in enumerate(artifact.iter_blocks()):
-            tensors, loras = (dict(w.tensors), dict(w.loras)) if shard is None else (shard.tensors(w.tensors), shard.loras(w.loras))
+            tensors, loras = (
+                (dict(w.tensors), dict(w.loras)) if shard is None
+                else (shard.tensors(w.tensors), shard.loras(w.loras))
+            )
             blocks.append(LayerWeights({k: v.to(device) for k, v in tensors.items()}, device_loras(loras, device)))
             if on_block is not None:
                 on_block(i)
@@ -114,24 +119,35 @@ class LoadedBlocks(_DeviceBlocks):
     def __init__(self, artifact: CompiledArtifact, device: torch.device, blocks: Sequence[LayerWeights]):
         blocks = list(blocks)
         if len(blocks) != artifact.config.num_layers:
-            raise VflashError(f"block_loader returned {len(blocks)} blocks; the artifact has {artifact.config.num_layers}")
+            raise VflashError(
+                f"block_loader returned {len(blocks)} blocks; the artifact has {artifact.config.num_layers}"
+            )
         names = list(artifact.block_tensors())
         for index, block in enumerate(blocks):
             if not isinstance(block, LayerWeights):
-                raise VflashError(f"block_loader: block {index} is a {type(block).__name__}, not a vflash_core.engine.model.LayerWeights")
+                raise VflashError(
+                    f"block_loader: block {index} is a {type(block).__name__}, "
+                    "not a vflash_core.engine.model.LayerWeights"
+                )
             if set(block.tensors) != set(names):
-                raise VflashError(f"block_loader: block {index} holds {sorted(block.tensors)}; the artifact's blocks hold {sorted(names)}")
+                raise VflashError(
+                    f"block_loader: block {index} holds {sorted(block.tensors)}; "
+                    f"the artifact's blocks hold {sorted(names)}"
+                )
             store = TensorStore(artifact.block_file(index))  # its header only
             for name in names:
                 tensor, info = block.tensors[name], store.info(name)
                 if tuple(tensor.shape) != tuple(info.shape) or tensor.dtype != info.dtype or tensor.device != device:
                     raise VflashError(
-                        f"block_loader: block {index} {name} is {tensor.dtype} {list(tensor.shape)} on {tensor.device}; "
-                        f"the artifact's is {info.dtype} {list(info.shape)}, wanted on {device}"
+                        f"block_loader: block {index} {name} is {tensor.dtype} {list(tensor.shape)} "
+                        f"on {tensor.device}; the artifact's is {info.dtype} {list(info.shape)}, wanted on {device}"
                     )
             expected = artifact.block_lora_linears(index)
             if set(block.loras) != expected:
-                raise VflashError(f"block_loader: block {index} has LoRA residuals on {sorted(block.loras)}; the artifact's on {sorted(expected)}")
+                raise VflashError(
+                    f"block_loader: block {index} has LoRA residuals on {sorted(block.loras)}; "
+                    f"the artifact's on {sorted(expected)}"
+                )
         super().__init__(blocks)
 
 
@@ -161,7 +177,9 @@ def block_layout(artifact: CompiledArtifact, shard: TensorShard | None = None) -
     artifact's codes take one byte per weight and their row scales sit beside them."""
     store = TensorStore(artifact.block_file(0))
     infos = {name: store.info(name) for name in artifact.block_tensors()}
-    return pack_layout((name, i.dtype, i.shape if shard is None else shard.shape(name, i.shape)) for name, i in infos.items())
+    return pack_layout(
+        (name, i.dtype, i.shape if shard is None else shard.shape(name, i.shape)) for name, i in infos.items()
+    )
 
 
 class HostItems:
@@ -226,11 +244,16 @@ class PinnedArena(HostItems):
         """Copy one item's tensors into its span."""
         targets = self.views(self.spans[index])
         if set(tensors) != {s.name for s in self.layout}:
-            raise VflashError(f"{self.what} {index} holds {sorted(tensors)}, {self.what} 0 {sorted(s.name for s in self.layout)}")
+            raise VflashError(
+                f"{self.what} {index} holds {sorted(tensors)}, {self.what} 0 {sorted(s.name for s in self.layout)}"
+            )
         for slot in self.layout:
             tensor = tensors[slot.name]
             if tensor.dtype != slot.dtype or tuple(tensor.shape) != slot.shape:
-                raise VflashError(f"{self.what} {index}: {slot.name} is {tensor.dtype} {list(tensor.shape)}, {self.what} 0 has {slot.dtype} {list(slot.shape)}")
+                raise VflashError(
+                    f"{self.what} {index}: {slot.name} is {tensor.dtype} {list(tensor.shape)}, "
+                    f"{self.what} 0 has {slot.dtype} {list(slot.shape)}"
+                )
             targets[slot.name].copy_(tensor)
 
 
@@ -238,7 +261,10 @@ class BlockArena(PinnedArena):
     """Every main block's weights (or this rank's shard of them), each block file read once (several threads per
     file); their LoRA residuals stay beside the arena, by block."""
 
-    def __init__(self, artifact: CompiledArtifact, pin: bool = True, on_block: Callable[[int], None] | None = None, shard: TensorShard | None = None):
+    def __init__(
+        self, artifact: CompiledArtifact, pin: bool = True, on_block: Callable[[int], None] | None = None,
+        shard: TensorShard | None = None,
+    ):
         count = artifact.config.num_layers
         self.loras: list[dict[str, tuple[LoraResidual, ...]]] = [{} for _ in range(count)]
 
@@ -283,7 +309,10 @@ class StagedFiles(HostItems):
                 for key, name in names.items():
                     info, slot = reader.infos[key], slots[name]
                     if info.dtype != slot.dtype or tuple(info.shape) != slot.shape:
-                        raise VflashError(f"{what} {index}: {name} is {info.dtype} {list(info.shape)} in {path}, {what} 0 has {slot.dtype} {list(slot.shape)}")
+                        raise VflashError(
+                            f"{what} {index}: {name} is {info.dtype} {list(info.shape)} in {path}, "
+                            f"{what} 0 has {slot.dtype} {list(slot.shape)}"
+                        )
                 readers.append((reader, names))
             if sorted(name for _, names in readers for name in names.values()) != sorted(slots):
                 raise VflashError(f"{what} {index}: its files hold another set of tensors than {what} 0's layout")
@@ -291,7 +320,9 @@ class StagedFiles(HostItems):
         depth = min(depth, self.count)  # more would hold an item twice
         self.staging = [torch.empty(self.item_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(depth)]
         self.nbytes = depth * self.item_bytes
-        self._targets = [{s.name: buffer[s.offset : s.offset + s.nbytes] for s in self.layout} for buffer in self.staging]
+        self._targets = [
+            {s.name: buffer[s.offset : s.offset + s.nbytes] for s in self.layout} for buffer in self.staging
+        ]
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="vflash-staged-files")
         self._free = deque(range(depth))  # staging buffers neither being read into nor copied out of
         self._reads: deque[tuple[int, int, Future[None]]] = deque()  # (item, buffer, its read), in pass order
@@ -335,7 +366,8 @@ class StagedFiles(HostItems):
 
     def _start_at(self, index: int) -> None:
         """Wait for the reads in flight, then read ahead from item `index`."""
-        wait([read for _, _, read in self._reads])  # items no pass uses now: a failed one is read again, and fails there
+        # Items no pass uses now: a failed one is read again, and fails there.
+        wait([read for _, _, read in self._reads])
         self._free.extend(buffer for _, buffer, _ in self._reads)
         self._reads.clear()
         self._next = index
@@ -480,17 +512,24 @@ class ModuleRing:
     at nothing). The modules must run in order, each once per pass, as a model's layer loop runs them.
     """
 
-    def __init__(self, modules: Sequence[torch.nn.Module], pin: bool, what: str = "module", files: list[ItemFiles] | None = None):
+    def __init__(
+        self, modules: Sequence[torch.nn.Module], pin: bool, what: str = "module", files: list[ItemFiles] | None = None
+    ):
         self.modules = list(modules)
         first = module_tensors(self.modules[0])
         layout, item_bytes = pack_layout((name, t.dtype, tuple(t.shape)) for name, t in first.items())
         self.source: PinnedArena | StagedFiles
         if files is None:
-            self.source = PinnedArena(layout, item_bytes, len(self.modules), lambda i: module_tensors(self.modules[i]), pin, what=what)
+            self.source = PinnedArena(
+                layout, item_bytes, len(self.modules), lambda i: module_tensors(self.modules[i]), pin, what=what
+            )
             self.host = [self.source.views(span) for span in self.source.spans]
         else:
             self.source = StagedFiles(layout, item_bytes, files, pin, what=what)
-            self.host = [{name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in module_tensors(m).items()} for m in self.modules]
+            self.host = [
+                {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in module_tensors(m).items()}
+                for m in self.modules
+            ]
         for module, tensors in zip(self.modules, self.host):
             point_module_at(module, tensors)
         self.ring: WeightRing | None = None

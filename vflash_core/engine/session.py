@@ -182,7 +182,9 @@ class NativeEngineSession:
         artifact, schedule_overlay, auxiliary = (path_argument(value, name) for value, name in (
             (artifact, "artifact"), (schedule_overlay, "schedule_overlay"), (auxiliary, "auxiliary")))
         self.profile = get_profile(profile)
-        peers = [] if peer_device is None else (list(peer_device) if isinstance(peer_device, (list, tuple)) else [peer_device])
+        peers = [] if peer_device is None else (
+            list(peer_device) if isinstance(peer_device, (list, tuple)) else [peer_device]
+        )
         # devices this machine has: "tpu" or cuda:9 is one line, not a RuntimeError
         self.devices = [check_device(device, None, "device")] + [check_device(p, None, "peer device") for p in peers]
         self.device = self.devices[0]
@@ -193,9 +195,15 @@ class NativeEngineSession:
         self.strategy = strategy if peers else None
         check_choice("weight_residency", weight_residency, WEIGHT_RESIDENCIES)
         if plan is not None and (max_device_memory is not None or max_host_memory is not None):
-            raise VflashError("a session given a memory plan takes its limits from the plan; leave max_device_memory and max_host_memory out")
+            raise VflashError(
+                "a session given a memory plan takes its limits from the plan; "
+                "leave max_device_memory and max_host_memory out"
+            )
         if weight_residency == "disk-ring" and peers:
-            raise VflashError("weight_residency='disk-ring' streams the blocks to one GPU; with a peer device use 'block-ring' or 'resident'")
+            raise VflashError(
+                "weight_residency='disk-ring' streams the blocks to one GPU; "
+                "with a peer device use 'block-ring' or 'resident'"
+            )
         hooks = check_loader_hooks(native_denoiser_loader, block_loader, self.strategy, len(self.devices))
         if hooks and weight_residency == "auto":
             weight_residency = "resident"
@@ -204,34 +212,57 @@ class NativeEngineSession:
         for dev in self.devices:
             arch = device_arch(dev)
             if arch != self.compiled.arch:
-                raise IdentityMismatchError(f"the artifact was compiled on {self.compiled.arch}; device {dev} is {arch}")
+                raise IdentityMismatchError(
+                    f"the artifact was compiled on {self.compiled.arch}; device {dev} is {arch}"
+                )
         config = self.compiled.config
         if self.strategy is not None:
             head_groups(config.num_attention_heads, len(self.devices))
         if self.profile.fp8 is not None and self.strategy == "tensor":
-            raise VflashError(f"profile {self.profile.id} runs FP8 block linears on one device or with sequence-head; the tensor strategy shards BF16 blocks only")
+            raise VflashError(
+                f"profile {self.profile.id} runs FP8 block linears on one device or with sequence-head; "
+                "the tensor strategy shards BF16 blocks only"
+            )
         self.attention_backend = resolve_attention(attention_backend, self.device, self.profile.fp8 is not None)[0]
         check_choice("execution", execution, EXECUTIONS)
         self.execution = ("fused" if self.device.type == "cuda" else "reference") if execution == "auto" else execution
-        if plan is None and (self.device.type == "cuda" or max_device_memory is not None):  # else CPU, no cap: resident blocks
+        # Planned unless on the CPU without a cap (resident blocks there).
+        if plan is None and (self.device.type == "cuda" or max_device_memory is not None):
             # this session's own plan, for the core alone: its blocks and the profile's largest request
             largest = {"denoise": denoise_bytes(config, largest_request_rows(self.profile, config))}
-            plan = plan_memory(self.compiled.part_sizes(), largest, self.devices, cap, weight_residency, host_budget=host_budget)
+            plan = plan_memory(
+                self.compiled.part_sizes(), largest, self.devices, cap, weight_residency, host_budget=host_budget
+            )
         elif plan is None and host_budget is not None:
-            raise VflashError("max_host_memory is planned with the device memory: on the CPU give max_device_memory too")
+            raise VflashError(
+                "max_host_memory is planned with the device memory: on the CPU give max_device_memory too"
+            )
         elif plan is not None and weight_residency not in ("auto", plan.placement.core):
-            raise VflashError(f"weight_residency={weight_residency!r} disagrees with the memory plan's {plan.placement.core!r}")
+            raise VflashError(
+                f"weight_residency={weight_residency!r} disagrees with the memory plan's {plan.placement.core!r}"
+            )
         self.plan = plan
-        self.weight_residency = self.plan.placement.core if self.plan is not None else ("resident" if weight_residency == "auto" else weight_residency)
+        self.weight_residency = (
+            self.plan.placement.core if self.plan is not None
+            else ("resident" if weight_residency == "auto" else weight_residency)
+        )
         if hooks and self.weight_residency != "resident":
-            raise VflashError(f"{hooks[0]} loads the resident block stack; this session's blocks are {self.weight_residency} (the memory plan's choice)")
-        self._cap = DeviceCap(self.plan.cap, self.devices) if self.plan is not None and self.plan.cap is not None else None
+            raise VflashError(
+                f"{hooks[0]} loads the resident block stack; "
+                f"this session's blocks are {self.weight_residency} (the memory plan's choice)"
+            )
+        self._cap = (
+            DeviceCap(self.plan.cap, self.devices) if self.plan is not None and self.plan.cap is not None else None
+        )
         self.closed = False
         self._denoisers: list[Denoiser] = []
         self._group: LocalGroup | None = None
         self._host_blocks: list[BlockArena | BlockFiles] = []  # what the block rings copy from
         try:
-            self._load(config, attention_backend, on_load_progress, collective_timeout_seconds, native_denoiser_loader, block_loader)
+            self._load(
+                config, attention_backend, on_load_progress, collective_timeout_seconds,
+                native_denoiser_loader, block_loader,
+            )
         except BaseException:
             self.close()  # what was loaded before the failure (a loader hook's exception included), and the cap
             raise
@@ -241,10 +272,16 @@ class NativeEngineSession:
         logger.info("Vflash session %s: %s", self.profile.id, self.memory_plan())
 
     def _load(
-        self, config: H3Config, attention_backend: str, on_load_progress: Callable[[int, int], None] | None, collective_timeout_seconds: float,
-        native_denoiser_loader: NativeDenoiserLoader | None, block_loader: BlockLoader | None,
+        self,
+        config: H3Config,
+        attention_backend: str,
+        on_load_progress: Callable[[int, int], None] | None,
+        collective_timeout_seconds: float,
+        native_denoiser_loader: NativeDenoiserLoader | None,
+        block_loader: BlockLoader | None,
     ) -> None:
-        """Load the weights where the plan put them (or through the caller's loader) and build one denoiser per device."""
+        """Load the weights where the plan put them (or through the caller's loader) and build one denoiser
+        per device."""
         self._group = LocalGroup(self.devices, collective_timeout_seconds) if self.strategy else None
         size = len(self.devices)
         shards = [TensorShard(config, r, size) if self.strategy == "tensor" else None for r in range(size)]
@@ -253,7 +290,9 @@ class NativeEngineSession:
         pin = self.device.type == "cuda"
         if self.weight_residency == "block-ring":
             if self.strategy == "tensor":
-                self._host_blocks = [BlockArena(self.compiled, pin, load if r == 0 else None, shard) for r, shard in enumerate(shards)]
+                self._host_blocks = [
+                    BlockArena(self.compiled, pin, load if r == 0 else None, shard) for r, shard in enumerate(shards)
+                ]
             else:
                 self._host_blocks = [BlockArena(self.compiled, pin, load)]
         elif self.weight_residency == "disk-ring":
@@ -261,13 +300,22 @@ class NativeEngineSession:
         for rank, dev in enumerate(self.devices):
             local = resolve_attention(attention_backend, dev, self.profile.fp8 is not None)[1]
             if self.strategy == "sequence-head":
-                ops = self._block_ops(config, SequenceHeadAttention(self._group.groups[rank], [(0, 0)] * size, config.num_attention_heads, local, *relayout_ops(dev)), dev)  # type: ignore[union-attr,arg-type]
+                attention = SequenceHeadAttention(
+                    self._group.groups[rank],  # type: ignore[union-attr,arg-type]
+                    [(0, 0)] * size, config.num_attention_heads, local, *relayout_ops(dev),
+                )
+                ops = self._block_ops(config, attention, dev)
             elif self.strategy == "tensor":
-                ops = tensor_parallel_ops(config, self._group.groups[rank], size, local, FusedOps if self.execution == "fused" else BlockOps)  # type: ignore[union-attr,arg-type]
+                ops = tensor_parallel_ops(
+                    config, self._group.groups[rank],  # type: ignore[union-attr,arg-type]
+                    size, local, FusedOps if self.execution == "fused" else BlockOps,
+                )
             else:
                 ops = self._block_ops(config, local, dev)
             if native_denoiser_loader is not None:
-                self._denoisers.append(_loaded_denoiser(native_denoiser_loader, self.compiled, DenoiserLoad(dev, ops, load)))
+                self._denoisers.append(
+                    _loaded_denoiser(native_denoiser_loader, self.compiled, DenoiserLoad(dev, ops, load))
+                )
                 continue
             blocks: BlockSource
             if self._host_blocks:
@@ -300,9 +348,11 @@ class NativeEngineSession:
         strategy = f" {self.strategy}" if self.strategy else ""
         linears = f", approximate FP8 {self.profile.fp8} block linears" if self.profile.fp8 else ""
         return (
-            f"{devices}{strategy}, {self.execution} kernels{linears}, attention {self.attention_backend}, weights {self.weight_residency}"
+            f"{devices}{strategy}, {self.execution} kernels{linears}, attention {self.attention_backend}, "
+            f"weights {self.weight_residency}"
             f"{', read from the compiled block files on every pass' if self.weight_residency == 'disk-ring' else ''} "
-            f"({report['blocks_on_device']} blocks on device, {report['device_weight_bytes'] / GIB:.2f} GiB block weights per device, "  # type: ignore[operator]
+            f"({report['blocks_on_device']} blocks on device, "
+            f"{report['device_weight_bytes'] / GIB:.2f} GiB block weights per device, "  # type: ignore[operator]
             f"{report['pinned_host_bytes'] / GIB:.2f} GiB pinned host)"  # type: ignore[operator]
         )
 
@@ -311,11 +361,13 @@ class NativeEngineSession:
         if self.plan is None:
             return
         rows = bundle.layout.sequence_length
-        if self.strategy == "sequence-head":  # local rows everywhere, plus whole-sequence q/k/v/out for 1/P of the heads
+        # With sequence-head: local rows everywhere, plus whole-sequence q/k/v/out for 1/P of the heads.
+        if self.strategy == "sequence-head":
             rows = max(stop - start for start, stop in split_rows(rows, len(self.devices))) + rows // len(self.devices)
         self.plan.check(
             {"denoise": denoise_bytes(self.compiled.config, rows)},
-            f"this request's activations ({bundle.layout.sequence_length} packed rows, weights {self.weight_residency})",
+            f"this request's activations ({bundle.layout.sequence_length} packed rows, "
+            f"weights {self.weight_residency})",
             "Use a smaller canvas or a shorter clip, weight_residency='block-ring', or a second GPU.",
         )
 
@@ -360,7 +412,10 @@ class NativeEngineSession:
         bundle.check_model(self.compiled.config)
         self.profile.check_mode(bundle.mode)
         if MODE_VARIANT[bundle.mode] != self.profile.variant:
-            raise VflashError(f"a {bundle.mode} request needs the {MODE_VARIANT[bundle.mode]} partition; profile {self.profile.id} runs {self.profile.variant}")
+            raise VflashError(
+                f"a {bundle.mode} request needs the {MODE_VARIANT[bundle.mode]} partition; "
+                f"profile {self.profile.id} runs {self.profile.variant}"
+            )
         self.profile.check_duration(bundle.geometry.num_frames / FPS)
         self._check_request_fits(bundle)
 
@@ -393,7 +448,8 @@ class NativeEngineSession:
             bundle = ConditioningBundle.load(bundle)
         elif not isinstance(bundle, ConditioningBundle):
             raise VflashError(
-                f"NativeEngineSession.generate takes a ConditioningBundle, a BundleHandoff or a bundle folder path, got {describe_value(bundle)}"
+                "NativeEngineSession.generate takes a ConditioningBundle, a BundleHandoff or a bundle folder path, "
+                f"got {describe_value(bundle)}"
             )
         self.validate(bundle)
         check_callback(progress, "progress")
@@ -412,7 +468,9 @@ class NativeEngineSession:
         start = time.perf_counter()
         try:
             if self._group is None:
-                output = self._denoisers[0].run(bundle, timers[0], guarded(progress), guarded(between_blocks), guarded(preview))
+                output = self._denoisers[0].run(
+                    bundle, timers[0], guarded(progress), guarded(between_blocks), guarded(preview)
+                )
             else:
                 output = self._run_group(bundle, timers, guarded(progress), guarded(between_blocks), guarded(preview))
             if output_latents is not None:
@@ -425,8 +483,11 @@ class NativeEngineSession:
             raise
         wall = time.perf_counter() - start
         self._requests += 1
-        timing = SessionTiming(self._requests, self.initialization_seconds, self.initialization_seconds if self._requests == 1 else 0.0, wall)
-        metadata = {
+        timing = SessionTiming(
+            self._requests, self.initialization_seconds,
+            self.initialization_seconds if self._requests == 1 else 0.0, wall,
+        )
+        metadata: dict[str, object] = {
             "profile": self.profile.id,
             "mode": bundle.mode,
             "devices": [str(d) for d in self.devices],
@@ -436,12 +497,15 @@ class NativeEngineSession:
             "fp8": self.profile.fp8,
             "weight_residency": self.weight_residency,
             "compile_id": self.compiled.compile_id,
-            "base_weights": {k: v for k, v in self.compiled.base_weights.items() if k != "files"},  # e.g. format fp8_scaled, pruned
+            # e.g. format fp8_scaled, pruned
+            "base_weights": {k: v for k, v in self.compiled.base_weights.items() if k != "files"},
             "nfe": self._denoisers[0].nfe,
             "memory": self._memory_report(),
         }
         summaries = [t.summary() for t in timers]
-        profile = (summaries[0] if len(summaries) == 1 else {"ranks": summaries}) if profile_denoise else None
+        profile: dict[str, object] | None = (
+            (summaries[0] if len(summaries) == 1 else {"ranks": summaries}) if profile_denoise else None
+        )
         return GenerationResult(output.video_latents, output.audio_latents, timing, metadata, profile)
 
     def _memory_report(self) -> dict[str, object]:
@@ -461,8 +525,8 @@ class NativeEngineSession:
         return report
 
     def _run_group(
-        self, bundle: ConditioningBundle, timers: list[StageTimer], progress: ProgressFn | None, between_blocks: Callable[[], None] | None,
-        preview: PreviewFn | None,
+        self, bundle: ConditioningBundle, timers: list[StageTimer], progress: ProgressFn | None,
+        between_blocks: Callable[[], None] | None, preview: PreviewFn | None,
     ) -> DenoiseOutput:
         """Every rank runs the trajectory on its rows; ranks stop together at an evaluation boundary when asked. For a
         preview, rank 0 gathers every rank's x0 rows onto its device between the boundary's two barriers."""
@@ -472,7 +536,9 @@ class NativeEngineSession:
         if self.strategy == "sequence-head":
             rows = split_rows(total, len(self.devices))
             for den in self._denoisers:
-                den.ops.attention.assign_rows(rows)
+                attention = den.ops.attention
+                assert isinstance(attention, SequenceHeadAttention)  # what _load gives each rank with this strategy
+                attention.assign_rows(rows)
         else:  # tensor: every rank holds every row
             rows = [(0, total)] * len(self.devices)
         stop: list[BaseException] = []
@@ -494,7 +560,9 @@ class NativeEngineSession:
             state = den.start_request(bundle, rows[rank])
             nfe = den.nfe
             for step in range(nfe):
-                denoised[rank] = den.step(state, step, bundle, timers[rank], poll if rank == 0 else None, denoised=preview is not None)
+                denoised[rank] = den.step(
+                    state, step, bundle, timers[rank], poll if rank == 0 else None, denoised=preview is not None
+                )
                 if progress is not None or between_blocks is not None or preview is not None:
                     if den.device.type == "cuda":
                         torch.cuda.current_stream(den.device).synchronize()
@@ -520,7 +588,9 @@ class NativeEngineSession:
         return self._denoisers[0].finish(bundle, video, audio)
 
 
-def check_loader_hooks(native_denoiser_loader: object, block_loader: object, strategy: str | None, devices: int) -> list[str]:
+def check_loader_hooks(
+    native_denoiser_loader: object, block_loader: object, strategy: str | None, devices: int
+) -> list[str]:
     """The names of the loader hooks given, after checking they are callables used where they can be."""
     hooks = {"native_denoiser_loader": native_denoiser_loader, "block_loader": block_loader}
     given = [name for name, hook in hooks.items() if hook is not None]
@@ -528,11 +598,18 @@ def check_loader_hooks(native_denoiser_loader: object, block_loader: object, str
         if not callable(hooks[name]):
             raise VflashError(f"{name} must be a Python callable, got {type(hooks[name]).__name__}")
     if len(given) == 2:
-        raise VflashError("give a native_denoiser_loader or a block_loader, not both: the denoiser loader loads its own blocks")
+        raise VflashError(
+            "give a native_denoiser_loader or a block_loader, not both: the denoiser loader loads its own blocks"
+        )
     if native_denoiser_loader is not None and devices > 1:
-        raise VflashError("native_denoiser_loader builds the denoiser of one device (resident, single-device only); leave peer_device and strategy out")
+        raise VflashError(
+            "native_denoiser_loader builds the denoiser of one device (resident, single-device only); "
+            "leave peer_device and strategy out"
+        )
     if block_loader is not None and strategy == "tensor":
-        raise VflashError("block_loader supplies whole blocks; the tensor strategy shards them (use sequence-head or one device)")
+        raise VflashError(
+            "block_loader supplies whole blocks; the tensor strategy shards them (use sequence-head or one device)"
+        )
     return given
 
 
@@ -540,10 +617,16 @@ def _loaded_denoiser(loader: NativeDenoiserLoader, artifact: CompiledArtifact, l
     """Call the caller's denoiser loader and check what it returned is a denoiser of this artifact on this device."""
     denoiser = loader(artifact, load)
     if not isinstance(denoiser, Denoiser):
-        raise VflashError(f"native_denoiser_loader must return a vflash_core.engine.denoise.Denoiser, got {type(denoiser).__name__}")
+        raise VflashError(
+            "native_denoiser_loader must return a vflash_core.engine.denoise.Denoiser, "
+            f"got {type(denoiser).__name__}"
+        )
     if denoiser.artifact is not artifact or denoiser.device != load.device:
         denoiser.close()
-        raise VflashError(f"native_denoiser_loader returned a denoiser of another artifact or device ({denoiser.device}); it must use the artifact and device it is handed")
+        raise VflashError(
+            f"native_denoiser_loader returned a denoiser of another artifact or device ({denoiser.device}); "
+            "it must use the artifact and device it is handed"
+        )
     return denoiser
 
 
@@ -552,4 +635,7 @@ def write_latents(path: str | Path, output: DenoiseOutput, metadata: dict[str, s
     from safetensors.torch import save_file
 
     with atomic_file(path) as tmp:
-        save_file({"video_latents": output.video_latents.contiguous(), "audio_latents": output.audio_latents.contiguous()}, str(tmp), metadata=metadata)
+        save_file(
+            {"video_latents": output.video_latents.contiguous(), "audio_latents": output.audio_latents.contiguous()},
+            str(tmp), metadata=metadata,
+        )

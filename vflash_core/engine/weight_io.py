@@ -33,7 +33,7 @@ import bisect
 import json
 import os
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from functools import partial
@@ -153,7 +153,7 @@ def _read_pieces(fd: int, path: Path, pieces: list[tuple[int, memoryview]]) -> i
     return sum(len(view) for _, view in pieces)
 
 
-def _run_jobs(workers: int, jobs: list[Callable[[], int]]) -> int:
+def _run_jobs(workers: int, jobs: Sequence[Callable[[], int]]) -> int:
     """Run `jobs` on `workers` threads and return the sum of their results.
 
     The first failure cancels the jobs not yet started; it is raised only after the running ones have finished, so
@@ -313,7 +313,8 @@ class SequentialWeights(TensorIndex):
         buffers = [
             torch.empty(end - start, dtype=torch.uint8, pin_memory=self.pin_memory) for start, end in self.shards
         ]
-        views = [memoryview(buffer.numpy()) for buffer in buffers]
+        # numpy's stubs declare the buffer protocol (`__buffer__`) for Python >= 3.12 only
+        views = [memoryview(buffer.numpy()) for buffer in buffers]  # type: ignore[arg-type]
         fd = _open(self.read_path)
         try:
             if self._zstd is None:
@@ -404,7 +405,7 @@ class TensorReader:
         returns the bytes read."""
         jobs = []
         for name, info in self.infos.items():
-            view = memoryview(targets[name].numpy())
+            view = memoryview(targets[name].numpy())  # type: ignore[arg-type]
             if len(view) != info.end - info.start:
                 raise VflashError(
                     f"{self.path}: {name} has {info.end - info.start} bytes; its buffer holds {len(view)}"

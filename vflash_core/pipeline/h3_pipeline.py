@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Self
+from typing import Any, Self, TypedDict
 
 import numpy as np
 import PIL.Image
@@ -102,9 +102,9 @@ from .validation import (
 )
 
 __all__ = [
-    "ASSET_FIELDS", "EncodedRequest", "H3Pipeline", "PreparedAssets", "RequestCancelled", "VideoRequest", "VideoResult",
-    "build_request_bundle", "delivered_soundtrack", "encode_request", "largest_request", "plan_request",
-    "prepare_pipeline",
+    "ASSET_FIELDS", "EncodedRequest", "H3Pipeline", "PreparedAssets", "RequestCancelled", "VideoRequest",
+    "VideoResult", "build_request_bundle", "delivered_soundtrack", "encode_request", "largest_request",
+    "plan_request", "prepare_pipeline",
 ]
 
 logger = logging.getLogger(__name__)
@@ -181,11 +181,23 @@ def _model_facts(model_root: Path, decoder_root: Path) -> dict[str, object]:
     except (AttributeError, TypeError, ValueError) as exc:  # a field of the wrong type
         raise VflashError(f"the model configs under {model_root} / {decoder_root} are malformed: {exc}") from None
     if layers <= TEXT_ENCODER_LAYER:
-        raise VflashError(f"{model_root / 'text_encoder'}: {layers} text layers; H3 conditions on hidden_states[{TEXT_ENCODER_LAYER}] and needs more")
-    if spatial != 16 or clip != VAE_FRAMES_PER_CHUNK or math.ceil(clip / temporal) != VAE_LATENTS_PER_CHUNK or drop != 3:
-        raise VflashError(f"{decoder_root / 'vae'}: H3 needs x16 spatial and 17-frame / 5-latent chunks with token_drop 3; this VAE has x{spatial}, {clip}/{math.ceil(clip / temporal)}, drop {drop}")
+        raise VflashError(
+            f"{model_root / 'text_encoder'}: {layers} text layers; "
+            f"H3 conditions on hidden_states[{TEXT_ENCODER_LAYER}] and needs more"
+        )
+    if (
+        spatial != 16 or clip != VAE_FRAMES_PER_CHUNK or math.ceil(clip / temporal) != VAE_LATENTS_PER_CHUNK
+        or drop != 3
+    ):
+        raise VflashError(
+            f"{decoder_root / 'vae'}: H3 needs x16 spatial and 17-frame / 5-latent chunks with token_drop 3; "
+            f"this VAE has x{spatial}, {clip}/{math.ceil(clip / temporal)}, drop {drop}"
+        )
     if rate != 40 * hop:
-        raise VflashError(f"{decoder_root / 'audio_vae'}: H3 needs 40 audio latents per second; this VAE gives {rate / hop:g} ({rate} Hz, hop {hop})")
+        raise VflashError(
+            f"{decoder_root / 'audio_vae'}: H3 needs 40 audio latents per second; "
+            f"this VAE gives {rate / hop:g} ({rate} Hz, hop {hop})"
+        )
     return {
         "text_layers": layers, "text_hidden_size": hidden, "video_latent_channels": video_channels,
         "audio_latent_channels": audio_channels, "audio_sample_rate": rate,
@@ -206,6 +218,14 @@ _RECEIPT_FIELDS: tuple[Field, ...] = (
     *((f"canvas.{k}", "a positive integer", is_positive) for k in CanvasRules().to_dict()),
     ("transformer.num_layers", "a positive integer", is_positive),
 )
+
+
+class SessionPaths(TypedDict):
+    """The three outputs of one compile, by the names `CompiledArtifact` and `NativeEngineSession` take them."""
+
+    artifact: Path
+    schedule_overlay: Path
+    auxiliary: Path
 
 
 @dataclass(frozen=True)
@@ -230,16 +250,30 @@ class PreparedAssets:
         path = path_argument(receipt, "the prepared-assets receipt")
         record = _read_json(path, "prepared-assets receipt")
         if record.get("format") != PIPELINE_FORMAT:
-            raise VflashError(f"{path} is not a Vflash prepared-assets receipt (format {record.get('format')!r}, expected {PIPELINE_FORMAT!r}); create one with `vflash prepare-pipeline`")
-        check_fields(record, _RECEIPT_FIELDS, f"prepared-assets receipt {path}", "recreate it with `vflash prepare-pipeline`")
+            raise VflashError(
+                f"{path} is not a Vflash prepared-assets receipt (format {record.get('format')!r}, "
+                f"expected {PIPELINE_FORMAT!r}); create one with `vflash prepare-pipeline`"
+            )
+        check_fields(
+            record, _RECEIPT_FIELDS, f"prepared-assets receipt {path}", "recreate it with `vflash prepare-pipeline`"
+        )
         profile = get_profile(record["profile"])
         check_identity(profile, record["profile_identity"], f"prepared assets {path}")
-        assets = {k: None if (v := record["assets"][k]) is None else _require(Path(v), f"{k} of {path}:") for k in ASSET_FIELDS}
-        canvas = CanvasRules(record["canvas"]["canvas_short_edge"], record["canvas"]["canvas_max_pixels"], record["canvas"]["reference_image_short_edge"])
+        # A Path for every field, None only for a null adapter_path (the receipt's fields were checked above).
+        assets: dict[str, Any] = {
+            k: None if (v := record["assets"][k]) is None else _require(Path(v), f"{k} of {path}:")
+            for k in ASSET_FIELDS
+        }
+        canvas = CanvasRules(
+            record["canvas"]["canvas_short_edge"], record["canvas"]["canvas_max_pixels"],
+            record["canvas"]["reference_image_short_edge"],
+        )
         return cls(path=path, profile=profile, canvas=canvas, record=record, **assets)
 
-    def session_paths(self) -> dict[str, Path]:
-        return {"artifact": self.artifact, "schedule_overlay": self.schedule_overlay, "auxiliary": self.auxiliary_tensor}
+    def session_paths(self) -> SessionPaths:
+        return {
+            "artifact": self.artifact, "schedule_overlay": self.schedule_overlay, "auxiliary": self.auxiliary_tensor
+        }
 
 
 def _resolve_profile(profile: object) -> Profile:
@@ -259,31 +293,49 @@ def prepare_pipeline(profile: Profile | str, assets: str | Path, receipt: str | 
     data = _read_json(assets, "assets file")
     missing, extra = [k for k in ASSET_FIELDS if k not in data], sorted(set(data) - set(ASSET_FIELDS))
     if missing or extra:
-        raise VflashError(f"assets file {assets} must have exactly the fields {', '.join(ASSET_FIELDS)}" + (f"; missing {', '.join(missing)}" if missing else "") + (f"; unknown {', '.join(extra)}" if extra else ""))
+        raise VflashError(
+            f"assets file {assets} must have exactly the fields {', '.join(ASSET_FIELDS)}"
+            + (f"; missing {', '.join(missing)}" if missing else "")
+            + (f"; unknown {', '.join(extra)}" if extra else "")
+        )
     for name in ASSET_FIELDS:
         if not _valid_asset(name, data[name]):
             got = describe_value(data[name])
             raise VflashError(f"assets file {assets}: {name} must be {_ASSET_KINDS[name]}, got {got}")
     base = assets.resolve().parent
-    paths = {k: None if data[k] is None else _require((base / Path(data[k]).expanduser()).resolve(), k) for k in ASSET_FIELDS}
+    # A Path for every field, None only for a null adapter_path (`_valid_asset` above).
+    paths: dict[str, Any] = {
+        k: None if data[k] is None else _require((base / Path(data[k]).expanduser()).resolve(), k)
+        for k in ASSET_FIELDS
+    }
     facts = _model_facts(paths["model_root"], paths["decoder_root"])
 
     compiled = CompiledArtifact(paths["artifact"], paths["schedule_overlay"], paths["auxiliary_tensor"])
     compiled.check_profile(profile)
     config = compiled.config
-    widths = [("video latent channels", config.in_channels, facts["video_latent_channels"]), ("audio latent channels", config.audio_in_channels, facts["audio_latent_channels"]), ("text width", config.text_dim, facts["text_hidden_size"])]
+    widths = [
+        ("video latent channels", config.in_channels, facts["video_latent_channels"]),
+        ("audio latent channels", config.audio_in_channels, facts["audio_latent_channels"]),
+        ("text width", config.text_dim, facts["text_hidden_size"]),
+    ]
     for what, transformer, other in widths:
         if transformer != other:
-            raise IdentityMismatchError(f"the compiled transformer's {what} is {transformer}, the model root / decoders give {other}")
+            raise IdentityMismatchError(
+                f"the compiled transformer's {what} is {transformer}, the model root / decoders give {other}"
+            )
     recorded = compiled.adapter
     adapter = paths["adapter_path"]
     if profile.adapter is None and adapter is not None:
         raise IdentityMismatchError(f"profile {profile.id} uses no adapter; adapter_path must be null, got {adapter}")
     if profile.adapter is not None:
         if adapter is None:
-            raise IdentityMismatchError(f"profile {profile.id} needs adapter {profile.adapter.file_name}; adapter_path is null")
+            raise IdentityMismatchError(
+                f"profile {profile.id} needs adapter {profile.adapter.file_name}; adapter_path is null"
+            )
         if recorded is None or adapter.stat().st_size != recorded["size"] or file_sha256(adapter) != recorded["sha256"]:
-            raise IdentityMismatchError(f"adapter {adapter} is not the one artifact {paths['artifact']} was compiled with")
+            raise IdentityMismatchError(
+                f"adapter {adapter} is not the one artifact {paths['artifact']} was compiled with"
+            )
     canvas = CanvasRules.from_model_root(paths["model_root"])
     record = {
         "format": PIPELINE_FORMAT,
@@ -305,7 +357,8 @@ def prepare_pipeline(profile: Profile | str, assets: str | Path, receipt: str | 
 
 # -- the request path's steps, on components passed in (other front ends compose them too) -----------------------------
 
-# after_stage(name): called when a nested stage ends (encode.inputs, encode.text, encode.vae, decode.video, decode.audio)
+# after_stage(name): called when a nested stage ends (encode.inputs, encode.text, encode.vae, decode.video,
+# decode.audio)
 StageCallback = Callable[[str], None]
 
 
@@ -345,15 +398,21 @@ class EncodedRequest:
         geometry = geometry or self.geometry
         generator = torch.Generator().manual_seed(seed)
         if self.mode == "ref2va":
-            bundle = build_ref2va_bundle(self.prompt_embeds, self.token_tags, geometry, config, generator, self.references, seed=seed)
+            bundle = build_ref2va_bundle(
+                self.prompt_embeds, self.token_tags, geometry, config, generator, self.references, seed=seed
+            )
         else:
-            bundle = build_keyframe_bundle(self.prompt_embeds, self.token_tags, geometry, config, generator, self.keyframe_latents, self.anchors, seed=seed)
+            bundle = build_keyframe_bundle(
+                self.prompt_embeds, self.token_tags, geometry, config, generator, self.keyframe_latents, self.anchors,
+                seed=seed,
+            )
         return BundleHandoff(bundle)
 
 
 def encode_request(
-    conditioner: TextConditioner, vaes: MediaVAEs, prompt: str, mode: str, geometry: Geometry, keyframes: dict[str, PIL.Image.Image] | None = None,
-    references: list | None = None, canvas: CanvasRules | None = None, after_stage: StageCallback | None = None,
+    conditioner: TextConditioner, vaes: MediaVAEs, prompt: str, mode: str, geometry: Geometry,
+    keyframes: dict[str, PIL.Image.Image] | None = None, references: list | None = None,
+    canvas: CanvasRules | None = None, after_stage: StageCallback | None = None,
 ) -> EncodedRequest:
     """Put a validated request's media on H3's rates and resolutions, then encode the prompt, and the keyframes and
     each reference's frames and soundtrack with the VAEs.
@@ -367,7 +426,9 @@ def encode_request(
     fitted: list[PIL.Image.Image] = []
     normalized: list = []
     if mode == "ref2va":
-        normalized = normalize_references(list(references or ()), geometry.num_frames, canvas or conditioner.canvas, vaes.sample_rate)
+        normalized = normalize_references(
+            list(references or ()), geometry.num_frames, canvas or conditioner.canvas, vaes.sample_rate
+        )
     elif keyframes:
         fitted = fit_keyframes(list(keyframes.values()), geometry.height, geometry.width)
     after_stage("encode.inputs")
@@ -389,7 +450,9 @@ def encode_request(
                     rows = vaes.encode_soundtrack(ref.audio)
                 encoded.append(EncodedReference(ref.kind, latents, rows))
     after_stage("encode.vae")
-    return EncodedRequest(mode, geometry, text.prompt_embeds, text.token_tags, tuple(conditions), tuple(keyframes or ()), tuple(encoded))
+    return EncodedRequest(
+        mode, geometry, text.prompt_embeds, text.token_tags, tuple(conditions), tuple(keyframes or ()), tuple(encoded)
+    )
 
 
 def build_request_bundle(
@@ -402,7 +465,9 @@ def build_request_bundle(
     after_stage = stage_timer(timings)
     keyframes = {anchor: load_image(k) for anchor, k in request.keyframes.items()}
     references = [load_reference(r) for r in request.references]
-    encoded = encode_request(conditioner, vaes, request.prompt, plan.mode, plan.geometry, keyframes, references, canvas, after_stage)
+    encoded = encode_request(
+        conditioner, vaes, request.prompt, plan.mode, plan.geometry, keyframes, references, canvas, after_stage
+    )
     handoff = encoded.bundle(config, request.seed)
     after_stage("encode.bundle")
     return handoff
@@ -414,8 +479,8 @@ def delivered_soundtrack(media: DecodedMedia) -> torch.Tensor:
 
 
 def largest_request(
-    profile: Profile, config: H3Config | None = None, conditioner: TextConditioner | None = None, vaes: MediaVAEs | None = None,
-    canvas: CanvasRules | None = None,
+    profile: Profile, config: H3Config | None = None, conditioner: TextConditioner | None = None,
+    vaes: MediaVAEs | None = None, canvas: CanvasRules | None = None,
 ) -> dict[str, int]:
     """Transient bytes of each stage of the largest request a memory plan is sized for (the profile's longest clip on
     the model's 16:9 canvas, the released one by default, see `memory_plan.PLANNED_TEXT_ROWS`), for the parts given:
@@ -432,7 +497,9 @@ def largest_request(
         needs["encode"] = conditioner.encode_bytes(PLANNED_TEXT_ROWS + patches // processor.merge_size**2, patches)
     if vaes is not None:
         for decoder in ("diffusers", "native"):
-            needs[f"decode.{decoder}"] = decode_bytes(vaes.video_vae, frames, height, width, decoder, DEFAULT_WINDOWS_PER_CALL)
+            needs[f"decode.{decoder}"] = decode_bytes(
+                vaes.video_vae, frames, height, width, decoder, DEFAULT_WINDOWS_PER_CALL
+            )
     return needs
 
 
@@ -445,8 +512,8 @@ class H3Pipeline:
 
     Args:
         profile: the profile the session runs (id or `Profile`).
-        conditioner, vaes, session: the three loaded parts (a front end may load them separately); all None only when a
-            `loader` is given (what `from_prepared` does).
+        conditioner, vaes, session: the three loaded parts (a front end may load them separately); all None only when
+            a `loader` is given (what `from_prepared` does).
         canvas: the model's canvas rules (default: the conditioner's).
         prompt_budget: the text encoder's context and tokenizer (default: the conditioner's).
         options: the run options this pipeline was made with; of them a composed pipeline uses the MP4 delivery
@@ -473,7 +540,9 @@ class H3Pipeline:
         if session is not None and not isinstance(getattr(session, "profile", None), Profile):
             raise VflashError(f"session must be a loaded NativeEngineSession, got {describe_value(session)}")
         if session is not None and session.profile.id != self.profile.id:
-            raise IdentityMismatchError(f"the session runs profile {session.profile.id}, the pipeline was given {self.profile.id}")
+            raise IdentityMismatchError(
+                f"the session runs profile {session.profile.id}, the pipeline was given {self.profile.id}"
+            )
         self.conditioner, self.vaes, self.session = parts
         self.canvas = canvas or (conditioner.canvas if conditioner is not None else CanvasRules())
         # A closed conditioner (text_encoder None) has no tokenizer to count with.
@@ -508,15 +577,22 @@ class H3Pipeline:
         propagates from `load()` (or the first request) after the parts loaded before it are released; the
         pipeline stays open, and the next `load()` calls the loaders again.
 
-        `options`: see `RunOptions`; the placement it asks for and its memory cap are planned when the pipeline loads.
+        `options`: see `RunOptions`; the placement it asks for and its memory cap are planned when the pipeline
+        loads.
         """
         options = options or RunOptions()
         if not isinstance(options, RunOptions):
-            raise VflashError(f"options must be a RunOptions, got {describe_value(options)}; e.g. RunOptions(device=0)")
-        assets = prepared_assets if isinstance(prepared_assets, PreparedAssets) else PreparedAssets.load(prepared_assets)
+            raise VflashError(
+                f"options must be a RunOptions, got {describe_value(options)}; e.g. RunOptions(device=0)"
+            )
+        assets = (
+            prepared_assets if isinstance(prepared_assets, PreparedAssets) else PreparedAssets.load(prepared_assets)
+        )
         primary, peer = options.check_devices(assets.profile)
         if text_encoder_loader is not None and not callable(text_encoder_loader):
-            raise VflashError(f"text_encoder_loader must be a Python callable, got {type(text_encoder_loader).__name__}")
+            raise VflashError(
+                f"text_encoder_loader must be a Python callable, got {type(text_encoder_loader).__name__}"
+            )
         core_hooks = check_loader_hooks(native_denoiser_loader, block_loader, options.strategy, 1 + (peer is not None))
         # The core's loader hooks load resident blocks: the plan places them so unless told otherwise (then refused).
         weight_residency = "resident" if core_hooks and options.weight_residency == "auto" else options.weight_residency
@@ -529,7 +605,9 @@ class H3Pipeline:
             if options.verify_weights:  # before anything loads: a corrupt compile costs no encoder load
                 compiled.verify()
             try:
-                conditioner = TextConditioner.from_pretrained(assets.model_root, primary, text_encoder_loader=text_encoder_loader)
+                conditioner = TextConditioner.from_pretrained(
+                    assets.model_root, primary, text_encoder_loader=text_encoder_loader
+                )
                 loaded.append(conditioner)
                 report("load", 1, total)
                 vaes = MediaVAEs.from_pretrained(assets.decoder_root, primary, peer_device=peer)
@@ -537,22 +615,27 @@ class H3Pipeline:
                 report("load", 2, total)
                 cap = cap_bytes(options.max_device_memory)
                 host_budget = cap_bytes(options.max_host_memory, "max_host_memory")
-                if primary.type != "cuda" and cap is None:  # nothing to plan: everything stays in host memory (RunOptions
-                    # refuses a host budget there)
+                # Nothing to plan on the CPU without a cap: everything stays in host memory (RunOptions refuses a
+                # host budget there).
+                if primary.type != "cuda" and cap is None:
                     plan = None
                     conditioner.keep_on_device = vaes.keep_on_device = options.encoder_residency == "resident"
                 else:
                     largest = largest_request(assets.profile, compiled.config, conditioner, vaes, assets.canvas)
                     devices = [primary] + ([peer] if peer is not None else [])
                     sizes = compiled.part_sizes() + conditioner.part_sizes() + vaes.part_sizes()
-                    plan = plan_memory(sizes, largest, devices, cap, weight_residency, options.encoder_residency, host_budget=host_budget)
+                    plan = plan_memory(
+                        sizes, largest, devices, cap, weight_residency, options.encoder_residency,
+                        host_budget=host_budget,
+                    )
                     conditioner.place(plan)
                     vaes.place(plan)
                 session = NativeEngineSession(
-                    assets.profile, **assets.session_paths(), device=primary, peer_device=peer, strategy=options.strategy,
-                    weight_residency=weight_residency, attention_backend=options.attention_backend,
-                    on_load_progress=None if progress is None else (lambda done, n: progress("load", 2 + done, total)), plan=plan,
-                    native_denoiser_loader=native_denoiser_loader, block_loader=block_loader,
+                    assets.profile, **assets.session_paths(), device=primary, peer_device=peer,
+                    strategy=options.strategy, weight_residency=weight_residency,
+                    attention_backend=options.attention_backend,
+                    on_load_progress=None if progress is None else (lambda done, n: progress("load", 2 + done, total)),
+                    plan=plan, native_denoiser_loader=native_denoiser_loader, block_loader=block_loader,
                 )
             except BaseException:
                 for part in loaded:  # a failed load (a loader hook's exception included) keeps nothing
@@ -563,8 +646,8 @@ class H3Pipeline:
             return conditioner, vaes, session
 
         return cls(
-            assets.profile, None, None, None, canvas=assets.canvas, prompt_budget=PromptBudget.from_model_root(assets.model_root),
-            options=options, loader=load,
+            assets.profile, None, None, None, canvas=assets.canvas,
+            prompt_budget=PromptBudget.from_model_root(assets.model_root), options=options, loader=load,
         )
 
     # -- lifecycle ----------------------------------------------------------------------------------------------------
@@ -624,6 +707,7 @@ class H3Pipeline:
     @property
     def config(self) -> H3Config:
         self.load()
+        assert self.session is not None  # load() sets every part or raises
         return self.session.compiled.config
 
     def encode(self, request: VideoRequest, timings: dict[str, float] | None = None) -> BundleHandoff:
@@ -631,15 +715,21 @@ class H3Pipeline:
         plan = self.validate(request)
         with self._lock:
             self.load()
+            assert self.conditioner is not None and self.vaes is not None  # load() sets every part or raises
             return build_request_bundle(self.conditioner, self.vaes, request, plan, self.config, self.canvas, timings)
 
-    def denoise(self, bundle_or_handoff, progress: Callable[[int, int], None] | None = None, preview: PreviewFn | None = None) -> GenerationResult:
+    def denoise(
+        self, bundle_or_handoff, progress: Callable[[int, int], None] | None = None, preview: PreviewFn | None = None
+    ) -> GenerationResult:
         """Run the native core; `progress(done, total)` and `preview(done, total, video x0)` after every evaluation
         (either may raise to abort; `progress.PreviewFn`)."""
         self._check_open()
         with self._lock:
             self.load()
-            return self.session.generate(bundle_or_handoff, progress=progress, profile_denoise=self.options.profile_denoise, preview=preview)
+            assert self.session is not None  # load() sets every part or raises
+            return self.session.generate(
+                bundle_or_handoff, progress=progress, profile_denoise=self.options.profile_denoise, preview=preview
+            )
 
     def decode(self, video_latents: torch.Tensor, audio_latents: torch.Tensor) -> DecodedMedia:
         """(1, C, F, h, w) and (2, C_a, A) normalised latents -> frames and stereo waveform."""
@@ -650,6 +740,7 @@ class H3Pipeline:
             frames = video_num_frames(latent_frames)
             geometry = Geometry(latent_height * VAE_SPATIAL_RATIO, latent_width * VAE_SPATIAL_RATIO, frames)
             self._check_memory(geometry, denoise=False)
+            assert self.vaes is not None  # load() sets every part or raises
             return self.vaes.decode(video_latents, audio_latents)
 
     def _check_memory(self, geometry: Geometry, denoise: bool = True) -> None:
@@ -657,13 +748,19 @@ class H3Pipeline:
         loaded with `from_prepared` on a GPU or under a cap). The denoise is checked here without the text rows, which
         only the encode knows (the session checks it again, exactly, before it runs); the encode is checked exactly by
         the conditioner before it moves anything."""
+        assert self.session is not None and self.vaes is not None  # its callers load the parts first
         plan = self.session.plan
         if plan is None or plan.placement.vaes is None:
             return
+        # The VAEs took this plan (`from_prepared`), and a plan that places them chooses their video decoder.
+        assert self.vaes.video_decoder is not None
         needs = {}
         if denoise:
             needs["denoise"] = denoise_bytes(self.config, request_rows(self.config, geometry, 0))
-        needs["decode"] = decode_bytes(self.vaes.video_vae, geometry.num_frames, geometry.height, geometry.width, self.vaes.video_decoder, DEFAULT_WINDOWS_PER_CALL)
+        needs["decode"] = decode_bytes(
+            self.vaes.video_vae, geometry.num_frames, geometry.height, geometry.width, self.vaes.video_decoder,
+            DEFAULT_WINDOWS_PER_CALL,
+        )
         plan.check(needs, f"a {geometry.width}x{geometry.height} clip of {geometry.num_frames} frames")
 
     # -- one request --------------------------------------------------------------------------------------------------
@@ -702,6 +799,7 @@ class H3Pipeline:
             self.load(progress)
             initialization = time.perf_counter() - load_start
         self._check_open()  # closed while this request waited
+        assert self.conditioner is not None and self.vaes is not None and self.session is not None  # loaded above
 
         def poll() -> None:
             if cancel is not None:
@@ -726,19 +824,25 @@ class H3Pipeline:
                 poll()
 
             t = time.perf_counter()
-            generation = self.session.generate(handoff, progress=on_evaluation, profile_denoise=self.options.profile_denoise, preview=preview)
+            generation = self.session.generate(
+                handoff, progress=on_evaluation, profile_denoise=self.options.profile_denoise, preview=preview
+            )
             stages["denoise"] = time.perf_counter() - t
             poll()
             t = time.perf_counter()
-            after_stage = stage_timer(stages, lambda stage: report("decode", ("decode.video", "decode.audio").index(stage) + 1, 2))
+            after_stage = stage_timer(
+                stages, lambda stage: report("decode", ("decode.video", "decode.audio").index(stage) + 1, 2)
+            )
             latents = (generation.video_latents, generation.audio_latents)
             between_blocks = poll if cancel is not None else None
             path = None
             if output is not None and self.options.media_video_input == "stream":
                 # The MP4 is encoded while the video decodes; `write` is what is left of it after the decode.
                 width, height = plan.geometry.width, plan.geometry.height
-                with mp4_stream(output, width, height, self.vaes.sample_rate, FPS, video_threads=self.options.media_video_threads,
-                                overwrite=overwrite) as stream:
+                with mp4_stream(
+                    output, width, height, self.vaes.sample_rate, FPS, video_threads=self.options.media_video_threads,
+                    overwrite=overwrite,
+                ) as stream:
                     media = decode_latents(self.vaes, *latents, after_stage, between_blocks, video_sink=stream.add)
                     stages["decode"] = time.perf_counter() - t
                     poll()
@@ -753,6 +857,7 @@ class H3Pipeline:
                 if output is not None:
                     poll()
                     t = time.perf_counter()
+                    assert media.frames is not None  # decoded without a video sink
                     path = write_mp4(output, media.frames, soundtrack, media.sample_rate, FPS,
                                      self.options.media_video_input, self.options.media_video_threads, overwrite)
             if path is not None:

@@ -30,11 +30,11 @@ class RunOptions:
     see `attention.BACKENDS`; weight_residency, encoder_residency: memory placement on a GPU; max_device_memory: a cap
     in GiB on what the pipeline may hold on each of its devices (the memory plan is made against it and it is enforced
     through PyTorch's allocator; None: the device's free memory); max_host_memory: a budget in GiB for the weights the
-    pipeline holds in host memory, with a margin for the process (planned against, not enforced; where the blocks' pinned
-    arena does not fit it, the core's blocks stream from their compiled files: `weight_residency="disk-ring"`; None: not
-    planned; on the CPU only with max_device_memory); media_video_input,
-    media_video_threads: MP4 delivery; profile_denoise: per-evaluation device timings in the result (a diagnostic);
-    verify_weights: re-hash the compiled weights against their compile-time sha256 before loading them (slow)."""
+    pipeline holds in host memory, with a margin for the process (planned against, not enforced; where the blocks'
+    pinned arena does not fit it, the core's blocks stream from their compiled files: `weight_residency="disk-ring"`;
+    None: not planned; on the CPU only with max_device_memory); media_video_input, media_video_threads: MP4 delivery;
+    profile_denoise: per-evaluation device timings in the result (a diagnostic); verify_weights: re-hash the compiled
+    weights against their compile-time sha256 before loading them (slow)."""
 
     device: int | str = "cpu"
     peer_device: int | str | None = None
@@ -55,7 +55,9 @@ class RunOptions:
         from ..engine.attention import BACKENDS
 
         if self.attention_backend not in BACKENDS:  # the name now; whether it runs on the device, in check_devices
-            raise VflashError(f"unknown attention backend {self.attention_backend!r}; choose one of {', '.join(BACKENDS)}")
+            raise VflashError(
+                f"unknown attention backend {self.attention_backend!r}; choose one of {', '.join(BACKENDS)}"
+            )
         if self.strategy is not None:
             check_choice("strategy", self.strategy, STRATEGIES)
         if (self.peer_device is None) != (self.strategy is None):
@@ -64,9 +66,14 @@ class RunOptions:
         cap_bytes(self.max_device_memory)
         cap_bytes(self.max_host_memory, "max_host_memory")
         if self.max_host_memory is not None and self.max_device_memory is None and str(self.device) == "cpu":
-            raise VflashError("max_host_memory is planned with the device memory: on the CPU give max_device_memory too")
+            raise VflashError(
+                "max_host_memory is planned with the device memory: on the CPU give max_device_memory too"
+            )
         if self.weight_residency == "disk-ring" and self.peer_device is not None:
-            raise VflashError("weight_residency='disk-ring' streams the blocks to one GPU; with a peer GPU use 'block-ring' or 'resident'")
+            raise VflashError(
+                "weight_residency='disk-ring' streams the blocks to one GPU; "
+                "with a peer GPU use 'block-ring' or 'resident'"
+            )
         for name in ("profile_denoise", "verify_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise VflashError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -79,7 +86,10 @@ class RunOptions:
 
         primary = check_device(self.device, profile.arch, profile_id=profile.id)
         resolve_attention(self.attention_backend, primary, profile.fp8 is not None)
-        peer = None if self.peer_device is None else check_device(self.peer_device, profile.arch, "peer device", profile.id)
+        peer = (
+            None if self.peer_device is None
+            else check_device(self.peer_device, profile.arch, "peer device", profile.id)
+        )
         return primary, peer
 
     @staticmethod
@@ -88,31 +98,45 @@ class RunOptions:
         from ..engine.attention import BACKENDS
 
         parser.add_argument("--gpu", type=GPU_INDEX.option("--gpu"), help="CUDA device index (default: CPU)")
-        parser.add_argument("--peer-gpu", type=GPU_INDEX.option("--peer-gpu"), help="second GPU for the native core (needs --strategy)")
-        parser.add_argument("--strategy", choices=("sequence-head",), help="how the core splits one request over two GPUs")
+        parser.add_argument("--peer-gpu", type=GPU_INDEX.option("--peer-gpu"),
+                            help="second GPU for the native core (needs --strategy)")
+        parser.add_argument("--strategy", choices=("sequence-head",),
+                            help="how the core splits one request over two GPUs")
         parser.add_argument("--attention-backend", default="auto",
-                            help=f"attention kernel, pinned on every call: {', '.join(BACKENDS)} (default auto: the exact default for the device)")
+                            help=f"attention kernel, pinned on every call: {', '.join(BACKENDS)} "
+                                 "(default auto: the exact default for the device)")
         parser.add_argument("--weight-residency", default="auto", choices=WEIGHT_RESIDENCIES,
-                            help="GPU: the core's blocks all on the device, streamed from pinned host memory (block-ring) or from their compiled files (disk-ring); auto: the memory plan chooses")
+                            help="GPU: the core's blocks all on the device, streamed from pinned host memory "
+                                 "(block-ring) or from their compiled files (disk-ring); auto: the memory plan chooses")
         parser.add_argument("--encoder-residency", default="offload", choices=ENCODER_RESIDENCIES,
-                            help="GPU: move the text encoder and VAEs off the device after each use (default), or keep them there")
+                            help="GPU: move the text encoder and VAEs off the device after each use (default), or "
+                                 "keep them there")
         parser.add_argument("--max-device-memory", type=DEVICE_MEMORY_GIB.option("--max-device-memory"), metavar="GIB",
-                            help="cap on the device memory the pipeline may use, in GiB (default: what the GPU has free); placement is planned against it and it is enforced")
+                            help="cap on the device memory the pipeline may use, in GiB (default: what the GPU has "
+                                 "free); placement is planned against it and it is enforced")
         parser.add_argument("--max-host-memory", type=DEVICE_MEMORY_GIB.option("--max-host-memory"), metavar="GIB",
-                            help="budget for the host memory the pipeline's weights may hold, in GiB, with a margin for the process (default: not planned); "
-                                 "where the core's pinned blocks do not fit, they stream from their compiled files (disk-ring)")
-        parser.add_argument("--media-video-input", default="stream", choices=VIDEO_INPUTS, help="feed the H.264 encoder from a temporary RGB file, frame by frame, or while the video decodes (stream)")
+                            help="budget for the host memory the pipeline's weights may hold, in GiB, with a margin "
+                                 "for the process (default: not planned); where the core's pinned blocks do not fit, "
+                                 "they stream from their compiled files (disk-ring)")
+        parser.add_argument("--media-video-input", default="stream", choices=VIDEO_INPUTS,
+                            help="feed the H.264 encoder from a temporary RGB file, frame by frame, or while the "
+                                 "video decodes (stream)")
         parser.add_argument("--media-video-threads", type=VIDEO_THREADS.option("--media-video-threads"),
-                            help=f"H.264 encoder threads, {VIDEO_THREADS.describe().removeprefix('an integer ')} (default: automatic)")
-        parser.add_argument("--verify-weights", action="store_true", help="re-hash the compiled weights before loading them (slow; loading checks sizes only)")
+                            help="H.264 encoder threads, "
+                                 f"{VIDEO_THREADS.describe().removeprefix('an integer ')} (default: automatic)")
+        parser.add_argument("--verify-weights", action="store_true",
+                            help="re-hash the compiled weights before loading them (slow; loading checks sizes only)")
 
     @classmethod
     def from_arguments(cls, args: argparse.Namespace, **extra: object) -> RunOptions:
         """The options from `add_arguments`' flags (plus `extra` fields, e.g. profile_denoise)."""
+        device = gpu_device(args.gpu)
+        assert device is not None  # without --gpu, gpu_device's default: "cpu"
         return cls(
-            device=gpu_device(args.gpu), peer_device=gpu_device(args.peer_gpu, None),
+            device=device, peer_device=gpu_device(args.peer_gpu, None),
             strategy=args.strategy, attention_backend=args.attention_backend, weight_residency=args.weight_residency,
-            encoder_residency=args.encoder_residency, max_device_memory=args.max_device_memory, max_host_memory=args.max_host_memory,
+            encoder_residency=args.encoder_residency,
+            max_device_memory=args.max_device_memory, max_host_memory=args.max_host_memory,
             media_video_input=args.media_video_input, media_video_threads=args.media_video_threads,
             verify_weights=args.verify_weights, **extra,  # type: ignore[arg-type]
         )
