@@ -333,8 +333,8 @@ def test_model_loader_takes_comfy_files_and_refuses_mismatches_before_model_work
 @pytest.mark.parametrize("model,profile,note", [
     ("h3_demo_pruned.safetensors", "t2va-base4-pruned-cpu", "a pruned transformer: approximate AdaLN (rank-8"),
     ("h3_demo_fp8_scaled.safetensors", "t2va-base4-exact-cpu", "transformer weights from an fp8_scaled file, dequantized to BF16"),
-    ("h3_demo_int8_convrot.safetensors", "t2va-base4-exact-cpu", None),
-    ("h3_demo-Q8_0.gguf", "t2va-base4-exact-cpu", None),
+    ("h3_demo_int8_convrot.safetensors", "t2va-base4-exact-cpu", "transformer weights: int8_convrot file dequantized"),
+    ("h3_demo-Q8_0.gguf", "t2va-base4-exact-cpu", "transformer weights: GGUF file dequantized"),
 ])
 def test_comfy_file_drives_the_t2va_chain(pack, comfy_files, model, profile, note):
     """The demo's t2va graph with the transformer from a Comfy-Org file: compiled on first use, sampled, and the
@@ -347,7 +347,6 @@ def test_comfy_file_drives_the_t2va_chain(pack, comfy_files, model, profile, not
     workflow = apply_overrides(load_api_workflow(api), [f"1.model=diffusion_models/{model}", f"1.profile={profile}", "4.width=128", "4.height=128"])
     report = execute(workflow, pack.node_types(workflow))
     latent = report.outputs["5"][0]
-    if note is not None:  # int8_convrot and GGUF artifacts record their `dequantized` line in base_weights
-        assert any(n.startswith(note) for n in latent["vflash_notes"]), latent["vflash_notes"]
+    assert any(n.startswith(note) for n in latent["vflash_notes"]), latent["vflash_notes"]
     assert torch.isfinite(latent["samples"].tensors[0]).all()
     pack.package.registry.ENGINES.release("all")

@@ -288,6 +288,8 @@ class CompiledArtifact:
                 "(float8 code x per-tensor scale, as ComfyUI core dequantizes them): exact for those weights, "
                 "which are not the BF16 release"
             )
+        if base.get("dequantized") and base.get("format") != "fp8_scaled":  # int8_convrot, GGUF: how they were read
+            notes.append(f"transformer weights: {base['dequantized']}")
         if self.fp8:
             scales = (
                 "the fp8_scaled file's own E4M3 codes, its per-tensor scale repeated per output row" if kept
