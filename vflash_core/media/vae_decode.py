@@ -48,7 +48,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -382,7 +382,7 @@ FUSED_DECODER_NORM = True
 FUSED_DECODER_QK_NORM = True
 
 
-def _decoder_kernels() -> ModuleType:
+def _decoder_kernels() -> SimpleNamespace:
     """`vflash_kernels.vae_decoder` and `vflash_kernels.swiglu` (imported on first use: the core runs without
     triton)."""
     package = vflash_kernels().__name__
