@@ -36,13 +36,13 @@ from conftest import assert_bitwise
 
 pytest.importorskip("triton")
 
-from test_vae_decode import SMALL_TILES, latents  # noqa: E402
+from test_vae_decode import SMALL_TILES, latents
 
-from vflash_core.engine.model import apply_rotary  # noqa: E402
-from vflash_core.errors import VflashError  # noqa: E402
-from vflash_core.media import vae_decode  # noqa: E402
-from vflash_core.media.vae import MediaVAEs  # noqa: E402
-from vflash_core.media.vae_decode import DecoderOps, FusedDecoderOps, NativeVideoDecoder  # noqa: E402
+from vflash_core.engine.model import apply_rotary
+from vflash_core.errors import VflashError
+from vflash_core.media import vae_decode
+from vflash_core.media.vae import MediaVAEs
+from vflash_core.media.vae_decode import DecoderOps, FusedDecoderOps, NativeVideoDecoder
 
 _INTERPRETED = "_vflash_kernels_decoder_interpreted"
 _FOLDER = Path(__file__).resolve().parent.parent / "kernels"
@@ -121,9 +121,9 @@ def test_fma_emulation_rounds_once(interp):
 def test_norm_emulation_is_the_block_order_for_bf16_inputs(interp):
     """For bf16 inputs (exact squares, so fma = multiply and add) the emulation equals the transformer kernels' order
     reference, and it stays within rounding of `F.rms_norm` for the decoder's fp32 stream."""
-    rms_norm_block_order_reference = importlib.import_module(f"{_INTERPRETED}.rms_norm_modulate").rms_norm_block_order_reference
+    block_order = importlib.import_module(f"{_INTERPRETED}.rms_norm_modulate").rms_norm_block_order_reference
     x, w = randn(37, 1040, dtype=torch.bfloat16, seed=4), randn(1040, seed=5)
-    expected = rms_norm_block_order_reference(x.float(), w, 1e-5).to(torch.bfloat16)
+    expected = block_order(x.float(), w, 1e-5).to(torch.bfloat16)
     assert_bitwise(interp.vae_decoder.rms_norm_cast_reference(x, w, 1e-5, torch.bfloat16), expected, "bf16 input")
     h = randn(37, 1040, seed=6, scale=30.0)
     torch.testing.assert_close(
@@ -216,9 +216,9 @@ def bf16_vae(vae_root):
 DECODE_LATENTS = (1, 8, 8, 5, 6)
 
 
-def test_fused_decode_with_torch_norms_equals_the_reference(fused_ops, bf16_vae, monkeypatch):
+def test_fused_decode_with_torch_norms_equals_the_reference(fused_ops, vae_root, bf16_vae, monkeypatch):
     """SwiGLU and the scaled residuals fused, the norms torch's: the reference decode's pixels bit for bit, three
-    tile-windows per call (the last call has one)."""
+    tile-windows per call (the last call has one); through `MediaVAEs`' option too."""
     monkeypatch.setattr(vae_decode, "FUSED_DECODER_NORM", False)
     monkeypatch.setattr(vae_decode, "FUSED_DECODER_QK_NORM", False)
     z = latents(DECODE_LATENTS, seed=3)
@@ -226,14 +226,21 @@ def test_fused_decode_with_torch_norms_equals_the_reference(fused_ops, bf16_vae,
     fused = NativeVideoDecoder.from_vae(bf16_vae, windows_per_call=3, execution="fused")
     assert isinstance(fused.ops[0], FusedDecoderOps)
     assert_bitwise(fused.decode(z), expected, "fused SwiGLU and residuals")
+    # the same through `MediaVAEs`' option (its own native decode of normalised latents, mapped to [0, 1])
+    audio = MediaVAEs.from_pretrained(vae_root, dtype=torch.bfloat16).audio_vae
+    frames = {
+        execution: MediaVAEs(bf16_vae, audio, video_decoder="native", decoder_execution=execution).decode_video(z)
+        for execution in ("reference", "fused")
+    }
+    assert_bitwise(frames["fused"], frames["reference"], "MediaVAEs decoder_execution='fused'")
 
 
 def test_fully_fused_decode_equals_the_cuda_order_reference(fused_ops, interp, bf16_vae):
-    """Every fused op on: the reference decode with its norms in torch's CUDA order, bit for bit (through
-    `MediaVAEs`' option too)."""
+    """Every fused op on: the reference decode with its norms in torch's CUDA order, bit for bit."""
     z = latents(DECODE_LATENTS, seed=4)
     reference = NativeVideoDecoder.from_vae(bf16_vae, windows_per_call=3)
-    reference.ops = [CudaOrderNormOps(ops.attend_fn, interp.vae_decoder.rms_norm_cast_reference) for ops in reference.ops]
+    norm = interp.vae_decoder.rms_norm_cast_reference
+    reference.ops = [CudaOrderNormOps(ops.attend_fn, norm) for ops in reference.ops]
     expected = reference.decode(z)
     got = NativeVideoDecoder.from_vae(bf16_vae, windows_per_call=3, execution="fused").decode(z)
     assert_bitwise(got, expected, "fully fused")

@@ -27,6 +27,9 @@ What this module changes is only how the work is issued:
   fp32 ones, whose results moved by up to 3e-6, so with fp32 weights on a GPU the default is one tile-window per call:
   `windows_per_call=1` issues exactly the reference's shapes). Elementwise work and the norms are per element or per
   row; attention is per batch item and head.
+* `execution="fused"` runs the norms, the q/k norm + rotary, SwiGLU and the scaled residuals in Triton kernels
+  (`FusedDecoderOps`), each reproducing the roundings of the torch ops it replaces, the norms summing squares in the
+  order of torch's CUDA RMSNorm; "reference" (the default) runs them as torch ops (`DecoderOps`).
 * A window is stitched, cross-faded and handed to the sink as soon as its last tile is decoded, so device memory is
   bounded by the calls in flight, one window's tiles and clip, and the cross-fade frames, whatever the clip length.
 * With several devices (each with its own copy of the decoder weights), the calls are split into contiguous parts, one
@@ -340,8 +343,9 @@ class DecoderWeights:
 
 
 class DecoderOps:
-    """The decoder's norms and attention as torch ops, in the reference's order and roundings; the rest of a block is
-    GEMMs and elementwise ops (`block`). Tensors are (W, S, ...) for W stacked tile-windows of S tokens."""
+    """The decoder's norms, attention, SwiGLU and scaled residuals as torch ops, in the reference's order and
+    roundings; the rest of a block is GEMMs (`block`). Tensors are (W, S, ...) for W stacked tile-windows of S
+    tokens."""
 
     def __init__(self, attend: AttentionFn):
         self.attend_fn = attend
@@ -407,7 +411,8 @@ class FusedDecoderOps(DecoderOps):
             )
         self._kernels = kernels.vae_decoder
         self._swiglu = kernels.swiglu.swiglu
-        self._angles: tuple[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] | None = None
+        # (cos, sin, count) of the last call and its repeated tables; holding the tables keeps the identity test sound
+        self._angles: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor] | None = None
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float | None, dtype: torch.dtype) -> torch.Tensor:
         if not FUSED_DECODER_NORM:
@@ -426,10 +431,10 @@ class FusedDecoderOps(DecoderOps):
     def _window_angles(self, cos: torch.Tensor, sin: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The (1, S, 1, R) tables repeated for `count` stacked tile-windows: (count S, R), made once per call shape
         (every block of a call reads the same ones)."""
-        key = (cos.data_ptr(), sin.data_ptr(), count)
-        if self._angles is None or self._angles[0] != key:
-            self._angles = key, (cos[0, :, 0].repeat(count, 1), sin[0, :, 0].repeat(count, 1))
-        return self._angles[1]
+        last = self._angles
+        if last is None or last[0] is not cos or last[1] is not sin or last[2] != count:
+            last = self._angles = cos, sin, count, cos[0, :, 0].repeat(count, 1), sin[0, :, 0].repeat(count, 1)
+        return last[3], last[4]
 
     def swiglu(self, p: torch.Tensor) -> torch.Tensor:
         return self._swiglu(p.flatten(0, 1)).view(*p.shape[:-1], p.shape[-1] // 2)
