@@ -14,7 +14,7 @@ the norm kernels reproduce, so on the CPU the fused norms are compared with thei
 norms are that emulation; with the fused norms off, the fused decode equals the untouched reference decode. On the
 CPU the decode runs in bf16 (diffusers' fp32 pins): in fp32 the interpreter's SwiGLU `exp` is numpy's, a few ulp from
 torch's (tests/test_kernels.py). The GPU test compares the fused and reference decodes bit for bit on CUDA at the
-released decoder width, fp32 and bf16, with every fused op on.
+released decoder width, fp32 and bf16, with every fused op on, and with diffusers' own decode.
 """
 
 from __future__ import annotations
@@ -249,13 +249,15 @@ def test_fully_fused_decode_equals_the_cuda_order_reference(fused_ops, interp, b
 # -- on a GPU ------------------------------------------------------------------------------------------------------
 
 
-def released_width_vae(folder: Path, dtype: torch.dtype):
+def released_width_vae(dtype: torch.dtype):
     """`AutoencoderKLMiniMaxH3` with the released decoder (36 blocks, 2048 wide, 32 heads of 64) and random weights
-    (norm weights near 1, the scales and register tokens nonzero), loaded as the pipeline loads it."""
+    (norm weights near 1, the scales and register tokens nonzero), built on cuda:0 in `dtype` with the modules
+    diffusers pins to fp32 (`_keep_in_fp32_modules`: the norms, the scales) kept in fp32, as its loader does."""
     from diffusers import AutoencoderKLMiniMaxH3
 
     torch.manual_seed(0)
-    vae = AutoencoderKLMiniMaxH3()
+    with torch.device("cuda:0"):
+        vae = AutoencoderKLMiniMaxH3()
     with torch.no_grad():
         for name, p in vae.decoder.named_parameters():
             if "norm" in name and name.endswith("weight"):
@@ -264,17 +266,23 @@ def released_width_vae(folder: Path, dtype: torch.dtype):
                 p.normal_(0.0, 0.5)
             else:
                 p.normal_(0.0, 0.02)
-    vae.save_pretrained(folder)
-    return AutoencoderKLMiniMaxH3.from_pretrained(folder, torch_dtype=dtype, local_files_only=True).to("cuda:0")
+        vae.to(dtype)
+        for name, p in vae.named_parameters():
+            if any(pinned in name.split(".") for pinned in AutoencoderKLMiniMaxH3._keep_in_fp32_modules):
+                p.data = p.data.float()
+    return vae.eval()
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_fused_decode_bitwise_on_a_gpu(tmp_path, dtype):
+def test_fused_decode_bitwise_on_a_gpu(dtype):
     """At the released decoder width on CUDA, every fused op on: the reference decode's pixels bit for bit at the
     released tiling (2 x 2 tiles of 256 px, 3 windows), default calls (8 tile-windows per call in bf16, 1 in fp32)."""
-    vae = released_width_vae(tmp_path / "vae", dtype)
+    vae = released_width_vae(dtype)
+    assert vae.decoder.transformer_blocks[0].norm1.weight.dtype == torch.float32
     z = latents((1, vae.config.latent_channels, 17, 20, 24)).to("cuda:0")
     expected = NativeVideoDecoder.from_vae(vae).decode(z)
     got = NativeVideoDecoder.from_vae(vae, execution="fused").decode(z)
     assert_bitwise(got, expected, f"fused {dtype} released width")
+    with torch.no_grad():  # and so diffusers' own decode (the native decode brings the frames to the host)
+        assert_bitwise(got, vae.decode(z, return_dict=False)[0].cpu(), f"fused {dtype} against diffusers")
