@@ -175,6 +175,17 @@ def rms_norm_cast(
     return out
 
 
+#: (Dh,) weights of ones per (Dh, dtype, device), for the q/k norm's kernel (made once, not per call).
+_UNIT_WEIGHTS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _unit_weight(head_dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    key = (head_dim, dtype, device)
+    if key not in _UNIT_WEIGHTS:
+        _UNIT_WEIGHTS[key] = torch.ones(head_dim, dtype=dtype, device=device)
+    return _UNIT_WEIGHTS[key]
+
+
 def head_rms_norm_rope(x: torch.Tensor, eps: float | None, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Per-head RMSNorm without a weight in fp32, rounded back to x's dtype, then rotate-half rotary over the leading R
     channels: `apply_rotary(F.rms_norm(x.float(), (Dh,), None, eps).to(x.dtype), cos, sin)`.
@@ -193,7 +204,7 @@ def head_rms_norm_rope(x: torch.Tensor, eps: float | None, cos: torch.Tensor, si
     cos2, sin2 = _angles_views(cos, sin, rows.shape[0], head_dim, x.dtype)
     round_dtype = _launch.round_dtype(x.dtype)
     out = torch.empty((1, rows.shape[0], heads, head_dim), dtype=x.dtype, device=x.device)
-    unit = torch.ones(head_dim, dtype=x.dtype, device=x.device)
+    unit = _unit_weight(head_dim, x.dtype, x.device)
     _launch.check_device(x, cos, sin, out)
     if rows.numel():
         block_d = triton.next_power_of_2(head_dim)
