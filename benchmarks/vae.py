@@ -26,6 +26,9 @@ with a peer device: the calls in two contiguous halves, cuda:1's on a replica of
 timing (the pipeline makes it per decode), its tiles gathered on cuda:0. `two_gpu_speedup` = one-GPU time / two-GPU
 time, `two_gpu_bitwise_equal` against one GPU, `two_gpu_peak_device_bytes` per device; all three null (and the other
 two absent) without two GPUs.
+`native_fused_seconds` (with `native_fused_peak_device_bytes`, `native_fused_bitwise_equal_to_diffusers` and
+`native_fused_speedup_vs_reference` against the reference ops at the largest --windows-per-call): the native decode
+at the largest --windows-per-call through its fused Triton ops (`decoder_execution="fused"`); null on the CPU.
 `audio_decode_seconds`, `audio_peak_device_bytes`: the audio VAE's decode of the same duration (both stereo channels);
 `audio_share_of_decode` = audio / (audio + Vflash video) seconds, its share of the decode stage (worth speeding up
 above 5 %).
@@ -161,6 +164,9 @@ def run(vaes: MediaVAEs, device: torch.device, canvases: dict[str, tuple[int, in
     vae = vaes.video_vae
     decoders = {n: NativeVideoDecoder.from_vae(vae, attention=attention, windows_per_call=n) for n in windows_per_call}
     best_n = max(windows_per_call)
+    # Triton kernels run on CUDA only: on the CPU (--small) the fused keys stay null.
+    fused = (NativeVideoDecoder.from_vae(vae, attention=attention, windows_per_call=best_n, execution="fused")
+             if device.type == "cuda" else None)
     two_gpus = device.type == "cuda" and torch.cuda.device_count() >= 2
     channels, ratio = vaes.latent_channels, vae.spatial_compression_ratio
     g = torch.Generator().manual_seed(SEED)
@@ -173,7 +179,7 @@ def run(vaes: MediaVAEs, device: torch.device, canvases: dict[str, tuple[int, in
             if not warm:  # one decode per side first: kernel selection, allocator growth
                 with torch.no_grad():
                     vae.decode(z, return_dict=False)
-                for decoder in decoders.values():
+                for decoder in [*decoders.values(), *([fused] if fused is not None else [])]:
                     decoder.decode(z)
                 warm = True
             with torch.no_grad():
@@ -215,6 +221,10 @@ def run(vaes: MediaVAEs, device: torch.device, canvases: dict[str, tuple[int, in
                 "two_gpu_speedup": None,
                 "two_gpu_bitwise_equal": None,
                 "two_gpu_peak_device_bytes": None,
+                "native_fused_seconds": None,
+                "native_fused_peak_device_bytes": None,
+                "native_fused_bitwise_equal_to_diffusers": None,
+                "native_fused_speedup_vs_reference": None,
             }
             if device.type == "cuda":
                 gemm_rate = gemm_tflops(sustained=True)
@@ -229,6 +239,12 @@ def run(vaes: MediaVAEs, device: torch.device, canvases: dict[str, tuple[int, in
             audio_seconds, audio_peak, _ = timed(lambda: vaes.decode_audio(audio), device, repeat)
             record.update(audio_decode_seconds=round(audio_seconds, 4), audio_peak_device_bytes=audio_peak,
                           audio_share_of_decode=round(audio_seconds / (audio_seconds + v_seconds), 4))
+            if fused is not None:  # the same decode through the fused ops (`decoder_execution="fused"`)
+                f_seconds, f_peak, got = timed(lambda: fused.decode(z), device, repeat)
+                record.update(native_fused_seconds=round(f_seconds, 4), native_fused_peak_device_bytes=f_peak,
+                              native_fused_bitwise_equal_to_diffusers=torch.equal(got, expected),
+                              native_fused_speedup_vs_reference=round(by_n[best_n]["seconds"] / f_seconds, 4))
+                del got
             print({k: v for k, v in record.items() if k != "by_windows_per_call"})
             records.append(record)
             del z, expected

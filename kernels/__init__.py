@@ -1,7 +1,8 @@
 """Vflash Triton kernels (installed and imported as `vflash_kernels`).
 
 Each op reproduces, bit for bit, a torch operation of the model, which is its reference (one reference per op, where
-the model is defined); its parity tests compare the two.
+the model is defined; the video VAE decoder's in `vflash_core.media.vae_decode`, whose SwiGLU is `swiglu.swiglu`'s);
+its parity tests compare the two.
 
 | op of `vflash_kernels`                        | reference in `vflash_core.engine`                                 |
 |-----------------------------------------------|-------------------------------------------------------------------|
@@ -11,6 +12,9 @@ the model is defined); its parity tests compare the two.
 | `rope.rope`, `rope.qk_norm_rope`              | `model.rope`, `model.qk_norm_rope`                                |
 | `swiglu.swiglu`                               | `model.swiglu`                                                    |
 | `relayout.pack_heads`, `relayout.merge_heads` | `parallel.pack_heads_reference`, `parallel.merge_heads_reference` |
+| `vae_decoder.rms_norm_cast`                   | `media.vae_decode.DecoderOps.norm`                                |
+| `vae_decoder.head_rms_norm_rope`              | `media.vae_decode.DecoderOps.qk_norm_rope`                        |
+| `vae_decoder.scaled_residual`                 | `media.vae_decode.DecoderOps.scaled_residual`                     |
 | `fp8_quantize.quantize_rows`                  | `fp8.quantize_rows` (approximate FP8 path only, as the two below) |
 | `fp8_quantize.swiglu_quantize`                | `fp8.quantize_rows` of `model.swiglu`                             |
 | `fp8_quantize.rms_norm_modulate_quantize`     | `fp8.quantize_rows` of `model.rms_norm_modulate`                  |

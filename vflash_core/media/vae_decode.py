@@ -27,6 +27,9 @@ What this module changes is only how the work is issued:
   fp32 ones, whose results moved by up to 3e-6, so with fp32 weights on a GPU the default is one tile-window per call:
   `windows_per_call=1` issues exactly the reference's shapes). Elementwise work and the norms are per element or per
   row; attention is per batch item and head.
+* `execution="fused"` runs the norms, the q/k norm + rotary, SwiGLU and the scaled residuals in Triton kernels
+  (`FusedDecoderOps`), each reproducing the roundings of the torch ops it replaces, the norms summing squares in the
+  order of torch's CUDA RMSNorm; "reference" (the default) runs them as torch ops (`DecoderOps`).
 * A window is stitched, cross-faded and handed to the sink as soon as its last tile is decoded, so device memory is
   bounded by the calls in flight, one window's tiles and clip, and the cross-fade frames, whatever the clip length.
 * With several devices (each with its own copy of the decoder weights), the calls are split into contiguous parts, one
@@ -40,6 +43,7 @@ What this module changes is only how the work is issued:
 from __future__ import annotations
 
 import contextlib
+import importlib
 import itertools
 import math
 import queue
@@ -47,11 +51,13 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from .._imports import vflash_kernels
 from ..engine.attention import resolve_attention
 from ..engine.model import AttentionFn, apply_rotary
 from ..errors import VflashError
@@ -61,8 +67,9 @@ if TYPE_CHECKING:
     from diffusers.models.autoencoders.autoencoder_kl_minimax_h3 import MiniMaxH3VideoTransformerBlock
 
 __all__ = [
-    "CALLS_IN_FLIGHT_PER_DEVICE", "DEFAULT_WINDOWS_PER_CALL", "DecodeGeometry", "DecoderWeights", "NativeVideoDecoder",
-    "TileWindow", "decode_tile_windows", "split_calls", "split_tiles",
+    "CALLS_IN_FLIGHT_PER_DEVICE", "DECODER_EXECUTIONS", "DEFAULT_WINDOWS_PER_CALL", "DecodeGeometry", "DecoderOps",
+    "DecoderWeights", "FusedDecoderOps", "NativeVideoDecoder", "TileWindow", "decode_tile_windows", "split_calls",
+    "split_tiles",
 ]
 
 #: Receives the decoded frames in order: (index of the first frame, frames (1, 3, f, H, W) on the first device).
@@ -336,8 +343,9 @@ class DecoderWeights:
 
 
 class DecoderOps:
-    """The decoder's norms and attention as torch ops, in the reference's order and roundings; the rest of a block is
-    GEMMs and elementwise ops (`block`). Tensors are (W, S, ...) for W stacked tile-windows of S tokens."""
+    """The decoder's norms, attention, SwiGLU and scaled residuals as torch ops, in the reference's order and
+    roundings; the rest of a block is GEMMs (`block`). Tensors are (W, S, ...) for W stacked tile-windows of S
+    tokens."""
 
     def __init__(self, attend: AttentionFn):
         self.attend_fn = attend
@@ -357,6 +365,87 @@ class DecoderOps:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """(W, S, heads, Dh) each -> (W, S, heads * Dh): each tile-window attends over its own S tokens."""
         return self.attend_fn(q, k, v).flatten(2, 3)
+
+    def swiglu(self, p: torch.Tensor) -> torch.Tensor:
+        """(W, S, 2 I) `ff_in` output [value | gate] -> (W, S, I) value * silu(gate), in p's dtype."""
+        value, gate = p.chunk(2, dim=-1)
+        return value * F.silu(gate)
+
+    def scaled_residual(self, h: torch.Tensor, y: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """(W, S, D) stream plus the (W, S, D) sublayer output times the fp32 (D,) scale: the product rounds in fp32,
+        then the sum (fp32). The result may be written into `h` (the fused ops do, when h is fp32)."""
+        return h + y * scale
+
+
+#: Whether `FusedDecoderOps` normalises the stream with `vflash_kernels.vae_decoder.rms_norm_cast` (torch's CUDA
+#: reduction order for fp32 rows) instead of `F.rms_norm`. Not yet measured on a GPU: the lead enables
+#: `decoder_execution="fused"` by default only after `pytest -m gpu tests/test_vae_decode_fused.py` shows these bits
+#: equal there; where that test finds a difference, turn this off.
+FUSED_DECODER_NORM = True
+#: Likewise for the per-head q/k norm fused with rotary (`head_rms_norm_rope`) instead of `F.rms_norm` + rotary.
+FUSED_DECODER_QK_NORM = True
+
+
+def _decoder_kernels() -> SimpleNamespace:
+    """`vflash_kernels.vae_decoder` and `vflash_kernels.swiglu` (imported on first use: the core runs without
+    triton)."""
+    package = vflash_kernels().__name__
+    return SimpleNamespace(
+        vae_decoder=importlib.import_module(f"{package}.vae_decoder"),
+        swiglu=importlib.import_module(f"{package}.swiglu"),
+    )
+
+
+class FusedDecoderOps(DecoderOps):
+    """`DecoderOps` with the norms, the q/k norm + rotary, SwiGLU and the scaled residuals in Triton kernels, each
+    reproducing the roundings of the torch ops it replaces (`kernels/vae_decoder.py`, `kernels/swiglu.py`); the
+    scaled residuals update an fp32 stream in place. CUDA only, or Triton's interpreter on the CPU."""
+
+    def __init__(self, attend: AttentionFn, device: torch.device):
+        super().__init__(attend)
+        kernels = _decoder_kernels()
+        if device.type != "cuda" and not kernels.vae_decoder._launch.INTERPRET:
+            raise VflashError(
+                f"decoder_execution='fused' runs Triton kernels on CUDA, not on {device}; use 'reference' there "
+                "(or set TRITON_INTERPRET=1 before importing vflash_kernels to run them in Triton's interpreter)"
+            )
+        self._kernels = kernels.vae_decoder
+        self._swiglu = kernels.swiglu.swiglu
+        # (cos, sin, count) of the last call and its repeated tables; holding the tables keeps the identity test sound
+        self._angles: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor] | None = None
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float | None, dtype: torch.dtype) -> torch.Tensor:
+        if not FUSED_DECODER_NORM:
+            return super().norm(x, weight, eps, dtype)
+        return self._kernels.rms_norm_cast(x, weight, eps, dtype)
+
+    def qk_norm_rope(
+        self, q: torch.Tensor, k: torch.Tensor, eps: float | None, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not FUSED_DECODER_QK_NORM:
+            return super().qk_norm_rope(q, k, eps, cos, sin)
+        cos_rows, sin_rows = self._window_angles(cos, sin, q.shape[0])
+        return (self._kernels.head_rms_norm_rope(q, eps, cos_rows, sin_rows),
+                self._kernels.head_rms_norm_rope(k, eps, cos_rows, sin_rows))
+
+    def _window_angles(self, cos: torch.Tensor, sin: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (1, S, 1, R) tables repeated for `count` stacked tile-windows: (count S, R), made once per call shape
+        (every block of a call reads the same ones)."""
+        last = self._angles
+        if last is None or last[0] is not cos or last[1] is not sin or last[2] != count:
+            last = self._angles = cos, sin, count, cos[0, :, 0].repeat(count, 1), sin[0, :, 0].repeat(count, 1)
+        return last[3], last[4]
+
+    def swiglu(self, p: torch.Tensor) -> torch.Tensor:
+        return self._swiglu(p.flatten(0, 1)).view(*p.shape[:-1], p.shape[-1] // 2)
+
+    def scaled_residual(self, h: torch.Tensor, y: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        inplace = h.dtype == torch.promote_types(h.dtype, torch.promote_types(y.dtype, scale.dtype))
+        return self._kernels.scaled_residual(h, y, scale, inplace=inplace)
+
+
+#: How the decoder's elementwise and norm work runs: torch ops (`DecoderOps`) or Triton kernels (`FusedDecoderOps`).
+DECODER_EXECUTIONS = ("reference", "fused")
 
 
 def rotary(
@@ -390,9 +479,9 @@ def block(
         for weight, bias in ((b.to_q, b.to_q_bias), (b.to_k, b.to_k_bias), (b.to_v, b.to_v_bias))
     )
     q, k = ops.qk_norm_rope(q, k, w.qk_norm_eps, *rope)
-    h = h + F.linear(ops.attend(q, k, v), b.to_out, b.to_out_bias) * b.scale1
-    value, gate = F.linear(ops.norm(h, b.norm2, w.norm_eps, w.compute_dtype), b.ff_in, b.ff_in_bias).chunk(2, dim=-1)
-    return h + F.linear(value * F.silu(gate), b.ff_out, b.ff_out_bias) * b.scale2
+    h = ops.scaled_residual(h, F.linear(ops.attend(q, k, v), b.to_out, b.to_out_bias), b.scale1)
+    p = F.linear(ops.norm(h, b.norm2, w.norm_eps, w.compute_dtype), b.ff_in, b.ff_in_bias)
+    return ops.scaled_residual(h, F.linear(ops.swiglu(p), b.ff_out, b.ff_out_bias), b.scale2)
 
 
 def decode_tile_windows(
@@ -588,14 +677,20 @@ class PeerPart:
 class NativeVideoDecoder:
     """`AutoencoderKLMiniMaxH3.decode` bit for bit: `windows_per_call` tile-windows per ViT call (default
     `DEFAULT_WINDOWS_PER_CALL`, one for fp32 weights on a GPU), the calls split in contiguous parts over the devices of
-    `weights` and run concurrently (the first one stitches and blends), frames handed out window by window."""
+    `weights` and run concurrently (the first one stitches and blends), frames handed out window by window.
+    `execution`: "reference" (torch ops, `DecoderOps`) or "fused" (Triton kernels, `FusedDecoderOps`, same bits;
+    CUDA only outside Triton's interpreter)."""
 
     def __init__(
         self, geometry: DecodeGeometry, weights: Sequence[DecoderWeights], attention: str = DEFAULT_ATTENTION,
-        windows_per_call: int | None = None,
+        windows_per_call: int | None = None, execution: str = "reference",
     ):
         if not weights:
             raise VflashError("the native video decode needs the decoder's weights on at least one device, got none")
+        if execution not in DECODER_EXECUTIONS:
+            raise VflashError(
+                f"unknown decoder_execution {execution!r}; choose one of {', '.join(DECODER_EXECUTIONS)}"
+            )
         if windows_per_call is None:  # stacked calls keep diffusers' bits except for fp32 GEMMs on a GPU (module doc)
             fp32_on_gpu = weights[0].proj_in.dtype == torch.float32 and weights[0].proj_in.is_cuda
             windows_per_call = 1 if fp32_on_gpu else DEFAULT_WINDOWS_PER_CALL
@@ -605,19 +700,23 @@ class NativeVideoDecoder:
         self.weights = list(weights)
         resolved = [resolve_attention(attention, w.device) for w in self.weights]
         self.attention_backend = resolved[0][0]
-        self.ops = [DecoderOps(fn) for _, fn in resolved]
+        self.execution = execution
+        self.ops = [
+            FusedDecoderOps(fn, w.device) if execution == "fused" else DecoderOps(fn)
+            for w, (_, fn) in zip(self.weights, resolved)
+        ]
         self.windows_per_call = windows_per_call
 
     @classmethod
     def from_vae(
         cls, vae: AutoencoderKLMiniMaxH3, devices: Sequence[str | torch.device] = (),
-        attention: str = DEFAULT_ATTENTION, windows_per_call: int | None = None,
+        attention: str = DEFAULT_ATTENTION, windows_per_call: int | None = None, execution: str = "reference",
     ) -> NativeVideoDecoder:
         """Decode with `vae`'s own tensors on its device, or on each of `devices` (the first one stitches): the
         module's tensors where it is, a replica of them on every other device."""
         own = DecoderWeights.from_vae(vae)
         weights = [own.to(devices[0]), *(own.to(device, copy=True) for device in devices[1:])] if devices else [own]
-        return cls(DecodeGeometry.from_vae(vae), weights, attention, windows_per_call)
+        return cls(DecodeGeometry.from_vae(vae), weights, attention, windows_per_call, execution)
 
     def plan(self, latent_shape: Sequence[int]) -> DecodePlan:
         """The plan for latents of shape (1, C, F, h, w)."""
