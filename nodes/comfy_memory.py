@@ -94,7 +94,9 @@ class EnginePatcher(comfy.model_patcher.ModelPatcher):
     def model_dtype(self) -> None:
         return None  # an engine has no one weight dtype; core then leaves the patches' dtypes alone
 
-    def partially_load(self, device_to: torch.device, extra_memory: float = 0, force_patch_weights: bool = False) -> int:
+    def partially_load(
+        self, device_to: torch.device, extra_memory: float = 0, force_patch_weights: bool = False
+    ) -> int:
         return 0
 
     def partially_unload(

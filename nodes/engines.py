@@ -5,9 +5,9 @@ identity record) and how it runs (the pipeline's `RunOptions`); a text encoder's
 device (`ComponentSpec`). Operations `acquire` the engine of a spec from an `EngineRegistry` that the caller owns (the
 node pack keeps one for the process, `run-workflow` one per run), which loads it on first use or after it was
 released (by `VflashUnload`, `force_offload`, a failure, or the host: in ComfyUI each engine is an entry of core's
-model management, which may release it for `/free` or another model). That keeps ComfyUI's cached node outputs valid across
-unloads. Official weights are prepared and compiled for the profile on first use, checked against the files on every
-use (`compile_on_first_use`).
+model management, which may release it for `/free` or another model). That keeps ComfyUI's cached node outputs valid
+across unloads. Official weights are prepared and compiled for the profile on first use, checked against the files on
+every use (`compile_on_first_use`).
 
 Before a load the host is asked for the bytes the engine's memory plan needs on its device (`make_room`), so it
 releases its own models only as far as needed.

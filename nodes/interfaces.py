@@ -42,7 +42,8 @@ class Host(Protocol):
     ) -> Callable[[int, int, torch.Tensor], None] | None: ...
 
     def hold(
-        self, kind: str, label: str, engine: Any, device_bytes: int, device: torch.device, on_release: Callable[[], None]
+        self, kind: str, label: str, engine: Any, device_bytes: int, device: torch.device,
+        on_release: Callable[[], None],
     ) -> HeldEngine:
         """Enter a loaded engine ("dit", "te" or "vae"; `label` its option name) holding `device_bytes` on `device`
         in the host's memory management."""
