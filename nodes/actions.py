@@ -20,12 +20,17 @@ import numpy as np
 import PIL.Image
 import torch
 
-from vflash_core.engine.layout import FPS
+from vflash_core.engine.config import H3Config
+from vflash_core.engine.denoise import denoise_bytes
+from vflash_core.engine.layout import FPS, request_rows
 from vflash_core.errors import CallbackGuard, RequestError, VflashError
 from vflash_core.fileio import size_text
-from vflash_core.media.vae import decode_latents
+from vflash_core.media.conditioning import TextConditioner
+from vflash_core.media.vae import MediaVAEs, decode_bytes, decode_latents
+from vflash_core.media.vae_decode import DEFAULT_WINDOWS_PER_CALL
+from vflash_core.memory_plan import MARGIN_BYTES, PLANNED_TEXT_ROWS
 from vflash_core.pipeline.h3_pipeline import EncodedRequest, delivered_soundtrack, encode_request
-from vflash_core.pipeline.validation import check_seed, plan_inputs, request_mode
+from vflash_core.pipeline.validation import Geometry, check_seed, plan_inputs, request_mode
 from vflash_core.profiles import Profile
 
 from . import comfy_latent as cl
@@ -171,6 +176,9 @@ def encode(
         )
         if core
     )
+    if isinstance(conditioner, TextConditioner):
+        pictures = len(frames) + len(images) + 2 * len(videos)  # a reference clip shows the encoder two frames
+        _room_for_encode(registry, host, conditioner, vaes if pictures else None, geometry, pictures)
     references = [
         MiniMaxH3ImageReference(image=_to_pil(img, f"reference image {i + 1}")) for i, img in enumerate(images)
     ]
@@ -208,6 +216,41 @@ def encode(
     for note in notes:
         host.log(f"Vflash encode: {note}")
     return encoded, cl.to_comfy_latent(latents.video, latents.audio, host.nested), geometry.num_frames
+
+
+def _brought_bytes(kind: str, engine: Any) -> int:
+    """The weights a text encoder or VAE pair brings to its device for its stage (none on the CPU, where they are
+    loaded)."""
+    if engine.device.type == "cpu":
+        return 0
+    sizes = engine.part_sizes()
+    return sizes.encoder if kind == "te" else sizes.vaes
+
+
+def _room_for_encode(
+    registry: EngineRegistry, host: Host, conditioner: TextConditioner, vaes: Any, geometry: Geometry, pictures: int
+) -> None:
+    """Ask the host for the encode stage's bytes on the text encoder's device: its weights, its transient for the
+    memory plan's planned text rows and this request's pictures' vision patches, and the VAE's weights when it
+    encodes keyframes or references (`vaes`, the VAE encode's own transient is within the plan's margin)."""
+    processor = conditioner.image_processor
+    patches = pictures * (geometry.height // processor.patch_size) * (geometry.width // processor.patch_size)
+    need = _brought_bytes("te", conditioner) + conditioner.encode_bytes(
+        PLANNED_TEXT_ROWS + patches // processor.merge_size**2, patches
+    )
+    if isinstance(vaes, MediaVAEs) and vaes.device == conditioner.device:
+        need += _brought_bytes("vae", vaes)
+    host.make_room({conditioner.device: need + MARGIN_BYTES}, registry.held("te", "vae"))
+
+
+def _packed_rows(config: H3Config, cond: EncodedRequest, geometry: Geometry) -> int:
+    """The packed rows of one evaluation of this request: the text, the clip's audio and video latents, and each
+    keyframe's and reference's latents and audio rows."""
+    _, ph, pw = config.patch_size
+    rows = request_rows(config, geometry, int(cond.prompt_embeds.shape[0]))
+    latents = [*cond.keyframe_latents, *(r.video_latents for r in cond.references if r.video_latents is not None)]
+    rows += sum(int(t.shape[2]) * (int(t.shape[3]) // ph) * (int(t.shape[4]) // pw) for t in latents)
+    return rows + sum(int(r.audio_rows.shape[0]) for r in cond.references if r.audio_rows is not None)
 
 
 def _memory_line(metadata: Mapping[str, Any]) -> str:
@@ -252,9 +295,13 @@ def sample(
     if profile is not None:
         profile.check_mode(cond.mode)
         profile.check_duration(geometry.num_frames / FPS)
-    host.free_memory()
     session = load_session(registry, host, model)
     handoff = cond.bundle(session.compiled.config, seed, geometry)
+    # This request's evaluation on every device of the session (its weights stay: the session is kept), so the host
+    # releases only what the sampling needs, never the session itself.
+    config = session.compiled.config
+    transient = denoise_bytes(config, _packed_rows(config, cond, geometry)) + MARGIN_BYTES
+    host.make_room({device: transient for device in session.devices}, registry.held("dit"))
     stopping = CallbackGuard()  # what the progress, interrupt or preview callbacks raised to stop the trajectory
 
     # With a previewer the preview callback draws each step's progress bar update (core's one per step, image and
@@ -307,6 +354,13 @@ def decode(
             f"the latent has {av.video.shape[1]} video / {av.audio.shape[1]} audio channels; these VAEs take "
             f"{vaes.latent_channels} / {vaes.audio_latent_channels} (a latent of another model family?)"
         )
+    if isinstance(vaes, MediaVAEs):
+        geometry = av.geometry
+        transient = decode_bytes(
+            vaes.video_vae, geometry.num_frames, geometry.height, geometry.width, vaes.video_decoder,
+            DEFAULT_WINDOWS_PER_CALL,
+        )
+        host.make_room({vaes.device: _brought_bytes("vae", vaes) + transient + MARGIN_BYTES}, registry.held("vae"))
     bar = host_progress(host)
     # ComfyUI's interrupt is polled before every block of the video decoder, so Cancel stops a long decode at once.
     media = decode_latents(
@@ -363,8 +417,7 @@ def generate(
 
 
 def unload(registry: EngineRegistry, host: Host, anything: Any, what: str) -> Any:
-    """VflashUnload: release engines, empty the host's caches, pass the input through."""
+    """VflashUnload: release engines (through the host's memory management), pass the input through."""
     released = registry.release(what)
-    host.free_memory()
     host.log("Vflash unload: " + (", ".join(released) if released else f"nothing of '{what}' was loaded"))
     return anything

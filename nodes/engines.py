@@ -4,9 +4,13 @@ Node outputs never hold an engine, only a frozen spec: a transformer's is its fi
 identity record) and how it runs (the pipeline's `RunOptions`); a text encoder's or VAE pair's is its model root and
 device (`ComponentSpec`). Operations `acquire` the engine of a spec from an `EngineRegistry` that the caller owns (the
 node pack keeps one for the process, `run-workflow` one per run), which loads it on first use or after it was
-released (by `VflashUnload`, `force_offload`, or a failure). That keeps ComfyUI's cached node outputs valid across
-unloads. Official weights are prepared and compiled for the profile on first use, checked against the files on every
-use (`compile_on_first_use`).
+released (by `VflashUnload`, `force_offload`, a failure, or the host: in ComfyUI each engine is an entry of core's
+model management, which may release it for `/free` or another model). That keeps ComfyUI's cached node outputs valid
+across unloads. Official weights are prepared and compiled for the profile on first use, checked against the files on
+every use (`compile_on_first_use`).
+
+Before a load the host is asked for the bytes the engine's memory plan needs on its device (`make_room`), so it
+releases its own models only as far as needed.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from typing import Any
 import torch
 
 from vflash_core.engine.artifact import CompiledArtifact
+from vflash_core.engine.denoise import denoise_bytes
+from vflash_core.engine.layout import largest_request_rows
 from vflash_core.engine.session import NativeEngineSession
 from vflash_core.errors import IdentityMismatchError, VflashError, check_choice
 from vflash_core.fileio import remove_folder
@@ -27,6 +33,7 @@ from vflash_core.formats import check_device, device_arch
 from vflash_core.media.conditioning import TextConditioner
 from vflash_core.media.references import CanvasRules
 from vflash_core.media.vae import MediaVAEs
+from vflash_core.memory_plan import MARGIN_BYTES, PartSizes, cap_bytes
 from vflash_core.pipeline.demo import default_cache_dir
 from vflash_core.pipeline.h3_pipeline import PreparedAssets
 from vflash_core.pipeline.options import RunOptions
@@ -35,7 +42,7 @@ from vflash_core.profiles import PROFILES, Profile, get_profile
 from vflash_core.weights import compiler
 from vflash_core.weights.checkpoint import SourceWeights
 
-from .interfaces import Folders, Host, HostStageProgress, host_progress
+from .interfaces import Folders, HeldEngine, Host, HostStageProgress, host_progress
 from .model_files import (
     DEMO,
     check_model_option,
@@ -58,6 +65,7 @@ __all__ = [
     "check_loader",
     "compile_on_first_use",
     "component_root",
+    "engine_device_bytes",
     "load_component_engine",
     "load_session",
     "present_devices",
@@ -129,13 +137,16 @@ class _Entry:
     key: tuple
     engine: Any
     label: str
+    held: HeldEngine  # the host's record of it
 
 
 class EngineRegistry:
-    """Loaded engines by kind ("dit", "te", "vae"); at most one per kind, keyed by its spec.
+    """Loaded engines by kind ("dit", "te", "vae"); at most one per kind, keyed by its spec, each held in the host's
+    memory management (`Host.hold`).
 
     Acquiring a spec whose key differs from the loaded engine of its kind closes that engine first (so two
-    transformers never hold device memory at once), then loads the new one. Closed or failed engines are replaced.
+    transformers never hold device memory at once), then loads the new one. Closed or failed engines are replaced; an
+    engine the host released (ComfyUI's `/free` or eviction) is forgotten, and loaded again when next acquired.
     """
 
     def __init__(self) -> None:
@@ -150,27 +161,77 @@ class EngineRegistry:
         entry = self._entries.get(kind)
         return None if entry is None else entry.engine
 
-    def acquire(self, kind: str, key: tuple, label: str, factory: Callable[[], Any]) -> Any:
+    def held(self, *kinds: str) -> list[HeldEngine]:
+        """The host's records of the loaded engines of `kinds` (what a stage keeps when it asks for room)."""
+        return [self._entries[k].held for k in kinds if k in self._entries]
+
+    def acquire(self, host: Host, kind: str, key: tuple, label: str, factory: Callable[[], Any], device: str) -> Any:
+        """The engine of `key`, loaded by `factory` (which asks the host for its room) if it is not, then held by the
+        host with the bytes it holds on `device` (`engine_device_bytes`)."""
         entry = self._entries.get(kind)
         if entry is not None and entry.key == key and not getattr(entry.engine, "closed", False):
             return entry.engine
         self.release(kind)
         engine = factory()
-        self._entries[kind] = _Entry(key, engine, label)
+        try:
+            held = host.hold(
+                kind, label, engine, engine_device_bytes(kind, engine), torch.device(device),
+                lambda: self._forget(kind, engine),
+            )
+        except BaseException:
+            engine.close()
+            raise
+        self._entries[kind] = _Entry(key, engine, label, held)
         return engine
 
+    def _forget(self, kind: str, engine: Any) -> None:
+        """The host released `engine` (or the registry did): drop its entry if it is still this engine's."""
+        entry = self._entries.get(kind)
+        if entry is not None and entry.engine is engine:
+            del self._entries[kind]
+
     def release(self, kind: str = "all") -> list[str]:
-        """Close the engines of `kind` ("all", "dit", "te" or "vae"); returns what was released."""
+        """Close the engines of `kind` ("all", "dit", "te" or "vae") through the host; returns what was released."""
         check_choice("unload target", kind, UNLOAD_TARGETS)
         released = []
         for k in list(self._entries) if kind == "all" else [kind]:
             entry = self._entries.pop(k, None)
             if entry is not None:
-                entry.engine.close()
+                entry.held.release()
                 released.append(f"{KIND_LABEL[k]} {entry.label}")
         if released and torch.cuda.is_available():
             torch.cuda.empty_cache()
         return released
+
+
+def _core_device_bytes(sizes: PartSizes, residency: str) -> int:
+    """The transformer's weights on its device: every block (resident) or two ring slots (block-ring), with the
+    auxiliary tensors."""
+    blocks = sizes.core_blocks if residency == "resident" else 2 * sizes.core_block
+    return blocks + sizes.core_auxiliary
+
+
+def engine_device_bytes(kind: str, engine: Any) -> int:
+    """Bytes a loaded engine holds on its device between requests: the transformer's weights as its memory plan
+    placed them; the text encoder's and the VAEs' weights where their device is the CPU (elsewhere they sit in host
+    memory between their stages, on the device only for their own, which asks for its room then)."""
+    if kind == "dit":
+        return _core_device_bytes(engine.compiled.part_sizes(), engine.weight_residency)
+    if engine.device.type != "cpu":
+        return 0
+    sizes = engine.part_sizes()
+    return sizes.encoder if kind == "te" else sizes.vaes
+
+
+def _session_load_need(compiled: CompiledArtifact, profile: Profile, options: RunOptions) -> int:
+    """The device bytes the transformer's memory plan needs for its preferred placement (resident unless block-ring
+    was asked for): its weights, one evaluation of the profile's largest request, the plan's margin; within a user
+    cap. Where less is free after the host released what it could, the plan falls back to block-ring itself."""
+    residency = "block-ring" if options.weight_residency == "block-ring" else "resident"
+    largest = denoise_bytes(compiled.config, largest_request_rows(profile, compiled.config))
+    need = _core_device_bytes(compiled.part_sizes(), residency) + largest + MARGIN_BYTES
+    cap = cap_bytes(options.max_device_memory)
+    return need if cap is None else min(need, cap)
 
 
 # -- devices and profiles ----------------------------------------------------------------------------------------
@@ -368,14 +429,19 @@ def compile_on_first_use(host: Host, files: TransformerFiles, profile: Profile, 
 
 
 def load_session(registry: EngineRegistry, host: Host, spec: TransformerSpec) -> NativeEngineSession:
-    """The spec's session from the registry, loaded now if it is not (the host's models freed first). The session
-    makes the pipeline's memory plan for the core on a GPU (`memory_plan.plan_memory`) from the run options."""
+    """The spec's session from the registry, loaded now if it is not (after the host made the room its memory plan
+    needs on each device, `_session_load_need`). The session makes the pipeline's memory plan for the core on a GPU
+    (`memory_plan.plan_memory`) from the run options and the memory free then."""
     options = spec.options
 
     def factory() -> NativeEngineSession:
-        host.free_memory()
+        profile, *paths = resolve_model(host, spec)
+        need = _session_load_need(CompiledArtifact(*paths), profile, options)
+        devices = [options.device] if options.peer_device is None else [options.device, options.peer_device]
+        host.make_room({torch.device(d): need for d in devices})
         return NativeEngineSession(
-            *resolve_model(host, spec),
+            profile,
+            *paths,
             device=options.device,
             peer_device=options.peer_device,
             strategy=options.strategy,
@@ -385,7 +451,7 @@ def load_session(registry: EngineRegistry, host: Host, spec: TransformerSpec) ->
             on_load_progress=host_progress(host),
         )
 
-    return registry.acquire("dit", spec.key(), spec.files.source, factory)
+    return registry.acquire(host, "dit", spec.key(), spec.files.source, factory, str(options.device))
 
 
 def component_root(host: Host, spec: ComponentSpec) -> Path:
@@ -412,9 +478,10 @@ def load_component_engine(registry: EngineRegistry, host: Host, spec: ComponentS
     """The spec's text conditioner or VAE pair from the registry, loaded now if it is not."""
 
     def factory() -> TextConditioner | MediaVAEs:
-        host.free_memory()
+        # Loaded into host memory (the device's when it is the CPU): the stage that moves it to the device asks for
+        # its room then (`actions`).
         return (TextConditioner if spec.kind == "te" else MediaVAEs).from_pretrained(
             component_root(host, spec), spec.device
         )
 
-    return registry.acquire(spec.kind, spec.key(), spec.source, factory)
+    return registry.acquire(host, spec.kind, spec.key(), spec.source, factory, spec.device)

@@ -3,9 +3,10 @@
 `ComfyHost` implements `interfaces.Host` with ComfyUI's own hooks only (no patching): progress goes to
 `comfy.utils.ProgressBar` (whose server hook also raises on interrupt), live previews through core's `latent_preview`
 previewers for core's MiniMax-H3 video latent format, interrupts are polled with
-`throw_exception_if_processing_interrupted()`, memory is freed with `unload_all_models()` + `soft_empty_cache()`, the
-device is `get_torch_device()` read at call time (ComfyUI-MultiGPU patches it), videos are core
-`VideoFromComponents`. `ComfyFolders` (`interfaces.Folders`) lists and resolves model files through `folder_paths`. In `vflash
+`throw_exception_if_processing_interrupted()`, the engines are entries of core's model management
+(`comfy_memory`: core's Unload, `/free` and its eviction release them, and Vflash asks `free_memory` for the bytes its
+next load or stage needs instead of unloading everything), the device is `get_torch_device()` read at call time
+(ComfyUI-MultiGPU patches it), videos are core `VideoFromComponents`. `ComfyFolders` (`interfaces.Folders`) lists and resolves model files through `folder_paths`. In `vflash
 run-workflow` the same classes run over the headless host's modules of those names (`headless/`).
 """
 
@@ -13,8 +14,9 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from fractions import Fraction
+from typing import Any
 
 import comfy.model_management as mm
 import comfy.nested_tensor
@@ -28,6 +30,7 @@ logger = logging.getLogger("vflash")
 #: Latent frames shown side by side in a live preview: enough to show the motion, still a small image.
 PREVIEW_FRAMES = 4
 _missing_preview_logged: list[str] = []  # each reason previews are off, logged once per process
+_memory_logged: list[bool] = []  # the memory management the engines are held in, logged once per process
 
 
 def preview_strip(video: torch.Tensor, frames: int = PREVIEW_FRAMES) -> torch.Tensor:
@@ -88,9 +91,39 @@ class ComfyHost:
 
         return show
 
-    def free_memory(self) -> None:
-        mm.unload_all_models()
-        mm.soft_empty_cache()
+    def _memory(self):
+        """`comfy_memory` where this ComfyUI's model management holds models (`current_loaded_models`), else None
+        (the headless host has no models of its own: the pack's registry alone holds its engines there)."""
+        if not hasattr(mm, "current_loaded_models"):
+            return None
+        from . import comfy_memory
+
+        return comfy_memory
+
+    def hold(
+        self, kind: str, label: str, engine: Any, device_bytes: int, device: torch.device, on_release: Callable[[], None]
+    ) -> _Held | _CoreHeld:
+        memory = self._memory()
+        if not _memory_logged:
+            _memory_logged.append(True)
+            logger.info(
+                "Vflash: engines are entries of ComfyUI's model management (Unload, /free and core's eviction close "
+                "them; Vflash asks free_memory for the bytes of each load and stage)"
+                if memory is not None
+                else "Vflash: this host has no model management of its own; the node pack's registry holds the engines"
+            )
+        if memory is None:
+            return _Held(engine, on_release)
+        patcher = memory.EnginePatcher(kind, label, engine, device_bytes, torch.device(device), on_release)
+        memory.register(patcher)
+        return _CoreHeld(memory, patcher)
+
+    def make_room(self, needs: Mapping[torch.device, int], keep: Sequence[Any] = ()) -> None:
+        memory = self._memory()
+        if memory is None:  # nothing of the host's to release: hand this process's cached blocks back to the driver
+            mm.soft_empty_cache()
+            return
+        memory.make_room({torch.device(d): n for d, n in needs.items()}, [h.patcher for h in keep if isinstance(h, _CoreHeld)])
 
     def default_device(self) -> str:
         return str(mm.get_torch_device())
@@ -100,6 +133,33 @@ class ComfyHost:
 
     def log(self, line: str) -> None:
         logger.info(line)
+
+
+class _Held:
+    """An engine held by the pack alone (a host without model management): releasing closes it."""
+
+    def __init__(self, engine: Any, on_release: Callable[[], None]):
+        self.engine: Any = engine
+        self.on_release: Callable[[], None] | None = on_release
+
+    def release(self) -> None:
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            engine.close()
+        callback, self.on_release = self.on_release, None
+        if callback is not None:
+            callback()
+
+
+class _CoreHeld:
+    """An engine held as an entry of core's model management (`comfy_memory.EnginePatcher`)."""
+
+    def __init__(self, memory: Any, patcher: Any):
+        self.memory = memory
+        self.patcher = patcher
+
+    def release(self) -> None:
+        self.memory.unregister(self.patcher)
 
 
 class ComfyFolders:

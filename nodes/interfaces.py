@@ -1,23 +1,33 @@
 """What the node operations need of their host, as two small interfaces, and the host's progress bars as the core's
 progress callbacks.
 
-* `Host`: progress bars, the interrupt check, live previews, freeing the host's own models, the default device, the
-  host's `NestedTensor` class and VIDEO type, its log (`host.ComfyHost` in ComfyUI and over the headless host);
+* `Host`: progress bars, the interrupt check, live previews, the host's memory management (each loaded engine held
+  in it, `HeldEngine`, and room asked of it in bytes per device), the default device, the host's `NestedTensor` class
+  and VIDEO type, its log (`host.ComfyHost` in ComfyUI and over the headless host);
 * `Folders`: listing and resolving model files (ComfyUI's `folder_paths`, or the headless host's; `host.ComfyFolders`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
 
-__all__ = ["Folders", "Host", "HostStageProgress", "ProgressSink", "host_progress"]
+__all__ = ["Folders", "HeldEngine", "Host", "HostStageProgress", "ProgressSink", "host_progress"]
 
 
 class ProgressSink(Protocol):  # comfy.utils.ProgressBar
     def update_absolute(self, value: int, total: int | None = None) -> None: ...
+
+
+class HeldEngine(Protocol):
+    """The host's record of one loaded engine (in ComfyUI, its entry in core's model management). The host may
+    release the engine itself (an unload, `/free`, eviction for another model): it closes it and calls the
+    `on_release` it was held with."""
+
+    def release(self) -> None:
+        """Close the engine and drop the host's record (calls `on_release`); idempotent."""
 
 
 class Host(Protocol):
@@ -31,7 +41,16 @@ class Host(Protocol):
         self, total: int, device: torch.device, channels: int
     ) -> Callable[[int, int, torch.Tensor], None] | None: ...
 
-    def free_memory(self) -> None: ...
+    def hold(
+        self, kind: str, label: str, engine: Any, device_bytes: int, device: torch.device,
+        on_release: Callable[[], None],
+    ) -> HeldEngine:
+        """Enter a loaded engine ("dit", "te" or "vae"; `label` its option name) holding `device_bytes` on `device`
+        in the host's memory management."""
+
+    def make_room(self, needs: Mapping[torch.device, int], keep: Sequence[HeldEngine] = ()) -> None:
+        """Have `needs[device]` bytes free on each device for the next load or stage, releasing the host's models
+        (and engines it holds) only as far as needed, never those in `keep`."""
 
     def default_device(self) -> str: ...
 

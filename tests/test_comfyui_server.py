@@ -34,6 +34,7 @@ SMALL = {"4": {"width": 128, "height": 128}}  # the chain on a small canvas; t2v
 
 PROBE = REPO / "tests" / "comfy_core_probe"
 SMALL_DIT = "h3_small_av.safetensors"
+CORE_VIDEO_VAE = "SmallVideoVAE"  # core's H3 video VAE class at the small family's dimensions (comfy_core_probe/small_core.py)
 
 
 def write_small_family(root: Path, models: Path) -> None:
@@ -67,6 +68,8 @@ class Server:
         (work / "nodes" / "vflash").symlink_to(REPO)
         # Test-only: core's H3 classes at the small family's dimensions (see tests/comfy_core_probe/small_core.py).
         (work / "nodes" / "vflash_test_small_core").symlink_to(PROBE / "small_core_node")
+        # Test-only: what ComfyUI's model management and the pack hold, read in the server (GET /vflash_test/memory).
+        (work / "nodes" / "vflash_test_memory_probe").symlink_to(REPO / "tests" / "comfy_standins" / "server_memory_probe")
         for d in ("models/vflash", "models/diffusion_models", "input", "out"):
             (work / d).mkdir(parents=True, exist_ok=True)
         for image in (REPO / "workflows" / "inputs").glob("*.png"):
@@ -553,6 +556,91 @@ def test_live_previews_over_the_websocket_one_per_evaluation(server, graph):
     off = asyncio.run(server.run_prompt(workflow(), extra_data={"preview_method": "none"}))
     assert off["status"] == "success" and off["previews"] == []
     assert [e["data"]["value"] for e in off["events"] if e["type"] == "progress" and e["data"].get("node") == "5" and e["data"]["max"] == 4][-1] == 4
+
+
+# -- ComfyUI's memory management ------------------------------------------------------------------------------------
+
+
+def _memory(server) -> dict:
+    """The probe's reading (`comfy_standins/server_memory_probe`): core's entries now, the snapshots taken during runs,
+    the pack's registry and every engine it has seen."""
+    import urllib.request
+
+    with urllib.request.urlopen(server.url + "/vflash_test/memory") as r:
+        return json.loads(r.read())
+
+
+def _free(server, flags: dict, timeout: float = 60.0) -> dict:
+    """`POST /free` with `flags`; the reading once the pack's registry is empty. The prompt worker applies the flags
+    when it wakes between prompts; a request that lands after a prompt's last message but before the worker waits
+    again only sets them (its wake-up is lost), so the request is repeated every 2 s until they are applied."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        request = urllib.request.Request(server.url + "/free", data=json.dumps(flags).encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request) as r:
+            assert r.status == 200
+        for _ in range(10):
+            memory = _memory(server)
+            if not memory["vflash"]:
+                return memory
+            time.sleep(0.2)
+    raise TimeoutError(f"/free {flags} left {memory['vflash']} loaded:\n{server.tail()}")
+
+
+def _vflash_entries(entries: list[dict]) -> dict[str, dict]:
+    return {e["vflash_kind"]: e for e in entries if e["patcher"] == "EnginePatcher"}
+
+
+def test_free_releases_the_vflash_engines_and_the_next_run_loads_them_again(server, tmp_path):
+    """The demo chain's engines (Vflash's transformer, VAEs and, until its force_offload, text encoder) are entries of
+    ComfyUI's model management: after a run core lists exactly the engines the pack's registry holds, on the server's
+    device with their bytes. `POST /free` with `unload_models`, then with `free_memory` alone, closes every one of them
+    and empties the registry, leaving no Vflash entry in core's list; each time the next run loads them again (new
+    engines) and succeeds."""
+    result = asyncio.run(server.run_prompt(_workflow("t2va", SMALL, seed=61)))
+    assert result["status"] == "success", f"{result}\n{server.tail()}"
+    memory = _memory(server)
+    entries = _vflash_entries(memory["now"])
+    assert {"dit", "vae"} <= set(memory["vflash"]) and set(entries) == set(memory["vflash"]), memory
+    assert entries["dit"]["model"] == "VflashTransformer" and entries["vae"]["model"] == "VflashVAEs"
+    assert all(e["device"] == "cpu" and e["loaded_bytes"] > 0 for e in entries.values()), entries
+    held = {e["id"] for e in memory["engines"] if not e["closed"]}
+    for seed, flags in ((62, {"unload_models": True}), (63, {"free_memory": True})):
+        memory = _free(server, flags)
+        assert not _vflash_entries(memory["now"]), memory["now"]
+        assert all(e["closed"] for e in memory["engines"] if e["id"] in held), memory["engines"]
+        again = asyncio.run(server.run_prompt(_workflow("t2va", SMALL, seed=seed)))
+        assert again["status"] == "success", f"{again}\n{server.tail()}"
+        assert len(server.history_files(again["prompt_id"], tmp_path)) == 1
+        memory = _memory(server)
+        reloaded = {e["id"] for e in memory["engines"] if not e["closed"]}
+        assert "dit" in memory["vflash"] and reloaded and not reloaded & held, memory
+        assert set(_vflash_entries(memory["now"])) == set(memory["vflash"])
+        held = reloaded
+
+
+def test_a_core_vae_stays_loaded_through_the_vflash_sampler(server, tmp_path):
+    """i2va with core's CLIP and VAEs: core's video VAE encodes the first frame, which makes it an entry of core's
+    model management; the Vflash sampler then loads its transformer and samples, asking core only for the bytes it
+    needs (there is room on this machine). Read between the sampler and the decode, core still holds its VAE beside the
+    Vflash transformer (the pack used to unload every model before loading and before sampling), and the run ends in
+    an MP4."""
+    workflow = _small_core_workflow(71)
+    workflow["8"] = {"class_type": "LoadImage", "inputs": {"image": "vflash_first_frame.png"}}
+    workflow["4"]["inputs"].update(first_frame=["8", 0], prompt="<Picture 1> comes alive: the square spins, a bell rings.")
+    workflow["13"] = {"class_type": "VflashTestMemorySnapshot", "inputs": {"latent": ["5", 0]}}
+    workflow["6"]["inputs"]["latent"] = ["13", 0]
+    workflow["7"]["inputs"]["filename_prefix"] = "video/core_vae_kept"
+    taken = len(_memory(server)["snapshots"])
+    result = asyncio.run(server.run_prompt(workflow))
+    assert result["status"] == "success", f"{result}\n{server.tail()}"
+    assert len(server.history_files(result["prompt_id"], tmp_path)) == 1
+    (snapshot,) = _memory(server)["snapshots"][taken:]
+    core = [e for e in snapshot if e["patcher"] != "EnginePatcher"]
+    assert any(e["model"] == CORE_VIDEO_VAE and e["loaded_bytes"] > 0 for e in core), json.dumps(snapshot)
+    assert "dit" in _vflash_entries(snapshot), snapshot
 
 
 def test_cancel_during_decode_within_1_5_s_then_next_run_succeeds(server, tmp_path):

@@ -182,7 +182,9 @@ def test_official_single_file_compiles_on_first_use(pack, comfy, model_files):
     spec = loader.execute(**kwargs).args[0]
     assert Path(spec.files.compile_dir, "artifact", "manifest.json").is_file()
     layers = H3Config.preset("tiny").num_layers
-    assert all((block, layers) in updates for block in range(1, layers + 1)) and mm.calls["unload_all_models"] >= 1  # a step per block
+    assert all((block, layers) in updates for block in range(1, layers + 1))  # a step per block
+    # Room is asked of the host in bytes (the headless host has no models: only its cache is emptied); never everything
+    assert mm.calls["soft_empty_cache"] >= 1 and mm.calls["unload_all_models"] == 0
     registry = pack.package.registry.ENGINES
     assert registry.loaded()["dit"] == "diffusion_models/h3_tiny.safetensors"
     with pytest.raises(VflashError, match="choose the profile"):
@@ -267,9 +269,10 @@ def test_t2va_chain_to_mp4(pack, comfy):
     # the sampler's LATENT is core's nested H3 AV layout
     latent = report.outputs["5"][0]["samples"]
     assert latent.is_nested and latent.tensors[0].shape[:3] == (1, 8, 37) and latent.tensors[1].shape == (1, 8, 2, 207)
-    # progress every evaluation (4 for the demo profile) and memory cooperation before loading and sampling
+    # progress every evaluation (4 for the demo profile); room asked of the host before loading, encoding, sampling
+    # and decoding (the headless host has no models of its own: its cache is emptied), never an unload of everything
     assert [u for u in updates if u[1] == 4] == [(1, 4), (2, 4), (3, 4), (4, 4)]
-    assert mm.calls["unload_all_models"] >= 2 and mm.calls["soft_empty_cache"] >= 2 and mm.calls["get_torch_device"] >= 1
+    assert mm.calls["unload_all_models"] == 0 and mm.calls["soft_empty_cache"] >= 4 and mm.calls["get_torch_device"] >= 1
 
 
 def test_core_empty_latent_and_create_video(pack, comfy):
