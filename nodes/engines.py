@@ -205,8 +205,8 @@ class EngineRegistry:
 
 
 def _core_device_bytes(sizes: PartSizes, residency: str) -> int:
-    """The transformer's weights on its device: every block (resident) or two ring slots (block-ring), with the
-    auxiliary tensors."""
+    """The transformer's weights on its device: every block (resident) or two ring slots (block-ring, disk-ring),
+    with the auxiliary tensors."""
     blocks = sizes.core_blocks if residency == "resident" else 2 * sizes.core_block
     return blocks + sizes.core_auxiliary
 
@@ -227,7 +227,7 @@ def _session_load_need(compiled: CompiledArtifact, profile: Profile, options: Ru
     """The device bytes the transformer's memory plan needs for its preferred placement (resident unless block-ring
     was asked for): its weights, one evaluation of the profile's largest request, the plan's margin; within a user
     cap. Where less is free after the host released what it could, the plan falls back to block-ring itself."""
-    residency = "block-ring" if options.weight_residency == "block-ring" else "resident"
+    residency = options.weight_residency if options.weight_residency in ("block-ring", "disk-ring") else "resident"
     largest = denoise_bytes(compiled.config, largest_request_rows(profile, compiled.config))
     need = _core_device_bytes(compiled.part_sizes(), residency) + largest + MARGIN_BYTES
     cap = cap_bytes(options.max_device_memory)
@@ -287,10 +287,12 @@ def check_loader(
     peer_device: str,
     strategy: str,
     attention_backend: str,
+    max_host_memory: float = 0.0,
 ) -> tuple[str, RunOptions]:
     """Every check of the model loader that needs no model work: the profile, the model option, the run options
-    (`RunOptions`: residency, strategy, attention) and the devices' existence and architecture vs the profile.
-    `strategy` counts only with a peer device. Returns (resolved path, run options with the devices resolved)."""
+    (`RunOptions`: residency, strategy, attention, the host budget, 0 for none) and the devices' existence and
+    architecture vs the profile. `strategy` counts only with a peer device. Returns (resolved path, run options with
+    the devices resolved)."""
     if profile != "auto":
         get_profile(profile)  # an unknown profile is refused before the model option is resolved
     path = check_model_option(folders, model)
@@ -312,6 +314,11 @@ def check_loader(
     if device == "auto" and chosen.arch == "cpu":
         device = "cpu"  # a CPU-compiled profile (the embedded demo's) runs on the CPU whatever the host's device
     resolved = resolve_device(host, device)
+    if max_host_memory and resolved == "cpu":
+        raise VflashError(
+            "max_host_memory budgets what a GPU's weights keep in host memory; on the CPU every weight is host "
+            "memory: set it to 0"
+        )
     peer = None if peer_device in (None, "", "none") else resolve_device(host, peer_device)
     if peer is not None and peer == resolved:
         raise VflashError(f"peer_device {peer} is the loader's device; choose another GPU or 'none'")
@@ -321,6 +328,7 @@ def check_loader(
         strategy=strategy if peer else None,
         attention_backend=attention_backend,
         weight_residency=weight_residency,
+        max_host_memory=max_host_memory or None,
     )
     _check_run_devices(options, chosen)
     return path, options
@@ -337,10 +345,12 @@ def transformer_spec(
     strategy: str,
     attention_backend: str,
     lora: tuple[LoraRef, ...] | None = None,
+    max_host_memory: float = 0.0,
 ) -> TransformerSpec:
     """Validate the loader's widgets into a spec (cheap; loads nothing, writes nothing)."""
     path, options = check_loader(
-        host, folders, model, profile, weight_residency, device, peer_device, strategy, attention_backend
+        host, folders, model, profile, weight_residency, device, peer_device, strategy, attention_backend,
+        max_host_memory,
     )
     loras = tuple(lora or ())
     compile_dir = ""
@@ -448,6 +458,7 @@ def load_session(registry: EngineRegistry, host: Host, spec: TransformerSpec) ->
             weight_residency=options.weight_residency,
             attention_backend=options.attention_backend,
             max_device_memory=options.max_device_memory,
+            max_host_memory=options.max_host_memory,
             on_load_progress=host_progress(host),
         )
 

@@ -61,7 +61,10 @@ def loader_refusals(prompt: Mapping[str, Mapping[str, Any]] | None, host: Host, 
         widgets = node.get("inputs", {})
         if not all(isinstance(widgets.get(name), str) for name in LOADER_WIDGETS):
             continue  # a linked widget: the loader checks its value when it runs
-        reason = refusal(check_loader, host, folders, *(widgets[name] for name in LOADER_WIDGETS))
+        budget = widgets.get("max_host_memory", 0.0)
+        if not isinstance(budget, (int, float)):
+            continue  # linked: checked when the loader runs
+        reason = refusal(check_loader, host, folders, *(widgets[name] for name in LOADER_WIDGETS), budget)
         if reason is not True:
             out.append(f"node {nid} (VflashModelLoader): {reason}")
     return out

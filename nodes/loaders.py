@@ -28,7 +28,9 @@ _MODEL_TOOLTIP = (
     "diffusers-layout H3 folders and 'diffusion_models/...' single-file H3 transformers: both are prepared and "
     "compiled for the profile on first use (progress bar), then cached next to them. Comfy-Org files: bf16 as is; "
     "fp8_scaled dequantized to BF16 at compile time (exact for those weights); *_pruned_* (adaln_t_table) only with a "
-    "-pruned profile (approximate AdaLN); int8_convrot and other quantized formats are refused."
+    "-pruned profile (approximate AdaLN); int8_convrot dequantized to BF16 at compile time (exact for those weights; "
+    "core's own int8 GEMMs are approximate); .gguf files in models/unet or models/diffusion_models (needs the gguf "
+    "package) dequantized as ComfyUI-GGUF does; nvfp4, mxfp8 and other quantized formats are refused."
 )
 
 
@@ -58,8 +60,11 @@ class VflashModelLoader(io.ComfyNode):
                 io.Combo.Input(
                     "weight_residency", options=list(WEIGHT_RESIDENCIES), default="auto",
                     tooltip="Where the transformer blocks live. resident: all on the device. block-ring: in pinned host "
-                    "memory, streamed through two device slots (for GPUs that cannot hold the model). auto: resident if "
-                    "it fits, else block-ring. Bits are identical either way.",
+                    "memory, streamed through two device slots (for GPUs that cannot hold the model). disk-ring: read "
+                    "from their compiled files on every pass into a few pinned buffers, for machines whose RAM cannot "
+                    "hold them (one GPU; as fast as block-ring where the GPU's compute hides the reads). auto: resident "
+                    "if it fits, else block-ring, or disk-ring where max_host_memory asks for it. Bits are identical "
+                    "either way.",
                 ),
                 io.Combo.Input("device", options=present_devices(), default="auto", tooltip=DEVICE_TOOLTIP),
                 io.Combo.Input(
@@ -75,6 +80,13 @@ class VflashModelLoader(io.ComfyNode):
                     "attention_backend", options=list(BACKENDS), default="auto",
                     tooltip="Attention kernel, pinned per call (ComfyUI's own SDPA priority is not inherited). An "
                     "unavailable explicit choice is an error; auto picks the exact default for the device.",
+                ),
+                io.Float.Input(
+                    "max_host_memory", default=0.0, min=0.0, max=4096.0, step=1.0, optional=True,
+                    tooltip="GiB of host memory (RAM) the transformer's weights may hold, with a 4 GiB margin for the "
+                    "process; 0: no budget. Where the blocks' pinned copy (~37 GiB at full size) does not fit, they "
+                    "stream from their compiled files (disk-ring, ~2.2 GiB). A budget nothing fits is refused with the "
+                    "numbers.",
                 ),
                 VflashLora.Input("lora", optional=True, tooltip="LoRA chain from Vflash LoRA Select; it is compiled into the weights and must match the profile's adapter."),
             ],
@@ -94,9 +106,15 @@ class VflashModelLoader(io.ComfyNode):
         return (model, model_identity(FOLDERS, model), tuple(sorted(kwargs.items())))
 
     @classmethod
-    def execute(cls, model, profile, weight_residency, device, peer_device, strategy, attention_backend, lora=None):
+    def execute(
+        cls, model, profile, weight_residency, device, peer_device, strategy, attention_backend, lora=None,
+        max_host_memory=0.0,
+    ):
         check_graph(getattr(cls.hidden, "prompt", None), HOST, FOLDERS)  # the loaders' widgets, profile vs the graph's requests
-        spec = actions.load_model(ENGINES, HOST, FOLDERS, model, profile, weight_residency, device, peer_device, strategy, attention_backend, lora)
+        spec = actions.load_model(
+            ENGINES, HOST, FOLDERS, model, profile, weight_residency, device, peer_device, strategy, attention_backend,
+            lora, max_host_memory,
+        )
         return io.NodeOutput(spec)
 
 

@@ -169,3 +169,19 @@ def test_a_canvas_the_model_refuses_is_refused_before_any_model_work(pack, wide_
     with pytest.raises(RequestError) as refused:
         pack.nodes["VflashGenerate"].execute(model=model, te=te, vae=vae, seed=0, **generate)
     assert str(refused.value) == refusal and "te" not in registry.loaded()  # refused before the text encoder loaded
+
+
+def test_the_model_loader_takes_a_host_budget(pack):
+    """The loader's optional max_host_memory reaches the run options (`engines.check_loader`): 0 is no budget; on the
+    CPU, where every weight is host memory, a budget is refused before anything loads, from the graph check."""
+    from vflash_nodes import engines
+    from vflash_nodes.host import FOLDERS, HOST
+
+    loader = ("embedded-demo", "auto", "auto", "cpu", "none", "sequence-head", "auto")
+    assert engines.check_loader(HOST, FOLDERS, *loader)[1].max_host_memory is None
+    assert engines.check_loader(HOST, FOLDERS, *loader, 0.0)[1].max_host_memory is None
+    with pytest.raises(VflashError, match="on the CPU every weight is host memory: set it to 0"):
+        engines.check_loader(HOST, FOLDERS, *loader, 32.0)
+    workflow = apply_overrides(load_api_workflow(API / "t2va.json"), ["1.max_host_memory=32"])
+    with pytest.raises(VflashError, match=r"node 1 \(VflashModelLoader\): max_host_memory budgets what a GPU's weights"):
+        execute(workflow, pack.node_types(workflow))
