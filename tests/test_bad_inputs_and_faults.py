@@ -586,7 +586,8 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(h3_prepared, tiny_compiled, 
 def test_a_killed_runs_temporaries_are_removed_by_the_next_run_into_its_folder(h3_prepared, tmp_path, video_input, temporary):
     """A `vflash generate` SIGKILLed in its MP4 stage left its raw frames temporary, and a rerun into the same folder
     did not remove it (the atomic writers' temporaries were swept, that one was not). The streamed MP4's temporary
-    exists for the whole decode."""
+    exists for the whole decode. The killed run's 224x128 canvas keeps its MP4 stage long enough to be caught (about
+    a second on an idle machine, polled every 2 ms) at a quarter of the default canvas's work."""
     import os
     import signal
     import subprocess
@@ -598,7 +599,8 @@ def test_a_killed_runs_temporaries_are_removed_by_the_next_run_into_its_folder(h
     keep = out / ".notes.txt.partial"  # not a Vflash temporary (no writer in its name): never touched
     keep.write_text("mine")
     run = subprocess.Popen([sys.executable, "-m", "vflash_core.cli.main", "generate", "--prepared-assets", str(h3_prepared), "--prompt", "a kite",
-                            "--media-video-threads", "1", "--media-video-input", video_input, "--output", str(out / "first.mp4")],
+                            "--width", "224", "--height", "128", "--media-video-threads", "1", "--media-video-input", video_input,
+                            "--output", str(out / "first.mp4")],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 240
     while not list(out.glob(f".first.mp4.*.partial.{temporary}")):
