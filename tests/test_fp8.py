@@ -91,6 +91,16 @@ def with_special_rows(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+#: Rows of the interpreter cases with the small tile setting (`test_kernels.small_tile`: 4-row blocks): two row
+#: programs, the last with 3 of its 4 rows (S_CPU = 37 gave ten programs, the same paths at five times the work).
+#: The heuristic settings keep S_CPU rows.
+S_SMALL_TILE = 7
+
+
+def interpreter_rows(tile: str) -> int:
+    return S_SMALL_TILE if tile == "small" else S_CPU
+
+
 # -- CPU: the E4M3 rounding --------------------------------------------------------------------------------------
 
 
@@ -145,8 +155,8 @@ def test_quantize_rows_interpreter(op, monkeypatch, request, width, layout, dtyp
     """Rows of 520 take the heuristic's 256-column tiles (two whole, then one of 8 columns; the 1000 used before fit
     one masked 1024-wide tile) and 33 of the small setting's 16 columns, the last half masked."""
     configure(op, monkeypatch, tile)
-    g = generator(request)
-    x = randn((1, S_CPU, width), dtype, g, 3.0) if layout == "model" else strided((S_CPU, width), dtype, g, scale=3.0)
+    g, rows = generator(request), interpreter_rows(tile)
+    x = randn((1, rows, width), dtype, g, 3.0) if layout == "model" else strided((rows, width), dtype, g, scale=3.0)
     x = with_special_rows(x)
     assert_same_quantization(op.quantize_rows(x), x, f"quantize_rows {dtype} {width}")
 
@@ -157,7 +167,7 @@ def test_quantize_rows_interpreter(op, monkeypatch, request, width, layout, dtyp
 def test_swiglu_quantize_interpreter(op, monkeypatch, request, width, keep_value, tile):
     configure(op, monkeypatch, tile)
     g = generator(request)
-    p = with_special_rows(strided((S_CPU, 2 * width), torch.bfloat16, g, scale=3.0))  # packed rows with padding
+    p = with_special_rows(strided((interpreter_rows(tile), 2 * width), torch.bfloat16, g, scale=3.0))  # packed rows with padding
     got = op.swiglu_quantize(p, keep_value=keep_value)
     expected = reference.swiglu(p)
     assert_same_quantization(got, expected, f"swiglu_quantize F={width}")
@@ -174,11 +184,12 @@ def test_rms_norm_modulate_quantize_interpreter(op, monkeypatch, request, hidden
     """Against `fp8.quantize_rows` of the norm in the kernel's order (as test_rms_norm_modulate.py) + `modulate`."""
     configure(op, monkeypatch, tile)
     g = generator(request)
-    x = randn((1, S_CPU, hidden), torch.bfloat16, g, 3.0) if layout == "model" else strided((S_CPU, hidden), torch.bfloat16, g, scale=3.0)
+    rows = interpreter_rows(tile)
+    x = randn((1, rows, hidden), torch.bfloat16, g, 3.0) if layout == "model" else strided((rows, hidden), torch.bfloat16, g, scale=3.0)
     x = with_special_rows(x)
     weight = randn((hidden,), torch.bfloat16, g, 0.25) + 1
     table = strided((6, 6 * hidden), torch.bfloat16, g, scale=0.5)
-    idx = torch.randint(0, 6, (S_CPU,), generator=g, dtype=torch.int32 if layout == "strided" else torch.int64)
+    idx = torch.randint(0, 6, (rows,), generator=g, dtype=torch.int32 if layout == "strided" else torch.int64)
     expected = reference.modulate(op.norm_order_reference(x, weight, EPS), table, idx.long(), which)
     got = op.rms_norm_modulate_quantize(x, weight, EPS, table, idx, which, keep_value=layout == "model")
     assert_same_quantization(got, expected, f"rms_norm_modulate_quantize H={hidden} {which}")
@@ -190,13 +201,13 @@ def test_int64_variants_interpreter(op, monkeypatch, request):
     """The INDEX_64 variant of each quantizer (forced on small shapes) gives the int32 variant's bits."""
     configure(op, monkeypatch, "small", index_64=True)
     g = generator(request)
-    x = strided((S_CPU, 40), torch.bfloat16, g, scale=3.0)
+    x = strided((S_SMALL_TILE, 40), torch.bfloat16, g, scale=3.0)
     assert_same_quantization(op.quantize_rows(x), x, "quantize_rows int64")
-    p = strided((S_CPU, 96), torch.bfloat16, g, scale=3.0)
+    p = strided((S_SMALL_TILE, 96), torch.bfloat16, g, scale=3.0)
     assert_same_quantization(op.swiglu_quantize(p), reference.swiglu(p), "swiglu_quantize int64")
     weight, table = randn((1000,), torch.bfloat16, g, 0.25) + 1, strided((6, 6000), torch.bfloat16, g, scale=0.5)
-    xs = randn((1, S_CPU, 1000), torch.bfloat16, g, 3.0)
-    idx = torch.randint(0, 6, (S_CPU,), generator=g)
+    xs = randn((1, S_SMALL_TILE, 1000), torch.bfloat16, g, 3.0)
+    idx = torch.randint(0, 6, (S_SMALL_TILE,), generator=g)
     expected = reference.modulate(op.norm_order_reference(xs, weight, EPS), table, idx, "msa")
     assert_same_quantization(op.rms_norm_modulate_quantize(xs, weight, EPS, table, idx, "msa"), expected, "rms_norm_modulate_quantize int64")
 
