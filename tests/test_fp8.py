@@ -39,11 +39,13 @@ from test_kernels import (
     H_INTERPRETED,
     S_CPU,
     S_GPU,
+    S_SMALL_TILE,
     TILES,
     _table,
     assert_bitwise,
     configure,
     generator,
+    interpreter_rows,
     randn,
     strided,
 )
@@ -89,16 +91,6 @@ def with_special_rows(x: torch.Tensor) -> torch.Tensor:
     rows[1] = rows[1] * 1e-3
     rows[1, 0] = 50.0
     return x
-
-
-#: Rows of the interpreter cases with the small tile setting (`test_kernels.small_tile`: 4-row blocks): two row
-#: programs, the last with 3 of its 4 rows (S_CPU = 37 gave ten programs, the same paths at five times the work).
-#: The heuristic settings keep S_CPU rows.
-S_SMALL_TILE = 7
-
-
-def interpreter_rows(tile: str) -> int:
-    return S_SMALL_TILE if tile == "small" else S_CPU
 
 
 # -- CPU: the E4M3 rounding --------------------------------------------------------------------------------------
