@@ -20,13 +20,14 @@ from vflash_core.weights import synthetic
 from vflash_core.weights.compiler import compile_receipt, prepare
 
 # Two intra-op threads in one process; one per worker when xdist runs the tests in two (two cores in all either way:
-# more threads than cores make torch's OpenMP workers wait on each other). The processes the tests start (`vflash`
-# commands, the service's spawned workers, interpreter children) run while their test waits on them, so they take the
-# same share through the environment they inherit: without it each took torch's default of one thread per core, beside
-# the other worker's.
+# more threads than cores make torch's OpenMP workers wait on each other). Under xdist the processes the tests start
+# (`vflash` commands, the service's spawned workers, interpreter children) run while their test waits on them, so they
+# take the worker's share through the environment they inherit: without it each took torch's default of one thread per
+# core, beside the other worker's.
 TEST_THREADS = max(1, min(2, os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 torch.set_num_threads(TEST_THREADS)
-os.environ["OMP_NUM_THREADS"] = str(TEST_THREADS)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = str(TEST_THREADS)
 
 
 # -- files built once per test run ---------------------------------------------------------------------------------
