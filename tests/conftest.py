@@ -109,9 +109,9 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
 #: The test files that take longest on two cores, longest first (measured with `--durations`): the xdist workers take
 #: them first, so a run does not end with one worker on a long file while the other has nothing left.
 LONGEST_FILES = (
-    "test_service.py", "test_bad_inputs_and_faults.py", "test_fp8_profiles.py", "test_fp8.py", "test_fused_path.py",
-    "test_nodes_core_models.py", "test_nodes.py", "test_workflows.py", "test_relayout_kernels.py", "test_vae_decode.py",
-    "test_demo.py",
+    "test_service.py", "test_bad_inputs_and_faults.py", "test_fp8_profiles.py", "test_vae_decode_fused.py", "test_fp8.py",
+    "test_fused_path.py", "test_nodes_core_models.py", "test_nodes.py", "test_workflows.py", "test_static_checks.py",
+    "test_relayout_kernels.py", "test_vae_decode.py", "test_demo.py",
 )
 
 
