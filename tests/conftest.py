@@ -20,8 +20,14 @@ from vflash_core.weights import synthetic
 from vflash_core.weights.compiler import compile_receipt, prepare
 
 # Two intra-op threads in one process; one per worker when xdist runs the tests in two (two cores in all either way:
-# more threads than cores make torch's OpenMP workers wait on each other).
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+# more threads than cores make torch's OpenMP workers wait on each other). Under xdist the processes the tests start
+# (`vflash` commands, the service's spawned workers, interpreter children) run while their test waits on them, so they
+# take the worker's share through the environment they inherit: without it each took torch's default of one thread per
+# core, beside the other worker's.
+TEST_THREADS = max(1, min(2, os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+torch.set_num_threads(TEST_THREADS)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = str(TEST_THREADS)
 
 
 # -- files built once per test run ---------------------------------------------------------------------------------
@@ -103,8 +109,9 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
 #: The test files that take longest on two cores, longest first (measured with `--durations`): the xdist workers take
 #: them first, so a run does not end with one worker on a long file while the other has nothing left.
 LONGEST_FILES = (
-    "test_service.py", "test_bad_inputs_and_faults.py", "test_fp8.py", "test_vae_decode.py", "test_fp8_profiles.py",
-    "test_workflows.py", "test_pipeline_parity.py", "test_pipeline_generate.py", "test_nodes.py",
+    "test_service.py", "test_bad_inputs_and_faults.py", "test_fp8_profiles.py", "test_vae_decode_fused.py", "test_fp8.py",
+    "test_fused_path.py", "test_nodes_core_models.py", "test_nodes.py", "test_workflows.py", "test_static_checks.py",
+    "test_relayout_kernels.py", "test_vae_decode.py", "test_demo.py",
 )
 
 

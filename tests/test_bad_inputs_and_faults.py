@@ -493,25 +493,44 @@ def _mounts_allowed(folder: Path) -> bool:
 
 # Runs each [command, room] of argv[3] (JSON: a `vflash` argument list, "{disk}" standing for the folder, and the bytes
 # it may write) with the folder argv[1] full to within `room` (a tmpfs mounted there and a ballast file, or a file
-# size limit of `room`), then reports each run's exit status and stderr and what the folder holds, as JSON.
+# size limit of `room`), then reports each run's exit status, what it wrote to stderr (file descriptor 2, where its
+# logging and progress bars write too) and what the folder holds after it, as JSON. The runs call the command line's
+# `main` one after another in this one process: they share its imports, not their pipelines.
 _FULL_DISK_RUNS = """
-import json, os, resource, signal, subprocess, sys
+import json, os, resource, signal, sys, threading
+from vflash_core.cli.main import main
 folder, limit, commands = sys.argv[1], sys.argv[2] == "limit", json.loads(sys.argv[3])
 ballast = os.path.join(folder, "ballast")
+unlimited = resource.getrlimit(resource.RLIMIT_FSIZE)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead of killing the writer
 runs = []
 for argv, room in commands:
-    def child():
-        if limit:  # writes past `room` fail with EFBIG instead of killing the writer
-            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-            resource.setrlimit(resource.RLIMIT_FSIZE, (room, room))
     if not limit:
         open(ballast, "wb").close()
         free = os.statvfs(folder).f_bavail * os.statvfs(folder).f_frsize
         with open(ballast, "wb") as f:
             f.write(b"\\0" * max(0, free - room))
-    done = subprocess.run([sys.executable, "-m", "vflash_core.cli.main", *(a.replace("{disk}", folder) for a in argv)],
-                          capture_output=True, text=True, preexec_fn=child)
-    runs.append([done.returncode, done.stderr])
+    reader, writer = os.pipe()  # a pipe, which no file size limit applies to, read by a thread while the run writes
+    chunks = []
+    drain = threading.Thread(target=lambda: chunks.extend(iter(lambda: os.read(reader, 65536), b"")))
+    drain.start()
+    sys.stderr.flush()
+    saved = os.dup(2)
+    os.dup2(writer, 2)
+    os.close(writer)
+    if limit:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (room, unlimited[1]))
+    try:
+        status = main([a.replace("{disk}", folder) for a in argv])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, unlimited)
+        sys.stderr.flush()
+        os.dup2(saved, 2)  # the pipe's last writer closed: the thread reads to its end
+        os.close(saved)
+        drain.join()
+        os.close(reader)
+    stderr = b"".join(chunks).decode(errors="replace")
+    runs.append([status, stderr, sorted(name for name in os.listdir(folder) if name != "ballast")])
 if os.path.exists(ballast):
     os.unlink(ballast)
 print(json.dumps({"runs": runs, "left": sorted(os.listdir(folder))}))
@@ -520,10 +539,15 @@ print(json.dumps({"runs": runs, "left": sorted(os.listdir(folder))}))
 
 @pytest.mark.timeout(600)
 def test_a_full_disk_is_one_line_and_leaves_nothing(h3_prepared, tiny_compiled, tmp_path):
-    """`generate --output` into a full 4 MiB tmpfs: the first run died with SIGBUS (a memory-mapped temporary written
-    past the disk's end), the second printed OSError [Errno 28] with a traceback, and a `.vflash-frames.*.rgb.partial`
+    """`generate --output` into a full tmpfs: the first run died with SIGBUS (a memory-mapped temporary written past
+    the disk's end), the second printed OSError [Errno 28] with a traceback, and a `.vflash-frames.*.rgb.partial`
     temporary was left behind. Found by this issue's adversarial run: `denoise --output-latents` and the demo
-    family's build there were SafetensorError tracebacks (safetensors' writer reports the OS error as text)."""
+    family's build there were SafetensorError tracebacks (safetensors' writer reports the OS error as text).
+
+    Each of the MP4 writer's three video inputs (the streamed MP4, the raw frames file that was memory-mapped, the
+    per-frame pipe) meets the full disk once, on the smallest canvas (32x32: a 213 KB clip, 381 KB of raw frames)
+    with 64 KiB of room, and the folder is checked empty after every run (so a second run would start where the first
+    did: the two identical runs of the default clip into 4 MiB that this test made before checked nothing more)."""
     import subprocess
     import sys
 
@@ -532,11 +556,11 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(h3_prepared, tiny_compiled, 
     disk = tmp_path / "disk"
     disk.mkdir()
     bundle = _bundle().save(tmp_path / "bundle")
-    generate = ["generate", "--prepared-assets", str(h3_prepared), "--prompt", "a kite", "--output", "{disk}/clip.mp4"]
+    generate = ["generate", "--prepared-assets", str(h3_prepared), "--prompt", "a kite", "--width", "32", "--height", "32", "--output", "{disk}/clip.mp4"]
     denoise = ["denoise", "t2va-base4-exact-cpu", "--artifact", str(tiny_compiled["artifact"]), "--schedule-overlay", str(tiny_compiled["schedule_overlay"]),
                "--auxiliary-tensor", str(tiny_compiled["auxiliary"]), "--bundle", str(bundle), "--output-latents", "{disk}/latents.safetensors"]
-    commands = [((generate, 4 << 20), "clip.mp4"), ((generate, 4 << 20), "clip.mp4"), (([*generate, "--media-video-input", "pipe"], 4 << 20), "clip.mp4"),
-                ((denoise, 512), "latents.safetensors")]
+    commands = [(([*generate, "--media-video-input", video_input], 64 << 10), "clip.mp4") for video_input in ("stream", "file", "pipe")]
+    commands.append(((denoise, 512), "latents.safetensors"))
     script = tmp_path / "runs.py"
     script.write_text(_FULL_DISK_RUNS)
     argv = json.dumps([command for command, _ in commands])
@@ -548,11 +572,13 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(h3_prepared, tiny_compiled, 
         argv, full = [sys.executable, str(script), str(disk), "limit", argv], "File too large"
     done = subprocess.run(argv, capture_output=True, text=True, timeout=540)
     assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
-    for (status, stderr), (_, name) in zip(report["runs"], commands):
+    report = json.loads(done.stdout.splitlines()[-1])  # the runs' own output lines come before it
+    assert len(report["runs"]) == len(commands)
+    for (status, stderr, left), (_, name) in zip(report["runs"], commands):
         lines = [line for line in stderr.splitlines() if "error" in line.lower()]  # beside them: log lines and progress bars
         assert status == 1 and "Traceback" not in stderr, stderr
         assert len(lines) == 1 and re.fullmatch(rf"vflash: error: writing {re.escape(str(disk / name))} failed: {full} \(\d+\.\d [MG]iB free in {re.escape(str(disk))}\)", lines[0]), lines
+        assert left == [], (name, left)
     assert report["left"] == []
 
 
@@ -560,7 +586,8 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(h3_prepared, tiny_compiled, 
 def test_a_killed_runs_temporaries_are_removed_by_the_next_run_into_its_folder(h3_prepared, tmp_path, video_input, temporary):
     """A `vflash generate` SIGKILLed in its MP4 stage left its raw frames temporary, and a rerun into the same folder
     did not remove it (the atomic writers' temporaries were swept, that one was not). The streamed MP4's temporary
-    exists for the whole decode."""
+    exists for the whole decode. The killed run's 224x128 canvas keeps its MP4 stage long enough to be caught (about
+    a second on an idle machine, polled every 2 ms) at a quarter of the default canvas's work."""
     import os
     import signal
     import subprocess
@@ -572,7 +599,8 @@ def test_a_killed_runs_temporaries_are_removed_by_the_next_run_into_its_folder(h
     keep = out / ".notes.txt.partial"  # not a Vflash temporary (no writer in its name): never touched
     keep.write_text("mine")
     run = subprocess.Popen([sys.executable, "-m", "vflash_core.cli.main", "generate", "--prepared-assets", str(h3_prepared), "--prompt", "a kite",
-                            "--media-video-threads", "1", "--media-video-input", video_input, "--output", str(out / "first.mp4")],
+                            "--width", "224", "--height", "128", "--media-video-threads", "1", "--media-video-input", video_input,
+                            "--output", str(out / "first.mp4")],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 240
     while not list(out.glob(f".first.mp4.*.partial.{temporary}")):

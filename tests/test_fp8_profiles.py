@@ -189,7 +189,7 @@ blocks = ResidentBlocks(artifact, cpu)
 def velocity(quantizer, keep_values):
     ops = fp8.FusedRowFP8Ops(artifact.config, sdpa_attention, fp8.RowFP8Execution("w8a8", quantizer), keep_values)
     denoiser = Denoiser(artifact, blocks, cpu, ops)
-    return denoiser.evaluate(denoiser.start_request(_bundle(5, num_frames=39)), 1)
+    return denoiser.evaluate(denoiser.start_request(_bundle(5, num_frames=22, height=64, width=128)), 1)
 
 expected = velocity("torch", False)
 print(json.dumps([torch.equal(a, b) for a, b in zip(velocity("triton", True), expected)]))
@@ -203,11 +203,11 @@ def test_fused_fp8_quantizers_in_the_block_in_the_interpreter(tiny_fp8_compiled)
     torch quantizer's velocities bit for bit.
 
     The shape is the smallest that still runs every path of the three kernels in the block (test_fp8.py checks
-    each kernel alone, wide rows and int64 indexing included): 39 frames on the 64x96 canvas pack 213 rows (78
-    video with the keyframe's 6, 130 audio, 5 text), so the row quantizers' 128-row tiles run as two programs with
-    a masked last one, the fused norm's 8-row tiles as 27 programs with a masked last one, and its 24-wide rows
-    fill its 512-lane column chunk only in part (column masks). The 124 frames used before (647 rows) ran the same
-    paths with three times the rows."""
+    each kernel alone, wide rows and int64 indexing included): 22 frames on a 64x128 canvas pack 143 rows (64 video,
+    74 audio, 5 text), so the row quantizers' 128-row tiles run as two programs with a masked last one, the fused
+    norm's 8-row tiles as 18 programs with a masked last one (143 = 17 * 8 + 7), and its 24-wide rows fill its
+    512-lane column chunk only in part (column masks). The interpreter's cost is about the norm's programs: 39 frames
+    on 64x96 (213 rows, 27 programs) and 124 frames (647 rows) before ran the same paths with more rows."""
     import json
     import os
     import subprocess

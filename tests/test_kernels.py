@@ -167,6 +167,16 @@ S_CPU = 37
 H_INTERPRETED = 1280
 
 
+#: Rows of the interpreter cases with the small tile setting (`test_kernels.small_tile`: 4-row blocks): two row
+#: programs, the last with 3 of its 4 rows (S_CPU = 37 gave ten programs, the same paths at five times the work).
+#: The heuristic settings keep S_CPU rows.
+S_SMALL_TILE = 7
+
+
+def interpreter_rows(tile: str) -> int:
+    return S_SMALL_TILE if tile == "small" else S_CPU
+
+
 def configure(kernels, monkeypatch, tile: str, index_64: bool = False) -> None:
     if tile == "small":
         monkeypatch.setattr(kernels._launch, "elementwise_tile", small_tile(kernels))
@@ -236,13 +246,14 @@ def test_cpu_tensors_need_the_interpreter():
 @pytest.mark.parametrize("which,hidden", [("msa", 24), ("mlp", 40), ("out", 24)])
 def test_modulate_interpreter(interp, monkeypatch, request, which, hidden, dtype, tile):
     configure(interp, monkeypatch, tile)
+    rows = interpreter_rows(tile)
     g = generator(request)
     n_blocks = reference.MODULATION_BLOCKS[which].count
     table_rows = 6 if n_blocks == 6 else 2
     # the table is a strided view (rows padded) and normed a (1, S, H) tensor
     table = strided((table_rows, n_blocks * hidden), dtype, g, scale=0.5)
-    normed = randn((1, S_CPU, hidden), dtype, g)
-    idx = torch.randint(0, table_rows, (S_CPU,), generator=g)
+    normed = randn((1, rows, hidden), dtype, g)
+    idx = torch.randint(0, table_rows, (rows,), generator=g)
     out_dtype = torch.float32 if which == "out" else None
     out = poisoned(normed.shape, out_dtype or dtype)
     result = interp.modulate.modulate(normed, table, idx, which, out=out, out_dtype=out_dtype)
@@ -256,12 +267,13 @@ def test_modulate_interpreter(interp, monkeypatch, request, which, hidden, dtype
 @pytest.mark.parametrize("mode", ["new", "inplace", "out"])
 def test_gated_residual_interpreter(interp, monkeypatch, request, mode, dtype, tile):
     configure(interp, monkeypatch, tile)
+    rows = interpreter_rows(tile)
     g = generator(request)
     hidden = 40
     table = strided((6, 6 * hidden), dtype, g, scale=0.5)
-    x = randn((1, S_CPU, hidden), dtype, g)
-    y = strided((S_CPU, hidden), dtype, g)[None]  # the sublayer output as a strided view
-    idx = torch.randint(0, 6, (S_CPU,), generator=g, dtype=torch.int32)
+    x = randn((1, rows, hidden), dtype, g)
+    y = strided((rows, hidden), dtype, g)[None]  # the sublayer output as a strided view
+    idx = torch.randint(0, 6, (rows,), generator=g, dtype=torch.int32)
     for which in ("msa", "mlp"):
         expected = reference.gated_residual(x, y, table, idx.long(), which)
         if mode == "inplace":
@@ -280,9 +292,10 @@ def test_gated_residual_interpreter(interp, monkeypatch, request, mode, dtype, t
 @pytest.mark.parametrize("width", [48, 40])
 def test_swiglu_interpreter_bf16(interp, monkeypatch, request, width, tile):
     configure(interp, monkeypatch, tile)
+    rows = interpreter_rows(tile)
     g = generator(request)
-    p = strided((S_CPU, 2 * width), torch.bfloat16, g, scale=3.0)  # packed rows with padding: row stride > 2F
-    out = poisoned((S_CPU, width), torch.bfloat16)
+    p = strided((rows, 2 * width), torch.bfloat16, g, scale=3.0)  # packed rows with padding: row stride > 2F
+    out = poisoned((rows, width), torch.bfloat16)
     interp.swiglu.swiglu(p, out=out)
     assert_all_written(out, "swiglu")
     assert_bitwise(out, reference.swiglu(p), "swiglu bf16")
@@ -330,10 +343,11 @@ def _angles(S, R, dtype, g, layout):
 @pytest.mark.parametrize("heads,D,R,layout", [(2, 16, 12, "model"), (3, 16, 16, "strided"), (2, 24, 8, "strided")])
 def test_rope_interpreter(interp, monkeypatch, request, heads, D, R, layout, dtype, tile):
     configure(interp, monkeypatch, tile)
+    rows = interpreter_rows(tile)
     g = generator(request)
-    _, q, k, _ = _qkv(S_CPU, heads, D, dtype, g)  # q and k read through the packed row stride
-    cos, sin = _angles(S_CPU, R, dtype, g, layout)
-    out = poisoned((2, S_CPU, heads, D), dtype)
+    _, q, k, _ = _qkv(rows, heads, D, dtype, g)  # q and k read through the packed row stride
+    cos, sin = _angles(rows, R, dtype, g, layout)
+    out = poisoned((2, rows, heads, D), dtype)
     q_out, k_out = interp.rope.rope(q, k, cos, sin, out=out)
     assert_all_written(out, "rope")
     q_ref, k_ref = reference.rope(q, k, cos, sin)
@@ -341,7 +355,7 @@ def test_rope_interpreter(interp, monkeypatch, request, heads, D, R, layout, dty
     assert_bitwise(k_out, k_ref, "rope k")
     # default allocation: contiguous (1, S, heads, D)
     q_new, k_new = interp.rope.rope(q.contiguous(), k, cos, sin)
-    assert q_new.shape == (1, S_CPU, heads, D) and q_new.is_contiguous() and k_new.is_contiguous()
+    assert q_new.shape == (1, rows, heads, D) and q_new.is_contiguous() and k_new.is_contiguous()
     assert_bitwise(q_new, q_ref, "rope q (contiguous input)")
 
 
@@ -351,16 +365,17 @@ def test_rope_interpreter(interp, monkeypatch, request, heads, D, R, layout, dty
 def test_qk_norm_rope_interpreter(interp, monkeypatch, request, heads, D, R, copy_v, tile):
     """bf16: bit for bit with the torch emulation of the documented reduction order; F.rms_norm is reported."""
     configure(interp, monkeypatch, tile)
+    rows = interpreter_rows(tile)
     g = generator(request)
     dtype = torch.bfloat16
-    qkv, q, k, v = _qkv(S_CPU, heads, D, dtype, g)
+    qkv, q, k, v = _qkv(rows, heads, D, dtype, g)
     wq, wk = randn((D,), dtype, g, 0.2) + 1, randn((D,), dtype, g, 0.2) + 1
-    cos, sin = _angles(S_CPU, R, dtype, g, "model")
+    cos, sin = _angles(rows, R, dtype, g, "model")
     eps = 1e-5
-    out = poisoned((3 if copy_v else 2, S_CPU, heads, D), dtype)
+    out = poisoned((3 if copy_v else 2, rows, heads, D), dtype)
     q_out, k_out, v_out = interp.rope.qk_norm_rope(qkv, wq, wk, eps, cos, sin, head_dim=D, copy_v=copy_v, out=out)
     assert_all_written(out, "qk_norm_rope")
-    assert q_out.shape == k_out.shape == v_out.shape == (1, S_CPU, heads, D) and q_out.is_contiguous()
+    assert q_out.shape == k_out.shape == v_out.shape == (1, rows, heads, D) and q_out.is_contiguous()
     emulated = reference.rope(
         interp.rope.rms_norm_warp_order_reference(q, wq, eps), interp.rope.rms_norm_warp_order_reference(k, wk, eps), cos, sin
     )
@@ -390,7 +405,7 @@ def test_int64_variant_interpreter(interp, monkeypatch, request):
     """The INDEX_64 variant of every kernel (forced on small shapes) gives the same bits as the int32 one."""
     configure(interp, monkeypatch, "small", index_64=True)
     g = generator(request)
-    dtype, S, H = torch.bfloat16, S_CPU, 40
+    dtype, S, H = torch.bfloat16, S_SMALL_TILE, 40
     table = strided((6, 6 * H), dtype, g, scale=0.5)
     idx = torch.randint(0, 6, (S,), generator=g)
     x, y = randn((1, S, H), dtype, g), randn((1, S, H), dtype, g)

@@ -28,12 +28,14 @@ from test_kernels import (
     H_INTERPRETED,
     S_CPU,
     S_GPU,
+    S_SMALL_TILE,
     TILES,
     _table,
     assert_all_written,
     assert_bitwise,
     configure,
     generator,
+    interpreter_rows,
     modulate_reference,
     poisoned,
     randn,
@@ -135,11 +137,12 @@ def test_rms_norm_modulate_interpreter(op, monkeypatch, request, hidden, layout,
     """bf16: bit for bit with the emulated order; the CPU F.rms_norm (another order) is reported. Strided cases also
     take an int32 row index."""
     configure(op, monkeypatch, tile)
+    rows = interpreter_rows(tile)
     g = generator(request)
     dtype = torch.bfloat16
-    x, w = _inputs(S_CPU, hidden, dtype, g, layout)
+    x, w = _inputs(rows, hidden, dtype, g, layout)
     table = strided((6, 6 * hidden), dtype, g, scale=0.5)
-    idx = torch.randint(0, 6, (S_CPU,), generator=g, dtype=torch.int32 if layout == "strided" else torch.int64)
+    idx = torch.randint(0, 6, (rows,), generator=g, dtype=torch.int32 if layout == "strided" else torch.int64)
     out = poisoned(x.shape, dtype)
     assert op.rms_norm_modulate(x, w, EPS, table, idx, which, out=out) is out
     assert_all_written(out, "rms_norm_modulate")
@@ -163,9 +166,9 @@ def test_rms_norm_modulate_interpreter_norm_out_fp32_result(op, request):
 def test_rms_norm_modulate_interpreter_int64_variant(op, monkeypatch, request):
     configure(op, monkeypatch, "small", index_64=True)
     g = generator(request)
-    x, w = _inputs(S_CPU, 1000, torch.bfloat16, g, "strided")
+    x, w = _inputs(S_SMALL_TILE, 1000, torch.bfloat16, g, "strided")
     table = strided((6, 6 * 1000), torch.bfloat16, g, scale=0.5)
-    idx = torch.randint(0, 6, (S_CPU,), generator=g)
+    idx = torch.randint(0, 6, (S_SMALL_TILE,), generator=g)
     assert_bitwise(op.rms_norm_modulate(x, w, EPS, table, idx, "mlp"), rms_norm_modulate_order_reference(op, x, w, EPS, table, idx, "mlp"), "int64")
 
 

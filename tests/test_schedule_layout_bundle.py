@@ -85,11 +85,12 @@ def test_layout_and_row_timesteps_match_diffusers(anchors, canvas):
         assert_bitwise(mine[1], theirs[1], "timestep indices")
 
 
-def _bundle(seed: int = 0, num_frames: int = 124) -> ConditioningBundle:
-    """An l2va bundle of the tiny model on a 64x96 canvas: 5 text rows, the last frame's keyframe latent."""
+def _bundle(seed: int = 0, num_frames: int = 124, height: int = 64, width: int = 96) -> ConditioningBundle:
+    """An l2va bundle of the tiny model (on a 64x96 canvas unless told): 5 text rows, the last frame's keyframe latent."""
     g = torch.Generator().manual_seed(seed)
     embeds = torch.randn(5, TINY.text_dim, generator=g).to(torch.bfloat16)
-    return build_keyframe_bundle(embeds, torch.ones(5, dtype=torch.long), Geometry(64, 96, num_frames), TINY, g, (torch.randn(1, 24, 1, 4, 6, generator=g),), ("last",), seed=seed)
+    keyframe = torch.randn(1, 24, 1, height // 16, width // 16, generator=g)
+    return build_keyframe_bundle(embeds, torch.ones(5, dtype=torch.long), Geometry(height, width, num_frames), TINY, g, (keyframe,), ("last",), seed=seed)
 
 
 def test_bundle_round_trip(tmp_path):

@@ -2,8 +2,8 @@
 
 Each test builds its own service (its own worker process), so a worker killed or cancelled in one test cannot
 leak into another. Most requests use the demo profile's shortest clip on the smallest canvas H3 accepts (32x32,
-about 0.2 s each); the kill and cancel tests use the demo's default canvas (448x256, a few seconds) so that the
-job is still running when the test acts on it.
+about 0.2 s each); the cancel test uses the demo's default canvas (448x256, a few seconds) and the kill test
+224x128, so that the job is still running when the test acts on it.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(300)]
 
 FAST: dict[str, Any] = {"duration_seconds": 5, "width": 32, "height": 32}  # the cheapest complete request
 SLOW: dict[str, Any] = {"duration_seconds": 5}  # the demo's default 448x256 canvas
+# A quarter of the default canvas: its MP4 stage (what the kill test waits for) still lasts about a second.
+MIDDLE: dict[str, Any] = {"duration_seconds": 5, "width": 224, "height": 128}
 TERMINAL = ("succeeded", "failed", "cancelled")
 
 
@@ -447,7 +449,7 @@ async def test_killed_worker_fails_its_job_and_a_new_worker_runs_the_next(aiohtt
     app, config = make_service(input_dir=inputs)
     client = await aiohttp_client(app)
     await wait_ready(client)
-    victim = await submit(client, seed=1, **SLOW)
+    victim = await submit(client, seed=1, **MIDDLE)
     survivor = await submit(client, seed=2, **FAST)
     # Valid when queued, unreadable when it runs: a request error in the worker costs the job, not the worker.
     vanished = await submit(client, prompt="<Picture 1> fades", first_frame=png(inputs / "frame.png").name, **FAST)

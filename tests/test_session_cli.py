@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 from conftest import TINY, assert_bitwise
 from safetensors.torch import load_file
@@ -90,40 +87,59 @@ def test_bad_input_does_not_fail_the_session(tiny_compiled):
         session.generate(_bundle())
 
 
-def _vflash(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "vflash_core.cli.main", *args], capture_output=True, text=True, timeout=300)
+@pytest.fixture
+def vflash(capsys, caplog):
+    """`vflash ARGS...` in this process (the command line's `main`; the installed command in a process of its own is
+    test_user_errors.py's): its exit status and what it wrote to stderr, log records included (the command logs to
+    stderr at INFO; here pytest holds them)."""
+    import logging
+
+    from vflash_core.cli.main import main
+
+    def run(*args: str) -> tuple[int, str]:
+        capsys.readouterr()
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            try:
+                status = main(list(args))
+            except SystemExit as exc:  # argparse's refusals (usage on stderr, exit 2)
+                status = exc.code
+        logged = "".join(f"{record.getMessage()}\n" for record in caplog.records)
+        return status, logged + capsys.readouterr().err
+
+    return run
 
 
-def test_cli_denoise_writes_latents_and_refuses_overwrite(tmp_path, tiny_compiled):
+def test_cli_denoise_writes_latents_and_refuses_overwrite(tmp_path, tiny_compiled, vflash):
     _bundle(5).save(tmp_path / "bundle")
     out = tmp_path / "latents.safetensors"
     args = [
         "denoise", PROFILE, "--artifact", str(tiny_compiled["artifact"]), "--schedule-overlay", str(tiny_compiled["schedule_overlay"]),
         "--auxiliary-tensor", str(tiny_compiled["auxiliary"]), "--bundle", str(tmp_path / "bundle"), "--output-latents", str(out),
     ]
-    done = _vflash(*args)
-    assert done.returncode == 0, done.stderr
+    status, stderr = vflash(*args)
+    assert status == 0, stderr
     latents = load_file(str(out))
     with NativeEngineSession(PROFILE, **tiny_compiled) as session:
         expected = session.generate(_bundle(5))
     assert_bitwise(latents["video_latents"], expected.video_latents, "cli video latents")
     assert_bitwise(latents["audio_latents"], expected.audio_latents, "cli audio latents")
     before = out.read_bytes()
-    again = _vflash(*args)
-    assert again.returncode == 2 and again.stderr.strip().count("\n") == 0 and "already exists" in again.stderr
-    assert "Traceback" not in again.stderr and out.read_bytes() == before
+    status, stderr = vflash(*args)
+    assert status == 2 and stderr.strip().count("\n") == 0 and "already exists" in stderr
+    assert "Traceback" not in stderr and out.read_bytes() == before
 
 
-def test_cli_bad_inputs_are_one_line_errors(tmp_path, tiny_compiled):
+def test_cli_bad_inputs_are_one_line_errors(tmp_path, tiny_compiled, vflash):
     out = tmp_path / "latents.safetensors"
     common = ["--artifact", str(tiny_compiled["artifact"]), "--schedule-overlay", str(tiny_compiled["schedule_overlay"]), "--auxiliary-tensor", str(tiny_compiled["auxiliary"]), "--output-latents", str(out)]
-    missing = _vflash("denoise", PROFILE, "--bundle", str(tmp_path / "nope"), *common)
-    assert missing.returncode == 2 and "not a conditioning bundle" in missing.stderr and "Traceback" not in missing.stderr
+    status, stderr = vflash("denoise", PROFILE, "--bundle", str(tmp_path / "nope"), *common)
+    assert status == 2 and "not a conditioning bundle" in stderr and "Traceback" not in stderr
     _bundle().save(tmp_path / "b")
-    wrong_profile = _vflash("denoise", "t2va-base16-exact-cpu", "--bundle", str(tmp_path / "b"), *common)
-    assert wrong_profile.returncode == 2 and "nfe" in wrong_profile.stderr and "Traceback" not in wrong_profile.stderr
-    unknown = _vflash("denoise", "no-such-profile", "--bundle", str(tmp_path / "b"), *common)
-    assert unknown.returncode == 2 and "unknown profile" in unknown.stderr
+    status, stderr = vflash("denoise", "t2va-base16-exact-cpu", "--bundle", str(tmp_path / "b"), *common)
+    assert status == 2 and "nfe" in stderr and "Traceback" not in stderr
+    status, stderr = vflash("denoise", "no-such-profile", "--bundle", str(tmp_path / "b"), *common)
+    assert status == 2 and "unknown profile" in stderr
     assert not out.exists()
 
 
