@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import torch
 
@@ -89,6 +90,14 @@ ARCH_NAMES = {"cpu": "the CPU", **{tag: family.name for tag, family in ARCH_FAMI
 
 #: A CUDA device index on a command line (`--gpu`, `--peer-gpu`); whether this machine has it, `check_device`.
 GPU_INDEX = Number(int, 0)
+
+
+@overload
+def gpu_device(gpu: int | None, default: str = "cpu") -> str: ...
+
+
+@overload
+def gpu_device(gpu: int | None, default: None) -> str | None: ...
 
 
 def gpu_device(gpu: int | None, default: str | None = "cpu") -> str | None:

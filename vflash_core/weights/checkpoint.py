@@ -55,6 +55,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict
 
 import torch
 
@@ -283,14 +284,16 @@ def _format_name(conf: dict) -> str:
 def _convrot_group(conf: dict) -> int:
     """The ConvRot group size of an int8 layer's ComfyUI config (0 without ConvRot); its keys sit at the top level or
     under `params`, as core reads them."""
-    params = conf.get("params") if isinstance(conf.get("params"), dict) else {}
+    params = conf.get("params")
+    if not isinstance(params, dict):
+        params = {}
     if not conf.get("convrot", params.get("convrot", False)):
         return 0
     group = conf.get("convrot_groupsize", params.get("convrot_groupsize", 256))
     return group if isinstance(group, int) and not isinstance(group, bool) else -1
 
 
-def quantized_layers(store: TensorStore, prefix: str) -> dict[str, ScaledWeight]:
+def quantized_layers(store: TensorStore | GGUFStore, prefix: str) -> dict[str, ScaledWeight]:
     """Weight name -> `ScaledWeight` for each quantized layer of a ComfyUI-quantized file (empty for a float file).
 
     ComfyUI marks quantized layers in three ways, read here as core reads them: `__metadata__` key
@@ -343,6 +346,14 @@ def quantized_layers(store: TensorStore, prefix: str) -> dict[str, ScaledWeight]
 
 def _is_power_of_4(value: int) -> bool:
     return value >= 4 and value & (value - 1) == 0 and value.bit_length() % 2 == 1
+
+
+class _TimeWidths(TypedDict, total=False):
+    """The time embedder's widths read from an unpruned file (a pruned file has none: `H3Config`'s defaults stay)."""
+
+    freq_dim: int
+    time_embed_hidden_dim: int
+    time_embed_dim: int
 
 
 class SourceWeights:
@@ -430,7 +441,7 @@ class SourceWeights:
         return record
 
     def _quant_types(self) -> dict[str, int]:
-        if self.gguf:
+        if isinstance(self.store, GGUFStore):
             return self.store.quant_types()
         types: dict[str, int] = {}
         for q in self._quantized.values():
@@ -439,7 +450,9 @@ class SourceWeights:
         return dict(sorted(types.items()))
 
     def _quantized_count(self) -> int:
-        return sum(n for t, n in self.store.quant_types().items() if t not in ("F32", "F16", "BF16")) if self.gguf else len(self._quantized)
+        if isinstance(self.store, GGUFStore):
+            return sum(n for t, n in self.store.quant_types().items() if t not in ("F32", "F16", "BF16"))
+        return len(self._quantized)
 
     def check_profile(self, profile: Profile) -> None:
         """A pruned file compiles only for a -pruned profile, and a -pruned profile only from a pruned file."""
@@ -497,7 +510,7 @@ class SourceWeights:
         prefix = re.escape(self._prefix)
         num_layers = count(rf"{prefix}blocks\.(\d+)\.")
         num_refiner = count(rf"{prefix}token_refiner\.blocks\.(\d+)\.")
-        time = {}
+        time: _TimeWidths = {}
         if not self.pruned:  # a pruned file has no time embedder: the base model's widths stay the defaults
             time = {
                 "freq_dim": shape("time_embedder.proj_in.weight")[1],

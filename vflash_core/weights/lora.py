@@ -134,6 +134,7 @@ def load_adapter(path: str | Path, config: H3Config, strength: float = 1.0) -> A
             for k, up_k in enumerate(up.chunk(3)):
                 adapter.residuals.setdefault(target, []).append(LoraResidual(down.clone(), up_k.contiguous(), scale, k * inner))
         elif target.endswith("attn.qkv"):
+            assert part is not None  # the branch above took the fused qkv_proj
             adapter.residuals.setdefault(target, []).append(LoraResidual(down, up.contiguous(), scale, part * inner))
         else:
             if target.endswith("ffn.in") and fmt != "diffusers":  # [gate; value] -> [value; gate]
