@@ -479,7 +479,8 @@ class SourceWeights:
     def check_profile(self, profile: Profile) -> None:
         """A pruned file compiles only for a -pruned profile, and a -pruned profile only from a pruned file."""
         if self.pruned and not profile.pruned:
-            grid, rank = self.curve  # type: ignore[misc]
+            assert self.curve is not None  # what `pruned` tests
+            grid, rank = self.curve
             choices = (
                 ", ".join(p for p, v in PROFILES.items() if v.pruned and v.arch == profile.arch) or "a -pruned profile"
             )

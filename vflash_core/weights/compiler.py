@@ -134,7 +134,8 @@ def prepare(
     adapter_record = None
     if adapter is not None:
         adapter = Path(adapter)
-        parsed = load_adapter(adapter, source.config, profile.adapter.strength)  # type: ignore[union-attr]
+        assert profile.adapter is not None  # refused above otherwise
+        parsed = load_adapter(adapter, source.config, profile.adapter.strength)
         _check_adapter_against_profile(profile, adapter, parsed)
         adapter_record = {
             "path": str(adapter.resolve()),

@@ -192,7 +192,8 @@ def _diffusers_pairs(
         if target is None:
             unknown.append(key)
             continue
-        pairs.setdefault(target, {})[match.group(2)] = tensor  # type: ignore[union-attr]
+        assert match is not None  # a target comes from a match
+        pairs.setdefault(target, {})[match.group(2)] = tensor
     _raise_unknown(unknown, path)
     return _complete(pairs, path)
 

@@ -265,7 +265,8 @@ def prune_adaln(
 
 # Linears a Comfy-Org scaled-FP8 file stores as float8 (original names): block and refiner projections, condition_proj.
 _FP8_LAYERS = re.compile(
-    r"^((token_refiner\.)?blocks\.\d+\.(attn\.qkv_proj|attn\.out_proj|mlp\.fc1|mlp\.fc2|adaln_proj\.linear)|condition_proj)$"
+    r"^((token_refiner\.)?blocks\.\d+\.(attn\.qkv_proj|attn\.out_proj|mlp\.fc1|mlp\.fc2|adaln_proj\.linear)"
+    r"|condition_proj)$"
 )
 
 
