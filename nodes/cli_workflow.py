@@ -12,10 +12,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "run-workflow",
         help="run an API-format ComfyUI workflow of Vflash nodes headless (no ComfyUI install needed)",
         description=(
-            "Runs the output nodes of an API-format workflow (ComfyUI 'Export (API)', e.g. workflows/api/t2va.json) and "
-            "their ancestors: every Vflash node, plus stand-ins for core EmptyMiniMaxH3LatentAV, CreateVideo, SaveVideo, "
-            "LoadImage and LoadAudio. Other core nodes are refused before anything runs. 'embedded-demo' models are "
-            "built on first use in the cache folder."
+            "Runs the output nodes of an API-format workflow (ComfyUI 'Export (API)', e.g. workflows/api/t2va.json) "
+            "and their ancestors: every Vflash node, plus stand-ins for core EmptyMiniMaxH3LatentAV, CreateVideo, "
+            "SaveVideo, LoadImage and LoadAudio. Other core nodes are refused before anything runs. 'embedded-demo' "
+            "models are built on first use in the cache folder."
         ),
     )
     p.add_argument("workflow", help="API-format workflow JSON")
@@ -24,8 +24,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="override a widget value; NODE is a node id or its title; VALUE is JSON or a plain string (repeatable)",
     )
     p.add_argument("--output-dir", default="output", help="where SaveVideo writes (default: ./output)")
-    p.add_argument("--input-dir", default="input", help="where LoadImage / LoadAudio read file names from (default: ./input)")
-    p.add_argument("--models-dir", help="a ComfyUI-style models folder (vflash/, diffusers/, diffusion_models/, loras/)")
+    p.add_argument(
+        "--input-dir", default="input", help="where LoadImage / LoadAudio read file names from (default: ./input)"
+    )
+    p.add_argument(
+        "--models-dir", help="a ComfyUI-style models folder (vflash/, diffusers/, diffusion_models/, loras/)"
+    )
     p.add_argument("--print-plan", action="store_true", help="check the workflow, print the execution order and exit")
     p.set_defaults(handler=_run)
 

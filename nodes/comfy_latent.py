@@ -92,7 +92,8 @@ def from_comfy_latent(latent: dict[str, Any]) -> AVLatents:
     if not getattr(samples, "is_nested", False) or len(samples.tensors) != 2:
         shape = list(samples.shape) if hasattr(samples, "shape") else type(samples).__name__
         raise RequestError(
-            f"expected a MiniMax-H3 AV latent (a nested video + audio pair, as EmptyMiniMaxH3LatentAV makes), got {shape}"
+            "expected a MiniMax-H3 AV latent (a nested video + audio pair, as EmptyMiniMaxH3LatentAV makes), "
+            f"got {shape}"
         )
     if "noise_mask" in latent:
         raise RequestError("H3 AV latents with a noise_mask are not supported by Vflash (no masked / partial denoise)")
@@ -103,12 +104,16 @@ def from_comfy_latent(latent: dict[str, Any]) -> AVLatents:
         raise RequestError(f"Vflash runs one clip per request; the latent has batch size {int(video.shape[0])}")
     if audio.shape[2] != AUDIO_CHANNELS:
         raise RequestError(f"a core H3 audio latent is (1, C, {AUDIO_CHANNELS}, A), got {list(audio.shape)}")
-    out = AVLatents(video.detach().float().cpu().contiguous(), audio[0].detach().float().cpu().permute(1, 0, 2).contiguous())
+    out = AVLatents(
+        video.detach().float().cpu().contiguous(), audio[0].detach().float().cpu().permute(1, 0, 2).contiguous()
+    )
     geometry_of_latents(out.video, out.audio)
     return out
 
 
-def empty_latents(geometry: Geometry, video_channels: int = VIDEO_LATENT_CHANNELS, audio_channels: int = AUDIO_LATENT_CHANNELS) -> AVLatents:
+def empty_latents(
+    geometry: Geometry, video_channels: int = VIDEO_LATENT_CHANNELS, audio_channels: int = AUDIO_LATENT_CHANNELS
+) -> AVLatents:
     """Zero latents of a geometry (what `EmptyMiniMaxH3LatentAV` makes, in Vflash layout)."""
     video = torch.zeros(1, video_channels, geometry.num_latent_frames, geometry.latent_height, geometry.latent_width)
     audio = torch.zeros(AUDIO_CHANNELS, audio_channels, geometry.num_audio_latents)
@@ -146,7 +151,9 @@ def waveform_to_audio(waveform: torch.Tensor, sample_rate: int) -> dict[str, Any
 def image_to_clip(image: torch.Tensor, what: str) -> torch.Tensor:
     """Core IMAGE batch (F, H, W, C) 0..1 -> (F, H, W, 3) fp32 CPU; alpha is dropped."""
     if not isinstance(image, torch.Tensor) or image.ndim != 4 or image.shape[-1] not in (3, 4):
-        raise RequestError(f"{what} must be an IMAGE batch (F, H, W, 3 or 4), got {getattr(image, 'shape', type(image).__name__)}")
+        raise RequestError(
+            f"{what} must be an IMAGE batch (F, H, W, 3 or 4), got {getattr(image, 'shape', type(image).__name__)}"
+        )
     return image[..., :3].detach().float().cpu().contiguous()
 
 
@@ -161,5 +168,7 @@ def audio_to_waveform(audio: dict[str, Any], what: str) -> tuple[torch.Tensor, i
         raise RequestError(f"{what} must be an AUDIO dict with 'waveform' and 'sample_rate'")
     waveform = audio["waveform"]
     if not isinstance(waveform, torch.Tensor) or waveform.ndim != 3:
-        raise RequestError(f"{what}: an AUDIO waveform is (B, C, T), got {getattr(waveform, 'shape', type(waveform).__name__)}")
+        raise RequestError(
+            f"{what}: an AUDIO waveform is (B, C, T), got {getattr(waveform, 'shape', type(waveform).__name__)}"
+        )
     return waveform[0].detach().float().cpu().contiguous(), int(audio["sample_rate"])

@@ -11,14 +11,18 @@ from .host import FOLDERS, HOST
 from .registry import ENGINES
 from .types import VflashCond, VflashModel, aliases, te_input, vae_inputs
 
-_WIDTH_TOOLTIP = "Canvas width in pixels: a multiple of 32, aspect ratio within 1:4..4:1 (768x1344 area cap for the released model)."
+_WIDTH_TOOLTIP = (
+    "Canvas width in pixels: a multiple of 32, aspect ratio within 1:4..4:1 (768x1344 area cap for the released model)."
+)
 _HEIGHT_TOOLTIP = "Canvas height in pixels: a multiple of 32, aspect ratio within 1:4..4:1."
 _LENGTH_TOOLTIP = (
     "Frames at 24 fps, snapped UP to the video VAE's 17 n + 5 grid (124 = 5.17 s); the profile bounds the duration "
     "(5-15 s for the base profiles, ~5 s for turbo ones). The actual count is returned as 'frames'."
 )
 _SECONDS_TOOLTIP = "When > 0, overrides length: seconds * 24 frames, snapped up to 17 n + 5 (must land in 5-15 s)."
-_SEED_TOOLTIP = "Seed of the one CPU generator that draws the keyframe noise, then the video noise, then the audio noise."
+_SEED_TOOLTIP = (
+    "Seed of the one CPU generator that draws the keyframe noise, then the video noise, then the audio noise."
+)
 
 
 def _request_inputs():
@@ -26,7 +30,9 @@ def _request_inputs():
     return [
         te_input(),
         *vae_inputs(),
-        io.String.Input("prompt", multiline=True, dynamic_prompts=True, tooltip="What happens and what it sounds like."),
+        io.String.Input(
+            "prompt", multiline=True, dynamic_prompts=True, tooltip="What happens and what it sounds like."
+        ),
         io.Int.Input("width", default=1344, min=32, max=4096, step=32, tooltip=_WIDTH_TOOLTIP),
         io.Int.Input("height", default=768, min=32, max=4096, step=32, tooltip=_HEIGHT_TOOLTIP),
         io.Int.Input("length", default=124, min=5, max=3600, step=17, tooltip=_LENGTH_TOOLTIP),
@@ -41,53 +47,87 @@ class VflashEncode(io.ComfyNode):
             node_id="VflashEncode",
             display_name="MiniMax H3 Vflash Prompt / Frames / References",
             category="Vflash/conditioning",
-            search_aliases=aliases("encode", "prompt", "text to video", "image to video", "reference to video", "t2va", "i2va", "fl2va", "ref2va"),
+            search_aliases=aliases(
+                "encode", "prompt", "text to video", "image to video", "reference to video", "t2va", "i2va", "fl2va",
+                "ref2va",
+            ),
             description=(
                 "Encodes a request: t2va (prompt only), i2va / l2va / fl2va (first and/or last frame), or ref2va "
                 "(reference images, videos, audio; refer to them in the prompt as <Picture i>, <Video k>, <Audio j>). "
-                "Keyframes and references cannot be mixed. Also returns the empty AV latent of the canvas. "
-                "te takes the Vflash text encoder or core CLIP (CLIPLoader type minimax); vae the Vflash VAE pair or core "
-                "VAEs (video in vae, audio in audio_vae). With core's text encoder the conditioning is not bitwise the "
-                "diffusers pipeline's hidden_states[50] (core's own Qwen3-VL code rounds differently; the sampler logs "
-                "this and records it in its latent as vflash_notes); with core's VAEs keyframe / reference latents are "
-                "the posterior mean, not the pipeline's seeded sample."
+                "Keyframes and references cannot be mixed. Also returns the empty AV latent of the canvas. te takes "
+                "the Vflash text encoder or core CLIP (CLIPLoader type minimax); vae the Vflash VAE pair or core VAEs "
+                "(video in vae, audio in audio_vae). With core's text encoder the conditioning is not bitwise the "
+                "diffusers pipeline's hidden_states[50] (core's own Qwen3-VL code rounds differently; the sampler "
+                "logs this and records it in its latent as vflash_notes); with core's VAEs keyframe / reference "
+                "latents are the posterior mean, not the pipeline's seeded sample."
             ),
             inputs=[
                 *_request_inputs(),
                 io.Image.Input("first_frame", optional=True, tooltip="Keyframe at frame 0 (stretched to the canvas)."),
-                io.Image.Input("last_frame", optional=True, tooltip="Keyframe at the last frame (aspect-preserving cover crop)."),
+                io.Image.Input(
+                    "last_frame", optional=True, tooltip="Keyframe at the last frame (aspect-preserving cover crop)."
+                ),
                 io.Autogrow.Input(
                     "ref_images", optional=True,
-                    template=io.Autogrow.TemplatePrefix(input=io.Image.Input("ref_image", tooltip="Reference image <Picture i> (ref2va profiles)."), prefix="ref_image_", min=0, max=9),
+                    template=io.Autogrow.TemplatePrefix(
+                        input=io.Image.Input("ref_image", tooltip="Reference image <Picture i> (ref2va profiles)."),
+                        prefix="ref_image_", min=0, max=9,
+                    ),
                 ),
                 io.Autogrow.Input(
                     "ref_videos", optional=True,
-                    template=io.Autogrow.TemplatePrefix(input=io.Image.Input("ref_video", tooltip="Reference clip <Video k>: frames at 24 fps, cut to 17 n + 5 frames."), prefix="ref_video_", min=0, max=3),
+                    template=io.Autogrow.TemplatePrefix(
+                        input=io.Image.Input(
+                            "ref_video", tooltip="Reference clip <Video k>: frames at 24 fps, cut to 17 n + 5 frames."
+                        ),
+                        prefix="ref_video_", min=0, max=3,
+                    ),
                 ),
                 io.Autogrow.Input(
                     "ref_video_audios", optional=True,
                     template=io.Autogrow.TemplatePrefix(
-                        input=io.Audio.Input("ref_video_audio", tooltip="Soundtrack of the reference clip in the same slot (ref_video_audio_k belongs to ref_video_k); any rate, mono or stereo."),
+                        input=io.Audio.Input(
+                            "ref_video_audio",
+                            tooltip="Soundtrack of the reference clip in the same slot (ref_video_audio_k belongs to "
+                            "ref_video_k); any rate, mono or stereo.",
+                        ),
                         prefix="ref_video_audio_", min=0, max=3,
                     ),
                 ),
                 io.Autogrow.Input(
                     "ref_audios", optional=True,
-                    template=io.Autogrow.TemplatePrefix(input=io.Audio.Input("ref_audio", tooltip="Reference audio <Audio j>, resampled to 32 kHz stereo."), prefix="ref_audio_", min=0, max=3),
+                    template=io.Autogrow.TemplatePrefix(
+                        input=io.Audio.Input(
+                            "ref_audio", tooltip="Reference audio <Audio j>, resampled to 32 kHz stereo."
+                        ),
+                        prefix="ref_audio_", min=0, max=3,
+                    ),
                 ),
-                io.Boolean.Input("force_offload", default=True, tooltip="Release the Vflash text encoder after encoding (it is reloaded when the prompt changes). Core CLIP stays ComfyUI's to manage."),
+                io.Boolean.Input(
+                    "force_offload", default=True,
+                    tooltip="Release the Vflash text encoder after encoding (it is reloaded when the prompt "
+                    "changes). Core CLIP stays ComfyUI's to manage.",
+                ),
             ],
             outputs=[
-                VflashCond.Output("cond", tooltip="The encoded request (prompt, keyframe / reference latents, canvas); connect it to the Vflash Sampler."),
-                io.Latent.Output("latent", tooltip="Empty H3 AV latent of the canvas (the layout of core's EmptyMiniMaxH3LatentAV)."),
+                VflashCond.Output(
+                    "cond",
+                    tooltip="The encoded request (prompt, keyframe / reference latents, canvas); connect it to the "
+                    "Vflash Sampler.",
+                ),
+                io.Latent.Output(
+                    "latent", tooltip="Empty H3 AV latent of the canvas (the layout of core's EmptyMiniMaxH3LatentAV)."
+                ),
                 io.Int.Output("frames", tooltip="The actual frame count after snapping."),
             ],
             hidden=[io.Hidden.prompt],
         )
 
     @classmethod
-    def execute(cls, te, vae, prompt, width, height, length, seconds, first_frame=None, last_frame=None,
-                ref_images=None, ref_videos=None, ref_video_audios=None, ref_audios=None, force_offload=True, audio_vae=None):
+    def execute(
+        cls, te, vae, prompt, width, height, length, seconds, first_frame=None, last_frame=None,
+        ref_images=None, ref_videos=None, ref_video_audios=None, ref_audios=None, force_offload=True, audio_vae=None,
+    ):
         check_graph(getattr(cls.hidden, "prompt", None), HOST, FOLDERS)  # the loaders' widgets, profile vs this request
         cond, latent, frames = actions.encode(
             ENGINES, HOST, te, vae, prompt, width, height, length, seconds, first_frame, last_frame,
@@ -111,17 +151,32 @@ class VflashSampler(io.ComfyNode):
             ),
             inputs=[
                 VflashModel.Input("model", tooltip="The transformer from the MiniMax H3 Vflash Model Loader."),
-                VflashCond.Input("cond", tooltip="The encoded request from MiniMax H3 Vflash Prompt / Frames / References; its mode (t2va, i2va, ref2va ...) must be one the profile accepts."),
+                VflashCond.Input(
+                    "cond",
+                    tooltip="The encoded request from MiniMax H3 Vflash Prompt / Frames / References; its mode "
+                    "(t2va, i2va, ref2va ...) must be one the profile accepts.",
+                ),
                 io.Latent.Input(
                     "latent",
-                    tooltip="An EMPTY H3 AV latent (from Vflash Encode or core EmptyMiniMaxH3LatentAV); only its canvas and "
-                    "length are used. Keyframe / reference conditionings must match the canvas they were encoded for.",
+                    tooltip="An EMPTY H3 AV latent (from Vflash Encode or core EmptyMiniMaxH3LatentAV); only its "
+                    "canvas and length are used. Keyframe / reference conditionings must match the canvas they were "
+                    "encoded for.",
                 ),
-                io.Int.Input("seed", default=0, min=0, max=2**63 - 1, control_after_generate=True, tooltip=_SEED_TOOLTIP),
-                io.Boolean.Input("force_offload", default=False, tooltip="Release the transformer's device memory after sampling (the next run reloads it)."),
-                io.Boolean.Input("profile_denoise", default=False, tooltip="Time every stage of every evaluation and print the summary (adds a little overhead)."),
+                io.Int.Input(
+                    "seed", default=0, min=0, max=2**63 - 1, control_after_generate=True, tooltip=_SEED_TOOLTIP
+                ),
+                io.Boolean.Input(
+                    "force_offload", default=False,
+                    tooltip="Release the transformer's device memory after sampling (the next run reloads it).",
+                ),
+                io.Boolean.Input(
+                    "profile_denoise", default=False,
+                    tooltip="Time every stage of every evaluation and print the summary (adds a little overhead).",
+                ),
             ],
-            outputs=[io.Latent.Output("latent", tooltip="Denoised H3 AV latent in core's layout (core VAEDecode / VAEDecodeAudio accept it).")],
+            outputs=[io.Latent.Output(
+                "latent", tooltip="Denoised H3 AV latent in core's layout (core VAEDecode / VAEDecodeAudio accept it)."
+            )],
         )
 
     @classmethod
@@ -138,12 +193,16 @@ class VflashDecode(io.ComfyNode):
             category="Vflash/decode",
             search_aliases=aliases("decode", "vae decode", "latent to video"),
             description=(
-                "Decodes an H3 AV latent to frames (IMAGE batch), 32 kHz stereo AUDIO and a VIDEO at 24 fps (save it with "
-                "core SaveVideo). vae takes the Vflash VAE pair, or core's video VAE with core's audio VAE in audio_vae."
+                "Decodes an H3 AV latent to frames (IMAGE batch), 32 kHz stereo AUDIO and a VIDEO at 24 fps (save it "
+                "with core SaveVideo). vae takes the Vflash VAE pair, or core's video VAE with core's audio VAE in "
+                "audio_vae."
             ),
             inputs=[
                 *vae_inputs(),
-                io.Latent.Input("latent", tooltip="H3 AV latent (Vflash Sampler output or any core H3 AV latent of this model family)."),
+                io.Latent.Input(
+                    "latent",
+                    tooltip="H3 AV latent (Vflash Sampler output or any core H3 AV latent of this model family).",
+                ),
             ],
             outputs=[
                 io.Image.Output("images", tooltip="The frames as an IMAGE batch (F, H, W, 3), 0..1."),
@@ -166,16 +225,21 @@ class VflashGenerate(io.ComfyNode):
             category="Vflash/sampling",
             search_aliases=aliases("all in one", "text to video", "image to video", "generate video"),
             description=(
-                "All in one: encode, sample with the profile's fixed schedule, decode. t2va, or i2va / l2va / fl2va with "
-                "keyframes. te / vae take Vflash's loaders or core's CLIP (type minimax) and VAEs, as Vflash Encode does."
+                "All in one: encode, sample with the profile's fixed schedule, decode. t2va, or i2va / l2va / fl2va "
+                "with keyframes. te / vae take Vflash's loaders or core's CLIP (type minimax) and VAEs, as Vflash "
+                "Encode does."
             ),
             inputs=[
                 VflashModel.Input("model", tooltip="The transformer from the MiniMax H3 Vflash Model Loader."),
                 *_request_inputs(),
-                io.Int.Input("seed", default=0, min=0, max=2**63 - 1, control_after_generate=True, tooltip=_SEED_TOOLTIP),
+                io.Int.Input(
+                    "seed", default=0, min=0, max=2**63 - 1, control_after_generate=True, tooltip=_SEED_TOOLTIP
+                ),
                 io.Image.Input("first_frame", optional=True, tooltip="Keyframe at frame 0."),
                 io.Image.Input("last_frame", optional=True, tooltip="Keyframe at the last frame."),
-                io.Boolean.Input("force_offload", default=False, tooltip="Release the transformer's device memory after sampling."),
+                io.Boolean.Input(
+                    "force_offload", default=False, tooltip="Release the transformer's device memory after sampling."
+                ),
             ],
             outputs=[
                 io.Video.Output("video", tooltip="Frames + soundtrack at 24 fps; save it with core Save Video."),
@@ -185,8 +249,14 @@ class VflashGenerate(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, model, te, vae, prompt, width, height, length, seconds, seed, first_frame=None, last_frame=None, force_offload=False, audio_vae=None):
-        return io.NodeOutput(*actions.generate(ENGINES, HOST, model, te, vae, prompt, width, height, length, seconds, seed, first_frame, last_frame, force_offload, audio_vae))
+    def execute(
+        cls, model, te, vae, prompt, width, height, length, seconds, seed, first_frame=None, last_frame=None,
+        force_offload=False, audio_vae=None,
+    ):
+        return io.NodeOutput(*actions.generate(
+            ENGINES, HOST, model, te, vae, prompt, width, height, length, seconds, seed, first_frame, last_frame,
+            force_offload, audio_vae,
+        ))
 
 
 class VflashUnload(io.ComfyNode):
@@ -197,10 +267,18 @@ class VflashUnload(io.ComfyNode):
             display_name="MiniMax H3 Vflash Unload (free memory)",
             category="Vflash/utils",
             search_aliases=aliases("unload", "free memory"),
-            description="Releases Vflash engines (device and pinned host memory) when its input arrives; passes the input through.",
+            description=(
+                "Releases Vflash engines (device and pinned host memory) when its input arrives; passes the input "
+                "through."
+            ),
             inputs=[
-                io.AnyType.Input("anything", tooltip="Any value; connect it to order the unload after the node that produces it."),
-                io.Combo.Input("what", options=list(UNLOAD_TARGETS), default="all", tooltip="all, or only the transformer (dit), text encoder (te) or VAEs (vae)."),
+                io.AnyType.Input(
+                    "anything", tooltip="Any value; connect it to order the unload after the node that produces it."
+                ),
+                io.Combo.Input(
+                    "what", options=list(UNLOAD_TARGETS), default="all",
+                    tooltip="all, or only the transformer (dit), text encoder (te) or VAEs (vae).",
+                ),
             ],
             outputs=[io.AnyType.Output("anything", tooltip="The input, passed through after the unload.")],
             is_output_node=True,

@@ -6,8 +6,9 @@ previewers for core's MiniMax-H3 video latent format, interrupts are polled with
 `throw_exception_if_processing_interrupted()`, the engines are entries of core's model management
 (`comfy_memory`: core's Unload, `/free` and its eviction release them, and Vflash asks `free_memory` for the bytes its
 next load or stage needs instead of unloading everything), the device is `get_torch_device()` read at call time
-(ComfyUI-MultiGPU patches it), videos are core `VideoFromComponents`. `ComfyFolders` (`interfaces.Folders`) lists and resolves model files through `folder_paths`. In `vflash
-run-workflow` the same classes run over the headless host's modules of those names (`headless/`).
+(ComfyUI-MultiGPU patches it), videos are core `VideoFromComponents`. `ComfyFolders` (`interfaces.Folders`) lists and
+resolves model files through `folder_paths`. In `vflash run-workflow` the same classes run over the headless host's
+modules of those names (`headless/`).
 """
 
 from __future__ import annotations
@@ -59,7 +60,9 @@ class ComfyHost:
     def check_interrupt(self) -> None:
         mm.throw_exception_if_processing_interrupted()
 
-    def preview(self, total: int, device: torch.device, channels: int) -> Callable[[int, int, torch.Tensor], None] | None:
+    def preview(
+        self, total: int, device: torch.device, channels: int
+    ) -> Callable[[int, int, torch.Tensor], None] | None:
         """A per-evaluation callback (`vflash_core.progress.PreviewFn`) that draws the x0 prediction of video
         latents with `channels` channels with core's previewer for the user's preview method (`--preview-method`, or
         the prompt's) and sends it with the step's progress on a fresh progress bar, checking for an interrupt. None
@@ -73,10 +76,15 @@ class ComfyHost:
             return None
         latent_format = getattr(latent_formats, "MiniMaxH3Video", None)
         if latent_format is None:
-            _previews_off("this ComfyUI has no MiniMaxH3Video latent format in comfy.latent_formats; update ComfyUI for them")
+            _previews_off(
+                "this ComfyUI has no MiniMaxH3Video latent format in comfy.latent_formats; update ComfyUI for them"
+            )
             return None
         if channels != latent_format.latent_channels:
-            _previews_off(f"the model's video latents have {channels} channels, core's MiniMaxH3Video format {latent_format.latent_channels}")
+            _previews_off(
+                f"the model's video latents have {channels} channels, "
+                f"core's MiniMaxH3Video format {latent_format.latent_channels}"
+            )
             return None
         previewer = latent_preview.get_previewer(device, latent_format())
         if previewer is None:
@@ -101,7 +109,13 @@ class ComfyHost:
         return comfy_memory
 
     def hold(
-        self, kind: str, label: str, engine: Any, device_bytes: int, device: torch.device, on_release: Callable[[], None]
+        self,
+        kind: str,
+        label: str,
+        engine: Any,
+        device_bytes: int,
+        device: torch.device,
+        on_release: Callable[[], None],
     ) -> _Held | _CoreHeld:
         memory = self._memory()
         if not _memory_logged:
@@ -123,13 +137,17 @@ class ComfyHost:
         if memory is None:  # nothing of the host's to release: hand this process's cached blocks back to the driver
             mm.soft_empty_cache()
             return
-        memory.make_room({torch.device(d): n for d, n in needs.items()}, [h.patcher for h in keep if isinstance(h, _CoreHeld)])
+        memory.make_room(
+            {torch.device(d): n for d, n in needs.items()}, [h.patcher for h in keep if isinstance(h, _CoreHeld)]
+        )
 
     def default_device(self) -> str:
         return str(mm.get_torch_device())
 
     def make_video(self, images, audio, fps: float):
-        return InputImpl.VideoFromComponents(Types.VideoComponents(images=images, audio=audio, frame_rate=Fraction(fps)))
+        return InputImpl.VideoFromComponents(
+            Types.VideoComponents(images=images, audio=audio, frame_rate=Fraction(fps))
+        )
 
     def log(self, line: str) -> None:
         logger.info(line)

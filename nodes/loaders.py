@@ -43,38 +43,40 @@ class VflashModelLoader(io.ComfyNode):
             category="Vflash/loaders",
             search_aliases=aliases("load transformer", "dit", "unet loader"),
             description=(
-                "Loads the MiniMax-H3 diffusion transformer into a Vflash engine (compiled, exact fixed-schedule runtime). "
-                "The profile, devices and model option are checked when the graph is queued: a profile for another GPU "
-                "architecture or a device this machine lacks is refused before any model work."
+                "Loads the MiniMax-H3 diffusion transformer into a Vflash engine (compiled, exact fixed-schedule "
+                "runtime). The profile, devices and model option are checked when the graph is queued: a profile for "
+                "another GPU architecture or a device this machine lacks is refused before any model work."
             ),
             inputs=[
                 io.Combo.Input("model", options=model_options(FOLDERS), tooltip=_MODEL_TOOLTIP),
                 io.Combo.Input(
                     "profile", options=runnable_profiles(), default="auto",
-                    tooltip="The fixed schedule, LoRA binding and GPU architecture the weights are compiled for (the id "
-                    "ends in it: -sm90 = H100/H200, -cpu). Only the profiles this machine can run are listed. 'auto' takes "
-                    "the profile recorded in a compiled artifact or receipt; official weights need an explicit one. The "
-                    "profile fixes evaluations, shifts, modes and clip durations (see the sampler's tooltip). -pruned "
-                    "profiles (approximate) are for pruned files only.",
+                    tooltip="The fixed schedule, LoRA binding and GPU architecture the weights are compiled for (the "
+                    "id ends in it: -sm90 = H100/H200, -cpu). Only the profiles this machine can run are listed. "
+                    "'auto' takes the profile recorded in a compiled artifact or receipt; official weights need an "
+                    "explicit one. The profile fixes evaluations, shifts, modes and clip durations (see the "
+                    "sampler's tooltip). -pruned profiles (approximate) are for pruned files only.",
                 ),
                 io.Combo.Input(
                     "weight_residency", options=list(WEIGHT_RESIDENCIES), default="auto",
-                    tooltip="Where the transformer blocks live. resident: all on the device. block-ring: in pinned host "
-                    "memory, streamed through two device slots (for GPUs that cannot hold the model). disk-ring: read "
-                    "from their compiled files on every pass into a few pinned buffers, for machines whose RAM cannot "
-                    "hold them (one GPU; as fast as block-ring where the GPU's compute hides the reads). auto: resident "
-                    "if it fits, else block-ring, or disk-ring where max_host_memory asks for it. Bits are identical "
-                    "either way.",
+                    tooltip="Where the transformer blocks live. resident: all on the device. block-ring: in pinned "
+                    "host memory, streamed through two device slots (for GPUs that cannot hold the model). "
+                    "disk-ring: read from their compiled files on every pass into a few pinned buffers, for machines "
+                    "whose RAM cannot hold them (one GPU; as fast as block-ring where the GPU's compute hides the "
+                    "reads). auto: resident if it fits, else block-ring, or disk-ring where max_host_memory asks for "
+                    "it. Bits are identical either way.",
                 ),
                 io.Combo.Input("device", options=present_devices(), default="auto", tooltip=DEVICE_TOOLTIP),
                 io.Combo.Input(
                     "peer_device", options=peer_devices(), default="none",
-                    tooltip="Optional second GPU of the same host that shares each evaluation (see strategy). 'none': one device.",
+                    tooltip="Optional second GPU of the same host that shares each evaluation (see strategy). "
+                    "'none': one device.",
                 ),
                 io.Combo.Input(
                     "strategy", options=list(STRATEGIES), default=STRATEGIES[0],
-                    tooltip="How two GPUs split the work: sequence-head (attention heads / sequence split, one all-to-all "
-                    "per block) or tensor (weights split, one all-reduce per block). Ignored with peer_device 'none'.",
+                    tooltip="How two GPUs split the work: sequence-head (attention heads / sequence split, one "
+                    "all-to-all per block) or tensor (weights split, one all-reduce per block). Ignored with "
+                    "peer_device 'none'.",
                 ),
                 io.Combo.Input(
                     "attention_backend", options=list(BACKENDS), default="auto",
@@ -88,9 +90,15 @@ class VflashModelLoader(io.ComfyNode):
                     "stream from their compiled files (disk-ring, ~2.2 GiB). A budget nothing fits is refused with the "
                     "numbers.",
                 ),
-                VflashLora.Input("lora", optional=True, tooltip="LoRA chain from Vflash LoRA Select; it is compiled into the weights and must match the profile's adapter."),
+                VflashLora.Input(
+                    "lora", optional=True,
+                    tooltip="LoRA chain from Vflash LoRA Select; it is compiled into the weights and must match the "
+                    "profile's adapter.",
+                ),
             ],
-            outputs=[VflashModel.Output("model", tooltip="The transformer engine (a spec; the engine loads on first use and after an unload).")],
+            outputs=[VflashModel.Output(
+                "model", tooltip="The transformer engine (a spec; the engine loads on first use and after an unload)."
+            )],
             hidden=[io.Hidden.prompt],
         )
 
@@ -98,7 +106,8 @@ class VflashModelLoader(io.ComfyNode):
     def validate_inputs(cls, model):
         """Runs when the graph is queued. ComfyUI files a refusal once per argument of this method, so it takes the
         model option alone (one error naming the folder a missing file belongs in); the other widgets are checked
-        against their lists by ComfyUI, and across each other by the first Vflash node that runs (`graph_checks.check_graph`)."""
+        against their lists by ComfyUI, and across each other by the first Vflash node that runs
+        (`graph_checks.check_graph`)."""
         return refusal(check_model_option, FOLDERS, model)
 
     @classmethod
@@ -110,7 +119,8 @@ class VflashModelLoader(io.ComfyNode):
         cls, model, profile, weight_residency, device, peer_device, strategy, attention_backend, lora=None,
         max_host_memory=0.0,
     ):
-        check_graph(getattr(cls.hidden, "prompt", None), HOST, FOLDERS)  # the loaders' widgets, profile vs the graph's requests
+        # the loaders' widgets, profile vs the graph's requests
+        check_graph(getattr(cls.hidden, "prompt", None), HOST, FOLDERS)
         spec = actions.load_model(
             ENGINES, HOST, FOLDERS, model, profile, weight_residency, device, peer_device, strategy, attention_backend,
             lora, max_host_memory,
@@ -128,7 +138,10 @@ class VflashLoraSelect(io.ComfyNode):
             search_aliases=aliases("lora", "turbo lora"),
             description="Adds one LoRA file to a chain for the Vflash Model Loader.",
             inputs=[
-                io.Combo.Input("lora", options=lora_options(FOLDERS), tooltip="A LoRA in models/loras (diffusers/peft, original, kohya, musubi or DiffSynth naming)."),
+                io.Combo.Input(
+                    "lora", options=lora_options(FOLDERS),
+                    tooltip="A LoRA in models/loras (diffusers/peft, original, kohya, musubi or DiffSynth naming).",
+                ),
                 io.Float.Input(
                     "strength", default=1.0, min=-4.0, max=4.0, step=0.01,
                     tooltip="Scale of the low-rank residual (strength * alpha / rank per module). Compiled artifacts "
@@ -136,7 +149,9 @@ class VflashLoraSelect(io.ComfyNode):
                 ),
                 VflashLora.Input("prev", optional=True, tooltip="Earlier LoRAs of the chain."),
             ],
-            outputs=[VflashLora.Output("lora", tooltip="The chain so far; connect it to the model loader or to the next LoRA Select.")],
+            outputs=[VflashLora.Output(
+                "lora", tooltip="The chain so far; connect it to the model loader or to the next LoRA Select."
+            )],
         )
 
     @classmethod
@@ -155,10 +170,18 @@ class _ComponentLoader(io.ComfyNode):
     OPTION = ""
 
     @classmethod
-    def component_schema(cls, node_id: str, display_name: str, search_aliases: list[str], description: str, option_tooltip: str,
-                         output: io.Output) -> io.Schema:
+    def component_schema(
+        cls,
+        node_id: str,
+        display_name: str,
+        search_aliases: list[str],
+        description: str,
+        option_tooltip: str,
+        output: io.Output,
+    ) -> io.Schema:
         return io.Schema(
-            node_id=node_id, display_name=display_name, category="Vflash/loaders", search_aliases=search_aliases, description=description,
+            node_id=node_id, display_name=display_name, category="Vflash/loaders", search_aliases=search_aliases,
+            description=description,
             inputs=[
                 io.Combo.Input(cls.OPTION, options=component_options(FOLDERS, cls.KIND), tooltip=option_tooltip),
                 io.Combo.Input("device", options=present_devices(), default="auto", tooltip=DEVICE_TOOLTIP),
@@ -188,7 +211,8 @@ class VflashTextEncoderLoader(_ComponentLoader):
     @classmethod
     def define_schema(cls):
         return cls.component_schema(
-            "VflashTextEncoderLoader", "MiniMax H3 Vflash Text Encoder Loader", aliases("qwen3-vl", "text encoder", "clip"),
+            "VflashTextEncoderLoader", "MiniMax H3 Vflash Text Encoder Loader",
+            aliases("qwen3-vl", "text encoder", "clip"),
             "Loads MiniMax-H3's Qwen3-VL conditioner (text encoder, tokenizer and processor of a diffusers model "
             "folder), bitwise the diffusers conditioning. For the single file in text_encoders/ use core CLIPLoader "
             "(type minimax) instead: Vflash Encode takes its CLIP.",

@@ -26,9 +26,9 @@ def peer_devices() -> list[str]:
 
 
 DEVICE_TOOLTIP = (
-    "'auto' = ComfyUI's compute device, read when the node runs (get_torch_device(); --cpu gives cpu); a model compiled "
-    "for a CPU profile (embedded-demo) runs on the CPU. Only the devices this machine has are listed; a saved cuda:N "
-    "that it lacks is refused when the graph is queued, never a fallback."
+    "'auto' = ComfyUI's compute device, read when the node runs (get_torch_device(); --cpu gives cpu); a model "
+    "compiled for a CPU profile (embedded-demo) runs on the CPU. Only the devices this machine has are listed; a "
+    "saved cuda:N that it lacks is refused when the graph is queued, never a fallback."
 )
 
 TE_TOOLTIP = (

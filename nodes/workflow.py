@@ -140,7 +140,10 @@ def check_api_workflow(data: Any, what: str = "workflow") -> dict[str, dict[str,
             f"{what} is a UI-format (graph) workflow; run-workflow takes the API format "
             "(ComfyUI: Workflow > Export (API); Vflash ships them under workflows/api/)"
         )
-    if isinstance(data, dict) and "prompt" in data and isinstance(data["prompt"], dict) and "class_type" not in data["prompt"]:
+    if (
+        isinstance(data, dict) and "prompt" in data and isinstance(data["prompt"], dict)
+        and "class_type" not in data["prompt"]
+    ):
         data = data["prompt"]  # a saved `POST /prompt` body
     if not isinstance(data, dict) or not data:
         raise WorkflowError(f"{what}: an API workflow is a non-empty object of nodes")
@@ -148,10 +151,16 @@ def check_api_workflow(data: Any, what: str = "workflow") -> dict[str, dict[str,
     for key, node in data.items():
         node_id = _node_id(key)
         if node_id is None:
-            raise WorkflowError(f"{what}: node id {key!r} is not one ComfyUI writes (ASCII digits, e.g. \"12\", or \"12:3\" inside a subgraph)")
+            raise WorkflowError(
+                f"{what}: node id {key!r} is not one ComfyUI writes "
+                "(ASCII digits, e.g. \"12\", or \"12:3\" inside a subgraph)"
+            )
         if node_id in out:
             raise WorkflowError(f"{what}: node {node_id} appears twice (as {key!r} too)")
-        if not isinstance(node, dict) or not isinstance(node.get("class_type"), str) or not isinstance(node.get("inputs", {}), dict):
+        if (
+            not isinstance(node, dict) or not isinstance(node.get("class_type"), str)
+            or not isinstance(node.get("inputs", {}), dict)
+        ):
             raise WorkflowError(f"{what}: node {key!r} needs a 'class_type' string and an 'inputs' object")
         inputs = {}
         for name, value in node.get("inputs", {}).items():
@@ -174,10 +183,14 @@ def apply_overrides(workflow: dict[str, dict[str, Any]], assignments: Iterable[s
         node_ref, dot, name = target.partition(".")
         if not sep or not dot or not node_ref or not name:
             raise WorkflowError(f"--set {assignment!r}: expected NODE.INPUT=VALUE (NODE is a node id or title)")
-        matches = [nid for nid, node in out.items() if nid == node_ref or node.get("_meta", {}).get("title") == node_ref]
+        matches = [
+            nid for nid, node in out.items() if nid == node_ref or node.get("_meta", {}).get("title") == node_ref
+        ]
         if len(matches) != 1:
             known = ", ".join(f"{nid} ({n['class_type']})" for nid, n in out.items())
-            raise WorkflowError(f"--set {assignment!r}: {'no' if not matches else 'more than one'} node {node_ref!r}; nodes: {known}")
+            raise WorkflowError(
+                f"--set {assignment!r}: {'no' if not matches else 'more than one'} node {node_ref!r}; nodes: {known}"
+            )
         inputs = out[matches[0]].setdefault("inputs", {})
         if is_link(inputs.get(name)):
             raise WorkflowError(f"--set {assignment!r}: input {name!r} of node {matches[0]} is a link, not a value")
@@ -201,7 +214,9 @@ def plan(workflow: Mapping[str, Mapping[str, Any]], node_types: Mapping[str, Nod
     missing nodes or outputs, type mismatches, numbers outside their widgets' ranges, cycles, no output node.
     """
     workflow = check_api_workflow(workflow)
-    unsupported = sorted({f"{nid} ({n['class_type']})" for nid, n in workflow.items() if n["class_type"] not in node_types})
+    unsupported = sorted(
+        {f"{nid} ({n['class_type']})" for nid, n in workflow.items() if n["class_type"] not in node_types}
+    )
     if unsupported:
         raise WorkflowError(
             f"unsupported nodes: {', '.join(unsupported)}; this runner executes {', '.join(sorted(node_types))}"
@@ -221,8 +236,13 @@ def plan(workflow: Mapping[str, Mapping[str, Any]], node_types: Mapping[str, Nod
                         spec.numbers[name].check(f"node {nid} ({spec.class_type}).{name}", value)
                     except VflashError as exc:
                         problems.append(str(exc))
-                elif expected is not None and (not isinstance(value, expected) or isinstance(value, bool) != (expected is bool)):
-                    problems.append(f"node {nid} ({spec.class_type}).{name} takes {spec.inputs[name]}, got {json.dumps(value)[:80]}")
+                elif expected is not None and (
+                    not isinstance(value, expected) or isinstance(value, bool) != (expected is bool)
+                ):
+                    problems.append(
+                        f"node {nid} ({spec.class_type}).{name} takes {spec.inputs[name]}, "
+                        f"got {json.dumps(value)[:80]}"
+                    )
                 continue
             src_id, index = value
             if src_id not in workflow:
@@ -267,7 +287,8 @@ def _dependency_order(workflow: Mapping[str, Mapping[str, Any]], outputs: list[s
                 order.append(finished)
             elif source in on_path:
                 cycle = [*path[path.index(source):], source]
-                shown = cycle if len(cycle) <= 12 else [*cycle[:6], "...", *cycle[-5:]]  # one line, however long the cycle
+                # one line, however long the cycle
+                shown = cycle if len(cycle) <= 12 else [*cycle[:6], "...", *cycle[-5:]]
                 raise WorkflowError(f"the workflow has a cycle of {len(cycle) - 1} node(s): {' -> '.join(shown)}")
             elif source not in done:
                 path.append(source)
@@ -329,7 +350,10 @@ def execute(
         for name, value in constants.items():  # combo values, as ComfyUI checks them against the options it lists
             if name in spec.choices and value not in spec.choices[name]:
                 shown = ", ".join(map(str, spec.choices[name][:12])) + (" ..." if len(spec.choices[name]) > 12 else "")
-                refusals.append(f"node {nid} ({node['class_type']}): {name} must be one of {shown or '(none listed)'}, got {json.dumps(value)[:80]}")
+                refusals.append(
+                    f"node {nid} ({node['class_type']}): {name} must be one of {shown or '(none listed)'}, "
+                    f"got {json.dumps(value)[:80]}"
+                )
         verdict = True if spec.validate is None else spec.validate(**constants)
         if verdict is not True:
             refusals.append(f"node {nid} ({node['class_type']}): {verdict}")
@@ -339,13 +363,19 @@ def execute(
     for nid in order:
         node = workflow[nid]
         spec = node_types[node["class_type"]]
-        values = {name: report.outputs[value[0]][value[1]] if is_link(value) else value for name, value in node.get("inputs", {}).items()}
+        values = {
+            name: report.outputs[value[0]][value[1]] if is_link(value) else value
+            for name, value in node.get("inputs", {}).items()
+        }
         if on_node is not None:
             on_node(nid, spec.class_type)
         start = time.perf_counter()
         result = spec.run(**nest_inputs(values))
         if not isinstance(result, tuple) or len(result) != len(spec.outputs):
-            raise TypeError(f"{spec.class_type}.run returned {type(result).__name__} of length {len(result) if isinstance(result, tuple) else '?'}, expected {len(spec.outputs)} outputs")
+            raise TypeError(
+                f"{spec.class_type}.run returned {type(result).__name__} of length "
+                f"{len(result) if isinstance(result, tuple) else '?'}, expected {len(spec.outputs)} outputs"
+            )
         report.outputs[nid] = result
         report.seconds[nid] = time.perf_counter() - start
     return report
@@ -370,11 +400,17 @@ def node_types(classes: Mapping[str, type], prompt: Mapping[str, Any] | None = N
                 widgets.update({f"{inp.id}.{slot.id}": slot for slot in slots})
                 required.update(f"{inp.id}.{slot.id}" for slot in slots[: 0 if inp.optional else inp.template.min])
                 continue
-            widgets.update(_dynamic_combo_inputs(inp, inp.id) if isinstance(inp, io.DynamicCombo.Input) else {inp.id: inp})
+            widgets.update(
+                _dynamic_combo_inputs(inp, inp.id) if isinstance(inp, io.DynamicCombo.Input) else {inp.id: inp}
+            )
             if not inp.optional:
                 required.add(inp.id)
-        inputs = {key: "COMBO" if isinstance(inp, io.DynamicCombo.Input) else inp.get_io_type() for key, inp in widgets.items()}
-        if any(getattr(inp, "upload", None) is not None for inp in schema.inputs):  # the frontend's upload button: some exports carry its value
+        inputs = {
+            key: "COMBO" if isinstance(inp, io.DynamicCombo.Input) else inp.get_io_type()
+            for key, inp in widgets.items()
+        }
+        # the frontend's upload button: some exports carry its value
+        if any(getattr(inp, "upload", None) is not None for inp in schema.inputs):
             inputs["upload"] = "COMBO"
         numbers = {key: Number(_NUMBER_KINDS[inputs[key]], getattr(inp, "min", None), getattr(inp, "max", None))
                    for key, inp in widgets.items() if inputs[key] in _NUMBER_KINDS}
@@ -444,8 +480,12 @@ def _validator(own: Callable[..., Any] | None) -> Callable[..., Any]:
 
 
 @contextlib.contextmanager
-def headless_node_types(output_dir: str | Path = "output", input_dir: str | Path = "input", models_dir: str | Path | None = None,
-                        prompt: Mapping[str, Any] | None = None) -> Iterator[dict[str, NodeType]]:
+def headless_node_types(
+    output_dir: str | Path = "output",
+    input_dir: str | Path = "input",
+    models_dir: str | Path | None = None,
+    prompt: Mapping[str, Any] | None = None,
+) -> Iterator[dict[str, NodeType]]:
     """The node table of `vflash run-workflow`, valid inside the block: every Vflash node and the core stand-ins, the
     real V3 classes over the headless host (`vflash_nodes.headless`)."""
     from .headless import installed
@@ -472,15 +512,20 @@ class _TqdmProgress:
             self.bar = None
 
 
-def run_headless(workflow: Mapping[str, Mapping[str, Any]], output_dir: str | Path = "output", input_dir: str | Path = "input",
-                 models_dir: str | Path | None = None) -> list[Path]:
+def run_headless(
+    workflow: Mapping[str, Mapping[str, Any]],
+    output_dir: str | Path = "output",
+    input_dir: str | Path = "input",
+    models_dir: str | Path | None = None,
+) -> list[Path]:
     """Run an API workflow without ComfyUI; returns the files its SaveVideo nodes wrote. Engines are closed after."""
     output_dir = Path(output_dir)
     workflow = check_api_workflow(workflow)  # the nodes read it as their hidden prompt: links in one form
     with headless_node_types(output_dir, input_dir, models_dir, workflow) as types:
         plan(workflow, types)
         folders = importlib.import_module(f"{__package__}.host").FOLDERS  # the install's, like comfy.utils below
-        refusals = graph_refusals(workflow, folders)  # profile vs the graph's requests, as the Vflash nodes check in ComfyUI
+        # profile vs the graph's requests, as the Vflash nodes check in ComfyUI
+        refusals = graph_refusals(workflow, folders)
         if refusals:
             raise WorkflowError("the workflow was refused before running: " + "; ".join(refusals))
         importlib.import_module("comfy.utils").set_progress_bar_global_hook(_TqdmProgress())

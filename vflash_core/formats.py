@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeGuard, overload
 
 import torch
 
@@ -56,7 +57,9 @@ ARCH_FAMILIES: dict[str, ArchFamily] = {f.tag: f for f in (
     ArchFamily("sm89", "sm89 GPUs (RTX 40xx / L4 / L40)", ((8, 9),), fp8=True, fa3=False),
     ArchFamily("sm90", "sm90 GPUs (H100 / H200)", ((9, 0),), fp8=True, fa3=True),
     ArchFamily("sm100", "sm100 GPUs (B200 / GB200, sm103 B300 / GB300)", ((10, 0), (10, 3)), fp8=True, fa3=False),
-    ArchFamily("sm120", "sm120 GPUs (RTX 50xx / RTX PRO Blackwell, sm121 GB10)", ((12, 0), (12, 1)), fp8=True, fa3=False),
+    ArchFamily(
+        "sm120", "sm120 GPUs (RTX 50xx / RTX PRO Blackwell, sm121 GB10)", ((12, 0), (12, 1)), fp8=True, fa3=False
+    ),
 )}
 _CAPABILITY_FAMILY = {capability: family.tag for family in ARCH_FAMILIES.values() for capability in family.capabilities}
 
@@ -91,12 +94,22 @@ ARCH_NAMES = {"cpu": "the CPU", **{tag: family.name for tag, family in ARCH_FAMI
 GPU_INDEX = Number(int, 0)
 
 
+@overload
+def gpu_device(gpu: int | None, default: str = "cpu") -> str: ...
+
+
+@overload
+def gpu_device(gpu: int | None, default: None) -> str | None: ...
+
+
 def gpu_device(gpu: int | None, default: str | None = "cpu") -> str | None:
     """The device a command line's `--gpu N` names, `"cuda:N"`, or `default` where it was not given."""
     return default if gpu is None else f"cuda:{gpu}"
 
 
-def check_device(device: int | str | torch.device, arch: str | None, role: str = "device", profile_id: str | None = None) -> torch.device:
+def check_device(
+    device: int | str | torch.device, arch: str | None, role: str = "device", profile_id: str | None = None
+) -> torch.device:
     """The one resolution of a device a caller names (`"cpu"`, `"cuda:N"`, a GPU index, a `torch.device`; `"cuda"` is
     the current CUDA device, with its index): a device this machine has and, when `arch` is given, of the
     architecture the profile's tables were computed on; checked before any model loads (`profile_id` names the
@@ -119,8 +132,13 @@ def check_device(device: int | str | torch.device, arch: str | None, role: str =
     found = device_arch(resolved)
     if arch is not None and found != arch:
         profile = f"profile {profile_id}" if profile_id else "the profile"
-        uncovered = "" if found in ARCH_NAMES else f", which no Vflash profile runs on (GPU families: {', '.join(ARCH_FAMILIES)})"
-        raise IdentityMismatchError(f"{profile} runs on {ARCH_NAMES.get(arch, arch)}; the {role} {resolved} is {found}{uncovered}")
+        uncovered = (
+            "" if found in ARCH_NAMES
+            else f", which no Vflash profile runs on (GPU families: {', '.join(ARCH_FAMILIES)})"
+        )
+        raise IdentityMismatchError(
+            f"{profile} runs on {ARCH_NAMES.get(arch, arch)}; the {role} {resolved} is {found}{uncovered}"
+        )
     return resolved
 
 
@@ -144,13 +162,19 @@ def is_number(value: object) -> bool:
     return is_real(value) and math.isfinite(value)  # type: ignore[arg-type]
 
 
-def is_text(value: object) -> bool:
+def is_text(value: object) -> TypeGuard[str]:
     return isinstance(value, str) and bool(value)
 
 
 def is_file_name(value: object) -> bool:
     """A plain file name: a record naming a file beside it must not reach outside its folder."""
-    return is_text(value) and "/" not in value and "\\" not in value and "\x00" not in value and value not in (".", "..")  # type: ignore[operator]
+    return (
+        is_text(value)
+        and "/" not in value
+        and "\\" not in value
+        and "\x00" not in value
+        and value not in (".", "..")
+    )
 
 
 def is_object(value: object) -> bool:
@@ -183,7 +207,9 @@ def field_problem(record: object, fields: Sequence[Field]) -> tuple[str, object,
 MISSING = object()
 
 
-def check_fields(record: object, fields: Sequence[Field], where: str, hint: str = "", error: type[VflashError] = VflashError) -> None:
+def check_fields(
+    record: object, fields: Sequence[Field], where: str, hint: str = "", error: type[VflashError] = VflashError
+) -> None:
     """Refuse a record (a receipt, a manifest, a bundle's) unless every field of `fields` is present and passes its
     test, before any value is used: "<where> has no <key>" or "<where>: <key> must be <what>, got <value>", then
     `hint` (what to do about it)."""

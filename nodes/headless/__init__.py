@@ -65,7 +65,9 @@ def installed(output_dir: str | Path, input_dir: str | Path, models_dir: str | P
     """The node pack loaded over the headless host with these folders; its engines are closed on exit."""
     present = sys.modules.get("comfy_api")
     if present is not None and not getattr(present, "VFLASH_HEADLESS", False):
-        raise VflashError("ComfyUI is loaded in this process; queue the workflow in ComfyUI instead of running it headless")
+        raise VflashError(
+            "ComfyUI is loaded in this process; queue the workflow in ComfyUI instead of running it headless"
+        )
     runtime, folders = _fresh("comfy_runtime"), _fresh("folder_paths")
     folders.configure(str(output_dir), str(input_dir), None if models_dir is None else str(models_dir))
     api = importlib.import_module(f"{__name__}.comfy_api")

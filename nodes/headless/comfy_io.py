@@ -22,9 +22,12 @@ class UploadType(str, Enum):
 class Input:
     Parent: type
 
-    def __init__(self, id: str, display_name: str | None = None, optional: bool = False, tooltip: str | None = None, **extra: Any):
+    def __init__(
+        self, id: str, display_name: str | None = None, optional: bool = False, tooltip: str | None = None, **extra: Any
+    ):
         self.id, self.display_name, self.optional, self.tooltip = id, display_name, optional, tooltip
-        vars(self).update(extra)  # the other options (min, max, step, control_after_generate, ...) as ComfyUI's attributes
+        # the other options (min, max, step, control_after_generate, ...) as ComfyUI's attributes
+        vars(self).update(extra)
 
     def get_io_type(self) -> str:
         return self.Parent.io_type
@@ -79,8 +82,12 @@ class _Widget(ComfyTypeIO):
     Input = WidgetInput
 
 
-Boolean, Int, Float = (comfytype(t)(type(n, (_Widget,), {})) for n, t in (("Boolean", "BOOLEAN"), ("Int", "INT"), ("Float", "FLOAT")))
-Image, Mask, Latent, Clip, Vae, Audio, Video = (Custom(t) for t in ("IMAGE", "MASK", "LATENT", "CLIP", "VAE", "AUDIO", "VIDEO"))
+Boolean, Int, Float = (
+    comfytype(t)(type(n, (_Widget,), {})) for n, t in (("Boolean", "BOOLEAN"), ("Int", "INT"), ("Float", "FLOAT"))
+)
+Image, Mask, Latent, Clip, Vae, Audio, Video = (
+    Custom(t) for t in ("IMAGE", "MASK", "LATENT", "CLIP", "VAE", "AUDIO", "VIDEO")
+)
 AnyType = Custom("*")
 
 
@@ -93,10 +100,24 @@ class String(ComfyTypeIO):
 @comfytype(io_type="COMBO")
 class Combo(ComfyTypeIO):
     class Input(WidgetInput):
-        def __init__(self, id: str, options: list | type[Enum] | None = None, display_name: str | None = None, optional: bool = False,
-                     tooltip: str | None = None, default: Any = None, upload: UploadType | None = None, **extra: Any):
-            super().__init__(id, display_name, optional, tooltip, default=default.value if isinstance(default, Enum) else default, **extra)
-            self.options = [v.value for v in options] if isinstance(options, type) and issubclass(options, Enum) else options
+        def __init__(
+            self,
+            id: str,
+            options: list | type[Enum] | None = None,
+            display_name: str | None = None,
+            optional: bool = False,
+            tooltip: str | None = None,
+            default: Any = None,
+            upload: UploadType | None = None,
+            **extra: Any,
+        ):
+            super().__init__(
+                id, display_name, optional, tooltip, default=default.value if isinstance(default, Enum) else default,
+                **extra,
+            )
+            self.options = (
+                [v.value for v in options] if isinstance(options, type) and issubclass(options, Enum) else options
+            )
             self.upload = upload  # the frontend adds a "choose file to upload" button widget
 
 
@@ -104,7 +125,15 @@ class MultiType:
     """An input that takes several types; its io type is theirs comma-joined (ComfyUI's multi-type socket)."""
 
     class Input(Input):
-        def __init__(self, id: str, types: list, display_name: str | None = None, optional: bool = False, tooltip: str | None = None, **extra: Any):
+        def __init__(
+            self,
+            id: str,
+            types: list,
+            display_name: str | None = None,
+            optional: bool = False,
+            tooltip: str | None = None,
+            **extra: Any,
+        ):
             super().__init__(id, display_name, optional, tooltip, **extra)
             self.types = types
 
@@ -131,8 +160,15 @@ class Autogrow(ComfyTypeI):
             return slots
 
     class Input(DynamicInput):
-        def __init__(self, id: str, template: Autogrow.TemplatePrefix, display_name: str | None = None, optional: bool = False,
-                     tooltip: str | None = None, **extra: Any):
+        def __init__(
+            self,
+            id: str,
+            template: Autogrow.TemplatePrefix,
+            display_name: str | None = None,
+            optional: bool = False,
+            tooltip: str | None = None,
+            **extra: Any,
+        ):
             super().__init__(id, display_name, optional, tooltip, **extra)
             self.template = template
 
@@ -147,7 +183,15 @@ class DynamicCombo(ComfyTypeI):
             self.key, self.inputs = key, inputs
 
     class Input(DynamicInput):
-        def __init__(self, id: str, options: list, display_name: str | None = None, optional: bool = False, tooltip: str | None = None, **extra: Any):
+        def __init__(
+            self,
+            id: str,
+            options: list,
+            display_name: str | None = None,
+            optional: bool = False,
+            tooltip: str | None = None,
+            **extra: Any,
+        ):
             super().__init__(id, display_name, optional, tooltip, **extra)
             self.options = options
 

@@ -37,8 +37,10 @@ class ProgressBar:
             return
         now = time.perf_counter()
         percent = (value - max(0, self._last_sent)) / self.total * 100 if self.total > 0 else 100
-        if (preview is not None or self._last_sent < 0 or value >= self.total
-                or (now - self._last_time >= PROGRESS_THROTTLE_MIN_INTERVAL and percent >= PROGRESS_THROTTLE_MIN_PERCENT)):
+        if (
+            preview is not None or self._last_sent < 0 or value >= self.total
+            or (now - self._last_time >= PROGRESS_THROTTLE_MIN_INTERVAL and percent >= PROGRESS_THROTTLE_MIN_PERCENT)
+        ):
             self.hook(value, self.total, preview, node_id=self.node_id)
             self._last_time, self._last_sent = now, value
 

@@ -52,7 +52,8 @@ class EmptyMiniMaxH3LatentAV(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
         return io.Schema(
-            node_id="EmptyMiniMaxH3LatentAV", display_name="Empty MiniMax H3 AV Latent", category="model/latent/minimax",
+            node_id="EmptyMiniMaxH3LatentAV", display_name="Empty MiniMax H3 AV Latent",
+            category="model/latent/minimax",
             inputs=[io.Int.Input("width", default=1344, min=32, max=16384, step=32),
                     io.Int.Input("height", default=768, min=32, max=16384, step=32),
                     io.Int.Input("length", default=124, min=5, max=3600, step=17)],
@@ -71,7 +72,8 @@ class CreateVideo(io.ComfyNode):
         return io.Schema(
             node_id="CreateVideo", display_name="Create Video", category="video",
             inputs=[io.Image.Input("images"), io.Float.Input("fps", default=30.0, min=1.0, max=120.0, step=1.0),
-                    io.Audio.Input("audio", optional=True), io.Int.Input("bit_depth", min=8, max=10, default=8, step=2, optional=True)],
+                    io.Audio.Input("audio", optional=True),
+                    io.Int.Input("bit_depth", min=8, max=10, default=8, step=2, optional=True)],
             outputs=[io.Video.Output()],
         )
 
@@ -79,22 +81,28 @@ class CreateVideo(io.ComfyNode):
     def execute(cls, images, fps: float, audio: dict | None = None, bit_depth: int = 8) -> io.NodeOutput:
         if bit_depth != 8:
             raise VflashError(f"CreateVideo: the headless runner writes 8-bit video, got bit_depth {bit_depth}")
-        return io.NodeOutput(InputImpl.VideoFromComponents(Types.VideoComponents(images=images, audio=audio, frame_rate=Fraction(fps))))
+        return io.NodeOutput(
+            InputImpl.VideoFromComponents(Types.VideoComponents(images=images, audio=audio, frame_rate=Fraction(fps)))
+        )
 
 
 def _codec_input(optional: bool = False) -> io.DynamicCombo.Input:
     """Core's codec choice: auto, or h264 / av1 with an optional encoding mode (auto / re-encode)."""
     encoding = io.DynamicCombo.Input("encoding", optional=True, options=[
         io.DynamicCombo.Option("auto", []),
-        io.DynamicCombo.Option("re-encode", [io.Float.Input("crf", default=23.0, min=0.0, max=51.0, step=1.0),
-                                             io.Combo.Input("color_space", options=["auto", "bt709", "bt601"], default="auto")]),
+        io.DynamicCombo.Option("re-encode", [
+            io.Float.Input("crf", default=23.0, min=0.0, max=51.0, step=1.0),
+            io.Combo.Input("color_space", options=["auto", "bt709", "bt601"], default="auto"),
+        ]),
     ])
-    return io.DynamicCombo.Input("codec", optional=optional, options=[io.DynamicCombo.Option(c, [] if c == "auto" else [encoding]) for c in ("auto", "h264", "av1")])
+    return io.DynamicCombo.Input("codec", optional=optional, options=[
+        io.DynamicCombo.Option(c, [] if c == "auto" else [encoding]) for c in ("auto", "h264", "av1")
+    ])
 
 
 def _choice(value: Any, key: str) -> tuple[Any, dict]:
-    """A DynamicCombo's (choice, child values): ComfyUI passes ``{key: choice, <child>: ...}``, a plain value when it has
-    no children."""
+    """A DynamicCombo's (choice, child values): ComfyUI passes ``{key: choice, <child>: ...}``, a plain value when it
+    has no children."""
     return (value.get(key, "auto"), value) if isinstance(value, dict) else (value, {})
 
 
@@ -105,7 +113,10 @@ def _format_refusal(format: Any, codec: Any) -> str | None:
     name, children = _choice(children.get("codec") or codec or "auto", "codec")
     encoding, _ = _choice(children.get("encoding", "auto"), "encoding")
     if container not in ("auto", "mp4") or name not in ("auto", "h264") or encoding != "auto":
-        return f"the headless runner writes mp4/h264 with its own encoding (got format {container!r}, codec {name!r}, encoding {encoding!r})"
+        return (
+            "the headless runner writes mp4/h264 with its own encoding "
+            f"(got format {container!r}, codec {name!r}, encoding {encoding!r})"
+        )
     return None
 
 
@@ -115,7 +126,9 @@ class SaveVideo(io.ComfyNode):
         return io.Schema(
             node_id="SaveVideo", display_name="Save Video", category="video",
             inputs=[io.Video.Input("video"), io.String.Input("filename_prefix", default="video/ComfyUI"),
-                    io.DynamicCombo.Input("format", options=[io.DynamicCombo.Option(k, [_codec_input()]) for k in ("auto", "mp4", "mkv")]),
+                    io.DynamicCombo.Input("format", options=[
+                        io.DynamicCombo.Option(k, [_codec_input()]) for k in ("auto", "mp4", "mkv")
+                    ]),
                     _codec_input(optional=True)],  # core's hidden top-level codec, which the frontend exports
             hidden=[io.Hidden.prompt, io.Hidden.extra_pnginfo], is_output_node=True, outputs=[io.Video.Output("video")],
         )
@@ -127,7 +140,10 @@ class SaveVideo(io.ComfyNode):
             return f"filename_prefix must be a non-empty string, got {json.dumps(filename_prefix)}"
         if filename_prefix is not None and "\x00" in filename_prefix:
             return "filename_prefix must not contain a NUL character"
-        if filename_prefix is not None and Path(output).resolve() not in (Path(output) / filename_prefix).resolve().parents:
+        if (
+            filename_prefix is not None
+            and Path(output).resolve() not in (Path(output) / filename_prefix).resolve().parents
+        ):
             return f"filename_prefix {filename_prefix!r} points outside the output folder {output}"
         if filename_prefix is not None:  # every folder it names, and the file `execute` writes, fit the names' limit
             *folders, stem = Path(filename_prefix).parts
@@ -148,11 +164,17 @@ class SaveVideo(io.ComfyNode):
         if components.audio is None:
             raise VflashError("SaveVideo: the headless runner writes video with its soundtrack; the VIDEO has no audio")
         if components.frame_rate != int(components.frame_rate):
-            raise VflashError(f"SaveVideo: the headless runner writes whole frame rates, got {float(components.frame_rate)}")
+            raise VflashError(
+                f"SaveVideo: the headless runner writes whole frame rates, got {float(components.frame_rate)}"
+            )
         width, height = video.get_dimensions()
-        folder, stem, counter, _, _ = folder_paths.get_save_image_path(filename_prefix, folder_paths.get_output_directory(), width, height)
+        folder, stem, counter, _, _ = folder_paths.get_save_image_path(
+            filename_prefix, folder_paths.get_output_directory(), width, height
+        )
         metadata = {"prompt": cls.hidden.prompt} if cls.hidden.prompt is not None else {}
-        video.save_to(os.path.join(folder, f"{stem}_{counter:05}_.mp4"), metadata={**metadata, **(cls.hidden.extra_pnginfo or {})})
+        video.save_to(
+            os.path.join(folder, f"{stem}_{counter:05}_.mp4"), metadata={**metadata, **(cls.hidden.extra_pnginfo or {})}
+        )
         return io.NodeOutput(video)
 
 
@@ -174,7 +196,9 @@ class LoadImage(io.ComfyNode):
         from PIL import Image, ImageOps
 
         with Image.open(folder_paths.get_annotated_filepath(image)) as img:
-            rgb = torch.from_numpy(np.asarray(ImageOps.exif_transpose(img).convert("RGB"), dtype=np.float32) / 255.0)[None]
+            rgb = torch.from_numpy(
+                np.asarray(ImageOps.exif_transpose(img).convert("RGB"), dtype=np.float32) / 255.0
+            )[None]
         return io.NodeOutput(rgb, torch.zeros(rgb.shape[:3]))
 
 
@@ -198,10 +222,15 @@ class LoadAudio(io.ComfyNode):
 
         with av.open(folder_paths.get_annotated_filepath(audio)) as container:
             stream = container.streams.audio[0]
-            resampler = av.AudioResampler(format="fltp", layout="stereo" if stream.channels > 1 else "mono", rate=stream.rate)
+            resampler = av.AudioResampler(
+                format="fltp", layout="stereo" if stream.channels > 1 else "mono", rate=stream.rate
+            )
             chunks = [f.to_ndarray() for frame in container.decode(stream) for f in resampler.resample(frame)]
             rate = stream.rate
-        return io.NodeOutput({"waveform": torch.from_numpy(np.concatenate(chunks, axis=1).astype(np.float32))[None], "sample_rate": int(rate)})
+        return io.NodeOutput({
+            "waveform": torch.from_numpy(np.concatenate(chunks, axis=1).astype(np.float32))[None],
+            "sample_rate": int(rate),
+        })
 
 
 NODES: list[type[io.ComfyNode]] = [EmptyMiniMaxH3LatentAV, CreateVideo, SaveVideo, LoadImage, LoadAudio]

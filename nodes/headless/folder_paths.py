@@ -21,7 +21,10 @@ def configure(output_dir: str, input_dir: str, models: str | None) -> None:
     folder_names_and_paths.clear()
     if models is None:
         return
-    sub = {"loras": ["loras"], "vae": ["vae"], "text_encoders": ["text_encoders", "clip"], "diffusion_models": ["unet", "diffusion_models"]}
+    sub = {
+        "loras": ["loras"], "vae": ["vae"], "text_encoders": ["text_encoders", "clip"],
+        "diffusion_models": ["unet", "diffusion_models"],
+    }
     for key, names in sub.items():
         folder_names_and_paths[key] = ([os.path.join(models, n) for n in names], set(supported_pt_extensions))
     folder_names_and_paths["diffusers"] = ([os.path.join(models, "diffusers")], ["folder"])
@@ -82,7 +85,9 @@ def get_annotated_filepath(name: str) -> str:
     return str(resolve_inside(input_directory, name, "input file"))
 
 
-def get_save_image_path(filename_prefix: str, output_dir: str, image_width: int = 0, image_height: int = 0) -> tuple[str, str, int, str, str]:
+def get_save_image_path(
+    filename_prefix: str, output_dir: str, image_width: int = 0, image_height: int = 0
+) -> tuple[str, str, int, str, str]:
     """(folder, file name stem, next free counter, subfolder, prefix): ``<stem>_<counter:05>_.<ext>`` counts up past
     every existing file of the stem, inside `output_dir` only."""
     subfolder, filename = os.path.split(os.path.normpath(filename_prefix))

@@ -56,9 +56,7 @@ def _denoise(args: argparse.Namespace) -> int:
     if os.path.lexists(args.bundle) and not os.path.isdir(args.bundle):
         raise VflashError(f"--bundle {args.bundle} is not a folder; give the conditioning bundle's folder")
     profile = get_profile(args.profile)
-    named = gpu_device(args.gpu)
-    assert named is not None  # without --gpu, gpu_device's default: "cpu"
-    device = check_device(named, profile.arch, profile_id=profile.id)
+    device = check_device(gpu_device(args.gpu), profile.arch, profile_id=profile.id)
     for peer in args.peer_gpu or ():
         check_device(peer, profile.arch, "peer device", profile.id)
     bundle = ConditioningBundle.load(args.bundle)

@@ -130,10 +130,8 @@ class RunOptions:
     @classmethod
     def from_arguments(cls, args: argparse.Namespace, **extra: object) -> RunOptions:
         """The options from `add_arguments`' flags (plus `extra` fields, e.g. profile_denoise)."""
-        device = gpu_device(args.gpu)
-        assert device is not None  # without --gpu, gpu_device's default: "cpu"
         return cls(
-            device=device, peer_device=gpu_device(args.peer_gpu, None),
+            device=gpu_device(args.gpu), peer_device=gpu_device(args.peer_gpu, None),
             strategy=args.strategy, attention_backend=args.attention_backend, weight_residency=args.weight_residency,
             encoder_residency=args.encoder_residency,
             max_device_memory=args.max_device_memory, max_host_memory=args.max_host_memory,

@@ -55,6 +55,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict
 
 import torch
 
@@ -66,8 +67,8 @@ from ..tensor_store import ReadRequest, TensorStore
 from .gguf_file import GGUFStore
 
 __all__ = [
-    "AUX_NAMES", "BLOCK_NAMES", "SourceWeights", "dequantize_int8", "hadamard_signs", "internal_shapes", "release_dtype",
-    "source_name",
+    "AUX_NAMES", "BLOCK_NAMES", "SourceWeights", "dequantize_int8", "hadamard_signs", "internal_shapes",
+    "release_dtype", "source_name",
 ]
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}
@@ -182,10 +183,15 @@ def check_finite(tensor: torch.Tensor, name: str, path: Path) -> None:
             chunk = chunk.float()
         if not bool(torch.isfinite(chunk).all()):
             bad = start + int((~torch.isfinite(chunk)).nonzero()[0])
-            raise WeightFileError(f"{path}: tensor {name!r} holds a non-finite value ({flat[bad].item()} at element {bad}); the file is corrupt")
+            raise WeightFileError(
+                f"{path}: tensor {name!r} holds a non-finite value ({flat[bad].item()} at element {bad}); "
+                "the file is corrupt"
+            )
 
 
-def dequantize(code: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize(
+    code: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """`code * scale` in `dtype` as ComfyUI core computes it (comfy_kitchen's eager backend: the CPU, and GPUs without
     its CUDA kernels): the code and the scale are each cast to `dtype` (the float8 code exactly; the scale rounds),
     then one product rounds. Its Triton kernel instead multiplies by the fp32 scale before one rounding, which differs
@@ -238,7 +244,9 @@ def dequantize_int8(code: torch.Tensor, scale: torch.Tensor, convrot_group: int,
     step = max(1, _INT8_CHUNK // max(cols, 1))
     for start in range(0, rows, step):
         stop = min(rows, start + step)
-        sums = (code[start:stop].float().reshape(stop - start, cols // convrot_group, convrot_group) @ signs).reshape(stop - start, cols)
+        sums = (
+            code[start:stop].float().reshape(stop - start, cols // convrot_group, convrot_group) @ signs
+        ).reshape(stop - start, cols)
         exact = sums.double() * (factor[start:stop] if per_row else factor)
         out[start:stop] = _round_to_bf16(exact) if dtype == torch.bfloat16 else exact.to(dtype)
     return out
@@ -247,7 +255,9 @@ def dequantize_int8(code: torch.Tensor, scale: torch.Tensor, convrot_group: int,
 def release_dtype(internal: str, pruned: bool) -> torch.dtype:
     """The dtype of an internal tensor in the release: fp32 for the patch projections, the time embedder and the
     output heads (a pruned file's time table and reduced-rank AdaLN projections too), bf16 for everything else."""
-    fp32 = internal.startswith(_FP32_INTERNAL) or (pruned and (".adaln." in internal or internal.startswith("norm_out.linear.")))
+    fp32 = internal.startswith(_FP32_INTERNAL) or (
+        pruned and (".adaln." in internal or internal.startswith("norm_out.linear."))
+    )
     return torch.float32 if fp32 else torch.bfloat16
 
 
@@ -283,14 +293,16 @@ def _format_name(conf: dict) -> str:
 def _convrot_group(conf: dict) -> int:
     """The ConvRot group size of an int8 layer's ComfyUI config (0 without ConvRot); its keys sit at the top level or
     under `params`, as core reads them."""
-    params = conf.get("params") if isinstance(conf.get("params"), dict) else {}
+    params = conf.get("params")
+    if not isinstance(params, dict):
+        params = {}
     if not conf.get("convrot", params.get("convrot", False)):
         return 0
     group = conf.get("convrot_groupsize", params.get("convrot_groupsize", 256))
     return group if isinstance(group, int) and not isinstance(group, bool) else -1
 
 
-def quantized_layers(store: TensorStore, prefix: str) -> dict[str, ScaledWeight]:
+def quantized_layers(store: TensorStore | GGUFStore, prefix: str) -> dict[str, ScaledWeight]:
     """Weight name -> `ScaledWeight` for each quantized layer of a ComfyUI-quantized file (empty for a float file).
 
     ComfyUI marks quantized layers in three ways, read here as core reads them: `__metadata__` key
@@ -325,11 +337,21 @@ def quantized_layers(store: TensorStore, prefix: str) -> dict[str, ScaledWeight]
         if _format_name(conf) not in (*FP8_FORMATS, INT8_FORMAT, "int8_convrot"):
             refused.setdefault(_format_name(conf), []).append(layer)
     if refused:
-        found = "; ".join(f"{fmt} ({len(layers)} layers, e.g. {min(layers)})" for fmt, layers in sorted(refused.items()))
-        raise WeightFileError(f"{store.path}: {found}: a quantization format Vflash does not read; Vflash reads {SUPPORTED_FILES}")
-    bad_groups = sorted(layer for layer, conf in formats.items() if _format_name(conf) == "int8_convrot" and not _is_power_of_4(_convrot_group(conf)))
+        found = "; ".join(
+            f"{fmt} ({len(layers)} layers, e.g. {min(layers)})" for fmt, layers in sorted(refused.items())
+        )
+        raise WeightFileError(
+            f"{store.path}: {found}: a quantization format Vflash does not read; Vflash reads {SUPPORTED_FILES}"
+        )
+    bad_groups = sorted(
+        layer for layer, conf in formats.items()
+        if _format_name(conf) == "int8_convrot" and not _is_power_of_4(_convrot_group(conf))
+    )
     if bad_groups:
-        raise WeightFileError(f"{store.path}: int8_convrot layer {bad_groups[0]} has convrot_groupsize {_convrot_group(formats[bad_groups[0]])!r}; a ConvRot group is a power of 4")
+        raise WeightFileError(
+            f"{store.path}: int8_convrot layer {bad_groups[0]} has convrot_groupsize "
+            f"{_convrot_group(formats[bad_groups[0]])!r}; a ConvRot group is a power of 4"
+        )
     # A missing scale is named by the key its marking reads (`weight_scale`; `scale_weight` only in the older layout).
     return {
         f"{layer}.weight": ScaledWeight(
@@ -343,6 +365,14 @@ def quantized_layers(store: TensorStore, prefix: str) -> dict[str, ScaledWeight]
 
 def _is_power_of_4(value: int) -> bool:
     return value >= 4 and value & (value - 1) == 0 and value.bit_length() % 2 == 1
+
+
+class _TimeWidths(TypedDict, total=False):
+    """The time embedder's widths read from an unpruned file (a pruned file has none: `H3Config`'s defaults stay)."""
+
+    freq_dim: int
+    time_embed_hidden_dim: int
+    time_embed_dim: int
 
 
 class SourceWeights:
@@ -391,7 +421,10 @@ class SourceWeights:
             shape = self.store.info(table).shape
             # a GGUF's table reads as fp32 whatever float type stores it
             if len(shape) != 2 or shape[0] < 2 or (self.store.info(table).dtype != torch.float32 and not self.gguf):
-                raise WeightFileError(f"{self.path}: `adaln_t_table` must be a [grid >= 2, rank] fp32 table, found {list(shape)} {self.store.info(table).dtype}")
+                raise WeightFileError(
+                    f"{self.path}: `adaln_t_table` must be a [grid >= 2, rank] fp32 table, "
+                    f"found {list(shape)} {self.store.info(table).dtype}"
+                )
             self.curve = (shape[0], shape[1])
         self._quantized = quantized_layers(self.store, self._prefix)
         self.config = config or self._find_config()
@@ -430,7 +463,7 @@ class SourceWeights:
         return record
 
     def _quant_types(self) -> dict[str, int]:
-        if self.gguf:
+        if isinstance(self.store, GGUFStore):
             return self.store.quant_types()
         types: dict[str, int] = {}
         for q in self._quantized.values():
@@ -439,28 +472,39 @@ class SourceWeights:
         return dict(sorted(types.items()))
 
     def _quantized_count(self) -> int:
-        return sum(n for t, n in self.store.quant_types().items() if t not in ("F32", "F16", "BF16")) if self.gguf else len(self._quantized)
+        if isinstance(self.store, GGUFStore):
+            return sum(n for t, n in self.store.quant_types().items() if t not in ("F32", "F16", "BF16"))
+        return len(self._quantized)
 
     def check_profile(self, profile: Profile) -> None:
         """A pruned file compiles only for a -pruned profile, and a -pruned profile only from a pruned file."""
         if self.pruned and not profile.pruned:
-            grid, rank = self.curve  # type: ignore[misc]
-            choices = ", ".join(p for p, v in PROFILES.items() if v.pruned and v.arch == profile.arch) or "a -pruned profile"
+            assert self.curve is not None  # what `pruned` tests
+            grid, rank = self.curve
+            choices = (
+                ", ".join(p for p, v in PROFILES.items() if v.pruned and v.arch == profile.arch) or "a -pruned profile"
+            )
             raise IdentityMismatchError(
-                f"{self.path} is a pruned file (an `adaln_t_table` [{grid}, {rank}] replaces the time embedder): it compiles "
-                f"only for a -pruned profile (approximate AdaLN), not {profile.id}; for {profile.arch}: {choices}"
+                f"{self.path} is a pruned file (an `adaln_t_table` [{grid}, {rank}] replaces the time embedder): it "
+                f"compiles only for a -pruned profile (approximate AdaLN), not {profile.id}; for {profile.arch}: "
+                f"{choices}"
             )
         if profile.fp8 and (self.gguf or any(q.code_dtype == torch.int8 for q in self._quantized.values())):
             raise IdentityMismatchError(
-                f"{self.path} is a {self.format} file: FP8 profile {profile.id} would quantize its dequantized weights a "
-                "second time; choose a BF16 profile"
+                f"{self.path} is a {self.format} file: FP8 profile {profile.id} would quantize its dequantized "
+                "weights a second time; choose a BF16 profile"
             )
         if profile.fp8 and self._quantized:
-            other = sorted(n for n, q in self._quantized.items() if q.code_dtype != torch.float8_e4m3fn and n in self._block_linear_sources())
+            other = sorted(
+                n for n, q in self._quantized.items()
+                if q.code_dtype != torch.float8_e4m3fn and n in self._block_linear_sources()
+            )
             if other:
                 raise IdentityMismatchError(
-                    f"{self.path} stores block linears as {str(self._quantized[other[0]].code_dtype).removeprefix('torch.')} (e.g. {other[0]}): "
-                    f"FP8 profile {profile.id} keeps a file's float8_e4m3fn codes and never re-quantizes them; choose a BF16 profile"
+                    f"{self.path} stores block linears as "
+                    f"{str(self._quantized[other[0]].code_dtype).removeprefix('torch.')} (e.g. {other[0]}): "
+                    f"FP8 profile {profile.id} keeps a file's float8_e4m3fn codes and never re-quantizes them; "
+                    "choose a BF16 profile"
                 )
         if profile.pruned and not self.pruned:
             raise IdentityMismatchError(
@@ -471,7 +515,12 @@ class SourceWeights:
     def _block_linear_sources(self) -> set[str]:
         """The file names of the main blocks' four FP8 linears (`fp8.FP8_LINEARS`)."""
         linears = ("attn.qkv.weight", "attn.out.weight", "ffn.in.weight", "ffn.out.weight")
-        return {name for i in range(self.config.num_layers) for linear in linears for name, *_ in self._sources[f"blocks.{i}.{linear}"]}
+        return {
+            name
+            for i in range(self.config.num_layers)
+            for linear in linears
+            for name, *_ in self._sources[f"blocks.{i}.{linear}"]
+        }
 
     # -- config -------------------------------------------------------------------------------------------------
 
@@ -497,7 +546,7 @@ class SourceWeights:
         prefix = re.escape(self._prefix)
         num_layers = count(rf"{prefix}blocks\.(\d+)\.")
         num_refiner = count(rf"{prefix}token_refiner\.blocks\.(\d+)\.")
-        time = {}
+        time: _TimeWidths = {}
         if not self.pruned:  # a pruned file has no time embedder: the base model's widths stay the defaults
             time = {
                 "freq_dim": shape("time_embedder.proj_in.weight")[1],
@@ -572,12 +621,15 @@ class SourceWeights:
                     # or from the original fused qkv_proj / fc1 (the internal row count)
                     rows = self.config.inner_dim if stop != -1 and self.layout == "diffusers" else shape[0]
                     expect[name] = ((rows, *shape[1:]), FLOAT_DTYPES)
-        unmarked = sorted(n for n in expect if n in self.store and n not in self._quantized and self.store.info(n).dtype not in FLOAT_DTYPES)
+        unmarked = sorted(
+            n for n in expect
+            if n in self.store and n not in self._quantized and self.store.info(n).dtype not in FLOAT_DTYPES
+        )
         if unmarked:
             dtypes = sorted({str(self.store.info(n).dtype).removeprefix("torch.") for n in unmarked})
             raise WeightFileError(
-                f"{self.path}: {len(unmarked)} weight(s) stored as {'/'.join(dtypes)} without ComfyUI quantization metadata "
-                f"(e.g. {unmarked[0]}); Vflash reads {SUPPORTED_FILES}"
+                f"{self.path}: {len(unmarked)} weight(s) stored as {'/'.join(dtypes)} without ComfyUI quantization "
+                f"metadata (e.g. {unmarked[0]}); Vflash reads {SUPPORTED_FILES}"
             )
         for name, scaled in self._quantized.items():
             if name in expect:
@@ -588,7 +640,10 @@ class SourceWeights:
                 expect[scaled.scale] = (stored if math.prod(stored) == 1 or per_row else (), FLOAT_DTYPES)
                 cols = expect[name][0][-1]
                 if scaled.convrot_group and cols % scaled.convrot_group:
-                    raise WeightFileError(f"{self.path}: int8_convrot weight {name} has {cols} columns, not a multiple of its convrot_groupsize {scaled.convrot_group}")
+                    raise WeightFileError(
+                        f"{self.path}: int8_convrot weight {name} has {cols} columns, not a multiple of its "
+                        f"convrot_groupsize {scaled.convrot_group}"
+                    )
         self.store.require(expect)
         adaln = (".adaln.weight", ".adaln.bias") if self.pruned else ()  # a pruned file's are fp32 by design
         block_dtypes = {self.dtype_of(n) for n in self._shapes if n.startswith("blocks.") and not n.endswith(adaln)}
@@ -598,7 +653,10 @@ class SourceWeights:
     def stores_e4m3(self, internal: str) -> bool:
         """Whether an internal weight is stored as float8_e4m3fn codes with per-tensor scales, every piece of it (the
         block linears of an fp8_scaled file): an FP8 profile then keeps those codes (`read_codes`)."""
-        return all(name in self._quantized and self._quantized[name].code_dtype == torch.float8_e4m3fn for name, *_ in self._sources[internal])
+        return all(
+            name in self._quantized and self._quantized[name].code_dtype == torch.float8_e4m3fn
+            for name, *_ in self._sources[internal]
+        )
 
     def read_codes(self, names: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Internal E4M3 weights (`stores_e4m3`) as the file stores them, never dequantized: (codes [rows, in]
@@ -608,13 +666,18 @@ class SourceWeights:
         requests = []
         for internal in names:
             if not self.stores_e4m3(internal):
-                raise WeightFileError(f"{self.path}: {internal} is not stored as float8_e4m3fn codes with a per-tensor scale")
+                raise WeightFileError(
+                    f"{self.path}: {internal} is not stored as float8_e4m3fn codes with a per-tensor scale"
+                )
             codes = torch.empty(self._shapes[internal], dtype=torch.float8_e4m3fn)
             scales = torch.empty(codes.shape[0], 1, dtype=torch.float32)
             for name, start, stop, dst in self._sources[internal]:
                 rows = codes.shape[0] if stop == -1 else stop - start
-                scales[dst : dst + rows] = self._scales[self._quantized[name].scale].float().reshape(())  # exact widening
-                requests.append(ReadRequest(name, codes) if stop == -1 else ReadRequest(name, codes[dst : dst + rows], start, stop))
+                # exact widening
+                scales[dst : dst + rows] = self._scales[self._quantized[name].scale].float().reshape(())
+                requests.append(
+                    ReadRequest(name, codes) if stop == -1 else ReadRequest(name, codes[dst : dst + rows], start, stop)
+                )
             out[internal] = (codes, scales)
         self.store.read_into(requests)
         for internal, (codes, _) in out.items():
@@ -635,7 +698,8 @@ class SourceWeights:
         """Read internal tensors (names from `shapes()`) into fresh CPU tensors; float8 weights are dequantized."""
         out: dict[str, torch.Tensor] = {}
         requests = []
-        scaled: list[tuple[torch.Tensor, ScaledWeight, slice, torch.Tensor]] = []  # (code, layer, its rows, destination)
+        # (code, layer, its rows, destination)
+        scaled: list[tuple[torch.Tensor, ScaledWeight, slice, torch.Tensor]] = []
         for internal in names:
             tensor = torch.empty(self._shapes[internal], dtype=self.dtype_of(internal))
             out[internal] = tensor
@@ -650,7 +714,9 @@ class SourceWeights:
         for code, layer, rows, target in scaled:
             scale = self._scales[layer.scale]
             if layer.code_dtype == torch.int8:  # a per-row scale follows the rows read
-                target.copy_(dequantize_int8(code, scale.reshape(-1)[rows] if scale.numel() > 1 else scale, layer.convrot_group, target.dtype))
+                target.copy_(dequantize_int8(
+                    code, scale.reshape(-1)[rows] if scale.numel() > 1 else scale, layer.convrot_group, target.dtype
+                ))
             else:
                 dequantize(code, scale, target.dtype, out=target)
         for internal, tensor in out.items():  # as the tensors are read: no second pass over the file

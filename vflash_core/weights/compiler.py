@@ -128,11 +128,14 @@ def prepare(
     if profile.adapter is None and adapter is not None:
         raise IdentityMismatchError(f"profile {profile.id} uses no adapter, but {adapter} was given")
     if profile.adapter is not None and adapter is None:
-        raise IdentityMismatchError(f"profile {profile.id} needs adapter {profile.adapter.file_name} ({profile.adapter.name})")
+        raise IdentityMismatchError(
+            f"profile {profile.id} needs adapter {profile.adapter.file_name} ({profile.adapter.name})"
+        )
     adapter_record = None
     if adapter is not None:
         adapter = Path(adapter)
-        parsed = load_adapter(adapter, source.config, profile.adapter.strength)  # type: ignore[union-attr]
+        assert profile.adapter is not None  # refused above otherwise
+        parsed = load_adapter(adapter, source.config, profile.adapter.strength)
         _check_adapter_against_profile(profile, adapter, parsed)
         adapter_record = {
             "path": str(adapter.resolve()),
@@ -188,13 +191,17 @@ def _check_adapter_against_profile(profile: Profile, path: Path, adapter: Adapte
     if alpha is not None and alpha != spec.alpha:
         problems.append(f"metadata alpha {alpha:g} (profile expects {spec.alpha:g})")
     if problems:
-        raise IdentityMismatchError(f"adapter {path} does not match profile {profile.id} ({spec.name}): " + "; ".join(problems))
+        raise IdentityMismatchError(
+            f"adapter {path} does not match profile {profile.id} ({spec.name}): " + "; ".join(problems)
+        )
 
 
 # -- compile ------------------------------------------------------------------------------------------------------
 
 
-_FILE_RECORD: tuple[Field, ...] = (("name", "a file name", is_file_name), ("size", "a byte count", is_count), ("sha256", "a hex digest", is_text))
+_FILE_RECORD: tuple[Field, ...] = (
+    ("name", "a file name", is_file_name), ("size", "a byte count", is_count), ("sha256", "a hex digest", is_text),
+)
 _ADAPTER_SPEC: tuple[Field, ...] = (
     ("name", "a string", is_text), ("file_name", "a file name", is_file_name), ("alpha", "a number", is_number),
     ("rank", "a positive integer", is_positive), ("strength", "a number", is_number),
@@ -214,9 +221,13 @@ RECEIPT_FIELDS: tuple[Field, ...] = (
     ("transformer.qkv_layout", "a QKV layout name", is_text),
     ("transformer.config", "an object", is_object),
     ("transformer.files", "a list of {name, size, sha256} records", list_of(*_FILE_RECORD)),
-    ("adapter", "null or a {path, name, size, sha256, format, alpha_source, network_alpha} record", lambda v: v is None or not field_problem(v, (
-        ("path", "", is_text), *_FILE_RECORD, ("format", "", is_text), ("alpha_source", "", is_text),
-        ("network_alpha", "", lambda a: a is None or is_number(a))))),
+    (
+        "adapter", "null or a {path, name, size, sha256, format, alpha_source, network_alpha} record",
+        lambda v: v is None or not field_problem(v, (
+            ("path", "", is_text), *_FILE_RECORD, ("format", "", is_text), ("alpha_source", "", is_text),
+            ("network_alpha", "", lambda a: a is None or is_number(a)),
+        )),
+    ),
 )
 
 
@@ -230,8 +241,14 @@ def _load_receipt(path: str | Path) -> dict:
         raise VflashError(f"{path}: corrupt receipt (not JSON)") from None
     if not isinstance(receipt, dict) or receipt.get("format") != WEIGHTS_RECEIPT_FORMAT:
         found = receipt.get("format") if isinstance(receipt, dict) else None
-        raise VflashError(f"{path}: not a Vflash receipt (format {found!r}); write one with `python -m vflash_core.weights.compiler prepare`")
-    check_fields(receipt, RECEIPT_FIELDS, f"receipt {path}", "write it again with `python -m vflash_core.weights.compiler prepare`")
+        raise VflashError(
+            f"{path}: not a Vflash receipt (format {found!r}); "
+            "write one with `python -m vflash_core.weights.compiler prepare`"
+        )
+    check_fields(
+        receipt, RECEIPT_FIELDS, f"receipt {path}",
+        "write it again with `python -m vflash_core.weights.compiler prepare`",
+    )
     return receipt
 
 
@@ -246,7 +263,9 @@ def _profile_from_receipt(receipt: dict, path: str | Path) -> Profile:
     except VflashError:
         registered = None
     if registered is not None and registered != profile:
-        raise IdentityMismatchError(f"{path}: receipt profile {profile.id} differs from the registered profile of that name; prepare again")
+        raise IdentityMismatchError(
+            f"{path}: receipt profile {profile.id} differs from the registered profile of that name; prepare again"
+        )
     return profile
 
 
@@ -260,7 +279,9 @@ def _verify_receipt_files(receipt: dict, source: SourceWeights, progress: StageP
     recorded = {f["name"]: f for f in receipt["transformer"]["files"]}
     actual_files = {p.name: p for p in source.files}
     if set(recorded) != set(actual_files):
-        raise IdentityMismatchError(f"transformer files {sorted(actual_files)} differ from the receipt's {sorted(recorded)}")
+        raise IdentityMismatchError(
+            f"transformer files {sorted(actual_files)} differ from the receipt's {sorted(recorded)}"
+        )
     changed = []
     for name, path in actual_files.items():
         if path.stat().st_size != recorded[name]["size"]:
@@ -268,7 +289,10 @@ def _verify_receipt_files(receipt: dict, source: SourceWeights, progress: StageP
         if not _unchanged(path, recorded[name]):
             changed.append(path)
     if changed:
-        logger.info("re-hashing %d of %d weight files whose modification time changed since prepare", len(changed), len(actual_files))
+        logger.info(
+            "re-hashing %d of %d weight files whose modification time changed since prepare",
+            len(changed), len(actual_files),
+        )
     hashes = dict(zip(changed, _hash_files(changed, None)))
     for done, (name, path) in enumerate(actual_files.items(), 1):
         if path in hashes and hashes[path]["sha256"] != recorded[name]["sha256"]:
@@ -279,7 +303,9 @@ def _verify_receipt_files(receipt: dict, source: SourceWeights, progress: StageP
         raise IdentityMismatchError("transformer config differs from the receipt")
 
 
-def compile_receipt(receipt_path: str | Path, output: str | Path, device: str = "cpu", progress: StageProgress | None = None) -> Path:
+def compile_receipt(
+    receipt_path: str | Path, output: str | Path, device: str = "cpu", progress: StageProgress | None = None
+) -> Path:
     """Compile the receipt's weights for its profile into `output` (must not exist). Returns `output`."""
     receipt_path, output = path_argument(receipt_path, "the receipt"), path_argument(output, "the output folder")
     receipt = _load_receipt(receipt_path)
@@ -295,8 +321,14 @@ def compile_receipt(receipt_path: str | Path, output: str | Path, device: str = 
     adapter = None
     if receipt["adapter"] is not None:
         adapter_path = Path(receipt["adapter"]["path"])
-        if not adapter_path.is_file() or not _unchanged(adapter_path, receipt["adapter"]) and file_sha256(adapter_path) != receipt["adapter"]["sha256"]:
-            raise IdentityMismatchError(f"adapter {adapter_path} does not match the receipt (missing, or size or sha256 changed)")
+        if (
+            not adapter_path.is_file()
+            or not _unchanged(adapter_path, receipt["adapter"])
+            and file_sha256(adapter_path) != receipt["adapter"]["sha256"]
+        ):
+            raise IdentityMismatchError(
+                f"adapter {adapter_path} does not match the receipt (missing, or size or sha256 changed)"
+            )
         adapter = load_adapter(adapter_path, source.config, profile.adapter.strength)  # type: ignore[union-attr]
     with atomic_directory(output) as tmp:
         _write_compiled(tmp, source, adapter, profile, receipt, device_t, arch, progress)
@@ -314,13 +346,20 @@ def receipt_describes(receipt_path: str | Path, transformer: str | Path, adapter
     except VflashError:
         return False
     recorded = {f["name"]: f for f in receipt["transformer"]["files"]}
-    if receipt["transformer"]["path"] != str(Path(transformer).resolve()) or set(recorded) != {f.path.name for f in files}:
+    if (
+        receipt["transformer"]["path"] != str(Path(transformer).resolve())
+        or set(recorded) != {f.path.name for f in files}
+    ):
         return False
     if not all(_unchanged(f.path, recorded[f.path.name]) for f in files):
         return False
     if adapter is None or receipt["adapter"] is None:
         return adapter is None and receipt["adapter"] is None
-    return receipt["adapter"]["path"] == str(Path(adapter).resolve()) and Path(adapter).is_file() and _unchanged(Path(adapter), receipt["adapter"])
+    return (
+        receipt["adapter"]["path"] == str(Path(adapter).resolve())
+        and Path(adapter).is_file()
+        and _unchanged(Path(adapter), receipt["adapter"])
+    )
 
 
 def compiled_from(folder: str | Path, receipt_path: str | Path) -> bool:
@@ -348,11 +387,17 @@ def _identity(profile: Profile, receipt: dict, config: H3Config, arch: str, comp
         "arch": arch,
         "base_weights": {
             "layout": receipt["transformer"]["layout"],
-            **{k: receipt["transformer"][k] for k in ("format", "quantized_layers", "pruned", "quant_types", "dequantized") if k in receipt["transformer"]},
+            **{
+                k: receipt["transformer"][k]
+                for k in ("format", "quantized_layers", "pruned", "quant_types", "dequantized")
+                if k in receipt["transformer"]
+            },
             # what identifies a file's content, not where or when it was written
             "files": [{k: f[k] for k in ("name", "size", "sha256")} for f in receipt["transformer"]["files"]],
         },
-        "adapter": None if receipt["adapter"] is None else {k: receipt["adapter"][k] for k in ("name", "size", "sha256", "format", "alpha_source", "network_alpha")},
+        "adapter": None if receipt["adapter"] is None else {
+            k: receipt["adapter"][k] for k in ("name", "size", "sha256", "format", "alpha_source", "network_alpha")
+        },
         "torch": torch.__version__,
     }
 
@@ -367,7 +412,10 @@ def _fp8_record(source_format: str, kept: int, total: int) -> dict[str, object]:
     return {
         "linears": list(FP8_LINEARS), "codes": "float8_e4m3fn", "source_format": source_format, "origin": origin,
         "kept_linears": kept, "quantized_linears": total - kept,
-        "scales": scales[origin] if origin != "mixed" else f"{scales['kept']} ({kept} linears); {scales['quantized']} ({total - kept})",
+        "scales": (
+            scales[origin] if origin != "mixed"
+            else f"{scales['kept']} ({kept} linears); {scales['quantized']} ({total - kept})"
+        ),
     }
 
 
@@ -383,7 +431,9 @@ def _save_hashed(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[st
     return {"name": path.name, "size": size, "sha256": sha256}
 
 
-def _lora_tensors(residuals: dict[str, tuple[M.LoraResidual, ...]]) -> tuple[dict[str, torch.Tensor], list[dict[str, object]]]:
+def _lora_tensors(
+    residuals: dict[str, tuple[M.LoraResidual, ...]],
+) -> tuple[dict[str, torch.Tensor], list[dict[str, object]]]:
     """Flatten residuals to safetensors entries `lora.<linear>.<k>.{down,up}` plus their scale/row records."""
     tensors, records = {}, []
     for name, rs in residuals.items():
@@ -410,7 +460,14 @@ def _timestep_vectors(profile: Profile) -> list[list[torch.Tensor]]:
 
 @torch.no_grad()
 def _write_compiled(
-    out: Path, source: SourceWeights, adapter: Adapter | None, profile: Profile, receipt: dict, device: torch.device, arch: str, progress: StageProgress | None
+    out: Path,
+    source: SourceWeights,
+    adapter: Adapter | None,
+    profile: Profile,
+    receipt: dict,
+    device: torch.device,
+    arch: str,
+    progress: StageProgress | None,
 ) -> None:
     config = source.config
     compile_id = uuid.uuid4().hex
@@ -427,8 +484,14 @@ def _write_compiled(
     table_aux = {k: v.to(device) for k, v in source.read_aux(lambda n: n.startswith(TABLE_INPUTS)).items()}
     not_applied = sorted(n for n in adapter.residuals if TABLE_ONLY.match(n)) if adapter and pruned else []
     if not_applied:
-        logger.warning("%d LoRA module(s) of %s feed the AdaLN tables and do not apply to a pruned file; left out", len(not_applied), adapter.path.name)  # type: ignore[union-attr]
-    aux_loras = {k: tuple(r.to(device) for r in rs) for k, rs in (adapter.aux() if adapter and not pruned else {}).items()}
+        assert adapter is not None  # not_applied lists the adapter's modules
+        logger.warning(
+            "%d LoRA module(s) of %s feed the AdaLN tables and do not apply to a pruned file; left out",
+            len(not_applied), adapter.path.name,
+        )
+    aux_loras = {
+        k: tuple(r.to(device) for r in rs) for k, rs in (adapter.aux() if adapter and not pruned else {}).items()
+    }
     block_dtype = source.dtype_of("refiner.final_norm.weight")
     vectors = _timestep_vectors(profile)
     overlay: dict[str, torch.Tensor] = {}
@@ -439,10 +502,15 @@ def _write_compiled(
             key = f"step{s:03d}.v{v}"
             if pruned:
                 temb = M.curve_time_embedding(vector.to(device), table_aux["adaln_t_table"])
-                norm_out = M.curve_norm_out_table(temb, table_aux["norm_out.linear.weight"].float(), table_aux["norm_out.linear.bias"].float())
+                norm_out = M.curve_norm_out_table(
+                    temb, table_aux["norm_out.linear.weight"].float(), table_aux["norm_out.linear.bias"].float()
+                )
             else:
                 temb = M.time_embedding(vector.to(device), table_aux, config, aux_loras)
-                norm_out = M.norm_out_table(temb, table_aux["norm_out.linear.weight"], table_aux["norm_out.linear.bias"], aux_loras.get("norm_out.linear", ()))
+                norm_out = M.norm_out_table(
+                    temb, table_aux["norm_out.linear.weight"], table_aux["norm_out.linear.bias"],
+                    aux_loras.get("norm_out.linear", ()),
+                )
             tembs.append((s, v, temb))
             overlay[f"{key}.timesteps"] = vector
             overlay[f"{key}.temb"] = temb.cpu()
@@ -458,7 +526,11 @@ def _write_compiled(
         """Block i's tensors with its adaln_proj, and for an FP8 profile the linears the file stores as E4M3 codes
         (kept as they are: codes and per-tensor scales, never dequantized)."""
         names = list(block_shapes(config, f"blocks.{i}", with_adaln=True))
-        kept = [f"blocks.{i}.{linear}.weight" for linear in FP8_LINEARS if profile.fp8 and source.stores_e4m3(f"blocks.{i}.{linear}.weight")]
+        kept = [
+            f"blocks.{i}.{linear}.weight"
+            for linear in FP8_LINEARS
+            if profile.fp8 and source.stores_e4m3(f"blocks.{i}.{linear}.weight")
+        ]
         codes = {name.split(".", 2)[2].removesuffix(".weight"): pair for name, pair in source.read_codes(kept).items()}
         return source.read([n for n in names if n not in kept]), codes
 
@@ -472,7 +544,9 @@ def _write_compiled(
             kept_codes += len(stored_codes)
             if i + READ_AHEAD_BLOCKS < config.num_layers:
                 reads[i + READ_AHEAD_BLOCKS] = reader.submit(read, i + READ_AHEAD_BLOCKS)
-            weight, bias = block.pop(f"blocks.{i}.adaln.weight").to(device), block.pop(f"blocks.{i}.adaln.bias").to(device)
+            weight, bias = (
+                block.pop(f"blocks.{i}.adaln.weight").to(device), block.pop(f"blocks.{i}.adaln.bias").to(device)
+            )
             block_loras = adapter.for_prefix(f"blocks.{i}") if adapter else {}
             adaln_loras = tuple(r.to(device) for r in block_loras.pop("adaln", ()))
             for s, v, temb in tembs:
@@ -490,7 +564,9 @@ def _write_compiled(
             while sum(not w.done() for w in writes) >= WRITE_BEHIND_BLOCKS:
                 writes[[w.done() for w in writes].index(False)].result()
             path = out / "artifact" / f"block_{i:03d}.safetensors"
-            writes.append(writer.submit(_save_hashed, {**tensors, **lora_tensors}, path, {"format": artifact_format, "compile_id": compile_id}))
+            writes.append(writer.submit(
+                _save_hashed, {**tensors, **lora_tensors}, path, {"format": artifact_format, "compile_id": compile_id}
+            ))
             del block, tensors, lora_tensors
             if progress is not None:
                 progress("compile", i + 1, config.num_layers)
@@ -500,7 +576,9 @@ def _write_compiled(
         writer.shutdown(wait=True, cancel_futures=True)
 
     aux = source.read_aux(lambda n: not n.startswith(TABLE_INPUTS))
-    refiner = [n for j in range(config.num_refiner_layers) for n in block_shapes(config, f"refiner.{j}", with_adaln=False)]
+    refiner = [
+        n for j in range(config.num_refiner_layers) for n in block_shapes(config, f"refiner.{j}", with_adaln=False)
+    ]
     aux.update(source.read(refiner))  # the refiner's final norm is an aux tensor, read above
     runtime_loras = {}
     if adapter:
@@ -508,17 +586,24 @@ def _write_compiled(
         for j in range(config.num_refiner_layers):
             runtime_loras.update({f"refiner.{j}.{k}": v for k, v in adapter.for_prefix(f"refiner.{j}").items()})
     lora_tensors, aux_lora_records = _lora_tensors(runtime_loras)
-    aux_meta = {"format": artifact_format, "compile_id": compile_id, "identity": json.dumps(identity), "lora": json.dumps(aux_lora_records)}
+    aux_meta = {
+        "format": artifact_format, "compile_id": compile_id, "identity": json.dumps(identity),
+        "lora": json.dumps(aux_lora_records),
+    }
     aux_file = _save_hashed({**aux, **lora_tensors}, out / "auxiliary.safetensors", aux_meta)
 
     schedule = profile.schedule
     overlay["video_sigmas"], overlay["audio_sigmas"] = schedule.video_sigmas, schedule.audio_sigmas
-    overlay_file = _save_hashed(overlay, out / "schedule" / "overlay.safetensors", {"format": OVERLAY_FORMAT, "compile_id": compile_id})
+    overlay_file = _save_hashed(
+        overlay, out / "schedule" / "overlay.safetensors", {"format": OVERLAY_FORMAT, "compile_id": compile_id}
+    )
 
     artifact_manifest = {
         "format": artifact_format,
         **identity,
-        **({"fp8": _fp8_record(source.format, kept_codes, config.num_layers * len(FP8_LINEARS))} if profile.fp8 else {}),
+        **(
+            {"fp8": _fp8_record(source.format, kept_codes, config.num_layers * len(FP8_LINEARS))} if profile.fp8 else {}
+        ),
         "adapter_not_applied": not_applied,
         "blocks": [{"file": f["name"], "lora": r, **f} for f, r in zip(block_files, lora_records)],
         "auxiliary": aux_file,
@@ -539,17 +624,27 @@ def _write_compiled(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m vflash_core.weights.compiler", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m vflash_core.weights.compiler", description=__doc__.split("\n\n")[0]
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="bind a profile to base weights (and adapter) in a receipt")
-    p.add_argument("--profile", required=True, help="profile id the weights are compiled for, e.g. t2va-base16-bf16-sm90")
-    p.add_argument("--transformer", required=True, help="diffusers transformer/ folder, or an original-layout file/folder (Comfy-Org bf16, fp8_scaled, int8_convrot or pruned single files, and GGUF files, too)")
+    p.add_argument(
+        "--profile", required=True, help="profile id the weights are compiled for, e.g. t2va-base16-bf16-sm90"
+    )
+    p.add_argument(
+        "--transformer", required=True,
+        help="diffusers transformer/ folder, or an original-layout file/folder (Comfy-Org bf16, fp8_scaled, "
+        "int8_convrot or pruned single files, and GGUF files, too)",
+    )
     p.add_argument("--adapter", help="LoRA .safetensors the profile is built with")
     p.add_argument("--qkv-layout", choices=("stacked", "interleaved"), help="original layout only (default stacked)")
     p.add_argument("--receipt", required=True, help="receipt JSON to write (must not exist)")
     c = sub.add_parser("compile", help="compile a receipt into artifact/, schedule/ and auxiliary.safetensors")
     c.add_argument("--receipt", required=True, help="receipt written by `prepare`")
-    c.add_argument("--output", required=True, help="folder to write (must not exist): artifact/, schedule/, auxiliary.safetensors")
+    c.add_argument(
+        "--output", required=True, help="folder to write (must not exist): artifact/, schedule/, auxiliary.safetensors"
+    )
     c.add_argument("--device", default="cpu", help="cpu or cuda:N (the profile's architecture)")
     c.add_argument("--gpu", type=GPU_INDEX.option("--gpu"), help="shorthand for --device cuda:N")
     v = sub.add_parser("verify", help="re-hash a compiled folder against the sha256 recorded when it was written")
@@ -573,7 +668,9 @@ def _run(args: argparse.Namespace) -> None:
         prepare(args.profile, args.transformer, args.receipt, args.adapter, args.qkv_layout)
         print(f"wrote receipt {args.receipt}")
     elif args.command == "verify":
-        folder = check_folder(args.compiled, hint="give the folder compile wrote (artifact/, schedule/, auxiliary.safetensors)")
+        folder = check_folder(
+            args.compiled, hint="give the folder compile wrote (artifact/, schedule/, auxiliary.safetensors)"
+        )
         CompiledArtifact(folder / "artifact", folder / "schedule", folder / "auxiliary.safetensors").verify()
         print(f"{folder}: every file matches the sha256 recorded at compile time")
     else:

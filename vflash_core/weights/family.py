@@ -3,9 +3,11 @@
 The embedded demo and the pipeline tests cannot download anything, so they build a complete family here, folder for
 folder what `MiniMaxAI/MiniMax-H3` holds and what the pipeline reads from a real model root:
 
-    transformer/ transformer_ref/   diffusers `MiniMaxH3Transformer3DModel` folders (`synthetic.write_diffusers_transformer`)
+    transformer/ transformer_ref/   diffusers `MiniMaxH3Transformer3DModel` folders
+                                    (`synthetic.write_diffusers_transformer`)
     vae/ audio_vae/                 `AutoencoderKLMiniMaxH3` (fp32) / `AutoencoderKLMiniMaxH3Audio` folders
-    text_encoder/                   `Qwen3VLForConditionalGeneration` (bf16, >= 51 text layers), `save_pretrained` layout
+    text_encoder/                   `Qwen3VLForConditionalGeneration` (bf16, >= 51 text layers),
+                                    `save_pretrained` layout
     tokenizer/ processor/           a byte-level BPE `Qwen2Tokenizer` trained here on a small text, with the Qwen
                                     vision special tokens; the processor's image and video preprocessor configs
     scheduler/ audio_scheduler/     `MiniMaxH3Scheduler` at shifts 12 and 3
@@ -73,16 +75,20 @@ DEMO_FAMILY = FamilySpec(
     transformer="demo",
     text=dict(
         hidden_size=32, intermediate_size=64, num_hidden_layers=52, num_attention_heads=2, num_key_value_heads=1,
-        head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": [2, 3, 3], "mrope_interleaved": True},
+        head_dim=16,
+        rope_parameters={
+            "rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": [2, 3, 3], "mrope_interleaved": True
+        },
     ),
     vision=dict(
         depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, temporal_patch_size=2,
         spatial_merge_size=2, out_hidden_size=32, num_position_embeddings=256, deepstack_visual_indexes=[0, 1],
     ),
     video_vae=dict(
-        latent_channels=8, block_out_channels=(8, 8, 16, 16), layers_per_block=1, spatial_downsample_factors=(2, 2, 2, 2),
-        temporal_downsample_factors=(1, 2, 2, 1), norm_num_groups=4, decoder_num_layers=2, decoder_num_attention_heads=2,
-        decoder_attention_head_dim=16, decoder_num_register_tokens=2, decoder_ffn_mult=2,
+        latent_channels=8, block_out_channels=(8, 8, 16, 16), layers_per_block=1,
+        spatial_downsample_factors=(2, 2, 2, 2), temporal_downsample_factors=(1, 2, 2, 1), norm_num_groups=4,
+        decoder_num_layers=2, decoder_num_attention_heads=2, decoder_attention_head_dim=16,
+        decoder_num_register_tokens=2, decoder_ffn_mult=2,
     ),
     audio_vae=dict(
         encoder_dim=4, encoder_rates=(2, 4, 4, 5, 5), latent_dim=64, latent_channels=8, num_attention_heads=2,
@@ -113,10 +119,14 @@ def build_tokenizer(folder: Path, vocab_size: int):
     trainer_model = Tokenizer(BPE())
     trainer_model.normalizer = normalizers.NFC()
     trainer_model.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
     )
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[END_OF_TEXT], show_progress=False
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[END_OF_TEXT],
+        show_progress=False,
     )
     trainer_model.train_from_iterator(_TOKENIZER_CORPUS.splitlines(), trainer)
     model = json.loads(trainer_model.to_str())["model"]
@@ -138,7 +148,8 @@ def _write_processor(folder: Path, tokenizer, vision: dict[str, Any]) -> None:
     # Bounds wide enough that the processor never resizes a canvas (a multiple of 32) of these families.
     pixels = {"shortest_edge": 32 * 32, "longest_edge": 2048 * 2048}
     image_processor = Qwen2VLImageProcessorPil(
-        patch_size=patch, temporal_patch_size=temporal, merge_size=merge, size=pixels, image_mean=[0.5] * 3, image_std=[0.5] * 3
+        patch_size=patch, temporal_patch_size=temporal, merge_size=merge, size=pixels, image_mean=[0.5] * 3,
+        image_std=[0.5] * 3,
     )
     image_processor.save_pretrained(folder)
     config = json.loads((folder / "preprocessor_config.json").read_text())
@@ -147,8 +158,9 @@ def _write_processor(folder: Path, tokenizer, vision: dict[str, Any]) -> None:
     video = {
         "video_processor_type": "Qwen3VLVideoProcessor", "processor_class": "Qwen3VLProcessor",
         "patch_size": patch, "temporal_patch_size": temporal, "merge_size": merge, "size": pixels,
-        "image_mean": [0.5] * 3, "image_std": [0.5] * 3, "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255,
-        "do_normalize": True, "do_convert_rgb": True, "do_sample_frames": True, "fps": 2, "return_metadata": False,
+        "image_mean": [0.5] * 3, "image_std": [0.5] * 3, "do_resize": True, "do_rescale": True,
+        "rescale_factor": 1 / 255, "do_normalize": True, "do_convert_rgb": True, "do_sample_frames": True, "fps": 2,
+        "return_metadata": False,
     }
     (folder / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2) + "\n")
     (folder / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen3VLProcessor"}, indent=2) + "\n")
@@ -156,7 +168,14 @@ def _write_processor(folder: Path, tokenizer, vision: dict[str, Any]) -> None:
 
 
 def _write_random_state(
-    folder: Path, module: torch.nn.Module, seed: int, dtype: torch.dtype, stem: str, spec: FamilySpec, device: str | torch.device, write_workers: int,
+    folder: Path,
+    module: torch.nn.Module,
+    seed: int,
+    dtype: torch.dtype,
+    stem: str,
+    spec: FamilySpec,
+    device: str | torch.device,
+    write_workers: int,
     written: Callable[[str], bool] = lambda name: True,
 ) -> None:
     """Random values (`synthetic.random_like`) for every tensor of `module`'s state that `written` keeps, which may live
@@ -171,17 +190,29 @@ def _write_random_state(
     synthetic.write_shards(folder, stem, sizes, produce, spec.max_shard_bytes, write_workers)
 
 
-def _write_text_encoder(folder: Path, spec: FamilySpec, tokenizer, seed: int, device: str | torch.device, write_workers: int) -> None:
+def _write_text_encoder(
+    folder: Path, spec: FamilySpec, tokenizer, seed: int, device: str | torch.device, write_workers: int
+) -> None:
     """`Qwen3VLForConditionalGeneration` in bf16, as released, in the `save_pretrained` layout."""
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"), VISION_TOKENS)}
+    ids = {
+        name: tokenizer.convert_tokens_to_ids(token)
+        for name, token in zip(
+            ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"), VISION_TOKENS
+        )
+    }
     vocab = spec.text_vocab_size or len(tokenizer)
-    config = Qwen3VLConfig(text_config={**spec.text, "vocab_size": vocab}, vision_config=spec.vision, tie_word_embeddings=False, **ids)
+    config = Qwen3VLConfig(
+        text_config={**spec.text, "vocab_size": vocab}, vision_config=spec.vision, tie_word_embeddings=False, **ids
+    )
     config.dtype = torch.bfloat16
     with torch.device("meta"):
         model = Qwen3VLForConditionalGeneration(config)
-    _write_random_state(folder, model, seed, torch.bfloat16, "model", spec, device, write_workers, partial(_text_tensor_written, spec.text_layers_written))
+    _write_random_state(
+        folder, model, seed, torch.bfloat16, "model", spec, device, write_workers,
+        partial(_text_tensor_written, spec.text_layers_written),
+    )
     config.save_pretrained(folder)
 
 
@@ -200,7 +231,9 @@ def _write_vaes(root: Path, spec: FamilySpec, seed: int, device: str | torch.dev
     audio_config = _with_latent_stats(spec.audio_vae, spec.audio_vae.get("latent_channels", 32), seed + 1)
     with torch.device("meta"):
         video = AutoencoderKLMiniMaxH3(**video_config)
-    _write_random_state(root / "vae", video, seed, torch.float32, "diffusion_pytorch_model", spec, device, write_workers)
+    _write_random_state(
+        root / "vae", video, seed, torch.float32, "diffusion_pytorch_model", spec, device, write_workers
+    )
     video.save_config(root / "vae")
     # The audio VAE's anti-aliasing filters are persistent buffers computed by its constructor, so it is built
     # (small: ~150 M parameters) rather than drawn, under a fixed seed without disturbing the caller's global RNG.
@@ -223,9 +256,15 @@ def _modular_index(spec: FamilySpec, with_ref: bool) -> dict[str, Any]:
     }
     if with_ref:
         components["transformer_ref"] = ("diffusers", "MiniMaxH3Transformer3DModel")
-    index: dict[str, Any] = {"_class_name": "MiniMaxH3ModularPipeline", "_diffusers_version": "0.42.1", "_blocks_class_name": "MiniMaxH3Blocks"}
+    index: dict[str, Any] = {
+        "_class_name": "MiniMaxH3ModularPipeline", "_diffusers_version": "0.42.1",
+        "_blocks_class_name": "MiniMaxH3Blocks",
+    }
     for name, (library, cls) in components.items():
-        index[name] = [library, cls, {"pretrained_model_name_or_path": None, "subfolder": name, "type_hint": [library, cls], "variant": None, "revision": None}]
+        index[name] = [library, cls, {
+            "pretrained_model_name_or_path": None, "subfolder": name, "type_hint": [library, cls], "variant": None,
+            "revision": None,
+        }]
     index.update(spec.canvas)
     return index
 
@@ -235,8 +274,13 @@ PARTS = ("transformer", "transformer_ref", "text", "vaes", "index")
 
 
 def build_model_family(
-    root: str | Path, spec: FamilySpec = DEMO_FAMILY, seed: int = 0, with_ref: bool = True, parts: tuple[str, ...] = PARTS,
-    device: str | torch.device = "cpu", write_workers: int = 1,
+    root: str | Path,
+    spec: FamilySpec = DEMO_FAMILY,
+    seed: int = 0,
+    with_ref: bool = True,
+    parts: tuple[str, ...] = PARTS,
+    device: str | torch.device = "cpu",
+    write_workers: int = 1,
 ) -> Path:
     """Write a random-weight family into `root` (created). Returns `root`.
 
@@ -249,13 +293,24 @@ def build_model_family(
     unknown = set(parts) - set(PARTS)
     if unknown:
         raise ValueError(f"unknown family parts {sorted(unknown)}; known: {PARTS}")
-    if spec.text_layers_written is not None and not TEXT_ENCODER_LAYER <= spec.text_layers_written <= spec.text["num_hidden_layers"]:
-        raise ValueError(f"text_layers_written must be {TEXT_ENCODER_LAYER}..{spec.text['num_hidden_layers']} (H3 reads layers 0..{TEXT_ENCODER_LAYER - 1}), got {spec.text_layers_written}")
+    if (
+        spec.text_layers_written is not None
+        and not TEXT_ENCODER_LAYER <= spec.text_layers_written <= spec.text["num_hidden_layers"]
+    ):
+        raise ValueError(
+            f"text_layers_written must be {TEXT_ENCODER_LAYER}..{spec.text['num_hidden_layers']} "
+            f"(H3 reads layers 0..{TEXT_ENCODER_LAYER - 1}), got {spec.text_layers_written}"
+        )
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     config = H3Config.preset(spec.transformer)
-    video_channels, audio_channels = spec.video_vae.get("latent_channels", 24), spec.audio_vae.get("latent_channels", 32)
-    if config.in_channels != video_channels or config.audio_in_channels != audio_channels or config.text_dim != spec.text["hidden_size"]:
+    video_channels, audio_channels = (
+        spec.video_vae.get("latent_channels", 24), spec.audio_vae.get("latent_channels", 32)
+    )
+    if (
+        config.in_channels != video_channels or config.audio_in_channels != audio_channels
+        or config.text_dim != spec.text["hidden_size"]
+    ):
         raise ValueError(f"preset {spec.transformer!r} does not match the family's VAE channels or text width")
     for part, offset in (("transformer", 0), ("transformer_ref", 1)):
         if part in parts and (with_ref or part == "transformer"):

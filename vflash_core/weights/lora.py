@@ -112,10 +112,15 @@ def load_adapter(path: str | Path, config: H3Config, strength: float = 1.0) -> A
         except ValueError:
             raise WeightFileError(f"{path}: `__metadata__` alpha {store.metadata['alpha']!r} is not a number") from None
         if not math.isfinite(network_alpha) or network_alpha <= 0:
-            raise WeightFileError(f"{path}: `__metadata__` alpha must be a positive finite number, got {store.metadata['alpha']!r}")
+            raise WeightFileError(
+                f"{path}: `__metadata__` alpha must be a positive finite number, got {store.metadata['alpha']!r}"
+            )
     alpha_source = "tensor" if has_alpha_tensors else ("metadata" if network_alpha is not None else "none")
 
-    original = any(k.startswith(("diffusion_model.", "blocks.", "token_refiner.blocks.", "final_layer.", "lora_unet_")) for k in state)
+    original = any(
+        k.startswith(("diffusion_model.", "blocks.", "token_refiner.blocks.", "final_layer.", "lora_unet_"))
+        for k in state
+    )
     if original:
         fmt, pairs = _original_pairs(state, Path(path))
     else:
@@ -132,8 +137,11 @@ def load_adapter(path: str | Path, config: H3Config, strength: float = 1.0) -> A
                 d = config.attention_head_dim
                 up = up.reshape(config.num_attention_heads, 3, d, -1).transpose(0, 1).reshape(3 * inner, -1)
             for k, up_k in enumerate(up.chunk(3)):
-                adapter.residuals.setdefault(target, []).append(LoraResidual(down.clone(), up_k.contiguous(), scale, k * inner))
+                adapter.residuals.setdefault(target, []).append(
+                    LoraResidual(down.clone(), up_k.contiguous(), scale, k * inner)
+                )
         elif target.endswith("attn.qkv"):
+            assert part is not None  # the branch above took the fused qkv_proj
             adapter.residuals.setdefault(target, []).append(LoraResidual(down, up.contiguous(), scale, part * inner))
         else:
             if target.endswith("ffn.in") and fmt != "diffusers":  # [gate; value] -> [value; gate]
@@ -171,7 +179,9 @@ def _check_values(state: dict[str, torch.Tensor], path: Path) -> None:
         raise WeightFileError(f"{path}: LoRA file rejected: {shown}")
 
 
-def _diffusers_pairs(state: dict[str, torch.Tensor], path: Path) -> dict[tuple[str, int | None], tuple[torch.Tensor, torch.Tensor]]:
+def _diffusers_pairs(
+    state: dict[str, torch.Tensor], path: Path
+) -> dict[tuple[str, int | None], tuple[torch.Tensor, torch.Tensor]]:
     pairs: dict[tuple[str, int | None], dict[str, torch.Tensor]] = {}
     unknown = []
     for key, tensor in state.items():
@@ -182,7 +192,8 @@ def _diffusers_pairs(state: dict[str, torch.Tensor], path: Path) -> dict[tuple[s
         if target is None:
             unknown.append(key)
             continue
-        pairs.setdefault(target, {})[match.group(2)] = tensor  # type: ignore[union-attr]
+        assert match is not None  # a target comes from a match
+        pairs.setdefault(target, {})[match.group(2)] = tensor
     _raise_unknown(unknown, path)
     return _complete(pairs, path)
 
@@ -204,7 +215,9 @@ def _target(
     return f"{prefix}.{match.group(2)}.{local}", part
 
 
-def _original_pairs(state: dict[str, torch.Tensor], path: Path) -> tuple[str, dict[tuple[str, int | None], tuple[torch.Tensor, torch.Tensor]]]:
+def _original_pairs(
+    state: dict[str, torch.Tensor], path: Path
+) -> tuple[str, dict[tuple[str, int | None], tuple[torch.Tensor, torch.Tensor]]]:
     state = {k.removeprefix("diffusion_model."): v for k, v in state.items()}
     fmt = "original"
     if any(".lora_A.default." in k or ".lora_B.default." in k for k in state):
@@ -226,7 +239,9 @@ def _original_pairs(state: dict[str, torch.Tensor], path: Path) -> tuple[str, di
         if not match:
             unknown.append(key)
             continue
-        part = {"lora_down.weight": "A", "lora_A.weight": "A", "lora_up.weight": "B", "lora_B.weight": "B", "alpha": "alpha"}[match.group(2)]
+        part = {
+            "lora_down.weight": "A", "lora_A.weight": "A", "lora_up.weight": "B", "lora_B.weight": "B", "alpha": "alpha"
+        }[match.group(2)]
         groups.setdefault(match.group(1), {})[part] = tensor
     pairs: dict[tuple[str, int | None], dict[str, torch.Tensor]] = {}
     for module, parts in groups.items():
@@ -248,7 +263,9 @@ def _original_pairs(state: dict[str, torch.Tensor], path: Path) -> tuple[str, di
 
 
 def _complete(pairs: dict, path: Path) -> dict:
-    incomplete = sorted(str(t[0]) + ("" if t[1] is None else f"[{t[1]}]") for t, p in pairs.items() if set(p) != {"A", "B"})
+    incomplete = sorted(
+        str(t[0]) + ("" if t[1] is None else f"[{t[1]}]") for t, p in pairs.items() if set(p) != {"A", "B"}
+    )
     if incomplete:
         raise WeightFileError(f"{path}: LoRA modules without both down and up factors: {', '.join(incomplete)}")
     return {t: (p["A"], p["B"]) for t, p in pairs.items()}
@@ -271,12 +288,19 @@ def _validate_shapes(adapter: Adapter, config: H3Config) -> None:
     for name, residuals in adapter.residuals.items():
         match = re.fullmatch(r"(?:blocks|refiner)\.(\d+)\.(.+)", name)
         local = match.group(2) if match else name
-        if match and int(match.group(1)) >= (config.num_layers if name.startswith("blocks") else config.num_refiner_layers):
+        if match and int(match.group(1)) >= (
+            config.num_layers if name.startswith("blocks") else config.num_refiner_layers
+        ):
             problems.append(f"{name}: no such block")
             continue
         fan_in, fan_out = io[local]
         for r in residuals:
-            if r.down.ndim != 2 or r.up.ndim != 2 or r.down.shape[1] != fan_in or r.up.shape != (fan_out, r.down.shape[0]):
-                problems.append(f"{name}: factors {list(r.down.shape)} / {list(r.up.shape)} do not fit [{fan_out}, {fan_in}]")
+            if (
+                r.down.ndim != 2 or r.up.ndim != 2
+                or r.down.shape[1] != fan_in or r.up.shape != (fan_out, r.down.shape[0])
+            ):
+                problems.append(
+                    f"{name}: factors {list(r.down.shape)} / {list(r.up.shape)} do not fit [{fan_out}, {fan_in}]"
+                )
     if problems:
         raise WeightFileError(f"{adapter.path}: LoRA does not fit this model: " + "; ".join(problems[:8]))

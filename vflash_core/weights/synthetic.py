@@ -24,9 +24,9 @@ from ..engine.model import rope_inv_freq, time_embedding
 from .checkpoint import internal_shapes, source_name
 
 __all__ = [
-    "RandomWeights", "diffusers_names", "prune_adaln", "quantize_int8_convrot", "random_internal_weights", "random_like",
-    "to_original_names", "write_comfy_transformer", "write_diffusers_transformer", "write_gguf_transformer",
-    "write_original_transformer", "write_random_lora", "write_shards",
+    "RandomWeights", "diffusers_names", "prune_adaln", "quantize_int8_convrot", "random_internal_weights",
+    "random_like", "to_original_names", "write_comfy_transformer", "write_diffusers_transformer",
+    "write_gguf_transformer", "write_original_transformer", "write_random_lora", "write_shards",
 ]
 
 # Tensors the released checkpoint stores in fp32; everything else is bf16.
@@ -47,7 +47,9 @@ class RandomWeights(Mapping[str, torch.Tensor]):
     the same values, which lets a benchmark rebuild a model in memory that equals one written to disk earlier.
     """
 
-    def __init__(self, config: H3Config, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"):
+    def __init__(
+        self, config: H3Config, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"
+    ):
         self.config, self.seed, self.dtype, self.device = config, seed, dtype, torch.device(device)
         self.shapes = internal_shapes(config)
 
@@ -76,7 +78,9 @@ class RandomWeights(Mapping[str, torch.Tensor]):
         return len(self.shapes)
 
 
-def random_internal_weights(config: H3Config, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+def random_internal_weights(
+    config: H3Config, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"
+) -> dict[str, torch.Tensor]:
     """Every tensor of `RandomWeights` materialised as CPU tensors (`device` says where the numbers are drawn)."""
     weights = RandomWeights(config, seed, dtype, device)
     return {name: weights[name].cpu() for name in weights}
@@ -91,7 +95,9 @@ def diffusers_names(name: str, config: H3Config) -> list[tuple[str, slice]]:
     return [(source, slice(None))]
 
 
-def to_original_names(weights: dict[str, torch.Tensor], config: H3Config, qkv_layout: str = "stacked") -> dict[str, torch.Tensor]:
+def to_original_names(
+    weights: dict[str, torch.Tensor], config: H3Config, qkv_layout: str = "stacked"
+) -> dict[str, torch.Tensor]:
     """Internal names -> the original reference implementation's names (inverse of the diffusers converter)."""
     heads, d = config.num_attention_heads, config.attention_head_dim
     out = {}
@@ -150,7 +156,11 @@ def write_shards(
 
 
 def write_diffusers_transformer(
-    folder: str | Path, config: H3Config, weights: Mapping[str, torch.Tensor], max_shard_bytes: int | None = None, write_workers: int = 1
+    folder: str | Path,
+    config: H3Config,
+    weights: Mapping[str, torch.Tensor],
+    max_shard_bytes: int | None = None,
+    write_workers: int = 1,
 ) -> Path:
     """A diffusers `transformer/` folder: config.json plus one file, or shards and an index when `max_shard_bytes`.
 
@@ -189,7 +199,13 @@ def random_like(name: str, shape: tuple[int, ...], seed: int, device: str | torc
 
 
 def write_random_lora(
-    path: str | Path, config: H3Config, rank: int, alpha: float, seed: int = 0, adaln_rank: int | None = None, device: str | torch.device = "cpu"
+    path: str | Path,
+    config: H3Config,
+    rank: int,
+    alpha: float,
+    seed: int = 0,
+    adaln_rank: int | None = None,
+    device: str | torch.device = "cpu",
 ) -> Path:
     """A LoRA over every main block in the original names as LightX2V publishes them (`diffusion_model.` prefix,
     `lora_A`/`lora_B`, a uniform network alpha in the metadata): fused `attn.qkv_proj`, `attn.out_proj`, `mlp.fc1`,
@@ -204,14 +220,22 @@ def write_random_lora(
             targets.append(("adaln_proj.linear", (18 * h, config.time_embed_dim), adaln_rank))
         for module, (out_f, in_f), r in targets:
             key = f"diffusion_model.blocks.{i}.{module}"
-            state[f"{key}.lora_A.weight"] = random_like(f"{key}.lora_A", (r, in_f), seed, device).to(torch.bfloat16).cpu()
-            state[f"{key}.lora_B.weight"] = random_like(f"{key}.lora_B", (out_f, r), seed, device).mul_(0.1).to(torch.bfloat16).cpu()
+            state[f"{key}.lora_A.weight"] = (
+                random_like(f"{key}.lora_A", (r, in_f), seed, device).to(torch.bfloat16).cpu()
+            )
+            state[f"{key}.lora_B.weight"] = (
+                random_like(f"{key}.lora_B", (out_f, r), seed, device).mul_(0.1).to(torch.bfloat16).cpu()
+            )
     save_file(state, str(path), metadata={"alpha": f"{alpha:g}"})
     return Path(path)
 
 
 def write_original_transformer(
-    path: str | Path, config: H3Config, weights: dict[str, torch.Tensor], qkv_layout: str = "stacked", embed_config: bool = True
+    path: str | Path,
+    config: H3Config,
+    weights: dict[str, torch.Tensor],
+    qkv_layout: str = "stacked",
+    embed_config: bool = True,
 ) -> Path:
     """A single original-layout file (as published single files are); optionally records the config in metadata."""
     path = Path(path)
@@ -220,7 +244,9 @@ def write_original_transformer(
     return path
 
 
-def prune_adaln(weights: Mapping[str, torch.Tensor], config: H3Config, grid: int = 1025, rank: int = 8) -> dict[str, torch.Tensor]:
+def prune_adaln(
+    weights: Mapping[str, torch.Tensor], config: H3Config, grid: int = 1025, rank: int = 8
+) -> dict[str, torch.Tensor]:
     """`weights` as a pruned file holds them: the post-SiLU time-embedding curve sampled at `grid` evenly spaced t in
     [0, 1] (fp32), projected on its top `rank` right-singular directions U: `adaln_t_table` = curve @ U [grid, rank],
     each AdaLN projection (blocks and `norm_out.linear`) W -> W @ U in fp32 with its bias in fp32, no time embedder.
@@ -238,12 +264,20 @@ def prune_adaln(weights: Mapping[str, torch.Tensor], config: H3Config, grid: int
 
 
 # Linears a Comfy-Org scaled-FP8 file stores as float8 (original names): block and refiner projections, condition_proj.
-_FP8_LAYERS = re.compile(r"^((token_refiner\.)?blocks\.\d+\.(attn\.qkv_proj|attn\.out_proj|mlp\.fc1|mlp\.fc2|adaln_proj\.linear)|condition_proj)$")
+_FP8_LAYERS = re.compile(
+    r"^((token_refiner\.)?blocks\.\d+\.(attn\.qkv_proj|attn\.out_proj|mlp\.fc1|mlp\.fc2|adaln_proj\.linear)"
+    r"|condition_proj)$"
+)
 
 
 def write_comfy_transformer(
-    path: str | Path, config: H3Config, weights: Mapping[str, torch.Tensor], fp8: str | None = None, embed_config: bool = True,
-    int8_convrot: int = 0, int8_marking: str = "comfy_quant",
+    path: str | Path,
+    config: H3Config,
+    weights: Mapping[str, torch.Tensor],
+    fp8: str | None = None,
+    embed_config: bool = True,
+    int8_convrot: int = 0,
+    int8_marking: str = "comfy_quant",
 ) -> Path:
     """A Comfy-Org single file: original names with stacked QKV and the `rope.inv_freq` buffer, from full or pruned
     (`prune_adaln`) weights. With `fp8`, the bf16 linears ComfyUI quantizes become float8_e4m3fn codes with one fp32
@@ -258,17 +292,25 @@ def write_comfy_transformer(
     metadata = {"config": json.dumps(config.to_dict())} if embed_config else {}
     if int8_convrot:
         int8_layers: dict[str, dict[str, object]] = {}
-        for name in [n for n in state if n.endswith(".weight") and _FP8_LAYERS.match(n.removesuffix(".weight")) and state[n].shape[1] % int8_convrot == 0]:
+        for name in [
+            n for n in state if n.endswith(".weight") and _FP8_LAYERS.match(n.removesuffix(".weight"))
+            and state[n].shape[1] % int8_convrot == 0
+        ]:
             layer = name.removesuffix(".weight")
             state[name], state[f"{layer}.weight_scale"] = quantize_int8_convrot(state[name], int8_convrot)
             int8_layers[layer] = {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": int8_convrot}
             if int8_marking == "comfy_quant":
-                state[f"{layer}.comfy_quant"] = torch.tensor(list(json.dumps(int8_layers[layer]).encode()), dtype=torch.uint8)
+                state[f"{layer}.comfy_quant"] = torch.tensor(
+                    list(json.dumps(int8_layers[layer]).encode()), dtype=torch.uint8
+                )
         if int8_marking == "metadata":
             metadata["_quantization_metadata"] = json.dumps({"format_version": "1.0", "layers": int8_layers})
     if fp8 is not None:
         layers = {}
-        for name in [n for n in state if n.endswith(".weight") and _FP8_LAYERS.match(n.removesuffix(".weight")) and state[n].dtype == torch.bfloat16]:
+        for name in [
+            n for n in state if n.endswith(".weight") and _FP8_LAYERS.match(n.removesuffix(".weight"))
+            and state[n].dtype == torch.bfloat16
+        ]:
             layer = name.removesuffix(".weight")
             weight = state[name].float()
             scale = weight.abs().amax() / torch.finfo(torch.float8_e4m3fn).max
@@ -296,7 +338,9 @@ def quantize_int8_convrot(weight: torch.Tensor, group: int) -> tuple[torch.Tenso
     from .checkpoint import hadamard_signs
 
     rows, cols = weight.shape
-    rotated = (weight.float().reshape(rows, cols // group, group) @ (hadamard_signs(group) / math.isqrt(group)).T).reshape(rows, cols)
+    rotated = (
+        weight.float().reshape(rows, cols // group, group) @ (hadamard_signs(group) / math.isqrt(group)).T
+    ).reshape(rows, cols)
     scale = (rotated.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-30)
     return (rotated / scale).round().clamp(-128, 127).to(torch.int8), scale
 
@@ -309,7 +353,11 @@ _K_QUANT_HALVES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0,
 
 
 def write_gguf_transformer(
-    path: str | Path, config: H3Config, weights: Mapping[str, torch.Tensor], quant_type: Callable[[str, tuple[int, ...]], str], seed: int = 0
+    path: str | Path,
+    config: H3Config,
+    weights: Mapping[str, torch.Tensor],
+    quant_type: Callable[[str, tuple[int, ...]], str],
+    seed: int = 0,
 ) -> Path:
     """A GGUF of a Comfy-Org file (`write_comfy_transformer`'s tensors, original names) as ComfyUI-GGUF's converter and
     llama.cpp's quantizer lay it out: `quant_type(name, torch shape)` gives each tensor's ggml type. F32 / F16 / BF16
