@@ -13,6 +13,7 @@ import numbers
 import sys
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from typing import TypeGuard
 
 __all__ = [
     "BundleError", "CallbackGuard", "IdentityMismatchError", "Number", "RequestError", "RunFailedError",
@@ -40,12 +41,12 @@ def check_callback(value: object, what: str) -> None:
         raise VflashError(f"{what} must be a callable or None, got {describe_value(value)}")
 
 
-def is_int(value: object) -> bool:
+def is_int(value: object) -> TypeGuard[int]:
     """An int, never a bool: Python counts True as 1, a user never means a flag as a count, an index or a size."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def is_real(value: object) -> bool:
+def is_real(value: object) -> TypeGuard[int | float]:
     """An int or a float, never a bool (not checked finite: `Number` and `formats.is_number` are)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 

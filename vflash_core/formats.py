@@ -148,18 +148,18 @@ def check_device(
 Field = tuple[str, str, Callable[[object], bool]]
 
 
-def is_count(value: object) -> bool:
+def is_count(value: object) -> TypeGuard[int]:
     """An int of 0 or more (a bool is not a count)."""
-    return is_int(value) and value >= 0  # type: ignore[operator]
+    return is_int(value) and value >= 0
 
 
-def is_positive(value: object) -> bool:
-    return is_count(value) and value > 0  # type: ignore[operator]
+def is_positive(value: object) -> TypeGuard[int]:
+    return is_count(value) and value > 0
 
 
 def is_number(value: object) -> bool:
     """A finite int or float (a bool is not a number)."""
-    return is_real(value) and math.isfinite(value)  # type: ignore[arg-type]
+    return is_real(value) and math.isfinite(value)
 
 
 def is_text(value: object) -> TypeGuard[str]:
