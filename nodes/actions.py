@@ -34,7 +34,15 @@ from vflash_core.pipeline.validation import Geometry, check_seed, plan_inputs, r
 from vflash_core.profiles import Profile
 
 from . import comfy_latent as cl
-from .core_adapters import CORE_TEXT_NOTE, CORE_VAE_NOTE, CoreTextConditioner, CoreVAEs, core_text_conditioner, vae_pair
+from .core_adapters import (
+    CORE_TEXT_NOTE,
+    CORE_VAE_NOTE,
+    CoreTextConditioner,
+    CoreVAEs,
+    core_text_conditioner,
+    text_conditioner,
+    vae_pair,
+)
 from .engines import (
     ComponentSpec,
     EngineRegistry,
@@ -168,7 +176,7 @@ def encode(
 
     steps = 2 + bool(frames or mode == "ref2va")
     bar = host_progress(host)
-    conditioner = core_text or load_component_engine(registry, host, te)
+    conditioner = core_text or text_conditioner(registry, host, te)
     vaes = vae_pair(registry, host, vae, audio_vae)
     notes = tuple(
         note
@@ -210,8 +218,14 @@ def encode(
         if done <= steps:
             bar(done, steps)
 
+    # The core adapters (CoreTextConditioner, CoreVAEs) provide what `encode_request` calls without deriving from the
+    # Vflash classes its annotations name.
     encoded = replace(
-        encode_request(conditioner, vaes, prompt, mode, geometry, keyframes, references, canvas, after_stage),
+        encode_request(
+            conditioner,  # type: ignore[arg-type]
+            vaes,  # type: ignore[arg-type]
+            prompt, mode, geometry, keyframes, references, canvas, after_stage,
+        ),
         notes=notes,
     )
     latents = cl.empty_latents(geometry, vaes.latent_channels, vaes.audio_latent_channels)
@@ -358,6 +372,7 @@ def decode(
         )
     if isinstance(vaes, MediaVAEs):
         geometry = av.geometry
+        assert vaes.video_decoder is not None  # a pair loaded for the nodes keeps its decoder (no plan places it)
         transient = decode_bytes(
             vaes.video_vae, geometry.num_frames, geometry.height, geometry.width, vaes.video_decoder,
             DEFAULT_WINDOWS_PER_CALL,
@@ -372,6 +387,7 @@ def decode(
         lambda stage: bar(("decode.video", "decode.audio").index(stage) + 1, 2),
         host.check_interrupt,
     )
+    assert media.frames is not None  # decoded without a frame sink
     images = cl.frames_to_image(media.frames)
     audio = cl.waveform_to_audio(delivered_soundtrack(media), media.sample_rate)
     return images, audio, host.make_video(images, audio, float(FPS))

@@ -128,7 +128,8 @@ class CoreVAEs:
     def latent_channels(self) -> int:
         """The video latent's channels: the model's own (its post-quant conv), else what core records (24)."""
         conv = getattr(getattr(self.video_vae, "first_stage_model", None), "post_quant_conv", None)
-        return int(getattr(conv, "in_channels", None) or getattr(self.video_vae, "latent_channels", 24))
+        channels = getattr(conv, "in_channels", None)
+        return int(channels if channels else getattr(self.video_vae, "latent_channels", 24))
 
     @property
     def audio_latent_channels(self) -> int:
@@ -193,7 +194,11 @@ def text_conditioner(registry: EngineRegistry, host: Host, te: Any) -> TextCondi
     """The text conditioner of a `te` input: a Vflash text encoder spec's engine (loaded now if it is not), or core's
     CLIP."""
     if isinstance(te, ComponentSpec):
-        return load_component_engine(registry, host, te)
+        if te.kind != "te":
+            raise RequestError(f"te takes a Vflash text encoder (VflashTextEncoderLoader), got a {te.kind} spec")
+        engine = load_component_engine(registry, host, te)
+        assert isinstance(engine, TextConditioner)  # what a "te" spec loads
+        return engine
     return core_text_conditioner(te)
 
 
@@ -202,7 +207,11 @@ def vae_pair(registry: EngineRegistry, host: Host, vae: Any, audio_vae: Any = No
     if isinstance(vae, ComponentSpec):
         if audio_vae is not None:
             raise RequestError("audio_vae goes with a core video VAE; a Vflash VAE loader already holds both VAEs")
-        return load_component_engine(registry, host, vae)
+        if vae.kind != "vae":
+            raise RequestError(f"vae takes a Vflash VAE pair (VflashVAELoader), got a {vae.kind} spec")
+        engine = load_component_engine(registry, host, vae)
+        assert isinstance(engine, MediaVAEs)  # what a "vae" spec loads
+        return engine
     if callable(getattr(vae, "decode", None)) and callable(getattr(vae, "encode", None)):  # core VAE
         return CoreVAEs(vae, audio_vae)
     raise RequestError(

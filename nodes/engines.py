@@ -263,8 +263,9 @@ def _check_run_devices(options: RunOptions, profile: Profile) -> None:
     try:
         options.check_devices(profile)
     except IdentityMismatchError as exc:
-        primary = device_arch(options.device)
-        arch = primary if primary != profile.arch or options.peer_device is None else device_arch(options.peer_device)
+        primary = device_arch(torch.device(options.device))
+        peer = options.peer_device
+        arch = primary if primary != profile.arch or peer is None else device_arch(torch.device(peer))
         runnable = [p for p in runnable_profiles() if p != "auto" and p.endswith(f"-{arch}")]
         hint = (
             f"; profiles for {arch} here: {', '.join(runnable[:4])}{' ...' if len(runnable) > 4 else ''}"
@@ -445,13 +446,15 @@ def load_session(registry: EngineRegistry, host: Host, spec: TransformerSpec) ->
     options = spec.options
 
     def factory() -> NativeEngineSession:
-        profile, *paths = resolve_model(host, spec)
-        need = _session_load_need(CompiledArtifact(*paths), profile, options)
+        profile, artifact, schedule_overlay, auxiliary = resolve_model(host, spec)
+        need = _session_load_need(CompiledArtifact(artifact, schedule_overlay, auxiliary), profile, options)
         devices = [options.device] if options.peer_device is None else [options.device, options.peer_device]
         host.make_room({torch.device(d): need for d in devices})
         return NativeEngineSession(
             profile,
-            *paths,
+            artifact,
+            schedule_overlay,
+            auxiliary,
             device=options.device,
             peer_device=options.peer_device,
             strategy=options.strategy,

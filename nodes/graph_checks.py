@@ -104,7 +104,9 @@ def graph_refusals(prompt: Mapping[str, Mapping[str, Any]] | None, folders: Fold
     which inputs of the encode node are connected, its length, its canvas against its text encoder's canvas rules):
     what must not reach any model work. Cheap: reads manifests only; a node whose own checks fail is left to them."""
     out: list[str] = []
-    for nid, node in (prompt or {}).items():
+    if prompt is None:
+        return out
+    for nid, node in prompt.items():
         if not isinstance(node, Mapping) or node.get("class_type") != "VflashSampler":
             continue
         inputs = node.get("inputs", {})

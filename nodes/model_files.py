@@ -80,7 +80,7 @@ def is_h3_transformer_file(path: str | Path) -> bool:
 def _gguf_files(folders: Folders) -> list[str]:
     """The .gguf files under the diffusion_models folders (ComfyUI's models/unet and models/diffusion_models), as
     relative paths: ComfyUI lists only its own extensions there (ComfyUI-GGUF adds a `unet_gguf` key for them)."""
-    found = set()
+    found: set[str] = set()
     for base in folders.folders("diffusion_models"):
         for root, _, files in os.walk(base, followlinks=True):
             ggufs = [os.path.join(root, f) for f in files if f.lower().endswith(".gguf")]

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from vflash_core.errors import Number, VflashError, is_int
 
@@ -384,7 +384,9 @@ def execute(
 # -- node types from V3 node classes, and the headless run --------------------------------------------------------
 
 
-def node_types(classes: Mapping[str, type], prompt: Mapping[str, Any] | None = None) -> dict[str, NodeType]:
+def node_types(
+    classes: Mapping[str, type[io.ComfyNode]], prompt: Mapping[str, Any] | None = None
+) -> dict[str, NodeType]:
     """The `NodeType`s of V3 node classes, read from their schemas: inputs (an autogrow group as its slots
     ``group.slot``, a dynamic combo as its own key plus its options' inputs, dotted), required inputs, outputs,
     output node, INT and FLOAT widget ranges; `run` calls `execute` with `prompt` as the hidden prompt; `validate` is
@@ -393,7 +395,8 @@ def node_types(classes: Mapping[str, type], prompt: Mapping[str, Any] | None = N
     out = {}
     for node_id, cls in classes.items():
         schema = cls.GET_SCHEMA()
-        widgets, required = {}, set()
+        widgets: dict[str, io.Input] = {}
+        required: set[str] = set()
         for inp in schema.inputs:
             if isinstance(inp, io.Autogrow.Input):
                 slots = inp.template.get_all()
@@ -414,7 +417,8 @@ def node_types(classes: Mapping[str, type], prompt: Mapping[str, Any] | None = N
             inputs["upload"] = "COMBO"
         numbers = {key: Number(_NUMBER_KINDS[inputs[key]], getattr(inp, "min", None), getattr(inp, "max", None))
                    for key, inp in widgets.items() if inputs[key] in _NUMBER_KINDS}
-        own = cls.validate_inputs if cls.validate_inputs.__func__ is not io.ComfyNode.validate_inputs.__func__ else None
+        overridden = inspect.getattr_static(cls, "validate_inputs") is not vars(io.ComfyNode)["validate_inputs"]
+        own = cls.validate_inputs if overridden else None
         validated = set(inspect.signature(own).parameters) if own is not None else set()
         choices = {key: tuple(options) for key, inp in widgets.items() if key.split(".")[0] not in validated
                    and (options := _options(inp)) is not None}
@@ -446,9 +450,10 @@ def _dynamic_combo_inputs(combo: io.DynamicCombo.Input, key: str) -> dict[str, i
     return out
 
 
-def _runner(cls: type, schema: io.Schema, prompt: Mapping[str, Any] | None) -> Callable[..., tuple]:
+def _runner(cls: type[io.ComfyNode], schema: io.Schema, prompt: Mapping[str, Any] | None) -> Callable[..., tuple]:
     autogrow = [i.id for i in schema.inputs if isinstance(i, io.Autogrow.Input)]
-    node = type(cls.__name__, (cls,), {"hidden": io.HiddenHolder(prompt=prompt)})  # as ComfyUI gives each run its own
+    # A subclass holding the hidden inputs, as ComfyUI gives each run its own.
+    node = cast("type[io.ComfyNode]", type(cls.__name__, (cls,), {"hidden": io.HiddenHolder(prompt=prompt)}))
 
     def run(**inputs: Any) -> tuple:
         inputs.pop("upload", None)

@@ -24,8 +24,12 @@ import types
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vflash_core.errors import VflashError
+
+if TYPE_CHECKING:
+    from .comfy_io import ComfyNode
 
 # The node pack's modules that import ComfyUI's when they load: bound to one install, so loaded anew for each.
 _COMFY_BOUND = ("extension", "loaders", "generation", "host", "registry", "types")
@@ -36,14 +40,15 @@ class Loaded:
     """One install: the Vflash node classes and the core stand-ins by node id, and the `vflash_nodes` package,
     whose `host` and `registry` modules are this install's."""
 
-    nodes: dict[str, type]
-    core: dict[str, type]
+    nodes: dict[str, type[ComfyNode]]
+    core: dict[str, type[ComfyNode]]
     package: types.ModuleType
 
 
 def _fresh(name: str) -> types.ModuleType:
     """A new copy of one of this package's modules (its state, e.g. the interrupt flag, is the install's own)."""
     spec = importlib.util.find_spec(f"{__name__}.{name}")
+    assert spec is not None and spec.loader is not None, f"{name} is one of this package's own modules"
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -56,7 +61,7 @@ def _package(name: str, **children: types.ModuleType) -> types.ModuleType:
     return module
 
 
-def _by_id(classes: list[type]) -> dict[str, type]:
+def _by_id(classes: list[type[ComfyNode]]) -> dict[str, type[ComfyNode]]:
     return {cls.GET_SCHEMA().node_id: cls for cls in classes}
 
 

@@ -44,6 +44,7 @@ class VideoFromComponents:
         from vflash_core.media.mp4 import write_mp4
 
         c = self.components
+        assert c.audio is not None, "SaveVideo refuses a VIDEO without a soundtrack before it saves"
         tags = {key: json.dumps(value) for key, value in (metadata or {}).items()}
         write_mp4(path, c.images, c.audio["waveform"][0], int(c.audio["sample_rate"]), int(c.frame_rate), metadata=tags)
 

@@ -9,6 +9,7 @@ is kept as attributes and never interpreted: the runner needs each input's id, i
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -20,7 +21,7 @@ class UploadType(str, Enum):
 
 
 class Input:
-    Parent: type
+    Parent: type[ComfyTypeI]
 
     def __init__(
         self, id: str, display_name: str | None = None, optional: bool = False, tooltip: str | None = None, **extra: Any
@@ -42,7 +43,7 @@ class WidgetInput(Input):
 
 
 class Output:
-    Parent: type
+    Parent: type[ComfyTypeI]
 
     def __init__(self, id: str | None = None, display_name: str | None = None, tooltip: str | None = None):
         self.id, self.display_name, self.tooltip = id, display_name or id, tooltip
@@ -207,7 +208,7 @@ class Hidden(str, Enum):
 class HiddenHolder:
     """What a node reads as `cls.hidden`: the API prompt, and the UI workflow's extra info (none for an API file)."""
 
-    def __init__(self, prompt: dict | None = None, extra_pnginfo: dict | None = None):
+    def __init__(self, prompt: Mapping[str, Any] | None = None, extra_pnginfo: dict | None = None):
         self.prompt, self.extra_pnginfo = prompt, extra_pnginfo
 
 

@@ -42,7 +42,7 @@ def get_folder_paths(folder_name: str) -> list[str]:
 
 def get_filename_list(folder_name: str) -> list[str]:
     paths, extensions = folder_names_and_paths.get(folder_name, ([], set()))
-    found = set()
+    found: set[str] = set()
     for directory in filter(os.path.isdir, paths):
         if extensions == ["folder"]:
             found.update(e for e in os.listdir(directory) if os.path.isdir(os.path.join(directory, e)))
