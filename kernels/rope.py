@@ -321,8 +321,7 @@ def qk_norm_rope(
     """
     qkv2 = _launch.as_rows(qkv, "qkv")
     n_rows, width = qkv2.shape
-    if head_dim % _VEC or not 0 < head_dim <= _VEC * _LANES:
-        raise ValueError(f"head_dim must be a multiple of {_VEC} in [4, {_VEC * _LANES}], got {head_dim}")
+    check_head_dim(head_dim)
     if width % (3 * head_dim):
         raise ValueError(f"qkv width {width} is not 3 * heads * {head_dim}")
     n_heads = width // (3 * head_dim)
@@ -330,38 +329,55 @@ def qk_norm_rope(
         if w.shape != (head_dim,) or w.dtype != qkv.dtype:
             raise ValueError(f"{name} must be ({head_dim},) {qkv.dtype}, got {tuple(w.shape)} {w.dtype}")
     cos2, sin2 = _angles_views(cos, sin, n_rows, head_dim, qkv.dtype)
-    round_dtype = _launch.round_dtype(qkv.dtype)
+    _launch.round_dtype(qkv.dtype)  # a dtype the kernel cannot round in is refused, even for no rows
     shape = (3 if copy_v else 2, n_rows, n_heads, head_dim)
     if out is None:
         out = torch.empty(shape, dtype=qkv.dtype, device=qkv.device)
     elif tuple(out.shape) != shape or out.dtype != qkv.dtype or (out.numel() and out.stride(3) != 1):
         raise ValueError(f"out must be {shape} {qkv.dtype} with channel stride 1, got {tuple(out.shape)} {out.dtype}")
     _launch.check_device(qkv, norm_q_weight, norm_k_weight, cos, sin, out)
-    if qkv2.numel():
-        block_d = triton.next_power_of_2(head_dim)
-        tile, grid = _launch.tile_and_grid(
-            n_rows, n_heads, block_d, parts=out.shape[0], target_elements=QK_NORM_TILE_ELEMENTS
-        )
-        _qk_norm_rope_kernel[grid](
-            qkv2, norm_q_weight, norm_k_weight, cos2, sin2, out,
-            n_rows, n_heads, float(eps),
-            qkv2.stride(0), qkv2.stride(1),
-            norm_q_weight.stride(0), norm_k_weight.stride(0),
-            cos2.stride(0), cos2.stride(1),
-            sin2.stride(0), sin2.stride(1),
-            out.stride(0), out.stride(1), out.stride(2),
-            HEAD_DIM=head_dim,
-            ROTARY=cos2.shape[1],
-            ROUND_DTYPE=round_dtype,
-            BLOCK_ROWS=tile.block_rows,
-            BLOCK_HEADS=tile.block_groups,
-            BLOCK_D=block_d,
-            INDEX_64=_launch.needs_int64(qkv2, cos2, sin2, out),
-            **_launch.launch_options(tile),
-        )
+    launch_qk_norm_rope(qkv2, norm_q_weight, norm_k_weight, cos2, sin2, out, n_heads, head_dim, float(eps))
     inner = n_heads * head_dim
     v = out[2:3] if copy_v else qkv2[None, :, 2 * inner :].unflatten(-1, (n_heads, head_dim))
     return out[0:1], out[1:2], v
+
+
+def check_head_dim(head_dim: int) -> None:
+    """The head widths the kernel handles: a multiple of its vector width, one warp's lanes at most."""
+    if head_dim % _VEC or not 0 < head_dim <= _VEC * _LANES:
+        raise ValueError(f"head_dim must be a multiple of {_VEC} in [4, {_VEC * _LANES}], got {head_dim}")
+
+
+def launch_qk_norm_rope(
+    rows: torch.Tensor, norm_q_weight: torch.Tensor, norm_k_weight: torch.Tensor, cos2: torch.Tensor,
+    sin2: torch.Tensor, out: torch.Tensor, n_heads: int, head_dim: int, eps: float,
+) -> None:
+    """The kernel over (S, parts * heads * D) `rows` ([q | k | v] parts, any strides) into the (parts, S, heads, D)
+    `out`, for its first `out.shape[0]` parts: q (and k, and a copied v); cos2 / sin2 (S, R) as `_angles_views`
+    gives them. Checks are the callers'."""
+    if not rows.numel():
+        return
+    block_d = triton.next_power_of_2(head_dim)
+    tile, grid = _launch.tile_and_grid(
+        rows.shape[0], n_heads, block_d, parts=out.shape[0], target_elements=QK_NORM_TILE_ELEMENTS
+    )
+    _qk_norm_rope_kernel[grid](
+        rows, norm_q_weight, norm_k_weight, cos2, sin2, out,
+        rows.shape[0], n_heads, eps,
+        rows.stride(0), rows.stride(1),
+        norm_q_weight.stride(0), norm_k_weight.stride(0),
+        cos2.stride(0), cos2.stride(1),
+        sin2.stride(0), sin2.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+        HEAD_DIM=head_dim,
+        ROTARY=cos2.shape[1],
+        ROUND_DTYPE=_launch.round_dtype(rows.dtype),
+        BLOCK_ROWS=tile.block_rows,
+        BLOCK_HEADS=tile.block_groups,
+        BLOCK_D=block_d,
+        INDEX_64=_launch.needs_int64(rows, cos2, sin2, out),
+        **_launch.launch_options(tile),
+    )
 
 
 # -- references -----------------------------------------------------------------------------------------------------

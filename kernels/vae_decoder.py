@@ -22,7 +22,7 @@ import triton.language as tl
 from . import _launch
 from ._device import _round_as, _row_block, _row_chunk, _tile_indices, _to_f32, _to_storage
 from .rms_norm_modulate import _CHUNK, _LANES, _TORCH_WARPS, _VEC, _halving_tree, _torch_block_rstd
-from .rope import QK_NORM_TILE_ELEMENTS, _angles_views, _qk_norm_rope_kernel
+from .rope import _angles_views, check_head_dim, launch_qk_norm_rope
 
 __all__ = ["head_rms_norm_rope", "rms_norm_cast", "rms_norm_cast_reference", "scaled_residual"]
 
@@ -198,36 +198,14 @@ def head_rms_norm_rope(x: torch.Tensor, eps: float | None, cos: torch.Tensor, si
     for Dh <= 128 its lane order is torch's vectorized CUDA order.
     """
     count, seq, heads, head_dim = x.shape
-    if head_dim % _VEC or not 0 < head_dim <= _VEC * _LANES:
-        raise ValueError(f"head dim must be a multiple of {_VEC} in [4, {_VEC * _LANES}], got {head_dim}")
+    check_head_dim(head_dim)
     rows = _rows(x.flatten(2, 3), "x")  # (W S, heads Dh)
     cos2, sin2 = _angles_views(cos, sin, rows.shape[0], head_dim, x.dtype)
-    round_dtype = _launch.round_dtype(x.dtype)
-    out = torch.empty((1, rows.shape[0], heads, head_dim), dtype=x.dtype, device=x.device)
+    _launch.round_dtype(x.dtype)  # a dtype the kernel cannot round in is refused, even for no rows
+    out = torch.empty((1, rows.shape[0], heads, head_dim), dtype=x.dtype, device=x.device)  # one part: q alone
     unit = _unit_weight(head_dim, x.dtype, x.device)
     _launch.check_device(x, cos, sin, out)
-    if rows.numel():
-        block_d = triton.next_power_of_2(head_dim)
-        tile, grid = _launch.tile_and_grid(
-            rows.shape[0], heads, block_d, parts=1, target_elements=QK_NORM_TILE_ELEMENTS
-        )
-        _qk_norm_rope_kernel[grid](
-            rows, unit, unit, cos2, sin2, out,
-            rows.shape[0], heads, _norm_eps(eps),
-            rows.stride(0), rows.stride(1),
-            unit.stride(0), unit.stride(0),
-            cos2.stride(0), cos2.stride(1),
-            sin2.stride(0), sin2.stride(1),
-            out.stride(0), out.stride(1), out.stride(2),
-            HEAD_DIM=head_dim,
-            ROTARY=cos2.shape[1],
-            ROUND_DTYPE=round_dtype,
-            BLOCK_ROWS=tile.block_rows,
-            BLOCK_HEADS=tile.block_groups,
-            BLOCK_D=block_d,
-            INDEX_64=_launch.needs_int64(rows, cos2, sin2, out),
-            **_launch.launch_options(tile),
-        )
+    launch_qk_norm_rope(rows, unit, unit, cos2, sin2, out, heads, head_dim, _norm_eps(eps))
     return out.view(count, seq, heads, head_dim)
 
 
