@@ -59,7 +59,8 @@ from .fileio import GIB, size_text
 
 __all__ = [
     "DEVICE_MEMORY_GIB", "HOST_MARGIN_BYTES", "PLANNED_PICTURES", "PLANNED_TEXT_ROWS", "DeviceCap", "MemoryPlan",
-    "PartSizes", "Placement", "cap_bytes", "device_budget", "plan_memory",
+    "PartSizes", "Placement", "cap_bytes", "check_disk_ring", "check_host_budget_on_cpu", "device_budget",
+    "plan_memory",
 ]
 
 logger = logging.getLogger(__name__)
@@ -328,11 +329,7 @@ def plan_memory(
     `largest`: stage -> transient bytes of the largest request to plan for (`largest_request`). `budget` defaults to
     `device_budget(devices, cap)`; `host_budget`: `max_host_memory` in bytes (None: host memory is not planned)."""
     devices = tuple(devices)
-    if weight_residency == "disk-ring" and len(devices) > 1:
-        raise VflashError(
-            "weight_residency='disk-ring' streams the blocks to one GPU; "
-            "with a peer device use 'block-ring' or 'resident'"
-        )
+    check_disk_ring(weight_residency, len(devices))
     budget = device_budget(devices, cap) if budget is None else budget
     candidates = _candidates(sizes, weight_residency, encoder_residency, len(devices), host_budget is not None)
     plans = [MemoryPlan(devices, budget, cap, sizes, p, largest, True, host_budget) for p in candidates]
@@ -353,13 +350,7 @@ def plan_memory(
                 for name, choice in (("core", p.core), ("text encoder", p.encoder), ("VAEs", p.vaes))
                 if choice
             )
-            explicit = [
-                f"{name}={value!r}"
-                for name, value, default in (
-                    ("weight_residency", weight_residency, "auto"), ("encoder_residency", encoder_residency, "offload")
-                )
-                if value != default
-            ]
+            explicit = _explicit_choices(weight_residency, encoder_residency)
             if devices[0].type != "cuda":  # on the CPU the budget is the cap: nothing else is measured
                 advice = (
                     " Raise max_device_memory, or leave it out on the CPU (no cap: everything stays in host memory)."
@@ -375,6 +366,32 @@ def plan_memory(
             )
     logger.info(plan.summary())
     return plan
+
+
+def check_disk_ring(weight_residency: str, devices: int) -> None:
+    """A disk ring feeds one device: asked for with more, refused in one line."""
+    if weight_residency == "disk-ring" and devices > 1:
+        raise VflashError(
+            "weight_residency='disk-ring' streams the blocks to one GPU; "
+            "with a peer device use 'block-ring' or 'resident'"
+        )
+
+
+def check_host_budget_on_cpu(host_budget: object, cap: object) -> None:
+    """On the CPU a host budget is planned only beside a device cap (the plan's budget there): refused without one."""
+    if host_budget is not None and cap is None:
+        raise VflashError("max_host_memory is planned with the device memory: on the CPU give max_device_memory too")
+
+
+def _explicit_choices(weight_residency: str, encoder_residency: str) -> list[str]:
+    """The placement options a caller set away from their defaults, as `name='value'` (for a refusal's advice)."""
+    return [
+        f"{name}={value!r}"
+        for name, value, default in (
+            ("weight_residency", weight_residency, "auto"), ("encoder_residency", encoder_residency, "offload")
+        )
+        if value != default
+    ]
 
 
 def _fastest_twin(plans: list[MemoryPlan], plan: MemoryPlan) -> MemoryPlan:
@@ -396,13 +413,7 @@ def _refuse_host(plan: MemoryPlan, weight_residency: str, encoder_residency: str
     """Refuse a host budget that not even the most frugal placement fits, naming what holds the host memory."""
     held = plan.host_parts()
     parts = ", ".join(f"{name} {size_text(nbytes)}" for name, nbytes in held.items()) or "no weights"
-    explicit = [
-        f"{name}={value!r}"
-        for name, value, default in (
-            ("weight_residency", weight_residency, "auto"), ("encoder_residency", encoder_residency, "offload")
-        )
-        if value != default
-    ]
+    explicit = _explicit_choices(weight_residency, encoder_residency)
     advice = (
         f"Leave {' and '.join(explicit)} to the plan, or raise max_host_memory." if explicit
         else "Raise max_host_memory."

@@ -46,7 +46,14 @@ from ..errors import (
 )
 from ..fileio import GIB, atomic_file, check_writable_destination, path_argument
 from ..formats import check_device, device_arch
-from ..memory_plan import DeviceCap, MemoryPlan, cap_bytes, plan_memory
+from ..memory_plan import (
+    DeviceCap,
+    MemoryPlan,
+    cap_bytes,
+    check_disk_ring,
+    check_host_budget_on_cpu,
+    plan_memory,
+)
 from ..profiles import Profile, get_profile
 from ..progress import PreviewFn, ProgressFn
 from .artifact import CompiledArtifact
@@ -199,11 +206,9 @@ class NativeEngineSession:
                 "a session given a memory plan takes its limits from the plan; "
                 "leave max_device_memory and max_host_memory out"
             )
-        if weight_residency == "disk-ring" and peers:
-            raise VflashError(
-                "weight_residency='disk-ring' streams the blocks to one GPU; "
-                "with a peer device use 'block-ring' or 'resident'"
-            )
+        check_disk_ring(weight_residency, len(self.devices))
+        if self.device.type != "cuda":
+            check_host_budget_on_cpu(host_budget, cap)
         hooks = check_loader_hooks(native_denoiser_loader, block_loader, self.strategy, len(self.devices))
         if hooks and weight_residency == "auto":
             weight_residency = "resident"
@@ -232,10 +237,6 @@ class NativeEngineSession:
             largest = {"denoise": denoise_bytes(config, largest_request_rows(self.profile, config))}
             plan = plan_memory(
                 self.compiled.part_sizes(), largest, self.devices, cap, weight_residency, host_budget=host_budget
-            )
-        elif plan is None and host_budget is not None:
-            raise VflashError(
-                "max_host_memory is planned with the device memory: on the CPU give max_device_memory too"
             )
         elif plan is not None and weight_residency not in ("auto", plan.placement.core):
             raise VflashError(

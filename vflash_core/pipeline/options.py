@@ -16,7 +16,7 @@ from ..engine.session import STRATEGIES, WEIGHT_RESIDENCIES
 from ..errors import VflashError, check_choice
 from ..formats import GPU_INDEX, check_device, gpu_device
 from ..media.mp4 import VIDEO_INPUTS, VIDEO_THREADS, check_delivery_options
-from ..memory_plan import DEVICE_MEMORY_GIB, cap_bytes
+from ..memory_plan import DEVICE_MEMORY_GIB, cap_bytes, check_disk_ring, check_host_budget_on_cpu
 from ..profiles import Profile
 
 __all__ = ["STRATEGIES", "WEIGHT_RESIDENCIES", "RunOptions"]
@@ -65,15 +65,9 @@ class RunOptions:
         check_delivery_options(self.media_video_input, self.media_video_threads)
         cap_bytes(self.max_device_memory)
         cap_bytes(self.max_host_memory, "max_host_memory")
-        if self.max_host_memory is not None and self.max_device_memory is None and str(self.device) == "cpu":
-            raise VflashError(
-                "max_host_memory is planned with the device memory: on the CPU give max_device_memory too"
-            )
-        if self.weight_residency == "disk-ring" and self.peer_device is not None:
-            raise VflashError(
-                "weight_residency='disk-ring' streams the blocks to one GPU; "
-                "with a peer GPU use 'block-ring' or 'resident'"
-            )
+        if str(self.device) == "cpu":
+            check_host_budget_on_cpu(self.max_host_memory, self.max_device_memory)
+        check_disk_ring(self.weight_residency, 1 + (self.peer_device is not None))
         for name in ("profile_denoise", "verify_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise VflashError(f"{name} must be true or false, got {getattr(self, name)!r}")
