@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from concurrent import futures
 import gc
 import os
 import shutil
@@ -188,10 +189,13 @@ def test_disk_ring_equals_resident_and_reuses_its_buffers(five_compiled):
         files = ring.source
         assert isinstance(files, R.BlockFiles)
         pointers = [t.data_ptr() for t in ring.slots + files.staging]
+        # counted with the read-ahead settled: a read in flight holds its own objects for the moment
+        futures.wait([read for _, _, read in files._reads])
         gc.collect()
         live_before = len(gc.get_objects())
         for _ in range(10):
             got = session.generate(_bundle(6))
+        futures.wait([read for _, _, read in files._reads])
         gc.collect()
         assert len(gc.get_objects()) - live_before < 200, "objects accumulate across requests"
         assert [t.data_ptr() for t in ring.slots + files.staging] == pointers

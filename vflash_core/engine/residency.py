@@ -305,7 +305,7 @@ class StagedFiles(HostItems):
         for index, files in enumerate(items):
             readers = []
             for path, names in files:
-                reader = TensorReader(path, list(names), _READ_WORKERS, drop_cache=drop_cache)
+                reader = TensorReader(path, list(names), drop_cache=drop_cache)
                 for key, name in names.items():
                     info, slot = reader.infos[key], slots[name]
                     if info.dtype != slot.dtype or tuple(info.shape) != slot.shape:
@@ -324,6 +324,7 @@ class StagedFiles(HostItems):
             {s.name: buffer[s.offset : s.offset + s.nbytes] for s in self.layout} for buffer in self.staging
         ]
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="vflash-staged-files")
+        self._io = ThreadPoolExecutor(_READ_WORKERS, thread_name_prefix="vflash-staged-reads")  # each file's chunks
         self._free = deque(range(depth))  # staging buffers neither being read into nor copied out of
         self._reads: deque[tuple[int, int, Future[None]]] = deque()  # (item, buffer, its read), in pass order
         self._copies: list[torch.cuda.Event | None] = [None] * depth  # per buffer: the last copy out of it
@@ -361,7 +362,7 @@ class StagedFiles(HostItems):
         start = time.perf_counter()
         targets = self._targets[buffer]
         for reader, names in self.readers[item]:
-            self.bytes_read += reader.read_into({key: targets[name] for key, name in names.items()})
+            self.bytes_read += reader.read_into({key: targets[name] for key, name in names.items()}, self._io)
         self.read_seconds.append(time.perf_counter() - start)
 
     def _start_at(self, index: int) -> None:
@@ -376,6 +377,7 @@ class StagedFiles(HostItems):
     def close(self) -> None:
         """Wait for the reads in flight and drop the staging buffers."""
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._io.shutdown(wait=True)
         self._reads.clear()
         self.staging, self._targets = [], []
 

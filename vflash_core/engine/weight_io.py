@@ -160,12 +160,20 @@ def _run_jobs(workers: int, jobs: Sequence[Callable[[], int]]) -> int:
     no thread still reads a descriptor or a buffer that the caller releases next.
     """
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="vflash-weight-io")
-    futures: list[Future[int]] = []
     try:
-        futures = [pool.submit(job) for job in jobs]
-        wait(futures, return_when=FIRST_EXCEPTION)
+        return _run_on(pool, jobs)
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        pool.shutdown(wait=True)
+
+
+def _run_on(pool: ThreadPoolExecutor, jobs: Sequence[Callable[[], int]]) -> int:
+    """`_run_jobs` on a pool the caller keeps (the same first-failure semantics; the pool stays up)."""
+    futures = [pool.submit(job) for job in jobs]
+    pending = wait(futures, return_when=FIRST_EXCEPTION).not_done
+    if pending:  # a job failed: the ones not started are cancelled, the running ones finish
+        for future in pending:
+            future.cancel()
+        wait(futures)
     for future in futures:
         error = None if future.cancelled() else future.exception()
         if error is not None:
@@ -400,9 +408,10 @@ class TensorReader:
         self.read_workers, self.chunk_bytes, self.drop_cache = read_workers, chunk_bytes, drop_cache
         self.nbytes = sum(i.end - i.start for i in self.infos.values())
 
-    def read_into(self, targets: dict[str, torch.Tensor]) -> int:
+    def read_into(self, targets: dict[str, torch.Tensor], pool: ThreadPoolExecutor | None = None) -> int:
         """Fill each `targets[name]` (a contiguous CPU uint8 tensor of the tensor's byte count) with the tensor's bytes;
-        returns the bytes read."""
+        returns the bytes read. `pool`: the caller's reader threads, kept across reads (else `read_workers` threads
+        are started for this read)."""
         jobs = []
         for name, info in self.infos.items():
             view = memoryview(targets[name].numpy())  # type: ignore[arg-type]
@@ -415,7 +424,8 @@ class TensorReader:
         fd = _open(self.path)
         try:
             _check_identity(self.path, os.fstat(fd), self._identity, "since it was indexed")
-            read = _run_jobs(self.read_workers, [partial(_read_pieces, fd, self.path, [job]) for job in jobs])
+            reads = [partial(_read_pieces, fd, self.path, [job]) for job in jobs]
+            read = _run_jobs(self.read_workers, reads) if pool is None else _run_on(pool, reads)
             _check_identity(self.path, _stat(self.path), self._identity, "while it was read")
             if self.drop_cache and hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
