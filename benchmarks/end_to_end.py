@@ -19,7 +19,8 @@ staging step, and `--skip` leaves phases out):
 5. `family_rest`: the source removed; text encoder, tokenizer, processor and index (tmpfs), VAEs and index (disk).
 6. `vflash_resident`: a pipeline with the text encoder, VAEs and weights resident, loaded from a dropped page cache
    (cold initialization), a first request and `--warm-requests` more per canvas (1344x768 and 960x544, 5 s t2va);
-   the text of the 960x544 request is kept for `bitwise`.
+   the text of the 960x544 request is kept for `bitwise`. Then `denoise_overhead`: one more 1344x768 denoise with
+   per-stage device timings, its wall time against evaluations x blocks x its own mean per-block time.
 7. `bitwise`: a `NativeEngineSession` on cuDNN attention denoises that request's bundle; diffusers' transformer,
    rebuilt in GPU memory from the same seed (equal to the compiled file) with the same LoRA through
    `load_lora_weights`, denoises the same prompt embeddings and seed through the modular pipeline's core denoise
@@ -462,6 +463,31 @@ def stage_digests(pipe, canvas: str) -> dict[str, str]:
     return digests
 
 
+def denoise_overhead(pipe, canvas: str, blocks: int) -> dict[str, object]:
+    """One warm request's denoise at `canvas` through the pipeline's session with per-stage device timings
+    (`profile_denoise`): its wall time against evaluations x blocks x the request's own mean per-block device time,
+    and where the rest went (the per-evaluation stages outside the blocks; the remainder is host time: the request's
+    setup, waits and the copies back)."""
+    from vflash_core.pipeline.h3_pipeline import VideoRequest
+
+    width, height = (int(v) for v in canvas.split("x"))
+    bundle = pipe.encode(VideoRequest(PROMPT, seed=REQUEST_SEED, width=width, height=height)).consume()
+    result = pipe.session.generate(bundle, profile_denoise=True)
+    profile = result.denoise_profile
+    totals, evaluations = profile["total_ms"], len(profile["evaluations"])
+    wall = result.session.request_wall_seconds
+    per_block_ms = totals["blocks"] / (evaluations * blocks)
+    outside = {name: round(ms, 1) for name, ms in totals.items() if name in ("pack_inputs", "final_layer", "latent_update")}
+    return {
+        "canvas": canvas, "evaluations": evaluations, "blocks": blocks, "wall_seconds": round(wall, 3),
+        "per_block_ms": round(per_block_ms, 3), "blocks_seconds": round(totals["blocks"] / 1e3, 3),
+        "evaluation_stages_outside_blocks_ms": outside,
+        "unaccounted_seconds": round(wall - (totals["blocks"] + sum(outside.values())) / 1e3, 3),
+        "overhead_over_blocks": round(wall / (totals["blocks"] / 1e3) - 1, 4),
+        "per_block_ms_by_evaluation": [round(e["blocks"] / blocks, 3) for e in profile["evaluations"]],
+    }
+
+
 def load_pipeline(run: Run, receipt: Path, record: dict, host: HostPeak | None = None, text_encoder_loader=None, **options):
     from vflash_core.pipeline.h3_pipeline import H3Pipeline
     from vflash_core.pipeline.options import RunOptions
@@ -792,6 +818,8 @@ def main() -> None:
             try:
                 vflash_requests(run, pipe, "resident", canvases, 1 + warm, host, out_dir)
                 run.data["stage_digests"] = {canvases[0]: stage_digests(pipe, canvases[0])}  # memory_caps.py's uncapped twin
+                rec["denoise_overhead"] = denoise_overhead(pipe, canvases[0], setup.config.num_layers)
+                run.log(f"denoise overhead at {canvases[0]}: {rec['denoise_overhead']}")
                 width, height = (int(v) for v in canvases[1].split("x"))
                 encoded = encode_request(pipe.conditioner, pipe.vaes, PROMPT, "t2va", Geometry(height, width, 124))
             finally:

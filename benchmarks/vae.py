@@ -1,6 +1,7 @@
 """diffusers vs Vflash video decode of the H3 video VAE at its released size (random weights), one process, one H200.
 
     python benchmarks/vae.py [--cache /tmp/vflash-bench] [--windows-per-call 1 8] [--attention torch-sdpa] [--repeat 2]
+                             [--canvases 960x544 1344x768] [--durations 5 10] [--profile]
     python benchmarks/vae.py --small        # dry run: the demo family's VAE on the CPU (also bf16)
 
 The VAE has the released configuration (`AutoencoderKLMiniMaxH3()` defaults: a 36-layer ViT decoder 2048 wide) with
@@ -26,9 +27,13 @@ with a peer device: the calls in two contiguous halves, cuda:1's on a replica of
 timing (the pipeline makes it per decode), its tiles gathered on cuda:0. `two_gpu_speedup` = one-GPU time / two-GPU
 time, `two_gpu_bitwise_equal` against one GPU, `two_gpu_peak_device_bytes` per device; all three null (and the other
 two absent) without two GPUs.
-`native_fused_seconds` (with `native_fused_peak_device_bytes`, `native_fused_bitwise_equal_to_diffusers` and
-`native_fused_speedup_vs_reference` against the reference ops at the largest --windows-per-call): the native decode
-at the largest --windows-per-call through its fused Triton ops (`decoder_execution="fused"`); null on the CPU.
+`native_fused_seconds` (with `native_fused_peak_device_bytes`, `native_fused_bitwise_equal_to_diffusers`,
+`native_fused_speedup_vs_reference` against the reference ops at the largest --windows-per-call,
+`native_fused_speedup_vs_diffusers` and `native_fused_roofline_ratio`): the native decode at the largest
+--windows-per-call through its fused Triton ops (`decoder_execution="fused"`, the default on CUDA); null on the CPU.
+`vflash_seconds` and the columns beside it are the reference ops' (`decoder_execution="reference"`). With --profile,
+the first canvas and duration's record also holds `native_fused_kernel_profile`: one fused decode's kernel time and
+its top kernels by device time.
 `audio_decode_seconds`, `audio_peak_device_bytes`: the audio VAE's decode of the same duration (both stereo channels);
 `audio_share_of_decode` = audio / (audio + Vflash video) seconds, its share of the decode stage (worth speeding up
 above 5 %).
@@ -160,9 +165,30 @@ def max_abs_diff_pixels(actual: torch.Tensor, expected: torch.Tensor) -> float:
     )
 
 
-def run(vaes: MediaVAEs, device: torch.device, canvases: dict[str, tuple[int, int]], windows_per_call: list[int], attention: str, repeat: int) -> dict[str, object]:
+def kernel_profile(fn: Callable[[], object], top: int = 25) -> dict[str, object]:
+    """One call of `fn` under the CUDA profiler: its kernel time in all and the `top` kernels by their summed device
+    time (name cut to 90 characters, milliseconds, launches, share of the kernel time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
+    total_us = sum(e.self_device_time_total for e in kernels)
+    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    return {
+        "kernel_ms": round(total_us / 1e3, 1),
+        "top": [{"name": e.key[:90], "ms": round(e.self_device_time_total / 1e3, 1), "launches": e.count,
+                 "share": round(e.self_device_time_total / total_us, 4)} for e in kernels[:top]],
+    }
+
+
+def run(vaes: MediaVAEs, device: torch.device, canvases: dict[str, tuple[int, int]], windows_per_call: list[int], attention: str, repeat: int,
+        durations: tuple[float, ...] = SECONDS, profile_kernels: bool = False) -> dict[str, object]:
+    """`profile_kernels`: also a CUDA kernel profile of the first canvas and duration's fused decode."""
     vae = vaes.video_vae
-    decoders = {n: NativeVideoDecoder.from_vae(vae, attention=attention, windows_per_call=n) for n in windows_per_call}
+    decoders = {n: NativeVideoDecoder.from_vae(vae, attention=attention, windows_per_call=n, execution="reference")
+                for n in windows_per_call}
     best_n = max(windows_per_call)
     # Triton kernels run on CUDA only: on the CPU (--small) the fused keys stay null.
     fused = (NativeVideoDecoder.from_vae(vae, attention=attention, windows_per_call=best_n, execution="fused")
@@ -173,7 +199,7 @@ def run(vaes: MediaVAEs, device: torch.device, canvases: dict[str, tuple[int, in
     records = []
     warm = False
     for canvas, (height, width) in canvases.items():
-        for seconds in SECONDS:
+        for seconds in durations:
             frames = frames_for_duration(seconds)
             z = torch.randn(1, channels, video_latent_frames(frames), height // ratio, width // ratio, generator=g).to(device)
             if not warm:  # one decode per side first: kernel selection, allocator growth
@@ -243,8 +269,14 @@ def run(vaes: MediaVAEs, device: torch.device, canvases: dict[str, tuple[int, in
                 f_seconds, f_peak, got = timed(lambda: fused.decode(z), device, repeat)
                 record.update(native_fused_seconds=round(f_seconds, 4), native_fused_peak_device_bytes=f_peak,
                               native_fused_bitwise_equal_to_diffusers=torch.equal(got, expected),
-                              native_fused_speedup_vs_reference=round(by_n[best_n]["seconds"] / f_seconds, 4))
+                              native_fused_speedup_vs_reference=round(by_n[best_n]["seconds"] / f_seconds, 4),
+                              native_fused_speedup_vs_diffusers=round(d_seconds / f_seconds, 4))
+                if "roofline_seconds" in record:
+                    record["native_fused_roofline_ratio"] = round(f_seconds / record["roofline_seconds"], 4)
                 del got
+                if profile_kernels:
+                    record["native_fused_kernel_profile"] = kernel_profile(lambda: fused.decode(z))
+                    profile_kernels = False
             print({k: v for k, v in record.items() if k != "by_windows_per_call"})
             records.append(record)
             del z, expected
@@ -260,15 +292,19 @@ def main() -> None:
     parser.add_argument("--attention", default="torch-sdpa", help="the native side's attention backend (diffusers always runs its own pick)")
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--small", action="store_true", help="dry run: the demo family's VAE on the CPU at a small canvas")
+    parser.add_argument("--canvases", nargs="+", choices=sorted(CANVASES), default=list(CANVASES), help="canvases to decode (not with --small)")
+    parser.add_argument("--durations", type=float, nargs="+", default=list(SECONDS), help="clip lengths in seconds")
+    parser.add_argument("--profile", action="store_true", help="a CUDA kernel profile of the first canvas and duration's fused decode")
     args = parser.parse_args()
     if args.small:
         device, spec, canvases = torch.device("cpu"), DEMO_FAMILY, SMALL_CANVASES
     else:
         if not torch.cuda.is_available():
             raise SystemExit("needs a CUDA GPU (or --small)")
-        device, spec, canvases = torch.device("cuda:0"), family_spec(), CANVASES
+        device, spec, canvases = torch.device("cuda:0"), family_spec(), {c: CANVASES[c] for c in args.canvases}
     vaes = load_vaes(args.cache, spec, device)
-    data = run(vaes, device, canvases, args.windows_per_call, args.attention, args.repeat)
+    data = run(vaes, device, canvases, args.windows_per_call, args.attention, args.repeat, tuple(args.durations),
+               args.profile and device.type == "cuda")
     data["small"] = args.small
     write_result("vae_small_cpu" if args.small else "vae_h200", data)
 

@@ -265,3 +265,27 @@ def test_quantizing_on_the_gpu_gives_the_hosts_bytes():
     steps = (torch.arange(256, dtype=torch.float32) + 0.5) / 255  # x * 255 lands on every .5 tie
     values = torch.cat([torch.rand(1 << 22, generator=g) * 1.2 - 0.1, steps, torch.nextafter(steps, steps + 1), torch.nextafter(steps, steps - 1)])
     assert torch.equal(media.quantize(values.cuda()).cpu(), media.quantize(values))
+
+
+@pytest.mark.gpu
+def test_a_stream_of_cuda_frames_copies_them_asynchronously_and_encodes_the_hosts_bytes(tmp_path, monkeypatch):
+    """Parts on CUDA, each a permuted view as the decoder's frames are, queued behind more device work: the stream
+    copies them into pinned memory without waiting, and the muxer gets the frames the CPU path gives it."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    frames, wave = _noisy_clip(29)
+    seen = _encoder_inputs(monkeypatch)
+    write_mp4(tmp_path / "host.mp4", frames, wave, SR)
+    expected = seen["frames"][:]
+    seen["frames"].clear(), seen["audio"].clear()
+    channels_first = frames.permute(3, 0, 1, 2).contiguous().cuda()  # (3, F, H, W), as a decoded clip is laid out
+    with mp4_stream(tmp_path / "cuda.mp4", 96, 64, SR) as stream:
+        for start, stop in ((0, 17), (17, 29)):
+            part = channels_first[:, start:stop].permute(1, 2, 3, 0)
+            stream.add(start, part)
+            channels_first[:, start:stop] = -1.0  # queued after the part was quantised and its copy queued
+        stream.finish(wave)
+    assert len(seen["frames"]) == len(expected) == 29
+    assert all(np.array_equal(a, b) for a, b in zip(seen["frames"], expected))
+    assert _leftovers(tmp_path) == []
+

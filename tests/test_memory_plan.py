@@ -47,14 +47,24 @@ def _choice(plan: MP.MemoryPlan) -> tuple:
 
 
 @pytest.mark.parametrize("budget, expected", [
-    (139, ("resident", "offload", "offload", "diffusers", True)),  # an H200: everything as fast as it goes
-    (80, ("resident", "stream", "offload", "diffusers", True)),  # the encoder streams before the core does
-    (48, ("block-ring", "stream", "offload", "diffusers", True)),
-    (16, ("block-ring", "stream", "offload", "native", True)),  # the diffusers decode no longer fits
+    (139, ("resident", "offload", "offload", "native", True)),  # an H200: everything as fast as it goes
+    (80, ("resident", "stream", "offload", "native", True)),  # the encoder streams before the core does
+    (48, ("block-ring", "stream", "offload", "native", True)),
+    (16, ("block-ring", "stream", "offload", "native", True)),
     (12, ("block-ring", "stream", "offload", "native", False)),  # the most frugal; requests are checked one by one
 ])
 def test_plan_prefers_speed_then_frugality(budget, expected):
     assert _choice(_plan(budget)) == expected
+
+
+def test_the_native_decode_comes_first_and_diffusers_where_only_its_decode_fits():
+    # A short clip at many tile-windows per call: the native decode's estimate above diffusers'.
+    largest = dict(LARGEST, **{"decode.native": int(7.0 * GIB)})
+    native = MP.plan_memory(FULL, largest, CUDA, budget=int(139 * GIB))
+    assert native.placement.video_decoder == "native" and native.fits_largest
+    # 2.9 GiB ring + 5.7 GiB VAEs + 2 GiB margin: 6.3 GiB of transient fits in 17.5 GiB, 7.0 GiB does not
+    only_diffusers = MP.plan_memory(FULL, largest, CUDA, budget=int(17.5 * GIB))
+    assert only_diffusers.placement.video_decoder == "diffusers" and only_diffusers.fits_largest
 
 
 def test_plan_logs_one_line_with_sizes_and_choices(caplog):
@@ -63,21 +73,21 @@ def test_plan_logs_one_line_with_sizes_and_choices(caplog):
     assert [r.getMessage() for r in caplog.records] == [plan.summary()]
     assert plan.summary() == (
         "memory plan on cuda:0: core 35.9 GiB blocks + 1.5 GiB auxiliary -> block-ring; text encoder 48.0 GiB (45.4 GiB in decoder "
-        "layers) -> stream; VAEs 5.7 GiB -> offload, video decode diffusers; the largest planned request peaks at encode 7.8 GiB, "
-        "denoise 8.4 GiB, decode 15.0 GiB + 2.0 GiB margin, 48.0 GiB available (cap 48.0 GiB): fits; host memory 89.6 GiB of weights"
+        "layers) -> stream; VAEs 5.7 GiB -> offload, video decode native; the largest planned request peaks at encode 7.8 GiB, "
+        "denoise 8.4 GiB, decode 11.9 GiB + 2.0 GiB margin, 48.0 GiB available (cap 48.0 GiB): fits; host memory 89.6 GiB of weights"
     )
     # the peaks: resident core weights (2 slots + auxiliary), plus what each stage brings and its transient
     ring = 2 * FULL.core_block + FULL.core_auxiliary
     assert plan.peaks(LARGEST) == {
         "encode": ring + FULL.encoder - FULL.encoder_layers + 2 * FULL.encoder_layer + LARGEST["encode"],
-        "denoise": ring + LARGEST["denoise"], "decode": ring + FULL.vaes + LARGEST["decode.diffusers"],
+        "denoise": ring + LARGEST["denoise"], "decode": ring + FULL.vaes + LARGEST["decode.native"],
     }
 
 
 def test_explicit_choices_are_kept_and_refused_with_the_numbers():
     assert _choice(_plan(139, weight_residency="block-ring"))[0] == "block-ring"
-    assert _choice(_plan(139, encoder_residency="resident")) == ("resident", "resident", "resident", "diffusers", True)
-    assert _choice(_plan(80, encoder_residency="resident")) == ("block-ring", "resident", "resident", "diffusers", True)
+    assert _choice(_plan(139, encoder_residency="resident")) == ("resident", "resident", "resident", "native", True)
+    assert _choice(_plan(80, encoder_residency="resident")) == ("block-ring", "resident", "resident", "native", True)
     with pytest.raises(RunFailedError) as info:
         _plan(40, weight_residency="resident")
     assert str(info.value) == (

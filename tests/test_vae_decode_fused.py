@@ -42,7 +42,7 @@ from vflash_core.engine.model import apply_rotary
 from vflash_core.errors import VflashError
 from vflash_core.media import vae_decode
 from vflash_core.media.vae import MediaVAEs
-from vflash_core.media.vae_decode import DecoderOps, FusedDecoderOps, NativeVideoDecoder
+from vflash_core.media.vae_decode import DecoderOps, FusedDecoderOps, NativeVideoDecoder, resolve_decoder_execution
 
 _INTERPRETED = "_vflash_kernels_decoder_interpreted"
 _FOLDER = Path(__file__).resolve().parent.parent / "kernels"
@@ -194,6 +194,10 @@ def test_fused_execution_is_refused_on_the_cpu_outside_the_interpreter(vae_root)
         NativeVideoDecoder.from_vae(vae, execution="fast")
     with pytest.raises(VflashError, match="unknown decoder_execution"):
         MediaVAEs.from_pretrained(vae_root, dtype=torch.bfloat16, decoder_execution="fast")
+    # "auto", the default: the fused ops where they run (CUDA), the torch ops elsewhere
+    assert NativeVideoDecoder.from_vae(vae).execution == "reference"
+    assert MediaVAEs.from_pretrained(vae_root, dtype=torch.bfloat16).decoder_execution == "reference"
+    assert resolve_decoder_execution("auto", torch.device("cuda", 0)) == "fused"
 
 
 # -- whole decodes, in the interpreter ------------------------------------------------------------------------------

@@ -34,10 +34,11 @@ must fit it too. The host budget is planned against, never enforced: the host ha
 
 Choice (`plan_memory`): the first placement, in the order of preference, whose stages all fit the profile's largest
 request and whose host bytes fit the host budget: the core resident before block-ring before disk-ring, the encoder
-offloaded before streamed, streamed from disk only after every core placement, the diffusers decode before the native
-one (explicit `weight_residency` / `encoder_residency` choices are kept). When none fits the largest request, the most
-frugal placement is taken if the weights alone fit, and each request is checked before it runs (`MemoryPlan.check`);
-when even the weights do not fit, or no placement fits the host budget, loading is refused with the numbers.
+offloaded before streamed, streamed from disk only after every core placement, the native decode before diffusers'
+(the same frames, faster; explicit `weight_residency` / `encoder_residency` choices are kept). When none fits the
+largest request, the most frugal placement is taken if the weights alone fit, and each request is checked before it
+runs (`MemoryPlan.check`); when even the weights do not fit, or no placement fits the host budget, loading is
+refused with the numbers.
 
 Budget: on CUDA the least over the plan's devices of the driver's free memory plus this process's cached blocks,
 within a user cap (`max_device_memory`), which the session also enforces through PyTorch's allocator (`DeviceCap`),
@@ -307,7 +308,7 @@ def _candidates(
     streams = ["stream"] + ["disk-stream"] * bool(host_planned and sizes.encoder_layers_on_disk)
     encoders = (["resident"] if resident else ["offload", *streams]) if sizes.encoder else [None]
     vaes = (["resident"] if resident else ["offload"]) if sizes.vaes else [None]
-    decoders = ["diffusers", "native"] if sizes.vaes else [None]
+    decoders = ["native", "diffusers"] if sizes.vaes else [None]
     placements = [Placement(*choice) for choice in itertools.product(cores, encoders, vaes, decoders)]
     # The encoder from disk after every core placement: its layers are read once per request with little compute to
     # hide the reads (45 GB at full size), where the disk ring's reads hide behind the blocks' compute on most cards.
@@ -340,7 +341,7 @@ def plan_memory(
     plans = within_host
     plan = next((p for p in plans if p.fits(largest)), None)
     if plan is None:
-        plan = _fastest_twin(plans, plans[-1])  # the most frugal on the device
+        plan = _fastest_twin(plans, _most_frugal(plans, largest))
         plan = replace(plan, fits_largest=False)
         if not plan.fits({}):
             stage, peak = max(plan.peaks({}).items(), key=lambda item: item[1])
@@ -392,6 +393,14 @@ def _explicit_choices(weight_residency: str, encoder_residency: str) -> list[str
         )
         if value != default
     ]
+
+
+def _most_frugal(plans: list[MemoryPlan], largest: Mapping[str, int]) -> MemoryPlan:
+    """The most frugal placement on the device: the last one's weights (the candidates end with them) with the video
+    decoder whose largest request peaks lower."""
+    last = plans[-1].placement
+    twins = [p for p in plans if replace(p.placement, video_decoder=last.video_decoder) == last]
+    return min(twins, key=lambda p: max(p.peaks(largest).values()))
 
 
 def _fastest_twin(plans: list[MemoryPlan], plan: MemoryPlan) -> MemoryPlan:

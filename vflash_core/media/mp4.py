@@ -33,6 +33,7 @@ import threading
 from collections.abc import Iterator, Mapping
 from fractions import Fraction
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -232,12 +233,33 @@ def _encode(
         muxer.close()
 
 
+class _HostPart(NamedTuple):
+    """A quantised part on the host: (f, H, W, 3) contiguous uint8, and, when it came from CUDA, the event its copy
+    completes (None: the bytes are there)."""
+
+    rgb: torch.Tensor
+    copied: torch.cuda.Event | None
+
+
+def _host_part(rgb: torch.Tensor) -> _HostPart:
+    """`rgb` (uint8, any device) copied to the host: from CUDA into pinned memory, queued on the device's current
+    stream behind the work that made it, without waiting."""
+    if rgb.device.type != "cuda":
+        return _HostPart(rgb.cpu().contiguous(), None)
+    host = torch.empty(rgb.shape, dtype=torch.uint8, pin_memory=True)
+    host.copy_(rgb.contiguous(), non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record(torch.cuda.current_stream(rgb.device))
+    return _HostPart(host, copied)
+
+
 class MP4Stream:
     """An MP4 encoded while its frames are still being made (`video_input="stream"`; open it with `mp4_stream`).
 
     `add(start, frames)` takes each decoded part in order: (f, H, W, 3) float in [0, 1] (or uint8) on any device,
-    quantised there (`quantize`) and copied to the host; the stream's thread converts and encodes the parts as they
-    come. `add` waits while `STREAM_QUEUE_PARTS` parts are queued, and raises the encoder's error (a full disk, say)
+    quantised there (`quantize`) and copied to the host; from CUDA into pinned memory without waiting for the copy, so
+    the caller goes on queueing device work (the decoder's next windows) while the part is still in flight. The
+    stream's thread waits for each part's copy, then converts and encodes the parts as they come. `add` waits while `STREAM_QUEUE_PARTS` parts are queued, and raises the encoder's error (a full disk, say)
     as soon as there is one. `finish(waveform)` waits for the video, then muxes the soundtrack.
     """
 
@@ -249,7 +271,7 @@ class MP4Stream:
         self.frames = 0  # frames handed to `add`
         self.finished = False
         self._muxer = _Muxer(target, width, height, channels, sample_rate, fps, video_threads, metadata)
-        self._parts: queue.Queue[np.ndarray | None] = queue.Queue(maxsize=STREAM_QUEUE_PARTS)
+        self._parts: queue.Queue[_HostPart | None] = queue.Queue(maxsize=STREAM_QUEUE_PARTS)
         self._error: BaseException | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._encode_parts, name="vflash-mp4-stream", daemon=True)
@@ -258,7 +280,9 @@ class MP4Stream:
     def _encode_parts(self) -> None:
         try:
             while (part := self._parts.get()) is not self._END and not self._stop.is_set():
-                for rgb in part:
+                if part.copied is not None:
+                    part.copied.synchronize()
+                for rgb in part.rgb.numpy():
                     if self._stop.is_set():
                         break
                     self._muxer.add_frame(rgb)
@@ -279,11 +303,11 @@ class MP4Stream:
         shape = tuple(frames.shape)
         if len(shape) != 4 or shape[1:] != (self.height, self.width, 3) or shape[0] < 1:
             raise VflashError(f"the MP4 stream takes (f, {self.height}, {self.width}, 3) RGB frames, got {list(shape)}")
-        rgb = np.ascontiguousarray(quantize(frames.detach()).cpu().numpy())
+        part = _host_part(quantize(frames.detach()))
         while True:
             self._raise_error()
             try:
-                self._parts.put(rgb, timeout=0.1)
+                self._parts.put(part, timeout=0.1)
                 break
             except queue.Full:
                 continue

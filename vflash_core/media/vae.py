@@ -39,7 +39,7 @@ from ..engine.layout import AUDIO_CHANNELS, FPS, video_latent_frames
 from ..errors import VflashError
 from ..memory_plan import MemoryPlan, PartSizes
 from .conditioning import default_dtype
-from .vae_decode import CALLS_IN_FLIGHT_PER_DEVICE, DECODER_EXECUTIONS, DecodeGeometry, NativeVideoDecoder
+from .vae_decode import CALLS_IN_FLIGHT_PER_DEVICE, DecodeGeometry, NativeVideoDecoder, resolve_decoder_execution
 
 __all__ = [
     "PIXEL_MEAN", "PIXEL_STD", "DecodedMedia", "FrameSink", "MediaVAEs", "calling_between_blocks", "decode_bytes",
@@ -117,15 +117,11 @@ class MediaVAEs(SerialDeviceOwner):
 
     def __init__(
         self, video_vae, audio_vae, device: str | torch.device = "cpu", video_decoder: str = "diffusers",
-        peer_device: str | torch.device | None = None, decoder_execution: str = "reference",
+        peer_device: str | torch.device | None = None, decoder_execution: str = "auto",
     ):
         if video_decoder not in VIDEO_DECODERS:
             raise VflashError(f"unknown video_decoder {video_decoder!r}; choose one of {', '.join(VIDEO_DECODERS)}")
-        if decoder_execution not in DECODER_EXECUTIONS:
-            raise VflashError(
-                f"unknown decoder_execution {decoder_execution!r}; choose one of {', '.join(DECODER_EXECUTIONS)}"
-            )
-        self.decoder_execution = decoder_execution
+        self.decoder_execution = resolve_decoder_execution(decoder_execution, torch.device(device))
         self.video_decoder: str | None = video_decoder  # None once a plan that places no decoder is taken: diffusers
         self.video_vae = video_vae.eval()
         self.audio_vae = audio_vae.eval()
@@ -139,14 +135,15 @@ class MediaVAEs(SerialDeviceOwner):
         cls, decoder_root: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
         video_decoder: str = "diffusers",
         peer_device: str | torch.device | None = None,
-        decoder_execution: str = "reference",
+        decoder_execution: str = "auto",
     ) -> MediaVAEs:
         """Load `vae/` and `audio_vae/` from a decoder root (an official model root works), offline.
 
         `dtype` applies to the video VAE's decoder stack (its cast-sensitive modules stay fp32, as diffusers pins
         them); default bf16 on CUDA, fp32 on the CPU. `video_decoder`: "diffusers" (its `decode`) or "native";
         `peer_device`: a second device the native decode shares its work with; `decoder_execution`: the native
-        decode's "reference" torch ops or its "fused" Triton kernels (same bits, CUDA only).
+        decode's "reference" torch ops or its "fused" Triton kernels (same bits, CUDA only); "auto" (the default)
+        takes the fused ones on CUDA.
         """
         from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
 

@@ -27,9 +27,10 @@ What this module changes is only how the work is issued:
   fp32 ones, whose results moved by up to 3e-6, so with fp32 weights on a GPU the default is one tile-window per call:
   `windows_per_call=1` issues exactly the reference's shapes). Elementwise work and the norms are per element or per
   row; attention is per batch item and head.
-* `execution="fused"` runs the norms, the q/k norm + rotary, SwiGLU and the scaled residuals in Triton kernels
-  (`FusedDecoderOps`), each reproducing the roundings of the torch ops it replaces, the norms summing squares in the
-  order of torch's CUDA RMSNorm; "reference" (the default) runs them as torch ops (`DecoderOps`).
+* `execution="fused"` (the default on CUDA) runs the norms, the q/k norm + rotary, SwiGLU and the scaled residuals in
+  Triton kernels (`FusedDecoderOps`), each reproducing the roundings of the torch ops it replaces, the norms summing
+  squares in the order of torch's CUDA RMSNorm; "reference" (the default elsewhere) runs them as torch ops
+  (`DecoderOps`).
 * A window is stitched, cross-faded and handed to the sink as soon as its last tile is decoded, so device memory is
   bounded by the calls in flight, one window's tiles and clip, and the cross-fade frames, whatever the clip length.
 * With several devices (each with its own copy of the decoder weights), the calls are split into contiguous parts, one
@@ -68,8 +69,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CALLS_IN_FLIGHT_PER_DEVICE", "DECODER_EXECUTIONS", "DEFAULT_WINDOWS_PER_CALL", "DecodeGeometry", "DecoderOps",
-    "DecoderWeights", "FusedDecoderOps", "NativeVideoDecoder", "TileWindow", "decode_tile_windows", "split_calls",
-    "split_tiles",
+    "DecoderWeights", "FusedDecoderOps", "NativeVideoDecoder", "TileWindow", "decode_tile_windows",
+    "resolve_decoder_execution", "split_calls", "split_tiles",
 ]
 
 #: Receives the decoded frames in order: (index of the first frame, frames (1, 3, f, H, W) on the first device).
@@ -445,8 +446,18 @@ class FusedDecoderOps(DecoderOps):
         return self._kernels.scaled_residual(h, y, scale, inplace=inplace)
 
 
-#: How the decoder's elementwise and norm work runs: torch ops (`DecoderOps`) or Triton kernels (`FusedDecoderOps`).
-DECODER_EXECUTIONS = ("reference", "fused")
+#: How the decoder's elementwise and norm work runs: "fused" (Triton kernels, `FusedDecoderOps`) on CUDA and
+#: "reference" (torch ops, `DecoderOps`) elsewhere for "auto", or either one by name. Both give the same bits.
+DECODER_EXECUTIONS = ("auto", "reference", "fused")
+
+
+def resolve_decoder_execution(execution: str, device: torch.device) -> str:
+    """`execution` for a decoder on `device`: "auto" is "fused" on CUDA (where Triton runs), else "reference"."""
+    if execution not in DECODER_EXECUTIONS:
+        raise VflashError(f"unknown decoder_execution {execution!r}; choose one of {', '.join(DECODER_EXECUTIONS)}")
+    if execution == "auto":
+        return "fused" if device.type == "cuda" else "reference"
+    return execution
 
 
 def rotary(
@@ -679,19 +690,16 @@ class NativeVideoDecoder:
     """`AutoencoderKLMiniMaxH3.decode` bit for bit: `windows_per_call` tile-windows per ViT call (default
     `DEFAULT_WINDOWS_PER_CALL`, one for fp32 weights on a GPU), the calls split in contiguous parts over the devices of
     `weights` and run concurrently (the first one stitches and blends), frames handed out window by window.
-    `execution`: "reference" (torch ops, `DecoderOps`) or "fused" (Triton kernels, `FusedDecoderOps`, same bits;
-    CUDA only outside Triton's interpreter)."""
+    `execution`: "auto" (the default: "fused" on CUDA, "reference" elsewhere), "reference" (torch ops, `DecoderOps`)
+    or "fused" (Triton kernels, `FusedDecoderOps`, same bits; CUDA only outside Triton's interpreter)."""
 
     def __init__(
         self, geometry: DecodeGeometry, weights: Sequence[DecoderWeights], attention: str = DEFAULT_ATTENTION,
-        windows_per_call: int | None = None, execution: str = "reference",
+        windows_per_call: int | None = None, execution: str = "auto",
     ):
         if not weights:
             raise VflashError("the native video decode needs the decoder's weights on at least one device, got none")
-        if execution not in DECODER_EXECUTIONS:
-            raise VflashError(
-                f"unknown decoder_execution {execution!r}; choose one of {', '.join(DECODER_EXECUTIONS)}"
-            )
+        execution = resolve_decoder_execution(execution, weights[0].device)
         if windows_per_call is None:  # stacked calls keep diffusers' bits except for fp32 GEMMs on a GPU (module doc)
             fp32_on_gpu = weights[0].proj_in.dtype == torch.float32 and weights[0].proj_in.is_cuda
             windows_per_call = 1 if fp32_on_gpu else DEFAULT_WINDOWS_PER_CALL
@@ -711,7 +719,7 @@ class NativeVideoDecoder:
     @classmethod
     def from_vae(
         cls, vae: AutoencoderKLMiniMaxH3, devices: Sequence[str | torch.device] = (),
-        attention: str = DEFAULT_ATTENTION, windows_per_call: int | None = None, execution: str = "reference",
+        attention: str = DEFAULT_ATTENTION, windows_per_call: int | None = None, execution: str = "auto",
     ) -> NativeVideoDecoder:
         """Decode with `vae`'s own tensors on its device, or on each of `devices` (the first one stitches): the
         module's tensors where it is, a replica of them on every other device."""
