@@ -259,8 +259,9 @@ class MP4Stream:
     `add(start, frames)` takes each decoded part in order: (f, H, W, 3) float in [0, 1] (or uint8) on any device,
     quantised there (`quantize`) and copied to the host; from CUDA into pinned memory without waiting for the copy, so
     the caller goes on queueing device work (the decoder's next windows) while the part is still in flight. The
-    stream's thread waits for each part's copy, then converts and encodes the parts as they come. `add` waits while `STREAM_QUEUE_PARTS` parts are queued, and raises the encoder's error (a full disk, say)
-    as soon as there is one. `finish(waveform)` waits for the video, then muxes the soundtrack.
+    stream's thread waits for each part's copy, then converts and encodes the parts as they come. `add` waits while
+    `STREAM_QUEUE_PARTS` parts are queued, and raises the encoder's error (a full disk, say) as soon as there is one.
+    `finish(waveform)` waits for the video, then muxes the soundtrack.
     """
 
     _END = None
