@@ -2,6 +2,7 @@
 one process, the H3 VAEs at their released size (random weights), one H200.
 
     python benchmarks/delivery.py [--cache /tmp/vflash-bench] [--photos DIR] [--repeat 1] [--video-decoder native]
+                                  [--canvases 1344x768 960x544] [--durations 5 10] [--carry-from FILE]
     python benchmarks/delivery.py --small      # dry run: the demo family's VAEs on the CPU at 320x256
 
 For each canvas (1344x768, 960x544) and duration (5 s, 10 s) both paths take the same random video and audio latents:
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import statistics
 import sys
 import tempfile
@@ -214,20 +216,36 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="timed runs of each path after its warm-up")
     parser.add_argument("--video-decoder", default="native", choices=("native", "diffusers"))
     parser.add_argument("--small", action="store_true", help="dry run: the demo family's VAEs on the CPU at a small canvas")
+    parser.add_argument("--canvases", nargs="+", choices=sorted(CANVASES), default=list(CANVASES), help="canvases to run (not with --small)")
+    parser.add_argument("--durations", type=float, nargs="+", default=list(SECONDS), help="clip lengths in seconds (not with --small)")
+    parser.add_argument("--carry-from", type=Path, default=Path(__file__).resolve().parent / "results" / "delivery_h200.json",
+                        help="an earlier result file whose records of canvases and durations not run here are kept (marked measured_at_commit)")
     args = parser.parse_args()
     if args.small:
         device, spec, canvases, seconds_list = torch.device("cpu"), DEMO_FAMILY, SMALL_CANVASES, (5.0,)
     else:
         if not torch.cuda.is_available():
             raise SystemExit("needs a CUDA GPU (or --small)")
-        device, spec, canvases, seconds_list = torch.device("cuda:0"), family_spec(), CANVASES, SECONDS
+        device, spec = torch.device("cuda:0"), family_spec()
+        canvases, seconds_list = {c: CANVASES[c] for c in args.canvases}, tuple(args.durations)
     images = photos(args.photos)
     vaes = load_vaes(args.cache, spec, device)
     vaes.video_decoder = args.video_decoder
     vaes.keep_on_device = True  # a warm request's VAEs, as the resident configuration keeps them
     name = "delivery_small_cpu" if args.small else "delivery_h200"
+    carried = [] if args.small else carried_records(args.carry_from, canvases, seconds_list)
     with tempfile.TemporaryDirectory(prefix="vflash-delivery-") as folder:
-        run(vaes, device, canvases, seconds_list, images, args.repeat, Path(folder), lambda result: write_result(name, {**result, "small": args.small}))
+        run(vaes, device, canvases, seconds_list, images, args.repeat, Path(folder),
+            lambda result: write_result(name, {**result, "records": result["records"] + carried, "small": args.small}))
+
+
+def carried_records(path: Path, canvases: dict[str, tuple[int, int]], seconds_list: tuple[float, ...]) -> list[dict[str, object]]:
+    """`path`'s records of the canvases and durations this run leaves out, each marked with the commit it measured."""
+    if not path.exists():
+        return []
+    earlier = json.loads(path.read_text())
+    return [{**r, "measured_at_commit": r.get("measured_at_commit", earlier.get("commit"))} for r in earlier["records"]
+            if not (r["canvas"] in canvases and r["seconds"] in seconds_list)]
 
 
 if __name__ == "__main__":
