@@ -186,6 +186,25 @@ def test_one_gpu_bitwise_equal_to_diffusers(vae_root, dtype):
             assert_bitwise(decoder.decode(z), expected, f"{dtype} {shape} windows_per_call={decoder.windows_per_call}")
 
 
+@pytest.mark.gpu
+def test_frames_land_on_the_host_as_they_were_on_the_device():
+    """Parts on CUDA (permuted views, as the pipeline's frames are) into a host tensor through pinned memory without
+    waiting: the host tensor holds each part's bytes, also when the device overwrites the part right after, and a
+    part on the host is placed at once."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    video = torch.rand(3, 23, 40, 56, generator=torch.Generator().manual_seed(3))
+    on_device = video.cuda()
+    output = torch.empty(23, 40, 56, 3)
+    landing = vae_decode.FrameLanding(output, frame_dim=0)
+    for start, stop in ((0, 9), (9, 17), (17, 21)):
+        landing(start, on_device[:, start:stop].permute(1, 2, 3, 0))
+        on_device[:, start:stop] = -1.0  # queued after the part's copy
+    landing(21, video[:, 21:].permute(1, 2, 3, 0))
+    landing.finish()
+    assert_bitwise(output, video.permute(1, 2, 3, 0), "landed frames")
+
+
 @pytest.mark.multigpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_two_gpus_bitwise_equal_to_one(vae_root, dtype):

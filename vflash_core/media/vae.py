@@ -39,7 +39,13 @@ from ..engine.layout import AUDIO_CHANNELS, FPS, video_latent_frames
 from ..errors import VflashError
 from ..memory_plan import MemoryPlan, PartSizes
 from .conditioning import default_dtype
-from .vae_decode import CALLS_IN_FLIGHT_PER_DEVICE, DecodeGeometry, NativeVideoDecoder, resolve_decoder_execution
+from .vae_decode import (
+    CALLS_IN_FLIGHT_PER_DEVICE,
+    DecodeGeometry,
+    FrameLanding,
+    NativeVideoDecoder,
+    resolve_decoder_execution,
+)
 
 __all__ = [
     "PIXEL_MEAN", "PIXEL_STD", "DecodedMedia", "FrameSink", "MediaVAEs", "calling_between_blocks", "decode_bytes",
@@ -255,11 +261,9 @@ class MediaVAEs(SerialDeviceOwner):
         decoder = self._native_decoder(latents)
         plan = decoder.plan(latents.shape)
         frames = torch.empty((plan.output_frames, plan.pixel_height, plan.pixel_width, 3), dtype=torch.float32)
-
-        def write(start: int, chunk: torch.Tensor) -> None:
-            frames[start : start + chunk.shape[2]].copy_(unit_frames(chunk))
-
-        decoder.decode(latents, write, between_blocks=between_blocks)
+        landing = FrameLanding(frames, frame_dim=0)
+        decoder.decode(latents, lambda start, chunk: landing(start, unit_frames(chunk)), between_blocks=between_blocks)
+        landing.finish()
         return frames
 
     @torch.no_grad()
