@@ -12,6 +12,7 @@ its `fp8-figures` markers) from `fp8_h200.json`, and its host-memory table (betw
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -162,6 +163,13 @@ def _uncapped_request(e2e: dict | None, canvas: str) -> dict | None:
     return next((m for m in e2e.get("summary", []) if m["side"] == "vflash" and m["config"] == "resident" and m["canvas"] == canvas), None)
 
 
+def _planned_decoder(e2e: dict, canvas: str) -> str:
+    """", <decoder> decode" as the resident requests' memory plan at `canvas` names it, or "" where none does."""
+    plans = [r.get("memory_plan") or "" for r in e2e.get("requests", []) if r.get("config") == "resident" and r["canvas"] == canvas]
+    found = next((m.group(1) for m in map(re.compile(r"video decode (\w+)").search, plans) if m), None)
+    return f", {found} decode" if found else ""
+
+
 def what_fits(data: dict, e2e: dict | None = None) -> str:
     """What a card of each size runs: the plan's choice, the host memory it needs, seconds per request; then each
     stage alone per cap (and the uncapped twin)."""
@@ -170,7 +178,9 @@ def what_fits(data: dict, e2e: dict | None = None) -> str:
     fits = []
     uncapped = _uncapped_request(e2e, canvas)
     if uncapped:
-        fits.append({"card": "141 GB (H200, uncapped)", "plan": "core resident, text encoder resident, VAEs resident", "host": _gib(uncapped.get("host_pinned_bytes")) or "0",
+        at = e2e.get("commit", "")[:7] if e2e and e2e.get("commit") != data.get("commit") else ""
+        fits.append({"card": "141 GB (H200, uncapped)" + (f", at `{at}`" if at else ""),
+                     "plan": "core resident, text encoder resident, VAEs resident" + _planned_decoder(e2e, canvas), "host": _gib(uncapped.get("host_pinned_bytes")) or "0",
                      "rss": _gib(uncapped["host_rss_peak_bytes"]), "seconds": uncapped["elapsed_seconds"], "same": "(the reference)"})
     for r in data["records"]:
         if r["stage"] != "end_to_end" or r["cap_gib"] is None:
@@ -258,6 +268,8 @@ def vae_section(data: dict | None) -> list[str]:
         return out + ["Not measured yet: `benchmarks/results/vae_h200.json` comes from `python benchmarks/vae.py` on an H200 (two for the "
                       "two-GPU column).", ""]
     rows = [{**r, "diffusers_peak": _gb(r["peak_device_bytes"]["diffusers"]), "vflash_peak": _gb(r["peak_device_bytes"]["vflash"]),
+             "fused_peak": _gb(r.get("native_fused_peak_device_bytes")),
+             "canvas": r["canvas"] + (f" (at `{r['measured_at_commit'][:7]}`)" if r.get("measured_at_commit") else ""),
              "audio_share": None if r.get("audio_share_of_decode") is None else f"{r['audio_share_of_decode']:.1%}"} for r in data["records"]]
     first = data["records"][0] if data["records"] else {}
     return out + [
@@ -265,14 +277,18 @@ def vae_section(data: dict | None) -> list[str]:
         + ("The demo family's video VAE on the CPU (a dry run)" if data.get("small") else "The released video VAE with random weights")
         + "; both sides decode the same latents, wall seconds "
         f"around the whole decode (medians). Vflash: `NativeVideoDecoder`, {first.get('windows_per_call')} tile-windows per ViT call, "
-        f"{first.get('attention_backend')} attention; bitwise: its pixels equal diffusers' `decode`. Peak device memory includes the resident "
+        f"{first.get('attention_backend')} attention, its norms and elementwise work as torch ops (`decoder_execution=\"reference\"`) and "
+        "fused in Triton (`\"fused\"`, the default on CUDA); bitwise: its pixels equal diffusers' `decode`. Peak device memory includes the resident "
         "VAE. Roofline: the decoder's GEMM and attention FLOPs at this GPU's sustained rates. Two GPUs: the calls split in halves over two "
         "GPUs (replica of the weights included in the time), speedup over one GPU. Audio: the audio VAE's decode of the same duration and "
         "its share of the decode (audio / (audio + Vflash video)).",
         "",
-        _table(rows, [("canvas", "canvas"), ("seconds", "clip s"), ("diffusers_seconds", "diffusers s"), ("vflash_seconds", "Vflash s"),
-                      ("speedup_vs_diffusers", "speedup"), ("diffusers_peak", "diffusers peak"), ("vflash_peak", "Vflash peak"),
-                      ("bitwise_equal_to_diffusers", "bitwise"), ("roofline_ratio", "Vflash / roofline"), ("two_gpu_speedup", "two-GPU speedup"),
+        _table(rows, [("canvas", "canvas"), ("seconds", "clip s"), ("diffusers_seconds", "diffusers s"),
+                      ("native_fused_seconds", "Vflash fused s"), ("native_fused_speedup_vs_diffusers", "fused speedup"),
+                      ("native_fused_roofline_ratio", "fused / roofline"), ("native_fused_bitwise_equal_to_diffusers", "fused bitwise"),
+                      ("fused_peak", "fused peak"), ("vflash_seconds", "Vflash reference s"),
+                      ("speedup_vs_diffusers", "reference speedup"), ("diffusers_peak", "diffusers peak"), ("vflash_peak", "reference peak"),
+                      ("bitwise_equal_to_diffusers", "reference bitwise"), ("roofline_ratio", "reference / roofline"), ("two_gpu_speedup", "two-GPU speedup"),
                       ("two_gpu_bitwise_equal", "two GPUs bitwise to one"), ("audio_decode_seconds", "audio s"), ("audio_share", "audio share")]),
         "",
     ]
