@@ -58,18 +58,18 @@ def _plan(sizes: MP.PartSizes, device_gib: float, host_gib: float | None, device
 
 @pytest.mark.parametrize(("sizes", "device_gib", "host_gib", "expected"), [
     # a 24 GiB card beside 64 GiB: the encoder's arena (48 GiB) fits, the blocks' (36 GiB) no longer beside it
-    (FULL, 24, 64, ("disk-ring", "stream", "offload", "diffusers", True)),
-    (FULL, 24, 96, ("block-ring", "stream", "offload", "diffusers", True)),
-    (FULL, 24, None, ("block-ring", "stream", "offload", "diffusers", True)),  # not planned: never a disk ring
+    (FULL, 24, 64, ("disk-ring", "stream", "offload", "native", True)),
+    (FULL, 24, 96, ("block-ring", "stream", "offload", "native", True)),
+    (FULL, 24, None, ("block-ring", "stream", "offload", "native", True)),  # not planned: never a disk ring
     (FULL, 12, None, ("block-ring", "stream", "offload", "native", False)),
     (CORE, 24, 32, ("disk-ring", None, None, None, True)),  # the core alone beside 32 GiB
     (CORE, 24, 48, ("block-ring", None, None, None, True)),
     (CORE, 139, 8, ("resident", None, None, None, True)),  # resident blocks hold no host memory
     # the encoder's layers readable from their files: they stream from disk only once the core does
-    (ON_DISK, 24, 64, ("disk-ring", "stream", "offload", "diffusers", True)),
-    (ON_DISK, 24, 32, ("disk-ring", "disk-stream", "offload", "diffusers", True)),
-    (ON_DISK, 24, 20, ("disk-ring", "disk-stream", "offload", "diffusers", True)),
-    (ON_DISK, 24, None, ("block-ring", "stream", "offload", "diffusers", True)),
+    (ON_DISK, 24, 64, ("disk-ring", "stream", "offload", "native", True)),
+    (ON_DISK, 24, 32, ("disk-ring", "disk-stream", "offload", "native", True)),
+    (ON_DISK, 24, 20, ("disk-ring", "disk-stream", "offload", "native", True)),
+    (ON_DISK, 24, None, ("block-ring", "stream", "offload", "native", True)),
 ])
 def test_plan_under_a_host_budget(sizes, device_gib, host_gib, expected):
     plan = _plan(sizes, device_gib, host_gib)
