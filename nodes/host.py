@@ -25,24 +25,12 @@ import comfy.utils
 import folder_paths
 import torch
 from comfy_api.latest import InputImpl, Types
+from vflash_core.progress import preview_strip
 
 logger = logging.getLogger("vflash")
 
-#: Latent frames shown side by side in a live preview: enough to show the motion, still a small image.
-PREVIEW_FRAMES = 4
 _missing_preview_logged: list[str] = []  # each reason previews are off, logged once per process
 _memory_logged: list[bool] = []  # the memory management the engines are held in, logged once per process
-
-
-def preview_strip(video: torch.Tensor, frames: int = PREVIEW_FRAMES) -> torch.Tensor:
-    """(1, C, F, h, w) -> (1, C, 1, h, k w): up to `frames` latent frames spread evenly over the clip (the first and
-    the last included), side by side in time order, as the one frame core's previewers draw. Views and one small
-    gather on the latents' device; nothing is copied to the host."""
-    count = video.shape[2]
-    k = min(frames, count)
-    picks = sorted({round(i * (count - 1) / max(1, k - 1)) for i in range(k)})
-    side_by_side = torch.stack([video[:, :, i] for i in picks], dim=3)  # (1, C, h, k, w)
-    return side_by_side.flatten(3, 4).unsqueeze(2)
 
 
 def _previews_off(reason: str) -> None:
