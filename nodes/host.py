@@ -25,6 +25,7 @@ import comfy.utils
 import folder_paths
 import torch
 from comfy_api.latest import InputImpl, Types
+
 from vflash_core.progress import preview_strip
 
 logger = logging.getLogger("vflash")
