@@ -433,6 +433,14 @@ def render() -> str:
                   *([f"How this file was measured: {host['code_note']}", ""] if host.get("code_note") else [])]
     parts += vae_section(_load("vae_h200"))
     parts += delivery_section(_load("delivery_h200"))
+    preview = _load("preview_h200")
+    if preview:
+        parts += ["## A live preview's cost per evaluation (`benchmarks/preview.py`)", "",
+                  _source(preview) + ". From the evaluation's velocity to the JPEG's bytes (x0, unpatchify, the 4-frame strip, latent2rgb, "
+                  "the copy to the host, PIL's JPEG), against the 50-block evaluation it follows.", "",
+                  _table(preview["records"], [("canvas", "canvas (5 s)"), ("latent_shape", "latents"), ("preview_ms", "preview ms"),
+                                              ("preview_ms_max", "slowest ms"), ("evaluation_ms", "evaluation ms"), ("overhead", "overhead"),
+                                              ("evaluation_source", "evaluation time from")]), ""]
     two = _load("two_gpu_2xh200")
     if two:
         parts += [
