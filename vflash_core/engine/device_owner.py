@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
+from typing import NamedTuple
 
 import torch
 
 __all__ = [
-    "SerialDeviceOwner", "module_bytes", "module_tensors", "point_module_at", "release_device_memory",
-    "release_host_memory",
+    "HostCopy", "SerialDeviceOwner", "copy_to_host", "module_bytes", "module_tensors", "point_module_at",
+    "release_device_memory", "release_host_memory",
 ]
 
 
@@ -28,6 +29,33 @@ def release_host_memory() -> None:
     Called when a part that pinned memory is closed."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch._C._host_emptyCache()
+
+
+class HostCopy(NamedTuple):
+    """A tensor's bytes on their way to the host: `host` (contiguous) holds them once `ready` completes (a CUDA
+    event; None: they are there already)."""
+
+    host: torch.Tensor
+    ready: torch.cuda.Event | None
+
+    def wait(self) -> torch.Tensor:
+        """`host`, once the copy is done."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host
+
+
+def copy_to_host(tensor: torch.Tensor) -> HostCopy:
+    """`tensor` copied to the host without waiting for it: from CUDA into pinned memory, queued on its device's
+    current stream behind the work that made it (a blocking copy into pageable memory would stop the caller's
+    launches until the device drained); from elsewhere, a plain copy."""
+    if tensor.device.type != "cuda":
+        return HostCopy(tensor.cpu().contiguous(), None)
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor.contiguous(), non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(tensor.device))
+    return HostCopy(host, ready)
 
 
 def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -33,11 +33,11 @@ import threading
 from collections.abc import Iterator, Mapping
 from fractions import Fraction
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from ..engine.device_owner import HostCopy, copy_to_host
 from ..errors import Number, VflashError, check_choice
 from ..fileio import atomic_file, temporary, write_errors
 from ..formats import is_positive
@@ -233,26 +233,6 @@ def _encode(
         muxer.close()
 
 
-class _HostPart(NamedTuple):
-    """A quantised part on the host: (f, H, W, 3) contiguous uint8, and, when it came from CUDA, the event its copy
-    completes (None: the bytes are there)."""
-
-    rgb: torch.Tensor
-    copied: torch.cuda.Event | None
-
-
-def _host_part(rgb: torch.Tensor) -> _HostPart:
-    """`rgb` (uint8, any device) copied to the host: from CUDA into pinned memory, queued on the device's current
-    stream behind the work that made it, without waiting."""
-    if rgb.device.type != "cuda":
-        return _HostPart(rgb.cpu().contiguous(), None)
-    host = torch.empty(rgb.shape, dtype=torch.uint8, pin_memory=True)
-    host.copy_(rgb.contiguous(), non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record(torch.cuda.current_stream(rgb.device))
-    return _HostPart(host, copied)
-
-
 class MP4Stream:
     """An MP4 encoded while its frames are still being made (`video_input="stream"`; open it with `mp4_stream`).
 
@@ -272,7 +252,7 @@ class MP4Stream:
         self.frames = 0  # frames handed to `add`
         self.finished = False
         self._muxer = _Muxer(target, width, height, channels, sample_rate, fps, video_threads, metadata)
-        self._parts: queue.Queue[_HostPart | None] = queue.Queue(maxsize=STREAM_QUEUE_PARTS)
+        self._parts: queue.Queue[HostCopy | None] = queue.Queue(maxsize=STREAM_QUEUE_PARTS)
         self._error: BaseException | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._encode_parts, name="vflash-mp4-stream", daemon=True)
@@ -281,9 +261,7 @@ class MP4Stream:
     def _encode_parts(self) -> None:
         try:
             while (part := self._parts.get()) is not self._END and not self._stop.is_set():
-                if part.copied is not None:
-                    part.copied.synchronize()
-                for rgb in part.rgb.numpy():
+                for rgb in part.wait().numpy():
                     if self._stop.is_set():
                         break
                     self._muxer.add_frame(rgb)
@@ -304,7 +282,7 @@ class MP4Stream:
         shape = tuple(frames.shape)
         if len(shape) != 4 or shape[1:] != (self.height, self.width, 3) or shape[0] < 1:
             raise VflashError(f"the MP4 stream takes (f, {self.height}, {self.width}, 3) RGB frames, got {list(shape)}")
-        part = _host_part(quantize(frames.detach()))
+        part = copy_to_host(quantize(frames.detach()))
         while True:
             self._raise_error()
             try:

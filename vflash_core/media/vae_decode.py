@@ -60,6 +60,7 @@ import torch.nn.functional as F
 
 from .._imports import vflash_kernels
 from ..engine.attention import resolve_attention
+from ..engine.device_owner import HostCopy, copy_to_host
 from ..engine.model import AttentionFn, apply_rotary
 from ..errors import VflashError
 
@@ -606,17 +607,13 @@ class FrameLanding:
 
     def __init__(self, output: torch.Tensor, frame_dim: int):
         self.output, self.frame_dim = output, frame_dim
-        self.in_flight: deque[tuple[int, torch.Tensor, torch.cuda.Event]] = deque()
+        self.in_flight: deque[tuple[int, HostCopy]] = deque()
 
     def __call__(self, start: int, frames: torch.Tensor) -> None:
         if frames.device.type != "cuda" or self.output.device.type != "cpu":
             self._place(start, frames)
             return
-        staged = torch.empty(frames.shape, dtype=frames.dtype, pin_memory=True)
-        staged.copy_(frames.contiguous(), non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record(torch.cuda.current_stream(frames.device))
-        self.in_flight.append((start, staged, copied))
+        self.in_flight.append((start, copy_to_host(frames)))
         while len(self.in_flight) > LANDING_PARTS_IN_FLIGHT:
             self._land()
 
@@ -626,9 +623,8 @@ class FrameLanding:
             self._land()
 
     def _land(self) -> None:
-        start, staged, copied = self.in_flight.popleft()
-        copied.synchronize()
-        self._place(start, staged)
+        start, copy = self.in_flight.popleft()
+        self._place(start, copy.wait())
 
     def _place(self, start: int, frames: torch.Tensor) -> None:
         self.output.narrow(self.frame_dim, start, frames.shape[self.frame_dim]).copy_(frames)
@@ -661,23 +657,10 @@ def _device_context(device: torch.device) -> contextlib.AbstractContextManager:
 
 
 class StagedCall(NamedTuple):
-    """A call decoded on another device, its pixels on the host: `ready` (a CUDA event, None on the CPU) completes
-    when they are there."""
+    """A call decoded on another device, its pixels on their way to the host."""
 
     batch: list[TileWindow]
-    pixels: torch.Tensor
-    ready: torch.cuda.Event | None
-
-
-def _staged(batch: list[TileWindow], pixels: torch.Tensor) -> StagedCall:
-    """`pixels` copied to the host without waiting for them (into pinned memory from CUDA)."""
-    if pixels.device.type != "cuda":
-        return StagedCall(batch, pixels.cpu(), None)
-    host = torch.empty(pixels.shape, dtype=pixels.dtype, pin_memory=True)
-    host.copy_(pixels, non_blocking=True)
-    ready = torch.cuda.Event()
-    ready.record()
-    return StagedCall(batch, host, ready)
+    pixels: HostCopy
 
 
 class PeerPart:
@@ -707,7 +690,7 @@ class PeerPart:
                 for batch, pixels in decoder._calls(index, latents, plan, calls):
                     if self.stopping.is_set():
                         break
-                    self.outbox.put(_staged(batch, pixels))
+                    self.outbox.put(StagedCall(batch, copy_to_host(pixels)))
             self.outbox.put(None)
         except BaseException as error:  # noqa: BLE001 - handed to the first device's thread, which raises it
             self.outbox.put(error)
@@ -717,9 +700,7 @@ class PeerPart:
         while (item := self.outbox.get()) is not None:
             if isinstance(item, BaseException):
                 raise item
-            if item.ready is not None:
-                item.ready.synchronize()
-            yield item.batch, item.pixels
+            yield item.batch, item.pixels.wait()
 
     def stop(self) -> None:
         """Let the thread finish (after its current call) and wait for it."""
