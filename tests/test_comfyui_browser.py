@@ -170,8 +170,8 @@ def test_template_browser_search_finds_every_vflash_template_with_its_thumbnail(
             expect(image).to_be_visible()
             loaded = "img => img.complete && img.naturalWidth > 0"
             page.wait_for_function(loaded, arg=image.element_handle(), timeout=30_000)
-        first = dialog.get_by_test_id(f"template-workflow-{titles[0]}")
-        first.scroll_into_view_if_needed()
+        first_ours = dialog.get_by_test_id(f"template-workflow-{next(t for t in listed if t in titles)}")
+        first_ours.evaluate("card => card.scrollIntoView({block: 'start'})")
         _screenshot(page, shots, f"template_search_{query.lower()}")
     assert {title: thumbnails.get(title) for title in titles} == {title: (200, "image/jpeg") for title in titles}
     assert not set(_search_templates(dialog, "Seedance")) & set(titles)
@@ -201,6 +201,7 @@ def test_missing_models_lists_the_comfy_org_files_with_their_download_urls(conte
     expect(names).to_have_count(len(expected))
     listed = names.all_inner_texts()
     assert sorted(listed) == sorted(expected)
+    _screenshot(page, shots, "missing_models")
     for name, copy in zip(listed, group.get_by_role("button", name="Copy URL").all(), strict=True):
         copy.click()
         copied = page.evaluate("() => navigator.clipboard.readText()")
@@ -213,7 +214,6 @@ def test_missing_models_lists_the_comfy_org_files_with_their_download_urls(conte
         opened.value.wait_for_load_state()
         assert hub_requests[before:] and set(hub_requests[before:]) == {model["url"]}, (name, hub_requests)
         opened.value.close()
-    _screenshot(page, shots, "missing_models")
 
 
 def _slot_position(page, node_type: str, socket: str) -> tuple[float, float]:
