@@ -70,7 +70,7 @@ class Server:
         (work / "nodes" / "vflash_test_small_core").symlink_to(PROBE / "small_core_node")
         # Test-only: what ComfyUI's model management and the pack hold, read in the server (GET /vflash_test/memory).
         (work / "nodes" / "vflash_test_memory_probe").symlink_to(REPO / "tests" / "comfy_standins" / "server_memory_probe")
-        for d in ("models/vflash", "models/diffusion_models", "input", "out"):
+        for d in ("models/vflash", "models/diffusion_models", "input", "out", "user"):
             (work / d).mkdir(parents=True, exist_ok=True)
         for image in (REPO / "workflows" / "inputs").glob("*.png"):
             shutil.copy(image, work / "input" / image.name)
@@ -86,6 +86,7 @@ class Server:
             [os.environ.get("COMFYUI_PYTHON", sys.executable), "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
              "--disable-auto-launch", "--disable-api-nodes", "--extra-model-paths-config", str(work / "extra_paths.yaml"),
              "--output-directory", str(work / "out"), "--input-directory", str(work / "input"),
+             "--user-directory", str(work / "user"),
              "--database-url", "sqlite:///:memory:", "--cache-none"],
             cwd=root, env=env, stdout=self.log, stderr=subprocess.STDOUT,
         )
