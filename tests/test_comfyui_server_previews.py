@@ -19,7 +19,9 @@ import pytest
 from PIL import Image
 from test_comfyui_server import COMFYUI_ROOT, PROBE, _small_core_workflow, server  # noqa: F401  (the module's server fixture)
 
-pytestmark = pytest.mark.skipif(not COMFYUI_ROOT, reason="set COMFYUI_ROOT to a ComfyUI checkout to run the real-server tests")
+pytestmark = pytest.mark.skipif(
+    not COMFYUI_ROOT, reason="set COMFYUI_ROOT to a ComfyUI checkout to run the real-server tests"
+)
 
 LATENT_STRIP = (32, 8)  # (width, height) of the 4-frame strip at the 128x128 canvas: 8x8 latents, 16x downscale
 MISSING = "could not find models/vae_approx/taeh3"  # core's warning when the taesd method finds no taeh3 file
@@ -28,7 +30,10 @@ TAEHV_LOADED = "Requested to load TAEHV"  # core's line when the previewer's tin
 
 def _write_taeh3(models: Path) -> Path:
     python = os.environ.get("COMFYUI_PYTHON", sys.executable)
-    out = subprocess.run([python, str(PROBE / "taeh3.py"), str(models)], cwd=COMFYUI_ROOT, capture_output=True, text=True, timeout=300, check=False)
+    out = subprocess.run(
+        [python, str(PROBE / "taeh3.py"), str(models)],
+        cwd=COMFYUI_ROOT, capture_output=True, text=True, timeout=300, check=False,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return Path(out.stdout.split()[-1])
 
@@ -41,34 +46,35 @@ def _detail(image: Image.Image) -> float:
     grey = np.asarray(image.convert("L"), dtype=np.float64)
     step = image.width // LATENT_STRIP[0]
     mid = step // 2
-    centres = grey[mid - 1::step, mid - 1::step] + grey[mid::step, mid - 1::step] + grey[mid - 1::step, mid::step] + grey[mid::step, mid::step]
+    centres = sum(grey[mid - dy::step, mid - dx::step] for dy in (0, 1) for dx in (0, 1))
     coarse = Image.fromarray((centres / 4).round().astype(np.uint8)).resize(image.size, Image.Resampling.BILINEAR)
     return float(np.abs(grey - np.asarray(coarse, dtype=np.float64)).mean())
 
 
-def _run(server, method: str, tmp_path: Path) -> tuple[list[Image.Image], bytes, str]:
+def _run(srv, method: str, tmp_path: Path) -> tuple[list[Image.Image], bytes, str]:
     """(the previews, the MP4's bytes, the server's log lines of this run) of the small core-loaders workflow."""
-    log = server.work / "server.log"
-    server.log.flush()
+    log = srv.work / "server.log"
+    srv.log.flush()
     start = log.stat().st_size
-    result = asyncio.run(server.run_prompt(_small_core_workflow(31), extra_data={"preview_method": method}))
-    assert result["status"] == "success", f"{result}\n{server.tail()}"
-    steps = [e["data"]["value"] for e in result["events"] if e["type"] == "progress" and e["data"].get("node") == "5" and e["data"]["max"] == 4]
+    result = asyncio.run(srv.run_prompt(_small_core_workflow(31), extra_data={"preview_method": method}))
+    assert result["status"] == "success", f"{result}\n{srv.tail()}"
+    progress = [e["data"] for e in result["events"] if e["type"] == "progress"]
+    steps = [p["value"] for p in progress if p.get("node") == "5" and p["max"] == 4]
     assert steps == [1, 2, 3, 4]
     assert all(kind == 1 and image_type == 1 for kind, image_type, _ in result["previews"])
     images = [Image.open(BytesIO(jpeg)) for _, _, jpeg in result["previews"]]
     assert all(image.format == "JPEG" for image in images)
     dest = tmp_path / method
     dest.mkdir(exist_ok=True)
-    (mp4,) = server.history_files(result["prompt_id"], dest)
-    server.log.flush()
+    (mp4,) = srv.history_files(result["prompt_id"], dest)
+    srv.log.flush()
     with open(log, "rb") as f:
         f.seek(start)
         lines = f.read().decode(errors="replace")
     return images, mp4.read_bytes(), lines
 
 
-def test_taeh3_previews_one_per_evaluation_and_the_same_video(server, tmp_path):
+def test_taeh3_previews_one_per_evaluation_and_the_same_video(server, tmp_path):  # noqa: F811
     """With a taeh3 file in vae_approx and the prompt's preview method "taesd", the Vflash sampler's four evaluations
     send four JPEG previews drawn by core's tiny decoder (`TAEHVPreviewerImpl`): core loads the TAEHV model, and each
     preview holds detail finer than the latent grid, where latent2rgb's previews of the same run have none. The server

@@ -4,7 +4,7 @@
 the state dict of core's own `comfy.taesd.taehv.TAEHV` built as core's `VAE` builds it for a taeh3 file (24 latent
 channels, 12 output channels of the last decoder conv: RGB at patch size 2), seeded. Core's loader infers only those
 two counts from the file; the widths are the class's own (64 in the encoder, 256-128-64-64 in the decoder), so the
-file has the released architecture: 11.4 M parameters, 23 MB in FP16.
+file has the released architecture: 11.3 M parameters, 22.7 MB in FP16.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ NAME = "taeh3_small.safetensors"
 
 
 def state_dict(seed: int = 3) -> dict[str, torch.Tensor]:
-    """Core's module leaves its convolutions uninitialised (`comfy.ops.disable_weight_init`): each weight gets
-    N(0, 1/fan_in) so activations stay O(1) through the decoder (its output, clamped to 0..1, is not constant), and
-    each bias N(0, 0.05)."""
+    """Core's module leaves its convolutions uninitialised (`comfy.ops.disable_weight_init`): each weight gets a
+    normal with standard deviation 1/sqrt(fan_in), so activations stay O(1) through the decoder (its output, clamped
+    to 0..1, is not constant), and each bias one with standard deviation 0.05."""
     from comfy.taesd.taehv import TAEHV
 
     model = TAEHV(latent_channels=24, latent_format=None)
