@@ -70,7 +70,7 @@ class Server:
         (work / "nodes" / "vflash_test_small_core").symlink_to(PROBE / "small_core_node")
         # Test-only: what ComfyUI's model management and the pack hold, read in the server (GET /vflash_test/memory).
         (work / "nodes" / "vflash_test_memory_probe").symlink_to(REPO / "tests" / "comfy_standins" / "server_memory_probe")
-        for d in ("models/vflash", "models/diffusion_models", "input", "out", "user"):
+        for d in ("models/vflash", "models/diffusion_models", "models/vae_approx", "input", "out", "user"):
             (work / d).mkdir(parents=True, exist_ok=True)
         for image in (REPO / "workflows" / "inputs").glob("*.png"):
             shutil.copy(image, work / "input" / image.name)
@@ -78,7 +78,7 @@ class Server:
         (work / "extra_paths.yaml").write_text(
             f"vflash_test:\n    custom_nodes: {work / 'nodes'}\n    vflash: {work / 'models' / 'vflash'}\n"
             f"    diffusion_models: {work / 'models' / 'diffusion_models'}\n    text_encoders: {work / 'models' / 'text_encoders'}\n"
-            f"    vae: {work / 'models' / 'vae'}\n"
+            f"    vae: {work / 'models' / 'vae'}\n    vae_approx: {work / 'models' / 'vae_approx'}\n"
         )
         env = {**os.environ, "VFLASH_CACHE": str(work / "cache"), "VFLASH_TEST_SMALL_CORE": "1"}
         self.log = open(work / "server.log", "w")
