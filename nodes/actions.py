@@ -326,13 +326,14 @@ def sample(
     progress = None if preview is not None else stopping(host_progress(host))
     start = time.perf_counter()
     try:
-        result = session.generate(
-            handoff,
-            progress=progress,
-            between_blocks=stopping(host.check_interrupt),
-            profile_denoise=profile_denoise,
-            preview=stopping(preview),
-        )
+        with host.running(registry.held("dit")):  # a preview's decoder loading meanwhile cannot evict the session
+            result = session.generate(
+                handoff,
+                progress=progress,
+                between_blocks=stopping(host.check_interrupt),
+                profile_denoise=profile_denoise,
+                preview=stopping(preview),
+            )
     except BaseException as exc:
         if stopping.raised is None and not isinstance(exc, VflashError):
             # A failed trajectory leaves the session refusing work: close it now, the next run loads a fresh one.

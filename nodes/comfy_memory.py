@@ -19,15 +19,17 @@ is replaced here:
 
 Registration enters the loaded engine as `load_models_gpu` enters a model it loaded (`register`). Vflash's own
 requests go to `free_memory(bytes, device, keep_loaded)`, keeping the engines the next stage runs on, so a sampling is
-never evicted by its own request. The functions used here have the same signatures and behaviour in ComfyUI 0.33.0
-(`783545f`, run by the tests) and 0.38.1 (read, not run); 0.38.1's `ModelPatcher.__init__` adds a keyword
-(`fast_disk`) the patcher leaves at its default.
+never evicted by its own request; while the sampling runs its engine is off core's list (`running`), so no load in the
+meantime (core's tiny preview decoder) evicts it either. The functions used here have the same signatures and
+behaviour in ComfyUI 0.33.0 (`783545f`, run by the tests) and 0.38.1 (read, not run); 0.38.1's `ModelPatcher.__init__`
+adds a keyword (`fast_disk`) the patcher leaves at its default.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import comfy.model_management as mm
@@ -36,7 +38,7 @@ import torch
 
 logger = logging.getLogger("vflash")
 
-__all__ = ["EnginePatcher", "make_room", "register"]
+__all__ = ["EnginePatcher", "make_room", "register", "running"]
 
 
 class VflashEngineModel(torch.nn.Module):
@@ -152,6 +154,26 @@ def unregister(patcher: EnginePatcher) -> None:
         mm.free_memory(1e30, patcher.load_device, keep_loaded=others)
     patcher.detach()
     _prune()
+
+
+@contextlib.contextmanager
+def running(patchers: Sequence[EnginePatcher]) -> Iterator[None]:
+    """While a stage runs on `patchers`' engines, core's list does not hold them, so a `free_memory` in the meantime
+    (a live preview's tiny decoder is loaded by core's `load_models_gpu` during the sampling, protecting only itself)
+    cannot close an engine mid-stage: an engine is released whole, never in part as core's own models are. Those
+    still open go back first (the most recently used) when the stage ends, however it ends."""
+    entries = _entries(patchers)
+    for entry in entries:
+        mm.current_loaded_models.remove(entry)
+    try:
+        yield
+    finally:
+        for entry in reversed(entries):
+            patcher = entry.model
+            if patcher is not None and patcher.open:
+                mm.current_loaded_models.insert(0, entry)
+                if not any(p is patcher for p in _LISTED):  # a `_prune` during the stage let go of it
+                    _LISTED.append(patcher)
 
 
 def make_room(needs: Mapping[torch.device, int], keep: Sequence[EnginePatcher]) -> None:

@@ -13,6 +13,7 @@ modules of those names (`headless/`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -129,6 +130,12 @@ class ComfyHost:
         memory.make_room(
             {torch.device(d): n for d, n in needs.items()}, [h.patcher for h in keep if isinstance(h, _CoreHeld)]
         )
+
+    def running(self, held: Sequence[Any]) -> contextlib.AbstractContextManager:
+        memory = self._memory()
+        if memory is None:  # the pack's registry alone holds the engines: nothing else releases them
+            return contextlib.nullcontext()
+        return memory.running([h.patcher for h in held if isinstance(h, _CoreHeld)])
 
     def default_device(self) -> str:
         return str(mm.get_torch_device())

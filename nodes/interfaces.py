@@ -9,6 +9,7 @@ progress callbacks.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -51,6 +52,9 @@ class Host(Protocol):
     def make_room(self, needs: Mapping[torch.device, int], keep: Sequence[HeldEngine] = ()) -> None:
         """Have `needs[device]` bytes free on each device for the next load or stage, releasing the host's models
         (and engines it holds) only as far as needed, never those in `keep`."""
+
+    def running(self, held: Sequence[HeldEngine]) -> contextlib.AbstractContextManager:
+        """For the duration of a stage on these engines: nothing the host loads meanwhile may release them."""
 
     def default_device(self) -> str: ...
 

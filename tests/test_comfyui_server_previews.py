@@ -8,6 +8,7 @@ it each time a sampler starts.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -17,7 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
-from test_comfyui_server import COMFYUI_ROOT, PROBE, _small_core_workflow, server  # noqa: F401  (the module's server fixture)
+from test_comfyui_server import (  # noqa: F401  (the module's server fixture)
+    COMFYUI_ROOT, PROBE, _memory, _small_core_workflow, _vflash_entries, server,
+)
 
 pytestmark = pytest.mark.skipif(
     not COMFYUI_ROOT, reason="set COMFYUI_ROOT to a ComfyUI checkout to run the real-server tests"
@@ -65,7 +68,7 @@ def _run(srv, method: str, tmp_path: Path) -> tuple[list[Image.Image], bytes, st
     images = [Image.open(BytesIO(jpeg)) for _, _, jpeg in result["previews"]]
     assert all(image.format == "JPEG" for image in images)
     dest = tmp_path / method
-    dest.mkdir(exist_ok=True)
+    dest.mkdir(parents=True, exist_ok=True)
     (mp4,) = srv.history_files(result["prompt_id"], dest)
     srv.log.flush()
     with open(log, "rb") as f:
@@ -100,3 +103,36 @@ def test_taeh3_previews_one_per_evaluation_and_the_same_video(server, tmp_path):
     assert MISSING in fallback_log and TAEHV_LOADED not in fallback_log
     assert len(fallback) == 4 and max(_detail(i) for i in fallback) < 5.0
     assert fallback_mp4 == plain_mp4
+
+
+def _post(srv, route: str, body: dict) -> dict:
+    import urllib.request
+
+    request = urllib.request.Request(srv.url + route, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request) as r:
+        return json.loads(r.read())
+
+
+def test_a_preview_decoder_that_evicts_everything_leaves_the_sampling_engine_alone(server, tmp_path):  # noqa: F811
+    """Core loads the tiny preview decoder with `load_models_gpu`, whose `free_memory` protects only that decoder: on a
+    GPU with no room left it evicts every other model. Forced here (the probe makes each such load evict everything
+    first): the running transformer session is off core's list for the sampling, so the four previews arrive, the run
+    succeeds with the MP4 of a run without the evictions, and the session is the same one after it, listed again."""
+    path = _write_taeh3(server.work / "models")
+    try:
+        _, plain_mp4, _ = _run(server, "taesd", tmp_path)
+        before = _memory(server)
+        session = next(e["id"] for e in before["engines"] if e["kind"] == "dit" and not e["closed"])
+        _post(server, "/vflash_test/evict_on_preview_load", {"on": True})
+        try:
+            tiny, tiny_mp4, _ = _run(server, "taesd", tmp_path / "evicting")
+        finally:
+            _post(server, "/vflash_test/evict_on_preview_load", {"on": False})
+    finally:
+        path.unlink()
+    after = _memory(server)
+    assert after["forced_evictions"] - before["forced_evictions"] == 4 and len(tiny) == 4
+    assert tiny_mp4 == plain_mp4
+    assert [e["id"] for e in after["engines"] if e["kind"] == "dit" and not e["closed"]] == [session]
+    assert "dit" in after["vflash"] and "dit" in _vflash_entries(after["now"])
+

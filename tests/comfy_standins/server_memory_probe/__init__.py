@@ -5,6 +5,9 @@ node pack hold, read inside the server process.
   patcher's class, device, loaded bytes, the Vflash engine kind), `snapshots` (the same, taken by the node below while
   a prompt ran), `vflash` (the pack's registry, kind -> option) and `engines` (every Vflash engine the probe has seen
   in the registry, with whether it is closed now);
+* `POST /vflash_test/evict_on_preview_load` with `{"on": true}`: from then on, each time core loads a live preview's
+  tiny decoder (`load_models_gpu` of a TAEHV model) it first evicts every other model on that device, as on a GPU
+  with no room left; `GET /vflash_test/memory`'s `forced_evictions` counts them;
 * `VflashTestMemorySnapshot`: passes a LATENT through and records the entries at that moment (between the sampler and
   the decode, while the graph's core models are alive: the server runs with `--cache-none`, which drops a node's
   outputs once its consumers ran).
@@ -18,6 +21,20 @@ from server import PromptServer
 
 SNAPSHOTS: list[list[dict]] = []
 SEEN: list[tuple[str, object]] = []  # (kind, engine) of every engine seen in the pack's registry
+
+
+FORCED_EVICTIONS = {"on": False, "count": 0}
+_load_models_gpu = mm.load_models_gpu
+
+
+def _evicting_load_models_gpu(models, *args, **kwargs):
+    if FORCED_EVICTIONS["on"] and models and type(models[0].model).__name__ == "TAEHV":
+        FORCED_EVICTIONS["count"] += 1
+        mm.free_memory(1e30, models[0].load_device)
+    return _load_models_gpu(models, *args, **kwargs)
+
+
+mm.load_models_gpu = _evicting_load_models_gpu
 
 
 def _entries() -> list[dict]:
@@ -51,7 +68,14 @@ def _registry():
 async def memory(request):
     loaded = _registry().loaded()
     engines = [{"kind": kind, "id": id(engine), "closed": _closed(engine)} for kind, engine in SEEN]
-    return web.json_response({"now": _entries(), "snapshots": SNAPSHOTS, "vflash": loaded, "engines": engines})
+    return web.json_response({"now": _entries(), "snapshots": SNAPSHOTS, "vflash": loaded, "engines": engines,
+                              "forced_evictions": FORCED_EVICTIONS["count"]})
+
+
+@PromptServer.instance.routes.post("/vflash_test/evict_on_preview_load")
+async def evict_on_preview_load(request):
+    FORCED_EVICTIONS["on"] = bool((await request.json())["on"])
+    return web.json_response(FORCED_EVICTIONS)
 
 
 class VflashTestMemorySnapshot:
