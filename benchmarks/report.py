@@ -268,7 +268,8 @@ def vae_section(data: dict | None) -> list[str]:
         return out + ["Not measured yet: `benchmarks/results/vae_h200.json` comes from `python benchmarks/vae.py` on an H200 (two for the "
                       "two-GPU column).", ""]
     rows = [{**r, "diffusers_peak": _gb(r["peak_device_bytes"]["diffusers"]), "vflash_peak": _gb(r["peak_device_bytes"]["vflash"]),
-             "fused_peak": _gb(r.get("native_fused_peak_device_bytes")),
+             "fused_peak": _gb(r.get("native_fused_peak_device_bytes")), "fused_working": _gb(r.get("native_fused_working_bytes")),
+             "estimate": _gb(r.get("native_decode_bytes_estimate")),
              "canvas": r["canvas"] + (f" (at `{r['measured_at_commit'][:7]}`)" if r.get("measured_at_commit") else ""),
              "audio_share": None if r.get("audio_share_of_decode") is None else f"{r['audio_share_of_decode']:.1%}"} for r in data["records"]]
     first = data["records"][0] if data["records"] else {}
@@ -279,14 +280,16 @@ def vae_section(data: dict | None) -> list[str]:
         f"around the whole decode (medians). Vflash: `NativeVideoDecoder`, {first.get('windows_per_call')} tile-windows per ViT call, "
         f"{first.get('attention_backend')} attention, its norms and elementwise work as torch ops (`decoder_execution=\"reference\"`) and "
         "fused in Triton (`\"fused\"`, the default on CUDA); bitwise: its pixels equal diffusers' `decode`. Peak device memory includes the resident "
-        "VAE. Roofline: the decoder's GEMM and attention FLOPs at this GPU's sustained rates. Two GPUs: the calls split in halves over two "
+        "VAEs (above the VAEs: the fused peak less what was allocated before the decodes; the plan's estimate: `vae.decode_bytes`, which "
+        "the memory plan reserves for it). Roofline: the decoder's GEMM and attention FLOPs at this GPU's sustained rates. Two GPUs: the calls split in halves over two "
         "GPUs (replica of the weights included in the time), speedup over one GPU. Audio: the audio VAE's decode of the same duration and "
         "its share of the decode (audio / (audio + Vflash video)).",
         "",
         _table(rows, [("canvas", "canvas"), ("seconds", "clip s"), ("diffusers_seconds", "diffusers s"),
                       ("native_fused_seconds", "Vflash fused s"), ("native_fused_speedup_vs_diffusers", "fused speedup"),
                       ("native_fused_roofline_ratio", "fused / roofline"), ("native_fused_bitwise_equal_to_diffusers", "fused bitwise"),
-                      ("fused_peak", "fused peak"), ("vflash_seconds", "Vflash reference s"),
+                      ("native_fused_windows_per_call", "fused tile-windows per call"), ("fused_peak", "fused peak"),
+                      ("fused_working", "fused above the VAEs"), ("estimate", "plan's estimate"), ("vflash_seconds", "Vflash reference s"),
                       ("speedup_vs_diffusers", "reference speedup"), ("diffusers_peak", "diffusers peak"), ("vflash_peak", "reference peak"),
                       ("bitwise_equal_to_diffusers", "reference bitwise"), ("roofline_ratio", "reference / roofline"), ("two_gpu_speedup", "two-GPU speedup"),
                       ("two_gpu_bitwise_equal", "two GPUs bitwise to one"), ("audio_decode_seconds", "audio s"), ("audio_share", "audio share")]),

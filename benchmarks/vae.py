@@ -1,7 +1,7 @@
 """diffusers vs Vflash video decode of the H3 video VAE at its released size (random weights), one process, one H200.
 
     python benchmarks/vae.py [--cache /tmp/vflash-bench] [--windows-per-call 1 8] [--attention torch-sdpa] [--repeat 2]
-                             [--canvases 960x544 1344x768] [--durations 5 10] [--profile]
+                             [--canvases 960x544 1344x768] [--durations 5 10] [--profile] [--fused-windows-per-call 4 8]
     python benchmarks/vae.py --small        # dry run: the demo family's VAE on the CPU (also bf16)
 
 The VAE has the released configuration (`AutoencoderKLMiniMaxH3()` defaults: a 36-layer ViT decoder 2048 wide) with
@@ -29,8 +29,13 @@ time, `two_gpu_bitwise_equal` against one GPU, `two_gpu_peak_device_bytes` per d
 two absent) without two GPUs.
 `native_fused_seconds` (with `native_fused_peak_device_bytes`, `native_fused_bitwise_equal_to_diffusers`,
 `native_fused_speedup_vs_reference` against the reference ops at the largest --windows-per-call,
-`native_fused_speedup_vs_diffusers` and `native_fused_roofline_ratio`): the native decode at the largest
---windows-per-call through its fused Triton ops (`decoder_execution="fused"`, the default on CUDA); null on the CPU.
+`native_fused_speedup_vs_diffusers` and `native_fused_roofline_ratio`): the native decode through its fused Triton ops
+(`decoder_execution="fused"`, the default on CUDA) at the default tile-windows per call
+(`DEFAULT_WINDOWS_PER_CALL`, or the largest --fused-windows-per-call without it); null on the CPU.
+`native_fused_by_windows_per_call` holds the same decode at each --fused-windows-per-call (default: the largest
+--windows-per-call): seconds, peak, bitwise. `resident_device_bytes` is what was allocated before the decodes (the two
+VAEs), `native_fused_working_bytes` the fused peak above it, and `native_decode_bytes_estimate` the memory plan's
+estimate of that working memory (`vae.decode_bytes`, which must not be below it).
 `vflash_seconds` and the columns beside it are the reference ops' (`decoder_execution="reference"`). With --profile,
 the first canvas and duration's record also holds `native_fused_kernel_profile`: one fused decode's kernel time and
 its top kernels by device time.
@@ -56,8 +61,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import attention_flops, environment, gemm_tflops, sustained_ms, write_result  # noqa: E402
 
 from vflash_core.engine.layout import audio_latent_count, frames_for_duration, video_latent_frames  # noqa: E402
-from vflash_core.media.vae import PIXEL_MEAN, PIXEL_STD, MediaVAEs  # noqa: E402
-from vflash_core.media.vae_decode import DecoderWeights, NativeVideoDecoder  # noqa: E402
+from vflash_core.media.vae import PIXEL_MEAN, PIXEL_STD, MediaVAEs, decode_bytes  # noqa: E402
+from vflash_core.media.vae_decode import DEFAULT_WINDOWS_PER_CALL, DecoderWeights, NativeVideoDecoder  # noqa: E402
 from vflash_core.weights.family import DEMO_FAMILY, FamilySpec, build_model_family  # noqa: E402
 
 SEED = 0
@@ -184,15 +189,18 @@ def kernel_profile(fn: Callable[[], object], top: int = 25) -> dict[str, object]
 
 
 def run(vaes: MediaVAEs, device: torch.device, canvases: dict[str, tuple[int, int]], windows_per_call: list[int], attention: str, repeat: int,
-        durations: tuple[float, ...] = SECONDS, profile_kernels: bool = False) -> dict[str, object]:
+        durations: tuple[float, ...] = SECONDS, profile_kernels: bool = False,
+        fused_windows_per_call: list[int] | None = None) -> dict[str, object]:
     """`profile_kernels`: also a CUDA kernel profile of the first canvas and duration's fused decode."""
     vae = vaes.video_vae
+    resident = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
     decoders = {n: NativeVideoDecoder.from_vae(vae, attention=attention, windows_per_call=n, execution="reference")
                 for n in windows_per_call}
     best_n = max(windows_per_call)
     # Triton kernels run on CUDA only: on the CPU (--small) the fused keys stay null.
-    fused = (NativeVideoDecoder.from_vae(vae, attention=attention, windows_per_call=best_n, execution="fused")
-             if device.type == "cuda" else None)
+    fused_by_n = {n: NativeVideoDecoder.from_vae(vae, attention=attention, windows_per_call=n, execution="fused")
+                  for n in (fused_windows_per_call or [best_n])} if device.type == "cuda" else {}
+    fused_n = DEFAULT_WINDOWS_PER_CALL if DEFAULT_WINDOWS_PER_CALL in fused_by_n else max(fused_by_n, default=None)
     two_gpus = device.type == "cuda" and torch.cuda.device_count() >= 2
     channels, ratio = vaes.latent_channels, vae.spatial_compression_ratio
     g = torch.Generator().manual_seed(SEED)
@@ -205,7 +213,7 @@ def run(vaes: MediaVAEs, device: torch.device, canvases: dict[str, tuple[int, in
             if not warm:  # one decode per side first: kernel selection, allocator growth
                 with torch.no_grad():
                     vae.decode(z, return_dict=False)
-                for decoder in [*decoders.values(), *([fused] if fused is not None else [])]:
+                for decoder in [*decoders.values(), *fused_by_n.values()]:
                     decoder.decode(z)
                 warm = True
             with torch.no_grad():
@@ -251,6 +259,8 @@ def run(vaes: MediaVAEs, device: torch.device, canvases: dict[str, tuple[int, in
                 "native_fused_peak_device_bytes": None,
                 "native_fused_bitwise_equal_to_diffusers": None,
                 "native_fused_speedup_vs_reference": None,
+                "resident_device_bytes": resident,
+                "native_decode_bytes_estimate": decode_bytes(vae, frames, height, width, "native", fused_n or best_n),
             }
             if device.type == "cuda":
                 gemm_rate = gemm_tflops(sustained=True)
@@ -265,17 +275,26 @@ def run(vaes: MediaVAEs, device: torch.device, canvases: dict[str, tuple[int, in
             audio_seconds, audio_peak, _ = timed(lambda: vaes.decode_audio(audio), device, repeat)
             record.update(audio_decode_seconds=round(audio_seconds, 4), audio_peak_device_bytes=audio_peak,
                           audio_share_of_decode=round(audio_seconds / (audio_seconds + v_seconds), 4))
-            if fused is not None:  # the same decode through the fused ops (`decoder_execution="fused"`)
+            fused_records = {}
+            for n, fused in fused_by_n.items():  # the same decode through the fused ops (`decoder_execution="fused"`)
                 f_seconds, f_peak, got = timed(lambda: fused.decode(z), device, repeat)
-                record.update(native_fused_seconds=round(f_seconds, 4), native_fused_peak_device_bytes=f_peak,
-                              native_fused_bitwise_equal_to_diffusers=torch.equal(got, expected),
+                fused_records[n] = {"seconds": round(f_seconds, 4), "peak_device_bytes": f_peak,
+                                    "bitwise_equal_to_diffusers": torch.equal(got, expected)}
+                print(canvas, seconds, f"fused windows_per_call={n}", fused_records[n])
+                del got
+            if fused_records:
+                chosen = fused_records[fused_n]
+                f_seconds = chosen["seconds"]
+                record.update(native_fused_seconds=f_seconds, native_fused_peak_device_bytes=chosen["peak_device_bytes"],
+                              native_fused_windows_per_call=fused_n, native_fused_by_windows_per_call=fused_records,
+                              native_fused_working_bytes=chosen["peak_device_bytes"] - resident,
+                              native_fused_bitwise_equal_to_diffusers=all(r["bitwise_equal_to_diffusers"] for r in fused_records.values()),
                               native_fused_speedup_vs_reference=round(by_n[best_n]["seconds"] / f_seconds, 4),
                               native_fused_speedup_vs_diffusers=round(d_seconds / f_seconds, 4))
                 if "roofline_seconds" in record:
                     record["native_fused_roofline_ratio"] = round(f_seconds / record["roofline_seconds"], 4)
-                del got
                 if profile_kernels:
-                    record["native_fused_kernel_profile"] = kernel_profile(lambda: fused.decode(z))
+                    record["native_fused_kernel_profile"] = kernel_profile(lambda: fused_by_n[fused_n].decode(z))
                     profile_kernels = False
             print({k: v for k, v in record.items() if k != "by_windows_per_call"})
             records.append(record)
@@ -295,6 +314,8 @@ def main() -> None:
     parser.add_argument("--canvases", nargs="+", choices=sorted(CANVASES), default=list(CANVASES), help="canvases to decode (not with --small)")
     parser.add_argument("--durations", type=float, nargs="+", default=list(SECONDS), help="clip lengths in seconds")
     parser.add_argument("--profile", action="store_true", help="a CUDA kernel profile of the first canvas and duration's fused decode")
+    parser.add_argument("--fused-windows-per-call", type=int, nargs="+", default=None,
+                        help="tile-windows per call of the fused decode, each timed and checked (default: the largest --windows-per-call)")
     args = parser.parse_args()
     if args.small:
         device, spec, canvases = torch.device("cpu"), DEMO_FAMILY, SMALL_CANVASES
@@ -304,7 +325,7 @@ def main() -> None:
         device, spec, canvases = torch.device("cuda:0"), family_spec(), {c: CANVASES[c] for c in args.canvases}
     vaes = load_vaes(args.cache, spec, device)
     data = run(vaes, device, canvases, args.windows_per_call, args.attention, args.repeat, tuple(args.durations),
-               args.profile and device.type == "cuda")
+               args.profile and device.type == "cuda", args.fused_windows_per_call)
     data["small"] = args.small
     write_result("vae_small_cpu" if args.small else "vae_h200", data)
 

@@ -292,6 +292,15 @@ def test_peak_memory_does_not_grow_with_clip_length(media, small_tiles):
     assert diffusers[1] > 1.5 * diffusers[0], diffusers
 
 
+def allocation_sizes(fn) -> list[int]:
+    """The size of every CPU allocation `fn` makes, from the profiler's record."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return [e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.nbytes() > 0]
+
+
 # -- options ----------------------------------------------------------------------------------------------------------
 
 

@@ -36,13 +36,15 @@ from conftest import assert_bitwise
 
 pytest.importorskip("triton")
 
-from test_vae_decode import SMALL_TILES, latents
+from test_vae_decode import SMALL_TILES, allocation_sizes, latents
 
 from vflash_core.engine.model import apply_rotary
 from vflash_core.errors import VflashError
 from vflash_core.media import vae_decode
 from vflash_core.media.vae import MediaVAEs
-from vflash_core.media.vae_decode import DecoderOps, FusedDecoderOps, NativeVideoDecoder, resolve_decoder_execution
+from vflash_core.media.vae_decode import (
+    DecoderOps, DecoderWeights, FusedDecoderOps, NativeVideoDecoder, resolve_decoder_execution,
+)
 
 _INTERPRETED = "_vflash_kernels_decoder_interpreted"
 _FOLDER = Path(__file__).resolve().parent.parent / "kernels"
@@ -149,7 +151,7 @@ def test_norm_bitwise(fused_ops, interp, width, x_dtype, out_dtype, weighted):
 
 @pytest.mark.parametrize(("head_dim", "rotary"), [(16, 12), (24, 18), (64, 48)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_qk_norm_rope_bitwise(fused_ops, interp, head_dim, rotary, dtype):
+def test_head_norm_rope_bitwise(fused_ops, interp, head_dim, rotary, dtype):
     """Unweighted per-head norm and rotary of (W, S, heads, Dh) q and k with (1, S, 1, R) angles shared by the W
     stacked tile-windows, against the reference rotary of the CUDA-order norm."""
     windows, seq, heads = 3, 37, 3
@@ -157,18 +159,25 @@ def test_qk_norm_rope_bitwise(fused_ops, interp, head_dim, rotary, dtype):
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     q = randn(windows, seq, heads, head_dim, dtype=dtype, seed=9, scale=4.0)
     k = randn(windows, seq, heads, head_dim, dtype=dtype, seed=10, scale=4.0)
-    got = fused_ops.qk_norm_rope(q, k, 1e-5, cos, sin)
+    got = [fused_ops.head_norm_rope(x, 1e-5, cos, sin) for x in (q, k)]
     norm = interp.vae_decoder.rms_norm_cast_reference
     for name, x, out in (("q", q, got[0]), ("k", k, got[1])):
         assert_bitwise(out, apply_rotary(norm(x, None, 1e-5, dtype), cos, sin), f"{name} Dh={head_dim} {dtype}")
     if dtype == torch.bfloat16:  # bf16 squares are exact, and per head CPU F.rms_norm agrees to the bit here too
-        assert_bitwise(got[0], DecoderOps(None).qk_norm_rope(q, k, 1e-5, cos, sin)[0], "q against DecoderOps")
+        assert_bitwise(got[0], DecoderOps(None).head_norm_rope(q, 1e-5, cos, sin), "q against DecoderOps")
 
 
 def test_swiglu_bitwise(fused_ops):
-    """bf16 (W, S, 2 I) [value | gate] with I = 72: masked column blocks."""
+    """bf16 (S, 2 I) [value | gate] with I = 72 (masked column blocks), each tile-window's written into its rows of
+    the call's (W, S, I) result, as the feed-forward does."""
     p = randn(2, 37, 144, dtype=torch.bfloat16, seed=11, scale=4.0)
-    assert_bitwise(fused_ops.swiglu(p), DecoderOps(None).swiglu(p), "swiglu")
+    got, expected = (torch.full((2, 37, 72), float("nan"), dtype=torch.bfloat16) for _ in range(2))
+    for window in range(2):
+        assert fused_ops.swiglu(p[window], got[window]).data_ptr() == got[window].data_ptr()
+        DecoderOps(None).swiglu(p[window], expected[window])
+    value, gate = p.chunk(2, dim=-1)
+    assert_bitwise(expected, value * F.silu(gate), "DecoderOps swiglu")
+    assert_bitwise(got, expected, "swiglu")
 
 
 @pytest.mark.parametrize(
@@ -248,6 +257,24 @@ def test_fully_fused_decode_equals_the_cuda_order_reference(fused_ops, interp, b
     expected = reference.decode(z)
     got = NativeVideoDecoder.from_vae(bf16_vae, windows_per_call=3, execution="fused").decode(z)
     assert_bitwise(got, expected, "fully fused")
+
+
+@pytest.mark.parametrize("execution", ["reference", "fused"])
+def test_a_call_makes_its_feed_forward_projection_one_tile_window_at_a_time(bf16_vae, execution, request):
+    """`ff_in`'s output (8 D per token, a call's largest tensor) is made per tile-window: over a decode of 3 stacked
+    tile-windows per call, it is allocated at one tile-window's size (once per window and block) and never at a
+    call's (3 tile-windows, or the last call's 2); the fused ops' kernels run in Triton's interpreter."""
+    if execution == "fused":
+        request.getfixturevalue("fused_ops")
+    w = DecoderWeights.from_vae(bf16_vae)
+    z = latents(DECODE_LATENTS, seed=6)
+    decoder = NativeVideoDecoder.from_vae(bf16_vae, windows_per_call=3, execution=execution)
+    plan = decoder.plan(z.shape)
+    rows = plan.window_latents * plan.tile_height * plan.tile_width + w.register_tokens.shape[1] + 1
+    one_window = rows * w.blocks[0].ff_in.shape[0] * w.blocks[0].ff_in.element_size()
+    sizes = allocation_sizes(lambda: decoder.decode(z, lambda start, frames: None))
+    assert sizes.count(one_window) >= len(plan.tile_windows()) * len(w.blocks)
+    assert not {2 * one_window, 3 * one_window} & set(sizes)
 
 
 # -- on a GPU ------------------------------------------------------------------------------------------------------

@@ -66,14 +66,20 @@ FrameSink = Callable[[int, torch.Tensor], None]
 def decode_bytes(video_vae, num_frames: int, height: int, width: int, decoder: str, windows_per_call: int) -> int:
     """Upper estimate of the video decode's transient device memory for a clip of `num_frames` at `height` x `width`.
 
-    One tile-window (a spatial tile of one temporal window) is a ViT sequence of D-wide tokens, one per latent voxel:
-    per token the fp32 residual stream in and out (8D), the normalised input (2D) and the larger of the attention (q, k,
-    v, their fp32 norms, rotated copies and output: 20D) and the SwiGLU (projection, SiLU, product: 8 x inner). Its
-    pixels take 3 channels x 4 bytes per output pixel. Both decoders hold a window's tiles and its stitched clip
-    (twice, while it is concatenated). `diffusers` decodes one tile-window at a time but keeps the whole video on the
-    device, then maps it to [0, 1] in fp32 (12 bytes per channel and pixel at the peak); `native` runs
-    `windows_per_call` tile-windows per call (at most the clip's) with the outputs of the calls in flight, and copies
-    each window's frames to the host. A 10 % allowance.
+    One tile-window (a spatial tile of one temporal window) is a ViT sequence of D-wide tokens, one per latent voxel,
+    in bf16 with an fp32 residual stream. Its pixels take 3 channels x 4 bytes per output pixel. Both decoders hold a
+    window's tiles and its stitched clip (twice, while it is concatenated).
+
+    `diffusers` decodes one tile-window at a time, per token the fp32 residual stream in and out (8D), the normalised
+    input (2D) and the larger of the attention (q, k, v, their fp32 norms, rotated copies and output: 20D) and the
+    SwiGLU (projection, SiLU, product: 8 x inner), but keeps the whole video on the device, then maps it to [0, 1] in
+    fp32 (12 bytes per channel and pixel at the peak).
+
+    `native` runs `windows_per_call` tile-windows per call (at most the clip's), with the outputs of the calls in
+    flight, and copies each window's frames to the host. Per token of a call: the fp32 stream and the first block's
+    bf16 input (6D) and the larger sublayer, the attention (the normalised input, q, k and v, or q, k, v and the
+    output: 8D) or the feed-forward (the SwiGLU and `ff_out`'s output: 2 x inner + 2D); `ff_in`'s projection (4 x
+    inner) and its normalised input (2D) exist for one tile-window at a time (`vae_decode.block`). A 10 % allowance.
 
     With a peer device the native decode splits its calls between the two devices. The first device's transient is
     then no larger (its own calls, one window, and the peer's tiles arriving one call at a time from host memory); the
@@ -87,18 +93,20 @@ def decode_bytes(video_vae, num_frames: int, height: int, width: int, decoder: s
         video_latent_frames(num_frames), height // geometry.spatial_ratio, width // geometry.spatial_ratio
     )
     d = config.decoder_num_attention_heads * config.decoder_attention_head_dim
+    inner = config.decoder_ffn_mult * d
     tokens = plan.window_latents * plan.tile_height * plan.tile_width + config.decoder_num_register_tokens + 1
-    vit = tokens * (10 * d + max(20 * d, 8 * config.decoder_ffn_mult * d))
     window_frames = plan.window_latents * geometry.temporal_ratio
     tile = 3 * window_frames * plan.tile_height * plan.tile_width * geometry.spatial_ratio**2 * 4
     clip = 3 * window_frames * height * width * 4
     window = plan.tiles_per_window * tile + 2 * clip
     if decoder == "diffusers":
+        vit = tokens * (10 * d + max(20 * d, 8 * inner))
         total = vit + window + 12 * 3 * plan.output_frames * height * width
     else:
         per_call = min(windows_per_call, len(plan.tile_windows()))
         in_flight = min((CALLS_IN_FLIGHT_PER_DEVICE + 1) * per_call, len(plan.tile_windows()))
-        total = per_call * vit + in_flight * tile + window
+        call = per_call * tokens * (6 * d + max(8 * d, 2 * inner + 2 * d)) + tokens * (4 * inner + 2 * d)
+        total = call + in_flight * tile + window
     return int(total * 1.1)
 
 

@@ -356,22 +356,19 @@ class DecoderOps:
         """RMSNorm of the (W, S, D) stream in fp32, rounded to `dtype`."""
         return F.rms_norm(x.float(), (x.shape[-1],), weight, eps).to(dtype)
 
-    def qk_norm_rope(
-        self, q: torch.Tensor, k: torch.Tensor, eps: float | None, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W, S, heads, Dh) q and k: unweighted RMSNorm per head in fp32, rounded back, then rotary (rotate-half) over
-        the leading `cos.shape[-1]` channels; cos/sin (1, S, 1, R) in q's dtype."""
-        return (apply_rotary(self.norm(q, None, eps, q.dtype), cos, sin),
-                apply_rotary(self.norm(k, None, eps, k.dtype), cos, sin))
+    def head_norm_rope(self, x: torch.Tensor, eps: float | None, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """(W, S, heads, Dh) q or k: unweighted RMSNorm per head in fp32, rounded back, then rotary (rotate-half) over
+        the leading `cos.shape[-1]` channels; cos/sin (1, S, 1, R) in x's dtype."""
+        return apply_rotary(self.norm(x, None, eps, x.dtype), cos, sin)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """(W, S, heads, Dh) each -> (W, S, heads * Dh): each tile-window attends over its own S tokens."""
         return self.attend_fn(q, k, v).flatten(2, 3)
 
-    def swiglu(self, p: torch.Tensor) -> torch.Tensor:
-        """(W, S, 2 I) `ff_in` output [value | gate] -> (W, S, I) value * silu(gate), in p's dtype."""
+    def swiglu(self, p: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """(S, 2 I) `ff_in` output [value | gate] -> value * silu(gate) written into `out` (S, I) of p's dtype."""
         value, gate = p.chunk(2, dim=-1)
-        return value * F.silu(gate)
+        return torch.mul(value, F.silu(gate), out=out)
 
     def scaled_residual(self, h: torch.Tensor, y: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """(W, S, D) stream plus the (W, S, D) sublayer output times the fp32 (D,) scale: the product rounds in fp32,
@@ -422,14 +419,11 @@ class FusedDecoderOps(DecoderOps):
             return super().norm(x, weight, eps, dtype)
         return self._kernels.rms_norm_cast(x, weight, eps, dtype)
 
-    def qk_norm_rope(
-        self, q: torch.Tensor, k: torch.Tensor, eps: float | None, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def head_norm_rope(self, x: torch.Tensor, eps: float | None, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if not FUSED_DECODER_QK_NORM:
-            return super().qk_norm_rope(q, k, eps, cos, sin)
-        cos_rows, sin_rows = self._window_angles(cos, sin, q.shape[0])
-        return (self._kernels.head_rms_norm_rope(q, eps, cos_rows, sin_rows),
-                self._kernels.head_rms_norm_rope(k, eps, cos_rows, sin_rows))
+            return super().head_norm_rope(x, eps, cos, sin)
+        cos_rows, sin_rows = self._window_angles(cos, sin, x.shape[0])
+        return self._kernels.head_rms_norm_rope(x, eps, cos_rows, sin_rows)
 
     def _window_angles(self, cos: torch.Tensor, sin: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The (1, S, 1, R) tables repeated for `count` stacked tile-windows: (count S, R), made once per call shape
@@ -439,8 +433,8 @@ class FusedDecoderOps(DecoderOps):
             last = self._angles = cos, sin, count, cos[0, :, 0].repeat(count, 1), sin[0, :, 0].repeat(count, 1)
         return last[3], last[4]
 
-    def swiglu(self, p: torch.Tensor) -> torch.Tensor:
-        return self._swiglu(p.flatten(0, 1)).view(*p.shape[:-1], p.shape[-1] // 2)
+    def swiglu(self, p: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return self._swiglu(p, out=out)
 
     def scaled_residual(self, h: torch.Tensor, y: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         inplace = h.dtype == torch.promote_types(h.dtype, torch.promote_types(y.dtype, scale.dtype))
@@ -485,16 +479,38 @@ def block(
 ) -> torch.Tensor:
     """(W, S, D) stream -> the next one, fp32 (the first block's input is in `proj_in`'s dtype): attention, then the
     SwiGLU feed-forward (`ff_in` gives [value | gate]; value * silu(gate) in the compute dtype), each on the normalised
-    stream and added as `h + y * scale` with the fp32 scale (the product rounds in fp32, then the sum)."""
+    stream and added as `h + y * scale` with the fp32 scale (the product rounds in fp32, then the sum).
+
+    Each sublayer's intermediates are gone before the next one's are made (`attention`, `feed_forward_input`), so a
+    call's working memory is the stream plus the larger sublayer's tensors, not both sublayers' together."""
+    h = ops.scaled_residual(h, F.linear(attention(b, h, rope, w, ops), b.to_out, b.to_out_bias), b.scale1)
+    return ops.scaled_residual(h, F.linear(feed_forward_input(b, h, w, ops), b.ff_out, b.ff_out_bias), b.scale2)
+
+
+def attention(
+    b: BlockWeights, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], w: DecoderWeights, ops: DecoderOps
+) -> torch.Tensor:
+    """The attention sublayer's (W, S, D) output before `to_out`, in the compute dtype. q and k are normalised and
+    rotated as each is projected, so at most one of them exists unnormalised."""
     x = ops.norm(h, b.norm1, w.norm_eps, w.compute_dtype)
-    q, k, v = (
-        F.linear(x, weight, bias).unflatten(2, (w.heads, -1))
-        for weight, bias in ((b.to_q, b.to_q_bias), (b.to_k, b.to_k_bias), (b.to_v, b.to_v_bias))
-    )
-    q, k = ops.qk_norm_rope(q, k, w.qk_norm_eps, *rope)
-    h = ops.scaled_residual(h, F.linear(ops.attend(q, k, v), b.to_out, b.to_out_bias), b.scale1)
-    p = F.linear(ops.norm(h, b.norm2, w.norm_eps, w.compute_dtype), b.ff_in, b.ff_in_bias)
-    return ops.scaled_residual(h, F.linear(ops.swiglu(p), b.ff_out, b.ff_out_bias), b.scale2)
+    q = ops.head_norm_rope(F.linear(x, b.to_q, b.to_q_bias).unflatten(2, (w.heads, -1)), w.qk_norm_eps, *rope)
+    k = ops.head_norm_rope(F.linear(x, b.to_k, b.to_k_bias).unflatten(2, (w.heads, -1)), w.qk_norm_eps, *rope)
+    v = F.linear(x, b.to_v, b.to_v_bias).unflatten(2, (w.heads, -1))
+    del x
+    return ops.attend(q, k, v)
+
+
+def feed_forward_input(b: BlockWeights, h: torch.Tensor, w: DecoderWeights, ops: DecoderOps) -> torch.Tensor:
+    """`ff_out`'s (W, S, I) input: value * silu(gate) of `ff_in` over the normalised stream, in the compute dtype.
+
+    `ff_in`'s output (2 I = 8 D wide: a call's largest tensor, twice the SwiGLU's) is made one tile-window at a time,
+    at the reference's own GEMM shape, and each window's SwiGLU is written into its rows of the result."""
+    out = torch.empty((*h.shape[:-1], b.ff_in.shape[0] // 2), dtype=w.compute_dtype, device=h.device)
+    for window in range(h.shape[0]):
+        p = F.linear(ops.norm(h[window], b.norm2, w.norm_eps, w.compute_dtype), b.ff_in, b.ff_in_bias)
+        ops.swiglu(p, out[window])
+        del p  # before the next window's projection is made
+    return out
 
 
 def decode_tile_windows(
