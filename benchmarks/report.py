@@ -178,7 +178,10 @@ def what_fits(data: dict, e2e: dict | None = None) -> str:
     fits = []
     uncapped = _uncapped_request(e2e, canvas)
     if uncapped:
-        at = e2e.get("commit", "")[:7] if e2e and e2e.get("commit") != data.get("commit") else ""
+        # the resident requests' own commit: a phase carried from an earlier run keeps the commit it was measured at
+        measured = next((r["measured_at_commit"] for r in e2e.get("requests", []) if r.get("config") == "resident"
+                         and r["canvas"] == canvas and r.get("measured_at_commit")), e2e.get("commit", ""))
+        at = measured[:7] if not data.get("commit", "").startswith(measured[:7]) else ""
         fits.append({"card": "141 GB (H200, uncapped)" + (f", at `{at}`" if at else ""),
                      "plan": "core resident, text encoder resident, VAEs resident" + _planned_decoder(e2e, canvas), "host": _gib(uncapped.get("host_pinned_bytes")) or "0",
                      "rss": _gib(uncapped["host_rss_peak_bytes"]), "seconds": uncapped["elapsed_seconds"], "same": "(the reference)"})
