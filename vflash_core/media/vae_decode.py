@@ -27,6 +27,9 @@ What this module changes is only how the work is issued:
   fp32 ones, whose results moved by up to 3e-6, so with fp32 weights on a GPU the default is one tile-window per call:
   `windows_per_call=1` issues exactly the reference's shapes). Elementwise work and the norms are per element or per
   row; attention is per batch item and head.
+* A call's feed-forward projection (`ff_in`, the widest tensor) is made one tile-window at a time, at the reference's
+  own GEMM shape, and each sublayer's intermediates are released before the next sublayer runs, so a call's working
+  memory is its fp32 stream plus one sublayer's tensors (`block`).
 * `execution="fused"` (the default on CUDA) runs the norms, the q/k norm + rotary, SwiGLU and the scaled residuals in
   Triton kernels (`FusedDecoderOps`), each reproducing the roundings of the torch ops it replaces, the norms summing
   squares in the order of torch's CUDA RMSNorm; "reference" (the default elsewhere) runs them as torch ops
@@ -503,7 +506,8 @@ def attention(
 def feed_forward_input(b: BlockWeights, h: torch.Tensor, w: DecoderWeights, ops: DecoderOps) -> torch.Tensor:
     """`ff_out`'s (W, S, I) input: value * silu(gate) of `ff_in` over the normalised stream, in the compute dtype.
 
-    `ff_in`'s output (2 I = 8 D wide: a call's largest tensor, twice the SwiGLU's) is made one tile-window at a time,
+    `ff_in`'s output (2 I wide, 8 D in the released VAE: a call's largest tensor, twice the SwiGLU's) is made one
+    tile-window at a time,
     at the reference's own GEMM shape, and each window's SwiGLU is written into its rows of the result."""
     out = torch.empty((*h.shape[:-1], b.ff_in.shape[0] // 2), dtype=w.compute_dtype, device=h.device)
     for window in range(h.shape[0]):
