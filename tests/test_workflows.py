@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from comfy_standins import harness
-from conftest import TEMPLATES, linked_demo_cache
+from conftest import CARD_TITLE_CHARS, TEMPLATES, linked_demo_cache
 from vflash_nodes.workflow import (
     WorkflowError,
     _dynamic_combo_inputs,
@@ -56,6 +56,8 @@ def test_the_set_of_workflows():
     assert sorted(p.stem for p in UI_DIR.glob("*.json")) == sorted(TEMPLATES.values())
     for title in TEMPLATES.values():
         assert {"minimax", "h3", "vflash"} <= set(title.lower().replace("-", " ").split()), title  # what the template search matches
+    # a template card shows its title on one line, cut at about 30 characters (the browser test measures the cut)
+    assert len({title[:CARD_TITLE_CHARS] for title in TEMPLATES.values()}) == len(TEMPLATES), sorted(TEMPLATES.values())
 
 
 COMFY_ORG = "https://huggingface.co/Comfy-Org/MiniMax-H3/resolve/main/"
