@@ -55,7 +55,7 @@ from .engines import (
     transformer_spec,
 )
 from .interfaces import Folders, Host, host_progress
-from .model_files import COMPONENT_FOLDERS, DEMO, model_identity, path_identity, recorded_profile, resolve
+from .model_files import COMPONENT_FOLDERS, DEMO, lora_path, model_identity, path_identity, recorded_profile, resolve
 from .request_inputs import connected_slots, request_geometry
 
 __all__ = ["decode", "encode", "generate", "load_component", "load_model", "sample", "select_lora", "unload"]
@@ -68,7 +68,7 @@ def select_lora(
     folders: Folders, lora: str, strength: float, prev: tuple[LoraRef, ...] | None = None
 ) -> tuple[LoraRef, ...]:
     """VflashLoraSelect: one more LoRA file of the chain."""
-    path = resolve(folders, "loras/" + lora)
+    path = lora_path(folders, lora)
     return (*(prev or ()), LoraRef(str(path), float(strength), path_identity(path)))
 
 

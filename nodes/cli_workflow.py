@@ -28,7 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--input-dir", default="input", help="where LoadImage / LoadAudio read file names from (default: ./input)"
     )
     p.add_argument(
-        "--models-dir", help="a ComfyUI-style models folder (vflash/, diffusers/, diffusion_models/, loras/)"
+        "--models-dir", help="a ComfyUI-style models folder (vflash/, diffusers/, diffusion_models/ or unet/, loras/)"
     )
     p.add_argument("--print-plan", action="store_true", help="check the workflow, print the execution order and exit")
     p.set_defaults(handler=_run)

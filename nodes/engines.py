@@ -44,12 +44,13 @@ from vflash_core.weights.checkpoint import SourceWeights
 
 from .interfaces import Folders, HeldEngine, Host, HostStageProgress, host_progress
 from .model_files import (
-    DEMO,
+    OFFICIAL_KINDS,
     check_model_option,
     compiled_paths,
     demo_receipt,
     model_identity,
     official_transformer,
+    option_kind,
     recorded_canvas,
     recorded_profile,
 )
@@ -96,7 +97,7 @@ class TransformerFiles:
     resolves to and its identity (`model_files.model_identity`), the profile asked for ("auto": the recorded one),
     the LoRA chain, and where official weights are compiled for the profile on first use ("" otherwise)."""
 
-    source: str  # option name ("embedded-demo", "vflash/...", "diffusers/...", "diffusion_models/...")
+    source: str  # the option (`model_files.option_kind`: embedded-demo, vflash/..., diffusers/..., x.safetensors)
     path: str  # resolved file or folder ("" for the demo)
     identity: tuple
     profile: str
@@ -302,7 +303,7 @@ def check_loader(
         raise VflashError(
             f"{model} holds official weights; choose the profile to compile them for (e.g. {runnable_profiles()[1]})"
         )
-    if model.startswith(("diffusers/", "diffusion_models/")):
+    if option_kind(model) in OFFICIAL_KINDS:
         transformer = official_transformer(Path(path), chosen)
         if not transformer.exists():
             raise VflashError(
@@ -355,7 +356,7 @@ def transformer_spec(
     )
     loras = tuple(lora or ())
     compile_dir = ""
-    if model.startswith(("diffusers/", "diffusion_models/")):  # official weights (check_loader refused "auto" for them)
+    if option_kind(model) in OFFICIAL_KINDS:  # official weights (check_loader refused "auto" for them)
         # Compiled for the profile on first use: models/vflash/compiled/<name>-<profile>[-<LoRA>].
         root, bases = Path(path), folders.folders("vflash")
         name = f"{root.stem if root.is_file() else root.name}-{profile}"
@@ -382,15 +383,16 @@ def resolve_model(host: Host, spec: TransformerSpec) -> tuple[Profile, Path, Pat
             )
         return get_profile(recorded)
 
-    if files.loras and (files.source == DEMO or files.source.startswith("vflash/")):
+    kind = option_kind(files.source)
+    if files.loras and kind not in OFFICIAL_KINDS:
         raise VflashError(
             f"{files.source} is already compiled (LoRAs are compiled into the weights); connect a LoRA only when "
-            "loading official weights (diffusers/... or diffusion_models/...)"
+            "loading official weights (a diffusers/... model root or a .safetensors / .gguf transformer file)"
         )
-    if files.source == DEMO or files.source.endswith(".json"):
-        assets = PreparedAssets.load(demo_receipt(host) if files.source == DEMO else Path(files.path))
+    if kind in ("demo", "receipt"):
+        assets = PreparedAssets.load(demo_receipt(host) if kind == "demo" else Path(files.path))
         return pick(assets.profile.id), assets.artifact, assets.schedule_overlay, assets.auxiliary_tensor
-    if files.source.startswith("vflash/"):
+    if kind == "compiled":
         paths = compiled_paths(Path(files.path))
         return pick(CompiledArtifact(*paths).profile_id), *paths
     # Official weights (`check_loader` refused "auto" for them): prepare + compile once for the profile, next to the
@@ -470,11 +472,12 @@ def load_session(registry: EngineRegistry, host: Host, spec: TransformerSpec) ->
 
 def component_root(host: Host, spec: ComponentSpec) -> Path:
     """The model root a text encoder ("te") or VAE pair ("vae") spec loads from."""
-    if spec.source == DEMO:
+    kind = option_kind(spec.source)
+    if kind == "demo":
         assets = PreparedAssets.load(demo_receipt(host))
-    elif spec.source.startswith("vflash/") and spec.source.endswith(".json"):
+    elif kind == "receipt":
         assets = PreparedAssets.load(spec.path)
-    elif spec.source.startswith("diffusers/"):
+    elif kind == "root":
         return Path(spec.path)
     else:
         raise VflashError(

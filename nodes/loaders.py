@@ -16,8 +16,10 @@ from .model_files import (
     check_model_option,
     component_options,
     lora_options,
+    lora_path,
     model_identity,
     model_options,
+    path_identity,
 )
 from .registry import ENGINES
 from .types import DEVICE_TOOLTIP, VflashLora, VflashModel, VflashTextEncoder, VflashVAE, aliases, peer_devices
@@ -25,7 +27,8 @@ from .types import DEVICE_TOOLTIP, VflashLora, VflashModel, VflashTextEncoder, V
 _MODEL_TOOLTIP = (
     "What to run. 'embedded-demo' is a tiny random-weight H3 family built on first use (CPU, for testing graphs). "
     "'vflash/...' are compiled artifacts or prepared-assets receipts in models/vflash; 'diffusers/...' are official "
-    "diffusers-layout H3 folders and 'diffusion_models/...' single-file H3 transformers: both are prepared and "
+    "diffusers-layout H3 folders, and the .safetensors and .gguf names are single-file H3 transformers in "
+    "models/diffusion_models or models/unet, named as core's Load Diffusion Model names them: both are prepared and "
     "compiled for the profile on first use (progress bar), then cached next to them. Comfy-Org files: bf16 as is; "
     "fp8_scaled dequantized to BF16 at compile time (exact for those weights); *_pruned_* (adaln_t_table) only with a "
     "-pruned profile (approximate AdaLN); int8_convrot dequantized to BF16 at compile time (exact for those weights; "
@@ -156,7 +159,7 @@ class VflashLoraSelect(io.ComfyNode):
 
     @classmethod
     def fingerprint_inputs(cls, lora, strength, **kwargs):
-        return (lora, strength, model_identity(FOLDERS, "loras/" + lora))
+        return (lora, strength, path_identity(lora_path(FOLDERS, lora)))
 
     @classmethod
     def execute(cls, lora, strength, prev=None):

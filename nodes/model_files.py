@@ -2,7 +2,10 @@
 prepared-assets receipts in the vflash folders, diffusers model roots, single-file H3 transformers in
 models/diffusion_models and models/unet (.safetensors and .gguf), LoRAs), the path an option resolves to, the
 identity ComfyUI's cache compares (paths, sizes, modification times; nothing is hashed), and the profile an option
-runs (read from its manifests)."""
+runs (read from its manifests).
+
+What an option names is decided in one place, `option_kind` (its docstring states the rule); every other module asks
+it rather than reading an option's prefix."""
 
 from __future__ import annotations
 
@@ -28,15 +31,18 @@ from .interfaces import Folders, Host, HostStageProgress
 __all__ = [
     "COMPONENT_FOLDERS",
     "DEMO",
+    "OFFICIAL_KINDS",
     "check_model_option",
     "compiled_paths",
     "component_options",
     "demo_receipt",
     "is_h3_transformer_file",
     "lora_options",
+    "lora_path",
     "model_identity",
     "model_options",
     "official_transformer",
+    "option_kind",
     "path_identity",
     "recorded_canvas",
     "recorded_profile",
@@ -55,6 +61,55 @@ _H3_MARKERS = (
     "diffusion_model.blocks.0.attn.qkv_proj.weight",
 )
 _h3_file_cache: dict[tuple, bool] = {}
+
+SINGLE_FILE_SUFFIXES = (".safetensors", ".gguf")
+OFFICIAL_KINDS = ("file", "root")  # official weights: prepared and compiled for a profile on first use
+_OLD_FILE_PREFIX = "diffusion_models/"  # how the loader spelled a single file before it named it as core's UNETLoader
+
+
+# -- what an option names ----------------------------------------------------------------------------------------
+
+
+def option_kind(option: str) -> str:
+    """What a model option names, by its form alone (nothing is read); the one rule of the options' spelling:
+
+    - "demo": `embedded-demo`;
+    - "file": an option ending in .safetensors or .gguf (any case) is a single-file H3 transformer, named as core's
+      UNETLoader names it, by its path relative to a diffusion_models folder (models/diffusion_models or models/unet,
+      any subfolder: `x.safetensors`, `h3/x.gguf`). This is checked first, so `vflash/x.safetensors` is the file
+      models/diffusion_models/vflash/x.safetensors, and no compiled output or model root is listed under a name of
+      that form (it would read as a file);
+    - "receipt": `vflash/<x>.json`, a prepared-assets receipt in the vflash folders;
+    - "compiled": `vflash/<folder>`, a compiled output in the vflash folders;
+    - "root": `diffusers/<name>`, a diffusers-layout model root.
+
+    Anything else raises `VflashError`. LoRAs are not model options: the LoRA loader lists the files of models/loras
+    by their relative paths (`lora_path`)."""
+    if option == DEMO:
+        return "demo"
+    if _names_a_file(option):
+        return "file"
+    key, _, rel = option.partition("/")
+    if key == "vflash" and rel:
+        return "receipt" if option.endswith(".json") else "compiled"
+    if key == "diffusers" and rel:
+        return "root"
+    raise VflashError(
+        f"{option!r} is not a model option (expected embedded-demo, vflash/..., diffusers/..., or a .safetensors or "
+        ".gguf file in models/diffusion_models)"
+    )
+
+
+def _names_a_file(name: str) -> bool:
+    return name.lower().endswith(SINGLE_FILE_SUFFIXES)
+
+
+def _listable(option: str) -> bool:
+    """A compiled output or model root whose name ends like a file is not listed (`option_kind` reads it as one)."""
+    if _names_a_file(option):
+        logger.debug("not listing %s: a name ending in .safetensors or .gguf is a diffusion_models file", option)
+        return False
+    return True
 
 
 # -- listing -----------------------------------------------------------------------------------------------------
@@ -98,7 +153,7 @@ def _model_roots(folders: Folders, component: str | None) -> list[str]:
             root = Path(base, name)
             if (root / "transformer" / "config.json").is_file() and (component is None or (root / component).is_dir()):
                 out.append(f"diffusers/{name}")
-    return out
+    return [option for option in out if _listable(option)]
 
 
 def _compiled_entries(folders: Folders) -> list[str]:
@@ -107,7 +162,7 @@ def _compiled_entries(folders: Folders) -> list[str]:
         {
             "vflash/" + rel[: -len("/artifact/manifest.json")]
             for rel in folders.filenames("vflash")
-            if rel.endswith("/artifact/manifest.json")
+            if rel.endswith("/artifact/manifest.json") and _listable("vflash/" + rel[: -len("/artifact/manifest.json")])
         }
     )
 
@@ -130,10 +185,11 @@ def _receipt_entries(folders: Folders) -> list[str]:
 
 
 def model_options(folders: Folders) -> list[str]:
-    files = [*(r for r in folders.filenames("diffusion_models") if r.endswith(".safetensors")), *_gguf_files(folders)]
+    """The model loader's options (`option_kind` names their forms); single files by their path in diffusion_models,
+    as core's UNETLoader lists them."""
+    files = [*(r for r in folders.filenames("diffusion_models") if _names_a_file(r)), *_gguf_files(folders)]
     singles = [
-        f"diffusion_models/{rel}"
-        for rel in files
+        rel for rel in dict.fromkeys(files)
         if (path := folders.full_path("diffusion_models", rel)) and is_h3_transformer_file(path)
     ]
     return [DEMO, *_receipt_entries(folders), *_compiled_entries(folders), *_model_roots(folders, None), *singles]
@@ -151,26 +207,43 @@ def lora_options(folders: Folders) -> list[str]:
 # -- resolving and identity --------------------------------------------------------------------------------------
 
 
-def resolve(folders: Folders, name: str) -> Path:
-    """The file or folder behind a listed option; raises `VflashError` naming the models folder it belongs in and
-    where ComfyUI looked."""
-    key, _, rel = name.partition("/")
-    if name == DEMO or not rel or key not in ("vflash", "diffusers", "diffusion_models", "loras"):
-        raise VflashError(
-            f"{name!r} is not a model file option (expected vflash/..., diffusers/..., diffusion_models/... or "
-            "loras/...)"
-        )
+def _where(folders: Folders, key: str) -> str:
+    """What follows "belongs in models/<key>" in a refusal: where ComfyUI looks, or that it looks nowhere."""
+    if folders.folders(key):
+        return f" (ComfyUI looks in {', '.join(folders.folders(key))})"
+    return f", and no {key} folder is registered (vflash run-workflow registers them under --models-dir)"
+
+
+def _find(folders: Folders, key: str, rel: str, name: str) -> Path:
     full = folders.full_path(key, rel)
     if full is None:
-        if folders.folders(key):
-            raise VflashError(
-                f"{name} is missing: {rel} belongs in models/{key} (ComfyUI looks in {', '.join(folders.folders(key))})"
-            )
-        raise VflashError(
-            f"{name} is missing: {rel} belongs in models/{key}, and no {key} folder is registered "
-            "(vflash run-workflow registers them under --models-dir)"
-        )
+        raise VflashError(f"{name} is missing: {rel} belongs in models/{key}{_where(folders, key)}")
     return Path(full)
+
+
+def resolve(folders: Folders, name: str) -> Path:
+    """The file or folder behind a model option (`option_kind`; not the demo); raises `VflashError` naming the models
+    folder it belongs in and where ComfyUI looked. An option of the old spelling `diffusion_models/<rel>` that names
+    no file (the loader listed single files so before it named them as core does) is refused in one line naming the
+    option to pick, `<rel>`."""
+    kind = option_kind(name)
+    if kind == "demo":
+        raise VflashError(f"{name!r} is built on first use, not a model file")
+    if kind != "file":
+        key, _, rel = name.partition("/")
+        return _find(folders, key, rel, name)
+    full = folders.full_path("diffusion_models", name)
+    if full is None and name.startswith(_OLD_FILE_PREFIX):
+        new = name[len(_OLD_FILE_PREFIX) :]
+        there = folders.full_path("diffusion_models", new)
+        once = "" if there else f" once it is in models/diffusion_models{_where(folders, 'diffusion_models')}"
+        raise VflashError(f"{name!r} is the old spelling of {new}; pick {new} in the loader{once}")
+    return _find(folders, "diffusion_models", name, name)
+
+
+def lora_path(folders: Folders, lora: str) -> Path:
+    """The file behind a LoRA loader option (its path relative to models/loras)."""
+    return _find(folders, "loras", lora, lora)
 
 
 _IDENTITY_FILES = (
@@ -215,7 +288,7 @@ def check_model_option(folders: Folders, model: str) -> str:
     if model == DEMO:
         return ""
     path = resolve(folders, model)
-    if model.startswith("diffusion_models/"):
+    if option_kind(model) == "file":
         SourceWeights(path)
     return str(path)
 
@@ -244,11 +317,12 @@ def recorded_profile(model: str, path: str, profile: str) -> Profile | None:
     official weights with "auto" (they need an explicit profile). Reads manifests only."""
     if profile != "auto":
         return get_profile(profile)
-    if model == DEMO:
+    kind = option_kind(model)
+    if kind == "demo":
         return get_profile(DEMO_PROFILE)
-    if model.endswith(".json"):
+    if kind == "receipt":
         return PreparedAssets.load(path).profile
-    if model.startswith("vflash/"):
+    if kind == "compiled":
         return get_profile(CompiledArtifact(*compiled_paths(Path(path))).profile_id)
     return None
 
@@ -257,11 +331,12 @@ def recorded_canvas(model: str, path: str) -> CanvasRules:
     """The canvas rules of an option's model family, read from its files (nothing is built): the embedded demo
     family's, a prepared-assets receipt's recorded canvas (what `vflash generate` checks a request against), or a
     diffusers model root's `modular_model_index.json`. Raises `VflashError` for an option without a model root."""
-    if model == DEMO:
+    kind = option_kind(model)
+    if kind == "demo":
         rules = DEMO_FAMILY.canvas  # what the demo build records in its modular_model_index.json
         return CanvasRules(rules["canvas_short_edge"], rules["canvas_max_pixels"], rules["reference_image_short_edge"])
-    if model.startswith("vflash/") and model.endswith(".json"):
+    if kind == "receipt":
         return PreparedAssets.load(path).canvas
-    if model.startswith("diffusers/"):
+    if kind == "root":
         return CanvasRules.from_model_root(path)
     raise VflashError(f"{model} has no model root: choose a model folder or prepared-assets receipt")

@@ -71,17 +71,19 @@ TINY = H3Config.preset("tiny")
 
 # The example workflows: each API twin (workflows/api/<name>.json, what `vflash run-workflow` and `POST /prompt` take) and
 # its UI template (workflows/<title>.json). ComfyUI's template browser shows a custom node's template by its file name,
-# as its title and, dashes and underscores read as spaces, as its description, and searches those words: so the title
-# says what the graph does and holds "MiniMax", "H3" and "Vflash".
+# as its title and, dashes and underscores read as spaces, as its description, and searches those words; a card shows
+# the title alone, on one line cut at about 30 characters. So each title starts with what its graph does, distinct
+# within its first 28 characters, and ends with "MiniMax H3 Vflash", the words the searches find.
 TEMPLATES = {
-    "t2va": "MiniMax H3 Vflash - text to video + audio (demo weights)",
-    "i2va": "MiniMax H3 Vflash - first frame to video + audio (demo weights)",
-    "fl2va": "MiniMax H3 Vflash - first + last frame to video + audio (demo weights)",
-    "t2va_core_save": "MiniMax H3 Vflash - text to video + audio, core latent and Save Video (demo weights)",
-    "t2va_core_loaders": "MiniMax H3 Vflash - text to video + audio from Comfy-Org files",
-    "ref2va": "MiniMax H3 Vflash - reference image to video + audio (official weights)",
-    "t2va_two_gpu_sequence_head": "MiniMax H3 Vflash - text to video + audio on two GPUs (official weights)",
+    "t2va": "Text to video + audio (demo weights) - MiniMax H3 Vflash",
+    "i2va": "First frame to video + audio (demo weights) - MiniMax H3 Vflash",
+    "fl2va": "First + last frame to video + audio (demo weights) - MiniMax H3 Vflash",
+    "t2va_core_save": "Text to video + audio, core latent and Save Video (demo weights) - MiniMax H3 Vflash",
+    "t2va_core_loaders": "Text to video + audio from Comfy-Org files - MiniMax H3 Vflash",
+    "ref2va": "Reference image to video + audio (official weights) - MiniMax H3 Vflash",
+    "t2va_two_gpu_sequence_head": "Text to video + audio on two GPUs (official weights) - MiniMax H3 Vflash",
 }
+CARD_TITLE_CHARS = 28  # no more of a title than a template card shows (`tests/test_comfyui_browser.py` measures it)
 
 
 #: Worker processes of a plain `pytest` run on a machine without CUDA (CI's has 2 cores; more workers were not measured).

@@ -651,7 +651,7 @@ def test_compile_on_first_use_follows_the_file_never_a_stale_compile(models_fold
     compiled = models_folder / "vflash" / "compiled" / "h3-t2va-base4-exact-cpu"
     receipt = compiled.with_name(compiled.name + ".weights-receipt.json")
     argv = ["run-workflow", str(API / "t2va.json"), "--models-dir", str(models_folder), "--output-dir", str(tmp_path / "out"),
-            "--set", "1.model=diffusion_models/h3.safetensors", "--set", "1.profile=t2va-base4-exact-cpu", "--set", "4.width=32", "--set", "4.height=32"]
+            "--set", "1.model=h3.safetensors", "--set", "1.profile=t2va-base4-exact-cpu", "--set", "4.width=32", "--set", "4.height=32"]
 
     def run() -> tuple[str, list[str]]:
         caplog.clear()
@@ -660,25 +660,41 @@ def test_compile_on_first_use_follows_the_file_never_a_stale_compile(models_fold
         artifact = CompiledArtifact(compiled / "artifact", compiled / "schedule", compiled / "auxiliary.safetensors")
         assert [f["sha256"] for f in artifact.base_weights["files"]] == [file_sha256(weights)]  # the compile is of the file as it is
         # what the host said about the weights file or its compile (not, e.g., that this host draws no previews)
-        about_the_weights = ("Vflash: diffusion_models/h3.safetensors", "Vflash: preparing", "Vflash: compiling", f"Vflash: {compiled}")
+        about_the_weights = ("Vflash: h3.safetensors", "Vflash: preparing", "Vflash: compiling", f"Vflash: {compiled}")
         return artifact.compile_id, [r.getMessage() for r in caplog.records if r.getMessage().startswith(about_the_weights)]
 
     first, said = run()
-    assert [line.split(" (")[0].split(" for ")[0] for line in said] == ["Vflash: preparing diffusion_models/h3.safetensors", "Vflash: compiling diffusion_models/h3.safetensors"]
+    assert [line.split(" (")[0].split(" for ")[0] for line in said] == ["Vflash: preparing h3.safetensors", "Vflash: compiling h3.safetensors"]
     assert run() == (first, [])  # the same file: the same compile, nothing hashed again
 
     demo = H3Config.preset("demo")
     synthetic.write_comfy_transformer(weights, demo, synthetic.random_internal_weights(demo, seed=5))  # replaced, same name
     second, said = run()
-    assert second != first and said[0].startswith("Vflash: diffusion_models/h3.safetensors is not the file it was prepared from")
+    assert second != first and said[0].startswith("Vflash: h3.safetensors is not the file it was prepared from")
     assert any(line.startswith(f"Vflash: {compiled} was compiled from other weights") for line in said)
 
     # A first use interrupted after its prepare: the receipt is there, the compile is not; then the file is replaced.
     os.rename(compiled, tmp_path / "aside")
     synthetic.write_comfy_transformer(weights, demo, synthetic.random_internal_weights(demo, seed=6))
     third, said = run()
-    assert third not in (first, second) and said[0].startswith("Vflash: diffusion_models/h3.safetensors is not the file it was prepared from")
+    assert third not in (first, second) and said[0].startswith("Vflash: h3.safetensors is not the file it was prepared from")
     assert receipt.is_file() and not [p for p in compiled.parent.iterdir() if ".partial" in p.name]
+
+
+def test_a_workflow_saved_with_the_old_single_file_spelling_is_refused_naming_the_new_option(models_folder, tmp_path, capsys, no_loader_runs):
+    """The loader named a single file `diffusion_models/<rel>` before it named it as core's UNETLoader does (`<rel>`):
+    a workflow saved then is refused before anything runs, in one line naming the option to pick (and, when that file
+    is not there either, the folder it belongs in)."""
+    t2va = ["run-workflow", str(API / "t2va.json"), "--models-dir", str(models_folder), "--output-dir", str(tmp_path / "out"),
+            "--set", "1.profile=t2va-base4-exact-cpu"]
+    assert refused(capsys, [*t2va, "--set", "1.model=diffusion_models/h3.safetensors"]) == (
+        "the workflow was refused before running: node 1 (VflashModelLoader): 'diffusion_models/h3.safetensors' is the old spelling "
+        "of h3.safetensors; pick h3.safetensors in the loader")
+    gone = refused(capsys, [*t2va, "--set", "1.model=diffusion_models/gone.gguf"])
+    assert gone.startswith("the workflow was refused before running: node 1 (VflashModelLoader): 'diffusion_models/gone.gguf' is the old "
+                           "spelling of gone.gguf; pick gone.gguf in the loader once it is in models/diffusion_models (ComfyUI looks in "), gone
+    assert str(models_folder / "diffusion_models") in gone
+    assert not (tmp_path / "out").exists() and not (models_folder / "vflash").exists()
 
 
 # -- the command lines' help ---------------------------------------------------------------------------------------

@@ -307,18 +307,18 @@ def test_model_loader_takes_comfy_files_and_refuses_mismatches_before_model_work
     loader = pack.nodes["VflashModelLoader"]
     options = pack.schema("VflashModelLoader").inputs[0].options
     files = ("h3_demo_pruned.safetensors", "h3_demo_fp8_scaled.safetensors", "h3_demo_int8_convrot.safetensors", "h3_demo-Q8_0.gguf", "h3_nvfp4.safetensors")
-    assert {f"diffusion_models/{n}" for n in files} <= set(options)
-    assert "diffusion_models/not_h3.gguf" not in options
+    assert set(files) <= set(options) and not [o for o in options if o.startswith("diffusion_models/")]  # as core lists them
+    assert "not_h3.gguf" not in options
     for name in files[:4]:
-        assert loader.validate_inputs(model=f"diffusion_models/{name}") is True, name
-    refusal = loader.validate_inputs(model="diffusion_models/h3_nvfp4.safetensors")
+        assert loader.validate_inputs(model=name) is True, name
+    refusal = loader.validate_inputs(model="h3_nvfp4.safetensors")
     assert "nvfp4" in refusal and "does not read" in refusal and "int8_convrot" in refusal and "GGUF" in refusal
 
     graph_checks = pack.package.graph_checks
     widgets = dict(weight_residency="auto", device="cpu", peer_device="none", strategy="sequence-head", attention_backend="auto")
 
     def refusals(model: str, profile: str) -> list[str]:
-        prompt = {"1": {"class_type": "VflashModelLoader", "inputs": dict(model=f"diffusion_models/{model}", profile=profile, **widgets)}}
+        prompt = {"1": {"class_type": "VflashModelLoader", "inputs": dict(model=model, profile=profile, **widgets)}}
         return graph_checks.loader_refusals(prompt, pack.package.host.HOST, pack.package.host.FOLDERS)
 
     assert refusals("h3_demo_pruned.safetensors", "t2va-base4-pruned-cpu") == []
@@ -344,7 +344,7 @@ def test_comfy_file_drives_the_t2va_chain(pack, comfy_files, model, profile, not
     from vflash_nodes.workflow import apply_overrides, execute, load_api_workflow
 
     api = Path(__file__).resolve().parent.parent / "workflows" / "api" / "t2va.json"
-    workflow = apply_overrides(load_api_workflow(api), [f"1.model=diffusion_models/{model}", f"1.profile={profile}", "4.width=128", "4.height=128"])
+    workflow = apply_overrides(load_api_workflow(api), [f"1.model={model}", f"1.profile={profile}", "4.width=128", "4.height=128"])
     report = execute(workflow, pack.node_types(workflow))
     latent = report.outputs["5"][0]
     assert any(n.startswith(note) for n in latent["vflash_notes"]), latent["vflash_notes"]

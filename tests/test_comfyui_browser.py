@@ -3,8 +3,8 @@
 Skipped unless `COMFYUI_ROOT` is set (the server of `test_comfyui_server.py`, its `server` fixture reused), Chromium is
 installed (`VFLASH_CHROMIUM`, default /usr/bin/chromium; Debian's `chromium` package) and the `playwright` package
 imports (only its driver is used: no browser download). What a user sees is checked on the page itself: the template
-browser's search and thumbnails, the Missing Models list of the Comfy-Org template with each file's download URL, the
-node search, and the tooltips of the Autogrow reference sockets. Screenshots go to `VFLASH_SCREENSHOTS` (default: a
+browser's search, its cards' visible titles and thumbnails, the Missing Models list of the Comfy-Org template with each
+file's name and download URL, the node search, and the tooltips of the Autogrow reference sockets. Screenshots go to `VFLASH_SCREENSHOTS` (default: a
 pytest temporary folder); each test prints the paths it wrote.
 """
 
@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import TEMPLATES
+from conftest import CARD_TITLE_CHARS, TEMPLATES
 from test_comfyui_server import COMFYUI_ROOT, REPO, server  # noqa: F401  (the module's server fixture)
 
 CHROMIUM = Path(os.environ.get("VFLASH_CHROMIUM", "/usr/bin/chromium"))
@@ -139,10 +139,44 @@ def _search_templates(dialog, query: str) -> list[str]:
         time.sleep(0.5)
 
 
+# What a card's one-line title shows: the characters laid out on its first line (the frontend clamps the heading to one
+# line), less those the ellipsis covers at the end of the line when the title goes on.
+VISIBLE_TITLE = """heading => {
+    const text = heading.firstChild, range = document.createRange(), box = heading.getBoundingClientRect();
+    const style = getComputedStyle(heading), context = document.createElement("canvas").getContext("2d");
+    context.font = style.font;
+    const right = box.right - parseFloat(style.paddingRight), ellipsis = context.measureText("\u2026").width;
+    const rights = [];
+    for (let i = 0; i < text.length; i++) {
+        range.setStart(text, i);
+        range.setEnd(text, i + 1);
+        const rect = range.getClientRects()[0];
+        if (rect && rights.length && rect.top > rights[0].top + 1) break;
+        rights.push({top: rect ? rect.top : (rights.length ? rights[0].top : 0), right: rect ? rect.right : 0});
+    }
+    if (rights.length === text.length) return text.data;
+    let shown = rights.length;
+    while (shown > 0 && rights[shown - 1].right > right - ellipsis) shown--;
+    return text.data.slice(0, shown) + "\u2026";
+}"""
+
+
+THUMBNAILS_ON_SCREEN_LOADED = """titles => titles.every(title => {
+    const card = document.querySelector(`[data-testid="template-workflow-${CSS.escape(title)}"]`);
+    if (!card) return true;
+    const box = card.getBoundingClientRect(), shown = card.closest("[role=dialog]").getBoundingClientRect();
+    if (box.bottom <= shown.top || box.top >= shown.bottom) return true;  // scrolled out of the dialog
+    const image = card.querySelector("img");
+    return image !== null && image.complete && image.naturalWidth > 0 && getComputedStyle(image).opacity === "1";
+})"""
+
+
 def test_template_browser_search_finds_every_vflash_template_with_its_thumbnail(context, server, shots):  # noqa: F811
     """Searching the template browser for "MiniMax", "H3" and "Vflash" lists all seven Vflash templates, each card
     titled by its file name and showing its thumbnail: the <img> decoded (naturalWidth > 0) from the <title>.jpg the
-    server answered with 200 image/jpeg. A search for another model's name lists none of them."""
+    server answered with 200 image/jpeg. What each card's one-line title shows (it is cut with an ellipsis) tells the
+    seven apart, and holds at least the CARD_TITLE_CHARS characters (conftest) that `tests/test_workflows.py` finds distinct. A search
+    for another model's name lists none of them."""
     from playwright.sync_api import expect
 
     thumbnails: dict[str, tuple[int, str]] = {}
@@ -162,16 +196,25 @@ def test_template_browser_search_finds_every_vflash_template_with_its_thumbnail(
         assert sorted(t for t in listed if t in titles) == titles, (query, listed)
         if query == "Vflash":  # the only templates with the word in their title come first
             assert sorted(listed[:len(titles)]) == titles, listed
+        shown = {}
         for title in titles:
             card = dialog.get_by_test_id(f"template-workflow-{title}")
             card.scroll_into_view_if_needed()
-            expect(card.get_by_role("heading", name=title, exact=True)).to_be_visible()
+            heading = card.get_by_role("heading", name=title, exact=True)
+            expect(heading).to_be_visible()
             image = card.get_by_role("img", name=title, exact=True)
             expect(image).to_be_visible()
             loaded = "img => img.complete && img.naturalWidth > 0"
             page.wait_for_function(loaded, arg=image.element_handle(), timeout=30_000)
+            shown[title] = heading.evaluate(VISIBLE_TITLE)
+        print(f"card titles as shown ({query}): {sorted(shown.values())}")
+        assert len(set(shown.values())) == len(titles), shown
+        for title, visible in shown.items():
+            assert title.startswith(visible.removesuffix("\u2026")) and len(visible.removesuffix("\u2026")) >= CARD_TITLE_CHARS, (title, visible)
         first_ours = dialog.get_by_test_id(f"template-workflow-{next(t for t in listed if t in titles)}")
         first_ours.evaluate("card => card.scrollIntoView({block: 'start'})")
+        # A card's image is loaded while it is on screen (and let go off screen): the shot waits for those on screen.
+        page.wait_for_function(THUMBNAILS_ON_SCREEN_LOADED, arg=titles, timeout=30_000)
         _screenshot(page, shots, f"template_search_{query.lower()}")
     assert {title: thumbnails.get(title) for title in titles} == {title: (200, "image/jpeg") for title in titles}
     assert not set(_search_templates(dialog, "Seedance")) & set(titles)
@@ -179,14 +222,28 @@ def test_template_browser_search_finds_every_vflash_template_with_its_thumbnail(
 
 def test_missing_models_lists_the_comfy_org_files_with_their_download_urls(context, server, shots, hub_requests):  # noqa: F811
     """Opening the Comfy-Org template in a ComfyUI whose model folders lack its files: the Missing Models list names
-    exactly the files of the template's `properties.models`, each under its folder; each Download button opens that
-    file's Hugging Face URL and each Copy URL copies the file's Hugging Face page."""
+    exactly the files of the template's `properties.models`, each under its folder and by its bare file name, as core's
+    templates name theirs (the Vflash loader's transformer `minimax_h3_fl2va_bf16.safetensors`, no `diffusion_models/`
+    prefix: the frontend matches an entry to the widget by the widget's value and names a download after the entry);
+    each Download button opens that file's Hugging Face URL as a download named that file, and each Copy URL copies
+    the file's Hugging Face page."""
     from playwright.sync_api import expect
 
     workflow = json.loads((REPO / "workflows" / f"{COMFY_ORG_TEMPLATE}.json").read_text())
     expected = {m["name"]: m for node in workflow["nodes"] for m in node.get("properties", {}).get("models", [])}
     assert len(expected) == 4, expected
+    loader = next(n for n in workflow["nodes"] if n["type"] == "VflashModelLoader")
+    assert [m["name"] for m in loader["properties"]["models"]] == [loader["widgets_values"][0]] == ["minimax_h3_fl2va_bf16.safetensors"]
     context.grant_permissions(["clipboard-read", "clipboard-write"], origin=server.url)
+    # The frontend starts a browser download with a link it clicks (href: the URL, download: the name): record them.
+    context.add_init_script("""(() => {
+        const click = HTMLAnchorElement.prototype.click;
+        window.__vflashLinks = [];
+        HTMLAnchorElement.prototype.click = function () {
+            window.__vflashLinks.push({href: this.href, download: this.getAttribute("download")});
+            return click.call(this);
+        };
+    })()""")
 
     page = _open_frontend(context, server.url)
     dialog = _templates_dialog(page)
@@ -201,6 +258,7 @@ def test_missing_models_lists_the_comfy_org_files_with_their_download_urls(conte
     expect(names).to_have_count(len(expected))
     listed = names.all_inner_texts()
     assert sorted(listed) == sorted(expected)
+    assert "minimax_h3_fl2va_bf16.safetensors" in listed and not [name for name in listed if "/" in name], listed
     _screenshot(page, shots, "missing_models")
     for name, copy in zip(listed, group.get_by_role("button", name="Copy URL").all(), strict=True):
         copy.click()
@@ -208,11 +266,12 @@ def test_missing_models_lists_the_comfy_org_files_with_their_download_urls(conte
         assert copied.replace("/blob/", "/resolve/", 1) == expected[name]["url"], (name, copied)
     for name, model in expected.items():
         expect(group.get_by_text(model["directory"], exact=True).first).to_be_visible()
-        before = len(hub_requests)
+        before, links = len(hub_requests), page.evaluate("() => window.__vflashLinks.length")
         with context.expect_page() as opened:
             group.get_by_role("button", name=f"Download {name}", exact=True).click()
         opened.value.wait_for_load_state()
         assert hub_requests[before:] and set(hub_requests[before:]) == {model["url"]}, (name, hub_requests)
+        assert page.evaluate("() => window.__vflashLinks")[links:] == [{"href": model["url"], "download": name}], name
         opened.value.close()
 
 
@@ -247,8 +306,9 @@ def _search_nodes(page, query: str):
 
 def test_node_search_and_reference_socket_tooltips(context, server, shots):  # noqa: F811
     """The node search (double-click on the canvas) ranks Vflash nodes among its first five results for "MiniMax H3"
-    and gives only Vflash nodes for "Vflash", each shown by its display name and the pack's badge. The Prompt / Frames
-    / References node added from it shows, on hovering each Autogrow reference socket, the tooltip of
+    and gives only Vflash nodes for "Vflash", each shown by its display name and the pack's badge; the server's
+    test-only probe node (dev-only) is in neither list, as a user without dev mode sees it. The Prompt / Frames /
+    References node added from it shows, on hovering each Autogrow reference socket, the tooltip of
     locales/en/nodeDefs.json."""
     from playwright.sync_api import expect
 
@@ -257,9 +317,11 @@ def test_node_search_and_reference_socket_tooltips(context, server, shots):  # n
     page.wait_for_function("() => app.graph.nodes.length === 0")
     for query, least in (("MiniMax H3", 1), ("Vflash", 5)):
         options = _search_nodes(page, query)
-        top = [option.inner_text().split("\n")[:2] for option in options.all()[:5]]
+        listed = [option.inner_text().split("\n")[:2] for option in options.all()]
+        top = listed[:5]
         ours = [name for name, badge in top if name.startswith(VFLASH_NODE_PREFIX) and badge == "vflash"]
         assert len(top) == 5 and len(ours) >= least, (query, top)
+        assert not [name for name, _ in listed if "VflashTest" in name], (query, listed)
         _screenshot(page, shots, f"node_search_{query.lower().replace(' ', '_')}")
         page.keyboard.press("Escape")
         expect(page.get_by_role("listbox")).to_be_hidden()

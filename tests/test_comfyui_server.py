@@ -254,7 +254,7 @@ def test_templates_are_listed_and_load_with_their_model_files_and_thumbnails(ser
     with urllib.request.urlopen(f"{server.url}/api/workflow_templates/vflash/{urllib.parse.quote(TEMPLATES['t2va_core_loaders'])}.json") as r:
         nodes = {n["id"]: n for n in json.loads(r.read())["nodes"]}
     hub = "https://huggingface.co/Comfy-Org/MiniMax-H3/resolve/main"
-    assert nodes[1]["properties"]["models"] == [{"name": "diffusion_models/minimax_h3_fl2va_bf16.safetensors", "directory": "diffusion_models",
+    assert nodes[1]["properties"]["models"] == [{"name": "minimax_h3_fl2va_bf16.safetensors", "directory": "diffusion_models",
                                                   "url": f"{hub}/diffusion_models/minimax_h3_fl2va_bf16.safetensors"}]
     assert nodes[2]["properties"]["models"] == [{"name": "qwen3vl_32b_minimax_h3_nvfp4_awq.safetensors", "directory": "text_encoders",
                                                   "url": f"{hub}/text_encoders/qwen3vl_32b_minimax_h3_nvfp4_awq.safetensors"}]
@@ -319,7 +319,7 @@ def test_sm90_profile_on_cpu_is_refused_when_queued_before_any_model_loads(serve
     tiny = H3Config.preset("tiny")
     synthetic.write_original_transformer(models / "diffusion_models" / "h3_sm90.safetensors", tiny, synthetic.random_internal_weights(tiny, seed=2))
     save_file({"x": __import__("torch").zeros(1)}, str(models / "diffusion_models" / "unrelated.safetensors"))
-    workflow = _workflow("t2va", {"1": {"model": "diffusion_models/h3_sm90.safetensors", "profile": "t2va-base16-bf16-sm90"}})
+    workflow = _workflow("t2va", {"1": {"model": "h3_sm90.safetensors", "profile": "t2va-base16-bf16-sm90"}})
     result = asyncio.run(server.run_prompt(workflow))
     assert result["status"] == "rejected" and result["http_status"] == 400, result
     (error,) = result["body"]["node_errors"]["1"]["errors"]
@@ -328,11 +328,12 @@ def test_sm90_profile_on_cpu_is_refused_when_queued_before_any_model_loads(serve
     assert "Vflash: preparing" not in server.tail(400) and not list((server.work / "models" / "vflash").rglob("*receipt*"))
 
 
-@pytest.mark.parametrize("name,folder,file,cpu_profile", [
-    ("t2va_core_loaders", "diffusion_models", "minimax_h3_fl2va_bf16.safetensors", "t2va-base4-exact-cpu"),
-    ("ref2va", "diffusers", "MiniMax-H3", "ref2va-base4-exact-cpu"),
+@pytest.mark.parametrize("name,option,folder,file,cpu_profile", [
+    ("t2va_core_loaders", "minimax_h3_fl2va_bf16.safetensors", "diffusion_models", "minimax_h3_fl2va_bf16.safetensors",
+     "t2va-base4-exact-cpu"),
+    ("ref2va", "diffusers/MiniMax-H3", "diffusers", "MiniMax-H3", "ref2va-base4-exact-cpu"),
 ])
-def test_a_missing_model_is_one_error_naming_its_folder(server, name, folder, file, cpu_profile):
+def test_a_missing_model_is_one_error_naming_its_folder(server, name, option, folder, file, cpu_profile):
     """A template's transformer is not here: ComfyUI rejects the graph when it is queued with one error on the Vflash
     loader, on its model option, naming the folder the file belongs in (ComfyUI files a refusal of `validate_inputs`
     once per argument it takes; the loader's takes the model option alone). As shipped, the template's sm90 profile is
@@ -343,11 +344,24 @@ def test_a_missing_model_is_one_error_naming_its_folder(server, name, folder, fi
     assert result["status"] == "rejected" and result["http_status"] == 400, result
     (error,) = result["body"]["node_errors"]["1"]["errors"]
     assert error["type"] == "custom_validation_failed" and error["extra_info"]["input_name"] == "model", error
-    assert f"model - {folder}/{file} is missing: {file} belongs in models/{folder} (ComfyUI looks in " in error["details"], error
+    assert f"model - {option} is missing: {file} belongs in models/{folder} (ComfyUI looks in " in error["details"], error
     shipped = asyncio.run(server.run_prompt(json.loads((API / f"{name}.json").read_text())))
     errors = shipped["body"]["node_errors"]["1"]["errors"]
     assert sorted(e["extra_info"]["input_name"] for e in errors) == ["model", "profile"], errors
     assert all(len(node["errors"]) == 1 for nid, node in shipped["body"]["node_errors"].items() if nid != "1"), shipped
+
+
+def test_a_workflow_saved_with_the_old_single_file_spelling_is_refused_when_queued(server):
+    """The loader listed single files as `diffusion_models/<rel>` before it named them as core's Load Diffusion Model
+    does (`<rel>`): a workflow saved with the old spelling is rejected when it is queued (HTTP 400, one error on the
+    loader's model option naming the option to pick): nothing runs."""
+    old = f"diffusion_models/{SMALL_DIT}"
+    result = asyncio.run(server.run_prompt(_workflow("t2va", {"1": {"model": old, "profile": "t2va-base4-exact-cpu"}})))
+    assert result["status"] == "rejected" and result["http_status"] == 400, result
+    assert list(result["body"]["node_errors"]) == ["1"], result["body"]
+    (error,) = result["body"]["node_errors"]["1"]["errors"]
+    assert error["type"] == "custom_validation_failed" and error["extra_info"]["input_name"] == "model", error
+    assert error["details"] == f"model - {old!r} is the old spelling of {SMALL_DIT}; pick {SMALL_DIT} in the loader", error
 
 
 def test_profile_vs_request_is_refused_before_any_model_loads(server):
@@ -462,7 +476,7 @@ def test_comfy_org_transformer_file_through_the_model_loader(server, tmp_path, f
     else:
         synthetic.write_comfy_transformer(server.work / "models" / "diffusion_models" / name, config, weights, fp8="metadata")
     workflow = json.loads((API / "t2va_core_loaders.json").read_text())
-    workflow["1"]["inputs"].update(model=f"diffusion_models/{name}", profile=profile)
+    workflow["1"]["inputs"].update(model=name, profile=profile)
     workflow["2"]["inputs"]["clip_name"] = "h3_small_te.safetensors"
     workflow["3"]["inputs"]["vae_name"] = "h3_small_video_vae.safetensors"
     workflow["12"]["inputs"]["vae_name"] = "h3_small_audio_vae.safetensors"
@@ -495,7 +509,7 @@ def test_int8_convrot_file_is_refused_when_queued(server):
         layers[key.removesuffix(".weight")] = {"format": "int8_tensorwise", "params": {"convrot": True, "convrot_groupsize": 256}}
     save_file(state, str(server.work / "models" / "diffusion_models" / "h3_int8_convrot.safetensors"),
               metadata={"_quantization_metadata": json.dumps({"layers": layers})})
-    workflow = _workflow("t2va", {"1": {"model": "diffusion_models/h3_int8_convrot.safetensors", "profile": "t2va-base4-exact-cpu"}})
+    workflow = _workflow("t2va", {"1": {"model": "h3_int8_convrot.safetensors", "profile": "t2va-base4-exact-cpu"}})
     result = asyncio.run(server.run_prompt(workflow))
     assert result["status"] == "rejected" and result["http_status"] == 400, result
     (error,) = result["body"]["node_errors"]["1"]["errors"]
@@ -519,7 +533,7 @@ def _small_core_workflow(seed: int, generate: bool = False) -> dict:
     """The core-loaders template on the small 24-channel family (core's H3 latent format's channels) at 128x128: the
     Vflash sampler and decode, or with `generate` VflashGenerate (encode, sample, decode in one node, id 5)."""
     workflow = json.loads((API / "t2va_core_loaders.json").read_text())
-    workflow["1"]["inputs"].update(model=f"diffusion_models/{SMALL_DIT}", profile="t2va-base4-exact-cpu")
+    workflow["1"]["inputs"].update(model=SMALL_DIT, profile="t2va-base4-exact-cpu")
     workflow["2"]["inputs"]["clip_name"] = "h3_small_te.safetensors"
     workflow["3"]["inputs"]["vae_name"] = "h3_small_video_vae.safetensors"
     workflow["12"]["inputs"]["vae_name"] = "h3_small_audio_vae.safetensors"

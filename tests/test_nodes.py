@@ -161,23 +161,58 @@ def test_model_folders_and_fingerprints(pack, model_files):
 
     options = pack.schema("VflashModelLoader").inputs[0].options
     assert options[0] == "embedded-demo"
-    assert {"diffusion_models/h3_tiny.safetensors", "diffusers/H3-tiny", "vflash/my-compiled"} <= set(options)
-    assert "diffusion_models/other_model.safetensors" not in options and "diffusers/not-h3" not in options
+    assert {"h3_tiny.safetensors", "diffusers/H3-tiny", "vflash/my-compiled"} <= set(options)
+    assert "other_model.safetensors" not in options and "diffusers/not-h3" not in options
 
     loader = pack.nodes["VflashModelLoader"]
     widgets = dict(profile="t2va-base4-exact-cpu", weight_residency="auto", device="cpu", peer_device="none", strategy="sequence-head", attention_backend="auto")
-    before = loader.fingerprint_inputs(model="diffusion_models/h3_tiny.safetensors", **widgets)
-    assert before == loader.fingerprint_inputs(model="diffusion_models/h3_tiny.safetensors", **widgets)
+    before = loader.fingerprint_inputs(model="h3_tiny.safetensors", **widgets)
+    assert before == loader.fingerprint_inputs(model="h3_tiny.safetensors", **widgets)
     path = models / "diffusion_models" / "h3_tiny.safetensors"
     os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
-    assert loader.fingerprint_inputs(model="diffusion_models/h3_tiny.safetensors", **widgets) != before
+    assert loader.fingerprint_inputs(model="h3_tiny.safetensors", **widgets) != before
+
+
+def test_single_files_are_named_as_core_lists_them_and_the_old_spelling_is_refused(pack, model_files):
+    """An option ending in .safetensors or .gguf is a single-file transformer named by its path inside
+    diffusion_models, as core's Load Diffusion Model lists it (a subfolder named vflash included: it is no compiled
+    output). A workflow saved when the loader spelled it `diffusion_models/<rel>` is refused when the graph is queued,
+    in one line naming the option to pick; a file that really sits in diffusion_models/diffusion_models/ (where an
+    older template's download landed) is that option and loads."""
+    import shutil
+
+    folder = model_files / "diffusion_models"
+    for sub in ("vflash", "diffusion_models"):
+        (folder / sub).mkdir(exist_ok=True)
+        shutil.copy(folder / "h3_tiny.safetensors", folder / sub / "h3_nested.safetensors")
+    (folder / "core_only.ckpt").write_bytes(b"")  # ComfyUI lists it; Vflash reads no .ckpt
+    model_files_module = pack.package.model_files
+    options = model_files_module.model_options(pack.package.host.FOLDERS)
+    assert {"h3_tiny.safetensors", "vflash/h3_nested.safetensors", "diffusion_models/h3_nested.safetensors"} <= set(options)
+    assert not [o for o in options if o.endswith(".ckpt")]
+    assert [model_files_module.option_kind(o) for o in ("vflash/h3_nested.safetensors", "H3.GGUF", "vflash/my-compiled",
+            "vflash/x.json", "diffusers/H3-tiny", "embedded-demo")] == ["file", "file", "compiled", "receipt", "root", "demo"]
+
+    loader = pack.nodes["VflashModelLoader"]
+    for option in ("h3_tiny.safetensors", "vflash/h3_nested.safetensors", "diffusion_models/h3_nested.safetensors"):
+        assert loader.validate_inputs(model=option) is True, option
+    assert loader.validate_inputs(model="diffusion_models/h3_tiny.safetensors") == (
+        "'diffusion_models/h3_tiny.safetensors' is the old spelling of h3_tiny.safetensors; pick h3_tiny.safetensors in the loader")
+    gone = loader.validate_inputs(model="diffusion_models/gone.safetensors")
+    assert gone == ("'diffusion_models/gone.safetensors' is the old spelling of gone.safetensors; pick gone.safetensors in the loader "
+                    f"once it is in models/diffusion_models (ComfyUI looks in {', '.join(pack.package.host.FOLDERS.folders('diffusion_models'))})")
+    assert loader.validate_inputs(model="gone.safetensors").startswith(
+        "gone.safetensors is missing: gone.safetensors belongs in models/diffusion_models (ComfyUI looks in ")
+    for sub in ("vflash", "diffusion_models"):
+        shutil.rmtree(folder / sub)
+    (folder / "core_only.ckpt").unlink()
 
 
 def test_official_single_file_compiles_on_first_use(pack, comfy, model_files):
     """A single-file H3 transformer in diffusion_models is prepared and compiled for the profile once, with progress."""
     mm, updates = comfy
     loader = pack.nodes["VflashModelLoader"]
-    kwargs = dict(model="diffusion_models/h3_tiny.safetensors", profile="t2va-base4-exact-cpu", weight_residency="auto", device="cpu",
+    kwargs = dict(model="h3_tiny.safetensors", profile="t2va-base4-exact-cpu", weight_residency="auto", device="cpu",
                   peer_device="none", strategy="sequence-head", attention_backend="auto")
     spec = loader.execute(**kwargs).args[0]
     assert Path(spec.files.compile_dir, "artifact", "manifest.json").is_file()
@@ -186,7 +221,7 @@ def test_official_single_file_compiles_on_first_use(pack, comfy, model_files):
     # Room is asked of the host in bytes (the headless host has no models: only its cache is emptied); never everything
     assert mm.calls["soft_empty_cache"] >= 1 and mm.calls["unload_all_models"] == 0
     registry = pack.package.registry.ENGINES
-    assert registry.loaded()["dit"] == "diffusion_models/h3_tiny.safetensors"
+    assert registry.loaded()["dit"] == "h3_tiny.safetensors"
     with pytest.raises(VflashError, match="choose the profile"):
         loader.execute(**{**kwargs, "profile": "auto"})
     registry.release("dit")
@@ -235,7 +270,7 @@ def test_first_use_compile_can_be_interrupted_and_publishes_nothing(pack, comfy,
 
     utils.set_progress_bar_global_hook(cancel_after_first_block)
     loader = pack.nodes["VflashModelLoader"]
-    kwargs = dict(model="diffusion_models/h3_tiny.safetensors", profile="t2va-base16-exact-cpu", weight_residency="auto", device="cpu",
+    kwargs = dict(model="h3_tiny.safetensors", profile="t2va-base16-exact-cpu", weight_residency="auto", device="cpu",
                   peer_device="none", strategy="sequence-head", attention_backend="auto")
     compiled = model_files / "vflash" / "compiled"
     with pytest.raises(mm.InterruptProcessingException):

@@ -209,7 +209,7 @@ def official_weights(pack) -> str:
     tiny = H3Config.preset("tiny")
     (models / "diffusion_models").mkdir(parents=True, exist_ok=True)
     synthetic.write_original_transformer(models / "diffusion_models" / "h3_early.safetensors", tiny, synthetic.random_internal_weights(tiny, seed=4))
-    return "diffusion_models/h3_early.safetensors"
+    return "h3_early.safetensors"
 
 
 def test_the_loader_checks_its_model_option_when_queued_and_its_widgets_before_model_work(pack, official_weights, monkeypatch):
@@ -222,8 +222,8 @@ def test_the_loader_checks_its_model_option_when_queued_and_its_widgets_before_m
     pack.package.registry.ENGINES.release("all")
     loader = pack.nodes["VflashModelLoader"]
     assert loader.validate_inputs(model=official_weights) is True and loader.validate_inputs(model="embedded-demo") is True
-    missing = loader.validate_inputs(model="diffusion_models/minimax_h3_fl2va_bf16.safetensors")
-    assert missing.startswith("diffusion_models/minimax_h3_fl2va_bf16.safetensors is missing: minimax_h3_fl2va_bf16.safetensors belongs in models/diffusion_models (ComfyUI looks in ")
+    missing = loader.validate_inputs(model="minimax_h3_fl2va_bf16.safetensors")
+    assert missing.startswith("minimax_h3_fl2va_bf16.safetensors is missing: minimax_h3_fl2va_bf16.safetensors belongs in models/diffusion_models (ComfyUI looks in ")
     assert loader.validate_inputs(model="diffusers/absent").startswith("diffusers/absent is missing: absent belongs in models/diffusers")
 
     widgets = dict(model=official_weights, profile="t2va-base16-bf16-sm90", weight_residency="auto", device="auto", peer_device="none",

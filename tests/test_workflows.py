@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from comfy_standins import harness
-from conftest import TEMPLATES, linked_demo_cache
+from conftest import CARD_TITLE_CHARS, TEMPLATES, linked_demo_cache
 from vflash_nodes.workflow import (
     WorkflowError,
     _dynamic_combo_inputs,
@@ -56,6 +56,8 @@ def test_the_set_of_workflows():
     assert sorted(p.stem for p in UI_DIR.glob("*.json")) == sorted(TEMPLATES.values())
     for title in TEMPLATES.values():
         assert {"minimax", "h3", "vflash"} <= set(title.lower().replace("-", " ").split()), title  # what the template search matches
+    # a template card shows its title on one line, cut at about 30 characters (the browser test measures the cut)
+    assert len({title[:CARD_TITLE_CHARS] for title in TEMPLATES.values()}) == len(TEMPLATES), sorted(TEMPLATES.values())
 
 
 COMFY_ORG = "https://huggingface.co/Comfy-Org/MiniMax-H3/resolve/main/"
@@ -65,16 +67,19 @@ MODEL_FOLDERS = {"VflashModelLoader": "diffusion_models", "CLIPLoader": "text_en
 @pytest.mark.parametrize("name", NAMES)
 def test_templates_name_their_model_files_as_core_templates_do(name):
     """A node whose widget names a model file carries that file's name, download URL and folder in its
-    `properties.models`, as core's own templates do: the frontend's Missing Models lists a missing file with them. The
-    files are Comfy-Org's MiniMax-H3 repack; a diffusers folder (the official-weight templates) is not a file the
-    frontend can list, and the demo templates name no file."""
+    `properties.models`, as core's own templates do: the frontend's Missing Models lists a missing file with them,
+    matched by the widget's value, and a download is saved under the entry's name in its folder, so the name is the
+    file's path inside that folder, as core's loaders list it (no folder prefix). The files are Comfy-Org's MiniMax-H3
+    repack; a diffusers folder (the official-weight templates) is not a file the frontend can list, and the demo
+    templates name no file."""
     for node in json.loads(ui_file(name).read_text())["nodes"]:
         files = [v for v in node.get("widgets_values") or [] if isinstance(v, str) and v.endswith(".safetensors")]
         models = node.get("properties", {}).get("models", [])
         assert [m["name"] for m in models] == files, f"{name} node {node['id']}"
         for model in models:
             folder = MODEL_FOLDERS[node["type"]]
-            assert model == {"name": model["name"], "directory": folder, "url": f"{COMFY_ORG}{folder}/{model['name'].rsplit('/', 1)[-1]}"}, model
+            assert "/" not in model["name"] and not model["name"].startswith(folder), model
+            assert model == {"name": model["name"], "directory": folder, "url": f"{COMFY_ORG}{folder}/{model['name']}"}, model
     assert thumbnail(name).read_bytes()[:3] == b"\xff\xd8\xff"  # the template browser shows <template>.jpg
 
 
@@ -84,7 +89,7 @@ def thumbnail(name: str) -> Path:
 
 def test_the_comfy_org_template_names_four_files():
     files = [m["name"] for n in json.loads(ui_file("t2va_core_loaders").read_text())["nodes"] for m in n.get("properties", {}).get("models", [])]
-    assert sorted(files) == ["diffusion_models/minimax_h3_fl2va_bf16.safetensors", "minimax_h3_audio_vae_fp32.safetensors",
+    assert sorted(files) == ["minimax_h3_audio_vae_fp32.safetensors", "minimax_h3_fl2va_bf16.safetensors",
                              "minimax_h3_video_vae_fp16.safetensors", "qwen3vl_32b_minimax_h3_nvfp4_awq.safetensors"]
 
 
@@ -285,7 +290,7 @@ def test_run_workflow_refuses_an_sm90_profile_on_cpu_before_anything_runs(tmp_pa
     env = {**os.environ, "VFLASH_CACHE": str(tmp_path / "cache")}
     out = subprocess.run(
         [sys.executable, "-m", "vflash_core.cli.main", "run-workflow", str(API_DIR / "t2va.json"), "--models-dir", str(models), "--output-dir", str(tmp_path / "out"),
-         "--set", "1.model=diffusion_models/h3.safetensors", "--set", "1.profile=t2va-base16-bf16-sm90"],
+         "--set", "1.model=h3.safetensors", "--set", "1.profile=t2va-base16-bf16-sm90"],
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
     )
     assert out.returncode == 2 and 'node 1 (VflashModelLoader): profile must be one of auto, ' in out.stderr, out.stderr[-2000:]

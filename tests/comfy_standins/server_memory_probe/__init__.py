@@ -10,7 +10,8 @@ node pack hold, read inside the server process.
   with no room left; `GET /vflash_test/memory`'s `forced_evictions` counts them;
 * `VflashTestMemorySnapshot`: passes a LATENT through and records the entries at that moment (between the sampler and
   the decode, while the graph's core models are alive: the server runs with `--cache-none`, which drops a node's
-  outputs once its consumers ran).
+  outputs once its consumers ran). It is marked dev-only, so the frontend's node search (and its screenshots) leave
+  it out unless the user turns on dev mode; the API runs it all the same.
 """
 
 import sys
@@ -80,6 +81,7 @@ async def evict_on_preview_load(request):
 
 class VflashTestMemorySnapshot:
     CATEGORY = "testing"
+    DEV_ONLY = True  # test-only: the frontend lists it in its node search only in dev mode (not in the screenshots)
     RETURN_TYPES = ("LATENT",)
     FUNCTION = "snapshot"
 
