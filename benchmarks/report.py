@@ -409,7 +409,7 @@ def render() -> str:
         parts += _end_to_end(earlier, "The same on a two-GPU machine, diffusers' side included (`benchmarks/end_to_end.py`, an earlier run; its requests use one GPU)")
     kernels = _load("kernels_h200")
     if kernels:
-        parts += ["## Triton kernels vs their torch references (`benchmarks/kernels.py`)", "", _source(kernels) + ". All outputs bitwise equal to the references.", "",
+        parts += ["## Triton kernels vs their torch references (`benchmarks/kernel_ops.py`)", "", _source(kernels) + ". All outputs bitwise equal to the references.", "",
                   _table(kernels["ops"], [("name", "op"), ("N", "N"), ("torch_ms", "torch ms"), ("triton_ms", "Triton ms"), ("speedup", "speedup"), ("gbps", "Triton GB/s")]), ""]
     ring = _load("block_ring_h200")
     if ring:

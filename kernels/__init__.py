@@ -13,7 +13,7 @@ its parity tests compare the two.
 | `swiglu.swiglu`                               | `model.swiglu`                                                    |
 | `relayout.pack_heads`, `relayout.merge_heads` | `parallel.pack_heads_reference`, `parallel.merge_heads_reference` |
 | `vae_decoder.rms_norm_cast`                   | `media.vae_decode.DecoderOps.norm`                                |
-| `vae_decoder.head_rms_norm_rope`              | `media.vae_decode.DecoderOps.qk_norm_rope`                        |
+| `vae_decoder.head_rms_norm_rope`              | `media.vae_decode.DecoderOps.head_norm_rope`                      |
 | `vae_decoder.scaled_residual`                 | `media.vae_decode.DecoderOps.scaled_residual`                     |
 | `fp8_quantize.quantize_rows`                  | `fp8.quantize_rows` (approximate FP8 path only, as the two below) |
 | `fp8_quantize.swiglu_quantize`                | `fp8.quantize_rows` of `model.swiglu`                             |

@@ -7,16 +7,10 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-# The benchmarks import each other by file name, so their folder is on sys.path while they are imported, and only then:
-# left there (end_to_end.py puts it first), benchmarks/kernels.py would shadow the PyPI `kernels` package that
-# transformers imports, for every test of this process.
-_path = list(sys.path)
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-try:
-    from end_to_end import BITWISE_ATTENTION, Run
-    from full_family import StagedFamily
-finally:
-    sys.path[:] = _path
+
+from end_to_end import BITWISE_ATTENTION, Run  # noqa: E402
+from full_family import StagedFamily  # noqa: E402
 
 from vflash_core.engine.attention import BACKENDS  # noqa: E402
 from vflash_core.weights.family import DEMO_FAMILY  # noqa: E402

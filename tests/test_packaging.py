@@ -4,6 +4,8 @@ under vflash_core/, kernels/ and nodes/ (an editable install would hide a missin
 import ast
 import importlib
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -19,6 +21,19 @@ def test_every_package_folder_is_installed():
         for init in folder.rglob("__init__.py"):
             found.add(".".join([top, *init.parent.relative_to(folder).parts]))
     assert listed == found, f"missing from pyproject: {sorted(found - listed)}; listed but absent: {sorted(listed - found)}"
+
+
+def test_run_from_a_checkout_the_kernels_folder_does_not_shadow_the_pypi_kernels_package():
+    """`python -m vflash_core...` (or `-c`) in the repository root puts the root first on sys.path, where `kernels/`
+    would be the top-level `kernels` that transformers imports; importing vflash_core takes the root off the path."""
+    probe = (
+        "import importlib.util, sys; import vflash_core; spec = importlib.util.find_spec('kernels'); "
+        "print(sys.path[0] if sys.path else '', spec.origin if spec else 'none')"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    first, origin = out.split()
+    assert first != "" and Path(first).resolve() != ROOT
+    assert origin == "none" or not Path(origin).resolve().is_relative_to(ROOT), origin
 
 
 # -- the public surface ----------------------------------------------------------------------------------------------

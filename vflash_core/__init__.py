@@ -11,6 +11,10 @@ Every name here is also importable from the module that defines it; the errors a
 models), so these imports stay eager.
 """
 
+from ._imports import hide_repository_root
+
+hide_repository_root()  # before anything imports transformers (`_imports.hide_repository_root` says why)
+
 from ._version import __version__ as __version__  # re-exported: the version is the root's attribute
 from .engine.bundle import BundleHandoff, ConditioningBundle, build_keyframe_bundle
 from .engine.config import H3Config

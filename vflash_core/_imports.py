@@ -14,6 +14,17 @@ from pathlib import Path
 from types import ModuleType
 
 
+def hide_repository_root() -> None:
+    """Take the repository root off `sys.path` where Python put it: `python -m vflash_core...` run from a checkout puts
+    the working directory first, and there the sibling `kernels/` folder is the top-level `kernels`, which shadows the
+    PyPI package of that name that transformers imports (transformers 5 installs it). Nothing is imported from the root
+    itself: the packages come from the pip install or are registered by path (`load_package`). A pip-installed core
+    has no sibling `kernels/` folder and leaves `sys.path` alone."""
+    root = Path(__file__).resolve().parent.parent
+    if (root / "kernels" / "__init__.py").is_file():
+        sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != root]
+
+
 def load_package(name: str, folder: Path) -> ModuleType:
     """Import `name`, or register `folder` (a package directory) under `name` if it is not importable."""
     if name in sys.modules:

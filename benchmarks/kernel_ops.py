@@ -1,8 +1,8 @@
 """Time each Triton kernel of `vflash_kernels` against its torch-op reference at the released model's full width.
 
-    python benchmarks/kernels.py                       # N = 19,796 and 38,222 packed rows, writes the JSON below
-    python benchmarks/kernels.py --sizes 19796 --ops swiglu rope
-    python benchmarks/kernels.py --sweep-tiles         # also time TARGET_TILE_ELEMENTS in {2048, 4096, 8192}
+    python benchmarks/kernel_ops.py                       # N = 19,796 and 38,222 packed rows, writes the JSON below
+    python benchmarks/kernel_ops.py --sizes 19796 --ops swiglu rope
+    python benchmarks/kernel_ops.py --sweep-tiles         # also time TARGET_TILE_ELEMENTS in {2048, 4096, 8192}
 
 Baseline provider: each kernel's torch reference in `vflash_core.engine.model` (what the reference path runs). Before timing, every
 op checks that the kernel equals its reference bit for bit on the benchmark inputs and stops with an error if not;
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if not torch.cuda.is_available():
-        print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
+        print("benchmarks/kernel_ops.py needs a CUDA GPU", file=sys.stderr)
         return 2
     import triton
     from triton.testing import do_bench
