@@ -3,6 +3,7 @@ under vflash_core/, kernels/ and nodes/ (an editable install would hide a missin
 
 import ast
 import importlib
+import json
 import re
 import subprocess
 import sys
@@ -27,13 +28,13 @@ def test_run_from_a_checkout_the_kernels_folder_does_not_shadow_the_pypi_kernels
     """`python -m vflash_core...` (or `-c`) in the repository root puts the root first on sys.path, where `kernels/`
     would be the top-level `kernels` that transformers imports; importing vflash_core takes the root off the path."""
     probe = (
-        "import importlib.util, sys; import vflash_core; spec = importlib.util.find_spec('kernels'); "
-        "print(sys.path[0] if sys.path else '', spec.origin if spec else 'none')"
+        "import importlib.util, json, sys; import vflash_core; spec = importlib.util.find_spec('kernels'); "
+        "print(json.dumps([sys.path, spec.origin if spec else None]))"
     )
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    first, origin = out.split()
-    assert first != "" and Path(first).resolve() != ROOT
-    assert origin == "none" or not Path(origin).resolve().is_relative_to(ROOT), origin
+    path, origin = json.loads(out)
+    assert all(Path(entry or ".").resolve() != ROOT for entry in path), path
+    assert origin is None or Path(origin).resolve() != ROOT / "kernels" / "__init__.py", origin
 
 
 # -- the public surface ----------------------------------------------------------------------------------------------
