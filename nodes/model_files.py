@@ -158,13 +158,9 @@ def _model_roots(folders: Folders, component: str | None) -> list[str]:
 
 def _compiled_entries(folders: Folders) -> list[str]:
     """`vflash/<folder>` entries: compiled outputs (artifact/manifest.json inside) in the vflash folders."""
-    return sorted(
-        {
-            "vflash/" + rel[: -len("/artifact/manifest.json")]
-            for rel in folders.filenames("vflash")
-            if rel.endswith("/artifact/manifest.json") and _listable("vflash/" + rel[: -len("/artifact/manifest.json")])
-        }
-    )
+    marker = "/artifact/manifest.json"
+    entries = {"vflash/" + rel[: -len(marker)] for rel in folders.filenames("vflash") if rel.endswith(marker)}
+    return sorted(option for option in entries if _listable(option))
 
 
 def _receipt_entries(folders: Folders) -> list[str]:
