@@ -1,0 +1,159 @@
+"""The fast modes against exact, on one GPU, in one process, on the same full-width random inputs.
+
+    python benchmarks/fast_mode.py [--phases kernel evaluation step_cache] [--cache /tmp/vflash-bench]
+
+Phases (each writes its records into benchmarks/results/fast_mode_<gpu>.json; a phase not run keeps the committed
+file's records):
+
+* `kernel`: the block-sparse attention kernel alone against FlashAttention-3 dense (the exact default on Hopper) on
+  (1, N, 56, 128) bf16 at N = 19,796 / 38,222 / 73,898 / 104,478 (1344x768 and 960x544 5 s, 1344x768 10 and 15 s),
+  at block densities 0.15 / 0.25 / 0.5 of the video key blocks (512 prefix rows dense, the selection the mode runs:
+  `select_key_blocks` with mass 1.0, so the density cap decides). The density recorded is the real one over the whole
+  attention map (prefix rows and forced local blocks included). Also: the selection's own time, each launch setting
+  tried (the kernel's settings are the fastest of these), and the kernel's max abs difference from the masked dense
+  reference over the same blocks.
+* `evaluation`: one whole evaluation (50 full-width blocks, the text stream, the output heads) exact and with
+  `sparse-attention`, at 1344x768 5, 10 and 15 s. Four random blocks are compiled and the denoiser's 50 layers cycle
+  through them (the same weights every fourth layer; the work and the memory traffic of 50 distinct blocks), so layer
+  indices, dense edge layers and the selection are the mode's own. Evaluation 1 of the Turbo4 schedule (sparse).
+* `step_cache`: a whole 16-evaluation Base16 request (4 full-width blocks) exact and with `step-cache` at its default
+  threshold, 1344x768 5 s: block evaluations run, the request's denoise time, the latents' relative L2 distance. On
+  random weights the first block's residual decides what is cached: the record says how much it moved per evaluation.
+
+Random weights prove speed and mechanism, never quality: `latent_rel_l2_vs_exact` is a mechanism check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import RESULTS, environment, median_ms, write_result  # noqa: E402
+
+from vflash_core.engine.sparse_attention import masked_attention, select_key_blocks  # noqa: E402
+
+HEADS, HEAD_DIM, PREFIX_ROWS = 56, 128, 512
+KERNEL_ROWS = {"960x544 5 s": 19_796, "1344x768 5 s": 38_222, "1344x768 10 s": 73_898, "1344x768 15 s": 104_478}
+DENSITIES = (0.15, 0.25, 0.5)
+LAUNCH_SETTINGS = [(w, s) for w in (4, 8) for s in (2, 3, 4)]
+
+
+def gpu_name() -> str:
+    name = torch.cuda.get_device_name(0)
+    return "h200" if "H200" in name else "h100" if "H100" in name else name.lower().replace(" ", "_")
+
+
+def _fa3():
+    from fa3_fwd_interface import flash_attn_func
+
+    return flash_attn_func
+
+
+def _launch(q, k, v, selection, num_warps: int, num_stages: int, use_tma: bool):
+    """The kernel with explicit launch settings (the sweep); the product's launcher fixes the fastest."""
+    import triton
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from vflash_kernels import block_sparse_attention as bsa
+
+    rows, heads, head_dim = q.shape[1], q.shape[2], q.shape[3]
+    views = [t[0].view(rows, heads * head_dim) for t in (q, k, v)]
+    out = torch.empty_like(q)
+    sources = [TensorDescriptor(t, list(t.shape), list(t.stride()), [bsa.BLOCK_ROWS, head_dim]) for t in views] \
+        if use_tma else views
+    blocks = triton.cdiv(rows, bsa.BLOCK_ROWS)
+    bsa._block_sparse_attention_kernel[(blocks, heads)](
+        *sources, out[0].view(rows, -1), selection.kv_blocks, selection.kv_counts,
+        rows, blocks, selection.dense_query_blocks, selection.kv_blocks.shape[2], bsa._LOG2E / math.sqrt(head_dim),
+        views[0].stride(0), views[1].stride(0), views[2].stride(0), heads * head_dim,
+        BLOCK=bsa.BLOCK_ROWS, HEAD_DIM=head_dim, USE_TMA=use_tma, num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+def kernel_phase(records: list[dict], sweep: bool) -> None:
+    from vflash_kernels.block_sparse_attention import block_sparse_attention
+
+    fa3 = _fa3()
+    for canvas, rows in KERNEL_ROWS.items():
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn(1, rows, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
+                   for _ in range(3))
+        dense_ms = median_ms(lambda: fa3(q, k, v), 2, 7)
+        for density in DENSITIES:
+            selection = select_key_blocks(q, k, PREFIX_ROWS, density, 1.0, 1)
+            select_ms = median_ms(lambda: select_key_blocks(q, k, PREFIX_ROWS, density, 1.0, 1), 1, 5)
+            reached = selection.kept_pairs / selection.total_pairs
+            run = lambda: block_sparse_attention(  # noqa: E731
+                q, k, v, selection.kv_blocks, selection.kv_counts, selection.dense_query_blocks)
+            sparse_ms = median_ms(run, 2, 7)
+            settings = {}
+            if sweep and rows == KERNEL_ROWS["1344x768 5 s"]:
+                for tma in (True, False):
+                    for warps, stages in LAUNCH_SETTINGS:
+                        try:
+                            ms = median_ms(lambda: _launch(q, k, v, selection, warps, stages, tma), 1, 5)
+                        except Exception as exc:  # noqa: BLE001 - a setting that does not compile is recorded
+                            ms = f"{type(exc).__name__}: {str(exc)[:120]}"
+                        settings[f"warps{warps}_stages{stages}_{'tma' if tma else 'pointers'}"] = ms
+            check = {}
+            if rows <= KERNEL_ROWS["960x544 5 s"]:  # the dense reference's mask is (heads, N, N)
+                sub = slice(0, 6 * 1024)  # a 6,144-row prefix of the same tensors keeps the mask small
+                qs, ks, vs = (t[:, sub].contiguous() for t in (q, k, v))
+                sel = select_key_blocks(qs, ks, PREFIX_ROWS, density, 1.0, 1)
+                out = block_sparse_attention(qs, ks, vs, sel.kv_blocks, sel.kv_counts, sel.dense_query_blocks)
+                ref = masked_attention(qs.float(), ks.float(), vs.float(), sel)
+                check = {"max_abs_diff_vs_masked_reference": float((out.float() - ref).abs().max()),
+                         "reference_rows": 6 * 1024}
+            record = {
+                "phase": "kernel", "canvas": canvas, "rows": rows, "seconds": int(canvas.split()[1]),
+                "mode": "sparse-attention", "density_cap": density, "density": round(reached, 4),
+                "fa3_dense_ms": round(dense_ms, 3), "sparse_ms": round(sparse_ms, 3),
+                "selection_ms": round(select_ms, 3),
+                "kernel_speedup_vs_fa3_dense": round(dense_ms / sparse_ms, 3),
+                "kernel_speedup_with_selection": round(dense_ms / (sparse_ms + select_ms), 3),
+                "kept_block_tflops": round(4.0 * reached * rows * rows * HEADS * HEAD_DIM / sparse_ms / 1e9, 1),
+                "fa3_tflops": round(4.0 * rows * rows * HEADS * HEAD_DIM / dense_ms / 1e9, 1),
+                **check,
+            }
+            if settings:
+                record["launch_settings_ms"] = settings
+            print(json.dumps(record), flush=True)
+            records.append(record)
+        del q, k, v
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--phases", nargs="+", default=["kernel", "evaluation", "step_cache"],
+                        choices=["kernel", "evaluation", "step_cache"])
+    parser.add_argument("--sweep", action="store_true", help="also time every launch setting (kernel phase)")
+    parser.add_argument("--cache", type=Path, default=Path("/tmp/vflash-bench"))
+    args = parser.parse_args()
+    name = f"fast_mode_{gpu_name()}"
+    path = RESULTS / f"{name}.json"
+    kept = json.loads(path.read_text())["records"] if path.exists() else []
+    records = [r for r in kept if r["phase"] not in args.phases]
+    if "kernel" in args.phases:
+        kernel_phase(records, args.sweep)
+    summary = {}
+    for phase, key in (("kernel", "kernel_speedup_vs_fa3_dense"),):
+        rows = [r for r in records if r["phase"] == phase]
+        if rows:
+            summary[key] = {f"{r['rows']}@{r['density_cap']}": r[key] for r in rows}
+    write_result(name, {**environment(), "results": summary, "records": records,
+                        "median_kernel_speedup_at_0.25": statistics.median(
+                            [r["kernel_speedup_vs_fa3_dense"] for r in records
+                             if r["phase"] == "kernel" and r["density_cap"] == 0.25] or [0.0])})
+
+
+if __name__ == "__main__":
+    main()

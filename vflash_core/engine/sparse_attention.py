@@ -1,0 +1,169 @@
+"""Block-sparse attention for the `sparse-attention` fast mode (approximate): which key blocks each query block
+attends, and the attention function the main blocks call.
+
+The packed sequence is cut into `BLOCK_ROWS`-row blocks. Everything before the generated video (text, conditioning
+pictures or video, audio: the prefix) stays dense in both directions: a query block holding any prefix row attends
+every key, and every video query block attends every prefix key block (the prefix acts as the attention sinks). Among
+the generated video's key blocks, each video query block keeps, per head and per call:
+
+* its own block and `local_blocks` neighbours on each side (spatial and temporal neighbours in the raster order);
+* then the blocks with the highest pooled scores, softmax(mean(q_i) . mean(k_j) / sqrt(D)) over the video key blocks,
+  in descending order, until their cumulative mass reaches `mass` or `density` of the video key blocks are kept.
+
+The selection is training-free and costs a few pooled matrix products per call (no full score matrix). On CUDA the
+kept blocks run through `vflash_kernels.block_sparse_attention`; on the CPU through the masked dense reference
+(`masked_attention`), which is also what the kernel is tested against.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .model import AttentionFn
+
+__all__ = ["BLOCK_ROWS", "BlockSelection", "BlockSparseAttention", "masked_attention", "select_key_blocks"]
+
+#: Rows per query and key block (the kernel's tile height; `vflash_kernels.block_sparse_attention.BLOCK_ROWS`).
+BLOCK_ROWS = 128
+
+
+@dataclass(frozen=True)
+class BlockSelection:
+    """Which key blocks each query block attends, in the kernel's form.
+
+    dense_query_blocks: query blocks [0, dense_query_blocks) attend every key block;
+    kv_blocks: (heads, video query blocks, max_kv) int32 key-block indices of the other query blocks (prefix key blocks
+    first, then the kept video blocks ascending); kv_counts: (heads, video query blocks) int32, how many are listed;
+    blocks: key (= query) blocks in the sequence.
+    """
+
+    dense_query_blocks: int
+    kv_blocks: torch.Tensor
+    kv_counts: torch.Tensor
+    blocks: int
+
+    @property
+    def kept_pairs(self) -> int:
+        """(query block, key block) pairs computed, summed over heads (a device sync)."""
+        heads = self.kv_counts.shape[0]
+        return heads * self.dense_query_blocks * self.blocks + int(self.kv_counts.sum())
+
+    @property
+    def total_pairs(self) -> int:
+        return self.kv_counts.shape[0] * self.blocks * self.blocks
+
+    def block_mask(self) -> torch.Tensor:
+        """(heads, blocks, blocks) bool: True where the query block attends the key block."""
+        heads, _, max_kv = self.kv_blocks.shape
+        mask = torch.zeros(heads, self.blocks, self.blocks, dtype=torch.bool, device=self.kv_blocks.device)
+        mask[:, : self.dense_query_blocks] = True
+        listed = (torch.arange(max_kv, device=self.kv_blocks.device) < self.kv_counts[..., None]).to(torch.int32)
+        hits = torch.zeros(heads, self.blocks - self.dense_query_blocks, self.blocks, dtype=torch.int32,
+                           device=self.kv_blocks.device)
+        mask[:, self.dense_query_blocks :] = hits.scatter_add_(2, self.kv_blocks.long(), listed) > 0
+        return mask
+
+
+def _pooled(x: torch.Tensor, first_row: int) -> torch.Tensor:
+    """(1, S, heads, D) -> (heads, blocks, D) fp32 mean of each block of rows from `first_row` on (the last block
+    ragged), accumulated in fp32 without an fp32 copy of x."""
+    rows = x[0, first_row:]
+    full = rows.shape[0] // BLOCK_ROWS
+    sums = [rows[: full * BLOCK_ROWS].unflatten(0, (full, BLOCK_ROWS)).sum(1, dtype=torch.float32)]
+    counts = [torch.full((full,), float(BLOCK_ROWS), device=x.device)]
+    if rows.shape[0] > full * BLOCK_ROWS:
+        sums.append(rows[full * BLOCK_ROWS :].sum(0, keepdim=True, dtype=torch.float32))
+        counts.append(torch.full((1,), float(rows.shape[0] - full * BLOCK_ROWS), device=x.device))
+    means = torch.cat(sums) / torch.cat(counts)[:, None, None]
+    return means.transpose(0, 1)
+
+
+def select_key_blocks(
+    q: torch.Tensor, k: torch.Tensor, sparse_from_row: int, density: float, mass: float, local_blocks: int
+) -> BlockSelection:
+    """The key blocks each query block of (1, S, heads, D) q attends, for a sequence whose rows [0, sparse_from_row)
+    are the dense prefix (see the module docstring)."""
+    rows, heads, head_dim = q.shape[1], q.shape[2], q.shape[3]
+    blocks = -(-rows // BLOCK_ROWS)
+    prefix = min(blocks, -(-sparse_from_row // BLOCK_ROWS))  # blocks holding any prefix row
+    video = blocks - prefix
+    device = q.device
+    if video == 0:
+        empty = torch.zeros(heads, 0, 1, dtype=torch.int32, device=device)
+        return BlockSelection(blocks, empty, empty[..., 0], blocks)
+    scores = torch.einsum("hid,hjd->hij", _pooled(q, prefix * BLOCK_ROWS), _pooled(k, prefix * BLOCK_ROWS))
+    probabilities = (scores / math.sqrt(head_dim)).softmax(-1)
+    position = torch.arange(video, device=device)
+    forced = (position[:, None] - position[None, :]).abs() <= local_blocks  # (video, video)
+    budget = max(1, math.ceil(density * video))
+    order = probabilities.masked_fill(forced, 2.0).argsort(-1, descending=True)  # forced first, then by score
+    sorted_p = probabilities.gather(-1, order)
+    mass_before = sorted_p.cumsum(-1) - sorted_p
+    keep_sorted = forced.expand(heads, -1, -1).gather(-1, order) | ((mass_before < mass) & (position < budget))
+    keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
+    counts = keep.sum(-1)
+    listed = int(counts.max())
+    # kept indices first, ascending (a stable sort of "not kept"), then the prefix blocks in front
+    kept = (~keep).to(torch.int8).argsort(dim=-1, stable=True)[..., :listed].to(torch.int32) + prefix
+    head_blocks = torch.arange(prefix, dtype=torch.int32, device=device).expand(heads, video, prefix)
+    kv_blocks = torch.cat([head_blocks, kept], dim=-1).contiguous()
+    return BlockSelection(prefix, kv_blocks, (counts + prefix).to(torch.int32), blocks)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: BlockSelection) -> torch.Tensor:
+    """The reference: dense attention of (1, S, heads, D) q, k, v with every pair outside the selection masked out."""
+    rows = q.shape[1]
+    mask = selection.block_mask().repeat_interleave(BLOCK_ROWS, 1).repeat_interleave(BLOCK_ROWS, 2)
+    mask = mask[:, :rows, :rows]
+    out = F.scaled_dot_product_attention(
+        q.permute(0, 2, 1, 3), k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3), attn_mask=mask[None]
+    )
+    return out.permute(0, 2, 1, 3)
+
+
+class BlockSparseAttention:
+    """The main blocks' attention under the sparse-attention fast mode: an `AttentionFn` that runs sparse only while
+    the denoiser has armed it for a sparse layer (`arm`), and `dense` otherwise (the text refiner, dense edge layers,
+    dense evaluations). Counts what ran for the request's report."""
+
+    def __init__(self, dense: AttentionFn, density: float, mass: float, local_blocks: int):
+        self.dense = dense
+        self.density, self.mass, self.local_blocks = density, mass, local_blocks
+        self.sparse_from_row: int | None = None  # None: disarmed
+        self.reset()
+
+    def reset(self) -> None:
+        self.dense_calls = 0
+        self.sparse_calls = 0
+        self._kept = torch.zeros((), dtype=torch.int64)
+        self._total = 0
+
+    def arm(self, sparse_from_row: int | None) -> None:
+        """Sparse calls from now on, over a sequence whose rows before `sparse_from_row` are the dense prefix; None:
+        dense calls."""
+        self.sparse_from_row = sparse_from_row
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.sparse_from_row is None:
+            self.dense_calls += 1
+            return self.dense(q, k, v)
+        selection = select_key_blocks(q, k, self.sparse_from_row, self.density, self.mass, self.local_blocks)
+        self.sparse_calls += 1
+        heads = selection.kv_counts.shape[0]
+        # kept pairs summed on the device (no sync per call); read once per request
+        self._kept = self._kept.to(q.device) + selection.kv_counts.sum() + heads * selection.dense_query_blocks * \
+            selection.blocks
+        self._total += selection.total_pairs
+        if q.device.type != "cuda":
+            return masked_attention(q, k, v, selection)
+        from vflash_kernels.block_sparse_attention import block_sparse_attention
+
+        return block_sparse_attention(q, k, v, selection.kv_blocks, selection.kv_counts, selection.dense_query_blocks)
+
+    def density_reached(self) -> float | None:
+        """Kept (query block, key block) pairs over all pairs of this request's sparse calls (None: none ran)."""
+        return float(self._kept) / self._total if self._total else None
