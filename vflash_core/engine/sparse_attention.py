@@ -64,7 +64,9 @@ class BlockSelection:
         listed = (torch.arange(max_kv, device=self.kv_blocks.device) < self.kv_counts[..., None]).to(torch.int32)
         hits = torch.zeros(heads, self.blocks - self.dense_query_blocks, self.blocks, dtype=torch.int32,
                            device=self.kv_blocks.device)
-        mask[:, self.dense_query_blocks :] = hits.scatter_add_(2, self.kv_blocks.long(), listed) > 0
+        # entries past a count may hold an out-of-range marker: clamped, they add nothing (weight 0)
+        index = self.kv_blocks.long().clamp(max=self.blocks - 1)
+        mask[:, self.dense_query_blocks :] = hits.scatter_add_(2, index, listed) > 0
         return mask
 
 
@@ -97,18 +99,20 @@ def select_key_blocks(
         return BlockSelection(blocks, empty, empty[..., 0], blocks)
     scores = torch.einsum("hid,hjd->hij", _pooled(q, prefix * BLOCK_ROWS), _pooled(k, prefix * BLOCK_ROWS))
     probabilities = (scores / math.sqrt(head_dim)).softmax(-1)
+    del scores
     position = torch.arange(video, device=device)
     forced = (position[:, None] - position[None, :]).abs() <= local_blocks  # (video, video)
     budget = max(1, math.ceil(density * video))
-    order = probabilities.masked_fill(forced, 2.0).argsort(-1, descending=True)  # forced first, then by score
-    sorted_p = probabilities.gather(-1, order)
-    mass_before = sorted_p.cumsum(-1) - sorted_p
-    keep_sorted = forced.expand(heads, -1, -1).gather(-1, order) | ((mass_before < mass) & (position < budget))
-    keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
+    # The forced blocks sort first (above any probability), then by pooled score; only the first `listed` can be kept.
+    listed = min(video, max(budget, 2 * local_blocks + 1))
+    ranked_key, ranked = probabilities.masked_fill(forced, 2.0).topk(listed, dim=-1)
+    ranked_p = probabilities.gather(-1, ranked)
+    del probabilities
+    mass_before = ranked_p.cumsum(-1) - ranked_p
+    keep = (ranked_key > 1.0) | ((mass_before < mass) & (position[:listed] < budget))
     counts = keep.sum(-1)
-    listed = int(counts.max())
-    # kept indices first, ascending (a stable sort of "not kept"), then the prefix blocks in front
-    kept = (~keep).to(torch.int8).argsort(dim=-1, stable=True)[..., :listed].to(torch.int32) + prefix
+    # kept blocks ascending (for locality), then the unkept as an out-of-range marker past them; prefix blocks first
+    kept = torch.where(keep, ranked, video).sort(-1).values.to(torch.int32) + prefix
     head_blocks = torch.arange(prefix, dtype=torch.int32, device=device).expand(heads, video, prefix)
     kv_blocks = torch.cat([head_blocks, kept], dim=-1).contiguous()
     return BlockSelection(prefix, kv_blocks, (counts + prefix).to(torch.int32), blocks)
