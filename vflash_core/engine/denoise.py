@@ -23,6 +23,7 @@ from . import model as M
 from .artifact import CompiledArtifact, StepTables
 from .bundle import ConditioningBundle
 from .config import H3Config
+from .fast_mode import FastMode, FastModeRun
 from .layout import audio_rows_to_latents, unpatchify
 from .profiler import NO_TIMER, StageTimer
 from .residency import BlockSource, device_loras
@@ -55,6 +56,7 @@ class RequestState:
     audio_rows: torch.Tensor
     video_range: tuple[int, int]
     audio_range: tuple[int, int]
+    sparse_from_row: int  # the first generated video row of the whole sequence (block-sparse attention's prefix end)
 
 
 @dataclass
@@ -74,7 +76,8 @@ def _local(indices: torch.Tensor, start: int, stop: int) -> tuple[tuple[int, int
 
 class Denoiser:
     """Runs whole trajectories (or one rank's rows of them) on one device; `ops` are the main blocks' operations
-    (`model.BlockOps`: the torch reference, or fused kernels, a sequence-head attention, a tensor-parallel shard)."""
+    (`model.BlockOps`: the torch reference, or fused kernels, a sequence-head attention, a tensor-parallel shard).
+    `fast`, set by the session for a named fast mode, arms its sparse attention per layer and runs its step cache."""
 
     def __init__(self, artifact: CompiledArtifact, blocks: BlockSource, device: torch.device, ops: M.BlockOps):
         self.artifact = artifact
@@ -95,6 +98,7 @@ class Denoiser:
         self.audio_sigmas = overlay.audio_sigmas.to(device)
         self.video_timesteps = (1.0 - overlay.video_sigmas[:-1]).to(device)
         self.audio_timesteps = (1.0 - overlay.audio_sigmas[:-1]).to(device)
+        self.fast: FastModeRun | None = None
 
     @property
     def nfe(self) -> int:
@@ -142,7 +146,13 @@ class Denoiser:
             plans.append(StepPlan(indices, M.adaln_indices(indices, layout["token_tags"]), tables))
         video_rows = bundle.video_rows[video_range[0] : video_range[1]].to(dev, torch.float32).clone()
         audio_rows = bundle.audio_rows[audio_range[0] : audio_range[1]].to(dev, torch.float32).clone()
-        return RequestState(layout, rotary, text, plans, video_rows, audio_rows, video_range, audio_range)
+        if self.fast is not None:
+            self.fast.start_request(self.nfe, len(plans[0].tables.blocks) if plans else 0)
+        sparse_from_row = int(lay.video_indices[lay.num_condition_video_rows]) if lay.video_indices.numel() > \
+            lay.num_condition_video_rows else lay.sequence_length
+        return RequestState(
+            layout, rotary, text, plans, video_rows, audio_rows, video_range, audio_range, sparse_from_row
+        )
 
     @torch.no_grad()
     def evaluate(
@@ -154,14 +164,46 @@ class Denoiser:
         with timer.stage("pack_inputs"):
             x = M.pack_inputs(state.video_rows, state.audio_rows, state.text, self.aux, state.layout, self.aux_loras)
         with timer.stage("blocks"):  # the whole block loop, including any wait for streamed weights
-            for w, table in zip(self.blocks, plan.tables.blocks):
-                x = M.main_block(x, w, table, plan.adaln_indices, state.rotary, self.ops, timer)
-                if between_blocks is not None:
-                    between_blocks()
+            x = self._blocks(x, state, step, plan, timer, between_blocks)
         with timer.stage("final_layer"):
             return M.output_heads(
                 x, plan.tables.norm_out, plan.timestep_indices, self.aux, state.layout, self.config, self.aux_loras
             )
+
+    def _blocks(
+        self, x: torch.Tensor, state: RequestState, step: int, plan: StepPlan, timer: StageTimer,
+        between_blocks: Callable[[], None] | None,
+    ) -> torch.Tensor:
+        """The main blocks on the residual stream; under a fast mode, each layer's attention armed, and with the step
+        cache, blocks 1..L-1 skipped when the first block's residual says so."""
+        fast = self.fast
+        cache = fast.step_cache if fast is not None else None
+        blocks = iter(self.blocks)
+        before = first = after_first = x  # each replaced before it is read (the step cache's tensors)
+        try:
+            for layer, (w, table) in enumerate(zip(blocks, plan.tables.blocks)):
+                if fast is not None:
+                    fast.arm_layer(step, layer, state.sparse_from_row)
+                if cache is not None and layer == 0:
+                    before = x.clone()  # the fused ops update the stream in place
+                x = M.main_block(x, w, table, plan.adaln_indices, state.rotary, self.ops, timer)
+                if between_blocks is not None:
+                    between_blocks()
+                if cache is not None and layer == 0:
+                    first = x - before
+                    del before
+                    if cache.reuse(step, first):
+                        return cache.apply(x)
+                    after_first = x.clone()
+        finally:
+            close = getattr(blocks, "close", None)  # a ring left mid-pass releases its slot (`WeightRing`)
+            if close is not None:
+                close()
+            if fast is not None:
+                fast.end_evaluation()
+        if cache is not None:
+            cache.store(first, x - after_first)
+        return x
 
     @torch.no_grad()
     def update(
@@ -245,7 +287,7 @@ class Denoiser:
 # -- memory ---------------------------------------------------------------------------------------------------------
 
 
-def denoise_bytes(config: H3Config, rows: int) -> int:
+def denoise_bytes(config: H3Config, rows: int, fast_mode: FastMode | None = None) -> int:
     """Upper estimate of one evaluation's transient device memory at `rows` packed rows (bf16 blocks).
 
     Per row, the main block's largest live set with the reference operations (the fused ones hold less): the residual
@@ -253,7 +295,16 @@ def denoise_bytes(config: H3Config, rows: int) -> int:
     (2I) and rotated (2I) and its output (I), or the FFN's [value; gate] projection (2F), SiLU (F) and product (F);
     plus 2 KiB of request state (rotary cos/sin, fp32 latent rows and velocities, each evaluation's row indices); with
     a 10 % allowance for the allocator and the attention kernel's workspace.
+
+    A fast mode adds its own: the step cache keeps two (S, H) residuals across evaluations and two more while an
+    evaluation runs; the block selection holds two fp32 (heads, blocks, blocks) score matrices.
     """
     h, i, f = config.hidden_size, config.inner_dim, config.ffn_dim
     per_row = 2 * (2 * h + max(8 * i, 4 * f)) + 2048
-    return int(rows * per_row * 1.1)
+    extra = 0
+    if fast_mode is not None and fast_mode.step_cache:
+        extra += 4 * 2 * rows * h
+    if fast_mode is not None and fast_mode.sparse_attention:
+        blocks = -(-rows // 128)
+        extra += 2 * 4 * config.num_attention_heads * blocks * blocks
+    return int(rows * per_row * 1.1) + extra

@@ -471,8 +471,10 @@ class WeightRing:
             if i + 1 < count:
                 self._issue_copy(i + 1)  # overlaps item i's compute
             compute.wait_event(self.copy_done[s])
-            yield self.views[s]
-            self.compute_done[s].record(compute)
+            try:
+                yield self.views[s]
+            finally:  # also when the caller leaves the pass here (a step cache's skip, a stop): the slot's last reader
+                self.compute_done[s].record(compute)
         if self.cyclic:
             # Every pass starts with item 0: fetch it now, so the copy overlaps what runs between passes (the output
             # heads, the latent update, the next evaluation's input packing) instead of stalling the next pass.

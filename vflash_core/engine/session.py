@@ -16,7 +16,9 @@ against the plan before it runs. Several GPUs (`peer_device`, `strategy`) are us
 
 Execution: an FP8 profile's artifact (approximate) runs its block linears through `fp8.RowFP8Execution` of the
 profile's mode, with the Triton activation quantizers in the fused execution; only such a session accepts the
-approximate attention backend `fa3-fp8`. Nothing else ever runs approximately.
+approximate attention backend `fa3-fp8`. A named fast mode (`fast_mode.FastMode`: block-sparse attention, a step
+cache) is approximate too, and each result then says so (`metadata["exact"]`, `metadata["fast_mode"]`). Nothing else
+ever runs approximately.
 
 Trusted loader hooks (`native_denoiser_loader`, `block_loader`) are Python callables given by the caller, never names
 resolved to code.
@@ -62,6 +64,7 @@ from .bundle import MODE_VARIANT, BundleHandoff, ConditioningBundle
 from .config import H3Config
 from .denoise import DenoiseOutput, Denoiser, denoise_bytes
 from .device_owner import release_host_memory
+from .fast_mode import FastMode, FastModeRun
 from .fp8 import FusedRowFP8Ops, RowFP8Execution, RowFP8Ops
 from .fused import FusedOps
 from .layout import FPS, largest_request_rows
@@ -150,6 +153,8 @@ class NativeEngineSession:
         plan: a pipeline's memory plan (`memory_plan.plan_memory`), which then decides the residency and carries the
             cap and the host budget; `weight_residency` must agree with it and the two limits be left out.
         attention_backend: see `attention.BACKENDS`; the backend used is logged once and reported per result.
+        fast_mode: None / "exact" (default), or a named approximate mode (`fast_mode.FastMode`, or its names, e.g.
+            "sparse-attention", "sparse-attention,step-cache"); refused where it cannot run.
         execution: `"fused"` (Triton elementwise kernels, the CUDA default), `"reference"` (plain PyTorch, the CPU
             default) or `"auto"`; both give the same bits.
         on_load_progress: called with (blocks loaded, total) while weights load.
@@ -180,8 +185,10 @@ class NativeEngineSession:
         plan: MemoryPlan | None = None,
         native_denoiser_loader: NativeDenoiserLoader | None = None,
         block_loader: BlockLoader | None = None,
+        fast_mode: FastMode | str | None = None,
     ):
         start = time.perf_counter()
+        self.fast_mode = FastMode.parse(fast_mode)
         cap = cap_bytes(max_device_memory)  # checked before anything is read (a string or NaN is refused here)
         host_budget = cap_bytes(max_host_memory, "max_host_memory")
         COLLECTIVE_TIMEOUT.check("collective_timeout_seconds", collective_timeout_seconds)
@@ -200,6 +207,7 @@ class NativeEngineSession:
         if not peers and strategy is not None:
             raise VflashError(f"strategy {strategy!r} needs a peer_device")
         self.strategy = strategy if peers else None
+        self.fast_mode.check_placement(len(self.devices), self.strategy)
         check_choice("weight_residency", weight_residency, WEIGHT_RESIDENCIES)
         if plan is not None and (max_device_memory is not None or max_host_memory is not None):
             raise VflashError(
@@ -234,7 +242,7 @@ class NativeEngineSession:
         # Planned unless on the CPU without a cap (resident blocks there).
         if plan is None and (self.device.type == "cuda" or max_device_memory is not None):
             # this session's own plan, for the core alone: its blocks and the profile's largest request
-            largest = {"denoise": denoise_bytes(config, largest_request_rows(self.profile, config))}
+            largest = {"denoise": denoise_bytes(config, largest_request_rows(self.profile, config), self.fast_mode)}
             plan = plan_memory(
                 self.compiled.part_sizes(), largest, self.devices, cap, weight_residency, host_budget=host_budget
             )
@@ -299,7 +307,9 @@ class NativeEngineSession:
         elif self.weight_residency == "disk-ring":
             self._host_blocks = [BlockFiles(self.compiled, pin, load)]
         for rank, dev in enumerate(self.devices):
-            local = resolve_attention(attention_backend, dev, self.profile.fp8 is not None)[1]
+            fast, local = FastModeRun.wrap(
+                self.fast_mode, resolve_attention(attention_backend, dev, self.profile.fp8 is not None)[1]
+            )
             if self.strategy == "sequence-head":
                 attention = SequenceHeadAttention(
                     self._group.groups[rank],  # type: ignore[union-attr,arg-type]
@@ -314,18 +324,18 @@ class NativeEngineSession:
             else:
                 ops = self._block_ops(config, local, dev)
             if native_denoiser_loader is not None:
-                self._denoisers.append(
-                    _loaded_denoiser(native_denoiser_loader, self.compiled, DenoiserLoad(dev, ops, load))
-                )
-                continue
-            blocks: BlockSource
-            if self._host_blocks:
-                blocks = BlockRing(self._host_blocks[rank % len(self._host_blocks)], dev)
-            elif block_loader is not None:
-                blocks = LoadedBlocks(self.compiled, dev, block_loader(self.compiled, dev))
+                den = _loaded_denoiser(native_denoiser_loader, self.compiled, DenoiserLoad(dev, ops, load))
             else:
-                blocks = ResidentBlocks(self.compiled, dev, load if rank == 0 else None, shards[rank])
-            self._denoisers.append(Denoiser(self.compiled, blocks, dev, ops))
+                blocks: BlockSource
+                if self._host_blocks:
+                    blocks = BlockRing(self._host_blocks[rank % len(self._host_blocks)], dev)
+                elif block_loader is not None:
+                    blocks = LoadedBlocks(self.compiled, dev, block_loader(self.compiled, dev))
+                else:
+                    blocks = ResidentBlocks(self.compiled, dev, load if rank == 0 else None, shards[rank])
+                den = Denoiser(self.compiled, blocks, dev, ops)
+            den.fast = None if self.fast_mode.exact else fast
+            self._denoisers.append(den)
 
     def _block_ops(self, config: H3Config, attention: AttentionFn, device: torch.device) -> BlockOps:
         """The main blocks' operations for this session's execution; for an FP8 profile its `RowFP8Execution` (the
@@ -348,6 +358,7 @@ class NativeEngineSession:
         devices = ", ".join(str(d) for d in self.devices)
         strategy = f" {self.strategy}" if self.strategy else ""
         linears = f", approximate FP8 {self.profile.fp8} block linears" if self.profile.fp8 else ""
+        linears += "" if self.fast_mode.exact else f", approximate fast mode {self.fast_mode.name}"
         return (
             f"{devices}{strategy}, {self.execution} kernels{linears}, attention {self.attention_backend}, "
             f"weights {self.weight_residency}"
@@ -366,7 +377,7 @@ class NativeEngineSession:
         if self.strategy == "sequence-head":
             rows = max(stop - start for start, stop in split_rows(rows, len(self.devices))) + rows // len(self.devices)
         self.plan.check(
-            {"denoise": denoise_bytes(self.compiled.config, rows)},
+            {"denoise": denoise_bytes(self.compiled.config, rows, self.fast_mode)},
             f"this request's activations ({bundle.layout.sequence_length} packed rows, "
             f"weights {self.weight_residency})",
             "Use a smaller canvas or a shorter clip, weight_residency='block-ring', or a second GPU.",
@@ -502,12 +513,27 @@ class NativeEngineSession:
             "base_weights": {k: v for k, v in self.compiled.base_weights.items() if k != "files"},
             "nfe": self._denoisers[0].nfe,
             "memory": self._memory_report(),
+            "exact": self.fast_mode.exact and self.profile.fp8 is None and self.attention_backend != "fa3-fp8",
         }
+        if not self.fast_mode.exact:
+            metadata["fast_mode"] = self._fast_mode_report()
         summaries = [t.summary() for t in timers]
         profile: dict[str, object] | None = (
             (summaries[0] if len(summaries) == 1 else {"ranks": summaries}) if profile_denoise else None
         )
         return GenerationResult(output.video_latents, output.audio_latents, timing, metadata, profile)
+
+    def _fast_mode_report(self) -> dict[str, object]:
+        """The first device's report of what the fast mode did; with sequence-head, the density over every rank's
+        heads."""
+        runs = [den.fast for den in self._denoisers if den.fast is not None]
+        report = runs[0].report(self._denoisers[0].nfe, self.attention_backend)
+        sparse = [run.attention for run in runs if run.attention is not None]
+        if len(sparse) > 1 and isinstance(report.get("sparse_attention"), dict):
+            kept = sum(float(a.kept_pairs) for a in sparse)
+            total = sum(a.total_pairs for a in sparse)
+            report["sparse_attention"]["density_reached"] = kept / total if total else None  # type: ignore[index]
+        return report
 
     def _memory_report(self) -> dict[str, object]:
         report: dict[str, object] = {

@@ -143,8 +143,8 @@ class BlockSparseAttention:
     def reset(self) -> None:
         self.dense_calls = 0
         self.sparse_calls = 0
-        self._kept = torch.zeros((), dtype=torch.int64)
-        self._total = 0
+        self._kept: torch.Tensor | int = 0  # summed on the device, read once per request
+        self.total_pairs = 0
 
     def arm(self, sparse_from_row: int | None) -> None:
         """Sparse calls from now on, over a sequence whose rows before `sparse_from_row` are the dense prefix; None:
@@ -158,16 +158,19 @@ class BlockSparseAttention:
         selection = select_key_blocks(q, k, self.sparse_from_row, self.density, self.mass, self.local_blocks)
         self.sparse_calls += 1
         heads = selection.kv_counts.shape[0]
-        # kept pairs summed on the device (no sync per call); read once per request
-        self._kept = self._kept.to(q.device) + selection.kv_counts.sum() + heads * selection.dense_query_blocks * \
-            selection.blocks
-        self._total += selection.total_pairs
+        self._kept = self._kept + selection.kv_counts.sum() + heads * selection.dense_query_blocks * selection.blocks
+        self.total_pairs += selection.total_pairs
         if q.device.type != "cuda":
             return masked_attention(q, k, v, selection)
         from vflash_kernels.block_sparse_attention import block_sparse_attention
 
         return block_sparse_attention(q, k, v, selection.kv_blocks, selection.kv_counts, selection.dense_query_blocks)
 
+    @property
+    def kept_pairs(self) -> int:
+        """(query block, key block) pairs computed in this request's sparse calls, summed over heads (a sync)."""
+        return int(self._kept)
+
     def density_reached(self) -> float | None:
         """Kept (query block, key block) pairs over all pairs of this request's sparse calls (None: none ran)."""
-        return float(self._kept) / self._total if self._total else None
+        return self.kept_pairs / self.total_pairs if self.total_pairs else None

@@ -1,0 +1,246 @@
+"""The named fast modes: the block selection, the block-sparse kernel against its masked dense reference, the
+session's sparse attention and step cache on the tiny model, and the refusals.
+
+The kernel runs in Triton's interpreter in a subprocess started with TRITON_INTERPRET=1 (so triton's own library
+functions, `tl.max` and `tl.sum`, are decorated for the interpreter too), in fp16: the interpreter's bf16 arithmetic
+is not the GPU's. The `gpu` test compares bf16 on CUDA.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import TINY, assert_bitwise
+
+from vflash_core import Geometry, NativeEngineSession, build_keyframe_bundle
+from vflash_core.engine.fast_mode import FastMode
+from vflash_core.engine.sparse_attention import (
+    BLOCK_ROWS,
+    BlockSparseAttention,
+    masked_attention,
+    select_key_blocks,
+)
+from vflash_core.errors import VflashError
+
+ROOT = Path(__file__).resolve().parent.parent
+HEIGHT, WIDTH, FRAMES = 256, 448, 124  # 4,144 generated video rows of the tiny model: 33 video blocks
+
+
+def _qkv(rows: int, heads: int = 2, head_dim: int = 16, seed: int = 0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(1, rows, heads, head_dim, generator=g).to(dtype) for _ in range(3))
+
+
+# -- the selection ------------------------------------------------------------------------------------------------
+
+
+def test_selection_keeps_prefix_local_blocks_and_respects_the_density_cap():
+    rows, prefix_rows = 40 * BLOCK_ROWS + 50, 300  # ragged last block; the prefix ends inside block 2
+    q, k, _ = _qkv(rows)
+    sel = select_key_blocks(q, k, prefix_rows, density=0.2, mass=1.0, local_blocks=1)
+    assert sel.blocks == 41 and sel.dense_query_blocks == 3
+    video = 41 - 3
+    mask = sel.block_mask()
+    assert mask[:, :3].all(), "a query block holding a prefix row attends every key"
+    assert mask[:, :, :3].all(), "every query block attends every prefix key block"
+    for i in range(3, 41):
+        for j in (i - 1, i, i + 1):
+            if 3 <= j < 41:
+                assert mask[:, i, j].all(), f"query block {i} keeps its neighbour {j}"
+    kept_video = mask[:, 3:, 3:].sum(-1)
+    assert int(kept_video.max()) == math.ceil(0.2 * video), "mass 1.0: the density cap decides"
+    assert sel.kv_counts.tolist() == (kept_video + 3).tolist()
+    assert 0 < sel.kept_pairs / sel.total_pairs < 0.5
+
+
+def test_selection_mass_threshold_keeps_the_dominant_block():
+    rows = 20 * BLOCK_ROWS
+    q, k, _ = _qkv(rows)
+    # Every query shares a direction per head, and one key block points along it: that block holds most of the mass.
+    direction = torch.randn(1, 1, 2, 16, generator=torch.Generator().manual_seed(9))
+    q = q + direction
+    k[:, 15 * BLOCK_ROWS : 16 * BLOCK_ROWS] = direction * 5
+    sel = select_key_blocks(q, k, BLOCK_ROWS, density=0.5, mass=0.5, local_blocks=0)
+    mask = sel.block_mask()
+    assert mask[:, 1:, 15].all(), "the block with most of the pooled mass is kept by every query block"
+    # mass 0.5 is reached by it alone: apart from the diagonal, nothing else
+    assert int(mask[:, 1:, 1:].sum(-1).max()) <= 2
+
+
+def test_full_density_equals_dense_attention():
+    q, k, v = _qkv(5 * BLOCK_ROWS + 7)
+    sel = select_key_blocks(q, k, 200, density=1.0, mass=1.0, local_blocks=0)
+    assert sel.kept_pairs == sel.total_pairs
+    dense = F.scaled_dot_product_attention(*(t.permute(0, 2, 1, 3) for t in (q, k, v))).permute(0, 2, 1, 3)
+    torch.testing.assert_close(masked_attention(q, k, v, sel), dense, atol=1e-6, rtol=1e-5)
+
+
+def test_attention_is_dense_until_armed():
+    calls = []
+    dense = lambda q, k, v: calls.append(q.shape) or q  # noqa: E731
+    attention = BlockSparseAttention(dense, density=0.25, mass=0.9, local_blocks=1)
+    q, k, v = _qkv(4 * BLOCK_ROWS)
+    assert attention(q, k, v) is q and attention.dense_calls == 1 and attention.sparse_calls == 0
+    attention.arm(BLOCK_ROWS)
+    out = attention(q, k, v)
+    assert out.shape == q.shape and attention.sparse_calls == 1 and len(calls) == 1
+    assert 0 < attention.density_reached() < 1
+
+
+# -- the kernel in the interpreter ----------------------------------------------------------------------------------
+
+
+def test_kernel_matches_the_masked_reference_in_the_interpreter():
+    """fp16 (1, 5 blocks + 19 rows, 2 heads, 64): dense leading query blocks, listed blocks in any order, a ragged last
+    block; and an all-dense selection."""
+    script = textwrap.dedent("""
+        import json, torch
+        from vflash_kernels.block_sparse_attention import block_sparse_attention
+        from vflash_core.engine.sparse_attention import masked_attention, select_key_blocks
+        g = torch.Generator().manual_seed(3)
+        q, k, v = (torch.randn(1, 5 * 128 + 19, 2, 64, generator=g).half() for _ in range(3))
+        diffs = []
+        for prefix_rows, density in ((200, 0.4), (5 * 128 + 19, 1.0)):
+            sel = select_key_blocks(q, k, prefix_rows, density, 1.0, 0)
+            # the listed blocks reversed: their order must not matter
+            position = torch.arange(sel.kv_blocks.shape[-1])
+            counts = sel.kv_counts[..., None].long()
+            reverse = torch.where(position < counts, counts - 1 - position, position)
+            lists = sel.kv_blocks.gather(-1, reverse).contiguous()
+            out = block_sparse_attention(q, k, v, lists, sel.kv_counts, sel.dense_query_blocks)
+            ref = masked_attention(q.float(), k.float(), v.float(), sel)
+            diffs.append(float((out.float() - ref).abs().max()))
+        dense = torch.nn.functional.scaled_dot_product_attention(*(t.float().permute(0, 2, 1, 3) for t in (q, k, v)))
+        print(json.dumps({"diffs": diffs, "sparse_vs_dense": float((out.float() - dense.permute(0, 2, 1, 3)).abs().max())}))
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert max(result["diffs"]) < 2e-3, result  # fp16 operands, fp32 accumulation on both sides
+    assert result["sparse_vs_dense"] < 2e-3, "the all-dense selection is dense attention"
+
+
+# -- the options ----------------------------------------------------------------------------------------------------
+
+
+def test_fast_mode_names_and_refusals():
+    assert FastMode.parse(None).exact and FastMode.parse("exact").exact and FastMode.parse("").exact
+    both = FastMode.parse("sparse-attention+step-cache")
+    assert both.sparse_attention and both.step_cache and both.name == "sparse-attention+step-cache"
+    assert FastMode.parse("step-cache, sparse-attention").modes == ("step-cache", "sparse-attention")
+    with pytest.raises(VflashError, match="unknown fast mode 'teacache'"):
+        FastMode.parse("teacache")
+    with pytest.raises(VflashError, match="sparse_density must be a number above 0 and at most 1"):
+        FastMode.parse("sparse-attention", sparse_density=1.5)
+    with pytest.raises(VflashError, match="step-cache runs on one GPU"):
+        FastMode.parse("step-cache").check_placement(2, "sequence-head")
+    with pytest.raises(VflashError, match="not with tensor"):
+        FastMode.parse("sparse-attention").check_placement(2, "tensor")
+    assert set(both.settings()) == {"sparse_density", "sparse_mass", "sparse_local_blocks", "sparse_dense_edge_layers",
+                                    "sparse_dense_evaluations", "step_cache_threshold", "step_cache_warmup"}
+
+
+# -- the session on the tiny model ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bundle():
+    g = torch.Generator().manual_seed(5)
+    embeds = torch.randn(6, TINY.text_dim, generator=g).to(torch.bfloat16)
+    return build_keyframe_bundle(embeds, torch.ones(6, dtype=torch.long), Geometry(HEIGHT, WIDTH, FRAMES), TINY,
+                                 torch.Generator().manual_seed(7))
+
+
+@pytest.fixture(scope="module")
+def exact(tiny_compiled, bundle):
+    with NativeEngineSession("t2va-base4-exact-cpu", **tiny_compiled) as session:
+        return session.generate(bundle)
+
+
+def test_sparse_attention_session_reports_what_ran(tiny_compiled, bundle, exact):
+    mode = FastMode(("sparse-attention",), sparse_density=0.2, sparse_dense_edge_layers=0)
+    with NativeEngineSession("t2va-base4-exact-cpu", **tiny_compiled, fast_mode=mode) as session:
+        result = session.generate(bundle)
+        again = session.generate(bundle)
+    report = result.metadata["fast_mode"]["sparse_attention"]
+    assert result.metadata["exact"] is False and exact.metadata["exact"] is True
+    assert report["sparse_calls"] == 3 * TINY.num_layers, "evaluation 0 dense, every layer of the 3 others sparse"
+    assert report["dense_calls"] == TINY.num_layers, "the main blocks of evaluation 0 (the text refiner not counted)"
+    assert report["backend"] == "masked-sdpa" and 0.1 < report["density_reached"] < 0.6
+    assert result.metadata["fast_mode"]["settings"]["sparse_density"] == 0.2
+    assert torch.isfinite(result.video_latents).all()
+    assert not torch.equal(result.video_latents, exact.video_latents), "sparse attention changes the trajectory"
+    assert_bitwise(again.video_latents, result.video_latents, "a second request of the same session")
+    rel = float((result.video_latents - exact.video_latents).norm() / exact.video_latents.norm())
+    assert rel < 0.5
+
+
+def test_sparse_attention_at_full_density_stays_close_to_exact(tiny_compiled, bundle, exact):
+    mode = FastMode(("sparse-attention",), sparse_density=1.0, sparse_mass=1.0, sparse_dense_edge_layers=0)
+    with NativeEngineSession("t2va-base4-exact-cpu", **tiny_compiled, fast_mode=mode) as session:
+        result = session.generate(bundle)
+    assert result.metadata["fast_mode"]["sparse_attention"]["density_reached"] == 1.0
+    torch.testing.assert_close(result.video_latents, exact.video_latents, atol=2e-2, rtol=2e-2)
+
+
+def test_dense_edge_layers_and_evaluations_leave_nothing_sparse(tiny_compiled, bundle, exact):
+    mode = FastMode(("sparse-attention",), sparse_dense_edge_layers=1)  # the tiny model's 2 layers are both edges
+    with NativeEngineSession("t2va-base4-exact-cpu", **tiny_compiled, fast_mode=mode) as session:
+        result = session.generate(bundle)
+    assert result.metadata["fast_mode"]["sparse_attention"]["sparse_calls"] == 0
+    assert result.metadata["fast_mode"]["sparse_attention"]["density_reached"] is None
+    assert_bitwise(result.video_latents, exact.video_latents, "no sparse layer: the exact trajectory")
+
+
+@pytest.mark.parametrize("residency", ["resident", "block-ring"])
+def test_step_cache_skips_and_reports(tiny_compiled, bundle, exact, residency):
+    mode = FastMode(("step-cache",), step_cache_threshold=10.0, step_cache_warmup=1)
+    with NativeEngineSession("t2va-base4-exact-cpu", **tiny_compiled, fast_mode=mode,
+                             weight_residency=residency) as session:
+        result = session.generate(bundle)
+    report = result.metadata["fast_mode"]
+    # evaluation 0 has nothing to compare with; 1 reuses; 2 follows a reused one; 3 is the last
+    assert report["step_cache"]["evaluations_cached"] == [1]
+    layers = TINY.num_layers
+    assert report["block_evaluations"] == 4 * layers - (layers - 1) and report["block_evaluations_exact"] == 4 * layers
+    assert not torch.equal(result.video_latents, exact.video_latents)
+
+
+def test_step_cache_in_a_block_ring_equals_resident(tiny_compiled, bundle):
+    mode = FastMode(("step-cache",), step_cache_threshold=10.0, step_cache_warmup=1)
+    results = []
+    for residency in ("resident", "block-ring"):
+        with NativeEngineSession("t2va-base4-exact-cpu", **tiny_compiled, fast_mode=mode,
+                                 weight_residency=residency) as session:
+            results.append(session.generate(bundle))
+    assert_bitwise(results[1].video_latents, results[0].video_latents, "block-ring vs resident under the step cache")
+
+
+def test_step_cache_that_never_reuses_is_exact(tiny_compiled, bundle, exact):
+    mode = FastMode(("step-cache",), step_cache_threshold=1e-9)
+    with NativeEngineSession("t2va-base4-exact-cpu", **tiny_compiled, fast_mode=mode) as session:
+        result = session.generate(bundle)
+    assert result.metadata["fast_mode"]["step_cache"]["evaluations_cached"] == []
+    assert_bitwise(result.video_latents, exact.video_latents, "video latents")
+    assert_bitwise(result.audio_latents, exact.audio_latents, "audio latents")
+
+
+def test_step_cache_on_a_16_evaluation_profile(tmp_path_factory, tiny_transformer, bundle):
+    from conftest import compile_tiny
+
+    compiled = compile_tiny(tmp_path_factory.mktemp("c16"), tiny_transformer, "t2va-base16-exact-cpu")
+    mode = FastMode(("step-cache",), step_cache_threshold=10.0)
+    with NativeEngineSession("t2va-base16-exact-cpu", **compiled, fast_mode=mode) as session:
+        report = session.generate(bundle).metadata["fast_mode"]
+    assert report["step_cache"]["evaluations_cached"] == [2, 4, 6, 8, 10, 12, 14]
+    assert len(report["step_cache"]["first_block_change"]) == 16

@@ -1,0 +1,240 @@
+"""The named fast modes: approximate execution a user asks for by name, never the default.
+
+`FastMode()` is exact (the default everywhere). Two mechanisms can be named, alone or together
+(`FastMode.parse("sparse-attention,step-cache")`):
+
+* `sparse-attention`: block-sparse attention in the main blocks (`sparse_attention`): the generated video's query
+  blocks attend the prefix (text, conditioning, audio), their local neighbourhood and the key blocks with the
+  highest pooled scores; prefix rows stay dense. Dense where errors cost most: the first `sparse_dense_evaluations`
+  evaluations (the composition forms there) and `sparse_dense_edge_layers` layers at each end of the stack.
+* `step-cache`: the first block's residual decides whether an evaluation reuses the previous evaluation's residual of
+  the other blocks (`StepCache`): when it moved less than `step_cache_threshold` (relative L1) since the last fully
+  computed evaluation, blocks 1..L-1 are skipped and their cached residual is added instead. Never the first
+  `step_cache_warmup` evaluations, nor the last one, nor two evaluations in a row.
+
+Defaults, and why:
+
+* density 0.25 of the video key blocks, mass 0.9: at 1344x768 a quarter of the keys is where block-sparse attention
+  pays 2-3x in the kernel and published training-free selections keep most of the attention mass;
+* 3 dense edge layers at each end (44 of 50 sparse) and the first evaluation dense;
+* step-cache threshold 0.1 (relative L1 of the first block's residual), warm-up 2 evaluations: a conservative setting
+  of the first-block cache, which on a 16-evaluation schedule can skip at most every other evaluation after warm-up.
+
+Every result reports exact=false, the modes, the attention backend that ran, the density reached and the evaluations
+cached (`FastModeRun.report`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass, field, fields
+
+import torch
+
+from ..errors import Number, VflashError
+from .model import AttentionFn
+from .sparse_attention import BlockSparseAttention
+
+__all__ = ["FAST_MODES", "FastMode", "FastModeRun", "StepCache"]
+
+SPARSE_ATTENTION, STEP_CACHE = "sparse-attention", "step-cache"
+FAST_MODES = (SPARSE_ATTENTION, STEP_CACHE)
+
+_FRACTION = Number(float, 0, 1, above=True)
+_COUNT = Number(int, 0, 50)
+_THRESHOLD = Number(float, 0, 10, above=True)
+
+
+@dataclass(frozen=True)
+class FastMode:
+    """Which approximate mechanisms run, with their settings (see the module docstring); `FastMode()` is exact."""
+
+    modes: tuple[str, ...] = ()
+    sparse_density: float = 0.25
+    sparse_mass: float = 0.9
+    sparse_local_blocks: int = 1
+    sparse_dense_edge_layers: int = 3
+    sparse_dense_evaluations: int = 1
+    step_cache_threshold: float = 0.1
+    step_cache_warmup: int = 2
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.modes, tuple):
+            raise VflashError(f"fast mode names must be a tuple, got {self.modes!r}")
+        for mode in self.modes:
+            if mode not in FAST_MODES:
+                raise VflashError(f"unknown fast mode {mode!r}; choose from {', '.join(FAST_MODES)} (or exact)")
+        if len(set(self.modes)) != len(self.modes):
+            raise VflashError(f"fast mode named twice: {','.join(self.modes)}")
+        _FRACTION.check("sparse_density", self.sparse_density)
+        _FRACTION.check("sparse_mass", self.sparse_mass)
+        for name in ("sparse_local_blocks", "sparse_dense_edge_layers", "sparse_dense_evaluations",
+                     "step_cache_warmup"):
+            _COUNT.check(name, getattr(self, name))
+        _THRESHOLD.check("step_cache_threshold", self.step_cache_threshold)
+
+    @classmethod
+    def parse(cls, value: FastMode | str | None, **settings: object) -> FastMode:
+        """A `FastMode` from itself, None / "" / "exact" (exact), or names joined by commas or "+"."""
+        if isinstance(value, FastMode):
+            return value if not settings else cls(**{**asdict(value), **settings})  # type: ignore[arg-type]
+        if value is not None and not isinstance(value, str):
+            raise VflashError(f"fast_mode must be a name such as {SPARSE_ATTENTION!r}, got {value!r}")
+        names = [] if value in (None, "", "exact") else [n.strip() for n in value.replace("+", ",").split(",")]
+        return cls(tuple(names), **settings)  # type: ignore[arg-type]
+
+    @property
+    def exact(self) -> bool:
+        return not self.modes
+
+    @property
+    def sparse_attention(self) -> bool:
+        return SPARSE_ATTENTION in self.modes
+
+    @property
+    def step_cache(self) -> bool:
+        return STEP_CACHE in self.modes
+
+    @property
+    def name(self) -> str:
+        return "+".join(self.modes) or "exact"
+
+    def check_placement(self, devices: int, strategy: str | None) -> None:
+        """Refuse, in one line, a mode asked for where it cannot run."""
+        if self.step_cache and devices > 1:
+            raise VflashError(
+                "fast mode step-cache runs on one GPU (every rank would have to agree on each skip); "
+                "with a peer GPU use sparse-attention alone"
+            )
+        if self.sparse_attention and strategy == "tensor":
+            raise VflashError("fast mode sparse-attention runs on one GPU or with sequence-head, not with tensor")
+
+    def settings(self) -> dict[str, object]:
+        """The settings of the modes that run (for a result's report)."""
+        prefixes = [m.replace("-", "_").removesuffix("_attention") + "_" for m in self.modes]
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name != "modes" and any(f.name.startswith(p) for p in prefixes)}
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        """`--fast-mode` and the settings worth a flag (`vflash generate`, `denoise`, `serve`, `compare`)."""
+        parser.add_argument("--fast-mode", default="exact", metavar="MODES",
+                            help=f"approximate, off by default: {' and/or '.join(FAST_MODES)} (comma-separated); "
+                                 "exact (default) keeps the reference's bits")
+        parser.add_argument("--sparse-density", type=_FRACTION.option("--sparse-density"),
+                            default=FastMode.sparse_density, metavar="FRACTION",
+                            help="sparse-attention: the largest share of video key blocks a video query block attends "
+                                 f"(default {FastMode.sparse_density})")
+        parser.add_argument("--step-cache-threshold", type=_THRESHOLD.option("--step-cache-threshold"),
+                            default=FastMode.step_cache_threshold, metavar="X", help="step-cache: reuse the cached blocks' residual while the first block's "
+                                              f"residual moved less than X (relative L1; default "
+                                              f"{FastMode.step_cache_threshold})")
+
+    @classmethod
+    def from_arguments(cls, args: argparse.Namespace) -> FastMode:
+        return cls.parse(args.fast_mode, sparse_density=args.sparse_density,
+                         step_cache_threshold=args.step_cache_threshold)
+
+
+class StepCache:
+    """The first-block cache of one request: decides per evaluation whether blocks 1..L-1 run, and keeps what reuse
+    needs (the first block's residual of the last fully computed evaluation and the other blocks' residual)."""
+
+    def __init__(self, threshold: float, warmup: int, evaluations: int):
+        self.threshold, self.warmup, self.evaluations = threshold, warmup, evaluations
+        self.first_residual: torch.Tensor | None = None
+        self.rest_residual: torch.Tensor | None = None
+        self.cached: list[int] = []  # evaluations that reused the residual
+        self.changes: list[float | None] = []  # per evaluation: the first block's relative change (None: not compared)
+        self._previous_cached = False
+
+    def reuse(self, step: int, first_residual: torch.Tensor) -> bool:
+        """Whether evaluation `step`, whose first block added `first_residual`, reuses the cached residual (one host
+        sync: the comparison)."""
+        if self.first_residual is None or self.rest_residual is None:
+            self.changes.append(None)
+            return False
+        change = float((first_residual - self.first_residual).abs().float().mean()
+                       / self.first_residual.abs().float().mean().clamp_min(1e-12))
+        self.changes.append(change)
+        allowed = step >= self.warmup and step < self.evaluations - 1 and not self._previous_cached
+        self._previous_cached = allowed and change < self.threshold
+        if self._previous_cached:
+            self.cached.append(step)
+        return self._previous_cached
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """The stream after the first block -> the stream after the last, from the cached residual."""
+        assert self.rest_residual is not None  # `reuse` said yes only with one
+        return x + self.rest_residual
+
+    def store(self, first_residual: torch.Tensor, rest_residual: torch.Tensor) -> None:
+        self.first_residual, self.rest_residual = first_residual, rest_residual
+
+    def close(self) -> None:
+        self.first_residual = self.rest_residual = None
+
+
+@dataclass
+class FastModeRun:
+    """One device's fast mode: the sparse attention its blocks call (None without sparse-attention) and the request's
+    step cache; the denoiser arms them per evaluation and layer."""
+
+    mode: FastMode
+    attention: BlockSparseAttention | None
+    step_cache: StepCache | None = None
+    layers: int = 0
+    block_evaluations: int = 0
+    report_extra: dict[str, object] = field(default_factory=dict)
+
+    @classmethod
+    def wrap(cls, mode: FastMode, dense: AttentionFn) -> tuple[FastModeRun, AttentionFn]:
+        """The run object and the attention function the blocks should call (`dense` itself without
+        sparse-attention)."""
+        if not mode.sparse_attention:
+            return cls(mode, None), dense
+        attention = BlockSparseAttention(dense, mode.sparse_density, mode.sparse_mass, mode.sparse_local_blocks)
+        return cls(mode, attention), attention
+
+    def start_request(self, evaluations: int, layers: int) -> None:
+        self.layers, self.block_evaluations = layers, 0
+        if self.attention is not None:
+            self.attention.reset()
+            self.attention.arm(None)
+        if self.step_cache is not None:
+            self.step_cache.close()
+        self.step_cache = (
+            StepCache(self.mode.step_cache_threshold, self.mode.step_cache_warmup, evaluations)
+            if self.mode.step_cache else None
+        )
+
+    def arm_layer(self, step: int, layer: int, sparse_from_row: int) -> None:
+        """Before layer `layer` of evaluation `step`: sparse or dense attention for it."""
+        self.block_evaluations += 1
+        if self.attention is None:
+            return
+        edge = self.mode.sparse_dense_edge_layers
+        sparse = step >= self.mode.sparse_dense_evaluations and edge <= layer < self.layers - edge
+        self.attention.arm(sparse_from_row if sparse else None)
+
+    def end_evaluation(self) -> None:
+        if self.attention is not None:
+            self.attention.arm(None)
+
+    def report(self, evaluations: int, attention_backend: str) -> dict[str, object]:
+        """What ran for the request: exact=false, the modes and their settings, and per mechanism what it did."""
+        report: dict[str, object] = {"exact": False, "modes": list(self.mode.modes), "settings": self.mode.settings(),
+                                     "block_evaluations": self.block_evaluations,
+                                     "block_evaluations_exact": evaluations * self.layers}
+        if self.attention is not None:
+            report["sparse_attention"] = {
+                "backend": "vflash-block-sparse-triton" if attention_backend != "torch-sdpa" else "masked-sdpa",
+                "dense_backend": attention_backend,
+                "sparse_calls": self.attention.sparse_calls, "dense_calls": self.attention.dense_calls,
+                "density_reached": self.attention.density_reached(),
+            }
+        if self.step_cache is not None:
+            report["step_cache"] = {"evaluations_cached": list(self.step_cache.cached),
+                                    "first_block_change": self.step_cache.changes}
+            self.step_cache.close()
+        return report
