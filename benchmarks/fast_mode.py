@@ -28,21 +28,28 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, environment, median_ms, write_result  # noqa: E402
+from _common import PROFILE, RESULTS, compiled_model, environment, full_width, median_ms, request, write_result  # noqa: E402,I001
 
+from vflash_core.engine.artifact import CompiledArtifact  # noqa: E402
+from vflash_core.engine.denoise import Denoiser  # noqa: E402
+from vflash_core.engine.fast_mode import FastMode, FastModeRun  # noqa: E402
+from vflash_core.engine.fused import FusedOps  # noqa: E402
+from vflash_core.engine.profiler import StageTimer  # noqa: E402
+from vflash_core.engine.residency import BlockSource, ResidentBlocks  # noqa: E402
 from vflash_core.engine.sparse_attention import masked_attention, select_key_blocks  # noqa: E402
 
 HEADS, HEAD_DIM, PREFIX_ROWS = 56, 128, 512
 KERNEL_ROWS = {"960x544 5 s": 19_796, "1344x768 5 s": 38_222, "1344x768 10 s": 73_898, "1344x768 15 s": 104_478}
 DENSITIES = (0.15, 0.25, 0.5)
 LAUNCH_SETTINGS = [(w, s) for w in (4, 8) for s in (2, 3, 4)]
+DEVICE = "cuda:0"
 
 
 def gpu_name() -> str:
@@ -127,8 +134,116 @@ def kernel_phase(records: list[dict], sweep: bool) -> None:
                 record["launch_settings_ms"] = settings
             print(json.dumps(record), flush=True)
             records.append(record)
-        del q, k, v
+        q = k = v = None  # noqa: F841 - frees the inputs before the next size's
         torch.cuda.empty_cache()
+
+
+class CycledBlocks(BlockSource):
+    """`layers` blocks made of a few resident ones, in turn (the work of a deeper stack on the weights that fit)."""
+
+    def __init__(self, blocks: ResidentBlocks, layers: int):
+        self.blocks, self.layers = blocks.blocks, layers
+        self.device_weight_bytes = blocks.device_weight_bytes
+
+    def __iter__(self):
+        return (self.blocks[i % len(self.blocks)] for i in range(self.layers))
+
+
+def _denoiser(paths: dict[str, Path], mode: FastMode, layers: int | None = None) -> Denoiser:
+    """A fused FA3 denoiser over the compiled blocks (cycled to `layers`), under `mode`."""
+    artifact = CompiledArtifact(**paths)
+    device = torch.device(DEVICE)
+    resident = ResidentBlocks(artifact, device)
+    fast, attention = FastModeRun.wrap(mode, _fa3())
+    den = Denoiser(artifact, CycledBlocks(resident, layers) if layers else resident, device,
+                   FusedOps(artifact.config, attention))
+    den.fast = None if mode.exact else fast
+    return den
+
+
+def _start(den: Denoiser, bundle, layers: int | None):
+    state = den.start_request(bundle)
+    if layers:
+        for plan in state.plans:
+            tables = plan.tables.blocks
+            plan.tables = replace(plan.tables, blocks=[tables[i % len(tables)] for i in range(layers)])
+        if den.fast is not None:
+            den.fast.start_request(den.nfe, layers)
+    return state
+
+
+SPARSE = FastMode(("sparse-attention",))
+STEP_CACHE = FastMode(("step-cache",))
+
+
+def evaluation_phase(records: list[dict], cache: Path, seconds_list: list[int]) -> None:
+    """One whole 50-layer evaluation (step 1: sparse under the default dense evaluations), exact and sparse."""
+    _, paths = compiled_model(cache, 4)
+    config = full_width(50)
+    for seconds in seconds_list:
+        bundle = request(config, "1344x768", float(seconds))
+        rows = bundle.layout.sequence_length
+        times, outputs, reports = {}, {}, {}
+        for name, mode in (("exact", FastMode()), ("sparse-attention", SPARSE)):
+            den = _denoiser(paths, mode, config.num_layers)
+            state = _start(den, bundle, config.num_layers)
+            repeat = 3 if seconds == 5 else 2
+            times[name] = median_ms(lambda: den.evaluate(state, 1), 1, repeat)
+            outputs[name] = den.evaluate(state, 1)[0].float()
+            if den.fast is not None and den.fast.attention is not None:
+                reports[name] = den.fast.attention.density_reached()
+            den.close()
+            den = state = None  # noqa: F841 - frees the request's tensors before the next side's
+            torch.cuda.empty_cache()
+        exact = outputs["exact"]
+        rel = float((outputs["sparse-attention"] - exact).norm() / exact.norm())
+        record = {
+            "phase": "evaluation", "canvas": "1344x768", "seconds": seconds, "rows": rows, "mode": "sparse-attention",
+            "layers": config.num_layers, "sparse_layers": config.num_layers - 2 * SPARSE.sparse_dense_edge_layers,
+            "density_cap": SPARSE.sparse_density, "density": round(reports["sparse-attention"], 4),
+            "exact_ms": round(times["exact"], 1), "fast_ms": round(times["sparse-attention"], 1),
+            "evaluation_speedup_vs_exact": round(times["exact"] / times["sparse-attention"], 3),
+            "velocity_rel_l2_vs_exact": round(rel, 4),
+        }
+        print(json.dumps(record), flush=True)
+        records.append(record)
+
+
+def step_cache_phase(records: list[dict], cache: Path) -> None:
+    """A whole 16-evaluation Base16 request on 4 full-width blocks, exact and with the step cache."""
+    _, paths = compiled_model(cache, 4)
+    bundle = request(full_width(4), "1344x768", 5.0)
+    results, times, reports = {}, {}, {}
+    for name, mode in (("exact", FastMode()), ("step-cache", STEP_CACHE)):
+        den = _denoiser(paths, mode)
+        den.run(bundle, StageTimer(den.device, False))  # warm-up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = den.run(bundle, StageTimer(den.device, False))
+        end.record()
+        end.synchronize()
+        times[name], results[name] = start.elapsed_time(end), out
+        if den.fast is not None:
+            reports[name] = den.fast.report(den.nfe, "fa3")
+        den.close()
+        torch.cuda.empty_cache()
+    report = reports["step-cache"]
+    exact = results["exact"].video_latents
+    record = {
+        "phase": "step_cache", "canvas": "1344x768", "seconds": 5, "rows": bundle.layout.sequence_length,
+        "mode": "step-cache", "profile": PROFILE, "evaluations": 16, "layers": 4,
+        "threshold": STEP_CACHE.step_cache_threshold, "evaluations_cached": report["step_cache"]["evaluations_cached"],
+        "first_block_change": [None if c is None else round(c, 4) for c in report["step_cache"]["first_block_change"]],
+        "block_evaluations": report["block_evaluations"], "block_evaluations_exact": report["block_evaluations_exact"],
+        "block_evaluation_reduction": round(report["block_evaluations_exact"] / report["block_evaluations"], 3),
+        "block_evaluation_reduction_at_50_layers": round(
+            16 * 50 / (16 * 50 - 49 * len(report["step_cache"]["evaluations_cached"])), 3),
+        "exact_request_ms": round(times["exact"], 1), "fast_request_ms": round(times["step-cache"], 1),
+        "request_speedup_vs_exact": round(times["exact"] / times["step-cache"], 3),
+        "latent_rel_l2_vs_exact": round(float((results["step-cache"].video_latents - exact).norm() / exact.norm()), 4),
+    }
+    print(json.dumps(record), flush=True)
+    records.append(record)
 
 
 def main() -> None:
@@ -137,6 +252,8 @@ def main() -> None:
                         choices=["kernel", "evaluation", "step_cache"])
     parser.add_argument("--sweep", action="store_true", help="also time every launch setting (kernel phase)")
     parser.add_argument("--cache", type=Path, default=Path("/tmp/vflash-bench"))
+    parser.add_argument("--seconds", type=int, nargs="+", default=[5, 10, 15], choices=[5, 10, 15],
+                        help="clip lengths of the evaluation phase")
     args = parser.parse_args()
     name = f"fast_mode_{gpu_name()}"
     path = RESULTS / f"{name}.json"
@@ -144,15 +261,18 @@ def main() -> None:
     records = [r for r in kept if r["phase"] not in args.phases]
     if "kernel" in args.phases:
         kernel_phase(records, args.sweep)
-    summary = {}
-    for phase, key in (("kernel", "kernel_speedup_vs_fa3_dense"),):
-        rows = [r for r in records if r["phase"] == phase]
-        if rows:
-            summary[key] = {f"{r['rows']}@{r['density_cap']}": r[key] for r in rows}
-    write_result(name, {**environment(), "results": summary, "records": records,
-                        "median_kernel_speedup_at_0.25": statistics.median(
-                            [r["kernel_speedup_vs_fa3_dense"] for r in records
-                             if r["phase"] == "kernel" and r["density_cap"] == 0.25] or [0.0])})
+    if "evaluation" in args.phases:
+        evaluation_phase(records, args.cache, args.seconds)
+    if "step_cache" in args.phases:
+        step_cache_phase(records, args.cache)
+    summary: dict[str, object] = {}
+    for phase, key, label in (
+        ("kernel", "kernel_speedup_vs_fa3_dense", lambda r: f"N {r['rows']}, density cap {r['density_cap']}"),
+        ("evaluation", "evaluation_speedup_vs_exact", lambda r: f"1344x768 {r['seconds']} s"),
+        ("step_cache", "block_evaluation_reduction", lambda r: f"1344x768 {r['seconds']} s, 16 evaluations"),
+    ):
+        summary[key] = {label(r): r[key] for r in records if r["phase"] == phase}
+    write_result(name, {**environment(), "results": summary, "records": records})
 
 
 if __name__ == "__main__":
