@@ -39,7 +39,8 @@ from _common import PROFILE, RESULTS, compiled_model, environment, full_width, m
 
 from vflash_core.engine.artifact import CompiledArtifact  # noqa: E402
 from vflash_core.engine.denoise import Denoiser  # noqa: E402
-from vflash_core.engine.fast_mode import FastMode, FastModeRun  # noqa: E402
+from vflash_core.engine.fast_mode import FastMode  # noqa: E402
+from vflash_core.engine.fast_mode_run import FastModeRun  # noqa: E402
 from vflash_core.engine.fused import FusedOps  # noqa: E402
 from vflash_core.engine.profiler import StageTimer  # noqa: E402
 from vflash_core.engine.residency import BlockSource, ResidentBlocks  # noqa: E402

@@ -142,7 +142,7 @@ def block_sparse_attention(
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         sources = tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [BLOCK_ROWS, head_dim])
-                        for t in (q2, k2, v2))  # type: ignore[assignment]
+                        for t in (q2, k2, v2))
     _block_sparse_attention_kernel[(query_blocks, heads)](
         *sources, out2, kv_blocks, kv_counts,
         rows, query_blocks, dense_query_blocks, kv_blocks.shape[2], _LOG2E / math.sqrt(head_dim),

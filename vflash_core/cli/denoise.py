@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 
+from ..engine.fast_mode import FastMode
 from ..errors import VflashError
 from ..formats import GPU_INDEX
 from ..memory_plan import DEVICE_MEMORY_GIB
@@ -42,6 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--attention-backend", default="auto", help="auto, fa3, torch-cudnn, torch-flash, torch-sdpa, ...")
     p.add_argument("--profile-denoise", action="store_true",
                    help="per-evaluation, per-stage device timings in the report")
+    FastMode.add_arguments(p)
     p.set_defaults(handler=_denoise)
 
 
@@ -67,6 +69,7 @@ def _denoise(args: argparse.Namespace) -> int:
             weight_residency=args.weight_residency, attention_backend=args.attention_backend,
             max_device_memory=args.max_device_memory, max_host_memory=args.max_host_memory,
             on_load_progress=lambda done, total: bars("load weights", done, total),
+            fast_mode=FastMode.from_arguments(args),
         )
         with session:
             session.validate(bundle)

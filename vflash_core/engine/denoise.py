@@ -23,7 +23,8 @@ from . import model as M
 from .artifact import CompiledArtifact, StepTables
 from .bundle import ConditioningBundle
 from .config import H3Config
-from .fast_mode import FastMode, FastModeRun
+from .fast_mode import FastMode
+from .fast_mode_run import FastModeRun
 from .layout import audio_rows_to_latents, unpatchify
 from .profiler import NO_TIMER, StageTimer
 from .residency import BlockSource, device_loras

@@ -64,7 +64,8 @@ from .bundle import MODE_VARIANT, BundleHandoff, ConditioningBundle
 from .config import H3Config
 from .denoise import DenoiseOutput, Denoiser, denoise_bytes
 from .device_owner import release_host_memory
-from .fast_mode import FastMode, FastModeRun
+from .fast_mode import FastMode
+from .fast_mode_run import FastModeRun
 from .fp8 import FusedRowFP8Ops, RowFP8Execution, RowFP8Ops
 from .fused import FusedOps
 from .layout import FPS, largest_request_rows
@@ -439,8 +440,12 @@ class NativeEngineSession:
         output_latents: str | Path | None = None,
         profile_denoise: bool = False,
         preview: PreviewFn | None = None,
+        exact: bool = False,
     ) -> GenerationResult:
         """Denoise one request. `bundle` may be a bundle, a one-shot handoff, or a persisted bundle folder.
+
+        With `exact`, a session made with a fast mode runs this request exactly (its sparse attention stays dense and
+        nothing is cached: the bits of a session without the mode), e.g. to compare the two on one loaded model.
 
         `progress(done, total)` runs after every evaluation and `between_blocks()` between blocks (with several GPUs,
         at the next evaluation boundary); `preview(done, total, video)` after every evaluation too, with that
@@ -478,6 +483,10 @@ class NativeEngineSession:
             if isinstance(den.blocks, BlockRing):
                 den.blocks.time_copies(timer.copy_events if profile_denoise else None)
         start = time.perf_counter()
+        fast_runs = [den.fast for den in self._denoisers]
+        if exact:
+            for den in self._denoisers:
+                den.fast = None
         try:
             if self._group is None:
                 output = self._denoisers[0].run(
@@ -493,6 +502,9 @@ class NativeEngineSession:
             if not caller_caused or (self._group is not None and self._group.failed):
                 self._failure = f"{type(exc).__name__}: {exc}"
             raise
+        finally:
+            for den, run in zip(self._denoisers, fast_runs):
+                den.fast = run
         wall = time.perf_counter() - start
         self._requests += 1
         timing = SessionTiming(
@@ -513,9 +525,11 @@ class NativeEngineSession:
             "base_weights": {k: v for k, v in self.compiled.base_weights.items() if k != "files"},
             "nfe": self._denoisers[0].nfe,
             "memory": self._memory_report(),
-            "exact": self.fast_mode.exact and self.profile.fp8 is None and self.attention_backend != "fa3-fp8",
+            "exact": (
+                (exact or self.fast_mode.exact) and self.profile.fp8 is None and self.attention_backend != "fa3-fp8"
+            ),
         }
-        if not self.fast_mode.exact:
+        if not (exact or self.fast_mode.exact):
             metadata["fast_mode"] = self._fast_mode_report()
         summaries = [t.summary() for t in timers]
         profile: dict[str, object] | None = (

@@ -51,6 +51,7 @@ from ..engine.artifact import CompiledArtifact
 from ..engine.bundle import BundleHandoff, EncodedReference, build_keyframe_bundle, build_ref2va_bundle
 from ..engine.config import H3Config
 from ..engine.denoise import denoise_bytes
+from ..engine.fast_mode import FastMode
 from ..engine.layout import (
     FPS,
     VAE_FRAMES_PER_CHUNK,
@@ -480,7 +481,7 @@ def delivered_soundtrack(media: DecodedMedia) -> torch.Tensor:
 
 def largest_request(
     profile: Profile, config: H3Config | None = None, conditioner: TextConditioner | None = None,
-    vaes: MediaVAEs | None = None, canvas: CanvasRules | None = None,
+    vaes: MediaVAEs | None = None, canvas: CanvasRules | None = None, fast_mode: FastMode | None = None,
 ) -> dict[str, int]:
     """Transient bytes of each stage of the largest request a memory plan is sized for (the profile's longest clip on
     the model's 16:9 canvas, the released one by default, see `memory_plan.PLANNED_TEXT_ROWS`), for the parts given:
@@ -489,7 +490,7 @@ def largest_request(
     frames = largest_clip_frames(profile)
     needs: dict[str, int] = {}
     if config is not None:
-        needs["denoise"] = denoise_bytes(config, largest_request_rows(profile, config, (height, width)))
+        needs["denoise"] = denoise_bytes(config, largest_request_rows(profile, config, (height, width)), fast_mode)
     if conditioner is not None:
         processor = conditioner.image_processor
         pictures = PLANNED_PICTURES if set(profile.modes) - {"t2va"} else 0
@@ -621,7 +622,9 @@ class H3Pipeline:
                     plan = None
                     conditioner.keep_on_device = vaes.keep_on_device = options.encoder_residency == "resident"
                 else:
-                    largest = largest_request(assets.profile, compiled.config, conditioner, vaes, assets.canvas)
+                    largest = largest_request(
+                        assets.profile, compiled.config, conditioner, vaes, assets.canvas, options.fast_mode
+                    )
                     devices = [primary] + ([peer] if peer is not None else [])
                     sizes = compiled.part_sizes() + conditioner.part_sizes() + vaes.part_sizes()
                     plan = plan_memory(
@@ -636,6 +639,7 @@ class H3Pipeline:
                     attention_backend=options.attention_backend,
                     on_load_progress=None if progress is None else (lambda done, n: progress("load", 2 + done, total)),
                     plan=plan, native_denoiser_loader=native_denoiser_loader, block_loader=block_loader,
+                    fast_mode=options.fast_mode,
                 )
             except BaseException:
                 for part in loaded:  # a failed load (a loader hook's exception included) keeps nothing
@@ -756,7 +760,9 @@ class H3Pipeline:
         assert self.vaes.video_decoder is not None
         needs = {}
         if denoise:
-            needs["denoise"] = denoise_bytes(self.config, request_rows(self.config, geometry, 0))
+            needs["denoise"] = denoise_bytes(
+                self.config, request_rows(self.config, geometry, 0), self.options.fast_mode
+            )
         needs["decode"] = decode_bytes(
             self.vaes.video_vae, geometry.num_frames, geometry.height, geometry.width, self.vaes.video_decoder,
             DEFAULT_WINDOWS_PER_CALL,
@@ -773,8 +779,11 @@ class H3Pipeline:
         progress: StageProgress | None = None,
         cancel: Callable[[], None] | None = None,
         preview: PreviewFn | None = None,
+        exact: bool = False,
     ) -> VideoResult:
         """Generate one clip and write it to `output` (MP4; None keeps the decoded media in the result).
+
+        With `exact`, a pipeline run with a fast mode (`RunOptions.fast_mode`) renders this request exactly.
 
         `cancel()` is polled between stages, between the denoiser's evaluations and the video decoder's blocks; what
         it raises ends the request as `RequestCancelled`. `preview(done, total, video x0)` runs after every evaluation
@@ -784,11 +793,12 @@ class H3Pipeline:
         check_generate_arguments(request, output, overwrite, progress, cancel, preview)
         validated = time.perf_counter() - start
         with self._lock:
-            return self._run(request, plan, output, overwrite, progress, cancel, preview, validated)
+            return self._run(request, plan, output, overwrite, progress, cancel, preview, validated, exact)
 
     def _run(
         self, request: VideoRequest, plan: RequestPlan, output: str | Path | None, overwrite: bool,
         progress: StageProgress | None, cancel: Callable[[], None] | None, preview: PreviewFn | None, validated: float,
+        exact: bool = False,
     ) -> VideoResult:
         """One validated request, under the pipeline's lock; the clock starts after any wait for the lock."""
         start = time.perf_counter() - validated
@@ -825,7 +835,8 @@ class H3Pipeline:
 
             t = time.perf_counter()
             generation = self.session.generate(
-                handoff, progress=on_evaluation, profile_denoise=self.options.profile_denoise, preview=preview
+                handoff, progress=on_evaluation, profile_denoise=self.options.profile_denoise, preview=preview,
+                exact=exact,
             )
             stages["denoise"] = time.perf_counter() - t
             poll()

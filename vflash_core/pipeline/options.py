@@ -8,10 +8,11 @@ has the devices and that they are of the architecture the profile's tables were 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from ..engine.fast_mode import FastMode
 from ..engine.session import STRATEGIES, WEIGHT_RESIDENCIES
 from ..errors import VflashError, check_choice
 from ..formats import GPU_INDEX, check_device, gpu_device
@@ -34,7 +35,8 @@ class RunOptions:
     pinned arena does not fit it, the core's blocks stream from their compiled files: `weight_residency="disk-ring"`;
     None: not planned; on the CPU only with max_device_memory); media_video_input, media_video_threads: MP4 delivery;
     profile_denoise: per-evaluation device timings in the result (a diagnostic); verify_weights: re-hash the compiled
-    weights against their compile-time sha256 before loading them (slow)."""
+    weights against their compile-time sha256 before loading them (slow); fast_mode: exact by default, or a named
+    approximate mode (`engine.fast_mode.FastMode`, or its names: "sparse-attention", "step-cache" or both)."""
 
     device: int | str = "cpu"
     peer_device: int | str | None = None
@@ -48,8 +50,10 @@ class RunOptions:
     media_video_threads: int | None = None
     profile_denoise: bool = False
     verify_weights: bool = False
+    fast_mode: FastMode = field(default_factory=FastMode)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "fast_mode", FastMode.parse(self.fast_mode))  # a name is taken too
         check_choice("weight_residency", self.weight_residency, WEIGHT_RESIDENCIES)
         check_choice("encoder_residency", self.encoder_residency, ENCODER_RESIDENCIES)
         from ..engine.attention import BACKENDS
@@ -68,6 +72,7 @@ class RunOptions:
         if str(self.device) == "cpu":
             check_host_budget_on_cpu(self.max_host_memory, self.max_device_memory)
         check_disk_ring(self.weight_residency, 1 + (self.peer_device is not None))
+        self.fast_mode.check_placement(1 + (self.peer_device is not None), self.strategy)
         for name in ("profile_denoise", "verify_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise VflashError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -120,6 +125,7 @@ class RunOptions:
                                  f"{VIDEO_THREADS.describe().removeprefix('an integer ')} (default: automatic)")
         parser.add_argument("--verify-weights", action="store_true",
                             help="re-hash the compiled weights before loading them (slow; loading checks sizes only)")
+        FastMode.add_arguments(parser)
 
     @classmethod
     def from_arguments(cls, args: argparse.Namespace, **extra: object) -> RunOptions:
@@ -130,5 +136,6 @@ class RunOptions:
             encoder_residency=args.encoder_residency,
             max_device_memory=args.max_device_memory, max_host_memory=args.max_host_memory,
             media_video_input=args.media_video_input, media_video_threads=args.media_video_threads,
-            verify_weights=args.verify_weights, **extra,  # type: ignore[arg-type]
+            verify_weights=args.verify_weights, fast_mode=FastMode.from_arguments(args),
+            **extra,  # type: ignore[arg-type]
         )
