@@ -103,7 +103,7 @@ def kernel_phase(records: list[dict], sweep: bool) -> None:
                 q, k, v, selection.kv_blocks, selection.kv_counts, selection.dense_query_blocks)
             sparse_ms = median_ms(run, 2, 7)
             settings = {}
-            if sweep and rows == KERNEL_ROWS["1344x768 5 s"]:
+            if sweep and rows == KERNEL_ROWS["1344x768 5 s"] and density == 0.25:
                 for tma in (True, False):
                     for warps, stages in LAUNCH_SETTINGS:
                         try:

@@ -244,3 +244,25 @@ def test_step_cache_on_a_16_evaluation_profile(tmp_path_factory, tiny_transforme
         report = session.generate(bundle).metadata["fast_mode"]
     assert report["step_cache"]["evaluations_cached"] == [2, 4, 6, 8, 10, 12, 14]
     assert len(report["step_cache"]["first_block_change"]) == 16
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kernel_on_cuda_matches_the_masked_reference_bf16():
+    """bf16 at H3's head width (8 heads x 128, 4,171 rows: 33 blocks, the last ragged), the selection the mode runs."""
+    from vflash_kernels.block_sparse_attention import block_sparse_attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, 4171, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    for density in (0.15, 0.5, 1.0):
+        sel = select_key_blocks(q, k, 600, density, 0.9, 1)
+        out = block_sparse_attention(q, k, v, sel.kv_blocks, sel.kv_counts, sel.dense_query_blocks)
+        ref = masked_attention(q.float(), k.float(), v.float(), sel)
+        assert float((out.float() - ref).abs().max()) < 1e-2, density  # bf16 operands and output
+    # v as the fused projection's view (row stride 3I), as the blocks hand it over
+    qkv = torch.randn(1, 4171, 3 * 8 * 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    q2, k2, v2 = (t.unflatten(-1, (8, 128)) for t in qkv.split(8 * 128, dim=-1))
+    sel = select_key_blocks(q2, k2, 600, 0.25, 0.9, 1)
+    out = block_sparse_attention(q2, k2, v2, sel.kv_blocks, sel.kv_counts, sel.dense_query_blocks)
+    ref = masked_attention(q2.float(), k2.float(), v2.float(), sel)
+    assert float((out.float() - ref).abs().max()) < 1e-2
