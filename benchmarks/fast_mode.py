@@ -29,6 +29,7 @@ import argparse
 import json
 import math
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -273,7 +274,8 @@ def main() -> None:
         ("step_cache", "block_evaluation_reduction", lambda r: f"1344x768 {r['seconds']} s, 16 evaluations"),
     ):
         summary[key] = {label(r): r[key] for r in records if r["phase"] == phase}
-    write_result(name, {**environment(), "results": summary, "records": records})
+    write_result(name, {**environment(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                        "results": summary, "records": records})
 
 
 if __name__ == "__main__":
