@@ -246,6 +246,34 @@ def test_step_cache_on_a_16_evaluation_profile(tmp_path_factory, tiny_transforme
     assert len(report["step_cache"]["first_block_change"]) == 16
 
 
+def test_sparse_attention_with_sequence_head_equals_one_device(tmp_path_factory):
+    """Two CPU ranks (Gloo) split the heads: each selects for its own heads over the whole sequence, so the result is
+    the single device's, bit for bit."""
+    from dataclasses import replace
+
+    from conftest import compile_tiny
+
+    from vflash_core.weights import synthetic
+
+    wide = replace(TINY, num_attention_heads=4)
+    folder = tmp_path_factory.mktemp("wide4")
+    synthetic.write_diffusers_transformer(folder / "transformer", wide,
+                                          synthetic.random_internal_weights(wide, seed=2, dtype=torch.bfloat16))
+    compiled = compile_tiny(folder, folder / "transformer", "t2va-base4-exact-cpu")
+    g = torch.Generator().manual_seed(5)
+    embeds = torch.randn(6, wide.text_dim, generator=g).to(torch.bfloat16)
+    bundle = build_keyframe_bundle(embeds, torch.ones(6, dtype=torch.long), Geometry(HEIGHT, WIDTH, FRAMES), wide, g)
+    mode = FastMode(("sparse-attention",), sparse_density=0.2, sparse_dense_edge_layers=0)
+    with NativeEngineSession("t2va-base4-exact-cpu", **compiled, fast_mode=mode) as single:
+        expected = single.generate(bundle)
+    with NativeEngineSession("t2va-base4-exact-cpu", **compiled, fast_mode=mode, peer_device="cpu",
+                             strategy="sequence-head") as group:
+        got = group.generate(bundle)
+    assert_bitwise(got.video_latents, expected.video_latents, "video latents")
+    assert got.metadata["fast_mode"]["sparse_attention"]["density_reached"] == pytest.approx(
+        expected.metadata["fast_mode"]["sparse_attention"]["density_reached"])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_kernel_on_cuda_matches_the_masked_reference_bf16():
