@@ -89,7 +89,7 @@ from ..progress import StageProgress
 from ..schedule import distinct_timesteps
 from ..tensor_store import TensorStore, describe_files, file_sha256, write_safetensors
 from .checkpoint import SourceWeights
-from .lora import TABLE_ONLY, Adapter, load_adapter
+from .lora import LORA_MODES, TABLE_ONLY, Adapter, AdapterStack, LoraStack, load_adapter, merge_into
 
 __all__ = ["build_parser", "compile_receipt", "compiled_from", "main", "prepare", "receipt_describes"]
 
@@ -117,8 +117,10 @@ def prepare(
     adapter: str | Path | None = None,
     qkv_layout: str | None = None,
     progress: StageProgress | None = None,
+    loras: LoraStack | None = None,
 ) -> dict[str, object]:
-    """Write a receipt binding `profile` to the base weights and adapter; returns the receipt."""
+    """Write a receipt binding `profile` to the base weights, its adapter and a LoRA stack after it (`loras`: files,
+    strengths, mode; each file hashed and parsed now, so a file that does not fit is refused here); returns it."""
     profile = get_profile(profile)
     transformer = path_argument(transformer, "the transformer")
     adapter = None if adapter is None else path_argument(adapter, "the adapter")
@@ -145,6 +147,7 @@ def prepare(
             "network_alpha": parsed.network_alpha,
             "ranks": sorted(set(parsed.ranks.values())),
         }
+    stack_record = _stack_record(loras, adapter is not None, source.config)
     folder = Path(transformer)
     record = {
         "format": WEIGHTS_RECEIPT_FORMAT,
@@ -159,11 +162,37 @@ def prepare(
             "files": _hash_files(source.files, progress),
         },
         "adapter": adapter_record,
+        # only where there is a stack: receipts (and compiles) without one are as they were
+        **({"loras": stack_record} if stack_record is not None else {}),
     }
     text = json.dumps(record, indent=2) + "\n"
     with atomic_file(receipt) as tmp:
         tmp.write_text(text)
     return json.loads(text)
+
+
+def _stack_record(loras: LoraStack | None, with_adapter: bool, config: H3Config) -> dict[str, object] | None:
+    """The receipt's record of a LoRA stack: its mode and each file's identity, strength and how its scale was read;
+    None where there is nothing to record (no stack, or one that changes nothing: no file, residual mode, or no LoRA
+    at all to merge)."""
+    if not _stack_applies(loras, with_adapter):
+        return None
+    assert loras is not None  # a stack applies
+    files = []
+    for lora in loras.loras:
+        path = path_argument(lora.path, "a LoRA of the stack")
+        parsed = load_adapter(path, config, lora.strength)
+        files.append({
+            "path": str(Path(path).resolve()), **describe_files([Path(path)], with_hash=True)[0],
+            "strength": lora.strength, "format": parsed.format, "alpha_source": parsed.alpha_source,
+            "network_alpha": parsed.network_alpha,
+        })
+    return {"mode": loras.mode, "files": files}
+
+
+def _stack_applies(loras: LoraStack | None, with_adapter: bool) -> bool:
+    """Whether a stack changes the compile: a file in it, or the profile's adapter merged."""
+    return loras is not None and not loras.is_default and (bool(loras.loras) or with_adapter)
 
 
 def _hash_files(paths: list[Path], progress: StageProgress | None) -> list[dict[str, object]]:
@@ -330,16 +359,37 @@ def compile_receipt(
                 f"adapter {adapter_path} does not match the receipt (missing, or size or sha256 changed)"
             )
         adapter = load_adapter(adapter_path, source.config, profile.adapter.strength)  # type: ignore[union-attr]
+    stack = _load_stack(receipt, adapter, source.config)
     with atomic_directory(output) as tmp:
-        _write_compiled(tmp, source, adapter, profile, receipt, device_t, arch, progress)
+        _write_compiled(tmp, source, stack, profile, receipt, device_t, arch, progress)
     logger.info("compiled %s for %s into %s", tx["path"], profile.id, output)
     return output
 
 
-def receipt_describes(receipt_path: str | Path, transformer: str | Path, adapter: str | Path | None) -> bool:
+def _load_stack(receipt: dict, adapter: Adapter | None, config: H3Config) -> AdapterStack | None:
+    """The profile's adapter, then the receipt's LoRA stack (each file checked against its hash), in order."""
+    record = receipt.get("loras")
+    if record is None:
+        return None if adapter is None else AdapterStack([adapter])
+    if not is_object(record) or record.get("mode") not in LORA_MODES or not list_of(
+        *_FILE_RECORD, ("path", "a path", is_text), ("strength", "a number", is_number)
+    )(record.get("files")):
+        raise VflashError("the receipt's LoRA stack is not a {mode, files} record; prepare again")
+    adapters = [] if adapter is None else [adapter]
+    for lora in record["files"]:
+        path = Path(lora["path"])
+        if not path.is_file() or not _unchanged(path, lora) and file_sha256(path) != lora["sha256"]:
+            raise IdentityMismatchError(f"LoRA {path} does not match the receipt (missing, or size or sha256 changed)")
+        adapters.append(load_adapter(path, config, lora["strength"]))
+    return AdapterStack(adapters, record["mode"])
+
+
+def receipt_describes(
+    receipt_path: str | Path, transformer: str | Path, adapter: str | Path | None, loras: LoraStack | None = None
+) -> bool:
     """Whether a weights receipt was prepared from these very files as they are now: the same paths, file names,
-    sizes and modification times (only the receipt, the files' metadata and their safetensors headers are read).
-    False for a receipt that cannot be read."""
+    sizes and modification times (only the receipt, the files' metadata and their safetensors headers are read), and
+    the same LoRA stack (files, order, strengths, mode). False for a receipt that cannot be read."""
     try:
         receipt = _load_receipt(receipt_path)
         files = TensorStore(transformer).files
@@ -353,6 +403,17 @@ def receipt_describes(receipt_path: str | Path, transformer: str | Path, adapter
         return False
     if not all(_unchanged(f.path, recorded[f.path.name]) for f in files):
         return False
+    stack = receipt.get("loras")
+    if (stack is not None) != _stack_applies(loras, adapter is not None):
+        return False
+    if stack is not None:
+        assert loras is not None  # a stack applies
+        wanted = [(str(Path(lora.path).resolve()), lora.strength) for lora in loras.loras]
+        if (
+            stack.get("mode") != loras.mode or [(f.get("path"), f.get("strength")) for f in stack["files"]] != wanted
+            or not all(Path(f["path"]).is_file() and _unchanged(Path(f["path"]), f) for f in stack["files"])
+        ):
+            return False
     if adapter is None or receipt["adapter"] is None:
         return adapter is None and receipt["adapter"] is None
     return (
@@ -373,8 +434,11 @@ def compiled_from(folder: str | Path, receipt_path: str | Path) -> bool:
     except VflashError:
         return False
     identity = _identity(profile, receipt, artifact.config, artifact.arch, artifact.compile_id)
-    compiled = {"profile_id": artifact.profile_id, "profile": artifact.profile_record, "adapter": artifact.adapter}
-    return all(compiled[key] == identity[key] for key in compiled) and (
+    compiled = {
+        "profile_id": artifact.profile_id, "profile": artifact.profile_record, "adapter": artifact.adapter,
+        "loras": artifact.loras,
+    }
+    return all(compiled[key] == identity.get(key) for key in compiled) and (
         artifact.base_weights.get("files") == identity["base_weights"]["files"])  # type: ignore[index]
 
 
@@ -398,6 +462,14 @@ def _identity(profile: Profile, receipt: dict, config: H3Config, arch: str, comp
         "adapter": None if receipt["adapter"] is None else {
             k: receipt["adapter"][k] for k in ("name", "size", "sha256", "format", "alpha_source", "network_alpha")
         },
+        # the stack after the adapter, in order, and its mode; absent without one (identities as they were)
+        **({"loras": {
+            "mode": receipt["loras"]["mode"],
+            "files": [
+                {k: f[k] for k in ("name", "size", "sha256", "strength", "format", "alpha_source", "network_alpha")}
+                for f in receipt["loras"]["files"]
+            ],
+        }} if "loras" in receipt else {}),
         "torch": torch.__version__,
     }
 
@@ -439,9 +511,40 @@ def _lora_tensors(
     for name, rs in residuals.items():
         for k, r in enumerate(rs):
             tensors[f"lora.{name}.{k}.down"] = r.down.contiguous()
-            tensors[f"lora.{name}.{k}.up"] = r.up.contiguous()
-            records.append({"linear": name, "index": k, "scale": r.scale, "row_start": r.row_start})
+            record: dict[str, object] = {"linear": name, "index": k, "scale": r.scale, "row_start": r.row_start}
+            if r.up is None:  # a full-rank delta; records of low-rank factors stay as they were
+                record["up"] = False
+            else:
+                tensors[f"lora.{name}.{k}.up"] = r.up.contiguous()
+            if r.bias is not None:
+                tensors[f"lora.{name}.{k}.bias"] = r.bias.contiguous()
+                record["bias"] = True
+            records.append(record)
     return tensors, records
+
+
+def _merged_linears(
+    tensors: dict[str, torch.Tensor], loras: dict[str, tuple[M.LoraResidual, ...]], device: torch.device,
+    stored_codes: set[str],
+) -> dict[str, torch.Tensor]:
+    """The weights (and biases) of the adapted linears with their residuals merged (`lora.merge_into`) on the compile
+    device, as new CPU tensors. An FP8 profile's linear kept as the file's E4M3 codes has no BF16 weight to merge
+    into: refused."""
+    kept = sorted(set(loras) & stored_codes)
+    if kept:
+        raise VflashError(
+            f"a merged LoRA stack needs BF16 weights, but {', '.join(kept)} are kept as the file's FP8 codes; compile "
+            "the stack as residuals, or from a BF16 file"
+        )
+    out = {}
+    for name, residuals in loras.items():
+        weight = tensors[f"{name}.weight"].to(device, copy=True)
+        bias = tensors[f"{name}.bias"].to(device, copy=True) if f"{name}.bias" in tensors else None
+        merge_into(weight, bias, residuals)
+        out[f"{name}.weight"] = weight.cpu()
+        if bias is not None:
+            out[f"{name}.bias"] = bias.cpu()
+    return out
 
 
 def _timestep_vectors(profile: Profile) -> list[list[torch.Tensor]]:
@@ -462,7 +565,7 @@ def _timestep_vectors(profile: Profile) -> list[list[torch.Tensor]]:
 def _write_compiled(
     out: Path,
     source: SourceWeights,
-    adapter: Adapter | None,
+    adapter: AdapterStack | None,
     profile: Profile,
     receipt: dict,
     device: torch.device,
@@ -484,14 +587,20 @@ def _write_compiled(
     table_aux = {k: v.to(device) for k, v in source.read_aux(lambda n: n.startswith(TABLE_INPUTS)).items()}
     not_applied = sorted(n for n in adapter.residuals if TABLE_ONLY.match(n)) if adapter and pruned else []
     if not_applied:
-        assert adapter is not None  # not_applied lists the adapter's modules
         logger.warning(
-            "%d LoRA module(s) of %s feed the AdaLN tables and do not apply to a pruned file; left out",
-            len(not_applied), adapter.path.name,
+            "%d LoRA module(s) feed the AdaLN tables and do not apply to a pruned file; left out", len(not_applied)
         )
+    # Merged: every adapted linear's weight (and bias) gets the stack added as peft's merge does, on the compile
+    # device, before anything is computed from it; no residual is left. Residual: the tables fold the residuals in.
+    merged = adapter is not None and adapter.merged
     aux_loras = {
         k: tuple(r.to(device) for r in rs) for k, rs in (adapter.aux() if adapter and not pruned else {}).items()
     }
+    if merged:
+        for name, residuals in aux_loras.items():
+            if TABLE_ONLY.match(name):
+                merge_into(table_aux[f"{name}.weight"], table_aux[f"{name}.bias"], residuals)
+        aux_loras = {}
     block_dtype = source.dtype_of("refiner.final_norm.weight")
     vectors = _timestep_vectors(profile)
     overlay: dict[str, torch.Tensor] = {}
@@ -549,6 +658,10 @@ def _write_compiled(
             )
             block_loras = adapter.for_prefix(f"blocks.{i}") if adapter else {}
             adaln_loras = tuple(r.to(device) for r in block_loras.pop("adaln", ()))
+            if merged:
+                if not pruned:
+                    merge_into(weight, bias, adaln_loras)
+                adaln_loras = ()
             for s, v, temb in tembs:
                 if pruned:
                     table = M.curve_adaln_table(temb, weight.float(), bias.float(), block_dtype)
@@ -557,6 +670,9 @@ def _write_compiled(
                 overlay[f"step{s:03d}.v{v}.block{i:03d}"] = table.cpu()
             del weight, bias
             tensors = {k.split(".", 2)[2]: t for k, t in block.items()}
+            if merged:
+                tensors.update(_merged_linears(tensors, block_loras, device, set(stored_codes)))
+                block_loras = {}
             if profile.fp8:
                 tensors = quantize_block(tensors, device, stored_codes)
             lora_tensors, records = _lora_tensors(block_loras)
@@ -585,6 +701,9 @@ def _write_compiled(
         runtime_loras = {k: v for k, v in adapter.aux().items() if not TABLE_ONLY.match(k)}
         for j in range(config.num_refiner_layers):
             runtime_loras.update({f"refiner.{j}.{k}": v for k, v in adapter.for_prefix(f"refiner.{j}").items()})
+    if merged:
+        aux.update(_merged_linears(aux, runtime_loras, device, set()))
+        runtime_loras = {}
     lora_tensors, aux_lora_records = _lora_tensors(runtime_loras)
     aux_meta = {
         "format": artifact_format, "compile_id": compile_id, "identity": json.dumps(identity),
