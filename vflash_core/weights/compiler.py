@@ -89,7 +89,7 @@ from ..progress import StageProgress
 from ..schedule import distinct_timesteps
 from ..tensor_store import TensorStore, describe_files, file_sha256, write_safetensors
 from .checkpoint import SourceWeights
-from .lora import LORA_MODES, TABLE_ONLY, Adapter, AdapterStack, LoraStack, load_adapter, merge_into
+from .lora import LORA_MODES, TABLE_ONLY, Adapter, AdapterStack, LoraStack, StackedLora, load_adapter, merge_into
 
 __all__ = ["build_parser", "compile_receipt", "compiled_from", "main", "prepare", "receipt_describes"]
 
@@ -757,6 +757,15 @@ def build_parser() -> argparse.ArgumentParser:
         "int8_convrot or pruned single files, and GGUF files, too)",
     )
     p.add_argument("--adapter", help="LoRA .safetensors the profile is built with")
+    p.add_argument(
+        "--lora", action="append", default=[], metavar="FILE[:STRENGTH]", type=_stacked_lora,
+        help="a LoRA stacked after the profile's adapter (repeat, in order; strength 1 unless given)",
+    )
+    p.add_argument(
+        "--lora-mode", choices=LORA_MODES, default="residual",
+        help="residual: separate low-rank residuals at every evaluation (as peft adapters); merged: added into the "
+        "weights at compile (as fuse_lora), no per-evaluation cost",
+    )
     p.add_argument("--qkv-layout", choices=("stacked", "interleaved"), help="original layout only (default stacked)")
     p.add_argument("--receipt", required=True, help="receipt JSON to write (must not exist)")
     c = sub.add_parser("compile", help="compile a receipt into artifact/, schedule/ and auxiliary.safetensors")
@@ -769,6 +778,15 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", help="re-hash a compiled folder against the sha256 recorded when it was written")
     v.add_argument("compiled", help="folder holding artifact/, schedule/ and auxiliary.safetensors")
     return parser
+
+
+def _stacked_lora(text: str) -> StackedLora:
+    """FILE or FILE:STRENGTH (the last colon, where what follows is a number: a path may hold colons)."""
+    path, _, strength = text.rpartition(":")
+    try:
+        return StackedLora(path, float(strength)) if path else StackedLora(text)
+    except ValueError:
+        return StackedLora(text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -784,7 +802,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> None:
     if args.command == "prepare":
-        prepare(args.profile, args.transformer, args.receipt, args.adapter, args.qkv_layout)
+        prepare(
+            args.profile, args.transformer, args.receipt, args.adapter, args.qkv_layout,
+            loras=LoraStack(tuple(args.lora), args.lora_mode),
+        )
         print(f"wrote receipt {args.receipt}")
     elif args.command == "verify":
         folder = check_folder(
