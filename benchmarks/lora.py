@@ -54,7 +54,8 @@ CASES = ((0, "none"), (1, "residual"), (1, "merged"), (3, "residual"), (3, "merg
 
 
 def lora_files(folder: Path, config: H3Config, small: bool, device: str) -> tuple[list[Path], Path]:
-    """The stack's three files (Turbo-like, style, full-rank delta) and the delta as diffusers holds it; written once."""
+    """The stack's three files (Turbo-like, style, full-rank delta) and the delta as diffusers holds it (written
+    once)."""
     folder.mkdir(parents=True, exist_ok=True)
     turbo, style, delta, delta_peft = (folder / f"{n}.safetensors" for n in ("turbo", "style", "delta", "delta_peft"))
     ranks = (8, 4, 2) if small else (128, 32, 16)
@@ -69,7 +70,9 @@ def lora_files(folder: Path, config: H3Config, small: bool, device: str) -> tupl
     return [turbo, style, delta], delta_peft
 
 
-def compiled_stack(root: Path, source: Path, profile: str, files: list[Path], mode: str, device: str) -> dict[str, Path]:
+def compiled_stack(
+    root: Path, source: Path, profile: str, files: list[Path], mode: str, device: str
+) -> dict[str, Path]:
     """The weights compiled with the first `len(files)` LoRAs of the stack in `mode` (once per cache folder)."""
     out = root / f"compiled-{len(files)}-{mode}"
     if not out.exists():
@@ -77,7 +80,9 @@ def compiled_stack(root: Path, source: Path, profile: str, files: list[Path], mo
         stack = LoraStack(tuple(StackedLora(str(f), s) for f, s in zip(files, STRENGTHS)), mode)
         prepare(profile, source, receipt, loras=stack)
         compile_receipt(receipt, out, device)
-    return {"artifact": out / "artifact", "schedule_overlay": out / "schedule", "auxiliary": out / "auxiliary.safetensors"}
+    return {
+        "artifact": out / "artifact", "schedule_overlay": out / "schedule", "auxiliary": out / "auxiliary.safetensors"
+    }
 
 
 def evaluation_ms(fn, device: torch.device) -> float:
@@ -163,7 +168,7 @@ def run(blocks: int, cache: Path, shape: str, small: bool) -> dict[str, object]:
         with torch.no_grad():
             request_bundle = bundle()
             state = timed.start_request(request_bundle)
-            ms = evaluation_ms(lambda state=state: timed.evaluate(state, STEP), device)
+            ms = evaluation_ms(lambda timed=timed, state=state: timed.evaluate(state, STEP), device)
             compared_state = compared.start_request(bundle())
             outputs[(count, mode)] = tuple(t.cpu() for t in compared.evaluate(compared_state, STEP))
             if inputs is None:

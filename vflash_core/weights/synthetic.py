@@ -25,8 +25,8 @@ from .checkpoint import internal_shapes, source_name
 
 __all__ = [
     "RandomWeights", "diffusers_names", "prune_adaln", "quantize_int8_convrot", "random_internal_weights",
-    "random_like", "to_original_names", "write_comfy_transformer", "write_diffusers_transformer",
-    "write_delta_as_peft", "write_gguf_transformer", "write_original_transformer", "write_random_delta",
+    "random_like", "to_original_names", "write_comfy_transformer", "write_delta_as_peft",
+    "write_diffusers_transformer", "write_gguf_transformer", "write_original_transformer", "write_random_delta",
     "write_random_lora", "write_shards",
 ]
 
