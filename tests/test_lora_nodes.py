@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from test_nodes import API, model_files, output_dir, pack, run  # noqa: F401 (fixtures)
-from vflash_nodes.workflow import load_api_workflow
+from vflash_nodes.workflow import WorkflowError, headless_node_types, load_api_workflow, plan
 
 from vflash_core.engine.config import H3Config
 from vflash_core.errors import VflashError
@@ -88,6 +88,9 @@ def test_core_lora_loader_feeding_a_vflash_node_is_refused_in_one_line(pack, dem
         "node 6 (LoraLoaderModelOnly) applies a LoRA to a core MODEL, which no Vflash node runs: chain the LoRA with "
         "MiniMax H3 Vflash LoRA Select into the Vflash Model Loader's lora input instead"
     )
+    with headless_node_types() as types, pytest.raises(WorkflowError) as info:  # `vflash run-workflow` says the same
+        plan(prompt, types)
+    assert str(info.value) == refusal
     prompt["4"]["inputs"]["model"] = ["5", 0]
     assert core_lora_refusals(prompt) == []
     with pytest.raises(VflashError, match="LoraLoaderModelOnly"):

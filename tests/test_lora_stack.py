@@ -213,6 +213,23 @@ def test_the_stack_is_the_compile_identity(tmp_path, tiny_transformer, stack_fil
     assert compiled_from(compiled, receipt) and not compiled_from(compiled, again)
 
 
+def test_a_receipt_with_a_broken_stack_record_is_refused_in_one_line(tmp_path, tiny_transformer, stack_files):
+    import json
+
+    from vflash_core.errors import VflashError
+    from vflash_core.weights.compiler import compile_receipt
+
+    turbo, style, delta, _ = stack_files
+    receipt = tmp_path / "receipt.json"
+    prepare(turbo_profile(turbo), tiny_transformer, receipt, turbo, loras=stack(style, delta, "merged"))
+    record = json.loads(receipt.read_text())
+    record["loras"]["mode"] = "fused"
+    receipt.write_text(json.dumps(record))
+    with pytest.raises(VflashError, match=r"loras\.mode") as info:
+        compile_receipt(receipt, tmp_path / "compiled")
+    assert "\n" not in str(info.value) and not (tmp_path / "compiled").exists()
+
+
 def test_no_stack_leaves_receipt_and_compile_as_they_were(tmp_path, tiny_transformer, stack_files):
     """A default stack (no file, residual) and merged mode with no LoRA at all record nothing: the default path's
     receipts, identities and compiles are those of before stacks existed."""

@@ -260,6 +260,16 @@ RECEIPT_FIELDS: tuple[Field, ...] = (
 )
 
 
+_STACK_FIELDS: tuple[Field, ...] = (
+    ("loras.mode", "a LoRA mode (residual or merged)", lambda v: v in LORA_MODES),
+    ("loras.files", "a list of {path, name, size, sha256, strength, format, alpha_source, network_alpha} records",
+     list_of(
+         ("path", "", is_text), *_FILE_RECORD, ("strength", "", is_number), ("format", "", is_text),
+         ("alpha_source", "", is_text), ("network_alpha", "", lambda a: a is None or is_number(a)),
+     )),
+)
+
+
 def _load_receipt(path: str | Path) -> dict:
     if not os.path.lexists(path):
         raise VflashError(f"{path}: no such receipt")
@@ -278,6 +288,11 @@ def _load_receipt(path: str | Path) -> dict:
         receipt, RECEIPT_FIELDS, f"receipt {path}",
         "write it again with `python -m vflash_core.weights.compiler prepare`",
     )
+    if "loras" in receipt:  # a LoRA stack, only where there is one
+        check_fields(
+            receipt, _STACK_FIELDS, f"receipt {path}",
+            "write it again with `python -m vflash_core.weights.compiler prepare`",
+        )
     return receipt
 
 
@@ -367,14 +382,11 @@ def compile_receipt(
 
 
 def _load_stack(receipt: dict, adapter: Adapter | None, config: H3Config) -> AdapterStack | None:
-    """The profile's adapter, then the receipt's LoRA stack (each file checked against its hash), in order."""
+    """The profile's adapter, then the receipt's LoRA stack (checked by `_load_receipt`; each file against its hash),
+    in order."""
     record = receipt.get("loras")
     if record is None:
         return None if adapter is None else AdapterStack([adapter])
-    if not is_object(record) or record.get("mode") not in LORA_MODES or not list_of(
-        *_FILE_RECORD, ("path", "a path", is_text), ("strength", "a number", is_number)
-    )(record.get("files")):
-        raise VflashError("the receipt's LoRA stack is not a {mode, files} record; prepare again")
     adapters = [] if adapter is None else [adapter]
     for lora in record["files"]:
         path = Path(lora["path"])
