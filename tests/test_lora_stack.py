@@ -333,3 +333,17 @@ def test_compile_tiny_helper_still_takes_one_adapter(tmp_path, tiny_transformer,
     turbo = stack_files[0]
     artifact = CompiledArtifact(**compile_tiny(tmp_path, tiny_transformer, turbo_profile(turbo), adapter=turbo))
     assert artifact.loras is None and artifact.adapter["name"] == turbo.name
+
+
+def test_diffusers_files_with_lora_b_bias_match_peft(stack_files, tiny_transformer):
+    """A diffusers/peft file whose modules carry `lora_B.bias` (how diffusers holds a `diff_b`): the same factors,
+    bias and scale as peft loads, on the AdaLN projections and two auxiliary linears."""
+    from test_lora import assert_same_factors_as_peft, peft_loaded
+
+    biased = stack_files[3][1]
+    adapter = load_adapter(biased, TINY)
+    assert adapter.format == "diffusers" and all(r.bias is not None for rs in adapter.residuals.values() for r in rs)
+    transformer = peft_loaded(tiny_transformer, biased)
+    assert_same_factors_as_peft(adapter, transformer)
+    assert_bitwise(adapter.residuals["blocks.1.adaln"][0].bias, transformer.transformer_blocks[1].adaln_proj.linear.lora_B["a"].bias.data, "adaln bias")
+    assert_bitwise(adapter.residuals["norm_out.linear"][0].bias, transformer.norm_out.linear.lora_B["a"].bias.data, "norm_out bias")
