@@ -3,12 +3,14 @@
 Verbs (`python -m vflash_core.weights.compiler prepare|compile|verify`):
 
 * `prepare` binds a profile to the identities of the base weights and the adapter (file names, sizes, sha256 of
-  each payload, config) in a receipt. No request data is involved.
+  each payload, config), and of a LoRA stack after it (each file's identity and strength, in order, and the mode:
+  residual or merged), in a receipt. No request data is involved.
 * `compile` checks the files against the receipt (re-hashing only those whose size or modification time changed
   since `prepare`), then writes, atomically, a folder with
 
   - `artifact/`: one `block_NNN.safetensors` per main block: the unchanged matrices in their stored dtype with the
-    fused QKV `[3*inner, H]` and fused SwiGLU input `[2*ffn, H]`, plus the block's LoRA factors; no `adaln_proj`
+    fused QKV `[3*inner, H]` and fused SwiGLU input `[2*ffn, H]` (a merged stack added in), plus the block's LoRA
+    factors (residual mode); no `adaln_proj`
     (39 % of the model) — the runtime never loads it;
   - `auxiliary.safetensors`: input projections, context embedder, token refiner, final norm and output heads (plus
     their LoRA factors);

@@ -1,7 +1,10 @@
-"""LoRA adapters for H3 as separate low-rank residuals on internal linear names.
+"""LoRA adapters for H3 on internal linear names, as separate low-rank residuals or merged into the weights.
 
-Base matrices are never modified: each adapted linear adds `scale * B(A(x))` to its output rows, with
-`scale = strength * alpha / rank` per module. Accepted files (those diffusers' H3 LoRA loader accepts):
+A residual leaves the base matrix as it is: each adapted linear adds `scale * B(A(x))` to its output rows, with
+`scale = strength * alpha / rank` per module, as peft's unfused forward does. A stack (`LoraStack`: files, strengths,
+mode) runs its adapters one after the other, or, merged, adds them into the weights at compile with peft's merge ops
+(`merge_into`, what diffusers' `fuse_lora` computes). Accepted files (those diffusers' H3 LoRA loader accepts, and
+more):
 
 * diffusers / peft: `transformer.<module>.lora_A.weight` / `lora_B.weight` (or `transformer_ref.`), or an unprefixed
   peft dump with the `.default.` infix, over diffusers module names;
