@@ -9,7 +9,8 @@ The model is `_common.compiled_model`'s full-width random one with `--blocks` bl
 AdaLN rank 16, LightX2V layout, alpha 128) at 1.0; a style LoRA (rank 32) at 0.6; a full-rank delta (FastH3 `diff`
 on every block linear) at 0.8. "One LoRA" is the first alone. Records: no LoRA; 1 and 3 LoRAs, each residual and
 merged. `evaluation_ms`: one evaluation (step 1) on resident blocks with the default attention, CUDA events around
-`Denoiser.evaluate`, median of 5 after 2 warm-ups, on a packed t2va 5 s request of `--shape` with 512 text rows;
+`Denoiser.evaluate`, median of 5 after 2 warm-ups, on a packed t2va 5 s request of `--shape` with 512 text rows; the
+median over `--rounds` rounds (`rounds_ms`), each of which times every case in turn (all are resident at once);
 `overhead_vs_no_lora` = evaluation_ms / no LoRA's - 1; `overhead_per_lora` (residual) that over the LoRA count.
 `bitwise_equal_to_diffusers`: the same evaluation with torch-cudnn attention (diffusers' pick) against diffusers with
 the same adapters active (`set_adapters`, residual) or fused (`fuse_lora`, merged); diffusers holds the full-rank delta
@@ -134,7 +135,7 @@ def diffusers_outputs(folder: Path, files: list[Path], delta_peft: Path, inputs:
     return out
 
 
-def run(blocks: int, cache: Path, shape: str, small: bool) -> dict[str, object]:
+def run(blocks: int, cache: Path, shape: str, rounds: int, small: bool) -> dict[str, object]:
     device = torch.device("cpu" if small else "cuda:0")
     if small:
         config, profile = replace(H3Config.preset("tiny"), num_layers=2), SMALL_PROFILE
@@ -158,18 +159,19 @@ def run(blocks: int, cache: Path, shape: str, small: bool) -> dict[str, object]:
             return build_keyframe_bundle(embeds, torch.ones(16, dtype=torch.long), Geometry(64, 96, 124), config, g)
         return request(config, shape)
 
-    records, outputs, inputs = [], {}, None
+    # Every case resident at once (about 20 GB at 4 full-width blocks), so the timing rounds interleave the cases:
+    # a clock that drifts as the GPU warms shifts them all alike.
+    timed, outputs, inputs = {}, {}, None
     for count, mode in CASES:
         paths = compiled_stack(root, folder, profile, files[:count], mode, str(device)) if count else base_paths
         artifact = CompiledArtifact(**paths)
         blocks_on_device = ResidentBlocks(artifact, device)
-        timed = Denoiser(artifact, blocks_on_device, device, ops_class(config, default_attention))
+        denoiser = Denoiser(artifact, blocks_on_device, device, ops_class(config, default_attention))
         compared = Denoiser(artifact, blocks_on_device, device, ops_class(config, cudnn_attention))
         with torch.no_grad():
+            timed[(count, mode)] = (denoiser, denoiser.start_request(bundle()))
             request_bundle = bundle()
-            state = timed.start_request(request_bundle)
-            ms = evaluation_ms(lambda timed=timed, state=state: timed.evaluate(state, STEP), device)
-            compared_state = compared.start_request(bundle())
+            compared_state = compared.start_request(request_bundle)
             outputs[(count, mode)] = tuple(t.cpu() for t in compared.evaluate(compared_state, STEP))
             if inputs is None:
                 plan, lay = compared_state.plans[STEP], request_bundle.layout
@@ -179,12 +181,21 @@ def run(blocks: int, cache: Path, shape: str, small: bool) -> dict[str, object]:
                     *(t.to(device) for t in (lay.token_tags, lay.position_ids, lay.video_indices, lay.audio_indices,
                                              lay.text_indices)),
                 )
-        records.append({"loras": count, "mode": mode, "evaluation_ms": round(ms, 3)})
-        print(records[-1], flush=True)
-        del timed, compared, blocks_on_device, state, compared_state
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        del compared, compared_state
+    rounds_ms: dict[tuple[int, str], list[float]] = {case: [] for case in CASES}
+    with torch.no_grad():
+        for _ in range(rounds):
+            for case, (denoiser, state) in timed.items():
+                rounds_ms[case].append(evaluation_ms(lambda d=denoiser, s=state: d.evaluate(s, STEP), device))
+    records = [
+        {"loras": count, "mode": mode, "evaluation_ms": round(statistics.median(rounds_ms[(count, mode)]), 3),
+         "rounds_ms": [round(ms, 3) for ms in rounds_ms[(count, mode)]]}
+        for count, mode in CASES
+    ]
+    del timed
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
     expected = diffusers_outputs(folder, files, delta_peft, inputs, device)
     base_ms = records[0]["evaluation_ms"]
@@ -220,11 +231,12 @@ def main() -> None:
     parser.add_argument("--shape", default="960x544")
     default_cache = Path("/dev/shm/vflash-lora") if Path("/dev/shm").is_dir() else Path("/tmp/vflash-lora")
     parser.add_argument("--cache", type=Path, default=default_cache)
+    parser.add_argument("--rounds", type=int, default=3, help="timing rounds, each every case in turn (median of 5)")
     parser.add_argument("--small", action="store_true", help="dry run on the CPU: the tiny family (2 blocks)")
     args = parser.parse_args()
     if not args.small and not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU (or --small)")
-    data = run(args.blocks, args.cache / ("small" if args.small else "full"), args.shape, args.small)
+    data = run(args.blocks, args.cache / ("small" if args.small else "full"), args.shape, args.rounds, args.small)
     data["small"] = args.small
     _common.RESULTS = args.out
     gpu = "small_cpu" if args.small else next(
