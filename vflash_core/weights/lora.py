@@ -17,7 +17,8 @@ more):
   original names, applied as `strength * diff` as ComfyUI core does; diffusers holds such a delta as a LoRA with
   A = diff, B = identity and `lora_B.bias` = diff_b, which is what a residual computes (the identity GEMM is exact).
 
-LoKr and LoHa files are refused naming the format (no H3 loader of diffusers takes them, so nothing exact to match).
+LoKr and LoHa files are refused naming the format (no H3 loader of diffusers takes them, so nothing exact to match;
+ComfyUI core's generic weight adapters would, for a core MODEL).
 A norm's `diff` is accepted only all zero (it then changes nothing); H3's linears in the blocks have no bias, so a
 `diff_b` there does not fit.
 
@@ -290,13 +291,15 @@ _OTHER_KINDS = {
 
 def _refuse_other_adapter_kinds(names: list[str], path: Path) -> None:
     """LoKr and LoHa (LyCORIS) are refused naming the format: no H3 LoRA loader of diffusers takes them, so there is
-    nothing exact to match. (Keys of neither kind are left to the unknown-key report.)"""
+    no diffusers result to be exact to (ComfyUI core's generic weight adapters apply them to a core MODEL, merged in
+    fp32 with its own rounding). Keys of neither kind are left to the unknown-key report."""
     for kind in ("LoKr", "LoHa"):
         keys = sorted(n for n in names if _OTHER_KINDS[kind].match(n))
         if keys:
             raise WeightFileError(
                 f"{path}: a {kind} (LyCORIS) file ({keys[0]}, {len(keys)} {kind} tensors): Vflash takes LoRA "
-                "(lora_A/lora_B, lora_down/lora_up) and full-rank diff files; convert it to a LoRA or a diff"
+                "(lora_A/lora_B, lora_down/lora_up) and full-rank diff files, which it runs exactly as diffusers does; "
+                "convert it to a LoRA or a diff"
             )
 
 
