@@ -11,6 +11,7 @@ users have (ComfyUI's saved LoRAs, full-rank deltas, LoKr / LoHa refused by name
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -101,21 +102,22 @@ def stack_files(tmp_path_factory):
     return turbo, style, delta, (plain, biased)
 
 
-def turbo_profile(turbo):
-    return cpu_profile(id="t2va-stack-cpu", adapter=AdapterSpec("test turbo", turbo.name, 4.0, 8))
+def turbo_profile(turbo, arch: str = "cpu"):
+    return cpu_profile(id=f"t2va-stack-{arch}", arch=arch, adapter=AdapterSpec("test turbo", turbo.name, 4.0, 8))
 
 
 def stack(style, delta, mode: str) -> LoraStack:
     return LoraStack((StackedLora(str(style), STYLE), StackedLora(str(delta), DELTA)), mode)
 
 
-def diffusers_with_stack(tiny_transformer, files, fused: bool):
-    """The tiny transformer in diffusers with the three adapters active at their strengths (fused: `fuse_lora`)."""
+def diffusers_with_stack(tiny_transformer, files, fused: bool, device: str = "cpu"):
+    """The tiny transformer in diffusers on `device` with the three adapters active at their strengths (fused:
+    `fuse_lora`, on that device: peft merges in fp32 on the CPU, in the factors' dtype on a GPU)."""
     from diffusers import MiniMaxH3Scheduler
     from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import MiniMaxH3CoreDenoiseStep
 
     turbo, style, _, (plain, biased) = files
-    transformer = diffusers_transformer(tiny_transformer)
+    transformer = diffusers_transformer(tiny_transformer).to(device)
     pipe = MiniMaxH3CoreDenoiseStep().init_pipeline()
     pipe.update_components(transformer=transformer, scheduler=MiniMaxH3Scheduler(12.0), audio_scheduler=MiniMaxH3Scheduler(3.0))
     for name, path in (("turbo", turbo), ("style", style), ("delta", plain), ("delta_b", biased)):
@@ -127,29 +129,37 @@ def diffusers_with_stack(tiny_transformer, files, fused: bool):
     return transformer
 
 
-def assert_tables_and_evaluation_match(paths, reference) -> None:
-    """The compiled AdaLN / norm_out tables and one whole evaluation equal the reference, bit for bit."""
+def assert_tables_and_evaluation_match(paths, reference, device: str = "cpu") -> None:
+    """The compiled AdaLN / norm_out tables and one whole evaluation equal the reference, bit for bit (on a GPU both
+    sides on cuDNN attention, diffusers' own pick there)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from vflash_core.engine.attention import resolve_attention
+
+    dev = torch.device(device)
+    attention = sdpa_attention if dev.type == "cpu" else resolve_attention("torch-cudnn", dev)[1]
+    pinned = sdpa_kernel([SDPBackend.CUDNN_ATTENTION]) if dev.type == "cuda" else contextlib.nullcontext()
     artifact = CompiledArtifact(**paths)
     overlay = artifact.overlay
     with torch.no_grad():
         for step in range(overlay.nfe):
             for variant, timesteps in enumerate(overlay.variants[step]):
                 tables = overlay.read_step(step, variant)
-                temb = reference.time_embedder(reference.time_proj(timesteps))
+                temb = reference.time_embedder(reference.time_proj(timesteps.to(dev)))
                 for i, block in enumerate(reference.transformer_blocks):
-                    assert_bitwise(tables.blocks[i], torch.cat(block.adaln_proj(temb), dim=-1), f"adaln table step {step} block {i}")
+                    assert_bitwise(tables.blocks[i].to(dev), torch.cat(block.adaln_proj(temb), dim=-1), f"adaln table step {step} block {i}")
                 shift_scale = reference.norm_out.linear(torch.nn.functional.silu(temb).to(torch.bfloat16))
-                assert_bitwise(tables.norm_out, shift_scale, f"norm_out table step {step}")
-    denoiser = Denoiser(artifact, ResidentBlocks(artifact, torch.device("cpu")), torch.device("cpu"), BlockOps(artifact.config, sdpa_attention))
+                assert_bitwise(tables.norm_out.to(dev), shift_scale, f"norm_out table step {step}")
+    denoiser = Denoiser(artifact, ResidentBlocks(artifact, dev), dev, BlockOps(artifact.config, attention))
     g = torch.Generator().manual_seed(2)
     bundle = build_keyframe_bundle(torch.randn(6, TINY.text_dim, generator=g).to(torch.bfloat16), torch.ones(6, dtype=torch.long), Geometry(64, 96, 124), TINY, g)
     state = denoiser.start_request(bundle)
     video, audio = denoiser.evaluate(state, 1)
     lay, plan = bundle.layout, state.plans[1]
-    with torch.no_grad():
+    with torch.no_grad(), pinned:
         expected_video, expected_audio = reference(
-            state.video_rows[None], state.audio_rows[None], bundle.prompt_embeds[None], plan.tables.timesteps, plan.timestep_indices,
-            lay.token_tags, lay.position_ids, lay.video_indices, lay.audio_indices, lay.text_indices, return_dict=False,
+            state.video_rows[None], state.audio_rows[None], bundle.prompt_embeds[None].to(dev), plan.tables.timesteps, plan.timestep_indices,
+            *(t.to(dev) for t in (lay.token_tags, lay.position_ids, lay.video_indices, lay.audio_indices, lay.text_indices)), return_dict=False,
         )
     assert_bitwise(video, expected_video[0], "video velocity")
     assert_bitwise(audio, expected_audio[0], "audio velocity")
@@ -177,13 +187,25 @@ def test_stack_of_three_merged_matches_fuse_lora(tmp_path, tiny_transformer, sta
     assert_tables_and_evaluation_match(paths, diffusers_with_stack(tiny_transformer, stack_files, fused=True))
 
 
-def compile_tiny_stack(tmp_path, tiny_transformer, turbo, loras: LoraStack):
+def compile_tiny_stack(tmp_path, tiny_transformer, turbo, loras: LoraStack, device: str = "cpu"):
     from vflash_core.weights.compiler import compile_receipt
 
     receipt = tmp_path / "receipt.json"
-    prepare(turbo_profile(turbo), tiny_transformer, receipt, turbo, loras=loras)
-    out = compile_receipt(receipt, tmp_path / "compiled")
+    prepare(turbo_profile(turbo, "cpu" if device == "cpu" else "sm90"), tiny_transformer, receipt, turbo, loras=loras)
+    out = compile_receipt(receipt, tmp_path / "compiled", device)
     return {"artifact": out / "artifact", "schedule_overlay": out / "schedule", "auxiliary": out / "auxiliary.safetensors"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["residual", "merged"])
+def test_stack_of_three_matches_diffusers_on_the_gpu(tmp_path, tiny_transformer, stack_files, mode):
+    """The same stack compiled on an SM90 GPU (tables and merges computed there) against diffusers on that GPU."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability(0) != (9, 0):
+        pytest.skip("needs an SM90 GPU for an sm90 profile")
+    turbo, style, delta, _ = stack_files
+    paths = compile_tiny_stack(tmp_path, tiny_transformer, turbo, stack(style, delta, mode), device="cuda:0")
+    reference = diffusers_with_stack(tiny_transformer, stack_files, fused=mode == "merged", device="cuda:0")
+    assert_tables_and_evaluation_match(paths, reference, "cuda:0")
 
 
 def test_the_stack_is_the_compile_identity(tmp_path, tiny_transformer, stack_files):
