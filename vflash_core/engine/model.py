@@ -88,7 +88,8 @@ def linear(
 
 def add_lora_residuals(y: torch.Tensor, x: torch.Tensor, loras: tuple[LoraResidual, ...]) -> torch.Tensor:
     """A linear's output `y` of input `x` plus its LoRA residuals, each rounded into y's dtype (in place on a row
-    range of y, whole-width residuals as a new tensor)."""
+    range of y: `add_` computes and rounds as the out-of-place sum does, without a temporary and its copy back;
+    whole-width residuals as a new tensor)."""
     for lora in loras:
         x_lora = x.to(lora.down.dtype)
         h = F.linear(x_lora, lora.down)
@@ -101,7 +102,7 @@ def add_lora_residuals(y: torch.Tensor, x: torch.Tensor, loras: tuple[LoraResidu
         if rows.start == 0 and rows.stop == y.shape[-1]:
             y = (y + delta).to(y.dtype)
         else:
-            y[..., rows] = (y[..., rows] + delta).to(y.dtype)
+            y[..., rows].add_(delta)
     return y
 
 
