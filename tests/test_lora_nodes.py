@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from test_nodes import API, model_files, output_dir, pack, run  # noqa: F401 (fixtures)
+from test_nodes import API, output_dir, pack, run  # noqa: F401 (pack: the fixture)
 from vflash_nodes.workflow import WorkflowError, headless_node_types, load_api_workflow, plan
 
 from vflash_core.engine.config import H3Config
