@@ -439,7 +439,7 @@ def compile_on_first_use(host: Host, files: TransformerFiles, profile: Profile, 
     if os.path.lexists(receipt) and not compiler.receipt_describes(receipt, root, adapter, stack):
         host.log(
             f"Vflash: {files.source} is not the file it was prepared from (its size or modification time changed, or "
-            "it moved); preparing it again"
+            "it moved), or a LoRA of the chain changed; preparing it again"
         )
         receipt.unlink()
     if not receipt.is_file():
