@@ -7,7 +7,8 @@ file's records):
 
 * `kernel`: the block-sparse attention kernel alone against FlashAttention-3 dense (the exact default on Hopper) on
   (1, N, 56, 128) bf16 at N = 19,796 / 38,222 / 73,898 / 104,478 (1344x768 and 960x544 5 s, 1344x768 10 and 15 s),
-  at block densities 0.15 / 0.25 / 0.5 of the video key blocks (512 prefix rows dense, the selection the mode runs:
+  at block densities 0.15 / 0.25 / 0.5 of the video key blocks (the request's prefix rows dense: 512 text rows and
+  the audio rows; the selection the mode runs:
   `select_key_blocks` with mass 1.0, so the density cap decides). The density recorded is the real one over the whole
   attention map (prefix rows and forced local blocks included). Also: the selection's own time, each launch setting
   tried (the kernel's settings are the fastest of these), and the kernel's max abs difference from the masked dense
@@ -47,7 +48,7 @@ from vflash_core.engine.profiler import StageTimer  # noqa: E402
 from vflash_core.engine.residency import BlockSource, ResidentBlocks  # noqa: E402
 from vflash_core.engine.sparse_attention import masked_attention, select_key_blocks  # noqa: E402
 
-HEADS, HEAD_DIM, PREFIX_ROWS = 56, 128, 512
+HEADS, HEAD_DIM = 56, 128
 KERNEL_ROWS = {"960x544 5 s": 19_796, "1344x768 5 s": 38_222, "1344x768 10 s": 73_898, "1344x768 15 s": 104_478}
 DENSITIES = (0.15, 0.25, 0.5)
 LAUNCH_SETTINGS = [(w, s) for w in (4, 8) for s in (2, 3, 4)]
@@ -82,7 +83,8 @@ def _launch(q, k, v, selection, num_warps: int, num_stages: int, use_tma: bool):
         *sources, out[0].view(rows, -1), selection.kv_blocks, selection.kv_counts,
         rows, blocks, selection.dense_query_blocks, selection.kv_blocks.shape[2], bsa._LOG2E / math.sqrt(head_dim),
         views[0].stride(0), views[1].stride(0), views[2].stride(0), heads * head_dim,
-        BLOCK=bsa.BLOCK_ROWS, HEAD_DIM=head_dim, USE_TMA=use_tma, num_warps=num_warps, num_stages=num_stages,
+        BLOCK=bsa.BLOCK_ROWS, HEAD_DIM=head_dim, USE_TMA=use_tma, RAGGED=rows % bsa.BLOCK_ROWS != 0,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
@@ -92,13 +94,17 @@ def kernel_phase(records: list[dict], sweep: bool) -> None:
 
     fa3 = _fa3()
     for canvas, rows in KERNEL_ROWS.items():
+        shape, seconds = canvas.split()[0], float(canvas.split()[1])
+        layout = request(full_width(1), shape, seconds).layout  # the real prefix: 512 text rows and the audio rows
+        assert layout.sequence_length == rows
+        prefix_rows = int(layout.video_indices[layout.num_condition_video_rows])
         g = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (torch.randn(1, rows, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
                    for _ in range(3))
         dense_ms = median_ms(lambda: fa3(q, k, v), 2, 7)
         for density in DENSITIES:
-            selection = select_key_blocks(q, k, PREFIX_ROWS, density, 1.0, 1)
-            select_ms = median_ms(lambda: select_key_blocks(q, k, PREFIX_ROWS, density, 1.0, 1), 1, 5)
+            selection = select_key_blocks(q, k, prefix_rows, density, 1.0, 1)
+            select_ms = median_ms(lambda: select_key_blocks(q, k, prefix_rows, density, 1.0, 1), 1, 5)
             reached = selection.kept_pairs / selection.total_pairs
             run = lambda: block_sparse_attention(  # noqa: E731
                 q, k, v, selection.kv_blocks, selection.kv_counts, selection.dense_query_blocks)
@@ -116,13 +122,13 @@ def kernel_phase(records: list[dict], sweep: bool) -> None:
             if rows <= KERNEL_ROWS["960x544 5 s"]:  # the dense reference's mask is (heads, N, N)
                 sub = slice(0, 6 * 1024)  # a 6,144-row prefix of the same tensors keeps the mask small
                 qs, ks, vs = (t[:, sub].contiguous() for t in (q, k, v))
-                sel = select_key_blocks(qs, ks, PREFIX_ROWS, density, 1.0, 1)
+                sel = select_key_blocks(qs, ks, prefix_rows, density, 1.0, 1)
                 out = block_sparse_attention(qs, ks, vs, sel.kv_blocks, sel.kv_counts, sel.dense_query_blocks)
                 ref = masked_attention(qs.float(), ks.float(), vs.float(), sel)
                 check = {"max_abs_diff_vs_masked_reference": float((out.float() - ref).abs().max()),
                          "reference_rows": 6 * 1024}
             record = {
-                "phase": "kernel", "canvas": canvas, "rows": rows, "seconds": int(canvas.split()[1]),
+                "phase": "kernel", "canvas": canvas, "rows": rows, "seconds": int(seconds), "prefix_rows": prefix_rows,
                 "mode": "sparse-attention", "density_cap": density, "density": round(reached, 4),
                 "fa3_dense_ms": round(dense_ms, 3), "sparse_ms": round(sparse_ms, 3),
                 "selection_ms": round(select_ms, 3),

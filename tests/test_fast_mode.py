@@ -100,8 +100,8 @@ def test_attention_is_dense_until_armed():
 
 
 def test_kernel_matches_the_masked_reference_in_the_interpreter():
-    """fp16 (1, 5 blocks + 19 rows, 2 heads, 64): dense leading query blocks, listed blocks in any order, a ragged last
-    block; and an all-dense selection."""
+    """fp16 (1, 5 blocks + 19 rows, 2 heads, 64): dense leading query blocks, listed blocks, a ragged last block; and
+    an all-dense selection; then a sequence of whole blocks (nothing masked)."""
     script = textwrap.dedent("""
         import json, torch
         from vflash_kernels.block_sparse_attention import block_sparse_attention
@@ -109,14 +109,11 @@ def test_kernel_matches_the_masked_reference_in_the_interpreter():
         g = torch.Generator().manual_seed(3)
         q, k, v = (torch.randn(1, 5 * 128 + 19, 2, 64, generator=g).half() for _ in range(3))
         diffs = []
-        for prefix_rows, density in ((200, 0.4), (5 * 128 + 19, 1.0)):
+        whole = tuple(t[:, : 5 * 128].contiguous() for t in (q, k, v))
+        for (q, k, v), prefix_rows, density in (((q, k, v), 200, 0.4), (whole, 200, 0.5), ((q, k, v), 5 * 128 + 19, 1.0)):
             sel = select_key_blocks(q, k, prefix_rows, density, 1.0, 0)
-            # the listed blocks reversed: their order must not matter
-            position = torch.arange(sel.kv_blocks.shape[-1])
-            counts = sel.kv_counts[..., None].long()
-            reverse = torch.where(position < counts, counts - 1 - position, position)
-            lists = sel.kv_blocks.gather(-1, reverse).contiguous()
-            out = block_sparse_attention(q, k, v, lists, sel.kv_counts, sel.dense_query_blocks)
+            assert (sel.kv_blocks[..., 1:] >= sel.kv_blocks[..., :-1]).all(), "the lists ascend"
+            out = block_sparse_attention(q, k, v, sel.kv_blocks, sel.kv_counts, sel.dense_query_blocks)
             ref = masked_attention(q.float(), k.float(), v.float(), sel)
             diffs.append(float((out.float() - ref).abs().max()))
         dense = torch.nn.functional.scaled_dot_product_attention(*(t.float().permute(0, 2, 1, 3) for t in (q, k, v)))
