@@ -5,6 +5,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from vflash_core.engine.attention import BACKENDS
+from vflash_core.engine.fast_mode import FAST_MODES
 from vflash_core.engine.session import STRATEGIES, WEIGHT_RESIDENCIES
 
 from . import actions
@@ -35,6 +36,10 @@ _MODEL_TOOLTIP = (
     "core's own int8 GEMMs are approximate); .gguf files in models/unet or models/diffusion_models (needs the gguf "
     "package) dequantized as ComfyUI-GGUF does; nvfp4, mxfp8 and other quantized formats are refused."
 )
+
+
+# exact, each mode alone, then both (`FastMode.parse` takes the names joined by "+").
+_FAST_MODE_OPTIONS = ["exact", *FAST_MODES, "+".join(FAST_MODES)]
 
 
 class VflashModelLoader(io.ComfyNode):
@@ -93,6 +98,13 @@ class VflashModelLoader(io.ComfyNode):
                     "stream from their compiled files (disk-ring, ~2.2 GiB). A budget nothing fits is refused with the "
                     "numbers.",
                 ),
+                io.Combo.Input(
+                    "fast_mode", options=_FAST_MODE_OPTIONS, default="exact", optional=True,
+                    tooltip="exact (default) keeps the reference's bits. The others are approximate, named and "
+                    "measured: sparse-attention (block-sparse attention in the middle layers), step-cache (evaluations "
+                    "whose first block barely moved reuse the other blocks' residual), or both; results report what "
+                    "they did. Only MiniMax H3 Vflash Compare on the real weights says what a mode costs in quality.",
+                ),
                 VflashLora.Input(
                     "lora", optional=True,
                     tooltip="LoRA chain from Vflash LoRA Select; it is compiled into the weights and must match the "
@@ -120,13 +132,13 @@ class VflashModelLoader(io.ComfyNode):
     @classmethod
     def execute(
         cls, model, profile, weight_residency, device, peer_device, strategy, attention_backend, lora=None,
-        max_host_memory=0.0,
+        max_host_memory=0.0, fast_mode="exact",
     ):
         # the loaders' widgets, profile vs the graph's requests
         check_graph(getattr(cls.hidden, "prompt", None), HOST, FOLDERS)
         spec = actions.load_model(
             ENGINES, HOST, FOLDERS, model, profile, weight_residency, device, peer_device, strategy, attention_backend,
-            lora, max_host_memory,
+            lora, max_host_memory, fast_mode,
         )
         return io.NodeOutput(spec)
 
