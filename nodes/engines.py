@@ -25,6 +25,7 @@ import torch
 
 from vflash_core.engine.artifact import CompiledArtifact
 from vflash_core.engine.denoise import denoise_bytes
+from vflash_core.engine.fast_mode import FastMode
 from vflash_core.engine.layout import largest_request_rows
 from vflash_core.engine.session import NativeEngineSession
 from vflash_core.errors import IdentityMismatchError, VflashError, check_choice
@@ -332,7 +333,7 @@ def check_loader(
         attention_backend=attention_backend,
         weight_residency=weight_residency,
         max_host_memory=max_host_memory or None,
-        fast_mode=fast_mode,
+        fast_mode=FastMode.parse(fast_mode),
     )
     _check_run_devices(options, chosen)
     return path, options

@@ -62,7 +62,9 @@ H264_OPTIONS = {"crf": "18", "preset": "medium"}
 #: libx264's constant rate factor for 8-bit video: 0 (lossless) to 51.
 VIDEO_CRF = Number(int, 0, 51)
 #: libx264's presets, fastest first.
-VIDEO_PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow", "placebo")
+VIDEO_PRESETS = (
+    "ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow", "placebo"
+)
 DEFAULT_CRF, DEFAULT_PRESET = int(H264_OPTIONS["crf"]), H264_OPTIONS["preset"]
 AAC_BITRATE = 192_000
 # Sample rates the AAC encoder accepts.

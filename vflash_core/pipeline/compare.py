@@ -53,7 +53,7 @@ from .h3_pipeline import H3Pipeline, VideoRequest, VideoResult, delivered_soundt
 from .validation import check_output_is_not_an_input
 
 __all__ = [
-    "ComparisonResult", "REPORT_FORMAT", "comparison_report", "compare", "frame_psnr", "frame_ssim",
+    "OUTPUT_NAMES", "REPORT_FORMAT", "ComparisonResult", "compare", "comparison_report", "frame_psnr", "frame_ssim",
     "log_spectral_distance", "measure", "side_by_side", "summary_lines",
 ]
 
@@ -314,7 +314,7 @@ def compare(
         )
     folder = path_argument(output_dir, "the output folder")
     pipeline.validate(request)
-    inputs = {f"{anchor} frame": item for anchor, item in request.keyframes.items()}
+    inputs: dict[str, object] = {f"{anchor} frame": item for anchor, item in request.keyframes.items()}
     inputs.update({f"reference {index + 1}": item for index, item in enumerate(request.references)})
     if folder.exists() and not folder.is_dir():
         raise VflashError(f"output folder {folder} is not a folder")
