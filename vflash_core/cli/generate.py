@@ -7,10 +7,13 @@ import contextlib
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..pipeline.options import RunOptions
 from ..pipeline.validation import PIXELS, SECONDS, SEED
+
+if TYPE_CHECKING:
+    from ..pipeline.validation import VideoRequest
 
 __all__ = ["add_request_arguments", "register", "request_from_arguments"]
 
@@ -130,7 +133,7 @@ def _prepare_pipeline(args: argparse.Namespace) -> int:
     return 0
 
 
-def request_from_arguments(args: argparse.Namespace):
+def request_from_arguments(args: argparse.Namespace) -> VideoRequest:
     """The `VideoRequest` of `add_request_arguments`' flags (a --prompt-file read now)."""
     from ..fileio import read_text_file
     from ..pipeline.h3_pipeline import VideoRequest

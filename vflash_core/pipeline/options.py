@@ -106,7 +106,7 @@ class RunOptions:
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
-        """The command-line flags of the run options (`vflash generate`, `vflash serve`)."""
+        """The command-line flags of the run options (`vflash generate`, `vflash compare`, `vflash serve`)."""
         from ..engine.attention import BACKENDS
 
         parser.add_argument("--gpu", type=GPU_INDEX.option("--gpu"), help="CUDA device index (default: CPU)")
