@@ -473,10 +473,10 @@ def compare(
     last_frame: torch.Tensor | None = None,
     audio_vae: Any = None,
 ) -> tuple[Any, str]:
-    """VflashCompare: one request (encoded once) sampled exactly and with the model's fast mode on the one engine,
-    both decoded, measured by the core (`pipeline.compare`: per-frame PSNR / SSIM, the soundtracks' log-spectral
-    distance, each side's times); returns the side-by-side VIDEO (exact left, fast right, the exact soundtrack) and
-    the report (a summary, then the report's JSON)."""
+    """VflashCompare: one request (encoded once) sampled with the model's fast mode, then exactly, on the one engine
+    (the fast side carries any first-run warm-up), both decoded, measured by the core (`pipeline.compare`: per-frame
+    PSNR / SSIM, the soundtracks' log-spectral distance, each side's times); returns the side-by-side VIDEO (exact
+    left, fast right, the exact soundtrack) and the report (a summary, then the report's JSON)."""
     if model.options.fast_mode.exact:
         raise VflashError(
             "Vflash Compare compares exact with a fast mode: choose the model loader's fast_mode "
@@ -488,7 +488,7 @@ def compare(
         force_offload=True, audio_vae=audio_vae, profile=profile,
     )
     clips, sides = {}, {}
-    for side, exact in (("exact", True), ("fast", False)):
+    for side, exact in (("fast", False), ("exact", True)):
         start = time.perf_counter()
         sampled, result = _sample(registry, host, model, cond, latent, seed, exact=exact)
         images, audio, _ = decode(registry, host, vae, sampled, audio_vae)

@@ -1,8 +1,8 @@
 """Exact against a named fast mode on one request: what the mode costs in quality, measured.
 
 `compare(pipeline, request, output_dir)` renders `request` twice on ONE `H3Pipeline` loaded with a fast mode
-(`RunOptions.fast_mode`), so the model loads once: exactly (`generate(..., exact=True)`: the bits of a pipeline without
-the mode), then with the mode; the same request and seed, so the same conditioning and noise. It writes into
+(`RunOptions.fast_mode`), so the model loads once: with the mode, then exactly (`generate(..., exact=True)`: the bits of
+a pipeline without the mode); the same request and seed, so the same conditioning and noise. It writes into
 `output_dir`:
 
 * `exact.mp4` and `fast.mp4`: each side with its own soundtrack;
@@ -29,8 +29,9 @@ they measure the fast mode and never the codec:
   the two 10 log10 power spectra, averaged over the STFT frames and the channels; 0 for identical waveforms.
 
 Only this comparison, on the real weights, speaks to a fast mode's quality: random weights (the embedded demo) make
-noise either way and prove speed, never quality. Each side is timed once; the exact side runs first and carries any
-first-request warm-up of the device (for speed alone, `benchmarks/fast_mode.py` repeats and warms up).
+noise either way and prove speed, never quality. Each side is timed once; the fast side runs first and carries any
+first-request warm-up (kernels compiled or tuned on first use, caches filled), so the speed-up reported is never
+flattered by it (for speed alone, `benchmarks/fast_mode.py` repeats and warms up).
 """
 
 from __future__ import annotations
@@ -292,6 +293,18 @@ def _chunks(*clips: torch.Tensor):
         yield start, [clip[start : start + _CHUNK_FRAMES] for clip in clips]
 
 
+def _render(
+    pipeline: H3Pipeline, request: VideoRequest, progress: StageProgress | None, exact: bool
+) -> tuple[VideoResult, tuple[torch.Tensor, torch.Tensor]]:
+    """One side: its result (without media), its 8-bit frames (a quarter of the float frames' bytes, while the other
+    side runs) and its delivered soundtrack."""
+    result = pipeline.generate(request, None, progress=progress, exact=exact)
+    assert result.media is not None and result.media.frames is not None  # no output file: the media stay
+    media, result.media = result.media, None
+    assert media.frames is not None
+    return result, (_rgb8(media.frames), delivered_soundtrack(media))
+
+
 def _side(result: VideoResult, path: Path) -> dict[str, Any]:
     return {
         "file": path.name, "seconds": result.elapsed_seconds, "denoise_seconds": result.stages["denoise"],
@@ -303,7 +316,7 @@ def compare(
     pipeline: H3Pipeline, request: VideoRequest, output_dir: str | Path, overwrite: bool = False,
     progress: StageProgress | None = None,
 ) -> ComparisonResult:
-    """Render `request` exactly and with the pipeline's fast mode, measure the difference and write the four files of
+    """Render `request` with the pipeline's fast mode and exactly, measure the difference and write the four files of
     the module docstring into `output_dir` (created if missing; existing files are refused unless `overwrite`).
     Everything that can be checked is checked before anything renders."""
     mode = pipeline.options.fast_mode
@@ -324,15 +337,9 @@ def compare(
         check_writable_destination(path, overwrite)
         check_output_is_not_an_input(path, inputs)
 
-    exact = pipeline.generate(request, None, progress=progress, exact=True)
-    assert exact.media is not None and exact.media.frames is not None  # no output file: the media stay
-    exact_frames = _rgb8(exact.media.frames)  # a quarter of the float frames' bytes while the fast side runs
-    exact_audio = delivered_soundtrack(exact.media)
-    exact.media = None
-    fast = pipeline.generate(request, None, progress=progress)
-    assert fast.media is not None and fast.media.frames is not None
-    fast_frames, fast_audio, sample_rate = _rgb8(fast.media.frames), delivered_soundtrack(fast.media), fast.sample_rate
-    fast.media = None
+    fast, (fast_frames, fast_audio) = _render(pipeline, request, progress, exact=False)
+    exact, (exact_frames, exact_audio) = _render(pipeline, request, progress, exact=True)
+    sample_rate = exact.sample_rate
 
     metrics = measure(exact_frames, fast_frames, exact_audio, fast_audio)
     width, height = exact.width, exact.height
