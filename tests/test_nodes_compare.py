@@ -86,3 +86,13 @@ def test_compare_node_refuses_an_exact_model(pack):
     workflow = _compare_workflow("exact")
     with pytest.raises(VflashError, match="choose the model loader.s fast_mode"):
         execute(workflow, pack.node_types(workflow))
+
+
+def test_graph_check_refuses_a_loaders_fast_mode_before_anything_runs(pack):
+    from vflash_nodes.graph_checks import loader_refusals
+    from vflash_nodes.host import FOLDERS, HOST
+
+    assert loader_refusals(_compare_workflow("step-cache"), HOST, FOLDERS) == []
+    assert loader_refusals(_compare_workflow("teacache"), HOST, FOLDERS) == [
+        "node 1 (VflashModelLoader): unknown fast mode 'teacache'; choose from sparse-attention, step-cache (or exact)"
+    ]
