@@ -21,6 +21,7 @@ REPO_README = Path(__file__).resolve().parent.parent / "README.md"
 FITS_START, FITS_END = "<!-- what-fits-where: filled by benchmarks/report.py -->", "<!-- /what-fits-where -->"
 FP8_START, FP8_END = "<!-- fp8-figures: filled by benchmarks/report.py -->", "<!-- /fp8-figures -->"
 HOST_START, HOST_END = "<!-- host-memory: filled by benchmarks/report.py -->", "<!-- /host-memory -->"
+FAST_START, FAST_END = "<!-- fast-mode-figures: filled by benchmarks/report.py -->", "<!-- /fast-mode-figures -->"
 
 
 def _load(name: str) -> dict | None:
@@ -353,6 +354,42 @@ def host_memory_table(data: dict) -> str:
     ])
 
 
+def _fast_mode_data() -> dict | None:
+    """The newest fast-mode result file (one per GPU kind)."""
+    files = sorted(RESULTS.glob("fast_mode_*.json"), key=lambda p: json.loads(p.read_text()).get("date", ""))
+    return json.loads(files[-1].read_text()) if files else None
+
+
+def fast_mode_figures(data: dict) -> str:
+    """The kernel, a whole evaluation and the step cache, each fast mode against exact."""
+    records = data["records"]
+    kernel = [r for r in records if r["phase"] == "kernel"]
+    evaluation = [r for r in records if r["phase"] == "evaluation"]
+    cache = [r for r in records if r["phase"] == "step_cache"]
+    parts = [f"Measured by `benchmarks/fast_mode.py` ({_source(data)}) on full-width random weights (speed and mechanism "
+             "only: random weights say nothing about quality)."]
+    if kernel:
+        parts += ["", "Block-sparse attention alone against FlashAttention-3 dense, (1, N, 56, 128) bf16, 512 dense prefix rows; "
+                  "density: the share of the attention map computed:", "",
+                  _table(kernel, [("rows", "N"), ("density_cap", "density cap"), ("density", "density"), ("fa3_dense_ms", "FA3 dense ms"),
+                                  ("sparse_ms", "sparse ms"), ("kernel_speedup_vs_fa3_dense", "speedup"), ("selection_ms", "selection ms"),
+                                  ("kernel_speedup_with_selection", "speedup with selection"), ("kept_block_tflops", "TFLOP/s of kept blocks"),
+                                  ("fa3_tflops", "FA3 TFLOP/s")])]
+    if evaluation:
+        parts += ["", "One whole evaluation (50 full-width layers, 44 of them sparse), exact vs `sparse-attention`:", "",
+                  _table(evaluation, [("seconds", "clip s (1344x768)"), ("rows", "N"), ("density", "density"), ("exact_ms", "exact ms"),
+                                      ("fast_ms", "sparse ms"), ("evaluation_speedup_vs_exact", "speedup"),
+                                      ("velocity_rel_l2_vs_exact", "velocity rel L2 (mechanism)")])]
+    if cache:
+        parts += ["", "`step-cache` on a 16-evaluation Base16 request (4 full-width blocks, 1344x768 5 s):", "",
+                  _table(cache, [("threshold", "threshold"), ("evaluations_cached", "evaluations cached"),
+                                 ("block_evaluation_reduction", "block evaluations, exact / cached"),
+                                 ("block_evaluation_reduction_at_50_layers", "the same at 50 layers"), ("exact_request_ms", "exact ms"),
+                                 ("fast_request_ms", "step-cache ms"), ("request_speedup_vs_exact", "speedup"),
+                                 ("latent_rel_l2_vs_exact", "latent rel L2 (mechanism)")])]
+    return "\n".join(parts + [""])
+
+
 def fill_repo_readme(data: dict, start_marker: str = FITS_START, end_marker: str = FITS_END, render_table=what_fits) -> None:
     """Replace the text between a pair of the repository README's markers with `render_table(data)`."""
     text = REPO_README.read_text()
@@ -447,6 +484,9 @@ def render() -> str:
                   _table(preview["records"], [("canvas", "canvas (5 s)"), ("latent_shape", "latents"), ("preview_ms", "preview ms"),
                                               ("preview_ms_max", "slowest ms"), ("evaluation_ms", "evaluation ms"), ("overhead", "overhead"),
                                               ("evaluation_source", "evaluation time from")]), ""]
+    fast = _fast_mode_data()
+    if fast:
+        parts += ["## Fast modes vs exact (`benchmarks/fast_mode.py`)", "", fast_mode_figures(fast)]
     two = _load("two_gpu_2xh200")
     if two:
         parts += [
@@ -484,3 +524,7 @@ if __name__ == "__main__":
     if host_data:
         fill_repo_readme(host_data, HOST_START, HOST_END, host_memory_table)
         print(f"filled the host-memory table of {REPO_README}")
+    fast_data = _fast_mode_data()
+    if fast_data:
+        fill_repo_readme(fast_data, FAST_START, FAST_END, fast_mode_figures)
+        print(f"filled the fast-mode figures of {REPO_README}")

@@ -89,12 +89,13 @@ def load_model(
     attention_backend: str,
     lora: tuple[LoraRef, ...] | None = None,
     max_host_memory: float = 0.0,
+    lora_mode: str = "residual",
     fast_mode: str = "exact",
 ) -> TransformerSpec:
     """VflashModelLoader: validate, then load the engine now (progress bar) so errors surface at the loader."""
     spec = transformer_spec(
         host, folders, model, profile, weight_residency, device, peer_device, strategy, attention_backend, lora,
-        max_host_memory, fast_mode,
+        max_host_memory, lora_mode, fast_mode,
     )
     session = load_session(registry, host, spec)
     host.log(f"Vflash model {spec.files.source}: profile {session.profile.id}, {session.memory_plan()}")

@@ -15,6 +15,8 @@ releases its own models only as far as needed.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,6 +44,7 @@ from vflash_core.pipeline.validation import PromptBudget
 from vflash_core.profiles import PROFILES, Profile, get_profile
 from vflash_core.weights import compiler
 from vflash_core.weights.checkpoint import SourceWeights
+from vflash_core.weights.lora import LORA_MODES, LoraStack, StackedLora
 
 from .interfaces import Folders, HeldEngine, Host, HostStageProgress, host_progress
 from .model_files import (
@@ -96,7 +99,8 @@ class LoraRef:
 class TransformerFiles:
     """The weights a VFLASH_MODEL runs, as an identity record (no run options): the option, the file or folder it
     resolves to and its identity (`model_files.model_identity`), the profile asked for ("auto": the recorded one),
-    the LoRA chain, and where official weights are compiled for the profile on first use ("" otherwise)."""
+    the LoRA chain and how it runs (`lora.LORA_MODES`), and where official weights are compiled for the profile on
+    first use ("" otherwise)."""
 
     source: str  # the option (`model_files.option_kind`: embedded-demo, vflash/..., diffusers/..., x.safetensors)
     path: str  # resolved file or folder ("" for the demo)
@@ -104,6 +108,7 @@ class TransformerFiles:
     profile: str
     loras: tuple[LoraRef, ...] = ()
     compile_dir: str = ""
+    lora_mode: str = "residual"
 
 
 @dataclass(frozen=True)
@@ -351,6 +356,7 @@ def transformer_spec(
     attention_backend: str,
     lora: tuple[LoraRef, ...] | None = None,
     max_host_memory: float = 0.0,
+    lora_mode: str = "residual",
     fast_mode: str = "exact",
 ) -> TransformerSpec:
     """Validate the loader's widgets into a spec (cheap; loads nothing, writes nothing). The fast mode is one of the
@@ -359,16 +365,23 @@ def transformer_spec(
         host, folders, model, profile, weight_residency, device, peer_device, strategy, attention_backend,
         max_host_memory, fast_mode,
     )
+    check_choice("lora_mode", lora_mode, LORA_MODES)
     loras = tuple(lora or ())
     compile_dir = ""
     if option_kind(model) in OFFICIAL_KINDS:  # official weights (check_loader refused "auto" for them)
-        # Compiled for the profile on first use: models/vflash/compiled/<name>-<profile>[-<LoRA>].
+        # Compiled for the profile on first use: models/vflash/compiled/<name>-<profile>[-<LoRA>[-<stack digest>]]
+        # (one folder per stack: files, order, strengths, mode; the receipt beside it is what proves it current).
         root, bases = Path(path), folders.folders("vflash")
         name = f"{root.stem if root.is_file() else root.name}-{profile}"
         compiled = (Path(bases[0]) if bases else default_cache_dir()) / "compiled"
-        compile_dir = str(compiled / (f"{name}-{Path(loras[0].path).stem}" if loras else name))
+        if loras:
+            name += f"-{Path(loras[0].path).stem}"
+        if len(loras) > 1 or loras and lora_mode != "residual":
+            stack = json.dumps([[ref.path, ref.strength] for ref in loras] + [lora_mode])
+            name += "-" + hashlib.sha256(stack.encode()).hexdigest()[:12]
+        compile_dir = str(compiled / name)
     return TransformerSpec(
-        TransformerFiles(model, path, model_identity(folders, model), profile, loras, compile_dir), options
+        TransformerFiles(model, path, model_identity(folders, model), profile, loras, compile_dir, lora_mode), options
     )
 
 
@@ -403,8 +416,6 @@ def resolve_model(host: Host, spec: TransformerSpec) -> tuple[Profile, Path, Pat
     # Official weights (`check_loader` refused "auto" for them): prepare + compile once for the profile, next to the
     # other compiled models.
     profile = get_profile(files.profile)
-    if len(files.loras) > 1:
-        raise VflashError(f"a profile binds at most one LoRA; the chain has {len(files.loras)}")
     if files.loras and profile.adapter is not None and abs(files.loras[0].strength - profile.adapter.strength) > 1e-9:
         raise VflashError(
             f"profile {profile.id} binds its LoRA at strength {profile.adapter.strength:g}; the chain asks "
@@ -425,17 +436,20 @@ def compile_on_first_use(host: Host, files: TransformerFiles, profile: Profile, 
     out = Path(files.compile_dir)
     receipt = out.with_name(out.name + ".weights-receipt.json")
     root = official_transformer(Path(files.path), profile)
-    adapter = files.loras[0].path if files.loras else None
+    # A profile defined by its adapter (Turbo) takes it as the chain's first LoRA; the rest is the stack after it.
+    own = 1 if profile.adapter is not None and files.loras else 0
+    adapter = files.loras[0].path if own else None
+    stack = LoraStack(tuple(StackedLora(ref.path, ref.strength) for ref in files.loras[own:]), files.lora_mode)
     out.parent.mkdir(parents=True, exist_ok=True)
-    if os.path.lexists(receipt) and not compiler.receipt_describes(receipt, root, adapter):
+    if os.path.lexists(receipt) and not compiler.receipt_describes(receipt, root, adapter, stack):
         host.log(
             f"Vflash: {files.source} is not the file it was prepared from (its size or modification time changed, or "
-            "it moved); preparing it again"
+            "it moved), or a LoRA of the chain changed; preparing it again"
         )
         receipt.unlink()
     if not receipt.is_file():
         host.log(f"Vflash: preparing {files.source} for {profile.id} (hashing the weights) ...")
-        compiler.prepare(profile, root, receipt, adapter, progress=HostStageProgress(host))
+        compiler.prepare(profile, root, receipt, adapter, progress=HostStageProgress(host), loras=stack)
     if out.exists() and not compiler.compiled_from(out, receipt):
         host.log(f"Vflash: {out} was compiled from other weights than {files.source} holds now; compiling it again")
         remove_folder(out)

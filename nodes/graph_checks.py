@@ -21,6 +21,7 @@ from .request_inputs import ENCODE_DEFAULTS, request_geometry
 __all__ = [
     "LOADER_WIDGETS",
     "check_graph",
+    "core_lora_refusals",
     "encode_mode",
     "graph_refusals",
     "loader_refusals",
@@ -155,9 +156,34 @@ def graph_refusals(prompt: Mapping[str, Mapping[str, Any]] | None, folders: Fold
     return out
 
 
+#: ComfyUI core's nodes that apply a LoRA to a core MODEL (and CLIP): their LoRA never reaches a Vflash engine.
+CORE_LORA_LOADERS = ("LoraLoader", "LoraLoaderModelOnly")
+
+
+def core_lora_refusals(prompt: Mapping[str, Mapping[str, Any]] | None) -> list[str]:
+    """One line per core LoRA loader whose output feeds a Vflash node: its LoRA would not apply to the Vflash engine,
+    which compiles its LoRAs with the weights; the line names the node that does."""
+    if prompt is None:
+        return []
+    feeding = {
+        value[0]
+        for node in prompt.values()
+        if isinstance(node, Mapping) and str(node.get("class_type", "")).startswith("Vflash")
+        for value in node.get("inputs", {}).values()
+        if _linked(value)
+    }
+    return [
+        f"node {nid} ({node['class_type']}) applies a LoRA to a core MODEL, which no Vflash node runs: chain the LoRA "
+        "with MiniMax H3 Vflash LoRA Select into the Vflash Model Loader's lora input instead"
+        for nid, node in prompt.items()
+        if isinstance(node, Mapping) and node.get("class_type") in CORE_LORA_LOADERS and nid in feeding
+    ]
+
+
 def check_graph(prompt: Mapping[str, Mapping[str, Any]] | None, host: Host, folders: Folders) -> None:
-    """Raise the graph's refusals (`loader_refusals`, then `graph_refusals`); the Vflash nodes that do model work call
-    it first, so whichever of them ComfyUI runs first refuses the graph before any Vflash model work."""
-    refusals = loader_refusals(prompt, host, folders) + graph_refusals(prompt, folders)
+    """Raise the graph's refusals (`core_lora_refusals`, `loader_refusals`, then `graph_refusals`); the Vflash nodes
+    that do model work call it first, so whichever of them ComfyUI runs first refuses the graph before any Vflash
+    model work."""
+    refusals = core_lora_refusals(prompt) + loader_refusals(prompt, host, folders) + graph_refusals(prompt, folders)
     if refusals:
         raise VflashError("this graph cannot run: " + "; ".join(refusals))

@@ -7,6 +7,7 @@ from comfy_api.latest import io
 from vflash_core.engine.attention import BACKENDS
 from vflash_core.engine.fast_mode import FAST_MODES
 from vflash_core.engine.session import STRATEGIES, WEIGHT_RESIDENCIES
+from vflash_core.weights.lora import LORA_MODES
 
 from . import actions
 from .engines import present_devices, runnable_profiles
@@ -98,17 +99,23 @@ class VflashModelLoader(io.ComfyNode):
                     "stream from their compiled files (disk-ring, ~2.2 GiB). A budget nothing fits is refused with the "
                     "numbers.",
                 ),
+                VflashLora.Input(
+                    "lora", optional=True,
+                    tooltip="LoRA chain from Vflash LoRA Select (any number, each at its strength), compiled with the "
+                    "weights; a Turbo profile's own LoRA comes first, at the profile's strength.",
+                ),
+                io.Combo.Input(
+                    "lora_mode", options=list(LORA_MODES), default="residual", optional=True,
+                    tooltip="How the LoRA chain runs, both exact: residual keeps each LoRA as a separate low-rank "
+                    "residual (as diffusers with peft adapters; a small cost per LoRA per step); merged adds them into "
+                    "the weights when compiling (as diffusers' fuse_lora; no per-step cost). Changing it recompiles.",
+                ),
                 io.Combo.Input(
                     "fast_mode", options=_FAST_MODE_OPTIONS, default="exact", optional=True,
                     tooltip="exact (default) keeps the reference's bits. The others are approximate, named and "
                     "measured: sparse-attention (block-sparse attention in the middle layers), step-cache (evaluations "
                     "whose first block barely moved reuse the other blocks' residual), or both; results report what "
                     "they did. Only MiniMax H3 Vflash Compare on the real weights says what a mode costs in quality.",
-                ),
-                VflashLora.Input(
-                    "lora", optional=True,
-                    tooltip="LoRA chain from Vflash LoRA Select; it is compiled into the weights and must match the "
-                    "profile's adapter.",
                 ),
             ],
             outputs=[VflashModel.Output(
@@ -132,13 +139,13 @@ class VflashModelLoader(io.ComfyNode):
     @classmethod
     def execute(
         cls, model, profile, weight_residency, device, peer_device, strategy, attention_backend, lora=None,
-        max_host_memory=0.0, fast_mode="exact",
+        max_host_memory=0.0, lora_mode="residual", fast_mode="exact",
     ):
         # the loaders' widgets, profile vs the graph's requests
         check_graph(getattr(cls.hidden, "prompt", None), HOST, FOLDERS)
         spec = actions.load_model(
             ENGINES, HOST, FOLDERS, model, profile, weight_residency, device, peer_device, strategy, attention_backend,
-            lora, max_host_memory, fast_mode,
+            lora, max_host_memory, lora_mode, fast_mode,
         )
         return io.NodeOutput(spec)
 
@@ -155,12 +162,13 @@ class VflashLoraSelect(io.ComfyNode):
             inputs=[
                 io.Combo.Input(
                     "lora", options=lora_options(FOLDERS),
-                    tooltip="A LoRA in models/loras (diffusers/peft, original, kohya, musubi or DiffSynth naming).",
+                    tooltip="A LoRA in models/loras: diffusers/peft, original (LightX2V, ai-toolkit, kohya, musubi), "
+                    "DiffSynth, ComfyUI's saved LoRAs, or a full-rank diff / diff_b delta (LoKr / LoHa are refused).",
                 ),
                 io.Float.Input(
                     "strength", default=1.0, min=-4.0, max=4.0, step=0.01,
-                    tooltip="Scale of the low-rank residual (strength * alpha / rank per module). Compiled artifacts "
-                    "bind one strength; changing it recompiles.",
+                    tooltip="Scale of this LoRA (strength * alpha / rank per module; a full-rank delta: strength). "
+                    "The chain is compiled with the weights; changing a strength recompiles.",
                 ),
                 VflashLora.Input("prev", optional=True, tooltip="Earlier LoRAs of the chain."),
             ],

@@ -29,7 +29,7 @@ from typing import Any, cast
 
 from vflash_core.errors import Number, VflashError, is_int
 
-from .graph_checks import graph_refusals
+from .graph_checks import core_lora_refusals, graph_refusals
 from .headless import comfy_io as io
 
 logger = logging.getLogger(__name__)
@@ -214,6 +214,9 @@ def plan(workflow: Mapping[str, Mapping[str, Any]], node_types: Mapping[str, Nod
     missing nodes or outputs, type mismatches, numbers outside their widgets' ranges, cycles, no output node.
     """
     workflow = check_api_workflow(workflow)
+    core_loras = core_lora_refusals(workflow)  # before "unsupported": the line names the node to use instead
+    if core_loras:
+        raise WorkflowError("; ".join(core_loras))
     unsupported = sorted(
         {f"{nid} ({n['class_type']})" for nid, n in workflow.items() if n["class_type"] not in node_types}
     )

@@ -244,3 +244,53 @@ def test_step_cache_on_a_16_evaluation_profile(tmp_path_factory, tiny_transforme
         report = session.generate(bundle).metadata["fast_mode"]
     assert report["step_cache"]["evaluations_cached"] == [2, 4, 6, 8, 10, 12, 14]
     assert len(report["step_cache"]["first_block_change"]) == 16
+
+
+def test_sparse_attention_with_sequence_head_equals_one_device(tmp_path_factory):
+    """Two CPU ranks (Gloo) split the heads: each selects for its own heads over the whole sequence, so the result is
+    the single device's, bit for bit."""
+    from dataclasses import replace
+
+    from conftest import compile_tiny
+
+    from vflash_core.weights import synthetic
+
+    wide = replace(TINY, num_attention_heads=4)
+    folder = tmp_path_factory.mktemp("wide4")
+    synthetic.write_diffusers_transformer(folder / "transformer", wide,
+                                          synthetic.random_internal_weights(wide, seed=2, dtype=torch.bfloat16))
+    compiled = compile_tiny(folder, folder / "transformer", "t2va-base4-exact-cpu")
+    g = torch.Generator().manual_seed(5)
+    embeds = torch.randn(6, wide.text_dim, generator=g).to(torch.bfloat16)
+    bundle = build_keyframe_bundle(embeds, torch.ones(6, dtype=torch.long), Geometry(HEIGHT, WIDTH, FRAMES), wide, g)
+    mode = FastMode(("sparse-attention",), sparse_density=0.2, sparse_dense_edge_layers=0)
+    with NativeEngineSession("t2va-base4-exact-cpu", **compiled, fast_mode=mode) as single:
+        expected = single.generate(bundle)
+    with NativeEngineSession("t2va-base4-exact-cpu", **compiled, fast_mode=mode, peer_device="cpu",
+                             strategy="sequence-head") as group:
+        got = group.generate(bundle)
+    assert_bitwise(got.video_latents, expected.video_latents, "video latents")
+    assert got.metadata["fast_mode"]["sparse_attention"]["density_reached"] == pytest.approx(
+        expected.metadata["fast_mode"]["sparse_attention"]["density_reached"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kernel_on_cuda_matches_the_masked_reference_bf16():
+    """bf16 at H3's head width (8 heads x 128, 4,171 rows: 33 blocks, the last ragged), the selection the mode runs."""
+    from vflash_kernels.block_sparse_attention import block_sparse_attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, 4171, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    for density in (0.15, 0.5, 1.0):
+        sel = select_key_blocks(q, k, 600, density, 0.9, 1)
+        out = block_sparse_attention(q, k, v, sel.kv_blocks, sel.kv_counts, sel.dense_query_blocks)
+        ref = masked_attention(q.float(), k.float(), v.float(), sel)
+        assert float((out.float() - ref).abs().max()) < 1e-2, density  # bf16 operands and output
+    # v as the fused projection's view (row stride 3I), as the blocks hand it over
+    qkv = torch.randn(1, 4171, 3 * 8 * 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    q2, k2, v2 = (t.unflatten(-1, (8, 128)) for t in qkv.split(8 * 128, dim=-1))
+    sel = select_key_blocks(q2, k2, 600, 0.25, 0.9, 1)
+    out = block_sparse_attention(q2, k2, v2, sel.kv_blocks, sel.kv_counts, sel.dense_query_blocks)
+    ref = masked_attention(q2.float(), k2.float(), v2.float(), sel)
+    assert float((out.float() - ref).abs().max()) < 1e-2

@@ -591,7 +591,7 @@ def test_lora_select_chains_and_loader_refuses_chains_it_cannot_apply(pack, mode
     with pytest.raises(VflashError, match="already compiled"):
         loader.execute(model="embedded-demo", profile="auto", weight_residency="auto", device="auto", peer_device="none",
                        strategy="sequence-head", attention_backend="auto", lora=chain)
-    with pytest.raises(VflashError, match="at most one LoRA"):
+    with pytest.raises(VflashError, match=r"style.safetensors: 1 LoRA key\(s\) do not name an H3 module: x"):  # chains any number
         loader.execute(model="diffusers/H3-tiny", profile="t2va-base4-exact-cpu", weight_residency="auto", device="cpu", peer_device="none",
                        strategy="sequence-head", attention_backend="auto", lora=chain)
 

@@ -201,3 +201,32 @@ def test_tensor_strategy_shards_lora_branches(tmp_path, wide_fp32):
     with NativeEngineSession(profile, **paths, peer_device="cpu", strategy="tensor") as group:
         got = group.generate(bundle)
     torch.testing.assert_close(got.video_latents, expected.video_latents, rtol=0, atol=2e-5)
+
+
+def test_tensor_strategy_shards_full_rank_delta_residuals(tmp_path, wide_fp32):
+    """A full-rank `diff` delta stacked as a residual (its rows are the delta itself, no up factor), fp32: the
+    sharded residuals sum to the single-device one."""
+    from conftest import cpu_profile
+    from safetensors.torch import save_file
+
+    from vflash_core.weights.compiler import compile_receipt, prepare
+    from vflash_core.weights.lora import LoraStack, StackedLora
+
+    folder, _ = wide_fp32
+    g = torch.Generator().manual_seed(4)
+    h, inner, f = WIDE.hidden_size, WIDE.inner_dim, WIDE.ffn_dim
+    shapes = {"attn.qkv_proj": (3 * inner, h), "attn.out_proj": (h, inner), "mlp.fc1": (2 * f, h), "mlp.fc2": (h, f)}
+    state = {f"diffusion_model.blocks.{i}.{m}.diff": torch.randn(*s, generator=g) * 0.02 for i in range(WIDE.num_layers) for m, s in shapes.items()}
+    save_file(state, str(tmp_path / "delta.safetensors"))
+    profile = cpu_profile()
+    prepare(profile, folder, tmp_path / "receipt.json", loras=LoraStack((StackedLora(str(tmp_path / "delta.safetensors"), 0.8),)))
+    out = compile_receipt(tmp_path / "receipt.json", tmp_path / "compiled")
+    paths = {"artifact": out / "artifact", "schedule_overlay": out / "schedule", "auxiliary": out / "auxiliary.safetensors"}
+    bundle = _wide_bundle(4)
+    bundle.prompt_embeds = bundle.prompt_embeds.float()
+    with NativeEngineSession(profile, **paths) as single:
+        expected = single.generate(bundle)
+    with NativeEngineSession(profile, **paths, peer_device="cpu", strategy="tensor") as group:
+        got = group.generate(bundle)
+    torch.testing.assert_close(got.video_latents, expected.video_latents, rtol=0, atol=2e-5)
+    torch.testing.assert_close(got.audio_latents, expected.audio_latents, rtol=0, atol=2e-5)

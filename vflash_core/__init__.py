@@ -5,6 +5,7 @@ Public entry points::
     from vflash_core import H3Pipeline, RunOptions, VideoRequest      # prompt (+ media) -> MP4
     from vflash_core import NativeEngineSession, ConditioningBundle, BundleHandoff, get_profile   # the core alone
     from vflash_core.weights.compiler import prepare, compile_receipt
+    from vflash_core.weights.lora import LoraStack, StackedLora      # prepare(..., loras=LoraStack(...))
 
 Every name here is also importable from the module that defines it; the errors a caller may catch are all
 `VflashError` subclasses. Importing the pipeline loads neither diffusers nor transformers (they load with the

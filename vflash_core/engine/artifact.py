@@ -111,13 +111,16 @@ def _loras(
         if not r["linear"].startswith(prefix):
             continue
         key = f"lora.{r['linear']}.{r['index']}"
-        if f"{key}.down" not in tensors or f"{key}.up" not in tensors:
+        # a full-rank delta has no up factor, and only a `diff_b` a bias (records without the key have neither)
+        parts = ["down", *(["up"] if r.get("up", True) else []), *(["bias"] if r.get("bias", False) else [])]
+        if any(f"{key}.{p}" not in tensors for p in parts):
             raise WeightFileError(
                 f"the manifest records LoRA factors {key} that the compiled file does not hold; compile it again"
             )
-        out.setdefault(r["linear"][len(prefix) :], []).append(
-            LoraResidual(tensors[f"{key}.down"], tensors[f"{key}.up"], float(r["scale"]), int(r["row_start"]))
-        )
+        out.setdefault(r["linear"][len(prefix) :], []).append(LoraResidual(
+            tensors[f"{key}.down"], tensors.get(f"{key}.up") if "up" in parts else None, float(r["scale"]),
+            int(r["row_start"]), tensors.get(f"{key}.bias") if "bias" in parts else None,
+        ))
     return {k: tuple(v) for k, v in out.items()}
 
 
@@ -241,6 +244,11 @@ class CompiledArtifact:
     def adapter(self) -> dict[str, object] | None:
         """The adapter's file identity and scale source as compiled (name, size, sha256, format, ...); None without."""
         return self.manifest.get("adapter")
+
+    @property
+    def loras(self) -> dict[str, object] | None:
+        """The LoRA stack compiled after the adapter (mode, and each file's identity and strength); None without."""
+        return self.manifest.get("loras")
 
     @property
     def block_sizes(self) -> list[int]:

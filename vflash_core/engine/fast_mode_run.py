@@ -3,7 +3,7 @@ its main blocks call, armed per evaluation and layer, and the request's first-bl
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -63,7 +63,6 @@ class FastModeRun:
     step_cache: StepCache | None = None
     layers: int = 0
     block_evaluations: int = 0
-    report_extra: dict[str, object] = field(default_factory=dict)
 
     @classmethod
     def wrap(cls, mode: FastMode, dense: AttentionFn) -> tuple[FastModeRun, AttentionFn]:

@@ -58,15 +58,25 @@ class LoraResidual:
     """One low-rank residual `scale * B(A(x))` added to a linear's output rows [row_start, row_stop).
 
     down: A (rank, in); up: B (rows, rank). The branch runs in the factors' dtype, as peft's unfused forward does.
+    A full-rank delta (`diff`) has no up: down is the delta (rows, in) itself, as diffusers holds it (A = delta,
+    B = identity, whose product is exact). bias: lora_B's bias (a `diff_b`), added before the scale as peft does.
     """
 
     down: torch.Tensor
-    up: torch.Tensor
+    up: torch.Tensor | None
     scale: float
     row_start: int = 0
+    bias: torch.Tensor | None = None
+
+    @property
+    def rows(self) -> int:
+        return int((self.down if self.up is None else self.up).shape[0])
 
     def to(self, device: torch.device) -> LoraResidual:
-        return LoraResidual(self.down.to(device), self.up.to(device), self.scale, self.row_start)
+        return LoraResidual(
+            self.down.to(device), None if self.up is None else self.up.to(device), self.scale, self.row_start,
+            None if self.bias is None else self.bias.to(device),
+        )
 
 
 def linear(
@@ -78,15 +88,21 @@ def linear(
 
 def add_lora_residuals(y: torch.Tensor, x: torch.Tensor, loras: tuple[LoraResidual, ...]) -> torch.Tensor:
     """A linear's output `y` of input `x` plus its LoRA residuals, each rounded into y's dtype (in place on a row
-    range of y, whole-width residuals as a new tensor)."""
+    range of y: `add_` computes and rounds as the out-of-place sum does, without a temporary and its copy back;
+    whole-width residuals as a new tensor)."""
     for lora in loras:
         x_lora = x.to(lora.down.dtype)
-        delta = F.linear(F.linear(x_lora, lora.down), lora.up) * lora.scale
-        rows = slice(lora.row_start, lora.row_start + lora.up.shape[0])
+        h = F.linear(x_lora, lora.down)
+        if lora.up is not None:
+            h = F.linear(h, lora.up, lora.bias)
+        elif lora.bias is not None:  # B = identity: its GEMM with the bias is one rounding of h + bias
+            h = h + lora.bias
+        delta = h * lora.scale
+        rows = slice(lora.row_start, lora.row_start + lora.rows)
         if rows.start == 0 and rows.stop == y.shape[-1]:
             y = (y + delta).to(y.dtype)
         else:
-            y[..., rows] = (y[..., rows] + delta).to(y.dtype)
+            y[..., rows].add_(delta)
     return y
 
 

@@ -279,19 +279,18 @@ class TensorShard:
         for name, residuals in loras.items():
             sharded = []
             for r in residuals:
+                # the factor holding the output rows: B, or a full-rank delta (no B) itself
+                rows_of = "down" if r.up is None else "up"
                 if name == "attn.qkv":  # one residual per q / k / v part; keep this rank's heads of it
                     part = r.row_start // self.inner
-                    sharded.append(
-                        M.LoraResidual(
-                            r.down, self._rows(r.up, 0, self.inner_r).contiguous(), r.scale, part * self.inner_r
-                        )
-                    )
+                    rows = self._rows(getattr(r, rows_of), 0, self.inner_r).contiguous()
+                    sharded.append(replace(r, **{rows_of: rows, "row_start": part * self.inner_r}))
                 elif name == "ffn.in":
-                    up = torch.cat([self._rows(r.up, k, self.ffn_r) for k in range(2)])
-                    sharded.append(M.LoraResidual(r.down, up, r.scale, 0))
-                else:  # attn.out / ffn.out: this rank's input columns of A
+                    rows = torch.cat([self._rows(getattr(r, rows_of), k, self.ffn_r) for k in range(2)])
+                    sharded.append(replace(r, **{rows_of: rows}))
+                else:  # attn.out / ffn.out: this rank's input columns of A (or of the delta)
                     down = self._columns(r.down, self.inner_r if name == "attn.out" else self.ffn_r)
-                    sharded.append(M.LoraResidual(down, r.up, r.scale, r.row_start))
+                    sharded.append(replace(r, down=down))
             out[name] = tuple(sharded)
         return out
 

@@ -3,12 +3,14 @@
 Verbs (`python -m vflash_core.weights.compiler prepare|compile|verify`):
 
 * `prepare` binds a profile to the identities of the base weights and the adapter (file names, sizes, sha256 of
-  each payload, config) in a receipt. No request data is involved.
+  each payload, config), and of a LoRA stack after it (each file's identity and strength, in order, and the mode:
+  residual or merged), in a receipt. No request data is involved.
 * `compile` checks the files against the receipt (re-hashing only those whose size or modification time changed
   since `prepare`), then writes, atomically, a folder with
 
   - `artifact/`: one `block_NNN.safetensors` per main block: the unchanged matrices in their stored dtype with the
-    fused QKV `[3*inner, H]` and fused SwiGLU input `[2*ffn, H]`, plus the block's LoRA factors; no `adaln_proj`
+    fused QKV `[3*inner, H]` and fused SwiGLU input `[2*ffn, H]` (a merged stack added in), plus the block's LoRA
+    factors (residual mode); no `adaln_proj`
     (39 % of the model) — the runtime never loads it;
   - `auxiliary.safetensors`: input projections, context embedder, token refiner, final norm and output heads (plus
     their LoRA factors);
@@ -89,7 +91,7 @@ from ..progress import StageProgress
 from ..schedule import distinct_timesteps
 from ..tensor_store import TensorStore, describe_files, file_sha256, write_safetensors
 from .checkpoint import SourceWeights
-from .lora import TABLE_ONLY, Adapter, load_adapter
+from .lora import LORA_MODES, TABLE_ONLY, Adapter, AdapterStack, LoraStack, StackedLora, load_adapter, merge_into
 
 __all__ = ["build_parser", "compile_receipt", "compiled_from", "main", "prepare", "receipt_describes"]
 
@@ -117,8 +119,10 @@ def prepare(
     adapter: str | Path | None = None,
     qkv_layout: str | None = None,
     progress: StageProgress | None = None,
+    loras: LoraStack | None = None,
 ) -> dict[str, object]:
-    """Write a receipt binding `profile` to the base weights and adapter; returns the receipt."""
+    """Write a receipt binding `profile` to the base weights, its adapter and a LoRA stack after it (`loras`: files,
+    strengths, mode; each file hashed and parsed now, so a file that does not fit is refused here); returns it."""
     profile = get_profile(profile)
     transformer = path_argument(transformer, "the transformer")
     adapter = None if adapter is None else path_argument(adapter, "the adapter")
@@ -145,6 +149,7 @@ def prepare(
             "network_alpha": parsed.network_alpha,
             "ranks": sorted(set(parsed.ranks.values())),
         }
+    stack_record = _stack_record(loras, adapter is not None, source.config)
     folder = Path(transformer)
     record = {
         "format": WEIGHTS_RECEIPT_FORMAT,
@@ -159,11 +164,37 @@ def prepare(
             "files": _hash_files(source.files, progress),
         },
         "adapter": adapter_record,
+        # only where there is a stack: receipts (and compiles) without one are as they were
+        **({"loras": stack_record} if stack_record is not None else {}),
     }
     text = json.dumps(record, indent=2) + "\n"
     with atomic_file(receipt) as tmp:
         tmp.write_text(text)
     return json.loads(text)
+
+
+def _stack_record(loras: LoraStack | None, with_adapter: bool, config: H3Config) -> dict[str, object] | None:
+    """The receipt's record of a LoRA stack: its mode and each file's identity, strength and how its scale was read;
+    None where there is nothing to record (no stack, or one that changes nothing: no file, residual mode, or no LoRA
+    at all to merge)."""
+    if not _stack_applies(loras, with_adapter):
+        return None
+    assert loras is not None  # a stack applies
+    files = []
+    for lora in loras.loras:
+        path = path_argument(lora.path, "a LoRA of the stack")
+        parsed = load_adapter(path, config, lora.strength)
+        files.append({
+            "path": str(Path(path).resolve()), **describe_files([Path(path)], with_hash=True)[0],
+            "strength": lora.strength, "format": parsed.format, "alpha_source": parsed.alpha_source,
+            "network_alpha": parsed.network_alpha,
+        })
+    return {"mode": loras.mode, "files": files}
+
+
+def _stack_applies(loras: LoraStack | None, with_adapter: bool) -> bool:
+    """Whether a stack changes the compile: a file in it, or the profile's adapter merged."""
+    return loras is not None and not loras.is_default and (bool(loras.loras) or with_adapter)
 
 
 def _hash_files(paths: list[Path], progress: StageProgress | None) -> list[dict[str, object]]:
@@ -231,6 +262,16 @@ RECEIPT_FIELDS: tuple[Field, ...] = (
 )
 
 
+_STACK_FIELDS: tuple[Field, ...] = (
+    ("loras.mode", "a LoRA mode (residual or merged)", lambda v: v in LORA_MODES),
+    ("loras.files", "a list of {path, name, size, sha256, strength, format, alpha_source, network_alpha} records",
+     list_of(
+         ("path", "", is_text), *_FILE_RECORD, ("strength", "", is_number), ("format", "", is_text),
+         ("alpha_source", "", is_text), ("network_alpha", "", lambda a: a is None or is_number(a)),
+     )),
+)
+
+
 def _load_receipt(path: str | Path) -> dict:
     if not os.path.lexists(path):
         raise VflashError(f"{path}: no such receipt")
@@ -249,6 +290,11 @@ def _load_receipt(path: str | Path) -> dict:
         receipt, RECEIPT_FIELDS, f"receipt {path}",
         "write it again with `python -m vflash_core.weights.compiler prepare`",
     )
+    if "loras" in receipt:  # a LoRA stack, only where there is one
+        check_fields(
+            receipt, _STACK_FIELDS, f"receipt {path}",
+            "write it again with `python -m vflash_core.weights.compiler prepare`",
+        )
     return receipt
 
 
@@ -330,16 +376,34 @@ def compile_receipt(
                 f"adapter {adapter_path} does not match the receipt (missing, or size or sha256 changed)"
             )
         adapter = load_adapter(adapter_path, source.config, profile.adapter.strength)  # type: ignore[union-attr]
+    stack = _load_stack(receipt, adapter, source.config)
     with atomic_directory(output) as tmp:
-        _write_compiled(tmp, source, adapter, profile, receipt, device_t, arch, progress)
+        _write_compiled(tmp, source, stack, profile, receipt, device_t, arch, progress)
     logger.info("compiled %s for %s into %s", tx["path"], profile.id, output)
     return output
 
 
-def receipt_describes(receipt_path: str | Path, transformer: str | Path, adapter: str | Path | None) -> bool:
+def _load_stack(receipt: dict, adapter: Adapter | None, config: H3Config) -> AdapterStack | None:
+    """The profile's adapter, then the receipt's LoRA stack (checked by `_load_receipt`; each file against its hash),
+    in order."""
+    record = receipt.get("loras")
+    if record is None:
+        return None if adapter is None else AdapterStack([adapter])
+    adapters = [] if adapter is None else [adapter]
+    for lora in record["files"]:
+        path = Path(lora["path"])
+        if not path.is_file() or not _unchanged(path, lora) and file_sha256(path) != lora["sha256"]:
+            raise IdentityMismatchError(f"LoRA {path} does not match the receipt (missing, or size or sha256 changed)")
+        adapters.append(load_adapter(path, config, lora["strength"]))
+    return AdapterStack(adapters, record["mode"])
+
+
+def receipt_describes(
+    receipt_path: str | Path, transformer: str | Path, adapter: str | Path | None, loras: LoraStack | None = None
+) -> bool:
     """Whether a weights receipt was prepared from these very files as they are now: the same paths, file names,
-    sizes and modification times (only the receipt, the files' metadata and their safetensors headers are read).
-    False for a receipt that cannot be read."""
+    sizes and modification times (only the receipt, the files' metadata and their safetensors headers are read), and
+    the same LoRA stack (files, order, strengths, mode). False for a receipt that cannot be read."""
     try:
         receipt = _load_receipt(receipt_path)
         files = TensorStore(transformer).files
@@ -353,6 +417,17 @@ def receipt_describes(receipt_path: str | Path, transformer: str | Path, adapter
         return False
     if not all(_unchanged(f.path, recorded[f.path.name]) for f in files):
         return False
+    stack = receipt.get("loras")
+    if (stack is not None) != _stack_applies(loras, adapter is not None):
+        return False
+    if stack is not None:
+        assert loras is not None  # a stack applies
+        wanted = [(str(Path(lora.path).resolve()), lora.strength) for lora in loras.loras]
+        if (
+            stack.get("mode") != loras.mode or [(f.get("path"), f.get("strength")) for f in stack["files"]] != wanted
+            or not all(Path(f["path"]).is_file() and _unchanged(Path(f["path"]), f) for f in stack["files"])
+        ):
+            return False
     if adapter is None or receipt["adapter"] is None:
         return adapter is None and receipt["adapter"] is None
     return (
@@ -373,8 +448,11 @@ def compiled_from(folder: str | Path, receipt_path: str | Path) -> bool:
     except VflashError:
         return False
     identity = _identity(profile, receipt, artifact.config, artifact.arch, artifact.compile_id)
-    compiled = {"profile_id": artifact.profile_id, "profile": artifact.profile_record, "adapter": artifact.adapter}
-    return all(compiled[key] == identity[key] for key in compiled) and (
+    compiled = {
+        "profile_id": artifact.profile_id, "profile": artifact.profile_record, "adapter": artifact.adapter,
+        "loras": artifact.loras,
+    }
+    return all(compiled[key] == identity.get(key) for key in compiled) and (
         artifact.base_weights.get("files") == identity["base_weights"]["files"])  # type: ignore[index]
 
 
@@ -398,6 +476,14 @@ def _identity(profile: Profile, receipt: dict, config: H3Config, arch: str, comp
         "adapter": None if receipt["adapter"] is None else {
             k: receipt["adapter"][k] for k in ("name", "size", "sha256", "format", "alpha_source", "network_alpha")
         },
+        # the stack after the adapter, in order, and its mode; absent without one (identities as they were)
+        **({"loras": {
+            "mode": receipt["loras"]["mode"],
+            "files": [
+                {k: f[k] for k in ("name", "size", "sha256", "strength", "format", "alpha_source", "network_alpha")}
+                for f in receipt["loras"]["files"]
+            ],
+        }} if "loras" in receipt else {}),
         "torch": torch.__version__,
     }
 
@@ -439,9 +525,40 @@ def _lora_tensors(
     for name, rs in residuals.items():
         for k, r in enumerate(rs):
             tensors[f"lora.{name}.{k}.down"] = r.down.contiguous()
-            tensors[f"lora.{name}.{k}.up"] = r.up.contiguous()
-            records.append({"linear": name, "index": k, "scale": r.scale, "row_start": r.row_start})
+            record: dict[str, object] = {"linear": name, "index": k, "scale": r.scale, "row_start": r.row_start}
+            if r.up is None:  # a full-rank delta; records of low-rank factors stay as they were
+                record["up"] = False
+            else:
+                tensors[f"lora.{name}.{k}.up"] = r.up.contiguous()
+            if r.bias is not None:
+                tensors[f"lora.{name}.{k}.bias"] = r.bias.contiguous()
+                record["bias"] = True
+            records.append(record)
     return tensors, records
+
+
+def _merged_linears(
+    tensors: dict[str, torch.Tensor], loras: dict[str, tuple[M.LoraResidual, ...]], device: torch.device,
+    stored_codes: set[str],
+) -> dict[str, torch.Tensor]:
+    """The weights (and biases) of the adapted linears with their residuals merged (`lora.merge_into`) on the compile
+    device, as new CPU tensors. An FP8 profile's linear kept as the file's E4M3 codes has no BF16 weight to merge
+    into: refused."""
+    kept = sorted(set(loras) & stored_codes)
+    if kept:
+        raise VflashError(
+            f"a merged LoRA stack needs BF16 weights, but {', '.join(kept)} are kept as the file's FP8 codes; compile "
+            "the stack as residuals, or from a BF16 file"
+        )
+    out = {}
+    for name, residuals in loras.items():
+        weight = tensors[f"{name}.weight"].to(device, copy=True)
+        bias = tensors[f"{name}.bias"].to(device, copy=True) if f"{name}.bias" in tensors else None
+        merge_into(weight, bias, residuals)
+        out[f"{name}.weight"] = weight.cpu()
+        if bias is not None:
+            out[f"{name}.bias"] = bias.cpu()
+    return out
 
 
 def _timestep_vectors(profile: Profile) -> list[list[torch.Tensor]]:
@@ -462,7 +579,7 @@ def _timestep_vectors(profile: Profile) -> list[list[torch.Tensor]]:
 def _write_compiled(
     out: Path,
     source: SourceWeights,
-    adapter: Adapter | None,
+    adapter: AdapterStack | None,
     profile: Profile,
     receipt: dict,
     device: torch.device,
@@ -484,14 +601,20 @@ def _write_compiled(
     table_aux = {k: v.to(device) for k, v in source.read_aux(lambda n: n.startswith(TABLE_INPUTS)).items()}
     not_applied = sorted(n for n in adapter.residuals if TABLE_ONLY.match(n)) if adapter and pruned else []
     if not_applied:
-        assert adapter is not None  # not_applied lists the adapter's modules
         logger.warning(
-            "%d LoRA module(s) of %s feed the AdaLN tables and do not apply to a pruned file; left out",
-            len(not_applied), adapter.path.name,
+            "%d LoRA module(s) feed the AdaLN tables and do not apply to a pruned file; left out", len(not_applied)
         )
+    # Merged: every adapted linear's weight (and bias) gets the stack added as peft's merge does, on the compile
+    # device, before anything is computed from it; no residual is left. Residual: the tables fold the residuals in.
+    merged = adapter is not None and adapter.merged
     aux_loras = {
         k: tuple(r.to(device) for r in rs) for k, rs in (adapter.aux() if adapter and not pruned else {}).items()
     }
+    if merged:
+        for name, residuals in aux_loras.items():
+            if TABLE_ONLY.match(name):
+                merge_into(table_aux[f"{name}.weight"], table_aux[f"{name}.bias"], residuals)
+        aux_loras = {}
     block_dtype = source.dtype_of("refiner.final_norm.weight")
     vectors = _timestep_vectors(profile)
     overlay: dict[str, torch.Tensor] = {}
@@ -549,6 +672,10 @@ def _write_compiled(
             )
             block_loras = adapter.for_prefix(f"blocks.{i}") if adapter else {}
             adaln_loras = tuple(r.to(device) for r in block_loras.pop("adaln", ()))
+            if merged:
+                if not pruned:
+                    merge_into(weight, bias, adaln_loras)
+                adaln_loras = ()
             for s, v, temb in tembs:
                 if pruned:
                     table = M.curve_adaln_table(temb, weight.float(), bias.float(), block_dtype)
@@ -557,6 +684,9 @@ def _write_compiled(
                 overlay[f"step{s:03d}.v{v}.block{i:03d}"] = table.cpu()
             del weight, bias
             tensors = {k.split(".", 2)[2]: t for k, t in block.items()}
+            if merged:
+                tensors.update(_merged_linears(tensors, block_loras, device, set(stored_codes)))
+                block_loras = {}
             if profile.fp8:
                 tensors = quantize_block(tensors, device, stored_codes)
             lora_tensors, records = _lora_tensors(block_loras)
@@ -585,6 +715,9 @@ def _write_compiled(
         runtime_loras = {k: v for k, v in adapter.aux().items() if not TABLE_ONLY.match(k)}
         for j in range(config.num_refiner_layers):
             runtime_loras.update({f"refiner.{j}.{k}": v for k, v in adapter.for_prefix(f"refiner.{j}").items()})
+    if merged:
+        aux.update(_merged_linears(aux, runtime_loras, device, set()))
+        runtime_loras = {}
     lora_tensors, aux_lora_records = _lora_tensors(runtime_loras)
     aux_meta = {
         "format": artifact_format, "compile_id": compile_id, "identity": json.dumps(identity),
@@ -638,6 +771,15 @@ def build_parser() -> argparse.ArgumentParser:
         "int8_convrot or pruned single files, and GGUF files, too)",
     )
     p.add_argument("--adapter", help="LoRA .safetensors the profile is built with")
+    p.add_argument(
+        "--lora", action="append", default=[], metavar="FILE[:STRENGTH]", type=_stacked_lora,
+        help="a LoRA stacked after the profile's adapter (repeat, in order; strength 1 unless given)",
+    )
+    p.add_argument(
+        "--lora-mode", choices=LORA_MODES, default="residual",
+        help="residual: separate low-rank residuals at every evaluation (as peft adapters); merged: added into the "
+        "weights at compile (as fuse_lora), no per-evaluation cost",
+    )
     p.add_argument("--qkv-layout", choices=("stacked", "interleaved"), help="original layout only (default stacked)")
     p.add_argument("--receipt", required=True, help="receipt JSON to write (must not exist)")
     c = sub.add_parser("compile", help="compile a receipt into artifact/, schedule/ and auxiliary.safetensors")
@@ -650,6 +792,15 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", help="re-hash a compiled folder against the sha256 recorded when it was written")
     v.add_argument("compiled", help="folder holding artifact/, schedule/ and auxiliary.safetensors")
     return parser
+
+
+def _stacked_lora(text: str) -> StackedLora:
+    """FILE or FILE:STRENGTH (the last colon, where what follows is a number: a path may hold colons)."""
+    path, _, strength = text.rpartition(":")
+    try:
+        return StackedLora(path, float(strength)) if path else StackedLora(text)
+    except ValueError:
+        return StackedLora(text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -665,7 +816,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> None:
     if args.command == "prepare":
-        prepare(args.profile, args.transformer, args.receipt, args.adapter, args.qkv_layout)
+        prepare(
+            args.profile, args.transformer, args.receipt, args.adapter, args.qkv_layout,
+            loras=LoraStack(tuple(args.lora), args.lora_mode),
+        )
         print(f"wrote receipt {args.receipt}")
     elif args.command == "verify":
         folder = check_folder(

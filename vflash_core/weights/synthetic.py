@@ -25,8 +25,9 @@ from .checkpoint import internal_shapes, source_name
 
 __all__ = [
     "RandomWeights", "diffusers_names", "prune_adaln", "quantize_int8_convrot", "random_internal_weights",
-    "random_like", "to_original_names", "write_comfy_transformer", "write_diffusers_transformer",
-    "write_gguf_transformer", "write_original_transformer", "write_random_lora", "write_shards",
+    "random_like", "to_original_names", "write_comfy_transformer", "write_delta_as_peft",
+    "write_diffusers_transformer", "write_gguf_transformer", "write_original_transformer", "write_random_delta",
+    "write_random_lora", "write_shards",
 ]
 
 # Tensors the released checkpoint stores in fp32; everything else is bf16.
@@ -227,6 +228,47 @@ def write_random_lora(
                 random_like(f"{key}.lora_B", (out_f, r), seed, device).mul_(0.1).to(torch.bfloat16).cpu()
             )
     save_file(state, str(path), metadata={"alpha": f"{alpha:g}"})
+    return Path(path)
+
+
+_BLOCK_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
+
+
+def write_random_delta(path: str | Path, config: H3Config, seed: int = 0, device: str | torch.device = "cpu") -> Path:
+    """A full-rank delta over every main block's four linears as FastH3 writes one: `diffusion_model.<module>.diff`
+    [out, in] in the original names (small values: a fine-tune's difference)."""
+    h, inner, f = config.hidden_size, config.inner_dim, config.ffn_dim
+    shapes = dict(zip(_BLOCK_LINEARS, ((3 * inner, h), (h, inner), (2 * f, h), (h, f))))
+    state = {}
+    for i in range(config.num_layers):
+        for module, shape in shapes.items():
+            key = f"diffusion_model.blocks.{i}.{module}.diff"
+            state[key] = random_like(key, shape, seed, device).mul_(0.01).to(torch.bfloat16).cpu()
+    save_file(state, str(path))
+    return Path(path)
+
+
+def write_delta_as_peft(delta: str | Path, path: str | Path, config: H3Config) -> Path:
+    """A block delta of `write_random_delta` as diffusers holds a full-rank delta (its converter for `diff` keys): a
+    LoRA per diffusers module with A = the module's rows of the delta and B = identity, in diffusers' names (the
+    fused QKV in thirds, fc1's [gate; value] as [value; gate]). What diffusers + peft load as the reference."""
+    from safetensors.torch import load_file
+
+    state = load_file(str(delta))
+    out = {}
+    for i in range(config.num_layers):
+        block = f"diffusion_model.blocks.{i}"
+        q, k, v = state[f"{block}.attn.qkv_proj.diff"].chunk(3)
+        gate, value = state[f"{block}.mlp.fc1.diff"].chunk(2)
+        modules = {
+            "attn.to_q": q, "attn.to_k": k, "attn.to_v": v, "attn.to_out.0": state[f"{block}.attn.out_proj.diff"],
+            "ff.net.0.proj": torch.cat([value, gate]), "ff.net.2": state[f"{block}.mlp.fc2.diff"],
+        }
+        for module, rows in modules.items():
+            key = f"transformer.transformer_blocks.{i}.{module}"
+            out[f"{key}.lora_A.weight"] = rows.contiguous()
+            out[f"{key}.lora_B.weight"] = torch.eye(rows.shape[0], dtype=rows.dtype)
+    save_file(out, str(path))
     return Path(path)
 
 
