@@ -23,12 +23,14 @@ import torch
 from vflash_core.engine.config import H3Config
 from vflash_core.engine.denoise import denoise_bytes
 from vflash_core.engine.layout import FPS, request_rows
+from vflash_core.engine.session import GenerationResult
 from vflash_core.errors import CallbackGuard, RequestError, VflashError
 from vflash_core.fileio import size_text
 from vflash_core.media.conditioning import TextConditioner
 from vflash_core.media.vae import MediaVAEs, decode_bytes, decode_latents
 from vflash_core.media.vae_decode import DEFAULT_WINDOWS_PER_CALL
 from vflash_core.memory_plan import MARGIN_BYTES, PLANNED_TEXT_ROWS
+from vflash_core.pipeline.compare import comparison_report, measure, side_by_side, summary_lines
 from vflash_core.pipeline.h3_pipeline import EncodedRequest, delivered_soundtrack, encode_request
 from vflash_core.pipeline.validation import Geometry, check_seed, plan_inputs, request_mode
 from vflash_core.profiles import Profile
@@ -58,7 +60,9 @@ from .interfaces import Folders, Host, host_progress
 from .model_files import COMPONENT_FOLDERS, DEMO, lora_path, model_identity, path_identity, recorded_profile, resolve
 from .request_inputs import connected_slots, request_geometry
 
-__all__ = ["decode", "encode", "generate", "load_component", "load_model", "sample", "select_lora", "unload"]
+__all__ = [
+    "compare", "decode", "encode", "generate", "load_component", "load_model", "sample", "select_lora", "unload",
+]
 
 
 # -- loaders -----------------------------------------------------------------------------------------------------
@@ -86,11 +90,12 @@ def load_model(
     lora: tuple[LoraRef, ...] | None = None,
     max_host_memory: float = 0.0,
     lora_mode: str = "residual",
+    fast_mode: str = "exact",
 ) -> TransformerSpec:
     """VflashModelLoader: validate, then load the engine now (progress bar) so errors surface at the loader."""
     spec = transformer_spec(
         host, folders, model, profile, weight_residency, device, peer_device, strategy, attention_backend, lora,
-        max_host_memory, lora_mode,
+        max_host_memory, lora_mode, fast_mode,
     )
     session = load_session(registry, host, spec)
     host.log(f"Vflash model {spec.files.source}: profile {session.profile.id}, {session.memory_plan()}")
@@ -292,6 +297,21 @@ def sample(
 ) -> dict[str, Any]:
     """VflashSampler: the profile's fixed schedule from the seed's noise on VflashEncode's `pipeline.EncodedRequest`;
     returns core's H3 AV latent."""
+    return _sample(registry, host, model, cond, latent, seed, force_offload, profile_denoise)[0]
+
+
+def _sample(
+    registry: EngineRegistry,
+    host: Host,
+    model: TransformerSpec,
+    cond: EncodedRequest,
+    latent: dict[str, Any],
+    seed: int,
+    force_offload: bool = False,
+    profile_denoise: bool = False,
+    exact: bool = False,
+) -> tuple[dict[str, Any], GenerationResult]:
+    """`sample`, with the session's result; `exact` renders exactly on an engine loaded with a fast mode."""
     check_seed(seed)
     target = cl.from_comfy_latent(latent)
     if not cl.is_empty(target):
@@ -317,7 +337,7 @@ def sample(
     # This request's evaluation on every device of the session (its weights stay: the session is kept), so the host
     # releases only what the sampling needs, never the session itself.
     config = session.compiled.config
-    transient = denoise_bytes(config, _packed_rows(config, cond, geometry)) + MARGIN_BYTES
+    transient = denoise_bytes(config, _packed_rows(config, cond, geometry), model.options.fast_mode) + MARGIN_BYTES
     host.make_room({device: transient for device in session.devices}, registry.held("dit"))
     stopping = CallbackGuard()  # what the progress, interrupt or preview callbacks raised to stop the trajectory
 
@@ -334,6 +354,7 @@ def sample(
                 between_blocks=stopping(host.check_interrupt),
                 profile_denoise=profile_denoise,
                 preview=stopping(preview),
+                exact=exact,
             )
     except BaseException as exc:
         if stopping.raised is None and not isinstance(exc, VflashError):
@@ -343,6 +364,7 @@ def sample(
     host.log(
         f"Vflash sampled {cond.mode} {geometry.width}x{geometry.height} {geometry.num_frames} frames, seed {seed}, "
         f"{session.profile.id} ({session.profile.nfe} evaluations) in {time.perf_counter() - start:.2f} s"
+        + (f", approximate fast mode {model.options.fast_mode.name}" if "fast_mode" in result.metadata else "")
     )
     host.log(_memory_line(result.metadata))
     notes = [*cond.notes, *session.compiled.base_weight_notes()]
@@ -355,7 +377,7 @@ def sample(
     out = cl.to_comfy_latent(result.video_latents, result.audio_latents, host.nested)
     if notes:
         out["vflash_notes"] = notes  # result metadata: how this differs from the diffusers pipeline on the release
-    return out
+    return out, result
 
 
 def decode(
@@ -434,6 +456,61 @@ def generate(
     latent = sample(registry, host, model, cond, latent, seed, force_offload)
     images, audio, video = decode(registry, host, vae, latent, audio_vae)
     return video, images, audio
+
+
+def compare(
+    registry: EngineRegistry,
+    host: Host,
+    model: TransformerSpec,
+    te: Any,
+    vae: Any,
+    prompt: str,
+    width: int,
+    height: int,
+    length: int,
+    seconds: float,
+    seed: int,
+    first_frame: torch.Tensor | None = None,
+    last_frame: torch.Tensor | None = None,
+    audio_vae: Any = None,
+) -> tuple[Any, str]:
+    """VflashCompare: one request (encoded once) sampled with the model's fast mode, then exactly, on the one engine
+    (the fast side carries any first-run warm-up), both decoded, measured by the core (`pipeline.compare`: per-frame
+    PSNR / SSIM, the soundtracks' log-spectral distance, each side's times); returns the side-by-side VIDEO (exact
+    left, fast right, the exact soundtrack) and the report (a summary, then the report's JSON)."""
+    if model.options.fast_mode.exact:
+        raise VflashError(
+            "Vflash Compare compares exact with a fast mode: choose the model loader's fast_mode "
+            "(sparse-attention, step-cache or both)"
+        )
+    profile = recorded_profile(model.files.source, model.files.path, model.files.profile)
+    cond, latent, _ = encode(
+        registry, host, te, vae, prompt, width, height, length, seconds, first_frame, last_frame,
+        force_offload=True, audio_vae=audio_vae, profile=profile,
+    )
+    clips, sides = {}, {}
+    for side, exact in (("fast", False), ("exact", True)):
+        start = time.perf_counter()
+        sampled, result = _sample(registry, host, model, cond, latent, seed, exact=exact)
+        images, audio, _ = decode(registry, host, vae, sampled, audio_vae)
+        clips[side] = (images, audio)
+        sides[side] = {
+            "seconds": time.perf_counter() - start, "denoise_seconds": result.session.request_wall_seconds,
+            "metadata": result.metadata,
+        }
+    (exact_images, exact_audio), (fast_images, fast_audio) = clips["exact"], clips["fast"]
+    metrics = measure(exact_images, fast_images, exact_audio["waveform"][0], fast_audio["waveform"][0])
+    request = {
+        "prompt": prompt, "seed": seed, "mode": cond.mode, "width": int(exact_images.shape[2]),
+        "height": int(exact_images.shape[1]), "num_frames": int(exact_images.shape[0]), "fps": FPS,
+        "profile": None if profile is None else profile.id,
+    }
+    report = comparison_report(model.options.fast_mode.name, metrics, sides, request)
+    summary = summary_lines(report)
+    for line in summary:
+        host.log(f"Vflash compare: {line}")
+    video = host.make_video(side_by_side(exact_images, fast_images), exact_audio, float(FPS))
+    return video, "\n".join(summary) + "\n" + json.dumps(report, indent=2)
 
 
 def unload(registry: EngineRegistry, host: Host, anything: Any, what: str) -> Any:

@@ -27,6 +27,7 @@ import torch
 
 from vflash_core.engine.artifact import CompiledArtifact
 from vflash_core.engine.denoise import denoise_bytes
+from vflash_core.engine.fast_mode import FastMode
 from vflash_core.engine.layout import largest_request_rows
 from vflash_core.engine.session import NativeEngineSession
 from vflash_core.errors import IdentityMismatchError, VflashError, check_choice
@@ -234,7 +235,7 @@ def _session_load_need(compiled: CompiledArtifact, profile: Profile, options: Ru
     was asked for): its weights, one evaluation of the profile's largest request, the plan's margin; within a user
     cap. Where less is free after the host released what it could, the plan falls back to block-ring itself."""
     residency = options.weight_residency if options.weight_residency in ("block-ring", "disk-ring") else "resident"
-    largest = denoise_bytes(compiled.config, largest_request_rows(profile, compiled.config))
+    largest = denoise_bytes(compiled.config, largest_request_rows(profile, compiled.config), options.fast_mode)
     need = _core_device_bytes(compiled.part_sizes(), residency) + largest + MARGIN_BYTES
     cap = cap_bytes(options.max_device_memory)
     return need if cap is None else min(need, cap)
@@ -295,11 +296,12 @@ def check_loader(
     strategy: str,
     attention_backend: str,
     max_host_memory: float = 0.0,
+    fast_mode: str = "exact",
 ) -> tuple[str, RunOptions]:
     """Every check of the model loader that needs no model work: the profile, the model option, the run options
-    (`RunOptions`: residency, strategy, attention, the host budget, 0 for none) and the devices' existence and
-    architecture vs the profile. `strategy` counts only with a peer device. Returns (resolved path, run options with
-    the devices resolved)."""
+    (`RunOptions`: residency, strategy, attention, the host budget, 0 for none, the fast mode and where it can run)
+    and the devices' existence and architecture vs the profile. `strategy` counts only with a peer device. Returns
+    (resolved path, run options with the devices resolved)."""
     if profile != "auto":
         get_profile(profile)  # an unknown profile is refused before the model option is resolved
     path = check_model_option(folders, model)
@@ -336,6 +338,7 @@ def check_loader(
         attention_backend=attention_backend,
         weight_residency=weight_residency,
         max_host_memory=max_host_memory or None,
+        fast_mode=FastMode.parse(fast_mode),
     )
     _check_run_devices(options, chosen)
     return path, options
@@ -354,11 +357,13 @@ def transformer_spec(
     lora: tuple[LoraRef, ...] | None = None,
     max_host_memory: float = 0.0,
     lora_mode: str = "residual",
+    fast_mode: str = "exact",
 ) -> TransformerSpec:
-    """Validate the loader's widgets into a spec (cheap; loads nothing, writes nothing)."""
+    """Validate the loader's widgets into a spec (cheap; loads nothing, writes nothing). The fast mode is one of the
+    spec's run options, so an exact and a fast engine are different engines of the registry."""
     path, options = check_loader(
         host, folders, model, profile, weight_residency, device, peer_device, strategy, attention_backend,
-        max_host_memory,
+        max_host_memory, fast_mode,
     )
     check_choice("lora_mode", lora_mode, LORA_MODES)
     loras = tuple(lora or ())
@@ -479,6 +484,7 @@ def load_session(registry: EngineRegistry, host: Host, spec: TransformerSpec) ->
             max_device_memory=options.max_device_memory,
             max_host_memory=options.max_host_memory,
             on_load_progress=host_progress(host),
+            fast_mode=options.fast_mode,
         )
 
     return registry.acquire(host, "dit", spec.key(), spec.files.source, factory, str(options.device))

@@ -259,6 +259,55 @@ class VflashGenerate(io.ComfyNode):
         ))
 
 
+class VflashCompare(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="VflashCompare",
+            display_name="MiniMax H3 Vflash Compare (exact vs fast mode)",
+            category="Vflash/sampling",
+            search_aliases=aliases("compare", "fast mode", "quality", "psnr", "ssim", "sparse attention", "step cache"),
+            description=(
+                "Renders one request exactly and with the model loader's fast_mode on the one loaded engine, then "
+                "measures what the mode changed: per-frame PSNR and SSIM of the video, the log-spectral distance of "
+                "the soundtracks, and each side's time. Only this, on the real weights, speaks to a fast mode's "
+                "quality (the demo's random weights prove speed, never quality)."
+            ),
+            inputs=[
+                VflashModel.Input(
+                    "model", tooltip="The transformer from the MiniMax H3 Vflash Model Loader, with a fast_mode."
+                ),
+                *_request_inputs(),
+                io.Int.Input(
+                    "seed", default=0, min=0, max=2**63 - 1, control_after_generate=True, tooltip=_SEED_TOOLTIP
+                ),
+                io.Image.Input("first_frame", optional=True, tooltip="Keyframe at frame 0."),
+                io.Image.Input("last_frame", optional=True, tooltip="Keyframe at the last frame."),
+            ],
+            outputs=[
+                io.Video.Output(
+                    "side_by_side",
+                    tooltip="Exact on the left, the fast mode on the right, with the exact side's soundtrack, at 24 "
+                    "fps; save it with core Save Video.",
+                ),
+                io.String.Output(
+                    "report", tooltip="A summary table, then the report as JSON (per-frame metrics, times, what the "
+                    "fast mode did)."
+                ),
+            ],
+        )
+
+    @classmethod
+    def execute(
+        cls, model, te, vae, prompt, width, height, length, seconds, seed, first_frame=None, last_frame=None,
+        audio_vae=None,
+    ):
+        return io.NodeOutput(*actions.compare(
+            ENGINES, HOST, model, te, vae, prompt, width, height, length, seconds, seed, first_frame, last_frame,
+            audio_vae,
+        ))
+
+
 class VflashUnload(io.ComfyNode):
     @classmethod
     def define_schema(cls):
@@ -290,4 +339,4 @@ class VflashUnload(io.ComfyNode):
         return io.NodeOutput(actions.unload(ENGINES, HOST, anything, what))
 
 
-NODES = [VflashEncode, VflashSampler, VflashDecode, VflashGenerate, VflashUnload]
+NODES = [VflashEncode, VflashSampler, VflashDecode, VflashGenerate, VflashCompare, VflashUnload]

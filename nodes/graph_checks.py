@@ -65,7 +65,12 @@ def loader_refusals(prompt: Mapping[str, Mapping[str, Any]] | None, host: Host, 
         budget = widgets.get("max_host_memory", 0.0)
         if not isinstance(budget, (int, float)):
             continue  # linked: checked when the loader runs
-        reason = refusal(check_loader, host, folders, *(widgets[name] for name in LOADER_WIDGETS), budget)
+        fast_mode = widgets.get("fast_mode", "exact")
+        if not isinstance(fast_mode, str):
+            continue  # linked: checked when the loader runs
+        reason = refusal(
+            check_loader, host, folders, *(widgets[name] for name in LOADER_WIDGETS), budget, fast_mode
+        )
         if reason is not True:
             out.append(f"node {nid} (VflashModelLoader): {reason}")
     return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from vflash_core.engine.attention import BACKENDS
+from vflash_core.engine.fast_mode import FAST_MODES
 from vflash_core.engine.session import STRATEGIES, WEIGHT_RESIDENCIES
 from vflash_core.weights.lora import LORA_MODES
 
@@ -36,6 +37,10 @@ _MODEL_TOOLTIP = (
     "core's own int8 GEMMs are approximate); .gguf files in models/unet or models/diffusion_models (needs the gguf "
     "package) dequantized as ComfyUI-GGUF does; nvfp4, mxfp8 and other quantized formats are refused."
 )
+
+
+# exact, each mode alone, then both (`FastMode.parse` takes the names joined by "+").
+_FAST_MODE_OPTIONS = ["exact", *FAST_MODES, "+".join(FAST_MODES)]
 
 
 class VflashModelLoader(io.ComfyNode):
@@ -105,6 +110,13 @@ class VflashModelLoader(io.ComfyNode):
                     "residual (as diffusers with peft adapters; a small cost per LoRA per step); merged adds them into "
                     "the weights when compiling (as diffusers' fuse_lora; no per-step cost). Changing it recompiles.",
                 ),
+                io.Combo.Input(
+                    "fast_mode", options=_FAST_MODE_OPTIONS, default="exact", optional=True,
+                    tooltip="exact (default) keeps the reference's bits. The others are approximate, named and "
+                    "measured: sparse-attention (block-sparse attention in the middle layers), step-cache (evaluations "
+                    "whose first block barely moved reuse the other blocks' residual), or both; results report what "
+                    "they did. Only MiniMax H3 Vflash Compare on the real weights says what a mode costs in quality.",
+                ),
             ],
             outputs=[VflashModel.Output(
                 "model", tooltip="The transformer engine (a spec; the engine loads on first use and after an unload)."
@@ -127,13 +139,13 @@ class VflashModelLoader(io.ComfyNode):
     @classmethod
     def execute(
         cls, model, profile, weight_residency, device, peer_device, strategy, attention_backend, lora=None,
-        max_host_memory=0.0, lora_mode="residual",
+        max_host_memory=0.0, lora_mode="residual", fast_mode="exact",
     ):
         # the loaders' widgets, profile vs the graph's requests
         check_graph(getattr(cls.hidden, "prompt", None), HOST, FOLDERS)
         spec = actions.load_model(
             ENGINES, HOST, FOLDERS, model, profile, weight_residency, device, peer_device, strategy, attention_backend,
-            lora, max_host_memory, lora_mode,
+            lora, max_host_memory, lora_mode, fast_mode,
         )
         return io.NodeOutput(spec)
 

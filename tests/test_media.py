@@ -122,6 +122,9 @@ def test_encode_failure_leaves_no_partial_file(tmp_path, monkeypatch, video_inpu
         (dict(video_input="socket"), "video_input must be one of file, pipe, stream, got 'socket'"),
         (dict(video_threads=0), "video_threads must be an integer from 1 to 256, got 0"),
         (dict(video_threads=257), "video_threads must be an integer from 1 to 256, got 257"),
+        (dict(video_crf=52), "video_crf must be an integer from 0 to 51, got 52"),
+        (dict(video_crf=18.0), "video_crf must be an integer from 0 to 51, got float 18.0"),
+        (dict(video_preset="turbo"), "video_preset must be one of ultrafast, .*, placebo, got 'turbo'"),
         (dict(sample_rate=12345), "AAC cannot encode 12345 Hz audio"),
         (dict(frames=torch.zeros(3, 63, 96, 3)), "even frame size, got 96x63"),
         (dict(fps=True), "fps must be a positive integer, got True"),  # a bool is no frame rate
@@ -289,3 +292,29 @@ def test_a_stream_of_cuda_frames_copies_them_asynchronously_and_encodes_the_host
     assert all(np.array_equal(a, b) for a, b in zip(seen["frames"], expected))
     assert _leftovers(tmp_path) == []
 
+
+
+def _x264_settings(path) -> bytes:
+    """libx264's own record of its settings, the SEI text it writes into the first frame's bitstream."""
+    data = path.read_bytes()
+    start = data.index(b"x264 - core")
+    return data[start : data.index(b"\x00", start)]
+
+
+def test_crf_and_preset_reach_the_encoder_in_every_writer(tmp_path):
+    frames, wave = _clip(frames=9)
+    default = _x264_settings(write_mp4(tmp_path / "default.mp4", frames, wave, SR))
+    assert b" crf=18.0 " in default and b" subme=7 " in default  # H264_OPTIONS: crf 18, preset medium
+    for video_input in ("file", "pipe"):
+        out = write_mp4(tmp_path / f"{video_input}.mp4", frames, wave, SR, video_input=video_input, video_crf=30,
+                        video_preset="ultrafast")
+        assert b" crf=30.0 " in _x264_settings(out) and b" subme=0 " in _x264_settings(out), video_input
+    with mp4_stream(tmp_path / "stream.mp4", 96, 64, SR, video_crf=0, video_preset="veryslow") as stream:
+        stream.add(0, frames)
+        stream.finish(wave)
+    streamed = _x264_settings(tmp_path / "stream.mp4")
+    assert streamed.endswith(b" qp=0") and b" ref=16 " in streamed  # CRF 0: lossless constant QP 0; veryslow: 16 refs
+    with pytest.raises(VflashError, match="video_preset must be one of"):
+        with mp4_stream(tmp_path / "refused.mp4", 96, 64, SR, video_preset="turbo"):
+            pass
+    assert not (tmp_path / "refused.mp4").exists()

@@ -87,7 +87,7 @@ def output_dir() -> Path:
 def test_every_node_schema(pack):
     io = importlib.import_module("comfy_api.latest").io
     assert set(pack.nodes) == {"VflashModelLoader", "VflashLoraSelect", "VflashTextEncoderLoader", "VflashVAELoader", "VflashEncode",
-                               "VflashSampler", "VflashDecode", "VflashGenerate", "VflashUnload"}
+                               "VflashSampler", "VflashDecode", "VflashGenerate", "VflashCompare", "VflashUnload"}
     for node_id, cls in pack.nodes.items():
         schema = cls.GET_SCHEMA()
         assert node_id.startswith("Vflash") and schema.category.startswith("Vflash/"), node_id

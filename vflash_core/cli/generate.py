@@ -7,12 +7,15 @@ import contextlib
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..pipeline.options import RunOptions
 from ..pipeline.validation import PIXELS, SECONDS, SEED
 
-__all__ = ["register"]
+if TYPE_CHECKING:
+    from ..pipeline.validation import VideoRequest
+
+__all__ = ["add_request_arguments", "register", "request_from_arguments"]
 
 #: stage -> (bar label, unit): the pipeline's stages (`H3Pipeline.generate`'s progress), the core's (`vflash denoise`).
 _BARS = {
@@ -60,6 +63,31 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_prepare_pipeline)
 
     p = sub.add_parser("generate", help="generate an MP4 (video + soundtrack) from a prompt and optional images")
+    add_request_arguments(p)
+    RunOptions.add_arguments(p)
+    p.add_argument("--output", required=True, help="MP4 to write (must not exist unless --overwrite)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    p.add_argument(
+        "--profile-denoise", action="store_true",
+        help="record per-evaluation device timings (diagnostic; slows the run)"
+    )
+    p.set_defaults(handler=_generate)
+
+    p = sub.add_parser(
+        "demo", help="generate a clip with the embedded random-weight model (no download; noise-like output)"
+    )
+    p.add_argument("--output", help="MP4 to write (default: demo.mp4, or the next free demo-N.mp4)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    p.add_argument(
+        "--cache-dir", type=Path,
+        help="where the demo model family is built once (default $VFLASH_CACHE or ~/.cache/vflash)"
+    )
+    p.set_defaults(handler=_demo)
+
+
+def add_request_arguments(p: argparse.ArgumentParser) -> None:
+    """The receipt and the request's flags (`vflash generate`, `vflash compare`); `request_from_arguments` reads
+    them."""
     p.add_argument("--prepared-assets", required=True, help="receipt written by `vflash prepare-pipeline`")
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument(
@@ -81,25 +109,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--seed", type=SEED.option("--seed"), default=0,
         help="seed of the noise, 0 to 2**63 - 1 (default 0): the same seed gives the same clip"
     )
-    RunOptions.add_arguments(p)
-    p.add_argument("--output", required=True, help="MP4 to write (must not exist unless --overwrite)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output file")
-    p.add_argument(
-        "--profile-denoise", action="store_true",
-        help="record per-evaluation device timings (diagnostic; slows the run)"
-    )
-    p.set_defaults(handler=_generate)
-
-    p = sub.add_parser(
-        "demo", help="generate a clip with the embedded random-weight model (no download; noise-like output)"
-    )
-    p.add_argument("--output", help="MP4 to write (default: demo.mp4, or the next free demo-N.mp4)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
-    p.add_argument(
-        "--cache-dir", type=Path,
-        help="where the demo model family is built once (default $VFLASH_CACHE or ~/.cache/vflash)"
-    )
-    p.set_defaults(handler=_demo)
 
 
 def _print_result(result, initialization: float, extra: dict | None = None) -> None:
@@ -124,19 +133,27 @@ def _prepare_pipeline(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate(args: argparse.Namespace) -> int:
+def request_from_arguments(args: argparse.Namespace) -> VideoRequest:
+    """The `VideoRequest` of `add_request_arguments`' flags (a --prompt-file read now)."""
     from ..fileio import read_text_file
-    from ..pipeline.h3_pipeline import ASSET_FIELDS, H3Pipeline, PreparedAssets, VideoRequest
-    from ..pipeline.validation import MAX_PROMPT_BYTES, check_output_is_not_an_input
+    from ..pipeline.h3_pipeline import VideoRequest
+    from ..pipeline.validation import MAX_PROMPT_BYTES
 
     if args.prompt_file is not None:
         prompt = read_text_file(args.prompt_file, "--prompt-file", MAX_PROMPT_BYTES).strip()
     else:
         prompt = args.prompt
-    request = VideoRequest(
+    return VideoRequest(
         prompt=prompt, first_frame=args.first_frame, last_frame=args.last_frame, references=tuple(args.reference),
         duration_seconds=args.duration, seed=args.seed, width=args.width, height=args.height,
     )
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from ..pipeline.h3_pipeline import ASSET_FIELDS, H3Pipeline, PreparedAssets
+    from ..pipeline.validation import check_output_is_not_an_input
+
+    request = request_from_arguments(args)
     assets = PreparedAssets.load(args.prepared_assets)
     check_output_is_not_an_input(args.output, {
         "--prompt-file": args.prompt_file, "prepared-assets receipt": assets.path,

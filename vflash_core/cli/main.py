@@ -20,7 +20,9 @@ from ..errors import run_command
 __all__ = ["build_parser", "main"]
 
 # Modules that register subcommands, in help order.
-COMMAND_MODULES = ("vflash_core.cli.denoise", "vflash_core.cli.generate", "vflash_core.cli.serve")
+COMMAND_MODULES = (
+    "vflash_core.cli.denoise", "vflash_core.cli.generate", "vflash_core.cli.compare", "vflash_core.cli.serve"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

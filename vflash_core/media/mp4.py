@@ -18,9 +18,11 @@ Three ways to feed the encoder the same 8-bit frames:
   whole clip (every video frame, the flush, then the audio): the encoder gets exactly what `write_mp4` gives it.
 
 `video_threads` sets the H.264 encoder's thread count (1-256); `None` leaves FFmpeg's automatic choice. Thread counts
-can change the lossy bitstream, never the frame count or timing. (libx264's bitstream for identical input, even on one
-thread, was seen to differ between processes and between calls in one process for some clips, so byte identity of two
-MP4s is not promised; their encoder inputs are.)
+can change the lossy bitstream, never the frame count or timing. `video_crf` (0-51: lower is better quality and a
+larger file, 0 is lossless) and `video_preset` (one of x264's `VIDEO_PRESETS`: slower compresses better at the same
+quality) are libx264's quality and speed settings; their defaults are `H264_OPTIONS`'. (libx264's bitstream for
+identical input, even on one thread, was seen to differ between processes and between calls in one process for some
+clips, so byte identity of two MP4s is not promised; their encoder inputs are.)
 """
 
 from __future__ import annotations
@@ -43,8 +45,9 @@ from ..fileio import atomic_file, temporary, write_errors
 from ..formats import is_positive
 
 __all__ = [
-    "STREAM_QUEUE_PARTS", "VIDEO_INPUTS", "VIDEO_THREADS", "MP4Stream", "check_delivery_options", "mp4_stream",
-    "probe_mp4", "quantize", "quantize_frames", "rgb_frames", "write_mp4",
+    "DEFAULT_CRF", "DEFAULT_PRESET", "H264_OPTIONS", "STREAM_QUEUE_PARTS", "VIDEO_CRF", "VIDEO_INPUTS", "VIDEO_PRESETS",
+    "VIDEO_THREADS", "MP4Stream", "check_delivery_options", "mp4_stream", "probe_mp4", "quantize", "quantize_frames",
+    "rgb_frames", "write_mp4",
 ]
 
 logger = logging.getLogger(__name__)
@@ -54,19 +57,34 @@ VIDEO_INPUTS = ("file", "pipe", "stream")
 STREAM_QUEUE_PARTS = 2
 #: The H.264 encoder's thread count, when given (None: FFmpeg's automatic choice).
 VIDEO_THREADS = Number(int, 1, 256)
-# x264 quality: visually lossless for generated content at moderate size.
+# x264 quality: visually lossless for generated content at moderate size (the defaults of `video_crf`, `video_preset`).
 H264_OPTIONS = {"crf": "18", "preset": "medium"}
+#: libx264's constant rate factor for 8-bit video: 0 (lossless) to 51.
+VIDEO_CRF = Number(int, 0, 51)
+#: libx264's presets, fastest first.
+VIDEO_PRESETS = (
+    "ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow", "placebo"
+)
+DEFAULT_CRF, DEFAULT_PRESET = int(H264_OPTIONS["crf"]), H264_OPTIONS["preset"]
 AAC_BITRATE = 192_000
 # Sample rates the AAC encoder accepts.
 AAC_SAMPLE_RATES = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000, 64000, 88200, 96000)
 _AAC_FRAME = 1024
 
 
-def check_delivery_options(video_input: str, video_threads: int | None) -> None:
+def check_delivery_options(
+    video_input: str, video_threads: int | None, video_crf: int = DEFAULT_CRF, video_preset: str = DEFAULT_PRESET
+) -> None:
     """Validate the encoder options before any heavy work; raises `VflashError` naming the value."""
     check_choice("video_input", video_input, VIDEO_INPUTS)
+    _check_encoder_options(video_threads, video_crf, video_preset)
+
+
+def _check_encoder_options(video_threads: int | None, video_crf: int, video_preset: str) -> None:
     if video_threads is not None:
         VIDEO_THREADS.check("video_threads", video_threads)
+    VIDEO_CRF.check("video_crf", video_crf)
+    check_choice("video_preset", video_preset, VIDEO_PRESETS)
 
 
 def quantize(frames: torch.Tensor) -> torch.Tensor:
@@ -172,7 +190,7 @@ class _Muxer:
 
     def __init__(
         self, target: Path, width: int, height: int, channels: int, sample_rate: int, fps: int,
-        video_threads: int | None,
+        video_threads: int | None, video_crf: int, video_preset: str,
         metadata: Mapping[str, str],
     ):
         import av
@@ -184,7 +202,9 @@ class _Muxer:
         self.container = av.open(str(target), mode="w", format="mp4", options={"movflags": movflags})
         try:
             self.container.metadata.update(metadata)
-            self.video = self.container.add_stream("libx264", rate=fps, options=dict(H264_OPTIONS))
+            self.video = self.container.add_stream(
+                "libx264", rate=fps, options={**H264_OPTIONS, "crf": str(video_crf), "preset": video_preset}
+            )
             self.video.width, self.video.height, self.video.pix_fmt = width, height, "yuv420p"
             self.video.time_base = Fraction(1, fps)
             self.video.codec_context.thread_count = 0 if video_threads is None else video_threads
@@ -222,9 +242,11 @@ class _Muxer:
 
 def _encode(
     target: Path, rgb, shape: tuple[int, ...], audio: np.ndarray, sample_rate: int, fps: int, video_threads: int | None,
-    metadata: Mapping[str, str],
+    video_crf: int, video_preset: str, metadata: Mapping[str, str],
 ) -> None:
-    muxer = _Muxer(target, shape[2], shape[1], audio.shape[0], sample_rate, fps, video_threads, metadata)
+    muxer = _Muxer(
+        target, shape[2], shape[1], audio.shape[0], sample_rate, fps, video_threads, video_crf, video_preset, metadata
+    )
     try:
         for i in range(shape[0]):
             muxer.add_frame(rgb[i])
@@ -247,11 +269,14 @@ class MP4Stream:
     _END = None
 
     def __init__(self, target: Path, width: int, height: int, channels: int, sample_rate: int, fps: int,
-                 video_threads: int | None, metadata: Mapping[str, str]):
+                 video_threads: int | None, metadata: Mapping[str, str], video_crf: int = DEFAULT_CRF,
+                 video_preset: str = DEFAULT_PRESET):
         self.width, self.height, self.channels, self.sample_rate = width, height, channels, sample_rate
         self.frames = 0  # frames handed to `add`
         self.finished = False
-        self._muxer = _Muxer(target, width, height, channels, sample_rate, fps, video_threads, metadata)
+        self._muxer = _Muxer(
+            target, width, height, channels, sample_rate, fps, video_threads, video_crf, video_preset, metadata
+        )
         self._parts: queue.Queue[HostCopy | None] = queue.Queue(maxsize=STREAM_QUEUE_PARTS)
         self._error: BaseException | None = None
         self._stop = threading.Event()
@@ -322,15 +347,17 @@ class MP4Stream:
 def mp4_stream(
     path: str | Path, width: int, height: int, sample_rate: int, fps: int = 24, channels: int = 2,
     video_threads: int | None = None, overwrite: bool = False, metadata: Mapping[str, str] | None = None,
+    video_crf: int = DEFAULT_CRF, video_preset: str = DEFAULT_PRESET,
 ) -> Iterator[MP4Stream]:
     """An `MP4Stream` written under a temporary name beside `path` and published atomically when the block ends after
     `finish`; on any failure inside the block (or a block that never called `finish`) nothing appears at `path`."""
-    if video_threads is not None:
-        VIDEO_THREADS.check("video_threads", video_threads)
+    _check_encoder_options(video_threads, video_crf, video_preset)
     _check_frame_size(width, height, fps)
     path = Path(path)
     with atomic_file(path, overwrite=overwrite, suffix=".mp4") as tmp:
-        stream = MP4Stream(tmp, width, height, channels, sample_rate, fps, video_threads, metadata or {})
+        stream = MP4Stream(
+            tmp, width, height, channels, sample_rate, fps, video_threads, metadata or {}, video_crf, video_preset
+        )
         try:
             yield stream
         finally:
@@ -351,6 +378,8 @@ def write_mp4(
     video_threads: int | None = None,
     overwrite: bool = False,
     metadata: Mapping[str, str] | None = None,
+    video_crf: int = DEFAULT_CRF,
+    video_preset: str = DEFAULT_PRESET,
 ) -> Path:
     """Encode `frames` (F, H, W, 3; float32 in [0, 1] or uint8) and `waveform` (channels, samples; float32 in [-1, 1])
     into an MP4 at `path`, written under a temporary name in the same folder and published atomically.
@@ -358,14 +387,14 @@ def write_mp4(
     An existing `path` is an error unless `overwrite`; on any failure nothing appears at `path`. `metadata`: container
     tags, kept under their own names.
     """
-    check_delivery_options(video_input, video_threads)
+    check_delivery_options(video_input, video_threads, video_crf, video_preset)
     shape, audio = _check_inputs(frames, waveform, sample_rate, fps)
     path = Path(path)
     with (
         atomic_file(path, overwrite=overwrite, suffix=".mp4") as tmp,
         rgb_frames(frames, shape, video_input, path) as rgb,
     ):
-        _encode(tmp, rgb, shape, audio, sample_rate, fps, video_threads, metadata or {})
+        _encode(tmp, rgb, shape, audio, sample_rate, fps, video_threads, video_crf, video_preset, metadata or {})
     logger.debug(
         "wrote %s: %d frames %dx%d at %d fps, %.3f s of %d Hz audio", path, shape[0], shape[2], shape[1], fps,
         audio.shape[1] / sample_rate, sample_rate

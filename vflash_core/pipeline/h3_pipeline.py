@@ -518,8 +518,8 @@ class H3Pipeline:
         canvas: the model's canvas rules (default: the conditioner's).
         prompt_budget: the text encoder's context and tokenizer (default: the conditioner's).
         options: the run options this pipeline was made with; of them a composed pipeline uses the MP4 delivery
-            (`media_video_input`, `media_video_threads`) and `profile_denoise` (per-evaluation device timings in
-            `metadata["denoise_profile"]`, a diagnostic).
+            (`media_video_input`, `media_video_threads`, `media_video_crf`, `media_video_preset`) and `profile_denoise`
+            (per-evaluation device timings in `metadata["denoise_profile"]`, a diagnostic).
     """
 
     def __init__(
@@ -852,7 +852,8 @@ class H3Pipeline:
                 width, height = plan.geometry.width, plan.geometry.height
                 with mp4_stream(
                     output, width, height, self.vaes.sample_rate, FPS, video_threads=self.options.media_video_threads,
-                    overwrite=overwrite,
+                    overwrite=overwrite, video_crf=self.options.media_video_crf,
+                    video_preset=self.options.media_video_preset,
                 ) as stream:
                     media = decode_latents(self.vaes, *latents, after_stage, between_blocks, video_sink=stream.add)
                     stages["decode"] = time.perf_counter() - t
@@ -870,7 +871,9 @@ class H3Pipeline:
                     t = time.perf_counter()
                     assert media.frames is not None  # decoded without a video sink
                     path = write_mp4(output, media.frames, soundtrack, media.sample_rate, FPS,
-                                     self.options.media_video_input, self.options.media_video_threads, overwrite)
+                                     self.options.media_video_input, self.options.media_video_threads, overwrite,
+                                     video_crf=self.options.media_video_crf,
+                                     video_preset=self.options.media_video_preset)
             if path is not None:
                 stages["write"] = time.perf_counter() - t
                 report("write", 1, 1)
@@ -886,6 +889,8 @@ class H3Pipeline:
             "audio_samples": soundtrack.shape[1],
             "media_video_input": self.options.media_video_input,
             "media_video_threads": self.options.media_video_threads,
+            "media_video_crf": self.options.media_video_crf,
+            "media_video_preset": self.options.media_video_preset,
             "encoder_residency": "resident" if self.conditioner.keep_on_device else "offload",
         }
         if self.session.plan is not None and self.session.plan.placement.vaes is not None:

@@ -16,7 +16,15 @@ from ..engine.fast_mode import FastMode
 from ..engine.session import STRATEGIES, WEIGHT_RESIDENCIES
 from ..errors import VflashError, check_choice
 from ..formats import GPU_INDEX, check_device, gpu_device
-from ..media.mp4 import VIDEO_INPUTS, VIDEO_THREADS, check_delivery_options
+from ..media.mp4 import (
+    DEFAULT_CRF,
+    DEFAULT_PRESET,
+    VIDEO_CRF,
+    VIDEO_INPUTS,
+    VIDEO_PRESETS,
+    VIDEO_THREADS,
+    check_delivery_options,
+)
 from ..memory_plan import DEVICE_MEMORY_GIB, cap_bytes, check_disk_ring, check_host_budget_on_cpu
 from ..profiles import Profile
 
@@ -34,6 +42,7 @@ class RunOptions:
     pipeline holds in host memory, with a margin for the process (planned against, not enforced; where the blocks'
     pinned arena does not fit it, the core's blocks stream from their compiled files: `weight_residency="disk-ring"`;
     None: not planned; on the CPU only with max_device_memory); media_video_input, media_video_threads: MP4 delivery;
+    media_video_crf, media_video_preset: the H.264 encoder's quality (CRF 0-51) and speed (an x264 preset);
     profile_denoise: per-evaluation device timings in the result (a diagnostic); verify_weights: re-hash the compiled
     weights against their compile-time sha256 before loading them (slow); fast_mode: exact by default, or a named
     approximate mode (`engine.fast_mode.FastMode`, or its names: "sparse-attention", "step-cache" or both)."""
@@ -48,6 +57,8 @@ class RunOptions:
     max_host_memory: float | None = None
     media_video_input: str = "stream"
     media_video_threads: int | None = None
+    media_video_crf: int = DEFAULT_CRF
+    media_video_preset: str = DEFAULT_PRESET
     profile_denoise: bool = False
     verify_weights: bool = False
     fast_mode: FastMode = field(default_factory=FastMode)
@@ -66,7 +77,9 @@ class RunOptions:
             check_choice("strategy", self.strategy, STRATEGIES)
         if (self.peer_device is None) != (self.strategy is None):
             raise VflashError("a peer GPU and a strategy go together (e.g. --peer-gpu 1 --strategy sequence-head)")
-        check_delivery_options(self.media_video_input, self.media_video_threads)
+        check_delivery_options(
+            self.media_video_input, self.media_video_threads, self.media_video_crf, self.media_video_preset
+        )
         cap_bytes(self.max_device_memory)
         cap_bytes(self.max_host_memory, "max_host_memory")
         if str(self.device) == "cpu":
@@ -93,7 +106,7 @@ class RunOptions:
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
-        """The command-line flags of the run options (`vflash generate`, `vflash serve`)."""
+        """The command-line flags of the run options (`vflash generate`, `vflash compare`, `vflash serve`)."""
         from ..engine.attention import BACKENDS
 
         parser.add_argument("--gpu", type=GPU_INDEX.option("--gpu"), help="CUDA device index (default: CPU)")
@@ -123,6 +136,12 @@ class RunOptions:
         parser.add_argument("--media-video-threads", type=VIDEO_THREADS.option("--media-video-threads"),
                             help="H.264 encoder threads, "
                                  f"{VIDEO_THREADS.describe().removeprefix('an integer ')} (default: automatic)")
+        parser.add_argument("--media-video-crf", type=VIDEO_CRF.option("--media-video-crf"), default=DEFAULT_CRF,
+                            metavar="CRF", help="H.264 constant rate factor, 0 (lossless) to 51; lower is better "
+                                                f"quality and a larger file (default {DEFAULT_CRF})")
+        parser.add_argument("--media-video-preset", default=DEFAULT_PRESET, choices=VIDEO_PRESETS, metavar="PRESET",
+                            help=f"x264 preset, {', '.join(VIDEO_PRESETS)}: slower compresses better at the same "
+                                 f"quality (default {DEFAULT_PRESET})")
         parser.add_argument("--verify-weights", action="store_true",
                             help="re-hash the compiled weights before loading them (slow; loading checks sizes only)")
         FastMode.add_arguments(parser)
@@ -136,6 +155,7 @@ class RunOptions:
             encoder_residency=args.encoder_residency,
             max_device_memory=args.max_device_memory, max_host_memory=args.max_host_memory,
             media_video_input=args.media_video_input, media_video_threads=args.media_video_threads,
+            media_video_crf=args.media_video_crf, media_video_preset=args.media_video_preset,
             verify_weights=args.verify_weights, fast_mode=FastMode.from_arguments(args),
             **extra,  # type: ignore[arg-type]
         )
