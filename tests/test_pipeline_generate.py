@@ -121,6 +121,25 @@ def test_encode_failure_leaves_no_file_and_closes_the_pipeline(h3_prepared, tmp_
         fresh.generate(REQUEST, tmp_path / "never.mp4")
 
 
+class CallerStop(Exception):
+    """What a caller's callback raises to abort its request."""
+
+
+@pytest.mark.parametrize("callback", ["progress", "preview"])
+def test_a_callback_that_raises_aborts_the_request_and_leaves_the_pipeline_usable(callback, pipeline, tmp_path):
+    """What a progress or preview callback raised closed the whole pipeline: the next call got SessionClosedError."""
+
+    def stop(*args: object) -> None:
+        if callback == "preview" or args[0] == "denoise":
+            raise CallerStop(f"{callback} stopped it")
+
+    with pytest.raises(CallerStop, match=f"{callback} stopped it"):
+        pipeline.generate(REQUEST, tmp_path / "stopped.mp4", **{callback: stop})
+    assert list(tmp_path.iterdir()) == [] and pipeline.loaded
+    result = pipeline.generate(REQUEST, tmp_path / "next.mp4")
+    assert probe_mp4(result.path)["frames"] == 124
+
+
 def test_cancel_between_evaluations_closes_the_pipeline(h3_prepared, tmp_path):
     polls = []
 

@@ -72,6 +72,7 @@ from ..engine.session import (
     check_loader_hooks,
 )
 from ..errors import (
+    CallbackGuard,
     IdentityMismatchError,
     RequestError,
     RunFailedError,
@@ -777,8 +778,9 @@ class H3Pipeline:
         """Generate one clip and write it to `output` (MP4; None keeps the decoded media in the result).
 
         `cancel()` is polled between stages, between the denoiser's evaluations and the video decoder's blocks; what
-        it raises ends the request as `RequestCancelled`. `preview(done, total, video x0)` runs after every evaluation
-        (`progress.PreviewFn`)."""
+        it raises ends the request as `RequestCancelled` and closes the pipeline. `preview(done, total, video x0)` runs
+        after every evaluation (`progress.PreviewFn`). What `progress` or `preview` raises aborts the request, re-raised
+        unchanged, and leaves the pipeline usable."""
         start = time.perf_counter()
         plan = self.validate(request)
         check_generate_arguments(request, output, overwrite, progress, cancel, preview)
@@ -808,7 +810,10 @@ class H3Pipeline:
                 except BaseException as exc:
                     raise RequestCancelled(f"request cancelled: {exc}") from exc
 
-        report = progress or (lambda stage, done, total: None)
+        # What the caller's progress or preview callback raises aborts this request and leaves the pipeline usable.
+        guarded = CallbackGuard()
+        report = guarded(progress) or (lambda stage, done, total: None)
+        preview = guarded(preview)
 
         self._check_memory(plan.geometry)
         try:
@@ -864,7 +869,8 @@ class H3Pipeline:
                 stages["write"] = time.perf_counter() - t
                 report("write", 1, 1)
         except BaseException as exc:  # a cancel, or a failure that is not the user's, ends the pipeline
-            if isinstance(exc, RequestCancelled) or not isinstance(exc, VflashError):
+            caller_stopped = guarded.raised is not None
+            if not caller_stopped and (isinstance(exc, RequestCancelled) or not isinstance(exc, VflashError)):
                 self.close()
             raise
         elapsed = time.perf_counter() - start - initialization
