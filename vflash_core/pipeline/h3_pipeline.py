@@ -605,6 +605,15 @@ class H3Pipeline:
             compiled = CompiledArtifact(**assets.session_paths())
             if options.verify_weights:  # before anything loads: a corrupt compile costs no encoder load
                 compiled.verify()
+            cap = cap_bytes(options.max_device_memory)
+            host_budget = cap_bytes(options.max_host_memory, "max_host_memory")
+            devices = [primary] + ([peer] if peer is not None else [])
+            planned = primary.type == "cuda" or cap is not None
+            if planned:  # the core's sizes are known from its compile: a budget it alone exceeds costs no encoder load
+                plan_memory(
+                    compiled.part_sizes(), largest_request(assets.profile, compiled.config), devices, cap,
+                    weight_residency, options.encoder_residency, host_budget=host_budget, log=False,
+                )
             try:
                 conditioner = TextConditioner.from_pretrained(
                     assets.model_root, primary, text_encoder_loader=text_encoder_loader
@@ -614,16 +623,13 @@ class H3Pipeline:
                 vaes = MediaVAEs.from_pretrained(assets.decoder_root, primary, peer_device=peer)
                 loaded.append(vaes)
                 report("load", 2, total)
-                cap = cap_bytes(options.max_device_memory)
-                host_budget = cap_bytes(options.max_host_memory, "max_host_memory")
                 # Nothing to plan on the CPU without a cap: everything stays in host memory (RunOptions refuses a
                 # host budget there).
-                if primary.type != "cuda" and cap is None:
+                if not planned:
                     plan = None
                     conditioner.keep_on_device = vaes.keep_on_device = options.encoder_residency == "resident"
                 else:
                     largest = largest_request(assets.profile, compiled.config, conditioner, vaes, assets.canvas)
-                    devices = [primary] + ([peer] if peer is not None else [])
                     sizes = compiled.part_sizes() + conditioner.part_sizes() + vaes.part_sizes()
                     plan = plan_memory(
                         sizes, largest, devices, cap, weight_residency, options.encoder_residency,
