@@ -14,6 +14,7 @@ and `weight_io.SequentialWeights`, one whole file by several threads.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -137,7 +138,7 @@ class SafetensorsFile:
     def _check_disjoint(self) -> None:
         """No two tensors share bytes: a header whose ranges overlap would read one tensor's weights as another's."""
         ranges = sorted((info.start, info.end, name) for name, info in self.tensors.items() if info.end > info.start)
-        for (_, end, name), (start, _, other) in zip(ranges, ranges[1:]):
+        for (_, end, name), (start, _, other) in itertools.pairwise(ranges):
             if start < end:
                 raise WeightFileError(
                     f"{self.path}: corrupt safetensors header: tensors {name!r} and {other!r} share bytes"
