@@ -6,11 +6,15 @@ import argparse
 import json
 import os
 
+COMMANDS = {
+    "run-workflow": "run an API-format ComfyUI workflow of Vflash nodes headless (no ComfyUI install needed)",
+}
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "run-workflow",
-        help="run an API-format ComfyUI workflow of Vflash nodes headless (no ComfyUI install needed)",
+        help=COMMANDS["run-workflow"],
         description=(
             "Runs the output nodes of an API-format workflow (ComfyUI 'Export (API)', e.g. workflows/api/t2va.json) "
             "and their ancestors: every Vflash node, plus stand-ins for core EmptyMiniMaxH3LatentAV, CreateVideo, "

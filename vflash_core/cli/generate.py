@@ -9,10 +9,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..pipeline.options import RunOptions
-from ..pipeline.validation import PIXELS, SECONDS, SEED
+__all__ = ["COMMANDS", "register"]
 
-__all__ = ["register"]
+COMMANDS = {
+    "prepare-pipeline": "bind a profile to its six assets (model root, decoders, adapter, compile outputs)",
+    "generate": "generate an MP4 (video + soundtrack) from a prompt and optional images",
+    "demo": "generate a clip with the embedded random-weight model (no download; noise-like output)",
+}
 
 #: stage -> (bar label, unit): the pipeline's stages (`H3Pipeline.generate`'s progress), the core's (`vflash denoise`).
 _BARS = {
@@ -48,9 +51,10 @@ class StageBars:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "prepare-pipeline", help="bind a profile to its six assets (model root, decoders, adapter, compile outputs)"
-    )
+    from ..pipeline.options import RunOptions
+    from ..pipeline.validation import PIXELS, SECONDS, SEED
+
+    p = sub.add_parser("prepare-pipeline", help=COMMANDS["prepare-pipeline"])
     p.add_argument("--profile", required=True, help="profile id, e.g. t2va-base16-bf16-sm90")
     p.add_argument(
         "--assets", required=True,
@@ -59,7 +63,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--receipt", required=True, help="prepared-assets receipt to write (must not exist)")
     p.set_defaults(handler=_prepare_pipeline)
 
-    p = sub.add_parser("generate", help="generate an MP4 (video + soundtrack) from a prompt and optional images")
+    p = sub.add_parser("generate", help=COMMANDS["generate"])
     p.add_argument("--prepared-assets", required=True, help="receipt written by `vflash prepare-pipeline`")
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument(
@@ -90,9 +94,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.set_defaults(handler=_generate)
 
-    p = sub.add_parser(
-        "demo", help="generate a clip with the embedded random-weight model (no download; noise-like output)"
-    )
+    p = sub.add_parser("demo", help=COMMANDS["demo"])
     p.add_argument("--output", help="MP4 to write (default: demo.mp4, or the next free demo-N.mp4)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     p.add_argument(
@@ -127,6 +129,7 @@ def _prepare_pipeline(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from ..fileio import read_text_file
     from ..pipeline.h3_pipeline import ASSET_FIELDS, H3Pipeline, PreparedAssets, VideoRequest
+    from ..pipeline.options import RunOptions
     from ..pipeline.validation import MAX_PROMPT_BYTES, check_output_is_not_an_input
 
     if args.prompt_file is not None:
