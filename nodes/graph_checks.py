@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from vflash_core.engine.layout import FPS
-from vflash_core.errors import VflashError
+from vflash_core.errors import VflashError, listing
 from vflash_core.media.references import CanvasRules
 from vflash_core.pipeline.validation import check_canvas_size, request_mode
 
@@ -155,4 +155,4 @@ def check_graph(prompt: Mapping[str, Mapping[str, Any]] | None, host: Host, fold
     it first, so whichever of them ComfyUI runs first refuses the graph before any Vflash model work."""
     refusals = loader_refusals(prompt, host, folders) + graph_refusals(prompt, folders)
     if refusals:
-        raise VflashError("this graph cannot run: " + "; ".join(refusals))
+        raise VflashError(listing("this graph cannot run", refusals))
