@@ -19,7 +19,12 @@ from ._imports import hide_repository_root
 hide_repository_root()  # before anything imports transformers (`_imports.hide_repository_root` says why)
 
 import importlib
+import warnings
 from typing import TYPE_CHECKING, Any
+
+# diffusers' audio VAE builds its convolutions with `torch.nn.utils.weight_norm`, which torch deprecates with a
+# FutureWarning on every load: noise on every run that no user of Vflash can act on.
+warnings.filterwarnings("ignore", r"`torch\.nn\.utils\.weight_norm` is deprecated", FutureWarning)
 
 from ._version import __version__ as __version__  # re-exported: the version is the root's attribute
 

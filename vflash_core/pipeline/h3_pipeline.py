@@ -602,6 +602,7 @@ class H3Pipeline:
             total = 2 + int(assets.record["transformer"]["num_layers"])
             report = progress or (lambda stage, done, total: None)
             loaded: list[TextConditioner | MediaVAEs] = []
+            report("load", 0, total)
             compiled = CompiledArtifact(**assets.session_paths())
             if options.verify_weights:  # before anything loads: a corrupt compile costs no encoder load
                 compiled.verify()
@@ -822,8 +823,10 @@ class H3Pipeline:
         preview = guarded(preview)
 
         self._check_memory(plan.geometry)
+        # Each stage reports (stage, 0, total) as it starts, so that a progress bar times the whole stage.
         try:
             poll()
+            report("encode", 0, 1)
             t = time.perf_counter()
             handoff = build_request_bundle(self.conditioner, self.vaes, request, plan, self.config, self.canvas, stages)
             stages["encode"] = time.perf_counter() - t
@@ -834,12 +837,14 @@ class H3Pipeline:
                 report("denoise", done, total)
                 poll()
 
+            report("denoise", 0, self.profile.nfe)
             t = time.perf_counter()
             generation = self.session.generate(
                 handoff, progress=on_evaluation, profile_denoise=self.options.profile_denoise, preview=preview
             )
             stages["denoise"] = time.perf_counter() - t
             poll()
+            report("decode", 0, 2)
             t = time.perf_counter()
             after_stage = stage_timer(
                 stages, lambda stage: report("decode", ("decode.video", "decode.audio").index(stage) + 1, 2)
@@ -857,6 +862,7 @@ class H3Pipeline:
                     media = decode_latents(self.vaes, *latents, after_stage, between_blocks, video_sink=stream.add)
                     stages["decode"] = time.perf_counter() - t
                     poll()
+                    report("write", 0, 1)
                     t = time.perf_counter()
                     soundtrack = delivered_soundtrack(media)
                     stream.finish(soundtrack)
@@ -867,6 +873,7 @@ class H3Pipeline:
                 soundtrack = delivered_soundtrack(media)
                 if output is not None:
                     poll()
+                    report("write", 0, 1)
                     t = time.perf_counter()
                     assert media.frames is not None  # decoded without a video sink
                     path = write_mp4(output, media.frames, soundtrack, media.sample_rate, FPS,
