@@ -57,7 +57,8 @@ def _resolve(value, folder):
 
 
 KEYFRAME_PROFILE_CASES = {
-    "canvas-multiple": (dict(prompt="x", width=100, height=64), r"height and width must be positive multiples of 32, got 64x100"),
+    # width x height, as every other message (it said "got 64x100")
+    "canvas-multiple": (dict(prompt="x", width=100, height=64), r"width and height must be positive multiples of 32, got 100x64$"),
     "canvas-aspect": (dict(prompt="x", width=640, height=64), r"canvas 640x64 has aspect ratio 10, outside H3's 1:4 .. 4:1"),
     "canvas-half": (dict(prompt="x", width=320), r"width and height go together: got width=320, height=None"),
     "too-short": (dict(prompt="x", duration_seconds=3), r"duration 3 s aligns to 73 frames \(3.042 s\); H3 generates 5-15 s"),

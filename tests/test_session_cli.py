@@ -222,3 +222,17 @@ def test_help_and_a_refused_command_import_neither_torch_nor_the_pipeline(argv):
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert json.loads(done.stdout.strip().splitlines()[-1]) == [], done.stderr
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_generate_and_serve_take_every_strategy_denoise_takes(command):
+    """`generate` and `serve` offered only `--strategy sequence-head`, where `denoise` (and RunOptions) take tensor too."""
+    import argparse
+
+    from vflash_core.cli.main import build_parser
+
+    def strategies(name: str) -> tuple[str, ...]:
+        sub = next(a for a in build_parser(name)._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
+        return tuple(next(a for a in sub._actions if a.dest == "strategy").choices)
+
+    assert strategies(command) == strategies("denoise") == ("sequence-head", "tensor")
