@@ -484,7 +484,7 @@ async def test_killed_worker_fails_its_job_and_a_new_worker_runs_the_next(aiohtt
     vanished = await submit(client, prompt="<Picture 1> fades", first_frame=png(inputs / "frame.png").name, **FAST)
     (inputs / "frame.png").unlink()
     # Kill it while it writes the MP4: the worst moment, with a partial file on disk.
-    writing = await wait_job(client, victim, until=lambda job: job["progress"] == {"stage": "decode", "done": 2, "total": 2})
+    writing = await wait_job(client, victim, until=lambda job: job["progress"] == {"stage": "write", "done": 0, "total": 1})
     os.kill(writing["worker_pid"], signal.SIGKILL)
 
     failed = await wait_job(client, victim)
