@@ -6,11 +6,17 @@ import argparse
 import json
 import os
 
+MODELS_DIR_HINT = "give a ComfyUI install's models folder, e.g. --models-dir ~/ComfyUI/models"
+
+COMMANDS = {
+    "run-workflow": "run an API-format ComfyUI workflow of Vflash nodes headless (no ComfyUI install needed)",
+}
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "run-workflow",
-        help="run an API-format ComfyUI workflow of Vflash nodes headless (no ComfyUI install needed)",
+        help=COMMANDS["run-workflow"],
         description=(
             "Runs the output nodes of an API-format workflow (ComfyUI 'Export (API)', e.g. workflows/api/t2va.json) "
             "and their ancestors: every Vflash node, plus stand-ins for core EmptyMiniMaxH3LatentAV, CreateVideo, "
@@ -49,7 +55,7 @@ def check_folders(output_dir: str, input_dir: str, models_dir: str | None) -> No
     if not os.access(existing, os.W_OK):
         raise WorkflowError(f"--output-dir {output_dir} is not writable")
     if models_dir is not None:
-        check_folder(models_dir, "--models-dir", WorkflowError)
+        check_folder(models_dir, "--models-dir", WorkflowError, MODELS_DIR_HINT)
     if os.path.lexists(input_dir) and not Path(input_dir).is_dir():
         raise WorkflowError(f"--input-dir {input_dir} is not a folder")
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from vflash_core.engine.artifact import CompiledArtifact
+from vflash_core.engine.attention import BACKENDS, CPU_BACKENDS
 from vflash_core.engine.denoise import denoise_bytes
 from vflash_core.engine.fast_mode import FastMode
 from vflash_core.engine.layout import largest_request_rows
@@ -76,6 +77,7 @@ __all__ = [
     "present_devices",
     "resolve_device",
     "resolve_model",
+    "runnable_backends",
     "runnable_profiles",
     "text_encoder_rules",
     "transformer_spec",
@@ -248,6 +250,11 @@ def present_devices() -> list[str]:
     """'auto', 'cpu' and the CUDA devices this machine has."""
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return ["auto", "cpu", *(f"cuda:{i}" for i in range(count))]
+
+
+def runnable_backends() -> list[str]:
+    """The attention backends this machine can run: every one with a CUDA device, else the CPU's."""
+    return list(BACKENDS if torch.cuda.is_available() and torch.cuda.device_count() else CPU_BACKENDS)
 
 
 def runnable_profiles() -> list[str]:

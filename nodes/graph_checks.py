@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from vflash_core.engine.layout import FPS
-from vflash_core.errors import VflashError
+from vflash_core.errors import VflashError, listing
 from vflash_core.media.references import CanvasRules
 from vflash_core.pipeline.validation import check_canvas_size, request_mode
 
@@ -186,4 +186,4 @@ def check_graph(prompt: Mapping[str, Mapping[str, Any]] | None, host: Host, fold
     model work."""
     refusals = core_lora_refusals(prompt) + loader_refusals(prompt, host, folders) + graph_refusals(prompt, folders)
     if refusals:
-        raise VflashError("this graph cannot run: " + "; ".join(refusals))
+        raise VflashError(listing("this graph cannot run", refusals))

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from vflash_core.engine.attention import BACKENDS
 from vflash_core.engine.fast_mode import FAST_MODES
 from vflash_core.engine.session import STRATEGIES, WEIGHT_RESIDENCIES
 from vflash_core.weights.lora import LORA_MODES
 
 from . import actions
-from .engines import present_devices, runnable_profiles
+from .engines import present_devices, runnable_backends, runnable_profiles
 from .graph_checks import check_graph, refusal, validate_device
 from .host import FOLDERS, HOST
 from .model_files import (
@@ -88,7 +87,7 @@ class VflashModelLoader(io.ComfyNode):
                     "peer_device 'none'.",
                 ),
                 io.Combo.Input(
-                    "attention_backend", options=list(BACKENDS), default="auto",
+                    "attention_backend", options=runnable_backends(), default="auto",
                     tooltip="Attention kernel, pinned per call (ComfyUI's own SDPA priority is not inherited). An "
                     "unavailable explicit choice is an error; auto picks the exact default for the device.",
                 ),

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-from vflash_core.errors import Number, VflashError, is_int
+from vflash_core.errors import Number, VflashError, is_int, listing
 
 from .graph_checks import core_lora_refusals, graph_refusals
 from .headless import comfy_io as io
@@ -222,7 +222,8 @@ def plan(workflow: Mapping[str, Mapping[str, Any]], node_types: Mapping[str, Nod
     )
     if unsupported:
         raise WorkflowError(
-            f"unsupported nodes: {', '.join(unsupported)}; this runner executes {', '.join(sorted(node_types))}"
+            f"unsupported nodes: {', '.join(unsupported)}; run this workflow in ComfyUI, which has them: "
+            f"vflash run-workflow runs only {', '.join(sorted(node_types))}"
         )
     problems: list[str] = []
     for nid, node in workflow.items():
@@ -262,7 +263,7 @@ def plan(workflow: Mapping[str, Mapping[str, Any]], node_types: Mapping[str, Nod
         for name in sorted(spec.required - set(inputs)):
             problems.append(f"node {nid} ({spec.class_type}): missing required input {name!r}")
     if problems:
-        raise WorkflowError("invalid workflow:\n  " + "\n  ".join(problems))
+        raise WorkflowError(listing("invalid workflow", problems))
     outputs = [nid for nid, n in workflow.items() if node_types[n["class_type"]].output_node]
     if not outputs:
         raise WorkflowError("the workflow has no output node (e.g. SaveVideo), so nothing would run")
@@ -361,7 +362,7 @@ def execute(
         if verdict is not True:
             refusals.append(f"node {nid} ({node['class_type']}): {verdict}")
     if refusals:
-        raise WorkflowError("the workflow was refused before running: " + "; ".join(refusals))
+        raise WorkflowError(listing("the workflow was refused before running", refusals))
     report = RunReport()
     for nid in order:
         node = workflow[nid]
@@ -535,7 +536,7 @@ def run_headless(
         # profile vs the graph's requests, as the Vflash nodes check in ComfyUI
         refusals = graph_refusals(workflow, folders)
         if refusals:
-            raise WorkflowError("the workflow was refused before running: " + "; ".join(refusals))
+            raise WorkflowError(listing("the workflow was refused before running", refusals))
         importlib.import_module("comfy.utils").set_progress_bar_global_hook(_TqdmProgress())
         before = set(output_dir.rglob("*.mp4")) if output_dir.is_dir() else set()
         execute(workflow, types, on_node=lambda nid, class_type: logger.info("node %s %s", nid, class_type))

@@ -26,7 +26,7 @@ from vflash_core.engine.layout import largest_request_rows
 from vflash_core.engine.weight_io import TensorReader
 from vflash_core.errors import RunFailedError, VflashError, WeightFileError
 from vflash_core.fileio import GIB
-from vflash_core.pipeline.h3_pipeline import H3Pipeline
+from vflash_core.pipeline.h3_pipeline import H3Pipeline, PreparedAssets
 from vflash_core.pipeline.options import RunOptions
 from vflash_core.profiles import get_profile
 from vflash_core.tensor_store import TensorStore
@@ -320,6 +320,29 @@ def test_pipeline_under_a_host_budget_streams_its_blocks_from_disk(h3_prepared, 
     assert result.metadata["memory_plan"]["core"] == "disk-ring"
     assert_bitwise(result.media.frames, expected.media.frames, "frames, blocks from disk")
     assert_bitwise(result.media.waveform, expected.media.waveform, "waveform, blocks from disk")
+
+
+def test_a_host_budget_the_core_alone_exceeds_is_refused_before_the_encoder_and_vaes_load(h3_prepared, monkeypatch):
+    """The refusal came with the right numbers, but only after the text encoder and the VAEs had loaded."""
+    from vflash_core.media.conditioning import TextConditioner
+    from vflash_core.media.vae import MediaVAEs
+
+    def never(*args, **kwargs):
+        raise AssertionError("a model loaded for a host budget no placement fits")
+
+    monkeypatch.setattr(TextConditioner, "from_pretrained", never)
+    monkeypatch.setattr(MediaVAEs, "from_pretrained", never)
+    sizes = CompiledArtifact(**PreparedAssets.load(h3_prepared).session_paths()).part_sizes()
+    staging = min(MP.DISK_RING_BLOCKS, 2) * sizes.core_block  # the tiny model's two blocks: the frugal disk ring
+    pipe = H3Pipeline.from_prepared(h3_prepared, RunOptions(max_device_memory=1.0, weight_residency="disk-ring",
+                                                            max_host_memory=1.0))
+    with pytest.raises(RunFailedError, match=(
+        rf"^the host memory budget does not fit: the most frugal placement holds core \(disk-ring\) "
+        rf"{MP.size_text(staging)} in host memory, plus a 4.0 GiB margin for the process: "
+        rf"{MP.size_text(staging + MP.HOST_MARGIN_BYTES)}; max_host_memory is 1.0 GiB"
+    )):
+        pipe.load()
+    assert not pipe.loaded
 
 
 # -- on the GPU: the copy stream, the staging buffers' events (`pytest -m gpu`) ---------------------------------------

@@ -306,12 +306,15 @@ def test_profile_vs_mode_is_refused_before_the_transformer_is_touched(pack, monk
 
 
 def test_option_lists_hold_only_what_runs_here(pack, monkeypatch):
+    from vflash_core.engine.attention import BACKENDS
     from vflash_core.profiles import PROFILES
 
     loader = pack.schema("VflashModelLoader")
     by_id = {i.id: i for i in loader.inputs}
     assert by_id["profile"].options == ["auto", *sorted(p for p in PROFILES if p.endswith("-cpu"))]
     assert by_id["device"].options == ["auto", "cpu"] and by_id["peer_device"].options == ["none"]
+    # Without a GPU only the CPU's attention backends (every backend was offered, the GPU's refused when run).
+    assert by_id["attention_backend"].options == ["auto", "torch-sdpa", "torch-math"]
     # On a machine with two sm90 GPUs: their profiles, then the CPU's; no profile of another architecture.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -320,6 +323,7 @@ def test_option_lists_hold_only_what_runs_here(pack, monkeypatch):
     sm90 = sorted(p for p in PROFILES if p.endswith("-sm90"))
     assert runnable == ["auto", *sm90, *sorted(p for p in PROFILES if p.endswith("-cpu"))]
     assert engines.present_devices() == ["auto", "cpu", "cuda:0", "cuda:1"]
+    assert engines.runnable_backends() == list(BACKENDS)
 
 
 # -- found where users look ------------------------------------------------------------------------------------------

@@ -21,7 +21,27 @@ def files(tmp_path_factory):
     (folder / "broken.png").write_bytes(b"not a png at all")
     (folder / "voice.wav").write_bytes(b"RIFF....WAVEfmt not really")
     (folder / "notes.xyz").write_text("?")
+    for name, channels, rate, samples in AUDIO_FILES:
+        write_wav(folder / name, channels, rate, samples)
     return folder
+
+
+#: (name, channels, sample rate, samples) of the WAVs the `files` fixture writes.
+AUDIO_FILES = (
+    ("eight-channels.wav", 8, 32000, 3200), ("three-channels.wav", 3, 32000, 3200), ("empty.wav", 1, 32000, 0),
+    ("one-hertz.wav", 1, 1, 3), ("short.wav", 2, 32000, 1600),
+)
+
+
+def write_wav(path, channels: int, rate: int, samples: int) -> None:
+    """A silent 16-bit PCM WAV."""
+    import wave
+
+    with wave.open(str(path), "wb") as audio:
+        audio.setnchannels(channels)
+        audio.setsampwidth(2)
+        audio.setframerate(rate)
+        audio.writeframes(bytes(2 * channels * samples))
 
 
 class F(str):
@@ -37,7 +57,8 @@ def _resolve(value, folder):
 
 
 KEYFRAME_PROFILE_CASES = {
-    "canvas-multiple": (dict(prompt="x", width=100, height=64), r"height and width must be positive multiples of 32, got 64x100"),
+    # width x height, as every other message (it said "got 64x100")
+    "canvas-multiple": (dict(prompt="x", width=100, height=64), r"width and height must be positive multiples of 32, got 100x64$"),
     "canvas-aspect": (dict(prompt="x", width=640, height=64), r"canvas 640x64 has aspect ratio 10, outside H3's 1:4 .. 4:1"),
     "canvas-half": (dict(prompt="x", width=320), r"width and height go together: got width=320, height=None"),
     "too-short": (dict(prompt="x", duration_seconds=3), r"duration 3 s aligns to 73 frames \(3.042 s\); H3 generates 5-15 s"),
@@ -61,6 +82,13 @@ REF2VA_PROFILE_CASES = {
     "unreadable-audio": (dict(prompt="x", references=(F("a.png"), F("voice.wav"))), r"reference 2 .*voice.wav cannot be read as audio"),
     "mode-not-in-profile": (dict(prompt="x"), r"profile ref2va-base4-exact-cpu accepts ref2va; a t2va request was given"),
     "ten-images": (dict(prompt="x", references=(F("a.png"),) * 10), r"H3 takes at most 9 image references, got 10"),
+    # The audio header's limits, from the header alone: an 8-channel file crashed the decoder (SIGSEGV) after the
+    # models loaded, a 0-sample one failed in the encoder with torch's message.
+    "eight-channel-audio": (dict(prompt="x", references=(F("a.png"), F("eight-channels.wav"))), r"reference 2 .*eight-channels.wav has 8 audio channels; soundtracks must be mono or stereo \(1 or 2 channels\)"),
+    "three-channel-audio": (dict(prompt="x", references=(F("a.png"), F("three-channels.wav"))), r"reference 2 .*three-channels.wav has 3 audio channels"),
+    "empty-audio": (dict(prompt="x", references=(F("a.png"), F("empty.wav"))), r"reference 2 .*empty.wav lasts 0 s; audio references must last at least 0.1 s"),
+    "short-audio": (dict(prompt="x", references=(F("a.png"), F("short.wav"))), r"reference 2 .*short.wav lasts 0.05 s"),
+    "one-hertz-audio": (dict(prompt="x", references=(F("a.png"), F("one-hertz.wav"))), r"reference 2 .*one-hertz.wav has a sample rate of 1 Hz; soundtracks must be sampled at 8,000-192,000 Hz"),
 }
 
 
@@ -127,6 +155,19 @@ def test_cli_reports_one_line_and_exit_status_2(h3_prepared, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and not out.exists()
     assert err[-1] == "vflash: error: prompt label <Picture 1> is not bound to an input: this t2va request provides 0 pictures, 0 videos and 0 audio clips"
+
+
+def test_cli_refuses_an_eight_channel_audio_reference_in_one_line(files, h3_prepared_ref, tmp_path, capsys):
+    """The decoder crashed the process (SIGSEGV, no message) on this file after the models loaded."""
+    out = tmp_path / "cli.mp4"
+    code = main([
+        "generate", "--prepared-assets", str(h3_prepared_ref), "--prompt", "<Picture 1> sings",
+        "--reference", str(files / "a.png"), "--reference", str(files / "eight-channels.wav"), "--output", str(out),
+    ])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and not out.exists()
+    assert err == [f"vflash: error: reference 2 {files / 'eight-channels.wav'} has 8 audio channels; soundtracks must "
+                   "be mono or stereo (1 or 2 channels): downmix it first"]
 
 
 def test_prepare_pipeline_checks_the_assets(h3_prepared, tmp_path):

@@ -370,6 +370,35 @@ async def test_an_upload_onto_a_full_disk_is_507_and_leaves_nothing(aiohttp_clie
     assert (await client.get("/healthz")).status == 200
 
 
+async def test_an_eight_channel_audio_upload_is_400_before_a_worker_decodes_it(
+    aiohttp_client, h3_prepared_ref, tmp_path
+):
+    """The upload reached the worker, whose decoder crashed (SIGSEGV): any client could force a worker restart and a
+    full model reload. The header check refuses it in the HTTP process, before a job exists."""
+    import wave
+
+    eight_channels = tmp_path / "eight.wav"
+    with wave.open(str(eight_channels), "wb") as audio:
+        audio.setnchannels(8)
+        audio.setsampwidth(2)
+        audio.setframerate(32000)
+        audio.writeframes(bytes(2 * 8 * 3200))
+    out = tmp_path / "out"
+    out.mkdir()
+    app = create_app(ServiceConfig(prepared_assets=h3_prepared_ref, output_dir=out))
+    client = await aiohttp_client(app)
+    form = FormData()
+    form.add_field("request", json.dumps({"prompt": "<Picture 1> sings", **FAST}), content_type="application/json")
+    form.add_field("references", png(tmp_path / "face.png").read_bytes(), filename="face.png", content_type="image/png")
+    form.add_field("references", eight_channels.read_bytes(), filename="voice.wav", content_type="audio/wav")
+    response = await client.post("/v1/jobs", data=form)
+    body = await response.json()
+    assert response.status == 400, body
+    assert body["error"] == ("reference 2 reference-2.wav has 8 audio channels; soundtracks must be mono or stereo "
+                             "(1 or 2 channels): downmix it first")
+    assert len(app[JOBS]) == 0 and files_under(app[WORK_DIR]) == []
+
+
 async def test_bearer_token_guards_the_api_but_not_the_probes(aiohttp_client, make_service):
     app, _ = make_service(token="s3cret")
     client = await aiohttp_client(app)
@@ -455,7 +484,7 @@ async def test_killed_worker_fails_its_job_and_a_new_worker_runs_the_next(aiohtt
     vanished = await submit(client, prompt="<Picture 1> fades", first_frame=png(inputs / "frame.png").name, **FAST)
     (inputs / "frame.png").unlink()
     # Kill it while it writes the MP4: the worst moment, with a partial file on disk.
-    writing = await wait_job(client, victim, until=lambda job: job["progress"] == {"stage": "decode", "done": 2, "total": 2})
+    writing = await wait_job(client, victim, until=lambda job: job["progress"] == {"stage": "write", "done": 0, "total": 1})
     os.kill(writing["worker_pid"], signal.SIGKILL)
 
     failed = await wait_job(client, victim)

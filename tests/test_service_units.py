@@ -306,6 +306,9 @@ def test_serve_refuses_settings_address_and_receipt_before_building_the_demo_or_
         (["--demo", "--port", str(port)], 1, rf"cannot serve on 127\.0\.0\.1:{port}: Address already in use"),
         (["--demo", "--host", "no-such-host.invalid", "--token", "t"], 1, r"cannot serve on no-such-host\.invalid:0: "),
         (["--prepared-assets", str(garbage)], 2, rf"prepared-assets receipt {garbage} cannot be read as JSON: Expecting property name"),
+        # a token read from a file: every request was 401, since the check strips the header and not the token
+        (["--demo", "--token", "s3cret\n"], 2, r"the bearer token has whitespace at an end \(a token read from a file ends with a newline\), which no Authorization header can carry: strip it$"),
+        (["--demo", "--token", "s3\x00cret"], 2, r"the bearer token holds a control character"),
     ]
     try:
         for argv, status, message in cases:
@@ -314,6 +317,9 @@ def test_serve_refuses_settings_address_and_receipt_before_building_the_demo_or_
             lines = err.strip().splitlines()
             assert len(lines) == 1 and re.match(rf"^vflash: error: {message}", lines[0]) and "Traceback" not in err, err
             assert not out.exists()
+        monkeypatch.setenv("VFLASH_SERVICE_TOKEN", "s3cret\n")  # the same token from the environment
+        assert main(["serve", "--output-dir", str(out), "--port", "0", "--demo"]) == 2
+        assert "the bearer token has whitespace at an end" in capsys.readouterr().err and not out.exists()
     finally:
         taken.close()
 

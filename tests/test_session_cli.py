@@ -201,3 +201,38 @@ def test_attention_auto_fallback_is_logged_once_per_device(monkeypatch, caplog):
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 2 and messages[0].startswith("attention auto on cuda:0: FlashAttention-3 unavailable")
     assert messages[1].startswith("attention auto on cuda:1: FlashAttention-3 unavailable") and "fa3-fwd is not installed" in messages[1]
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["no-such-command"], ["-v"], ["run-workflow", "--help"]])
+def test_help_and_a_refused_command_import_neither_torch_nor_the_pipeline(argv):
+    """`vflash --help` and every one-line refusal imported torch before parsing (2 s idle, 11-13 s on a busy machine):
+    the package root imported the pipeline, and every command's parser was built from the pipeline's modules."""
+    import json
+    import subprocess
+    import sys
+
+    probe = (
+        "import json, sys\n"
+        "from vflash_core.cli.main import main\n"
+        "try:\n"
+        f"    main({argv!r})\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print(json.dumps(sorted(m for m in ('torch', 'numpy', 'aiohttp', 'vflash_core.pipeline.h3_pipeline') if m in sys.modules)))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [], done.stderr
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_generate_and_serve_take_every_strategy_denoise_takes(command):
+    """`generate` and `serve` offered only `--strategy sequence-head`, where `denoise` (and RunOptions) take tensor too."""
+    import argparse
+
+    from vflash_core.cli.main import build_parser
+
+    def strategies(name: str) -> tuple[str, ...]:
+        sub = next(a for a in build_parser(name)._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
+        return tuple(next(a for a in sub._actions if a.dest == "strategy").choices)
+
+    assert strategies(command) == strategies("denoise") == ("sequence-head", "tensor")

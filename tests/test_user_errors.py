@@ -181,8 +181,12 @@ def test_workflow_value_of_the_wrong_type_is_refused_before_any_model_loads(tmp_
     for loader in ("load_model", "load_component"):
         monkeypatch.setattr(node_actions, loader, refuse)
     workflow = Path(__file__).resolve().parent.parent / "workflows" / "api" / "t2va.json"
-    line = refused(capsys, ["run-workflow", str(workflow), "--set", "4.width=wide", "--set", "4.force_offload=1", "--output-dir", str(tmp_path / "out")])
-    assert line == "invalid workflow: node 4 (VflashEncode).width must be an integer from 32 to 4,096, got str 'wide'; node 4 (VflashEncode).force_offload takes BOOLEAN, got 1"
+    # One line a problem (they were joined on one line with "; ")
+    assert main(["run-workflow", str(workflow), "--set", "4.width=wide", "--set", "4.force_offload=1", "--output-dir", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "vflash: error: invalid workflow: node 4 (VflashEncode).width must be an integer from 32 to 4,096, got str 'wide'",
+        "vflash: error: invalid workflow: node 4 (VflashEncode).force_offload takes BOOLEAN, got 1",
+    ]
     assert files_in(tmp_path) == []
 
 
@@ -546,6 +550,11 @@ def test_workflow_save_and_load_nodes_are_checked_before_anything_runs(tmp_path,
     for (workflow, *argv), message in cases:
         line = refused(capsys, ["run-workflow", str(api / workflow), *argv, "--output-dir", str(out)])
         assert line == f"the workflow was refused before running: {message}"
+    # Several refusals: one line each (they were joined on one line with "; ").
+    assert main(["run-workflow", str(api / "t2va.json"), "--set", "7.filename_prefix=", "--set", "4.prompt= ", "--output-dir", str(out)]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"vflash: error: the workflow was refused before running: {message}" for message in (
+        "node 4 (VflashEncode): the prompt must be a non-empty string", 'node 7 (SaveVideo): filename_prefix must be a non-empty string, got ""'
+    )]
     # Numbers outside their widgets' ranges, as ComfyUI refuses them when a prompt is queued (issue 29: one number parser).
     for argv, message in ((["--set", "5.seed=-1"], "node 5 (VflashSampler).seed must be an integer from 0 to 9,223,372,036,854,775,807, got -1"),
                           (["--set", "4.seconds=1e308"], "node 4 (VflashEncode).seconds must be a number from 0 to 60, got 1e+308"),
@@ -554,7 +563,7 @@ def test_workflow_save_and_load_nodes_are_checked_before_anything_runs(tmp_path,
     a_file = tmp_path / "a-file"
     a_file.write_text("keep")
     for argv, message in ((["--output-dir", str(a_file / "out")], f"--output-dir {a_file / 'out'} cannot be a folder: {a_file} is a file"),
-                          (["--models-dir", str(tmp_path / "none")], f"--models-dir {tmp_path / 'none'} does not exist"),
+                          (["--models-dir", str(tmp_path / "none")], f"--models-dir {tmp_path / 'none'} does not exist; give a ComfyUI install's models folder, e.g. --models-dir ~/ComfyUI/models"),
                           (["--input-dir", str(a_file)], f"--input-dir {a_file} is not a folder")):
         assert refused(capsys, ["run-workflow", str(api / "t2va.json"), "--output-dir", str(out), *argv]) == message
     assert files_in(tmp_path) == [a_file] and a_file.read_text() == "keep"

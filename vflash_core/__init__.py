@@ -8,39 +8,83 @@ Public entry points::
     from vflash_core.weights.lora import LoraStack, StackedLora      # prepare(..., loras=LoraStack(...))
 
 Every name here is also importable from the module that defines it; the errors a caller may catch are all
-`VflashError` subclasses. Importing the pipeline loads neither diffusers nor transformers (they load with the
-models), so these imports stay eager.
+`VflashError` subclasses. The names load on first use (`__getattr__`): importing a submodule, such as the command
+line's parser, runs this file first, and an eager import of the pipeline here would load torch before `vflash --help`
+could answer.
 """
+
+from __future__ import annotations
 
 from ._imports import hide_repository_root
 
 hide_repository_root()  # before anything imports transformers (`_imports.hide_repository_root` says why)
 
+import importlib
+import warnings
+from typing import TYPE_CHECKING, Any
+
+# diffusers' audio VAE builds its convolutions with `torch.nn.utils.weight_norm`, which torch deprecates with a
+# FutureWarning on every load: noise on every run that no user of Vflash can act on.
+warnings.filterwarnings("ignore", r"`torch\.nn\.utils\.weight_norm` is deprecated", FutureWarning)
+
 from ._version import __version__ as __version__  # re-exported: the version is the root's attribute
-from .engine.bundle import BundleHandoff, ConditioningBundle, build_keyframe_bundle
-from .engine.config import H3Config
-from .engine.layout import Geometry
-from .engine.session import GenerationResult, NativeEngineSession
-from .errors import (
-    BundleError,
-    IdentityMismatchError,
-    RequestError,
-    RunFailedError,
-    SessionClosedError,
-    VflashError,
-    WeightFileError,
-)
-from .fileio import MissingInputError, OutputExistsError, WriteFailedError
-from .pipeline.h3_pipeline import (
-    H3Pipeline,
-    PreparedAssets,
-    RequestCancelled,
-    VideoRequest,
-    VideoResult,
-    prepare_pipeline,
-)
-from .pipeline.options import RunOptions
-from .profiles import PROFILES, Profile, get_profile
+
+if TYPE_CHECKING:  # the same names, eagerly, for type checkers
+    from .engine.bundle import BundleHandoff, ConditioningBundle, build_keyframe_bundle
+    from .engine.config import H3Config
+    from .engine.layout import Geometry
+    from .engine.session import GenerationResult, NativeEngineSession
+    from .errors import (
+        BundleError,
+        IdentityMismatchError,
+        RequestError,
+        RunFailedError,
+        SessionClosedError,
+        VflashError,
+        WeightFileError,
+    )
+    from .fileio import MissingInputError, OutputExistsError, WriteFailedError
+    from .pipeline.h3_pipeline import (
+        H3Pipeline,
+        PreparedAssets,
+        RequestCancelled,
+        VideoRequest,
+        VideoResult,
+        prepare_pipeline,
+    )
+    from .pipeline.options import RunOptions
+    from .profiles import PROFILES, Profile, get_profile
+
+#: public name -> the module (relative to this package) that defines it.
+_SOURCES = {
+    **dict.fromkeys(("BundleHandoff", "ConditioningBundle", "build_keyframe_bundle"), ".engine.bundle"),
+    "H3Config": ".engine.config",
+    "Geometry": ".engine.layout",
+    **dict.fromkeys(("GenerationResult", "NativeEngineSession"), ".engine.session"),
+    **dict.fromkeys((
+        "BundleError", "IdentityMismatchError", "RequestError", "RunFailedError", "SessionClosedError",
+        "VflashError", "WeightFileError",
+    ), ".errors"),
+    **dict.fromkeys(("MissingInputError", "OutputExistsError", "WriteFailedError"), ".fileio"),
+    **dict.fromkeys((
+        "H3Pipeline", "PreparedAssets", "RequestCancelled", "VideoRequest", "VideoResult", "prepare_pipeline",
+    ), ".pipeline.h3_pipeline"),
+    "RunOptions": ".pipeline.options",
+    **dict.fromkeys(("PROFILES", "Profile", "get_profile"), ".profiles"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _SOURCES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_SOURCES[name], __name__), name)
+    globals()[name] = value  # once: later lookups find it without this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_SOURCES))
+
 
 __all__ = [
     "PROFILES",

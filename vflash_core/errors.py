@@ -18,7 +18,7 @@ from typing import TypeGuard
 __all__ = [
     "BundleError", "CallbackGuard", "IdentityMismatchError", "Number", "RequestError", "RunFailedError",
     "SessionClosedError", "VflashError", "WeightFileError", "check_callback", "check_choice", "describe_value",
-    "is_int", "is_real", "run_command",
+    "is_int", "is_real", "listing", "problem_lines", "run_command",
 ]
 
 
@@ -177,10 +177,17 @@ class RequestError(VflashError):
     """A request is invalid (canvas, duration, mode, inputs) and was rejected before any heavy work ran."""
 
 
-def one_line(message: str) -> str:
-    """A message that lists problems on several lines, as one line: "head: first; second"."""
+def problem_lines(message: str) -> list[str]:
+    """The lines a command line prints for a message: itself, or for one that lists problems under a head ("head:",
+    then one problem a line), one line per problem, each after the head: "head: first", "head: second"."""
     lines = [line.strip() for line in message.splitlines() if line.strip()]
-    return " ".join(lines[:1] + ["; ".join(lines[1:])] if len(lines) > 1 else lines)
+    return [f"{lines[0]} {line}" for line in lines[1:]] if len(lines) > 1 else lines
+
+
+def listing(head: str, problems: list[str]) -> str:
+    """A message of one or more problems: "head: problem", or the head and one indented problem a line (which
+    `problem_lines` prints one problem a line)."""
+    return f"{head}: {problems[0]}" if len(problems) == 1 else f"{head}:\n  " + "\n  ".join(problems)
 
 
 def run_command(run: Callable[[], int | None], error_prefix: str, interrupted: str) -> int:
@@ -188,7 +195,8 @@ def run_command(run: Callable[[], int | None], error_prefix: str, interrupted: s
     try:
         return int(run() or 0)
     except VflashError as exc:
-        print(f"{error_prefix}{one_line(str(exc))}", file=sys.stderr)
+        for line in problem_lines(str(exc)):
+            print(f"{error_prefix}{line}", file=sys.stderr)
         return exc.exit_status
     except KeyboardInterrupt:
         print(interrupted, file=sys.stderr)

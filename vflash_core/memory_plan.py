@@ -324,11 +324,14 @@ def plan_memory(
     encoder_residency: str = "offload",
     budget: int | None = None,
     host_budget: int | None = None,
+    log: bool = True,
 ) -> MemoryPlan:
     """Choose the placement (see the module docstring), log it in one line, or refuse with the numbers.
 
     `largest`: stage -> transient bytes of the largest request to plan for (`largest_request`). `budget` defaults to
-    `device_budget(devices, cap)`; `host_budget`: `max_host_memory` in bytes (None: host memory is not planned)."""
+    `device_budget(devices, cap)`; `host_budget`: `max_host_memory` in bytes (None: host memory is not planned).
+    Every part and stage only adds bytes, so a plan of some of the parts (those whose sizes are known before
+    anything loads), `log=False`, refuses what the plan of all of them would refuse, before the others load."""
     devices = tuple(devices)
     check_disk_ring(weight_residency, len(devices))
     budget = device_budget(devices, cap) if budget is None else budget
@@ -365,7 +368,8 @@ def plan_memory(
                 f"the {stage} stage holds {size_text(peak)} of weights, plus a {size_text(MARGIN_BYTES)} margin; "
                 f"{size_text(budget)} are available{_cap_note(cap)}.{advice}"
             )
-    logger.info(plan.summary())
+    if log:
+        logger.info(plan.summary())
     return plan
 
 

@@ -14,6 +14,7 @@ and `weight_io.SequentialWeights`, one whole file by several threads.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -109,7 +110,7 @@ class SafetensorsFile:
         except OSError as exc:
             raise WeightFileError(f"{self.path}: cannot read ({exc.strerror})") from None
         try:
-            header = json.loads(header_bytes)
+            header = json.loads(header_bytes, object_pairs_hook=self._unique_keys)
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise WeightFileError(f"{self.path}: corrupt safetensors header (not JSON)") from None
         if not isinstance(header, dict):
@@ -117,11 +118,31 @@ class SafetensorsFile:
         self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
         data_start = 8 + header_len
         self.tensors = {name: self._parse_entry(name, entry, data_start) for name, entry in header.items()}
+        self._check_disjoint()
         data_end = max((info.end for info in self.tensors.values()), default=data_start)
         if data_end > self.file_size:
             raise WeightFileError(
                 f"{self.path}: truncated safetensors file: tensors need {data_end} bytes, file has {self.file_size}"
             )
+
+    def _unique_keys(self, pairs: list[tuple[str, object]]) -> dict[str, object]:
+        """A JSON object whose keys are all different: Python's parser keeps the last of a repeated key, so a name
+        given twice would silently read one of two byte ranges (the safetensors library refuses such a file)."""
+        seen: dict[str, object] = {}
+        for key, value in pairs:
+            if key in seen:
+                raise WeightFileError(f"{self.path}: corrupt safetensors header: {key!r} is given twice")
+            seen[key] = value
+        return seen
+
+    def _check_disjoint(self) -> None:
+        """No two tensors share bytes: a header whose ranges overlap would read one tensor's weights as another's."""
+        ranges = sorted((info.start, info.end, name) for name, info in self.tensors.items() if info.end > info.start)
+        for (_, end, name), (start, _, other) in itertools.pairwise(ranges):
+            if start < end:
+                raise WeightFileError(
+                    f"{self.path}: corrupt safetensors header: tensors {name!r} and {other!r} share bytes"
+                )
 
     def _parse_entry(self, name: str, entry: object, data_start: int) -> TensorInfo:
         try:

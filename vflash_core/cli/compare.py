@@ -6,18 +6,20 @@ import argparse
 import contextlib
 
 from ..errors import VflashError
-from ..pipeline.options import RunOptions
 from .generate import StageBars, add_request_arguments, request_from_arguments
 
-__all__ = ["register"]
+__all__ = ["COMMANDS", "register"]
+
+COMMANDS = {
+    "compare": "render one request exactly and with a fast mode: per-frame PSNR / SSIM, audio spectral distance, "
+               "times, both MP4s and a side-by-side MP4",
+}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "compare",
-        help="render one request exactly and with a fast mode: per-frame PSNR / SSIM, audio spectral distance, "
-             "times, both MP4s and a side-by-side MP4",
-    )
+    from ..pipeline.options import RunOptions
+
+    p = sub.add_parser("compare", help=COMMANDS["compare"])
     add_request_arguments(p)
     RunOptions.add_arguments(p)  # --fast-mode names the side compared with the exact one (required here)
     p.add_argument("--output-dir", required=True,
@@ -29,6 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _compare(args: argparse.Namespace) -> int:
     from ..pipeline.compare import OUTPUT_NAMES, compare, summary_lines
     from ..pipeline.h3_pipeline import ASSET_FIELDS, H3Pipeline, PreparedAssets
+    from ..pipeline.options import RunOptions
     from ..pipeline.validation import check_output_is_not_an_input
 
     options = RunOptions.from_arguments(args)

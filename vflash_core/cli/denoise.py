@@ -10,16 +10,18 @@ import os
 
 from ..engine.fast_mode import FastMode
 from ..errors import VflashError
-from ..formats import GPU_INDEX
-from ..memory_plan import DEVICE_MEMORY_GIB
-from ..pipeline.options import STRATEGIES, WEIGHT_RESIDENCIES
-from .generate import StageBars
 
-__all__ = ["register"]
+__all__ = ["COMMANDS", "register"]
+
+COMMANDS = {"denoise": "run the native core on a conditioning bundle and write latents"}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("denoise", help="run the native core on a conditioning bundle and write latents")
+    from ..formats import GPU_INDEX
+    from ..memory_plan import DEVICE_MEMORY_GIB
+    from ..pipeline.options import STRATEGIES, WEIGHT_RESIDENCIES
+
+    p = sub.add_parser("denoise", help=COMMANDS["denoise"])
     p.add_argument("profile", help="profile id, e.g. t2va-base16-bf16-sm90")
     p.add_argument("--artifact", required=True, help="compiled artifact/ folder")
     p.add_argument("--schedule-overlay", required=True, help="compiled schedule/ folder")
@@ -53,6 +55,7 @@ def _denoise(args: argparse.Namespace) -> int:
     from ..fileio import check_writable_destination
     from ..formats import check_device, gpu_device
     from ..profiles import get_profile
+    from .generate import StageBars
 
     check_writable_destination(args.output_latents)
     if os.path.lexists(args.bundle) and not os.path.isdir(args.bundle):

@@ -9,13 +9,16 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..pipeline.options import RunOptions
-from ..pipeline.validation import PIXELS, SECONDS, SEED
-
 if TYPE_CHECKING:
     from ..pipeline.validation import VideoRequest
 
-__all__ = ["add_request_arguments", "register", "request_from_arguments"]
+__all__ = ["COMMANDS", "add_request_arguments", "register", "request_from_arguments"]
+
+COMMANDS = {
+    "prepare-pipeline": "bind a profile to its six assets (model root, decoders, adapter, compile outputs)",
+    "generate": "generate an MP4 (video + soundtrack) from a prompt and optional images",
+    "demo": "generate a clip with the embedded random-weight model (no download; noise-like output)",
+}
 
 #: stage -> (bar label, unit): the pipeline's stages (`H3Pipeline.generate`'s progress), the core's (`vflash denoise`).
 _BARS = {
@@ -51,9 +54,9 @@ class StageBars:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "prepare-pipeline", help="bind a profile to its six assets (model root, decoders, adapter, compile outputs)"
-    )
+    from ..pipeline.options import RunOptions
+
+    p = sub.add_parser("prepare-pipeline", help=COMMANDS["prepare-pipeline"])
     p.add_argument("--profile", required=True, help="profile id, e.g. t2va-base16-bf16-sm90")
     p.add_argument(
         "--assets", required=True,
@@ -62,7 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--receipt", required=True, help="prepared-assets receipt to write (must not exist)")
     p.set_defaults(handler=_prepare_pipeline)
 
-    p = sub.add_parser("generate", help="generate an MP4 (video + soundtrack) from a prompt and optional images")
+    p = sub.add_parser("generate", help=COMMANDS["generate"])
     add_request_arguments(p)
     RunOptions.add_arguments(p)
     p.add_argument("--output", required=True, help="MP4 to write (must not exist unless --overwrite)")
@@ -73,9 +76,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.set_defaults(handler=_generate)
 
-    p = sub.add_parser(
-        "demo", help="generate a clip with the embedded random-weight model (no download; noise-like output)"
-    )
+    p = sub.add_parser("demo", help=COMMANDS["demo"])
     p.add_argument("--output", help="MP4 to write (default: demo.mp4, or the next free demo-N.mp4)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     p.add_argument(
@@ -88,6 +89,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def add_request_arguments(p: argparse.ArgumentParser) -> None:
     """The receipt and the request's flags (`vflash generate`, `vflash compare`); `request_from_arguments` reads
     them."""
+    from ..pipeline.validation import PIXELS, SECONDS, SEED
+
     p.add_argument("--prepared-assets", required=True, help="receipt written by `vflash prepare-pipeline`")
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument(
@@ -151,6 +154,7 @@ def request_from_arguments(args: argparse.Namespace) -> VideoRequest:
 
 def _generate(args: argparse.Namespace) -> int:
     from ..pipeline.h3_pipeline import ASSET_FIELDS, H3Pipeline, PreparedAssets
+    from ..pipeline.options import RunOptions
     from ..pipeline.validation import check_output_is_not_an_input
 
     request = request_from_arguments(args)

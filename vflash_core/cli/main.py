@@ -1,10 +1,14 @@
 """The `vflash` command line.
 
-Each subcommand lives in the module that owns its work and exposes `register(subparsers)`, which adds the parser
-and sets `handler`; heavy imports happen inside the handler, so `vflash --help` is instant. Installed packages add
-subcommands through the `vflash.commands` entry points, so this package names none of them. A user error (any
-`VflashError`) prints one line, without a traceback, and exits with its `exit_status` (2 for a bad request, option or
-file, 1 for a valid request that could not be completed); anything else is a bug and keeps its traceback.
+Each subcommand lives in the module that owns its work, which lists its commands' names and one-line help in
+`COMMANDS` and exposes `register(subparsers)`, which adds their full parsers and sets `handler`. A command module
+imports nothing heavy at its top: its options' definitions are imported inside `register`, and only the module of the
+command on the command line registers, so `vflash --help` (the names and help the others list) and an unknown command
+never import torch. (A command's own options still come from the pipeline's modules, which import it.) Installed
+packages add subcommands through the `vflash.commands` entry points, so this package names none of them. A user error
+(any `VflashError`) prints one line (one a problem, for a message that lists several), without a traceback, and exits
+with its `exit_status` (2 for a bad request, option or file, 1 for a valid request that could not be completed);
+anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -25,19 +29,27 @@ COMMAND_MODULES = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The command line's parser: every command's full parser, or, given `command` (the word a command line names),
+    that command's module's, with the other commands listed by name and help only."""
     parser = argparse.ArgumentParser(prog="vflash", description="Vflash: fast exact MiniMax-H3 inference")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).register(sub)
-    for entry in importlib.metadata.entry_points(group="vflash.commands"):
-        entry.load().register(sub)
+    modules = [importlib.import_module(name) for name in COMMAND_MODULES]
+    modules += [entry.load() for entry in importlib.metadata.entry_points(group="vflash.commands")]
+    for module in modules:
+        if command is None or command in module.COMMANDS:
+            module.register(sub)
+        else:
+            for name, text in module.COMMANDS.items():
+                sub.add_parser(name, help=text)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    # The command is the first word that is not an option: the top-level options (-v, -h) take no value.
+    parser = build_parser(next((arg for arg in argv if not arg.startswith("-")), ""))
 
     def run() -> int | None:
         args = parser.parse_args(argv)  # inside: a refused number (`errors.Number.option`) is a one-line error too

@@ -11,10 +11,10 @@ from pathlib import Path
 
 from ..errors import Number, RunFailedError, VflashError
 from ..fileio import MIB
-from ..pipeline.options import RunOptions
-from ..service.config import CANCEL_GRACE, KEEP_FINISHED_JOBS, MAX_QUEUE
 
-__all__ = ["is_loopback", "register"]
+__all__ = ["COMMANDS", "is_loopback", "register"]
+
+COMMANDS = {"serve": "HTTP generation service: jobs, readiness, cancel, one spawned GPU worker"}
 
 PORT = Number(int, 0, 65535)
 #: --max-upload-mb: positive, and at most 1 TiB, so its byte count is an integer.
@@ -24,7 +24,10 @@ logger = logging.getLogger(__name__)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="HTTP generation service: jobs, readiness, cancel, one spawned GPU worker")
+    from ..pipeline.options import RunOptions
+    from ..service.config import CANCEL_GRACE, KEEP_FINISHED_JOBS, MAX_QUEUE
+
+    p = sub.add_parser("serve", help=COMMANDS["serve"])
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prepared-assets", type=Path, help="prepared-assets receipt (JSON) of the model to serve")
     source.add_argument("--demo", action="store_true", help="serve the embedded default model (tiny, CPU)")
@@ -60,6 +63,7 @@ def _serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from ..pipeline.h3_pipeline import PreparedAssets
+    from ..pipeline.options import RunOptions
     from ..service import ServiceConfig, create_app
     from ..service.config import check_service_settings
 

@@ -29,7 +29,7 @@ from ..errors import VflashError
 from ..formats import ARCH_NAMES, arch_family, device_arch
 from .model import AttentionFn, sdpa_attention
 
-__all__ = ["BACKENDS", "resolve_attention"]
+__all__ = ["BACKENDS", "CPU_BACKENDS", "resolve_attention"]
 
 logger = logging.getLogger(__name__)
 # Devices whose "auto" fallback was logged: the options check, the session and each rank resolve the same choice.
@@ -43,6 +43,7 @@ _SDPA_KERNELS = {
 }
 APPROXIMATE_BACKENDS = ("fa3-fp8",)
 BACKENDS = ("auto", "torch-sdpa", *_SDPA_KERNELS, "fa3", *APPROXIMATE_BACKENDS)
+CPU_BACKENDS = ("auto", "torch-sdpa", "torch-math")  # what runs on the CPU: the others need a CUDA device
 _FA3_MISSING = "attention backend {} needs the fa3-fwd package (pip install 'vflash[sm90]'): {}"
 
 
@@ -99,7 +100,7 @@ def resolve_attention(name: str, device: torch.device, approximate_allowed: bool
             "it runs only with an FP8 profile (an id with -fp8-)"
         )
     if device.type != "cuda":
-        if name not in ("auto", "torch-sdpa", "torch-math"):
+        if name not in CPU_BACKENDS:
             raise VflashError(f"attention backend {name} needs a CUDA device, not {device}")
         return "torch-sdpa", sdpa_attention
     family = arch_family(device)

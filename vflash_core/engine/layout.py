@@ -108,7 +108,7 @@ def resolve_canvas_size(
 
 def check_canvas(height: int, width: int, multiple: int = 32) -> None:
     if height <= 0 or width <= 0 or height % multiple or width % multiple:
-        raise RequestError(f"height and width must be positive multiples of {multiple}, got {height}x{width}")
+        raise RequestError(f"width and height must be positive multiples of {multiple}, got {width}x{height}")
     ratio = width / height
     if not MIN_ASPECT_RATIO <= ratio <= MAX_ASPECT_RATIO:
         raise RequestError(f"canvas {width}x{height} has aspect ratio {ratio:g}, outside H3's 1:4 .. 4:1")

@@ -324,8 +324,9 @@ class TextConditioner(SerialDeviceOwner):
             # expected.
             from transformers.utils import logging as hf_logging
 
-            previous = hf_logging.get_verbosity()
+            previous, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
             hf_logging.set_verbosity_error()
+            hf_logging.disable_progress_bar()  # its unlabelled "Loading weights" bar: the caller's load stage says it
             try:
                 model = Qwen3VLModel.from_pretrained(
                     root / "text_encoder", config=config, dtype=dtype, local_files_only=True
@@ -333,6 +334,8 @@ class TextConditioner(SerialDeviceOwner):
                 model.language_model.norm = torch.nn.Identity()
             finally:
                 hf_logging.set_verbosity(previous)
+                if bars:
+                    hf_logging.enable_progress_bar()
         tokenizer = Qwen2TokenizerFast.from_pretrained(root / "tokenizer", local_files_only=True)
         image_processor = AutoImageProcessor.from_pretrained(root / "processor", local_files_only=True)
         video_processor = None
@@ -341,7 +344,8 @@ class TextConditioner(SerialDeviceOwner):
 
             video_processor = AutoVideoProcessor.from_pretrained(root / "processor", local_files_only=True)
         else:
-            logger.info("torchvision is not installed: video references are unavailable (images and audio work)")
+            # not news on every load: a request with a video reference is refused with this reason (`plan_request`)
+            logger.debug("torchvision is not installed: video references are unavailable (images and audio work)")
         weight_files = None if text_encoder_loader is not None else root / "text_encoder"
         return cls(
             model, tokenizer, image_processor, video_processor, device, CanvasRules.from_model_root(root), weight_files

@@ -48,6 +48,13 @@ MAX_IMAGES, MAX_VIDEOS, MAX_AUDIOS, MAX_REFERENCES = 9, 3, 3, 12
 MAX_INPUT_IMAGE_PIXELS = 1 << 26  # 67 MP, e.g. 8192 x 8192 (below PIL's decompression-bomb warning)
 MAX_INPUT_SECONDS = 300.0  # a reference video or audio file
 MAX_INPUT_VIDEO_BYTES = 4 << 30  # a reference video's decoded RGB frames, e.g. 1080p at 30 fps for 23 s
+# A soundtrack's header (an audio reference's, a reference video's): mono or stereo, as `normalize_soundtrack` takes
+# them (the decoder crashes the process on some other channel layouts), at a sample rate the resampler handles in
+# bounded memory (its filters grow with the ratio to the VAE's rate). An audio reference must last long enough to give
+# the audio VAE at least one latent frame (800 samples at 32 kHz, 25 ms), with a margin.
+AUDIO_CHANNELS = (1, 2)
+MIN_AUDIO_SAMPLE_RATE, MAX_AUDIO_SAMPLE_RATE = 8_000, 192_000
+MIN_AUDIO_SECONDS = 0.1
 _EXIF_ORIENTATION = 0x0112
 
 
@@ -164,7 +171,13 @@ def _probe_stream(path: Path, kind: str, what: str) -> MediaProbe:
             width, height = video.codec_context.width, video.codec_context.height
         frame_bytes = 3 * width * height
         max_packets = MAX_INPUT_VIDEO_BYTES // frame_bytes if frame_bytes else None
+        if container.streams.audio:  # an audio reference's stream, or a reference video's soundtrack
+            _check_soundtrack_header(container.streams.audio[0], path, what)
         seconds, packets = _stream_extent(container, stream, max_packets)
+        if kind == "audio" and seconds < MIN_AUDIO_SECONDS:
+            raise RequestError(
+                f"{what} {path} lasts {seconds:g} s; audio references must last at least {MIN_AUDIO_SECONDS:g} s"
+            )
         if seconds > MAX_INPUT_SECONDS:
             raise RequestError(
                 f"{what} {path} lasts more than {MAX_INPUT_SECONDS:g} s; trim it (at most the clip's length is used)"
@@ -176,6 +189,21 @@ def _probe_stream(path: Path, kind: str, what: str) -> MediaProbe:
                 "trim it to the clip's length or scale it down"
             )
         return MediaProbe(kind, has_soundtrack=kind == "video" and bool(container.streams.audio))
+
+
+def _check_soundtrack_header(stream, path: Path, what: str) -> None:
+    """Channels and sample rate from the stream's header, before anything decodes it."""
+    channels, rate = stream.codec_context.layout.nb_channels, stream.codec_context.sample_rate
+    if channels not in AUDIO_CHANNELS:
+        raise RequestError(
+            f"{what} {path} has {channels} audio channels; soundtracks must be mono or stereo (1 or 2 channels): "
+            "downmix it first"
+        )
+    if not MIN_AUDIO_SAMPLE_RATE <= rate <= MAX_AUDIO_SAMPLE_RATE:
+        raise RequestError(
+            f"{what} {path} has a sample rate of {rate} Hz; soundtracks must be sampled at "
+            f"{MIN_AUDIO_SAMPLE_RATE:,}-{MAX_AUDIO_SAMPLE_RATE:,} Hz: resample it first"
+        )
 
 
 def _stream_extent(container, stream, max_packets: int | None) -> tuple[float, int]:

@@ -73,6 +73,7 @@ from ..engine.session import (
     check_loader_hooks,
 )
 from ..errors import (
+    CallbackGuard,
     IdentityMismatchError,
     RequestError,
     RunFailedError,
@@ -602,9 +603,20 @@ class H3Pipeline:
             total = 2 + int(assets.record["transformer"]["num_layers"])
             report = progress or (lambda stage, done, total: None)
             loaded: list[TextConditioner | MediaVAEs] = []
+            report("load", 0, total)
             compiled = CompiledArtifact(**assets.session_paths())
             if options.verify_weights:  # before anything loads: a corrupt compile costs no encoder load
                 compiled.verify()
+            cap = cap_bytes(options.max_device_memory)
+            host_budget = cap_bytes(options.max_host_memory, "max_host_memory")
+            devices = [primary] + ([peer] if peer is not None else [])
+            planned = primary.type == "cuda" or cap is not None
+            if planned:  # the core's sizes are known from its compile: a budget it alone exceeds costs no encoder load
+                plan_memory(
+                    compiled.part_sizes(),
+                    largest_request(assets.profile, compiled.config, fast_mode=options.fast_mode), devices, cap,
+                    weight_residency, options.encoder_residency, host_budget=host_budget, log=False,
+                )
             try:
                 conditioner = TextConditioner.from_pretrained(
                     assets.model_root, primary, text_encoder_loader=text_encoder_loader
@@ -614,18 +626,15 @@ class H3Pipeline:
                 vaes = MediaVAEs.from_pretrained(assets.decoder_root, primary, peer_device=peer)
                 loaded.append(vaes)
                 report("load", 2, total)
-                cap = cap_bytes(options.max_device_memory)
-                host_budget = cap_bytes(options.max_host_memory, "max_host_memory")
                 # Nothing to plan on the CPU without a cap: everything stays in host memory (RunOptions refuses a
                 # host budget there).
-                if primary.type != "cuda" and cap is None:
+                if not planned:
                     plan = None
                     conditioner.keep_on_device = vaes.keep_on_device = options.encoder_residency == "resident"
                 else:
                     largest = largest_request(
                         assets.profile, compiled.config, conditioner, vaes, assets.canvas, options.fast_mode
                     )
-                    devices = [primary] + ([peer] if peer is not None else [])
                     sizes = compiled.part_sizes() + conditioner.part_sizes() + vaes.part_sizes()
                     plan = plan_memory(
                         sizes, largest, devices, cap, weight_residency, options.encoder_residency,
@@ -786,8 +795,9 @@ class H3Pipeline:
         With `exact`, a pipeline run with a fast mode (`RunOptions.fast_mode`) renders this request exactly.
 
         `cancel()` is polled between stages, between the denoiser's evaluations and the video decoder's blocks; what
-        it raises ends the request as `RequestCancelled`. `preview(done, total, video x0)` runs after every evaluation
-        (`progress.PreviewFn`)."""
+        it raises ends the request as `RequestCancelled` and closes the pipeline. `preview(done, total, video x0)` runs
+        after every evaluation (`progress.PreviewFn`). What `progress` or `preview` raises aborts the request, re-raised
+        unchanged, and leaves the pipeline usable."""
         start = time.perf_counter()
         plan = self.validate(request)
         check_generate_arguments(request, output, overwrite, progress, cancel, preview)
@@ -818,11 +828,16 @@ class H3Pipeline:
                 except BaseException as exc:
                     raise RequestCancelled(f"request cancelled: {exc}") from exc
 
-        report = progress or (lambda stage, done, total: None)
+        # What the caller's progress or preview callback raises aborts this request and leaves the pipeline usable.
+        guarded = CallbackGuard()
+        report = guarded(progress) or (lambda stage, done, total: None)
+        preview = guarded(preview)
 
         self._check_memory(plan.geometry)
+        # Each stage reports (stage, 0, total) as it starts, so that a progress bar times the whole stage.
         try:
             poll()
+            report("encode", 0, 1)
             t = time.perf_counter()
             handoff = build_request_bundle(self.conditioner, self.vaes, request, plan, self.config, self.canvas, stages)
             stages["encode"] = time.perf_counter() - t
@@ -833,6 +848,7 @@ class H3Pipeline:
                 report("denoise", done, total)
                 poll()
 
+            report("denoise", 0, self.profile.nfe)
             t = time.perf_counter()
             generation = self.session.generate(
                 handoff, progress=on_evaluation, profile_denoise=self.options.profile_denoise, preview=preview,
@@ -840,6 +856,7 @@ class H3Pipeline:
             )
             stages["denoise"] = time.perf_counter() - t
             poll()
+            report("decode", 0, 2)
             t = time.perf_counter()
             after_stage = stage_timer(
                 stages, lambda stage: report("decode", ("decode.video", "decode.audio").index(stage) + 1, 2)
@@ -858,6 +875,7 @@ class H3Pipeline:
                     media = decode_latents(self.vaes, *latents, after_stage, between_blocks, video_sink=stream.add)
                     stages["decode"] = time.perf_counter() - t
                     poll()
+                    report("write", 0, 1)
                     t = time.perf_counter()
                     soundtrack = delivered_soundtrack(media)
                     stream.finish(soundtrack)
@@ -868,6 +886,7 @@ class H3Pipeline:
                 soundtrack = delivered_soundtrack(media)
                 if output is not None:
                     poll()
+                    report("write", 0, 1)
                     t = time.perf_counter()
                     assert media.frames is not None  # decoded without a video sink
                     path = write_mp4(output, media.frames, soundtrack, media.sample_rate, FPS,
@@ -878,7 +897,8 @@ class H3Pipeline:
                 stages["write"] = time.perf_counter() - t
                 report("write", 1, 1)
         except BaseException as exc:  # a cancel, or a failure that is not the user's, ends the pipeline
-            if isinstance(exc, RequestCancelled) or not isinstance(exc, VflashError):
+            caller_stopped = guarded.raised is not None
+            if not caller_stopped and (isinstance(exc, RequestCancelled) or not isinstance(exc, VflashError)):
                 self.close()
             raise
         elapsed = time.perf_counter() - start - initialization

@@ -107,16 +107,17 @@ class RunOptions:
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         """The command-line flags of the run options (`vflash generate`, `vflash compare`, `vflash serve`)."""
-        from ..engine.attention import BACKENDS
+        from ..engine.attention import BACKENDS, CPU_BACKENDS
 
         parser.add_argument("--gpu", type=GPU_INDEX.option("--gpu"), help="CUDA device index (default: CPU)")
         parser.add_argument("--peer-gpu", type=GPU_INDEX.option("--peer-gpu"),
                             help="second GPU for the native core (needs --strategy)")
-        parser.add_argument("--strategy", choices=("sequence-head",),
-                            help="how the core splits one request over two GPUs")
+        parser.add_argument("--strategy", choices=STRATEGIES,
+                            help="how the core splits one request over two GPUs: sequence-head (one all-to-all per "
+                                 "block) or tensor (the weights split, one all-reduce per block)")
         parser.add_argument("--attention-backend", default="auto",
-                            help=f"attention kernel, pinned on every call: {', '.join(BACKENDS)} "
-                                 "(default auto: the exact default for the device)")
+                            help=f"attention kernel, pinned on every call: {', '.join(BACKENDS)}; on the CPU "
+                                 f"{', '.join(CPU_BACKENDS)} (default auto: the exact default for the device)")
         parser.add_argument("--weight-residency", default="auto", choices=WEIGHT_RESIDENCIES,
                             help="GPU: the core's blocks all on the device, streamed from pinned host memory "
                                  "(block-ring) or from their compiled files (disk-ring); auto: the memory plan chooses")

@@ -80,4 +80,10 @@ def check_service_settings(
     CANCEL_GRACE.check("cancel_grace_seconds", cancel_grace_seconds)
     if token is not None and (not isinstance(token, str) or not token.strip()):
         raise VflashError("the bearer token must be a non-empty string")
+    if token is not None and (token != token.strip() or not token.isprintable()):
+        # A header value has no whitespace at its ends and no control characters, so no client could ever match it.
+        raise VflashError(
+            f"the bearer token {'has whitespace at an end' if token != token.strip() else 'holds a control character'} "
+            "(a token read from a file ends with a newline), which no Authorization header can carry: strip it"
+        )
     return create
