@@ -129,6 +129,27 @@ def test_root_import_without_comfyui_registers_only_the_packages():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
+def test_a_second_copy_of_the_pack_exposes_no_node_and_warns_naming_both(pack, monkeypatch, caplog, tmp_path):
+    """The root `__init__.py` imported from two custom-node folders (two links to this checkout), as ComfyUI imports
+    them: the first exposes the entry point, the second no node, with one WARNING naming both folders."""
+    import importlib.util
+    import logging
+
+    monkeypatch.setattr(importlib.import_module("vflash_nodes.extension"), "PACK_FOLDERS", [])
+    copies = []
+    for name in ("first", "second"):
+        (tmp_path / name).symlink_to(REPO)
+        spec = importlib.util.spec_from_file_location(f"vflash_copy_{name}", tmp_path / name / "__init__.py")
+        module = importlib.util.module_from_spec(spec)
+        with caplog.at_level(logging.WARNING):
+            spec.loader.exec_module(module)
+        copies.append(module)
+    assert hasattr(copies[0], "comfy_entrypoint") and not hasattr(copies[0], "NODE_CLASS_MAPPINGS")
+    assert not hasattr(copies[1], "comfy_entrypoint") and copies[1].NODE_CLASS_MAPPINGS == {}
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert f"{tmp_path / 'first'} is loaded" in warning and f"the copy in {tmp_path / 'second'} is not" in warning
+
+
 # -- model folders -------------------------------------------------------------------------------------------------
 
 
