@@ -609,8 +609,7 @@ def _small_core_workflow(seed: int, generate: bool = False) -> dict:
 def test_live_previews_over_the_websocket_one_per_evaluation(server, graph):
     """With the prompt's preview method latent2rgb, the Vflash sampler (alone, or inside VflashGenerate) sends one JPEG
     preview per evaluation through core's previewer and progress bar, each a strip of 4 latent frames side by side
-    (4:1 at a square canvas, where core's one-frame preview is 1:1); with "none", none. (The embedded demo family's
-    8-channel latents are not core's H3 format: those runs have no previews, said once in the log.)"""
+    (4:1 at a square canvas, where core's one-frame preview is 1:1); with "none", none."""
     from io import BytesIO
 
     from PIL import Image
@@ -629,6 +628,24 @@ def test_live_previews_over_the_websocket_one_per_evaluation(server, graph):
     off = asyncio.run(server.run_prompt(workflow(), extra_data={"preview_method": "none"}))
     assert off["status"] == "success" and off["previews"] == []
     assert [e["data"]["value"] for e in off["events"] if e["type"] == "progress" and e["data"].get("node") == "5" and e["data"]["max"] == 4][-1] == 4
+
+
+@pytest.mark.parametrize("method", ["latent2rgb", "auto"])
+def test_the_demo_t2va_template_shows_live_previews(server, method):
+    """A newcomer's first run: the demo t2va template (the embedded demo's 8-channel latents, not core's 24-channel
+    H3 format) with a preview method set sends one preview per evaluation, drawn by core's latent-to-RGB previewer
+    with the demo VAE's colours."""
+    from io import BytesIO
+
+    from PIL import Image
+
+    result = asyncio.run(server.run_prompt(_workflow("t2va", SMALL, seed=3), extra_data={"preview_method": method}))
+    assert result["status"] == "success", f"{result}\n{server.tail()}"
+    assert len(result["previews"]) == 4, server.tail()
+    for _, _, jpeg in result["previews"]:
+        image = Image.open(BytesIO(jpeg))
+        assert image.format == "JPEG" and image.width == 4 * image.height
+    assert "no live previews" not in server.tail(2000)
 
 
 # -- ComfyUI's memory management ------------------------------------------------------------------------------------
