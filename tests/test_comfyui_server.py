@@ -385,14 +385,16 @@ def test_sm90_profile_on_cpu_is_refused_when_queued_before_any_model_loads(serve
     assert "Vflash: preparing" not in server.tail(400) and not list((server.work / "models" / "vflash").rglob("*receipt*"))
 
 
-@pytest.mark.parametrize("name,option,folder,file,cpu_profile", [
+@pytest.mark.parametrize("name,option,folder,file,cpu_profile,download", [
     ("t2va_core_loaders", "minimax_h3_fl2va_bf16.safetensors", "diffusion_models", "minimax_h3_fl2va_bf16.safetensors",
-     "t2va-base4-exact-cpu"),
-    ("ref2va", "diffusers/MiniMax-H3", "diffusers", "MiniMax-H3", "ref2va-base4-exact-cpu"),
+     "t2va-base4-exact-cpu", "download https://huggingface.co/Comfy-Org/MiniMax-H3/resolve/main/diffusion_models/minimax_h3_fl2va_bf16.safetensors"),
+    ("ref2va", "diffusers/MiniMax-H3", "diffusers", "MiniMax-H3", "ref2va-base4-exact-cpu",
+     "download the repository https://huggingface.co/MiniMaxAI/MiniMax-H3 as that folder"),
 ])
-def test_a_missing_model_is_one_error_naming_its_folder(server, name, option, folder, file, cpu_profile):
+def test_a_missing_model_is_one_error_naming_its_folder(server, name, option, folder, file, cpu_profile, download):
     """A template's transformer is not here: ComfyUI rejects the graph when it is queued with one error on the Vflash
-    loader, on its model option, naming the folder the file belongs in (ComfyUI files a refusal of `validate_inputs`
+    loader, on its model option, naming the folder the file belongs in and, first, where to download it (the
+    frontend's Missing Models lists no folder; ComfyUI files a refusal of `validate_inputs`
     once per argument it takes; the loader's takes the model option alone). As shipped, the template's sm90 profile is
     one more error on this CPU machine, on the profile widget: one error per problem, none repeated."""
     workflow = json.loads((API / f"{name}.json").read_text())
@@ -401,7 +403,7 @@ def test_a_missing_model_is_one_error_naming_its_folder(server, name, option, fo
     assert result["status"] == "rejected" and result["http_status"] == 400, result
     (error,) = result["body"]["node_errors"]["1"]["errors"]
     assert error["type"] == "custom_validation_failed" and error["extra_info"]["input_name"] == "model", error
-    assert f"model - {option} is missing: {file} belongs in models/{folder} (ComfyUI looks in " in error["details"], error
+    assert f"model - {option} is missing: {file} belongs in models/{folder}: {download} (ComfyUI looks in " in error["details"], error
     shipped = asyncio.run(server.run_prompt(json.loads((API / f"{name}.json").read_text())))
     errors = shipped["body"]["node_errors"]["1"]["errors"]
     assert sorted(e["extra_info"]["input_name"] for e in errors) == ["model", "profile"], errors
