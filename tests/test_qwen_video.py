@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from transformers.utils import is_torchvision_available
 
 from vflash_core.media.mp4 import probe_mp4, write_mp4
 from vflash_core.media.qwen_video import QwenVideoProcessor
@@ -62,7 +63,7 @@ def test_frames_are_resized_to_the_patch_grid_within_the_pixel_bounds(tmp_path):
     assert small([_frames(3, (2, 128, 128, 3))])["video_grid_thw"].tolist() == [[1, 2, 2]]
 
 
-@pytest.mark.skipif(not __import__("transformers").utils.is_torchvision_available(), reason="needs torchvision")
+@pytest.mark.skipif(not is_torchvision_available(), reason="needs torchvision")
 @pytest.mark.parametrize("cap", [False, True])
 def test_equals_transformers_qwen3vl_video_processor(tmp_path, cap):
     """Where torchvision imports (a GPU machine, or ComfyUI's venv), the same bytes as transformers' own processor."""
