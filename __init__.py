@@ -5,8 +5,9 @@ ComfyUI imports this file from `custom_nodes/<folder>/`. It makes `vflash_core`,
 folder on `sys.path`, and does nothing heavy: no CUDA initialisation, no model load.
 
 Inside ComfyUI (where `comfy_api` exists) it exposes the V3 entry point `comfy_entrypoint` of the node pack
-(`nodes/`, registered as `vflash_nodes`). Elsewhere (pip-installed use, the CLI, the tests) importing it only
-registers the three packages; any other import error surfaces.
+(`nodes/`, registered as `vflash_nodes`). A second copy of the pack in ComfyUI's custom-nodes folders exposes no node
+and logs a WARNING naming both folders (`vflash_nodes.extension.claim_pack_folder`). Elsewhere (pip-installed use,
+the CLI, the tests) importing it only registers the three packages; any other import error surfaces.
 """
 
 import importlib.util
@@ -33,4 +34,10 @@ except ModuleNotFoundError as exc:
     if exc.name not in ("comfy_api", "comfy_api.latest"):
         raise
 else:
-    from vflash_nodes.extension import comfy_entrypoint  # noqa: F401
+    from vflash_nodes.extension import claim_pack_folder
+
+    # The folder as ComfyUI imported it (`__file__` unresolved), so two links to one checkout count as two copies.
+    if claim_pack_folder(Path(__file__).absolute().parent):
+        from vflash_nodes.extension import comfy_entrypoint  # noqa: F401
+    else:
+        NODE_CLASS_MAPPINGS: dict = {}  # loaded with no nodes: the warning is the only thing ComfyUI logs about it

@@ -31,6 +31,7 @@ from vflash_core.media.vae import MediaVAEs, decode_bytes, decode_latents
 from vflash_core.media.vae_decode import DEFAULT_WINDOWS_PER_CALL
 from vflash_core.memory_plan import MARGIN_BYTES, PLANNED_TEXT_ROWS
 from vflash_core.pipeline.compare import comparison_report, measure, side_by_side, summary_lines
+from vflash_core.pipeline.demo import DEMO_LATENT_RGB_BIAS, DEMO_LATENT_RGB_FACTORS
 from vflash_core.pipeline.h3_pipeline import EncodedRequest, delivered_soundtrack, encode_request
 from vflash_core.pipeline.validation import Geometry, check_seed, plan_inputs, request_mode
 from vflash_core.profiles import Profile
@@ -343,7 +344,9 @@ def _sample(
 
     # With a previewer the preview callback draws each step's progress bar update (core's one per step, image and
     # value together), so the plain progress callback is left out.
-    preview = host.preview(session.profile.nfe, session.device, session.compiled.config.in_channels)
+    # The demo's 8-channel latents are not core's H3 format: its previews take the demo VAE's own colours.
+    latent_rgb = (DEMO_LATENT_RGB_FACTORS, DEMO_LATENT_RGB_BIAS) if model.files.source == DEMO else None
+    preview = host.preview(session.profile.nfe, session.device, session.compiled.config.in_channels, latent_rgb)
     progress = None if preview is not None else stopping(host_progress(host))
     start = time.perf_counter()
     try:

@@ -29,6 +29,8 @@ from comfy_api.latest import InputImpl, Types
 
 from vflash_core.progress import preview_strip
 
+from .interfaces import LatentRGB
+
 logger = logging.getLogger("vflash")
 
 _missing_preview_logged: list[str] = []  # each reason previews are off, logged once per process
@@ -51,13 +53,15 @@ class ComfyHost:
         mm.throw_exception_if_processing_interrupted()
 
     def preview(
-        self, total: int, device: torch.device, channels: int
+        self, total: int, device: torch.device, channels: int, latent_rgb: LatentRGB | None = None
     ) -> Callable[[int, int, torch.Tensor], None] | None:
         """A per-evaluation callback (`vflash_core.progress.PreviewFn`) that draws the x0 prediction of video
         latents with `channels` channels with core's previewer for the user's preview method (`--preview-method`, or
-        the prompt's) and sends it with the step's progress on a fresh progress bar, checking for an interrupt. None
-        when the method is "none", or (said once in the log) when the running core has no `latent_preview` or no
-        MiniMax-H3 video latent format, or the latents are not that format's (the small demo family's 8 channels)."""
+        the prompt's) and sends it with the step's progress on a fresh progress bar, checking for an interrupt.
+        Latents of another channel count than core's MiniMax-H3 video format (the demo's 8) are drawn by core's
+        latent-to-RGB previewer with the model's own `latent_rgb`. None when the method is "none", or (said once in
+        the log) when the running core has no `latent_preview` or no MiniMax-H3 video latent format, or the latents
+        are not that format's and the model has no `latent_rgb` of their channels."""
         try:
             import latent_preview
             from comfy import latent_formats
@@ -70,13 +74,19 @@ class ComfyHost:
                 "this ComfyUI has no MiniMaxH3Video latent format in comfy.latent_formats; update ComfyUI for them"
             )
             return None
+        video_format = latent_format()
         if channels != latent_format.latent_channels:
-            _previews_off(
-                f"the model's video latents have {channels} channels, "
-                f"core's MiniMaxH3Video format {latent_format.latent_channels}"
-            )
-            return None
-        previewer = latent_preview.get_previewer(device, latent_format())
+            if latent_rgb is None or len(latent_rgb[0]) != channels:
+                _previews_off(
+                    f"the model's video latents have {channels} channels, "
+                    f"core's MiniMaxH3Video format {latent_format.latent_channels}"
+                )
+                return None
+            # Core's format with the model's own colours and no tiny decoder (core's taeh3 decodes 24 channels).
+            video_format.latent_channels = channels
+            video_format.latent_rgb_factors, video_format.latent_rgb_factors_bias = latent_rgb
+            video_format.taesd_decoder_name = None
+        previewer = latent_preview.get_previewer(device, video_format)
         if previewer is None:
             return None
         bar = comfy.utils.ProgressBar(total)

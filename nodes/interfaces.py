@@ -15,7 +15,10 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["Folders", "HeldEngine", "Host", "HostStageProgress", "ProgressSink", "host_progress"]
+__all__ = ["Folders", "HeldEngine", "Host", "HostStageProgress", "LatentRGB", "ProgressSink", "host_progress"]
+
+# A latent-to-RGB projection: one (r, g, b) row per latent channel, and the (r, g, b) bias; RGB in [-1, 1].
+LatentRGB = tuple[Sequence[Sequence[float]], Sequence[float]]
 
 
 class ProgressSink(Protocol):  # comfy.utils.ProgressBar
@@ -39,8 +42,11 @@ class Host(Protocol):
     def check_interrupt(self) -> None: ...
 
     def preview(
-        self, total: int, device: torch.device, channels: int
-    ) -> Callable[[int, int, torch.Tensor], None] | None: ...
+        self, total: int, device: torch.device, channels: int, latent_rgb: LatentRGB | None = None
+    ) -> Callable[[int, int, torch.Tensor], None] | None:
+        """A per-evaluation preview callback for video latents of `channels` channels, or None; `latent_rgb`: the
+        model's own latent-to-RGB projection (factors, one row per channel, and bias) where its latents are not the
+        host's H3 format (the demo's)."""
 
     def hold(
         self, kind: str, label: str, engine: Any, device_bytes: int, device: torch.device,

@@ -31,6 +31,7 @@ from .interfaces import Folders, Host, HostStageProgress
 __all__ = [
     "COMPONENT_FOLDERS",
     "DEMO",
+    "DOWNLOADS",
     "OFFICIAL_KINDS",
     "check_model_option",
     "compiled_paths",
@@ -65,6 +66,15 @@ _h3_file_cache: dict[tuple, bool] = {}
 SINGLE_FILE_SUFFIXES = (".safetensors", ".gguf")
 OFFICIAL_KINDS = ("file", "root")  # official weights: prepared and compiled for a profile on first use
 _OLD_FILE_PREFIX = "diffusion_models/"  # how the loader spelled a single file before it named it as core's UNETLoader
+# Where the model options of the shipped templates are downloaded from, named in the refusal when one is missing: a
+# folder model cannot be offered by the frontend's Missing Models (it lists files), and the refusal is what a user of
+# those templates sees.
+_COMFY_ORG_FILES = "https://huggingface.co/Comfy-Org/MiniMax-H3/resolve/main/diffusion_models"
+DOWNLOADS = {
+    "diffusers/MiniMax-H3": "download the repository https://huggingface.co/MiniMaxAI/MiniMax-H3 as that folder",
+    "minimax_h3_fl2va_bf16.safetensors": f"download {_COMFY_ORG_FILES}/minimax_h3_fl2va_bf16.safetensors",
+    "minimax_h3_ref2va_bf16.safetensors": f"download {_COMFY_ORG_FILES}/minimax_h3_ref2va_bf16.safetensors",
+}
 
 
 # -- what an option names ----------------------------------------------------------------------------------------
@@ -213,7 +223,8 @@ def _where(folders: Folders, key: str) -> str:
 def _find(folders: Folders, key: str, rel: str, name: str) -> Path:
     full = folders.full_path(key, rel)
     if full is None:
-        raise VflashError(f"{name} is missing: {rel} belongs in models/{key}{_where(folders, key)}")
+        download = f": {DOWNLOADS[name]}" if name in DOWNLOADS else ""  # first: the list of folders can be long
+        raise VflashError(f"{name} is missing: {rel} belongs in models/{key}{download}{_where(folders, key)}")
     return Path(full)
 
 

@@ -182,7 +182,7 @@ def test_template_browser_search_finds_every_vflash_template_with_its_thumbnail(
     thumbnails: dict[str, tuple[int, str]] = {}
 
     def record(response):
-        prefix = f"{server.url}/api/workflow_templates/vflash/"
+        prefix = f"{server.url}/api/workflow_templates/{server.pack_name}/"
         if response.url.startswith(prefix) and response.url.endswith(".jpg"):
             title = urllib.parse.unquote(response.url.removeprefix(prefix).removesuffix(".jpg"))
             thumbnails[title] = (response.status, response.headers.get("content-type", ""))
@@ -327,7 +327,7 @@ def test_node_search_and_reference_socket_tooltips(context, server, shots):  # n
         options = _search_nodes(page, query)
         listed = [option.inner_text().split("\n")[:2] for option in options.all()]
         top = listed[:5]
-        ours = [name for name, badge in top if name.startswith(VFLASH_NODE_PREFIX) and badge == "vflash"]
+        ours = [name for name, badge in top if name.startswith(VFLASH_NODE_PREFIX) and badge == server.pack_name]
         assert len(top) == 5 and len(ours) >= least, (query, top)
         assert not [name for name, _ in listed if "VflashTest" in name], (query, listed)
         _screenshot(page, shots, f"node_search_{query.lower().replace(' ', '_')}")

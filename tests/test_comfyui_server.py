@@ -3,8 +3,10 @@
 Setup (see the README's ComfyUI section): `COMFYUI_ROOT` is a ComfyUI checkout at the pinned commit,
 `COMFYUI_PYTHON` (default: this interpreter) a Python with ComfyUI's requirements and this repository's
 requirements.txt installed. The fixture starts `main.py --cpu` on loopback with this repository linked into a
-dedicated custom-nodes folder through an extra-model-paths yaml, submits workflows with `POST /prompt`, follows the
-websocket until the prompt finishes, and fetches the MP4 through `/history` and `/view`.
+dedicated custom-nodes folder through an extra-model-paths yaml (or, where ComfyUI's own `custom_nodes/` already holds
+this checkout, as the README installs it, that copy: a second link would load the pack twice), loading no other custom
+nodes than the pack and the test-only probes; it submits workflows with `POST /prompt`, follows the websocket until the
+prompt finishes, and fetches the MP4 through `/history` and `/view`.
 """
 
 from __future__ import annotations
@@ -53,6 +55,21 @@ def write_small_family(root: Path, models: Path) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
 
 
+def installed_pack_copies(custom_nodes: Path) -> list[Path]:
+    """The entries of a custom-nodes folder that hold a copy of the Vflash pack (a pyproject.toml naming it)."""
+    import tomllib
+
+    copies = []
+    for entry in sorted(custom_nodes.iterdir()) if custom_nodes.is_dir() else []:
+        try:
+            project = tomllib.loads((entry / "pyproject.toml").read_text()).get("project", {})
+        except (OSError, tomllib.TOMLDecodeError):
+            continue
+        if project.get("name") == "vflash" and (entry / "__init__.py").is_file():
+            copies.append(entry)
+    return copies
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -60,21 +77,36 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, root: Path, work: Path):
+    def __init__(self, root: Path, work: Path, copies: tuple[str, ...] | None = None):
+        """The test server; with `copies`, a bare one instead: this checkout linked under each of those folder names,
+        no probes and no models (for the duplicate-pack check)."""
         self.work = work
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         (work / "nodes").mkdir(parents=True)
-        (work / "nodes" / "vflash").symlink_to(REPO)
-        # Test-only: core's H3 classes at the small family's dimensions (see tests/comfy_core_probe/small_core.py).
-        (work / "nodes" / "vflash_test_small_core").symlink_to(PROBE / "small_core_node")
-        # Test-only: what ComfyUI's model management and the pack hold, read in the server (GET /vflash_test/memory).
-        (work / "nodes" / "vflash_test_memory_probe").symlink_to(REPO / "tests" / "comfy_standins" / "server_memory_probe")
         for d in ("models/vflash", "models/diffusion_models", "models/vae_approx", "input", "out", "user"):
             (work / d).mkdir(parents=True, exist_ok=True)
-        for image in (REPO / "workflows" / "inputs").glob("*.png"):
-            shutil.copy(image, work / "input" / image.name)
-        write_small_family(root, work / "models")
+        if copies is None:
+            installed = installed_pack_copies(root / "custom_nodes")
+            this_checkout = [copy for copy in installed if copy.resolve() == REPO]
+            if this_checkout:  # the README's install: ComfyUI loads this checkout from its own custom_nodes already
+                self.pack_name = this_checkout[0].name
+            else:  # another copy there is not loaded (the whitelist below), and its folder name is kept free
+                self.pack_name = "vflash" if "vflash" not in {copy.name for copy in installed} else "vflash_under_test"
+                (work / "nodes" / self.pack_name).symlink_to(REPO)
+            # Test-only: core's H3 classes at the small family's dimensions (see tests/comfy_core_probe/small_core.py).
+            (work / "nodes" / "vflash_test_small_core").symlink_to(PROBE / "small_core_node")
+            # Test-only: what ComfyUI's model management and the pack hold, read in the server (GET /vflash_test/memory).
+            (work / "nodes" / "vflash_test_memory_probe").symlink_to(REPO / "tests" / "comfy_standins" / "server_memory_probe")
+            custom_nodes = [self.pack_name, "vflash_test_small_core", "vflash_test_memory_probe"]
+            for image in (REPO / "workflows" / "inputs").glob("*.png"):
+                shutil.copy(image, work / "input" / image.name)
+            write_small_family(root, work / "models")
+        else:
+            self.pack_name = copies[0]
+            for name in copies:
+                (work / "nodes" / name).symlink_to(REPO)
+            custom_nodes = list(copies)
         (work / "extra_paths.yaml").write_text(
             f"vflash_test:\n    custom_nodes: {work / 'nodes'}\n    vflash: {work / 'models' / 'vflash'}\n"
             f"    diffusion_models: {work / 'models' / 'diffusion_models'}\n    text_encoders: {work / 'models' / 'text_encoders'}\n"
@@ -87,7 +119,9 @@ class Server:
              "--disable-auto-launch", "--disable-api-nodes", "--extra-model-paths-config", str(work / "extra_paths.yaml"),
              "--output-directory", str(work / "out"), "--input-directory", str(work / "input"),
              "--user-directory", str(work / "user"),
-             "--database-url", "sqlite:///:memory:", "--cache-none"],
+             "--database-url", "sqlite:///:memory:", "--cache-none",
+             # Only these custom-node folders, whatever else the user's custom_nodes holds (another copy included).
+             "--disable-all-custom-nodes", "--whitelist-custom-nodes", *custom_nodes],
             cwd=root, env=env, stdout=self.log, stderr=subprocess.STDOUT,
         )
 
@@ -235,6 +269,28 @@ def test_pack_loaded_and_published(server):
         assert "embedded-demo" in json.loads(r.read())["VflashModelLoader"]["input"]["required"]["model"][1]["options"]
 
 
+def test_a_second_copy_of_the_pack_registers_nothing_and_logs_one_warning(tmp_path):
+    """Two custom-node folders holding the pack (two links to this checkout, as when the README's install meets a
+    linked copy): ComfyUI loads the nodes of the first only, and the log has one WARNING naming both folders."""
+    import urllib.request
+
+    srv = Server(Path(COMFYUI_ROOT), tmp_path, copies=("vflash_copy_a", "vflash_copy_b"))
+    try:
+        srv.wait_ready()
+        with urllib.request.urlopen(srv.url + "/object_info/VflashSampler") as r:
+            module = json.loads(r.read())["VflashSampler"]["python_module"]
+        log = srv.tail(400)
+    finally:
+        srv.stop()
+    warnings = [line for line in log.splitlines() if "the node pack is installed twice" in line]
+    assert len(warnings) == 1, log
+    first = module.removeprefix("custom_nodes.")
+    second = ({"vflash_copy_a", "vflash_copy_b"} - {first}).pop()
+    assert f"{tmp_path / 'nodes' / first} is loaded" in warnings[0], warnings
+    assert f"the copy in {tmp_path / 'nodes' / second} is not" in warnings[0], warnings
+    assert "IMPORT FAILED" not in log and "Skip " not in log
+
+
 def test_templates_are_listed_and_load_with_their_model_files_and_thumbnails(server):
     """ComfyUI serves workflows/*.json as this pack's templates (not workflows/api/), each by its title, with its
     <title>.jpg thumbnail; a template loads with the model metadata the frontend's Missing Models uses (each file's
@@ -244,14 +300,15 @@ def test_templates_are_listed_and_load_with_their_model_files_and_thumbnails(ser
 
     with urllib.request.urlopen(server.url + "/workflow_templates") as r:
         templates = json.loads(r.read())
-    assert sorted(templates["vflash"]) == sorted(TEMPLATES.values())
+    assert sorted(templates[server.pack_name]) == sorted(TEMPLATES.values())
+    served = f"{server.url}/api/workflow_templates/{server.pack_name}"
     for title in TEMPLATES.values():
         quoted = urllib.parse.quote(title)
-        with urllib.request.urlopen(f"{server.url}/api/workflow_templates/vflash/{quoted}.json") as r:
+        with urllib.request.urlopen(f"{served}/{quoted}.json") as r:
             assert json.loads(r.read()) == json.loads((REPO / "workflows" / f"{title}.json").read_text())
-        with urllib.request.urlopen(f"{server.url}/api/workflow_templates/vflash/{quoted}.jpg") as r:
+        with urllib.request.urlopen(f"{served}/{quoted}.jpg") as r:
             assert r.headers["Content-Type"] == "image/jpeg" and r.read()[:3] == b"\xff\xd8\xff"
-    with urllib.request.urlopen(f"{server.url}/api/workflow_templates/vflash/{urllib.parse.quote(TEMPLATES['t2va_core_loaders'])}.json") as r:
+    with urllib.request.urlopen(f"{served}/{urllib.parse.quote(TEMPLATES['t2va_core_loaders'])}.json") as r:
         nodes = {n["id"]: n for n in json.loads(r.read())["nodes"]}
     hub = "https://huggingface.co/Comfy-Org/MiniMax-H3/resolve/main"
     assert nodes[1]["properties"]["models"] == [{"name": "minimax_h3_fl2va_bf16.safetensors", "directory": "diffusion_models",
@@ -328,14 +385,16 @@ def test_sm90_profile_on_cpu_is_refused_when_queued_before_any_model_loads(serve
     assert "Vflash: preparing" not in server.tail(400) and not list((server.work / "models" / "vflash").rglob("*receipt*"))
 
 
-@pytest.mark.parametrize("name,option,folder,file,cpu_profile", [
+@pytest.mark.parametrize("name,option,folder,file,cpu_profile,download", [
     ("t2va_core_loaders", "minimax_h3_fl2va_bf16.safetensors", "diffusion_models", "minimax_h3_fl2va_bf16.safetensors",
-     "t2va-base4-exact-cpu"),
-    ("ref2va", "diffusers/MiniMax-H3", "diffusers", "MiniMax-H3", "ref2va-base4-exact-cpu"),
+     "t2va-base4-exact-cpu", "download https://huggingface.co/Comfy-Org/MiniMax-H3/resolve/main/diffusion_models/minimax_h3_fl2va_bf16.safetensors"),
+    ("ref2va", "diffusers/MiniMax-H3", "diffusers", "MiniMax-H3", "ref2va-base4-exact-cpu",
+     "download the repository https://huggingface.co/MiniMaxAI/MiniMax-H3 as that folder"),
 ])
-def test_a_missing_model_is_one_error_naming_its_folder(server, name, option, folder, file, cpu_profile):
+def test_a_missing_model_is_one_error_naming_its_folder(server, name, option, folder, file, cpu_profile, download):
     """A template's transformer is not here: ComfyUI rejects the graph when it is queued with one error on the Vflash
-    loader, on its model option, naming the folder the file belongs in (ComfyUI files a refusal of `validate_inputs`
+    loader, on its model option, naming the folder the file belongs in and, first, where to download it (the
+    frontend's Missing Models lists no folder; ComfyUI files a refusal of `validate_inputs`
     once per argument it takes; the loader's takes the model option alone). As shipped, the template's sm90 profile is
     one more error on this CPU machine, on the profile widget: one error per problem, none repeated."""
     workflow = json.loads((API / f"{name}.json").read_text())
@@ -344,7 +403,7 @@ def test_a_missing_model_is_one_error_naming_its_folder(server, name, option, fo
     assert result["status"] == "rejected" and result["http_status"] == 400, result
     (error,) = result["body"]["node_errors"]["1"]["errors"]
     assert error["type"] == "custom_validation_failed" and error["extra_info"]["input_name"] == "model", error
-    assert f"model - {option} is missing: {file} belongs in models/{folder} (ComfyUI looks in " in error["details"], error
+    assert f"model - {option} is missing: {file} belongs in models/{folder}: {download} (ComfyUI looks in " in error["details"], error
     shipped = asyncio.run(server.run_prompt(json.loads((API / f"{name}.json").read_text())))
     errors = shipped["body"]["node_errors"]["1"]["errors"]
     assert sorted(e["extra_info"]["input_name"] for e in errors) == ["model", "profile"], errors
@@ -552,8 +611,7 @@ def _small_core_workflow(seed: int, generate: bool = False) -> dict:
 def test_live_previews_over_the_websocket_one_per_evaluation(server, graph):
     """With the prompt's preview method latent2rgb, the Vflash sampler (alone, or inside VflashGenerate) sends one JPEG
     preview per evaluation through core's previewer and progress bar, each a strip of 4 latent frames side by side
-    (4:1 at a square canvas, where core's one-frame preview is 1:1); with "none", none. (The embedded demo family's
-    8-channel latents are not core's H3 format: those runs have no previews, said once in the log.)"""
+    (4:1 at a square canvas, where core's one-frame preview is 1:1); with "none", none."""
     from io import BytesIO
 
     from PIL import Image
@@ -572,6 +630,24 @@ def test_live_previews_over_the_websocket_one_per_evaluation(server, graph):
     off = asyncio.run(server.run_prompt(workflow(), extra_data={"preview_method": "none"}))
     assert off["status"] == "success" and off["previews"] == []
     assert [e["data"]["value"] for e in off["events"] if e["type"] == "progress" and e["data"].get("node") == "5" and e["data"]["max"] == 4][-1] == 4
+
+
+@pytest.mark.parametrize("method", ["latent2rgb", "auto"])
+def test_the_demo_t2va_template_shows_live_previews(server, method):
+    """A newcomer's first run: the demo t2va template (the embedded demo's 8-channel latents, not core's 24-channel
+    H3 format) with a preview method set sends one preview per evaluation, drawn by core's latent-to-RGB previewer
+    with the demo VAE's colours."""
+    from io import BytesIO
+
+    from PIL import Image
+
+    result = asyncio.run(server.run_prompt(_workflow("t2va", SMALL, seed=3), extra_data={"preview_method": method}))
+    assert result["status"] == "success", f"{result}\n{server.tail()}"
+    assert len(result["previews"]) == 4, server.tail()
+    for _, _, jpeg in result["previews"]:
+        image = Image.open(BytesIO(jpeg))
+        assert image.format == "JPEG" and image.width == 4 * image.height
+    assert "no live previews" not in server.tail(2000)
 
 
 # -- ComfyUI's memory management ------------------------------------------------------------------------------------

@@ -57,3 +57,29 @@ def test_default_cache_dir_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.delenv("VFLASH_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert demo.default_cache_dir() == tmp_path / "xdg" / "vflash"
+
+
+def test_demo_latent_rgb_factors_are_the_demo_vaes_colours(demo_receipt):
+    """The demo's live-preview colours (its latents are not core's 24-channel format) predict the mean colour the
+    demo video VAE decodes for each latent pixel, on latents other than those they were fitted on: a changed demo VAE
+    fails here until they are fitted again (as the comment above `DEMO_LATENT_RGB_FACTORS` says)."""
+    import torch
+
+    from vflash_core.media.vae import MediaVAEs
+    from vflash_core.pipeline.h3_pipeline import PreparedAssets
+
+    vaes = MediaVAEs.from_pretrained(PreparedAssets.load(demo_receipt).decoder_root)
+    factors, bias = torch.tensor(demo.DEMO_LATENT_RGB_FACTORS), torch.tensor(demo.DEMO_LATENT_RGB_BIAS)
+    assert factors.shape == (vaes.latent_channels, 3)
+    generator = torch.Generator().manual_seed(1)
+    latents, colours = [], []
+    for _ in range(2):
+        # One latent per pixel held over the clip, so each latent pixel's colour is the mean of its 16x16 block.
+        z = torch.randn(1, 8, 1, 8, 8, generator=generator).expand(1, 8, 7, 8, 8).contiguous()
+        frames = vaes.decode_video(z)  # (F, 128, 128, 3) in [0, 1]
+        colours.append((frames.mean(0).reshape(8, 16, 8, 16, 3).mean((1, 3)) * 2 - 1).reshape(-1, 3))
+        latents.append(z[0, :, 0].permute(1, 2, 0).reshape(-1, 8))
+    want, got = torch.cat(colours), torch.cat(latents) @ factors + bias
+    explained = 1 - ((want - got) ** 2).sum(0) / ((want - want.mean(0)) ** 2).sum(0)
+    assert (explained > 0.3).all(), explained
+    assert (want - got).abs().mean() < 0.02

@@ -129,6 +129,27 @@ def test_root_import_without_comfyui_registers_only_the_packages():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
+def test_a_second_copy_of_the_pack_exposes_no_node_and_warns_naming_both(pack, monkeypatch, caplog, tmp_path):
+    """The root `__init__.py` imported from two custom-node folders (two links to this checkout), as ComfyUI imports
+    them: the first exposes the entry point, the second no node, with one WARNING naming both folders."""
+    import importlib.util
+    import logging
+
+    monkeypatch.setattr(importlib.import_module("vflash_nodes.extension"), "PACK_FOLDERS", [])
+    copies = []
+    for name in ("first", "second"):
+        (tmp_path / name).symlink_to(REPO)
+        spec = importlib.util.spec_from_file_location(f"vflash_copy_{name}", tmp_path / name / "__init__.py")
+        module = importlib.util.module_from_spec(spec)
+        with caplog.at_level(logging.WARNING):
+            spec.loader.exec_module(module)
+        copies.append(module)
+    assert hasattr(copies[0], "comfy_entrypoint") and not hasattr(copies[0], "NODE_CLASS_MAPPINGS")
+    assert not hasattr(copies[1], "comfy_entrypoint") and copies[1].NODE_CLASS_MAPPINGS == {}
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert f"{tmp_path / 'first'} is loaded" in warning and f"the copy in {tmp_path / 'second'} is not" in warning
+
+
 # -- model folders -------------------------------------------------------------------------------------------------
 
 
@@ -511,9 +532,7 @@ def test_encode_then_sample_bundle_equals_pipeline_bundle(pack, comfy, keyframes
 
 def test_reference_clip_with_soundtrack_bundle_equals_pipeline_bundle(pack, comfy, tmp_path):
     """ref2va with a picture and a clip carrying its own 48 kHz soundtrack: the node's IMAGE + AUDIO inputs, decoded
-    from the MP4 the pipeline reads, give the pipeline's bundle. Needs torchvision (Qwen's video processor), which
-    the CPU suite lacks; it runs where torchvision is installed (the GPU machine)."""
-    pytest.importorskip("torchvision")
+    from the MP4 the pipeline reads, give the pipeline's bundle."""
     import numpy as np
     from PIL import Image
     from vflash_nodes import actions

@@ -223,8 +223,12 @@ def test_the_loader_checks_its_model_option_when_queued_and_its_widgets_before_m
     loader = pack.nodes["VflashModelLoader"]
     assert loader.validate_inputs(model=official_weights) is True and loader.validate_inputs(model="embedded-demo") is True
     missing = loader.validate_inputs(model="minimax_h3_fl2va_bf16.safetensors")
-    assert missing.startswith("minimax_h3_fl2va_bf16.safetensors is missing: minimax_h3_fl2va_bf16.safetensors belongs in models/diffusion_models (ComfyUI looks in ")
-    assert loader.validate_inputs(model="diffusers/absent").startswith("diffusers/absent is missing: absent belongs in models/diffusers")
+    assert missing.startswith("minimax_h3_fl2va_bf16.safetensors is missing: minimax_h3_fl2va_bf16.safetensors belongs in models/diffusion_models: "
+                              "download https://huggingface.co/Comfy-Org/MiniMax-H3/resolve/main/diffusion_models/minimax_h3_fl2va_bf16.safetensors (ComfyUI looks in ")
+    # The templates' official folder names where to get it; an option no template ships has no download to name.
+    assert loader.validate_inputs(model="diffusers/MiniMax-H3").startswith(
+        "diffusers/MiniMax-H3 is missing: MiniMax-H3 belongs in models/diffusers: download the repository https://huggingface.co/MiniMaxAI/MiniMax-H3 as that folder (ComfyUI looks in ")
+    assert loader.validate_inputs(model="diffusers/absent").startswith("diffusers/absent is missing: absent belongs in models/diffusers (ComfyUI looks in ")
 
     widgets = dict(model=official_weights, profile="t2va-base16-bf16-sm90", weight_residency="auto", device="auto", peer_device="none",
                    strategy="sequence-head", attention_backend="auto")

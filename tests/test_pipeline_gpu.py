@@ -1,7 +1,8 @@
 """The complete pipeline on a Hopper GPU equals diffusers 0.42.1 there, bit for bit, in the released precision (bf16
 Qwen3-VL and video-VAE decoder, fp32 audio VAE, the mixed bf16/fp32 transformer on the fused kernels and cuDNN
-attention). With torchvision and torchaudio installed, this also covers what the CPU suite cannot: video references
-through Qwen's video processor, and off-rate soundtracks (44.1 and 48 kHz) through the resampler.
+attention). With torchaudio installed, this also covers what the CPU suite cannot: video references compared with
+the reference's own Qwen video processor (which needs torchvision), and off-rate soundtracks (44.1 and 48 kHz) through
+the resampler.
 
 Serial ownership is checked too: after each stage the text encoder and the VAEs are back on the CPU."""
 

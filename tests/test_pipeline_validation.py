@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 from PIL import Image
 
@@ -188,16 +186,4 @@ def test_prepare_pipeline_checks_the_assets(h3_prepared, tmp_path):
     assert not (tmp_path / "r.json").exists()
     with pytest.raises(VflashError, match=r"not a Vflash prepared-assets receipt"):
         PreparedAssets.load(bad)
-
-
-@pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None, reason="torchvision is installed here")
-def test_video_reference_without_torchvision_is_refused_before_loading(files, h3_prepared_ref, tmp_path):
-    import torch
-
-    from vflash_core.media.mp4 import write_mp4
-
-    clip = write_mp4(tmp_path.parent / f"{tmp_path.name}-ref.mp4", torch.rand(30, 64, 64, 3), torch.zeros(2, 40000), 32000)
-    pipeline = H3Pipeline.from_prepared(h3_prepared_ref)
-    request = VideoRequest("<Video 1> with <Audio 1>", references=(str(clip), str(files / "a.png")))
-    _assert_refused(pipeline, request, r"video references need torchvision \(Qwen3-VL's video processor\), which is not installed", tmp_path / "out.mp4")
 

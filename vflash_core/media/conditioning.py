@@ -31,10 +31,11 @@ handed the model root and returns a CPU `Qwen3VLModel` or `Qwen3VLForConditional
 the root's `text_encoder/config.json`; the conditioner trims it as it loads its own (the base model's layers 0..49,
 identity final norm, no LM head), casts it to its dtype, and offloads and releases it like its own.
 
-Image and video pixels go through the official Qwen processors saved in the model's `processor/` folder. The
-`Qwen3VLProcessor` wrapper itself needs torchvision just to be constructed, so the conditioner holds its parts (the
-tokenizer, the image processor, and the video processor where torchvision is installed) and derives Qwen's per-token
-modality ids from the model config's image and video token ids, as that processor does.
+Image and video pixels go through the official Qwen processors' settings saved in the model's `processor/` folder.
+The `Qwen3VLProcessor` wrapper and transformers' video processor need torchvision just to be constructed, so the
+conditioner holds the parts (the tokenizer, transformers' image processor, and `QwenVideoProcessor`, Qwen3-VL's video
+preprocessing in plain torch) and derives Qwen's per-token modality ids from the model config's image and video token
+ids, as that processor does.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from ..engine.residency import ItemFiles, ModuleRing
 from ..errors import RequestError, VflashError
 from ..memory_plan import MemoryPlan, PartSizes
 from ..tensor_store import TensorStore
+from .qwen_video import QwenVideoProcessor
 from .references import CanvasRules
 
 if TYPE_CHECKING:
@@ -246,8 +248,8 @@ class TextConditioner(SerialDeviceOwner):
         text_encoder: `Qwen3VLModel` with layers 0..49 and an identity final norm (what `from_pretrained` loads), or
             a `Qwen3VLModel` / `Qwen3VLForConditionalGeneration` with more than 50 text layers (extra ones are run too).
         tokenizer: the model's `Qwen2TokenizerFast`.
-        image_processor, video_processor: the model's Qwen processors (`video_processor` None without torchvision,
-            which disables video references).
+        image_processor: the model's Qwen image processor.
+        video_processor: its video preprocessing (`QwenVideoProcessor`); None disables video references.
         device: where `encode` runs; between calls the encoder sits on the CPU (`offload`) unless `keep_on_device`.
             `stream_layers()` streams its decoder layers through the device instead of moving them.
         canvas: the model family's canvas rules (from its `modular_model_index.json`).
@@ -299,7 +301,6 @@ class TextConditioner(SerialDeviceOwner):
         """Load `text_encoder/` (layers 0..49, no final norm, no LM head), `tokenizer/` and `processor/` of an official
         model root, offline; the text encoder from `text_encoder_loader(root)` instead when given (module docstring)."""
         from transformers import AutoConfig, AutoImageProcessor, Qwen2TokenizerFast, Qwen3VLModel
-        from transformers.utils import is_torchvision_available
 
         root = Path(model_root).resolve()
         device = torch.device(device)
@@ -338,14 +339,7 @@ class TextConditioner(SerialDeviceOwner):
                     hf_logging.enable_progress_bar()
         tokenizer = Qwen2TokenizerFast.from_pretrained(root / "tokenizer", local_files_only=True)
         image_processor = AutoImageProcessor.from_pretrained(root / "processor", local_files_only=True)
-        video_processor = None
-        if is_torchvision_available():
-            from transformers import AutoVideoProcessor
-
-            video_processor = AutoVideoProcessor.from_pretrained(root / "processor", local_files_only=True)
-        else:
-            # not news on every load: a request with a video reference is refused with this reason (`plan_request`)
-            logger.debug("torchvision is not installed: video references are unavailable (images and audio work)")
+        video_processor = QwenVideoProcessor.from_pretrained(root / "processor")
         weight_files = None if text_encoder_loader is not None else root / "text_encoder"
         return cls(
             model, tokenizer, image_processor, video_processor, device, CanvasRules.from_model_root(root), weight_files
@@ -476,14 +470,10 @@ class TextConditioner(SerialDeviceOwner):
         video_stamps: list[list[float]] = []
         if videos:
             if self.video_processor is None:
-                raise RequestError(
-                    "video references need torchvision (for Qwen's video processor), which is not installed"
-                )
+                raise RequestError("this text conditioner has no video processor: video references are unavailable")
             sampled = [sample_video_frames(r.frames, self.video_processor.temporal_patch_size) for r in videos]
             video_stamps = [stamps for _, stamps in sampled]
-            features = self.video_processor(
-                videos=[np.stack(f) for f, _ in sampled], do_sample_frames=False, return_tensors="pt"
-            )
+            features = self.video_processor([np.stack(f) for f, _ in sampled])
             vision.update(
                 pixel_values_videos=features["pixel_values_videos"], video_grid_thw=features["video_grid_thw"]
             )

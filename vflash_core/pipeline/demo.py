@@ -26,7 +26,10 @@ from ..fileio import OutputExistsError, check_writable_destination, temporary, w
 from ..weights.family import DEMO_FAMILY, build_model_family
 from .options import RunOptions
 
-__all__ = ["DEMO_PROFILE", "default_cache_dir", "demo_receipt_path", "ensure_demo_assets", "run_demo"]
+__all__ = [
+    "DEMO_LATENT_RGB_BIAS", "DEMO_LATENT_RGB_FACTORS", "DEMO_PROFILE", "default_cache_dir", "demo_receipt_path",
+    "ensure_demo_assets", "run_demo",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +37,16 @@ DEMO_PROFILE = "t2va-base4-exact-cpu"
 DEMO_PROMPT = "A robot dances in the rain on a neon street at night, while drums and bass play."
 DEMO_SEED = 0
 _RECEIPT = "pipeline.json"
+# The demo's video latents have 8 channels, not the released 24, so a host's colours for H3 latents do not apply to
+# them. These are the demo video VAE's own: the least-squares fit of the mean colour it decodes for each latent pixel
+# (RGB in [-1, 1]) to that pixel's latent, rgb = latent @ factors + bias, for a live preview drawn the way a
+# latent-to-RGB previewer draws a released model's (`tests/test_demo.py` checks them against the VAE).
+DEMO_LATENT_RGB_FACTORS = (
+    (-0.005669, 0.00542, -0.001764), (-0.001188, -0.003375, -0.000478), (-0.002557, -0.005108, 0.003376),
+    (0.002263, 0.00468, -0.006948), (-0.007039, 0.004627, -0.000894), (-0.000244, 0.005043, 0.000815),
+    (-0.004728, 0.002362, -0.002475), (-0.00499, 0.005539, -0.000521),
+)
+DEMO_LATENT_RGB_BIAS = (-0.029931, -0.087609, -0.181845)
 
 
 def default_cache_dir() -> Path:

@@ -396,14 +396,6 @@ def plan_request(
     kinds = [reference_kind(item, name) for item, name in zip(request.references, names)]
     check_reference_counts(kinds)  # from the extensions, before any file is opened
     probes = [probe_media(item, name) for item, name in zip(request.references, names)]
-    if "video" in kinds:
-        import importlib.util
-
-        if importlib.util.find_spec("torchvision") is None:
-            raise RequestError(
-                "video references need torchvision (Qwen3-VL's video processor), "
-                "which is not installed; use image and audio references"
-            )
 
     if request.width is not None and request.height is not None:
         height, width = request.height, request.width
