@@ -83,8 +83,7 @@ def _launch(q, k, v, selection, num_warps: int, num_stages: int, use_tma: bool):
         *sources, out[0].view(rows, -1), selection.kv_blocks, selection.kv_counts,
         rows, blocks, selection.dense_query_blocks, selection.kv_blocks.shape[2], bsa._LOG2E / math.sqrt(head_dim),
         views[0].stride(0), views[1].stride(0), views[2].stride(0), heads * head_dim,
-        BLOCK=bsa.BLOCK_ROWS, HEAD_DIM=head_dim, USE_TMA=use_tma, RAGGED=rows % bsa.BLOCK_ROWS != 0,
-        num_warps=num_warps, num_stages=num_stages,
+        BLOCK=bsa.BLOCK_ROWS, HEAD_DIM=head_dim, USE_TMA=use_tma, num_warps=num_warps, num_stages=num_stages,
     )
     return out
 

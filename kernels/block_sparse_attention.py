@@ -7,9 +7,8 @@ softmax attention in fp32 with bf16 operands, like any flash-attention forward. 
 
 The sequence is cut into blocks of `BLOCK_ROWS` rows, for queries and keys alike (the last one ragged). Query blocks
 [0, dense_query_blocks) attend every key block; for head h and each later query block i (counted from the first
-sparse one), `kv_blocks[h, i, :kv_counts[h, i]]` are the key blocks it attends, in ascending order, each once;
-entries past the count are never read. Ascending order keeps the ragged last block (the one block that needs a mask)
-last, out of the main loop. One program computes one (query block, head) tile with an online softmax over its
+sparse one), `kv_blocks[h, i, :kv_counts[h, i]]` are the key blocks it attends, in any order, each once; entries
+past the count are never read. One program computes one (query block, head) tile with an online softmax over its
 key blocks (base-2 exponentials, the scale folded into log2(e)), so the work is proportional to the kept blocks.
 
 On Hopper (sm90) the tiles are fetched with TMA tensor descriptors; elsewhere (and in the interpreter) with plain
@@ -35,34 +34,6 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _attend_key_block(
-    q, k_src, v_src, key_block, column, n_rows, k_row_stride, v_row_stride, qk_scale, row_max, row_sum, acc,
-    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr, MASKED: tl.constexpr,
-):
-    """One key block's online-softmax update of a query tile; MASKED: the ragged last block, whose rows past the
-    sequence get no weight (TMA zero-fills them, which would give them weight)."""
-    keys = key_block * BLOCK + tl.arange(0, BLOCK)
-    if USE_TMA:
-        k = k_src.load([key_block * BLOCK, column])
-        v = v_src.load([key_block * BLOCK, column])
-    else:
-        dims = tl.arange(0, HEAD_DIM)
-        inside = keys[:, None] < n_rows
-        k = tl.load(k_src + keys[:, None] * k_row_stride + column + dims[None, :], mask=inside, other=0.0)
-        v = tl.load(v_src + keys[:, None] * v_row_stride + column + dims[None, :], mask=inside, other=0.0)
-    scores = tl.dot(q, tl.trans(k))
-    if MASKED:
-        scores = tl.where(keys[None, :] < n_rows, scores, float("-inf"))
-    new_max = tl.maximum(row_max, tl.max(scores, 1) * qk_scale)
-    p = tl.math.exp2(scores * qk_scale - new_max[:, None])
-    correction = tl.math.exp2(row_max - new_max)
-    row_sum = row_sum * correction + tl.sum(p, 1)
-    acc = acc * correction[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc)
-    return new_max, row_sum, acc
-
-
-@triton.jit
 def _block_sparse_attention_kernel(
     q_src, k_src, v_src, out_ptr,
     kv_blocks_ptr, kv_counts_ptr,
@@ -71,11 +42,10 @@ def _block_sparse_attention_kernel(
     BLOCK: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     USE_TMA: tl.constexpr,
-    RAGGED: tl.constexpr,
 ):
     """Grid (query blocks, heads). q/k/v rows hold every head's HEAD_DIM columns side by side (head h at column
     h * HEAD_DIM); with USE_TMA the three sources are (rows, heads * HEAD_DIM) tensor descriptors of BLOCK x HEAD_DIM
-    tiles (zero-filled past the last row), else base pointers. RAGGED: the sequence ends inside its last block."""
+    tiles (zero-filled past the last row), else base pointers."""
     query_block = tl.program_id(0)
     head = tl.program_id(1)
     rows = query_block * BLOCK + tl.arange(0, BLOCK)
@@ -96,21 +66,27 @@ def _block_sparse_attention_kernel(
     tile = tl.where(dense, 0, head * (n_query_blocks - dense_query_blocks) + query_block - dense_query_blocks)
     count = tl.where(dense, n_query_blocks, tl.load(kv_counts_ptr + tile))
     listed = kv_blocks_ptr + tile.to(tl.int64) * max_kv
-    # Lists ascend, so a ragged last block, if attended, comes last: the loop runs unmasked, the block after it.
-    last_block = n_query_blocks - 1
-    final = tl.where(dense, last_block, tl.load(listed + tl.where(dense, 0, count - 1)))
-    masked_tail = RAGGED and final == last_block
-    for j in tl.range(0, count - masked_tail.to(tl.int32)):
+    last_block = (n_rows - 1) // BLOCK
+    for j in tl.range(0, count):
         key_block = tl.where(dense, j, tl.load(listed + tl.where(dense, 0, j)))
-        row_max, row_sum, acc = _attend_key_block(
-            q, k_src, v_src, key_block, column, n_rows, k_row_stride, v_row_stride, qk_scale, row_max, row_sum, acc,
-            BLOCK, HEAD_DIM, USE_TMA, False,
-        )
-    if masked_tail:
-        row_max, row_sum, acc = _attend_key_block(
-            q, k_src, v_src, last_block, column, n_rows, k_row_stride, v_row_stride, qk_scale, row_max, row_sum, acc,
-            BLOCK, HEAD_DIM, USE_TMA, True,
-        )
+        keys = key_block * BLOCK + tl.arange(0, BLOCK)
+        if USE_TMA:
+            k = k_src.load([key_block * BLOCK, column])
+            v = v_src.load([key_block * BLOCK, column])
+        else:
+            inside = keys[:, None] < n_rows
+            k = tl.load(k_src + keys[:, None] * k_row_stride + column + dims[None, :], mask=inside, other=0.0)
+            v = tl.load(v_src + keys[:, None] * v_row_stride + column + dims[None, :], mask=inside, other=0.0)
+        scores = tl.dot(q, tl.trans(k))
+        if key_block == last_block:  # the ragged last block: its rows past the sequence get no weight
+            scores = tl.where(keys[None, :] < n_rows, scores, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, 1) * qk_scale)
+        p = tl.math.exp2(scores * qk_scale - new_max[:, None])
+        correction = tl.math.exp2(row_max - new_max)
+        row_sum = row_sum * correction + tl.sum(p, 1)
+        acc = acc * correction[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        row_max = new_max
     acc = acc / row_sum[:, None]
     tl.store(out_ptr + rows[:, None] * out_row_stride + column + dims[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=rows[:, None] < n_rows)
@@ -136,8 +112,7 @@ def block_sparse_attention(
     """Attention of (1, S, heads, D) q, k, v (bf16 or fp16, scale 1/sqrt(D), non-causal) over the listed key blocks.
 
     dense_query_blocks: the leading query blocks that attend every key; kv_blocks: (heads, sparse query blocks,
-    max_kv) int32 key-block indices of the others, ascending, sparse query blocks = ceil(S / BLOCK_ROWS) -
-    dense_query_blocks;
+    max_kv) int32 key-block indices of the others, sparse query blocks = ceil(S / BLOCK_ROWS) - dense_query_blocks;
     kv_counts: (heads, sparse query blocks) int32, each in [1, max_kv]. Returns (1, S, heads, D) contiguous, q's dtype.
     """
     if q.shape != k.shape or q.shape != v.shape:
@@ -172,7 +147,7 @@ def block_sparse_attention(
         *sources, out2, kv_blocks, kv_counts,
         rows, query_blocks, dense_query_blocks, kv_blocks.shape[2], _LOG2E / math.sqrt(head_dim),
         q2.stride(0), k2.stride(0), v2.stride(0), out2.stride(0),
-        BLOCK=BLOCK_ROWS, HEAD_DIM=head_dim, USE_TMA=use_tma, RAGGED=rows % BLOCK_ROWS != 0,
+        BLOCK=BLOCK_ROWS, HEAD_DIM=head_dim, USE_TMA=use_tma,
         num_warps=8, num_stages=3,
     )
     return out
