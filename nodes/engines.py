@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from vflash_core.engine.artifact import CompiledArtifact
-from vflash_core.engine.attention import BACKENDS, CPU_BACKENDS
+from vflash_core.engine.attention_backends import BACKENDS, CPU_BACKENDS
 from vflash_core.engine.denoise import denoise_bytes
 from vflash_core.engine.fast_mode import FastMode
 from vflash_core.engine.layout import largest_request_rows

@@ -5,7 +5,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from vflash_core.engine.fast_mode import FAST_MODES
-from vflash_core.engine.session import STRATEGIES, WEIGHT_RESIDENCIES
+from vflash_core.engine.session_options import STRATEGIES, WEIGHT_RESIDENCIES
 from vflash_core.weights.lora import LORA_MODES
 
 from . import actions

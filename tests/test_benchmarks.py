@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from end_to_end import BITWISE_ATTENTION, Run  # noqa: E402
 from full_family import StagedFamily  # noqa: E402
 
-from vflash_core.engine.attention import BACKENDS  # noqa: E402
+from vflash_core.engine.attention_backends import BACKENDS  # noqa: E402
 from vflash_core.weights.family import DEMO_FAMILY  # noqa: E402
 
 

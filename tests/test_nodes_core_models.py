@@ -310,7 +310,7 @@ def test_profile_vs_mode_is_refused_before_the_transformer_is_touched(pack, monk
 
 
 def test_option_lists_hold_only_what_runs_here(pack, monkeypatch):
-    from vflash_core.engine.attention import BACKENDS
+    from vflash_core.engine.attention_backends import BACKENDS
     from vflash_core.profiles import PROFILES
 
     loader = pack.schema("VflashModelLoader")

@@ -203,10 +203,26 @@ def test_attention_auto_fallback_is_logged_once_per_device(monkeypatch, caplog):
     assert messages[1].startswith("attention auto on cuda:1: FlashAttention-3 unavailable") and "fa3-fwd is not installed" in messages[1]
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["no-such-command"], ["-v"], ["run-workflow", "--help"]])
-def test_help_and_a_refused_command_import_neither_torch_nor_the_pipeline(argv):
+@pytest.mark.parametrize(
+    ("argv", "status"),
+    [
+        (["--help"], 0), (["no-such-command"], 2), (["-v"], 2),
+        # every command's parser (its --help) and one refused option of each
+        (["denoise", "--help"], 0), (["denoise", "p", "--max-device-memory", "0"], 2),
+        (["prepare-pipeline", "--help"], 0), (["prepare-pipeline", "--profile"], 2),
+        (["generate", "--help"], 0), (["generate", "--duration", "abc"], 2), (["generate", "--gpu", "x"], 2),
+        (["demo", "--help"], 0), (["demo", "--cache-dir"], 2),
+        (["compare", "--help"], 0), (["compare", "--media-video-crf", "52"], 2),
+        (["serve", "--help"], 0), (["serve", "--port", "-1"], 2),
+        (["run-workflow", "--help"], 0), (["run-workflow", "--no-such-option"], 2),
+    ],
+    ids=lambda value: " ".join(value) if isinstance(value, list) else f"exit {value}",
+)
+def test_help_and_a_refused_command_import_neither_torch_nor_the_pipeline(argv, status):
     """`vflash --help` and every one-line refusal imported torch before parsing (2 s idle, 11-13 s on a busy machine):
-    the package root imported the pipeline, and every command's parser was built from the pipeline's modules."""
+    the package root imported the pipeline, and every command's parser was built from the pipeline's modules. A
+    command's own --help and a refused option of it still did (3-6 s busy), through the names and ranges of its
+    options (the run options', the session's, the attention backends', the MP4 encoder's, the request's numbers)."""
     import json
     import subprocess
     import sys
@@ -215,13 +231,14 @@ def test_help_and_a_refused_command_import_neither_torch_nor_the_pipeline(argv):
         "import json, sys\n"
         "from vflash_core.cli.main import main\n"
         "try:\n"
-        f"    main({argv!r})\n"
-        "except SystemExit:\n"
-        "    pass\n"
-        "print(json.dumps(sorted(m for m in ('torch', 'numpy', 'aiohttp', 'vflash_core.pipeline.h3_pipeline') if m in sys.modules)))\n"
+        f"    status = main({argv!r})\n"
+        "except SystemExit as exit:\n"
+        "    status = exit.code\n"
+        "heavy = ('torch', 'numpy', 'PIL', 'aiohttp', 'vflash_core.pipeline.h3_pipeline')\n"
+        "print(json.dumps([status, sorted(m for m in heavy if m in sys.modules)]))\n"
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == [], done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [status, []], done.stderr
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])

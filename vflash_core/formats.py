@@ -10,11 +10,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeGuard, overload
-
-import torch
+from typing import TYPE_CHECKING, TypeGuard, overload
 
 from .errors import IdentityMismatchError, Number, VflashError, describe_value, is_int, is_real
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "ARCH_FAMILIES", "ARCH_NAMES", "ARTIFACT_FORMAT", "ARTIFACT_FP8_FORMAT", "GPU_INDEX", "MISSING", "OVERLAY_FORMAT",
@@ -74,6 +75,8 @@ def capability_arch(capability: tuple[int, int]) -> str:
 def device_arch(device: torch.device | str) -> str:
     """`"cpu"` or the architecture tag of a CUDA device's compute capability (`capability_arch`): where a compile's
     tables were computed."""
+    import torch  # here, not above: the command line's parsers import this module's names without torch
+
     device = torch.device(device)
     if device.type == "cpu":
         return "cpu"
@@ -114,6 +117,8 @@ def check_device(
     the current CUDA device, with its index): a device this machine has and, when `arch` is given, of the
     architecture the profile's tables were computed on; checked before any model loads (`profile_id` names the
     profile in the refusal). Initialises CUDA for a CUDA device, so the service's HTTP process never calls it."""
+    import torch
+
     try:
         resolved = torch.device(f"cuda:{device}") if is_int(device) else torch.device(device)
     except (RuntimeError, TypeError, ValueError):

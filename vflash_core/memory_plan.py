@@ -52,11 +52,13 @@ import itertools
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
-
-import torch
+from typing import TYPE_CHECKING
 
 from .errors import Number, RequestError, RunFailedError, VflashError
 from .fileio import GIB, size_text
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "DEVICE_MEMORY_GIB", "HOST_MARGIN_BYTES", "PLANNED_PICTURES", "PLANNED_TEXT_ROWS", "DeviceCap", "MemoryPlan",
@@ -114,6 +116,8 @@ def device_budget(devices: Sequence[torch.device], cap: int | None) -> int:
         if cap is None:
             raise VflashError("a memory plan on the CPU needs a cap (max_device_memory)")
         return cap
+    import torch  # here, not above: the command line's parsers import this module's names without torch
+
     budgets = []
     for device in devices:
         allocated = torch.cuda.memory_allocated(device)
@@ -140,6 +144,8 @@ class DeviceCap:
     buffers) is not counted. The fraction is per process and device: `release()` restores the one it replaced."""
 
     def __init__(self, cap: int, devices: Sequence[torch.device]):
+        import torch
+
         self.cap = cap
         self.previous: dict[torch.device, float] = {}
         for device in devices:
@@ -149,6 +155,8 @@ class DeviceCap:
                 torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
 
     def release(self) -> None:
+        import torch
+
         for device, fraction in self.previous.items():
             torch.cuda.set_per_process_memory_fraction(fraction, device)
         self.previous = {}

@@ -17,9 +17,10 @@ COMMANDS = {"denoise": "run the native core on a conditioning bundle and write l
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from ..engine.attention_backends import BACKENDS
+    from ..engine.session_options import STRATEGIES, WEIGHT_RESIDENCIES
     from ..formats import GPU_INDEX
     from ..memory_plan import DEVICE_MEMORY_GIB
-    from ..pipeline.options import STRATEGIES, WEIGHT_RESIDENCIES
 
     p = sub.add_parser("denoise", help=COMMANDS["denoise"])
     p.add_argument("profile", help="profile id, e.g. t2va-base16-bf16-sm90")
@@ -42,7 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="budget for the host memory the session's blocks may hold, in GiB, with a margin for the "
                         "process (default: not planned); where the pinned blocks do not fit, they stream from their "
                         "compiled files (disk-ring)")
-    p.add_argument("--attention-backend", default="auto", help="auto, fa3, torch-cudnn, torch-flash, torch-sdpa, ...")
+    p.add_argument("--attention-backend", default="auto", help=f"attention kernel: {', '.join(BACKENDS)}")
     p.add_argument("--profile-denoise", action="store_true",
                    help="per-evaluation, per-stage device timings in the report")
     FastMode.add_arguments(p)

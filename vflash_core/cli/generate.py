@@ -89,7 +89,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def add_request_arguments(p: argparse.ArgumentParser) -> None:
     """The receipt and the request's flags (`vflash generate`, `vflash compare`); `request_from_arguments` reads
     them."""
-    from ..pipeline.validation import PIXELS, SECONDS, SEED
+    from ..pipeline.request_numbers import PIXELS, SECONDS, SEED
 
     p.add_argument("--prepared-assets", required=True, help="receipt written by `vflash prepare-pipeline`")
     prompt = p.add_mutually_exclusive_group(required=True)

@@ -1,14 +1,15 @@
 """The `vflash` command line.
 
-Each subcommand lives in the module that owns its work, which lists its commands' names and one-line help in
-`COMMANDS` and exposes `register(subparsers)`, which adds their full parsers and sets `handler`. A command module
-imports nothing heavy at its top: its options' definitions are imported inside `register`, and only the module of the
-command on the command line registers, so `vflash --help` (the names and help the others list) and an unknown command
-never import torch. (A command's own options still come from the pipeline's modules, which import it.) Installed
-packages add subcommands through the `vflash.commands` entry points, so this package names none of them. A user error
-(any `VflashError`) prints one line (one a problem, for a message that lists several), without a traceback, and exits
-with its `exit_status` (2 for a bad request, option or file, 1 for a valid request that could not be completed);
-anything else is a bug and keeps its traceback.
+Each subcommand lives in the module that owns its work, which lists its commands' names and one-line help in `COMMANDS`
+and exposes `register(subparsers)`, which adds their full parsers and sets `handler`. A command module imports nothing
+heavy at its top: its options' definitions are imported inside `register`, and only the module of the command on the
+command line registers, so `vflash --help` (the names and help the others list) and an unknown command never import
+torch; a command's options take their names and ranges from modules that import no torch either (`pipeline.options`,
+`engine.session_options`, ...), so neither does its --help nor a refused option. Installed packages add subcommands
+through the `vflash.commands` entry points, so this package names none of them. A user error (any `VflashError`) prints
+one line (one a problem, for a message that lists several), without a traceback, and exits with its `exit_status` (2 for
+a bad request, option or file, 1 for a valid request that could not be completed); anything else is a bug and keeps its
+traceback.
 """
 
 from __future__ import annotations

@@ -27,23 +27,16 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..errors import VflashError
 from ..formats import ARCH_NAMES, arch_family, device_arch
+from .attention_backends import APPROXIMATE_BACKENDS, BACKENDS, CPU_BACKENDS, SDPA_KERNELS
 from .model import AttentionFn, sdpa_attention
 
-__all__ = ["BACKENDS", "CPU_BACKENDS", "resolve_attention"]
+__all__ = ["resolve_attention"]
 
 logger = logging.getLogger(__name__)
 # Devices whose "auto" fallback was logged: the options check, the session and each rank resolve the same choice.
 _FALLBACK_LOGGED: set[torch.device] = set()
 
-_SDPA_KERNELS = {
-    "torch-cudnn": SDPBackend.CUDNN_ATTENTION,
-    "torch-flash": SDPBackend.FLASH_ATTENTION,
-    "torch-efficient": SDPBackend.EFFICIENT_ATTENTION,
-    "torch-math": SDPBackend.MATH,
-}
-APPROXIMATE_BACKENDS = ("fa3-fp8",)
-BACKENDS = ("auto", "torch-sdpa", *_SDPA_KERNELS, "fa3", *APPROXIMATE_BACKENDS)
-CPU_BACKENDS = ("auto", "torch-sdpa", "torch-math")  # what runs on the CPU: the others need a CUDA device
+_SDPA_KERNELS = {name: getattr(SDPBackend, member) for name, member in SDPA_KERNELS.items()}
 _FA3_MISSING = "attention backend {} needs the fa3-fwd package (pip install 'vflash[sm90]'): {}"
 
 

@@ -81,17 +81,16 @@ from .parallel import (
 )
 from .profiler import StageTimer
 from .residency import BlockArena, BlockFiles, BlockRing, BlockSource, LoadedBlocks, ResidentBlocks
+from .session_options import STRATEGIES, WEIGHT_RESIDENCIES
 
 __all__ = [
-    "STRATEGIES", "WEIGHT_RESIDENCIES", "BlockLoader", "DenoiserLoad", "GenerationResult", "NativeDenoiserLoader",
-    "NativeEngineSession", "SessionTiming", "check_loader_hooks",
+    "BlockLoader", "DenoiserLoad", "GenerationResult", "NativeDenoiserLoader", "NativeEngineSession", "SessionTiming",
+    "check_loader_hooks",
 ]
 
 logger = logging.getLogger(__name__)
 
 EXECUTIONS = ("auto", "fused", "reference")
-WEIGHT_RESIDENCIES = ("auto", "resident", "block-ring", "disk-ring")  # where the core's blocks live on a GPU
-STRATEGIES = ("sequence-head", "tensor")  # how one request is split over several GPUs
 #: How long a rank waits for its peers in one collective: positive, and at most a day (a wait is a deadline).
 COLLECTIVE_TIMEOUT = Number(float, 0, 86_400, above=True, unit="seconds")
 
@@ -153,7 +152,7 @@ class NativeEngineSession:
             enforced (the plan's estimates; the host has no allocator to cap).
         plan: a pipeline's memory plan (`memory_plan.plan_memory`), which then decides the residency and carries the
             cap and the host budget; `weight_residency` must agree with it and the two limits be left out.
-        attention_backend: see `attention.BACKENDS`; the backend used is logged once and reported per result.
+        attention_backend: see `attention_backends.BACKENDS`; the backend used is logged once and reported per result.
         fast_mode: None / "exact" (default), or a named approximate mode (`fast_mode.FastMode`, or its names, e.g.
             "sparse-attention", "sparse-attention,step-cache"); refused where it cannot run.
         execution: `"fused"` (Triton elementwise kernels, the CUDA default), `"reference"` (plain PyTorch, the CPU

@@ -20,9 +20,10 @@ Three ways to feed the encoder the same 8-bit frames:
 `video_threads` sets the H.264 encoder's thread count (1-256); `None` leaves FFmpeg's automatic choice. Thread counts
 can change the lossy bitstream, never the frame count or timing. `video_crf` (0-51: lower is better quality and a
 larger file, 0 is lossless) and `video_preset` (one of x264's `VIDEO_PRESETS`: slower compresses better at the same
-quality) are libx264's quality and speed settings; their defaults are `H264_OPTIONS`'. (libx264's bitstream for
-identical input, even on one thread, was seen to differ between processes and between calls in one process for some
-clips, so byte identity of two MP4s is not promised; their encoder inputs are.)
+quality) are libx264's quality and speed settings; their defaults are `H264_OPTIONS`'. The options and their check
+live in `mp4_options`, which imports neither torch nor PyAV. (libx264's bitstream for identical input, even on one
+thread, was seen to differ between processes and between calls in one process for some clips, so byte identity of two
+MP4s is not promised; their encoder inputs are.)
 """
 
 from __future__ import annotations
@@ -40,51 +41,24 @@ import numpy as np
 import torch
 
 from ..engine.device_owner import HostCopy, copy_to_host
-from ..errors import Number, VflashError, check_choice
+from ..errors import VflashError
 from ..fileio import atomic_file, temporary, write_errors
 from ..formats import is_positive
+from .mp4_options import DEFAULT_CRF, DEFAULT_PRESET, H264_OPTIONS, check_delivery_options, check_encoder_options
 
 __all__ = [
-    "DEFAULT_CRF", "DEFAULT_PRESET", "H264_OPTIONS", "STREAM_QUEUE_PARTS", "VIDEO_CRF", "VIDEO_INPUTS", "VIDEO_PRESETS",
-    "VIDEO_THREADS", "MP4Stream", "check_delivery_options", "mp4_stream", "probe_mp4", "quantize", "quantize_frames",
-    "rgb_frames", "write_mp4",
+    "STREAM_QUEUE_PARTS", "MP4Stream", "mp4_stream", "probe_mp4", "quantize", "quantize_frames", "rgb_frames",
+    "write_mp4",
 ]
 
 logger = logging.getLogger(__name__)
 
-VIDEO_INPUTS = ("file", "pipe", "stream")
 # Decoded parts (a native decode's window, or a whole clip) an `MP4Stream` holds for its encoder before `add` waits.
 STREAM_QUEUE_PARTS = 2
-#: The H.264 encoder's thread count, when given (None: FFmpeg's automatic choice).
-VIDEO_THREADS = Number(int, 1, 256)
-# x264 quality: visually lossless for generated content at moderate size (the defaults of `video_crf`, `video_preset`).
-H264_OPTIONS = {"crf": "18", "preset": "medium"}
-#: libx264's constant rate factor for 8-bit video: 0 (lossless) to 51.
-VIDEO_CRF = Number(int, 0, 51)
-#: libx264's presets, fastest first.
-VIDEO_PRESETS = (
-    "ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow", "placebo"
-)
-DEFAULT_CRF, DEFAULT_PRESET = int(H264_OPTIONS["crf"]), H264_OPTIONS["preset"]
 AAC_BITRATE = 192_000
 # Sample rates the AAC encoder accepts.
 AAC_SAMPLE_RATES = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000, 64000, 88200, 96000)
 _AAC_FRAME = 1024
-
-
-def check_delivery_options(
-    video_input: str, video_threads: int | None, video_crf: int = DEFAULT_CRF, video_preset: str = DEFAULT_PRESET
-) -> None:
-    """Validate the encoder options before any heavy work; raises `VflashError` naming the value."""
-    check_choice("video_input", video_input, VIDEO_INPUTS)
-    _check_encoder_options(video_threads, video_crf, video_preset)
-
-
-def _check_encoder_options(video_threads: int | None, video_crf: int, video_preset: str) -> None:
-    if video_threads is not None:
-        VIDEO_THREADS.check("video_threads", video_threads)
-    VIDEO_CRF.check("video_crf", video_crf)
-    check_choice("video_preset", video_preset, VIDEO_PRESETS)
 
 
 def quantize(frames: torch.Tensor) -> torch.Tensor:
@@ -351,7 +325,7 @@ def mp4_stream(
 ) -> Iterator[MP4Stream]:
     """An `MP4Stream` written under a temporary name beside `path` and published atomically when the block ends after
     `finish`; on any failure inside the block (or a block that never called `finish`) nothing appears at `path`."""
-    _check_encoder_options(video_threads, video_crf, video_preset)
+    check_encoder_options(video_threads, video_crf, video_preset)
     _check_frame_size(width, height, fps)
     path = Path(path)
     with atomic_file(path, overwrite=overwrite, suffix=".mp4") as tmp:

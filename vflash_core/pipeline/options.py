@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
-
+from ..engine.attention_backends import BACKENDS, CPU_BACKENDS
 from ..engine.fast_mode import FastMode
-from ..engine.session import STRATEGIES, WEIGHT_RESIDENCIES
+from ..engine.session_options import STRATEGIES, WEIGHT_RESIDENCIES
 from ..errors import VflashError, check_choice
 from ..formats import GPU_INDEX, check_device, gpu_device
-from ..media.mp4 import (
+from ..media.mp4_options import (
     DEFAULT_CRF,
     DEFAULT_PRESET,
     VIDEO_CRF,
@@ -26,26 +26,31 @@ from ..media.mp4 import (
     check_delivery_options,
 )
 from ..memory_plan import DEVICE_MEMORY_GIB, cap_bytes, check_disk_ring, check_host_budget_on_cpu
-from ..profiles import Profile
 
-__all__ = ["STRATEGIES", "WEIGHT_RESIDENCIES", "RunOptions"]
+if TYPE_CHECKING:  # this module imports no torch: the command line's parsers are built from it
+    import torch
+
+    from ..profiles import Profile
+
+__all__ = ["RunOptions"]
 
 ENCODER_RESIDENCIES = ("offload", "resident")  # where the text encoder and the VAEs live between their stages
 
 
 @dataclass(frozen=True)
 class RunOptions:
-    """device / peer_device: "cpu", a CUDA index or "cuda:N" (the peer only with a `strategy`); attention_backend:
-    see `attention.BACKENDS`; weight_residency, encoder_residency: memory placement on a GPU; max_device_memory: a cap
-    in GiB on what the pipeline may hold on each of its devices (the memory plan is made against it and it is enforced
-    through PyTorch's allocator; None: the device's free memory); max_host_memory: a budget in GiB for the weights the
-    pipeline holds in host memory, with a margin for the process (planned against, not enforced; where the blocks'
-    pinned arena does not fit it, the core's blocks stream from their compiled files: `weight_residency="disk-ring"`;
-    None: not planned; on the CPU only with max_device_memory); media_video_input, media_video_threads: MP4 delivery;
-    media_video_crf, media_video_preset: the H.264 encoder's quality (CRF 0-51) and speed (an x264 preset);
-    profile_denoise: per-evaluation device timings in the result (a diagnostic); verify_weights: re-hash the compiled
-    weights against their compile-time sha256 before loading them (slow); fast_mode: exact by default, or a named
-    approximate mode (`engine.fast_mode.FastMode`, or its names: "sparse-attention", "step-cache" or both)."""
+    """device / peer_device: "cpu", a CUDA index or "cuda:N" (the peer only with a `strategy`); attention_backend: see
+    `attention_backends.BACKENDS`; weight_residency, encoder_residency: memory placement on a GPU; max_device_memory: a
+    cap in GiB on what the pipeline may hold on each of its devices (the memory plan is made against it and it is
+    enforced through PyTorch's allocator; None: the device's free memory); max_host_memory: a budget in GiB for the
+    weights the pipeline holds in host memory, with a margin for the process (planned against, not enforced; where the
+    blocks' pinned arena does not fit it, the core's blocks stream from their compiled files:
+    `weight_residency="disk-ring"`; None: not planned; on the CPU only with max_device_memory); media_video_input,
+    media_video_threads: MP4 delivery; media_video_crf, media_video_preset: the H.264 encoder's quality (CRF 0-51) and
+    speed (an x264 preset); profile_denoise: per-evaluation device timings in the result (a diagnostic); verify_weights:
+    re-hash the compiled weights against their compile-time sha256 before loading them (slow); fast_mode: exact by
+    default, or a named approximate mode (`engine.fast_mode.FastMode`, or its names: "sparse-attention", "step-cache" or
+    both)."""
 
     device: int | str = "cpu"
     peer_device: int | str | None = None
@@ -67,8 +72,6 @@ class RunOptions:
         object.__setattr__(self, "fast_mode", FastMode.parse(self.fast_mode))  # a name is taken too
         check_choice("weight_residency", self.weight_residency, WEIGHT_RESIDENCIES)
         check_choice("encoder_residency", self.encoder_residency, ENCODER_RESIDENCIES)
-        from ..engine.attention import BACKENDS
-
         if self.attention_backend not in BACKENDS:  # the name now; whether it runs on the device, in check_devices
             raise VflashError(
                 f"unknown attention backend {self.attention_backend!r}; choose one of {', '.join(BACKENDS)}"
@@ -107,8 +110,6 @@ class RunOptions:
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         """The command-line flags of the run options (`vflash generate`, `vflash compare`, `vflash serve`)."""
-        from ..engine.attention import BACKENDS, CPU_BACKENDS
-
         parser.add_argument("--gpu", type=GPU_INDEX.option("--gpu"), help="CUDA device index (default: CPU)")
         parser.add_argument("--peer-gpu", type=GPU_INDEX.option("--peer-gpu"),
                             help="second GPU for the native core (needs --strategy)")

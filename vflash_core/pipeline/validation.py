@@ -14,7 +14,7 @@ decoded (the node pack holds tensors, not files). The limits come from the model
 * devices: present on this machine and of the profile's architecture (`formats.check_device`).
 
 `VideoRequest` checks its field types when it is built, with `media_input`, `media_inputs` and the numbers' specs
-(`SEED`, `PIXELS`, `SECONDS`, `errors.Number`): a wrong type is refused with one line naming the field, and a single
+(`request_numbers`' `SEED`, `PIXELS`, `SECONDS`): a wrong type is refused with one line naming the field, and a single
 path is one path, never a string of characters.
 """
 
@@ -49,9 +49,10 @@ from ..media.references import (
 )
 from ..profiles import Profile
 from .model_loading import MODEL_LOAD_LOCK
+from .request_numbers import PIXELS, SECONDS, SEED
 
 __all__ = [
-    "ANCHORS", "MAX_PROMPT_BYTES", "PIXELS", "SECONDS", "SEED", "MediaInput", "PromptBudget", "RequestPlan",
+    "ANCHORS", "MAX_PROMPT_BYTES", "MediaInput", "PromptBudget", "RequestPlan",
     "VideoRequest", "check_canvas_size", "check_generate_arguments", "check_labels", "check_output_is_not_an_input",
     "check_prompt", "check_reference_counts", "check_seed", "media_input", "media_inputs", "plan_inputs",
     "plan_request",
@@ -140,12 +141,6 @@ def check_generate_arguments(
         inputs.update({f"reference {index + 1}": item for index, item in enumerate(request.references)})
         check_output_is_not_an_input(output, inputs)  # type: ignore[arg-type]
 
-
-#: A request's numbers: a float such as 448.7 is refused as a width, never truncated; the ranges are checked against
-#: the model and the profile by `plan_request`, but the seed's is the generator's.
-SEED = Number(int, 0, 2**63 - 1)
-PIXELS = Number(int, unit="pixels")
-SECONDS = Number(float, unit="seconds")
 
 
 @dataclass(frozen=True)
