@@ -163,3 +163,14 @@ def test_every_node_has_a_help_page(pack):
         for name in [i.id for i in schema.inputs] + [o.id for o in schema.outputs]:
             assert f"`{name}`" in page, f"{node_id}: {name} is not on its page"
         assert f"(docs/nodes/{node_id}.md)" in readme, node_id
+
+
+def test_the_tests_the_contributor_pages_name_exist():
+    """A test renamed or removed leaves no stale name on docs/development.md or docs/architecture.md."""
+    defined = {m for f in (ROOT / "tests").rglob("*.py") for m in re.findall(r"^\s*def (test_\w+)", f.read_text(), re.MULTILINE)}
+    for page in sorted(CONTRIBUTOR_PAGES):
+        text = page.read_text()
+        files = set(re.findall(r"\btests/[\w/]+\.py", text)) - {"tests/test_x.py"}  # test_x: the example of a file
+        assert all((ROOT / f).exists() for f in files), [f for f in files if not (ROOT / f).exists()]
+        names = set(re.findall(r"\b(test_\w+)(?![\w.])", text)) - {"test_x"}
+        assert names <= defined, sorted(names - defined)
