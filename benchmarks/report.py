@@ -3,10 +3,10 @@
     python benchmarks/report.py
 
 Each table is generated from `benchmarks/results/*.json`; the prose around them states how they were measured. Run
-it after fetching new results so the README never disagrees with the JSON. The repository README's "what fits where"
-table (between its `what-fits-where` markers) is filled from `memory_caps_h200.json` too, and its FP8 figures (between
-its `fp8-figures` markers) from `fp8_h200.json`, and its host-memory table (between its `host-memory` markers) from
-`host_memory_h200.json`.
+it after fetching new results so the README never disagrees with the JSON. docs/engine.md's "what fits where" table
+(between its `what-fits-where` markers) is filled from `memory_caps_h200.json` too, its FP8 figures (between its
+`fp8-figures` markers) from `fp8_h200.json`, its host-memory table (between its `host-memory` markers) from
+`host_memory_h200.json`, and its fast-mode figures (between its `fast-mode-figures` markers) from the fast-mode results.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 OUT = Path(__file__).resolve().parent / "README.md"
-REPO_README = Path(__file__).resolve().parent.parent / "README.md"
+ENGINE_DOC = Path(__file__).resolve().parent.parent / "docs" / "engine.md"  # holds the marked sections
 FITS_START, FITS_END = "<!-- what-fits-where: filled by benchmarks/report.py -->", "<!-- /what-fits-where -->"
 FP8_START, FP8_END = "<!-- fp8-figures: filled by benchmarks/report.py -->", "<!-- /fp8-figures -->"
 HOST_START, HOST_END = "<!-- host-memory: filled by benchmarks/report.py -->", "<!-- /host-memory -->"
@@ -392,11 +392,11 @@ def fast_mode_figures(data: dict) -> str:
     return "\n".join(parts + [""])
 
 
-def fill_repo_readme(data: dict, start_marker: str = FITS_START, end_marker: str = FITS_END, render_table=what_fits) -> None:
-    """Replace the text between a pair of the repository README's markers with `render_table(data)`."""
-    text = REPO_README.read_text()
+def fill_engine_doc(data: dict, start_marker: str = FITS_START, end_marker: str = FITS_END, render_table=what_fits) -> None:
+    """Replace the text between a pair of docs/engine.md's markers with `render_table(data)`."""
+    text = ENGINE_DOC.read_text()
     start, end = text.index(start_marker) + len(start_marker), text.index(end_marker)
-    REPO_README.write_text(text[:start] + "\n" + render_table(data) + "\n" + text[end:])
+    ENGINE_DOC.write_text(text[:start] + "\n" + render_table(data) + "\n" + text[end:])
 
 
 def _forward_reruns(other_runs: dict | None) -> list[str]:
@@ -516,17 +516,17 @@ if __name__ == "__main__":
     caps_data = _load("memory_caps_h200")
     if caps_data:
         e2e_data = _load("end_to_end_h200")
-        fill_repo_readme(caps_data, render_table=lambda data: what_fits(data, e2e_data))
-        print(f"filled the what-fits-where table of {REPO_README}")
+        fill_engine_doc(caps_data, render_table=lambda data: what_fits(data, e2e_data))
+        print(f"filled the what-fits-where table of {ENGINE_DOC}")
     fp8_data = _load("fp8_h200")
     if fp8_data:
-        fill_repo_readme(fp8_data, FP8_START, FP8_END, fp8_figures)
-        print(f"filled the FP8 figures of {REPO_README}")
+        fill_engine_doc(fp8_data, FP8_START, FP8_END, fp8_figures)
+        print(f"filled the FP8 figures of {ENGINE_DOC}")
     host_data = _load("host_memory_h200")
     if host_data:
-        fill_repo_readme(host_data, HOST_START, HOST_END, host_memory_table)
-        print(f"filled the host-memory table of {REPO_README}")
+        fill_engine_doc(host_data, HOST_START, HOST_END, host_memory_table)
+        print(f"filled the host-memory table of {ENGINE_DOC}")
     fast_data = _fast_mode_data()
     if fast_data:
-        fill_repo_readme(fast_data, FAST_START, FAST_END, fast_mode_figures)
-        print(f"filled the fast-mode figures of {REPO_README}")
+        fill_engine_doc(fast_data, FAST_START, FAST_END, fast_mode_figures)
+        print(f"filled the fast-mode figures of {ENGINE_DOC}")

@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 # What Vflash measured of core's text conditioning (ComfyUI 0.33.0 `comfy/text_encoders/minimax.py` on the same
-# Qwen3-VL weights as the diffusers conditioner): the README's ComfyUI section has the numbers and the test.
+# Qwen3-VL weights as the diffusers conditioner): docs/comfyui.md has the numbers, docs/development.md the test.
 CORE_TEXT_NOTE = (
     "text conditioning from ComfyUI core's CLIP (its own Qwen3-VL code): the same presentation (labels, vision "
     "blocks, row tags) as diffusers' hidden_states[50], but not bitwise equal to it (measured on ComfyUI 0.33.0 with a "

@@ -1,10 +1,10 @@
 """The example API workflows against a real ComfyUI server (skipped unless `COMFYUI_ROOT` is set).
 
-Setup (see the README's ComfyUI section): `COMFYUI_ROOT` is a ComfyUI checkout at the pinned commit,
+Setup (docs/development.md): `COMFYUI_ROOT` is a ComfyUI checkout at the pinned commit,
 `COMFYUI_PYTHON` (default: this interpreter) a Python with ComfyUI's requirements and this repository's
 requirements.txt installed. The fixture starts `main.py --cpu` on loopback with this repository linked into a
 dedicated custom-nodes folder through an extra-model-paths yaml (or, where ComfyUI's own `custom_nodes/` already holds
-this checkout, as the README installs it, that copy: a second link would load the pack twice), loading no other custom
+this checkout, as docs/comfyui.md does, that copy: a second link would load the pack twice), loading no other custom
 nodes than the pack and the test-only probes; it submits workflows with `POST /prompt`, follows the websocket until the
 prompt finishes, and fetches the MP4 through `/history` and `/view`.
 """
@@ -89,7 +89,7 @@ class Server:
         if copies is None:
             installed = installed_pack_copies(root / "custom_nodes")
             this_checkout = [copy for copy in installed if copy.resolve() == REPO]
-            if this_checkout:  # the README's install: ComfyUI loads this checkout from its own custom_nodes already
+            if this_checkout:  # the documented install: ComfyUI loads this checkout from its own custom_nodes already
                 self.pack_name = this_checkout[0].name
             else:  # another copy there is not loaded (the whitelist below), and its folder name is kept free
                 self.pack_name = "vflash" if "vflash" not in {copy.name for copy in installed} else "vflash_under_test"
@@ -270,7 +270,7 @@ def test_pack_loaded_and_published(server):
 
 
 def test_a_second_copy_of_the_pack_registers_nothing_and_logs_one_warning(tmp_path):
-    """Two custom-node folders holding the pack (two links to this checkout, as when the README's install meets a
+    """Two custom-node folders holding the pack (two links to this checkout, as when the documented install meets a
     linked copy): ComfyUI loads the nodes of the first only, and the log has one WARNING naming both folders."""
     import urllib.request
 

@@ -51,7 +51,7 @@ class ArchFamily:
 #: The GPU families Vflash has profiles for, by tag. A family covers capabilities whose kernels are the same code
 #: (torch dispatches its GEMMs, SDPA and scaled-FP8 kernels per major version there; Triton compiles the same source):
 #: sm103 (B300) runs sm100's, sm121 (GB10) sm120's. sm86 and sm89 are families of their own: the published profile
-#: ids name them, and sm89 adds FP8 tensor cores. Measured on sm90 (H200) only; see README "Architectures".
+#: ids name them, and sm89 adds FP8 tensor cores. Measured on sm90 (H200) only; see docs/engine.md "Architectures".
 ARCH_FAMILIES: dict[str, ArchFamily] = {f.tag: f for f in (
     ArchFamily("sm80", "sm80 GPUs (A100 / A800 / A30)", ((8, 0),), fp8=False, fa3=False),
     ArchFamily("sm86", "sm86 GPUs (RTX 30xx / A-series)", ((8, 6),), fp8=False, fa3=False),
