@@ -284,19 +284,17 @@ def _rms_norm_modulate_quantize_kernel(
 
 
 def rms_norm_modulate_quantize(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, table: torch.Tensor, row_index: torch.Tensor, which: str = "msa",
-    *, keep_value: bool = False
+    x: torch.Tensor, weight: torch.Tensor, eps: float, table: torch.Tensor, row_index: torch.Tensor, *,
+    shift_block: int, scale_block: int, table_blocks: int, keep_value: bool = False
 ) -> Quantized:
-    """`rms_norm_modulate(x, weight, eps, table, row_index, which)` quantized per row, without writing the BF16
+    """`rms_norm_modulate(x, weight, eps, table, row_index, ...)` quantized per row, without writing the BF16
     activation unless `keep_value`.
 
-    Arguments as `vflash_kernels.rms_norm_modulate.rms_norm_modulate` for the main-block tables ("msa" / "mlp"),
-    with the same refusals (inputs for which `F.rms_norm` would take its other CUDA path). Returns
+    Arguments as `vflash_kernels.rms_norm_modulate.rms_norm_modulate` (the engine quantizes the main blocks' sublayer
+    inputs), with the same refusals (inputs for which `F.rms_norm` would take its other CUDA path). Returns
     (codes, scales, value): value is `rms_norm_modulate`'s result itself, or None.
     """
-    if which not in ("msa", "mlp"):
-        raise ValueError(f"which must be 'msa' or 'mlp' (a main block's table), got {which!r}")
-    x2, shift_col, scale_col = _check_inputs(x, weight, table, row_index, which)
+    x2, shift_col, scale_col = _check_inputs(x, weight, table, row_index, shift_block, scale_block, table_blocks)
     n_rows, hidden = x2.shape
     round_dtype = _launch.round_dtype(x.dtype)
     codes, scales, value = _outputs(x, tuple(x.shape), keep_value, x.dtype)

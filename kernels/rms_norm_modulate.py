@@ -1,5 +1,5 @@
 """RMSNorm fused with the AdaLN modulation, in one pass:
-`modulate(F.rms_norm(x, (H,), w, eps), table, row_index, which)`.
+`modulate(F.rms_norm(x, (H,), w, eps), table, row_index, ...)`.
 
 Reference: `vflash_core.engine.model.rms_norm_modulate` (`F.rms_norm`, then `modulate`), used by `main_block` before
 each sublayer and by `output_heads`. The (S, H) normalised tensor is never written: the kernel saves one write and one
@@ -151,9 +151,10 @@ def _rms_norm_modulate_kernel(
 
 
 def _check_inputs(
-    x: torch.Tensor, weight: torch.Tensor, table: torch.Tensor, row_index: torch.Tensor, which: str
+    x: torch.Tensor, weight: torch.Tensor, table: torch.Tensor, row_index: torch.Tensor, shift_block: int,
+    scale_block: int, table_blocks: int
 ) -> tuple[torch.Tensor, int, int]:
-    """x as (S, H) rows and the (shift, scale) table columns of `which`, after the checks of `rms_norm_modulate`.
+    """x as (S, H) rows and the (shift, scale) table columns, after the checks of `rms_norm_modulate`.
 
     Refuses inputs for which `F.rms_norm` takes its non-vectorized CUDA path (another reduction order): torch makes x
     and the weight contiguous first (a copy is freshly allocated, so aligned), then needs H % 4 == 0 and 4-element
@@ -163,7 +164,7 @@ def _check_inputs(
     n_rows, hidden = x2.shape
     if weight.shape != (hidden,) or weight.dtype != x.dtype:
         raise ValueError(f"weight must be ({hidden},) {x.dtype}, got {tuple(weight.shape)} {weight.dtype}")
-    shift_col, scale_col = modulation_columns(which, table, hidden, x.dtype, "x")
+    shift_col, scale_col = modulation_columns(table, shift_block, scale_block, table_blocks, hidden, x.dtype, "x")
     if hidden % _VEC:
         raise ValueError(
             f"hidden size {hidden} is not a multiple of {_VEC}: F.rms_norm would not use its vectorized kernel"
@@ -183,17 +184,20 @@ def rms_norm_modulate(
     eps: float,
     table: torch.Tensor,
     row_index: torch.Tensor,
-    which: str = "msa",
     *,
+    shift_block: int,
+    scale_block: int,
+    table_blocks: int,
     out: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """`modulate(F.rms_norm(x, (H,), weight, eps), table, row_index, which)` in one kernel, without the normed tensor.
+    """`modulate(F.rms_norm(x, (H,), weight, eps), table, row_index, ...)` in one kernel, without the normed tensor.
 
     x: (S, H) or (1, S, H), bf16 (or fp16/fp32), any strides; H a multiple of 4.
     weight: (H,) in x's dtype (`norm1.weight`, `norm2.weight`), any stride. eps: used in fp32, as torch does.
-    table, row_index, which, out_dtype, out: as `modulate` ((3T, 6H) main-block table with "msa" / "mlp", or the
-        (T, 2H) `norm_out` table with "out" and out_dtype float32; row_index values in [0, R), not checked).
+    table, row_index, shift_block, scale_block, table_blocks, out_dtype, out: as `modulate` (a main block's
+        (3T, 6H) table, or the (T, 2H) `norm_out` table with out_dtype float32; row_index values in [0, R), not
+        checked).
     Returns a tensor of x's shape, contiguous unless `out` was given.
 
     Numerics: the RMSNorm in the order of torch's vectorized CUDA kernel (module docstring), then `modulate`'s
@@ -201,7 +205,7 @@ def rms_norm_modulate(
     weight not aligned to 4 elements). Bit parity with `F.rms_norm` + `modulate` rests on torch's kernel choice:
     check it with `pytest -m gpu tests/test_rms_norm_modulate.py -s` after a torch upgrade or on another GPU.
     """
-    x2, shift_col, scale_col = _check_inputs(x, weight, table, row_index, which)
+    x2, shift_col, scale_col = _check_inputs(x, weight, table, row_index, shift_block, scale_block, table_blocks)
     out = _launch.output(out, x.shape, out_dtype or x.dtype, x.device)
     _launch.check_device(x, weight, table, row_index, out)
     out2 = _launch.as_rows(out, "out")

@@ -23,6 +23,7 @@ import pytest
 import test_kernels
 import torch
 import torch.nn.functional as F
+from kernel_references import shift_scale_blocks
 from test_kernels import (
     H_FULL,
     H_INTERPRETED,
@@ -119,12 +120,12 @@ def test_rejects_inputs_of_the_other_torch_path():
     table, idx = torch.zeros(6, 6 * 8, dtype=torch.bfloat16), torch.zeros(3, dtype=torch.long)
     w = torch.ones(8, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="multiple of 4"):
-        op.rms_norm_modulate(torch.zeros(3, 6, dtype=torch.bfloat16), torch.ones(6, dtype=torch.bfloat16), EPS, torch.zeros(6, 36, dtype=torch.bfloat16), idx)
+        op.rms_norm_modulate(torch.zeros(3, 6, dtype=torch.bfloat16), torch.ones(6, dtype=torch.bfloat16), EPS, torch.zeros(6, 36, dtype=torch.bfloat16), idx, **shift_scale_blocks("msa"))
     misaligned = torch.zeros(3 * 8 + 1, dtype=torch.bfloat16)[1:].view(3, 8)  # contiguous, 2 bytes off
     with pytest.raises(ValueError, match="aligned"):
-        op.rms_norm_modulate(misaligned, w, EPS, table, idx)
+        op.rms_norm_modulate(misaligned, w, EPS, table, idx, **shift_scale_blocks("msa"))
     with pytest.raises(ValueError, match="weight"):
-        op.rms_norm_modulate(torch.zeros(3, 8, dtype=torch.bfloat16), w.float(), EPS, table, idx)
+        op.rms_norm_modulate(torch.zeros(3, 8, dtype=torch.bfloat16), w.float(), EPS, table, idx, **shift_scale_blocks("msa"))
 
 
 # -- CPU: the kernel in the interpreter ------------------------------------------------------------------------
@@ -144,7 +145,7 @@ def test_rms_norm_modulate_interpreter(op, monkeypatch, request, hidden, layout,
     table = strided((6, 6 * hidden), dtype, g, scale=0.5)
     idx = torch.randint(0, 6, (rows,), generator=g, dtype=torch.int32 if layout == "strided" else torch.int64)
     out = poisoned(x.shape, dtype)
-    assert op.rms_norm_modulate(x, w, EPS, table, idx, which, out=out) is out
+    assert op.rms_norm_modulate(x, w, EPS, table, idx, **shift_scale_blocks(which), out=out) is out
     assert_all_written(out, "rms_norm_modulate")
     assert_bitwise(out, rms_norm_modulate_order_reference(op, x, w, EPS, table, idx.long(), which), f"H={hidden} {which} vs emulated order")
     _report(f"rms_norm_modulate vs CPU F.rms_norm + modulate (H={hidden}, {which})", out, rms_norm_modulate_reference(x, w, EPS, table, idx.long(), which))
@@ -158,7 +159,7 @@ def test_rms_norm_modulate_interpreter_norm_out_fp32_result(op, request):
     x, w = _inputs(S_CPU, 1000, torch.bfloat16, g)
     table = randn((2, 2 * 1000), torch.bfloat16, g, 0.5)
     idx = torch.randint(0, 2, (S_CPU,), generator=g)
-    got = op.rms_norm_modulate(x, w, EPS, table, idx, "out", out_dtype=torch.float32)
+    got = op.rms_norm_modulate(x, w, EPS, table, idx, **shift_scale_blocks("out"), out_dtype=torch.float32)
     assert got.dtype == torch.float32 and got.shape == x.shape and got.is_contiguous()
     assert_bitwise(got, rms_norm_modulate_order_reference(op, x, w, EPS, table, idx, "out", torch.float32), "norm_out")
 
@@ -169,7 +170,7 @@ def test_rms_norm_modulate_interpreter_int64_variant(op, monkeypatch, request):
     x, w = _inputs(S_SMALL_TILE, 1000, torch.bfloat16, g, "strided")
     table = strided((6, 6 * 1000), torch.bfloat16, g, scale=0.5)
     idx = torch.randint(0, 6, (S_SMALL_TILE,), generator=g)
-    assert_bitwise(op.rms_norm_modulate(x, w, EPS, table, idx, "mlp"), rms_norm_modulate_order_reference(op, x, w, EPS, table, idx, "mlp"), "int64")
+    assert_bitwise(op.rms_norm_modulate(x, w, EPS, table, idx, **shift_scale_blocks("mlp")), rms_norm_modulate_order_reference(op, x, w, EPS, table, idx, "mlp"), "int64")
 
 
 def test_rms_norm_modulate_interpreter_fp32(op, request):
@@ -179,7 +180,7 @@ def test_rms_norm_modulate_interpreter_fp32(op, request):
     x, w = _inputs(S_CPU, 1000, torch.float32, g)
     table = randn((6, 6 * 1000), torch.float32, g, 0.5)
     idx = torch.randint(0, 6, (S_CPU,), generator=g)
-    got = op.rms_norm_modulate(x, w, EPS, table, idx, "msa")
+    got = op.rms_norm_modulate(x, w, EPS, table, idx, **shift_scale_blocks("msa"))
     torch.testing.assert_close(got, rms_norm_modulate_reference(x, w, EPS, table, idx, "msa"), rtol=2e-6, atol=2e-6)
 
 
@@ -212,10 +213,10 @@ def test_rms_norm_modulate_gpu(gpu, gpu_op, monkeypatch, request, S):
     """Bit for bit with `F.rms_norm` + `modulate`; prints the count of differing elements (and a diagnosis) if not."""
     g = generator(request, "cuda")
     x, w, table, idx = _gpu_case(S, g)
-    expected = {which: gpu.modulate.modulate(F.rms_norm(x, (H_FULL,), w, EPS), table, idx, which) for which in ("msa", "mlp")}
+    expected = {which: gpu.modulate.modulate(F.rms_norm(x, (H_FULL,), w, EPS), table, idx, **shift_scale_blocks(which)) for which in ("msa", "mlp")}
     failures = []
     for which in ("msa", "mlp"):
-        got = gpu_op.rms_norm_modulate(x, w, EPS, table, idx, which)
+        got = gpu_op.rms_norm_modulate(x, w, EPS, table, idx, **shift_scale_blocks(which))
         differ = int((got != expected[which]).sum())
         print(f"rms_norm_modulate {which} S={S}: {differ}/{got.numel()} elements differ from F.rms_norm + modulate")
         if differ:
@@ -224,4 +225,4 @@ def test_rms_norm_modulate_gpu(gpu, gpu_op, monkeypatch, request, S):
         _diagnose_order(gpu_op, x, w)
     assert not failures, f"not bit for bit with F.rms_norm + modulate for {failures} (counts above)"
     monkeypatch.setattr(gpu._launch, "needs_int64", lambda *views: True)
-    assert_bitwise(gpu_op.rms_norm_modulate(x, w, EPS, table, idx, "mlp"), expected["mlp"], f"INDEX_64 variant S={S}")
+    assert_bitwise(gpu_op.rms_norm_modulate(x, w, EPS, table, idx, **shift_scale_blocks("mlp")), expected["mlp"], f"INDEX_64 variant S={S}")
