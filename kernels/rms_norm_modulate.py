@@ -33,7 +33,6 @@ default `nvvm-reflect-ftz`, which differs only for subnormal arguments; `ms + ep
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -41,7 +40,7 @@ from . import _launch
 from ._device import _lane_tree_sum, _round_as, _row_block, _row_chunk, _table_row_offsets, _to_f32, _to_storage
 from .modulate import modulation_columns
 
-__all__ = ["rms_norm_block_order_reference", "rms_norm_modulate"]
+__all__ = ["rms_norm_modulate"]
 
 #: torch's block for the vectorized row kernel: 32-lane warps, `num_threads() / 32` = 4 of them, 4-element vectors.
 _LANES = 32
@@ -230,41 +229,3 @@ def rms_norm_modulate(
             **_launch.launch_options(tile),
         )
     return out
-
-
-# -- references -----------------------------------------------------------------------------------------------------
-
-
-def _halving_tree(s: torch.Tensor) -> torch.Tensor:
-    """(..., W) -> (...), W a power of two: element i += element i + W/2, halving W (a shuffle-down or shared-memory
-    tree)."""
-    width = s.shape[-1]
-    while width > 1:
-        width //= 2
-        s = s[..., :width] + s[..., width : 2 * width]
-    return s[..., 0]
-
-
-def rms_norm_block_order_reference(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, *, warps: int = _TORCH_WARPS
-) -> torch.Tensor:
-    """torch emulation of `rms_norm_modulate`'s RMSNorm, reduction order included: (..., H) -> (..., H) in x's dtype.
-
-    `warps` is the block height of torch's kernel (4; other powers of two model other launch configurations, for
-    diagnosis). Exact for bf16/fp16 inputs, whose squares are exact in fp32 (so the kernel's fma equals a multiply and
-    an add). `torch.rsqrt` on the CPU is `1 / sqrt` (what the Triton interpreter computes); on the GPU the kernel uses
-    the hardware approximation, as `F.rms_norm` does.
-    """
-    hidden = x.shape[-1]
-    threads = _LANES * warps
-    xf = x.float()
-    squares = F.pad(xf * xf, (0, -hidden % (threads * _VEC))).unflatten(-1, (-1, threads, _VEC))  # (..., K, T, 4)
-    acc = torch.zeros(squares.shape[:-3] + (threads,), dtype=torch.float32, device=x.device)
-    for k in range(squares.shape[-3]):
-        for j in range(_VEC):
-            acc = acc + squares[..., k, :, j]
-    sum_sq = _halving_tree(_halving_tree(acc.unflatten(-1, (warps, _LANES))))  # lanes, then warps
-    rstd = torch.rsqrt(sum_sq / hidden + eps)
-    return (weight.float() * (rstd[..., None] * xf)).to(x.dtype)
-
-

@@ -14,9 +14,8 @@ import triton.language as tl
 
 from . import _launch
 from ._device import _lane_tree_sum, _round_as, _tile_indices, _to_f32, _to_storage
-from .rms_norm_modulate import rms_norm_block_order_reference
 
-__all__ = ["qk_norm_rope", "rms_norm_warp_order_reference", "rope"]
+__all__ = ["qk_norm_rope", "rope"]
 
 #: torch's vectorized CUDA row kernel (`vectorized_layer_norm_kernel`, used by `F.rms_norm` for contiguous rows whose
 #: length is a multiple of 4) gives lane t of a 32-lane warp the 4 consecutive channels 4t..4t+3; `qk_norm_rope`
@@ -378,16 +377,3 @@ def launch_qk_norm_rope(
         INDEX_64=_launch.needs_int64(rows, cos2, sin2, out),
         **_launch.launch_options(tile),
     )
-
-
-# -- references -----------------------------------------------------------------------------------------------------
-
-
-def rms_norm_warp_order_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """torch emulation of `qk_norm_rope`'s RMSNorm, reduction order included: (..., D) -> (..., D) in x's dtype,
-    D <= 128.
-
-    torch's block order (`rms_norm_modulate.rms_norm_block_order_reference`) with a single warp: rows of at most 128
-    channels fill only warp 0, whose lanes then are the whole reduction.
-    """
-    return rms_norm_block_order_reference(x, weight, eps, warps=1)

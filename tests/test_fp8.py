@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from kernel_references import shift_scale_blocks
+from kernel_references import rms_norm_block_order_reference, shift_scale_blocks
 from test_kernels import (
     FFN,
     H_FULL,
@@ -68,9 +68,7 @@ def op(interp):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TRITON_INTERPRET", "1")
         module = importlib.import_module(f"{test_kernels._INTERPRETED}.fp8_quantize")
-        norm = importlib.import_module(f"{test_kernels._INTERPRETED}.rms_norm_modulate")
     assert module._launch is interp._launch and module._launch.INTERPRET
-    module.norm_order_reference = norm.rms_norm_block_order_reference
     return module
 
 
@@ -183,7 +181,7 @@ def test_rms_norm_modulate_quantize_interpreter(op, monkeypatch, request, hidden
     weight = randn((hidden,), torch.bfloat16, g, 0.25) + 1
     table = strided((6, 6 * hidden), torch.bfloat16, g, scale=0.5)
     idx = torch.randint(0, 6, (rows,), generator=g, dtype=torch.int32 if layout == "strided" else torch.int64)
-    expected = reference.modulate(op.norm_order_reference(x, weight, EPS), table, idx.long(), which)
+    expected = reference.modulate(rms_norm_block_order_reference(x, weight, EPS), table, idx.long(), which)
     got = op.rms_norm_modulate_quantize(x, weight, EPS, table, idx, **shift_scale_blocks(which), keep_value=layout == "model")
     assert_same_quantization(got, expected, f"rms_norm_modulate_quantize H={hidden} {which}")
     if layout == "model":
@@ -201,7 +199,7 @@ def test_int64_variants_interpreter(op, monkeypatch, request):
     weight, table = randn((1000,), torch.bfloat16, g, 0.25) + 1, strided((6, 6000), torch.bfloat16, g, scale=0.5)
     xs = randn((1, S_SMALL_TILE, 1000), torch.bfloat16, g, 3.0)
     idx = torch.randint(0, 6, (S_SMALL_TILE,), generator=g)
-    expected = reference.modulate(op.norm_order_reference(xs, weight, EPS), table, idx, "msa")
+    expected = reference.modulate(rms_norm_block_order_reference(xs, weight, EPS), table, idx, "msa")
     assert_same_quantization(op.rms_norm_modulate_quantize(xs, weight, EPS, table, idx, **shift_scale_blocks("msa")), expected, "rms_norm_modulate_quantize int64")
 
 

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
-from kernel_references import gate_blocks, shift_scale_blocks  # noqa: E402
+from kernel_references import gate_blocks, rms_norm_warp_order_reference, shift_scale_blocks  # noqa: E402
 
 from vflash_core.engine import model as reference  # noqa: E402  (the torch reference of every kernel op)
 
@@ -378,7 +378,7 @@ def test_qk_norm_rope_interpreter(interp, monkeypatch, request, heads, D, R, cop
     assert_all_written(out, "qk_norm_rope")
     assert q_out.shape == k_out.shape == v_out.shape == (1, rows, heads, D) and q_out.is_contiguous()
     emulated = reference.rope(
-        interp.rope.rms_norm_warp_order_reference(q, wq, eps), interp.rope.rms_norm_warp_order_reference(k, wk, eps), cos, sin
+        rms_norm_warp_order_reference(q, wq, eps), rms_norm_warp_order_reference(k, wk, eps), cos, sin
     )
     assert_bitwise(q_out, emulated[0], "fused q vs emulated order")
     assert_bitwise(k_out, emulated[1], "fused k vs emulated order")
@@ -421,7 +421,7 @@ def test_int64_variant_interpreter(interp, monkeypatch, request):
     wq, wk = randn((16,), dtype, g, 0.2) + 1, randn((16,), dtype, g, 0.2) + 1
     got = interp.rope.qk_norm_rope(qkv, wq, wk, 1e-5, cos, sin, head_dim=16)
     emulated = reference.rope(
-        interp.rope.rms_norm_warp_order_reference(q, wq, 1e-5), interp.rope.rms_norm_warp_order_reference(k, wk, 1e-5), cos, sin
+        rms_norm_warp_order_reference(q, wq, 1e-5), rms_norm_warp_order_reference(k, wk, 1e-5), cos, sin
     )
     assert_bitwise(got[0], emulated[0], "qk_norm_rope int64 q")
     assert_bitwise(got[1], emulated[1], "qk_norm_rope int64 k")
