@@ -142,18 +142,24 @@ def h3_launches(device: torch.device | str, rows: int = H3_ROWS) -> list[tuple[s
     v_view = empty(shard_rows, 3 * inner)[:, 2 * inner :].unflatten(-1, (heads, head_dim))  # v: inside the QKV rows
     calls: list[tuple[str, Callable[[], object]]] = []
     for which, (shift, scale, gate) in H3_ADALN_BLOCKS.items():
-        columns = {"shift_block": shift, "scale_block": scale, "table_blocks": H3_ADALN_TABLE_BLOCKS}
+        blocks = H3_ADALN_TABLE_BLOCKS
         calls += [
             (
                 f"rms_norm_modulate {which}",
-                partial(rms_norm_modulate.rms_norm_modulate, x, norm_weight, eps, table, index, **columns),
+                partial(
+                    rms_norm_modulate.rms_norm_modulate, x, norm_weight, eps, table, index, shift_block=shift,
+                    scale_block=scale, table_blocks=blocks
+                ),
             ),
-            (f"modulate {which}", partial(modulate.modulate, x, table, index, **columns)),
+            (
+                f"modulate {which}",
+                partial(modulate.modulate, x, table, index, shift_block=shift, scale_block=scale, table_blocks=blocks),
+            ),
             (
                 f"gated_residual {which}",
                 partial(
-                    gated_residual.gated_residual, x, y, table, index, gate_block=gate,
-                    table_blocks=H3_ADALN_TABLE_BLOCKS, inplace=True
+                    gated_residual.gated_residual, x, y, table, index, gate_block=gate, table_blocks=blocks,
+                    inplace=True
                 ),
             ),
         ]
@@ -161,8 +167,8 @@ def h3_launches(device: torch.device | str, rows: int = H3_ROWS) -> list[tuple[s
             calls.append((
                 f"rms_norm_modulate_quantize {which} keep_value={keep}",
                 partial(
-                    fp8_quantize.rms_norm_modulate_quantize, x, norm_weight, eps, table, index, **columns,
-                    keep_value=keep
+                    fp8_quantize.rms_norm_modulate_quantize, x, norm_weight, eps, table, index, shift_block=shift,
+                    scale_block=scale, table_blocks=blocks, keep_value=keep
                 ),
             ))
     calls += [
