@@ -37,60 +37,20 @@ import triton
 import triton.language as tl
 
 from . import _launch
-from ._device import _lane_tree_sum, _round_as, _row_block, _row_chunk, _table_row_offsets, _to_f32, _to_storage
+from ._device import (
+    _CHUNK,
+    _TORCH_WARPS,
+    _VEC,
+    _norm_modulate_chunk,
+    _row_block,
+    _row_chunk,
+    _table_row_offsets,
+    _to_storage,
+    _torch_block_rstd,
+)
 from .modulate import modulation_columns
 
 __all__ = ["rms_norm_modulate"]
-
-#: torch's block for the vectorized row kernel: 32-lane warps, `num_threads() / 32` = 4 of them, 4-element vectors.
-_LANES = 32
-_TORCH_WARPS = 4
-_VEC = 4
-#: Channels one block of torch reads per step (128 threads x 4): the column tile of every loop iteration here, so that
-#: each tile column group is one torch thread's vector.
-_CHUNK = _LANES * _TORCH_WARPS * _VEC
-
-
-@triton.jit
-def _torch_block_rstd(
-    x_rows, row_mask, x_col_stride, eps, HIDDEN: tl.constexpr, TORCH_WARPS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-    INDEX_64: tl.constexpr,
-    EMULATE_CASTS: tl.constexpr,
-):
-    """(BLOCK_ROWS, 1) `rstd` of whole rows, the sum of squares in torch's block order (see the kernel below), reading
-    each row chunk by chunk of 4 * 32 * TORCH_WARPS channels; channels past HIDDEN load 0 and add +0.0 exactly."""
-    CHUNK: tl.constexpr = 4 * 32 * TORCH_WARPS
-    # per-thread sums: column 4t + j of a chunk is torch thread t's channel j (x[r, t, a, b] = channel 4t + 2a + b)
-    acc = tl.full((BLOCK_ROWS, CHUNK // 4), 0.0, tl.float32)  # not `tl.zeros`: a triton @jit function (see _device)
-    for start in range(0, HIDDEN, CHUNK):
-        cols, _, mask = _row_chunk(start, HIDDEN, row_mask, CHUNK, INDEX_64)
-        x = _to_f32(tl.load(x_rows + cols[None, :] * x_col_stride, mask=mask, other=0.0), EMULATE_CASTS)
-        quads = tl.reshape(x, (BLOCK_ROWS, CHUNK // 4, 2, 2))
-        even, odd = tl.split(quads)  # channels 4t + 2a and 4t + 2a + 1
-        x0, x2 = tl.split(even)
-        x1, x3 = tl.split(odd)
-        acc = tl.fma(x3, x3, tl.fma(x2, x2, tl.fma(x1, x1, tl.fma(x0, x0, acc))))
-    warp_sums = _lane_tree_sum(tl.reshape(acc, (BLOCK_ROWS, TORCH_WARPS, 32)), BLOCK_ROWS, TORCH_WARPS, 32)
-    sum_sq = _lane_tree_sum(tl.reshape(warp_sums, (BLOCK_ROWS, 1, TORCH_WARPS)), BLOCK_ROWS, 1, TORCH_WARPS)
-    return tl.math.rsqrt(tl.math.div_rn(sum_sq, HIDDEN * 1.0) + eps)
-
-
-@triton.jit
-def _norm_modulate_chunk(
-    x_rows, weight_ptr, table_row_ptrs, rstd, cols, mask, col_mask, x_col_stride, weight_stride, table_col_stride,
-    shift_col, scale_col,
-    ROUND_DTYPE: tl.constexpr, EMULATE_CASTS: tl.constexpr,
-):
-    """One chunk of the output as fp32: normalise (`F.rms_norm`'s one rounding), then `modulate`'s three roundings."""
-    x = _to_f32(tl.load(x_rows + cols[None, :] * x_col_stride, mask=mask, other=0.0), EMULATE_CASTS)
-    weight = _to_f32(tl.load(weight_ptr + cols * weight_stride, mask=col_mask, other=0.0), EMULATE_CASTS)
-    normed = _round_as(weight[None, :] * (rstd * x), ROUND_DTYPE, EMULATE_CASTS)
-    scale = tl.load(table_row_ptrs + (scale_col + cols)[None, :] * table_col_stride, mask=mask, other=0.0)
-    shift = tl.load(table_row_ptrs + (shift_col + cols)[None, :] * table_col_stride, mask=mask, other=0.0)
-    one_plus_scale = _round_as(1.0 + _to_f32(scale, EMULATE_CASTS), ROUND_DTYPE, EMULATE_CASTS)
-    y = _round_as(normed * one_plus_scale, ROUND_DTYPE, EMULATE_CASTS)
-    return _round_as(y + _to_f32(shift, EMULATE_CASTS), ROUND_DTYPE, EMULATE_CASTS)
-
 
 @triton.jit
 def _rms_norm_modulate_kernel(
@@ -149,7 +109,7 @@ def _rms_norm_modulate_kernel(
         )
 
 
-def _check_inputs(
+def check_norm_modulate_inputs(
     x: torch.Tensor, weight: torch.Tensor, table: torch.Tensor, row_index: torch.Tensor, shift_block: int,
     scale_block: int, table_blocks: int
 ) -> tuple[torch.Tensor, int, int]:
@@ -204,7 +164,9 @@ def rms_norm_modulate(
     weight not aligned to 4 elements). Bit parity with `F.rms_norm` + `modulate` rests on torch's kernel choice:
     check it with `pytest -m gpu tests/test_rms_norm_modulate.py -s` after a torch upgrade or on another GPU.
     """
-    x2, shift_col, scale_col = _check_inputs(x, weight, table, row_index, shift_block, scale_block, table_blocks)
+    x2, shift_col, scale_col = check_norm_modulate_inputs(
+        x, weight, table, row_index, shift_block, scale_block, table_blocks
+    )
     out = _launch.output(out, x.shape, out_dtype or x.dtype, x.device)
     _launch.check_device(x, weight, table, row_index, out)
     out2 = _launch.as_rows(out, "out")

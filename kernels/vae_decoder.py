@@ -21,9 +21,19 @@ import triton
 import triton.language as tl
 
 from . import _launch
-from ._device import _round_as, _row_block, _row_chunk, _tile_indices, _to_f32, _to_storage
-from .rms_norm_modulate import _CHUNK, _TORCH_WARPS, _VEC, _torch_block_rstd
-from .rope import _angles_views, check_head_dim, launch_qk_norm_rope
+from ._device import (
+    _CHUNK,
+    _TORCH_WARPS,
+    _VEC,
+    _round_as,
+    _row_block,
+    _row_chunk,
+    _tile_indices,
+    _to_f32,
+    _to_storage,
+    _torch_block_rstd,
+)
+from .rope import angles_views, check_head_dim, launch_qk_norm_rope
 
 __all__ = ["head_rms_norm_rope", "rms_norm_cast", "scaled_residual"]
 
@@ -201,7 +211,7 @@ def head_rms_norm_rope(x: torch.Tensor, eps: float | None, cos: torch.Tensor, si
     count, seq, heads, head_dim = x.shape
     check_head_dim(head_dim)
     rows = _rows(x.flatten(2, 3), "x")  # (W S, heads Dh)
-    cos2, sin2 = _angles_views(cos, sin, rows.shape[0], head_dim, x.dtype)
+    cos2, sin2 = angles_views(cos, sin, rows.shape[0], head_dim, x.dtype)
     _launch.round_dtype(x.dtype)  # a dtype the kernel cannot round in is refused, even for no rows
     out = torch.empty((1, rows.shape[0], heads, head_dim), dtype=x.dtype, device=x.device)  # one part: q alone
     unit = _unit_weight(head_dim, x.dtype, x.device)
