@@ -19,9 +19,12 @@ its parity tests compare the two.
 | `fp8_quantize.swiglu_quantize`                | `fp8.quantize_rows` of `model.swiglu`                             |
 | `fp8_quantize.rms_norm_modulate_quantize`     | `fp8.quantize_rows` of `model.rms_norm_modulate`                  |
 
-The kernels import the model's definitions they share with it (the AdaLN tables' layout, `MODULATION_BLOCKS`)
-from `vflash_core.engine.model`; the core imports the kernels only lazily, when a fused op is first built
-(`engine/fused.py`, `fp8.py`, `parallel.py`).
+The package is a leaf: it imports torch and triton, nothing of `vflash_core` or the node pack (tests/test_layering.py
+checks it). What a kernel needs of the model's definitions comes in as arguments: the fused ops pass the AdaLN
+tables' layout (`vflash_core.engine.model.MODULATION_BLOCKS`) as block positions. The core imports the kernels only
+lazily, when a fused op is first built (`engine/fused.py`, `fp8.py`, `parallel.py`, `sparse_attention.py`,
+`media/vae_decode.py`). The torch emulations of torch's CUDA RMSNorm order that the parity tests compare the norms
+with live beside those tests (tests/kernel_references.py); the `@triton.jit` helpers the kernels share, in `_device`.
 
 Nothing is re-exported here: an op and its module share a name, and importing this package must stay free of triton
 (the ComfyUI entry point registers it on every start, also on machines without triton).

@@ -1,5 +1,6 @@
-"""`@triton.jit` helpers shared by the kernels: the per-op rounding of the model, torch's 32-lane tree sum, and the
-index arithmetic of a program's tile (integer only; every helper is inlined into its kernel).
+"""`@triton.jit` helpers shared by the kernels: the per-op rounding of the model, torch's 32-lane tree sum, the index
+arithmetic of a program's tile (integer only), torch's CUDA RMSNorm order with the AdaLN modulation after it, and
+libdevice (every helper is inlined into its kernel).
 
 Rounding contract (the model's, which diffusers' H3 transformer defines): every torch elementwise op on bf16 tensors
 computes in fp32 and rounds its own output to bf16 (round to nearest, ties to even). The kernels keep each intermediate
@@ -12,6 +13,18 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+# The exact `expf`: torch's CUDA silu computes `x / (1 + exp(-x))` in fp32 with the full-precision `expf` (no
+# --use_fast_math) and an IEEE division, and libdevice's `__nv_expf` is that same function. Its module moved between
+# Triton versions: `triton.language.extra.cuda.libdevice` (triton >= 3.0, including 3.6 and 3.9), the
+# backend-dispatching `triton.language.extra.libdevice` (>= 3.2), and `tl.math` in Triton 2.x.
+try:
+    from triton.language.extra.cuda import libdevice as _libdevice
+except ImportError:  # pragma: no cover - depends on the installed triton
+    try:
+        from triton.language.extra import libdevice as _libdevice
+    except ImportError:
+        _libdevice = tl.math
 
 
 @triton.jit
@@ -151,3 +164,57 @@ def _table_row_offsets(index_ptr, rows, row_mask, index_stride, table_row_stride
     else:
         table_rows = table_rows.to(tl.int32)
     return (table_rows * table_row_stride)[:, None]
+
+
+# -- torch's CUDA RMSNorm order (`rms_norm_modulate`'s module docstring) ----------------------------------------
+
+#: torch's block for the vectorized row kernel: 32-lane warps, `num_threads() / 32` = 4 of them, 4-element vectors.
+_LANES = 32
+_TORCH_WARPS = 4
+_VEC = 4
+#: Channels one block of torch reads per step (128 threads x 4): the column tile of every loop iteration of the
+#: torch-order norms, so that
+#: each tile column group is one torch thread's vector.
+_CHUNK = _LANES * _TORCH_WARPS * _VEC
+
+
+@triton.jit
+def _torch_block_rstd(
+    x_rows, row_mask, x_col_stride, eps, HIDDEN: tl.constexpr, TORCH_WARPS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    INDEX_64: tl.constexpr,
+    EMULATE_CASTS: tl.constexpr,
+):
+    """(BLOCK_ROWS, 1) `rstd` of whole rows, the sum of squares in torch's block order (the docstring of
+    `rms_norm_modulate._rms_norm_modulate_kernel`), reading each row chunk by chunk of 4 * 32 * TORCH_WARPS channels;
+    channels past HIDDEN load 0 and add +0.0 exactly."""
+    CHUNK: tl.constexpr = 4 * 32 * TORCH_WARPS
+    # per-thread sums: column 4t + j of a chunk is torch thread t's channel j (x[r, t, a, b] = channel 4t + 2a + b)
+    acc = tl.full((BLOCK_ROWS, CHUNK // 4), 0.0, tl.float32)  # not `tl.zeros`: a triton @jit function (see `_pair_sum`)
+    for start in range(0, HIDDEN, CHUNK):
+        cols, _, mask = _row_chunk(start, HIDDEN, row_mask, CHUNK, INDEX_64)
+        x = _to_f32(tl.load(x_rows + cols[None, :] * x_col_stride, mask=mask, other=0.0), EMULATE_CASTS)
+        quads = tl.reshape(x, (BLOCK_ROWS, CHUNK // 4, 2, 2))
+        even, odd = tl.split(quads)  # channels 4t + 2a and 4t + 2a + 1
+        x0, x2 = tl.split(even)
+        x1, x3 = tl.split(odd)
+        acc = tl.fma(x3, x3, tl.fma(x2, x2, tl.fma(x1, x1, tl.fma(x0, x0, acc))))
+    warp_sums = _lane_tree_sum(tl.reshape(acc, (BLOCK_ROWS, TORCH_WARPS, 32)), BLOCK_ROWS, TORCH_WARPS, 32)
+    sum_sq = _lane_tree_sum(tl.reshape(warp_sums, (BLOCK_ROWS, 1, TORCH_WARPS)), BLOCK_ROWS, 1, TORCH_WARPS)
+    return tl.math.rsqrt(tl.math.div_rn(sum_sq, HIDDEN * 1.0) + eps)
+
+
+@triton.jit
+def _norm_modulate_chunk(
+    x_rows, weight_ptr, table_row_ptrs, rstd, cols, mask, col_mask, x_col_stride, weight_stride, table_col_stride,
+    shift_col, scale_col,
+    ROUND_DTYPE: tl.constexpr, EMULATE_CASTS: tl.constexpr,
+):
+    """One chunk of the output as fp32: normalise (`F.rms_norm`'s one rounding), then `modulate`'s three roundings."""
+    x = _to_f32(tl.load(x_rows + cols[None, :] * x_col_stride, mask=mask, other=0.0), EMULATE_CASTS)
+    weight = _to_f32(tl.load(weight_ptr + cols * weight_stride, mask=col_mask, other=0.0), EMULATE_CASTS)
+    normed = _round_as(weight[None, :] * (rstd * x), ROUND_DTYPE, EMULATE_CASTS)
+    scale = tl.load(table_row_ptrs + (scale_col + cols)[None, :] * table_col_stride, mask=mask, other=0.0)
+    shift = tl.load(table_row_ptrs + (shift_col + cols)[None, :] * table_col_stride, mask=mask, other=0.0)
+    one_plus_scale = _round_as(1.0 + _to_f32(scale, EMULATE_CASTS), ROUND_DTYPE, EMULATE_CASTS)
+    y = _round_as(normed * one_plus_scale, ROUND_DTYPE, EMULATE_CASTS)
+    return _round_as(y + _to_f32(shift, EMULATE_CASTS), ROUND_DTYPE, EMULATE_CASTS)

@@ -36,6 +36,11 @@ from . import _launch
 CAPABILITIES = (80, 86, 89, 90, 100, 103, 120, 121)
 #: Packed rows of a 5 s 960x544 t2va request at full width (video and audio tokens).
 H3_ROWS = 19_796
+#: The main blocks' AdaLN table layout, as the engine passes it to the kernels from the model's `MODULATION_BLOCKS`
+#: (`vflash_core.engine.model`; the AOT test checks the two agree): the (shift, scale, gate) block of each sublayer in
+#: a row of `H3_ADALN_TABLE_BLOCKS` H-wide blocks.
+H3_ADALN_BLOCKS = {"msa": (0, 1, 2), "mlp": (3, 4, 5)}
+H3_ADALN_TABLE_BLOCKS = 6
 
 
 @dataclass(frozen=True)
@@ -136,23 +141,34 @@ def h3_launches(device: torch.device | str, rows: int = H3_ROWS) -> list[tuple[s
     q_rows = empty(shard_rows, heads, head_dim)  # q / k: the contiguous rotary output
     v_view = empty(shard_rows, 3 * inner)[:, 2 * inner :].unflatten(-1, (heads, head_dim))  # v: inside the QKV rows
     calls: list[tuple[str, Callable[[], object]]] = []
-    for which in ("msa", "mlp"):
+    for which, (shift, scale, gate) in H3_ADALN_BLOCKS.items():
+        blocks = H3_ADALN_TABLE_BLOCKS
         calls += [
             (
                 f"rms_norm_modulate {which}",
-                partial(rms_norm_modulate.rms_norm_modulate, x, norm_weight, eps, table, index, which),
+                partial(
+                    rms_norm_modulate.rms_norm_modulate, x, norm_weight, eps, table, index, shift_block=shift,
+                    scale_block=scale, table_blocks=blocks
+                ),
             ),
-            (f"modulate {which}", partial(modulate.modulate, x, table, index, which)),
+            (
+                f"modulate {which}",
+                partial(modulate.modulate, x, table, index, shift_block=shift, scale_block=scale, table_blocks=blocks),
+            ),
             (
                 f"gated_residual {which}",
-                partial(gated_residual.gated_residual, x, y, table, index, which, inplace=True),
+                partial(
+                    gated_residual.gated_residual, x, y, table, index, gate_block=gate, table_blocks=blocks,
+                    inplace=True
+                ),
             ),
         ]
         for keep in (False, True):
             calls.append((
                 f"rms_norm_modulate_quantize {which} keep_value={keep}",
                 partial(
-                    fp8_quantize.rms_norm_modulate_quantize, x, norm_weight, eps, table, index, which, keep_value=keep
+                    fp8_quantize.rms_norm_modulate_quantize, x, norm_weight, eps, table, index, shift_block=shift,
+                    scale_block=scale, table_blocks=blocks, keep_value=keep
                 ),
             ))
     calls += [

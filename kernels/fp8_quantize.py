@@ -25,11 +25,21 @@ import triton
 import triton.language as tl
 
 from . import _launch
-from ._device import _round_as, _row_block, _row_chunk, _table_row_offsets, _to_f32, _to_storage
+from ._device import (
+    _CHUNK,
+    _TORCH_WARPS,
+    _libdevice,
+    _norm_modulate_chunk,
+    _round_as,
+    _row_block,
+    _row_chunk,
+    _table_row_offsets,
+    _to_f32,
+    _to_storage,
+    _torch_block_rstd,
+)
 from ._fp8 import _e4m3_bits, _row_absmax, _store_row_scales
-from .rms_norm_modulate import _CHUNK as _NORM_CHUNK
-from .rms_norm_modulate import _TORCH_WARPS, _check_inputs, _norm_modulate_chunk, _torch_block_rstd
-from .swiglu import _libdevice
+from .rms_norm_modulate import check_norm_modulate_inputs
 
 __all__ = ["quantize_rows", "rms_norm_modulate_quantize", "swiglu_quantize"]
 
@@ -284,19 +294,19 @@ def _rms_norm_modulate_quantize_kernel(
 
 
 def rms_norm_modulate_quantize(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, table: torch.Tensor, row_index: torch.Tensor, which: str = "msa",
-    *, keep_value: bool = False
+    x: torch.Tensor, weight: torch.Tensor, eps: float, table: torch.Tensor, row_index: torch.Tensor, *,
+    shift_block: int, scale_block: int, table_blocks: int, keep_value: bool = False
 ) -> Quantized:
-    """`rms_norm_modulate(x, weight, eps, table, row_index, which)` quantized per row, without writing the BF16
+    """`rms_norm_modulate(x, weight, eps, table, row_index, ...)` quantized per row, without writing the BF16
     activation unless `keep_value`.
 
-    Arguments as `vflash_kernels.rms_norm_modulate.rms_norm_modulate` for the main-block tables ("msa" / "mlp"),
-    with the same refusals (inputs for which `F.rms_norm` would take its other CUDA path). Returns
+    Arguments as `vflash_kernels.rms_norm_modulate.rms_norm_modulate` (the engine quantizes the main blocks' sublayer
+    inputs), with the same refusals (inputs for which `F.rms_norm` would take its other CUDA path). Returns
     (codes, scales, value): value is `rms_norm_modulate`'s result itself, or None.
     """
-    if which not in ("msa", "mlp"):
-        raise ValueError(f"which must be 'msa' or 'mlp' (a main block's table), got {which!r}")
-    x2, shift_col, scale_col = _check_inputs(x, weight, table, row_index, which)
+    x2, shift_col, scale_col = check_norm_modulate_inputs(
+        x, weight, table, row_index, shift_block, scale_block, table_blocks
+    )
     n_rows, hidden = x2.shape
     round_dtype = _launch.round_dtype(x.dtype)
     codes, scales, value = _outputs(x, tuple(x.shape), keep_value, x.dtype)
@@ -304,7 +314,7 @@ def rms_norm_modulate_quantize(
     if n_rows:
         codes2, scales2 = _launch.as_rows(codes, "codes").view(torch.uint8), _launch.as_rows(scales, "scales")
         value2 = _launch.as_rows(value, "value") if value is not None else x2  # x2: never written (WRITE_VALUE=False)
-        tile = _launch.elementwise_tile(n_rows, 1, _NORM_CHUNK)
+        tile = _launch.elementwise_tile(n_rows, 1, _CHUNK)
         _rms_norm_modulate_quantize_kernel[(triton.cdiv(n_rows, tile.block_rows),)](
             x2, weight, table, row_index, value2, codes2, scales2,
             n_rows, float(eps),

@@ -10,16 +10,10 @@ import torch
 import triton
 import triton.language as tl
 
-from vflash_core.engine.model import MODULATION_BLOCKS
-
 from . import _launch
 from ._device import _round_as, _table_row_offsets, _tile_indices, _to_f32, _to_storage
 
 __all__ = ["gated_residual"]
-
-#: The sublayers with a gate: the main blocks' attention and FFN.
-_GATED = sorted(which for which, blocks in MODULATION_BLOCKS.items() if blocks.gate is not None)
-
 
 @triton.jit
 def _gated_residual_kernel(
@@ -73,8 +67,9 @@ def gated_residual(
     y: torch.Tensor,
     table: torch.Tensor,
     row_index: torch.Tensor,
-    which: str = "msa",
     *,
+    gate_block: int,
+    table_blocks: int,
     out: torch.Tensor | None = None,
     inplace: bool = False,
 ) -> torch.Tensor:
@@ -82,23 +77,22 @@ def gated_residual(
 
     x: (S, H) or (1, S, H) residual stream, bf16 (or fp16/fp32), any strides.
     y: sublayer output of x's shape and dtype (attention or FFN output projection), any strides.
-    table: (R, 6H) main-block AdaLN table, any strides; the gate is column block 2 ("msa") or 5 ("mlp").
+    table: (R, table_blocks * H) AdaLN table, any strides: rows of H-wide blocks, the gate at block `gate_block`. The
+        layout is the caller's (the engine passes the model's `MODULATION_BLOCKS`: a main block's (3T, 6H) table).
     row_index: (S,) int64/int32 table row per packed row (`adaln_indices`), values in [0, R) (not checked).
     inplace: write the result into `x` and return `x` (safe: each element is read before it is written by the same
         program). Otherwise the result goes to `out` (x's shape and dtype, any strides) or a new contiguous tensor.
     """
-    if which not in _GATED:
-        raise ValueError(f"which must be one of {_GATED}, got {which!r}")
-    gate_block, n_blocks = MODULATION_BLOCKS[which].gate, MODULATION_BLOCKS[which].count
-    assert gate_block is not None  # `which` is one of _GATED
+    if not 0 <= gate_block < table_blocks:
+        raise ValueError(f"gate_block must be in [0, {table_blocks}), got {gate_block}")
     x2, y2 = _launch.as_rows(x, "x"), _launch.as_rows(y, "y")
     if y.shape != x.shape or y.dtype != x.dtype or table.dtype != x.dtype:
         raise ValueError(
             f"x {tuple(x.shape)} {x.dtype}, y {tuple(y.shape)} {y.dtype} and table {table.dtype} must agree"
         )
     n_rows, hidden = x2.shape
-    if table.dim() != 2 or table.shape[1] != n_blocks * hidden:
-        raise ValueError(f"table must be (R, {n_blocks}*{hidden}), got {tuple(table.shape)}")
+    if table.dim() != 2 or table.shape[1] != table_blocks * hidden:
+        raise ValueError(f"table must be (R, {table_blocks}*{hidden}), got {tuple(table.shape)}")
     _launch.check_index(row_index, n_rows, "row_index")
     if inplace:
         if out is not None:

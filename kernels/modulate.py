@@ -12,8 +12,6 @@ import torch
 import triton
 import triton.language as tl
 
-from vflash_core.engine.model import MODULATION_BLOCKS
-
 from . import _launch
 from ._device import _round_as, _table_row_offsets, _tile_indices, _to_f32, _to_storage
 
@@ -72,43 +70,49 @@ def _modulate_kernel(
 
 
 def modulation_columns(
-    which: str, table: torch.Tensor, hidden: int, dtype: torch.dtype, input_name: str
+    table: torch.Tensor, shift_block: int, scale_block: int, table_blocks: int, hidden: int, dtype: torch.dtype,
+    input_name: str,
 ) -> tuple[int, int]:
-    """(shift column, scale column) of `which` in `table`, after checking the table against an (S, hidden) input of
-    `dtype` named `input_name` in the messages."""
-    if which not in MODULATION_BLOCKS:
-        raise ValueError(f"which must be one of {sorted(MODULATION_BLOCKS)}, got {which!r}")
-    blocks = MODULATION_BLOCKS[which]
-    if table.dim() != 2 or table.shape[1] != blocks.count * hidden:
-        raise ValueError(f"table for {which!r} must be (R, {blocks.count}*{hidden}), got {tuple(table.shape)}")
+    """(shift column, scale column) of `table`, a row of `table_blocks` H-wide blocks whose shift and scale are blocks
+    `shift_block` and `scale_block`, after checking the table against an (S, hidden) input of `dtype` named
+    `input_name` in the messages."""
+    for name, block in (("shift_block", shift_block), ("scale_block", scale_block)):
+        if not 0 <= block < table_blocks:
+            raise ValueError(f"{name} must be in [0, {table_blocks}), got {block}")
+    if table.dim() != 2 or table.shape[1] != table_blocks * hidden:
+        raise ValueError(f"table must be (R, {table_blocks}*{hidden}), got {tuple(table.shape)}")
     if table.dtype != dtype:
         raise TypeError(f"table dtype {table.dtype} differs from {input_name} dtype {dtype}")
-    return blocks.shift * hidden, blocks.scale * hidden
+    return shift_block * hidden, scale_block * hidden
 
 
 def modulate(
     normed: torch.Tensor,
     table: torch.Tensor,
     row_index: torch.Tensor,
-    which: str = "msa",
     *,
+    shift_block: int,
+    scale_block: int,
+    table_blocks: int,
     out: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Fused AdaLN modulation: `normed * (1 + scale[row_index]) + shift[row_index]` with torch's three roundings.
 
     normed: (S, H) or (1, S, H), bf16 (or fp16/fp32), any strides: the `F.rms_norm` output.
-    table: (R, n*H) same dtype, any strides (a view is read in place). n = 6 for `which` "msa" (shift block 0,
-        scale block 1) and "mlp" (blocks 3, 4) of a main block's (3T, 6H) AdaLN table; n = 2 for "out", the
-        (T, 2H) [shift | scale] `norm_out` table.
-    row_index: (S,) int64/int32 table row of each packed row (`adaln_indices`, or `timestep_indices` for "out"),
+    table: (R, table_blocks * H) same dtype, any strides (a view is read in place): rows of H-wide blocks, the shift
+        at block `shift_block` and the scale at `scale_block`. The layout is the caller's (the engine passes the
+        model's `MODULATION_BLOCKS`: a main block's (3T, 6H) AdaLN table, or the (T, 2H) `norm_out` table).
+    row_index: (S,) int64/int32 table row of each packed row (`adaln_indices`, or `timestep_indices` for `norm_out`),
         values in [0, R) (not checked: that would synchronise).
     out_dtype: dtype of the result (default normed's); float32 for `norm_out` gives the reference's `.to(float32)`.
     out: optional preallocated result of normed's shape and `out_dtype`, any strides.
     Returns a tensor of normed's shape, contiguous unless `out` was given.
     """
     x2 = _launch.as_rows(normed, "normed")
-    shift_col, scale_col = modulation_columns(which, table, x2.shape[1], normed.dtype, "normed")
+    shift_col, scale_col = modulation_columns(
+        table, shift_block, scale_block, table_blocks, x2.shape[1], normed.dtype, "normed"
+    )
     _launch.check_index(row_index, x2.shape[0], "row_index")
     out = _launch.output(out, normed.shape, out_dtype or normed.dtype, normed.device)
     _launch.check_device(normed, table, row_index, out)

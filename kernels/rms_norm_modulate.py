@@ -1,5 +1,5 @@
 """RMSNorm fused with the AdaLN modulation, in one pass:
-`modulate(F.rms_norm(x, (H,), w, eps), table, row_index, which)`.
+`modulate(F.rms_norm(x, (H,), w, eps), table, row_index, ...)`.
 
 Reference: `vflash_core.engine.model.rms_norm_modulate` (`F.rms_norm`, then `modulate`), used by `main_block` before
 each sublayer and by `output_heads`. The (S, H) normalised tensor is never written: the kernel saves one write and one
@@ -33,65 +33,24 @@ default `nvvm-reflect-ftz`, which differs only for subnormal arguments; `ms + ep
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from . import _launch
-from ._device import _lane_tree_sum, _round_as, _row_block, _row_chunk, _table_row_offsets, _to_f32, _to_storage
+from ._device import (
+    _CHUNK,
+    _TORCH_WARPS,
+    _VEC,
+    _norm_modulate_chunk,
+    _row_block,
+    _row_chunk,
+    _table_row_offsets,
+    _to_storage,
+    _torch_block_rstd,
+)
 from .modulate import modulation_columns
 
-__all__ = ["rms_norm_block_order_reference", "rms_norm_modulate"]
-
-#: torch's block for the vectorized row kernel: 32-lane warps, `num_threads() / 32` = 4 of them, 4-element vectors.
-_LANES = 32
-_TORCH_WARPS = 4
-_VEC = 4
-#: Channels one block of torch reads per step (128 threads x 4): the column tile of every loop iteration here, so that
-#: each tile column group is one torch thread's vector.
-_CHUNK = _LANES * _TORCH_WARPS * _VEC
-
-
-@triton.jit
-def _torch_block_rstd(
-    x_rows, row_mask, x_col_stride, eps, HIDDEN: tl.constexpr, TORCH_WARPS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-    INDEX_64: tl.constexpr,
-    EMULATE_CASTS: tl.constexpr,
-):
-    """(BLOCK_ROWS, 1) `rstd` of whole rows, the sum of squares in torch's block order (see the kernel below), reading
-    each row chunk by chunk of 4 * 32 * TORCH_WARPS channels; channels past HIDDEN load 0 and add +0.0 exactly."""
-    CHUNK: tl.constexpr = 4 * 32 * TORCH_WARPS
-    # per-thread sums: column 4t + j of a chunk is torch thread t's channel j (x[r, t, a, b] = channel 4t + 2a + b)
-    acc = tl.full((BLOCK_ROWS, CHUNK // 4), 0.0, tl.float32)  # not `tl.zeros`: a triton @jit function (see _device)
-    for start in range(0, HIDDEN, CHUNK):
-        cols, _, mask = _row_chunk(start, HIDDEN, row_mask, CHUNK, INDEX_64)
-        x = _to_f32(tl.load(x_rows + cols[None, :] * x_col_stride, mask=mask, other=0.0), EMULATE_CASTS)
-        quads = tl.reshape(x, (BLOCK_ROWS, CHUNK // 4, 2, 2))
-        even, odd = tl.split(quads)  # channels 4t + 2a and 4t + 2a + 1
-        x0, x2 = tl.split(even)
-        x1, x3 = tl.split(odd)
-        acc = tl.fma(x3, x3, tl.fma(x2, x2, tl.fma(x1, x1, tl.fma(x0, x0, acc))))
-    warp_sums = _lane_tree_sum(tl.reshape(acc, (BLOCK_ROWS, TORCH_WARPS, 32)), BLOCK_ROWS, TORCH_WARPS, 32)
-    sum_sq = _lane_tree_sum(tl.reshape(warp_sums, (BLOCK_ROWS, 1, TORCH_WARPS)), BLOCK_ROWS, 1, TORCH_WARPS)
-    return tl.math.rsqrt(tl.math.div_rn(sum_sq, HIDDEN * 1.0) + eps)
-
-
-@triton.jit
-def _norm_modulate_chunk(
-    x_rows, weight_ptr, table_row_ptrs, rstd, cols, mask, col_mask, x_col_stride, weight_stride, table_col_stride,
-    shift_col, scale_col,
-    ROUND_DTYPE: tl.constexpr, EMULATE_CASTS: tl.constexpr,
-):
-    """One chunk of the output as fp32: normalise (`F.rms_norm`'s one rounding), then `modulate`'s three roundings."""
-    x = _to_f32(tl.load(x_rows + cols[None, :] * x_col_stride, mask=mask, other=0.0), EMULATE_CASTS)
-    weight = _to_f32(tl.load(weight_ptr + cols * weight_stride, mask=col_mask, other=0.0), EMULATE_CASTS)
-    normed = _round_as(weight[None, :] * (rstd * x), ROUND_DTYPE, EMULATE_CASTS)
-    scale = tl.load(table_row_ptrs + (scale_col + cols)[None, :] * table_col_stride, mask=mask, other=0.0)
-    shift = tl.load(table_row_ptrs + (shift_col + cols)[None, :] * table_col_stride, mask=mask, other=0.0)
-    one_plus_scale = _round_as(1.0 + _to_f32(scale, EMULATE_CASTS), ROUND_DTYPE, EMULATE_CASTS)
-    y = _round_as(normed * one_plus_scale, ROUND_DTYPE, EMULATE_CASTS)
-    return _round_as(y + _to_f32(shift, EMULATE_CASTS), ROUND_DTYPE, EMULATE_CASTS)
-
+__all__ = ["rms_norm_modulate"]
 
 @triton.jit
 def _rms_norm_modulate_kernel(
@@ -150,10 +109,11 @@ def _rms_norm_modulate_kernel(
         )
 
 
-def _check_inputs(
-    x: torch.Tensor, weight: torch.Tensor, table: torch.Tensor, row_index: torch.Tensor, which: str
+def check_norm_modulate_inputs(
+    x: torch.Tensor, weight: torch.Tensor, table: torch.Tensor, row_index: torch.Tensor, shift_block: int,
+    scale_block: int, table_blocks: int
 ) -> tuple[torch.Tensor, int, int]:
-    """x as (S, H) rows and the (shift, scale) table columns of `which`, after the checks of `rms_norm_modulate`.
+    """x as (S, H) rows and the (shift, scale) table columns, after the checks of `rms_norm_modulate`.
 
     Refuses inputs for which `F.rms_norm` takes its non-vectorized CUDA path (another reduction order): torch makes x
     and the weight contiguous first (a copy is freshly allocated, so aligned), then needs H % 4 == 0 and 4-element
@@ -163,7 +123,7 @@ def _check_inputs(
     n_rows, hidden = x2.shape
     if weight.shape != (hidden,) or weight.dtype != x.dtype:
         raise ValueError(f"weight must be ({hidden},) {x.dtype}, got {tuple(weight.shape)} {weight.dtype}")
-    shift_col, scale_col = modulation_columns(which, table, hidden, x.dtype, "x")
+    shift_col, scale_col = modulation_columns(table, shift_block, scale_block, table_blocks, hidden, x.dtype, "x")
     if hidden % _VEC:
         raise ValueError(
             f"hidden size {hidden} is not a multiple of {_VEC}: F.rms_norm would not use its vectorized kernel"
@@ -183,17 +143,20 @@ def rms_norm_modulate(
     eps: float,
     table: torch.Tensor,
     row_index: torch.Tensor,
-    which: str = "msa",
     *,
+    shift_block: int,
+    scale_block: int,
+    table_blocks: int,
     out: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """`modulate(F.rms_norm(x, (H,), weight, eps), table, row_index, which)` in one kernel, without the normed tensor.
+    """`modulate(F.rms_norm(x, (H,), weight, eps), table, row_index, ...)` in one kernel, without the normed tensor.
 
     x: (S, H) or (1, S, H), bf16 (or fp16/fp32), any strides; H a multiple of 4.
     weight: (H,) in x's dtype (`norm1.weight`, `norm2.weight`), any stride. eps: used in fp32, as torch does.
-    table, row_index, which, out_dtype, out: as `modulate` ((3T, 6H) main-block table with "msa" / "mlp", or the
-        (T, 2H) `norm_out` table with "out" and out_dtype float32; row_index values in [0, R), not checked).
+    table, row_index, shift_block, scale_block, table_blocks, out_dtype, out: as `modulate` (a main block's
+        (3T, 6H) table, or the (T, 2H) `norm_out` table with out_dtype float32; row_index values in [0, R), not
+        checked).
     Returns a tensor of x's shape, contiguous unless `out` was given.
 
     Numerics: the RMSNorm in the order of torch's vectorized CUDA kernel (module docstring), then `modulate`'s
@@ -201,7 +164,9 @@ def rms_norm_modulate(
     weight not aligned to 4 elements). Bit parity with `F.rms_norm` + `modulate` rests on torch's kernel choice:
     check it with `pytest -m gpu tests/test_rms_norm_modulate.py -s` after a torch upgrade or on another GPU.
     """
-    x2, shift_col, scale_col = _check_inputs(x, weight, table, row_index, which)
+    x2, shift_col, scale_col = check_norm_modulate_inputs(
+        x, weight, table, row_index, shift_block, scale_block, table_blocks
+    )
     out = _launch.output(out, x.shape, out_dtype or x.dtype, x.device)
     _launch.check_device(x, weight, table, row_index, out)
     out2 = _launch.as_rows(out, "out")
@@ -226,41 +191,3 @@ def rms_norm_modulate(
             **_launch.launch_options(tile),
         )
     return out
-
-
-# -- references -----------------------------------------------------------------------------------------------------
-
-
-def _halving_tree(s: torch.Tensor) -> torch.Tensor:
-    """(..., W) -> (...), W a power of two: element i += element i + W/2, halving W (a shuffle-down or shared-memory
-    tree)."""
-    width = s.shape[-1]
-    while width > 1:
-        width //= 2
-        s = s[..., :width] + s[..., width : 2 * width]
-    return s[..., 0]
-
-
-def rms_norm_block_order_reference(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, *, warps: int = _TORCH_WARPS
-) -> torch.Tensor:
-    """torch emulation of `rms_norm_modulate`'s RMSNorm, reduction order included: (..., H) -> (..., H) in x's dtype.
-
-    `warps` is the block height of torch's kernel (4; other powers of two model other launch configurations, for
-    diagnosis). Exact for bf16/fp16 inputs, whose squares are exact in fp32 (so the kernel's fma equals a multiply and
-    an add). `torch.rsqrt` on the CPU is `1 / sqrt` (what the Triton interpreter computes); on the GPU the kernel uses
-    the hardware approximation, as `F.rms_norm` does.
-    """
-    hidden = x.shape[-1]
-    threads = _LANES * warps
-    xf = x.float()
-    squares = F.pad(xf * xf, (0, -hidden % (threads * _VEC))).unflatten(-1, (-1, threads, _VEC))  # (..., K, T, 4)
-    acc = torch.zeros(squares.shape[:-3] + (threads,), dtype=torch.float32, device=x.device)
-    for k in range(squares.shape[-3]):
-        for j in range(_VEC):
-            acc = acc + squares[..., k, :, j]
-    sum_sq = _halving_tree(_halving_tree(acc.unflatten(-1, (warps, _LANES))))  # lanes, then warps
-    rstd = torch.rsqrt(sum_sq / hidden + eps)
-    return (weight.float() * (rstd[..., None] * xf)).to(x.dtype)
-
-

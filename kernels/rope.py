@@ -14,9 +14,8 @@ import triton.language as tl
 
 from . import _launch
 from ._device import _lane_tree_sum, _round_as, _tile_indices, _to_f32, _to_storage
-from .rms_norm_modulate import rms_norm_block_order_reference
 
-__all__ = ["qk_norm_rope", "rms_norm_warp_order_reference", "rope"]
+__all__ = ["qk_norm_rope", "rope"]
 
 #: torch's vectorized CUDA row kernel (`vectorized_layer_norm_kernel`, used by `F.rms_norm` for contiguous rows whose
 #: length is a multiple of 4) gives lane t of a 32-lane warp the 4 consecutive channels 4t..4t+3; `qk_norm_rope`
@@ -209,7 +208,7 @@ def _qk_norm_rope_kernel(
 # -- host side ---------------------------------------------------------------------------------------------------------
 
 
-def _angles_views(
+def angles_views(
     cos: torch.Tensor, sin: torch.Tensor, n_rows: int, head_dim: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin as (S, R) or the model's (1, S, 1, R) -> (S, R) views (never a copy), R even and in (0, D]."""
@@ -279,7 +278,7 @@ def rope(
     if q3.shape != k3.shape or q.dtype != k.dtype:
         raise ValueError(f"q {tuple(q.shape)} {q.dtype} and k {tuple(k.shape)} {k.dtype} must agree")
     n_rows, n_heads, head_dim = q3.shape
-    cos2, sin2 = _angles_views(cos, sin, n_rows, head_dim, q.dtype)
+    cos2, sin2 = angles_views(cos, sin, n_rows, head_dim, q.dtype)
     _launch.round_dtype(q.dtype)
     out = _launch.output(out, (2, n_rows, n_heads, head_dim), q.dtype, q.device)
     _launch.check_device(q, k, cos, sin, out)
@@ -328,7 +327,7 @@ def qk_norm_rope(
     for name, w in (("norm_q_weight", norm_q_weight), ("norm_k_weight", norm_k_weight)):
         if w.shape != (head_dim,) or w.dtype != qkv.dtype:
             raise ValueError(f"{name} must be ({head_dim},) {qkv.dtype}, got {tuple(w.shape)} {w.dtype}")
-    cos2, sin2 = _angles_views(cos, sin, n_rows, head_dim, qkv.dtype)
+    cos2, sin2 = angles_views(cos, sin, n_rows, head_dim, qkv.dtype)
     _launch.round_dtype(qkv.dtype)  # a dtype the kernel cannot round in is refused, even for no rows
     shape = (3 if copy_v else 2, n_rows, n_heads, head_dim)
     if out is None:
@@ -353,7 +352,7 @@ def launch_qk_norm_rope(
     sin2: torch.Tensor, out: torch.Tensor, n_heads: int, head_dim: int, eps: float,
 ) -> None:
     """The kernel over (S, parts * heads * D) `rows` ([q | k | v] parts, any strides) into the (parts, S, heads, D)
-    `out`, for its first `out.shape[0]` parts: q (and k, and a copied v); cos2 / sin2 (S, R) as `_angles_views`
+    `out`, for its first `out.shape[0]` parts: q (and k, and a copied v); cos2 / sin2 (S, R) as `angles_views`
     gives them. Checks are the callers'."""
     if not rows.numel():
         return
@@ -378,16 +377,3 @@ def launch_qk_norm_rope(
         INDEX_64=_launch.needs_int64(rows, cos2, sin2, out),
         **_launch.launch_options(tile),
     )
-
-
-# -- references -----------------------------------------------------------------------------------------------------
-
-
-def rms_norm_warp_order_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """torch emulation of `qk_norm_rope`'s RMSNorm, reduction order included: (..., D) -> (..., D) in x's dtype,
-    D <= 128.
-
-    torch's block order (`rms_norm_modulate.rms_norm_block_order_reference`) with a single warp: rows of at most 128
-    channels fill only warp 0, whose lanes then are the whole reduction.
-    """
-    return rms_norm_block_order_reference(x, weight, eps, warps=1)

@@ -11,19 +11,7 @@ import triton
 import triton.language as tl
 
 from . import _launch
-from ._device import _round_as, _tile_indices, _to_f32, _to_storage
-
-# The exact `expf`: torch's CUDA silu computes `x / (1 + exp(-x))` in fp32 with the full-precision `expf` (no
-# --use_fast_math) and an IEEE division, and libdevice's `__nv_expf` is that same function. Its module moved between
-# Triton versions: `triton.language.extra.cuda.libdevice` (triton >= 3.0, including 3.6 and 3.9), the
-# backend-dispatching `triton.language.extra.libdevice` (>= 3.2), and `tl.math` in Triton 2.x.
-try:
-    from triton.language.extra.cuda import libdevice as _libdevice
-except ImportError:  # pragma: no cover - depends on the installed triton
-    try:
-        from triton.language.extra import libdevice as _libdevice
-    except ImportError:
-        _libdevice = tl.math
+from ._device import _libdevice, _round_as, _tile_indices, _to_f32, _to_storage
 
 __all__ = ["swiglu"]
 

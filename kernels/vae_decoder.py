@@ -9,8 +9,9 @@ rounds in fp32, then the sum). The decoder's SwiGLU is `value * F.silu(gate)` on
 The norms sum squares in the order of torch's vectorized CUDA RMSNorm (`rms_norm_modulate`'s module docstring: 4-element
 vectors per thread, fma, 32-lane shuffle tree, then 4 warps), which torch uses for `F.rms_norm` of contiguous fp32 rows
 whose length is a multiple of 4. The decoder's stream is fp32, so its squares are not exact in fp32 and the fma matters:
-`rms_norm_cast_reference` emulates it exactly (an fp32 fma computed in fp64 rounded to odd, then to fp32), which is
-what the CPU tests compare with; bit parity with `F.rms_norm` itself is the GPU test's.
+the tests' `rms_norm_cast_reference` (tests/kernel_references.py) emulates it exactly (an fp32 fma computed in fp64
+rounded to odd, then to fp32), which is what the CPU tests compare with; bit parity with `F.rms_norm` itself is the
+GPU test's.
 """
 
 from __future__ import annotations
@@ -20,11 +21,21 @@ import triton
 import triton.language as tl
 
 from . import _launch
-from ._device import _round_as, _row_block, _row_chunk, _tile_indices, _to_f32, _to_storage
-from .rms_norm_modulate import _CHUNK, _LANES, _TORCH_WARPS, _VEC, _halving_tree, _torch_block_rstd
-from .rope import _angles_views, check_head_dim, launch_qk_norm_rope
+from ._device import (
+    _CHUNK,
+    _TORCH_WARPS,
+    _VEC,
+    _round_as,
+    _row_block,
+    _row_chunk,
+    _tile_indices,
+    _to_f32,
+    _to_storage,
+    _torch_block_rstd,
+)
+from .rope import angles_views, check_head_dim, launch_qk_norm_rope
 
-__all__ = ["head_rms_norm_rope", "rms_norm_cast", "rms_norm_cast_reference", "scaled_residual"]
+__all__ = ["head_rms_norm_rope", "rms_norm_cast", "scaled_residual"]
 
 
 @triton.jit
@@ -200,7 +211,7 @@ def head_rms_norm_rope(x: torch.Tensor, eps: float | None, cos: torch.Tensor, si
     count, seq, heads, head_dim = x.shape
     check_head_dim(head_dim)
     rows = _rows(x.flatten(2, 3), "x")  # (W S, heads Dh)
-    cos2, sin2 = _angles_views(cos, sin, rows.shape[0], head_dim, x.dtype)
+    cos2, sin2 = angles_views(cos, sin, rows.shape[0], head_dim, x.dtype)
     _launch.round_dtype(x.dtype)  # a dtype the kernel cannot round in is refused, even for no rows
     out = torch.empty((1, rows.shape[0], heads, head_dim), dtype=x.dtype, device=x.device)  # one part: q alone
     unit = _unit_weight(head_dim, x.dtype, x.device)
@@ -245,45 +256,3 @@ def scaled_residual(
             **_launch.launch_options(tile),
         )
     return out
-
-
-# -- references -----------------------------------------------------------------------------------------------------
-
-
-def _fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """fp32 `a * b + c` rounded once (as a hardware fma): the fp64 product is exact, the fp64 sum is rounded to odd
-    (exact with its two-sum error), and 53 >= 24 + 2 bits make the final rounding to fp32 correct."""
-    p, c64 = a.double() * b.double(), c.double()
-    s = p + c64
-    t = s - p
-    error = (p - (s - t)) + (c64 - t)  # two-sum: s + error == p + c exactly
-    bits = s.view(torch.int64)
-    # inexact and s even: step to the odd neighbour on error's side (toward zero when the signs differ)
-    toward_zero = (error != 0) & ((error > 0) != (s > 0))
-    odd = torch.where(toward_zero, bits - 1, bits) | 1
-    return torch.where((error != 0) & (bits & 1 == 0), odd.view(torch.float64), s).float()
-
-
-def rms_norm_cast_reference(
-    x: torch.Tensor, weight: torch.Tensor | None, eps: float | None, out_dtype: torch.dtype
-) -> torch.Tensor:
-    """torch emulation of `rms_norm_cast` (and of `head_rms_norm_rope`'s norm, a single warp, D <= 128), its reduction
-    order and fma included: (..., D) -> (..., D) in `out_dtype`.
-
-    `torch.rsqrt` on the CPU is `1 / sqrt`, as the Triton interpreter computes it; on the GPU the kernel uses the
-    hardware approximation, as `F.rms_norm` does.
-    """
-    hidden = x.shape[-1]
-    warps = _TORCH_WARPS if hidden > _LANES * _VEC else 1
-    threads = _LANES * warps
-    xf = x.float()
-    padded = torch.nn.functional.pad(xf, (0, -hidden % (threads * _VEC))).unflatten(-1, (-1, threads, _VEC))
-    acc = torch.zeros(padded.shape[:-3] + (threads,), dtype=torch.float32, device=x.device)
-    for k in range(padded.shape[-3]):
-        for j in range(_VEC):
-            v = padded[..., k, :, j]
-            acc = _fma_f32(v, v, acc)
-    sum_sq = _halving_tree(_halving_tree(acc.unflatten(-1, (warps, _LANES))))
-    rstd = torch.rsqrt(sum_sq / hidden + _norm_eps(eps))
-    y = rstd[..., None] * xf
-    return (y if weight is None else weight.float() * y).to(out_dtype)

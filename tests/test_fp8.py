@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from kernel_references import rms_norm_block_order_reference, shift_scale_blocks
 from test_kernels import (
     FFN,
     H_FULL,
@@ -67,9 +68,7 @@ def op(interp):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TRITON_INTERPRET", "1")
         module = importlib.import_module(f"{test_kernels._INTERPRETED}.fp8_quantize")
-        norm = importlib.import_module(f"{test_kernels._INTERPRETED}.rms_norm_modulate")
     assert module._launch is interp._launch and module._launch.INTERPRET
-    module.norm_order_reference = norm.rms_norm_block_order_reference
     return module
 
 
@@ -182,8 +181,8 @@ def test_rms_norm_modulate_quantize_interpreter(op, monkeypatch, request, hidden
     weight = randn((hidden,), torch.bfloat16, g, 0.25) + 1
     table = strided((6, 6 * hidden), torch.bfloat16, g, scale=0.5)
     idx = torch.randint(0, 6, (rows,), generator=g, dtype=torch.int32 if layout == "strided" else torch.int64)
-    expected = reference.modulate(op.norm_order_reference(x, weight, EPS), table, idx.long(), which)
-    got = op.rms_norm_modulate_quantize(x, weight, EPS, table, idx, which, keep_value=layout == "model")
+    expected = reference.modulate(rms_norm_block_order_reference(x, weight, EPS), table, idx.long(), which)
+    got = op.rms_norm_modulate_quantize(x, weight, EPS, table, idx, **shift_scale_blocks(which), keep_value=layout == "model")
     assert_same_quantization(got, expected, f"rms_norm_modulate_quantize H={hidden} {which}")
     if layout == "model":
         assert_bitwise(got[2], expected, "rms_norm_modulate value")
@@ -200,18 +199,18 @@ def test_int64_variants_interpreter(op, monkeypatch, request):
     weight, table = randn((1000,), torch.bfloat16, g, 0.25) + 1, strided((6, 6000), torch.bfloat16, g, scale=0.5)
     xs = randn((1, S_SMALL_TILE, 1000), torch.bfloat16, g, 3.0)
     idx = torch.randint(0, 6, (S_SMALL_TILE,), generator=g)
-    expected = reference.modulate(op.norm_order_reference(xs, weight, EPS), table, idx, "msa")
-    assert_same_quantization(op.rms_norm_modulate_quantize(xs, weight, EPS, table, idx, "msa"), expected, "rms_norm_modulate_quantize int64")
+    expected = reference.modulate(rms_norm_block_order_reference(xs, weight, EPS), table, idx, "msa")
+    assert_same_quantization(op.rms_norm_modulate_quantize(xs, weight, EPS, table, idx, **shift_scale_blocks("msa")), expected, "rms_norm_modulate_quantize int64")
 
 
 def test_quantizer_refusals(op):
     x = torch.zeros(3, 8, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="even"):
         op.swiglu_quantize(torch.zeros(3, 7, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="main block"):
-        op.rms_norm_modulate_quantize(x, torch.ones(8, dtype=torch.bfloat16), EPS, torch.zeros(2, 16, dtype=torch.bfloat16), torch.zeros(3, dtype=torch.long), "out")
+    with pytest.raises(ValueError, match="scale_block"):
+        op.rms_norm_modulate_quantize(x, torch.ones(8, dtype=torch.bfloat16), EPS, torch.zeros(2, 16, dtype=torch.bfloat16), torch.zeros(3, dtype=torch.long), shift_block=0, scale_block=2, table_blocks=2)
     with pytest.raises(ValueError, match="multiple of 4"):
-        op.rms_norm_modulate_quantize(torch.zeros(3, 6, dtype=torch.bfloat16), torch.ones(6, dtype=torch.bfloat16), EPS, torch.zeros(6, 36, dtype=torch.bfloat16), torch.zeros(3, dtype=torch.long))
+        op.rms_norm_modulate_quantize(torch.zeros(3, 6, dtype=torch.bfloat16), torch.ones(6, dtype=torch.bfloat16), EPS, torch.zeros(6, 36, dtype=torch.bfloat16), torch.zeros(3, dtype=torch.long), **shift_scale_blocks("msa"))
     with pytest.raises(TypeError, match="unsupported dtype"):
         op.quantize_rows(torch.zeros(3, 8, dtype=torch.float64))
 
@@ -457,7 +456,7 @@ def test_quantizers_gpu(gpu, gpu_op, request, S):
     idx = torch.randint(0, 6, (S,), generator=g, device="cuda")
     for which in ("msa", "mlp"):
         expected = reference.modulate(F.rms_norm(x, (H_FULL,), weight, EPS), table, idx, which)
-        got = gpu_op.rms_norm_modulate_quantize(x, weight, EPS, table, idx, which, keep_value=True)
+        got = gpu_op.rms_norm_modulate_quantize(x, weight, EPS, table, idx, **shift_scale_blocks(which), keep_value=True)
         assert_same_quantization(got, expected, f"rms_norm_modulate_quantize {which} S={S}")
         assert_bitwise(got[2], expected, f"rms_norm_modulate value {which}")
 

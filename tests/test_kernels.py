@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
+from kernel_references import gate_blocks, rms_norm_warp_order_reference, shift_scale_blocks  # noqa: E402
 
 from vflash_core.engine import model as reference  # noqa: E402  (the torch reference of every kernel op)
 
@@ -235,7 +236,7 @@ def test_cpu_tensors_need_the_interpreter():
     with pytest.raises(ValueError, match="CUDA"):
         kernels.swiglu.swiglu(torch.zeros(3, 16, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="table"):
-        kernels.modulate.modulate(x, torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(3, dtype=torch.long))
+        kernels.modulate.modulate(x, torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(3, dtype=torch.long), **shift_scale_blocks("msa"))
 
 
 # -- CPU: the kernels in the interpreter ---------------------------------------------------------------------------
@@ -256,7 +257,7 @@ def test_modulate_interpreter(interp, monkeypatch, request, which, hidden, dtype
     idx = torch.randint(0, table_rows, (rows,), generator=g)
     out_dtype = torch.float32 if which == "out" else None
     out = poisoned(normed.shape, out_dtype or dtype)
-    result = interp.modulate.modulate(normed, table, idx, which, out=out, out_dtype=out_dtype)
+    result = interp.modulate.modulate(normed, table, idx, **shift_scale_blocks(which), out=out, out_dtype=out_dtype)
     assert result is out
     assert_all_written(out, "modulate")
     assert_bitwise(out, modulate_reference(normed, table, idx, which, out_dtype), f"modulate {which}")
@@ -278,12 +279,12 @@ def test_gated_residual_interpreter(interp, monkeypatch, request, mode, dtype, t
         expected = reference.gated_residual(x, y, table, idx.long(), which)
         if mode == "inplace":
             x_run = x.clone()
-            result = interp.gated_residual.gated_residual(x_run, y, table, idx, which, inplace=True)
+            result = interp.gated_residual.gated_residual(x_run, y, table, idx, **gate_blocks(which), inplace=True)
             assert result is x_run
         elif mode == "out":
-            result = interp.gated_residual.gated_residual(x, y, table, idx, which, out=poisoned(x.shape, dtype))
+            result = interp.gated_residual.gated_residual(x, y, table, idx, **gate_blocks(which), out=poisoned(x.shape, dtype))
         else:
-            result = interp.gated_residual.gated_residual(x, y, table, idx, which)
+            result = interp.gated_residual.gated_residual(x, y, table, idx, **gate_blocks(which))
         assert_all_written(result, "gated_residual")
         assert_bitwise(result, expected, f"gated residual {which} {mode}")
 
@@ -377,7 +378,7 @@ def test_qk_norm_rope_interpreter(interp, monkeypatch, request, heads, D, R, cop
     assert_all_written(out, "qk_norm_rope")
     assert q_out.shape == k_out.shape == v_out.shape == (1, rows, heads, D) and q_out.is_contiguous()
     emulated = reference.rope(
-        interp.rope.rms_norm_warp_order_reference(q, wq, eps), interp.rope.rms_norm_warp_order_reference(k, wk, eps), cos, sin
+        rms_norm_warp_order_reference(q, wq, eps), rms_norm_warp_order_reference(k, wk, eps), cos, sin
     )
     assert_bitwise(q_out, emulated[0], "fused q vs emulated order")
     assert_bitwise(k_out, emulated[1], "fused k vs emulated order")
@@ -409,8 +410,8 @@ def test_int64_variant_interpreter(interp, monkeypatch, request):
     table = strided((6, 6 * H), dtype, g, scale=0.5)
     idx = torch.randint(0, 6, (S,), generator=g)
     x, y = randn((1, S, H), dtype, g), randn((1, S, H), dtype, g)
-    assert_bitwise(interp.modulate.modulate(x, table, idx, "mlp"), modulate_reference(x, table, idx, "mlp"), "modulate int64")
-    assert_bitwise(interp.gated_residual.gated_residual(x, y, table, idx), reference.gated_residual(x, y, table, idx), "gate int64")
+    assert_bitwise(interp.modulate.modulate(x, table, idx, **shift_scale_blocks("mlp")), modulate_reference(x, table, idx, "mlp"), "modulate int64")
+    assert_bitwise(interp.gated_residual.gated_residual(x, y, table, idx, **gate_blocks("msa")), reference.gated_residual(x, y, table, idx), "gate int64")
     p = strided((S, 96), dtype, g, scale=3.0)
     assert_bitwise(interp.swiglu.swiglu(p), reference.swiglu(p), "swiglu int64")
     qkv, q, k, _ = _qkv(S, 3, 16, dtype, g)
@@ -420,7 +421,7 @@ def test_int64_variant_interpreter(interp, monkeypatch, request):
     wq, wk = randn((16,), dtype, g, 0.2) + 1, randn((16,), dtype, g, 0.2) + 1
     got = interp.rope.qk_norm_rope(qkv, wq, wk, 1e-5, cos, sin, head_dim=16)
     emulated = reference.rope(
-        interp.rope.rms_norm_warp_order_reference(q, wq, 1e-5), interp.rope.rms_norm_warp_order_reference(k, wk, 1e-5), cos, sin
+        rms_norm_warp_order_reference(q, wq, 1e-5), rms_norm_warp_order_reference(k, wk, 1e-5), cos, sin
     )
     assert_bitwise(got[0], emulated[0], "qk_norm_rope int64 q")
     assert_bitwise(got[1], emulated[1], "qk_norm_rope int64 k")
@@ -483,14 +484,14 @@ def test_modulate_gpu(gpu, request, S):
     normed = randn((1, S, H_FULL), torch.bfloat16, g, device="cuda")
     for which in ("msa", "mlp"):
         out = poisoned(normed.shape, torch.bfloat16, "cuda")
-        gpu.modulate.modulate(normed, table, idx, which, out=out)
+        gpu.modulate.modulate(normed, table, idx, **shift_scale_blocks(which), out=out)
         assert_bitwise(out, modulate_reference(normed, table, idx, which), f"modulate {which} S={S}")
     # a strided table view (row stride 6H + 64) and the norm_out modulation with its fp32 result
     wide = randn((6, 6 * H_FULL + 64), torch.bfloat16, g, 0.5, "cuda")[:, : 6 * H_FULL]
-    assert_bitwise(gpu.modulate.modulate(normed, wide, idx, "mlp"), modulate_reference(normed, wide, idx, "mlp"), "strided table")
+    assert_bitwise(gpu.modulate.modulate(normed, wide, idx, **shift_scale_blocks("mlp")), modulate_reference(normed, wide, idx, "mlp"), "strided table")
     out_table = randn((2, 2 * H_FULL), torch.bfloat16, g, 0.5, "cuda")
     t_idx = torch.randint(0, 2, (S,), generator=g, device="cuda")
-    got = gpu.modulate.modulate(normed, out_table, t_idx, "out", out_dtype=torch.float32)
+    got = gpu.modulate.modulate(normed, out_table, t_idx, **shift_scale_blocks("out"), out_dtype=torch.float32)
     assert_bitwise(got, modulate_reference(normed, out_table, t_idx, "out", torch.float32), "norm_out")
 
 
@@ -505,9 +506,9 @@ def test_gated_residual_gpu(gpu, request, S):
     for which in ("msa", "mlp"):
         expected = reference.gated_residual(x, y, table, idx, which)
         out = poisoned(x.shape, torch.bfloat16, "cuda")
-        assert_bitwise(gpu.gated_residual.gated_residual(x, y, table, idx, which, out=out), expected, f"gate {which} S={S}")
+        assert_bitwise(gpu.gated_residual.gated_residual(x, y, table, idx, **gate_blocks(which), out=out), expected, f"gate {which} S={S}")
         x_run = x.clone()
-        gpu.gated_residual.gated_residual(x_run, y, table, idx, which, inplace=True)
+        gpu.gated_residual.gated_residual(x_run, y, table, idx, **gate_blocks(which), inplace=True)
         assert_bitwise(x_run, expected, f"gate {which} in place S={S}")
 
 
@@ -570,8 +571,8 @@ def test_forced_int64_gpu(gpu, monkeypatch, request):
     table = _table(2, torch.bfloat16, g)
     idx = torch.randint(0, 6, (S,), generator=g, device="cuda")
     x, y = randn((1, S, H_FULL), torch.bfloat16, g, device="cuda"), randn((1, S, H_FULL), torch.bfloat16, g, device="cuda")
-    assert_bitwise(gpu.modulate.modulate(x, table, idx, "msa"), modulate_reference(x, table, idx, "msa"), "modulate")
-    assert_bitwise(gpu.gated_residual.gated_residual(x, y, table, idx), reference.gated_residual(x, y, table, idx), "gate")
+    assert_bitwise(gpu.modulate.modulate(x, table, idx, **shift_scale_blocks("msa")), modulate_reference(x, table, idx, "msa"), "modulate")
+    assert_bitwise(gpu.gated_residual.gated_residual(x, y, table, idx, **gate_blocks("msa")), reference.gated_residual(x, y, table, idx), "gate")
     p = randn((1, S, 2 * FFN), torch.bfloat16, g, 3.0, "cuda")
     assert_bitwise(gpu.swiglu.swiglu(p), reference.swiglu(p), "swiglu")
     qkv = randn((1, S, 3 * HEADS * HEAD_DIM), torch.bfloat16, g, 2.0, "cuda")
@@ -623,11 +624,11 @@ def test_modulate_and_gate_gpu_beyond_int32(gpu, request):
     idx = torch.randint(0, 6, (S,), generator=g, device="cuda")
     x = randn((S, H_FULL), torch.bfloat16, g, device="cuda")
     assert gpu._launch.needs_int64(x)
-    got = gpu.modulate.modulate(x, table, idx, "mlp")
+    got = gpu.modulate.modulate(x, table, idx, **shift_scale_blocks("mlp"))
     assert_bitwise(got, modulate_reference(x, table, idx, "mlp"), "modulate S=400,000")
     y = got
     expected = reference.gated_residual(x, y, table, idx, "msa")
-    gpu.gated_residual.gated_residual(x, y, table, idx, "msa", inplace=True)
+    gpu.gated_residual.gated_residual(x, y, table, idx, **gate_blocks("msa"), inplace=True)
     assert_bitwise(x, expected, "gate in place S=400,000")
 
 
@@ -647,8 +648,8 @@ def test_special_values_gpu(gpu, request):
     table = sprinkle(_table(2, torch.bfloat16, g))
     idx = torch.randint(0, 6, (S,), generator=g, device="cuda")
     x, y = sprinkle(randn((1, S, H_FULL), torch.bfloat16, g, device="cuda")), sprinkle(randn((1, S, H_FULL), torch.bfloat16, g, device="cuda"))
-    assert_bitwise(gpu.modulate.modulate(x, table, idx, "msa"), modulate_reference(x, table, idx, "msa"), "modulate")
-    assert_bitwise(gpu.gated_residual.gated_residual(x, y, table, idx), reference.gated_residual(x, y, table, idx), "gate")
+    assert_bitwise(gpu.modulate.modulate(x, table, idx, **shift_scale_blocks("msa")), modulate_reference(x, table, idx, "msa"), "modulate")
+    assert_bitwise(gpu.gated_residual.gated_residual(x, y, table, idx, **gate_blocks("msa")), reference.gated_residual(x, y, table, idx), "gate")
     p = sprinkle(randn((1, S, 2 * FFN), torch.bfloat16, g, 3.0, "cuda"))
     assert_bitwise(gpu.swiglu.swiglu(p), reference.swiglu(p), "swiglu")
     q, k = sprinkle(randn((1, S, HEADS, HEAD_DIM), torch.bfloat16, g, device="cuda")), sprinkle(randn((1, S, HEADS, HEAD_DIM), torch.bfloat16, g, device="cuda"))

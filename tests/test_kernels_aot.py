@@ -54,6 +54,16 @@ def test_every_kernel_is_captured_at_h3_shapes(aot, cpu_launches):
     assert not any(value(name, "INDEX_64") for name in KERNELS) and not any(value(name, "EMULATE_CASTS") for name in KERNELS - {"_relayout_kernel"})
 
 
+def test_the_launches_use_the_models_adaln_layout(aot):
+    """The AdaLN blocks `h3_launches` passes are the ones the engine passes (the model's `MODULATION_BLOCKS`)."""
+    from vflash_core.engine.model import MODULATION_BLOCKS
+
+    for which, (shift, scale, gate) in aot.H3_ADALN_BLOCKS.items():
+        blocks = MODULATION_BLOCKS[which]
+        assert (blocks.shift, blocks.scale, blocks.gate, blocks.count) == (shift, scale, gate, aot.H3_ADALN_TABLE_BLOCKS)
+    assert set(aot.H3_ADALN_BLOCKS) == {which for which, blocks in MODULATION_BLOCKS.items() if blocks.gate is not None}
+
+
 # On the CPU (each compile ~2.5 s on the CI machine) the oldest family and the consumer Blackwell one, neither of which
 # this project's machines have; the GPU test below compiles for all eight.
 @pytest.mark.parametrize("capability", [80, 120])

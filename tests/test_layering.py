@@ -1,7 +1,10 @@
-"""The layers of `vflash_core` import only downward and no two modules import each other, read from the source.
+"""The packages and the layers of `vflash_core` import only downward and no two modules import each other, read from
+the source.
 
-Every `.py` file under `vflash_core/` is parsed (never imported) and every import in it is resolved, absolute and
-relative, wherever it sits: module top, inside a function, under `TYPE_CHECKING`. A module's layer is its folder, or
+Every `.py` file of the three packages (`kernels/` as `vflash_kernels`, `vflash_core/`, `nodes/` as `vflash_nodes`) is
+parsed (never imported) and every import in it is resolved, absolute and relative, wherever it sits: module top,
+inside a function, under `TYPE_CHECKING`. The packages stack: the kernels are a leaf (torch and triton only), the core
+sits on them (importing them lazily), the node pack on the core. Inside the core a module's layer is its folder, or
 the shared level for the files directly in `vflash_core/`; `vflash_core/__init__.py` is the public face that
 re-exports names from every layer, so it sits above all of them and nothing inside imports it.
 """
@@ -13,6 +16,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CORE = ROOT / "vflash_core"
+KERNELS = "vflash_kernels"
+FACADE = "vflash_core"
+NODE_PACK = "vflash_nodes"
+# The packages by their installed names, lowest first, and their folders; a package imports itself and the ones before
+# it. `docs/architecture.md` states the same order (`PACKAGE_ORDER`, checked below).
+PACKAGES = {KERNELS: ROOT / "kernels", FACADE: CORE, NODE_PACK: ROOT / "nodes"}
 
 # The layers, lowest first; a module may import its own layer and the ones before it. `docs/architecture.md` states
 # the same order (`LAYER_ORDER`, checked below).
@@ -20,8 +29,6 @@ SHARED = "shared"
 LAYERS: tuple[tuple[str, ...], ...] = (
     (SHARED,), ("engine",), ("weights",), ("media",), ("pipeline",), ("cli", "service"),
 )
-FACADE = "vflash_core"
-NODE_PACK = "vflash_nodes"
 
 
 def _layer_names(layer: tuple[str, ...]) -> str:
@@ -29,14 +36,18 @@ def _layer_names(layer: tuple[str, ...]) -> str:
 
 
 LAYER_ORDER = "Layers, lowest first: " + " < ".join(_layer_names(layer) for layer in LAYERS) + "."
+PACKAGE_ORDER = "Packages, lowest first: " + " < ".join(
+    f"`{folder.name}/` (`{name}`)" if folder.name != name else f"`{name}/`" for name, folder in PACKAGES.items()
+) + "."
 
 
 def _modules() -> dict[str, Path]:
-    """Dotted name -> file of every module of vflash_core (a package by its `__init__.py`)."""
+    """Dotted name -> file of every module of the packages, by installed name (a package by its `__init__.py`)."""
     out = {}
-    for path in sorted(CORE.rglob("*.py")):
-        parts = path.relative_to(ROOT).with_suffix("").parts
-        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    for package, folder in PACKAGES.items():
+        for path in sorted(folder.rglob("*.py")):
+            parts = (package, *path.relative_to(folder).with_suffix("").parts)
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return out
 
 
@@ -44,7 +55,7 @@ MODULES = _modules()
 
 
 def _imports(name: str, path: Path) -> list[tuple[int, str]]:
-    """(line, imported name) of every import in the module: a vflash_core module, or another top-level package."""
+    """(line, imported name) of every import in the module: a module of the packages, or another top-level package."""
     is_package = path.name == "__init__.py"
     package = name if is_package else name.rpartition(".")[0]
     found = []
@@ -65,7 +76,7 @@ def _imports(name: str, path: Path) -> list[tuple[int, str]]:
 
 
 def _owner(dotted: str) -> str:
-    """The vflash_core module that defines `dotted` (its longest known prefix), or the top-level package outside."""
+    """The module of the packages that defines `dotted` (its longest known prefix), or the top-level package outside."""
     parts = dotted.split(".")
     for end in range(len(parts), 0, -1):
         if ".".join(parts[:end]) in MODULES:
@@ -83,22 +94,37 @@ def _layer(module: str) -> int:
     raise AssertionError(f"{module}: in no layer of LAYERS ({folder})")
 
 
+def _package(module: str) -> str:
+    return module.split(".")[0]
+
+
+def _rank(module: str) -> tuple[int, int]:
+    """Where a module sits: its package's index in PACKAGES, then its layer inside the core (the facade above all of
+    them; the kernels and the node pack have no layers inside)."""
+    package = _package(module)
+    if package != FACADE:
+        return list(PACKAGES).index(package), 0
+    return list(PACKAGES).index(package), len(LAYERS) if module == FACADE else _layer(module)
+
+
 GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
 
 
 def _upward(graph: dict[str, list[tuple[int, str]]]) -> list[str]:
-    """Every import of the node pack, of the package facade from inside, or of a higher layer, one line each."""
+    """Every import of a higher package, of the core's facade from inside the core, or of a higher layer of the core,
+    one line each."""
     found = set()
     for source, imports in graph.items():
         where = MODULES[source].relative_to(ROOT)
         for line, target in imports:
-            if target == NODE_PACK:
-                found.add(f"{where}:{line}: imports the node pack {NODE_PACK}")
-            elif source == FACADE or target not in MODULES:
+            if target not in MODULES or target == source:
                 continue
+            if _package(target) != _package(source):
+                if _rank(target) > _rank(source):
+                    found.add(f"{where}:{line}: {source} imports {target}, of the higher package {_package(target)}")
             elif target == FACADE:
                 found.add(f"{where}:{line}: imports the package facade {FACADE}")
-            elif _layer(target) > _layer(source):
+            elif _rank(target) > _rank(source):
                 found.add(f"{where}:{line}: {source} imports {target}, a higher layer")
     return sorted(found)
 
@@ -147,15 +173,20 @@ def _cycles(graph: dict[str, list[tuple[int, str]]]) -> list[list[str]]:
 
 def test_every_module_has_a_layer_and_imports_resolve():
     assert len(MODULES) > 50 and "vflash_core.engine.session" in MODULES and "vflash_core.errors" in MODULES
+    assert {"vflash_kernels", "vflash_kernels.modulate", "vflash_nodes", "vflash_nodes.workflow"} <= set(MODULES)
     for name in MODULES:
-        if name != FACADE:
-            _layer(name)
+        _rank(name)
     # Relative forms: a submodule of the package (`from . import model as M`), a name of a sibling module, a name of
     # a module two levels up; and an import inside a function (the options' attention backends).
     assert "vflash_core.engine.model" in {target for _, target in GRAPH["vflash_core.engine.fused"]}
     assert "vflash_core.errors" in {target for _, target in GRAPH["vflash_core.formats"]}
     assert "vflash_core.errors" in {target for _, target in GRAPH["vflash_core.engine.session"]}
     assert "vflash_core.engine.attention" in {target for _, target in GRAPH["vflash_core.pipeline.options"]}
+    # Across the packages: a kernel's private helpers, the core's lazy import of a kernel, the node pack's of the core.
+    assert "vflash_kernels._device" in {target for _, target in GRAPH["vflash_kernels.modulate"]}
+    assert "vflash_kernels.modulate" in {target for _, target in GRAPH["vflash_core.engine.fused"]}
+    node_pack_targets = {target for source in MODULES if _package(source) == NODE_PACK for _, target in GRAPH[source]}
+    assert "vflash_core.errors" in node_pack_targets
 
 
 def test_imports_point_down_the_layers():
@@ -169,20 +200,28 @@ def test_no_import_cycles():
 
 
 def test_the_checks_find_what_they_look_for():
-    """An import up a layer, of the node pack, of the facade, and a cycle, each added to the real graph, are found."""
+    """An import up a layer, of the node pack, of the facade, of the core or the node pack from a kernel, and a cycle,
+    each added to the real graph, are found."""
     added = {
         "vflash_core.errors": [(1, "vflash_core.fileio")],  # fileio imports errors: a cycle
         "vflash_core.engine.layout": [(2, "vflash_core.media.references")],
         "vflash_core.weights.checkpoint": [(3, NODE_PACK), (4, FACADE)],
+        "vflash_kernels.modulate": [(5, "vflash_core.engine.model"), (6, "vflash_nodes.registry")],
     }
     graph = {name: [*imports, *added.get(name, [])] for name, imports in GRAPH.items()}
     assert ["vflash_core.errors", "vflash_core.fileio"] in _cycles(graph)
     assert {
         "vflash_core/engine/layout.py:2: vflash_core.engine.layout imports vflash_core.media.references, a higher layer",
-        f"vflash_core/weights/checkpoint.py:3: imports the node pack {NODE_PACK}",
+        f"vflash_core/weights/checkpoint.py:3: vflash_core.weights.checkpoint imports {NODE_PACK}, of the higher "
+        f"package {NODE_PACK}",
         f"vflash_core/weights/checkpoint.py:4: imports the package facade {FACADE}",
+        "kernels/modulate.py:5: vflash_kernels.modulate imports vflash_core.engine.model, of the higher package "
+        "vflash_core",
+        "kernels/modulate.py:6: vflash_kernels.modulate imports vflash_nodes.registry, of the higher package "
+        "vflash_nodes",
     } <= set(_upward(graph))
 
 
 def test_architecture_doc_states_the_layer_order():
-    assert LAYER_ORDER in (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    assert LAYER_ORDER in text and PACKAGE_ORDER in text

@@ -23,6 +23,7 @@ import pytest
 import test_kernels
 import torch
 import torch.nn.functional as F
+from kernel_references import rms_norm_block_order_reference, rms_norm_warp_order_reference, shift_scale_blocks
 from test_kernels import (
     H_FULL,
     H_INTERPRETED,
@@ -44,9 +45,9 @@ from test_kernels import (
 )
 
 
-def rms_norm_modulate_order_reference(op, x, weight, eps, table, row_index, which="msa", out_dtype=None):
+def rms_norm_modulate_order_reference(x, weight, eps, table, row_index, which="msa", out_dtype=None):
     """What the kernel computes, in torch ops: the emulated reduction order of its norm, then the model's modulation."""
-    return modulate_reference(op.rms_norm_block_order_reference(x, weight, eps), table, row_index, which, out_dtype)
+    return modulate_reference(rms_norm_block_order_reference(x, weight, eps), table, row_index, which, out_dtype)
 
 
 def rms_norm_modulate_reference(x, weight, eps, table, row_index, which="msa", out_dtype=None):
@@ -97,21 +98,18 @@ def _report(what, got, reference):
 
 def test_order_reference_is_the_qk_norm_order_up_to_128_channels():
     """For rows of <= 128 channels only torch's warp 0 holds data: the block order is `qk_norm_rope`'s warp order."""
-    kernels = test_kernels._compiled_kernels()
-    op = importlib.import_module(f"vflash_kernels.{_MODULE}")
     g = torch.Generator().manual_seed(5)
     for D in (128, 96, 20):
         x, w = _inputs(257, D, torch.bfloat16, g)
-        assert_bitwise(op.rms_norm_block_order_reference(x, w, EPS), kernels.rope.rms_norm_warp_order_reference(x, w, EPS), f"D={D}")
+        assert_bitwise(rms_norm_block_order_reference(x, w, EPS), rms_norm_warp_order_reference(x, w, EPS), f"D={D}")
 
 
 def test_order_reference_sees_the_block_shape():
     """At full width the assumed block shape matters, so the GPU comparison with `F.rms_norm` can tell them apart."""
-    op = importlib.import_module(f"vflash_kernels.{_MODULE}")
     x, w = _inputs(2000, H_FULL, torch.bfloat16, torch.Generator().manual_seed(6))
-    ours = op.rms_norm_block_order_reference(x, w, EPS)
+    ours = rms_norm_block_order_reference(x, w, EPS)
     for warps in (1, 2, 8, 16):
-        assert bool((op.rms_norm_block_order_reference(x, w, EPS, warps=warps) != ours).any()), warps
+        assert bool((rms_norm_block_order_reference(x, w, EPS, warps=warps) != ours).any()), warps
 
 
 def test_rejects_inputs_of_the_other_torch_path():
@@ -119,12 +117,12 @@ def test_rejects_inputs_of_the_other_torch_path():
     table, idx = torch.zeros(6, 6 * 8, dtype=torch.bfloat16), torch.zeros(3, dtype=torch.long)
     w = torch.ones(8, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="multiple of 4"):
-        op.rms_norm_modulate(torch.zeros(3, 6, dtype=torch.bfloat16), torch.ones(6, dtype=torch.bfloat16), EPS, torch.zeros(6, 36, dtype=torch.bfloat16), idx)
+        op.rms_norm_modulate(torch.zeros(3, 6, dtype=torch.bfloat16), torch.ones(6, dtype=torch.bfloat16), EPS, torch.zeros(6, 36, dtype=torch.bfloat16), idx, **shift_scale_blocks("msa"))
     misaligned = torch.zeros(3 * 8 + 1, dtype=torch.bfloat16)[1:].view(3, 8)  # contiguous, 2 bytes off
     with pytest.raises(ValueError, match="aligned"):
-        op.rms_norm_modulate(misaligned, w, EPS, table, idx)
+        op.rms_norm_modulate(misaligned, w, EPS, table, idx, **shift_scale_blocks("msa"))
     with pytest.raises(ValueError, match="weight"):
-        op.rms_norm_modulate(torch.zeros(3, 8, dtype=torch.bfloat16), w.float(), EPS, table, idx)
+        op.rms_norm_modulate(torch.zeros(3, 8, dtype=torch.bfloat16), w.float(), EPS, table, idx, **shift_scale_blocks("msa"))
 
 
 # -- CPU: the kernel in the interpreter ------------------------------------------------------------------------
@@ -144,11 +142,11 @@ def test_rms_norm_modulate_interpreter(op, monkeypatch, request, hidden, layout,
     table = strided((6, 6 * hidden), dtype, g, scale=0.5)
     idx = torch.randint(0, 6, (rows,), generator=g, dtype=torch.int32 if layout == "strided" else torch.int64)
     out = poisoned(x.shape, dtype)
-    assert op.rms_norm_modulate(x, w, EPS, table, idx, which, out=out) is out
+    assert op.rms_norm_modulate(x, w, EPS, table, idx, **shift_scale_blocks(which), out=out) is out
     assert_all_written(out, "rms_norm_modulate")
-    assert_bitwise(out, rms_norm_modulate_order_reference(op, x, w, EPS, table, idx.long(), which), f"H={hidden} {which} vs emulated order")
+    assert_bitwise(out, rms_norm_modulate_order_reference(x, w, EPS, table, idx.long(), which), f"H={hidden} {which} vs emulated order")
     _report(f"rms_norm_modulate vs CPU F.rms_norm + modulate (H={hidden}, {which})", out, rms_norm_modulate_reference(x, w, EPS, table, idx.long(), which))
-    normed_ulps = _report(f"  the norm alone, emulated order vs CPU F.rms_norm (H={hidden})", op.rms_norm_block_order_reference(x, w, EPS), F.rms_norm(x, (hidden,), w, EPS))
+    normed_ulps = _report(f"  the norm alone, emulated order vs CPU F.rms_norm (H={hidden})", rms_norm_block_order_reference(x, w, EPS), F.rms_norm(x, (hidden,), w, EPS))
     assert int(normed_ulps.max()) <= 1  # another summation order moves rstd by a few fp32 ulp: one bf16 rounding at most
 
 
@@ -158,9 +156,9 @@ def test_rms_norm_modulate_interpreter_norm_out_fp32_result(op, request):
     x, w = _inputs(S_CPU, 1000, torch.bfloat16, g)
     table = randn((2, 2 * 1000), torch.bfloat16, g, 0.5)
     idx = torch.randint(0, 2, (S_CPU,), generator=g)
-    got = op.rms_norm_modulate(x, w, EPS, table, idx, "out", out_dtype=torch.float32)
+    got = op.rms_norm_modulate(x, w, EPS, table, idx, **shift_scale_blocks("out"), out_dtype=torch.float32)
     assert got.dtype == torch.float32 and got.shape == x.shape and got.is_contiguous()
-    assert_bitwise(got, rms_norm_modulate_order_reference(op, x, w, EPS, table, idx, "out", torch.float32), "norm_out")
+    assert_bitwise(got, rms_norm_modulate_order_reference(x, w, EPS, table, idx, "out", torch.float32), "norm_out")
 
 
 def test_rms_norm_modulate_interpreter_int64_variant(op, monkeypatch, request):
@@ -169,7 +167,7 @@ def test_rms_norm_modulate_interpreter_int64_variant(op, monkeypatch, request):
     x, w = _inputs(S_SMALL_TILE, 1000, torch.bfloat16, g, "strided")
     table = strided((6, 6 * 1000), torch.bfloat16, g, scale=0.5)
     idx = torch.randint(0, 6, (S_SMALL_TILE,), generator=g)
-    assert_bitwise(op.rms_norm_modulate(x, w, EPS, table, idx, "mlp"), rms_norm_modulate_order_reference(op, x, w, EPS, table, idx, "mlp"), "int64")
+    assert_bitwise(op.rms_norm_modulate(x, w, EPS, table, idx, **shift_scale_blocks("mlp")), rms_norm_modulate_order_reference(x, w, EPS, table, idx, "mlp"), "int64")
 
 
 def test_rms_norm_modulate_interpreter_fp32(op, request):
@@ -179,7 +177,7 @@ def test_rms_norm_modulate_interpreter_fp32(op, request):
     x, w = _inputs(S_CPU, 1000, torch.float32, g)
     table = randn((6, 6 * 1000), torch.float32, g, 0.5)
     idx = torch.randint(0, 6, (S_CPU,), generator=g)
-    got = op.rms_norm_modulate(x, w, EPS, table, idx, "msa")
+    got = op.rms_norm_modulate(x, w, EPS, table, idx, **shift_scale_blocks("msa"))
     torch.testing.assert_close(got, rms_norm_modulate_reference(x, w, EPS, table, idx, "msa"), rtol=2e-6, atol=2e-6)
 
 
@@ -195,14 +193,14 @@ def _gpu_case(S, g):
     return x, w, table, idx
 
 
-def _diagnose_order(gpu_op, x, w):
+def _diagnose_order(x, w):
     """Which block height the order reference needs to reproduce `F.rms_norm` on this GPU (count of differing bf16).
 
     The reference runs in torch ops on CUDA; if `torch.rsqrt` there is not the `rsqrtf` of torch's norm kernel, every
     layout shows a few differences and the right one the fewest."""
     expected = F.rms_norm(x, (H_FULL,), w, EPS)
     for warps in (1, 2, 4, 8, 16, 32):
-        differ = int((gpu_op.rms_norm_block_order_reference(x, w, EPS, warps=warps) != expected).sum())
+        differ = int((rms_norm_block_order_reference(x, w, EPS, warps=warps) != expected).sum())
         print(f"  order reference with {warps:2d} warps per torch block vs F.rms_norm: {differ}/{expected.numel()} differ")
 
 
@@ -212,16 +210,16 @@ def test_rms_norm_modulate_gpu(gpu, gpu_op, monkeypatch, request, S):
     """Bit for bit with `F.rms_norm` + `modulate`; prints the count of differing elements (and a diagnosis) if not."""
     g = generator(request, "cuda")
     x, w, table, idx = _gpu_case(S, g)
-    expected = {which: gpu.modulate.modulate(F.rms_norm(x, (H_FULL,), w, EPS), table, idx, which) for which in ("msa", "mlp")}
+    expected = {which: gpu.modulate.modulate(F.rms_norm(x, (H_FULL,), w, EPS), table, idx, **shift_scale_blocks(which)) for which in ("msa", "mlp")}
     failures = []
     for which in ("msa", "mlp"):
-        got = gpu_op.rms_norm_modulate(x, w, EPS, table, idx, which)
+        got = gpu_op.rms_norm_modulate(x, w, EPS, table, idx, **shift_scale_blocks(which))
         differ = int((got != expected[which]).sum())
         print(f"rms_norm_modulate {which} S={S}: {differ}/{got.numel()} elements differ from F.rms_norm + modulate")
         if differ:
             failures.append(which)
     if failures:
-        _diagnose_order(gpu_op, x, w)
+        _diagnose_order(x, w)
     assert not failures, f"not bit for bit with F.rms_norm + modulate for {failures} (counts above)"
     monkeypatch.setattr(gpu._launch, "needs_int64", lambda *views: True)
-    assert_bitwise(gpu_op.rms_norm_modulate(x, w, EPS, table, idx, "mlp"), expected["mlp"], f"INDEX_64 variant S={S}")
+    assert_bitwise(gpu_op.rms_norm_modulate(x, w, EPS, table, idx, **shift_scale_blocks("mlp")), expected["mlp"], f"INDEX_64 variant S={S}")

@@ -10,7 +10,7 @@ widths that leave masked column blocks.
 
 What the interpreter cannot show: torch's CPU `F.rms_norm` sums squares in another order than its CUDA kernel, which
 the norm kernels reproduce, so on the CPU the fused norms are compared with their emulation of that order
-(`rms_norm_cast_reference`, fma included), and a whole decode with the fused norms with the reference decode whose
+(`kernel_references.rms_norm_cast_reference`, fma included), and a whole decode with the fused norms with the reference decode whose
 norms are that emulation; with the fused norms off, the fused decode equals the untouched reference decode. On the
 CPU the decode runs in bf16 (diffusers' fp32 pins): in fp32 the interpreter's SwiGLU `exp` is numpy's, a few ulp from
 torch's (tests/test_kernels.py). The GPU test compares the fused and reference decodes bit for bit on CUDA at the
@@ -33,6 +33,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_bitwise
+from kernel_references import fma_f32, rms_norm_block_order_reference, rms_norm_cast_reference
 
 pytest.importorskip("triton")
 
@@ -43,7 +44,11 @@ from vflash_core.errors import VflashError
 from vflash_core.media import vae_decode
 from vflash_core.media.vae import MediaVAEs
 from vflash_core.media.vae_decode import (
-    DecoderOps, DecoderWeights, FusedDecoderOps, NativeVideoDecoder, resolve_decoder_execution,
+    DecoderOps,
+    DecoderWeights,
+    FusedDecoderOps,
+    NativeVideoDecoder,
+    resolve_decoder_execution,
 )
 
 _INTERPRETED = "_vflash_kernels_decoder_interpreted"
@@ -103,13 +108,13 @@ class CudaOrderNormOps(DecoderOps):
 # -- the norm's emulation -------------------------------------------------------------------------------------------
 
 
-def test_fma_emulation_rounds_once(interp):
-    """`_fma_f32` against exact rational arithmetic on random fp32 triples, near-cancelling sums and ties included."""
+def test_fma_emulation_rounds_once():
+    """`fma_f32` against exact rational arithmetic on random fp32 triples, near-cancelling sums and ties included."""
     rng = random.Random(0)
     a = randn(4000, seed=1) * 2.0 ** torch.randint(-20, 20, (4000,)).float()
     b = randn(4000, seed=2)
     c = torch.where(torch.rand(4000) < 0.3, -(a * b), randn(4000, seed=3) * 8)  # a third nearly cancel
-    got = interp.vae_decoder._fma_f32(a, b, c)
+    got = fma_f32(a, b, c)
     for i in rng.sample(range(4000), 1500):
         exact = Fraction(float(a[i])) * Fraction(float(b[i])) + Fraction(float(c[i]))
         # the fp32 nearest to `exact` (ties to even): fp64 of the rational is exact enough to pick among neighbours
@@ -120,16 +125,15 @@ def test_fma_emulation_rounds_once(interp):
         assert got[i].item() == best.item(), (i, a[i].item(), b[i].item(), c[i].item())
 
 
-def test_norm_emulation_is_the_block_order_for_bf16_inputs(interp):
+def test_norm_emulation_is_the_block_order_for_bf16_inputs():
     """For bf16 inputs (exact squares, so fma = multiply and add) the emulation equals the transformer kernels' order
     reference, and it stays within rounding of `F.rms_norm` for the decoder's fp32 stream."""
-    block_order = importlib.import_module(f"{_INTERPRETED}.rms_norm_modulate").rms_norm_block_order_reference
     x, w = randn(37, 1040, dtype=torch.bfloat16, seed=4), randn(1040, seed=5)
-    expected = block_order(x.float(), w, 1e-5).to(torch.bfloat16)
-    assert_bitwise(interp.vae_decoder.rms_norm_cast_reference(x, w, 1e-5, torch.bfloat16), expected, "bf16 input")
+    expected = rms_norm_block_order_reference(x.float(), w, 1e-5).to(torch.bfloat16)
+    assert_bitwise(rms_norm_cast_reference(x, w, 1e-5, torch.bfloat16), expected, "bf16 input")
     h = randn(37, 1040, seed=6, scale=30.0)
     torch.testing.assert_close(
-        interp.vae_decoder.rms_norm_cast_reference(h, w, 1e-5, torch.float32), F.rms_norm(h, (1040,), w, 1e-5)
+        rms_norm_cast_reference(h, w, 1e-5, torch.float32), F.rms_norm(h, (1040,), w, 1e-5)
     )
 
 
@@ -140,18 +144,18 @@ def test_norm_emulation_is_the_block_order_for_bf16_inputs(interp):
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("weighted", [True, False])
-def test_norm_bitwise(fused_ops, interp, width, x_dtype, out_dtype, weighted):
+def test_norm_bitwise(fused_ops, width, x_dtype, out_dtype, weighted):
     """`norm` of a (W, S, D) stream (fp32, or bf16 as the first block's input) against the CUDA-order emulation."""
     x = randn(2, 37, width, dtype=x_dtype, seed=width, scale=20.0)
     weight = randn(width, seed=7) if weighted else None
     eps = 1e-5 if weighted else None  # None: fp32's machine epsilon, as F.rms_norm has it
-    expected = interp.vae_decoder.rms_norm_cast_reference(x, weight, eps, out_dtype)
+    expected = rms_norm_cast_reference(x, weight, eps, out_dtype)
     assert_bitwise(fused_ops.norm(x, weight, eps, out_dtype), expected, f"norm {width} {x_dtype} -> {out_dtype}")
 
 
 @pytest.mark.parametrize(("head_dim", "rotary"), [(16, 12), (24, 18), (64, 48)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_head_norm_rope_bitwise(fused_ops, interp, head_dim, rotary, dtype):
+def test_head_norm_rope_bitwise(fused_ops, head_dim, rotary, dtype):
     """Unweighted per-head norm and rotary of (W, S, heads, Dh) q and k with (1, S, 1, R) angles shared by the W
     stacked tile-windows, against the reference rotary of the CUDA-order norm."""
     windows, seq, heads = 3, 37, 3
@@ -160,9 +164,8 @@ def test_head_norm_rope_bitwise(fused_ops, interp, head_dim, rotary, dtype):
     q = randn(windows, seq, heads, head_dim, dtype=dtype, seed=9, scale=4.0)
     k = randn(windows, seq, heads, head_dim, dtype=dtype, seed=10, scale=4.0)
     got = [fused_ops.head_norm_rope(x, 1e-5, cos, sin) for x in (q, k)]
-    norm = interp.vae_decoder.rms_norm_cast_reference
     for name, x, out in (("q", q, got[0]), ("k", k, got[1])):
-        assert_bitwise(out, apply_rotary(norm(x, None, 1e-5, dtype), cos, sin), f"{name} Dh={head_dim} {dtype}")
+        assert_bitwise(out, apply_rotary(rms_norm_cast_reference(x, None, 1e-5, dtype), cos, sin), f"{name} Dh={head_dim} {dtype}")
     if dtype == torch.bfloat16:  # bf16 squares are exact, and per head CPU F.rms_norm agrees to the bit here too
         assert_bitwise(got[0], DecoderOps(None).head_norm_rope(q, 1e-5, cos, sin), "q against DecoderOps")
 
@@ -248,12 +251,11 @@ def test_fused_decode_with_torch_norms_equals_the_reference(fused_ops, vae_root,
     assert_bitwise(frames["fused"], frames["reference"], "MediaVAEs decoder_execution='fused'")
 
 
-def test_fully_fused_decode_equals_the_cuda_order_reference(fused_ops, interp, bf16_vae):
+def test_fully_fused_decode_equals_the_cuda_order_reference(fused_ops, bf16_vae):
     """Every fused op on: the reference decode with its norms in torch's CUDA order, bit for bit."""
     z = latents(DECODE_LATENTS, seed=4)
     reference = NativeVideoDecoder.from_vae(bf16_vae, windows_per_call=3)
-    norm = interp.vae_decoder.rms_norm_cast_reference
-    reference.ops = [CudaOrderNormOps(ops.attend_fn, norm) for ops in reference.ops]
+    reference.ops = [CudaOrderNormOps(ops.attend_fn, rms_norm_cast_reference) for ops in reference.ops]
     expected = reference.decode(z)
     got = NativeVideoDecoder.from_vae(bf16_vae, windows_per_call=3, execution="fused").decode(z)
     assert_bitwise(got, expected, "fully fused")

@@ -306,10 +306,11 @@ class FusedRowFP8Ops(_RowFP8Linears, FusedOps):
     ) -> torch.Tensor | QuantizedRows:
         if not self._fused_quantizer:
             return super().norm_modulate(x, weight, table, row_index, which)
-        kernels = self.fp8.quantize_kernels()
+        blocks = M.MODULATION_BLOCKS[which]
         return QuantizedRows(
-            *kernels.rms_norm_modulate_quantize(
-                x, weight, self.config.norm_eps, table, row_index, which, keep_value=self.keep_values
+            *self.fp8.quantize_kernels().rms_norm_modulate_quantize(
+                x, weight, self.config.norm_eps, table, row_index, shift_block=blocks.shift,
+                scale_block=blocks.scale, table_blocks=blocks.count, keep_value=self.keep_values,
             )
         )
 

@@ -4,7 +4,8 @@ Same operations, same order, same BF16 roundings as the reference — each kerne
 ops it replaces (see `kernels/`) — so a trajectory through this path equals the reference path bit for bit on the
 same GPU. What changes is traffic: the AdaLN rows are read from the table by row index inside the kernels instead of
 six gathered (S, H) tensors per block, modulation and gated residuals are one pass each (the residual update in
-place), rotary writes the attention layout directly, and SwiGLU reads the fused FFN input once.
+place), rotary writes the attention layout directly, and SwiGLU reads the fused FFN input once. The tables' layout
+stays the model's (`model.MODULATION_BLOCKS`): these ops pass each sublayer's block positions to the kernels.
 
 The 5376-wide RMSNorm is `F.rms_norm` unless `FUSED_NORM_MODULATE` (a kernel summing squares in the order of torch's
 vectorized CUDA kernel, enabled only where the GPU test shows it reproduces those bits).
@@ -53,9 +54,16 @@ class FusedOps(M.BlockOps):
         self, x: torch.Tensor, weight: torch.Tensor, table: torch.Tensor, row_index: torch.Tensor, which: str
     ) -> torch.Tensor:
         """RMSNorm then AdaLN modulation of the (1, S, H) stream: one kernel or two (`FUSED_NORM_MODULATE`)."""
+        blocks = M.MODULATION_BLOCKS[which]
         if FUSED_NORM_MODULATE:
-            return self._rms_norm_modulate(x, weight, self.config.norm_eps, table, row_index, which)
-        return self._modulate(M.rms_norm(x, weight, self.config.norm_eps), table, row_index, which)
+            return self._rms_norm_modulate(
+                x, weight, self.config.norm_eps, table, row_index,
+                shift_block=blocks.shift, scale_block=blocks.scale, table_blocks=blocks.count,
+            )
+        return self._modulate(
+            M.rms_norm(x, weight, self.config.norm_eps), table, row_index,
+            shift_block=blocks.shift, scale_block=blocks.scale, table_blocks=blocks.count,
+        )
 
     def qk_norm_rope(
         self, qkv: torch.Tensor, norm_q: torch.Tensor, norm_k: torch.Tensor,
@@ -76,4 +84,9 @@ class FusedOps(M.BlockOps):
     def gated_residual(
         self, x: torch.Tensor, y: torch.Tensor, table: torch.Tensor, row_index: torch.Tensor, which: str
     ) -> torch.Tensor:
-        return self._gated_residual(x, y, table, row_index, which, inplace=True)
+        blocks = M.MODULATION_BLOCKS[which]
+        if blocks.gate is None:
+            raise ValueError(f"the {which!r} modulation table has no gate")
+        return self._gated_residual(
+            x, y, table, row_index, gate_block=blocks.gate, table_blocks=blocks.count, inplace=True
+        )

@@ -188,9 +188,9 @@ class ModulationBlocks:
     count: int
 
 
-#: The layout of the modulation tables, by sublayer; the kernels (`vflash_kernels.modulate`, `.gated_residual`) read
-#: their columns from it. Main-block tables are (3T, 6H) [shift, scale, gate] x [attention "msa", FFN "mlp"]; the
-#: final norm's ("out") are (T, 2H) [shift, scale].
+#: The layout of the modulation tables, by sublayer; the fused ops (`fused.FusedOps`, `fp8.FusedRowFP8Ops`) pass its
+#: blocks to the kernels, which know no layout of their own. Main-block tables are (3T, 6H) [shift, scale, gate] x
+#: [attention "msa", FFN "mlp"]; the final norm's ("out") are (T, 2H) [shift, scale].
 MODULATION_BLOCKS = {
     "msa": ModulationBlocks(shift=0, scale=1, gate=2, count=6),
     "mlp": ModulationBlocks(shift=3, scale=4, gate=5, count=6),
