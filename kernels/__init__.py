@@ -19,6 +19,10 @@ its parity tests compare the two.
 | `fp8_quantize.swiglu_quantize`                | `fp8.quantize_rows` of `model.swiglu`                             |
 | `fp8_quantize.rms_norm_modulate_quantize`     | `fp8.quantize_rows` of `model.rms_norm_modulate`                  |
 
+One kernel is approximate by design and has no bitwise reference: `block_sparse_attention.block_sparse_attention`
+(the `sparse-attention` fast mode) is compared, within bf16 rounding, with `sparse_attention.masked_attention`, dense
+attention masked to the same key blocks.
+
 The package is a leaf: it imports torch and triton, nothing of `vflash_core` or the node pack (tests/test_layering.py
 checks it). What a kernel needs of the model's definitions comes in as arguments: the fused ops pass the AdaLN
 tables' layout (`vflash_core.engine.model.MODULATION_BLOCKS`) as block positions. The core imports the kernels only
