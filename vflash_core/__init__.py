@@ -15,11 +15,10 @@ could answer.
 
 from __future__ import annotations
 
-from ._imports import hide_repository_root
+from ._imports import LazyNames, hide_repository_root
 
 hide_repository_root()  # before anything imports transformers (`_imports.hide_repository_root` says why)
 
-import importlib
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -74,16 +73,15 @@ _SOURCES = {
 }
 
 
+_LAZY = LazyNames(__name__, _SOURCES)
+
+
 def __getattr__(name: str) -> Any:
-    if name not in _SOURCES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_SOURCES[name], __name__), name)
-    globals()[name] = value  # once: later lookups find it without this function
-    return value
+    return _LAZY.get(name)
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_SOURCES))
+    return _LAZY.names()
 
 
 __all__ = [

@@ -1,4 +1,5 @@
-"""Importing the sibling `kernels/` folder as `vflash_kernels` when the repository is used unpacked.
+"""Importing the sibling `kernels/` folder as `vflash_kernels` when the repository is used unpacked, and a package's
+public names loaded on first use (`LazyNames`).
 
 pip installs `kernels/` as the `vflash_kernels` package. When a host application imports the repository from its
 folder without a pip install, the folder is registered under that same name from its path; the repository root is never
@@ -12,6 +13,7 @@ import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 
 def hide_repository_root() -> None:
@@ -47,3 +49,23 @@ def load_package(name: str, folder: Path) -> ModuleType:
 
 def vflash_kernels() -> ModuleType:
     return load_package("vflash_kernels", Path(__file__).resolve().parent.parent / "kernels")
+
+
+class LazyNames:
+    """A package's public names, each imported from its module (`sources`: name -> module relative to the package)
+    when first asked for, then kept on the package: its module-level `__getattr__` and `__dir__` call `get` and
+    `names`, so importing the package (or any submodule) loads none of them."""
+
+    def __init__(self, package: str, sources: dict[str, str]):
+        self.package, self.sources = package, sources
+
+    def get(self, name: str) -> Any:
+        if name not in self.sources:
+            raise AttributeError(f"module {self.package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(self.sources[name], self.package), name)
+        setattr(sys.modules[self.package], name, value)  # once: later lookups find it without `__getattr__`
+        return value
+
+    def names(self) -> list[str]:
+        return sorted(set(vars(sys.modules[self.package])) | set(self.sources))
+

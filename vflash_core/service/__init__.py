@@ -9,8 +9,9 @@ parser reads its limits from `service.config` without importing aiohttp or the p
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
+
+from .._imports import LazyNames
 
 if TYPE_CHECKING:
     from .app import create_app
@@ -21,9 +22,12 @@ __all__ = ["ServiceConfig", "create_app"]
 _SOURCES = {"ServiceConfig": ".config", "create_app": ".app"}
 
 
+_LAZY = LazyNames(__name__, _SOURCES)
+
+
 def __getattr__(name: str) -> Any:
-    if name not in _SOURCES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_SOURCES[name], __name__), name)
-    globals()[name] = value  # once: later lookups find it without this function
-    return value
+    return _LAZY.get(name)
+
+
+def __dir__() -> list[str]:
+    return _LAZY.names()
