@@ -46,11 +46,15 @@ class BlockSelection:
     kv_counts: torch.Tensor
     blocks: int
 
+    def kept_pairs_on_device(self) -> torch.Tensor:
+        """(query block, key block) pairs computed, summed over heads, as a device scalar (no sync)."""
+        heads = self.kv_counts.shape[0]
+        return self.kv_counts.sum() + heads * self.dense_query_blocks * self.blocks
+
     @property
     def kept_pairs(self) -> int:
-        """(query block, key block) pairs computed, summed over heads (a device sync)."""
-        heads = self.kv_counts.shape[0]
-        return heads * self.dense_query_blocks * self.blocks + int(self.kv_counts.sum())
+        """`kept_pairs_on_device` on the host (a device sync)."""
+        return int(self.kept_pairs_on_device())
 
     @property
     def total_pairs(self) -> int:
@@ -157,8 +161,7 @@ class BlockSparseAttention:
             return self.dense(q, k, v)
         selection = select_key_blocks(q, k, self.sparse_from_row, self.density, self.mass, self.local_blocks)
         self.sparse_calls += 1
-        heads = selection.kv_counts.shape[0]
-        self._kept = self._kept + selection.kv_counts.sum() + heads * selection.dense_query_blocks * selection.blocks
+        self._kept = self._kept + selection.kept_pairs_on_device()
         self.total_pairs += selection.total_pairs
         if q.device.type != "cuda":
             return masked_attention(q, k, v, selection)
