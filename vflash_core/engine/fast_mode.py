@@ -28,7 +28,7 @@ heavy loads.
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from ..errors import Number, VflashError
 
@@ -74,7 +74,7 @@ class FastMode:
     def parse(cls, value: FastMode | str | None, **settings: object) -> FastMode:
         """A `FastMode` from itself, None / "" / "exact" (exact), or names joined by commas or "+"."""
         if isinstance(value, FastMode):
-            return value if not settings else cls(**{**asdict(value), **settings})
+            return replace(value, **settings)  # type: ignore[arg-type]
         if value is not None and not isinstance(value, str):
             raise VflashError(f"fast_mode must be a name such as {SPARSE_ATTENTION!r}, got {value!r}")
         names = [] if value in (None, "", "exact") else [n.strip() for n in value.replace("+", ",").split(",")]

@@ -105,7 +105,7 @@ class FastModeRun:
                                      "block_evaluations_exact": evaluations * self.layers}
         if self.attention is not None:
             report["sparse_attention"] = {
-                "backend": "vflash-block-sparse-triton" if attention_backend != "torch-sdpa" else "masked-sdpa",
+                "backend": self.attention.backend,
                 "dense_backend": attention_backend,
                 "sparse_calls": self.attention.sparse_calls, "dense_calls": self.attention.dense_calls,
                 "density_reached": self.attention.density_reached(),

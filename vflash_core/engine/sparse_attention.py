@@ -145,6 +145,7 @@ class BlockSparseAttention:
         self.reset()
 
     def reset(self) -> None:
+        self.backend: str | None = None  # what ran the sparse calls: the kernel on CUDA, the masked reference elsewhere
         self.dense_calls = 0
         self.sparse_calls = 0
         self._kept: torch.Tensor | int = 0  # summed on the device, read once per request
@@ -164,9 +165,11 @@ class BlockSparseAttention:
         self._kept = self._kept + selection.kept_pairs_on_device()
         self.total_pairs += selection.total_pairs
         if q.device.type != "cuda":
+            self.backend = "masked-sdpa"
             return masked_attention(q, k, v, selection)
         from vflash_kernels.block_sparse_attention import block_sparse_attention
 
+        self.backend = "vflash-block-sparse-triton"
         return block_sparse_attention(q, k, v, selection.kv_blocks, selection.kv_counts, selection.dense_query_blocks)
 
     @property
