@@ -254,6 +254,24 @@ def step_cache_phase(records: list[dict], cache: Path) -> None:
     records.append(record)
 
 
+def kept_records(path: Path, phases: list[str], seconds: list[int]) -> list[dict]:
+    """The earlier file's records this run does not measure again, each marked with the commit it was measured at.
+
+    An evaluation run replaces only its own clip lengths, so 5 s and 15 s measured earlier survive a run at 10 s.
+    """
+    if not path.exists():
+        return []
+    earlier = json.loads(path.read_text())
+
+    def measured_again(record: dict) -> bool:
+        if record["phase"] == "evaluation":
+            return "evaluation" in phases and record["seconds"] in seconds
+        return record["phase"] in phases
+
+    return [{**r, "measured_at_commit": r.get("measured_at_commit", earlier["commit"])}
+            for r in earlier["records"] if not measured_again(r)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--phases", nargs="+", default=["kernel", "evaluation", "step_cache"],
@@ -265,8 +283,7 @@ def main() -> None:
     args = parser.parse_args()
     name = f"fast_mode_{gpu_name()}"
     path = RESULTS / f"{name}.json"
-    kept = json.loads(path.read_text())["records"] if path.exists() else []
-    records = [r for r in kept if r["phase"] not in args.phases]
+    records = kept_records(path, args.phases, args.seconds)
     if "kernel" in args.phases:
         kernel_phase(records, args.sweep)
     if "evaluation" in args.phases:

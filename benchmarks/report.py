@@ -22,6 +22,7 @@ FITS_START, FITS_END = "<!-- what-fits-where: filled by benchmarks/report.py -->
 FP8_START, FP8_END = "<!-- fp8-figures: filled by benchmarks/report.py -->", "<!-- /fp8-figures -->"
 HOST_START, HOST_END = "<!-- host-memory: filled by benchmarks/report.py -->", "<!-- /host-memory -->"
 FAST_START, FAST_END = "<!-- fast-mode-figures: filled by benchmarks/report.py -->", "<!-- /fast-mode-figures -->"
+LORA_START, LORA_END = "<!-- lora-figures: filled by benchmarks/report.py -->", "<!-- /lora-figures -->"
 
 
 def _load(name: str) -> dict | None:
@@ -362,12 +363,12 @@ def _fast_mode_data() -> dict | None:
 
 def fast_mode_figures(data: dict) -> str:
     """The kernel, a whole evaluation and the step cache, each fast mode against exact."""
-    records = data["records"]
+    records = [{**r, "measured_at": r.get("measured_at_commit", data["commit"])[:7]} for r in data["records"]]
     kernel = [r for r in records if r["phase"] == "kernel"]
     evaluation = [r for r in records if r["phase"] == "evaluation"]
     cache = [r for r in records if r["phase"] == "step_cache"]
-    parts = [f"Measured by `benchmarks/fast_mode.py` ({_source(data)}) on full-width random weights (speed and mechanism "
-             "only: random weights say nothing about quality)."]
+    parts = [f"Measured by `benchmarks/fast_mode.py` ({data['gpu']}, torch {data['torch']}; the commit of each row in its "
+             "last column) on full-width random weights (speed and mechanism only: random weights say nothing about quality)."]
     if kernel:
         prefix = ("each request's prefix rows (text and audio) dense" if all("prefix_rows" in r for r in kernel)
                   else "512 dense prefix rows")
@@ -376,20 +377,38 @@ def fast_mode_figures(data: dict) -> str:
                   _table(kernel, [("rows", "N"), ("prefix_rows", "prefix rows"), ("density_cap", "density cap"), ("density", "density"), ("fa3_dense_ms", "FA3 dense ms"),
                                   ("sparse_ms", "sparse ms"), ("kernel_speedup_vs_fa3_dense", "speedup"), ("selection_ms", "selection ms"),
                                   ("kernel_speedup_with_selection", "speedup with selection"), ("kept_block_tflops", "TFLOP/s of kept blocks"),
-                                  ("fa3_tflops", "FA3 TFLOP/s")])]
+                                  ("fa3_tflops", "FA3 TFLOP/s"), ("measured_at", "commit")])]
     if evaluation:
         parts += ["", "One whole evaluation (50 full-width layers, 44 of them sparse), exact vs `sparse-attention`:", "",
                   _table(evaluation, [("seconds", "clip s (1344x768)"), ("rows", "N"), ("density", "density"), ("exact_ms", "exact ms"),
                                       ("fast_ms", "sparse ms"), ("evaluation_speedup_vs_exact", "speedup"),
-                                      ("velocity_rel_l2_vs_exact", "velocity rel L2 (mechanism)")])]
+                                      ("velocity_rel_l2_vs_exact", "velocity rel L2 (mechanism)"), ("measured_at", "commit")])]
     if cache:
         parts += ["", "`step-cache` on a 16-evaluation Base16 request (4 full-width blocks, 1344x768 5 s):", "",
                   _table(cache, [("threshold", "threshold"), ("evaluations_cached", "evaluations cached"),
                                  ("block_evaluation_reduction", "block evaluations, exact / cached"),
                                  ("block_evaluation_reduction_at_50_layers", "the same at 50 layers"), ("exact_request_ms", "exact ms"),
                                  ("fast_request_ms", "step-cache ms"), ("request_speedup_vs_exact", "speedup"),
-                                 ("latent_rel_l2_vs_exact", "latent rel L2 (mechanism)")])]
+                                 ("latent_rel_l2_vs_exact", "latent rel L2 (mechanism)"), ("measured_at", "commit")])]
     return "\n".join(parts + [""])
+
+
+def _lora_data() -> dict | None:
+    """The newest LoRA result file (one per GPU kind)."""
+    files = sorted(RESULTS.glob("lora_*.json"), key=lambda p: p.stat().st_mtime)
+    return json.loads(files[-1].read_text()) if files else None
+
+
+def lora_figures(data: dict) -> str:
+    """No LoRA, one and the stack of three, residual and merged: time per evaluation and bits against diffusers."""
+    stack = ", ".join(f"{s['kind']} at {s['strength']}" for s in data["stack"])
+    return "\n".join([
+        f"Measured by `benchmarks/lora.py` ({_source(data)}): {data['blocks']} full-width blocks at {data['shape']} 5 s "
+        f"(N {data['N']:,}), random weights; the stack: {stack}. Bits compared with diffusers' peft adapters (residual) "
+        f"and `fuse_lora` (merged), {data['bitwise_compared_with']}.", "",
+        _table(data["records"], [("loras", "LoRAs"), ("mode", "mode"), ("evaluation_ms", "evaluation ms"),
+                                 ("overhead_vs_no_lora", "overhead vs no LoRA"), ("overhead_per_lora", "overhead per LoRA"),
+                                 ("bitwise_equal_to_diffusers", "bitwise = diffusers")]), ""])
 
 
 def fill_engine_doc(data: dict, start_marker: str = FITS_START, end_marker: str = FITS_END, render_table=what_fits) -> None:
@@ -489,6 +508,9 @@ def render() -> str:
     fast = _fast_mode_data()
     if fast:
         parts += ["## Fast modes vs exact (`benchmarks/fast_mode.py`)", "", fast_mode_figures(fast)]
+    lora = _lora_data()
+    if lora:
+        parts += ["## LoRA stacks (`benchmarks/lora.py`)", "", lora_figures(lora)]
     two = _load("two_gpu_2xh200")
     if two:
         parts += [
@@ -530,3 +552,7 @@ if __name__ == "__main__":
     if fast_data:
         fill_engine_doc(fast_data, FAST_START, FAST_END, fast_mode_figures)
         print(f"filled the fast-mode figures of {ENGINE_DOC}")
+    lora_data = _lora_data()
+    if lora_data:
+        fill_engine_doc(lora_data, LORA_START, LORA_END, lora_figures)
+        print(f"filled the LoRA figures of {ENGINE_DOC}")
