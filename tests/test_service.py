@@ -127,7 +127,8 @@ async def test_submit_poll_download_playable_mp4(aiohttp_client, make_service, t
     assert starting.status == 503 and (await starting.json())["worker"] == "starting"
     assert (await client.get("/healthz")).status == 200
     ready = await wait_ready(client)
-    assert ready["worker_pid"] == app[SUPERVISOR].worker_pid
+    assert [worker["pid"] for worker in ready["workers"]] == [app[SUPERVISOR].slots[0].worker_pid]
+    assert ready["workers"][0]["devices"] == "cpu"
 
     job_id = await submit(client, seed=7, **FAST)
     job = await wait_job(client, job_id)
@@ -165,7 +166,7 @@ async def test_submit_poll_download_playable_mp4(aiohttp_client, make_service, t
     assert files_under(app[WORK_DIR]) == []  # staging and uploads are gone
     text = await (await client.get("/metrics")).text()
     assert 'vflash_jobs{state="succeeded"} 3' in text
-    assert "vflash_request_seconds_count 3" in text and "vflash_worker_restarts_total 0" in text
+    assert "vflash_request_seconds_count 3" in text and 'vflash_worker_restarts_total{worker="0",devices="cpu"} 0' in text
 
 
 async def test_queued_jobs_run_in_order_on_one_pipeline_then_429(aiohttp_client, make_service):
@@ -475,7 +476,8 @@ async def test_python_client_against_a_loopback_server(aiohttp_server, make_serv
 async def test_killed_worker_fails_its_job_and_a_new_worker_runs_the_next(aiohttp_client, make_service, tmp_path):
     inputs = tmp_path / "inputs"
     inputs.mkdir()
-    app, config = make_service(input_dir=inputs)
+    # Serial: a pipelining worker would already hold the next job while the victim writes, and both would fail.
+    app, config = make_service(input_dir=inputs, pipelined=False)
     client = await aiohttp_client(app)
     await wait_ready(client)
     victim = await submit(client, seed=1, **MIDDLE)
@@ -495,13 +497,13 @@ async def test_killed_worker_fails_its_job_and_a_new_worker_runs_the_next(aiohtt
     assert done["worker_pid"] != writing["worker_pid"]
     refused = await wait_job(client, vanished)
     assert refused["status"] == "failed" and refused["error"] == "first frame frame.png does not exist"
-    assert refused["worker_pid"] == done["worker_pid"] == app[SUPERVISOR].worker_pid
+    assert refused["worker_pid"] == done["worker_pid"] == app[SUPERVISOR].slots[0].worker_pid
     assert published(config.output_dir) == [config.output_dir / f"{survivor}.mp4"]
     assert not [p for p in config.output_dir.rglob("*") if "partial" in p.name]
     assert files_under(app[WORK_DIR]) == []
     response = await client.get(f"/v1/jobs/{victim}/video")
     assert response.status == 409 and "SIGKILL" in (await response.json())["error"]
-    assert "vflash_worker_restarts_total 1" in await (await client.get("/metrics")).text()
+    assert 'vflash_worker_restarts_total{worker="0",devices="cpu"} 1' in await (await client.get("/metrics")).text()
 
 
 async def test_cancel_running_job_stops_within_one_evaluation(aiohttp_client, make_service):

@@ -20,9 +20,9 @@ from vflash_core.pipeline.options import RunOptions
 from vflash_core.service.app import WORK_DIR_OWNER, WORK_DIR_PREFIX, remove_stale_work_dirs
 from vflash_core.service.client import _multipart
 from vflash_core.service.jobs import Job, JobState, JobStore, QueueFullError, new_job_id, redact_paths
-from vflash_core.service.metrics import Histogram, render
+from vflash_core.service.metrics import Histogram, WorkerSeries, render
 from vflash_core.service.submission import InputPolicy, resolve_input_path, upload_suffix
-from vflash_core.service.supervisor import describe_exit
+from vflash_core.service.worker_handle import describe_exit
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -91,7 +91,8 @@ def test_metrics_text_format():
     hist = Histogram((1.0, 10.0))
     for value in (0.5, 3.0, 30.0):
         hist.observe(value)
-    text = render({"queued": 1, "running": 0}, hist, worker_restarts=2, ready=True, queue_capacity=16)
+    workers = [WorkerSeries("0", "cuda:0", True, 2, 1), WorkerSeries("1", "cuda:1+cuda:2", False, 0, 0)]
+    text = render({"queued": 1, "running": 0}, hist, workers, ready=True, queue_capacity=16)
     lines = text.splitlines()
     assert 'vflash_jobs{state="queued"} 1' in lines
     assert lines[lines.index("# TYPE vflash_request_seconds histogram") + 1 :][:5] == [
@@ -101,7 +102,9 @@ def test_metrics_text_format():
         "vflash_request_seconds_sum 33.5",
         "vflash_request_seconds_count 3",
     ]
-    assert "vflash_worker_restarts_total 2" in lines and "vflash_ready 1" in lines
+    assert 'vflash_worker_restarts_total{worker="0",devices="cuda:0"} 2' in lines and "vflash_ready 1" in lines
+    assert 'vflash_worker_ready{worker="1",devices="cuda:1+cuda:2"} 0' in lines
+    assert 'vflash_worker_jobs{worker="0",devices="cuda:0"} 1' in lines
     assert text.endswith("\n")
 
 
@@ -341,3 +344,43 @@ def test_client_refuses_missing_uploads_and_an_unreachable_service_on_one_line(t
         client.submit({"prompt": "x"}, files={"references": [tmp_path]})
     with pytest.raises(RunFailedError, match=rf"^cannot reach the Vflash service at http://127\.0\.0\.1:{port}: Connection refused$"):
         client.status("0" * 32)
+
+
+def test_serve_places_one_worker_per_gpu_or_pair_and_refuses_gpus_on_a_machine_without_them(tmp_path, capsys):
+    from vflash_core.cli.main import main
+    from vflash_core.errors import VflashError
+    from vflash_core.service import ServiceConfig
+
+    args = build_parser().parse_args(["serve", "--demo", "--output-dir", str(tmp_path), "--gpus", "0+1,2+3"])
+    assert args.gpus == ((0, 1), (2, 3)) and args.workers == 1 and args.pipelined
+    for extra, message in (
+        (["--gpus", "0,1"], "--gpus needs CUDA GPUs and this machine has none; on the CPU, use --workers N"),
+        (["--gpus", "0,x"], "--gpus takes CUDA indices separated by commas, pairs joined by '+' "
+                            "(0,1 or 0+1,2+3), got '0,x'"),
+        (["--gpus", "0", "--gpu", "1"], "--gpus replaces --gpu and --peer-gpu: give one or the other"),
+        (["--workers", "2", "--gpu", "0"], "2 workers on cuda:0 would each plan that GPU's whole memory; name one GPU "
+                                           "per worker"),
+        (["--workers", "0"], "--workers must be an integer from 1 to 64, got 0"),
+    ):
+        assert main(["serve", "--demo", "--output-dir", str(tmp_path / "out"), *extra]) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [f"vflash: error: {message}"]
+    assert not (tmp_path / "out").exists()
+
+    receipt = tmp_path / "receipt.json"
+    receipt.write_text("{}")
+    pairs = ServiceConfig(receipt, tmp_path, RunOptions(device="cuda:0", peer_device="cuda:1", strategy="tensor"),
+                          gpus=((0, 1), (2, 3)))
+    assert [(o.device, o.peer_device, o.strategy) for o in pairs.worker_options()] == [
+        ("cuda:0", "cuda:1", "tensor"), ("cuda:2", "cuda:3", "tensor")
+    ]
+    assert [o.device for o in ServiceConfig(receipt, tmp_path, gpus=((2,), (0,))).worker_options()] == ["cuda:2", "cuda:0"]
+    assert ServiceConfig(receipt, tmp_path, workers=3).worker_options() == (RunOptions(),) * 3
+    for changes, message in (
+        ({"gpus": ((0,), (0,))}, r"a GPU serves one worker; \[0, 0\] names one twice"),
+        ({"gpus": ((0, 1),)}, "a peer GPU and a strategy go together"),
+        ({"gpus": ((0,), (1, 2))}, "every worker has one GPU, or every worker a pair"),
+        ({"gpus": ((0,),), "workers": 2}, "not both"),
+        ({"torch_threads": 0}, "torch_threads must be an integer from 1"),
+    ):
+        with pytest.raises(VflashError, match=message):
+            ServiceConfig(receipt, tmp_path, **changes)

@@ -221,8 +221,9 @@ class MemoryPlan:
         """What the parts hold in host memory between requests, without the margin."""
         return sum(self.host_parts().values())
 
-    def fits_host(self) -> bool:
-        return self.host_budget is None or self.host_bytes() + HOST_MARGIN_BYTES <= self.host_budget
+    def fits_host(self, extra_bytes: int = 0) -> bool:
+        """Whether the parts, the margin and `extra_bytes` (a request's host memory beside them) fit the budget."""
+        return self.host_budget is None or self.host_bytes() + HOST_MARGIN_BYTES + extra_bytes <= self.host_budget
 
     def brought_bytes(self, stage: str) -> int:
         """The weights a stage brings to the device for its duration."""

@@ -14,7 +14,7 @@ from ..fileio import MIB
 
 __all__ = ["COMMANDS", "is_loopback", "register"]
 
-COMMANDS = {"serve": "HTTP generation service: jobs, readiness, cancel, one spawned GPU worker"}
+COMMANDS = {"serve": "HTTP generation service: jobs, readiness, cancel, one spawned worker per GPU"}
 
 PORT = Number(int, 0, 65535)
 #: --max-upload-mb: positive, and at most 1 TiB, so its byte count is an integer.
@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 def register(sub: argparse._SubParsersAction) -> None:
     from ..pipeline.options import RunOptions
-    from ..service.config import CANCEL_GRACE, KEEP_FINISHED_JOBS, MAX_QUEUE
+    from ..service.config import CANCEL_GRACE, KEEP_FINISHED_JOBS, MAX_QUEUE, TORCH_THREADS, WORKERS
 
     p = sub.add_parser("serve", help=COMMANDS["serve"])
     source = p.add_mutually_exclusive_group(required=True)
@@ -56,7 +56,48 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "which other local users can read in the process list)")
     p.add_argument("--cancel-grace", type=CANCEL_GRACE.option("--cancel-grace"), default=10.0,
                    help="seconds a cancelled job's worker may take before it is killed (default 10)")
+    p.add_argument("--gpus", type=parse_gpus, metavar="LIST",
+                   help="one worker per GPU, e.g. 0,1,2,3; or per pair for --strategy, e.g. 0+1,2+3 (instead of "
+                        "--gpu and --peer-gpu)")
+    p.add_argument("--workers", type=WORKERS.option("--workers"), default=1,
+                   help="worker processes on the CPU (default 1; on GPUs, --gpus gives one per GPU)")
+    p.add_argument("--worker-threads", type=TORCH_THREADS.option("--worker-threads"),
+                   help="torch threads of each worker (default: torch's own, every core)")
+    p.add_argument("--no-pipeline", dest="pipelined", action="store_false",
+                   help="run each worker's jobs strictly one after another (default: the next job's encode and "
+                        "denoise start while the last one's MP4 is written, where the memory plan says both fit)")
     p.set_defaults(handler=_serve)
+
+
+def parse_gpus(text: str) -> tuple[tuple[int, ...], ...]:
+    """`0,1,2,3` -> ((0,), (1,), (2,), (3,)); `0+1,2+3` -> ((0, 1), (2, 3))."""
+    try:
+        return tuple(tuple(int(index) for index in entry.split("+")) for entry in text.split(","))
+    except ValueError:
+        raise VflashError(
+            f"--gpus takes CUDA indices separated by commas, pairs joined by '+' (0,1 or 0+1,2+3), got {text!r}"
+        ) from None
+
+
+def _gpu_options(args: argparse.Namespace) -> None:
+    """`--gpus` stands for --gpu and --peer-gpu (their first entry builds the shared run options); refused at once
+    on a machine without CUDA GPUs, which the HTTP process asks without initialising CUDA."""
+    import torch
+
+    if args.gpu is not None or args.peer_gpu is not None:
+        raise VflashError("--gpus replaces --gpu and --peer-gpu: give one or the other")
+    if args.workers != 1:
+        raise VflashError("--gpus runs one worker per GPU (or pair); --workers is for the CPU")
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise VflashError("--gpus needs CUDA GPUs and this machine has none; on the CPU, use --workers N")
+    missing = sorted({index for entry in args.gpus for index in entry if index >= count})
+    if missing:
+        raise VflashError(f"--gpus names GPU {missing[0]}, but this machine has {count} (0 to {count - 1})")
+    if len(args.gpus[0]) == 2 and args.strategy is None:
+        raise VflashError("--gpus with pairs needs --strategy (sequence-head or tensor)")
+    args.gpu = args.gpus[0][0]
+    args.peer_gpu = args.gpus[0][1] if len(args.gpus[0]) == 2 else None
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -65,8 +106,10 @@ def _serve(args: argparse.Namespace) -> int:
     from ..pipeline.h3_pipeline import PreparedAssets
     from ..pipeline.options import RunOptions
     from ..service import ServiceConfig, create_app
-    from ..service.config import check_service_settings
+    from ..service.config import check_service_settings, check_workers
 
+    if args.gpus is not None:
+        _gpu_options(args)
     if args.peer_gpu is not None and args.gpu is None:
         raise VflashError("--peer-gpu needs --gpu")
     if args.max_upload_mb * MIB < 1:
@@ -76,8 +119,11 @@ def _serve(args: argparse.Namespace) -> int:
         keep_finished_jobs=args.keep_finished_jobs, max_upload_bytes=int(args.max_upload_mb * MIB), token=args.token,
         cancel_grace_seconds=args.cancel_grace,
     )
+    workers = dict(gpus=args.gpus or (), workers=args.workers, pipelined=args.pipelined,
+                   torch_threads=args.worker_threads)
     options = RunOptions.from_arguments(args)
     check_service_settings(**settings)  # everything but the model, before the demo model is built
+    check_workers(options, workers["gpus"], args.workers, args.worker_threads)
     check_bindable(args.host, args.port)
     if args.demo:
         from ..pipeline.demo import ensure_demo_assets
@@ -86,7 +132,9 @@ def _serve(args: argparse.Namespace) -> int:
     else:
         prepared = args.prepared_assets
     PreparedAssets.load(prepared)  # a malformed receipt is refused before the output folder is created
-    config = ServiceConfig(prepared_assets=prepared, options=options, log_level=logging.getLogger().level, **settings)
+    config = ServiceConfig(
+        prepared_assets=prepared, options=options, log_level=logging.getLogger().level, **settings, **workers
+    )
     if not is_loopback(args.host) and config.token is None:
         logger.warning("serving on %s without a token: anyone who can reach this address can submit jobs; "
                        "set VFLASH_SERVICE_TOKEN (or --token), or bind 127.0.0.1", args.host)

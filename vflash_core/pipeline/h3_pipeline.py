@@ -32,6 +32,7 @@ A cancelled request (the `cancel` callable raised) closes the pipeline, as does 
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import logging
@@ -803,14 +804,16 @@ class H3Pipeline:
         check_generate_arguments(request, output, overwrite, progress, cancel, preview)
         validated = time.perf_counter() - start
         with self._lock:
-            return self._run(request, plan, output, overwrite, progress, cancel, preview, validated, exact)
+            write = self._run(request, plan, output, overwrite, progress, cancel, preview, validated, exact)
+        return write()  # holds no lock: another thread's request may encode and denoise meanwhile
 
     def _run(
         self, request: VideoRequest, plan: RequestPlan, output: str | Path | None, overwrite: bool,
         progress: StageProgress | None, cancel: Callable[[], None] | None, preview: PreviewFn | None, validated: float,
         exact: bool = False,
-    ) -> VideoResult:
-        """One validated request, under the pipeline's lock; the clock starts after any wait for the lock."""
+    ) -> Callable[[], VideoResult]:
+        """One validated request up to its decode, under the pipeline's lock (the clock starts after any wait for
+        it); returns the rest, the MP4's write, which runs on the CPU once the lock is released."""
         start = time.perf_counter() - validated
         stages: dict[str, float] = {"validate": validated}
         initialization = 0.0
@@ -836,72 +839,102 @@ class H3Pipeline:
         self._check_memory(plan.geometry)
         # Each stage reports (stage, 0, total) as it starts, so that a progress bar times the whole stage.
         try:
-            poll()
-            report("encode", 0, 1)
-            t = time.perf_counter()
-            handoff = build_request_bundle(self.conditioner, self.vaes, request, plan, self.config, self.canvas, stages)
-            stages["encode"] = time.perf_counter() - t
-            report("encode", 1, 1)
-            poll()
-
-            def on_evaluation(done: int, total: int) -> None:
-                report("denoise", done, total)
+            # An MP4 stream opened here outlives the lock: `write` takes its context over once the decode is done.
+            with contextlib.ExitStack() as stack:
+                poll()
+                report("encode", 0, 1)
+                t = time.perf_counter()
+                handoff = build_request_bundle(
+                    self.conditioner, self.vaes, request, plan, self.config, self.canvas, stages
+                )
+                stages["encode"] = time.perf_counter() - t
+                report("encode", 1, 1)
                 poll()
 
-            report("denoise", 0, self.profile.nfe)
-            t = time.perf_counter()
-            generation = self.session.generate(
-                handoff, progress=on_evaluation, profile_denoise=self.options.profile_denoise, preview=preview,
-                exact=exact,
-            )
-            stages["denoise"] = time.perf_counter() - t
-            poll()
-            report("decode", 0, 2)
-            t = time.perf_counter()
-            after_stage = stage_timer(
-                stages, lambda stage: report("decode", ("decode.video", "decode.audio").index(stage) + 1, 2)
-            )
-            latents = (generation.video_latents, generation.audio_latents)
-            between_blocks = poll if cancel is not None else None
-            path = None
-            if output is not None and self.options.media_video_input == "stream":
-                # The MP4 is encoded while the video decodes; `write` is what is left of it after the decode.
-                width, height = plan.geometry.width, plan.geometry.height
-                with mp4_stream(
-                    output, width, height, self.vaes.sample_rate, FPS, video_threads=self.options.media_video_threads,
-                    overwrite=overwrite, video_crf=self.options.media_video_crf,
-                    video_preset=self.options.media_video_preset,
-                ) as stream:
-                    media = decode_latents(self.vaes, *latents, after_stage, between_blocks, video_sink=stream.add)
-                    stages["decode"] = time.perf_counter() - t
+                def on_evaluation(done: int, total: int) -> None:
+                    report("denoise", done, total)
                     poll()
-                    report("write", 0, 1)
-                    t = time.perf_counter()
-                    soundtrack = delivered_soundtrack(media)
-                    stream.finish(soundtrack)
-                path = Path(output)
-            else:
-                media = decode_latents(self.vaes, *latents, after_stage, between_blocks)
+
+                report("denoise", 0, self.profile.nfe)
+                t = time.perf_counter()
+                generation = self.session.generate(
+                    handoff, progress=on_evaluation, profile_denoise=self.options.profile_denoise, preview=preview,
+                    exact=exact,
+                )
+                stages["denoise"] = time.perf_counter() - t
+                poll()
+                report("decode", 0, 2)
+                t = time.perf_counter()
+                after_stage = stage_timer(
+                    stages, lambda stage: report("decode", ("decode.video", "decode.audio").index(stage) + 1, 2)
+                )
+                latents = (generation.video_latents, generation.audio_latents)
+                between_blocks = poll if cancel is not None else None
+                stream = None
+                if output is not None and self.options.media_video_input == "stream":
+                    # The MP4 is encoded while the video decodes; `write` is what is left of it after the decode.
+                    stream = stack.enter_context(mp4_stream(
+                        output, plan.geometry.width, plan.geometry.height, self.vaes.sample_rate, FPS,
+                        video_threads=self.options.media_video_threads, overwrite=overwrite,
+                        video_crf=self.options.media_video_crf, video_preset=self.options.media_video_preset,
+                    ))
+                media = decode_latents(
+                    self.vaes, *latents, after_stage, between_blocks, video_sink=None if stream is None else stream.add
+                )
                 stages["decode"] = time.perf_counter() - t
-                soundtrack = delivered_soundtrack(media)
+                del latents
                 if output is not None:
                     poll()
                     report("write", 0, 1)
-                    t = time.perf_counter()
-                    assert media.frames is not None  # decoded without a video sink
-                    path = write_mp4(output, media.frames, soundtrack, media.sample_rate, FPS,
-                                     self.options.media_video_input, self.options.media_video_threads, overwrite,
-                                     video_crf=self.options.media_video_crf,
-                                     video_preset=self.options.media_video_preset)
-            if path is not None:
-                stages["write"] = time.perf_counter() - t
-                report("write", 1, 1)
-        except BaseException as exc:  # a cancel, or a failure that is not the user's, ends the pipeline
-            caller_stopped = guarded.raised is not None
-            if not caller_stopped and (isinstance(exc, RequestCancelled) or not isinstance(exc, VflashError)):
-                self.close()
+                t = time.perf_counter()
+                soundtrack = delivered_soundtrack(media)
+                open_stream = stack.pop_all()
+        except BaseException as exc:
+            self._end_on_failure(exc, guarded)
             raise
-        elapsed = time.perf_counter() - start - initialization
+        metadata, session_timing = self._metadata(request, media, soundtrack, generation), generation.session
+        del generation  # the write keeps no device tensor
+
+        def write() -> VideoResult:
+            path = None
+            try:
+                with open_stream:
+                    if stream is not None:
+                        stream.finish(soundtrack)
+                        path = Path(output)
+                    elif output is not None:
+                        assert media.frames is not None  # decoded without a video sink
+                        path = write_mp4(output, media.frames, soundtrack, media.sample_rate, FPS,
+                                         self.options.media_video_input, self.options.media_video_threads, overwrite,
+                                         video_crf=self.options.media_video_crf,
+                                         video_preset=self.options.media_video_preset)
+                if path is not None:
+                    stages["write"] = time.perf_counter() - t
+                    report("write", 1, 1)
+            except BaseException as exc:
+                self._end_on_failure(exc, guarded)
+                raise
+            return VideoResult(
+                path=path, elapsed_seconds=time.perf_counter() - start - initialization, stages=stages,
+                session=session_timing, mode=plan.mode, width=plan.geometry.width, height=plan.geometry.height,
+                num_frames=media.num_frames, fps=FPS, sample_rate=media.sample_rate, metadata=metadata,
+                media=None if output is not None else media,
+            )
+
+        return write
+
+    def _end_on_failure(self, exc: BaseException, guarded: CallbackGuard) -> None:
+        """A cancel, or a failure that is not the user's, ends the pipeline (what a caller's callback raised does
+        not)."""
+        caller_stopped = guarded.raised is not None
+        if not caller_stopped and (isinstance(exc, RequestCancelled) or not isinstance(exc, VflashError)):
+            self.close()
+
+    def _metadata(
+        self, request: VideoRequest, media: DecodedMedia, soundtrack: torch.Tensor, generation: Any
+    ) -> dict[str, object]:
+        """What a result reports of how it was made; read under the lock, while the parts are open."""
+        assert self.conditioner is not None and self.session is not None  # a request ran on them
         metadata = {
             **generation.metadata,
             "seed": request.seed,
@@ -917,8 +950,4 @@ class H3Pipeline:
             metadata["memory_plan"] = asdict(self.session.plan.placement)
         if generation.denoise_profile is not None:
             metadata["denoise_profile"] = generation.denoise_profile
-        return VideoResult(
-            path=path, elapsed_seconds=elapsed, stages=stages, session=generation.session, mode=plan.mode,
-            width=plan.geometry.width, height=plan.geometry.height, num_frames=media.num_frames, fps=FPS,
-            sample_rate=media.sample_rate, metadata=metadata, media=None if output is not None else media,
-        )
+        return metadata

@@ -1,7 +1,8 @@
 """`create_app(config) -> web.Application`: the HTTP layer of `vflash serve`.
 
 The HTTP process owns validation, job records and output names; all model work happens in the worker
-process that `WorkerSupervisor` spawns, started and stopped by the one `cleanup_ctx` below.
+processes that `WorkerSupervisor` spawns (one per GPU, GPU pair or CPU worker), started and stopped by the one
+`cleanup_ctx` below.
 """
 
 from __future__ import annotations
@@ -245,13 +246,13 @@ async def cancel_job(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """Ready once the worker passed its profile and device checks (not "the model is loaded": loading happens on the
-    first job)."""
+    """Ready once a worker passed its profile and device checks (not "the model is loaded": loading happens on its
+    first job); `workers` reports each worker slot."""
     supervisor = request.app[SUPERVISOR]
     ready = supervisor.state is WorkerState.READY
     body = {
-        "ready": ready, "worker": supervisor.state.value, "worker_pid": supervisor.worker_pid,
-        "error": supervisor.fatal_error
+        "ready": ready, "worker": supervisor.state.value, "workers": [slot.view() for slot in supervisor.slots],
+        "error": supervisor.fatal_error,
     }
     return web.json_response(body, status=200 if ready else 503)
 
@@ -266,6 +267,6 @@ async def get_metrics(request: web.Request) -> web.Response:
     jobs = request.app[JOBS]
     text = metrics.render(
         {state.value: count for state, count in jobs.counts().items()}, supervisor.request_seconds,
-        supervisor.restarts, supervisor.state is WorkerState.READY, jobs.max_queue,
+        supervisor.worker_series(), supervisor.state is WorkerState.READY, jobs.max_queue,
     )
     return web.Response(body=text.encode(), headers={"Content-Type": metrics.CONTENT_TYPE})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
@@ -12,21 +13,32 @@ from ..fileio import MIB, check_folder, check_input_file
 from ..pipeline.options import RunOptions
 from .worker import WorkerConfig
 
-__all__ = ["CANCEL_GRACE", "KEEP_FINISHED_JOBS", "MAX_QUEUE", "ServiceConfig", "check_service_settings"]
+__all__ = [
+    "CANCEL_GRACE", "KEEP_FINISHED_JOBS", "MAX_QUEUE", "TORCH_THREADS", "WORKERS", "ServiceConfig",
+    "check_service_settings", "check_workers",
+]
 
 MAX_QUEUE = Number(int, 1)
 KEEP_FINISHED_JOBS = Number(int, 0)
 MAX_UPLOAD_BYTES = Number(int, 1, 2**40)  # 1 TiB
 #: How long a cancelled or stopping worker may take: positive, and at most a day (it is an asyncio deadline).
 CANCEL_GRACE = Number(float, 0, 86_400, above=True, unit="seconds")
+WORKERS = Number(int, 1, 64)
+TORCH_THREADS = Number(int, 1, 1024)
 
 
 @dataclass(frozen=True)
 class ServiceConfig:
     prepared_assets: Path  # the prepared-assets receipt the pipeline is opened from
     output_dir: Path  # published MP4s (`<job id>.mp4`) and the service's hidden work folder
-    # How the worker's pipeline runs; only the worker uses devices.
+    # How each worker's pipeline runs; only the workers use devices.
     options: RunOptions = field(default_factory=RunOptions)
+    # One worker per entry, on a GPU `(index,)` or a pair `(index, peer)` (with `options.strategy`), which replace
+    # `options`' devices; empty: `workers` workers on `options.device`.
+    gpus: tuple[tuple[int, ...], ...] = ()
+    workers: int = 1  # worker processes on `options.device` when `gpus` is empty; more than one on the CPU only
+    pipelined: bool = True  # a worker starts the next job while the last one's MP4 is written, where both fit
+    torch_threads: int | None = None  # each worker's torch threads (None: torch's default)
     input_dir: Path | None = None  # client paths must resolve inside it; None accepts uploads only
     max_queue: int = 16  # queued (not running) jobs before 429
     keep_finished_jobs: int = 1000  # records of ended jobs kept for GET /v1/jobs/{id}; older ones are forgotten
@@ -47,14 +59,52 @@ class ServiceConfig:
             self.output_dir, self.create_output_dir, self.input_dir, self.max_queue, self.keep_finished_jobs,
             self.max_upload_bytes, self.cancel_grace_seconds, self.token
         )
+        set_(self, "gpus", tuple(tuple(entry) for entry in self.gpus))
+        check_workers(self.options, self.gpus, self.workers, self.torch_threads)
+        self.worker_options()  # each worker's options are checked (a pair without a strategy, say)
         if create:
             self.output_dir.mkdir()
 
-    def worker_config(self, scratch_dir: Path) -> WorkerConfig:
-        return WorkerConfig(
-            prepared_assets=str(self.prepared_assets), options=self.options, scratch_dir=str(scratch_dir),
-            log_level=self.log_level,
+    def worker_options(self) -> tuple[RunOptions, ...]:
+        """The run options of each worker, in slot order."""
+        if not self.gpus:
+            return (self.options,) * self.workers
+        return tuple(
+            dataclasses.replace(
+                self.options, device=f"cuda:{entry[0]}", peer_device=f"cuda:{entry[1]}" if len(entry) > 1 else None
+            )
+            for entry in self.gpus
         )
+
+    def worker_config(self, options: RunOptions, scratch_dir: Path) -> WorkerConfig:
+        return WorkerConfig(
+            prepared_assets=str(self.prepared_assets), options=options, scratch_dir=str(scratch_dir),
+            log_level=self.log_level, torch_threads=self.torch_threads,
+        )
+
+
+def check_workers(
+    options: RunOptions, gpus: tuple[tuple[int, ...], ...], workers: int, torch_threads: int | None
+) -> None:
+    """One worker per GPU (or pair), or several on the CPU; never two workers planning one GPU's memory."""
+    WORKERS.check("workers", workers)
+    if torch_threads is not None:
+        TORCH_THREADS.check("torch_threads", torch_threads)
+    if gpus and workers != 1:
+        raise VflashError("give either GPUs (one worker each) or a number of CPU workers, not both")
+    if workers > 1 and str(options.device) != "cpu":
+        raise VflashError(
+            f"{workers} workers on {options.device} would each plan that GPU's whole memory; name one GPU per worker"
+        )
+    seen: list[int] = []
+    for entry in gpus:
+        if len(entry) not in (1, 2) or not all(isinstance(index, int) and index >= 0 for index in entry):
+            raise VflashError(f"a worker's GPUs are one or two CUDA indices, got {entry!r}")
+        seen += entry
+    if len(set(seen)) != len(seen):
+        raise VflashError(f"a GPU serves one worker; {sorted(seen)} names one twice")
+    if len({len(entry) for entry in gpus}) > 1:
+        raise VflashError("every worker has one GPU, or every worker a pair; not a mix")
 
 
 def check_service_settings(

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Callable
+from typing import NamedTuple
 
-__all__ = ["CONTENT_TYPE", "Histogram", "render"]
+__all__ = ["CONTENT_TYPE", "Histogram", "WorkerSeries", "render"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -37,8 +39,19 @@ class Histogram:
         return out
 
 
+class WorkerSeries(NamedTuple):
+    """One worker slot's numbers."""
+
+    worker: str  # the slot's index
+    devices: str  # cpu, cuda:0, cuda:0+cuda:1
+    ready: bool
+    restarts: int
+    jobs: int  # jobs on its worker now: computing, or writing their MP4
+
+
 def render(
-    jobs_by_state: dict[str, int], request_seconds: Histogram, worker_restarts: int, ready: bool, queue_capacity: int
+    jobs_by_state: dict[str, int], request_seconds: Histogram, workers: list[WorkerSeries], ready: bool,
+    queue_capacity: int,
 ) -> str:
     lines = ["# HELP vflash_jobs Jobs known to this process, by state.", "# TYPE vflash_jobs gauge"]
     lines += [f'vflash_jobs{{state="{state}"}} {count}' for state, count in jobs_by_state.items()]
@@ -46,9 +59,15 @@ def render(
         "# HELP vflash_request_seconds Wall time of succeeded generation requests (VideoResult.elapsed_seconds).",
         "# TYPE vflash_request_seconds histogram",
         *request_seconds.lines("vflash_request_seconds"),
-        "# HELP vflash_worker_restarts_total Worker processes started after the first one.",
+        "# HELP vflash_worker_restarts_total Worker processes started after a slot's first one, by slot.",
         "# TYPE vflash_worker_restarts_total counter",
-        f"vflash_worker_restarts_total {worker_restarts}",
+        *_per_worker(workers, "vflash_worker_restarts_total", lambda w: w.restarts),
+        "# HELP vflash_worker_ready 1 when the slot's worker passed its checks.",
+        "# TYPE vflash_worker_ready gauge",
+        *_per_worker(workers, "vflash_worker_ready", lambda w: int(w.ready)),
+        "# HELP vflash_worker_jobs Jobs on the slot's worker (computing, or writing their MP4).",
+        "# TYPE vflash_worker_jobs gauge",
+        *_per_worker(workers, "vflash_worker_jobs", lambda w: w.jobs),
         "# HELP vflash_ready 1 when /readyz passes.",
         "# TYPE vflash_ready gauge",
         f"vflash_ready {int(ready)}",
@@ -57,6 +76,10 @@ def render(
         f"vflash_queue_capacity {queue_capacity}",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _per_worker(workers: list[WorkerSeries], name: str, value: Callable[[WorkerSeries], int]) -> list[str]:
+    return [f'{name}{{worker="{w.worker}",devices="{w.devices}"}} {value(w)}' for w in workers]
 
 
 def _number(value: float) -> str:

@@ -1,12 +1,18 @@
-"""The spawned worker process: one `H3Pipeline`, reused across serial jobs.
+"""The spawned worker process: one `H3Pipeline`, reused across jobs.
 
 The parent starts this module's `worker_main` with the `spawn` start method, so the worker never inherits a forked
 copy of the parent (the parent never touches CUDA, and CUDA cannot be used after a fork anyway). The two sides talk
 through two one-way pipes: `JobOrder`s (or `None` to stop) go down, events go up. A shared `cancel` flag reaches the
 worker while it is busy; the pipeline polls it between evaluations.
 
-Exit rules: the worker exits after a cancelled job and after any failure other than a `RequestError` (a failed
-trajectory leaves device state that must not be reused); the parent then starts a fresh worker.
+Each job runs on a thread of its own. The pipeline runs one request at a time up to its decode and writes the MP4
+after releasing its lock, so a second order, which the parent sends only after `Writing(overlap=True)`, encodes and
+denoises while the first one's MP4 is written. `Writing.overlap` asks the memory plan whether the write's host memory
+fits beside the pipeline's planned host budget.
+
+Exit rules: after a cancelled job and after any failure other than a `RequestError` (a failed trajectory leaves device
+state that must not be reused) the parent sends no more jobs, and stops this worker once the jobs it holds have
+ended; it then starts a fresh worker.
 
 Nothing in this module imports torch at import time: the parent imports it for the message types only.
 """
@@ -19,6 +25,8 @@ import logging
 import os
 import signal
 import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from multiprocessing.synchronize import Event
 from pathlib import Path
@@ -27,7 +35,10 @@ from typing import Any
 from ..errors import RequestError, VflashError
 from ..pipeline.options import RunOptions
 
-__all__ = ["Cancelled", "Failed", "Fatal", "Finished", "JobOrder", "Progress", "Ready", "WorkerConfig", "worker_main"]
+__all__ = [
+    "Cancelled", "Failed", "Fatal", "Finished", "JobOrder", "Progress", "Ready", "WorkerConfig", "Writing",
+    "worker_main",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +51,7 @@ class WorkerConfig:
     options: RunOptions
     scratch_dir: str  # the worker's TMPDIR, owned and removed by the parent
     log_level: int = logging.INFO
+    torch_threads: int | None = None  # torch's intra-op threads (None: torch's default, every core)
 
 
 # -- parent -> worker --------------------------------------------------------------------------------------------
@@ -79,6 +91,14 @@ class Progress:
 
 
 @dataclasses.dataclass(frozen=True)
+class Writing:
+    """The job's decode is done; only its MP4's write on CPU threads is left. `overlap`: another job may start."""
+
+    job_id: str
+    overlap: bool
+
+
+@dataclasses.dataclass(frozen=True)
 class Finished:
     job_id: str
     result: dict[str, Any]
@@ -100,6 +120,18 @@ class JobCancelled(Exception):
     """Raised from the pipeline's cancel/progress hooks when the parent asked to cancel the running job."""
 
 
+class EventSender:
+    """The event pipe, shared by the job threads: one message at a time."""
+
+    def __init__(self, events: Connection):
+        self._events = events
+        self._lock = threading.Lock()
+
+    def send(self, event: object) -> None:
+        with self._lock:
+            self._events.send(event)
+
+
 def worker_main(config: WorkerConfig, orders: Connection, events: Connection, cancel: Event) -> None:
     logging.basicConfig(level=config.log_level, format="[vflash worker %(process)d] %(levelname)s %(message)s")
     # Ctrl-C reaches the whole process group; the parent decides when its worker stops.
@@ -107,21 +139,26 @@ def worker_main(config: WorkerConfig, orders: Connection, events: Connection, ca
     # Media and encoder temporaries land in a folder the parent removes even if this process is killed.
     os.environ["TMPDIR"] = config.scratch_dir
     tempfile.tempdir = config.scratch_dir
+    sender = EventSender(events)
     try:
         pipeline, info = _open_pipeline(config)
     except Exception as exc:  # any startup failure is fatal: the next worker would meet the same configuration
         logger.error("worker startup failed: %s", _describe(exc), exc_info=_is_bug(exc))
-        events.send(Fatal(_describe(exc)))
+        sender.send(Fatal(_describe(exc)))
         return
-    events.send(Ready(os.getpid(), info))
+    sender.send(Ready(os.getpid(), info))
     try:
-        while True:
-            try:
-                order = orders.recv()
-            except EOFError:  # the parent is gone
-                return
-            if order is None or not _run(pipeline, order, events, cancel):
-                return
+        # Two threads: one job computing, one writing its MP4 (the parent sends no more than that).
+        with ThreadPoolExecutor(2, thread_name_prefix="vflash-job") as jobs:
+            while True:
+                try:
+                    order = orders.recv()
+                except EOFError:  # the parent is gone
+                    cancel.set()
+                    return
+                if order is None:
+                    return
+                jobs.submit(_run, pipeline, order, sender, cancel)
     finally:
         pipeline.close()
 
@@ -130,8 +167,14 @@ def _open_pipeline(config: WorkerConfig) -> tuple[Any, dict[str, Any]]:
     """Open the lazy pipeline, which checks the devices against the profile; loads no model."""
     from ..pipeline.h3_pipeline import H3Pipeline
 
+    if config.torch_threads is not None:
+        import torch
+
+        torch.set_num_threads(config.torch_threads)
     pipeline = H3Pipeline.from_prepared(config.prepared_assets, config.options)
-    info: dict[str, Any] = {"profile": pipeline.profile.id, "strategy": config.options.strategy}
+    info: dict[str, Any] = {
+        "profile": pipeline.profile.id, "strategy": config.options.strategy, "torch_threads": config.torch_threads
+    }
     for role, device in (("device", config.options.device), ("peer_device", config.options.peer_device)):
         if device is not None:
             info[role] = _describe_device(device)
@@ -150,8 +193,8 @@ def _describe_device(name: str | int) -> str:
     return f"{name} ({torch.cuda.get_device_name(device)}, {device_arch(device)})"
 
 
-def _run(pipeline: Any, order: JobOrder, events: Connection, cancel: Event) -> bool:
-    """Run one job and report it; returns whether this worker may take another job."""
+def _run(pipeline: Any, order: JobOrder, events: EventSender, cancel: Event) -> None:
+    """Run one job and report how it ended."""
     from ..pipeline.h3_pipeline import RequestCancelled
 
     def check_cancel() -> None:
@@ -160,24 +203,41 @@ def _run(pipeline: Any, order: JobOrder, events: Connection, cancel: Event) -> b
 
     def progress(stage: str, done: int, total: int) -> None:
         events.send(Progress(order.job_id, stage, done, total))
+        if stage == "write":  # the decode is done: what is left runs beside the next job, and is never cancelled
+            if done == 0:
+                events.send(Writing(order.job_id, write_overlaps(pipeline, order.request)))
+            return
         check_cancel()  # the pipeline does not poll `cancel` while it loads the model
 
     try:
         result = pipeline.generate(order.request, order.output, progress=progress, cancel=check_cancel)
         report = _result_json(result)
     except (JobCancelled, RequestCancelled):
-        logger.info("job %s cancelled; this worker exits", order.job_id)
+        logger.info("job %s cancelled; this worker takes no more jobs", order.job_id)
         events.send(Cancelled(order.job_id))
-        return False
+        return
     except RequestError as exc:  # a bad input (its checks, or reading it): the pipeline stays usable
         events.send(Failed(order.job_id, str(exc), worker_exits=False))
-        return True
-    except Exception as exc:  # a failed trajectory: report it, then exit (its CUDA context cannot be trusted again)
-        logger.error("job %s failed, this worker exits: %s", order.job_id, _describe(exc), exc_info=_is_bug(exc))
+        return
+    except Exception as exc:  # a failed trajectory: report it; the worker ends (its CUDA context is not trusted again)
+        logger.error("job %s failed, this worker takes no more jobs: %s", order.job_id, _describe(exc),
+                     exc_info=_is_bug(exc))
         events.send(Failed(order.job_id, _describe(exc), worker_exits=True))
-        return False
+        return
     events.send(Finished(order.job_id, report))
-    return True
+
+
+def write_overlaps(pipeline: Any, request: Any) -> bool:
+    """Whether the next job may encode and denoise while this request's MP4 is written: the write holds no device
+    memory, only host memory (the whole clip's RGB frames when they are fed from a file, next to nothing when they
+    were streamed to the encoder during the decode), which must fit the pipeline's planned host budget."""
+    plan = pipeline.session.plan if pipeline.session is not None else None
+    if plan is None or plan.host_budget is None:
+        return True
+    geometry = pipeline.validate(request).geometry
+    frames_bytes = 3 * geometry.num_frames * geometry.height * geometry.width  # RGB, one byte a channel
+    held = 0 if pipeline.options.media_video_input == "stream" else frames_bytes
+    return bool(plan.fits_host(extra_bytes=held))
 
 
 def _is_bug(exc: BaseException) -> bool:
