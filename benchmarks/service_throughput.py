@@ -144,7 +144,7 @@ def main() -> None:
         for i in range(args.requests)
     ]
     records, videos = [], {}
-    sampler = GpuBusySampler(args.gpu)
+    sampler = GpuBusySampler(None if args.dry_run else args.gpu)
     try:
         for pipelined, workers in phases(args):
             with tempfile.TemporaryDirectory(prefix="vflash-throughput-") as out:
@@ -177,7 +177,17 @@ def main() -> None:
         result["threads_per_worker"] = args.threads
         result["two_worker_speedup"] = round(rate[(False, 2)] / rate[(False, 1)], 3)
         result["same_mp4_bytes"] = result["same_mp4_bytes"] and videos[(False, 2)] == videos[(False, 1)]
-    write_result(f"service_throughput_{'cpu' if args.gpu is None else 'gpu'}", result)
+    write_result(f"service_throughput_{'cpu' if args.gpu is None else gpu_name(args.gpu)}", result)
+
+
+def gpu_name(gpu: int) -> str:
+    """`h100`, `h200`, ... from the CUDA device name (`gpu` where it names no such model)."""
+    import re
+
+    import torch
+
+    found = re.search(r"\b([a-z]\d{2,3})\b", torch.cuda.get_device_name(gpu).lower())
+    return found.group(1) if found else "gpu"
 
 
 if __name__ == "__main__":

@@ -901,6 +901,7 @@ class H3Pipeline:
                 with open_stream:
                     if stream is not None:
                         stream.finish(soundtrack)
+                        assert output is not None  # a stream is opened for an output only
                         path = Path(output)
                     elif output is not None:
                         assert media.frames is not None  # decoded without a video sink

@@ -151,7 +151,7 @@ class WorkerSlot:
                     taken = asyncio.ensure_future(self.supervisor.jobs.take())
                 event = event or asyncio.ensure_future(handle.events.get())
                 timeout = None if kill_at is None else max(0.0, kill_at - time.monotonic())
-                waits = {event} if taken is None else {event, taken}
+                waits: set[asyncio.Future[Any]] = {event} if taken is None else {event, taken}
                 done, _ = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
                 if not done:
                     logger.warning("worker %d did not stop within %.1f s of a cancel; killing it", handle.pid,
