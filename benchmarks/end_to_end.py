@@ -71,6 +71,8 @@ from full_family import SEED, STAGED_FAMILY, StagedFamily, folder_bytes, host_me
 from vflash_core.engine.config import H3Config
 from vflash_core.weights import synthetic
 from vflash_core.weights.family import DEMO_FAMILY
+from vflash_core.engine.artifact import CompiledPaths
+from vflash_core.engine.engine_options import EngineOptions
 
 PROMPT = "A robot dances in the rain on a neon street at night, drums and bass play, the camera slowly pans left."
 REQUEST_SEED = 1234
@@ -680,7 +682,7 @@ def bitwise(run: Run, setup: Setup, encoded, rec: dict) -> None:
     profile = get_profile(setup.profile)
     width, height = (int(v) for v in setup.canvases[1].split("x"))
     t = time.perf_counter()
-    session = NativeEngineSession(profile, **setup.session_paths(), device=setup.device, attention_backend=BITWISE_ATTENTION if setup.cuda else "auto")
+    session = NativeEngineSession(profile, CompiledPaths(**setup.session_paths()), EngineOptions(device=setup.device, attention_backend=BITWISE_ATTENTION if setup.cuda else "auto"))
     try:
         result = session.generate(encoded.bundle(setup.config, REQUEST_SEED))
         rec["vflash_attention_backend"] = result.metadata["attention_backend"]

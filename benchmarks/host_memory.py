@@ -41,6 +41,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import request as bundle_request  # noqa: E402
 from end_to_end import HostPeak, Run, Setup, drop_page_cache, first_use  # noqa: E402
+from vflash_core.engine.artifact import CompiledPaths
+from vflash_core.engine.engine_options import EngineOptions
 
 CANVAS, SMALL_CANVAS = "1344x768", "448x256"
 RUNS = ("64:24", "32:24", "64:20", "32:20")
@@ -66,10 +68,7 @@ def child(spec: dict) -> dict:
     host = HostPeak()
     device = torch.device(spec["device"])
     start = time.perf_counter()
-    session = NativeEngineSession(
-        spec["profile"], **{k: Path(v) for k, v in spec["paths"].items()}, device=device, weight_residency=spec["residency"],
-        max_device_memory=spec["cap_gib"], max_host_memory=spec["host_budget_gib"],
-    )
+    session = NativeEngineSession(spec["profile"], CompiledPaths(**{k: Path(v) for k, v in spec["paths"].items()}), EngineOptions(device=device, weight_residency=spec["residency"], max_device_memory=spec["cap_gib"], max_host_memory=spec["host_budget_gib"]))
     record: dict[str, object] = {"load_seconds": round(time.perf_counter() - start, 3), "memory_plan": session.memory_plan(),
                                  "placement": session.weight_residency,
                                  "plan": session.plan.summary() if session.plan is not None else None}

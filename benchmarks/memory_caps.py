@@ -65,6 +65,8 @@ from end_to_end import PROMPT, DevicePeak, HostPeak, Run, Setup, load_pipeline, 
 from full_family import SEED  # noqa: E402
 
 from vflash_core.errors import RequestError, RunFailedError  # noqa: E402
+from vflash_core.engine.artifact import CompiledPaths
+from vflash_core.engine.engine_options import EngineOptions
 
 SECONDS = {5: 124, 10: 243, 15: 345}  # frames of the 5, 10 and 15 s clips (17 n + 5)
 LONGEST_UNDER = 48.0  # caps below this run 5 and 10 s clips only
@@ -184,7 +186,7 @@ def denoise_phase(stages: Stages, caps: list[float | None], setup: Setup, sized_
             plan = None
             if stages.device.type == "cuda" or cap is not None:
                 plan = plan_memory(artifact.part_sizes(), largest_request(longest, artifact.config), [stages.device], cap_bytes(cap))
-            session = NativeEngineSession(setup.profile, **paths, device=stages.device, plan=plan)
+            session = NativeEngineSession(setup.profile, CompiledPaths(**paths), EngineOptions(device=stages.device), plan=plan)
         except REFUSALS as exc:
             for seconds in seconds_under(cap):
                 _refused(stages, "denoise_evaluation", cap, canvas, seconds, ("denoise", seconds), exc)

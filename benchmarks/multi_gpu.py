@@ -21,6 +21,8 @@ from _common import PROFILE, compiled_model, environment, full_width, request, w
 from two_gpu import link_type, per_block_ms  # noqa: E402
 
 from vflash_core import NativeEngineSession  # noqa: E402
+from vflash_core.engine.artifact import CompiledPaths
+from vflash_core.engine.engine_options import EngineOptions
 
 
 def run(gpu_counts: list[int], blocks: int, cache: Path, seconds: list[float]) -> dict[str, object]:
@@ -32,7 +34,7 @@ def run(gpu_counts: list[int], blocks: int, cache: Path, seconds: list[float]) -
         baseline_ms, baseline = None, None
         for gpus in sorted(gpu_counts):
             peers = list(range(1, gpus)) or None
-            with NativeEngineSession(PROFILE, **paths, device="cuda:0", peer_device=peers, strategy="sequence-head" if peers else None) as session:
+            with NativeEngineSession(PROFILE, CompiledPaths(**paths), EngineOptions(device="cuda:0", peer_device=peers, strategy="sequence-head" if peers else None)) as session:
                 session.generate(bundle)
                 result = session.generate(bundle, profile_denoise=True)
             ms = per_block_ms(result, blocks)

@@ -29,6 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import PROFILE, compiled_model, environment, full_width, request, write_result  # noqa: E402
 
 from vflash_core import NativeEngineSession  # noqa: E402
+from vflash_core.engine.artifact import CompiledPaths
+from vflash_core.engine.engine_options import EngineOptions
 
 
 def per_block_ms(result, blocks: int) -> float:
@@ -52,10 +54,10 @@ def link_type() -> str:
 def run(gpus: int, blocks: int, cache: Path, shapes: list[str]) -> dict[str, object]:
     _, paths = compiled_model(cache, blocks)
     config = full_width(blocks)
-    single = NativeEngineSession(PROFILE, **paths, device="cuda:0", weight_residency="resident")
-    group = NativeEngineSession(PROFILE, **paths, device="cuda:0", peer_device=list(range(1, gpus)), strategy="sequence-head", weight_residency="resident")
-    second_worker = NativeEngineSession(PROFILE, **paths, device="cuda:1", weight_residency="resident")
-    tensor = NativeEngineSession(PROFILE, **paths, device="cuda:0", peer_device=list(range(1, gpus)), strategy="tensor", weight_residency="resident")
+    single = NativeEngineSession(PROFILE, CompiledPaths(**paths), EngineOptions(device="cuda:0", weight_residency="resident"))
+    group = NativeEngineSession(PROFILE, CompiledPaths(**paths), EngineOptions(device="cuda:0", peer_device=list(range(1, gpus)), strategy="sequence-head", weight_residency="resident"))
+    second_worker = NativeEngineSession(PROFILE, CompiledPaths(**paths), EngineOptions(device="cuda:1", weight_residency="resident"))
+    tensor = NativeEngineSession(PROFILE, CompiledPaths(**paths), EngineOptions(device="cuda:0", peer_device=list(range(1, gpus)), strategy="tensor", weight_residency="resident"))
     rows = []
     for shape in shapes:
         bundle = request(config, shape)

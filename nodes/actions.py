@@ -83,21 +83,13 @@ def load_model(
     folders: Folders,
     model: str,
     profile: str,
-    weight_residency: str,
-    device: str,
-    peer_device: str,
-    strategy: str,
-    attention_backend: str,
+    engine_widgets: Mapping[str, Any],
     lora: tuple[LoraRef, ...] | None = None,
-    max_host_memory: float = 0.0,
     lora_mode: str = "residual",
-    fast_mode: str = "exact",
 ) -> TransformerSpec:
-    """VflashModelLoader: validate, then load the engine now (progress bar) so errors surface at the loader."""
-    spec = transformer_spec(
-        host, folders, model, profile, weight_residency, device, peer_device, strategy, attention_backend, lora,
-        max_host_memory, lora_mode, fast_mode,
-    )
+    """VflashModelLoader: validate, then load the engine now (progress bar) so errors surface at the loader.
+    `engine_widgets`: the loader's widgets that are the engine's options, by their names (`engines.check_loader`)."""
+    spec = transformer_spec(host, folders, model, profile, engine_widgets, lora, lora_mode)
     session = load_session(registry, host, spec)
     host.log(f"Vflash model {spec.files.source}: profile {session.profile.id}, {session.memory_plan()}")
     return spec

@@ -18,19 +18,20 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from vflash_core.engine.artifact import CompiledArtifact
+from vflash_core.engine.artifact import CompiledArtifact, CompiledPaths
 from vflash_core.engine.attention_backends import BACKENDS, CPU_BACKENDS
 from vflash_core.engine.denoise import denoise_bytes
-from vflash_core.engine.fast_mode import FastMode
+from vflash_core.engine.engine_options import EngineOptions
 from vflash_core.engine.layout import largest_request_rows
 from vflash_core.engine.session import NativeEngineSession
+from vflash_core.engine.session_hooks import SessionHooks
 from vflash_core.errors import IdentityMismatchError, VflashError, check_choice
 from vflash_core.fileio import remove_folder
 from vflash_core.formats import check_device, device_arch
@@ -293,22 +294,13 @@ def _check_run_devices(options: RunOptions, profile: Profile) -> None:
 
 
 def check_loader(
-    host: Host,
-    folders: Folders,
-    model: str,
-    profile: str,
-    weight_residency: str,
-    device: str,
-    peer_device: str,
-    strategy: str,
-    attention_backend: str,
-    max_host_memory: float = 0.0,
-    fast_mode: str = "exact",
+    host: Host, folders: Folders, model: str, profile: str, engine_widgets: Mapping[str, Any]
 ) -> tuple[str, RunOptions]:
-    """Every check of the model loader that needs no model work: the profile, the model option, the run options
-    (`RunOptions`: residency, strategy, attention, the host budget, 0 for none, the fast mode and where it can run)
-    and the devices' existence and architecture vs the profile. `strategy` counts only with a peer device. Returns
-    (resolved path, run options with the devices resolved)."""
+    """Every check of the model loader that needs no model work: the profile, the model option, the engine's options
+    from the loader's other widgets (`engine_widgets`, by `EngineOptions`' field names: residency, devices, strategy,
+    attention, the host budget, 0 for none, the fast mode and where it can run; any other field goes through as
+    given) and the devices' existence and architecture vs the profile. `strategy` counts only with a peer device.
+    Returns (resolved path, run options with the devices resolved)."""
     if profile != "auto":
         get_profile(profile)  # an unknown profile is refused before the model option is resolved
     path = check_model_option(folders, model)
@@ -327,26 +319,24 @@ def check_loader(
         # The file's form (header and scales only): quantized formats without an exact dequantization are refused, and
         # a pruned file pairs only with a -pruned profile.
         SourceWeights(transformer).check_profile(chosen)
+    device = engine_widgets.get("device", "auto")
     if device == "auto" and chosen.arch == "cpu":
         device = "cpu"  # a CPU-compiled profile (the embedded demo's) runs on the CPU whatever the host's device
     resolved = resolve_device(host, device)
+    max_host_memory = engine_widgets.get("max_host_memory") or None  # the widget's 0: no budget
     if max_host_memory and resolved == "cpu":
         raise VflashError(
             "max_host_memory budgets what a GPU's weights keep in host memory; on the CPU every weight is host "
             "memory: set it to 0"
         )
+    peer_device = engine_widgets.get("peer_device")
     peer = None if peer_device in (None, "", "none") else resolve_device(host, peer_device)
     if peer is not None and peer == resolved:
         raise VflashError(f"peer_device {peer} is the loader's device; choose another GPU or 'none'")
-    options = RunOptions(
-        device=resolved,
-        peer_device=peer,
-        strategy=strategy if peer else None,
-        attention_backend=attention_backend,
-        weight_residency=weight_residency,
-        max_host_memory=max_host_memory or None,
-        fast_mode=FastMode.parse(fast_mode),
-    )
+    options = RunOptions(EngineOptions(**{
+        **engine_widgets, "device": resolved, "peer_device": peer,
+        "strategy": engine_widgets.get("strategy") if peer else None, "max_host_memory": max_host_memory,
+    }))
     _check_run_devices(options, chosen)
     return path, options
 
@@ -356,22 +346,13 @@ def transformer_spec(
     folders: Folders,
     model: str,
     profile: str,
-    weight_residency: str,
-    device: str,
-    peer_device: str,
-    strategy: str,
-    attention_backend: str,
+    engine_widgets: Mapping[str, Any],
     lora: tuple[LoraRef, ...] | None = None,
-    max_host_memory: float = 0.0,
     lora_mode: str = "residual",
-    fast_mode: str = "exact",
 ) -> TransformerSpec:
     """Validate the loader's widgets into a spec (cheap; loads nothing, writes nothing). The fast mode is one of the
     spec's run options, so an exact and a fast engine are different engines of the registry."""
-    path, options = check_loader(
-        host, folders, model, profile, weight_residency, device, peer_device, strategy, attention_backend,
-        max_host_memory, fast_mode,
-    )
+    path, options = check_loader(host, folders, model, profile, engine_widgets)
     check_choice("lora_mode", lora_mode, LORA_MODES)
     loras = tuple(lora or ())
     compile_dir = ""
@@ -479,19 +460,8 @@ def load_session(registry: EngineRegistry, host: Host, spec: TransformerSpec) ->
         devices = [options.device] if options.peer_device is None else [options.device, options.peer_device]
         host.make_room({torch.device(d): need for d in devices})
         return NativeEngineSession(
-            profile,
-            artifact,
-            schedule_overlay,
-            auxiliary,
-            device=options.device,
-            peer_device=options.peer_device,
-            strategy=options.strategy,
-            weight_residency=options.weight_residency,
-            attention_backend=options.attention_backend,
-            max_device_memory=options.max_device_memory,
-            max_host_memory=options.max_host_memory,
-            on_load_progress=host_progress(host),
-            fast_mode=options.fast_mode,
+            profile, CompiledPaths(artifact, schedule_overlay, auxiliary), options.engine,
+            hooks=SessionHooks(on_load_progress=host_progress(host)),
         )
 
     return registry.acquire(host, "dit", spec.key(), spec.files.source, factory, str(options.device))

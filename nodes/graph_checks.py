@@ -19,7 +19,7 @@ from .model_files import DEMO, recorded_canvas, recorded_profile, resolve
 from .request_inputs import ENCODE_DEFAULTS, request_geometry
 
 __all__ = [
-    "LOADER_WIDGETS",
+    "LOADER_OWN_INPUTS",
     "check_graph",
     "core_lora_refusals",
     "encode_mode",
@@ -29,7 +29,8 @@ __all__ = [
     "validate_device",
 ]
 
-LOADER_WIDGETS = ("model", "profile", "weight_residency", "device", "peer_device", "strategy", "attention_backend")
+#: The model loader's inputs that are not the engine's options (`engines.check_loader` takes the others whole).
+LOADER_OWN_INPUTS = ("model", "profile", "lora", "lora_mode")
 
 
 def refusal(check: Callable[..., Any], *args: Any) -> bool | str:
@@ -60,17 +61,12 @@ def loader_refusals(prompt: Mapping[str, Mapping[str, Any]] | None, host: Host, 
         if not isinstance(node, Mapping) or node.get("class_type") != "VflashModelLoader":
             continue
         widgets = node.get("inputs", {})
-        if not all(isinstance(widgets.get(name), str) for name in LOADER_WIDGETS):
+        engine_widgets = {name: value for name, value in widgets.items() if name not in LOADER_OWN_INPUTS}
+        if not all(isinstance(widgets.get(name), str) for name in ("model", "profile")) or any(
+            _linked(value) for value in engine_widgets.values()
+        ):
             continue  # a linked widget: the loader checks its value when it runs
-        budget = widgets.get("max_host_memory", 0.0)
-        if not isinstance(budget, (int, float)):
-            continue  # linked: checked when the loader runs
-        fast_mode = widgets.get("fast_mode", "exact")
-        if not isinstance(fast_mode, str):
-            continue  # linked: checked when the loader runs
-        reason = refusal(
-            check_loader, host, folders, *(widgets[name] for name in LOADER_WIDGETS), budget, fast_mode
-        )
+        reason = refusal(check_loader, host, folders, widgets["model"], widgets["profile"], engine_widgets)
         if reason is not True:
             out.append(f"node {nid} (VflashModelLoader): {reason}")
     return out

@@ -136,16 +136,10 @@ class VflashModelLoader(io.ComfyNode):
         return (model, model_identity(FOLDERS, model), tuple(sorted(kwargs.items())))
 
     @classmethod
-    def execute(
-        cls, model, profile, weight_residency, device, peer_device, strategy, attention_backend, lora=None,
-        max_host_memory=0.0, lora_mode="residual", fast_mode="exact",
-    ):
+    def execute(cls, model, profile, lora=None, lora_mode="residual", **engine_widgets):
         # the loaders' widgets, profile vs the graph's requests
         check_graph(getattr(cls.hidden, "prompt", None), HOST, FOLDERS)
-        spec = actions.load_model(
-            ENGINES, HOST, FOLDERS, model, profile, weight_residency, device, peer_device, strategy, attention_backend,
-            lora, max_host_memory, lora_mode, fast_mode,
-        )
+        spec = actions.load_model(ENGINES, HOST, FOLDERS, model, profile, engine_widgets, lora, lora_mode)
         return io.NodeOutput(spec)
 
 

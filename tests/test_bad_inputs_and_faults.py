@@ -21,6 +21,9 @@ from vflash_core.errors import CallbackGuard, Number, VflashError, is_int, is_re
 from vflash_core.fileio import GIB, MIB, size_text
 from vflash_core.formats import gpu_device, is_count, is_number, is_positive
 from vflash_core.pipeline.options import RunOptions
+from vflash_core.engine.artifact import CompiledPaths
+from vflash_core.engine.engine_options import EngineOptions
+from vflash_core.engine.session_hooks import SessionHooks
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -120,11 +123,11 @@ def test_numeric_arguments_of_the_python_api_are_checked_before_anything_is_read
     for value, shown in ((math.nan, "nan"), ("8", "str '8'"), (1e308, "1e+308"), (True, "bool True")):
         message = f"^{re.escape(f'max_device_memory must be a number of GiB above 0 and at most 1,048,576, got {shown}')}$"
         with pytest.raises(VflashError, match=message):
-            NativeEngineSession("t2va-base4-exact-cpu", *missing.values(), max_device_memory=value)
+            NativeEngineSession("t2va-base4-exact-cpu", CompiledPaths(*missing.values()), EngineOptions(max_device_memory=value))
         with pytest.raises(VflashError, match=message):
             RunOptions(max_device_memory=value)
     with pytest.raises(VflashError, match=r"^collective_timeout_seconds must be a number of seconds above 0 and at most 86,400, got inf$"):
-        NativeEngineSession("t2va-base4-exact-cpu", *missing.values(), collective_timeout_seconds=math.inf)
+        NativeEngineSession("t2va-base4-exact-cpu", CompiledPaths(*missing.values()), EngineOptions(collective_timeout_seconds=math.inf))
     receipt = tmp_path / "receipt.json"
     receipt.write_text("{}")
     for field, value, message in (("max_upload_bytes", 2**80, "max_upload_bytes must be an integer from 1 to 1,099,511,627,776, got 1208925819614629174706176"),
@@ -391,7 +394,7 @@ def test_session_generate_of_something_that_is_no_bundle_is_one_line(tiny_compil
     """`generate(42)` / `generate(None)` were raw TypeErrors (the pipeline's `generate("a prompt")` explains itself)."""
     from vflash_core.engine.session import NativeEngineSession
 
-    with NativeEngineSession("t2va-base4-exact-cpu", **tiny_compiled) as session:
+    with NativeEngineSession("t2va-base4-exact-cpu", CompiledPaths(**tiny_compiled)) as session:
         for value, shown in ((42, "int 42"), (None, "NoneType None"), ("", "str ''"), (b"bundle", "bytes b'bundle'")):
             with pytest.raises(VflashError, match=re.escape(f"NativeEngineSession.generate takes a ConditioningBundle, a BundleHandoff or a bundle folder path, got {shown}")):
                 session.generate(value)
@@ -404,7 +407,7 @@ def test_the_memory_refusal_on_the_cpu_speaks_of_the_cap_not_of_a_gpu(tiny_compi
     from vflash_core.errors import RunFailedError
 
     with pytest.raises(RunFailedError) as info:
-        NativeEngineSession("t2va-base4-exact-cpu", **tiny_compiled, max_device_memory=1e-6)
+        NativeEngineSession("t2va-base4-exact-cpu", CompiledPaths(**tiny_compiled), EngineOptions(max_device_memory=1e-6))
     message = str(info.value)
     assert message.startswith("the weights do not fit on cpu: ") and "GPU" not in message
     assert message.endswith("Raise max_device_memory, or leave it out on the CPU (no cap: everything stays in host memory).")
@@ -839,10 +842,10 @@ def test_python_api_paths_devices_and_callbacks_of_the_wrong_kind_are_one_line(t
 
     profile = "t2va-base4-exact-cpu"
     cases = [
-        (lambda: NativeEngineSession(profile, None, None, None), "artifact must be a file path (str or Path), got NoneType None"),
-        (lambda: NativeEngineSession(profile, **tiny_compiled, device="tpu"), "device 'tpu' is not a device; use 'cpu', a GPU index or 'cuda:N'"),
-        (lambda: NativeEngineSession(profile, **tiny_compiled, peer_device=["gpu1"], strategy="tensor"), "peer device 'gpu1' is not a device; use 'cpu', a GPU index or 'cuda:N'"),
-        (lambda: NativeEngineSession(profile, **tiny_compiled, on_load_progress=5), "on_load_progress must be a callable or None, got int 5"),
+        (lambda: NativeEngineSession(profile, CompiledPaths(None, None, None)), "artifact must be a file path (str or Path), got NoneType None"),
+        (lambda: NativeEngineSession(profile, CompiledPaths(**tiny_compiled), EngineOptions(device="tpu")), "device 'tpu' is not a device; use 'cpu', a GPU index or 'cuda:N'"),
+        (lambda: NativeEngineSession(profile, CompiledPaths(**tiny_compiled), EngineOptions(peer_device=["gpu1"], strategy="tensor")), "peer device 'gpu1' is not a device; use 'cpu', a GPU index or 'cuda:N'"),
+        (lambda: NativeEngineSession(profile, CompiledPaths(**tiny_compiled), hooks=SessionHooks(on_load_progress=5)), "on_load_progress must be a callable or None, got int 5"),
         (lambda: ConditioningBundle.load(5), "the bundle folder must be a file path (str or Path), got int 5"),
         (lambda: prepare(profile, 5, tmp_path / "r.json"), "the transformer must be a file path (str or Path), got int 5"),
         (lambda: compile_receipt(5, tmp_path / "c"), "the receipt must be a file path (str or Path), got int 5"),
@@ -850,7 +853,7 @@ def test_python_api_paths_devices_and_callbacks_of_the_wrong_kind_are_one_line(t
     for call, message in cases:
         with pytest.raises(VflashError, match=f"^{re.escape(message)}$"):
             call()
-    with NativeEngineSession(profile, **tiny_compiled) as session:
+    with NativeEngineSession(profile, CompiledPaths(**tiny_compiled)) as session:
         for keyword, value in (("progress", 5), ("between_blocks", "stop")):
             with pytest.raises(VflashError, match=f"^{keyword} must be a callable or None, got "):
                 session.generate(_bundle(), **{keyword: value})

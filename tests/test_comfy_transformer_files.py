@@ -20,6 +20,7 @@ from vflash_core.errors import IdentityMismatchError, WeightFileError
 from vflash_core.profiles import AdapterSpec
 from vflash_core.weights import synthetic
 from vflash_core.weights.checkpoint import SourceWeights
+from vflash_core.engine.artifact import CompiledPaths
 
 HEIGHT, WIDTH, FRAMES = 64, 96, 124
 
@@ -51,7 +52,7 @@ def _compile(folder, transformer, profile, adapter=None):
 
 
 def _generate(profile, paths, seed: int = 7):
-    with NativeEngineSession(profile, **paths) as session:
+    with NativeEngineSession(profile, CompiledPaths(**paths)) as session:
         return session.generate(_bundle(seed))
 
 

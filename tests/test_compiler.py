@@ -16,6 +16,7 @@ from vflash_core.errors import IdentityMismatchError, VflashError, WeightFileErr
 from vflash_core.profiles import AdapterSpec
 from vflash_core.weights import synthetic
 from vflash_core.weights.compiler import compile_receipt, prepare
+from vflash_core.engine.artifact import CompiledPaths
 
 
 def test_receipt_records_identities_without_request_data(tmp_path, tiny_transformer):
@@ -157,16 +158,16 @@ def test_verify_finds_a_flipped_byte(tmp_path, tiny_transformer, capsys):
 
 def test_profile_schedule_mismatch_names_both_sides(tiny_compiled):
     with pytest.raises(IdentityMismatchError) as info:
-        NativeEngineSession("t2va-base16-exact-cpu", **tiny_compiled)
+        NativeEngineSession("t2va-base16-exact-cpu", CompiledPaths(**tiny_compiled))
     message = str(info.value)
     assert "nfe: profile t2va-base16-exact-cpu has 16" in message and "has 4" in message
 
 
 def test_renamed_profile_does_not_convert_assets(tiny_compiled):
     # Same name-independent identity loads; a different architecture under the same modes does not.
-    NativeEngineSession(cpu_profile(id="renamed-but-identical"), **tiny_compiled).close()
+    NativeEngineSession(cpu_profile(id="renamed-but-identical"), CompiledPaths(**tiny_compiled)).close()
     with pytest.raises(IdentityMismatchError, match="arch"):
-        NativeEngineSession(cpu_profile(id="t2va-base4-exact-cpu", arch="sm89"), **tiny_compiled)
+        NativeEngineSession(cpu_profile(id="t2va-base4-exact-cpu", arch="sm89"), CompiledPaths(**tiny_compiled))
 
 
 def test_adapter_identity_mismatch(tmp_path, tiny_transformer):
@@ -198,7 +199,7 @@ def test_mode_not_in_profile_is_refused(tmp_path, tiny_transformer):
     paths = compile_tiny(tmp_path, tiny_transformer, profile)
     from test_schedule_layout_bundle import _bundle
 
-    with NativeEngineSession(profile, **paths) as session:
+    with NativeEngineSession(profile, CompiledPaths(**paths)) as session:
         with pytest.raises(VflashError, match="accepts t2va; a l2va request"):
             session.generate(_bundle())
         assert not session.closed  # bad input does not fail the session

@@ -30,6 +30,8 @@ from vflash_core.engine.sparse_attention import (
     select_key_blocks,
 )
 from vflash_core.errors import VflashError
+from vflash_core.engine.artifact import CompiledPaths
+from vflash_core.engine.engine_options import EngineOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 HEIGHT, WIDTH, FRAMES = 256, 448, 124  # 4,144 generated video rows of the tiny model: 33 video blocks
@@ -160,13 +162,13 @@ def bundle():
 
 @pytest.fixture(scope="module")
 def exact(tiny_compiled, bundle):
-    with NativeEngineSession("t2va-base4-exact-cpu", **tiny_compiled) as session:
+    with NativeEngineSession("t2va-base4-exact-cpu", CompiledPaths(**tiny_compiled)) as session:
         return session.generate(bundle)
 
 
 def test_sparse_attention_session_reports_what_ran(tiny_compiled, bundle, exact):
     mode = FastMode(("sparse-attention",), sparse_density=0.2, sparse_dense_edge_layers=0)
-    with NativeEngineSession("t2va-base4-exact-cpu", **tiny_compiled, fast_mode=mode) as session:
+    with NativeEngineSession("t2va-base4-exact-cpu", CompiledPaths(**tiny_compiled), EngineOptions(fast_mode=mode)) as session:
         result = session.generate(bundle)
         again = session.generate(bundle)
     report = result.metadata["fast_mode"]["sparse_attention"]
@@ -184,7 +186,7 @@ def test_sparse_attention_session_reports_what_ran(tiny_compiled, bundle, exact)
 
 def test_sparse_attention_at_full_density_stays_close_to_exact(tiny_compiled, bundle, exact):
     mode = FastMode(("sparse-attention",), sparse_density=1.0, sparse_mass=1.0, sparse_dense_edge_layers=0)
-    with NativeEngineSession("t2va-base4-exact-cpu", **tiny_compiled, fast_mode=mode) as session:
+    with NativeEngineSession("t2va-base4-exact-cpu", CompiledPaths(**tiny_compiled), EngineOptions(fast_mode=mode)) as session:
         result = session.generate(bundle)
     assert result.metadata["fast_mode"]["sparse_attention"]["density_reached"] == 1.0
     torch.testing.assert_close(result.video_latents, exact.video_latents, atol=2e-2, rtol=2e-2)
@@ -192,7 +194,7 @@ def test_sparse_attention_at_full_density_stays_close_to_exact(tiny_compiled, bu
 
 def test_dense_edge_layers_and_evaluations_leave_nothing_sparse(tiny_compiled, bundle, exact):
     mode = FastMode(("sparse-attention",), sparse_dense_edge_layers=1)  # the tiny model's 2 layers are both edges
-    with NativeEngineSession("t2va-base4-exact-cpu", **tiny_compiled, fast_mode=mode) as session:
+    with NativeEngineSession("t2va-base4-exact-cpu", CompiledPaths(**tiny_compiled), EngineOptions(fast_mode=mode)) as session:
         result = session.generate(bundle)
     assert result.metadata["fast_mode"]["sparse_attention"]["sparse_calls"] == 0
     assert result.metadata["fast_mode"]["sparse_attention"]["density_reached"] is None
@@ -202,8 +204,7 @@ def test_dense_edge_layers_and_evaluations_leave_nothing_sparse(tiny_compiled, b
 @pytest.mark.parametrize("residency", ["resident", "block-ring"])
 def test_step_cache_skips_and_reports(tiny_compiled, bundle, exact, residency):
     mode = FastMode(("step-cache",), step_cache_threshold=10.0, step_cache_warmup=1)
-    with NativeEngineSession("t2va-base4-exact-cpu", **tiny_compiled, fast_mode=mode,
-                             weight_residency=residency) as session:
+    with NativeEngineSession("t2va-base4-exact-cpu", CompiledPaths(**tiny_compiled), EngineOptions(fast_mode=mode, weight_residency=residency)) as session:
         result = session.generate(bundle)
     report = result.metadata["fast_mode"]
     # evaluation 0 has nothing to compare with; 1 reuses; 2 follows a reused one; 3 is the last
@@ -217,15 +218,14 @@ def test_step_cache_in_a_block_ring_equals_resident(tiny_compiled, bundle):
     mode = FastMode(("step-cache",), step_cache_threshold=10.0, step_cache_warmup=1)
     results = []
     for residency in ("resident", "block-ring"):
-        with NativeEngineSession("t2va-base4-exact-cpu", **tiny_compiled, fast_mode=mode,
-                                 weight_residency=residency) as session:
+        with NativeEngineSession("t2va-base4-exact-cpu", CompiledPaths(**tiny_compiled), EngineOptions(fast_mode=mode, weight_residency=residency)) as session:
             results.append(session.generate(bundle))
     assert_bitwise(results[1].video_latents, results[0].video_latents, "block-ring vs resident under the step cache")
 
 
 def test_step_cache_that_never_reuses_is_exact(tiny_compiled, bundle, exact):
     mode = FastMode(("step-cache",), step_cache_threshold=1e-9)
-    with NativeEngineSession("t2va-base4-exact-cpu", **tiny_compiled, fast_mode=mode) as session:
+    with NativeEngineSession("t2va-base4-exact-cpu", CompiledPaths(**tiny_compiled), EngineOptions(fast_mode=mode)) as session:
         result = session.generate(bundle)
     assert result.metadata["fast_mode"]["step_cache"]["evaluations_cached"] == []
     assert_bitwise(result.video_latents, exact.video_latents, "video latents")
@@ -237,7 +237,7 @@ def test_step_cache_on_a_16_evaluation_profile(tmp_path_factory, tiny_transforme
 
     compiled = compile_tiny(tmp_path_factory.mktemp("c16"), tiny_transformer, "t2va-base16-exact-cpu")
     mode = FastMode(("step-cache",), step_cache_threshold=10.0)
-    with NativeEngineSession("t2va-base16-exact-cpu", **compiled, fast_mode=mode) as session:
+    with NativeEngineSession("t2va-base16-exact-cpu", CompiledPaths(**compiled), EngineOptions(fast_mode=mode)) as session:
         report = session.generate(bundle).metadata["fast_mode"]
     assert report["step_cache"]["evaluations_cached"] == [2, 4, 6, 8, 10, 12, 14]
     assert len(report["step_cache"]["first_block_change"]) == 16
@@ -261,10 +261,9 @@ def test_sparse_attention_with_sequence_head_equals_one_device(tmp_path_factory)
     embeds = torch.randn(6, wide.text_dim, generator=g).to(torch.bfloat16)
     bundle = build_keyframe_bundle(embeds, torch.ones(6, dtype=torch.long), Geometry(HEIGHT, WIDTH, FRAMES), wide, g)
     mode = FastMode(("sparse-attention",), sparse_density=0.2, sparse_dense_edge_layers=0)
-    with NativeEngineSession("t2va-base4-exact-cpu", **compiled, fast_mode=mode) as single:
+    with NativeEngineSession("t2va-base4-exact-cpu", CompiledPaths(**compiled), EngineOptions(fast_mode=mode)) as single:
         expected = single.generate(bundle)
-    with NativeEngineSession("t2va-base4-exact-cpu", **compiled, fast_mode=mode, peer_device="cpu",
-                             strategy="sequence-head") as group:
+    with NativeEngineSession("t2va-base4-exact-cpu", CompiledPaths(**compiled), EngineOptions(fast_mode=mode, peer_device="cpu", strategy="sequence-head")) as group:
         got = group.generate(bundle)
     assert_bitwise(got.video_latents, expected.video_latents, "video latents")
     assert got.metadata["fast_mode"]["sparse_attention"]["density_reached"] == pytest.approx(

@@ -26,6 +26,8 @@ from vflash_core.engine.session import NativeEngineSession
 from vflash_core.errors import IdentityMismatchError, VflashError
 from vflash_core.formats import ARTIFACT_FORMAT, ARTIFACT_FP8_FORMAT
 from vflash_core.profiles import PROFILES, get_profile
+from vflash_core.engine.artifact import CompiledPaths
+from vflash_core.engine.engine_options import EngineOptions
 
 FP8_CPU = "t2va-base4-fp8-cpu"
 CPU = torch.device("cpu")
@@ -145,15 +147,15 @@ def test_w8a8_trajectory_runs_the_fp8_gemm(tiny_fp8_compiled, monkeypatch):
 def test_fp8_session_runs_its_profile_resident_ring_and_sequence_head(tiny_fp8_compiled):
     artifact = CompiledArtifact(**tiny_fp8_compiled)
     expected = _trajectory(artifact, ResidentBlocks(artifact, CPU), fp8.RowFP8Ops(artifact.config, sdpa_attention, fp8.RowFP8Execution("weight-only")))
-    with NativeEngineSession(FP8_CPU, **tiny_fp8_compiled) as session:
+    with NativeEngineSession(FP8_CPU, CompiledPaths(**tiny_fp8_compiled)) as session:
         assert isinstance(session._denoisers[0].ops, fp8.RowFP8Ops) and session._denoisers[0].ops.fp8.mode == "weight-only"
         assert "approximate FP8 weight-only block linears" in session.memory_plan()
         result = session.generate(_bundle(5))
     assert result.metadata["fp8"] == "weight-only"
     assert_bitwise(result.video_latents, expected[0], "session vs denoiser")
-    with NativeEngineSession(FP8_CPU, **tiny_fp8_compiled, weight_residency="block-ring") as ring:
+    with NativeEngineSession(FP8_CPU, CompiledPaths(**tiny_fp8_compiled), EngineOptions(weight_residency="block-ring")) as ring:
         assert_bitwise(ring.generate(_bundle(5)).video_latents, expected[0], "block ring")
-    with NativeEngineSession(FP8_CPU, **tiny_fp8_compiled, peer_device="cpu", strategy="sequence-head") as group:
+    with NativeEngineSession(FP8_CPU, CompiledPaths(**tiny_fp8_compiled), EngineOptions(peer_device="cpu", strategy="sequence-head")) as group:
         got = group.generate(_bundle(5))
     assert_bitwise(got.video_latents, expected[0], "sequence-head")
     assert_bitwise(got.audio_latents, expected[1], "sequence-head audio")
@@ -161,13 +163,13 @@ def test_fp8_session_runs_its_profile_resident_ring_and_sequence_head(tiny_fp8_c
 
 def test_fp8_session_refusals(tiny_compiled, tiny_fp8_compiled):
     with pytest.raises(VflashError, match="tensor strategy shards BF16 blocks only"):
-        NativeEngineSession(FP8_CPU, **tiny_fp8_compiled, peer_device="cpu", strategy="tensor")
+        NativeEngineSession(FP8_CPU, CompiledPaths(**tiny_fp8_compiled), EngineOptions(peer_device="cpu", strategy="tensor"))
     with pytest.raises(VflashError, match="approximate .FP8 attention."):
-        NativeEngineSession("t2va-base4-exact-cpu", **tiny_compiled, attention_backend="fa3-fp8")
+        NativeEngineSession("t2va-base4-exact-cpu", CompiledPaths(**tiny_compiled), EngineOptions(attention_backend="fa3-fp8"))
     with pytest.raises(VflashError, match="fa3-fp8 needs a CUDA device"):
-        NativeEngineSession(FP8_CPU, **tiny_fp8_compiled, attention_backend="fa3-fp8")
+        NativeEngineSession(FP8_CPU, CompiledPaths(**tiny_fp8_compiled), EngineOptions(attention_backend="fa3-fp8"))
     with pytest.raises(IdentityMismatchError):
-        NativeEngineSession("t2va-base4-exact-cpu", **tiny_fp8_compiled)
+        NativeEngineSession("t2va-base4-exact-cpu", CompiledPaths(**tiny_fp8_compiled))
 
 
 CHILD = r"""
@@ -222,7 +224,7 @@ def test_fused_fp8_quantizers_in_the_block_in_the_interpreter(tiny_fp8_compiled)
 
 def test_fused_execution_picks_the_fused_fp8_operations(tiny_fp8_compiled):
     """The session's choice (no kernel runs: CPU tensors need the interpreter): FP8 operations over FusedOps."""
-    with NativeEngineSession(FP8_CPU, **tiny_fp8_compiled, execution="fused") as session:
+    with NativeEngineSession(FP8_CPU, CompiledPaths(**tiny_fp8_compiled), EngineOptions(execution="fused")) as session:
         ops = session._denoisers[0].ops
         assert isinstance(ops, fp8.FusedRowFP8Ops) and ops.fp8.mode == "weight-only" and not ops.keep_values
 
@@ -233,10 +235,10 @@ def test_w8a8_profile_is_refused_off_sm90_and_uses_the_triton_quantizer(tmp_path
     profile = replace(get_profile(FP8_CPU), id="t2va-base4-w8a8-cpu-test", fp8="w8a8")
     paths = compile_tiny(tmp_path, tiny_transformer, profile)
     with pytest.raises(VflashError, match="FP8 w8a8 execution needs FP8 tensor cores, a CUDA device of sm89, sm90, sm100, sm120; cpu is not a CUDA device"):
-        NativeEngineSession(profile, **paths)
+        NativeEngineSession(profile, CompiledPaths(**paths))
     monkeypatch.setattr(fp8, "w8a8_refusal", lambda device: None)
     for execution, quantizer, kind in (("fused", "triton", fp8.FusedRowFP8Ops), ("reference", "torch", fp8.RowFP8Ops)):
-        with NativeEngineSession(profile, **paths, execution=execution) as session:
+        with NativeEngineSession(profile, CompiledPaths(**paths), EngineOptions(execution=execution)) as session:
             ops = session._denoisers[0].ops
             assert type(ops) is kind and ops.fp8.mode == "w8a8" and ops.fp8.activation_quantizer == quantizer
 
@@ -271,9 +273,9 @@ def test_fp8_fused_equals_reference_on_gpu(gpu_fp8, attention):
     """w8a8 on the H200: the fused execution (Triton quantizers inside RMSNorm + modulation and SwiGLU, alone after
     attention) equals the reference execution (torch ops, torch quantizer) bit for bit, as the exact path does."""
     paths = gpu_fp8["t2va-base16-fp8-sm90"]
-    with NativeEngineSession("t2va-base16-fp8-sm90", **paths, device="cuda:0", execution="reference", attention_backend=attention) as ref:
+    with NativeEngineSession("t2va-base16-fp8-sm90", CompiledPaths(**paths), EngineOptions(device="cuda:0", execution="reference", attention_backend=attention)) as ref:
         expected = ref.generate(_bundle(1))
-    with NativeEngineSession("t2va-base16-fp8-sm90", **paths, device="cuda:0", execution="fused", attention_backend=attention) as fused:
+    with NativeEngineSession("t2va-base16-fp8-sm90", CompiledPaths(**paths), EngineOptions(device="cuda:0", execution="fused", attention_backend=attention)) as fused:
         assert isinstance(fused._denoisers[0].ops, fp8.FusedRowFP8Ops) and fused._denoisers[0].ops.fp8.activation_quantizer == "triton"
         got = fused.generate(_bundle(1))
     assert got.metadata["fp8"] == "w8a8"
@@ -284,13 +286,13 @@ def test_fp8_fused_equals_reference_on_gpu(gpu_fp8, attention):
 @pytest.mark.gpu
 def test_fp8_block_ring_equals_resident_on_gpu(gpu_fp8):
     paths = gpu_fp8["t2va-base16-fp8-sm90"]
-    with NativeEngineSession("t2va-base16-fp8-sm90", **paths, device="cuda:0", weight_residency="resident") as resident:
+    with NativeEngineSession("t2va-base16-fp8-sm90", CompiledPaths(**paths), EngineOptions(device="cuda:0", weight_residency="resident")) as resident:
         expected = resident.generate(_bundle(2))
         resident_bytes = resident._denoisers[0].blocks.device_weight_bytes
-    with NativeEngineSession("t2va-base16-fp8-sm90", **paths, device="cuda:0", weight_residency="block-ring") as ring:
+    with NativeEngineSession("t2va-base16-fp8-sm90", CompiledPaths(**paths), EngineOptions(device="cuda:0", weight_residency="block-ring")) as ring:
         got = ring.generate(_bundle(2))
     assert_bitwise(got.video_latents, expected.video_latents, "block ring vs resident")
-    with NativeEngineSession("t2va-base16-bf16-sm90", **gpu_fp8["t2va-base16-bf16-sm90"], device="cuda:0", weight_residency="resident") as exact:
+    with NativeEngineSession("t2va-base16-bf16-sm90", CompiledPaths(**gpu_fp8["t2va-base16-bf16-sm90"]), EngineOptions(device="cuda:0", weight_residency="resident")) as exact:
         exact_bytes = exact._denoisers[0].blocks.device_weight_bytes
     print(f"FP8 / BF16 resident block bytes: {resident_bytes / exact_bytes:.3f}")
     assert resident_bytes < 0.6 * exact_bytes
@@ -300,7 +302,7 @@ def test_fp8_block_ring_equals_resident_on_gpu(gpu_fp8):
 def test_fp8_error_against_exact_on_gpu(gpu_fp8):
     """The same request through the exact and the FP8 profile (and with fa3-fp8 where it runs): the relative L2 of the
     final latents is printed; FP8 stays close to exact on these random weights."""
-    with NativeEngineSession("t2va-base16-bf16-sm90", **gpu_fp8["t2va-base16-bf16-sm90"], device="cuda:0") as exact:
+    with NativeEngineSession("t2va-base16-bf16-sm90", CompiledPaths(**gpu_fp8["t2va-base16-bf16-sm90"]), EngineOptions(device="cuda:0")) as exact:
         expected = exact.generate(_bundle(3))
     paths = gpu_fp8["t2va-base16-fp8-sm90"]
     backends = ["auto"]
@@ -312,7 +314,7 @@ def test_fp8_error_against_exact_on_gpu(gpu_fp8):
     except VflashError as exc:
         print(f"fa3-fp8 not measured: {exc}")
     for backend in backends:
-        with NativeEngineSession("t2va-base16-fp8-sm90", **paths, device="cuda:0", attention_backend=backend) as session:
+        with NativeEngineSession("t2va-base16-fp8-sm90", CompiledPaths(**paths), EngineOptions(device="cuda:0", attention_backend=backend)) as session:
             got = session.generate(_bundle(3))
         relative = ((got.video_latents - expected.video_latents).norm() / expected.video_latents.norm()).item()
         print(f"t2va-base16-fp8-sm90 ({got.metadata['attention_backend']}) vs exact, final video latents: relative L2 {relative:.4f}")
@@ -322,9 +324,9 @@ def test_fp8_error_against_exact_on_gpu(gpu_fp8):
 @pytest.mark.multigpu
 def test_fp8_sequence_head_equals_one_gpu(gpu_fp8):
     paths = gpu_fp8["t2va-base16-fp8-sm90"]
-    with NativeEngineSession("t2va-base16-fp8-sm90", **paths, device="cuda:0") as single:
+    with NativeEngineSession("t2va-base16-fp8-sm90", CompiledPaths(**paths), EngineOptions(device="cuda:0")) as single:
         expected = single.generate(_bundle(4))
-    with NativeEngineSession("t2va-base16-fp8-sm90", **paths, device="cuda:0", peer_device=1, strategy="sequence-head") as group:
+    with NativeEngineSession("t2va-base16-fp8-sm90", CompiledPaths(**paths), EngineOptions(device="cuda:0", peer_device=1, strategy="sequence-head")) as group:
         got = group.generate(_bundle(4))
     assert_bitwise(got.video_latents, expected.video_latents, "sequence-head vs one GPU")
     assert_bitwise(got.audio_latents, expected.audio_latents, "sequence-head vs one GPU (audio)")

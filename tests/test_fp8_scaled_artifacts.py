@@ -19,6 +19,7 @@ from vflash_core.errors import IdentityMismatchError
 from vflash_core.weights import synthetic
 from vflash_core.weights.checkpoint import SourceWeights
 from vflash_core.weights.compiler import prepare
+from vflash_core.engine.artifact import CompiledPaths
 
 FP8_CPU = "t2va-base4-fp8-cpu"
 # internal linear -> (the file's original name below `blocks.{i}.`, whether its halves swap: fc1 is [gate; value])
@@ -71,7 +72,7 @@ def test_fp8_artifact_of_an_fp8_scaled_file_runs(tmp_path, base_weights):
     g = torch.Generator().manual_seed(3)
     embeds = torch.randn(6, TINY.text_dim, generator=g).to(torch.bfloat16)
     bundle = build_keyframe_bundle(embeds, torch.ones(6, dtype=torch.long), Geometry(64, 96, 124), TINY, torch.Generator().manual_seed(3), seed=3)
-    with NativeEngineSession(FP8_CPU, **paths) as session:
+    with NativeEngineSession(FP8_CPU, CompiledPaths(**paths)) as session:
         output = session.generate(bundle)
     assert torch.isfinite(output.video_latents.float()).all() and output.metadata["base_weights"]["format"] == "fp8_scaled"
     assert "kept" in json.dumps(CompiledArtifact(**paths).manifest["fp8"])

@@ -18,6 +18,8 @@ from test_schedule_layout_bundle import _bundle
 
 from vflash_core import NativeEngineSession
 from vflash_core.engine import parallel as P
+from vflash_core.engine.artifact import CompiledPaths
+from vflash_core.engine.engine_options import EngineOptions
 
 PROFILE = "t2va-base16-bf16-sm90"
 
@@ -32,9 +34,9 @@ def gpu_compiled(tmp_path_factory, tiny_transformer):
 @pytest.mark.gpu
 @pytest.mark.parametrize("attention", ["torch-cudnn", "auto"])
 def test_fused_trajectory_equals_reference_on_gpu(gpu_compiled, attention):
-    with NativeEngineSession(PROFILE, **gpu_compiled, device="cuda:0", execution="reference", attention_backend=attention) as ref:
+    with NativeEngineSession(PROFILE, CompiledPaths(**gpu_compiled), EngineOptions(device="cuda:0", execution="reference", attention_backend=attention)) as ref:
         expected = ref.generate(_bundle(1))
-    with NativeEngineSession(PROFILE, **gpu_compiled, device="cuda:0", execution="fused", attention_backend=attention) as fused:
+    with NativeEngineSession(PROFILE, CompiledPaths(**gpu_compiled), EngineOptions(device="cuda:0", execution="fused", attention_backend=attention)) as fused:
         got = fused.generate(_bundle(1), profile_denoise=True)
     assert got.metadata["execution"] == "fused"
     assert_bitwise(got.video_latents, expected.video_latents, f"video latents ({got.metadata['attention_backend']})")
@@ -52,7 +54,7 @@ def test_a_closed_block_ring_gives_its_pinned_host_memory_back(gpu_compiled):
         return int(next(v for k, v in stats.items() if k in ("allocated_bytes.current", "allocated_bytes.all.current")))
 
     before = pinned()
-    with NativeEngineSession(PROFILE, **gpu_compiled, device="cuda:0", weight_residency="block-ring") as ring:
+    with NativeEngineSession(PROFILE, CompiledPaths(**gpu_compiled), EngineOptions(device="cuda:0", weight_residency="block-ring")) as ring:
         arena = ring.generate(_bundle(2)).metadata["memory"]["pinned_host_bytes"]
         held = pinned()
         assert held - before >= arena, "the block ring's arena is not in PyTorch's pinned pool"
@@ -64,9 +66,9 @@ def test_a_closed_block_ring_gives_its_pinned_host_memory_back(gpu_compiled):
 
 @pytest.mark.gpu
 def test_block_ring_equals_resident_and_holds_memory_flat(gpu_compiled):
-    with NativeEngineSession(PROFILE, **gpu_compiled, device="cuda:0", weight_residency="resident") as resident:
+    with NativeEngineSession(PROFILE, CompiledPaths(**gpu_compiled), EngineOptions(device="cuda:0", weight_residency="resident")) as resident:
         expected = resident.generate(_bundle(2))
-    with NativeEngineSession(PROFILE, **gpu_compiled, device="cuda:0", weight_residency="block-ring") as ring:
+    with NativeEngineSession(PROFILE, CompiledPaths(**gpu_compiled), EngineOptions(device="cuda:0", weight_residency="block-ring")) as ring:
         first = ring.generate(_bundle(2), profile_denoise=True)
         got = ring.generate(_bundle(2))
         # after a plain request (the profiled one holds its events), with pending reference cycles collected on both
@@ -141,16 +143,16 @@ def test_explicit_unavailable_backend_is_an_error(gpu_compiled):
     from vflash_core.errors import VflashError
 
     with pytest.raises(VflashError, match="unknown attention backend"):
-        NativeEngineSession(PROFILE, **gpu_compiled, device="cuda:0", attention_backend="sage")
+        NativeEngineSession(PROFILE, CompiledPaths(**gpu_compiled), EngineOptions(device="cuda:0", attention_backend="sage"))
 
 
 @pytest.mark.multigpu
 @pytest.mark.parametrize("strategy", ["sequence-head", "tensor"])
 @pytest.mark.parametrize("residency", ["resident", "block-ring"])
 def test_two_gpus_repeatable_and_sequence_head_bitwise(gpu_compiled, strategy, residency):
-    with NativeEngineSession(PROFILE, **gpu_compiled, device="cuda:0") as single:
+    with NativeEngineSession(PROFILE, CompiledPaths(**gpu_compiled), EngineOptions(device="cuda:0")) as single:
         expected = single.generate(_bundle(3))
-    with NativeEngineSession(PROFILE, **gpu_compiled, device="cuda:0", peer_device=1, strategy=strategy, weight_residency=residency) as group:
+    with NativeEngineSession(PROFILE, CompiledPaths(**gpu_compiled), EngineOptions(device="cuda:0", peer_device=1, strategy=strategy, weight_residency=residency)) as group:
         got = group.generate(_bundle(3), progress=lambda done, total: None)
         again = group.generate(_bundle(3))
     assert_bitwise(got.video_latents, again.video_latents, "repeatable")
@@ -165,7 +167,7 @@ def test_two_gpus_repeatable_and_sequence_head_bitwise(gpu_compiled, strategy, r
 
 @pytest.mark.multigpu
 def test_fault_on_rank_one_ends_within_seconds(gpu_compiled, monkeypatch):
-    session = NativeEngineSession(PROFILE, **gpu_compiled, device="cuda:0", peer_device=1, strategy="sequence-head", collective_timeout_seconds=30)
+    session = NativeEngineSession(PROFILE, CompiledPaths(**gpu_compiled), EngineOptions(device="cuda:0", peer_device=1, strategy="sequence-head", collective_timeout_seconds=30))
     original = P.SequenceHeadAttention.__call__
     calls = []
 

@@ -31,6 +31,8 @@ from vflash_core.pipeline.options import RunOptions
 from vflash_core.profiles import get_profile
 from vflash_core.tensor_store import TensorStore
 from vflash_core.weights import synthetic
+from vflash_core.engine.artifact import CompiledPaths
+from vflash_core.engine.engine_options import EngineOptions
 
 CUDA = [torch.device("cuda:0")]
 CORE = MP.PartSizes(core_blocks=FULL.core_blocks, core_block=FULL.core_block, core_auxiliary=FULL.core_auxiliary)
@@ -182,9 +184,9 @@ def test_block_files_hold_a_few_blocks_and_read_ahead_in_pass_order(five_compile
 
 
 def test_disk_ring_equals_resident_and_reuses_its_buffers(five_compiled):
-    with NativeEngineSession(PROFILE, **five_compiled) as resident:
+    with NativeEngineSession(PROFILE, CompiledPaths(**five_compiled)) as resident:
         expected = resident.generate(_bundle(6))
-    with NativeEngineSession(PROFILE, **five_compiled, weight_residency="disk-ring") as session:
+    with NativeEngineSession(PROFILE, CompiledPaths(**five_compiled), EngineOptions(weight_residency="disk-ring")) as session:
         ring = session._denoisers[0].blocks
         files = ring.source
         assert isinstance(files, R.BlockFiles)
@@ -211,9 +213,9 @@ def test_disk_ring_equals_resident_and_reuses_its_buffers(five_compiled):
 
 
 def test_a_request_stopped_mid_pass_leaves_the_disk_ring_exact(five_compiled):
-    with NativeEngineSession(PROFILE, **five_compiled) as resident:
+    with NativeEngineSession(PROFILE, CompiledPaths(**five_compiled)) as resident:
         expected = resident.generate(_bundle(6))
-    with NativeEngineSession(PROFILE, **five_compiled, weight_residency="disk-ring") as session:
+    with NativeEngineSession(PROFILE, CompiledPaths(**five_compiled), EngineOptions(weight_residency="disk-ring")) as session:
         calls = []
 
         def stop_in_the_second_evaluation():
@@ -233,7 +235,7 @@ def test_a_block_file_changed_during_the_session_is_refused(tiny_compiled, tmp_p
         target = tmp_path / path.name
         (shutil.copytree if path.is_dir() else shutil.copy2)(path, target)
         copies[key] = target
-    with NativeEngineSession(PROFILE, **copies, weight_residency="disk-ring") as session:
+    with NativeEngineSession(PROFILE, CompiledPaths(**copies), EngineOptions(weight_residency="disk-ring")) as session:
         session.generate(_bundle(6))
         block = CompiledArtifact(**copies).block_file(1)
         stat = block.stat()
@@ -248,22 +250,21 @@ def test_session_plans_the_disk_ring_under_a_host_budget(five_compiled, no_margi
     staging = MP.DISK_RING_BLOCKS * sizes.core_block
     assert staging < sizes.core_blocks  # 3 of 5 blocks; the budget lies between the two
     host = (MP.HOST_MARGIN_BYTES + staging + (sizes.core_blocks - staging) // 2) / GIB
-    with NativeEngineSession(PROFILE, **five_compiled, max_device_memory=cap, weight_residency="block-ring",
-                             max_host_memory=(MP.HOST_MARGIN_BYTES + sizes.core_blocks) / GIB) as session:
+    with NativeEngineSession(PROFILE, CompiledPaths(**five_compiled), EngineOptions(max_device_memory=cap, weight_residency="block-ring", max_host_memory=(MP.HOST_MARGIN_BYTES + sizes.core_blocks) / GIB)) as session:
         assert session.weight_residency == "block-ring"
     with pytest.raises(RunFailedError, match="the host memory budget does not fit"):
-        NativeEngineSession(PROFILE, **five_compiled, max_device_memory=cap, weight_residency="block-ring", max_host_memory=host)
+        NativeEngineSession(PROFILE, CompiledPaths(**five_compiled), EngineOptions(max_device_memory=cap, weight_residency="block-ring", max_host_memory=host))
     with pytest.raises(VflashError, match="on the CPU give max_device_memory too"):
-        NativeEngineSession(PROFILE, **five_compiled, max_host_memory=host)
+        NativeEngineSession(PROFILE, CompiledPaths(**five_compiled), EngineOptions(max_host_memory=host))
     # auto: resident holds no host memory, so a ring is chosen only where the device asks for one; here the arena
     # does not fit the host budget, so the disk ring
     config = CompiledArtifact(**five_compiled).config
     largest = denoise_bytes(config, largest_request_rows(get_profile(PROFILE), config))
     ring = 2 * sizes.core_block + sizes.core_auxiliary + largest
     between = (ring + (sizes.core_blocks - 2 * sizes.core_block) // 2) / GIB  # room for the ring, not for every block
-    with NativeEngineSession(PROFILE, **five_compiled, max_device_memory=between, max_host_memory=host) as session:
+    with NativeEngineSession(PROFILE, CompiledPaths(**five_compiled), EngineOptions(max_device_memory=between, max_host_memory=host)) as session:
         assert session.weight_residency == "disk-ring" and session.plan.host_budget == int(host * GIB)
-    with NativeEngineSession(PROFILE, **five_compiled, max_device_memory=between) as session:
+    with NativeEngineSession(PROFILE, CompiledPaths(**five_compiled), EngineOptions(max_device_memory=between)) as session:
         assert session.weight_residency == "block-ring"  # no host budget: the arena
 
 
@@ -366,10 +367,10 @@ def test_disk_ring_equals_resident_on_gpu(five_gpu_compiled):
         stats = torch.cuda.host_memory_stats()
         return int(next(v for k, v in stats.items() if k in ("allocated_bytes.current", "allocated_bytes.all.current")))
 
-    with NativeEngineSession(GPU_PROFILE, **five_gpu_compiled, device="cuda:0", weight_residency="resident") as resident:
+    with NativeEngineSession(GPU_PROFILE, CompiledPaths(**five_gpu_compiled), EngineOptions(device="cuda:0", weight_residency="resident")) as resident:
         expected = resident.generate(_bundle(2))
     before = pinned()
-    with NativeEngineSession(GPU_PROFILE, **five_gpu_compiled, device="cuda:0", weight_residency="disk-ring") as session:
+    with NativeEngineSession(GPU_PROFILE, CompiledPaths(**five_gpu_compiled), EngineOptions(device="cuda:0", weight_residency="disk-ring")) as session:
         first = session.generate(_bundle(2), profile_denoise=True)
 
         class Interrupt(BaseException):

@@ -17,15 +17,19 @@ from vflash_core.engine.artifact import CompiledArtifact
 from vflash_core.engine.denoise import Denoiser
 from vflash_core.engine.model import LayerWeights
 from vflash_core.engine.residency import ResidentBlocks
-from vflash_core.engine.session import DenoiserLoad, NativeEngineSession
+from vflash_core.engine.session import NativeEngineSession
+from vflash_core.engine.session_hooks import DenoiserLoad
 from vflash_core.errors import VflashError
+from vflash_core.engine.artifact import CompiledPaths
+from vflash_core.engine.engine_options import EngineOptions
+from vflash_core.engine.session_hooks import SessionHooks
 
 PROFILE = "t2va-base4-exact-cpu"
 
 
 @pytest.fixture(scope="module")
 def expected(tiny_compiled):
-    with NativeEngineSession(PROFILE, **tiny_compiled) as session:
+    with NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled)) as session:
         return session.generate(_bundle(6))
 
 
@@ -43,12 +47,12 @@ def test_block_loader_supplies_the_resident_stack(tiny_compiled, expected):
         calls.append((artifact.compile_id, device))
         return read_blocks(artifact, device)
 
-    with NativeEngineSession(PROFILE, **tiny_compiled, block_loader=loader) as session:
+    with NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled), hooks=SessionHooks(block_loader=loader)) as session:
         got = session.generate(_bundle(6))
         assert session.weight_residency == "resident"
     assert calls == [(CompiledArtifact(**tiny_compiled).compile_id, torch.device("cpu"))]
     assert_bitwise(got.video_latents, expected.video_latents, "block_loader")
-    with NativeEngineSession(PROFILE, **tiny_compiled, block_loader=loader, peer_device="cpu", strategy="sequence-head") as group:
+    with NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled), EngineOptions(peer_device="cpu", strategy="sequence-head"), hooks=SessionHooks(block_loader=loader)) as group:
         assert_bitwise(group.generate(_bundle(6)).video_latents, expected.video_latents, "block_loader, sequence-head")
 
 
@@ -77,7 +81,7 @@ def test_block_loader_results_are_checked(tiny_compiled):
     for loader, message in ((short, "returned 1 blocks; the artifact has 2"), (wrong_dtype, "block 1 ffn.in.weight is torch.float32"),
                             (missing, "block 0 holds"), (extra_lora, "LoRA residuals on .'attn.out'.")):
         with pytest.raises(VflashError, match=message):
-            NativeEngineSession(PROFILE, **tiny_compiled, block_loader=loader)
+            NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled), hooks=SessionHooks(block_loader=loader))
 
 
 def test_hooks_are_refused_where_they_cannot_apply(tiny_compiled):
@@ -88,15 +92,15 @@ def test_hooks_are_refused_where_they_cannot_apply(tiny_compiled):
         return Denoiser(artifact, ResidentBlocks(artifact, load.device), load.device, load.ops)
 
     with pytest.raises(VflashError, match="must be a Python callable, got str"):
-        NativeEngineSession(PROFILE, **tiny_compiled, block_loader="my_module.load_blocks")
+        NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled), hooks=SessionHooks(block_loader="my_module.load_blocks"))
     with pytest.raises(VflashError, match="not both"):
-        NativeEngineSession(PROFILE, **tiny_compiled, block_loader=loader, native_denoiser_loader=denoiser_loader)
+        NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled), hooks=SessionHooks(block_loader=loader, native_denoiser_loader=denoiser_loader))
     with pytest.raises(VflashError, match="tensor strategy shards them"):
-        NativeEngineSession(PROFILE, **tiny_compiled, block_loader=loader, peer_device="cpu", strategy="tensor")
+        NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled), EngineOptions(peer_device="cpu", strategy="tensor"), hooks=SessionHooks(block_loader=loader))
     with pytest.raises(VflashError, match="single-device only"):
-        NativeEngineSession(PROFILE, **tiny_compiled, native_denoiser_loader=denoiser_loader, peer_device="cpu", strategy="sequence-head")
+        NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled), EngineOptions(peer_device="cpu", strategy="sequence-head"), hooks=SessionHooks(native_denoiser_loader=denoiser_loader))
     with pytest.raises(VflashError, match="loads the resident block stack; this session's blocks are block-ring"):
-        NativeEngineSession(PROFILE, **tiny_compiled, block_loader=loader, weight_residency="block-ring")
+        NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled), EngineOptions(weight_residency="block-ring"), hooks=SessionHooks(block_loader=loader))
 
 
 # -- native_denoiser_loader ------------------------------------------------------------------------------------------
@@ -110,7 +114,7 @@ def test_native_denoiser_loader_builds_the_denoiser(tiny_compiled, expected):
         handed.append(load)
         return Denoiser(artifact, ResidentBlocks(artifact, load.device, load.on_block), load.device, load.ops)
 
-    with NativeEngineSession(PROFILE, **tiny_compiled, native_denoiser_loader=loader, on_load_progress=lambda done, total: progress.append((done, total))) as session:
+    with NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled), hooks=SessionHooks(native_denoiser_loader=loader, on_load_progress=lambda done, total: progress.append((done, total)))) as session:
         got = session.generate(_bundle(6))
     (load,) = handed
     assert load.device == torch.device("cpu") and type(load.ops).__name__ == "BlockOps"
@@ -120,10 +124,10 @@ def test_native_denoiser_loader_builds_the_denoiser(tiny_compiled, expected):
 
 def test_native_denoiser_loader_results_are_checked(tiny_compiled):
     with pytest.raises(VflashError, match="must return a vflash_core.engine.denoise.Denoiser, got dict"):
-        NativeEngineSession(PROFILE, **tiny_compiled, native_denoiser_loader=lambda artifact, load: {})
+        NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled), hooks=SessionHooks(native_denoiser_loader=lambda artifact, load: {}))
     other = CompiledArtifact(**tiny_compiled)
     with pytest.raises(VflashError, match="another artifact or device"):
-        NativeEngineSession(PROFILE, **tiny_compiled, native_denoiser_loader=lambda artifact, load: Denoiser(other, ResidentBlocks(other, load.device), load.device, load.ops))
+        NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled), hooks=SessionHooks(native_denoiser_loader=lambda artifact, load: Denoiser(other, ResidentBlocks(other, load.device), load.device, load.ops)))
 
 
 def test_a_failing_loader_releases_the_session_and_raises_its_own_error(tiny_compiled, expected):
@@ -139,8 +143,8 @@ def test_a_failing_loader_releases_the_session_and_raises_its_own_error(tiny_com
         return read_blocks(artifact, device)
 
     with pytest.raises(Broken, match="disk unplugged"):  # rank 0 loaded, rank 1's loader fails
-        NativeEngineSession(PROFILE, **tiny_compiled, block_loader=block_loader, peer_device="cpu", strategy="sequence-head")
-    with NativeEngineSession(PROFILE, **tiny_compiled) as session:  # nothing held on to: a new session works
+        NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled), EngineOptions(peer_device="cpu", strategy="sequence-head"), hooks=SessionHooks(block_loader=block_loader))
+    with NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled)) as session:  # nothing held on to: a new session works
         assert_bitwise(session.generate(_bundle(6)).video_latents, expected.video_latents, "after a failed load")
 
 

@@ -25,6 +25,8 @@ from vflash_core.media.vae import decode_bytes
 from vflash_core.pipeline.h3_pipeline import H3Pipeline, VideoRequest
 from vflash_core.pipeline.options import RunOptions
 from vflash_core.profiles import get_profile
+from vflash_core.engine.artifact import CompiledPaths
+from vflash_core.engine.engine_options import EngineOptions
 
 CUDA = [torch.device("cuda:0")]
 # The released sizes: 50 blocks of 0.72 GiB, the text encoder with layers 0..49 (51.5 GB), both VAEs.
@@ -170,14 +172,14 @@ def test_session_under_a_cap(tiny_compiled, no_margin):
     sizes = CompiledArtifact(**tiny_compiled).part_sizes()
     ring_weights = 2 * sizes.core_block + sizes.core_auxiliary
     cap = (ring_weights + 64 * 1024) / GIB  # room for the ring and a small request's activations only
-    with NativeEngineSession(PROFILE, **tiny_compiled, max_device_memory=cap) as session:
+    with NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled), EngineOptions(max_device_memory=cap)) as session:
         assert session.weight_residency == "block-ring" and session.plan is not None and not session.plan.fits_largest
         with pytest.raises(RequestError, match=r"this request's activations \(\d+ packed rows, weights block-ring\): the denoise stage needs about"):
             session.generate(_bundle(6))
     with pytest.raises(RunFailedError, match="the weights do not fit on cpu"):
-        NativeEngineSession(PROFILE, **tiny_compiled, max_device_memory=ring_weights / 2 / GIB)
+        NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled), EngineOptions(max_device_memory=ring_weights / 2 / GIB))
     with pytest.raises(VflashError, match="disagrees with the memory plan"):
-        NativeEngineSession(PROFILE, **tiny_compiled, weight_residency="resident", plan=session.plan)
+        NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled), EngineOptions(weight_residency="resident"), plan=session.plan)
 
 
 @pytest.fixture(scope="module")

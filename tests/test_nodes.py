@@ -26,6 +26,9 @@ from vflash_nodes.workflow import WorkflowError, apply_overrides, execute, load_
 from vflash_core.engine.config import H3Config
 from vflash_core.errors import RequestError, VflashError
 
+#: The model loader's engine widgets at their defaults, the device the CPU.
+LOADER_DEFAULTS = {"weight_residency": "auto", "device": "cpu", "peer_device": "none", "strategy": "sequence-head", "attention_backend": "auto"}
+
 REPO = Path(__file__).resolve().parent.parent
 API = REPO / "workflows" / "api"
 # A small canvas keeps the chain fast on two CPU cores; the workflow files use the demo family's 448x256.
@@ -509,7 +512,7 @@ def test_encode_then_sample_bundle_equals_pipeline_bundle(pack, comfy, keyframes
     folders = pack.package.host.FOLDERS
     te = actions.load_component(registry, host, folders, "te", "embedded-demo", "cpu")
     vae = actions.load_component(registry, host, folders, "vae", "embedded-demo", "cpu")
-    actions.load_model(registry, host, folders, "embedded-demo", "auto", "auto", "cpu", "none", "sequence-head", "auto")
+    actions.load_model(registry, host, folders, "embedded-demo", "auto", LOADER_DEFAULTS)
     images = {}
     for name, color in zip(keyframes, ((250, 20, 20), (20, 20, 250))):
         pixels = np.zeros((96, 160, 3), np.uint8)
@@ -546,7 +549,7 @@ def test_reference_clip_with_soundtrack_bundle_equals_pipeline_bundle(pack, comf
     host, folders = pack.package.host.HOST, pack.package.host.FOLDERS
     te = actions.load_component(registry, host, folders, "te", "embedded-demo", "cpu")
     vae = actions.load_component(registry, host, folders, "vae", "embedded-demo", "cpu")
-    actions.load_model(registry, host, folders, "embedded-demo", "auto", "auto", "cpu", "none", "sequence-head", "auto")
+    actions.load_model(registry, host, folders, "embedded-demo", "auto", LOADER_DEFAULTS)
     g = torch.Generator().manual_seed(5)
     picture = np.random.default_rng(5).integers(0, 255, (60, 90, 3), dtype=np.uint8)
     Image.fromarray(picture).save(tmp_path / "picture.png")

@@ -27,6 +27,9 @@ from vflash_nodes.workflow import apply_overrides, execute, load_api_workflow
 
 from vflash_core.errors import RequestError, VflashError
 
+#: The model loader's engine widgets at their defaults, the device the CPU.
+LOADER_DEFAULTS = {"weight_residency": "auto", "device": "cpu", "peer_device": "none", "strategy": "sequence-head", "attention_backend": "auto"}
+
 REPO = Path(__file__).resolve().parent.parent
 API = REPO / "workflows" / "api"
 
@@ -99,7 +102,7 @@ def test_core_encoders_give_the_vflash_bundle_bitwise(pack, core_files, keyframe
     host, folders = pack.package.host.HOST, pack.package.host.FOLDERS
     te = actions.load_component(registry, host, folders, "te", "embedded-demo", "cpu")
     vae = actions.load_component(registry, host, folders, "vae", "embedded-demo", "cpu")
-    actions.load_model(registry, host, folders, "embedded-demo", "auto", "auto", "cpu", "none", "sequence-head", "auto")
+    actions.load_model(registry, host, folders, "embedded-demo", "auto", LOADER_DEFAULTS)
     clip, video_vae, audio_vae = _core(pack, core_files)
     g = torch.Generator().manual_seed(3)
     frames = {name: torch.rand(1, 80, 144, 3, generator=g) for name in keyframes}
@@ -298,7 +301,7 @@ def test_profile_vs_mode_is_refused_before_the_transformer_is_touched(pack, monk
     te = actions.load_component(registry, host, folders, "te", "embedded-demo", "cpu")
     vae = actions.load_component(registry, host, folders, "vae", "embedded-demo", "cpu")
     cond, latent, _ = actions.encode(registry, host, te, vae, "Waves crash.", 128, 96, 124, 0.0, force_offload=False)
-    ref_profile = engines.transformer_spec(host, folders, "embedded-demo", "auto", "auto", "cpu", "none", "sequence-head", "auto")
+    ref_profile = engines.transformer_spec(host, folders, "embedded-demo", "auto", LOADER_DEFAULTS)
     wrong = replace(ref_profile, files=replace(ref_profile.files, profile="ref2va-base4-exact-cpu"))
     registry.release("dit")
     monkeypatch.setattr(actions, "load_session", lambda *a, **k: pytest.fail("the transformer was loaded"))

@@ -177,11 +177,11 @@ def test_the_model_loader_takes_a_host_budget(pack):
     from vflash_nodes import engines
     from vflash_nodes.host import FOLDERS, HOST
 
-    loader = ("embedded-demo", "auto", "auto", "cpu", "none", "sequence-head", "auto")
-    assert engines.check_loader(HOST, FOLDERS, *loader)[1].max_host_memory is None
-    assert engines.check_loader(HOST, FOLDERS, *loader, 0.0)[1].max_host_memory is None
+    widgets = {"weight_residency": "auto", "device": "cpu", "peer_device": "none", "strategy": "sequence-head", "attention_backend": "auto"}
+    assert engines.check_loader(HOST, FOLDERS, "embedded-demo", "auto", widgets)[1].max_host_memory is None
+    assert engines.check_loader(HOST, FOLDERS, "embedded-demo", "auto", {**widgets, "max_host_memory": 0.0})[1].max_host_memory is None
     with pytest.raises(VflashError, match="on the CPU every weight is host memory: set it to 0"):
-        engines.check_loader(HOST, FOLDERS, *loader, 32.0)
+        engines.check_loader(HOST, FOLDERS, "embedded-demo", "auto", {**widgets, "max_host_memory": 32.0})
     workflow = apply_overrides(load_api_workflow(API / "t2va.json"), ["1.max_host_memory=32"])
     with pytest.raises(VflashError, match=r"node 1 \(VflashModelLoader\): max_host_memory budgets what a GPU's weights"):
         execute(workflow, pack.node_types(workflow))

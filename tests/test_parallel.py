@@ -17,6 +17,8 @@ from vflash_core import Geometry, NativeEngineSession, build_keyframe_bundle
 from vflash_core.engine import parallel as P
 from vflash_core.errors import SessionClosedError, VflashError
 from vflash_core.weights import synthetic
+from vflash_core.engine.artifact import CompiledPaths
+from vflash_core.engine.engine_options import EngineOptions
 
 PROFILE = "t2va-base4-exact-cpu"
 # Eight heads so 2, 4 and 8 ranks divide them; keeps inner (128) != hidden (24) and partial rotary.
@@ -67,9 +69,9 @@ def _wide_bundle(seed: int, frames: int = 124):
 def test_sequence_head_equals_single_device(wide_compiled, ranks):
     bundle = _wide_bundle(1)
     assert bundle.layout.sequence_length % ranks  # uneven split on purpose
-    with NativeEngineSession(PROFILE, **wide_compiled) as single:
+    with NativeEngineSession(PROFILE, CompiledPaths(**wide_compiled)) as single:
         expected = single.generate(bundle)
-    with NativeEngineSession(PROFILE, **wide_compiled, peer_device=["cpu"] * (ranks - 1), strategy="sequence-head") as group:
+    with NativeEngineSession(PROFILE, CompiledPaths(**wide_compiled), EngineOptions(peer_device=["cpu"] * (ranks - 1), strategy="sequence-head")) as group:
         got = group.generate(bundle)
         assert got.metadata["strategy"] == "sequence-head" and len(got.metadata["devices"]) == ranks
     assert_bitwise(got.video_latents, expected.video_latents, "video latents")
@@ -78,9 +80,9 @@ def test_sequence_head_equals_single_device(wide_compiled, ranks):
 
 def test_rank_count_must_divide_heads(tiny_compiled):
     with pytest.raises(VflashError, match="cannot be split over 3 GPUs"):
-        NativeEngineSession(PROFILE, **tiny_compiled, peer_device=["cpu", "cpu"], strategy="sequence-head")
+        NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled), EngineOptions(peer_device=["cpu", "cpu"], strategy="sequence-head"))
     with pytest.raises(VflashError, match="need strategy"):
-        NativeEngineSession(PROFILE, **tiny_compiled, peer_device="cpu")
+        NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled), EngineOptions(peer_device="cpu"))
 
 
 class Abort(BaseException):
@@ -88,7 +90,7 @@ class Abort(BaseException):
 
 
 def test_stop_at_evaluation_boundary_keeps_group_usable(tiny_compiled):
-    with NativeEngineSession(PROFILE, **tiny_compiled, peer_device="cpu", strategy="sequence-head") as session:
+    with NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled), EngineOptions(peer_device="cpu", strategy="sequence-head")) as session:
         seen = []
 
         def stop_at_two(done, total):
@@ -109,12 +111,12 @@ def test_stop_at_evaluation_boundary_keeps_group_usable(tiny_compiled):
         with pytest.raises(Abort):
             session.generate(_bundle(4), between_blocks=interrupt)
         after = session.generate(_bundle(4))
-    with NativeEngineSession(PROFILE, **tiny_compiled) as single:
+    with NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled)) as single:
         assert_bitwise(after.video_latents, single.generate(_bundle(4)).video_latents, "after a stop")
 
 
 def test_fault_on_rank_one_aborts_both_and_fails_the_session(tiny_compiled, monkeypatch):
-    session = NativeEngineSession(PROFILE, **tiny_compiled, peer_device="cpu", strategy="sequence-head", collective_timeout_seconds=5)
+    session = NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled), EngineOptions(peer_device="cpu", strategy="sequence-head", collective_timeout_seconds=5))
     original = P.SequenceHeadAttention.__call__
     calls = []
 
@@ -168,9 +170,9 @@ def test_tensor_strategy_matches_single_device(wide_fp32, ranks, residency):
     _, paths = wide_fp32
     bundle = _wide_bundle(2)
     bundle.prompt_embeds = bundle.prompt_embeds.float()
-    with NativeEngineSession(PROFILE, **paths) as single:
+    with NativeEngineSession(PROFILE, CompiledPaths(**paths)) as single:
         expected = single.generate(bundle)
-    with NativeEngineSession(PROFILE, **paths, peer_device=["cpu"] * (ranks - 1), strategy="tensor", weight_residency=residency) as group:
+    with NativeEngineSession(PROFILE, CompiledPaths(**paths), EngineOptions(peer_device=["cpu"] * (ranks - 1), strategy="tensor", weight_residency=residency)) as group:
         got = group.generate(bundle)
     torch.testing.assert_close(got.video_latents, expected.video_latents, rtol=0, atol=2e-5)  # fp32 reduction order
     torch.testing.assert_close(got.audio_latents, expected.audio_latents, rtol=0, atol=2e-5)
@@ -196,9 +198,9 @@ def test_tensor_strategy_shards_lora_branches(tmp_path, wide_fp32):
     paths = compile_tiny(tmp_path, folder, profile, adapter=tmp_path / "lora.safetensors")
     bundle = _wide_bundle(3)
     bundle.prompt_embeds = bundle.prompt_embeds.float()
-    with NativeEngineSession(profile, **paths) as single:
+    with NativeEngineSession(profile, CompiledPaths(**paths)) as single:
         expected = single.generate(bundle)
-    with NativeEngineSession(profile, **paths, peer_device="cpu", strategy="tensor") as group:
+    with NativeEngineSession(profile, CompiledPaths(**paths), EngineOptions(peer_device="cpu", strategy="tensor")) as group:
         got = group.generate(bundle)
     torch.testing.assert_close(got.video_latents, expected.video_latents, rtol=0, atol=2e-5)
 
@@ -224,9 +226,9 @@ def test_tensor_strategy_shards_full_rank_delta_residuals(tmp_path, wide_fp32):
     paths = {"artifact": out / "artifact", "schedule_overlay": out / "schedule", "auxiliary": out / "auxiliary.safetensors"}
     bundle = _wide_bundle(4)
     bundle.prompt_embeds = bundle.prompt_embeds.float()
-    with NativeEngineSession(profile, **paths) as single:
+    with NativeEngineSession(profile, CompiledPaths(**paths)) as single:
         expected = single.generate(bundle)
-    with NativeEngineSession(profile, **paths, peer_device="cpu", strategy="tensor") as group:
+    with NativeEngineSession(profile, CompiledPaths(**paths), EngineOptions(peer_device="cpu", strategy="tensor")) as group:
         got = group.generate(bundle)
     torch.testing.assert_close(got.video_latents, expected.video_latents, rtol=0, atol=2e-5)
     torch.testing.assert_close(got.audio_latents, expected.audio_latents, rtol=0, atol=2e-5)

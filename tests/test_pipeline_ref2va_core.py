@@ -14,6 +14,7 @@ from conftest import TINY, assert_bitwise, compile_tiny, diffusers_transformer
 from vflash_core import Geometry, NativeEngineSession, get_profile
 from vflash_core.engine.bundle import EncodedReference, build_ref2va_bundle
 from vflash_core.engine.layout import ref2va_layout
+from vflash_core.engine.artifact import CompiledPaths
 
 HEIGHT, WIDTH, FRAMES = 64, 96, 124
 
@@ -102,7 +103,7 @@ def test_ref2va_trajectory_matches_diffusers(with_audio, ref_compiled, tiny_tran
     )
 
     bundle = build_ref2va_bundle(embeds, tags, Geometry(HEIGHT, WIDTH, FRAMES), TINY, torch.Generator().manual_seed(5), refs, seed=5)
-    with NativeEngineSession(profile, **ref_compiled) as session:
+    with NativeEngineSession(profile, CompiledPaths(**ref_compiled)) as session:
         result = session.generate(bundle)
     assert_bitwise(result.video_latents, expected["latents"], "video latents")
     assert_bitwise(result.audio_latents, expected["audio_latents"], "audio latents")

@@ -17,6 +17,8 @@ from test_schedule_layout_bundle import _bundle
 from vflash_core import NativeEngineSession
 from vflash_core.media.vae import MediaVAEs, calling_between_blocks, decode_latents
 from vflash_core.pipeline.h3_pipeline import H3Pipeline, RequestCancelled, VideoRequest
+from vflash_core.engine.artifact import CompiledPaths
+from vflash_core.engine.engine_options import EngineOptions
 
 PROFILE = "t2va-base4-exact-cpu"
 
@@ -39,7 +41,7 @@ def recording_preview(seen: list):
 
 
 def test_preview_once_per_evaluation_is_x0_and_leaves_the_latents_bitwise(tiny_compiled):
-    with NativeEngineSession(PROFILE, **tiny_compiled) as session:
+    with NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled)) as session:
         plain = session.generate(_bundle(2))
         seen, progress = [], []
         previewed = session.generate(_bundle(2), progress=lambda done, total: progress.append(done), preview=recording_preview(seen))
@@ -53,7 +55,7 @@ def test_preview_once_per_evaluation_is_x0_and_leaves_the_latents_bitwise(tiny_c
 
 
 def test_preview_from_a_sequence_head_group_gathers_every_rank(tiny_compiled):
-    with NativeEngineSession(PROFILE, **tiny_compiled, peer_device="cpu", strategy="sequence-head") as group:
+    with NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled), EngineOptions(peer_device="cpu", strategy="sequence-head")) as group:
         plain = group.generate(_bundle(5))
         seen = []
         previewed = group.generate(_bundle(5), preview=recording_preview(seen))
@@ -67,12 +69,12 @@ def test_a_preview_that_raises_aborts_and_the_session_stays_usable(tiny_compiled
         if done == 2:
             raise Abort()
 
-    with NativeEngineSession(PROFILE, **tiny_compiled) as session:
+    with NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled)) as session:
         with pytest.raises(Abort):
             session.generate(_bundle(3), preview=stop_at_two)
         after = session.generate(_bundle(3))
         assert_bitwise(after.video_latents, session.generate(_bundle(3)).video_latents, "after an aborted preview")
-    with NativeEngineSession(PROFILE, **tiny_compiled) as fresh, pytest.raises(Exception, match="preview must be"):
+    with NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled)) as fresh, pytest.raises(Exception, match="preview must be"):
         fresh.generate(_bundle(3), preview="not callable")
 
 
@@ -82,7 +84,7 @@ def test_preview_on_the_gpu_is_on_the_device_and_leaves_the_latents_bitwise(tmp_
         pytest.skip("needs an SM90 GPU for the sm90 profile")
     profile = "t2va-base16-bf16-sm90"
     compiled = compile_tiny(tmp_path_factory.mktemp("gpu-preview"), tiny_transformer, profile, device="cuda:0")
-    with NativeEngineSession(profile, **compiled, device="cuda:0") as session:
+    with NativeEngineSession(profile, CompiledPaths(**compiled), EngineOptions(device="cuda:0")) as session:
         plain = session.generate(_bundle(6))
         seen = []
         previewed = session.generate(_bundle(6), preview=recording_preview(seen))

@@ -26,6 +26,7 @@ from vflash_core.weights import synthetic
 from vflash_core.weights.checkpoint import SourceWeights, dequantize_int8
 from vflash_core.weights.compiler import prepare
 from vflash_core.weights.gguf_file import DEQUANTIZERS, dequantize_gguf
+from vflash_core.engine.artifact import CompiledPaths
 
 gguf = pytest.importorskip("gguf")
 
@@ -41,7 +42,7 @@ def _generate(paths: dict, config=TINY, seed: int = 5):
     g = torch.Generator().manual_seed(seed)
     embeds = torch.randn(6, config.text_dim, generator=g).to(torch.bfloat16)
     bundle = build_keyframe_bundle(embeds, torch.ones(6, dtype=torch.long), Geometry(64, 96, 124), config, torch.Generator().manual_seed(seed), seed=seed)
-    with NativeEngineSession(EXACT_CPU, **paths) as session:
+    with NativeEngineSession(EXACT_CPU, CompiledPaths(**paths)) as session:
         return session.generate(bundle)
 
 

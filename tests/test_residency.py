@@ -16,6 +16,8 @@ from test_schedule_layout_bundle import _bundle
 from vflash_core import NativeEngineSession
 from vflash_core.engine import residency as R
 from vflash_core.engine.artifact import CompiledArtifact
+from vflash_core.engine.artifact import CompiledPaths
+from vflash_core.engine.engine_options import EngineOptions
 
 PROFILE = "t2va-base4-exact-cpu"
 
@@ -54,9 +56,9 @@ def test_a_closed_arena_lets_its_segments_go_while_something_still_holds_it(tiny
 
 
 def test_block_ring_equals_resident_and_reuses_its_buffers(tiny_compiled):
-    with NativeEngineSession(PROFILE, **tiny_compiled) as resident:
+    with NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled)) as resident:
         expected = resident.generate(_bundle(6))
-    with NativeEngineSession(PROFILE, **tiny_compiled, weight_residency="block-ring") as ring_session:
+    with NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled), EngineOptions(weight_residency="block-ring")) as ring_session:
         ring = ring_session._denoisers[0].blocks
         pointers = [slot.data_ptr() for slot in ring.slots] + [seg.data_ptr() for seg in ring.source.segments]
         gc.collect()
@@ -76,12 +78,12 @@ def test_failed_request_closes_nothing_it_should_not(tiny_compiled):
     class Interrupt(BaseException):
         pass
 
-    with NativeEngineSession(PROFILE, **tiny_compiled, weight_residency="block-ring") as session:
+    with NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled), EngineOptions(weight_residency="block-ring")) as session:
         def interrupt(done, total):
             raise Interrupt()
 
         with pytest.raises(Interrupt):
             session.generate(_bundle(6), progress=interrupt)
         again = session.generate(_bundle(6))  # the ring is reusable after an interrupt
-    with NativeEngineSession(PROFILE, **tiny_compiled) as resident:
+    with NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled)) as resident:
         assert_bitwise(again.video_latents, resident.generate(_bundle(6)).video_latents, "after an interrupt")

@@ -10,6 +10,7 @@ from test_schedule_layout_bundle import _bundle
 from vflash_core import BundleHandoff, NativeEngineSession
 from vflash_core.errors import BundleError, SessionClosedError, VflashError
 from vflash_core.weights.compiler import main as compiler_main
+from vflash_core.engine.artifact import CompiledPaths
 
 PROFILE = "t2va-base4-exact-cpu"
 
@@ -20,7 +21,7 @@ class Abort(BaseException):
 
 def test_timing_fields_and_progress(tiny_compiled):
     calls = []
-    with NativeEngineSession(PROFILE, **tiny_compiled) as session:
+    with NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled)) as session:
         first = session.generate(_bundle(1), progress=lambda done, total: calls.append((done, total)))
         second = session.generate(BundleHandoff(_bundle(1)))
     assert calls == [(1, 4), (2, 4), (3, 4), (4, 4)]
@@ -32,7 +33,7 @@ def test_timing_fields_and_progress(tiny_compiled):
 
 
 def test_closed_session_refuses_calls(tiny_compiled):
-    session = NativeEngineSession(PROFILE, **tiny_compiled)
+    session = NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled))
     session.close()
     session.close()  # idempotent
     with pytest.raises(SessionClosedError, match="closed"):
@@ -40,7 +41,7 @@ def test_closed_session_refuses_calls(tiny_compiled):
 
 
 def test_abort_from_callback_leaves_session_usable(tiny_compiled):
-    with NativeEngineSession(PROFILE, **tiny_compiled) as session:
+    with NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled)) as session:
         def stop_at_two(done, total):
             if done == 2:
                 raise Abort()
@@ -58,12 +59,12 @@ def test_abort_from_callback_leaves_session_usable(tiny_compiled):
             session.generate(_bundle(3), between_blocks=stop_between_blocks)
         assert len(blocks_seen) == 3
         after = session.generate(_bundle(3))
-    with NativeEngineSession(PROFILE, **tiny_compiled) as fresh:
+    with NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled)) as fresh:
         assert_bitwise(after.video_latents, fresh.generate(_bundle(3)).video_latents, "after an abort")
 
 
 def test_failed_trajectory_fails_the_session(tiny_compiled, monkeypatch):
-    session = NativeEngineSession(PROFILE, **tiny_compiled)
+    session = NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled))
     from vflash_core.engine import model
 
     def broken(*args, **kwargs):
@@ -79,7 +80,7 @@ def test_failed_trajectory_fails_the_session(tiny_compiled, monkeypatch):
 
 
 def test_bad_input_does_not_fail_the_session(tiny_compiled):
-    with NativeEngineSession(PROFILE, **tiny_compiled) as session:
+    with NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled)) as session:
         handoff = BundleHandoff(_bundle())
         session.generate(handoff)
         with pytest.raises(BundleError, match="already consumed"):
@@ -120,7 +121,7 @@ def test_cli_denoise_writes_latents_and_refuses_overwrite(tmp_path, tiny_compile
     status, stderr = vflash(*args)
     assert status == 0, stderr
     latents = load_file(str(out))
-    with NativeEngineSession(PROFILE, **tiny_compiled) as session:
+    with NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled)) as session:
         expected = session.generate(_bundle(5))
     assert_bitwise(latents["video_latents"], expected.video_latents, "cli video latents")
     assert_bitwise(latents["audio_latents"], expected.audio_latents, "cli audio latents")

@@ -11,6 +11,7 @@ import torch
 from conftest import TINY, assert_bitwise, compile_tiny, diffusers_denoise, diffusers_transformer
 
 from vflash_core import Geometry, NativeEngineSession, build_keyframe_bundle, get_profile
+from vflash_core.engine.artifact import CompiledPaths
 
 HEIGHT, WIDTH, FRAMES = 64, 96, 124
 
@@ -50,7 +51,7 @@ def test_trajectory_4nfe_matches_diffusers(anchors, tiny_compiled, reference_mod
     expected_video, expected_audio = diffusers_denoise(reference_model, profile, embeds, tags, HEIGHT, WIDTH, FRAMES, seed=7, condition_latents=keyframes, keyframe_anchors=anchors)
 
     bundle = build_keyframe_bundle(embeds, tags, Geometry(HEIGHT, WIDTH, FRAMES), TINY, torch.Generator().manual_seed(7), keyframes, anchors, seed=7)
-    with NativeEngineSession(profile, **tiny_compiled) as session:
+    with NativeEngineSession(profile, CompiledPaths(**tiny_compiled)) as session:
         result = session.generate(bundle)
     assert_bitwise(result.video_latents, expected_video, "video latents")
     assert_bitwise(result.audio_latents, expected_audio, "audio latents")
@@ -65,7 +66,7 @@ def test_trajectory_16nfe_matches_diffusers(anchors, compiled16, reference_model
     # 10 s: 243 frames, so the last-keyframe time exercises numpy's pairwise sum over 72 latent frames.
     expected_video, expected_audio = diffusers_denoise(reference_model, profile, embeds, tags, HEIGHT, WIDTH, 243, seed=3, condition_latents=keyframes, keyframe_anchors=anchors)
     bundle = build_keyframe_bundle(embeds, tags, Geometry(HEIGHT, WIDTH, 243), TINY, torch.Generator().manual_seed(3), keyframes, anchors)
-    with NativeEngineSession(profile, **compiled16) as session:
+    with NativeEngineSession(profile, CompiledPaths(**compiled16)) as session:
         result = session.generate(bundle)
     assert_bitwise(result.video_latents, expected_video, "video latents")
     assert_bitwise(result.audio_latents, expected_audio, "audio latents")

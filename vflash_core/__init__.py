@@ -29,10 +29,13 @@ warnings.filterwarnings("ignore", r"`torch\.nn\.utils\.weight_norm` is deprecate
 from ._version import __version__ as __version__  # re-exported: the version is the root's attribute
 
 if TYPE_CHECKING:  # the same names, eagerly, for type checkers
+    from .engine.artifact import CompiledPaths
     from .engine.bundle import BundleHandoff, ConditioningBundle, build_keyframe_bundle
     from .engine.config import H3Config
+    from .engine.engine_options import EngineOptions
     from .engine.layout import Geometry
     from .engine.session import GenerationResult, NativeEngineSession
+    from .engine.session_hooks import SessionHooks
     from .errors import (
         BundleError,
         IdentityMismatchError,
@@ -56,10 +59,13 @@ if TYPE_CHECKING:  # the same names, eagerly, for type checkers
 
 #: public name -> the module (relative to this package) that defines it.
 _SOURCES = {
+    "CompiledPaths": ".engine.artifact",
     **dict.fromkeys(("BundleHandoff", "ConditioningBundle", "build_keyframe_bundle"), ".engine.bundle"),
     "H3Config": ".engine.config",
+    "EngineOptions": ".engine.engine_options",
     "Geometry": ".engine.layout",
     **dict.fromkeys(("GenerationResult", "NativeEngineSession"), ".engine.session"),
+    "SessionHooks": ".engine.session_hooks",
     **dict.fromkeys((
         "BundleError", "IdentityMismatchError", "RequestError", "RunFailedError", "SessionClosedError",
         "VflashError", "WeightFileError",
@@ -88,7 +94,9 @@ __all__ = [
     "PROFILES",
     "BundleError",
     "BundleHandoff",
+    "CompiledPaths",
     "ConditioningBundle",
+    "EngineOptions",
     "GenerationResult",
     "Geometry",
     "H3Config",
@@ -104,6 +112,7 @@ __all__ = [
     "RunFailedError",
     "RunOptions",
     "SessionClosedError",
+    "SessionHooks",
     "VflashError",
     "VideoRequest",
     "VideoResult",

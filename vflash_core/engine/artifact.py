@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ..errors import IdentityMismatchError, VflashError, WeightFileError
-from ..fileio import read_json
+from ..fileio import path_argument, read_json
 from ..formats import (
     ARTIFACT_FORMAT,
     ARTIFACT_FP8_FORMAT,
@@ -40,7 +40,7 @@ from .fp8 import FP8_LINEARS
 from .model import LayerWeights, LoraResidual
 from .weight_io import SequentialWeights
 
-__all__ = ["FLOAT_DTYPES", "TABLE_INPUTS", "CompiledArtifact", "ScheduleOverlay", "StepTables"]
+__all__ = ["FLOAT_DTYPES", "TABLE_INPUTS", "CompiledArtifact", "CompiledPaths", "ScheduleOverlay", "StepTables"]
 
 # The dtypes a floating-point tensor of a checkpoint or an artifact may have.
 FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32, torch.float16)
@@ -168,6 +168,20 @@ class ScheduleOverlay:
         names = [f"{key}.timesteps", f"{key}.norm_out"] + [f"{key}.block{i:03d}" for i in range(self.num_layers)]
         data = self.store.read(names)
         return StepTables(data[names[0]], [data[n] for n in names[2:]], data[names[1]])
+
+
+@dataclass(frozen=True)
+class CompiledPaths:
+    """Where the three outputs of one compile are (`compile`'s `artifact/`, `schedule/`, `auxiliary.safetensors`), as
+    Paths: what a session loads. Each must be a non-empty path, checked when built."""
+
+    artifact: Path
+    schedule_overlay: Path
+    auxiliary: Path
+
+    def __post_init__(self) -> None:
+        for name in ("artifact", "schedule_overlay", "auxiliary"):
+            object.__setattr__(self, name, path_argument(getattr(self, name), name))
 
 
 class CompiledArtifact:

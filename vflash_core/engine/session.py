@@ -20,8 +20,9 @@ approximate attention backend `fa3-fp8`. A named fast mode (`fast_mode.FastMode`
 cache) is approximate too, and each result then says so (`metadata["exact"]`, `metadata["fast_mode"]`). Nothing else
 ever runs approximately.
 
-Trusted loader hooks (`native_denoiser_loader`, `block_loader`) are Python callables given by the caller, never names
-resolved to code.
+A session is built from three objects that travel whole: where the compile is (`artifact.CompiledPaths`), how it runs
+(`engine_options.EngineOptions`, checked when built; the session keeps it as `options`) and the caller's trusted hooks
+(`session_hooks.SessionHooks`: load progress, loaders of the resident blocks), plus a pipeline's memory plan.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
@@ -39,37 +40,28 @@ import torch
 from ..errors import (
     CallbackGuard,
     IdentityMismatchError,
-    Number,
     SessionClosedError,
     VflashError,
     check_callback,
-    check_choice,
     describe_value,
 )
 from ..fileio import GIB, atomic_file, check_writable_destination, path_argument
 from ..formats import check_device, device_arch
-from ..memory_plan import (
-    DeviceCap,
-    MemoryPlan,
-    cap_bytes,
-    check_disk_ring,
-    check_host_budget_on_cpu,
-    plan_memory,
-)
+from ..memory_plan import DeviceCap, MemoryPlan, cap_bytes, plan_memory
 from ..profiles import Profile, get_profile
 from ..progress import PreviewFn, ProgressFn
-from .artifact import CompiledArtifact
+from .artifact import CompiledArtifact, CompiledPaths
 from .attention import resolve_attention
 from .bundle import MODE_VARIANT, BundleHandoff, ConditioningBundle
 from .config import H3Config
 from .denoise import DenoiseOutput, Denoiser, denoise_bytes
 from .device_owner import release_host_memory
-from .fast_mode import FastMode
+from .engine_options import EngineOptions
 from .fast_mode_run import FastModeRun
 from .fp8 import FusedRowFP8Ops, RowFP8Execution, RowFP8Ops
 from .fused import FusedOps
 from .layout import FPS, largest_request_rows
-from .model import AttentionFn, BlockOps, LayerWeights
+from .model import AttentionFn, BlockOps
 from .parallel import (
     LocalGroup,
     SequenceHeadAttention,
@@ -81,35 +73,12 @@ from .parallel import (
 )
 from .profiler import StageTimer
 from .residency import BlockArena, BlockFiles, BlockRing, BlockSource, LoadedBlocks, ResidentBlocks
-from .session_options import STRATEGIES, WEIGHT_RESIDENCIES
+from .session_group import run_group
+from .session_hooks import DenoiserLoad, SessionHooks
 
-__all__ = [
-    "BlockLoader", "DenoiserLoad", "GenerationResult", "NativeDenoiserLoader", "NativeEngineSession", "SessionTiming",
-    "check_loader_hooks",
-]
+__all__ = ["GenerationResult", "NativeEngineSession", "SessionTiming"]
 
 logger = logging.getLogger(__name__)
-
-EXECUTIONS = ("auto", "fused", "reference")
-#: How long a rank waits for its peers in one collective: positive, and at most a day (a wait is a deadline).
-COLLECTIVE_TIMEOUT = Number(float, 0, 86_400, above=True, unit="seconds")
-
-
-@dataclass(frozen=True)
-class DenoiserLoad:
-    """What a `native_denoiser_loader` is handed beside the verified artifact: the device, the block operations the
-    session chose for it (execution, attention, FP8) and a callback to call with each block's index once it is loaded
-    (None when nobody listens)."""
-
-    device: torch.device
-    ops: BlockOps
-    on_block: Callable[[int], None] | None
-
-
-#: (verified artifact, load arguments) -> the `Denoiser` of the session's one device, its blocks resident.
-NativeDenoiserLoader = Callable[[CompiledArtifact, DenoiserLoad], Denoiser]
-#: (verified artifact, device) -> every main block's weights on that device, in order (checked against the artifact).
-BlockLoader = Callable[[CompiledArtifact, torch.device], Sequence[LayerWeights]]
 
 
 @dataclass
@@ -139,139 +108,37 @@ class NativeEngineSession:
 
     Args:
         profile: a registered profile id or a `Profile`.
-        artifact, schedule_overlay, auxiliary: the three outputs of one `compile`.
-        device: `"cpu"`, an index or `"cuda:N"`; must match the architecture the artifact was compiled on.
-        peer_device: further GPU(s) for one request (index, name or list); needs `strategy`.
-        strategy: with `peer_device`, `"sequence-head"` (rows split, heads exchanged for attention; exact per row and
-            head) or `"tensor"` (heads and FFN channels split, partial projections summed; rounding differs).
-        weight_residency: `"auto"`, `"resident"`, `"block-ring"` or `"disk-ring"`.
-        max_device_memory: a cap in GiB on what the session may hold on each device: planned against and enforced
-            (`memory_plan.DeviceCap`) until `close`.
-        max_host_memory: a budget in GiB for what the session holds in host memory (the block-ring arena or the
-            disk ring's staging buffers, plus `memory_plan.HOST_MARGIN_BYTES` for the process): planned against, not
-            enforced (the plan's estimates; the host has no allocator to cap).
+        paths: the three outputs of one `compile` (`CompiledPaths`).
+        options: how it runs (`EngineOptions`: devices, strategy, residency, attention, execution, the collective
+            timeout, the device cap and host budget, the fast mode); kept unchanged as `options`. The devices must
+            match the architecture the artifact was compiled on. A cap is planned against and enforced
+            (`memory_plan.DeviceCap`) until `close`; a host budget is planned against, not enforced (the plan's
+            estimates; the host has no allocator to cap). The attention backend used is logged once and reported per
+            result; a fast mode is refused where it cannot run.
         plan: a pipeline's memory plan (`memory_plan.plan_memory`), which then decides the residency and carries the
-            cap and the host budget; `weight_residency` must agree with it and the two limits be left out.
-        attention_backend: see `attention_backends.BACKENDS`; the backend used is logged once and reported per result.
-        fast_mode: None / "exact" (default), or a named approximate mode (`fast_mode.FastMode`, or its names, e.g.
-            "sparse-attention", "sparse-attention,step-cache"); refused where it cannot run.
-        execution: `"fused"` (Triton elementwise kernels, the CUDA default), `"reference"` (plain PyTorch, the CPU
-            default) or `"auto"`; both give the same bits.
-        on_load_progress: called with (blocks loaded, total) while weights load.
-        collective_timeout_seconds: how long a rank waits for its peers in one collective before the group fails.
-        native_denoiser_loader: a trusted Python callable `(artifact, DenoiserLoad) -> Denoiser` that builds the
-            denoiser in place of the session's own loading; resident weights on one device only.
-        block_loader: a trusted Python callable `(artifact, device) -> blocks` supplying the resident block stack
-            (names, shapes, dtypes, device and LoRA linears are checked against the artifact); not with
-            `native_denoiser_loader` (which loads its own) nor the tensor strategy (which shards blocks).
+            cap and the host budget: the options' residency must agree with it, their limits be left out or the plan's.
+        hooks: the caller's trusted callables (`SessionHooks`: load progress, a loader of the denoiser or of the
+            resident blocks).
     """
 
     def __init__(
         self,
         profile: Profile | str,
-        artifact: str | Path,
-        schedule_overlay: str | Path,
-        auxiliary: str | Path,
-        device: int | str | torch.device = "cpu",
-        peer_device: int | str | torch.device | list | None = None,
-        strategy: str | None = None,
-        weight_residency: str = "auto",
-        attention_backend: str = "auto",
-        execution: str = "auto",
-        on_load_progress: Callable[[int, int], None] | None = None,
-        collective_timeout_seconds: float = 120.0,
-        max_device_memory: float | None = None,
-        max_host_memory: float | None = None,
+        paths: CompiledPaths,
+        options: EngineOptions | None = None,
         plan: MemoryPlan | None = None,
-        native_denoiser_loader: NativeDenoiserLoader | None = None,
-        block_loader: BlockLoader | None = None,
-        fast_mode: FastMode | str | None = None,
+        hooks: SessionHooks | None = None,
     ):
         start = time.perf_counter()
-        self.fast_mode = FastMode.parse(fast_mode)
-        cap = cap_bytes(max_device_memory)  # checked before anything is read (a string or NaN is refused here)
-        host_budget = cap_bytes(max_host_memory, "max_host_memory")
-        COLLECTIVE_TIMEOUT.check("collective_timeout_seconds", collective_timeout_seconds)
-        check_callback(on_load_progress, "on_load_progress")
-        artifact, schedule_overlay, auxiliary = (path_argument(value, name) for value, name in (
-            (artifact, "artifact"), (schedule_overlay, "schedule_overlay"), (auxiliary, "auxiliary")))
-        self.profile = get_profile(profile)
-        peers = [] if peer_device is None else (
-            list(peer_device) if isinstance(peer_device, (list, tuple)) else [peer_device]
-        )
-        # devices this machine has: "tpu" or cuda:9 is one line, not a RuntimeError
-        self.devices = [check_device(device, None, "device")] + [check_device(p, None, "peer device") for p in peers]
-        self.device = self.devices[0]
-        if peers and strategy not in STRATEGIES:
-            raise VflashError(f"two or more devices need strategy {' or '.join(STRATEGIES)}, got {strategy!r}")
-        if not peers and strategy is not None:
-            raise VflashError(f"strategy {strategy!r} needs a peer_device")
-        self.strategy = strategy if peers else None
-        self.fast_mode.check_placement(len(self.devices), self.strategy)
-        check_choice("weight_residency", weight_residency, WEIGHT_RESIDENCIES)
-        if plan is not None and (max_device_memory is not None or max_host_memory is not None):
-            raise VflashError(
-                "a session given a memory plan takes its limits from the plan; "
-                "leave max_device_memory and max_host_memory out"
-            )
-        check_disk_ring(weight_residency, len(self.devices))
-        if self.device.type != "cuda":
-            check_host_budget_on_cpu(host_budget, cap)
-        hooks = check_loader_hooks(native_denoiser_loader, block_loader, self.strategy, len(self.devices))
-        if hooks and weight_residency == "auto":
-            weight_residency = "resident"
-        self.compiled = CompiledArtifact(artifact, schedule_overlay, auxiliary)
-        self.compiled.check_profile(self.profile)
-        for dev in self.devices:
-            arch = device_arch(dev)
-            if arch != self.compiled.arch:
-                raise IdentityMismatchError(
-                    f"the artifact was compiled on {self.compiled.arch}; device {dev} is {arch}"
-                )
-        config = self.compiled.config
-        if self.strategy is not None:
-            head_groups(config.num_attention_heads, len(self.devices))
-        if self.profile.fp8 is not None and self.strategy == "tensor":
-            raise VflashError(
-                f"profile {self.profile.id} runs FP8 block linears on one device or with sequence-head; "
-                "the tensor strategy shards BF16 blocks only"
-            )
-        self.attention_backend = resolve_attention(attention_backend, self.device, self.profile.fp8 is not None)[0]
-        check_choice("execution", execution, EXECUTIONS)
-        self.execution = ("fused" if self.device.type == "cuda" else "reference") if execution == "auto" else execution
-        # Planned unless on the CPU without a cap (resident blocks there).
-        if plan is None and (self.device.type == "cuda" or max_device_memory is not None):
-            # this session's own plan, for the core alone: its blocks and the profile's largest request
-            largest = {"denoise": denoise_bytes(config, largest_request_rows(self.profile, config), self.fast_mode)}
-            plan = plan_memory(
-                self.compiled.part_sizes(), largest, self.devices, cap, weight_residency, host_budget=host_budget
-            )
-        elif plan is not None and weight_residency not in ("auto", plan.placement.core):
-            raise VflashError(
-                f"weight_residency={weight_residency!r} disagrees with the memory plan's {plan.placement.core!r}"
-            )
-        self.plan = plan
-        self.weight_residency = (
-            self.plan.placement.core if self.plan is not None
-            else ("resident" if weight_residency == "auto" else weight_residency)
-        )
-        if hooks and self.weight_residency != "resident":
-            raise VflashError(
-                f"{hooks[0]} loads the resident block stack; "
-                f"this session's blocks are {self.weight_residency} (the memory plan's choice)"
-            )
-        self._cap = (
-            DeviceCap(self.plan.cap, self.devices) if self.plan is not None and self.plan.cap is not None else None
-        )
+        loaders = self._check(profile, paths, EngineOptions() if options is None else options, plan,
+                              SessionHooks() if hooks is None else hooks)
+        self._place(plan, loaders)
         self.closed = False
         self._denoisers: list[Denoiser] = []
         self._group: LocalGroup | None = None
         self._host_blocks: list[BlockArena | BlockFiles] = []  # what the block rings copy from
         try:
-            self._load(
-                config, attention_backend, on_load_progress, collective_timeout_seconds,
-                native_denoiser_loader, block_loader,
-            )
+            self._load(self.hooks)
         except BaseException:
             self.close()  # what was loaded before the failure (a loader hook's exception included), and the cap
             raise
@@ -280,21 +147,100 @@ class NativeEngineSession:
         self.initialization_seconds = time.perf_counter() - start
         logger.info("Vflash session %s: %s", self.profile.id, self.memory_plan())
 
-    def _load(
-        self,
-        config: H3Config,
-        attention_backend: str,
-        on_load_progress: Callable[[int, int], None] | None,
-        collective_timeout_seconds: float,
-        native_denoiser_loader: NativeDenoiserLoader | None,
-        block_loader: BlockLoader | None,
-    ) -> None:
+    def _check(
+        self, profile: Profile | str, paths: CompiledPaths, options: EngineOptions, plan: MemoryPlan | None,
+        hooks: SessionHooks,
+    ) -> list[str]:
+        """Everything knowable before a weight loads: the arguments' types, the devices on this machine and the
+        artifact's identity against the profile and the devices; the resolved choices become attributes. Returns the
+        names of the loader hooks given."""
+        for name, value, kind in (("paths", paths, CompiledPaths), ("options", options, EngineOptions),
+                                  ("hooks", hooks, SessionHooks), ("plan", plan, (MemoryPlan, type(None)))):
+            if not isinstance(value, kind):
+                raise VflashError(f"{name} must be a {kind if name == 'plan' else kind.__name__}, "  # type: ignore
+                                  f"got {describe_value(value)}")
+        self.options, self.hooks, self.fast_mode = options, hooks, options.fast_mode
+        self.profile = get_profile(profile)
+        # devices this machine has: "tpu" or cuda:9 is one line, not a RuntimeError
+        self.devices = [check_device(options.device, None, "device")] + [
+            check_device(p, None, "peer device") for p in options.peers
+        ]
+        self.device = self.devices[0]
+        self.strategy = options.strategy  # EngineOptions: set exactly when there are peers
+        if plan is not None and (
+            options.max_device_memory is not None and cap_bytes(options.max_device_memory) != plan.cap
+            or options.max_host_memory is not None
+            and cap_bytes(options.max_host_memory, "max_host_memory") != plan.host_budget
+        ):
+            raise VflashError(
+                "a session given a memory plan takes its limits from the plan; "
+                "leave max_device_memory and max_host_memory out or give the plan's"
+            )
+        loaders = hooks.check(self.strategy, len(self.devices))
+        self.compiled = CompiledArtifact(paths.artifact, paths.schedule_overlay, paths.auxiliary)
+        self.compiled.check_profile(self.profile)
+        for dev in self.devices:
+            arch = device_arch(dev)
+            if arch != self.compiled.arch:
+                raise IdentityMismatchError(
+                    f"the artifact was compiled on {self.compiled.arch}; device {dev} is {arch}"
+                )
+        if self.strategy is not None:
+            head_groups(self.compiled.config.num_attention_heads, len(self.devices))
+        if self.profile.fp8 is not None and self.strategy == "tensor":
+            raise VflashError(
+                f"profile {self.profile.id} runs FP8 block linears on one device or with sequence-head; "
+                "the tensor strategy shards BF16 blocks only"
+            )
+        fp8 = self.profile.fp8 is not None
+        self.attention_backend = resolve_attention(options.attention_backend, self.device, fp8)[0]
+        execution = options.execution
+        self.execution = ("fused" if self.device.type == "cuda" else "reference") if execution == "auto" else execution
+        return loaders
+
+    def _place(self, plan: MemoryPlan | None, loaders: list[str]) -> None:
+        """Where the blocks live: the pipeline's plan, this session's own (on a GPU or under a cap) or resident; the
+        cap enforced from now on."""
+        options = self.options
+        # The loader hooks load the resident block stack: placed so unless told otherwise (then refused).
+        residency = "resident" if loaders and options.weight_residency == "auto" else options.weight_residency
+        cap = cap_bytes(options.max_device_memory)
+        # Planned unless on the CPU without a cap (resident blocks there).
+        if plan is None and (self.device.type == "cuda" or cap is not None):
+            # this session's own plan, for the core alone: its blocks and the profile's largest request
+            config = self.compiled.config
+            largest = {"denoise": denoise_bytes(config, largest_request_rows(self.profile, config), self.fast_mode)}
+            host_budget = cap_bytes(options.max_host_memory, "max_host_memory")
+            plan = plan_memory(
+                self.compiled.part_sizes(), largest, self.devices, cap, residency, host_budget=host_budget
+            )
+        elif plan is not None and residency not in ("auto", plan.placement.core):
+            raise VflashError(
+                f"weight_residency={residency!r} disagrees with the memory plan's {plan.placement.core!r}"
+            )
+        self.plan = plan
+        self.weight_residency = (
+            self.plan.placement.core if self.plan is not None else ("resident" if residency == "auto" else residency)
+        )
+        if loaders and self.weight_residency != "resident":
+            raise VflashError(
+                f"{loaders[0]} loads the resident block stack; "
+                f"this session's blocks are {self.weight_residency} (the memory plan's choice)"
+            )
+        self._cap = (
+            DeviceCap(self.plan.cap, self.devices) if self.plan is not None and self.plan.cap is not None else None
+        )
+
+    def _load(self, hooks: SessionHooks) -> None:
         """Load the weights where the plan put them (or through the caller's loader) and build one denoiser
         per device."""
-        self._group = LocalGroup(self.devices, collective_timeout_seconds) if self.strategy else None
+        config = self.compiled.config
+        timeout = self.options.collective_timeout_seconds
+        self._group = LocalGroup(self.devices, timeout) if self.strategy else None
         size = len(self.devices)
         shards = [TensorShard(config, r, size) if self.strategy == "tensor" else None for r in range(size)]
-        load = None if on_load_progress is None else (lambda i: on_load_progress(i + 1, config.num_layers))
+        progress = hooks.on_load_progress
+        load = None if progress is None else (lambda i: progress(i + 1, config.num_layers))
         # One host arena shared by every ring (sequence-head replicates blocks); one arena of shards per rank (tensor).
         pin = self.device.type == "cuda"
         if self.weight_residency == "block-ring":
@@ -307,35 +253,38 @@ class NativeEngineSession:
         elif self.weight_residency == "disk-ring":
             self._host_blocks = [BlockFiles(self.compiled, pin, load)]
         for rank, dev in enumerate(self.devices):
-            fast, local = FastModeRun.wrap(
-                self.fast_mode, resolve_attention(attention_backend, dev, self.profile.fp8 is not None)[1]
-            )
-            if self.strategy == "sequence-head":
-                attention = SequenceHeadAttention(
-                    self._group.groups[rank],  # type: ignore[union-attr,arg-type]
-                    [(0, 0)] * size, config.num_attention_heads, local, *relayout_ops(dev),
-                )
-                ops = self._block_ops(config, attention, dev)
-            elif self.strategy == "tensor":
-                ops = tensor_parallel_ops(
-                    config, self._group.groups[rank],  # type: ignore[union-attr,arg-type]
-                    size, local, FusedOps if self.execution == "fused" else BlockOps,
-                )
-            else:
-                ops = self._block_ops(config, local, dev)
-            if native_denoiser_loader is not None:
-                den = _loaded_denoiser(native_denoiser_loader, self.compiled, DenoiserLoad(dev, ops, load))
+            ops, fast = self._rank_ops(config, rank, dev)
+            if hooks.native_denoiser_loader is not None:
+                den = hooks.load_denoiser(self.compiled, DenoiserLoad(dev, ops, load))
             else:
                 blocks: BlockSource
                 if self._host_blocks:
                     blocks = BlockRing(self._host_blocks[rank % len(self._host_blocks)], dev)
-                elif block_loader is not None:
-                    blocks = LoadedBlocks(self.compiled, dev, block_loader(self.compiled, dev))
+                elif hooks.block_loader is not None:
+                    blocks = LoadedBlocks(self.compiled, dev, hooks.block_loader(self.compiled, dev))
                 else:
                     blocks = ResidentBlocks(self.compiled, dev, load if rank == 0 else None, shards[rank])
                 den = Denoiser(self.compiled, blocks, dev, ops)
             den.fast = None if self.fast_mode.exact else fast
             self._denoisers.append(den)
+
+    def _rank_ops(self, config: H3Config, rank: int, dev: torch.device) -> tuple[BlockOps, FastModeRun]:
+        """One rank's block operations (its strategy's attention exchange or shards around the local attention) and
+        the fast mode's run around that attention."""
+        attention = resolve_attention(self.options.attention_backend, dev, self.profile.fp8 is not None)[1]
+        fast, local = FastModeRun.wrap(self.fast_mode, attention)
+        group = self._group.groups[rank] if self._group is not None else None
+        if self.strategy == "sequence-head":
+            exchange = SequenceHeadAttention(
+                group, [(0, 0)] * len(self.devices), config.num_attention_heads, local, *relayout_ops(dev),  # type: ignore[arg-type]
+            )
+            return self._block_ops(config, exchange, dev), fast
+        if self.strategy == "tensor":
+            ops = tensor_parallel_ops(
+                config, group, len(self.devices), local, FusedOps if self.execution == "fused" else BlockOps,  # type: ignore[arg-type]
+            )
+            return ops, fast
+        return self._block_ops(config, local, dev), fast
 
     def _block_ops(self, config: H3Config, attention: AttentionFn, device: torch.device) -> BlockOps:
         """The main blocks' operations for this session's execution; for an FP8 profile its `RowFP8Execution` (the
@@ -454,20 +403,7 @@ class NativeEngineSession:
         With `output_latents`, the latents are also written there atomically, inside the timed region. With
         `profile_denoise`, per-stage device timings are returned in `denoise_profile`.
         """
-        if self._failure is not None:
-            raise SessionClosedError(f"this session failed earlier ({self._failure}); close it and create a new one")
-        if self.closed:
-            raise SessionClosedError("this session is closed; create a new NativeEngineSession")
-        if isinstance(bundle, BundleHandoff):
-            bundle = bundle.consume()
-        elif isinstance(bundle, (str, os.PathLike)) and os.fspath(bundle):
-            bundle = ConditioningBundle.load(bundle)
-        elif not isinstance(bundle, ConditioningBundle):
-            raise VflashError(
-                "NativeEngineSession.generate takes a ConditioningBundle, a BundleHandoff or a bundle folder path, "
-                f"got {describe_value(bundle)}"
-            )
-        self.validate(bundle)
+        bundle = self._open_bundle(bundle)
         check_callback(progress, "progress")
         check_callback(between_blocks, "between_blocks")
         check_callback(preview, "preview")
@@ -492,7 +428,10 @@ class NativeEngineSession:
                     bundle, timers[0], guarded(progress), guarded(between_blocks), guarded(preview)
                 )
             else:
-                output = self._run_group(bundle, timers, guarded(progress), guarded(between_blocks), guarded(preview))
+                output = run_group(
+                    self._group, self._denoisers, self.strategy, bundle, timers, guarded(progress),
+                    guarded(between_blocks), guarded(preview),
+                )
             if output_latents is not None:
                 write_latents(output_latents, output, {"profile": self.profile.id, "mode": bundle.mode})
         except BaseException as exc:
@@ -510,6 +449,33 @@ class NativeEngineSession:
             self._requests, self.initialization_seconds,
             self.initialization_seconds if self._requests == 1 else 0.0, wall,
         )
+        metadata = self._metadata(bundle, exact)
+        summaries = [t.summary() for t in timers]
+        profile: dict[str, object] | None = (
+            (summaries[0] if len(summaries) == 1 else {"ranks": summaries}) if profile_denoise else None
+        )
+        return GenerationResult(output.video_latents, output.audio_latents, timing, metadata, profile)
+
+    def _open_bundle(self, bundle: ConditioningBundle | BundleHandoff | str | Path) -> ConditioningBundle:
+        """The request's bundle (a handoff consumed, a folder read), checked against this open session."""
+        if self._failure is not None:
+            raise SessionClosedError(f"this session failed earlier ({self._failure}); close it and create a new one")
+        if self.closed:
+            raise SessionClosedError("this session is closed; create a new NativeEngineSession")
+        if isinstance(bundle, BundleHandoff):
+            bundle = bundle.consume()
+        elif isinstance(bundle, (str, os.PathLike)) and os.fspath(bundle):
+            bundle = ConditioningBundle.load(bundle)
+        elif not isinstance(bundle, ConditioningBundle):
+            raise VflashError(
+                "NativeEngineSession.generate takes a ConditioningBundle, a BundleHandoff or a bundle folder path, "
+                f"got {describe_value(bundle)}"
+            )
+        self.validate(bundle)
+        return bundle
+
+    def _metadata(self, bundle: ConditioningBundle, exact: bool) -> dict[str, object]:
+        """What a result says about how it was made: devices, kernels, weights, memory, exactness, the fast mode."""
         metadata: dict[str, object] = {
             "profile": self.profile.id,
             "mode": bundle.mode,
@@ -530,11 +496,7 @@ class NativeEngineSession:
         }
         if not (exact or self.fast_mode.exact):
             metadata["fast_mode"] = self._fast_mode_report()
-        summaries = [t.summary() for t in timers]
-        profile: dict[str, object] | None = (
-            (summaries[0] if len(summaries) == 1 else {"ranks": summaries}) if profile_denoise else None
-        )
-        return GenerationResult(output.video_latents, output.audio_latents, timing, metadata, profile)
+        return metadata
 
     def _fast_mode_report(self) -> dict[str, object]:
         """The first device's report of what the fast mode did; with sequence-head, the density over every rank's
@@ -563,111 +525,6 @@ class NativeEngineSession:
             report["peak_allocated_bytes"] = [torch.cuda.max_memory_allocated(d) for d in self.devices]
             report["peak_reserved_bytes"] = [torch.cuda.max_memory_reserved(d) for d in self.devices]
         return report
-
-    def _run_group(
-        self, bundle: ConditioningBundle, timers: list[StageTimer], progress: ProgressFn | None,
-        between_blocks: Callable[[], None] | None, preview: PreviewFn | None,
-    ) -> DenoiseOutput:
-        """Every rank runs the trajectory on its rows; ranks stop together at an evaluation boundary when asked. For a
-        preview, rank 0 gathers every rank's x0 rows onto its device between the boundary's two barriers."""
-        group = self._group
-        assert group is not None
-        total = bundle.layout.sequence_length
-        if self.strategy == "sequence-head":
-            rows = split_rows(total, len(self.devices))
-            for den in self._denoisers:
-                attention = den.ops.attention
-                assert isinstance(attention, SequenceHeadAttention)  # what _load gives each rank with this strategy
-                attention.assign_rows(rows)
-        else:  # tensor: every rank holds every row
-            rows = [(0, total)] * len(self.devices)
-        stop: list[BaseException] = []
-        denoised: list[torch.Tensor | None] = [None] * len(self.devices)
-
-        def relay(callback: Callable[..., None] | None, *args: object) -> None:
-            """Rank 0 calls the caller's callbacks; a request to stop is remembered and acted on at the boundary."""
-            if callback is not None and not stop:
-                try:
-                    callback(*args)
-                except BaseException as exc:  # noqa: BLE001 - handed to the caller at the evaluation boundary
-                    stop.append(exc)
-
-        def poll() -> None:  # between blocks, on rank 0
-            relay(between_blocks)
-
-        def rank_main(rank: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-            den = self._denoisers[rank]
-            state = den.start_request(bundle, rows[rank])
-            nfe = den.nfe
-            for step in range(nfe):
-                denoised[rank] = den.step(
-                    state, step, bundle, timers[rank], poll if rank == 0 else None, denoised=preview is not None
-                )
-                if progress is not None or between_blocks is not None or preview is not None:
-                    if den.device.type == "cuda":
-                        torch.cuda.current_stream(den.device).synchronize()
-                    group.barrier.wait()
-                    if rank == 0:
-                        if preview is not None:
-                            # tensor: every rank holds every row; sequence-head: the ranks' rows in order are all rows
-                            parts = denoised[:1] if self.strategy == "tensor" else denoised
-                            gathered = torch.cat([part.to(den.device) for part in parts])  # type: ignore[union-attr]
-                            relay(preview, step + 1, nfe, den.video_latents(bundle, gathered))
-                        relay(progress, step + 1, nfe)
-                    group.barrier.wait()
-                    if stop:
-                        return None
-            return state.video_rows.cpu(), state.audio_rows.cpu()
-
-        results = group.run(rank_main)
-        if stop:
-            raise stop[0]
-        if self.strategy == "tensor":
-            results = results[:1]  # identical on every rank
-        video, audio = (torch.cat([r[i] for r in results]) for i in (0, 1))  # type: ignore[index]
-        return self._denoisers[0].finish(bundle, video, audio)
-
-
-def check_loader_hooks(
-    native_denoiser_loader: object, block_loader: object, strategy: str | None, devices: int
-) -> list[str]:
-    """The names of the loader hooks given, after checking they are callables used where they can be."""
-    hooks = {"native_denoiser_loader": native_denoiser_loader, "block_loader": block_loader}
-    given = [name for name, hook in hooks.items() if hook is not None]
-    for name in given:
-        if not callable(hooks[name]):
-            raise VflashError(f"{name} must be a Python callable, got {type(hooks[name]).__name__}")
-    if len(given) == 2:
-        raise VflashError(
-            "give a native_denoiser_loader or a block_loader, not both: the denoiser loader loads its own blocks"
-        )
-    if native_denoiser_loader is not None and devices > 1:
-        raise VflashError(
-            "native_denoiser_loader builds the denoiser of one device (resident, single-device only); "
-            "leave peer_device and strategy out"
-        )
-    if block_loader is not None and strategy == "tensor":
-        raise VflashError(
-            "block_loader supplies whole blocks; the tensor strategy shards them (use sequence-head or one device)"
-        )
-    return given
-
-
-def _loaded_denoiser(loader: NativeDenoiserLoader, artifact: CompiledArtifact, load: DenoiserLoad) -> Denoiser:
-    """Call the caller's denoiser loader and check what it returned is a denoiser of this artifact on this device."""
-    denoiser = loader(artifact, load)
-    if not isinstance(denoiser, Denoiser):
-        raise VflashError(
-            "native_denoiser_loader must return a vflash_core.engine.denoise.Denoiser, "
-            f"got {type(denoiser).__name__}"
-        )
-    if denoiser.artifact is not artifact or denoiser.device != load.device:
-        denoiser.close()
-        raise VflashError(
-            f"native_denoiser_loader returned a denoiser of another artifact or device ({denoiser.device}); "
-            "it must use the artifact and device it is handed"
-        )
-    return denoiser
 
 
 def write_latents(path: str | Path, output: DenoiseOutput, metadata: dict[str, str]) -> None:

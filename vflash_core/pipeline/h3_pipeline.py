@@ -48,7 +48,7 @@ import numpy as np
 import PIL.Image
 import torch
 
-from ..engine.artifact import CompiledArtifact
+from ..engine.artifact import CompiledArtifact, CompiledPaths
 from ..engine.bundle import BundleHandoff, EncodedReference, build_keyframe_bundle, build_ref2va_bundle
 from ..engine.config import H3Config
 from ..engine.denoise import denoise_bytes
@@ -65,14 +65,8 @@ from ..engine.layout import (
     request_rows,
     video_num_frames,
 )
-from ..engine.session import (
-    BlockLoader,
-    GenerationResult,
-    NativeDenoiserLoader,
-    NativeEngineSession,
-    SessionTiming,
-    check_loader_hooks,
-)
+from ..engine.session import GenerationResult, NativeEngineSession, SessionTiming
+from ..engine.session_hooks import BlockLoader, NativeDenoiserLoader, SessionHooks, check_loader_hooks
 from ..errors import (
     CallbackGuard,
     IdentityMismatchError,
@@ -643,13 +637,10 @@ class H3Pipeline:
                     )
                     conditioner.place(plan)
                     vaes.place(plan)
+                on_load = None if progress is None else (lambda done, n: progress("load", 2 + done, total))
                 session = NativeEngineSession(
-                    assets.profile, **assets.session_paths(), device=primary, peer_device=peer,
-                    strategy=options.strategy, weight_residency=weight_residency,
-                    attention_backend=options.attention_backend,
-                    on_load_progress=None if progress is None else (lambda done, n: progress("load", 2 + done, total)),
-                    plan=plan, native_denoiser_loader=native_denoiser_loader, block_loader=block_loader,
-                    fast_mode=options.fast_mode,
+                    assets.profile, CompiledPaths(**assets.session_paths()), options.engine, plan,
+                    SessionHooks(on_load, native_denoiser_loader, block_loader),
                 )
             except BaseException:
                 for part in loaded:  # a failed load (a loader hook's exception included) keeps nothing
