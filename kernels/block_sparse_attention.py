@@ -39,10 +39,13 @@ def _load_tile(src, first_row, column, n_rows, row_stride, BLOCK: tl.constexpr, 
                USE_TMA: tl.constexpr):
     """Rows [first_row, first_row + BLOCK) of one head's HEAD_DIM columns; rows past the sequence read as zero."""
     if USE_TMA:
-        return src.load([first_row, column])
-    rows = first_row + tl.arange(0, BLOCK)
-    dims = tl.arange(0, HEAD_DIM)
-    return tl.load(src + rows[:, None] * row_stride + column + dims[None, :], mask=rows[:, None] < n_rows, other=0.0)
+        tile = src.load([first_row, column])
+    else:
+        rows = first_row + tl.arange(0, BLOCK)
+        dims = tl.arange(0, HEAD_DIM)
+        tile = tl.load(src + rows[:, None] * row_stride + column + dims[None, :], mask=rows[:, None] < n_rows,
+                       other=0.0)
+    return tile
 
 
 @triton.jit
