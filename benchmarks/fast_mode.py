@@ -79,7 +79,7 @@ def _launch(q, k, v, selection, num_warps: int, num_stages: int, use_tma: bool):
     sources = [TensorDescriptor(t, list(t.shape), list(t.stride()), [bsa.BLOCK_ROWS, head_dim]) for t in views] \
         if use_tma else views
     blocks = triton.cdiv(rows, bsa.BLOCK_ROWS)
-    bsa._block_sparse_attention_kernel[(heads * blocks,)](
+    bsa._block_sparse_attention_kernel[(blocks, heads)](
         *sources, out[0].view(rows, -1), selection.kv_blocks, selection.kv_counts,
         rows, blocks, selection.dense_query_blocks, selection.kv_blocks.shape[2], bsa._LOG2E / math.sqrt(head_dim),
         views[0].stride(0), views[1].stride(0), views[2].stride(0), heads * head_dim,

@@ -7,8 +7,7 @@ softmax attention in fp32 with bf16 operands, like any flash-attention forward. 
 
 The sequence is cut into blocks of `BLOCK_ROWS` rows, for queries and keys alike (the last one ragged). Query blocks
 [0, dense_query_blocks) attend every key block; for head h and each later query block i (counted from the first
-sparse one), `kv_blocks[h, i, :kv_counts[h, i]]` are the key blocks it attends, each once, ascending (any order
-would do for the softmax; ascending puts the ragged last block, if listed, last, where the kernel masks it); entries
+sparse one), `kv_blocks[h, i, :kv_counts[h, i]]` are the key blocks it attends, in any order, each once; entries
 past the count are never read. One program computes one (query block, head) tile with an online softmax over its
 key blocks (base-2 exponentials, the scale folded into log2(e)), so the work is proportional to the kept blocks.
 
@@ -35,41 +34,6 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _load_tile(src, first_row, column, n_rows, row_stride, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-               USE_TMA: tl.constexpr):
-    """Rows [first_row, first_row + BLOCK) of one head's HEAD_DIM columns; rows past the sequence read as zero."""
-    if USE_TMA:
-        tile = src.load([first_row, column])
-    else:
-        rows = first_row + tl.arange(0, BLOCK)
-        dims = tl.arange(0, HEAD_DIM)
-        tile = tl.load(src + rows[:, None] * row_stride + column + dims[None, :], mask=rows[:, None] < n_rows,
-                       other=0.0)
-    return tile
-
-
-@triton.jit
-def _attend_key_block(q, k_src, v_src, key_block, column, n_rows, qk_scale, k_row_stride, v_row_stride,
-                      row_max, row_sum, acc, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr,
-                      RAGGED: tl.constexpr):
-    """One step of the online softmax over key block `key_block`. RAGGED: the block may end past the sequence, so
-    its rows there get no weight (only the last listed block can be ragged: the loops peel it off)."""
-    k = _load_tile(k_src, key_block * BLOCK, column, n_rows, k_row_stride, BLOCK, HEAD_DIM, USE_TMA)
-    v = _load_tile(v_src, key_block * BLOCK, column, n_rows, v_row_stride, BLOCK, HEAD_DIM, USE_TMA)
-    scores = tl.dot(q, tl.trans(k))
-    if RAGGED:
-        keys = key_block * BLOCK + tl.arange(0, BLOCK)
-        scores = tl.where(keys[None, :] < n_rows, scores, float("-inf"))
-    new_max = tl.maximum(row_max, tl.max(scores, 1) * qk_scale)
-    p = tl.math.exp2(scores * qk_scale - new_max[:, None])
-    correction = tl.math.exp2(row_max - new_max)
-    row_sum = row_sum * correction + tl.sum(p, 1)
-    acc = acc * correction[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc)
-    return new_max, row_sum, acc
-
-
-@triton.jit
 def _block_sparse_attention_kernel(
     q_src, k_src, v_src, out_ptr,
     kv_blocks_ptr, kv_counts_ptr,
@@ -79,46 +43,51 @@ def _block_sparse_attention_kernel(
     HEAD_DIM: tl.constexpr,
     USE_TMA: tl.constexpr,
 ):
-    """Grid (heads * query blocks,): the dense tiles (every head's leading query blocks, the longest) first, so
-    they do not trail the launch; then each head's sparse query blocks in order (neighbours share key blocks in L2).
-    q/k/v rows hold every head's HEAD_DIM columns side by side (head h at column h * HEAD_DIM); with USE_TMA the three
-    sources are (rows, heads * HEAD_DIM) tensor descriptors of BLOCK x HEAD_DIM tiles (zero-filled past the last
-    row), else base pointers."""
-    tile = tl.program_id(0)
-    sparse_blocks = n_query_blocks - dense_query_blocks
-    dense_tiles = tl.num_programs(0) // n_query_blocks * dense_query_blocks
-    dense = tile < dense_tiles
-    head = tl.where(dense, tile // tl.maximum(dense_query_blocks, 1), (tile - dense_tiles) // tl.maximum(sparse_blocks, 1))
-    query_block = tl.where(dense, tile - head * dense_query_blocks,
-                           dense_query_blocks + (tile - dense_tiles) - head * sparse_blocks)
+    """Grid (query blocks, heads). q/k/v rows hold every head's HEAD_DIM columns side by side (head h at column
+    h * HEAD_DIM); with USE_TMA the three sources are (rows, heads * HEAD_DIM) tensor descriptors of BLOCK x HEAD_DIM
+    tiles (zero-filled past the last row), else base pointers."""
+    query_block = tl.program_id(0)
+    head = tl.program_id(1)
+    rows = query_block * BLOCK + tl.arange(0, BLOCK)
+    dims = tl.arange(0, HEAD_DIM)
     column = head * HEAD_DIM
-    q = _load_tile(q_src, query_block * BLOCK, column, n_rows, q_row_stride, BLOCK, HEAD_DIM, USE_TMA)
+    if USE_TMA:
+        q = q_src.load([query_block * BLOCK, column])
+    else:
+        q = tl.load(q_src + rows[:, None] * q_row_stride + column + dims[None, :], mask=rows[:, None] < n_rows,
+                    other=0.0)
 
     row_max = tl.full([BLOCK], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK], tl.float32)
     acc = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
-    # The last key block of each loop is peeled off and masked: the hot loop has no branch. A dense query block
-    # attends every key block in order (the sequence's ragged block last); a sparse one its listed blocks, which
-    # ascend, so the ragged block, if kept, is listed last.
-    if dense:
-        last = n_query_blocks - 1
-        for key_block in tl.range(0, last):
-            row_max, row_sum, acc = _attend_key_block(q, k_src, v_src, key_block, column, n_rows, qk_scale,
-                                                      k_row_stride, v_row_stride, row_max, row_sum, acc,
-                                                      BLOCK, HEAD_DIM, USE_TMA, False)
-    else:
-        listed = kv_blocks_ptr + (head * sparse_blocks + query_block - dense_query_blocks).to(tl.int64) * max_kv
-        count = tl.load(kv_counts_ptr + head * sparse_blocks + query_block - dense_query_blocks)
-        for j in tl.range(0, count - 1):
-            row_max, row_sum, acc = _attend_key_block(q, k_src, v_src, tl.load(listed + j), column, n_rows, qk_scale,
-                                                      k_row_stride, v_row_stride, row_max, row_sum, acc,
-                                                      BLOCK, HEAD_DIM, USE_TMA, False)
-        last = tl.load(listed + count - 1)
-    row_max, row_sum, acc = _attend_key_block(q, k_src, v_src, last, column, n_rows, qk_scale, k_row_stride,
-                                              v_row_stride, row_max, row_sum, acc, BLOCK, HEAD_DIM, USE_TMA, True)
+    # Query blocks [0, dense_query_blocks) attend every key block in order; the others their listed ones (a dense
+    # block reads entry 0 of the lists, in bounds, and ignores it: no branch inside the loop).
+    dense = query_block < dense_query_blocks
+    tile = tl.where(dense, 0, head * (n_query_blocks - dense_query_blocks) + query_block - dense_query_blocks)
+    count = tl.where(dense, n_query_blocks, tl.load(kv_counts_ptr + tile))
+    listed = kv_blocks_ptr + tile.to(tl.int64) * max_kv
+    last_block = (n_rows - 1) // BLOCK
+    for j in tl.range(0, count):
+        key_block = tl.where(dense, j, tl.load(listed + tl.where(dense, 0, j)))
+        keys = key_block * BLOCK + tl.arange(0, BLOCK)
+        if USE_TMA:
+            k = k_src.load([key_block * BLOCK, column])
+            v = v_src.load([key_block * BLOCK, column])
+        else:
+            inside = keys[:, None] < n_rows
+            k = tl.load(k_src + keys[:, None] * k_row_stride + column + dims[None, :], mask=inside, other=0.0)
+            v = tl.load(v_src + keys[:, None] * v_row_stride + column + dims[None, :], mask=inside, other=0.0)
+        scores = tl.dot(q, tl.trans(k))
+        if key_block == last_block:  # the ragged last block: its rows past the sequence get no weight
+            scores = tl.where(keys[None, :] < n_rows, scores, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, 1) * qk_scale)
+        p = tl.math.exp2(scores * qk_scale - new_max[:, None])
+        correction = tl.math.exp2(row_max - new_max)
+        row_sum = row_sum * correction + tl.sum(p, 1)
+        acc = acc * correction[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        row_max = new_max
     acc = acc / row_sum[:, None]
-    rows = query_block * BLOCK + tl.arange(0, BLOCK)
-    dims = tl.arange(0, HEAD_DIM)
     tl.store(out_ptr + rows[:, None] * out_row_stride + column + dims[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=rows[:, None] < n_rows)
 
@@ -143,7 +112,7 @@ def block_sparse_attention(
     """Attention of (1, S, heads, D) q, k, v (bf16 or fp16, scale 1/sqrt(D), non-causal) over the listed key blocks.
 
     dense_query_blocks: the leading query blocks that attend every key; kv_blocks: (heads, sparse query blocks,
-    max_kv) int32 key-block indices of the others, ascending, sparse query blocks = ceil(S / BLOCK_ROWS) - dense_query_blocks;
+    max_kv) int32 key-block indices of the others, sparse query blocks = ceil(S / BLOCK_ROWS) - dense_query_blocks;
     kv_counts: (heads, sparse query blocks) int32, each in [1, max_kv]. Returns (1, S, heads, D) contiguous, q's dtype.
     """
     if q.shape != k.shape or q.shape != v.shape:
@@ -174,7 +143,7 @@ def block_sparse_attention(
 
         sources = tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [BLOCK_ROWS, head_dim])
                         for t in (q2, k2, v2))
-    _block_sparse_attention_kernel[(heads * query_blocks,)](
+    _block_sparse_attention_kernel[(query_blocks, heads)](
         *sources, out2, kv_blocks, kv_counts,
         rows, query_blocks, dense_query_blocks, kv_blocks.shape[2], _LOG2E / math.sqrt(head_dim),
         q2.stride(0), k2.stride(0), v2.stride(0), out2.stride(0),
