@@ -18,7 +18,7 @@ CHILD = r"""
 import json, sys, torch
 sys.path.insert(0, sys.argv[1])
 from test_schedule_layout_bundle import _bundle
-from vflash_core import NativeEngineSession
+from vflash_core import CompiledPaths, EngineOptions, NativeEngineSession
 from vflash_core.engine import fused
 # The fused 5376-wide norm sums squares in torch's CUDA order, which CPU F.rms_norm does not share; it is compared
 # with its order reference in test_rms_norm_modulate.py and with F.rms_norm on the GPU.
@@ -26,10 +26,9 @@ fused.FUSED_NORM_MODULATE = False
 paths = json.loads(sys.argv[2])
 results = {}
 for strategy in (None,):
-    extra = {}
-    with NativeEngineSession("t2va-base4-exact-cpu", **paths, execution="reference", **extra) as ref:
+    with NativeEngineSession("t2va-base4-exact-cpu", CompiledPaths(**paths), EngineOptions(execution="reference")) as ref:
         expected = ref.generate(_bundle(8))
-    with NativeEngineSession("t2va-base4-exact-cpu", **paths, execution="fused", **extra) as fused:
+    with NativeEngineSession("t2va-base4-exact-cpu", CompiledPaths(**paths), EngineOptions(execution="fused")) as fused:
         got = fused.generate(_bundle(8), profile_denoise=True)
     results[str(strategy)] = {
         "video_equal": torch.equal(got.video_latents, expected.video_latents),
