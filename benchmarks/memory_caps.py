@@ -173,6 +173,7 @@ def _refused(stages: Stages, stage: str, cap: float | None, canvas: str, seconds
 def denoise_phase(stages: Stages, caps: list[float | None], setup: Setup, sized_for: str, canvas: str, rec: dict) -> None:
     from vflash_core import get_profile
     from vflash_core.engine.artifact import CompiledArtifact
+    from vflash_core.engine.core_memory import CoreMemory
     from vflash_core.engine.session import NativeEngineSession
     from vflash_core.memory_plan import cap_bytes, plan_memory
     from vflash_core.pipeline.h3_pipeline import largest_request
@@ -185,7 +186,7 @@ def denoise_phase(stages: Stages, caps: list[float | None], setup: Setup, sized_
         try:
             plan = None
             if stages.device.type == "cuda" or cap is not None:
-                plan = plan_memory(artifact.part_sizes(), largest_request(longest, artifact.config), [stages.device], cap_bytes(cap))
+                plan = plan_memory(artifact.part_sizes(), largest_request(longest, CoreMemory(artifact, longest)), [stages.device], cap_bytes(cap))
             session = NativeEngineSession(setup.profile, CompiledPaths(**paths), EngineOptions(device=stages.device), plan=plan)
         except REFUSALS as exc:
             for seconds in seconds_under(cap):

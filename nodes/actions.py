@@ -20,16 +20,13 @@ import numpy as np
 import PIL.Image
 import torch
 
-from vflash_core.engine.config import H3Config
-from vflash_core.engine.denoise import denoise_bytes
-from vflash_core.engine.layout import FPS, request_rows
+from vflash_core.engine.layout import FPS
 from vflash_core.engine.session import GenerationResult
 from vflash_core.errors import CallbackGuard, RequestError, VflashError
 from vflash_core.fileio import size_text
 from vflash_core.media.conditioning import TextConditioner
-from vflash_core.media.vae import MediaVAEs, decode_bytes, decode_latents
-from vflash_core.media.vae_decode import DEFAULT_WINDOWS_PER_CALL
-from vflash_core.memory_plan import MARGIN_BYTES, PLANNED_TEXT_ROWS
+from vflash_core.media.vae import MediaVAEs, decode_latents
+from vflash_core.memory_plan import room
 from vflash_core.pipeline.compare import comparison_report, measure, side_by_side, summary_lines
 from vflash_core.pipeline.demo import DEMO_LATENT_RGB_BIAS, DEMO_LATENT_RGB_FACTORS
 from vflash_core.pipeline.h3_pipeline import EncodedRequest, delivered_soundtrack, encode_request
@@ -233,39 +230,15 @@ def encode(
     return encoded, cl.to_comfy_latent(latents.video, latents.audio, host.nested), geometry.num_frames
 
 
-def _brought_bytes(kind: str, engine: Any) -> int:
-    """The weights a text encoder or VAE pair brings to its device for its stage (none on the CPU, where they are
-    loaded)."""
-    if engine.device.type == "cpu":
-        return 0
-    sizes = engine.part_sizes()
-    return sizes.encoder if kind == "te" else sizes.vaes
-
-
 def _room_for_encode(
     registry: EngineRegistry, host: Host, conditioner: TextConditioner, vaes: Any, geometry: Geometry, pictures: int
 ) -> None:
-    """Ask the host for the encode stage's bytes on the text encoder's device: its weights, its transient for the
-    memory plan's planned text rows and this request's pictures' vision patches, and the VAE's weights when it
-    encodes keyframes or references (`vaes`, the VAE encode's own transient is within the plan's margin)."""
-    processor = conditioner.image_processor
-    patches = pictures * (geometry.height // processor.patch_size) * (geometry.width // processor.patch_size)
-    need = _brought_bytes("te", conditioner) + conditioner.encode_bytes(
-        PLANNED_TEXT_ROWS + patches // processor.merge_size**2, patches
-    )
+    """Ask the host for what the encode stage needs on the text encoder's device: the encoder's own need
+    (`TextConditioner.encode_need`), and the VAEs' when they encode keyframes or references there (`vaes`)."""
+    needs = [conditioner.encode_need(geometry.height, geometry.width, pictures)]
     if isinstance(vaes, MediaVAEs) and vaes.device == conditioner.device:
-        need += _brought_bytes("vae", vaes)
-    host.make_room({conditioner.device: need + MARGIN_BYTES}, registry.held("te", "vae"))
-
-
-def _packed_rows(config: H3Config, cond: EncodedRequest, geometry: Geometry) -> int:
-    """The packed rows of one evaluation of this request: the text, the clip's audio and video latents, and each
-    keyframe's and reference's latents and audio rows."""
-    _, ph, pw = config.patch_size
-    rows = request_rows(config, geometry, int(cond.prompt_embeds.shape[0]))
-    latents = [*cond.keyframe_latents, *(r.video_latents for r in cond.references if r.video_latents is not None)]
-    rows += sum(int(t.shape[2]) * (int(t.shape[3]) // ph) * (int(t.shape[4]) // pw) for t in latents)
-    return rows + sum(int(r.audio_rows.shape[0]) for r in cond.references if r.audio_rows is not None)
+        needs.append(vaes.encode_need())
+    host.make_room(room(needs), registry.held("te", "vae"))
 
 
 def _memory_line(metadata: Mapping[str, Any]) -> str:
@@ -329,9 +302,7 @@ def _sample(
     handoff = cond.bundle(session.compiled.config, seed, geometry)
     # This request's evaluation on every device of the session (its weights stay: the session is kept), so the host
     # releases only what the sampling needs, never the session itself.
-    config = session.compiled.config
-    transient = denoise_bytes(config, _packed_rows(config, cond, geometry), model.options.fast_mode) + MARGIN_BYTES
-    host.make_room({device: transient for device in session.devices}, registry.held("dit"))
+    host.make_room(room(session.denoise_needs(handoff.sequence_length)), registry.held("dit"))
     stopping = CallbackGuard()  # what the progress, interrupt or preview callbacks raised to stop the trajectory
 
     # With a previewer the preview callback draws each step's progress bar update (core's one per step, image and
@@ -391,12 +362,9 @@ def decode(
         )
     if isinstance(vaes, MediaVAEs):
         geometry = av.geometry
-        assert vaes.video_decoder is not None  # a pair loaded for the nodes keeps its decoder (no plan places it)
-        transient = decode_bytes(
-            vaes.video_vae, geometry.num_frames, geometry.height, geometry.width, vaes.video_decoder,
-            DEFAULT_WINDOWS_PER_CALL,
+        host.make_room(
+            room([vaes.decode_need(geometry.num_frames, geometry.height, geometry.width)]), registry.held("vae")
         )
-        host.make_room({vaes.device: _brought_bytes("vae", vaes) + transient + MARGIN_BYTES}, registry.held("vae"))
     bar = host_progress(host)
     # ComfyUI's interrupt is polled before every block of the video decoder, so Cancel stops a long decode at once.
     media = decode_latents(

@@ -27,9 +27,8 @@ import torch
 
 from vflash_core.engine.artifact import CompiledArtifact, CompiledPaths
 from vflash_core.engine.attention_backends import BACKENDS, CPU_BACKENDS
-from vflash_core.engine.denoise import denoise_bytes
+from vflash_core.engine.core_memory import CoreMemory
 from vflash_core.engine.engine_options import EngineOptions
-from vflash_core.engine.layout import largest_request_rows
 from vflash_core.engine.session import NativeEngineSession
 from vflash_core.engine.session_hooks import SessionHooks
 from vflash_core.errors import IdentityMismatchError, VflashError, check_choice
@@ -38,7 +37,6 @@ from vflash_core.formats import check_device, device_arch
 from vflash_core.media.conditioning import TextConditioner
 from vflash_core.media.references import CanvasRules
 from vflash_core.media.vae import MediaVAEs
-from vflash_core.memory_plan import MARGIN_BYTES, PartSizes, cap_bytes
 from vflash_core.pipeline.demo import default_cache_dir
 from vflash_core.pipeline.h3_pipeline import PreparedAssets
 from vflash_core.pipeline.options import RunOptions
@@ -72,7 +70,6 @@ __all__ = [
     "check_loader",
     "compile_on_first_use",
     "component_root",
-    "engine_device_bytes",
     "load_component_engine",
     "load_session",
     "present_devices",
@@ -177,7 +174,9 @@ class EngineRegistry:
 
     def acquire(self, host: Host, kind: str, key: tuple, label: str, factory: Callable[[], Any], device: str) -> Any:
         """The engine of `key`, loaded by `factory` (which asks the host for its room) if it is not, then held by the
-        host with the bytes it holds on `device` (`engine_device_bytes`)."""
+        host with the bytes it holds on `device` between requests (its `resident_bytes()`: the transformer's weights
+        as its memory plan placed them; the text encoder's and the VAEs' only where their device is the CPU, elsewhere
+        they wait in host memory and each stage asks for its room then)."""
         entry = self._entries.get(kind)
         if entry is not None and entry.key == key and not getattr(entry.engine, "closed", False):
             return entry.engine
@@ -185,7 +184,7 @@ class EngineRegistry:
         engine = factory()
         try:
             held = host.hold(
-                kind, label, engine, engine_device_bytes(kind, engine), torch.device(device),
+                kind, label, engine, engine.resident_bytes(), torch.device(device),
                 lambda: self._forget(kind, engine),
             )
         except BaseException:
@@ -212,36 +211,6 @@ class EngineRegistry:
         if released and torch.cuda.is_available():
             torch.cuda.empty_cache()
         return released
-
-
-def _core_device_bytes(sizes: PartSizes, residency: str) -> int:
-    """The transformer's weights on its device: every block (resident) or two ring slots (block-ring, disk-ring),
-    with the auxiliary tensors."""
-    blocks = sizes.core_blocks if residency == "resident" else 2 * sizes.core_block
-    return blocks + sizes.core_auxiliary
-
-
-def engine_device_bytes(kind: str, engine: Any) -> int:
-    """Bytes a loaded engine holds on its device between requests: the transformer's weights as its memory plan
-    placed them; the text encoder's and the VAEs' weights where their device is the CPU (elsewhere they sit in host
-    memory between their stages, on the device only for their own, which asks for its room then)."""
-    if kind == "dit":
-        return _core_device_bytes(engine.compiled.part_sizes(), engine.weight_residency)
-    if engine.device.type != "cpu":
-        return 0
-    sizes = engine.part_sizes()
-    return sizes.encoder if kind == "te" else sizes.vaes
-
-
-def _session_load_need(compiled: CompiledArtifact, profile: Profile, options: RunOptions) -> int:
-    """The device bytes the transformer's memory plan needs for its preferred placement (resident unless block-ring
-    was asked for): its weights, one evaluation of the profile's largest request, the plan's margin; within a user
-    cap. Where less is free after the host released what it could, the plan falls back to block-ring itself."""
-    residency = options.weight_residency if options.weight_residency in ("block-ring", "disk-ring") else "resident"
-    largest = denoise_bytes(compiled.config, largest_request_rows(profile, compiled.config), options.fast_mode)
-    need = _core_device_bytes(compiled.part_sizes(), residency) + largest + MARGIN_BYTES
-    cap = cap_bytes(options.max_device_memory)
-    return need if cap is None else min(need, cap)
 
 
 # -- devices and profiles ----------------------------------------------------------------------------------------
@@ -450,15 +419,15 @@ def compile_on_first_use(host: Host, files: TransformerFiles, profile: Profile, 
 
 def load_session(registry: EngineRegistry, host: Host, spec: TransformerSpec) -> NativeEngineSession:
     """The spec's session from the registry, loaded now if it is not (after the host made the room its memory plan
-    needs on each device, `_session_load_need`). The session makes the pipeline's memory plan for the core on a GPU
+    needs on each device, `CoreMemory.load_room`). The session makes the pipeline's memory plan for the core on a GPU
     (`memory_plan.plan_memory`) from the run options and the memory free then."""
     options = spec.options
 
     def factory() -> NativeEngineSession:
         profile, artifact, schedule_overlay, auxiliary = resolve_model(host, spec)
-        need = _session_load_need(CompiledArtifact(artifact, schedule_overlay, auxiliary), profile, options)
+        core = CoreMemory(CompiledArtifact(artifact, schedule_overlay, auxiliary), profile, options.fast_mode)
         devices = [options.device] if options.peer_device is None else [options.device, options.peer_device]
-        host.make_room({torch.device(d): need for d in devices})
+        host.make_room(core.load_room(devices, options.weight_residency, options.max_device_memory))
         return NativeEngineSession(
             profile, CompiledPaths(artifact, schedule_overlay, auxiliary), options.engine,
             hooks=SessionHooks(on_load_progress=host_progress(host)),

@@ -2,9 +2,12 @@
 request and the memory the device has (or a user cap), with one margin; one log line; refusals with the numbers.
 
 The planner takes numbers only (`PartSizes`, each stage's transient bytes) and returns a placement; each part states
-its own: the core's weights (`CompiledArtifact.part_sizes`) and one evaluation's activations (`denoise.denoise_bytes`)
-in the engine, the text encoder's (`TextConditioner.part_sizes`, `conditioning.encode_bytes`) and the VAEs'
-(`MediaVAEs.part_sizes`, `vae.decode_bytes`) in media; the parts apply the placement themselves (`place`).
+its own: the core's weights (`CompiledArtifact.part_sizes`) and one evaluation's activations (`core_memory.CoreMemory`)
+in the engine, the text encoder's (`TextConditioner.part_sizes`, `TextConditioner.encode_need`) and the VAEs'
+(`MediaVAEs.part_sizes`, `MediaVAEs.decode_need`) in media; the parts apply the placement themselves (`place`).
+A part also answers, for one stage of one request, what it needs on its device (`MemoryNeed`: the weights it brings
+for the stage and the stage's transient tensors); `room` turns the needs of a stage into the bytes to free on each
+device, with the margin, for a host that frees memory before a stage (the node pack's ComfyUI).
 
 Parts and their placements:
 
@@ -50,7 +53,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
 
@@ -61,9 +64,9 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "DEVICE_MEMORY_GIB", "HOST_MARGIN_BYTES", "PLANNED_PICTURES", "PLANNED_TEXT_ROWS", "DeviceCap", "MemoryPlan",
-    "PartSizes", "Placement", "cap_bytes", "check_disk_ring", "check_host_budget_on_cpu", "device_budget",
-    "plan_memory",
+    "DEVICE_MEMORY_GIB", "HOST_MARGIN_BYTES", "PLANNED_PICTURES", "PLANNED_TEXT_ROWS", "DeviceCap", "MemoryNeed",
+    "MemoryPlan", "PartSizes", "Placement", "cap_bytes", "check_disk_ring", "check_host_budget_on_cpu",
+    "device_budget", "plan_memory", "room",
 ]
 
 logger = logging.getLogger(__name__)
@@ -104,6 +107,39 @@ class PartSizes:
     def __add__(self, other: PartSizes) -> PartSizes:
         """The sizes of two sets of parts together (each part states only its own fields)."""
         return PartSizes(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    def core_on_device(self, placement: str | None) -> int:
+        """The core's weights on each of its devices: every block (`resident`) or two ring slots (`block-ring`,
+        `disk-ring`), with the auxiliary tensors; none where the core is not planned (None)."""
+        if placement is None:
+            return 0
+        blocks = self.core_blocks if placement == "resident" else 2 * self.core_block
+        return blocks + self.core_auxiliary
+
+    def encoder_brought(self, placement: str | None) -> int:
+        """The text encoder's weights its stage brings to the device: all of it (`offload`), or all but the decoder
+        layers and two layer slots (`stream`, `disk-stream`); none where it stays (`resident`) or is not planned."""
+        streamed = self.encoder - self.encoder_layers + 2 * self.encoder_layer
+        return {"offload": self.encoder, "stream": streamed, "disk-stream": streamed}.get(placement or "", 0)
+
+
+@dataclass(frozen=True)
+class MemoryNeed:
+    """What one part needs on one device for one stage of a request: the weights it brings there for the stage (0:
+    they stay there, or stay in host memory) and the stage's transient tensors (upper estimates from the shapes)."""
+
+    device: torch.device
+    weights: int = 0
+    transient: int = 0
+
+
+def room(needs: Iterable[MemoryNeed]) -> dict[torch.device, int]:
+    """The bytes to free on each device for the needs of parts that run one stage together: their weights and
+    transients, plus the plan's margin once per device."""
+    by_device: dict[torch.device, int] = {}
+    for need in needs:
+        by_device[need.device] = by_device.get(need.device, MARGIN_BYTES) + need.weights + need.transient
+    return by_device
 
 
 # -- the budget and the cap -----------------------------------------------------------------------------------------
@@ -196,9 +232,8 @@ class MemoryPlan:
     def resident_bytes(self) -> int:
         """What stays on the device between stages: the core's weights and the resident parts."""
         s, p = self.sizes, self.placement
-        ring = 2 * s.core_block + s.core_auxiliary
-        core = {None: 0, "resident": s.core_blocks + s.core_auxiliary, "block-ring": ring, "disk-ring": ring}[p.core]
-        return core + (s.encoder if p.encoder == "resident" else 0) + (s.vaes if p.vaes == "resident" else 0)
+        resident = s.core_on_device(p.core)
+        return resident + (s.encoder if p.encoder == "resident" else 0) + (s.vaes if p.vaes == "resident" else 0)
 
     def host_parts(self) -> dict[str, int]:
         """What each part holds in host memory between requests (the module docstring), by part; none held: absent."""
@@ -229,8 +264,7 @@ class MemoryPlan:
         """The weights a stage brings to the device for its duration."""
         s, p = self.sizes, self.placement
         if stage == "encode":
-            streamed = s.encoder - s.encoder_layers + 2 * s.encoder_layer
-            return {"offload": s.encoder, "stream": streamed, "disk-stream": streamed}.get(p.encoder or "", 0)
+            return s.encoder_brought(p.encoder)
         if stage == "decode":
             return s.vaes if p.vaes == "offload" else 0
         return 0

@@ -300,6 +300,7 @@ class BundleHandoff:
         self._bundle: ConditioningBundle | None = bundle
         self._fingerprint = bundle.fingerprint()
         self.mode = bundle.mode
+        self.sequence_length = bundle.layout.sequence_length  # packed rows of every evaluation (for memory needs)
 
     @property
     def consumed(self) -> bool:

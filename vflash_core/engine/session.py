@@ -47,20 +47,21 @@ from ..errors import (
 )
 from ..fileio import GIB, atomic_file, check_writable_destination, path_argument
 from ..formats import check_device, device_arch
-from ..memory_plan import DeviceCap, MemoryPlan, cap_bytes, plan_memory
+from ..memory_plan import DeviceCap, MemoryNeed, MemoryPlan, cap_bytes, plan_memory
 from ..profiles import Profile, get_profile
 from ..progress import PreviewFn, ProgressFn
 from .artifact import CompiledArtifact, CompiledPaths
 from .attention import resolve_attention
 from .bundle import MODE_VARIANT, BundleHandoff, ConditioningBundle
 from .config import H3Config
-from .denoise import DenoiseOutput, Denoiser, denoise_bytes
+from .core_memory import CoreMemory
+from .denoise import DenoiseOutput, Denoiser
 from .device_owner import release_host_memory
 from .engine_options import EngineOptions
 from .fast_mode_run import FastModeRun
 from .fp8 import FusedRowFP8Ops, RowFP8Execution, RowFP8Ops
 from .fused import FusedOps
-from .layout import FPS, largest_request_rows
+from .layout import FPS
 from .model import AttentionFn, BlockOps
 from .parallel import (
     LocalGroup,
@@ -179,6 +180,7 @@ class NativeEngineSession:
         loaders = hooks.check(self.strategy, len(self.devices))
         self.compiled = CompiledArtifact(paths.artifact, paths.schedule_overlay, paths.auxiliary)
         self.compiled.check_profile(self.profile)
+        self.memory = CoreMemory(self.compiled, self.profile, self.fast_mode)
         for dev in self.devices:
             arch = device_arch(dev)
             if arch != self.compiled.arch:
@@ -208,8 +210,7 @@ class NativeEngineSession:
         # Planned unless on the CPU without a cap (resident blocks there).
         if plan is None and (self.device.type == "cuda" or cap is not None):
             # this session's own plan, for the core alone: its blocks and the profile's largest request
-            config = self.compiled.config
-            largest = {"denoise": denoise_bytes(config, largest_request_rows(self.profile, config), self.fast_mode)}
+            largest = {"denoise": self.memory.largest_evaluation_bytes()}
             host_budget = cap_bytes(options.max_host_memory, "max_host_memory")
             plan = plan_memory(
                 self.compiled.part_sizes(), largest, self.devices, cap, residency, host_budget=host_budget
@@ -317,6 +318,14 @@ class NativeEngineSession:
             f"{report['pinned_host_bytes'] / GIB:.2f} GiB pinned host)"  # type: ignore[operator]
         )
 
+    def resident_bytes(self) -> int:
+        """The bytes this session holds on each of its devices between requests: its weights as placed."""
+        return self.memory.weights(self.weight_residency)
+
+    def denoise_needs(self, rows: int) -> list[MemoryNeed]:
+        """What a request of `rows` packed rows needs on each device beside the weights (`CoreMemory.request_needs`)."""
+        return self.memory.request_needs(self.devices, rows)
+
     def _check_request_fits(self, bundle: ConditioningBundle) -> None:
         """Refuse a request whose activations do not fit the plan (nothing to check without one: CPU, no cap)."""
         if self.plan is None:
@@ -326,7 +335,7 @@ class NativeEngineSession:
         if self.strategy == "sequence-head":
             rows = max(stop - start for start, stop in split_rows(rows, len(self.devices))) + rows // len(self.devices)
         self.plan.check(
-            {"denoise": denoise_bytes(self.compiled.config, rows, self.fast_mode)},
+            {"denoise": self.memory.evaluation_bytes(rows)},
             f"this request's activations ({bundle.layout.sequence_length} packed rows, "
             f"weights {self.weight_residency})",
             "Use a smaller canvas or a shorter clip, weight_residency='block-ring', or a second GPU.",

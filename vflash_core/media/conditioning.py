@@ -62,7 +62,7 @@ from ..engine.device_owner import (
 from ..engine.layout import FPS
 from ..engine.residency import ItemFiles, ModuleRing
 from ..errors import RequestError, VflashError
-from ..memory_plan import MemoryPlan, PartSizes
+from ..memory_plan import PLANNED_TEXT_ROWS, MemoryNeed, MemoryPlan, PartSizes
 from ..tensor_store import TensorStore
 from .qwen_video import QwenVideoProcessor
 from .references import CanvasRules
@@ -421,6 +421,25 @@ class TextConditioner(SerialDeviceOwner):
             encoder=module_bytes(self.text_encoder), encoder_layers=sum(layers), encoder_layer=max(layers),
             encoder_layers_on_disk=on_disk,
         )
+
+    def _placement(self) -> str:
+        """Where the encoder is now, as a plan places it (on the CPU it stays where it runs)."""
+        if self.device.type == "cpu" or self.keep_on_device:
+            return "resident"
+        return "offload" if self.layer_ring is None else "stream"
+
+    def resident_bytes(self) -> int:
+        """The bytes the encoder holds on its device between requests (none where it waits in host memory)."""
+        return self.part_sizes().encoder if self._placement() == "resident" else 0
+
+    def encode_need(self, height: int, width: int, pictures: int) -> MemoryNeed:
+        """What an encode needs on the device: the weights it brings there and the transient of the memory plan's
+        planned text rows (`memory_plan.PLANNED_TEXT_ROWS`) with `pictures` pictures' vision patches at `height` x
+        `width` (a reference clip shows the encoder two pictures)."""
+        processor = self.image_processor
+        patches = pictures * (height // processor.patch_size) * (width // processor.patch_size)
+        transient = self.encode_bytes(PLANNED_TEXT_ROWS + patches // processor.merge_size**2, patches)
+        return MemoryNeed(self.device, self.part_sizes().encoder_brought(self._placement()), transient)
 
     def place(self, plan: MemoryPlan) -> None:
         """Take the plan's placement of the encoder (before the weights are read: see `materialize`); each encode is

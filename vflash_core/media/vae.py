@@ -37,10 +37,11 @@ import torch
 from ..engine.device_owner import SerialDeviceOwner, module_bytes, release_device_memory, release_host_memory
 from ..engine.layout import AUDIO_CHANNELS, FPS, video_latent_frames
 from ..errors import VflashError
-from ..memory_plan import MemoryPlan, PartSizes
+from ..memory_plan import MemoryNeed, MemoryPlan, PartSizes
 from .conditioning import default_dtype
 from .vae_decode import (
     CALLS_IN_FLIGHT_PER_DEVICE,
+    DEFAULT_WINDOWS_PER_CALL,
     DecodeGeometry,
     FrameLanding,
     NativeVideoDecoder,
@@ -198,6 +199,30 @@ class MediaVAEs(SerialDeviceOwner):
     def part_sizes(self) -> PartSizes:
         """The memory plan's size of the VAEs: both, as loaded."""
         return PartSizes(vaes=module_bytes(self.video_vae) + module_bytes(self.audio_vae))
+
+    def _stay_on_device(self) -> bool:
+        """Whether the VAEs stay on their device between stages (the CPU's, or resident) rather than in host memory."""
+        return self.device.type == "cpu" or self.keep_on_device
+
+    def _brought_bytes(self) -> int:
+        """The weights a stage of the VAEs brings to the device."""
+        return 0 if self._stay_on_device() else self.part_sizes().vaes
+
+    def resident_bytes(self) -> int:
+        """The bytes the VAEs hold on their device between requests (none where they wait in host memory)."""
+        return self.part_sizes().vaes if self._stay_on_device() else 0
+
+    def encode_need(self) -> MemoryNeed:
+        """What encoding keyframes or references needs on the device: the weights it brings (the encode's own transient
+        is within the memory plan's margin)."""
+        return MemoryNeed(self.device, self._brought_bytes())
+
+    def decode_need(self, num_frames: int, height: int, width: int, decoder: str | None = None) -> MemoryNeed:
+        """What decoding a clip of `num_frames` at `height` x `width` needs on the device: the weights it brings and
+        the video decode's transient (`decode_bytes`) with `decoder` (default: this pair's video decoder)."""
+        decoder = decoder or self.video_decoder or "diffusers"  # a plan that places no decoder leaves diffusers'
+        transient = decode_bytes(self.video_vae, num_frames, height, width, decoder, DEFAULT_WINDOWS_PER_CALL)
+        return MemoryNeed(self.device, self._brought_bytes(), transient)
 
     def place(self, plan: MemoryPlan) -> None:
         """Take the plan's placement of the VAEs and its video decoder (before the weights are read: `materialize`)."""

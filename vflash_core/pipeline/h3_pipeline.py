@@ -51,8 +51,7 @@ import torch
 from ..engine.artifact import CompiledArtifact, CompiledPaths
 from ..engine.bundle import BundleHandoff, EncodedReference, build_keyframe_bundle, build_ref2va_bundle
 from ..engine.config import H3Config
-from ..engine.denoise import denoise_bytes
-from ..engine.fast_mode import FastMode
+from ..engine.core_memory import CoreMemory
 from ..engine.layout import (
     FPS,
     VAE_FRAMES_PER_CHUNK,
@@ -61,7 +60,6 @@ from ..engine.layout import (
     Geometry,
     align_num_frames_down,
     largest_clip_frames,
-    largest_request_rows,
     request_rows,
     video_num_frames,
 )
@@ -82,9 +80,8 @@ from ..formats import PIPELINE_FORMAT, Field, check_fields, is_object, is_positi
 from ..media.conditioning import TEXT_ENCODER_LAYER, TextConditioner, TextEncoderLoader
 from ..media.mp4 import mp4_stream, write_mp4
 from ..media.references import CanvasRules, fit_keyframes, load_image, load_reference, normalize_references
-from ..media.vae import DecodedMedia, MediaVAEs, decode_bytes, decode_latents
-from ..media.vae_decode import DEFAULT_WINDOWS_PER_CALL
-from ..memory_plan import PLANNED_PICTURES, PLANNED_TEXT_ROWS, cap_bytes, plan_memory
+from ..media.vae import VIDEO_DECODERS, DecodedMedia, MediaVAEs, decode_latents
+from ..memory_plan import PLANNED_PICTURES, cap_bytes, plan_memory
 from ..profiles import Profile, check_identity, get_profile
 from ..progress import PreviewFn, StageProgress
 from ..tensor_store import file_sha256
@@ -476,27 +473,23 @@ def delivered_soundtrack(media: DecodedMedia) -> torch.Tensor:
 
 
 def largest_request(
-    profile: Profile, config: H3Config | None = None, conditioner: TextConditioner | None = None,
-    vaes: MediaVAEs | None = None, canvas: CanvasRules | None = None, fast_mode: FastMode | None = None,
+    profile: Profile, core: CoreMemory | None = None, conditioner: TextConditioner | None = None,
+    vaes: MediaVAEs | None = None, canvas: CanvasRules | None = None,
 ) -> dict[str, int]:
     """Transient bytes of each stage of the largest request a memory plan is sized for (the profile's longest clip on
     the model's 16:9 canvas, the released one by default, see `memory_plan.PLANNED_TEXT_ROWS`), for the parts given:
-    stage -> bytes, with the decode as `decode.diffusers` and `decode.native`; each part's estimate is its own."""
+    stage -> bytes, with the decode as `decode.diffusers` and `decode.native`; each part answers for itself."""
     height, width = (canvas or CanvasRules()).default_canvas()
-    frames = largest_clip_frames(profile)
     needs: dict[str, int] = {}
-    if config is not None:
-        needs["denoise"] = denoise_bytes(config, largest_request_rows(profile, config, (height, width)), fast_mode)
+    if core is not None:
+        needs["denoise"] = core.largest_evaluation_bytes((height, width))
     if conditioner is not None:
-        processor = conditioner.image_processor
         pictures = PLANNED_PICTURES if set(profile.modes) - {"t2va"} else 0
-        patches = pictures * (height // processor.patch_size) * (width // processor.patch_size)
-        needs["encode"] = conditioner.encode_bytes(PLANNED_TEXT_ROWS + patches // processor.merge_size**2, patches)
+        needs["encode"] = conditioner.encode_need(height, width, pictures).transient
     if vaes is not None:
-        for decoder in ("diffusers", "native"):
-            needs[f"decode.{decoder}"] = decode_bytes(
-                vaes.video_vae, frames, height, width, decoder, DEFAULT_WINDOWS_PER_CALL
-            )
+        frames = largest_clip_frames(profile)
+        for decoder in VIDEO_DECODERS:
+            needs[f"decode.{decoder}"] = vaes.decode_need(frames, height, width, decoder).transient
     return needs
 
 
@@ -606,10 +599,10 @@ class H3Pipeline:
             host_budget = cap_bytes(options.max_host_memory, "max_host_memory")
             devices = [primary] + ([peer] if peer is not None else [])
             planned = primary.type == "cuda" or cap is not None
+            core = CoreMemory(compiled, assets.profile, options.fast_mode)
             if planned:  # the core's sizes are known from its compile: a budget it alone exceeds costs no encoder load
                 plan_memory(
-                    compiled.part_sizes(),
-                    largest_request(assets.profile, compiled.config, fast_mode=options.fast_mode), devices, cap,
+                    compiled.part_sizes(), largest_request(assets.profile, core), devices, cap,
                     weight_residency, options.encoder_residency, host_budget=host_budget, log=False,
                 )
             try:
@@ -627,9 +620,7 @@ class H3Pipeline:
                     plan = None
                     conditioner.keep_on_device = vaes.keep_on_device = options.encoder_residency == "resident"
                 else:
-                    largest = largest_request(
-                        assets.profile, compiled.config, conditioner, vaes, assets.canvas, options.fast_mode
-                    )
+                    largest = largest_request(assets.profile, core, conditioner, vaes, assets.canvas)
                     sizes = compiled.part_sizes() + conditioner.part_sizes() + vaes.part_sizes()
                     plan = plan_memory(
                         sizes, largest, devices, cap, weight_residency, options.encoder_residency,
@@ -758,16 +749,9 @@ class H3Pipeline:
         if plan is None or plan.placement.vaes is None:
             return
         # The VAEs took this plan (`from_prepared`), and a plan that places them chooses their video decoder.
-        assert self.vaes.video_decoder is not None
-        needs = {}
+        needs = {"decode": self.vaes.decode_need(geometry.num_frames, geometry.height, geometry.width).transient}
         if denoise:
-            needs["denoise"] = denoise_bytes(
-                self.config, request_rows(self.config, geometry, 0), self.options.fast_mode
-            )
-        needs["decode"] = decode_bytes(
-            self.vaes.video_vae, geometry.num_frames, geometry.height, geometry.width, self.vaes.video_decoder,
-            DEFAULT_WINDOWS_PER_CALL,
-        )
+            needs["denoise"] = self.session.memory.evaluation_bytes(request_rows(self.config, geometry, 0))
         plan.check(needs, f"a {geometry.width}x{geometry.height} clip of {geometry.num_frames} frames")
 
     # -- one request --------------------------------------------------------------------------------------------------
