@@ -96,7 +96,9 @@ def _old_largest_request(profile, config, conditioner, vaes, canvas, fast_mode) 
         "encode": conditioner.encode_bytes(PLANNED_TEXT_ROWS + patches // processor.merge_size**2, patches),
     }
     for decoder in ("diffusers", "native"):
-        needs[f"decode.{decoder}"] = decode_bytes(vaes.video_vae, frames, height, width, decoder, DEFAULT_WINDOWS_PER_CALL)
+        needs[f"decode.{decoder}"] = decode_bytes(
+            vaes.video_vae, frames, height, width, decoder, DEFAULT_WINDOWS_PER_CALL
+        )
     return needs
 
 
@@ -212,7 +214,8 @@ GLUE = {"comfy_memory.py", "host.py"}
 
 
 def _identifiers(node: ast.AST) -> set[str]:
-    return {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(node) if isinstance(n, ast.Name | ast.Attribute)}
+    names = (n for n in ast.walk(node) if isinstance(n, ast.Name | ast.Attribute))
+    return {n.id if isinstance(n, ast.Name) else n.attr for n in names}
 
 
 def byte_arithmetic(source: str, arithmetic: bool = True) -> list[str]:
@@ -241,9 +244,8 @@ def test_the_node_pack_does_no_byte_arithmetic():
         for path in files
         if (hits := byte_arithmetic(path.read_text(encoding="utf-8"), path.name not in GLUE))
     }
-    assert found == {}, "the node pack computes device bytes; ask the parts (their *_need, resident_bytes):\n" + "\n".join(
-        f"{name}: {hit}" for name, hits in found.items() for hit in hits
-    )
+    listed = "\n".join(f"{name}: {hit}" for name, hits in found.items() for hit in hits)
+    assert found == {}, f"the node pack computes device bytes; ask the parts (*_need, resident_bytes):\n{listed}"
 
 
 @pytest.mark.parametrize("code", [
