@@ -52,7 +52,7 @@ from vae import CANVASES, SMALL_CANVASES, family_spec, load_vaes, synchronize
 from vflash_core.engine.layout import FPS, audio_latent_count, frames_for_duration, video_latent_frames
 from vflash_core.media import mp4
 from vflash_core.media.vae import MediaVAEs, decode_latents
-from vflash_core.pipeline.h3_pipeline import delivered_soundtrack
+from vflash_core.pipeline.steps import delivered_soundtrack
 from vflash_core.weights.family import DEMO_FAMILY
 
 SEED = 0

@@ -325,7 +325,7 @@ def stage(run: Run, setup: Setup, measure_storage: bool = True) -> None:
         return
     with run.phase("prepare_pipeline", 60) as rec:
         if rec is not None:
-            from vflash_core.pipeline.h3_pipeline import prepare_pipeline
+            from vflash_core.pipeline.assets import prepare_pipeline
 
             paths = setup.session_paths()
             assets = {"model_root": str(staged.model_root), "decoder_root": str(staged.decoder_root), "adapter_path": str(staged.lora),
@@ -393,7 +393,7 @@ def weight_io(setup: Setup, rec: dict) -> None:
 def vflash_requests(run: Run, pipe, config_name: str, canvases: list[str], count: int, host: HostPeak, out_dir: Path, **extra: object) -> list[dict]:
     """`count` requests per canvas through `H3Pipeline.generate`, each with its stages, per-stage device peaks, host
     memory and its MP4's sha256."""
-    from vflash_core.pipeline.h3_pipeline import VideoRequest
+    from vflash_core.pipeline.validation import VideoRequest
 
     device_peak = DevicePeak(pipe.session.devices if pipe.session is not None else [])
     records = []
@@ -453,7 +453,7 @@ def stage_digests(pipe, canvas: str) -> dict[str, str]:
     """sha256 of each stage's output for the benchmark's request at `canvas`, run stage by stage through the
     pipeline (untimed): the bundle (prompt embeddings and packed rows with the noise), the final latents, the frames
     and the waveform. Where two placements' MP4s differ, the first differing digest names the stage."""
-    from vflash_core.pipeline.h3_pipeline import VideoRequest
+    from vflash_core.pipeline.validation import VideoRequest
 
     width, height = (int(v) for v in canvas.split("x"))
     bundle = pipe.encode(VideoRequest(PROMPT, seed=REQUEST_SEED, width=width, height=height)).consume()
@@ -470,7 +470,7 @@ def denoise_overhead(pipe, canvas: str, blocks: int) -> dict[str, object]:
     (`profile_denoise`): its wall time against evaluations x blocks x the request's own mean per-block device time,
     and where the rest went (the per-evaluation stages outside the blocks; the remainder is host time: the request's
     setup, waits and the copies back)."""
-    from vflash_core.pipeline.h3_pipeline import VideoRequest
+    from vflash_core.pipeline.validation import VideoRequest
 
     width, height = (int(v) for v in canvas.split("x"))
     bundle = pipe.encode(VideoRequest(PROMPT, seed=REQUEST_SEED, width=width, height=height)).consume()
@@ -660,7 +660,7 @@ def encode_alone(setup: Setup):
     """The bitwise request's encoding without a pipeline (a run that skipped the resident phase)."""
     from vflash_core.engine.layout import Geometry
     from vflash_core.media.conditioning import TextConditioner
-    from vflash_core.pipeline.h3_pipeline import encode_request
+    from vflash_core.pipeline.steps import encode_request
 
     width, height = (int(v) for v in setup.canvases[1].split("x"))
     conditioner = TextConditioner.from_pretrained(setup.staged.model_root, setup.device)
@@ -811,7 +811,7 @@ def main() -> None:
     with run.phase("vflash_resident", 300) as rec:
         if rec is not None:
             from vflash_core.engine.layout import Geometry
-            from vflash_core.pipeline.h3_pipeline import encode_request
+            from vflash_core.pipeline.steps import encode_request
 
             rec["page_cache_dropped"] = drop_page_cache()
             io0 = io_counters()

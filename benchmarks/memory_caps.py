@@ -146,7 +146,7 @@ def _canvas(name: str) -> tuple[int, int]:
 def _plan(parts: dict, profile, canvas_rules, device: torch.device, cap: float | None):
     """The memory plan of some parts alone (None on the CPU without a cap, as the pipeline does)."""
     from vflash_core.memory_plan import PartSizes, cap_bytes, plan_memory
-    from vflash_core.pipeline.h3_pipeline import largest_request
+    from vflash_core.pipeline.assets import largest_request
 
     if device.type != "cuda" and cap is None:
         return None
@@ -176,7 +176,7 @@ def denoise_phase(stages: Stages, caps: list[float | None], setup: Setup, sized_
     from vflash_core.engine.core_memory import CoreMemory
     from vflash_core.engine.session import NativeEngineSession
     from vflash_core.memory_plan import cap_bytes, plan_memory
-    from vflash_core.pipeline.h3_pipeline import largest_request
+    from vflash_core.pipeline.assets import largest_request
 
     paths = setup.session_paths()
     artifact = CompiledArtifact(**paths)

@@ -29,7 +29,7 @@ from vflash_core.media.vae import MediaVAEs, decode_latents
 from vflash_core.memory_plan import room
 from vflash_core.pipeline.compare import comparison_report, measure, side_by_side, summary_lines
 from vflash_core.pipeline.demo import DEMO_LATENT_RGB_BIAS, DEMO_LATENT_RGB_FACTORS
-from vflash_core.pipeline.h3_pipeline import EncodedRequest, delivered_soundtrack, encode_request
+from vflash_core.pipeline.steps import EncodedRequest, delivered_soundtrack, encode_request
 from vflash_core.pipeline.validation import Geometry, check_seed, plan_inputs, request_mode
 from vflash_core.profiles import Profile
 

@@ -37,8 +37,8 @@ from vflash_core.formats import check_device, device_arch
 from vflash_core.media.conditioning import TextConditioner
 from vflash_core.media.references import CanvasRules
 from vflash_core.media.vae import MediaVAEs
+from vflash_core.pipeline.assets import PreparedAssets
 from vflash_core.pipeline.demo import default_cache_dir
-from vflash_core.pipeline.h3_pipeline import PreparedAssets
 from vflash_core.pipeline.options import RunOptions
 from vflash_core.pipeline.validation import PromptBudget
 from vflash_core.profiles import PROFILES, Profile, get_profile

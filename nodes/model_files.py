@@ -18,8 +18,8 @@ from vflash_core.engine.artifact import CompiledArtifact
 from vflash_core.errors import VflashError, WeightFileError
 from vflash_core.formats import PIPELINE_FORMAT
 from vflash_core.media.references import CanvasRules
+from vflash_core.pipeline.assets import PreparedAssets
 from vflash_core.pipeline.demo import DEMO_PROFILE, ensure_demo_assets
-from vflash_core.pipeline.h3_pipeline import PreparedAssets
 from vflash_core.profiles import Profile, get_profile
 from vflash_core.tensor_store import TensorStore
 from vflash_core.weights.checkpoint import SourceWeights

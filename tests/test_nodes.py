@@ -469,7 +469,7 @@ def test_reference_clip_soundtracks_travel_with_their_clip(pack, comfy, monkeypa
     pipeline; what follows (normalisation, encoders) is the pipeline's shared code."""
     from vflash_nodes import actions
 
-    from vflash_core.pipeline import h3_pipeline as pipeline
+    from vflash_core.pipeline import steps
 
     registry = pack.package.registry.ENGINES
     host, folders = pack.package.host.HOST, pack.package.host.FOLDERS
@@ -484,7 +484,7 @@ def test_reference_clip_soundtracks_travel_with_their_clip(pack, comfy, monkeypa
         seen.extend(raw)
         raise Stop
 
-    monkeypatch.setattr(pipeline, "normalize_references", spy)
+    monkeypatch.setattr(steps, "normalize_references", spy)
     clip = torch.rand(22, 32, 48, 3)
     voice = {"waveform": torch.rand(1, 1, 48000) - 0.5, "sample_rate": 48000}
     picture = torch.rand(1, 32, 32, 3)

@@ -46,15 +46,10 @@ if TYPE_CHECKING:  # the same names, eagerly, for type checkers
         WeightFileError,
     )
     from .fileio import MissingInputError, OutputExistsError, WriteFailedError
-    from .pipeline.h3_pipeline import (
-        H3Pipeline,
-        PreparedAssets,
-        RequestCancelled,
-        VideoRequest,
-        VideoResult,
-        prepare_pipeline,
-    )
+    from .pipeline.assets import PreparedAssets, prepare_pipeline
+    from .pipeline.h3_pipeline import H3Pipeline, RequestCancelled, VideoResult
     from .pipeline.options import RunOptions
+    from .pipeline.validation import VideoRequest
     from .profiles import PROFILES, Profile, get_profile
 
 #: public name -> the module (relative to this package) that defines it.
@@ -71,9 +66,9 @@ _SOURCES = {
         "VflashError", "WeightFileError",
     ), ".errors"),
     **dict.fromkeys(("MissingInputError", "OutputExistsError", "WriteFailedError"), ".fileio"),
-    **dict.fromkeys((
-        "H3Pipeline", "PreparedAssets", "RequestCancelled", "VideoRequest", "VideoResult", "prepare_pipeline",
-    ), ".pipeline.h3_pipeline"),
+    **dict.fromkeys(("PreparedAssets", "prepare_pipeline"), ".pipeline.assets"),
+    **dict.fromkeys(("H3Pipeline", "RequestCancelled", "VideoResult"), ".pipeline.h3_pipeline"),
+    "VideoRequest": ".pipeline.validation",
     "RunOptions": ".pipeline.options",
     **dict.fromkeys(("PROFILES", "Profile", "get_profile"), ".profiles"),
 }

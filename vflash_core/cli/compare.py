@@ -29,8 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _compare(args: argparse.Namespace) -> int:
+    from ..pipeline.assets import ASSET_FIELDS, PreparedAssets
     from ..pipeline.compare import OUTPUT_NAMES, compare, summary_lines
-    from ..pipeline.h3_pipeline import ASSET_FIELDS, H3Pipeline, PreparedAssets
+    from ..pipeline.h3_pipeline import H3Pipeline
     from ..pipeline.options import RunOptions
     from ..pipeline.validation import check_output_is_not_an_input
 

@@ -129,7 +129,7 @@ def _print_result(result, initialization: float, extra: dict | None = None) -> N
 
 
 def _prepare_pipeline(args: argparse.Namespace) -> int:
-    from ..pipeline.h3_pipeline import prepare_pipeline
+    from ..pipeline.assets import prepare_pipeline
 
     assets = prepare_pipeline(args.profile, args.assets, args.receipt)
     print(f"wrote {args.receipt}: profile {assets.profile.id}, compile {assets.record['compile_id']}")
@@ -139,8 +139,7 @@ def _prepare_pipeline(args: argparse.Namespace) -> int:
 def request_from_arguments(args: argparse.Namespace) -> VideoRequest:
     """The `VideoRequest` of `add_request_arguments`' flags (a --prompt-file read now)."""
     from ..fileio import read_text_file
-    from ..pipeline.h3_pipeline import VideoRequest
-    from ..pipeline.validation import MAX_PROMPT_BYTES
+    from ..pipeline.validation import MAX_PROMPT_BYTES, VideoRequest
 
     if args.prompt_file is not None:
         prompt = read_text_file(args.prompt_file, "--prompt-file", MAX_PROMPT_BYTES).strip()
@@ -153,7 +152,8 @@ def request_from_arguments(args: argparse.Namespace) -> VideoRequest:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from ..pipeline.h3_pipeline import ASSET_FIELDS, H3Pipeline, PreparedAssets
+    from ..pipeline.assets import ASSET_FIELDS, PreparedAssets
+    from ..pipeline.h3_pipeline import H3Pipeline
     from ..pipeline.options import RunOptions
     from ..pipeline.validation import check_output_is_not_an_input
 

@@ -103,7 +103,7 @@ def _gpu_options(args: argparse.Namespace) -> None:
 def _serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
-    from ..pipeline.h3_pipeline import PreparedAssets
+    from ..pipeline.assets import PreparedAssets
     from ..pipeline.options import RunOptions
     from ..service import ServiceConfig, create_app
     from ..service.config import check_service_settings, check_workers

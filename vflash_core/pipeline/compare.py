@@ -50,8 +50,9 @@ from ..errors import VflashError
 from ..fileio import atomic_file, check_writable_destination, path_argument
 from ..media.mp4 import mp4_stream, quantize
 from ..progress import StageProgress
-from .h3_pipeline import H3Pipeline, VideoRequest, VideoResult, delivered_soundtrack
-from .validation import check_output_is_not_an_input
+from .h3_pipeline import H3Pipeline, VideoResult
+from .steps import delivered_soundtrack
+from .validation import VideoRequest, check_output_is_not_an_input
 
 __all__ = [
     "OUTPUT_NAMES", "REPORT_FORMAT", "ComparisonResult", "compare", "comparison_report", "frame_psnr", "frame_ssim",

@@ -93,7 +93,7 @@ def demo_receipt_path(cache_dir: str | Path | None = None) -> Path:
 
 def ensure_demo_assets(cache_dir: str | Path | None = None, progress=None) -> Path:
     """Build the embedded family once (idempotent, atomic) and return its prepared-assets receipt."""
-    from .h3_pipeline import prepare_pipeline
+    from .assets import prepare_pipeline
 
     receipt = demo_receipt_path(cache_dir)
     final, cache = receipt.parent, receipt.parent.parent
@@ -149,7 +149,8 @@ def run_demo(
     """Generate the demo clip; returns (VideoResult, info) with `built` (whether this call built the family),
     `build_seconds`, `initialization_seconds` and the `receipt`. Without `output`, writes the first free name of
     demo.mp4, demo-2.mp4, ..."""
-    from .h3_pipeline import H3Pipeline, VideoRequest
+    from .h3_pipeline import H3Pipeline
+    from .validation import VideoRequest
 
     target = Path(output) if output is not None else _free_output()
     try:

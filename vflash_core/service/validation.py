@@ -16,7 +16,7 @@ __all__ = ["RequestValidator"]
 
 class RequestValidator:
     def __init__(self, config: ServiceConfig):
-        from ..pipeline.h3_pipeline import PreparedAssets
+        from ..pipeline.assets import PreparedAssets
         from ..pipeline.validation import PromptBudget
 
         assets = PreparedAssets.load(config.prepared_assets)
@@ -25,8 +25,7 @@ class RequestValidator:
 
     def __call__(self, fields: dict[str, Any]) -> Any:
         """A validated `VideoRequest` from its keyword arguments; raises `VflashError` with the reason."""
-        from ..pipeline.h3_pipeline import VideoRequest
-        from ..pipeline.validation import plan_request
+        from ..pipeline.validation import VideoRequest, plan_request
 
         request = VideoRequest(**fields)
         plan_request(request, self._profile, self._canvas, self._prompt_budget)
