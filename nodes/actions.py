@@ -112,6 +112,63 @@ def _to_pil(image: torch.Tensor, what: str) -> PIL.Image.Image:
     return PIL.Image.fromarray((frame.clamp(0, 1).numpy() * 255.0).round().astype(np.uint8))
 
 
+def _reference_clips(
+    ref_videos: Mapping[str, Any] | None, ref_video_audios: Mapping[str, Any] | None
+) -> tuple[list[Any], list[Any]]:
+    """The connected reference clips and each one's soundtrack (None: none connected); `ref_video_audio_k` belongs to
+    `ref_video_k`, and one whose clip is not connected is refused."""
+    video_slots, soundtrack_slots = connected_slots(ref_videos), connected_slots(ref_video_audios)
+    orphans = sorted(soundtrack_slots.keys() - video_slots.keys())
+    if orphans:
+        raise RequestError(
+            f"ref_video_audio_{orphans[0]} is the soundtrack of ref_video_{orphans[0]}, which is not connected"
+        )
+    return list(video_slots.values()), [soundtrack_slots.get(slot) for slot in video_slots]
+
+
+def _references(images: list[Any], videos: list[Any], soundtracks: list[Any], audios: list[Any]) -> list:
+    """The node's reference inputs as diffusers' H3 references, in request order (pictures, clips, audio)."""
+    # diffusers' reference types come with its modular H3 pipeline, a large import: on the first encode, not when
+    # ComfyUI loads the pack.
+    from diffusers.modular_pipelines.minimax_h3 import (
+        MiniMaxH3AudioReference,
+        MiniMaxH3ImageReference,
+        MiniMaxH3VideoReference,
+    )
+
+    references: list = [
+        MiniMaxH3ImageReference(image=_to_pil(img, f"reference image {i + 1}")) for i, img in enumerate(images)
+    ]
+    for i, (clip, soundtrack) in enumerate(zip(videos, soundtracks)):
+        audio, rate = (
+            cl.audio_to_waveform(soundtrack, f"soundtrack of reference video {i + 1}")
+            if soundtrack is not None
+            else (None, None)
+        )
+        references.append(
+            MiniMaxH3VideoReference(
+                frames=cl.image_to_clip(clip, f"reference video {i + 1}").numpy(),
+                fps=float(FPS),
+                audio=audio,
+                sample_rate=rate,
+            )
+        )
+    for i, audio in enumerate(audios):
+        waveform, rate = cl.audio_to_waveform(audio, f"reference audio {i + 1}")
+        references.append(MiniMaxH3AudioReference(audio=waveform, sample_rate=rate))
+    return references
+
+
+def _core_notes(conditioner: Any, vaes: Any, encodes_pictures: bool) -> tuple[str, ...]:
+    """How an encoding with core's text encoder, or core's VAEs encoding pictures, differs from the diffusers
+    pipeline's."""
+    core = (
+        (isinstance(conditioner, CoreTextConditioner), CORE_TEXT_NOTE),
+        (isinstance(vaes, CoreVAEs) and encodes_pictures, CORE_VAE_NOTE),
+    )
+    return tuple(note for used, note in core if used)
+
+
 def encode(
     registry: EngineRegistry,
     host: Host,
@@ -142,24 +199,9 @@ def encode(
     or core's H3 video VAE, with core's audio VAE in `audio_vae` (needed for soundtracks). With core's encoders the
     conditioning records how it differs from the diffusers pipeline's in `notes`. Returns the encoding (VFLASH_COND,
     a `pipeline.EncodedRequest`), the empty latent of its canvas and its frame count."""
-    # diffusers' reference types come with its modular H3 pipeline, a large import: on the first encode, not when
-    # ComfyUI loads the pack.
-    from diffusers.modular_pipelines.minimax_h3 import (
-        MiniMaxH3AudioReference,
-        MiniMaxH3ImageReference,
-        MiniMaxH3VideoReference,
-    )
-
     geometry = request_geometry(width, height, length, seconds)
     images, audios = list(connected_slots(ref_images).values()), list(connected_slots(ref_audios).values())
-    video_slots, soundtrack_slots = connected_slots(ref_videos), connected_slots(ref_video_audios)
-    orphans = sorted(soundtrack_slots.keys() - video_slots.keys())
-    if orphans:
-        raise RequestError(
-            f"ref_video_audio_{orphans[0]} is the soundtrack of ref_video_{orphans[0]}, which is not connected"
-        )
-    videos = list(video_slots.values())
-    soundtracks = [soundtrack_slots.get(slot) for slot in video_slots]
+    videos, soundtracks = _reference_clips(ref_videos, ref_video_audios)
     frames = {anchor: f for anchor, f in (("first", first_frame), ("last", last_frame)) if f is not None}
     mode = request_mode("first" in frames, "last" in frames, bool(images or videos or audios))
     # The model's rules before any model work: a Vflash text encoder's from its files, core CLIP's from its adapter.
@@ -174,37 +216,11 @@ def encode(
     bar = host_progress(host)
     conditioner = core_text or text_conditioner(registry, host, te)
     vaes = vae_pair(registry, host, vae, audio_vae)
-    notes = tuple(
-        note
-        for core, note in (
-            (isinstance(conditioner, CoreTextConditioner), CORE_TEXT_NOTE),
-            (isinstance(vaes, CoreVAEs) and steps == 3, CORE_VAE_NOTE),
-        )
-        if core
-    )
+    notes = _core_notes(conditioner, vaes, encodes_pictures=steps == 3)
     if isinstance(conditioner, TextConditioner):
         pictures = len(frames) + len(images) + 2 * len(videos)  # a reference clip shows the encoder two frames
         _room_for_encode(registry, host, conditioner, vaes if pictures else None, geometry, pictures)
-    references = [
-        MiniMaxH3ImageReference(image=_to_pil(img, f"reference image {i + 1}")) for i, img in enumerate(images)
-    ]
-    for i, (clip, soundtrack) in enumerate(zip(videos, soundtracks)):
-        audio, rate = (
-            cl.audio_to_waveform(soundtrack, f"soundtrack of reference video {i + 1}")
-            if soundtrack is not None
-            else (None, None)
-        )
-        references.append(
-            MiniMaxH3VideoReference(
-                frames=cl.image_to_clip(clip, f"reference video {i + 1}").numpy(),
-                fps=float(FPS),
-                audio=audio,
-                sample_rate=rate,
-            )
-        )
-    for i, audio in enumerate(audios):
-        waveform, rate = cl.audio_to_waveform(audio, f"reference audio {i + 1}")
-        references.append(MiniMaxH3AudioReference(audio=waveform, sample_rate=rate))
+    references = _references(images, videos, soundtracks, audios)
     keyframes = {anchor: _to_pil(f, f"{anchor} frame") for anchor, f in frames.items()}
 
     def after_stage(stage: str) -> None:
