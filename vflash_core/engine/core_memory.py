@@ -1,7 +1,7 @@
 """What the core needs on its devices, stated by the core from its compile and how it runs: its weights as placed
 (`PartSizes.core_on_device`), one evaluation's activations (`denoise.denoise_bytes`) of a request or of the profile's
-largest, and, before it loads, the room its preferred placement needs. The memory plan, the pipeline and a host that
-frees memory for a load (the node pack's ComfyUI) ask this instead of computing bytes themselves."""
+largest, and, before it loads, the room its preferred placement needs (`load_room`). The memory plan, the pipeline
+and a host that frees memory for a load (the node pack's ComfyUI) ask this instead of computing bytes themselves."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ class CoreMemory:
     profile: Profile
     fast_mode: FastMode | None = None
 
-    def weights(self, placement: str) -> int:
+    def weights(self, placement: str | None) -> int:
         """The core's weights on each of its devices placed `placement` (`memory_plan.Placement.core`)."""
         return self.compiled.part_sizes().core_on_device(placement)
 
@@ -47,7 +47,7 @@ class CoreMemory:
         return [MemoryNeed(torch.device(device), transient=self.evaluation_bytes(rows)) for device in devices]
 
     def load_room(
-        self, devices: Sequence[torch.device | str], weight_residency: str, max_device_memory: float | None
+        self, devices: Sequence[torch.device | str | int], weight_residency: str, max_device_memory: float | None
     ) -> dict[torch.device, int]:
         """The bytes to free on each device before the core loads, for its preferred placement (resident unless a
         ring was asked for): its weights, one evaluation of the profile's largest request, the plan's margin; within
