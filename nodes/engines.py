@@ -426,8 +426,7 @@ def load_session(registry: EngineRegistry, host: Host, spec: TransformerSpec) ->
     def factory() -> NativeEngineSession:
         profile, artifact, schedule_overlay, auxiliary = resolve_model(host, spec)
         core = CoreMemory(CompiledArtifact(artifact, schedule_overlay, auxiliary), profile, options.fast_mode)
-        devices = [options.device] if options.peer_device is None else [options.device, options.peer_device]
-        host.make_room(core.load_room(devices, options.weight_residency, options.max_device_memory))
+        host.make_room(core.load_room(options.engine))
         return NativeEngineSession(
             profile, CompiledPaths(artifact, schedule_overlay, auxiliary), options.engine,
             hooks=SessionHooks(on_load_progress=host_progress(host)),

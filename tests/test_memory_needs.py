@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from vflash_core.engine.artifact import CompiledPaths
 from vflash_core.engine.bundle import EncodedReference
 from vflash_core.engine.core_memory import CoreMemory
 from vflash_core.engine.denoise import denoise_bytes
+from vflash_core.engine.engine_options import EngineOptions
 from vflash_core.engine.fast_mode import FastMode
 from vflash_core.engine.layout import Geometry, largest_clip_frames, largest_request_rows, request_rows
 from vflash_core.engine.session import NativeEngineSession
@@ -37,7 +39,7 @@ def parts(demo_receipt):
     assets = PreparedAssets.load(demo_receipt)
     conditioner = TextConditioner.from_pretrained(assets.model_root, "cpu")
     vaes = MediaVAEs.from_pretrained(assets.decoder_root, "cpu")
-    session = NativeEngineSession(assets.profile, **assets.session_paths(), device="cpu")
+    session = NativeEngineSession(assets.profile, CompiledPaths(**assets.session_paths()), EngineOptions(device="cpu"))
     yield assets, conditioner, vaes, session
     for part in (session, conditioner, vaes):
         part.close()
@@ -181,12 +183,17 @@ def test_resident_bytes_are_the_old_arithmetic(parts, monkeypatch):
 @pytest.mark.parametrize("max_device_memory", [None, 0.01, 64.0])
 def test_load_room_is_the_old_arithmetic(parts, weight_residency, max_device_memory):
     assets, _, _, session = parts
-    for fast_mode in (None, FastMode.parse("step-cache")):
+    # a disk ring feeds one device; the others are asked for on the peer too
+    peer = {} if weight_residency == "disk-ring" else {"peer_device": "cuda:1", "strategy": "sequence-head"}
+    for fast_mode in (FastMode(), FastMode.parse("sparse-attention")):
+        options = EngineOptions(
+            device="cuda:0", weight_residency=weight_residency, max_device_memory=max_device_memory,
+            fast_mode=fast_mode, **peer,
+        )
         core = CoreMemory(session.compiled, assets.profile, fast_mode)
         old = _old_session_load_need(session.compiled, assets.profile, weight_residency, fast_mode, max_device_memory)
-        assert core.load_room(["cuda:0", "cuda:1"], weight_residency, max_device_memory) == {
-            GPU: old, torch.device("cuda:1"): old
-        }
+        devices = [GPU] + ([torch.device("cuda:1")] if peer else [])
+        assert core.load_room(options) == dict.fromkeys(devices, old)
     if max_device_memory == 0.01:
         assert old == int(0.01 * GIB)  # within the cap
 

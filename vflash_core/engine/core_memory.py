@@ -14,6 +14,7 @@ from ..memory_plan import MemoryNeed, cap_bytes, room
 from ..profiles import Profile
 from .artifact import CompiledArtifact
 from .denoise import denoise_bytes
+from .engine_options import EngineOptions
 from .fast_mode import FastMode
 from .layout import largest_request_rows
 
@@ -46,16 +47,15 @@ class CoreMemory:
         whole sequence of `rows` packed rows on each (an upper bound where sequence-head splits the rows)."""
         return [MemoryNeed(torch.device(device), transient=self.evaluation_bytes(rows)) for device in devices]
 
-    def load_room(
-        self, devices: Sequence[torch.device | str | int], weight_residency: str, max_device_memory: float | None
-    ) -> dict[torch.device, int]:
-        """The bytes to free on each device before the core loads, for its preferred placement (resident unless a
-        ring was asked for): its weights, one evaluation of the profile's largest request, the plan's margin; within
-        a user cap (`max_device_memory`, GiB). Where less is free, the session's plan falls back to a ring itself."""
-        placement = weight_residency if weight_residency in ("block-ring", "disk-ring") else "resident"
+    def load_room(self, options: EngineOptions) -> dict[torch.device, int]:
+        """The bytes to free on each device `options` name before the core loads, for its preferred placement
+        (resident unless a ring was asked for): its weights, one evaluation of the profile's largest request, the
+        plan's margin; within the options' cap. Where less is free, the session's plan falls back to a ring itself."""
+        residency = options.weight_residency
+        placement = residency if residency in ("block-ring", "disk-ring") else "resident"
         needs = room(
             MemoryNeed(torch.device(device), self.weights(placement), self.largest_evaluation_bytes())
-            for device in devices
+            for device in options.devices_named
         )
-        cap = cap_bytes(max_device_memory)
+        cap = cap_bytes(options.max_device_memory)
         return {device: need if cap is None else min(need, cap) for device, need in needs.items()}
