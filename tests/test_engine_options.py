@@ -70,18 +70,18 @@ def test_a_knob_reaches_the_session_from_vflash_denoise(knob, received, tmp_path
 
 def test_a_knob_reaches_the_run_options_from_vflash_generate_and_the_pipeline_hands_them_whole(knob, monkeypatch):
     """`vflash generate`'s parser to `RunOptions`, which holds the engine's options as parsed; the pipeline hands
-    `options.engine` itself to its session (read from its source: loading it needs the encoders)."""
+    `options.engine` itself to its session (read from its loader's source: loading it needs the encoders)."""
     import argparse
     import inspect
 
-    from vflash_core.pipeline import h3_pipeline
+    from vflash_core.pipeline import assets
 
     parser = argparse.ArgumentParser()
     RunOptions.add_arguments(parser)
     options = RunOptions.from_arguments(parser.parse_args(["--knob", str(knob), "--encoder-residency", "resident"]))
     assert options.engine.knob == knob and options.knob == knob and options.encoder_residency == "resident"
     assert dataclasses.replace(options, media_video_crf=30).engine == options.engine
-    assert "options.engine, plan" in inspect.getsource(h3_pipeline.H3Pipeline.from_prepared)
+    assert "options.engine, plan" in inspect.getsource(assets.PartLoader._session)
 
 
 @pytest.fixture(scope="module")
