@@ -1,5 +1,5 @@
-"""Buffered sequential weight reads and the Zstandard sidecar: bitwise equal to `TensorStore`, and refusing changed
-files, mismatched sidecars and short reads without leaking descriptors."""
+"""Buffered sequential weight reads: bitwise equal to `TensorStore`, and refusing changed files and short reads without
+leaking descriptors."""
 
 from __future__ import annotations
 
@@ -7,15 +7,13 @@ import gc
 import json
 import os
 import struct
-import sys
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from vflash_core.engine.weight_io import MANIFEST_NAME, SequentialWeights, prepare_sidecar
-from vflash_core.errors import IdentityMismatchError, VflashError, WeightFileError
-from vflash_core.fileio import OutputExistsError
+from vflash_core.engine.weight_io import SequentialWeights
+from vflash_core.errors import VflashError, WeightFileError
 from vflash_core.tensor_store import TensorStore, read_fully
 
 # Small enough that the test file has several shards, a tensor larger than a shard, and tensors across chunks.
@@ -139,90 +137,6 @@ def test_sequential_weights_refuses_bad_workers_and_pinning_without_cuda(mixed_f
     if not torch.cuda.is_available():
         with pytest.raises(VflashError, match="need CUDA"):
             SequentialWeights(mixed_file, 1, pin_memory=True)
-
-
-@pytest.mark.parametrize("workers", [1, 4])
-def test_sidecar_round_trip(mixed_file, tmp_path, workers):
-    pytest.importorskip("zstandard")
-    sidecar = prepare_sidecar(mixed_file, tmp_path / "sidecar", frame_bytes=1000)
-    manifest = json.loads((sidecar / MANIFEST_NAME).read_text())
-    assert manifest["source"]["name"] == mixed_file.name and len(manifest["frames"]) > 2
-    before = _open_fds()
-    # Read with smaller shards than the sidecar was cut for, so some frames are split between two shard buffers.
-    with SequentialWeights(mixed_file, workers, sidecar, shard_bytes=SMALL["shard_bytes"]) as weights:
-        assert _spans_boundary(weights, [start for start, _ in weights.chunks]), "no tensor crosses a frame boundary"
-        assert any(start < b < end for start, end in weights.chunks for b, _ in weights.shards[1:])
-        _assert_matches_store(weights, mixed_file)
-        assert weights.bytes_read == manifest["frames_bytes"] == sum(f["compressed_bytes"] for f in manifest["frames"])
-    assert _open_fds() == before
-    with pytest.raises(OutputExistsError):
-        prepare_sidecar(mixed_file, sidecar)
-
-
-def _touch(path):
-    stat = path.stat()
-    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
-
-
-def _edit_manifest(sidecar, edit):
-    manifest = json.loads((sidecar / MANIFEST_NAME).read_text())
-    edit(manifest)
-    (sidecar / MANIFEST_NAME).write_text(json.dumps(manifest))
-
-
-@pytest.mark.parametrize(
-    ("tamper", "error", "message"),
-    [
-        (lambda source, sidecar: _touch(source), IdentityMismatchError, "mtime_ns"),
-        (lambda source, sidecar: _edit_manifest(sidecar, lambda m: m["source"].update(name="other.safetensors")),
-         IdentityMismatchError, "name"),
-        (lambda source, sidecar: _edit_manifest(sidecar, lambda m: m["source"].update(size=m["source"]["size"] + 1)),
-         IdentityMismatchError, "size"),
-        (lambda source, sidecar: _edit_manifest(sidecar, lambda m: m["frames"].pop()), WeightFileError, "corrupt"),
-        (lambda source, sidecar: _edit_manifest(sidecar, lambda m: m.pop("frames")), WeightFileError, "corrupt"),
-    ],
-    ids=["source-touched", "name", "size", "missing-frame", "no-frames"],
-)
-def test_mismatched_sidecar_is_refused(mixed_file, tmp_path, tamper, error, message):
-    pytest.importorskip("zstandard")
-    sidecar = prepare_sidecar(mixed_file, tmp_path / "sidecar", frame_bytes=1000)
-    tamper(mixed_file, sidecar)
-    with pytest.raises(error, match=message):
-        SequentialWeights(mixed_file, 2, sidecar)
-
-
-def test_changed_source_or_frames_after_opening_a_sidecar_are_refused(mixed_file, tmp_path):
-    pytest.importorskip("zstandard")
-    sidecar = prepare_sidecar(mixed_file, tmp_path / "sidecar", frame_bytes=1000)
-    weights = SequentialWeights(mixed_file, 2, sidecar)
-    _touch(mixed_file)
-    with pytest.raises(WeightFileError, match="changed on disk"):
-        weights.read_all()
-
-    sidecar = prepare_sidecar(mixed_file, tmp_path / "sidecar2", frame_bytes=1000)
-    frames = sidecar / "frames.zst"
-    data = bytearray(frames.read_bytes())
-    data[len(data) // 2] ^= 0xFF  # flipped bits inside one frame: its decoder or its checksum must object
-    frames.write_bytes(bytes(data))
-    before = _open_fds()
-    with pytest.raises(WeightFileError, match="corrupt frame at byte"):
-        SequentialWeights(mixed_file, 4, sidecar).read_all()
-    assert _open_fds() == before
-
-    with open(frames, "ab") as handle:
-        handle.write(b"\0")
-    with pytest.raises(WeightFileError, match="not the size its manifest records"):
-        SequentialWeights(mixed_file, 1, sidecar).read_all()
-
-
-def test_sidecar_without_zstandard_says_what_to_install(mixed_file, tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "zstandard", None)  # `import zstandard` now raises ImportError
-    with pytest.raises(VflashError, match=r"pip install 'vflash\[weight-io\]'"):
-        prepare_sidecar(mixed_file, tmp_path / "sidecar")
-    assert not (tmp_path / "sidecar").exists()
-    (tmp_path / "sidecar").mkdir()
-    with pytest.raises(VflashError, match=r"pip install 'vflash\[weight-io\]'"):
-        SequentialWeights(mixed_file, 1, tmp_path / "sidecar")
 
 
 def test_read_fully_takes_short_reads_and_stops_where_the_data_ends():

@@ -1,4 +1,4 @@
-"""Buffered sequential reads of one immutable safetensors file, optionally through a lossless Zstandard sidecar.
+"""Buffered sequential reads of one immutable safetensors file.
 
 `TensorStore` reads each requested tensor with its own `readinto` into its own storage, which suits selective reads.
 Loading a whole file (a compiled block, the auxiliary tensors) goes faster as a few large reads issued by several
@@ -19,56 +19,32 @@ remains. `SequentialWeights` does that:
 way (chunks, a thread pool, `preadv`), as often as asked: weights streamed from their files pass after pass. It can
 drop the file's pages from the page cache after each read, so that streaming a model larger than the machine's memory
 does not evict everything else the machine caches.
-
-The optional sidecar (`prepare_sidecar`) holds the same data region as independent Zstandard frames, one per chunk,
-each with its content checksum. The worker pool reads and decompresses them straight into the shard buffers: fewer
-bytes from storage for more CPU, which pays where storage is slower than decompression. The source file stays the
-authority for the header and must remain; the sidecar's manifest records its name, size and mtime and is refused
-when they no longer match.
 """
 
 from __future__ import annotations
 
 import bisect
-import json
 import os
-from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from functools import partial
 from itertools import pairwise
 from pathlib import Path
-from types import ModuleType
 from typing import Self
 
 import torch
 
-from ..errors import IdentityMismatchError, VflashError, WeightFileError
-from ..fileio import atomic_directory
+from ..errors import VflashError, WeightFileError
 from ..tensor_store import SafetensorsFile, TensorIndex, read_fully
 
-__all__ = ["MANIFEST_NAME", "SequentialWeights", "TensorReader", "prepare_sidecar"]
+__all__ = ["SequentialWeights", "TensorReader"]
 
 READ_WORKERS = (1, 2, 4, 8)
 DEFAULT_SHARD_BYTES = 256 << 20
 DEFAULT_CHUNK_BYTES = 64 << 20
-SIDECAR_FORMAT = "vflash-zstd-sidecar/1"
-MANIFEST_NAME = "manifest.json"
-FRAMES_NAME = "frames.zst"
 
 # A byte range [start, end) of a file.
 Range = tuple[int, int]
-
-
-def _zstd() -> ModuleType:
-    try:
-        import zstandard
-    except ImportError:
-        raise VflashError(
-            "the Zstandard weight sidecar needs the zstandard package: pip install 'vflash[weight-io]'"
-        ) from None
-    return zstandard
 
 
 def data_region(file: SafetensorsFile) -> Range:
@@ -181,84 +157,12 @@ def _run_on(pool: ThreadPoolExecutor, jobs: Sequence[Callable[[], int]]) -> int:
     return sum(future.result() for future in futures)
 
 
-@dataclass(frozen=True)
-class _Frame:
-    """One Zstandard frame of a sidecar: its place in the frames file and the source bytes it holds."""
-
-    offset: int
-    compressed_bytes: int
-    raw: Range
-
-
-def _load_sidecar(directory: Path, file: SafetensorsFile, identity: tuple[int, int]) -> list[_Frame]:
-    """The frames of the sidecar in `directory`, after checking that it was made from this very `file`."""
-    manifest_path = directory / MANIFEST_NAME
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except FileNotFoundError:
-        raise WeightFileError(f"{directory}: not a weight sidecar (no {MANIFEST_NAME})") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise WeightFileError(f"{manifest_path}: unreadable ({exc})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != SIDECAR_FORMAT:
-        found = manifest.get("format") if isinstance(manifest, dict) else None
-        raise WeightFileError(f"{manifest_path}: format {found!r}, expected {SIDECAR_FORMAT!r}")
-    start, end = data_region(file)
-    try:
-        source = manifest["source"]
-        recorded = {"name": source["name"], "size": int(source["size"]), "mtime_ns": int(source["mtime_ns"]),
-                    "header_bytes": int(source["header_bytes"])}
-        frames = []
-        for f in manifest["frames"]:
-            raw = (int(f["raw_offset"]), int(f["raw_offset"]) + int(f["raw_bytes"]))
-            frames.append(_Frame(int(f["offset"]), int(f["compressed_bytes"]), raw))
-        frames_size = int(manifest["frames_bytes"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise WeightFileError(f"{manifest_path}: corrupt manifest ({exc!r})") from None
-    actual = {"name": file.path.name, "size": identity[0], "mtime_ns": identity[1], "header_bytes": start}
-    if recorded != actual:
-        differ = ", ".join(f"{k} {recorded[k]!r} vs {actual[k]!r}" for k in actual if recorded[k] != actual[k])
-        raise IdentityMismatchError(
-            f"{directory} was made from another file than {file.path} ({differ}); rebuild it with prepare_sidecar"
-        )
-    position, offset = start, 0
-    for frame in frames:
-        follows = frame.raw[0] == position and frame.offset == offset
-        if not follows or frame.raw[1] <= frame.raw[0] or frame.compressed_bytes <= 0:
-            raise WeightFileError(f"{manifest_path}: corrupt manifest (frame {frame} does not follow byte {position})")
-        position, offset = frame.raw[1], offset + frame.compressed_bytes
-    if position != end or offset != frames_size:
-        raise WeightFileError(
-            f"{manifest_path}: corrupt manifest (frames cover [{start}, {position}) in {offset} bytes; the data region "
-            f"is [{start}, {end}) and the frames file is recorded as {frames_size} bytes)"
-        )
-    return frames
-
-
-def _decompress_frame(
-    zstd: ModuleType, fd: int, path: Path, frame: _Frame, pieces: list[tuple[int, memoryview]]
-) -> int:
-    compressed = bytearray(frame.compressed_bytes)
-    _pread_into(fd, path, memoryview(compressed), frame.offset)
-    try:
-        with zstd.ZstdDecompressor().stream_reader(compressed) as reader:
-            for _, view in pieces:
-                if read_fully(view, lambda rest, _: reader.readinto(rest)) < len(view):
-                    raise WeightFileError(f"{path}: frame at byte {frame.offset} holds fewer bytes than recorded")
-            # Reading past the content consumes the frame's end, which is where its checksum is verified.
-            if reader.read(1):
-                raise WeightFileError(f"{path}: frame at byte {frame.offset} holds more bytes than recorded")
-    except zstd.ZstdError as exc:
-        raise WeightFileError(f"{path}: corrupt frame at byte {frame.offset} ({exc})") from None
-    return frame.compressed_bytes
-
-
 class SequentialWeights(TensorIndex):
     """Every tensor of one safetensors file, read into owned shard buffers by a thread pool; see the module docstring.
 
     Entering the context reads the whole data region (so does the first `get_tensor` outside a context); leaving it
-    drops this object's references to the buffers. No file descriptor outlives a read. With `compressed_directory`
-    the bytes come from a sidecar made by `prepare_sidecar` for this file. `pin_memory` allocates page-locked buffers
-    for asynchronous host-to-device copies and needs CUDA.
+    drops this object's references to the buffers. No file descriptor outlives a read. `pin_memory` allocates page-locked buffers for
+    asynchronous host-to-device copies and needs CUDA.
 
     Its header is `TensorIndex`'s (`names`, `info`, `require`: checked before the context reads anything). Not for
     concurrent use while reading; once read, `get_tensor` may be called from any thread.
@@ -268,7 +172,6 @@ class SequentialWeights(TensorIndex):
         self,
         path: str | Path,
         read_workers: int = 4,
-        compressed_directory: str | Path | None = None,
         *,
         pin_memory: bool = False,
         shard_bytes: int = DEFAULT_SHARD_BYTES,
@@ -290,17 +193,7 @@ class SequentialWeights(TensorIndex):
         self.nbytes = end - start
         self.shards = plan_shards(self.file, shard_bytes)
         self._shard_starts = [s for s, _ in self.shards]
-        self._zstd: ModuleType | None = None
-        self._frames: list[_Frame] = []
-        if compressed_directory is None:
-            self.read_path = self.path
-            self.chunks = [chunk for shard in self.shards for chunk in _split(shard, chunk_bytes)]
-        else:
-            self._zstd = _zstd()
-            self.read_path = Path(compressed_directory) / FRAMES_NAME
-            self._frames = _load_sidecar(Path(compressed_directory), self.file, self._identity)
-            self.chunks = [frame.raw for frame in self._frames]
-        # Bytes taken from storage: the raw data region, or the compressed frames of a sidecar.
+        self.chunks = [chunk for shard in self.shards for chunk in _split(shard, chunk_bytes)]
         self.bytes_read = 0
         self._buffers: list[torch.Tensor] | None = None
         self._closed = False
@@ -323,20 +216,10 @@ class SequentialWeights(TensorIndex):
         ]
         # numpy's stubs declare the buffer protocol (`__buffer__`) for Python >= 3.12 only
         views = [memoryview(buffer.numpy()) for buffer in buffers]  # type: ignore[arg-type]
-        fd = _open(self.read_path)
+        fd = _open(self.path)
         try:
-            if self._zstd is None:
-                _check_identity(self.path, os.fstat(fd), self._identity, "since it was indexed")
-                jobs = [partial(_read_pieces, fd, self.path, self._pieces(views, chunk)) for chunk in self.chunks]
-            else:
-                _check_identity(self.path, _stat(self.path), self._identity, "since it was indexed")
-                frames_size = os.fstat(fd).st_size
-                if frames_size != sum(frame.compressed_bytes for frame in self._frames):
-                    raise WeightFileError(f"{self.read_path}: {frames_size} bytes, not the size its manifest records")
-                jobs = [
-                    partial(_decompress_frame, self._zstd, fd, self.read_path, frame, self._pieces(views, frame.raw))
-                    for frame in self._frames
-                ]
+            _check_identity(self.path, os.fstat(fd), self._identity, "since it was indexed")
+            jobs = [partial(_read_pieces, fd, self.path, self._pieces(views, chunk)) for chunk in self.chunks]
             self.bytes_read += _run_jobs(self.read_workers, jobs)
             _check_identity(self.path, _stat(self.path), self._identity, "while it was read")
         finally:
@@ -432,76 +315,3 @@ class TensorReader:
         finally:
             os.close(fd)
         return read
-
-
-def _compress_chunk(zstd: ModuleType, level: int, fd: int, path: Path, chunk: Range) -> bytes:
-    raw = bytearray(chunk[1] - chunk[0])
-    _pread_into(fd, path, memoryview(raw), chunk[0])
-    compressed = zstd.ZstdCompressor(level=level, write_checksum=True, write_content_size=True).compress(raw)
-    if zstd.ZstdDecompressor().decompress(compressed) != raw:
-        raise VflashError(f"{path}: bytes [{chunk[0]}, {chunk[1]}) do not survive a Zstandard round trip")
-    return compressed
-
-
-def prepare_sidecar(
-    source: str | Path,
-    directory: str | Path,
-    level: int = 3,
-    frame_bytes: int = DEFAULT_CHUNK_BYTES,
-    workers: int = 4,
-) -> Path:
-    """Write the Zstandard sidecar of `source` into the new directory `directory` and return its path.
-
-    The data region is cut like `SequentialWeights` cuts it by default (shards at tensor boundaries, frames of at
-    most `frame_bytes` inside them); `workers` threads compress the frames, and each is decompressed and compared
-    with its source bytes before it is written. The directory appears only once complete, and never replaces an
-    existing one. It holds `frames.zst` (the frames back to back) and `manifest.json`: the source's name, size,
-    mtime_ns and header_bytes (length prefix and JSON header, i.e. where the data region starts), and for each frame
-    its offset and compressed_bytes in `frames.zst` and the source range it holds (raw_offset, raw_bytes).
-    """
-    zstd = _zstd()
-    source, directory = Path(source), Path(directory)
-    if frame_bytes <= 0 or workers <= 0:
-        raise ValueError(f"frame_bytes and workers must be positive, not {frame_bytes} and {workers}")
-    identity = _identity(_stat(source))
-    file = SafetensorsFile(source)
-    start, _ = data_region(file)
-    chunks = [chunk for shard in plan_shards(file, DEFAULT_SHARD_BYTES) for chunk in _split(shard, frame_bytes)]
-    frames: list[dict[str, int]] = []
-    with atomic_directory(directory) as tmp:
-        fd = _open(source)
-        try:
-            _check_identity(source, os.fstat(fd), identity, "while it was indexed")
-            with (
-                ThreadPoolExecutor(workers, thread_name_prefix="vflash-zstd") as pool,
-                open(tmp / FRAMES_NAME, "wb") as out,
-            ):
-                # At most two frames per worker in flight, so memory stays bounded however large the source is.
-                pending: deque[tuple[Range, Future[bytes]]] = deque()
-
-                def write_next() -> None:
-                    chunk, future = pending.popleft()
-                    compressed = future.result()
-                    frames.append({"offset": out.tell(), "compressed_bytes": len(compressed), "raw_offset": chunk[0],
-                                   "raw_bytes": chunk[1] - chunk[0]})
-                    out.write(compressed)
-
-                for chunk in chunks:
-                    pending.append((chunk, pool.submit(_compress_chunk, zstd, level, fd, source, chunk)))
-                    if len(pending) >= 2 * workers:
-                        write_next()
-                while pending:
-                    write_next()
-                frames_size = out.tell()
-            _check_identity(source, os.fstat(fd), identity, "while it was compressed")
-        finally:
-            os.close(fd)
-        manifest = {
-            "format": SIDECAR_FORMAT,
-            "source": {"name": source.name, "size": identity[0], "mtime_ns": identity[1], "header_bytes": start},
-            "level": level,
-            "frames_bytes": frames_size,
-            "frames": frames,
-        }
-        (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n")
-    return directory
