@@ -59,26 +59,26 @@ def test_compile_hashes_each_source_byte_once(tmp_path, tiny_weights):
     """Files whose size and mtime are still the ones prepare recorded are trusted; a touched file is re-hashed."""
     import os
 
-    from vflash_core.weights import compiler
+    from vflash_core.weights import receipt
 
     folder = synthetic.write_diffusers_transformer(tmp_path / "t", TINY, tiny_weights, max_shard_bytes=40_000)
     prepare("t2va-base4-exact-cpu", folder, tmp_path / "r.json")
-    with mock.patch.object(compiler, "describe_files", wraps=compiler.describe_files) as hashing:
+    with mock.patch.object(receipt, "describe_files", wraps=receipt.describe_files) as hashing:
         compile_receipt(tmp_path / "r.json", tmp_path / "out")
     assert not any(call.kwargs.get("with_hash") for call in hashing.call_args_list)
     touched = sorted(folder.glob("*.safetensors"))[0]
     os.utime(touched, ns=(touched.stat().st_atime_ns, touched.stat().st_mtime_ns + 1_000_000_000))
-    with mock.patch.object(compiler, "describe_files", wraps=compiler.describe_files) as hashing:
+    with mock.patch.object(receipt, "describe_files", wraps=receipt.describe_files) as hashing:
         compile_receipt(tmp_path / "r.json", tmp_path / "out2")
     assert [call.args[0] for call in hashing.call_args_list] == [[touched]]
     compiled = CompiledArtifact(tmp_path / "out" / "artifact", tmp_path / "out" / "schedule", tmp_path / "out" / "auxiliary.safetensors")
     for record in compiled.manifest["blocks"]:  # hashed as written, never read back
-        assert record["sha256"] == compiler.file_sha256(compiled.artifact_dir / record["file"])
+        assert record["sha256"] == receipt.file_sha256(compiled.artifact_dir / record["file"])
 
 
 def test_interrupted_compile_leaves_nothing_that_loads(tmp_path, tiny_transformer):
     prepare("t2va-base4-exact-cpu", tiny_transformer, tmp_path / "r.json")
-    with mock.patch("vflash_core.weights.compiler._save_hashed", side_effect=[None, None, KeyboardInterrupt]):
+    with mock.patch("vflash_core.weights.artifact_writer._save_hashed", side_effect=[None, None, KeyboardInterrupt]):
         with pytest.raises(KeyboardInterrupt):
             compile_receipt(tmp_path / "r.json", tmp_path / "out")
     assert not (tmp_path / "out").exists()

@@ -161,8 +161,8 @@ class SequentialWeights(TensorIndex):
     """Every tensor of one safetensors file, read into owned shard buffers by a thread pool; see the module docstring.
 
     Entering the context reads the whole data region (so does the first `get_tensor` outside a context); leaving it
-    drops this object's references to the buffers. No file descriptor outlives a read. `pin_memory` allocates page-locked buffers for
-    asynchronous host-to-device copies and needs CUDA.
+    drops this object's references to the buffers. No file descriptor outlives a read. `pin_memory` allocates
+    page-locked buffers for asynchronous host-to-device copies and needs CUDA.
 
     Its header is `TensorIndex`'s (`names`, `info`, `require`: checked before the context reads anything). Not for
     concurrent use while reading; once read, `get_tensor` may be called from any thread.
