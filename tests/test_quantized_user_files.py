@@ -23,7 +23,8 @@ from vflash_core import Geometry, NativeEngineSession, build_keyframe_bundle
 from vflash_core.engine.artifact import CompiledArtifact
 from vflash_core.errors import IdentityMismatchError, WeightFileError
 from vflash_core.weights import synthetic
-from vflash_core.weights.checkpoint import SourceWeights, dequantize_int8
+from vflash_core.weights.checkpoint import SourceWeights
+from vflash_core.weights.quantized import dequantize_int8
 from vflash_core.weights.compiler import prepare
 from vflash_core.weights.gguf_file import DEQUANTIZERS, dequantize_gguf
 from vflash_core.engine.artifact import CompiledPaths

@@ -377,7 +377,7 @@ def quantize_int8_convrot(weight: torch.Tensor, group: int) -> tuple[torch.Tenso
     """A weight [rows, cols] as ComfyUI's int8_convrot quantizer writes it: rotated in fp32 by the normalised regular
     Hadamard matrix per group of `group` columns (`W @ H.T`), then int8 codes round(w / s) with one fp32 scale per
     row s = row absmax / 127; returns (codes int8 [rows, cols], scales fp32 [rows, 1])."""
-    from .checkpoint import hadamard_signs
+    from .quantized import hadamard_signs
 
     rows, cols = weight.shape
     rotated = (
