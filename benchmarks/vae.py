@@ -62,7 +62,8 @@ from _common import attention_flops, environment, gemm_tflops, sustained_ms, wri
 
 from vflash_core.engine.layout import audio_latent_count, frames_for_duration, video_latent_frames  # noqa: E402
 from vflash_core.media.vae import PIXEL_MEAN, PIXEL_STD, MediaVAEs, decode_bytes  # noqa: E402
-from vflash_core.media.vae_decode import DEFAULT_WINDOWS_PER_CALL, DecoderWeights, NativeVideoDecoder  # noqa: E402
+from vflash_core.media.vae_decode import DEFAULT_WINDOWS_PER_CALL, NativeVideoDecoder  # noqa: E402
+from vflash_core.media.vae_vit import DecoderWeights  # noqa: E402
 from vflash_core.weights.family import DEMO_FAMILY, FamilySpec, build_model_family  # noqa: E402
 
 SEED = 0

@@ -1,7 +1,7 @@
 """Vflash Triton kernels (installed and imported as `vflash_kernels`).
 
 Each op reproduces, bit for bit, a torch operation of the model, which is its reference (one reference per op, where
-the model is defined; the video VAE decoder's in `vflash_core.media.vae_decode`, whose SwiGLU is `swiglu.swiglu`'s);
+the model is defined; the video VAE decoder's in `vflash_core.media.vae_vit`, whose SwiGLU is `swiglu.swiglu`'s);
 its parity tests compare the two.
 
 | op of `vflash_kernels`                        | reference in `vflash_core.engine`                                 |
@@ -12,9 +12,9 @@ its parity tests compare the two.
 | `rope.rope`, `rope.qk_norm_rope`              | `model.rope`, `model.qk_norm_rope`                                |
 | `swiglu.swiglu`                               | `model.swiglu`                                                    |
 | `relayout.pack_heads`, `relayout.merge_heads` | `parallel.pack_heads_reference`, `parallel.merge_heads_reference` |
-| `vae_decoder.rms_norm_cast`                   | `media.vae_decode.DecoderOps.norm`                                |
-| `vae_decoder.head_rms_norm_rope`              | `media.vae_decode.DecoderOps.head_norm_rope`                      |
-| `vae_decoder.scaled_residual`                 | `media.vae_decode.DecoderOps.scaled_residual`                     |
+| `vae_decoder.rms_norm_cast`                   | `media.vae_vit.DecoderOps.norm`                                   |
+| `vae_decoder.head_rms_norm_rope`              | `media.vae_vit.DecoderOps.head_norm_rope`                         |
+| `vae_decoder.scaled_residual`                 | `media.vae_vit.DecoderOps.scaled_residual`                        |
 | `fp8_quantize.quantize_rows`                  | `fp8.quantize_rows` (approximate FP8 path only, as the two below) |
 | `fp8_quantize.swiglu_quantize`                | `fp8.quantize_rows` of `model.swiglu`                             |
 | `fp8_quantize.rms_norm_modulate_quantize`     | `fp8.quantize_rows` of `model.rms_norm_modulate`                  |
@@ -27,7 +27,7 @@ The package is a leaf: it imports torch and triton, nothing of `vflash_core` or 
 checks it). What a kernel needs of the model's definitions comes in as arguments: the fused ops pass the AdaLN
 tables' layout (`vflash_core.engine.model.MODULATION_BLOCKS`) as block positions. The core imports the kernels only
 lazily, when a fused op is first built (`engine/fused.py`, `fp8.py`, `parallel.py`, `sparse_attention.py`,
-`media/vae_decode.py`). The torch emulations of torch's CUDA RMSNorm order that the parity tests compare the norms
+`media/vae_vit.py`). The torch emulations of torch's CUDA RMSNorm order that the parity tests compare the norms
 with live beside those tests (tests/kernel_references.py); the `@triton.jit` helpers the kernels share, in `_device`.
 
 Nothing is re-exported here: an op and its module share a name, and importing this package must stay free of triton

@@ -43,6 +43,46 @@ def _rotate_half(x, partner, cos, sin, d, ROTARY: tl.constexpr, ROUND_DTYPE: tl.
 
 
 @triton.jit
+def _angles(
+    cos_ptr, sin_ptr, rows, row_mask, d, cos_row_stride, cos_col_stride, sin_row_stride, sin_col_stride,
+    ROTARY: tl.constexpr, EMULATE_CASTS: tl.constexpr,
+):
+    """The tile's rows of the (S, R) cos / sin tables in fp32, (rows, 1, channels); 0 past R and past the last row."""
+    angle_mask = row_mask[:, None] & (d < ROTARY)[None, :]
+    cos = tl.load(cos_ptr + rows[:, None] * cos_row_stride + d[None, :] * cos_col_stride, mask=angle_mask, other=0.0)
+    sin = tl.load(sin_ptr + rows[:, None] * sin_row_stride + d[None, :] * sin_col_stride, mask=angle_mask, other=0.0)
+    return _to_f32(cos, EMULATE_CASTS)[:, None, :], _to_f32(sin, EMULATE_CASTS)[:, None, :]
+
+
+@triton.jit
+def _head_rstd(
+    x, eps, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_HEADS: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    """(rows, heads, 1) `rsqrt(sum_sq / D + eps)` of fp32 x (rows, heads, BLOCK_D), the sum of squares in the lane
+    order of torch's kernel (`_qk_norm_rope_kernel`'s docstring)."""
+    # lane t holds channels 4t + j, j = 0..3 (x[t, a, b] = 4t+2a+b)
+    quads = tl.reshape(x, (BLOCK_ROWS, BLOCK_HEADS, BLOCK_D // 4, 2, 2))
+    even, odd = tl.split(quads)  # channels 4t + 2a and 4t + 2a + 1
+    x0, x2 = tl.split(even)
+    x1, x3 = tl.split(odd)
+    lane_sum = tl.fma(x3, x3, tl.fma(x2, x2, tl.fma(x1, x1, x0 * x0)))
+    sum_sq = _lane_tree_sum(lane_sum, BLOCK_ROWS, BLOCK_HEADS, BLOCK_D // 4)
+    return tl.math.rsqrt(tl.math.div_rn(sum_sq, HEAD_DIM * 1.0) + eps)[:, :, None]
+
+
+@triton.jit
+def _norm_weight(q_weight_ptr, k_weight_ptr, channels, mask, is_k, q_weight_stride, k_weight_stride,
+                 EMULATE_CASTS: tl.constexpr):
+    """The part's norm weight (k's for the k part, else q's) at `channels`, fp32, (1, 1, channels); 0 where masked."""
+    weight = tl.where(
+        is_k,
+        tl.load(k_weight_ptr + channels * k_weight_stride, mask=mask, other=0.0),
+        tl.load(q_weight_ptr + channels * q_weight_stride, mask=mask, other=0.0),
+    )
+    return _to_f32(weight, EMULATE_CASTS)[None, None, :]
+
+
+@triton.jit
 def _rope_kernel(
     x_ptr,
     cos_ptr,
@@ -86,14 +126,11 @@ def _rope_kernel(
     base = x_ptr + rows[:, None, None] * x_row_stride + heads[None, :, None] * x_head_stride
     x = _to_f32(tl.load(base + d[None, None, :] * x_col_stride, mask=mask, other=0.0), EMULATE_CASTS)
     x_partner = _to_f32(tl.load(base + partner[None, None, :] * x_col_stride, mask=rot_mask, other=0.0), EMULATE_CASTS)
-    angle_mask = row_mask[:, None] & (d < ROTARY)[None, :]
-    cos = tl.load(cos_ptr + rows[:, None] * cos_row_stride + d[None, :] * cos_col_stride, mask=angle_mask, other=0.0)
-    sin = tl.load(sin_ptr + rows[:, None] * sin_row_stride + d[None, :] * sin_col_stride, mask=angle_mask, other=0.0)
-
-    out = _rotate_half(
-        x, x_partner, _to_f32(cos, EMULATE_CASTS)[:, None, :], _to_f32(sin, EMULATE_CASTS)[:, None, :],
-        d[None, None, :], ROTARY, ROUND_DTYPE, EMULATE_CASTS
+    cos, sin = _angles(
+        cos_ptr, sin_ptr, rows, row_mask, d, cos_row_stride, cos_col_stride, sin_row_stride, sin_col_stride, ROTARY,
+        EMULATE_CASTS,
     )
+    out = _rotate_half(x, x_partner, cos, sin, d[None, None, :], ROTARY, ROUND_DTYPE, EMULATE_CASTS)
     out_ptrs = (
         out_ptr + rows[:, None, None] * out_row_stride + heads[None, :, None] * out_head_stride
         + d[None, None, :] * out_col_stride
@@ -103,26 +140,11 @@ def _rope_kernel(
 
 @triton.jit
 def _qk_norm_rope_kernel(
-    qkv_ptr,
-    q_weight_ptr,
-    k_weight_ptr,
-    cos_ptr,
-    sin_ptr,
-    out_ptr,
-    n_rows,
-    n_heads,
-    eps,
-    qkv_row_stride,
-    qkv_col_stride,
-    q_weight_stride,
-    k_weight_stride,
-    cos_row_stride,
-    cos_col_stride,
-    sin_row_stride,
-    sin_col_stride,
-    out_part_stride,
-    out_row_stride,
-    out_head_stride,
+    qkv_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr, out_ptr,
+    n_rows, n_heads, eps,
+    qkv_row_stride, qkv_col_stride, q_weight_stride, k_weight_stride,
+    cos_row_stride, cos_col_stride, sin_row_stride, sin_col_stride,
+    out_part_stride, out_row_stride, out_head_stride,
     HEAD_DIM: tl.constexpr,
     ROTARY: tl.constexpr,
     ROUND_DTYPE: tl.constexpr,
@@ -163,40 +185,20 @@ def _qk_norm_rope_kernel(
         tl.load(base + partner[None, None, :] * qkv_col_stride, mask=rot_mask, other=0.0), EMULATE_CASTS
     )
 
-    # sum of squares in the lane order of torch's kernel: lane t holds channels 4t + j, j = 0..3 (x[t, a, b] = 4t+2a+b)
-    quads = tl.reshape(x, (BLOCK_ROWS, BLOCK_HEADS, BLOCK_D // 4, 2, 2))
-    even, odd = tl.split(quads)  # channels 4t + 2a and 4t + 2a + 1
-    x0, x2 = tl.split(even)
-    x1, x3 = tl.split(odd)
-    lane_sum = tl.fma(x3, x3, tl.fma(x2, x2, tl.fma(x1, x1, x0 * x0)))
-    sum_sq = _lane_tree_sum(lane_sum, BLOCK_ROWS, BLOCK_HEADS, BLOCK_D // 4)
-    rstd = tl.math.rsqrt(tl.math.div_rn(sum_sq, HEAD_DIM * 1.0) + eps)[:, :, None]
-
-    d_mask = d < HEAD_DIM
+    rstd = _head_rstd(x, eps, HEAD_DIM, BLOCK_ROWS, BLOCK_HEADS, BLOCK_D)
     is_k = part == 1
-    weight = tl.where(
-        is_k,
-        tl.load(k_weight_ptr + d * k_weight_stride, mask=d_mask, other=0.0),
-        tl.load(q_weight_ptr + d * q_weight_stride, mask=d_mask, other=0.0),
-    )
-    weight = _to_f32(weight, EMULATE_CASTS)[None, None, :]
-    partner_mask = d < ROTARY
-    weight_partner = tl.where(
-        is_k,
-        tl.load(k_weight_ptr + partner * k_weight_stride, mask=partner_mask, other=0.0),
-        tl.load(q_weight_ptr + partner * q_weight_stride, mask=partner_mask, other=0.0),
-    )
-    weight_partner = _to_f32(weight_partner, EMULATE_CASTS)[None, None, :]
+    weight = _norm_weight(q_weight_ptr, k_weight_ptr, d, d < HEAD_DIM, is_k, q_weight_stride, k_weight_stride,
+                          EMULATE_CASTS)
+    weight_partner = _norm_weight(q_weight_ptr, k_weight_ptr, partner, d < ROTARY, is_k, q_weight_stride,
+                                  k_weight_stride, EMULATE_CASTS)
     normed = _round_as(weight * (rstd * x), ROUND_DTYPE, EMULATE_CASTS)
     normed_partner = _round_as(weight_partner * (rstd * x_partner), ROUND_DTYPE, EMULATE_CASTS)
 
-    angle_mask = row_mask[:, None] & (d < ROTARY)[None, :]
-    cos = tl.load(cos_ptr + rows[:, None] * cos_row_stride + d[None, :] * cos_col_stride, mask=angle_mask, other=0.0)
-    sin = tl.load(sin_ptr + rows[:, None] * sin_row_stride + d[None, :] * sin_col_stride, mask=angle_mask, other=0.0)
-    out = _rotate_half(
-        normed, normed_partner, _to_f32(cos, EMULATE_CASTS)[:, None, :], _to_f32(sin, EMULATE_CASTS)[:, None, :],
-        d[None, None, :], ROTARY, ROUND_DTYPE, EMULATE_CASTS
+    cos, sin = _angles(
+        cos_ptr, sin_ptr, rows, row_mask, d, cos_row_stride, cos_col_stride, sin_row_stride, sin_col_stride, ROTARY,
+        EMULATE_CASTS,
     )
+    out = _rotate_half(normed, normed_partner, cos, sin, d[None, None, :], ROTARY, ROUND_DTYPE, EMULATE_CASTS)
     out = tl.where(part == 2, x, out)  # v: a plain copy
     out_ptrs = (
         out_ptr + part * out_part_stride + rows[:, None, None] * out_row_stride

@@ -1,6 +1,6 @@
-"""The video VAE decoder's norms and scaled residuals (`vflash_core.media.vae_decode`, `DecoderOps` and `block`).
+"""The video VAE decoder's norms and scaled residuals (`vflash_core.media.vae_vit`, `DecoderOps` and `block`).
 
-References (each op's, in `vflash_core.media.vae_decode.DecoderOps`): `norm` = `F.rms_norm(x.float(), (D,), w, eps)`
+References (each op's, in `vflash_core.media.vae_vit.DecoderOps`): `norm` = `F.rms_norm(x.float(), (D,), w, eps)`
 rounded to the compute dtype; `qk_norm_rope` = the same norm per head without a weight, rounded back to q's dtype,
 then rotate-half rotary over the leading R channels; `scaled_residual` = `h + y * scale` (fp32 scale, so the product
 rounds in fp32, then the sum). The decoder's SwiGLU is `value * F.silu(gate)` on [value | gate], which is

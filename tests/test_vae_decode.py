@@ -16,7 +16,10 @@ from conftest import assert_bitwise
 from vflash_core.errors import VflashError
 from vflash_core.media import vae_decode
 from vflash_core.media.vae import MediaVAEs
-from vflash_core.media.vae_decode import DecodeGeometry, DecoderWeights, NativeVideoDecoder, split_calls, split_tiles
+from vflash_core.media.vae_decode import NativeVideoDecoder
+from vflash_core.media.vae_decode_devices import split_calls
+from vflash_core.media.vae_tiles import DecodeGeometry, TileWindow, split_tiles
+from vflash_core.media.vae_vit import DecoderWeights
 
 # 17 latent frames make 3 temporal windows; 20 x 24 latents are 320 x 384 px: 2 x 2 tiles of 256 px.
 RELEASED_TILING_LATENTS = (1, 8, 17, 20, 24)
@@ -141,7 +144,7 @@ def test_many_tiles_padding_and_two_devices_bitwise(media, small_tiles, dtype):
 
 
 def test_split_calls_is_contiguous_and_even():
-    calls = [[vae_decode.TileWindow(i, 0, 0)] for i in range(7)]
+    calls = [[TileWindow(i, 0, 0)] for i in range(7)]
     assert [len(part) for part in split_calls(calls, 2)] == [3, 4]
     assert [len(part) for part in split_calls(calls, 3)] == [2, 2, 3]
     assert [len(part) for part in split_calls(calls[:1], 2)] == [0, 1]

@@ -1,9 +1,9 @@
-"""The native video decoder's fused ops (`vae_decode.FusedDecoderOps`, kernels in `kernels/vae_decoder.py` and
+"""The native video decoder's fused ops (`vae_vit.FusedDecoderOps`, kernels in `kernels/vae_decoder.py` and
 `kernels/swiglu.py`) against its torch ops (`DecoderOps`), bit for bit.
 
 On the CPU the kernels run in Triton's interpreter: the `interp` fixture imports the kernels folder a second time,
 as a private package, with TRITON_INTERPRET=1 set only during that import (as tests/test_kernels.py does, for the same
-reason), and the decoder is pointed at it through `vae_decode._decoder_kernels`. The per-op shapes keep every masked
+reason), and the decoder is pointed at it through `vae_vit._decoder_kernels`. The per-op shapes keep every masked
 path: row blocks with masked rows (37 rows), a norm width with a masked last chunk (1040 = 2 x 512 + 16) and one
 below a chunk (32, the demo's), head dims that are and are not a power of two (16, 24, 64), SwiGLU and residual
 widths that leave masked column blocks.
@@ -41,15 +41,10 @@ from test_vae_decode import SMALL_TILES, allocation_sizes, latents
 
 from vflash_core.engine.model import apply_rotary
 from vflash_core.errors import VflashError
-from vflash_core.media import vae_decode
+from vflash_core.media import vae_vit
 from vflash_core.media.vae import MediaVAEs
-from vflash_core.media.vae_decode import (
-    DecoderOps,
-    DecoderWeights,
-    FusedDecoderOps,
-    NativeVideoDecoder,
-    resolve_decoder_execution,
-)
+from vflash_core.media.vae_decode import NativeVideoDecoder
+from vflash_core.media.vae_vit import DecoderOps, DecoderWeights, FusedDecoderOps, resolve_decoder_execution
 
 _INTERPRETED = "_vflash_kernels_decoder_interpreted"
 _FOLDER = Path(__file__).resolve().parent.parent / "kernels"
@@ -85,7 +80,7 @@ def interp():
 @pytest.fixture
 def fused_ops(interp, monkeypatch):
     """`FusedDecoderOps` (and the decoder's "fused" execution) on the interpreted kernels."""
-    monkeypatch.setattr(vae_decode, "_decoder_kernels", lambda: interp)
+    monkeypatch.setattr(vae_vit, "_decoder_kernels", lambda: interp)
     return FusedDecoderOps(lambda q, k, v: None, torch.device("cpu"))
 
 
@@ -235,8 +230,8 @@ DECODE_LATENTS = (1, 8, 8, 5, 6)
 def test_fused_decode_with_torch_norms_equals_the_reference(fused_ops, vae_root, bf16_vae, monkeypatch):
     """SwiGLU and the scaled residuals fused, the norms torch's: the reference decode's pixels bit for bit, three
     tile-windows per call (the last call has one); through `MediaVAEs`' option too."""
-    monkeypatch.setattr(vae_decode, "FUSED_DECODER_NORM", False)
-    monkeypatch.setattr(vae_decode, "FUSED_DECODER_QK_NORM", False)
+    monkeypatch.setattr(vae_vit, "FUSED_DECODER_NORM", False)
+    monkeypatch.setattr(vae_vit, "FUSED_DECODER_QK_NORM", False)
     z = latents(DECODE_LATENTS, seed=3)
     expected = NativeVideoDecoder.from_vae(bf16_vae, windows_per_call=3).decode(z)
     fused = NativeVideoDecoder.from_vae(bf16_vae, windows_per_call=3, execution="fused")

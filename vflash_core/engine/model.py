@@ -130,7 +130,7 @@ def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor) -> tuple[to
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half over the leading R channels of every head of (..., S, heads, D); cos/sin (1, S, 1, R) in x's dtype.
-    Also the video VAE decoder's rotary (`media.vae_decode`), over (W, S, heads, D) stacked tile-windows."""
+    Also the video VAE decoder's rotary (`media.vae_vit`), over (W, S, heads, D) stacked tile-windows."""
     r = cos.shape[-1]
     x_rot, x_pass = x[..., :r], x[..., r:]
     x1, x2 = x_rot.chunk(2, dim=-1)
