@@ -13,6 +13,8 @@ import torch
 from conftest import TINY, assert_bitwise, compile_tiny, cpu_profile
 from safetensors.torch import load_file, save_file
 
+import transformer_files
+
 from vflash_core import Geometry, NativeEngineSession, build_keyframe_bundle
 from vflash_core.engine import model as M
 from vflash_core.engine.artifact import CompiledArtifact
@@ -32,7 +34,7 @@ def base_weights():
 
 @pytest.fixture(scope="module")
 def pruned_file(tmp_path_factory, base_weights):
-    return synthetic.write_comfy_transformer(tmp_path_factory.mktemp("pruned") / "h3_pruned.safetensors", TINY, synthetic.prune_adaln(base_weights, TINY))
+    return synthetic.write_comfy_transformer(tmp_path_factory.mktemp("pruned") / "h3_pruned.safetensors", TINY, transformer_files.prune_adaln(base_weights, TINY))
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +80,7 @@ def test_config_of_a_comfy_file_without_one_is_inferred(tmp_path, base_weights):
     config = replace(TINY, rope_freq_dim=1)
     path = synthetic.write_comfy_transformer(tmp_path / "h3.safetensors", config, base_weights, embed_config=False)
     assert SourceWeights(path).config == config
-    pruned = synthetic.write_comfy_transformer(tmp_path / "h3_pruned.safetensors", config, synthetic.prune_adaln(base_weights, config), embed_config=False)
+    pruned = synthetic.write_comfy_transformer(tmp_path / "h3_pruned.safetensors", config, transformer_files.prune_adaln(base_weights, config), embed_config=False)
     release = type(TINY)()
     time = dict(freq_dim=release.freq_dim, time_embed_hidden_dim=release.time_embed_hidden_dim, time_embed_dim=release.time_embed_dim)
     assert SourceWeights(pruned).config == replace(config, **time)
@@ -215,7 +217,7 @@ def test_fp8_scaled_file_is_exact_for_its_weights(tmp_path, base_weights):
     dequantized weights, bit for bit; the artifact and the notes say the base was fp8_scaled."""
     fp8 = synthetic.write_comfy_transformer(tmp_path / "h3_fp8_scaled.safetensors", TINY, base_weights, fp8="metadata")
     source = SourceWeights(fp8)
-    dequantized = synthetic.write_original_transformer(tmp_path / "h3_dequantized.safetensors", TINY, source.read(list(source.shapes())))
+    dequantized = transformer_files.write_original_transformer(tmp_path / "h3_dequantized.safetensors", TINY, source.read(list(source.shapes())))
     paths = _compile(tmp_path / "fp8", fp8, "t2va-base4-exact-cpu")
     artifact = CompiledArtifact(**paths)
     assert artifact.base_weights["format"] == "fp8_scaled" and artifact.base_weights["quantized_layers"] == TINY.num_layers * 5 + TINY.num_refiner_layers * 4 + 1
@@ -290,12 +292,12 @@ def comfy_files(pack):
     folder.mkdir(parents=True, exist_ok=True)
     demo = H3Config.preset("demo")
     weights = synthetic.random_internal_weights(demo, seed=4)
-    synthetic.write_comfy_transformer(folder / "h3_demo_pruned.safetensors", demo, synthetic.prune_adaln(weights, demo))
+    synthetic.write_comfy_transformer(folder / "h3_demo_pruned.safetensors", demo, transformer_files.prune_adaln(weights, demo))
     synthetic.write_comfy_transformer(folder / "h3_demo_fp8_scaled.safetensors", demo, weights, fp8="metadata")
     synthetic.write_comfy_transformer(folder / "h3_demo_int8_convrot.safetensors", demo, weights, int8_convrot=16)
     unet = folder.parent / "unet"  # ComfyUI's other diffusion-model folder, where GGUF users often put theirs
     unet.mkdir(exist_ok=True)
-    synthetic.write_gguf_transformer(unet / "h3_demo-Q8_0.gguf", demo, weights, lambda name, shape: "Q8_0" if len(shape) == 2 and shape[1] % 32 == 0 else "F32" if len(shape) == 1 else "BF16")
+    transformer_files.write_gguf_transformer(unet / "h3_demo-Q8_0.gguf", demo, weights, lambda name, shape: "Q8_0" if len(shape) == 2 and shape[1] % 32 == 0 else "F32" if len(shape) == 1 else "BF16")
     _int8_file(folder / "h3_nvfp4.safetensors", {"format": "nvfp4"})
     (folder / "not_h3.gguf").write_bytes(b"GGUF" + bytes(20))
     return folder

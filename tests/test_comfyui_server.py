@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 from conftest import TEMPLATES
+import transformer_files
 
 COMFYUI_ROOT = os.environ.get("COMFYUI_ROOT")
 pytestmark = pytest.mark.skipif(not COMFYUI_ROOT, reason="set COMFYUI_ROOT to a ComfyUI checkout to run the real-server tests")
@@ -49,7 +50,7 @@ def write_small_family(root: Path, models: Path) -> None:
     from vflash_core.weights import synthetic
 
     config = replace(H3Config.preset("demo"), in_channels=24, audio_in_channels=32)
-    synthetic.write_original_transformer(models / "diffusion_models" / SMALL_DIT, config, synthetic.random_internal_weights(config, seed=6))
+    transformer_files.write_original_transformer(models / "diffusion_models" / SMALL_DIT, config, synthetic.random_internal_weights(config, seed=6))
     out = subprocess.run([os.environ.get("COMFYUI_PYTHON", sys.executable), str(PROBE / "small_core.py"), str(models)], cwd=root,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -326,7 +327,7 @@ def test_templates_are_listed_and_load_with_their_model_files_and_thumbnails(ser
     ("t2va_core_save", {**SMALL, "10": {"width": 128, "height": 128}}),
 ])
 def test_workflow_on_the_server(server, tmp_path, name, changes):
-    from vflash_core.media.mp4 import probe_mp4
+    from mp4_probe import probe_mp4
 
     result = asyncio.run(server.run_prompt(_workflow(name, changes)))
     assert result["status"] == "success", f"{result}\n{server.tail()}"
@@ -374,7 +375,7 @@ def test_sm90_profile_on_cpu_is_refused_when_queued_before_any_model_loads(serve
     models = server.work / "models"
     (models / "diffusion_models").mkdir(parents=True, exist_ok=True)
     tiny = H3Config.preset("tiny")
-    synthetic.write_original_transformer(models / "diffusion_models" / "h3_sm90.safetensors", tiny, synthetic.random_internal_weights(tiny, seed=2))
+    transformer_files.write_original_transformer(models / "diffusion_models" / "h3_sm90.safetensors", tiny, synthetic.random_internal_weights(tiny, seed=2))
     save_file({"x": __import__("torch").zeros(1)}, str(models / "diffusion_models" / "unrelated.safetensors"))
     workflow = _workflow("t2va", {"1": {"model": "h3_sm90.safetensors", "profile": "t2va-base16-bf16-sm90"}})
     result = asyncio.run(server.run_prompt(workflow))
@@ -459,7 +460,7 @@ def test_core_clip_and_vae_loaders_drive_the_vflash_sampler_to_mp4(server, tmp_p
     """The new template's graph: core CLIPLoader (type minimax) reads the Qwen3-VL file from text_encoders/, two core
     VAELoaders read the video and audio VAE files from vae/, Vflash compiles and runs the single-file transformer; with
     a first frame, core's vision tower and core's video VAE encode it. The MP4 has the clip's frames and soundtrack."""
-    from vflash_core.media.mp4 import probe_mp4
+    from mp4_probe import probe_mp4
 
     workflow = _small_core_workflow(21)
     workflow["7"]["inputs"]["filename_prefix"] = f"video/core_loaders_{mode}"
@@ -524,14 +525,14 @@ def test_comfy_org_transformer_file_through_the_model_loader(server, tmp_path, f
     from dataclasses import replace
 
     from vflash_core.engine.config import H3Config
-    from vflash_core.media.mp4 import probe_mp4
+    from mp4_probe import probe_mp4
     from vflash_core.weights import synthetic
 
     config = replace(H3Config.preset("demo"), in_channels=24, audio_in_channels=32)
     weights = synthetic.random_internal_weights(config, seed=6)
     name = f"h3_small_{form}.safetensors"
     if form == "pruned":
-        synthetic.write_comfy_transformer(server.work / "models" / "diffusion_models" / name, config, synthetic.prune_adaln(weights, config))
+        synthetic.write_comfy_transformer(server.work / "models" / "diffusion_models" / name, config, transformer_files.prune_adaln(weights, config))
     else:
         synthetic.write_comfy_transformer(server.work / "models" / "diffusion_models" / name, config, weights, fp8="metadata")
     workflow = json.loads((API / "t2va_core_loaders.json").read_text())

@@ -23,6 +23,8 @@ import torch
 from conftest import assert_bitwise
 from test_comfyui_server import API, COMFYUI_ROOT, PROBE, server  # noqa: F401  (the module's server fixture)
 
+import transformer_files
+
 from vflash_core.weights.gguf_file import DEQUANTIZERS, dequantize_gguf
 
 COMFYUI_GGUF_ROOT = os.environ.get("COMFYUI_GGUF_ROOT")
@@ -88,7 +90,7 @@ def test_int8_convrot_and_gguf_small_files_generate(server, tmp_path, form):  # 
     with core's text encoder and VAEs: the Vflash loader lists it, compiles it on first use, and the graph runs to an
     MP4; the compiled artifact records the file's format."""
     from vflash_core.engine.artifact import CompiledArtifact
-    from vflash_core.media.mp4 import probe_mp4
+    from mp4_probe import probe_mp4
     from vflash_core.weights import synthetic
 
     config = _small_config()
@@ -96,7 +98,7 @@ def test_int8_convrot_and_gguf_small_files_generate(server, tmp_path, form):  # 
     folder = server.work / "models" / "diffusion_models"
     if form == "gguf":
         name = "h3_small-Q8_0.gguf"
-        synthetic.write_gguf_transformer(folder / name, config, weights, lambda n, shape: "F32" if len(shape) < 2 else "Q8_0" if shape[1] % 32 == 0 else "BF16")
+        transformer_files.write_gguf_transformer(folder / name, config, weights, lambda n, shape: "F32" if len(shape) < 2 else "Q8_0" if shape[1] % 32 == 0 else "BF16")
     else:
         name = "h3_small_int8_convrot.safetensors"
         synthetic.write_comfy_transformer(folder / name, config, weights, int8_convrot=16)

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from vflash_core.cli.main import main
-from vflash_core.media.mp4 import probe_mp4
+from mp4_probe import probe_mp4
 from vflash_core.pipeline import demo
 
 

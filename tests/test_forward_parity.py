@@ -11,6 +11,8 @@ import pytest
 import torch
 from conftest import TINY, assert_bitwise, compile_tiny, diffusers_transformer
 
+import transformer_files
+
 from vflash_core import Geometry, build_keyframe_bundle
 from vflash_core.engine.artifact import CompiledArtifact
 from vflash_core.engine.denoise import Denoiser
@@ -39,7 +41,7 @@ def test_native_forward_equals_diffusers(tmp_path, dtype, source):
         path = folder
     else:
         qkv_layout = source.split("-")[1]
-        path = synthetic.write_original_transformer(tmp_path / "h3.safetensors", TINY, weights, qkv_layout)
+        path = transformer_files.write_original_transformer(tmp_path / "h3.safetensors", TINY, weights, qkv_layout)
     paths = compile_tiny(tmp_path, path, "t2va-base4-exact-cpu", qkv_layout=qkv_layout)
     artifact = CompiledArtifact(**paths)
     denoiser = Denoiser(artifact, ResidentBlocks(artifact, torch.device("cpu")), torch.device("cpu"), BlockOps(artifact.config, sdpa_attention))

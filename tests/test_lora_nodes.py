@@ -53,7 +53,7 @@ def demo_root(pack, demo_receipt):  # noqa: F811 (the imported fixture)
 
 def test_three_lora_chain_compiles_once_per_stack_and_makes_an_mp4(pack, demo_root):  # noqa: F811
     from vflash_core.engine.artifact import CompiledArtifact
-    from vflash_core.media.mp4 import probe_mp4
+    from mp4_probe import probe_mp4
 
     base = load_api_workflow(API / "t2va.json")
     workflow = {nid: base[nid] for nid in ("1", "2", "3")}

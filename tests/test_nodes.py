@@ -23,6 +23,7 @@ from conftest import linked_demo_cache
 from vflash_nodes import comfy_latent as cl
 from vflash_nodes.workflow import WorkflowError, apply_overrides, execute, load_api_workflow
 
+import transformer_files
 from vflash_core.engine.config import H3Config
 from vflash_core.errors import RequestError, VflashError
 
@@ -168,7 +169,7 @@ def model_files(pack) -> Path:
     tiny = H3Config.preset("tiny")
     weights = synthetic.random_internal_weights(tiny, seed=3)
     (models / "diffusion_models").mkdir(parents=True, exist_ok=True)
-    synthetic.write_original_transformer(models / "diffusion_models" / "h3_tiny.safetensors", tiny, weights)
+    transformer_files.write_original_transformer(models / "diffusion_models" / "h3_tiny.safetensors", tiny, weights)
     save_file({"x": torch.zeros(2)}, str(models / "diffusion_models" / "other_model.safetensors"))
     synthetic.write_diffusers_transformer(models / "diffusers" / "H3-tiny" / "transformer", tiny, weights)
     (models / "diffusers" / "not-h3").mkdir(parents=True)
@@ -310,7 +311,7 @@ def test_first_use_compile_can_be_interrupted_and_publishes_nothing(pack, comfy,
 
 
 def test_t2va_chain_to_mp4(pack, comfy):
-    from vflash_core.media.mp4 import probe_mp4
+    from mp4_probe import probe_mp4
 
     mm, updates = comfy
     workflow = apply_overrides(load_api_workflow(API / "t2va.json"), [*SMALL, "7.filename_prefix=video/chain"])
@@ -336,7 +337,7 @@ def test_t2va_chain_to_mp4(pack, comfy):
 
 def test_core_empty_latent_and_create_video(pack, comfy):
     """Core EmptyMiniMaxH3LatentAV (24/32 channels) sets the sampler's canvas; core CreateVideo + SaveVideo save it."""
-    from vflash_core.media.mp4 import probe_mp4
+    from mp4_probe import probe_mp4
 
     workflow = apply_overrides(load_api_workflow(API / "t2va_core_save.json"), [*SMALL, "10.width=128", "10.height=128", "7.filename_prefix=video/core"])
     report = run(pack, workflow)
@@ -584,7 +585,7 @@ def test_unsupported_core_node_is_named_before_anything_runs(pack):
 
 
 def test_generate_node_all_in_one(pack, comfy):
-    from vflash_core.media.mp4 import probe_mp4
+    from mp4_probe import probe_mp4
 
     base = load_api_workflow(API / "t2va.json")
     workflow = {nid: base[nid] for nid in ("1", "2", "3")}

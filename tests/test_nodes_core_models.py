@@ -25,6 +25,8 @@ from vflash_nodes import actions, core_adapters, engines, graph_checks, model_fi
 from vflash_nodes import comfy_latent as cl
 from vflash_nodes.workflow import apply_overrides, execute, load_api_workflow
 
+import transformer_files
+
 from vflash_core.errors import RequestError, VflashError
 
 #: The model loader's engine widgets at their defaults, the device the CPU.
@@ -76,7 +78,7 @@ def _core_loaders_workflow(core_files) -> dict:
 
 
 def test_core_clip_and_vae_loaders_drive_the_sampler_to_mp4(pack, core_files):
-    from vflash_core.media.mp4 import probe_mp4
+    from mp4_probe import probe_mp4
 
     workflow = apply_overrides(_core_loaders_workflow(core_files), ["4.width=128", "4.height=128", "7.filename_prefix=video/core_loaders"])
     report = execute(workflow, pack.node_types(workflow))
@@ -211,7 +213,7 @@ def official_weights(pack) -> str:
     models = Path(importlib.import_module("folder_paths").models_dir)
     tiny = H3Config.preset("tiny")
     (models / "diffusion_models").mkdir(parents=True, exist_ok=True)
-    synthetic.write_original_transformer(models / "diffusion_models" / "h3_early.safetensors", tiny, synthetic.random_internal_weights(tiny, seed=4))
+    transformer_files.write_original_transformer(models / "diffusion_models" / "h3_early.safetensors", tiny, synthetic.random_internal_weights(tiny, seed=4))
     return "h3_early.safetensors"
 
 

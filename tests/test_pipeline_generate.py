@@ -16,7 +16,7 @@ from vflash_core.engine.session import NativeEngineSession
 from vflash_core.errors import SessionClosedError, VflashError
 from vflash_core.media import mp4
 from vflash_core.media.conditioning import TextConditioner
-from vflash_core.media.mp4 import probe_mp4
+from mp4_probe import probe_mp4
 from vflash_core.media.vae import MediaVAEs
 from vflash_core.pipeline.h3_pipeline import H3Pipeline, PreparedAssets, RequestCancelled, VideoRequest
 from vflash_core.pipeline.options import RunOptions

@@ -19,6 +19,8 @@ import torch
 from conftest import TINY, assert_bitwise, compile_tiny
 from safetensors.torch import load_file
 
+import transformer_files
+
 from vflash_core import Geometry, NativeEngineSession, build_keyframe_bundle
 from vflash_core.engine.artifact import CompiledArtifact
 from vflash_core.errors import IdentityMismatchError, WeightFileError
@@ -50,7 +52,7 @@ def _generate(paths: dict, config=TINY, seed: int = 5):
 def _same_latents_as_its_dequantized_bf16_file(tmp_path, path) -> CompiledArtifact:
     """Compile `path` and the original-layout BF16 file of its dequantized weights; both generate the same latents."""
     source = SourceWeights(path)
-    dequantized = synthetic.write_original_transformer(tmp_path / "dequantized.safetensors", source.config, source.read(list(source.shapes())))
+    dequantized = transformer_files.write_original_transformer(tmp_path / "dequantized.safetensors", source.config, source.read(list(source.shapes())))
     (tmp_path / "q").mkdir()
     (tmp_path / "bf16").mkdir()
     ours, reference = compile_tiny(tmp_path / "q", path, EXACT_CPU), compile_tiny(tmp_path / "bf16", dequantized, EXACT_CPU)
@@ -155,7 +157,7 @@ def test_int8_convrot_file_is_exact_for_its_weights(tmp_path, base_weights):
 
 def test_fp8_profiles_refuse_int8_and_gguf_files(tmp_path, base_weights):
     int8 = synthetic.write_comfy_transformer(tmp_path / "h3_int8_convrot.safetensors", TINY, base_weights, int8_convrot=4)
-    q8 = synthetic.write_gguf_transformer(tmp_path / "h3-Q8_0.gguf", TINY, base_weights, _gguf_types("Q8_0"))
+    q8 = transformer_files.write_gguf_transformer(tmp_path / "h3-Q8_0.gguf", TINY, base_weights, _gguf_types("Q8_0"))
     for path, fmt in ((int8, "int8_convrot"), (q8, "gguf")):
         with pytest.raises(IdentityMismatchError, match=rf"is a {fmt} file: FP8 profile t2va-base4-fp8-cpu would quantize its dequantized weights a second time; choose a BF16 profile$"):
             prepare("t2va-base4-fp8-cpu", path, tmp_path / "receipt.json")
@@ -245,7 +247,7 @@ def test_gguf_file_reads_as_comfyui_gguf_dequantizes(tmp_path, main):
     as `test_gguf_dequantization_matches_the_gguf_package` states. A k-quant main type (rows of 256) leaves the rows of
     32 to Q8_0, as quantizers fall back."""
     weights = synthetic.random_internal_weights(GGUF_CONFIG, seed=8)
-    path = synthetic.write_gguf_transformer(tmp_path / f"h3-{main}.gguf", GGUF_CONFIG, weights, _gguf_types(main, "Q8_0"), seed=3)
+    path = transformer_files.write_gguf_transformer(tmp_path / f"h3-{main}.gguf", GGUF_CONFIG, weights, _gguf_types(main, "Q8_0"), seed=3)
     source = SourceWeights(path)
     assert source.format == "gguf" and source.config == GGUF_CONFIG  # inferred from shapes and rope.inv_freq
     types = source.describe()["quant_types"]
@@ -268,7 +270,7 @@ def test_gguf_reads_in_row_chunks_as_whole(tmp_path, monkeypatch):
     from vflash_core.weights import gguf_file
 
     weights = synthetic.random_internal_weights(GGUF_CONFIG, seed=8)
-    path = synthetic.write_gguf_transformer(tmp_path / "h3-Q4_K.gguf", GGUF_CONFIG, weights, _gguf_types("Q4_K", "Q8_0"))
+    path = transformer_files.write_gguf_transformer(tmp_path / "h3-Q4_K.gguf", GGUF_CONFIG, weights, _gguf_types("Q4_K", "Q8_0"))
     names = ["blocks.0.ffn.in.weight", "blocks.0.ffn.out.weight", "blocks.1.attn.qkv.weight"]
     whole = SourceWeights(path).read(names)
     monkeypatch.setattr(gguf_file, "_CHUNK", 300)  # a row or two at a time
@@ -281,13 +283,13 @@ def test_gguf_file_is_exact_for_its_weights(tmp_path, main):
     """Compiled, a GGUF generates the BF16 file of its dequantized weights bit for bit; the artifact records the
     format and the quant types (GGUF_CONFIG's ffn.out rows hold Q4_K blocks; its other rows Q8_0)."""
     weights = synthetic.random_internal_weights(GGUF_CONFIG, seed=9)
-    path = synthetic.write_gguf_transformer(tmp_path / f"h3-{main}.gguf", GGUF_CONFIG, weights, _gguf_types(main, "Q8_0"))
+    path = transformer_files.write_gguf_transformer(tmp_path / f"h3-{main}.gguf", GGUF_CONFIG, weights, _gguf_types(main, "Q8_0"))
     artifact = _same_latents_as_its_dequantized_bf16_file(tmp_path, path)
     assert artifact.base_weights["format"] == "gguf" and artifact.base_weights["quant_types"][main] > 0
 
 
 def test_pruned_gguf_compiles_for_pruned_profiles_only(tmp_path, base_weights):
-    path = synthetic.write_gguf_transformer(tmp_path / "h3_pruned-Q8_0.gguf", TINY, synthetic.prune_adaln(base_weights, TINY), _gguf_types("Q8_0"))
+    path = transformer_files.write_gguf_transformer(tmp_path / "h3_pruned-Q8_0.gguf", TINY, transformer_files.prune_adaln(base_weights, TINY), _gguf_types("Q8_0"))
     source = SourceWeights(path)
     assert source.pruned and source.curve == (1025, 8) and source.dtype_of("blocks.0.adaln.weight") == torch.float32
     with pytest.raises(IdentityMismatchError, match="compiles only for a -pruned profile"):
@@ -298,7 +300,7 @@ def test_pruned_gguf_compiles_for_pruned_profiles_only(tmp_path, base_weights):
 
 
 def test_gguf_without_the_gguf_package_is_refused_in_one_line(tmp_path, base_weights, monkeypatch):
-    path = synthetic.write_gguf_transformer(tmp_path / "h3-Q8_0.gguf", TINY, base_weights, _gguf_types("Q8_0"))
+    path = transformer_files.write_gguf_transformer(tmp_path / "h3-Q8_0.gguf", TINY, base_weights, _gguf_types("Q8_0"))
     monkeypatch.setitem(sys.modules, "gguf", None)
     with pytest.raises(WeightFileError, match=r"^reading a GGUF file needs the gguf package: pip install 'vflash\[gguf\]' \(or pip install gguf\)$"):
         SourceWeights(path)

@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers.utils import is_torchvision_available
 
-from vflash_core.media.mp4 import probe_mp4, write_mp4
+from mp4_probe import probe_mp4
+from vflash_core.media.mp4 import write_mp4
 from vflash_core.media.qwen_video import QwenVideoProcessor
 from vflash_core.pipeline.h3_pipeline import H3Pipeline, VideoRequest
 

@@ -109,7 +109,7 @@ def published(out: Path) -> list[Path]:
 
 
 async def test_submit_poll_download_playable_mp4(aiohttp_client, make_service, tmp_path):
-    from vflash_core.media.mp4 import probe_mp4
+    from mp4_probe import probe_mp4
 
     inputs = tmp_path / "inputs"
     inputs.mkdir()

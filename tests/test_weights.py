@@ -11,6 +11,8 @@ import torch
 from conftest import TINY, assert_bitwise
 from safetensors.torch import save_file
 
+import transformer_files
+
 from vflash_core.errors import WeightFileError
 from vflash_core.tensor_store import ReadRequest, SafetensorsFile, TensorStore
 from vflash_core.weights import synthetic
@@ -131,7 +133,7 @@ def test_require_reports_missing_wrong_shape_and_dtype(sample_file):
 
 @pytest.mark.parametrize("qkv_layout", ["stacked", "interleaved"])
 def test_original_layout_reads_same_internal_tensors_as_diffusers(tmp_path, tiny_transformer, tiny_weights, qkv_layout):
-    single = synthetic.write_original_transformer(tmp_path / "h3.safetensors", TINY, tiny_weights, qkv_layout, embed_config=False)
+    single = transformer_files.write_original_transformer(tmp_path / "h3.safetensors", TINY, tiny_weights, qkv_layout, embed_config=False)
     diffusers = SourceWeights(tiny_transformer)
     original = SourceWeights(single, qkv_layout=qkv_layout)
     assert original.layout == "original" and diffusers.layout == "diffusers"
@@ -212,7 +214,7 @@ def test_original_layout_reads_as_diffusers_own_converter_reads_it(tmp_path, tin
     from diffusers import MiniMaxH3Transformer3DModel
 
     folder = synthetic.write_diffusers_transformer(tmp_path / "transformer", TINY, tiny_weights)  # its config.json only
-    path = synthetic.write_original_transformer(tmp_path / "h3.safetensors", TINY, tiny_weights, qkv_layout)
+    path = transformer_files.write_original_transformer(tmp_path / "h3.safetensors", TINY, tiny_weights, qkv_layout)
     converted = MiniMaxH3Transformer3DModel.from_single_file(str(path), config=str(folder), qkv_layout=qkv_layout, torch_dtype=torch.float32).state_dict()
     source = SourceWeights(path, qkv_layout=qkv_layout)
     ours = source.read(list(source.shapes()))

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from comfy_standins import harness
 from conftest import CARD_TITLE_CHARS, TEMPLATES, linked_demo_cache
+import transformer_files
 from vflash_nodes.workflow import (
     WorkflowError,
     _dynamic_combo_inputs,
@@ -250,7 +251,7 @@ def test_run_workflow_cli_t2va_plays_with_audio(tmp_path, demo_cache):
     wiring is what is checked here, so the canvas is set to the smallest H3 takes, as `--set` lets a user do."""
     import av
 
-    from vflash_core.media.mp4 import probe_mp4
+    from mp4_probe import probe_mp4
 
     overrides = ["4.width=32", "4.height=32"]
     env = {**os.environ, "VFLASH_CACHE": str(demo_cache)}
@@ -286,7 +287,7 @@ def test_run_workflow_refuses_an_sm90_profile_on_cpu_before_anything_runs(tmp_pa
     models = tmp_path / "models"
     (models / "diffusion_models").mkdir(parents=True)
     tiny = H3Config.preset("tiny")
-    synthetic.write_original_transformer(models / "diffusion_models" / "h3.safetensors", tiny, synthetic.random_internal_weights(tiny, seed=1))
+    transformer_files.write_original_transformer(models / "diffusion_models" / "h3.safetensors", tiny, synthetic.random_internal_weights(tiny, seed=1))
     env = {**os.environ, "VFLASH_CACHE": str(tmp_path / "cache")}
     out = subprocess.run(
         [sys.executable, "-m", "vflash_core.cli.main", "run-workflow", str(API_DIR / "t2va.json"), "--models-dir", str(models), "--output-dir", str(tmp_path / "out"),
@@ -299,7 +300,7 @@ def test_run_workflow_refuses_an_sm90_profile_on_cpu_before_anything_runs(tmp_pa
 
 
 def test_fl2va_headless_with_the_example_inputs(tmp_path, monkeypatch, demo_cache):
-    from vflash_core.media.mp4 import probe_mp4
+    from mp4_probe import probe_mp4
 
     monkeypatch.setenv("VFLASH_CACHE", str(demo_cache))
     workflow = apply_overrides(load_api_workflow(API_DIR / "fl2va.json"), ["4.width=128", "4.height=128"])
@@ -310,7 +311,7 @@ def test_fl2va_headless_with_the_example_inputs(tmp_path, monkeypatch, demo_cach
 def test_ref2va_headless_on_a_small_ref2va_family(tmp_path, h3_family, h3_prepared_ref):
     """The ref2va graph (Autogrow reference inputs) on a random-weight family with a ref2va partition (the run's
     shared family, linked into the models folder, and its ref2va receipt)."""
-    from vflash_core.media.mp4 import probe_mp4
+    from mp4_probe import probe_mp4
 
     models = tmp_path / "models"
     (models / "diffusers").mkdir(parents=True)

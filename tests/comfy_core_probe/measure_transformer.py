@@ -38,12 +38,13 @@ def small_config():
 
 
 def write_files(work: Path, config) -> dict[str, Path]:
+    import transformer_files
     from vflash_core.weights import synthetic
 
     weights = synthetic.random_internal_weights(config, seed=6)
     return {
         "bf16": synthetic.write_comfy_transformer(work / "h3_small_bf16.safetensors", config, weights),
-        "pruned": synthetic.write_comfy_transformer(work / "h3_small_pruned.safetensors", config, synthetic.prune_adaln(weights, config)),
+        "pruned": synthetic.write_comfy_transformer(work / "h3_small_pruned.safetensors", config, transformer_files.prune_adaln(weights, config)),
         "fp8_scaled": synthetic.write_comfy_transformer(work / "h3_small_fp8_scaled.safetensors", config, weights, fp8="metadata"),
     }
 
@@ -118,7 +119,8 @@ def core_ops(config):
 def main() -> None:
     work = Path(sys.argv[1])
     work.mkdir(parents=True, exist_ok=True)
-    sys.path[:0] = [".", str(Path(__file__).resolve().parents[2])]  # ComfyUI, then this repository
+    here = Path(__file__).resolve()
+    sys.path[:0] = [".", str(here.parents[2]), str(here.parents[1])]  # ComfyUI, this repository, its tests
     from comfy.cli_args import args
 
     args.cpu = True

@@ -47,7 +47,7 @@ from ..formats import is_positive
 from .mp4_options import DEFAULT_CRF, DEFAULT_PRESET, H264_OPTIONS, check_delivery_options, check_encoder_options
 
 __all__ = [
-    "STREAM_QUEUE_PARTS", "MP4Stream", "mp4_stream", "probe_mp4", "quantize", "quantize_frames", "rgb_frames",
+    "STREAM_QUEUE_PARTS", "MP4Stream", "mp4_stream", "quantize", "quantize_frames", "rgb_frames",
     "write_mp4",
 ]
 
@@ -374,28 +374,3 @@ def write_mp4(
         audio.shape[1] / sample_rate, sample_rate
     )
     return path
-
-
-def probe_mp4(path: str | Path) -> dict[str, object]:
-    """What a player sees: decoded video frame count, rate and size; audio codec, duration, rate and channels."""
-    import av
-
-    with av.open(str(path)) as container:
-        if not container.streams.video or not container.streams.audio:
-            raise VflashError(f"{path}: expected one video and one audio stream")
-        video, audio = container.streams.video[0], container.streams.audio[0]
-        if video.average_rate is None or audio.duration is None or audio.time_base is None:
-            raise VflashError(f"{path}: the container gives no video frame rate or no audio duration")
-        info = {
-            "fps": float(video.average_rate),
-            "width": video.codec_context.width,
-            "height": video.codec_context.height,
-            "video_codec": video.codec_context.name,
-            "audio_codec": audio.codec_context.name,
-            # The stream duration honours the edit list that hides the AAC encoder's priming and padding samples.
-            "audio_seconds": float(audio.duration * audio.time_base),
-            "sample_rate": audio.codec_context.sample_rate,
-            "channels": audio.codec_context.channels,
-        }
-        info["frames"] = sum(1 for _ in container.decode(video=0))
-    return info
