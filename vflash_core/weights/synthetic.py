@@ -289,11 +289,11 @@ def write_comfy_transformer(
     int8_marking: str = "comfy_quant",
 ) -> Path:
     """A Comfy-Org single file: original names with stacked QKV and the `rope.inv_freq` buffer, from full or pruned
-    weights (an `adaln_t_table`, reduced-rank AdaLN projections). With `fp8`, the bf16 linears ComfyUI quantizes
-    become float8_e4m3fn codes with one fp32 scale each (`scale = amax / 448`, `code = fp8(w / scale)`), marked the
-    way ComfyUI marks them: "metadata" (`_quantization_metadata` and `<layer>.weight_scale`), "comfy_quant" (a `<layer>.comfy_quant` tensor each) or
-    "legacy" (a `scaled_fp8` tensor and `<layer>.scale_weight`). With `int8_convrot` (a ConvRot group size, a power
-    of 4), those linears whose columns it divides are written as ComfyUI's int8_convrot layers instead
+    weights (an `adaln_t_table`, reduced-rank AdaLN projections). With `fp8`, the bf16 linears ComfyUI quantizes become
+    float8_e4m3fn codes with one fp32 scale each (`scale = amax / 448`, `code = fp8(w / scale)`), marked the way ComfyUI
+    marks them: "metadata" (`_quantization_metadata` and `<layer>.weight_scale`), "comfy_quant" (a `<layer>.comfy_quant`
+    tensor each) or "legacy" (a `scaled_fp8` tensor and `<layer>.scale_weight`). With `int8_convrot` (a ConvRot group
+    size, a power of 4), those linears whose columns it divides are written as ComfyUI's int8_convrot layers instead
     (`quantize_int8_convrot`), marked by `<layer>.comfy_quant` tensors or (`int8_marking="metadata"`)
     `_quantization_metadata`."""
     path = Path(path)
