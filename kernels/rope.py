@@ -234,6 +234,23 @@ def angles_views(
     return cos2, sin2
 
 
+def _head_tile_constants(
+    head_dim: int, cos: torch.Tensor, block_d: int, tile: _launch.Tile, x: torch.Tensor, *others: torch.Tensor
+) -> dict[str, object]:
+    """The compile-time arguments both kernels take: the head and rotary widths (R from the (S, R) `cos`), the rounding
+    of `x`'s dtype, the tile, whether `x`, `cos` or `others` need int64 indexing, and the launch options."""
+    return {
+        "HEAD_DIM": head_dim,
+        "ROTARY": cos.shape[1],
+        "ROUND_DTYPE": _launch.round_dtype(x.dtype),
+        "BLOCK_ROWS": tile.block_rows,
+        "BLOCK_HEADS": tile.block_groups,
+        "BLOCK_D": block_d,
+        "INDEX_64": _launch.needs_int64(x, cos, *others),
+        **_launch.launch_options(tile),
+    }
+
+
 def rope_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Launcher: x (S, heads, D) any strides, cos/sin (S, R) any strides, out (S, heads, D) any strides."""
     n_rows, n_heads, head_dim = x.shape
@@ -248,14 +265,7 @@ def rope_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: tor
         cos.stride(0), cos.stride(1),
         sin.stride(0), sin.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        HEAD_DIM=head_dim,
-        ROTARY=cos.shape[1],
-        ROUND_DTYPE=_launch.round_dtype(x.dtype),
-        BLOCK_ROWS=tile.block_rows,
-        BLOCK_HEADS=tile.block_groups,
-        BLOCK_D=block_d,
-        INDEX_64=_launch.needs_int64(x, cos, sin, out),
-        **_launch.launch_options(tile),
+        **_head_tile_constants(head_dim, cos, block_d, tile, x, sin, out),
     )
     return out
 
@@ -370,12 +380,5 @@ def launch_qk_norm_rope(
         cos2.stride(0), cos2.stride(1),
         sin2.stride(0), sin2.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        HEAD_DIM=head_dim,
-        ROTARY=cos2.shape[1],
-        ROUND_DTYPE=_launch.round_dtype(rows.dtype),
-        BLOCK_ROWS=tile.block_rows,
-        BLOCK_HEADS=tile.block_groups,
-        BLOCK_D=block_d,
-        INDEX_64=_launch.needs_int64(rows, cos2, sin2, out),
-        **_launch.launch_options(tile),
+        **_head_tile_constants(head_dim, cos2, block_d, tile, rows, sin2, out),
     )
