@@ -49,6 +49,7 @@ and its ops in `vae_vit`, the parts on other devices in `vae_decode_devices`; th
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -188,7 +189,10 @@ class NativeVideoDecoder:
             [items[first : first + per_call] for first in range(0, len(items), per_call)], len(self.weights)
         )
         grid: dict[TileWindow, torch.Tensor] = {}
-        peers = [PeerPart(self, index, z, plan, part) for index, part in enumerate(parts[1:], start=1)]
+        peers = [
+            PeerPart(self.weights[index].device, index, z, functools.partial(self._calls, index, plan=plan, calls=part))
+            for index, part in enumerate(parts[1:], start=1)
+        ]
         try:
             # The one-device order: the first device's own part, then each peer's part as it is staged.
             in_order = itertools.chain(

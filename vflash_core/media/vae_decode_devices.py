@@ -7,21 +7,18 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import torch
 
 from ..engine.device_owner import HostCopy, copy_to_host
-from .vae_tiles import DecodePlan, TileWindow
+from .vae_tiles import TileWindow
 
-if TYPE_CHECKING:
-    from .vae_decode import NativeVideoDecoder
+__all__ = ["DecodedCalls", "PeerPart", "split_calls"]
 
-__all__ = ["PeerPart", "split_calls"]
-
-
-# -- the driver -------------------------------------------------------------------------------------------------------
+#: A part's calls run on one device from that device's copy of the latents: each as (tile-windows, pixels there).
+DecodedCalls = Callable[[torch.Tensor], Iterator[tuple[list[TileWindow], torch.Tensor]]]
 
 
 def split_calls(calls: list[list[TileWindow]], parts: int) -> list[list[list[TileWindow]]]:
@@ -58,27 +55,21 @@ class PeerPart:
     """One contiguous part of the calls decoded on a device other than the first, on a host thread of its own; each
     call's tiles are staged in host memory until the first device takes them (`results`), in order."""
 
-    def __init__(
-        self, decoder: NativeVideoDecoder, index: int, z: torch.Tensor, plan: DecodePlan, calls: list[list[TileWindow]]
-    ):
+    def __init__(self, device: torch.device, index: int, z: torch.Tensor, decode: DecodedCalls):
         self.outbox: queue.SimpleQueue[StagedCall | BaseException | None] = queue.SimpleQueue()
         self.stopping = threading.Event()
         # The part's own copy of the latents, made before the first device's work is queued: reading them on their
         # device from the thread would queue each read behind that work.
-        latents = z.to(decoder.weights[index].device, copy=True)
+        latents = z.to(device, copy=True)
         self.thread = threading.Thread(
-            target=self._run, args=(decoder, index, latents, plan, calls), name=f"vae-decode-device-{index}",
-            daemon=True
+            target=self._run, args=(device, latents, decode), name=f"vae-decode-device-{index}", daemon=True
         )
         self.thread.start()
 
-    def _run(
-        self, decoder: NativeVideoDecoder, index: int, latents: torch.Tensor, plan: DecodePlan,
-        calls: list[list[TileWindow]]
-    ) -> None:
+    def _run(self, device: torch.device, latents: torch.Tensor, decode: DecodedCalls) -> None:
         try:
-            with torch.no_grad(), _device_context(decoder.weights[index].device):
-                for batch, pixels in decoder._calls(index, latents, plan, calls):
+            with torch.no_grad(), _device_context(device):
+                for batch, pixels in decode(latents):
                     if self.stopping.is_set():
                         break
                     self.outbox.put(StagedCall(batch, copy_to_host(pixels)))
