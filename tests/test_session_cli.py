@@ -164,7 +164,7 @@ def test_compiler_cli_refuses_a_missing_gpu_before_reading_and_stops_cleanly(tmp
     capsys.readouterr()
     if not torch.cuda.is_available():
         hashed = []
-        monkeypatch.setattr(compiler, "_verify_receipt_files", lambda *args: hashed.append(args))
+        monkeypatch.setattr(compiler, "verify_receipt_files", lambda *args: hashed.append(args))
         assert compiler_main(["compile", "--receipt", str(tmp_path / "r.json"), "--output", str(tmp_path / "c"), "--gpu", "0"]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "CUDA is not available" in err and "Traceback" not in err

@@ -611,7 +611,7 @@ def test_compile_output_folder_problems_are_refused_before_the_weights_are_hashe
     def refuse(*args, **kwargs):
         raise AssertionError("the weights were read for a compile that must be refused first")
 
-    monkeypatch.setattr(compiler, "_verify_receipt_files", refuse)
+    monkeypatch.setattr(compiler, "verify_receipt_files", refuse)
     long_name = tmp_path / ("b" * 250)
     cases = [
         (inputs / "latin1.txt" / "compiled", f"output folder {inputs / 'latin1.txt' / 'compiled'} cannot be created: {inputs / 'latin1.txt'} is a file"),
