@@ -173,7 +173,7 @@ def test_compiler_cli_refuses_a_missing_gpu_before_reading_and_stops_cleanly(tmp
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(compiler, "_write_compiled", interrupt)
+    monkeypatch.setattr(compiler, "write_compiled", interrupt)
     assert compiler_main(["compile", "--receipt", str(tmp_path / "r.json"), "--output", str(tmp_path / "c")]) == 130
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "nothing was published" in err
