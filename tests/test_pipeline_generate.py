@@ -69,6 +69,7 @@ def test_generate_writes_the_mp4_and_times_its_stages(pipeline, tmp_path):
 
 
 def test_serial_requests_reuse_the_models_and_repeat_exactly(pipeline):
+    pipeline.load()  # loaded by the test before, or here when this one runs alone
     initialization = pipeline.initialization_seconds
     first = pipeline.generate(REQUEST, None)
     second = pipeline.generate(REQUEST, None)
