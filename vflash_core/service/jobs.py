@@ -1,7 +1,9 @@
-"""In-memory job records and the bounded FIFO queue (job state belongs to the HTTP process, not the worker).
+"""Job records and the bounded FIFO queue: in memory here (job state belongs to the HTTP process, not the worker), or
+in Redis for a fleet (`fleet_store`), behind the same two interfaces (`JobRecords` for the HTTP handlers, `JobQueue`
+for the worker supervisor).
 
 A job's record lives in the parent and outlives any worker process: a worker that dies mid-job cannot take the
-record with it. Records are never persisted; an application that needs durable jobs supplies its own storage.
+record with it. The in-memory records are never persisted; `vflash serve --redis` keeps them in Redis instead.
 """
 
 from __future__ import annotations
@@ -17,9 +19,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-__all__ = ["JOB_ID_PATTERN", "Job", "JobState", "JobStore", "QueueFullError", "new_job_id", "redact_paths"]
+__all__ = [
+    "JOB_ID_PATTERN", "Job", "JobQueue", "JobRecords", "JobState", "JobStore", "QueueFullError", "new_job_id",
+    "redact_paths",
+]
 
 
 class JobState(str, enum.Enum):
@@ -64,6 +69,7 @@ class Job:
     started: float | None = None
     finished: float | None = None
     worker_pid: int | None = None
+    attempts: int = 0  # times a worker started it (a fleet re-queues a lost worker's job)
     stage: str | None = None
     stage_done: int = 0
     stage_total: int = 0
@@ -76,6 +82,7 @@ class Job:
 
     def start(self, worker_pid: int) -> None:
         self.state, self.started, self.worker_pid = JobState.RUNNING, time.time(), worker_pid
+        self.attempts += 1
 
     def progress(self, stage: str, done: int, total: int) -> None:
         self.stage, self.stage_done, self.stage_total = stage, done, total
@@ -114,6 +121,7 @@ class Job:
             },
             "cancel_requested": self.cancel_requested,
             "worker_pid": self.worker_pid,
+            "attempts": self.attempts,
             "error": self.error,
             "result": self.result,
             "video_url": f"/v1/jobs/{self.id}/video" if self.state is JobState.SUCCEEDED else None,
@@ -122,6 +130,27 @@ class Job:
 
 def _iso(stamp: float | None) -> str | None:
     return None if stamp is None else datetime.fromtimestamp(stamp, UTC).isoformat()
+
+
+class JobRecords(Protocol):
+    """What the HTTP handlers need of the job records."""
+
+    max_queue: int
+
+    def get(self, job_id: str) -> Job | None: ...
+    def check_capacity(self) -> None: ...
+    def add(self, job: Job) -> None: ...
+    def queue_position(self, job: Job) -> int | None: ...
+    def counts(self) -> dict[JobState, int]: ...
+
+
+class JobQueue(Protocol):
+    """What the worker supervisor needs of the queue."""
+
+    async def take(self) -> Job: ...
+    def put_back(self, job: Job) -> None: ...
+    def remove_queued(self, job: Job) -> None: ...
+    def drain_queue(self) -> list[Job]: ...
 
 
 class JobStore:

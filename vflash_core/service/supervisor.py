@@ -28,7 +28,7 @@ from typing import Any
 
 from ..pipeline.options import RunOptions
 from .config import ServiceConfig
-from .jobs import Job, JobState, JobStore, redact_paths
+from .jobs import Job, JobQueue, JobState, redact_paths
 from .metrics import Histogram, WorkerSeries
 from .worker import Cancelled, Failed, Fatal, Finished, JobOrder, Progress, Ready, Writing
 from .worker_handle import CancelRequested, Exited, WorkerHandle, describe_exit
@@ -258,7 +258,7 @@ class WorkerSlot:
 class WorkerSupervisor:
     """Runs the one queue on the service's worker slots; the only owner of the worker processes."""
 
-    def __init__(self, config: ServiceConfig, jobs: JobStore, work_dir: Path):
+    def __init__(self, config: ServiceConfig, jobs: JobQueue, work_dir: Path):
         self.config = config
         self.jobs = jobs
         self.output_dir = config.output_dir
@@ -288,6 +288,9 @@ class WorkerSupervisor:
     @property
     def restarts(self) -> int:
         return sum(slot.restarts for slot in self.slots)
+
+    def worker_views(self) -> list[dict[str, Any]]:
+        return [slot.view() for slot in self.slots]
 
     def worker_series(self) -> list[WorkerSeries]:
         return [
