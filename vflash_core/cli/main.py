@@ -26,7 +26,8 @@ __all__ = ["build_parser", "main"]
 
 # Modules that register subcommands, in help order.
 COMMAND_MODULES = (
-    "vflash_core.cli.denoise", "vflash_core.cli.generate", "vflash_core.cli.compare", "vflash_core.cli.serve"
+    "vflash_core.cli.denoise", "vflash_core.cli.generate", "vflash_core.cli.compare", "vflash_core.cli.serve",
+    "vflash_core.cli.fleet",
 )
 
 

@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 def register(sub: argparse._SubParsersAction) -> None:
     from ..pipeline.options import RunOptions
-    from ..service.config import CANCEL_GRACE, KEEP_FINISHED_JOBS, MAX_QUEUE, TORCH_THREADS, WORKERS
+    from ..service.config import CANCEL_GRACE, KEEP_FINISHED_JOBS, MAX_QUEUE, RETRIES, TORCH_THREADS, WORKERS
 
     p = sub.add_parser("serve", help=COMMANDS["serve"])
     source = p.add_mutually_exclusive_group(required=True)
@@ -66,6 +66,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-pipeline", dest="pipelined", action="store_false",
                    help="run each worker's jobs strictly one after another (default: the next job's encode and "
                         "denoise start while the last one's MP4 is written, where the memory plan says both fit)")
+    p.add_argument("--redis", metavar="URL",
+                   help="a fleet front end: jobs in this Redis (e.g. redis://queue-host:6379/0), run by `vflash "
+                        "fleet-worker`s sharing --output-dir; this process starts no worker")
+    p.add_argument("--retries", type=RETRIES.option("--retries"), default=1,
+                   help="with --redis: runs of a job after the first whose fleet worker was lost, before it fails "
+                        "(default 1)")
     p.set_defaults(handler=_serve)
 
 
@@ -108,6 +114,9 @@ def _serve(args: argparse.Namespace) -> int:
     from ..service import ServiceConfig, create_app
     from ..service.config import check_service_settings, check_workers
 
+    if args.redis is not None and (args.gpus is not None or args.gpu is not None or args.workers != 1):
+        raise VflashError("a fleet front end (--redis) runs no worker: start one `vflash fleet-worker` per GPU instead "
+                          "of --gpu, --gpus or --workers")
     if args.gpus is not None:
         _gpu_options(args)
     if args.peer_gpu is not None and args.gpu is None:
@@ -119,6 +128,7 @@ def _serve(args: argparse.Namespace) -> int:
         keep_finished_jobs=args.keep_finished_jobs, max_upload_bytes=int(args.max_upload_mb * MIB), token=args.token,
         cancel_grace_seconds=args.cancel_grace,
     )
+    fleet = dict(redis_url=args.redis, retries=args.retries)
     workers = dict(gpus=args.gpus or (), workers=args.workers, pipelined=args.pipelined,
                    torch_threads=args.worker_threads)
     options = RunOptions.from_arguments(args)
@@ -133,7 +143,8 @@ def _serve(args: argparse.Namespace) -> int:
         prepared = args.prepared_assets
     PreparedAssets.load(prepared)  # a malformed receipt is refused before the output folder is created
     config = ServiceConfig(
-        prepared_assets=prepared, options=options, log_level=logging.getLogger().level, **settings, **workers
+        prepared_assets=prepared, options=options, log_level=logging.getLogger().level, **settings, **workers,
+        **fleet,
     )
     if not is_loopback(args.host) and config.token is None:
         logger.warning("serving on %s without a token: anyone who can reach this address can submit jobs; "

@@ -2,7 +2,8 @@
 
 The HTTP process owns validation, job records and output names; all model work happens in the worker
 processes that `WorkerSupervisor` spawns (one per GPU, GPU pair or CPU worker), started and stopped by the one
-`cleanup_ctx` below.
+`cleanup_ctx` below. With `ServiceConfig.redis_url` it is a fleet front end instead: the same handlers over job
+records in Redis (`fleet_front`), run by fleet workers on any number of hosts.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import shutil
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -25,22 +26,41 @@ from ..errors import VflashError
 from ..fileio import remove_if_owner_ended
 from . import metrics
 from .config import ServiceConfig
-from .jobs import JOB_ID_PATTERN, Job, JobState, JobStore, QueueFullError, new_job_id, redact_paths
+from .jobs import JOB_ID_PATTERN, Job, JobRecords, JobState, JobStore, QueueFullError, new_job_id, redact_paths
+from .metrics import Histogram, WorkerSeries
 from .submission import InputPolicy, bad_request, http_error, read_submission
 from .supervisor import WorkerState, WorkerSupervisor
 from .validation import RequestValidator
 
 __all__ = [
-    "JOBS", "SUPERVISOR", "WORK_DIR", "WORK_DIR_OWNER", "WORK_DIR_PREFIX", "ClientFaultLogFilter", "create_app",
-    "remove_stale_work_dirs",
+    "JOBS", "SUPERVISOR", "WORKERS", "WORK_DIR", "WORK_DIR_OWNER", "WORK_DIR_PREFIX", "ClientFaultLogFilter",
+    "WorkerPool", "create_app", "remove_stale_work_dirs",
 ]
 
 logger = logging.getLogger(__name__)
 
+
+
+class WorkerPool(Protocol):
+    """What the handlers ask of the workers: this host's `WorkerSupervisor`, or a fleet's `FleetWorkers`."""
+
+    @property
+    def state(self) -> WorkerState: ...
+    @property
+    def fatal_error(self) -> str | None: ...
+    @property
+    def request_seconds(self) -> Histogram: ...
+    def worker_views(self) -> list[dict[str, Any]]: ...
+    def worker_series(self) -> list[WorkerSeries]: ...
+    def cancel(self, job: Job) -> None: ...
+
+
 CONFIG = web.AppKey("vflash_config", ServiceConfig)
-JOBS = web.AppKey("vflash_jobs", JobStore)
-SUPERVISOR = web.AppKey("vflash_supervisor", WorkerSupervisor)
+JOBS = web.AppKey[JobRecords]("vflash_jobs")
+WORKERS = web.AppKey[WorkerPool]("vflash_workers")
+SUPERVISOR = web.AppKey("vflash_supervisor", WorkerSupervisor)  # this host's workers (not in a fleet front end)
 VALIDATOR = web.AppKey("vflash_validator", RequestValidator)
+UPLOADS = web.AppKey("vflash_uploads", Path)  # each job's uploads go to a folder of its id in here
 WORK_DIR = web.AppKey("vflash_work_dir", Path)
 
 WORK_DIR_PREFIX = ".vflash-work-"
@@ -76,17 +96,23 @@ def create_app(config: ServiceConfig) -> web.Application:
     """Build the service; nothing is spawned or written until the app starts."""
     logging.getLogger("aiohttp.server").addFilter(_CLIENT_FAULTS)  # once: a filter is added to a logger only once
     middlewares = [] if config.token is None else [_bearer_auth(config.token)]
+    if config.redis_url is not None:
+        middlewares.append(_redis_unreachable)
     app = web.Application(middlewares=middlewares)
-    jobs = JobStore(config.max_queue, config.keep_finished_jobs)
-    # The hidden work folder (uploads, staging, worker TMPDIRs) shares the output folder's filesystem, so publishing
-    # a staged video is an `os.link`.
-    work_dir = config.output_dir / f"{WORK_DIR_PREFIX}{secrets.token_hex(4)}"
     app[CONFIG] = config
-    app[JOBS] = jobs
     app[VALIDATOR] = RequestValidator(config)
-    app[WORK_DIR] = work_dir
-    app[SUPERVISOR] = WorkerSupervisor(config, jobs, work_dir)
-    app.cleanup_ctx.append(_worker_lifecycle)
+    if config.redis_url is None:
+        jobs = JobStore(config.max_queue, config.keep_finished_jobs)
+        # The hidden work folder (uploads, staging, worker TMPDIRs) shares the output folder's filesystem, so
+        # publishing a staged video is an `os.link`.
+        work_dir = config.output_dir / f"{WORK_DIR_PREFIX}{secrets.token_hex(4)}"
+        app[JOBS] = jobs
+        app[WORK_DIR] = work_dir
+        app[UPLOADS] = work_dir / "uploads"
+        app[WORKERS] = app[SUPERVISOR] = WorkerSupervisor(config, jobs, work_dir)
+        app.cleanup_ctx.append(_worker_lifecycle)
+    else:
+        _fleet_front_end(app, config, config.redis_url)
     app.add_routes([
         web.post("/v1/jobs", submit_job),
         web.get("/v1/jobs/{job_id}", get_job),
@@ -116,6 +142,36 @@ async def _worker_lifecycle(app: web.Application) -> AsyncIterator[None]:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def _fleet_front_end(app: web.Application, config: ServiceConfig, redis_url: str) -> None:
+    """Job records in the fleet's Redis, uploads in the shared output folder; no worker of its own."""
+    from .fleet_front import FleetJobStore, FleetWorkers, fleet_uploads
+    from .fleet_store import connect
+
+    client = connect(redis_url)
+    app[JOBS] = FleetJobStore(client, config.output_dir, config.max_queue, config.keep_finished_jobs, config.retries)
+    app[WORKERS] = FleetWorkers(client)
+    app[UPLOADS] = fleet_uploads(config.output_dir)
+
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        app[UPLOADS].mkdir(parents=True, exist_ok=True)
+        yield
+        client.close()
+
+    app.cleanup_ctx.append(lifecycle)
+
+
+@web.middleware
+async def _redis_unreachable(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A fleet front end whose Redis does not answer says so (503), in the API's JSON form."""
+    import redis
+
+    try:
+        return await handler(request)
+    except redis.RedisError as exc:
+        logger.error("the fleet's Redis failed: %s", exc)
+        raise http_error(web.HTTPServiceUnavailable, f"the job store (Redis) is unavailable: {exc}") from None
 
 
 def remove_stale_work_dirs(output_dir: Path) -> list[Path]:
@@ -170,7 +226,7 @@ async def submit_job(request: web.Request) -> web.Response:
     app = request.app
     _check_accepting(app)
     job_id = new_job_id()
-    upload_dir = app[WORK_DIR] / "uploads" / job_id
+    upload_dir = app[UPLOADS] / job_id
     try:
         job = await _accept(request, job_id, upload_dir)
     except BaseException:
@@ -198,7 +254,7 @@ async def _accept(request: web.Request, job_id: str, upload_dir: Path) -> Job:
 
 
 def _check_accepting(app: web.Application) -> None:
-    supervisor = app[SUPERVISOR]
+    supervisor = app[WORKERS]
     if supervisor.state in (WorkerState.FATAL, WorkerState.STOPPED):
         reason = supervisor.fatal_error or "the service is stopping"
         raise http_error(web.HTTPServiceUnavailable, f"the service cannot run jobs: {reason}")
@@ -237,7 +293,7 @@ async def cancel_job(request: web.Request) -> web.Response:
     job = _job(request)
     if job.state.terminal:
         raise http_error(web.HTTPConflict, f"job {job.id} is already {job.state.value}")
-    request.app[SUPERVISOR].cancel(job)
+    request.app[WORKERS].cancel(job)
     status = 200 if job.state.terminal else 202
     return web.json_response(job.view(request.app[JOBS].queue_position(job)), status=status)
 
@@ -248,10 +304,10 @@ async def cancel_job(request: web.Request) -> web.Response:
 async def readyz(request: web.Request) -> web.Response:
     """Ready once a worker passed its profile and device checks (not "the model is loaded": loading happens on its
     first job); `workers` reports each worker slot."""
-    supervisor = request.app[SUPERVISOR]
+    supervisor = request.app[WORKERS]
     ready = supervisor.state is WorkerState.READY
     body = {
-        "ready": ready, "worker": supervisor.state.value, "workers": [slot.view() for slot in supervisor.slots],
+        "ready": ready, "worker": supervisor.state.value, "workers": supervisor.worker_views(),
         "error": supervisor.fatal_error,
     }
     return web.json_response(body, status=200 if ready else 503)
@@ -263,7 +319,7 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def get_metrics(request: web.Request) -> web.Response:
-    supervisor = request.app[SUPERVISOR]
+    supervisor = request.app[WORKERS]
     jobs = request.app[JOBS]
     text = metrics.render(
         {state.value: count for state, count in jobs.counts().items()}, supervisor.request_seconds,

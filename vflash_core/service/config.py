@@ -14,7 +14,7 @@ from ..pipeline.options import RunOptions
 from .worker import WorkerConfig
 
 __all__ = [
-    "CANCEL_GRACE", "KEEP_FINISHED_JOBS", "MAX_QUEUE", "TORCH_THREADS", "WORKERS", "ServiceConfig",
+    "CANCEL_GRACE", "KEEP_FINISHED_JOBS", "MAX_QUEUE", "RETRIES", "TORCH_THREADS", "WORKERS", "ServiceConfig",
     "check_service_settings", "check_workers",
 ]
 
@@ -25,6 +25,8 @@ MAX_UPLOAD_BYTES = Number(int, 1, 2**40)  # 1 TiB
 CANCEL_GRACE = Number(float, 0, 86_400, above=True, unit="seconds")
 WORKERS = Number(int, 1, 64)
 TORCH_THREADS = Number(int, 1, 1024)
+#: How many times a fleet runs a job again after the worker running it was lost.
+RETRIES = Number(int, 0, 100)
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,10 @@ class ServiceConfig:
     cancel_grace_seconds: float = 10.0  # how long a cancelled or stopping worker may take before it is killed
     log_level: int = field(default=logging.INFO)
     create_output_dir: bool = False  # create a missing output folder (its parent must exist) once all else checks out
+    # A fleet front end: job records and queue in this Redis, run by `vflash fleet-worker`s (the output folder is
+    # shared with them); None: this process's own workers, records in memory.
+    redis_url: str | None = None
+    retries: int = 1  # fleet: runs of a job after the first whose worker was lost, before it fails
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise paths once, here
@@ -61,6 +67,7 @@ class ServiceConfig:
         )
         set_(self, "gpus", tuple(tuple(entry) for entry in self.gpus))
         check_workers(self.options, self.gpus, self.workers, self.torch_threads)
+        RETRIES.check("retries", self.retries)
         self.worker_options()  # each worker's options are checked (a pair without a strategy, say)
         if create:
             self.output_dir.mkdir()
