@@ -377,7 +377,7 @@ def test_serve_places_one_worker_per_gpu_or_pair_and_refuses_gpus_on_a_machine_w
     assert ServiceConfig(receipt, tmp_path, workers=3).worker_options() == (RunOptions(),) * 3
     for changes, message in (
         ({"gpus": ((0,), (0,))}, r"a GPU serves one worker; \[0, 0\] names one twice"),
-        ({"gpus": ((0, 1),)}, "a peer GPU and a strategy go together"),
+        ({"gpus": ((0, 1),)}, "two or more devices need strategy sequence-head or tensor, got None"),
         ({"gpus": ((0,), (1, 2))}, "every worker has one GPU, or every worker a pair"),
         ({"gpus": ((0,),), "workers": 2}, "not both"),
         ({"torch_threads": 0}, "torch_threads must be an integer from 1"),

@@ -76,12 +76,12 @@ class ServiceConfig:
         """The run options of each worker, in slot order."""
         if not self.gpus:
             return (self.options,) * self.workers
-        return tuple(
-            dataclasses.replace(
-                self.options, device=f"cuda:{entry[0]}", peer_device=f"cuda:{entry[1]}" if len(entry) > 1 else None
-            )
+        engines = (
+            dataclasses.replace(self.options.engine, device=f"cuda:{entry[0]}",
+                                peer_device=f"cuda:{entry[1]}" if len(entry) > 1 else None)
             for entry in self.gpus
         )
+        return tuple(dataclasses.replace(self.options, engine=engine) for engine in engines)
 
     def worker_config(self, options: RunOptions, scratch_dir: Path) -> WorkerConfig:
         return WorkerConfig(
