@@ -2,8 +2,8 @@
 folder, never the system's service), two `vflash fleet-worker` processes on the CPU sharing one output folder, and
 fleet front ends (`ServiceConfig.redis_url`) built and thrown away around them.
 
-The Redis server and the two workers are shared by the module's tests, in file order: after one worker is killed, the
-last tests run on the other, and the very last stops it.
+The Redis server and the two workers are shared by the module's tests, in file order: after one worker is killed,
+the next tests run on the other until one stops it; the tests after that need no worker.
 In CI (`CI=true`) a missing `redis-server` or redis-py fails the module; elsewhere it is skipped with the reason.
 """
 
@@ -55,12 +55,10 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
+def start_redis(server: str, folder: Path) -> tuple[subprocess.Popen, str]:
+    """A redis-server of this test's own on a free loopback port, answering pings; nothing saved."""
     import redis
 
-    server = _require_redis()
-    folder = tmp_path_factory.mktemp("redis")
     port = _free_port()
     process = subprocess.Popen(
         [server, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(folder), "--save", "", "--appendonly", "no"],
@@ -71,10 +69,15 @@ def redis_url(tmp_path_factory):
     while True:
         try:
             redis.Redis.from_url(url).ping()
-            break
+            return process, url
         except redis.ConnectionError:
             assert process.poll() is None and time.monotonic() < deadline, (folder / "redis.log").read_text()
             time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory):
+    process, url = start_redis(_require_redis(), tmp_path_factory.mktemp("redis"))
     yield url
     process.terminate()
     process.wait(10)
@@ -249,6 +252,18 @@ async def test_a_stopped_fleet_worker_gives_its_running_job_back_to_the_queue(ai
     assert (back["status"], back["queue_position"], back["attempts"]) == ("queued", 1, 0), back  # no retry spent
     assert (await (await client.get("/readyz")).json())["workers"] == []
     assert f"{job_id}.mp4" not in published(fleet.output_dir)
+
+
+@pytest.mark.asyncio
+async def test_a_front_end_whose_redis_went_away_answers_503(aiohttp_client, fleet, tmp_path):
+    process, url = start_redis(_require_redis(), tmp_path)
+    client = await aiohttp_client(fleet.front_end(redis_url=url))
+    job_id = await submit(client, seed=11, **FAST)  # accepted: no worker serves this Redis
+    process.kill()
+    process.wait(10)
+    for response in (await client.get(f"/v1/jobs/{job_id}"), await client.post("/v1/jobs", json={"prompt": "x"})):
+        assert response.status == 503
+        assert (await response.json())["error"].startswith("the job store (Redis) is unavailable")
 
 
 def test_the_fleet_commands_refuse_in_one_line(capsys, demo_receipt, tmp_path):

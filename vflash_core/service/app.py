@@ -40,7 +40,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-
 class WorkerPool(Protocol):
     """What the handlers ask of the workers: this host's `WorkerSupervisor`, or a fleet's `FleetWorkers`."""
 
