@@ -2,11 +2,9 @@
 
 Setup (docs/development.md): `COMFYUI_ROOT` is a ComfyUI checkout at the pinned commit,
 `COMFYUI_PYTHON` (default: this interpreter) a Python with ComfyUI's requirements and this repository's
-requirements.txt installed. The fixture starts `main.py --cpu` on loopback with this repository linked into a
-dedicated custom-nodes folder through an extra-model-paths yaml (or, where ComfyUI's own `custom_nodes/` already holds
-this checkout, as docs/comfyui.md does, that copy: a second link would load the pack twice), loading no other custom
-nodes than the pack and the test-only probes; it submits workflows with `POST /prompt`, follows the websocket until the
-prompt finishes, and fetches the MP4 through `/history` and `/view`.
+requirements.txt installed. The fixture starts `main.py --cpu --cache-none` (`benchmarks/comfy_server.py`, shared with
+the core-vs-Vflash benchmark) with the pack and the test-only probes; it submits workflows with `POST /prompt`, follows
+the websocket until the prompt finishes, and fetches the MP4 through `/history` and `/view`.
 """
 
 from __future__ import annotations
@@ -14,230 +12,25 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
-import socket
-import struct
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
-from conftest import TEMPLATES
 import transformer_files
+from conftest import TEMPLATES
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from comfy_server import API, PROBE, REPO, SMALL_DIT, Server, installed_pack_copies, write_small_family  # noqa: E402, F401
 
 COMFYUI_ROOT = os.environ.get("COMFYUI_ROOT")
 pytestmark = pytest.mark.skipif(not COMFYUI_ROOT, reason="set COMFYUI_ROOT to a ComfyUI checkout to run the real-server tests")
 
-REPO = Path(__file__).resolve().parent.parent
-API = REPO / "workflows" / "api"
 SMALL = {"4": {"width": 128, "height": 128}}  # the chain on a small canvas; t2va runs unmodified
 
 
-PROBE = REPO / "tests" / "comfy_core_probe"
-SMALL_DIT = "h3_small_av.safetensors"
 CORE_VIDEO_VAE = "SmallVideoVAE"  # core's H3 video VAE class at the small family's dimensions (comfy_core_probe/small_core.py)
-
-
-def write_small_family(root: Path, models: Path) -> None:
-    """The small random family in the files a ComfyUI user has: a single-file transformer in diffusion_models (24 / 32
-    latent channels, text width 32: the released channel counts on a tiny network), and the text encoder and the two
-    VAEs in Comfy-Org's formats, written by core's own modules (`small_core.py`, run with ComfyUI's Python)."""
-    from dataclasses import replace
-
-    from vflash_core.engine.config import H3Config
-    from vflash_core.weights import synthetic
-
-    config = replace(H3Config.preset("demo"), in_channels=24, audio_in_channels=32)
-    transformer_files.write_original_transformer(models / "diffusion_models" / SMALL_DIT, config, synthetic.random_internal_weights(config, seed=6))
-    out = subprocess.run([os.environ.get("COMFYUI_PYTHON", sys.executable), str(PROBE / "small_core.py"), str(models)], cwd=root,
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-
-
-def installed_pack_copies(custom_nodes: Path) -> list[Path]:
-    """The entries of a custom-nodes folder that hold a copy of the Vflash pack (a pyproject.toml naming it)."""
-    import tomllib
-
-    copies = []
-    for entry in sorted(custom_nodes.iterdir()) if custom_nodes.is_dir() else []:
-        try:
-            project = tomllib.loads((entry / "pyproject.toml").read_text()).get("project", {})
-        except (OSError, tomllib.TOMLDecodeError):
-            continue
-        if project.get("name") == "vflash" and (entry / "__init__.py").is_file():
-            copies.append(entry)
-    return copies
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, root: Path, work: Path, copies: tuple[str, ...] | None = None):
-        """The test server; with `copies`, a bare one instead: this checkout linked under each of those folder names,
-        no probes and no models (for the duplicate-pack check)."""
-        self.work = work
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        (work / "nodes").mkdir(parents=True)
-        for d in ("models/vflash", "models/diffusion_models", "models/vae_approx", "input", "out", "user"):
-            (work / d).mkdir(parents=True, exist_ok=True)
-        if copies is None:
-            installed = installed_pack_copies(root / "custom_nodes")
-            this_checkout = [copy for copy in installed if copy.resolve() == REPO]
-            if this_checkout:  # the documented install: ComfyUI loads this checkout from its own custom_nodes already
-                self.pack_name = this_checkout[0].name
-            else:  # another copy there is not loaded (the whitelist below), and its folder name is kept free
-                self.pack_name = "vflash" if "vflash" not in {copy.name for copy in installed} else "vflash_under_test"
-                (work / "nodes" / self.pack_name).symlink_to(REPO)
-            # Test-only: core's H3 classes at the small family's dimensions (see tests/comfy_core_probe/small_core.py).
-            (work / "nodes" / "vflash_test_small_core").symlink_to(PROBE / "small_core_node")
-            # Test-only: what ComfyUI's model management and the pack hold, read in the server (GET /vflash_test/memory).
-            (work / "nodes" / "vflash_test_memory_probe").symlink_to(REPO / "tests" / "comfy_standins" / "server_memory_probe")
-            custom_nodes = [self.pack_name, "vflash_test_small_core", "vflash_test_memory_probe"]
-            for image in (REPO / "workflows" / "inputs").glob("*.png"):
-                shutil.copy(image, work / "input" / image.name)
-            write_small_family(root, work / "models")
-        else:
-            self.pack_name = copies[0]
-            for name in copies:
-                (work / "nodes" / name).symlink_to(REPO)
-            custom_nodes = list(copies)
-        (work / "extra_paths.yaml").write_text(
-            f"vflash_test:\n    custom_nodes: {work / 'nodes'}\n    vflash: {work / 'models' / 'vflash'}\n"
-            f"    diffusion_models: {work / 'models' / 'diffusion_models'}\n    text_encoders: {work / 'models' / 'text_encoders'}\n"
-            f"    vae: {work / 'models' / 'vae'}\n    vae_approx: {work / 'models' / 'vae_approx'}\n"
-        )
-        env = {**os.environ, "VFLASH_CACHE": str(work / "cache"), "VFLASH_TEST_SMALL_CORE": "1"}
-        self.log = open(work / "server.log", "w")
-        self.proc = subprocess.Popen(
-            [os.environ.get("COMFYUI_PYTHON", sys.executable), "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
-             "--disable-auto-launch", "--disable-api-nodes", "--extra-model-paths-config", str(work / "extra_paths.yaml"),
-             "--output-directory", str(work / "out"), "--input-directory", str(work / "input"),
-             "--user-directory", str(work / "user"),
-             "--database-url", "sqlite:///:memory:", "--cache-none",
-             # Only these custom-node folders, whatever else the user's custom_nodes holds (another copy included).
-             "--disable-all-custom-nodes", "--whitelist-custom-nodes", *custom_nodes],
-            cwd=root, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-        )
-
-    def wait_ready(self, timeout: float = 180.0) -> None:
-        import urllib.request
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"ComfyUI exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/system_stats", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.5)
-        raise RuntimeError(f"ComfyUI did not answer /system_stats in {timeout} s:\n{self.tail()}")
-
-    def tail(self, n: int = 60) -> str:
-        self.log.flush()
-        return "\n".join((self.work / "server.log").read_text(errors="replace").splitlines()[-n:])
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
-
-    # -- the API ------------------------------------------------------------------------------------------------
-
-    async def run_prompt(
-        self, prompt: dict, interrupt_at: int | None = None, timeout: float = 900.0, extra_data: dict | None = None,
-        interrupt_in_node: tuple[str, float] | None = None,
-    ) -> dict:
-        """Submit, follow the websocket to the end; returns {"status", "prompt_id", "events", "previews",
-        "http_status", "body"}: every JSON event with the monotonic time it arrived ("received"), and the binary
-        preview messages as (event type, image type, image bytes).
-
-        With `interrupt_at`, `POST /interrupt` is sent when a progress event reports that value; with
-        `interrupt_in_node` (node id, seconds), that long after the node starts executing ("interrupted_at" in the
-        result: when the interrupt was answered). `extra_data` goes with the prompt (e.g. {"preview_method": ...}).
-        """
-        import aiohttp
-
-        client_id = str(uuid.uuid4())
-        prompt_id = str(uuid.uuid4())
-        events: list[dict] = []
-        previews: list[tuple[int, int, bytes]] = []
-        interrupted_at: list[float] = []
-        async with aiohttp.ClientSession() as http:
-
-            async def interrupt(delay: float = 0.0) -> None:
-                await asyncio.sleep(delay)
-                async with http.post(f"{self.url}/interrupt", json={}) as ir:
-                    assert ir.status == 200
-                interrupted_at.append(time.monotonic())
-
-            async with http.ws_connect(f"{self.url}/ws?clientId={client_id}") as ws:
-                payload = {"prompt": prompt, "client_id": client_id, "prompt_id": prompt_id, "extra_data": extra_data or {}}
-                async with http.post(f"{self.url}/prompt", json=payload) as r:
-                    body = await r.json()
-                    if r.status != 200:
-                        return {"status": "rejected", "http_status": r.status, "body": body, "events": events, "prompt_id": prompt_id}
-                interrupted_sent = False
-                pending = None
-                deadline = time.monotonic() + timeout
-                while time.monotonic() < deadline:
-                    msg = await ws.receive(timeout=deadline - time.monotonic())
-                    if msg.type == aiohttp.WSMsgType.BINARY:
-                        kind, image_type = struct.unpack(">II", msg.data[:8])
-                        previews.append((kind, image_type, msg.data[8:]))
-                        continue
-                    if msg.type != aiohttp.WSMsgType.TEXT:
-                        continue
-                    event = json.loads(msg.data)
-                    event["received"] = time.monotonic()
-                    data = event.get("data", {})
-                    if data.get("prompt_id") not in (None, prompt_id):
-                        continue
-                    events.append(event)
-                    kind = event["type"]
-                    if kind == "progress" and interrupt_at is not None and not interrupted_sent and data.get("value") == interrupt_at and data.get("max") == 4:
-                        await interrupt()
-                        interrupted_sent = True
-                    if kind == "executing" and interrupt_in_node is not None and data.get("node") == interrupt_in_node[0] and pending is None:
-                        pending = asyncio.ensure_future(interrupt(interrupt_in_node[1]))
-                    done = {"events": events, "previews": previews, "prompt_id": prompt_id}
-                    if kind in ("execution_error", "execution_interrupted"):
-                        if pending is not None:
-                            await pending
-                        return {"status": kind, "body": data, "interrupted_at": interrupted_at[0] if interrupted_at else None, **done}
-                    if kind == "executing" and data.get("node") is None and data.get("prompt_id") == prompt_id:
-                        if pending is not None:
-                            await pending
-                        return {"status": "success", **done}
-                raise TimeoutError(f"prompt {prompt_id} did not finish in {timeout} s:\n{self.tail()}")
-
-    def history_files(self, prompt_id: str, dest: Path) -> list[Path]:
-        import urllib.parse
-        import urllib.request
-
-        with urllib.request.urlopen(f"{self.url}/history/{prompt_id}") as r:
-            history = json.loads(r.read())[prompt_id]
-        files = []
-        for output in history["outputs"].values():
-            for item in output.get("images", []) + output.get("videos", []):
-                query = urllib.parse.urlencode({"filename": item["filename"], "subfolder": item["subfolder"], "type": item["type"]})
-                with urllib.request.urlopen(f"{self.url}/view?{query}") as r:
-                    target = dest / item["filename"]
-                    target.write_bytes(r.read())
-                    files.append(target)
-        return files
 
 
 @pytest.fixture(scope="module")
