@@ -7,6 +7,8 @@ it after fetching new results so the README never disagrees with the JSON. docs/
 (between its `what-fits-where` markers) is filled from `memory_caps_h200.json` too, its FP8 figures (between its
 `fp8-figures` markers) from `fp8_h200.json`, its host-memory table (between its `host-memory` markers) from
 `host_memory_h200.json`, and its fast-mode figures (between its `fast-mode-figures` markers) from the fast-mode results.
+The core-vs-Vflash table (`vs-comfy-core` markers of README.md and docs/comfyui.md) comes from the newest measured
+`vs_comfy_core_*.json`; a CPU dry run (`"tiny": true`) never renders.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ FP8_START, FP8_END = "<!-- fp8-figures: filled by benchmarks/report.py -->", "<!
 HOST_START, HOST_END = "<!-- host-memory: filled by benchmarks/report.py -->", "<!-- /host-memory -->"
 FAST_START, FAST_END = "<!-- fast-mode-figures: filled by benchmarks/report.py -->", "<!-- /fast-mode-figures -->"
 LORA_START, LORA_END = "<!-- lora-figures: filled by benchmarks/report.py -->", "<!-- /lora-figures -->"
+CORE_START, CORE_END = "<!-- vs-comfy-core: filled by benchmarks/report.py -->", "<!-- /vs-comfy-core -->"
+CORE_DOCS = (ENGINE_DOC.parent.parent / "README.md", ENGINE_DOC.parent / "comfyui.md")  # hold the core-vs-Vflash table
 
 
 def _load(name: str) -> dict | None:
@@ -411,11 +415,47 @@ def lora_figures(data: dict) -> str:
                                  ("bitwise_equal_to_diffusers", "bitwise = diffusers")]), ""])
 
 
-def fill_engine_doc(data: dict, start_marker: str = FITS_START, end_marker: str = FITS_END, render_table=what_fits) -> None:
-    """Replace the text between a pair of docs/engine.md's markers with `render_table(data)`."""
-    text = ENGINE_DOC.read_text()
+def _vs_core_data() -> dict | None:
+    """The newest measured core-vs-Vflash result (a CPU dry run, `"tiny": true`, is not a measurement)."""
+    files = sorted(RESULTS.glob("vs_comfy_core_*.json"), key=lambda p: p.stat().st_mtime)
+    measured = [data for data in (json.loads(p.read_text()) for p in files) if not data.get("tiny")]
+    return measured[-1] if measured else None
+
+
+def vs_core_table(data: dict) -> str:
+    """The same workflow, core's nodes against Vflash's, per device cap: warm seconds, peaks, speedup, PSNR."""
+    request = data["request"]
+    rows = []
+    for summary in data["summaries"]:
+        pair = {r["side"]: r for r in data["records"]
+                if r["device_cap_gib"] == summary["device_cap_gib"] and r["approximate"] == summary["approximate"]}
+        cap = "resident" if summary["device_cap_gib"] is None else f"{summary['device_cap_gib']} GiB cap"
+        for side in ("core", "vflash"):
+            r = pair.get(side) or {}
+            rows.append({"row": f"{cap}{', ' + r.get('mode', '') if summary['approximate'] else ''}", "side": side,
+                         "first": (r.get("first_run") or {}).get("workflow_seconds"), "warm": r.get("workflow_seconds"),
+                         "device": _gib(r.get("peak_device_bytes")), "rss": _gib(r.get("host_rss_peak_bytes")),
+                         "pinned": _size(r.get("host_pinned_bytes") or 0), "status": r.get("status"),
+                         "speedup": summary["speedup_vflash_vs_core"] if side == "vflash" else None,
+                         "psnr": summary["frames_psnr_core_vs_vflash_db"] if side == "vflash" else None})
+    return "\n".join([
+        f"The same workflow, core vs Vflash, on this card ({data['date']}; ComfyUI {data['comfyui_version']}; "
+        f"{_source(data)}): t2va {request['width']}x{request['height']}, {request['length']} frames, "
+        f"{request['evaluations']} evaluations, the same Comfy-Org files ({', '.join(data['files'].values())}), "
+        f"measured by `benchmarks/vs_comfy_core.py`. Seconds: prompt to MP4 from the server's websocket (first run, "
+        "then the best warm run); peaks of the server process. The frames differ by design (other noise generators and "
+        "kernels), hence PSNR.", "",
+        _table(rows, [("row", "memory"), ("side", "side"), ("first", "first run s"), ("warm", "warm s"),
+                      ("device", "peak device"), ("rss", "host RSS peak"), ("pinned", "host pinned"), ("status", "status"),
+                      ("speedup", "Vflash speedup"), ("psnr", "PSNR core vs Vflash dB")]), ""])
+
+
+def fill_engine_doc(data: dict, start_marker: str = FITS_START, end_marker: str = FITS_END, render_table=what_fits,
+                    doc: Path = ENGINE_DOC) -> None:
+    """Replace the text between a pair of `doc`'s markers (docs/engine.md's by default) with `render_table(data)`."""
+    text = doc.read_text()
     start, end = text.index(start_marker) + len(start_marker), text.index(end_marker)
-    ENGINE_DOC.write_text(text[:start] + "\n" + render_table(data) + "\n" + text[end:])
+    doc.write_text(text[:start] + "\n" + render_table(data) + "\n" + text[end:])
 
 
 def _forward_reruns(other_runs: dict | None) -> list[str]:
@@ -529,6 +569,9 @@ def render() -> str:
             "```",
             "",
         ]
+    core = _vs_core_data()
+    if core:
+        parts += ["## ComfyUI core's nodes vs Vflash's (`vs_comfy_core.py`)", "", vs_core_table(core)]
     return "\n".join(parts)
 
 
@@ -556,3 +599,8 @@ if __name__ == "__main__":
     if lora_data:
         fill_engine_doc(lora_data, LORA_START, LORA_END, lora_figures)
         print(f"filled the LoRA figures of {ENGINE_DOC}")
+    core_data = _vs_core_data()
+    if core_data:
+        for doc in CORE_DOCS:
+            fill_engine_doc(core_data, CORE_START, CORE_END, vs_core_table, doc)
+            print(f"filled the core-vs-Vflash table of {doc}")

@@ -1,0 +1,389 @@
+"""ComfyUI core's own MiniMax-H3 nodes against Vflash's, in a real ComfyUI server, on the same model files.
+
+Both sides read the same Comfy-Org single files (the transformer in `diffusion_models/`, the Qwen3-VL text encoder in
+`text_encoders/`, the video and audio VAEs in `vae/`) with the same prompt, seed, canvas, length and evaluations:
+
+* core: `UNETLoader`, `CLIPLoader` (type `minimax`), two `VAELoader`, `MiniMaxH3ImageToVideo`, `RandomNoise`,
+  `BasicGuider`, `KSamplerSelect` (euler), `BasicScheduler` (simple, the profile's evaluation count), core's own
+  shifts (12 video, 3 audio), `SamplerCustomAdvanced`, `VAEDecode`, `VAEDecodeAudio`, `CreateVideo` (24 fps),
+  `SaveVideo`: core's text-to-video template without the Turbo LoRA;
+* Vflash: the "Text to video + audio from Comfy-Org files" template (`workflows/api/t2va_core_loaders.json`: core's
+  CLIP and VAE loaders, Vflash's model loader, encode, sampler and decode, `SaveVideo`) with the profile of the same
+  schedule (`t2va-base16-bf16-sm90` on an H100/H200: 16 evaluations, shifts 12 and 3, no guidance; on the CPU
+  `t2va-base4-exact-cpu`, 4).
+
+The math is not the same, so the frames are compared by PSNR, not bitwise: the two draw the initial noise with
+different generators and layouts, core's sampler steps its own sigma schedule, and core's transformer runs its own
+attention kernels (see docs/comfyui.md). The Turbo4 settings are not used because core's Turbo template keeps its
+shift of 12 where Vflash's Turbo4 profile uses 6: the base schedule is the one both sides run with the same shifts.
+
+Each (side, cap) runs in its own fresh server, so a peak belongs to one side: a first run (models loaded and, for
+Vflash, compiled on first use) and `--warm-runs` more with other seeds (ComfyUI's cache would skip a repeated graph;
+the text encoding of the unchanged prompt is cached on both sides, as a user sees it). Measured per run:
+
+* `workflow_seconds` and `node_seconds`: from the websocket's `executing` events (a node's time runs until the next
+  node starts or the prompt ends; cached nodes report nothing);
+* `peak_device_bytes`: `torch.cuda.max_memory_allocated` in the server process (`comfy_bench_probe/`), reset
+  before the run; null on the CPU;
+* `host_rss_peak_bytes`: psutil's RSS of the server process, sampled every 50 ms;
+* `host_pinned_bytes`: the largest of what each side pins, sampled in the server: core's own count of the host
+  memory it registers (`comfy.model_management.TOTAL_PINNED_MEMORY`) and PyTorch's page-locked allocator (Vflash's
+  pinned buffers), both given under `host_pinned`.
+
+Device caps, as each side's users cap memory: core with `--reserve-vram` (the card's memory less the cap), one server
+per cap; Vflash's ComfyUI nodes have no device-memory widget, so the Vflash server gets the same `--reserve-vram`
+(its engines ask core for room through it). In both servers PyTorch's allocator is also capped at the cap
+(`VFLASH_BENCH_DEVICE_CAP_GIB`), so neither side can exceed it. Caps need CUDA: on the CPU only the resident rows run.
+
+The approximate row: core's `EasyCache` (its step cache; 0.33.0 has no sparse-attention node) against Vflash's
+`fast_mode` `step-cache`, both marked approximate.
+
+    python benchmarks/vs_comfy_core.py --comfyui /path/to/ComfyUI --models DIR [--caps 32 24] [--warm-runs 2]
+    python benchmarks/vs_comfy_core.py --comfyui /path/to/ComfyUI --tiny      # CPU dry run on the small family
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import math
+import os
+import shutil
+import subprocess
+import threading
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+from _common import RESULTS, environment, write_result
+from comfy_server import API, PROBE, TEST_PROBES, Server
+
+BENCH_PROBE = Path(__file__).resolve().parent / "comfy_bench_probe"
+PROMPT = "A robot dances in the rain on a neon street at night, while drums and bass play."
+SEED = 0
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Files:
+    """The model files both sides read, by their names in the ComfyUI model folders."""
+
+    dit: str
+    text_encoder: str
+    video_vae: str
+    audio_vae: str
+
+
+@dataclass(frozen=True)
+class Settings:
+    width: int
+    height: int
+    length: int
+    steps: int
+    profile: str
+    files: Files
+    caps_gib: tuple[int | None, ...] = (None, 32, 24)
+    warm_runs: int = 2
+    fast: bool = True
+    launch: tuple[str, ...] = ()
+
+
+TINY_FILES = Files("h3_small_comfy_fp8_scaled.safetensors", "h3_small_te.safetensors", "h3_small_video_vae.safetensors",
+                   "h3_small_audio_vae.safetensors")
+FULL_FILES = Files("minimax_h3_fl2va_fp8_scaled.safetensors", "qwen3vl_32b_minimax_h3_bf16.safetensors",
+                   "minimax_h3_video_vae_fp16.safetensors", "minimax_h3_audio_vae_fp32.safetensors")
+TINY = Settings(128, 128, 124, 4, "t2va-base4-exact-cpu", TINY_FILES, caps_gib=(None,), warm_runs=1, launch=("--cpu", "--cache-none"))
+FULL = Settings(960, 544, 124, 16, "t2va-base16-bf16-sm90", FULL_FILES)
+
+
+# -- the two workflows ----------------------------------------------------------------------------------------------
+
+
+def core_workflow(s: Settings, seed: int, prefix: str, fast: bool = False) -> dict:
+    """Core's text-to-video graph (its template's nodes, without the Turbo LoRA), API format."""
+    f = s.files
+    graph = {
+        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": f.dit, "weight_dtype": "default"}},
+        "2": {"class_type": "CLIPLoader", "inputs": {"clip_name": f.text_encoder, "type": "minimax", "device": "default"}},
+        "3": {"class_type": "VAELoader", "inputs": {"vae_name": f.video_vae}},
+        "12": {"class_type": "VAELoader", "inputs": {"vae_name": f.audio_vae}},
+        "4": {"class_type": "MiniMaxH3ImageToVideo", "inputs": {
+            "clip": ["2", 0], "vae": ["3", 0], "prompt": PROMPT, "width": s.width, "height": s.height, "length": s.length}},
+        "5": {"class_type": "RandomNoise", "inputs": {"noise_seed": seed}},
+        "6": {"class_type": "BasicGuider", "inputs": {"model": ["1", 0], "conditioning": ["4", 0]}},
+        "7": {"class_type": "KSamplerSelect", "inputs": {"sampler_name": "euler"}},
+        "8": {"class_type": "BasicScheduler", "inputs": {"model": ["1", 0], "scheduler": "simple", "steps": s.steps, "denoise": 1.0}},
+        "9": {"class_type": "SamplerCustomAdvanced", "inputs": {
+            "noise": ["5", 0], "guider": ["6", 0], "sampler": ["7", 0], "sigmas": ["8", 0], "latent_image": ["4", 1]}},
+        "10": {"class_type": "VAEDecode", "inputs": {"samples": ["9", 0], "vae": ["3", 0]}},
+        "11": {"class_type": "VAEDecodeAudio", "inputs": {"samples": ["9", 0], "vae": ["12", 0]}},
+        "13": {"class_type": "CreateVideo", "inputs": {"images": ["10", 0], "audio": ["11", 0], "fps": 24.0}},
+        "14": {"class_type": "SaveVideo", "inputs": {"video": ["13", 0], "filename_prefix": prefix, "format": "auto", "codec": "auto"}},
+    }
+    if fast:
+        graph["15"] = {"class_type": "EasyCache", "inputs": {
+            "model": ["1", 0], "reuse_threshold": 0.2, "start_percent": 0.15, "end_percent": 0.95, "verbose": False}}
+        graph["6"]["inputs"]["model"] = ["15", 0]
+    return graph
+
+
+def vflash_workflow(s: Settings, seed: int, prefix: str, fast: bool = False) -> dict:
+    """The "Text to video + audio from Comfy-Org files" template on the same files and request."""
+    graph = json.loads((API / "t2va_core_loaders.json").read_text())
+    f = s.files
+    graph["1"]["inputs"].update(model=f.dit, profile=s.profile, fast_mode="step-cache" if fast else "exact")
+    graph["2"]["inputs"]["clip_name"] = f.text_encoder
+    graph["3"]["inputs"]["vae_name"] = f.video_vae
+    graph["12"]["inputs"]["vae_name"] = f.audio_vae
+    graph["4"]["inputs"].update(prompt=PROMPT, width=s.width, height=s.height, length=s.length, seconds=0.0)
+    graph["5"]["inputs"]["seed"] = seed
+    graph["7"]["inputs"]["filename_prefix"] = prefix
+    return graph
+
+
+WORKFLOWS: dict[str, Callable[..., dict]] = {"core": core_workflow, "vflash": vflash_workflow}
+
+
+# -- the files ------------------------------------------------------------------------------------------------------
+
+
+def write_tiny_family(root: Path, models: Path) -> None:
+    """The small random family (released channel counts on a tiny network): the transformer as a Comfy-Org
+    fp8_scaled single file, the text encoder and VAEs written by core's own modules (tests/comfy_core_probe)."""
+    from vflash_core.engine.config import H3Config
+    from vflash_core.weights import synthetic
+
+    config = replace(H3Config.preset("demo"), in_channels=24, audio_in_channels=32)
+    (models / "diffusion_models").mkdir(parents=True, exist_ok=True)
+    synthetic.write_comfy_transformer(models / "diffusion_models" / TINY_FILES.dit, config,
+                                      synthetic.random_internal_weights(config, seed=6), fp8="metadata")
+    python = os.environ.get("COMFYUI_PYTHON", "python")
+    out = subprocess.run([python, str(PROBE / "small_core.py"), str(models)], cwd=root, capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-3000:])
+
+
+def link_models(source: Path) -> Callable[[Path, Path], None]:
+    """A `write_models` that links the files of a prepared Comfy-Org model folder (`source/<folder>/<file>`)."""
+
+    def link(root: Path, models: Path) -> None:
+        for file in source.glob("*/*"):
+            (models / file.parent.name).mkdir(parents=True, exist_ok=True)
+            (models / file.parent.name / file.name).symlink_to(file.resolve())
+
+    return link
+
+
+# -- one side under one cap -----------------------------------------------------------------------------------------
+
+
+class Sampler:
+    """Samples the server process's RSS (psutil) and the probe's pinned counts while a run goes on."""
+
+    def __init__(self, server: Server, period: float = 0.05):
+        import psutil
+
+        self.process, self.server, self.period = psutil.Process(server.proc.pid), server, period
+        self.rss_peak = self.comfy_pinned = self.torch_pinned = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.rss_peak = max(self.rss_peak, self.process.memory_info().rss)
+            memory = probe_memory(self.server)
+            self.comfy_pinned = max(self.comfy_pinned, memory["comfy_pinned_bytes"])
+            self.torch_pinned = max(self.torch_pinned, memory["torch_pinned_bytes"])
+            self._stop.wait(self.period)
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def probe_memory(server: Server) -> dict:
+    with urllib.request.urlopen(server.url + "/vflash_bench/memory", timeout=10) as r:
+        return json.loads(r.read())
+
+
+def node_seconds(result: dict) -> dict[str, float]:
+    """Seconds per executed node: from its `executing` event to the next one (the last: to the prompt's end)."""
+    times = [(e["data"].get("node"), e["received"]) for e in result["events"] if e["type"] == "executing"]
+    return {node: round(times[i + 1][1] - at, 4) for i, (node, at) in enumerate(times[:-1]) if node is not None}
+
+
+def workflow_seconds(result: dict) -> float:
+    start = next(e["received"] for e in result["events"] if e["type"] == "execution_start")
+    return round(result["events"][-1]["received"] - start, 4)
+
+
+def one_run(server: Server, graph: dict, out: Path) -> dict:
+    urllib.request.urlopen(urllib.request.Request(server.url + "/vflash_bench/reset_peaks", data=b"{}", method="POST"), timeout=10)
+    with Sampler(server) as sampled:
+        result = asyncio.run(server.run_prompt(graph, timeout=3600.0))
+    if result["status"] != "success":
+        return {"status": result["status"], "error": result.get("body"), "log_tail": server.tail(40)}
+    videos = server.history_files(result["prompt_id"], out)
+    device_peak = probe_memory(server)["device_peak_bytes"]
+    return {
+        "status": "success", "workflow_seconds": workflow_seconds(result), "node_seconds": node_seconds(result),
+        "peak_device_bytes": device_peak if torch.cuda.is_available() else None, "host_rss_peak_bytes": sampled.rss_peak,
+        "host_pinned_bytes": max(sampled.comfy_pinned, sampled.torch_pinned),
+        "host_pinned": {"comfy_registered_peak": sampled.comfy_pinned, "torch_host_allocator_peak": sampled.torch_pinned},
+        "video": str(videos[0]) if videos else None,
+    }
+
+
+def device_total_gib() -> float:
+    return torch.cuda.get_device_properties(0).total_memory / GIB
+
+
+def run_side(comfyui: Path, work: Path, side: str, s: Settings, cap: int | None, fast: bool,
+             write_models: Callable[[Path, Path], None]) -> dict:
+    """One fresh server, one side's first run and warm runs; the record."""
+    launch = list(s.launch)
+    env = {}
+    if cap is not None:
+        launch += ["--reserve-vram", f"{max(0.0, device_total_gib() - cap):.3f}"]
+        env["VFLASH_BENCH_DEVICE_CAP_GIB"] = str(cap)
+    probes = {"vflash_bench_probe": BENCH_PROBE}
+    if s.files == TINY_FILES:
+        probes["vflash_test_small_core"] = TEST_PROBES["vflash_test_small_core"]
+    server = Server(comfyui, work, probes=probes, write_models=write_models, launch_args=launch, env=env)
+    out = work / "videos"
+    out.mkdir()
+    try:
+        server.wait_ready(600.0)
+        runs = []
+        for k in range(1 + s.warm_runs):
+            graph = WORKFLOWS[side](s, SEED + k, f"video/{side}_{k}", fast)
+            runs.append(one_run(server, graph, out))
+            if runs[-1]["status"] != "success":
+                break
+    finally:
+        server.stop()
+    first = runs[0]
+    warm = [r for r in runs[1:] if r["status"] == "success"]
+    record = {
+        "side": side, "device_cap_gib": cap, "approximate": fast,
+        "mode": ("EasyCache" if side == "core" else "fast_mode step-cache") if fast else "exact",
+        "status": "success" if all(r["status"] == "success" for r in runs) else "failed",
+        "launch_args": launch, "first_run": first, "warm_runs": warm,
+    }
+    best = min(warm, key=lambda r: r["workflow_seconds"]) if warm else first
+    for key in ("workflow_seconds", "node_seconds", "peak_device_bytes", "host_rss_peak_bytes", "host_pinned_bytes"):
+        record[key] = best.get(key)
+    record["peak_device_bytes"] = max((r.get("peak_device_bytes") or 0 for r in runs), default=0) if torch.cuda.is_available() else None
+    record["host_rss_peak_bytes"] = max((r.get("host_rss_peak_bytes") or 0 for r in runs), default=0)
+    record["host_pinned_bytes"] = max((r.get("host_pinned_bytes") or 0 for r in runs), default=0)
+    return record
+
+
+# -- frames ---------------------------------------------------------------------------------------------------------
+
+
+def frames_psnr(a: Path, b: Path) -> float | None:
+    """PSNR (dB, 8-bit frames) between the decoded videos of two MP4s over their common frames."""
+    import av
+    import numpy as np
+
+    def frames(path: Path):
+        with av.open(str(path)) as container:
+            return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)]).astype(np.float64)
+
+    x, y = frames(a), frames(b)
+    n = min(len(x), len(y))
+    if n == 0 or x.shape[1:] != y.shape[1:]:
+        return None
+    mse = float(((x[:n] - y[:n]) ** 2).mean())
+    return round(10 * math.log10(255.0**2 / mse), 3) if mse > 0 else math.inf
+
+
+# -- the benchmark --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Comparison:
+    settings: Settings
+    records: list[dict] = field(default_factory=list)
+
+    def summaries(self) -> list[dict]:
+        """Per cap (and the approximate row): Vflash's speedup on warm workflow seconds, PSNR of the first runs' frames."""
+        rows = []
+        for cap, fast in sorted({(r["device_cap_gib"], r["approximate"]) for r in self.records}, key=lambda k: (k[1], -(k[0] or 1e9))):
+            pair = {r["side"]: r for r in self.records if r["device_cap_gib"] == cap and r["approximate"] == fast}
+            core, vflash = pair.get("core"), pair.get("vflash")
+            ok = core and vflash and core["status"] == vflash["status"] == "success"
+            videos = (core["first_run"].get("video"), vflash["first_run"].get("video")) if ok else (None, None)
+            rows.append({
+                "device_cap_gib": cap, "approximate": fast,
+                "speedup_vflash_vs_core": round(core["workflow_seconds"] / vflash["workflow_seconds"], 4) if ok else None,
+                "frames_psnr_core_vs_vflash_db": frames_psnr(Path(videos[0]), Path(videos[1])) if all(videos) else None,
+            })
+        return rows
+
+
+def comfyui_version(comfyui: Path) -> str:
+    namespace: dict = {}
+    exec((comfyui / "comfyui_version.py").read_text(), namespace)
+    out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=comfyui, capture_output=True, text=True, check=False)
+    return namespace["__version__"] + (f" ({out.stdout.strip()[:8]})" if out.returncode == 0 else "")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--comfyui", type=Path, default=os.environ.get("COMFYUI_ROOT"), help="the ComfyUI checkout")
+    parser.add_argument("--tiny", action="store_true", help="the CPU dry run on the small random family")
+    parser.add_argument("--models", type=Path, help="a Comfy-Org model folder (diffusion_models/, text_encoders/, vae/) with FULL_FILES")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/vs-comfy-core"))
+    parser.add_argument("--caps", type=int, nargs="*", help="device caps in GiB besides resident (default 32 24; none on the CPU)")
+    parser.add_argument("--warm-runs", type=int)
+    parser.add_argument("--no-fast", action="store_true", help="leave out the approximate row")
+    parser.add_argument("--width", type=int)
+    parser.add_argument("--height", type=int)
+    args = parser.parse_args()
+    s = TINY if args.tiny else FULL
+    if args.caps is not None:
+        s = replace(s, caps_gib=(None, *args.caps))
+    for name in ("warm_runs", "width", "height"):
+        if getattr(args, name) is not None:
+            s = replace(s, **{name: getattr(args, name)})
+    if not torch.cuda.is_available():
+        s = replace(s, caps_gib=(None,))
+    if not args.tiny and args.models is None:
+        parser.error("a full-size run needs --models (the Comfy-Org files FULL_FILES names)")
+    write_models = write_tiny_family if args.tiny else link_models(args.models)
+    shutil.rmtree(args.work, ignore_errors=True)
+    comparison = Comparison(s)
+    plan = [(cap, False) for cap in s.caps_gib] + ([(None, True)] if s.fast and not args.no_fast else [])
+    for cap, fast in plan:
+        for side in ("core", "vflash"):
+            name = f"{side}-{'resident' if cap is None else f'cap{cap}'}{'-fast' if fast else ''}"
+            print(f"== {name}", flush=True)
+            record = run_side(args.comfyui, args.work / name, side, s, cap, fast, write_models)
+            print(json.dumps({k: record[k] for k in ("status", "workflow_seconds", "peak_device_bytes", "host_rss_peak_bytes")}), flush=True)
+            comparison.records.append(record)
+    env = environment()
+    data = {
+        **env, "date": datetime.date.today().isoformat(), "tiny": args.tiny, "comfyui_version": comfyui_version(args.comfyui),
+        "files": vars(s.files), "request": {"prompt": PROMPT, "seed": SEED, "width": s.width, "height": s.height,
+                                            "length": s.length, "evaluations": s.steps, "vflash_profile": s.profile},
+        "same_math": False,
+        "math_note": "not the same: different initial-noise generators, core's own sigma schedule and attention kernels",
+        "records": comparison.records, "summaries": comparison.summaries(),
+    }
+    gpu = "cpu_tiny" if args.tiny else str(env["gpu"]).split()[-1].lower()
+    write_result(f"vs_comfy_core_{gpu}", data)
+    print(f"results in {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
