@@ -353,3 +353,24 @@ def test_comfy_file_drives_the_t2va_chain(pack, comfy_files, model, profile, not
     assert any(n.startswith(note) for n in latent["vflash_notes"]), latent["vflash_notes"]
     assert torch.isfinite(latent["samples"].tensors[0]).all()
     pack.package.registry.ENGINES.release("all")
+
+
+def test_the_streamed_fp8_scaled_writer_writes_the_file_the_in_memory_writer_writes(tmp_path):
+    """The full-size benchmark's writer (tensor by tensor, never the whole model in host memory) against
+    `write_comfy_transformer(fp8="metadata")` on the same random weights: the same tensors bit for bit, the same
+    metadata, and Vflash's reader takes it as an fp8_scaled source."""
+    from safetensors import safe_open
+
+    config = replace(TINY, in_channels=24, audio_in_channels=32)
+    whole = synthetic.write_comfy_transformer(tmp_path / "whole.safetensors", config, synthetic.random_internal_weights(config, seed=6), fp8="metadata")
+    streamed = tmp_path / "streamed.safetensors"
+    size = synthetic.write_comfy_fp8_scaled_streamed(streamed, config, synthetic.RandomWeights(config, seed=6))
+    assert size == streamed.stat().st_size
+    expected, written = load_file(whole), load_file(streamed)
+    assert written.keys() == expected.keys()
+    assert sum(t.dtype == torch.float8_e4m3fn for t in written.values()) > 0
+    for name, tensor in expected.items():
+        assert written[name].dtype == tensor.dtype and torch.equal(written[name].reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), name
+    with safe_open(str(whole), "pt") as a, safe_open(str(streamed), "pt") as b:
+        assert {k: json.loads(v) for k, v in a.metadata().items()} == {k: json.loads(v) for k, v in b.metadata().items()}
+    assert SourceWeights(streamed).format == "fp8_scaled"

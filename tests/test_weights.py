@@ -224,3 +224,26 @@ def test_original_layout_reads_as_diffusers_own_converter_reads_it(tmp_path, tin
             assert_bitwise(tensor[rows].float(), converted[diffusers_name], diffusers_name)
             seen.add(diffusers_name)
     assert seen == set(converted)
+
+
+def test_the_streamed_safetensors_writer_makes_each_tensor_when_it_is_written(tmp_path):
+    """`write_safetensors_streamed` asks for each tensor once, in file order, and refuses one that does not match its
+    layout (a header would lie about it)."""
+    from safetensors.torch import load_file
+
+    from vflash_core.tensor_store import write_safetensors_streamed
+
+    tensors = {"a": torch.randn(3, 4).to(torch.bfloat16), "b": torch.randn(5), "c": torch.arange(6, dtype=torch.uint8)}
+    asked = []
+    path = tmp_path / "x.safetensors"
+
+    def produce(name):
+        asked.append(name)
+        return tensors[name]
+
+    layout = {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}
+    size, _ = write_safetensors_streamed(path, layout, produce)
+    assert asked == ["b", "a", "c"] and size == path.stat().st_size  # by decreasing element size
+    assert all(torch.equal(load_file(path)[n], t) for n, t in tensors.items())
+    with pytest.raises(ValueError, match="b: produced torch.float32 \\(4,\\), the layout says"):
+        write_safetensors_streamed(path, {"b": (torch.float32, (5,))}, lambda name: torch.zeros(4))

@@ -30,7 +30,7 @@ from .fileio import check_input_file
 
 __all__ = [
     "ReadRequest", "SafetensorsFile", "TensorIndex", "TensorInfo", "TensorStore", "describe_files", "file_sha256",
-    "read_fully", "write_safetensors",
+    "read_fully", "write_safetensors", "write_safetensors_streamed",
 ]
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
@@ -321,19 +321,31 @@ def write_safetensors(
     """Write CPU `tensors` as a safetensors file and return (size in bytes, sha256), hashing the bytes as they go out.
 
     The tensors' own memory is written and hashed (no serialised copy of the file is built), so a writer thread moves
-    each byte once; `hashlib` and file writes release the GIL, so several writers run in parallel. Tensors are laid
-    out by decreasing element size, like the safetensors library does, so each one is aligned for zero-copy reads.
+    each byte once; `hashlib` and file writes release the GIL, so several writers run in parallel.
+    """
+    layout = {name: (tensor.dtype, tuple(tensor.shape)) for name, tensor in tensors.items()}
+    return write_safetensors_streamed(path, layout, tensors.__getitem__, metadata)
+
+
+def write_safetensors_streamed(
+    path: str | Path,
+    layout: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+    produce: Callable[[str], torch.Tensor],
+    metadata: Mapping[str, str] | None = None,
+) -> tuple[int, str]:
+    """Write a safetensors file whose tensors (name -> (dtype, shape) in `layout`) are made one at a time by
+    `produce(name)` (a CPU tensor of that dtype and shape) and dropped once written, so a file larger than host memory
+    can be written; returns (size in bytes, sha256). Tensors are laid out by decreasing element size, like the
+    safetensors library does, so each one is aligned for zero-copy reads.
     """
     dtype_names = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
-    order = sorted(tensors, key=lambda name: -tensors[name].element_size())
+    order = sorted(layout, key=lambda name: -layout[name][0].itemsize)
     header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     for name in order:
-        tensor = tensors[name]
-        nbytes = tensor.numel() * tensor.element_size()
-        header[name] = {
-            "dtype": dtype_names[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + nbytes]
-        }
+        dtype, shape = layout[name]
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": dtype_names[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # data starts 8-byte aligned
@@ -343,12 +355,15 @@ def write_safetensors(
             digest.update(chunk)
             handle.write(chunk)
         for name in order:
-            tensor = tensors[name].contiguous()
+            tensor = produce(name).contiguous()
+            if (tensor.dtype, tuple(tensor.shape)) != layout[name]:
+                raise ValueError(f"{name}: produced {tensor.dtype} {tuple(tensor.shape)}, the layout says {layout[name]}")
             if tensor.numel():
                 # numpy's stubs declare the buffer protocol (`__buffer__`) for Python >= 3.12 only
                 data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
                 digest.update(data)
                 handle.write(data)
+            del tensor
     return 8 + len(encoded) + offset, digest.hexdigest()
 
 

@@ -24,8 +24,8 @@ from ..engine.model import rope_inv_freq
 from .checkpoint import internal_shapes, source_name
 
 __all__ = [
-    "RandomWeights", "diffusers_names", "quantize_int8_convrot", "random_internal_weights",
-    "random_like", "to_original_names", "write_comfy_transformer", "write_delta_as_peft",
+    "RandomWeights", "diffusers_names", "quantize_int8_convrot", "random_internal_weights", "random_like",
+    "to_original_names", "write_comfy_fp8_scaled_streamed", "write_comfy_transformer", "write_delta_as_peft",
     "write_diffusers_transformer", "write_random_delta",
     "write_random_lora", "write_shards",
 ]
@@ -321,9 +321,8 @@ def write_comfy_transformer(
             and state[n].dtype == torch.bfloat16
         ]:
             layer = name.removesuffix(".weight")
-            weight = state[name].float()
-            scale = weight.abs().amax() / torch.finfo(torch.float8_e4m3fn).max
-            state[name] = (weight / scale).to(torch.float8_e4m3fn)
+            scale = _fp8_scale(state[name])
+            state[name] = (state[name].float() / scale).to(torch.float8_e4m3fn)
             conf = {"format": "float8_e4m3fn"}
             if fp8 == "legacy":
                 state[f"{layer}.scale_weight"] = scale
@@ -338,6 +337,52 @@ def write_comfy_transformer(
             state["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
     save_file(state, str(path), metadata=metadata)
     return path
+
+
+def _fp8_scale(weight: torch.Tensor) -> torch.Tensor:
+    """The one fp32 scale of a Comfy-Org scaled-FP8 linear: amax / 448."""
+    return weight.float().abs().amax() / torch.finfo(torch.float8_e4m3fn).max
+
+
+def write_comfy_fp8_scaled_streamed(path: str | Path, config: H3Config, weights: RandomWeights) -> int:
+    """The Comfy-Org scaled-FP8 single file `write_comfy_transformer(..., fp8="metadata")` writes from the same
+    weights, written tensor by tensor: each is drawn on `weights.device`, renamed, quantized and written before the
+    next is drawn, so a full-size file (~34 GB) needs neither host memory nor a bf16 copy of its size. Each scale
+    needs its whole weight before the weights are laid out, so the quantized weights are drawn twice (a first pass
+    keeps only their scales). Returns the file's size in bytes."""
+    from ..tensor_store import write_safetensors_streamed
+
+    def original(name: str) -> tuple[str, torch.Tensor]:
+        ((out_name, tensor),) = to_original_names({name: weights[name]}, config).items()
+        return out_name, tensor
+
+    sources = {source_name(name, original=True): name for name in weights}
+    quantized = {
+        out for out, name in sources.items()
+        if out.endswith(".weight") and _FP8_LAYERS.match(out.removesuffix(".weight")) and weights.dtype_of(name) == torch.bfloat16
+    }
+    scales = {f"{out.removesuffix('.weight')}.weight_scale": _fp8_scale(weights[sources[out]]).cpu() for out in quantized}
+    inv_freq = rope_inv_freq(config)
+    layout = {out: (torch.float8_e4m3fn if out in quantized else weights.dtype_of(name), weights.shapes[name])
+              for out, name in sources.items()}
+    layout.update({scale: (torch.float32, ()) for scale in scales})
+    layout["rope.inv_freq"] = (torch.float32, tuple(inv_freq.shape))
+
+    def produce(out: str) -> torch.Tensor:
+        if out in scales:
+            return scales[out]
+        if out == "rope.inv_freq":
+            return inv_freq
+        _, tensor = original(sources[out])
+        if out in quantized:
+            tensor = (tensor.float() / scales[f"{out.removesuffix('.weight')}.weight_scale"].to(tensor.device)).to(torch.float8_e4m3fn)
+        return tensor.cpu()
+
+    layers = {out.removesuffix(".weight"): {"format": "float8_e4m3fn"} for out in quantized}
+    metadata = {"config": json.dumps(config.to_dict()),
+                "_quantization_metadata": json.dumps({"format_version": "1.0", "layers": layers})}
+    size, _ = write_safetensors_streamed(path, layout, produce, metadata)
+    return size
 
 
 def quantize_int8_convrot(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
