@@ -187,7 +187,8 @@ class Server:
                     assert ir.status == 200
                 interrupted_at.append(time.monotonic())
 
-            async with http.ws_connect(f"{self.url}/ws?clientId={client_id}") as ws:
+            # No message size limit: aiohttp's default (4 MiB) closes the socket on a large preview or output message.
+            async with http.ws_connect(f"{self.url}/ws?clientId={client_id}", max_msg_size=0) as ws:
                 payload = {"prompt": prompt, "client_id": client_id, "prompt_id": prompt_id, "extra_data": extra_data or {}}
                 async with http.post(f"{self.url}/prompt", json=payload) as r:
                     body = await r.json()
@@ -198,6 +199,10 @@ class Server:
                 deadline = time.monotonic() + timeout
                 while time.monotonic() < deadline:
                     msg = await ws.receive(timeout=deadline - time.monotonic())
+                    if msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSING, aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.ERROR):
+                        # The socket ended before the prompt did; the server's history says how the prompt ended.
+                        status = await self._history_status(http, prompt_id, deadline)
+                        return {"status": status, "events": events, "previews": previews, "prompt_id": prompt_id, "websocket_closed": True}
                     if msg.type == aiohttp.WSMsgType.BINARY:
                         kind, image_type = struct.unpack(">II", msg.data[:8])
                         previews.append((kind, image_type, msg.data[8:]))
@@ -221,11 +226,23 @@ class Server:
                         if pending is not None:
                             await pending
                         return {"status": kind, "body": data, "interrupted_at": interrupted_at[0] if interrupted_at else None, **done}
-                    if kind == "executing" and data.get("node") is None and data.get("prompt_id") == prompt_id:
+                    # The end: `execution_success` (a prompt whose nodes were all cached may be followed by nothing
+                    # else for this client), or the older `executing` with no node.
+                    if kind == "execution_success" or kind == "executing" and data.get("node") is None and data.get("prompt_id") == prompt_id:
                         if pending is not None:
                             await pending
                         return {"status": "success", **done}
                 raise TimeoutError(f"prompt {prompt_id} did not finish in {timeout} s:\n{self.tail()}")
+
+    async def _history_status(self, http, prompt_id: str, deadline: float) -> str:
+        """How a prompt ended by `/history` ("success" or "execution_error"), polled until it is there."""
+        while time.monotonic() < deadline:
+            async with http.get(f"{self.url}/history/{prompt_id}") as r:
+                entry = (await r.json()).get(prompt_id) if r.status == 200 else None
+            if entry and entry.get("status", {}).get("completed") is not None:
+                return "success" if entry["status"].get("status_str") == "success" else "execution_error"
+            await asyncio.sleep(0.5)
+        raise TimeoutError(f"prompt {prompt_id} did not finish in time (its websocket closed):\n{self.tail()}")
 
     def history_files(self, prompt_id: str, dest: Path) -> list[Path]:
         import urllib.parse

@@ -18,8 +18,9 @@ attention kernels (see docs/comfyui.md). The Turbo4 settings are not used becaus
 shift of 12 where Vflash's Turbo4 profile uses 6: the base schedule is the one both sides run with the same shifts.
 
 Each (side, cap) runs in its own fresh server, so a peak belongs to one side: a first run (models loaded and, for
-Vflash, compiled on first use) and `--warm-runs` more with other seeds (ComfyUI's cache would skip a repeated graph;
-the text encoding of the unchanged prompt is cached on both sides, as a user sees it). Measured per run:
+Vflash, compiled on first use) and `--warm-runs` more with other seeds: warm runs as a user sees them, with ComfyUI's
+default cache (no `--cache-none`), so the loaders and the unchanged prompt's encoding are cached on both sides and
+only sampling, decoding and saving run again (a repeated graph would be skipped whole). Measured per run:
 
 * `workflow_seconds` and `node_seconds`: from the websocket's `executing` events (a node's time runs until the next
   node starts or the prompt ends; cached nodes report nothing);
@@ -60,7 +61,7 @@ from pathlib import Path
 
 import torch
 from _common import RESULTS, environment, write_result
-from comfy_server import API, PROBE, TEST_PROBES, Server
+from comfy_server import API, TEST_PROBES, Server
 
 BENCH_PROBE = Path(__file__).resolve().parent / "comfy_bench_probe"
 PROMPT = "A robot dances in the rain on a neon street at night, while drums and bass play."
@@ -96,7 +97,7 @@ TINY_FILES = Files("h3_small_comfy_fp8_scaled.safetensors", "h3_small_te.safeten
                    "h3_small_audio_vae.safetensors")
 FULL_FILES = Files("minimax_h3_fl2va_fp8_scaled.safetensors", "qwen3vl_32b_minimax_h3_bf16.safetensors",
                    "minimax_h3_video_vae_fp16.safetensors", "minimax_h3_audio_vae_fp32.safetensors")
-TINY = Settings(128, 128, 124, 4, "t2va-base4-exact-cpu", TINY_FILES, caps_gib=(None,), warm_runs=1, launch=("--cpu", "--cache-none"))
+TINY = Settings(128, 128, 124, 4, "t2va-base4-exact-cpu", TINY_FILES, caps_gib=(None,), warm_runs=1, launch=("--cpu",))
 FULL = Settings(960, 544, 124, 16, "t2va-base16-bf16-sm90", FULL_FILES)
 
 
@@ -152,17 +153,12 @@ WORKFLOWS: dict[str, Callable[..., dict]] = {"core": core_workflow, "vflash": vf
 
 
 def write_tiny_family(root: Path, models: Path) -> None:
-    """The small random family (released channel counts on a tiny network): the transformer as a Comfy-Org
-    fp8_scaled single file, the text encoder and VAEs written by core's own modules (tests/comfy_core_probe)."""
-    from vflash_core.engine.config import H3Config
-    from vflash_core.weights import synthetic
-
-    config = replace(H3Config.preset("demo"), in_channels=24, audio_in_channels=32)
-    (models / "diffusion_models").mkdir(parents=True, exist_ok=True)
-    synthetic.write_comfy_transformer(models / "diffusion_models" / TINY_FILES.dit, config,
-                                      synthetic.random_internal_weights(config, seed=6), fp8="metadata")
+    """The small random family (released channel counts on a tiny network) in the layouts of the full-size files,
+    written by the same writer (`comfy_core_files.py --small`, with ComfyUI's Python): the transformer as a Comfy-Org
+    fp8_scaled single file, the text encoder and the VAEs in the layouts core's loaders detect."""
     python = os.environ.get("COMFYUI_PYTHON", "python")
-    out = subprocess.run([python, str(PROBE / "small_core.py"), str(models)], cwd=root, capture_output=True, text=True, timeout=600)
+    out = subprocess.run([python, str(Path(__file__).resolve().parent / "comfy_core_files.py"), str(models), "--small", "--device", "cpu"],
+                         cwd=root, capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-3000:])
 
@@ -249,7 +245,9 @@ def device_total_gib() -> float:
 def run_side(comfyui: Path, work: Path, side: str, s: Settings, cap: int | None, fast: bool,
              write_models: Callable[[Path, Path], None]) -> dict:
     """One fresh server, one side's first run and warm runs; the record."""
-    launch = list(s.launch)
+    # No frontend: an empty web root, so the frontend package need not be installed (a headless API run serves none).
+    (work.parent / "no-frontend").mkdir(parents=True, exist_ok=True)
+    launch = [*s.launch, "--front-end-root", str(work.parent / "no-frontend")]
     env = {}
     if cap is not None:
         launch += ["--reserve-vram", f"{max(0.0, device_total_gib() - cap):.3f}"]

@@ -27,11 +27,15 @@ def test_tiny_dry_run_writes_both_sides_records_and_real_mp4s(tmp_path):
     data = json.loads((tmp_path / "results" / "vs_comfy_core_cpu_tiny.json").read_text())
     assert data["tiny"] is True and data["comfyui_version"] and {"gpu", "torch", "commit", "date"} <= set(data)
     assert {r["side"] for r in data["records"]} == {"core", "vflash"}
+    assert {r["mode"] for r in data["records"]} == {"exact", "EasyCache", "fast_mode step-cache"}
     for record in data["records"]:
         assert record["status"] == "success", record
         assert {"device_cap_gib", "workflow_seconds", "peak_device_bytes", "host_rss_peak_bytes", "host_pinned_bytes",
                 "node_seconds"} <= set(record)
         assert record["workflow_seconds"] > 0 and record["host_rss_peak_bytes"] > 0 and record["node_seconds"]
+        # warm runs keep the models: the loaders ran in the first run only (ComfyUI's cache, no --cache-none)
+        loaders = {"1", "2", "3", "12"}
+        assert loaders <= set(record["first_run"]["node_seconds"]) and not loaders & set(record["warm_runs"][0]["node_seconds"]), record
         info = probe_mp4(record["first_run"]["video"])
         assert (info["width"], info["height"]) == (128, 128) and info["frames"] == 124, info
     for summary in data["summaries"]:
