@@ -27,6 +27,8 @@ for pkg in comfy_kitchen comfy_aimdo torchsde trampoline einops sentencepiece ai
     [ -e "$path" ] && cp -r "$path" "$STAGE/site/"
   done
 done
+# comfy_kitchen imports its HIP backend (57 MB) only under a ROCm build of torch; its CUDA backend (169 MB) stays.
+rm -rf "$STAGE/site/comfy_kitchen/backends/hip"
 mkdir -p .whl
 tar -cJf .whl/comfyui.tar.xz -C "$STAGE" ComfyUI site
 ls -l .whl/comfyui.tar.xz
