@@ -357,7 +357,8 @@ def write_safetensors_streamed(
         for name in order:
             tensor = produce(name).contiguous()
             if (tensor.dtype, tuple(tensor.shape)) != layout[name]:
-                raise ValueError(f"{name}: produced {tensor.dtype} {tuple(tensor.shape)}, the layout says {layout[name]}")
+                made = (tensor.dtype, tuple(tensor.shape))
+                raise ValueError(f"{name}: produced {made[0]} {made[1]}, the layout says {layout[name]}")
             if tensor.numel():
                 # numpy's stubs declare the buffer protocol (`__buffer__`) for Python >= 3.12 only
                 data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]

@@ -26,8 +26,7 @@ from .checkpoint import internal_shapes, source_name
 __all__ = [
     "RandomWeights", "diffusers_names", "quantize_int8_convrot", "random_internal_weights", "random_like",
     "to_original_names", "write_comfy_fp8_scaled_streamed", "write_comfy_transformer", "write_delta_as_peft",
-    "write_diffusers_transformer", "write_random_delta",
-    "write_random_lora", "write_shards",
+    "write_diffusers_transformer", "write_random_delta", "write_random_lora", "write_shards",
 ]
 
 # Tensors the released checkpoint stores in fp32; everything else is bf16.
@@ -359,9 +358,14 @@ def write_comfy_fp8_scaled_streamed(path: str | Path, config: H3Config, weights:
     sources = {source_name(name, original=True): name for name in weights}
     quantized = {
         out for out, name in sources.items()
-        if out.endswith(".weight") and _FP8_LAYERS.match(out.removesuffix(".weight")) and weights.dtype_of(name) == torch.bfloat16
+        if out.endswith(".weight") and _FP8_LAYERS.match(out.removesuffix(".weight"))
+        and weights.dtype_of(name) == torch.bfloat16
     }
-    scales = {f"{out.removesuffix('.weight')}.weight_scale": _fp8_scale(weights[sources[out]]).cpu() for out in quantized}
+
+    def scale_name(weight: str) -> str:
+        return weight.removesuffix(".weight") + ".weight_scale"
+
+    scales = {scale_name(out): _fp8_scale(weights[sources[out]]).cpu() for out in quantized}
     inv_freq = rope_inv_freq(config)
     layout = {out: (torch.float8_e4m3fn if out in quantized else weights.dtype_of(name), weights.shapes[name])
               for out, name in sources.items()}
@@ -375,7 +379,7 @@ def write_comfy_fp8_scaled_streamed(path: str | Path, config: H3Config, weights:
             return inv_freq
         _, tensor = original(sources[out])
         if out in quantized:
-            tensor = (tensor.float() / scales[f"{out.removesuffix('.weight')}.weight_scale"].to(tensor.device)).to(torch.float8_e4m3fn)
+            tensor = (tensor.float() / scales[scale_name(out)].to(tensor.device)).to(torch.float8_e4m3fn)
         return tensor.cpu()
 
     layers = {out.removesuffix(".weight"): {"format": "float8_e4m3fn"} for out in quantized}
