@@ -226,12 +226,15 @@ class Server:
                         if pending is not None:
                             await pending
                         return {"status": kind, "body": data, "interrupted_at": interrupted_at[0] if interrupted_at else None, **done}
-                    # The end: `execution_success` (a prompt whose nodes were all cached may be followed by nothing
-                    # else for this client), or the older `executing` with no node.
-                    if kind == "execution_success" or kind == "executing" and data.get("node") is None and data.get("prompt_id") == prompt_id:
+                    # The end: `executing` with no node, or `execution_success` (a prompt whose nodes were all cached
+                    # may be followed by nothing else for this client). The server sends `execution_success` before
+                    # it records the prompt in /history, so that end waits for the record.
+                    ended = kind == "executing" and data.get("node") is None and data.get("prompt_id") == prompt_id
+                    if ended or kind == "execution_success":
                         if pending is not None:
                             await pending
-                        return {"status": "success", **done}
+                        status = "success" if ended else await self._history_status(http, prompt_id, deadline)
+                        return {"status": status, **done}
                 raise TimeoutError(f"prompt {prompt_id} did not finish in {timeout} s:\n{self.tail()}")
 
     async def _history_status(self, http, prompt_id: str, deadline: float) -> str:

@@ -35,14 +35,18 @@ async def _run(ending: str) -> dict:
             await ws.send_bytes(b"\0\0\0\1\0\0\0\1" + bytes(5 << 20))
         if ending != "socket closed":
             await ws.send_json({"type": "execution_success", "data": {"prompt_id": prompts[0]}})
-        if ending == "large message":
+        if ending == "large message":  # the server records the prompt, then sends this
             await ws.send_json({"type": "executing", "data": {"node": None, "prompt_id": prompts[0]}})
         await asyncio.sleep(0.2)
         await ws.close()
         return ws
 
-    async def history(request):
-        return web.json_response({prompts[0]: {"status": {"status_str": "success", "completed": True}, "outputs": {}}})
+    history_asked: list[int] = []
+
+    async def history(request):  # recorded only from the third request on: the server records after it reports
+        history_asked.append(1)
+        entry = {"status": {"status_str": "success", "completed": True}, "outputs": {}}
+        return web.json_response({prompts[0]: entry} if len(history_asked) > 2 else {})
 
     app = web.Application()
     app.router.add_post("/prompt", prompt)
@@ -56,7 +60,9 @@ async def _run(ending: str) -> dict:
     client.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
     client.tail = lambda n=60: ""
     try:
-        return await client.run_prompt({}, timeout=10.0)
+        result = await client.run_prompt({}, timeout=10.0)
+        result["history_recorded"] = len(history_asked) > 2
+        return result
     finally:
         await runner.cleanup()
 
@@ -65,6 +71,7 @@ async def _run(ending: str) -> dict:
 def test_a_finished_prompt_ends_the_wait(ending):
     result = asyncio.run(_run(ending))
     assert result["status"] == "success"
+    assert result["history_recorded"]  # before it is, /history lists none of the prompt's files
     assert result.get("websocket_closed", False) == (ending == "socket closed")
     if ending == "large message":
         assert len(result["previews"]) == 1 and len(result["previews"][0][2]) == 5 << 20
