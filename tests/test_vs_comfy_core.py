@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not (os.environ.get("COMFYUI_ROOT") and os.envir
 
 
 def test_tiny_dry_run_writes_both_sides_records_and_real_mp4s(tmp_path):
-    from vflash_core.media.mp4 import probe_mp4
+    from mp4_probe import probe_mp4
 
     env = {**os.environ, "VFLASH_RESULTS": str(tmp_path / "results"), "PYTHONPATH": str(REPO / "benchmarks")}
     out = subprocess.run([sys.executable, "-P", str(REPO / "benchmarks" / "vs_comfy_core.py"), "--tiny", "--work", str(tmp_path / "work")],
