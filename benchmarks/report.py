@@ -397,6 +397,21 @@ def fast_mode_figures(data: dict) -> str:
     return "\n".join(parts + [""])
 
 
+def service_throughput_section(data: dict) -> list[str]:
+    """Requests per hour through `vflash serve`: serial against pipelined workers, one worker against two."""
+    machine = data["gpu"] or data.get("machine", "CPU")
+    request = data["request"]
+    summary = (f"pipelined / serial {data['pipelined_speedup']}x, same MP4 bytes: {_fmt(data['same_mp4_bytes'])}"
+               + (f", two workers / one {data['two_worker_speedup']}x" if data.get("two_worker_speedup") else ""))
+    return [f"## Service throughput (`benchmarks/service_throughput.py`, {machine})", "",
+            f"{machine}, torch {data['torch']}, commit `{data['commit'][:10]}`; {request['width']}x{request['height']} "
+            f"{request['duration_seconds']} s requests, {data.get('threads_per_worker', '')} torch thread(s) per worker: "
+            f"{summary}.", "",
+            _table(data["requests_per_hour"], [("mode", "mode"), ("workers", "workers"), ("requests", "requests"),
+                                               ("wall_seconds", "wall s"), ("requests_per_hour", "requests per hour"),
+                                               ("gpu_busy_fraction", "GPU busy")]), ""]
+
+
 def _lora_data() -> dict | None:
     """The newest LoRA result file (one per GPU kind)."""
     files = sorted(RESULTS.glob("lora_*.json"), key=lambda p: p.stat().st_mtime)
@@ -548,6 +563,8 @@ def render() -> str:
     fast = _fast_mode_data()
     if fast:
         parts += ["## Fast modes vs exact (`benchmarks/fast_mode.py`)", "", fast_mode_figures(fast)]
+    for throughput in sorted(RESULTS.glob("service_throughput_*.json")):
+        parts += service_throughput_section(json.loads(throughput.read_text()))
     lora = _lora_data()
     if lora:
         parts += ["## LoRA stacks (`benchmarks/lora.py`)", "", lora_figures(lora)]
