@@ -359,9 +359,9 @@ def host_memory_table(data: dict) -> str:
     ])
 
 
-def _fast_mode_data() -> dict | None:
-    """The newest fast-mode result file (one per GPU kind)."""
-    files = sorted(RESULTS.glob("fast_mode_*.json"), key=lambda p: json.loads(p.read_text()).get("date", ""))
+def _newest(prefix: str) -> dict | None:
+    """The newest `<prefix>_<gpu>.json` result file by its recorded date (one file per GPU kind)."""
+    files = sorted(RESULTS.glob(f"{prefix}_*.json"), key=lambda p: json.loads(p.read_text()).get("date", ""))
     return json.loads(files[-1].read_text()) if files else None
 
 
@@ -410,12 +410,6 @@ def service_throughput_section(data: dict) -> list[str]:
             _table(data["requests_per_hour"], [("mode", "mode"), ("workers", "workers"), ("requests", "requests"),
                                                ("wall_seconds", "wall s"), ("requests_per_hour", "requests per hour"),
                                                ("gpu_busy_fraction", "GPU busy")]), ""]
-
-
-def _lora_data() -> dict | None:
-    """The newest LoRA result file (one per GPU kind)."""
-    files = sorted(RESULTS.glob("lora_*.json"), key=lambda p: p.stat().st_mtime)
-    return json.loads(files[-1].read_text()) if files else None
 
 
 def lora_figures(data: dict) -> str:
@@ -560,12 +554,12 @@ def render() -> str:
                   _table(preview["records"], [("canvas", "canvas (5 s)"), ("latent_shape", "latents"), ("preview_ms", "preview ms"),
                                               ("preview_ms_max", "slowest ms"), ("evaluation_ms", "evaluation ms"), ("overhead", "overhead"),
                                               ("evaluation_source", "evaluation time from")]), ""]
-    fast = _fast_mode_data()
+    fast = _newest("fast_mode")
     if fast:
         parts += ["## Fast modes vs exact (`benchmarks/fast_mode.py`)", "", fast_mode_figures(fast)]
     for throughput in sorted(RESULTS.glob("service_throughput_*.json")):
         parts += service_throughput_section(json.loads(throughput.read_text()))
-    lora = _lora_data()
+    lora = _newest("lora")
     if lora:
         parts += ["## LoRA stacks (`benchmarks/lora.py`)", "", lora_figures(lora)]
     two = _load("two_gpu_2xh200")
@@ -608,11 +602,11 @@ if __name__ == "__main__":
     if host_data:
         fill_engine_doc(host_data, HOST_START, HOST_END, host_memory_table)
         print(f"filled the host-memory table of {ENGINE_DOC}")
-    fast_data = _fast_mode_data()
+    fast_data = _newest("fast_mode")
     if fast_data:
         fill_engine_doc(fast_data, FAST_START, FAST_END, fast_mode_figures)
         print(f"filled the fast-mode figures of {ENGINE_DOC}")
-    lora_data = _lora_data()
+    lora_data = _newest("lora")
     if lora_data:
         fill_engine_doc(lora_data, LORA_START, LORA_END, lora_figures)
         print(f"filled the LoRA figures of {ENGINE_DOC}")
