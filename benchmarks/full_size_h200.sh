@@ -4,7 +4,8 @@
 #
 #   [SET="end_to_end memory_caps"] [CAPS_ARGS="..."] [HOST_ARGS="..."] bash benchmarks/full_size_h200.sh COMMIT [MINUTES] [extra end_to_end.py arguments...]
 #
-# SET names any of end_to_end, memory_caps, host_memory (default: the first two). Run from the repository root of the
+# SET names any of end_to_end, memory_caps, host_memory, service_throughput (default: the first two; service_throughput
+# serves the receipt end_to_end.py staged, so it follows end_to_end, whose phases `--skip` can leave out). Run from the repository root of the
 # device copy with `.whl/site.tar.xz` carried. Results and logs go to $R/results (default /root/run/results), ending
 # with the line "done at ..." in $R/results/done.log; the work folders are /root/e2e (disk) and /dev/shm/vflash
 # (tmpfs), kept so a second run resumes the staging.
@@ -33,6 +34,8 @@ for bench in $SET; do
         # end_to_end.py leaves memory_caps.py ~10 minutes when both run
         end_to_end) python3 benchmarks/end_to_end.py $WORK --deadline-minutes $(( $(left) - reserve )) "$@" > "$R/results/end_to_end.log" 2>&1 ;;
         memory_caps) wait $tests; python3 benchmarks/memory_caps.py $WORK --deadline-minutes "$(left)" ${CAPS_ARGS:-} > "$R/results/memory_caps.log" 2>&1 ;;
+        service_throughput) wait $tests; python3 benchmarks/service_throughput.py --prepared-assets /root/e2e/pipeline.json --gpu 0 \
+            --requests 4 --width 1344 --height 768 > "$R/results/service_throughput.log" 2>&1 ;;
         host_memory) python3 benchmarks/host_memory.py $WORK --deadline-minutes "$(left)" ${HOST_ARGS:-} > "$R/results/host_memory.log" 2>&1 ;;
         *) echo "unknown benchmark $bench" >> "$R/results/done.log" ;;
     esac
