@@ -6,8 +6,9 @@ workers, and on the CPU one worker vs two.
 
 Each phase starts a service on loopback, runs one warm-up request per worker (the model loads on a worker's first
 job, which is not what is measured), then submits `--requests` requests at once and times them from the first
-submission to the last video. CPU: each worker is pinned to `--threads` torch threads, so two workers on a two-core
-machine get a core each, as one worker with two threads gets both. GPU: `gpu_busy_fraction` is NVML's utilisation
+submission to the last video. CPU: each worker is pinned to `--threads` threads, torch's and the H.264 encoder's (by
+default FFmpeg gives the encoder a thread per core), so two workers on a two-core machine get a core each, as one
+worker with two threads gets both. GPU: `gpu_busy_fraction` is NVML's utilisation
 (`nvidia-smi` sampled every 200 ms) averaged over the measured window. `same_mp4_bytes`: the serial and the pipelined
 phase wrote byte-identical MP4s for the same requests. Writes `results/service_throughput_<gpu or cpu>.json`.
 """
@@ -128,7 +129,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=224)
     parser.add_argument("--height", type=int, default=128)
     parser.add_argument("--seconds", type=float, default=5.0, help="clip length of each request")
-    parser.add_argument("--threads", type=int, default=1, help="CPU: torch threads per worker (default 1)")
+    parser.add_argument("--threads", type=int, default=1, help="CPU: torch and H.264 encoder threads per worker (default 1)")
     parser.add_argument("--dry-run", action="store_true", help="build each phase's configuration, run nothing")
     args = parser.parse_args()
     if (args.gpu is None) != (args.prepared_assets is None):
@@ -137,7 +138,7 @@ def main() -> None:
         from vflash_core.pipeline.demo import ensure_demo_assets
 
         args.prepared_assets = ensure_demo_assets()
-    options = RunOptions() if args.gpu is None else RunOptions(device=f"cuda:{args.gpu}")
+    options = RunOptions(media_video_threads=args.threads) if args.gpu is None else RunOptions(device=f"cuda:{args.gpu}")
     requests = [
         {"prompt": f"a lighthouse at dusk, take {i}", "seed": i, "width": args.width, "height": args.height,
          "duration_seconds": args.seconds}
