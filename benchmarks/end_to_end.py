@@ -432,7 +432,7 @@ def vflash_requests(run: Run, pipe, config_name: str, canvases: list[str], count
                 "peak_device_bytes": {"text_encode": peaks.get("encode"), "denoise": peaks.get("denoise"), "video_decode": peaks.get("video_decode"),
                                       "audio_decode": peaks.get("audio_decode"), "mp4": peaks.get("mp4")},
                 **merge_host(hosts), "mp4_sha256": digest,
-                "session": {"request_wall_seconds": round(result.session.request_wall_seconds, 3)},
+                "session": {"request_wall_seconds": round(result.timing.request_wall_seconds, 3)},
                 "attention_backend": result.metadata.get("attention_backend"), "weight_residency": result.metadata.get("weight_residency"),
                 "encoder_residency": result.metadata.get("encoder_residency"), "devices": result.metadata.get("devices"),
                 "memory_plan": pipe.session.plan.summary() if pipe.session.plan is not None else None, **extra,
@@ -477,7 +477,7 @@ def denoise_overhead(pipe, canvas: str, blocks: int) -> dict[str, object]:
     result = pipe.session.generate(bundle, profile_denoise=True)
     profile = result.denoise_profile
     totals, evaluations = profile["total_ms"], len(profile["evaluations"])
-    wall = result.session.request_wall_seconds
+    wall = result.timing.request_wall_seconds
     per_block_ms = totals["blocks"] / (evaluations * blocks)
     outside = {name: round(ms, 1) for name, ms in totals.items() if name in ("pack_inputs", "final_layer", "latent_update")}
     return {

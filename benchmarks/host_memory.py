@@ -77,7 +77,7 @@ def child(spec: dict) -> dict:
         result = session.generate(bundle, output_latents=spec["latents"], profile_denoise=spec["profile_denoise"])
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        record["request_seconds"] = round(result.session.request_wall_seconds, 3)
+        record["request_seconds"] = round(result.timing.request_wall_seconds, 3)
         memory = result.metadata["memory"]
         record["peak_device_bytes"] = max(memory.get("peak_allocated_bytes", [0]))  # type: ignore[arg-type]
         record["pinned_host_bytes_held"] = memory["pinned_host_bytes"]

@@ -474,7 +474,7 @@ def compare(
         images, audio, _ = decode(registry, host, vae, sampled, audio_vae)
         clips[side] = (images, audio)
         sides[side] = {
-            "seconds": time.perf_counter() - start, "denoise_seconds": result.session.request_wall_seconds,
+            "seconds": time.perf_counter() - start, "denoise_seconds": result.timing.request_wall_seconds,
             "metadata": result.metadata,
         }
     (exact_images, exact_audio), (fast_images, fast_audio) = clips["exact"], clips["fast"]

@@ -26,12 +26,10 @@ import torch
 
 from vflash_core.engine.layout import (
     AUDIO_CHANNELS,
-    FPS,
     VAE_LATENTS_PER_CHUNK,
     VAE_SPATIAL_RATIO,
     Geometry,
     align_num_frames,
-    video_num_frames,
 )
 from vflash_core.errors import RequestError
 
@@ -48,26 +46,7 @@ class AVLatents:
 
     @property
     def geometry(self) -> Geometry:
-        return geometry_of_latents(self.video, self.audio)
-
-
-def geometry_of_latents(video: torch.Tensor, audio: torch.Tensor) -> Geometry:
-    """The request geometry a (video (1, C, T, h, w), audio (2, C_a, A)) pair encodes; raises if inconsistent."""
-    if video.ndim != 5 or video.shape[0] != 1:
-        raise RequestError(f"an H3 video latent is (1, C, T, H/16, W/16), got {list(video.shape)}")
-    if audio.ndim != 3 or audio.shape[0] != AUDIO_CHANNELS:
-        raise RequestError(f"an H3 audio latent is ({AUDIO_CHANNELS}, C, A) in Vflash layout, got {list(audio.shape)}")
-    latent_frames = int(video.shape[2])
-    if latent_frames < 2 or (latent_frames - 2) % VAE_LATENTS_PER_CHUNK:
-        raise RequestError(f"an H3 video latent has 5 n + 2 latent frames, got {latent_frames}")
-    num_frames = video_num_frames(latent_frames)
-    geometry = Geometry(int(video.shape[3]) * VAE_SPATIAL_RATIO, int(video.shape[4]) * VAE_SPATIAL_RATIO, num_frames)
-    if int(audio.shape[2]) != geometry.num_audio_latents:
-        raise RequestError(
-            f"the audio latent has {int(audio.shape[2])} frames; {num_frames} video frames at {FPS} fps need "
-            f"{geometry.num_audio_latents}"
-        )
-    return geometry
+        return Geometry.of_latents(self.video, self.audio)
 
 
 # -- core AV latent <-> Vflash ------------------------------------------------------------------------------------
@@ -80,7 +59,7 @@ def audio_to_comfy(audio: torch.Tensor) -> torch.Tensor:
 
 def to_comfy_latent(video: torch.Tensor, audio: torch.Tensor, nested: type) -> dict[str, Any]:
     """Vflash (video (1, C, T, h, w), audio (2, C_a, A)) -> core ``{"samples": NestedTensor((video, audio))}``."""
-    geometry_of_latents(video, audio)
+    Geometry.of_latents(video, audio)
     return {"samples": nested((video.float().contiguous(), audio_to_comfy(audio.float())))}
 
 
@@ -107,7 +86,7 @@ def from_comfy_latent(latent: dict[str, Any]) -> AVLatents:
     out = AVLatents(
         video.detach().float().cpu().contiguous(), audio[0].detach().float().cpu().permute(1, 0, 2).contiguous()
     )
-    geometry_of_latents(out.video, out.audio)
+    Geometry.of_latents(out.video, out.audio)
     return out
 
 

@@ -56,7 +56,7 @@ def test_generate_writes_the_mp4_and_times_its_stages(pipeline, tmp_path):
     # `elapsed_seconds` excludes.
     assert pipeline.initialization_seconds > 0
     assert result.elapsed_seconds <= wall - (0.0 if loaded_before else pipeline.initialization_seconds) + 1e-3
-    assert result.session.request_wall_seconds <= stages["denoise"]
+    assert result.timing.request_wall_seconds <= stages["denoise"]
 
     done = [(stage, done, total) for stage, done, total in events]
     # Each stage reports 0 as it starts, so a bar times the whole stage: one created at the end of the write drew
@@ -76,8 +76,8 @@ def test_serial_requests_reuse_the_models_and_repeat_exactly(pipeline):
     other = pipeline.generate(VideoRequest(REQUEST.prompt, seed=5, width=96, height=64), None)
     assert first.path is None and first.media is not None
     assert pipeline.initialization_seconds == initialization
-    assert second.session.request_index == first.session.request_index + 1
-    assert second.session.initialization_charged_seconds == 0.0
+    assert second.timing.request_index == first.timing.request_index + 1
+    assert second.timing.initialization_charged_seconds == 0.0
     assert_bitwise(second.media.frames, first.media.frames, "frames of a repeated request")
     assert_bitwise(second.media.waveform, first.media.waveform, "waveform of a repeated request")
     assert not torch.equal(other.media.frames, first.media.frames)

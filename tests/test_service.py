@@ -138,7 +138,7 @@ async def test_submit_poll_download_playable_mp4(aiohttp_client, make_service, t
     result = job["result"]
     assert result["path"] == f"{job_id}.mp4" and result["mode"] == "t2va"
     assert result["metadata"]["encoder_residency"] == "resident"  # the worker opened its pipeline with the service's option
-    assert result["session"]["request_index"] == 1
+    assert result["timing"]["request_index"] == 1
     assert {"validate", "encode", "denoise", "decode", "write"} <= set(result["stages"])
     assert 0 < result["elapsed_seconds"] <= job["timings"]["run_seconds"]
 
@@ -195,7 +195,7 @@ async def test_queued_jobs_run_in_order_on_one_pipeline_then_429(aiohttp_client,
     assert started == sorted(started)
     # One pipeline, reused: one worker served them all, and its session counted the serial requests.
     assert {job["worker_pid"] for job in jobs} == {jobs[0]["worker_pid"]}
-    assert [job["result"]["session"]["request_index"] for job in jobs] == list(range(1, jobs_queued + 1))
+    assert [job["result"]["timing"]["request_index"] for job in jobs] == list(range(1, jobs_queued + 1))
     outputs = {config.output_dir / f"{job_id}.mp4" for job_id in ids}
     assert outputs <= set(published(config.output_dir))
     assert len({path.read_bytes() for path in outputs}) == jobs_queued  # one seed each, one different video each

@@ -77,7 +77,7 @@ async def test_a_pipelined_worker_starts_the_next_job_during_a_write_and_writes_
     assert all(b["started_at"] >= a["finished_at"] for a, b in zip(serial_jobs, serial_jobs[1:]))
     assert all(b["started_at"] < a["finished_at"] for a, b in zip(pipelined_jobs, pipelined_jobs[1:]))
     assert len({job["worker_pid"] for job in pipelined_jobs}) == 1
-    assert [job["result"]["session"]["request_index"] for job in pipelined_jobs] == [1, 2, 3]
+    assert [job["result"]["timing"]["request_index"] for job in pipelined_jobs] == [1, 2, 3]
 
 
 async def test_cancelling_a_job_while_it_writes_spares_the_job_computing_beside_it(aiohttp_client, make_service):

@@ -25,9 +25,9 @@ def test_timing_fields_and_progress(tiny_compiled):
         first = session.generate(_bundle(1), progress=lambda done, total: calls.append((done, total)))
         second = session.generate(BundleHandoff(_bundle(1)))
     assert calls == [(1, 4), (2, 4), (3, 4), (4, 4)]
-    assert first.session.request_index == 1 and second.session.request_index == 2
-    assert first.session.initialization_charged_seconds == first.session.initialization_seconds > 0
-    assert second.session.initialization_charged_seconds == 0.0 and second.session.request_wall_seconds > 0
+    assert first.timing.request_index == 1 and second.timing.request_index == 2
+    assert first.timing.initialization_charged_seconds == first.timing.initialization_seconds > 0
+    assert second.timing.initialization_charged_seconds == 0.0 and second.timing.request_wall_seconds > 0
     assert_bitwise(first.video_latents, second.video_latents, "same bundle, same session")
     assert first.metadata["attention_backend"] == "torch-sdpa" and first.metadata["weight_residency"] == "resident"
 

@@ -58,7 +58,7 @@ def _denoise(args: argparse.Namespace) -> int:
             result = session.generate(bundle, progress=lambda done, total: bars("denoise", done, total),
                                       output_latents=args.output_latents, profile_denoise=args.profile_denoise)
     print(f"wrote {args.output_latents}")
-    report = {"session": result.session.__dict__, "metadata": result.metadata}
+    report = {"timing": result.timing.__dict__, "metadata": result.metadata}
     if result.denoise_profile is not None:
         report["denoise_profile"] = result.denoise_profile
     print(json.dumps(report, indent=2))

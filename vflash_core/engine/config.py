@@ -17,8 +17,8 @@ from ..fileio import check_input_file
 from ..formats import is_positive
 
 __all__ = [
-    "AUDIO_TAG", "NUM_MODALITIES", "PRESETS", "TEXT_ENCODER_LAYER", "TEXT_TAG", "VIDEO_TAG", "H3Config", "aux_shapes",
-    "block_shapes",
+    "AUDIO_TAG", "FP32_PARTS", "NUM_MODALITIES", "PRESETS", "TEXT_ENCODER_LAYER", "TEXT_TAG", "VIDEO_TAG", "H3Config",
+    "aux_shapes", "block_shapes",
 ]
 
 # Modality tags of the packed sequence; one AdaLN table row exists per (timestep, tag).
@@ -28,6 +28,10 @@ AUDIO_TAG = 2
 NUM_MODALITIES = 3
 # H3 conditions on the text encoder's hidden_states[50]: the residual stream after Qwen3-VL's decoder layer 49.
 TEXT_ENCODER_LAYER = 50
+# The parts the released checkpoint stores in fp32 and diffusers keeps in fp32 when it loads the model in bf16
+# (`_keep_in_fp32_modules`, whose non-persistent rope buffer has no weight): the patch projections, the time embedder
+# and the output heads, as prefixes of their tensors' names. Everything else is bf16.
+FP32_PARTS = ("proj_in.", "audio_proj_in.", "time_embedder.", "proj_out.", "audio_proj_out.")
 
 
 @dataclass(frozen=True)

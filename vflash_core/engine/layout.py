@@ -196,6 +196,28 @@ class Geometry:
     def rows_per_frame(self, patch_size: tuple[int, int, int]) -> int:
         return (self.latent_height // patch_size[1]) * (self.latent_width // patch_size[2])
 
+    @classmethod
+    def of_latents(cls, video: torch.Tensor, audio: torch.Tensor) -> Geometry:
+        """The geometry a (video (1, C, T, h, w), audio (2, C_a, A)) latent pair encodes; RequestError when the
+        shapes are not an H3 request's or do not agree."""
+        if video.ndim != 5 or video.shape[0] != 1:
+            raise RequestError(f"an H3 video latent is (1, C, T, H/16, W/16), got {list(video.shape)}")
+        if audio.ndim != 3 or audio.shape[0] != AUDIO_CHANNELS:
+            raise RequestError(
+                f"an H3 audio latent is ({AUDIO_CHANNELS}, C, A) in Vflash layout, got {list(audio.shape)}"
+            )
+        latent_frames = int(video.shape[2])
+        if latent_frames < 2 or (latent_frames - 2) % VAE_LATENTS_PER_CHUNK:
+            raise RequestError(f"an H3 video latent has 5 n + 2 latent frames, got {latent_frames}")
+        num_frames = video_num_frames(latent_frames)
+        geometry = cls(int(video.shape[3]) * VAE_SPATIAL_RATIO, int(video.shape[4]) * VAE_SPATIAL_RATIO, num_frames)
+        if int(audio.shape[2]) != geometry.num_audio_latents:
+            raise RequestError(
+                f"the audio latent has {int(audio.shape[2])} frames; {num_frames} video frames at {FPS} fps need "
+                f"{geometry.num_audio_latents}"
+            )
+        return geometry
+
 
 def request_rows(config: H3Config, geometry: Geometry, text_rows: int) -> int:
     """Packed rows of a t2va request: text, both audio channels' latents, every latent frame's patches."""

@@ -99,7 +99,7 @@ class GenerationResult:
 
     video_latents: torch.Tensor
     audio_latents: torch.Tensor
-    session: SessionTiming
+    timing: SessionTiming
     metadata: dict[str, object] = field(default_factory=dict)
     denoise_profile: dict[str, object] | None = None
 

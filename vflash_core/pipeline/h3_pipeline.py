@@ -47,7 +47,7 @@ import torch
 
 from ..engine.bundle import BundleHandoff
 from ..engine.config import H3Config
-from ..engine.layout import FPS, VAE_SPATIAL_RATIO, Geometry, request_rows, video_num_frames
+from ..engine.layout import FPS, Geometry, request_rows
 from ..engine.session import GenerationResult, NativeEngineSession, SessionTiming
 from ..engine.session_hooks import BlockLoader, NativeDenoiserLoader, check_loader_hooks
 from ..errors import (
@@ -106,7 +106,7 @@ class VideoResult:
     path: Path | None
     elapsed_seconds: float
     stages: dict[str, float]
-    session: SessionTiming
+    timing: SessionTiming
     mode: str
     width: int
     height: int
@@ -305,10 +305,7 @@ class H3Pipeline:
         self._check_open()
         with self._lock:
             self.load()
-            _, _, latent_frames, latent_height, latent_width = video_latents.shape
-            frames = video_num_frames(latent_frames)
-            geometry = Geometry(latent_height * VAE_SPATIAL_RATIO, latent_width * VAE_SPATIAL_RATIO, frames)
-            self._check_memory(geometry, denoise=False)
+            self._check_memory(Geometry.of_latents(video_latents, audio_latents), denoise=False)
             assert self.vaes is not None  # load() sets every part or raises
             return self.vaes.decode(video_latents, audio_latents)
 
@@ -384,7 +381,7 @@ class H3Pipeline:
         except BaseException as exc:
             self._end_on_failure(exc, control.guarded)
             raise
-        metadata, session_timing = self._metadata(request, generation, media, soundtrack), generation.session
+        metadata, session_timing = self._metadata(request, generation, media, soundtrack), generation.timing
         del generation  # the write keeps no device tensor
 
         def write() -> VideoResult:
@@ -405,7 +402,7 @@ class H3Pipeline:
                 raise
             return VideoResult(
                 path=path, elapsed_seconds=time.perf_counter() - start - initialization, stages=stages,
-                session=session_timing, mode=plan.mode, width=plan.geometry.width, height=plan.geometry.height,
+                timing=session_timing, mode=plan.mode, width=plan.geometry.width, height=plan.geometry.height,
                 num_frames=media.num_frames, fps=FPS, sample_rate=media.sample_rate, metadata=metadata,
                 media=None if output is not None else media,
             )

@@ -253,7 +253,7 @@ def _describe(exc: BaseException) -> str:
 # What a client sees of a VideoResult: not `path` (a service staging path; the parent reports the published name)
 # and not `media` (decoded tensors, only present when no file was written).
 RESULT_FIELDS = (
-    "elapsed_seconds", "stages", "session", "mode", "width", "height", "num_frames", "fps", "sample_rate", "metadata"
+    "elapsed_seconds", "stages", "timing", "mode", "width", "height", "num_frames", "fps", "sample_rate", "metadata"
 )
 
 

@@ -59,7 +59,7 @@ from typing import TypedDict
 import torch
 
 from ..engine.artifact import FLOAT_DTYPES
-from ..engine.config import H3Config, aux_shapes, block_shapes
+from ..engine.config import FP32_PARTS, H3Config, aux_shapes, block_shapes
 from ..errors import IdentityMismatchError, WeightFileError
 from ..profiles import PROFILES, Profile
 from ..tensor_store import ReadRequest, TensorStore
@@ -176,13 +176,10 @@ def check_finite(tensor: torch.Tensor, name: str, path: Path) -> None:
 def release_dtype(internal: str, pruned: bool) -> torch.dtype:
     """The dtype of an internal tensor in the release: fp32 for the patch projections, the time embedder and the
     output heads (a pruned file's time table and reduced-rank AdaLN projections too), bf16 for everything else."""
-    fp32 = internal.startswith(_FP32_INTERNAL) or (
+    fp32 = internal.startswith(FP32_PARTS) or internal == "adaln_t_table" or (
         pruned and (".adaln." in internal or internal.startswith("norm_out.linear."))
     )
     return torch.float32 if fp32 else torch.bfloat16
-
-
-_FP32_INTERNAL = ("proj_in.", "audio_proj_in.", "time_embedder.", "proj_out.", "audio_proj_out.", "adaln_t_table")
 
 
 class _TimeWidths(TypedDict, total=False):

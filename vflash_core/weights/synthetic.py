@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..engine.config import H3Config
+from ..engine.config import FP32_PARTS, H3Config
 from ..engine.model import rope_inv_freq
 from .checkpoint import internal_shapes, source_name
 
@@ -29,8 +29,6 @@ __all__ = [
     "write_diffusers_transformer", "write_random_delta", "write_random_lora", "write_shards",
 ]
 
-# Tensors the released checkpoint stores in fp32; everything else is bf16.
-FP32_PREFIXES = ("proj_in.", "audio_proj_in.", "time_embedder.", "proj_out.", "audio_proj_out.")
 
 
 def _tensor_seed(seed: int, name: str) -> int:
@@ -64,7 +62,7 @@ class RandomWeights(Mapping[str, torch.Tensor]):
         return value.to(self.dtype_of(name)).contiguous()
 
     def dtype_of(self, name: str) -> torch.dtype:
-        pinned = self.dtype == torch.bfloat16 and name.startswith(FP32_PREFIXES)
+        pinned = self.dtype == torch.bfloat16 and name.startswith(FP32_PARTS)
         return torch.float32 if pinned else self.dtype
 
     def nbytes(self, name: str) -> int:
