@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from concurrent import futures
 import gc
 import os
 import shutil
+from concurrent import futures
 
 import pytest
 import torch
@@ -20,8 +20,9 @@ from test_schedule_layout_bundle import _bundle
 from vflash_core import NativeEngineSession
 from vflash_core import memory_plan as MP
 from vflash_core.engine import residency as R
-from vflash_core.engine.artifact import CompiledArtifact
+from vflash_core.engine.artifact import CompiledArtifact, CompiledPaths
 from vflash_core.engine.denoise import denoise_bytes
+from vflash_core.engine.engine_options import EngineOptions
 from vflash_core.engine.layout import largest_request_rows
 from vflash_core.engine.weight_io import TensorReader
 from vflash_core.errors import RunFailedError, VflashError, WeightFileError
@@ -31,8 +32,6 @@ from vflash_core.pipeline.options import RunOptions
 from vflash_core.profiles import get_profile
 from vflash_core.tensor_store import TensorStore
 from vflash_core.weights import synthetic
-from vflash_core.engine.artifact import CompiledPaths
-from vflash_core.engine.engine_options import EngineOptions
 
 CUDA = [torch.device("cuda:0")]
 CORE = MP.PartSizes(core_blocks=FULL.core_blocks, core_block=FULL.core_block, core_auxiliary=FULL.core_auxiliary)
@@ -333,7 +332,7 @@ def test_a_host_budget_the_core_alone_exceeds_is_refused_before_the_encoder_and_
 
     monkeypatch.setattr(TextConditioner, "from_pretrained", never)
     monkeypatch.setattr(MediaVAEs, "from_pretrained", never)
-    sizes = CompiledArtifact(**PreparedAssets.load(h3_prepared).session_paths()).part_sizes()
+    sizes = CompiledArtifact.at(PreparedAssets.load(h3_prepared).compiled_paths()).part_sizes()
     staging = min(MP.DISK_RING_BLOCKS, 2) * sizes.core_block  # the tiny model's two blocks: the frugal disk ring
     pipe = H3Pipeline.from_prepared(h3_prepared, RunOptions(max_device_memory=1.0, weight_residency="disk-ring",
                                                             max_host_memory=1.0))

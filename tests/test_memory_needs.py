@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from vflash_core.engine.artifact import CompiledPaths
 from vflash_core.engine.bundle import EncodedReference
 from vflash_core.engine.core_memory import CoreMemory
 from vflash_core.engine.denoise import denoise_bytes
@@ -39,7 +38,7 @@ def parts(demo_receipt):
     assets = PreparedAssets.load(demo_receipt)
     conditioner = TextConditioner.from_pretrained(assets.model_root, "cpu")
     vaes = MediaVAEs.from_pretrained(assets.decoder_root, "cpu")
-    session = NativeEngineSession(assets.profile, CompiledPaths(**assets.session_paths()), EngineOptions(device="cpu"))
+    session = NativeEngineSession(assets.profile, assets.compiled_paths(), EngineOptions(device="cpu"))
     yield assets, conditioner, vaes, session
     for part in (session, conditioner, vaes):
         part.close()

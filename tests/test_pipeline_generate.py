@@ -11,16 +11,15 @@ import numpy as np
 import pytest
 import torch
 from conftest import assert_bitwise
+from mp4_probe import probe_mp4
 
 from vflash_core.engine.session import NativeEngineSession
 from vflash_core.errors import SessionClosedError, VflashError
 from vflash_core.media import mp4
 from vflash_core.media.conditioning import TextConditioner
-from mp4_probe import probe_mp4
 from vflash_core.media.vae import MediaVAEs
 from vflash_core.pipeline.h3_pipeline import H3Pipeline, PreparedAssets, RequestCancelled, VideoRequest
 from vflash_core.pipeline.options import RunOptions
-from vflash_core.engine.artifact import CompiledPaths
 
 REQUEST = VideoRequest("A train crosses a snowy bridge, whistle echoing.", seed=4, width=96, height=64)
 
@@ -98,7 +97,7 @@ def test_pipeline_composes_from_separately_loaded_parts(pipeline, h3_prepared):
     parts = (
         TextConditioner.from_pretrained(assets.model_root),
         MediaVAEs.from_pretrained(assets.decoder_root),
-        NativeEngineSession(assets.profile, CompiledPaths(**assets.session_paths())),
+        NativeEngineSession(assets.profile, assets.compiled_paths()),
     )
     with H3Pipeline(assets.profile, *parts) as composed:
         assert composed.loaded and composed.initialization_seconds == 0.0

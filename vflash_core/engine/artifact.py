@@ -190,6 +190,11 @@ class CompiledArtifact:
     `fp8`: an FP8 artifact (approximate, compiled for an FP8 profile): the four block linears are E4M3 codes with
     FP32 row scales (`<linear>.weight_scale`); all other tensors are the BF16 artifact's."""
 
+    @classmethod
+    def at(cls, paths: CompiledPaths) -> CompiledArtifact:
+        """The compile whose three outputs are at `paths`."""
+        return cls(paths.artifact, paths.schedule_overlay, paths.auxiliary)
+
     def __init__(self, artifact: str | Path, schedule_overlay: str | Path, auxiliary: str | Path):
         self.artifact_dir = Path(artifact)
         self.manifest = _read_manifest(

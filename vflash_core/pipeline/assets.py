@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any
 
 import torch
 
@@ -34,7 +34,7 @@ from ..tensor_store import file_sha256
 from .options import RunOptions
 
 __all__ = [
-    "ASSET_FIELDS", "PartLoader", "PreparedAssets", "SessionPaths", "largest_request", "prepare_pipeline",
+    "ASSET_FIELDS", "PartLoader", "PreparedAssets", "largest_request", "prepare_pipeline",
     "resolve_profile",
 ]
 
@@ -124,14 +124,6 @@ _RECEIPT_FIELDS: tuple[Field, ...] = (
 )
 
 
-class SessionPaths(TypedDict):
-    """The three outputs of one compile, by the names `CompiledArtifact` and `NativeEngineSession` take them."""
-
-    artifact: Path
-    schedule_overlay: Path
-    auxiliary: Path
-
-
 @dataclass(frozen=True)
 class PreparedAssets:
     """A validated pipeline receipt: one profile bound to its six assets."""
@@ -174,10 +166,8 @@ class PreparedAssets:
         )
         return cls(path=path, profile=profile, canvas=canvas, record=record, **assets)
 
-    def session_paths(self) -> SessionPaths:
-        return {
-            "artifact": self.artifact, "schedule_overlay": self.schedule_overlay, "auxiliary": self.auxiliary_tensor
-        }
+    def compiled_paths(self) -> CompiledPaths:
+        return CompiledPaths(self.artifact, self.schedule_overlay, self.auxiliary_tensor)
 
 
 def resolve_profile(profile: object) -> Profile:
@@ -309,7 +299,7 @@ class PartLoader:
         total = 2 + int(self.assets.record["transformer"]["num_layers"])
         report = progress or (lambda stage, done, total: None)
         report("load", 0, total)
-        compiled = CompiledArtifact(**self.assets.session_paths())
+        compiled = CompiledArtifact.at(self.assets.compiled_paths())
         if self.options.verify_weights:  # before anything loads: a corrupt compile costs no encoder load
             compiled.verify()
         core = CoreMemory(compiled, self.assets.profile, self.options.fast_mode)
@@ -367,6 +357,6 @@ class PartLoader:
             None if progress is None else (lambda done, n: progress("load", 2 + done, total))
         )
         return NativeEngineSession(
-            self.assets.profile, CompiledPaths(**self.assets.session_paths()), self.options.engine, plan,
+            self.assets.profile, self.assets.compiled_paths(), self.options.engine, plan,
             SessionHooks(on_load, self.native_denoiser_loader, self.block_loader),
         )
