@@ -220,6 +220,18 @@ def test_template_browser_search_finds_every_vflash_template_with_its_thumbnail(
     assert not set(_search_templates(dialog, "Seedance")) & set(titles)
 
 
+def _open_comfy_org_template(context, url: str):
+    """The frontend with the Comfy-Org template opened from the template browser."""
+    from playwright.sync_api import expect
+
+    page = _open_frontend(context, url)
+    dialog = _templates_dialog(page)
+    assert COMFY_ORG_TEMPLATE in _search_templates(dialog, "Comfy-Org")
+    dialog.get_by_test_id(f"template-workflow-{COMFY_ORG_TEMPLATE}").click()
+    expect(dialog).to_be_hidden()
+    return page
+
+
 def test_missing_models_lists_the_comfy_org_files_with_their_download_urls(context, server, shots, hub_requests):  # noqa: F811
     """Opening the Comfy-Org template in a ComfyUI whose model folders lack its files: the Missing Models list names
     exactly the files of the template's `properties.models`, each under its folder and by its bare file name, as core's
@@ -245,11 +257,7 @@ def test_missing_models_lists_the_comfy_org_files_with_their_download_urls(conte
         };
     })()""")
 
-    page = _open_frontend(context, server.url)
-    dialog = _templates_dialog(page)
-    assert COMFY_ORG_TEMPLATE in _search_templates(dialog, "Comfy-Org")
-    dialog.get_by_test_id(f"template-workflow-{COMFY_ORG_TEMPLATE}").click()
-    expect(dialog).to_be_hidden()
+    page = _open_comfy_org_template(context, server.url)
     page.get_by_role("button", name="View details").click()
     group = page.get_by_test_id("error-group-missing-model")
     expect(group.get_by_text("Missing Models", exact=True)).to_be_visible()
@@ -273,6 +281,38 @@ def test_missing_models_lists_the_comfy_org_files_with_their_download_urls(conte
         assert hub_requests[before:] and set(hub_requests[before:]) == {model["url"]}, (name, hub_requests)
         assert page.evaluate("() => window.__vflashLinks")[links:] == [{"href": model["url"], "download": name}], name
         opened.value.close()
+
+
+def test_the_comfy_org_template_run_without_its_files(context, server, shots):  # noqa: F811
+    """The Comfy-Org template opened where none of its four files is: before Run the frontend says "4 errors found",
+    its Missing Models list, one entry per file with its folder and Download button. Run (on a profile this CPU
+    machine runs; the shipped sm90 one adds an error on the profile widget here) gives "8 errors found": the four
+    Missing Models entries, and the server's four validation errors, one per file, each on the widget holding a file
+    that Missing Models lists: the Vflash loader's own refusal (which also names the folder and URL) and core's "Value
+    not in list" on Load CLIP and both Load VAE nodes. Why four remain doubled: ComfyUI 0.33.0's frontend (1.49.6)
+    counts the Missing Models it found on load and, after Run, every error of the /prompt refusal, without matching
+    the two; the refusal must stay (it is what stops the run, and all an API client sees), core's loaders validate
+    their own combos, and dropping a file's `properties.models` would only hide its download link before Run."""
+    from playwright.sync_api import expect
+
+    workflow = json.loads((REPO / "workflows" / f"{COMFY_ORG_TEMPLATE}.json").read_text())
+    titles = {n["title"]: n["properties"]["models"][0]["name"] for n in workflow["nodes"] if n.get("properties", {}).get("models")}
+    page = _open_comfy_org_template(context, server.url)
+    found = page.get_by_text(re.compile(r"^\d+ errors? found$"))
+    expect(found).to_have_text("4 errors found")
+    page.evaluate("() => { app.graph.getNodeById(1).widgets.find(w => w.name === 'profile').value = 't2va-base4-exact-cpu' }")
+    page.get_by_role("button", name="Run", exact=True).first.click()
+    expect(found).to_have_text("8 errors found", timeout=60_000)
+    page.get_by_role("button", name="View details").click()
+    missing = page.get_by_test_id("error-group-missing-model")
+    expect(missing.get_by_role("button").filter(has_text=re.compile(r"\.safetensors$"))).to_have_count(4)
+    assert sorted(missing.get_by_role("button").filter(has_text=re.compile(r"\.safetensors$")).all_inner_texts()) == sorted(titles.values())
+    rejected = page.get_by_test_id("error-group-execution")
+    expect(rejected).to_have_count(2)
+    listed = sorted(line for text in rejected.all_inner_texts() for line in text.splitlines() if " - " in line)
+    widgets = {"VflashModelLoader": "model", "CLIPLoader": "clip_name", "VAELoader": "vae_name"}
+    assert listed == sorted(f"{n['title']} - {widgets[n['type']]}" for n in workflow["nodes"] if n["title"] in titles), listed
+    _screenshot(page, shots, "comfy_org_template_run_without_files")
 
 
 def _slot_position(page, node_type: str, socket: str) -> tuple[float, float]:
