@@ -19,6 +19,10 @@ END=$(( $(date +%s) + MINUTES * 60 ))
 mkdir -p "$R/site" "$R/results"
 [ -e "$R/site/diffusers" ] || tar -xJf .whl/site.tar.xz -C "$R/site"
 rm -rf "$R/repo" && cp -r . "$R/repo" && cd "$R/repo" || exit 1
+# The packages as pip would install them: vflash_core takes the repository root off sys.path when it imports (the
+# root's kernels/ would shadow the PyPI package of that name), so a spawned process (a service worker) finds
+# vflash_core only through this folder.
+ln -sfn "$R/repo/vflash_core" "$R/site/vflash_core"
 ln -sfn "$R/repo/kernels" "$R/site/vflash_kernels"
 ln -sfn "$R/repo/nodes" "$R/site/vflash_nodes"
 # The machine's host memory: its RAM can start small and grow, so MemTotal is not read for the staging plan.
