@@ -345,6 +345,67 @@ def test_a_host_budget_the_core_alone_exceeds_is_refused_before_the_encoder_and_
     assert not pipe.loaded
 
 
+
+@pytest.fixture
+def loads_nothing(monkeypatch):
+    """The encoder and the VAEs refuse to load; the pipeline's parts as loaded on the CPU, to compute the plan's
+    numbers from: (the core's, the text encoder's and the VAEs' `PartSizes`)."""
+    from vflash_core.media.conditioning import TextConditioner
+    from vflash_core.media.vae import MediaVAEs
+    from vflash_core.pipeline.h3_pipeline import H3Pipeline
+
+    def never(*args, **kwargs):
+        raise AssertionError("a model loaded for a memory budget no placement fits")
+
+    def sizes(receipt):
+        assets = PreparedAssets.load(receipt)
+        conditioner, vaes = TextConditioner.from_pretrained(assets.model_root), MediaVAEs.from_pretrained(assets.decoder_root)
+        answer = CompiledArtifact(**assets.session_paths()).part_sizes(), conditioner.part_sizes(), vaes.part_sizes()
+        conditioner.close()
+        vaes.close()
+        monkeypatch.setattr(TextConditioner, "from_pretrained", never)
+        monkeypatch.setattr(MediaVAEs, "from_pretrained", never)
+        return answer
+
+    return sizes
+
+
+def test_a_host_budget_the_encoder_and_vaes_push_over_is_refused_before_they_load(h3_prepared, loads_nothing):
+    """The core alone fits this budget: the refusal (its numbers those of the loaded parts) came only after the text
+    encoder and the VAEs had loaded."""
+    core, encoder, vaes = loads_nothing(h3_prepared)
+    staging = min(MP.DISK_RING_BLOCKS, 2) * core.core_block
+    held = staging + encoder.encoder + vaes.vaes
+    host = (MP.HOST_MARGIN_BYTES + staging + encoder.encoder) / GIB  # the VAEs do not fit beside the rest
+    pipe = H3Pipeline.from_prepared(h3_prepared, RunOptions(max_device_memory=1.0, weight_residency="disk-ring",
+                                                            max_host_memory=host))
+    with pytest.raises(RunFailedError, match=(
+        rf"^the host memory budget does not fit: the most frugal placement holds core \(disk-ring\) "
+        rf"{MP.size_text(staging)}, text encoder \(offload\) {MP.size_text(encoder.encoder)}, VAEs \(offload\) "
+        rf"{MP.size_text(vaes.vaes)} in host memory, plus a 4.0 GiB margin for the process: "
+        rf"{MP.size_text(held + MP.HOST_MARGIN_BYTES)}; max_host_memory is {MP.size_text(int(host * GIB))}"
+    )):
+        pipe.load()
+    assert not pipe.loaded
+
+
+def test_a_device_cap_the_encoder_and_vaes_push_over_is_refused_before_they_load(h3_prepared, loads_nothing):
+    """On the CPU a cap is planned: one the core's block ring fits but not beside the streamed encoder or the VAEs."""
+    core, encoder, vaes = loads_nothing(h3_prepared)
+    ring = core.core_on_device("block-ring")
+    peaks = {"encode": ring + encoder.encoder_brought("stream"), "decode": ring + vaes.vaes}
+    stage = max(peaks, key=peaks.get)
+    cap = (MP.MARGIN_BYTES + ring + min(encoder.encoder_brought("stream"), vaes.vaes) // 2) / GIB
+    pipe = H3Pipeline.from_prepared(h3_prepared, RunOptions(max_device_memory=cap))
+    with pytest.raises(RunFailedError, match=(
+        rf"^the weights do not fit on cpu: with the most frugal placement \(core block-ring, text encoder stream, "
+        rf"VAEs offload\) the {stage} stage holds {MP.size_text(peaks[stage])} of weights, plus a 2.0 GiB margin; "
+        rf"{MP.size_text(int(cap * GIB))} are available"
+    )):
+        pipe.load()
+    assert not pipe.loaded
+
+
 # -- on the GPU: the copy stream, the staging buffers' events (`pytest -m gpu`) ---------------------------------------
 
 GPU_PROFILE = "t2va-base16-bf16-sm90"

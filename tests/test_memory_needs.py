@@ -16,6 +16,7 @@ import torch
 from vflash_core.engine.bundle import EncodedReference
 from vflash_core.engine.core_memory import CoreMemory
 from vflash_core.engine.denoise import denoise_bytes
+from vflash_core.engine.device_owner import module_tensors
 from vflash_core.engine.engine_options import EngineOptions
 from vflash_core.engine.fast_mode import FastMode
 from vflash_core.engine.layout import Geometry, largest_clip_frames, largest_request_rows, request_rows
@@ -204,6 +205,33 @@ def test_largest_request_is_the_old_arithmetic(parts):
         core = CoreMemory(session.compiled, profile, fast_mode)
         mine = largest_request(profile, core, conditioner, vaes, canvas)
         assert mine == _old_largest_request(profile, session.compiled.config, conditioner, vaes, canvas, fast_mode)
+
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])  # bf16: the files' dtype, so the layers can stream from them
+def test_the_parts_on_the_meta_device_answer_as_the_loaded_ones(parts, dtype):
+    """What the pipeline plans with before anything loads equals what it plans with once the parts loaded."""
+    assets, loaded_conditioner, loaded_vaes, _ = parts
+    conditioner = TextConditioner.on_meta_device(assets.model_root, "cpu", dtype)
+    vaes = MediaVAEs.on_meta_device(assets.decoder_root, "cpu", dtype)
+    assert all(t.is_meta for part in (conditioner.text_encoder, vaes.video_vae, vaes.audio_vae) for t in part.parameters())
+    if dtype is not None:
+        loaded_conditioner = TextConditioner.from_pretrained(assets.model_root, "cpu", dtype)
+        loaded_vaes = MediaVAEs.from_pretrained(assets.decoder_root, "cpu", dtype)
+    for meta, loaded in ((conditioner.text_encoder, loaded_conditioner.text_encoder), (vaes.video_vae, loaded_vaes.video_vae), (vaes.audio_vae, loaded_vaes.audio_vae)):
+        expected = {name: (t.dtype, t.shape) for name, t in module_tensors(loaded).items()}
+        assert {name: (t.dtype, t.shape) for name, t in module_tensors(meta).items()} == expected
+    assert conditioner.part_sizes() == loaded_conditioner.part_sizes()
+    assert (conditioner.part_sizes().encoder_layers_on_disk > 0) == (dtype == torch.bfloat16)
+    assert vaes.part_sizes() == loaded_vaes.part_sizes()
+    for pictures in (0, PLANNED_PICTURES):
+        assert conditioner.encode_need(768, 1344, pictures) == loaded_conditioner.encode_need(768, 1344, pictures)
+    for decoder in ("diffusers", "native"):
+        assert vaes.decode_need(362, 768, 1344, decoder) == loaded_vaes.decode_need(362, 768, 1344, decoder)
+    assert largest_request(assets.profile, None, conditioner, vaes, assets.canvas) == largest_request(assets.profile, None, loaded_conditioner, loaded_vaes, assets.canvas)
+    if dtype is not None:
+        loaded_conditioner.close()
+        loaded_vaes.close()
 
 
 # -- the node pack computes no bytes ---------------------------------------------------------------------------------

@@ -160,6 +160,17 @@ def encode_bytes(text_config, vision_config, tokens: int, patches: int, itemsize
     return int((tokens * per_token + patches * per_patch) * itemsize * 1.25)
 
 
+def _text_encoder_config(root: Path):
+    """The `Qwen3VLConfig` of `root`'s `text_encoder/` and its count of text layers, which must exceed H3's layer."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(root / "text_encoder", local_files_only=True)
+    total = config.text_config.num_hidden_layers
+    if total <= TEXT_ENCODER_LAYER:
+        raise VflashError(f"{root / 'text_encoder'}: {total} text layers; H3 needs more than {TEXT_ENCODER_LAYER}")
+    return config, total
+
+
 def _base_model(text_encoder: torch.nn.Module) -> Qwen3VLModel:
     """The `Qwen3VLModel` of a conditioner: the model itself, or the `.model` of a `Qwen3VLForConditionalGeneration`."""
     return text_encoder.model if hasattr(text_encoder, "lm_head") else text_encoder
@@ -300,47 +311,70 @@ class TextConditioner(SerialDeviceOwner):
     ) -> TextConditioner:
         """Load `text_encoder/` (layers 0..49, no final norm, no LM head), `tokenizer/` and `processor/` of an official
         model root, offline; the text encoder from `text_encoder_loader(root)` instead when given (module docstring)."""
-        from transformers import AutoConfig, AutoImageProcessor, Qwen2TokenizerFast, Qwen3VLModel
+        from transformers import Qwen3VLModel
 
-        root = Path(model_root).resolve()
-        device = torch.device(device)
+        root, device = Path(model_root).resolve(), torch.device(device)
         dtype = dtype or default_dtype(device)
-        config = AutoConfig.from_pretrained(root / "text_encoder", local_files_only=True)
-        total = config.text_config.num_hidden_layers
-        if total <= TEXT_ENCODER_LAYER:
-            raise VflashError(f"{root / 'text_encoder'}: {total} text layers; H3 needs more than {TEXT_ENCODER_LAYER}")
+        config, total = _text_encoder_config(root)
         if text_encoder_loader is not None:
             logger.info(
                 "text encoder: from the caller's loader, trimmed to %d of %d Qwen3-VL text layers in %s",
                 TEXT_ENCODER_LAYER, total, dtype
             )
             model = _loaded_text_encoder(text_encoder_loader, root, config, dtype)
-        else:
-            config.text_config.num_hidden_layers = TEXT_ENCODER_LAYER
-            logger.info(
-                "text encoder: loading %d of %d Qwen3-VL text layers in %s (no final norm, no LM head)",
-                TEXT_ENCODER_LAYER, total, dtype
-            )
-            # Weights of the dropped layers and the LM head stay on disk; transformers reports them as unused, as
-            # expected.
-            from transformers.utils import logging as hf_logging
+            return cls._with_processors(model, root, device, weight_files=None)
+        config.text_config.num_hidden_layers = TEXT_ENCODER_LAYER
+        logger.info(
+            "text encoder: loading %d of %d Qwen3-VL text layers in %s (no final norm, no LM head)",
+            TEXT_ENCODER_LAYER, total, dtype
+        )
+        # Weights of the dropped layers and the LM head stay on disk; transformers reports them as unused, as expected.
+        from transformers.utils import logging as hf_logging
 
-            previous, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-            hf_logging.set_verbosity_error()
-            hf_logging.disable_progress_bar()  # its unlabelled "Loading weights" bar: the caller's load stage says it
-            try:
-                model = Qwen3VLModel.from_pretrained(
-                    root / "text_encoder", config=config, dtype=dtype, local_files_only=True
-                )
-                model.language_model.norm = torch.nn.Identity()
-            finally:
-                hf_logging.set_verbosity(previous)
-                if bars:
-                    hf_logging.enable_progress_bar()
+        previous, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()  # its unlabelled "Loading weights" bar: the caller's load stage says it
+        try:
+            model = Qwen3VLModel.from_pretrained(root / "text_encoder", config=config, dtype=dtype, local_files_only=True)
+            model.language_model.norm = torch.nn.Identity()
+        finally:
+            hf_logging.set_verbosity(previous)
+            if bars:
+                hf_logging.enable_progress_bar()
+        return cls._with_processors(model, root, device, weight_files=root / "text_encoder")
+
+    @classmethod
+    def on_meta_device(
+        cls, model_root: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+    ) -> TextConditioner:
+        """The conditioner `from_pretrained` loads from `model_root`'s files, its weights on the meta device (no weight
+        read): it encodes nothing, and answers the memory plan (`part_sizes`, `encode_need`) as the loaded one will.
+        transformers builds the model so (meta device, `dtype`, fp32 rotary buffers) before it reads the weights."""
+        from transformers import Qwen3VLModel
+
+        root, device = Path(model_root).resolve(), torch.device(device)
+        config, _ = _text_encoder_config(root)
+        config.text_config.num_hidden_layers = TEXT_ENCODER_LAYER
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype or default_dtype(device))
+        try:
+            with torch.device("meta"):
+                model = Qwen3VLModel(config)
+        finally:
+            torch.set_default_dtype(previous)
+        model.language_model.norm = torch.nn.Identity()
+        return cls._with_processors(model.eval(), root, device, weight_files=root / "text_encoder")
+
+    @classmethod
+    def _with_processors(
+        cls, model: torch.nn.Module, root: Path, device: torch.device, weight_files: Path | None
+    ) -> TextConditioner:
+        """A conditioner of `model` with `root`'s tokenizer, processors and canvas rules."""
+        from transformers import AutoImageProcessor, Qwen2TokenizerFast
+
         tokenizer = Qwen2TokenizerFast.from_pretrained(root / "tokenizer", local_files_only=True)
         image_processor = AutoImageProcessor.from_pretrained(root / "processor", local_files_only=True)
         video_processor = QwenVideoProcessor.from_pretrained(root / "processor")
-        weight_files = None if text_encoder_loader is not None else root / "text_encoder"
         return cls(
             model, tokenizer, image_processor, video_processor, device, CanvasRules.from_model_root(root), weight_files
         )

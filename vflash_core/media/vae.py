@@ -34,7 +34,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..engine.device_owner import SerialDeviceOwner, module_bytes, release_device_memory, release_host_memory
+from ..engine.device_owner import (
+    SerialDeviceOwner,
+    module_bytes,
+    point_module_at,
+    release_device_memory,
+    release_host_memory,
+)
 from ..engine.layout import AUDIO_CHANNELS, FPS, video_latent_frames
 from ..errors import VflashError
 from ..memory_plan import MemoryNeed, MemoryPlan, PartSizes
@@ -111,6 +117,18 @@ def decode_bytes(video_vae, num_frames: int, height: int, width: int, decoder: s
     return int(total * 1.1)
 
 
+def _cast_as_loaded(vae: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Give a VAE built on the meta device the dtypes diffusers' `from_pretrained(torch_dtype=dtype)` gives what it
+    reads: every floating tensor of the state in `dtype`, but those under one of `_keep_in_fp32_modules` (a part of
+    the tensor's name) in fp32; what the state does not hold stays as built."""
+    keep = vae._keep_in_fp32_modules or []
+    point_module_at(vae, {
+        name: torch.empty_like(tensor, dtype=torch.float32 if set(keep) & set(name.split(".")) else dtype)
+        for name, tensor in vae.state_dict().items()
+        if tensor.is_floating_point()
+    })
+
+
 @dataclass
 class DecodedMedia:
     """frames: (F, H, W, 3) float32 in [0, 1], or None when they went to a sink; waveform: (2, T) float32 in
@@ -168,6 +186,26 @@ class MediaVAEs(SerialDeviceOwner):
             root / "vae", torch_dtype=dtype or default_dtype(device), local_files_only=True
         )
         audio = AutoencoderKLMiniMaxH3Audio.from_pretrained(root / "audio_vae", local_files_only=True)
+        return cls(video, audio, device, video_decoder, peer_device, decoder_execution)
+
+    @classmethod
+    def on_meta_device(
+        cls, decoder_root: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+        video_decoder: str = "diffusers", peer_device: str | torch.device | None = None,
+        decoder_execution: str = "auto",
+    ) -> MediaVAEs:
+        """The pair `from_pretrained` loads from `decoder_root`, built from the configs with the weights on the meta
+        device (no weight read): it decodes nothing, and answers the memory plan (`part_sizes`, `decode_need`) as the
+        loaded pair will, before that loads."""
+        from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
+
+        root, device = Path(decoder_root).resolve(), torch.device(device)
+        with torch.device("meta"):
+            video, audio = (
+                model.from_config(model.load_config(root / folder, local_files_only=True))
+                for model, folder in ((AutoencoderKLMiniMaxH3, "vae"), (AutoencoderKLMiniMaxH3Audio, "audio_vae"))
+            )
+        _cast_as_loaded(video, dtype or default_dtype(device))
         return cls(video, audio, device, video_decoder, peer_device, decoder_execution)
 
     # -- geometry -----------------------------------------------------------------------------------------------------

@@ -305,8 +305,8 @@ class PartLoader:
         core = CoreMemory(compiled, self.assets.profile, self.options.fast_mode)
         limits = cap_bytes(self.options.max_device_memory), cap_bytes(self.options.max_host_memory, "max_host_memory")
         planned = self.devices[0].type == "cuda" or limits[0] is not None
-        if planned:  # the core's sizes are known from its compile: a budget it alone exceeds costs no encoder load
-            self._plan(compiled.part_sizes(), largest_request(self.assets.profile, core), limits, log=False)
+        if planned:  # a budget no placement fits is refused before the encoder and the VAEs load
+            self._plan_before_loading(core, limits)
         loaded: list[TextConditioner | MediaVAEs] = []
         try:
             conditioner = TextConditioner.from_pretrained(
@@ -340,6 +340,21 @@ class PartLoader:
             sizes, largest, self.devices, cap, self.weight_residency, self.options.encoder_residency,
             host_budget=host_budget, log=log,
         )
+
+    def _plan_before_loading(self, core: CoreMemory, limits: tuple[int | None, int | None]) -> None:
+        """Plan every part from its files (`on_meta_device`: no weight read), as `_place` will once they loaded, so a
+        budget no placement fits is refused with the same numbers before anything loads. A text encoder from the
+        `text_encoder_loader` hook is whatever the hook returns, which its files do not tell: then the core alone is
+        planned here (a budget it exceeds, the others would too), and the encoder and the VAEs when they loaded."""
+        if self.text_encoder_loader is not None:
+            self._plan(core.compiled.part_sizes(), largest_request(self.assets.profile, core), limits, log=False)
+            return
+        peer = self.devices[1] if len(self.devices) > 1 else None
+        conditioner = TextConditioner.on_meta_device(self.assets.model_root, self.devices[0])
+        vaes = MediaVAEs.on_meta_device(self.assets.decoder_root, self.devices[0], peer_device=peer)
+        largest = largest_request(self.assets.profile, core, conditioner, vaes, self.assets.canvas)
+        sizes = core.compiled.part_sizes() + conditioner.part_sizes() + vaes.part_sizes()
+        self._plan(sizes, largest, limits, log=False)
 
     def _place(
         self, core: CoreMemory, conditioner: TextConditioner, vaes: MediaVAEs, limits: tuple[int | None, int | None]
