@@ -335,7 +335,9 @@ class TextConditioner(SerialDeviceOwner):
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()  # its unlabelled "Loading weights" bar: the caller's load stage says it
         try:
-            model = Qwen3VLModel.from_pretrained(root / "text_encoder", config=config, dtype=dtype, local_files_only=True)
+            model = Qwen3VLModel.from_pretrained(
+                root / "text_encoder", config=config, dtype=dtype, local_files_only=True
+            )
             model.language_model.norm = torch.nn.Identity()
         finally:
             hf_logging.set_verbosity(previous)
@@ -349,19 +351,14 @@ class TextConditioner(SerialDeviceOwner):
     ) -> TextConditioner:
         """The conditioner `from_pretrained` loads from `model_root`'s files, its weights on the meta device (no weight
         read): it encodes nothing, and answers the memory plan (`part_sizes`, `encode_need`) as the loaded one will.
-        transformers builds the model so (meta device, `dtype`, fp32 rotary buffers) before it reads the weights."""
+        transformers' own construction, in `dtype` (rotary buffers in fp32), as `from_pretrained` before its reads."""
         from transformers import Qwen3VLModel
 
         root, device = Path(model_root).resolve(), torch.device(device)
         config, _ = _text_encoder_config(root)
         config.text_config.num_hidden_layers = TEXT_ENCODER_LAYER
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(dtype or default_dtype(device))
-        try:
-            with torch.device("meta"):
-                model = Qwen3VLModel(config)
-        finally:
-            torch.set_default_dtype(previous)
+        with torch.device("meta"):
+            model = Qwen3VLModel._from_config(config, dtype=dtype or default_dtype(device))
         model.language_model.norm = torch.nn.Identity()
         return cls._with_processors(model.eval(), root, device, weight_files=root / "text_encoder")
 

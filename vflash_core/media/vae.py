@@ -117,13 +117,13 @@ def decode_bytes(video_vae, num_frames: int, height: int, width: int, decoder: s
     return int(total * 1.1)
 
 
-def _cast_as_loaded(vae: torch.nn.Module, dtype: torch.dtype) -> None:
+def _cast_as_loaded(vae: Any, dtype: torch.dtype) -> None:
     """Give a VAE built on the meta device the dtypes diffusers' `from_pretrained(torch_dtype=dtype)` gives what it
     reads: every floating tensor of the state in `dtype`, but those under one of `_keep_in_fp32_modules` (a part of
     the tensor's name) in fp32; what the state does not hold stays as built."""
-    keep = vae._keep_in_fp32_modules or []
+    keep: set[str] = set(vae._keep_in_fp32_modules or ())
     point_module_at(vae, {
-        name: torch.empty_like(tensor, dtype=torch.float32 if set(keep) & set(name.split(".")) else dtype)
+        name: torch.empty_like(tensor, dtype=torch.float32 if keep & set(name.split(".")) else dtype)
         for name, tensor in vae.state_dict().items()
         if tensor.is_floating_point()
     })
