@@ -322,34 +322,10 @@ def test_pipeline_under_a_host_budget_streams_its_blocks_from_disk(h3_prepared, 
     assert_bitwise(result.media.waveform, expected.media.waveform, "waveform, blocks from disk")
 
 
-def test_a_host_budget_the_core_alone_exceeds_is_refused_before_the_encoder_and_vaes_load(h3_prepared, monkeypatch):
-    """The refusal came with the right numbers, but only after the text encoder and the VAEs had loaded."""
-    from vflash_core.media.conditioning import TextConditioner
-    from vflash_core.media.vae import MediaVAEs
-
-    def never(*args, **kwargs):
-        raise AssertionError("a model loaded for a host budget no placement fits")
-
-    monkeypatch.setattr(TextConditioner, "from_pretrained", never)
-    monkeypatch.setattr(MediaVAEs, "from_pretrained", never)
-    sizes = CompiledArtifact.at(PreparedAssets.load(h3_prepared).compiled_paths()).part_sizes()
-    staging = min(MP.DISK_RING_BLOCKS, 2) * sizes.core_block  # the tiny model's two blocks: the frugal disk ring
-    pipe = H3Pipeline.from_prepared(h3_prepared, RunOptions(max_device_memory=1.0, weight_residency="disk-ring",
-                                                            max_host_memory=1.0))
-    with pytest.raises(RunFailedError, match=(
-        rf"^the host memory budget does not fit: the most frugal placement holds core \(disk-ring\) "
-        rf"{MP.size_text(staging)} in host memory, plus a 4.0 GiB margin for the process: "
-        rf"{MP.size_text(staging + MP.HOST_MARGIN_BYTES)}; max_host_memory is 1.0 GiB"
-    )):
-        pipe.load()
-    assert not pipe.loaded
-
-
-
 @pytest.fixture
 def loads_nothing(monkeypatch):
-    """The encoder and the VAEs refuse to load; the pipeline's parts as loaded on the CPU, to compute the plan's
-    numbers from: (the core's, the text encoder's and the VAEs' `PartSizes`)."""
+    """A function of a prepared receipt: the `PartSizes` of its core, text encoder and VAEs as loaded on the CPU (what
+    the plan's numbers are), after which the text encoder and the VAEs refuse to load."""
     from vflash_core.media.conditioning import TextConditioner
     from vflash_core.media.vae import MediaVAEs
     from vflash_core.pipeline.h3_pipeline import H3Pipeline
@@ -360,7 +336,7 @@ def loads_nothing(monkeypatch):
     def sizes(receipt):
         assets = PreparedAssets.load(receipt)
         conditioner, vaes = TextConditioner.from_pretrained(assets.model_root), MediaVAEs.from_pretrained(assets.decoder_root)
-        answer = CompiledArtifact(**assets.session_paths()).part_sizes(), conditioner.part_sizes(), vaes.part_sizes()
+        answer = CompiledArtifact.at(assets.compiled_paths()).part_sizes(), conditioner.part_sizes(), vaes.part_sizes()
         conditioner.close()
         vaes.close()
         monkeypatch.setattr(TextConditioner, "from_pretrained", never)
@@ -370,13 +346,14 @@ def loads_nothing(monkeypatch):
     return sizes
 
 
-def test_a_host_budget_the_encoder_and_vaes_push_over_is_refused_before_they_load(h3_prepared, loads_nothing):
-    """The core alone fits this budget: the refusal (its numbers those of the loaded parts) came only after the text
-    encoder and the VAEs had loaded."""
+@pytest.mark.parametrize("fits", ["nothing", "the core and the text encoder"])
+def test_a_host_budget_no_placement_fits_is_refused_before_the_encoder_and_vaes_load(h3_prepared, loads_nothing, fits):
+    """Refused with the plan of every part, its numbers those of the loaded parts, before any of them loads (before,
+    a budget that only the encoder and the VAEs pushed over was refused once they had loaded)."""
     core, encoder, vaes = loads_nothing(h3_prepared)
-    staging = min(MP.DISK_RING_BLOCKS, 2) * core.core_block
+    staging = min(MP.DISK_RING_BLOCKS, 2) * core.core_block  # the tiny model's two blocks: the frugal disk ring
     held = staging + encoder.encoder + vaes.vaes
-    host = (MP.HOST_MARGIN_BYTES + staging + encoder.encoder) / GIB  # the VAEs do not fit beside the rest
+    host = 1.0 if fits == "nothing" else (MP.HOST_MARGIN_BYTES + staging + encoder.encoder) / GIB
     pipe = H3Pipeline.from_prepared(h3_prepared, RunOptions(max_device_memory=1.0, weight_residency="disk-ring",
                                                             max_host_memory=host))
     with pytest.raises(RunFailedError, match=(
