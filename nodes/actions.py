@@ -52,11 +52,10 @@ from .engines import (
     load_session,
     resolve_device,
     text_encoder_rules,
-    transformer_spec,
 )
 from .interfaces import Folders, Host, host_progress
 from .model_files import COMPONENT_FOLDERS, DEMO, lora_path, model_identity, path_identity, recorded_profile, resolve
-from .request_inputs import connected_slots, request_geometry
+from .request_inputs import RequestWidgets, connected_slots, request_geometry
 
 __all__ = [
     "compare", "decode", "encode", "generate", "load_component", "load_model", "sample", "select_lora", "unload",
@@ -74,19 +73,9 @@ def select_lora(
     return (*(prev or ()), LoraRef(str(path), float(strength), path_identity(path)))
 
 
-def load_model(
-    registry: EngineRegistry,
-    host: Host,
-    folders: Folders,
-    model: str,
-    profile: str,
-    engine_widgets: Mapping[str, Any],
-    lora: tuple[LoraRef, ...] | None = None,
-    lora_mode: str = "residual",
-) -> TransformerSpec:
-    """VflashModelLoader: validate, then load the engine now (progress bar) so errors surface at the loader.
-    `engine_widgets`: the loader's widgets that are the engine's options, by their names (`engines.check_loader`)."""
-    spec = transformer_spec(host, folders, model, profile, engine_widgets, lora, lora_mode)
+def load_model(registry: EngineRegistry, host: Host, spec: TransformerSpec) -> TransformerSpec:
+    """VflashModelLoader: load the engine of the loader's validated widgets (`engines.transformer_spec`) now
+    (progress bar), so errors surface at the loader."""
     session = load_session(registry, host, spec)
     host.log(f"Vflash model {spec.files.source}: profile {session.profile.id}, {session.memory_plan()}")
     return spec
@@ -276,24 +265,11 @@ def sample(
     seed: int,
     force_offload: bool = False,
     profile_denoise: bool = False,
-) -> dict[str, Any]:
-    """VflashSampler: the profile's fixed schedule from the seed's noise on VflashEncode's `pipeline.EncodedRequest`;
-    returns core's H3 AV latent."""
-    return _sample(registry, host, model, cond, latent, seed, force_offload, profile_denoise)[0]
-
-
-def _sample(
-    registry: EngineRegistry,
-    host: Host,
-    model: TransformerSpec,
-    cond: EncodedRequest,
-    latent: dict[str, Any],
-    seed: int,
-    force_offload: bool = False,
-    profile_denoise: bool = False,
     exact: bool = False,
 ) -> tuple[dict[str, Any], GenerationResult]:
-    """`sample`, with the session's result; `exact` renders exactly on an engine loaded with a fast mode."""
+    """VflashSampler: the profile's fixed schedule from the seed's noise on VflashEncode's `pipeline.EncodedRequest`;
+    returns core's H3 AV latent and the session's result. `exact` renders exactly on an engine loaded with a fast
+    mode."""
     check_seed(seed)
     target = cl.from_comfy_latent(latent)
     if not cl.is_empty(target):
@@ -402,39 +378,30 @@ def generate(
     model: TransformerSpec,
     te: Any,
     vae: Any,
-    prompt: str,
-    width: int,
-    height: int,
-    length: int,
-    seconds: float,
+    request: RequestWidgets,
     seed: int,
-    first_frame: torch.Tensor | None = None,
-    last_frame: torch.Tensor | None = None,
     force_offload: bool = False,
     audio_vae: Any = None,
 ) -> tuple[Any, torch.Tensor, dict[str, Any]]:
-    """VflashGenerate: encode, sample, decode in one node (Vflash or core text encoder / VAEs, as `encode`); the
-    request is checked against the transformer's profile before the text encoder runs."""
-    profile = recorded_profile(model.files.source, model.files.path, model.files.profile)
-    cond, latent, _ = encode(
-        registry,
-        host,
-        te,
-        vae,
-        prompt,
-        width,
-        height,
-        length,
-        seconds,
-        first_frame,
-        last_frame,
-        force_offload=True,
-        audio_vae=audio_vae,
-        profile=profile,
-    )
-    latent = sample(registry, host, model, cond, latent, seed, force_offload)
+    """VflashGenerate: encode, sample, decode in one node (Vflash or core text encoder / VAEs, as `encode`)."""
+    _, cond, latent = _encode_for_model(registry, host, model, te, vae, request, audio_vae)
+    latent, _ = sample(registry, host, model, cond, latent, seed, force_offload)
     images, audio, video = decode(registry, host, vae, latent, audio_vae)
     return video, images, audio
+
+
+def _encode_for_model(
+    registry: EngineRegistry, host: Host, model: TransformerSpec, te: Any, vae: Any, request: RequestWidgets,
+    audio_vae: Any,
+) -> tuple[Profile | None, EncodedRequest, dict[str, Any]]:
+    """Generate's and Compare's encode: the request checked against the transformer's profile before the text encoder
+    runs, which is released after it."""
+    profile = recorded_profile(model.files.source, model.files.path, model.files.profile)
+    cond, latent, _ = encode(
+        registry, host, te, vae, request.prompt, request.width, request.height, request.length, request.seconds,
+        request.first_frame, request.last_frame, force_offload=True, audio_vae=audio_vae, profile=profile,
+    )
+    return profile, cond, latent
 
 
 def compare(
@@ -443,14 +410,8 @@ def compare(
     model: TransformerSpec,
     te: Any,
     vae: Any,
-    prompt: str,
-    width: int,
-    height: int,
-    length: int,
-    seconds: float,
+    request: RequestWidgets,
     seed: int,
-    first_frame: torch.Tensor | None = None,
-    last_frame: torch.Tensor | None = None,
     audio_vae: Any = None,
 ) -> tuple[Any, str]:
     """VflashCompare: one request (encoded once) sampled with the model's fast mode, then exactly, on the one engine
@@ -462,15 +423,11 @@ def compare(
             "Vflash Compare compares exact with a fast mode: choose the model loader's fast_mode "
             "(sparse-attention, step-cache or both)"
         )
-    profile = recorded_profile(model.files.source, model.files.path, model.files.profile)
-    cond, latent, _ = encode(
-        registry, host, te, vae, prompt, width, height, length, seconds, first_frame, last_frame,
-        force_offload=True, audio_vae=audio_vae, profile=profile,
-    )
+    profile, cond, latent = _encode_for_model(registry, host, model, te, vae, request, audio_vae)
     clips, sides = {}, {}
     for side, exact in (("fast", False), ("exact", True)):
         start = time.perf_counter()
-        sampled, result = _sample(registry, host, model, cond, latent, seed, exact=exact)
+        sampled, result = sample(registry, host, model, cond, latent, seed, exact=exact)
         images, audio, _ = decode(registry, host, vae, sampled, audio_vae)
         clips[side] = (images, audio)
         sides[side] = {
@@ -480,7 +437,7 @@ def compare(
     (exact_images, exact_audio), (fast_images, fast_audio) = clips["exact"], clips["fast"]
     metrics = measure(exact_images, fast_images, exact_audio["waveform"][0], fast_audio["waveform"][0])
     request = {
-        "prompt": prompt, "seed": seed, "mode": cond.mode, "width": int(exact_images.shape[2]),
+        "prompt": request.prompt, "seed": seed, "mode": cond.mode, "width": int(exact_images.shape[2]),
         "height": int(exact_images.shape[1]), "num_frames": int(exact_images.shape[0]), "fps": FPS,
         "profile": None if profile is None else profile.id,
     }

@@ -9,6 +9,7 @@ from .engines import UNLOAD_TARGETS
 from .graph_checks import check_graph
 from .host import FOLDERS, HOST
 from .registry import ENGINES
+from .request_inputs import RequestWidgets
 from .types import VflashCond, VflashModel, aliases, te_input, vae_inputs
 
 _WIDTH_TOOLTIP = (
@@ -40,6 +41,32 @@ def _request_inputs():
     ]
 
 
+# The ref2va reference slots of VflashEncode: (group, slot name, slot type, most slots, tooltip). A slot is named
+# `<slot name>_<index>` (`request_inputs.connected_slots` reads them back).
+_REFERENCE_SLOTS = (
+    ("ref_images", "ref_image", io.Image, 9, "Reference image <Picture i> (ref2va profiles)."),
+    ("ref_videos", "ref_video", io.Image, 3, "Reference clip <Video k>: frames at 24 fps, cut to 17 n + 5 frames."),
+    ("ref_video_audios", "ref_video_audio", io.Audio, 3,
+     ("Soundtrack of the reference clip in the same slot (ref_video_audio_k belongs to ref_video_k); any rate, mono "
+      "or stereo.")),
+    ("ref_audios", "ref_audio", io.Audio, 3, "Reference audio <Audio j>, resampled to 32 kHz stereo."),
+)
+
+
+def _reference_inputs() -> list:
+    """The Autogrow inputs of `_REFERENCE_SLOTS`, each optional, from 0 slots."""
+    return [
+        io.Autogrow.Input(
+            group, optional=True,
+            template=io.Autogrow.TemplatePrefix(
+                input=kind.Input(slot, tooltip=tooltip), prefix=f"{slot}_", min=0, max=most
+            ),
+        )
+        for group, slot, kind, most, tooltip in _REFERENCE_SLOTS
+    ]
+
+
+
 class VflashEncode(io.ComfyNode):
     @classmethod
     def define_schema(cls):
@@ -67,42 +94,7 @@ class VflashEncode(io.ComfyNode):
                 io.Image.Input(
                     "last_frame", optional=True, tooltip="Keyframe at the last frame (aspect-preserving cover crop)."
                 ),
-                io.Autogrow.Input(
-                    "ref_images", optional=True,
-                    template=io.Autogrow.TemplatePrefix(
-                        input=io.Image.Input("ref_image", tooltip="Reference image <Picture i> (ref2va profiles)."),
-                        prefix="ref_image_", min=0, max=9,
-                    ),
-                ),
-                io.Autogrow.Input(
-                    "ref_videos", optional=True,
-                    template=io.Autogrow.TemplatePrefix(
-                        input=io.Image.Input(
-                            "ref_video", tooltip="Reference clip <Video k>: frames at 24 fps, cut to 17 n + 5 frames."
-                        ),
-                        prefix="ref_video_", min=0, max=3,
-                    ),
-                ),
-                io.Autogrow.Input(
-                    "ref_video_audios", optional=True,
-                    template=io.Autogrow.TemplatePrefix(
-                        input=io.Audio.Input(
-                            "ref_video_audio",
-                            tooltip="Soundtrack of the reference clip in the same slot (ref_video_audio_k belongs to "
-                            "ref_video_k); any rate, mono or stereo.",
-                        ),
-                        prefix="ref_video_audio_", min=0, max=3,
-                    ),
-                ),
-                io.Autogrow.Input(
-                    "ref_audios", optional=True,
-                    template=io.Autogrow.TemplatePrefix(
-                        input=io.Audio.Input(
-                            "ref_audio", tooltip="Reference audio <Audio j>, resampled to 32 kHz stereo."
-                        ),
-                        prefix="ref_audio_", min=0, max=3,
-                    ),
-                ),
+                *_reference_inputs(),
                 io.Boolean.Input(
                     "force_offload", default=True,
                     tooltip="Release the Vflash text encoder after encoding (it is reloaded when the prompt "
@@ -181,7 +173,8 @@ class VflashSampler(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, cond, latent, seed, force_offload=False, profile_denoise=False):
-        return io.NodeOutput(actions.sample(ENGINES, HOST, model, cond, latent, seed, force_offload, profile_denoise))
+        latent, _ = actions.sample(ENGINES, HOST, model, cond, latent, seed, force_offload, profile_denoise)
+        return io.NodeOutput(latent)
 
 
 class VflashDecode(io.ComfyNode):
@@ -253,10 +246,8 @@ class VflashGenerate(io.ComfyNode):
         cls, model, te, vae, prompt, width, height, length, seconds, seed, first_frame=None, last_frame=None,
         force_offload=False, audio_vae=None,
     ):
-        return io.NodeOutput(*actions.generate(
-            ENGINES, HOST, model, te, vae, prompt, width, height, length, seconds, seed, first_frame, last_frame,
-            force_offload, audio_vae,
-        ))
+        request = RequestWidgets(prompt, width, height, length, seconds, first_frame, last_frame)
+        return io.NodeOutput(*actions.generate(ENGINES, HOST, model, te, vae, request, seed, force_offload, audio_vae))
 
 
 class VflashCompare(io.ComfyNode):
@@ -302,10 +293,8 @@ class VflashCompare(io.ComfyNode):
         cls, model, te, vae, prompt, width, height, length, seconds, seed, first_frame=None, last_frame=None,
         audio_vae=None,
     ):
-        return io.NodeOutput(*actions.compare(
-            ENGINES, HOST, model, te, vae, prompt, width, height, length, seconds, seed, first_frame, last_frame,
-            audio_vae,
-        ))
+        request = RequestWidgets(prompt, width, height, length, seconds, first_frame, last_frame)
+        return io.NodeOutput(*actions.compare(ENGINES, HOST, model, te, vae, request, seed, audio_vae))
 
 
 class VflashUnload(io.ComfyNode):

@@ -9,7 +9,7 @@ from vflash_core.engine.session_options import STRATEGIES, WEIGHT_RESIDENCIES
 from vflash_core.weights.lora import LORA_MODES
 
 from . import actions
-from .engines import present_devices, runnable_backends, runnable_profiles
+from .engines import present_devices, runnable_backends, runnable_profiles, transformer_spec
 from .graph_checks import check_graph, refusal, validate_device
 from .host import FOLDERS, HOST
 from .model_files import (
@@ -139,8 +139,8 @@ class VflashModelLoader(io.ComfyNode):
     def execute(cls, model, profile, lora=None, lora_mode="residual", **engine_widgets):
         # the loaders' widgets, profile vs the graph's requests
         check_graph(getattr(cls.hidden, "prompt", None), HOST, FOLDERS)
-        spec = actions.load_model(ENGINES, HOST, FOLDERS, model, profile, engine_widgets, lora, lora_mode)
-        return io.NodeOutput(spec)
+        spec = transformer_spec(HOST, FOLDERS, model, profile, engine_widgets, lora, lora_mode)
+        return io.NodeOutput(actions.load_model(ENGINES, HOST, spec))
 
 
 class VflashLoraSelect(io.ComfyNode):

@@ -5,15 +5,33 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from vflash_core.engine.layout import FPS, Geometry, align_num_frames, frames_for_duration
 from vflash_core.errors import RequestError
 
-__all__ = ["ENCODE_DEFAULTS", "connected_slots", "request_geometry"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["ENCODE_DEFAULTS", "RequestWidgets", "connected_slots", "request_geometry"]
 
 #: The canvas and length widgets of VflashEncode / VflashGenerate and their defaults, in `request_geometry`'s order.
 ENCODE_DEFAULTS = {"width": 1344, "height": 768, "length": 124, "seconds": 0.0}
+
+
+@dataclass(frozen=True)
+class RequestWidgets:
+    """The request widgets VflashGenerate and VflashCompare share: the prompt, the canvas and length (as
+    `request_geometry` reads them) and the optional keyframes, IMAGE batches (1, H, W, 3)."""
+
+    prompt: str
+    width: int
+    height: int
+    length: int
+    seconds: float
+    first_frame: torch.Tensor | None = None
+    last_frame: torch.Tensor | None = None
 
 
 def request_geometry(width: int, height: int, length: int, seconds: float) -> Geometry:

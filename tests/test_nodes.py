@@ -504,7 +504,7 @@ def test_encode_then_sample_bundle_equals_pipeline_bundle(pack, comfy, keyframes
     """VflashEncode + the sampler's noise draw build exactly the bundle `pipeline.build_request_bundle` builds."""
     import numpy as np
     from PIL import Image
-    from vflash_nodes import actions
+    from vflash_nodes import actions, engines
 
     from vflash_core.pipeline.h3_pipeline import VideoRequest, build_request_bundle, plan_request
 
@@ -513,7 +513,7 @@ def test_encode_then_sample_bundle_equals_pipeline_bundle(pack, comfy, keyframes
     folders = pack.package.host.FOLDERS
     te = actions.load_component(registry, host, folders, "te", "embedded-demo", "cpu")
     vae = actions.load_component(registry, host, folders, "vae", "embedded-demo", "cpu")
-    actions.load_model(registry, host, folders, "embedded-demo", "auto", LOADER_DEFAULTS)
+    actions.load_model(registry, host, engines.transformer_spec(host, folders, "embedded-demo", "auto", LOADER_DEFAULTS))
     images = {}
     for name, color in zip(keyframes, ((250, 20, 20), (20, 20, 250))):
         pixels = np.zeros((96, 160, 3), np.uint8)
@@ -539,7 +539,7 @@ def test_reference_clip_with_soundtrack_bundle_equals_pipeline_bundle(pack, comf
     from the MP4 the pipeline reads, give the pipeline's bundle."""
     import numpy as np
     from PIL import Image
-    from vflash_nodes import actions
+    from vflash_nodes import actions, engines
 
     from vflash_core.media.mp4 import write_mp4
     from vflash_core.media.references import frames_to_uint8, load_reference
@@ -550,7 +550,7 @@ def test_reference_clip_with_soundtrack_bundle_equals_pipeline_bundle(pack, comf
     host, folders = pack.package.host.HOST, pack.package.host.FOLDERS
     te = actions.load_component(registry, host, folders, "te", "embedded-demo", "cpu")
     vae = actions.load_component(registry, host, folders, "vae", "embedded-demo", "cpu")
-    actions.load_model(registry, host, folders, "embedded-demo", "auto", LOADER_DEFAULTS)
+    actions.load_model(registry, host, engines.transformer_spec(host, folders, "embedded-demo", "auto", LOADER_DEFAULTS))
     g = torch.Generator().manual_seed(5)
     picture = np.random.default_rng(5).integers(0, 255, (60, 90, 3), dtype=np.uint8)
     Image.fromarray(picture).save(tmp_path / "picture.png")

@@ -104,7 +104,7 @@ def test_core_encoders_give_the_vflash_bundle_bitwise(pack, core_files, keyframe
     host, folders = pack.package.host.HOST, pack.package.host.FOLDERS
     te = actions.load_component(registry, host, folders, "te", "embedded-demo", "cpu")
     vae = actions.load_component(registry, host, folders, "vae", "embedded-demo", "cpu")
-    actions.load_model(registry, host, folders, "embedded-demo", "auto", LOADER_DEFAULTS)
+    actions.load_model(registry, host, engines.transformer_spec(host, folders, "embedded-demo", "auto", LOADER_DEFAULTS))
     clip, video_vae, audio_vae = _core(pack, core_files)
     g = torch.Generator().manual_seed(3)
     frames = {name: torch.rand(1, 80, 144, 3, generator=g) for name in keyframes}

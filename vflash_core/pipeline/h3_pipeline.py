@@ -281,11 +281,13 @@ class H3Pipeline:
 
     def encode(self, request: VideoRequest, timings: dict[str, float] | None = None) -> BundleHandoff:
         """Prompt and media -> a one-shot conditioning handoff for `denoise`."""
-        plan = self.validate(request)
+        request_plan = self.validate(request)
         with self._lock:
             self.load()
             assert self.conditioner is not None and self.vaes is not None  # load() sets every part or raises
-            return build_request_bundle(self.conditioner, self.vaes, request, plan, self.config, self.canvas, timings)
+            return build_request_bundle(
+                self.conditioner, self.vaes, request, request_plan, self.config, self.canvas, timings
+            )
 
     def denoise(
         self, bundle_or_handoff, progress: Callable[[int, int], None] | None = None, preview: PreviewFn | None = None
@@ -315,14 +317,14 @@ class H3Pipeline:
         only the encode knows (the session checks it again, exactly, before it runs); the encode is checked exactly by
         the conditioner before it moves anything."""
         assert self.session is not None and self.vaes is not None  # its callers load the parts first
-        plan = self.session.plan
-        if plan is None or plan.placement.vaes is None:
+        memory_plan = self.session.plan
+        if memory_plan is None or memory_plan.placement.vaes is None:
             return
         # The VAEs took this plan (`from_prepared`), and a plan that places them chooses their video decoder.
         needs = {"decode": self.vaes.decode_need(geometry.num_frames, geometry.height, geometry.width).transient}
         if denoise:
             needs["denoise"] = self.session.memory.evaluation_bytes(request_rows(self.config, geometry, 0))
-        plan.check(needs, f"a {geometry.width}x{geometry.height} clip of {geometry.num_frames} frames")
+        memory_plan.check(needs, f"a {geometry.width}x{geometry.height} clip of {geometry.num_frames} frames")
 
     # -- one request --------------------------------------------------------------------------------------------------
 
@@ -345,15 +347,15 @@ class H3Pipeline:
         after every evaluation (`progress.PreviewFn`). What `progress` or `preview` raises aborts the request, re-raised
         unchanged, and leaves the pipeline usable."""
         start = time.perf_counter()
-        plan = self.validate(request)
+        request_plan = self.validate(request)
         check_generate_arguments(request, output, overwrite, progress, cancel, preview)
         validated = time.perf_counter() - start
         with self._lock:
-            write = self._run(request, plan, output, overwrite, progress, cancel, preview, validated, exact)
+            write = self._run(request, request_plan, output, overwrite, progress, cancel, preview, validated, exact)
         return write()  # holds no lock: another thread's request may encode and denoise meanwhile
 
     def _run(
-        self, request: VideoRequest, plan: RequestPlan, output: str | Path | None, overwrite: bool,
+        self, request: VideoRequest, request_plan: RequestPlan, output: str | Path | None, overwrite: bool,
         progress: StageProgress | None, cancel: Callable[[], None] | None, preview: PreviewFn | None, validated: float,
         exact: bool = False,
     ) -> Callable[[], VideoResult]:
@@ -368,13 +370,15 @@ class H3Pipeline:
             initialization = time.perf_counter() - load_start
         self._check_open()  # closed while this request waited
         control = _RequestControl(progress, cancel, preview)
-        self._check_memory(plan.geometry)
+        self._check_memory(request_plan.geometry)
         try:
             # An MP4 stream opened here outlives the lock: `write` takes its context over once the decode is done.
             with contextlib.ExitStack() as stack:
-                handoff = self._encode_stage(request, plan, stages, control)
+                handoff = self._encode_stage(request, request_plan, stages, control)
                 generation = self._denoise_stage(handoff, stages, control, exact)
-                media, stream = self._decode_stage(generation, plan.geometry, output, overwrite, stages, control, stack)
+                media, stream = self._decode_stage(
+                    generation, request_plan.geometry, output, overwrite, stages, control, stack
+                )
                 t = time.perf_counter()
                 soundtrack = delivered_soundtrack(media)
                 open_stream = stack.pop_all()
@@ -402,7 +406,8 @@ class H3Pipeline:
                 raise
             return VideoResult(
                 path=path, elapsed_seconds=time.perf_counter() - start - initialization, stages=stages,
-                timing=session_timing, mode=plan.mode, width=plan.geometry.width, height=plan.geometry.height,
+                timing=session_timing, mode=request_plan.mode, width=request_plan.geometry.width,
+                height=request_plan.geometry.height,
                 num_frames=media.num_frames, fps=FPS, sample_rate=media.sample_rate, metadata=metadata,
                 media=None if output is not None else media,
             )
@@ -419,13 +424,15 @@ class H3Pipeline:
     # Each stage reports (stage, 0, total) as it starts, so that a progress bar times the whole stage.
 
     def _encode_stage(
-        self, request: VideoRequest, plan: RequestPlan, stages: dict[str, float], control: _RequestControl
+        self, request: VideoRequest, request_plan: RequestPlan, stages: dict[str, float], control: _RequestControl
     ) -> BundleHandoff:
         assert self.conditioner is not None and self.vaes is not None  # loaded by `_run`
         control.poll()
         control.report("encode", 0, 1)
         t = time.perf_counter()
-        handoff = build_request_bundle(self.conditioner, self.vaes, request, plan, self.config, self.canvas, stages)
+        handoff = build_request_bundle(
+            self.conditioner, self.vaes, request, request_plan, self.config, self.canvas, stages
+        )
         stages["encode"] = time.perf_counter() - t
         control.report("encode", 1, 1)
         return handoff

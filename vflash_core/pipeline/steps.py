@@ -125,17 +125,18 @@ def encode_request(
 
 
 def build_request_bundle(
-    conditioner: TextConditioner, vaes: MediaVAEs, request: VideoRequest, plan: RequestPlan, config: H3Config,
+    conditioner: TextConditioner, vaes: MediaVAEs, request: VideoRequest, request_plan: RequestPlan, config: H3Config,
     canvas: CanvasRules | None = None, timings: dict[str, float] | None = None,
 ) -> BundleHandoff:
     """Read the request's media files, encode them and the prompt (`encode_request`), draw the noise, and hand the
-    bundle over one-shot. `plan` is the request's `plan_request` result; `timings` (optional) receives
+    bundle over one-shot. `request_plan` is the request's `plan_request` result; `timings` (optional) receives
     `encode.inputs` (reading included), `encode.text`, `encode.vae`, `encode.bundle`."""
     after_stage = stage_timer(timings)
     keyframes = {anchor: load_image(k) for anchor, k in request.keyframes.items()}
     references = [load_reference(r) for r in request.references]
     encoded = encode_request(
-        conditioner, vaes, request.prompt, plan.mode, plan.geometry, keyframes, references, canvas, after_stage
+        conditioner, vaes, request.prompt, request_plan.mode, request_plan.geometry, keyframes, references, canvas,
+        after_stage,
     )
     handoff = encoded.bundle(config, request.seed)
     after_stage("encode.bundle")
