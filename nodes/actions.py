@@ -436,12 +436,12 @@ def compare(
         }
     (exact_images, exact_audio), (fast_images, fast_audio) = clips["exact"], clips["fast"]
     metrics = measure(exact_images, fast_images, exact_audio["waveform"][0], fast_audio["waveform"][0])
-    request = {
+    rendered = {
         "prompt": request.prompt, "seed": seed, "mode": cond.mode, "width": int(exact_images.shape[2]),
         "height": int(exact_images.shape[1]), "num_frames": int(exact_images.shape[0]), "fps": FPS,
         "profile": None if profile is None else profile.id,
     }
-    report = comparison_report(model.options.fast_mode.name, metrics, sides, request)
+    report = comparison_report(model.options.fast_mode.name, metrics, sides, rendered)
     summary = summary_lines(report)
     for line in summary:
         host.log(f"Vflash compare: {line}")
