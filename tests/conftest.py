@@ -13,6 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 from filelock import FileLock
+# Fixtures defined beside the helpers of their concern, shared by name with every test module (pytest finds a
+# conftest's fixtures by the names it holds).
+from comfyui_server_helpers import server  # noqa: F401
+from kernel_harness import gpu, interp  # noqa: F401
+from service_helpers import make_service  # noqa: F401
+from refusals import no_model_loads  # noqa: F401
 
 from vflash_core.engine.config import H3Config
 from vflash_core.profiles import Profile, get_profile
@@ -231,6 +237,17 @@ def linked_demo_cache(cache: Path, demo_receipt: Path) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     (cache / demo_receipt.parent.name).symlink_to(demo_receipt.parent, target_is_directory=True)
     return cache
+
+
+@pytest.fixture(scope="module")
+def pack(tmp_path_factory, demo_receipt):
+    """The node pack installed in the headless ComfyUI host (`nodes/headless/`) with the stand-in core nodes, over a
+    demo cache of its own (`linked_demo_cache`); one per test module, as each module's nodes keep their engines."""
+    from comfy_standins import harness
+
+    cache = linked_demo_cache(tmp_path_factory.mktemp("vflash-cache"), demo_receipt)
+    with harness.installed(cache, tmp_path_factory.mktemp("comfyui")) as loaded:
+        yield loaded
 
 
 @pytest.fixture

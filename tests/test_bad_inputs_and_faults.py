@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 
 import pytest
-from test_user_errors import files_in, no_model_loads, refused  # noqa: F401 (a fixture, used by name)
+from refusals import files_in, refused
 
 from vflash_core.engine.config import H3Config
 from vflash_core.errors import CallbackGuard, Number, VflashError, is_int, is_real
@@ -330,11 +330,11 @@ def _forged_bundle(folder: Path, manifest_changes: dict | None = None, tensor_ch
     fields and values can tell)."""
     import torch  # noqa: F401 (the changes build tensors)
     from safetensors.torch import load_file, save_file
-    from test_schedule_layout_bundle import _bundle
+    from bundles import keyframe_bundle
 
     from vflash_core.tensor_store import file_sha256
 
-    _bundle().save(folder)
+    keyframe_bundle().save(folder)
     if tensor_changes is not None:
         tensors = load_file(folder / "tensors.safetensors")
         tensor_changes(tensors)
@@ -554,11 +554,11 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(h3_prepared, tiny_compiled, 
     import subprocess
     import sys
 
-    from test_schedule_layout_bundle import _bundle
+    from bundles import keyframe_bundle
 
     disk = tmp_path / "disk"
     disk.mkdir()
-    bundle = _bundle().save(tmp_path / "bundle")
+    bundle = keyframe_bundle().save(tmp_path / "bundle")
     generate = ["generate", "--prepared-assets", str(h3_prepared), "--prompt", "a kite", "--width", "32", "--height", "32", "--output", "{disk}/clip.mp4"]
     denoise = ["denoise", "t2va-base4-exact-cpu", "--artifact", str(tiny_compiled["artifact"]), "--schedule-overlay", str(tiny_compiled["schedule_overlay"]),
                "--auxiliary-tensor", str(tiny_compiled["auxiliary"]), "--bundle", str(bundle), "--output-latents", "{disk}/latents.safetensors"]
@@ -834,7 +834,7 @@ def test_python_api_paths_devices_and_callbacks_of_the_wrong_kind_are_one_line(t
     """Found by this issue's adversarial run: NativeEngineSession with an artifact of None, a device "tpu", a
     progress callback that is an int (a TypeError after the first evaluation), ConditioningBundle.load(5),
     prepare(transformer=5) and compile_receipt(5, ...) were TypeError / RuntimeError tracebacks."""
-    from test_schedule_layout_bundle import _bundle
+    from bundles import keyframe_bundle
 
     from vflash_core.engine.bundle import ConditioningBundle
     from vflash_core.engine.session import NativeEngineSession
@@ -856,8 +856,8 @@ def test_python_api_paths_devices_and_callbacks_of_the_wrong_kind_are_one_line(t
     with NativeEngineSession(profile, CompiledPaths(**tiny_compiled)) as session:
         for keyword, value in (("progress", 5), ("between_blocks", "stop")):
             with pytest.raises(VflashError, match=f"^{keyword} must be a callable or None, got "):
-                session.generate(_bundle(), **{keyword: value})
+                session.generate(keyframe_bundle(), **{keyword: value})
         with pytest.raises(VflashError, match=r"^output_latents must be a file path \(str or Path\), got int 7$"):
-            session.generate(_bundle(), output_latents=7)
-        assert session._failure is None and session.generate(_bundle()).video_latents.isfinite().all()
+            session.generate(keyframe_bundle(), output_latents=7)
+        assert session._failure is None and session.generate(keyframe_bundle()).video_latents.isfinite().all()
     assert list(tmp_path.iterdir()) == []

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from conftest import CARD_TITLE_CHARS, TEMPLATES
-from test_comfyui_server import COMFYUI_ROOT, REPO, server  # noqa: F401  (the module's server fixture)
+from comfyui_server_helpers import COMFYUI_ROOT, REPO
 
 CHROMIUM = Path(os.environ.get("VFLASH_CHROMIUM", "/usr/bin/chromium"))
 pytestmark = [

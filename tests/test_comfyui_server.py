@@ -21,26 +21,23 @@ import pytest
 import transformer_files
 from conftest import TEMPLATES
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from comfy_server import API, PROBE, REPO, SMALL_DIT, Server, installed_pack_copies, write_small_family  # noqa: E402, F401
-
-COMFYUI_ROOT = os.environ.get("COMFYUI_ROOT")
+from comfyui_server_helpers import (
+    API,
+    COMFYUI_ROOT,
+    PROBE,
+    REPO,
+    SMALL_DIT,
+    Server,
+    server_memory,
+    small_core_workflow,
+    vflash_entries,
+)
 pytestmark = pytest.mark.skipif(not COMFYUI_ROOT, reason="set COMFYUI_ROOT to a ComfyUI checkout to run the real-server tests")
 
 SMALL = {"4": {"width": 128, "height": 128}}  # the chain on a small canvas; t2va runs unmodified
 
 
 CORE_VIDEO_VAE = "SmallVideoVAE"  # core's H3 video VAE class at the small family's dimensions (comfy_core_probe/small_core.py)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = Server(Path(COMFYUI_ROOT), tmp_path_factory.mktemp("comfyui-server"))
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        srv.stop()
 
 
 def _workflow(name: str, changes: dict | None = None, seed: int = 0) -> dict:
@@ -286,7 +283,7 @@ def test_core_clip_and_vae_loaders_drive_the_vflash_sampler_to_mp4(server, tmp_p
     a first frame, core's vision tower and core's video VAE encode it. The MP4 has the clip's frames and soundtrack."""
     from mp4_probe import probe_mp4
 
-    workflow = _small_core_workflow(21)
+    workflow = small_core_workflow(21)
     workflow["7"]["inputs"]["filename_prefix"] = f"video/core_loaders_{mode}"
     if mode == "i2va":
         workflow["8"] = {"class_type": "LoadImage", "inputs": {"image": "vflash_first_frame.png"}}
@@ -413,25 +410,6 @@ def _node_seconds(result: dict, node: str) -> float:
     return times[start + 1][1] - times[start][1]
 
 
-def _small_core_workflow(seed: int, generate: bool = False) -> dict:
-    """The core-loaders template on the small 24-channel family (core's H3 latent format's channels) at 128x128: the
-    Vflash sampler and decode, or with `generate` VflashGenerate (encode, sample, decode in one node, id 5)."""
-    workflow = json.loads((API / "t2va_core_loaders.json").read_text())
-    workflow["1"]["inputs"].update(model=SMALL_DIT, profile="t2va-base4-exact-cpu")
-    workflow["2"]["inputs"]["clip_name"] = "h3_small_te.safetensors"
-    workflow["3"]["inputs"]["vae_name"] = "h3_small_video_vae.safetensors"
-    workflow["12"]["inputs"]["vae_name"] = "h3_small_audio_vae.safetensors"
-    workflow["4"]["inputs"].update(width=128, height=128)
-    workflow["5"]["inputs"]["seed"] = seed
-    workflow["7"]["inputs"]["filename_prefix"] = "video/previews"
-    if generate:
-        request = {k: workflow["4"]["inputs"][k] for k in ("prompt", "width", "height", "length", "seconds", "te", "vae", "audio_vae")}
-        workflow["5"] = {"class_type": "VflashGenerate", "inputs": {"model": ["1", 0], **request, "seed": seed, "force_offload": False}}
-        workflow["7"]["inputs"]["video"] = ["5", 0]
-        del workflow["4"], workflow["6"]
-    return workflow
-
-
 @pytest.mark.parametrize("graph", ["VflashSampler", "VflashGenerate"])
 def test_live_previews_over_the_websocket_one_per_evaluation(server, graph):
     """With the prompt's preview method latent2rgb, the Vflash sampler (alone, or inside VflashGenerate) sends one JPEG
@@ -442,7 +420,7 @@ def test_live_previews_over_the_websocket_one_per_evaluation(server, graph):
     from PIL import Image
 
     def workflow() -> dict:
-        return _small_core_workflow(31, generate=graph == "VflashGenerate")
+        return small_core_workflow(31, generate=graph == "VflashGenerate")
 
     result = asyncio.run(server.run_prompt(workflow(), extra_data={"preview_method": "latent2rgb"}))
     assert result["status"] == "success", f"{result}\n{server.tail()}"
@@ -478,15 +456,6 @@ def test_the_demo_t2va_template_shows_live_previews(server, method):
 # -- ComfyUI's memory management ------------------------------------------------------------------------------------
 
 
-def _memory(server) -> dict:
-    """The probe's reading (`comfy_standins/server_memory_probe`): core's entries now, the snapshots taken during runs,
-    the pack's registry and every engine it has seen."""
-    import urllib.request
-
-    with urllib.request.urlopen(server.url + "/vflash_test/memory") as r:
-        return json.loads(r.read())
-
-
 def _free(server, flags: dict, timeout: float = 60.0) -> dict:
     """`POST /free` with `flags`; the reading once the pack's registry is empty. The prompt worker applies the flags
     when it wakes between prompts; a request that lands after a prompt's last message but before the worker waits
@@ -499,15 +468,11 @@ def _free(server, flags: dict, timeout: float = 60.0) -> dict:
         with urllib.request.urlopen(request) as r:
             assert r.status == 200
         for _ in range(10):
-            memory = _memory(server)
+            memory = server_memory(server)
             if not memory["vflash"]:
                 return memory
             time.sleep(0.2)
     raise TimeoutError(f"/free {flags} left {memory['vflash']} loaded:\n{server.tail()}")
-
-
-def _vflash_entries(entries: list[dict]) -> dict[str, dict]:
-    return {e["vflash_kind"]: e for e in entries if e["patcher"] == "EnginePatcher"}
 
 
 def test_free_releases_the_vflash_engines_and_the_next_run_loads_them_again(server, tmp_path):
@@ -518,23 +483,23 @@ def test_free_releases_the_vflash_engines_and_the_next_run_loads_them_again(serv
     engines) and succeeds."""
     result = asyncio.run(server.run_prompt(_workflow("t2va", SMALL, seed=61)))
     assert result["status"] == "success", f"{result}\n{server.tail()}"
-    memory = _memory(server)
-    entries = _vflash_entries(memory["now"])
+    memory = server_memory(server)
+    entries = vflash_entries(memory["now"])
     assert {"dit", "vae"} <= set(memory["vflash"]) and set(entries) == set(memory["vflash"]), memory
     assert entries["dit"]["model"] == "VflashTransformer" and entries["vae"]["model"] == "VflashVAEs"
     assert all(e["device"] == "cpu" and e["loaded_bytes"] > 0 for e in entries.values()), entries
     held = {e["id"] for e in memory["engines"] if not e["closed"]}
     for seed, flags in ((62, {"unload_models": True}), (63, {"free_memory": True})):
         memory = _free(server, flags)
-        assert not _vflash_entries(memory["now"]), memory["now"]
+        assert not vflash_entries(memory["now"]), memory["now"]
         assert all(e["closed"] for e in memory["engines"] if e["id"] in held), memory["engines"]
         again = asyncio.run(server.run_prompt(_workflow("t2va", SMALL, seed=seed)))
         assert again["status"] == "success", f"{again}\n{server.tail()}"
         assert len(server.history_files(again["prompt_id"], tmp_path)) == 1
-        memory = _memory(server)
+        memory = server_memory(server)
         reloaded = {e["id"] for e in memory["engines"] if not e["closed"]}
         assert "dit" in memory["vflash"] and reloaded and not reloaded & held, memory
-        assert set(_vflash_entries(memory["now"])) == set(memory["vflash"])
+        assert set(vflash_entries(memory["now"])) == set(memory["vflash"])
         held = reloaded
 
 
@@ -544,20 +509,20 @@ def test_a_core_vae_stays_loaded_through_the_vflash_sampler(server, tmp_path):
     needs (there is room on this machine). Read between the sampler and the decode, core still holds its VAE beside the
     Vflash transformer (the pack used to unload every model before loading and before sampling), and the run ends in
     an MP4."""
-    workflow = _small_core_workflow(71)
+    workflow = small_core_workflow(71)
     workflow["8"] = {"class_type": "LoadImage", "inputs": {"image": "vflash_first_frame.png"}}
     workflow["4"]["inputs"].update(first_frame=["8", 0], prompt="<Picture 1> comes alive: the square spins, a bell rings.")
     workflow["13"] = {"class_type": "VflashTestMemorySnapshot", "inputs": {"latent": ["5", 0]}}
     workflow["6"]["inputs"]["latent"] = ["13", 0]
     workflow["7"]["inputs"]["filename_prefix"] = "video/core_vae_kept"
-    taken = len(_memory(server)["snapshots"])
+    taken = len(server_memory(server)["snapshots"])
     result = asyncio.run(server.run_prompt(workflow))
     assert result["status"] == "success", f"{result}\n{server.tail()}"
     assert len(server.history_files(result["prompt_id"], tmp_path)) == 1
-    (snapshot,) = _memory(server)["snapshots"][taken:]
+    (snapshot,) = server_memory(server)["snapshots"][taken:]
     core = [e for e in snapshot if e["patcher"] != "EnginePatcher"]
     assert any(e["model"] == CORE_VIDEO_VAE and e["loaded_bytes"] > 0 for e in core), json.dumps(snapshot)
-    assert "dit" in _vflash_entries(snapshot), snapshot
+    assert "dit" in vflash_entries(snapshot), snapshot
 
 
 def test_cancel_during_decode_within_1_5_s_then_next_run_succeeds(server, tmp_path):

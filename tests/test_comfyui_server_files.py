@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import assert_bitwise
-from test_comfyui_server import API, COMFYUI_ROOT, PROBE, server  # noqa: F401  (the module's server fixture)
+from comfyui_server_helpers import API, COMFYUI_ROOT, PROBE
 
 import transformer_files
 
@@ -65,11 +65,11 @@ def test_gguf_dequantization_is_comfyui_ggufs(qtype):
     blocks with finite fp16 scales equals Vflash's bitwise, in its default (fp16) and float32 dequant_dtype, to BF16
     and to FP32."""
     import gguf
-    from test_quantized_user_files import _random_blocks
+    from transformer_files import random_gguf_blocks
 
     theirs = _comfyui_gguf_dequant()
     cols = 512
-    raw = torch.from_numpy(_random_blocks(qtype, 4, cols, seed=11) if qtype != "BF16" else torch.randn(4, cols).bfloat16().view(torch.uint8).numpy())
+    raw = torch.from_numpy(random_gguf_blocks(qtype, 4, cols, seed=11) if qtype != "BF16" else torch.randn(4, cols).bfloat16().view(torch.uint8).numpy())
     ggml = gguf.GGMLQuantizationType[qtype]
     for arithmetic, their_dtype in ((torch.float16, None), (torch.float32, torch.float32)):
         for target in (torch.bfloat16, torch.float32):

@@ -18,9 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
-from test_comfyui_server import (  # noqa: F401  (the module's server fixture)
-    COMFYUI_ROOT, PROBE, _memory, _small_core_workflow, _vflash_entries, server,
-)
+from comfyui_server_helpers import COMFYUI_ROOT, PROBE, server_memory, small_core_workflow, vflash_entries
 
 pytestmark = pytest.mark.skipif(
     not COMFYUI_ROOT, reason="set COMFYUI_ROOT to a ComfyUI checkout to run the real-server tests"
@@ -59,7 +57,7 @@ def _run(srv, method: str, tmp_path: Path) -> tuple[list[Image.Image], bytes, st
     log = srv.work / "server.log"
     srv.log.flush()
     start = log.stat().st_size
-    result = asyncio.run(srv.run_prompt(_small_core_workflow(31), extra_data={"preview_method": method}))
+    result = asyncio.run(srv.run_prompt(small_core_workflow(31), extra_data={"preview_method": method}))
     assert result["status"] == "success", f"{result}\n{srv.tail()}"
     progress = [e["data"] for e in result["events"] if e["type"] == "progress"]
     steps = [p["value"] for p in progress if p.get("node") == "5" and p["max"] == 4]
@@ -121,7 +119,7 @@ def test_a_preview_decoder_that_evicts_everything_leaves_the_sampling_engine_alo
     path = _write_taeh3(server.work / "models")
     try:
         _, plain_mp4, _ = _run(server, "taesd", tmp_path)
-        before = _memory(server)
+        before = server_memory(server)
         session = next(e["id"] for e in before["engines"] if e["kind"] == "dit" and not e["closed"])
         _post(server, "/vflash_test/evict_on_preview_load", {"on": True})
         try:
@@ -130,9 +128,9 @@ def test_a_preview_decoder_that_evicts_everything_leaves_the_sampling_engine_alo
             _post(server, "/vflash_test/evict_on_preview_load", {"on": False})
     finally:
         path.unlink()
-    after = _memory(server)
+    after = server_memory(server)
     assert after["forced_evictions"] - before["forced_evictions"] == 4 and len(tiny) == 4
     assert tiny_mp4 == plain_mp4
     assert [e["id"] for e in after["engines"] if e["kind"] == "dit" and not e["closed"]] == [session]
-    assert "dit" in after["vflash"] and "dit" in _vflash_entries(after["now"])
+    assert "dit" in after["vflash"] and "dit" in vflash_entries(after["now"])
 

@@ -197,11 +197,11 @@ def test_mode_not_in_profile_is_refused(tmp_path, tiny_transformer):
     profile = cpu_profile(id="t2va-only-cpu", modes=("t2va",))
     assert profile.timestep_kinds() == [(False, False)]
     paths = compile_tiny(tmp_path, tiny_transformer, profile)
-    from test_schedule_layout_bundle import _bundle
+    from bundles import keyframe_bundle
 
     with NativeEngineSession(profile, CompiledPaths(**paths)) as session:
         with pytest.raises(VflashError, match="accepts t2va; a l2va request"):
-            session.generate(_bundle())
+            session.generate(keyframe_bundle())
         assert not session.closed  # bad input does not fail the session
 
 

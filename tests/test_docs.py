@@ -12,8 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from comfy_standins import harness
-from conftest import linked_demo_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -143,13 +141,6 @@ def test_the_cpu_commands_run_as_written(tmp_path):
         done = subprocess.run(["bash", "-c", line], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0 and done.stdout.strip(), f"{page.name}: {line}\n{done.stdout}\n{done.stderr}"
     assert sorted(p.name for p in ROOT.iterdir()) == before  # nothing written into the checkout
-
-
-@pytest.fixture(scope="module")
-def pack(tmp_path_factory, demo_receipt):
-    cache = linked_demo_cache(tmp_path_factory.mktemp("vflash-cache"), demo_receipt)
-    with harness.installed(cache, tmp_path_factory.mktemp("comfyui")) as loaded:
-        yield loaded
 
 
 def test_every_node_has_a_help_page(pack):

@@ -3,30 +3,13 @@ block-ring mechanism) gives exactly the resident encoder's `hidden_states[50]` o
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from conftest import assert_bitwise
-from PIL import Image
+from encoder_inputs import encodings
 
 from vflash_core.engine import residency as R
 from vflash_core.media.conditioning import TextConditioner
-
-PROMPT = "A robot dances in the rain."
-
-
-def _image() -> Image.Image:
-    return Image.fromarray((np.random.default_rng(0).random((256, 448, 3)) * 255).astype(np.uint8))
-
-
-def _encodings(conditioner: TextConditioner) -> list[torch.Tensor]:
-    """hidden_states[50] of a text-only presentation and of one with a picture (the vision tower's deepstack)."""
-    outputs = []
-    for keyframes in ([], [_image()]):
-        ids, _, vision = conditioner.keyframe_presentation(PROMPT, keyframes)
-        outputs.append(conditioner.encode_tokens(ids, vision))
-    return outputs
-
 
 def _inside(tensor: torch.Tensor, buffers: list[torch.Tensor]) -> bool:
     start = tensor.data_ptr()
@@ -35,7 +18,7 @@ def _inside(tensor: torch.Tensor, buffers: list[torch.Tensor]) -> bool:
 
 def test_streamed_encoder_equals_the_resident_encoder_bit_for_bit(h3_family, monkeypatch):
     conditioner = TextConditioner.from_pretrained(h3_family, "cpu")
-    resident = _encodings(conditioner)
+    resident = encodings(conditioner)
     layers = list(conditioner.decoder_layers())
     conditioner.stream_layers()
     ring = conditioner.layer_ring
@@ -51,7 +34,7 @@ def test_streamed_encoder_equals_the_resident_encoder_bit_for_bit(h3_family, mon
     monkeypatch.setattr(R.WeightRing, "_issue_copy", lambda self, index: (copies.append(index), issue(self, index)))
     seen = []
     hook = layers[7].register_forward_hook(lambda module, args, out: seen.append(_inside(module.mlp.up_proj.weight, ring.ring.slots)))
-    streamed = _encodings(conditioner)
+    streamed = encodings(conditioner)
     hook.remove()
 
     for got, expected, what in zip(streamed, resident, ("text only", "with a picture")):
@@ -72,12 +55,12 @@ def test_module_ring_refuses_layers_of_different_shapes():
 def test_streamed_encoder_equals_the_resident_encoder_on_the_gpu(h3_family):
     conditioner = TextConditioner.from_pretrained(h3_family, "cuda:0")
     with conditioner.on_device():
-        resident = _encodings(conditioner)
+        resident = encodings(conditioner)
     conditioner.stream_layers()
     conditioner.materialize()
     baseline = torch.cuda.memory_allocated(0)
     with conditioner.on_device():
-        streamed = _encodings(conditioner)
+        streamed = encodings(conditioner)
     assert torch.cuda.memory_allocated(0) <= baseline  # slots and the rest of the encoder are given back
     for got, expected in zip(streamed, resident):
         assert_bitwise(got, expected, "streamed vs resident on cuda:0")

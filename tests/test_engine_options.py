@@ -7,9 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from comfy_standins import harness
-from conftest import linked_demo_cache
-from test_schedule_layout_bundle import _bundle
+from bundles import keyframe_bundle
 
 from vflash_core.engine import session as session_module
 from vflash_core.engine.engine_options import EngineOptions
@@ -56,7 +54,7 @@ def received(monkeypatch):
 def test_a_knob_reaches_the_session_from_vflash_denoise(knob, received, tmp_path, tiny_compiled):
     from vflash_core.cli.main import main
 
-    _bundle(5).save(tmp_path / "bundle")
+    keyframe_bundle(5).save(tmp_path / "bundle")
     status = main([
         "denoise", PROFILE, "--artifact", str(tiny_compiled["artifact"]),
         "--schedule-overlay", str(tiny_compiled["schedule_overlay"]), "--auxiliary-tensor", str(tiny_compiled["auxiliary"]),
@@ -82,13 +80,6 @@ def test_a_knob_reaches_the_run_options_from_vflash_generate_and_the_pipeline_ha
     assert options.engine.knob == knob and options.knob == knob and options.encoder_residency == "resident"
     assert dataclasses.replace(options, media_video_crf=30).engine == options.engine
     assert "options.engine, plan" in inspect.getsource(assets.PartLoader._session)
-
-
-@pytest.fixture(scope="module")
-def pack(tmp_path_factory, demo_receipt):
-    cache = linked_demo_cache(tmp_path_factory.mktemp("vflash-cache"), demo_receipt)
-    with harness.installed(cache, tmp_path_factory.mktemp("comfyui")) as loaded:
-        yield loaded
 
 
 def test_a_knob_reaches_the_session_from_the_loader_nodes_widgets(pack, knob, received):

@@ -1,6 +1,6 @@
 """The approximate FP8 execution (`vflash_core.engine.fp8`) and its Triton activation quantizers (`vflash_kernels.fp8_quantize`).
 
-CPU, kernels: in Triton's interpreter (test_kernels.py's private interpreted copy of the package, see its docstring),
+CPU, kernels: in Triton's interpreter (kernel_harness.py's private interpreted copy of the package, see its docstring),
 each quantizer's codes (compared as bytes) and scales equal its torch reference bit for bit: `fp8.quantize_rows` of
 the input, of `model.swiglu`, and of the RMSNorm (in torch's CUDA reduction order, `rms_norm_block_order_reference`)
 + modulation; also strided inputs, both tile settings, the INDEX_64 variants, zero rows and codes in E4M3's subnormal
@@ -28,21 +28,21 @@ import importlib
 import sys
 
 import pytest
-import test_kernels
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 from kernel_references import rms_norm_block_order_reference, shift_scale_blocks
-from test_kernels import (
+from kernel_harness import (
     FFN,
     H_FULL,
     H_INTERPRETED,
+    INTERPRETED_PACKAGE,
     S_CPU,
     S_GPU,
     S_SMALL_TILE,
     TILES,
-    _table,
+    adaln_table,
     assert_bitwise,
     configure,
     generator,
@@ -56,8 +56,6 @@ from vflash_core.engine import fp8
 from vflash_core.engine import model as reference
 from vflash_core.errors import VflashError
 
-interp = test_kernels.interp
-gpu = test_kernels.gpu
 EPS = 1e-5
 
 
@@ -67,7 +65,7 @@ def op(interp):
     imports its op)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TRITON_INTERPRET", "1")
-        module = importlib.import_module(f"{test_kernels._INTERPRETED}.fp8_quantize")
+        module = importlib.import_module(f"{INTERPRETED_PACKAGE}.fp8_quantize")
     assert module._launch is interp._launch and module._launch.INTERPRET
     return module
 
@@ -116,7 +114,7 @@ def _e4m3_rounding_cases() -> torch.Tensor:
 
 def test_e4m3_emulation_matches_torch(op, monkeypatch):
     """In the interpreter, `_e4m3_bits` is torch's fp32 -> float8_e4m3fn after the clamp to +-448."""
-    monkeypatch.setitem(globals(), "_fp8_under_test", sys.modules[test_kernels._INTERPRETED + "._fp8"])
+    monkeypatch.setitem(globals(), "_fp8_under_test", sys.modules[INTERPRETED_PACKAGE + "._fp8"])
     values = _e4m3_rounding_cases()
     out = torch.empty(values.shape, dtype=torch.uint8)
     InterpretedFunction(_e4m3_probe)[(triton.cdiv(values.numel(), 1024),)](values, out, values.numel(), BLOCK=1024)
@@ -452,7 +450,7 @@ def test_quantizers_gpu(gpu, gpu_op, request, S):
     del p, got, expected
     x = randn((1, S, H_FULL), torch.bfloat16, g, 3.0, "cuda")
     weight = randn((H_FULL,), torch.bfloat16, g, 0.25, "cuda") + 1
-    table = _table(2, torch.bfloat16, g)
+    table = adaln_table(2, torch.bfloat16, g)
     idx = torch.randint(0, 6, (S,), generator=g, device="cuda")
     for which in ("msa", "mlp"):
         expected = reference.modulate(F.rms_norm(x, (H_FULL,), weight, EPS), table, idx, which)

@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 from conftest import TINY, assert_bitwise, compile_tiny
-from test_schedule_layout_bundle import _bundle
+from bundles import keyframe_bundle
 
 from vflash_core.engine import fp8
 from vflash_core.engine.artifact import CompiledArtifact
@@ -109,7 +109,7 @@ class DequantizedBlocks(BlockSource):
 
 
 def _trajectory(artifact: CompiledArtifact, blocks: BlockSource, ops) -> tuple[torch.Tensor, torch.Tensor]:
-    output = Denoiser(artifact, blocks, CPU, ops).run(_bundle(5), NO_TIMER)
+    output = Denoiser(artifact, blocks, CPU, ops).run(keyframe_bundle(5), NO_TIMER)
     return output.video_latents, output.audio_latents
 
 
@@ -150,13 +150,13 @@ def test_fp8_session_runs_its_profile_resident_ring_and_sequence_head(tiny_fp8_c
     with NativeEngineSession(FP8_CPU, CompiledPaths(**tiny_fp8_compiled)) as session:
         assert isinstance(session._denoisers[0].ops, fp8.RowFP8Ops) and session._denoisers[0].ops.fp8.mode == "weight-only"
         assert "approximate FP8 weight-only block linears" in session.memory_plan()
-        result = session.generate(_bundle(5))
+        result = session.generate(keyframe_bundle(5))
     assert result.metadata["fp8"] == "weight-only"
     assert_bitwise(result.video_latents, expected[0], "session vs denoiser")
     with NativeEngineSession(FP8_CPU, CompiledPaths(**tiny_fp8_compiled), EngineOptions(weight_residency="block-ring")) as ring:
-        assert_bitwise(ring.generate(_bundle(5)).video_latents, expected[0], "block ring")
+        assert_bitwise(ring.generate(keyframe_bundle(5)).video_latents, expected[0], "block ring")
     with NativeEngineSession(FP8_CPU, CompiledPaths(**tiny_fp8_compiled), EngineOptions(peer_device="cpu", strategy="sequence-head")) as group:
-        got = group.generate(_bundle(5))
+        got = group.generate(keyframe_bundle(5))
     assert_bitwise(got.video_latents, expected[0], "sequence-head")
     assert_bitwise(got.audio_latents, expected[1], "sequence-head audio")
 
@@ -175,7 +175,7 @@ def test_fp8_session_refusals(tiny_compiled, tiny_fp8_compiled):
 CHILD = r"""
 import json, sys, torch
 sys.path.insert(0, sys.argv[1])
-from test_schedule_layout_bundle import _bundle
+from bundles import keyframe_bundle
 from vflash_core.engine import fp8
 from vflash_core.engine.artifact import CompiledArtifact
 from vflash_core.engine.denoise import Denoiser
@@ -191,7 +191,7 @@ blocks = ResidentBlocks(artifact, cpu)
 def velocity(quantizer, keep_values):
     ops = fp8.FusedRowFP8Ops(artifact.config, sdpa_attention, fp8.RowFP8Execution("w8a8", quantizer), keep_values)
     denoiser = Denoiser(artifact, blocks, cpu, ops)
-    return denoiser.evaluate(denoiser.start_request(_bundle(5, num_frames=22, height=64, width=128)), 1)
+    return denoiser.evaluate(denoiser.start_request(keyframe_bundle(5, num_frames=22, height=64, width=128)), 1)
 
 expected = velocity("torch", False)
 print(json.dumps([torch.equal(a, b) for a, b in zip(velocity("triton", True), expected)]))
@@ -246,7 +246,7 @@ def test_w8a8_profile_is_refused_off_sm90_and_uses_the_triton_quantizer(tmp_path
 # -- GPU (SM90): FP8 sessions on the device ------------------------------------------------------------------------
 
 # The tiny model with linear widths that are multiples of 16 (what torch._scaled_mm takes on CUDA); its bundle layout
-# (text width, patch and channels) is the tiny model's, so `_bundle` requests run on it.
+# (text width, patch and channels) is the tiny model's, so `keyframe_bundle` requests run on it.
 GPU_FP8_CONFIG = replace(TINY, hidden_size=64, attention_head_dim=32, ffn_dim=96, rope_freq_dim=4, time_embed_hidden_dim=64)
 
 
@@ -274,10 +274,10 @@ def test_fp8_fused_equals_reference_on_gpu(gpu_fp8, attention):
     attention) equals the reference execution (torch ops, torch quantizer) bit for bit, as the exact path does."""
     paths = gpu_fp8["t2va-base16-fp8-sm90"]
     with NativeEngineSession("t2va-base16-fp8-sm90", CompiledPaths(**paths), EngineOptions(device="cuda:0", execution="reference", attention_backend=attention)) as ref:
-        expected = ref.generate(_bundle(1))
+        expected = ref.generate(keyframe_bundle(1))
     with NativeEngineSession("t2va-base16-fp8-sm90", CompiledPaths(**paths), EngineOptions(device="cuda:0", execution="fused", attention_backend=attention)) as fused:
         assert isinstance(fused._denoisers[0].ops, fp8.FusedRowFP8Ops) and fused._denoisers[0].ops.fp8.activation_quantizer == "triton"
-        got = fused.generate(_bundle(1))
+        got = fused.generate(keyframe_bundle(1))
     assert got.metadata["fp8"] == "w8a8"
     assert_bitwise(got.video_latents, expected.video_latents, f"video latents ({got.metadata['attention_backend']})")
     assert_bitwise(got.audio_latents, expected.audio_latents, "audio latents")
@@ -287,10 +287,10 @@ def test_fp8_fused_equals_reference_on_gpu(gpu_fp8, attention):
 def test_fp8_block_ring_equals_resident_on_gpu(gpu_fp8):
     paths = gpu_fp8["t2va-base16-fp8-sm90"]
     with NativeEngineSession("t2va-base16-fp8-sm90", CompiledPaths(**paths), EngineOptions(device="cuda:0", weight_residency="resident")) as resident:
-        expected = resident.generate(_bundle(2))
+        expected = resident.generate(keyframe_bundle(2))
         resident_bytes = resident._denoisers[0].blocks.device_weight_bytes
     with NativeEngineSession("t2va-base16-fp8-sm90", CompiledPaths(**paths), EngineOptions(device="cuda:0", weight_residency="block-ring")) as ring:
-        got = ring.generate(_bundle(2))
+        got = ring.generate(keyframe_bundle(2))
     assert_bitwise(got.video_latents, expected.video_latents, "block ring vs resident")
     with NativeEngineSession("t2va-base16-bf16-sm90", CompiledPaths(**gpu_fp8["t2va-base16-bf16-sm90"]), EngineOptions(device="cuda:0", weight_residency="resident")) as exact:
         exact_bytes = exact._denoisers[0].blocks.device_weight_bytes
@@ -303,7 +303,7 @@ def test_fp8_error_against_exact_on_gpu(gpu_fp8):
     """The same request through the exact and the FP8 profile (and with fa3-fp8 where it runs): the relative L2 of the
     final latents is printed; FP8 stays close to exact on these random weights."""
     with NativeEngineSession("t2va-base16-bf16-sm90", CompiledPaths(**gpu_fp8["t2va-base16-bf16-sm90"]), EngineOptions(device="cuda:0")) as exact:
-        expected = exact.generate(_bundle(3))
+        expected = exact.generate(keyframe_bundle(3))
     paths = gpu_fp8["t2va-base16-fp8-sm90"]
     backends = ["auto"]
     try:
@@ -315,7 +315,7 @@ def test_fp8_error_against_exact_on_gpu(gpu_fp8):
         print(f"fa3-fp8 not measured: {exc}")
     for backend in backends:
         with NativeEngineSession("t2va-base16-fp8-sm90", CompiledPaths(**paths), EngineOptions(device="cuda:0", attention_backend=backend)) as session:
-            got = session.generate(_bundle(3))
+            got = session.generate(keyframe_bundle(3))
         relative = ((got.video_latents - expected.video_latents).norm() / expected.video_latents.norm()).item()
         print(f"t2va-base16-fp8-sm90 ({got.metadata['attention_backend']}) vs exact, final video latents: relative L2 {relative:.4f}")
         assert relative < 0.1
@@ -325,8 +325,8 @@ def test_fp8_error_against_exact_on_gpu(gpu_fp8):
 def test_fp8_sequence_head_equals_one_gpu(gpu_fp8):
     paths = gpu_fp8["t2va-base16-fp8-sm90"]
     with NativeEngineSession("t2va-base16-fp8-sm90", CompiledPaths(**paths), EngineOptions(device="cuda:0")) as single:
-        expected = single.generate(_bundle(4))
+        expected = single.generate(keyframe_bundle(4))
     with NativeEngineSession("t2va-base16-fp8-sm90", CompiledPaths(**paths), EngineOptions(device="cuda:0", peer_device=1, strategy="sequence-head")) as group:
-        got = group.generate(_bundle(4))
+        got = group.generate(keyframe_bundle(4))
     assert_bitwise(got.video_latents, expected.video_latents, "sequence-head vs one GPU")
     assert_bitwise(got.audio_latents, expected.audio_latents, "sequence-head vs one GPU (audio)")

@@ -17,7 +17,7 @@ import pytest
 CHILD = r"""
 import json, sys, torch
 sys.path.insert(0, sys.argv[1])
-from test_schedule_layout_bundle import _bundle
+from bundles import keyframe_bundle
 from vflash_core import CompiledPaths, EngineOptions, NativeEngineSession
 from vflash_core.engine import fused
 # The fused 5376-wide norm sums squares in torch's CUDA order, which CPU F.rms_norm does not share; it is compared
@@ -27,9 +27,9 @@ paths = json.loads(sys.argv[2])
 results = {}
 for strategy in (None,):
     with NativeEngineSession("t2va-base4-exact-cpu", CompiledPaths(**paths), EngineOptions(execution="reference")) as ref:
-        expected = ref.generate(_bundle(8))
+        expected = ref.generate(keyframe_bundle(8))
     with NativeEngineSession("t2va-base4-exact-cpu", CompiledPaths(**paths), EngineOptions(execution="fused")) as fused:
-        got = fused.generate(_bundle(8), profile_denoise=True)
+        got = fused.generate(keyframe_bundle(8), profile_denoise=True)
     results[str(strategy)] = {
         "video_equal": torch.equal(got.video_latents, expected.video_latents),
         "audio_equal": torch.equal(got.audio_latents, expected.audio_latents),

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 from conftest import assert_bitwise, compile_tiny
-from test_schedule_layout_bundle import _bundle
+from bundles import keyframe_bundle
 
 from vflash_core import NativeEngineSession
 from vflash_core.engine import parallel as P
@@ -35,9 +35,9 @@ def gpu_compiled(tmp_path_factory, tiny_transformer):
 @pytest.mark.parametrize("attention", ["torch-cudnn", "auto"])
 def test_fused_trajectory_equals_reference_on_gpu(gpu_compiled, attention):
     with NativeEngineSession(PROFILE, CompiledPaths(**gpu_compiled), EngineOptions(device="cuda:0", execution="reference", attention_backend=attention)) as ref:
-        expected = ref.generate(_bundle(1))
+        expected = ref.generate(keyframe_bundle(1))
     with NativeEngineSession(PROFILE, CompiledPaths(**gpu_compiled), EngineOptions(device="cuda:0", execution="fused", attention_backend=attention)) as fused:
-        got = fused.generate(_bundle(1), profile_denoise=True)
+        got = fused.generate(keyframe_bundle(1), profile_denoise=True)
     assert got.metadata["execution"] == "fused"
     assert_bitwise(got.video_latents, expected.video_latents, f"video latents ({got.metadata['attention_backend']})")
     assert_bitwise(got.audio_latents, expected.audio_latents, "audio latents")
@@ -55,7 +55,7 @@ def test_a_closed_block_ring_gives_its_pinned_host_memory_back(gpu_compiled):
 
     before = pinned()
     with NativeEngineSession(PROFILE, CompiledPaths(**gpu_compiled), EngineOptions(device="cuda:0", weight_residency="block-ring")) as ring:
-        arena = ring.generate(_bundle(2)).metadata["memory"]["pinned_host_bytes"]
+        arena = ring.generate(keyframe_bundle(2)).metadata["memory"]["pinned_host_bytes"]
         held = pinned()
         assert held - before >= arena, "the block ring's arena is not in PyTorch's pinned pool"
     gc.collect()
@@ -67,16 +67,16 @@ def test_a_closed_block_ring_gives_its_pinned_host_memory_back(gpu_compiled):
 @pytest.mark.gpu
 def test_block_ring_equals_resident_and_holds_memory_flat(gpu_compiled):
     with NativeEngineSession(PROFILE, CompiledPaths(**gpu_compiled), EngineOptions(device="cuda:0", weight_residency="resident")) as resident:
-        expected = resident.generate(_bundle(2))
+        expected = resident.generate(keyframe_bundle(2))
     with NativeEngineSession(PROFILE, CompiledPaths(**gpu_compiled), EngineOptions(device="cuda:0", weight_residency="block-ring")) as ring:
-        first = ring.generate(_bundle(2), profile_denoise=True)
-        got = ring.generate(_bundle(2))
+        first = ring.generate(keyframe_bundle(2), profile_denoise=True)
+        got = ring.generate(keyframe_bundle(2))
         # after a plain request (the profiled one holds its events), with pending reference cycles collected on both
         # sides: an H200 run once saw 2 KiB fewer after the loop than before it, a small cycle freed in between
         gc.collect()
         baseline = torch.cuda.memory_allocated(0)
         for _ in range(20):
-            got = ring.generate(_bundle(2))
+            got = ring.generate(keyframe_bundle(2))
         gc.collect()
         assert torch.cuda.memory_allocated(0) <= baseline, f"device memory grows across requests: {torch.cuda.memory_allocated(0)} > {baseline} bytes"
         assert first.denoise_profile["h2d_copy_ms"] > 0
@@ -89,8 +89,8 @@ def test_block_ring_equals_resident_and_holds_memory_flat(gpu_compiled):
             raise Interrupt()
 
         with pytest.raises(Interrupt):
-            ring.generate(_bundle(2), progress=stop)
-        after = ring.generate(_bundle(2))
+            ring.generate(keyframe_bundle(2), progress=stop)
+        after = ring.generate(keyframe_bundle(2))
     for result in (first, got, after):
         assert_bitwise(result.video_latents, expected.video_latents, "block ring vs resident")
         assert_bitwise(result.audio_latents, expected.audio_latents, "block ring vs resident audio")
@@ -151,10 +151,10 @@ def test_explicit_unavailable_backend_is_an_error(gpu_compiled):
 @pytest.mark.parametrize("residency", ["resident", "block-ring"])
 def test_two_gpus_repeatable_and_sequence_head_bitwise(gpu_compiled, strategy, residency):
     with NativeEngineSession(PROFILE, CompiledPaths(**gpu_compiled), EngineOptions(device="cuda:0")) as single:
-        expected = single.generate(_bundle(3))
+        expected = single.generate(keyframe_bundle(3))
     with NativeEngineSession(PROFILE, CompiledPaths(**gpu_compiled), EngineOptions(device="cuda:0", peer_device=1, strategy=strategy, weight_residency=residency)) as group:
-        got = group.generate(_bundle(3), progress=lambda done, total: None)
-        again = group.generate(_bundle(3))
+        got = group.generate(keyframe_bundle(3), progress=lambda done, total: None)
+        again = group.generate(keyframe_bundle(3))
     assert_bitwise(got.video_latents, again.video_latents, "repeatable")
     if strategy == "sequence-head":  # per-row and per-head math is the single GPU's: the same bits
         assert_bitwise(got.video_latents, expected.video_latents, "sequence-head vs one GPU")
@@ -181,7 +181,7 @@ def test_fault_on_rank_one_ends_within_seconds(gpu_compiled, monkeypatch):
     monkeypatch.setattr(P.SequenceHeadAttention, "__call__", faulty)
     start = time.perf_counter()
     with pytest.raises(P.RankFailure, match="injected fault on rank 1"):
-        session.generate(_bundle(2))
+        session.generate(keyframe_bundle(2))
     elapsed = time.perf_counter() - start
     assert elapsed < 20, f"took {elapsed:.1f} s"
     assert not [t for t in threading.enumerate() if t.name.startswith("vflash-rank")]

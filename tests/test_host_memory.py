@@ -14,8 +14,8 @@ from concurrent import futures
 import pytest
 import torch
 from conftest import TINY, assert_bitwise, compile_tiny
-from test_memory_plan import FULL, LARGEST, PROFILE, REQUEST, _choice
-from test_schedule_layout_bundle import _bundle
+from memory_sizes import FULL, LARGEST, PROFILE, REQUEST, placement_choice
+from bundles import keyframe_bundle
 
 from vflash_core import NativeEngineSession
 from vflash_core import memory_plan as MP
@@ -74,7 +74,7 @@ def _plan(sizes: MP.PartSizes, device_gib: float, host_gib: float | None, device
 ])
 def test_plan_under_a_host_budget(sizes, device_gib, host_gib, expected):
     plan = _plan(sizes, device_gib, host_gib)
-    assert _choice(plan) == expected
+    assert placement_choice(plan) == expected
     if host_gib is not None:
         assert plan.host_bytes() + MP.HOST_MARGIN_BYTES <= host_gib * GIB
 
@@ -184,7 +184,7 @@ def test_block_files_hold_a_few_blocks_and_read_ahead_in_pass_order(five_compile
 
 def test_disk_ring_equals_resident_and_reuses_its_buffers(five_compiled):
     with NativeEngineSession(PROFILE, CompiledPaths(**five_compiled)) as resident:
-        expected = resident.generate(_bundle(6))
+        expected = resident.generate(keyframe_bundle(6))
     with NativeEngineSession(PROFILE, CompiledPaths(**five_compiled), EngineOptions(weight_residency="disk-ring")) as session:
         ring = session._denoisers[0].blocks
         files = ring.source
@@ -195,7 +195,7 @@ def test_disk_ring_equals_resident_and_reuses_its_buffers(five_compiled):
         gc.collect()
         live_before = len(gc.get_objects())
         for _ in range(10):
-            got = session.generate(_bundle(6))
+            got = session.generate(keyframe_bundle(6))
         futures.wait([read for _, _, read in files._reads])
         gc.collect()
         assert len(gc.get_objects()) - live_before < 200, "objects accumulate across requests"
@@ -213,7 +213,7 @@ def test_disk_ring_equals_resident_and_reuses_its_buffers(five_compiled):
 
 def test_a_request_stopped_mid_pass_leaves_the_disk_ring_exact(five_compiled):
     with NativeEngineSession(PROFILE, CompiledPaths(**five_compiled)) as resident:
-        expected = resident.generate(_bundle(6))
+        expected = resident.generate(keyframe_bundle(6))
     with NativeEngineSession(PROFILE, CompiledPaths(**five_compiled), EngineOptions(weight_residency="disk-ring")) as session:
         calls = []
 
@@ -223,8 +223,8 @@ def test_a_request_stopped_mid_pass_leaves_the_disk_ring_exact(five_compiled):
                 raise KeyboardInterrupt
 
         with pytest.raises(KeyboardInterrupt):
-            session.generate(_bundle(6), between_blocks=stop_in_the_second_evaluation)
-        got = session.generate(_bundle(6))
+            session.generate(keyframe_bundle(6), between_blocks=stop_in_the_second_evaluation)
+        got = session.generate(keyframe_bundle(6))
     assert_bitwise(got.video_latents, expected.video_latents, "disk-ring after a stopped request")
 
 
@@ -235,12 +235,12 @@ def test_a_block_file_changed_during_the_session_is_refused(tiny_compiled, tmp_p
         (shutil.copytree if path.is_dir() else shutil.copy2)(path, target)
         copies[key] = target
     with NativeEngineSession(PROFILE, CompiledPaths(**copies), EngineOptions(weight_residency="disk-ring")) as session:
-        session.generate(_bundle(6))
+        session.generate(keyframe_bundle(6))
         block = CompiledArtifact(**copies).block_file(1)
         stat = block.stat()
         os.utime(block, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
         with pytest.raises(WeightFileError, match=f"{block}: changed on disk (since it was indexed|while it was read)"):
-            session.generate(_bundle(6))
+            session.generate(keyframe_bundle(6))
 
 
 def test_session_plans_the_disk_ring_under_a_host_budget(five_compiled, no_margin):
@@ -268,13 +268,13 @@ def test_session_plans_the_disk_ring_under_a_host_budget(five_compiled, no_margi
 
 
 def test_encoder_layers_stream_from_their_files_bit_for_bit(h3_family):
-    from test_encoder_stream import _encodings
+    from encoder_inputs import encodings
 
     from vflash_core.media.conditioning import TextConditioner
 
     # The files hold bf16; read in fp32 (the CPU default) the layers cannot stream from them as loaded.
     assert TextConditioner.from_pretrained(h3_family, "cpu").decoder_layer_files() is None
-    resident = _encodings(TextConditioner.from_pretrained(h3_family, "cpu", dtype=torch.bfloat16))
+    resident = encodings(TextConditioner.from_pretrained(h3_family, "cpu", dtype=torch.bfloat16))
     conditioner = TextConditioner.from_pretrained(h3_family, "cpu", dtype=torch.bfloat16)
     sizes = conditioner.part_sizes()
     assert sizes.encoder_layers_on_disk == sizes.encoder_layers > 0
@@ -284,7 +284,7 @@ def test_encoder_layers_stream_from_their_files_bit_for_bit(h3_family):
     assert isinstance(files, R.StagedFiles) and len(files.staging) == min(MP.DISK_RING_BLOCKS, len(layers))
     assert all(p.is_meta for layer in layers for p in layer.parameters())  # no weights held between encodes
     for _ in range(2):
-        for got, expected in zip(_encodings(conditioner), resident):
+        for got, expected in zip(encodings(conditioner), resident):
             assert_bitwise(got, expected, "encoder layers from their files vs resident")
     assert all(p.is_meta for layer in layers for p in layer.parameters())
     assert len(files.read_seconds) >= 4 * len(layers)  # every layer read again for each of the 4 encodes
@@ -405,10 +405,10 @@ def test_disk_ring_equals_resident_on_gpu(five_gpu_compiled):
         return int(next(v for k, v in stats.items() if k in ("allocated_bytes.current", "allocated_bytes.all.current")))
 
     with NativeEngineSession(GPU_PROFILE, CompiledPaths(**five_gpu_compiled), EngineOptions(device="cuda:0", weight_residency="resident")) as resident:
-        expected = resident.generate(_bundle(2))
+        expected = resident.generate(keyframe_bundle(2))
     before = pinned()
     with NativeEngineSession(GPU_PROFILE, CompiledPaths(**five_gpu_compiled), EngineOptions(device="cuda:0", weight_residency="disk-ring")) as session:
-        first = session.generate(_bundle(2), profile_denoise=True)
+        first = session.generate(keyframe_bundle(2), profile_denoise=True)
 
         class Interrupt(BaseException):
             pass
@@ -417,8 +417,8 @@ def test_disk_ring_equals_resident_on_gpu(five_gpu_compiled):
             raise Interrupt()
 
         with pytest.raises(Interrupt):
-            session.generate(_bundle(2), progress=stop)
-        results = [session.generate(_bundle(2)) for _ in range(3)]
+            session.generate(keyframe_bundle(2), progress=stop)
+        results = [session.generate(keyframe_bundle(2)) for _ in range(3)]
         staging = first.metadata["memory"]["pinned_host_bytes"]
         assert staging == MP.DISK_RING_BLOCKS * session._host_blocks[0].item_bytes
         assert pinned() - before >= staging, "the staging buffers are not page-locked"

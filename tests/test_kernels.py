@@ -1,12 +1,10 @@
 """Parity of the Triton kernels in `vflash_kernels` with their PyTorch references (the model's BF16 rounding contract).
 
-CPU tests run the kernels in Triton's interpreter. `triton.jit` reads TRITON_INTERPRET when it *decorates* a function
-(triton 3.9: `knobs.runtime.interpret` in `triton.jit`), so the `interp` fixture imports the kernels folder a second
-time, as the private package `_vflash_kernels_interpreted`, with the variable set only during that import. The real
-`vflash_kernels` (and every other test module in this pytest process) is untouched, in whichever order things import.
-One consequence for kernel code: triton's own `@jit` library functions (`tl.sum`, `tl.max`, `tl.sigmoid`, ...) were
-decorated for the GPU when triton was imported, and the interpreted copy cannot call them; the kernels use builtins
-(`tl.reduce` with their own combine function, `tl.exp`, ...) instead.
+CPU tests run the kernels in Triton's interpreter, through `kernel_harness.interp`: a private copy of the package
+decorated for it (`tests/kernel_harness.py` says how). One consequence for kernel code: triton's own `@jit` library
+functions (`tl.sum`, `tl.max`, `tl.sigmoid`, ...) were decorated for the GPU when triton was imported, and the
+interpreted copy cannot call them; the kernels use builtins (`tl.reduce` with their own combine function, `tl.exp`,
+...) instead.
 
 What the interpreter covers, and what it cannot:
 * bf16 is checked **bit for bit**. The interpreter casts fp32 -> bf16 by truncation, not round-to-nearest-even (and
@@ -27,14 +25,7 @@ compared with `F.rms_norm` + rope and only *reported*: it decides whether the in
 
 from __future__ import annotations
 
-import gc
-import importlib
-import importlib.util
-import os
 import sys
-import zlib
-from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -42,147 +33,35 @@ import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
+from kernel_harness import (  # noqa: E402
+    DTYPES,
+    FFN,
+    HEAD_DIM,
+    HEADS,
+    H_FULL,
+    INTERPRETED_PACKAGE,
+    ROTARY,
+    S_CPU,
+    S_GPU,
+    S_SMALL_TILE,
+    TILES,
+    adaln_table,
+    assert_all_written,
+    assert_bitwise,
+    compiled_kernels,
+    configure,
+    generator,
+    interpreter_rows,
+    modulate_reference,
+    packed_qkv,
+    poisoned,
+    randn,
+    strided,
+    ulp_distance,
+)
 from kernel_references import gate_blocks, rms_norm_warp_order_reference, shift_scale_blocks  # noqa: E402
 
 from vflash_core.engine import model as reference  # noqa: E402  (the torch reference of every kernel op)
-
-
-def modulate_reference(normed, table, row_index, which="msa", out_dtype=None):
-    """`vflash_core.engine.model.modulate`, cast to a kernel's `out_dtype` (the output heads take it in fp32)."""
-    y = reference.modulate(normed, table, row_index, which)
-    return y if out_dtype is None else y.to(out_dtype)
-
-_MODULES = ("_launch", "modulate", "gated_residual", "rope", "swiglu", "relayout")
-_INTERPRETED = "_vflash_kernels_interpreted"
-_FOLDER = Path(__file__).resolve().parent.parent / "kernels"
-
-
-def _import_folder(name: str, folder: Path) -> SimpleNamespace:
-    spec = importlib.util.spec_from_file_location(name, folder / "__init__.py", submodule_search_locations=[str(folder)])
-    package = importlib.util.module_from_spec(spec)
-    sys.modules[name] = package
-    spec.loader.exec_module(package)
-    return SimpleNamespace(**{m: importlib.import_module(f"{name}.{m}") for m in _MODULES})
-
-
-def _compiled_kernels() -> SimpleNamespace:
-    """The real package: `vflash_kernels` if installed, else the repository's `kernels/` registered under that name."""
-    try:
-        importlib.import_module("vflash_kernels")
-    except ModuleNotFoundError:
-        return _import_folder("vflash_kernels", _FOLDER)
-    return SimpleNamespace(**{m: importlib.import_module(f"vflash_kernels.{m}") for m in _MODULES})
-
-
-@pytest.fixture(scope="module")
-def interp():
-    """The kernels decorated for Triton's interpreter, as a private copy of the package (see the module docstring)."""
-    saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        kernels = _import_folder(_INTERPRETED, _FOLDER)
-    finally:
-        if saved is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
-    assert kernels._launch.INTERPRET, "the private copy was not decorated for the interpreter"
-    yield kernels
-    for key in [k for k in sys.modules if k == _INTERPRETED or k.startswith(_INTERPRETED + ".")]:
-        del sys.modules[key]
-
-
-# -- helpers -------------------------------------------------------------------------------------------------------
-
-
-def assert_bitwise(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
-    """atol = rtol = 0, NaNs equal only to NaNs; on failure: count, max abs diff, max ulp (bf16/fp32), first index."""
-    assert actual.shape == expected.shape and actual.dtype == expected.dtype, f"{what}: {actual.shape}/{actual.dtype} vs {expected.shape}/{expected.dtype}"
-    same = (actual == expected) | (actual.isnan() & expected.isnan())
-    if bool(same.all()):
-        return
-    bad = ~same
-    diff = (actual.double() - expected.double()).abs()
-    first = tuple(int(i) for i in bad.nonzero()[0])
-    raise AssertionError(
-        f"{what}: {int(bad.sum())}/{same.numel()} elements differ, max abs diff {diff[bad].max().item():.3e}, "
-        f"max {ulp_distance(actual, expected).max().item()} ulp, first at {first}: {actual[first].item()!r} vs {expected[first].item()!r}"
-    )
-
-
-def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """|a - b| in units in the last place of the dtype (bf16/fp16 via their 16-bit patterns, fp32 via 32-bit); for
-    integer tensors (FP8 codes compared as bytes) the plain difference."""
-    if not a.dtype.is_floating_point:
-        return (a.long() - b.long()).abs()
-    bits = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}[a.dtype]
-
-    def ordered(t):
-        i = t.contiguous().view(bits).long()
-        sign = 1 << (16 if bits == torch.int16 else 32) - 1
-        return torch.where(i < 0, -(i + sign), i)  # monotone integer line through -0 / +0
-
-    return (ordered(a) - ordered(b)).abs()
-
-
-def assert_all_written(out: torch.Tensor, what: str) -> None:
-    """Outputs are poisoned with NaN before each run and inputs are finite: no NaN may survive."""
-    missed = out.isnan()
-    assert not bool(missed.any()), f"{what}: {int(missed.sum())} elements not written, first at {tuple(int(i) for i in missed.nonzero()[0])}"
-
-
-def poisoned(shape, dtype, device="cpu") -> torch.Tensor:
-    return torch.full(shape, float("nan"), dtype=dtype, device=device)
-
-
-def generator(request, device="cpu") -> torch.Generator:
-    """A fresh generator per test case, seeded from its id (reproducible, different for every case)."""
-    return torch.Generator(device=device).manual_seed(zlib.crc32(request.node.nodeid.encode()))
-
-
-def randn(shape, dtype, g, scale=1.0, device="cpu") -> torch.Tensor:
-    return (torch.randn(shape, generator=g, device=device) * scale).to(dtype)
-
-
-def strided(shape, dtype, g, pad=8, scale=1.0, device="cpu") -> torch.Tensor:
-    """A random (rows, cols) tensor that is a non-contiguous view: each row padded by `pad` trailing elements."""
-    rows, cols = shape
-    return randn((rows, cols + pad), dtype, g, scale, device)[:, :cols]
-
-
-def small_tile(kernels):
-    """A tile heuristic replacement that forces many programs and partial blocks along every axis."""
-
-    def tile(n_rows, n_groups, group_size=1, target_elements=None):
-        return kernels._launch.Tile(block_rows=4, block_groups=16 if group_size == 1 else 2, num_warps=1)
-
-    return tile
-
-
-TILES = ["heuristic", "small"]
-DTYPES = [torch.bfloat16, torch.float32]
-S_CPU = 37
-#: The interpreter's width for the row-norm kernels (`rms_norm_modulate` and its FP8 quantizing twin), which read a
-#: row in chunks of 512 channels whatever the width: 2.5 chunks, as the released H = 5376 is 10.5 (whole chunks summed
-#: in turn, then a half-full masked one), for a quarter of the interpreted work. The GPU tests run H_FULL.
-H_INTERPRETED = 1280
-
-
-#: Rows of the interpreter cases with the small tile setting (`test_kernels.small_tile`: 4-row blocks): two row
-#: programs, the last with 3 of its 4 rows (S_CPU = 37 gave ten programs, the same paths at five times the work).
-#: The heuristic settings keep S_CPU rows.
-S_SMALL_TILE = 7
-
-
-def interpreter_rows(tile: str) -> int:
-    return S_SMALL_TILE if tile == "small" else S_CPU
-
-
-def configure(kernels, monkeypatch, tile: str, index_64: bool = False) -> None:
-    if tile == "small":
-        monkeypatch.setattr(kernels._launch, "elementwise_tile", small_tile(kernels))
-    if index_64:
-        monkeypatch.setattr(kernels._launch, "needs_int64", lambda *views: True)
 
 
 # -- CPU: host-side logic (no kernels run) -------------------------------------------------------------------------
@@ -190,7 +69,7 @@ def configure(kernels, monkeypatch, tile: str, index_64: bool = False) -> None:
 
 def test_index_width_rule_on_fake_shapes():
     """The 32/64-bit choice from shapes and strides only (nothing allocated), at the model's real sizes."""
-    launch = _compiled_kernels()._launch
+    launch = compiled_kernels()._launch
     span, needs = launch.addressed_span, launch.needs_int64
     H, I, F_ = 5376, 7168, 14336
     assert span((0, 5), (5, 1)) == 0 and span((1,), (7,)) == 0
@@ -214,7 +93,7 @@ def test_index_width_rule_on_fake_shapes():
 
 
 def test_elementwise_tiles_fit_the_released_widths_and_stay_powers_of_two():
-    launch = _compiled_kernels()._launch
+    launch = compiled_kernels()._launch
     tile = launch.elementwise_tile
     assert tile(19_796, 5376) == launch.Tile(16, 256, 8)  # H = 21 * 256: no masked lanes
     assert tile(19_796, 14336) == launch.Tile(2, 2048, 8)  # F = 7 * 2048
@@ -229,7 +108,7 @@ def test_elementwise_tiles_fit_the_released_widths_and_stay_powers_of_two():
 
 
 def test_cpu_tensors_need_the_interpreter():
-    kernels = _compiled_kernels()
+    kernels = compiled_kernels()
     if kernels._launch.INTERPRET:
         pytest.skip("TRITON_INTERPRET is set for the whole process")
     x = torch.zeros(3, 8, dtype=torch.bfloat16)
@@ -321,12 +200,6 @@ def test_swiglu_interpreter_many_bf16_values(interp, request):
     assert_bitwise(interp.swiglu.swiglu(p), reference.swiglu(p), "swiglu over bf16 gates")
 
 
-def _qkv(S, heads, D, dtype, g, pad=8):
-    """(1, S, 3I) packed QKV rows with a row stride of 3I + pad (a view), and q, k, v views of it."""
-    inner = heads * D
-    qkv = strided((S, 3 * inner), dtype, g, pad=pad)[None]
-    q, k, v = (part.unflatten(-1, (heads, D)) for part in qkv.split(inner, dim=-1))
-    return qkv, q, k, v
 
 
 def _angles(S, R, dtype, g, layout):
@@ -346,7 +219,7 @@ def test_rope_interpreter(interp, monkeypatch, request, heads, D, R, layout, dty
     configure(interp, monkeypatch, tile)
     rows = interpreter_rows(tile)
     g = generator(request)
-    _, q, k, _ = _qkv(rows, heads, D, dtype, g)  # q and k read through the packed row stride
+    _, q, k, _ = packed_qkv(rows, heads, D, dtype, g)  # q and k read through the packed row stride
     cos, sin = _angles(rows, R, dtype, g, layout)
     out = poisoned((2, rows, heads, D), dtype)
     q_out, k_out = interp.rope.rope(q, k, cos, sin, out=out)
@@ -369,7 +242,7 @@ def test_qk_norm_rope_interpreter(interp, monkeypatch, request, heads, D, R, cop
     rows = interpreter_rows(tile)
     g = generator(request)
     dtype = torch.bfloat16
-    qkv, q, k, v = _qkv(rows, heads, D, dtype, g)
+    qkv, q, k, v = packed_qkv(rows, heads, D, dtype, g)
     wq, wk = randn((D,), dtype, g, 0.2) + 1, randn((D,), dtype, g, 0.2) + 1
     cos, sin = _angles(rows, R, dtype, g, "model")
     eps = 1e-5
@@ -393,7 +266,7 @@ def test_qk_norm_rope_interpreter(interp, monkeypatch, request, heads, D, R, cop
 
 def test_qk_norm_rope_interpreter_fp32(interp, request):
     g = generator(request)
-    qkv, q, k, _ = _qkv(S_CPU, 2, 16, torch.float32, g)
+    qkv, q, k, _ = packed_qkv(S_CPU, 2, 16, torch.float32, g)
     wq, wk = randn((16,), torch.float32, g, 0.2) + 1, randn((16,), torch.float32, g, 0.2) + 1
     cos, sin = _angles(S_CPU, 12, torch.float32, g, "model")
     got = interp.rope.qk_norm_rope(qkv, wq, wk, 1e-5, cos, sin, head_dim=16)
@@ -414,7 +287,7 @@ def test_int64_variant_interpreter(interp, monkeypatch, request):
     assert_bitwise(interp.gated_residual.gated_residual(x, y, table, idx, **gate_blocks("msa")), reference.gated_residual(x, y, table, idx), "gate int64")
     p = strided((S, 96), dtype, g, scale=3.0)
     assert_bitwise(interp.swiglu.swiglu(p), reference.swiglu(p), "swiglu int64")
-    qkv, q, k, _ = _qkv(S, 3, 16, dtype, g)
+    qkv, q, k, _ = packed_qkv(S, 3, 16, dtype, g)
     cos, sin = _angles(S, 12, dtype, g, "strided")
     for got, ref in zip(interp.rope.rope(q, k, cos, sin), reference.rope(q, k, cos, sin)):
         assert_bitwise(got, ref, "rope int64")
@@ -441,7 +314,7 @@ def test_rne_emulation_matches_torch(interp, monkeypatch):
     inf, subnormals, signed zeros, NaN; on 20,000 random bit patterns and the special cases."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    monkeypatch.setitem(globals(), "_device_interpreted", sys.modules[_INTERPRETED + "._device"])
+    monkeypatch.setitem(globals(), "_device_interpreted", sys.modules[INTERPRETED_PACKAGE + "._device"])
     special = [1.0 + 2**-8, 1.0 + 3 * 2**-8, 1.0 + 2**-8 + 2**-20, -(1.0 + 2**-8), 255.99, 3.3895e38, 3.39e38, -3.3895e38,
                float("inf"), float("-inf"), float("nan"), 1e-40, -1e-40, 2**-133, -0.0, 0.0, 1.00390625, 65535.0]
     bits = torch.randint(-(2**31), 2**31, (20_000,), generator=torch.Generator().manual_seed(3), dtype=torch.int64)
@@ -454,32 +327,12 @@ def test_rne_emulation_matches_torch(interp, monkeypatch):
 
 # -- GPU: full width, bit for bit against torch on CUDA ------------------------------------------------------------
 
-H_FULL, HEADS, HEAD_DIM, ROTARY, FFN = 5376, 56, 128, 96, 14336
-S_GPU = [19_796, 38_222]
-
-
-@pytest.fixture
-def gpu():
-    """The compiled kernels on cuda:0; frees every tensor of the case afterwards (big cases use tens of GiB)."""
-    kernels = _compiled_kernels()
-    assert not kernels._launch.INTERPRET, "TRITON_INTERPRET is set: GPU tests need compiled kernels"
-    torch.cuda.empty_cache()
-    yield kernels
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-
-
-def _table(T, dtype, g, device="cuda"):
-    """A (3T, 6H) AdaLN table as the model builds it: the (T, 18H) GEMM output viewed as (3T, 6H)."""
-    return randn((T, 18 * H_FULL), dtype, g, 0.5, device).view(3 * T, 6 * H_FULL)
-
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("S", S_GPU)
 def test_modulate_gpu(gpu, request, S):
     g = generator(request, "cuda")
-    table = _table(2, torch.bfloat16, g)
+    table = adaln_table(2, torch.bfloat16, g)
     idx = torch.randint(0, 6, (S,), generator=g, device="cuda")
     normed = randn((1, S, H_FULL), torch.bfloat16, g, device="cuda")
     for which in ("msa", "mlp"):
@@ -499,7 +352,7 @@ def test_modulate_gpu(gpu, request, S):
 @pytest.mark.parametrize("S", S_GPU)
 def test_gated_residual_gpu(gpu, request, S):
     g = generator(request, "cuda")
-    table = _table(2, torch.bfloat16, g)
+    table = adaln_table(2, torch.bfloat16, g)
     idx = torch.randint(0, 6, (S,), generator=g, device="cuda")
     x = randn((1, S, H_FULL), torch.bfloat16, g, 4.0, "cuda")
     y = randn((1, S, H_FULL), torch.bfloat16, g, device="cuda")
@@ -568,7 +421,7 @@ def test_forced_int64_gpu(gpu, monkeypatch, request):
     monkeypatch.setattr(gpu._launch, "needs_int64", lambda *views: True)
     g = generator(request, "cuda")
     S = 4099
-    table = _table(2, torch.bfloat16, g)
+    table = adaln_table(2, torch.bfloat16, g)
     idx = torch.randint(0, 6, (S,), generator=g, device="cuda")
     x, y = randn((1, S, H_FULL), torch.bfloat16, g, device="cuda"), randn((1, S, H_FULL), torch.bfloat16, g, device="cuda")
     assert_bitwise(gpu.modulate.modulate(x, table, idx, **shift_scale_blocks("msa")), modulate_reference(x, table, idx, "msa"), "modulate")
@@ -620,7 +473,7 @@ def test_modulate_and_gate_gpu_beyond_int32(gpu, request):
     """(400,000, 5,376) residual rows: 2.15e9 elements, the INDEX_64 variants of modulate and the gated residual."""
     S = 400_000
     g = generator(request, "cuda")
-    table = _table(2, torch.bfloat16, g)
+    table = adaln_table(2, torch.bfloat16, g)
     idx = torch.randint(0, 6, (S,), generator=g, device="cuda")
     x = randn((S, H_FULL), torch.bfloat16, g, device="cuda")
     assert gpu._launch.needs_int64(x)
@@ -645,7 +498,7 @@ def test_special_values_gpu(gpu, request):
         flat[pos] = specials[torch.randint(0, specials.numel(), pos.shape, generator=g, device="cuda")].to(t.dtype)
         return t
 
-    table = sprinkle(_table(2, torch.bfloat16, g))
+    table = sprinkle(adaln_table(2, torch.bfloat16, g))
     idx = torch.randint(0, 6, (S,), generator=g, device="cuda")
     x, y = sprinkle(randn((1, S, H_FULL), torch.bfloat16, g, device="cuda")), sprinkle(randn((1, S, H_FULL), torch.bfloat16, g, device="cuda"))
     assert_bitwise(gpu.modulate.modulate(x, table, idx, **shift_scale_blocks("msa")), modulate_reference(x, table, idx, "msa"), "modulate")

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from test_kernels import _FOLDER, _import_folder
+from kernel_harness import KERNELS_FOLDER, import_folder
 
 _PRIVATE = "_vflash_kernels_aot"
 # What the engine launches: one per distinct (kernel, specialisation) at H3's shapes.
@@ -28,7 +28,7 @@ def aot(tmp_path_factory):
     saved = pytest.MonkeyPatch()
     saved.setenv("TRITON_CACHE_DIR", str(tmp_path_factory.mktemp("triton_cache")))
     saved.delenv("TRITON_INTERPRET", raising=False)
-    _import_folder(_PRIVATE, _FOLDER)
+    import_folder(_PRIVATE, KERNELS_FOLDER)
     yield importlib.import_module(f"{_PRIVATE}.aot")
     saved.undo()
     for key in [k for k in list(sys.modules) if k == _PRIVATE or k.startswith(_PRIVATE + ".")]:

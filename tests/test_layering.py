@@ -12,6 +12,7 @@ re-exports names from every layer, so it sits above all of them and nothing insi
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -225,3 +226,32 @@ def test_the_checks_find_what_they_look_for():
 def test_architecture_doc_states_the_layer_order():
     text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
     assert LAYER_ORDER in text and PACKAGE_ORDER in text
+
+
+# -- the test suite: test modules share code through helper modules, never through each other ------------------------
+
+TESTS = ROOT / "tests"
+_TEST_MODULE_IMPORT = re.compile(r"^\s*(?:from\s+(test_\w+)\s+import|import\s+(test_\w+))", re.MULTILINE)
+
+
+def _test_module_imports(source: str) -> list[str]:
+    """The test modules `source` imports, in its own code or in the code it hands a child interpreter as a string."""
+    return [from_name or plain for from_name, plain in _TEST_MODULE_IMPORT.findall(source)]
+
+
+def test_no_test_module_imports_another():
+    """What test files share lives in helper modules (`tests/kernel_harness.py`, `tests/service_helpers.py`, ...) and
+    conftest.py; a test module imported by another runs its module code twice and drags its imports along."""
+    found = [
+        f"{path.relative_to(ROOT)}: imports {name}"
+        for path in sorted(TESTS.glob("*.py"))
+        if path.name != Path(__file__).name
+        for name in _test_module_imports(path.read_text(encoding="utf-8"))
+    ]
+    assert not found, "\n".join(found)
+
+
+def test_the_test_module_check_finds_what_it_looks_for():
+    child = 'CHILD = """\nimport sys\nfrom test_kernels import randn\n"""\n'
+    source = "import test_service\nfrom kernel_harness import randn\n    from test_nodes import run  # in a function\n"
+    assert _test_module_imports(source + child) == ["test_service", "test_nodes", "test_kernels"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import assert_bitwise
-from test_schedule_layout_bundle import _bundle
+from bundles import keyframe_bundle
 
 from vflash_core.engine.artifact import CompiledArtifact
 from vflash_core.engine.denoise import Denoiser
@@ -30,7 +30,7 @@ PROFILE = "t2va-base4-exact-cpu"
 @pytest.fixture(scope="module")
 def expected(tiny_compiled):
     with NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled)) as session:
-        return session.generate(_bundle(6))
+        return session.generate(keyframe_bundle(6))
 
 
 def read_blocks(artifact: CompiledArtifact, device: torch.device) -> list[LayerWeights]:
@@ -48,12 +48,12 @@ def test_block_loader_supplies_the_resident_stack(tiny_compiled, expected):
         return read_blocks(artifact, device)
 
     with NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled), hooks=SessionHooks(block_loader=loader)) as session:
-        got = session.generate(_bundle(6))
+        got = session.generate(keyframe_bundle(6))
         assert session.weight_residency == "resident"
     assert calls == [(CompiledArtifact(**tiny_compiled).compile_id, torch.device("cpu"))]
     assert_bitwise(got.video_latents, expected.video_latents, "block_loader")
     with NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled), EngineOptions(peer_device="cpu", strategy="sequence-head"), hooks=SessionHooks(block_loader=loader)) as group:
-        assert_bitwise(group.generate(_bundle(6)).video_latents, expected.video_latents, "block_loader, sequence-head")
+        assert_bitwise(group.generate(keyframe_bundle(6)).video_latents, expected.video_latents, "block_loader, sequence-head")
 
 
 def test_block_loader_results_are_checked(tiny_compiled):
@@ -115,7 +115,7 @@ def test_native_denoiser_loader_builds_the_denoiser(tiny_compiled, expected):
         return Denoiser(artifact, ResidentBlocks(artifact, load.device, load.on_block), load.device, load.ops)
 
     with NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled), hooks=SessionHooks(native_denoiser_loader=loader, on_load_progress=lambda done, total: progress.append((done, total)))) as session:
-        got = session.generate(_bundle(6))
+        got = session.generate(keyframe_bundle(6))
     (load,) = handed
     assert load.device == torch.device("cpu") and type(load.ops).__name__ == "BlockOps"
     assert progress == [(1, 2), (2, 2)]
@@ -145,7 +145,7 @@ def test_a_failing_loader_releases_the_session_and_raises_its_own_error(tiny_com
     with pytest.raises(Broken, match="disk unplugged"):  # rank 0 loaded, rank 1's loader fails
         NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled), EngineOptions(peer_device="cpu", strategy="sequence-head"), hooks=SessionHooks(block_loader=block_loader))
     with NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled)) as session:  # nothing held on to: a new session works
-        assert_bitwise(session.generate(_bundle(6)).video_latents, expected.video_latents, "after a failed load")
+        assert_bitwise(session.generate(keyframe_bundle(6)).video_latents, expected.video_latents, "after a failed load")
 
 
 # -- the pipeline ------------------------------------------------------------------------------------------------------

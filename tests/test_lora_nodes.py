@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from test_nodes import API, output_dir, pack, run  # noqa: F401 (pack: the fixture)
+from headless_nodes import API, output_dir, run
 from vflash_nodes.workflow import WorkflowError, headless_node_types, load_api_workflow, plan
 
 from vflash_core.engine.config import H3Config
@@ -35,7 +35,7 @@ def block_lora(config: H3Config, seed: int, rank: int | None, down: str = "lora_
 
 
 @pytest.fixture(scope="module")
-def demo_root(pack, demo_receipt):  # noqa: F811 (the imported fixture)
+def demo_root(pack, demo_receipt):
     """The demo family's model root as an official-weights option (diffusers/demo-root), compiled on first use."""
     import importlib
 
@@ -51,7 +51,7 @@ def demo_root(pack, demo_receipt):  # noqa: F811 (the imported fixture)
     return models
 
 
-def test_three_lora_chain_compiles_once_per_stack_and_makes_an_mp4(pack, demo_root):  # noqa: F811
+def test_three_lora_chain_compiles_once_per_stack_and_makes_an_mp4(pack, demo_root):
     from vflash_core.engine.artifact import CompiledArtifact
     from mp4_probe import probe_mp4
 
@@ -75,7 +75,7 @@ def test_three_lora_chain_compiles_once_per_stack_and_makes_an_mp4(pack, demo_ro
         ("turbo_like.safetensors", 1.0), ("style.safetensors", 0.6), ("delta.safetensors", 0.8)]
 
 
-def test_core_lora_loader_feeding_a_vflash_node_is_refused_in_one_line(pack, demo_root):  # noqa: F811
+def test_core_lora_loader_feeding_a_vflash_node_is_refused_in_one_line(pack, demo_root):
     from vflash_nodes.graph_checks import core_lora_refusals
 
     prompt = {

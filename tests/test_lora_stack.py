@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import TINY, assert_bitwise, compile_tiny, cpu_profile, diffusers_transformer
 from safetensors.torch import load_file, save_file
-from test_lora import ORIGINAL_MODULES, original_lora
+from lora_files import ORIGINAL_MODULES, assert_same_factors_as_peft, original_lora, peft_loaded
 
 from vflash_core import Geometry, build_keyframe_bundle
 from vflash_core.engine.artifact import CompiledArtifact
@@ -360,7 +360,6 @@ def test_compile_tiny_helper_still_takes_one_adapter(tmp_path, tiny_transformer,
 def test_diffusers_files_with_lora_b_bias_match_peft(stack_files, tiny_transformer):
     """A diffusers/peft file whose modules carry `lora_B.bias` (how diffusers holds a `diff_b`): the same factors,
     bias and scale as peft loads, on the AdaLN projections and two auxiliary linears."""
-    from test_lora import assert_same_factors_as_peft, peft_loaded
 
     biased = stack_files[3][1]
     adapter = load_adapter(biased, TINY)

@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 from conftest import assert_bitwise
-from test_schedule_layout_bundle import _bundle
+from bundles import keyframe_bundle
+from memory_sizes import FULL, LARGEST, PROFILE, REQUEST, placement_choice
 
 from vflash_core import NativeEngineSession
 from vflash_core import memory_plan as MP
@@ -22,30 +23,17 @@ from vflash_core.errors import RequestError, RunFailedError, VflashError
 from vflash_core.fileio import GIB
 from vflash_core.media.conditioning import encode_bytes
 from vflash_core.media.vae import decode_bytes
-from vflash_core.pipeline.h3_pipeline import H3Pipeline, VideoRequest
+from vflash_core.pipeline.h3_pipeline import H3Pipeline
 from vflash_core.pipeline.options import RunOptions
 from vflash_core.profiles import get_profile
 from vflash_core.engine.artifact import CompiledPaths
 from vflash_core.engine.engine_options import EngineOptions
 
 CUDA = [torch.device("cuda:0")]
-# The released sizes: 50 blocks of 0.72 GiB, the text encoder with layers 0..49 (51.5 GB), both VAEs.
-FULL = MP.PartSizes(
-    core_blocks=50 * 770_725_376, core_block=770_725_376, core_auxiliary=int(1.5 * GIB),
-    encoder=51_500_000_000, encoder_layers=48_800_000_000, encoder_layer=976_000_000, vaes=6_170_000_000,
-)
-LARGEST = {"encode": int(0.5 * GIB), "denoise": int(5.5 * GIB), "decode.diffusers": int(6.3 * GIB), "decode.native": int(3.2 * GIB)}
-PROFILE = "t2va-base4-exact-cpu"
-REQUEST = VideoRequest("A train crosses a snowy bridge, whistle echoing.", seed=4, width=96, height=64)
 
 
 def _plan(budget_gib: float, **choices) -> MP.MemoryPlan:
     return MP.plan_memory(FULL, LARGEST, CUDA, budget=int(budget_gib * GIB), **choices)
-
-
-def _choice(plan: MP.MemoryPlan) -> tuple:
-    p = plan.placement
-    return p.core, p.encoder, p.vaes, p.video_decoder, plan.fits_largest
 
 
 @pytest.mark.parametrize("budget, expected", [
@@ -56,7 +44,7 @@ def _choice(plan: MP.MemoryPlan) -> tuple:
     (12, ("block-ring", "stream", "offload", "native", False)),  # the most frugal; requests are checked one by one
 ])
 def test_plan_prefers_speed_then_frugality(budget, expected):
-    assert _choice(_plan(budget)) == expected
+    assert placement_choice(_plan(budget)) == expected
 
 
 def test_the_native_decode_comes_first_and_diffusers_where_only_its_decode_fits():
@@ -87,9 +75,9 @@ def test_plan_logs_one_line_with_sizes_and_choices(caplog):
 
 
 def test_explicit_choices_are_kept_and_refused_with_the_numbers():
-    assert _choice(_plan(139, weight_residency="block-ring"))[0] == "block-ring"
-    assert _choice(_plan(139, encoder_residency="resident")) == ("resident", "resident", "resident", "native", True)
-    assert _choice(_plan(80, encoder_residency="resident")) == ("block-ring", "resident", "resident", "native", True)
+    assert placement_choice(_plan(139, weight_residency="block-ring"))[0] == "block-ring"
+    assert placement_choice(_plan(139, encoder_residency="resident")) == ("resident", "resident", "resident", "native", True)
+    assert placement_choice(_plan(80, encoder_residency="resident")) == ("block-ring", "resident", "resident", "native", True)
     with pytest.raises(RunFailedError) as info:
         _plan(40, weight_residency="resident")
     assert str(info.value) == (
@@ -175,7 +163,7 @@ def test_session_under_a_cap(tiny_compiled, no_margin):
     with NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled), EngineOptions(max_device_memory=cap)) as session:
         assert session.weight_residency == "block-ring" and session.plan is not None and not session.plan.fits_largest
         with pytest.raises(RequestError, match=r"this request's activations \(\d+ packed rows, weights block-ring\): the denoise stage needs about"):
-            session.generate(_bundle(6))
+            session.generate(keyframe_bundle(6))
     with pytest.raises(RunFailedError, match="the weights do not fit on cpu"):
         NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled), EngineOptions(max_device_memory=ring_weights / 2 / GIB))
     with pytest.raises(VflashError, match="disagrees with the memory plan"):

@@ -18,12 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from comfy_standins import harness
-from conftest import linked_demo_cache
 from vflash_nodes import comfy_latent as cl
-from vflash_nodes.workflow import WorkflowError, apply_overrides, execute, load_api_workflow
+from vflash_nodes.workflow import WorkflowError, apply_overrides, load_api_workflow
 
 import transformer_files
+from headless_nodes import API, output_dir, run
 from vflash_core.engine.config import H3Config
 from vflash_core.errors import RequestError, VflashError
 
@@ -31,16 +30,8 @@ from vflash_core.errors import RequestError, VflashError
 LOADER_DEFAULTS = {"weight_residency": "auto", "device": "cpu", "peer_device": "none", "strategy": "sequence-head", "attention_backend": "auto"}
 
 REPO = Path(__file__).resolve().parent.parent
-API = REPO / "workflows" / "api"
 # A small canvas keeps the chain fast on two CPU cores; the workflow files use the demo family's 448x256.
 SMALL = ["4.width=128", "4.height=128", "4.force_offload=false"]  # keep the text encoder loaded between runs
-
-
-@pytest.fixture(scope="module")
-def pack(tmp_path_factory, demo_receipt):
-    cache = linked_demo_cache(tmp_path_factory.mktemp("vflash-cache"), demo_receipt)  # the run's demo build
-    with harness.installed(cache, tmp_path_factory.mktemp("comfyui")) as loaded:
-        yield loaded
 
 
 @pytest.fixture
@@ -75,14 +66,6 @@ def comfy(pack, monkeypatch):
     utils.PROGRESS_THROTTLE_MIN_INTERVAL = throttle
     utils.set_progress_bar_global_hook(None)
     mm.interrupt_current_processing(False)
-
-
-def run(pack, workflow, on_node=None):
-    return execute(workflow, pack.node_types(workflow), on_node=on_node)
-
-
-def output_dir() -> Path:
-    return Path(importlib.import_module("folder_paths").get_output_directory())
 
 
 # -- schemas -------------------------------------------------------------------------------------------------------

@@ -8,8 +8,6 @@ import math
 from pathlib import Path
 
 import pytest
-from comfy_standins import harness
-from conftest import linked_demo_cache
 from vflash_nodes.workflow import execute, load_api_workflow
 
 from vflash_core.engine.fast_mode import FastMode
@@ -19,13 +17,6 @@ from mp4_probe import probe_mp4
 API = Path(__file__).resolve().parent.parent / "workflows" / "api"
 LOADER = dict(model="embedded-demo", profile="auto", weight_residency="auto", device="auto", peer_device="none",
               strategy="sequence-head", attention_backend="auto")
-
-
-@pytest.fixture(scope="module")
-def pack(tmp_path_factory, demo_receipt):
-    cache = linked_demo_cache(tmp_path_factory.mktemp("vflash-cache"), demo_receipt)  # the run's demo build
-    with harness.installed(cache, tmp_path_factory.mktemp("comfyui")) as loaded:
-        yield loaded
 
 
 def test_fast_mode_widget_reaches_the_session_and_keys_the_engine(pack):

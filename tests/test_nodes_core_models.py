@@ -19,8 +19,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from comfy_standins import harness
-from conftest import linked_demo_cache
 from vflash_nodes import actions, core_adapters, engines, graph_checks, model_files
 from vflash_nodes import comfy_latent as cl
 from vflash_nodes.workflow import apply_overrides, execute, load_api_workflow
@@ -34,13 +32,6 @@ LOADER_DEFAULTS = {"weight_residency": "auto", "device": "cpu", "peer_device": "
 
 REPO = Path(__file__).resolve().parent.parent
 API = REPO / "workflows" / "api"
-
-
-@pytest.fixture(scope="module")
-def pack(tmp_path_factory, demo_receipt):
-    cache = linked_demo_cache(tmp_path_factory.mktemp("vflash-cache"), demo_receipt)  # the run's demo build
-    with harness.installed(cache, tmp_path_factory.mktemp("comfyui")) as loaded:
-        yield loaded
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,6 @@ import json
 from pathlib import Path
 
 import pytest
-from comfy_standins import harness
-from conftest import linked_demo_cache
 from vflash_nodes.workflow import apply_overrides, execute, load_api_workflow
 
 from vflash_core.cli.main import main
@@ -31,13 +29,6 @@ OPTION = "vflash/wide.json"  # the loaders' option for the receipt
 PROMPT = "Waves crash on a rock."
 # (width, height): beyond the released rules but within the wide ones, within both, beyond both.
 CANVASES = [(1536, 768), (1024, 1024), (1344, 768), (2048, 1024), (1920, 1088)]
-
-
-@pytest.fixture(scope="module")
-def pack(tmp_path_factory, demo_receipt):
-    cache = linked_demo_cache(tmp_path_factory.mktemp("vflash-cache"), demo_receipt)
-    with harness.installed(cache, tmp_path_factory.mktemp("comfyui")) as loaded:
-        yield loaded
 
 
 @pytest.fixture(scope="module")

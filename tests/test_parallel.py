@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 from conftest import TINY, assert_bitwise, compile_tiny
-from test_schedule_layout_bundle import _bundle
+from bundles import keyframe_bundle
 
 from vflash_core import Geometry, NativeEngineSession, build_keyframe_bundle
 from vflash_core.engine import parallel as P
@@ -99,7 +99,7 @@ def test_stop_at_evaluation_boundary_keeps_group_usable(tiny_compiled):
                 raise Abort()
 
         with pytest.raises(Abort):
-            session.generate(_bundle(4), progress=stop_at_two)
+            session.generate(keyframe_bundle(4), progress=stop_at_two)
         assert seen == [1, 2]
         polls = []
 
@@ -109,10 +109,10 @@ def test_stop_at_evaluation_boundary_keeps_group_usable(tiny_compiled):
                 raise Abort()
 
         with pytest.raises(Abort):
-            session.generate(_bundle(4), between_blocks=interrupt)
-        after = session.generate(_bundle(4))
+            session.generate(keyframe_bundle(4), between_blocks=interrupt)
+        after = session.generate(keyframe_bundle(4))
     with NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled)) as single:
-        assert_bitwise(after.video_latents, single.generate(_bundle(4)).video_latents, "after a stop")
+        assert_bitwise(after.video_latents, single.generate(keyframe_bundle(4)).video_latents, "after a stop")
 
 
 def test_fault_on_rank_one_aborts_both_and_fails_the_session(tiny_compiled, monkeypatch):
@@ -130,11 +130,11 @@ def test_fault_on_rank_one_aborts_both_and_fails_the_session(tiny_compiled, monk
     monkeypatch.setattr(P.SequenceHeadAttention, "__call__", faulty)
     start = time.perf_counter()
     with pytest.raises(P.RankFailure, match="rank 1 on cpu failed: RuntimeError: injected fault on rank 1"):
-        session.generate(_bundle(2))
+        session.generate(keyframe_bundle(2))
     assert time.perf_counter() - start < 30
     assert not [t for t in threading.enumerate() if t.name.startswith("vflash-rank")]
     with pytest.raises(SessionClosedError, match="failed earlier"):
-        session.generate(_bundle(2))
+        session.generate(keyframe_bundle(2))
     session.close()
 
 

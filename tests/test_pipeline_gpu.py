@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import assert_bitwise
 from PIL import Image
-from test_pipeline_parity import _check
+from diffusers_parity import check_against_diffusers
 
 from vflash_core.pipeline.h3_pipeline import H3Pipeline, VideoRequest, prepare_pipeline
 from vflash_core.pipeline.options import RunOptions
@@ -93,7 +93,7 @@ def test_pipeline_matches_diffusers_on_gpu(case, sm90, reference_gpu, gpu_media)
     request = make(gpu_media)
     with H3Pipeline.from_prepared(sm90[partition], RunOptions(device=0, attention_backend="torch-cudnn")) as pipeline:
         pipeline.load()
-        _check(pipeline, reference_gpu, request, request.height, request.width)
+        check_against_diffusers(pipeline, reference_gpu, request, request.height, request.width)
         assert next(pipeline.conditioner.text_encoder.parameters()).device.type == "cpu"
         assert next(pipeline.vaes.video_vae.parameters()).device.type == "cpu"
 

@@ -12,7 +12,7 @@ import itertools
 import pytest
 import torch
 from conftest import assert_bitwise, compile_tiny
-from test_schedule_layout_bundle import _bundle
+from bundles import keyframe_bundle
 
 from vflash_core import NativeEngineSession
 from vflash_core.media.vae import MediaVAEs, calling_between_blocks, decode_latents
@@ -42,9 +42,9 @@ def recording_preview(seen: list):
 
 def test_preview_once_per_evaluation_is_x0_and_leaves_the_latents_bitwise(tiny_compiled):
     with NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled)) as session:
-        plain = session.generate(_bundle(2))
+        plain = session.generate(keyframe_bundle(2))
         seen, progress = [], []
-        previewed = session.generate(_bundle(2), progress=lambda done, total: progress.append(done), preview=recording_preview(seen))
+        previewed = session.generate(keyframe_bundle(2), progress=lambda done, total: progress.append(done), preview=recording_preview(seen))
     assert_bitwise(previewed.video_latents, plain.video_latents, "video with previews")
     assert_bitwise(previewed.audio_latents, plain.audio_latents, "audio with previews")
     assert [(done, total) for done, total, _ in seen] == [(1, 4), (2, 4), (3, 4), (4, 4)] and progress == [1, 2, 3, 4]
@@ -56,9 +56,9 @@ def test_preview_once_per_evaluation_is_x0_and_leaves_the_latents_bitwise(tiny_c
 
 def test_preview_from_a_sequence_head_group_gathers_every_rank(tiny_compiled):
     with NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled), EngineOptions(peer_device="cpu", strategy="sequence-head")) as group:
-        plain = group.generate(_bundle(5))
+        plain = group.generate(keyframe_bundle(5))
         seen = []
-        previewed = group.generate(_bundle(5), preview=recording_preview(seen))
+        previewed = group.generate(keyframe_bundle(5), preview=recording_preview(seen))
     assert_bitwise(previewed.video_latents, plain.video_latents, "group video with previews")
     assert [done for done, _, _ in seen] == [1, 2, 3, 4]
     assert_bitwise(seen[-1][2], plain.video_latents, "the group's last x0 is its result")
@@ -71,11 +71,11 @@ def test_a_preview_that_raises_aborts_and_the_session_stays_usable(tiny_compiled
 
     with NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled)) as session:
         with pytest.raises(Abort):
-            session.generate(_bundle(3), preview=stop_at_two)
-        after = session.generate(_bundle(3))
-        assert_bitwise(after.video_latents, session.generate(_bundle(3)).video_latents, "after an aborted preview")
+            session.generate(keyframe_bundle(3), preview=stop_at_two)
+        after = session.generate(keyframe_bundle(3))
+        assert_bitwise(after.video_latents, session.generate(keyframe_bundle(3)).video_latents, "after an aborted preview")
     with NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled)) as fresh, pytest.raises(Exception, match="preview must be"):
-        fresh.generate(_bundle(3), preview="not callable")
+        fresh.generate(keyframe_bundle(3), preview="not callable")
 
 
 @pytest.mark.gpu
@@ -85,9 +85,9 @@ def test_preview_on_the_gpu_is_on_the_device_and_leaves_the_latents_bitwise(tmp_
     profile = "t2va-base16-bf16-sm90"
     compiled = compile_tiny(tmp_path_factory.mktemp("gpu-preview"), tiny_transformer, profile, device="cuda:0")
     with NativeEngineSession(profile, CompiledPaths(**compiled), EngineOptions(device="cuda:0")) as session:
-        plain = session.generate(_bundle(6))
+        plain = session.generate(keyframe_bundle(6))
         seen = []
-        previewed = session.generate(_bundle(6), preview=recording_preview(seen))
+        previewed = session.generate(keyframe_bundle(6), preview=recording_preview(seen))
     assert_bitwise(previewed.video_latents, plain.video_latents, "GPU video with previews")
     assert len(seen) == 16 and all(video.device.type == "cuda" for _, _, video in seen)
     assert_bitwise(seen[-1][2].cpu(), plain.video_latents, "the GPU's last x0 is the result")

@@ -20,6 +20,7 @@ from conftest import TINY, assert_bitwise, compile_tiny
 from safetensors.torch import load_file
 
 import transformer_files
+from transformer_files import GGUF_HALF_OFFSETS, random_gguf_blocks
 
 from vflash_core import Geometry, NativeEngineSession, build_keyframe_bundle
 from vflash_core.engine.artifact import CompiledArtifact
@@ -166,23 +167,11 @@ def test_fp8_profiles_refuse_int8_and_gguf_files(tmp_path, base_weights):
 
 # -- GGUF ------------------------------------------------------------------------------------------------------------
 
-# Byte offsets of the fp16 fields of one block of each quantized type (random bytes there could be NaN or huge).
-_HALVES = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 # One rounding between the exact value and ComfyUI-GGUF's fp16 result: a code times the fp16 block scale.
 _ONE_PRODUCT = ("Q8_0", "Q4_0", "Q5_0")
 
 
-def _random_blocks(qtype: str, rows: int, cols: int, seed: int) -> np.ndarray:
-    """Random bytes of a [rows, cols] tensor of `qtype`, with finite fp16 scales of about 1e-2."""
-    block_size, type_size, _ = DEQUANTIZERS[qtype]
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, size=(rows * cols // block_size, type_size), dtype=np.uint8)
-    for at in _HALVES[qtype]:
-        blocks[:, at : at + 2] = (rng.standard_normal(blocks.shape[0]) * 1e-2).astype(np.float16).view(np.uint8).reshape(-1, 2)
-    return blocks.reshape(rows, -1)
-
-
-@pytest.mark.parametrize("qtype", sorted(_HALVES))
+@pytest.mark.parametrize("qtype", sorted(GGUF_HALF_OFFSETS))
 def test_gguf_dequantization_matches_the_gguf_package(qtype):
     """In fp32 arithmetic (ComfyUI-GGUF's "float32" dequant_dtype) every type is bitwise the gguf package's numpy
     dequantization, which computes in fp32 in the same order; in fp16 arithmetic (its default), bitwise the fp16
@@ -190,7 +179,7 @@ def test_gguf_dequantization_matches_the_gguf_package(qtype):
     of two or three fp16 roundings is within 2^-11 of its operands, an offset's up to a few times the values) plus
     half a BF16 step after the cast."""
     cols = 512
-    raw = _random_blocks(qtype, 6, cols, seed=len(qtype) * 7 + ord(qtype[1]))
+    raw = random_gguf_blocks(qtype, 6, cols, seed=len(qtype) * 7 + ord(qtype[1]))
     reference = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]))
     assert reference.shape == (6, cols)
     as_bytes = torch.from_numpy(raw.copy())

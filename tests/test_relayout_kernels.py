@@ -1,7 +1,7 @@
 """Parity of the sequence-head relayouts `pack_heads` / `merge_heads` (`vflash_kernels.relayout`) with their torch
 references. Both are pure copies, so they are checked bit for bit for every dtype and input bit pattern.
 
-CPU tests run the kernels in Triton's interpreter through test_kernels.py's `interp` fixture (the private interpreted
+CPU tests run the kernels in Triton's interpreter through kernel_harness.py's `interp` fixture (the private interpreted
 copy of the package; its docstring says why and how), on odd shapes: 37 rows, 8 heads of 16 channels over 2, 4 and 8
 ranks, with q-like contiguous, v-like strided (a view into padded QKV rows) and head-major inputs, written into
 NaN-poisoned outputs. GPU tests (`-m gpu`) compare the compiled kernels with the references on CUDA at the released
@@ -12,28 +12,23 @@ elements (v as a view into (100,000, 3 * 7168) QKV rows: the INDEX_64 variant).
 from __future__ import annotations
 
 import pytest
-import test_kernels
 import torch
-from test_kernels import (
+from kernel_harness import (
     DTYPES,
     S_CPU,
     TILES,
-    _compiled_kernels,
-    _qkv,
     assert_all_written,
     assert_bitwise,
+    compiled_kernels,
     configure,
     generator,
+    packed_qkv,
     poisoned,
     randn,
 )
 
 from vflash_core.engine import parallel
 
-# test_kernels.py's fixtures, used here by name: `interp` (the package decorated for the interpreter, a private copy
-# made once per module) and `gpu` (the compiled package, CUDA memory freed after each case).
-interp = test_kernels.interp
-gpu = test_kernels.gpu
 
 HEADS_CPU, D_CPU = 8, 16
 LAYOUTS = ["contiguous", "qkv-view", "head-major"]
@@ -45,7 +40,7 @@ def _input(layout: str, S: int, heads: int, D: int, dtype: torch.dtype, g: torch
     if layout == "contiguous":
         return randn((1, S, heads, D), dtype, g)[0]
     if layout == "qkv-view":
-        return _qkv(S, heads, D, dtype, g)[3][0]
+        return packed_qkv(S, heads, D, dtype, g)[3][0]
     return randn((heads, S, D), dtype, g).transpose(0, 1)
 
 
@@ -99,7 +94,7 @@ def test_session_keeps_the_references_on_the_cpu():
 
 @pytest.mark.gpu
 def test_session_uses_the_kernels_on_cuda():
-    kernels = _compiled_kernels()
+    kernels = compiled_kernels()
     assert parallel.relayout_ops(torch.device("cuda:0")) == (kernels.relayout.pack_heads, kernels.relayout.merge_heads)
 
 
@@ -132,7 +127,7 @@ def test_relayout_refuses_bad_shapes_and_dtypes(interp):
 
 
 def test_cpu_tensors_need_the_interpreter():
-    kernels = _compiled_kernels()
+    kernels = compiled_kernels()
     if kernels._launch.INTERPRET:
         pytest.skip("TRITON_INTERPRET is set for the whole process")
     x = torch.zeros(5, 8, 4, dtype=torch.bfloat16)

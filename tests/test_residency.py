@@ -11,7 +11,7 @@ import weakref
 import pytest
 import torch
 from conftest import assert_bitwise
-from test_schedule_layout_bundle import _bundle
+from bundles import keyframe_bundle
 
 from vflash_core import NativeEngineSession
 from vflash_core.engine import residency as R
@@ -57,14 +57,14 @@ def test_a_closed_arena_lets_its_segments_go_while_something_still_holds_it(tiny
 
 def test_block_ring_equals_resident_and_reuses_its_buffers(tiny_compiled):
     with NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled)) as resident:
-        expected = resident.generate(_bundle(6))
+        expected = resident.generate(keyframe_bundle(6))
     with NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled), EngineOptions(weight_residency="block-ring")) as ring_session:
         ring = ring_session._denoisers[0].blocks
         pointers = [slot.data_ptr() for slot in ring.slots] + [seg.data_ptr() for seg in ring.source.segments]
         gc.collect()
         live_before = len(gc.get_objects())
         for _ in range(20):
-            got = ring_session.generate(_bundle(6))
+            got = ring_session.generate(keyframe_bundle(6))
         gc.collect()
         assert len(gc.get_objects()) - live_before < 200, "objects accumulate across requests"
         assert [slot.data_ptr() for slot in ring.slots] + [seg.data_ptr() for seg in ring.source.segments] == pointers
@@ -83,7 +83,7 @@ def test_failed_request_closes_nothing_it_should_not(tiny_compiled):
             raise Interrupt()
 
         with pytest.raises(Interrupt):
-            session.generate(_bundle(6), progress=interrupt)
-        again = session.generate(_bundle(6))  # the ring is reusable after an interrupt
+            session.generate(keyframe_bundle(6), progress=interrupt)
+        again = session.generate(keyframe_bundle(6))  # the ring is reusable after an interrupt
     with NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled)) as resident:
-        assert_bitwise(again.video_latents, resident.generate(_bundle(6)).video_latents, "after an interrupt")
+        assert_bitwise(again.video_latents, resident.generate(keyframe_bundle(6)).video_latents, "after an interrupt")

@@ -1,6 +1,6 @@
 """Parity of the fused RMSNorm + AdaLN modulation `rms_norm_modulate` (`vflash_kernels.rms_norm_modulate`).
 
-CPU tests run the kernel in Triton's interpreter, inside test_kernels.py's private interpreted copy of the package (its
+CPU tests run the kernel in Triton's interpreter, inside kernel_harness.py's private interpreted copy of the package (its
 docstring says why and how; the `interp` fixture makes it once per module). The kernel is compared bit for bit with
 `rms_norm_modulate_order_reference`, the torch emulation of torch's CUDA reduction order, on 37 rows at H = 1280 (3
 chunks of 512 channels, the last half full, as the released 5376's 11 are) and at H = 512 (one chunk, every thread of
@@ -20,18 +20,18 @@ from __future__ import annotations
 import importlib
 
 import pytest
-import test_kernels
 import torch
 import torch.nn.functional as F
 from kernel_references import rms_norm_block_order_reference, rms_norm_warp_order_reference, shift_scale_blocks
-from test_kernels import (
+from kernel_harness import (
     H_FULL,
     H_INTERPRETED,
+    INTERPRETED_PACKAGE,
     S_CPU,
     S_GPU,
     S_SMALL_TILE,
     TILES,
-    _table,
+    adaln_table,
     assert_all_written,
     assert_bitwise,
     configure,
@@ -54,10 +54,6 @@ def rms_norm_modulate_reference(x, weight, eps, table, row_index, which="msa", o
     """The torch ops the kernel replaces: `F.rms_norm`, then the model's modulation."""
     return modulate_reference(F.rms_norm(x, (x.shape[-1],), weight, eps), table, row_index, which, out_dtype)
 
-# test_kernels.py's fixtures, used by name: `interp` (the package decorated for the interpreter) and `gpu` (the
-# compiled package, CUDA memory freed after each case).
-interp = test_kernels.interp
-gpu = test_kernels.gpu
 
 _MODULE = "rms_norm_modulate"
 EPS = 1e-5
@@ -69,7 +65,7 @@ def op(interp):
     others (TRITON_INTERPRET=1 only while it is imported); `interp`'s teardown removes it with the package."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TRITON_INTERPRET", "1")
-        module = importlib.import_module(f"{test_kernels._INTERPRETED}.{_MODULE}")
+        module = importlib.import_module(f"{INTERPRETED_PACKAGE}.{_MODULE}")
     assert module._launch is interp._launch and module._launch.INTERPRET
     return module
 
@@ -188,7 +184,7 @@ def _gpu_case(S, g):
     x = randn((1, S, H_FULL), torch.bfloat16, g, 3.0, "cuda")
     x[0, 0] = 0  # a zero row: rstd = rsqrt(eps)
     w = randn((H_FULL,), torch.bfloat16, g, 0.25, "cuda") + 1
-    table = _table(2, torch.bfloat16, g)
+    table = adaln_table(2, torch.bfloat16, g)
     idx = torch.randint(0, 6, (S,), generator=g, device="cuda")
     return x, w, table, idx
 

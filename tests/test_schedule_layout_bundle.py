@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from bundles import keyframe_bundle
 from conftest import TINY, assert_bitwise
 from diffusers import MiniMaxH3Scheduler
 from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3PrepareLayoutStep, MiniMaxH3SetTimestepsStep
@@ -85,16 +86,8 @@ def test_layout_and_row_timesteps_match_diffusers(anchors, canvas):
         assert_bitwise(mine[1], theirs[1], "timestep indices")
 
 
-def _bundle(seed: int = 0, num_frames: int = 124, height: int = 64, width: int = 96) -> ConditioningBundle:
-    """An l2va bundle of the tiny model (on a 64x96 canvas unless told): 5 text rows, the last frame's keyframe latent."""
-    g = torch.Generator().manual_seed(seed)
-    embeds = torch.randn(5, TINY.text_dim, generator=g).to(torch.bfloat16)
-    keyframe = torch.randn(1, 24, 1, height // 16, width // 16, generator=g)
-    return build_keyframe_bundle(embeds, torch.ones(5, dtype=torch.long), Geometry(height, width, num_frames), TINY, g, (keyframe,), ("last",), seed=seed)
-
-
 def test_bundle_round_trip(tmp_path):
-    bundle = _bundle()
+    bundle = keyframe_bundle()
     bundle.save(tmp_path / "b")
     loaded = ConditioningBundle.load(tmp_path / "b")
     assert loaded.fingerprint() == bundle.fingerprint()
@@ -104,7 +97,7 @@ def test_bundle_round_trip(tmp_path):
 
 
 def test_bundle_tampered_after_hashing_is_rejected(tmp_path):
-    _bundle().save(tmp_path / "b")
+    keyframe_bundle().save(tmp_path / "b")
     path = tmp_path / "b" / "tensors.safetensors"
     data = bytearray(path.read_bytes())
     data[-3] ^= 0x01
@@ -114,7 +107,7 @@ def test_bundle_tampered_after_hashing_is_rejected(tmp_path):
 
 
 def test_bundle_manifest_edit_is_rejected(tmp_path):
-    _bundle().save(tmp_path / "b")
+    keyframe_bundle().save(tmp_path / "b")
     manifest = tmp_path / "b" / "manifest.json"
     data = json.loads(manifest.read_text())
     data["num_condition_video_rows"] = 0
@@ -126,11 +119,11 @@ def test_bundle_manifest_edit_is_rejected(tmp_path):
 def test_bundle_for_another_layout_is_rejected():
     other = H3Config.preset("h3")
     with pytest.raises(BundleError, match="model layout"):
-        _bundle().check_model(other)
+        keyframe_bundle().check_model(other)
 
 
 def test_handoff_is_one_shot_and_detects_modification():
-    handoff = BundleHandoff(_bundle())
+    handoff = BundleHandoff(keyframe_bundle())
     bundle = handoff.consume()
     assert handoff.consumed
     with pytest.raises(BundleError, match="already consumed"):

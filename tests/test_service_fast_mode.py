@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from test_service import FAST, make_service, submit, wait_job, wait_ready  # noqa: F401 - make_service is a fixture
+from service_helpers import FAST, submit, wait_job, wait_ready
 
 from vflash_core.cli.main import build_parser
 from vflash_core.pipeline.options import RunOptions

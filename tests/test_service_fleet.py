@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 from aiohttp import FormData
-from test_service import FAST, MIDDLE, SLOW, png, submit, wait_for, wait_job
+from service_helpers import FAST, MIDDLE, SLOW, png, submit, wait_for, wait_job
 
 from vflash_core.service import ServiceConfig, create_app
 

@@ -8,12 +8,11 @@ import os
 import signal
 
 import pytest
-from test_service import FAST, MIDDLE, make_service, published, submit, wait_for, wait_job, wait_ready
+from service_helpers import FAST, MIDDLE, published, submit, wait_for, wait_job, wait_ready
 
 from vflash_core.service.app import SUPERVISOR, WORK_DIR
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(300)]
-__all__ = ["make_service"]  # the fixture, shared with test_service.py
 
 
 async def test_two_cpu_workers_share_one_queue_and_a_killed_one_fails_only_its_job(aiohttp_client, make_service):

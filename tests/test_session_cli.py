@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import TINY, assert_bitwise
 from safetensors.torch import load_file
-from test_schedule_layout_bundle import _bundle
+from bundles import keyframe_bundle
 
 from vflash_core import BundleHandoff, NativeEngineSession
 from vflash_core.errors import BundleError, SessionClosedError, VflashError
@@ -22,8 +22,8 @@ class Abort(BaseException):
 def test_timing_fields_and_progress(tiny_compiled):
     calls = []
     with NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled)) as session:
-        first = session.generate(_bundle(1), progress=lambda done, total: calls.append((done, total)))
-        second = session.generate(BundleHandoff(_bundle(1)))
+        first = session.generate(keyframe_bundle(1), progress=lambda done, total: calls.append((done, total)))
+        second = session.generate(BundleHandoff(keyframe_bundle(1)))
     assert calls == [(1, 4), (2, 4), (3, 4), (4, 4)]
     assert first.timing.request_index == 1 and second.timing.request_index == 2
     assert first.timing.initialization_charged_seconds == first.timing.initialization_seconds > 0
@@ -37,7 +37,7 @@ def test_closed_session_refuses_calls(tiny_compiled):
     session.close()
     session.close()  # idempotent
     with pytest.raises(SessionClosedError, match="closed"):
-        session.generate(_bundle())
+        session.generate(keyframe_bundle())
 
 
 def test_abort_from_callback_leaves_session_usable(tiny_compiled):
@@ -47,7 +47,7 @@ def test_abort_from_callback_leaves_session_usable(tiny_compiled):
                 raise Abort()
 
         with pytest.raises(Abort):
-            session.generate(_bundle(3), progress=stop_at_two)
+            session.generate(keyframe_bundle(3), progress=stop_at_two)
         blocks_seen = []
 
         def stop_between_blocks():
@@ -56,11 +56,11 @@ def test_abort_from_callback_leaves_session_usable(tiny_compiled):
                 raise Abort()
 
         with pytest.raises(Abort):
-            session.generate(_bundle(3), between_blocks=stop_between_blocks)
+            session.generate(keyframe_bundle(3), between_blocks=stop_between_blocks)
         assert len(blocks_seen) == 3
-        after = session.generate(_bundle(3))
+        after = session.generate(keyframe_bundle(3))
     with NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled)) as fresh:
-        assert_bitwise(after.video_latents, fresh.generate(_bundle(3)).video_latents, "after an abort")
+        assert_bitwise(after.video_latents, fresh.generate(keyframe_bundle(3)).video_latents, "after an abort")
 
 
 def test_failed_trajectory_fails_the_session(tiny_compiled, monkeypatch):
@@ -72,20 +72,20 @@ def test_failed_trajectory_fails_the_session(tiny_compiled, monkeypatch):
 
     monkeypatch.setattr(model, "feed_forward", broken)
     with pytest.raises(RuntimeError, match="injected"):
-        session.generate(_bundle())
+        session.generate(keyframe_bundle())
     monkeypatch.undo()
     with pytest.raises(SessionClosedError, match="failed earlier .*injected device fault"):
-        session.generate(_bundle())
+        session.generate(keyframe_bundle())
     session.close()
 
 
 def test_bad_input_does_not_fail_the_session(tiny_compiled):
     with NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled)) as session:
-        handoff = BundleHandoff(_bundle())
+        handoff = BundleHandoff(keyframe_bundle())
         session.generate(handoff)
         with pytest.raises(BundleError, match="already consumed"):
             session.generate(handoff)
-        session.generate(_bundle())
+        session.generate(keyframe_bundle())
 
 
 @pytest.fixture
@@ -112,7 +112,7 @@ def vflash(capsys, caplog):
 
 
 def test_cli_denoise_writes_latents_and_refuses_overwrite(tmp_path, tiny_compiled, vflash):
-    _bundle(5).save(tmp_path / "bundle")
+    keyframe_bundle(5).save(tmp_path / "bundle")
     out = tmp_path / "latents.safetensors"
     args = [
         "denoise", PROFILE, "--artifact", str(tiny_compiled["artifact"]), "--schedule-overlay", str(tiny_compiled["schedule_overlay"]),
@@ -122,7 +122,7 @@ def test_cli_denoise_writes_latents_and_refuses_overwrite(tmp_path, tiny_compile
     assert status == 0, stderr
     latents = load_file(str(out))
     with NativeEngineSession(PROFILE, CompiledPaths(**tiny_compiled)) as session:
-        expected = session.generate(_bundle(5))
+        expected = session.generate(keyframe_bundle(5))
     assert_bitwise(latents["video_latents"], expected.video_latents, "cli video latents")
     assert_bitwise(latents["audio_latents"], expected.audio_latents, "cli audio latents")
     before = out.read_bytes()
@@ -136,7 +136,7 @@ def test_cli_bad_inputs_are_one_line_errors(tmp_path, tiny_compiled, vflash):
     common = ["--artifact", str(tiny_compiled["artifact"]), "--schedule-overlay", str(tiny_compiled["schedule_overlay"]), "--auxiliary-tensor", str(tiny_compiled["auxiliary"]), "--output-latents", str(out)]
     status, stderr = vflash("denoise", PROFILE, "--bundle", str(tmp_path / "nope"), *common)
     assert status == 2 and "not a conditioning bundle" in stderr and "Traceback" not in stderr
-    _bundle().save(tmp_path / "b")
+    keyframe_bundle().save(tmp_path / "b")
     status, stderr = vflash("denoise", "t2va-base16-exact-cpu", "--bundle", str(tmp_path / "b"), *common)
     assert status == 2 and "nfe" in stderr and "Traceback" not in stderr
     status, stderr = vflash("denoise", "no-such-profile", "--bundle", str(tmp_path / "b"), *common)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from PIL import Image
+from refusals import files_in, refused
 
 from vflash_core.cli.main import main
 from vflash_core.errors import RequestError, RunFailedError, VflashError
@@ -30,17 +31,6 @@ from vflash_core.pipeline.validation import check_canvas_size
 from vflash_core.profiles import get_profile
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture
-def no_model_loads(monkeypatch):
-    """Fail the test if anything starts loading a model."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a model was loaded for a request that must be refused before loading")
-
-    for part in (pipeline_module.TextConditioner, pipeline_module.MediaVAEs):
-        monkeypatch.setattr(part, "from_pretrained", refuse)
 
 
 @pytest.fixture(scope="module")
@@ -57,20 +47,6 @@ def inputs(tmp_path_factory) -> Path:
     os.mkfifo(folder / "fifo.txt")
     Image.new("RGB", (64, 64)).save(folder / "frame.png")
     return folder
-
-
-def refused(capsys, argv: list[str], status: int = 2) -> str:
-    """Run `vflash argv` in-process; return its one error line (asserting the status and that there is one line)."""
-    code = main(argv)
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert code == status, err
-    assert len(lines) == 1 and lines[0].startswith("vflash: error: ") and "Traceback" not in err, err
-    return lines[0].removeprefix("vflash: error: ")
-
-
-def files_in(folder: Path) -> list[Path]:
-    return sorted(folder.rglob("*"))
 
 
 # -- the command line ------------------------------------------------------------------------------------------------

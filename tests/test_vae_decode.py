@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_bitwise
+from vae_inputs import SMALL_TILES, latents
 
 from vflash_core.errors import VflashError
 from vflash_core.media import vae_decode
@@ -23,8 +24,6 @@ from vflash_core.media.vae_vit import DecoderWeights
 
 # 17 latent frames make 3 temporal windows; 20 x 24 latents are 320 x 384 px: 2 x 2 tiles of 256 px.
 RELEASED_TILING_LATENTS = (1, 8, 17, 20, 24)
-# 64 px tiles with 32 px overlaps: 9 x 10 latents are 4 x 4 tiles; 13 frames end with repeated latents.
-SMALL_TILES = (64, 64, 32, 32)
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +37,6 @@ def media(vae_root) -> dict[torch.dtype, MediaVAEs]:
     """The demo VAEs as the pipeline loads them: fp32 (the CPU default) and bf16 (diffusers' pins keep the norms and
     scales in fp32)."""
     return {dtype: MediaVAEs.from_pretrained(vae_root, dtype=dtype) for dtype in (torch.float32, torch.bfloat16)}
-
-
-def latents(shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
 
 def reference(vae, z: torch.Tensor) -> torch.Tensor:
@@ -293,15 +288,6 @@ def test_peak_memory_does_not_grow_with_clip_length(media, small_tiles):
     diffusers = [peak_allocated_bytes(lambda z=z: reference(vae, z)) for z in (short, long)]
     assert native[1] == native[0], native
     assert diffusers[1] > 1.5 * diffusers[0], diffusers
-
-
-def allocation_sizes(fn) -> list[int]:
-    """The size of every CPU allocation `fn` makes, from the profiler's record."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    return [e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.nbytes() > 0]
 
 
 # -- options ----------------------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 `kernels/swiglu.py`) against its torch ops (`DecoderOps`), bit for bit.
 
 On the CPU the kernels run in Triton's interpreter: the `interp` fixture imports the kernels folder a second time,
-as a private package, with TRITON_INTERPRET=1 set only during that import (as tests/test_kernels.py does, for the same
+as a private package, with TRITON_INTERPRET=1 set only during that import (as tests/kernel_harness.py does, for the same
 reason), and the decoder is pointed at it through `vae_vit._decoder_kernels`. The per-op shapes keep every masked
 path: row blocks with masked rows (37 rows), a norm width with a masked last chunk (1040 = 2 x 512 + 16) and one
 below a chunk (32, the demo's), head dims that are and are not a power of two (16, 24, 64), SwiGLU and residual
@@ -37,7 +37,7 @@ from kernel_references import fma_f32, rms_norm_block_order_reference, rms_norm_
 
 pytest.importorskip("triton")
 
-from test_vae_decode import SMALL_TILES, allocation_sizes, latents
+from vae_inputs import SMALL_TILES, allocation_sizes, latents
 
 from vflash_core.engine.model import apply_rotary
 from vflash_core.errors import VflashError

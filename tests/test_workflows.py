@@ -12,8 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from comfy_standins import harness
-from conftest import CARD_TITLE_CHARS, TEMPLATES, linked_demo_cache
+from conftest import CARD_TITLE_CHARS, TEMPLATES
 import transformer_files
 from vflash_nodes.workflow import (
     WorkflowError,
@@ -39,13 +38,6 @@ def ui_file(name: str) -> Path:
     """The UI template of the API twin `name`."""
     return UI_DIR / f"{TEMPLATES[name]}.json"
 UI_ONLY = {"MarkdownNote", "Note"}
-
-
-@pytest.fixture(scope="module")
-def pack(tmp_path_factory, demo_receipt):
-    cache = linked_demo_cache(tmp_path_factory.mktemp("vflash-cache"), demo_receipt)  # the run's demo build
-    with harness.installed(cache, tmp_path_factory.mktemp("comfyui")) as loaded:
-        yield loaded
 
 
 CORE_LOADERS = {"t2va_core_loaders"}  # core CLIPLoader / VAELoader: ComfyUI only, not headless

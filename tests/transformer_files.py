@@ -7,12 +7,13 @@ import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 
 from vflash_core.engine.config import H3Config
 from vflash_core.engine.model import rope_inv_freq, time_embedding
-from vflash_core.weights.gguf_file import require_gguf
+from vflash_core.weights.gguf_file import DEQUANTIZERS, require_gguf
 from vflash_core.weights.synthetic import to_original_names
 
 
@@ -100,3 +101,17 @@ def write_gguf_transformer(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# Byte offsets of the fp16 fields of one block of each quantized type (random bytes there could be NaN or huge).
+GGUF_HALF_OFFSETS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_gguf_blocks(qtype: str, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Random bytes of a [rows, cols] tensor of `qtype`, with finite fp16 scales of about 1e-2."""
+    block_size, type_size, _ = DEQUANTIZERS[qtype]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows * cols // block_size, type_size), dtype=np.uint8)
+    for at in GGUF_HALF_OFFSETS[qtype]:
+        blocks[:, at : at + 2] = (rng.standard_normal(blocks.shape[0]) * 1e-2).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
