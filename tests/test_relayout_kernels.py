@@ -2,11 +2,12 @@
 references. Both are pure copies, so they are checked bit for bit for every dtype and input bit pattern.
 
 CPU tests run the kernels in Triton's interpreter through kernel_harness.py's `interp` fixture (the private interpreted
-copy of the package; its docstring says why and how), on odd shapes: 37 rows, 8 heads of 16 channels over 2, 4 and 8
-ranks, with q-like contiguous, v-like strided (a view into padded QKV rows) and head-major inputs, written into
-NaN-poisoned outputs. GPU tests (`-m gpu`) compare the compiled kernels with the references on CUDA at the released
-width (56 heads of 128 channels) for S_r = 19,111 and 38,222 rows and 2, 4 and 8 ranks, and beyond 2**31 addressed
-elements (v as a view into (100,000, 3 * 7168) QKV rows: the INDEX_64 variant).
+copy of the package; its docstring says why and how), on odd shapes: 37 rows (7 with the small tile setting: two
+4-row programs, the last masked), 8 heads of 16 channels over 2, 4 and 8 ranks, with q-like contiguous, v-like
+strided (a view into padded QKV rows) and head-major inputs, written into NaN-poisoned outputs. GPU tests (`-m gpu`)
+compare the compiled kernels with the references on CUDA at the released width (56 heads of 128 channels) for
+S_r = 19,111 and 38,222 rows and 2, 4 and 8 ranks, and beyond 2**31 addressed elements (v as a view into
+(100,000, 3 * 7168) QKV rows: the INDEX_64 variant).
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ import torch
 from kernel_harness import (
     DTYPES,
     S_CPU,
+    S_SMALL_TILE,
     TILES,
     assert_all_written,
     assert_bitwise,
     compiled_kernels,
     configure,
     generator,
+    interpreter_rows,
     packed_qkv,
     poisoned,
     randn,
@@ -147,7 +150,8 @@ def test_cpu_tensors_need_the_interpreter():
 def test_pack_merge_interpreter(interp, monkeypatch, request, ranks, layout, dtype, tile):
     configure(interp, monkeypatch, tile)
     g = generator(request)
-    _check_pack_merge(interp, _input(layout, S_CPU, HEADS_CPU, D_CPU, dtype, g), ranks, g, f"P={ranks} {layout} {dtype}")
+    rows = interpreter_rows(tile)  # the small tile's 4-row blocks: two programs, the last with 3 rows
+    _check_pack_merge(interp, _input(layout, rows, HEADS_CPU, D_CPU, dtype, g), ranks, g, f"P={ranks} {layout} {dtype}")
 
 
 @pytest.mark.parametrize("head_dim", [16, 24])
@@ -155,7 +159,7 @@ def test_int64_variant_interpreter(interp, monkeypatch, request, head_dim):
     """The INDEX_64 variant (forced on small shapes) gives the same bits; D = 24 also masks channels (BLOCK_D 32)."""
     configure(interp, monkeypatch, "small", index_64=True)
     g = generator(request)
-    _check_pack_merge(interp, _input("qkv-view", S_CPU, HEADS_CPU, head_dim, torch.bfloat16, g), 4, g, f"int64 D={head_dim}")
+    _check_pack_merge(interp, _input("qkv-view", S_SMALL_TILE, HEADS_CPU, head_dim, torch.bfloat16, g), 4, g, f"int64 D={head_dim}")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
