@@ -405,7 +405,8 @@ def service_throughput_section(data: dict) -> list[str]:
                + (f", two workers / one {data['two_worker_speedup']}x" if data.get("two_worker_speedup") else ""))
     return [f"## Service throughput (`benchmarks/service_throughput.py`, {machine})", "",
             f"{machine}, torch {data['torch']}, commit `{data['commit'][:10]}`; {request['width']}x{request['height']} "
-            f"{request['duration_seconds']} s requests, {data.get('threads_per_worker', '')} thread(s) per worker (torch's and the H.264 encoder's): "
+            f"{request['duration_seconds']} s requests, {data.get('threads_per_worker', '')} thread(s) per worker "
+            "(torch's and the H.264 encoder's): "
             f"{summary}.", "",
             _table(data["requests_per_hour"], [("mode", "mode"), ("workers", "workers"), ("requests", "requests"),
                                                ("wall_seconds", "wall s"), ("requests_per_hour", "requests per hour"),
