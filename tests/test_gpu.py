@@ -33,11 +33,15 @@ def gpu_compiled(tmp_path_factory, tiny_transformer):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("attention", ["torch-cudnn", "auto"])
-def test_fused_trajectory_equals_reference_on_gpu(gpu_compiled, attention):
+# (32, 64): a canvas where the fused trajectory differed from the reference one in Triton's CPU interpreter (max abs
+# 0.03 at 124 frames), compared here on the real kernels.
+@pytest.mark.parametrize("canvas", [(64, 96), (32, 64)])
+def test_fused_trajectory_equals_reference_on_gpu(gpu_compiled, attention, canvas):
+    height, width = canvas
     with NativeEngineSession(PROFILE, CompiledPaths(**gpu_compiled), EngineOptions(device="cuda:0", execution="reference", attention_backend=attention)) as ref:
-        expected = ref.generate(keyframe_bundle(1))
+        expected = ref.generate(keyframe_bundle(1, height=height, width=width))
     with NativeEngineSession(PROFILE, CompiledPaths(**gpu_compiled), EngineOptions(device="cuda:0", execution="fused", attention_backend=attention)) as fused:
-        got = fused.generate(keyframe_bundle(1), profile_denoise=True)
+        got = fused.generate(keyframe_bundle(1, height=height, width=width), profile_denoise=True)
     assert got.metadata["execution"] == "fused"
     assert_bitwise(got.video_latents, expected.video_latents, f"video latents ({got.metadata['attention_backend']})")
     assert_bitwise(got.audio_latents, expected.audio_latents, "audio latents")
