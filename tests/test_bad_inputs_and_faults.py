@@ -1,4 +1,4 @@
-"""The second wave of bad inputs and faults (issue 29): numbers, path escapes, stale compiles, forged files, full disks
+"""The second wave of bad inputs and faults: numbers, path escapes, stale compiles, forged files, full disks
 and killed writers, through the CLI, the compiler, run-workflow and the Python API.
 
 As in test_user_errors.py, each case asserts the one line, the exit status (2: bad request, option or file; 1: a

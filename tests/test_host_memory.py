@@ -328,7 +328,6 @@ def loads_nothing(monkeypatch):
     the plan's numbers are), after which the text encoder and the VAEs refuse to load."""
     from vflash_core.media.conditioning import TextConditioner
     from vflash_core.media.vae import MediaVAEs
-    from vflash_core.pipeline.h3_pipeline import H3Pipeline
 
     def never(*args, **kwargs):
         raise AssertionError("a model loaded for a memory budget no placement fits")

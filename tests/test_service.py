@@ -350,7 +350,7 @@ async def test_bearer_token_guards_the_api_but_not_the_probes(aiohttp_client, ma
 
 async def test_authorization_headers_of_any_bytes_and_any_scheme_case(aiohttp_client, make_service, caplog):
     """An Authorization header holding bytes that are not UTF-8 answered 500 and logged a UnicodeEncodeError; the
-    scheme written `bearer` was refused although auth schemes are case-insensitive (issue 29)."""
+    scheme written `bearer` was refused although auth schemes are case-insensitive."""
     app, _ = make_service(token="s3cret")
     client = await aiohttp_client(app)
     for scheme in ("bearer", "BEARER", "Bearer"):

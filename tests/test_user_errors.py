@@ -1,4 +1,4 @@
-"""Every bad input is refused early with one clear line (issue 15), through the CLI, the Python API and run-workflow.
+"""Every bad input is refused early with one clear line, through the CLI, the Python API and run-workflow.
 
 Each case asserts the message, the exit status (2: bad request, option or file; 1: a valid request that could not
 complete), that no traceback reached the user, that no model was loaded and that nothing was written. The HTTP
@@ -394,7 +394,7 @@ def test_concurrent_first_use_loads_once_and_leaves_nothing_patched(h3_prepared,
         p.close()
 
 
-# -- found by the adversarial corpus (issue 15): arguments of the wrong type, outputs onto inputs ---------------------
+# -- found by the adversarial corpus: arguments of the wrong type, outputs onto inputs ---------------------------------
 
 
 def test_api_arguments_of_the_wrong_type_are_refused_naming_them(h3_prepared, tmp_path, no_model_loads):
@@ -531,7 +531,7 @@ def test_workflow_save_and_load_nodes_are_checked_before_anything_runs(tmp_path,
     assert capsys.readouterr().err.splitlines() == [f"vflash: error: the workflow was refused before running: {message}" for message in (
         "node 4 (VflashEncode): the prompt must be a non-empty string", 'node 7 (SaveVideo): filename_prefix must be a non-empty string, got ""'
     )]
-    # Numbers outside their widgets' ranges, as ComfyUI refuses them when a prompt is queued (issue 29: one number parser).
+    # Numbers outside their widgets' ranges, as ComfyUI refuses them when a prompt is queued (one number parser).
     for argv, message in ((["--set", "5.seed=-1"], "node 5 (VflashSampler).seed must be an integer from 0 to 9,223,372,036,854,775,807, got -1"),
                           (["--set", "4.seconds=1e308"], "node 4 (VflashEncode).seconds must be a number from 0 to 60, got 1e+308"),
                           (["--set", "4.seconds=NaN"], "node 4 (VflashEncode).seconds must be a number from 0 to 60, got nan")):
