@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import assert_bitwise
-from comfyui_server_helpers import API, COMFYUI_ROOT, PROBE
+from comfyui_server_helpers import COMFYUI_ROOT, PROBE, small_core_workflow
 
 import transformer_files
 
@@ -107,13 +107,8 @@ def test_int8_convrot_and_gguf_small_files_generate(server, tmp_path, form):  # 
     with urllib.request.urlopen(f"{server.url}/object_info/VflashModelLoader") as r:
         options = json.loads(r.read())["VflashModelLoader"]["input"]["required"]["model"]
     assert f"\"{name}\"" in json.dumps(options) and "diffusion_models/" not in json.dumps(options)  # named as core lists it
-    workflow = json.loads((API / "t2va_core_loaders.json").read_text())
-    workflow["1"]["inputs"].update(model=name, profile="t2va-base4-exact-cpu")
-    workflow["2"]["inputs"]["clip_name"] = "h3_small_te.safetensors"
-    workflow["3"]["inputs"]["vae_name"] = "h3_small_video_vae.safetensors"
-    workflow["12"]["inputs"]["vae_name"] = "h3_small_audio_vae.safetensors"
-    workflow["4"]["inputs"].update(width=128, height=128)
-    workflow["5"]["inputs"]["seed"] = 23
+    workflow = small_core_workflow(23)
+    workflow["1"]["inputs"]["model"] = name
     workflow["7"]["inputs"]["filename_prefix"] = f"video/user_file_{form}"
     result = asyncio.run(server.run_prompt(workflow))
     assert result["status"] == "success", f"{result}\n{server.tail()}"
