@@ -1,6 +1,7 @@
 """The fast modes against exact, on one GPU, in one process, on the same full-width random inputs.
 
-    python benchmarks/fast_mode.py [--phases kernel evaluation step_cache] [--cache /tmp/vflash-bench]
+    python benchmarks/fast_mode.py [--phases kernel evaluation step_cache e2e] [--cache /tmp/vflash-bench]
+                                   [--prepared-assets RECEIPT --output-dir DIR]
 
 Phases (each writes its records into benchmarks/results/fast_mode_<gpu>.json; a phase not run keeps the committed
 file's records):
@@ -20,6 +21,10 @@ file's records):
 * `step_cache`: a whole 16-evaluation Base16 request (4 full-width blocks) exact and with `step-cache` at its default
   threshold, 1344x768 5 s: block evaluations run, the request's denoise time, the latents' relative L2 distance. On
   random weights the first block's residual decides what is cached: the record says how much it moved per evaluation.
+* `e2e` (with `--prepared-assets`, a full-size receipt such as `end_to_end.py` stages): prompt to MP4 through
+  `pipeline.compare`, Turbo4 1344x768 5 s, exact against `sparse-attention` on one pipeline (the model loaded once,
+  one warm-up request of the fast side first): each side's request and denoise seconds, and the decoded frames' PSNR /
+  SSIM and the soundtrack's log-spectral distance against exact. The MP4s and `comparison.json` go to `--output-dir`.
 
 Random weights prove speed and mechanism, never quality: `latent_rel_l2_vs_exact` is a mechanism check.
 """
@@ -37,7 +42,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import PROFILE, RESULTS, compiled_model, environment, full_width, median_ms, request, write_result  # noqa: E402,I001
+from _common import PROFILE, RESULTS, ROOT, compiled_model, environment, full_width, median_ms, request, write_result  # noqa: E402,I001
 
 from vflash_core.engine.artifact import CompiledArtifact  # noqa: E402
 from vflash_core.engine.denoise import Denoiser  # noqa: E402
@@ -254,11 +259,52 @@ def step_cache_phase(records: list[dict], cache: Path) -> None:
     records.append(record)
 
 
+def e2e_phase(records: list[dict], assets: Path, output_dir: Path, width: int = 1344, height: int = 768,
+              seconds: int = 5) -> None:
+    """Prompt to MP4 at full size, exact against `sparse-attention`, through `pipeline.compare` on one pipeline."""
+    from end_to_end import PROMPT, REQUEST_SEED  # the request the full-size benchmarks time
+
+    from vflash_core.pipeline.assets import PreparedAssets
+    from vflash_core.pipeline.compare import compare
+    from vflash_core.pipeline.h3_pipeline import H3Pipeline
+    from vflash_core.pipeline.options import RunOptions
+    from vflash_core.pipeline.validation import VideoRequest
+
+    request = VideoRequest(PROMPT, seed=REQUEST_SEED, width=width, height=height, duration_seconds=float(seconds))
+    receipt = PreparedAssets.load(assets)
+    with H3Pipeline.from_prepared(receipt, RunOptions(device=DEVICE, fast_mode=SPARSE)) as pipeline:
+        pipeline.generate(request, None)  # warm-up: the sparse kernel and the selection compile on first use
+        result = compare(pipeline, request, output_dir, overwrite=True)
+    report = result.report
+    exact, fast = report["exact"], report["fast"]
+    video, sparse = report["metrics"]["video"], fast["metadata"]["fast_mode"]["sparse_attention"]
+    record = {
+        "phase": "e2e", "canvas": f"{width}x{height}", "seconds": seconds, "mode": "sparse-attention",
+        "profile": receipt.profile.id,
+        "density_cap": SPARSE.sparse_density, "density": sparse["density_reached"] and round(sparse["density_reached"], 4),
+        "sparse_calls": sparse["sparse_calls"], "dense_calls": sparse["dense_calls"],
+        "e2e_seconds": {"exact": round(exact["seconds"], 2), "sparse-attention": round(fast["seconds"], 2)},
+        "e2e_speedup_vs_exact": round(exact["seconds"] / fast["seconds"], 3),
+        "denoise_seconds": {"exact": round(exact["denoise_seconds"], 2),
+                            "sparse-attention": round(fast["denoise_seconds"], 2)},
+        "denoise_speedup_vs_exact": report["denoise_speedup"],
+        "frames_psnr_vs_exact_db": video["psnr_db"]["clip"], "frames_psnr_min_db": video["psnr_db"]["min"],
+        "frames_ssim_vs_exact": video["ssim"]["mean"],
+        "audio_log_spectral_distance_db": report["metrics"]["audio"]["log_spectral_distance_db"],
+        "warm_up": "one sparse-attention request before the pair; the exact side's attention (FA3) compiles nothing",
+    }
+    print(json.dumps(record), flush=True)
+    records.append(record)
+
+
 def kept_records(path: Path, phases: list[str], seconds: list[int]) -> list[dict]:
     """The earlier file's records this run does not measure again, each marked with the commit it was measured at.
 
     An evaluation run replaces only its own clip lengths, so 5 s and 15 s measured earlier survive a run at 10 s.
+    With `VFLASH_RESULTS` set (a device run writing outside the tree) the earlier file is the committed one.
     """
+    if not path.exists():
+        path = ROOT / "benchmarks" / "results" / path.name
     if not path.exists():
         return []
     earlier = json.loads(path.read_text())
@@ -275,12 +321,17 @@ def kept_records(path: Path, phases: list[str], seconds: list[int]) -> list[dict
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--phases", nargs="+", default=["kernel", "evaluation", "step_cache"],
-                        choices=["kernel", "evaluation", "step_cache"])
+                        choices=["kernel", "evaluation", "step_cache", "e2e"])
     parser.add_argument("--sweep", action="store_true", help="also time every launch setting (kernel phase)")
     parser.add_argument("--cache", type=Path, default=Path("/tmp/vflash-bench"))
     parser.add_argument("--seconds", type=int, nargs="+", default=[5, 10, 15], choices=[5, 10, 15],
                         help="clip lengths of the evaluation phase")
+    parser.add_argument("--prepared-assets", type=Path, help="a full-size receipt (the e2e phase)")
+    parser.add_argument("--output-dir", type=Path, default=Path("/tmp/vflash-compare"),
+                        help="where the e2e phase writes its MP4s and comparison.json")
     args = parser.parse_args()
+    if "e2e" in args.phases and args.prepared_assets is None:
+        parser.error("the e2e phase needs --prepared-assets")
     name = f"fast_mode_{gpu_name()}"
     path = RESULTS / f"{name}.json"
     records = kept_records(path, args.phases, args.seconds)
@@ -290,11 +341,15 @@ def main() -> None:
         evaluation_phase(records, args.cache, args.seconds)
     if "step_cache" in args.phases:
         step_cache_phase(records, args.cache)
+    if "e2e" in args.phases:
+        e2e_phase(records, args.prepared_assets, args.output_dir)
     summary: dict[str, object] = {}
     for phase, key, label in (
         ("kernel", "kernel_speedup_vs_fa3_dense", lambda r: f"N {r['rows']}, density cap {r['density_cap']}"),
         ("evaluation", "evaluation_speedup_vs_exact", lambda r: f"1344x768 {r['seconds']} s"),
         ("step_cache", "block_evaluation_reduction", lambda r: f"1344x768 {r['seconds']} s, 16 evaluations"),
+        ("e2e", "e2e_seconds", lambda r: f"{r['profile']} {r['canvas']} {r['seconds']} s"),
+        ("e2e", "frames_psnr_vs_exact_db", lambda r: f"{r['profile']} {r['canvas']} {r['seconds']} s"),
     ):
         summary[key] = {label(r): r[key] for r in records if r["phase"] == phase}
     write_result(name, {**environment(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -4,8 +4,8 @@
 #
 #   [SET="end_to_end memory_caps"] [CAPS_ARGS="..."] [HOST_ARGS="..."] bash benchmarks/full_size_h200.sh COMMIT [MINUTES] [extra end_to_end.py arguments...]
 #
-# SET names any of end_to_end, memory_caps, host_memory, service_throughput (default: the first two; service_throughput
-# serves the receipt end_to_end.py staged, so it follows end_to_end, whose phases `--skip` can leave out). Run from the repository root of the
+# SET names any of end_to_end, memory_caps, host_memory, service_throughput, fast_mode_e2e (default: the first two; the
+# last two use the receipt end_to_end.py staged, so they follow end_to_end, whose phases `--skip` can leave out). Run from the repository root of the
 # device copy with `.whl/site.tar.xz` carried. Results and logs go to $R/results (default /root/run/results), ending
 # with the line "done at ..." in $R/results/done.log; the work folders are /root/e2e (disk) and /dev/shm/vflash
 # (tmpfs), kept so a second run resumes the staging.
@@ -40,6 +40,9 @@ for bench in $SET; do
         memory_caps) wait $tests; python3 benchmarks/memory_caps.py $WORK --deadline-minutes "$(left)" ${CAPS_ARGS:-} > "$R/results/memory_caps.log" 2>&1 ;;
         service_throughput) wait $tests; python3 benchmarks/service_throughput.py --prepared-assets /root/e2e/pipeline.json --gpu 0 \
             --requests 4 --width 1344 --height 768 > "$R/results/service_throughput.log" 2>&1 ;;
+        fast_mode_e2e) wait $tests; python3 benchmarks/fast_mode.py --phases e2e --prepared-assets /root/e2e/pipeline.json \
+            --output-dir /root/compare > "$R/results/fast_mode_e2e.log" 2>&1
+            cp /root/compare/comparison.json "$R/results/fast_mode_comparison.json" ;;
         host_memory) python3 benchmarks/host_memory.py $WORK --deadline-minutes "$(left)" ${HOST_ARGS:-} > "$R/results/host_memory.log" 2>&1 ;;
         *) echo "unknown benchmark $bench" >> "$R/results/done.log" ;;
     esac

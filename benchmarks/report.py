@@ -371,6 +371,8 @@ def fast_mode_figures(data: dict) -> str:
     kernel = [r for r in records if r["phase"] == "kernel"]
     evaluation = [r for r in records if r["phase"] == "evaluation"]
     cache = [r for r in records if r["phase"] == "step_cache"]
+    e2e = [{**r, **{f"{k}_{side}": v for k in ("e2e_seconds", "denoise_seconds") for side, v in r[k].items()}}
+           for r in records if r["phase"] == "e2e"]
     parts = [f"Measured by `benchmarks/fast_mode.py` ({data['gpu']}, torch {data['torch']}; the commit of each row in its "
              "last column) on full-width random weights (speed and mechanism only: random weights say nothing about quality)."]
     if kernel:
@@ -394,6 +396,15 @@ def fast_mode_figures(data: dict) -> str:
                                  ("block_evaluation_reduction_at_50_layers", "the same at 50 layers"), ("exact_request_ms", "exact ms"),
                                  ("fast_request_ms", "step-cache ms"), ("request_speedup_vs_exact", "speedup"),
                                  ("latent_rel_l2_vs_exact", "latent rel L2 (mechanism)"), ("measured_at", "commit")])]
+    if e2e:
+        parts += ["", "Prompt to MP4 at full size (`vflash compare`'s path: one pipeline, the fast side warmed up first), "
+                  "exact vs `sparse-attention`; PSNR / SSIM of the decoded frames against exact (mechanism only):", "",
+                  _table(e2e, [("profile", "profile"), ("canvas", "canvas"), ("seconds", "clip s"), ("density", "density"),
+                               ("e2e_seconds_exact", "exact s"), ("e2e_seconds_sparse-attention", "sparse s"),
+                               ("e2e_speedup_vs_exact", "speedup"), ("denoise_seconds_exact", "exact denoise s"),
+                               ("denoise_seconds_sparse-attention", "sparse denoise s"),
+                               ("frames_psnr_vs_exact_db", "frames PSNR dB"), ("frames_ssim_vs_exact", "SSIM"),
+                               ("audio_log_spectral_distance_db", "audio LSD dB"), ("measured_at", "commit")])]
     return "\n".join(parts + [""])
 
 
