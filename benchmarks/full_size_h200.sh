@@ -39,7 +39,7 @@ for bench in $SET; do
         end_to_end) python3 benchmarks/end_to_end.py $WORK --deadline-minutes $(( $(left) - reserve )) "$@" > "$R/results/end_to_end.log" 2>&1 ;;
         memory_caps) wait $tests; python3 benchmarks/memory_caps.py $WORK --deadline-minutes "$(left)" ${CAPS_ARGS:-} > "$R/results/memory_caps.log" 2>&1 ;;
         service_throughput) wait $tests; python3 benchmarks/service_throughput.py --prepared-assets /root/e2e/pipeline.json --gpu 0 \
-            --requests 4 --width 1344 --height 768 > "$R/results/service_throughput.log" 2>&1 ;;
+            --requests 8 --width 1344 --height 768 > "$R/results/service_throughput.log" 2>&1 ;;
         fast_mode_e2e) wait $tests; python3 benchmarks/fast_mode.py --phases e2e --prepared-assets /root/e2e/pipeline.json \
             --output-dir /root/compare > "$R/results/fast_mode_e2e.log" 2>&1
             cp /root/compare/comparison.json "$R/results/fast_mode_comparison.json" ;;

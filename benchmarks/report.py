@@ -416,9 +416,10 @@ def service_throughput_section(data: dict) -> list[str]:
                + (f", two workers / one {data['two_worker_speedup']}x" if data.get("two_worker_speedup") else ""))
     return [f"## Service throughput (`benchmarks/service_throughput.py`, {machine})", "",
             f"{machine}, torch {data['torch']}, commit `{data['commit'][:10]}`; {request['width']}x{request['height']} "
-            f"{request['duration_seconds']} s requests, {data.get('threads_per_worker', '')} thread(s) per worker "
-            "(torch's and the H.264 encoder's): "
-            f"{summary}.", "",
+            f"{request['duration_seconds']} s requests"
+            + (f", {data['threads_per_worker']} thread(s) per worker (torch's and the H.264 encoder's)"
+               if data.get("threads_per_worker") else ", one worker on one GPU")
+            + f": {summary}.", "",
             _table(data["requests_per_hour"], [("mode", "mode"), ("workers", "workers"), ("requests", "requests"),
                                                ("wall_seconds", "wall s"), ("requests_per_hour", "requests per hour"),
                                                ("gpu_busy_fraction", "GPU busy")]), ""]
