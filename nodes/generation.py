@@ -10,7 +10,7 @@ from .graph_checks import check_graph
 from .host import FOLDERS, HOST
 from .registry import ENGINES
 from .request_inputs import RequestWidgets
-from .types import VflashCond, VflashModel, aliases, te_input, vae_inputs
+from .types import VflashCond, VflashModel, te_input, vae_inputs, vflash_schema
 
 _WIDTH_TOOLTIP = (
     "Canvas width in pixels: a multiple of 32, aspect ratio within 1:4..4:1 (768x1344 area cap for the released model)."
@@ -70,11 +70,9 @@ def _reference_inputs() -> list:
 class VflashEncode(io.ComfyNode):
     @classmethod
     def define_schema(cls):
-        return io.Schema(
-            node_id="VflashEncode",
-            display_name="MiniMax H3 Vflash Prompt / Frames / References",
-            category="Vflash/conditioning",
-            search_aliases=aliases(
+        return vflash_schema(
+            "Encode", "Prompt / Frames / References", "conditioning",
+            search=(
                 "encode", "prompt", "text to video", "image to video", "reference to video", "t2va", "i2va", "fl2va",
                 "ref2va",
             ),
@@ -131,11 +129,9 @@ class VflashEncode(io.ComfyNode):
 class VflashSampler(io.ComfyNode):
     @classmethod
     def define_schema(cls):
-        return io.Schema(
-            node_id="VflashSampler",
-            display_name="MiniMax H3 Vflash Sampler",
-            category="Vflash/sampling",
-            search_aliases=aliases("sampler", "ksampler", "denoise", "generate video"),
+        return vflash_schema(
+            "Sampler", "Sampler", "sampling",
+            search=("sampler", "ksampler", "denoise", "generate video"),
             description=(
                 "Runs the profile's fixed schedule (its number of evaluations and its video/audio shifts are compiled "
                 "into the weights; change the profile to change them). One progress step per evaluation; Cancel stops "
@@ -180,11 +176,9 @@ class VflashSampler(io.ComfyNode):
 class VflashDecode(io.ComfyNode):
     @classmethod
     def define_schema(cls):
-        return io.Schema(
-            node_id="VflashDecode",
-            display_name="MiniMax H3 Vflash Decode (video + audio)",
-            category="Vflash/decode",
-            search_aliases=aliases("decode", "vae decode", "latent to video"),
+        return vflash_schema(
+            "Decode", "Decode (video + audio)", "decode",
+            search=("decode", "vae decode", "latent to video"),
             description=(
                 "Decodes an H3 AV latent to frames (IMAGE batch), 32 kHz stereo AUDIO and a VIDEO at 24 fps (save it "
                 "with core SaveVideo). vae takes the Vflash VAE pair, or core's video VAE with core's audio VAE in "
@@ -212,11 +206,9 @@ class VflashDecode(io.ComfyNode):
 class VflashGenerate(io.ComfyNode):
     @classmethod
     def define_schema(cls):
-        return io.Schema(
-            node_id="VflashGenerate",
-            display_name="MiniMax H3 Vflash Generate",
-            category="Vflash/sampling",
-            search_aliases=aliases("all in one", "text to video", "image to video", "generate video"),
+        return vflash_schema(
+            "Generate", "Generate", "sampling",
+            search=("all in one", "text to video", "image to video", "generate video"),
             description=(
                 "All in one: encode, sample with the profile's fixed schedule, decode. t2va, or i2va / l2va / fl2va "
                 "with keyframes. te / vae take Vflash's loaders or core's CLIP (type minimax) and VAEs, as Vflash "
@@ -253,11 +245,9 @@ class VflashGenerate(io.ComfyNode):
 class VflashCompare(io.ComfyNode):
     @classmethod
     def define_schema(cls):
-        return io.Schema(
-            node_id="VflashCompare",
-            display_name="MiniMax H3 Vflash Compare (exact vs fast mode)",
-            category="Vflash/sampling",
-            search_aliases=aliases("compare", "fast mode", "quality", "psnr", "ssim", "sparse attention", "step cache"),
+        return vflash_schema(
+            "Compare", "Compare (exact vs fast mode)", "sampling",
+            search=("compare", "fast mode", "quality", "psnr", "ssim", "sparse attention", "step cache"),
             description=(
                 "Renders one request exactly and with the model loader's fast_mode on the one loaded engine, then "
                 "measures what the mode changed: per-frame PSNR and SSIM of the video, the log-spectral distance of "
@@ -300,11 +290,9 @@ class VflashCompare(io.ComfyNode):
 class VflashUnload(io.ComfyNode):
     @classmethod
     def define_schema(cls):
-        return io.Schema(
-            node_id="VflashUnload",
-            display_name="MiniMax H3 Vflash Unload (free memory)",
-            category="Vflash/utils",
-            search_aliases=aliases("unload", "free memory"),
+        return vflash_schema(
+            "Unload", "Unload (free memory)", "utils",
+            search=("unload", "free memory"),
             description=(
                 "Releases Vflash engines (device and pinned host memory) when its input arrives; passes the input "
                 "through."

@@ -23,7 +23,7 @@ from .model_files import (
     path_identity,
 )
 from .registry import ENGINES
-from .types import DEVICE_TOOLTIP, VflashLora, VflashModel, VflashTextEncoder, VflashVAE, aliases, peer_devices
+from .types import DEVICE_TOOLTIP, VflashLora, VflashModel, VflashTextEncoder, VflashVAE, peer_devices, vflash_schema
 
 _MODEL_TOOLTIP = (
     "What to run. 'embedded-demo' is a tiny random-weight H3 family built on first use (CPU, for testing graphs). "
@@ -45,11 +45,9 @@ _FAST_MODE_OPTIONS = ["exact", *FAST_MODES, "+".join(FAST_MODES)]
 class VflashModelLoader(io.ComfyNode):
     @classmethod
     def define_schema(cls):
-        return io.Schema(
-            node_id="VflashModelLoader",
-            display_name="MiniMax H3 Vflash Model Loader",
-            category="Vflash/loaders",
-            search_aliases=aliases("load transformer", "dit", "unet loader"),
+        return vflash_schema(
+            "ModelLoader", "Model Loader", "loaders",
+            search=("load transformer", "dit", "unet loader"),
             description=(
                 "Loads the MiniMax-H3 diffusion transformer into a Vflash engine (compiled, exact fixed-schedule "
                 "runtime). The profile, devices and model option are checked when the graph is queued: a profile for "
@@ -146,11 +144,9 @@ class VflashModelLoader(io.ComfyNode):
 class VflashLoraSelect(io.ComfyNode):
     @classmethod
     def define_schema(cls):
-        return io.Schema(
-            node_id="VflashLoraSelect",
-            display_name="MiniMax H3 Vflash LoRA Select",
-            category="Vflash/loaders",
-            search_aliases=aliases("lora", "turbo lora"),
+        return vflash_schema(
+            "LoraSelect", "LoRA Select", "loaders",
+            search=("lora", "turbo lora"),
             description="Adds one LoRA file to a chain for the Vflash Model Loader.",
             inputs=[
                 io.Combo.Input(
@@ -187,17 +183,10 @@ class _ComponentLoader(io.ComfyNode):
 
     @classmethod
     def component_schema(
-        cls,
-        node_id: str,
-        display_name: str,
-        search_aliases: list[str],
-        description: str,
-        option_tooltip: str,
-        output: io.Output,
+        cls, name: str, title: str, search: tuple[str, ...], description: str, option_tooltip: str, output: io.Output,
     ) -> io.Schema:
-        return io.Schema(
-            node_id=node_id, display_name=display_name, category="Vflash/loaders", search_aliases=search_aliases,
-            description=description,
+        return vflash_schema(
+            name, title, "loaders", search=search, description=description,
             inputs=[
                 io.Combo.Input(cls.OPTION, options=component_options(FOLDERS, cls.KIND), tooltip=option_tooltip),
                 io.Combo.Input("device", options=present_devices(), default="auto", tooltip=DEVICE_TOOLTIP),
@@ -227,8 +216,7 @@ class VflashTextEncoderLoader(_ComponentLoader):
     @classmethod
     def define_schema(cls):
         return cls.component_schema(
-            "VflashTextEncoderLoader", "MiniMax H3 Vflash Text Encoder Loader",
-            aliases("qwen3-vl", "text encoder", "clip"),
+            "TextEncoderLoader", "Text Encoder Loader", ("qwen3-vl", "text encoder", "clip"),
             "Loads MiniMax-H3's Qwen3-VL conditioner (text encoder, tokenizer and processor of a diffusers model "
             "folder), bitwise the diffusers conditioning. For the single file in text_encoders/ use core CLIPLoader "
             "(type minimax) instead: Vflash Encode takes its CLIP.",
@@ -243,7 +231,7 @@ class VflashVAELoader(_ComponentLoader):
     @classmethod
     def define_schema(cls):
         return cls.component_schema(
-            "VflashVAELoader", "MiniMax H3 Vflash VAE Loader (video + audio)", aliases("vae", "audio vae"),
+            "VAELoader", "VAE Loader (video + audio)", ("vae", "audio vae"),
             "Loads MiniMax-H3's video VAE and audio VAE (32 kHz stereo) of a diffusers model folder as one pair. For "
             "the files in vae/ use two core VAELoaders instead: Vflash Encode / Decode take them (vae + audio_vae).",
             "A model folder with vae/ and audio_vae/ (official layout), or 'embedded-demo'.",

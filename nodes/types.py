@@ -17,8 +17,14 @@ VflashLora = io.Custom("VFLASH_LORA")  # chain of (LoRA file, strength)
 SEARCH_ALIASES = ["minimax", "minimax h3", "h3", "video audio", "video + audio", "soundtrack", "vflash"]
 
 
-def aliases(*extra: str) -> list[str]:
-    return [*SEARCH_ALIASES, *extra]
+def vflash_schema(name: str, title: str, category: str, search: tuple[str, ...], **schema) -> io.Schema:
+    """A Vflash node's schema: node id "Vflash<name>", display name "MiniMax H3 Vflash <title>", category
+    "Vflash/<category>", found by the pack's search words and `search`; `schema` holds the rest (description, inputs,
+    outputs, ...)."""
+    return io.Schema(
+        node_id=f"Vflash{name}", display_name=f"MiniMax H3 Vflash {title}", category=f"Vflash/{category}",
+        search_aliases=[*SEARCH_ALIASES, *search], **schema,
+    )
 
 
 def peer_devices() -> list[str]:
