@@ -22,14 +22,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import compiled_model, environment, full_width, median_ms, request, write_result  # noqa: E402
+from _common import compiled_model, environment, full_width, median_ms, request, write_result
 
-from vflash_core.engine.artifact import CompiledArtifact  # noqa: E402
-from vflash_core.engine.attention import resolve_attention  # noqa: E402
-from vflash_core.engine.denoise import Denoiser  # noqa: E402
-from vflash_core.engine.fused import FusedOps  # noqa: E402
-from vflash_core.engine.profiler import StageTimer  # noqa: E402
-from vflash_core.engine.residency import BlockArena, BlockRing, ResidentBlocks  # noqa: E402
+from vflash_core.engine.artifact import CompiledArtifact
+from vflash_core.engine.attention import resolve_attention
+from vflash_core.engine.denoise import Denoiser
+from vflash_core.engine.fused import FusedOps
+from vflash_core.engine.profiler import StageTimer
+from vflash_core.engine.residency import BlockArena, BlockRing, ResidentBlocks
 
 STEP = 1
 GIB = 1 << 30

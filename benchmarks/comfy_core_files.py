@@ -34,9 +34,9 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests" / "comfy_core_probe")]
 
-from vflash_core.engine.config import TEXT_ENCODER_LAYER, H3Config  # noqa: E402
-from vflash_core.tensor_store import write_safetensors_streamed  # noqa: E402
-from vflash_core.weights import synthetic  # noqa: E402
+from vflash_core.engine.config import TEXT_ENCODER_LAYER, H3Config
+from vflash_core.tensor_store import write_safetensors_streamed
+from vflash_core.weights import synthetic
 
 SEED = 0
 # Qwen3-VL-32B as released (the H3 family's text encoder; benchmarks/full_family.py writes the same in diffusers' layout).

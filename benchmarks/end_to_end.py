@@ -68,11 +68,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import ROOT, environment, write_result
 from full_family import SEED, STAGED_FAMILY, StagedFamily, folder_bytes, host_memory_bytes, host_memory_in_use
 
+from vflash_core.engine.artifact import CompiledPaths
 from vflash_core.engine.config import H3Config
+from vflash_core.engine.engine_options import EngineOptions
 from vflash_core.weights import synthetic
 from vflash_core.weights.family import DEMO_FAMILY
-from vflash_core.engine.artifact import CompiledPaths
-from vflash_core.engine.engine_options import EngineOptions
 
 PROMPT = "A robot dances in the rain on a neon street at night, drums and bass play, the camera slowly pans left."
 REQUEST_SEED = 1234

@@ -42,16 +42,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import PROFILE, RESULTS, ROOT, compiled_model, environment, full_width, median_ms, request, write_result  # noqa: E402,I001
+from _common import PROFILE, RESULTS, ROOT, compiled_model, environment, full_width, median_ms, request, write_result
 
-from vflash_core.engine.artifact import CompiledArtifact  # noqa: E402
-from vflash_core.engine.denoise import Denoiser  # noqa: E402
-from vflash_core.engine.fast_mode import FastMode  # noqa: E402
-from vflash_core.engine.fast_mode_run import FastModeRun  # noqa: E402
-from vflash_core.engine.fused import FusedOps  # noqa: E402
-from vflash_core.engine.profiler import StageTimer  # noqa: E402
-from vflash_core.engine.residency import BlockSource, ResidentBlocks  # noqa: E402
-from vflash_core.engine.sparse_attention import masked_attention, select_key_blocks  # noqa: E402
+from vflash_core.engine.artifact import CompiledArtifact
+from vflash_core.engine.denoise import Denoiser
+from vflash_core.engine.fast_mode import FastMode
+from vflash_core.engine.fast_mode_run import FastModeRun
+from vflash_core.engine.fused import FusedOps
+from vflash_core.engine.profiler import StageTimer
+from vflash_core.engine.residency import BlockSource, ResidentBlocks
+from vflash_core.engine.sparse_attention import masked_attention, select_key_blocks
 
 HEADS, HEAD_DIM = 56, 128
 KERNEL_ROWS = {"960x544 5 s": 19_796, "1344x768 5 s": 38_222, "1344x768 10 s": 73_898, "1344x768 15 s": 104_478}
@@ -75,7 +75,6 @@ def _launch(q, k, v, selection, num_warps: int, num_stages: int, use_tma: bool):
     """The kernel with explicit launch settings (the sweep); the product's launcher fixes the fastest."""
     import triton
     from triton.tools.tensor_descriptor import TensorDescriptor
-
     from vflash_kernels import block_sparse_attention as bsa
 
     rows, heads, head_dim = q.shape[1], q.shape[2], q.shape[3]
@@ -110,7 +109,7 @@ def kernel_phase(records: list[dict], sweep: bool) -> None:
             selection = select_key_blocks(q, k, prefix_rows, density, 1.0, 1)
             select_ms = median_ms(lambda: select_key_blocks(q, k, prefix_rows, density, 1.0, 1), 1, 5)
             reached = selection.kept_pairs / selection.total_pairs
-            run = lambda: block_sparse_attention(  # noqa: E731
+            run = lambda: block_sparse_attention(
                 q, k, v, selection.kv_blocks, selection.kv_counts, selection.dense_query_blocks)
             sparse_ms = median_ms(run, 2, 7)
             settings = {}
@@ -146,7 +145,7 @@ def kernel_phase(records: list[dict], sweep: bool) -> None:
                 record["launch_settings_ms"] = settings
             print(json.dumps(record), flush=True)
             records.append(record)
-        q = k = v = None  # noqa: F841 - frees the inputs before the next size's
+        q = k = v = None  # frees the inputs before the next size's
         torch.cuda.empty_cache()
 
 
@@ -206,7 +205,7 @@ def evaluation_phase(records: list[dict], cache: Path, seconds_list: list[int]) 
             if den.fast is not None and den.fast.attention is not None:
                 reports[name] = den.fast.attention.density_reached()
             den.close()
-            den = state = None  # noqa: F841 - frees the request's tensors before the next side's
+            den = state = None  # frees the request's tensors before the next side's
             torch.cuda.empty_cache()
         exact = outputs["exact"]
         rel = float((outputs["sparse-attention"] - exact).norm() / exact.norm())

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
+from _common import (
     PROFILE,
     attention_flops,
     attention_tflops,
@@ -46,14 +46,14 @@ from _common import (  # noqa: E402
     write_result,
 )
 
-from vflash_core import get_profile  # noqa: E402
-from vflash_core.engine import fused  # noqa: E402
-from vflash_core.engine.artifact import CompiledArtifact  # noqa: E402
-from vflash_core.engine.attention import resolve_attention  # noqa: E402
-from vflash_core.engine.denoise import Denoiser  # noqa: E402
-from vflash_core.engine.fused import FusedOps  # noqa: E402
-from vflash_core.engine.profiler import StageTimer  # noqa: E402
-from vflash_core.engine.residency import ResidentBlocks  # noqa: E402
+from vflash_core import get_profile
+from vflash_core.engine import fused
+from vflash_core.engine.artifact import CompiledArtifact
+from vflash_core.engine.attention import resolve_attention
+from vflash_core.engine.denoise import Denoiser
+from vflash_core.engine.fused import FusedOps
+from vflash_core.engine.profiler import StageTimer
+from vflash_core.engine.residency import ResidentBlocks
 
 STEP = 1
 

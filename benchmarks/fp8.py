@@ -57,21 +57,21 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import compiled_model, environment, full_width, gpu_clocks, request, write_result  # noqa: E402
+from _common import compiled_model, environment, full_width, gpu_clocks, request, write_result
 
-from vflash_core.engine import fp8  # noqa: E402
-from vflash_core.engine.artifact import CompiledArtifact  # noqa: E402
-from vflash_core.engine.attention import resolve_attention  # noqa: E402
-from vflash_core.engine.config import H3Config  # noqa: E402
-from vflash_core.engine.denoise import Denoiser, RequestState  # noqa: E402
-from vflash_core.engine.fused import FusedOps  # noqa: E402
-from vflash_core.engine.model import BlockOps  # noqa: E402
-from vflash_core.engine.profiler import StageTimer  # noqa: E402
-from vflash_core.engine.residency import ResidentBlocks  # noqa: E402
-from vflash_core.errors import VflashError  # noqa: E402
-from vflash_core.profiles import Profile, get_profile  # noqa: E402
-from vflash_core.weights import synthetic  # noqa: E402
-from vflash_core.weights.compiler import compile_receipt, prepare  # noqa: E402
+from vflash_core.engine import fp8
+from vflash_core.engine.artifact import CompiledArtifact
+from vflash_core.engine.attention import resolve_attention
+from vflash_core.engine.config import H3Config
+from vflash_core.engine.denoise import Denoiser, RequestState
+from vflash_core.engine.fused import FusedOps
+from vflash_core.engine.model import BlockOps
+from vflash_core.engine.profiler import StageTimer
+from vflash_core.engine.residency import ResidentBlocks
+from vflash_core.errors import VflashError
+from vflash_core.profiles import Profile, get_profile
+from vflash_core.weights import synthetic
+from vflash_core.weights.compiler import compile_receipt, prepare
 
 STEP = 1
 EVALUATIONS = 4

@@ -39,8 +39,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import request as bundle_request  # noqa: E402
-from end_to_end import HostPeak, Run, Setup, drop_page_cache, first_use  # noqa: E402
+from _common import request as bundle_request
+from end_to_end import HostPeak, Run, Setup, drop_page_cache, first_use
+
 from vflash_core.engine.artifact import CompiledPaths
 from vflash_core.engine.engine_options import EngineOptions
 

@@ -31,9 +31,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import commit_id  # noqa: E402
+from _common import commit_id
 
-from vflash_core.engine import model as reference  # noqa: E402
+from vflash_core.engine import model as reference
 from vflash_core.engine import parallel
 
 
@@ -124,7 +124,7 @@ def build_cases(k: SimpleNamespace, n: int, g: torch.Generator, ops: set[str]) -
                 4 * n * INNER * 2 + angle_bytes,
             ))
         norm_rope_bytes = 4 * n * INNER * 2 + angle_bytes  # q, k read from the QKV rows, q, k written
-        qk_reference = lambda: reference.qk_norm_rope(qkv, wq, wk, EPS, cos, sin, head_dim=HEAD_DIM)[:2]  # noqa: E731
+        qk_reference = lambda: reference.qk_norm_rope(qkv, wq, wk, EPS, cos, sin, head_dim=HEAD_DIM)[:2]
         if "rms_norm+rope" in ops:  # variant (a) in the model: torch's F.rms_norm, then the Triton rope
             cases.append(Case(
                 "rms_norm+rope", qk_reference,

@@ -33,19 +33,19 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common  # noqa: E402
-from _common import compiled_model, environment, full_width, median_ms, request, write_result  # noqa: E402
+import _common
+from _common import compiled_model, environment, full_width, median_ms, request, write_result
 
-from vflash_core import Geometry, build_keyframe_bundle  # noqa: E402
-from vflash_core.engine.artifact import CompiledArtifact  # noqa: E402
-from vflash_core.engine.attention import resolve_attention  # noqa: E402
-from vflash_core.engine.config import H3Config  # noqa: E402
-from vflash_core.engine.denoise import Denoiser  # noqa: E402
-from vflash_core.engine.model import BlockOps  # noqa: E402
-from vflash_core.engine.residency import ResidentBlocks  # noqa: E402
-from vflash_core.weights import synthetic  # noqa: E402
-from vflash_core.weights.compiler import compile_receipt, prepare  # noqa: E402
-from vflash_core.weights.lora import LoraStack, StackedLora  # noqa: E402
+from vflash_core import Geometry, build_keyframe_bundle
+from vflash_core.engine.artifact import CompiledArtifact
+from vflash_core.engine.attention import resolve_attention
+from vflash_core.engine.config import H3Config
+from vflash_core.engine.denoise import Denoiser
+from vflash_core.engine.model import BlockOps
+from vflash_core.engine.residency import ResidentBlocks
+from vflash_core.weights import synthetic
+from vflash_core.weights.compiler import compile_receipt, prepare
+from vflash_core.weights.lora import LoraStack, StackedLora
 
 STEP = 1
 STRENGTHS = (1.0, 0.6, 0.8)

@@ -59,14 +59,14 @@ import PIL.Image
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS  # noqa: E402
-from _common import request as bundle_request  # noqa: E402
-from end_to_end import PROMPT, DevicePeak, HostPeak, Run, Setup, load_pipeline, stage, stage_digests, vflash_requests  # noqa: E402
-from full_family import SEED  # noqa: E402
+from _common import RESULTS
+from _common import request as bundle_request
+from end_to_end import PROMPT, DevicePeak, HostPeak, Run, Setup, load_pipeline, stage, stage_digests, vflash_requests
+from full_family import SEED
 
-from vflash_core.errors import RequestError, RunFailedError  # noqa: E402
 from vflash_core.engine.artifact import CompiledPaths
 from vflash_core.engine.engine_options import EngineOptions
+from vflash_core.errors import RequestError, RunFailedError
 
 SECONDS = {5: 124, 10: 243, 15: 345}  # frames of the 5, 10 and 15 s clips (17 n + 5)
 LONGEST_UNDER = 48.0  # caps below this run 5 and 10 s clips only

@@ -17,10 +17,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import PROFILE, compiled_model, environment, full_width, request, write_result  # noqa: E402
-from two_gpu import link_type, per_block_ms  # noqa: E402
+from _common import PROFILE, compiled_model, environment, full_width, request, write_result
+from two_gpu import link_type, per_block_ms
 
-from vflash_core import NativeEngineSession  # noqa: E402
+from vflash_core import NativeEngineSession
 from vflash_core.engine.artifact import CompiledPaths
 from vflash_core.engine.engine_options import EngineOptions
 

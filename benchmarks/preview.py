@@ -32,12 +32,12 @@ import PIL.Image
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, environment, request, write_result  # noqa: E402
+from _common import ROOT, environment, request, write_result
 
-from vflash_core.engine.config import H3Config  # noqa: E402
-from vflash_core.engine.layout import unpatchify  # noqa: E402
-from vflash_core.progress import preview_strip  # noqa: E402
-from vflash_core.schedule import flow_denoised  # noqa: E402
+from vflash_core.engine.config import H3Config
+from vflash_core.engine.layout import unpatchify
+from vflash_core.progress import preview_strip
+from vflash_core.schedule import flow_denoised
 
 CANVASES = ("1344x768", "960x544")
 RESULTS = ROOT / "benchmarks" / "results"

@@ -33,10 +33,10 @@ from typing import Any
 from aiohttp import ClientSession, web
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import environment, write_result  # noqa: E402
+from _common import environment, write_result
 
-from vflash_core.pipeline.options import RunOptions  # noqa: E402
-from vflash_core.service import ServiceConfig, create_app  # noqa: E402
+from vflash_core.pipeline.options import RunOptions
+from vflash_core.service import ServiceConfig, create_app
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 

@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import PROFILE, compiled_model, environment, full_width, request, write_result  # noqa: E402
+from _common import PROFILE, compiled_model, environment, full_width, request, write_result
 
-from vflash_core import NativeEngineSession  # noqa: E402
+from vflash_core import NativeEngineSession
 from vflash_core.engine.artifact import CompiledPaths
 from vflash_core.engine.engine_options import EngineOptions
 

@@ -58,13 +58,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import attention_flops, environment, gemm_tflops, sustained_ms, write_result  # noqa: E402
+from _common import attention_flops, environment, gemm_tflops, sustained_ms, write_result
 
-from vflash_core.engine.layout import audio_latent_count, frames_for_duration, video_latent_frames  # noqa: E402
-from vflash_core.media.vae import PIXEL_MEAN, PIXEL_STD, MediaVAEs, decode_bytes  # noqa: E402
-from vflash_core.media.vae_decode import DEFAULT_WINDOWS_PER_CALL, NativeVideoDecoder  # noqa: E402
-from vflash_core.media.vae_vit import DecoderWeights  # noqa: E402
-from vflash_core.weights.family import DEMO_FAMILY, FamilySpec, build_model_family  # noqa: E402
+from vflash_core.engine.layout import audio_latent_count, frames_for_duration, video_latent_frames
+from vflash_core.media.vae import PIXEL_MEAN, PIXEL_STD, MediaVAEs, decode_bytes
+from vflash_core.media.vae_decode import DEFAULT_WINDOWS_PER_CALL, NativeVideoDecoder
+from vflash_core.media.vae_vit import DecoderWeights
+from vflash_core.weights.family import DEMO_FAMILY, FamilySpec, build_model_family
 
 SEED = 0
 CANVASES = {"960x544": (544, 960), "1344x768": (768, 1344)}

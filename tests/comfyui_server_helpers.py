@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from comfy_server import (  # noqa: E402
+from comfy_server import (
     API,
     PROBE,
     REPO,

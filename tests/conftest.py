@@ -12,13 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from filelock import FileLock
+
 # Fixtures defined beside the helpers of their concern, shared by name with every test module (pytest finds a
 # conftest's fixtures by the names it holds).
 from comfyui_server_helpers import server  # noqa: F401
+from filelock import FileLock
 from kernel_harness import gpu, interp  # noqa: F401
-from service_helpers import make_service  # noqa: F401
 from refusals import no_model_loads  # noqa: F401
+from service_helpers import make_service  # noqa: F401
 
 from vflash_core.engine.config import H3Config
 from vflash_core.profiles import Profile, get_profile

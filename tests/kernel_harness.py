@@ -25,6 +25,7 @@ import torch
 
 from vflash_core.engine import model as reference  # the torch reference of every kernel op
 
+
 def modulate_reference(normed, table, row_index, which="msa", out_dtype=None):
     """`vflash_core.engine.model.modulate`, cast to a kernel's `out_dtype` (the output heads take it in fp32)."""
     y = reference.modulate(normed, table, row_index, which)

@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 from refusals import files_in, refused
 
+from vflash_core.engine.artifact import CompiledPaths
 from vflash_core.engine.config import H3Config
+from vflash_core.engine.engine_options import EngineOptions
+from vflash_core.engine.session_hooks import SessionHooks
 from vflash_core.errors import CallbackGuard, Number, VflashError, is_int, is_real
 from vflash_core.fileio import GIB, MIB, size_text
 from vflash_core.formats import gpu_device, is_count, is_number, is_positive
 from vflash_core.pipeline.options import RunOptions
-from vflash_core.engine.artifact import CompiledPaths
-from vflash_core.engine.engine_options import EngineOptions
-from vflash_core.engine.session_hooks import SessionHooks
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -329,8 +329,8 @@ def _forged_bundle(folder: Path, manifest_changes: dict | None = None, tensor_ch
     """A saved bundle with its manifest or tensors changed, the manifest's hash recomputed (so only the checks of its
     fields and values can tell)."""
     import torch  # noqa: F401 (the changes build tensors)
-    from safetensors.torch import load_file, save_file
     from bundles import keyframe_bundle
+    from safetensors.torch import load_file, save_file
 
     from vflash_core.tensor_store import file_sha256
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-from end_to_end import BITWISE_ATTENTION, Run  # noqa: E402
-from full_family import StagedFamily  # noqa: E402
+from end_to_end import BITWISE_ATTENTION, Run
+from full_family import StagedFamily
 
-from vflash_core.engine.attention_backends import BACKENDS  # noqa: E402
-from vflash_core.weights.family import DEMO_FAMILY  # noqa: E402
+from vflash_core.engine.attention_backends import BACKENDS
+from vflash_core.weights.family import DEMO_FAMILY
 
 
 def test_a_resumed_staging_counts_the_compile_it_made_as_its_own(tmp_path):

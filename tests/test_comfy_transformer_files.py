@@ -10,19 +10,17 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+import transformer_files
 from conftest import TINY, assert_bitwise, compile_tiny, cpu_profile
 from safetensors.torch import load_file, save_file
 
-import transformer_files
-
 from vflash_core import Geometry, NativeEngineSession, build_keyframe_bundle
 from vflash_core.engine import model as M
-from vflash_core.engine.artifact import CompiledArtifact
+from vflash_core.engine.artifact import CompiledArtifact, CompiledPaths
 from vflash_core.errors import IdentityMismatchError, WeightFileError
 from vflash_core.profiles import AdapterSpec
 from vflash_core.weights import synthetic
 from vflash_core.weights.checkpoint import SourceWeights
-from vflash_core.engine.artifact import CompiledPaths
 
 HEIGHT, WIDTH, FRAMES = 64, 96, 124
 

@@ -20,8 +20,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import CARD_TITLE_CHARS, TEMPLATES
 from comfyui_server_helpers import COMFYUI_ROOT, REPO
+from conftest import CARD_TITLE_CHARS, TEMPLATES
 
 CHROMIUM = Path(os.environ.get("VFLASH_CHROMIUM", "/usr/bin/chromium"))
 pytestmark = [
@@ -64,7 +64,7 @@ def hub_requests() -> list[str]:
 
 
 @pytest.fixture
-def context(browser, server, hub_requests):  # noqa: F811
+def context(browser, server, hub_requests):
     """A fresh browser profile per test; every request to Hugging Face is recorded (`hub_requests`) and refused in the
     browser, so a download button can be checked for its URL without anything leaving the machine."""
     ctx = browser.new_context(viewport=VIEWPORT)
@@ -171,7 +171,7 @@ THUMBNAILS_ON_SCREEN_LOADED = """titles => titles.every(title => {
 })"""
 
 
-def test_template_browser_search_finds_every_vflash_template_with_its_thumbnail(context, server, shots):  # noqa: F811
+def test_template_browser_search_finds_every_vflash_template_with_its_thumbnail(context, server, shots):
     """Searching the template browser for "MiniMax", "H3" and "Vflash" lists all seven Vflash templates, each card
     titled by its file name and showing its thumbnail: the <img> decoded (naturalWidth > 0) from the <title>.jpg the
     server answered with 200 image/jpeg. What each card's one-line title shows (it is cut with an ellipsis) tells the
@@ -232,7 +232,7 @@ def _open_comfy_org_template(context, url: str):
     return page
 
 
-def test_missing_models_lists_the_comfy_org_files_with_their_download_urls(context, server, shots, hub_requests):  # noqa: F811
+def test_missing_models_lists_the_comfy_org_files_with_their_download_urls(context, server, shots, hub_requests):
     """Opening the Comfy-Org template in a ComfyUI whose model folders lack its files: the Missing Models list names
     exactly the files of the template's `properties.models`, each under its folder and by its bare file name, as core's
     templates name theirs (the Vflash loader's transformer `minimax_h3_fl2va_bf16.safetensors`, no `diffusion_models/`
@@ -283,7 +283,7 @@ def test_missing_models_lists_the_comfy_org_files_with_their_download_urls(conte
         opened.value.close()
 
 
-def test_the_comfy_org_template_run_without_its_files(context, server, shots):  # noqa: F811
+def test_the_comfy_org_template_run_without_its_files(context, server, shots):
     """The Comfy-Org template opened where none of its four files is: before Run the frontend says "4 errors found",
     its Missing Models list, one entry per file with its folder and Download button. Run (on a profile this CPU
     machine runs; the shipped sm90 one adds an error on the profile widget here) gives "8 errors found": the four
@@ -352,7 +352,7 @@ def _search_nodes(page, query: str):
     return options
 
 
-def test_node_search_and_reference_socket_tooltips(context, server, shots):  # noqa: F811
+def test_node_search_and_reference_socket_tooltips(context, server, shots):
     """The node search (double-click on the canvas) ranks Vflash nodes among its first five results for "MiniMax H3"
     and gives only Vflash nodes for "Vflash", each shown by its display name and the pack's badge; the server's
     test-only probe node (dev-only) is in neither list, as a user without dev mode sees it. The Prompt / Frames /

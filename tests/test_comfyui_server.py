@@ -19,8 +19,6 @@ from pathlib import Path
 
 import pytest
 import transformer_files
-from conftest import TEMPLATES
-
 from comfyui_server_helpers import (
     API,
     COMFYUI_ROOT,
@@ -32,6 +30,8 @@ from comfyui_server_helpers import (
     small_core_workflow,
     vflash_entries,
 )
+from conftest import TEMPLATES
+
 pytestmark = pytest.mark.skipif(not COMFYUI_ROOT, reason="set COMFYUI_ROOT to a ComfyUI checkout to run the real-server tests")
 
 SMALL = {"4": {"width": 128, "height": 128}}  # the chain on a small canvas; t2va runs unmodified
@@ -345,8 +345,9 @@ def test_comfy_org_transformer_file_through_the_model_loader(server, tmp_path, f
     encoder and VAEs: the Vflash loader compiles it on first use and the graph runs to an MP4."""
     from dataclasses import replace
 
-    from vflash_core.engine.config import H3Config
     from mp4_probe import probe_mp4
+
+    from vflash_core.engine.config import H3Config
     from vflash_core.weights import synthetic
 
     config = replace(H3Config.preset("demo"), in_channels=24, audio_in_channels=32)

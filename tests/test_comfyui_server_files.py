@@ -20,10 +20,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_bitwise
-from comfyui_server_helpers import COMFYUI_ROOT, PROBE, small_core_workflow
-
 import transformer_files
+from comfyui_server_helpers import COMFYUI_ROOT, PROBE, small_core_workflow
+from conftest import assert_bitwise
 
 from vflash_core.weights.gguf_file import DEQUANTIZERS, dequantize_gguf
 
@@ -85,12 +84,13 @@ def _small_config():
 
 @needs_comfyui
 @pytest.mark.parametrize("form", ["int8_convrot", "gguf"])
-def test_int8_convrot_and_gguf_small_files_generate(server, tmp_path, form):  # noqa: F811
+def test_int8_convrot_and_gguf_small_files_generate(server, tmp_path, form):
     """The small family's transformer as an int8_convrot safetensors file and as a Q8_0 GGUF in diffusion_models/,
     with core's text encoder and VAEs: the Vflash loader lists it, compiles it on first use, and the graph runs to an
     MP4; the compiled artifact records the file's format."""
-    from vflash_core.engine.artifact import CompiledArtifact
     from mp4_probe import probe_mp4
+
+    from vflash_core.engine.artifact import CompiledArtifact
     from vflash_core.weights import synthetic
 
     config = _small_config()

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image
 from comfyui_server_helpers import COMFYUI_ROOT, PROBE, server_memory, small_core_workflow, vflash_entries
+from PIL import Image
 
 pytestmark = pytest.mark.skipif(
     not COMFYUI_ROOT, reason="set COMFYUI_ROOT to a ComfyUI checkout to run the real-server tests"
@@ -75,7 +75,7 @@ def _run(srv, method: str, tmp_path: Path) -> tuple[list[Image.Image], bytes, st
     return images, mp4.read_bytes(), lines
 
 
-def test_taeh3_previews_one_per_evaluation_and_the_same_video(server, tmp_path):  # noqa: F811
+def test_taeh3_previews_one_per_evaluation_and_the_same_video(server, tmp_path):
     """With a taeh3 file in vae_approx and the prompt's preview method "taesd", the Vflash sampler's four evaluations
     send four JPEG previews drawn by core's tiny decoder (`TAEHVPreviewerImpl`): core loads the TAEHV model, and each
     preview holds detail finer than the latent grid, where latent2rgb's previews of the same run have none. The server
@@ -111,7 +111,7 @@ def _post(srv, route: str, body: dict) -> dict:
         return json.loads(r.read())
 
 
-def test_a_preview_decoder_that_evicts_everything_leaves_the_sampling_engine_alone(server, tmp_path):  # noqa: F811
+def test_a_preview_decoder_that_evicts_everything_leaves_the_sampling_engine_alone(server, tmp_path):
     """Core loads the tiny preview decoder with `load_models_gpu`, whose `free_memory` protects only that decoder: on a
     GPU with no room left it evicts every other model. Forced here (the probe makes each such load evict everything
     first): the running transformer session is off core's list for the sampling, so the four previews arrive, the run

@@ -10,10 +10,10 @@ import av
 import numpy as np
 import pytest
 import torch
+from mp4_probe import probe_mp4
 
 from vflash_core.cli.main import main
 from vflash_core.errors import VflashError
-from mp4_probe import probe_mp4
 from vflash_core.pipeline.compare import frame_psnr, frame_ssim, log_spectral_distance, measure, side_by_side
 from vflash_core.pipeline.h3_pipeline import H3Pipeline, VideoRequest
 from vflash_core.pipeline.options import RunOptions

@@ -11,12 +11,11 @@ import pytest
 from conftest import TINY, compile_tiny, cpu_profile
 
 from vflash_core import NativeEngineSession
-from vflash_core.engine.artifact import CompiledArtifact
+from vflash_core.engine.artifact import CompiledArtifact, CompiledPaths
 from vflash_core.errors import IdentityMismatchError, VflashError, WeightFileError
 from vflash_core.profiles import AdapterSpec
 from vflash_core.weights import synthetic
 from vflash_core.weights.compiler import compile_receipt, prepare
-from vflash_core.engine.artifact import CompiledPaths
 
 
 def test_receipt_records_identities_without_request_data(tmp_path, tiny_transformer):

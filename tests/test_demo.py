@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 
 import pytest
+from mp4_probe import probe_mp4
 
 from vflash_core.cli.main import main
-from mp4_probe import probe_mp4
 from vflash_core.pipeline import demo
 
 

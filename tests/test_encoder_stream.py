@@ -11,6 +11,7 @@ from encoder_inputs import encodings
 from vflash_core.engine import residency as R
 from vflash_core.media.conditioning import TextConditioner
 
+
 def _inside(tensor: torch.Tensor, buffers: list[torch.Tensor]) -> bool:
     start = tensor.data_ptr()
     return any(b.data_ptr() <= start and start + tensor.nbytes <= b.data_ptr() + b.nbytes for b in buffers)

@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from conftest import TINY, assert_bitwise
 
 from vflash_core import Geometry, NativeEngineSession, build_keyframe_bundle
+from vflash_core.engine.artifact import CompiledPaths
+from vflash_core.engine.engine_options import EngineOptions
 from vflash_core.engine.fast_mode import FastMode
 from vflash_core.engine.sparse_attention import (
     BLOCK_ROWS,
@@ -30,8 +32,6 @@ from vflash_core.engine.sparse_attention import (
     select_key_blocks,
 )
 from vflash_core.errors import VflashError
-from vflash_core.engine.artifact import CompiledPaths
-from vflash_core.engine.engine_options import EngineOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 HEIGHT, WIDTH, FRAMES = 256, 448, 124  # 4,144 generated video rows of the tiny model: 33 video blocks
@@ -88,7 +88,7 @@ def test_full_density_equals_dense_attention():
 
 def test_attention_is_dense_until_armed():
     calls = []
-    dense = lambda q, k, v: calls.append(q.shape) or q  # noqa: E731
+    dense = lambda q, k, v: calls.append(q.shape) or q
     attention = BlockSparseAttention(dense, density=0.25, mass=0.9, local_blocks=1)
     q, k, v = _qkv(4 * BLOCK_ROWS)
     assert attention(q, k, v) is q and attention.dense_calls == 1 and attention.sparse_calls == 0

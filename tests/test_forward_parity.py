@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY, assert_bitwise, compile_tiny, diffusers_transformer
-
 import transformer_files
+from conftest import TINY, assert_bitwise, compile_tiny, diffusers_transformer
 
 from vflash_core import Geometry, build_keyframe_bundle
 from vflash_core.engine.artifact import CompiledArtifact

@@ -32,7 +32,6 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from kernel_references import rms_norm_block_order_reference, shift_scale_blocks
 from kernel_harness import (
     FFN,
     H_FULL,
@@ -50,6 +49,7 @@ from kernel_harness import (
     randn,
     strided,
 )
+from kernel_references import rms_norm_block_order_reference, shift_scale_blocks
 from triton.runtime.interpreter import InterpretedFunction
 
 from vflash_core.engine import fp8

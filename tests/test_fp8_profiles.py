@@ -13,12 +13,13 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import TINY, assert_bitwise, compile_tiny
 from bundles import keyframe_bundle
+from conftest import TINY, assert_bitwise, compile_tiny
 
 from vflash_core.engine import fp8
-from vflash_core.engine.artifact import CompiledArtifact
+from vflash_core.engine.artifact import CompiledArtifact, CompiledPaths
 from vflash_core.engine.denoise import Denoiser
+from vflash_core.engine.engine_options import EngineOptions
 from vflash_core.engine.model import BlockOps, LayerWeights, RowScaledWeight, sdpa_attention
 from vflash_core.engine.profiler import NO_TIMER
 from vflash_core.engine.residency import BlockArena, BlockRing, BlockSource, ResidentBlocks
@@ -26,8 +27,6 @@ from vflash_core.engine.session import NativeEngineSession
 from vflash_core.errors import IdentityMismatchError, VflashError
 from vflash_core.formats import ARTIFACT_FORMAT, ARTIFACT_FP8_FORMAT
 from vflash_core.profiles import PROFILES, get_profile
-from vflash_core.engine.artifact import CompiledPaths
-from vflash_core.engine.engine_options import EngineOptions
 
 FP8_CPU = "t2va-base4-fp8-cpu"
 CPU = torch.device("cpu")
@@ -76,7 +75,7 @@ def test_fp8_artifact_is_the_bf16_blocks_quantized(tiny_compiled, tiny_fp8_compi
 
 def test_fp8_blocks_take_about_half_the_bytes(tiny_compiled, tiny_fp8_compiled):
     exact, quantized = CompiledArtifact(**tiny_compiled), CompiledArtifact(**tiny_fp8_compiled)
-    linear_bytes = lambda w: sum(t.nbytes for n, t in w.tensors.items() if n.split(".weight")[0] in fp8.FP8_LINEARS)  # noqa: E731
+    linear_bytes = lambda w: sum(t.nbytes for n, t in w.tensors.items() if n.split(".weight")[0] in fp8.FP8_LINEARS)
     a, b = exact.read_block(0), quantized.read_block(0)
     config = exact.config
     # one byte per weight, plus a 4-byte scale per output row of each linear

@@ -14,12 +14,11 @@ from safetensors.torch import load_file, save_file
 
 from vflash_core import Geometry, NativeEngineSession, build_keyframe_bundle
 from vflash_core.engine import fp8
-from vflash_core.engine.artifact import CompiledArtifact
+from vflash_core.engine.artifact import CompiledArtifact, CompiledPaths
 from vflash_core.errors import IdentityMismatchError
 from vflash_core.weights import synthetic
 from vflash_core.weights.checkpoint import SourceWeights
 from vflash_core.weights.compiler import prepare
-from vflash_core.engine.artifact import CompiledPaths
 
 FP8_CPU = "t2va-base4-fp8-cpu"
 # internal linear -> (the file's original name below `blocks.{i}.`, whether its halves swap: fc1 is [gate; value])

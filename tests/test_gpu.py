@@ -13,8 +13,8 @@ import time
 
 import pytest
 import torch
-from conftest import assert_bitwise, compile_tiny
 from bundles import keyframe_bundle
+from conftest import assert_bitwise, compile_tiny
 
 from vflash_core import NativeEngineSession
 from vflash_core.engine import parallel as P

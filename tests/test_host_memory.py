@@ -13,9 +13,9 @@ from concurrent import futures
 
 import pytest
 import torch
+from bundles import keyframe_bundle
 from conftest import TINY, assert_bitwise, compile_tiny
 from memory_sizes import FULL, LARGEST, PROFILE, REQUEST, placement_choice
-from bundles import keyframe_bundle
 
 from vflash_core import NativeEngineSession
 from vflash_core import memory_plan as MP

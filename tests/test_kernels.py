@@ -32,13 +32,13 @@ import torch
 import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
-import triton.language as tl  # noqa: E402
-from kernel_harness import (  # noqa: E402
+import triton.language as tl
+from kernel_harness import (
     DTYPES,
     FFN,
+    H_FULL,
     HEAD_DIM,
     HEADS,
-    H_FULL,
     INTERPRETED_PACKAGE,
     ROTARY,
     S_CPU,
@@ -59,10 +59,9 @@ from kernel_harness import (  # noqa: E402
     strided,
     ulp_distance,
 )
-from kernel_references import gate_blocks, rms_norm_warp_order_reference, shift_scale_blocks  # noqa: E402
+from kernel_references import gate_blocks, rms_norm_warp_order_reference, shift_scale_blocks
 
-from vflash_core.engine import model as reference  # noqa: E402  (the torch reference of every kernel op)
-
+from vflash_core.engine import model as reference  # the torch reference of every kernel op
 
 # -- CPU: host-side logic (no kernels run) -------------------------------------------------------------------------
 

@@ -10,19 +10,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_bitwise
 from bundles import keyframe_bundle
+from conftest import assert_bitwise
 
-from vflash_core.engine.artifact import CompiledArtifact
+from vflash_core.engine.artifact import CompiledArtifact, CompiledPaths
 from vflash_core.engine.denoise import Denoiser
+from vflash_core.engine.engine_options import EngineOptions
 from vflash_core.engine.model import LayerWeights
 from vflash_core.engine.residency import ResidentBlocks
 from vflash_core.engine.session import NativeEngineSession
-from vflash_core.engine.session_hooks import DenoiserLoad
+from vflash_core.engine.session_hooks import DenoiserLoad, SessionHooks
 from vflash_core.errors import VflashError
-from vflash_core.engine.artifact import CompiledPaths
-from vflash_core.engine.engine_options import EngineOptions
-from vflash_core.engine.session_hooks import SessionHooks
 
 PROFILE = "t2va-base4-exact-cpu"
 

@@ -31,6 +31,7 @@ from vflash_core.errors import IdentityMismatchError, WeightFileError
 from vflash_core.profiles import AdapterSpec
 from vflash_core.weights.lora import load_adapter
 
+
 @pytest.fixture(scope="module")
 def lora_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("lora")

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 from headless_nodes import API, output_dir, run
+from safetensors.torch import save_file
 from vflash_nodes.workflow import WorkflowError, headless_node_types, load_api_workflow, plan
 
 from vflash_core.engine.config import H3Config
@@ -52,8 +52,9 @@ def demo_root(pack, demo_receipt):
 
 
 def test_three_lora_chain_compiles_once_per_stack_and_makes_an_mp4(pack, demo_root):
-    from vflash_core.engine.artifact import CompiledArtifact
     from mp4_probe import probe_mp4
+
+    from vflash_core.engine.artifact import CompiledArtifact
 
     base = load_api_workflow(API / "t2va.json")
     workflow = {nid: base[nid] for nid in ("1", "2", "3")}

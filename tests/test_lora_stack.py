@@ -18,8 +18,8 @@ import time
 import pytest
 import torch
 from conftest import TINY, assert_bitwise, compile_tiny, cpu_profile, diffusers_transformer
-from safetensors.torch import load_file, save_file
 from lora_files import ORIGINAL_MODULES, assert_same_factors_as_peft, original_lora, peft_loaded
+from safetensors.torch import load_file, save_file
 
 from vflash_core import Geometry, build_keyframe_bundle
 from vflash_core.engine.artifact import CompiledArtifact

@@ -9,11 +9,11 @@ import av
 import numpy as np
 import pytest
 import torch
+from mp4_probe import probe_mp4
 
 from vflash_core.errors import VflashError
 from vflash_core.fileio import OutputExistsError
 from vflash_core.media import mp4 as media
-from mp4_probe import probe_mp4
 from vflash_core.media.mp4 import mp4_stream, write_mp4
 
 SR = 32000

@@ -9,15 +9,16 @@ import math
 
 import pytest
 import torch
-from conftest import assert_bitwise
 from bundles import keyframe_bundle
+from conftest import assert_bitwise
 from memory_sizes import FULL, LARGEST, PROFILE, REQUEST, placement_choice
 
 from vflash_core import NativeEngineSession
 from vflash_core import memory_plan as MP
-from vflash_core.engine.artifact import CompiledArtifact
+from vflash_core.engine.artifact import CompiledArtifact, CompiledPaths
 from vflash_core.engine.config import H3Config
 from vflash_core.engine.denoise import denoise_bytes
+from vflash_core.engine.engine_options import EngineOptions
 from vflash_core.engine.layout import Geometry, largest_clip_frames, largest_request_rows, request_rows
 from vflash_core.errors import RequestError, RunFailedError, VflashError
 from vflash_core.fileio import GIB
@@ -26,8 +27,6 @@ from vflash_core.media.vae import decode_bytes
 from vflash_core.pipeline.h3_pipeline import H3Pipeline
 from vflash_core.pipeline.options import RunOptions
 from vflash_core.profiles import get_profile
-from vflash_core.engine.artifact import CompiledPaths
-from vflash_core.engine.engine_options import EngineOptions
 
 CUDA = [torch.device("cuda:0")]
 

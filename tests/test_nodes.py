@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformer_files
+from headless_nodes import API, output_dir, run
 from vflash_nodes import comfy_latent as cl
 from vflash_nodes.workflow import WorkflowError, apply_overrides, load_api_workflow
 
-import transformer_files
-from headless_nodes import API, output_dir, run
 from vflash_core.engine.config import H3Config
 from vflash_core.errors import RequestError, VflashError
 

@@ -8,11 +8,11 @@ import math
 from pathlib import Path
 
 import pytest
+from mp4_probe import probe_mp4
 from vflash_nodes.workflow import execute, load_api_workflow
 
 from vflash_core.engine.fast_mode import FastMode
 from vflash_core.errors import VflashError
-from mp4_probe import probe_mp4
 
 API = Path(__file__).resolve().parent.parent / "workflows" / "api"
 LOADER = dict(model="embedded-demo", profile="auto", weight_residency="auto", device="auto", peer_device="none",

@@ -19,11 +19,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformer_files
 from vflash_nodes import actions, core_adapters, engines, graph_checks, model_files
 from vflash_nodes import comfy_latent as cl
 from vflash_nodes.workflow import apply_overrides, execute, load_api_workflow
-
-import transformer_files
 
 from vflash_core.errors import RequestError, VflashError
 

@@ -10,15 +10,15 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import TINY, assert_bitwise, compile_tiny
 from bundles import keyframe_bundle
+from conftest import TINY, assert_bitwise, compile_tiny
 
 from vflash_core import Geometry, NativeEngineSession, build_keyframe_bundle
 from vflash_core.engine import parallel as P
-from vflash_core.errors import SessionClosedError, VflashError
-from vflash_core.weights import synthetic
 from vflash_core.engine.artifact import CompiledPaths
 from vflash_core.engine.engine_options import EngineOptions
+from vflash_core.errors import SessionClosedError, VflashError
+from vflash_core.weights import synthetic
 
 PROFILE = "t2va-base4-exact-cpu"
 # Eight heads so 2, 4 and 8 ranks divide them; keeps inner (128) != hidden (24) and partial rotary.

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 from conftest import assert_bitwise
-from PIL import Image
 from diffusers_parity import check_against_diffusers
+from PIL import Image
 
 from vflash_core.pipeline.h3_pipeline import H3Pipeline, VideoRequest, prepare_pipeline
 from vflash_core.pipeline.options import RunOptions

@@ -22,7 +22,6 @@ from PIL import Image
 from vflash_core.pipeline.h3_pipeline import H3Pipeline, VideoRequest
 
 
-
 def _processor(root):
     from transformers import AutoImageProcessor, Qwen2TokenizerFast, Qwen3VLProcessor
     from transformers.utils import is_torchvision_available

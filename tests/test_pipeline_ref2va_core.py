@@ -12,9 +12,9 @@ import torch
 from conftest import TINY, assert_bitwise, compile_tiny, diffusers_transformer
 
 from vflash_core import Geometry, NativeEngineSession, get_profile
+from vflash_core.engine.artifact import CompiledPaths
 from vflash_core.engine.bundle import EncodedReference, build_ref2va_bundle
 from vflash_core.engine.layout import ref2va_layout
-from vflash_core.engine.artifact import CompiledPaths
 
 HEIGHT, WIDTH, FRAMES = 64, 96, 124
 

@@ -11,14 +11,14 @@ import itertools
 
 import pytest
 import torch
-from conftest import assert_bitwise, compile_tiny
 from bundles import keyframe_bundle
+from conftest import assert_bitwise, compile_tiny
 
 from vflash_core import NativeEngineSession
-from vflash_core.media.vae import MediaVAEs, calling_between_blocks, decode_latents
-from vflash_core.pipeline.h3_pipeline import H3Pipeline, RequestCancelled, VideoRequest
 from vflash_core.engine.artifact import CompiledPaths
 from vflash_core.engine.engine_options import EngineOptions
+from vflash_core.media.vae import MediaVAEs, calling_between_blocks, decode_latents
+from vflash_core.pipeline.h3_pipeline import H3Pipeline, RequestCancelled, VideoRequest
 
 PROFILE = "t2va-base4-exact-cpu"
 

@@ -16,21 +16,19 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+import transformer_files
 from conftest import TINY, assert_bitwise, compile_tiny
 from safetensors.torch import load_file
-
-import transformer_files
 from transformer_files import GGUF_HALF_OFFSETS, random_gguf_blocks
 
 from vflash_core import Geometry, NativeEngineSession, build_keyframe_bundle
-from vflash_core.engine.artifact import CompiledArtifact
+from vflash_core.engine.artifact import CompiledArtifact, CompiledPaths
 from vflash_core.errors import IdentityMismatchError, WeightFileError
 from vflash_core.weights import synthetic
 from vflash_core.weights.checkpoint import SourceWeights
-from vflash_core.weights.quantized import dequantize_int8
 from vflash_core.weights.compiler import prepare
 from vflash_core.weights.gguf_file import DEQUANTIZERS, dequantize_gguf
-from vflash_core.engine.artifact import CompiledPaths
+from vflash_core.weights.quantized import dequantize_int8
 
 gguf = pytest.importorskip("gguf")
 

@@ -8,9 +8,9 @@ import json
 import numpy as np
 import pytest
 import torch
+from mp4_probe import probe_mp4
 from transformers.utils import is_torchvision_available
 
-from mp4_probe import probe_mp4
 from vflash_core.media.mp4 import write_mp4
 from vflash_core.media.qwen_video import QwenVideoProcessor
 from vflash_core.pipeline.h3_pipeline import H3Pipeline, VideoRequest

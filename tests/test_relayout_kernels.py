@@ -32,7 +32,6 @@ from kernel_harness import (
 
 from vflash_core.engine import parallel
 
-
 HEADS_CPU, D_CPU = 8, 16
 LAYOUTS = ["contiguous", "qkv-view", "head-major"]
 _BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}

@@ -10,13 +10,12 @@ import weakref
 
 import pytest
 import torch
-from conftest import assert_bitwise
 from bundles import keyframe_bundle
+from conftest import assert_bitwise
 
 from vflash_core import NativeEngineSession
 from vflash_core.engine import residency as R
-from vflash_core.engine.artifact import CompiledArtifact
-from vflash_core.engine.artifact import CompiledPaths
+from vflash_core.engine.artifact import CompiledArtifact, CompiledPaths
 from vflash_core.engine.engine_options import EngineOptions
 
 PROFILE = "t2va-base4-exact-cpu"

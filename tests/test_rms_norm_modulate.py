@@ -22,7 +22,6 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_references import rms_norm_block_order_reference, rms_norm_warp_order_reference, shift_scale_blocks
 from kernel_harness import (
     H_FULL,
     H_INTERPRETED,
@@ -43,6 +42,7 @@ from kernel_harness import (
     strided,
     ulp_distance,
 )
+from kernel_references import rms_norm_block_order_reference, rms_norm_warp_order_reference, shift_scale_blocks
 
 
 def rms_norm_modulate_order_reference(x, weight, eps, table, row_index, which="msa", out_dtype=None):

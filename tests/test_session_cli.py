@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import pytest
+from bundles import keyframe_bundle
 from conftest import TINY, assert_bitwise
 from safetensors.torch import load_file
-from bundles import keyframe_bundle
 
 from vflash_core import BundleHandoff, NativeEngineSession
+from vflash_core.engine.artifact import CompiledPaths
 from vflash_core.errors import BundleError, SessionClosedError, VflashError
 from vflash_core.weights.compiler import main as compiler_main
-from vflash_core.engine.artifact import CompiledPaths
 
 PROFILE = "t2va-base4-exact-cpu"
 

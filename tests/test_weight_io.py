@@ -116,9 +116,8 @@ def test_changed_source_is_refused(mixed_file, change):
     else:
         stat = mixed_file.stat()
         os.utime(mixed_file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
-    with pytest.raises(WeightFileError, match="changed on disk"):
-        with weights:
-            pass
+    with pytest.raises(WeightFileError, match="changed on disk"), weights:
+        pass
     assert _open_fds() == before
 
 

@@ -8,10 +8,9 @@ import struct
 
 import pytest
 import torch
+import transformer_files
 from conftest import TINY, assert_bitwise
 from safetensors.torch import save_file
-
-import transformer_files
 
 from vflash_core.errors import WeightFileError
 from vflash_core.tensor_store import ReadRequest, SafetensorsFile, TensorStore

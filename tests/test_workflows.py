@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import CARD_TITLE_CHARS, TEMPLATES
 import transformer_files
+from conftest import CARD_TITLE_CHARS, TEMPLATES
 from vflash_nodes.workflow import (
     WorkflowError,
     _dynamic_combo_inputs,
@@ -242,7 +242,6 @@ def test_run_workflow_cli_t2va_plays_with_audio(tmp_path, demo_cache):
     holds the run's demo build; `vflash demo`'s test builds one from nothing and renders the 448x256 canvas). The
     wiring is what is checked here, so the canvas is set to the smallest H3 takes, as `--set` lets a user do."""
     import av
-
     from mp4_probe import probe_mp4
 
     overrides = ["4.width=32", "4.height=32"]

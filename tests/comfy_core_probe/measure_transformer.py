@@ -39,6 +39,7 @@ def small_config():
 
 def write_files(work: Path, config) -> dict[str, Path]:
     import transformer_files
+
     from vflash_core.weights import synthetic
 
     weights = synthetic.random_internal_weights(config, seed=6)
