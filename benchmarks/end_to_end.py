@@ -403,15 +403,15 @@ def vflash_requests(run: Run, pipe, config_name: str, canvases: list[str], count
             peaks: dict[str, int] = {}
             hosts: list[dict[str, int]] = []
 
-            def progress(stage: str, done: int, total: int) -> None:
+            def progress(stage: str, done: int, total: int) -> None:  # called within the iteration (generate below)
                 name = {"encode": "encode", "denoise": "denoise", "write": "mp4"}.get(stage)
                 if stage == "decode":
                     name = "video_decode" if done == 1 else "audio_decode"
                 if stage == "denoise" and done < total:
                     return
                 if name is not None:
-                    peaks[name] = device_peak.reset()
-                    hosts.append(host.reset())
+                    peaks[name] = device_peak.reset()  # noqa: B023 - called within the iteration
+                    hosts.append(host.reset())  # noqa: B023 - called within the iteration
 
             device_peak.reset()
             host.reset()

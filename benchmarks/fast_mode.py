@@ -37,6 +37,7 @@ import math
 import sys
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -104,20 +105,20 @@ def kernel_phase(records: list[dict], sweep: bool) -> None:
         g = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (torch.randn(1, rows, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
                    for _ in range(3))
-        dense_ms = median_ms(lambda: fa3(q, k, v), 2, 7)
+        dense_ms = median_ms(partial(fa3, q, k, v), 2, 7)
         for density in DENSITIES:
             selection = select_key_blocks(q, k, prefix_rows, density, 1.0, 1)
-            select_ms = median_ms(lambda: select_key_blocks(q, k, prefix_rows, density, 1.0, 1), 1, 5)
+            select_ms = median_ms(partial(select_key_blocks, q, k, prefix_rows, density, 1.0, 1), 1, 5)
             reached = selection.kept_pairs / selection.total_pairs
-            run = lambda: block_sparse_attention(
-                q, k, v, selection.kv_blocks, selection.kv_counts, selection.dense_query_blocks)
+            run = partial(block_sparse_attention,
+                          q, k, v, selection.kv_blocks, selection.kv_counts, selection.dense_query_blocks)
             sparse_ms = median_ms(run, 2, 7)
             settings = {}
             if sweep and rows == KERNEL_ROWS["1344x768 5 s"] and density == 0.25:
                 for tma in (True, False):
                     for warps, stages in LAUNCH_SETTINGS:
                         try:
-                            ms = median_ms(lambda: _launch(q, k, v, selection, warps, stages, tma), 1, 5)
+                            ms = median_ms(partial(_launch, q, k, v, selection, warps, stages, tma), 1, 5)
                         except Exception as exc:  # noqa: BLE001 - a setting that does not compile is recorded
                             ms = f"{type(exc).__name__}: {str(exc)[:120]}"
                         settings[f"warps{warps}_stages{stages}_{'tma' if tma else 'pointers'}"] = ms
@@ -145,7 +146,7 @@ def kernel_phase(records: list[dict], sweep: bool) -> None:
                 record["launch_settings_ms"] = settings
             print(json.dumps(record), flush=True)
             records.append(record)
-        q = k = v = None  # frees the inputs before the next size's
+        q = k = v = run = None  # frees the inputs before the next size's
         torch.cuda.empty_cache()
 
 
@@ -200,7 +201,8 @@ def evaluation_phase(records: list[dict], cache: Path, seconds_list: list[int]) 
             state = _start(den, bundle, config.num_layers)
             repeat = 3 if seconds == 5 else 2
             last: list[torch.Tensor] = []
-            times[name] = median_ms(lambda: last.append(den.evaluate(state, 1)[0]), 1, repeat)
+            evaluate = lambda: last.append(den.evaluate(state, 1)[0])  # noqa: B023 - called within the iteration
+            times[name] = median_ms(evaluate, 1, repeat)
             outputs[name] = last[-1].float()
             if den.fast is not None and den.fast.attention is not None:
                 reports[name] = den.fast.attention.density_reached()

@@ -181,16 +181,16 @@ def trajectory_errors(dens: dict[str, Denoiser], bundle) -> dict[str, object]:
     per_evaluation: dict[str, list[dict[str, float]]] = {name: [] for name in dens if name != "exact"}
     for step in range(exact.nfe):
         expected = exact.evaluate(state, step)
-        for name in per_evaluation:
+        for name, evaluations in per_evaluation.items():
             # The exact state's inputs: its latents, text rows, rotary and the (equal) overlay tables.
-            per_evaluation[name].append({"evaluation": step, **_errors(dens[name].evaluate(state, step), expected)})
+            evaluations.append({"evaluation": step, **_errors(dens[name].evaluate(state, step), expected)})
         exact.update(state, step, *expected, lay.num_condition_video_rows, lay.num_condition_audio_rows)
     final = exact.finish(bundle, state.video_rows, state.audio_rows)
     out: dict[str, object] = {}
-    for name in per_evaluation:
+    for name, evaluations in per_evaluation.items():
         own = dens[name].run(bundle, StageTimer(exact.device, False))
         out[name] = {
-            "per_evaluation": per_evaluation[name],
+            "per_evaluation": evaluations,
             "latent_psnr_db": psnr_db(own.video_latents, final.video_latents),
             "audio_latent_psnr_db": psnr_db(own.audio_latents, final.audio_latents),
         }

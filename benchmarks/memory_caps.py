@@ -197,7 +197,7 @@ def denoise_phase(stages: Stages, caps: list[float | None], setup: Setup, sized_
             for seconds in seconds_under(cap):
                 bundle = bundle_request(artifact.config, canvas, float(seconds))
 
-                def evaluate(bundle=bundle) -> tuple[torch.Tensor, torch.Tensor]:
+                def evaluate(bundle=bundle, session=session) -> tuple[torch.Tensor, torch.Tensor]:
                     session._check_request_fits(bundle)  # the plan's check of this request's activations
                     denoiser = session._denoisers[0]
                     with torch.no_grad():
@@ -265,7 +265,7 @@ def decode_phase(stages: Stages, caps: list[float | None], root: Path, profile, 
                 for seconds in seconds_under(cap):
                     video, audio = latents[seconds]
 
-                    def decode(video=video, audio=audio, seconds=seconds) -> tuple[torch.Tensor, torch.Tensor]:
+                    def decode(video=video, audio=audio, seconds=seconds, plan=plan) -> tuple[torch.Tensor, torch.Tensor]:
                         if plan is not None:
                             need = decode_bytes(vaes.video_vae, SECONDS[seconds], height, width, vaes.video_decoder, DEFAULT_WINDOWS_PER_CALL)
                             plan.check({"decode": need}, f"the decode of {seconds} s at {canvas}")

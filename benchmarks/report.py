@@ -115,10 +115,10 @@ def _end_to_end(data: dict, title: str) -> list[str]:
         "",
     ]
     if bitwise.get("bitwise_equal_to_diffusers") is not None:
-        out += [f"Bitwise: Vflash's final latents of the {bitwise['canvas']} request ({bitwise.get('vflash_attention_backend')} attention) against "
-                f"diffusers' core denoise step on the same prompt embeddings and seed ({bitwise.get('diffusers_attention')}): "
-                f"**{'equal' if bitwise['bitwise_equal_to_diffusers'] else 'different'}** (max abs difference video "
-                f"{bitwise.get('video_max_abs_diff')}, audio {bitwise.get('audio_max_abs_diff')}).", ""]
+        out += [(f"Bitwise: Vflash's final latents of the {bitwise['canvas']} request ({bitwise.get('vflash_attention_backend')} attention) against "
+                 f"diffusers' core denoise step on the same prompt embeddings and seed ({bitwise.get('diffusers_attention')}): "
+                 f"**{'equal' if bitwise['bitwise_equal_to_diffusers'] else 'different'}** (max abs difference video "
+                 f"{bitwise.get('video_max_abs_diff')}, audio {bitwise.get('audio_max_abs_diff')})."), ""]
     reference = data.get("diffusers_reference")
     out += [
         "Warm requests, median seconds (`n` warm requests after a first one); `speedup` is diffusers / Vflash end to end"
@@ -129,9 +129,9 @@ def _end_to_end(data: dict, title: str) -> list[str]:
                       ("denoise_speedup", "denoise speedup"), ("peak", "peak device"), ("rss", "host RSS peak"), ("pinned", "host pinned"),
                       ("in_use", "host in use (machine)")]),
         "",
-        "`vflash resident`: the text encoder, VAEs and all 50 blocks stay on the GPU; `encoder_offload` (the default): the text encoder "
-        "and the VAEs come to the GPU for their stage only; `block_ring`: the blocks stream from pinned host memory through two device "
-        "slots. Host in use counts the whole machine (the staged tmpfs files included).",
+        ("`vflash resident`: the text encoder, VAEs and all 50 blocks stay on the GPU; `encoder_offload` (the default): the text encoder "
+         "and the VAEs come to the GPU for their stage only; `block_ring`: the blocks stream from pinned host memory through two device "
+         "slots. Host in use counts the whole machine (the staged tmpfs files included)."),
         "",
     ]
     if io and "skipped" not in io:
@@ -210,12 +210,12 @@ def what_fits(data: dict, e2e: dict | None = None) -> str:
     differs = [f"{r['cap_gib']:g} GiB" for r in data["records"] if r["stage"] == "end_to_end" and r["bitwise_equal_to_uncapped"] is False]
     skipped = [name for name, phase in data["phases"].items() if "skipped" in phase]
     return "\n".join([
-        f"Measured at full size on one H200 ({_source(data)}) with random weights: the card's memory is a device memory cap the plan places "
-        f"the parts under and PyTorch's allocator enforces (`max_device_memory`). One t2va Turbo4 request, {canvas}, 5 s, to an MP4; "
-        "`host pinned` is the page-locked host memory the placement holds (the peak of PyTorch's host allocator, whose blocks are rounded "
-        "up to powers of two), `host RSS` the process's peak resident memory (pinned memory and the memory-mapped weight files included). "
-        "A machine needs its host memory to hold the pinned bytes, the process and the files' page cache; `same MP4` compares the bytes "
-        "with the uncapped request's.",
+        (f"Measured at full size on one H200 ({_source(data)}) with random weights: the card's memory is a device memory cap the plan places "
+         f"the parts under and PyTorch's allocator enforces (`max_device_memory`). One t2va Turbo4 request, {canvas}, 5 s, to an MP4; "
+         "`host pinned` is the page-locked host memory the placement holds (the peak of PyTorch's host allocator, whose blocks are rounded "
+         "up to powers of two), `host RSS` the process's peak resident memory (pinned memory and the memory-mapped weight files included). "
+         "A machine needs its host memory to hold the pinned bytes, the process and the files' page cache; `same MP4` compares the bytes "
+         "with the uncapped request's."),
         "",
         _table(fits, [("card", "device memory"), ("plan", "what the plan chooses"), ("host", "host pinned"), ("rss", "host RSS peak"),
                       ("seconds", "seconds per request"), ("same", "same MP4")]),
@@ -226,8 +226,8 @@ def what_fits(data: dict, e2e: dict | None = None) -> str:
           if differs else []),
         *([f"Not measured in this run: {', '.join(skipped)}.", ""] if skipped else []),
         *([f"How this file was measured: {data['code_note']}", ""] if data.get("code_note") else []),
-        "Each stage alone, peak device memory allocated with its weights and seconds, compared bit for bit with the uncapped run "
-        "(`benchmarks/memory_caps.py`; the denoise evaluation's plan is sized for a 15 s request, the Base16 profile's longest):",
+        ("Each stage alone, peak device memory allocated with its weights and seconds, compared bit for bit with the uncapped run "
+         "(`benchmarks/memory_caps.py`; the denoise evaluation's plan is sized for a 15 s request, the Base16 profile's longest):"),
         "",
         _table(list(rows.values()), columns),
         "",
@@ -274,8 +274,8 @@ def vae_section(data: dict | None) -> list[str]:
     "not measured yet" without a result file."""
     out = ["## Video and audio decode (`benchmarks/vae.py`)", ""]
     if data is None:
-        return out + ["Not measured yet: `benchmarks/results/vae_h200.json` comes from `python benchmarks/vae.py` on an H200 (two for the "
-                      "two-GPU column).", ""]
+        return out + [("Not measured yet: `benchmarks/results/vae_h200.json` comes from `python benchmarks/vae.py` on an H200 (two for the "
+                       "two-GPU column)."), ""]
     rows = [{**r, "diffusers_peak": _gb(r["peak_device_bytes"]["diffusers"]), "vflash_peak": _gb(r["peak_device_bytes"]["vflash"]),
              "fused_peak": _gb(r.get("native_fused_peak_device_bytes")), "fused_working": _gb(r.get("native_fused_working_bytes")),
              "estimate": _gb(r.get("native_decode_bytes_estimate")),
@@ -340,22 +340,22 @@ def host_memory_table(data: dict) -> str:
                      "pinned": _size(r.get("host_pinned_bytes", 0)), "read": "" if not reads else f"{reads['median']:.2f} s ({r['block_read_gbps']:.2f} GB/s)"})
     card, here = data["projection"]["card"], data["projection"]["this_machine"]
     return "\n".join([
-        f"Measured at full size on one H200 ({_source(data)}) with random weights: the core alone (the Turbo4 artifact, "
-        f"{data['block_bytes'] / 1e9:.2f} GB per block), one t2va request at {data['setup']['canvas']} 5 s (4 evaluations of 50 blocks) from a "
-        "conditioning bundle, each run in its own process with the page cache dropped before it, its latents compared with the resident "
-        "run's. `host RSS` is the process's peak resident memory (pinned memory included), `host pinned` the peak of PyTorch's "
-        "page-locked allocator (rounded up to powers of two).",
+        (f"Measured at full size on one H200 ({_source(data)}) with random weights: the core alone (the Turbo4 artifact, "
+         f"{data['block_bytes'] / 1e9:.2f} GB per block), one t2va request at {data['setup']['canvas']} 5 s (4 evaluations of 50 blocks) from a "
+         "conditioning bundle, each run in its own process with the page cache dropped before it, its latents compared with the resident "
+         "run's. `host RSS` is the process's peak resident memory (pinned memory included), `host pinned` the peak of PyTorch's "
+         "page-locked allocator (rounded up to powers of two)."),
         "",
         _table(rows, [("budget", "host budget"), ("cap", "device cap"), ("placement", "placement"), ("rss", "host RSS"), ("pinned", "host pinned"),
                       ("load_seconds", "load s"), ("request_seconds", "request s"), ("read", "block read (median)"),
                       ("bitwise_equal_to_resident", "bitwise = resident")]),
         "",
-        f"A block computes in {data['block_compute_seconds']:.3f} s here and reads in {here['block_read_seconds']:.2f} s "
-        f"({data['disk_read_gbps']:.2f} GB/s, cold reads in the same run): the disk ring is disk-bound on this machine (the model "
-        f"max(compute, read) per block predicts {here['disk_ring_seconds']:.0f} s of block work; measured {here['measured_disk_ring_request_seconds']:.0f} s "
-        f"for the request). Projected for a card that computes a block in {card['block_compute_seconds']} s beside a {card['drive_gbps']} GB/s drive: "
-        f"reads of {card['block_read_seconds']:.2f} s per block hide behind the compute, {card['disk_ring_seconds']:.1f} s against "
-        f"{card['pinned_seconds']:.1f} s of block work per request from pinned memory (+{card['overhead'] * 100:.1f} %).",
+        (f"A block computes in {data['block_compute_seconds']:.3f} s here and reads in {here['block_read_seconds']:.2f} s "
+         f"({data['disk_read_gbps']:.2f} GB/s, cold reads in the same run): the disk ring is disk-bound on this machine (the model "
+         f"max(compute, read) per block predicts {here['disk_ring_seconds']:.0f} s of block work; measured {here['measured_disk_ring_request_seconds']:.0f} s "
+         f"for the request). Projected for a card that computes a block in {card['block_compute_seconds']} s beside a {card['drive_gbps']} GB/s drive: "
+         f"reads of {card['block_read_seconds']:.2f} s per block hide behind the compute, {card['disk_ring_seconds']:.1f} s against "
+         f"{card['pinned_seconds']:.1f} s of block work per request from pinned memory (+{card['overhead'] * 100:.1f} %)."),
     ])
 
 
@@ -373,13 +373,13 @@ def fast_mode_figures(data: dict) -> str:
     cache = [r for r in records if r["phase"] == "step_cache"]
     e2e = [{**r, **{f"{k}_{side}": v for k in ("e2e_seconds", "denoise_seconds") for side, v in r[k].items()}}
            for r in records if r["phase"] == "e2e"]
-    parts = [f"Measured by `benchmarks/fast_mode.py` ({data['gpu']}, torch {data['torch']}; the commit of each row in its "
-             "last column) on full-width random weights (speed and mechanism only: random weights say nothing about quality)."]
+    parts = [(f"Measured by `benchmarks/fast_mode.py` ({data['gpu']}, torch {data['torch']}; the commit of each row in its "
+              "last column) on full-width random weights (speed and mechanism only: random weights say nothing about quality).")]
     if kernel:
         prefix = ("each request's prefix rows (text and audio) dense" if all("prefix_rows" in r for r in kernel)
                   else "512 dense prefix rows")
-        parts += ["", f"Block-sparse attention alone against FlashAttention-3 dense, (1, N, 56, 128) bf16, {prefix}; "
-                  "density: the share of the attention map computed:", "",
+        parts += ["", (f"Block-sparse attention alone against FlashAttention-3 dense, (1, N, 56, 128) bf16, {prefix}; "
+                   "density: the share of the attention map computed:"), "",
                   _table(kernel, [("rows", "N"), ("prefix_rows", "prefix rows"), ("density_cap", "density cap"), ("density", "density"), ("fa3_dense_ms", "FA3 dense ms"),
                                   ("sparse_ms", "sparse ms"), ("kernel_speedup_vs_fa3_dense", "speedup"), ("selection_ms", "selection ms"),
                                   ("kernel_speedup_with_selection", "speedup with selection"), ("kept_block_tflops", "TFLOP/s of kept blocks"),
@@ -397,8 +397,8 @@ def fast_mode_figures(data: dict) -> str:
                                  ("fast_request_ms", "step-cache ms"), ("request_speedup_vs_exact", "speedup"),
                                  ("latent_rel_l2_vs_exact", "latent rel L2 (mechanism)"), ("measured_at", "commit")])]
     if e2e:
-        parts += ["", "Prompt to MP4 at full size (`vflash compare`'s path: one pipeline, the fast side warmed up first), "
-                  "exact vs `sparse-attention`; PSNR / SSIM of the decoded frames against exact (mechanism only):", "",
+        parts += ["", ("Prompt to MP4 at full size (`vflash compare`'s path: one pipeline, the fast side warmed up first), "
+                   "exact vs `sparse-attention`; PSNR / SSIM of the decoded frames against exact (mechanism only):"), "",
                   _table(e2e, [("profile", "profile"), ("canvas", "canvas"), ("seconds", "clip s"), ("density", "density"),
                                ("e2e_seconds_exact", "exact s"), ("e2e_seconds_sparse-attention", "sparse s"),
                                ("e2e_speedup_vs_exact", "speedup"), ("denoise_seconds_exact", "exact denoise s"),
@@ -429,9 +429,9 @@ def lora_figures(data: dict) -> str:
     """No LoRA, one and the stack of three, residual and merged: time per evaluation and bits against diffusers."""
     stack = ", ".join(f"{s['kind']} at {s['strength']}" for s in data["stack"])
     return "\n".join([
-        f"Measured by `benchmarks/lora.py` ({_source(data)}): {data['blocks']} full-width blocks at {data['shape']} 5 s "
-        f"(N {data['N']:,}), random weights; the stack: {stack}. Bits compared with diffusers' peft adapters (residual) "
-        f"and `fuse_lora` (merged), {data['bitwise_compared_with']}.", "",
+        (f"Measured by `benchmarks/lora.py` ({_source(data)}): {data['blocks']} full-width blocks at {data['shape']} 5 s "
+         f"(N {data['N']:,}), random weights; the stack: {stack}. Bits compared with diffusers' peft adapters (residual) "
+         f"and `fuse_lora` (merged), {data['bitwise_compared_with']}."), "",
         _table(data["records"], [("loras", "LoRAs"), ("mode", "mode"), ("evaluation_ms", "evaluation ms"),
                                  ("overhead_vs_no_lora", "overhead vs no LoRA"), ("overhead_per_lora", "overhead per LoRA"),
                                  ("bitwise_equal_to_diffusers", "bitwise = diffusers")]), ""])
@@ -461,12 +461,12 @@ def vs_core_table(data: dict) -> str:
                          "speedup": summary["speedup_vflash_vs_core"] if side == "vflash" else None,
                          "psnr": summary["frames_psnr_core_vs_vflash_db"] if side == "vflash" else None})
     return "\n".join([
-        f"The same workflow, core vs Vflash, on this card ({data['date']}; ComfyUI {data['comfyui_version']}; "
-        f"{_source(data)}): t2va {request['width']}x{request['height']}, {request['length']} frames, "
-        f"{request['evaluations']} evaluations, the same Comfy-Org files ({', '.join(data['files'].values())}), "
-        f"measured by `benchmarks/vs_comfy_core.py`. Seconds: prompt to MP4 from the server's websocket (first run, "
-        "then the best warm run); peaks of the server process. The frames differ by design (other noise generators and "
-        "kernels), hence PSNR.", "",
+        (f"The same workflow, core vs Vflash, on this card ({data['date']}; ComfyUI {data['comfyui_version']}; "
+         f"{_source(data)}): t2va {request['width']}x{request['height']}, {request['length']} frames, "
+         f"{request['evaluations']} evaluations, the same Comfy-Org files ({', '.join(data['files'].values())}), "
+         f"measured by `benchmarks/vs_comfy_core.py`. Seconds: prompt to MP4 from the server's websocket (first run, "
+         "then the best warm run); peaks of the server process. The frames differ by design (other noise generators and "
+         "kernels), hence PSNR."), "",
         _table(rows, [("row", "memory"), ("side", "side"), ("first", "first run s"), ("warm", "warm s"),
                       ("device", "peak device"), ("rss", "host RSS peak"), ("pinned", "host pinned"), ("status", "status"),
                       ("speedup", "Vflash speedup"), ("psnr", "PSNR core vs Vflash dB")]), ""])

@@ -79,7 +79,7 @@ async def run_phase(config: ServiceConfig, requests: list[dict[str, Any]], sampl
     base = f"http://127.0.0.1:{port}"
     try:
         async with ClientSession() as http:
-            while not (await (await http.get(f"{base}/readyz")).json())["workers"][-1]["state"] == "ready":
+            while (await (await http.get(f"{base}/readyz")).json())["workers"][-1]["state"] != "ready":
                 await asyncio.sleep(0.1)
             workers = len(config.worker_options())
             await run_requests(http, base, [dict(requests[0], seed=1000 + i) for i in range(workers)])  # warm-up

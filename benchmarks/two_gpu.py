@@ -35,7 +35,7 @@ from vflash_core.engine.engine_options import EngineOptions
 
 def per_block_ms(result, blocks: int) -> float:
     profile = result.denoise_profile
-    ranks = profile["ranks"] if "ranks" in profile else [profile]
+    ranks = profile.get("ranks", [profile])
     loops = [e["blocks"] for e in ranks[0]["evaluations"][1:]]
     return statistics.median(loops) / blocks
 

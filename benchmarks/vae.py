@@ -53,6 +53,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -218,11 +219,11 @@ def run(vaes: MediaVAEs, device: torch.device, canvases: dict[str, tuple[int, in
                     decoder.decode(z)
                 warm = True
             with torch.no_grad():
-                d_seconds, d_peak, expected = timed(lambda: vae.decode(z, return_dict=False)[0], device, repeat)
+                d_seconds, d_peak, expected = timed(lambda z=z: vae.decode(z, return_dict=False)[0], device, repeat)
             expected = expected.cpu()
             by_n = {}
             for n, decoder in decoders.items():
-                seconds_n, peak_n, got = timed(lambda: decoder.decode(z), device, repeat)
+                seconds_n, peak_n, got = timed(partial(decoder.decode, z), device, repeat)
                 by_n[n] = {"seconds": round(seconds_n, 4), "peak_device_bytes": peak_n, "bitwise_equal_to_diffusers": torch.equal(got, expected),
                            "max_abs_diff_pixels": max_abs_diff_pixels(got, expected)}
                 print(canvas, seconds, f"windows_per_call={n}", by_n[n])
@@ -273,12 +274,12 @@ def run(vaes: MediaVAEs, device: torch.device, canvases: dict[str, tuple[int, in
                 pair = [torch.device("cuda:0"), torch.device("cuda:1")]
                 record.update(two_gpu_decode(vae, z, pair, attention, best_n, by_n[best_n]["seconds"], decoders[best_n].decode(z), repeat))
             audio = torch.randn(2, vaes.audio_latent_channels, audio_latent_count(frames), generator=g)
-            audio_seconds, audio_peak, _ = timed(lambda: vaes.decode_audio(audio), device, repeat)
+            audio_seconds, audio_peak, _ = timed(partial(vaes.decode_audio, audio), device, repeat)
             record.update(audio_decode_seconds=round(audio_seconds, 4), audio_peak_device_bytes=audio_peak,
                           audio_share_of_decode=round(audio_seconds / (audio_seconds + v_seconds), 4))
             fused_records = {}
             for n, fused in fused_by_n.items():  # the same decode through the fused ops (`decoder_execution="fused"`)
-                f_seconds, f_peak, got = timed(lambda: fused.decode(z), device, repeat)
+                f_seconds, f_peak, got = timed(partial(fused.decode, z), device, repeat)
                 fused_records[n] = {"seconds": round(f_seconds, 4), "peak_device_bytes": f_peak,
                                     "bitwise_equal_to_diffusers": torch.equal(got, expected)}
                 print(canvas, seconds, f"fused windows_per_call={n}", fused_records[n])
@@ -295,7 +296,7 @@ def run(vaes: MediaVAEs, device: torch.device, canvases: dict[str, tuple[int, in
                 if "roofline_seconds" in record:
                     record["native_fused_roofline_ratio"] = round(f_seconds / record["roofline_seconds"], 4)
                 if profile_kernels:
-                    record["native_fused_kernel_profile"] = kernel_profile(lambda: fused_by_n[fused_n].decode(z))
+                    record["native_fused_kernel_profile"] = kernel_profile(partial(fused_by_n[fused_n].decode, z))
                     profile_kernels = False
             print({k: v for k, v in record.items() if k != "by_windows_per_call"})
             records.append(record)

@@ -51,6 +51,7 @@ import datetime
 import json
 import math
 import os
+import runpy
 import shutil
 import subprocess
 import threading
@@ -58,6 +59,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Self
 
 import torch
 from _common import RESULTS, environment, write_result
@@ -158,7 +160,7 @@ def write_tiny_family(root: Path, models: Path) -> None:
     fp8_scaled single file, the text encoder and the VAEs in the layouts core's loaders detect."""
     python = os.environ.get("COMFYUI_PYTHON", "python")
     out = subprocess.run([python, str(Path(__file__).resolve().parent / "comfy_core_files.py"), str(models), "--small", "--device", "cpu"],
-                         cwd=root, capture_output=True, text=True, timeout=600)
+                         cwd=root, check=False, capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-3000:])
 
@@ -196,7 +198,7 @@ class Sampler:
             self.torch_pinned = max(self.torch_pinned, memory["torch_pinned_bytes"])
             self._stop.wait(self.period)
 
-    def __enter__(self) -> Sampler:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 
@@ -330,8 +332,7 @@ class Comparison:
 
 
 def comfyui_version(comfyui: Path) -> str:
-    namespace: dict = {}
-    exec((comfyui / "comfyui_version.py").read_text(), namespace)
+    namespace = runpy.run_path(str(comfyui / "comfyui_version.py"))
     out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=comfyui, capture_output=True, text=True, check=False)
     return namespace["__version__"] + (f" ({out.stdout.strip()[:8]})" if out.returncode == 0 else "")
 

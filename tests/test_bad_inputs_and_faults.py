@@ -425,9 +425,11 @@ def test_verify_weights_runs_before_anything_loads(tmp_path, h3_family, no_model
     data = bytearray(block.read_bytes())
     data[-1] ^= 0x01
     block.write_bytes(bytes(data))
-    with H3Pipeline.from_prepared(receipt, RunOptions(verify_weights=True)) as pipeline:
-        with pytest.raises(WeightFileError, match=r"1 compiled file\(s\) differ from what the compiler wrote .*block_001\.safetensors$"):
-            pipeline.load()  # `no_model_loads` fails the test if an encoder or a VAE loads first
+    with (
+        H3Pipeline.from_prepared(receipt, RunOptions(verify_weights=True)) as pipeline,
+        pytest.raises(WeightFileError, match=r"1 compiled file\(s\) differ from what the compiler wrote .*block_001\.safetensors$"),
+    ):
+        pipeline.load()  # `no_model_loads` fails the test if an encoder or a VAE loads first
 
 
 # -- receipts and manifests, field by field ----------------------------------------------------------------------------
@@ -490,7 +492,7 @@ def _mounts_allowed(folder: Path) -> bool:
     if shutil.which("unshare") is None:
         return False
     probe = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", f"mount -t tmpfs -o size=1m tmpfs {folder}"],
-                           capture_output=True, timeout=30)
+                           check=False, capture_output=True, timeout=30)
     return probe.returncode == 0
 
 
@@ -573,7 +575,7 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(h3_prepared, tiny_compiled, 
         full = "No space left on device"
     else:
         argv, full = [sys.executable, str(script), str(disk), "limit", argv], "File too large"
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=540)
+    done = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=540)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout.splitlines()[-1])  # the runs' own output lines come before it
     assert len(report["runs"]) == len(commands)
@@ -615,7 +617,7 @@ def test_a_killed_runs_temporaries_are_removed_by_the_next_run_into_its_folder(h
     assert left and all(name.startswith(f".first.mp4.{os.uname().nodename}+{run.pid}+") for name in left), left
     main_output_of_generate = subprocess.run([sys.executable, "-m", "vflash_core.cli.main", "generate", "--prepared-assets", str(h3_prepared),
                                               "--prompt", "a kite", "--width", "32", "--height", "32", "--output", str(out / "second.mp4")],
-                                             capture_output=True, text=True, timeout=240)
+                                             check=False, capture_output=True, text=True, timeout=240)
     assert main_output_of_generate.returncode == 0, main_output_of_generate.stderr
     assert sorted(out.iterdir()) == [keep, out / "second.mp4"] and keep.read_text() == "mine"
 

@@ -65,7 +65,7 @@ def test_compile_hashes_each_source_byte_once(tmp_path, tiny_weights):
     with mock.patch.object(receipt, "describe_files", wraps=receipt.describe_files) as hashing:
         compile_receipt(tmp_path / "r.json", tmp_path / "out")
     assert not any(call.kwargs.get("with_hash") for call in hashing.call_args_list)
-    touched = sorted(folder.glob("*.safetensors"))[0]
+    touched = min(folder.glob("*.safetensors"))
     os.utime(touched, ns=(touched.stat().st_atime_ns, touched.stat().st_mtime_ns + 1_000_000_000))
     with mock.patch.object(receipt, "describe_files", wraps=receipt.describe_files) as hashing:
         compile_receipt(tmp_path / "r.json", tmp_path / "out2")
@@ -77,9 +77,11 @@ def test_compile_hashes_each_source_byte_once(tmp_path, tiny_weights):
 
 def test_interrupted_compile_leaves_nothing_that_loads(tmp_path, tiny_transformer):
     prepare("t2va-base4-exact-cpu", tiny_transformer, tmp_path / "r.json")
-    with mock.patch("vflash_core.weights.artifact_writer._save_hashed", side_effect=[None, None, KeyboardInterrupt]):
-        with pytest.raises(KeyboardInterrupt):
-            compile_receipt(tmp_path / "r.json", tmp_path / "out")
+    with (
+        mock.patch("vflash_core.weights.artifact_writer._save_hashed", side_effect=[None, None, KeyboardInterrupt]),
+        pytest.raises(KeyboardInterrupt),
+    ):
+        compile_receipt(tmp_path / "r.json", tmp_path / "out")
     assert not (tmp_path / "out").exists()
     assert not any(p.name.endswith(".partial") for p in tmp_path.iterdir())
     compile_receipt(tmp_path / "r.json", tmp_path / "out")  # a clean retry works
@@ -215,6 +217,8 @@ def test_pipeline_verify_weights_refuses_a_corrupt_compile_before_loading(tmp_pa
     data = bytearray(block.read_bytes())
     data[-1] ^= 0x01
     block.write_bytes(bytes(data))
-    with H3Pipeline.from_prepared(receipt, RunOptions(verify_weights=True)) as pipeline:
-        with pytest.raises(WeightFileError, match="block_000.safetensors"):
-            pipeline.load()
+    with (
+        H3Pipeline.from_prepared(receipt, RunOptions(verify_weights=True)) as pipeline,
+        pytest.raises(WeightFileError, match="block_000.safetensors"),
+    ):
+        pipeline.load()

@@ -72,11 +72,12 @@ def test_materialize_moves_a_resident_part_to_its_device():
 
 def _file_mapped_ranges() -> list[tuple[int, int]]:
     ranges = []
-    for line in open("/proc/self/maps"):
-        fields = line.split()
-        if len(fields) >= 6 and fields[5].endswith(".safetensors"):
-            start, end = (int(x, 16) for x in fields[0].split("-"))
-            ranges.append((start, end))
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            if len(fields) >= 6 and fields[5].endswith(".safetensors"):
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                ranges.append((start, end))
     return ranges
 
 

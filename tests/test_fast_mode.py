@@ -122,7 +122,7 @@ def test_kernel_matches_the_masked_reference_in_the_interpreter():
         print(json.dumps({"diffs": diffs, "sparse_vs_dense": float((out.float() - dense.permute(0, 2, 1, 3)).abs().max())}))
     """)
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, check=False, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert max(result["diffs"]) < 2e-3, result  # fp16 operands, fp32 accumulation on both sides

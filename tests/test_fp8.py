@@ -93,6 +93,11 @@ def with_special_rows(x: torch.Tensor) -> torch.Tensor:
 # -- CPU: the E4M3 rounding --------------------------------------------------------------------------------------
 
 
+# The `_fp8` module under test, bound by each test below (the interpreted copy, imported by the `op` fixture, or the
+# GPU package's); the probe finds it among its globals when it runs.
+_fp8_under_test = None
+
+
 def _e4m3_probe(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     """fp32 -> `_e4m3_bits(scale 1)` -> uint8, with `_fp8_under_test` the interpreted or the GPU package's `_fp8`."""
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

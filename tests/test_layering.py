@@ -213,13 +213,13 @@ def test_the_checks_find_what_they_look_for():
     assert ["vflash_core.errors", "vflash_core.fileio"] in _cycles(graph)
     assert {
         "vflash_core/engine/layout.py:2: vflash_core.engine.layout imports vflash_core.media.references, a higher layer",
-        f"vflash_core/weights/checkpoint.py:3: vflash_core.weights.checkpoint imports {NODE_PACK}, of the higher "
-        f"package {NODE_PACK}",
+        (f"vflash_core/weights/checkpoint.py:3: vflash_core.weights.checkpoint imports {NODE_PACK}, of the higher "
+         f"package {NODE_PACK}"),
         f"vflash_core/weights/checkpoint.py:4: imports the package facade {FACADE}",
-        "kernels/modulate.py:5: vflash_kernels.modulate imports vflash_core.engine.model, of the higher package "
-        "vflash_core",
-        "kernels/modulate.py:6: vflash_kernels.modulate imports vflash_nodes.registry, of the higher package "
-        "vflash_nodes",
+        ("kernels/modulate.py:5: vflash_kernels.modulate imports vflash_core.engine.model, of the higher package "
+         "vflash_core"),
+        ("kernels/modulate.py:6: vflash_kernels.modulate imports vflash_nodes.registry, of the higher package "
+         "vflash_nodes"),
     } <= set(_upward(graph))
 
 

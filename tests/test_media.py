@@ -315,7 +315,9 @@ def test_crf_and_preset_reach_the_encoder_in_every_writer(tmp_path):
         stream.finish(wave)
     streamed = _x264_settings(tmp_path / "stream.mp4")
     assert streamed.endswith(b" qp=0") and b" ref=16 " in streamed  # CRF 0: lossless constant QP 0; veryslow: 16 refs
-    with pytest.raises(VflashError, match="video_preset must be one of"):
-        with mp4_stream(tmp_path / "refused.mp4", 96, 64, SR, video_preset="turbo"):
-            pass
+    with (
+        pytest.raises(VflashError, match="video_preset must be one of"),
+        mp4_stream(tmp_path / "refused.mp4", 96, 64, SR, video_preset="turbo"),
+    ):
+        pass
     assert not (tmp_path / "refused.mp4").exists()

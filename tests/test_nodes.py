@@ -112,7 +112,7 @@ def test_root_import_without_comfyui_registers_only_the_packages():
         "assert not torch.cuda.is_initialized()\n"
         "print('ok')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, cwd="/")
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
@@ -266,7 +266,7 @@ def test_a_model_root_compiles_the_partition_of_its_profile(pack, model_files, m
 
 def test_first_use_compile_can_be_interrupted_and_publishes_nothing(pack, comfy, model_files):
     utils = importlib.import_module("comfy.utils")
-    mm, updates = comfy
+    mm, _ = comfy
     layers = H3Config.preset("tiny").num_layers
     hook = utils.PROGRESS_BAR_HOOK
 
@@ -378,7 +378,7 @@ def test_keyframe_conditioning_must_match_the_canvas(pack, comfy):
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_interrupt_at_evaluation_k_stops_within_one_and_next_run_succeeds(pack, comfy, k):
-    mm, updates = comfy
+    mm, _ = comfy
     workflow = apply_overrides(load_api_workflow(API / "t2va.json"), [*SMALL, f"7.filename_prefix=video/interrupt{k}", f"5.seed={k}"])
     registry = pack.package.registry.ENGINES
     run(pack, {nid: n for nid, n in workflow.items() if nid == "1"} | {"9": {"class_type": "VflashUnload", "inputs": {"anything": ["1", 0], "what": "te"}}})
@@ -505,7 +505,7 @@ def test_encode_then_sample_bundle_equals_pipeline_bundle(pack, comfy, keyframes
         Image.fromarray(pixels).save(tmp_path / f"{name}.png")
         images[name] = torch.from_numpy(pixels.astype(np.float32) / 255.0)[None]
     prompt = "A red square <Picture 1> turns blue." if keyframes else "Waves crash on a rocky shore."
-    cond, latent, frames = actions.encode(registry, host, te, vae, prompt, 128, 96, 124, 0.0, images.get("first"), images.get("last"), force_offload=False)
+    cond, latent, _ = actions.encode(registry, host, te, vae, prompt, 128, 96, 124, 0.0, images.get("first"), images.get("last"), force_offload=False)
     session = registry.engine("dit")
     mine = cond.bundle(session.compiled.config, 7, cl.from_comfy_latent(latent).geometry).consume()
     request = VideoRequest(prompt, first_frame=tmp_path / "first.png" if keyframes else None, last_frame=tmp_path / "last.png" if keyframes else None,
@@ -577,7 +577,7 @@ def test_generate_node_all_in_one(pack, comfy):
         "length": 100, "seconds": 5.0, "seed": 3, "force_offload": False}}
     workflow["7"] = {"class_type": "SaveVideo", "inputs": {"video": ["4", 0], "filename_prefix": "video/generate", "format": "auto"}}
     report = run(pack, workflow)
-    video, images, audio = report.outputs["4"]
+    _, images, audio = report.outputs["4"]
     assert images.shape[0] == 124 and audio["waveform"].shape[1] == 2  # seconds=5.0 overrides length, snapped to 17 n + 5
     assert probe_mp4(next((output_dir() / "video").glob("generate_*.mp4")))["frames"] == 124
 

@@ -145,7 +145,7 @@ def test_references_reach_core_clip_in_request_order(pack, core_files, monkeypat
         def __init__(self):
             self.items = None
 
-        def tokenize(self, text, images=[], minimax_ref_items=None, **kwargs):
+        def tokenize(self, text, images=(), minimax_ref_items=None, **kwargs):
             self.items = minimax_ref_items
             return {"qwen3vl_32b": [[(1, 1.0)]]}
 
@@ -168,7 +168,7 @@ def test_references_reach_core_clip_in_request_order(pack, core_files, monkeypat
 def test_core_objects_are_refused_by_name(pack, core_files):
     registry = pack.package.registry.ENGINES
     host, folders = pack.package.host.HOST, pack.package.host.FOLDERS
-    clip, video_vae, audio_vae = _core(pack, core_files)
+    _, video_vae, audio_vae = _core(pack, core_files)
     vae = actions.load_component(registry, host, folders, "vae", "embedded-demo", "cpu")
     nested = importlib.import_module("comfy.nested_tensor").NestedTensor
     latent = cl.to_comfy_latent(torch.zeros(1, 8, 7, 4, 4), torch.zeros(2, 8, 37), nested)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import replace
+from itertools import pairwise
 
 import pytest
 import torch
@@ -29,7 +30,7 @@ WIDE = replace(TINY, num_attention_heads=8)
 def test_split_rows_is_contiguous_and_balanced(total, ranks):
     bounds = P.split_rows(total, ranks)
     assert bounds[0][0] == 0 and bounds[-1][1] == total
-    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    assert all(a[1] == b[0] for a, b in pairwise(bounds))
     sizes = [stop - start for start, stop in bounds]
     assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
 

@@ -164,8 +164,8 @@ def test_cli_refuses_an_eight_channel_audio_reference_in_one_line(files, h3_prep
     ])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and not out.exists()
-    assert err == [f"vflash: error: reference 2 {files / 'eight-channels.wav'} has 8 audio channels; soundtracks must "
-                   "be mono or stereo (1 or 2 channels): downmix it first"]
+    assert err == [(f"vflash: error: reference 2 {files / 'eight-channels.wav'} has 8 audio channels; soundtracks must "
+                    "be mono or stereo (1 or 2 channels): downmix it first")]
 
 
 def test_prepare_pipeline_checks_the_assets(h3_prepared, tmp_path):

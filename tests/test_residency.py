@@ -28,7 +28,7 @@ def _fds() -> int:
 @pytest.mark.parametrize("segment_blocks", [1, 2])
 def test_arena_holds_every_block_exactly_and_closes_its_maps(tiny_compiled, monkeypatch, segment_blocks):
     artifact = CompiledArtifact(**tiny_compiled)
-    layout, block_bytes = R.block_layout(artifact)
+    _, block_bytes = R.block_layout(artifact)
     monkeypatch.setattr(R, "_SEGMENT_BYTES", segment_blocks * block_bytes)
     before = _fds()
     arena = R.BlockArena(artifact, pin=False)

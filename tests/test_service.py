@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 from typing import Any
@@ -51,8 +50,8 @@ async def test_submit_poll_download_playable_mp4(aiohttp_client, make_service, t
     inputs.mkdir()
     png(inputs / "last.png")
     app, config = make_service(input_dir=inputs, options=RunOptions(encoder_residency="resident"))
-    ended = subprocess.Popen([sys.executable, "-c", "pass"])
-    ended.wait()
+    ended = await asyncio.create_subprocess_exec(sys.executable, "-c", "pass")
+    await ended.wait()
     stale = config.output_dir / ".vflash-work-0dead"  # left by a service on this host that was killed
     (stale / "uploads").mkdir(parents=True)
     (stale / WORK_DIR_OWNER).write_text(f"{socket.gethostname()} {ended.pid}\n")
@@ -286,7 +285,7 @@ async def test_an_upload_onto_a_full_disk_is_507_and_leaves_nothing(aiohttp_clie
 
     class FullDisk:
         def __init__(self, path, mode):
-            self.file = open(path, mode)
+            self.file = open(path, mode)  # noqa: SIM115 - it stands in for `open`: its caller closes it
 
         def write(self, data):
             raise OSError(errno.ENOSPC, "No space left on device")
@@ -295,7 +294,7 @@ async def test_an_upload_onto_a_full_disk_is_507_and_leaves_nothing(aiohttp_clie
             self.file.close()
 
     monkeypatch.setattr(submission, "open", FullDisk, raising=False)
-    app, config = make_service()
+    app, _ = make_service()
     client = await aiohttp_client(app)
     form = FormData()
     form.add_field("request", json.dumps({"prompt": "<Picture 1> waves", **FAST}), content_type="application/json")

@@ -355,11 +355,11 @@ def test_serve_places_one_worker_per_gpu_or_pair_and_refuses_gpus_on_a_machine_w
     assert args.gpus == ((0, 1), (2, 3)) and args.workers == 1 and args.pipelined
     for extra, message in (
         (["--gpus", "0,1"], "--gpus needs CUDA GPUs and this machine has none; on the CPU, use --workers N"),
-        (["--gpus", "0,x"], "--gpus takes CUDA indices separated by commas, pairs joined by '+' "
-                            "(0,1 or 0+1,2+3), got '0,x'"),
+        (["--gpus", "0,x"], ("--gpus takes CUDA indices separated by commas, pairs joined by '+' "
+                             "(0,1 or 0+1,2+3), got '0,x'")),
         (["--gpus", "0", "--gpu", "1"], "--gpus replaces --gpu and --peer-gpu: give one or the other"),
-        (["--workers", "2", "--gpu", "0"], "2 workers on cuda:0 would each plan that GPU's whole memory; name one GPU "
-                                           "per worker"),
+        (["--workers", "2", "--gpu", "0"], ("2 workers on cuda:0 would each plan that GPU's whole memory; name one GPU "
+                                            "per worker")),
         (["--workers", "0"], "--workers must be an integer from 1 to 64, got 0"),
     ):
         assert main(["serve", "--demo", "--output-dir", str(tmp_path / "out"), *extra]) == 2

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+from itertools import pairwise
 
 import pytest
 from service_helpers import FAST, MIDDLE, published, submit, wait_for, wait_job, wait_ready
@@ -73,8 +74,8 @@ async def test_a_pipelined_worker_starts_the_next_job_during_a_write_and_writes_
     pipelined, pipelined_jobs = await render_three(aiohttp_client, make_service, pipelined=True)
     assert pipelined == serial and len(set(serial)) == 3
     # Serial: each job starts after the last one ended. Pipelined: during its write, on the same worker.
-    assert all(b["started_at"] >= a["finished_at"] for a, b in zip(serial_jobs, serial_jobs[1:]))
-    assert all(b["started_at"] < a["finished_at"] for a, b in zip(pipelined_jobs, pipelined_jobs[1:]))
+    assert all(b["started_at"] >= a["finished_at"] for a, b in pairwise(serial_jobs))
+    assert all(b["started_at"] < a["finished_at"] for a, b in pairwise(pipelined_jobs))
     assert len({job["worker_pid"] for job in pipelined_jobs}) == 1
     assert [job["result"]["timing"]["request_index"] for job in pipelined_jobs] == [1, 2, 3]
 

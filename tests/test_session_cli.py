@@ -238,7 +238,7 @@ def test_help_and_a_refused_command_import_neither_torch_nor_the_pipeline(argv, 
         "heavy = ('torch', 'numpy', 'PIL', 'aiohttp', 'vflash_core.pipeline.h3_pipeline')\n"
         "print(json.dumps([status, sorted(m for m in heavy if m in sys.modules)]))\n"
     )
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True, timeout=120)
     assert json.loads(done.stdout.strip().splitlines()[-1]) == [status, []], done.stderr
 
 

@@ -101,7 +101,7 @@ def test_the_installed_command_prints_one_line_without_traceback(h3_prepared, in
     done = subprocess.run(
         [sys.executable, "-m", "vflash_core.cli.main", "generate", "--prepared-assets", str(h3_prepared),
          "--prompt-file", str(inputs / "latin1.txt"), "--output", str(tmp_path / "o.mp4")],
-        capture_output=True, text=True, timeout=120,
+        check=False, capture_output=True, text=True, timeout=120,
     )
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.strip().splitlines() == [f"vflash: error: --prompt-file {inputs / 'latin1.txt'} is not UTF-8 text (byte 3 is 0xe9)"]
@@ -369,7 +369,7 @@ def test_concurrent_first_use_loads_once_and_leaves_nothing_patched(h3_prepared,
     def run(call) -> None:
         try:
             call()
-        except BaseException as exc:  # reported below, with the thread's exception
+        except BaseException as exc:  # noqa: BLE001 - reported below, with the thread's exception
             errors.append(exc)
 
     request = VideoRequest("A lighthouse at dusk.", seed=1, width=32, height=32)

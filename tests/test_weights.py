@@ -90,18 +90,21 @@ def _raw_safetensors(path, header_json: str, data_bytes: int) -> None:
 def test_a_header_naming_a_tensor_twice_or_sharing_bytes_is_refused(tmp_path):
     """A header that named one tensor twice was read silently (Python's JSON parser keeps the last), so one block's
     weights came from another's bytes; the safetensors library, and so ComfyUI, refuses both files."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     path = tmp_path / "forged.safetensors"
-    entry = '{"dtype": "F32", "shape": [2], "data_offsets": [%d, %d]}'
-    _raw_safetensors(path, '{"blocks.0.w": %s, "blocks.1.w": %s, "blocks.0.w": %s}' % (
-        entry % (0, 8), entry % (8, 16), entry % (8, 16)), 16)
-    with pytest.raises(Exception):
+
+    def entry(start: int, end: int) -> str:
+        return json.dumps({"dtype": "F32", "shape": [2], "data_offsets": [start, end]})
+
+    # A header naming a key twice, which a dict cannot hold: written as text.
+    _raw_safetensors(path, f'{{"blocks.0.w": {entry(0, 8)}, "blocks.1.w": {entry(8, 16)}, "blocks.0.w": {entry(8, 16)}}}', 16)
+    with pytest.raises(SafetensorError):
         safe_open(str(path), "pt")
     with pytest.raises(WeightFileError, match=r"forged.safetensors: corrupt safetensors header: 'blocks.0.w' is given twice$"):
         SafetensorsFile(path)
-    _raw_safetensors(path, '{"blocks.0.w": %s, "blocks.1.w": %s}' % (entry % (0, 8), entry % (4, 12)), 16)
-    with pytest.raises(Exception):
+    _raw_safetensors(path, f'{{"blocks.0.w": {entry(0, 8)}, "blocks.1.w": {entry(4, 12)}}}', 16)
+    with pytest.raises(SafetensorError):
         safe_open(str(path), "pt")
     with pytest.raises(WeightFileError, match=r"corrupt safetensors header: tensors 'blocks.0.w' and 'blocks.1.w' share bytes$"):
         SafetensorsFile(path)

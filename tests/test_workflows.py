@@ -249,7 +249,7 @@ def test_run_workflow_cli_t2va_plays_with_audio(tmp_path, demo_cache):
     out = subprocess.run(
         [sys.executable, "-m", "vflash_core.cli.main", "run-workflow", str(API_DIR / "t2va.json"), "--output-dir", str(tmp_path / "out"),
          *[arg for override in overrides for arg in ("--set", override)]],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600,
+        check=False, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     files = list((tmp_path / "out" / "video").glob("vflash_t2va_*.mp4"))
@@ -265,7 +265,7 @@ def test_run_workflow_cli_refuses_unsupported_nodes(tmp_path):
     workflow = load_api_workflow(API_DIR / "t2va.json")
     workflow["8"] = {"class_type": "VAEDecodeAudio", "inputs": {"samples": ["5", 0], "vae": ["3", 0]}}
     (tmp_path / "w.json").write_text(json.dumps(workflow))
-    out = subprocess.run([sys.executable, "-m", "vflash_core.cli.main", "run-workflow", str(tmp_path / "w.json")], capture_output=True, text=True, cwd=tmp_path)
+    out = subprocess.run([sys.executable, "-m", "vflash_core.cli.main", "run-workflow", str(tmp_path / "w.json")], check=False, capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 2 and "unsupported nodes: 8 (VAEDecodeAudio)" in out.stderr and not (tmp_path / "output").exists()
 
 
@@ -283,7 +283,7 @@ def test_run_workflow_refuses_an_sm90_profile_on_cpu_before_anything_runs(tmp_pa
     out = subprocess.run(
         [sys.executable, "-m", "vflash_core.cli.main", "run-workflow", str(API_DIR / "t2va.json"), "--models-dir", str(models), "--output-dir", str(tmp_path / "out"),
          "--set", "1.model=h3.safetensors", "--set", "1.profile=t2va-base16-bf16-sm90"],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
+        check=False, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
     )
     assert out.returncode == 2 and 'node 1 (VflashModelLoader): profile must be one of auto, ' in out.stderr, out.stderr[-2000:]
     assert 'got "t2va-base16-bf16-sm90"' in out.stderr and "-cpu" in out.stderr and "-sm90," not in out.stderr

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from typing import ClassVar
 
 import torch
 
@@ -30,7 +31,7 @@ def small_core_dimensions():
         num_attention_heads: int = 2
         num_key_value_heads: int = 1
         head_dim = 16
-        rope_dims = [2, 3, 3]
+        rope_dims: ClassVar[list[int]] = [2, 3, 3]  # a class attribute, as in core's config, not a field
 
     qwen3vl.QWEN3VL_CONFIGS["qwen3vl_32b"] = Small
     qwen3vl.QWEN3VL_VISION["qwen3vl_32b"] = dict(hidden_size=32, intermediate_size=64, depth=2, deepstack_visual_indexes=[0, 1])

@@ -155,8 +155,12 @@ def main() -> None:
         if kind == "fp8_scaled":
             row["dequantized"] = dequantized(core, path, config)
         captured: list[torch.Tensor] = []
-        hooks = [block.adaln_proj.register_forward_hook(lambda m, i, out: captured.append(torch.cat(out, dim=-1))) for block in core.blocks]
-        hooks.append(core.final_layer.adaln_proj.register_forward_hook(lambda m, i, out: captured.append(torch.cat(out, dim=-1))))
+
+        def capture(module, args, out, captured=captured) -> None:  # a forward hook: each adaLN projection's table
+            captured.append(torch.cat(out, dim=-1))
+
+        hooks = [block.adaln_proj.register_forward_hook(capture) for block in core.blocks]
+        hooks.append(core.final_layer.adaln_proj.register_forward_hook(capture))
         ours, with_core_ops = denoiser(artifact, BlockOps(artifact.config, sdpa_attention)), denoiser(artifact, core_ops(artifact.config))
         state, core_state = ours.start_request(bundle), with_core_ops.start_request(bundle)
         tables, velocities, injected = [], [], False

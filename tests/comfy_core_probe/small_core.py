@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -39,7 +40,7 @@ def patch() -> None:
         num_attention_heads: int = 2
         num_key_value_heads: int = 1
         head_dim = 16
-        rope_dims = [2, 3, 3]
+        rope_dims: ClassVar[list[int]] = [2, 3, 3]  # a class attribute, as in core's config, not a field
 
     qwen3vl.QWEN3VL_CONFIGS["qwen3vl_32b"] = SmallQwen3VL
     qwen3vl.QWEN3VL_VISION["qwen3vl_32b"] = dict(hidden_size=32, intermediate_size=64, depth=2, deepstack_visual_indexes=[0, 1])
@@ -78,7 +79,7 @@ def _seeded(module: torch.nn.Module, seed: int, std: float) -> dict[str, torch.T
     for name, tensor in module.state_dict().items():
         if name.endswith(("latents_mean",)):
             out[name] = torch.zeros(tensor.shape)
-        elif name.endswith(("latents_std",)) or name.endswith(("norm.weight", "scale1", "scale2")) or ".norm" in name and name.endswith("weight"):
+        elif name.endswith(("latents_std", "norm.weight", "scale1", "scale2")) or ".norm" in name and name.endswith("weight"):
             out[name] = torch.ones(tensor.shape)
         else:
             out[name] = (torch.randn(tensor.shape, generator=g) * std).to(tensor.dtype if tensor.is_floating_point() else torch.float32)

@@ -33,17 +33,17 @@ class _StandInCLIP:
         self.conditioner = conditioner
         self.calls = []
 
-    def tokenize(self, text, return_word_ids=False, images=[], minimax_ref_items=None, **kwargs):
+    def tokenize(self, text, return_word_ids=False, images=(), minimax_ref_items=None, **kwargs):
         self.calls.append({"text": text, "images": list(images), "minimax_ref_items": minimax_ref_items})
         return {"qwen3vl_32b": [[("stand-in", text, list(images), minimax_ref_items)]]}
 
-    def encode_from_tokens_scheduled(self, tokens, unprojected=False, add_dict={}, show_pbar=True):
+    def encode_from_tokens_scheduled(self, tokens, unprojected=False, add_dict=None, show_pbar=True):
         _, text, images, items = tokens["qwen3vl_32b"][0][0]
         if items:
             raise NotImplementedError("the stand-in CLIP encodes t2va and keyframe presentations only")
         pictures = [Image.fromarray((img[0].numpy() * 255.0).round().astype(np.uint8)) for img in images]
         out = self.conditioner.encode(text, pictures)
-        return [[out.prompt_embeds[None].clone(), {"pooled_output": None, "minimax_token_tags": out.token_tags.clone(), **add_dict}]]
+        return [[out.prompt_embeds[None].clone(), {"pooled_output": None, "minimax_token_tags": out.token_tags.clone(), **(add_dict or {})}]]
 
 
 class _FirstStage(torch.nn.Module):
