@@ -1,8 +1,9 @@
 """The linter and the type checker, run from the test suite so that `pytest -q` (what CI runs) runs them too.
 
-ruff checks `vflash_core`, `nodes` and `kernels` with the rules of `pyproject.toml` (120 columns included); mypy checks
-the packages `vflash_core`, `vflash_kernels` and `vflash_nodes` with its `[tool.mypy]` settings (ComfyUI's own modules,
-which the node pack imports, are missing imports there). Each test fails with the tool's own report.
+ruff checks `vflash_core`, `nodes`, `kernels`, `tests` and `benchmarks` with the rules of `pyproject.toml` (120 columns
+in the product; the tests and benchmarks are exempt from the line length only); mypy checks the packages `vflash_core`,
+`vflash_kernels` and `vflash_nodes` with its `[tool.mypy]` settings (ComfyUI's own modules, which the node pack imports,
+are missing imports there). Each test fails with the tool's own report.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def _run(command: list[str], env: dict[str, str] | None = None) -> subprocess.Co
 
 def test_ruff_finds_nothing():
     _require("ruff")
-    result = _run([sys.executable, "-m", "ruff", "check", "--no-fix", "vflash_core", "nodes", "kernels"])
+    folders = ["vflash_core", "nodes", "kernels", "tests", "benchmarks"]
+    result = _run([sys.executable, "-m", "ruff", "check", "--no-fix", *folders])
     assert result.returncode == 0, f"ruff check failed:\n{result.stdout}{result.stderr}"
 
 
