@@ -403,7 +403,7 @@ def vflash_requests(run: Run, pipe, config_name: str, canvases: list[str], count
             peaks: dict[str, int] = {}
             hosts: list[dict[str, int]] = []
 
-            def progress(stage: str, done: int, total: int) -> None:  # called within the iteration (generate below)
+            def progress(stage: str, done: int, total: int) -> None:
                 name = {"encode": "encode", "denoise": "denoise", "write": "mp4"}.get(stage)
                 if stage == "decode":
                     name = "video_decode" if done == 1 else "audio_decode"
