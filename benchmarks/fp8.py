@@ -122,8 +122,8 @@ def executions(
     mode, quantizer = ("w8a8", "triton") if cuda else ("weight-only", "torch")
 
     def fp8_ops(attend):
-        execution = fp8.RowFP8Execution(mode, quantizer)
-        return fp8.FusedRowFP8Ops(config, attend, execution, keep_values=False) if cuda else fp8.RowFP8Ops(config, attend, execution)
+        matmul = fp8.RowFP8Matmul(mode, quantizer)
+        return fp8.FusedRowFP8Ops(config, attend, matmul, keep_values=False) if cuda else fp8.RowFP8Ops(config, attend, matmul)
 
     exact_ops = FusedOps if cuda else BlockOps
     dens = {

@@ -105,11 +105,11 @@ def test_w8a8_runs_on_the_fp8_families_only(gpu_of, capability, tag):
     refusal = fp8.w8a8_refusal(CUDA0)
     if tag in ("sm89", "sm90", "sm100", "sm120"):
         assert refusal is None
-        fp8.RowFP8Execution("w8a8").check_device(CUDA0)
+        fp8.RowFP8Matmul("w8a8").check_device(CUDA0)
     else:
         assert refusal == f"FP8 w8a8 execution needs FP8 tensor cores, a CUDA device of sm89, sm90, sm100, sm120; cuda:0 is {'sm75' if tag == 'sm75' else ARCH_FAMILIES[tag].name}"
         with pytest.raises(VflashError, match="needs FP8 tensor cores"):
-            fp8.RowFP8Execution("w8a8").check_device(CUDA0)
+            fp8.RowFP8Matmul("w8a8").check_device(CUDA0)
 
 
 def test_device_check_pairs_a_profile_with_its_family(gpu_of, probes, monkeypatch):

@@ -298,7 +298,7 @@ def test_the_oracles_e4m3_reading_is_torchs():
 def test_weight_only_is_a_gemm_over_dequantized_weights(request):
     """y = x @ bf16(code * scale in FP32).T in BF16, plus the LoRA residual, against the float64 oracle."""
     x, weight, codes, scales, loras = _linear_case(request)
-    got = fp8.RowFP8Execution("weight-only").linear(x, codes, scales, loras)
+    got = fp8.RowFP8Matmul("weight-only").linear(x, codes, scales, loras)
     dequantized = _bf16((_e4m3_value(codes) * scales.double()).float().double())
     assert_one_rounding_from(got, _lora_oracle(_bf16(x.double() @ dequantized.T), x, loras), "weight-only")
     assert (dequantized - weight.double()).abs().max() <= weight.double().abs().amax(1, keepdim=True).max() / 16  # 3 mantissa bits
@@ -310,7 +310,7 @@ def test_w8a8_equals_scaled_mm_of_quantized_rows(request, op, cpu_is_sm90, quant
     (+ LoRA), against the float64 oracle (whose activation codes are the per-row rule written out), with either
     activation quantizer (the Triton one in the interpreter); and close to the exact BF16 linear."""
     x, weight, codes, scales, loras = _linear_case(request)
-    execution = fp8.RowFP8Execution("w8a8", activation_quantizer=quantizer)
+    execution = fp8.RowFP8Matmul("w8a8", activation_quantizer=quantizer)
     if quantizer == "triton":
         execution.kernels = op
     got = execution.linear(x, codes, scales, loras)
@@ -324,7 +324,7 @@ def test_w8a8_equals_scaled_mm_of_quantized_rows(request, op, cpu_is_sm90, quant
 
 def test_w8a8_takes_quantized_rows_with_or_without_values(request, op, cpu_is_sm90):
     x, _, codes, scales, loras = _linear_case(request)
-    execution = fp8.RowFP8Execution("w8a8")
+    execution = fp8.RowFP8Matmul("w8a8")
     expected = execution.linear(x, codes, scales, loras)
     x_codes, x_scales, _ = op.quantize_rows(x)
     assert_bitwise(execution.linear(fp8.QuantizedRows(x_codes, x_scales, x), codes, scales, loras), expected, "quantized rows")
@@ -336,13 +336,13 @@ def test_w8a8_takes_quantized_rows_with_or_without_values(request, op, cpu_is_sm
 def test_w8a8_is_refused_off_sm90(request):
     """An explicit choice: w8a8 on the CPU raises (it does not fall back to weight-only or to BF16)."""
     x, _, codes, scales, _ = _linear_case(request, lora=False)
-    execution = fp8.RowFP8Execution("w8a8", activation_quantizer="triton")
+    execution = fp8.RowFP8Matmul("w8a8", activation_quantizer="triton")
     with pytest.raises(VflashError, match="needs FP8 tensor cores, a CUDA device of sm89, sm90, sm100, sm120; cpu is not a CUDA device"):
         execution.check_device("cpu")
     with pytest.raises(VflashError, match="needs FP8 tensor cores"):
         execution.linear(x, codes, scales)
     assert execution.kernels is None  # nothing ran: the refusal comes first
-    fp8.RowFP8Execution("weight-only").check_device("cpu")
+    fp8.RowFP8Matmul("weight-only").check_device("cpu")
 
 
 def test_w8a8_refusal_names_the_architecture(monkeypatch):
@@ -356,16 +356,16 @@ def test_w8a8_refusal_names_the_architecture(monkeypatch):
 
 def test_explicit_choices_are_checked():
     with pytest.raises(VflashError, match="FP8 mode must be one of weight-only, w8a8"):
-        fp8.RowFP8Execution("auto")
+        fp8.RowFP8Matmul("auto")
     with pytest.raises(VflashError, match="activation_quantizer"):
-        fp8.RowFP8Execution("w8a8", activation_quantizer="cuda")
+        fp8.RowFP8Matmul("w8a8", activation_quantizer="cuda")
     with pytest.raises(VflashError, match="w8a8 only"):
-        fp8.RowFP8Execution("weight-only", activation_quantizer="triton")
+        fp8.RowFP8Matmul("weight-only", activation_quantizer="triton")
     with pytest.raises(VflashError, match="w8a8 only"):
-        fp8.RowFP8Execution("weight-only", fast_accum=True)
+        fp8.RowFP8Matmul("weight-only", fast_accum=True)
     with pytest.raises(VflashError, match="fast_accum"):
-        fp8.RowFP8Execution("w8a8", fast_accum=1)
-    execution = fp8.RowFP8Execution("weight-only")
+        fp8.RowFP8Matmul("w8a8", fast_accum=1)
+    execution = fp8.RowFP8Matmul("weight-only")
     with pytest.raises(VflashError, match="float8_e4m3fn codes"):
         execution.linear(torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(4, 8, dtype=torch.bfloat16), torch.ones(4, 1))
 
@@ -375,14 +375,14 @@ def test_nothing_in_torch_is_patched(request, cpu_is_sm90):
     before = (F.linear, torch._scaled_mm, torch.nn.Linear.forward, torch.Tensor.__matmul__, torch.matmul)
     x, _, codes, scales, loras = _linear_case(request)
     for mode in fp8.FP8_MODES:
-        fp8.RowFP8Execution(mode).linear(x, codes, scales, loras)
+        fp8.RowFP8Matmul(mode).linear(x, codes, scales, loras)
     assert (F.linear, torch._scaled_mm, torch.nn.Linear.forward, torch.Tensor.__matmul__, torch.matmul) == before
 
 
 def test_row_fp8_linear_module(request):
     """Buffers start on meta (no memory); the trusted loader assigns them, with shapes and dtypes checked."""
     x, _, codes, scales, loras = _linear_case(request)
-    execution = fp8.RowFP8Execution("weight-only")
+    execution = fp8.RowFP8Matmul("weight-only")
     module = fp8.RowFP8Linear(64, 48, execution)
     assert module.codes.is_meta and module.scales.is_meta and module.codes.dtype == torch.float8_e4m3fn
     with pytest.raises(VflashError, match="no weights yet"):
@@ -396,7 +396,7 @@ def test_row_fp8_linear_module(request):
     other = fp8.RowFP8Linear(64, 48, execution)
     other.load_state_dict({"codes": codes, "scales": scales}, assign=True)
     assert_bitwise(other(x), execution.linear(x, codes, scales), "load_state_dict")
-    assert "RowFP8Execution('weight-only'" in repr(module)
+    assert "RowFP8Matmul('weight-only'" in repr(module)
 
 
 def test_quantize_block_keeps_everything_else(request):
@@ -425,7 +425,7 @@ def test_quantize_heads_is_exact_division_by_powers_of_two(request):
 
 
 def test_fp8_block_ops_refuse_bf16_weights(tiny_config):
-    ops = fp8.RowFP8Ops(tiny_config, reference.sdpa_attention, fp8.RowFP8Execution("weight-only"))
+    ops = fp8.RowFP8Ops(tiny_config, reference.sdpa_attention, fp8.RowFP8Matmul("weight-only"))
     with pytest.raises(VflashError, match="FP8 artifact's weights"):
         ops.linear(torch.zeros(1, 2, 8, dtype=torch.bfloat16), torch.zeros(4, 8, dtype=torch.bfloat16))
 
@@ -494,14 +494,14 @@ def test_w8a8_gpu(gpu, request):
     x = randn((1, 4096, FFN), torch.bfloat16, g, 1.0, "cuda")
     weight = randn((H_FULL, FFN), torch.bfloat16, g, 0.02, "cuda")
     codes, scales = fp8.quantize_rows(weight)
-    triton_execution = fp8.RowFP8Execution("w8a8", activation_quantizer="triton")
+    triton_execution = fp8.RowFP8Matmul("w8a8", activation_quantizer="triton")
     refusal = fp8.w8a8_refusal(torch.device("cuda:0"))
     if refusal is not None:
         with pytest.raises(VflashError, match="needs FP8 tensor cores"):
             triton_execution.linear(x, codes, scales)
         return
     got = triton_execution.linear(x, codes, scales)
-    assert_bitwise(got, fp8.RowFP8Execution("w8a8").linear(x, codes, scales), "triton vs torch quantizer")
+    assert_bitwise(got, fp8.RowFP8Matmul("w8a8").linear(x, codes, scales), "triton vs torch quantizer")
     exact = reference.linear(x, weight)
     print(f"w8a8 vs BF16 GEMM (4096 x {FFN} -> {H_FULL}): relative L2 {((got.float() - exact.float()).norm() / exact.float().norm()).item():.4f}")
 

@@ -115,11 +115,11 @@ def _trajectory(artifact: CompiledArtifact, blocks: BlockSource, ops) -> tuple[t
 def test_weight_only_trajectory_is_bf16_math_over_dequantized_weights(tiny_compiled, tiny_fp8_compiled):
     artifact = CompiledArtifact(**tiny_fp8_compiled)
     config = artifact.config
-    got = _trajectory(artifact, ResidentBlocks(artifact, CPU), fp8.RowFP8Ops(config, sdpa_attention, fp8.RowFP8Execution("weight-only")))
+    got = _trajectory(artifact, ResidentBlocks(artifact, CPU), fp8.RowFP8Ops(config, sdpa_attention, fp8.RowFP8Matmul("weight-only")))
     expected = _trajectory(artifact, DequantizedBlocks(artifact), BlockOps(config, sdpa_attention))
     assert_bitwise(got[0], expected[0], "video latents")
     assert_bitwise(got[1], expected[1], "audio latents")
-    ring = _trajectory(artifact, BlockRing(BlockArena(artifact, pin=False), CPU), fp8.RowFP8Ops(config, sdpa_attention, fp8.RowFP8Execution("weight-only")))
+    ring = _trajectory(artifact, BlockRing(BlockArena(artifact, pin=False), CPU), fp8.RowFP8Ops(config, sdpa_attention, fp8.RowFP8Matmul("weight-only")))
     assert_bitwise(ring[0], got[0], "block ring vs resident")
     exact_artifact = CompiledArtifact(**tiny_compiled)
     exact = _trajectory(exact_artifact, ResidentBlocks(exact_artifact, CPU), BlockOps(config, sdpa_attention))
@@ -134,8 +134,8 @@ def test_w8a8_trajectory_runs_the_fp8_gemm(tiny_fp8_compiled, monkeypatch):
     artifact = CompiledArtifact(**tiny_fp8_compiled)
     config = artifact.config
     blocks = ResidentBlocks(artifact, CPU)
-    w8a8 = _trajectory(artifact, blocks, fp8.RowFP8Ops(config, sdpa_attention, fp8.RowFP8Execution("w8a8")))
-    weight_only = _trajectory(artifact, blocks, fp8.RowFP8Ops(config, sdpa_attention, fp8.RowFP8Execution("weight-only")))
+    w8a8 = _trajectory(artifact, blocks, fp8.RowFP8Ops(config, sdpa_attention, fp8.RowFP8Matmul("w8a8")))
+    weight_only = _trajectory(artifact, blocks, fp8.RowFP8Ops(config, sdpa_attention, fp8.RowFP8Matmul("weight-only")))
     relative = ((w8a8[0] - weight_only[0]).norm() / weight_only[0].norm()).item()
     assert 0 < relative < 0.1, relative
 
@@ -145,7 +145,7 @@ def test_w8a8_trajectory_runs_the_fp8_gemm(tiny_fp8_compiled, monkeypatch):
 
 def test_fp8_session_runs_its_profile_resident_ring_and_sequence_head(tiny_fp8_compiled):
     artifact = CompiledArtifact(**tiny_fp8_compiled)
-    expected = _trajectory(artifact, ResidentBlocks(artifact, CPU), fp8.RowFP8Ops(artifact.config, sdpa_attention, fp8.RowFP8Execution("weight-only")))
+    expected = _trajectory(artifact, ResidentBlocks(artifact, CPU), fp8.RowFP8Ops(artifact.config, sdpa_attention, fp8.RowFP8Matmul("weight-only")))
     with NativeEngineSession(FP8_CPU, CompiledPaths(**tiny_fp8_compiled)) as session:
         assert isinstance(session._denoisers[0].ops, fp8.RowFP8Ops) and session._denoisers[0].ops.fp8.mode == "weight-only"
         assert "approximate FP8 weight-only block linears" in session.memory_plan()
@@ -188,7 +188,7 @@ cpu = torch.device("cpu")
 blocks = ResidentBlocks(artifact, cpu)
 
 def velocity(quantizer, keep_values):
-    ops = fp8.FusedRowFP8Ops(artifact.config, sdpa_attention, fp8.RowFP8Execution("w8a8", quantizer), keep_values)
+    ops = fp8.FusedRowFP8Ops(artifact.config, sdpa_attention, fp8.RowFP8Matmul("w8a8", quantizer), keep_values)
     denoiser = Denoiser(artifact, blocks, cpu, ops)
     return denoiser.evaluate(denoiser.start_request(keyframe_bundle(5, num_frames=22, height=64, width=128)), 1)
 

@@ -60,7 +60,7 @@ class Profile:
     # Approximate: compiled from a pruned file (an `adaln_t_table` replaces the time embedder; reduced-rank AdaLN),
     # whose tables are computed as ComfyUI core computes them for that file. Only pruned files compile for it.
     pruned: bool = False
-    # Approximate: the block linears as E4M3 codes + FP32 row scales (an FP8 artifact) run as `fp8.RowFP8Execution`
+    # Approximate: the block linears as E4M3 codes + FP32 row scales (an FP8 artifact) run as `fp8.RowFP8Matmul`
     # of this mode ("weight-only" or "w8a8"); None for BF16 block linears.
     fp8: str | None = None
 

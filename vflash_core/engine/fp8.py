@@ -8,11 +8,11 @@ residuals) keeps its BF16 operations.
   gets its own FP32 scale, absmax / 448, and E4M3 codes (`float8_e4m3fn`) of the row divided by it. The codes take
   half the bytes of BF16 on the device and through the block ring. A linear an fp8_scaled file already stores as
   E4M3 codes with one scale is not quantized again: its codes are kept and its scale becomes every row's.
-* `RowFP8Execution("weight-only")` dequantizes the codes to BF16 and runs a plain GEMM: any device (the reference,
-  and the CPU profile's execution). `RowFP8Execution("w8a8")` also quantizes each activation row the same way and
+* `RowFP8Matmul("weight-only")` dequantizes the codes to BF16 and runs a plain GEMM: any device (the reference,
+  and the CPU profile's matmul). `RowFP8Matmul("w8a8")` also quantizes each activation row the same way and
   runs `torch._scaled_mm` with the two row-wise scale vectors (FP8 tensor cores at twice the BF16 rate), only on
   CUDA devices of the FP8 families (sm89, sm90, sm100, sm120): anywhere else it raises `VflashError`; it never falls
-  back to another execution.
+  back to another matmul.
 * The activation quantizer is "torch" (`quantize_rows`, the reference) or "triton": the quantization then happens
   inside the kernel that produces the activation (RMSNorm + modulation before `attn.qkv` and `ffn.in`, SwiGLU before
   `ffn.out`; `vflash_kernels.fp8_quantize`), or alone for the attention output. Both give the same bits.
@@ -38,7 +38,7 @@ from .fused import FusedOps
 
 __all__ = [
     "ACTIVATION_QUANTIZERS", "FP8_LINEARS", "FP8_MODES", "W8A8_CAPABILITIES", "FusedRowFP8Ops", "QuantizedRows",
-    "RowFP8Execution", "RowFP8Linear", "RowFP8Ops", "dequantize_rows", "quantize_block", "quantize_heads",
+    "RowFP8Linear", "RowFP8Matmul", "RowFP8Ops", "dequantize_rows", "quantize_block", "quantize_heads",
     "quantize_rows", "w8a8_refusal",
 ]
 
@@ -117,7 +117,7 @@ class QuantizedRows:
     value: torch.Tensor | None
 
 
-# -- the execution -----------------------------------------------------------------------------------------------------
+# -- the matmul --------------------------------------------------------------------------------------------------------
 
 
 def w8a8_refusal(device: torch.device) -> str | None:
@@ -130,7 +130,7 @@ def w8a8_refusal(device: torch.device) -> str | None:
     return None
 
 
-class RowFP8Execution:
+class RowFP8Matmul:
     """How the block linears of an FP8 artifact run: `mode` "weight-only" or "w8a8", chosen explicitly.
 
     activation_quantizer: "torch" (`quantize_rows`) or "triton" (`vflash_kernels.fp8_quantize`, CUDA tensors); the
@@ -158,12 +158,12 @@ class RowFP8Execution:
 
     def __repr__(self) -> str:
         return (
-            f"RowFP8Execution({self.mode!r}, activation_quantizer={self.activation_quantizer!r}, "
+            f"RowFP8Matmul({self.mode!r}, activation_quantizer={self.activation_quantizer!r}, "
             f"fast_accum={self.fast_accum})"
         )
 
     def check_device(self, device: torch.device | str) -> None:
-        """Raise `VflashError` if this execution cannot run on `device`."""
+        """Raise `VflashError` if this matmul cannot run on `device`."""
         device = torch.device(device)
         if device in self._devices:
             return
@@ -185,7 +185,7 @@ class RowFP8Execution:
         return self.kernels
 
     def quantize(self, x: torch.Tensor) -> QuantizedRows:
-        """x's rows quantized by this execution's activation quantizer (x kept as their BF16 value)."""
+        """x's rows quantized by this matmul's activation quantizer (x kept as their BF16 value)."""
         if self.activation_quantizer == "triton":
             codes, scales, _ = self.quantize_kernels().quantize_rows(x)
         else:
@@ -231,14 +231,14 @@ class RowFP8Linear(torch.nn.Module):
     """One FP8 linear as a module: `codes` [out, in] E4M3 and `scales` [out, 1] FP32 buffers, created on the meta
     device (no memory) and assigned by a trusted loader (`load`, or `load_state_dict(..., assign=True)`)."""
 
-    def __init__(self, in_features: int, out_features: int, execution: RowFP8Execution):
+    def __init__(self, in_features: int, out_features: int, matmul: RowFP8Matmul):
         super().__init__()
-        self.in_features, self.out_features, self.execution = in_features, out_features, execution
+        self.in_features, self.out_features, self.matmul = in_features, out_features, matmul
         self.register_buffer("codes", torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn, device="meta"))
         self.register_buffer("scales", torch.empty(out_features, 1, dtype=torch.float32, device="meta"))
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.execution!r}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.matmul!r}"
 
     def load(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
         """Take the compiled codes and scales (one device, this module's shapes and dtypes)."""
@@ -257,16 +257,16 @@ class RowFP8Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor | QuantizedRows, loras: tuple[M.LoraResidual, ...] = ()) -> torch.Tensor:
         if self.codes.is_meta:
             raise VflashError("RowFP8Linear has no weights yet: its loader has not assigned codes and scales")
-        return self.execution.linear(x, self.codes, self.scales, loras)
+        return self.matmul.linear(x, self.codes, self.scales, loras)
 
 
 # -- block operations ----------------------------------------------------------------------------------------------
 
 
 class _RowFP8Linears:
-    """The block linears through a `RowFP8Execution`; mixed into a `BlockOps` (reference or fused elementwise ops)."""
+    """The block linears through a `RowFP8Matmul`; mixed into a `BlockOps` (reference or fused elementwise ops)."""
 
-    fp8: RowFP8Execution
+    fp8: RowFP8Matmul
 
     def linear(
         self, x: torch.Tensor | QuantizedRows, weight: torch.Tensor | M.RowScaledWeight,
@@ -282,9 +282,9 @@ class _RowFP8Linears:
 class RowFP8Ops(_RowFP8Linears, M.BlockOps):
     """`model.BlockOps` (the torch reference of every elementwise op) with the block linears in FP8."""
 
-    def __init__(self, config: H3Config, attention: M.AttentionFn, execution: RowFP8Execution, reduce=None):
+    def __init__(self, config: H3Config, attention: M.AttentionFn, matmul: RowFP8Matmul, reduce=None):
         super().__init__(config, attention, reduce)
-        self.fp8 = execution
+        self.fp8 = matmul
 
 
 class FusedRowFP8Ops(_RowFP8Linears, FusedOps):
@@ -293,12 +293,12 @@ class FusedRowFP8Ops(_RowFP8Linears, FusedOps):
     when `keep_values` (the artifact's blocks carry LoRA residuals, which read it)."""
 
     def __init__(
-        self, config: H3Config, attention: M.AttentionFn, execution: RowFP8Execution, keep_values: bool, reduce=None
+        self, config: H3Config, attention: M.AttentionFn, matmul: RowFP8Matmul, keep_values: bool, reduce=None
     ):
         super().__init__(config, attention, reduce)
-        self.fp8 = execution
+        self.fp8 = matmul
         self.keep_values = keep_values
-        self._fused_quantizer = execution.mode == "w8a8" and execution.activation_quantizer == "triton"
+        self._fused_quantizer = matmul.mode == "w8a8" and matmul.activation_quantizer == "triton"
 
     # Wider than the base's return type on purpose: the quantized rows go only to this class's own `linear`.
     def norm_modulate(  # type: ignore[override]

@@ -14,7 +14,7 @@ plan's margin, else block-ring, or disk-ring where the arena does not fit the `m
 a pipeline the pipeline's plan (the encoder and the VAEs too) is passed in and used instead. Each request is checked
 against the plan before it runs. Several GPUs (`peer_device`, `strategy`) are used only when the caller names them.
 
-Execution: an FP8 profile's artifact (approximate) runs its block linears through `fp8.RowFP8Execution` of the
+Execution: an FP8 profile's artifact (approximate) runs its block linears through `fp8.RowFP8Matmul` of the
 profile's mode, with the Triton activation quantizers in the fused execution; only such a session accepts the
 approximate attention backend `fa3-fp8`. A named fast mode (`fast_mode.FastMode`: block-sparse attention, a step
 cache) is approximate too, and each result then says so (`metadata["exact"]`, `metadata["fast_mode"]`). Nothing else
@@ -59,7 +59,7 @@ from .denoise import DenoiseOutput, Denoiser
 from .device_owner import release_host_memory
 from .engine_options import EngineOptions
 from .fast_mode_run import FastModeRun
-from .fp8 import FusedRowFP8Ops, RowFP8Execution, RowFP8Ops
+from .fp8 import FusedRowFP8Ops, RowFP8Matmul, RowFP8Ops
 from .fused import FusedOps
 from .layout import FPS
 from .model import AttentionFn, BlockOps
@@ -288,17 +288,17 @@ class NativeEngineSession:
         return self._block_ops(config, local, dev), fast
 
     def _block_ops(self, config: H3Config, attention: AttentionFn, device: torch.device) -> BlockOps:
-        """The main blocks' operations for this session's execution; for an FP8 profile its `RowFP8Execution` (the
+        """The main blocks' operations for this session's execution; for an FP8 profile its `RowFP8Matmul` (the
         fused execution quantizes activations in the Triton kernels that produce them), checked against `device`."""
         fused = self.execution == "fused"
         if self.profile.fp8 is None:
             return FusedOps(config, attention) if fused else BlockOps(config, attention)
-        execution = RowFP8Execution(self.profile.fp8, "triton" if fused and self.profile.fp8 == "w8a8" else "torch")
-        execution.check_device(device)
+        matmul = RowFP8Matmul(self.profile.fp8, "triton" if fused and self.profile.fp8 == "w8a8" else "torch")
+        matmul.check_device(device)
         if not fused:
-            return RowFP8Ops(config, attention, execution)
+            return RowFP8Ops(config, attention, matmul)
         keep_values = self.compiled.blocks_carry_lora  # LoRA branches read BF16 inputs
-        return FusedRowFP8Ops(config, attention, execution, keep_values)
+        return FusedRowFP8Ops(config, attention, matmul, keep_values)
 
     # -- memory -------------------------------------------------------------------------------------------------
 
