@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 import pytest
+from headless_nodes import API
 from refusals import files_in, refused
 
 from vflash_core.engine.artifact import CompiledPaths
@@ -27,7 +28,6 @@ from vflash_core.pipeline.options import RunOptions
 
 pytestmark = pytest.mark.timeout(300)
 
-API = Path(__file__).resolve().parent.parent / "workflows" / "api"
 
 
 # -- one number parser -----------------------------------------------------------------------------------------------

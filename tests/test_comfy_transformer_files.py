@@ -12,6 +12,7 @@ import pytest
 import torch
 import transformer_files
 from conftest import TINY, assert_bitwise, compile_tiny, cpu_profile
+from headless_nodes import API
 from safetensors.torch import load_file, save_file
 
 from vflash_core import Geometry, NativeEngineSession, build_keyframe_bundle
@@ -340,11 +341,10 @@ def test_model_loader_takes_comfy_files_and_refuses_mismatches_before_model_work
 def test_comfy_file_drives_the_t2va_chain(pack, comfy_files, model, profile, note):
     """The demo's t2va graph with the transformer from a Comfy-Org file: compiled on first use, sampled, and the
     sampler's latent says how the weights differ from the release (`vflash_notes`)."""
-    from pathlib import Path
 
     from vflash_nodes.workflow import apply_overrides, execute, load_api_workflow
 
-    api = Path(__file__).resolve().parent.parent / "workflows" / "api" / "t2va.json"
+    api = API / "t2va.json"
     workflow = apply_overrides(load_api_workflow(api), [f"1.model={model}", f"1.profile={profile}", "4.width=128", "4.height=128"])
     report = execute(workflow, pack.node_types(workflow))
     latent = report.outputs["5"][0]

@@ -8,13 +8,13 @@ import math
 from pathlib import Path
 
 import pytest
+from headless_nodes import API
 from mp4_probe import probe_mp4
 from vflash_nodes.workflow import execute, load_api_workflow
 
 from vflash_core.engine.fast_mode import FastMode
 from vflash_core.errors import VflashError
 
-API = Path(__file__).resolve().parent.parent / "workflows" / "api"
 LOADER = dict(model="embedded-demo", profile="auto", weight_residency="auto", device="auto", peer_device="none",
               strategy="sequence-head", attention_backend="auto")
 

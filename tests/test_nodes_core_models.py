@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformer_files
+from headless_nodes import API
 from vflash_nodes import actions, core_adapters, engines, graph_checks, model_files
 from vflash_nodes import comfy_latent as cl
 from vflash_nodes.workflow import apply_overrides, execute, load_api_workflow
@@ -30,7 +31,6 @@ from vflash_core.errors import RequestError, VflashError
 LOADER_DEFAULTS = {"weight_residency": "auto", "device": "cpu", "peer_device": "none", "strategy": "sequence-head", "attention_backend": "auto"}
 
 REPO = Path(__file__).resolve().parent.parent
-API = REPO / "workflows" / "api"
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 import pytest
+from headless_nodes import API
 from vflash_nodes.workflow import apply_overrides, execute, load_api_workflow
 
 from vflash_core.cli.main import main
@@ -23,7 +24,6 @@ from vflash_core.media.references import CanvasRules
 from vflash_core.pipeline.h3_pipeline import H3Pipeline, PreparedAssets, VideoRequest, prepare_pipeline
 from vflash_core.pipeline.validation import check_canvas_size
 
-API = Path(__file__).resolve().parent.parent / "workflows" / "api"
 WIDE = {"canvas_short_edge": 1024, "canvas_max_pixels": 1536 * 1024}
 OPTION = "vflash/wide.json"  # the loaders' option for the receipt
 PROMPT = "Waves crash on a rock."

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from headless_nodes import API
 from PIL import Image
 from refusals import files_in, refused
 
@@ -156,7 +157,7 @@ def test_workflow_value_of_the_wrong_type_is_refused_before_any_model_loads(tmp_
 
     for loader in ("load_model", "load_component"):
         monkeypatch.setattr(node_actions, loader, refuse)
-    workflow = Path(__file__).resolve().parent.parent / "workflows" / "api" / "t2va.json"
+    workflow = API / "t2va.json"
     # One line a problem (they were joined on one line with "; ")
     assert main(["run-workflow", str(workflow), "--set", "4.width=wide", "--set", "4.force_offload=1", "--output-dir", str(tmp_path / "out")]) == 2
     assert capsys.readouterr().err.splitlines() == [
@@ -489,7 +490,7 @@ def test_workflow_canvas_beyond_any_h3_model_is_refused_before_any_model_loads(t
     for loader in ("load_model", "load_component", "load_text_encoder", "load_vae"):
         if hasattr(node_actions, loader):
             monkeypatch.setattr(node_actions, loader, refuse)
-    workflow = Path(__file__).resolve().parent.parent / "workflows" / "api" / "t2va.json"
+    workflow = API / "t2va.json"
     line = refused(capsys, ["run-workflow", str(workflow), "--set", "4.width=4096", "--set", "4.height=4096", "--output-dir", str(tmp_path / "out")])
     # The embedded demo's text encoder names the family's canvas rules (its modular_model_index.json), not the
     # released model's: what `vflash generate` refuses for the same model.
@@ -514,7 +515,7 @@ def test_workflow_save_and_load_nodes_are_checked_before_anything_runs(tmp_path,
     for loader in ("load_model", "load_component", "load_text_encoder", "load_vae"):
         if hasattr(node_actions, loader):
             monkeypatch.setattr(node_actions, loader, refuse)
-    api = Path(__file__).resolve().parent.parent / "workflows" / "api"
+    api = API
     out = tmp_path / "out"
     cases = [
         (["t2va.json", "--set", "7.filename_prefix=../../escape"], f"node 7 (SaveVideo): filename_prefix '../../escape' points outside the output folder {out}"),
@@ -618,7 +619,7 @@ def test_malformed_transformer_config_and_workflow_values_are_one_line(tiny_tran
     workflow = tmp_path / "w.json"
     workflow.write_text('{"1": {"class_type": "SaveVideo", "inputs": {"filename_prefix": "x"}, "_meta": "Save"}}')
     assert refused(capsys, ["run-workflow", str(workflow), "--set", "Save.filename_prefix=y"]) == f"workflow {workflow}: node '1' has a '_meta' that is not an object"
-    api = Path(__file__).resolve().parent.parent / "workflows" / "api" / "t2va.json"
+    api = API / "t2va.json"
     line = refused(capsys, ["run-workflow", str(api), "--set", "5.seed=" + "9" * 5000, "--output-dir", str(tmp_path / "out")])
     assert line.startswith("invalid workflow: node 5 (VflashSampler).seed must be an integer from 0 to 9,223,372,036,854,775,807, got str '9999")
     assert not (tmp_path / "r.json").exists() and not (tmp_path / "out").exists()
