@@ -21,7 +21,7 @@ file's records):
 * `step_cache`: a whole 16-evaluation Base16 request (4 full-width blocks) exact and with `step-cache` at its default
   threshold, 1344x768 5 s: block evaluations run, the request's denoise time, the latents' relative L2 distance. On
   random weights the first block's residual decides what is cached: the record says how much it moved per evaluation.
-* `e2e` (with `--prepared-assets`, a full-size receipt such as `end_to_end.py` stages): prompt to MP4 through
+* `e2e` (with `--prepared-assets`, a full-size receipt such as `end_to_end.py` stages): prompt to decoded frames through
   `pipeline.compare`, Turbo4 1344x768 5 s, exact against `sparse-attention` on one pipeline (the model loaded once,
   one warm-up request of the fast side first): each side's request and denoise seconds, and the decoded frames' PSNR /
   SSIM and the soundtrack's log-spectral distance against exact. The MP4s and `comparison.json` go to `--output-dir`.
@@ -265,7 +265,8 @@ E2E_COVERS = "validate, encode, denoise and decode to frames in memory; the MP4 
 
 def e2e_phase(records: list[dict], assets: Path, output_dir: Path, width: int = 1344, height: int = 768,
               seconds: int = 5) -> None:
-    """Prompt to MP4 at full size, exact against `sparse-attention`, through `pipeline.compare` on one pipeline."""
+    """Prompt to decoded frames at full size (the MP4 encode untimed), exact against `sparse-attention`, through
+    `pipeline.compare` on one pipeline."""
     from end_to_end import PROMPT, REQUEST_SEED  # the request the full-size benchmarks time
 
     from vflash_core.pipeline.assets import PreparedAssets

@@ -12,8 +12,7 @@ set -euo pipefail
 COMFYUI=${1:?ComfyUI checkout}
 VENV=${2:?its virtual environment}
 
-# The device image's Python packages (/work/.library/device/KINDS.md, "Python packages already there", as read on
-# a device machine on 2026-11-17). A requirement named here is taken from the image, whatever its version there.
+# The device image's Python packages (its package list as read on a device machine on 2026-11-17). A requirement named here is taken from the image, whatever its version there.
 DEVICE_IMAGE_PACKAGES="absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch
 build certifi charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core
 cuda-pathfinder cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn einops equinox etils execnet filelock flatbuffers

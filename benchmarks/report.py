@@ -397,7 +397,7 @@ def fast_mode_figures(data: dict) -> str:
                                  ("fast_request_ms", "step-cache ms"), ("request_speedup_vs_exact", "speedup"),
                                  ("latent_rel_l2_vs_exact", "latent rel L2 (mechanism)"), ("measured_at", "commit")])]
     if e2e:
-        parts += ["", ("Prompt to MP4 at full size (`vflash compare`'s path: one pipeline, the fast side warmed up first), "
+        parts += ["", ("Prompt to decoded frames at full size, the MP4 encode untimed (`vflash compare`'s path: one pipeline, the fast side warmed up first), "
                    "exact vs `sparse-attention`; PSNR / SSIM of the decoded frames against exact (mechanism only):"), "",
                   _table(e2e, [("profile", "profile"), ("canvas", "canvas"), ("seconds", "clip s"), ("density", "density"),
                                ("e2e_seconds_exact", "exact s"), ("e2e_seconds_sparse-attention", "sparse s"),
