@@ -50,6 +50,14 @@ def environment() -> dict[str, object]:
     }
 
 
+def gpu_tag(index: int = 0) -> str:
+    """`h100`, `h200`, ... from the CUDA device name (`gpu` where it names no such model): result files' suffix."""
+    import re
+
+    found = re.search(r"\b([a-z]\d{2,3})\b", torch.cuda.get_device_name(index).lower())
+    return found.group(1) if found else "gpu"
+
+
 def write_result(name: str, data: dict[str, object]) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"

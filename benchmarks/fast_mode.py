@@ -43,7 +43,18 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import PROFILE, RESULTS, ROOT, compiled_model, environment, full_width, median_ms, request, write_result
+from _common import (
+    PROFILE,
+    RESULTS,
+    ROOT,
+    compiled_model,
+    environment,
+    full_width,
+    gpu_tag,
+    median_ms,
+    request,
+    write_result,
+)
 
 from vflash_core.engine.artifact import CompiledArtifact
 from vflash_core.engine.denoise import Denoiser
@@ -59,11 +70,6 @@ KERNEL_ROWS = {"960x544 5 s": 19_796, "1344x768 5 s": 38_222, "1344x768 10 s": 7
 DENSITIES = (0.15, 0.25, 0.5)
 LAUNCH_SETTINGS = [(w, s) for w in (4, 8) for s in (2, 3, 4)]
 DEVICE = "cuda:0"
-
-
-def gpu_name() -> str:
-    name = torch.cuda.get_device_name(0)
-    return "h200" if "H200" in name else "h100" if "H100" in name else name.lower().replace(" ", "_")
 
 
 def _fa3():
@@ -338,7 +344,7 @@ def main() -> None:
     args = parser.parse_args()
     if "e2e" in args.phases and args.prepared_assets is None:
         parser.error("the e2e phase needs --prepared-assets")
-    name = f"fast_mode_{gpu_name()}"
+    name = f"fast_mode_{gpu_tag()}"
     path = RESULTS / f"{name}.json"
     records = kept_records(path, args.phases, args.seconds)
     if "kernel" in args.phases:

@@ -33,7 +33,7 @@ from typing import Any
 from aiohttp import ClientSession, web
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import environment, write_result
+from _common import environment, gpu_tag, write_result
 
 from vflash_core.pipeline.options import RunOptions
 from vflash_core.service import ServiceConfig, create_app
@@ -180,17 +180,7 @@ def main() -> None:
         result["threads_per_worker"] = args.threads
         result["two_worker_speedup"] = round(rate[(False, 2)] / rate[(False, 1)], 3)
         result["same_mp4_bytes"] = result["same_mp4_bytes"] and videos[(False, 2)] == videos[(False, 1)]
-    write_result(f"service_throughput_{'cpu' if args.gpu is None else gpu_name(args.gpu)}", result)
-
-
-def gpu_name(gpu: int) -> str:
-    """`h100`, `h200`, ... from the CUDA device name (`gpu` where it names no such model)."""
-    import re
-
-    import torch
-
-    found = re.search(r"\b([a-z]\d{2,3})\b", torch.cuda.get_device_name(gpu).lower())
-    return found.group(1) if found else "gpu"
+    write_result(f"service_throughput_{'cpu' if args.gpu is None else gpu_tag(args.gpu)}", result)
 
 
 if __name__ == "__main__":

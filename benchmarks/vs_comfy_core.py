@@ -62,7 +62,7 @@ from pathlib import Path
 from typing import Self
 
 import torch
-from _common import RESULTS, environment, write_result
+from _common import RESULTS, environment, gpu_tag, write_result
 from comfy_server import API, TEST_PROBES, Server
 
 BENCH_PROBE = Path(__file__).resolve().parent / "comfy_bench_probe"
@@ -176,6 +176,21 @@ def link_models(source: Path) -> Callable[[Path, Path], None]:
     return link
 
 
+def sharing_compiled(write_models: Callable[[Path, Path], None], compiled: Path) -> Callable[[Path, Path], None]:
+    """`write_models`, with the server's `models/vflash` a link to one folder shared by every server of the run: Vflash
+    compiles the transformer file for its profile once (the first Vflash server's first run), not once per server (at
+    full size a BF16 compile is ~62 GiB, twice that does not fit the disk). The compile is keyed by the file it was
+    made from, which every server links to the same place, so later servers find it current."""
+
+    def write(root: Path, models: Path) -> None:
+        write_models(root, models)
+        compiled.mkdir(parents=True, exist_ok=True)
+        (models / "vflash").rmdir()
+        (models / "vflash").symlink_to(compiled)
+
+    return write
+
+
 # -- one side under one cap -----------------------------------------------------------------------------------------
 
 
@@ -257,7 +272,9 @@ def run_side(comfyui: Path, work: Path, side: str, s: Settings, cap: int | None,
     probes = {"vflash_bench_probe": BENCH_PROBE}
     if s.files == TINY_FILES:
         probes["vflash_test_small_core"] = TEST_PROBES["vflash_test_small_core"]
-    server = Server(comfyui, work, probes=probes, write_models=write_models, launch_args=launch, env=env)
+    compiled_before = any(work.parent.joinpath("vflash-compiled").glob("*"))
+    server = Server(comfyui, work, probes=probes, write_models=sharing_compiled(write_models, work.parent / "vflash-compiled"),
+                    launch_args=launch, env=env)
     out = work / "videos"
     out.mkdir()
     try:
@@ -277,6 +294,9 @@ def run_side(comfyui: Path, work: Path, side: str, s: Settings, cap: int | None,
         "mode": ("EasyCache" if side == "core" else "fast_mode step-cache") if fast else "exact",
         "status": "success" if all(r["status"] == "success" for r in runs) else "failed",
         "launch_args": launch, "first_run": first, "warm_runs": warm,
+        # Vflash's first run compiles the transformer file unless an earlier server of this run did (the compile is
+        # shared, see `sharing_compiled`); core's first run has nothing to compile.
+        "compiled_before_first_run": compiled_before if side == "vflash" else None,
     }
     best = min(warm, key=lambda r: r["workflow_seconds"]) if warm else first
     for key in ("workflow_seconds", "node_seconds", "peak_device_bytes", "host_rss_peak_bytes", "host_pinned_bytes"):
@@ -363,6 +383,8 @@ def main() -> None:
     shutil.rmtree(args.work, ignore_errors=True)
     comparison = Comparison(s)
     plan = [(cap, False) for cap in s.caps_gib] + ([(None, True)] if s.fast and not args.no_fast else [])
+    env = environment()
+    gpu = "cpu_tiny" if args.tiny else gpu_tag()
     for cap, fast in plan:
         for side in ("core", "vflash"):
             name = f"{side}-{'resident' if cap is None else f'cap{cap}'}{'-fast' if fast else ''}"
@@ -370,17 +392,18 @@ def main() -> None:
             record = run_side(args.comfyui, args.work / name, side, s, cap, fast, write_models)
             print(json.dumps({k: record[k] for k in ("status", "workflow_seconds", "peak_device_bytes", "host_rss_peak_bytes")}), flush=True)
             comparison.records.append(record)
-    env = environment()
-    data = {
-        **env, "date": datetime.date.today().isoformat(), "tiny": args.tiny, "comfyui_version": comfyui_version(args.comfyui),
-        "files": vars(s.files), "request": {"prompt": PROMPT, "seed": SEED, "width": s.width, "height": s.height,
-                                            "length": s.length, "evaluations": s.steps, "vflash_profile": s.profile},
-        "same_math": False,
-        "math_note": "not the same: different initial-noise generators, core's own sigma schedule and attention kernels",
-        "records": comparison.records, "summaries": comparison.summaries(),
-    }
-    gpu = "cpu_tiny" if args.tiny else str(env["gpu"]).split()[-1].lower()
-    write_result(f"vs_comfy_core_{gpu}", data)
+            # Written after every side, so a run cut short (a machine's time is bounded) still leaves what it measured.
+            data = {
+                **env, "date": datetime.date.today().isoformat(), "tiny": args.tiny, "comfyui_version": comfyui_version(args.comfyui),
+                "files": vars(s.files), "request": {"prompt": PROMPT, "seed": SEED, "width": s.width, "height": s.height,
+                                                    "length": s.length, "evaluations": s.steps, "vflash_profile": s.profile},
+                "same_math": False,
+                "math_note": "not the same: different initial-noise generators, core's own sigma schedule and attention kernels",
+                "planned": [{"device_cap_gib": c, "approximate": f} for c, f in plan],
+                "complete": len(comparison.records) == 2 * len(plan),
+                "records": comparison.records, "summaries": comparison.summaries(),
+            }
+            write_result(f"vs_comfy_core_{gpu}", data)
     print(f"results in {RESULTS}")
 
 
