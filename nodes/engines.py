@@ -268,7 +268,8 @@ def check_loader(
     """Every check of the model loader that needs no model work: the profile, the model option, the engine's options
     from the loader's other widgets (`engine_widgets`, by `EngineOptions`' field names: residency, devices, strategy,
     attention, the host budget, 0 for none, the fast mode and where it can run; any other field goes through as
-    given) and the devices' existence and architecture vs the profile. `strategy` counts only with a peer device.
+    given), the host's device cap (`Host.device_cap_gib`) and the devices' existence and architecture vs the profile.
+    `strategy` counts only with a peer device.
     Returns (resolved path, run options with the devices resolved)."""
     if profile != "auto":
         get_profile(profile)  # an unknown profile is refused before the model option is resolved
@@ -302,9 +303,14 @@ def check_loader(
     peer = None if peer_device in (None, "", "none") else resolve_device(host, peer_device)
     if peer is not None and peer == resolved:
         raise VflashError(f"peer_device {peer} is the loader's device; choose another GPU or 'none'")
+    # The host's limit on each device (ComfyUI's --reserve-vram) is the engine's device cap: planned against and
+    # enforced, so the engine never takes what core keeps free.
+    host_caps = (host.device_cap_gib(d) for d in (resolved, peer) if d is not None)
+    caps = [c for c in (engine_widgets.get("max_device_memory"), *host_caps) if c is not None]
     options = RunOptions(EngineOptions(**{
         **engine_widgets, "device": resolved, "peer_device": peer,
         "strategy": engine_widgets.get("strategy") if peer else None, "max_host_memory": max_host_memory,
+        "max_device_memory": min(caps) if caps else None,
     }))
     _check_run_devices(options, chosen)
     return path, options

@@ -27,6 +27,7 @@ import folder_paths
 import torch
 from comfy_api.latest import InputImpl, Types
 
+from vflash_core.memory_plan import cap_leaving_free
 from vflash_core.progress import preview_strip
 
 from .interfaces import LatentRGB
@@ -149,6 +150,15 @@ class ComfyHost:
 
     def default_device(self) -> str:
         return str(mm.get_torch_device())
+
+    def device_cap_gib(self, device: str) -> float | None:
+        """The card less what core keeps free on it for other software (`--reserve-vram`, else core's default
+        reserve): what Vflash's engines may hold there. None off CUDA, or where this host reserves nothing (the
+        headless host has no such setting)."""
+        reserved = getattr(mm, "extra_reserved_memory", None)
+        if reserved is None or torch.device(device).type != "cuda":
+            return None
+        return cap_leaving_free(device, reserved())
 
     def make_video(self, images, audio, fps: float):
         return InputImpl.VideoFromComponents(

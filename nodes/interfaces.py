@@ -64,6 +64,9 @@ class Host(Protocol):
 
     def default_device(self) -> str: ...
 
+    def device_cap_gib(self, device: str) -> float | None:
+        """GiB the host lets Vflash's engines hold on `device` (None: no limit of the host's)."""
+
     def make_video(self, images: torch.Tensor, audio: dict[str, Any], fps: float) -> Any: ...
 
     def log(self, line: str) -> None: ...

@@ -223,3 +223,32 @@ def test_device_cap_is_enforced_and_released():
         torch.empty(2 * GIB, dtype=torch.uint8, device="cuda:0")
     cap.release()
     assert torch.cuda.get_per_process_memory_fraction(0) == before
+
+
+def test_the_device_budget_keeps_within_the_allocator_limit_a_host_set(monkeypatch):
+    """A host that limits PyTorch's allocator for its process (`set_per_process_memory_fraction`) is obeyed: the driver
+    may report far more free memory than the process may still allocate (ComfyUI run under a device limit: a plan
+    from the driver's numbers alone placed 36 GiB of weights in a 24 GiB limit and failed mid-load)."""
+    total, allocated, reserved, free = 80 * GIB, 4 * GIB, 6 * GIB, 54 * GIB
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: allocated)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: reserved)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, total))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("Properties", (), {"total_memory": total}))
+    fraction = {"value": 1.0}
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: fraction["value"])
+    assert MP.device_budget(CUDA, None) == free + reserved - allocated  # no limit: the driver's free + own cache
+    assert MP.device_budget(CUDA, 20 * GIB) == 16 * GIB  # a cap counts what is already allocated
+    fraction["value"] = 0.3  # 24 GiB of 80
+    assert MP.device_budget(CUDA, None) == int(0.3 * total) - allocated
+    assert MP.device_budget(CUDA, 10 * GIB) == 6 * GIB  # the tighter of the cap and the limit
+
+
+@pytest.mark.gpu
+def test_the_device_budget_follows_the_allocator_fraction():
+    total = torch.cuda.get_device_properties(0).total_memory
+    before = torch.cuda.get_per_process_memory_fraction(0)
+    torch.cuda.set_per_process_memory_fraction(0.25, 0)
+    try:
+        assert MP.device_budget(CUDA, None) <= int(0.25 * total) - torch.cuda.memory_allocated(0)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(before, 0)

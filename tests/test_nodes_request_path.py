@@ -162,6 +162,32 @@ def test_a_canvas_the_model_refuses_is_refused_before_any_model_work(pack, wide_
     assert str(refused.value) == refusal and "te" not in registry.loaded()  # refused before the text encoder loaded
 
 
+def test_the_model_loader_caps_the_engine_at_what_comfyui_keeps_free(pack, monkeypatch):
+    """ComfyUI's --reserve-vram reaches the engine as its device cap (`Host.device_cap_gib`, planned against and
+    enforced): on an 80 GiB card with 56 GiB reserved the engine plans within 24 GiB, not within what the driver
+    reports free (a resident plan there took 36 GiB and failed mid-load). No cap on the CPU, or where the host
+    reserves nothing."""
+    from types import SimpleNamespace
+
+    import torch
+    from vflash_nodes import engines
+    from vflash_nodes import host as comfy_host
+    from vflash_nodes.host import FOLDERS, HOST
+
+    widgets = {"weight_residency": "auto", "device": "cpu", "peer_device": "none", "strategy": "sequence-head", "attention_backend": "auto"}
+    assert engines.check_loader(HOST, FOLDERS, "embedded-demo", "auto", widgets)[1].max_device_memory is None
+    monkeypatch.setattr(comfy_host.mm, "extra_reserved_memory", lambda: 56 << 30, raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 << 30))
+    assert HOST.device_cap_gib("cuda:0") == 24.0 and HOST.device_cap_gib("cpu") is None
+    # The loader on that card (this machine has none: the device check and the architecture check stand aside).
+    monkeypatch.setattr(engines, "resolve_device", lambda host, device: "cuda:0")
+    monkeypatch.setattr(engines, "_check_run_devices", lambda options, profile: None)
+    options = engines.check_loader(HOST, FOLDERS, "embedded-demo", "auto", {**widgets, "device": "cuda:0"})[1]
+    assert options.max_device_memory == 24.0
+    monkeypatch.delattr(comfy_host.mm, "extra_reserved_memory")
+    assert HOST.device_cap_gib("cuda:0") is None
+
+
 def test_the_model_loader_takes_a_host_budget(pack):
     """The loader's optional max_host_memory reaches the run options (`engines.check_loader`): 0 is no budget; on the
     CPU, where every weight is host memory, a budget is refused before anything loads, from the graph check."""

@@ -65,8 +65,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEVICE_MEMORY_GIB", "HOST_MARGIN_BYTES", "PLANNED_PICTURES", "PLANNED_TEXT_ROWS", "DeviceCap", "MemoryNeed",
-    "MemoryPlan", "PartSizes", "Placement", "cap_bytes", "check_disk_ring", "check_host_budget_on_cpu",
-    "device_budget", "plan_memory", "room",
+    "MemoryPlan", "PartSizes", "Placement", "cap_bytes", "cap_leaving_free", "check_disk_ring",
+    "check_host_budget_on_cpu", "device_budget", "plan_memory", "room",
 ]
 
 logger = logging.getLogger(__name__)
@@ -147,7 +147,9 @@ def room(needs: Iterable[MemoryNeed]) -> dict[torch.device, int]:
 
 def device_budget(devices: Sequence[torch.device], cap: int | None) -> int:
     """Bytes this process may still allocate on each of `devices` now (the least over them): on CUDA the driver's free
-    memory plus its own cached blocks, within the cap; on the CPU, the cap."""
+    memory plus its own cached blocks, within the cap and within the limit PyTorch's allocator enforces for this
+    process (`set_per_process_memory_fraction`, which a host may have set: an allocation past it fails however much
+    the driver has free); on the CPU, the cap."""
     if devices[0].type != "cuda":
         if cap is None:
             raise VflashError("a memory plan on the CPU needs a cap (max_device_memory)")
@@ -157,9 +159,21 @@ def device_budget(devices: Sequence[torch.device], cap: int | None) -> int:
     budgets = []
     for device in devices:
         allocated = torch.cuda.memory_allocated(device)
-        free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - allocated
-        budgets.append(free if cap is None else min(free, cap - allocated))
+        budget = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - allocated
+        fraction = torch.cuda.get_per_process_memory_fraction(device)
+        if fraction < 1.0:
+            limit = int(fraction * torch.cuda.get_device_properties(device).total_memory)
+            budget = min(budget, limit - allocated)
+        budgets.append(budget if cap is None else min(budget, cap - allocated))
     return min(budgets)
+
+
+def cap_leaving_free(device: str | torch.device, reserved: int) -> float:
+    """The cap in GiB (`max_device_memory`) that leaves `reserved` bytes of `device` (a CUDA device) free for other
+    software: the card's memory less those bytes."""
+    import torch
+
+    return (torch.cuda.get_device_properties(torch.device(device)).total_memory - reserved) / GIB
 
 
 #: A user cap on device memory in GiB: positive, and bounded (1 PiB, far above any device) so that its byte count is
