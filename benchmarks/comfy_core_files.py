@@ -4,8 +4,9 @@ than the files themselves: what `benchmarks/vs_comfy_core.py` runs both sides on
 
 * `diffusion_models/minimax_h3_fl2va_fp8_scaled.safetensors`: the transformer as a Comfy-Org scaled-FP8 single file
   (`synthetic.write_comfy_fp8_scaled_streamed`: the block linears float8 with one scale each, the rest bf16/fp32);
-* `text_encoders/qwen3vl_32b_minimax_h3_bf16.safetensors`: Qwen3-VL-32B as core's `CLIPLoader(type="minimax")`
-  detects it (`model.*` with decoder layers 0..49, the 50 H3 reads, `visual.*`), bf16;
+* `text_encoders/qwen3vl_32b_minimax_h3_fp8_scaled.safetensors`: Qwen3-VL-32B as core's `CLIPLoader(type="minimax")`
+  detects it (`model.*` with decoder layers 0..49, the 50 H3 reads, `visual.*`), scaled FP8 as Comfy-Org quantizes
+  text encoders (the decoder layers' linears float8 with one scale each, the rest bf16);
 * `vae/minimax_h3_video_vae_fp16.safetensors`, `vae/minimax_h3_audio_vae_fp32.safetensors`: core's own H3 VAE
   modules' state (core's `VAELoader` detects them by their keys), the video VAE built on the meta device and drawn,
   the audio VAE (150 M parameters) built for real so its anti-aliasing filters keep their constructed values.
@@ -23,6 +24,7 @@ by `small_core.patch()`), which the CPU dry run (`vs_comfy_core.py --tiny`) load
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 from collections.abc import Callable, Mapping
@@ -73,7 +75,14 @@ def text_encoder_names(name: str) -> str | None:
     return None if layer and int(layer.group(1)) >= TEXT_ENCODER_LAYER else "model." + name.removeprefix("model.language_model.")
 
 
+# The decoder layers' linears, which a scaled-FP8 text encoder file stores as float8 codes with one fp32 scale each.
+FP8_TEXT_LINEARS = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
+
+
 def write_text_encoder(path: Path, text: dict, vision: dict, device: str) -> int:
+    """Qwen3-VL as core's loader reads it, scaled FP8: the decoder layers' linears float8 e4m3 with one fp32 scale
+    each (amax / 448) and the `_quantization_metadata` core's loaders read, the rest bf16. FP8 halves the file (at
+    full size 48 GiB in bf16), so the four files leave the device machine's host memory room for the runs."""
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     config = Qwen3VLConfig(text_config={**text, "vocab_size": 151936}, vision_config=vision, tie_word_embeddings=False,
@@ -81,8 +90,29 @@ def write_text_encoder(path: Path, text: dict, vision: dict, device: str) -> int
     with torch.device("meta"):
         model = Qwen3VLForConditionalGeneration(config)
     shapes = {out: tuple(t.shape) for name, t in model.state_dict().items() if (out := text_encoder_names(name))}
-    layout = {name: (torch.bfloat16, shape) for name, shape in shapes.items()}
-    return write(path, layout, lambda name: synthetic.random_like(name, shapes[name], SEED, device).to(torch.bfloat16).cpu())
+
+    def draw(name: str) -> torch.Tensor:
+        return synthetic.random_like(name, shapes[name], SEED, device).to(torch.bfloat16)
+
+    # Each scale needs its whole weight, and the scales are written first (fp32 before fp8): a first pass draws the
+    # quantized weights for their scales only.
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+    scales = {name.removesuffix("weight") + "weight_scale": (draw(name).float().abs().amax() / fp8_max).cpu()
+              for name in shapes if FP8_TEXT_LINEARS.fullmatch(name)}
+    quantized = {name.removesuffix("_scale"): scale for name, scale in scales.items()}
+    layout = {name: (torch.float8_e4m3fn if name in quantized else torch.bfloat16, shape) for name, shape in shapes.items()}
+    layout.update({name: (torch.float32, ()) for name in scales})
+
+    def produce(name: str) -> torch.Tensor:
+        if name in scales:
+            return scales[name]
+        value = draw(name)
+        if name in quantized:
+            value = (value.float() / quantized[name].to(value.device)).to(torch.float8_e4m3fn)
+        return value.cpu()
+
+    layers = {name.removesuffix(".weight"): {"format": "float8_e4m3fn"} for name in quantized}
+    return write(path, layout, produce, {"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": layers})})
 
 
 def write_vae(path: Path, module: torch.nn.Module, dtype: torch.dtype, device: str) -> int:

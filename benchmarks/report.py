@@ -26,7 +26,8 @@ HOST_START, HOST_END = "<!-- host-memory: filled by benchmarks/report.py -->", "
 FAST_START, FAST_END = "<!-- fast-mode-figures: filled by benchmarks/report.py -->", "<!-- /fast-mode-figures -->"
 LORA_START, LORA_END = "<!-- lora-figures: filled by benchmarks/report.py -->", "<!-- /lora-figures -->"
 CORE_START, CORE_END = "<!-- vs-comfy-core: filled by benchmarks/report.py -->", "<!-- /vs-comfy-core -->"
-CORE_DOCS = (ENGINE_DOC.parent.parent / "README.md", ENGINE_DOC.parent / "comfyui.md")  # hold the core-vs-Vflash table
+README = ENGINE_DOC.parent.parent / "README.md"  # holds the core-vs-Vflash summary (`vs_core_brief`)
+CORE_DOC = ENGINE_DOC.parent / "comfyui.md"  # holds the whole core-vs-Vflash table
 
 
 def _load(name: str) -> dict | None:
@@ -444,9 +445,26 @@ def _vs_core_data() -> dict | None:
     return measured[-1] if measured else None
 
 
+SAMPLERS = {"SamplerCustomAdvanced", "VflashSampler"}  # each side's sampling node (`node_classes`)
+
+
+def _sampling_seconds(record: dict) -> float | None:
+    """The warm run's seconds in the side's sampling node (`node_seconds` by `node_classes`)."""
+    nodes = [n for n, kind in record.get("node_classes", {}).items() if kind in SAMPLERS]
+    seconds = (record.get("node_seconds") or {}).get(nodes[0]) if nodes else None
+    return round(seconds, 1) if seconds is not None else None
+
+
+def _failure(record: dict) -> str:
+    error = (record.get("first_run") or {}).get("error") or {}
+    return f"failed: {error.get('exception_type', '?')} in {error.get('node_type', '?')}" if error else "failed"
+
+
 def vs_core_table(data: dict) -> str:
-    """The same workflow, core's nodes against Vflash's, per device cap: warm seconds, peaks, speedup, PSNR."""
+    """The same workflow, core's nodes against Vflash's, per device cap: first and warm seconds, the sampling node's
+    seconds, peaks, speedup, PSNR; what was not run and the caveats the result file states."""
     request = data["request"]
+    allocator_only = data.get("peak_device_allocator_only", False)
     rows = []
     for summary in data["summaries"]:
         pair = {r["side"]: r for r in data["records"]
@@ -454,22 +472,63 @@ def vs_core_table(data: dict) -> str:
         cap = "resident" if summary["device_cap_gib"] is None else f"{summary['device_cap_gib']} GiB cap"
         for side in ("core", "vflash"):
             r = pair.get(side) or {}
+            ok = r.get("status") == "success"
             rows.append({"row": f"{cap}{', ' + r.get('mode', '') if summary['approximate'] else ''}", "side": side,
                          "first": (r.get("first_run") or {}).get("workflow_seconds"), "warm": r.get("workflow_seconds"),
-                         "device": _gib(r.get("peak_device_bytes")), "rss": _gib(r.get("host_rss_peak_bytes")),
-                         "pinned": _size(r.get("host_pinned_bytes") or 0), "status": r.get("status"),
+                         "sampling": _sampling_seconds(r) if ok else None,
+                         "device": _gib(r.get("peak_device_bytes")) + (" *" if allocator_only and ok else ""),
+                         "rss": _gib(r.get("host_rss_peak_bytes")),
+                         "pinned": _size(r.get("host_pinned_bytes") or 0) if ok else "",
+                         "status": "ok" if ok else _failure(r) if r else "not run",
                          "speedup": summary["speedup_vflash_vs_core"] if side == "vflash" else None,
                          "psnr": summary["frames_psnr_core_vs_vflash_db"] if side == "vflash" else None})
+    notes = []
+    if allocator_only:
+        notes.append("\\* PyTorch's allocator peak only: core's dynamic VRAM allocates its weights outside that "
+                     "allocator, so core's figure is not its device use (the benchmark now reads the driver's count).")
+    if any(r["side"] == "vflash" and r.get("compiled_before_first_run") is False for r in data["records"]):
+        notes.append("Vflash's first run in the first Vflash server includes compiling the transformer file for the "
+                     "profile (once per file and profile; later servers load the compile).")
+    notes += [summary["note"].rstrip(".") + "." for summary in data["summaries"] if summary.get("note")]
+    commits = {str(r.get("commit", data["commit"]))[:10] for r in data["records"]}
+    if len(commits) > 1:
+        notes.append(f"Rows kept from earlier runs on the same files: the records were measured at {', '.join(sorted(commits))}.")
+    if data.get("not_run"):
+        notes.append(f"Not run: {data['not_run']}.")
     return "\n".join([
         (f"The same workflow, core vs Vflash, on this card ({data['date']}; ComfyUI {data['comfyui_version']}; "
          f"{_source(data)}): t2va {request['width']}x{request['height']}, {request['length']} frames, "
          f"{request['evaluations']} evaluations, the same Comfy-Org files ({', '.join(data['files'].values())}), "
          f"measured by `benchmarks/vs_comfy_core.py`. Seconds: prompt to MP4 from the server's websocket (first run, "
-         "then the best warm run); peaks of the server process. The frames differ by design (other noise generators and "
-         "kernels), hence PSNR."), "",
+         "then the best warm run, and its sampling node); peaks of the server process. The frames differ by design "
+         "(other noise generators and kernels), hence PSNR."), "",
         _table(rows, [("row", "memory"), ("side", "side"), ("first", "first run s"), ("warm", "warm s"),
-                      ("device", "peak device"), ("rss", "host RSS peak"), ("pinned", "host pinned"), ("status", "status"),
-                      ("speedup", "Vflash speedup"), ("psnr", "PSNR core vs Vflash dB")]), ""])
+                      ("sampling", "sampling s"), ("device", "peak device"), ("rss", "host RSS peak"),
+                      ("pinned", "host pinned"), ("status", "status"), ("speedup", "Vflash speedup"),
+                      ("psnr", "PSNR core vs Vflash dB")]), "", *(f"{note}\n" for note in notes)])
+
+
+def vs_core_brief(data: dict) -> str:
+    """The README's summary of the core-vs-Vflash result: warm seconds per row, no peaks, the whole table linked."""
+    request = data["request"]
+    rows = []
+    for summary in data["summaries"]:
+        pair = {r["side"]: r for r in data["records"]
+                if r["device_cap_gib"] == summary["device_cap_gib"] and r["approximate"] == summary["approximate"]}
+        core, vflash = pair.get("core") or {}, pair.get("vflash") or {}
+        rows.append({
+            "row": ("resident" if summary["device_cap_gib"] is None else f"{summary['device_cap_gib']} GiB card")
+            + (f" ({core.get('mode')} / {vflash.get('mode')})" if summary["approximate"] else ""),
+            "core": core.get("workflow_seconds") if core.get("status") == "success" else core.get("status", "not run"),
+            "vflash": vflash.get("workflow_seconds") if vflash.get("status") == "success" else vflash.get("status", "not run"),
+            "speedup": summary["speedup_vflash_vs_core"]})
+    gpu = str(data["gpu"]).replace("NVIDIA ", "")
+    return "\n".join([
+        (f"**The same ComfyUI workflow, core's H3 nodes vs Vflash's** ({gpu}, ComfyUI {data['comfyui_version']}, "
+        f"{data['date']}): t2va {request['width']}x{request['height']}, {request['length']} frames, "
+        f"{request['evaluations']} evaluations, the same Comfy-Org files, warm seconds prompt to MP4. Peaks, first "
+        "runs and what failed: [docs/comfyui.md](docs/comfyui.md)."), "",
+        _table(rows, [("row", "memory"), ("core", "core s"), ("vflash", "Vflash s"), ("speedup", "Vflash speedup")]), ""])
 
 
 def fill_engine_doc(data: dict, start_marker: str = FITS_START, end_marker: str = FITS_END, render_table=what_fits,
@@ -625,6 +684,6 @@ if __name__ == "__main__":
         print(f"filled the LoRA figures of {ENGINE_DOC}")
     core_data = _vs_core_data()
     if core_data:
-        for doc in CORE_DOCS:
-            fill_engine_doc(core_data, CORE_START, CORE_END, vs_core_table, doc)
-            print(f"filled the core-vs-Vflash table of {doc}")
+        fill_engine_doc(core_data, CORE_START, CORE_END, vs_core_table, CORE_DOC)
+        fill_engine_doc(core_data, CORE_START, CORE_END, vs_core_brief, README)
+        print(f"filled the core-vs-Vflash tables of {CORE_DOC} and {README}")

@@ -24,22 +24,27 @@ only sampling, decoding and saving run again (a repeated graph would be skipped 
 
 * `workflow_seconds` and `node_seconds`: from the websocket's `executing` events (a node's time runs until the next
   node starts or the prompt ends; cached nodes report nothing);
-* `peak_device_bytes`: `torch.cuda.max_memory_allocated` in the server process (`comfy_bench_probe/`), reset
-  before the run; null on the CPU;
+* `peak_device_bytes`: the device memory in use by the server, the driver's count (`cudaMemGetInfo` in the server
+  process, `comfy_bench_probe/`, sampled every 50 ms) less what was in use before the server started: core's
+  dynamic VRAM allocates its weights outside PyTorch's allocator, so the allocator's peak
+  (`torch_allocator_peak_bytes`, `torch.cuda.max_memory_allocated`, reset before each run) misses them; null on the
+  CPU;
 * `host_rss_peak_bytes`: psutil's RSS of the server process, sampled every 50 ms;
 * `host_pinned_bytes`: the largest of what each side pins, sampled in the server: core's own count of the host
   memory it registers (`comfy.model_management.TOTAL_PINNED_MEMORY`) and PyTorch's page-locked allocator (Vflash's
   pinned buffers), both given under `host_pinned`.
 
 Device caps, as each side's users cap memory: core with `--reserve-vram` (the card's memory less the cap), one server
-per cap; Vflash's ComfyUI nodes have no device-memory widget, so the Vflash server gets the same `--reserve-vram`
-(its engines ask core for room through it). In both servers PyTorch's allocator is also capped at the cap
-(`VFLASH_BENCH_DEVICE_CAP_GIB`), so neither side can exceed it. Caps need CUDA: on the CPU only the resident rows run.
+per cap; the Vflash server gets the same `--reserve-vram` (Vflash's engines take the card less core's reserve as
+their device cap, and ask core for room within it). In both servers PyTorch's allocator is also capped at the cap
+(`VFLASH_BENCH_DEVICE_CAP_GIB`); core's dynamic VRAM allocates outside that allocator, so `within_device_cap` says
+whether each side's measured peak stayed within the cap. Caps need CUDA: on the CPU only the resident rows run.
 
 The approximate row: core's `EasyCache` (its step cache; 0.33.0 has no sparse-attention node) against Vflash's
 `fast_mode` `step-cache`, both marked approximate.
 
-    python benchmarks/vs_comfy_core.py --comfyui /path/to/ComfyUI --models DIR [--caps 32 24] [--warm-runs 2]
+    python benchmarks/vs_comfy_core.py --comfyui /path/to/ComfyUI --models DIR [--rows resident 32 24 fast] [--warm-runs 2]
+        [--keep-other-rows]
     python benchmarks/vs_comfy_core.py --comfyui /path/to/ComfyUI --tiny      # CPU dry run on the small family
 """
 
@@ -89,17 +94,15 @@ class Settings:
     steps: int
     profile: str
     files: Files
-    caps_gib: tuple[int | None, ...] = (None, 32, 24)
     warm_runs: int = 2
-    fast: bool = True
     launch: tuple[str, ...] = ()
 
 
 TINY_FILES = Files("h3_small_comfy_fp8_scaled.safetensors", "h3_small_te.safetensors", "h3_small_video_vae.safetensors",
                    "h3_small_audio_vae.safetensors")
-FULL_FILES = Files("minimax_h3_fl2va_fp8_scaled.safetensors", "qwen3vl_32b_minimax_h3_bf16.safetensors",
+FULL_FILES = Files("minimax_h3_fl2va_fp8_scaled.safetensors", "qwen3vl_32b_minimax_h3_fp8_scaled.safetensors",
                    "minimax_h3_video_vae_fp16.safetensors", "minimax_h3_audio_vae_fp32.safetensors")
-TINY = Settings(128, 128, 124, 4, "t2va-base4-exact-cpu", TINY_FILES, caps_gib=(None,), warm_runs=1, launch=("--cpu",))
+TINY = Settings(128, 128, 124, 4, "t2va-base4-exact-cpu", TINY_FILES, warm_runs=1, launch=("--cpu",))
 FULL = Settings(960, 544, 124, 16, "t2va-base16-bf16-sm90", FULL_FILES)
 
 
@@ -195,13 +198,14 @@ def sharing_compiled(write_models: Callable[[Path, Path], None], compiled: Path)
 
 
 class Sampler:
-    """Samples the server process's RSS (psutil) and the probe's pinned counts while a run goes on."""
+    """Samples the server process's RSS (psutil), the device memory in use and the probe's pinned counts while a
+    run goes on."""
 
     def __init__(self, server: Server, period: float = 0.05):
         import psutil
 
         self.process, self.server, self.period = psutil.Process(server.proc.pid), server, period
-        self.rss_peak = self.comfy_pinned = self.torch_pinned = 0
+        self.rss_peak = self.device_used = self.comfy_pinned = self.torch_pinned = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -209,6 +213,7 @@ class Sampler:
         while not self._stop.is_set():
             self.rss_peak = max(self.rss_peak, self.process.memory_info().rss)
             memory = probe_memory(self.server)
+            self.device_used = max(self.device_used, memory["device_used_bytes"])
             self.comfy_pinned = max(self.comfy_pinned, memory["comfy_pinned_bytes"])
             self.torch_pinned = max(self.torch_pinned, memory["torch_pinned_bytes"])
             self._stop.wait(self.period)
@@ -228,8 +233,10 @@ def probe_memory(server: Server) -> dict:
 
 
 def node_seconds(result: dict) -> dict[str, float]:
-    """Seconds per executed node: from its `executing` event to the next one (the last: to the prompt's end)."""
+    """Seconds per executed node: from its `executing` event to the next one (the last: to the prompt's last event,
+    whether or not the server announces the end with an `executing` event of no node)."""
     times = [(e["data"].get("node"), e["received"]) for e in result["events"] if e["type"] == "executing"]
+    times.append((None, result["events"][-1]["received"]))
     return {node: round(times[i + 1][1] - at, 4) for i, (node, at) in enumerate(times[:-1]) if node is not None}
 
 
@@ -238,17 +245,25 @@ def workflow_seconds(result: dict) -> float:
     return round(result["events"][-1]["received"] - start, 4)
 
 
-def one_run(server: Server, graph: dict, out: Path) -> dict:
+def device_used() -> int | None:
+    """The devices' memory in use now, all processes (the driver's count); None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    return sum(total - free for free, total in map(torch.cuda.mem_get_info, range(torch.cuda.device_count())))
+
+
+def one_run(server: Server, graph: dict, out: Path, baseline: int | None) -> dict:
     urllib.request.urlopen(urllib.request.Request(server.url + "/vflash_bench/reset_peaks", data=b"{}", method="POST"), timeout=10)
     with Sampler(server) as sampled:
         result = asyncio.run(server.run_prompt(graph, timeout=3600.0))
     if result["status"] != "success":
         return {"status": result["status"], "error": result.get("body"), "log_tail": server.tail(40)}
     videos = server.history_files(result["prompt_id"], out)
-    device_peak = probe_memory(server)["device_peak_bytes"]
+    allocator_peak = probe_memory(server)["device_peak_bytes"]
     return {
         "status": "success", "workflow_seconds": workflow_seconds(result), "node_seconds": node_seconds(result),
-        "peak_device_bytes": device_peak if torch.cuda.is_available() else None, "host_rss_peak_bytes": sampled.rss_peak,
+        "peak_device_bytes": sampled.device_used - baseline if baseline is not None else None,
+        "torch_allocator_peak_bytes": allocator_peak if baseline is not None else None, "host_rss_peak_bytes": sampled.rss_peak,
         "host_pinned_bytes": max(sampled.comfy_pinned, sampled.torch_pinned),
         "host_pinned": {"comfy_registered_peak": sampled.comfy_pinned, "torch_host_allocator_peak": sampled.torch_pinned},
         "video": str(videos[0]) if videos else None,
@@ -273,6 +288,7 @@ def run_side(comfyui: Path, work: Path, side: str, s: Settings, cap: int | None,
     if s.files == TINY_FILES:
         probes["vflash_test_small_core"] = TEST_PROBES["vflash_test_small_core"]
     compiled_before = any(work.parent.joinpath("vflash-compiled").glob("*"))
+    baseline = device_used()  # before the server: this process's own CUDA context and whatever else holds the device
     server = Server(comfyui, work, probes=probes, write_models=sharing_compiled(write_models, work.parent / "vflash-compiled"),
                     launch_args=launch, env=env)
     out = work / "videos"
@@ -282,7 +298,7 @@ def run_side(comfyui: Path, work: Path, side: str, s: Settings, cap: int | None,
         runs = []
         for k in range(1 + s.warm_runs):
             graph = WORKFLOWS[side](s, SEED + k, f"video/{side}_{k}", fast)
-            runs.append(one_run(server, graph, out))
+            runs.append(one_run(server, graph, out, baseline))
             if runs[-1]["status"] != "success":
                 break
     finally:
@@ -293,7 +309,8 @@ def run_side(comfyui: Path, work: Path, side: str, s: Settings, cap: int | None,
         "side": side, "device_cap_gib": cap, "approximate": fast,
         "mode": ("EasyCache" if side == "core" else "fast_mode step-cache") if fast else "exact",
         "status": "success" if all(r["status"] == "success" for r in runs) else "failed",
-        "launch_args": launch, "first_run": first, "warm_runs": warm,
+        "launch_args": launch, "device_used_before_bytes": baseline, "first_run": first, "warm_runs": warm,
+        "node_classes": {node: n["class_type"] for node, n in WORKFLOWS[side](s, SEED, "video", fast).items()},
         # Vflash's first run compiles the transformer file unless an earlier server of this run did (the compile is
         # shared, see `sharing_compiled`); core's first run has nothing to compile.
         "compiled_before_first_run": compiled_before if side == "vflash" else None,
@@ -301,7 +318,9 @@ def run_side(comfyui: Path, work: Path, side: str, s: Settings, cap: int | None,
     best = min(warm, key=lambda r: r["workflow_seconds"]) if warm else first
     for key in ("workflow_seconds", "node_seconds", "peak_device_bytes", "host_rss_peak_bytes", "host_pinned_bytes"):
         record[key] = best.get(key)
-    record["peak_device_bytes"] = max((r.get("peak_device_bytes") or 0 for r in runs), default=0) if torch.cuda.is_available() else None
+    for key in ("peak_device_bytes", "torch_allocator_peak_bytes"):
+        record[key] = max((r.get(key) or 0 for r in runs), default=0) if baseline is not None else None
+    record["within_device_cap"] = None if cap is None or baseline is None else record["peak_device_bytes"] <= cap * GIB
     record["host_rss_peak_bytes"] = max((r.get("host_rss_peak_bytes") or 0 for r in runs), default=0)
     record["host_pinned_bytes"] = max((r.get("host_pinned_bytes") or 0 for r in runs), default=0)
     return record
@@ -334,11 +353,32 @@ def frames_psnr(a: Path, b: Path) -> float | None:
 class Comparison:
     settings: Settings
     records: list[dict] = field(default_factory=list)
+    kept: int = 0  # records kept from an earlier run (`keep_other_rows`)
+    kept_summaries: dict[tuple[int | None, bool], dict] = field(default_factory=dict)  # their pairs' summaries, as made then
+
+    def keep_other_rows(self, earlier: dict, plan: list[tuple[int | None, bool]]) -> None:
+        """The records of an earlier result file for the same request on the same files whose pairs `plan` does not
+        measure again, each naming the commit it was measured at."""
+        request = {"width": self.settings.width, "height": self.settings.height, "length": self.settings.length,
+                   "evaluations": self.settings.steps, "vflash_profile": self.settings.profile}
+        if {k: earlier["request"].get(k) for k in request} != request or earlier["files"] != vars(self.settings.files):
+            print("the earlier result file measured another request or other files: none of its rows is kept", flush=True)
+            return
+        kept = [{**r, "commit": r.get("commit", earlier["commit"])} for r in earlier["records"]
+                if (r["device_cap_gib"], r["approximate"]) not in plan]
+        self.records += kept
+        self.kept = len(kept)
+        self.kept_summaries = {(r["device_cap_gib"], r["approximate"]): r for r in earlier["summaries"]
+                               if (r["device_cap_gib"], r["approximate"]) not in plan}
 
     def summaries(self) -> list[dict]:
-        """Per cap (and the approximate row): Vflash's speedup on warm workflow seconds, PSNR of the first runs' frames."""
+        """Per cap (and the approximate row): Vflash's speedup on warm workflow seconds, PSNR of the first runs' frames
+        (a kept pair's as its run made them: its videos are gone)."""
         rows = []
         for cap, fast in sorted({(r["device_cap_gib"], r["approximate"]) for r in self.records}, key=lambda k: (k[1], -(k[0] or 1e9))):
+            if (cap, fast) in self.kept_summaries:
+                rows.append(self.kept_summaries[cap, fast])
+                continue
             pair = {r["side"]: r for r in self.records if r["device_cap_gib"] == cap and r["approximate"] == fast}
             core, vflash = pair.get("core"), pair.get("vflash")
             ok = core and vflash and core["status"] == vflash["status"] == "success"
@@ -363,33 +403,39 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="the CPU dry run on the small random family")
     parser.add_argument("--models", type=Path, help="a Comfy-Org model folder (diffusion_models/, text_encoders/, vae/) with FULL_FILES")
     parser.add_argument("--work", type=Path, default=Path("/tmp/vs-comfy-core"))
-    parser.add_argument("--caps", type=int, nargs="*", help="device caps in GiB besides resident (default 32 24; none on the CPU)")
+    parser.add_argument("--rows", nargs="+", help="the pairs to run, in order: resident, fast (the approximate pair, "
+                        "resident) and device caps in GiB (default: resident 32 24 fast; resident fast without CUDA)")
+    parser.add_argument("--keep-other-rows", action="store_true",
+                        help="keep the pairs of the existing result file that this run does not measure (each record names its commit)")
     parser.add_argument("--warm-runs", type=int)
-    parser.add_argument("--no-fast", action="store_true", help="leave out the approximate row")
     parser.add_argument("--width", type=int)
     parser.add_argument("--height", type=int)
     args = parser.parse_args()
     s = TINY if args.tiny else FULL
-    if args.caps is not None:
-        s = replace(s, caps_gib=(None, *args.caps))
     for name in ("warm_runs", "width", "height"):
         if getattr(args, name) is not None:
             s = replace(s, **{name: getattr(args, name)})
-    if not torch.cuda.is_available():
-        s = replace(s, caps_gib=(None,))
+    rows = args.rows or (["resident", "32", "24", "fast"] if torch.cuda.is_available() else ["resident", "fast"])
+    try:
+        plan = [(None, False) if row == "resident" else (None, True) if row == "fast" else (int(row), False) for row in rows]
+    except ValueError:
+        parser.error(f"--rows takes resident, fast and caps in GiB, not {' '.join(rows)}")
+    if any(cap is not None for cap, _ in plan) and not torch.cuda.is_available():
+        parser.error("device caps need CUDA")
     if not args.tiny and args.models is None:
         parser.error("a full-size run needs --models (the Comfy-Org files FULL_FILES names)")
     write_models = write_tiny_family if args.tiny else link_models(args.models)
     shutil.rmtree(args.work, ignore_errors=True)
-    comparison = Comparison(s)
-    plan = [(cap, False) for cap in s.caps_gib] + ([(None, True)] if s.fast and not args.no_fast else [])
     env = environment()
     gpu = "cpu_tiny" if args.tiny else gpu_tag()
+    comparison = Comparison(s)
+    if args.keep_other_rows and (RESULTS / f"vs_comfy_core_{gpu}.json").is_file():
+        comparison.keep_other_rows(json.loads((RESULTS / f"vs_comfy_core_{gpu}.json").read_text()), plan)
     for cap, fast in plan:
         for side in ("core", "vflash"):
             name = f"{side}-{'resident' if cap is None else f'cap{cap}'}{'-fast' if fast else ''}"
             print(f"== {name}", flush=True)
-            record = run_side(args.comfyui, args.work / name, side, s, cap, fast, write_models)
+            record = {**run_side(args.comfyui, args.work / name, side, s, cap, fast, write_models), "commit": env["commit"]}
             print(json.dumps({k: record[k] for k in ("status", "workflow_seconds", "peak_device_bytes", "host_rss_peak_bytes")}), flush=True)
             comparison.records.append(record)
             # Written after every side, so a run cut short (a machine's time is bounded) still leaves what it measured.
@@ -400,7 +446,7 @@ def main() -> None:
                 "same_math": False,
                 "math_note": "not the same: different initial-noise generators, core's own sigma schedule and attention kernels",
                 "planned": [{"device_cap_gib": c, "approximate": f} for c, f in plan],
-                "complete": len(comparison.records) == 2 * len(plan),
+                "complete": len(comparison.records) - comparison.kept == 2 * len(plan),
                 "records": comparison.records, "summaries": comparison.summaries(),
             }
             write_result(f"vs_comfy_core_{gpu}", data)

@@ -7,9 +7,10 @@
 #                                                                  # files and the benchmark detached; polls MINUTES
 #   bash benchmarks/vs_comfy_core_device.sh poll COMMIT [MINUTES]  # polls; copies what is there to $OUT
 #
-# BENCH_ARGS go to vs_comfy_core.py (default "--caps --warm-runs 1": the resident and approximate pairs). Results go
-# to /root/vs-results (vs_comfy_core_<gpu>.json, written after every side), logs to /root/vs-logs; the model files
-# to /dev/shm/h3 (84.3 GiB of host memory), the work folders (Vflash's BF16 compile, ~62 GiB) to /root/vs on the disk.
+# BENCH_ARGS go to vs_comfy_core.py (default "--rows resident fast --warm-runs 1"). Results go to /root/vs-results
+# (vs_comfy_core_<gpu>.json, written after every side; the repository's copy is put there first, so that
+# --keep-other-rows keeps its other pairs), logs to /root/vs-logs; the model files to /dev/shm/h3 (61.6 GiB of host
+# memory), the work folders (Vflash's BF16 compile, 35.9 GiB) to /root/vs on the disk.
 set -u
 STEP=${1:?site, comfy or poll}
 COMMIT=${2:?the commit measured}
@@ -32,6 +33,7 @@ case $STEP in
         mkdir -p /root/site && tar -xJf .whl/site.tar.xz -C /root/site
         # A copy of this tree that later calls' copies do not touch while the benchmark runs from it.
         rm -rf "$REPO" && cp -r . "$REPO"
+        cp benchmarks/results/vs_comfy_core_*.json "$RESULTS/" 2>/dev/null
         # The packages as pip would install them (vflash_core takes the repository root off sys.path).
         ln -sfn "$REPO/vflash_core" /root/site/vflash_core
         ln -sfn "$REPO/kernels" /root/site/vflash_kernels
@@ -50,7 +52,7 @@ case $STEP in
             echo \"exit \$?\" >> $LOGS/write.log
             cd $REPO && PYTHONPATH=/root/cf/site:/root/site:$REPO/benchmarks COMFYUI_PYTHON=python3 VFLASH_RESULTS=$RESULTS \
                 python3 -P benchmarks/vs_comfy_core.py --comfyui /root/cf/ComfyUI --models /dev/shm/h3 --work /root/vs \
-                ${BENCH_ARGS:---caps --warm-runs 1} > $LOGS/bench.log 2>&1
+                ${BENCH_ARGS:---rows resident fast --warm-runs 1} > $LOGS/bench.log 2>&1
             echo \"exit \$?\" >> $LOGS/bench.log" > /dev/null 2>&1 < /dev/null &
         ;;
     poll) ;;

@@ -1,7 +1,9 @@
 """Benchmark-only ComfyUI custom node for `benchmarks/vs_comfy_core.py`: the memory figures of the server process,
 read inside it, the same way for core's nodes and Vflash's; registers no nodes.
 
-* `GET /vflash_bench/memory`: `device_peak_bytes` (`torch.cuda.max_memory_allocated`, all devices; 0 on the CPU),
+* `GET /vflash_bench/memory`: `device_used_bytes` (the driver's count of the devices' memory in use now, all
+  processes, `torch.cuda.mem_get_info`: what core's dynamic VRAM allocates outside PyTorch's allocator counts here),
+  `device_peak_bytes` (`torch.cuda.max_memory_allocated`, all devices: PyTorch's allocator only; 0 on the CPU),
   `comfy_pinned_bytes` (core's `comfy.model_management.TOTAL_PINNED_MEMORY`: host memory core page-locks with
   `cudaHostRegister`, now) and `torch_pinned_bytes` (PyTorch's page-locked host allocator, `allocated_bytes.current`
   of `torch.cuda.host_memory_stats()`, where Vflash's pinned buffers come from; 0 without CUDA);
@@ -32,8 +34,10 @@ def _cuda() -> bool:
 @PromptServer.instance.routes.get("/vflash_bench/memory")
 async def memory(request):
     device_peak = sum(torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count())) if _cuda() else 0
+    device_used = sum(total - free for free, total in map(torch.cuda.mem_get_info, range(torch.cuda.device_count()))) if _cuda() else 0
     torch_pinned = int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)) if _cuda() else 0
-    return web.json_response({"device_peak_bytes": int(device_peak), "comfy_pinned_bytes": int(mm.TOTAL_PINNED_MEMORY),
+    return web.json_response({"device_used_bytes": int(device_used), "device_peak_bytes": int(device_peak),
+                              "comfy_pinned_bytes": int(mm.TOTAL_PINNED_MEMORY),
                               "torch_pinned_bytes": torch_pinned})
 
 
