@@ -40,7 +40,8 @@ output of one resident 1344x768 request (the uncapped twin of `memory_caps.py`'s
 `summary` holds warm medians and the ratios to diffusers. `--small` runs the same phases on the demo-sized family on
 the CPU (a dry run of the script; its numbers mean nothing).
 
-Writes benchmarks/results/end_to_end_h200.json (end_to_end_small.json with --small).
+Writes benchmarks/results/end_to_end_<gpu>.json (end_to_end_h200.json on an H200, `_common.gpu_tag`; end_to_end_small.json
+with --small).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, environment, write_result
+from _common import ROOT, environment, gpu_tag, write_result
 from full_family import SEED, STAGED_FAMILY, StagedFamily, folder_bytes, host_memory_bytes, host_memory_in_use
 
 from vflash_core.engine.artifact import CompiledPaths
@@ -781,8 +782,9 @@ def main() -> None:
     parser.add_argument("--fresh", action="store_true", help="empty --work and --shm first (else staged parts are reused)")
     parser.add_argument("--warm-requests", type=int, default=WARM_REQUESTS, help="requests after the first, per canvas and pipeline")
     parser.add_argument("--skip", nargs="*", default=[], help="phases to leave out, e.g. weight_io vflash_block_ring")
-    parser.add_argument("--carry-from", type=Path, default=ROOT / "benchmarks" / "results" / "end_to_end_h200.json",
-                        help="an earlier run's result file whose records of the --skip phases this run keeps (marked with their commit)")
+    parser.add_argument("--carry-from", type=Path,
+                        help="an earlier run's result file whose records of the --skip phases this run keeps (marked with their commit; "
+                        "default: this GPU's committed end_to_end_<gpu>.json)")
     parser.add_argument("--diffusers-from", type=Path, default=ROOT / "benchmarks" / "results" / "end_to_end_2xh200.json",
                         help="an earlier run's result file whose diffusers requests the summary compares with when this run has none")
     args = parser.parse_args()
@@ -791,8 +793,9 @@ def main() -> None:
         shutil.rmtree(args.shm, ignore_errors=True)
     setup = Setup(args)
     warm = args.warm_requests
-    run = Run("end_to_end_small" if setup.small else "end_to_end_h200", time.perf_counter() + args.deadline_minutes * 60, setup.small, tuple(args.skip))
-    run.carry_skipped(args.carry_from, "requests", lambda r: "diffusers" if r["side"] == "diffusers" else f"vflash_{r['config']}",
+    name = "end_to_end_small" if setup.small else f"end_to_end_{gpu_tag()}"
+    run = Run(name, time.perf_counter() + args.deadline_minutes * 60, setup.small, tuple(args.skip))
+    run.carry_skipped(args.carry_from or ROOT / "benchmarks" / "results" / f"{name}.json", "requests", lambda r: "diffusers" if r["side"] == "diffusers" else f"vflash_{r['config']}",
                       {"bitwise": ("bitwise_equal_to_diffusers",), "vflash_resident": ("stage_digests",)})
     host = HostPeak()
     torch.backends.cuda.matmul.allow_tf32 = False  # the reference's default; both sides run in this process
