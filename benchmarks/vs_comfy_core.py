@@ -428,6 +428,7 @@ def main() -> None:
     shutil.rmtree(args.work, ignore_errors=True)
     env = environment()
     gpu = "cpu_tiny" if args.tiny else gpu_tag()
+    version = comfyui_version(args.comfyui)
     comparison = Comparison(s)
     if args.keep_other_rows and (RESULTS / f"vs_comfy_core_{gpu}.json").is_file():
         comparison.keep_other_rows(json.loads((RESULTS / f"vs_comfy_core_{gpu}.json").read_text()), plan)
@@ -435,12 +436,13 @@ def main() -> None:
         for side in ("core", "vflash"):
             name = f"{side}-{'resident' if cap is None else f'cap{cap}'}{'-fast' if fast else ''}"
             print(f"== {name}", flush=True)
-            record = {**run_side(args.comfyui, args.work / name, side, s, cap, fast, write_models), "commit": env["commit"]}
+            record = {**run_side(args.comfyui, args.work / name, side, s, cap, fast, write_models), "commit": env["commit"],
+                      "files": vars(s.files), "comfyui_version": version}
             print(json.dumps({k: record[k] for k in ("status", "workflow_seconds", "peak_device_bytes", "host_rss_peak_bytes")}), flush=True)
             comparison.records.append(record)
             # Written after every side, so a run cut short (a machine's time is bounded) still leaves what it measured.
             data = {
-                **env, "date": datetime.date.today().isoformat(), "tiny": args.tiny, "comfyui_version": comfyui_version(args.comfyui),
+                **env, "date": datetime.date.today().isoformat(), "tiny": args.tiny, "comfyui_version": version,
                 "files": vars(s.files), "request": {"prompt": PROMPT, "seed": SEED, "width": s.width, "height": s.height,
                                                     "length": s.length, "evaluations": s.steps, "vflash_profile": s.profile},
                 "same_math": False,
