@@ -69,8 +69,8 @@ class VflashModelLoader(io.ComfyNode):
                     "host memory, streamed through two device slots (for GPUs that cannot hold the model). "
                     "disk-ring: read from their compiled files on every pass into a few pinned buffers, for machines "
                     "whose RAM cannot hold them (one GPU; as fast as block-ring where the GPU's compute hides the "
-                    "reads). auto: resident if it fits, else block-ring, or disk-ring where max_host_memory asks for "
-                    "it. Bits are identical either way.",
+                    "reads). auto: resident if it fits (within the card less ComfyUI's --reserve-vram), else "
+                    "block-ring, or disk-ring where max_host_memory asks for it. Bits are identical either way.",
                 ),
                 io.Combo.Input("device", options=present_devices(), default="auto", tooltip=DEVICE_TOOLTIP),
                 io.Combo.Input(
