@@ -184,6 +184,9 @@ def test_the_model_loader_caps_the_engine_at_what_comfyui_keeps_free(pack, monke
     monkeypatch.setattr(engines, "_check_run_devices", lambda options, profile: None)
     options = engines.check_loader(HOST, FOLDERS, "embedded-demo", "auto", {**widgets, "device": "cuda:0"})[1]
     assert options.max_device_memory == 24.0
+    monkeypatch.setattr(comfy_host.mm, "extra_reserved_memory", lambda: 90 << 30)
+    with pytest.raises(VflashError, match=r"90\.0 GiB of cuda:0 is reserved for other software, all of its 80\.0 GiB: nothing is left"):
+        engines.check_loader(HOST, FOLDERS, "embedded-demo", "auto", {**widgets, "device": "cuda:0"})
     monkeypatch.delattr(comfy_host.mm, "extra_reserved_memory")
     assert HOST.device_cap_gib("cuda:0") is None
 

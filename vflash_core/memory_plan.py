@@ -170,10 +170,16 @@ def device_budget(devices: Sequence[torch.device], cap: int | None) -> int:
 
 def cap_leaving_free(device: str | torch.device, reserved: int) -> float:
     """The cap in GiB (`max_device_memory`) that leaves `reserved` bytes of `device` (a CUDA device) free for other
-    software: the card's memory less those bytes."""
+    software: the card's memory less those bytes; refused where nothing is left."""
     import torch
 
-    return (torch.cuda.get_device_properties(torch.device(device)).total_memory - reserved) / GIB
+    total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    if reserved >= total:
+        raise VflashError(
+            f"{size_text(reserved)} of {device} is reserved for other software, all of its {size_text(total)}: "
+            "nothing is left for the model (lower the reserve, e.g. ComfyUI's --reserve-vram)"
+        )
+    return (total - reserved) / GIB
 
 
 #: A user cap on device memory in GiB: positive, and bounded (1 PiB, far above any device) so that its byte count is
