@@ -24,7 +24,6 @@ by `small_core.patch()`), which the CPU dry run (`vs_comfy_core.py --tiny`) load
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from collections.abc import Callable, Mapping
@@ -80,9 +79,9 @@ FP8_TEXT_LINEARS = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\
 
 
 def write_text_encoder(path: Path, text: dict, vision: dict, device: str) -> int:
-    """Qwen3-VL as core's loader reads it, scaled FP8: the decoder layers' linears float8 e4m3 with one fp32 scale
-    each (amax / 448) and the `_quantization_metadata` core's loaders read, the rest bf16. FP8 halves the file (at
-    full size 48 GiB in bf16), so the four files leave the device machine's host memory room for the runs."""
+    """Qwen3-VL as core's loader reads it, scaled FP8 (`synthetic.write_fp8_scaled_streamed`): the decoder layers'
+    linears float8 e4m3 with one fp32 scale each, the rest bf16. FP8 halves the file (at full size 48 GiB in bf16),
+    so the four files leave the device machine's host memory room for the runs."""
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     config = Qwen3VLConfig(text_config={**text, "vocab_size": 151936}, vision_config=vision, tie_word_embeddings=False,
@@ -90,29 +89,14 @@ def write_text_encoder(path: Path, text: dict, vision: dict, device: str) -> int
     with torch.device("meta"):
         model = Qwen3VLForConditionalGeneration(config)
     shapes = {out: tuple(t.shape) for name, t in model.state_dict().items() if (out := text_encoder_names(name))}
-
-    def draw(name: str) -> torch.Tensor:
-        return synthetic.random_like(name, shapes[name], SEED, device).to(torch.bfloat16)
-
-    # Each scale needs its whole weight, and the scales are written first (fp32 before fp8): a first pass draws the
-    # quantized weights for their scales only.
-    fp8_max = torch.finfo(torch.float8_e4m3fn).max
-    scales = {name.removesuffix("weight") + "weight_scale": (draw(name).float().abs().amax() / fp8_max).cpu()
-              for name in shapes if FP8_TEXT_LINEARS.fullmatch(name)}
-    quantized = {name.removesuffix("_scale"): scale for name, scale in scales.items()}
-    layout = {name: (torch.float8_e4m3fn if name in quantized else torch.bfloat16, shape) for name, shape in shapes.items()}
-    layout.update({name: (torch.float32, ()) for name in scales})
-
-    def produce(name: str) -> torch.Tensor:
-        if name in scales:
-            return scales[name]
-        value = draw(name)
-        if name in quantized:
-            value = (value.float() / quantized[name].to(value.device)).to(torch.float8_e4m3fn)
-        return value.cpu()
-
-    layers = {name.removesuffix(".weight"): {"format": "float8_e4m3fn"} for name in quantized}
-    return write(path, layout, produce, {"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": layers})})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    size = synthetic.write_fp8_scaled_streamed(
+        path, {name: (torch.bfloat16, shape) for name, shape in shapes.items()},
+        lambda name: synthetic.random_like(name, shapes[name], SEED, device).to(torch.bfloat16),
+        [name for name in shapes if FP8_TEXT_LINEARS.fullmatch(name)],
+    )
+    print(f"{path}: {size:,} bytes", flush=True)
+    return size
 
 
 def write_vae(path: Path, module: torch.nn.Module, dtype: torch.dtype, device: str) -> int:

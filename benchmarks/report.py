@@ -455,6 +455,12 @@ def _sampling_seconds(record: dict) -> float | None:
     return round(seconds, 1) if seconds is not None else None
 
 
+def _pair(data: dict, summary: dict) -> dict[str, dict]:
+    """Side ("core", "vflash") -> the record of `summary`'s pair (its cap, approximate or not)."""
+    return {r["side"]: r for r in data["records"]
+            if r["device_cap_gib"] == summary["device_cap_gib"] and r["approximate"] == summary["approximate"]}
+
+
 def _failure(record: dict) -> str:
     error = (record.get("first_run") or {}).get("error") or {}
     return f"failed: {error.get('exception_type', '?')} in {error.get('node_type', '?')}" if error else "failed"
@@ -467,8 +473,7 @@ def vs_core_table(data: dict) -> str:
     allocator_only = data.get("peak_device_allocator_only", False)
     rows = []
     for summary in data["summaries"]:
-        pair = {r["side"]: r for r in data["records"]
-                if r["device_cap_gib"] == summary["device_cap_gib"] and r["approximate"] == summary["approximate"]}
+        pair = _pair(data, summary)
         cap = "resident" if summary["device_cap_gib"] is None else f"{summary['device_cap_gib']} GiB cap"
         for side in ("core", "vflash"):
             r = pair.get(side) or {}
@@ -513,8 +518,7 @@ def vs_core_brief(data: dict) -> str:
     request = data["request"]
     rows = []
     for summary in data["summaries"]:
-        pair = {r["side"]: r for r in data["records"]
-                if r["device_cap_gib"] == summary["device_cap_gib"] and r["approximate"] == summary["approximate"]}
+        pair = _pair(data, summary)
         core, vflash = pair.get("core") or {}, pair.get("vflash") or {}
         rows.append({
             "row": ("resident" if summary["device_cap_gib"] is None else f"{summary['device_cap_gib']} GiB card")

@@ -97,6 +97,10 @@ class Settings:
     warm_runs: int = 2
     launch: tuple[str, ...] = ()
 
+    def request(self) -> dict:
+        return {"prompt": PROMPT, "seed": SEED, "width": self.width, "height": self.height, "length": self.length,
+                "evaluations": self.steps, "vflash_profile": self.profile}
+
 
 TINY_FILES = Files("h3_small_comfy_fp8_scaled.safetensors", "h3_small_te.safetensors", "h3_small_video_vae.safetensors",
                    "h3_small_audio_vae.safetensors")
@@ -354,30 +358,29 @@ class Comparison:
     settings: Settings
     records: list[dict] = field(default_factory=list)
     kept: int = 0  # records kept from an earlier run (`keep_other_rows`)
-    kept_summaries: dict[tuple[int | None, bool], dict] = field(default_factory=dict)  # their pairs' summaries, as made then
+    # Each pair's summary, made once both its sides ran (the frames are decoded once), or kept from an earlier run.
+    made: dict[tuple[int | None, bool], dict] = field(default_factory=dict)
 
     def keep_other_rows(self, earlier: dict, plan: list[tuple[int | None, bool]]) -> None:
         """The records of an earlier result file for the same request on the same files whose pairs `plan` does not
         measure again, each naming the commit it was measured at."""
-        request = {"width": self.settings.width, "height": self.settings.height, "length": self.settings.length,
-                   "evaluations": self.settings.steps, "vflash_profile": self.settings.profile}
-        if {k: earlier["request"].get(k) for k in request} != request or earlier["files"] != vars(self.settings.files):
+        if earlier["request"] != self.settings.request() or earlier["files"] != vars(self.settings.files):
             print("the earlier result file measured another request or other files: none of its rows is kept", flush=True)
             return
         kept = [{**r, "commit": r.get("commit", earlier["commit"])} for r in earlier["records"]
                 if (r["device_cap_gib"], r["approximate"]) not in plan]
         self.records += kept
         self.kept = len(kept)
-        self.kept_summaries = {(r["device_cap_gib"], r["approximate"]): r for r in earlier["summaries"]
-                               if (r["device_cap_gib"], r["approximate"]) not in plan}
+        self.made = {(r["device_cap_gib"], r["approximate"]): r for r in earlier["summaries"]
+                     if (r["device_cap_gib"], r["approximate"]) not in plan}
 
     def summaries(self) -> list[dict]:
         """Per cap (and the approximate row): Vflash's speedup on warm workflow seconds, PSNR of the first runs' frames
         (a kept pair's as its run made them: its videos are gone)."""
         rows = []
         for cap, fast in sorted({(r["device_cap_gib"], r["approximate"]) for r in self.records}, key=lambda k: (k[1], -(k[0] or 1e9))):
-            if (cap, fast) in self.kept_summaries:
-                rows.append(self.kept_summaries[cap, fast])
+            if (cap, fast) in self.made:
+                rows.append(self.made[cap, fast])
                 continue
             pair = {r["side"]: r for r in self.records if r["device_cap_gib"] == cap and r["approximate"] == fast}
             core, vflash = pair.get("core"), pair.get("vflash")
@@ -388,6 +391,8 @@ class Comparison:
                 "speedup_vflash_vs_core": round(core["workflow_seconds"] / vflash["workflow_seconds"], 4) if ok else None,
                 "frames_psnr_core_vs_vflash_db": frames_psnr(Path(videos[0]), Path(videos[1])) if all(videos) else None,
             })
+            if core and vflash:
+                self.made[cap, fast] = rows[-1]
         return rows
 
 
@@ -443,8 +448,7 @@ def main() -> None:
             # Written after every side, so a run cut short (a machine's time is bounded) still leaves what it measured.
             data = {
                 **env, "date": datetime.date.today().isoformat(), "tiny": args.tiny, "comfyui_version": version,
-                "files": vars(s.files), "request": {"prompt": PROMPT, "seed": SEED, "width": s.width, "height": s.height,
-                                                    "length": s.length, "evaluations": s.steps, "vflash_profile": s.profile},
+                "files": vars(s.files), "request": s.request(),
                 "same_math": False,
                 "math_note": "not the same: different initial-noise generators, core's own sigma schedule and attention kernels",
                 "planned": [{"device_cap_gib": c, "approximate": f} for c, f in plan],

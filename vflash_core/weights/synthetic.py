@@ -12,7 +12,7 @@ import json
 import math
 import re
 import zlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
@@ -26,7 +26,8 @@ from .checkpoint import internal_shapes, source_name
 __all__ = [
     "RandomWeights", "diffusers_names", "quantize_int8_convrot", "random_internal_weights", "random_like",
     "to_original_names", "write_comfy_fp8_scaled_streamed", "write_comfy_transformer", "write_delta_as_peft",
-    "write_diffusers_transformer", "write_random_delta", "write_random_lora", "write_shards",
+    "write_diffusers_transformer", "write_fp8_scaled_streamed", "write_random_delta", "write_random_lora",
+    "write_shards",
 ]
 
 
@@ -341,50 +342,59 @@ def _fp8_scale(weight: torch.Tensor) -> torch.Tensor:
     return weight.float().abs().amax() / torch.finfo(torch.float8_e4m3fn).max
 
 
-def write_comfy_fp8_scaled_streamed(path: str | Path, config: H3Config, weights: RandomWeights) -> int:
-    """The Comfy-Org scaled-FP8 single file `write_comfy_transformer(..., fp8="metadata")` writes from the same
-    weights, written tensor by tensor: each is drawn on `weights.device`, renamed, quantized and written before the
-    next is drawn, so a full-size file (~34 GB) needs neither host memory nor a bf16 copy of its size. Each scale
-    needs its whole weight before the weights are laid out, so the quantized weights are drawn twice (a first pass
+def write_fp8_scaled_streamed(
+    path: str | Path, layout: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], draw: Callable[[str], torch.Tensor],
+    quantized: Iterable[str], metadata: Mapping[str, str] | None = None,
+) -> int:
+    """A Comfy-Org scaled-FP8 safetensors file written tensor by tensor: each tensor of `layout` (name -> dtype, shape)
+    is drawn (`draw(name)`, on any device), the weights named in `quantized` stored as E4M3 codes with one fp32
+    `.weight_scale` each (amax / 448) and listed in `_quantization_metadata` (after `metadata`), then written before
+    the next is drawn, so neither host memory nor a bf16 copy of the file's size is needed. The scales are written
+    first (fp32 before fp8), and each needs its whole weight, so the quantized weights are drawn twice (a first pass
     keeps only their scales). Returns the file's size in bytes."""
     from ..tensor_store import write_safetensors_streamed
 
-    def original(name: str) -> tuple[str, torch.Tensor]:
-        ((out_name, tensor),) = to_original_names({name: weights[name]}, config).items()
-        return out_name, tensor
+    scales = {name.removesuffix("weight") + "weight_scale": _fp8_scale(draw(name)).cpu() for name in quantized}
+    of_weight = {name.removesuffix("_scale"): scale for name, scale in scales.items()}
+    stored = {name: (torch.float8_e4m3fn, shape) if name in of_weight else (dtype, shape)
+              for name, (dtype, shape) in layout.items()}
+    stored.update({name: (torch.float32, ()) for name in scales})
 
+    def produce(name: str) -> torch.Tensor:
+        if name in scales:
+            return scales[name]
+        tensor = draw(name)
+        if name in of_weight:
+            tensor = (tensor.float() / of_weight[name].to(tensor.device)).to(torch.float8_e4m3fn)
+        return tensor.cpu()
+
+    layers = {name.removesuffix(".weight"): {"format": "float8_e4m3fn"} for name in of_weight}
+    marked = {**(metadata or {}), "_quantization_metadata": json.dumps({"format_version": "1.0", "layers": layers})}
+    size, _ = write_safetensors_streamed(path, stored, produce, marked)
+    return size
+
+
+def write_comfy_fp8_scaled_streamed(path: str | Path, config: H3Config, weights: RandomWeights) -> int:
+    """The Comfy-Org scaled-FP8 single file `write_comfy_transformer(..., fp8="metadata")` writes from the same
+    weights, written tensor by tensor (`write_fp8_scaled_streamed`): a full-size file (~34 GB) needs neither host
+    memory nor a bf16 copy of its size. Returns the file's size in bytes."""
     sources = {source_name(name, original=True): name for name in weights}
-    quantized = {
+    quantized = [
         out for out, name in sources.items()
         if out.endswith(".weight") and _FP8_LAYERS.match(out.removesuffix(".weight"))
         and weights.dtype_of(name) == torch.bfloat16
-    }
-
-    def scale_name(weight: str) -> str:
-        return weight.removesuffix(".weight") + ".weight_scale"
-
-    scales = {scale_name(out): _fp8_scale(weights[sources[out]]).cpu() for out in quantized}
+    ]
     inv_freq = rope_inv_freq(config)
-    layout = {out: (torch.float8_e4m3fn if out in quantized else weights.dtype_of(name), weights.shapes[name])
-              for out, name in sources.items()}
-    layout.update({scale: (torch.float32, ()) for scale in scales})
+    layout = {out: (weights.dtype_of(name), weights.shapes[name]) for out, name in sources.items()}
     layout["rope.inv_freq"] = (torch.float32, tuple(inv_freq.shape))
 
-    def produce(out: str) -> torch.Tensor:
-        if out in scales:
-            return scales[out]
+    def draw(out: str) -> torch.Tensor:
         if out == "rope.inv_freq":
             return inv_freq
-        _, tensor = original(sources[out])
-        if out in quantized:
-            tensor = (tensor.float() / scales[scale_name(out)].to(tensor.device)).to(torch.float8_e4m3fn)
-        return tensor.cpu()
+        ((_, tensor),) = to_original_names({sources[out]: weights[sources[out]]}, config).items()
+        return tensor
 
-    layers = {out.removesuffix(".weight"): {"format": "float8_e4m3fn"} for out in quantized}
-    metadata = {"config": json.dumps(config.to_dict()),
-                "_quantization_metadata": json.dumps({"format_version": "1.0", "layers": layers})}
-    size, _ = write_safetensors_streamed(path, layout, produce, metadata)
-    return size
+    return write_fp8_scaled_streamed(path, layout, draw, quantized, {"config": json.dumps(config.to_dict())})
 
 
 def quantize_int8_convrot(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
