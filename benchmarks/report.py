@@ -481,7 +481,8 @@ def vs_core_table(data: dict) -> str:
             rows.append({"row": f"{cap}{', ' + r.get('mode', '') if summary['approximate'] else ''}", "side": side,
                          "first": (r.get("first_run") or {}).get("workflow_seconds"), "warm": r.get("workflow_seconds"),
                          "sampling": _sampling_seconds(r) if ok else None,
-                         "device": _gib(r.get("peak_device_bytes")) + (" *" if allocator_only and ok else ""),
+                         "device": _gib(r.get("peak_device_bytes")) + (" *" if allocator_only and ok else "")
+                         + (" †" if r.get("within_device_cap") is False else ""),
                          "rss": _gib(r.get("host_rss_peak_bytes")),
                          "pinned": _size(r.get("host_pinned_bytes") or 0) if ok else "",
                          "status": "ok" if ok else _failure(r) if r else "not run",
@@ -491,6 +492,14 @@ def vs_core_table(data: dict) -> str:
     if allocator_only:
         notes.append("\\* PyTorch's allocator peak only: core's dynamic VRAM allocates its weights outside that "
                      "allocator, so core's figure is not its device use (the benchmark now reads the driver's count).")
+    over = sorted({f"{r['device_cap_gib']} GiB" for r in data["records"] if r.get("within_device_cap") is False})
+    if over:
+        notes.append(f"† above the cap ({', '.join(over)}): the driver's count of the server's device memory includes "
+                     "its CUDA context and the libraries' workspaces, which neither PyTorch's allocator limit nor "
+                     "core's `--reserve-vram` accounting covers.")
+    if any(min((r.get("first_run") or {}).get("host_pinned", {0: 0}).values()) > 2**30 for r in data["records"]):
+        notes.append("Host pinned: the larger of core's registered host memory and PyTorch's page-locked allocator, "
+                     "each a peak of its own; host RSS is all of the server process's resident memory.")
     if any(r["side"] == "vflash" and r.get("compiled_before_first_run") is False for r in data["records"]):
         notes.append("Vflash's first run in the first Vflash server includes compiling the transformer file for the "
                      "profile (once per file and profile; later servers load the compile).")
@@ -525,14 +534,19 @@ def vs_core_brief(data: dict) -> str:
             + (f" ({core.get('mode')} / {vflash.get('mode')})" if summary["approximate"] else ""),
             "core": core.get("workflow_seconds") if core.get("status") == "success" else core.get("status", "not run"),
             "vflash": vflash.get("workflow_seconds") if vflash.get("status") == "success" else vflash.get("status", "not run"),
-            "speedup": summary["speedup_vflash_vs_core"]})
+            "speedup": summary["speedup_vflash_vs_core"],
+            "device": " / ".join(_gib(r.get("peak_device_bytes")).removesuffix(" GiB") for r in (core, vflash)),
+            "rss": " / ".join(_gib(r.get("host_rss_peak_bytes")).removesuffix(" GiB") for r in (core, vflash))})
     gpu = str(data["gpu"]).replace("NVIDIA ", "")
     return "\n".join([
         (f"**The same ComfyUI workflow, core's H3 nodes vs Vflash's** ({gpu}, ComfyUI {data['comfyui_version']}, "
         f"{data['date']}): t2va {request['width']}x{request['height']}, {request['length']} frames, "
-        f"{request['evaluations']} evaluations, the same Comfy-Org files, warm seconds prompt to MP4. Peaks, first "
-        "runs and what failed: [docs/comfyui.md](docs/comfyui.md)."), "",
-        _table(rows, [("row", "memory"), ("core", "core s"), ("vflash", "Vflash s"), ("speedup", "Vflash speedup")]), ""])
+        f"{request['evaluations']} evaluations, the same Comfy-Org files, warm seconds prompt to MP4, peaks of the "
+        "server process. First runs, pinned memory"
+        + (", what failed" if any(r.get("status") != "success" for r in data["records"]) else "")
+        + " and why: [docs/comfyui.md](docs/comfyui.md)."), "",
+        _table(rows, [("row", "memory"), ("core", "core s"), ("vflash", "Vflash s"), ("speedup", "Vflash speedup"),
+                      ("device", "peak device GiB, core / Vflash"), ("rss", "host RSS GiB, core / Vflash")]), ""])
 
 
 def fill_engine_doc(data: dict, start_marker: str = FITS_START, end_marker: str = FITS_END, render_table=what_fits,

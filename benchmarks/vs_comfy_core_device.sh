@@ -7,7 +7,7 @@
 #                                                                  # files and the benchmark detached; polls MINUTES
 #   bash benchmarks/vs_comfy_core_device.sh poll COMMIT [MINUTES]  # polls; copies what is there to $OUT
 #
-# BENCH_ARGS go to vs_comfy_core.py (default "--rows resident fast --warm-runs 1"). Results go to /root/vs-results
+# BENCH_ARGS go to vs_comfy_core.py (default "--rows resident 24 32 fast --warm-runs 1"). Results go to /root/vs-results
 # (vs_comfy_core_<gpu>.json, written after every side; the repository's copy is put there first, so that
 # --keep-other-rows keeps its other pairs), logs to /root/vs-logs; the model files to /dev/shm/h3 (61.6 GiB of host
 # memory), the work folders (Vflash's BF16 compile, 35.9 GiB) to /root/vs on the disk.
@@ -52,7 +52,7 @@ case $STEP in
             echo \"exit \$?\" >> $LOGS/write.log
             cd $REPO && PYTHONPATH=/root/cf/site:/root/site:$REPO/benchmarks COMFYUI_PYTHON=python3 VFLASH_RESULTS=$RESULTS \
                 python3 -P benchmarks/vs_comfy_core.py --comfyui /root/cf/ComfyUI --models /dev/shm/h3 --work /root/vs \
-                ${BENCH_ARGS:---rows resident fast --warm-runs 1} > $LOGS/bench.log 2>&1
+                ${BENCH_ARGS:---rows resident 24 32 fast --warm-runs 1} > $LOGS/bench.log 2>&1
             echo \"exit \$?\" >> $LOGS/bench.log" > /dev/null 2>&1 < /dev/null &
         ;;
     poll) ;;
