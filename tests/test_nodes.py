@@ -537,7 +537,7 @@ def test_reference_clip_with_soundtrack_bundle_equals_pipeline_bundle(pack, comf
     g = torch.Generator().manual_seed(5)
     picture = np.random.default_rng(5).integers(0, 255, (60, 90, 3), dtype=np.uint8)
     Image.fromarray(picture).save(tmp_path / "picture.png")
-    clip_path = write_mp4(tmp_path / "clip.mp4", torch.rand(48, 64, 96, 3, generator=g), torch.rand(2, 96000, generator=g) - 0.5, 48000)
+    clip_path = write_mp4(tmp_path / "clip.mp4", torch.rand(16, 64, 96, 3, generator=g), torch.rand(2, 32000, generator=g) - 0.5, 48000)
     decoded = load_reference(clip_path)
     assert decoded.fps == 24 and decoded.sample_rate == 48000
     frames = torch.from_numpy(frames_to_uint8(decoded.frames).astype(np.float32) / 255.0)

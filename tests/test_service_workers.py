@@ -54,13 +54,13 @@ async def test_two_cpu_workers_share_one_queue_and_a_killed_one_fails_only_its_j
     assert app[SUPERVISOR].restarts == 1
 
 
-async def render_three(aiohttp_client, make_service, pipelined: bool) -> tuple[list[bytes], list[dict]]:
+async def render_two(aiohttp_client, make_service, pipelined: bool) -> tuple[list[bytes], list[dict]]:
     app, config = make_service(pipelined=pipelined)
     client = await aiohttp_client(app)
     await wait_ready(client)
-    ids = [await submit(client, seed=seed, **MIDDLE) for seed in (11, 12, 13)]
+    ids = [await submit(client, seed=seed, **MIDDLE) for seed in (11, 12)]
     jobs = [await wait_job(client, job_id) for job_id in ids]
-    assert [job["status"] for job in jobs] == ["succeeded"] * 3, jobs
+    assert [job["status"] for job in jobs] == ["succeeded"] * 2, jobs
     videos = [(config.output_dir / f"{job_id}.mp4").read_bytes() for job_id in ids]
     assert not [p for p in app[WORK_DIR].rglob("*") if p.is_file() and p.name != "owner"]
     await client.close()
@@ -70,14 +70,14 @@ async def render_three(aiohttp_client, make_service, pipelined: bool) -> tuple[l
 
 
 async def test_a_pipelined_worker_starts_the_next_job_during_a_write_and_writes_the_same_bytes(aiohttp_client, make_service):
-    serial, serial_jobs = await render_three(aiohttp_client, make_service, pipelined=False)
-    pipelined, pipelined_jobs = await render_three(aiohttp_client, make_service, pipelined=True)
-    assert pipelined == serial and len(set(serial)) == 3
+    serial, serial_jobs = await render_two(aiohttp_client, make_service, pipelined=False)
+    pipelined, pipelined_jobs = await render_two(aiohttp_client, make_service, pipelined=True)
+    assert pipelined == serial and len(set(serial)) == 2
     # Serial: each job starts after the last one ended. Pipelined: during its write, on the same worker.
     assert all(b["started_at"] >= a["finished_at"] for a, b in pairwise(serial_jobs))
     assert all(b["started_at"] < a["finished_at"] for a, b in pairwise(pipelined_jobs))
     assert len({job["worker_pid"] for job in pipelined_jobs}) == 1
-    assert [job["result"]["timing"]["request_index"] for job in pipelined_jobs] == [1, 2, 3]
+    assert [job["result"]["timing"]["request_index"] for job in pipelined_jobs] == [1, 2]
 
 
 async def test_cancelling_a_job_while_it_writes_spares_the_job_computing_beside_it(aiohttp_client, make_service):
