@@ -20,6 +20,7 @@ import numpy as np
 import PIL.Image
 import torch
 
+from vflash_core.engine.fast_mode_run import describe_fast_mode
 from vflash_core.engine.layout import FPS
 from vflash_core.engine.session import GenerationResult
 from vflash_core.errors import CallbackGuard, RequestError, VflashError
@@ -319,10 +320,11 @@ def sample(
             # A failed trajectory leaves the session refusing work: close it now, the next run loads a fresh one.
             registry.release("dit")
         raise
+    fast_mode = result.metadata.get("fast_mode")
     host.log(
         f"Vflash sampled {cond.mode} {geometry.width}x{geometry.height} {geometry.num_frames} frames, seed {seed}, "
         f"{session.profile.id} ({session.profile.nfe} evaluations) in {time.perf_counter() - start:.2f} s"
-        + (f", approximate fast mode {model.options.fast_mode.name}" if "fast_mode" in result.metadata else "")
+        + (f", {describe_fast_mode(fast_mode)}" if isinstance(fast_mode, dict) else "")
     )
     host.log(_memory_line(result.metadata))
     notes = [*cond.notes, *session.compiled.base_weight_notes()]

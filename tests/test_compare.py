@@ -150,6 +150,16 @@ def test_run_options_refuse_bad_encoder_settings_and_flags(demo_receipt, tmp_pat
     assert "invalid choice: 'quick'" in capsys.readouterr().err
 
 
+def test_generate_prints_what_its_fast_mode_did(demo_receipt, tmp_path, capsys):
+    argv = ["generate", "--prepared-assets", str(demo_receipt), "--prompt", "x", "--width", "32", "--height", "32",
+            "--fast-mode", "step-cache", "--step-cache-threshold", "10", "--output", str(tmp_path / "o.mp4")]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    layers = json.loads(demo_receipt.read_text())["transformer"]["num_layers"]  # a reusing evaluation runs one block
+    expected = f"  approximate fast mode step-cache: reused 1 of 4 evaluations, {3 * layers + 1} of {4 * layers} block evaluations"
+    assert [line for line in lines if "fast mode" in line] == [expected]
+
+
 @pytest.mark.parametrize("video_input", ["stream", "file"])
 def test_pipeline_encodes_with_the_crf_and_preset_of_its_options(demo_receipt, tmp_path, video_input):
     options = RunOptions(media_video_input=video_input, media_video_crf=35, media_video_preset="veryfast")

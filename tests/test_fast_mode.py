@@ -25,6 +25,7 @@ from vflash_core import Geometry, NativeEngineSession, build_keyframe_bundle
 from vflash_core.engine.artifact import CompiledPaths
 from vflash_core.engine.engine_options import EngineOptions
 from vflash_core.engine.fast_mode import FastMode
+from vflash_core.engine.fast_mode_run import describe_fast_mode
 from vflash_core.engine.sparse_attention import (
     BLOCK_ROWS,
     BlockSparseAttention,
@@ -177,6 +178,10 @@ def test_sparse_attention_session_reports_what_ran(tiny_compiled, bundle, exact)
     assert report["dense_calls"] == TINY.num_layers, "the main blocks of evaluation 0 (the text refiner not counted)"
     assert report["backend"] == "masked-sdpa" and 0.1 < report["density_reached"] < 0.6
     assert result.metadata["fast_mode"]["settings"]["sparse_density"] == 0.2
+    layers = TINY.num_layers
+    assert describe_fast_mode(result.metadata["fast_mode"]) == (
+        f"approximate fast mode sparse-attention: {3 * layers} sparse attention calls (masked-sdpa, density "
+        f"{report['density_reached']:.2f}), {layers} dense, {4 * layers} of {4 * layers} block evaluations")
     assert torch.isfinite(result.video_latents).all()
     assert not torch.equal(result.video_latents, exact.video_latents), "sparse attention changes the trajectory"
     assert_bitwise(again.video_latents, result.video_latents, "a second request of the same session")
@@ -241,6 +246,9 @@ def test_step_cache_on_a_16_evaluation_profile(tmp_path_factory, tiny_transforme
         report = session.generate(bundle).metadata["fast_mode"]
     assert report["step_cache"]["evaluations_cached"] == [2, 4, 6, 8, 10, 12, 14]
     assert len(report["step_cache"]["first_block_change"]) == 16
+    layers = TINY.num_layers  # a reusing evaluation runs the first block only
+    assert describe_fast_mode(report) == (f"approximate fast mode step-cache: reused 7 of 16 evaluations, "
+                                          f"{16 * layers - 7 * (layers - 1)} of {16 * layers} block evaluations")
 
 
 def test_sparse_attention_with_sequence_head_equals_one_device(tmp_path_factory):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -48,14 +49,31 @@ def _compare_workflow(fast_mode: str) -> dict:
     return workflow
 
 
-def test_compare_node_renders_both_sides_and_reports(pack, monkeypatch):
-    # The demo's defaults change nothing (its 2 layers are sparse-attention's dense edges; its first block moves more
-    # than the step cache's 0.1): a threshold it reaches makes the fast side cache evaluation 2.
+def _step_cache_the_demo_reaches(monkeypatch) -> None:
+    """The demo's defaults change nothing (its 2 layers are sparse-attention's dense edges; its first block moves more
+    than the step cache's 0.1): a threshold it reaches makes step-cache reuse evaluation 2."""
     parse = FastMode.parse.__func__  # type: ignore[attr-defined]
     monkeypatch.setattr(FastMode, "parse", classmethod(
         lambda cls, value, **settings: parse(cls, value, **({"step_cache_threshold": 10.0} if value == "step-cache"
                                                             else settings))
     ))
+
+
+def test_sampler_logs_what_its_fast_mode_did(pack, monkeypatch, caplog):
+    _step_cache_the_demo_reaches(monkeypatch)
+    workflow = load_api_workflow(API / "t2va.json")
+    workflow["1"]["inputs"]["fast_mode"] = "step-cache"
+    workflow["4"]["inputs"].update(width=32, height=32)
+    with caplog.at_level(logging.INFO):
+        execute(workflow, pack.node_types(workflow))
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Vflash sampled t2va")]
+    layers = 2  # the demo's main blocks; an evaluation that reuses runs the first one only
+    assert line.endswith(f", approximate fast mode step-cache: reused 1 of 4 evaluations, {3 * layers + 1} of "
+                         f"{4 * layers} block evaluations"), line
+
+
+def test_compare_node_renders_both_sides_and_reports(pack, monkeypatch):
+    _step_cache_the_demo_reaches(monkeypatch)
     workflow = _compare_workflow("step-cache")
     report = execute(workflow, pack.node_types(workflow))
     video, text = report.outputs["4"]

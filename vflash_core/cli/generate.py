@@ -126,6 +126,10 @@ def _print_result(result, initialization: float, extra: dict | None = None) -> N
         indent = "    " if "." in name else "  "
         print(f"{indent}{name:<{18 - len(indent)}} {seconds:8.2f} s")
     print(f"  {'request total':<16} {result.elapsed_seconds:8.2f} s")
+    if "fast_mode" in result.metadata:
+        from ..engine.fast_mode_run import describe_fast_mode
+
+        print(f"  {describe_fast_mode(result.metadata['fast_mode'])}")
 
 
 def _prepare_pipeline(args: argparse.Namespace) -> int:

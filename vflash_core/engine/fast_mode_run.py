@@ -11,7 +11,7 @@ from .fast_mode import FastMode
 from .model import AttentionFn
 from .sparse_attention import BlockSparseAttention
 
-__all__ = ["FastModeRun", "StepCache"]
+__all__ = ["FastModeRun", "StepCache", "describe_fast_mode"]
 
 
 class StepCache:
@@ -115,3 +115,20 @@ class FastModeRun:
                                     "first_block_change": self.step_cache.changes}
             self.step_cache.close()
         return report
+
+
+def describe_fast_mode(report: dict) -> str:
+    """One line of what a fast mode did for a request, from its report (`metadata["fast_mode"]`), for the logs and
+    the command line: the evaluations the step cache reused, the attention density reached, the block evaluations
+    run against an exact request's."""
+    done = []
+    cache = report.get("step_cache")
+    if cache:
+        done.append(f"reused {len(cache['evaluations_cached'])} of {len(cache['first_block_change'])} evaluations")
+    sparse = report.get("sparse_attention")
+    if sparse:
+        density = sparse["density_reached"]
+        done.append(f"{sparse['sparse_calls']} sparse attention calls ({sparse['backend']}"
+                    + (f", density {density:.2f}" if density is not None else "") + f"), {sparse['dense_calls']} dense")
+    done.append(f"{report['block_evaluations']} of {report['block_evaluations_exact']} block evaluations")
+    return f"approximate fast mode {'+'.join(report['modes'])}: " + ", ".join(done)
