@@ -56,7 +56,7 @@ from .engines import (
 )
 from .interfaces import Folders, Host, host_progress
 from .model_files import COMPONENT_FOLDERS, DEMO, lora_path, model_identity, path_identity, recorded_profile, resolve
-from .request_inputs import RequestWidgets, connected_slots, request_geometry
+from .request_inputs import RenderInputs, connected_slots, request_geometry
 
 __all__ = [
     "compare", "decode", "encode", "generate", "load_component", "load_model", "sample", "select_lora", "unload",
@@ -375,62 +375,47 @@ def decode(
 
 
 def generate(
-    registry: EngineRegistry,
-    host: Host,
-    model: TransformerSpec,
-    te: Any,
-    vae: Any,
-    request: RequestWidgets,
-    seed: int,
-    force_offload: bool = False,
-    audio_vae: Any = None,
+    registry: EngineRegistry, host: Host, render: RenderInputs, force_offload: bool = False
 ) -> tuple[Any, torch.Tensor, dict[str, Any]]:
     """VflashGenerate: encode, sample, decode in one node (Vflash or core text encoder / VAEs, as `encode`)."""
-    _, cond, latent = _encode_for_model(registry, host, model, te, vae, request, audio_vae)
-    latent, _ = sample(registry, host, model, cond, latent, seed, force_offload)
-    images, audio, video = decode(registry, host, vae, latent, audio_vae)
+    _, cond, latent = _encode_for_model(registry, host, render)
+    latent, _ = sample(registry, host, render.model, cond, latent, render.seed, force_offload)
+    images, audio, video = decode(registry, host, render.vae, latent, render.audio_vae)
     return video, images, audio
 
 
 def _encode_for_model(
-    registry: EngineRegistry, host: Host, model: TransformerSpec, te: Any, vae: Any, request: RequestWidgets,
-    audio_vae: Any,
+    registry: EngineRegistry, host: Host, render: RenderInputs
 ) -> tuple[Profile | None, EncodedRequest, dict[str, Any]]:
     """Generate's and Compare's encode: the request checked against the transformer's profile before the text encoder
     runs, which is released after it."""
-    profile = recorded_profile(model.files.source, model.files.path, model.files.profile)
+    files, request = render.model.files, render.request
+    profile = recorded_profile(files.source, files.path, files.profile)
     cond, latent, _ = encode(
-        registry, host, te, vae, request.prompt, request.width, request.height, request.length, request.seconds,
-        request.first_frame, request.last_frame, force_offload=True, audio_vae=audio_vae, profile=profile,
+        registry, host, render.te, render.vae, request.prompt, request.width, request.height, request.length,
+        request.seconds, request.first_frame, request.last_frame, force_offload=True, audio_vae=render.audio_vae,
+        profile=profile,
     )
     return profile, cond, latent
 
 
-def compare(
-    registry: EngineRegistry,
-    host: Host,
-    model: TransformerSpec,
-    te: Any,
-    vae: Any,
-    request: RequestWidgets,
-    seed: int,
-    audio_vae: Any = None,
-) -> tuple[Any, str]:
+def compare(registry: EngineRegistry, host: Host, render: RenderInputs) -> tuple[Any, str]:
     """VflashCompare: one request (encoded once) sampled with the model's fast mode, then exactly, on the one engine
     (the fast side carries any first-run warm-up), both decoded, measured by the core (`pipeline.compare`: per-frame
     PSNR / SSIM, the soundtracks' log-spectral distance, each side's times); returns the side-by-side VIDEO (exact
     left, fast right, the exact soundtrack) and the report (a summary, then the report's JSON)."""
+    model = render.model
     if model.options.fast_mode.exact:
         raise VflashError(
             "Vflash Compare compares exact with a fast mode: choose the model loader's fast_mode "
             "(sparse-attention, step-cache or both)"
         )
-    profile, cond, latent = _encode_for_model(registry, host, model, te, vae, request, audio_vae)
+    profile, cond, latent = _encode_for_model(registry, host, render)
     clips, sides = {}, {}
     for side, exact in (("fast", False), ("exact", True)):
         start = time.perf_counter()
-        sampled, result = sample(registry, host, model, cond, latent, seed, exact=exact)
-        images, audio, _ = decode(registry, host, vae, sampled, audio_vae)
+        sampled, result = sample(registry, host, model, cond, latent, render.seed, exact=exact)
+        images, audio, _ = decode(registry, host, render.vae, sampled, render.audio_vae)
         clips[side] = (images, audio)
         sides[side] = {
             "seconds": time.perf_counter() - start, "denoise_seconds": result.timing.request_wall_seconds,
@@ -439,7 +424,7 @@ def compare(
     (exact_images, exact_audio), (fast_images, fast_audio) = clips["exact"], clips["fast"]
     metrics = measure(exact_images, fast_images, exact_audio["waveform"][0], fast_audio["waveform"][0])
     rendered = {
-        "prompt": request.prompt, "seed": seed, "mode": cond.mode, "width": int(exact_images.shape[2]),
+        "prompt": render.request.prompt, "seed": render.seed, "mode": cond.mode, "width": int(exact_images.shape[2]),
         "height": int(exact_images.shape[1]), "num_frames": int(exact_images.shape[0]), "fps": FPS,
         "profile": None if profile is None else profile.id,
     }

@@ -9,7 +9,7 @@ from .engines import UNLOAD_TARGETS
 from .graph_checks import check_graph
 from .host import FOLDERS, HOST
 from .registry import ENGINES
-from .request_inputs import RequestWidgets
+from .request_inputs import RenderInputs, RequestWidgets
 from .types import VflashCond, VflashModel, te_input, vae_inputs, vflash_schema
 
 _WIDTH_TOOLTIP = (
@@ -239,7 +239,8 @@ class VflashGenerate(io.ComfyNode):
         force_offload=False, audio_vae=None,
     ):
         request = RequestWidgets(prompt, width, height, length, seconds, first_frame, last_frame)
-        return io.NodeOutput(*actions.generate(ENGINES, HOST, model, te, vae, request, seed, force_offload, audio_vae))
+        render = RenderInputs(model, te, vae, request, seed, audio_vae)
+        return io.NodeOutput(*actions.generate(ENGINES, HOST, render, force_offload))
 
 
 class VflashCompare(io.ComfyNode):
@@ -284,7 +285,7 @@ class VflashCompare(io.ComfyNode):
         audio_vae=None,
     ):
         request = RequestWidgets(prompt, width, height, length, seconds, first_frame, last_frame)
-        return io.NodeOutput(*actions.compare(ENGINES, HOST, model, te, vae, request, seed, audio_vae))
+        return io.NodeOutput(*actions.compare(ENGINES, HOST, RenderInputs(model, te, vae, request, seed, audio_vae)))
 
 
 class VflashUnload(io.ComfyNode):

@@ -14,7 +14,9 @@ from vflash_core.errors import RequestError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ENCODE_DEFAULTS", "RequestWidgets", "connected_slots", "request_geometry"]
+    from .engines import TransformerSpec
+
+__all__ = ["ENCODE_DEFAULTS", "RenderInputs", "RequestWidgets", "connected_slots", "request_geometry"]
 
 #: The canvas and length widgets of VflashEncode / VflashGenerate and their defaults, in `request_geometry`'s order.
 ENCODE_DEFAULTS = {"width": 1344, "height": 768, "length": 124, "seconds": 0.0}
@@ -32,6 +34,20 @@ class RequestWidgets:
     seconds: float
     first_frame: torch.Tensor | None = None
     last_frame: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class RenderInputs:
+    """What VflashGenerate and VflashCompare render, travelling whole from the node to its action: the transformer,
+    the text encoder and VAEs (Vflash's specs or core's, as `actions.encode` takes them), the request widgets and the
+    seed."""
+
+    model: TransformerSpec
+    te: Any
+    vae: Any
+    request: RequestWidgets
+    seed: int
+    audio_vae: Any = None
 
 
 def request_geometry(width: int, height: int, length: int, seconds: float) -> Geometry:
