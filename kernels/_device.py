@@ -204,6 +204,21 @@ def _torch_block_rstd(
 
 
 @triton.jit
+def _torch_norm_rows(
+    x_ptr, n_rows, x_row_stride, x_col_stride, eps, HIDDEN: tl.constexpr, TORCH_WARPS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, INDEX_64: tl.constexpr, EMULATE_CASTS: tl.constexpr,
+):
+    """The prologue of a kernel that normalises whole rows in torch's order: this program's rows and their mask
+    (`_row_block`), the pointers to their first channel, and their (BLOCK_ROWS, 1) `_torch_block_rstd`."""
+    rows, row_mask = _row_block(n_rows, BLOCK_ROWS, INDEX_64)
+    x_rows = x_ptr + rows[:, None] * x_row_stride
+    rstd = _torch_block_rstd(
+        x_rows, row_mask, x_col_stride, eps, HIDDEN, TORCH_WARPS, BLOCK_ROWS, INDEX_64, EMULATE_CASTS
+    )
+    return rows, row_mask, x_rows, rstd
+
+
+@triton.jit
 def _norm_modulate_chunk(
     x_rows, weight_ptr, table_row_ptrs, rstd, cols, mask, col_mask, x_col_stride, weight_stride, table_col_stride,
     shift_col, scale_col,

@@ -13,6 +13,8 @@ The fused ops read their inputs twice instead of writing the BF16 activation and
 needs the absmax of the whole row before the first code can be written, so a first pass computes the activation and
 its absmax (writing the BF16 value too with `keep_value`, for a LoRA branch that reads it), and a second pass
 computes the same values again (the same ops, so the same bits) and writes the codes. Each program owns whole rows.
+`rms_norm_modulate_quantize` is `rms_norm_modulate`'s own kernel with its quantizing passes switched on, so its values
+are that op's by construction.
 
 Every op returns `(codes, scales, value)`: codes `float8_e4m3fn` of the activation's shape, scales FP32 of its shape
 with a last dimension of 1, value the BF16 activation or None.
@@ -25,21 +27,9 @@ import triton
 import triton.language as tl
 
 from . import _launch
-from ._device import (
-    _CHUNK,
-    _TORCH_WARPS,
-    _libdevice,
-    _norm_modulate_chunk,
-    _round_as,
-    _row_block,
-    _row_chunk,
-    _table_row_offsets,
-    _to_f32,
-    _to_storage,
-    _torch_block_rstd,
-)
+from ._device import _libdevice, _round_as, _row_block, _row_chunk, _to_f32, _to_storage
 from ._fp8 import _e4m3_bits, _row_absmax, _store_row_scales
-from .rms_norm_modulate import check_norm_modulate_inputs
+from .rms_norm_modulate import check_norm_modulate_inputs, launch_rms_norm_modulate
 
 __all__ = ["quantize_rows", "rms_norm_modulate_quantize", "swiglu_quantize"]
 
@@ -229,70 +219,6 @@ def swiglu_quantize(p: torch.Tensor, *, keep_value: bool = False) -> Quantized:
 # -- RMSNorm + modulate + quantize ----------------------------------------------------------------------------------
 
 
-@triton.jit
-def _rms_norm_modulate_quantize_kernel(
-    x_ptr,
-    weight_ptr,
-    table_ptr,
-    index_ptr,
-    value_ptr,
-    codes_ptr,
-    scales_ptr,
-    n_rows,
-    eps,
-    x_row_stride,
-    x_col_stride,
-    weight_stride,
-    table_row_stride,
-    table_col_stride,
-    index_stride,
-    value_row_stride,
-    value_col_stride,
-    codes_row_stride,
-    codes_col_stride,
-    scales_stride,
-    shift_col,
-    scale_col,
-    HIDDEN: tl.constexpr,
-    TORCH_WARPS: tl.constexpr,
-    ROUND_DTYPE: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr,
-    WRITE_VALUE: tl.constexpr,
-    INDEX_64: tl.constexpr,
-    EMULATE_CASTS: tl.constexpr,
-):
-    """`rms_norm_modulate._rms_norm_modulate_kernel`'s rows (the same sum of squares in torch's CUDA order, the same
-    normalise and modulate), then their codes and scales. Three passes over each row's chunks: sum of squares; the
-    modulated values (stored with WRITE_VALUE) and their absmax; the same values again, quantized. Grid: (row blocks,).
-    """
-    CHUNK: tl.constexpr = 4 * 32 * TORCH_WARPS
-    rows, row_mask = _row_block(n_rows, BLOCK_ROWS, INDEX_64)
-    x_rows = x_ptr + rows[:, None] * x_row_stride
-    rstd = _torch_block_rstd(
-        x_rows, row_mask, x_col_stride, eps, HIDDEN, TORCH_WARPS, BLOCK_ROWS, INDEX_64, EMULATE_CASTS
-    )
-    table_row_ptrs = table_ptr + _table_row_offsets(index_ptr, rows, row_mask, index_stride, table_row_stride, INDEX_64)
-    amax = tl.full((BLOCK_ROWS, 1), 0.0, tl.float32)
-    for start in range(0, HIDDEN, CHUNK):
-        cols, col_mask, mask = _row_chunk(start, HIDDEN, row_mask, CHUNK, INDEX_64)
-        y = _norm_modulate_chunk(
-            x_rows, weight_ptr, table_row_ptrs, rstd, cols, mask, col_mask, x_col_stride, weight_stride,
-            table_col_stride, shift_col, scale_col, ROUND_DTYPE, EMULATE_CASTS
-        )
-        amax = _keep_value_and_absmax(
-            y, amax, value_ptr, rows, cols, mask, value_row_stride, value_col_stride, WRITE_VALUE, EMULATE_CASTS
-        )
-    scale = _store_row_scales(amax, scales_ptr, rows, row_mask, scales_stride)
-    codes_rows = codes_ptr + rows[:, None] * codes_row_stride
-    for start in range(0, HIDDEN, CHUNK):
-        cols, col_mask, mask = _row_chunk(start, HIDDEN, row_mask, CHUNK, INDEX_64)
-        y = _norm_modulate_chunk(
-            x_rows, weight_ptr, table_row_ptrs, rstd, cols, mask, col_mask, x_col_stride, weight_stride,
-            table_col_stride, shift_col, scale_col, ROUND_DTYPE, EMULATE_CASTS
-        )
-        tl.store(codes_rows + cols[None, :] * codes_col_stride, _e4m3_bits(y, scale), mask=mask)
-
-
 def rms_norm_modulate_quantize(
     x: torch.Tensor, weight: torch.Tensor, eps: float, table: torch.Tensor, row_index: torch.Tensor, *,
     shift_block: int, scale_block: int, table_blocks: int, keep_value: bool = False
@@ -307,31 +233,10 @@ def rms_norm_modulate_quantize(
     x2, shift_col, scale_col = check_norm_modulate_inputs(
         x, weight, table, row_index, shift_block, scale_block, table_blocks
     )
-    n_rows, hidden = x2.shape
-    round_dtype = _launch.round_dtype(x.dtype)
+    _launch.round_dtype(x.dtype)  # a dtype the kernel cannot round in is refused, even for no rows
     codes, scales, value = _outputs(x, tuple(x.shape), keep_value, x.dtype)
     _launch.check_device(x, weight, table, row_index, codes, scales)
-    if n_rows:
-        codes2, scales2 = _launch.as_rows(codes, "codes").view(torch.uint8), _launch.as_rows(scales, "scales")
-        value2 = _launch.as_rows(value, "value") if value is not None else x2  # x2: never written (WRITE_VALUE=False)
-        tile = _launch.elementwise_tile(n_rows, 1, _CHUNK)
-        _rms_norm_modulate_quantize_kernel[(triton.cdiv(n_rows, tile.block_rows),)](
-            x2, weight, table, row_index, value2, codes2, scales2,
-            n_rows, float(eps),
-            x2.stride(0), x2.stride(1),
-            weight.stride(0),
-            table.stride(0), table.stride(1),
-            row_index.stride(0),
-            value2.stride(0), value2.stride(1),
-            codes2.stride(0), codes2.stride(1),
-            scales2.stride(0),
-            shift_col, scale_col,
-            HIDDEN=hidden,
-            TORCH_WARPS=_TORCH_WARPS,
-            ROUND_DTYPE=round_dtype,
-            BLOCK_ROWS=tile.block_rows,
-            WRITE_VALUE=value is not None,
-            INDEX_64=_launch.needs_int64(x2, weight, table, row_index, value2, codes2),
-            **_launch.launch_options(tile),
-        )
+    codes2, scales2 = _launch.as_rows(codes, "codes").view(torch.uint8), _launch.as_rows(scales, "scales")
+    value2 = None if value is None else _launch.as_rows(value, "value")
+    launch_rms_norm_modulate(x2, weight, eps, table, row_index, (shift_col, scale_col), value2, (codes2, scales2))
     return codes, scales, value

@@ -42,15 +42,16 @@ from ._device import (
     _TORCH_WARPS,
     _VEC,
     _norm_modulate_chunk,
-    _row_block,
     _row_chunk,
     _table_row_offsets,
     _to_storage,
-    _torch_block_rstd,
+    _torch_norm_rows,
 )
+from ._fp8 import _e4m3_bits, _row_absmax, _store_row_scales
 from .modulate import modulation_columns
 
-__all__ = ["rms_norm_modulate"]
+__all__ = ["launch_rms_norm_modulate", "rms_norm_modulate"]
+
 
 @triton.jit
 def _rms_norm_modulate_kernel(
@@ -59,6 +60,8 @@ def _rms_norm_modulate_kernel(
     table_ptr,
     index_ptr,
     out_ptr,
+    codes_ptr,
+    scales_ptr,
     n_rows,
     eps,
     x_row_stride,
@@ -69,16 +72,22 @@ def _rms_norm_modulate_kernel(
     index_stride,
     out_row_stride,
     out_col_stride,
+    codes_row_stride,
+    codes_col_stride,
+    scales_stride,
     shift_col,
     scale_col,
     HIDDEN: tl.constexpr,
     TORCH_WARPS: tl.constexpr,
     ROUND_DTYPE: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
+    WRITE_OUT: tl.constexpr,
+    QUANTIZE: tl.constexpr,
     INDEX_64: tl.constexpr,
     EMULATE_CASTS: tl.constexpr,
 ):
-    """RMSNorm of whole rows in torch's CUDA order, then the AdaLN modulation of `modulate`.
+    """RMSNorm of whole rows in torch's CUDA order, then the AdaLN modulation of `modulate`, stored to out with
+    WRITE_OUT; with QUANTIZE also the rows' E4M3 codes and scales (`_fp8`'s rule, `fp8_quantize`'s fused quantizer).
 
     n[s,c]    = bf( w[c] * (rstd[s] * x[s,c]) )                 fp32 products, one rounding (as `F.rms_norm`)
     rstd[s]   = rsqrt( sum_sq[s] / H + eps )                    IEEE division, hardware rsqrt (as torch's rsqrtf)
@@ -86,27 +95,40 @@ def _rms_norm_modulate_kernel(
                 order (fma); the 32 lane sums of each warp are added by the shuffle-down tree (offsets 16, 8, 4, 2, 1),
                 then the warp sums by the same tree over warps (offsets TORCH_WARPS/2, ..., 1).
     out[s,c]  = bf( bf( n[s,c] * bf(1 + table[r, scale_col + c]) ) + table[r, shift_col + c] ),  r = index[s]
-    Grid: (row blocks,). Each program reads its rows twice (sum of squares, then normalise + modulate), chunk by chunk
-    of 4T channels, as torch's kernel re-reads its row; channels past H load 0 and add +0.0 exactly.
+    Grid: (row blocks,). Each program reads its rows chunk by chunk of 4T channels, as torch's kernel re-reads its
+    row: the sum of squares, then the modulated values (and their absmax), then, with QUANTIZE, the same values again,
+    quantized (a row's scale needs its whole absmax first). Channels past H load 0 and add +0.0 exactly.
     """
     CHUNK: tl.constexpr = 4 * 32 * TORCH_WARPS
-    rows, row_mask = _row_block(n_rows, BLOCK_ROWS, INDEX_64)
-    x_rows = x_ptr + rows[:, None] * x_row_stride
-    rstd = _torch_block_rstd(
-        x_rows, row_mask, x_col_stride, eps, HIDDEN, TORCH_WARPS, BLOCK_ROWS, INDEX_64, EMULATE_CASTS
+    rows, row_mask, x_rows, rstd = _torch_norm_rows(
+        x_ptr, n_rows, x_row_stride, x_col_stride, eps, HIDDEN, TORCH_WARPS, BLOCK_ROWS, INDEX_64, EMULATE_CASTS
     )
     table_row_ptrs = table_ptr + _table_row_offsets(index_ptr, rows, row_mask, index_stride, table_row_stride, INDEX_64)
     out_rows = out_ptr + rows[:, None] * out_row_stride
+    amax = tl.full((BLOCK_ROWS, 1), 0.0, tl.float32)
     for start in range(0, HIDDEN, CHUNK):
         cols, col_mask, mask = _row_chunk(start, HIDDEN, row_mask, CHUNK, INDEX_64)
         y = _norm_modulate_chunk(
             x_rows, weight_ptr, table_row_ptrs, rstd, cols, mask, col_mask, x_col_stride, weight_stride,
             table_col_stride, shift_col, scale_col, ROUND_DTYPE, EMULATE_CASTS
         )
-        tl.store(
-            out_rows + cols[None, :] * out_col_stride, _to_storage(y, out_ptr.dtype.element_ty, EMULATE_CASTS),
-            mask=mask
-        )
+        if WRITE_OUT:
+            tl.store(
+                out_rows + cols[None, :] * out_col_stride, _to_storage(y, out_ptr.dtype.element_ty, EMULATE_CASTS),
+                mask=mask
+            )
+        if QUANTIZE:
+            amax = _row_absmax(y, amax)
+    if QUANTIZE:
+        scale = _store_row_scales(amax, scales_ptr, rows, row_mask, scales_stride)
+        codes_rows = codes_ptr + rows[:, None] * codes_row_stride
+        for start in range(0, HIDDEN, CHUNK):
+            cols, col_mask, mask = _row_chunk(start, HIDDEN, row_mask, CHUNK, INDEX_64)
+            y = _norm_modulate_chunk(
+                x_rows, weight_ptr, table_row_ptrs, rstd, cols, mask, col_mask, x_col_stride, weight_stride,
+                table_col_stride, shift_col, scale_col, ROUND_DTYPE, EMULATE_CASTS
+            )
+            tl.store(codes_rows + cols[None, :] * codes_col_stride, _e4m3_bits(y, scale), mask=mask)
 
 
 def check_norm_modulate_inputs(
@@ -169,25 +191,42 @@ def rms_norm_modulate(
     )
     out = _launch.output(out, x.shape, out_dtype or x.dtype, x.device)
     _launch.check_device(x, weight, table, row_index, out)
-    out2 = _launch.as_rows(out, "out")
-    n_rows, hidden = x2.shape
-    if n_rows:
-        # a row is n_groups = 1 group of one torch block's chunk: the loops walk the rest of the row
-        tile = _launch.elementwise_tile(n_rows, 1, _CHUNK)
-        _rms_norm_modulate_kernel[(triton.cdiv(n_rows, tile.block_rows),)](
-            x2, weight, table, row_index, out2,
-            n_rows, float(eps),
-            x2.stride(0), x2.stride(1),
-            weight.stride(0),
-            table.stride(0), table.stride(1),
-            row_index.stride(0),
-            out2.stride(0), out2.stride(1),
-            shift_col, scale_col,
-            HIDDEN=hidden,
-            TORCH_WARPS=_TORCH_WARPS,
-            ROUND_DTYPE=_launch.round_dtype(x.dtype),
-            BLOCK_ROWS=tile.block_rows,
-            INDEX_64=_launch.needs_int64(x2, weight, table, row_index, out2),
-            **_launch.launch_options(tile),
-        )
+    launch_rms_norm_modulate(x2, weight, eps, table, row_index, (shift_col, scale_col), _launch.as_rows(out, "out"))
     return out
+
+
+def launch_rms_norm_modulate(
+    x2: torch.Tensor, weight: torch.Tensor, eps: float, table: torch.Tensor, row_index: torch.Tensor,
+    columns: tuple[int, int], out2: torch.Tensor | None, quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
+    """`_rms_norm_modulate_kernel` over the (S, H) rows x2 (after `check_norm_modulate_inputs`, whose table columns
+    `columns` are): the modulated rows into the (S, H) out2 (None: not written), and with `quantized` (the (S, H)
+    uint8 codes and (S, 1) fp32 scales) their E4M3 codes and row scales. Checks nothing itself."""
+    n_rows, hidden = x2.shape
+    if not n_rows:
+        return
+    # an argument the kernel never reads (WRITE_OUT / QUANTIZE off) still needs a tensor: x2's rows stand in
+    out_view = x2 if out2 is None else out2
+    codes2, scales2 = (x2, x2) if quantized is None else quantized
+    # a row is n_groups = 1 group of one torch block's chunk: the loops walk the rest of the row
+    tile = _launch.elementwise_tile(n_rows, 1, _CHUNK)
+    _rms_norm_modulate_kernel[(triton.cdiv(n_rows, tile.block_rows),)](
+        x2, weight, table, row_index, out_view, codes2, scales2,
+        n_rows, float(eps),
+        x2.stride(0), x2.stride(1),
+        weight.stride(0),
+        table.stride(0), table.stride(1),
+        row_index.stride(0),
+        out_view.stride(0), out_view.stride(1),
+        codes2.stride(0), codes2.stride(1),
+        scales2.stride(0),
+        *columns,
+        HIDDEN=hidden,
+        TORCH_WARPS=_TORCH_WARPS,
+        ROUND_DTYPE=_launch.round_dtype(x2.dtype),
+        BLOCK_ROWS=tile.block_rows,
+        WRITE_OUT=out2 is not None,
+        QUANTIZE=quantized is not None,
+        INDEX_64=_launch.needs_int64(x2, weight, table, row_index, out_view, codes2),
+        **_launch.launch_options(tile),
+    )

@@ -26,12 +26,11 @@ from ._device import (
     _TORCH_WARPS,
     _VEC,
     _round_as,
-    _row_block,
     _row_chunk,
     _tile_indices,
     _to_f32,
     _to_storage,
-    _torch_block_rstd,
+    _torch_norm_rows,
 )
 from .rope import angles_views, check_head_dim, launch_qk_norm_rope
 
@@ -65,10 +64,8 @@ def _rms_norm_cast_kernel(
     Grid: (row blocks,); each program reads its rows twice, chunk by chunk of 4 * 32 * TORCH_WARPS channels.
     """
     CHUNK: tl.constexpr = 4 * 32 * TORCH_WARPS
-    rows, row_mask = _row_block(n_rows, BLOCK_ROWS, INDEX_64)
-    x_rows = x_ptr + rows[:, None] * x_row_stride
-    rstd = _torch_block_rstd(
-        x_rows, row_mask, x_col_stride, eps, HIDDEN, TORCH_WARPS, BLOCK_ROWS, INDEX_64, EMULATE_CASTS
+    rows, row_mask, x_rows, rstd = _torch_norm_rows(
+        x_ptr, n_rows, x_row_stride, x_col_stride, eps, HIDDEN, TORCH_WARPS, BLOCK_ROWS, INDEX_64, EMULATE_CASTS
     )
     out_rows = out_ptr + rows[:, None] * out_row_stride
     for start in range(0, HIDDEN, CHUNK):

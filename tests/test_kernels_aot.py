@@ -16,10 +16,11 @@ import torch
 from kernel_harness import KERNELS_FOLDER, import_folder
 
 _PRIVATE = "_vflash_kernels_aot"
-# What the engine launches: one per distinct (kernel, specialisation) at H3's shapes.
+# What the engine launches: one per distinct (kernel, specialisation) at H3's shapes (`rms_norm_modulate_quantize`
+# launches `_rms_norm_modulate_kernel` with its quantizing passes on).
 KERNELS = {
     "_rms_norm_modulate_kernel", "_modulate_kernel", "_gated_residual_kernel", "_qk_norm_rope_kernel", "_rope_kernel",
-    "_swiglu_kernel", "_relayout_kernel", "_quantize_rows_kernel", "_swiglu_quantize_kernel", "_rms_norm_modulate_quantize_kernel",
+    "_swiglu_kernel", "_relayout_kernel", "_quantize_rows_kernel", "_swiglu_quantize_kernel",
 }
 
 
