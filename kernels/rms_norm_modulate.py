@@ -50,7 +50,7 @@ from ._device import (
 from ._fp8 import _e4m3_bits, _row_absmax, _store_row_scales
 from .modulate import modulation_columns
 
-__all__ = ["launch_rms_norm_modulate", "rms_norm_modulate"]
+__all__ = ["rms_norm_modulate"]
 
 
 @triton.jit
