@@ -1,5 +1,6 @@
 """A Vflash encode node's request widgets as the pipeline's values: the canvas and the frame count its width, height,
-length and seconds give, and the connected slots of its Autogrow reference inputs."""
+length and seconds give, the connected slots of its Autogrow reference inputs, and the whole of what an all-in-one
+node (Generate, Compare) renders."""
 
 from __future__ import annotations
 
