@@ -257,6 +257,18 @@ def _memory_line(metadata: Mapping[str, Any]) -> str:
     )
 
 
+def _log_sampled(host: Host, what: str, result: GenerationResult, notes: list[str], profile_denoise: bool) -> None:
+    """The sampler's log: what it sampled and what a fast mode did, the memory plan, how the result differs from the
+    diffusers pipeline on the release, the denoise profile when asked for."""
+    fast_mode = result.metadata.get("fast_mode")
+    host.log(f"Vflash sampled {what}" + (f", {describe_fast_mode(fast_mode)}" if isinstance(fast_mode, dict) else ""))
+    host.log(_memory_line(result.metadata))
+    for note in notes:
+        host.log(f"Vflash sampled with {note}")
+    if profile_denoise and result.denoise_profile is not None:
+        host.log("Vflash denoise profile: " + json.dumps(result.denoise_profile, default=str))
+
+
 def sample(
     registry: EngineRegistry,
     host: Host,
@@ -320,18 +332,10 @@ def sample(
             # A failed trajectory leaves the session refusing work: close it now, the next run loads a fresh one.
             registry.release("dit")
         raise
-    fast_mode = result.metadata.get("fast_mode")
-    host.log(
-        f"Vflash sampled {cond.mode} {geometry.width}x{geometry.height} {geometry.num_frames} frames, seed {seed}, "
-        f"{session.profile.id} ({session.profile.nfe} evaluations) in {time.perf_counter() - start:.2f} s"
-        + (f", {describe_fast_mode(fast_mode)}" if isinstance(fast_mode, dict) else "")
-    )
-    host.log(_memory_line(result.metadata))
     notes = [*cond.notes, *session.compiled.base_weight_notes()]
-    for note in notes:
-        host.log(f"Vflash sampled with {note}")
-    if profile_denoise and result.denoise_profile is not None:
-        host.log("Vflash denoise profile: " + json.dumps(result.denoise_profile, default=str))
+    _log_sampled(host, f"{cond.mode} {geometry.width}x{geometry.height} {geometry.num_frames} frames, seed {seed}, "
+                 f"{session.profile.id} ({session.profile.nfe} evaluations) in {time.perf_counter() - start:.2f} s",
+                 result, notes, profile_denoise)
     if force_offload:
         registry.release("dit")
     out = cl.to_comfy_latent(result.video_latents, result.audio_latents, host.nested)
