@@ -468,9 +468,8 @@ def _failure(record: dict) -> str:
 
 def vs_core_table(data: dict) -> str:
     """The same workflow, core's nodes against Vflash's, per device cap: first and warm seconds, the sampling node's
-    seconds, peaks, speedup, PSNR; what was not run and the caveats the result file states."""
+    seconds, peaks, speedup, PSNR; what the peaks count and which records came from earlier runs."""
     request = data["request"]
-    allocator_only = data.get("peak_device_allocator_only", False)
     rows = []
     for summary in data["summaries"]:
         pair = _pair(data, summary)
@@ -481,34 +480,26 @@ def vs_core_table(data: dict) -> str:
             rows.append({"row": f"{cap}{', ' + r.get('mode', '') if summary['approximate'] else ''}", "side": side,
                          "first": (r.get("first_run") or {}).get("workflow_seconds"), "warm": r.get("workflow_seconds"),
                          "sampling": _sampling_seconds(r) if ok else None,
-                         "device": _gib(r.get("peak_device_bytes")) + (" *" if allocator_only and ok else "")
-                         + (" †" if r.get("within_device_cap") is False else ""),
+                         "device": _gib(r.get("peak_device_bytes")) + (" †" if r.get("within_device_cap") is False else ""),
                          "rss": _gib(r.get("host_rss_peak_bytes")),
                          "pinned": _size(r.get("host_pinned_bytes") or 0) if ok else "",
                          "status": "ok" if ok else _failure(r) if r else "not run",
                          "speedup": summary["speedup_vflash_vs_core"] if side == "vflash" else None,
                          "psnr": summary["frames_psnr_core_vs_vflash_db"] if side == "vflash" else None})
     notes = []
-    if allocator_only:
-        notes.append("\\* PyTorch's allocator peak only: core's dynamic VRAM allocates its weights outside that "
-                     "allocator, so core's figure is not its device use (the benchmark now reads the driver's count).")
     over = sorted({f"{r['device_cap_gib']} GiB" for r in data["records"] if r.get("within_device_cap") is False})
     if over:
         notes.append(f"† above the cap ({', '.join(over)}): the driver's count of the server's device memory includes "
                      "its CUDA context and the libraries' workspaces, which neither PyTorch's allocator limit nor "
                      "core's `--reserve-vram` accounting covers.")
-    if any(min((r.get("first_run") or {}).get("host_pinned", {0: 0}).values()) > 2**30 for r in data["records"]):
-        notes.append("Host pinned: the larger of core's registered host memory and PyTorch's page-locked allocator, "
-                     "each a peak of its own; host RSS is all of the server process's resident memory.")
+    notes.append("Host pinned: the larger of core's registered host memory and PyTorch's page-locked allocator, "
+                 "each a peak of its own; host RSS is all of the server process's resident memory.")
     if any(r["side"] == "vflash" and r.get("compiled_before_first_run") is False for r in data["records"]):
         notes.append("Vflash's first run in the first Vflash server includes compiling the transformer file for the "
                      "profile (once per file and profile; later servers load the compile).")
-    notes += [summary["note"].rstrip(".") + "." for summary in data["summaries"] if summary.get("note")]
     commits = {str(r.get("commit", data["commit"]))[:10] for r in data["records"]}
     if len(commits) > 1:
         notes.append(f"Rows kept from earlier runs on the same files: the records were measured at {', '.join(sorted(commits))}.")
-    if data.get("not_run"):
-        notes.append(f"Not run: {data['not_run']}.")
     return "\n".join([
         (f"The same workflow, core vs Vflash, on this card ({data['date']}; ComfyUI {data['comfyui_version']}; "
          f"{_source(data)}): t2va {request['width']}x{request['height']}, {request['length']} frames, "
@@ -523,7 +514,8 @@ def vs_core_table(data: dict) -> str:
 
 
 def vs_core_brief(data: dict) -> str:
-    """The README's summary of the core-vs-Vflash result: warm seconds per row, no peaks, the whole table linked."""
+    """The README's summary of the core-vs-Vflash result: warm seconds and both sides' device and host RSS peaks per
+    row, the whole table linked."""
     request = data["request"]
     rows = []
     for summary in data["summaries"]:

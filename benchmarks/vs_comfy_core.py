@@ -320,13 +320,12 @@ def run_side(comfyui: Path, work: Path, side: str, s: Settings, cap: int | None,
         "compiled_before_first_run": compiled_before if side == "vflash" else None,
     }
     best = min(warm, key=lambda r: r["workflow_seconds"]) if warm else first
-    for key in ("workflow_seconds", "node_seconds", "peak_device_bytes", "host_rss_peak_bytes", "host_pinned_bytes"):
+    for key in ("workflow_seconds", "node_seconds"):  # the best warm run's
         record[key] = best.get(key)
-    for key in ("peak_device_bytes", "torch_allocator_peak_bytes"):
-        record[key] = max((r.get(key) or 0 for r in runs), default=0) if baseline is not None else None
+    for key in ("peak_device_bytes", "torch_allocator_peak_bytes", "host_rss_peak_bytes", "host_pinned_bytes"):  # over all runs
+        device = key in ("peak_device_bytes", "torch_allocator_peak_bytes")
+        record[key] = None if device and baseline is None else max((r.get(key) or 0 for r in runs), default=0)
     record["within_device_cap"] = None if cap is None or baseline is None else record["peak_device_bytes"] <= cap * GIB
-    record["host_rss_peak_bytes"] = max((r.get("host_rss_peak_bytes") or 0 for r in runs), default=0)
-    record["host_pinned_bytes"] = max((r.get("host_pinned_bytes") or 0 for r in runs), default=0)
     return record
 
 
