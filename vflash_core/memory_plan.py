@@ -44,9 +44,10 @@ runs (`MemoryPlan.check`); when even the weights do not fit, or no placement fit
 refused with the numbers.
 
 Budget: on CUDA the least over the plan's devices of the driver's free memory plus this process's cached blocks,
-within a user cap (`max_device_memory`), which the session also enforces through PyTorch's allocator (`DeviceCap`),
-even where an estimate was low. On the CPU a cap is planned against (the tests exercise streaming and refusals
-there) but host memory is not limited; without a cap nothing is planned on the CPU.
+within the allocator limit a host may have set for the process and within a user cap (`max_device_memory`), which
+the session also enforces through PyTorch's allocator (`DeviceCap`), even where an estimate was low. On the CPU a
+cap is planned against (the tests exercise streaming and refusals there) but host memory is not limited; without a
+cap nothing is planned on the CPU.
 """
 
 from __future__ import annotations
