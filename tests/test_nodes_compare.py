@@ -67,7 +67,8 @@ def test_sampler_logs_what_its_fast_mode_did(pack, monkeypatch, caplog):
     with caplog.at_level(logging.INFO):
         execute(workflow, pack.node_types(workflow))
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Vflash sampled t2va")]
-    layers = 2  # the demo's main blocks; an evaluation that reuses runs the first one only
+    # the demo's main blocks; an evaluation that reuses runs the first one only
+    layers = pack.package.registry.ENGINES.engine("dit").compiled.config.num_layers
     assert line.endswith(f", approximate fast mode step-cache: reused 1 of 4 evaluations, {3 * layers + 1} of "
                          f"{4 * layers} block evaluations"), line
 
