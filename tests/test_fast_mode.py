@@ -9,7 +9,6 @@ is not the GPU's. The `gpu` test compares bf16 on CUDA.
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -31,6 +30,7 @@ from vflash_core.engine.sparse_attention import (
     BlockSparseAttention,
     masked_attention,
     select_key_blocks,
+    video_key_budget,
 )
 from vflash_core.errors import VflashError
 
@@ -49,9 +49,8 @@ def _qkv(rows: int, heads: int = 2, head_dim: int = 16, seed: int = 0, dtype=tor
 def test_selection_keeps_prefix_local_blocks_and_respects_the_density_cap():
     rows, prefix_rows = 40 * BLOCK_ROWS + 50, 300  # ragged last block; the prefix ends inside block 2
     q, k, _ = _qkv(rows)
-    sel = select_key_blocks(q, k, prefix_rows, density=0.2, mass=1.0, local_blocks=1)
+    sel = select_key_blocks(q, k, prefix_rows, density=0.35, mass=1.0, local_blocks=1)
     assert sel.blocks == 41 and sel.dense_query_blocks == 3
-    video = 41 - 3
     mask = sel.block_mask()
     assert mask[:, :3].all(), "a query block holding a prefix row attends every key"
     assert mask[:, :, :3].all(), "every query block attends every prefix key block"
@@ -60,9 +59,21 @@ def test_selection_keeps_prefix_local_blocks_and_respects_the_density_cap():
             if 3 <= j < 41:
                 assert mask[:, i, j].all(), f"query block {i} keeps its neighbour {j}"
     kept_video = mask[:, 3:, 3:].sum(-1)
-    assert int(kept_video.max()) == math.ceil(0.2 * video), "mass 1.0: the density cap decides"
+    # the map's 0.35 * 41 * 41 = 588.35 pairs less the 3 dense query blocks' 123 leave 12.2 a video query block, 3 of
+    # them its prefix keys: 9 video key blocks each (mass 1.0: the budget decides)
+    assert (kept_video == 9).all()
     assert sel.kv_counts.tolist() == (kept_video + 3).tolist()
-    assert 0 < sel.kept_pairs / sel.total_pairs < 0.5
+    assert 0.35 - 1 / 41 < sel.kept_pairs / sel.total_pairs <= 0.35, "the density is that of the whole map"
+
+
+def test_video_key_budget_spends_the_density_on_the_whole_map():
+    assert video_key_budget(0.25, 299, 8) == 60  # 1344x768 5 s: (0.25 * 299^2 - 8 * 299) / 291 - 8 = 60.6
+    assert video_key_budget(1.0, 299, 8) == 291, "full density: every video key block"
+    assert video_key_budget(0.01, 299, 8) == 1, "below what the prefix takes: one block, the local ones still kept"
+    for density in (0.15, 0.25, 0.5):
+        blocks, prefix = 155, 8
+        kept = prefix * blocks + (blocks - prefix) * (prefix + video_key_budget(density, blocks, prefix))
+        assert density - 1 / blocks < kept / blocks**2 <= density
 
 
 def test_selection_mass_threshold_keeps_the_dominant_block():

@@ -14,8 +14,9 @@
 
 Defaults, and why:
 
-* density 0.25 of the video key blocks, mass 0.9: at 1344x768 a quarter of the keys is where block-sparse attention
-  pays 2-3x in the kernel and published training-free selections keep most of the attention mass;
+* density 0.25 of the attention map (the dense prefix rows and keys included), mass 0.9: at 1344x768 a quarter of the
+  map is where block-sparse attention pays about 3x in the kernel and published training-free selections keep most of
+  the attention mass;
 * 3 dense edge layers at each end (44 of 50 sparse) and the first evaluation dense;
 * step-cache threshold 0.1 (relative L1 of the first block's residual), warm-up 2 evaluations: a conservative setting
   of the first-block cache, which on a 16-evaluation schedule can skip at most every other evaluation after warm-up.
@@ -120,8 +121,8 @@ class FastMode:
                                  "exact (default) keeps the reference's bits")
         parser.add_argument("--sparse-density", type=_FRACTION.option("--sparse-density"),
                             default=FastMode.sparse_density, metavar="FRACTION",
-                            help="sparse-attention: the largest share of video key blocks a video query block attends "
-                                 f"(default {FastMode.sparse_density})")
+                            help="sparse-attention: the largest share of the attention map computed, the dense text, "
+                                 f"conditioning and audio rows included (default {FastMode.sparse_density})")
         parser.add_argument("--step-cache-threshold", type=_THRESHOLD.option("--step-cache-threshold"),
                             default=FastMode.step_cache_threshold, metavar="X",
                             help="step-cache: reuse the cached blocks' residual while the first block's residual "

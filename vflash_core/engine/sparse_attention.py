@@ -8,7 +8,12 @@ the generated video's key blocks, each video query block keeps, per head and per
 
 * its own block and `local_blocks` neighbours on each side (spatial and temporal neighbours in the raster order);
 * then the blocks with the highest pooled scores, softmax(mean(q_i) . mean(k_j) / sqrt(D)) over the video key blocks,
-  in descending order, until their cumulative mass reaches `mass` or `density` of the video key blocks are kept.
+  in descending order, until their cumulative mass reaches `mass` or the block budget is spent.
+
+`density` is the share of the whole attention map computed, (query block, key block) pairs over all of them, the one
+the request's report gives back as the density reached: the dense prefix rows and every video query block's prefix
+keys count against it, and the video query blocks share what is left evenly (the budget, rounded down). Only the local
+blocks can take a query block past it, where the budget is smaller than they are.
 
 The selection is training-free and costs a few pooled matrix products per call (no full score matrix). On CUDA the
 kept blocks run through `vflash_kernels.block_sparse_attention`; on the CPU through the masked dense reference
@@ -25,7 +30,9 @@ import torch.nn.functional as F
 
 from .model import AttentionFn
 
-__all__ = ["BLOCK_ROWS", "BlockSelection", "BlockSparseAttention", "masked_attention", "select_key_blocks"]
+__all__ = [
+    "BLOCK_ROWS", "BlockSelection", "BlockSparseAttention", "masked_attention", "select_key_blocks", "video_key_budget",
+]
 
 #: Rows per query and key block (the kernel's tile height; `vflash_kernels.block_sparse_attention.BLOCK_ROWS`).
 BLOCK_ROWS = 128
@@ -88,6 +95,15 @@ def _pooled(x: torch.Tensor, first_row: int) -> torch.Tensor:
     return means.transpose(0, 1)
 
 
+def video_key_budget(density: float, blocks: int, prefix: int) -> int:
+    """How many video key blocks each video query block may keep so that the whole map of `blocks` x `blocks` pairs,
+    whose `prefix` leading query blocks are dense and whose video query blocks all attend the prefix keys, computes
+    at most `density` of its pairs (at least 1, at most all of them)."""
+    video = blocks - prefix
+    share = (density * blocks * blocks - prefix * blocks) / video - prefix
+    return min(video, max(1, math.floor(share + 1e-9)))  # the epsilon: a density that is exactly reachable reaches it
+
+
 def select_key_blocks(
     q: torch.Tensor, k: torch.Tensor, sparse_from_row: int, density: float, mass: float, local_blocks: int
 ) -> BlockSelection:
@@ -106,7 +122,7 @@ def select_key_blocks(
     del scores
     position = torch.arange(video, device=device)
     forced = (position[:, None] - position[None, :]).abs() <= local_blocks  # (video, video)
-    budget = max(1, math.ceil(density * video))
+    budget = video_key_budget(density, blocks, prefix)
     # The forced blocks sort first (above any probability), then by pooled score; only the first `listed` can be kept.
     listed = min(video, max(budget, 2 * local_blocks + 1))
     ranked_key, ranked = probabilities.masked_fill(forced, 2.0).topk(listed, dim=-1)
