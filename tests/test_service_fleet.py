@@ -229,9 +229,20 @@ async def test_cancel_reaches_the_running_fleet_worker(aiohttp_client, fleet):
     client = await aiohttp_client(fleet.front_end())
     await ready_workers(client, 1)  # the one the test before left
     job_id = await submit(client, seed=6, **SLOW)
-    await wait_job(client, job_id, until=lambda job: job["evaluations"]["done"] >= 1)
-    response = await client.delete(f"/v1/jobs/{job_id}")
-    assert response.status == 202 and (await response.json())["cancel_requested"]
+    running = await wait_job(client, job_id, until=lambda job: job["evaluations"]["done"] >= 1)
+    # The fleet worker forwards a cancel on its heartbeat, and a fast machine can finish the demo request first: the
+    # engine process waits, frozen, until the fleet worker says it forwarded the cancel, so it lands mid-request.
+    os.kill(running["worker_pid"], signal.SIGSTOP)
+    try:
+        response = await client.delete(f"/v1/jobs/{job_id}")
+        assert response.status == 202 and (await response.json())["cancel_requested"]
+
+        async def forwarded() -> bool:
+            return f"job {job_id}: a client cancelled it" in fleet.log_text()
+
+        await wait_for(forwarded, timeout=30)
+    finally:
+        os.kill(running["worker_pid"], signal.SIGCONT)
     ended = await wait_job(client, job_id, timeout=30)
     assert ended["status"] == "cancelled" and ended["evaluations"]["done"] < ended["evaluations"]["total"]
     assert f"{job_id}.mp4" not in published(fleet.output_dir)
