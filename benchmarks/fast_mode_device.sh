@@ -14,6 +14,8 @@ R=${R:-/root/run}
 START=$(date +%s)
 mkdir -p "$R/site" "$R/results"
 [ -e "$R/site/diffusers" ] || tar -xJf .whl/site.tar.xz -C "$R/site"
+# From a copy: each later device call syncs the tree it was started from, under a running job.
+rm -rf "$R/fast-repo" && cp -r . "$R/fast-repo" && cd "$R/fast-repo" || exit 1
 ln -sfn "$PWD/vflash_core" "$R/site/vflash_core"
 ln -sfn "$PWD/kernels" "$R/site/vflash_kernels"
 ln -sfn "$PWD/nodes" "$R/site/vflash_nodes"
