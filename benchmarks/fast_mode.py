@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import sys
 import time
 from dataclasses import replace
@@ -293,7 +294,7 @@ def e2e_phase(records: list[dict], assets: Path, output_dir: Path, width: int = 
                "--prompt", PROMPT, "--seed", str(REQUEST_SEED), "--width", str(width), "--height", str(height),
                "--duration", str(seconds), "--gpu", "0", "--fast-mode", SPARSE.name, "--output-dir", str(output_dir),
                "--overwrite"]
-    print("$", " ".join(command[1:]), flush=True)
+    print("$ vflash", shlex.join(command[3:]), flush=True)
     subprocess.run(command, check=True)
     report = json.loads((output_dir / "comparison.json").read_text())
     exact, fast = report["exact"], report["fast"]
@@ -314,7 +315,7 @@ def e2e_phase(records: list[dict], assets: Path, output_dir: Path, width: int = 
         "e2e_covers": E2E_COVERS,
         "warm_up": "none: `vflash compare` renders the fast side first, so it carries the sparse kernel's first-use "
                    "compile (the exact side's attention, FA3, compiles nothing)",
-        "command": "vflash " + " ".join(command[4:]),
+        "command": "vflash " + shlex.join(command[3:]),
     }
     print(json.dumps(record), flush=True)
     records.append(record)
