@@ -2,10 +2,12 @@
 # The full-size set on one nvidia-h200 machine, started detached by the first device call (benchmarks/RUNNING.md):
 # `pytest -m gpu` beside the staging, then the benchmarks of SET in order, all within MINUTES of this start.
 #
-#   [SET="end_to_end memory_caps"] [CAPS_ARGS="..."] [HOST_ARGS="..."] bash benchmarks/full_size_h200.sh COMMIT [MINUTES] [extra end_to_end.py arguments...]
+#   [SET="end_to_end memory_caps"] [CAPS_ARGS="..."] [HOST_ARGS="..."] [FAST_ARGS="..."] bash benchmarks/full_size_h200.sh COMMIT [MINUTES] [extra end_to_end.py arguments...]
 #
-# SET names any of end_to_end, memory_caps, host_memory, service_throughput, fast_mode_e2e (default: the first two; the
-# last two use the receipt end_to_end.py staged, so they follow end_to_end, whose phases `--skip` can leave out). Run from the repository root of the
+# SET names any of fast_mode, end_to_end, memory_caps, host_memory, service_throughput, fast_mode_e2e (default:
+# end_to_end memory_caps; the last two use the receipt end_to_end.py staged, so they follow end_to_end, whose phases
+# `--skip` can leave out). fast_mode (fast_mode.py with FAST_ARGS, default its kernel, step-cache and evaluation phases)
+# times with the GPU to itself, so it goes first and the tests start after it. Run from the repository root of the
 # device copy with `.whl/site.tar.xz` carried. Results and logs go to $R/results (default /root/run/results), ending
 # with the line "done at ..." in $R/results/done.log; the work folders are /root/e2e (disk) and /dev/shm/vflash
 # (tmpfs), kept so a second run resumes the staging.
@@ -30,11 +32,18 @@ export PYTHONPATH=$R/site:$R/repo VFLASH_RESULTS=$R/results VFLASH_COMMIT=$COMMI
 left() { echo $(( (END - $(date +%s)) / 60 )); }
 WORK="--work /root/e2e --shm /dev/shm/vflash"
 
-( python3 -m pytest -q -m gpu tests/ -p no:cacheprovider > "$R/results/gpu_tests.log" 2>&1; echo "exit status $?" >> "$R/results/gpu_tests.log" ) &
-tests=$!
+tests=
+start_tests() {  # `pytest -m gpu` in the background, once
+    [ -n "$tests" ] && return
+    ( python3 -m pytest -q -m gpu tests/ -p no:cacheprovider > "$R/results/gpu_tests.log" 2>&1; echo "exit status $?" >> "$R/results/gpu_tests.log" ) &
+    tests=$!
+}
 case " $SET " in *" memory_caps "*) reserve=10 ;; *) reserve=0 ;; esac
 for bench in $SET; do
+    [ "$bench" = fast_mode ] || start_tests
     case $bench in
+        fast_mode) python3 benchmarks/fast_mode.py ${FAST_ARGS:---phases kernel step_cache evaluation} > "$R/results/fast_mode.log" 2>&1
+            rm -rf /tmp/vflash-bench ;;  # its 4-block model: a staging after it needs the disk
         # end_to_end.py leaves memory_caps.py ~10 minutes when both run
         end_to_end) python3 benchmarks/end_to_end.py $WORK --deadline-minutes $(( $(left) - reserve )) "$@" > "$R/results/end_to_end.log" 2>&1 ;;
         memory_caps) wait $tests; python3 benchmarks/memory_caps.py $WORK --deadline-minutes "$(left)" ${CAPS_ARGS:-} > "$R/results/memory_caps.log" 2>&1 ;;
@@ -47,5 +56,6 @@ for bench in $SET; do
         *) echo "unknown benchmark $bench" >> "$R/results/done.log" ;;
     esac
 done
+start_tests
 wait $tests
 echo "done at $(date)" >> "$R/results/done.log"
