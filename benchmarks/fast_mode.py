@@ -288,8 +288,6 @@ def e2e_phase(records: list[dict], assets: Path, output_dir: Path, width: int = 
 
     from end_to_end import PROMPT, REQUEST_SEED  # the request the full-size benchmarks time
 
-    from vflash_core.pipeline.assets import PreparedAssets
-
     command = [sys.executable, "-m", "vflash_core.cli.main", "compare", "--prepared-assets", str(assets),
                "--prompt", PROMPT, "--seed", str(REQUEST_SEED), "--width", str(width), "--height", str(height),
                "--duration", str(seconds), "--gpu", "0", "--fast-mode", SPARSE.name, "--output-dir", str(output_dir),
@@ -301,7 +299,7 @@ def e2e_phase(records: list[dict], assets: Path, output_dir: Path, width: int = 
     video, sparse = report["metrics"]["video"], fast["metadata"]["fast_mode"]["sparse_attention"]
     record = {
         "phase": "e2e", "canvas": f"{width}x{height}", "seconds": seconds, "mode": "sparse-attention",
-        "profile": PreparedAssets.load(assets).profile.id,
+        "profile": report["request"]["profile"],
         "density_cap": SPARSE.sparse_density, "density": sparse["density_reached"] and round(sparse["density_reached"], 4),
         "sparse_calls": sparse["sparse_calls"], "dense_calls": sparse["dense_calls"],
         "e2e_seconds": {"exact": round(exact["seconds"], 2), "sparse-attention": round(fast["seconds"], 2)},
