@@ -340,6 +340,21 @@ def kept_records(path: Path, phases: list[str], seconds: list[int]) -> list[dict
             for r in earlier["records"] if not measured_again(r)]
 
 
+def summarize(records: list[dict]) -> dict[str, dict[str, object]]:
+    """The result keys, each {what was measured: value}, from the records."""
+    summary: dict[str, dict[str, object]] = {}
+    for phase, key, label in (
+        ("kernel", "kernel_speedup_vs_fa3_dense", lambda r: f"N {r['rows']}, density {r['density_cap']}"),
+        ("evaluation", "evaluation_speedup_vs_exact", lambda r: f"1344x768 {r['seconds']} s"),
+        ("step_cache", "block_evaluation_reduction", lambda r: f"1344x768 {r['seconds']} s, 16 evaluations"),
+        ("step_cache", "latent_rel_l2_vs_exact", lambda r: f"1344x768 {r['seconds']} s, 16 evaluations"),
+        ("e2e", "e2e_seconds", lambda r: f"{r['profile']} {r['canvas']} {r['seconds']} s"),
+        ("e2e", "frames_psnr_vs_exact_db", lambda r: f"{r['profile']} {r['canvas']} {r['seconds']} s"),
+    ):
+        summary[key] = {label(r): r[key] for r in records if r["phase"] == phase}
+    return summary
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--phases", nargs="+", default=["kernel", "evaluation", "step_cache"],
@@ -367,17 +382,8 @@ def main() -> None:
         step_cache_phase(records, args.cache, args.step_cache_layers)
     if "e2e" in args.phases:
         e2e_phase(records, args.prepared_assets, args.output_dir)
-    summary: dict[str, object] = {}
-    for phase, key, label in (
-        ("kernel", "kernel_speedup_vs_fa3_dense", lambda r: f"N {r['rows']}, density {r['density_cap']}"),
-        ("evaluation", "evaluation_speedup_vs_exact", lambda r: f"1344x768 {r['seconds']} s"),
-        ("step_cache", "block_evaluation_reduction", lambda r: f"1344x768 {r['seconds']} s, 16 evaluations"),
-        ("e2e", "e2e_seconds", lambda r: f"{r['profile']} {r['canvas']} {r['seconds']} s"),
-        ("e2e", "frames_psnr_vs_exact_db", lambda r: f"{r['profile']} {r['canvas']} {r['seconds']} s"),
-    ):
-        summary[key] = {label(r): r[key] for r in records if r["phase"] == phase}
     write_result(name, {**environment(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                        "results": summary, "records": records})
+                        "results": summarize(records), "records": records})
 
 
 if __name__ == "__main__":
