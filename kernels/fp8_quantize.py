@@ -43,19 +43,6 @@ def _outputs(x: torch.Tensor, shape: tuple[int, ...], keep_value: bool, value_dt
     return codes, scales, value
 
 
-@triton.jit
-def _keep_value_and_absmax(
-    y, amax, value_ptr, rows, cols, mask, value_row_stride, value_col_stride, WRITE_VALUE: tl.constexpr,
-    EMULATE_CASTS: tl.constexpr
-):
-    """A fused quantizer's first pass over one chunk of its activation `y`: stored to value with WRITE_VALUE, and
-    folded into the rows' running absmax (returned)."""
-    if WRITE_VALUE:
-        out = value_ptr + rows[:, None] * value_row_stride + cols[None, :] * value_col_stride
-        tl.store(out, _to_storage(y, value_ptr.dtype.element_ty, EMULATE_CASTS), mask=mask)
-    return _row_absmax(y, amax)
-
-
 # -- quantize_rows --------------------------------------------------------------------------------------------------
 
 
@@ -170,9 +157,10 @@ def _swiglu_quantize_kernel(
     for start in range(0, n_cols, BLOCK_COLS):
         cols, _, mask = _row_chunk(start, n_cols, row_mask, BLOCK_COLS, INDEX_64)
         y = _swiglu_values(p_rows, cols, mask, n_cols, p_col_stride, ROUND_DTYPE, EMULATE_CASTS, USE_LIBDEVICE)
-        amax = _keep_value_and_absmax(
-            y, amax, value_ptr, rows, cols, mask, value_row_stride, value_col_stride, WRITE_VALUE, EMULATE_CASTS
-        )
+        if WRITE_VALUE:
+            out = value_ptr + rows[:, None] * value_row_stride + cols[None, :] * value_col_stride
+            tl.store(out, _to_storage(y, value_ptr.dtype.element_ty, EMULATE_CASTS), mask=mask)
+        amax = _row_absmax(y, amax)
     scale = _store_row_scales(amax, scales_ptr, rows, row_mask, scales_stride)
     codes_rows = codes_ptr + rows[:, None] * codes_row_stride
     for start in range(0, n_cols, BLOCK_COLS):
