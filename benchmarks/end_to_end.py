@@ -69,6 +69,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import ROOT, environment, gpu_tag, write_result
 from full_family import SEED, STAGED_FAMILY, StagedFamily, folder_bytes, host_memory_bytes, host_memory_in_use
 
+from vflash_core import get_profile
 from vflash_core.engine.artifact import CompiledPaths
 from vflash_core.engine.config import H3Config
 from vflash_core.engine.engine_options import EngineOptions
@@ -273,11 +274,14 @@ class Setup:
         spec = replace(DEMO_FAMILY, text_vocab_size=None, text_layers_written=50) if self.small else STAGED_FAMILY
         self.staged = StagedFamily(args.work, args.shm, spec, self.device)
         self.spec = spec
-        self.profile = SMALL_PROFILE if self.small else PROFILE
+        self.profile = args.profile or (SMALL_PROFILE if self.small else PROFILE)
+        self.adapter = self.staged.lora if get_profile(self.profile).adapter else None
         self.canvases = SMALL_CANVASES if self.small else CANVASES
         self.config = H3Config.preset(spec.transformer)
-        self.compiled = self.staged.compiled
-        self.receipt = Path(args.work) / "pipeline.json"
+        # another profile's compile and receipt sit beside the Turbo4 ones under their own names
+        self.suffix = "" if self.profile in (PROFILE, SMALL_PROFILE) else f"-{self.profile}"
+        self.compiled = self.staged.compiled.with_name(self.staged.compiled.name + self.suffix)
+        self.receipt = Path(args.work) / f"pipeline{self.suffix}.json"
         self.out_dir = Path(args.work) / "out"
         self.out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -329,10 +333,12 @@ def stage(run: Run, setup: Setup, measure_storage: bool = True) -> None:
             from vflash_core.pipeline.assets import prepare_pipeline
 
             paths = setup.session_paths()
-            assets = {"model_root": str(staged.model_root), "decoder_root": str(staged.decoder_root), "adapter_path": str(staged.lora),
+            assets = {"model_root": str(staged.model_root), "decoder_root": str(staged.decoder_root),
+                      "adapter_path": str(setup.adapter) if setup.adapter else None,
                       "artifact": str(paths["artifact"]), "schedule_overlay": str(paths["schedule_overlay"]), "auxiliary_tensor": str(paths["auxiliary"])}
-            (staged.work / "assets.json").write_text(json.dumps(assets))
-            prepare_pipeline(setup.profile, staged.work / "assets.json", setup.receipt)
+            assets_file = staged.work / f"assets{setup.suffix}.json"
+            assets_file.write_text(json.dumps(assets))
+            prepare_pipeline(setup.profile, assets_file, setup.receipt)
 
 
 def first_use(run: Run, setup: Setup, rec: dict) -> None:
@@ -340,13 +346,13 @@ def first_use(run: Run, setup: Setup, rec: dict) -> None:
 
     staged = setup.staged
     rec["page_cache_dropped"] = drop_page_cache()
-    weights_receipt = staged.work / "weights-receipt.json"
+    weights_receipt = staged.work / f"weights-receipt{setup.suffix}.json"
     io0, t0 = io_counters(), time.perf_counter()
-    prepare(setup.profile, staged.source, weights_receipt, adapter=staged.lora)
+    prepare(setup.profile, staged.source, weights_receipt, adapter=setup.adapter)
     io1, t1 = io_counters(), time.perf_counter()
     compile_receipt(weights_receipt, setup.compiled, setup.device)
     io2, t2 = io_counters(), time.perf_counter()
-    source = folder_bytes(staged.source) + staged.lora.stat().st_size
+    source = folder_bytes(staged.source) + (setup.adapter.stat().st_size if setup.adapter else 0)
     artifact = folder_bytes(setup.compiled)
     rec.update({
         "prepare_seconds": round(t1 - t0, 3), "compile_seconds": round(t2 - t1, 3), "first_use_seconds": round(t2 - t0, 3),
@@ -677,7 +683,6 @@ def bitwise(run: Run, setup: Setup, encoded, rec: dict) -> None:
     from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio, MiniMaxH3Scheduler
     from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import MiniMaxH3CoreDenoiseStep
 
-    from vflash_core import get_profile
     from vflash_core.engine.session import NativeEngineSession
 
     profile = get_profile(setup.profile)
@@ -779,6 +784,8 @@ def main() -> None:
     parser.add_argument("--shm", type=Path, required=True, help="folder on a tmpfs (transformer source, text encoder)")
     parser.add_argument("--deadline-minutes", type=float, default=20.0)
     parser.add_argument("--small", action="store_true", help="dry run: demo-sized family on the CPU")
+    parser.add_argument("--profile", help=f"the profile staged (default {PROFILE}, {SMALL_PROFILE} with --small); another "
+                        "one (e.g. i2va-base16-bf16-sm90, for fast_mode.py's e2e phase) is staged beside it and nothing else runs")
     parser.add_argument("--fresh", action="store_true", help="empty --work and --shm first (else staged parts are reused)")
     parser.add_argument("--warm-requests", type=int, default=WARM_REQUESTS, help="requests after the first, per canvas and pipeline")
     parser.add_argument("--skip", nargs="*", default=[], help="phases to leave out, e.g. weight_io vflash_block_ring")
@@ -807,6 +814,10 @@ def main() -> None:
         "cpu_count": os.cpu_count(), "host_memory_bytes": host_memory_bytes(),
     }
     stage(run, setup)
+    if setup.profile not in (PROFILE, SMALL_PROFILE):
+        run.log(f"staged {setup.profile}: {setup.receipt} (its requests are timed elsewhere, e.g. fast_mode.py --phases e2e)")
+        run.save()
+        return
     canvases, out_dir, receipt = setup.canvases, setup.out_dir, setup.receipt
     resident = dict(device=setup.device, encoder_residency="resident", weight_residency="resident" if setup.cuda else "auto")
 
@@ -858,7 +869,6 @@ def main() -> None:
     else:
         with run.phase("diffusers", 420) as rec:
             if rec is not None:
-                from vflash_core import get_profile
                 from vflash_core.engine.layout import largest_request_rows
 
                 profile = get_profile(setup.profile)

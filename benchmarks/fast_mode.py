@@ -1,7 +1,8 @@
 """The fast modes against exact, on one GPU, in one process, on the same full-width random inputs.
 
     python benchmarks/fast_mode.py [--phases kernel evaluation step_cache e2e] [--cache /tmp/vflash-bench]
-                                   [--prepared-assets RECEIPT --output-dir DIR]
+                                   [--prepared-assets RECEIPT --output-dir DIR [--e2e-seconds S]
+                                    [--e2e-fast-mode MODE] [--first-frame IMAGE]]
 
 Phases (each writes its records into benchmarks/results/fast_mode_<gpu>.json; a phase not run keeps the committed
 file's records):
@@ -23,10 +24,13 @@ file's records):
   latents' relative L2 distance. On random weights the first block's residual decides what is cached: the record says
   how much it moved per evaluation.
 * `e2e` (with `--prepared-assets`, a full-size receipt such as `end_to_end.py` stages): prompt to decoded frames by
-  running `vflash compare` itself, Turbo4 1344x768 5 s, exact against `sparse-attention` on one pipeline (the fast side
-  first, carrying any first-use compile): each side's request and denoise seconds, and the decoded frames' PSNR / SSIM
-  and the soundtrack's log-spectral distance against exact, from its `comparison.json`. Its MP4s (exact, fast, side by
-  side) and `comparison.json` go to `--output-dir`.
+  running `vflash compare` itself at 1344x768, exact against a fast mode on one pipeline (the fast side first, carrying
+  any first-use compile): the receipt's profile, `--e2e-seconds` long, with `--e2e-fast-mode` (default
+  `sparse-attention`) and, for a keyframe profile, `--first-frame`. Measured: Turbo4 5 s with `sparse-attention`, and
+  a Base16 keyframe profile (`end_to_end.py --profile i2va-base16-bf16-sm90` stages it) 10 s with
+  `sparse-attention+step-cache`. Each side's request and denoise seconds, the block evaluations run, and the decoded
+  frames' PSNR / SSIM and the soundtrack's log-spectral distance against exact, from its `comparison.json`. Its MP4s
+  (exact, fast, side by side) and `comparison.json` go to `--output-dir`.
 
 Random weights prove speed and mechanism, never quality: `latent_rel_l2_vs_exact` is a mechanism check.
 """
@@ -280,49 +284,59 @@ def step_cache_phase(records: list[dict], cache: Path, layers: int) -> None:
 E2E_COVERS = "validate, encode, denoise and decode to frames in memory; the MP4 encode (the same on both sides) is outside"
 
 
-def e2e_phase(records: list[dict], assets: Path, output_dir: Path, width: int = 1344, height: int = 768,
-              seconds: int = 5) -> None:
-    """Prompt to decoded frames at full size, exact against `sparse-attention`, through `vflash compare` itself (the
-    command users run, in its own process: one pipeline, the fast side first, carrying any first-use compile)."""
+def e2e_phase(records: list[dict], assets: Path, output_dir: Path, mode: FastMode, seconds: int,
+              first_frame: Path | None, width: int = 1344, height: int = 768) -> None:
+    """Prompt (and a first frame, for a keyframe profile) to decoded frames at full size, exact against `mode`, through
+    `vflash compare` itself (the command users run, in its own process: one pipeline, the fast side first, carrying any
+    first-use compile). The profile is the receipt's."""
     import subprocess
 
     from end_to_end import PROMPT, REQUEST_SEED  # the request the full-size benchmarks time
 
     command = [sys.executable, "-m", "vflash_core.cli.main", "compare", "--prepared-assets", str(assets),
                "--prompt", PROMPT, "--seed", str(REQUEST_SEED), "--width", str(width), "--height", str(height),
-               "--duration", str(seconds), "--gpu", "0", "--fast-mode", SPARSE.name, "--output-dir", str(output_dir),
-               "--overwrite"]
+               "--duration", str(seconds), "--gpu", "0", "--fast-mode", mode.name, "--output-dir", str(output_dir),
+               "--overwrite"] + (["--first-frame", str(first_frame)] if first_frame else [])
     print("$ vflash", shlex.join(command[3:]), flush=True)
     subprocess.run(command, check=True)
     report = json.loads((output_dir / "comparison.json").read_text())
     exact, fast = report["exact"], report["fast"]
-    video, sparse = report["metrics"]["video"], fast["metadata"]["fast_mode"]["sparse_attention"]
+    video, done = report["metrics"]["video"], fast["metadata"]["fast_mode"]
     record = {
-        "phase": "e2e", "canvas": f"{width}x{height}", "seconds": seconds, "mode": "sparse-attention",
-        "profile": report["request"]["profile"],
-        "density_cap": SPARSE.sparse_density, "density": sparse["density_reached"] and round(sparse["density_reached"], 4),
-        "sparse_calls": sparse["sparse_calls"], "dense_calls": sparse["dense_calls"],
-        "e2e_seconds": {"exact": round(exact["seconds"], 2), "sparse-attention": round(fast["seconds"], 2)},
+        "phase": "e2e", "canvas": f"{width}x{height}", "seconds": seconds, "mode": mode.name,
+        "profile": report["request"]["profile"], "keyframe": first_frame.name if first_frame else None,
+        "block_evaluations": done["block_evaluations"], "block_evaluations_exact": done["block_evaluations_exact"],
+    }
+    if mode.sparse_attention:
+        sparse = done["sparse_attention"]
+        record.update({"density_cap": mode.sparse_density,
+                       "density": sparse["density_reached"] and round(sparse["density_reached"], 4),
+                       "sparse_calls": sparse["sparse_calls"], "dense_calls": sparse["dense_calls"]})
+    if mode.step_cache:
+        record.update({"step_cache_threshold": mode.step_cache_threshold,
+                       "evaluations_cached": done["step_cache"]["evaluations_cached"]})
+    record.update({
+        "e2e_seconds": {"exact": round(exact["seconds"], 2), mode.name: round(fast["seconds"], 2)},
         "e2e_speedup_vs_exact": round(exact["seconds"] / fast["seconds"], 3),
-        "denoise_seconds": {"exact": round(exact["denoise_seconds"], 2),
-                            "sparse-attention": round(fast["denoise_seconds"], 2)},
+        "denoise_seconds": {"exact": round(exact["denoise_seconds"], 2), mode.name: round(fast["denoise_seconds"], 2)},
         "denoise_speedup_vs_exact": report["denoise_speedup"],
         "frames_psnr_vs_exact_db": video["psnr_db"]["clip"], "frames_psnr_min_db": video["psnr_db"]["min"],
         "frames_ssim_vs_exact": video["ssim"]["mean"],
         "audio_log_spectral_distance_db": report["metrics"]["audio"]["log_spectral_distance_db"],
         "e2e_covers": E2E_COVERS,
-        "warm_up": "none: `vflash compare` renders the fast side first, so it carries the sparse kernel's first-use "
-                   "compile (the exact side's attention, FA3, compiles nothing)",
+        "warm_up": "none: `vflash compare` renders the fast side first, so it carries any first-use compile (the "
+                   "sparse kernel's; the exact side's attention, FA3, compiles nothing)",
         "command": "vflash " + shlex.join(command[3:]),
-    }
+    })
     print(json.dumps(record), flush=True)
     records.append(record)
 
 
-def kept_records(path: Path, phases: list[str], seconds: list[int]) -> list[dict]:
+def kept_records(path: Path, phases: list[str], seconds: list[int], e2e_seconds: int) -> list[dict]:
     """The earlier file's records this run does not measure again, each marked with the commit it was measured at.
 
-    An evaluation run replaces only its own clip lengths, so 5 s and 15 s measured earlier survive a run at 10 s.
+    An evaluation run replaces only its own clip lengths, so 5 s and 15 s measured earlier survive a run at 10 s; an
+    e2e run only its own clip length's record (Turbo4 5 s, Base16 keyframe 10 s).
     With `VFLASH_RESULTS` set (a device run writing outside the tree) the earlier file is the committed one.
     """
     if not path.exists():
@@ -334,6 +348,8 @@ def kept_records(path: Path, phases: list[str], seconds: list[int]) -> list[dict
     def measured_again(record: dict) -> bool:
         if record["phase"] == "evaluation":
             return "evaluation" in phases and record["seconds"] in seconds
+        if record["phase"] == "e2e":
+            return "e2e" in phases and record["seconds"] == e2e_seconds
         return record["phase"] in phases
 
     return [{**r, "measured_at_commit": r.get("measured_at_commit", earlier["commit"])}
@@ -368,12 +384,16 @@ def main() -> None:
     parser.add_argument("--prepared-assets", type=Path, help="a full-size receipt (the e2e phase)")
     parser.add_argument("--output-dir", type=Path, default=Path("/tmp/vflash-compare"),
                         help="where the e2e phase writes its MP4s and comparison.json")
+    parser.add_argument("--e2e-seconds", type=int, default=5, help="the e2e phase's clip length")
+    parser.add_argument("--e2e-fast-mode", type=FastMode.parse, default=SPARSE,
+                        help="the fast mode the e2e phase compares with exact (default sparse-attention)")
+    parser.add_argument("--first-frame", type=Path, help="the e2e phase's first frame, for a keyframe profile's receipt")
     args = parser.parse_args()
     if "e2e" in args.phases and args.prepared_assets is None:
         parser.error("the e2e phase needs --prepared-assets")
     name = f"fast_mode_{gpu_tag()}"
     path = RESULTS / f"{name}.json"
-    records = kept_records(path, args.phases, args.seconds)
+    records = kept_records(path, args.phases, args.seconds, args.e2e_seconds)
     if "kernel" in args.phases:
         kernel_phase(records, args.sweep)
     if "evaluation" in args.phases:
@@ -381,7 +401,8 @@ def main() -> None:
     if "step_cache" in args.phases:
         step_cache_phase(records, args.cache, args.step_cache_layers)
     if "e2e" in args.phases:
-        e2e_phase(records, args.prepared_assets, args.output_dir)
+        e2e_phase(records, args.prepared_assets, args.output_dir, args.e2e_fast_mode, args.e2e_seconds,
+                  args.first_frame)
     write_result(name, {**environment(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                         "results": summarize(records), "records": records})
 

@@ -2,12 +2,14 @@
 # The full-size set on one nvidia-h200 machine, started detached by the first device call (benchmarks/RUNNING.md):
 # `pytest -m gpu` beside the staging, then the benchmarks of SET in order, all within MINUTES of this start.
 #
-#   [SET="end_to_end memory_caps"] [CAPS_ARGS="..."] [HOST_ARGS="..."] [FAST_ARGS="..."] bash benchmarks/full_size_h200.sh COMMIT [MINUTES] [extra end_to_end.py arguments...]
+#   [SET="end_to_end memory_caps"] [CAPS_ARGS="..."] [HOST_ARGS="..."] [FAST_ARGS="..."] [E2E_ARGS="..."] bash benchmarks/full_size_h200.sh COMMIT [MINUTES] [extra end_to_end.py arguments...]
 #
 # SET names any of fast_mode, end_to_end, memory_caps, host_memory, service_throughput, fast_mode_e2e (default:
 # end_to_end memory_caps; the last two use the receipt end_to_end.py staged, so they follow end_to_end, whose phases
 # `--skip` can leave out). fast_mode (fast_mode.py with FAST_ARGS, default its kernel, step-cache and evaluation phases)
-# times with the GPU to itself, so it goes first and the tests start after it. Run from the repository root of the
+# times with the GPU to itself, so it goes first and the tests start after it. fast_mode_e2e runs fast_mode.py's e2e
+# phase with E2E_ARGS (default: the Turbo4 receipt at 5 s and sparse-attention; a keyframe profile staged by
+# end_to_end.py --profile has its own receipt, /root/e2e/pipeline-PROFILE.json). Run from the repository root of the
 # device copy with `.whl/site.tar.xz` carried. Results and logs go to $R/results (default /root/run/results), ending
 # with the line "done at ..." in $R/results/done.log; the work folders are /root/e2e (disk) and /dev/shm/vflash
 # (tmpfs), kept so a second run resumes the staging.
@@ -49,7 +51,7 @@ for bench in $SET; do
         memory_caps) wait $tests; python3 benchmarks/memory_caps.py $WORK --deadline-minutes "$(left)" ${CAPS_ARGS:-} > "$R/results/memory_caps.log" 2>&1 ;;
         service_throughput) wait $tests; python3 benchmarks/service_throughput.py --prepared-assets /root/e2e/pipeline.json --gpu 0 \
             --requests 8 --width 1344 --height 768 > "$R/results/service_throughput.log" 2>&1 ;;
-        fast_mode_e2e) wait $tests; python3 benchmarks/fast_mode.py --phases e2e --prepared-assets /root/e2e/pipeline.json \
+        fast_mode_e2e) wait $tests; python3 benchmarks/fast_mode.py --phases e2e ${E2E_ARGS:---prepared-assets /root/e2e/pipeline.json} \
             --output-dir /root/compare > "$R/results/fast_mode_e2e.log" 2>&1
             cp /root/compare/comparison.json "$R/results/fast_mode_comparison.json" ;;
         host_memory) python3 benchmarks/host_memory.py $WORK --deadline-minutes "$(left)" ${HOST_ARGS:-} > "$R/results/host_memory.log" 2>&1 ;;
