@@ -409,7 +409,30 @@ def fast_mode_figures(data: dict) -> str:
                                ("denoise_seconds_fast", "fast denoise s"),
                                ("frames_psnr_vs_exact_db", "frames PSNR dB"), ("frames_ssim_vs_exact", "SSIM"),
                                ("audio_log_spectral_distance_db", "audio LSD dB"), ("measured_at", "commit")])]
+    targets = [_fast_mode_target(records, *target) for target in FAST_MODE_TARGETS]
+    parts += ["", "Against the speed targets (what bounds an evaluation's speed-up under this mode: [docs/engine.md](../docs/engine.md#fast-modes-approximate-default-off)):", "",
+              *[line for line in targets if line]]
     return "\n".join(parts + [""])
+
+
+#: (what, record phase, the record's fields that pick it, result key, target): the speed targets set for the fast modes.
+FAST_MODE_TARGETS = (
+    ("the kernel at N 38,222, density 0.25", "kernel", {"rows": 38222, "density_cap": 0.25}, "kernel_speedup_vs_fa3_dense", 3.0),
+    ("the kernel at N 38,222, density 0.15", "kernel", {"rows": 38222, "density_cap": 0.15}, "kernel_speedup_vs_fa3_dense", 4.5),
+    ("one evaluation at 1344x768 5 s", "evaluation", {"seconds": 5}, "evaluation_speedup_vs_exact", 1.5),
+    ("one evaluation at 1344x768 15 s", "evaluation", {"seconds": 15}, "evaluation_speedup_vs_exact", 2.2),
+    ("block evaluations of a 16-evaluation Base16 request", "step_cache", {}, "block_evaluation_reduction", 1.4),
+)
+
+
+def _fast_mode_target(records: list[dict], what: str, phase: str, fields: dict, key: str, target: float) -> str | None:
+    """One line: the measured value of `key` against its target, met or missed by how much (None: not measured)."""
+    record = next((r for r in records if r["phase"] == phase and all(r.get(k) == v for k, v in fields.items())), None)
+    if record is None:
+        return None
+    value = record[key]
+    verdict = "met" if value >= target else f"missed by {100 * (1 - value / target):.1f} %"
+    return f"- {what}: {value}x against {target}x, {verdict} ({record['measured_at']})"
 
 
 def service_throughput_section(data: dict) -> list[str]:
