@@ -329,14 +329,18 @@ def e2e_phase(records: list[dict], assets: Path, output_dir: Path, mode: FastMod
         "command": "vflash " + shlex.join(command[3:]),
     })
     print(json.dumps(record), flush=True)
+    # the earlier record of this profile and clip length, if any, is replaced (the profile is known only now)
+    records[:] = [r for r in records if not (r["phase"] == "e2e" and (r["profile"], r["seconds"]) ==
+                                             (record["profile"], seconds))]
     records.append(record)
 
 
-def kept_records(path: Path, phases: list[str], seconds: list[int], e2e_seconds: int) -> list[dict]:
+def kept_records(path: Path, phases: list[str], seconds: list[int]) -> list[dict]:
     """The earlier file's records this run does not measure again, each marked with the commit it was measured at.
 
     An evaluation run replaces only its own clip lengths, so 5 s and 15 s measured earlier survive a run at 10 s; an
-    e2e run only its own clip length's record (Turbo4 5 s, Base16 keyframe 10 s).
+    e2e run only its own profile's record at its clip length (`e2e_phase` replaces it once the receipt names the
+    profile), so Turbo4 5 s and Base16 keyframe 10 s survive each other.
     With `VFLASH_RESULTS` set (a device run writing outside the tree) the earlier file is the committed one.
     """
     if not path.exists():
@@ -348,9 +352,7 @@ def kept_records(path: Path, phases: list[str], seconds: list[int], e2e_seconds:
     def measured_again(record: dict) -> bool:
         if record["phase"] == "evaluation":
             return "evaluation" in phases and record["seconds"] in seconds
-        if record["phase"] == "e2e":
-            return "e2e" in phases and record["seconds"] == e2e_seconds
-        return record["phase"] in phases
+        return record["phase"] in phases and record["phase"] != "e2e"
 
     return [{**r, "measured_at_commit": r.get("measured_at_commit", earlier["commit"])}
             for r in earlier["records"] if not measured_again(r)]
@@ -393,7 +395,7 @@ def main() -> None:
         parser.error("the e2e phase needs --prepared-assets")
     name = f"fast_mode_{gpu_tag()}"
     path = RESULTS / f"{name}.json"
-    records = kept_records(path, args.phases, args.seconds, args.e2e_seconds)
+    records = kept_records(path, args.phases, args.seconds)
     if "kernel" in args.phases:
         kernel_phase(records, args.sweep)
     if "evaluation" in args.phases:
