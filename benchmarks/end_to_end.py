@@ -278,8 +278,9 @@ class Setup:
         self.adapter = self.staged.lora if get_profile(self.profile).adapter else None
         self.canvases = SMALL_CANVASES if self.small else CANVASES
         self.config = H3Config.preset(spec.transformer)
-        # another profile's compile and receipt sit beside the Turbo4 ones under their own names
-        self.suffix = "" if self.profile in (PROFILE, SMALL_PROFILE) else f"-{self.profile}"
+        # another profile is staged alone: its compile and receipt sit beside the Turbo4 ones under their own names
+        self.staged_alone = self.profile not in (PROFILE, SMALL_PROFILE)
+        self.suffix = f"-{self.profile}" if self.staged_alone else ""
         self.compiled = self.staged.compiled.with_name(self.staged.compiled.name + self.suffix)
         self.receipt = Path(args.work) / f"pipeline{self.suffix}.json"
         self.out_dir = Path(args.work) / "out"
@@ -814,7 +815,7 @@ def main() -> None:
         "cpu_count": os.cpu_count(), "host_memory_bytes": host_memory_bytes(),
     }
     stage(run, setup)
-    if setup.profile not in (PROFILE, SMALL_PROFILE):
+    if setup.staged_alone:
         run.log(f"staged {setup.profile}: {setup.receipt} (its requests are timed elsewhere, e.g. fast_mode.py --phases e2e)")
         run.save()
         return
