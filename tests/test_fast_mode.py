@@ -29,6 +29,7 @@ from vflash_core.engine.sparse_attention import (
     BLOCK_ROWS,
     BlockSparseAttention,
     masked_attention,
+    rank_key_blocks_reference,
     select_key_blocks,
     video_key_budget,
 )
@@ -90,6 +91,17 @@ def test_selection_mass_threshold_keeps_the_dominant_block():
     assert int(mask[:, 1:, 1:].sum(-1).max()) <= 2
 
 
+def test_ranking_breaks_ties_toward_the_lower_block_and_counts_forced_mass():
+    # one head, 6 video blocks; query block 0 keeps its own block (forced), then blocks 1-3 tie at 0.25
+    probabilities = torch.tensor([[[0.125, 0.25, 0.25, 0.25, 0.125, 0.0]] * 6])
+    kv_blocks, kv_counts = rank_key_blocks_reference(probabilities, prefix=2, budget=3, mass=1.0, local_blocks=0)
+    assert kv_blocks[0, 0].tolist() == [0, 1, 2, 3, 4], "the prefix blocks, forced 0, then the two lowest of the tie"
+    assert kv_counts[0, 0] == 5
+    # mass 0.375: blocks 0 and 1 rank above block 2 with 0.375 (not below it), so 2 is dropped; a marker follows
+    kv_blocks, kv_counts = rank_key_blocks_reference(probabilities, prefix=2, budget=3, mass=0.375, local_blocks=0)
+    assert kv_blocks[0, 0].tolist() == [0, 1, 2, 3, 8] and kv_counts[0, 0] == 4
+
+
 def test_full_density_equals_dense_attention():
     q, k, v = _qkv(5 * BLOCK_ROWS + 7)
     sel = select_key_blocks(q, k, 200, density=1.0, mass=1.0, local_blocks=0)
@@ -139,6 +151,31 @@ def test_kernel_matches_the_masked_reference_in_the_interpreter():
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert max(result["diffs"]) < 2e-3, result  # fp16 operands, fp32 accumulation on both sides
     assert result["sparse_vs_dense"] < 2e-3, "the all-dense selection is dense attention"
+
+
+def test_ranking_kernel_matches_its_reference_in_the_interpreter():
+    """Probabilities on a 2^-20 grid (every order of summing them is exact) with ties, budgets below and above the
+    forced blocks, masses that stop early, a single block and rows that are not a power of two long."""
+    script = textwrap.dedent("""
+        import json, torch
+        from vflash_kernels.block_selection import rank_key_blocks
+        from vflash_core.engine.sparse_attention import rank_key_blocks_reference
+        g = torch.Generator().manual_seed(0)
+        cases = []
+        for video, prefix, budget, mass, local, grid in ((1, 3, 1, 1.0, 1, 20), (5, 2, 3, 1.0, 1, 20),
+                                                          (37, 3, 9, 0.5, 1, 20), (37, 0, 5, 0.3, 0, 8),
+                                                          (64, 4, 70, 1.0, 2, 20), (100, 8, 2, 0.9, 1, 20),
+                                                          (70, 1, 30, 0.95, 3, 6)):
+            p = (torch.randn(2, video, video, generator=g) * 3).softmax(-1)
+            p = (p * 2**grid).round() / 2**grid  # grid 6 and 8: many ties
+            kernel, reference = rank_key_blocks(p, prefix, budget, mass, local), rank_key_blocks_reference(p, prefix, budget, mass, local)
+            cases.append(torch.equal(kernel[0], reference[0]) and torch.equal(kernel[1], reference[1]))
+        print(json.dumps(cases))
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, check=False, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [True] * 7
 
 
 # -- the options ----------------------------------------------------------------------------------------------------
@@ -287,6 +324,26 @@ def test_sparse_attention_with_sequence_head_equals_one_device(tmp_path_factory)
     assert_bitwise(got.video_latents, expected.video_latents, "video latents")
     assert got.metadata["fast_mode"]["sparse_attention"]["density_reached"] == pytest.approx(
         expected.metadata["fast_mode"]["sparse_attention"]["density_reached"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_ranking_kernel_on_cuda_matches_its_reference():
+    """H3's 1344x768 5 s map (8 prefix and 291 video blocks, 56 heads): list for list on a 2^-20 grid of probabilities;
+    on the raw ones, only where a block's mass lands within rounding of the threshold can the two differ."""
+    from vflash_kernels.block_selection import rank_key_blocks
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    raw = (torch.randn(56, 291, 291, device="cuda", generator=g) * 2).softmax(-1)
+    for mass in (1.0, 0.9):
+        for p in ((raw * 2**20).round() / 2**20, raw):
+            kernel = rank_key_blocks(p, 8, 60, mass, 1)
+            reference = rank_key_blocks_reference(p.cpu(), 8, 60, mass, 1)
+            same = (kernel[1].cpu() == reference[1]).float().mean()
+            if p is raw and mass < 1.0:
+                assert same > 0.999, float(same)
+            else:
+                assert torch.equal(kernel[0].cpu(), reference[0]) and torch.equal(kernel[1].cpu(), reference[1]), mass
 
 
 @pytest.mark.gpu

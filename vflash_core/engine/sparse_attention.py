@@ -8,7 +8,8 @@ the generated video's key blocks, each video query block keeps, per head and per
 
 * its own block and `local_blocks` neighbours on each side (spatial and temporal neighbours in the raster order);
 * then the blocks with the highest pooled scores, softmax(mean(q_i) . mean(k_j) / sqrt(D)) over the video key blocks,
-  in descending order, until their cumulative mass reaches `mass` or the block budget is spent.
+  in descending order (equal scores: the lower block first), until their cumulative mass reaches `mass` or the
+  block budget is spent.
 
 `density` is the share of the whole attention map computed, (query block, key block) pairs over all of them, the one
 the request's report gives back as the density reached: the dense prefix rows and every video query block's prefix
@@ -16,8 +17,9 @@ keys count against it, and the video query blocks share what is left evenly (the
 blocks can take a query block past it, where the budget is smaller than they are.
 
 The selection is training-free and costs a few pooled matrix products per call (no full score matrix). On CUDA the
-kept blocks run through `vflash_kernels.block_sparse_attention`; on the CPU through the masked dense reference
-(`masked_attention`), which is also what the kernel is tested against.
+ranking runs in `vflash_kernels.block_selection` and the kept blocks through `vflash_kernels.block_sparse_attention`;
+on the CPU through their references, `rank_key_blocks_reference` and the masked dense attention (`masked_attention`),
+which are also what the kernels are tested against.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ import torch.nn.functional as F
 from .model import AttentionFn
 
 __all__ = [
-    "BLOCK_ROWS", "BlockSelection", "BlockSparseAttention", "masked_attention", "select_key_blocks", "video_key_budget",
+    "BLOCK_ROWS", "BlockSelection", "BlockSparseAttention", "masked_attention", "rank_key_blocks_reference",
+    "select_key_blocks", "video_key_budget",
 ]
 
 #: Rows per query and key block (the kernel's tile height; `vflash_kernels.block_sparse_attention.BLOCK_ROWS`).
@@ -108,26 +111,43 @@ def select_key_blocks(
     q: torch.Tensor, k: torch.Tensor, sparse_from_row: int, density: float, mass: float, local_blocks: int
 ) -> BlockSelection:
     """The key blocks each query block of (1, S, heads, D) q attends, for a sequence whose rows [0, sparse_from_row)
-    are the dense prefix (see the module docstring)."""
+    are the dense prefix (see the module docstring). On CUDA the ranking runs in `vflash_kernels.block_selection`
+    (the same lists as `rank_key_blocks_reference`, which runs elsewhere)."""
     rows, heads, head_dim = q.shape[1], q.shape[2], q.shape[3]
     blocks = -(-rows // BLOCK_ROWS)
     prefix = min(blocks, -(-sparse_from_row // BLOCK_ROWS))  # blocks holding any prefix row
-    video = blocks - prefix
-    device = q.device
-    if video == 0:
-        empty = torch.zeros(heads, 0, 1, dtype=torch.int32, device=device)
+    if blocks == prefix:
+        empty = torch.zeros(heads, 0, 1, dtype=torch.int32, device=q.device)
         return BlockSelection(blocks, empty, empty[..., 0], blocks)
     scores = torch.einsum("hid,hjd->hij", _pooled(q, prefix * BLOCK_ROWS), _pooled(k, prefix * BLOCK_ROWS))
     probabilities = (scores / math.sqrt(head_dim)).softmax(-1)
-    del scores
+    budget = video_key_budget(density, blocks, prefix)
+    if q.device.type == "cuda":
+        from vflash_kernels.block_selection import rank_key_blocks
+
+        kv_blocks, kv_counts = rank_key_blocks(probabilities, prefix, budget, mass, local_blocks)
+    else:
+        kv_blocks, kv_counts = rank_key_blocks_reference(probabilities, prefix, budget, mass, local_blocks)
+    return BlockSelection(prefix, kv_blocks, kv_counts, blocks)
+
+
+def rank_key_blocks_reference(
+    probabilities: torch.Tensor, prefix: int, budget: int, mass: float, local_blocks: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kept key blocks of (heads, video, video) fp32 pooled `probabilities` (softmax over the video key blocks):
+    (heads, video, prefix + listed) int32 lists, the prefix blocks first, then the kept video blocks ascending, then
+    out-of-range markers (prefix + video), and (heads, video) int32 counts; listed = min(video, max(budget,
+    2 * local_blocks + 1)). Forced first (the local blocks), then by probability descending, ties to the lower index:
+    a block is kept while fewer than `budget` blocks rank above it and their mass is below `mass`."""
+    heads, video, _ = probabilities.shape
+    device = probabilities.device
     position = torch.arange(video, device=device)
     forced = (position[:, None] - position[None, :]).abs() <= local_blocks  # (video, video)
-    budget = video_key_budget(density, blocks, prefix)
     # The forced blocks sort first (above any probability), then by pooled score; only the first `listed` can be kept.
     listed = min(video, max(budget, 2 * local_blocks + 1))
-    ranked_key, ranked = probabilities.masked_fill(forced, 2.0).topk(listed, dim=-1)
+    ranked_key, ranked = probabilities.masked_fill(forced, 2.0).sort(dim=-1, descending=True, stable=True)
+    ranked_key, ranked = ranked_key[..., :listed], ranked[..., :listed]
     ranked_p = probabilities.gather(-1, ranked)
-    del probabilities
     mass_before = ranked_p.cumsum(-1) - ranked_p
     keep = (ranked_key > 1.0) | ((mass_before < mass) & (position[:listed] < budget))
     counts = keep.sum(-1)
@@ -135,7 +155,7 @@ def select_key_blocks(
     kept = torch.where(keep, ranked, video).sort(-1).values.to(torch.int32) + prefix
     head_blocks = torch.arange(prefix, dtype=torch.int32, device=device).expand(heads, video, prefix)
     kv_blocks = torch.cat([head_blocks, kept], dim=-1).contiguous()
-    return BlockSelection(prefix, kv_blocks, (counts + prefix).to(torch.int32), blocks)
+    return kv_blocks, (counts + prefix).to(torch.int32)
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: BlockSelection) -> torch.Tensor:
