@@ -72,7 +72,8 @@ def rank_key_blocks(
     first `prefix` blocks are the dense prefix: (heads, video, prefix + listed) int32 key-block lists (the prefix
     blocks, then the kept video blocks ascending, offset by `prefix`, then markers) and (heads, video) int32 counts,
     listed = min(video, max(budget, 2 * local_blocks + 1))."""
-    if probabilities.dim() != 3 or probabilities.shape[1] != probabilities.shape[2] or probabilities.dtype != torch.float32:
+    square = probabilities.dim() == 3 and probabilities.shape[1] == probabilities.shape[2]
+    if not square or probabilities.dtype != torch.float32:
         raise ValueError(f"probabilities must be fp32 (heads, video, video), got {probabilities.dtype} "
                          f"{tuple(probabilities.shape)}")
     _launch.check_device(probabilities)
