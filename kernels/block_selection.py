@@ -22,7 +22,7 @@ from . import _launch
 
 __all__ = ["rank_key_blocks"]
 
-_ONE_BITS = 0x3F800000  # float32 1.0: no probability's bits exceed it
+_ONE_BITS = tl.constexpr(0x3F800000)  # float32 1.0: no probability's bits exceed it (a constexpr: the kernel reads it)
 
 
 @triton.jit
@@ -48,7 +48,7 @@ def _rank_key_blocks_kernel(
     # blocks') rank above it. Keeping holds at `high` by convention (no key reaches it: nothing free is kept).
     low = tl.zeros([], tl.int64)
     high = tl.full([], (_ONE_BITS + 1) << INDEX_BITS, tl.int64)
-    for _ in tl.static_range(31 + INDEX_BITS):
+    for _ in tl.range(0, 31 + INDEX_BITS):
         middle = (low + high) >> 1
         above = key > middle
         kept = (tl.sum(above.to(tl.int32), 0) < spare) & (forced_mass + tl.sum(tl.where(above, p, 0.0), 0) < mass)
