@@ -22,7 +22,8 @@ its parity tests compare the two.
 One kernel is approximate by design and has no bitwise reference: `block_sparse_attention.block_sparse_attention`
 (the `sparse-attention` fast mode) is compared, within bf16 rounding, with `sparse_attention.masked_attention`, dense
 attention masked to the same key blocks. The blocks it attends come from `block_selection.rank_key_blocks`, which
-equals `sparse_attention.rank_key_blocks_reference` list for list.
+gives `sparse_attention.rank_key_blocks_reference`'s lists wherever the mass sums are exact; otherwise the two sum in
+other orders, and a block whose mass above lands within fp32 rounding of the threshold can be kept by one only.
 
 The package is a leaf: it imports torch and triton, nothing of `vflash_core` or the node pack (tests/test_layering.py
 checks it). What a kernel needs of the model's definitions comes in as arguments: the fused ops pass the AdaLN

@@ -2,14 +2,16 @@
 (head, query block) row, no sort.
 
 Reference: `vflash_core.engine.sparse_attention.rank_key_blocks_reference` (tests/test_fast_mode.py compares the two,
-list for list). For a row of probabilities p over the video key blocks, the blocks within `local_blocks` of the query
-block are forced (kept first); the others rank by p descending, ties to the lower index (a stable sort's order), and
-a block is kept while fewer than `budget` blocks rank above it and the mass above it (forced blocks included) is below
-`mass`. Both conditions only tighten down the ranking, so the kept blocks are those whose rank key (p's bits, then the
-index) reaches one threshold: a binary search over the key finds it with two row sums per step, where a sort-based
-selection (top-k, then sorting the kept ascending) costs ~1 ms per call at 291 video blocks and ~4 ms at 804. The kept
-blocks are written ascending by a prefix sum of the kept flags, after the prefix key blocks; entries past the count
-hold `prefix + video`, an out-of-range marker.
+list for list where the mass sums are exact: the two add the probabilities in other orders, so a block whose mass
+above lands within fp32 rounding of `mass` can be kept by one only). For a row of probabilities p over the video key
+blocks, the blocks within `local_blocks` of the query block are forced (kept first); the others rank by p descending,
+ties to the lower index (a stable sort's order), and a block is kept while fewer than `budget` blocks rank above it
+and the mass above it (forced blocks included) is below `mass`. Both conditions only tighten down the ranking, so the
+kept blocks are those whose rank key (p's bits, then the index) reaches one threshold: a binary search over the key
+finds it with two row sums per step. On an H100 at 56 heads that is 0.18 ms per call at 291 video blocks and 0.93 ms
+at 804, where the sort-based reference takes 0.6-0.8 and 2.6-4.0 ms. The kept blocks are written ascending by a
+prefix sum of the kept flags, after the prefix key blocks; entries past the count hold `prefix + video`, an
+out-of-range marker.
 """
 
 from __future__ import annotations

@@ -112,7 +112,7 @@ def select_key_blocks(
 ) -> BlockSelection:
     """The key blocks each query block of (1, S, heads, D) q attends, for a sequence whose rows [0, sparse_from_row)
     are the dense prefix (see the module docstring). On CUDA the ranking runs in `vflash_kernels.block_selection`
-    (the same lists as `rank_key_blocks_reference`, which runs elsewhere)."""
+    (the same rule as `rank_key_blocks_reference`, which runs elsewhere; the two sum the mass in other orders)."""
     rows, heads, head_dim = q.shape[1], q.shape[2], q.shape[3]
     blocks = -(-rows // BLOCK_ROWS)
     prefix = min(blocks, -(-sparse_from_row // BLOCK_ROWS))  # blocks holding any prefix row
