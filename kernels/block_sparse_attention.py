@@ -12,11 +12,14 @@ past the count are never read. One program computes one (query block, head) tile
 key blocks (base-2 exponentials, the scale folded into log2(e)), so the work is proportional to the kept blocks.
 
 On Hopper (sm90) the tiles are fetched with TMA tensor descriptors; elsewhere (and in the interpreter) with plain
-pointer loads. The launch settings were chosen by measurement at H3's shape (56 heads x 128, 128-row blocks).
+pointer loads. The launch settings were chosen by measurement at H3's shape (56 heads x 128, 128-row blocks) on an
+H100: 8 warps, 3 stages of key and value loads. The stages take shared memory that only the data-centre GPUs have
+(224 KiB a program on sm90, 192 KiB with pointer loads), so a device with less runs fewer (`pipeline_stages`).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -105,6 +108,20 @@ def _rows_view(x: torch.Tensor, name: str) -> torch.Tensor:
     return x[0].as_strided((x.shape[1], x.shape[2] * x.shape[3]), (x.stride(1), 1))
 
 
+def pipeline_stages(max_shared_bytes: int) -> int:
+    """Stages of key and value loads that fit a program's shared memory limit at head width 128 (Triton 3.9's
+    compiles for sm80-sm121; tests/test_kernels_aot.py checks every family): 3 (224 KiB on sm90, 192 elsewhere) where
+    227 KiB is allowed (sm90, sm100, sm103), 2 (128 KiB) where 163 KiB is (sm80), else 1 (96 KiB; sm86, sm89 and
+    sm120 allow 99)."""
+    return 3 if max_shared_bytes >= 224 * 1024 else 2 if max_shared_bytes >= 128 * 1024 else 1
+
+
+@functools.cache
+def _max_shared_bytes(device_index: int) -> int:
+    """The shared memory one program may take on this device (the opt-in limit Triton launches against)."""
+    return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
+
+
 def _uses_tma(device: torch.device) -> bool:
     return not _launch.INTERPRET and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
@@ -142,6 +159,10 @@ def block_sparse_attention(
     out2 = out[0].view(rows, heads * head_dim)
     sources: tuple[object, object, object] = (q2, k2, v2)
     use_tma = _uses_tma(q.device)
+    stages = 3  # in the interpreter and the AOT capture (CPU tensors): the H100's
+    if q.device.type == "cuda" and not _launch.INTERPRET:
+        index = torch.cuda.current_device() if q.device.index is None else q.device.index
+        stages = pipeline_stages(_max_shared_bytes(index))
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -152,6 +173,6 @@ def block_sparse_attention(
         rows, query_blocks, dense_query_blocks, kv_blocks.shape[2], _LOG2E / math.sqrt(head_dim),
         q2.stride(0), k2.stride(0), v2.stride(0), out2.stride(0),
         BLOCK=BLOCK_ROWS, HEAD_DIM=head_dim, USE_TMA=use_tma,
-        num_warps=8, num_stages=3,
+        num_warps=8, num_stages=stages,
     )
     return out

@@ -8,6 +8,7 @@ be another checkout's), in a fresh Triton cache so that every compile really run
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import sys
 
@@ -88,3 +89,51 @@ def test_gpu_launches_equal_the_cpu_capture_and_compile_everywhere(aot, cpu_laun
             kernel = aot.compile_for(launch, capability)
             if capability == major * 10 + minor:
                 kernel._init_handles()  # loads the cubin into this device's context
+
+
+# -- the sparse-attention fast mode's kernel, whose pipeline depth follows the device's shared memory ---------------
+
+#: The shared memory one program may take (the opt-in limit, bytes) by compute capability, as CUDA documents it.
+SHARED_MEMORY_LIMIT = {80: 163, 86: 99, 89: 99, 90: 227, 100: 227, 103: 227, 120: 99, 121: 99}
+
+
+@pytest.fixture(scope="module")
+def sparse_launch(aot):
+    """(module, launch): the block-sparse attention kernel as the mode launches it at 1344x768 5 s, captured on the
+    CPU (with the H100's 3 stages)."""
+    bsa = importlib.import_module(f"{_PRIVATE}.block_sparse_attention")
+    rows, heads, prefix = 38_222, 56, 8
+    video = -(-rows // bsa.BLOCK_ROWS) - prefix
+    q = torch.empty(1, rows, heads, 128, dtype=torch.bfloat16)
+    kv_blocks = torch.zeros(heads, video, prefix + 74, dtype=torch.int32)
+    kv_counts = torch.ones(heads, video, dtype=torch.int32)
+    launches = []
+    with aot._capturing(launches, True):
+        bsa.block_sparse_attention(q, q, q, kv_blocks, kv_counts, prefix)
+    (launch,) = launches
+    assert launch.num_stages == 3
+    return bsa, launch
+
+
+@pytest.mark.parametrize("capability", [80, 120])
+def test_sparse_attention_fits_the_shared_memory_of_the_target(aot, sparse_launch, capability):
+    """An A100 or an RTX 50xx gives a program less shared memory than the H100's 3 stages take: the stages chosen for
+    its limit fit it."""
+    bsa, launch = sparse_launch
+    limit = SHARED_MEMORY_LIMIT[capability] * 1024
+    assert aot.compile_for(launch, capability).metadata.shared > limit
+    stages = bsa.pipeline_stages(limit)
+    assert stages < 3 and aot.compile_for(dataclasses.replace(launch, num_stages=stages), capability).metadata.shared <= limit
+
+
+@pytest.mark.gpu
+def test_sparse_attention_stages_fit_every_family_and_this_device(aot, sparse_launch):
+    """The launcher reads this device's limit (the table's for its capability) and the stages chosen for each family's
+    limit compile within it."""
+    bsa, launch = sparse_launch
+    major, minor = torch.cuda.get_device_capability()
+    assert bsa._max_shared_bytes(torch.cuda.current_device()) == SHARED_MEMORY_LIMIT[major * 10 + minor] * 1024
+    for capability, kib in SHARED_MEMORY_LIMIT.items():
+        chosen = dataclasses.replace(launch, num_stages=bsa.pipeline_stages(kib * 1024))
+        assert aot.compile_for(chosen, capability).metadata.shared <= kib * 1024, capability
+
