@@ -136,4 +136,3 @@ def test_sparse_attention_stages_fit_every_family_and_this_device(aot, sparse_la
     for capability, kib in SHARED_MEMORY_LIMIT.items():
         chosen = dataclasses.replace(launch, num_stages=bsa.pipeline_stages(kib * 1024))
         assert aot.compile_for(chosen, capability).metadata.shared <= kib * 1024, capability
-
