@@ -25,6 +25,7 @@ from vflash_core.engine.artifact import CompiledPaths
 from vflash_core.engine.engine_options import EngineOptions
 from vflash_core.engine.fast_mode import FastMode
 from vflash_core.engine.fast_mode_run import describe_fast_mode
+from vflash_core.engine.model import sdpa_attention
 from vflash_core.engine.sparse_attention import (
     BLOCK_ROWS,
     BlockSparseAttention,
@@ -127,23 +128,31 @@ def test_attention_is_dense_until_armed():
 
 def test_kernel_matches_the_masked_reference_in_the_interpreter():
     """fp16 (1, 5 blocks + 19 rows, 2 heads, 64): dense leading query blocks, listed blocks, a ragged last block; and
-    an all-dense selection; then a sequence of whole blocks (nothing masked)."""
+    an all-dense selection; then a sequence of whole blocks (nothing masked). Each with the dense query blocks in the
+    kernel and handed to a dense attention function."""
     script = textwrap.dedent("""
         import json, torch
         from vflash_kernels.block_sparse_attention import block_sparse_attention
+        from vflash_core.engine.model import sdpa_attention
         from vflash_core.engine.sparse_attention import masked_attention, select_key_blocks
         g = torch.Generator().manual_seed(3)
+        calls = []
+        def dense(q, k, v):
+            calls.append(q.shape[1])
+            return sdpa_attention(q.float(), k.float(), v.float()).to(q.dtype)
         q, k, v = (torch.randn(1, 5 * 128 + 19, 2, 64, generator=g).half() for _ in range(3))
         diffs = []
         whole = tuple(t[:, : 5 * 128].contiguous() for t in (q, k, v))
         for (q, k, v), prefix_rows, density in (((q, k, v), 200, 0.4), (whole, 200, 0.5), ((q, k, v), 5 * 128 + 19, 1.0)):
             sel = select_key_blocks(q, k, prefix_rows, density, 1.0, 0)
             assert (sel.kv_blocks[..., 1:] >= sel.kv_blocks[..., :-1]).all(), "the lists ascend"
-            out = block_sparse_attention(q, k, v, sel.kv_blocks, sel.kv_counts, sel.dense_query_blocks)
             ref = masked_attention(q.float(), k.float(), v.float(), sel)
-            diffs.append(float((out.float() - ref).abs().max()))
-        dense = torch.nn.functional.scaled_dot_product_attention(*(t.float().permute(0, 2, 1, 3) for t in (q, k, v)))
-        print(json.dumps({"diffs": diffs, "sparse_vs_dense": float((out.float() - dense.permute(0, 2, 1, 3)).abs().max())}))
+            for dense_fn in (None, dense):
+                out = block_sparse_attention(q, k, v, sel.kv_blocks, sel.kv_counts, sel.dense_query_blocks, dense_fn)
+                diffs.append(float((out.float() - ref).abs().max()))
+        full = torch.nn.functional.scaled_dot_product_attention(*(t.float().permute(0, 2, 1, 3) for t in (q, k, v)))
+        print(json.dumps({"diffs": diffs, "sparse_vs_dense": float((out.float() - full.permute(0, 2, 1, 3)).abs().max()),
+                          "dense_rows": calls}))
     """)
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, check=False, capture_output=True, text=True, timeout=300)
@@ -151,6 +160,7 @@ def test_kernel_matches_the_masked_reference_in_the_interpreter():
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert max(result["diffs"]) < 2e-3, result  # fp16 operands, fp32 accumulation on both sides
     assert result["sparse_vs_dense"] < 2e-3, "the all-dense selection is dense attention"
+    assert result["dense_rows"] == [256, 256, 5 * 128 + 19], "the dense query blocks' rows, ragged at the end"
 
 
 def test_ranking_kernel_matches_its_reference_in_the_interpreter():
@@ -356,9 +366,10 @@ def test_kernel_on_cuda_matches_the_masked_reference_bf16():
     q, k, v = (torch.randn(1, 4171, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
     for density in (0.15, 0.5, 1.0):
         sel = select_key_blocks(q, k, 600, density, 0.9, 1)
-        out = block_sparse_attention(q, k, v, sel.kv_blocks, sel.kv_counts, sel.dense_query_blocks)
         ref = masked_attention(q.float(), k.float(), v.float(), sel)
-        assert float((out.float() - ref).abs().max()) < 1e-2, density  # bf16 operands and output
+        for dense in (None, sdpa_attention):  # the dense query blocks in the kernel, then in cuDNN/flash SDPA
+            out = block_sparse_attention(q, k, v, sel.kv_blocks, sel.kv_counts, sel.dense_query_blocks, dense)
+            assert float((out.float() - ref).abs().max()) < 1e-2, density  # bf16 operands and output
     # v as the fused projection's view (row stride 3I), as the blocks hand it over
     qkv = torch.randn(1, 4171, 3 * 8 * 128, device="cuda", dtype=torch.bfloat16, generator=g)
     q2, k2, v2 = (t.unflatten(-1, (8, 128)) for t in qkv.split(8 * 128, dim=-1))

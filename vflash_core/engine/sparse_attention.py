@@ -17,9 +17,10 @@ keys count against it, and the video query blocks share what is left evenly (the
 blocks can take a query block past it, where the budget is smaller than they are.
 
 The selection is training-free and costs a few pooled matrix products per call (no full score matrix). On CUDA the
-ranking runs in `vflash_kernels.block_selection` and the kept blocks through `vflash_kernels.block_sparse_attention`;
-on the CPU through their references, `rank_key_blocks_reference` and the masked dense attention (`masked_attention`),
-which are also what the kernels are tested against.
+ranking runs in `vflash_kernels.block_selection` and the kept blocks through `vflash_kernels.block_sparse_attention`,
+the query blocks holding prefix rows through the dense backend (FlashAttention-3 on Hopper computes a block faster
+than the block-sparse kernel); on the CPU through their references, `rank_key_blocks_reference` and the masked
+dense attention (`masked_attention`), which are also what the kernels are tested against.
 """
 
 from __future__ import annotations
@@ -206,7 +207,9 @@ class BlockSparseAttention:
         from vflash_kernels.block_sparse_attention import block_sparse_attention
 
         self.backend = "vflash-block-sparse-triton"
-        return block_sparse_attention(q, k, v, selection.kv_blocks, selection.kv_counts, selection.dense_query_blocks)
+        return block_sparse_attention(
+            q, k, v, selection.kv_blocks, selection.kv_counts, selection.dense_query_blocks, self.dense
+        )
 
     @property
     def kept_pairs(self) -> int:
