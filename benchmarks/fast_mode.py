@@ -12,7 +12,9 @@ file's records):
   at block densities 0.15 / 0.25 / 0.5 of the whole attention map (the request's prefix rows dense: 512 text rows and
   the audio rows; the selection the mode runs: `select_key_blocks` with mass 1.0, so the density decides). The density
   recorded is the one reached, counted over the same map (at most the one asked for, unless the local blocks alone
-  take more). Also: the selection's own time, each launch setting
+  take more). The kernel runs as the mode runs it, the query blocks holding prefix rows in FlashAttention-3. FA3 and
+  the three densities are timed in turn, three rounds (medians of each; each round's time is recorded), so that a
+  clock drifting as the card warms falls on both sides. Also: the selection's own time, each launch setting
   tried (the kernel's settings are the fastest of these), and the kernel's max abs difference from the masked dense
   reference over the same blocks.
 * `evaluation`: one whole evaluation (50 full-width blocks, the text stream, the output heads) exact and with
@@ -41,6 +43,7 @@ import argparse
 import json
 import math
 import shlex
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -75,6 +78,7 @@ from vflash_core.engine.sparse_attention import masked_attention, select_key_blo
 HEADS, HEAD_DIM = 56, 128
 KERNEL_ROWS = {"960x544 5 s": 19_796, "1344x768 5 s": 38_222, "1344x768 10 s": 73_898, "1344x768 15 s": 104_478}
 DENSITIES = (0.15, 0.25, 0.5)
+KERNEL_ROUNDS = 3
 LAUNCH_SETTINGS = [(w, s) for w in (4, 8) for s in (2, 3, 4)]
 DEVICE = "cuda:0"
 
@@ -119,14 +123,22 @@ def kernel_phase(records: list[dict], sweep: bool) -> None:
         g = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (torch.randn(1, rows, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
                    for _ in range(3))
-        dense_ms = median_ms(partial(fa3, q, k, v), 2, 7)
+        selections = {d: select_key_blocks(q, k, prefix_rows, d, 1.0, 1) for d in DENSITIES}
+        runs = {d: partial(block_sparse_attention,  # the dense query blocks in FA3, as the mode runs them
+                           q, k, v, s.kv_blocks, s.kv_counts, s.dense_query_blocks, fa3) for d, s in selections.items()}
+        # FA3 and each density in turn, KERNEL_ROUNDS times: the clock drifts as the card warms (FA3 alone moved
+        # 58-63 ms within one run), and every side sees the same drift
+        dense_rounds, sparse_rounds = [], {d: [] for d in DENSITIES}
+        for _ in range(KERNEL_ROUNDS):
+            dense_rounds.append(median_ms(partial(fa3, q, k, v), 2, 7))
+            for density, run in runs.items():
+                sparse_rounds[density].append(median_ms(run, 2, 7))
+        dense_ms = statistics.median(dense_rounds)
         for density in DENSITIES:
-            selection = select_key_blocks(q, k, prefix_rows, density, 1.0, 1)
+            selection = selections[density]
             select_ms = median_ms(partial(select_key_blocks, q, k, prefix_rows, density, 1.0, 1), 1, 5)
             reached = selection.kept_pairs / selection.total_pairs
-            run = partial(block_sparse_attention,  # the dense query blocks in FA3, as the mode runs them
-                          q, k, v, selection.kv_blocks, selection.kv_counts, selection.dense_query_blocks, fa3)
-            sparse_ms = median_ms(run, 2, 7)
+            sparse_ms = statistics.median(sparse_rounds[density])
             settings = {}
             if sweep and rows == KERNEL_ROWS["1344x768 5 s"] and density == 0.25:
                 for tma in (True, False):
@@ -149,6 +161,8 @@ def kernel_phase(records: list[dict], sweep: bool) -> None:
                 "phase": "kernel", "canvas": canvas, "rows": rows, "seconds": int(seconds), "prefix_rows": prefix_rows,
                 "mode": "sparse-attention", "density_cap": density, "density": round(reached, 4),
                 "fa3_dense_ms": round(dense_ms, 3), "sparse_ms": round(sparse_ms, 3), "dense_query_blocks_by": "fa3",
+                "fa3_dense_ms_rounds": [round(t, 3) for t in dense_rounds],
+                "sparse_ms_rounds": [round(t, 3) for t in sparse_rounds[density]],
                 "selection_ms": round(select_ms, 3),
                 "kernel_speedup_vs_fa3_dense": round(dense_ms / sparse_ms, 3),
                 "kernel_speedup_with_selection": round(dense_ms / (sparse_ms + select_ms), 3),
@@ -160,7 +174,7 @@ def kernel_phase(records: list[dict], sweep: bool) -> None:
                 record["launch_settings_ms"] = settings
             print(json.dumps(record), flush=True)
             records.append(record)
-        q = k = v = run = None  # frees the inputs before the next size's
+        q = k = v = runs = selections = selection = None  # frees the inputs before the next size's
         torch.cuda.empty_cache()
 
 
