@@ -185,7 +185,7 @@ def block_sparse_attention(
             BLOCK=BLOCK_ROWS, HEAD_DIM=head_dim, USE_TMA=use_tma,
             num_warps=8, num_stages=stages,
         )
-    if first:
+    if dense is not None and first:
         dense_rows = min(rows, first * BLOCK_ROWS)
         out[:, :dense_rows] = dense(q[:, :dense_rows], k, v)
     return out
