@@ -7,16 +7,18 @@
 Phases (each writes its records into benchmarks/results/fast_mode_<gpu>.json; a phase not run keeps the committed
 file's records):
 
-* `kernel`: the block-sparse attention kernel alone against FlashAttention-3 dense (the exact default on Hopper) on
+* `kernel`: block-sparse attention alone against FlashAttention-3 dense (the exact default on Hopper) on
   (1, N, 56, 128) bf16 at N = 19,796 / 38,222 / 73,898 / 104,478 (1344x768 and 960x544 5 s, 1344x768 10 and 15 s),
   at block densities 0.15 / 0.25 / 0.5 of the whole attention map (the request's prefix rows dense: 512 text rows and
   the audio rows; the selection the mode runs: `select_key_blocks` with mass 1.0, so the density decides). The density
   recorded is the one reached, counted over the same map (at most the one asked for, unless the local blocks alone
-  take more). The kernel runs as the mode runs it, the query blocks holding prefix rows in FlashAttention-3. FA3 and
-  the three densities are timed in turn, three rounds (medians of each; each round's time is recorded), so that a
-  clock drifting as the card warms falls on both sides. Also: the selection's own time, each launch setting
-  tried (the kernel's settings are the fastest of these), and the kernel's max abs difference from the masked dense
-  reference over the same blocks.
+  take more). The kept blocks run in the backend the mode picks on this device (`backend`: FlashAttention-4's
+  block-sparse forward on Hopper where flash-attn-4 is installed, else Vflash's Triton kernel), the query blocks
+  holding prefix rows in FlashAttention-3, as the mode runs them; where the backend is not the Triton kernel, the
+  Triton kernel is timed beside it (`triton_sparse_ms`). FA3 and each density are timed in turn, three rounds
+  (medians of each; each round's time is recorded), so that a clock drifting as the card warms falls on all sides.
+  Also: the selection's own time, each launch setting of the Triton kernel tried (its settings are the fastest of
+  these), and the backend's max abs difference from the masked dense reference over the same blocks.
 * `evaluation`: one whole evaluation (50 full-width blocks, the text stream, the output heads) exact and with
   `sparse-attention`, at 1344x768 5, 10 and 15 s. Four random blocks are compiled and the denoiser's 50 layers cycle
   through them (the same weights every fourth layer; the work and the memory traffic of 50 distinct blocks), so layer
@@ -73,7 +75,13 @@ from vflash_core.engine.fast_mode_run import FastModeRun
 from vflash_core.engine.fused import FusedOps
 from vflash_core.engine.profiler import StageTimer
 from vflash_core.engine.residency import BlockSource, ResidentBlocks
-from vflash_core.engine.sparse_attention import masked_attention, select_key_blocks
+from vflash_core.engine.sparse_attention import (
+    TRITON_BACKEND,
+    attend_selected,
+    masked_attention,
+    select_key_blocks,
+    sparse_backend,
+)
 
 HEADS, HEAD_DIM = 56, 128
 KERNEL_ROWS = {"960x544 5 s": 19_796, "1344x768 5 s": 38_222, "1344x768 10 s": 73_898, "1344x768 15 s": 104_478}
@@ -112,8 +120,6 @@ def _launch(q, k, v, selection, num_warps: int, num_stages: int, use_tma: bool):
 
 
 def kernel_phase(records: list[dict], sweep: bool) -> None:
-    from vflash_kernels.block_sparse_attention import block_sparse_attention
-
     fa3 = _fa3()
     for canvas, rows in KERNEL_ROWS.items():
         shape, seconds = canvas.split()[0], float(canvas.split()[1])
@@ -124,21 +130,24 @@ def kernel_phase(records: list[dict], sweep: bool) -> None:
         q, k, v = (torch.randn(1, rows, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
                    for _ in range(3))
         selections = {d: select_key_blocks(q, k, prefix_rows, d, 1.0, 1) for d in DENSITIES}
-        runs = {d: partial(block_sparse_attention,  # the dense query blocks in FA3, as the mode runs them
-                           q, k, v, s.kv_blocks, s.kv_counts, s.dense_query_blocks, fa3) for d, s in selections.items()}
+        backend = sparse_backend(q)
+        backends = [backend] if backend == TRITON_BACKEND else [backend, TRITON_BACKEND]
+        # the dense query blocks in FA3, as the mode runs them
+        runs = {(d, b): partial(attend_selected, q, k, v, s, fa3, b) for d, s in selections.items() for b in backends}
         # FA3 and each density in turn, KERNEL_ROUNDS times: the clock drifts as the card warms (FA3 alone moved
         # 58-63 ms within one run), and every side sees the same drift
-        dense_rounds, sparse_rounds = [], {d: [] for d in DENSITIES}
+        dense_rounds: list[float] = []
+        sparse_rounds: dict[tuple[float, str], list[float]] = {key: [] for key in runs}
         for _ in range(KERNEL_ROUNDS):
             dense_rounds.append(median_ms(partial(fa3, q, k, v), 2, 7))
-            for density, run in runs.items():
-                sparse_rounds[density].append(median_ms(run, 2, 7))
+            for key, run in runs.items():
+                sparse_rounds[key].append(median_ms(run, 2, 7))
         dense_ms = statistics.median(dense_rounds)
         for density in DENSITIES:
             selection = selections[density]
             select_ms = median_ms(partial(select_key_blocks, q, k, prefix_rows, density, 1.0, 1), 1, 5)
             reached = selection.kept_pairs / selection.total_pairs
-            sparse_ms = statistics.median(sparse_rounds[density])
+            sparse_ms = statistics.median(sparse_rounds[density, backend])
             settings = {}
             if sweep and rows == KERNEL_ROWS["1344x768 5 s"] and density == 0.25:
                 for tma in (True, False):
@@ -153,16 +162,16 @@ def kernel_phase(records: list[dict], sweep: bool) -> None:
                 sub = slice(0, 6 * 1024)  # a 6,144-row prefix of the same tensors keeps the mask small
                 qs, ks, vs = (t[:, sub].contiguous() for t in (q, k, v))
                 sel = select_key_blocks(qs, ks, prefix_rows, density, 1.0, 1)
-                out = block_sparse_attention(qs, ks, vs, sel.kv_blocks, sel.kv_counts, sel.dense_query_blocks)
+                out = attend_selected(qs, ks, vs, sel, fa3, backend)
                 ref = masked_attention(qs.float(), ks.float(), vs.float(), sel)
                 check = {"max_abs_diff_vs_masked_reference": float((out.float() - ref).abs().max()),
                          "reference_rows": 6 * 1024}
             record = {
                 "phase": "kernel", "canvas": canvas, "rows": rows, "seconds": int(seconds), "prefix_rows": prefix_rows,
-                "mode": "sparse-attention", "density_cap": density, "density": round(reached, 4),
+                "mode": "sparse-attention", "density_cap": density, "density": round(reached, 4), "backend": backend,
                 "fa3_dense_ms": round(dense_ms, 3), "sparse_ms": round(sparse_ms, 3), "dense_query_blocks_by": "fa3",
                 "fa3_dense_ms_rounds": [round(t, 3) for t in dense_rounds],
-                "sparse_ms_rounds": [round(t, 3) for t in sparse_rounds[density]],
+                "sparse_ms_rounds": [round(t, 3) for t in sparse_rounds[density, backend]],
                 "selection_ms": round(select_ms, 3),
                 "kernel_speedup_vs_fa3_dense": round(dense_ms / sparse_ms, 3),
                 "kernel_speedup_with_selection": round(dense_ms / (sparse_ms + select_ms), 3),
@@ -170,6 +179,10 @@ def kernel_phase(records: list[dict], sweep: bool) -> None:
                 "fa3_tflops": round(4.0 * rows * rows * HEADS * HEAD_DIM / dense_ms / 1e9, 1),
                 **check,
             }
+            if backend != TRITON_BACKEND:
+                triton_rounds = sparse_rounds[density, TRITON_BACKEND]
+                record["triton_sparse_ms"] = round(statistics.median(triton_rounds), 3)
+                record["triton_sparse_ms_rounds"] = [round(t, 3) for t in triton_rounds]
             if settings:
                 record["launch_settings_ms"] = settings
             print(json.dumps(record), flush=True)
@@ -223,7 +236,7 @@ def evaluation_phase(records: list[dict], cache: Path, seconds_list: list[int]) 
     for seconds in seconds_list:
         bundle = request(config, "1344x768", float(seconds))
         rows = bundle.layout.sequence_length
-        times, outputs, reports = {}, {}, {}
+        times, outputs, reports, backends = {}, {}, {}, {}
         for name, mode in (("exact", FastMode()), ("sparse-attention", SPARSE)):
             den = _denoiser(paths, mode, config.num_layers)
             state = _start(den, bundle, config.num_layers)
@@ -234,6 +247,7 @@ def evaluation_phase(records: list[dict], cache: Path, seconds_list: list[int]) 
             outputs[name] = last[-1].float()
             if den.fast is not None and den.fast.attention is not None:
                 reports[name] = den.fast.attention.density_reached()
+                backends[name] = den.fast.attention.backend
             den.close()
             den = state = None  # frees the request's tensors before the next side's
             torch.cuda.empty_cache()
@@ -243,6 +257,7 @@ def evaluation_phase(records: list[dict], cache: Path, seconds_list: list[int]) 
             "phase": "evaluation", "canvas": "1344x768", "seconds": seconds, "rows": rows, "mode": "sparse-attention",
             "layers": config.num_layers, "sparse_layers": config.num_layers - 2 * SPARSE.sparse_dense_edge_layers,
             "density_cap": SPARSE.sparse_density, "density": round(reports["sparse-attention"], 4),
+            "backend": backends["sparse-attention"],
             "exact_ms": round(times["exact"], 1), "fast_ms": round(times["sparse-attention"], 1),
             "evaluation_speedup_vs_exact": round(times["exact"] / times["sparse-attention"], 3),
             "velocity_rel_l2_vs_exact": round(rel, 4),

@@ -28,10 +28,13 @@ from vflash_core.engine.fast_mode_run import describe_fast_mode
 from vflash_core.engine.model import sdpa_attention
 from vflash_core.engine.sparse_attention import (
     BLOCK_ROWS,
+    FLASH_ATTN4_BACKEND,
     BlockSparseAttention,
+    attend_selected,
     masked_attention,
     rank_key_blocks_reference,
     select_key_blocks,
+    sparse_backend,
     video_key_budget,
 )
 from vflash_core.errors import VflashError
@@ -377,3 +380,30 @@ def test_kernel_on_cuda_matches_the_masked_reference_bf16():
     out = block_sparse_attention(q2, k2, v2, sel.kv_blocks, sel.kv_counts, sel.dense_query_blocks)
     ref = masked_attention(q2.float(), k2.float(), v2.float(), sel)
     assert float((out.float() - ref).abs().max()) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_flash_attn4_block_sparse_matches_the_masked_reference_bf16():
+    """FlashAttention-4's block-sparse forward, where the mode picks it (Hopper with flash-attn-4 installed), on the
+    Triton kernel's test shapes: 8 heads x 128, 4,171 rows (33 blocks, the last ragged), the selection the mode runs,
+    the dense query blocks in cuDNN/flash SDPA; then v as the fused projection's view (row stride 3I)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, 4171, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    if sparse_backend(q) != FLASH_ATTN4_BACKEND:
+        pytest.skip("the mode runs flash-attn-4 only on Hopper, with flash-attn-4 installed")
+    for density in (0.15, 0.5, 1.0):
+        sel = select_key_blocks(q, k, 600, density, 0.9, 1)
+        out = attend_selected(q, k, v, sel, sdpa_attention, FLASH_ATTN4_BACKEND)
+        ref = masked_attention(q.float(), k.float(), v.float(), sel)
+        assert float((out.float() - ref).abs().max()) < 1e-2, density  # bf16 operands and output
+    qkv = torch.randn(1, 4171, 3 * 8 * 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    q2, k2, v2 = (t.unflatten(-1, (8, 128)) for t in qkv.split(8 * 128, dim=-1))
+    sel = select_key_blocks(q2, k2, 600, 0.25, 0.9, 1)
+    out = attend_selected(q2, k2, v2, sel, sdpa_attention, FLASH_ATTN4_BACKEND)
+    ref = masked_attention(q2.float(), k2.float(), v2.float(), sel)
+    assert float((out.float() - ref).abs().max()) < 1e-2
+    # a selection whose query blocks all hold prefix rows leaves nothing to the block-sparse forward
+    sel = select_key_blocks(q, k, 4171, 0.25, 0.9, 1)
+    out = attend_selected(q, k, v, sel, sdpa_attention, FLASH_ATTN4_BACKEND)
+    assert torch.equal(out, sdpa_attention(q, k, v))

@@ -15,8 +15,8 @@
 Defaults, and why:
 
 * density 0.25 of the attention map (the dense prefix rows and keys included), mass 0.9: at 1344x768 a quarter of the
-  map is where the block-sparse kernel runs 2.7-3.1x FlashAttention-3 dense and published training-free selections
-  keep most of the attention mass;
+  map is where block-sparse attention runs 3-3.7x FlashAttention-3 dense on an H100 (Vflash's Triton kernel to
+  FlashAttention-4's block-sparse forward) and published training-free selections keep most of the attention mass;
 * 3 dense edge layers at each end (44 of 50 sparse) and the first evaluation dense;
 * step-cache threshold 0.1 (relative L1 of the first block's residual), warm-up 2 evaluations: a conservative setting
   of the first-block cache, which on a 16-evaluation schedule can skip at most every other evaluation after warm-up.

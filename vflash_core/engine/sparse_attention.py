@@ -17,16 +17,19 @@ keys count against it, and the video query blocks share what is left evenly (the
 blocks can take a query block past it, where the budget is smaller than they are.
 
 The selection is training-free and costs a few pooled matrix products per call (no full score matrix). On CUDA the
-ranking runs in `vflash_kernels.block_selection` and the kept blocks through `vflash_kernels.block_sparse_attention`,
-the query blocks holding prefix rows through the dense backend (FlashAttention-3 on Hopper computes a block faster
-than the block-sparse kernel); on the CPU through their references, `rank_key_blocks_reference` and the masked
-dense attention (`masked_attention`), which are also what the kernels are tested against.
+ranking runs in `vflash_kernels.block_selection`; the kept blocks run in FlashAttention-4's block-sparse forward on
+Hopper where flash-attn-4 is installed (`sparse_backend`), in `vflash_kernels.block_sparse_attention` elsewhere; the
+query blocks holding prefix rows run in the dense backend (FlashAttention-3 on Hopper computes a block faster than
+Vflash's kernel). On the CPU they run through their references, `rank_key_blocks_reference` and the masked dense
+attention (`masked_attention`), which are also what the kernels are tested against.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,12 +37,18 @@ import torch.nn.functional as F
 from .model import AttentionFn
 
 __all__ = [
-    "BLOCK_ROWS", "BlockSelection", "BlockSparseAttention", "masked_attention", "rank_key_blocks_reference",
-    "select_key_blocks", "video_key_budget",
+    "BLOCK_ROWS", "FLASH_ATTN4_BACKEND", "MASKED_BACKEND", "TRITON_BACKEND", "BlockSelection", "BlockSparseAttention",
+    "attend_selected", "flash_attn4_block_sparse_attention", "masked_attention", "rank_key_blocks_reference",
+    "select_key_blocks", "sparse_backend", "video_key_budget",
 ]
 
 #: Rows per query and key block (the kernel's tile height; `vflash_kernels.block_sparse_attention.BLOCK_ROWS`).
 BLOCK_ROWS = 128
+
+#: What runs the kept blocks of a sparse call (the request's report names it).
+FLASH_ATTN4_BACKEND = "flash-attn-4-block-sparse"
+TRITON_BACKEND = "vflash-block-sparse-triton"
+MASKED_BACKEND = "masked-sdpa"
 
 
 @dataclass(frozen=True)
@@ -159,6 +168,74 @@ def rank_key_blocks_reference(
     return kv_blocks, (counts + prefix).to(torch.int32)
 
 
+@functools.cache
+def _flash_attn4() -> tuple[Any, Any] | None:
+    """flash-attn-4's `flash_attn_func` and its block-sparsity tensors' type, or None where it is not installed."""
+    try:
+        from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+        from flash_attn.cute.interface import flash_attn_func
+    except (ImportError, OSError):  # OSError: its CUDA DSL libraries present but not loadable here
+        return None
+    return flash_attn_func, BlockSparseTensorsTorch
+
+
+def sparse_backend(q: torch.Tensor) -> str:
+    """What runs the kept blocks for (1, S, heads, D) q: the masked dense reference off CUDA; FlashAttention-4's
+    block-sparse forward on Hopper (sm90) where flash-attn-4 is installed and D is a multiple of 16 up to 128, where
+    its tiles are the 128-row blocks; Vflash's Triton kernel elsewhere. FlashAttention-4 overlaps one warp group's
+    softmax with another's matrix products, which the Triton kernel cannot: on one H100 at H3's 1344x768 5 s map and
+    density 0.25 it ran 16.4 ms where the Triton kernel ran 20.0 (FlashAttention-3 dense: 60.1)."""
+    if q.device.type != "cuda":
+        return MASKED_BACKEND
+    head_dim = q.shape[-1]
+    hopper = torch.cuda.get_device_capability(q.device)[0] == 9
+    if hopper and head_dim <= 128 and head_dim % 16 == 0 and _flash_attn4() is not None:
+        return FLASH_ATTN4_BACKEND
+    return TRITON_BACKEND
+
+
+def flash_attn4_block_sparse_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: BlockSelection, dense: AttentionFn
+) -> torch.Tensor:
+    """Attention of (1, S, heads, D) q, k, v over `selection` in FlashAttention-4's block-sparse forward (every listed
+    block whole, as its "full" blocks; the ragged last key block is bounded by the sequence length); the dense query
+    blocks' rows through `dense`. Returns (1, S, heads, D), q's dtype."""
+    functions = _flash_attn4()
+    if functions is None:
+        raise RuntimeError("flash-attn-4 is not installed")
+    flash_attn_func, block_sparse_tensors = functions
+    rows = q.shape[1]
+    first = min(rows, selection.dense_query_blocks * BLOCK_ROWS)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if first:
+        out[:, :first] = dense(q[:, :first], k, v)
+    if first < rows:
+        heads, sparse_blocks = selection.kv_counts.shape
+        none = torch.zeros(1, heads, sparse_blocks, dtype=torch.int32, device=q.device)  # no partially masked blocks
+        tensors = block_sparse_tensors(
+            mask_block_cnt=none, mask_block_idx=none[..., None], full_block_cnt=selection.kv_counts[None],
+            full_block_idx=selection.kv_blocks[None], block_size=(BLOCK_ROWS, BLOCK_ROWS),
+        )
+        out[:, first:] = flash_attn_func(q[:, first:], k, v, block_sparse_tensors=tensors)[0]
+    return out
+
+
+def attend_selected(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: BlockSelection, dense: AttentionFn, backend: str
+) -> torch.Tensor:
+    """Attention of (1, S, heads, D) q, k, v over `selection` in `backend` (see `sparse_backend`); on CUDA the dense
+    query blocks' rows through `dense`."""
+    if backend == MASKED_BACKEND:
+        return masked_attention(q, k, v, selection)
+    if backend == FLASH_ATTN4_BACKEND:
+        return flash_attn4_block_sparse_attention(q, k, v, selection, dense)
+    from vflash_kernels.block_sparse_attention import block_sparse_attention
+
+    return block_sparse_attention(
+        q, k, v, selection.kv_blocks, selection.kv_counts, selection.dense_query_blocks, dense
+    )
+
+
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: BlockSelection) -> torch.Tensor:
     """The reference: dense attention of (1, S, heads, D) q, k, v with every pair outside the selection masked out."""
     rows = q.shape[1]
@@ -182,7 +259,7 @@ class BlockSparseAttention:
         self.reset()
 
     def reset(self) -> None:
-        self.backend: str | None = None  # what ran the sparse calls: the kernel on CUDA, the masked reference elsewhere
+        self.backend: str | None = None  # what ran the sparse calls' kept blocks (`sparse_backend`)
         self.dense_calls = 0
         self.sparse_calls = 0
         self._kept: torch.Tensor | int = 0  # summed on the device, read once per request
@@ -201,15 +278,8 @@ class BlockSparseAttention:
         self.sparse_calls += 1
         self._kept = self._kept + selection.kept_pairs_on_device()
         self.total_pairs += selection.total_pairs
-        if q.device.type != "cuda":
-            self.backend = "masked-sdpa"
-            return masked_attention(q, k, v, selection)
-        from vflash_kernels.block_sparse_attention import block_sparse_attention
-
-        self.backend = "vflash-block-sparse-triton"
-        return block_sparse_attention(
-            q, k, v, selection.kv_blocks, selection.kv_counts, selection.dense_query_blocks, self.dense
-        )
+        self.backend = sparse_backend(q)
+        return attend_selected(q, k, v, selection, self.dense, self.backend)
 
     @property
     def kept_pairs(self) -> int:
