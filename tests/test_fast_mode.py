@@ -9,6 +9,7 @@ is not the GPU's. The `gpu` test compares bf16 on CUDA.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -29,8 +30,11 @@ from vflash_core.engine.model import sdpa_attention
 from vflash_core.engine.sparse_attention import (
     BLOCK_ROWS,
     FLASH_ATTN4_BACKEND,
+    MASKED_BACKEND,
+    TRITON_BACKEND,
     BlockSparseAttention,
     attend_selected,
+    cuda_sparse_backend,
     masked_attention,
     rank_key_blocks_reference,
     select_key_blocks,
@@ -192,6 +196,27 @@ def test_ranking_kernel_matches_its_reference_in_the_interpreter():
 
 
 # -- the options ----------------------------------------------------------------------------------------------------
+
+
+def test_cuda_backend_is_flash_attn4_only_on_hopper_where_installed(monkeypatch, caplog):
+    """The rule, without a GPU: FlashAttention-4 on sm90 at head widths its 128-row tiles serve, when it imports;
+    the Triton kernel otherwise, and on Hopper a one-time hint that flash-attn-4 would be faster."""
+    from vflash_core.engine import sparse_attention
+
+    monkeypatch.setattr(sparse_attention, "_flash_attn4", lambda: (object(), object()))
+    assert cuda_sparse_backend((9, 0), 128) == FLASH_ATTN4_BACKEND
+    assert cuda_sparse_backend((9, 0), 64) == FLASH_ATTN4_BACKEND
+    for capability, head_dim in (((9, 0), 256), ((9, 0), 120), ((8, 0), 128), ((8, 9), 128), ((10, 0), 128),
+                                 ((12, 0), 128)):
+        assert cuda_sparse_backend(capability, head_dim) == TRITON_BACKEND, (capability, head_dim)
+    monkeypatch.setattr(sparse_attention, "_flash_attn4", lambda: None)
+    sparse_attention._say_flash_attn4_is_missing.cache_clear()
+    with caplog.at_level(logging.INFO, logger="vflash_core.engine.sparse_attention"):
+        assert cuda_sparse_backend((9, 0), 128) == TRITON_BACKEND
+        assert cuda_sparse_backend((9, 0), 128) == TRITON_BACKEND
+    hints = [r.getMessage() for r in caplog.records if r.name == "vflash_core.engine.sparse_attention"]
+    assert len(hints) == 1 and "flash-attn-4 is not installed" in hints[0], hints  # said once a process
+    assert sparse_backend(torch.zeros(1, 4, 2, 128)) == MASKED_BACKEND
 
 
 def test_fast_mode_names_and_refusals():

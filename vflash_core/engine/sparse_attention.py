@@ -27,6 +27,7 @@ attention (`masked_attention`), which are also what the kernels are tested again
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -36,10 +37,12 @@ import torch.nn.functional as F
 
 from .model import AttentionFn
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "BLOCK_ROWS", "FLASH_ATTN4_BACKEND", "MASKED_BACKEND", "TRITON_BACKEND", "BlockSelection", "BlockSparseAttention",
-    "attend_selected", "flash_attn4_block_sparse_attention", "masked_attention", "rank_key_blocks_reference",
-    "select_key_blocks", "sparse_backend", "video_key_budget",
+    "attend_selected", "cuda_sparse_backend", "flash_attn4_block_sparse_attention", "masked_attention",
+    "rank_key_blocks_reference", "select_key_blocks", "sparse_backend", "video_key_budget",
 ]
 
 #: Rows per query and key block (the kernel's tile height; `vflash_kernels.block_sparse_attention.BLOCK_ROWS`).
@@ -180,18 +183,32 @@ def _flash_attn4() -> tuple[Any, Any] | None:
 
 
 def sparse_backend(q: torch.Tensor) -> str:
-    """What runs the kept blocks for (1, S, heads, D) q: the masked dense reference off CUDA; FlashAttention-4's
-    block-sparse forward on Hopper (sm90) where flash-attn-4 is installed and D is a multiple of 16 up to 128, where
-    its tiles are the 128-row blocks; Vflash's Triton kernel elsewhere. FlashAttention-4 overlaps one warp group's
-    softmax with another's matrix products, which the Triton kernel cannot: on one H100 at H3's 1344x768 5 s map and
-    density 0.25 it ran 16.4 ms where the Triton kernel ran 20.0 (FlashAttention-3 dense: 60.1)."""
+    """What runs the kept blocks for (1, S, heads, D) q: the masked dense reference off CUDA, else
+    `cuda_sparse_backend`."""
     if q.device.type != "cuda":
         return MASKED_BACKEND
-    head_dim = q.shape[-1]
-    hopper = torch.cuda.get_device_capability(q.device)[0] == 9
-    if hopper and head_dim <= 128 and head_dim % 16 == 0 and _flash_attn4() is not None:
-        return FLASH_ATTN4_BACKEND
-    return TRITON_BACKEND
+    return cuda_sparse_backend(torch.cuda.get_device_capability(q.device), q.shape[-1])
+
+
+def cuda_sparse_backend(capability: tuple[int, int], head_dim: int) -> str:
+    """What runs the kept blocks on a CUDA device of `capability`: FlashAttention-4's block-sparse forward on Hopper
+    (sm90) where flash-attn-4 is installed and `head_dim` is a multiple of 16 up to 128, where its tiles are the
+    128-row blocks; Vflash's Triton kernel elsewhere. FlashAttention-4 overlaps one warp group's softmax with another's
+    matrix products, which the Triton kernel cannot: on one H100 at H3's 1344x768 5 s map and density 0.25 it ran
+    16.4 ms where the Triton kernel ran 20.0 (FlashAttention-3 dense: 60.1)."""
+    if capability[0] != 9 or head_dim > 128 or head_dim % 16:
+        return TRITON_BACKEND
+    if _flash_attn4() is None:
+        _say_flash_attn4_is_missing()
+        return TRITON_BACKEND
+    return FLASH_ATTN4_BACKEND
+
+
+@functools.cache
+def _say_flash_attn4_is_missing() -> None:
+    logger.info("sparse-attention on Hopper: flash-attn-4 is not installed, so Vflash's Triton kernel runs the kept "
+                "blocks (FlashAttention-4's block-sparse forward is about 1.2x faster there: "
+                "pip install 'vflash[sm90]')")
 
 
 def flash_attn4_block_sparse_attention(
