@@ -30,7 +30,10 @@ ln -sfn "$R/repo/vflash_core" "$R/site/vflash_core"
 ln -sfn "$R/repo/kernels" "$R/site/vflash_kernels"
 ln -sfn "$R/repo/nodes" "$R/site/vflash_nodes"
 # The machine's host memory: its RAM can start small and grow, so MemTotal is not read for the staging plan.
-export PYTHONPATH=$R/site:$R/repo VFLASH_RESULTS=$R/results VFLASH_COMMIT=$COMMIT PYTHONUNBUFFERED=1 VFLASH_HOST_MEMORY_GIB=${VFLASH_HOST_MEMORY_GIB:-125}
+# flash-attn-4 and its CUDA DSL, where a call unpacked them into $R/fa4 (two parts over two calls, RUNNING.md); the
+# DSL's own packages folder is what its .pth file would add in site-packages.
+FA4_PATH=; [ -d "$R/fa4/flash_attn" ] && FA4_PATH=$R/fa4:$R/fa4/nvidia_cutlass_dsl/dsl_packages:
+export PYTHONPATH=$FA4_PATH$R/site:$R/repo VFLASH_RESULTS=$R/results VFLASH_COMMIT=$COMMIT PYTHONUNBUFFERED=1 VFLASH_HOST_MEMORY_GIB=${VFLASH_HOST_MEMORY_GIB:-125}
 left() { echo $(( (END - $(date +%s)) / 60 )); }
 WORK="--work /root/e2e --shm /dev/shm/vflash"
 

@@ -387,7 +387,7 @@ def fast_mode_figures(data: dict) -> str:
     cache = [r for r in records if r["phase"] == "step_cache"]
     e2e = [{**r, **{f"{k}_{'exact' if side == 'exact' else 'fast'}": v for k in ("e2e_seconds", "denoise_seconds")
                     for side, v in r[k].items()},
-            "path": ("`vflash compare` (fast side first, with its first-use compile)" if "command" in r
+            "path": ("`vflash compare` (fast side first)" if "command" in r
                      else "`pipeline.compare` after one fast warm-up request")}
            for r in records if r["phase"] == "e2e"]
     parts = [(f"Measured by `benchmarks/fast_mode.py` ({data['gpu']}, torch {data['torch']}; the commit of each row in its "

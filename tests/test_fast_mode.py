@@ -11,9 +11,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -36,6 +38,7 @@ from vflash_core.engine.sparse_attention import (
     attend_selected,
     cuda_sparse_backend,
     masked_attention,
+    prepare_sparse_backend,
     rank_key_blocks_reference,
     select_key_blocks,
     sparse_backend,
@@ -128,6 +131,31 @@ def test_attention_is_dense_until_armed():
     out = attention(q, k, v)
     assert out.shape == q.shape and attention.sparse_calls == 1 and len(calls) == 1
     assert 0 < attention.density_reached() < 1
+
+
+def test_the_first_sparse_call_waits_for_the_preparation_and_raises_its_error(monkeypatch):
+    from vflash_core.engine import sparse_attention
+
+    started = threading.Event()
+    release = threading.Event()
+
+    def prepare(device, head_dim, dense):
+        started.set()
+        release.wait(10)
+        raise RuntimeError(f"no kernel for {head_dim}")
+
+    monkeypatch.setattr(sparse_attention, "prepare_sparse_backend", prepare)
+    attention = BlockSparseAttention(lambda q, k, v: q, density=0.25, mass=0.9, local_blocks=1)
+    attention.prepare(torch.device("cpu"), 16)
+    attention.prepare(torch.device("cpu"), 32)  # once per attention
+    assert started.wait(10)
+    q, k, v = _qkv(4 * BLOCK_ROWS)
+    assert attention(q, k, v) is q, "dense calls do not wait"
+    attention.arm(BLOCK_ROWS)
+    release.set()
+    with pytest.raises(RuntimeError, match="no kernel for 16"):
+        attention(q, k, v)
+    assert attention.sparse_calls == 0
 
 
 # -- the kernel in the interpreter ----------------------------------------------------------------------------------
@@ -253,7 +281,8 @@ def exact(tiny_compiled, bundle):
         return session.generate(bundle)
 
 
-def test_sparse_attention_session_reports_what_ran(tiny_compiled, bundle, exact):
+def test_sparse_attention_session_reports_what_ran(tiny_compiled, bundle, exact, caplog):
+    caplog.set_level(logging.INFO, logger="vflash_core.engine.sparse_attention")
     mode = FastMode(("sparse-attention",), sparse_density=0.2, sparse_dense_edge_layers=0)
     with NativeEngineSession("t2va-base4-exact-cpu", CompiledPaths(**tiny_compiled), EngineOptions(fast_mode=mode)) as session:
         result = session.generate(bundle)
@@ -271,6 +300,9 @@ def test_sparse_attention_session_reports_what_ran(tiny_compiled, bundle, exact)
     assert torch.isfinite(result.video_latents).all()
     assert not torch.equal(result.video_latents, exact.video_latents), "sparse attention changes the trajectory"
     assert_bitwise(again.video_latents, result.video_latents, "a second request of the same session")
+    prepared = [r.getMessage() for r in caplog.records if "prepared while the weights load" in r.getMessage()]
+    assert len(prepared) == 1 and re.fullmatch(r"sparse-attention on cpu: the kept blocks run in masked-sdpa \(ready "
+                                               r"in \d+\.\d s, prepared while the weights load\)", prepared[0])
     rel = float((result.video_latents - exact.video_latents).norm() / exact.video_latents.norm())
     assert rel < 0.5
 
@@ -432,3 +464,22 @@ def test_flash_attn4_block_sparse_matches_the_masked_reference_bf16():
     sel = select_key_blocks(q, k, 4171, 0.25, 0.9, 1)
     out = attend_selected(q, k, v, sel, sdpa_attention, FLASH_ATTN4_BACKEND)
     assert torch.equal(out, sdpa_attention(q, k, v))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_preparing_compiles_the_kernel_the_requests_run():
+    """`prepare_sparse_backend`'s small call compiles the flash-attn-4 kernel a request's call at H3's head count and
+    another length runs: that call compiles nothing more."""
+    x = torch.zeros(1, 8, 2, 128, device="cuda", dtype=torch.bfloat16)
+    if sparse_backend(x) != FLASH_ATTN4_BACKEND:
+        pytest.skip("the mode runs flash-attn-4 only on Hopper, with flash-attn-4 installed")
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    assert prepare_sparse_backend(torch.device("cuda"), 128, sdpa_attention) == FLASH_ATTN4_BACKEND
+    compiled = set(_flash_attn_fwd.compile_cache.cache)
+    assert compiled, "the preparation compiled a kernel"
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn(1, 9001, 56, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    attend_selected(q, k, v, select_key_blocks(q, k, 700, 0.25, 0.9, 1), sdpa_attention, FLASH_ATTN4_BACKEND)
+    assert set(_flash_attn_fwd.compile_cache.cache) == compiled

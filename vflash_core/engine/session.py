@@ -255,6 +255,8 @@ class NativeEngineSession:
             self._host_blocks = [BlockFiles(self.compiled, pin, load)]
         for rank, dev in enumerate(self.devices):
             ops, fast = self._rank_ops(config, rank, dev)
+            if fast.attention is not None:
+                fast.attention.prepare(dev, config.attention_head_dim)
             if hooks.native_denoiser_loader is not None:
                 den = hooks.load_denoiser(self.compiled, DenoiserLoad(dev, ops, load))
             else:

@@ -26,9 +26,13 @@ attention (`masked_attention`), which are also what the kernels are tested again
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +46,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "BLOCK_ROWS", "FLASH_ATTN4_BACKEND", "MASKED_BACKEND", "TRITON_BACKEND", "BlockSelection", "BlockSparseAttention",
     "attend_selected", "cuda_sparse_backend", "flash_attn4_block_sparse_attention", "masked_attention",
-    "rank_key_blocks_reference", "select_key_blocks", "sparse_backend", "video_key_budget",
+    "prepare_sparse_backend", "rank_key_blocks_reference", "select_key_blocks", "sparse_backend", "video_key_budget",
 ]
 
 #: Rows per query and key block (the kernel's tile height; `vflash_kernels.block_sparse_attention.BLOCK_ROWS`).
@@ -253,6 +257,27 @@ def attend_selected(
     )
 
 
+#: One preparation at a time: the devices of a multi-device session share the compiled kernels.
+_PREPARE_LOCK = threading.Lock()
+
+
+def prepare_sparse_backend(device: torch.device, head_dim: int, dense: AttentionFn) -> str:
+    """Pay the first-use cost of `device`'s sparse backend now, with one small sparse call in bf16: flash-attn-4's
+    import and its kernel's compile took 9.8 s and 5.5 s on a fresh H100 machine; Triton's kernels compile too. Their
+    compiled kernels are keyed on the dtype, the head size and the kind of call, not on the sequence length, so a
+    request's calls reuse them. Deterministic inputs: no random generator is drawn from. Returns the backend."""
+    rows, heads = 4 * BLOCK_ROWS, 2
+    with _PREPARE_LOCK, torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        x = torch.linspace(-1.0, 1.0, rows * heads * head_dim, device=device).reshape(1, rows, heads, head_dim)
+        x = x.to(torch.bfloat16)
+        selection = select_key_blocks(x, x, BLOCK_ROWS, 0.5, 1.0, 1)
+        backend = sparse_backend(x)
+        attend_selected(x, x, x, selection, dense, backend)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return backend
+
+
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: BlockSelection) -> torch.Tensor:
     """The reference: dense attention of (1, S, heads, D) q, k, v with every pair outside the selection masked out."""
     rows = q.shape[1]
@@ -273,7 +298,25 @@ class BlockSparseAttention:
         self.dense = dense
         self.density, self.mass, self.local_blocks = density, mass, local_blocks
         self.sparse_from_row: int | None = None  # None: disarmed
+        self._prepared: Future[str] | None = None  # `prepare` running or done, until the first sparse call
         self.reset()
+
+    def prepare(self, device: torch.device, head_dim: int) -> None:
+        """Start `prepare_sparse_backend` on `device` in a background thread, so that its cost is paid while the
+        session loads its weights rather than in the first request; the first sparse call waits for it and raises
+        what it raised."""
+        if self._prepared is not None:
+            return
+        pool = ThreadPoolExecutor(1, thread_name_prefix="vflash-sparse-prepare")
+        self._prepared = pool.submit(self._prepare, device, head_dim)
+        pool.shutdown(wait=False)
+
+    def _prepare(self, device: torch.device, head_dim: int) -> str:
+        start = time.perf_counter()
+        backend = prepare_sparse_backend(device, head_dim, self.dense)
+        logger.info("sparse-attention on %s: the kept blocks run in %s (ready in %.1f s, prepared while the weights "
+                    "load)", device, backend, time.perf_counter() - start)
+        return backend
 
     def reset(self) -> None:
         self.backend: str | None = None  # what ran the sparse calls' kept blocks (`sparse_backend`)
@@ -291,6 +334,9 @@ class BlockSparseAttention:
         if self.sparse_from_row is None:
             self.dense_calls += 1
             return self.dense(q, k, v)
+        if self._prepared is not None:
+            self._prepared.result()
+            self._prepared = None
         selection = select_key_blocks(q, k, self.sparse_from_row, self.density, self.mass, self.local_blocks)
         self.sparse_calls += 1
         self._kept = self._kept + selection.kept_pairs_on_device()
