@@ -133,29 +133,35 @@ def test_attention_is_dense_until_armed():
     assert 0 < attention.density_reached() < 1
 
 
-def test_the_first_sparse_call_waits_for_the_preparation_and_raises_its_error(monkeypatch):
+def test_the_first_sparse_call_waits_for_the_preparation_and_runs_after_a_failed_one(monkeypatch, caplog):
     from vflash_core.engine import sparse_attention
 
     started = threading.Event()
     release = threading.Event()
+    finished = []
 
     def prepare(device, head_dim, dense):
         started.set()
         release.wait(10)
+        finished.append(head_dim)
         raise RuntimeError(f"no kernel for {head_dim}")
 
     monkeypatch.setattr(sparse_attention, "prepare_sparse_backend", prepare)
+    caplog.set_level(logging.WARNING, logger="vflash_core.engine.sparse_attention")
     attention = BlockSparseAttention(lambda q, k, v: q, density=0.25, mass=0.9, local_blocks=1)
     attention.prepare(torch.device("cpu"), 16)
     attention.prepare(torch.device("cpu"), 32)  # once per attention
     assert started.wait(10)
     q, k, v = _qkv(4 * BLOCK_ROWS)
-    assert attention(q, k, v) is q, "dense calls do not wait"
+    assert attention(q, k, v) is q and not finished, "dense calls do not wait"
     attention.arm(BLOCK_ROWS)
     release.set()
-    with pytest.raises(RuntimeError, match="no kernel for 16"):
-        attention(q, k, v)
-    assert attention.sparse_calls == 0
+    out = attention(q, k, v)
+    assert finished == [16], "the sparse call waited for the preparation"
+    assert out.shape == q.shape and attention.sparse_calls == 1 and attention.backend == MASKED_BACKEND
+    assert [r.getMessage() for r in caplog.records] == [
+        ("sparse-attention on cpu: preparing the sparse backend failed (RuntimeError: no kernel for 16); the first "
+         "sparse call pays its first use")]
 
 
 # -- the kernel in the interpreter ----------------------------------------------------------------------------------

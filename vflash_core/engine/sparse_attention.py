@@ -20,7 +20,8 @@ The selection is training-free and costs a few pooled matrix products per call (
 ranking runs in `vflash_kernels.block_selection`; the kept blocks run in FlashAttention-4's block-sparse forward on
 Hopper where flash-attn-4 is installed (`sparse_backend`), in `vflash_kernels.block_sparse_attention` elsewhere; the
 query blocks holding prefix rows run in the dense backend (FlashAttention-3 on Hopper computes a block faster than
-Vflash's kernel). On the CPU they run through their references, `rank_key_blocks_reference` and the masked dense
+Vflash's kernel). A session starts the backend's first use (an import, compiles) in a background thread while it loads
+its weights (`BlockSparseAttention.prepare`). On the CPU they run through their references, `rank_key_blocks_reference` and the masked dense
 attention (`masked_attention`), which are also what the kernels are tested against.
 """
 
@@ -298,25 +299,28 @@ class BlockSparseAttention:
         self.dense = dense
         self.density, self.mass, self.local_blocks = density, mass, local_blocks
         self.sparse_from_row: int | None = None  # None: disarmed
-        self._prepared: Future[str] | None = None  # `prepare` running or done, until the first sparse call
+        self._prepared: Future[None] | None = None  # `prepare` running or done, until the first sparse call
         self.reset()
 
     def prepare(self, device: torch.device, head_dim: int) -> None:
         """Start `prepare_sparse_backend` on `device` in a background thread, so that its cost is paid while the
-        session loads its weights rather than in the first request; the first sparse call waits for it and raises
-        what it raised."""
+        session loads its weights rather than in the first request; the first sparse call waits for it."""
         if self._prepared is not None:
             return
         pool = ThreadPoolExecutor(1, thread_name_prefix="vflash-sparse-prepare")
         self._prepared = pool.submit(self._prepare, device, head_dim)
         pool.shutdown(wait=False)
 
-    def _prepare(self, device: torch.device, head_dim: int) -> str:
+    def _prepare(self, device: torch.device, head_dim: int) -> None:
         start = time.perf_counter()
-        backend = prepare_sparse_backend(device, head_dim, self.dense)
+        try:
+            backend = prepare_sparse_backend(device, head_dim, self.dense)
+        except Exception as error:  # noqa: BLE001 - an early start only: the first sparse call compiles, raises there
+            logger.warning("sparse-attention on %s: preparing the sparse backend failed (%s: %s); the first sparse "
+                           "call pays its first use", device, type(error).__name__, error)
+            return
         logger.info("sparse-attention on %s: the kept blocks run in %s (ready in %.1f s, prepared while the weights "
                     "load)", device, backend, time.perf_counter() - start)
-        return backend
 
     def reset(self) -> None:
         self.backend: str | None = None  # what ran the sparse calls' kept blocks (`sparse_backend`)
