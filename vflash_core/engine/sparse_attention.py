@@ -21,8 +21,8 @@ ranking runs in `vflash_kernels.block_selection`; the kept blocks run in FlashAt
 Hopper where flash-attn-4 is installed (`sparse_backend`), in `vflash_kernels.block_sparse_attention` elsewhere; the
 query blocks holding prefix rows run in the dense backend (FlashAttention-3 on Hopper computes a block faster than
 Vflash's kernel). A session starts the backend's first use (an import, compiles) in a background thread while it loads
-its weights (`BlockSparseAttention.prepare`). On the CPU they run through their references, `rank_key_blocks_reference` and the masked dense
-attention (`masked_attention`), which are also what the kernels are tested against.
+its weights (`BlockSparseAttention.prepare`). On the CPU they run through their references, `rank_key_blocks_reference`
+and the masked dense attention (`masked_attention`), which are also what the kernels are tested against.
 """
 
 from __future__ import annotations
