@@ -30,9 +30,9 @@ file's records):
 * `e2e` (with `--prepared-assets`, a full-size receipt such as `end_to_end.py` stages): prompt to decoded frames by
   running `vflash compare` itself at 1344x768, exact against a fast mode on one pipeline (the fast side first, carrying
   what is left of the sparse backend's first use): the receipt's profile, `--e2e-seconds` long, with
-  `--e2e-fast-mode` (default `sparse-attention`) and, for a keyframe profile, `--first-frame`. Measured: Turbo4 5 s with `sparse-attention`, and
-  a Base16 keyframe profile (`end_to_end.py --profile i2va-base16-bf16-sm90` stages it) 10 s with
-  `sparse-attention+step-cache`. Each side's request and denoise seconds, the block evaluations run, and the decoded
+  `--e2e-fast-mode` (default `sparse-attention`) and, for a keyframe profile, `--first-frame`. Measured: Turbo4 5 s
+  with `sparse-attention`, and a Base16 keyframe profile (`end_to_end.py --profile i2va-base16-bf16-sm90` stages it)
+  10 s with `sparse-attention+step-cache`. Each side's request and denoise seconds, the block evaluations run, and the decoded
   frames' PSNR / SSIM and the soundtrack's log-spectral distance against exact, from its `comparison.json`. Its MP4s
   (exact, fast, side by side) and `comparison.json` go to `--output-dir`.
 
@@ -317,8 +317,8 @@ E2E_COVERS = "validate, encode, denoise and decode to frames in memory; the MP4 
 def e2e_phase(records: list[dict], assets: Path, output_dir: Path, mode: FastMode, seconds: int,
               first_frame: Path | None, width: int = 1344, height: int = 768) -> None:
     """Prompt (and a first frame, for a keyframe profile) to decoded frames at full size, exact against `mode`, through
-    `vflash compare` itself (the command users run, in its own process: one pipeline, the fast side first, carrying what is
-    left of the sparse backend's first use). The profile is the receipt's."""
+    `vflash compare` itself (the command users run, in its own process: one pipeline, the fast side first, carrying
+    what is left of the sparse backend's first use). The profile is the receipt's."""
     import subprocess
 
     from end_to_end import PROMPT, REQUEST_SEED  # the request the full-size benchmarks time
