@@ -343,13 +343,24 @@ def test_step_cache_skips_and_reports(tiny_compiled, bundle, exact, residency):
     assert not torch.equal(result.video_latents, exact.video_latents)
 
 
-def test_step_cache_in_a_block_ring_equals_resident(tiny_compiled, bundle):
-    mode = FastMode(("step-cache",), step_cache_threshold=10.0, step_cache_warmup=1)
-    results = []
-    for residency in ("resident", "block-ring"):
+def test_fast_modes_stream_weights_as_they_run_resident(tiny_compiled, bundle):
+    """Both fast modes at once, with the blocks resident, in a ring of two device slots, and read from their files on
+    every pass: the weights' residency changes where a block's weights come from, never what the modes compute."""
+    mode = FastMode(("sparse-attention", "step-cache"), sparse_density=0.2, sparse_dense_edge_layers=0,
+                    step_cache_threshold=10.0, step_cache_warmup=1)
+    results = {}
+    for residency in ("resident", "block-ring", "disk-ring"):
         with NativeEngineSession("t2va-base4-exact-cpu", CompiledPaths(**tiny_compiled), EngineOptions(fast_mode=mode, weight_residency=residency)) as session:
-            results.append(session.generate(bundle))
-    assert_bitwise(results[1].video_latents, results[0].video_latents, "block-ring vs resident under the step cache")
+            results[residency] = session.generate(bundle)
+    resident = results["resident"]
+    assert resident.metadata["fast_mode"]["sparse_attention"]["sparse_calls"] > 0
+    assert resident.metadata["fast_mode"]["step_cache"]["evaluations_cached"] == [1]
+    for residency in ("block-ring", "disk-ring"):
+        got = results[residency]
+        assert got.metadata["weight_residency"] == residency
+        assert got.metadata["fast_mode"] == resident.metadata["fast_mode"], residency
+        assert_bitwise(got.video_latents, resident.video_latents, f"{residency} vs resident under both fast modes")
+        assert_bitwise(got.audio_latents, resident.audio_latents, f"{residency} vs resident audio")
 
 
 def test_step_cache_that_never_reuses_is_exact(tiny_compiled, bundle, exact):
