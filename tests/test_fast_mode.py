@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import warnings
 from pathlib import Path
 
 import pytest
@@ -251,6 +252,21 @@ def test_cuda_backend_is_flash_attn4_only_on_hopper_where_installed(monkeypatch,
     hints = [r.getMessage() for r in caplog.records if r.name == "vflash_core.engine.sparse_attention"]
     assert len(hints) == 1 and "flash-attn-4 is not installed" in hints[0], hints  # said once a process
     assert sparse_backend(torch.zeros(1, 4, 2, 128)) == MASKED_BACKEND
+
+
+def test_flash_attn4_compile_warning_is_hidden_and_no_other():
+    """The one warning flash-attn-4's Hopper forward prints on each compile (as its 4.0.0b40 prints it) is hidden once
+    flash-attn-4 is imported; the CUDA DSL's same warning about another argument still shows."""
+    from vflash_core.engine import sparse_attention
+
+    kernel = "cutlass___call___flash_attncuteflash_fwd_sm90FlashAttentionForwardSm90_object_at__Tensorgmemoi64i64i641"
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        sparse_attention._quiet_flash_attn4_compile_warning()
+        for argument in ("aux_data (position 17)", "scale (position 3)"):
+            warnings.warn(f"Argument {argument} cannot be converted to a JitArgument for function '{kernel}'. If it is a "
+                          f"compile-time constant, annotate it", UserWarning, stacklevel=1)
+    assert [str(w.message)[:27] for w in shown] == ["Argument scale (position 3)"]
 
 
 def test_fast_mode_names_and_refusals():

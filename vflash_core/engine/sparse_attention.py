@@ -33,6 +33,7 @@ import logging
 import math
 import threading
 import time
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -184,7 +185,17 @@ def _flash_attn4() -> tuple[Any, Any] | None:
         from flash_attn.cute.interface import flash_attn_func
     except (ImportError, OSError):  # OSError: its CUDA DSL libraries present but not loadable here
         return None
+    _quiet_flash_attn4_compile_warning()
     return flash_attn_func, BlockSparseTensorsTorch
+
+
+def _quiet_flash_attn4_compile_warning() -> None:
+    """Hide the warning each compile of flash-attn-4's Hopper forward prints: its `aux_data` argument (empty here) is
+    not a type the CUDA DSL passes at run time, and the warning, a screenful of mangled kernel name, gives a user
+    nothing to act on. Other warnings of the CUDA DSL still show."""
+    warnings.filterwarnings(
+        "ignore", r"Argument aux_data \(position \d+\) cannot be converted to a JitArgument", UserWarning
+    )
 
 
 def sparse_backend(q: torch.Tensor) -> str:
