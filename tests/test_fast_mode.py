@@ -503,12 +503,14 @@ def test_flash_attn4_block_sparse_matches_the_masked_reference_bf16():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_preparing_compiles_the_kernel_the_requests_run():
     """`prepare_sparse_backend`'s small call compiles the flash-attn-4 kernel a request's call at H3's head count and
-    another length runs: that call compiles nothing more."""
+    another length runs: that call compiles nothing more. The in-memory cache starts empty, so that kernels the tests
+    before this one compiled cannot stand in for the preparation's."""
     x = torch.zeros(1, 8, 2, 128, device="cuda", dtype=torch.bfloat16)
     if sparse_backend(x) != FLASH_ATTN4_BACKEND:
         pytest.skip("the mode runs flash-attn-4 only on Hopper, with flash-attn-4 installed")
     from flash_attn.cute.interface import _flash_attn_fwd
 
+    _flash_attn_fwd.compile_cache.clear()
     assert prepare_sparse_backend(torch.device("cuda"), 128, sdpa_attention) == FLASH_ATTN4_BACKEND
     compiled = set(_flash_attn_fwd.compile_cache.cache)
     assert compiled, "the preparation compiled a kernel"
