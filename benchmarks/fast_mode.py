@@ -1,6 +1,7 @@
 """The fast modes against exact, on one GPU, in one process, on the same full-width random inputs.
 
     python benchmarks/fast_mode.py [--phases kernel evaluation step_cache e2e] [--cache /tmp/vflash-bench]
+                                   [--seconds 5 10 15] [--evaluation-densities 0.25 ...]
                                    [--prepared-assets RECEIPT --output-dir DIR [--e2e-seconds S]
                                     [--e2e-fast-mode MODE] [--first-frame IMAGE]]
 
@@ -20,9 +21,11 @@ file's records):
   Also: the selection's own time, each launch setting of the Triton kernel tried (its settings are the fastest of
   these), and the backend's max abs difference from the masked dense reference over the same blocks.
 * `evaluation`: one whole evaluation (50 full-width blocks, the text stream, the output heads) exact and with
-  `sparse-attention`, at 1344x768 5, 10 and 15 s. Four random blocks are compiled and the denoiser's 50 layers cycle
-  through them (the same weights every fourth layer; the work and the memory traffic of 50 distinct blocks), so layer
-  indices, dense edge layers and the selection are the mode's own. Evaluation 1 of the Turbo4 schedule (sparse).
+  `sparse-attention`, at 1344x768 5, 10 and 15 s, at the mode's default density cap or at each of
+  `--evaluation-densities` (the caps a user can pass as `--sparse-density`; the exact side is timed once per clip
+  length, in the same process). Four random blocks are compiled and the denoiser's 50 layers cycle through them (the
+  same weights every fourth layer; the work and the memory traffic of 50 distinct blocks), so layer indices, dense
+  edge layers and the selection are the mode's own. Evaluation 1 of the Turbo4 schedule (sparse).
 * `step_cache`: a whole 16-evaluation Base16 request (50 full-width layers, cycled like the evaluation phase's) exact
   and with `step-cache` at its default threshold, 1344x768 5 s: block evaluations run, the request's denoise time, the
   latents' relative L2 distance. On random weights the first block's residual decides what is cached: the record says
@@ -229,41 +232,41 @@ SPARSE = FastMode(("sparse-attention",))
 STEP_CACHE = FastMode(("step-cache",))
 
 
-def evaluation_phase(records: list[dict], cache: Path, seconds_list: list[int]) -> None:
-    """One whole 50-layer evaluation (step 1: sparse under the default dense evaluations), exact and sparse."""
+def evaluation_phase(records: list[dict], cache: Path, seconds_list: list[int], modes: list[FastMode]) -> None:
+    """One whole 50-layer evaluation (step 1: sparse under the default dense evaluations), exact and with each of the
+    sparse-attention `modes` (one per density cap)."""
     _, paths = compiled_model(cache, 4)
     config = full_width(50)
     for seconds in seconds_list:
         bundle = request(config, "1344x768", float(seconds))
         rows = bundle.layout.sequence_length
-        times, outputs, reports, backends = {}, {}, {}, {}
-        for name, mode in (("exact", FastMode()), ("sparse-attention", SPARSE)):
+        times, outputs, densities, backends = {}, {}, {}, {}
+        for mode in (FastMode(), *modes):
             den = _denoiser(paths, mode, config.num_layers)
             state = _start(den, bundle, config.num_layers)
             repeat = 3 if seconds == 5 else 1  # a 10 or 15 s evaluation runs 11-29 s: one is a long sample
             last: list[torch.Tensor] = []
             evaluate = lambda: last.append(den.evaluate(state, 1)[0])  # noqa: B023 - called within the iteration
-            times[name] = median_ms(evaluate, 1, repeat)
-            outputs[name] = last[-1].float()
+            times[mode] = median_ms(evaluate, 1, repeat)
+            outputs[mode] = last[-1].float()
             if den.fast is not None and den.fast.attention is not None:
-                reports[name] = den.fast.attention.density_reached()
-                backends[name] = den.fast.attention.backend
+                densities[mode] = den.fast.attention.density_reached()
+                backends[mode] = den.fast.attention.backend
             den.close()
             den = state = None  # frees the request's tensors before the next side's
             torch.cuda.empty_cache()
-        exact = outputs["exact"]
-        rel = float((outputs["sparse-attention"] - exact).norm() / exact.norm())
-        record = {
-            "phase": "evaluation", "canvas": "1344x768", "seconds": seconds, "rows": rows, "mode": "sparse-attention",
-            "layers": config.num_layers, "sparse_layers": config.num_layers - 2 * SPARSE.sparse_dense_edge_layers,
-            "density_cap": SPARSE.sparse_density, "density": round(reports["sparse-attention"], 4),
-            "backend": backends["sparse-attention"],
-            "exact_ms": round(times["exact"], 1), "fast_ms": round(times["sparse-attention"], 1),
-            "evaluation_speedup_vs_exact": round(times["exact"] / times["sparse-attention"], 3),
-            "velocity_rel_l2_vs_exact": round(rel, 4),
-        }
-        print(json.dumps(record), flush=True)
-        records.append(record)
+        exact = outputs[FastMode()]
+        for mode in modes:
+            record = {
+                "phase": "evaluation", "canvas": "1344x768", "seconds": seconds, "rows": rows, "mode": mode.name,
+                "layers": config.num_layers, "sparse_layers": config.num_layers - 2 * mode.sparse_dense_edge_layers,
+                "density_cap": mode.sparse_density, "density": round(densities[mode], 4), "backend": backends[mode],
+                "exact_ms": round(times[FastMode()], 1), "fast_ms": round(times[mode], 1),
+                "evaluation_speedup_vs_exact": round(times[FastMode()] / times[mode], 3),
+                "velocity_rel_l2_vs_exact": round(float((outputs[mode] - exact).norm() / exact.norm()), 4),
+            }
+            print(json.dumps(record), flush=True)
+            records.append(record)
 
 
 def _request(den: Denoiser, bundle, layers: int):
@@ -366,12 +369,13 @@ def e2e_phase(records: list[dict], assets: Path, output_dir: Path, mode: FastMod
     records.append(record)
 
 
-def kept_records(path: Path, phases: list[str], seconds: list[int]) -> list[dict]:
+def kept_records(path: Path, phases: list[str], seconds: list[int], densities: list[float]) -> list[dict]:
     """The earlier file's records this run does not measure again, each marked with the commit it was measured at.
 
-    An evaluation run replaces only its own clip lengths, so 5 s and 15 s measured earlier survive a run at 10 s; an
-    e2e run only its own profile's record at its clip length (`e2e_phase` replaces it once the receipt names the
-    profile), so Turbo4 5 s and Base16 keyframe 10 s survive each other.
+    An evaluation run replaces only its own clip lengths at its own density caps, so 5 s and 15 s measured earlier
+    survive a run at 10 s, and the default cap's records a run at another cap; an e2e run only its own profile's
+    record at its clip length (`e2e_phase` replaces it once the receipt names the profile), so Turbo4 5 s and Base16
+    keyframe 10 s survive each other.
     With `VFLASH_RESULTS` set (a device run writing outside the tree) the earlier file is the committed one.
     """
     if not path.exists():
@@ -382,11 +386,17 @@ def kept_records(path: Path, phases: list[str], seconds: list[int]) -> list[dict
 
     def measured_again(record: dict) -> bool:
         if record["phase"] == "evaluation":
-            return "evaluation" in phases and record["seconds"] in seconds
+            return "evaluation" in phases and record["seconds"] in seconds and record["density_cap"] in densities
         return record["phase"] in phases and record["phase"] != "e2e"
 
     return [{**r, "measured_at_commit": r.get("measured_at_commit", earlier["commit"])}
             for r in earlier["records"] if not measured_again(r)]
+
+
+def _evaluation_label(record: dict) -> str:
+    """An evaluation's result label: its clip length, and its density cap where that is not the mode's default."""
+    cap = record["density_cap"]
+    return f"1344x768 {record['seconds']} s" + ("" if cap == SPARSE.sparse_density else f", density {cap}")
 
 
 def summarize(records: list[dict]) -> dict[str, dict[str, object]]:
@@ -394,7 +404,7 @@ def summarize(records: list[dict]) -> dict[str, dict[str, object]]:
     summary: dict[str, dict[str, object]] = {}
     for phase, key, label in (
         ("kernel", "kernel_speedup_vs_fa3_dense", lambda r: f"N {r['rows']}, density {r['density_cap']}"),
-        ("evaluation", "evaluation_speedup_vs_exact", lambda r: f"1344x768 {r['seconds']} s"),
+        ("evaluation", "evaluation_speedup_vs_exact", _evaluation_label),
         ("step_cache", "block_evaluation_reduction", lambda r: f"1344x768 {r['seconds']} s, 16 evaluations"),
         ("step_cache", "latent_rel_l2_vs_exact", lambda r: f"1344x768 {r['seconds']} s, 16 evaluations"),
         ("e2e", "e2e_seconds", lambda r: f"{r['profile']} {r['canvas']} {r['seconds']} s"),
@@ -412,6 +422,9 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, default=Path("/tmp/vflash-bench"))
     parser.add_argument("--seconds", type=int, nargs="+", default=[5, 10, 15], choices=[5, 10, 15],
                         help="clip lengths of the evaluation phase")
+    parser.add_argument("--evaluation-densities", type=float, nargs="+", default=[SPARSE.sparse_density],
+                        metavar="FRACTION", help="the evaluation phase's sparse-attention density caps "
+                                                 f"(default the mode's, {SPARSE.sparse_density})")
     parser.add_argument("--step-cache-layers", type=int, default=50,
                         help="layers of the step-cache phase's request (cycled over 4 compiled blocks)")
     parser.add_argument("--prepared-assets", type=Path, help="a full-size receipt (the e2e phase)")
@@ -426,11 +439,13 @@ def main() -> None:
         parser.error("the e2e phase needs --prepared-assets")
     name = f"fast_mode_{gpu_tag()}"
     path = RESULTS / f"{name}.json"
-    records = kept_records(path, args.phases, args.seconds)
+    densities = list(dict.fromkeys(args.evaluation_densities))
+    sparse_modes = [replace(SPARSE, sparse_density=d) for d in densities]  # a cap outside (0, 1] stops here, early
+    records = kept_records(path, args.phases, args.seconds, densities)
     if "kernel" in args.phases:
         kernel_phase(records, args.sweep)
     if "evaluation" in args.phases:
-        evaluation_phase(records, args.cache, args.seconds)
+        evaluation_phase(records, args.cache, args.seconds, sparse_modes)
     if "step_cache" in args.phases:
         step_cache_phase(records, args.cache, args.step_cache_layers)
     if "e2e" in args.phases:

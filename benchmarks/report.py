@@ -393,7 +393,7 @@ def fast_mode_figures(data: dict) -> str:
     before_backends = {"backend": "vflash-block-sparse-triton"}  # records from before it was recorded: Triton
     kernel = [{**before_backends, **r} for r in records if r["phase"] == "kernel"]
     evaluation = sorted(({**before_backends, **r} for r in records if r["phase"] == "evaluation"),
-                        key=lambda r: r["seconds"])
+                        key=lambda r: (r["seconds"], -r["density_cap"]))
     cache = [r for r in records if r["phase"] == "step_cache"]
     e2e = [{**r, **{f"{k}_{'exact' if side == 'exact' else 'fast'}": v for k in ("e2e_seconds", "denoise_seconds")
                     for side, v in r[k].items()},
@@ -412,7 +412,7 @@ def fast_mode_figures(data: dict) -> str:
                                   ("fa3_tflops", "FA3 TFLOP/s"), ("measured_at", "commit")])]
     if evaluation:
         parts += ["", "One whole evaluation (50 full-width layers, 44 of them sparse), exact vs `sparse-attention`:", "",
-                  _table(evaluation, [("seconds", "clip s (1344x768)"), ("rows", "N"), ("density", "density"), ("backend", "kept blocks by"), ("exact_ms", "exact ms"),
+                  _table(evaluation, [("seconds", "clip s (1344x768)"), ("rows", "N"), ("density_cap", "density asked"), ("density", "density"), ("backend", "kept blocks by"), ("exact_ms", "exact ms"),
                                       ("fast_ms", "sparse ms"), ("evaluation_speedup_vs_exact", "speedup"),
                                       ("velocity_rel_l2_vs_exact", "velocity rel L2 (mechanism)"), ("measured_at", "commit")])]
     if cache:
@@ -442,8 +442,8 @@ def fast_mode_figures(data: dict) -> str:
 FAST_MODE_TARGETS = (
     ("the kernel at N 38,222, density 0.25", "kernel", {"rows": 38222, "density_cap": 0.25}, "kernel_speedup_vs_fa3_dense", 3.0),
     ("the kernel at N 38,222, density 0.15", "kernel", {"rows": 38222, "density_cap": 0.15}, "kernel_speedup_vs_fa3_dense", 4.5),
-    ("one evaluation at 1344x768 5 s", "evaluation", {"seconds": 5}, "evaluation_speedup_vs_exact", 1.5),
-    ("one evaluation at 1344x768 15 s", "evaluation", {"seconds": 15}, "evaluation_speedup_vs_exact", 2.2),
+    ("one evaluation at 1344x768 5 s", "evaluation", {"seconds": 5, "density_cap": 0.25}, "evaluation_speedup_vs_exact", 1.5),
+    ("one evaluation at 1344x768 15 s", "evaluation", {"seconds": 15, "density_cap": 0.25}, "evaluation_speedup_vs_exact", 2.2),
     ("block evaluations of a 16-evaluation Base16 request", "step_cache", {}, "block_evaluation_reduction", 1.4),
 )
 

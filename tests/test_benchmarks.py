@@ -54,3 +54,20 @@ def test_a_skipped_phase_keeps_what_an_earlier_run_measured_with_its_commit(tmp_
     ]
     assert run.data["stage_digests"] == {"1344x768": {"frames": "0f"}}, "a carried phase keeps the results it wrote at the top level"
     assert "bitwise_equal_to_diffusers" not in run.data, "a failed phase's top-level result is not carried"
+
+
+def test_an_evaluation_run_at_another_density_keeps_the_default_records_and_labels_its_own(tmp_path):
+    """A run of the evaluation phase at a lower `--sparse-density` must not replace the default cap's records (the
+    speed targets are judged on those), and its results must say which cap they were measured at."""
+    from fast_mode import kept_records, summarize
+
+    def evaluation(seconds, cap, speedup):
+        return {"phase": "evaluation", "seconds": seconds, "density_cap": cap, "evaluation_speedup_vs_exact": speedup}
+
+    earlier = tmp_path / "fast_mode_h100.json"
+    earlier.write_text(json.dumps({"commit": "abc", "records": [evaluation(5, 0.25, 1.56), evaluation(15, 0.25, 2.03)]}))
+    kept = kept_records(earlier, ["evaluation"], [15], [0.2])
+    assert [(r["seconds"], r["density_cap"], r["measured_at_commit"]) for r in kept] == [(5, 0.25, "abc"), (15, 0.25, "abc")]
+    assert [r["seconds"] for r in kept_records(earlier, ["evaluation"], [15], [0.25, 0.2])] == [5], "re-measured: replaced"
+    assert summarize([*kept, evaluation(15, 0.2, 2.2)])["evaluation_speedup_vs_exact"] == {
+        "1344x768 5 s": 1.56, "1344x768 15 s": 2.03, "1344x768 15 s, density 0.2": 2.2}
