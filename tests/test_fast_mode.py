@@ -449,52 +449,47 @@ def test_ranking_kernel_on_cuda_matches_its_reference():
                 assert torch.equal(kernel[0].cpu(), reference[0]) and torch.equal(kernel[1].cpu(), reference[1]), mass
 
 
+def _bf16_cases_on_cuda():
+    """The GPU tests' inputs at H3's head width: 8 heads x 128, 4,171 rows (33 blocks, the last ragged), with the
+    selection the mode runs at densities 0.15 / 0.5 / 1.0, then at 0.25 with v as the fused projection's view (row
+    stride 3I), as the blocks hand it over. Yields (density, q, k, v, selection, the masked fp32 reference)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, 4171, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    cases = [(density, q, k, v) for density in (0.15, 0.5, 1.0)]
+    qkv = torch.randn(1, 4171, 3 * 8 * 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    cases.append((0.25, *(t.unflatten(-1, (8, 128)) for t in qkv.split(8 * 128, dim=-1))))
+    for density, q, k, v in cases:
+        sel = select_key_blocks(q, k, 600, density, 0.9, 1)
+        yield density, q, k, v, sel, masked_attention(q.float(), k.float(), v.float(), sel)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_kernel_on_cuda_matches_the_masked_reference_bf16():
-    """bf16 at H3's head width (8 heads x 128, 4,171 rows: 33 blocks, the last ragged), the selection the mode runs."""
+    """The Triton kernel on `_bf16_cases_on_cuda`: the dense query blocks in the kernel, and (the contiguous inputs)
+    in cuDNN/flash SDPA."""
     from vflash_kernels.block_sparse_attention import block_sparse_attention
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(1, 4171, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
-    for density in (0.15, 0.5, 1.0):
-        sel = select_key_blocks(q, k, 600, density, 0.9, 1)
-        ref = masked_attention(q.float(), k.float(), v.float(), sel)
-        for dense in (None, sdpa_attention):  # the dense query blocks in the kernel, then in cuDNN/flash SDPA
+    for density, q, k, v, sel, ref in _bf16_cases_on_cuda():
+        for dense in (None, sdpa_attention) if v.is_contiguous() else (None,):
             out = block_sparse_attention(q, k, v, sel.kv_blocks, sel.kv_counts, sel.dense_query_blocks, dense)
             assert float((out.float() - ref).abs().max()) < 1e-2, density  # bf16 operands and output
-    # v as the fused projection's view (row stride 3I), as the blocks hand it over
-    qkv = torch.randn(1, 4171, 3 * 8 * 128, device="cuda", dtype=torch.bfloat16, generator=g)
-    q2, k2, v2 = (t.unflatten(-1, (8, 128)) for t in qkv.split(8 * 128, dim=-1))
-    sel = select_key_blocks(q2, k2, 600, 0.25, 0.9, 1)
-    out = block_sparse_attention(q2, k2, v2, sel.kv_blocks, sel.kv_counts, sel.dense_query_blocks)
-    ref = masked_attention(q2.float(), k2.float(), v2.float(), sel)
-    assert float((out.float() - ref).abs().max()) < 1e-2
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_flash_attn4_block_sparse_matches_the_masked_reference_bf16():
     """FlashAttention-4's block-sparse forward, where the mode picks it (Hopper with flash-attn-4 installed), on the
-    Triton kernel's test shapes: 8 heads x 128, 4,171 rows (33 blocks, the last ragged), the selection the mode runs,
-    the dense query blocks in cuDNN/flash SDPA; then v as the fused projection's view (row stride 3I)."""
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(1, 4171, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
-    if sparse_backend(q) != FLASH_ATTN4_BACKEND:
+    Triton kernel's cases (`_bf16_cases_on_cuda`), the dense query blocks in cuDNN/flash SDPA."""
+    if sparse_backend(torch.zeros(1, 8, 2, 128, device="cuda", dtype=torch.bfloat16)) != FLASH_ATTN4_BACKEND:
         pytest.skip("the mode runs flash-attn-4 only on Hopper, with flash-attn-4 installed")
-    for density in (0.15, 0.5, 1.0):
-        sel = select_key_blocks(q, k, 600, density, 0.9, 1)
+    cases = list(_bf16_cases_on_cuda())
+    for density, q, k, v, sel, ref in cases:
         out = attend_selected(q, k, v, sel, sdpa_attention, FLASH_ATTN4_BACKEND)
-        ref = masked_attention(q.float(), k.float(), v.float(), sel)
         assert float((out.float() - ref).abs().max()) < 1e-2, density  # bf16 operands and output
-    qkv = torch.randn(1, 4171, 3 * 8 * 128, device="cuda", dtype=torch.bfloat16, generator=g)
-    q2, k2, v2 = (t.unflatten(-1, (8, 128)) for t in qkv.split(8 * 128, dim=-1))
-    sel = select_key_blocks(q2, k2, 600, 0.25, 0.9, 1)
-    out = attend_selected(q2, k2, v2, sel, sdpa_attention, FLASH_ATTN4_BACKEND)
-    ref = masked_attention(q2.float(), k2.float(), v2.float(), sel)
-    assert float((out.float() - ref).abs().max()) < 1e-2
     # a selection whose query blocks all hold prefix rows leaves nothing to the block-sparse forward
-    sel = select_key_blocks(q, k, 4171, 0.25, 0.9, 1)
+    _, q, k, v, _, _ = cases[0]
+    sel = select_key_blocks(q, k, q.shape[1], 0.25, 0.9, 1)
     out = attend_selected(q, k, v, sel, sdpa_attention, FLASH_ATTN4_BACKEND)
     assert torch.equal(out, sdpa_attention(q, k, v))
 
