@@ -119,7 +119,8 @@ def test_compare_command_writes_three_mp4s_and_a_report(demo_receipt, tmp_path, 
     # existing files are refused before anything renders; exact is refused in one line
     assert main(argv) == 2
     assert "already exists" in capsys.readouterr().err
-    assert main([*argv[:-2], "--fast-mode", "exact", "--output-dir", str(tmp_path / "other")]) == 2
+    exact_argv = [a for a in argv[:-2] if a not in ("--step-cache-threshold", "10")]
+    assert main([*exact_argv, "--fast-mode", "exact", "--output-dir", str(tmp_path / "other")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["vflash: error: vflash compare needs --fast-mode (e.g. sparse-attention or step-cache), not exact"]
     assert not (tmp_path / "other").exists()

@@ -8,6 +8,7 @@ is not the GPU's. The `gpu` test compares bf16 on CUDA.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -276,6 +277,8 @@ def test_fast_mode_names_and_refusals():
     assert FastMode.parse("step-cache, sparse-attention").modes == ("step-cache", "sparse-attention")
     with pytest.raises(VflashError, match="unknown fast mode 'teacache'"):
         FastMode.parse("teacache")
+    with pytest.raises(VflashError, match="exact runs no fast mode, so it does not combine with one: got 'exact"):
+        FastMode.parse("exact+sparse-attention")
     with pytest.raises(VflashError, match="sparse_density must be a number above 0 and at most 1"):
         FastMode.parse("sparse-attention", sparse_density=1.5)
     with pytest.raises(VflashError, match="step-cache runs on one GPU"):
@@ -285,6 +288,25 @@ def test_fast_mode_names_and_refusals():
     assert set(both.settings()) == {"sparse_density", "sparse_mass", "sparse_local_blocks", "sparse_dense_edge_layers",
                                     "sparse_dense_evaluations", "step_cache_threshold", "step_cache_warmup"}
 
+
+
+def test_setting_flags_reach_their_mode_and_the_defaults_stand_without_them():
+    parser = argparse.ArgumentParser()
+    FastMode.add_arguments(parser)
+    both = FastMode.from_arguments(parser.parse_args(
+        ["--fast-mode", "sparse-attention+step-cache", "--sparse-density", "0.2", "--step-cache-threshold", "0.3"]))
+    assert (both.sparse_density, both.step_cache_threshold) == (0.2, 0.3)
+    assert FastMode.from_arguments(parser.parse_args(["--fast-mode", "sparse-attention"])) == FastMode(
+        ("sparse-attention",))
+    assert FastMode.from_arguments(parser.parse_args([])) == FastMode()
+
+
+def test_a_report_without_sparse_calls_names_no_backend():
+    """Where every layer ran dense (a stack no deeper than its dense edge layers), no backend or density is named."""
+    report = {"modes": ["sparse-attention"], "block_evaluations": 8, "block_evaluations_exact": 8,
+              "sparse_attention": {"backend": None, "sparse_calls": 0, "dense_calls": 8, "density_reached": None}}
+    assert describe_fast_mode(report) == (
+        "approximate fast mode sparse-attention: 0 sparse attention calls, 8 dense, 8 of 8 block evaluations")
 
 # -- the session on the tiny model ------------------------------------------------------------------------------------
 

@@ -69,6 +69,12 @@ GENERATE_CASES = {
                                 r"^canvas 100000x100000 is 10,000,000,000 pixels; this model generates at most 114,688 \(canvas_max_pixels, within rounding to multiples of 32; e\.g\. 448x256 at 16:9\)$"),
     "overwrite-onto-a-folder": (["--prompt", "x", "--overwrite", "--output", "{out}"], r"^output .* is a folder; give a file name inside it$"),
     "output-names-a-folder": (["--prompt", "x", "--output", "{out}/new/"], r"^output .*new/ names a folder; give a file name inside it$"),
+    "fast-mode-setting-without-its-mode": (["--prompt", "x", "--sparse-density", "0.2"],
+                                           r"^--sparse-density sets the sparse-attention fast mode, which --fast-mode does not name \(exact\): add --fast-mode sparse-attention, or leave --sparse-density out$"),
+    "fast-mode-setting-of-the-other-mode": (["--prompt", "x", "--fast-mode", "sparse-attention", "--step-cache-threshold", "0.2"],
+                                            r"^--step-cache-threshold sets the step-cache fast mode, which --fast-mode does not name \(sparse-attention\)"),
+    "exact-with-a-fast-mode": (["--prompt", "x", "--fast-mode", "exact,step-cache"],
+                               r"^exact runs no fast mode, so it does not combine with one: got 'exact,step-cache'$"),
 }
 
 

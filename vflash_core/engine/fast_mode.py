@@ -79,6 +79,8 @@ class FastMode:
         if value is not None and not isinstance(value, str):
             raise VflashError(f"fast_mode must be a name such as {SPARSE_ATTENTION!r}, got {value!r}")
         names = [] if value in (None, "", "exact") else [n.strip() for n in value.replace("+", ",").split(",")]
+        if "exact" in names:
+            raise VflashError(f"exact runs no fast mode, so it does not combine with one: got {value!r}")
         return cls(tuple(names), **settings)  # type: ignore[arg-type]
 
     @property
@@ -119,16 +121,26 @@ class FastMode:
         parser.add_argument("--fast-mode", default="exact", metavar="MODES",
                             help=f"approximate, off by default: {' and/or '.join(FAST_MODES)} (comma-separated); "
                                  "exact (default) keeps the reference's bits")
-        parser.add_argument("--sparse-density", type=_FRACTION.option("--sparse-density"),
-                            default=FastMode.sparse_density, metavar="FRACTION",
+        parser.add_argument("--sparse-density", type=_FRACTION.option("--sparse-density"), metavar="FRACTION",
                             help="sparse-attention: the largest share of the attention map computed, the dense text, "
                                  f"conditioning and audio rows included (default {FastMode.sparse_density})")
-        parser.add_argument("--step-cache-threshold", type=_THRESHOLD.option("--step-cache-threshold"),
-                            default=FastMode.step_cache_threshold, metavar="X",
+        parser.add_argument("--step-cache-threshold", type=_THRESHOLD.option("--step-cache-threshold"), metavar="X",
                             help="step-cache: reuse the cached blocks' residual while the first block's residual "
                                  f"moved less than X (relative L1; default {FastMode.step_cache_threshold})")
 
     @classmethod
     def from_arguments(cls, args: argparse.Namespace) -> FastMode:
-        return cls.parse(args.fast_mode, sparse_density=args.sparse_density,
-                         step_cache_threshold=args.step_cache_threshold)
+        """The mode from `add_arguments`' flags. A setting's flag without its mode is refused: the request would run
+        without the mode the user meant to tune (exact, where no mode is named)."""
+        mode = cls.parse(args.fast_mode)
+        settings: dict[str, float] = {}
+        for flag, field, name in (("--sparse-density", "sparse_density", SPARSE_ATTENTION),
+                                  ("--step-cache-threshold", "step_cache_threshold", STEP_CACHE)):
+            value = getattr(args, field)
+            if value is None:
+                continue
+            if name not in mode.modes:
+                raise VflashError(f"{flag} sets the {name} fast mode, which --fast-mode does not name "
+                                  f"({mode.name}): add --fast-mode {name}, or leave {flag} out")
+            settings[field] = value
+        return replace(mode, **settings)  # type: ignore[arg-type]

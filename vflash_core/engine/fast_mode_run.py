@@ -127,8 +127,7 @@ def describe_fast_mode(report: dict) -> str:
         done.append(f"reused {len(cache['evaluations_cached'])} of {len(cache['first_block_change'])} evaluations")
     sparse = report.get("sparse_attention")
     if sparse:
-        density = sparse["density_reached"]
-        done.append(f"{sparse['sparse_calls']} sparse attention calls ({sparse['backend']}"
-                    + (f", density {density:.2f}" if density is not None else "") + f"), {sparse['dense_calls']} dense")
+        ran = f" ({sparse['backend']}, density {sparse['density_reached']:.2f})" if sparse["sparse_calls"] else ""
+        done.append(f"{sparse['sparse_calls']} sparse attention calls{ran}, {sparse['dense_calls']} dense")
     done.append(f"{report['block_evaluations']} of {report['block_evaluations_exact']} block evaluations")
     return f"approximate fast mode {'+'.join(report['modes'])}: " + ", ".join(done)
