@@ -289,7 +289,6 @@ def test_fast_mode_names_and_refusals():
                                     "sparse_dense_evaluations", "step_cache_threshold", "step_cache_warmup"}
 
 
-
 def test_setting_flags_reach_their_mode_and_the_defaults_stand_without_them():
     parser = argparse.ArgumentParser()
     FastMode.add_arguments(parser)
@@ -307,6 +306,7 @@ def test_a_report_without_sparse_calls_names_no_backend():
               "sparse_attention": {"backend": None, "sparse_calls": 0, "dense_calls": 8, "density_reached": None}}
     assert describe_fast_mode(report) == (
         "approximate fast mode sparse-attention: 0 sparse attention calls, 8 dense, 8 of 8 block evaluations")
+
 
 # -- the session on the tiny model ------------------------------------------------------------------------------------
 
